@@ -1,0 +1,3 @@
+from vlmprep.cli import main
+
+main()

@@ -1,0 +1,53 @@
+"""BuildConfig: every `vlmprep build` option, validated once; written into the manifest as resolved."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+IMAGE_FORMATS = ("zstd", "png", "webp", "original")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    inputs: tuple[str, ...]
+    out: str
+    processor: str = "builtin:qwen2-vl"
+    seq_len: int = 8192
+    image_format: str = "zstd"
+    samples_per_shard: int = 1000
+    shard_size_mb: float = 512.0
+    workers: int = 1
+    allow_remote: bool = False
+    image_root: str | None = None  # local image paths must resolve inside it; default: each input file's dir
+    strict: bool = False
+    max_image_pixels: int = 64_000_000  # decompression-bomb guard on the declared size
+    max_images_per_record: int = 64
+    max_line_bytes: int = 256 * 1024 * 1024
+    zstd_level: int = 3
+    progress: bool = True
+
+    def __post_init__(self):
+        if not self.inputs:
+            raise ValueError("inputs is empty: pass at least one --in PATH")
+        if self.seq_len < 16:
+            raise ValueError(f"seq_len={self.seq_len} is too small: use --seq-len >= 16")
+        if self.image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image_format={self.image_format!r}: choose one of {', '.join(IMAGE_FORMATS)}")
+        if self.samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard={self.samples_per_shard}: must be >= 1")
+        if self.shard_size_mb <= 0:
+            raise ValueError(f"shard_size_mb={self.shard_size_mb}: must be > 0")
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}: must be >= 1")
+        if self.max_images_per_record < 0 or self.max_image_pixels < 1 or self.max_line_bytes < 1:
+            raise ValueError("limits must be positive: check --max-images-per-record, --max-image-pixels, --max-line-bytes")
+        if not -7 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level={self.zstd_level}: must be in -7..22")
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["inputs"] = list(self.inputs)
+        # Progress display and worker count never change the output, so they stay out of the fingerprint.
+        d.pop("progress")
+        d.pop("workers")
+        return d

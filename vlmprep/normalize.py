@@ -1,0 +1,241 @@
+"""Normalize one parsed record (OpenAI chat or ShareGPT/LLaMA-Factory layout) into a Conversation.
+Image references are fetched to bytes here (data URI, local path under an allowed root, opt-in http).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import re
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
+         "assistant": "assistant", "gpt": "assistant", "tool": "tool", "observation": "tool", "function": "tool"}
+IMAGE_MARKER = "<image>"
+_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
+_MAX_REMOTE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormalizeOptions:
+    image_root: str | None = None  # None: the input file's own directory
+    allow_remote: bool = False
+    max_images_per_record: int = 64
+
+
+def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conversation:
+    data = _drop_nulls(data)
+    if "messages" in data:
+        raw_messages = data["messages"]
+    elif "conversations" in data:
+        raw_messages = data["conversations"]
+    else:
+        raise RecordError("missing_messages", "record has no 'messages' (or ShareGPT 'conversations') list")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise RecordError("missing_messages", "'messages' must be a non-empty list")
+
+    base_dir = os.path.dirname(os.path.abspath(source.file))
+    root = os.path.realpath(opts.image_root or base_dir)
+    marker_images = data.get("images")
+    if marker_images is not None and not isinstance(marker_images, list):
+        raise RecordError("invalid_images_field", "'images' must be a list of paths or URLs")
+    pending = list(marker_images or [])
+
+    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote)
+    messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(raw_messages)]
+    if pending:
+        raise RecordError("image_count_mismatch",
+                          f"'images' lists {len(marker_images)} images but the text has only "
+                          f"{len(marker_images) - len(pending)} {IMAGE_MARKER} markers")
+    if not any(m.role == "assistant" for m in messages):
+        raise RecordError("no_assistant_turn", "record has no assistant message to train on")
+    n_images = sum(len(m.images) for m in messages)
+    if n_images > opts.max_images_per_record:
+        raise RecordError("too_many_images", f"{n_images} images > max_images_per_record={opts.max_images_per_record}")
+
+    rid = data.get("id")
+    if isinstance(rid, (int, float)) and not isinstance(rid, bool):
+        rid = str(rid)
+    if not isinstance(rid, str) or not rid:
+        rid = f"{os.path.basename(source.file)}:{source.line}"
+    tools = data.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RecordError("invalid_tools", "'tools' must be a list of tool specs")
+    return Conversation(id=rid, source=source, messages=messages, tools=tools)
+
+
+def _drop_nulls(obj):
+    """Arrow-style schema unification fills absent fields with null: treat null as absent, recursively."""
+    if isinstance(obj, dict):
+        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_nulls(v) for v in obj]
+    return obj
+
+
+def _check_text(text, where: str) -> str:
+    if not isinstance(text, str):
+        raise RecordError("invalid_text", f"{where}: text must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RecordError("invalid_unicode", f"{where}: text holds a lone surrogate") from None
+    return text
+
+
+def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Message:
+    where = f"messages[{idx}]"
+    if not isinstance(m, dict):
+        raise RecordError("invalid_message", f"{where} is a {type(m).__name__}, expected an object")
+    role_raw = m.get("role", m.get("from"))
+    if not isinstance(role_raw, str) or role_raw.lower() not in ROLES:
+        raise RecordError("unknown_role", f"{where}: unknown role {role_raw!r}")
+    role = ROLES[role_raw.lower()]
+    content = m.get("content", m.get("value"))
+    parts: list[Part] = []
+    if content is None:
+        pass
+    elif isinstance(content, str):
+        parts = _split_markers(_check_text(content, where), pending, ctx, where)
+    elif isinstance(content, list):
+        for j, p in enumerate(content):
+            parts.extend(_normalize_part(p, f"{where}.content[{j}]", pending, ctx))
+    else:
+        raise RecordError("invalid_content", f"{where}: content must be a string or a list of parts")
+
+    tool_calls = [_normalize_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m.get("tool_calls") or [])]
+    if role == "assistant" and not parts and not tool_calls:
+        raise RecordError("empty_assistant_turn", f"{where}: assistant message has neither content nor tool_calls")
+    weight = m.get("weight")
+    if weight is not None and weight not in (0, 1):
+        raise RecordError("invalid_weight", f"{where}: weight must be 0 or 1, got {weight!r}")
+    tool_call_id = m.get("tool_call_id")
+    name = m.get("name")
+    return Message(role=role, parts=parts, tool_calls=tool_calls,
+                   tool_call_id=tool_call_id if isinstance(tool_call_id, str) else None,
+                   name=name if isinstance(name, str) else None, weight=weight)
+
+
+def _split_markers(text: str, pending: list, ctx: "_ImageContext", where: str) -> list[Part]:
+    """LLaMA-Factory layout: each <image> marker takes the next entry of the record's 'images' list."""
+    if IMAGE_MARKER not in text:
+        return [Part("text", text=text)] if text else []
+    parts: list[Part] = []
+    pieces = text.split(IMAGE_MARKER)
+    for k, piece in enumerate(pieces):
+        if piece:
+            parts.append(Part("text", text=piece))
+        if k < len(pieces) - 1:
+            if not pending:
+                raise RecordError("image_count_mismatch", f"{where}: more {IMAGE_MARKER} markers than 'images' entries")
+            parts.append(Part("image", image=ctx.fetch(pending.pop(0), where)))
+    return parts
+
+
+def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[Part]:
+    if isinstance(p, str):
+        return _split_markers(_check_text(p, where), pending, ctx, where)
+    if not isinstance(p, dict):
+        raise RecordError("invalid_content_part", f"{where}: part must be an object")
+    ptype = p.get("type")
+    if ptype is None:
+        # Untyped parts from schema-unified datasets: infer from the one payload key present.
+        ptype = next((k for k in ("text", "image_url", "image") if k in p), None)
+    if ptype in ("text", "input_text"):
+        text = _check_text(p.get("text"), where)
+        return _split_markers(text, pending, ctx, where) if pending else ([Part("text", text=text)] if text else [])
+    if ptype in ("image_url", "input_image"):
+        ref = p.get("image_url")
+        if isinstance(ref, dict):
+            ref = ref.get("url")
+        return [Part("image", image=ctx.fetch(ref, where))]
+    if ptype == "image":
+        ref = p.get("image", p.get("url", p.get("path")))
+        return [Part("image", image=ctx.fetch(ref, where))]
+    if ptype in ("video", "video_url", "input_video"):
+        raise RecordError("unsupported_video", f"{where}: video parts are not supported yet")
+    if ptype in ("audio", "input_audio", "audio_url"):
+        raise RecordError("unsupported_audio", f"{where}: audio parts are not supported")
+    raise RecordError("unknown_content_type", f"{where}: unknown content part type {ptype!r}")
+
+
+def _normalize_tool_call(tc, where: str) -> ToolCall:
+    if not isinstance(tc, dict):
+        raise RecordError("invalid_tool_call", f"{where}: tool call must be an object")
+    fn = tc.get("function", tc)
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise RecordError("invalid_tool_call", f"{where}: tool call has no function name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            raise RecordError("invalid_tool_arguments", f"{where}: arguments is not valid JSON") from None
+        args_str = _check_text(args, where)
+    elif isinstance(args, dict):
+        args_str = json.dumps(args, ensure_ascii=False)
+        _check_text(args_str, where)
+    else:
+        raise RecordError("invalid_tool_arguments", f"{where}: arguments must be a JSON string or an object")
+    tid = tc.get("id")
+    return ToolCall(id=tid if isinstance(tid, str) else None, name=name, arguments=args_str)
+
+
+@dataclass(frozen=True)
+class _ImageContext:
+    base_dir: str
+    root: str
+    allow_remote: bool
+
+    def fetch(self, ref, where: str) -> ImageData:
+        if not isinstance(ref, str) or not ref.strip():
+            raise RecordError("invalid_image_ref", f"{where}: image reference must be a non-empty string")
+        ref = ref.strip()
+        m = _DATA_URI.match(ref)
+        if m:
+            if not m.group("b64"):
+                raise RecordError("invalid_data_uri", f"{where}: only base64 data URIs are supported")
+            try:
+                data = base64.b64decode(ref[m.end():], validate=True)
+            except (binascii.Error, ValueError):
+                raise RecordError("invalid_base64", f"{where}: image data URI is not valid base64") from None
+            if not data:
+                raise RecordError("invalid_base64", f"{where}: image data URI is empty")
+            return ImageData(data=data, origin="data-uri")
+        low = ref.lower()
+        if low.startswith(("http://", "https://")):
+            if not self.allow_remote:
+                raise RecordError("remote_image_refused", f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
+            return ImageData(data=_fetch_remote(ref, where), origin=ref)
+        if low.startswith("file://"):
+            ref = ref[len("file://"):]
+        elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
+            raise RecordError("unsupported_image_url", f"{where}: unsupported URL scheme in {ref[:80]}")
+        path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
+        real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
+        if os.path.commonpath([real, self.root]) != self.root:
+            raise RecordError("path_outside_root", f"{where}: image path {ref[:120]} resolves outside the allowed root {self.root}")
+        try:
+            data = Path(real).read_bytes()
+        except FileNotFoundError:
+            raise RecordError("image_not_found", f"{where}: image file not found: {ref[:120]}") from None
+        except (IsADirectoryError, PermissionError, OSError) as e:
+            raise RecordError("image_unreadable", f"{where}: cannot read image {ref[:120]}: {e.strerror or e}") from None
+        return ImageData(data=data, origin=ref)
+
+
+def _fetch_remote(url: str, where: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            data = r.read(_MAX_REMOTE_BYTES + 1)
+    except Exception as e:  # noqa: BLE001 - any network fault is this record's fault, not the build's
+        raise RecordError("remote_fetch_failed", f"{where}: cannot fetch {url[:80]}: {e}") from None
+    if len(data) > _MAX_REMOTE_BYTES:
+        raise RecordError("image_too_large", f"{where}: remote image exceeds {_MAX_REMOTE_BYTES} bytes")
+    return data

@@ -1,0 +1,178 @@
+"""The build, top to bottom in flow order:
+
+    inputs --records--> RawRecord --parse/normalize--> Conversation --prepare_image--> PreparedImage
+           --render_conversation--> RenderedSample --truncate_sample--> --encode_sample--> ShardSample
+           --ShardWriter--> shard-*.tar  (+ rejects.jsonl, processor/, manifest.json last)
+
+Records are processed by N worker processes but written strictly in input order, so the output is
+byte-identical whatever N is. Every bad record becomes a counted reject, never a crash.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlmprep import __version__
+from vlmprep.config import BuildConfig
+from vlmprep.images import prepare_image
+from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.processor import load_processor, save_processor
+from vlmprep.records import expand_inputs, iter_records, parse_record
+from vlmprep.render import RenderContext, render_conversation
+from vlmprep.shards import FORMAT_VERSION, ShardWriter, encode_sample, sample_key, write_json_atomic
+from vlmprep.truncate import truncate_sample
+from vlmprep.types import RawRecord, RecordError, UserError
+
+
+class BuildError(UserError):
+    """A fatal, user-facing build fault (bad option, --strict reject): one clear line."""
+
+
+@dataclass
+class _WorkerState:
+    cfg: BuildConfig
+    processor: object
+    ctx: RenderContext
+    norm: NormalizeOptions
+
+
+_STATE: _WorkerState | None = None
+
+
+def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
+    global _STATE
+    from transformers import AutoProcessor
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
+    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)
+    _STATE = _WorkerState(cfg=cfg, processor=processor, ctx=RenderContext(processor),
+                          norm=NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
+                                                max_images_per_record=cfg.max_images_per_record))
+
+
+def process_record(raw: RawRecord):
+    """One record through every stage; returns ("ok", ShardSample) or ("reject", reject-dict)."""
+    st = _STATE
+    rid = None
+    try:
+        data = parse_record(raw)
+        rid = data.get("id") if isinstance(data.get("id"), (str, int)) else None
+        conv = normalize_record(data, raw.source, st.norm)
+        images = [prepare_image(im, st.processor, max_pixels=st.cfg.max_image_pixels) for im in conv.images]
+        sample = render_conversation(conv, st.ctx, images)
+        sample = truncate_sample(sample, st.cfg.seq_len)
+        return "ok", encode_sample(sample, key=sample_key(raw.position), image_format=st.cfg.image_format,
+                                   zstd_level=st.cfg.zstd_level)
+    except RecordError as e:
+        reason, message = e.reason, e.message
+    except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
+        reason, message = "internal_error", f"{type(e).__name__}: {str(e)[:300]}"
+    return "reject", {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid,
+                      "reason": reason, "message": message}
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    manifest: dict
+    rejects: collections.Counter = field(default_factory=collections.Counter)
+
+
+def _ordered_results(cfg: BuildConfig, records, processor_dir: Path):
+    """Yield process_record results in input order with a bounded read-ahead window (constant memory)."""
+    if cfg.workers == 1:
+        _init_worker(cfg, str(processor_dir))
+        for raw in records:
+            yield process_record(raw)
+        return
+    ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
+    window = collections.deque()
+    with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
+        for raw in records:
+            window.append(pool.apply_async(process_record, (raw,)))
+            if len(window) >= cfg.workers * 4:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+
+
+def _progress(cfg: BuildConfig):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]build"), BarColumn(), TextColumn("{task.completed} records"),
+                    TextColumn("{task.fields[rate]:.1f} rec/s"), TextColumn("{task.fields[samples]} samples"),
+                    TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
+                    disable=not cfg.progress, transient=False, console=None)
+
+
+def build(cfg: BuildConfig) -> BuildResult:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = expand_inputs(cfg.inputs)
+    processor = load_processor(cfg.processor)
+    RenderContext(processor)  # fail fast on an unsupported processor, before any worker starts
+    processor_dir = out / "processor"
+    fingerprint = save_processor(processor, processor_dir)
+
+    # A rebuild replaces an older dataset: stale shards from it must not survive next to the new ones.
+    for p in list(out.glob("shard-*.tar")) + list(out.glob("*.tmp")) + [out / "manifest.json"]:
+        if p.exists():
+            p.unlink()
+
+    writer = ShardWriter(out, samples_per_shard=cfg.samples_per_shard,
+                         shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024))
+    rejects: collections.Counter = collections.Counter()
+    totals = collections.Counter()
+    rejects_tmp = out / "rejects.jsonl.tmp"
+    t0 = time.monotonic()
+    with open(rejects_tmp, "w", encoding="utf-8") as rej, _progress(cfg) as progress:
+        task = progress.add_task("build", total=None, rate=0.0, samples=0, rejects=0)
+        for status, payload in _ordered_results(cfg, iter_records(files, max_line_bytes=cfg.max_line_bytes), processor_dir):
+            totals["records"] += 1
+            if status == "ok":
+                writer.write(payload)
+                m = payload.meta
+                totals["samples"] += 1
+                totals["tokens"] += m["num_tokens"]
+                totals["trainable_tokens"] += m["num_trainable_tokens"]
+                totals["image_tokens"] += m["num_image_tokens"]
+                totals["images"] += m["num_images"]
+                totals["truncated_samples"] += int(m["truncated"])
+                totals["dropped_images"] += m["dropped_images"]
+                totals["unrendered_tool_call_turns"] += m["unrendered_tool_calls"]
+            else:
+                rejects[payload["reason"]] += 1
+                rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
+                if cfg.strict:
+                    raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
+                                     f"{payload['reason']}: {payload['message']}")
+            elapsed = max(time.monotonic() - t0, 1e-9)
+            progress.update(task, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
+                            rejects=sum(rejects.values()))
+    shards = writer.close()
+    os.replace(rejects_tmp, out / "rejects.jsonl")
+    totals["rejected"] = sum(rejects.values())
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "vlmprep_version": __version__,
+        "processor": {"spec": cfg.processor, "class": type(processor).__name__, "fingerprint": fingerprint,
+                      "dir": "processor"},
+        "config": cfg.to_json(),
+        "image_format": cfg.image_format,
+        "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+        "shards": [s.to_json() for s in shards],
+        "totals": {k: int(totals[k]) for k in ("records", "samples", "rejected", "tokens", "trainable_tokens",
+                                               "image_tokens", "images", "truncated_samples", "dropped_images",
+                                               "unrendered_tool_call_turns")},
+        "rejects": dict(sorted(rejects.items())),
+    }
+    write_json_atomic(out / "manifest.json", manifest)  # last: its presence means the dataset is complete
+    return BuildResult(out=out, manifest=manifest, rejects=rejects)
+

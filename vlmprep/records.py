@@ -1,0 +1,129 @@
+"""Ingest: input paths/globs -> a stream of RawRecord (one per line), in stable input order.
+Streams .jsonl and .jsonl.zst in constant memory (never decompresses to disk); .json arrays load whole.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import zstandard
+
+from vlmprep.types import RawRecord, RecordError, Source, UserError
+
+SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd")
+
+
+class InputError(UserError):
+    """A user-level fault with the inputs themselves (missing file, nothing matched): one clear line."""
+
+
+def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Path]:
+    """Resolve paths, globs and directories into a sorted, de-duplicated file list (order = output order)."""
+    files: list[Path] = []
+    for pat in patterns:
+        p = Path(pat)
+        if p.is_dir():
+            matched = sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES))
+        elif any(ch in pat for ch in "*?["):
+            matched = sorted(Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file())
+        elif p.is_file():
+            matched = [p]
+        else:
+            raise InputError(f"input not found: {pat}")
+        if not matched:
+            raise InputError(f"no input files matched: {pat}")
+        for m in matched:
+            if not m.name.endswith(SUFFIXES):
+                raise InputError(f"unsupported input file type: {m} (expected .jsonl, .jsonl.zst or .json)")
+            if m not in files:
+                files.append(m)
+    return files
+
+
+def _open_lines(path: Path) -> io.BufferedReader:
+    raw = open(path, "rb")
+    if path.name.endswith((".zst", ".zstd")):
+        # max_window_size bounds decoder memory against a hostile frame header.
+        dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+        return io.BufferedReader(dctx.stream_reader(raw, closefd=True), buffer_size=1 << 20)
+    return io.BufferedReader(raw, buffer_size=1 << 20)
+
+
+def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = 256 << 20) -> Iterator[RawRecord]:
+    """Yield one RawRecord per non-blank line; file-level faults become a final record carrying the error."""
+    name = str(path)
+    pos = start_position
+    if path.name.endswith(".json"):
+        try:
+            with open(path, "rb") as f:
+                data = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            yield RawRecord(Source(name, 0), pos, error=RecordError("invalid_json_file", f"{name}: {e}"))
+            return
+        items = data if isinstance(data, list) else [data]
+        for i, item in enumerate(items, start=1):
+            yield RawRecord(Source(name, i), pos, data=item)
+            pos += 1
+        return
+    lineno = 0
+    try:
+        with _open_lines(path) as f:
+            while True:
+                line = f.readline(max_line_bytes + 1)
+                if not line:
+                    break
+                lineno += 1
+                if len(line) > max_line_bytes and not line.endswith(b"\n"):
+                    # Skip the rest of the oversized line without holding it in memory.
+                    while True:
+                        chunk = f.readline(1 << 20)
+                        if not chunk or chunk.endswith(b"\n"):
+                            break
+                    yield RawRecord(Source(name, lineno), pos,
+                                    error=RecordError("line_too_long", f"line exceeds max_line_bytes={max_line_bytes}"))
+                    pos += 1
+                    continue
+                if not line.strip():
+                    continue
+                yield RawRecord(Source(name, lineno), pos, text=line)
+                pos += 1
+    except zstandard.ZstdError as e:
+        yield RawRecord(Source(name, lineno + 1), pos, error=RecordError("corrupt_zstd_stream", f"{name}: {e}"))
+    except OSError as e:
+        yield RawRecord(Source(name, lineno + 1), pos, error=RecordError("read_error", f"{name}: {e}"))
+
+
+def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20) -> Iterator[RawRecord]:
+    pos = 0
+    for path in files:
+        for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes):
+            pos = rec.position + 1
+            yield rec
+
+
+def parse_record(raw: RawRecord) -> dict:
+    """Bytes -> dict; raises RecordError for anything that is not one JSON object."""
+    if raw.error is not None:
+        raise raw.error
+    if raw.text is not None:
+        try:
+            text = raw.text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RecordError("invalid_utf8", f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise RecordError("invalid_json", f"line is not valid JSON: {e}") from None
+    else:
+        data = raw.data
+    if not isinstance(data, dict):
+        raise RecordError("not_an_object", f"record is a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def input_dir(source: Source) -> str:
+    return os.path.dirname(os.path.abspath(source.file))

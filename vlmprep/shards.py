@@ -1,0 +1,169 @@
+"""Write shards: RenderedSample -> ShardSample (npy/json/image members) -> deterministic WebDataset tars.
+Each tar is written under a temp name and renamed when complete; the manifest is written last.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vlmprep.images import encode_image, stored_ext
+from vlmprep.types import RenderedSample, ShardSample
+
+FORMAT_VERSION = 1
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def sample_key(position: int) -> str:
+    """Input position as the key: stable, unique across input files, and dot-free as webdataset needs."""
+    return f"{position:010d}"
+
+
+def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int) -> ShardSample:
+    members: dict[str, bytes] = {
+        "input_ids.npy": _npy(sample.input_ids.astype(np.int32)),
+        "loss_mask.npy": _npy(sample.loss_mask.astype(np.uint8)),
+        "mm_token_type_ids.npy": _npy(sample.mm_token_type_ids.astype(np.uint8)),
+        "position_ids.npy": _npy(sample.position_ids.astype(np.int32)),
+        "image_grid_thw.npy": _npy(sample.image_grid_thw.astype(np.int32).reshape(-1, 3)),
+    }
+    images_meta = []
+    member_by_digest: dict[str, str] = {}
+    for im in sample.images:
+        name = member_by_digest.get(im.digest)
+        if name is None:  # identical images within a sample are stored once
+            name = f"img{len(member_by_digest):03d}.{stored_ext(image_format, im)}"
+            member_by_digest[im.digest] = name
+            members[name] = encode_image(im, image_format, zstd_level=zstd_level)
+        images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
+                            "grid_thw": [int(x) for x in im.grid_thw]})
+    n_tokens = int(len(sample.input_ids))
+    n_trainable = int(sample.loss_mask.sum())
+    meta = {
+        "id": sample.id,
+        "source": {"file": sample.source.file, "line": sample.source.line},
+        "num_tokens": n_tokens,
+        "num_trainable_tokens": n_trainable,
+        "num_image_tokens": int(sample.mm_token_type_ids.astype(bool).sum()),
+        "num_images": len(sample.images),
+        "num_tokens_before_truncation": int(sample.num_tokens_before_truncation),
+        "truncated": bool(sample.truncated),
+        "dropped_images": int(sample.dropped_images),
+        "unrendered_tool_calls": int(sample.unrendered_tool_calls),
+        "image_format": image_format,
+        "images": images_meta,
+    }
+    members["json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    return ShardSample(key=key, members=members, num_tokens=n_tokens, num_trainable_tokens=n_trainable,
+                       num_images=len(sample.images), meta=meta)
+
+
+class _HashingFile:
+    """Write-through file wrapper: the sha256 is known when the tar closes, no second read."""
+
+    def __init__(self, f):
+        self.f = f
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def write(self, b):
+        self.h.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+    def tell(self):
+        return self.n
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_trainable_tokens: int = 0
+    num_images: int = 0
+    bytes: int = 0
+    sha256: str = ""
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class ShardWriter:
+    """Rolls tars at samples_per_shard or shard_size_bytes, whichever comes first."""
+
+    def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int, start_index: int = 0):
+        self.out_dir = Path(out_dir)
+        self.samples_per_shard = samples_per_shard
+        self.shard_size_bytes = shard_size_bytes
+        self.index = start_index
+        self.shards: list[ShardInfo] = []
+        self._tar = None
+        self._file = None
+        self._hf: _HashingFile | None = None
+        self._info: ShardInfo | None = None
+
+    def _open(self):
+        self._info = ShardInfo(name=f"shard-{self.index:06d}.tar")
+        self._file = open(self.out_dir / (self._info.name + ".tmp"), "wb")
+        self._hf = _HashingFile(self._file)
+        self._tar = tarfile.open(fileobj=self._hf, mode="w", format=tarfile.USTAR_FORMAT)
+
+    def write(self, sample: ShardSample) -> None:
+        if self._tar is None:
+            self._open()
+        for ext, data in sample.members.items():
+            ti = tarfile.TarInfo(f"{sample.key}.{ext}")
+            ti.size = len(data)
+            ti.mtime = 0  # fixed metadata: same input + config gives byte-identical tars
+            ti.mode = 0o644
+            ti.uid = ti.gid = 0
+            ti.uname = ti.gname = ""
+            self._tar.addfile(ti, io.BytesIO(data))
+        info = self._info
+        info.num_samples += 1
+        info.num_tokens += sample.num_tokens
+        info.num_trainable_tokens += sample.num_trainable_tokens
+        info.num_images += sample.num_images
+        if info.num_samples >= self.samples_per_shard or self._hf.n >= self.shard_size_bytes:
+            self.finish_shard()
+
+    def finish_shard(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        info = self._info
+        info.bytes = self._hf.n
+        info.sha256 = self._hf.h.hexdigest()
+        os.replace(self.out_dir / (info.name + ".tmp"), self.out_dir / info.name)
+        self.shards.append(info)
+        self.index += 1
+        self._tar = self._file = self._hf = self._info = None
+
+    def close(self) -> list[ShardInfo]:
+        self.finish_shard()
+        return self.shards
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,36 @@
+"""Truncate a RenderedSample to seq_len without ever cutting inside an image wrapper.
+Images past the cut are dropped with their grid rows and bytes; a sample left untrainable is rejected.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from vlmprep.types import RecordError, RenderedSample
+
+
+def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
+    n = len(sample.input_ids)
+    if n <= seq_len:
+        return sample
+    cut = seq_len
+    for start, end in sample.image_spans:
+        if start < cut < end:
+            cut = start  # the whole wrapper goes: a partial image is what crashes trainers
+            break
+    kept = sum(1 for _, end in sample.image_spans if end <= cut)
+    if not sample.loss_mask[:cut].any():
+        raise RecordError("no_trainable_tokens_after_truncation",
+                          f"{n} tokens cut to {cut} (seq_len={seq_len}) leaves no trained token")
+    # Causal positions of a prefix do not depend on what follows, so slicing position_ids is exact.
+    return dataclasses.replace(
+        sample,
+        input_ids=sample.input_ids[:cut],
+        loss_mask=sample.loss_mask[:cut],
+        mm_token_type_ids=sample.mm_token_type_ids[:cut],
+        position_ids=sample.position_ids[:, :cut],
+        image_grid_thw=sample.image_grid_thw[:kept],
+        images=sample.images[:kept],
+        image_spans=sample.image_spans[:kept],
+        truncated=True,
+        dropped_images=sample.dropped_images + (len(sample.images) - kept),
+    )

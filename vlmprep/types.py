@@ -1,0 +1,132 @@
+"""Data types named by their place in the flow:
+RawRecord -> Conversation -> RenderedSample -> ShardSample, plus RecordError for rejects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class UserError(Exception):
+    """A fault the user can fix (bad option, missing input, --strict stop): printed as one line, exit 1."""
+
+
+class RecordError(Exception):
+    """A bad record: rejected with a stable reason code, counted, never fatal unless --strict."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Source:
+    file: str
+    line: int  # 1-based line (jsonl) or 1-based array index (json)
+
+
+@dataclass
+class RawRecord:
+    """One input line, not yet parsed: parsing happens in workers so a bad line is just a reject."""
+
+    source: Source
+    position: int  # global input position; fixes output order whatever the worker count
+    text: bytes | None = None  # the raw line
+    data: Any = None  # already-parsed object (from a .json array file)
+    error: RecordError | None = None  # file-level reader fault attached to this position
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """Source bytes of one image, already fetched (data URI decoded or file read)."""
+
+    data: bytes
+    origin: str  # "data-uri", a path, or a URL: for messages only
+
+
+@dataclass
+class Part:
+    type: str  # "text" | "image"
+    text: str | None = None
+    image: ImageData | None = None
+
+
+@dataclass
+class ToolCall:
+    id: str | None
+    name: str
+    arguments: str  # always a JSON string after normalization
+
+
+@dataclass
+class Message:
+    role: str  # system | user | assistant | tool
+    parts: list[Part]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+    weight: int | None = None  # OpenAI fine-tuning per-message weight (0|1); None = role rule
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text or "" for p in self.parts if p.type == "text")
+
+    @property
+    def images(self) -> list[ImageData]:
+        return [p.image for p in self.parts if p.type == "image" and p.image is not None]
+
+
+@dataclass
+class Conversation:
+    id: str
+    source: Source
+    messages: list[Message]
+    tools: list[dict] | None = None
+
+    @property
+    def images(self) -> list[ImageData]:
+        return [im for m in self.messages for im in m.images]
+
+
+@dataclass
+class PreparedImage:
+    """An image resized by the processor's own resize: these exact pixels fix its grid."""
+
+    pixels: np.ndarray  # uint8 H x W x 3
+    grid_thw: tuple[int, int, int]
+    source: ImageData
+    digest: str  # sha256 of the source bytes; identical images in a sample are stored once
+
+
+@dataclass
+class RenderedSample:
+    """Token-level view of one conversation, aligned arrays of length L."""
+
+    id: str
+    source: Source
+    input_ids: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # uint8 [L]
+    mm_token_type_ids: np.ndarray  # uint8 [L]
+    position_ids: np.ndarray  # int32 [3, L]
+    image_grid_thw: np.ndarray  # int32 [N, 3]
+    images: list[PreparedImage]
+    image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each image's whole wrapper
+    num_tokens_before_truncation: int = 0
+    truncated: bool = False
+    dropped_images: int = 0
+    unrendered_tool_calls: int = 0  # assistant turns whose tool_calls the template did not render
+
+
+@dataclass
+class ShardSample:
+    """Encoded tar members of one sample: {extension: bytes}; plus counts for the manifest."""
+
+    key: str
+    members: dict[str, bytes]
+    num_tokens: int
+    num_trainable_tokens: int
+    num_images: int
+    meta: dict
