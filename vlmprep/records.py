@@ -44,12 +44,52 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Path]:
     return files
 
 
-def _open_lines(path: Path) -> io.BufferedReader:
+class _ZstdStream(io.RawIOBase):
+    """Streaming multi-frame zstd decoder that, unlike stream_reader, reports a truncated last frame."""
+
+    def __init__(self, raw, max_window_size: int):
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=max_window_size)
+        self._dobj = self._dctx.decompressobj()
+        self._buf = b""
+        self._off = 0
+        self._in_frame = False
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while self._off >= len(self._buf):
+            self._buf, self._off = b"", 0
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise zstandard.ZstdError("truncated zstd stream: the last frame is incomplete")
+                return 0
+            while chunk:
+                self._in_frame = True
+                self._buf += self._dobj.decompress(chunk)
+                if self._dobj.eof:  # frame done; any rest starts the next frame
+                    chunk = self._dobj.unused_data
+                    self._dobj = self._dctx.decompressobj()
+                    self._in_frame = False
+                else:
+                    chunk = b""
+        n = min(len(b), len(self._buf) - self._off)
+        b[:n] = self._buf[self._off:self._off + n]
+        self._off += n
+        return n
+
+    def close(self):
+        self._raw.close()
+        super().close()
+
+
+def _open_lines(path: Path, max_window_size: int = 1 << 27) -> io.BufferedReader:
     raw = open(path, "rb")
     if path.name.endswith((".zst", ".zstd")):
         # max_window_size bounds decoder memory against a hostile frame header.
-        dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
-        return io.BufferedReader(dctx.stream_reader(raw, closefd=True), buffer_size=1 << 20)
+        return io.BufferedReader(_ZstdStream(raw, max_window_size), buffer_size=1 << 20)
     return io.BufferedReader(raw, buffer_size=1 << 20)
 
 

@@ -218,4 +218,6 @@ def _mask_from_spans(conv, ctx: RenderContext, ids, offsets, spans, rendered: st
         got = ctx.tokenizer.decode(ids[sel].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if got != want:
             raise RecordError("mask_verification_failed", f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}")
+    if not mask.any():
+        raise RecordError("no_trainable_tokens", "no token of this record is trained")
     return mask.astype(np.uint8)

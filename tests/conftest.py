@@ -1,0 +1,45 @@
+"""Shared fixtures: the builtin processors (built once per session into a temp cache) and a tiny model config."""
+import os
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LLAMAFACTORY = FIXTURES / "llamafactory_mllm_demo"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_env(tmp_path_factory):
+    # Tests never reach a hub; a private builtin cache keeps runs hermetic.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ.setdefault("VLMPREP_CACHE", str(tmp_path_factory.mktemp("vlmprep-cache")))
+
+
+@pytest.fixture(scope="session")
+def qwen2vl_processor():
+    from vlmprep.processor import load_processor
+
+    return load_processor("builtin:qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def qwen25vl_processor():
+    from vlmprep.processor import load_processor
+
+    return load_processor("builtin:qwen2.5-vl")
+
+
+def tiny_qwen2vl_config(**overrides):
+    from transformers import Qwen2VLConfig
+
+    cfg = dict(
+        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    )
+    cfg.update(overrides)
+    return Qwen2VLConfig(**cfg)

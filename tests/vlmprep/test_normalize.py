@@ -1,0 +1,136 @@
+import base64
+import io
+import os
+
+import pytest
+from PIL import Image
+
+from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.types import RecordError, Source
+
+
+def png_bytes(w=8, h=6, color=(255, 0, 0)):
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_uri(b):
+    return "data:image/png;base64," + base64.b64encode(b).decode()
+
+
+@pytest.fixture
+def src(tmp_path):
+    return Source(str(tmp_path / "in.jsonl"), 7)
+
+
+OPTS = NormalizeOptions()
+
+
+def test_string_content_becomes_text_part_and_null_fields_drop(src):
+    rec = {"id": None, "messages": [
+        {"role": "system", "content": "be brief", "tool_calls": None, "name": None},
+        {"role": "user", "content": [{"type": "text", "text": "hi", "image_url": None}]},
+        {"role": "assistant", "content": "hello", "tool_calls": None, "weight": None},
+    ], "tools": None}
+    conv = normalize_record(rec, src, OPTS)
+    assert [m.role for m in conv.messages] == ["system", "user", "assistant"]
+    assert [[(p.type, p.text) for p in m.parts] for m in conv.messages] == [
+        [("text", "be brief")], [("text", "hi")], [("text", "hello")]]
+    assert conv.id == "in.jsonl:7"  # no id: file:line
+    assert conv.tools is None
+
+
+def test_image_url_object_and_bare_string_and_tool_images(src):
+    b1, b2 = png_bytes(color=(1, 2, 3)), png_bytes(color=(4, 5, 6))
+    rec = {"id": "r1", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": data_uri(b1)}}]},
+        {"role": "assistant", "content": "clicking", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "click", "arguments": {"x": 1, "y": 2}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "done"},
+                                                          {"type": "image_url", "image_url": data_uri(b2)}]},
+        {"role": "assistant", "content": "ok"},
+    ]}
+    conv = normalize_record(rec, src, OPTS)
+    assert [im.data for im in conv.images] == [b1, b2]
+    assert conv.messages[2].role == "tool" and conv.messages[2].tool_call_id == "c1"
+    tc = conv.messages[1].tool_calls[0]
+    assert (tc.id, tc.name, tc.arguments) == ("c1", "click", '{"x": 1, "y": 2}')
+
+
+def test_arguments_as_json_string_kept_and_invalid_rejected(src):
+    rec = {"messages": [{"role": "user", "content": "go"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"function": {"name": "type", "arguments": '{"text": "abc"}'}}]}]}
+    conv = normalize_record(rec, src, OPTS)
+    assert conv.messages[1].tool_calls[0].arguments == '{"text": "abc"}'
+    rec["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    with pytest.raises(RecordError) as e:
+        normalize_record(rec, src, OPTS)
+    assert e.value.reason == "invalid_tool_arguments"
+
+
+def test_llamafactory_markers_take_images_in_order(tmp_path):
+    (tmp_path / "a.png").write_bytes(png_bytes(color=(9, 9, 9)))
+    (tmp_path / "b.png").write_bytes(png_bytes(color=(8, 8, 8)))
+    rec = {"messages": [{"role": "user", "content": "<image>Who?"}, {"role": "assistant", "content": "Them."},
+                        {"role": "user", "content": "And<image>"}, {"role": "assistant", "content": "Us."}],
+           "images": ["a.png", "b.png"]}
+    conv = normalize_record(rec, Source(str(tmp_path / "d.json"), 1), OPTS)
+    assert [(p.type, p.text) for p in conv.messages[0].parts] == [("image", None), ("text", "Who?")]
+    assert [(p.type, p.text) for p in conv.messages[2].parts] == [("text", "And"), ("image", None)]
+    assert [im.origin for im in conv.images] == ["a.png", "b.png"]
+
+
+def test_sharegpt_conversations_layout(src):
+    rec = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    conv = normalize_record(rec, src, OPTS)
+    assert [(m.role, m.text) for m in conv.messages] == [("user", "q"), ("assistant", "a")]
+
+
+@pytest.mark.parametrize("rec,reason", [
+    ({"foo": 1}, "missing_messages"),
+    ({"messages": []}, "missing_messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no_assistant_turn"),
+    ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}, {"role": "assistant", "content": "a"}]},
+     "unknown_content_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]},
+                   {"role": "assistant", "content": "a"}]}, "invalid_base64"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "missing.png"}]},
+                   {"role": "assistant", "content": "a"}]}, "image_not_found"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x.test/a.png"}]},
+                   {"role": "assistant", "content": "a"}]}, "remote_image_refused"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "../../etc/passwd"}]},
+                   {"role": "assistant", "content": "a"}]}, "path_outside_root"),
+    ({"messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}], "images": []},
+     "image_count_mismatch"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], "images": ["x.png"]},
+     "image_count_mismatch"),
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]},
+                   {"role": "assistant", "content": "a"}]}, "unsupported_video"),
+    ({"messages": [{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "a"}]}, "invalid_unicode"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, "empty_assistant_turn"),
+])
+def test_bad_records_get_reason_codes(rec, reason, src):
+    with pytest.raises(RecordError) as e:
+        normalize_record(rec, src, OPTS)
+    assert e.value.reason == reason
+
+
+def test_symlink_escaping_root_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(png_bytes())
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(outside / "secret.png", root / "link.png")
+    rec = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "link.png"}]},
+                        {"role": "assistant", "content": "a"}]}
+    with pytest.raises(RecordError) as e:
+        normalize_record(rec, Source(str(root / "in.jsonl"), 1), OPTS)
+    assert e.value.reason == "path_outside_root"
+    # An explicit wider root admits it.
+    conv = normalize_record(rec, Source(str(root / "in.jsonl"), 1), NormalizeOptions(image_root=str(tmp_path)))
+    assert len(conv.images) == 1
