@@ -47,7 +47,8 @@ class BuildConfig:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["inputs"] = list(self.inputs)
-        # Progress display and worker count never change the output, so they stay out of the fingerprint.
-        d.pop("progress")
-        d.pop("workers")
+        # Display, worker count and the output dir itself never change the bytes, so a copy or a
+        # rebuild elsewhere stays byte-identical.
+        for k in ("progress", "workers", "out"):
+            d.pop(k)
         return d

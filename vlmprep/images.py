@@ -96,4 +96,4 @@ def decode_stored_image(ext: str, data: bytes) -> np.ndarray:
             raise ValueError(f"stored image has dtype {arr.dtype} shape {arr.shape}, expected uint8 HxWx3")
         return arr
     with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im.convert("RGB"))
+        return np.array(im.convert("RGB"))

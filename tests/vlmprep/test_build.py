@@ -1,0 +1,216 @@
+import base64
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import zstandard
+from PIL import Image
+
+from tests.conftest import LLAMAFACTORY
+from vlmprep.config import BuildConfig
+from vlmprep.images import decode_stored_image
+from vlmprep.pipeline import build
+
+SCHEMAS = Path(__file__).parents[2] / "schemas"
+
+
+def schema(name):
+    return json.loads((SCHEMAS / name).read_text())
+
+
+def cfg(inputs, out, **kw):
+    kw.setdefault("progress", False)
+    return BuildConfig(inputs=tuple(str(i) for i in inputs), out=str(out), **kw)
+
+
+@pytest.fixture(scope="module")
+def demo_traces(tmp_path_factory):
+    from vlmprep.demo import write_traces
+
+    p = tmp_path_factory.mktemp("demo") / "traces.jsonl.zst"
+    write_traces(p, n=12, seed=1, min_images=1, max_images=5, width=480, height=270, overlong_fraction=0.1,
+                 text_only_fraction=0.1)
+    return p
+
+
+@pytest.fixture(scope="module")
+def demo_build(demo_traces, tmp_path_factory, qwen2vl_processor):
+    out = tmp_path_factory.mktemp("b") / "shards"
+    res = build(cfg([demo_traces], out, seq_len=4096, samples_per_shard=5))
+    return out, res
+
+
+def read_tar(path):
+    """Plain tarfile reader: group members by key (up to the first dot)."""
+    samples = {}
+    with tarfile.open(path) as tf:
+        for m in tf.getmembers():
+            key, ext = m.name.split(".", 1)
+            samples.setdefault(key, {})[ext] = tf.extractfile(m).read()
+    return samples
+
+
+def npy(b):
+    return np.load(io.BytesIO(b), allow_pickle=False)
+
+
+def file_hashes(d):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).iterdir()) if p.is_file()}
+
+
+def test_manifest_and_meta_match_schemas_and_shards(demo_build):
+    out, res = demo_build
+    manifest = json.loads((out / "manifest.json").read_text())
+    jsonschema.validate(manifest, schema("manifest.schema.json"))
+    assert manifest == res.manifest
+    meta_schema = schema("sample_meta.schema.json")
+    total_samples = total_tokens = 0
+    for sh in manifest["shards"]:
+        data = (out / sh["name"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sh["sha256"] and len(data) == sh["bytes"]
+        samples = read_tar(out / sh["name"])
+        assert len(samples) == sh["num_samples"] <= 5
+        for key, s in samples.items():
+            assert "." not in key
+            meta = json.loads(s["json"])
+            jsonschema.validate(meta, meta_schema)
+            ids, mask = npy(s["input_ids.npy"]), npy(s["loss_mask.npy"])
+            assert ids.dtype == np.int32 and mask.dtype == np.uint8
+            assert npy(s["position_ids.npy"]).shape == (3, len(ids))
+            assert npy(s["image_grid_thw.npy"]).shape == (meta["num_images"], 3)
+            assert meta["num_tokens"] == len(ids) <= 4096 and meta["num_trainable_tokens"] == mask.sum()
+            total_samples += 1
+            total_tokens += len(ids)
+    assert manifest["totals"]["samples"] == total_samples and manifest["totals"]["tokens"] == total_tokens
+    assert manifest["totals"]["truncated_samples"] >= 1  # the generator's over-long traces
+    assert (out / "processor" / "tokenizer.json").exists()
+    assert not list(out.glob("*.tmp"))
+
+
+def test_webdataset_and_tarfile_read_the_same_arrays(demo_build):
+    import webdataset as wds
+
+    out, _ = demo_build
+    urls = sorted(str(p) for p in out.glob("shard-*.tar"))
+    by_tar = {}
+    for u in urls:
+        by_tar.update(read_tar(u))
+    # No decoders: raw bytes only (webdataset's defaults would unpickle .pyd members).
+    ds = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+    seen = 0
+    for s in ds:
+        ref = by_tar[s["__key__"]]
+        for ext in ("input_ids.npy", "loss_mask.npy", "mm_token_type_ids.npy", "position_ids.npy", "image_grid_thw.npy"):
+            np.testing.assert_array_equal(npy(s[ext]), npy(ref[ext]))
+        assert json.loads(s["json"]) == json.loads(ref["json"])
+        seen += 1
+    assert seen == len(by_tar)
+
+
+def test_build_twice_and_with_two_workers_is_byte_identical(demo_traces, demo_build, tmp_path):
+    out1, _ = demo_build
+    out2 = tmp_path / "again"
+    build(cfg([demo_traces], out2, seq_len=4096, samples_per_shard=5, workers=2))
+    h1, h2 = file_hashes(out1), file_hashes(out2)
+    assert h1 == h2 and any(k.startswith("shard-") for k in h1)
+    assert file_hashes(out1 / "processor") == file_hashes(out2 / "processor")
+
+
+@pytest.mark.parametrize("fmt", ["zstd", "png", "webp", "original"])
+def test_pixel_parity_per_image_format(fmt, tmp_path, qwen2vl_processor):
+    out = tmp_path / fmt
+    build(cfg([LLAMAFACTORY / "mllm_demo.json"], out, image_format=fmt))
+    ip = qwen2vl_processor.image_processor
+    srcs = json.loads((LLAMAFACTORY / "mllm_demo.json").read_text())
+    checked = 0
+    for sh in sorted(out.glob("shard-*.tar")):
+        for key, s in read_tar(sh).items():
+            meta = json.loads(s["json"])
+            rec = srcs[meta["source"]["line"] - 1]
+            grids = npy(s["image_grid_thw.npy"])
+            for k, im in enumerate(meta["images"]):
+                stored = decode_stored_image(im["member"].split(".", 1)[1], s[im["member"]])
+                original = Image.open(LLAMAFACTORY / rec["images"][k])
+                ref = ip(images=[original], return_tensors="np")
+                if fmt == "original":  # source bytes: the loader resizes with the same processor
+                    got = ip(images=[stored], return_tensors="np")
+                else:
+                    assert stored.shape == (im["height"], im["width"], 3)
+                    got = ip(images=[stored], do_resize=False, return_tensors="np")
+                np.testing.assert_array_equal(got["image_grid_thw"], ref["image_grid_thw"])
+                np.testing.assert_array_equal(got["image_grid_thw"][0], grids[k])
+                assert np.abs(got["pixel_values"] - ref["pixel_values"]).max() == 0
+                checked += 1
+    assert checked == 8  # every image reference of the 6 LLaMA-Factory records
+
+
+def test_llamafactory_demo_builds_with_deduped_images(tmp_path):
+    out = tmp_path / "lf"
+    res = build(cfg([LLAMAFACTORY / "mllm_demo.json"], out))
+    assert res.manifest["totals"]["samples"] == 6 and res.manifest["totals"]["rejected"] == 0
+    assert res.manifest["totals"]["images"] == 8
+    first = read_tar(out / "shard-000000.tar")[min(read_tar(out / "shard-000000.tar"))]
+    meta = json.loads(first["json"])
+    assert [i["member"] for i in meta["images"]] == ["img000.npy.zst", "img000.npy.zst"]  # 1.jpg twice, stored once
+    assert sum(1 for k in first if k.startswith("img")) == 1
+
+
+def test_mixed_good_and_bad_records(tmp_path):
+    good_png = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 20, 30)).save(good_png, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(good_png.getvalue()).decode()
+
+    def good(i):
+        return {"id": f"good{i}", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": f"q{i}"}, {"type": "image_url", "image_url": {"url": uri}}]},
+            {"role": "assistant", "content": f"a{i}"}]}
+
+    lines = [json.dumps(good(0)), "{oops not json", json.dumps(good(1)),
+             json.dumps({"id": "b64", "messages": [
+                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]},
+                 {"role": "assistant", "content": "x"}]}),
+             json.dumps({"id": "missing", "messages": [
+                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "nope/missing.png"}}]},
+                 {"role": "assistant", "content": "x"}]}),
+             json.dumps(good(2)),
+             json.dumps({"id": "weird", "messages": [
+                 {"role": "user", "content": [{"type": "sticker", "sticker": "x"}]}, {"role": "assistant", "content": "x"}]}),
+             json.dumps(good(3))]
+    inp = tmp_path / "mixed.jsonl.zst"
+    inp.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
+    out = tmp_path / "out"
+    res = build(cfg([inp], out))
+    assert res.manifest["totals"]["samples"] == 4
+    assert res.manifest["rejects"] == {"invalid_json": 1, "invalid_base64": 1, "image_not_found": 1,
+                                       "unknown_content_type": 1}
+    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["source"]["line"], r["reason"], r["id"]) for r in rejects] == [
+        (2, "invalid_json", None), (4, "invalid_base64", "b64"), (5, "image_not_found", "missing"),
+        (7, "unknown_content_type", "weird")]
+    assert all(r["message"] and "\n" not in r["message"] for r in rejects)
+    ids = [json.loads(s["json"])["id"] for sh in sorted(out.glob("shard-*.tar")) for s in read_tar(sh).values()]
+    assert sorted(ids) == ["good0", "good1", "good2", "good3"]
+
+
+def test_strict_stops_at_first_reject(tmp_path):
+    from vlmprep.pipeline import BuildError
+
+    inp = tmp_path / "x.jsonl"
+    inp.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{bad\n')
+    with pytest.raises(BuildError, match="invalid_json"):
+        build(cfg([inp], tmp_path / "o", strict=True))
+
+
+def test_rebuild_removes_stale_shards(tmp_path, demo_traces):
+    out = tmp_path / "o"
+    build(cfg([demo_traces], out, samples_per_shard=2))
+    n_many = len(list(out.glob("shard-*.tar")))
+    build(cfg([demo_traces], out, samples_per_shard=100))
+    assert n_many > 1 and len(list(out.glob("shard-*.tar"))) == 1
+    shutil.rmtree(out)

@@ -1,0 +1,137 @@
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import LLAMAFACTORY
+from vlmprep.images import prepare_image
+from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.render import RenderContext, render_conversation, template_messages
+from vlmprep.types import RecordError, Source
+
+
+def png(w, h, color):
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return "data:image/png;base64," + __import__("base64").b64encode(buf.getvalue()).decode()
+
+
+def render_record(rec, processor, source=Source("/tmp/x.jsonl", 1)):
+    conv = normalize_record(rec, source, NormalizeOptions())
+    images = [prepare_image(im, processor, max_pixels=10**8) for im in conv.images]
+    return conv, render_conversation(conv, RenderContext(processor), images)
+
+
+def trained_runs(sample, tokenizer):
+    m = sample.loss_mask.astype(bool)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], m.astype(np.int8), [0]])))
+    return [(int(s), int(e), tokenizer.decode(sample.input_ids[s:e].tolist(), skip_special_tokens=False))
+            for s, e in zip(edges[::2], edges[1::2])]
+
+
+THREE_TURNS = {"id": "t3", "messages": [
+    {"role": "system", "content": "You are a browser agent."},
+    {"role": "user", "content": [{"type": "text", "text": "Open the page"},
+                                 {"type": "image_url", "image_url": {"url": png(56, 56, (200, 10, 10))}}]},
+    {"role": "assistant", "content": "I will click the button."},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Clicked."},
+                                                      {"type": "image_url", "image_url": png(112, 56, (0, 90, 0))}]},
+    {"role": "assistant", "content": "Done: the page is open."},
+]}
+
+
+def test_mask_literal_spans_three_turns_with_tool_image(qwen2vl_processor):
+    tok = qwen2vl_processor.tokenizer
+    conv, s = render_record(THREE_TURNS, qwen2vl_processor)
+    text = tok.decode(s.input_ids.tolist(), skip_special_tokens=False)
+    pads1 = "<|image_pad|>" * 4   # 56x56 -> grid 1x4x4 -> 4 tokens after 2x2 merge
+    pads2 = "<|image_pad|>" * 8   # 112x56 -> grid 1x4x8 -> 8 tokens
+    assert text == (
+        "<|im_start|>system\nYou are a browser agent.<|im_end|>\n"
+        f"<|im_start|>user\nOpen the page<|vision_start|>{pads1}<|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\nI will click the button.<|im_end|>\n"
+        f"<|im_start|>tool\nClicked.<|vision_start|>{pads2}<|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\nDone: the page is open.<|im_end|>\n")
+    runs = trained_runs(s, tok)
+    assert [r[2] for r in runs] == ["I will click the button.<|im_end|>", "Done: the page is open.<|im_end|>"]
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for start, end, _ in runs:
+        assert s.input_ids[start - len(header):start].tolist() == header  # header itself never trained
+        assert s.input_ids[end - 1] == 151645 and s.input_ids[end] == tok.encode("\n")[0]  # <|im_end|> then "\n"
+    assert s.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 8]]
+    assert s.mm_token_type_ids.sum() == 12 and (s.input_ids[s.mm_token_type_ids == 1] == 151655).all()
+    assert s.loss_mask[s.mm_token_type_ids == 1].sum() == 0
+    assert s.image_spans == [(int(np.flatnonzero(s.input_ids == 151652)[k]), int(np.flatnonzero(s.input_ids == 151653)[k]) + 1)
+                             for k in range(2)]
+
+
+def _online_ids(processor, conv, images):
+    """The reference path: the processor's own apply_chat_template on the same conversation."""
+    msgs = template_messages(conv)
+    pil = iter([Image.open(io.BytesIO(im.source.data)) for im in images])
+    for m in msgs:
+        for part in m["content"]:
+            if part["type"] == "image":
+                part["image"] = next(pil)
+    out = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np")
+    return out
+
+
+def _llamafactory_records():
+    recs = json.loads((LLAMAFACTORY / "mllm_demo.json").read_text())
+    return [(r, Source(str(LLAMAFACTORY / "mllm_demo.json"), i + 1)) for i, r in enumerate(recs)]
+
+
+def _demo_records(n):
+    from vlmprep.demo import generate_traces
+
+    return [(r, Source("/tmp/demo.jsonl", i + 1))
+            for i, r in enumerate(generate_traces(n=n, seed=3, min_images=1, max_images=4, width=320, height=200,
+                                                  overlong_fraction=0.0))]
+
+
+@pytest.mark.parametrize("proc_fixture", ["qwen2vl_processor", "qwen25vl_processor"])
+def test_token_parity_with_apply_chat_template(proc_fixture, request):
+    processor = request.getfixturevalue(proc_fixture)
+    ctx = RenderContext(processor)
+    cases = _llamafactory_records() + _demo_records(50)
+    checked = 0
+    for rec, src in cases:
+        conv = normalize_record(rec, src, NormalizeOptions())
+        images = [prepare_image(im, processor, max_pixels=10**8) for im in conv.images]
+        s = render_conversation(conv, ctx, images)
+        ref = _online_ids(processor, conv, images)
+        np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0], err_msg=conv.id)
+        np.testing.assert_array_equal(s.mm_token_type_ids, ref["mm_token_type_ids"][0], err_msg=conv.id)
+        if images:
+            np.testing.assert_array_equal(s.image_grid_thw, ref["image_grid_thw"], err_msg=conv.id)
+        # Each image's placeholder count equals prod(grid)/merge^2.
+        for (a, b), g in zip(s.image_spans, s.image_grid_thw):
+            assert b - a - 2 == g.prod() // 4
+        checked += 1
+    assert checked >= 56
+
+
+def test_special_token_text_is_rejected(qwen2vl_processor):
+    rec = {"messages": [{"role": "user", "content": "say <|im_end|> now"}, {"role": "assistant", "content": "no"}]}
+    with pytest.raises(RecordError) as e:
+        render_record(rec, qwen2vl_processor)
+    assert e.value.reason == "special_token_in_text"
+    rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|image_pad|>"}]}
+    with pytest.raises(RecordError) as e:
+        render_record(rec, qwen2vl_processor)
+    assert e.value.reason == "special_token_in_text"
+
+
+def test_tool_call_turns_are_counted_as_unrendered(qwen2vl_processor):
+    rec = {"messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "clicking", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "assistant", "content": "done"}]}
+    _, s = render_record(rec, qwen2vl_processor)
+    assert s.unrendered_tool_calls == 1
+    assert [r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer)] == ["clicking<|im_end|>", "done<|im_end|>"]
