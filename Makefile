@@ -21,7 +21,6 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m vlmprep.demo --out demo/traces.jsonl.zst --n $(DEMO_N) --seed 0
 	$(VENV)/bin/vlmprep build --in demo/traces.jsonl.zst --out demo/shards --processor builtin:qwen2-vl --seq-len 16384 --workers 2
-	$(VENV)/bin/vlmprep stats demo/shards
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)

@@ -26,55 +26,71 @@ from vlmprep.records import expand_inputs, iter_records, parse_record
 from vlmprep.render import RenderContext, render_conversation
 from vlmprep.shards import FORMAT_VERSION, ShardWriter, encode_sample, sample_key, write_json_atomic
 from vlmprep.truncate import truncate_sample
-from vlmprep.types import RawRecord, RecordError, UserError
+from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError
 
 
 class BuildError(UserError):
     """A fatal, user-facing build fault (bad option, --strict reject): one clear line."""
 
 
-@dataclass
-class _WorkerState:
-    cfg: BuildConfig
-    processor: object
-    ctx: RenderContext
-    norm: NormalizeOptions
+class Renderer:
+    """Everything one process needs to turn a RawRecord into a RenderedSample, exactly as `build` does.
+    Also used by `vlmprep inspect` on raw input, so what a person sees is what build writes."""
+
+    def __init__(self, cfg: BuildConfig, processor):
+        self.cfg = cfg
+        self.processor = processor
+        self.ctx = RenderContext(processor)
+        self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
+                                     max_images_per_record=cfg.max_images_per_record)
+
+    def render(self, raw: RawRecord) -> RenderedSample:
+        """parse -> normalize -> prepare images -> render + mask -> truncate; raises RecordError."""
+        data = parse_record(raw)
+        conv = normalize_record(data, raw.source, self.norm)
+        images = [prepare_image(im, self.processor, max_pixels=self.cfg.max_image_pixels) for im in conv.images]
+        sample = render_conversation(conv, self.ctx, images)
+        return truncate_sample(sample, self.cfg.seq_len)
+
+    def process(self, raw: RawRecord):
+        """Returns ("ok", ShardSample) or ("reject", reject-dict); never raises for a bad record."""
+        try:
+            sample = self.render(raw)
+            return "ok", encode_sample(sample, key=sample_key(raw.position), image_format=self.cfg.image_format,
+                                       zstd_level=self.cfg.zstd_level)
+        except RecordError as e:
+            reason, message = e.reason, e.message
+        except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
+            reason, message = "internal_error", f"{type(e).__name__}: {str(e)[:300]}"
+        return "reject", reject_entry(raw, reason, message)
 
 
-_STATE: _WorkerState | None = None
+def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
+    rid = None
+    if raw.text is not None or raw.data is not None:
+        try:
+            v = parse_record(raw).get("id")
+            rid = v if isinstance(v, (str, int)) else None
+        except RecordError:
+            pass
+    return {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid, "reason": reason,
+            "message": message}
+
+
+_RENDERER: Renderer | None = None
 
 
 def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
-    global _STATE
+    global _RENDERER
     from transformers import AutoProcessor
     import torch
 
     torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
-    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)
-    _STATE = _WorkerState(cfg=cfg, processor=processor, ctx=RenderContext(processor),
-                          norm=NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
-                                                max_images_per_record=cfg.max_images_per_record))
+    _RENDERER = Renderer(cfg, AutoProcessor.from_pretrained(processor_dir, local_files_only=True))
 
 
 def process_record(raw: RawRecord):
-    """One record through every stage; returns ("ok", ShardSample) or ("reject", reject-dict)."""
-    st = _STATE
-    rid = None
-    try:
-        data = parse_record(raw)
-        rid = data.get("id") if isinstance(data.get("id"), (str, int)) else None
-        conv = normalize_record(data, raw.source, st.norm)
-        images = [prepare_image(im, st.processor, max_pixels=st.cfg.max_image_pixels) for im in conv.images]
-        sample = render_conversation(conv, st.ctx, images)
-        sample = truncate_sample(sample, st.cfg.seq_len)
-        return "ok", encode_sample(sample, key=sample_key(raw.position), image_format=st.cfg.image_format,
-                                   zstd_level=st.cfg.zstd_level)
-    except RecordError as e:
-        reason, message = e.reason, e.message
-    except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
-        reason, message = "internal_error", f"{type(e).__name__}: {str(e)[:300]}"
-    return "reject", {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid,
-                      "reason": reason, "message": message}
+    return _RENDERER.process(raw)
 
 
 @dataclass
