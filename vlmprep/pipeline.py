@@ -24,7 +24,8 @@ from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs, iter_records, parse_record
 from vlmprep.render import RenderContext, render_conversation
-from vlmprep.shards import FORMAT_VERSION, ShardWriter, encode_sample, sample_key, write_json_atomic
+from vlmprep.journal import JOURNAL_NAME, REJECTS_PARTIAL, Journal, input_signature, landed_ids, load_journal, save_journal
+from vlmprep.shards import FORMAT_VERSION, ShardInfo, ShardWriter, encode_sample, sample_key, write_json_atomic
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError
 
@@ -101,21 +102,23 @@ class BuildResult:
 
 
 def _ordered_results(cfg: BuildConfig, records, processor_dir: Path):
-    """Yield process_record results in input order with a bounded read-ahead window (constant memory)."""
+    """Yield (position, result) in input order with a bounded read-ahead window (constant memory)."""
     if cfg.workers == 1:
         _init_worker(cfg, str(processor_dir))
         for raw in records:
-            yield process_record(raw)
+            yield raw.position, process_record(raw)
         return
     ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
     window = collections.deque()
     with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
         for raw in records:
-            window.append(pool.apply_async(process_record, (raw,)))
+            window.append((raw.position, pool.apply_async(process_record, (raw,))))
             if len(window) >= cfg.workers * 4:
-                yield window.popleft().get()
+                pos, res = window.popleft()
+                yield pos, res.get()
         while window:
-            yield window.popleft().get()
+            pos, res = window.popleft()
+            yield pos, res.get()
 
 
 def _progress(cfg: BuildConfig):
@@ -127,6 +130,30 @@ def _progress(cfg: BuildConfig):
                     disable=not cfg.progress, transient=False, console=None)
 
 
+TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "image_tokens", "images",
+              "truncated_samples", "dropped_images", "unrendered_tool_call_turns")
+
+
+def _start_or_resume(out: Path, identity: dict) -> Journal:
+    """Resume a matching interrupted build, or clear every trace of an older dataset and start fresh."""
+    journal = load_journal(out, identity)
+    stale = [p for p in out.glob("*.tmp")]
+    if journal is None:
+        journal = Journal(identity=identity)
+        stale += list(out.glob("shard-*.tar")) + [out / n for n in ("manifest.json", "rejects.jsonl",
+                                                                   REJECTS_PARTIAL, JOURNAL_NAME)]
+    else:
+        done = {s["name"] for s in journal.shards}
+        stale += [p for p in out.glob("shard-*.tar") if p.name not in done]
+    for p in stale:
+        if p.exists():
+            p.unlink()
+    partial = out / REJECTS_PARTIAL
+    with open(partial, "a+b") as f:  # drop rejects written after the last durable point
+        f.truncate(journal.rejects_bytes)
+    return journal
+
+
 def build(cfg: BuildConfig) -> BuildResult:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,24 +162,38 @@ def build(cfg: BuildConfig) -> BuildResult:
     RenderContext(processor)  # fail fast on an unsupported processor, before any worker starts
     processor_dir = out / "processor"
     fingerprint = save_processor(processor, processor_dir)
-
-    # A rebuild replaces an older dataset: stale shards from it must not survive next to the new ones.
-    for p in list(out.glob("shard-*.tar")) + list(out.glob("*.tmp")) + [out / "manifest.json"]:
-        if p.exists():
-            p.unlink()
+    identity = {"format_version": FORMAT_VERSION, "vlmprep_version": __version__, "config": cfg.to_json(),
+                "inputs": input_signature(files), "processor": fingerprint}
+    journal = _start_or_resume(out, identity)
 
     writer = ShardWriter(out, samples_per_shard=cfg.samples_per_shard,
-                         shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024))
-    rejects: collections.Counter = collections.Counter()
-    totals = collections.Counter()
-    rejects_tmp = out / "rejects.jsonl.tmp"
+                         shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024),
+                         done=[ShardInfo(**s) for s in journal.shards])
+    rejects = collections.Counter(journal.rejects)
+    totals = collections.Counter(journal.totals)
+    seen_ids = landed_ids(out, journal.shards)
+    records = (r for r in iter_records(files, max_line_bytes=cfg.max_line_bytes) if r.position >= journal.next_position)
     t0 = time.monotonic()
-    with open(rejects_tmp, "w", encoding="utf-8") as rej, _progress(cfg) as progress:
-        task = progress.add_task("build", total=None, rate=0.0, samples=0, rejects=0)
-        for status, payload in _ordered_results(cfg, iter_records(files, max_line_bytes=cfg.max_line_bytes), processor_dir):
+    with open(out / REJECTS_PARTIAL, "a", encoding="utf-8") as rej, _progress(cfg) as progress:
+        task = progress.add_task("build", total=None, rate=0.0, samples=totals["samples"], rejects=totals["rejected"])
+
+        def checkpoint(next_position: int) -> None:
+            rej.flush()
+            os.fsync(rej.fileno())
+            journal.shards = [s.to_json() for s in writer.shards]
+            journal.next_position = next_position
+            journal.rejects_bytes = rej.tell()
+            journal.totals = dict(totals)
+            journal.rejects = dict(rejects)
+            save_journal(out, journal)
+
+        for pos, (status, payload) in _ordered_results(cfg, records, processor_dir):
             totals["records"] += 1
+            if status == "ok" and payload.meta["id"] in seen_ids:
+                status, payload = "reject", {**_reject_of(payload), "reason": "duplicate_id",
+                                             "message": f"id {payload.meta['id']!r} already used by an earlier record"}
             if status == "ok":
-                writer.write(payload)
+                seen_ids.add(payload.meta["id"])
                 m = payload.meta
                 totals["samples"] += 1
                 totals["tokens"] += m["num_tokens"]
@@ -162,18 +203,21 @@ def build(cfg: BuildConfig) -> BuildResult:
                 totals["truncated_samples"] += int(m["truncated"])
                 totals["dropped_images"] += m["dropped_images"]
                 totals["unrendered_tool_call_turns"] += m["unrendered_tool_calls"]
+                if writer.write(payload):
+                    checkpoint(pos + 1)
             else:
                 rejects[payload["reason"]] += 1
+                totals["rejected"] += 1
                 rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
                 if cfg.strict:
                     raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
                                      f"{payload['reason']}: {payload['message']}")
             elapsed = max(time.monotonic() - t0, 1e-9)
             progress.update(task, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
-                            rejects=sum(rejects.values()))
-    shards = writer.close()
-    os.replace(rejects_tmp, out / "rejects.jsonl")
-    totals["rejected"] = sum(rejects.values())
+                            rejects=totals["rejected"])
+        writer.close()
+        checkpoint(1 << 62)  # everything consumed: a kill from here on resumes straight to the manifest
+    os.replace(out / REJECTS_PARTIAL, out / "rejects.jsonl")
 
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -183,12 +227,15 @@ def build(cfg: BuildConfig) -> BuildResult:
         "config": cfg.to_json(),
         "image_format": cfg.image_format,
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-        "shards": [s.to_json() for s in shards],
-        "totals": {k: int(totals[k]) for k in ("records", "samples", "rejected", "tokens", "trainable_tokens",
-                                               "image_tokens", "images", "truncated_samples", "dropped_images",
-                                               "unrendered_tool_call_turns")},
+        "shards": [s.to_json() for s in writer.shards],
+        "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
         "rejects": dict(sorted(rejects.items())),
     }
-    write_json_atomic(out / "manifest.json", manifest)  # last: its presence means the dataset is complete
+    write_json_atomic(out / "manifest.json", manifest)  # last but the journal: its presence means complete
+    (out / JOURNAL_NAME).unlink()
     return BuildResult(out=out, manifest=manifest, rejects=rejects)
 
+
+def _reject_of(sample) -> dict:
+    m = sample.meta
+    return {"source": dict(m["source"]), "id": m["id"]}

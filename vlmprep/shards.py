@@ -103,12 +103,13 @@ class ShardInfo:
 class ShardWriter:
     """Rolls tars at samples_per_shard or shard_size_bytes, whichever comes first."""
 
-    def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int, start_index: int = 0):
+    def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int,
+                 done: list[ShardInfo] | None = None):
         self.out_dir = Path(out_dir)
         self.samples_per_shard = samples_per_shard
         self.shard_size_bytes = shard_size_bytes
-        self.index = start_index
-        self.shards: list[ShardInfo] = []
+        self.shards: list[ShardInfo] = list(done or [])  # shards a resumed build already completed
+        self.index = len(self.shards)
         self._tar = None
         self._file = None
         self._hf: _HashingFile | None = None
@@ -120,7 +121,8 @@ class ShardWriter:
         self._hf = _HashingFile(self._file)
         self._tar = tarfile.open(fileobj=self._hf, mode="w", format=tarfile.USTAR_FORMAT)
 
-    def write(self, sample: ShardSample) -> None:
+    def write(self, sample: ShardSample) -> bool:
+        """Add one sample; True when this completed (closed and renamed) a shard."""
         if self._tar is None:
             self._open()
         for ext, data in sample.members.items():
@@ -137,11 +139,12 @@ class ShardWriter:
         info.num_trainable_tokens += sample.num_trainable_tokens
         info.num_images += sample.num_images
         if info.num_samples >= self.samples_per_shard or self._hf.n >= self.shard_size_bytes:
-            self.finish_shard()
+            return self.finish_shard()
+        return False
 
-    def finish_shard(self) -> None:
+    def finish_shard(self) -> bool:
         if self._tar is None:
-            return
+            return False
         self._tar.close()
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -153,6 +156,7 @@ class ShardWriter:
         self.shards.append(info)
         self.index += 1
         self._tar = self._file = self._hf = self._info = None
+        return True
 
     def close(self) -> list[ShardInfo]:
         self.finish_shard()

@@ -1,0 +1,74 @@
+"""Build journal: what an interrupted build has durably finished (completed shards, input position, rejects
+so far), so a rerun with the same arguments resumes and still ends byte-identical to an uninterrupted build.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vlmprep.shards import write_json_atomic
+
+JOURNAL_NAME = "build-journal.json"
+REJECTS_PARTIAL = "rejects.jsonl.partial"
+
+
+@dataclass
+class Journal:
+    identity: dict  # config + input signature + processor fingerprint: a resume is valid only if all match
+    shards: list[dict] = field(default_factory=list)
+    next_position: int = 0  # every input record before this is in a completed shard or in the rejects
+    rejects_bytes: int = 0
+    totals: dict = field(default_factory=dict)
+    rejects: dict = field(default_factory=dict)
+
+
+def input_signature(files: list[Path]) -> list[dict]:
+    return [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_journal(out: Path, identity: dict) -> Journal | None:
+    """The journal if it belongs to this exact build and its shards are intact; else None (start over)."""
+    path = out / JOURNAL_NAME
+    try:
+        j = Journal(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if j.identity != identity:
+        return None
+    for s in j.shards:
+        p = out / s["name"]
+        if not p.is_file() or p.stat().st_size != s["bytes"] or _sha256(p) != s["sha256"]:
+            return None
+    rejects = out / REJECTS_PARTIAL
+    final = out / "rejects.jsonl"
+    if not rejects.exists() and final.exists():
+        final.replace(rejects)  # killed between the rejects rename and the manifest: take it back
+    if (rejects.stat().st_size if rejects.exists() else 0) < j.rejects_bytes:
+        return None
+    return j
+
+
+def save_journal(out: Path, journal: Journal) -> None:
+    write_json_atomic(out / JOURNAL_NAME, asdict(journal))
+
+
+def landed_ids(out: Path, shards: list[dict]) -> set[str]:
+    """Ids already written, read back from completed shards (the duplicate-id check must survive a resume)."""
+    ids: set[str] = set()
+    for s in shards:
+        with tarfile.open(out / s["name"]) as tf:
+            for m in tf:
+                if m.name.endswith(".json"):
+                    ids.add(json.loads(tf.extractfile(m).read())["id"])
+    return ids
