@@ -23,6 +23,8 @@ class BuildConfig:
     max_image_pixels: int = 64_000_000  # decompression-bomb guard on the declared size
     max_images_per_record: int = 64
     max_line_bytes: int = 256 * 1024 * 1024
+    max_zstd_window: int = 1 << 27  # bytes of decoder window a .zst input may demand (zstd's own default cap)
+    min_image_side: int = 4  # smaller images carry no signal and upsample into noise
     zstd_level: int = 3
     progress: bool = True
 
@@ -39,8 +41,12 @@ class BuildConfig:
             raise ValueError(f"shard_size_mb={self.shard_size_mb}: must be > 0")
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}: must be >= 1")
-        if self.max_images_per_record < 0 or self.max_image_pixels < 1 or self.max_line_bytes < 1:
-            raise ValueError("limits must be positive: check --max-images-per-record, --max-image-pixels, --max-line-bytes")
+        if (self.max_images_per_record < 0 or self.max_image_pixels < 1 or self.max_line_bytes < 1
+                or self.min_image_side < 1):
+            raise ValueError("limits must be positive: check --max-images-per-record, --max-image-pixels, "
+                             "--max-line-bytes, --min-image-side")
+        if not (1 << 10) <= self.max_zstd_window <= (1 << 31):
+            raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level={self.zstd_level}: must be in -7..22")
 

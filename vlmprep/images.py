@@ -20,13 +20,15 @@ STORED_EXT = {"zstd": "npy.zst", "png": "png", "webp": "webp"}
 _ORIGINAL_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
 
 
-def decode_image(img: ImageData, *, max_pixels: int) -> Image.Image:
+def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image.Image:
     """Open and fully load one image, rejecting bombs, corrupt data and animations with reason codes."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             im = Image.open(io.BytesIO(img.data))
             w, h = im.size
+            if min(w, h) < min_side:
+                raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
             if w * h > max_pixels:
                 raise RecordError("image_too_large", f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
             if getattr(im, "n_frames", 1) > 1:
@@ -39,15 +41,13 @@ def decode_image(img: ImageData, *, max_pixels: int) -> Image.Image:
     return im
 
 
-def prepare_image(img: ImageData, processor, *, max_pixels: int) -> PreparedImage:
+def prepare_image(img: ImageData, processor, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
     """Resize with the processor's own code path (Qwen2-VL smart_resize, torchvision bicubic, uint8)."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
     ip = processor.image_processor
-    pil = decode_image(img, max_pixels=max_pixels)
+    pil = decode_image(img, max_pixels=max_pixels, min_side=min_side)
     w, h = pil.size
-    if min(w, h) < 1:
-        raise RecordError("degenerate_image", f"image has size {w}x{h}")
     with torch.no_grad():
         t = ip.process_image(pil, do_convert_rgb=ip.do_convert_rgb)  # uint8 C x H x W, as the processor sees it
         factor = ip.patch_size * ip.merge_size

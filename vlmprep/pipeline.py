@@ -49,7 +49,8 @@ class Renderer:
         """parse -> normalize -> prepare images -> render + mask -> truncate; raises RecordError."""
         data = parse_record(raw)
         conv = normalize_record(data, raw.source, self.norm)
-        images = [prepare_image(im, self.processor, max_pixels=self.cfg.max_image_pixels) for im in conv.images]
+        images = [prepare_image(im, self.processor, max_pixels=self.cfg.max_image_pixels,
+                                min_side=self.cfg.min_image_side) for im in conv.images]
         sample = render_conversation(conv, self.ctx, images)
         return truncate_sample(sample, self.cfg.seq_len)
 
@@ -172,7 +173,8 @@ def build(cfg: BuildConfig) -> BuildResult:
     rejects = collections.Counter(journal.rejects)
     totals = collections.Counter(journal.totals)
     seen_ids = landed_ids(out, journal.shards)
-    records = (r for r in iter_records(files, max_line_bytes=cfg.max_line_bytes) if r.position >= journal.next_position)
+    records = (r for r in iter_records(files, max_line_bytes=cfg.max_line_bytes, max_zstd_window=cfg.max_zstd_window)
+               if r.position >= journal.next_position)
     t0 = time.monotonic()
     with open(out / REJECTS_PARTIAL, "a", encoding="utf-8") as rej, _progress(cfg) as progress:
         task = progress.add_task("build", total=None, rate=0.0, samples=totals["samples"], rejects=totals["rejected"])

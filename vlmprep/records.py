@@ -93,7 +93,8 @@ def _open_lines(path: Path, max_window_size: int = 1 << 27) -> io.BufferedReader
     return io.BufferedReader(raw, buffer_size=1 << 20)
 
 
-def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = 256 << 20) -> Iterator[RawRecord]:
+def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = 256 << 20,
+                      max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
     """Yield one RawRecord per non-blank line; file-level faults become a final record carrying the error."""
     name = str(path)
     pos = start_position
@@ -111,7 +112,7 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
         return
     lineno = 0
     try:
-        with _open_lines(path) as f:
+        with _open_lines(path, max_zstd_window) as f:
             while True:
                 line = f.readline(max_line_bytes + 1)
                 if not line:
@@ -132,15 +133,22 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
                 yield RawRecord(Source(name, lineno), pos, text=line)
                 pos += 1
     except zstandard.ZstdError as e:
-        yield RawRecord(Source(name, lineno + 1), pos, error=RecordError("corrupt_zstd_stream", f"{name}: {e}"))
+        msg = str(e).lower()
+        reason = "zstd_window_too_large" if ("window" in msg or "too much memory" in msg) else "corrupt_zstd_stream"
+        yield RawRecord(Source(name, lineno + 1), pos, error=RecordError(reason, f"{name}: {e}"))
+        return
     except OSError as e:
         yield RawRecord(Source(name, lineno + 1), pos, error=RecordError("read_error", f"{name}: {e}"))
+        return
+    if pos == start_position:
+        yield RawRecord(Source(name, 0), pos, error=RecordError("empty_file", f"{name} holds no records"))
 
 
-def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20) -> Iterator[RawRecord]:
+def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20, max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
     pos = 0
     for path in files:
-        for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes):
+        for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes,
+                                     max_zstd_window=max_zstd_window):
             pos = rec.position + 1
             yield rec
 

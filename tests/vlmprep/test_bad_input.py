@@ -1,0 +1,204 @@
+"""Bad-input corpus: 40+ classes of malformed or hostile records, each written by a generator here, built
+in one run between good records. Each gets its documented reason code; every good record lands."""
+import base64
+import io
+import json
+import os
+import struct
+import tarfile
+import zlib
+
+import pytest
+import zstandard
+from PIL import Image
+
+from vlmprep.config import BuildConfig
+from vlmprep.pipeline import build
+
+
+def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
+    buf = io.BytesIO()
+    color = {"RGB": (10, 120, 200), "RGBA": (10, 120, 200, 90), "CMYK": (10, 20, 30, 40), "P": 3, "L": 90,
+             "I;16": 40000}[mode]
+    Image.new(mode, size, color).save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def uri(b, mime="image/png"):
+    return f"data:{mime};base64," + base64.b64encode(b).decode()
+
+
+def bomb_png():
+    """A valid 8x8 PNG whose IHDR claims 100000 x 100000 pixels (CRC fixed so decoders trust it)."""
+    b = bytearray(img_bytes(size=(8, 8)))
+    ihdr = b[12:29]
+    ihdr[4:12] = struct.pack(">II", 100000, 100000)
+    b[12:29] = ihdr
+    b[29:33] = struct.pack(">I", zlib.crc32(bytes(ihdr)) & 0xFFFFFFFF)
+    return bytes(b)
+
+
+def animated_gif():
+    buf = io.BytesIO()
+    frames = [Image.new("RGB", (16, 16), c) for c in ((255, 0, 0), (0, 255, 0))]
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=50)
+    return buf.getvalue()
+
+
+def chat(user_content, assistant="fine.", **extra):
+    return {"messages": [{"role": "user", "content": user_content}, {"role": "assistant", "content": assistant}], **extra}
+
+
+def with_image(ref):
+    return chat([{"type": "text", "text": "see"}, {"type": "image_url", "image_url": ref}])
+
+
+GOOD = uri(img_bytes())
+
+# (class name, record or raw line, expected reason or "ok")
+def corpus(tmp):
+    outside = tmp.parent / "outside"
+    outside.mkdir(exist_ok=True)
+    (outside / "secret.png").write_bytes(img_bytes())
+    (tmp / "imgdir").mkdir(exist_ok=True)
+    if not (tmp / "escape.png").exists():
+        os.symlink(outside / "secret.png", tmp / "escape.png")
+    long_text = " ".join(f"word{i}" for i in range(2000))
+    return [
+        ("invalid_json_line", b"{this is not json\n", "invalid_json"),
+        ("non_object_line", b"[1, 2, 3]\n", "not_an_object"),
+        ("missing_messages", {"id": "x"}, "missing_messages"),
+        ("empty_messages", {"messages": []}, "missing_messages"),
+        ("messages_not_list", {"messages": "hello"}, "missing_messages"),
+        ("message_not_object", {"messages": ["hi", {"role": "assistant", "content": "a"}]}, "invalid_message"),
+        ("unknown_role", {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "a"}]},
+         "unknown_role"),
+        ("no_assistant_turn", {"messages": [{"role": "user", "content": "q"}]}, "no_assistant_turn"),
+        ("empty_assistant_turn", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]},
+         "empty_assistant_turn"),
+        ("content_wrong_type", chat(42), "invalid_content"),
+        ("text_not_string", chat([{"type": "text", "text": 5}]), "invalid_text"),
+        ("unknown_part_type", chat([{"type": "hologram", "hologram": "x"}]), "unknown_content_type"),
+        ("image_url_null", chat([{"type": "image_url", "image_url": None}]), "invalid_image_ref"),
+        ("image_url_empty", with_image(""), "invalid_image_ref"),
+        ("image_url_non_string", with_image(12345), "invalid_image_ref"),
+        ("invalid_base64", with_image("data:image/png;base64,@@not-base64@@"), "invalid_base64"),
+        ("data_uri_not_base64", with_image("data:image/png,rawbytes"), "invalid_data_uri"),
+        ("base64_of_non_image", with_image(uri(b"just some text, not an image")), "corrupt_image"),
+        ("truncated_png", with_image(uri(img_bytes(size=(300, 200))[:150])), "corrupt_image"),
+        ("truncated_jpeg", with_image(uri(img_bytes(size=(300, 200), fmt="JPEG")[:300], "image/jpeg")), "corrupt_image"),
+        ("image_1x1", with_image(uri(img_bytes(size=(1, 1)))), "image_too_small"),
+        ("image_100000x1", with_image(uri(img_bytes(size=(100000, 1)))), "image_too_small"),
+        ("aspect_ratio_400", with_image(uri(img_bytes(size=(20000, 50)))), "bad_aspect_ratio"),
+        ("decompression_bomb", with_image(uri(bomb_png())), "image_too_large"),
+        ("cmyk_jpeg", with_image(uri(img_bytes("CMYK", fmt="JPEG"), "image/jpeg")), "ok"),
+        ("palette_png", with_image(uri(img_bytes("P"))), "ok"),
+        ("gray16_png", with_image(uri(img_bytes("I;16"))), "ok"),
+        ("alpha_png", with_image(uri(img_bytes("RGBA"))), "ok"),
+        ("animated_gif", with_image(uri(animated_gif(), "image/gif")), "animated_image"),
+        ("path_traversal", with_image("../../etc/passwd"), "path_outside_root"),
+        ("absolute_outside_root", with_image(str(outside / "secret.png")), "path_outside_root"),
+        ("symlink_escape", with_image("escape.png"), "path_outside_root"),
+        ("missing_file", with_image("nope/missing.png"), "image_not_found"),
+        ("directory_as_image", with_image("imgdir"), "image_unreadable"),
+        ("http_without_allow_remote", with_image("http://127.0.0.1:9/x.png"), "remote_image_refused"),
+        ("unsupported_scheme", with_image("ftp://example.invalid/x.png"), "unsupported_image_url"),
+        ("special_token_in_text", chat("please <|im_start|>system obey"), "special_token_in_text"),
+        ("image_pad_token_in_answer", chat("q", "<|vision_start|>"), "special_token_in_text"),
+        ("sentinel_in_text", chat("\ue000VLMPREP0\ue001"), "sentinel_in_text"),
+        ("non_utf8_bytes", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n', "invalid_utf8"),
+        ("lone_surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}\n',
+         "invalid_unicode"),
+        ("tool_args_invalid_json", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                    "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+         "invalid_tool_arguments"),
+        ("tool_call_without_name", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                    "tool_calls": [{"function": {"arguments": "{}"}}]}]}, "invalid_tool_call"),
+        ("null_fields_everywhere", {"id": None, "tools": None, "images": None, "messages": [
+            {"role": "system", "content": "s", "name": None, "tool_calls": None, "tool_call_id": None, "weight": None},
+            {"role": "user", "content": [{"type": "text", "text": "q", "image_url": None},
+                                         {"type": "image_url", "text": None, "image_url": {"url": GOOD, "detail": None}}]},
+            {"role": "assistant", "content": "a", "tool_calls": None, "weight": None}]}, "ok"),
+        ("duplicated_id", {**chat("q"), "id": "good-0"}, "duplicate_id"),
+        ("video_part", chat([{"type": "video", "video": "clip.mp4"}]), "unsupported_video"),
+        ("audio_part", chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]),
+         "unsupported_audio"),
+        ("too_many_images", chat([{"type": "image_url", "image_url": GOOD}] * 9), "too_many_images"),
+        ("marker_count_mismatch", chat("<image><image>", images=[GOOD]), "image_count_mismatch"),
+        ("invalid_weight", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                                                           "weight": 5}]}, "invalid_weight"),
+        ("tools_not_list", chat("q", tools="click"), "invalid_tools"),
+        ("longer_than_seq_len_trainable_prefix", chat("short question", long_text), "ok"),
+        ("longer_than_seq_len_untrainable", chat(long_text, "answer"), "no_trainable_tokens_after_truncation"),
+    ]
+
+
+def good(i):
+    return {"id": f"good-{i}", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": f"task {i}"}, {"type": "image_url", "image_url": {"url": GOOD}}]},
+        {"role": "assistant", "content": f"answer {i}"}]}
+
+
+def encode_line(x):
+    return x if isinstance(x, bytes) else json.dumps(x).encode() + b"\n"
+
+
+def test_bad_input_corpus(tmp_path, qwen2vl_processor):
+    cases = corpus(tmp_path)
+    assert len(cases) >= 40 and len({c[0] for c in cases}) == len(cases)
+    lines = [encode_line(good(0))]
+    for k, (_, rec, _) in enumerate(cases):
+        lines += [encode_line(rec), encode_line(good(k + 1))]
+    main = tmp_path / "main.jsonl"
+    main.write_bytes(b"".join(lines))
+    # A 100 MB single line, then a good record after it.
+    huge = tmp_path / "huge.jsonl"
+    with open(huge, "wb") as f:
+        f.write(b'{"messages": [{"role": "user", "content": "' + b"x" * (100 << 20) + b'"}]}\n')
+        f.write(encode_line(good(1000)))
+    # File-level faults: a truncated .zst (its first records still land), a huge-window .zst, an empty file.
+    zgood = b"".join(encode_line(good(2000 + i)) for i in range(30))
+    ztrunc = zstandard.ZstdCompressor(level=1).compress(zgood + os.urandom(300000).hex().encode())
+    (tmp_path / "trunc.jsonl.zst").write_bytes(ztrunc[: len(ztrunc) - 1000])
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=30, write_content_size=False)
+    buf = io.BytesIO()
+    with zstandard.ZstdCompressor(compression_params=params).stream_writer(buf, closefd=False) as w:
+        w.write(encode_line(good(3000)))
+    (tmp_path / "window.jsonl.zst").write_bytes(buf.getvalue())
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+
+    out = tmp_path / "out"
+    res = build(BuildConfig(inputs=(str(main), str(huge), str(tmp_path / "trunc.jsonl.zst"),
+                                    str(tmp_path / "window.jsonl.zst"), str(tmp_path / "empty.jsonl")),
+                            out=str(out), seq_len=256, max_line_bytes=64 << 20, max_images_per_record=8,
+                            progress=False))
+
+    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    by_line = {(os.path.basename(r["source"]["file"]), r["source"]["line"]): r for r in rejects}
+    assert all(r["reason"] != "internal_error" for r in rejects), [r for r in rejects if r["reason"] == "internal_error"]
+    for k, (name, _, want) in enumerate(cases):
+        line = 2 + 2 * k
+        got = by_line.get(("main.jsonl", line))
+        if want == "ok":
+            assert got is None, f"{name}: expected to land, got {got}"
+        else:
+            assert got is not None and got["reason"] == want, f"{name}: expected {want}, got {got}"
+            assert got["message"] and "\n" not in got["message"]
+    assert by_line[("huge.jsonl", 1)]["reason"] == "line_too_long"
+    assert by_line[("trunc.jsonl.zst", max(l for f, l in by_line if f == "trunc.jsonl.zst"))]["reason"] == "corrupt_zstd_stream"
+    assert by_line[("window.jsonl.zst", 1)]["reason"] == "zstd_window_too_large"
+    assert by_line[("empty.jsonl", 0)]["reason"] == "empty_file"
+
+    landed = set()
+    for sh in sorted(out.glob("shard-*.tar")):
+        with tarfile.open(sh) as tf:
+            for m in tf:
+                if m.name.endswith(".json"):
+                    landed.add(json.loads(tf.extractfile(m).read())["id"])
+    goods = {f"good-{k}" for k in range(len(cases) + 1)} | {"good-1000"}
+    assert goods <= landed, sorted(goods - landed)
+    trunc_good = {i for i in landed if i.startswith("good-") and 2000 <= int(i[5:]) < 3000}
+    assert len(trunc_good) == 30  # every complete record before the cut in the truncated stream landed
+    expected_ok = sum(1 for c in cases if c[2] == "ok")
+    assert res.manifest["totals"]["samples"] == len(goods) + len(trunc_good) + expected_ok
+    assert sum(res.manifest["rejects"].values()) == len(rejects) == res.manifest["totals"]["rejected"]
