@@ -42,6 +42,8 @@ def build(
     max_image_pixels: Annotated[int, typer.Option(help="Reject images whose declared size exceeds this.")] = 64_000_000,
     max_images_per_record: Annotated[int, typer.Option(help="Reject records with more images.")] = 64,
     max_line_bytes: Annotated[int, typer.Option(help="Reject input lines longer than this.")] = 256 * 1024 * 1024,
+    max_zstd_window: Annotated[int, typer.Option(help="Max zstd window (bytes) an input may demand.")] = 1 << 27,
+    min_image_side: Annotated[int, typer.Option(help="Reject images with a side shorter than this (pixels).")] = 4,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
@@ -54,11 +56,76 @@ def build(
                           image_format=image_format, samples_per_shard=samples_per_shard, shard_size_mb=shard_size_mb,
                           workers=workers, allow_remote=allow_remote, image_root=image_root, strict=strict,
                           max_image_pixels=max_image_pixels, max_images_per_record=max_images_per_record,
-                          max_line_bytes=max_line_bytes, progress=progress and sys.stderr.isatty())
+                          max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window,
+                          min_image_side=min_image_side, progress=progress and sys.stderr.isatty())
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     typer.echo(format_build_summary(result.manifest, out))
+
+
+@app.command()
+def verify(
+    root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
+    quick: Annotated[bool, typer.Option(help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
+) -> None:
+    """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation."""
+    from vlmprep.verify import verify_dataset
+
+    violations = verify_dataset(root, deep=not quick)
+    for v in violations:
+        typer.echo(f"FAIL {v}")
+    if violations:
+        typer.echo(f"{len(violations)} violation(s) in {root}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"OK {root}: manifest, shards" + ("" if quick else " and every sample") + " verified")
+
+
+@app.command()
+def inspect(
+    path: Annotated[str, typer.Argument(help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
+    index: Annotated[Optional[int], typer.Option(help="The record at this 0-based input position (= its shard key).")] = None,
+    sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id.")] = None,
+    shard: Annotated[Optional[str], typer.Option(help="Only this shard of a built dir, e.g. shard-000001.")] = None,
+    limit: Annotated[int, typer.Option(help="Show at most this many samples (or rejects).")] = 3,
+    only: Annotated[Optional[str], typer.Option(help="truncated | rejected (raw input: why build would reject it).")] = None,
+    tokens: Annotated[bool, typer.Option("--tokens", help="A table of token index, id, mask, type id and piece.")] = False,
+    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report here instead.")] = None,
+    processor: Annotated[Optional[str], typer.Option(help="Raw input: as for build (default builtin:qwen2-vl).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Raw input: as for build (default 8192).")] = None,
+    image_root: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
+    allow_remote: Annotated[bool, typer.Option(help="Raw input: as for build.")] = False,
+    max_image_pixels: Annotated[int, typer.Option(help="Raw input: as for build.")] = 64_000_000,
+    max_images_per_record: Annotated[int, typer.Option(help="Raw input: as for build.")] = 64,
+) -> None:
+    """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""
+    from vlmprep.inspect import InspectConfig, run_inspect
+
+    try:
+        cfg = InspectConfig(path=path, index=index, id=sample_id, shard=shard, limit=limit, only=only, tokens=tokens,
+                            html=html, processor=processor, seq_len=seq_len, image_root=image_root,
+                            allow_remote=allow_remote, max_image_pixels=max_image_pixels,
+                            max_images_per_record=max_images_per_record)
+        run_inspect(cfg)
+    except (UserError, ValueError, OSError) as e:
+        _fail(e)
+
+
+@app.command()
+def stats(
+    root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+) -> None:
+    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects."""
+    import json
+
+    from vlmprep.stats import compute_stats, format_stats
+
+    try:
+        st = compute_stats(root)
+    except (UserError, ValueError, OSError) as e:
+        _fail(e)
+    typer.echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st))
 
 
 def main() -> None:

@@ -1,0 +1,111 @@
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from vlmprep.cli import app
+from vlmprep.config import BuildConfig
+from vlmprep.pipeline import build
+from vlmprep.verify import read_samples, verify_dataset
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, qwen2vl_processor):
+    from vlmprep.demo import write_traces
+
+    d = tmp_path_factory.mktemp("verify")
+    write_traces(d / "t.jsonl.zst", n=6, seed=2, min_images=1, max_images=3, width=320, height=200,
+                 overlong_fraction=0.0, text_only_fraction=0.2)
+    build(BuildConfig(inputs=(str(d / "t.jsonl.zst"),), out=str(d / "ds"), samples_per_shard=3, seq_len=4096,
+                      progress=False))
+    return d / "ds"
+
+
+@pytest.fixture
+def ds(built, tmp_path):
+    shutil.copytree(built, tmp_path / "ds")
+    return tmp_path / "ds"
+
+
+def npy(a):
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=True)
+    return buf.getvalue()
+
+
+def rewrite_first_image_sample(ds, mutate):
+    """Mutate the first sample with an image in shard 0, rewrite the tar and re-seal the manifest, so only
+    the per-sample checks can catch it."""
+    name = "shard-000000.tar"
+    samples = list(read_samples(ds / name))
+    k = next(i for i, (_, m) in enumerate(samples) if json.loads(m["json"])["num_images"])
+    mutate(samples[k][1])
+    with tarfile.open(ds / name, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for key, members in samples:
+            for ext, data in members.items():
+                ti = tarfile.TarInfo(f"{key}.{ext}")
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+    manifest = json.loads((ds / "manifest.json").read_text())
+    data = (ds / name).read_bytes()
+    manifest["shards"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_clean_dataset_verifies_via_cli(built):
+    res = CliRunner().invoke(app, ["verify", str(built)])
+    assert res.exit_code == 0, res.output
+    assert "OK" in res.output
+
+
+def test_shard_level_faults(ds):
+    data = bytearray((ds / "shard-000000.tar").read_bytes())
+    data[700] ^= 0xFF
+    (ds / "shard-000000.tar").write_bytes(bytes(data))
+    (ds / "shard-000009.tar").write_bytes(b"stray")
+    (ds / "shard-000001.tar").unlink()
+    got = sorted(str(v) for v in verify_dataset(ds))
+    assert got == ["shard-000000.tar: sha256 differs from the manifest", "shard-000001.tar: missing",
+                   "shard-000009.tar: shard file not listed in the manifest"]
+    res = CliRunner().invoke(app, ["verify", str(ds)])
+    assert res.exit_code == 1 and "FAIL shard-000001.tar: missing" in res.output
+
+
+def test_manifest_faults(ds):
+    m = json.loads((ds / "manifest.json").read_text())
+    (ds / "manifest.json").write_text(json.dumps({**m, "format_version": 99}))
+    assert "format_version 99" in str(verify_dataset(ds)[0])
+    del m["totals"]
+    (ds / "manifest.json").write_text(json.dumps(m))
+    assert "schema" in str(verify_dataset(ds)[0])
+    (ds / "manifest.json").unlink()
+    assert "missing" in str(verify_dataset(ds)[0])
+
+
+def _set_array(ext, fn):
+    def mutate(members):
+        members[ext] = npy(fn(np.load(io.BytesIO(members[ext]))))
+    return mutate
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (_set_array("loss_mask.npy", lambda m: np.ones_like(m)), "loss_mask trains image placeholder tokens"),
+    (_set_array("loss_mask.npy", lambda m: m[:-1]), "misaligned arrays"),
+    (_set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)), "image placeholders, grid rows need"),
+    (_set_array("input_ids.npy", lambda a: a.astype(np.int64)), "dtype int64"),
+    (lambda m: m.update({"json": b"{\"id\": 1}"}), "meta:"),
+    (lambda m: m.update({"evil.pyd": b"cos\nsystem\n(S'touch /tmp/pwned'\ntR."}), "refused, not decoded"),
+    (lambda m: m.update({"model.pth": b"PK\x03\x04"}), "refused, not decoded"),
+    (lambda m: m.update({"input_ids.npy": npy(np.array([object()], dtype=object))}), "input_ids.npy: refused"),
+    (lambda m: m.update({k: b"garbage" for k in m if k.startswith("img")}), "undecodable"),
+])
+def test_per_sample_faults(ds, mutate, expect):
+    rewrite_first_image_sample(ds, mutate)
+    assert verify_dataset(ds, deep=False) == []  # re-sealed: only the deep checks can see it
+    got = [str(v) for v in verify_dataset(ds)]
+    assert any(expect in g for g in got), got
