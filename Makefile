@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from vlmprep.positions import mrope_position_ids
@@ -55,7 +55,6 @@ def check_invariants(out, full):
 grid_st = st.tuples(st.just(1), st.integers(1, 6).map(lambda x: 2 * x), st.integers(1, 6).map(lambda x: 2 * x))
 
 
-@settings(max_examples=300, deadline=None)
 @given(grids=st.lists(grid_st, max_size=6), data=st.data())
 def test_truncation_never_splits_an_image(grids, data):
     texts = data.draw(st.lists(st.integers(0, 20), min_size=len(grids) + 1, max_size=len(grids) + 1))
