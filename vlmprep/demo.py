@@ -684,8 +684,8 @@ def _check(n, min_images, max_images, text_only_fraction, overlong_fraction, wid
     for f in (text_only_fraction, overlong_fraction):
         if not 0.0 <= f <= 1.0:
             raise ValueError("fractions must be within [0, 1]")
-    if width < 64 or height < CHROME_H + 24:
-        raise ValueError(f"image size must be at least 64x{CHROME_H + 24}")
+    if width < 160 or height < CHROME_H + 24:
+        raise ValueError(f"image size must be at least 160x{CHROME_H + 24}")
 
 
 def _generate(n, seed, min_images, max_images, text_only_fraction, overlong_fraction, width, height):

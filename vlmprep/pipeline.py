@@ -23,7 +23,7 @@ from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs, iter_records, parse_record
-from vlmprep.render import RenderContext, render_conversation
+from vlmprep.render import MaskPolicy, RenderContext, render_conversation
 from vlmprep.journal import JOURNAL_NAME, REJECTS_PARTIAL, Journal, input_signature, landed_ids, load_journal, save_journal
 from vlmprep.shards import FORMAT_VERSION, ShardInfo, ShardWriter, encode_sample, sample_key, write_json_atomic
 from vlmprep.truncate import truncate_sample
@@ -41,7 +41,15 @@ class Renderer:
     def __init__(self, cfg: BuildConfig, processor):
         self.cfg = cfg
         self.processor = processor
-        self.ctx = RenderContext(processor)
+        if cfg.chat_template is not None:
+            # Set on the processor itself, so the copy saved into the dataset carries the template that rendered it.
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+            processor.chat_template = template
+            if getattr(processor.tokenizer, "chat_template", None) is not None:
+                processor.tokenizer.chat_template = template
+        policy = MaskPolicy(train_on_roles=frozenset(cfg.train_on_roles), train_on_eos=cfg.train_on_eos,
+                            last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls)
+        self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
                                      max_images_per_record=cfg.max_images_per_record)
 
@@ -102,12 +110,12 @@ class BuildResult:
     rejects: collections.Counter = field(default_factory=collections.Counter)
 
 
-def _ordered_results(cfg: BuildConfig, records, processor_dir: Path):
+def _ordered_results(cfg: BuildConfig, records, processor_dir: Path, processor):
     """Yield (position, result) in input order with a bounded read-ahead window (constant memory)."""
-    if cfg.workers == 1:
-        _init_worker(cfg, str(processor_dir))
+    if cfg.workers == 1:  # in-process, reusing the loaded processor: one copy of the tokenizer in memory
+        renderer = Renderer(cfg, processor)
         for raw in records:
-            yield raw.position, process_record(raw)
+            yield raw.position, renderer.process(raw)
         return
     ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
     window = collections.deque()
@@ -160,7 +168,7 @@ def build(cfg: BuildConfig) -> BuildResult:
     out.mkdir(parents=True, exist_ok=True)
     files = expand_inputs(cfg.inputs)
     processor = load_processor(cfg.processor)
-    RenderContext(processor)  # fail fast on an unsupported processor, before any worker starts
+    Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any worker starts
     processor_dir = out / "processor"
     fingerprint = save_processor(processor, processor_dir)
     identity = {"format_version": FORMAT_VERSION, "vlmprep_version": __version__, "config": cfg.to_json(),
@@ -189,7 +197,7 @@ def build(cfg: BuildConfig) -> BuildResult:
             journal.rejects = dict(rejects)
             save_journal(out, journal)
 
-        for pos, (status, payload) in _ordered_results(cfg, records, processor_dir):
+        for pos, (status, payload) in _ordered_results(cfg, records, processor_dir, processor):
             totals["records"] += 1
             if status == "ok" and payload.meta["id"] in seen_ids:
                 status, payload = "reject", {**_reject_of(payload), "reason": "duplicate_id",

@@ -1,0 +1,1 @@
+"""vlmprep benchmarks: each module prints JSON lines; `python -m benchmarks.run` runs them all."""
