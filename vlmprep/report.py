@@ -1,0 +1,170 @@
+"""HTML report: inspected SampleViews (+ reject entries) -> one self-contained page (inline CSS, data-URI
+thumbnails, no script, no network) with the terminal view's colouring, a legend and per-token hover.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+
+import numpy as np
+
+from vlmprep import __version__
+from vlmprep.inspect import SampleView, Segment, fact_lines, message_line
+
+THUMB_PX = 256
+TRAINED_BG = "#8fe08f"  # tests look for this colour in the screenshot
+_UNIT_MAX = 4  # the longest UTF-8 character spans 4 byte-level tokens
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:20px;color:#1d1d1f;background:#fff}
+h1{font-size:20px;margin:0 0 8px}
+h2{font-size:16px;margin:28px 0 6px;border-top:2px solid #ccc;padding-top:10px}
+h2 small{font-weight:normal;color:#555}
+.legend{margin:8px 0 16px;font-size:13px}
+.legend span{display:inline-block;margin-right:14px;padding:1px 6px;border-radius:3px}
+table{border-collapse:collapse;font-size:12px;margin:8px 0}
+th,td{border:1px solid #ccc;padding:2px 6px;text-align:right}
+th{background:#f0f0f0}
+td.l{text-align:left}
+.conv{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;line-height:1.55;
+  white-space:pre-wrap;overflow-wrap:anywhere;border:1px solid #ddd;background:#fcfcfc;padding:8px}
+.role{font-family:system-ui,sans-serif;font-weight:bold;color:#1f4fb5;margin-top:6px}
+.tr{background:%(green)s;color:#000}
+.ms{color:#808080}
+.sp{color:#8a2be2;font-weight:bold}
+.im{display:inline-block;vertical-align:top;background:#d6e6ff;color:#0b4a8b;font-weight:bold;
+  border:1px solid #7aa7e0;border-radius:4px;padding:2px 4px;margin:2px 0}
+.im img{display:block;margin-top:3px;max-width:%(thumb)dpx;border:1px solid #999}
+.k:hover,.im:hover{outline:1px solid #d00}
+ul.facts{font-size:13px;margin:6px 0}
+.warn{color:#b00;font-weight:bold}
+""" % {"green": TRAINED_BG, "thumb": THUMB_PX}
+
+
+def _e(s: str) -> str:
+    return html.escape(s, quote=True)
+
+
+def _thumbnail(pixels: np.ndarray) -> str:
+    from PIL import Image
+
+    im = Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), "RGB")
+    im.thumbnail((THUMB_PX, THUMB_PX))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _token_title(i0: int, i1: int, ids, pieces: list[str], mask: int, type_id: int) -> str:
+    if i1 - i0 == 1:
+        return f"#{i0} id {int(ids[i0])} piece {pieces[0]!r} mask {mask} type {type_id}"
+    return (f"#{i0}-{i1 - 1} ids {' '.join(str(int(x)) for x in ids[i0:i1])} pieces {pieces!r} "
+            f"mask {mask} type {type_id}")
+
+
+def _text_tokens(seg: Segment, v: SampleView, pieces: dict[int, str]) -> str:
+    """One hoverable span per token; a character split over several tokens becomes one span for all of them."""
+    s, tv = v.sample, v.tokenizer_view
+    ids = s.input_ids
+    out = []
+    i = seg.start
+    while i < seg.end:
+        j = i + 1
+        text = pieces[i]
+        if "\ufffd" in text:
+            for k in range(i + 2, min(i + _UNIT_MAX, seg.end) + 1):
+                t = tv.decode(ids[i:k])
+                if "\ufffd" not in t:
+                    j, text = k, t
+                    break
+        cls = "k sp" if seg.kind == "special" else "k"
+        title = _token_title(i, j, ids, [pieces[x] for x in range(i, j)], int(s.loss_mask[i]),
+                             int(s.mm_token_type_ids[i]))
+        out.append(f'<span class="{cls}" title="{_e(title)}">{_e(text)}</span>')
+        i = j
+    return "".join(out)
+
+
+def _image(seg: Segment, v: SampleView) -> str:
+    s = v.sample
+    title = (f"#{seg.start}-{seg.end - 1} id {int(s.input_ids[seg.start])} x {seg.end - seg.start} "
+             f"mask {int(s.loss_mask[seg.start])} type {int(s.mm_token_type_ids[seg.start])}")
+    thumb = ""
+    if seg.image is not None and seg.image < len(s.images):
+        thumb = f'<img src="{_thumbnail(s.images[seg.image]())}" alt="image {seg.image + 1}">'
+    return f'<span class="im" title="{_e(title)}">{_e(seg.text)}{thumb}</span>'
+
+
+def _sample_section(n: int, v: SampleView) -> str:
+    s = v.sample
+    text_idx = np.flatnonzero(np.asarray(s.mm_token_type_ids) == 0)
+    pieces = dict(zip(text_idx.tolist(), v.tokenizer_view.pieces(np.asarray(s.input_ids)[text_idx])))
+    parts = [f'<section class="sample" id="s-{_e(s.key)}" data-key="{_e(s.key)}">',
+             f'<h2>{n}. sample {_e(s.key)} <small>id {_e(s.id)} ({_e(s.where)})</small></h2>', '<div class="conv">']
+    for m in v.messages:
+        parts.append(f'<div class="msg" data-role="{_e(m.role)}"><div class="role">{_e(message_line(m))}</div>')
+        for trained, segs in m.runs:
+            inner = "".join(_image(seg, v) if seg.kind == "image" else _text_tokens(seg, v, pieces) for seg in segs)
+            parts.append(f'<span class="{"tr" if trained else "ms"}">{inner}</span>')
+        parts.append("</div>")
+    parts.append('</div><ul class="facts">')
+    for line in fact_lines(v):
+        cls = ' class="warn"' if line.startswith("WARNING") else ""
+        parts.append(f"<li{cls}>{_e(line)}</li>")
+    parts.append("</ul></section>")
+    return "".join(parts)
+
+
+def _summary_table(samples: list[SampleView]) -> str:
+    head = ("#", "sample", "id", "where", "source", "tokens", "trained", "trained %", "image tokens", "images",
+            "truncated", "dropped images")
+    rows = ["<table class=\"summary\"><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for n, v in enumerate(samples, 1):
+        s = v.sample
+        cells = [str(n), f'<a href="#s-{_e(s.key)}">{_e(s.key)}</a>', _e(s.id), _e(s.where),
+                 _e(f"{s.source[0]}:{s.source[1]}"), str(v.num_tokens), str(v.num_trained),
+                 f"{v.num_trained / max(v.num_tokens, 1):.1%}", str(v.num_image_tokens), str(v.num_images),
+                 "yes" if s.truncated else "no", str(s.dropped_images)]
+        rows.append("<tr>" + "".join(f'<td class="l">{c}</td>' if j in (1, 2, 3, 4) else f"<td>{c}</td>"
+                                     for j, c in enumerate(cells)) + "</tr>")
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def _rejects_table(rejects: list[dict]) -> str:
+    rows = ['<h2>Rejected records</h2><table class="rejects"><tr><th>source</th><th>id</th><th>reason</th>'
+            "<th>message</th></tr>"]
+    for r in rejects:
+        src = r.get("source") or {}
+        rows.append("<tr>" + "".join(f'<td class="l">{_e(str(c))}</td>' for c in (
+            f"{src.get('file')}:{src.get('line')}", r.get("id"), r.get("reason"), r.get("message"))) + "</tr>")
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def render_report(samples: list[SampleView], rejects: list[dict], *, title: str) -> str:
+    legend = ('<div class="legend"><span class="tr key">trained (loss_mask 1)</span>'
+              '<span class="ms key">masked (0)</span><span class="sp key">&lt;|special|&gt; token</span>'
+              '<span class="im key">[image k: HxW patches -&gt; N tokens]</span>'
+              "hover a token for index, id, piece, mask and type id</div>")
+    body = [f"<h1>{_e(title)}</h1>", legend]
+    if samples:
+        body.append(_summary_table(samples))
+    if rejects:
+        body.append(_rejects_table(rejects))
+    body += [_sample_section(n, v) for n, v in enumerate(samples, 1)]
+    # The CSP makes "no network" a property of the page, not just of how it was written.
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
+            "style-src 'unsafe-inline'\">"
+            f"<meta name=\"generator\" content=\"vlmprep {__version__}\"><title>{_e(title)}</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def write_report(path: Path, samples: list[SampleView], rejects: list[dict], *, title: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(render_report(samples, rejects, title=title), encoding="utf-8")
+    tmp.replace(path)
