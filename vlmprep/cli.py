@@ -30,7 +30,7 @@ def _fail(e: BaseException) -> None:
 def build(
     inputs: Annotated[list[str], typer.Option("--in", help="Input .jsonl / .jsonl.zst / .json files, globs or dirs.")],
     out: Annotated[Path, typer.Option("--out", help="Output dataset dir (shards, manifest, processor).")],
-    processor: Annotated[str, typer.Option(help="builtin:qwen2-vl | builtin:qwen2.5-vl | local processor dir | hub id.")] = "builtin:qwen2-vl",
+    processor: Annotated[str, typer.Option(help="builtin:qwen2-vl | builtin:qwen2.5-vl | builtin:qwen3-vl | builtin:qwen3.5 | local processor dir | hub id.")] = "builtin:qwen2-vl",
     seq_len: Annotated[int, typer.Option(help="Max tokens per sample; cuts never split an image.")] = 8192,
     image_format: Annotated[str, typer.Option(help="zstd | png | webp | original (see README).")] = "zstd",
     samples_per_shard: Annotated[int, typer.Option(help="Max samples per shard.")] = 1000,
@@ -45,6 +45,12 @@ def build(
     max_zstd_window: Annotated[int, typer.Option(help="Max zstd window (bytes) an input may demand.")] = 1 << 27,
     min_image_side: Annotated[int, typer.Option(help="Reject images with a side shorter than this (pixels).")] = 4,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    train_on_roles: Annotated[str, typer.Option(help="Comma list of roles whose text is trained: assistant, tool, user, system.")] = "assistant",
+    train_on_eos: Annotated[str, typer.Option(help="End-of-turn tokens trained: all | turn | last | none.")] = "turn",
+    last_turn_only: Annotated[bool, typer.Option(help="Train only the last trained turn of each record.")] = False,
+    tool_calls: Annotated[str, typer.Option(help="A trained turn whose tool_calls the template does not render: reject | drop-from-loss | train-content.")] = "reject",
+    chat_template: Annotated[Optional[str], typer.Option(help="A .jinja file replacing the processor's chat template (saved with the dataset).")] = None,
+    role_boundaries: Annotated[Optional[str], typer.Option(help="TOML of per-role start/end markers, for processors vlmprep does not know.")] = None,
 ) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
     from vlmprep.config import BuildConfig
@@ -57,7 +63,10 @@ def build(
                           workers=workers, allow_remote=allow_remote, image_root=image_root, strict=strict,
                           max_image_pixels=max_image_pixels, max_images_per_record=max_images_per_record,
                           max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window,
-                          min_image_side=min_image_side, progress=progress and sys.stderr.isatty())
+                          min_image_side=min_image_side, progress=progress and sys.stderr.isatty(),
+                          train_on_roles=tuple(r.strip() for r in train_on_roles.split(",") if r.strip()),
+                          train_on_eos=train_on_eos, last_turn_only=last_turn_only, tool_calls=tool_calls,
+                          chat_template=chat_template, role_boundaries=role_boundaries)
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
@@ -90,22 +99,29 @@ def inspect(
     limit: Annotated[int, typer.Option(help="Show at most this many samples (or rejects).")] = 3,
     only: Annotated[Optional[str], typer.Option(help="truncated | rejected (raw input: why build would reject it).")] = None,
     tokens: Annotated[bool, typer.Option("--tokens", help="A table of token index, id, mask, type id and piece.")] = False,
-    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report here instead.")] = None,
+    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to this file instead.")] = None,
+    like: Annotated[Optional[str], typer.Option(help="Raw input: render with this built dir's processor and build options.")] = None,
     processor: Annotated[Optional[str], typer.Option(help="Raw input: as for build (default builtin:qwen2-vl).")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Raw input: as for build (default 8192).")] = None,
+    train_on_roles: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
+    train_on_eos: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
+    last_turn_only: Annotated[Optional[bool], typer.Option(help="Raw input: as for build.")] = None,
+    tool_calls: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
+    role_boundaries: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
     image_root: Annotated[Optional[str], typer.Option(help="Raw input: as for build.")] = None,
-    allow_remote: Annotated[bool, typer.Option(help="Raw input: as for build.")] = False,
-    max_image_pixels: Annotated[int, typer.Option(help="Raw input: as for build.")] = 64_000_000,
-    max_images_per_record: Annotated[int, typer.Option(help="Raw input: as for build.")] = 64,
+    allow_remote: Annotated[Optional[bool], typer.Option(help="Raw input: as for build.")] = None,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""
     from vlmprep.inspect import InspectConfig, run_inspect
 
     try:
+        roles = None if train_on_roles is None else tuple(r.strip() for r in train_on_roles.split(",") if r.strip())
         cfg = InspectConfig(path=path, index=index, id=sample_id, shard=shard, limit=limit, only=only, tokens=tokens,
-                            html=html, processor=processor, seq_len=seq_len, image_root=image_root,
-                            allow_remote=allow_remote, max_image_pixels=max_image_pixels,
-                            max_images_per_record=max_images_per_record)
+                            html=html, like=like, processor=processor, seq_len=seq_len, train_on_roles=roles,
+                            train_on_eos=train_on_eos, last_turn_only=last_turn_only, tool_calls=tool_calls,
+                            chat_template=chat_template, role_boundaries=role_boundaries, image_root=image_root,
+                            allow_remote=allow_remote)
         run_inspect(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 IMAGE_FORMATS = ("zstd", "png", "webp", "original")
+ROLES = ("system", "user", "assistant", "tool")
+EOS_POLICIES = ("all", "turn", "last", "none")
+TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +31,13 @@ class BuildConfig:
     min_image_side: int = 4  # smaller images carry no signal and upsample into noise
     zstd_level: int = 3
     progress: bool = True
+    # Masking policy (README, "Families and masking").
+    train_on_roles: tuple[str, ...] = ("assistant",)
+    train_on_eos: str = "turn"  # all | turn | last | none: which end-of-turn tokens get loss
+    last_turn_only: bool = False
+    tool_calls: str = "reject"  # a trained turn whose tool_calls the template does not render
+    chat_template: str | None = None  # a .jinja file replacing the processor's template (saved with the dataset)
+    role_boundaries: str | None = None  # a TOML of per-role start/end markers, for unknown processors
 
     def __post_init__(self):
         if not self.inputs:
@@ -49,10 +60,21 @@ class BuildConfig:
             raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level={self.zstd_level}: must be in -7..22")
+        if not self.train_on_roles or set(self.train_on_roles) - set(ROLES):
+            raise ValueError(f"train_on_roles={list(self.train_on_roles)}: use a comma list of {', '.join(ROLES)}, "
+                             "e.g. --train-on-roles assistant,tool")
+        if self.train_on_eos not in EOS_POLICIES:
+            raise ValueError(f"train_on_eos={self.train_on_eos!r}: choose one of {', '.join(EOS_POLICIES)}")
+        if self.tool_calls not in TOOL_CALL_POLICIES:
+            raise ValueError(f"tool_calls={self.tool_calls!r}: choose one of {', '.join(TOOL_CALL_POLICIES)}")
+        for opt, path in (("--chat-template", self.chat_template), ("--role-boundaries", self.role_boundaries)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{opt} {path}: no such file; pass the path of an existing file")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["inputs"] = list(self.inputs)
+        d["train_on_roles"] = list(self.train_on_roles)
         # Display, worker count and the output dir itself never change the bytes, so a copy or a
         # rebuild elsewhere stays byte-identical.
         for k in ("progress", "workers", "out"):

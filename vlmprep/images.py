@@ -42,23 +42,64 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
 
 
 def prepare_image(img: ImageData, processor, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
-    """Resize with the processor's own code path (Qwen2-VL smart_resize, torchvision bicubic, uint8)."""
+    """Resize with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
+    from vlmprep.families import FAMILIES
+
+    family = FAMILIES.get(type(processor).__name__)
+    mode = family.image_mode if family is not None else "source"
     ip = processor.image_processor
     pil = decode_image(img, max_pixels=max_pixels, min_side=min_side)
     w, h = pil.size
     with torch.no_grad():
-        t = ip.process_image(pil, do_convert_rgb=ip.do_convert_rgb)  # uint8 C x H x W, as the processor sees it
-        factor = ip.patch_size * ip.merge_size
+        t = ip.process_image(pil, do_convert_rgb=getattr(ip, "do_convert_rgb", None) is not False)  # uint8 C x H x W
         try:
-            resized = ip.resize(t[None], size=ip.size, resample=ip.resample, factor=factor)[0]
+            resized = _FAMILY_RESIZE[mode](processor, ip, t)
         except ValueError as e:  # smart_resize refuses aspect ratios over 200
             raise RecordError("bad_aspect_ratio", f"image {w}x{h}: {e}") from None
     assert resized.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
     pixels = np.ascontiguousarray(resized.permute(1, 2, 0).numpy())
-    gh, gw = pixels.shape[0] // ip.patch_size, pixels.shape[1] // ip.patch_size
-    return PreparedImage(pixels=pixels, grid_thw=(1, gh, gw), source=img, digest=hashlib.sha256(img.data).hexdigest())
+    if mode.startswith("smart_resize"):
+        grid = (1, pixels.shape[0] // ip.patch_size, pixels.shape[1] // ip.patch_size)
+    else:
+        grid = (1, pixels.shape[0], pixels.shape[1])  # no grid in these processors: the stored size, as image_sizes
+    return PreparedImage(pixels=pixels, grid_thw=grid, source=img, digest=hashlib.sha256(img.data).hexdigest())
+
+
+def _smart_resize(processor, ip, t):
+    # Qwen2-VL / 2.5-VL / 3-VL / 3.5: smart_resize to multiples of patch * merge, within min/max pixels.
+    return ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size)[0]
+
+
+def _smart_resize_temporal(processor, ip, t):
+    # GLM-4.1V: the same, with the temporal factor its smart_resize also takes.
+    return ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size,
+                     temporal_factor=ip.temporal_patch_size)[0]
+
+
+def _longest_edge_patch(processor, ip, t):
+    # Pixtral / Mistral 3: longest edge to size, both sides to multiples of the (merged) patch the processor passes.
+    from transformers.image_utils import SizeDict
+
+    p = processor.patch_size * processor.spatial_merge_size
+    return ip.resize(t[None], size=ip.size, patch_size=SizeDict(height=p, width=p), resample=ip.resample)[0]
+
+
+def _fixed_resize(processor, ip, t):
+    # Gemma 3 without pan-and-scan: one fixed-size resize.
+    return ip.resize(t[None], size=ip.size, resample=ip.resample)[0]
+
+
+def _source(processor, ip, t):
+    # Tiling processors (Mllama, Llama 4, Idefics3/SmolVLM, LLaVA-OneVision, InternVL) crop and resize into
+    # several tiles plus a thumbnail; no single resized image reproduces that, so the decoded RGB source is stored
+    # and the loader runs the saved processor on it with its defaults (pixel_values then equal the online path).
+    return t
+
+
+_FAMILY_RESIZE = {"smart_resize": _smart_resize, "smart_resize_temporal": _smart_resize_temporal,
+                  "longest_edge_patch": _longest_edge_patch, "fixed_resize": _fixed_resize, "source": _source}
 
 
 def stored_ext(image_format: str, image: PreparedImage) -> str:

@@ -18,6 +18,8 @@ from vlmprep.images import decode_stored_image
 from vlmprep.pipeline import build
 
 SCHEMAS = Path(__file__).parents[2] / "schemas"
+# The demo traces act through tool_calls, which the stock Qwen2-VL template does not render (rejected by default).
+TOOLS_TEMPLATE = str(Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
 
 
 def schema(name):
@@ -42,7 +44,7 @@ def demo_traces(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_build(demo_traces, tmp_path_factory, qwen2vl_processor):
     out = tmp_path_factory.mktemp("b") / "shards"
-    res = build(cfg([demo_traces], out, seq_len=4096, samples_per_shard=5))
+    res = build(cfg([demo_traces], out, seq_len=4096, samples_per_shard=5, chat_template=TOOLS_TEMPLATE))
     return out, res
 
 
@@ -116,7 +118,7 @@ def test_webdataset_and_tarfile_read_the_same_arrays(demo_build):
 def test_build_twice_and_with_two_workers_is_byte_identical(demo_traces, demo_build, tmp_path):
     out1, _ = demo_build
     out2 = tmp_path / "again"
-    build(cfg([demo_traces], out2, seq_len=4096, samples_per_shard=5, workers=2))
+    build(cfg([demo_traces], out2, seq_len=4096, samples_per_shard=5, workers=2, chat_template=TOOLS_TEMPLATE))
     h1, h2 = file_hashes(out1), file_hashes(out2)
     assert h1 == h2 and any(k.startswith("shard-") for k in h1)
     assert file_hashes(out1 / "processor") == file_hashes(out2 / "processor")
@@ -209,8 +211,8 @@ def test_strict_stops_at_first_reject(tmp_path):
 
 def test_rebuild_removes_stale_shards(tmp_path, demo_traces):
     out = tmp_path / "o"
-    build(cfg([demo_traces], out, samples_per_shard=2))
+    build(cfg([demo_traces], out, samples_per_shard=2, chat_template=TOOLS_TEMPLATE))
     n_many = len(list(out.glob("shard-*.tar")))
-    build(cfg([demo_traces], out, samples_per_shard=100))
+    build(cfg([demo_traces], out, samples_per_shard=100, chat_template=TOOLS_TEMPLATE))
     assert n_many > 1 and len(list(out.glob("shard-*.tar"))) == 1
     shutil.rmtree(out)

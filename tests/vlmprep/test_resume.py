@@ -61,14 +61,17 @@ def kill_input(tmp_path_factory):
 
 
 def _forked_build(inp, out):
-    """Run build() in a forked child: same code path as the CLI, without paying interpreter start-up per kill."""
+    """Run build() in a child forked from a clean forkserver: the same code path as the CLI, without paying
+    interpreter start-up per kill. A plain fork of this (threaded) pytest process can deadlock in the child."""
     import multiprocessing as mp
 
     from vlmprep.config import BuildConfig
     from vlmprep.pipeline import build
 
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["vlmprep.pipeline"])
     cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, seq_len=2048, progress=False)
-    proc = mp.get_context("fork").Process(target=build, args=(cfg,))
+    proc = ctx.Process(target=build, args=(cfg,))
     proc.start()
     return proc
 
@@ -82,7 +85,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(kill_input, tmp_
 
     t0 = time.monotonic()
     proc = _forked_build(kill_input, tmp_path / "timing")
-    proc.join()
+    proc.join(300)
     full = time.monotonic() - t0
     assert proc.exitcode == 0
 

@@ -1,0 +1,90 @@
+"""Model families: what render, truncate and images must know about a processor beyond its own code
+(end-of-turn tokens, image wrapper tokens, position scheme, image storage), keyed by processor class.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from vlmprep.config import ROLES
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilySpec:
+    """The family facts render needs; placeholders and their expansion always come from the processor itself."""
+
+    name: str
+    processor_class: str
+    end_of_turn: tuple[str, ...]  # tokens that close a turn; the one right after a trained turn is its EOS
+    wrapper_open: tuple[str, ...] = ()  # template tokens right before the expansion that belong to the image unit
+    wrapper_close: tuple[str, ...] = ()
+    positions: str = "1d"  # "mrope": 3-D rope ids as the model's get_rope_index; "1d": arange on all 3 rows
+    image_mode: str = "source"  # how images.prepare_image stores pixels, see images.py
+    string_content: bool = False  # template prints content as a string: text-only messages are passed as one
+    role_markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # --role-boundaries: role -> (start, end)
+
+
+_QWEN = dict(end_of_turn=("<|im_end|>",), wrapper_open=("<|vision_start|>",), wrapper_close=("<|vision_end|>",),
+             positions="mrope", image_mode="smart_resize")
+
+FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
+    FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", **_QWEN),
+    FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", **_QWEN),
+    # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
+    FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", **_QWEN),
+    FamilySpec(name="glm-4.1v", processor_class="Glm4vProcessor", end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
+               wrapper_open=("<|begin_of_image|>",), wrapper_close=("<|end_of_image|>",), positions="mrope",
+               image_mode="smart_resize_temporal", string_content=True),
+    FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",), image_mode="fixed_resize"),
+    FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",)),
+    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>",)),
+    FamilySpec(name="mistral3-pixtral", processor_class="PixtralProcessor", end_of_turn=("</s>",),
+               image_mode="longest_edge_patch"),
+    FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
+    FamilySpec(name="llava-onevision", processor_class="LlavaOnevisionProcessor", end_of_turn=("<|im_end|>",)),
+    FamilySpec(name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",)),
+)}
+
+
+def resolve_family(processor, role_boundaries: str | None = None) -> FamilySpec:
+    """The processor's family; a --role-boundaries file overrides turn markers and makes unknown classes usable."""
+    cls = type(processor).__name__
+    known = FAMILIES.get(cls)
+    if role_boundaries is not None:
+        return load_role_boundaries(role_boundaries, processor_class=cls, base=known)
+    if known is None:
+        raise ValueError(
+            f"processor class {cls} is not a known family ({', '.join(sorted(FAMILIES))}); vlmprep will not guess "
+            "which tokens to train: pass --role-boundaries FILE declaring each role's start/end markers (README, "
+            "'Families and masking')")
+    return known
+
+
+def load_role_boundaries(path: str, *, processor_class: str, base: FamilySpec | None) -> FamilySpec:
+    """Parse a --role-boundaries TOML: optional `end_of_turn = [...]`, and `[roles.<role>] start = ..., end = ...`."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"--role-boundaries {path}: cannot read it as TOML ({e}); fix the file") from None
+    unknown = set(data) - {"end_of_turn", "roles"}
+    if unknown:
+        raise ValueError(f"--role-boundaries {path}: unknown keys {sorted(unknown)}; allowed: end_of_turn, roles")
+    roles = data.get("roles", {})
+    if not isinstance(roles, dict) or not roles:
+        raise ValueError(f"--role-boundaries {path}: add at least one [roles.<role>] table with start and end")
+    markers: dict[str, tuple[str, str]] = {}
+    for role, spec in roles.items():
+        if role not in ROLES:
+            raise ValueError(f"--role-boundaries {path}: unknown role {role!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(spec, dict) or set(spec) != {"start", "end"} or not all(
+                isinstance(spec[k], str) and spec[k] for k in ("start", "end")):
+            raise ValueError(f"--role-boundaries {path}: [roles.{role}] needs exactly non-empty strings start and end")
+        markers[role] = (spec["start"], spec["end"])
+    eot = data.get("end_of_turn", sorted({end for _, end in markers.values()}))
+    if not isinstance(eot, list) or not eot or not all(isinstance(t, str) and t for t in eot):
+        raise ValueError(f"--role-boundaries {path}: end_of_turn must be a non-empty list of token strings")
+    if base is None:
+        return FamilySpec(name=f"custom:{processor_class}", processor_class=processor_class, end_of_turn=tuple(eot),
+                          role_markers=markers)
+    return replace(base, end_of_turn=tuple(eot), role_markers=markers)
