@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_N ?= 64
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: install demo test test-all test-gpu bench clean
 
@@ -20,7 +21,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m vlmprep.demo --out demo/traces.jsonl.zst --n $(DEMO_N) --seed 0
-	$(VENV)/bin/vlmprep build --in demo/traces.jsonl.zst --out demo/shards --processor builtin:qwen2-vl --seq-len 16384 --workers 2
+	$(VENV)/bin/vlmprep build --in demo/traces.jsonl.zst --out demo/shards --processor builtin:qwen2-vl --chat-template vlmprep/templates/qwen2_vl_tools.jinja --seq-len 16384 --workers 2
+	$(VENV)/bin/vlmprep stats demo/shards
+	$(VENV)/bin/vlmprep inspect demo/shards --limit 1
+	$(VENV)/bin/vlmprep verify demo/shards
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m trainer --data demo/shards --out demo/run --tiny-random qwen2-vl --max-steps 4 --num-workers 1 --no-progress
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
@@ -32,7 +37,8 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.run
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf demo .pytest_cache

@@ -1,0 +1,79 @@
+"""Trainer fixtures: small vlmprep datasets built once per session (18 records -> 5 shards of 4,4,4,4,2
+samples), and a runner for the trainer CLI (plain python or torchrun) that returns the metrics."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+TRACES = dict(n=18, seed=1, min_images=1, max_images=3, width=224, height=160, overlong_fraction=0.0,
+              text_only_fraction=0.2)
+
+
+def build_dataset(traces: Path, out: Path, *, image_format: str = "zstd", samples_per_shard: int = 4) -> Path:
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+
+    # The demo's agent turns carry tool_calls the Qwen2-VL template does not render: train their content.
+    policy = {"tool_calls": "train-content"} if "tool_calls" in BuildConfig.__dataclass_fields__ else {}
+    build(BuildConfig(inputs=(str(traces),), out=str(out), processor="builtin:qwen2-vl", seq_len=2048,
+                      samples_per_shard=samples_per_shard, image_format=image_format, progress=False, **policy))
+    return out
+
+
+@pytest.fixture(scope="session")
+def traces(tmp_path_factory) -> Path:
+    from vlmprep.demo import write_traces
+
+    path = tmp_path_factory.mktemp("traces") / "traces.jsonl.zst"
+    write_traces(path, **TRACES)
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory, traces) -> Path:
+    return build_dataset(traces, tmp_path_factory.mktemp("ds") / "shards")
+
+
+@pytest.fixture(scope="session")
+def image_spec(dataset):
+    from trainer.shards import load_image_processor_config
+    from trainer.vision import ImageSpec
+
+    return ImageSpec.from_config(load_image_processor_config(str(dataset / "processor")))
+
+
+def trainer_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def trainer_cmd(args: list[str], nproc: int) -> list[str]:
+    launch = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer"] if nproc > 1 \
+        else [sys.executable, "-m", "trainer"]
+    return launch + ["--tiny-random", "qwen2-vl", "--no-progress"] + [str(a) for a in args]
+
+
+def run_trainer(args: list, *, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(trainer_cmd(args, nproc), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def read_all_samples(dataset: Path, spec) -> list:
+    """Every sample of the dataset in manifest order, decoded in-process."""
+    from trainer.data import RankStream
+    from trainer.shards import resolve_data
+
+    return list(RankStream(list(resolve_data(str(dataset)).shards), start=0, spec=spec))

@@ -1,0 +1,80 @@
+import pytest
+
+from trainer.collate import CollateSpec
+from trainer.data import RankStream, StepLoader, epoch_shards, sample_loader, steps_per_epoch
+from trainer.shards import DataError, ShardRef, plan_shards, resolve_data
+
+SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def _read(shards, spec, *, start=0, workers=0):
+    loader = sample_loader(RankStream(shards, start=start, spec=spec), num_workers=workers, prefetch_factor=2)
+    return [(s.position, s.id, s.worker) for s in loader]
+
+
+@pytest.fixture(scope="module")
+def shards(dataset):
+    return list(resolve_data(str(dataset)).shards)
+
+
+def test_order_is_the_same_for_any_worker_count_and_workers_are_disjoint(shards, image_spec):
+    ref = _read(shards, image_spec)
+    assert [p for p, _, _ in ref] == list(range(18)) and len({i for _, i, _ in ref}) == 18
+    for workers in (1, 2, 3):
+        got = _read(shards, image_spec, workers=workers)
+        assert [(p, i) for p, i, _ in got] == [(p, i) for p, i, _ in ref], workers
+        assert all(w == p % workers for p, _, w in got)  # worker w decoded exactly positions p % W == w
+
+
+@pytest.mark.parametrize("start, workers", [(5, 2), (8, 3), (17, 2), (18, 2), (3, 0)])
+def test_resume_position_continues_the_same_stream(shards, image_spec, start, workers):
+    ref = _read(shards, image_spec)
+    got = _read(shards, image_spec, start=start, workers=workers)
+    assert [(p, i) for p, i, _ in got] == [(p, i) for p, i, _ in ref[start:]]
+    assert all(w == (p - start) % max(workers, 1) for p, _, w in got)
+
+
+def test_manifest_count_mismatch_is_detected(shards, image_spec):
+    lying = [ShardRef(shards[0].url, shards[0].name, 5, shards[0].num_tokens)]
+    with pytest.raises(DataError, match="holds 4 samples but the manifest says 5"):
+        _read(lying, image_spec)
+
+
+def test_epoch_shard_order_is_seeded(shards):
+    a = epoch_shards(shards, epoch=0, seed=3, shuffle=True)
+    assert a == epoch_shards(shards, epoch=0, seed=3, shuffle=True)
+    assert sorted(s.name for s in a) == [s.name for s in shards]
+    assert any(epoch_shards(shards, epoch=e, seed=3, shuffle=True) != a for e in range(1, 5))
+    assert epoch_shards(shards, epoch=2, seed=3, shuffle=False) == shards
+
+
+def test_pad_policy_gives_every_rank_the_same_steps_and_drops_nothing(shards, image_spec):
+    plan = plan_shards(tuple(shards), 2)
+    assert plan.rank_samples == (8, 10)  # 5 uneven shards, balanced by tokens, not samples
+    loaders = [StepLoader([shards[i] for i in plan.per_rank[r]], spec=image_spec, collate_spec=SPEC, seed=0,
+                          shuffle=False, micro_batch_size=2, max_tokens=0, grad_accum=2, num_workers=0,
+                          prefetch_factor=2) for r in range(2)]
+    for ld in loaders:
+        ld.start(0, 0)
+    n_steps = steps_per_epoch(list(plan.rank_samples), micro_batch_size=2, max_tokens=0, grad_accum=2)
+    seen = []
+    for _ in range(n_steps):
+        steps = [ld.next_step() for ld in loaders]
+        assert all(len(mbs) == 2 for mbs in steps)
+        seen += [i for mbs in steps for b in mbs for i in b.sample_ids]
+    assert n_steps == 3 and len(seen) == len(set(seen)) == 18
+    assert all(b.num_samples == 0 for ld in loaders for b in ld.next_step())  # then only empty micro-batches
+
+
+@pytest.mark.parametrize("start, workers", [(0, 0), (0, 2), (2, 3)])
+def test_stride_mode_splits_samples_across_ranks_for_any_workers(shards, image_spec, start, workers):
+    ref = [i for _, i, _ in _read(shards[:2], image_spec)]
+    per_rank = []
+    for r in range(3):
+        loader = sample_loader(RankStream(shards[:2], start=start, spec=image_spec, stride=(r, 3)),
+                               num_workers=workers, prefetch_factor=2)
+        got = [(s.position, s.id) for s in loader]
+        assert [p for p, _ in got] == list(range(start, start + len(got)))
+        per_rank.append([i for _, i in got])
+    assert per_rank == [ref[r::3][start:] for r in range(3)]

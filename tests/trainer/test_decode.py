@@ -1,0 +1,75 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.trainer.conftest import build_dataset, read_all_samples
+from trainer.decode import OriginalResizer, decode_image, decode_sample
+from trainer.shards import DataError, iter_tar_samples
+
+
+def _first_members(dataset):
+    for _, key, members in iter_tar_samples(str(dataset / "shard-000000.tar"), lambda i: True):
+        if b'"images": [{' in members["json"]:
+            return key, members
+    raise AssertionError("fixture needs a sample with images")
+
+
+def _npy(arr, **kw):
+    buf = io.BytesIO()
+    np.save(buf, arr, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", ["evil.pyd", "model.pth", "x.pickle", "input_ids.pyd", "img000.jpg.pyd"])
+def test_unknown_member_extensions_are_refused(dataset, image_spec, name):
+    key, members = _first_members(dataset)
+    members = {**members, name: b"\x80\x04K\x01."}  # a pickle stream: must never be loaded
+    with pytest.raises(DataError, match=f"member '{name}' is not part of the vlmprep shard format; refusing"):
+        decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+
+
+def test_pickled_npy_is_refused(dataset, image_spec):
+    key, members = _first_members(dataset)
+    members = {**members, "input_ids.npy": _npy(np.array([1, "x"], dtype=object), allow_pickle=True)}
+    with pytest.raises(DataError, match="u.tar: sample .*allow_pickle"):
+        decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+
+
+def test_wrong_dtype_and_grid_mismatch_are_refused(dataset, image_spec):
+    key, members = _first_members(dataset)
+    bad = {**members, "input_ids.npy": _npy(np.zeros(3, dtype=np.int64))}
+    with pytest.raises(DataError, match="input_ids.npy is int64"):
+        decode_sample(bad, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+    grid = np.load(io.BytesIO(members["image_grid_thw.npy"]))
+    grid[0, 1] += 2
+    bad = {**members, "image_grid_thw.npy": _npy(grid)}
+    with pytest.raises(DataError, match="but the sample stores grid"):
+        decode_sample(bad, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+
+
+def test_sample_fields(dataset, image_spec):
+    key, members = _first_members(dataset)
+    s = decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+    assert s.key == key and s.id.startswith("trace-")
+    assert s.input_ids.dtype == np.int32 and s.position_ids.shape == (3, s.num_tokens)
+    assert len(s.image_index) == len(s.image_grid_thw) and all(im.dtype == np.uint8 for im in s.images)
+
+
+def test_png_member_decodes_to_the_same_pixels(dataset, image_spec):
+    key, members = _first_members(dataset)
+    s = decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+    buf = io.BytesIO()
+    Image.fromarray(s.images[0]).save(buf, format="PNG")
+    np.testing.assert_array_equal(decode_image("img000.png", buf.getvalue(), None), s.images[0])
+
+
+def test_original_format_is_resized_at_load_time_like_the_build(traces, dataset, image_spec, tmp_path):
+    orig = build_dataset(traces, tmp_path / "orig", image_format="original")
+    a, b = read_all_samples(dataset, image_spec), read_all_samples(orig, image_spec)
+    assert [s.id for s in a] == [s.id for s in b] and sum(len(s.images) for s in a) > 0
+    for x, y in zip(a, b):
+        assert len(x.images) == len(y.images)
+        for u, v in zip(x.images, y.images):
+            np.testing.assert_array_equal(u, v)

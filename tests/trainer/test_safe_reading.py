@@ -1,0 +1,107 @@
+"""Hostile or damaged shards at training time, through the real `python -m trainer` entry point: planted pickle
+members are refused before anything is deserialized, and every damaged shard is named in a one-line error."""
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import tarfile
+
+import numpy as np
+import pytest
+
+from tests.trainer.conftest import ROOT, trainer_cmd, trainer_env
+
+
+class _Boom:
+    """Unpickling this creates a file: the proof that nothing was unpickled or torch.load-ed."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _pickle_bytes(marker) -> bytes:
+    import pickle  # only to forge the hostile input; vlmprep and trainer never import it
+
+    return pickle.dumps(_Boom(str(marker)))
+
+
+def _object_npy(marker) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.array([_Boom(str(marker))], dtype=object), allow_pickle=True)
+    return buf.getvalue()
+
+
+def _rewrite_shard(dataset, dst, edit, *, fix_manifest=True):
+    """Copy the dataset and rewrite shard-000000.tar; with fix_manifest the attacker also updates bytes/sha256,
+    so only the decoder stands between the member and the trainer."""
+    shutil.copytree(dataset, dst)
+    tar = dst / "shard-000000.tar"
+    with tarfile.open(tar) as tf:
+        members = [(m.name, tf.extractfile(m).read()) for m in tf.getmembers()]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in edit(members):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    tar.write_bytes(buf.getvalue())
+    if fix_manifest:
+        m = json.loads((dst / "manifest.json").read_text())
+        m["shards"][0].update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
+        (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def _train(data, out, workers=1) -> subprocess.CompletedProcess:
+    args = ["--data", data, "--out", out, "--max-steps", 2, "--micro-batch-size", 2, "--num-workers", workers]
+    return subprocess.run(trainer_cmd(args, 1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("trainer: error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("member,forge", [
+    ("0000000000.state.pyd", _pickle_bytes),     # webdataset's default decoders would unpickle this
+    ("0000000000.weights.pth", _pickle_bytes),   # ... and torch.load this
+    ("0000000000.input_ids.npy", _object_npy),   # an object array: np.load(allow_pickle=True) would run it
+])
+def test_planted_pickle_members_are_refused_and_never_run(dataset, tmp_path, member, forge):
+    marker = tmp_path / "unpickled"
+    evil = forge(marker)
+
+    def plant(members):
+        return [(n, d) for n, d in members if n != member] + [(member, evil)]
+
+    data = _rewrite_shard(dataset, tmp_path / "d", lambda ms: sorted(plant(ms), key=lambda x: x[0]))
+    err = _one_line_error(_train(data, tmp_path / "run", workers=1))
+    assert "shard-000000.tar" in err and member.split(".", 1)[1] in err and "refus" in err, err
+    assert not marker.exists()
+
+
+def test_truncated_shard_is_caught_at_start_up(dataset, tmp_path):
+    data = tmp_path / "d"
+    shutil.copytree(dataset, data)
+    tar = data / "shard-000003.tar"
+    tar.write_bytes(tar.read_bytes()[:5000])
+    err = _one_line_error(_train(data, tmp_path / "run"))
+    assert "shard-000003.tar" in err and "vlmprep verify" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before a single step
+
+
+def test_corrupted_shard_at_training_time_names_the_shard(dataset, tmp_path):
+    """Same size, garbage inside (a bit-rotted copy): found when the tar is read, with the shard in the error."""
+    def corrupt(members):
+        return [(n, b"\x00garbage" * (len(d) // 8 + 1) if n.endswith("input_ids.npy") else d) for n, d in members]
+
+    data = _rewrite_shard(dataset, tmp_path / "d", corrupt)
+    err = _one_line_error(_train(data, tmp_path / "run", workers=2))
+    assert "shard-000000.tar" in err, err

@@ -1,0 +1,109 @@
+"""Checkpoints: model + optimizer + step (which fixes the LR schedule) + every rank's data position and RNG ->
+a torch.distributed.checkpoint dir RUN/checkpoints/step-NNNNNNNN, renamed into place only once complete.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.config import ConfigError
+
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    step: int
+    epoch: int
+    position: int  # this rank's samples consumed in `epoch`
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[world, *t.shape], identical on every rank, so DCP stores it once as a replicated tensor."""
+    rank, world = _world()
+    if world == 1:
+        return t[None].clone()
+    parts = [torch.empty_like(t, device=device) for _ in range(world)]
+    dist.all_gather(parts, t.to(device))
+    return torch.stack([p.cpu() for p in parts])
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    root = checkpoint_dir(run_dir)
+    done = sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and (p / ".metadata").is_file()) \
+        if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int, net, optimizer,
+                    device: torch.device, keep: int) -> Path:
+    rank, world = _world()
+    root = checkpoint_dir(run_dir)
+    final, tmp = root / f"step-{step:08d}", root / f"step-{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(net, optimizer)
+    train = {"step": torch.tensor(step), "world": torch.tensor(world),
+             "data": _gather(torch.tensor([epoch, position], dtype=torch.int64), device)}
+    train.update({f"rng_{k}": _gather(v, device) for k, v in _rng_state(device).items()})
+    dcp.save({"model": model_sd, "optim": optim_sd, "train": train}, checkpoint_id=str(tmp))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        done = sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: Path, *, net, optimizer, device: torch.device) -> Resumed:
+    rank, world = _world()
+    head = {"train": {"step": torch.tensor(0), "world": torch.tensor(0)}}
+    dcp.load(head, checkpoint_id=str(path))
+    saved_world = int(head["train"]["world"])
+    if saved_world != world:
+        raise ConfigError(f"{path} was written by {saved_world} ranks, this run has {world}: exact data resume "
+                         f"needs the same number of ranks (or start a fresh run dir)")
+    model_sd, optim_sd = get_state_dict(net, optimizer)
+    rng = _rng_state(device)
+    train = {"step": torch.tensor(0), "world": torch.tensor(0), "data": torch.zeros(world, 2, dtype=torch.int64)}
+    train.update({f"rng_{k}": torch.zeros((world, *v.shape), dtype=v.dtype) for k, v in rng.items()})
+    state = {"model": model_sd, "optim": optim_sd, "train": train}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.set_rng_state(train["rng_cpu"][rank].clone())  # set_rng_state segfaults on a view with a storage offset
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(train["rng_cuda"][rank].clone(), device)
+    epoch, position = (int(x) for x in train["data"][rank])
+    return Resumed(step=int(train["step"]), epoch=epoch, position=position)

@@ -1,0 +1,166 @@
+"""Batches for one rank: its shards -> a sample stream split across DataLoader workers by position
+(i % W == w, so the order is the same for any W) -> micro-batches (count or token budget) -> steps.
+Position = samples consumed in the epoch; it is all a checkpoint needs to resume exactly.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from trainer.collate import Batch, CollateSpec, collate
+from trainer.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.shards import DataError, ShardRef, iter_tar_samples
+from trainer.vision import ImageSpec
+
+
+def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle: bool) -> list[ShardRef]:
+    """A rank's shard order for an epoch: manifest order, or a permutation fixed by (seed, epoch)."""
+    order = list(shards)
+    if shuffle:
+        random.Random(f"vlmprep-trainer:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+class RankStream(IterableDataset):
+    """The rank's shards concatenated (with stride=(r, R): only every R-th sample from r), from stream position
+    `start` on. Worker w of W decodes only positions start + w, start + w + W, ...; the DataLoader's in-order
+    round robin then restores the sequential order."""
+
+    def __init__(self, shards: list[ShardRef], *, start: int, spec: ImageSpec, stride: tuple[int, int] = (0, 1)):
+        self.shards, self.start, self.spec, self.stride = shards, start, spec, stride
+
+    def __iter__(self) -> Iterator[DecodedSample]:
+        info = get_worker_info()
+        w, W = (info.id, info.num_workers) if info else (0, 1)
+        r, R = self.stride
+        resize = OriginalResizer(self.spec)
+        offset = 0  # index of the shard's first sample in the concatenation of all shards
+        for shard in self.shards:
+            if shard.num_samples is not None and (offset + shard.num_samples - r + R - 1) // R <= self.start:
+                offset += shard.num_samples  # fully consumed before a resume: never opened
+                continue
+
+            def want(i: int, offset=offset) -> bool:
+                g = offset + i
+                return g % R == r and g // R >= self.start and (g // R - self.start) % W == w
+
+            count = 0
+            for i, key, members in iter_tar_samples(shard.url, want):
+                count += 1
+                if members is not None:
+                    sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize)
+                    sample.position, sample.worker = (offset + i) // R, w
+                    yield sample
+            if shard.num_samples is not None and count != shard.num_samples:
+                raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
+                                "truncated or replaced shard")
+            offset += count
+
+
+def _as_is(x):
+    return x
+
+
+def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int) -> DataLoader:
+    kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
+    return DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kw)
+
+
+@dataclass
+class MicroBatcher:
+    """Groups the stream into micro-batches: micro_batch_size samples, or as many as fit max_tokens
+    (rows x padded length; a longer sample goes alone). Counts the samples it emitted in `consumed`."""
+
+    samples: Iterator[DecodedSample]
+    collate_spec: CollateSpec
+    micro_batch_size: int = 1
+    max_tokens: int = 0
+    consumed: int = 0
+    _pending: DecodedSample | None = None
+    _done: bool = False
+
+    def _next_sample(self) -> DecodedSample | None:
+        if self._pending is not None:
+            s, self._pending = self._pending, None
+            return s
+        if self._done:
+            return None
+        s = next(self.samples, None)
+        self._done = s is None
+        return s
+
+    def next(self) -> Batch | None:
+        """The next micro-batch, or None once the stream is exhausted."""
+        group: list[DecodedSample] = []
+        longest = 0
+        while True:
+            s = self._next_sample()
+            if s is None:
+                break
+            if s.position != self.consumed + len(group):
+                raise DataError(f"sample stream out of order: got position {s.position}, "
+                                f"expected {self.consumed + len(group)}")
+            longest_if = max(longest, s.num_tokens)
+            if group and ((self.max_tokens and longest_if * (len(group) + 1) > self.max_tokens)
+                          or (not self.max_tokens and len(group) >= self.micro_batch_size)):
+                self._pending = s
+                break
+            group.append(s)
+            longest = longest_if
+            if not self.max_tokens and len(group) >= self.micro_batch_size:
+                break
+        if not group:
+            return None
+        self.consumed += len(group)
+        return collate(group, self.collate_spec)
+
+
+class StepLoader:
+    """A rank's steps: grad_accum micro-batches each; an exhausted rank yields empty micro-batches (the
+    'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted."""
+
+    def __init__(self, shards: list[ShardRef], *, spec: ImageSpec, collate_spec: CollateSpec, seed: int,
+                 shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
+                 prefetch_factor: int, stride: tuple[int, int] = (0, 1)):
+        self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
+        self.seed, self.shuffle = seed, shuffle
+        self.micro_batch_size, self.max_tokens, self.grad_accum = micro_batch_size, max_tokens, grad_accum
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.epoch = 0
+        self._batcher: MicroBatcher | None = None
+        self._loader: DataLoader | None = None
+
+    def start(self, epoch: int, position: int) -> None:
+        self.close()
+        self.epoch = epoch
+        stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
+                            start=position, spec=self.spec, stride=self.stride)
+        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor)
+        self._batcher = MicroBatcher(iter(self._loader), self.collate_spec, micro_batch_size=self.micro_batch_size,
+                                     max_tokens=self.max_tokens, consumed=position)
+
+    @property
+    def position(self) -> int:
+        return self._batcher.consumed
+
+    def next_step(self) -> list[Batch]:
+        out = []
+        for _ in range(self.grad_accum):
+            mb = self._batcher.next()
+            out.append(mb if mb is not None else collate([], self.collate_spec))
+        return out
+
+    def close(self) -> None:
+        # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
+        self._batcher = self._loader = None
+
+
+def steps_per_epoch(rank_samples: list[int | None], *, micro_batch_size: int, max_tokens: int,
+                    grad_accum: int) -> int | None:
+    """Known up front only for count batching over manifest counts: the busiest rank sets the length."""
+    if max_tokens or any(n is None for n in rank_samples):
+        return None
+    return max(-(-(-(-n // micro_batch_size)) // grad_accum) for n in rank_samples)

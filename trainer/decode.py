@@ -1,0 +1,153 @@
+"""Decode: one sample's raw tar members -> DecodedSample (numpy only). The only decoders are npy with
+allow_pickle=False, json and image bytes; unknown members are refused, so nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zstandard
+from PIL import Image
+
+from trainer.shards import DataError
+from trainer.vision import ImageSpec
+
+NPY_MEMBERS = {"input_ids.npy": (np.int32, 1), "loss_mask.npy": (np.uint8, 1),
+               "mm_token_type_ids.npy": (np.uint8, 1), "position_ids.npy": (np.int32, 2),
+               "image_grid_thw.npy": (np.int32, 2)}
+IMAGE_MEMBER = re.compile(r"^img\d{3}\.(npy\.zst|png|webp|orig\.(jpg|jpeg|png|webp|gif|bmp|tiff))$")
+MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
+
+
+@dataclass
+class DecodedSample:
+    key: str
+    id: str
+    input_ids: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # uint8 [L]
+    mm_token_type_ids: np.ndarray  # uint8 [L]
+    position_ids: np.ndarray  # int32 [3, L]
+    image_grid_thw: np.ndarray  # int32 [N, 3], one row per occurrence
+    images: list[np.ndarray]  # unique stored images, uint8 H x W x 3, already resized
+    image_index: list[int]  # occurrence -> images
+    position: int = -1  # index in the rank's sample stream (set by the reader)
+    worker: int = -1  # DataLoader worker that decoded it
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def check_member_names(names, *, url: str, key: str) -> None:
+    for name in names:
+        if name not in NPY_MEMBERS and name != "json" and not IMAGE_MEMBER.match(name):
+            raise DataError(f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format; "
+                            "refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle are never loaded)")
+    missing = [n for n in (*NPY_MEMBERS, "json") if n not in names]
+    if missing:
+        raise DataError(f"{url}: sample {key}: missing members {', '.join(missing)}")
+
+
+def _load_npy(data: bytes, name: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:  # an object array is a pickle inside the .npy
+        raise ValueError(f"{name}: {e}; refusing to unpickle") from None
+
+
+def _npy(data: bytes, name: str) -> np.ndarray:
+    dtype, ndim = NPY_MEMBERS[name]
+    arr = _load_npy(data, name)
+    if arr.dtype != dtype or arr.ndim != ndim:
+        raise ValueError(f"{name} is {arr.dtype} with {arr.ndim} dims, expected {np.dtype(dtype)} with {ndim}")
+    return arr
+
+
+class OriginalResizer:
+    """`img*.orig.*` members hold source bytes: resize them at load time with the saved processor's own
+    resize, exactly as vlmprep did when it counted the tokens."""
+
+    def __init__(self, spec: ImageSpec):
+        self.spec = spec
+        self._ip = None
+
+    def __call__(self, data: bytes) -> np.ndarray:
+        import torch
+
+        if self._ip is None:
+            from transformers import AutoImageProcessor
+
+            with tempfile.TemporaryDirectory() as tmp:
+                Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.spec.config))
+                self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True)
+        ip = self._ip
+        with Image.open(io.BytesIO(data)) as pil:
+            pil.load()
+            with torch.no_grad():
+                t = ip.process_image(pil, do_convert_rgb=ip.do_convert_rgb)
+                t = ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size)[0]
+        return np.ascontiguousarray(t.permute(1, 2, 0).numpy())
+
+
+def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:
+    if name.endswith(".npy.zst"):
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_IMAGE_BYTES)
+        arr = _load_npy(raw, name)
+    elif ".orig." in name:
+        arr = resize_original(data)
+    else:
+        with Image.open(io.BytesIO(data)) as im:
+            arr = np.array(im.convert("RGB"))
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"{name} decodes to {arr.dtype} {arr.shape}, expected uint8 H x W x 3")
+    return arr
+
+
+def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageSpec,
+                  resize_original: OriginalResizer) -> DecodedSample:
+    check_member_names(members, url=url, key=key)
+    try:
+        arrays = {name: _npy(members[name], name) for name in NPY_MEMBERS}
+        meta = json.loads(members["json"].decode("utf-8"))
+        unique: dict[str, int] = {}
+        images: list[np.ndarray] = []
+        index: list[int] = []
+        for im in meta["images"]:
+            member = im["member"]
+            if member not in unique:
+                if member not in members:
+                    raise ValueError(f"meta names image member {member!r} that the sample does not have")
+                unique[member] = len(images)
+                images.append(decode_image(member, members[member], resize_original))
+            index.append(unique[member])
+        sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
+                               loss_mask=arrays["loss_mask.npy"], mm_token_type_ids=arrays["mm_token_type_ids.npy"],
+                               position_ids=arrays["position_ids.npy"], image_grid_thw=arrays["image_grid_thw.npy"],
+                               images=images, image_index=index)
+        _validate(sample, meta, spec)
+    except (ValueError, KeyError, TypeError, OSError, zstandard.ZstdError) as e:
+        raise DataError(f"{url}: sample {key}: {type(e).__name__}: {e}") from None
+    return sample
+
+
+def _validate(s: DecodedSample, meta: dict, spec: ImageSpec) -> None:
+    n = s.num_tokens
+    if s.loss_mask.shape != (n,) or s.mm_token_type_ids.shape != (n,) or s.position_ids.shape != (3, n):
+        raise ValueError(f"member lengths disagree with input_ids length {n}")
+    grids = s.image_grid_thw
+    if grids.shape != (len(s.image_index), 3):
+        raise ValueError(f"image_grid_thw has shape {grids.shape} for {len(s.image_index)} image occurrences")
+    for k, u in enumerate(s.image_index):
+        h, w = s.images[u].shape[:2]
+        if spec.grid(h, w) != tuple(int(x) for x in grids[k]) or (h, w) != (meta["images"][k]["height"],
+                                                                           meta["images"][k]["width"]):
+            raise ValueError(f"image {k} is {h}x{w} (grid {spec.grid(h, w)}), but the sample stores grid "
+                             f"{grids[k].tolist()} and meta {meta['images'][k]['height']}x{meta['images'][k]['width']}")
+    n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(grids) else 0
+    if int(s.mm_token_type_ids.sum()) != n_image_tokens:
+        raise ValueError(f"{int(s.mm_token_type_ids.sum())} image tokens but the grids need {n_image_tokens}")

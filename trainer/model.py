@@ -1,0 +1,95 @@
+"""The model: an HF AutoModelForImageTextToText (checkpoint dir or a tiny random config) -> optional LoRA and
+activation checkpointing -> FSDP2 (each vision block and decoder layer, then the root) -> summed token loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.collate import IGNORE_INDEX, Batch
+
+TINY_CONFIGS = {
+    "qwen2-vl": dict(
+        model_type="qwen2_vl",
+        text_config=dict(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6}),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        tie_word_embeddings=True,
+    ),
+}
+LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def tiny_config(name: str):
+    from transformers import AutoConfig
+
+    cfg = dict(TINY_CONFIGS[name])
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_implementation: str = "sdpa",
+                activation_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0,
+                lora_dropout: float = 0.0, freeze_vision: bool = False) -> torch.nn.Module:
+    """fp32 weights on CPU, identical on every rank (same seed); FSDP moves each shard to the device."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    if tiny_random:
+        net = AutoModelForImageTextToText.from_config(tiny_config(tiny_random), dtype=torch.float32,
+                                                      attn_implementation=attn_implementation)
+    else:
+        net = AutoModelForImageTextToText.from_pretrained(model, local_files_only=True, dtype=torch.float32,
+                                                          attn_implementation=attn_implementation)
+    net.config.use_cache = False
+    if activation_checkpointing:
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        net = get_peft_model(net, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                             target_modules=LORA_TARGETS))
+        freeze_vision = True
+    if freeze_vision:
+        for name, p in net.named_parameters():
+            if ".visual." in f".{name}":
+                p.requires_grad_(False)
+    return net
+
+
+def image_token_id(net: torch.nn.Module) -> int:
+    return int(net.config.image_token_id)
+
+
+def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
+    """Block classes come from the model's own `_no_split_modules` (vision blocks and decoder layers).
+    Gradients are summed, not averaged: the loss is already divided by the global trained-token count."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    base = net.get_base_model() if hasattr(net, "get_base_model") else net
+    block_names = set(getattr(base, "_no_split_modules", None) or ())
+    blocks = [m for m in net.modules() if type(m).__name__ in block_names]
+    assert blocks, f"{type(base).__name__} declares no _no_split_modules: cannot find its blocks to shard"
+    for m in blocks:
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(net, mesh=mesh, mp_policy=mp)
+    for m in net.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; a factor of 1 needs no scaling
+    return net
+
+
+def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count.
+    Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep)."""
+    keep = torch.zeros_like(batch.labels, dtype=torch.bool)
+    keep[:, :-1] = batch.labels[:, 1:] != IGNORE_INDEX
+    targets = batch.labels[:, 1:][keep[:, :-1]]
+    out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+              mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixel_values,
+              image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False)
+    return F.cross_entropy(out.logits.float(), targets, reduction="sum")

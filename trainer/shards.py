@@ -1,0 +1,253 @@
+"""Read shards: a --data URL -> the shard list (with manifest counts when there is one) -> a token-balanced
+shard-to-rank plan -> raw tar members grouped per sample, opened with webdataset's opener.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import braceexpand
+from webdataset.gopen import gopen
+
+FORMAT_VERSION = 1
+REMOTE = ("http://", "https://")
+
+
+class DataError(RuntimeError):
+    """Unreadable, inconsistent or unsafe data; the message names the URL (and sample) that failed."""
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    url: str
+    name: str
+    num_samples: int | None = None  # from the manifest; None when the source has none
+    num_tokens: int | None = None
+    num_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class DataSource:
+    shards: tuple[ShardRef, ...]
+    processor: str | None  # local dir or URL of the dataset's saved processor
+    manifest: dict | None
+
+    @property
+    def counted(self) -> bool:
+        return all(s.num_samples is not None for s in self.shards)
+
+
+def _read_url(url: str) -> bytes:
+    if url.startswith(REMOTE):
+        stream = gopen(url)
+        try:
+            return stream.read()
+        finally:
+            try:
+                stream.close()
+            except Exception as e:  # noqa: BLE001 - curl exit status is reported here, e.g. 404
+                raise DataError(f"cannot fetch {url}: {e}") from None
+    return Path(url).read_bytes()
+
+
+def _load_manifest(base: str) -> dict:
+    url = base.rstrip("/") + "/manifest.json"
+    try:
+        manifest = json.loads(_read_url(url))
+    except (OSError, ValueError, DataError) as e:
+        raise DataError(f"cannot read {url}: {e}") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != FORMAT_VERSION:
+        raise DataError(f"{url}: format_version {version!r} is not supported by this trainer (it reads "
+                        f"format_version {FORMAT_VERSION}); rebuild the shards or upgrade the trainer")
+    return manifest
+
+
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.tar$")
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name if base.startswith(REMOTE) else str(Path(base) / name)
+
+
+def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> DataSource:
+    by_name = {s["name"]: s for s in manifest["shards"]}
+    names = only if only is not None else [s["name"] for s in manifest["shards"]]
+    shards = []
+    for name in names:
+        if not _SHARD_NAME.match(name):
+            raise DataError(f"{_join(base, 'manifest.json')}: shard name {name!r} is not a plain file name")
+        s = by_name.get(name)
+        if s is None:
+            raise DataError(f"{_join(base, name)} is not listed in {_join(base, 'manifest.json')}")
+        shards.append(ShardRef(_join(base, name), name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"])))
+    if not base.startswith(REMOTE):
+        _check_local_shards(shards, _join(base, "manifest.json"))
+    proc = manifest.get("processor", {}).get("dir", "processor")
+    return DataSource(tuple(shards), _join(base, proc), manifest)
+
+
+def _check_local_shards(shards: list[ShardRef], manifest_url: str) -> None:
+    """The cheap part of `vlmprep verify`, at start-up: every listed shard exists with the manifest's byte size,
+    so a missing or cut-off copy fails before any rank trains rather than hours in (sha256 is left to verify)."""
+    for s in shards:
+        try:
+            size = os.stat(s.url).st_size
+        except OSError as e:
+            raise DataError(f"{s.url}: listed in {manifest_url} but cannot be read ({e.strerror}); "
+                            "copy the dataset again or run `vlmprep verify`") from None
+        if size != s.num_bytes:
+            raise DataError(f"{s.url}: {size} bytes but {manifest_url} says {s.num_bytes}; the shard is truncated "
+                            "or was modified: copy it again and run `vlmprep verify DIR`")
+
+
+def resolve_data(url: str) -> DataSource:
+    """Dataset dir or base URL (manifest required), shard path/pattern/URL (manifest used when beside it),
+    or `pipe:` commands (no manifest)."""
+    if url.startswith("file:"):
+        url = url[len("file:"):]
+        if url.startswith("//"):
+            url = url[2:]
+    if url.startswith("pipe:"):
+        cmds = list(braceexpand.braceexpand(url))
+        return DataSource(tuple(ShardRef(c, c) for c in cmds), None, None)
+    remote = url.startswith(REMOTE)
+    is_pattern = "{" in url or url.endswith(".tar")
+    if not is_pattern:
+        if not remote and not Path(url).is_dir():
+            raise DataError(f"--data {url}: no such dataset dir (or pass a shard pattern like "
+                            "DIR/shard-{000000..000009}.tar)")
+        return _from_manifest(url, _load_manifest(url))
+    urls = list(braceexpand.braceexpand(url))
+    base = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
+    if any(u.rsplit("/", 1)[0] != base for u in urls):
+        raise DataError(f"--data {url}: all shards of a pattern must live in one directory")
+    if not remote:
+        missing = [u for u in urls if not Path(u).is_file()]
+        if missing:
+            raise DataError(f"--data {url}: {len(missing)} shard(s) missing, first: {missing[0]}")
+    names = [u.rsplit("/", 1)[-1] for u in urls]
+    has_manifest = Path(base, "manifest.json").is_file() if not remote else True
+    if has_manifest:
+        try:
+            return _from_manifest(base, _load_manifest(base), names)
+        except DataError:
+            if not remote:
+                raise
+    return DataSource(tuple(ShardRef(u, n) for u, n in zip(urls, names)), None, None)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which shards each rank reads, in manifest order; ranks never share a shard."""
+
+    per_rank: tuple[tuple[int, ...], ...]
+    rank_tokens: tuple[int, ...]
+    rank_samples: tuple[int | None, ...]
+    stride: bool = False  # fewer shards than ranks: every rank reads all shards, keeps every world-th sample
+
+    @property
+    def imbalance(self) -> float:
+        """max/mean of per-rank tokens: 1.0 is perfect; the pad policy idles ranks for about this much."""
+        mean = sum(self.rank_tokens) / max(len(self.rank_tokens), 1)
+        return max(self.rank_tokens) / mean if mean else 1.0
+
+
+def plan_shards(shards: tuple[ShardRef, ...], world: int) -> ShardPlan:
+    """Greedy longest-processing-time: biggest shard (by tokens) to the least-loaded rank. Without
+    manifest counts every shard weighs the same, which is then a round-robin. With fewer shards than
+    ranks, whole shards would leave ranks idle, so every rank strides over all samples instead."""
+    weight = [s.num_tokens if s.num_tokens is not None else 1 for s in shards]
+    counted = all(s.num_samples is not None for s in shards)
+    if 0 < len(shards) < world:
+        n = sum(s.num_samples for s in shards) if counted else None
+        samples = tuple(len(range(r, n, world)) if counted else None for r in range(world))
+        tokens = tuple(sum(weight) * k // n if counted and n else sum(weight) // world for k in samples)
+        return ShardPlan(tuple(tuple(range(len(shards))) for _ in range(world)), tokens, samples, stride=True)
+    order = sorted(range(len(shards)), key=lambda i: (-weight[i], i))
+    loads = [0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for i in order:
+        r = min(range(world), key=lambda k: (loads[k], len(owned[k]), k))
+        owned[r].append(i)
+        loads[r] += weight[i]
+    samples = tuple(sum(shards[i].num_samples for i in o) if counted else None for o in owned)
+    return ShardPlan(tuple(tuple(sorted(o)) for o in owned), tuple(loads), samples)
+
+
+def open_shard(url: str):
+    """Local files stay seekable, so members a worker skips are never read; others stream via gopen."""
+    if url.startswith(("pipe:",) + REMOTE):
+        return gopen(url)
+    return open(url, "rb")
+
+
+_KEY = re.compile(r"^[^.]+$")
+
+
+def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
+    """Yield (index in shard, key, members) per sample, in tar order; members is None when want(index) is
+    False, and then no member bytes were read from a seekable file."""
+    try:
+        stream = open_shard(url)
+    except OSError as e:
+        raise DataError(f"cannot open shard {url}: {e}") from None
+    mode = "r|" if url.startswith(("pipe:",) + REMOTE) else "r:"
+    finished = False
+    try:
+        with tarfile.open(fileobj=stream, mode=mode) as tar:
+            index, key, members = -1, None, None
+            for ti in tar:
+                if not ti.isfile():
+                    continue
+                name = os.path.basename(ti.name)
+                k, dot, ext = name.partition(".")
+                if not dot or not _KEY.match(k):
+                    raise DataError(f"{url}: member {ti.name!r} has no '<key>.<ext>' name")
+                if k != key:
+                    if key is not None:
+                        yield index, key, members
+                    index, key = index + 1, k
+                    members = {} if want(index) else None
+                if members is not None:
+                    if ext in members:
+                        raise DataError(f"{url}: sample {k} has member {ext!r} twice")
+                    members[ext] = tar.extractfile(ti).read()
+            if key is not None:
+                yield index, key, members
+        finished = True
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"{url}: unreadable, corrupt or truncated tar: {e}") from None
+    finally:
+        try:
+            stream.close()
+        except Exception as e:  # noqa: BLE001 - a reader stopped early kills curl/pipe; only a full read must succeed
+            if finished:
+                raise DataError(f"{url}: reader failed: {e}") from None
+
+
+def load_image_processor_config(location: str) -> dict:
+    """The image processor's saved settings: `processor_config.json` (transformers 5) or the older
+    `preprocessor_config.json`, from a local dir or a URL."""
+    errors = []
+    for name, pick in (("processor_config.json", lambda d: d.get("image_processor")),
+                       ("preprocessor_config.json", lambda d: d)):
+        url = _join(location, name)
+        if not url.startswith(REMOTE) and not Path(url).is_file():
+            errors.append(f"{url}: no such file")
+            continue
+        try:
+            cfg = pick(json.loads(_read_url(url)))
+        except (OSError, ValueError, DataError) as e:
+            errors.append(f"{url}: {e}")
+            continue
+        if isinstance(cfg, dict):
+            return cfg
+        errors.append(f"{url}: no image processor settings")
+    raise DataError(f"cannot load the image processor from {location} ({'; '.join(errors)}); "
+                    "pass --processor DIR pointing at the processor the shards were built with")
