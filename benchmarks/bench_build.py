@@ -3,7 +3,6 @@ render time (the floor) on the same records; peak RSS at 1k vs 10k records; shar
 the input's decoded bytes."""
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import json
@@ -121,17 +120,10 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
                          input_decoded_bytes=in_bytes, shard_bytes=shard_bytes,
                          ratio=round(shard_bytes / in_bytes, 3), build_seconds=round(t, 2), goal_ratio=1.1))
 
-    sizes = (200, 2000) if quick else (1000, 10000)
+    sizes = (20, 100) if quick else (1000, 10000)
     r_small, r_big = rss_child(sizes[0], 1), rss_child(sizes[1], 1)
     rows.append(emit("build", metric="peak_rss", records_small=sizes[0], records_big=sizes[1],
                      main_rss_mb_small=round(r_small["main_rss_mb"], 1), main_rss_mb_big=round(r_big["main_rss_mb"], 1),
                      ratio=round(r_big["main_rss_mb"] / r_small["main_rss_mb"], 3), goal_ratio=1.1, goal_mb=1024))
     return rows
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--records", type=int, default=None)
-    a = ap.parse_args()
-    run(a.quick, a.records)

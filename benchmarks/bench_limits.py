@@ -2,7 +2,6 @@
 cache, PNG / JPEG / WebP / raw+zstd decode of a real demo screenshot, and the processor's normalize+patchify."""
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import re
@@ -93,10 +92,3 @@ def run(quick: bool, shard: Path | None = None) -> dict:
          **{f"bytes_{k}": v for k, v in floors["bytes"].items()})
     return floors
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shard", type=Path, default=None)
-    a = ap.parse_args()
-    run(a.quick, a.shard)

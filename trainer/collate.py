@@ -58,25 +58,33 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     lens = np.array([s.num_tokens for s in samples] or [1], dtype=np.int64)
     dummy = not any(s.image_index for s in samples)
     B, L = len(lens), int(lens.max()) + int(dummy and lens[0] == lens.max())
-    rows = np.repeat(np.arange(B), lens)
-    cols = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+    # Right padding: the real tokens are exactly `valid`, and a boolean-mask assignment fills it in row-major
+    # order, i.e. in the order of the concatenated samples (several times faster than row/col fancy indexing).
+    valid = np.arange(L) < lens[:, None]
 
     ids = np.full((B, L), spec.pad_id, dtype=np.int64)
-    mask = np.zeros((B, L), dtype=np.int64)
+    mask = valid.astype(np.int64)
     labels = np.full((B, L), IGNORE_INDEX, dtype=np.int64)
     mm = np.zeros((B, L), dtype=np.int64)
     pos = np.zeros((3, B, L), dtype=np.int64)
-    mask[rows, cols] = 1
     if samples:
         flat_ids = np.concatenate([s.input_ids for s in samples])
-        ids[rows, cols] = flat_ids
-        labels[rows, cols] = np.where(np.concatenate([s.loss_mask for s in samples]) == 1, flat_ids, IGNORE_INDEX)
-        mm[rows, cols] = np.concatenate([s.mm_token_type_ids for s in samples])
-        pos[:, rows, cols] = np.concatenate([s.position_ids for s in samples], axis=1)
+        flat_mm = np.concatenate([s.mm_token_type_ids for s in samples])
+        if (flat_ids[flat_mm == 1] != spec.image_token_id).any():
+            raise DataError(f"samples {[s.id for s in samples]} mark image tokens that are not the model's image "
+                            f"token {spec.image_token_id}: the shards were built for another model family")
+        ids[valid] = flat_ids
+        flat_mask = np.concatenate([s.loss_mask for s in samples])
+        labels[valid] = np.where(flat_mask == 1, flat_ids, IGNORE_INDEX)
+        # labels[:, 1:] != IGNORE_INDEX, counted without a pass over B x L: all trained tokens but each row's first
+        num_trained = int(np.count_nonzero(flat_mask)) - int(np.count_nonzero(flat_mask[np.cumsum(lens) - lens]))
+        mm[valid] = flat_mm
+        flat_pos = np.concatenate([s.position_ids for s in samples], axis=1)
+        for k in range(3):  # per row: a leading slice makes numpy's mask assignment ~8x slower
+            pos[k][valid] = flat_pos[k]
+    else:
+        num_trained = 0
 
-    if samples and (ids[mm == 1] != spec.image_token_id).any():
-        raise DataError(f"samples {[s.id for s in samples]} mark image tokens that are not the model's image "
-                        f"token {spec.image_token_id}: the shards were built for another model family")
     images: list[np.ndarray] = []
     index: list[int] = []
     grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
@@ -98,4 +106,4 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
                  images=[torch.from_numpy(im) for im in images], image_index=index,
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples],
                  num_tokens=int(sum(s.num_tokens for s in samples)),
-                 num_trained=int((labels[:, 1:] != IGNORE_INDEX).sum()))
+                 num_trained=num_trained)

@@ -1,0 +1,44 @@
+"""Collate benchmark: time to collate 1,024 decoded samples into one padded batch (seed reference 16.2 ms)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from benchmarks.emit import emit
+
+
+def samples(n: int, seed: int = 0):
+    from trainer.decode import DecodedSample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(64, 1024))
+        out.append(DecodedSample(
+            key=f"{i:010d}", id=f"s{i}", input_ids=rng.integers(0, 151000, L, dtype=np.int32),
+            loss_mask=(rng.random(L) < 0.4).astype(np.uint8), mm_token_type_ids=np.zeros(L, np.uint8),
+            position_ids=np.broadcast_to(np.arange(L, dtype=np.int32), (3, L)).copy(),
+            image_grid_thw=np.zeros((0, 3), np.int32), images=[], image_index=[], position=i))
+    return out
+
+
+def run(quick: bool) -> list[dict]:
+    import torch
+
+    from trainer.collate import CollateSpec, collate
+
+    torch.set_num_threads(1)
+    batch = samples(1024)
+    spec = CollateSpec(pad_id=151643, image_token_id=151655, patch_size=14, merge_size=2)
+    collate(batch, spec)  # warm-up
+    times = []
+    for _ in range(3 if quick else 20):
+        t0 = time.perf_counter()
+        out = collate(batch, spec)
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    return [emit("collate", samples=1024, tokens=int(sum(s.num_tokens for s in batch)),
+                 padded_shape=list(out.input_ids.shape), median_ms=round(ms, 3), goal_ms=10, seed_reference_ms=16.2)]
+

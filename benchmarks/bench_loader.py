@@ -1,0 +1,167 @@
+"""Loader benchmark: the trainer's data path (shard read -> decode -> pixel_values -> collated batch) against
+the online baseline that peers use (TRL's DataCollatorForVisionLanguageModeling over raw records in a
+DataLoader), on the same demo agent traces, with 0 and 2 workers, per --image-format; plus the floor ratio."""
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.bench_build import TOOL_TEMPLATE, timed_build
+from benchmarks.emit import emit
+from benchmarks.inputs import OUT, traces
+
+
+def trainer_pass(ds: Path, workers: int) -> tuple[float, int, int, int]:
+    """One epoch of the trainer's data path on one rank; returns seconds, samples, tokens, images."""
+    from trainer.collate import CollateSpec
+    from trainer.data import MicroBatcher, RankStream, sample_loader
+    from trainer.shards import load_image_processor_config, plan_shards, resolve_data
+    from trainer.vision import ImageSpec, Patchifier
+
+    source = resolve_data(str(ds))
+    spec = ImageSpec.from_config(load_image_processor_config(source.processor))
+    shards = [source.shards[i] for i in plan_shards(source.shards, 1).per_rank[0]]
+    patchify = Patchifier(spec, "cpu")
+    cspec = CollateSpec(pad_id=151643, image_token_id=151655, patch_size=spec.patch_size, merge_size=spec.merge_size)
+    t0 = time.perf_counter()
+    loader = sample_loader(RankStream(shards, start=0, spec=spec), num_workers=workers, prefetch_factor=4)
+    batcher = MicroBatcher(iter(loader), cspec, micro_batch_size=1)
+    samples = tokens = images = 0
+    while (batch := batcher.next()) is not None:
+        pv = patchify(batch.images, batch.image_index)
+        samples += batch.num_samples
+        tokens += batch.num_tokens
+        images += len(batch.image_index)
+        assert pv.shape[0] == int(batch.image_grid_thw.prod(dim=1).sum())
+    return time.perf_counter() - t0, samples, tokens, images
+
+
+def _online_path() -> str:
+    try:
+        import trl.trainer.sft_trainer  # noqa: F401  (`pip install -e .[bench]`)
+        return "online_trl_collator"
+    except ImportError:
+        return "online_apply_chat_template"
+
+
+ONLINE_PATH = _online_path()
+
+
+class _ApplyChatTemplate:
+    """The baseline where TRL is not installed: the processor's apply_chat_template per sample (as SkyRL does)."""
+
+    def __init__(self, processor, template: str | None):
+        self.processor, self.template = processor, template
+
+    def __call__(self, examples):
+        kw = {"chat_template": self.template} if self.template else {}
+        return self.processor.apply_chat_template(examples[0]["messages"], tokenize=True, return_dict=True,
+                                                  return_tensors="pt", **kw)
+
+
+class OnlineRecords(Dataset):
+    """Raw JSON lines rendered per sample on the fly, the way TRL/SkyRL feed a VLM: parse, decode the base64
+    screenshots, and let the processor apply the chat template and process every image."""
+
+    def __init__(self, lines: list[bytes], processor_dir: str, template: str | None):
+        self.lines, self.processor_dir, self.template = lines, processor_dir, template
+        self._collator = None
+
+    def _collate(self):
+        if self._collator is None:  # built lazily inside each worker process
+            from transformers import AutoProcessor
+
+            torch.set_num_threads(1)
+            proc = AutoProcessor.from_pretrained(self.processor_dir, local_files_only=True)
+            if ONLINE_PATH == "online_trl_collator":
+                from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+                self._collator = DataCollatorForVisionLanguageModeling(proc, chat_template=self.template)
+            else:
+                self._collator = _ApplyChatTemplate(proc, self.template)
+        return self._collator
+
+    def __len__(self):
+        return len(self.lines)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        from vlmprep.normalize import NormalizeOptions, normalize_record
+        from vlmprep.render import template_messages
+        from vlmprep.types import Source
+
+        conv = normalize_record(json.loads(self.lines[i]), Source("/bench/x.jsonl", i + 1), NormalizeOptions())
+        images = [Image.open(io.BytesIO(im.data)).convert("RGB") for im in conv.images]
+        msgs = template_messages(conv)
+        # Images go into their parts here: TRL's own placeholder filling skips `tool` messages (agent screenshots).
+        it = iter(images)
+        for m in msgs:
+            for part in m["content"] if isinstance(m["content"], list) else []:
+                if part["type"] == "image":
+                    part["image"] = next(it)
+        out = self._collate()([{"messages": msgs, "images": []}])
+        return int(out["input_ids"].numel()), len(images)
+
+
+def online_pass(inp: Path, processor_dir: Path, workers: int, template: str | None) -> tuple[float, int, int]:
+    import zstandard
+
+    lines = [l for l in zstandard.ZstdDecompressor().stream_reader(open(inp, "rb")).read().splitlines() if l.strip()]
+    ds = OnlineRecords(lines, str(processor_dir), template)
+    t0 = time.perf_counter()
+    samples = tokens = 0
+    for n_tok, _ in DataLoader(ds, batch_size=None, num_workers=workers, prefetch_factor=4 if workers else None):
+        samples += 1
+        tokens += n_tok
+    return time.perf_counter() - t0, samples, tokens
+
+
+def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[dict]:
+    torch.set_num_threads(1)
+    n = n or (6 if quick else 200)
+    size = (320, 200) if quick else (1280, 720)
+    inp = traces(n, width=size[0], height=size[1], max_images=4 if quick else 25, overlong_fraction=0.0)
+    template = TOOL_TEMPLATE.read_text() if TOOL_TEMPLATE.exists() else None
+    rows = []
+    online = {}
+    built = {}
+    for fmt in (("zstd", "png") if quick else ("zstd", "png", "webp", "original")):
+        ds = OUT / f"loader-{fmt}"
+        timed_build(inp, ds, image_format=fmt, workers=1 if quick else 2)
+        built[fmt] = ds
+    for w in (0, 2):
+        t, s, tok = online_pass(inp, built["zstd"] / "processor", w, template)
+        online[w] = t
+        rows.append(emit("loader", path=ONLINE_PATH, workers=w, records=n, samples=s, seconds=round(t, 3),
+                         samples_per_s=round(s / t, 2), tokens_per_s=round(tok / t)))
+    for fmt, ds in built.items():
+        for w in (0, 2):
+            t, s, tok, imgs = trainer_pass(ds, w)
+            row = dict(path="vlmprep_shards", image_format=fmt, workers=w, samples=s, images=imgs, seconds=round(t, 3),
+                       samples_per_s=round(s / t, 2), tokens_per_s=round(tok / t),
+                       speedup_vs_online=round(online[w] / t, 2), goal_speedup=20)
+            if floors and w == 0:
+                floor_s = _floor_seconds(ds, imgs, fmt, floors)
+                row.update(floor_seconds=round(floor_s, 3), time_over_floor=round(t / floor_s, 3), goal_over_floor=1.5)
+            rows.append(emit("loader", **row))
+    return rows
+
+
+def _floor_seconds(ds: Path, images: int, fmt: str, floors: dict) -> float:
+    """Reading the shard bytes at page-cache speed + decoding each stored image + the image processor's own
+    normalize/patchify of it (the work that cannot be skipped, one core)."""
+    from benchmarks.bench_limits import tar_read_mb_s
+
+    tars = sorted(ds.glob("shard-*.tar"))
+    mb_s = floors.get("tar_read_mb_s") or tar_read_mb_s(tars[0])
+    read = sum(p.stat().st_size for p in tars) / (mb_s * 1e6)
+    decode = {"zstd": "zstd_stored", "png": "png_stored", "webp": "webp_stored", "original": "png_source"}[fmt]
+    per_image_ms = floors["decode_ms"][decode] + floors["processor_normalize_patchify_ms"]
+    return read + images * per_image_ms / 1e3
+

@@ -1,0 +1,44 @@
+"""`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
+build -> limits (floors, incl. tar read speed of a real shard) -> loader (vs online, as a multiple of the floor)
+-> collate -> balance. `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks import bench_balance, bench_build, bench_collate, bench_limits, bench_loader
+from benchmarks.emit import emit, machine
+from benchmarks.inputs import OUT
+
+BENCHES = ("build", "limits", "loader", "collate", "balance")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run")
+    ap.add_argument("--quick", action="store_true", help="tiny inputs: checks that everything runs")
+    ap.add_argument("--records", type=int, default=None, help="records for build/loader (default 200, quick 6)")
+    ap.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
+    a = ap.parse_args(argv)
+    only = [b.strip() for b in a.only.split(",") if b.strip()]
+    unknown = set(only) - set(BENCHES)
+    if unknown:
+        ap.error(f"--only: unknown {sorted(unknown)}; choose from {', '.join(BENCHES)}")
+    emit("machine", quick=a.quick, **machine())
+    t0 = time.perf_counter()
+    if "build" in only:
+        bench_build.run(a.quick, a.records)
+    floors = None
+    if "limits" in only or "loader" in only:
+        shard = next(iter(sorted((OUT / "build-w1").glob("shard-*.tar"))), None)
+        floors = bench_limits.run(a.quick, shard)
+    if "loader" in only:
+        bench_loader.run(a.quick, a.records, floors)
+    if "collate" in only:
+        bench_collate.run(a.quick)
+    if "balance" in only:
+        bench_balance.run(a.quick)
+    emit("done", seconds=round(time.perf_counter() - t0, 1))
+
+
+if __name__ == "__main__":
+    main()
