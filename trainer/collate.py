@@ -85,7 +85,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     else:
         num_trained = 0
 
-    images: list[np.ndarray] = []
+    images: list = []  # uint8 H x W x 3, numpy or (from a DataLoader worker) tensors
     index: list[int] = []
     grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
     for s in samples:
@@ -103,7 +103,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
                  labels=torch.from_numpy(labels), position_ids=torch.from_numpy(pos),
                  mm_token_type_ids=torch.from_numpy(mm),
                  image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
-                 images=[torch.from_numpy(im) for im in images], image_index=index,
+                 images=[torch.as_tensor(im) for im in images], image_index=index,
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples],
                  num_tokens=int(sum(s.num_tokens for s in samples)),
                  num_trained=num_trained)

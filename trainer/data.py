@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.collate import Batch, CollateSpec, collate
@@ -60,13 +61,17 @@ class RankStream(IterableDataset):
             offset += count
 
 
-def _as_is(x):
-    return x
+def _to_shared(sample):
+    """Runs in the DataLoader worker: images become tensors, which the worker hands over in shared memory;
+    numpy arrays would be pickled through the queue (a 1288x728 screenshot is 2.8 MB; 3x slower end to end)."""
+    if sample.images and not isinstance(sample.images[0], torch.Tensor):
+        sample.images = [torch.from_numpy(im) for im in sample.images]
+    return sample
 
 
 def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int) -> DataLoader:
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
-    return DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_as_is, **kw)
+    return DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_to_shared, **kw)
 
 
 @dataclass

@@ -58,26 +58,41 @@ class Patchifier:
             return x * s.rescale_factor
         return x.to(torch.float32)
 
-    def patchify(self, images: torch.Tensor) -> torch.Tensor:
-        """images: uint8 N x H x W x 3 of one shape -> float32 N x (H/p * W/p) x (3 * t * p * p)."""
+    def _patch_view(self, x: torch.Tensor) -> torch.Tensor:
+        """scaled float C x H x W -> a view in patch order, (gh/m, gw/m, m, m, C, t, p, p), t broadcast."""
         s = self.spec
         p, m, t = s.patch_size, s.merge_size, s.temporal_patch_size
-        n, h, w, c = images.shape
+        c, h, w = x.shape
         gh, gw = h // p, w // p
         assert gh * p == h and gw * p == w and gh % m == 0 and gw % m == 0, \
             f"image {h}x{w} is not a multiple of patch {p} x merge {m}: was it resized by the processor?"
-        x = images.permute(0, 3, 1, 2).reshape(n, c, gh // m, m, p, gw // m, m, p)
-        x = self._scale(x.permute(0, 2, 5, 3, 6, 1, 4, 7))  # channel axis sits before the two patch axes
-        return x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1).reshape(n, gh * gw, c * t * p * p)
+        x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        return x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
+
+    def num_patches(self, image: torch.Tensor) -> int:
+        h, w = image.shape[0], image.shape[1]
+        return (h // self.spec.patch_size) * (w // self.spec.patch_size)
 
     def __call__(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
-        """Unique uint8 images + per-occurrence index -> pixel_values of all occurrences in token order."""
-        by_shape: dict[tuple, list[int]] = {}
-        for u, im in enumerate(images):
-            by_shape.setdefault(tuple(im.shape), []).append(u)
-        patches: list[torch.Tensor | None] = [None] * len(images)
-        for members in by_shape.values():
-            stacked = torch.stack([images[u].to(self.device, non_blocking=True) for u in members])
-            for u, out in zip(members, self.patchify(stacked)):
-                patches[u] = out
-        return torch.cat([patches[u] for u in index], dim=0)
+        """Unique uint8 H x W x 3 images + per-occurrence index -> float32 pixel_values of all occurrences in token
+        order, (sum of patches) x (3 * t * p * p). Each image is scaled on a contiguous C x H x W copy and
+        gathered straight into its rows of the output: pixel_values are large (a 1288x728 screenshot is 22 MB),
+        so every extra pass over them (a stack, a reshape copy, a cat) costs more than the arithmetic."""
+        s = self.spec
+        dim = 3 * s.temporal_patch_size * s.patch_size * s.patch_size
+        sizes = [self.num_patches(images[u]) for u in index]
+        out = torch.empty((sum(sizes), dim), dtype=torch.float32, device=self.device)
+        first: dict[int, tuple[int, int]] = {}
+        row = 0
+        for u, n in zip(index, sizes):
+            rows = out[row:row + n]
+            if u in first:  # a repeated image: copy its rows instead of recomputing them
+                a, b = first[u]
+                rows.copy_(out[a:b])
+            else:
+                x = self._scale(images[u].to(self.device, non_blocking=True).permute(2, 0, 1).contiguous())
+                target = self._patch_view(x)
+                rows.view(target.shape).copy_(target)
+                first[u] = (row, row + n)
+            row += n
+        return out
