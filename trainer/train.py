@@ -107,7 +107,7 @@ def run(cfg: TrainConfig) -> dict | None:
             counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if source.counted else 'shards'}"
                                for r, (s, t) in enumerate(zip(plan.per_rank, plan.rank_tokens)))
             if plan.stride:
-                counts = f"fewer shards than ranks: every rank reads all shards and decodes every {world}th sample"
+                counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
             print(f"trainer: {len(source.shards)} shards over {world} ranks ({counts}); max/mean imbalance "
                   f"{plan.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
                   f"micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)

@@ -47,6 +47,12 @@ class Renderer:
             processor.chat_template = template
             if getattr(processor.tokenizer, "chat_template", None) is not None:
                 processor.tokenizer.chat_template = template
+        # vlmprep truncates to --seq-len itself (never inside an image); the tokenizer's "longer than the
+        # specified maximum" warning about the untruncated render is noise. Mark it shown instead of changing
+        # model_max_length, so the processor copy saved with the shards stays byte-identical.
+        warned = getattr(processor.tokenizer, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         policy = MaskPolicy(train_on_roles=frozenset(cfg.train_on_roles), train_on_eos=cfg.train_on_eos,
                             last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls)
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
