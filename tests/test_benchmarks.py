@@ -14,7 +14,7 @@ REQUIRED = {
     ("build", "overhead_vs_processor_render"): {"ratio", "overhead_pct", "goal_pct"},
     ("build", "speedup_2_workers"): {"ratio", "goal"},
     ("build", "shard_bytes_vs_input"): {"image_format", "input_decoded_bytes", "shard_bytes", "ratio"},
-    ("build", "peak_rss"): {"main_rss_mb_small", "main_rss_mb_big", "ratio"},
+    ("build", "peak_rss"): {"workers", "main_rss_mb_small", "main_rss_mb_big", "worker_rss_mb_big", "ratio"},
     ("limits", None): {"tar_read_mb_s", "decode_ms_zstd_stored", "decode_ms_png_source", "decode_ms_jpeg_q90",
                        "processor_normalize_patchify_ms", "processor_full_ms"},
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
