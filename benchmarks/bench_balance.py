@@ -23,8 +23,9 @@ def shard_lengths(ds: Path) -> list[list[int]]:
     return out
 
 
-def steps_tokens(rank_lengths: list[list[int]], *, micro: int = 0, budget: int = 0) -> np.ndarray:
-    """Per-step padded tokens of each rank: count batching (micro samples) or token budget (rows x longest)."""
+def steps_tokens(rank_lengths: list[list[int]], *, micro: int = 0, budget: int = 0, accum: int = 1) -> np.ndarray:
+    """Per-step padded tokens of each rank: count batching (micro samples) or token budget (rows x longest),
+    `accum` micro-batches per optimizer step (gradient accumulation)."""
     per_rank = []
     for lengths in rank_lengths:
         steps, group = [], []
@@ -35,7 +36,8 @@ def steps_tokens(rank_lengths: list[list[int]], *, micro: int = 0, budget: int =
             group.append(L)
         if group:
             steps.append(max(group) * len(group))
-        per_rank.append(steps)
+        steps += [0] * (-len(steps) % accum)
+        per_rank.append([sum(steps[i:i + accum]) for i in range(0, len(steps), accum)])
     n = max(len(s) for s in per_rank)
     return np.array([s + [0] * (n - len(s)) for s in per_rank], dtype=np.float64)  # exhausted ranks idle
 
@@ -69,6 +71,7 @@ def run(quick: bool, n: int | None = None, world: int = 8) -> list[dict]:
                          epoch_tokens_max_over_mean=round(max(totals) / (sum(totals) / world), 4),
                          step_max_over_mean_micro1=round(imbalance(steps_tokens(ranks, micro=1)), 4),
                          step_max_over_mean_budget=round(imbalance(steps_tokens(ranks, budget=budget)), 4),
+                         step_max_over_mean_budget_accum8=round(imbalance(steps_tokens(ranks, budget=budget, accum=8)), 4),
                          token_budget=budget, goal=1.05))
     return rows
 

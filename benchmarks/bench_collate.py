@@ -1,4 +1,6 @@
-"""Collate benchmark: time to collate 1,024 decoded samples into one padded batch (seed reference 16.2 ms)."""
+"""Collate benchmark: time to collate 1,024 decoded samples into one padded batch (seed reference 16.2 ms), and,
+apart, the widening to int64 plus labels/attention mask that `Batch.to(device)` does on the training device
+(measured here on the CPU, the worst case)."""
 from __future__ import annotations
 
 import statistics
@@ -27,9 +29,10 @@ def samples(n: int, seed: int = 0):
 def run(quick: bool) -> list[dict]:
     import torch
 
-    from trainer.collate import CollateSpec, collate
+    from trainer.collate import CollateSpec, collate, keep_freed_buffers
 
     torch.set_num_threads(1)
+    keep_freed_buffers()  # as the trainer does at start
     batch = samples(1024)
     spec = CollateSpec(pad_id=151643, image_token_id=151655, patch_size=14, merge_size=2)
     collate(batch, spec)  # warm-up
@@ -39,6 +42,15 @@ def run(quick: bool) -> list[dict]:
         out = collate(batch, spec)
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
+    widen = []
+    for _ in range(3 if quick else 20):
+        t0 = time.perf_counter()
+        dev = out.to("cpu")
+        dev.labels, dev.attention_mask  # noqa: B018 - made where the model uses them
+        widen.append(time.perf_counter() - t0)
     return [emit("collate", samples=1024, tokens=int(sum(s.num_tokens for s in batch)),
-                 padded_shape=list(out.input_ids.shape), median_ms=round(ms, 3), goal_ms=10, seed_reference_ms=16.2)]
+                 padded_shape=list(out.input_ids.shape), host_bytes=sum(t.nbytes for t in (
+                     out.input_ids, out.loss_mask, out.lengths, out.position_ids, out.mm_token_type_ids)),
+                 median_ms=round(ms, 3), goal_ms=10, seed_reference_ms=16.2,
+                 widen_on_cpu_median_ms=round(statistics.median(widen) * 1e3, 3))]
 

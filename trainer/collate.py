@@ -1,8 +1,10 @@
 """Collate: DecodedSamples -> Batch, the first tensors. Vectorized: each field is one scatter into a right-padded
-B x L layout; labels = input_ids with IGNORE_INDEX where loss_mask == 0.
+B x L layout in compact dtypes; labels (input_ids with IGNORE_INDEX where loss_mask == 0) and the attention mask
+are made on the device.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,11 +18,14 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class Batch:
-    input_ids: torch.Tensor  # int64 [B, L]
-    attention_mask: torch.Tensor  # int64 [B, L]
-    labels: torch.Tensor  # int64 [B, L], IGNORE_INDEX where untrained or padding
-    position_ids: torch.Tensor  # int64 [3, B, L], the stored MRoPE positions
-    mm_token_type_ids: torch.Tensor  # int64 [B, L]
+    """On the host (what collate makes) the token fields are compact: int32 ids and positions, uint8 masks, a
+    third of the bytes of int64 to fill and to copy to the device. `to(device)` widens them to the int64 the
+    model takes; labels and attention_mask are derived from loss_mask and lengths where they are used."""
+    input_ids: torch.Tensor  # int32 [B, L] on the host, int64 after to()
+    loss_mask: torch.Tensor  # uint8 [B, L], 1 where the token is trained
+    lengths: torch.Tensor  # int64 [B], real tokens per row (right padding), the placeholder image included
+    position_ids: torch.Tensor  # int32/int64 [3, B, L], the stored MRoPE positions
+    mm_token_type_ids: torch.Tensor  # uint8/int64 [B, L]
     image_grid_thw: torch.Tensor  # int64 [N, 3], one row per occurrence, in token order
     images: list[torch.Tensor]  # unique uint8 H x W x 3 images; pixel math happens on the device
     image_index: list[int]  # occurrence -> images
@@ -33,13 +38,35 @@ class Batch:
     def num_samples(self) -> int:
         return len(self.sample_ids)
 
+    @property
+    def attention_mask(self) -> torch.Tensor:  # int64 [B, L]
+        L = self.input_ids.shape[1]
+        return (torch.arange(L, device=self.lengths.device) < self.lengths[:, None]).long()
+
+    @property
+    def labels(self) -> torch.Tensor:  # int64 [B, L], IGNORE_INDEX where untrained or padding
+        return torch.where(self.loss_mask.bool(), self.input_ids.long(), IGNORE_INDEX)
+
     def to(self, device) -> "Batch":
-        move = dict(non_blocking=True)
-        return replace(self, input_ids=self.input_ids.to(device, **move),
-                       attention_mask=self.attention_mask.to(device, **move), labels=self.labels.to(device, **move),
-                       position_ids=self.position_ids.to(device, **move),
-                       mm_token_type_ids=self.mm_token_type_ids.to(device, **move),
-                       image_grid_thw=self.image_grid_thw.to(device, **move))
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True).long()  # copy compact, widen on the device
+
+        return replace(self, input_ids=move(self.input_ids), loss_mask=self.loss_mask.to(device, non_blocking=True),
+                       lengths=move(self.lengths), position_ids=move(self.position_ids),
+                       mm_token_type_ids=move(self.mm_token_type_ids), image_grid_thw=move(self.image_grid_thw))
+
+
+def keep_freed_buffers() -> None:
+    """glibc hands freed multi-MB blocks back to the OS (mmap, heap trim), so each micro-batch's fresh B x L
+    arrays page-fault their memory in again: about half of collate time. Keeping up to 256 MB of freed heap
+    lets the next batch reuse it (1,024 samples: ~14 -> ~8 ms). No-op where libc is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's 64-bit maximum
+    libc.mallopt(m_trim_threshold, 256 << 20)
 
 
 @dataclass(frozen=True)
@@ -62,11 +89,10 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     # order, i.e. in the order of the concatenated samples (several times faster than row/col fancy indexing).
     valid = np.arange(L) < lens[:, None]
 
-    ids = np.full((B, L), spec.pad_id, dtype=np.int64)
-    mask = valid.astype(np.int64)
-    labels = np.full((B, L), IGNORE_INDEX, dtype=np.int64)
-    mm = np.zeros((B, L), dtype=np.int64)
-    pos = np.zeros((3, B, L), dtype=np.int64)
+    ids = np.full((B, L), spec.pad_id, dtype=np.int32)
+    loss = np.zeros((B, L), dtype=np.uint8)
+    mm = np.zeros((B, L), dtype=np.uint8)
+    pos = np.zeros((3, B, L), dtype=np.int32)
     if samples:
         flat_ids = np.concatenate([s.input_ids for s in samples])
         flat_mm = np.concatenate([s.mm_token_type_ids for s in samples])
@@ -75,7 +101,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
                             f"token {spec.image_token_id}: the shards were built for another model family")
         ids[valid] = flat_ids
         flat_mask = np.concatenate([s.loss_mask for s in samples])
-        labels[valid] = np.where(flat_mask == 1, flat_ids, IGNORE_INDEX)
+        loss[valid] = flat_mask
         # labels[:, 1:] != IGNORE_INDEX, counted without a pass over B x L: all trained tokens but each row's first
         num_trained = int(np.count_nonzero(flat_mask)) - int(np.count_nonzero(flat_mask[np.cumsum(lens) - lens]))
         mm[valid] = flat_mm
@@ -93,14 +119,15 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         images.extend(s.images)
     if dummy:
         n = int(lens[0])
-        ids[0, n], mask[0, n], mm[0, n] = spec.image_token_id, 1, 1
+        ids[0, n], mm[0, n] = spec.image_token_id, 1
+        lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
         side = spec.patch_size * spec.merge_size
         images, index = [np.zeros((side, side, 3), dtype=np.uint8)], [0]
         grids = [np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)]
 
-    return Batch(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                 labels=torch.from_numpy(labels), position_ids=torch.from_numpy(pos),
+    return Batch(input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(loss), lengths=torch.from_numpy(lens),
+                 position_ids=torch.from_numpy(pos),
                  mm_token_type_ids=torch.from_numpy(mm),
                  image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
                  images=[torch.as_tensor(im) for im in images], image_index=index,

@@ -86,9 +86,10 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
 def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count.
     Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep)."""
-    keep = torch.zeros_like(batch.labels, dtype=torch.bool)
-    keep[:, :-1] = batch.labels[:, 1:] != IGNORE_INDEX
-    targets = batch.labels[:, 1:][keep[:, :-1]]
+    labels = batch.labels
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    targets = labels[:, 1:][keep[:, :-1]]
     out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
               mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixel_values,
               image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.collate import Batch, CollateSpec
+from trainer.collate import Batch, CollateSpec, keep_freed_buffers
 from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.metrics import RunLog
@@ -94,6 +94,7 @@ def _load_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
 
 
 def run(cfg: TrainConfig) -> dict | None:
+    keep_freed_buffers()
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     loader = log = None

@@ -33,7 +33,11 @@ def test_pad_labels_and_mixed_text_and_image_samples():
     assert b.position_ids[:, 0, :3].tolist() == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
     assert b.image_grid_thw.tolist() == [[1, 2, 2]] and b.image_index == [0] and torch.equal(b.images[0], torch.from_numpy(img))
     assert (b.num_tokens, b.num_trained, b.sample_ids) == (8, 4, ["t", "i"])
-    assert b.input_ids.dtype == b.labels.dtype == b.position_ids.dtype == torch.int64
+    assert (b.input_ids.dtype, b.position_ids.dtype, b.loss_mask.dtype) == (torch.int32, torch.int32, torch.uint8)
+    d = b.to("cpu")  # what the model gets: widened to int64, same values
+    assert all(t.dtype == torch.int64 for t in (d.input_ids, d.labels, d.attention_mask, d.position_ids,
+                                                 d.mm_token_type_ids, d.image_grid_thw))
+    assert d.labels.tolist() == b.labels.tolist() and d.attention_mask.tolist() == b.attention_mask.tolist()
 
 
 def test_no_image_batch_gets_one_unlabelled_placeholder_after_row_zero():

@@ -15,7 +15,7 @@ SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 @pytest.fixture(scope="module")
 def batch(dataset, image_spec):
     samples = read_all_samples(dataset, image_spec)[:3]
-    b = collate(samples, SPEC)
+    b = collate(samples, SPEC).to("cpu")
     return b, Patchifier(image_spec, "cpu")(b.images, b.image_index)
 
 
@@ -106,7 +106,7 @@ def test_checkpoint_dirs_of_other_families_load_shard_and_train(family, image_sp
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
     net = build_model(model=str(tmp_path / "ckpt"))
     spec = ImageSpec.from_config({**image_spec.config, "patch_size": patch})
-    batch = collate([_one_image_sample(patch)], CollateSpec(0, 151655, patch, 2))
+    batch = collate([_one_image_sample(patch)], CollateSpec(0, 151655, patch, 2)).to("cpu")
     pixels = Patchifier(spec, "cpu")(batch.images, batch.image_index)
     with torch.no_grad():
         ours = forward_loss(net, batch, pixels)

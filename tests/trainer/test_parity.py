@@ -79,7 +79,7 @@ def test_shard_batches_equal_online_rendering_and_give_the_same_loss(dataset, im
         if not any(s.image_index for s in group):
             continue
         with_loss = group is mixed[0] or k == 0
-        batch = collate(group, spec)
+        batch = collate(group, spec).to("cpu")  # what the model receives
         online = [_online(processor, records[s.id]) for s in group]
         L = batch.input_ids.shape[1]
         assert L == max(o["input_ids"].shape[1] for o in online)
