@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.collate import Batch, CollateSpec, collate
@@ -32,12 +33,14 @@ class RankStream(IterableDataset):
 
     def __init__(self, shards: list[ShardRef], *, start: int, spec: ImageSpec, stride: tuple[int, int] = (0, 1)):
         self.shards, self.start, self.spec, self.stride = shards, start, spec, stride
+        self.pool: SlabPool | None = None  # set by sample_loader when workers decode
 
     def __iter__(self) -> Iterator[DecodedSample]:
         info = get_worker_info()
         w, W = (info.id, info.num_workers) if info else (0, 1)
         r, R = self.stride
         resize = OriginalResizer(self.spec)
+        pool = self.pool if info else None
         offset = 0  # index of the shard's first sample in the concatenation of all shards
         for shard in self.shards:
             if shard.num_samples is not None and (offset + shard.num_samples - r + R - 1) // R <= self.start:
@@ -52,26 +55,123 @@ class RankStream(IterableDataset):
             for i, key, members in iter_tar_samples(shard.url, want):
                 count += 1
                 if members is not None:
-                    sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize)
+                    if pool is None:
+                        sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize)
+                        sample.position, sample.worker = (offset + i) // R, w
+                        yield sample
+                        continue
+                    slab: list = []
+
+                    def alloc(n: int, slab=slab):
+                        slab.extend(pool.alloc(n, w))
+                        return slab[0].numpy()[:n]
+
+                    sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize,
+                                           alloc=alloc)
                     sample.position, sample.worker = (offset + i) // R, w
-                    yield sample
+                    shapes = [tuple(im.shape) for im in sample.images]
+                    sample.images = []
+                    yield _Packed(sample, slab[0], w, slab[1], shapes)
             if shard.num_samples is not None and count != shard.num_samples:
                 raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
                                 "truncated or replaced shard")
             offset += count
 
 
-def _to_shared(sample):
-    """Runs in the DataLoader worker: images become tensors, which the worker hands over in shared memory;
-    numpy arrays would be pickled through the queue (a 1288x728 screenshot is 2.8 MB; 3x slower end to end)."""
-    if sample.images and not isinstance(sample.images[0], torch.Tensor):
-        sample.images = [torch.from_numpy(im) for im in sample.images]
-    return sample
+SLABS_PER_WORKER = 8  # reusable shared-memory slabs; more samples in flight fall back to fresh segments
 
 
-def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int) -> DataLoader:
+class SlabPool:
+    """Shared-memory transport of decoded images from DataLoader workers to the training process.
+
+    A worker decodes each sample's images straight into one slab (a shared-memory segment) and sends the slab as
+    one fd. A fresh segment per sample costs page faults and zeroing of every byte (a trace of 12 screenshots is
+    34 MB: ~20 ms, more than its decode), so slabs are reused: `flags[w, k]` (shared, made before the workers
+    start) is 1 while slab k of worker w may still be referenced by the training process; the training process
+    clears it only once its own mapping of that slab is gone (no tensor views left), and a worker writes only
+    into slabs whose flag is 0. With all slabs busy a worker sends a fresh, unpooled segment instead."""
+
+    def __init__(self, num_workers: int):
+        self.flags = torch.zeros(max(num_workers, 1), SLABS_PER_WORKER, dtype=torch.uint8).share_memory_()
+        self._slabs: list[torch.Tensor | None] = [None] * SLABS_PER_WORKER  # this worker's own mappings
+        self._held: list[tuple[StorageWeakRef, int, int]] = []  # training process: (slab mapping, worker, slab)
+        self.fresh = self.reused = 0  # training process: samples that came in unpooled segments / in reused slabs
+        self._seen: set[tuple[int, int]] = set()
+
+    # --- worker side
+    def alloc(self, nbytes: int, worker: int) -> tuple[torch.Tensor, int]:
+        """A uint8 tensor of at least nbytes in shared memory, and its slab index (-1: unpooled)."""
+        if nbytes == 0:
+            return _shared_bytes(0), -1
+        flags = self.flags[worker].numpy()
+        for k in range(len(flags)):
+            if flags[k] == 0:
+                slab = self._slabs[k]
+                if slab is None or slab.numel() < nbytes:
+                    slab = self._slabs[k] = _shared_bytes(max(nbytes, 1) * 5 // 4)  # headroom for later samples
+                flags[k] = 1
+                return slab, k
+        return _shared_bytes(nbytes), -1
+
+    # --- training process side
+    def received(self, slab: torch.Tensor, worker: int, k: int) -> None:
+        for entry in list(self._held):
+            if entry[0].expired():
+                self.flags[entry[1], entry[2]] = 0
+                self._held.remove(entry)
+        if k >= 0:
+            self._held.append((StorageWeakRef(slab.untyped_storage()), worker, k))
+            self.reused += (worker, k) in self._seen
+            self._seen.add((worker, k))
+        elif slab.numel():
+            self.fresh += 1
+
+
+def _shared_bytes(n: int) -> torch.Tensor:
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))
+
+
+@dataclass
+class _Packed:
+    """What a worker sends: the sample without its images, the slab that holds them, and their shapes."""
+
+    sample: DecodedSample
+    slab: torch.Tensor
+    worker: int
+    k: int
+    shapes: list[tuple[int, int, int]]
+
+
+def _identity(x):
+    return x
+
+
+def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int) -> "SampleLoader":
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
-    return DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_to_shared, **kw)
+    stream.pool = SlabPool(num_workers) if num_workers else None  # made before the workers start: they share it
+    return SampleLoader(DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_identity, **kw),
+                        stream.pool)
+
+
+@dataclass
+class SampleLoader:
+    """The rank's decoded samples in stream order; iterating starts the DataLoader's workers."""
+
+    loader: DataLoader
+    pool: SlabPool | None = None
+
+    def __iter__(self) -> Iterator[DecodedSample]:
+        for item in self.loader:
+            if isinstance(item, _Packed):
+                self.pool.received(item.slab, item.worker, item.k)
+                sample, offset = item.sample, 0
+                for h, w, c in item.shapes:
+                    sample.images.append(item.slab[offset:offset + h * w * c].view(h, w, c))
+                    offset += h * w * c
+                item = sample
+            yield item
 
 
 @dataclass
@@ -136,7 +236,7 @@ class StepLoader:
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.epoch = 0
         self._batcher: MicroBatcher | None = None
-        self._loader: DataLoader | None = None
+        self._loader: SampleLoader | None = None
 
     def start(self, epoch: int, position: int) -> None:
         self.close()

@@ -108,23 +108,76 @@ def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np
     return arr
 
 
+def _image_layout(meta: dict, members: dict[str, bytes]) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """Unique image members in first-use order with their stored (height, width), and occurrence -> unique."""
+    unique: dict[str, int] = {}
+    layout: list[tuple[str, int, int]] = []
+    index: list[int] = []
+    for im in meta["images"]:
+        member = im["member"]
+        if member not in unique:
+            if member not in members:
+                raise ValueError(f"meta names image member {member!r} that the sample does not have")
+            h, w = int(im["height"]), int(im["width"])
+            if h <= 0 or w <= 0 or h * w * 3 > MAX_IMAGE_BYTES:
+                raise ValueError(f"meta gives image member {member!r} an impossible size {h}x{w}")
+            unique[member] = len(layout)
+            layout.append((member, h, w))
+        index.append(unique[member])
+    return layout, index
+
+
+def _read_npy_zst_into(data: bytes, out: np.ndarray, name: str) -> None:
+    """zstd-compressed uint8 .npy straight into `out`: no intermediate copies, header checked, never unpickled."""
+    reader = zstandard.ZstdDecompressor().stream_reader(data)
+    version = np.lib.format.read_magic(reader)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(reader)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(reader)
+    else:
+        raise ValueError(f"{name}: unsupported .npy version {version}")
+    if dtype != np.uint8 or fortran or tuple(shape) != out.shape:
+        raise ValueError(f"{name} holds {dtype} {tuple(shape)}, expected uint8 {out.shape} as its meta says")
+    view = memoryview(out.reshape(-1))
+    got = 0
+    while got < out.size:
+        n = reader.readinto(view[got:])
+        if n == 0:
+            raise ValueError(f"{name}: stream ends after {got} of {out.size} pixel bytes")
+        got += n
+    if reader.read(1):
+        raise ValueError(f"{name}: data after the array")
+
+
+def decode_image_into(name: str, data: bytes, out: np.ndarray, resize_original: OriginalResizer) -> None:
+    """Decode one stored image into `out` (uint8 H x W x 3, the size the meta gives)."""
+    if name.endswith(".npy.zst"):
+        _read_npy_zst_into(data, out, name)
+        return
+    arr = decode_image(name, data, resize_original)
+    if arr.shape != out.shape:
+        raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {out.shape}")
+    out[...] = arr
+
+
 def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageSpec,
-                  resize_original: OriginalResizer) -> DecodedSample:
+                  resize_original: OriginalResizer, alloc=None) -> DecodedSample:
+    """`alloc(nbytes) -> uint8 array` gives the one buffer all of the sample's images are decoded into (a DataLoader
+    worker passes shared memory, so the sample crosses to the training process as one segment)."""
     check_member_names(members, url=url, key=key)
     try:
         arrays = {name: _npy(members[name], name) for name in NPY_MEMBERS}
         meta = json.loads(members["json"].decode("utf-8"))
-        unique: dict[str, int] = {}
+        layout, index = _image_layout(meta, members)
+        buf = (alloc or _alloc)(sum(h * w * 3 for _, h, w in layout))
         images: list[np.ndarray] = []
-        index: list[int] = []
-        for im in meta["images"]:
-            member = im["member"]
-            if member not in unique:
-                if member not in members:
-                    raise ValueError(f"meta names image member {member!r} that the sample does not have")
-                unique[member] = len(images)
-                images.append(decode_image(member, members[member], resize_original))
-            index.append(unique[member])
+        offset = 0
+        for member, h, w in layout:
+            out = buf[offset:offset + h * w * 3].reshape(h, w, 3)
+            decode_image_into(member, members[member], out, resize_original)
+            images.append(out)
+            offset += h * w * 3
         sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
                                loss_mask=arrays["loss_mask.npy"], mm_token_type_ids=arrays["mm_token_type_ids.npy"],
                                position_ids=arrays["position_ids.npy"], image_grid_thw=arrays["image_grid_thw.npy"],
@@ -133,6 +186,10 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
     except (ValueError, KeyError, TypeError, OSError, zstandard.ZstdError) as e:
         raise DataError(f"{url}: sample {key}: {type(e).__name__}: {e}") from None
     return sample
+
+
+def _alloc(n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.uint8)
 
 
 def _validate(s: DecodedSample, meta: dict, spec: ImageSpec) -> None:

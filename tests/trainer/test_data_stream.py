@@ -78,3 +78,39 @@ def test_stride_mode_splits_samples_across_ranks_for_any_workers(shards, image_s
         assert [p for p, _ in got] == list(range(start, start + len(got)))
         per_rank.append([i for _, i in got])
     assert per_rank == [ref[r::3][start:] for r in range(3)]
+
+
+def _pixels(samples):
+    return [(s.position, [bytes(memoryview(im.numpy() if hasattr(im, "numpy") else im)) for im in s.images])
+            for s in samples]
+
+
+@pytest.mark.parametrize("hold", [0, 5, 99])
+def test_worker_images_equal_in_process_decode_whether_slabs_are_reused_or_held(shards, image_spec, hold, monkeypatch):
+    """Workers decode into reused shared-memory slabs: a slab is rewritten only after the training process
+    dropped every view of it. Holding `hold` samples, each image must still read what it read on arrival."""
+    import collections
+    import hashlib
+
+    ref = _pixels(sample_loader(RankStream(shards, start=0, spec=image_spec), num_workers=0, prefetch_factor=2))
+    assert sum(len(ims) for _, ims in ref) > 0
+    monkeypatch.setattr("trainer.data.SLABS_PER_WORKER", 3)  # fewer slabs than image samples per worker
+    loader = sample_loader(RankStream(shards, start=0, spec=image_spec), num_workers=2, prefetch_factor=2)
+    held, got = collections.deque(), []
+
+    def digest(s):
+        return [hashlib.sha256(memoryview(im.numpy())).hexdigest() for im in s.images]
+
+    for s in loader:
+        held.append((s, digest(s)))
+        got.append(_pixels([s])[0])
+        while len(held) > hold:
+            old, d = held.popleft()
+            assert digest(old) == d, f"sample {old.position} changed while it was held"
+    for old, d in held:
+        assert digest(old) == d, f"sample {old.position} changed while it was held"
+    assert got == ref
+    if hold == 0:
+        assert loader.pool.reused > 0  # the transport really reuses slabs
+    if hold == 99:
+        assert loader.pool.fresh > 0  # more held samples than slabs: fresh segments, still correct

@@ -73,3 +73,27 @@ def test_original_format_is_resized_at_load_time_like_the_build(traces, dataset,
         assert len(x.images) == len(y.images)
         for u, v in zip(x.images, y.images):
             np.testing.assert_array_equal(u, v)
+
+
+def _zst(raw: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(raw)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda a: _zst(_npy(a[:-2])), r"holds uint8 \(\d+, \d+, 3\), expected uint8 \(\d+, \d+, 3\) as its meta says"),
+    (lambda a: _zst(_npy(a.astype(np.int16))), "holds int16"),
+    (lambda a: _zst(_npy(np.array([object()] * 3, dtype=object), allow_pickle=True)), "holds object"),
+    (lambda a: (lambda z: z[:len(z) // 2])(_zst(_npy(a))), "stream ends|EOF"),
+    (lambda a: _zst(_npy(a) + b"junk"), "data after the array"),
+    (lambda a: _zst(b"\x93NUMPY\x09\x00" + b"x" * 100), "npy"),
+])
+def test_stored_image_must_match_its_meta_and_is_never_unpickled(dataset, image_spec, make, message):
+    """Images are decoded straight into a buffer sized from the meta: a member whose header disagrees, that is
+    cut short, carries trailing data or an object array is refused with the shard and sample named."""
+    key, members = _first_members(dataset)
+    s = decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+    bad = {**members, "img000.npy.zst": make(s.images[0])}
+    with pytest.raises(DataError, match=f"u.tar: sample {key}: .*({message})"):
+        decode_sample(bad, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
