@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -62,9 +63,11 @@ class RankStream(IterableDataset):
                         continue
                     slab: list = []
 
-                    def alloc(n: int, slab=slab):
-                        slab.extend(pool.alloc(n, w))
-                        return slab[0].numpy()[:n]
+                    def alloc(sizes: list[int], slab=slab) -> list:
+                        slab.extend(pool.alloc(sum(sizes), w))
+                        flat = slab[0].numpy()
+                        ends = np.cumsum([0, *sizes])
+                        return [flat[a:b] for a, b in zip(ends[:-1], ends[1:])]
 
                     sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize,
                                            alloc=alloc)

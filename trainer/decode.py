@@ -22,6 +22,8 @@ NPY_MEMBERS = {"input_ids.npy": (np.int32, 1), "loss_mask.npy": (np.uint8, 1),
                "image_grid_thw.npy": (np.int32, 2)}
 IMAGE_MEMBER = re.compile(r"^img\d{3}\.(npy\.zst|png|webp|orig\.(jpg|jpeg|png|webp|gif|bmp|tiff))$")
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
+_NPY_V1_PREFIX = re.compile(rb"\x93NUMPY\x01\x00(..)\Z", re.DOTALL)
+_NPY_RGB_HEADER = re.compile(rb"\{'descr': '\|u1', 'fortran_order': False, 'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z")
 
 
 @dataclass
@@ -130,13 +132,18 @@ def _image_layout(meta: dict, members: dict[str, bytes]) -> tuple[list[tuple[str
 def _read_npy_zst_into(data: bytes, out: np.ndarray, name: str) -> None:
     """zstd-compressed uint8 .npy straight into `out`: no intermediate copies, header checked, never unpickled."""
     reader = zstandard.ZstdDecompressor().stream_reader(data)
-    version = np.lib.format.read_magic(reader)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(reader)
-    elif version == (2, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(reader)
+    prefix = reader.read(10)
+    m = _NPY_V1_PREFIX.match(prefix)
+    header = reader.read(int.from_bytes(m.group(1), "little")) if m else b""
+    fast = _NPY_RGB_HEADER.match(header)
+    if fast:  # the header vlmprep writes, read without numpy's literal_eval parser
+        shape, fortran, dtype = (int(fast.group(1)), int(fast.group(2)), 3), False, np.dtype(np.uint8)
     else:
-        raise ValueError(f"{name}: unsupported .npy version {version}")
+        f = io.BytesIO(prefix + header)
+        version = np.lib.format.read_magic(f)
+        if version != (1, 0):
+            raise ValueError(f"{name}: unsupported .npy version {version}")
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
     if dtype != np.uint8 or fortran or tuple(shape) != out.shape:
         raise ValueError(f"{name} holds {dtype} {tuple(shape)}, expected uint8 {out.shape} as its meta says")
     view = memoryview(out.reshape(-1))
@@ -163,21 +170,19 @@ def decode_image_into(name: str, data: bytes, out: np.ndarray, resize_original: 
 
 def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageSpec,
                   resize_original: OriginalResizer, alloc=None) -> DecodedSample:
-    """`alloc(nbytes) -> uint8 array` gives the one buffer all of the sample's images are decoded into (a DataLoader
-    worker passes shared memory, so the sample crosses to the training process as one segment)."""
+    """`alloc(sizes) -> uint8 arrays` gives the buffers the sample's images are decoded into: by default one array
+    each (freed heap is reused); a DataLoader worker passes views of one shared-memory slab."""
     check_member_names(members, url=url, key=key)
     try:
         arrays = {name: _npy(members[name], name) for name in NPY_MEMBERS}
         meta = json.loads(members["json"].decode("utf-8"))
         layout, index = _image_layout(meta, members)
-        buf = (alloc or _alloc)(sum(h * w * 3 for _, h, w in layout))
+        buffers = (alloc or _alloc)([h * w * 3 for _, h, w in layout])
         images: list[np.ndarray] = []
-        offset = 0
-        for member, h, w in layout:
-            out = buf[offset:offset + h * w * 3].reshape(h, w, 3)
+        for (member, h, w), buf in zip(layout, buffers):
+            out = buf.reshape(h, w, 3)
             decode_image_into(member, members[member], out, resize_original)
             images.append(out)
-            offset += h * w * 3
         sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
                                loss_mask=arrays["loss_mask.npy"], mm_token_type_ids=arrays["mm_token_type_ids.npy"],
                                position_ids=arrays["position_ids.npy"], image_grid_thw=arrays["image_grid_thw.npy"],
@@ -188,8 +193,8 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
     return sample
 
 
-def _alloc(n: int) -> np.ndarray:
-    return np.empty(n, dtype=np.uint8)
+def _alloc(sizes: list[int]) -> list[np.ndarray]:
+    return [np.empty(n, dtype=np.uint8) for n in sizes]
 
 
 def _validate(s: DecodedSample, meta: dict, spec: ImageSpec) -> None:
