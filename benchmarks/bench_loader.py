@@ -174,8 +174,9 @@ def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: b
 
 
 def decode_floor_seconds(tars: list[Path]) -> float:
-    """Sum over the stored image members of their bare decode: zstd into a reused buffer of the frame's size
-    (no header parsing, no checks), PNG / WebP / source bytes by PIL's decoder alone (no RGB conversion or copy)."""
+    """Sum over the stored image members of their bare decode: zstd into an arena that holds one sample's images
+    (allocated once: a batch needs all of a sample's images in memory at once, so they cannot share one hot
+    buffer; no header parsing, no checks), PNG / WebP / source bytes by PIL's decoder alone (no copy)."""
     import tarfile
 
     import numpy as np
@@ -183,23 +184,26 @@ def decode_floor_seconds(tars: list[Path]) -> float:
     from PIL import Image
 
     dctx = zstandard.ZstdDecompressor()
-    buf = np.empty(0, dtype=np.uint8)
-    total = 0.0
+    arena = np.empty(0, dtype=np.uint8)
+    total, key, offset = 0.0, None, 0
     for path in tars:
         with tarfile.open(path) as tf:
             for m in tf:
-                name = m.name.rsplit("/", 1)[-1].split(".", 1)[-1]
+                sample, name = m.name.rsplit("/", 1)[-1].split(".", 1)
                 if not name.startswith("img"):
                     continue
+                if sample != key:
+                    key, offset = sample, 0
                 data = tf.extractfile(m).read()
                 if name.endswith(".npy.zst"):
                     size = zstandard.frame_content_size(data)
-                    if buf.size < size:
-                        buf = np.empty(size, dtype=np.uint8)
+                    if arena.size < offset + size:
+                        arena = np.concatenate([arena, np.empty(offset + size - arena.size, dtype=np.uint8)])
                     t0 = time.perf_counter()
-                    reader, view, got = dctx.stream_reader(data), memoryview(buf)[:size], 0
+                    reader, view, got = dctx.stream_reader(data), memoryview(arena)[offset:offset + size], 0
                     while got < size:
                         got += reader.readinto(view[got:])
+                    offset += size
                 else:
                     t0 = time.perf_counter()
                     Image.open(io.BytesIO(data)).load()

@@ -72,9 +72,10 @@ class RankStream(IterableDataset):
                     sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize,
                                            alloc=alloc)
                     sample.position, sample.worker = (offset + i) // R, w
-                    shapes = [tuple(im.shape) for im in sample.images]
+                    base = slab[0].data_ptr()
+                    layout = [(im.ctypes.data - base, *im.shape) for im in sample.images]
                     sample.images = []
-                    yield _Packed(sample, slab[0], w, slab[1], shapes)
+                    yield _Packed(sample, slab[0], w, slab[1], layout)
             if shard.num_samples is not None and count != shard.num_samples:
                 raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
                                 "truncated or replaced shard")
@@ -138,13 +139,13 @@ def _shared_bytes(n: int) -> torch.Tensor:
 
 @dataclass
 class _Packed:
-    """What a worker sends: the sample without its images, the slab that holds them, and their shapes."""
+    """What a worker sends: the sample without its images, the slab that holds them, and where they lie in it."""
 
     sample: DecodedSample
     slab: torch.Tensor
     worker: int
     k: int
-    shapes: list[tuple[int, int, int]]
+    layout: list[tuple[int, int, int, int]]  # (byte offset, H, W, 3) per unique image
 
 
 def _identity(x):
@@ -169,10 +170,9 @@ class SampleLoader:
         for item in self.loader:
             if isinstance(item, _Packed):
                 self.pool.received(item.slab, item.worker, item.k)
-                sample, offset = item.sample, 0
-                for h, w, c in item.shapes:
+                sample = item.sample
+                for offset, h, w, c in item.layout:
                     sample.images.append(item.slab[offset:offset + h * w * c].view(h, w, c))
-                    offset += h * w * c
                 item = sample
             yield item
 

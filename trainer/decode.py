@@ -22,8 +22,7 @@ NPY_MEMBERS = {"input_ids.npy": (np.int32, 1), "loss_mask.npy": (np.uint8, 1),
                "image_grid_thw.npy": (np.int32, 2)}
 IMAGE_MEMBER = re.compile(r"^img\d{3}\.(npy\.zst|png|webp|orig\.(jpg|jpeg|png|webp|gif|bmp|tiff))$")
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
-_NPY_V1_PREFIX = re.compile(rb"\x93NUMPY\x01\x00(..)\Z", re.DOTALL)
-_NPY_RGB_HEADER = re.compile(rb"\{'descr': '\|u1', 'fortran_order': False, 'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z")
+_NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, 'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z", re.DOTALL)
 
 
 @dataclass
@@ -129,43 +128,60 @@ def _image_layout(meta: dict, members: dict[str, bytes]) -> tuple[list[tuple[str
     return layout, index
 
 
-def _read_npy_zst_into(data: bytes, out: np.ndarray, name: str) -> None:
-    """zstd-compressed uint8 .npy straight into `out`: no intermediate copies, header checked, never unpickled."""
+def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
+    """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels."""
+    if not name.endswith(".npy.zst"):
+        return h * w * 3
+    size = zstandard.frame_content_size(data)
+    if not h * w * 3 < size <= h * w * 3 + 4096:
+        raise ValueError(f"{name} declares {size} decompressed bytes, not a {h}x{w}x3 uint8 .npy as its meta says")
+    return size
+
+
+def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int], name: str) -> np.ndarray:
+    """A zstd-compressed uint8 .npy decompressed in one pass into `buf` (header + pixels); returns the pixel view.
+    The header is checked before the pixels are used, and nothing is ever unpickled."""
     reader = zstandard.ZstdDecompressor().stream_reader(data)
-    prefix = reader.read(10)
-    m = _NPY_V1_PREFIX.match(prefix)
-    header = reader.read(int.from_bytes(m.group(1), "little")) if m else b""
-    fast = _NPY_RGB_HEADER.match(header)
-    if fast:  # the header vlmprep writes, read without numpy's literal_eval parser
-        shape, fortran, dtype = (int(fast.group(1)), int(fast.group(2)), 3), False, np.dtype(np.uint8)
-    else:
-        f = io.BytesIO(prefix + header)
-        version = np.lib.format.read_magic(f)
-        if version != (1, 0):
-            raise ValueError(f"{name}: unsupported .npy version {version}")
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    if dtype != np.uint8 or fortran or tuple(shape) != out.shape:
-        raise ValueError(f"{name} holds {dtype} {tuple(shape)}, expected uint8 {out.shape} as its meta says")
-    view = memoryview(out.reshape(-1))
-    got = 0
-    while got < out.size:
+    view, got = memoryview(buf), 0
+    while got < buf.size:
         n = reader.readinto(view[got:])
         if n == 0:
-            raise ValueError(f"{name}: stream ends after {got} of {out.size} pixel bytes")
+            raise ValueError(f"{name}: stream ends after {got} of {buf.size} bytes")
         got += n
     if reader.read(1):
         raise ValueError(f"{name}: data after the array")
+    header = buf[:buf.size - shape[0] * shape[1] * 3].tobytes()
+    fast = _NPY_RGB_HEADER.match(header)
+    if fast and int.from_bytes(header[8:10], "little") == len(header) - 10:  # the header vlmprep writes, read without numpy's literal_eval parser
+        dims, fortran, dtype = (int(fast.group(1)), int(fast.group(2)), 3), False, np.dtype(np.uint8)
+    else:
+        f = io.BytesIO(header)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                raise ValueError(f"unsupported .npy version {version}")
+            dims, fortran, dtype = read_header[version](f)
+        except ValueError as e:
+            raise ValueError(f"{name}: not a uint8 {shape} .npy as its meta says ({e})") from None
+        if f.read(1):
+            raise ValueError(f"{name}: header and pixels disagree in length")
+    if dtype != np.uint8 or fortran or tuple(dims) != shape:
+        raise ValueError(f"{name} holds {dtype} {tuple(dims)}, expected uint8 {shape} as its meta says")
+    return buf[len(header):].reshape(shape)
 
 
-def decode_image_into(name: str, data: bytes, out: np.ndarray, resize_original: OriginalResizer) -> None:
-    """Decode one stored image into `out` (uint8 H x W x 3, the size the meta gives)."""
+def decode_image_into(name: str, data: bytes, buf: np.ndarray, shape: tuple[int, int, int],
+                      resize_original: OriginalResizer) -> np.ndarray:
+    """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view."""
     if name.endswith(".npy.zst"):
-        _read_npy_zst_into(data, out, name)
-        return
+        return _read_npy_zst_into(data, buf, shape, name)
     arr = decode_image(name, data, resize_original)
-    if arr.shape != out.shape:
-        raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {out.shape}")
+    if arr.shape != shape:
+        raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {shape}")
+    out = buf.reshape(shape)
     out[...] = arr
+    return out
 
 
 def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageSpec,
@@ -177,12 +193,9 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
         arrays = {name: _npy(members[name], name) for name in NPY_MEMBERS}
         meta = json.loads(members["json"].decode("utf-8"))
         layout, index = _image_layout(meta, members)
-        buffers = (alloc or _alloc)([h * w * 3 for _, h, w in layout])
-        images: list[np.ndarray] = []
-        for (member, h, w), buf in zip(layout, buffers):
-            out = buf.reshape(h, w, 3)
-            decode_image_into(member, members[member], out, resize_original)
-            images.append(out)
+        buffers = (alloc or _alloc)([_decoded_size(m, members[m], h, w) for m, h, w in layout])
+        images = [decode_image_into(m, members[m], buf, (h, w, 3), resize_original)
+                  for (m, h, w), buf in zip(layout, buffers)]
         sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
                                loss_mask=arrays["loss_mask.npy"], mm_token_type_ids=arrays["mm_token_type_ids.npy"],
                                position_ids=arrays["position_ids.npy"], image_grid_thw=arrays["image_grid_thw.npy"],
