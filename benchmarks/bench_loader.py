@@ -45,6 +45,14 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     return time.perf_counter() - t0, samples, tokens, images
 
 
+def median_pass(ds: Path, workers: int, pixels: bool) -> tuple[float, int, int, int]:
+    """trainer_pass, repeated when it is quick (< 5 s): the median of 3 damps a noisy neighbour on a small box."""
+    runs = [trainer_pass(ds, workers, pixels)]
+    if runs[0][0] < 5:
+        runs += [trainer_pass(ds, workers, pixels) for _ in range(2)]
+    return sorted(runs)[len(runs) // 2]
+
+
 def _online_path() -> str:
     try:
         import trl.trainer.sft_trainer  # noqa: F401  (`pip install -e .[bench]`)
@@ -147,7 +155,7 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
     for fmt, ds in built.items():
         for pixels in ((True, False) if fmt == "zstd" else (False,)):
             for w in (0, 2):
-                t, s, tok, imgs = trainer_pass(ds, w, pixels)
+                t, s, tok, imgs = median_pass(ds, w, pixels)
                 row = dict(path="vlmprep_shards", image_format=fmt, workers=w,
                            pixel_values="cpu" if pixels else "on the training device (not in this time)",
                            samples=s, images=imgs, seconds=round(t, 3), samples_per_s=round(s / t, 2),
@@ -170,7 +178,10 @@ def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: b
     mb_s = floors.get("tar_read_mb_s") or tar_read_mb_s(tars[0])
     read = sum(p.stat().st_size for p in tars) / (mb_s * 1e6)
     patchify = occurrences * floors["processor_normalize_patchify_ms_per_image_in_10"] / 1e3 if pixels else 0.0
-    return read + decode_floor_seconds(tars) + patchify
+    decode = decode_floor_seconds(tars)
+    if decode < 5:  # quick enough to take the median of 3, as median_pass does
+        decode = sorted([decode, decode_floor_seconds(tars), decode_floor_seconds(tars)])[1]
+    return read + decode + patchify
 
 
 def decode_floor_seconds(tars: list[Path]) -> float:
