@@ -45,11 +45,13 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     return time.perf_counter() - t0, samples, tokens, images
 
 
-def median_pass(ds: Path, workers: int, pixels: bool) -> tuple[float, int, int, int]:
-    """trainer_pass, repeated when it is quick (< 5 s): the median of 3 damps a noisy neighbour on a small box."""
-    runs = [trainer_pass(ds, workers, pixels)]
-    if runs[0][0] < 5:
-        runs += [trainer_pass(ds, workers, pixels) for _ in range(2)]
+def median_if_quick(measure):
+    """measure() once, and twice more when it was quick (< 5 s): the median of 3 damps a noisy neighbour on a
+    small box. Results are seconds, or tuples that start with seconds."""
+    runs = [measure()]
+    seconds = runs[0][0] if isinstance(runs[0], tuple) else runs[0]
+    if seconds < 5:
+        runs += [measure(), measure()]
     return sorted(runs)[len(runs) // 2]
 
 
@@ -155,7 +157,7 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
     for fmt, ds in built.items():
         for pixels in ((True, False) if fmt == "zstd" else (False,)):
             for w in (0, 2):
-                t, s, tok, imgs = median_pass(ds, w, pixels)
+                t, s, tok, imgs = median_if_quick(lambda: trainer_pass(ds, w, pixels))
                 row = dict(path="vlmprep_shards", image_format=fmt, workers=w,
                            pixel_values="cpu" if pixels else "on the training device (not in this time)",
                            samples=s, images=imgs, seconds=round(t, 3), samples_per_s=round(s / t, 2),
@@ -178,10 +180,7 @@ def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: b
     mb_s = floors.get("tar_read_mb_s") or tar_read_mb_s(tars[0])
     read = sum(p.stat().st_size for p in tars) / (mb_s * 1e6)
     patchify = occurrences * floors["processor_normalize_patchify_ms_per_image_in_10"] / 1e3 if pixels else 0.0
-    decode = decode_floor_seconds(tars)
-    if decode < 5:  # quick enough to take the median of 3, as median_pass does
-        decode = sorted([decode, decode_floor_seconds(tars), decode_floor_seconds(tars)])[1]
-    return read + decode + patchify
+    return read + median_if_quick(lambda: decode_floor_seconds(tars)) + patchify
 
 
 def decode_floor_seconds(tars: list[Path]) -> float:

@@ -42,6 +42,8 @@ class RankStream(IterableDataset):
         r, R = self.stride
         resize = OriginalResizer(self.spec)
         pool = self.pool if info else None
+        if pool is not None:
+            pool.worker = w
         offset = 0  # index of the shard's first sample in the concatenation of all shards
         for shard in self.shards:
             if shard.num_samples is not None and (offset + shard.num_samples - r + R - 1) // R <= self.start:
@@ -56,26 +58,10 @@ class RankStream(IterableDataset):
             for i, key, members in iter_tar_samples(shard.url, want):
                 count += 1
                 if members is not None:
-                    if pool is None:
-                        sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize)
-                        sample.position, sample.worker = (offset + i) // R, w
-                        yield sample
-                        continue
-                    slab: list = []
-
-                    def alloc(sizes: list[int], slab=slab) -> list:
-                        slab.extend(pool.alloc(sum(sizes), w))
-                        flat = slab[0].numpy()
-                        ends = np.cumsum([0, *sizes])
-                        return [flat[a:b] for a, b in zip(ends[:-1], ends[1:])]
-
                     sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize,
-                                           alloc=alloc)
+                                           alloc=pool.views if pool else None)
                     sample.position, sample.worker = (offset + i) // R, w
-                    base = slab[0].data_ptr()
-                    layout = [(im.ctypes.data - base, *im.shape) for im in sample.images]
-                    sample.images = []
-                    yield _Packed(sample, slab[0], w, slab[1], layout)
+                    yield pool.pack(sample) if pool else sample
             if shard.num_samples is not None and count != shard.num_samples:
                 raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
                                 "truncated or replaced shard")
@@ -97,38 +83,60 @@ class SlabPool:
 
     def __init__(self, num_workers: int):
         self.flags = torch.zeros(max(num_workers, 1), SLABS_PER_WORKER, dtype=torch.uint8).share_memory_()
+        self.worker = -1  # set in each worker process
         self._slabs: list[torch.Tensor | None] = [None] * SLABS_PER_WORKER  # this worker's own mappings
+        self._slab: tuple[torch.Tensor, int] | None = None  # the slab of the sample being decoded, and its index
         self._held: list[tuple[StorageWeakRef, int, int]] = []  # training process: (slab mapping, worker, slab)
         self.fresh = self.reused = 0  # training process: samples that came in unpooled segments / in reused slabs
         self._seen: set[tuple[int, int]] = set()
 
     # --- worker side
-    def alloc(self, nbytes: int, worker: int) -> tuple[torch.Tensor, int]:
+    def views(self, sizes: list[int]) -> list[np.ndarray]:
+        """decode_sample's `alloc`: one uint8 view per image, all in one slab of this worker."""
+        self._slab = self._take(sum(sizes))
+        flat = self._slab[0].numpy()
+        ends = np.cumsum([0, *sizes])
+        return [flat[a:b] for a, b in zip(ends[:-1], ends[1:])]
+
+    def _take(self, nbytes: int) -> tuple[torch.Tensor, int]:
         """A uint8 tensor of at least nbytes in shared memory, and its slab index (-1: unpooled)."""
         if nbytes == 0:
             return _shared_bytes(0), -1
-        flags = self.flags[worker].numpy()
+        flags = self.flags[self.worker].numpy()
         for k in range(len(flags)):
             if flags[k] == 0:
                 slab = self._slabs[k]
                 if slab is None or slab.numel() < nbytes:
-                    slab = self._slabs[k] = _shared_bytes(max(nbytes, 1) * 5 // 4)  # headroom for later samples
+                    slab = self._slabs[k] = _shared_bytes(nbytes * 5 // 4)  # headroom for later samples
                 flags[k] = 1
                 return slab, k
         return _shared_bytes(nbytes), -1
 
+    def pack(self, sample: DecodedSample) -> "_Packed":
+        """The sample as it crosses to the training process: its images as offsets into the slab they lie in."""
+        slab, k = self._slab
+        base = slab.data_ptr()
+        layout = [(im.ctypes.data - base, *im.shape) for im in sample.images]
+        sample.images = []
+        return _Packed(sample, slab, self.worker, k, layout)
+
     # --- training process side
-    def received(self, slab: torch.Tensor, worker: int, k: int) -> None:
+    def unpack(self, item: "_Packed") -> DecodedSample:
+        """Frees the slabs whose views are all gone, then gives the sample its images as views of its slab."""
         for entry in list(self._held):
             if entry[0].expired():
                 self.flags[entry[1], entry[2]] = 0
                 self._held.remove(entry)
+        slab, worker, k = item.slab, item.worker, item.k
         if k >= 0:
             self._held.append((StorageWeakRef(slab.untyped_storage()), worker, k))
             self.reused += (worker, k) in self._seen
             self._seen.add((worker, k))
         elif slab.numel():
             self.fresh += 1
+        sample = item.sample
+        sample.images = [slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in item.layout]
+        return sample
 
 
 def _shared_bytes(n: int) -> torch.Tensor:
@@ -168,13 +176,7 @@ class SampleLoader:
 
     def __iter__(self) -> Iterator[DecodedSample]:
         for item in self.loader:
-            if isinstance(item, _Packed):
-                self.pool.received(item.slab, item.worker, item.k)
-                sample = item.sample
-                for offset, h, w, c in item.layout:
-                    sample.images.append(item.slab[offset:offset + h * w * c].view(h, w, c))
-                item = sample
-            yield item
+            yield self.pool.unpack(item) if isinstance(item, _Packed) else item
 
 
 @dataclass

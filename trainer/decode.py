@@ -22,7 +22,9 @@ NPY_MEMBERS = {"input_ids.npy": (np.int32, 1), "loss_mask.npy": (np.uint8, 1),
                "image_grid_thw.npy": (np.int32, 2)}
 IMAGE_MEMBER = re.compile(r"^img\d{3}\.(npy\.zst|png|webp|orig\.(jpg|jpeg|png|webp|gif|bmp|tiff))$")
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
-_NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, 'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z", re.DOTALL)
+# The .npy header vlmprep writes for an image, matched instead of running numpy's literal_eval header parser.
+_NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
+                             rb"'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z", re.DOTALL)
 
 
 @dataclass
@@ -96,10 +98,8 @@ class OriginalResizer:
 
 
 def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:
-    if name.endswith(".npy.zst"):
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_IMAGE_BYTES)
-        arr = _load_npy(raw, name)
-    elif ".orig." in name:
+    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst` members go through _read_npy_zst_into)."""
+    if ".orig." in name:
         arr = resize_original(data)
     else:
         with Image.open(io.BytesIO(data)) as im:
@@ -152,7 +152,7 @@ def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int]
         raise ValueError(f"{name}: data after the array")
     header = buf[:buf.size - shape[0] * shape[1] * 3].tobytes()
     fast = _NPY_RGB_HEADER.match(header)
-    if fast and int.from_bytes(header[8:10], "little") == len(header) - 10:  # the header vlmprep writes, read without numpy's literal_eval parser
+    if fast and int.from_bytes(header[8:10], "little") == len(header) - 10:
         dims, fortran, dtype = (int(fast.group(1)), int(fast.group(2)), 3), False, np.dtype(np.uint8)
     else:
         f = io.BytesIO(header)
