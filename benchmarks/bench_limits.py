@@ -50,6 +50,7 @@ def run(quick: bool, shard: Path | None = None) -> dict:
     import zstandard
     from PIL import Image
 
+    from vlmprep.families import resolve_family
     from vlmprep.images import encode_image, prepare_image
     from vlmprep.processor import load_processor
     from vlmprep.types import ImageData
@@ -59,7 +60,7 @@ def run(quick: bool, shard: Path | None = None) -> dict:
     w, h = (320, 200) if quick else (1280, 720)
     png = screenshot_png(w, h)
     processor = load_processor("builtin:qwen2-vl")
-    prep = prepare_image(ImageData(png, "bench"), processor, max_pixels=10**9)
+    prep = prepare_image(ImageData(png, "bench"), processor, resolve_family(processor), max_pixels=10**9)
     pil = Image.open(io.BytesIO(png)).convert("RGB")
     jpeg_buf = io.BytesIO()
     pil.save(jpeg_buf, format="JPEG", quality=90)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import zstandard
 
-from vlmprep.demo import write_traces
+from scripts.demo_traces import write_traces
 
 OUT = Path("bench-out")
 _DATA_URI = re.compile(rb'"data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)"')

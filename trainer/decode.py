@@ -1,5 +1,6 @@
 """Decode: one sample's raw tar members -> DecodedSample (numpy only). The only decoders are npy with
-allow_pickle=False, json and image bytes; unknown members are refused, so nothing is ever unpickled.
+allow_pickle=False, json and image bytes; members are checked against the shard format's one member-name rule
+(schemas/shard_format.schema.json, shared with vlmprep) first, so nothing unknown is read and nothing unpickled.
 """
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from pathlib import Path
 import numpy as np
 import zstandard
 from PIL import Image
+from vlmprep_schemas import load
 
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
 
-NPY_MEMBERS = {"input_ids.npy": (np.int32, 1), "loss_mask.npy": (np.uint8, 1),
-               "mm_token_type_ids.npy": (np.uint8, 1), "position_ids.npy": (np.int32, 2),
-               "image_grid_thw.npy": (np.int32, 2)}
-IMAGE_MEMBER = re.compile(r"^img\d{3}\.(npy\.zst|png|webp|orig\.(jpg|jpeg|png|webp|gif|bmp|tiff))$")
+_FORMAT = load("shard_format.schema.json")
+META_MEMBER = _FORMAT["meta_member"]
+# (dtype, ndim, first format version that has it)
+NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a in _FORMAT["arrays"].items()}
+IMAGE_MEMBER = {2: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
+                1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
 # The .npy header vlmprep writes for an image, matched instead of running numpy's literal_eval header parser.
 _NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
@@ -46,12 +50,22 @@ class DecodedSample:
         return int(self.input_ids.shape[0])
 
 
-def check_member_names(names, *, url: str, key: str) -> None:
+def sample_version(names) -> int:
+    """A sample's format version from its members (v2 added image_index.npy): pipe: sources have no manifest."""
+    return 2 if "image_index.npy" in names else 1
+
+
+def arrays_of(version: int) -> list[str]:
+    return [n for n, (_, _, since) in NPY_MEMBERS.items() if since <= version]
+
+
+def check_member_names(names, *, url: str, key: str, version: int) -> None:
     for name in names:
-        if name not in NPY_MEMBERS and name != "json" and not IMAGE_MEMBER.match(name):
-            raise DataError(f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format; "
-                            "refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle are never loaded)")
-    missing = [n for n in (*NPY_MEMBERS, "json") if n not in names]
+        if name not in arrays_of(version) and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
+            raise DataError(f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format "
+                            f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "
+                            "are never loaded)")
+    missing = [n for n in (*arrays_of(version), META_MEMBER) if n not in names]
     if missing:
         raise DataError(f"{url}: sample {key}: missing members {', '.join(missing)}")
 
@@ -64,7 +78,7 @@ def _load_npy(data: bytes, name: str) -> np.ndarray:
 
 
 def _npy(data: bytes, name: str) -> np.ndarray:
-    dtype, ndim = NPY_MEMBERS[name]
+    dtype, ndim, _ = NPY_MEMBERS[name]
     arr = _load_npy(data, name)
     if arr.dtype != dtype or arr.ndim != ndim:
         raise ValueError(f"{name} is {arr.dtype} with {arr.ndim} dims, expected {np.dtype(dtype)} with {ndim}")
@@ -109,8 +123,15 @@ def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np
     return arr
 
 
-def _image_layout(meta: dict, members: dict[str, bytes]) -> tuple[list[tuple[str, int, int]], list[int]]:
-    """Unique image members in first-use order with their stored (height, width), and occurrence -> unique."""
+def _image_layout(meta: dict, members: dict[str, bytes],
+                  image_index: np.ndarray | None) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """Unique image members in first-use order with their stored (height, width), and occurrence -> unique.
+    v2 samples carry the occurrence -> member map (image_index.npy); it must agree with the meta's."""
+    if image_index is not None:
+        stored = [f"img{int(u):03d}." for u in image_index]
+        named = [im["member"] for im in meta["images"]]
+        if len(stored) != len(named) or any(not m.startswith(p) for p, m in zip(stored, named)):
+            raise ValueError(f"image_index.npy {image_index.tolist()} disagrees with the meta's image members {named}")
     unique: dict[str, int] = {}
     layout: list[tuple[str, int, int]] = []
     index: list[int] = []
@@ -188,11 +209,12 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
                   resize_original: OriginalResizer, alloc=None) -> DecodedSample:
     """`alloc(sizes) -> uint8 arrays` gives the buffers the sample's images are decoded into: by default one array
     each (freed heap is reused); a DataLoader worker passes views of one shared-memory slab."""
-    check_member_names(members, url=url, key=key)
+    version = sample_version(members)
+    check_member_names(members, url=url, key=key, version=version)
     try:
-        arrays = {name: _npy(members[name], name) for name in NPY_MEMBERS}
-        meta = json.loads(members["json"].decode("utf-8"))
-        layout, index = _image_layout(meta, members)
+        arrays = {name: _npy(members[name], name) for name in arrays_of(version)}
+        meta = json.loads(members[META_MEMBER].decode("utf-8"))
+        layout, index = _image_layout(meta, members, arrays.get("image_index.npy"))
         buffers = (alloc or _alloc)([_decoded_size(m, members[m], h, w) for m, h, w in layout])
         images = [decode_image_into(m, members[m], buf, (h, w, 3), resize_original)
                   for (m, h, w), buf in zip(layout, buffers)]

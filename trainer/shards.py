@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import braceexpand
+from vlmprep_schemas import load
 from webdataset.gopen import gopen
 
-FORMAT_VERSION = 1
+READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
 REMOTE = ("http://", "https://")
 
 
@@ -62,9 +63,10 @@ def _load_manifest(base: str) -> dict:
     except (OSError, ValueError, DataError) as e:
         raise DataError(f"cannot read {url}: {e}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise DataError(f"{url}: format_version {version!r} is not supported by this trainer (it reads "
-                        f"format_version {FORMAT_VERSION}); rebuild the shards or upgrade the trainer")
+                        f"format_version {', '.join(map(str, READABLE_VERSIONS))}); rebuild the shards or upgrade "
+                        "the trainer")
     return manifest
 
 

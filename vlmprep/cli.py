@@ -113,7 +113,7 @@ def inspect(
     allow_remote: Annotated[Optional[bool], typer.Option(help="Raw input: as for build.")] = None,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""
-    from vlmprep.inspect import InspectConfig, run_inspect
+    from vlmprep.inspector import InspectConfig, run_inspect
 
     try:
         roles = None if train_on_roles is None else tuple(r.strip() for r in train_on_roles.split(",") if r.strip())

@@ -11,6 +11,7 @@ import numpy as np
 import zstandard
 from PIL import Image, UnidentifiedImageError
 
+from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
 
 # Our own declared-size check replaces PIL's global bomb limit, so the limit is configurable per build.
@@ -41,14 +42,11 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
     return im
 
 
-def prepare_image(img: ImageData, processor, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
+def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
     """Resize with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
-    from vlmprep.families import FAMILIES
-
-    family = FAMILIES.get(type(processor).__name__)
-    mode = family.image_mode if family is not None else "source"
+    mode = family.image_mode
     ip = processor.image_processor
     pil = decode_image(img, max_pixels=max_pixels, min_side=min_side)
     w, h = pil.size
@@ -126,15 +124,3 @@ def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = 3
     if image_format == "original":
         return image.source.data
     raise ValueError(f"unknown image_format {image_format!r}")
-
-
-def decode_stored_image(ext: str, data: bytes) -> np.ndarray:
-    """Stored member -> uint8 H x W x 3 (for 'orig.*' members: the source pixels, not yet resized). Never unpickles."""
-    if ext.endswith("npy.zst"):
-        raw = zstandard.ZstdDecompressor().decompress(data)
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
-        if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
-            raise ValueError(f"stored image has dtype {arr.dtype} shape {arr.shape}, expected uint8 HxWx3")
-        return arr
-    with Image.open(io.BytesIO(data)) as im:
-        return np.array(im.convert("RGB"))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vlmprep.shards import write_json_atomic
+from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.writer import write_json_atomic
 
 JOURNAL_NAME = "build-journal.json"
 REJECTS_PARTIAL = "rejects.jsonl.partial"
@@ -67,8 +68,5 @@ def landed_ids(out: Path, shards: list[dict]) -> set[str]:
     """Ids already written, read back from completed shards (the duplicate-id check must survive a resume)."""
     ids: set[str] = set()
     for s in shards:
-        with tarfile.open(out / s["name"]) as tf:
-            for m in tf:
-                if m.name.endswith(".json"):
-                    ids.add(json.loads(tf.extractfile(m).read())["id"])
+        ids.update(sample.meta()["id"] for sample in iter_shard(out / s["name"], version=FORMAT_VERSION))
     return ids

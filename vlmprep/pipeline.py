@@ -25,7 +25,8 @@ from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs, iter_records, parse_record
 from vlmprep.render import MaskPolicy, RenderContext, render_conversation
 from vlmprep.journal import JOURNAL_NAME, REJECTS_PARTIAL, Journal, input_signature, landed_ids, load_journal, save_journal
-from vlmprep.shards import FORMAT_VERSION, ShardInfo, ShardWriter, encode_sample, sample_key, write_json_atomic
+from vlmprep.shards.format import FORMAT_VERSION, sample_key
+from vlmprep.shards.writer import ShardInfo, ShardWriter, encode_sample, write_json_atomic
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError
 
@@ -63,7 +64,7 @@ class Renderer:
         """parse -> normalize -> prepare images -> render + mask -> truncate; raises RecordError."""
         data = parse_record(raw)
         conv = normalize_record(data, raw.source, self.norm)
-        images = [prepare_image(im, self.processor, max_pixels=self.cfg.max_image_pixels,
+        images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                 min_side=self.cfg.min_image_side) for im in conv.images]
         sample = render_conversation(conv, self.ctx, images)
         return truncate_sample(sample, self.cfg.seq_len)

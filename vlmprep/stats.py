@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmprep.inspect import iter_tar_samples, load_manifest, shard_paths
+from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
 
 HIST_BINS = 10
 HIST_WIDTH = 40
@@ -37,7 +37,7 @@ def compute_stats(root: Path) -> dict:
     tokens, trained, image_tokens, images = [], [], [], []
     truncated = dropped = 0
     for path in shard_paths(root, manifest):
-        for ts in iter_tar_samples(path):
+        for ts in iter_shard(path, version=manifest["format_version"]):
             meta = ts.meta()
             mask, types = ts.array("loss_mask"), ts.array("mm_token_type_ids")
             tokens.append(len(mask))

@@ -27,7 +27,7 @@ def build_dataset(traces: Path, out: Path, *, image_format: str = "zstd", sample
 
 @pytest.fixture(scope="session")
 def traces(tmp_path_factory) -> Path:
-    from vlmprep.demo import write_traces
+    from scripts.demo_traces import write_traces
 
     path = tmp_path_factory.mktemp("traces") / "traces.jsonl.zst"
     write_traces(path, **TRACES)

@@ -63,7 +63,7 @@ def processor(dataset):
 
 
 def test_shard_batches_equal_online_rendering_and_give_the_same_loss(dataset, image_spec, processor):
-    from vlmprep.demo import generate_traces
+    from scripts.demo_traces import generate_traces
 
     records = {r["id"]: r for r in generate_traces(**TRACES)}
     samples = read_all_samples(dataset, image_spec)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from tests.conftest import LLAMAFACTORY
 from vlmprep.config import BuildConfig
-from vlmprep.images import decode_stored_image
+from vlmprep.shards.reader import decode_stored_image
 from vlmprep.pipeline import build
 
 SCHEMAS = Path(__file__).parents[2] / "schemas"
@@ -33,7 +33,7 @@ def cfg(inputs, out, **kw):
 
 @pytest.fixture(scope="module")
 def demo_traces(tmp_path_factory):
-    from vlmprep.demo import write_traces
+    from scripts.demo_traces import write_traces
 
     p = tmp_path_factory.mktemp("demo") / "traces.jsonl.zst"
     write_traces(p, n=12, seed=1, min_images=1, max_images=5, width=480, height=270, overlong_fraction=0.1,
@@ -137,7 +137,7 @@ def test_pixel_parity_per_image_format(fmt, tmp_path, qwen2vl_processor):
             rec = srcs[meta["source"]["line"] - 1]
             grids = npy(s["image_grid_thw.npy"])
             for k, im in enumerate(meta["images"]):
-                stored = decode_stored_image(im["member"].split(".", 1)[1], s[im["member"]])
+                stored = decode_stored_image(im["member"], s[im["member"]])
                 original = Image.open(LLAMAFACTORY / rec["images"][k])
                 ref = ip(images=[original], return_tensors="np")
                 if fmt == "original":  # source bytes: the loader resizes with the same processor

@@ -52,7 +52,7 @@ def run_chromium(binary, tmp_path, *args):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    from vlmprep.demo import write_traces
+    from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("html")
     inp = d / "traces.jsonl.zst"

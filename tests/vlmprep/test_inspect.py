@@ -21,7 +21,7 @@ JP_ANSWER = "\u3053\u3093\u306b\u3061\u306f \U0001f44b \u00e9t\u00e9"  # multi-b
 
 def write_inputs(path):
     """6 demo traces (one overlong: truncated at SEQ_LEN, dropping an image), a multi-byte record and 3 rejects."""
-    from vlmprep.demo import generate_traces
+    from scripts.demo_traces import generate_traces
 
     recs = list(generate_traces(n=6, seed=1, min_images=1, max_images=3, width=320, height=200,
                                 overlong_fraction=0.2, text_only_fraction=0.1))
@@ -250,7 +250,7 @@ def test_refuses_unexpected_members_and_pickles(built, tmp_path):
 def test_rich_terminal_view_colours_trained_tokens(built):
     from rich.console import Console
 
-    from vlmprep.inspect import InspectConfig, run_inspect
+    from vlmprep.inspector import InspectConfig, run_inspect
 
     _, out = built
     buf = io.StringIO()
@@ -264,7 +264,7 @@ def test_rich_terminal_view_colours_trained_tokens(built):
 
 def test_segmentation_decodes_runs_not_tokens(qwen2vl_processor):
     """A 30k-token sample is decoded with one call per run of equal mask/type, whatever its length."""
-    from vlmprep.inspect import InspectedSample, TokenizerView, segment_sample
+    from vlmprep.view import InspectedSample, TokenizerView, segment_sample
 
     tv = TokenizerView.from_processor(qwen2vl_processor)
     calls = []

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from tests.vlmprep.test_families import png, render, trained_runs
 from vlmprep.config import BuildConfig
-from vlmprep.families.tiny import load_family_processor
+from tests.support.tiny_processors import load_family_processor
 from vlmprep.render import MaskPolicy
 
 

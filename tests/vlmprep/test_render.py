@@ -6,6 +6,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import LLAMAFACTORY
+from vlmprep.families import resolve_family
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.render import RenderContext, render_conversation, template_messages
@@ -20,7 +21,7 @@ def png(w, h, color):
 
 def render_record(rec, processor, source=Source("/tmp/x.jsonl", 1)):
     conv = normalize_record(rec, source, NormalizeOptions())
-    images = [prepare_image(im, processor, max_pixels=10**8) for im in conv.images]
+    images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
     return conv, render_conversation(conv, RenderContext(processor), images)
 
 
@@ -85,7 +86,7 @@ def _llamafactory_records():
 
 
 def _demo_records(n):
-    from vlmprep.demo import generate_traces
+    from scripts.demo_traces import generate_traces
 
     return [(r, Source("/tmp/demo.jsonl", i + 1))
             for i, r in enumerate(generate_traces(n=n, seed=3, min_images=1, max_images=4, width=320, height=200,
@@ -100,7 +101,7 @@ def test_token_parity_with_apply_chat_template(proc_fixture, request):
     checked = 0
     for rec, src in cases:
         conv = normalize_record(rec, src, NormalizeOptions())
-        images = [prepare_image(im, processor, max_pixels=10**8) for im in conv.images]
+        images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
         s = render_conversation(conv, ctx, images)
         ref = _online_ids(processor, conv, images)
         np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0], err_msg=conv.id)

@@ -45,7 +45,7 @@ def check_no_partial_final_files(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def kill_input(tmp_path_factory):
-    from vlmprep.demo import write_traces
+    from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("kill")
     p = d / "traces.jsonl.zst"

@@ -14,7 +14,7 @@ from vlmprep.pipeline import build
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from vlmprep.demo import generate_traces
+    from scripts.demo_traces import generate_traces
 
     d = tmp_path_factory.mktemp("stats")
     recs = list(generate_traces(n=6, seed=1, min_images=1, max_images=3, width=320, height=200,

@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
 from vlmprep.pipeline import build
-from vlmprep.verify import read_samples, verify_dataset
+from vlmprep.verify import verify_dataset
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, qwen2vl_processor):
-    from vlmprep.demo import write_traces
+    from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("verify")
     write_traces(d / "t.jsonl.zst", n=6, seed=2, min_images=1, max_images=3, width=320, height=200,
@@ -34,6 +34,18 @@ def built(tmp_path_factory, qwen2vl_processor):
 def ds(built, tmp_path):
     shutil.copytree(built, tmp_path / "ds")
     return tmp_path / "ds"
+
+
+def read_samples(path):
+    """(key, {member: bytes}) per sample, straight from the tar: these tests forge shards behind the reader's back."""
+    out = []
+    with tarfile.open(path) as tf:
+        for m in tf:
+            key, _, ext = m.name.partition(".")
+            if not out or out[-1][0] != key:
+                out.append((key, {}))
+            out[-1][1][ext] = tf.extractfile(m).read()
+    return out
 
 
 def npy(a):
@@ -101,11 +113,12 @@ def _set_array(ext, fn):
     (_set_array("loss_mask.npy", lambda m: np.ones_like(m)), "loss_mask trains image placeholder tokens"),
     (_set_array("loss_mask.npy", lambda m: m[:-1]), "misaligned arrays"),
     (_set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)), "image placeholders, grid rows need"),
-    (_set_array("input_ids.npy", lambda a: a.astype(np.int64)), "dtype int64"),
+    (_set_array("input_ids.npy", lambda a: a.astype(np.int64)), "input_ids.npy is int64"),
+    (_set_array("image_index.npy", lambda a: a + 1), "image_index"),
     (lambda m: m.update({"json": b"{\"id\": 1}"}), "meta:"),
     (lambda m: m.update({"evil.pyd": b"cos\nsystem\n(S'touch /tmp/pwned'\ntR."}), "refused, not decoded"),
     (lambda m: m.update({"model.pth": b"PK\x03\x04"}), "refused, not decoded"),
-    (lambda m: m.update({"input_ids.npy": npy(np.array([object()], dtype=object))}), "input_ids.npy: refused"),
+    (lambda m: m.update({"input_ids.npy": npy(np.array([object()], dtype=object))}), "input_ids.npy is not a plain numeric .npy"),
     (lambda m: m.update({k: b"garbage" for k in m if k.startswith("img")}), "undecodable"),
 ])
 def test_per_sample_faults(ds, mutate, expect):

@@ -1,5 +1,6 @@
-"""Model families: what render, truncate and images must know about a processor beyond its own code
-(end-of-turn tokens, image wrapper tokens, position scheme, image storage), keyed by processor class.
+"""Model families, the one registry every component reads (render, images, truncate, verify, inspect): what vlmprep
+must know about a processor beyond its own code (turn tokens, image wrapper tokens, position scheme, image
+storage), keyed by processor class.
 """
 from __future__ import annotations
 
@@ -23,10 +24,18 @@ class FamilySpec:
     image_mode: str = "source"  # how images.prepare_image stores pixels, see images.py
     string_content: bool = False  # template prints content as a string: text-only messages are passed as one
     role_markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # --role-boundaries: role -> (start, end)
+    # Tokens that open a turn, for views: "next" = the role is the first word after the token, else the role itself.
+    turn_starts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def grid_images(self) -> bool:
+        """Image k is stored at grid_thw[k] * patch pixels and takes prod(grid_thw[k]) / merge^2 placeholders."""
+        return self.image_mode.startswith("smart_resize")
 
 
+_IM_START = {"<|im_start|>": "next"}
 _QWEN = dict(end_of_turn=("<|im_end|>",), wrapper_open=("<|vision_start|>",), wrapper_close=("<|vision_end|>",),
-             positions="mrope", image_mode="smart_resize")
+             positions="mrope", image_mode="smart_resize", turn_starts=_IM_START)
 
 FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
     FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", **_QWEN),
@@ -35,16 +44,29 @@ FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
     FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", **_QWEN),
     FamilySpec(name="glm-4.1v", processor_class="Glm4vProcessor", end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
                wrapper_open=("<|begin_of_image|>",), wrapper_close=("<|end_of_image|>",), positions="mrope",
-               image_mode="smart_resize_temporal", string_content=True),
-    FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",), image_mode="fixed_resize"),
-    FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",)),
-    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>",)),
+               image_mode="smart_resize_temporal", string_content=True,
+               turn_starts={"<|system|>": "system", "<|user|>": "user", "<|assistant|>": "assistant",
+                            "<|observation|>": "tool"}),
+    FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",), image_mode="fixed_resize",
+               turn_starts={"<start_of_turn>": "next"}),
+    FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",),
+               turn_starts={"<|start_header_id|>": "next"}),
+    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>",),
+               turn_starts={"<|header_start|>": "next"}),
     FamilySpec(name="mistral3-pixtral", processor_class="PixtralProcessor", end_of_turn=("</s>",),
-               image_mode="longest_edge_patch"),
+               image_mode="longest_edge_patch", turn_starts={"[INST]": "user", "[/INST]": "assistant"}),
     FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
-    FamilySpec(name="llava-onevision", processor_class="LlavaOnevisionProcessor", end_of_turn=("<|im_end|>",)),
-    FamilySpec(name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",)),
+    FamilySpec(name="llava-onevision", processor_class="LlavaOnevisionProcessor", end_of_turn=("<|im_end|>",),
+               turn_starts=_IM_START),
+    FamilySpec(name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",), turn_starts=_IM_START),
 )}
+# A view of a dataset whose family is not registered (--role-boundaries) recognises any known turn token.
+ANY_TURN_STARTS = {t: how for spec in FAMILIES.values() for t, how in spec.turn_starts.items()}
+
+
+def family_of(processor_class: str | None) -> FamilySpec | None:
+    """The registered family of a processor class name (as a manifest records it), or None."""
+    return FAMILIES.get(processor_class or "")
 
 
 def resolve_family(processor, role_boundaries: str | None = None) -> FamilySpec:

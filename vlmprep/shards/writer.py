@@ -1,5 +1,6 @@
 """Write shards: RenderedSample -> ShardSample (npy/json/image members) -> deterministic WebDataset tars.
-Each tar is written under a temp name and renamed when complete; the manifest is written last.
+Each tar is written under a temp name and renamed when complete; the manifest is written last. Member names
+follow shards/format.py; shards/reader.py is the matching reader.
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.images import encode_image, stored_ext
+from vlmprep.shards.format import ARRAYS, META_MEMBER, image_member_name
 from vlmprep.types import RenderedSample, ShardSample
-
-FORMAT_VERSION = 1
 
 
 def _npy(arr: np.ndarray) -> bytes:
@@ -25,29 +25,30 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def sample_key(position: int) -> str:
-    """Input position as the key: stable, unique across input files, and dot-free as webdataset needs."""
-    return f"{position:010d}"
-
-
 def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int) -> ShardSample:
-    members: dict[str, bytes] = {
-        "input_ids.npy": _npy(sample.input_ids.astype(np.int32)),
-        "loss_mask.npy": _npy(sample.loss_mask.astype(np.uint8)),
-        "mm_token_type_ids.npy": _npy(sample.mm_token_type_ids.astype(np.uint8)),
-        "position_ids.npy": _npy(sample.position_ids.astype(np.int32)),
-        "image_grid_thw.npy": _npy(sample.image_grid_thw.astype(np.int32).reshape(-1, 3)),
-    }
-    images_meta = []
-    member_by_digest: dict[str, str] = {}
+    images_meta, image_index, image_members = [], [], {}
+    unique: dict[str, str] = {}  # source digest -> member name
     for im in sample.images:
-        name = member_by_digest.get(im.digest)
+        name = unique.get(im.digest)
         if name is None:  # identical images within a sample are stored once
-            name = f"img{len(member_by_digest):03d}.{stored_ext(image_format, im)}"
-            member_by_digest[im.digest] = name
-            members[name] = encode_image(im, image_format, zstd_level=zstd_level)
+            name = unique[im.digest] = image_member_name(len(unique), stored_ext(image_format, im))
+            image_members[name] = encode_image(im, image_format, zstd_level=zstd_level)
+        image_index.append(list(unique).index(im.digest))
         images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
                             "grid_thw": [int(x) for x in im.grid_thw]})
+    arrays = {
+        "input_ids.npy": sample.input_ids,
+        "loss_mask.npy": sample.loss_mask,
+        "mm_token_type_ids.npy": sample.mm_token_type_ids,
+        "position_ids.npy": sample.position_ids,
+        "image_grid_thw.npy": np.asarray(sample.image_grid_thw).reshape(-1, 3),
+        # Occurrence -> stored image: repeated images are stored once, so sorted img* members alone are not the
+        # occurrence order; this array makes the mapping explicit for any reader.
+        "image_index.npy": np.asarray(image_index, dtype=np.int64),
+    }
+    assert set(arrays) == set(ARRAYS), "writer and shards/format.py disagree on the array members"
+    members: dict[str, bytes] = {name: _npy(a.astype(ARRAYS[name].dtype)) for name, a in arrays.items()}
+    members.update(image_members)
     n_tokens = int(len(sample.input_ids))
     n_trainable = int(sample.loss_mask.sum())
     meta = {
@@ -64,7 +65,7 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         "image_format": image_format,
         "images": images_meta,
     }
-    members["json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    members[META_MEMBER] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
     return ShardSample(key=key, members=members, num_tokens=n_tokens, num_trainable_tokens=n_trainable,
                        num_images=len(sample.images), meta=meta)
 

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TEMPLATES = Path(__file__).parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "vlmprep" / "templates"
 BUILDER_VERSION = 1
 
 # A fixed corpus for the merges: plain English and JSON, enough that words and "\n\n" become single tokens.

@@ -730,7 +730,7 @@ def write_traces(path: Path, *, n: int, seed: int = 0, min_images: int = 2, max_
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m vlmprep.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.demo_traces", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""Tests for the synthetic browser-agent trace generator (vlmprep.demo)."""
+"""Tests for the synthetic browser-agent trace generator (scripts/demo_traces.py)."""
 from __future__ import annotations
 
 import base64
@@ -10,7 +10,7 @@ import pytest
 import zstandard
 from PIL import Image
 
-from vlmprep.demo import TOOLS, generate_traces, write_traces
+from scripts.demo_traces import TOOLS, generate_traces, write_traces
 
 # Small screenshots keep the suite fast; layout and logic are the same as at 1280x720.
 SMALL = dict(width=320, height=200)

@@ -1,0 +1,1 @@
+"""Test support code: test-only tiny processors of the non-Qwen families."""

@@ -1,0 +1,234 @@
+"""`vlmprep inspect`: a built dataset dir (read through shards/reader.py) or raw input (rendered exactly as build
+would) -> the selected samples or rejects -> views printed by show.py or written as HTML by report.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+from vlmprep.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
+from vlmprep.types import RecordError, UserError
+from vlmprep.view import (InspectedSample, SampleView, TokenizerView, reject_line, sample_from_rendered,
+                          sample_from_stored, view_sample)
+
+ONLY = ("truncated", "rejected")
+DEFAULT_LIMIT = 3
+
+
+class InspectError(UserError):
+    """A user-facing inspect fault (bad selection, unsafe or malformed shard member): one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InspectConfig:
+    path: str
+    index: int | None = None  # input position (= shard key), the same number in raw and dir mode
+    id: str | None = None
+    shard: str | None = None
+    limit: int = DEFAULT_LIMIT
+    only: str | None = None
+    tokens: bool = False
+    html: str | None = None
+    # Raw input only: build options that change what a record renders to. None = not given: the value from
+    # `like` (a built dir whose resolved config and saved processor are reused), else build's default.
+    like: str | None = None
+    processor: str | None = None
+    seq_len: int | None = None
+    train_on_roles: tuple[str, ...] | None = None
+    train_on_eos: str | None = None
+    last_turn_only: bool | None = None
+    tool_calls: str | None = None
+    chat_template: str | None = None
+    role_boundaries: str | None = None
+    image_root: str | None = None
+    allow_remote: bool | None = None
+
+    def __post_init__(self):
+        if self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1")
+        if self.index is not None and self.index < 0:
+            raise ValueError(f"index={self.index}: must be >= 0 (the record's 0-based input position)")
+        if self.only is not None and self.only not in ONLY:
+            raise ValueError(f"only={self.only!r}: choose one of {', '.join(ONLY)}")
+        if self.only == "rejected" and self.tokens:
+            raise ValueError("--tokens shows samples; it cannot be combined with --only rejected")
+
+
+def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
+    manifest = load_manifest(d)
+    if cfg.only == "rejected":
+        if cfg.index is not None or cfg.shard is not None:
+            raise InspectError("--only rejected on a built dir lists rejects.jsonl, which has no shard or input "
+                               "position: select with --id, or inspect the raw input with --index")
+        yield from _iter_rejects_file(d, cfg)
+        return
+    for path in shard_paths(d, manifest, cfg.shard):
+        for ts in iter_shard(path, version=manifest["format_version"]):
+            if cfg.index is not None and int(ts.key[:10]) != cfg.index:
+                continue
+            if cfg.id is not None or cfg.only == "truncated":
+                meta = ts.meta()
+                if cfg.id is not None and str(meta.get("id")) != cfg.id:
+                    continue
+                if cfg.only == "truncated" and not meta.get("truncated"):
+                    continue
+            yield sample_from_stored(ts)
+
+
+def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
+    p = d / "rejects.jsonl"
+    if not p.is_file():
+        return
+    with open(p, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if cfg.id is not None and str(r.get("id")) != cfg.id:
+                continue
+            yield r
+
+
+
+RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls",
+               "chat_template", "role_boundaries", "image_root", "allow_remote")
+
+
+def _raw_build_config(cfg: InspectConfig):
+    from vlmprep.config import BuildConfig
+
+    kw = {}
+    if cfg.like is not None:
+        like = Path(cfg.like)
+        fields = {f.name for f in dataclasses.fields(BuildConfig)} - {"inputs", "out", "progress", "workers"}
+        kw = {k: tuple(v) if isinstance(v, list) else v
+              for k, v in (load_manifest(like).get("config") or {}).items() if k in fields}
+        # The saved processor is the one that rendered the dataset, chat template included.
+        kw.update(processor=str(like / "processor"), chat_template=None)
+    kw.update({k: getattr(cfg, k) for k in RAW_OPTIONS if getattr(cfg, k) is not None})
+    return BuildConfig(inputs=(cfg.path,), out="", progress=False, **kw)  # out: inspect writes no dataset
+
+
+def _raw_id_candidate(raw, want: str) -> bool:
+    """Cheap pre-filter for --id, mirroring normalize_record's id rule; the rendered id is checked after."""
+    from vlmprep.records import parse_record
+
+    if want == f"{Path(raw.source.file).name}:{raw.source.line}":
+        return True
+    try:
+        rid = parse_record(raw).get("id")
+    except RecordError:
+        return False
+    return isinstance(rid, (str, int, float)) and not isinstance(rid, bool) and str(rid) == want
+
+
+def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
+    from vlmprep.pipeline import reject_entry
+    from vlmprep.records import expand_inputs, iter_records
+    from vlmprep.shards.format import sample_key
+
+    bcfg = renderer.cfg
+    seen_ids: set[str] = set()
+    for raw in iter_records(expand_inputs(bcfg.inputs), max_line_bytes=bcfg.max_line_bytes):
+        if cfg.index is not None and raw.position != cfg.index:
+            if raw.position > cfg.index:
+                return
+            continue
+        if cfg.id is not None and not _raw_id_candidate(raw, cfg.id):
+            continue
+        try:
+            sample = renderer.render(raw)
+        except RecordError as e:
+            reject = reject_entry(raw, e.reason, e.message)
+        except Exception as e:  # noqa: BLE001 - build counts these as internal_error rejects; so do we
+            reject = reject_entry(raw, "internal_error", f"{type(e).__name__}: {str(e)[:300]}")
+        else:
+            if cfg.id is not None and sample.id != cfg.id:
+                continue
+            # Build rejects a repeated id; seen only among records rendered here, so exact for a full scan.
+            if sample.id in seen_ids:
+                reject = {**reject_entry(raw, "duplicate_id", ""), "id": sample.id,
+                          "message": f"id {sample.id!r} already used by an earlier record"}
+            else:
+                seen_ids.add(sample.id)
+                if cfg.only == "rejected" or (cfg.only == "truncated" and not sample.truncated):
+                    continue
+                yield sample_from_rendered(sample, sample_key(raw.position))
+                continue
+        if cfg.only in (None, "rejected"):
+            yield reject
+
+
+def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerView]:
+    """The first `limit` matching items in input order: samples, or reject entries (dicts)."""
+    p = Path(cfg.path)
+    is_dataset = p.is_dir() and ((p / "manifest.json").exists() or any(p.glob("shard-*.tar")))
+    if is_dataset:
+        passed = ["--" + k.replace("_", "-") for k in ("like",) + RAW_OPTIONS if getattr(cfg, k) is not None]
+        if passed:
+            raise InspectError(f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
+                               "the processor and options it was built with")
+        manifest = load_manifest(p)
+        tv = TokenizerView.from_dir(p / "processor", (manifest.get("processor") or {}).get("class"))
+        items = _iter_dir(cfg, p)
+    else:
+        if cfg.shard is not None:
+            raise InspectError(f"--shard selects a shard of a built dir; {p} is raw input")
+        from vlmprep.pipeline import Renderer
+        from vlmprep.processor import load_processor
+
+        bcfg = _raw_build_config(cfg)
+        processor = load_processor(bcfg.processor)
+        tv = TokenizerView.from_processor(processor)
+        items = _iter_raw(cfg, Renderer(bcfg, processor))
+    out = []
+    for item in items:
+        out.append(item)
+        if len(out) >= cfg.limit:
+            break
+    return out, tv
+
+
+
+@dataclass
+class InspectResult:
+    samples: list[SampleView]
+    rejects: list[dict]
+    html: str | None = None
+
+
+def run_inspect(cfg: InspectConfig, console=None) -> InspectResult:
+    """Select, view and print (or write the HTML report); raises InspectError when no sample matches."""
+    from rich.console import Console
+
+    console = console or Console(highlight=False)
+    items, tv = select(cfg)
+    if not items and cfg.only != "rejected":
+        what = [f"{k} {v}" for k, v in (("--index", cfg.index), ("--id", cfg.id), ("--shard", cfg.shard),
+                                         ("--only", cfg.only)) if v is not None]
+        raise InspectError(f"no sample in {cfg.path} matches {' '.join(what) or 'the selection'}")
+    views = [view_sample(x, tv) if isinstance(x, InspectedSample) else x for x in items]
+    result = InspectResult([v for v in views if isinstance(v, SampleView)], [v for v in views if isinstance(v, dict)])
+    if cfg.html:
+        from vlmprep.report import write_report
+
+        write_report(Path(cfg.html), result.samples, result.rejects, title=f"vlmprep inspect {cfg.path}")
+        result.html = cfg.html
+        console.print(f"wrote {cfg.html}: {len(result.samples)} samples, {len(result.rejects)} rejects",
+                      markup=False, highlight=False, soft_wrap=True)
+        return result
+    if not views:
+        console.print(f"no rejected records in {cfg.path}", markup=False, highlight=False, soft_wrap=True)
+    plain = not console.is_terminal
+    for v in views:
+        if isinstance(v, dict):
+            console.print(reject_line(v), markup=False, highlight=False, soft_wrap=True)
+        elif plain:
+            console.out(format_tokens_plain(v) if cfg.tokens else format_plain(v), end="", highlight=False)
+        else:
+            console.print(format_tokens_rich(v) if cfg.tokens else format_rich(v))
+    return result

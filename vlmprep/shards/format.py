@@ -1,0 +1,60 @@
+"""The member-name rule and versions of the shard format, read from schemas/shard_format.schema.json (the trainer
+reads the same file), so the writer, every reader in vlmprep and the trainer cannot disagree.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from vlmprep_schemas import load
+
+_SPEC = load("shard_format.schema.json")
+FORMAT_VERSION: int = _SPEC["format_version"]
+READABLE_VERSIONS: tuple[int, ...] = tuple(_SPEC["readable_versions"])
+META_MEMBER: str = _SPEC["meta_member"]
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    dtype: np.dtype
+    ndim: int
+    since: int
+
+
+ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"])
+                                for name, a in _SPEC["arrays"].items()}
+_KEY = {2: re.compile(_SPEC["$defs"]["key"]["pattern"]), 1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
+_IMAGE = {2: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
+          1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"])}
+
+
+def arrays_of(version: int) -> dict[str, ArraySpec]:
+    """The array members every sample of this format version has."""
+    return {n: a for n, a in ARRAYS.items() if a.since <= version}
+
+
+def is_key(key: str, version: int = FORMAT_VERSION) -> bool:
+    return bool(_KEY[version].match(key))
+
+
+def is_image_member(name: str, version: int = FORMAT_VERSION) -> bool:
+    return bool(_IMAGE[version].match(name))
+
+
+def is_member(name: str, version: int = FORMAT_VERSION) -> bool:
+    """True for every member a sample of this version may hold; anything else is refused unread."""
+    return name == META_MEMBER or name in arrays_of(version) or is_image_member(name, version)
+
+
+def sample_key(position: int, split: int | None = None) -> str:
+    """Input position (plus the split index of a record cut into several samples): stable, unique, dot-free."""
+    key = f"{position:010d}" if split is None else f"{position:010d}_{split:04d}"
+    assert is_key(key), f"sample key {key!r} breaks the shard format's key rule"
+    return key
+
+
+def image_member_name(unique_index: int, ext: str) -> str:
+    name = f"img{unique_index:03d}.{ext}"
+    assert is_image_member(name), f"image member {name!r} breaks the shard format's member rule"
+    return name

@@ -1,0 +1,208 @@
+"""Read shards, the only code in vlmprep that opens them: manifest (version checked) -> shard list -> safe tar
+iterator (member names checked against shards/format.py before anything is read; .npy with allow_pickle=False;
+unknown members refused undecoded) -> StoredSample with arrays, meta and images in occurrence order.
+"""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import zstandard
+from PIL import Image
+
+from vlmprep.shards.format import META_MEMBER, READABLE_VERSIONS, arrays_of, is_image_member, is_key, is_member
+from vlmprep.types import UserError
+
+
+class ShardFormatError(UserError):
+    """A dataset that is not a readable vlmprep dataset, or a member that breaks the format: one line naming it."""
+
+
+def load_manifest(d: Path) -> dict:
+    """DIR/manifest.json, refused unless its format_version is one this vlmprep reads."""
+    p = Path(d) / "manifest.json"
+    if not p.is_file():
+        raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build (rerun `vlmprep build`)")
+    try:
+        manifest = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ShardFormatError(f"{p} is not valid JSON: {e}") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version not in READABLE_VERSIONS:
+        raise ShardFormatError(f"{p}: format_version {version!r} is not supported (this vlmprep reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
+    return manifest
+
+
+def shard_paths(d: Path, manifest: dict, shard: str | None = None) -> list[Path]:
+    """The manifest's shards in order (or just `shard`, with or without .tar); each must exist."""
+    d = Path(d)
+    names = [s["name"] for s in manifest.get("shards", [])]
+    if shard is not None:
+        want = shard if shard.endswith(".tar") else shard + ".tar"
+        if want not in names:
+            raise ShardFormatError(f"--shard {shard}: no such shard in {d} (have {', '.join(names[:5]) or 'none'}"
+                                   + (", ..." if len(names) > 5 else "") + ")")
+        names = [want]
+    for n in names:
+        if not (d / n).is_file():
+            raise ShardFormatError(f"{d / n} is listed in the manifest but missing")
+    return [d / n for n in names]
+
+
+def decode_stored_image(name: str, data: bytes) -> np.ndarray:
+    """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). Never unpickles."""
+    if name.endswith(".npy.zst"):
+        arr = np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(data)), allow_pickle=False)
+        if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+            raise ValueError(f"stored image has dtype {arr.dtype} shape {arr.shape}, expected uint8 HxWx3")
+        return arr
+    with Image.open(io.BytesIO(data)) as im:
+        return np.array(im.convert("RGB"))
+
+
+@dataclass
+class StoredSample:
+    """One sample's members, each read on demand (a tar member, or bytes a client already holds)."""
+
+    key: str
+    where: str  # shard name or URL, for messages
+    version: int
+    names: tuple[str, ...]  # members that passed the name rule
+    reader: Callable[[str], bytes] = field(repr=False)
+    unknown: tuple[str, ...] = ()  # members refused by the rule, never read (only with on_unknown="report")
+    _meta: dict | None = field(default=None, repr=False)
+
+    def _fail(self, what: str) -> ShardFormatError:
+        return ShardFormatError(f"{self.where}: sample {self.key}: {what}")
+
+    def read(self, name: str) -> bytes:
+        if name not in self.names:
+            raise self._fail(f"has no member {name!r}")
+        return self.reader(name)
+
+    def meta(self) -> dict:
+        if self._meta is None:
+            try:
+                meta = json.loads(self.read(META_MEMBER))
+            except ValueError as e:
+                raise self._fail(f"{META_MEMBER} is not valid JSON: {e}") from None
+            if not isinstance(meta, dict):
+                raise self._fail(f"{META_MEMBER} is not a JSON object")
+            self._meta = meta
+        return self._meta
+
+    def array(self, name: str) -> np.ndarray:
+        """An array member (`input_ids`, ... without `.npy`), dtype and rank checked against the format."""
+        member = name if name.endswith(".npy") else name + ".npy"
+        spec = arrays_of(self.version).get(member)
+        if spec is None:
+            raise self._fail(f"{member} is not an array of format v{self.version}")
+        try:
+            arr = np.load(io.BytesIO(self.read(member)), allow_pickle=False)
+        except ValueError as e:  # object arrays need pickle: refused, never executed
+            raise self._fail(f"{member} is not a plain numeric .npy ({e}); refusing to unpickle it") from None
+        if not isinstance(arr, np.ndarray) or arr.dtype != spec.dtype or arr.ndim != spec.ndim:
+            raise self._fail(f"{member} is {getattr(arr, 'dtype', type(arr))} with {getattr(arr, 'ndim', '?')} dims, "
+                             f"expected {spec.dtype} with {spec.ndim}")
+        return arr
+
+    def image_index(self) -> np.ndarray:
+        """Occurrence k -> unique image number u (member imgUUU.*). v1 datasets derive it from the meta."""
+        if self.version >= 2:
+            return self.array("image_index").astype(np.int64)
+        members = [im.get("member", "") for im in self.meta().get("images", [])]
+        return np.array([int(m[3:6]) for m in members], dtype=np.int64)
+
+    def image_members(self) -> list[str]:
+        """The stored member of each image occurrence, in token order."""
+        by_number = {int(n[3:6]): n for n in self.names if is_image_member(n, self.version)}
+        out = []
+        for k, u in enumerate(self.image_index().tolist()):
+            if u not in by_number:
+                raise self._fail(f"image_index maps occurrence {k} to image {u}, but there is no member img{u:03d}.*")
+            out.append(by_number[u])
+        return out
+
+    def images(self) -> list[np.ndarray]:
+        """Decoded images per occurrence (uint8 H x W x 3); a repeated image is decoded once and shared."""
+        cache: dict[str, np.ndarray] = {}
+        out = []
+        for name in self.image_members():
+            if name not in cache:
+                try:
+                    cache[name] = decode_stored_image(name, self.read(name))
+                except (ValueError, OSError, zstandard.ZstdError) as e:
+                    raise self._fail(f"{name} does not decode: {type(e).__name__}: {e}") from None
+            out.append(cache[name])
+        return out
+
+    def to_dict(self) -> dict:
+        """Everything, decoded: `__key__`, `id`, the arrays (name without .npy), `images` per occurrence, `meta`."""
+        out = {"__key__": self.key, "id": str(self.meta().get("id"))}
+        out.update({n.removesuffix(".npy"): self.array(n) for n in arrays_of(self.version)})
+        out["image_index"] = self.image_index()
+        out["images"] = self.images()
+        out["meta"] = self.meta()
+        return out
+
+
+def _check_names(names, *, key: str, where: str, version: int, on_unknown: str) -> tuple[list[str], list[str]]:
+    if not is_key(key, version):
+        raise ShardFormatError(f"{where}: key {key!r} is not a vlmprep sample key; refusing to read it")
+    ok = [n for n in names if is_member(n, version)]
+    bad = [n for n in names if not is_member(n, version)]
+    if bad and on_unknown == "raise":
+        # Never decoded: .pyd / .pth / .pickle members are exactly what unpickling readers would execute.
+        raise ShardFormatError(f"{where}: sample {key}: unexpected member(s) {sorted(f'{key}.{n}' for n in bad)} "
+                               "(not part of the vlmprep shard format); refusing to read them")
+    return ok, bad
+
+
+def sample_from_members(members: dict[str, bytes], *, key: str, where: str, version: int) -> StoredSample:
+    """A sample whose raw members a client already holds (webdataset, HF datasets, energon): names checked first."""
+    ok, _ = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
+    return StoredSample(key=key, where=where, version=version, names=tuple(ok), reader=members.__getitem__)
+
+
+def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterator[StoredSample]:
+    """A shard's samples in tar order. Member names and types are checked as they come; members are read only when
+    asked for. on_unknown="report" lists refused members in `StoredSample.unknown` instead of raising."""
+    path = Path(path)
+    where = path.name
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            key, infos = None, {}
+
+            def emit():
+                ok, bad = _check_names(list(infos), key=key, where=where, version=version, on_unknown=on_unknown)
+                return StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
+                                    reader=lambda n, infos=infos: tar.extractfile(infos[n]).read())
+
+            for ti in tar:
+                k, dot, ext = ti.name.partition(".")
+                if not ti.isreg() or not dot or "/" in ti.name:
+                    raise ShardFormatError(f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it")
+                if k != key and key is not None:
+                    yield emit()
+                    infos = {}
+                if ext in infos:
+                    raise ShardFormatError(f"{where}: sample {k} has member {ext!r} twice")
+                key = k
+                infos[ext] = ti
+            if key is not None:
+                yield emit()
+    except tarfile.TarError as e:
+        raise ShardFormatError(f"{where}: unreadable or truncated tar: {e}") from None
+
+
+def iter_dataset(d: Path, *, shard: str | None = None) -> Iterator[StoredSample]:
+    """Every sample of a built dataset dir in manifest order."""
+    manifest = load_manifest(d)
+    for path in shard_paths(d, manifest, shard):
+        yield from iter_shard(path, version=manifest["format_version"])

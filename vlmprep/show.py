@@ -1,0 +1,92 @@
+"""Terminal printers of a SampleView: plain text with [T]...[/T] around trained runs (piped output), rich colours
+in a terminal, and the per-token table (--tokens).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vlmprep.view import SampleView, fact_lines, header_line, message_line
+
+
+def format_plain(v: SampleView) -> str:
+    """Plain text: the conversation with [T]...[/T] around each trained run, then the facts."""
+    out = [header_line(v)]
+    for m in v.messages:
+        body = []
+        for trained, segs in m.runs:
+            text = "".join(seg.text for seg in segs)
+            body.append(f"[T]{text}[/T]" if trained else text)
+        out.append(message_line(m))
+        out.append("".join(body).removesuffix("\n"))
+    out += fact_lines(v)
+    return "\n".join(out) + "\n"
+
+
+_STYLE = {"text": "dim", "special": "bold magenta", "image": "bold cyan"}
+_TRAINED = "black on green"
+
+
+def format_rich(v: SampleView):
+    """The same view as rich Text: trained tokens on green, masked text dim, special tokens and images bold."""
+    from rich.text import Text
+
+    t = Text()
+    t.append(header_line(v) + "\n", style="bold")
+    for m in v.messages:
+        t.append(message_line(m) + "\n", style="bold blue")
+        for seg in m.segments:
+            style = _STYLE[seg.kind]
+            if seg.trained:
+                style = _TRAINED if seg.kind == "text" else f"{style} {_TRAINED}"
+            t.append(seg.text, style=style)
+        if m.segments and not m.segments[-1].text.endswith("\n"):
+            t.append("\n")
+    for line in fact_lines(v):
+        t.append(line + "\n", style="yellow" if line.startswith(("WARNING", "note")) else "")
+    return t
+
+
+def token_rows(v: SampleView) -> list[tuple[str, str, str, str, str]]:
+    """(index, id, mask, type, piece) per token; each image run is one row, as in the conversation view."""
+    s = v.sample
+    text_idx = np.flatnonzero(np.asarray(s.mm_token_type_ids) == 0)
+    pieces = dict(zip(text_idx.tolist(), v.tokenizer_view.pieces(np.asarray(s.input_ids)[text_idx])))
+    rows = []
+    for m in v.messages:
+        for seg in m.segments:
+            if seg.kind == "image":
+                rows.append((f"{seg.start}-{seg.end - 1}", str(int(s.input_ids[seg.start])), str(int(seg.trained)),
+                             str(int(s.mm_token_type_ids[seg.start])), seg.text))
+                continue
+            for i in range(seg.start, seg.end):
+                rows.append((str(i), str(int(s.input_ids[i])), str(int(s.loss_mask[i])),
+                             str(int(s.mm_token_type_ids[i])), repr(pieces[i])))
+    return rows
+
+
+_TOKEN_COLUMNS = ("index", "id", "mask", "type", "piece")
+
+
+def _token_table(rows: list[tuple[str, ...]]) -> list[str]:
+    w = [max([len(c)] + [len(r[j]) for r in rows]) for j, c in enumerate(_TOKEN_COLUMNS[:4])]
+    head = "  ".join(c.rjust(w[j]) for j, c in enumerate(_TOKEN_COLUMNS[:4])) + "  piece"
+    return [head] + ["  ".join(r[j].rjust(w[j]) for j in range(4)) + "  " + r[4] for r in rows]
+
+
+def format_tokens_plain(v: SampleView) -> str:
+    return "\n".join([header_line(v)] + _token_table(token_rows(v)) + fact_lines(v)) + "\n"
+
+
+def format_tokens_rich(v: SampleView):
+    # Styled lines rather than a rich Table: a Table lays out 30k rows in seconds, lines in milliseconds.
+    from rich.text import Text
+
+    rows = token_rows(v)
+    lines = _token_table(rows)
+    t = Text()
+    t.append(header_line(v) + "\n", style="bold")
+    t.append(lines[0] + "\n", style="bold")
+    for r, line in zip(rows, lines[1:]):
+        t.append(line + "\n", style=_TRAINED if r[2] == "1" else ("bold cyan" if r[3] != "0" else "dim"))
+    t.append("\n".join(fact_lines(v)) + "\n")
+    return t

@@ -1,0 +1,286 @@
+"""The view of a sample, shared by the terminal printers (show.py) and the HTML report (report.py): a stored or
+rendered sample -> segments (text runs, special tokens, collapsed image runs) grouped by message -> text and facts.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from vlmprep.families import ANY_TURN_STARTS, family_of
+from vlmprep.shards.reader import StoredSample, decode_stored_image
+
+
+@dataclass
+class InspectedSample:
+    """One sample as stored (dir mode) or as build would store it (raw mode); facts come from the arrays."""
+
+    key: str  # 10-digit input position, as in the shard
+    id: str
+    source: tuple[str, int]  # file, line
+    where: str  # shard name, or "rendered from input"
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    mm_token_type_ids: np.ndarray
+    image_grid_thw: np.ndarray  # [N, 3]
+    images: list[Callable[[], np.ndarray]]  # per occurrence: uint8 HxWx3, decoded only when a view needs it
+    num_tokens_before_truncation: int
+    truncated: bool
+    dropped_images: int
+    unrendered_tool_calls: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Segment:
+    """Tokens [start, end) shown as one piece: a text run, one special token, or one collapsed image run."""
+
+    start: int
+    end: int
+    kind: str  # "text" | "special" | "image"
+    trained: bool
+    text: str
+    image: int | None = None  # 0-based image occurrence for kind == "image"
+
+
+@dataclass
+class MessageView:
+    role: str
+    segments: list[Segment]
+
+    @property
+    def runs(self) -> list[tuple[bool, list[Segment]]]:
+        """Maximal runs of equal loss mask: what the trained markers wrap."""
+        out: list[tuple[bool, list[Segment]]] = []
+        for seg in self.segments:
+            if out and out[-1][0] == seg.trained:
+                out[-1][1].append(seg)
+            else:
+                out.append((seg.trained, [seg]))
+        return out
+
+    @property
+    def num_trained(self) -> int:
+        return sum(s.end - s.start for s in self.segments if s.trained)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.segments)
+
+
+@dataclass
+class SampleView:
+    sample: InspectedSample
+    messages: list[MessageView]
+    tokenizer_view: "TokenizerView"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sample.input_ids)
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.sample.loss_mask.sum())
+
+    @property
+    def num_image_tokens(self) -> int:
+        return int((self.sample.mm_token_type_ids != 0).sum())
+
+    @property
+    def num_images(self) -> int:
+        return len(self.sample.image_grid_thw)
+
+
+class TokenizerView:
+    """What the views need from a processor: decode, special tokens, turn starts and the image merge size."""
+
+    def __init__(self, *, decode: Callable[[list[int]], str], decode_batch: Callable[[list[list[int]]], list[str]],
+                 special: dict[int, str], merge_size: int | None, turn_starts: dict[str, str] = ANY_TURN_STARTS):
+        self._decode = decode
+        self._decode_batch = decode_batch
+        self.special = special
+        self.special_ids = np.array(sorted(special), dtype=np.int64)
+        self.turn_starts = {i: turn_starts[c] for i, c in special.items() if c in turn_starts}
+        self.merge_size = merge_size  # None: the family has no patch grid to check placeholder counts against
+
+    @classmethod
+    def from_processor(cls, processor) -> "TokenizerView":
+        tok = processor.tokenizer
+        kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+        return cls(decode=lambda ids: tok.decode(ids, **kw), decode_batch=lambda b: tok.batch_decode(b, **kw),
+                   special={int(i): t.content for i, t in tok.added_tokens_decoder.items() if t.special},
+                   merge_size=getattr(getattr(processor, "image_processor", None), "merge_size", None),
+                   turn_starts=_turn_starts(type(processor).__name__))
+
+    @classmethod
+    def from_dir(cls, d: Path, processor_class: str | None = None) -> "TokenizerView":
+        """A dataset's saved processor. Its tokenizer.json alone decodes exactly as the HF tokenizer does
+        (decode is the Rust decoder either way) and skips seconds of transformers import per call."""
+        merge = None
+        for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+            if (d / name).is_file():
+                cfg = json.loads((d / name).read_text(encoding="utf-8"))
+                merge = (cfg.get(key) or {}).get("merge_size") if key else cfg.get("merge_size")
+                if merge:
+                    break
+        if not (d / "tokenizer.json").is_file():
+            from transformers import AutoProcessor
+
+            return cls.from_processor(AutoProcessor.from_pretrained(str(d), local_files_only=True))
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        return cls(decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+                   decode_batch=lambda b: tok.decode_batch(b, skip_special_tokens=False),
+                   special={int(i): t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
+                   merge_size=int(merge) if merge else None, turn_starts=_turn_starts(processor_class))
+
+    def decode(self, ids) -> str:
+        return self._decode([int(i) for i in ids])
+
+    def pieces(self, ids: np.ndarray) -> list[str]:
+        """Each token's own text, in one batched call."""
+        return self._decode_batch([[int(i)] for i in ids])
+
+
+
+def sample_from_rendered(s, key: str) -> InspectedSample:
+    return InspectedSample(
+        key=key, id=s.id, source=(s.source.file, s.source.line), where="rendered from input",
+        input_ids=s.input_ids, loss_mask=s.loss_mask, mm_token_type_ids=s.mm_token_type_ids,
+        image_grid_thw=np.asarray(s.image_grid_thw).reshape(-1, 3),
+        images=[(lambda px=im.pixels: px) for im in s.images],
+        num_tokens_before_truncation=s.num_tokens_before_truncation, truncated=s.truncated,
+        dropped_images=s.dropped_images, unrendered_tool_calls=s.unrendered_tool_calls)
+
+
+def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageView]:
+    """Split into runs of equal (mask, type), each special token alone; decode each run with one call."""
+    ids = np.asarray(sample.input_ids, dtype=np.int64)
+    mask = np.asarray(sample.loss_mask).astype(bool)
+    types = np.asarray(sample.mm_token_type_ids).astype(np.int64)
+    n = len(ids)
+    if n == 0:
+        return []
+    special = np.isin(ids, tv.special_ids) & (types == 0)
+    change = np.ones(n, dtype=bool)
+    change[1:] = (mask[1:] != mask[:-1]) | (types[1:] != types[:-1]) | special[1:] | special[:-1]
+    starts = np.flatnonzero(change)
+    ends = np.append(starts[1:], n)
+    segments: list[Segment] = []
+    k = 0
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        trained = bool(mask[s])
+        if types[s] != 0:
+            segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv), image=k))
+            k += 1
+        elif special[s]:
+            segments.append(Segment(s, e, "special", trained, tv.special[int(ids[s])]))
+        else:
+            segments.append(Segment(s, e, "text", trained, tv.decode(ids[s:e])))
+    if k != len(sample.image_grid_thw):
+        sample.warnings.append(f"{k} image placeholder runs but {len(sample.image_grid_thw)} image_grid_thw rows")
+    return _split_messages(segments, ids, tv)
+
+
+def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView) -> str:
+    grid = sample.image_grid_thw
+    if k >= len(grid):
+        return f"[image {k + 1}: no grid row -> {n_tokens} tokens]"
+    t, h, w = (int(x) for x in grid[k])
+    patches = f"{h}x{w}" if t == 1 else f"{t}x{h}x{w}"
+    expected = None if tv.merge_size is None else t * h * w // (tv.merge_size ** 2)
+    bad = "" if expected in (None, n_tokens) else f", grid implies {expected}!"
+    return f"[image {k + 1}: {patches} patches -> {n_tokens} tokens{bad}]"
+
+
+def _split_messages(segments: list[Segment], ids: np.ndarray, tv: TokenizerView) -> list[MessageView]:
+    messages: list[MessageView] = []
+    cur: list[Segment] = []
+    for seg in segments:
+        if seg.kind == "special" and int(ids[seg.start]) in tv.turn_starts and cur:
+            messages.append(MessageView(_role(cur, ids, tv), cur))
+            cur = []
+        cur.append(seg)
+    if cur:
+        messages.append(MessageView(_role(cur, ids, tv), cur))
+    return messages
+
+
+def _role(segs: list[Segment], ids: np.ndarray, tv: TokenizerView) -> str:
+    first = segs[0]
+    how = tv.turn_starts.get(int(ids[first.start])) if first.kind == "special" else None
+    if how == "next":
+        words = segs[1].text.split("\n", 1)[0].split() if len(segs) > 1 and segs[1].kind == "text" else []
+        return words[0].rstrip(":") if words else "?"
+    return how or "(no turn header)"
+
+
+def view_sample(sample: InspectedSample, tv: TokenizerView) -> SampleView:
+    return SampleView(sample, segment_sample(sample, tv), tv)
+
+
+def header_line(v: SampleView) -> str:
+    s = v.sample
+    return f"=== sample {s.key}  id {s.id}  ({s.where}) ==="
+
+
+def message_line(m: MessageView) -> str:
+    trained = f" ({m.num_trained}/{m.num_tokens} tokens trained)" if m.num_trained else ""
+    return f"--- {m.role}{trained} ---"
+
+
+def fact_lines(v: SampleView) -> list[str]:
+    s = v.sample
+    ratio = v.num_trained / max(v.num_tokens, 1)
+    if s.truncated:
+        dropped = f"{s.dropped_images} image{'s' if s.dropped_images != 1 else ''} dropped by the cut"
+        trunc = f"truncated: yes, {s.num_tokens_before_truncation} -> {v.num_tokens} tokens, {dropped}"
+    else:
+        trunc = "truncated: no"
+    lines = [f"tokens {v.num_tokens} | trained {v.num_trained} ({ratio:.1%}) | image tokens {v.num_image_tokens}"
+             f" | images {v.num_images}",
+             f"{trunc} | source {s.source[0]}:{s.source[1]}"]
+    if s.unrendered_tool_calls:
+        lines.append(f"note: {s.unrendered_tool_calls} turn(s) with tool_calls that the chat template does not "
+                     "render, so the model never sees them (build --tool-calls)")
+    lines += [f"WARNING: {w}" for w in s.warnings]
+    return lines
+
+
+def reject_line(r: dict) -> str:
+    src = r.get("source") or {}
+    rid = f"  id {r['id']}" if r.get("id") is not None else ""
+    return f"rejected  {src.get('file')}:{src.get('line')}{rid}  {r.get('reason')}: {r.get('message')}"
+
+
+def _turn_starts(processor_class: str | None) -> dict[str, str]:
+    family = family_of(processor_class)
+    return family.turn_starts if family is not None and family.turn_starts else ANY_TURN_STARTS
+
+
+def sample_from_stored(s: StoredSample) -> InspectedSample:
+    """A stored sample's arrays and meta, read now (the shard closes after selection); images decode on demand."""
+    meta = s.meta()
+    ids, mask, types = s.array("input_ids"), s.array("loss_mask"), s.array("mm_token_type_ids")
+    if not (len(ids) == len(mask) == len(types)):
+        raise ValueError(f"{s.where}: sample {s.key} has misaligned arrays ({ids.shape}, {mask.shape}, {types.shape})")
+    grid = s.array("image_grid_thw").reshape(-1, 3)
+    blobs = {name: s.read(name) for name in dict.fromkeys(s.image_members())}
+    loaders = [(lambda name=name: decode_stored_image(name, blobs[name])) for name in s.image_members()]
+    src = meta.get("source") or {}
+    sample = InspectedSample(
+        key=s.key, id=str(meta.get("id")), source=(str(src.get("file")), int(src.get("line", 0))), where=s.where,
+        input_ids=ids, loss_mask=mask, mm_token_type_ids=types, image_grid_thw=grid, images=loaders,
+        num_tokens_before_truncation=int(meta.get("num_tokens_before_truncation", len(ids))),
+        truncated=bool(meta.get("truncated", False)), dropped_images=int(meta.get("dropped_images", 0)),
+        unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)))
+    # The view is computed from the arrays; a meta that disagrees with them is a corrupt dataset worth seeing.
+    for k, v in (("num_tokens", len(ids)), ("num_trainable_tokens", int(mask.sum())),
+                 ("num_image_tokens", int((types != 0).sum())), ("num_images", len(grid))):
+        if k in meta and meta[k] != v:
+            sample.warnings.append(f"meta {k}={meta[k]} but the arrays give {v}")
+    return sample
