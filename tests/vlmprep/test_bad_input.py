@@ -5,8 +5,8 @@ import io
 import json
 import os
 import struct
-import tarfile
 import zlib
+from pathlib import Path
 
 import pytest
 import zstandard
@@ -14,6 +14,7 @@ from PIL import Image
 
 from vlmprep.config import BuildConfig
 from vlmprep.pipeline import build
+from vlmprep.shards.reader import iter_dataset
 
 
 def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
@@ -57,12 +58,14 @@ GOOD = uri(img_bytes())
 
 # (class name, record or raw line, expected reason or "ok")
 def corpus(tmp):
-    outside = tmp.parent / "outside"
-    outside.mkdir(exist_ok=True)
-    (outside / "secret.png").write_bytes(img_bytes())
-    (tmp / "imgdir").mkdir(exist_ok=True)
-    if not (tmp / "escape.png").exists():
-        os.symlink(outside / "secret.png", tmp / "escape.png")
+    """The cases, with their files made under tmp; tmp=None only lists them (test ids at collection)."""
+    outside = (tmp or Path("/nonexistent/tmp")).parent / "outside"
+    if tmp is not None:
+        outside.mkdir(exist_ok=True)
+        (outside / "secret.png").write_bytes(img_bytes())
+        (tmp / "imgdir").mkdir(exist_ok=True)
+        if not (tmp / "escape.png").exists():
+            os.symlink(outside / "secret.png", tmp / "escape.png")
     long_text = " ".join(f"word{i}" for i in range(2000))
     return [
         ("invalid_json_line", b"{this is not json\n", "invalid_json"),
@@ -143,7 +146,13 @@ def encode_line(x):
     return x if isinstance(x, bytes) else json.dumps(x).encode() + b"\n"
 
 
-def test_bad_input_corpus(tmp_path, qwen2vl_processor):
+CASES = {name: want for name, _, want in corpus(None)}
+
+
+@pytest.fixture(scope="module")
+def corpus_build(tmp_path_factory, qwen2vl_processor):
+    """One build of every case between good records, plus file-level faults; each case is then its own test id."""
+    tmp_path = tmp_path_factory.mktemp("corpus")
     cases = corpus(tmp_path)
     assert len(cases) >= 40 and len({c[0] for c in cases}) == len(cases)
     lines = [encode_line(good(0))]
@@ -172,29 +181,33 @@ def test_bad_input_corpus(tmp_path, qwen2vl_processor):
                                     str(tmp_path / "window.jsonl.zst"), str(tmp_path / "empty.jsonl")),
                             out=str(out), seq_len=256, max_line_bytes=64 << 20, max_images_per_record=8,
                             progress=False))
-
     rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
     by_line = {(os.path.basename(r["source"]["file"]), r["source"]["line"]): r for r in rejects}
+    landed = {s.meta()["id"] for s in iter_dataset(out)}
+    return cases, res, rejects, by_line, landed
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_case(name, corpus_build):
+    cases, _, _, by_line, landed = corpus_build
+    k = [c[0] for c in cases].index(name)
+    want = CASES[name]
+    got = by_line.get(("main.jsonl", 2 + 2 * k))
+    if want == "ok":
+        assert got is None, f"{name}: expected to land, got {got}"
+    else:
+        assert got is not None and got["reason"] == want, f"{name}: expected {want}, got {got}"
+        assert got["message"] and "\n" not in got["message"]
+    assert f"good-{k + 1}" in landed and f"good-{k}" in landed  # the good records around it landed
+
+
+def test_file_level_faults_and_every_good_record_lands(corpus_build):
+    cases, res, rejects, by_line, landed = corpus_build
     assert all(r["reason"] != "internal_error" for r in rejects), [r for r in rejects if r["reason"] == "internal_error"]
-    for k, (name, _, want) in enumerate(cases):
-        line = 2 + 2 * k
-        got = by_line.get(("main.jsonl", line))
-        if want == "ok":
-            assert got is None, f"{name}: expected to land, got {got}"
-        else:
-            assert got is not None and got["reason"] == want, f"{name}: expected {want}, got {got}"
-            assert got["message"] and "\n" not in got["message"]
     assert by_line[("huge.jsonl", 1)]["reason"] == "line_too_long"
     assert by_line[("trunc.jsonl.zst", max(l for f, l in by_line if f == "trunc.jsonl.zst"))]["reason"] == "corrupt_zstd_stream"
     assert by_line[("window.jsonl.zst", 1)]["reason"] == "zstd_window_too_large"
     assert by_line[("empty.jsonl", 0)]["reason"] == "empty_file"
-
-    landed = set()
-    for sh in sorted(out.glob("shard-*.tar")):
-        with tarfile.open(sh) as tf:
-            for m in tf:
-                if m.name.endswith(".json"):
-                    landed.add(json.loads(tf.extractfile(m).read())["id"])
     goods = {f"good-{k}" for k in range(len(cases) + 1)} | {"good-1000"}
     assert goods <= landed, sorted(goods - landed)
     trunc_good = {i for i in landed if i.startswith("good-") and 2000 <= int(i[5:]) < 3000}

@@ -6,7 +6,6 @@ import shutil
 import tarfile
 from pathlib import Path
 
-import jsonschema
 import numpy as np
 import pytest
 import zstandard
@@ -17,13 +16,14 @@ from vlmprep.config import BuildConfig
 from vlmprep.shards.reader import decode_stored_image
 from vlmprep.pipeline import build
 
-SCHEMAS = Path(__file__).parents[2] / "schemas"
 # The demo traces act through tool_calls, which the stock Qwen2-VL template does not render (rejected by default).
 TOOLS_TEMPLATE = str(Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
 
 
 def schema(name):
-    return json.loads((SCHEMAS / name).read_text())
+    from vlmprep.verify import schema_validator
+
+    return schema_validator(name)
 
 
 def cfg(inputs, out, **kw):
@@ -69,7 +69,7 @@ def file_hashes(d):
 def test_manifest_and_meta_match_schemas_and_shards(demo_build):
     out, res = demo_build
     manifest = json.loads((out / "manifest.json").read_text())
-    jsonschema.validate(manifest, schema("manifest.schema.json"))
+    schema("manifest.schema.json").validate(manifest)
     assert manifest == res.manifest
     meta_schema = schema("sample_meta.schema.json")
     total_samples = total_tokens = 0
@@ -81,7 +81,7 @@ def test_manifest_and_meta_match_schemas_and_shards(demo_build):
         for key, s in samples.items():
             assert "." not in key
             meta = json.loads(s["json"])
-            jsonschema.validate(meta, meta_schema)
+            meta_schema.validate(meta)
             ids, mask = npy(s["input_ids.npy"]), npy(s["loss_mask.npy"])
             assert ids.dtype == np.int32 and mask.dtype == np.uint8
             assert npy(s["position_ids.npy"]).shape == (3, len(ids))

@@ -126,3 +126,21 @@ def test_per_sample_faults(ds, mutate, expect):
     assert verify_dataset(ds, deep=False) == []  # re-sealed: only the deep checks can see it
     got = [str(v) for v in verify_dataset(ds)]
     assert any(expect in g for g in got), got
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5"])
+def test_every_builtin_family_gets_the_per_sample_grid_checks(name, tmp_path):
+    """The family registry tells verify which datasets have patch grids: a planted grid fault is caught for each
+    builtin (Qwen3-VL / Qwen3.5 share Qwen2-VL's checks, with their own 16 px patch from the saved processor)."""
+    from tests.conftest import LLAMAFACTORY
+
+    records = json.loads((LLAMAFACTORY / "mllm_demo.json").read_text())
+    rec = next(r for r in records if r.get("images"))
+    rec["images"] = [str(LLAMAFACTORY / p) for p in rec["images"]]
+    (tmp_path / "one.json").write_text(json.dumps([rec]))
+    out = tmp_path / "ds"
+    build(BuildConfig(inputs=(str(tmp_path / "one.json"),), out=str(out), processor=f"builtin:{name}",
+                      image_root=str(LLAMAFACTORY), progress=False))
+    assert verify_dataset(out) == []
+    rewrite_first_image_sample(out, _set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)))
+    assert any("grid rows need" in str(v) for v in verify_dataset(out)), verify_dataset(out)

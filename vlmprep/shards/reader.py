@@ -170,33 +170,43 @@ def sample_from_members(members: dict[str, bytes], *, key: str, where: str, vers
     return StoredSample(key=key, where=where, version=version, names=tuple(ok), reader=members.__getitem__)
 
 
+def _read_range(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise ShardFormatError(f"{path.name}: truncated: a member ends past the end of the file")
+    return data
+
+
 def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterator[StoredSample]:
-    """A shard's samples in tar order. Member names and types are checked as they come; members are read only when
-    asked for. on_unknown="report" lists refused members in `StoredSample.unknown` instead of raising."""
+    """A shard's samples in tar order. Member names and types are checked as they come; member bytes are read only
+    when asked for (by offset, so a sample stays readable after the iteration moves on). on_unknown="report" lists
+    refused members in `StoredSample.unknown` instead of raising."""
     path = Path(path)
     where = path.name
+
+    def emit(key, spans):
+        ok, bad = _check_names(list(spans), key=key, where=where, version=version, on_unknown=on_unknown)
+        return StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
+                            reader=lambda n: _read_range(path, *spans[n]))
+
     try:
         with tarfile.open(path, mode="r:") as tar:
-            key, infos = None, {}
-
-            def emit():
-                ok, bad = _check_names(list(infos), key=key, where=where, version=version, on_unknown=on_unknown)
-                return StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
-                                    reader=lambda n, infos=infos: tar.extractfile(infos[n]).read())
-
+            key, spans = None, {}
             for ti in tar:
                 k, dot, ext = ti.name.partition(".")
                 if not ti.isreg() or not dot or "/" in ti.name:
                     raise ShardFormatError(f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it")
                 if k != key and key is not None:
-                    yield emit()
-                    infos = {}
-                if ext in infos:
+                    yield emit(key, spans)
+                    spans = {}
+                if ext in spans:
                     raise ShardFormatError(f"{where}: sample {k} has member {ext!r} twice")
                 key = k
-                infos[ext] = ti
+                spans[ext] = (ti.offset_data, ti.size)
             if key is not None:
-                yield emit()
+                yield emit(key, spans)
     except tarfile.TarError as e:
         raise ShardFormatError(f"{where}: unreadable or truncated tar: {e}") from None
 

@@ -1,0 +1,257 @@
+"""The shard-format contract between vlmprep and the trainer (which never import each other): one member-name rule
+in schemas/, everything vlmprep can write the trainer accepts, v1 datasets still read, the package reads as the flow
+(no import cycle, only shards/reader.py opens shard tars), and a normal wheel install carries the schemas."""
+import ast
+import base64
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_vlmprep_and_trainer_read_the_same_rule():
+    import trainer.decode as td
+    import vlmprep.shards.format as vf
+
+    assert {n: (a.dtype, a.ndim, a.since) for n, a in vf.ARRAYS.items()} == td.NPY_MEMBERS
+    assert vf.META_MEMBER == td.META_MEMBER
+    for version in vf.READABLE_VERSIONS:
+        assert vf._IMAGE[version].pattern == td.IMAGE_MEMBER[version].pattern
+        assert td.arrays_of(version) == list(vf.arrays_of(version))
+    names = ["img000.npy.zst", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
+             "img000.orig.ppm", "img000.orig.tiff", "image_index.npy", "input_ids.npy", "json", "state.pyd",
+             "x.pth", "img0000.png", "img000.npy"]
+    for version in vf.READABLE_VERSIONS:
+        for n in names:
+            trainer_ok = (n in td.arrays_of(version) or n == td.META_MEMBER or bool(td.IMAGE_MEMBER[version].match(n)))
+            assert vf.is_member(n, version) == trainer_ok, (n, version)
+    assert not vf.is_member("img000.orig.ppm", 2) and vf.is_member("img000.orig.ppm", 1)
+    assert vf.sample_key(12) == "0000000012" and vf.sample_key(12, 3) == "0000000012_0003"
+
+
+def _img(mode, fmt, size=(70, 50), **kw):
+    color = {"RGB": (200, 40, 90), "RGBA": (10, 120, 200, 90), "CMYK": (10, 20, 30, 40), "P": 3, "L": 90,
+             "I;16": 40000, "LA": (90, 128)}[mode]
+    im = Image.new(mode, size, color)
+    if mode == "RGB":
+        im.putpixel((3, 4), (0, 255, 0))
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+SOURCES = {  # every source kind vlmprep accepts as an image
+    "png_rgb": _img("RGB", "PNG"), "jpeg": _img("RGB", "JPEG", quality=90), "webp": _img("RGB", "WEBP", lossless=True),
+    "gif": _img("P", "GIF"), "bmp": _img("RGB", "BMP"), "tiff": _img("RGB", "TIFF"), "ppm": _img("RGB", "PPM"),
+    "palette_png": _img("P", "PNG"), "rgba_png": _img("RGBA", "PNG"), "gray_png": _img("L", "PNG"),
+    "gray16_png": _img("I;16", "PNG"), "cmyk_jpeg": _img("CMYK", "JPEG"), "la_png": _img("LA", "PNG"),
+}
+
+
+def _records(path: Path) -> Path:
+    lines = []
+    for i, (name, data) in enumerate(SOURCES.items()):
+        uri = "data:image/x;base64," + base64.b64encode(data).decode()
+        parts = [{"type": "text", "text": f"look {name}"}, {"type": "image_url", "image_url": {"url": uri}}]
+        if i % 3 == 0:  # a repeated image: stored once, two occurrences
+            parts.append({"type": "image_url", "image_url": {"url": uri}})
+        lines.append(json.dumps({"id": name, "messages": [{"role": "user", "content": parts},
+                                                          {"role": "assistant", "content": f"seen {name}"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _trainer_samples(ds: Path):
+    from trainer.decode import OriginalResizer, decode_sample
+    from trainer.shards import iter_tar_samples, load_image_processor_config
+    from trainer.vision import ImageSpec
+
+    spec = ImageSpec.from_config(load_image_processor_config(str(ds / "processor")))
+    out = {}
+    for shard in sorted(ds.glob("shard-*.tar")):
+        for _, key, members in iter_tar_samples(str(shard), lambda i: True):
+            out[key] = decode_sample(members, key=key, url=str(shard), spec=spec, resize_original=OriginalResizer(spec))
+    return out
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    return _records(tmp_path_factory.mktemp("contract") / "all_sources.jsonl")
+
+
+@pytest.mark.parametrize("fmt", ["zstd", "png", "webp", "original"])
+def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+    from vlmprep.shards.format import is_key, is_member
+    from vlmprep.shards.reader import iter_dataset
+
+    out = tmp_path / fmt
+    res = build(BuildConfig(inputs=(str(records),), out=str(out), image_format=fmt, progress=False))
+    assert res.manifest["totals"]["rejected"] == 0, (out / "rejects.jsonl").read_text()
+    assert res.manifest["totals"]["samples"] == len(SOURCES)
+    trained = _trainer_samples(out)
+    assert len(trained) == len(SOURCES)
+    for s in iter_dataset(out):
+        assert is_key(s.key) and all(is_member(n) for n in s.names) and not s.unknown
+        t = trained[s.key]
+        np.testing.assert_array_equal(t.input_ids, s.array("input_ids"))
+        assert t.image_index == s.image_index().tolist()
+        if fmt != "original":  # original members hold the source; the trainer resizes it at load time
+            for k, pixels in enumerate(s.images()):
+                np.testing.assert_array_equal(np.asarray(t.images[t.image_index[k]]), pixels)
+
+
+def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
+    from trainer.decode import OriginalResizer, decode_sample
+    from trainer.shards import iter_tar_samples, load_image_processor_config
+    from trainer.vision import ImageSpec
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import Renderer
+    from vlmprep.processor import save_processor
+    from vlmprep.records import iter_records
+    from vlmprep.shards.format import sample_key
+    from vlmprep.shards.writer import ShardWriter, encode_sample
+
+    recs = _records(tmp_path / "r.jsonl")
+    renderer = Renderer(BuildConfig(inputs=(str(recs),), out=str(tmp_path), progress=False), qwen2vl_processor)
+    raw = next(iter_records([recs]))
+    writer = ShardWriter(tmp_path, samples_per_shard=10, shard_size_bytes=1 << 30)
+    for split in range(2):
+        writer.write(encode_sample(renderer.render(raw), key=sample_key(raw.position, split), image_format="zstd",
+                                   zstd_level=3))
+    writer.close()
+    save_processor(qwen2vl_processor, tmp_path / "processor")
+    spec = ImageSpec.from_config(load_image_processor_config(str(tmp_path / "processor")))
+    keys = []
+    for _, key, members in iter_tar_samples(str(tmp_path / "shard-000000.tar"), lambda i: True):
+        decode_sample(members, key=key, url="x", spec=spec, resize_original=OriginalResizer(spec))
+        keys.append(key)
+    assert keys == ["0000000000_0000", "0000000000_0001"]
+
+
+def _to_v1(ds: Path) -> None:
+    """What a format-v1 build wrote: no image_index.npy member, format_version 1."""
+    manifest = json.loads((ds / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        path = ds / s["name"]
+        with tarfile.open(path) as tf:
+            members = [(m, tf.extractfile(m).read()) for m in tf if not m.name.endswith(".image_index.npy")]
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for m, data in members:
+                tf.addfile(m, io.BytesIO(data))
+        data = path.read_bytes()
+        s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    manifest["format_version"] = 1
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(records, tmp_path, qwen2vl_processor):
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+    from vlmprep.shards.reader import iter_dataset
+    from vlmprep.stats import compute_stats
+    from vlmprep.verify import verify_dataset
+
+    v2 = tmp_path / "v2"
+    build(BuildConfig(inputs=(str(records),), out=str(v2), progress=False))
+    v1 = tmp_path / "v1"
+    import shutil
+
+    shutil.copytree(v2, v1)
+    _to_v1(v1)
+    assert verify_dataset(v1) == []
+    assert compute_stats(v1)["samples"] == compute_stats(v2)["samples"] and not compute_stats(v1)["mismatches"]
+    new, old = list(iter_dataset(v2)), list(iter_dataset(v1))
+    assert [s.version for s in old] == [1] * len(new) and "image_index.npy" not in old[0].names
+    for a, b in zip(new, old):
+        assert a.image_index().tolist() == b.image_index().tolist()
+        for x, y in zip(a.images(), b.images()):
+            np.testing.assert_array_equal(x, y)
+    t1, t2 = _trainer_samples(v1), _trainer_samples(v2)
+    assert t1.keys() == t2.keys()
+    for k in t1:
+        assert t1[k].image_index == t2[k].image_index
+        np.testing.assert_array_equal(t1[k].input_ids, t2[k].input_ids)
+    res = CliRunner().invoke(app, ["inspect", str(v1), "--limit", "20"], env={"COLUMNS": "200", "TERM": "dumb"})
+    assert res.exit_code == 0 and res.stdout.count("=== sample") == len(SOURCES)
+
+
+def _vlmprep_imports() -> dict[str, set[str]]:
+    """module -> vlmprep modules it imports (top level or inside functions), from the source."""
+    pkg = ROOT / "vlmprep"
+    graph = {}
+    for f in pkg.rglob("*.py"):
+        mod = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlmprep"):
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("vlmprep.")}
+        graph[mod] = {d for d in deps if d != mod and d != "vlmprep"}
+    return graph
+
+
+def test_the_package_has_no_import_cycle_and_only_the_reader_opens_shard_tars():
+    graph = _vlmprep_imports()
+    assert "vlmprep.inspect" not in graph, "a module named inspect shadows the stdlib"
+    assert not any(m.startswith(("vlmprep.demo", "vlmprep.families.tiny")) for m in graph), "test/demo code ships"
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        if state.get(m) == 1:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
+    openers = sorted(f.relative_to(ROOT).as_posix() for f in (ROOT / "vlmprep").rglob("*.py")
+                     if re.search(r"^\s*(import tarfile|from tarfile)", f.read_text(), re.M))
+    assert openers == ["vlmprep/shards/reader.py", "vlmprep/shards/writer.py"], openers
+
+
+def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
+    """`pip install vlmprep` (not -e): schemas and templates ship inside the wheel, `vlmprep verify` runs."""
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    build(BuildConfig(inputs=(str(rec),), out=str(tmp_path / "ds"), progress=False))
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)], check=True,
+                   cwd=tmp_path, capture_output=True)
+    (wheel,) = wheels.glob("vlmprep-*.whl")
+    subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
+    assert (site / "vlmprep_schemas" / "shard_format.schema.json").is_file()
+    assert (site / "vlmprep" / "templates" / "qwen2_vl_tools.jinja").is_file()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    probe = subprocess.run([sys.executable, "-c", "import vlmprep, vlmprep_schemas, trainer.decode; "
+                            "print(vlmprep.__file__, vlmprep_schemas.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.count(str(site)) == 2, probe.stdout  # the wheel's copy, not the source tree
+    res = subprocess.run([sys.executable, "-c", "from vlmprep.cli import main; main()", "verify", str(tmp_path / "ds")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.startswith("OK"), res.stdout + res.stderr
