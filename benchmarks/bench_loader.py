@@ -167,7 +167,45 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
                     row.update(floor_seconds=round(floor_s, 3), time_over_floor=round(t / floor_s, 3),
                                goal_over_floor=1.5)
                 rows.append(emit("loader", **row))
+    rows.append(format_version_row(built["zstd"]))
     return rows
+
+
+def as_format_v1(src: Path, dst: Path) -> Path:
+    """A copy of a dataset as a format-v1 build wrote it: no image_index.npy member, format_version 1."""
+    import hashlib
+    import shutil
+    import tarfile
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        path = dst / s["name"]
+        with tarfile.open(path) as tf:
+            members = [(m, tf.extractfile(m).read()) for m in tf if not m.name.endswith(".image_index.npy")]
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for m, data in members:
+                tf.addfile(m, io.BytesIO(data))
+        data = path.read_bytes()
+        s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    manifest["format_version"] = 1
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def format_version_row(ds: Path) -> dict:
+    """Format v2 added image_index.npy per sample: the same dataset read as v2 and as v1, passes interleaved."""
+    v1 = as_format_v1(ds, ds.with_name(ds.name + "-v1"))
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(3):
+        for version, d in ((2, ds), (1, v1)):
+            t, samples, tokens, _ = trainer_pass(d, 0, pixels=False)
+            times[version].append(t)
+    t1, t2 = sorted(times[1])[1], sorted(times[2])[1]
+    return emit("loader", metric="format_v2_vs_v1", path="vlmprep_shards_v2_vs_v1", workers=0,
+                samples_per_s=round(samples / t2, 2), tokens_per_s=round(tokens / t2), seconds_v1=round(t1, 3),
+                seconds_v2=round(t2, 3), ratio=round(t2 / t1, 3), goal="<= 1.0 (not slower, within noise)")
 
 
 def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: bool) -> float:

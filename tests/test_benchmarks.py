@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 REQUIRED = {
@@ -18,11 +20,13 @@ REQUIRED = {
     ("limits", None): {"tar_read_mb_s", "decode_ms_zstd_stored", "decode_ms_png_source", "decode_ms_jpeg_q90",
                        "processor_normalize_patchify_ms", "processor_full_ms"},
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
+    ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
 }
 
 
+@pytest.mark.slow  # ~2 min on 2 cores: builds and trains on tiny inputs for every benchmark
 def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick"], cwd=tmp_path, env=env,

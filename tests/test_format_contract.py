@@ -3,14 +3,12 @@ in schemas/, everything vlmprep can write the trainer accepts, v1 datasets still
 (no import cycle, only shards/reader.py opens shard tars), and a normal wheel install carries the schemas."""
 import ast
 import base64
-import hashlib
 import io
 import json
 import os
 import re
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -141,25 +139,10 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     assert keys == ["0000000000_0000", "0000000000_0001"]
 
 
-def _to_v1(ds: Path) -> None:
-    """What a format-v1 build wrote: no image_index.npy member, format_version 1."""
-    manifest = json.loads((ds / "manifest.json").read_text())
-    for s in manifest["shards"]:
-        path = ds / s["name"]
-        with tarfile.open(path) as tf:
-            members = [(m, tf.extractfile(m).read()) for m in tf if not m.name.endswith(".image_index.npy")]
-        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-            for m, data in members:
-                tf.addfile(m, io.BytesIO(data))
-        data = path.read_bytes()
-        s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    manifest["format_version"] = 1
-    (ds / "manifest.json").write_text(json.dumps(manifest))
-
-
 def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(records, tmp_path, qwen2vl_processor):
     from typer.testing import CliRunner
 
+    from benchmarks.bench_loader import as_format_v1
     from vlmprep.cli import app
     from vlmprep.config import BuildConfig
     from vlmprep.pipeline import build
@@ -169,11 +152,7 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
 
     v2 = tmp_path / "v2"
     build(BuildConfig(inputs=(str(records),), out=str(v2), progress=False))
-    v1 = tmp_path / "v1"
-    import shutil
-
-    shutil.copytree(v2, v1)
-    _to_v1(v1)
+    v1 = as_format_v1(v2, tmp_path / "v1")
     assert verify_dataset(v1) == []
     assert compute_stats(v1)["samples"] == compute_stats(v2)["samples"] and not compute_stats(v1)["mismatches"]
     new, old = list(iter_dataset(v2)), list(iter_dataset(v1))

@@ -80,6 +80,7 @@ def _wait_for_step(run_dir, step, proc, deadline):
     raise AssertionError(f"no step {step} before the deadline")
 
 
+@pytest.mark.slow  # a second and a third torchrun (killed, resumed): ~1.5 min on 2 cores
 def test_kill_then_resume_with_another_worker_count_replays_the_uninterrupted_run(run_a, dataset, tmp_path):
     _, ref, _ = run_a
     out = tmp_path / "run_b"
@@ -106,6 +107,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # another full torchrun epoch, over HTTP
 def test_shards_over_http_train_like_from_disk(run_a, dataset, tmp_path):
     _, ref, _ = run_a
     port = _free_port()

@@ -119,6 +119,7 @@ class DomCounts(HTMLParser):
             c["img"] += 1
 
 
+@pytest.mark.slow  # starts a browser
 def test_report_renders_in_headless_chromium(report, tmp_path):
     out, page = report
     binary = chromium()

@@ -76,7 +76,8 @@ def _forked_build(inp, out):
     return proc
 
 
-def test_sigkill_at_random_points_then_resume_is_byte_identical(kill_input, tmp_path, qwen2vl_processor):
+@pytest.mark.parametrize("n_kills", [3, pytest.param(10, marks=pytest.mark.slow)])
+def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, kill_input, tmp_path, qwen2vl_processor):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # fork safety for the tokenizers thread pool
     ref = tmp_path / "ref"
     subprocess.run(build_cmd(kill_input, ref), check=True, capture_output=True, env=os.environ.copy())
@@ -92,7 +93,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(kill_input, tmp_
     out = tmp_path / "killed"
     rng = random.Random(1234)
     kills = 0
-    while kills < 10:
+    while kills < n_kills:
         proc = _forked_build(kill_input, out)
         proc.join(rng.uniform(0.05, 1.0) * full)
         if proc.is_alive():
