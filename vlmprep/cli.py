@@ -51,6 +51,11 @@ def build(
     tool_calls: Annotated[str, typer.Option(help="A trained turn whose tool_calls the template does not render: reject | drop-from-loss | train-content.")] = "reject",
     chat_template: Annotated[Optional[str], typer.Option(help="A .jinja file replacing the processor's chat template (saved with the dataset).")] = None,
     role_boundaries: Annotated[Optional[str], typer.Option(help="TOML of per-role start/end markers, for processors vlmprep does not know.")] = None,
+    long_traces: Annotated[str, typer.Option(help="A record longer than --seq-len: truncate (cut the end) | split (step samples, every trained turn kept).")] = "truncate",
+    keep_images: Annotated[str, typer.Option(help="Screenshot history per sample: all | last:N (earlier images removed).")] = "all",
+    dropped_image_text: Annotated[Optional[str], typer.Option(help="Text that replaces each image --keep-images removes (default: dropped).")] = None,
+    min_pixels: Annotated[Optional[int], typer.Option(help="Image resize budget: min pixels per image (saved into DIR/processor).")] = None,
+    max_pixels: Annotated[Optional[int], typer.Option(help="Image resize budget: max pixels per image (saved into DIR/processor).")] = None,
 ) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
     from vlmprep.config import BuildConfig
@@ -66,11 +71,22 @@ def build(
                           min_image_side=min_image_side, progress=progress and sys.stderr.isatty(),
                           train_on_roles=tuple(r.strip() for r in train_on_roles.split(",") if r.strip()),
                           train_on_eos=train_on_eos, last_turn_only=last_turn_only, tool_calls=tool_calls,
-                          chat_template=chat_template, role_boundaries=role_boundaries)
+                          chat_template=chat_template, role_boundaries=role_boundaries, long_traces=long_traces,
+                          keep_images=parse_keep_images(keep_images), dropped_image_text=dropped_image_text,
+                          min_pixels=min_pixels, max_pixels=max_pixels)
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     typer.echo(format_build_summary(result.manifest, out))
+
+
+def parse_keep_images(value: str) -> int | None:
+    if value == "all":
+        return None
+    head, _, n = value.partition(":")
+    if head != "last" or not n.isdigit():
+        raise typer.BadParameter(f"--keep-images {value!r}: use all or last:N, e.g. last:3")
+    return int(n)
 
 
 @app.command()

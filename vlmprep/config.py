@@ -9,6 +9,7 @@ IMAGE_FORMATS = ("zstd", "png", "webp", "original")
 ROLES = ("system", "user", "assistant", "tool")
 EOS_POLICIES = ("all", "turn", "last", "none")
 TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
+LONG_TRACES = ("truncate", "split")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,13 @@ class BuildConfig:
     tool_calls: str = "reject"  # a trained turn whose tool_calls the template does not render
     chat_template: str | None = None  # a .jinja file replacing the processor's template (saved with the dataset)
     role_boundaries: str | None = None  # a TOML of per-role start/end markers, for unknown processors
+    # Agent traces (README, "Agent traces"): what a record longer than seq_len becomes, the screenshot history kept
+    # per sample, and the image processor's resize budget (saved into DIR/processor).
+    long_traces: str = "truncate"
+    keep_images: int | None = None  # --keep-images last:N; None = all
+    dropped_image_text: str | None = None  # replaces each image the history policy removes; None = dropped
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     def __post_init__(self):
         if not self.inputs:
@@ -67,6 +75,21 @@ class BuildConfig:
             raise ValueError(f"train_on_eos={self.train_on_eos!r}: choose one of {', '.join(EOS_POLICIES)}")
         if self.tool_calls not in TOOL_CALL_POLICIES:
             raise ValueError(f"tool_calls={self.tool_calls!r}: choose one of {', '.join(TOOL_CALL_POLICIES)}")
+        if self.long_traces not in LONG_TRACES:
+            raise ValueError(f"long_traces={self.long_traces!r}: choose one of {', '.join(LONG_TRACES)}")
+        if self.keep_images is not None and self.keep_images < 0:
+            raise ValueError(f"keep_images={self.keep_images}: use --keep-images last:N with N >= 0, or all")
+        if self.dropped_image_text is not None and self.keep_images is None:
+            raise ValueError("--dropped-image-text replaces images that --keep-images last:N removes: pass both")
+        for name in ("min_pixels", "max_pixels"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}={v}: must be a positive pixel count, e.g. --max-pixels 1003520")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: swap them")
+        if self.max_images_per_record > 999:
+            raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
+                             "(image members are img000..img999)")
         for opt, path in (("--chat-template", self.chat_template), ("--role-boundaries", self.role_boundaries)):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{opt} {path}: no such file; pass the path of an existing file")

@@ -117,13 +117,14 @@ def _raw_id_candidate(raw, want: str) -> bool:
     """Cheap pre-filter for --id, mirroring normalize_record's id rule; the rendered id is checked after."""
     from vlmprep.records import parse_record
 
-    if want == f"{Path(raw.source.file).name}:{raw.source.line}":
+    wants = {want, want.rsplit("#", 1)[0]}  # "ID#S" is the S-th sample split from record ID
+    if f"{Path(raw.source.file).name}:{raw.source.line}" in wants:
         return True
     try:
         rid = parse_record(raw).get("id")
     except RecordError:
         return False
-    return isinstance(rid, (str, int, float)) and not isinstance(rid, bool) and str(rid) == want
+    return isinstance(rid, (str, int, float)) and not isinstance(rid, bool) and str(rid) in wants
 
 
 def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
@@ -141,26 +142,27 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
         if cfg.id is not None and not _raw_id_candidate(raw, cfg.id):
             continue
         try:
-            sample = renderer.render(raw)
+            samples = renderer.render(raw)
         except RecordError as e:
-            reject = reject_entry(raw, e.reason, e.message)
+            samples, rejects = [], [reject_entry(raw, e.reason, e.message)]
         except Exception as e:  # noqa: BLE001 - build counts these as internal_error rejects; so do we
-            reject = reject_entry(raw, "internal_error", f"{type(e).__name__}: {str(e)[:300]}")
+            samples, rejects = [], [reject_entry(raw, "internal_error", f"{type(e).__name__}: {str(e)[:300]}")]
         else:
-            if cfg.id is not None and sample.id != cfg.id:
+            rejects = [renderer.lost_turn_entry(raw, i) for i in renderer.lost]
+        for sample in samples:
+            if cfg.id is not None and sample.id != cfg.id and sample.id.rsplit("#", 1)[0] != cfg.id:
                 continue
             # Build rejects a repeated id; seen only among records rendered here, so exact for a full scan.
             if sample.id in seen_ids:
-                reject = {**reject_entry(raw, "duplicate_id", ""), "id": sample.id,
-                          "message": f"id {sample.id!r} already used by an earlier record"}
-            else:
-                seen_ids.add(sample.id)
-                if cfg.only == "rejected" or (cfg.only == "truncated" and not sample.truncated):
-                    continue
-                yield sample_from_rendered(sample, sample_key(raw.position))
+                rejects.append({**reject_entry(raw, "duplicate_id", ""), "id": sample.id,
+                                "message": f"id {sample.id!r} already used by an earlier record"})
                 continue
+            seen_ids.add(sample.id)
+            if cfg.only == "rejected" or (cfg.only == "truncated" and not sample.truncated):
+                continue
+            yield sample_from_rendered(sample, sample_key(raw.position, sample.split))
         if cfg.only in (None, "rejected"):
-            yield reject
+            yield from rejects
 
 
 def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerView]:

@@ -10,6 +10,7 @@ byte-identical whatever N is. Every bad record becomes a counted reject, never a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -21,12 +22,13 @@ from vlmprep import __version__
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
-from vlmprep.processor import load_processor, save_processor
+from vlmprep.processor import apply_pixel_budget, load_processor, save_processor
 from vlmprep.records import expand_inputs, iter_records, parse_record
-from vlmprep.render import MaskPolicy, RenderContext, render_conversation
+from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.journal import JOURNAL_NAME, REJECTS_PARTIAL, Journal, input_signature, landed_ids, load_journal, save_journal
 from vlmprep.shards.format import FORMAT_VERSION, sample_key
 from vlmprep.shards.writer import ShardInfo, ShardWriter, encode_sample, write_json_atomic
+from vlmprep.steps import StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError
 
@@ -59,27 +61,79 @@ class Renderer:
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
                                      max_images_per_record=cfg.max_images_per_record)
+        apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+        self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
+                                dropped_image_text=cfg.dropped_image_text)
+        self.turns: collections.Counter = collections.Counter()
+        self.lost: list[int] = []
 
-    def render(self, raw: RawRecord) -> RenderedSample:
-        """parse -> normalize -> prepare images -> render + mask -> truncate; raises RecordError."""
-        data = parse_record(raw)
-        conv = normalize_record(data, raw.source, self.norm)
-        images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
-                                min_side=self.cfg.min_image_side) for im in conv.images]
-        sample = render_conversation(conv, self.ctx, images)
-        return truncate_sample(sample, self.cfg.seq_len)
+    def render(self, raw: RawRecord) -> list[RenderedSample]:
+        """parse -> normalize -> prepare images -> history/split (steps.py) -> render + mask -> truncate; raises
+        RecordError. One sample per record, or several when --long-traces split cuts a long trace; `self.turns`
+        then holds the record's turn accounting and `self.lost` the trained turns that could not fit."""
+        self.turns, self.lost = collections.Counter(), []
+        conv = normalize_record(parse_record(raw), raw.source, self.norm)
+        assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
+        self.turns["input_assistant_turns"] = len(assistant)
+        try:
+            images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
+                                    min_side=self.cfg.min_image_side) for im in conv.images]
+            whole = whole_trace(conv, self.steps)
+            steps = [whole]
+            if self.cfg.long_traces == "split" and count_tokens(whole.conv, self.ctx, _pick(images, whole)) > self.cfg.seq_len:
+                steps, self.lost = split_trace(conv, trained_messages(conv, self.ctx.policy), self.steps,
+                                               lambda sc: count_tokens(sc.conv, self.ctx, _pick(images, sc)),
+                                               self.cfg.seq_len)
+            samples = []
+            for sc in steps:
+                full = render_conversation(sc.conv, self.ctx, _pick(images, sc))
+                sample = truncate_sample(full, self.cfg.seq_len)
+                before = {sc.source_messages[m] for m, _, _ in full.turn_spans}
+                after = {sc.source_messages[m] for m, _, _ in sample.turn_spans}
+                self.turns["trained_assistant_turns"] += len(after & assistant)
+                self.turns["turns_lost_truncated"] += len((before - after) & assistant)
+                self.turns["images_removed_by_history"] += len(sc.removed_images)
+                if sc.split is not None and sc.split > 0 and sample.turn_spans:
+                    self.turns["context_tokens_repeated"] += sample.turn_spans[0][1]
+                samples.append(dataclasses.replace(
+                    sample, id=conv.id if sc.split is None else f"{conv.id}#{sc.split}",
+                    source_messages=sc.source_messages, trains=sorted(after), removed_images=sc.removed_images,
+                    split=sc.split))
+        except RecordError:
+            self.turns["turns_lost_rejected"] = len(assistant)
+            raise
+        self.turns["turns_lost_too_long"] = len(set(self.lost) & assistant)
+        self.turns["turns_lost_policy"] = (len(assistant) - self.turns["trained_assistant_turns"]
+                                           - self.turns["turns_lost_truncated"] - self.turns["turns_lost_too_long"])
+        return samples
+
+    def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
+        return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "
+                            f"{self.cfg.seq_len} even with only the system message and the task as context")
 
     def process(self, raw: RawRecord):
-        """Returns ("ok", ShardSample) or ("reject", reject-dict); never raises for a bad record."""
+        """Returns (outcomes, turn accounting): outcomes are ("ok", ShardSample) per sample and ("reject", entry) per
+        rejected record or lost turn, in order; never raises for a bad record."""
+        self.turns = collections.Counter()
         try:
-            sample = self.render(raw)
-            return "ok", encode_sample(sample, key=sample_key(raw.position), image_format=self.cfg.image_format,
-                                       zstd_level=self.cfg.zstd_level)
+            samples = self.render(raw)
+            outcomes = []
+            for sample in samples:
+                outcomes.append(("ok", encode_sample(sample, key=sample_key(raw.position, sample.split),
+                                                     image_format=self.cfg.image_format,
+                                                     zstd_level=self.cfg.zstd_level)))
+            outcomes += [("reject", self.lost_turn_entry(raw, i)) for i in self.lost]
+            return outcomes, dict(self.turns)
         except RecordError as e:
             reason, message = e.reason, e.message
         except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
             reason, message = "internal_error", f"{type(e).__name__}: {str(e)[:300]}"
-        return "reject", reject_entry(raw, reason, message)
+        return [("reject", reject_entry(raw, reason, message))], dict(self.turns)
+
+
+def _pick(images: list, sc) -> list:
+    """The prepared images a step conversation keeps (all of them when sc is None)."""
+    return images if sc is None else [images[k] for k in sc.images]
 
 
 def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
@@ -147,7 +201,9 @@ def _progress(cfg: BuildConfig):
 
 
 TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "image_tokens", "images",
-              "truncated_samples", "dropped_images", "unrendered_tool_call_turns")
+              "truncated_samples", "dropped_images", "unrendered_tool_call_turns", "split_samples",
+              "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
+              "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated")
 
 
 def _start_or_resume(out: Path, identity: dict) -> Journal:
@@ -204,31 +260,37 @@ def build(cfg: BuildConfig) -> BuildResult:
             journal.rejects = dict(rejects)
             save_journal(out, journal)
 
-        for pos, (status, payload) in _ordered_results(cfg, records, processor_dir, processor):
+        for pos, (outcomes, turns) in _ordered_results(cfg, records, processor_dir, processor):
             totals["records"] += 1
-            if status == "ok" and payload.meta["id"] in seen_ids:
-                status, payload = "reject", {**_reject_of(payload), "reason": "duplicate_id",
-                                             "message": f"id {payload.meta['id']!r} already used by an earlier record"}
-            if status == "ok":
-                seen_ids.add(payload.meta["id"])
-                m = payload.meta
-                totals["samples"] += 1
-                totals["tokens"] += m["num_tokens"]
-                totals["trainable_tokens"] += m["num_trainable_tokens"]
-                totals["image_tokens"] += m["num_image_tokens"]
-                totals["images"] += m["num_images"]
-                totals["truncated_samples"] += int(m["truncated"])
-                totals["dropped_images"] += m["dropped_images"]
-                totals["unrendered_tool_call_turns"] += m["unrendered_tool_calls"]
-                if writer.write(payload):
-                    checkpoint(pos + 1)
-            else:
-                rejects[payload["reason"]] += 1
-                totals["rejected"] += 1
-                rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
-                if cfg.strict:
-                    raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
-                                     f"{payload['reason']}: {payload['message']}")
+            totals.update(turns)
+            completed = False
+            for status, payload in outcomes:
+                if status == "ok" and payload.meta["id"] in seen_ids:
+                    status, payload = "reject", {**_reject_of(payload), "reason": "duplicate_id",
+                                                 "message": f"id {payload.meta['id']!r} already used by an earlier record"}
+                if status == "ok":
+                    seen_ids.add(payload.meta["id"])
+                    m = payload.meta
+                    totals["samples"] += 1
+                    totals["tokens"] += m["num_tokens"]
+                    totals["trainable_tokens"] += m["num_trainable_tokens"]
+                    totals["image_tokens"] += m["num_image_tokens"]
+                    totals["images"] += m["num_images"]
+                    totals["truncated_samples"] += int(m["truncated"])
+                    totals["dropped_images"] += m["dropped_images"]
+                    totals["unrendered_tool_call_turns"] += m["unrendered_tool_calls"]
+                    totals["split_samples"] += int(m["split"] is not None)
+                    completed |= writer.write(payload)
+                else:
+                    rejects[payload["reason"]] += 1
+                    totals["rejected"] += 1
+                    rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
+                    if cfg.strict:
+                        raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
+                                         f"{payload['reason']}: {payload['message']}")
+            if completed:  # a shard closed inside this record: the journal's durable point is the record's end
+                writer.finish_shard()
+                checkpoint(pos + 1)
             elapsed = max(time.monotonic() - t0, 1e-9)
             progress.update(task, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
                             rejects=totals["rejected"])
@@ -246,11 +308,24 @@ def build(cfg: BuildConfig) -> BuildResult:
         "inputs": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
         "shards": [s.to_json() for s in writer.shards],
         "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
+        "turns": turn_coverage(totals),
         "rejects": dict(sorted(rejects.items())),
     }
     write_json_atomic(out / "manifest.json", manifest)  # last but the journal: its presence means complete
     (out / JOURNAL_NAME).unlink()
     return BuildResult(out=out, manifest=manifest, rejects=rejects)
+
+
+def turn_coverage(totals) -> dict:
+    """Assistant turns of the input that the shards train, and where the others went."""
+    n = int(totals["input_assistant_turns"])
+    return {"input_assistant_turns": n, "trained_assistant_turns": int(totals["trained_assistant_turns"]),
+            "coverage": round(totals["trained_assistant_turns"] / n, 6) if n else 1.0,
+            "lost": {"truncated": int(totals["turns_lost_truncated"]), "turn_too_long": int(totals["turns_lost_too_long"]),
+                     "not_trained_by_policy": int(totals["turns_lost_policy"]),
+                     "record_rejected": int(totals["turns_lost_rejected"])},
+            "images_removed_by_history": int(totals["images_removed_by_history"]),
+            "context_tokens_repeated": int(totals["context_tokens_repeated"])}
 
 
 def _reject_of(sample) -> dict:

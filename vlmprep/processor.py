@@ -51,3 +51,20 @@ def save_processor(processor, dest: Path) -> str:
     else:
         os.replace(tmp, dest)
     return fingerprint_dir(dest)
+
+
+def apply_pixel_budget(processor, family, *, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Set the image processor's resize budget (Qwen-VL min/max pixels) on the processor itself, so the copy saved
+    into the dataset resizes exactly as the build did; refused for processors that have no such knob."""
+    if min_pixels is None and max_pixels is None:
+        return
+    ip = getattr(processor, "image_processor", None)
+    size = getattr(ip, "size", None)
+    if family is None or not family.grid_images or getattr(size, "longest_edge", None) is None:
+        raise ValueError(f"--min-pixels/--max-pixels: {type(processor).__name__} has no pixel budget to set (only "
+                         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V resize within min/max pixels)")
+    from transformers.image_utils import SizeDict
+
+    ip.size = SizeDict(shortest_edge=min_pixels or size.shortest_edge, longest_edge=max_pixels or size.longest_edge)
+    if ip.size.shortest_edge > ip.size.longest_edge:
+        raise ValueError(f"--min-pixels {ip.size.shortest_edge} > --max-pixels {ip.size.longest_edge}: swap them")

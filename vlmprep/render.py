@@ -385,7 +385,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     if (mm_types.astype(bool) & ~in_image).any():
         raise RecordError("image_wrapper_missing", "image placeholder tokens outside any image's expansion")
 
-    loss_mask, unrendered = _mask(conv, ctx, slots, located, rendered, expanded, at, ids, starts, ends)
+    loss_mask, unrendered, turn_spans = _mask(conv, ctx, slots, located, rendered, expanded, at, ids, starts, ends)
     if (loss_mask.astype(bool) & in_image).any():
         raise RecordError("mask_verification_failed", "a trained token lies inside an image wrapper")
 
@@ -403,7 +403,21 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
         id=conv.id, source=conv.source, input_ids=ids.astype(np.int32), loss_mask=loss_mask,
         mm_token_type_ids=mm_types, position_ids=positions, image_grid_thw=grids, images=list(images),
         image_spans=image_spans, num_tokens_before_truncation=len(ids), unrendered_tool_calls=unrendered,
+        turn_spans=turn_spans,
     )
+
+
+def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage]) -> int:
+    """The length render_conversation would give, without locating text or proving masks (for planning splits)."""
+    rendered = ctx.render_text(ctx.messages(conv), conv.tools)
+    n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
+    if n_placeholders != len(images):
+        raise RecordError("image_count_mismatch",
+                          f"template emitted {n_placeholders} image placeholders for {len(images)} images")
+    replacements = ctx.image_replacements(images, rendered)
+    expanded, _ = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements)
+    bos = ctx.tokenizer.bos_token
+    return len(ctx.tokenizer(expanded[0], add_special_tokens=not (bos and expanded[0].startswith(bos)))["input_ids"])
 
 
 @dataclass
@@ -483,6 +497,7 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
 
     mask = np.zeros(len(ids), dtype=bool)
     proofs: list[tuple[np.ndarray, str]] = []
+    turn_tokens: dict[int, list[int]] = {}
     for iv in intervals:
         s, e = at(iv.start), at(iv.end)
         straddle = np.flatnonzero((starts < s) & (ends > s))
@@ -497,6 +512,9 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
         sel = (starts >= s) & (ends <= e) & (ends > starts)
         mask |= sel
         proofs.append((sel, expanded[s:e]))
+        hit = np.flatnonzero(sel)
+        if len(hit):
+            turn_tokens.setdefault(iv.msg, []).extend([int(hit[0]), int(hit[-1]) + 1])
     # End-of-turn tokens: for a trained turn the one starting exactly where its body ends; with "all", for any
     # other message the first one before the next message's text.
     last_interval_of = {iv.msg: iv for iv in intervals}
@@ -525,4 +543,5 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
             raise RecordError("mask_verification_failed", f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}")
     if not mask.any():
         raise RecordError("no_trainable_tokens", "no token of this record is trained")
-    return mask.astype(np.uint8), len(unrendered_msgs)
+    spans = sorted((i, min(t), max(t)) for i, t in turn_tokens.items())
+    return mask.astype(np.uint8), len(unrendered_msgs), spans

@@ -36,6 +36,7 @@ def compute_stats(root: Path) -> dict:
     manifest = load_manifest(root)
     tokens, trained, image_tokens, images = [], [], [], []
     truncated = dropped = 0
+    split: list[bool] = []
     for path in shard_paths(root, manifest):
         for ts in iter_shard(path, version=manifest["format_version"]):
             meta = ts.meta()
@@ -45,6 +46,7 @@ def compute_stats(root: Path) -> dict:
             image_tokens.append(int((types != 0).sum()))
             images.append(len(ts.array("image_grid_thw").reshape(-1, 3)))
             truncated += bool(meta.get("truncated"))
+            split.append(meta.get("split") is not None)
             dropped += int(meta.get("dropped_images", 0))
     tok, img = np.array(tokens, dtype=np.int64), np.array(images, dtype=np.int64)
     n = len(tok)
@@ -74,6 +76,8 @@ def compute_stats(root: Path) -> dict:
         "dropped_images": dropped,
         "rejected": sum(rejects.values()),
         "rejects": rejects,
+        "split_samples": int(sum(split)),
+        "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
     }
     st["mismatches"] = _mismatches(root, manifest, st)
     return st
@@ -115,6 +119,13 @@ def format_stats(st: dict) -> str:
         f"rejected           {st['rejected']}" + (" by reason:" if st["rejects"] else ""),
     ]
     lines += [f"  {reason:<40} {count}" for reason, count in st["rejects"].items()]
+    turns = st.get("turns")
+    if turns:
+        lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v) or "none"
+        lines += [f"assistant turns    {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
+                  f"(coverage {turns['coverage']:.1%}) | lost: {lost}",
+                  f"agent traces       {st['split_samples']} split samples | {turns['images_removed_by_history']} "
+                  f"images removed by --keep-images | {turns['context_tokens_repeated']} context tokens repeated"]
     hist = st["tokens_histogram"]
     if hist:
         lines.append("tokens per sample histogram:")

@@ -15,8 +15,19 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  images            {t['images']} ({t['image_tokens']} image tokens)",
         f"  truncated samples {t['truncated_samples']} ({t['dropped_images']} images dropped by the cut)",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
+        *_turn_lines(manifest.get("turns")),
         f"  rejected          {t['rejected']}" + (" -> rejects.jsonl" if t["rejected"] else ""),
     ]
     for reason, n in manifest["rejects"].items():
         lines.append(f"    {reason:<36} {n}")
     return "\n".join(lines)
+
+
+def _turn_lines(turns: dict | None) -> list[str]:
+    if not turns:
+        return []
+    lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v) or "none"
+    return [f"  assistant turns   {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
+            f"(coverage {turns['coverage']:.1%}; lost: {lost})",
+            f"  history policy    {turns['images_removed_by_history']} images removed; split context "
+            f"{turns['context_tokens_repeated']} tokens repeated"]

@@ -33,4 +33,5 @@ def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
         image_spans=sample.image_spans[:kept],
         truncated=True,
         dropped_images=sample.dropped_images + (len(sample.images) - kept),
+        turn_spans=[(m, a, b) for m, a, b in sample.turn_spans if b <= cut],  # a turn cut short is not trained
     )

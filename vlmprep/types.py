@@ -118,6 +118,13 @@ class RenderedSample:
     truncated: bool = False
     dropped_images: int = 0
     unrendered_tool_calls: int = 0  # assistant turns whose tool_calls the template did not render
+    turn_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (message, first, end) trained token spans
+    # Where the sample came from in its record (set by the pipeline): the input messages it holds, those it trains,
+    # the input image occurrences the history policy removed, and its number when the record was split.
+    source_messages: list[int] = field(default_factory=list)
+    trains: list[int] = field(default_factory=list)
+    removed_images: list[int] = field(default_factory=list)
+    split: int | None = None
 
 
 @dataclass

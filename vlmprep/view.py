@@ -32,6 +32,10 @@ class InspectedSample:
     dropped_images: int
     unrendered_tool_calls: int = 0
     warnings: list[str] = field(default_factory=list)
+    split: int | None = None  # the sample's number when --long-traces split cut its record
+    messages: list[int] = field(default_factory=list)  # input message indices the sample holds
+    trains: list[int] = field(default_factory=list)  # input message indices it trains
+    removed_images: list[int] = field(default_factory=list)  # input image occurrences --keep-images removed
 
 
 @dataclass
@@ -154,7 +158,8 @@ def sample_from_rendered(s, key: str) -> InspectedSample:
         image_grid_thw=np.asarray(s.image_grid_thw).reshape(-1, 3),
         images=[(lambda px=im.pixels: px) for im in s.images],
         num_tokens_before_truncation=s.num_tokens_before_truncation, truncated=s.truncated,
-        dropped_images=s.dropped_images, unrendered_tool_calls=s.unrendered_tool_calls)
+        dropped_images=s.dropped_images, unrendered_tool_calls=s.unrendered_tool_calls, split=s.split,
+        messages=list(s.source_messages), trains=list(s.trains), removed_images=list(s.removed_images))
 
 
 def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageView]:
@@ -244,6 +249,13 @@ def fact_lines(v: SampleView) -> list[str]:
     lines = [f"tokens {v.num_tokens} | trained {v.num_trained} ({ratio:.1%}) | image tokens {v.num_image_tokens}"
              f" | images {v.num_images}",
              f"{trunc} | source {s.source[0]}:{s.source[1]}"]
+    if s.split is not None or s.removed_images:
+        context = [i for i in s.messages if i not in s.trains]
+        parts = [f"split: sample {s.split} of its record" if s.split is not None else "not split",
+                 f"trains messages {_ranges(s.trains)}", f"context messages {_ranges(context)}"]
+        if s.removed_images:
+            parts.append(f"images removed by --keep-images {_ranges(s.removed_images)}")
+        lines.append(" | ".join(parts))
     if s.unrendered_tool_calls:
         lines.append(f"note: {s.unrendered_tool_calls} turn(s) with tool_calls that the chat template does not "
                      "render, so the model never sees them (build --tool-calls)")
@@ -255,6 +267,21 @@ def reject_line(r: dict) -> str:
     src = r.get("source") or {}
     rid = f"  id {r['id']}" if r.get("id") is not None else ""
     return f"rejected  {src.get('file')}:{src.get('line')}{rid}  {r.get('reason')}: {r.get('message')}"
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5" (input message or image indices)."""
+    out, run = [], []
+    for x in sorted(xs):
+        if run and x == run[-1] + 1:
+            run.append(x)
+        else:
+            if run:
+                out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = [x]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out) or "none"
 
 
 def _turn_starts(processor_class: str | None) -> dict[str, str]:
@@ -277,7 +304,9 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
         input_ids=ids, loss_mask=mask, mm_token_type_ids=types, image_grid_thw=grid, images=loaders,
         num_tokens_before_truncation=int(meta.get("num_tokens_before_truncation", len(ids))),
         truncated=bool(meta.get("truncated", False)), dropped_images=int(meta.get("dropped_images", 0)),
-        unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)))
+        unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)), split=meta.get("split"),
+        messages=list(meta.get("messages", [])), trains=list(meta.get("trains", [])),
+        removed_images=list(meta.get("removed_images", [])))
     # The view is computed from the arrays; a meta that disagrees with them is a corrupt dataset worth seeing.
     for k, v in (("num_tokens", len(ids)), ("num_trainable_tokens", int(mask.sum())),
                  ("num_image_tokens", int((types != 0).sum())), ("num_images", len(grid))):

@@ -22,9 +22,16 @@ def hashes(d: Path) -> dict:
     return out
 
 
-def build_cmd(inp, out):
+TOOLS = str(Path(__file__).resolve().parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
+MODES = {"truncate": ({}, []),
+         # Split records: several samples per record, a shard may close inside a record.
+         "split": ({"long_traces": "split", "keep_images": 2, "seq_len": 768, "chat_template": TOOLS},
+                   ["--long-traces", "split", "--keep-images", "last:2", "--seq-len", "768", "--chat-template", TOOLS])}
+
+
+def build_cmd(inp, out, mode="truncate"):
     return [sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out), "--samples-per-shard", "2",
-            "--seq-len", "2048", "--no-progress"]
+            "--seq-len", "2048", "--no-progress", *MODES[mode][1]]
 
 
 def check_no_partial_final_files(out: Path) -> None:
@@ -60,7 +67,7 @@ def kill_input(tmp_path_factory):
     return p
 
 
-def _forked_build(inp, out):
+def _forked_build(inp, out, mode="truncate"):
     """Run build() in a child forked from a clean forkserver: the same code path as the CLI, without paying
     interpreter start-up per kill. A plain fork of this (threaded) pytest process can deadlock in the child."""
     import multiprocessing as mp
@@ -70,22 +77,25 @@ def _forked_build(inp, out):
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vlmprep.pipeline"])
-    cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, seq_len=2048, progress=False)
+    cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False,
+                      **{"seq_len": 2048, **MODES[mode][0]})
     proc = ctx.Process(target=build, args=(cfg,))
     proc.start()
     return proc
 
 
-@pytest.mark.parametrize("n_kills", [3, pytest.param(10, marks=pytest.mark.slow)])
-def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, kill_input, tmp_path, qwen2vl_processor):
+@pytest.mark.parametrize("n_kills,mode", [(3, "truncate"), pytest.param(10, "truncate", marks=pytest.mark.slow),
+                                          pytest.param(6, "split", marks=pytest.mark.slow)])
+def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, mode, kill_input, tmp_path,
+                                                                 qwen2vl_processor):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # fork safety for the tokenizers thread pool
     ref = tmp_path / "ref"
-    subprocess.run(build_cmd(kill_input, ref), check=True, capture_output=True, env=os.environ.copy())
+    subprocess.run(build_cmd(kill_input, ref, mode), check=True, capture_output=True, env=os.environ.copy())
     ref_hashes = hashes(ref)
     assert any(k.startswith("shard-") for k in ref_hashes) and "rejects.jsonl" in ref_hashes
 
     t0 = time.monotonic()
-    proc = _forked_build(kill_input, tmp_path / "timing")
+    proc = _forked_build(kill_input, tmp_path / "timing", mode)
     proc.join(300)
     full = time.monotonic() - t0
     assert proc.exitcode == 0
@@ -94,7 +104,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, kill_in
     rng = random.Random(1234)
     kills = 0
     while kills < n_kills:
-        proc = _forked_build(kill_input, out)
+        proc = _forked_build(kill_input, out, mode)
         proc.join(rng.uniform(0.05, 1.0) * full)
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
@@ -102,8 +112,10 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, kill_in
             kills += 1
         check_no_partial_final_files(out)
     # The final, uninterrupted rerun goes through the real CLI.
-    subprocess.run(build_cmd(kill_input, out), check=True, capture_output=True, env=os.environ.copy())
+    subprocess.run(build_cmd(kill_input, out, mode), check=True, capture_output=True, env=os.environ.copy())
     assert hashes(out) == ref_hashes
+    if mode == "split":
+        assert json.loads((out / "manifest.json").read_text())["totals"]["split_samples"] > 0
 
 
 def test_resume_keeps_completed_shards(kill_input, tmp_path, qwen2vl_processor):

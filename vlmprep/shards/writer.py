@@ -64,6 +64,12 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         "unrendered_tool_calls": int(sample.unrendered_tool_calls),
         "image_format": image_format,
         "images": images_meta,
+        # Which input messages the sample holds and trains (indices into the record's messages), the input image
+        # occurrences the --keep-images policy removed, and its number when --long-traces split cut the record.
+        "messages": [int(i) for i in sample.source_messages],
+        "trains": [int(i) for i in sample.trains],
+        "removed_images": [int(i) for i in sample.removed_images],
+        "split": sample.split,
     }
     members[META_MEMBER] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
     return ShardSample(key=key, members=members, num_tokens=n_tokens, num_trainable_tokens=n_trainable,

@@ -1,0 +1,253 @@
+"""Long agent traces: --long-traces split (every trained turn in exactly one sample, each sample the exact render of
+its own message list), --keep-images last:N, --min/--max-pixels, determinism, and the per-record turn accounting."""
+import base64
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmprep.config import BuildConfig
+from vlmprep.pipeline import build
+from vlmprep.shards.reader import iter_dataset
+from vlmprep.steps import StepConversation, StepPolicy, keep_last_images, split_trace
+from vlmprep.types import Conversation, ImageData, Message, Part, Source
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS_TEMPLATE = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
+
+
+def msg(role, text="", images=0):
+    parts = [Part("text", text=text)] if text else []
+    parts += [Part("image", image=ImageData(data=bytes([k]), origin="x")) for k in range(images)]
+    return Message(role=role, parts=parts)
+
+
+def trace(n_steps):
+    """system, task (with a screenshot), then per step: assistant call + tool result with a screenshot."""
+    ms = [msg("system", "sys"), msg("user", "task", images=1)]
+    for k in range(n_steps):
+        ms += [msg("assistant", f"act {k}"), msg("tool", f"result {k}", images=1)]
+    ms.append(msg("assistant", "final answer"))
+    return Conversation(id="t", source=Source("f", 1), messages=ms)
+
+
+def cost(sc: StepConversation) -> int:
+    # 10 tokens per message, 50 per image: additive, as for Qwen-style templates.
+    return sum(10 + 50 * len(m.images) for m in sc.conv.messages)
+
+
+def test_split_trains_every_turn_once_with_task_and_recent_history():
+    conv = trace(6)
+    trained = [i for i, m in enumerate(conv.messages) if m.role == "assistant"]
+    samples, lost = split_trace(conv, trained, StepPolicy(long_traces="split"), cost, seq_len=260)
+    assert not lost
+    seen = [t for s in samples for t in s.trains]
+    assert sorted(seen) == trained and len(seen) == len(set(seen))  # every trained turn exactly once
+    for s in samples:
+        assert s.source_messages[:2] == [0, 1]  # the system message and the task, always
+        assert conv.messages[s.source_messages[-1]].role == "assistant" and s.source_messages[-1] in s.trains
+        assert cost(s) <= 260
+        for i in s.source_messages:  # a tool result never without the call that produced it
+            if conv.messages[i].role == "tool":
+                assert i - 1 in s.source_messages
+        held = s.source_messages[2:]
+        assert held == list(range(held[0], held[-1] + 1))  # the most recent history, contiguous
+        # Context is untrained: only `trains` carry weight 1.
+        assert [m.weight for m in s.conv.messages] == [int(i in s.trains) for i in s.source_messages]
+    assert [s.split for s in samples] == list(range(len(samples))) and len(samples) > 1
+
+
+def test_a_turn_that_cannot_fit_is_reported_and_the_rest_still_split():
+    conv = trace(3)
+    conv.messages[4] = msg("assistant", "huge " * 10, images=0)
+    trained = [i for i, m in enumerate(conv.messages) if m.role == "assistant"]
+
+    def big(sc):  # message 4 alone costs more than the budget
+        return cost(sc) + (1000 if 4 in sc.source_messages else 0)
+
+    samples, lost = split_trace(conv, trained, StepPolicy(long_traces="split"), big, seq_len=200)
+    assert lost == [4]
+    assert sorted(t for s in samples for t in s.trains) == [t for t in trained if t != 4]
+
+
+def test_keep_last_images_drops_or_replaces_earlier_ones():
+    conv = trace(4)  # 5 images: task + 4 tool results
+    kept, removed = keep_last_images(conv, 2, None)
+    assert removed == [0, 1, 2] and len(kept.images) == 2
+    assert kept.messages[1].parts == [Part("text", text="task")]
+    kept, removed = keep_last_images(conv, 2, "[old screenshot]")
+    assert len(kept.images) == 2 and kept.messages[1].text == "task[old screenshot]"
+    assert keep_last_images(conv, 9, None) == (conv, [])
+
+
+# ---- end to end on demo agent traces -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    from scripts.demo_traces import write_traces
+
+    p = tmp_path_factory.mktemp("steps") / "t.jsonl.zst"
+    write_traces(p, n=6, seed=1, min_images=3, max_images=10, width=320, height=200, overlong_fraction=0.0,
+                 text_only_fraction=0.0)
+    return p
+
+
+def raw_records(path):
+    import zstandard
+
+    return [json.loads(l) for l in zstandard.ZstdDecompressor().stream_reader(open(path, "rb")).read().splitlines()]
+
+
+def build_steps(traces, out, **kw):
+    kw.setdefault("chat_template", TOOLS_TEMPLATE)
+    kw.setdefault("seq_len", 1024)
+    return build(BuildConfig(inputs=(str(traces),), out=str(out), progress=False, samples_per_shard=4, **kw))
+
+
+def trained_runs(ids, mask):
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [ids[s:e] for s, e in zip(edges[::2], edges[1::2])]
+
+
+def coverage_from_shards(ds, records, tokenizer) -> tuple[int, int]:
+    """(input assistant turns, turns trained in the shards): every trained run decoded and matched to its turn."""
+    trained_by_record: dict[int, list[int]] = {}
+    for s in iter_dataset(ds):
+        meta = s.meta()
+        rec = records[int(s.key[:10])]["messages"]
+        runs = trained_runs(s.array("input_ids"), s.array("loss_mask"))
+        # A truncated sample may end inside a turn: that partial run is not a trained turn (lost to the cut).
+        assert len(runs) == len(meta["trains"]) + (meta["truncated"] and len(runs) > len(meta["trains"])), s.key
+        for run, i in zip(runs, meta["trains"]):
+            text = tokenizer.decode(run.tolist(), skip_special_tokens=False)
+            content = rec[i].get("content") or ""
+            content = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+            assert rec[i]["role"] == "assistant" and text.startswith(content) and text.endswith("<|im_end|>")
+            trained_by_record.setdefault(int(s.key[:10]), []).append(i)
+    n_input = sum(1 for r in records for m in r["messages"] if m["role"] == "assistant")
+    for pos, turns in trained_by_record.items():
+        assert len(turns) == len(set(turns)), f"record {pos}: a turn trained twice"
+    return n_input, sum(len(t) for t in trained_by_record.values())
+
+
+def test_split_covers_every_turn_and_truncate_reports_its_loss(traces, tmp_path, qwen2vl_processor):
+    records = raw_records(traces)
+    tok = qwen2vl_processor.tokenizer
+    cut = build_steps(traces, tmp_path / "truncate")
+    n, trained = coverage_from_shards(tmp_path / "truncate", records, tok)
+    assert trained < n and cut.manifest["turns"]["trained_assistant_turns"] == trained
+    assert cut.manifest["turns"]["lost"]["truncated"] == n - trained
+    split = build_steps(traces, tmp_path / "split", long_traces="split")
+    n2, trained2 = coverage_from_shards(tmp_path / "split", records, tok)
+    assert n2 == trained2 == n and split.manifest["turns"]["coverage"] == 1.0
+    assert split.manifest["totals"]["split_samples"] > 0 and split.manifest["turns"]["context_tokens_repeated"] > 0
+    assert all(s.meta()["num_tokens"] <= 1024 and not s.meta()["truncated"] for s in iter_dataset(tmp_path / "split"))
+    from vlmprep.verify import verify_dataset
+
+    assert verify_dataset(tmp_path / "split") == []
+
+
+def reference_messages(record, meta, dropped_text=None, parse_arguments=False):
+    """The sample's message list straight from the input record (not through vlmprep): the messages the meta names,
+    images as PIL, those the history policy removed dropped (or replaced by the text). parse_arguments: tool-call
+    arguments given as JSON strings become objects (templates that iterate them, like Qwen3.5's, need that)."""
+    out, k = [], 0
+    held = set(meta["messages"])
+    for i, m in enumerate(record["messages"]):
+        content = m.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        new = []
+        for p in parts:
+            if p.get("type") == "image_url":
+                removed = k in meta["removed_images"]
+                if i in held and not removed:
+                    url = p["image_url"]["url"] if isinstance(p["image_url"], dict) else p["image_url"]
+                    new.append({"type": "image", "image": Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))})
+                elif i in held and dropped_text is not None:
+                    new.append({"type": "text", "text": dropped_text})
+                k += 1
+            else:
+                new.append(p)
+        if i in held:
+            m = {**m, "content": new}
+            if parse_arguments and m.get("tool_calls"):
+                m["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments": json.loads(a) if isinstance(
+                    a := tc["function"]["arguments"], str) else a}} for tc in m["tool_calls"]]
+            out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", pytest.param("qwen2.5-vl", marks=pytest.mark.slow),
+                                  pytest.param("qwen3-vl", marks=pytest.mark.slow), "qwen3.5"])
+def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces, tmp_path):
+    """Qwen3.5's template rewrites earlier turns (think-stripping before the last user query): split samples are
+    still exactly what it renders from their own message lists."""
+    from transformers import AutoProcessor
+
+    kw = {"chat_template": TOOLS_TEMPLATE} if name in ("qwen2-vl", "qwen2.5-vl") else {"chat_template": None}
+    out = tmp_path / name
+    res = build_steps(traces, out, processor=f"builtin:{name}", long_traces="split", keep_images=3,
+                      dropped_image_text="[earlier screenshot]", **kw)
+    assert res.manifest["totals"]["split_samples"] > 0
+    proc = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
+    records = raw_records(traces)
+    checked = 0
+    for s in iter_dataset(out):
+        meta = s.meta()
+        msgs = reference_messages(records[int(s.key[:10])], meta, "[earlier screenshot]", name == "qwen3.5")
+        tools = records[int(s.key[:10])].get("tools")
+        ref = proc.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True, return_tensors="np")
+        np.testing.assert_array_equal(s.array("input_ids"), ref["input_ids"][0], err_msg=s.key)
+        assert len(s.array("image_grid_thw")) <= 3  # --keep-images last:3
+        checked += meta["split"] is not None
+    assert checked >= 3
+
+
+def test_max_pixels_is_saved_and_gives_the_processors_own_grid(traces, tmp_path):
+    from transformers import AutoProcessor
+
+    out = tmp_path / "mp"
+    build_steps(traces, out, max_pixels=128 * 28 * 28, min_pixels=4 * 28 * 28, seq_len=8192)
+    proc = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
+    assert proc.image_processor.size.longest_edge == 128 * 28 * 28
+    records = raw_records(traces)
+    for s in list(iter_dataset(out))[:3]:
+        msgs = reference_messages(records[int(s.key[:10])], {**s.meta(), "messages": s.meta()["messages"]})
+        pils = [p["image"] for m in msgs for p in m["content"] if p["type"] == "image"]
+        ref = proc.image_processor(images=pils, return_tensors="np")
+        np.testing.assert_array_equal(s.array("image_grid_thw"), ref["image_grid_thw"])
+        assert all(int(np.prod(g)) <= 128 * 4 for g in s.array("image_grid_thw"))
+    with pytest.raises(ValueError, match="min_pixels"):
+        BuildConfig(inputs=("x",), out="o", min_pixels=10, max_pixels=5)
+
+
+def test_split_build_is_byte_identical_for_any_worker_count(traces, tmp_path, qwen2vl_processor):
+    def hashes(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+    build_steps(traces, tmp_path / "a", long_traces="split", keep_images=3)
+    build_steps(traces, tmp_path / "b", long_traces="split", keep_images=3, workers=2)
+    assert hashes(tmp_path / "a") == hashes(tmp_path / "b")
+
+
+def test_a_step_that_cannot_fit_is_rejected_with_its_reason_and_the_rest_lands(tmp_path, qwen2vl_processor):
+    long = " ".join(f"w{i}" for i in range(600))
+    rec = {"id": "r", "messages": [{"role": "user", "content": "task"}, {"role": "assistant", "content": "step one"},
+                                   {"role": "user", "content": "go on"}, {"role": "assistant", "content": long},
+                                   {"role": "user", "content": "and"}, {"role": "assistant", "content": "step three"}]}
+    ok = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    p = tmp_path / "r.jsonl"
+    p.write_text(json.dumps(rec) + "\n" + json.dumps(ok) + "\n")
+    res = build(BuildConfig(inputs=(str(p),), out=str(tmp_path / "o"), seq_len=128, long_traces="split",
+                            progress=False))
+    rejects = [json.loads(l) for l in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["id"]) for r in rejects] == [("turn_too_long", "r")] and "messages[3]" in rejects[0]["message"]
+    ids = sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o"))
+    assert "ok" in ids and any(i.startswith("r#") for i in ids)
+    assert res.manifest["turns"]["lost"]["turn_too_long"] == 1
+    trained = sorted(t for s in iter_dataset(tmp_path / "o") if s.meta()["id"] != "ok" for t in s.meta()["trains"])
+    assert trained == [1, 5]
