@@ -132,9 +132,12 @@ def test_client_decoders_refuse_unknown_members(dataset, manifest):
         sample_loader({"__key__": first, "__shard__": "x.tar", **bad})
 
 
-def test_hf_iterable_dataset_reads_every_sample(dataset, expected):
+def test_hf_iterable_dataset_reads_every_sample(dataset, expected, tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
+    import torch
     from datasets.distributed import split_dataset_by_node
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))  # its lock file, not ~/.cache
 
     import vlmprep.clients.hf
 
@@ -152,6 +155,8 @@ def test_hf_iterable_dataset_reads_every_sample(dataset, expected):
     for world in (2, 3):  # 3 shards: by shard for world 3, every world-th sample for world 2
         parts = [[s["__key__"] for s in split_dataset_by_node(ds, rank=r, world_size=world)] for r in range(world)]
         assert sorted(sum(parts, [])) == keys and all(parts)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)  # workers split by shard
+    assert sorted(s["__key__"] for s in loader) == keys
 
 
 def test_energon_reads_every_sample_and_info_lint_pass(dataset, manifest, expected, tmp_path):
@@ -209,3 +214,11 @@ def test_rebuild_drops_a_stale_energon_index(tmp_path):
     write_energon_meta(tmp_path)
     assert sorted(p.name for p in (tmp_path / ".nv-meta").iterdir()) == ["dataset.yaml"]
     assert not list(tmp_path.glob("*.idx")) and (tmp_path / ".nv-meta/dataset.yaml").read_text() == DATASET_YAML
+
+
+def test_vlmprep_imports_no_client_library():
+    """The build writes energon's dataset.yaml without energon; `import vlmprep` needs none of the client extras."""
+    code = ("import sys, vlmprep.cli, vlmprep.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
+            "vlmprep.clients.hf; print(sorted(m for m in ('datasets', 'megatron', 'webdataset') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
