@@ -14,7 +14,7 @@ import pytest
 import zstandard
 
 ARRAYS = ("input_ids", "loss_mask", "mm_token_type_ids", "position_ids", "image_grid_thw")
-# energon's console script sits beside the interpreter; `python -m` has no entry for it.
+# The `energon` console script's own two lines, run with this interpreter (no PATH lookup; energon has no __main__).
 ENERGON = [sys.executable, "-c", "import sys; from megatron.energon.cli.main import main; sys.exit(main())"]
 
 
@@ -57,8 +57,7 @@ def expected(dataset, manifest) -> dict:
                             images=[s.images[u] for u in s.image_index])
     assert len(out) == manifest["totals"]["samples"] == 8
     # The trap every client meets: a repeated image is stored once, so occurrences != members.
-    assert any(s["image_index"] not in ([], list(range(len(s["image_index"])))) and
-               max(s["image_index"]) < len(s["image_index"]) - 1 for s in out.values()), "no sample repeats an image"
+    assert any(len(set(s["image_index"])) < len(s["image_index"]) for s in out.values()), "no sample repeats an image"
     return out
 
 
