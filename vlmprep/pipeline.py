@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmprep import __version__
+from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
@@ -311,6 +312,7 @@ def build(cfg: BuildConfig) -> BuildResult:
         "turns": turn_coverage(totals),
         "rejects": dict(sorted(rejects.items())),
     }
+    write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
     write_json_atomic(out / "manifest.json", manifest)  # last but the journal: its presence means complete
     (out / JOURNAL_NAME).unlink()
     return BuildResult(out=out, manifest=manifest, rejects=rejects)

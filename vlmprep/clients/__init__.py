@@ -1,1 +1,9 @@
-"""Zero-glue readers of vlmprep datasets for other libraries (webdataset, HF datasets, Megatron-Energon)."""
+"""Zero-glue readers of vlmprep datasets for other libraries: `wds` (webdataset), `hf` (HF datasets), `energon`
+(Megatron-Energon; `energon_meta` writes its dataset.yaml at build time). Each imports its library itself, so
+`import vlmprep` never needs them.
+"""
+
+
+def sample_version(members) -> int:
+    """A sample's format version from its member names (v2 added image_index.npy): a tar stream has no manifest."""
+    return 2 if "image_index.npy" in members else 1

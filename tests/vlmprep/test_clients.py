@@ -1,0 +1,223 @@
+"""Real clients read a built dataset with vlmprep's one documented line of glue (webdataset, HF datasets,
+Megatron-Energon) and get, sample by sample, the arrays and every image occurrence the trainer's own decoder gets;
+a plain tarfile reader gets the images right through image_index.npy (and wrong by sorted img* members)."""
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+ARRAYS = ("input_ids", "loss_mask", "mm_token_type_ids", "position_ids", "image_grid_thw")
+# The `energon` console script's own two lines, run with this interpreter (no PATH lookup; energon has no __main__).
+ENERGON = [sys.executable, "-c", "import sys; from megatron.energon.cli.main import main; sys.exit(main())"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """8 records, 0-3 small screenshots each, 3 shards; seed 17 repeats an image inside a sample ([0, 1, 0])."""
+    from scripts.demo_traces import write_traces
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+
+    tmp = tmp_path_factory.mktemp("clients")
+    write_traces(tmp / "traces.jsonl.zst", n=8, seed=17, min_images=1, max_images=3, width=224, height=160,
+                 overlong_fraction=0.0, text_only_fraction=0.2)
+    build(BuildConfig(inputs=(str(tmp / "traces.jsonl.zst"),), out=str(tmp / "ds"), processor="builtin:qwen2-vl",
+                      seq_len=2048, samples_per_shard=3, progress=False, tool_calls="train-content"))
+    return tmp / "ds"
+
+
+@pytest.fixture(scope="module")
+def manifest(dataset) -> dict:
+    return json.loads((dataset / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def expected(dataset, manifest) -> dict:
+    """key -> the trainer's own decode (trainer/decode.py) of that sample, images expanded per occurrence."""
+    from trainer.decode import OriginalResizer, decode_sample
+    from trainer.shards import iter_tar_samples, load_image_processor_config
+    from trainer.vision import ImageSpec
+
+    spec = ImageSpec.from_config(load_image_processor_config(str(dataset / "processor")))
+    out = {}
+    for shard in manifest["shards"]:
+        url = str(dataset / shard["name"])
+        for _, key, members in iter_tar_samples(url, lambda i: True):
+            s = decode_sample(members, key=key, url=url, spec=spec, resize_original=OriginalResizer(spec))
+            out[key] = dict(id=s.id, input_ids=s.input_ids, loss_mask=s.loss_mask,
+                            mm_token_type_ids=s.mm_token_type_ids, position_ids=s.position_ids,
+                            image_grid_thw=s.image_grid_thw, image_index=list(s.image_index),
+                            images=[s.images[u] for u in s.image_index])
+    assert len(out) == manifest["totals"]["samples"] == 8
+    # The trap every client meets: a repeated image is stored once, so occurrences != members.
+    assert any(len(set(s["image_index"])) < len(s["image_index"]) for s in out.values()), "no sample repeats an image"
+    return out
+
+
+def assert_same(got: dict, want: dict, key: str) -> None:
+    """A client's sample equals the trainer's: every array (dtype included) and every image occurrence."""
+    assert str(got["id"]) == want["id"], key
+    for name in ARRAYS:
+        g = got[name]
+        assert isinstance(g, np.ndarray) and g.dtype == want[name].dtype, (key, name, type(g))
+        np.testing.assert_array_equal(g, want[name], err_msg=f"{key} {name}")
+    assert list(np.asarray(got["image_index"]).tolist()) == want["image_index"], key
+    assert len(got["images"]) == len(want["images"]), key
+    for k, (g, w) in enumerate(zip(got["images"], want["images"])):
+        assert g.dtype == np.uint8 and g.shape == w.shape, (key, k, g.shape, w.shape)
+        assert np.array_equal(g, w), f"{key}: image occurrence {k} differs from the trainer's"
+
+
+def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, manifest, expected):
+    wrong_by_sorted_members = 0
+    for shard in manifest["shards"]:
+        with tarfile.open(dataset / shard["name"]) as tar:
+            samples: dict[str, dict[str, bytes]] = {}
+            for ti in tar:
+                key, _, member = ti.name.partition(".")
+                samples.setdefault(key, {})[member] = tar.extractfile(ti).read()
+        for key, m in samples.items():
+            index = np.load(io.BytesIO(m["image_index.npy"]), allow_pickle=False)
+            by_number = {int(name[3:6]): name for name in m if name.startswith("img")}
+            decode = lambda name: np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(m[name])),  # noqa: E731
+                                          allow_pickle=False)
+            images = [decode(by_number[int(u)]) for u in index]  # the documented mapping
+            got = {n: np.load(io.BytesIO(m[n + ".npy"]), allow_pickle=False) for n in ARRAYS}
+            assert_same({**got, "id": json.loads(m["json"])["id"], "image_index": index, "images": images},
+                        expected[key], key)
+            naive = [decode(n) for n in sorted(by_number.values())]  # the obvious glue, one member per occurrence
+            if len(naive) != len(images) or any(not np.array_equal(a, b) for a, b in zip(naive, images)):
+                wrong_by_sorted_members += 1
+    assert wrong_by_sorted_members >= 1
+
+
+def test_webdataset_reads_every_sample(dataset, expected):
+    import webdataset as wds
+
+    import vlmprep.clients.wds
+
+    ds = wds.WebDataset(vlmprep.clients.wds.shard_urls(dataset), shardshuffle=False).map(vlmprep.clients.wds.decode)
+    seen = []
+    for s in ds:
+        assert_same(s, expected[s["__key__"]], s["__key__"])
+        assert s["meta"]["id"] == s["id"] and s["__url__"].endswith(".tar")
+        seen.append(s["__key__"])
+    assert seen == sorted(expected)
+
+
+def test_client_decoders_refuse_unknown_members(dataset, manifest):
+    """A planted pickle member is refused before anything is decoded, by the webdataset and energon glue alike."""
+    from vlmprep.shards.reader import ShardFormatError
+
+    with tarfile.open(dataset / manifest["shards"][0]["name"]) as tar:
+        first = tar.next().name.partition(".")[0]
+        raw = {ti.name.partition(".")[2]: tar.extractfile(ti).read() for ti in tar if ti.name.startswith(first)}
+    bad = {**raw, "evil.pyd": b"\x80\x04N."}
+    import vlmprep.clients.wds
+
+    with pytest.raises(ShardFormatError, match="evil.pyd"):
+        vlmprep.clients.wds.decode({"__key__": first, "__url__": "x.tar", **bad})
+    pytest.importorskip("megatron.energon")
+    from vlmprep.clients.energon import sample_loader
+
+    with pytest.raises(ShardFormatError, match="evil.pyd"):
+        sample_loader({"__key__": first, "__shard__": "x.tar", **bad})
+
+
+def test_hf_iterable_dataset_reads_every_sample(dataset, expected, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    import torch
+    from datasets.distributed import split_dataset_by_node
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))  # its lock file, not ~/.cache
+
+    import vlmprep.clients.hf
+
+    ds = vlmprep.clients.hf.iterable_dataset(dataset)
+    assert isinstance(ds, datasets.IterableDataset) and ds.n_shards == 3
+    keys = []
+    for s in ds:
+        assert_same(s, expected[s["__key__"]], s["__key__"])
+        keys.append(s["__key__"])
+    assert keys == sorted(expected)
+    mapped = ds.map(lambda s: {"num_trained": int(s["loss_mask"].sum())})  # user code sees numpy arrays
+    assert [s["num_trained"] for s in mapped] == [int(expected[k]["loss_mask"].sum()) for k in keys]
+    shuffled = [s["__key__"] for s in ds.shuffle(seed=0, buffer_size=4)]
+    assert sorted(shuffled) == keys and shuffled != keys
+    for world in (2, 3):  # 3 shards: by shard for world 3, every world-th sample for world 2
+        parts = [[s["__key__"] for s in split_dataset_by_node(ds, rank=r, world_size=world)] for r in range(world)]
+        assert sorted(sum(parts, [])) == keys and all(parts)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)  # workers split by shard
+    assert sorted(s["__key__"] for s in loader) == keys
+
+
+def test_energon_reads_every_sample_and_info_lint_pass(dataset, manifest, expected, tmp_path):
+    pytest.importorskip("megatron.energon")
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+    from megatron.energon.errors import reraise_exception
+
+    from vlmprep.clients import energon_meta
+    from vlmprep.clients.energon import VlmprepSample, prepare
+
+    d = tmp_path / "ds"
+    shutil.copytree(dataset, d)
+    assert sorted(p.name for p in (d / ".nv-meta").iterdir()) == ["dataset.yaml"]  # the build wrote only this
+    assert (d / ".nv-meta" / "dataset.yaml").read_text() == energon_meta.DATASET_YAML
+    cmd = energon_meta.PREPARE_COMMAND.split()
+    run = lambda args: subprocess.run(ENERGON + args, capture_output=True, text=True, timeout=300)  # noqa: E731
+    p = run([a if a != "DIR" else str(d) for a in cmd[1:]])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    info = json.loads((d / ".nv-meta" / ".info.json").read_text())
+    assert info["shard_counts"] == {s["name"]: s["num_samples"] for s in manifest["shards"]}
+
+    p = run(["info", str(d)])
+    assert p.returncode == 0 and "8 samples" in p.stdout and "vlmprep.clients.energon.VlmprepSample" in p.stdout, \
+        p.stdout[-2000:] + p.stderr[-3000:]
+    p = run(["lint", str(d)])
+    # energon 7.4.1's lint logs a failing sample and still exits 0 (its handler argument is ignored): check both.
+    assert p.returncode == 0 and "Traceback" not in p.stderr + p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+
+    for workers in (0, 2):
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
+        ds = get_train_dataset(d, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                               max_samples_per_sequence=None, repeat=False)
+        keys = []
+        for s in get_savable_loader(ds):
+            assert isinstance(s, VlmprepSample)
+            fields = ("id", "image_index", "images", *ARRAYS)
+            assert_same({f: getattr(s, f) for f in fields}, expected[s.__key__], s.__key__)
+            keys.append(s.__key__)
+        # a loader that energon cannot restore (e.g. a cooker without @stateless) ends early with no exception
+        assert sorted(keys) == sorted(expected), (workers, keys)
+
+    again = tmp_path / "py"  # the Python form of the same command indexes the same way
+    shutil.copytree(dataset, again)
+    assert prepare(again) == manifest["totals"]["samples"]
+    for name in ("split.yaml", ".info.json"):
+        assert (again / ".nv-meta" / name).read_text() == (d / ".nv-meta" / name).read_text()
+
+
+def test_rebuild_drops_a_stale_energon_index(tmp_path):
+    from vlmprep.clients.energon_meta import DATASET_YAML, write_energon_meta
+
+    (tmp_path / ".nv-meta").mkdir()
+    for name in (".nv-meta/.info.json", ".nv-meta/split.yaml", ".nv-meta/index.sqlite", "shard-000000.tar.idx"):
+        (tmp_path / name).write_text("old")
+    write_energon_meta(tmp_path)
+    assert sorted(p.name for p in (tmp_path / ".nv-meta").iterdir()) == ["dataset.yaml"]
+    assert not list(tmp_path.glob("*.idx")) and (tmp_path / ".nv-meta/dataset.yaml").read_text() == DATASET_YAML
+
+
+def test_vlmprep_imports_no_client_library():
+    """The build writes energon's dataset.yaml without energon; `import vlmprep` needs none of the client extras."""
+    code = ("import sys, vlmprep.cli, vlmprep.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
+            "vlmprep.clients.hf; print(sorted(m for m in ('datasets', 'megatron', 'webdataset') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]

@@ -1,0 +1,38 @@
+"""What Megatron-Energon needs in a built dataset dir, written by `vlmprep build` without importing energon:
+DIR/.nv-meta/dataset.yaml naming the sample type and loader of the installed vlmprep package
+(vlmprep/clients/energon.py), so nothing is ever executed from the dataset dir.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NV_META = ".nv-meta"  # energon's MAIN_FOLDER_NAME
+PREPARE_COMMAND = "energon prepare DIR --non-interactive --split-ratio 1,0,0 --skip-dataset-yaml --no-progress"
+DATASET_YAML = f"""\
+# Written by `vlmprep build`. Energon reads this dataset through vlmprep's own reader (installed package
+# `vlmprep[energon]`; nothing is executed from this directory). Index it once, after the build:
+#   {PREPARE_COMMAND}
+# or in Python: vlmprep.clients.energon.prepare(DIR)
+__module__: vlmprep.clients.energon
+__class__: VlmprepWebdataset
+sample_type:
+  __module__: vlmprep.clients.energon
+  __class__: VlmprepSample
+"""
+# Index files of an earlier `energon prepare`: they describe the old tars, so a rebuild drops them.
+STALE_INDEX = (".info.yaml", ".info.json", "split.yaml", "index.sqlite", "index.uuid")
+
+
+def write_energon_meta(out: Path) -> None:
+    """Write DIR/.nv-meta/dataset.yaml atomically (same bytes every build) and drop a stale energon index."""
+    meta = Path(out) / NV_META
+    meta.mkdir(exist_ok=True)
+    for p in [meta / n for n in STALE_INDEX] + list(Path(out).glob("*.tar.idx")):
+        p.unlink(missing_ok=True)
+    tmp = meta / "dataset.yaml.tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(DATASET_YAML)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, meta / "dataset.yaml")

@@ -1,0 +1,29 @@
+"""HF `datasets` adapter: a built dataset dir -> a `datasets.IterableDataset` over vlmprep's own reader.
+
+    ds = vlmprep.clients.hf.iterable_dataset(DIR)
+
+Examples hold numpy arrays and `images` (uint8 HxWx3, one per occurrence, in token order); shards are the
+generator's shard list, so `split_dataset_by_node` and DataLoader workers split by shard.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+
+
+def generate_samples(shards: list[str], version: int):
+    """The generator behind iterable_dataset: every sample of `shards`, decoded (StoredSample.to_dict)."""
+    for path in shards:
+        for sample in iter_shard(Path(path), version=version):
+            yield sample.to_dict()
+
+
+def iterable_dataset(d: str | Path):
+    """Every sample of a built dataset dir as a streaming `datasets.IterableDataset` (manifest version checked)."""
+    import datasets
+
+    manifest = load_manifest(Path(d))
+    shards = [str(p) for p in shard_paths(Path(d), manifest)]
+    return datasets.IterableDataset.from_generator(
+        generate_samples, gen_kwargs={"shards": shards, "version": manifest["format_version"]})
