@@ -185,3 +185,28 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
                  images=[torch.as_tensor(im) for im in images], image_index=index,
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples], num_tokens=n,
                  num_trained=int(np.count_nonzero(loss)), rows=len(rows))
+
+
+def empty_state(capacity: int, window: int) -> list[int]:
+    """The state of a packer that has read nothing: what a checkpoint taken at an epoch's end holds."""
+    return [capacity, window, 0, 0, 0]
+
+
+def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_type: str) -> str:
+    """Start-up checks of --pack-to against the dataset and the model; returns the log line."""
+    from trainer.config import ConfigError
+
+    if model_type not in PACKABLE_MODELS:
+        raise ConfigError(f"--pack-to: model type {model_type!r} has no packed-sequence path this trainer has "
+                          f"verified (supported: {', '.join(PACKABLE_MODELS)}); train it without --pack-to")
+    seq_len = ((manifest or {}).get("config") or {}).get("seq_len")
+    if seq_len is not None and int(seq_len) > pack_to:
+        raise ConfigError(f"--pack-to {pack_to} is shorter than the dataset's seq_len {seq_len}: a sample could not "
+                          f"fit a row; use --pack-to >= {seq_len} or rebuild with --seq-len <= {pack_to}")
+    shards = (manifest or {}).get("shards") or []
+    samples, tokens = sum(s["num_samples"] for s in shards), sum(s["num_tokens"] for s in shards)
+    mean = f"mean sample {tokens / samples:.0f} tokens, ~{pack_to * samples / tokens:.1f} samples per row; " \
+        if samples and tokens else ""
+    return (f"trainer: packing whole samples into rows of <= {pack_to} tokens by best-fit decreasing over a window "
+            f"of {window} samples ({mean}rows below {CARRY_BELOW:.0%} full wait for the next window; expected fill "
+            f">= {CARRY_BELOW:.2f} except at the epoch's end, measured per step as pack_fill)")
