@@ -264,3 +264,51 @@ def test_packed_real_samples_equal_unpacked(dataset, image_spec):
         b = forward_loss(net, plain, patchify(plain.images, plain.image_index))
     assert packed.num_trained == plain.num_trained
     assert float(a) == pytest.approx(float(b), rel=1e-6, abs=0)
+
+
+# --- the rank's step loader with packing -------------------------------------------------------------------------
+
+def _pack_loader(shards, image_spec, workers):
+    from trainer.data import StepLoader
+
+    return StepLoader(shards, spec=image_spec, collate_spec=CollateSpec(0, IMG, 14, 2), seed=0, shuffle=True,
+                      micro_batch_size=1, max_tokens=0, grad_accum=2, num_workers=workers, prefetch_factor=2,
+                      pack_to=400, pack_window=5)
+
+
+def _steps(loader, n=None):
+    out = []
+    while n is None or len(out) < n:
+        step = loader.next_step()
+        assert len(step) == 2  # grad_accum micro-batches, also once exhausted
+        if not any(b.num_samples for b in step):
+            break
+        out.append([(b.rows, b.sample_ids) for b in step])
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_step_loader_packs_every_sample_once_and_resumes_from_its_state_with_other_workers(dataset, image_spec):
+    from trainer.shards import plan_shards, resolve_data
+
+    shards = list(resolve_data(str(dataset)).shards)
+    plan = plan_shards(tuple(shards), 2)
+    seen, ref = [], []
+    for r in range(2):
+        ld = _pack_loader([shards[i] for i in plan.per_rank[r]], image_spec, 0)
+        ld.start(0, 0)
+        ref.append(_steps(ld))
+        assert all(b.num_samples == 0 and b.rows == 0 for b in ld.next_step())  # then only empty micro-batches
+        seen += [i for step in ref[-1] for _, ids in step for i in ids]
+        assert all(rows == 1 for step in ref[-1] for rows, ids in step if ids)
+    assert len(seen) == len(set(seen)) == 18 and len(ref[1]) >= 3
+    mine = [shards[i] for i in plan.per_rank[1]]
+    for cut in range(1, len(ref[1])):
+        a = _pack_loader(mine, image_spec, 2)
+        a.start(0, 0)
+        head = _steps(a, cut)
+        state, position = a.pack_state, a.position
+        a.close()
+        b = _pack_loader(mine, image_spec, 3)
+        b.start(0, position, state)
+        assert head + _steps(b) == ref[1], cut

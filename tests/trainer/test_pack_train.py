@@ -88,11 +88,11 @@ def test_resume_without_pack_to_is_refused(run_p, short_dataset, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--pack-to", "256"], "--pack-to 256 is shorter than the dataset's seq_len 512"),
+    (["--pack-to", "1024"], "--pack-to 1024 is shorter than the dataset's seq_len 2048"),
     (["--pack-to", "1024", "--max-tokens-per-batch", "4096"], "pick one"),
 ])
-def test_start_up_refusals(short_dataset, tmp_path, capsys, args, message):
-    assert main(["--data", str(short_dataset), "--out", str(tmp_path / "r"), "--tiny-random", "qwen2-vl",
+def test_start_up_refusals(dataset, tmp_path, capsys, args, message):
+    assert main(["--data", str(dataset), "--out", str(tmp_path / "r"), "--tiny-random", "qwen2-vl",
                  "--no-progress", "--max-steps", "1", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("trainer: error: ") and message in err[-1], err
