@@ -161,13 +161,14 @@ def _logits(net, batch, pixels):
                    image_grid_thw=batch.image_grid_thw, use_cache=False).logits[0]
 
 
-def _worst_segment_diff(net, samples, packed, patchify, spec) -> float:
+def _worst_segment_diff(net, samples, packed, patchify, spec, device="cpu") -> float:
     """Max abs difference between each sample's logits alone and its slice of the packed row's logits."""
-    got = _logits(net, packed, patchify(packed.images, packed.image_index))
+    packed = packed.to(device)
+    got = _logits(net, packed, patchify(packed.images, packed.image_index)).float()
     worst, start = 0.0, 0
     for s in samples:
-        alone = collate([s], spec)
-        ref = _logits(net, alone, patchify(alone.images, alone.image_index))
+        alone = collate([s], spec).to(device)
+        ref = _logits(net, alone, patchify(alone.images, alone.image_index)).float()
         worst = max(worst, float((got[start:start + s.num_tokens] - ref[:s.num_tokens]).abs().max()))
         start += s.num_tokens
     return worst
@@ -312,3 +313,16 @@ def test_step_loader_packs_every_sample_once_and_resumes_from_its_state_with_oth
         b = _pack_loader(mine, image_spec, 3)
         b.start(0, position, state)
         assert head + _steps(b) == ref[1], cut
+
+
+def test_flop_count_sees_the_same_samples_packed_or_not():
+    from trainer.metrics import FlopCounter
+
+    spec = CollateSpec(0, IMG, 14, 2)
+    samples = _segments(14)
+    counter = FlopCounter(_net("qwen2_vl", "sdpa"))
+    packed, plain = counter.step([collate_packed([samples], spec)]), counter.step([collate(samples, spec)])
+    lens = [s.num_tokens for s in samples]
+    attn = 6 * counter.layers * counter.hidden * sum(n * n for n in lens)
+    assert packed == plain > attn + 6 * counter.text * sum(lens)  # vision patches on top
+    assert counter.step([collate([], spec)]) == 0
