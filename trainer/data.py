@@ -82,10 +82,11 @@ class SlabPool:
     clears it only once its own mapping of that slab is gone (no tensor views left), and a worker writes only
     into slabs whose flag is 0. With all slabs busy a worker sends a fresh, unpooled segment instead."""
 
-    def __init__(self, num_workers: int):
-        self.flags = torch.zeros(max(num_workers, 1), SLABS_PER_WORKER, dtype=torch.uint8).share_memory_()
+    def __init__(self, num_workers: int, slabs: int = 0):
+        slabs = slabs or SLABS_PER_WORKER  # slabs are mapped on first use: a slot costs nothing until then
+        self.flags = torch.zeros(max(num_workers, 1), slabs, dtype=torch.uint8).share_memory_()
         self.worker = -1  # set in each worker process
-        self._slabs: list[torch.Tensor | None] = [None] * SLABS_PER_WORKER  # this worker's own mappings
+        self._slabs: list[torch.Tensor | None] = [None] * slabs  # this worker's own mappings
         self._slab: tuple[torch.Tensor, int] | None = None  # the slab of the sample being decoded, and its index
         self._held: list[tuple[StorageWeakRef, int, int]] = []  # training process: (slab mapping, worker, slab)
         self.fresh = self.reused = 0  # training process: samples that came in unpooled segments / in reused slabs
@@ -161,9 +162,11 @@ def _identity(x):
     return x
 
 
-def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int) -> "SampleLoader":
+def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int, held: int = 0) -> "SampleLoader":
+    """`held`: samples the consumer keeps alive (a packing window); each worker gets slabs for its share of them."""
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
-    stream.pool = SlabPool(num_workers) if num_workers else None  # made before the workers start: they share it
+    slabs = SLABS_PER_WORKER + -(-held // max(num_workers, 1))
+    stream.pool = SlabPool(num_workers, slabs) if num_workers else None  # made before the workers start: they share it
     return SampleLoader(DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_identity, **kw),
                         stream.pool)
 
@@ -256,7 +259,8 @@ class StepLoader:
             position = Packer.resume_start(pack_state)
         stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
                             start=position, spec=self.spec, stride=self.stride)
-        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor)
+        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                     held=self.pack_window if self.pack_to else 0)
         if self.pack_to:
             self._packer = Packer(iter(self._loader), capacity=self.pack_to, window=self.pack_window,
                                   state=pack_state or None)

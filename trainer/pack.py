@@ -205,8 +205,12 @@ def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_typ
                           f"fit a row; use --pack-to >= {seq_len} or rebuild with --seq-len <= {pack_to}")
     shards = (manifest or {}).get("shards") or []
     samples, tokens = sum(s["num_samples"] for s in shards), sum(s["num_tokens"] for s in shards)
-    mean = f"mean sample {tokens / samples:.0f} tokens, ~{pack_to * samples / tokens:.1f} samples per row; " \
-        if samples and tokens else ""
-    return (f"trainer: packing whole samples into rows of <= {pack_to} tokens by best-fit decreasing over a window "
-            f"of {window} samples ({mean}rows below {CARRY_BELOW:.0%} full wait for the next window; expected fill "
-            f">= {CARRY_BELOW:.2f} except at the epoch's end, measured per step as pack_fill)")
+    expect = "expected fill unknown without a manifest"
+    if samples and tokens:
+        rows = window * tokens / samples / pack_to
+        expect = (f"mean sample {tokens / samples:.0f} tokens, so a window holds {rows:.1f} rows' worth: expected "
+                  + (f"fill >= {CARRY_BELOW:.2f}" if rows >= 4 else "a lower fill (raise --pack-window to "
+                     f"{4 * pack_to * samples / tokens:.0f} or more)"))
+    return (f"trainer: packing whole samples into rows of <= {pack_to} tokens, best-fit decreasing over a window of "
+            f"{window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
+            "(except the epoch's last rows; pack_fill per step in metrics.jsonl)")
