@@ -27,7 +27,7 @@ def build_config(inp: Path, out: Path, **kw):
     extra = {}
     if TOOL_TEMPLATE.exists() and "chat_template" in BuildConfig.__dataclass_fields__:
         extra["chat_template"] = str(TOOL_TEMPLATE)
-    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=32768, **extra, **kw)
+    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra, **kw)
 
 
 def timed_build(inp: Path, out: Path, **kw) -> tuple[float, dict]:

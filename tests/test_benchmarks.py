@@ -23,6 +23,11 @@ REQUIRED = {
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
+    ("pack", "pack"): {"pack_to", "pack_window", "ranks", "fill", "step_max_over_mean_tokens",
+                       "step_max_over_mean_attention", "pack_ms_per_1000_samples"},
+    ("pack", "token_budget"): {"max_tokens_per_batch", "fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
+    ("pack", "micro_batch_1"): {"fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
+    ("pack", "loader_cost"): {"pack_ms_per_sample", "collate_ms_per_sample", "added_ms_per_sample", "goal_ms"},
 }
 
 
@@ -44,3 +49,4 @@ def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     assert all("speedup_vs_online" in r for r in loader if r["path"] == "vlmprep_shards")
     assert any("time_over_floor" in r for r in loader)
     assert {r["plan"] for r in rows if r["bench"] == "balance"} == {"sample_count_split", "token_balanced_shards"}
+    assert {r["pack_to"] for r in rows if r.get("metric") == "pack"} == {16384, 32768}

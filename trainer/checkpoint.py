@@ -1,5 +1,6 @@
-"""Checkpoints: model + optimizer + step (which fixes the LR schedule) + every rank's data position and RNG ->
-a torch.distributed.checkpoint dir RUN/checkpoints/step-NNNNNNNN, renamed into place only once complete.
+"""Checkpoints: model + optimizer + step (which fixes the LR schedule) + every rank's data position (and packer
+state when packing) and RNG -> a torch.distributed.checkpoint dir RUN/checkpoints/step-NNNNNNNN, renamed into
+place only once complete.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Resumed:
     step: int
     epoch: int
     position: int  # this rank's samples consumed in `epoch`
+    pack_state: list[int]  # this rank's Packer.state() ([] when the run does not pack)
 
 
 def _world() -> tuple[int, int]:
@@ -62,8 +64,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _gather_ragged(values: list[int], device: torch.device) -> torch.Tensor:
+    """Every rank's int list as rows of one [world, longest] tensor, padded with -1 (no state value is negative)."""
+    longest = int(max(_gather(torch.tensor(len(values)), device)))
+    row = torch.full((longest,), -1, dtype=torch.int64)
+    row[:len(values)] = torch.tensor(values, dtype=torch.int64)
+    return _gather(row, device)
+
+
 def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int, net, optimizer,
-                    device: torch.device, keep: int) -> Path:
+                    device: torch.device, keep: int, pack_state: list[int] | None = None) -> Path:
     rank, world = _world()
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step-{step:08d}", root / f"step-{step:08d}.tmp"
@@ -75,6 +85,10 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
     train = {"step": torch.tensor(step), "world": torch.tensor(world),
              "data": _gather(torch.tensor([epoch, position], dtype=torch.int64), device)}
     train.update({f"rng_{k}": _gather(v, device) for k, v in _rng_state(device).items()})
+    pack = _gather_ragged(pack_state or [], device)
+    train["pack_len"] = torch.tensor(pack.shape[1])
+    if pack.shape[1]:
+        train["pack"] = pack
     dcp.save({"model": model_sd, "optim": optim_sd, "train": train}, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
@@ -87,10 +101,20 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
     return final
 
 
-def load_checkpoint(path: Path, *, net, optimizer, device: torch.device) -> Resumed:
+def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> Resumed:
     rank, world = _world()
-    head = {"train": {"step": torch.tensor(0), "world": torch.tensor(0)}}
-    dcp.load(head, checkpoint_id=str(path))
+    head = {"train": {"step": torch.tensor(0), "world": torch.tensor(0), "pack_len": torch.tensor(0)}}
+    try:
+        dcp.load(head, checkpoint_id=str(path))
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException; a checkpoint from before packing existed
+        if "pack_len" not in str(e):
+            raise
+        del head["train"]["pack_len"]
+        dcp.load(head, checkpoint_id=str(path))
+    pack_len = int(head["train"].get("pack_len", 0))
+    if packing != (pack_len > 0):
+        raise ConfigError(f"{path} was written {'with' if pack_len else 'without'} --pack-to: resume with the same "
+                          "batching options (or start a fresh run dir)")
     saved_world = int(head["train"]["world"])
     if saved_world != world:
         raise ConfigError(f"{path} was written by {saved_world} ranks, this run has {world}: exact data resume "
@@ -99,6 +123,8 @@ def load_checkpoint(path: Path, *, net, optimizer, device: torch.device) -> Resu
     rng = _rng_state(device)
     train = {"step": torch.tensor(0), "world": torch.tensor(0), "data": torch.zeros(world, 2, dtype=torch.int64)}
     train.update({f"rng_{k}": torch.zeros((world, *v.shape), dtype=v.dtype) for k, v in rng.items()})
+    if pack_len:
+        train["pack"] = torch.zeros(world, pack_len, dtype=torch.int64)
     state = {"model": model_sd, "optim": optim_sd, "train": train}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -106,4 +132,5 @@ def load_checkpoint(path: Path, *, net, optimizer, device: torch.device) -> Resu
     if "cuda" in rng:
         torch.cuda.set_rng_state(train["rng_cuda"][rank].clone(), device)
     epoch, position = (int(x) for x in train["data"][rank])
-    return Resumed(step=int(train["step"]), epoch=epoch, position=position)
+    pack_state = [int(x) for x in train["pack"][rank] if x >= 0] if pack_len else []
+    return Resumed(step=int(train["step"]), epoch=epoch, position=position, pack_state=pack_state)

@@ -24,7 +24,7 @@ class Batch:
     input_ids: torch.Tensor  # int32 [B, L] on the host, int64 after to()
     loss_mask: torch.Tensor  # uint8 [B, L], 1 where the token is trained
     lengths: torch.Tensor  # int64 [B], real tokens per row (right padding), the placeholder image included
-    position_ids: torch.Tensor  # int32/int64 [3, B, L], the stored MRoPE positions
+    position_ids: torch.Tensor  # int32/int64 [3, B, L], the stored MRoPE positions ([4, 1, N] when packed)
     mm_token_type_ids: torch.Tensor  # uint8/int64 [B, L]
     image_grid_thw: torch.Tensor  # int64 [N, 3], one row per occurrence, in token order
     images: list[torch.Tensor]  # unique uint8 H x W x 3 images; pixel math happens on the device
@@ -33,6 +33,11 @@ class Batch:
     positions: list[int]  # stream positions of the samples, for resume checks
     num_tokens: int  # real tokens of real samples (no padding, no placeholder)
     num_trained: int  # tokens that carry a loss: labels[:, 1:] != IGNORE_INDEX
+    rows: int = 0  # packed rows laid end to end in this one flat row (trainer/pack.py); 0 = not packed
+
+    @property
+    def packed(self) -> bool:  # [4, 1, N] positions, row 0 restarting at 0 per sample: no attention mask
+        return self.position_ids.shape[0] == 4
 
     @property
     def num_samples(self) -> int:

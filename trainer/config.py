@@ -29,8 +29,10 @@ class TrainConfig:
     max_steps: int = 0  # 0 = train `epochs` full epochs
     epochs: int = 1
     schedule_steps: int = 0  # warmup + cosine length; 0 = the run's total steps
-    micro_batch_size: int = 1  # samples per micro-batch (padded) unless max_tokens_per_batch is set
+    micro_batch_size: int = 1  # samples per micro-batch (padded), or packed rows per micro-batch with pack_to
     max_tokens_per_batch: int = 0  # token budget per micro-batch, counted as rows x padded length
+    pack_to: int = 0  # > 0: pack whole samples into rows of at most this many tokens (trainer/pack.py)
+    pack_window: int = 64  # samples of look-ahead the packer chooses from (held decoded in memory)
     grad_accum: int = 1
     lr: float = 2e-5
     min_lr_ratio: float = 0.1
@@ -65,11 +67,11 @@ class TrainConfig:
                               + "|".join(TINY_MODELS))
         if self.tiny_random and self.tiny_random not in TINY_MODELS:
             raise ConfigError(f"tiny_random={self.tiny_random!r}: choose one of {', '.join(TINY_MODELS)}")
-        for name in ("max_steps", "schedule_steps", "max_tokens_per_batch", "warmup_steps", "num_workers",
+        for name in ("max_steps", "schedule_steps", "max_tokens_per_batch", "pack_to", "warmup_steps", "num_workers",
                      "save_every", "lora_rank"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
-        for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints"):
+        for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints", "pack_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -80,6 +82,9 @@ class TrainConfig:
             raise ConfigError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
+        if self.pack_to and self.max_tokens_per_batch:
+            raise ConfigError(f"pack_to={self.pack_to} and max_tokens_per_batch={self.max_tokens_per_batch}: pick one "
+                              "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)")
         if self.warmup_steps and self.schedule_steps and self.warmup_steps > self.schedule_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} > schedule_steps={self.schedule_steps}")
 

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.collate import Batch, CollateSpec, collate
 from trainer.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.pack import Packer, collate_packed
 from trainer.shards import DataError, ShardRef, iter_tar_samples
 from trainer.vision import ImageSpec
 
@@ -81,10 +82,11 @@ class SlabPool:
     clears it only once its own mapping of that slab is gone (no tensor views left), and a worker writes only
     into slabs whose flag is 0. With all slabs busy a worker sends a fresh, unpooled segment instead."""
 
-    def __init__(self, num_workers: int):
-        self.flags = torch.zeros(max(num_workers, 1), SLABS_PER_WORKER, dtype=torch.uint8).share_memory_()
+    def __init__(self, num_workers: int, slabs: int = 0):
+        slabs = slabs or SLABS_PER_WORKER  # slabs are mapped on first use: a slot costs nothing until then
+        self.flags = torch.zeros(max(num_workers, 1), slabs, dtype=torch.uint8).share_memory_()
         self.worker = -1  # set in each worker process
-        self._slabs: list[torch.Tensor | None] = [None] * SLABS_PER_WORKER  # this worker's own mappings
+        self._slabs: list[torch.Tensor | None] = [None] * slabs  # this worker's own mappings
         self._slab: tuple[torch.Tensor, int] | None = None  # the slab of the sample being decoded, and its index
         self._held: list[tuple[StorageWeakRef, int, int]] = []  # training process: (slab mapping, worker, slab)
         self.fresh = self.reused = 0  # training process: samples that came in unpooled segments / in reused slabs
@@ -160,9 +162,11 @@ def _identity(x):
     return x
 
 
-def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int) -> "SampleLoader":
+def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int, held: int = 0) -> "SampleLoader":
+    """`held`: samples the consumer keeps alive (a packing window); each worker gets slabs for its share of them."""
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
-    stream.pool = SlabPool(num_workers) if num_workers else None  # made before the workers start: they share it
+    slabs = SLABS_PER_WORKER + -(-held // max(num_workers, 1))
+    stream.pool = SlabPool(num_workers, slabs) if num_workers else None  # made before the workers start: they share it
     return SampleLoader(DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_identity, **kw),
                         stream.pool)
 
@@ -230,47 +234,69 @@ class MicroBatcher:
 
 class StepLoader:
     """A rank's steps: grad_accum micro-batches each; an exhausted rank yields empty micro-batches (the
-    'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted."""
+    'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted. With pack_to,
+    a micro-batch is micro_batch_size packed rows (trainer/pack.py) instead of micro_batch_size samples."""
 
     def __init__(self, shards: list[ShardRef], *, spec: ImageSpec, collate_spec: CollateSpec, seed: int,
                  shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
-                 prefetch_factor: int, stride: tuple[int, int] = (0, 1)):
+                 prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64):
         self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
         self.seed, self.shuffle = seed, shuffle
         self.micro_batch_size, self.max_tokens, self.grad_accum = micro_batch_size, max_tokens, grad_accum
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.pack_to, self.pack_window = pack_to, pack_window
         self.epoch = 0
         self._batcher: MicroBatcher | None = None
+        self._packer: Packer | None = None
         self._loader: SampleLoader | None = None
 
-    def start(self, epoch: int, position: int) -> None:
+    def start(self, epoch: int, position: int, pack_state: list[int] | None = None) -> None:
+        """Continue `epoch` at stream `position`; a packing run continues from its packer state instead (the
+        stream restarts at the oldest sample the state still holds)."""
         self.close()
         self.epoch = epoch
+        if pack_state:
+            position = Packer.resume_start(pack_state)
         stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
                             start=position, spec=self.spec, stride=self.stride)
-        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor)
-        self._batcher = MicroBatcher(iter(self._loader), self.collate_spec, micro_batch_size=self.micro_batch_size,
-                                     max_tokens=self.max_tokens, consumed=position)
+        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                     held=self.pack_window if self.pack_to else 0)
+        if self.pack_to:
+            self._packer = Packer(iter(self._loader), capacity=self.pack_to, window=self.pack_window,
+                                  state=pack_state or None)
+            self._packer.next_pos = max(self._packer.next_pos, position)
+        else:
+            self._batcher = MicroBatcher(iter(self._loader), self.collate_spec,
+                                         micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
+                                         consumed=position)
 
     @property
     def position(self) -> int:
-        return self._batcher.consumed
+        return self._packer.next_pos if self._packer else self._batcher.consumed
+
+    @property
+    def pack_state(self) -> list[int]:
+        return self._packer.state() if self._packer else []
 
     def next_step(self) -> list[Batch]:
         out = []
         for _ in range(self.grad_accum):
-            mb = self._batcher.next()
+            if self._packer:
+                rows = [r for r in (self._packer.next_row() for _ in range(self.micro_batch_size)) if r]
+                mb = collate_packed(rows, self.collate_spec) if rows else None
+            else:
+                mb = self._batcher.next()
             out.append(mb if mb is not None else collate([], self.collate_spec))
         return out
 
     def close(self) -> None:
         # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
-        self._batcher = self._loader = None
+        self._batcher = self._packer = self._loader = None
 
 
 def steps_per_epoch(rank_samples: list[int | None], *, micro_batch_size: int, max_tokens: int,
-                    grad_accum: int) -> int | None:
+                    grad_accum: int, pack_to: int = 0) -> int | None:
     """Known up front only for count batching over manifest counts: the busiest rank sets the length."""
-    if max_tokens or any(n is None for n in rank_samples):
+    if max_tokens or pack_to or any(n is None for n in rank_samples):
         return None
     return max(-(-(-(-n // micro_batch_size)) // grad_accum) for n in rank_samples)

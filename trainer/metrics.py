@@ -35,3 +35,55 @@ class RunLog:
     def close(self) -> None:
         self.bar.stop()
         self.file.close()
+
+
+# Dense bf16 peak FLOP/s by device name (no sparsity), for `mfu`; unknown devices get no mfu.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+             "L4": 121e12, "A10": 125e12, "4090": 165e12}
+
+
+def peak_flops(device) -> float | None:
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+class FlopCounter:
+    """Training FLOPs (forward + backward = 3 x forward) from the model's parameter counts: 6 x text parameters
+    (lm head included) per token, 6 x vision parameters per image patch, and causal attention
+    6 x layers x hidden x sum of squared sample lengths (packed samples do not attend to each other)."""
+
+    def __init__(self, net):
+        cfg = getattr(net.config, "text_config", net.config)
+        self.layers, self.hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+        self.vision = self.text = 0
+        seen = set()
+        for name, p in net.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if ".visual." in f".{name}":
+                self.vision += p.numel()
+            elif "embed_tokens" not in name or getattr(net.config, "tie_word_embeddings", False):
+                self.text += p.numel()  # a tied embedding is counted once, as the lm head's matmul
+
+    def step(self, batches) -> float:
+        flops = 0.0
+        for b in batches:
+            if not b.num_samples:
+                continue
+            lens = [len(p) for p in _segments(b)]
+            flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
+            flops += 6 * self.vision * float(b.image_grid_thw.prod(-1).sum())
+        return flops
+
+
+def _segments(b):
+    """Sample lengths of a batch: its rows' lengths, or for a packed row the runs between position resets."""
+    if not b.packed:
+        return [range(int(n)) for n in b.lengths]
+    starts = (b.position_ids[0, 0] == 0).nonzero().flatten().tolist() + [b.position_ids.shape[-1]]
+    return [range(a, z) for a, z in zip(starts[:-1], starts[1:])]

@@ -85,12 +85,15 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
 
 def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor) -> torch.Tensor:
     """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count.
-    Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep)."""
+    Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep). A packed batch
+    goes without attention mask: the model then derives per-sample causal blocks from the resets of position row 0
+    (sdpa/eager: a packed-sequence mask; flash_attention_2: varlen cu_seqlens, which needs the single flat row)."""
     labels = batch.labels
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     targets = labels[:, 1:][keep[:, :-1]]
-    out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+    mask = None if batch.packed else batch.attention_mask
+    out = net(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
               mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixel_values,
               image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False)
     return F.cross_entropy(out.logits.float(), targets, reduction="sum")

@@ -17,8 +17,9 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers
 from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.data import StepLoader, steps_per_epoch
-from trainer.metrics import RunLog
+from trainer.metrics import FlopCounter, RunLog, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id
+from trainer.pack import check_packing, empty_state
 from trainer.shards import DataError, load_image_processor_config, plan_shards, resolve_data
 from trainer.vision import ImageSpec, Patchifier
 
@@ -116,6 +117,12 @@ def run(cfg: TrainConfig) -> dict | None:
                           attn_implementation=cfg.attn_implementation,
                           activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
                           lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
+        if cfg.pack_to:
+            line = check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=source.manifest,
+                                 model_type=str(net.config.model_type))
+            if rank == 0:
+                print(line, file=sys.stderr)
+        flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size)
@@ -125,31 +132,35 @@ def run(cfg: TrainConfig) -> dict | None:
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
         optimizer = build_optimizer(cfg, net)
         per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
-                                    max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum)
+                                    max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
+                                    pack_to=cfg.pack_to)
         total = cfg.max_steps or (per_epoch * cfg.epochs if per_epoch is not None else None)
         schedule = cfg.schedule_steps or total
         if schedule is None:
-            raise ConfigError("the number of steps is not known up front (token-budget batching or no manifest): "
+            raise ConfigError("the number of steps is not known up front (token budget, packing or no manifest): "
                               "pass --max-steps or --schedule-steps")
         loader = StepLoader([source.shards[i] for i in plan.per_rank[rank]], spec=spec, collate_spec=collate_spec,
                             seed=cfg.seed, shuffle=cfg.shuffle_shards, micro_batch_size=cfg.micro_batch_size,
                             max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
                             num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-                            stride=(rank, world) if plan.stride else (0, 1))
-        step, epoch, position = 0, 0, 0
+                            stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
+                            pack_window=cfg.pack_window)
+        step, epoch, position, pack_state = 0, 0, 0, []
         ckpt = latest_checkpoint(out) if cfg.resume else None
         if ckpt is not None:
-            r = load_checkpoint(ckpt, net=net, optimizer=optimizer, device=device)
-            step, epoch, position = r.step, r.epoch, r.position
+            r = load_checkpoint(ckpt, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to))
+            step, epoch, position, pack_state = r.step, r.epoch, r.position, r.pack_state
             if rank == 0:
                 print(f"trainer: resumed from {ckpt} (step {step}, epoch {epoch})", file=sys.stderr)
         if ckpt is None:
             torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
-        loader.start(epoch, position)
+        loader.start(epoch, position, pack_state)
         patchifier = Patchifier(spec, device)
         log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress) if rank == 0 else None
         saved_at, steps_in_epoch, last = step, 0, None
-        while total is None or step < total:
+        # A run resumed from its final checkpoint (epoch == epochs) has nothing left: the step count alone
+        # does not say so when it is not known up front (token budget, packing).
+        while (total is None or step < total) and (cfg.max_steps or epoch < cfg.epochs):
             t0 = time.perf_counter()
             micro_batches = loader.next_step()
             wait = time.perf_counter() - t0
@@ -171,7 +182,8 @@ def run(cfg: TrainConfig) -> dict | None:
                                                global_trained=trained, max_grad_norm=cfg.max_grad_norm)
             step, steps_in_epoch = step + 1, steps_in_epoch + 1
             (loss_sum,) = all_sum([local_loss], device)
-            mine = ([i for b in micro_batches for i in b.sample_ids], wait)
+            mine = ([i for b in micro_batches for i in b.sample_ids], wait, sum(b.num_tokens for b in micro_batches),
+                    sum(b.rows for b in micro_batches), flop_counter.step(micro_batches) if peak else 0.0)
             gathered = [None] * world
             dist.all_gather_object(gathered, mine)
             dt = time.perf_counter() - t0
@@ -179,16 +191,27 @@ def run(cfg: TrainConfig) -> dict | None:
                     "num_samples": int(samples), "num_tokens": int(tokens), "num_trained_tokens": int(trained),
                     "tokens_per_s": tokens / dt, "samples_per_s": samples / dt, "step_time_s": dt,
                     "data_wait_s": max(g[1] for g in gathered), "data_wait_frac": max(g[1] for g in gathered) / dt,
-                    "sample_ids": [i for g in gathered for i in g[0]], "samples_per_rank": [len(g[0]) for g in gathered]}
+                    "sample_ids": [i for g in gathered for i in g[0]], "samples_per_rank": [len(g[0]) for g in gathered],
+                    "segments": int(samples), "tokens_per_rank": [g[2] for g in gathered],
+                    "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1)}
+            if cfg.pack_to:
+                last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * cfg.pack_to, 1)
+                if rank == 0 and step == 1:
+                    print(f"trainer: first step's rows are {last['pack_fill']:.1%} full", file=sys.stderr)
+            if peak:
+                last["mfu"] = sum(g[4] for g in gathered) / (dt * peak * world)
             if log is not None:
                 log.step(last)
             if cfg.save_every and step % cfg.save_every == 0:
                 save_checkpoint(out, step=step, epoch=epoch, position=loader.position, net=net, optimizer=optimizer,
-                                device=device, keep=cfg.keep_checkpoints)
+                                device=device, keep=cfg.keep_checkpoints, pack_state=loader.pack_state)
                 saved_at = step
         if step != saved_at:
-            save_checkpoint(out, step=step, epoch=epoch, position=loader.position if loader.epoch == epoch else 0,
-                            net=net, optimizer=optimizer, device=device, keep=cfg.keep_checkpoints)
+            same = loader.epoch == epoch
+            save_checkpoint(out, step=step, epoch=epoch, position=loader.position if same else 0, net=net,
+                            optimizer=optimizer, device=device, keep=cfg.keep_checkpoints,
+                            pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
+                            if cfg.pack_to else None)
         if rank == 0 and last is not None:
             print(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
                   f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
