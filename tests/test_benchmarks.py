@@ -22,6 +22,7 @@ REQUIRED = {
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
+    ("traces", None): {"long_traces", "seq_len", "keep_images", "coverage", "samples", "tokens", "shard_bytes"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
     ("pack", "pack"): {"pack_to", "pack_window", "ranks", "fill", "step_max_over_mean_tokens",
                        "step_max_over_mean_attention", "pack_ms_per_1000_samples"},

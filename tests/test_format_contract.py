@@ -127,7 +127,7 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     raw = next(iter_records([recs]))
     writer = ShardWriter(tmp_path, samples_per_shard=10, shard_size_bytes=1 << 30)
     for split in range(2):
-        writer.write(encode_sample(renderer.render(raw), key=sample_key(raw.position, split), image_format="zstd",
+        writer.write(encode_sample(renderer.render(raw)[0], key=sample_key(raw.position, split), image_format="zstd",
                                    zstd_level=3))
     writer.close()
     save_processor(qwen2vl_processor, tmp_path / "processor")
