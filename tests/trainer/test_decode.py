@@ -26,7 +26,7 @@ def _npy(arr, **kw):
 def test_unknown_member_extensions_are_refused(dataset, image_spec, name):
     key, members = _first_members(dataset)
     members = {**members, name: b"\x80\x04K\x01."}  # a pickle stream: must never be loaded
-    with pytest.raises(DataError, match=f"member '{name}' is not part of the vlmprep shard format; refusing"):
+    with pytest.raises(DataError, match=f"member '{name}' is not part of the vlmprep shard format v2; refusing"):
         decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
 
 
