@@ -177,14 +177,13 @@ def _normalize_tool_call(tc, where: str) -> ToolCall:
             json.loads(args)
         except ValueError:
             raise RecordError("invalid_tool_arguments", f"{where}: arguments is not valid JSON") from None
-        args_str = _check_text(args, where)
+        _check_text(args, where)  # kept as the exact string: templates print it verbatim
     elif isinstance(args, dict):
-        args_str = json.dumps(args, ensure_ascii=False)
-        _check_text(args_str, where)
+        _check_text(json.dumps(args, ensure_ascii=False), where)
     else:
         raise RecordError("invalid_tool_arguments", f"{where}: arguments must be a JSON string or an object")
     tid = tc.get("id")
-    return ToolCall(id=tid if isinstance(tid, str) else None, name=name, arguments=args_str)
+    return ToolCall(id=tid if isinstance(tid, str) else None, name=name, arguments=args)
 
 
 @dataclass(frozen=True)

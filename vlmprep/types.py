@@ -3,6 +3,7 @@ RawRecord -> Conversation -> RenderedSample -> ShardSample, plus RecordError for
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,11 @@ class Part:
 class ToolCall:
     id: str | None
     name: str
-    arguments: str  # always a JSON string after normalization
+    arguments: str | dict  # as the record gave it: a JSON string (printed verbatim by templates) or an object
+
+    @property
+    def arguments_json(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
 
 
 @dataclass

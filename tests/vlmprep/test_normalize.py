@@ -56,7 +56,7 @@ def test_image_url_object_and_bare_string_and_tool_images(src):
     assert [im.data for im in conv.images] == [b1, b2]
     assert conv.messages[2].role == "tool" and conv.messages[2].tool_call_id == "c1"
     tc = conv.messages[1].tool_calls[0]
-    assert (tc.id, tc.name, tc.arguments) == ("c1", "click", '{"x": 1, "y": 2}')
+    assert (tc.id, tc.name, tc.arguments) == ("c1", "click", {"x": 1, "y": 2})  # kept as given
 
 
 def test_arguments_as_json_string_kept_and_invalid_rejected(src):

@@ -108,3 +108,68 @@ def test_build_rejects_then_trains_with_the_chat_template_flag(tmp_path):
     assert (tmp_path / "tools" / "processor" / "chat_template.jinja").read_text() == TOOLS_TEMPLATE.read_text()
     m = run("drop", tool_calls="drop-from-loss")
     assert m["totals"]["samples"] == 1 and m["totals"]["unrendered_tool_call_turns"] == 2
+
+
+# Arguments as the user wrote them: number forms, duplicate keys, escapes and spacing a re-serialization would change.
+RAW_ARGS = ['{"q":"cats","n":1e5}', '{"a": 1, "a": 2, "s": "caf\\u00e9\\n\\"x\\""}', '{ "nested" : {"k" : [1.50, true]} }']
+
+
+def verbatim_record(arguments):
+    return {"id": "verbatim", "messages": [
+        {"role": "user", "content": "Search for cats."},
+        {"role": "assistant", "content": "Searching.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": a}} for a in arguments]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 results."},
+        {"role": "assistant", "content": "Found them."}]}
+
+
+def record_ids(processor, rec, chat_template=None):
+    """apply_chat_template on the user's own record (its messages as given: no vlmprep conversion)."""
+    kw = {"chat_template": chat_template} if chat_template else {}
+    return np.asarray(processor.apply_chat_template(rec["messages"], tokenize=True, return_dict=True,
+                                                    **kw)["input_ids"]).reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def qwen3vl():
+    from vlmprep.processor import load_processor
+
+    return load_processor("builtin:qwen3-vl")
+
+
+@pytest.mark.parametrize("form", ["string", "object"])
+def test_qwen3_vl_arguments_render_exactly_as_the_template_does_on_the_record(form, qwen3vl):
+    args = RAW_ARGS if form == "string" else [json.loads(a) for a in RAW_ARGS]
+    rec = verbatim_record(args)
+    conv, _, ctx, s = render(rec, qwen3vl)
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, rec))
+    trained = "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
+    for a in args:
+        printed = a if form == "string" else json.dumps(a, ensure_ascii=False)
+        assert f'"arguments": {printed}}}' in trained
+    if form == "string":
+        assert '{"q":"cats","n":1e5}' in trained and "100000.0" not in trained
+
+
+def test_qwen2_vl_tools_template_prints_the_string_verbatim(qwen2vl_processor):
+    tmpl = TOOLS_TEMPLATE.read_text()
+    rec = verbatim_record(RAW_ARGS)
+    conv, _, ctx, s = render(rec, qwen2vl_processor, chat_template=tmpl)
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen2vl_processor, rec, tmpl))
+    trained = "".join(r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer))
+    assert all(a in trained for a in RAW_ARGS)
+
+
+def test_a_template_that_walks_argument_keys_gets_the_parsed_object():
+    # Qwen3.5 iterates `arguments|items`: apply_chat_template fails on the string, so vlmprep passes the object.
+    from vlmprep.processor import load_processor
+
+    p = load_processor("builtin:qwen3.5")
+    rec = verbatim_record(['{"q": "cats", "n": 2}'])
+    with pytest.raises(Exception):
+        record_ids(p, rec)
+    conv, _, ctx, s = render(rec, p)
+    assert ctx.parse_arguments
+    parsed = json.loads(json.dumps(rec))
+    parsed["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"q": "cats", "n": 2}
+    np.testing.assert_array_equal(s.input_ids, record_ids(p, parsed))
