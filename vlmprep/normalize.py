@@ -46,7 +46,10 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
         raise RecordError("invalid_images_field", "'images' must be a list of paths or URLs")
     pending = list(marker_images or [])
 
-    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote)
+    # <image> markers are the ShareGPT / LLaMA-Factory layout's own convention (an 'images' list, even empty, or
+    # the 'conversations' key); in an OpenAI-layout record they are ordinary text.
+    markers = marker_images is not None or "conversations" in data
+    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers)
     messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(raw_messages)]
     if pending:
         raise RecordError("image_count_mismatch",
@@ -123,7 +126,7 @@ def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Mess
 
 def _split_markers(text: str, pending: list, ctx: "_ImageContext", where: str) -> list[Part]:
     """LLaMA-Factory layout: each <image> marker takes the next entry of the record's 'images' list."""
-    if IMAGE_MARKER not in text:
+    if not ctx.markers or IMAGE_MARKER not in text:
         return [Part("text", text=text)] if text else []
     parts: list[Part] = []
     pieces = text.split(IMAGE_MARKER)
@@ -148,7 +151,7 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
         ptype = next((k for k in ("text", "image_url", "image") if k in p), None)
     if ptype in ("text", "input_text"):
         text = _check_text(p.get("text"), where)
-        return _split_markers(text, pending, ctx, where) if pending else ([Part("text", text=text)] if text else [])
+        return _split_markers(text, pending, ctx, where)
     if ptype in ("image_url", "input_image"):
         ref = p.get("image_url")
         if isinstance(ref, dict):
@@ -191,6 +194,7 @@ class _ImageContext:
     base_dir: str
     root: str
     allow_remote: bool
+    markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
 
     def fetch(self, ref, where: str) -> ImageData:
         if not isinstance(ref, str) or not ref.strip():
