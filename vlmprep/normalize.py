@@ -50,7 +50,7 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     # the 'conversations' key); in an OpenAI-layout record they are ordinary text.
     markers = marker_images is not None or "conversations" in data
     ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers)
-    messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(raw_messages)]
+    messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
     if pending:
         raise RecordError("image_count_mismatch",
                           f"'images' lists {len(marker_images)} images but the text has only "
@@ -79,6 +79,36 @@ def _drop_nulls(obj):
     if isinstance(obj, list):
         return [_drop_nulls(v) for v in obj]
     return obj
+
+
+def _upgrade_legacy(raw_messages: list) -> list:
+    """Older OpenAI chat fields -> today's: an assistant `function_call` becomes one tool call with the generated id
+    "call_<message index>", a later role "function" message the tool message answering it (by name, else the
+    oldest open call); an assistant `refusal` with no content becomes its content."""
+    out, open_calls = [], []
+    for i, m in enumerate(raw_messages):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = dict(m)
+        fc = m.pop("function_call", None)
+        if fc is not None:
+            if m.get("tool_calls"):
+                raise RecordError("invalid_tool_call", f"messages[{i}]: has both function_call and tool_calls")
+            if not isinstance(fc, dict):
+                raise RecordError("invalid_tool_call", f"messages[{i}]: function_call must be an object")
+            m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": fc}]
+            open_calls.append((f"call_{i}", fc.get("name")))
+        role = m.get("role")
+        role = role.lower() if isinstance(role, str) else None
+        if role == "function" and "tool_call_id" not in m and open_calls:
+            call = next((c for c in open_calls if c[1] == m.get("name")), open_calls[0])
+            open_calls.remove(call)
+            m["tool_call_id"] = call[0]
+        if "refusal" in m and not m.get("content") and ROLES.get(role) == "assistant":
+            m["content"] = m["refusal"]
+        out.append(m)
+    return out
 
 
 def _check_text(text, where: str) -> str:
@@ -113,7 +143,8 @@ def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Mess
 
     tool_calls = [_normalize_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m.get("tool_calls") or [])]
     if role == "assistant" and not parts and not tool_calls:
-        raise RecordError("empty_assistant_turn", f"{where}: assistant message has neither content nor tool_calls")
+        raise RecordError("empty_assistant_turn", f"{where}: assistant message has no content, tool_calls, "
+                                                  "function_call or refusal to train on")
     weight = m.get("weight")
     if weight is not None and weight not in (0, 1):
         raise RecordError("invalid_weight", f"{where}: weight must be 0 or 1, got {weight!r}")

@@ -173,3 +173,17 @@ def test_a_template_that_walks_argument_keys_gets_the_parsed_object():
     parsed = json.loads(json.dumps(rec))
     parsed["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"q": "cats", "n": 2}
     np.testing.assert_array_equal(s.input_ids, record_ids(p, parsed))
+
+
+def test_legacy_function_call_and_refusal_match_the_template_on_todays_format(qwen3vl):
+    from tests.vlmprep.test_normalize import LEGACY, MODERN
+
+    conv, _, ctx, s = render(LEGACY, qwen3vl)
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, MODERN))
+    assert '"arguments": {"city":"Paris"}}' in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
+    refusal = {"messages": [{"role": "user", "content": "Do a bad thing."},
+                            {"role": "assistant", "content": None, "refusal": "I can't help with that."}]}
+    conv, _, ctx, s = render(refusal, qwen3vl)
+    as_content = {"messages": [refusal["messages"][0], {"role": "assistant", "content": "I can't help with that."}]}
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, as_content))
+    assert [r[2] for r in trained_runs(s, qwen3vl.tokenizer)] == ["I can't help with that.<|im_end|>"]
