@@ -51,6 +51,7 @@ def build(
     tool_calls: Annotated[str, typer.Option(help="A trained turn whose tool_calls the template does not render: reject | drop-from-loss | train-content.")] = "reject",
     chat_template: Annotated[Optional[str], typer.Option(help="A .jinja file replacing the processor's chat template (saved with the dataset).")] = None,
     role_boundaries: Annotated[Optional[str], typer.Option(help="TOML of per-role start/end markers, for processors vlmprep does not know.")] = None,
+    allow_empty: Annotated[bool, typer.Option(help="Exit 0 even when every record is rejected (0 samples).")] = False,
 ) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
     from vlmprep.config import BuildConfig
@@ -66,7 +67,7 @@ def build(
                           min_image_side=min_image_side, progress=progress and sys.stderr.isatty(),
                           train_on_roles=tuple(r.strip() for r in train_on_roles.split(",") if r.strip()),
                           train_on_eos=train_on_eos, last_turn_only=last_turn_only, tool_calls=tool_calls,
-                          chat_template=chat_template, role_boundaries=role_boundaries)
+                          chat_template=chat_template, role_boundaries=role_boundaries, allow_empty=allow_empty)
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
