@@ -160,19 +160,19 @@ def test_qwen2_vl_tools_template_prints_the_string_verbatim(qwen2vl_processor):
     assert all(a in trained for a in RAW_ARGS)
 
 
-def test_a_template_that_walks_argument_keys_gets_the_parsed_object():
-    # Qwen3.5 iterates `arguments|items`: apply_chat_template fails on the string, so vlmprep passes the object.
-    from vlmprep.processor import load_processor
-
-    p = load_processor("builtin:qwen3.5")
+def test_a_template_that_walks_argument_keys_gets_the_parsed_object(qwen3vl):
+    # Qwen3.5's template iterates `arguments|items`: apply_chat_template fails on the string, so vlmprep passes the
+    # object. (Its template on the Qwen3-VL processor: same mechanism, without loading a third vocabulary.)
+    tmpl = (TOOLS_TEMPLATE.parent / "qwen3_5.jinja").read_text()
     rec = verbatim_record(['{"q": "cats", "n": 2}'])
     with pytest.raises(Exception):
-        record_ids(p, rec)
-    conv, _, ctx, s = render(rec, p)
-    assert ctx.parse_arguments
+        record_ids(qwen3vl, rec, tmpl)
+    conv, _, ctx, s = render(rec, qwen3vl, chat_template=tmpl)
+    assert ctx.parse_arguments and not render(rec, qwen3vl)[2].parse_arguments
     parsed = json.loads(json.dumps(rec))
     parsed["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"q": "cats", "n": 2}
-    np.testing.assert_array_equal(s.input_ids, record_ids(p, parsed))
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, parsed, tmpl))
+    assert "<parameter=q>\ncats\n</parameter>" in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
 
 
 def test_legacy_function_call_and_refusal_match_the_template_on_todays_format(qwen3vl):
