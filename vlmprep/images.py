@@ -39,7 +39,7 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
             if getattr(im, "n_frames", 1) > 1:
                 raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
             im.load()
-            return _to_8bit(upright(im))
+            return _to_8bit(_upright(im))
     except RecordError:
         raise
     except UnidentifiedImageError:
@@ -49,7 +49,7 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
         raise RecordError("corrupt_image", f"cannot decode image ({img.origin[:60]}): {str(e)[:120]}") from None
 
 
-def upright(im: Image.Image) -> Image.Image:
+def _upright(im: Image.Image) -> Image.Image:
     # What transformers' load_image does first: the photo as a viewer shows it, the orientation tag then gone.
     if _orientation(im) in (None, 1):
         return im
@@ -159,7 +159,7 @@ def _normalized_png(data: bytes) -> bytes:
     conversion (alpha onto white) still applies when the trainer decodes it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        im = _to_8bit(upright(Image.open(io.BytesIO(data))))
+        im = _to_8bit(_upright(Image.open(io.BytesIO(data))))
     if im.mode not in _PNG_MODES:
         has_alpha = "A" in im.getbands() or im.info.get("transparency") is not None  # convert_to_rgb's own test
         im = im.convert("RGBA" if has_alpha else "RGB")

@@ -108,7 +108,8 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
         if isinstance(data, dict) and ("messages" in data or "conversations" in data):
             data = [data]
         if not isinstance(data, list):
-            shape = f"an object with keys {', '.join(sorted(data)[:8])}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+            shape = (f"an object with keys {', '.join(sorted(data)[:8])}" if isinstance(data, dict)
+                     else f"a JSON {type(data).__name__}")
             yield RawRecord(Source(name, 0), pos, error=RecordError(
                 "invalid_json_file", f"{name}: a .json input must be an array of records or one record (an object "
                                      f"with 'messages'), not {shape}; use .jsonl for one record per line"))

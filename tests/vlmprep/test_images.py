@@ -74,7 +74,7 @@ def test_exif_orientation_matches_load_image(orientation, fmt, tmp_path, qwen2vl
     prepared = prepare_image(ImageData(data, "photo"), qwen2vl_processor, max_pixels=10**8)
     parity(qwen2vl_processor, prepared, load_image(str(path)))
     upright = decode_image(ImageData(data, "photo"), max_pixels=10**8)
-    assert upright.size == (60, 92) if orientation in (6, 8) else (92, 60)
+    assert upright.size == ((60, 92) if orientation in (6, 8) else (92, 60))
     assert upright.getexif().get(0x0112) is None  # applied once, then dropped
 
 
