@@ -36,7 +36,8 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
                 raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
             if w * h > max_pixels:
                 raise RecordError("image_too_large", f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
-            if getattr(im, "n_frames", 1) > 1:
+            # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
+            if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
                 raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
             im.load()
             return _to_8bit(_upright(im))

@@ -49,6 +49,13 @@ def int32_tiff():
     return buf.getvalue()
 
 
+def mpo_jpeg():
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 40), (10, 120, 200)).save(buf, format="MPO", save_all=True,
+                                                     append_images=[Image.new("RGB", (32, 20))])
+    return buf.getvalue()
+
+
 def uri(b, mime="image/png"):
     return f"data:{mime};base64," + base64.b64encode(b).decode()
 
@@ -159,6 +166,7 @@ def corpus(tmp):
         ("exif_rotated_jpeg", with_image(uri(exif_jpeg(6), "image/jpeg")), "ok"),
         ("gray16_gradient_png", with_image(uri(gray16_gradient())), "ok"),
         ("int32_gray_out_of_16bit_range", with_image(uri(int32_tiff(), "image/tiff")), "unsupported_image_mode"),
+        ("mpo_phone_jpeg", with_image(uri(mpo_jpeg(), "image/jpeg")), "ok"),
         ("svg_image", with_image(uri(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")), "corrupt_image"),
         ("image_marker_in_openai_text", chat("What does <image> do in HTML?"), "ok"),
         ("legacy_function_call", {"messages": [

@@ -170,3 +170,15 @@ def test_unidentifiable_image_message_is_deterministic():
         decode_image(ImageData(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "data-uri"), max_pixels=10**8)
     assert e.value.reason == "corrupt_image"
     assert "0x" not in e.value.message and "object" not in e.value.message
+
+
+def test_multi_picture_phone_jpeg_is_its_first_picture(tmp_path, qwen2vl_processor):
+    # Phones write MPO (a JPEG plus extra pictures); PIL reports 2 frames, load_image uses the first, as does vlmprep.
+    buf = io.BytesIO()
+    asymmetric_rgb().save(buf, format="MPO", save_all=True, append_images=[Image.new("RGB", (30, 20), (0, 0, 255))])
+    data = buf.getvalue()
+    (tmp_path / "p.jpg").write_bytes(data)
+    assert Image.open(io.BytesIO(data)).n_frames == 2
+    prepared = prepare_image(ImageData(data, "mpo"), qwen2vl_processor, max_pixels=10**8)
+    parity(qwen2vl_processor, prepared, load_image(str(tmp_path / "p.jpg")))
+    assert stored_ext("original", prepared) == "orig.png"
