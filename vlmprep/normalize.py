@@ -72,10 +72,13 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     return Conversation(id=rid, source=source, messages=messages, tools=tools)
 
 
+_VERBATIM = ("arguments", "tools")  # data the template prints as given: a null inside them is a value
+
+
 def _drop_nulls(obj):
     """Arrow-style schema unification fills absent fields with null: treat null as absent, recursively."""
     if isinstance(obj, dict):
-        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+        return {k: v if k in _VERBATIM else _drop_nulls(v) for k, v in obj.items() if v is not None}
     if isinstance(obj, list):
         return [_drop_nulls(v) for v in obj]
     return obj

@@ -187,3 +187,16 @@ def test_legacy_function_call_and_refusal_match_the_template_on_todays_format(qw
     as_content = {"messages": [refusal["messages"][0], {"role": "assistant", "content": "I can't help with that."}]}
     np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, as_content))
     assert [r[2] for r in trained_runs(s, qwen3vl.tokenizer)] == ["I can't help with that.<|im_end|>"]
+
+
+def test_nulls_inside_arguments_and_tools_are_values(qwen3vl):
+    # Null fields of the record are absent (Arrow schema unification), but inside an arguments object or a tool
+    # spec the template prints them: kept, so the ids equal apply_chat_template on the record.
+    rec = verbatim_record([{"q": "cats", "page": None}])
+    rec["tools"] = [{"type": "function", "function": {"name": "search", "description": None, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "default": None}}}}}]
+    conv, _, ctx, s = render(rec, qwen3vl)
+    kw = {"tools": rec["tools"]}
+    ref = qwen3vl.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, **kw)["input_ids"]
+    np.testing.assert_array_equal(s.input_ids, np.asarray(ref).reshape(-1))
+    assert '"page": null' in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
