@@ -138,7 +138,7 @@ def test_rgba_differs_from_load_image_which_drops_alpha(tmp_path, qwen2vl_proces
     (save(asymmetric_rgb()), "orig.png"),
     (save(asymmetric_rgb(), "WEBP", lossless=True), "orig.webp"),
     (save(half_transparent_rgba()), "orig.png"),
-])
+], ids=["jpeg", "png", "webp", "rgba-png"])
 def test_original_keeps_source_bytes_when_no_transform_applies(data, ext, qwen2vl_processor):
     prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, max_pixels=10**8)
     assert stored_ext("original", prepared) == ext
@@ -153,7 +153,7 @@ def test_original_keeps_source_bytes_when_no_transform_applies(data, ext, qwen2v
     save(asymmetric_rgb(), "TIFF"),
     save(asymmetric_rgb(), "GIF"),
     save(palette_with_transparency(), "GIF"),
-])
+], ids=["exif6-jpeg", "exif8-rgba-png", "gray16-png", "bmp", "tiff", "gif", "transparent-gif"])
 def test_original_stores_a_normalized_png_when_a_transform_applies(data, qwen2vl_processor):
     prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, max_pixels=10**8)
     assert stored_ext("original", prepared) == "orig.png"
