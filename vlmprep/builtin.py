@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Bump whenever a build would produce different files from the same inputs; it is part of the cache key.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: image processors carry the published checkpoint settings, not the class defaults
 
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -59,6 +59,17 @@ QWEN25_VL_PLAIN_TOKENS = (
     "<|file_sep|>",
 )
 FIRST_ADDED_ID = 151643
+
+
+# The image settings each builtin mirrors: the published preprocessor_config.json of the checkpoint it is named
+# after (README "Build shards"). Unlisted keys (resample bicubic, rescale 1/255, RGB conversion) are the class
+# defaults in the published files too. Qwen2-VL's class default max_pixels (1280 x 28 x 28) is NOT the checkpoint's.
+QWEN2_VL_IMAGE = {  # Qwen/Qwen2-VL-7B-Instruct and Qwen/Qwen2.5-VL-7B-Instruct
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+QWEN3_VL_IMAGE = {  # Qwen/Qwen3-VL-8B-Instruct (all Qwen3-VL Instruct sizes) and Qwen/Qwen3.5-35B-A3B
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 @dataclass(frozen=True)
@@ -197,7 +208,7 @@ def _make_processor(spec: _Spec, template: str) -> ProcessorMixin:
     tokenizer.chat_template = template
     processor_cls = getattr(transformers, spec.processor_class)
     return processor_cls(
-        image_processor=Qwen2VLImageProcessor(),
+        image_processor=Qwen2VLImageProcessor(**QWEN2_VL_IMAGE),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(),
         chat_template=template,
@@ -274,9 +285,7 @@ def _make_qwen3_processor(spec: _Qwen3Spec, template: str) -> ProcessorMixin:
         clean_up_tokenization_spaces=False, errors="replace", split_special_tokens=False, add_prefix_space=False)
     tokenizer.chat_template = template
     # Qwen3-VL / Qwen3.5 preprocessor_config: 16 px patches, 2x2 merge, SigLIP-2 normalisation.
-    image_processor = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                            size={"shortest_edge": 65536, "longest_edge": 16777216},
-                                            image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    image_processor = Qwen2VLImageProcessor(**QWEN3_VL_IMAGE)
     video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
     return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
                             chat_template=template)

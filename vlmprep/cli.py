@@ -56,6 +56,7 @@ def build(
     dropped_image_text: Annotated[Optional[str], typer.Option(help="Text that replaces each image --keep-images removes (default: dropped).")] = None,
     min_pixels: Annotated[Optional[int], typer.Option(help="Image resize budget: min pixels per image (saved into DIR/processor).")] = None,
     max_pixels: Annotated[Optional[int], typer.Option(help="Image resize budget: max pixels per image (saved into DIR/processor).")] = None,
+    allow_empty: Annotated[bool, typer.Option(help="Exit 0 even when every record is rejected (0 samples).")] = False,
 ) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
     from vlmprep.config import BuildConfig
@@ -73,7 +74,7 @@ def build(
                           train_on_eos=train_on_eos, last_turn_only=last_turn_only, tool_calls=tool_calls,
                           chat_template=chat_template, role_boundaries=role_boundaries, long_traces=long_traces,
                           keep_images=parse_keep_images(keep_images), dropped_image_text=dropped_image_text,
-                          min_pixels=min_pixels, max_pixels=max_pixels)
+                          min_pixels=min_pixels, max_pixels=max_pixels, allow_empty=allow_empty)
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)

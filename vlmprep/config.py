@@ -32,6 +32,7 @@ class BuildConfig:
     min_image_side: int = 4  # smaller images carry no signal and upsample into noise
     zstd_level: int = 3
     progress: bool = True
+    allow_empty: bool = False  # a build that writes 0 samples is an error (exit 1) unless this is set
     # Masking policy (README, "Families and masking").
     train_on_roles: tuple[str, ...] = ("assistant",)
     train_on_eos: str = "turn"  # all | turn | last | none: which end-of-turn tokens get loss
@@ -98,8 +99,8 @@ class BuildConfig:
         d = dataclasses.asdict(self)
         d["inputs"] = list(self.inputs)
         d["train_on_roles"] = list(self.train_on_roles)
-        # Display, worker count and the output dir itself never change the bytes, so a copy or a
-        # rebuild elsewhere stays byte-identical.
-        for k in ("progress", "workers", "out"):
+        # Display, worker count, the exit-code rule and the output dir itself never change the bytes, so a copy
+        # or a rebuild elsewhere stays byte-identical.
+        for k in ("progress", "workers", "out", "allow_empty"):
             d.pop(k)
         return d

@@ -1,5 +1,5 @@
-"""Images: source bytes -> PIL (guarded decode) -> the processor's own resize (uint8) -> stored bytes, and back.
-Stored pixels are exactly those the processor would patchify, so the loader never resizes.
+"""Images: source bytes -> PIL (guarded decode, upright, 8-bit) -> the processor's own resize (uint8) -> stored
+bytes, and back. Stored pixels are exactly those the processor would patchify, so the loader never resizes.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 import zstandard
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
@@ -18,11 +18,16 @@ from vlmprep.types import ImageData, PreparedImage, RecordError
 Image.MAX_IMAGE_PIXELS = None
 
 STORED_EXT = {"zstd": "npy.zst", "png": "png", "webp": "webp"}
-_ORIGINAL_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff"}
+_ORIGINAL_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # kept as they are when no transform applies
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+_HIGH_BIT = _SIXTEEN_BIT + ("I", "F")
+_PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")  # PNG stores these losslessly, palette and alpha included
+_ORIENTATION = 0x0112
 
 
 def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image.Image:
-    """Open and fully load one image, rejecting bombs, corrupt data and animations with reason codes."""
+    """Open and fully load one image, rejecting bombs, corrupt data and animations with reason codes; the result
+    is upright (EXIF orientation applied, tag dropped) and 8 bits per channel, in its own mode (alpha, palette)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -32,14 +37,45 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
                 raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
             if w * h > max_pixels:
                 raise RecordError("image_too_large", f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
-            if getattr(im, "n_frames", 1) > 1:
+            # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
+            if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
                 raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
             im.load()
+            return _to_8bit(_upright(im))
     except RecordError:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:
+        raise RecordError("corrupt_image", f"cannot decode image ({img.origin[:60]}): not an image format "
+                                           "PIL can identify") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise RecordError("corrupt_image", f"cannot decode image ({img.origin[:60]}): {str(e)[:120]}") from None
-    return im
+
+
+def _upright(im: Image.Image) -> Image.Image:
+    # What transformers' load_image does first: the photo as a viewer shows it, the orientation tag then gone.
+    if _orientation(im) in (None, 1):
+        return im
+    return ImageOps.exif_transpose(im)
+
+
+def _orientation(im: Image.Image) -> int | None:
+    return im.getexif().get(_ORIENTATION)
+
+
+def _to_8bit(im: Image.Image) -> Image.Image:
+    """16-bit and float grayscale -> "L", scaled (PIL's own convert("RGB") clips them: 16-bit turns white)."""
+    if im.mode not in _HIGH_BIT:
+        return im
+    a = np.asarray(im)
+    if im.mode == "F":
+        if a.size and (np.nanmin(a) < 0 or np.nanmax(a) > 1 or np.isnan(a).any()):
+            raise RecordError("unsupported_image_mode", "float image with values outside 0..1 has no 8-bit scale")
+        return Image.fromarray(np.round(a.astype(np.float64) * 255).astype(np.uint8), "L")
+    a = a.astype(np.int64)
+    if im.mode == "I" and a.size and (a.min() < 0 or a.max() > 65535):
+        raise RecordError("unsupported_image_mode", "32-bit integer image with values outside 0..65535 has no "
+                                                    "8-bit scale; save it as 8- or 16-bit")
+    return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")  # round(v / 257): 65535 -> 255
 
 
 def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
@@ -102,9 +138,34 @@ _FAMILY_RESIZE = {"smart_resize": _smart_resize, "smart_resize_temporal": _smart
 
 def stored_ext(image_format: str, image: PreparedImage) -> str:
     if image_format == "original":
-        fmt = Image.open(io.BytesIO(image.source.data)).format or "BIN"
-        return "orig." + _ORIGINAL_EXT.get(fmt, fmt.lower())
+        return "orig." + (_kept_source_ext(image.source.data) or "png")
     return STORED_EXT[image_format]
+
+
+def _kept_source_ext(data: bytes) -> str | None:
+    """The extension the source bytes are stored under as they are, or None when the trainer's plain PIL decode of
+    them would differ from decode_image (EXIF rotation, high bit depth) or the format is not JPEG / PNG / WebP."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format not in _ORIGINAL_EXT or im.mode in _HIGH_BIT or _orientation(im) not in (None, 1):
+                return None
+            return _ORIGINAL_EXT[im.format]
+
+
+def _normalized_png(data: bytes) -> bytes:
+    """decode_image's upright 8-bit image as a lossless PNG, alpha and palette kept, so the processor's own RGB
+    conversion (alpha onto white) still applies when the trainer decodes it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        im = _to_8bit(_upright(Image.open(io.BytesIO(data))))
+    if im.mode not in _PNG_MODES:
+        has_alpha = "A" in im.getbands() or im.info.get("transparency") is not None  # convert_to_rgb's own test
+        im = im.convert("RGBA" if has_alpha else "RGB")
+    im.info.pop("exif", None)
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", compress_level=6)  # PIL writes info["transparency"] as the tRNS chunk
+    return buf.getvalue()
 
 
 def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = 3) -> bytes:
@@ -122,5 +183,5 @@ def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = 3
         Image.fromarray(image.pixels, "RGB").save(buf, format="WEBP", lossless=True, quality=80, method=4, exact=True)
         return buf.getvalue()
     if image_format == "original":
-        return image.source.data
+        return image.source.data if _kept_source_ext(image.source.data) else _normalized_png(image.source.data)
     raise ValueError(f"unknown image_format {image_format!r}")

@@ -46,8 +46,11 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
         raise RecordError("invalid_images_field", "'images' must be a list of paths or URLs")
     pending = list(marker_images or [])
 
-    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote)
-    messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(raw_messages)]
+    # <image> markers are the ShareGPT / LLaMA-Factory layout's own convention (an 'images' list, even empty, or
+    # the 'conversations' key); in an OpenAI-layout record they are ordinary text.
+    markers = marker_images is not None or "conversations" in data
+    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers)
+    messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
     if pending:
         raise RecordError("image_count_mismatch",
                           f"'images' lists {len(marker_images)} images but the text has only "
@@ -69,13 +72,46 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     return Conversation(id=rid, source=source, messages=messages, tools=tools)
 
 
+_VERBATIM = ("arguments", "tools")  # data the template prints as given: a null inside them is a value
+
+
 def _drop_nulls(obj):
     """Arrow-style schema unification fills absent fields with null: treat null as absent, recursively."""
     if isinstance(obj, dict):
-        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+        return {k: v if k in _VERBATIM else _drop_nulls(v) for k, v in obj.items() if v is not None}
     if isinstance(obj, list):
         return [_drop_nulls(v) for v in obj]
     return obj
+
+
+def _upgrade_legacy(raw_messages: list) -> list:
+    """Older OpenAI chat fields -> today's: an assistant `function_call` becomes one tool call with the generated id
+    "call_<message index>", a later role "function" message the tool message answering it (by name, else the
+    oldest open call); an assistant `refusal` with no content becomes its content."""
+    out, open_calls = [], []
+    for i, m in enumerate(raw_messages):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = dict(m)
+        fc = m.pop("function_call", None)
+        if fc is not None:
+            if m.get("tool_calls"):
+                raise RecordError("invalid_tool_call", f"messages[{i}]: has both function_call and tool_calls")
+            if not isinstance(fc, dict):
+                raise RecordError("invalid_tool_call", f"messages[{i}]: function_call must be an object")
+            m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": fc}]
+            open_calls.append((f"call_{i}", fc.get("name")))
+        role = m.get("role")
+        role = role.lower() if isinstance(role, str) else None
+        if role == "function" and "tool_call_id" not in m and open_calls:
+            call = next((c for c in open_calls if c[1] == m.get("name")), open_calls[0])
+            open_calls.remove(call)
+            m["tool_call_id"] = call[0]
+        if "refusal" in m and not m.get("content") and ROLES.get(role) == "assistant":
+            m["content"] = m["refusal"]
+        out.append(m)
+    return out
 
 
 def _check_text(text, where: str) -> str:
@@ -110,7 +146,8 @@ def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Mess
 
     tool_calls = [_normalize_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m.get("tool_calls") or [])]
     if role == "assistant" and not parts and not tool_calls:
-        raise RecordError("empty_assistant_turn", f"{where}: assistant message has neither content nor tool_calls")
+        raise RecordError("empty_assistant_turn", f"{where}: assistant message has no content, tool_calls, "
+                                                  "function_call or refusal to train on")
     weight = m.get("weight")
     if weight is not None and weight not in (0, 1):
         raise RecordError("invalid_weight", f"{where}: weight must be 0 or 1, got {weight!r}")
@@ -123,7 +160,7 @@ def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Mess
 
 def _split_markers(text: str, pending: list, ctx: "_ImageContext", where: str) -> list[Part]:
     """LLaMA-Factory layout: each <image> marker takes the next entry of the record's 'images' list."""
-    if IMAGE_MARKER not in text:
+    if not ctx.markers or IMAGE_MARKER not in text:
         return [Part("text", text=text)] if text else []
     parts: list[Part] = []
     pieces = text.split(IMAGE_MARKER)
@@ -148,7 +185,7 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
         ptype = next((k for k in ("text", "image_url", "image") if k in p), None)
     if ptype in ("text", "input_text"):
         text = _check_text(p.get("text"), where)
-        return _split_markers(text, pending, ctx, where) if pending else ([Part("text", text=text)] if text else [])
+        return _split_markers(text, pending, ctx, where)
     if ptype in ("image_url", "input_image"):
         ref = p.get("image_url")
         if isinstance(ref, dict):
@@ -177,14 +214,13 @@ def _normalize_tool_call(tc, where: str) -> ToolCall:
             json.loads(args)
         except ValueError:
             raise RecordError("invalid_tool_arguments", f"{where}: arguments is not valid JSON") from None
-        args_str = _check_text(args, where)
+        _check_text(args, where)  # kept as the exact string: templates print it verbatim
     elif isinstance(args, dict):
-        args_str = json.dumps(args, ensure_ascii=False)
-        _check_text(args_str, where)
+        _check_text(json.dumps(args, ensure_ascii=False), where)
     else:
         raise RecordError("invalid_tool_arguments", f"{where}: arguments must be a JSON string or an object")
     tid = tc.get("id")
-    return ToolCall(id=tid if isinstance(tid, str) else None, name=name, arguments=args_str)
+    return ToolCall(id=tid if isinstance(tid, str) else None, name=name, arguments=args)
 
 
 @dataclass(frozen=True)
@@ -192,6 +228,7 @@ class _ImageContext:
     base_dir: str
     root: str
     allow_remote: bool
+    markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
 
     def fetch(self, ref, where: str) -> ImageData:
         if not isinstance(ref, str) or not ref.strip():

@@ -31,7 +31,7 @@ from vlmprep.shards.format import FORMAT_VERSION, sample_key
 from vlmprep.shards.writer import ShardInfo, ShardWriter, encode_sample, write_json_atomic
 from vlmprep.steps import StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
-from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError
+from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError, deterministic_message
 
 
 class BuildError(UserError):
@@ -128,7 +128,7 @@ class Renderer:
         except RecordError as e:
             reason, message = e.reason, e.message
         except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
-            reason, message = "internal_error", f"{type(e).__name__}: {str(e)[:300]}"
+            reason, message = "internal_error", deterministic_message(f"{type(e).__name__}: {str(e)[:300]}")
         return [("reject", reject_entry(raw, reason, message))], dict(self.turns)
 
 
@@ -315,6 +315,11 @@ def build(cfg: BuildConfig) -> BuildResult:
     write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
     write_json_atomic(out / "manifest.json", manifest)  # last but the journal: its presence means complete
     (out / JOURNAL_NAME).unlink()
+    if totals["samples"] == 0 and not cfg.allow_empty:
+        # Complete (manifest and rejects.jsonl are there to look at), but almost surely not what was meant.
+        why = ", ".join(f"{r} {n}" for r, n in sorted(rejects.items(), key=lambda x: (-x[1], x[0]))) or "no records"
+        raise BuildError(f"{out}: 0 samples written from {totals['records']} records ({why}); see "
+                         f"{out / 'rejects.jsonl'}, or pass --allow-empty")
     return BuildResult(out=out, manifest=manifest, rejects=rejects)
 
 

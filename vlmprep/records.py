@@ -105,8 +105,19 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
         except (ValueError, UnicodeDecodeError) as e:
             yield RawRecord(Source(name, 0), pos, error=RecordError("invalid_json_file", f"{name}: {e}"))
             return
-        items = data if isinstance(data, list) else [data]
-        for i, item in enumerate(items, start=1):
+        if isinstance(data, dict) and ("messages" in data or "conversations" in data):
+            data = [data]
+        if not isinstance(data, list):
+            shape = (f"an object with keys {', '.join(sorted(data)[:8])}" if isinstance(data, dict)
+                     else f"a JSON {type(data).__name__}")
+            yield RawRecord(Source(name, 0), pos, error=RecordError(
+                "invalid_json_file", f"{name}: a .json input must be an array of records or one record (an object "
+                                     f"with 'messages'), not {shape}; use .jsonl for one record per line"))
+            return
+        if not data:
+            yield RawRecord(Source(name, 0), pos, error=RecordError("empty_file", f"{name} holds no records"))
+            return
+        for i, item in enumerate(data, start=1):
             yield RawRecord(Source(name, i), pos, data=item)
             pos += 1
         return

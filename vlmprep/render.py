@@ -89,6 +89,7 @@ class RenderContext:
         # A turn with no content at all (a pure tool call) goes in as "" where the template accepts strings, so
         # content-truthiness branches render it as the model's own template would for content=None.
         self.empty_as_string = " is string" in self.chat_template
+        self.parse_arguments = not _prints_string_arguments(processor, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
         self._special_re = _alternation(specials)
         # Text must not contain any control or placeholder string, special-flagged or not.
@@ -104,7 +105,7 @@ class RenderContext:
     def messages(self, conv: Conversation, texts: list[str] | None = None) -> list[dict]:
         """HF chat-template messages for `conv`, exactly as render passes them (texts: replacement slot strings)."""
         return template_messages(conv, texts, reasoning=self.reasoning, string_content=self.family.string_content,
-                                 empty_as_string=self.empty_as_string)
+                                 empty_as_string=self.empty_as_string, parse_arguments=self.parse_arguments)
 
     def render_text(self, messages: list[dict], tools: list | None) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -135,6 +136,19 @@ class RenderContext:
         else:
             out = p.create_mm_token_type_ids([ids.tolist()])[0]
         return np.asarray(out, dtype=np.uint8)
+
+
+def _prints_string_arguments(processor, chat_template: str) -> bool:
+    """Whether the template accepts tool-call arguments as a JSON string (Qwen2/3-VL print it verbatim). Templates
+    that walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string; they get the parsed object."""
+    probe = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}]}]
+    try:
+        processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
+    except Exception:  # noqa: BLE001 - any template error on a string means it needs the object
+        return False
+    return True
 
 
 def _alternation(strings) -> re.Pattern | None:
@@ -170,11 +184,14 @@ def message_slots(conv: Conversation, *, reasoning: bool = False, string_content
 
 
 def template_messages(conv: Conversation, texts: list[str] | None = None, *, reasoning: bool = False,
-                      string_content: bool = False, empty_as_string: bool = False) -> list[dict]:
+                      string_content: bool = False, empty_as_string: bool = False,
+                      parse_arguments: bool = False) -> list[dict]:
     """Conversation -> HF chat-template messages. With `texts`, the slots take those strings instead (sentinels).
     `reasoning`: an assistant "<think>R</think>A" goes in as reasoning_content=R, content=A, as reasoning templates
     split it themselves; `string_content`: text-only messages go in as one string (templates that print content);
-    `empty_as_string`: a message without any part goes in as content "" instead of one empty text part."""
+    `empty_as_string`: a message without any part goes in as content "" instead of one empty text part;
+    tool-call arguments go in as the record gave them (a string stays the exact string), or parsed where
+    `parse_arguments` (templates that cannot take a string)."""
     slots = message_slots(conv, reasoning=reasoning, string_content=string_content)
     vals = iter(texts if texts is not None else [s.text for s in slots])
     out = []
@@ -196,9 +213,10 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
                 content.append({"type": "text", "text": next(vals)})
             msg["content"] = content
         if m.tool_calls:
-            msg["tool_calls"] = [{"id": tc.id, "type": "function",
-                                  "function": {"name": tc.name, "arguments": json.loads(tc.arguments)}}
-                                 for tc in m.tool_calls]
+            msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
+                "name": tc.name,
+                "arguments": json.loads(tc.arguments) if parse_arguments and isinstance(tc.arguments, str) else tc.arguments}}
+                for tc in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
@@ -218,7 +236,7 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
     if ctx._forbidden_re is None:
         return
     for i, m in enumerate(conv.messages):
-        for s in [m.text] + [tc.arguments for tc in m.tool_calls] + [tc.name for tc in m.tool_calls]:
+        for s in [m.text] + [tc.arguments_json for tc in m.tool_calls] + [tc.name for tc in m.tool_calls]:
             hit = ctx._forbidden_re.search(s)
             if hit:
                 raise RecordError("special_token_in_text",
@@ -317,13 +335,17 @@ def _check_role_markers(ctx: RenderContext, conv: Conversation, slots, located, 
 
 
 def _tool_calls_rendered(gap: str, tool_calls) -> bool:
-    """Each call's name, and each argument key and value, appear in the text the template put after the turn."""
+    """Each call's name, and its arguments string verbatim or each argument key and value, appear in the text the
+    template put after the turn."""
     cur = 0
     for tc in tool_calls:
         at = gap.find(tc.name, cur)
         if at < 0:
             return False
-        args = json.loads(tc.arguments)
+        if isinstance(tc.arguments, str) and gap.find(tc.arguments, at) >= 0:
+            cur = at + len(tc.name)
+            continue
+        args = json.loads(tc.arguments_json)
         items = args.items() if isinstance(args, dict) else [("", args)]
         for k, v in items:
             if k and gap.find(k, at) < 0:

@@ -3,6 +3,8 @@ RawRecord -> Conversation -> RenderedSample -> ShardSample, plus RecordError for
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,10 +15,20 @@ class UserError(Exception):
     """A fault the user can fix (bad option, missing input, --strict stop): printed as one line, exit 1."""
 
 
+_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
+
+
+def deterministic_message(message: str) -> str:
+    """Drops object addresses (`<_io.BytesIO object at 0x7f...>`) that a library error may carry, so the same bad
+    record writes the same rejects.jsonl line in every build."""
+    return _ADDRESS.sub("", message)
+
+
 class RecordError(Exception):
     """A bad record: rejected with a stable reason code, counted, never fatal unless --strict."""
 
     def __init__(self, reason: str, message: str):
+        message = deterministic_message(message)
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
@@ -58,7 +70,11 @@ class Part:
 class ToolCall:
     id: str | None
     name: str
-    arguments: str  # always a JSON string after normalization
+    arguments: str | dict  # as the record gave it: a JSON string (printed verbatim by templates) or an object
+
+    @property
+    def arguments_json(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
 
 
 @dataclass

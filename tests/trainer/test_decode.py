@@ -100,3 +100,44 @@ def test_stored_image_must_match_its_meta_and_is_never_unpickled(dataset, image_
     bad = {**members, "img000.npy.zst": make(s.images[0])}
     with pytest.raises(DataError, match=f"u.tar: sample {key}: .*({message})"):
         decode_sample(bad, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+
+
+def test_original_member_of_a_transformed_source_decodes_to_the_stored_pixels(qwen2vl_processor, tmp_path):
+    # EXIF-rotated, 16-bit, alpha, palette: `orig.*` holds either untouched bytes or vlmprep's normalized PNG, and the
+    # trainer's plain PIL + processor resize of it gives exactly the pixels vlmprep counted tokens for.
+    from trainer.shards import load_image_processor_config
+    from trainer.vision import ImageSpec
+    from vlmprep.families import FAMILIES
+    from vlmprep.images import encode_image, prepare_image, stored_ext
+    from vlmprep.types import ImageData
+
+    qwen2vl = FAMILIES["Qwen2VLProcessor"]
+    qwen2vl_processor.save_pretrained(str(tmp_path))
+    spec = ImageSpec.from_config(load_image_processor_config(str(tmp_path)))
+    resize = OriginalResizer(spec)
+    rgb = np.zeros((60, 92, 3), np.uint8)
+    rgb[:, :46] = (220, 30, 30)
+    rgb[:6] = (30, 200, 30)
+    rgba = np.dstack([rgb, np.linspace(0, 255, 92).astype(np.uint8)[None, :].repeat(60, 0)])
+    gray16 = np.linspace(0, 65535, 60 * 92).reshape(60, 92).astype(np.uint16)
+    sources = []
+    for arr, fmt, orientation in ((rgb, "JPEG", 6), (rgba, "PNG", 8), (gray16, "PNG", None), (rgb, "JPEG", None),
+                                  (rgba, "PNG", None)):
+        im = Image.fromarray(arr)
+        exif = im.getexif()
+        if orientation:
+            exif[0x0112] = orientation
+        buf = io.BytesIO()
+        im.save(buf, format=fmt, exif=exif)
+        sources.append(buf.getvalue())
+    pal = Image.fromarray(rgb).convert("P", palette=Image.Palette.ADAPTIVE, colors=4)
+    buf = io.BytesIO()
+    pal.save(buf, format="PNG", transparency=0)
+    sources.append(buf.getvalue())
+    exts = []
+    for data in sources:
+        prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, qwen2vl, max_pixels=10**8)
+        name = "img000." + stored_ext("original", prepared)
+        exts.append(name)
+        np.testing.assert_array_equal(decode_image(name, encode_image(prepared, "original"), resize), prepared.pixels)
+    assert exts == ["img000.orig.png"] * 3 + ["img000.orig.jpg", "img000.orig.png", "img000.orig.png"]

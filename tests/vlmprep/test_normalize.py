@@ -56,7 +56,7 @@ def test_image_url_object_and_bare_string_and_tool_images(src):
     assert [im.data for im in conv.images] == [b1, b2]
     assert conv.messages[2].role == "tool" and conv.messages[2].tool_call_id == "c1"
     tc = conv.messages[1].tool_calls[0]
-    assert (tc.id, tc.name, tc.arguments) == ("c1", "click", '{"x": 1, "y": 2}')
+    assert (tc.id, tc.name, tc.arguments) == ("c1", "click", {"x": 1, "y": 2})  # kept as given
 
 
 def test_arguments_as_json_string_kept_and_invalid_rejected(src):
@@ -134,3 +134,47 @@ def test_symlink_escaping_root_is_refused(tmp_path):
     # An explicit wider root admits it.
     conv = normalize_record(rec, Source(str(root / "in.jsonl"), 1), NormalizeOptions(image_root=str(tmp_path)))
     assert len(conv.images) == 1
+
+
+LEGACY = {"id": "legacy", "messages": [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": '{"city":"Paris"}'}},
+    {"role": "function", "name": "weather", "content": "18C"},
+    {"role": "assistant", "content": "Now Rome.", "function_call": {"name": "weather", "arguments": {"city": "Rome"}}},
+    {"role": "function", "name": "weather", "content": "22C"},
+    {"role": "assistant", "content": "Paris 18C, Rome 22C."}]}
+# The same conversation in today's format, with the ids vlmprep generates ("call_<message index>").
+MODERN = {"id": "legacy", "messages": [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]},
+    {"role": "tool", "name": "weather", "tool_call_id": "call_1", "content": "18C"},
+    {"role": "assistant", "content": "Now Rome.", "tool_calls": [
+        {"id": "call_3", "type": "function", "function": {"name": "weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "name": "weather", "tool_call_id": "call_3", "content": "22C"},
+    {"role": "assistant", "content": "Paris 18C, Rome 22C."}]}
+
+
+def test_legacy_function_call_becomes_tool_calls_with_generated_ids(src):
+    conv = normalize_record(LEGACY, src, OPTS)
+    assert conv == normalize_record(MODERN, src, OPTS)
+    assert [(tc.id, tc.arguments) for tc in conv.messages[1].tool_calls] == [("call_1", '{"city":"Paris"}')]
+    assert [(m.role, m.tool_call_id) for m in conv.messages[2::2]] == [("tool", "call_1"), ("tool", "call_3")]
+
+
+def test_refusal_without_content_is_the_assistant_content(src):
+    rec = {"messages": [{"role": "user", "content": "Do a bad thing."},
+                        {"role": "assistant", "content": None, "refusal": "I can't help with that."}]}
+    assert normalize_record(rec, src, OPTS).messages[1].text == "I can't help with that."
+    rec["messages"][1]["content"] = "Kept."
+    assert normalize_record(rec, src, OPTS).messages[1].text == "Kept."
+
+
+@pytest.mark.parametrize("bad", [{"function_call": "weather()"},
+                                 {"function_call": {"name": "w", "arguments": "{}"},
+                                  "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]}])
+def test_malformed_legacy_function_call_is_rejected(bad, src):
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", **bad}]}
+    with pytest.raises(RecordError) as e:
+        normalize_record(rec, src, OPTS)
+    assert e.value.reason == "invalid_tool_call" and "function_call" in e.value.message

@@ -64,7 +64,7 @@ def test_normalize_total_and_well_formed(rec):
             assert (p.type == "text" and isinstance(p.text, str) and p.text.encode("utf-8")) or \
                    (p.type == "image" and p.image.data)
         for tc in m.tool_calls:
-            json.loads(tc.arguments)
+            json.loads(tc.arguments_json)
             assert tc.name
     # Every image in the input that survived is a real image reference (here: always PNG).
     assert all(im.data.startswith(b"\x89PNG") for im in conv.images)

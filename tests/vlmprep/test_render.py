@@ -136,3 +136,27 @@ def test_tool_call_turns_are_counted_as_unrendered(qwen2vl_processor):
     _, s = render_record(rec, qwen2vl_processor)
     assert s.unrendered_tool_calls == 1
     assert [r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer)] == ["clicking<|im_end|>", "done<|im_end|>"]
+
+
+@pytest.mark.parametrize("content", ["What does <image> mean in HTML?",
+                                     [{"type": "text", "text": "Render <image> here"},
+                                      {"type": "image_url", "image_url": png(56, 56, (1, 2, 3))}]])
+def test_image_marker_is_text_in_openai_layout(content, qwen2vl_processor):
+    rec = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "An <image> tag."}]}
+    conv, s = render_record(rec, qwen2vl_processor)
+    assert "<image>" in conv.messages[0].text and conv.messages[1].text == "An <image> tag."
+    ref = _online_ids(qwen2vl_processor, conv, s.images)
+    np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0])
+    assert "An <image> tag.<|im_end|>" in [r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer)]
+
+
+def test_image_marker_takes_an_image_only_in_the_sharegpt_layout(qwen2vl_processor):
+    img = png(56, 56, (1, 2, 3))
+    sharegpt = {"conversations": [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A square."}],
+                "images": [img]}
+    conv, s = render_record(sharegpt, qwen2vl_processor)
+    assert len(conv.images) == 1 and conv.messages[0].text == "What is it?"
+    no_images = {"conversations": sharegpt["conversations"]}
+    with pytest.raises(RecordError) as e:
+        render_record(no_images, qwen2vl_processor)
+    assert e.value.reason == "image_count_mismatch"

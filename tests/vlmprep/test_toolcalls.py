@@ -101,10 +101,102 @@ def test_build_rejects_then_trains_with_the_chat_template_flag(tmp_path):
     def run(out, **kw):
         return build(BuildConfig(inputs=(str(inp),), out=str(tmp_path / out), progress=False, **kw)).manifest
 
-    assert run("default")["rejects"] == {"tool_calls_not_rendered": 1}
+    assert run("default", allow_empty=True)["rejects"] == {"tool_calls_not_rendered": 1}
     m = run("tools", chat_template=str(TOOLS_TEMPLATE))
     assert m["totals"]["samples"] == 1 and m["config"]["chat_template"] == str(TOOLS_TEMPLATE)
     # The dataset carries the template that rendered it.
     assert (tmp_path / "tools" / "processor" / "chat_template.jinja").read_text() == TOOLS_TEMPLATE.read_text()
     m = run("drop", tool_calls="drop-from-loss")
     assert m["totals"]["samples"] == 1 and m["totals"]["unrendered_tool_call_turns"] == 2
+
+
+# Arguments as the user wrote them: number forms, duplicate keys, escapes and spacing a re-serialization would change.
+RAW_ARGS = ['{"q":"cats","n":1e5}', '{"a": 1, "a": 2, "s": "caf\\u00e9\\n\\"x\\""}', '{ "nested" : {"k" : [1.50, true]} }']
+
+
+def verbatim_record(arguments):
+    return {"id": "verbatim", "messages": [
+        {"role": "user", "content": "Search for cats."},
+        {"role": "assistant", "content": "Searching.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": a}} for a in arguments]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 results."},
+        {"role": "assistant", "content": "Found them."}]}
+
+
+def record_ids(processor, rec, chat_template=None):
+    """apply_chat_template on the user's own record (its messages as given: no vlmprep conversion)."""
+    kw = {"chat_template": chat_template} if chat_template else {}
+    return np.asarray(processor.apply_chat_template(rec["messages"], tokenize=True, return_dict=True,
+                                                    **kw)["input_ids"]).reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def qwen3vl():
+    from vlmprep.processor import load_processor
+
+    return load_processor("builtin:qwen3-vl")
+
+
+@pytest.mark.parametrize("form", ["string", "object"])
+def test_qwen3_vl_arguments_render_exactly_as_the_template_does_on_the_record(form, qwen3vl):
+    args = RAW_ARGS if form == "string" else [json.loads(a) for a in RAW_ARGS]
+    rec = verbatim_record(args)
+    conv, _, ctx, s = render(rec, qwen3vl)
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, rec))
+    trained = "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
+    for a in args:
+        printed = a if form == "string" else json.dumps(a, ensure_ascii=False)
+        assert f'"arguments": {printed}}}' in trained
+    if form == "string":
+        assert '{"q":"cats","n":1e5}' in trained and "100000.0" not in trained
+
+
+def test_qwen2_vl_tools_template_prints_the_string_verbatim(qwen2vl_processor):
+    tmpl = TOOLS_TEMPLATE.read_text()
+    rec = verbatim_record(RAW_ARGS)
+    conv, _, ctx, s = render(rec, qwen2vl_processor, chat_template=tmpl)
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen2vl_processor, rec, tmpl))
+    trained = "".join(r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer))
+    assert all(a in trained for a in RAW_ARGS)
+
+
+def test_a_template_that_walks_argument_keys_gets_the_parsed_object(qwen3vl):
+    # Qwen3.5's template iterates `arguments|items`: apply_chat_template fails on the string, so vlmprep passes the
+    # object. (Its template on the Qwen3-VL processor: same mechanism, without loading a third vocabulary.)
+    tmpl = (TOOLS_TEMPLATE.parent / "qwen3_5.jinja").read_text()
+    rec = verbatim_record(['{"q": "cats", "n": 2}'])
+    with pytest.raises(Exception):
+        record_ids(qwen3vl, rec, tmpl)
+    conv, _, ctx, s = render(rec, qwen3vl, chat_template=tmpl)
+    assert ctx.parse_arguments and not render(rec, qwen3vl)[2].parse_arguments
+    parsed = json.loads(json.dumps(rec))
+    parsed["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"q": "cats", "n": 2}
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, parsed, tmpl))
+    assert "<parameter=q>\ncats\n</parameter>" in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
+
+
+def test_legacy_function_call_and_refusal_match_the_template_on_todays_format(qwen3vl):
+    from tests.vlmprep.test_normalize import LEGACY, MODERN
+
+    conv, _, ctx, s = render(LEGACY, qwen3vl)
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, MODERN))
+    assert '"arguments": {"city":"Paris"}}' in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
+    refusal = {"messages": [{"role": "user", "content": "Do a bad thing."},
+                            {"role": "assistant", "content": None, "refusal": "I can't help with that."}]}
+    conv, _, ctx, s = render(refusal, qwen3vl)
+    as_content = {"messages": [refusal["messages"][0], {"role": "assistant", "content": "I can't help with that."}]}
+    np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, as_content))
+    assert [r[2] for r in trained_runs(s, qwen3vl.tokenizer)] == ["I can't help with that.<|im_end|>"]
+
+
+def test_nulls_inside_arguments_and_tools_are_values(qwen3vl):
+    # Null fields of the record are absent (Arrow schema unification), but inside an arguments object or a tool
+    # spec the template prints them: kept, so the ids equal apply_chat_template on the record.
+    rec = verbatim_record([{"q": "cats", "page": None}])
+    rec["tools"] = [{"type": "function", "function": {"name": "search", "description": None, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "default": None}}}}}]
+    conv, _, ctx, s = render(rec, qwen3vl)
+    kw = {"tools": rec["tools"]}
+    ref = qwen3vl.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, **kw)["input_ids"]
+    np.testing.assert_array_equal(s.input_ids, np.asarray(ref).reshape(-1))
+    assert '"page": null' in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))

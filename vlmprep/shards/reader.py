@@ -63,6 +63,10 @@ def decode_stored_image(name: str, data: bytes) -> np.ndarray:
             raise ValueError(f"stored image has dtype {arr.dtype} shape {arr.shape}, expected uint8 HxWx3")
         return arr
     with Image.open(io.BytesIO(data)) as im:
+        if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own
+            from transformers.image_transforms import convert_to_rgb  # RGB conversion, alpha onto white
+
+            return convert_to_rgb(im, return_numpy=True)
         return np.array(im.convert("RGB"))
 
 

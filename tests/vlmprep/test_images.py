@@ -1,0 +1,187 @@
+"""Image decode fidelity: what vlmprep stores equals what transformers' load_image + the saved processor give the
+model at inference (EXIF orientation, bit depth), and alpha / palette follow the processor's own PIL path."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers.image_utils import load_image
+
+from vlmprep.families import FAMILIES
+from vlmprep.images import decode_image, encode_image, prepare_image, stored_ext
+from vlmprep.types import ImageData, RecordError
+
+QWEN2VL = FAMILIES["Qwen2VLProcessor"]
+
+
+def save(im, fmt="PNG", **kw):
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def asymmetric_rgb(w=92, h=60):
+    """Left half red, right half blue, a green top row: any rotation or flip changes the pixels."""
+    a = np.zeros((h, w, 3), np.uint8)
+    a[:, : w // 2] = (220, 30, 30)
+    a[:, w // 2:] = (30, 30, 220)
+    a[:6] = (30, 200, 30)
+    return Image.fromarray(a)
+
+
+def with_orientation(im, orientation, fmt="JPEG"):
+    exif = im.getexif()
+    exif[0x0112] = orientation
+    return save(im, fmt, exif=exif, **({"quality": 95} if fmt == "JPEG" else {}))
+
+
+def gray16_gradient(w=96, h=64):
+    a = np.linspace(0, 65535, w * h).reshape(h, w).astype(np.uint16)
+    return Image.fromarray(a), a
+
+
+def half_transparent_rgba(w=64, h=48):
+    a = np.zeros((h, w, 4), np.uint8)
+    a[..., :3] = (200, 40, 10)
+    a[..., 3] = np.linspace(0, 255, w).astype(np.uint8)[None, :]
+    return Image.fromarray(a, "RGBA")
+
+
+def palette_with_transparency(w=64, h=48):
+    p = Image.new("P", (w, h), 1)
+    p.putpalette([0, 0, 0, 250, 20, 20, 20, 20, 250] + [0] * (256 * 3 - 9))
+    for x in range(w // 2):
+        for y in range(h):
+            p.putpixel((x, y), 2)
+    p.putpixel((0, 0), 0)
+    p.info["transparency"] = 0
+    return p
+
+
+def parity(processor, prepared, reference_pil):
+    """Stored pixels through the saved processor (resize off) vs the processor on the reference PIL image."""
+    ip = processor.image_processor
+    ref = ip(images=[reference_pil], return_tensors="np")
+    got = ip(images=[Image.fromarray(prepared.pixels)], do_resize=False, return_tensors="np")
+    np.testing.assert_array_equal(got["image_grid_thw"][0], prepared.grid_thw)
+    np.testing.assert_array_equal(got["image_grid_thw"], ref["image_grid_thw"])
+    assert np.abs(got["pixel_values"] - ref["pixel_values"]).max() == 0
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_exif_orientation_matches_load_image(orientation, fmt, tmp_path, qwen2vl_processor):
+    data = with_orientation(asymmetric_rgb(), orientation, fmt)
+    path = tmp_path / f"photo.{fmt.lower()}"
+    path.write_bytes(data)
+    prepared = prepare_image(ImageData(data, "photo"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    parity(qwen2vl_processor, prepared, load_image(str(path)))
+    upright = decode_image(ImageData(data, "photo"), max_pixels=10**8)
+    assert upright.size == ((60, 92) if orientation in (6, 8) else (92, 60))
+    assert upright.getexif().get(0x0112) is None  # applied once, then dropped
+
+
+def test_exif_rotated_phone_photo_grid_is_upright(qwen2vl_processor):
+    # The issue's case: a landscape sensor image tagged 6 (rotate 90 CW) is a portrait photo.
+    data = with_orientation(asymmetric_rgb(46 * 14, 34 * 14), 6)
+    prepared = prepare_image(ImageData(data, "phone"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert prepared.grid_thw == (1, 46, 34)  # rows x cols of 14 px patches; sideways it was (1, 34, 46)
+    assert prepared.pixels.shape[0] > prepared.pixels.shape[1]
+
+
+def test_16bit_gray_is_scaled_not_clipped(qwen2vl_processor):
+    im, a = gray16_gradient()
+    data = save(im)
+    assert Image.open(io.BytesIO(data)).mode == "I;16"
+    prepared = prepare_image(ImageData(data, "g16"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert len(np.unique(prepared.pixels)) > 200  # PIL's convert("RGB") clips it: ~99% white
+    # Documented deviation: load_image clips 16 bits; vlmprep equals load_image of the same image scaled to 8 bits.
+    scaled = Image.fromarray(np.round(a / 257.0).astype(np.uint8), "L")
+    parity(qwen2vl_processor, prepared, load_image(scaled))
+    clipped = np.asarray(load_image(Image.open(io.BytesIO(data))))
+    assert (clipped == 255).mean() > 0.95  # what a plain PIL convert would have stored
+
+
+def test_32bit_int_gray_in_16bit_range_is_scaled_and_wider_is_refused():
+    a = np.array([[0, 65535], [257, 32896]], np.int32).repeat(4, 0).repeat(4, 1)
+    im = decode_image(ImageData(save(Image.fromarray(a, "I"), "TIFF"), "i32"), max_pixels=10**8)
+    assert im.mode == "L" and sorted(np.unique(np.asarray(im))) == [0, 1, 128, 255]
+    with pytest.raises(RecordError) as e:
+        decode_image(ImageData(save(Image.fromarray(a * 4, "I"), "TIFF"), "i32"), max_pixels=10**8)
+    assert e.value.reason == "unsupported_image_mode"
+
+
+@pytest.mark.parametrize("make", [half_transparent_rgba, palette_with_transparency,
+                                  lambda: half_transparent_rgba().convert("LA")])
+def test_alpha_and_palette_follow_the_processors_own_path(make, qwen2vl_processor):
+    # Decision (README "Image formats"): a PIL image goes through the processor's process_image, whose
+    # convert_to_rgb composites alpha onto white, i.e. exactly `processor(images=Image.open(path))`.
+    src = make()
+    data = save(src)
+    prepared = prepare_image(ImageData(data, "alpha"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    parity(qwen2vl_processor, prepared, Image.open(io.BytesIO(data)))
+    white = Image.new("RGBA", src.size, (255, 255, 255, 255))
+    composited = Image.alpha_composite(white, Image.open(io.BytesIO(data)).convert("RGBA")).convert("RGB")
+    parity(qwen2vl_processor, prepared, composited)
+
+
+def test_rgba_differs_from_load_image_which_drops_alpha(tmp_path, qwen2vl_processor):
+    # Pins the choice: load_image's convert("RGB") keeps the colour under transparent pixels instead of white.
+    data = save(half_transparent_rgba())
+    (tmp_path / "a.png").write_bytes(data)
+    prepared = prepare_image(ImageData(data, "alpha"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    ip = qwen2vl_processor.image_processor
+    dropped = ip(images=[load_image(str(tmp_path / "a.png"))], return_tensors="np")["pixel_values"]
+    ours = ip(images=[Image.fromarray(prepared.pixels)], do_resize=False, return_tensors="np")["pixel_values"]
+    assert np.abs(dropped - ours).max() > 1
+
+
+@pytest.mark.parametrize("data, ext", [
+    (save(asymmetric_rgb(), "JPEG"), "orig.jpg"),
+    (save(asymmetric_rgb()), "orig.png"),
+    (save(asymmetric_rgb(), "WEBP", lossless=True), "orig.webp"),
+    (save(half_transparent_rgba()), "orig.png"),
+], ids=["jpeg", "png", "webp", "rgba-png"])
+def test_original_keeps_source_bytes_when_no_transform_applies(data, ext, qwen2vl_processor):
+    prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert stored_ext("original", prepared) == ext
+    assert encode_image(prepared, "original") == data
+
+
+@pytest.mark.parametrize("data", [
+    with_orientation(asymmetric_rgb(), 6),
+    with_orientation(half_transparent_rgba(), 8, "PNG"),
+    save(gray16_gradient()[0]),
+    save(asymmetric_rgb(), "BMP"),
+    save(asymmetric_rgb(), "TIFF"),
+    save(asymmetric_rgb(), "GIF"),
+    save(palette_with_transparency(), "GIF"),
+], ids=["exif6-jpeg", "exif8-rgba-png", "gray16-png", "bmp", "tiff", "gif", "transparent-gif"])
+def test_original_stores_a_normalized_png_when_a_transform_applies(data, qwen2vl_processor):
+    prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert stored_ext("original", prepared) == "orig.png"
+    stored = encode_image(prepared, "original")
+    assert encode_image(prepared, "original") == stored  # deterministic
+    with Image.open(io.BytesIO(stored)) as im:
+        assert im.format == "PNG" and im.getexif().get(0x0112) is None and im.mode in ("1", "L", "LA", "P", "RGB", "RGBA")
+        again = prepare_image(ImageData(stored, "png"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    np.testing.assert_array_equal(again.pixels, prepared.pixels)
+
+
+def test_unidentifiable_image_message_is_deterministic():
+    with pytest.raises(RecordError) as e:
+        decode_image(ImageData(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "data-uri"), max_pixels=10**8)
+    assert e.value.reason == "corrupt_image"
+    assert "0x" not in e.value.message and "object" not in e.value.message
+
+
+def test_multi_picture_phone_jpeg_is_its_first_picture(tmp_path, qwen2vl_processor):
+    # Phones write MPO (a JPEG plus extra pictures); PIL reports 2 frames, load_image uses the first, as does vlmprep.
+    buf = io.BytesIO()
+    asymmetric_rgb().save(buf, format="MPO", save_all=True, append_images=[Image.new("RGB", (30, 20), (0, 0, 255))])
+    data = buf.getvalue()
+    (tmp_path / "p.jpg").write_bytes(data)
+    assert Image.open(io.BytesIO(data)).n_frames == 2
+    prepared = prepare_image(ImageData(data, "mpo"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    parity(qwen2vl_processor, prepared, load_image(str(tmp_path / "p.jpg")))
+    assert stored_ext("original", prepared) == "orig.png"
