@@ -40,6 +40,7 @@ def test_two_ranks_two_workers_read_every_sample_once_and_run_the_same_steps(run
     assert (out / "config.toml").is_file() and (out / "checkpoints" / "step-00000005" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # a single-process replay of the whole epoch: ~50 s on 2 cores
 def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a, dataset, image_spec):
     from trainer.collate import CollateSpec, collate
     from trainer.config import TrainConfig

@@ -211,7 +211,7 @@ def test_packed_layout_literal():
     assert text.input_ids[0, -1] == IMG and text.loss_mask[0, -1] == 0 and text.position_ids[0, 0, -1] == 4
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_packed_row_gives_each_sample_its_own_logits_and_broken_packing_does_not(family, attn, spec_for):
     patch = _patch(family)

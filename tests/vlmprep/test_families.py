@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmprep.families import FAMILIES, resolve_family
+from vlmprep.families import FAMILIES
 from tests.support.tiny_processors import load_family_processor
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
@@ -46,8 +46,8 @@ def family_record(name):
 
 def render(rec, processor, policy=None, **kw):
     conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
-    images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
     ctx = RenderContext(processor, policy=policy or MaskPolicy(), **kw)
+    images = [prepare_image(im, processor, ctx.family, max_pixels=10**8) for im in conv.images]
     return conv, images, ctx, render_conversation(conv, ctx, images)
 
 
