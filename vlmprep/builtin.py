@@ -75,8 +75,11 @@ _SPECS = {
 }
 
 
+VENDOR_BUILTINS = ("mistral-3",)  # built by vlmprep/builtin_mistral.py, checked against the vendor's encoder
+
+
 def builtin_names() -> list[str]:
-    return list(_SPECS) + list(_QWEN3_SPECS)
+    return list(_SPECS) + list(_QWEN3_SPECS) + list(VENDOR_BUILTINS)
 
 
 def default_cache_dir() -> Path:
@@ -88,6 +91,10 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
     """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
     if name in _QWEN3_SPECS:
         return _build_qwen3_processor(name, cache_dir)
+    if name == "mistral-3":
+        from vlmprep.builtin_mistral import build_mistral_processor
+
+        return build_mistral_processor(name, cache_dir)
     if name not in _SPECS:
         raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(builtin_names())}")
     tiktoken_bytes = _tiktoken_resource().read_bytes()

@@ -424,17 +424,20 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
         by_msg.setdefault(slots[loc.slot].msg, []).append(loc)
     special = ctx._special_re
 
-    def next_special(pos: int) -> int:
-        m = special.search(rendered, pos) if special is not None else None
-        return m.start() if m else len(rendered)
+    def next_special(pos: int, skip: tuple[str, ...] = ()) -> int:
+        while True:
+            m = special.search(rendered, pos) if special is not None else None
+            if m is None or m.group() not in skip:
+                return m.start() if m else len(rendered)
+            pos = m.end()  # a control token the model generates as part of the turn (Mistral's [TOOL_CALLS])
 
     # Where each message's body ends in `rendered`: its last text, plus tool calls or whitespace the template
     # prints before the next control token (the model must generate those too).
     body_end, unrendered_msgs = {}, set()
     for i, locs in by_msg.items():
         e = locs[-1].end
-        gap = rendered[e:next_special(e)]
         m = conv.messages[i]
+        gap = rendered[e:next_special(e, ctx.family.tool_call_tokens if m.tool_calls else ())]
         if m.tool_calls:
             if _tool_calls_rendered(gap, m.tool_calls):
                 e += len(gap)
