@@ -226,9 +226,11 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
 
 
 def _candidates(text: str) -> list[str]:
-    # The rewrites templates apply to message text (jinja trim, Qwen's strip('\n')), most faithful first.
+    # The rewrites templates apply to message text (jinja trim, Qwen's strip('\n'), mistral-common's rstrip(' ')),
+    # most faithful first.
     out = []
-    for c in (text, text.strip(), text.strip("\n"), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.rstrip("\n")):
+    for c in (text, text.strip(), text.strip("\n"), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.rstrip("\n"),
+              text.rstrip(" ")):
         if c not in out:
             out.append(c)
     return out

@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.vlmprep.test_builtin import PARITY_TEXTS, random_texts
 from tests.vlmprep.test_families import render, trained_runs
 from vlmprep.builtin import build_builtin_processor
+from vlmprep.config import BuildConfig
+from vlmprep.pipeline import build
+from vlmprep.shards.reader import iter_dataset
 
 IMAGES = {"red": (56, 56, (200, 10, 10)), "wide": (300, 90, (0, 90, 0)), "big": (3000, 1000, (10, 10, 200)),
           "tall": (90, 400, (120, 120, 0))}
@@ -46,7 +50,7 @@ CONVERSATIONS = {
     ],
     "no_system_whitespace_big_image": [
         {"role": "user", "content": [text("  leading spaces,\ttabs\t\tand\n\n\n newlines   "), png("big")]},
-        {"role": "assistant", "content": "def f(x):\n    return x  # indented\n\n\tdone   "},
+        {"role": "assistant", "content": "def f(x):\n    return x  # indented\n\n\tdone \t  "},
         {"role": "user", "content": [png("red")]},
         {"role": "assistant", "content": "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 \U0001f468\u200d\U0001f469\u200d\U0001f467"},
     ],
@@ -71,6 +75,19 @@ CONVERSATIONS = {
     ],
 }
 TOOL_RECORDS = {"tool_calls"}
+
+
+def parity_corpus(min_chars=1_000_000, seed=18):
+    """>= 1M characters of mixed scripts, code, whitespace runs and emoji: PARITY_TEXTS and random mixed-script
+    pieces (test_builtin.random_texts) glued into ~600-character documents."""
+    rng = random.Random(seed)
+    pool = PARITY_TEXTS + random_texts(6000, seed=seed)
+    docs, total = list(PARITY_TEXTS), sum(map(len, PARITY_TEXTS))
+    while total < min_chars:
+        doc = "".join(rng.choice(pool) + rng.choice(["", " ", "\n", "\n\n", "  ", "\t"]) for _ in range(rng.randint(10, 40)))
+        docs.append(doc)
+        total += len(doc)
+    return docs
 
 
 def record(name):
@@ -127,3 +144,137 @@ def test_mistral3_matches_mistral_common_on_fixed_conversations(mistral3, mistra
     want = mistral_tokens(mistral_reference, rec)
     got = sample.input_ids.tolist()
     assert got == want, mistral3.tokenizer.decode(got) + "\n!=\n" + mistral3.tokenizer.decode(want)
+
+
+MISTRAL_RUNS = {
+    "tool_calls": [
+        'I will search.[TOOL_CALLS][{"name": "search", "arguments": {"q": "espresso grinder \u00e9\u00e8"}, "id": "a1b2c3d4e"}]</s>',
+        '[TOOL_CALLS][{"name": "click", "arguments": {"x": 12, "y": 30}, "id": "Zz9Yy8Xx7"}]</s>',
+        "The grinder costs $500.</s>",
+        'Opening it.[TOOL_CALLS][{"name": "click", "arguments": {"x": 1, "y": 2}, "id": "q1w2e3r4t"}]</s>'],
+    # mistral-common strips trailing spaces (only spaces) from assistant text; the mask follows the rendered text.
+    "no_system_whitespace_big_image": ["def f(x):\n    return x  # indented\n\n\tdone \t</s>",
+                                       "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 "
+                                       "\U0001f468\u200d\U0001f469\u200d\U0001f467</s>"],
+}
+
+
+@pytest.mark.parametrize("name", list(MISTRAL_RUNS))
+def test_mistral3_masks_train_assistant_text_calls_and_eos(mistral3, name):
+    *_, sample = render(record(name), mistral3)
+    assert [t for _, _, t in trained_runs(sample, mistral3.tokenizer)] == MISTRAL_RUNS[name]
+
+
+def test_mistral3_tokenizer_matches_tekkenizer_on_1m_chars(mistral3, mistral_reference):
+    tekken = mistral_reference.instruct_tokenizer.tokenizer
+    docs = parity_corpus()
+    assert sum(map(len, docs)) >= 1_000_000
+    got = mistral3.tokenizer(docs, add_special_tokens=False)["input_ids"]
+    bad = [i for i, d in enumerate(docs) if got[i] != tekken.encode(d, bos=False, eos=False)]
+    assert not bad, ascii(docs[bad[0]][:200])
+
+
+def test_mistral3_special_tokens_at_official_ids(mistral3, mistral_reference):
+    from vlmprep.builtin_mistral import SPECIAL_IDS
+
+    tok, tekken = mistral3.tokenizer, mistral_reference.instruct_tokenizer.tokenizer
+    assert len(tok) == tekken.n_words == 131072
+    for token, token_id in SPECIAL_IDS.items():
+        assert tok.convert_tokens_to_ids(token) == token_id == tekken.get_special_token(token), token
+        assert tok.encode(token, add_special_tokens=False) == [token_id]
+    assert tok.convert_ids_to_tokens(999) == "<SPECIAL_999>" and tekken.id_to_piece(999) == "<SPECIAL_999>"
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (1, 2, 0, 11)
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # the template writes <s> itself
+    assert (mistral3.image_token, mistral3.image_break_token, mistral3.image_end_token) == ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def test_mistral3_hf_template_differs_from_mistral_common(mistral3, mistral_reference):
+    """The Hub template (vlmprep/templates/mistral3.jinja, via --chat-template) against mistral-common: each
+    difference pinned. The builtin defaults to mistral-common's format (mistral3_mistral_common.jinja)."""
+    import datetime
+
+    from vlmprep.builtin_mistral import HF_TEMPLATE, read_template
+    from vlmprep.types import RecordError
+
+    hf = read_template(HF_TEMPLATE)
+    dec = mistral3.tokenizer.decode
+
+    # 1. No system message: the Hub template injects its default system prompt with today's date; mistral-common none.
+    rec = record("no_system_whitespace_big_image")
+    *_, s = render(rec, mistral3, chat_template=hf)
+    text = dec(s.input_ids.tolist())
+    assert text.startswith("<s>[SYSTEM_PROMPT]You are Mistral Small 3, a Large Language Model")
+    assert f"The current date is {datetime.date.today():%Y-%m-%d}." in text
+    assert dec(mistral_tokens(mistral_reference, rec)).startswith("<s>[INST][IMG]")
+    # 2. A user turn [text, image]: mistral-common moves the image first, the Hub template keeps the order;
+    # 3. trailing spaces of assistant text: mistral-common strips them, the Hub template keeps them.
+    assert "[INST]  leading spaces," in text and "[IMG_END][/INST]def f(x)" in text and "\tdone \t  </s>" in text
+    ref = dec(mistral_tokens(mistral_reference, rec))
+    assert "[INST][IMG]" in ref and "[IMG_END]  leading spaces," in ref and "\tdone \t</s>" in ref
+    # 4. Adjacent text parts: mistral-common joins them with a blank line; the Hub template keeps only the first
+    # part of a system message (vlmprep refuses the record: the template drops text).
+    with pytest.raises(RecordError, match="drops this message's text"):
+        render(record("multi_text_parts"), mistral3, chat_template=hf)
+    assert "[SYSTEM_PROMPT]Rule one.\n\nRule two.[/SYSTEM_PROMPT]" in dec(mistral_tokens(mistral_reference, record("multi_text_parts")))
+    # 5. Tool calls: the Hub template drops the text of a turn that calls tools (refused) and prints other formats:
+    # a space after [AVAILABLE_TOOLS] and [TOOL_CALLS], v3-style tool results (content printed with |string, so a
+    # list of parts comes out as its Python repr: vlmprep's parts never render right there).
+    with pytest.raises(RecordError, match="drops this message's text"):
+        render(record("tool_calls"), mistral3, chat_template=hf)
+    msgs = json.loads(json.dumps(CONVERSATIONS["tool_calls"]))
+    msgs[1]["content"] = "Find the price of the grinder."
+    for m in msgs:
+        if m.get("tool_calls"):
+            m.pop("content", None)
+    ref = dec(mistral_tokens(mistral_reference, {"messages": msgs, "tools": TOOLS}))
+    for m in msgs:
+        for tc in m.get("tool_calls", []):
+            tc["function"]["arguments"] = json.loads(tc["function"]["arguments"])
+    text = mistral3.apply_chat_template(msgs, tools=TOOLS, chat_template=hf, tokenize=False)
+    assert '[AVAILABLE_TOOLS] [{"type": "function"' in text and '[AVAILABLE_TOOLS][{"type": "function"' in ref
+    assert '[TOOL_CALLS] [{"name": "search"' in text and '[TOOL_CALLS][{"name": "search"' in ref
+    assert '[TOOL_RESULTS] {"content": Results: 3 shops., "call_id": "a1b2c3d4e"}[/TOOL_RESULTS]' in text
+    assert "[TOOL_RESULTS]a1b2c3d4e[TOOL_CONTENT]Results: 3 shops.[/TOOL_RESULTS]" in ref
+
+
+def test_mistral3_image_downscale_rounding_differs_from_mistral_common(mistral3, mistral_reference):
+    """An image over 1540 px is scaled down before the 28 px grid: mistral-common rounds the scaled side,
+    PixtralImageProcessor floors it. They disagree only when the scaled side lands in [28k + 0.5, 28k + 1): here
+    3000x1092 -> 1540 x 560.56, 21 rows for mistral-common (561 px), 20 for transformers (560 px). Pinned, not
+    papered over: the stored pixels must be what the processor makes, so vlmprep follows transformers here."""
+    def rec_of(w, h):
+        IMAGES["rounding"] = (w, h, (0, 0, 0))
+        return {"id": "rounding", "messages": [{"role": "user", "content": [png("rounding")]},
+                                               {"role": "assistant", "content": "Black."}]}
+
+    rec = rec_of(3000, 1092)
+    *_, s = render(rec, mistral3)
+    ids, ref = s.input_ids.tolist(), mistral_tokens(mistral_reference, rec)
+    breaks = mistral3.tokenizer.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
+    rows = lambda t: sum(t.count(b) for b in breaks)  # noqa: E731
+    assert (rows(ids), rows(ref)) == (20, 21)
+    assert ids.count(10) == 20 * 55 and ref.count(10) == 21 * 55
+    # Off the boundary they agree (the fixed set has a 3000x1000 image).
+    rec = rec_of(3000, 1100)
+    *_, s = render(rec, mistral3)
+    assert s.input_ids.tolist() == mistral_tokens(mistral_reference, rec)
+
+
+def test_mistral3_build_end_to_end(mistral3, mistral_reference, vendor_cache, tmp_path, monkeypatch):
+    from transformers import AutoProcessor
+
+    from vlmprep.builtin_mistral import read_template
+
+    monkeypatch.setenv("VLMPREP_CACHE", str(vendor_cache))
+    inp = tmp_path / "records.jsonl"
+    inp.write_text("".join(json.dumps(record(n)) + "\n" for n in CONVERSATIONS))
+    out = tmp_path / "shards"
+    manifest = build(BuildConfig(inputs=(str(inp),), out=str(out), processor="builtin:mistral-3", seq_len=4096,
+                                 progress=False)).manifest
+    assert manifest["totals"]["samples"] == len(CONVERSATIONS) and not manifest["rejects"]
+    again = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
+    assert type(again).__name__ == "PixtralProcessor" and again.chat_template == read_template()
+    stored = {s.meta()["id"]: s for s in iter_dataset(out)}
+    for name in CONVERSATIONS:
+        ids = stored[name].array("input_ids").tolist()
+        assert ids == mistral_tokens(mistral_reference, record(name)), name
