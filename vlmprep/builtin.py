@@ -75,7 +75,8 @@ _SPECS = {
 }
 
 
-VENDOR_BUILTINS = ("mistral-3",)  # built by vlmprep/builtin_mistral.py, checked against the vendor's encoder
+# Built by vlmprep/builtin_mistral.py and builtin_llama.py, checked against the vendors' reference encoders.
+VENDOR_BUILTINS = ("mistral-3", "llama-3.2-vision")
 
 
 def builtin_names() -> list[str]:
@@ -95,6 +96,10 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
         from vlmprep.builtin_mistral import build_mistral_processor
 
         return build_mistral_processor(name, cache_dir)
+    if name in VENDOR_BUILTINS:
+        from vlmprep.builtin_llama import build_llama_processor
+
+        return build_llama_processor(name, cache_dir)
     if name not in _SPECS:
         raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(builtin_names())}")
     tiktoken_bytes = _tiktoken_resource().read_bytes()

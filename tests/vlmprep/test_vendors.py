@@ -278,3 +278,55 @@ def test_mistral3_build_end_to_end(mistral3, mistral_reference, vendor_cache, tm
     for name in CONVERSATIONS:
         ids = stored[name].array("input_ids").tolist()
         assert ids == mistral_tokens(mistral_reference, record(name)), name
+
+
+# ---- builtin:llama-3.2-vision ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def llama32(vendor_cache):
+    return build_builtin_processor("llama-3.2-vision", vendor_cache)
+
+
+def raw_messages(messages):
+    """OpenAI-format messages -> llama-models RawMessages (images as the PNG bytes of their data URLs)."""
+    from llama_models.datatypes import RawMediaItem, RawMessage, RawTextItem, ToolCall
+
+    def item(part):
+        if part["type"] == "text":
+            return RawTextItem(text=part["text"])
+        url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+        return RawMediaItem(data=base64.b64decode(url.split(",", 1)[1]))
+
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        calls = [ToolCall(call_id=tc["id"], tool_name=tc["function"]["name"],
+                          arguments=json.loads(tc["function"]["arguments"])) for tc in m.get("tool_calls", [])]
+        out.append(RawMessage(role=m["role"], content=content if isinstance(content, str) else [item(p) for p in content],
+                              tool_calls=calls))
+    return out
+
+
+def llama3_tokens(rec):
+    """ChatFormat.encode_dialog_prompt without the assistant header it appends for generation."""
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    fmt = ChatFormat(Tokenizer.get_instance())
+    tokens = fmt.encode_dialog_prompt(raw_messages(rec["messages"])).tokens
+    header = fmt._encode_header("assistant")
+    assert tokens[-len(header):] == header
+    return tokens[:-len(header)]
+
+
+LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls"]
+
+
+@pytest.mark.parametrize("name", LLAMA_PARITY)
+def test_llama32_matches_llama_models_chat_format_on_fixed_conversations(llama32, name):
+    rec = record(name)
+    *_, sample = render(rec, llama32)
+    want = llama3_tokens(rec)
+    got = sample.input_ids.tolist()
+    assert got == want, llama32.tokenizer.decode(got) + "\n!=\n" + llama32.tokenizer.decode(want)
