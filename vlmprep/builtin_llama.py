@@ -89,7 +89,7 @@ def _tokenizer(spec: _LlamaSpec, template: str):
                                       special_tokens=[(spec.bos, bos_id)])])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=spec.bos, eos_token=spec.eos,
                                   pad_token=spec.pad, model_max_length=spec.model_max_length,
-                                  clean_up_tokenization_spaces=True)
+                                  clean_up_tokenization_spaces=False)
     tok.chat_template = template
     return tok
 

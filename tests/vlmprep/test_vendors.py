@@ -5,6 +5,7 @@ import base64
 import io
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from PIL import Image
 
 from tests.vlmprep.test_builtin import PARITY_TEXTS, random_texts
 from tests.vlmprep.test_families import render, trained_runs
+import vlmprep
 from vlmprep.builtin import build_builtin_processor
 from vlmprep.config import BuildConfig
 from vlmprep.pipeline import build
@@ -260,26 +262,6 @@ def test_mistral3_image_downscale_rounding_differs_from_mistral_common(mistral3,
     assert s.input_ids.tolist() == mistral_tokens(mistral_reference, rec)
 
 
-def test_mistral3_build_end_to_end(mistral3, mistral_reference, vendor_cache, tmp_path, monkeypatch):
-    from transformers import AutoProcessor
-
-    from vlmprep.builtin_mistral import read_template
-
-    monkeypatch.setenv("VLMPREP_CACHE", str(vendor_cache))
-    inp = tmp_path / "records.jsonl"
-    inp.write_text("".join(json.dumps(record(n)) + "\n" for n in CONVERSATIONS))
-    out = tmp_path / "shards"
-    manifest = build(BuildConfig(inputs=(str(inp),), out=str(out), processor="builtin:mistral-3", seq_len=4096,
-                                 progress=False)).manifest
-    assert manifest["totals"]["samples"] == len(CONVERSATIONS) and not manifest["rejects"]
-    again = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
-    assert type(again).__name__ == "PixtralProcessor" and again.chat_template == read_template()
-    stored = {s.meta()["id"]: s for s in iter_dataset(out)}
-    for name in CONVERSATIONS:
-        ids = stored[name].array("input_ids").tolist()
-        assert ids == mistral_tokens(mistral_reference, record(name)), name
-
-
 # ---- builtin:llama-3.2-vision ---------------------------------------------------------------------------------------
 
 
@@ -330,3 +312,113 @@ def test_llama32_matches_llama_models_chat_format_on_fixed_conversations(llama32
     want = llama3_tokens(rec)
     got = sample.input_ids.tolist()
     assert got == want, llama32.tokenizer.decode(got) + "\n!=\n" + llama32.tokenizer.decode(want)
+
+
+def test_llama32_masks_train_assistant_text_calls_and_eot(llama32):
+    *_, sample = render(record("tool_calls"), llama32)
+    assert [t for _, _, t in trained_runs(sample, llama32.tokenizer)] == [
+        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}<|eot_id|>',
+        '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}<|eot_id|>',
+        "The grinder costs $500.<|eot_id|>",
+        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}<|eot_id|>']
+
+
+def test_llama32_tokenizer_matches_llama_models_on_1m_chars(llama32):
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    ref = Tokenizer.get_instance()
+    docs = parity_corpus()
+    got = llama32.tokenizer(docs, add_special_tokens=False)["input_ids"]
+    bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
+    assert not bad, ascii(docs[bad[0]][:200])
+
+
+def test_llama32_special_tokens_at_official_ids(llama32):
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    ref, tok = Tokenizer.get_instance(), llama32.tokenizer
+    assert len(tok) == ref.n_words + 1 == 128257  # + <|image|> at 128256
+    same = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    for t in same:
+        assert tok.convert_tokens_to_ids(t) == ref.special_tokens[t] and tok.encode(t, add_special_tokens=False) == [ref.special_tokens[t]]
+    # llama-models keeps <|image|> at 128011 internally and emits 128256 (the HF id) in ChatFormat's tokens.
+    assert llama32.image_token_id == tok.convert_tokens_to_ids("<|image|>") == 128256 and ref.special_tokens["<|image|>"] == 128011
+    assert tok.convert_ids_to_tokens([128005, 128011, 128255]) == [
+        "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|reserved_special_token_247|>"]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (128000, 128009, 128004)
+    assert tok.encode("hi") == [128000, 6151]  # as the official tokenizer.json: encode() adds <|begin_of_text|>
+
+
+def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(llama32):
+    """Each difference from llama-models' ChatFormat, pinned. The builtin renders ChatFormat's format
+    (llama3_2_vision_llama_models.jinja); the Hub template is vlmprep/templates/llama3_2_vision.jinja."""
+    from vlmprep.builtin_llama import read_template
+    from vlmprep.types import RecordError
+
+    hf = read_template("llama3_2_vision.jinja")
+    dec = llama32.tokenizer.decode
+    # 1. Images next to a system message: the Hub template refuses them, ChatFormat encodes them.
+    with pytest.raises(Exception, match="incompatible with system messages"):
+        render(record("system_images_cjk_emoji"), llama32, chat_template=hf)
+    # 2. Text only: the Hub template adds a system turn with a knowledge cutoff and today's date; ChatFormat none.
+    rec = {"id": "t", "messages": [{"role": "user", "content": "Hi  "}, {"role": "assistant", "content": "Hello"}]}
+    *_, s = render(rec, llama32, chat_template=hf)
+    assert dec(s.input_ids.tolist()).startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: ")
+    *_, s = render(rec, llama32)
+    assert s.input_ids.tolist() == llama3_tokens(rec)
+    assert dec(s.input_ids.tolist()) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi  <|eot_id|>"
+                                         "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>")
+    # 3. Tool calls: the Hub template replaces the turn by {"name", "parameters"} (its text is dropped: refused);
+    # ChatFormat prints the text, then {"type": "function", "name", "parameters"} with json.dumps' ASCII escapes.
+    rec = {"id": "calls", "messages": [m for m in CONVERSATIONS["tool_calls"] if m["role"] != "system"]}
+    rec["messages"][0] = {"role": "user", "content": "Find the price of the grinder."}
+    with pytest.raises(RecordError, match="drops this message's text"):
+        render(rec, llama32, chat_template=hf)
+    # 4. Adjacent text parts of one message: ChatFormat encodes each part on its own, a rendered template joins them,
+    # so BPE may merge across the seam ("one." + "Rule" -> "one", ".Rule"). Same text, different ids at the seam:
+    # not reproducible by any template; vlmprep keeps the joined encoding (the one the model sees at inference).
+    rec = record("multi_text_parts")
+    *_, s = render(rec, llama32)
+    got, want = s.input_ids.tolist(), llama3_tokens(rec)
+    assert got != want and dec(got) == dec(want)
+    toks = llama32.tokenizer.convert_ids_to_tokens
+    assert toks(got)[5:10] == ["Rule", "\u0120one", ".Rule", "\u0120two", "."]
+    assert toks(want)[5:11] == ["Rule", "\u0120one", ".", "Rule", "\u0120two", "."]
+
+
+# ---- every vendor builtin: `vlmprep build --processor builtin:NAME` end to end ---------------------------------------
+
+BUILDS = {  # builtin -> (processor class, default template, fixed conversations with 0 token differences)
+    "mistral-3": ("PixtralProcessor", "mistral3_mistral_common.jinja", list(CONVERSATIONS)),
+    "llama-3.2-vision": ("MllamaProcessor", "llama3_2_vision_llama_models.jinja", LLAMA_PARITY),
+}
+
+
+def vendor_tokens(request, name, rec):
+    if name == "mistral-3":
+        return mistral_tokens(request.getfixturevalue("mistral_reference"), rec)
+    if name == "llama-3.2-vision":
+        return llama3_tokens(rec)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_path, monkeypatch):
+    from transformers import AutoProcessor
+
+    cls, template, convs = BUILDS[name]
+    monkeypatch.setenv("VLMPREP_CACHE", str(vendor_cache))
+    inp = tmp_path / "records.jsonl"
+    inp.write_text("".join(json.dumps(record(n)) + "\n" for n in convs))
+    out = tmp_path / "shards"
+    manifest = build(BuildConfig(inputs=(str(inp),), out=str(out), processor=f"builtin:{name}", seq_len=4096,
+                                 progress=False)).manifest
+    assert manifest["totals"]["samples"] == len(convs) and not manifest["rejects"]
+    again = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
+    assert type(again).__name__ == cls
+    assert again.chat_template == (Path(vlmprep.__file__).parent / "templates" / template).read_text(encoding="utf-8")
+    stored = {s.meta()["id"]: s for s in iter_dataset(out)}
+    for conv in convs:
+        assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
