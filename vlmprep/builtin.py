@@ -76,7 +76,7 @@ _SPECS = {
 
 
 # Built by vlmprep/builtin_mistral.py and builtin_llama.py, checked against the vendors' reference encoders.
-VENDOR_BUILTINS = ("mistral-3", "llama-3.2-vision")
+VENDOR_BUILTINS = ("mistral-3", "llama-3.2-vision", "llama-4")
 
 
 def builtin_names() -> list[str]:

@@ -422,3 +422,39 @@ def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_pa
     stored = {s.meta()["id"]: s for s in iter_dataset(out)}
     for conv in convs:
         assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
+
+
+# ---- builtin:llama-4 ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def llama4(vendor_cache):
+    return build_builtin_processor("llama-4", vendor_cache)
+
+
+@pytest.fixture(scope="session")
+def llama4_format():
+    """llama-models' Llama 4 ChatFormat with Llama-4-Scout's vision args (336 px tiles, 14 px patches, shuffle 0.5)."""
+    from llama_models.llama4.args import Size, VisionArgs
+    from llama_models.llama4.chat_format import ChatFormat
+    from llama_models.llama4.tokenizer import Tokenizer
+
+    args = VisionArgs(image_size=Size(height=336, width=336), patch_size=Size(height=14, width=14), dim=1408,
+                      n_layers=34, n_heads=16, mlp_ratio=4.0, output_dim=4096, pixel_shuffle_ratio=0.5)
+    return ChatFormat(Tokenizer.get_instance(), vision_args=args)
+
+
+def llama4_tokens(fmt, rec):
+    tokens = fmt.encode_dialog_prompt(raw_messages(rec["messages"])).tokens
+    header = fmt._encode_header("assistant")
+    assert tokens[-len(header):] == header
+    return tokens[:-len(header)]
+
+
+@pytest.mark.parametrize("name", LLAMA_PARITY)
+def test_llama4_matches_llama_models_chat_format_on_fixed_conversations(llama4, llama4_format, name):
+    rec = record(name)
+    *_, sample = render(rec, llama4)
+    want = llama4_tokens(llama4_format, rec)
+    got = sample.input_ids.tolist()
+    assert got == want, llama4.tokenizer.decode(got) + "\n!=\n" + llama4.tokenizer.decode(want)

@@ -52,7 +52,8 @@ FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
                turn_starts={"<start_of_turn>": "next"}),
     FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",),
                turn_starts={"<|start_header_id|>": "next"}),
-    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>",),
+    # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.
+    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>", "<|eom|>"),
                turn_starts={"<|header_start|>": "next"}),
     FamilySpec(name="mistral3-pixtral", processor_class="PixtralProcessor", end_of_turn=("</s>",),
                image_mode="longest_edge_patch", turn_starts={"[INST]": "user", "[/INST]": "assistant"},
