@@ -388,42 +388,6 @@ def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(ll
     assert toks(want)[5:11] == ["Rule", "\u0120one", ".", "Rule", "\u0120two", "."]
 
 
-# ---- every vendor builtin: `vlmprep build --processor builtin:NAME` end to end ---------------------------------------
-
-BUILDS = {  # builtin -> (processor class, default template, fixed conversations with 0 token differences)
-    "mistral-3": ("PixtralProcessor", "mistral3_mistral_common.jinja", list(CONVERSATIONS)),
-    "llama-3.2-vision": ("MllamaProcessor", "llama3_2_vision_llama_models.jinja", LLAMA_PARITY),
-}
-
-
-def vendor_tokens(request, name, rec):
-    if name == "mistral-3":
-        return mistral_tokens(request.getfixturevalue("mistral_reference"), rec)
-    if name == "llama-3.2-vision":
-        return llama3_tokens(rec)
-    raise AssertionError(name)
-
-
-@pytest.mark.parametrize("name", list(BUILDS))
-def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_path, monkeypatch):
-    from transformers import AutoProcessor
-
-    cls, template, convs = BUILDS[name]
-    monkeypatch.setenv("VLMPREP_CACHE", str(vendor_cache))
-    inp = tmp_path / "records.jsonl"
-    inp.write_text("".join(json.dumps(record(n)) + "\n" for n in convs))
-    out = tmp_path / "shards"
-    manifest = build(BuildConfig(inputs=(str(inp),), out=str(out), processor=f"builtin:{name}", seq_len=4096,
-                                 progress=False)).manifest
-    assert manifest["totals"]["samples"] == len(convs) and not manifest["rejects"]
-    again = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
-    assert type(again).__name__ == cls
-    assert again.chat_template == (Path(vlmprep.__file__).parent / "templates" / template).read_text(encoding="utf-8")
-    stored = {s.meta()["id"]: s for s in iter_dataset(out)}
-    for conv in convs:
-        assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
-
-
 # ---- builtin:llama-4 ------------------------------------------------------------------------------------------------
 
 
@@ -458,3 +422,109 @@ def test_llama4_matches_llama_models_chat_format_on_fixed_conversations(llama4, 
     want = llama4_tokens(llama4_format, rec)
     got = sample.input_ids.tolist()
     assert got == want, llama4.tokenizer.decode(got) + "\n!=\n" + llama4.tokenizer.decode(want)
+
+
+def test_llama4_masks_train_assistant_text_calls_and_eom(llama4):
+    *_, sample = render(record("tool_calls"), llama4)
+    assert [t for _, _, t in trained_runs(sample, llama4.tokenizer)] == [
+        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}<|eom|>',
+        '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}<|eom|>',
+        "The grinder costs $500.<|eot|>",
+        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}<|eom|>']
+
+
+def test_llama4_tokenizer_matches_llama_models_on_1m_chars(llama4):
+    from llama_models.llama4.tokenizer import Tokenizer
+
+    ref = Tokenizer.get_instance()
+    docs = parity_corpus()
+    got = llama4.tokenizer(docs, add_special_tokens=False)["input_ids"]
+    bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
+    assert not bad, ascii(docs[bad[0]][:200])
+
+
+def test_llama_patterns_and_special_ids_are_llama_models(llama4, llama32):
+    from llama_models.llama3.tokenizer import Tokenizer as Tokenizer3
+    from llama_models.llama4.tokenizer import Tokenizer as Tokenizer4
+
+    from vlmprep.builtin_llama import LLAMA3_PATTERN, LLAMA4_PATTERN
+
+    assert (LLAMA3_PATTERN, LLAMA4_PATTERN) == (Tokenizer3.pat_str, Tokenizer4.O200K_PATTERN)
+    ref, tok = Tokenizer4.get_instance(), llama4.tokenizer
+    assert len(tok) == ref.n_words == 202048
+    assert {t: tok.convert_tokens_to_ids(t) for t in ref.special_tokens} == ref.special_tokens
+    assert tok.encode("<|header_start|>", add_special_tokens=False) == [200005]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (200000, 200008, 200018)
+    assert tok.encode("hi") == [200000, 5703]  # as the official tokenizer.json: encode() adds <|begin_of_text|>
+    assert (llama4.image_token, llama4.start_of_img_token, llama4.end_of_img_token) == (
+        "<|image|>", "<|image_start|>", "<|image_end|>")
+
+
+def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_parts(llama4, llama4_format):
+    """The Hub template (vlmprep/templates/llama4.jinja, via --chat-template) against ChatFormat, pinned."""
+    from vlmprep.builtin_llama import read_template
+    from vlmprep.types import RecordError
+
+    hf = read_template("llama4.jinja")
+    # Plain text and images: the same tokens (images expanded identically by the processor and ChatFormat).
+    for name in ("system_images_cjk_emoji", "no_system_whitespace_big_image"):
+        *_, s = render(record(name), llama4, chat_template=hf)
+        assert s.input_ids.tolist() == llama4_tokens(llama4_format, record(name)), name
+    # A system message of several parts: the Hub template keeps the first part only (refused: text dropped).
+    with pytest.raises(RecordError, match="drops this message's text"):
+        render(record("multi_text_parts"), llama4, chat_template=hf)
+    # Tool calls: the Hub template drops the turn's text (refused), prints the call inside empty python tags
+    # without "type", the result as a JSON string, and closes both with <|eot|>; ChatFormat uses <|eom|>.
+    with pytest.raises(RecordError, match="drops this message's text"):
+        render(record("tool_calls"), llama4, chat_template=hf)
+    msgs = [{"role": "user", "content": "Find it."},
+            {"role": "assistant", "tool_calls": [{"id": "x", "type": "function",
+                                                  "function": {"name": "click", "arguments": {"x": 1}}}]},
+            {"role": "tool", "tool_call_id": "x", "content": "ok"}, {"role": "assistant", "content": "Done."}]
+    assert llama4.apply_chat_template(msgs, chat_template=hf, tokenize=False).endswith(
+        '<|python_start|><|python_end|>{"name": "click", "parameters": {"x": 1}}<|eot|>'
+        '<|header_start|>ipython<|header_end|>\n\n"ok"<|eot|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>')
+    for m in msgs[1:2]:
+        m["tool_calls"][0]["function"]["arguments"] = json.dumps(m["tool_calls"][0]["function"]["arguments"])
+    assert llama4.tokenizer.decode(llama4_tokens(llama4_format, {"messages": msgs})).endswith(
+        '<|header_end|>\n\n{"type": "function", "name": "click", "parameters": {"x": 1}}<|eom|>'
+        '<|header_start|>ipython<|header_end|>\n\nok<|eom|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>')
+
+
+# ---- every vendor builtin: `vlmprep build --processor builtin:NAME` end to end ---------------------------------------
+
+BUILDS = {  # builtin -> (processor class, default template, fixed conversations with 0 token differences)
+    "mistral-3": ("PixtralProcessor", "mistral3_mistral_common.jinja", list(CONVERSATIONS)),
+    "llama-3.2-vision": ("MllamaProcessor", "llama3_2_vision_llama_models.jinja", LLAMA_PARITY),
+    "llama-4": ("Llama4Processor", "llama4_llama_models.jinja", LLAMA_PARITY),
+}
+
+
+def vendor_tokens(request, name, rec):
+    if name == "mistral-3":
+        return mistral_tokens(request.getfixturevalue("mistral_reference"), rec)
+    if name == "llama-3.2-vision":
+        return llama3_tokens(rec)
+    if name == "llama-4":
+        return llama4_tokens(request.getfixturevalue("llama4_format"), rec)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_path, monkeypatch):
+    from transformers import AutoProcessor
+
+    cls, template, convs = BUILDS[name]
+    monkeypatch.setenv("VLMPREP_CACHE", str(vendor_cache))
+    inp = tmp_path / "records.jsonl"
+    inp.write_text("".join(json.dumps(record(n)) + "\n" for n in convs))
+    out = tmp_path / "shards"
+    manifest = build(BuildConfig(inputs=(str(inp),), out=str(out), processor=f"builtin:{name}", seq_len=4096,
+                                 progress=False)).manifest
+    assert manifest["totals"]["samples"] == len(convs) and not manifest["rejects"]
+    again = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
+    assert type(again).__name__ == cls
+    assert again.chat_template == (Path(vlmprep.__file__).parent / "templates" / template).read_text(encoding="utf-8")
+    stored = {s.meta()["id"]: s for s in iter_dataset(out)}
+    for conv in convs:
+        assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
