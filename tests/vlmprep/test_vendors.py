@@ -2,6 +2,7 @@
 mistral-common's encode_chat_completion (tokens of a fixed conversation set, images expanded the same way) and its
 Tekkenizer (>= 1M characters of mixed scripts); masks proven on the real vocabulary; the CLI build end to end."""
 import base64
+import functools
 import io
 import json
 import random
@@ -79,6 +80,7 @@ CONVERSATIONS = {
 TOOL_RECORDS = {"tool_calls"}
 
 
+@functools.lru_cache(maxsize=None)
 def parity_corpus(min_chars=1_000_000, seed=18):
     """>= 1M characters of mixed scripts, code, whitespace runs and emoji: PARITY_TEXTS and random mixed-script
     pieces (test_builtin.random_texts) glued into ~600-character documents."""
@@ -89,7 +91,7 @@ def parity_corpus(min_chars=1_000_000, seed=18):
         doc = "".join(rng.choice(pool) + rng.choice(["", " ", "\n", "\n\n", "  ", "\t"]) for _ in range(rng.randint(10, 40)))
         docs.append(doc)
         total += len(doc)
-    return docs
+    return tuple(docs)
 
 
 def record(name):
@@ -171,7 +173,7 @@ def test_mistral3_tokenizer_matches_tekkenizer_on_1m_chars(mistral3, mistral_ref
     tekken = mistral_reference.instruct_tokenizer.tokenizer
     docs = parity_corpus()
     assert sum(map(len, docs)) >= 1_000_000
-    got = mistral3.tokenizer(docs, add_special_tokens=False)["input_ids"]
+    got = mistral3.tokenizer(list(docs), add_special_tokens=False)["input_ids"]
     bad = [i for i, d in enumerate(docs) if got[i] != tekken.encode(d, bos=False, eos=False)]
     assert not bad, ascii(docs[bad[0]][:200])
 
@@ -328,7 +330,7 @@ def test_llama32_tokenizer_matches_llama_models_on_1m_chars(llama32):
 
     ref = Tokenizer.get_instance()
     docs = parity_corpus()
-    got = llama32.tokenizer(docs, add_special_tokens=False)["input_ids"]
+    got = llama32.tokenizer(list(docs), add_special_tokens=False)["input_ids"]
     bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
     assert not bad, ascii(docs[bad[0]][:200])
 
@@ -438,7 +440,7 @@ def test_llama4_tokenizer_matches_llama_models_on_1m_chars(llama4):
 
     ref = Tokenizer.get_instance()
     docs = parity_corpus()
-    got = llama4.tokenizer(docs, add_special_tokens=False)["input_ids"]
+    got = llama4.tokenizer(list(docs), add_special_tokens=False)["input_ids"]
     bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
     assert not bad, ascii(docs[bad[0]][:200])
 
