@@ -530,3 +530,24 @@ def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_pa
     stored = {s.meta()["id"]: s for s in iter_dataset(out)}
     for conv in convs:
         assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
+
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_builtin_matches_its_own_apply_chat_template(request, name):
+    """P for the vendor builtins: render equals the processor's own apply_chat_template (PIL images in the parts)."""
+    fixture = {"mistral-3": "mistral3", "llama-3.2-vision": "llama32", "llama-4": "llama4"}[name]
+    processor = request.getfixturevalue(fixture)
+    for conv_name in BUILDS[name][2]:
+        conv, images, ctx, s = render(record(conv_name), processor)
+        msgs, pil = ctx.messages(conv), iter([Image.open(io.BytesIO(im.source.data)) for im in images])
+        for m in msgs:
+            for part in m["content"] if isinstance(m["content"], list) else []:
+                if part["type"] == "image":
+                    part["image"] = next(pil)
+        ref = processor.apply_chat_template(msgs, tools=conv.tools, tokenize=True, return_dict=True, return_tensors="pt",
+                                            processor_kwargs={"return_mm_token_type_ids": True})
+        np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0].numpy(), err_msg=conv_name)
+        mm = ref.get("mm_token_type_ids")
+        if mm is not None:
+            np.testing.assert_array_equal(s.mm_token_type_ids, mm[0].numpy(), err_msg=conv_name)
