@@ -102,8 +102,10 @@ def record(name):
 
 
 @pytest.fixture(scope="session")
-def vendor_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("vendor-builtins")
+def vendor_cache():
+    from vlmprep.builtin import default_cache_dir
+
+    return default_cache_dir()  # the session's private cache (tests/conftest.py), which `build` uses too
 
 
 @pytest.fixture(scope="session")
@@ -513,11 +515,12 @@ def vendor_tokens(request, name, rec):
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
-def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_path, monkeypatch):
+def test_build_end_to_end_matches_the_vendor(request, name, tmp_path):
     from transformers import AutoProcessor
 
+    from vlmprep.verify import verify_dataset
+
     cls, template, convs = BUILDS[name]
-    monkeypatch.setenv("VLMPREP_CACHE", str(vendor_cache))
     inp = tmp_path / "records.jsonl"
     inp.write_text("".join(json.dumps(record(n)) + "\n" for n in convs))
     out = tmp_path / "shards"
@@ -530,6 +533,7 @@ def test_build_end_to_end_matches_the_vendor(request, name, vendor_cache, tmp_pa
     stored = {s.meta()["id"]: s for s in iter_dataset(out)}
     for conv in convs:
         assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
+    assert verify_dataset(out) == []
 
 
 
