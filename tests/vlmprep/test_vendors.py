@@ -16,8 +16,6 @@ from tests.vlmprep.test_builtin import PARITY_TEXTS, random_texts
 from tests.vlmprep.test_families import render, trained_runs
 import vlmprep
 from vlmprep.builtin import build_builtin_processor
-from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
 from vlmprep.shards.reader import iter_dataset
 
 IMAGES = {"red": (56, 56, (200, 10, 10)), "wide": (300, 90, (0, 90, 0)), "big": (3000, 1000, (10, 10, 200)),
@@ -515,18 +513,23 @@ def vendor_tokens(request, name, rec):
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
-def test_build_end_to_end_matches_the_vendor(request, name, tmp_path):
+def test_cli_build_end_to_end_matches_the_vendor(request, name, tmp_path):
     from transformers import AutoProcessor
+    from typer.testing import CliRunner
 
+    from vlmprep.cli import app
     from vlmprep.verify import verify_dataset
 
     cls, template, convs = BUILDS[name]
     inp = tmp_path / "records.jsonl"
     inp.write_text("".join(json.dumps(record(n)) + "\n" for n in convs))
     out = tmp_path / "shards"
-    manifest = build(BuildConfig(inputs=(str(inp),), out=str(out), processor=f"builtin:{name}", seq_len=4096,
-                                 progress=False)).manifest
+    res = CliRunner().invoke(app, ["build", "--in", str(inp), "--out", str(out), "--processor", f"builtin:{name}",
+                                   "--seq-len", "4096", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["samples"] == len(convs) and not manifest["rejects"]
+    assert manifest["processor"]["class"] == cls
     again = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
     assert type(again).__name__ == cls
     assert again.chat_template == (Path(vlmprep.__file__).parent / "templates" / template).read_text(encoding="utf-8")
