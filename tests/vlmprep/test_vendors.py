@@ -1,6 +1,8 @@
 """Real-vocabulary builtins checked against the vendors' own reference encoders: builtin:mistral-3 against
-mistral-common's encode_chat_completion (tokens of a fixed conversation set, images expanded the same way) and its
-Tekkenizer (>= 1M characters of mixed scripts); masks proven on the real vocabulary; the CLI build end to end."""
+mistral-common's encode_chat_completion and Tekkenizer, builtin:llama-3.2-vision and builtin:llama-4 against
+llama-models' ChatFormat and tiktoken Tokenizer: tokens of a fixed conversation set (images expanded the same way),
+tokenizer parity on >= 1M characters of mixed scripts, official ids, masks on the real vocabularies, every
+difference from the Hugging Face templates pinned, and `vlmprep build --processor builtin:NAME` end to end."""
 import base64
 import functools
 import io
@@ -127,8 +129,10 @@ def mistral_reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("mistral-ref") / "tekken.json"
     path.write_text(json.dumps(data), encoding="utf-8")
     # Only the tokens are compared: skip the pixel transform (it needs opencv), keep the token count it derives.
-    mimage.transform_image = lambda image, size: np.zeros((3, size[1], size[0]), np.float32)
-    return MistralTokenizer.from_file(str(path), mode=ValidationMode.finetuning)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(mimage, "transform_image", lambda image, size: np.zeros((3, size[1], size[0]), np.float32))
+    yield MistralTokenizer.from_file(str(path), mode=ValidationMode.finetuning)
+    patch.undo()
 
 
 def mistral_tokens(reference, rec):
