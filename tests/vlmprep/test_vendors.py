@@ -71,6 +71,15 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "Opening it.", "tool_calls": [{"id": "q1w2e3r4t", "type": "function",
             "function": {"name": "click", "arguments": "{\"x\": 1, \"y\": 2}"}}]},
     ],
+    # A browser-agent step: the screenshot comes back in the tool result (llama-models takes images in any role;
+    # mistral-common takes only text there, so its template refuses this record).
+    "tool_screenshot": [
+        {"role": "user", "content": "Open example.com and tell me the headline."},
+        {"role": "assistant", "tool_calls": [{"id": "n4v1g4t3x", "type": "function",
+            "function": {"name": "navigate", "arguments": "{\"url\": \"https://example.com\"}"}}]},
+        {"role": "tool", "tool_call_id": "n4v1g4t3x", "content": [text("Page loaded."), png("wide")]},
+        {"role": "assistant", "content": "The headline is \"Example Domain\"."},
+    ],
     "multi_text_parts": [
         {"role": "system", "content": [text("Rule one."), text("Rule two.")]},
         {"role": "user", "content": [text("First part."), text("Second part."), png("red"), text("After."), png("tall")]},
@@ -145,7 +154,10 @@ def mistral_tokens(reference, rec):
 # ---- builtin:mistral-3 ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(CONVERSATIONS))
+MISTRAL_PARITY = [n for n in CONVERSATIONS if n != "tool_screenshot"]
+
+
+@pytest.mark.parametrize("name", MISTRAL_PARITY)
 def test_mistral3_matches_mistral_common_on_fixed_conversations(mistral3, mistral_reference, name):
     rec = record(name)
     *_, sample = render(rec, mistral3)
@@ -171,6 +183,16 @@ MISTRAL_RUNS = {
 def test_mistral3_masks_train_assistant_text_calls_and_eos(mistral3, name):
     *_, sample = render(record(name), mistral3)
     assert [t for _, _, t in trained_runs(sample, mistral3.tokenizer)] == MISTRAL_RUNS[name]
+
+
+def test_mistral3_refuses_an_image_in_a_tool_result(mistral3, mistral_reference):
+    # mistral-common has no form for it (tool content is text only); the template refuses rather than invent one.
+    with pytest.raises(Exception, match="only text in a tool result"):
+        render(record("tool_screenshot"), mistral3)
+    from mistral_common.exceptions import InvalidToolMessageException
+
+    with pytest.raises(InvalidToolMessageException, match="Unexpected content chunk types in tool message"):
+        mistral_tokens(mistral_reference, record("tool_screenshot"))
 
 
 def test_mistral3_tokenizer_matches_tekkenizer_on_1m_chars(mistral3, mistral_reference):
@@ -308,7 +330,7 @@ def llama3_tokens(rec):
     return tokens[:-len(header)]
 
 
-LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls"]
+LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls", "tool_screenshot"]
 
 
 @pytest.mark.parametrize("name", LLAMA_PARITY)
@@ -500,7 +522,7 @@ def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_pa
 # ---- every vendor builtin: `vlmprep build --processor builtin:NAME` end to end ---------------------------------------
 
 BUILDS = {  # builtin -> (processor class, default template, fixed conversations with 0 token differences)
-    "mistral-3": ("PixtralProcessor", "mistral3_mistral_common.jinja", list(CONVERSATIONS)),
+    "mistral-3": ("PixtralProcessor", "mistral3_mistral_common.jinja", MISTRAL_PARITY),
     "llama-3.2-vision": ("MllamaProcessor", "llama3_2_vision_llama_models.jinja", LLAMA_PARITY),
     "llama-4": ("Llama4Processor", "llama4_llama_models.jinja", LLAMA_PARITY),
 }
