@@ -92,14 +92,8 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
     """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
     if name in _QWEN3_SPECS:
         return _build_qwen3_processor(name, cache_dir)
-    if name == "mistral-3":
-        from vlmprep.builtin_mistral import build_mistral_processor
-
-        return build_mistral_processor(name, cache_dir)
     if name in VENDOR_BUILTINS:
-        from vlmprep.builtin_llama import build_llama_processor
-
-        return build_llama_processor(name, cache_dir)
+        return _build_vendor_processor(name, cache_dir)
     if name not in _SPECS:
         raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(builtin_names())}")
     tiktoken_bytes = _tiktoken_resource().read_bytes()
@@ -112,6 +106,22 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
 
     from transformers import AutoProcessor
 
+    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+
+
+def _build_vendor_processor(name: str, cache_dir: Path | None) -> ProcessorMixin:
+    from transformers import AutoProcessor
+
+    if name == "mistral-3":
+        from vlmprep import builtin_mistral as vendor
+    else:
+        from vlmprep import builtin_llama as vendor
+    data, template = vendor.source_files(name)
+    key = _cache_key(name, data, template)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"{name}-{key[:16]}"
+    if not (final / MARKER_FILE).is_file():
+        _build_into(final, name, key, lambda: vendor.make_processor(name, template))
     return AutoProcessor.from_pretrained(str(final), local_files_only=True)
 
 

@@ -1,4 +1,4 @@
-"""Offline builds of the Llama 3.2 Vision (MllamaProcessor) and Llama 4 (Llama4Processor) processors from the
+"""Offline builds (cached by vlmprep.builtin) of the Llama 3.2 Vision (MllamaProcessor) and Llama 4 (Llama4Processor) processors from the
 tiktoken BPE ranks `llama-models` ships, special tokens at the official Hugging Face ids, and the chat format of
 llama-models' ChatFormat (Meta's reference encoder) as the default template.
 """
@@ -8,8 +8,6 @@ import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from vlmprep.builtin import MARKER_FILE, _build_into, _cache_key, default_cache_dir
 
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
@@ -68,18 +66,10 @@ def read_template(name: str) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
-def build_llama_processor(name: str, cache_dir: Path | None = None) -> ProcessorMixin:
-    from transformers import AutoProcessor
-
+def source_files(name: str) -> tuple[bytes, str]:
+    """What the build reads (BPE ranks, default template): vlmprep.builtin hashes them into the cache key."""
     spec = SPECS[name]
-    ranks = ranks_resource(spec).read_bytes()
-    template = read_template(spec.template)
-    key = _cache_key(name, ranks, template)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"{name}-{key[:16]}"
-    if not (final / MARKER_FILE).is_file():
-        _build_into(final, name, key, lambda: make_llama_processor(name, template))
-    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+    return ranks_resource(spec).read_bytes(), read_template(spec.template)
 
 
 def _tokenizer(spec: _LlamaSpec, template: str):
@@ -109,7 +99,7 @@ def _tokenizer(spec: _LlamaSpec, template: str):
     return tok
 
 
-def make_llama_processor(name: str, template: str) -> ProcessorMixin:
+def make_processor(name: str, template: str) -> ProcessorMixin:
     import transformers as T
 
     spec = SPECS[name]

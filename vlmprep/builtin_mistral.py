@@ -1,4 +1,4 @@
-"""Offline build of the Mistral Small 3.1 (Mistral 3 / Pixtral architecture) processor: the Tekken vocabulary that
+"""Offline build (cached by vlmprep.builtin) of the Mistral Small 3.1 (Mistral 3 / Pixtral architecture) processor: the Tekken vocabulary that
 `mistral-common` ships (special tokens at their official ids), mistral-common's own chat format, PixtralProcessor.
 """
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from vlmprep.builtin import MARKER_FILE, _build_into, _cache_key, default_cache_dir
 
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
@@ -37,17 +35,15 @@ def read_template(name: str = VENDOR_TEMPLATE) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
-def build_mistral_processor(name: str, cache_dir: Path | None = None) -> ProcessorMixin:
-    from transformers import AutoProcessor
+def source_files(name: str) -> tuple[bytes, str]:
+    """What the build reads (vocabulary bytes, default template): vlmprep.builtin hashes them into the cache key."""
+    assert name == "mistral-3", name
+    return tekken_resource().read_bytes(), read_template()
 
-    vocab = tekken_resource().read_bytes()
-    template = read_template()
-    key = _cache_key(name, vocab, template)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"{name}-{key[:16]}"
-    if not (final / MARKER_FILE).is_file():
-        _build_into(final, name, key, lambda: make_mistral_processor(template))
-    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+
+def make_processor(name: str, template: str) -> ProcessorMixin:
+    assert name == "mistral-3", name
+    return make_mistral_processor(template)
 
 
 def make_mistral_processor(template: str) -> ProcessorMixin:
