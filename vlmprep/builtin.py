@@ -86,8 +86,12 @@ _SPECS = {
 }
 
 
+# Built by vlmprep/builtin_mistral.py and builtin_llama.py, checked against the vendors' reference encoders.
+VENDOR_BUILTINS = ("mistral-3", "llama-3.2-vision", "llama-4")
+
+
 def builtin_names() -> list[str]:
-    return list(_SPECS) + list(_QWEN3_SPECS)
+    return list(_SPECS) + list(_QWEN3_SPECS) + list(VENDOR_BUILTINS)
 
 
 def default_cache_dir() -> Path:
@@ -99,6 +103,8 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
     """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
     if name in _QWEN3_SPECS:
         return _build_qwen3_processor(name, cache_dir)
+    if name in VENDOR_BUILTINS:
+        return _build_vendor_processor(name, cache_dir)
     if name not in _SPECS:
         raise ValueError(f"unknown builtin processor {name!r}: choose one of {', '.join(builtin_names())}")
     tiktoken_bytes = _tiktoken_resource().read_bytes()
@@ -111,6 +117,22 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
 
     from transformers import AutoProcessor
 
+    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+
+
+def _build_vendor_processor(name: str, cache_dir: Path | None) -> ProcessorMixin:
+    from transformers import AutoProcessor
+
+    if name == "mistral-3":
+        from vlmprep import builtin_mistral as vendor
+    else:
+        from vlmprep import builtin_llama as vendor
+    data, template = vendor.source_files(name)
+    key = _cache_key(name, data, template)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"{name}-{key[:16]}"
+    if not (final / MARKER_FILE).is_file():
+        _build_into(final, name, key, lambda: vendor.make_processor(name, template))
     return AutoProcessor.from_pretrained(str(final), local_files_only=True)
 
 

@@ -244,9 +244,11 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
 
 
 def _candidates(text: str) -> list[str]:
-    # The rewrites templates apply to message text (jinja trim, Qwen's strip('\n')), most faithful first.
+    # The rewrites templates apply to message text (jinja trim, Qwen's strip('\n'), mistral-common's rstrip(' ')),
+    # most faithful first.
     out = []
-    for c in (text, text.strip(), text.strip("\n"), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.rstrip("\n")):
+    for c in (text, text.strip(), text.strip("\n"), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.rstrip("\n"),
+              text.rstrip(" ")):
         if c not in out:
             out.append(c)
     return out
@@ -460,17 +462,20 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
         by_msg.setdefault(slots[loc.slot].msg, []).append(loc)
     special = ctx._special_re
 
-    def next_special(pos: int) -> int:
-        m = special.search(rendered, pos) if special is not None else None
-        return m.start() if m else len(rendered)
+    def next_special(pos: int, skip: tuple[str, ...] = ()) -> int:
+        while True:
+            m = special.search(rendered, pos) if special is not None else None
+            if m is None or m.group() not in skip:
+                return m.start() if m else len(rendered)
+            pos = m.end()  # a control token the model generates as part of the turn (Mistral's [TOOL_CALLS])
 
     # Where each message's body ends in `rendered`: its last text, plus tool calls or whitespace the template
     # prints before the next control token (the model must generate those too).
     body_end, unrendered_msgs = {}, set()
     for i, locs in by_msg.items():
         e = locs[-1].end
-        gap = rendered[e:next_special(e)]
         m = conv.messages[i]
+        gap = rendered[e:next_special(e, ctx.family.tool_call_tokens if m.tool_calls else ())]
         if m.tool_calls:
             if _tool_calls_rendered(gap, m.tool_calls):
                 e += len(gap)

@@ -98,7 +98,8 @@ class _SampleCheck:
         self.family: FamilySpec | None = family_of(manifest["processor"]["class"])
         pcfg = _processor_config(root / manifest["processor"]["dir"])
         self.merge = int(pcfg.get("merge_size", 2))
-        self.patch = int(pcfg.get("patch_size", 14))
+        patch = pcfg.get("patch_size", 14)  # PixtralImageProcessor saves {"height": h, "width": w}
+        self.patch = int(patch["height"] if isinstance(patch, dict) else patch)
 
     def __call__(self, s: StoredSample) -> tuple[list[Violation], tuple[int, int]]:
         where = f"{s.where}:{s.key}"

@@ -26,6 +26,7 @@ class FamilySpec:
     role_markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # --role-boundaries: role -> (start, end)
     # Tokens that open a turn, for views: "next" = the role is the first word after the token, else the role itself.
     turn_starts: dict[str, str] = field(default_factory=dict)
+    tool_call_tokens: tuple[str, ...] = ()  # control tokens that open a turn's tool calls (trained with the calls)
 
     @property
     def grid_images(self) -> bool:
@@ -51,10 +52,12 @@ FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
                turn_starts={"<start_of_turn>": "next"}),
     FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",),
                turn_starts={"<|start_header_id|>": "next"}),
-    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>",),
+    # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.
+    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>", "<|eom|>"),
                turn_starts={"<|header_start|>": "next"}),
     FamilySpec(name="mistral3-pixtral", processor_class="PixtralProcessor", end_of_turn=("</s>",),
-               image_mode="longest_edge_patch", turn_starts={"[INST]": "user", "[/INST]": "assistant"}),
+               image_mode="longest_edge_patch", turn_starts={"[INST]": "user", "[/INST]": "assistant"},
+               tool_call_tokens=("[TOOL_CALLS]",)),
     FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
     FamilySpec(name="llava-onevision", processor_class="LlavaOnevisionProcessor", end_of_turn=("<|im_end|>",),
                turn_starts=_IM_START),
