@@ -139,16 +139,18 @@ class RenderContext:
 
 
 def _prints_string_arguments(processor, chat_template: str) -> bool:
-    """Whether the template accepts tool-call arguments as a JSON string (Qwen2/3-VL print it verbatim). Templates
-    that walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string; they get the parsed object."""
+    """Whether the template prints tool-call arguments given as a JSON string verbatim (Qwen2/3-VL). Templates that
+    walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string, and templates that serialize them
+    (`tojson`: the Llama / Mistral vendor templates) would print it escaped, as a JSON string inside the JSON; both
+    expect the object, so they get the parsed one."""
     probe = [{"role": "user", "content": "q"},
              {"role": "assistant", "content": "", "tool_calls": [
                  {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}]}]
     try:
-        processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
+        rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
     except Exception:  # noqa: BLE001 - any template error on a string means it needs the object
         return False
-    return True
+    return '{"k": 1}' in rendered
 
 
 def _alternation(strings) -> re.Pattern | None:
