@@ -371,13 +371,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     if ctx.family.role_markers:
         _check_role_markers(ctx, conv, slots, located, rendered)
 
-    n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
-    if n_placeholders != len(images):
-        raise RecordError("image_count_mismatch",
-                          f"template emitted {n_placeholders} image placeholders for {len(images)} images")
-    replacements = ctx.image_replacements(images, rendered)
-    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements)
-    expanded, offs = expanded[0], (offs[0] if offs else [])
+    expanded, offs = _expand_images(ctx, rendered, images)
     # Message text never holds a placeholder, so char positions only shift by each earlier expansion.
     rep_ends = [o["span"][1] for o in offs]
     rep_delta = np.cumsum([0] + [(o["new_span"][1] - o["new_span"][0]) - (o["span"][1] - o["span"][0]) for o in offs])
@@ -435,15 +429,20 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
 
 def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage]) -> int:
     """The length render_conversation would give, without locating text or proving masks (for planning splits)."""
-    rendered = ctx.render_text(ctx.messages(conv), conv.tools)
+    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images)
+    bos = ctx.tokenizer.bos_token
+    return len(ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)))["input_ids"])
+
+
+def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage]) -> tuple[str, list[dict]]:
+    """The rendered text with each image placeholder replaced by the processor's own expansion, and the offsets."""
     n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
     if n_placeholders != len(images):
         raise RecordError("image_count_mismatch",
                           f"template emitted {n_placeholders} image placeholders for {len(images)} images")
     replacements = ctx.image_replacements(images, rendered)
-    expanded, _ = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements)
-    bos = ctx.tokenizer.bos_token
-    return len(ctx.tokenizer(expanded[0], add_special_tokens=not (bos and expanded[0].startswith(bos)))["input_ids"])
+    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements)
+    return expanded[0], (offs[0] if offs else [])
 
 
 @dataclass
