@@ -243,6 +243,7 @@ def test_max_pixels_is_saved_and_gives_the_processors_own_grid(traces, tmp_path)
     assert pixels.shape[0] == int(batch.image_grid_thw.prod(dim=1).sum())
 
 
+@pytest.mark.slow  # two builds, one with 2 spawned workers (test_build.py keeps the byte-identity check in make test)
 def test_split_build_is_byte_identical_for_any_worker_count(traces, tmp_path, qwen2vl_processor):
     def hashes(d):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}

@@ -538,6 +538,7 @@ def vendor_tokens(request, name, rec):
     raise AssertionError(name)
 
 
+@pytest.mark.slow  # a `vlmprep build` subprocess per vendor; the fixed-set parity tests above run in make test
 @pytest.mark.parametrize("name", list(BUILDS))
 def test_cli_build_end_to_end_matches_the_vendor(request, name, tmp_path):
     from transformers import AutoProcessor
