@@ -557,6 +557,8 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
         if len(hit):
             k = int(hit[0])
             mask[k] = True
+            if i in turn_tokens:  # a trained turn ends with its end-of-turn: cut before it, it is not trained
+                turn_tokens[i].extend([k, k + 1])
             one = np.zeros(len(ids), dtype=bool)
             one[k] = True
             proofs.append((one, ctx.eot_ids[int(ids[k])]))
