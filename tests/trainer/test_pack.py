@@ -212,7 +212,8 @@ def test_packed_layout_literal():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+                                    pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def test_packed_row_gives_each_sample_its_own_logits_and_broken_packing_does_not(family, attn, spec_for):
     patch = _patch(family)
     net = _net(family, attn)

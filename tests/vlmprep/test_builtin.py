@@ -278,6 +278,7 @@ def test_chat_template_tokenized_with_pil_image(processors, name):
     assert ids == proc.tokenizer.encode(expanded, add_special_tokens=False)
 
 
+@pytest.mark.slow  # builds a processor cold to compare with the cached load (~20 s)
 def test_second_call_hits_the_cache(processors, cache_dir, cold_seconds, monkeypatch):
     entries = sorted(p.name for p in cache_dir.iterdir())
     assert len(entries) == len(QWEN_NAMES) and all((cache_dir / e / builtin.MARKER_FILE).is_file() for e in entries)
