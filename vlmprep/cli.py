@@ -28,8 +28,8 @@ def _fail(e: BaseException) -> None:
 
 @app.command()
 def build(
-    inputs: Annotated[list[str], typer.Option("--in", help="Input .jsonl / .jsonl.zst / .json files, globs or dirs.")],
     out: Annotated[Path, typer.Option("--out", help="Output dataset dir (shards, manifest, processor).")],
+    inputs: Annotated[Optional[list[str]], typer.Option("--in", help="Input .jsonl / .jsonl.zst / .json files, globs or dirs (optional with --task-index when DIR/plan.json exists).")] = None,
     processor: Annotated[str, typer.Option(help="builtin:qwen2-vl | builtin:qwen2.5-vl | builtin:qwen3-vl | builtin:qwen3.5 | local processor dir | hub id.")] = "builtin:qwen2-vl",
     seq_len: Annotated[int, typer.Option(help="Max tokens per sample; cuts never split an image.")] = 8192,
     image_format: Annotated[str, typer.Option(help="zstd | png | webp | original (see README).")] = "zstd",
@@ -57,28 +57,61 @@ def build(
     min_pixels: Annotated[Optional[int], typer.Option(help="Image resize budget: min pixels per image (saved into DIR/processor).")] = None,
     max_pixels: Annotated[Optional[int], typer.Option(help="Image resize budget: max pixels per image (saved into DIR/processor).")] = None,
     allow_empty: Annotated[bool, typer.Option(help="Exit 0 even when every record is rejected (0 samples).")] = False,
+    tasks: Annotated[int, typer.Option(help="Cut the input into this many fixed tasks (DIR/plan.json); 1 = one task.")] = 1,
+    task_index: Annotated[Optional[int], typer.Option(help="Run only this task of DIR/plan.json (a Slurm array / indexed job); then `vlmprep merge DIR`.")] = None,
+    plan_only: Annotated[bool, typer.Option(help="Write DIR/plan.json (and DIR/processor) and stop.")] = False,
+    executor: Annotated[str, typer.Option(help="Who runs the tasks: local (--workers processes) | ray (pip install 'vlmprep[ray]').")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster to join (default: $RAY_ADDRESS, else a local cluster of --workers CPUs).")] = None,
 ) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build as run_build
-    from vlmprep.summary import format_build_summary
+    from vlmprep.pipeline import build as run_build, build_task
+    from vlmprep.summary import format_build_summary, format_plan_summary, format_task_summary
 
+    show_progress = progress and sys.stderr.isatty()
     try:
+        if not inputs:
+            if task_index is None:
+                raise typer.BadParameter("--in is required (only a --task-index run may take its inputs from DIR/plan.json)")
+            result = build_task(out, task_index, workers=workers, progress=show_progress)
+            typer.echo(format_task_summary(result.task, out))
+            return
         cfg = BuildConfig(inputs=tuple(inputs), out=str(out), processor=processor, seq_len=seq_len,
                           image_format=image_format, samples_per_shard=samples_per_shard, shard_size_mb=shard_size_mb,
                           workers=workers, allow_remote=allow_remote, image_root=image_root, strict=strict,
                           max_image_pixels=max_image_pixels, max_images_per_record=max_images_per_record,
                           max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window,
-                          min_image_side=min_image_side, progress=progress and sys.stderr.isatty(),
+                          min_image_side=min_image_side, progress=show_progress,
                           train_on_roles=tuple(r.strip() for r in train_on_roles.split(",") if r.strip()),
                           train_on_eos=train_on_eos, last_turn_only=last_turn_only, tool_calls=tool_calls,
                           chat_template=chat_template, role_boundaries=role_boundaries, long_traces=long_traces,
                           keep_images=parse_keep_images(keep_images), dropped_image_text=dropped_image_text,
-                          min_pixels=min_pixels, max_pixels=max_pixels, allow_empty=allow_empty)
+                          min_pixels=min_pixels, max_pixels=max_pixels, allow_empty=allow_empty, tasks=tasks,
+                          task_index=task_index, plan_only=plan_only, executor=executor, ray_address=ray_address)
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
-    typer.echo(format_build_summary(result.manifest, out))
+    if result.manifest is not None:
+        typer.echo(format_build_summary(result.manifest, out))
+    elif result.task is not None:
+        typer.echo(format_task_summary(result.task, out))
+    else:
+        typer.echo(format_plan_summary(result.plan, out))
+
+
+@app.command()
+def merge(
+    root: Annotated[Path, typer.Argument(help="A dataset dir whose plan's tasks have all finished.")],
+) -> None:
+    """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs)."""
+    from vlmprep.merge import merge_tasks
+    from vlmprep.summary import format_build_summary
+
+    try:
+        manifest = merge_tasks(root)
+    except (UserError, ValueError, OSError) as e:
+        _fail(e)
+    typer.echo(format_build_summary(manifest, root))
 
 
 def parse_keep_images(value: str) -> int | None:

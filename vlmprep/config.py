@@ -10,6 +10,7 @@ ROLES = ("system", "user", "assistant", "tool")
 EOS_POLICIES = ("all", "turn", "last", "none")
 TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
 LONG_TRACES = ("truncate", "split")
+EXECUTORS = ("local", "ray")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,13 @@ class BuildConfig:
     dropped_image_text: str | None = None  # replaces each image the history policy removes; None = dropped
     min_pixels: int | None = None
     max_pixels: int | None = None
+    # Scale out (README, "Scale out"): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
+    # at a time with task_index (a Slurm array / indexed job), then merged.
+    tasks: int = 1
+    task_index: int | None = None
+    plan_only: bool = False
+    executor: str = "local"
+    ray_address: str | None = None
 
     def __post_init__(self):
         if not self.inputs:
@@ -88,6 +96,16 @@ class BuildConfig:
                 raise ValueError(f"{name}={v}: must be a positive pixel count, e.g. --max-pixels 1003520")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: swap them")
+        if self.tasks < 1:
+            raise ValueError(f"tasks={self.tasks}: must be >= 1 (1 = one task, today's single-machine build)")
+        if self.task_index is not None and not 0 <= self.task_index < self.tasks:
+            raise ValueError(f"task_index={self.task_index}: must be in 0..{self.tasks - 1} for --tasks {self.tasks}")
+        if self.task_index is not None and self.plan_only:
+            raise ValueError("--plan-only writes the plan and runs no task: drop --task-index")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor={self.executor!r}: choose one of {', '.join(EXECUTORS)}")
+        if self.ray_address is not None and self.executor != "ray":
+            raise ValueError("--ray-address is for --executor ray: pass both")
         if self.max_images_per_record > 999:
             raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
                              "(image members are img000..img999)")
@@ -95,12 +113,18 @@ class BuildConfig:
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{opt} {path}: no such file; pass the path of an existing file")
 
+    @classmethod
+    def from_plan(cls, config: dict, **run) -> "BuildConfig":
+        """The config a plan was made with, plus the run-only fields (out, workers, progress, task_index ...)."""
+        d = dict(config, inputs=tuple(config["inputs"]), train_on_roles=tuple(config["train_on_roles"]))
+        return cls(**d, **run)
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["inputs"] = list(self.inputs)
         d["train_on_roles"] = list(self.train_on_roles)
-        # Display, worker count, the exit-code rule and the output dir itself never change the bytes, so a copy
-        # or a rebuild elsewhere stays byte-identical.
-        for k in ("progress", "workers", "out", "allow_empty"):
+        # Display, worker count, the exit-code rule, the output dir and how tasks are run never change the bytes, so
+        # a copy, a rebuild elsewhere or another executor stays byte-identical (the task count does change them).
+        for k in ("progress", "workers", "out", "allow_empty", "task_index", "plan_only", "executor", "ray_address"):
             d.pop(k)
         return d

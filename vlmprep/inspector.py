@@ -128,7 +128,7 @@ def _raw_id_candidate(raw, want: str) -> bool:
 
 
 def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
-    from vlmprep.pipeline import reject_entry
+    from vlmprep.task import reject_entry
     from vlmprep.records import expand_inputs, iter_records
     from vlmprep.shards.format import sample_key
 
@@ -180,7 +180,7 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
     else:
         if cfg.shard is not None:
             raise InspectError(f"--shard selects a shard of a built dir; {p} is raw input")
-        from vlmprep.pipeline import Renderer
+        from vlmprep.task import Renderer
         from vlmprep.processor import load_processor
 
         bcfg = _raw_build_config(cfg)

@@ -1,5 +1,5 @@
-"""Build journal: what an interrupted build has durably finished (completed shards, input position, rejects
-so far), so a rerun with the same arguments resumes and still ends byte-identical to an uninterrupted build.
+"""Task journal: what an interrupted task has durably finished (completed shards, input position, rejects
+so far), so a rerun of the task resumes and still ends byte-identical to an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import write_json_atomic
 
-JOURNAL_NAME = "build-journal.json"
-REJECTS_PARTIAL = "rejects.jsonl.partial"
-
 
 @dataclass
 class Journal:
@@ -26,10 +23,6 @@ class Journal:
     rejects: dict = field(default_factory=dict)
 
 
-def input_signature(files: list[Path]) -> list[dict]:
-    return [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -38,9 +31,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_journal(out: Path, identity: dict) -> Journal | None:
-    """The journal if it belongs to this exact build and its shards are intact; else None (start over)."""
-    path = out / JOURNAL_NAME
+def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: dict) -> Journal | None:
+    """The journal at `path` if it belongs to this exact task and its shards are intact; else None (start over).
+    `rejects` is the task's partial rejects file, `final` its completed name."""
     try:
         j = Journal(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
@@ -51,8 +44,6 @@ def load_journal(out: Path, identity: dict) -> Journal | None:
         p = out / s["name"]
         if not p.is_file() or p.stat().st_size != s["bytes"] or _sha256(p) != s["sha256"]:
             return None
-    rejects = out / REJECTS_PARTIAL
-    final = out / "rejects.jsonl"
     if not rejects.exists() and final.exists():
         final.replace(rejects)  # killed between the rejects rename and the manifest: take it back
     if (rejects.stat().st_size if rejects.exists() else 0) < j.rejects_bytes:
@@ -60,8 +51,8 @@ def load_journal(out: Path, identity: dict) -> Journal | None:
     return j
 
 
-def save_journal(out: Path, journal: Journal) -> None:
-    write_json_atomic(out / JOURNAL_NAME, asdict(journal))
+def save_journal(path: Path, journal: Journal) -> None:
+    write_json_atomic(path, asdict(journal))
 
 
 def landed_ids(out: Path, shards: list[dict]) -> set[str]:

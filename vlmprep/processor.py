@@ -37,20 +37,29 @@ def fingerprint_dir(path: Path) -> str:
 
 
 def save_processor(processor, dest: Path) -> str:
-    """Save atomically into dest (replacing an older copy); returns the content fingerprint."""
+    """Save atomically into dest, replacing a different older copy; returns the content fingerprint. Safe when
+    several task processes save the same processor at once: each writes its own temp dir, and an identical copy
+    already in place is kept."""
     dest = Path(dest)
-    tmp = dest.with_name(dest.name + ".tmp")
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     processor.save_pretrained(str(tmp))
+    fingerprint = fingerprint_dir(tmp)
+    if dest.exists() and fingerprint_dir(dest) == fingerprint:
+        shutil.rmtree(tmp)
+        return fingerprint
     if dest.exists():
-        old = dest.with_name(dest.name + ".old")
+        old = dest.with_name(f"{dest.name}.{os.getpid()}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dest, old)
-        os.replace(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
-    else:
+    try:
         os.replace(tmp, dest)
-    return fingerprint_dir(dest)
+    except OSError:  # another process put its copy in place first
+        if fingerprint_dir(dest) != fingerprint:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return fingerprint
 
 
 def apply_pixel_budget(processor, family, *, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -31,3 +31,18 @@ def _turn_lines(turns: dict | None) -> list[str]:
             f"(coverage {turns['coverage']:.1%}; lost: {lost})",
             f"  history policy    {turns['images_removed_by_history']} images removed; split context "
             f"{turns['context_tokens_repeated']} tokens repeated"]
+
+
+def format_plan_summary(plan: dict, out: Path) -> str:
+    sizes = [c["bytes"] for c in plan["cuts"]]
+    mean = sum(sizes) / max(len(sizes), 1)
+    return (f"planned {out}: {plan['records']} records in {plan['tasks']} tasks "
+            f"(largest task {max(sizes, default=0) / max(mean, 1):.2f}x the mean input bytes)\n"
+            f"  run each: vlmprep build --out {out} --task-index I   (I = 0..{plan['tasks'] - 1})\n"
+            f"  then:     vlmprep merge {out}")
+
+
+def format_task_summary(task: dict, out: Path) -> str:
+    t = task["totals"]
+    return (f"task {task['task']} of {out}: {t['records']} records -> {t['samples']} samples in "
+            f"{len(task['shards'])} shards, {t['rejected']} rejected")

@@ -49,6 +49,8 @@ class RawRecord:
     text: bytes | None = None  # the raw line
     data: Any = None  # already-parsed object (from a .json array file)
     error: RecordError | None = None  # file-level reader fault attached to this position
+    offset: int = 0  # where the line starts in the (decompressed) file, .json: item index; a task plan cuts here
+    size: int = 0  # its bytes: the plan balances tasks by them
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ def check_no_partial_final_files(out: Path) -> None:
         manifest = json.loads((out / "manifest.json").read_text())
         for s in manifest["shards"]:
             assert hashlib.sha256((out / s["name"]).read_bytes()).hexdigest() == s["sha256"]
-    if (out / "build-journal.json").exists():
-        json.loads((out / "build-journal.json").read_text())
+    if (out / "tasks/task-00000.journal.json").exists():
+        json.loads((out / "tasks/task-00000.journal.json").read_text())
     if (out / "rejects.jsonl").exists():
         for line in (out / "rejects.jsonl").read_text().splitlines():
             json.loads(line)
@@ -127,13 +127,13 @@ def test_resume_keeps_completed_shards(kill_input, tmp_path, qwen2vl_processor):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    journal = json.loads((out / "build-journal.json").read_text())
+    journal = json.loads((out / "tasks/task-00000.journal.json").read_text())
     done = [s["name"] for s in journal["shards"]]
     assert done, "the journal records completed shards"
     inodes = {n: (out / n).stat().st_ino for n in done}
     subprocess.run(build_cmd(kill_input, out), check=True, capture_output=True)
     assert {n: (out / n).stat().st_ino for n in done} == inodes
-    assert not (out / "build-journal.json").exists()
+    assert not (out / "tasks/task-00000.journal.json").exists()
     # Changed arguments invalidate the journal: a different seq-len starts over.
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["name"] for s in manifest["shards"]][: len(done)] == done

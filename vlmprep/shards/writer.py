@@ -110,9 +110,10 @@ class ShardInfo:
 class ShardWriter:
     """Rolls tars at samples_per_shard or shard_size_bytes, whichever comes first."""
 
-    def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int,
+    def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int, prefix: str = "shard-",
                  done: list[ShardInfo] | None = None):
         self.out_dir = Path(out_dir)
+        self.prefix = prefix  # a plan task's shards carry its index (plan.shard_prefix)
         self.samples_per_shard = samples_per_shard
         self.shard_size_bytes = shard_size_bytes
         self.shards: list[ShardInfo] = list(done or [])  # shards a resumed build already completed
@@ -123,7 +124,7 @@ class ShardWriter:
         self._info: ShardInfo | None = None
 
     def _open(self):
-        self._info = ShardInfo(name=f"shard-{self.index:06d}.tar")
+        self._info = ShardInfo(name=f"{self.prefix}{self.index:06d}.tar")
         self._file = open(self.out_dir / (self._info.name + ".tmp"), "wb")
         self._hf = _HashingFile(self._file)
         self._tar = tarfile.open(fileobj=self._hf, mode="w", format=tarfile.USTAR_FORMAT)
@@ -171,10 +172,13 @@ class ShardWriter:
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = Path(str(path) + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -1,0 +1,175 @@
+"""Planned builds (--tasks T): for a fixed T the dataset dir is byte-identical whether the local pool runs the tasks
+or separate `--task-index` processes do (then `vlmprep merge`); its samples equal the one-task build's; a killed task
+process re-runs to the same output; merge refuses what it cannot vouch for. Ray is tested in test_ray.py."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmprep.config import BuildConfig
+from vlmprep.merge import MergeError, merge_tasks
+from vlmprep.pipeline import build, build_task
+from vlmprep.plan import PlanError
+from vlmprep.shards.reader import iter_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
+OPTS = dict(seq_len=2048, samples_per_shard=2, chat_template=TOOLS)
+CLI_OPTS = ["--seq-len", "2048", "--samples-per-shard", "2", "--chat-template", TOOLS, "--no-progress"]
+
+
+def cfg(inp, out, **kw):
+    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, **{**OPTS, **kw})
+
+
+def hashes(d: Path) -> dict:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def samples(d: Path) -> dict:
+    return {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(d)}
+
+
+def cli(*args) -> list[str]:
+    return [sys.executable, "-m", "vlmprep", *map(str, args)]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    from scripts.demo_traces import write_traces
+
+    import zstandard
+
+    d = tmp_path_factory.mktemp("tasks")
+    write_traces(d / "t.jsonl.zst", n=14, seed=3, min_images=1, max_images=3, width=320, height=200,
+                 overlong_fraction=0.1, text_only_fraction=0.1)
+    raw = zstandard.ZstdDecompressor().decompress((d / "t.jsonl.zst").read_bytes(), max_output_size=1 << 30)
+    lines = raw.splitlines(keepends=True)
+    p = d / "traces.jsonl"
+    lines.insert(5, b"{broken json\n")  # a reject in task 0 or 1: rejects.jsonl must merge in plan order
+    lines.append(lines[9])  # the same id again in the last task: only merge can see it
+    p.write_bytes(b"".join(lines))
+    return p
+
+
+@pytest.fixture(scope="module")
+def single(traces, tmp_path_factory, qwen2vl_processor):
+    out = tmp_path_factory.mktemp("single") / "ds"
+    build(cfg(traces, out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def local3(traces, tmp_path_factory, qwen2vl_processor):
+    out = tmp_path_factory.mktemp("local3") / "ds"
+    res = build(cfg(traces, out, tasks=3, workers=2))
+    return out, res
+
+
+def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(single, local3):
+    out, res = local3
+    assert samples(out) == samples(single)
+    a, b = json.loads((single / "manifest.json").read_text()), res.manifest
+    assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {"duplicate_id": 1, "invalid_json": 1}
+    assert a["turns"] == b["turns"]
+    assert sorted((single / "rejects.jsonl").read_text().splitlines()) == sorted((out / "rejects.jsonl").read_text().splitlines())
+    assert b["plan"]["tasks"] == 3 and len(res.task_seconds) == 3
+    assert [s["name"][:12] for s in b["shards"]][:1] == ["shard-00000-"] and b["shards"][-1]["name"].startswith("shard-00002-")
+    # the repeated id was caught by merge: the last task's shard that held it was rewritten without it
+    last = json.loads((out / "tasks" / "task-00002.json").read_text())
+    assert sum(s["num_samples"] for s in last["shards"]) == sum(s["num_samples"] for s in b["shards"]
+                                                                if s["name"].startswith("shard-00002-")) + 1
+    assert subprocess.run(cli("verify", out), capture_output=True).returncode == 0
+
+
+def test_task_index_processes_started_together_then_merge_equal_the_local_pool(traces, local3, tmp_path):
+    """No plan yet: each process writes the same plan itself; then `vlmprep merge` -> every file byte-identical."""
+    ref, _ = local3
+    out = tmp_path / "ds"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    procs = [subprocess.Popen(cli("build", "--in", traces, "--out", out, "--tasks", 3, "--task-index", i, *CLI_OPTS),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for i in (2, 0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+    with pytest.raises(FileNotFoundError):
+        (out / "manifest.json").read_bytes()  # a task never merges
+    merged = subprocess.run(cli("merge", out), capture_output=True, text=True)
+    assert merged.returncode == 0, merged.stderr
+    assert "14 samples" in merged.stdout
+    assert hashes(out) == hashes(ref)
+
+
+def test_a_sigkilled_task_index_process_reruns_to_the_same_task_output(traces, local3, tmp_path):
+    ref, _ = local3
+    out = tmp_path / "ds"
+    build(cfg(traces, out, tasks=3, plan_only=True))
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "processor"]
+    cmd = cli("build", "--out", out, "--task-index", 1, "--no-progress")  # options from DIR/plan.json
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(out.glob("shard-00001-*.tar")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "tasks" / "task-00001.json").exists(), "killed before it finished"
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    task1 = ("shard-00001-", "tasks/task-00001.")
+    mine = {k: v for k, v in hashes(out).items() if k.startswith(task1)}
+    assert len(mine) >= 4 and mine == {k: v for k, v in hashes(ref).items() if k.startswith(task1)}
+    # A finished task is skipped (its files untouched) when run again.
+    stamp = (out / "tasks" / "task-00001.json").stat().st_mtime_ns
+    build_task(out, 1)
+    assert (out / "tasks" / "task-00001.json").stat().st_mtime_ns == stamp
+
+
+def _copy_task(src: Path, dst: Path, i: int) -> None:
+    for p in list(src.glob(f"shard-{i:05d}-*.tar")) + list((src / "tasks").glob(f"task-{i:05d}.*")):
+        shutil.copy2(p, dst / p.relative_to(src))
+
+
+def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(traces, local3, tmp_path):
+    ref, _ = local3
+    out = tmp_path / "ds"
+    build(cfg(traces, out, tasks=3, plan_only=True))
+    for i in (0, 2):
+        build_task(out, i)
+    with pytest.raises(MergeError, match=r"1 of 3 tasks have not finished .*--task-index 1"):
+        merge_tasks(out)
+    other = tmp_path / "other"
+    build(cfg(traces, other, tasks=3, seq_len=1024))
+    _copy_task(other, out, 1)
+    with pytest.raises(MergeError, match=r"task 1 was built with another config \(seq_len differ"):
+        merge_tasks(out)
+    for p in list(out.glob("shard-00001-*.tar")) + list((out / "tasks").glob("task-00001.*")):
+        p.unlink()
+    _copy_task(ref, out, 1)
+    (out / "shard-00007-000000.tar").write_bytes((other / "shard-00001-000000.tar").read_bytes())
+    with pytest.raises(MergeError, match=r"no task of this plan wrote: shard-00007-000000.tar"):
+        merge_tasks(out)
+    (out / "shard-00007-000000.tar").unlink()
+    (out / "tasks" / "task-00009.json").write_text("{}")
+    with pytest.raises(MergeError, match=r"tasks/task-00009.json"):
+        merge_tasks(out)
+    (out / "tasks" / "task-00009.json").unlink()
+    merge_tasks(out)
+    assert hashes(out) == hashes(ref)
+    # A task run with other options than the plan's is refused before it writes anything.
+    with pytest.raises(PlanError, match="options seq_len differ"):
+        build(cfg(traces, out, tasks=3, task_index=0, seq_len=1024))
+
+
+def test_the_trainer_trains_on_a_merged_dataset(local3, tmp_path):
+    from tests.trainer.conftest import read_metrics, run_trainer
+
+    out, _ = local3
+    run_trainer(["--data", out, "--out", tmp_path / "run", "--max-steps", 2, "--num-workers", 1])
+    metrics = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)

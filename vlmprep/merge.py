@@ -1,0 +1,162 @@
+"""Merge: the plan's finished tasks (tasks/task-NNNNN.json, their shards, rejects and sample lists) -> one DIR/manifest.json
+and DIR/rejects.jsonl in plan order. Refuses a dir it cannot vouch for: a missing task, a task of another plan or
+processor, files no task of this plan wrote. Ids repeated across tasks (no task can see another's ids) are
+rejected here as the one-task build rejects them, by rewriting the few shards that hold them.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from vlmprep.clients.energon_meta import write_energon_meta
+from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, load_plan, plan_digest, shard_prefix, task_file
+from vlmprep.processor import fingerprint_dir
+from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.writer import ShardWriter, write_json_atomic
+from vlmprep.task import TOTAL_KEYS, TaskFiles, duplicate_reject, load_task_manifest, turn_coverage
+from vlmprep.types import ShardSample
+
+_OWN = {PLAN_NAME, "manifest.json", "rejects.jsonl", ".nv-meta", TASKS_DIR, "processor"}
+
+
+class MergeError(PlanError):
+    """The dataset dir cannot be merged as it is: one clear line naming the task or file and the fix."""
+
+
+def _task_manifests(out: Path, plan: dict) -> list[dict]:
+    digest = plan_digest(plan)
+    missing, foreign, manifests = [], [], []
+    for i in range(plan["tasks"]):
+        m = load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i)))
+        if m is None:
+            missing.append(i)
+        elif m.get("plan") != digest:
+            changed = sorted(k for k in set(m.get("config", {})) | set(plan["config"])
+                             if m.get("config", {}).get(k) != plan["config"].get(k))
+            why = (f"another config ({', '.join(changed)} differ)" if changed else
+                   "another processor" if m.get("processor") != plan["processor"]["fingerprint"] else "another plan")
+            foreign.append(f"task {i} was built with {why}")
+        manifests.append(m)
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        raise MergeError(f"{out}: {len(missing)} of {plan['tasks']} tasks have not finished (no "
+                         f"{task_file(missing[0], '.json')}): tasks {shown}; run `vlmprep build --out {out} "
+                         f"--task-index {missing[0]}` for each, then merge again")
+    if foreign:
+        raise MergeError(f"{out}: {'; '.join(foreign[:5])} than {PLAN_NAME}; remove that task's files (its "
+                         f"{task_file(0, '.*')[:-1]} files and shards) and run it again with this plan")
+    return manifests
+
+
+def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
+    claimed = {s["name"] for m in manifests for s in m["shards"]}
+    stray = sorted(p.name for p in out.iterdir() if p.name not in _OWN and p.name not in claimed)
+    ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan["tasks"])
+            for suffix in (".json", ".rejects.jsonl", ".samples.jsonl")}
+    stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)
+    if stray:
+        shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
+        raise MergeError(f"{out}: files that no task of this plan wrote: {shown}; they are left from another "
+                         "plan or build: remove them, or build into a fresh --out dir")
+
+
+def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> dict | None:
+    """Rewrite one shard without the samples whose ids `drop` names (None: nothing left, file removed). The writer is
+    deterministic and filtering twice changes nothing, so a merge run again after a crash ends the same."""
+    path = out / name
+    if not path.exists():  # emptied by an earlier run of this merge
+        return None
+    writer = ShardWriter(out, samples_per_shard=1 << 62, shard_size_bytes=1 << 62, prefix=prefix)
+    writer.index = int(name[len(prefix):-len(".tar")])
+    for s in iter_shard(path, version=FORMAT_VERSION):
+        meta = s.meta()
+        if meta["id"] in drop:
+            continue
+        members = {n: s.read(n) for n in s.names}
+        writer.write(ShardSample(key=s.key, members=members, num_tokens=meta["num_tokens"],
+                                 num_trainable_tokens=meta["num_trainable_tokens"], num_images=meta["num_images"],
+                                 meta=meta))
+    writer.close()
+    if not writer.shards:
+        path.unlink()
+        return None
+    return writer.shards[0].to_json()
+
+
+def merge_tasks(out: Path) -> dict:
+    """Check every task, then write rejects.jsonl and manifest.json (last). Returns the manifest."""
+    out = Path(out)
+    plan = load_plan(out)
+    if plan is None:
+        raise MergeError(f"{out}: no {PLAN_NAME}: not a planned build dir (run `vlmprep build --plan-only` first)")
+    manifests = _task_manifests(out, plan)
+    _check_strays(out, plan, manifests)
+    proc = out / plan["processor"]["dir"]
+    if not proc.is_dir() or fingerprint_dir(proc) != plan["processor"]["fingerprint"]:
+        raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
+
+    seen: set[bytes] = set()
+    totals, rejects = collections.Counter(), collections.Counter()
+    shards, reject_lines = [], []
+    for i, m in enumerate(manifests):
+        files = TaskFiles(out, i, shard_prefix(plan, i))
+        dups = []
+        for line in files.path(".samples.jsonl").read_text(encoding="utf-8").splitlines():
+            sample = json.loads(line)
+            key = hashlib.blake2b(sample["id"].encode("utf-8"), digest_size=16).digest()  # bounded memory per id
+            if key in seen:
+                dups.append(sample)
+            seen.add(key)
+        totals.update(m["totals"])
+        rejects.update(m["rejects"])
+        reject_lines.append(files.path(".rejects.jsonl").read_text(encoding="utf-8"))
+        drop = {d["id"] for d in dups}
+        affected = {d["shard"] for d in dups}
+        for info in m["shards"]:
+            if info["name"] in affected:
+                info = _filter_shard(out, info["name"], drop, files.prefix)
+            if info is not None:
+                shards.append(info)
+        for d in dups:
+            _uncount(totals, d)
+            rejects["duplicate_id"] += 1
+            totals["rejected"] += 1
+            reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
+    rej_tmp = out / "rejects.jsonl.tmp"
+    with open(rej_tmp, "w", encoding="utf-8") as f:
+        f.writelines(reject_lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(rej_tmp, out / "rejects.jsonl")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "vlmprep_version": plan["vlmprep_version"],
+        "processor": plan["processor"],
+        "config": plan["config"],
+        "image_format": plan["config"]["image_format"],
+        "inputs": [{"path": inp["path"], "bytes": inp["bytes"]} for inp in plan["inputs"]],
+        "plan": {"tasks": plan["tasks"], "sha256": plan_digest(plan)},
+        "shards": shards,
+        "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
+        "turns": turn_coverage(totals),
+        "rejects": dict(sorted((k, v) for k, v in rejects.items() if v)),
+    }
+    write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
+    write_json_atomic(out / "manifest.json", manifest)  # last: its presence means complete
+    return manifest
+
+
+def _uncount(totals: collections.Counter, m: dict) -> None:
+    totals["samples"] -= 1
+    totals["tokens"] -= m["num_tokens"]
+    totals["trainable_tokens"] -= m["num_trainable_tokens"]
+    totals["image_tokens"] -= m["num_image_tokens"]
+    totals["images"] -= m["num_images"]
+    totals["truncated_samples"] -= int(m["truncated"])
+    totals["dropped_images"] -= m["dropped_images"]
+    totals["unrendered_tool_call_turns"] -= m["unrendered_tool_calls"]
+    totals["split_samples"] -= int(m["split"] is not None)

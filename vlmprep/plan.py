@@ -1,0 +1,149 @@
+"""Task plan: the inputs cut into T contiguous tasks (by file, and by line inside a file) -> DIR/plan.json.
+The plan depends on the inputs and options only, never on how many machines run it, so any executor (a local
+pool, Ray, a Slurm array running `--task-index i`) produces the same task outputs, and merge.py the same manifest.
+"""
+from __future__ import annotations
+
+import array
+import bisect
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from vlmprep import __version__
+from vlmprep.records import Seek, iter_file_records
+from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.types import RawRecord, UserError
+
+PLAN_NAME = "plan.json"
+PLAN_VERSION = 1
+TASKS_DIR = "tasks"
+
+
+class PlanError(UserError):
+    """The dataset dir's plan does not fit what was asked (other options, a missing plan, changed inputs)."""
+
+
+def task_file(index: int, suffix: str) -> str:
+    """tasks/task-00003.json (the task manifest), .journal.json, .rejects.jsonl, .samples.jsonl"""
+    return f"{TASKS_DIR}/task-{index:05d}{suffix}"
+
+
+def shard_prefix(plan: dict, index: int) -> str:
+    """One task: today's shard names. Several: the task index leads, so names sort in plan order and two tasks
+    never write the same file."""
+    return "shard-" if plan["tasks"] == 1 else f"shard-{index:05d}-"
+
+
+def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, max_line_bytes: int,
+              max_zstd_window: int) -> dict:
+    """Scan every input once (lines, not JSON: cheap beside rendering) and cut it into `tasks` runs of records of
+    about equal bytes; a trace's bytes (screenshots inline) track its render time far better than a count."""
+    sizes = array.array("q")
+    where: list[tuple[int, int, int]] = []  # per record: (file, line before it, offset)
+    inputs, frames_of = [], []
+    position = 0
+    for fi, path in enumerate(files):
+        frames: list[tuple[int, int]] = []
+        first = position
+        for raw in iter_file_records(path, start_position=position, max_line_bytes=max_line_bytes,
+                                     max_zstd_window=max_zstd_window, frames=frames):
+            sizes.append(max(raw.size, 1))
+            where.append((fi, raw.source.line - 1, raw.offset))
+            position = raw.position + 1
+        st = path.stat()
+        inputs.append({"path": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "first_position": first, "records": position - first})
+        frames_of.append(frames or [(0, 0)])
+    cum = array.array("q", [0])
+    for s in sizes:
+        cum.append(cum[-1] + s)
+    cut_at = [0]  # record index where each task starts: the record boundary nearest each k/T of the bytes
+    for k in range(1, tasks):
+        target = cum[-1] * k / tasks
+        j = bisect.bisect_left(cum, target)
+        if j > 0 and (j == len(cum) or target - cum[j - 1] <= cum[j] - target):
+            j -= 1
+        cut_at.append(max(j, cut_at[-1]))
+    cuts = []
+    for i, start in enumerate(cut_at):
+        end = cut_at[i + 1] if i + 1 < tasks else len(sizes)
+        if start < len(sizes):
+            fi, line, offset = where[start]
+            frames = frames_of[fi]
+            frame, frame_offset = frames[bisect.bisect_right([d for _, d in frames], offset) - 1]
+        else:
+            fi, line, offset, frame, frame_offset = len(files), 0, 0, 0, 0
+        cuts.append({"task": i, "position": start, "records": end - start, "bytes": int(sum(sizes[start:end])),
+                     "file": fi, "seek": {"offset": offset, "line": line, "frame": frame, "frame_offset": frame_offset}})
+    return {"plan_version": PLAN_VERSION, "format_version": FORMAT_VERSION, "vlmprep_version": __version__,
+            "tasks": tasks, "records": len(sizes), "config": config, "processor": processor, "inputs": inputs,
+            "cuts": cuts}
+
+
+def plan_bytes(plan: dict) -> bytes:
+    return (json.dumps(plan, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def plan_digest(plan: dict) -> str:
+    return hashlib.sha256(plan_bytes(plan)).hexdigest()
+
+
+def write_plan(out: Path, plan: dict) -> None:
+    """Atomic and safe when several `--task-index` runs write the same plan at once: each writes its own temp
+    file, and every rename puts identical bytes in place."""
+    path = Path(out) / PLAN_NAME
+    tmp = path.with_name(f"{PLAN_NAME}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(plan_bytes(plan))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_plan(out: Path) -> dict | None:
+    try:
+        plan = json.loads((Path(out) / PLAN_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise PlanError(f"{Path(out) / PLAN_NAME}: unreadable ({e}); remove it and plan again") from None
+    if not isinstance(plan, dict) or plan.get("plan_version") != PLAN_VERSION:
+        raise PlanError(f"{Path(out) / PLAN_NAME}: plan_version {plan.get('plan_version') if isinstance(plan, dict) else '?'}"
+                        f" is not {PLAN_VERSION}; plan again with this vlmprep")
+    return plan
+
+
+def check_inputs_unchanged(plan: dict) -> None:
+    """A task reads byte offsets the plan took: an input changed since then would silently shift them."""
+    for inp in plan["inputs"]:
+        try:
+            st = os.stat(inp["path"])
+        except OSError as e:
+            raise PlanError(f"{inp['path']}: listed in the plan but not readable here ({e.strerror}); tasks must "
+                            "run where the inputs are visible under the same path") from None
+        if (st.st_size, st.st_mtime_ns) != (inp["bytes"], inp["mtime_ns"]):
+            raise PlanError(f"{inp['path']} changed after the plan was made (size or mtime); plan again into a "
+                            "fresh --out dir")
+
+
+def task_records(plan: dict, index: int, *, max_line_bytes: int, max_zstd_window: int) -> Iterator[RawRecord]:
+    """The records of one task, read from its cut point on (a seek, or a frame start for .zst) to the next cut."""
+    cut = plan["cuts"][index]
+    end = cut["position"] + cut["records"]
+    if cut["records"] == 0:
+        return
+    for fi in range(cut["file"], len(plan["inputs"])):
+        inp = plan["inputs"][fi]
+        first = fi == cut["file"]
+        seek = Seek(**cut["seek"]) if first else Seek()
+        start = cut["position"] if first else inp["first_position"]
+        for raw in iter_file_records(Path(inp["path"]), start_position=start, seek=seek,
+                                     max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window):
+            if raw.position >= end:
+                return
+            yield raw
+        if inp["first_position"] + inp["records"] >= end:
+            return

@@ -1,0 +1,58 @@
+"""Ray executor: each task of the plan -> one Ray task (1 CPU) on any node that sees the dataset dir -> task manifest.
+Only a task index and the plan travel through Ray; samples go from the worker straight to the shared filesystem.
+Imported only for `--executor ray` (`pip install 'vlmprep[ray]'`)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from vlmprep.config import BuildConfig
+from vlmprep.task import BuildError, run_task, task_progress
+
+# A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
+MAX_RETRIES = 3
+
+
+def _run_task_on_worker(out: str, plan: dict, config: dict, index: int) -> tuple[int, float, dict]:
+    import torch
+
+    torch.set_num_threads(1)  # one CPU per Ray task, as requested from the scheduler
+    t0 = time.perf_counter()
+    cfg = BuildConfig.from_plan(config, out=out, workers=1, progress=False)
+    task = run_task(Path(out), plan, index, cfg=cfg)
+    return index, time.perf_counter() - t0, task["totals"]
+
+
+def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float]:
+    try:
+        import ray
+    except ImportError:
+        raise BuildError("--executor ray needs Ray: pip install 'vlmprep[ray]'") from None
+    started = False
+    if not ray.is_initialized():
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        # No address: a local cluster with --workers CPUs, the same resources `--executor local` would use.
+        ray.init(address=address, num_cpus=None if address else cfg.workers, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+        started = True
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task_on_worker)
+        out_abs = str(Path(out).resolve())
+        plan_ref = ray.put(plan)
+        pending = [remote.remote(out_abs, plan_ref, plan["config"], i) for i in range(plan["tasks"])]
+        seconds: dict[int, float] = {}
+        with task_progress(cfg, plan["tasks"]) as tick:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                try:
+                    index, s, totals = ray.get(done[0])
+                except ray.exceptions.RayTaskError as e:  # a user-facing fault inside a task: say it as one line
+                    cause = e.as_instanceof_cause()
+                    raise BuildError(f"a Ray task failed: {type(cause).__name__}: {str(cause).splitlines()[-1]}") from None
+                seconds[index] = s
+                tick(totals)
+        return seconds
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,406 @@
+"""One task of a build plan, top to bottom in flow order:
+
+    plan cut --task_records--> RawRecord --parse/normalize--> Conversation --prepare_image--> PreparedImage
+             --render_conversation--> RenderedSample --truncate_sample--> --encode_sample--> ShardSample
+             --ShardWriter--> shard-*.tar  (+ tasks/task-NNNNN.rejects.jsonl, .samples.jsonl, task manifest last)
+
+Records are processed by N worker processes but written strictly in input order, so the output is
+byte-identical whatever N is. Every bad record becomes a counted reject, never a crash.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmprep.config import BuildConfig
+from vlmprep.images import prepare_image
+from vlmprep.journal import Journal, landed_ids, load_journal, save_journal
+from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.plan import TASKS_DIR, check_inputs_unchanged, plan_digest, shard_prefix, task_file, task_records
+from vlmprep.processor import apply_pixel_budget
+from vlmprep.records import parse_record
+from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
+from vlmprep.shards.format import FORMAT_VERSION, sample_key
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.writer import ShardInfo, ShardWriter, encode_sample, write_json_atomic, write_text_atomic
+from vlmprep.steps import StepPolicy, split_trace, whole_trace
+from vlmprep.truncate import truncate_sample
+from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError, deterministic_message
+
+
+class BuildError(UserError):
+    """A fatal, user-facing build fault (bad option, --strict reject): one clear line."""
+
+
+class Renderer:
+    """Everything one process needs to turn a RawRecord into a RenderedSample, exactly as `build` does.
+    Also used by `vlmprep inspect` on raw input, so what a person sees is what build writes."""
+
+    def __init__(self, cfg: BuildConfig, processor):
+        self.cfg = cfg
+        self.processor = processor
+        if cfg.chat_template is not None:
+            # Set on the processor itself, so the copy saved into the dataset carries the template that rendered it.
+            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+            processor.chat_template = template
+            if getattr(processor.tokenizer, "chat_template", None) is not None:
+                processor.tokenizer.chat_template = template
+        # vlmprep truncates to --seq-len itself (never inside an image); the tokenizer's "longer than the
+        # specified maximum" warning about the untruncated render is noise. Mark it shown instead of changing
+        # model_max_length, so the processor copy saved with the shards stays byte-identical.
+        warned = getattr(processor.tokenizer, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+        policy = MaskPolicy(train_on_roles=frozenset(cfg.train_on_roles), train_on_eos=cfg.train_on_eos,
+                            last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls)
+        self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
+        self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
+                                     max_images_per_record=cfg.max_images_per_record)
+        apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+        self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
+                                dropped_image_text=cfg.dropped_image_text)
+        self.turns: collections.Counter = collections.Counter()
+        self.lost: list[int] = []
+
+    def render(self, raw: RawRecord) -> list[RenderedSample]:
+        """parse -> normalize -> prepare images -> history/split (steps.py) -> render + mask -> truncate; raises
+        RecordError. One sample per record, or several when --long-traces split cuts a long trace; `self.turns`
+        then holds the record's turn accounting and `self.lost` the trained turns that could not fit."""
+        self.turns, self.lost = collections.Counter(), []
+        conv = normalize_record(parse_record(raw), raw.source, self.norm)
+        assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
+        self.turns["input_assistant_turns"] = len(assistant)
+        try:
+            images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
+                                    min_side=self.cfg.min_image_side) for im in conv.images]
+            whole = whole_trace(conv, self.steps)
+            steps = [whole]
+            if self.cfg.long_traces == "split" and count_tokens(whole.conv, self.ctx, _pick(images, whole)) > self.cfg.seq_len:
+                steps, self.lost = split_trace(conv, trained_messages(conv, self.ctx.policy), self.steps,
+                                               lambda sc: count_tokens(sc.conv, self.ctx, _pick(images, sc)),
+                                               self.cfg.seq_len)
+            samples = []
+            for sc in steps:
+                full = render_conversation(sc.conv, self.ctx, _pick(images, sc))
+                sample = truncate_sample(full, self.cfg.seq_len)
+                before = {sc.source_messages[m] for m, _, _ in full.turn_spans}
+                after = {sc.source_messages[m] for m, _, _ in sample.turn_spans}
+                self.turns["trained_assistant_turns"] += len(after & assistant)
+                self.turns["turns_lost_truncated"] += len((before - after) & assistant)
+                self.turns["images_removed_by_history"] += len(sc.removed_images)
+                if sc.split is not None and sc.split > 0 and sample.turn_spans:
+                    self.turns["context_tokens_repeated"] += sample.turn_spans[0][1]
+                samples.append(dataclasses.replace(
+                    sample, id=conv.id if sc.split is None else f"{conv.id}#{sc.split}",
+                    source_messages=sc.source_messages, trains=sorted(after), removed_images=sc.removed_images,
+                    split=sc.split))
+        except RecordError:
+            self.turns["turns_lost_rejected"] = len(assistant)
+            raise
+        self.turns["turns_lost_too_long"] = len(set(self.lost) & assistant)
+        self.turns["turns_lost_policy"] = (len(assistant) - self.turns["trained_assistant_turns"]
+                                           - self.turns["turns_lost_truncated"] - self.turns["turns_lost_too_long"])
+        return samples
+
+    def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
+        return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "
+                            f"{self.cfg.seq_len} even with only the system message and the task as context")
+
+    def process(self, raw: RawRecord):
+        """Returns (outcomes, turn accounting): outcomes are ("ok", ShardSample) per sample and ("reject", entry) per
+        rejected record or lost turn, in order; never raises for a bad record."""
+        self.turns = collections.Counter()
+        try:
+            samples = self.render(raw)
+            outcomes = []
+            for sample in samples:
+                outcomes.append(("ok", encode_sample(sample, key=sample_key(raw.position, sample.split),
+                                                     image_format=self.cfg.image_format,
+                                                     zstd_level=self.cfg.zstd_level)))
+            outcomes += [("reject", self.lost_turn_entry(raw, i)) for i in self.lost]
+            return outcomes, dict(self.turns)
+        except RecordError as e:
+            reason, message = e.reason, e.message
+        except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
+            reason, message = "internal_error", deterministic_message(f"{type(e).__name__}: {str(e)[:300]}")
+        return [("reject", reject_entry(raw, reason, message))], dict(self.turns)
+
+
+def _pick(images: list, sc) -> list:
+    """The prepared images a step conversation keeps (all of them when sc is None)."""
+    return images if sc is None else [images[k] for k in sc.images]
+
+
+def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
+    rid = None
+    if raw.text is not None or raw.data is not None:
+        try:
+            v = parse_record(raw).get("id")
+            rid = v if isinstance(v, (str, int)) else None
+        except RecordError:
+            pass
+    return {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid, "reason": reason,
+            "message": message}
+
+
+_RENDERER: Renderer | None = None
+_CACHED: tuple[tuple, Renderer] | None = None
+
+
+def cached_renderer(cfg: BuildConfig, processor_dir: Path) -> Renderer:
+    """A Renderer over the dataset's saved processor, kept per process: a pool or Ray worker that runs several
+    tasks of one plan loads the processor once."""
+    global _CACHED
+    key = (str(processor_dir), json.dumps(cfg.to_json(), sort_keys=True))
+    if _CACHED is None or _CACHED[0] != key:
+        from transformers import AutoProcessor
+
+        _CACHED = key, Renderer(cfg, AutoProcessor.from_pretrained(str(processor_dir), local_files_only=True))
+    return _CACHED[1]
+
+
+def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
+    global _RENDERER
+    from transformers import AutoProcessor
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
+    _RENDERER = Renderer(cfg, AutoProcessor.from_pretrained(processor_dir, local_files_only=True))
+
+
+def process_record(raw: RawRecord):
+    return _RENDERER.process(raw)
+
+
+def _ordered_results(cfg: BuildConfig, records, processor_dir: Path, renderer: Renderer):
+    """Yield (position, result) in input order with a bounded read-ahead window (constant memory)."""
+    if cfg.workers == 1:  # in-process, reusing the loaded processor: one copy of the tokenizer in memory
+        for raw in records:
+            yield raw.position, renderer.process(raw)
+        return
+    ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
+    window = collections.deque()
+    with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
+        for raw in records:
+            window.append((raw.position, pool.apply_async(process_record, (raw,))))
+            if len(window) >= cfg.workers * 4:
+                pos, res = window.popleft()
+                yield pos, res.get()
+        while window:
+            pos, res = window.popleft()
+            yield pos, res.get()
+
+
+def _progress(cfg: BuildConfig):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]build"), BarColumn(), TextColumn("{task.completed} records"),
+                    TextColumn("{task.fields[rate]:.1f} rec/s"), TextColumn("{task.fields[samples]} samples"),
+                    TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
+                    disable=not cfg.progress, transient=False, console=None)
+
+
+TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "image_tokens", "images",
+              "truncated_samples", "dropped_images", "unrendered_tool_call_turns", "split_samples",
+              "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
+              "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated")
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """Where task `index` of a plan keeps its state inside the dataset dir (all but the shards under tasks/)."""
+
+    out: Path
+    index: int
+    prefix: str  # its shard names start with this
+
+    def path(self, suffix: str) -> Path:
+        return self.out / task_file(self.index, suffix)
+
+    @property
+    def manifest(self) -> Path:  # written last: its presence means the task is complete
+        return self.path(".json")
+
+    def shards(self) -> list[Path]:
+        return sorted(self.out.glob(f"{self.prefix}[0-9]*.tar"))
+
+
+def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
+    """Resume this task's matching interrupted run, or clear every trace of an older one and start fresh."""
+    journal_path, partial, final = files.path(".journal.json"), files.path(".rejects.jsonl.partial"), files.path(".rejects.jsonl")
+    journal = load_journal(files.out, journal_path, partial, final, identity)
+    stale = [p for p in files.out.glob(f"{files.prefix}*.tar.tmp")]
+    if journal is None:
+        journal = Journal(identity=identity)
+        stale += files.shards() + [final, partial, journal_path, files.path(".samples.jsonl")]
+    else:
+        done = {s["name"] for s in journal.shards}
+        stale += [p for p in files.shards() if p.name not in done]
+    for p in stale:
+        if p.exists():
+            p.unlink()
+    with open(partial, "a+b") as f:  # drop rejects written after the last durable point
+        f.truncate(journal.rejects_bytes)
+    return journal
+
+
+def load_task_manifest(files: TaskFiles) -> dict | None:
+    try:
+        return json.loads(files.manifest.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+
+
+def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None = None,
+             processor_dir: Path | None = None) -> dict:
+    """One task of the plan: its records -> its shards (final names), tasks/task-NNNNN.rejects.jsonl and .samples.jsonl,
+    then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
+    from its journal and ends byte-identical. Returns the task manifest."""
+    out = Path(out)
+    digest = plan_digest(plan)
+    files = TaskFiles(out, index, shard_prefix(plan, index))
+    done = load_task_manifest(files)
+    if done is not None and done.get("plan") == digest:
+        return done
+    check_inputs_unchanged(plan)
+    processor_dir = Path(processor_dir or out / plan["processor"]["dir"])
+    if renderer is None:
+        renderer = cached_renderer(cfg, processor_dir)
+    (out / TASKS_DIR).mkdir(exist_ok=True)
+    journal = _start_or_resume(files, {"plan": digest, "task": index})
+    journal_path, partial = files.path(".journal.json"), files.path(".rejects.jsonl.partial")
+    samples_path = files.path(".samples.jsonl")
+
+    writer = ShardWriter(out, samples_per_shard=cfg.samples_per_shard,
+                         shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024), prefix=files.prefix,
+                         done=[ShardInfo(**s) for s in journal.shards])
+    rejects = collections.Counter(journal.rejects)
+    totals = collections.Counter(journal.totals)
+    seen_ids = landed_ids(out, journal.shards)
+    cut = plan["cuts"][index]
+    records = (r for r in task_records(plan, index, max_line_bytes=cfg.max_line_bytes,
+                                       max_zstd_window=cfg.max_zstd_window)
+               if r.position >= max(journal.next_position, cut["position"]))
+    t0 = time.monotonic()
+    with open(partial, "a", encoding="utf-8") as rej, _progress(cfg) as progress:
+        bar = progress.add_task("build", total=cut["records"], rate=0.0, samples=totals["samples"],
+                                rejects=totals["rejected"], completed=totals["records"])
+
+        def checkpoint(next_position: int) -> None:
+            rej.flush()
+            os.fsync(rej.fileno())
+            journal.shards = [s.to_json() for s in writer.shards]
+            journal.next_position = next_position
+            journal.rejects_bytes = rej.tell()
+            journal.totals = dict(totals)
+            journal.rejects = dict(rejects)
+            save_journal(journal_path, journal)
+
+        for pos, (outcomes, turns) in _ordered_results(cfg, records, processor_dir, renderer):
+            totals["records"] += 1
+            totals.update(turns)
+            completed = False
+            for status, payload in outcomes:
+                if status == "ok" and payload.meta["id"] in seen_ids:
+                    status, payload = "reject", duplicate_reject(payload.meta)
+                if status == "ok":
+                    seen_ids.add(payload.meta["id"])
+                    count_sample(totals, payload.meta)
+                    completed |= writer.write(payload)
+                else:
+                    rejects[payload["reason"]] += 1
+                    totals["rejected"] += 1
+                    rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
+                    if cfg.strict:
+                        raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
+                                         f"{payload['reason']}: {payload['message']}")
+            if completed:  # a shard closed inside this record: the journal's durable point is the record's end
+                writer.finish_shard()
+                checkpoint(pos + 1)
+            elapsed = max(time.monotonic() - t0, 1e-9)
+            progress.update(bar, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
+                            rejects=totals["rejected"])
+        writer.close()
+        checkpoint(1 << 62)  # everything consumed: a kill from here on resumes straight to the task manifest
+    # Every landed sample's id, shard and counts, in order: merge finds ids repeated across tasks (and what removing
+    # one changes) without reading shards.
+    lines = [json.dumps({"shard": s.name, **{k: v for k, v in sample.meta().items() if k in _SAMPLE_FIELDS}},
+                        ensure_ascii=False, sort_keys=True) + "\n"
+             for s in writer.shards for sample in iter_shard(out / s.name, version=FORMAT_VERSION)]
+    write_text_atomic(samples_path, "".join(lines))
+    os.replace(partial, files.path(".rejects.jsonl"))
+    manifest = {"plan": digest, "task": index, "config": plan["config"],
+                "processor": plan["processor"]["fingerprint"],
+                "records": {"first_position": cut["position"], "count": cut["records"]},
+                "shards": [s.to_json() for s in writer.shards], "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
+                "rejects": dict(sorted(rejects.items()))}
+    write_json_atomic(files.manifest, manifest)
+    journal_path.unlink()
+    return manifest
+
+
+_SAMPLE_FIELDS = ("id", "source", "num_tokens", "num_trainable_tokens", "num_image_tokens", "num_images", "truncated",
+                  "dropped_images", "unrendered_tool_calls", "split")
+
+
+def count_sample(totals: collections.Counter, m: dict) -> None:
+    totals["samples"] += 1
+    totals["tokens"] += m["num_tokens"]
+    totals["trainable_tokens"] += m["num_trainable_tokens"]
+    totals["image_tokens"] += m["num_image_tokens"]
+    totals["images"] += m["num_images"]
+    totals["truncated_samples"] += int(m["truncated"])
+    totals["dropped_images"] += m["dropped_images"]
+    totals["unrendered_tool_call_turns"] += m["unrendered_tool_calls"]
+    totals["split_samples"] += int(m["split"] is not None)
+
+
+def duplicate_reject(meta: dict) -> dict:
+    return {"source": dict(meta["source"]), "id": meta["id"], "reason": "duplicate_id",
+            "message": f"id {meta['id']!r} already used by an earlier record"}
+
+
+def turn_coverage(totals) -> dict:
+    """Assistant turns of the input that the shards train, and where the others went."""
+    n = int(totals["input_assistant_turns"])
+    return {"input_assistant_turns": n, "trained_assistant_turns": int(totals["trained_assistant_turns"]),
+            "coverage": round(totals["trained_assistant_turns"] / n, 6) if n else 1.0,
+            "lost": {"truncated": int(totals["turns_lost_truncated"]), "turn_too_long": int(totals["turns_lost_too_long"]),
+                     "not_trained_by_policy": int(totals["turns_lost_policy"]),
+                     "record_rejected": int(totals["turns_lost_rejected"])},
+            "images_removed_by_history": int(totals["images_removed_by_history"]),
+            "context_tokens_repeated": int(totals["context_tokens_repeated"])}
+
+
+class task_progress:
+    """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
+
+    def __init__(self, cfg: BuildConfig, n: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]build tasks"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[records]} records"),
+                                 TextColumn("{task.fields[samples]} samples"),
+                                 TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
+                                 disable=not cfg.progress)
+        self.n = n
+        self.totals: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.bar = self.progress.add_task("tasks", total=self.n, records=0, samples=0, rejects=0)
+        return self.tick
+
+    def tick(self, totals: dict) -> None:
+        self.totals.update(totals)
+        self.progress.update(self.bar, advance=1, records=self.totals["records"], samples=self.totals["samples"],
+                             rejects=self.totals["rejected"])
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
