@@ -115,8 +115,11 @@ class BuildConfig:
 
     @classmethod
     def from_plan(cls, config: dict, **run) -> "BuildConfig":
-        """The config a plan was made with, plus the run-only fields (out, workers, progress, task_index ...)."""
-        d = dict(config, inputs=tuple(config["inputs"]), train_on_roles=tuple(config["train_on_roles"]))
+        """The config a plan was made with, plus the run-only fields (out, workers, progress, task_index ...), for
+        running its tasks. Without the --chat-template path: the processor saved with the plan carries the template,
+        so a task on another machine or in another directory never needs that file."""
+        d = dict(config, inputs=tuple(config["inputs"]), train_on_roles=tuple(config["train_on_roles"]),
+                 chat_template=None)
         return cls(**d, **run)
 
     def to_json(self) -> dict:

@@ -14,10 +14,12 @@ from vlmprep.task import BuildError, run_task, task_progress
 MAX_RETRIES = 3
 
 
-def _run_task_on_worker(out: str, plan: dict, config: dict, index: int) -> tuple[int, float, dict]:
+def _run_task_on_worker(out: str, plan: dict, config: dict, index: int, cwd: str) -> tuple[int, float, dict]:
     import torch
 
     torch.set_num_threads(1)  # one CPU per Ray task, as requested from the scheduler
+    if os.path.isdir(cwd):  # relative input paths mean what they meant to the driver (as a Slurm job's submit dir)
+        os.chdir(cwd)
     t0 = time.perf_counter()
     cfg = BuildConfig.from_plan(config, out=out, workers=1, progress=False)
     task = run_task(Path(out), plan, index, cfg=cfg)
@@ -40,7 +42,7 @@ def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task_on_worker)
         out_abs = str(Path(out).resolve())
         plan_ref = ray.put(plan)
-        pending = [remote.remote(out_abs, plan_ref, plan["config"], i) for i in range(plan["tasks"])]
+        pending = [remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd()) for i in range(plan["tasks"])]
         seconds: dict[int, float] = {}
         with task_progress(cfg, plan["tasks"]) as tick:
             while pending:

@@ -1,7 +1,6 @@
 """Planned builds (--tasks T): for a fixed T the dataset dir is byte-identical whether the local pool runs the tasks
 or separate `--task-index` processes do (then `vlmprep merge`); its samples equal the one-task build's; a killed task
 process re-runs to the same output; merge refuses what it cannot vouch for. Ray is tested in test_ray.py."""
-import hashlib
 import json
 import os
 import shutil
@@ -13,24 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from vlmprep.config import BuildConfig
 from vlmprep.merge import MergeError, merge_tasks
 from vlmprep.pipeline import build, build_task
 from vlmprep.plan import PlanError
 from vlmprep.shards.reader import iter_dataset
+from tests.vlmprep.conftest import TOOLS, planned_cfg, tree_hashes
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
-OPTS = dict(seq_len=2048, samples_per_shard=2, chat_template=TOOLS)
 CLI_OPTS = ["--seq-len", "2048", "--samples-per-shard", "2", "--chat-template", TOOLS, "--no-progress"]
 
 
-def cfg(inp, out, **kw):
-    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, **{**OPTS, **kw})
-
-
-def hashes(d: Path) -> dict:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+cfg, hashes = planned_cfg, tree_hashes
 
 
 def samples(d: Path) -> dict:
@@ -39,38 +30,6 @@ def samples(d: Path) -> dict:
 
 def cli(*args) -> list[str]:
     return [sys.executable, "-m", "vlmprep", *map(str, args)]
-
-
-@pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    from scripts.demo_traces import write_traces
-
-    import zstandard
-
-    d = tmp_path_factory.mktemp("tasks")
-    write_traces(d / "t.jsonl.zst", n=14, seed=3, min_images=1, max_images=3, width=320, height=200,
-                 overlong_fraction=0.1, text_only_fraction=0.1)
-    raw = zstandard.ZstdDecompressor().decompress((d / "t.jsonl.zst").read_bytes(), max_output_size=1 << 30)
-    lines = raw.splitlines(keepends=True)
-    p = d / "traces.jsonl"
-    lines.insert(5, b"{broken json\n")  # a reject in task 0 or 1: rejects.jsonl must merge in plan order
-    lines.append(lines[9])  # the same id again in the last task: only merge can see it
-    p.write_bytes(b"".join(lines))
-    return p
-
-
-@pytest.fixture(scope="module")
-def single(traces, tmp_path_factory, qwen2vl_processor):
-    out = tmp_path_factory.mktemp("single") / "ds"
-    build(cfg(traces, out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def local3(traces, tmp_path_factory, qwen2vl_processor):
-    out = tmp_path_factory.mktemp("local3") / "ds"
-    res = build(cfg(traces, out, tasks=3, workers=2))
-    return out, res
 
 
 def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(single, local3):
@@ -89,12 +48,12 @@ def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(singl
     assert subprocess.run(cli("verify", out), capture_output=True).returncode == 0
 
 
-def test_task_index_processes_started_together_then_merge_equal_the_local_pool(traces, local3, tmp_path):
+def test_task_index_processes_started_together_then_merge_equal_the_local_pool(task_traces, local3, tmp_path):
     """No plan yet: each process writes the same plan itself; then `vlmprep merge` -> every file byte-identical."""
     ref, _ = local3
     out = tmp_path / "ds"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    procs = [subprocess.Popen(cli("build", "--in", traces, "--out", out, "--tasks", 3, "--task-index", i, *CLI_OPTS),
+    procs = [subprocess.Popen(cli("build", "--in", task_traces, "--out", out, "--tasks", 3, "--task-index", i, *CLI_OPTS),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for i in (2, 0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=300)
@@ -107,10 +66,10 @@ def test_task_index_processes_started_together_then_merge_equal_the_local_pool(t
     assert hashes(out) == hashes(ref)
 
 
-def test_a_sigkilled_task_index_process_reruns_to_the_same_task_output(traces, local3, tmp_path):
+def test_a_sigkilled_task_index_process_reruns_to_the_same_task_output(task_traces, local3, tmp_path):
     ref, _ = local3
     out = tmp_path / "ds"
-    build(cfg(traces, out, tasks=3, plan_only=True))
+    build(cfg(task_traces, out, tasks=3, plan_only=True))
     assert sorted(p.name for p in out.iterdir()) == ["plan.json", "processor"]
     cmd = cli("build", "--out", out, "--task-index", 1, "--no-progress")  # options from DIR/plan.json
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,16 +94,16 @@ def _copy_task(src: Path, dst: Path, i: int) -> None:
         shutil.copy2(p, dst / p.relative_to(src))
 
 
-def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(traces, local3, tmp_path):
+def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(task_traces, local3, tmp_path):
     ref, _ = local3
     out = tmp_path / "ds"
-    build(cfg(traces, out, tasks=3, plan_only=True))
+    build(cfg(task_traces, out, tasks=3, plan_only=True))
     for i in (0, 2):
         build_task(out, i)
     with pytest.raises(MergeError, match=r"1 of 3 tasks have not finished .*--task-index 1"):
         merge_tasks(out)
     other = tmp_path / "other"
-    build(cfg(traces, other, tasks=3, seq_len=1024))
+    build(cfg(task_traces, other, tasks=3, seq_len=1024))
     _copy_task(other, out, 1)
     with pytest.raises(MergeError, match=r"task 1 was built with another config \(seq_len differ"):
         merge_tasks(out)
@@ -163,7 +122,7 @@ def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(t
     assert hashes(out) == hashes(ref)
     # A task run with other options than the plan's is refused before it writes anything.
     with pytest.raises(PlanError, match="options seq_len differ"):
-        build(cfg(traces, out, tasks=3, task_index=0, seq_len=1024))
+        build(cfg(task_traces, out, tasks=3, task_index=0, seq_len=1024))
 
 
 def test_the_trainer_trains_on_a_merged_dataset(local3, tmp_path):
