@@ -1,16 +1,17 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> limits (floors, incl. tar read speed of a real shard) -> loader (vs online, as a multiple of the floor)
--> collate -> balance -> pack; traces (agent-trace split/keep-images table). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
+-> collate -> balance -> pack; traces (agent-trace split/keep-images table); scale (plan/tasks: local pool vs Ray). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
 import time
 
-from benchmarks import bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_pack, bench_traces
+from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_pack, bench_scale,
+                        bench_traces)
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "limits", "loader", "collate", "balance", "pack", "traces")
+BENCHES = ("build", "limits", "loader", "collate", "balance", "pack", "traces", "scale")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_pack.run(a.quick)
     if "traces" in only:
         bench_traces.run(a.quick)
+    if "scale" in only:
+        bench_scale.run(a.quick)
     emit("done", seconds=round(time.perf_counter() - t0, 1))
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
@@ -16,7 +15,7 @@ from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, load_plan, plan_digest
 from vlmprep.processor import fingerprint_dir
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.writer import ShardWriter, write_json_atomic
+from vlmprep.shards.writer import ShardWriter, write_json_atomic, write_text_atomic
 from vlmprep.task import TOTAL_KEYS, TaskFiles, duplicate_reject, load_task_manifest, turn_coverage
 from vlmprep.types import ShardSample
 
@@ -126,12 +125,7 @@ def merge_tasks(out: Path) -> dict:
             rejects["duplicate_id"] += 1
             totals["rejected"] += 1
             reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
-    rej_tmp = out / "rejects.jsonl.tmp"
-    with open(rej_tmp, "w", encoding="utf-8") as f:
-        f.writelines(reject_lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(rej_tmp, out / "rejects.jsonl")
+    write_text_atomic(out / "rejects.jsonl", "".join(reject_lines))
     manifest = {
         "format_version": FORMAT_VERSION,
         "vlmprep_version": plan["vlmprep_version"],
