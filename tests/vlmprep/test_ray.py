@@ -39,6 +39,7 @@ def _busy_ray_workers() -> list:
                                                                  for c in (p.info["cmdline"] or []))]
 
 
+@pytest.mark.slow  # ~20 s
 def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(task_traces, local3, tmp_path):
     ref, _ = local3
     out = tmp_path / "ds"

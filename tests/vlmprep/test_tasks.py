@@ -48,6 +48,7 @@ def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(singl
     assert subprocess.run(cli("verify", out), capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # ~45 s: three CLI processes on 2 cores
 def test_task_index_processes_started_together_then_merge_equal_the_local_pool(task_traces, local3, tmp_path):
     """No plan yet: each process writes the same plan itself; then `vlmprep merge` -> every file byte-identical."""
     ref, _ = local3
@@ -66,6 +67,7 @@ def test_task_index_processes_started_together_then_merge_equal_the_local_pool(t
     assert hashes(out) == hashes(ref)
 
 
+@pytest.mark.slow  # ~30 s: two CLI runs of one task
 def test_a_sigkilled_task_index_process_reruns_to_the_same_task_output(task_traces, local3, tmp_path):
     ref, _ = local3
     out = tmp_path / "ds"
@@ -125,6 +127,7 @@ def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(t
         build(cfg(task_traces, out, tasks=3, task_index=0, seq_len=1024))
 
 
+@pytest.mark.slow  # ~20 s: a trainer process
 def test_the_trainer_trains_on_a_merged_dataset(local3, tmp_path):
     from tests.trainer.conftest import read_metrics, run_trainer
 
