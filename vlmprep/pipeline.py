@@ -23,7 +23,7 @@ from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
-from vlmprep.processor import apply_pixel_budget, load_processor, save_processor
+from vlmprep.processor import apply_pixel_budget, load_processor, load_saved_processor, save_processor
 from vlmprep.records import expand_inputs, iter_records, parse_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.journal import JOURNAL_NAME, REJECTS_PARTIAL, Journal, input_signature, landed_ids, load_journal, save_journal
@@ -42,10 +42,12 @@ class Renderer:
     """Everything one process needs to turn a RawRecord into a RenderedSample, exactly as `build` does.
     Also used by `vlmprep inspect` on raw input, so what a person sees is what build writes."""
 
-    def __init__(self, cfg: BuildConfig, processor):
+    def __init__(self, cfg: BuildConfig, processor, *, saved: bool = False):
+        """saved: `processor` is a dataset's saved copy, which already carries --chat-template and --min/--max-pixels
+        (see renderer_from_saved), so neither is applied again."""
         self.cfg = cfg
         self.processor = processor
-        if cfg.chat_template is not None:
+        if cfg.chat_template is not None and not saved:
             # Set on the processor itself, so the copy saved into the dataset carries the template that rendered it.
             template = Path(cfg.chat_template).read_text(encoding="utf-8")
             processor.chat_template = template
@@ -62,7 +64,8 @@ class Renderer:
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
                                      max_images_per_record=cfg.max_images_per_record)
-        apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+        if not saved:
+            apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
         self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()
@@ -150,15 +153,41 @@ def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
 
 
 _RENDERER: Renderer | None = None
+# Most of a worker's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Workers fork from
+# a forkserver that imported them once, instead of each spawned worker importing them again. Forking the server is
+# safe where forking the build process is not: it never ran torch, tokenizers or jinja, it only imported them.
+_WORKER_PRELOAD = ["vlmprep.pipeline", "vlmprep.images", "torch", "torchvision",
+                   "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
+
+
+def _worker_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)  # no effect once the server runs: it already has them
+    return ctx
+
+
+def start_worker_server(cfg: BuildConfig) -> None:
+    """With --workers > 1, start the forkserver's imports now, in the background, so they overlap the main process's
+    own set-up (load + save the processor) instead of following it. Does not wait."""
+    if cfg.workers > 1:
+        from multiprocessing import forkserver
+
+        _worker_context()
+        forkserver.ensure_running()
+
+
+def renderer_from_saved(cfg: BuildConfig, processor_dir: str | Path) -> Renderer:
+    """The one way a worker of any kind (pool, task, Ray) gets ready: the dataset's saved processor dir, which carries
+    the chat template and pixel budget that rendered it, so the --chat-template file need not exist where it runs."""
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
+    return Renderer(cfg, load_saved_processor(processor_dir), saved=True)
 
 
 def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
     global _RENDERER
-    from transformers import AutoProcessor
-    import torch
-
-    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
-    _RENDERER = Renderer(cfg, AutoProcessor.from_pretrained(processor_dir, local_files_only=True))
+    _RENDERER = renderer_from_saved(cfg, processor_dir)
 
 
 def process_record(raw: RawRecord):
@@ -179,9 +208,8 @@ def _ordered_results(cfg: BuildConfig, records, processor_dir: Path, processor):
         for raw in records:
             yield raw.position, renderer.process(raw)
         return
-    ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
     window = collections.deque()
-    with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
+    with _worker_context().Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
         for raw in records:
             window.append((raw.position, pool.apply_async(process_record, (raw,))))
             if len(window) >= cfg.workers * 4:
@@ -231,6 +259,7 @@ def build(cfg: BuildConfig) -> BuildResult:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     files = expand_inputs(cfg.inputs)
+    start_worker_server(cfg)
     processor = load_processor(cfg.processor)
     Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any worker starts
     processor_dir = out / "processor"
