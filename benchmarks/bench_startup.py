@@ -14,9 +14,10 @@ from pathlib import Path
 from benchmarks.bench_build import build_config
 from benchmarks.emit import emit
 from benchmarks.inputs import OUT, traces
+from vlmprep.pipeline import _WORKER_PRELOAD
 
-# The modules a worker imports before it can load a processor (pipeline._WORKER_PRELOAD).
-IMPORTS = "import vlmprep.pipeline, vlmprep.images, torch, torchvision, transformers.models.auto.processing_auto"
+# What a pool worker has before it loads a processor: the forkserver's imports.
+IMPORTS = "import " + ", ".join(_WORKER_PRELOAD)
 _START = time.time()  # a build child sets it to its interpreter's start
 
 
