@@ -1,17 +1,19 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
-build -> limits (floors, incl. tar read speed of a real shard) -> loader (vs online, as a multiple of the floor)
--> collate -> balance -> pack; traces (agent-trace split/keep-images table); scale (plan/tasks: local pool vs Ray). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
+build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
+shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack; traces (agent-trace
+split/keep-images table); scale (one plan: local pool vs Ray, per-task balance). `--quick` is a seconds-long smoke run
+(tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
 import time
 
 from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_pack, bench_scale,
-                        bench_traces)
+                        bench_startup, bench_traces)
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "limits", "loader", "collate", "balance", "pack", "traces", "scale")
+BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "traces", "scale")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if "build" in only:
         bench_build.run(a.quick, a.records)
+    if "startup" in only:
+        bench_startup.run(a.quick)
     floors = None
     if "limits" in only or "loader" in only:
         shard = next(iter(sorted((OUT / "build-w1").glob("shard-*.tar"))), None)

@@ -11,7 +11,6 @@ depends on the executor, so for a fixed T every executor writes the same bytes.
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from vlmprep.merge import merge_tasks
 from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, load_plan, make_plan, write_plan
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs
-from vlmprep.task import BuildError, Renderer, run_task, task_progress
+from vlmprep.task import BuildError, Renderer, run_task, start_worker_server, task_progress, worker_context
 
 __all__ = ["BuildError", "BuildResult", "build", "build_task", "plan_build"]
 
@@ -75,6 +74,8 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
             raise PlanError(f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "
                             f"options (or just `--out {out} --task-index N`), or plan into a fresh --out dir")
         return old, None
+    if cfg.executor == "local":
+        start_worker_server(cfg.workers)  # worker imports overlap the processor load and the input scan
     processor = load_processor(cfg.processor)
     renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
     fingerprint = save_processor(processor, out / "processor")
@@ -139,12 +140,6 @@ def build(cfg: BuildConfig) -> BuildResult:
     return result
 
 
-def _task_worker_init() -> None:
-    import torch
-
-    torch.set_num_threads(1)  # one core per task process: N processes scale instead of oversubscribing
-
-
 def _run_one(args: tuple) -> tuple[int, float, dict]:
     out, plan, cfg, index = args
     t0 = time.perf_counter()
@@ -165,8 +160,7 @@ def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Render
                 seconds[i] = time.perf_counter() - t0
                 tick(totals)
         else:
-            ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
-            with ctx.Pool(min(cfg.workers, len(jobs)), initializer=_task_worker_init) as pool:
+            with worker_context().Pool(min(cfg.workers, len(jobs))) as pool:
                 for i, s, totals in pool.imap_unordered(_run_one, jobs):
                     seconds[i] = s
                     tick(totals)

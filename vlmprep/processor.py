@@ -21,11 +21,18 @@ def load_processor(spec: str):
                              + ", ".join(f"builtin:{n}" for n in builtin_names()))
         return build_builtin_processor(name)
     if Path(spec).is_dir():
-        return AutoProcessor.from_pretrained(spec, local_files_only=True)
+        return load_saved_processor(spec)
     if Path(spec).exists():
         raise ValueError(f"--processor {spec} is a file: pass a processor directory, a hub id or builtin:NAME")
     # A hub id: the one path that may use the network, and only when the user asks for it.
     return AutoProcessor.from_pretrained(spec)
+
+
+def load_saved_processor(path: str | Path):
+    """A processor from a local dir (e.g. the copy save_processor wrote into a dataset), never the network."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(path), local_files_only=True)
 
 
 def fingerprint_dir(path: Path) -> str:

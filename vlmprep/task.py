@@ -23,7 +23,7 @@ from vlmprep.images import prepare_image
 from vlmprep.journal import Journal, landed_ids, load_journal, save_journal
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.plan import TASKS_DIR, check_inputs_unchanged, plan_digest, shard_prefix, task_file, task_records
-from vlmprep.processor import apply_pixel_budget
+from vlmprep.processor import apply_pixel_budget, load_saved_processor
 from vlmprep.records import parse_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import FORMAT_VERSION, sample_key
@@ -42,10 +42,12 @@ class Renderer:
     """Everything one process needs to turn a RawRecord into a RenderedSample, exactly as `build` does.
     Also used by `vlmprep inspect` on raw input, so what a person sees is what build writes."""
 
-    def __init__(self, cfg: BuildConfig, processor):
+    def __init__(self, cfg: BuildConfig, processor, *, saved: bool = False):
+        """saved: `processor` is a dataset's saved copy, which already carries --chat-template and --min/--max-pixels
+        (see renderer_from_saved), so neither is applied again."""
         self.cfg = cfg
         self.processor = processor
-        if cfg.chat_template is not None:
+        if cfg.chat_template is not None and not saved:
             # Set on the processor itself, so the copy saved into the dataset carries the template that rendered it.
             template = Path(cfg.chat_template).read_text(encoding="utf-8")
             processor.chat_template = template
@@ -62,7 +64,8 @@ class Renderer:
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
                                      max_images_per_record=cfg.max_images_per_record)
-        apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+        if not saved:
+            apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
         self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()
@@ -151,27 +154,51 @@ def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
 
 _RENDERER: Renderer | None = None
 _CACHED: tuple[tuple, Renderer] | None = None
+# Most of a worker's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Workers fork from
+# a forkserver that imported them once, instead of each spawned worker importing them again. Forking the server is
+# safe where forking the build process is not: it never ran torch, tokenizers or jinja, it only imported them.
+_WORKER_PRELOAD = ["vlmprep.task", "vlmprep.images", "torch", "torchvision",
+                   "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
+
+
+def worker_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)  # no effect once the server runs: it already has them
+    return ctx
+
+
+def start_worker_server(workers: int) -> None:
+    """With several worker processes, start the forkserver's imports now, in the background, so they overlap the main
+    process's own set-up (load + save the processor, scan the plan) instead of following it. Does not wait."""
+    if workers > 1:
+        from multiprocessing import forkserver
+
+        worker_context()
+        forkserver.ensure_running()
+
+
+def renderer_from_saved(cfg: BuildConfig, processor_dir: str | Path) -> Renderer:
+    """The one way a worker of any kind (pool, task, Ray) gets ready: the dataset's saved processor dir, which carries
+    the chat template and pixel budget that rendered it, so the --chat-template file need not exist where it runs."""
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
+    return Renderer(cfg, load_saved_processor(processor_dir), saved=True)
 
 
 def cached_renderer(cfg: BuildConfig, processor_dir: Path) -> Renderer:
-    """A Renderer over the dataset's saved processor, kept per process: a pool or Ray worker that runs several
-    tasks of one plan loads the processor once."""
+    """renderer_from_saved, kept per process: a pool or Ray worker that runs several tasks of one plan loads the
+    processor once."""
     global _CACHED
     key = (str(processor_dir), json.dumps(cfg.to_json(), sort_keys=True))
     if _CACHED is None or _CACHED[0] != key:
-        from transformers import AutoProcessor
-
-        _CACHED = key, Renderer(cfg, AutoProcessor.from_pretrained(str(processor_dir), local_files_only=True))
+        _CACHED = key, renderer_from_saved(cfg, processor_dir)
     return _CACHED[1]
 
 
 def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
     global _RENDERER
-    from transformers import AutoProcessor
-    import torch
-
-    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
-    _RENDERER = Renderer(cfg, AutoProcessor.from_pretrained(processor_dir, local_files_only=True))
+    _RENDERER = renderer_from_saved(cfg, processor_dir)
 
 
 def process_record(raw: RawRecord):
@@ -184,9 +211,8 @@ def _ordered_results(cfg: BuildConfig, records, processor_dir: Path, renderer: R
         for raw in records:
             yield raw.position, renderer.process(raw)
         return
-    ctx = mp.get_context("spawn")  # fork after torch/tokenizers threads start is unsafe
     window = collections.deque()
-    with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
+    with worker_context().Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
         for raw in records:
             window.append((raw.position, pool.apply_async(process_record, (raw,))))
             if len(window) >= cfg.workers * 4:

@@ -1,0 +1,97 @@
+"""Start-up benchmark: a worker's seconds to import vs to get ready from a dataset's saved processor dir
+(renderer_from_saved), each in a fresh process; a build's time to its first record and its wall-clock with 1 and
+2 workers, each build in a fresh process (a warm parent would hide the imports and the worker server start)."""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench_build import build_config
+from benchmarks.emit import emit
+from benchmarks.inputs import OUT, traces
+from vlmprep.task import _WORKER_PRELOAD
+
+# What a pool worker has before it loads a processor: the forkserver's imports.
+IMPORTS = "import " + ", ".join(_WORKER_PRELOAD)
+_START = time.time()  # a build child sets it to its interpreter's start
+
+
+def worker_child(processor_dir: str, inp: str) -> dict:
+    """In a fresh process, after IMPORTS: seconds to renderer_from_saved, then to render the first record that has
+    images (jinja compile, resize warm-up)."""
+    from vlmprep.task import renderer_from_saved
+    from vlmprep.records import iter_records
+
+    t0 = time.perf_counter()
+    renderer = renderer_from_saved(build_config(Path(inp), Path(processor_dir).parent, seq_len=16384), processor_dir)
+    t1 = time.perf_counter()
+    for raw in iter_records([Path(inp)]):
+        t2 = time.perf_counter()
+        if any(status == "ok" and s.num_images for status, s in renderer.process(raw)[0]):
+            break
+    return {"ready_s": t1 - t0, "first_render_s": time.perf_counter() - t2}
+
+
+def build_child(inp: str, out: str, workers: int) -> dict:
+    """In a fresh process: seconds from process start to the build's first record and to its end."""
+    from vlmprep import pipeline, task
+
+    first = []
+    ordered = task._ordered_results
+
+    def timed(*args, **kw):  # the build consumes results in input order: the first one out is the first record
+        for i, item in enumerate(ordered(*args, **kw)):
+            if i == 0:
+                first.append(time.time() - _START)
+            yield item
+
+    task._ordered_results = timed
+    res = pipeline.build(build_config(Path(inp), Path(out), workers=workers, seq_len=16384))
+    return {"first_record_s": first[0], "seconds": time.time() - _START, "samples": res.manifest["totals"]["samples"]}
+
+
+def _child(code: str) -> dict:
+    res = subprocess.run([sys.executable, "-c", f"import time; _t = time.time(); {code}"], check=True,
+                         capture_output=True, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def worker_startup(processor_dir: Path, inp: Path) -> dict:
+    code = (f"{IMPORTS}; _i = time.time() - _t; import json; from benchmarks.bench_startup import worker_child; "
+            f"r = worker_child({str(processor_dir)!r}, {str(inp)!r}); "
+            "print(json.dumps({'imports_s': _i, **r}))")
+    return _child(code)
+
+
+def timed_child_build(inp: Path, out: Path, workers: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    code = ("import benchmarks.bench_startup as b; b._START = _t; import json; "
+            f"print(json.dumps(b.build_child({str(inp)!r}, {str(out)!r}, {workers})))")
+    return _child(code)
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    n = 4 if quick else 500
+    # Small images keep a 500-record build near a minute on 2 cores, where start-up still matters.
+    inp = traces(n, width=320 if quick else 640, height=200 if quick else 360, max_images=4 if quick else 8)
+    runs = {w: timed_child_build(inp, OUT / f"startup-w{w}", w) for w in (1, 2)}
+
+    probes = [worker_startup(OUT / "startup-w1" / "processor", inp) for _ in range(1 if quick else 3)]
+    med = {k: statistics.median(p[k] for p in probes) for k in ("imports_s", "ready_s", "first_render_s")}
+    rows.append(emit("startup", metric="worker_ready", repeats=len(probes), imports_seconds=round(med["imports_s"], 2),
+                     ready_beyond_imports_seconds=round(med["ready_s"], 2),
+                     first_render_seconds=round(med["first_render_s"], 2), goal_seconds=5))
+    for w, r in runs.items():
+        rows.append(emit("startup", metric="first_record", workers=w, seconds=round(r["first_record_s"], 2)))
+    for w, r in runs.items():
+        rows.append(emit("startup", metric="build_wall_clock", workers=w, records=n, samples=r["samples"],
+                         seconds=round(r["seconds"], 2)))
+    rows.append(emit("startup", metric="speedup_2_workers_wall_clock", records=n,
+                     ratio=round(runs[1]["seconds"] / runs[2]["seconds"], 3), goal=1.0))
+    return rows
