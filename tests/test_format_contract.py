@@ -209,6 +209,7 @@ def test_the_package_has_no_import_cycle_and_only_the_reader_opens_shard_tars():
     assert openers == ["vlmprep/shards/reader.py", "vlmprep/shards/writer.py"], openers
 
 
+@pytest.mark.slow  # ~15 s: pip wheel + install --target
 def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     """`pip install vlmprep` (not -e): schemas and templates ship inside the wheel, `vlmprep verify` runs."""
     from vlmprep.config import BuildConfig

@@ -19,9 +19,6 @@ from vlmprep.shards.writer import ShardWriter, write_json_atomic, write_text_ato
 from vlmprep.task import TOTAL_KEYS, TaskFiles, duplicate_reject, load_task_manifest, turn_coverage
 from vlmprep.types import ShardSample
 
-_OWN = {PLAN_NAME, "manifest.json", "rejects.jsonl", ".nv-meta", TASKS_DIR, "processor"}
-
-
 class MergeError(PlanError):
     """The dataset dir cannot be merged as it is: one clear line naming the task or file and the fix."""
 
@@ -46,14 +43,16 @@ def _task_manifests(out: Path, plan: dict) -> list[dict]:
                          f"{task_file(missing[0], '.json')}): tasks {shown}; run `vlmprep build --out {out} "
                          f"--task-index {missing[0]}` for each, then merge again")
     if foreign:
-        raise MergeError(f"{out}: {'; '.join(foreign[:5])} than {PLAN_NAME}; remove that task's files (its "
-                         f"{task_file(0, '.*')[:-1]} files and shards) and run it again with this plan")
+        raise MergeError(f"{out}: {'; '.join(foreign[:5])} than {PLAN_NAME}; remove such a task's files "
+                         f"({task_file(0, '.*')} and its shards, e.g. for task 0) and run it again with this plan")
     return manifests
 
 
 def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
     claimed = {s["name"] for m in manifests for s in m["shards"]}
-    stray = sorted(p.name for p in out.iterdir() if p.name not in _OWN and p.name not in claimed)
+    # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx, are not
+    # dataset content and are left alone).
+    stray = sorted(p.name for p in out.iterdir() if p.name.endswith((".tar", ".tar.tmp")) and p.name not in claimed)
     ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan["tasks"])
             for suffix in (".json", ".rejects.jsonl", ".samples.jsonl")}
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)

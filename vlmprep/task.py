@@ -293,6 +293,10 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
     files = TaskFiles(out, index, shard_prefix(plan, index))
     done = load_task_manifest(files)
     if done is not None and done.get("plan") == digest:
+        # killed between its manifest and its clean-up: only the clean-up is left to do
+        for p in [files.path(".journal.json"), files.path(".rejects.jsonl.partial")] + list(
+                (out / TASKS_DIR).glob(f"task-{index:05d}.*.tmp")):
+            p.unlink(missing_ok=True)
         return done
     check_inputs_unchanged(plan)
     processor_dir = Path(processor_dir or out / plan["processor"]["dir"])

@@ -98,6 +98,7 @@ def test_truncated_shard_is_caught_at_start_up(dataset, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before a single step
 
 
+@pytest.mark.slow  # ~20 s: a trainer process (the start-up refusals stay in make test)
 def test_corrupted_shard_at_training_time_names_the_shard(dataset, tmp_path):
     """Same size, garbage inside (a bit-rotted copy): found when the tar is read, with the shard in the error."""
     def corrupt(members):

@@ -158,6 +158,7 @@ def test_hf_iterable_dataset_reads_every_sample(dataset, expected, tmp_path, mon
     assert sorted(s["__key__"] for s in loader) == keys
 
 
+@pytest.mark.slow  # ~25 s: energon prepare/info/lint processes (the webdataset and HF readers stay in make test)
 def test_energon_reads_every_sample_and_info_lint_pass(dataset, manifest, expected, tmp_path):
     pytest.importorskip("megatron.energon")
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset

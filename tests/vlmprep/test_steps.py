@@ -183,7 +183,8 @@ def reference_messages(record, meta, dropped_text=None, parse_arguments=False):
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", pytest.param("qwen2.5-vl", marks=pytest.mark.slow),
-                                  pytest.param("qwen3-vl", marks=pytest.mark.slow), "qwen3.5"])
+                                  pytest.param("qwen3-vl", marks=pytest.mark.slow),
+                                  pytest.param("qwen3.5", marks=pytest.mark.slow)])
 def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces, tmp_path):
     """Qwen3.5's template rewrites earlier turns (think-stripping before the last user query): split samples are
     still exactly what it renders from their own message lists."""

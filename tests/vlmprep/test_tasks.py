@@ -104,8 +104,9 @@ def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(t
         build_task(out, i)
     with pytest.raises(MergeError, match=r"1 of 3 tasks have not finished .*--task-index 1"):
         merge_tasks(out)
-    other = tmp_path / "other"
-    build(cfg(task_traces, other, tasks=3, seq_len=1024))
+    other = tmp_path / "other"  # task 1 of a plan with another --seq-len
+    build(cfg(task_traces, other, tasks=3, seq_len=1024, plan_only=True))
+    build_task(other, 1)
     _copy_task(other, out, 1)
     with pytest.raises(MergeError, match=r"task 1 was built with another config \(seq_len differ"):
         merge_tasks(out)
