@@ -76,6 +76,9 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
         return old, None
     if cfg.executor == "local":
         start_worker_server(cfg.workers)  # worker imports overlap the processor load and the input scan
+    if fresh:  # a whole build owns the dir: drop processor copies a killed earlier run left half-saved
+        for p in list(out.glob("processor.*.tmp")) + list(out.glob("processor.*.old")):
+            shutil.rmtree(p, ignore_errors=True)
     processor = load_processor(cfg.processor)
     renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
     fingerprint = save_processor(processor, out / "processor")

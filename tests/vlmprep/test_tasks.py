@@ -136,3 +136,14 @@ def test_the_trainer_trains_on_a_merged_dataset(local3, tmp_path):
     run_trainer(["--data", out, "--out", tmp_path / "run", "--max-steps", 2, "--num-workers", 1])
     metrics = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
+
+
+def test_a_whole_build_drops_what_a_killed_earlier_run_left_half_written(task_traces, single, tmp_path):
+    """A kill inside save_processor or write_plan leaves per-process temp names that no later write reuses."""
+    out = tmp_path / "ds"
+    (out / "processor.4242.tmp").mkdir(parents=True)
+    (out / "processor.4242.tmp" / "tokenizer.json").write_text("{}")
+    (out / "processor.4243.old").mkdir()
+    (out / "plan.json.4242.tmp").write_text("{")
+    build(cfg(task_traces, out))
+    assert tree_hashes(out) == tree_hashes(single)
