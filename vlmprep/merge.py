@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
-from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, load_plan, plan_digest, shard_prefix, task_file
+from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_plan, plan_digest, shard_prefix, task_file
 from vlmprep.processor import fingerprint_dir
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardWriter, write_json_atomic, write_text_atomic
-from vlmprep.task import TOTAL_KEYS, TaskFiles, duplicate_reject, load_task_manifest, turn_coverage
+from vlmprep.task import TOTAL_KEYS, TaskFiles, count_sample, duplicate_reject, load_task_manifest, turn_coverage
 from vlmprep.types import ShardSample
 
 class MergeError(PlanError):
@@ -31,8 +31,7 @@ def _task_manifests(out: Path, plan: dict) -> list[dict]:
         if m is None:
             missing.append(i)
         elif m.get("plan") != digest:
-            changed = sorted(k for k in set(m.get("config", {})) | set(plan["config"])
-                             if m.get("config", {}).get(k) != plan["config"].get(k))
+            changed = config_changes(m.get("config", {}), plan["config"])
             why = (f"another config ({', '.join(changed)} differ)" if changed else
                    "another processor" if m.get("processor") != plan["processor"]["fingerprint"] else "another plan")
             foreign.append(f"task {i} was built with {why}")
@@ -120,7 +119,7 @@ def merge_tasks(out: Path) -> dict:
             if info is not None:
                 shards.append(info)
         for d in dups:
-            _uncount(totals, d)
+            count_sample(totals, d, sign=-1)
             rejects["duplicate_id"] += 1
             totals["rejected"] += 1
             reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
@@ -141,15 +140,3 @@ def merge_tasks(out: Path) -> dict:
     write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
     write_json_atomic(out / "manifest.json", manifest)  # last: its presence means complete
     return manifest
-
-
-def _uncount(totals: collections.Counter, m: dict) -> None:
-    totals["samples"] -= 1
-    totals["tokens"] -= m["num_tokens"]
-    totals["trainable_tokens"] -= m["num_trainable_tokens"]
-    totals["image_tokens"] -= m["num_image_tokens"]
-    totals["images"] -= m["num_images"]
-    totals["truncated_samples"] -= int(m["truncated"])
-    totals["dropped_images"] -= m["dropped_images"]
-    totals["unrendered_tool_call_turns"] -= m["unrendered_tool_calls"]
-    totals["split_samples"] -= int(m["split"] is not None)

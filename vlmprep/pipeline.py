@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vlmprep.config import BuildConfig
 from vlmprep.merge import merge_tasks
-from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, load_plan, make_plan, write_plan
+from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs
 from vlmprep.task import BuildError, Renderer, run_task, start_worker_server, task_progress, worker_context
@@ -67,8 +67,7 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
              "inputs": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
     if old is not None and not fresh:
         if _plan_options(old) != asked:  # a task never re-plans over a plan other tasks are running from
-            differ = sorted(k for k in set(asked["config"]) | set(old["config"])
-                            if asked["config"].get(k) != old["config"].get(k))
+            differ = config_changes(asked["config"], old["config"])
             why = (f"options {', '.join(differ)} differ" if differ else
                    "--tasks differs" if asked["tasks"] != old["tasks"] else "the inputs changed")
             raise PlanError(f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "

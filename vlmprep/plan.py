@@ -116,6 +116,11 @@ def load_plan(out: Path) -> dict | None:
     return plan
 
 
+def config_changes(a: dict, b: dict) -> list[str]:
+    """The option names whose values differ between two resolved configs (for refusals that name them)."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def check_inputs_unchanged(plan: dict) -> None:
     """A task reads byte offsets the plan took: an input changed since then would silently shift them."""
     for inp in plan["inputs"]:

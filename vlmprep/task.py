@@ -379,16 +379,15 @@ _SAMPLE_FIELDS = ("id", "source", "num_tokens", "num_trainable_tokens", "num_ima
                   "dropped_images", "unrendered_tool_calls", "split")
 
 
-def count_sample(totals: collections.Counter, m: dict) -> None:
-    totals["samples"] += 1
-    totals["tokens"] += m["num_tokens"]
-    totals["trainable_tokens"] += m["num_trainable_tokens"]
-    totals["image_tokens"] += m["num_image_tokens"]
-    totals["images"] += m["num_images"]
-    totals["truncated_samples"] += int(m["truncated"])
-    totals["dropped_images"] += m["dropped_images"]
-    totals["unrendered_tool_call_turns"] += m["unrendered_tool_calls"]
-    totals["split_samples"] += int(m["split"] is not None)
+def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
+    """Add a landed sample's counts to the totals (sign=-1: take back one that merge removes)."""
+    for key, field in (("tokens", "num_tokens"), ("trainable_tokens", "num_trainable_tokens"),
+                       ("image_tokens", "num_image_tokens"), ("images", "num_images"),
+                       ("dropped_images", "dropped_images"), ("unrendered_tool_call_turns", "unrendered_tool_calls")):
+        totals[key] += sign * m[field]
+    totals["samples"] += sign
+    totals["truncated_samples"] += sign * int(m["truncated"])
+    totals["split_samples"] += sign * int(m["split"] is not None)
 
 
 def duplicate_reject(meta: dict) -> dict:
