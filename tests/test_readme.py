@@ -1,0 +1,277 @@
+"""The README is a contract: every fenced bash/python example carries a `<!-- readme-test: ... -->` marker, and
+the marked ones run as written here (small inputs in place of the large ones the README names).
+
+Markers (an HTML comment on the line before the fence, invisible on GitHub):
+    run [setup=NAME] [slow] [sub="OLD=>NEW"]...     a bash block: its commands run with `bash -e` in a copy of a
+                                                    prepared workspace and must exit 0
+    output [setup=NAME] [slow] [sub=...]...         a transcript: each `$ command` runs and its stdout must equal the
+                                                    lines shown under it (`# excerpt` on the command: `...` lines
+                                                    stand for any run of lines)
+    python [setup=NAME] [slow]                      a python block: run as a script in the workspace
+    skip REASON                                     not runnable here (a GPU, a checkpoint path, a cluster): says why
+Substitutions are literal and visible in the marker, e.g. `sub="--workers 8=>--workers 2"` on a 2-core box.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+MARKER = re.compile(r"^<!-- readme-test: (.*?) -->\s*$")
+FENCE = re.compile(r"^```(\w*)\s*$")
+KINDS = ("run", "output", "python", "skip")
+
+
+@dataclass
+class Example:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    body: str
+    kind: str | None = None
+    setup: str = "none"
+    slow: bool = False
+    subs: list[tuple[str, str]] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def test_id(self) -> str:
+        return f"L{self.line}-{self.kind}"
+
+
+def parse_readme(text: str) -> list[Example]:
+    lines = text.splitlines()
+    out: list[Example] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        ex = Example(line=i + 1, lang=m.group(1), body="\n".join(lines[i + 1:end]) + "\n")
+        marker = MARKER.match(lines[i - 1]) if i else None
+        if marker:
+            _apply_marker(ex, marker.group(1))
+        out.append(ex)
+        i = end + 1
+    return out
+
+
+def _apply_marker(ex: Example, spec: str) -> None:
+    words = shlex.split(spec)
+    ex.kind = words[0]
+    if ex.kind == "skip":
+        ex.reason = " ".join(words[1:])
+        return
+    for w in words[1:]:
+        if w == "slow":
+            ex.slow = True
+        elif w.startswith("setup="):
+            ex.setup = w[len("setup="):]
+        elif w.startswith("sub="):
+            old, sep, new = w[len("sub="):].partition("=>")
+            assert sep, f"README line {ex.line}: sub needs OLD=>NEW, got {w!r}"
+            ex.subs.append((old, new))
+        else:
+            raise AssertionError(f"README line {ex.line}: unknown marker word {w!r}")
+
+
+def substitute(ex: Example, text: str) -> str:
+    for old, new in ex.subs:
+        assert old in text, f"README line {ex.line}: substitution {old!r} matches nothing (stale marker)"
+        text = text.replace(old, new)
+    return text
+
+
+EXAMPLES = parse_readme(README.read_text())
+RUNNABLE = [e for e in EXAMPLES if e.kind in ("run", "output", "python")]
+
+
+def test_every_example_is_marked_and_markers_are_valid():
+    unmarked = [e.line for e in EXAMPLES if e.lang in ("bash", "python", "sh") and e.kind is None]
+    assert not unmarked, f"README code blocks without a readme-test marker at lines {unmarked}"
+    for e in EXAMPLES:
+        if e.kind is None:
+            continue
+        assert e.kind in KINDS, f"README line {e.line}: unknown kind {e.kind!r}"
+        assert e.kind != "skip" or e.reason, f"README line {e.line}: skip needs a reason"
+        assert e.kind == "skip" or e.setup in SETUPS, f"README line {e.line}: unknown setup {e.setup!r}"
+        assert e.kind != "output" or e.body.startswith("$ "), f"README line {e.line}: a transcript starts with '$ '"
+
+
+def test_the_parser_reads_markers_substitutions_and_transcripts():
+    text = ("<!-- readme-test: run setup=traces slow sub=\"--workers 8=>--workers 2\" -->\n```bash\n"
+            "vlmprep build --workers 8\n```\n\n```python\nprint(1)\n```\n")
+    run, py = parse_readme(text)
+    assert (run.kind, run.setup, run.slow, run.subs) == ("run", "traces", True, [("--workers 8", "--workers 2")])
+    assert substitute(run, run.body) == "vlmprep build --workers 2\n"
+    assert py.kind is None and py.lang == "python"
+    with pytest.raises(AssertionError, match="matches nothing"):
+        substitute(run, "no such option")
+    cmds = split_transcript("$ a \\\n    b   # excerpt\nx\n...\n$ c\ny\n")
+    assert cmds == [("a \\\n    b   # excerpt", ["x", "..."]), ("c", ["y"])]
+    assert matches(["x", "...", "z"], ["x", "1", "2", "z"], excerpt=True)
+    assert not matches(["x", "z"], ["x", "1", "z"], excerpt=False)
+    assert not matches(["x", "...", "z"], ["x", "1"], excerpt=True)
+
+
+# --- workspaces -------------------------------------------------------------------------------------------------
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO)  # scripts/ (the demo generator) is not installed
+    env.pop("VLMPREP_DEBUG", None)
+    env["COLUMNS"] = "200"
+    return env
+
+
+def _sh(cmd: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", cmd], cwd=cwd, env=_env(), text=True,
+                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _demo(out: str, n: int, seed: int = 0, width: int = 320, height: int = 200, max_images: int = 4) -> str:
+    return (f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out {out} --n {n} --seed {seed} "
+            f"--width {width} --height {height} --max-images {max_images} >/dev/null")
+
+
+# Each setup is a list of shell lines run once per session in an empty dir; tests get a copy of it.
+SETUPS: dict[str, list[str]] = {
+    "none": [],
+    # Small stand-ins for the README's traces/ and traces.jsonl.zst: 4 browser-agent traces, 320x200 screenshots.
+    "traces": [_demo("traces/part-000.jsonl.zst", 4), "cp traces/part-000.jsonl.zst traces.jsonl.zst"],
+    # The same, built: shards/ as the README's build example writes it.
+    "shards": [_demo("traces/part-000.jsonl.zst", 4), "cp traces/part-000.jsonl.zst traces.jsonl.zst",
+               "vlmprep build --in traces.jsonl.zst --out shards/ --chat-template qwen2_vl_tools --seq-len 4096 "
+               "--no-progress >/dev/null"],
+}
+
+
+@pytest.fixture(scope="session")
+def workspaces(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            d = tmp_path_factory.mktemp(f"readme-{name}")
+            for line in SETUPS[name]:
+                r = _sh(line, d)
+                assert r.returncode == 0, f"setup {name}: {line}\n{r.stdout}\n{r.stderr}"
+            made[name] = d
+        return made[name]
+
+    return get
+
+
+@pytest.fixture
+def workspace(workspaces, tmp_path, request):
+    ex: Example = request.param
+    src = workspaces(ex.setup)
+    dst = tmp_path / "ws"
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+# --- transcripts ------------------------------------------------------------------------------------------------
+
+def split_transcript(body: str) -> list[tuple[str, list[str]]]:
+    """`$ cmd` (with backslash continuations) followed by its expected output lines."""
+    out: list[tuple[str, list[str]]] = []
+    lines = body.rstrip("\n").split("\n")
+    i = 0
+    while i < len(lines):
+        assert lines[i].startswith("$ "), f"transcript line {lines[i]!r} is not a command"
+        cmd = [lines[i][2:]]
+        while cmd[-1].split("#")[0].rstrip().endswith("\\"):
+            i += 1
+            cmd.append(lines[i])
+        i += 1
+        expected = []
+        while i < len(lines) and not lines[i].startswith("$ "):
+            expected.append(lines[i])
+            i += 1
+        while expected and not expected[-1].strip():
+            expected.pop()
+        out.append(("\n".join(cmd), expected))
+    return out
+
+
+def matches(expected: list[str], got: list[str], *, excerpt: bool) -> bool:
+    if not excerpt:
+        return expected == got
+
+    @functools.lru_cache(maxsize=None)
+    def fit(i: int, j: int) -> bool:  # expected[i:] against got[j:]; "..." takes any run of lines, none included
+        if i == len(expected):
+            return j == len(got)
+        if expected[i] == "...":
+            return any(fit(i + 1, k) for k in range(j, len(got) + 1))
+        return j < len(got) and expected[i] == got[j] and fit(i + 1, j + 1)
+
+    return fit(0, 0)
+
+
+def _params():
+    return [pytest.param(e, id=e.test_id, marks=[pytest.mark.slow] if e.slow else []) for e in RUNNABLE]
+
+
+@pytest.mark.parametrize("workspace", _params(), indirect=True)
+def test_readme_example_runs_as_written(workspace, request):
+    ex: Example = request.node.callspec.params["workspace"]
+    if ex.kind == "run":
+        r = _sh(substitute(ex, ex.body), workspace)
+        assert r.returncode == 0, f"README line {ex.line} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    elif ex.kind == "python":
+        script = workspace / "example.py"
+        script.write_text(substitute(ex, ex.body))
+        r = subprocess.run([sys.executable, str(script)], cwd=workspace, env=_env(), text=True,
+                           capture_output=True, timeout=900)
+        assert r.returncode == 0, f"README line {ex.line} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    else:
+        for cmd, expected in split_transcript(ex.body):
+            r = _sh(substitute(ex, cmd), workspace)
+            got = r.stdout.rstrip("\n").split("\n") if r.stdout.strip() else []
+            got = [line.rstrip() for line in got]
+            excerpt = "# excerpt" in cmd
+            assert matches([line.rstrip() for line in expected], got, excerpt=excerpt), (
+                f"README line {ex.line}: `{cmd}` printed (exit {r.returncode}):\n" + "\n".join(got)
+                + f"\n--- stderr ---\n{r.stderr[-2000:]}")
+
+
+# --- the Rejects table ------------------------------------------------------------------------------------------
+
+# Every way vlmprep/ names a reject reason: RecordError("x", ...), reject_entry(raw, "x", ...), "reason": "x",
+# `reason = "x" if ... else "y"` / `reason, message = "x", ...` and rejects["x"] += 1.
+REASON_IN_CODE = [re.compile(p) for p in (
+    r'RecordError\(\s*"([a-z_0-9]+)"', r'reject_entry\([^,()]+,\s*"([a-z_0-9]+)"', r'"reason":\s*"([a-z_0-9]+)"',
+    r'\breason(?:, message)?\s*=\s*"([a-z_0-9]+)"', r'\belse\s+"([a-z_0-9]+)"\s*$', r'\brejects\["([a-z_0-9]+)"\]')]
+
+
+def _code_reasons() -> set[str]:
+    found: set[str] = set()
+    for path in (REPO / "vlmprep").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if "reason" in line or "RecordError" in line or "reject" in line:
+                found.update(m.group(1) for pattern in REASON_IN_CODE for m in pattern.finditer(line))
+    return found
+
+
+def test_every_reject_reason_in_the_code_is_in_the_readme_table():
+    text = README.read_text()
+    section = text[text.index("## Rejects"):text.index("## Guarantees")]
+    table = set(re.findall(r"`([a-z_0-9]+)`", section))
+    reasons = _code_reasons()
+    assert {"invalid_json", "internal_error", "duplicate_id", "corrupt_zstd_stream"} <= reasons  # each spelling found
+    missing = sorted(reasons - table)
+    assert not missing, f"reject reasons raised in vlmprep/ but missing from README's Rejects table: {missing}"
