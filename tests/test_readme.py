@@ -68,11 +68,11 @@ def parse_readme(text: str) -> list[Example]:
 
 
 def _apply_marker(ex: Example, spec: str) -> None:
+    if spec.split()[0] == "skip":  # free text: the reason, read by people
+        ex.kind, ex.reason = "skip", spec[len("skip"):].strip()
+        return
     words = shlex.split(spec)
     ex.kind = words[0]
-    if ex.kind == "skip":
-        ex.reason = " ".join(words[1:])
-        return
     for w in words[1:]:
         if w == "slow":
             ex.slow = True
@@ -147,14 +147,20 @@ def _demo(out: str, n: int, seed: int = 0, width: int = 320, height: int = 200, 
 
 
 # Each setup is a list of shell lines run once per session in an empty dir; tests get a copy of it.
+TOOLS_BUILD = f"vlmprep build --chat-template {REPO}/vlmprep/templates/qwen2_vl_tools.jinja --no-progress"
 SETUPS: dict[str, list[str]] = {
     "none": [],
     # Small stand-ins for the README's traces/ and traces.jsonl.zst: 4 browser-agent traces, 320x200 screenshots.
     "traces": [_demo("traces/part-000.jsonl.zst", 4), "cp traces/part-000.jsonl.zst traces.jsonl.zst"],
     # The same, built: shards/ as the README's build example writes it.
     "shards": [_demo("traces/part-000.jsonl.zst", 4), "cp traces/part-000.jsonl.zst traces.jsonl.zst",
-               "vlmprep build --in traces.jsonl.zst --out shards/ --chat-template qwen2_vl_tools --seq-len 4096 "
-               "--no-progress >/dev/null"],
+               f"{TOOLS_BUILD} --in traces.jsonl.zst --out shards/ --seq-len 1024 >/dev/null"],
+    # demo/shards as `make demo` names it, from 8 small traces.
+    "demo-small": [_demo("demo/traces.jsonl.zst", 8),
+                   f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null"],
+    # `make demo`'s input itself: 64 traces of 1280x720 screenshots.
+    "demo": [f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out demo/traces.jsonl.zst --n 64 --seed 0 "
+             ">/dev/null"],
 }
 
 
