@@ -263,3 +263,17 @@ def test_responses_file_id_image_is_rejected_as_such(src):
     with pytest.raises(RecordError) as e:
         normalize_record(_user_image({"type": "input_image", "file_id": "file-abc", "detail": "auto"}), src, OPTS)
     assert e.value.reason == "unsupported_file_id" and "file_id (OpenAI Files API)" in e.value.message
+
+
+def test_the_record_schema_describes_the_dialect_parts():
+    from vlmprep.verify import schema_validator
+
+    v = schema_validator("record.schema.json")
+    b64 = base64.b64encode(png_bytes()).decode()
+    v.validate({"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "q"}, {"type": "input_image", "image_url": "x.png"},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": b64}},
+                                     {"type": "image", "source": {"type": "url", "url": "x.png"}}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}]})
+    assert not v.is_valid({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "s3"}}]}]})
