@@ -115,10 +115,11 @@ def _raw_build_config(cfg: InspectConfig):
 
 def _raw_id_candidate(raw, want: str) -> bool:
     """Cheap pre-filter for --id, mirroring normalize_record's id rule; the rendered id is checked after."""
+    from vlmprep.normalize import generated_id
     from vlmprep.records import parse_record
 
     wants = {want, want.rsplit("#", 1)[0]}  # "ID#S" is the S-th sample split from record ID
-    if f"{Path(raw.source.file).name}:{raw.source.line}" in wants:
+    if generated_id(raw.source) in wants:
         return True
     try:
         rid = parse_record(raw).get("id")

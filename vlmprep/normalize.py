@@ -8,6 +8,7 @@ import binascii
 import json
 import os
 import re
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,18 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     if isinstance(rid, (int, float)) and not isinstance(rid, bool):
         rid = str(rid)
     if not isinstance(rid, str) or not rid:
-        rid = f"{os.path.basename(source.file)}:{source.line}"
+        rid = generated_id(source)
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("invalid_tools", "'tools' must be a list of tool specs")
     return Conversation(id=rid, source=source, messages=messages, tools=tools)
+
+
+def generated_id(source: Source) -> str:
+    """The id of a record that has none: "~" + its input's name (path relative to the inputs' common parent) + ":"
+    + line. Unique across inputs and stable for the same inputs; the reserved "~" keeps real ids (and the bare
+    "file:line" ids earlier versions generated) from meeting them by accident."""
+    return f"~{source.input_name or os.path.basename(source.file)}:{source.line}"
 
 
 _VERBATIM = ("arguments", "tools")  # data the template prints as given: a null inside them is a value
@@ -183,15 +191,22 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
     if ptype is None:
         # Untyped parts from schema-unified datasets: infer from the one payload key present.
         ptype = next((k for k in ("text", "image_url", "image") if k in p), None)
-    if ptype in ("text", "input_text"):
+    if ptype in ("text", "input_text", "output_text"):  # input_/output_text: the OpenAI Responses API's parts
         text = _check_text(p.get("text"), where)
         return _split_markers(text, pending, ctx, where)
+    if ptype == "refusal":  # Responses API: an assistant refusal part, trained as its text
+        return _split_markers(_check_text(p.get("refusal"), where), pending, ctx, where)
     if ptype in ("image_url", "input_image"):
         ref = p.get("image_url")
         if isinstance(ref, dict):
             ref = ref.get("url")
+        if ref is None and "file_id" in p:
+            raise RecordError("unsupported_file_id", f"{where}: image given by file_id (OpenAI Files API); inline it "
+                                                     "as a data URI or path")
         return [Part("image", image=ctx.fetch(ref, where))]
     if ptype == "image":
+        if isinstance(p.get("source"), dict):
+            return [Part("image", image=_anthropic_image(p["source"], where, ctx))]
         ref = p.get("image", p.get("url", p.get("path")))
         return [Part("image", image=ctx.fetch(ref, where))]
     if ptype in ("video", "video_url", "input_video"):
@@ -199,6 +214,35 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
     if ptype in ("audio", "input_audio", "audio_url"):
         raise RecordError("unsupported_audio", f"{where}: audio parts are not supported")
     raise RecordError("unknown_content_type", f"{where}: unknown content part type {ptype!r}")
+
+
+def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:
+    """Anthropic Messages API image block source: base64 data (decoded as a data URI's) or a URL (the same remote
+    and local rules as image_url)."""
+    kind = src.get("type")
+    if kind == "base64":
+        return ImageData(data=_decode_base64(src.get("data"), where), origin="data-uri")
+    if kind == "url":
+        return ctx.fetch(src.get("url"), where)
+    if kind == "file" or "file_id" in src:
+        raise RecordError("unsupported_file_id", f"{where}: image given by file_id (Anthropic Files API); inline it "
+                                                 "as base64 data or a path")
+    raise RecordError("unsupported_image_source", f"{where}: Anthropic image source type {kind!r} is not supported "
+                                                  "(base64 or url)")
+
+
+def _decode_base64(payload, where: str) -> bytes:
+    """Base64 as transformers' load_image takes it (MIME line breaks and other whitespace ignored), but strict
+    otherwise: a stray character is a reject, not silently skipped bytes."""
+    if not isinstance(payload, str):
+        raise RecordError("invalid_base64", f"{where}: base64 image data must be a string")
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise RecordError("invalid_base64", f"{where}: image data is not valid base64") from None
+    if not data:
+        raise RecordError("invalid_base64", f"{where}: image data is empty")
+    return data
 
 
 def _normalize_tool_call(tc, where: str) -> ToolCall:
@@ -238,22 +282,18 @@ class _ImageContext:
         if m:
             if not m.group("b64"):
                 raise RecordError("invalid_data_uri", f"{where}: only base64 data URIs are supported")
-            try:
-                data = base64.b64decode(ref[m.end():], validate=True)
-            except (binascii.Error, ValueError):
-                raise RecordError("invalid_base64", f"{where}: image data URI is not valid base64") from None
-            if not data:
-                raise RecordError("invalid_base64", f"{where}: image data URI is empty")
-            return ImageData(data=data, origin="data-uri")
+            return ImageData(data=_decode_base64(ref[m.end():], f"{where}: data URI"), origin="data-uri")
         low = ref.lower()
         if low.startswith(("http://", "https://")):
             if not self.allow_remote:
                 raise RecordError("remote_image_refused", f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
             return ImageData(data=_fetch_remote(ref, where), origin=ref)
         if low.startswith("file://"):
-            ref = ref[len("file://"):]
+            ref = urllib.parse.unquote(ref[len("file://"):])  # a URL: with%20space.png; the root check still follows
         elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
             raise RecordError("unsupported_image_url", f"{where}: unsupported URL scheme in {ref[:80]}")
+        if "\x00" in ref:
+            raise RecordError("invalid_image_ref", f"{where}: image path holds a NUL character")
         path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
         real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
         if os.path.commonpath([real, self.root]) != self.root:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep import __version__
-from vlmprep.records import Seek, iter_file_records
+from vlmprep.records import Seek, input_names, iter_file_records
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.types import RawRecord, UserError
 
 PLAN_NAME = "plan.json"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: inputs carry their id name
 TASKS_DIR = "tasks"
 
 
@@ -45,16 +45,16 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
     where: list[tuple[int, int, int]] = []  # per record: (file, line before it, offset)
     inputs, frames_of = [], []
     position = 0
-    for fi, path in enumerate(files):
+    for fi, (path, name) in enumerate(zip(files, input_names(files))):
         frames: list[tuple[int, int]] = []
         first = position
         for raw in iter_file_records(path, start_position=position, max_line_bytes=max_line_bytes,
-                                     max_zstd_window=max_zstd_window, frames=frames):
+                                     max_zstd_window=max_zstd_window, frames=frames, input_name=name):
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1
         st = path.stat()
-        inputs.append({"path": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+        inputs.append({"path": str(path), "name": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
                        "first_position": first, "records": position - first})
         frames_of.append(frames or [(0, 0)])
     cum = array.array("q", [0])
@@ -145,7 +145,7 @@ def task_records(plan: dict, index: int, *, max_line_bytes: int, max_zstd_window
         first = fi == cut["file"]
         seek = Seek(**cut["seek"]) if first else Seek()
         start = cut["position"] if first else inp["first_position"]
-        for raw in iter_file_records(Path(inp["path"]), start_position=start, seek=seek,
+        for raw in iter_file_records(Path(inp["path"]), start_position=start, seek=seek, input_name=inp["name"],
                                      max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window):
             if raw.position >= end:
                 return

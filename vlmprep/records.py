@@ -45,8 +45,12 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Path]:
     return files
 
 
+_CHUNK = 1 << 20
+
+
 class _ZstdStream(io.RawIOBase):
-    """Streaming multi-frame zstd decoder that, unlike stream_reader, reports a truncated last frame."""
+    """Streaming multi-frame zstd decoder that, unlike stream_reader, reports a truncated last frame, and on a
+    fault first hands out everything decoded before it, then ends as if at EOF with `fault` set."""
 
     def __init__(self, raw, max_window_size: int, frames: list | None = None, at: tuple[int, int] = (0, 0)):
         self._raw = raw
@@ -57,9 +61,11 @@ class _ZstdStream(io.RawIOBase):
         self._in_frame = False
         # Frame starts as (compressed offset, decompressed offset): where a task plan may seek into this file.
         self._cin, self._dout = at
+        self._frame_start = self._cin
         self._frames = frames
         if frames is not None:
             frames.append(at)
+        self.fault: tuple[zstandard.ZstdError, int, int] | None = None  # (error, fault byte, its frame's start)
 
     def readable(self):
         return True
@@ -67,15 +73,25 @@ class _ZstdStream(io.RawIOBase):
     def readinto(self, b):
         while self._off >= len(self._buf):
             self._buf, self._off = b"", 0
-            chunk = self._raw.read(1 << 20)
+            if self.fault is not None:
+                return 0
+            # Reads end on absolute MiB boundaries, so a task that seeks to a frame feeds the decoder the same
+            # pieces as a read from the file start, and a fault lands at the same byte with the same message.
+            chunk = self._raw.read(_CHUNK - self._cin % _CHUNK)
             if not chunk:
                 if self._in_frame:
-                    raise zstandard.ZstdError("truncated zstd stream: the last frame is incomplete")
+                    self.fault = (zstandard.ZstdError("the file ends inside a zstd frame (cut off)"), self._cin,
+                                  self._frame_start)
                 return 0
             while chunk:
-                self._in_frame = True
+                if not self._in_frame:
+                    self._in_frame, self._frame_start = True, self._cin
+                try:
+                    out = self._dobj.decompress(chunk)
+                except zstandard.ZstdError as e:
+                    self.fault = (e, self._cin, self._frame_start)  # this piece's output is lost with it
+                    break
                 self._cin += len(chunk)
-                out = self._dobj.decompress(chunk)
                 self._buf += out
                 self._dout += len(out)
                 if self._dobj.eof:  # frame done; any rest starts the next frame
@@ -87,6 +103,9 @@ class _ZstdStream(io.RawIOBase):
                         self._frames.append((self._cin, self._dout))
                 else:
                     chunk = b""
+        return self._hand_out(b)
+
+    def _hand_out(self, b):
         n = min(len(b), len(self._buf) - self._off)
         b[:n] = self._buf[self._off:self._off + n]
         self._off += n
@@ -129,37 +148,41 @@ def _open_lines(path: Path, max_window_size: int = 1 << 27, seek: Seek = Seek(),
 
 
 def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = 256 << 20,
-                      max_zstd_window: int = 1 << 27, seek: Seek = Seek(),
-                      frames: list | None = None) -> Iterator[RawRecord]:
-    """Yield one RawRecord per non-blank line, from `seek` on; file-level faults become a final record carrying
-    the error. `frames`, when given, collects the zstd frame starts seen (the plan's seek points)."""
+                      max_zstd_window: int = 1 << 27, seek: Seek = Seek(), frames: list | None = None,
+                      input_name: str = "") -> Iterator[RawRecord]:
+    """Yield one RawRecord per non-blank line, from `seek` on; a file-level fault becomes a final record carrying
+    the error, after every line read before it. `frames`, when given, collects the zstd frame starts seen (the
+    plan's seek points); `input_name` is the input's name for generated ids (see input_names)."""
     name = str(path)
     pos = start_position
     if path.name.endswith(".json"):
         try:
             with open(path, "rb") as f:
-                data = json.load(f)
+                data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
         except (ValueError, UnicodeDecodeError) as e:
-            yield RawRecord(Source(name, 0), pos, error=RecordError("invalid_json_file", f"{name}: {e}"))
+            yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("invalid_json_file", f"{name}: {e}"),
+                            unread_bytes=os.path.getsize(path))
             return
         if isinstance(data, dict) and ("messages" in data or "conversations" in data):
             data = [data]
         if not isinstance(data, list):
             shape = (f"an object with keys {', '.join(sorted(data)[:8])}" if isinstance(data, dict)
                      else f"a JSON {type(data).__name__}")
-            yield RawRecord(Source(name, 0), pos, error=RecordError(
+            yield RawRecord(Source(name, 0, input_name), pos, error=RecordError(
                 "invalid_json_file", f"{name}: a .json input must be an array of records or one record (an object "
                                      f"with 'messages'), not {shape}; use .jsonl for one record per line"))
             return
         if not data:
-            yield RawRecord(Source(name, 0), pos, error=RecordError("empty_file", f"{name} holds no records"))
+            yield RawRecord(Source(name, 0, input_name), pos,
+                            error=RecordError("empty_file", f"{name} holds no records"))
             return
         for i, item in enumerate(data[seek.offset:], start=seek.offset + 1):
-            yield RawRecord(Source(name, i), pos, data=item, offset=i - 1, size=len(json.dumps(item)))
+            yield RawRecord(Source(name, i, input_name), pos, data=item, offset=i - 1, size=len(json.dumps(item)))
             pos += 1
         return
     lineno = seek.line
     offset = seek.offset
+    fault = None
     try:
         with _open_lines(path, max_zstd_window, seek, frames) as f:
             while True:
@@ -175,31 +198,73 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
                         offset += len(chunk)
                         if not chunk or chunk.endswith(b"\n"):
                             break
-                    yield RawRecord(Source(name, lineno), pos, offset=start, size=offset - start,
+                    yield RawRecord(Source(name, lineno, input_name), pos, offset=start, size=offset - start,
                                     error=RecordError("line_too_long", f"line exceeds max_line_bytes={max_line_bytes}"))
                     pos += 1
                     continue
-                if not line.strip():
+                text = line[len(_BOM):] if start == 0 and line.startswith(_BOM) else line  # as .json reads it
+                if not text.strip():
                     continue
-                yield RawRecord(Source(name, lineno), pos, text=line, offset=start, size=len(line))
+                yield RawRecord(Source(name, lineno, input_name), pos, text=text, offset=start, size=len(line))
                 pos += 1
-    except zstandard.ZstdError as e:
-        msg = str(e).lower()
-        reason = "zstd_window_too_large" if ("window" in msg or "too much memory" in msg) else "corrupt_zstd_stream"
-        yield RawRecord(Source(name, lineno + 1), pos, offset=offset, error=RecordError(reason, f"{name}: {e}"))
-        return
+            fault = getattr(f.raw, "fault", None)
     except OSError as e:
-        yield RawRecord(Source(name, lineno + 1), pos, offset=offset, error=RecordError("read_error", f"{name}: {e}"))
+        plain = not path.name.endswith((".zst", ".zstd"))  # a .zst's offsets are decompressed: not file bytes
+        yield RawRecord(Source(name, lineno + 1, input_name), pos, offset=offset,
+                        error=RecordError("read_error", f"{name}: {e}"),
+                        unread_bytes=_size(path) - offset if plain else 0)
+        return
+    if fault is not None:
+        yield _zstd_fault(path, fault, Source(name, lineno + 1, input_name), pos, offset)
         return
     if pos == start_position and seek.offset == 0:
-        yield RawRecord(Source(name, 0), pos, error=RecordError("empty_file", f"{name} holds no records"))
+        yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records"))
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _zstd_fault(path: Path, fault: tuple, source: Source, position: int, offset: int) -> RawRecord:
+    """The record after the last line a .zst gave before its fault: names the byte (and frame) where decoding
+    stopped and counts the bytes from there on as unread."""
+    e, at, frame = fault
+    size = _size(path)
+    if at >= size:
+        message = (f"{path}: the file ends inside the zstd frame that starts at byte {frame} (cut off); the lines "
+                   "before the cut were kept")
+    else:
+        message = (f"{path}: {e} at byte {at} of {size} (zstd frame from byte {frame}); the lines before it were "
+                   f"kept, the {size - at} bytes from there on were not read")
+    low = str(e).lower()
+    reason = "zstd_window_too_large" if ("window" in low or "too much memory" in low) else "corrupt_zstd_stream"
+    if reason == "zstd_window_too_large":
+        message += " (raise --max-zstd-window if the file is trusted)"
+    return RawRecord(source, position, offset=offset, error=RecordError(reason, message),
+                     unread_bytes=max(size - at, 0))
+
+
+def input_names(files: list[Path]) -> list[str]:
+    """Each input's path relative to the inputs' common parent directory (one input: its file name). Distinct files
+    get distinct names, the same inputs the same names; generated ids are built from them (normalize.py). Kept
+    printable: a file name that is not UTF-8 shows its bytes as \\x escapes."""
+    paths = [os.path.abspath(f) for f in files]
+    root = os.path.commonpath([os.path.dirname(p) for p in paths]) if paths else ""
+    return [os.path.relpath(p, root).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            for p in paths]
 
 
 def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20, max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
     pos = 0
-    for path in files:
+    for path, name in zip(files, input_names(files)):
         for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes,
-                                     max_zstd_window=max_zstd_window):
+                                     max_zstd_window=max_zstd_window, input_name=name):
             pos = rec.position + 1
             yield rec
 

@@ -10,6 +10,8 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"built {out}: {t['samples']} samples in {len(manifest['shards'])} shards "
         f"({manifest['image_format']} images, format v{manifest['format_version']})",
         f"  records read      {t['records']}",
+        *([f"  unread input      {t['unread_bytes']} bytes after file faults (see rejects.jsonl)"]
+          if t.get("unread_bytes") else []),
         f"  tokens            {t['tokens']} ({t['trainable_tokens']} trained, "
         f"{t['trainable_tokens'] / max(t['tokens'], 1):.1%})",
         f"  images            {t['images']} ({t['image_tokens']} image tokens)",

@@ -148,8 +148,11 @@ def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
             rid = v if isinstance(v, (str, int)) else None
         except RecordError:
             pass
-    return {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid, "reason": reason,
-            "message": message}
+    entry = {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid, "reason": reason,
+             "message": message}
+    if raw.unread_bytes:  # a file-level fault: counted in the manifest's totals.unread_bytes
+        entry["unread_bytes"] = raw.unread_bytes
+    return entry
 
 
 _RENDERER: Renderer | None = None
@@ -235,7 +238,8 @@ def _progress(cfg: BuildConfig):
 TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "image_tokens", "images",
               "truncated_samples", "dropped_images", "unrendered_tool_call_turns", "split_samples",
               "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
-              "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated")
+              "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated",
+              "unread_bytes")
 
 
 @dataclass(frozen=True)
@@ -346,6 +350,7 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
                 else:
                     rejects[payload["reason"]] += 1
                     totals["rejected"] += 1
+                    totals["unread_bytes"] += payload.get("unread_bytes", 0)
                     rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
                     if cfg.strict:
                         raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "

@@ -38,6 +38,7 @@ class RecordError(Exception):
 class Source:
     file: str
     line: int  # 1-based line (jsonl) or 1-based array index (json)
+    input_name: str = ""  # the file's path relative to the inputs' common parent: the stem of generated ids
 
 
 @dataclass
@@ -51,6 +52,7 @@ class RawRecord:
     error: RecordError | None = None  # file-level reader fault attached to this position
     offset: int = 0  # where the line starts in the (decompressed) file, .json: item index; a task plan cuts here
     size: int = 0  # its bytes: the plan balances tasks by them
+    unread_bytes: int = 0  # a file-level fault: the input bytes from the fault on, which no record was read from
 
 
 @dataclass(frozen=True)

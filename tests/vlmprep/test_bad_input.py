@@ -98,8 +98,9 @@ def corpus(tmp):
         (tmp / "imgdir").mkdir(exist_ok=True)
         if not (tmp / "escape.png").exists():
             os.symlink(outside / "secret.png", tmp / "escape.png")
+        (tmp / "with space.png").write_bytes(img_bytes())
     long_text = " ".join(f"word{i}" for i in range(2000))
-    return [
+    cases = [
         ("invalid_json_line", b"{this is not json\n", "invalid_json"),
         ("non_object_line", b"[1, 2, 3]\n", "not_an_object"),
         ("missing_messages", {"id": "x"}, "missing_messages"),
@@ -181,7 +182,33 @@ def corpus(tmp):
             {"role": "user", "content": "q"}, {"role": "assistant", "function_call": "f()"}]}, "invalid_tool_call"),
         ("refusal_only_assistant", {"messages": [
             {"role": "user", "content": "q"}, {"role": "assistant", "content": None, "refusal": "I can't."}]}, "ok"),
+        # Issue 22: base64 and file:// as load_image / a URL reader take them; Responses and Anthropic parts.
+        ("mime_line_broken_base64", with_image("data:image/png;base64," + base64.encodebytes(img_bytes()).decode()),
+         "ok"),
+        ("base64_with_spaces", with_image(GOOD.replace("A", " A ")), "ok"),
+        ("percent_encoded_file_url", with_image("file://" + str((tmp or Path("/x")) / "with space.png").replace(" ", "%20")),
+         "ok"),
+        ("percent_encoded_traversal", with_image("file://%2e%2e/outside/secret.png"), "path_outside_root"),
+        ("nul_in_image_path", with_image("a\x00b.png"), "invalid_image_ref"),
+        ("responses_output_text", {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+                                                {"role": "assistant", "content": [
+                                                    {"type": "output_text", "text": "a", "annotations": []}]}]}, "ok"),
+        ("responses_refusal_part", chat("q", [{"type": "refusal", "refusal": "I can't."}]), "ok"),
+        ("responses_file_id_image", chat([{"type": "input_image", "file_id": "file-abc", "detail": "auto"}]),
+         "unsupported_file_id"),
+        ("anthropic_base64_image", chat([{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                     "data": GOOD.split(",", 1)[1]}}]), "ok"),
+        ("anthropic_url_image", chat([{"type": "image", "source": {"type": "url", "url": GOOD}}]), "ok"),
+        ("anthropic_file_image", chat([{"type": "image", "source": {"type": "file", "file_id": "file_01"}}]),
+         "unsupported_file_id"),
+        ("anthropic_unknown_image_source", chat([{"type": "image", "source": {"type": "s3", "uri": "s3://b/k"}}]),
+         "unsupported_image_source"),
+        # The id earlier versions generated for the id-less cmyk_jpeg record above (main.jsonl:<its line>).
+        ("id_equal_to_old_generated_id", {**chat("q"), "id": "main.jsonl:CMYK_LINE"}, "ok"),
     ]
+    line = 2 + 2 * [c[0] for c in cases].index("cmyk_jpeg")  # corpus_build's layout: case k on line 2 + 2k
+    cases[-1] = (cases[-1][0], {**chat("q"), "id": f"main.jsonl:{line}"}, "ok")
+    return cases
 
 
 def good(i):
@@ -263,3 +290,63 @@ def test_file_level_faults_and_every_good_record_lands(corpus_build):
     expected_ok = sum(1 for c in cases if c[2] == "ok")
     assert res.manifest["totals"]["samples"] == len(goods) + len(trunc_good) + expected_ok
     assert sum(res.manifest["rejects"].values()) == len(rejects) == res.manifest["totals"]["rejected"]
+
+
+# File-level cases (issue 22): each is its own input file(s); built as one task and as --tasks 2, which must agree.
+FILE_CASES = ["zst_garbage_after_last_frame", "bom_jsonl", "bom_jsonl_zst", "idless_records_in_same_named_files",
+              "real_ids_equal_to_generated_forms"]
+ZST_GARBAGE = b"\x00 not a zstd frame " * 4
+
+
+def with_id(i, rid):
+    rec = good(i)
+    return {**rec, "id": rid} if rid is not None else {k: v for k, v in rec.items() if k != "id"}
+
+
+@pytest.fixture(scope="module")
+def file_faults(tmp_path_factory, qwen2vl_processor):
+    d = tmp_path_factory.mktemp("filefaults") / "in"
+    d.mkdir()
+    frames = [zstandard.ZstdCompressor().compress(encode_line(with_id(i, f"zst-{i}"))) for i in range(3)]
+    (d / "g.jsonl.zst").write_bytes(b"".join(frames) + ZST_GARBAGE)
+    bom = b"\xef\xbb\xbf"
+    (d / "bom.jsonl").write_bytes(bom + encode_line(with_id(0, "bom-jsonl")) + encode_line(with_id(1, "bom-jsonl-2")))
+    (d / "bom2.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(bom + encode_line(with_id(0, "bom-zst"))))
+    for sub in ("a", "b"):
+        (d / sub).mkdir()
+        (d / sub / "traces.jsonl").write_bytes(encode_line(with_id(0, None)) + encode_line(with_id(1, None)))
+    (d / "ids.jsonl").write_bytes(b"".join(encode_line(with_id(0, rid)) for rid in ("traces.jsonl:1", "a/traces.jsonl:1")))
+    builds = {}
+    for tasks in (1, 2):
+        out = d.parent / f"out{tasks}"
+        res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False))
+        rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+        samples = {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(out)}
+        builds[tasks] = (d, res, rejects, {s.meta()["id"] for s in iter_dataset(out)}, samples)
+    return builds
+
+
+@pytest.mark.parametrize("name", FILE_CASES)
+def test_file_level_case(name, file_faults):
+    assert file_faults[1][4] == file_faults[2][4]  # --tasks 2 holds the one-task build's samples, byte for byte
+    for tasks, (d, res, rejects, landed, _) in file_faults.items():
+        if name == "zst_garbage_after_last_frame":
+            assert {"zst-0", "zst-1", "zst-2"} <= landed, tasks
+            [r] = [r for r in rejects if r["source"]["file"].endswith("g.jsonl.zst")]
+            at = (d / "g.jsonl.zst").stat().st_size - len(ZST_GARBAGE)
+            assert (r["reason"], r["source"]["line"], r["unread_bytes"]) == ("corrupt_zstd_stream", 4, len(ZST_GARBAGE))
+            assert str(d / "g.jsonl.zst") in r["message"] and f"at byte {at} " in r["message"], r["message"]
+            assert res.manifest["totals"]["unread_bytes"] == len(ZST_GARBAGE)
+            from vlmprep.summary import format_build_summary
+
+            assert f"unread input      {len(ZST_GARBAGE)} bytes" in format_build_summary(res.manifest, d)
+        elif name == "bom_jsonl":
+            assert {"bom-jsonl", "bom-jsonl-2"} <= landed
+        elif name == "bom_jsonl_zst":
+            assert "bom-zst" in landed
+        elif name == "idless_records_in_same_named_files":
+            assert {f"~{s}/traces.jsonl:{n}" for s in "ab" for n in (1, 2)} <= landed
+        else:
+            assert {"traces.jsonl:1", "a/traces.jsonl:1", "~a/traces.jsonl:1"} <= landed
+        assert len(rejects) == 1, rejects  # only the garbage: no duplicate_id, no BOM invalid_json
+        assert rejects[0]["reason"] != "internal_error"

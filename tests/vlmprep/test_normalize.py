@@ -37,7 +37,7 @@ def test_string_content_becomes_text_part_and_null_fields_drop(src):
     assert [m.role for m in conv.messages] == ["system", "user", "assistant"]
     assert [[(p.type, p.text) for p in m.parts] for m in conv.messages] == [
         [("text", "be brief")], [("text", "hi")], [("text", "hello")]]
-    assert conv.id == "in.jsonl:7"  # no id: file:line
+    assert conv.id == "~in.jsonl:7"  # no id: ~input name:line (normalize.generated_id)
     assert conv.tools is None
 
 
@@ -178,3 +178,102 @@ def test_malformed_legacy_function_call_is_rejected(bad, src):
     with pytest.raises(RecordError) as e:
         normalize_record(rec, src, OPTS)
     assert e.value.reason == "invalid_tool_call" and "function_call" in e.value.message
+
+
+def _user_image(part, assistant="a"):
+    return {"messages": [{"role": "user", "content": [part]}, {"role": "assistant", "content": assistant}]}
+
+
+def test_base64_with_mime_line_breaks_or_spaces_reads_as_load_image_reads_it(src):
+    import textwrap
+
+    b = png_bytes(40, 30)
+    b64 = base64.b64encode(b).decode()
+    mime = base64.encodebytes(b).decode()  # what the `base64` command writes: a line break every 76 characters
+    assert "\n" in mime
+    for body in (mime, " ".join(textwrap.wrap(b64, 10)), "\r\n".join(textwrap.wrap(b64, 76))):
+        uri = "data:image/png;base64," + body
+        conv = normalize_record(_user_image({"type": "image_url", "image_url": uri}), src, OPTS)
+        assert conv.images[0].data == b
+        assert base64.decodebytes(body.encode()) == b  # what transformers' load_image decodes the string with
+    for bad in (b64[:-2] + "@@", b64 + " =x", "\n \t"):  # still strict about everything but whitespace
+        with pytest.raises(RecordError) as e:
+            normalize_record(_user_image({"type": "image_url", "image_url": "data:image/png;base64," + bad}), src, OPTS)
+        assert e.value.reason == "invalid_base64"
+
+
+def test_file_urls_are_percent_decoded_and_stay_inside_the_root(tmp_path):
+    root = tmp_path / "root"
+    (root / "with space").mkdir(parents=True)
+    (root / "with space" / "a b.png").write_bytes(png_bytes())
+    (tmp_path / "secret.png").write_bytes(png_bytes())
+    src = Source(str(root / "in.jsonl"), 1)
+    url = "file://" + str(root / "with%20space" / "a%20b.png")
+    conv = normalize_record(_user_image({"type": "image_url", "image_url": url}), src, OPTS)
+    assert conv.images[0].data == png_bytes()
+    rel = normalize_record(_user_image({"type": "image_url", "image_url": "file://with%20space/a%20b.png"}), src, OPTS)
+    assert rel.images[0].data == png_bytes()
+    for ref, reason in (("file://%2e%2e/secret.png", "path_outside_root"),
+                        ("file://" + str(root) + "/%2E%2E/secret.png", "path_outside_root"),
+                        ("file://with%20space/a%00b.png", "invalid_image_ref"),
+                        ("with space/a\x00b.png", "invalid_image_ref")):
+        with pytest.raises(RecordError) as e:
+            normalize_record(_user_image({"type": "image_url", "image_url": ref}), src, OPTS)
+        assert e.value.reason == reason, ref
+
+
+def test_responses_api_output_text_and_refusal_parts_read_as_text(src):
+    rec = {"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "answer", "annotations": []}]},
+        {"role": "user", "content": "and this?"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}]}
+    conv = normalize_record(rec, src, OPTS)
+    assert [m.text for m in conv.messages] == ["q", "answer", "and this?", "I can't help with that."]
+    assert conv == normalize_record({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "answer"}]},
+        {"role": "user", "content": "and this?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "I can't help with that."}]}]}, src, OPTS)
+
+
+def test_anthropic_image_sources_read_as_the_same_data_uri_or_path(tmp_path):
+    b = png_bytes(16, 12, (7, 8, 9))
+    (tmp_path / "shot.png").write_bytes(b)
+    src = Source(str(tmp_path / "in.jsonl"), 1)
+    want = normalize_record(_user_image({"type": "image_url", "image_url": data_uri(b)}), src, OPTS)
+    mime = base64.encodebytes(b).decode()
+    for source in ({"type": "base64", "media_type": "image/png", "data": base64.b64encode(b).decode()},
+                   {"type": "base64", "media_type": "image/png", "data": mime},
+                   {"type": "url", "url": data_uri(b)}, {"type": "url", "url": "shot.png"}):
+        conv = normalize_record(_user_image({"type": "image", "source": source}), src, OPTS)
+        assert [im.data for im in conv.images] == [im.data for im in want.images], source
+    for source, reason in (({"type": "url", "url": "https://example.test/a.png"}, "remote_image_refused"),
+                           ({"type": "url", "url": "../outside.png"}, "path_outside_root"),
+                           ({"type": "base64", "media_type": "image/png", "data": "@@"}, "invalid_base64"),
+                           ({"type": "file", "file_id": "file_011"}, "unsupported_file_id"),
+                           ({"type": "bytes"}, "unsupported_image_source")):
+        with pytest.raises(RecordError) as e:
+            normalize_record(_user_image({"type": "image", "source": source}), src, OPTS)
+        assert e.value.reason == reason, source
+        assert reason != "unsupported_image_source" or "Anthropic" in e.value.message
+
+
+def test_responses_file_id_image_is_rejected_as_such(src):
+    with pytest.raises(RecordError) as e:
+        normalize_record(_user_image({"type": "input_image", "file_id": "file-abc", "detail": "auto"}), src, OPTS)
+    assert e.value.reason == "unsupported_file_id" and "file_id (OpenAI Files API)" in e.value.message
+
+
+def test_the_record_schema_describes_the_dialect_parts():
+    from vlmprep.verify import schema_validator
+
+    v = schema_validator("record.schema.json")
+    b64 = base64.b64encode(png_bytes()).decode()
+    v.validate({"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "q"}, {"type": "input_image", "image_url": "x.png"},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": b64}},
+                                     {"type": "image", "source": {"type": "url", "url": "x.png"}}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}]})
+    assert not v.is_valid({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "s3"}}]}]})

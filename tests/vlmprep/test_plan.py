@@ -39,14 +39,18 @@ def _inputs(d: Path) -> list[Path]:
     empty.write_bytes(b"")
     tail = d / "f.jsonl"
     tail.write_bytes(b"".join(_lines(3, 4)))
-    return [plain, one, frames, arr, empty, tail]
+    garbage = d / "g.jsonl.zst"  # three frames, then bytes that are no frame: a task may start at the garbage
+    garbage.write_bytes(b"".join(zstandard.ZstdCompressor().compress(line) for line in _lines(3, 5)) + b"junk" * 9)
+    bom = d / "h.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b"".join(_lines(2, 6)))
+    return [plain, one, frames, arr, empty, tail, garbage, bom]
 
 
 def _key(r):
-    return (r.position, r.source, r.text, json.dumps(r.data), None if r.error is None else r.error.reason)
+    return (r.position, r.source, r.text, json.dumps(r.data), None if r.error is None else str(r.error), r.unread_bytes)
 
 
-@pytest.mark.parametrize("tasks", [1, 2, 3, 5, 8, 13, 40, 45])
+@pytest.mark.parametrize("tasks", [1, 2, 3, 5, 8, 13, 40, 45, 52])
 def test_tasks_read_their_cuts_and_together_the_whole_input_in_order(tmp_path, tasks):
     files = _inputs(tmp_path)
     whole = [_key(r) for r in iter_records(files, **LIMITS)]

@@ -68,3 +68,64 @@ def test_missing_inputs_are_user_errors(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(InputError):
         expand_inputs([str(tmp_path / "x.txt")])
+
+
+def test_garbage_after_the_last_zst_frame_keeps_every_frame_and_names_the_byte(tmp_path):
+    frames = [zstandard.ZstdCompressor().compress(_lines([{"id": f"f{i}"}])) for i in range(3)]
+    garbage = b"not zstd at all" * 10
+    p = tmp_path / "g.jsonl.zst"
+    p.write_bytes(b"".join(frames) + garbage)
+    recs = list(iter_records([p]))
+    assert [parse_record(r)["id"] for r in recs[:-1]] == ["f0", "f1", "f2"]
+    fault = recs[-1]
+    at = sum(map(len, frames))
+    assert fault.error.reason == "corrupt_zstd_stream" and fault.source.line == 4
+    assert f"{p}: " in fault.error.message and f"at byte {at} of {at + len(garbage)}" in fault.error.message
+    assert fault.unread_bytes == len(garbage)
+
+
+def test_garbage_after_a_large_zst_keeps_the_records_of_its_last_mib(tmp_path):
+    # Issue 22: the decoded rest of the last 1 MiB read was dropped with the fault (300 of 3000 records).
+    import random
+
+    rnd = random.Random(1)
+    recs = [{"id": str(i), "pad": "%x" % rnd.getrandbits(2000)} for i in range(3000)]
+    p = tmp_path / "big.jsonl.zst"
+    with open(p, "wb") as f:
+        for i in range(0, 3000, 500):  # several frames, as zstd -T or a concatenation writes
+            f.write(zstandard.ZstdCompressor().compress(_lines(recs[i:i + 500])))
+        f.write(b"\x00garbage")
+    got = list(iter_records([p]))
+    assert [parse_record(r)["id"] for r in got[:-1]] == [str(i) for i in range(3000)]
+    assert got[-1].error.reason == "corrupt_zstd_stream" and got[-1].unread_bytes == 8
+
+
+def test_a_cut_off_zst_reads_nothing_past_its_end(tmp_path):
+    data = zstandard.ZstdCompressor().compress(_lines([{"id": str(i)} for i in range(50)]))
+    p = tmp_path / "t.jsonl.zst"
+    p.write_bytes(data[:-5])
+    recs = list(iter_records([p]))
+    assert recs[-1].error.reason == "corrupt_zstd_stream" and "cut off" in recs[-1].error.message
+    assert recs[-1].unread_bytes == 0  # every byte there was decoded; what the cut took is not in the file
+
+
+def test_a_utf8_bom_starts_a_jsonl_or_zst_file_as_it_starts_a_json_file(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + _lines([{"id": "a1"}, {"id": "a2"}]))
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(bom + _lines([{"id": "b1"}])))
+    (tmp_path / "c.json").write_bytes(bom + b'[{"id": "c1"}]')
+    (tmp_path / "d.jsonl").write_bytes(bom + b"\n" + _lines([{"id": "d1"}]))  # a BOM alone is a blank line
+    recs = list(iter_records(expand_inputs([str(tmp_path)])))
+    assert [parse_record(r)["id"] for r in recs] == ["a1", "a2", "b1", "c1", "d1"]
+
+
+def test_input_names_are_paths_below_the_common_parent(tmp_path):
+    from vlmprep.records import input_names
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "traces.jsonl").write_bytes(_lines([{}]))
+    files = expand_inputs([str(tmp_path)])
+    assert input_names(files) == ["a/traces.jsonl", "b/traces.jsonl"]
+    assert input_names(files[:1]) == ["traces.jsonl"]  # one input: its file name
+    assert [r.source.input_name for r in iter_records(files)] == ["a/traces.jsonl", "b/traces.jsonl"]

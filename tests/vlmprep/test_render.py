@@ -160,3 +160,30 @@ def test_image_marker_takes_an_image_only_in_the_sharegpt_layout(qwen2vl_process
     with pytest.raises(RecordError) as e:
         render_record(no_images, qwen2vl_processor)
     assert e.value.reason == "image_count_mismatch"
+
+
+def test_responses_and_anthropic_parts_render_as_the_processor_renders_plain_parts(qwen2vl_processor):
+    """Issue 22: a converted Responses trace keeps its assistant turns (output_text, refusal) and an Anthropic image
+    block gives the pixels its data URI gives: token ids equal apply_chat_template on the plain text/image record."""
+    tok = qwen2vl_processor.tokenizer
+    uri = png(84, 56, (30, 60, 90))
+    b64 = uri.split(",", 1)[1]
+    dialect = {"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is on screen?"},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": b64}}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "A blue square.", "annotations": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Delete it."},
+                                     {"type": "input_image", "image_url": uri}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't delete files."}]}]}
+    conv, s = render_record(dialect, qwen2vl_processor)
+    pil = Image.open(io.BytesIO(__import__("base64").b64decode(b64)))
+    plain = [{"role": "user", "content": [{"type": "text", "text": "What is on screen?"}, {"type": "image", "image": pil}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A blue square."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Delete it."}, {"type": "image", "image": pil}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "I can't delete files."}]}]
+    ref = qwen2vl_processor.apply_chat_template(plain, tokenize=True, return_dict=True, return_tensors="np")
+    np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0])
+    np.testing.assert_array_equal(s.image_grid_thw, ref["image_grid_thw"])
+    assert [r[2] for r in trained_runs(s, tok)] == ["A blue square.<|im_end|>", "I can't delete files.<|im_end|>"]
+    np.testing.assert_array_equal(s.images[0].pixels, s.images[1].pixels)  # Anthropic base64 == the data URI
