@@ -134,7 +134,7 @@ def build(
             typer.echo(f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
                        f"{processor} into {out} ...", err=True)
         from vlmprep.config import BuildConfig
-        from vlmprep.pipeline import RejectsError, build as run_build, build_task
+        from vlmprep.pipeline import build as run_build, build_task
         from vlmprep.summary import format_build_summary, format_plan_summary, format_task_summary
 
         if not inputs:
@@ -157,10 +157,11 @@ def build(
                           max_reject_fraction=max_reject_fraction, overwrite=overwrite, tasks=tasks,
                           task_index=task_index, plan_only=plan_only, executor=_v(executor), ray_address=ray_address)
         result = run_build(cfg)
-    except RejectsError as e:  # complete but rejected too much: the summary, then the one-line error
-        typer.echo(format_build_summary(e.manifest, out))
-        _fail(e)
     except (UserError, ValueError, OSError) as e:
+        if getattr(e, "manifest", None) is not None:  # RejectsError: complete but rejected too much
+            from vlmprep.summary import format_build_summary
+
+            typer.echo(format_build_summary(e.manifest, out))
         _fail(e)
     if result.manifest is not None:
         typer.echo(format_build_summary(result.manifest, out))

@@ -120,6 +120,8 @@ class BuildConfig:
                              "(image members are img000..img999)")
         if self.chat_template is not None:
             resolve_chat_template(self.chat_template)  # a file, or a bundled template's name
+        if self.image_root is not None and not Path(self.image_root).is_dir():
+            raise ValueError(f"--image-root {self.image_root}: no such directory; pass the dir the image paths are under")
         if self.role_boundaries is not None and not Path(self.role_boundaries).is_file():
             raise ValueError(f"--role-boundaries {self.role_boundaries}: no such file; pass the path of an existing file")
 

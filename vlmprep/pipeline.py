@@ -205,7 +205,7 @@ class RejectsError(BuildError):
 def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
     """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
     is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
-    t, rejects = manifest["totals"], manifest["rejects"]
+    out, t, rejects = Path(out), manifest["totals"], manifest["rejects"]
     ranked = sorted(rejects.items(), key=lambda x: (-x[1], x[0]))
     fix = f"; fix: {reject_fix(ranked[0][0], manifest['processor'].get('spec'))}" if ranked else ""
     if t["samples"] == 0:
