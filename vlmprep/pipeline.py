@@ -23,7 +23,7 @@ from vlmprep.merge import merge_tasks
 from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs
-from vlmprep.summary import reject_fix, reject_share
+from vlmprep.summary import reject_fix, reject_share, rejected_records
 from vlmprep.task import BuildError, Renderer, run_task, start_worker_server, task_progress, worker_context
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
@@ -214,9 +214,10 @@ def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
         why = ", ".join(f"{r} {n}" for r, n in ranked) or "no records"
         raise RejectsError(f"{out}: 0 samples written from {t['records']} records ({why}); see "
                            f"{out / 'rejects.jsonl'}, or pass --allow-empty{fix}", manifest)
-    if reject_share(t) > max_reject_fraction:
+    if reject_share(manifest) > max_reject_fraction:
         why = ", ".join(f"{r} {n}" for r, n in ranked[:3]) + (", ..." if len(ranked) > 3 else "")
-        raise RejectsError(f"{out}: rejected {t['rejected']} of {t['records']} records ({reject_share(t):.1%} > "
+        raise RejectsError(f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
+                           f"({reject_share(manifest):.1%} > "
                            f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
                            "--max-reject-fraction 1 accepts it", manifest)
 

@@ -8,8 +8,14 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def reject_share(totals: dict) -> float:
-    return totals["rejected"] / totals["records"] if totals["records"] else 0.0
+def rejected_records(manifest: dict) -> int:
+    """Rejected records: reject lines less turn_too_long ones (a lost turn of a record whose other turns landed)."""
+    return manifest["totals"]["rejected"] - manifest["rejects"].get("turn_too_long", 0)
+
+
+def reject_share(manifest: dict) -> float:
+    records = manifest["totals"]["records"]
+    return rejected_records(manifest) / records if records else 0.0
 
 
 # The one-line fix for the most common reject reasons (the rest: README "Rejects" and rejects.jsonl).
@@ -52,8 +58,8 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  truncated samples {t['truncated_samples']} ({t['dropped_images']} images dropped by the cut)",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
         *_turn_lines(manifest.get("turns")),
-        f"  rejected          {t['rejected']} of {plural(t['records'], 'record')} ({reject_share(t):.1%})"
-        + (" -> rejects.jsonl" if t["rejected"] else ""),
+        f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "
+        f"({reject_share(manifest):.1%})" + (" -> rejects.jsonl" if t["rejected"] else ""),
     ]
     for reason, n in manifest["rejects"].items():
         lines.append(f"    {reason:<36} {n}")

@@ -413,13 +413,14 @@ class task_progress:
     """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
 
     def __init__(self, cfg: BuildConfig, n: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self.progress = Progress(TextColumn("[bold]build tasks"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[records]} records"),
                                  TextColumn("{task.fields[samples]} samples"),
                                  TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
-                                 disable=not cfg.progress)
+                                 TextColumn("eta"), TimeRemainingColumn(), disable=not cfg.progress)
         self.n = n
         self.totals: collections.Counter = collections.Counter()
 

@@ -188,3 +188,29 @@ def test_summary_plurals():
          "shards": [{}], "image_format": "zstd", "format_version": 2, "rejects": {}}
     s = format_build_summary(m, "d")
     assert s.startswith("built d: 1 sample in 1 shard (") and "rejected          0 of 1 record (0.0%)" in s
+
+
+def test_progress_bar_shows_the_total_and_an_eta(monkeypatch):
+    import io
+    import time
+
+    import rich.progress
+    from rich.console import Console
+
+    from vlmprep.config import BuildConfig
+    from vlmprep.task import _progress
+
+    buf = io.StringIO()
+
+    class Captured(rich.progress.Progress):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "console": Console(file=buf, width=160, force_terminal=True)})
+
+    monkeypatch.setattr(rich.progress, "Progress", Captured)
+    with _progress(BuildConfig(inputs=("x",), out="o", progress=True)) as p:
+        bar = p.add_task("build", total=64, rate=2.0, samples=10, rejects=1, completed=0)
+        for _ in range(10):
+            p.update(bar, advance=1)
+            time.sleep(0.02)
+    last = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue()).strip().splitlines()[-1]
+    assert re.search(r"10/64 records .* eta \d+:\d\d:\d\d", last), last
