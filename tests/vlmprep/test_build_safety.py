@@ -214,3 +214,18 @@ def test_progress_bar_shows_the_total_and_an_eta(monkeypatch):
             time.sleep(0.02)
     last = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue()).strip().splitlines()[-1]
     assert re.search(r"10/64 records .* eta \d+:\d\d:\d\d", last), last
+
+
+def test_merge_checks_the_share_over_the_whole_dataset(single, tmp_path):
+    """The task traces hold a broken line and an id repeated across tasks (only merge sees it): over the threshold."""
+    import shutil
+
+    d = tmp_path / "ds"
+    shutil.copytree(single, d)
+    m = json.loads((d / "manifest.json").read_text())
+    n, records = m["totals"]["rejected"], m["totals"]["records"]
+    assert n / records > 0.05 and m["rejects"].get("duplicate_id")
+    res = invoke("merge", d)
+    assert res.exit_code == 1 and f"rejected          {n} of {records} records" in res.stdout
+    assert f"error: {d}: rejected {n} of {records} records" in res.stderr and "fix: " in res.stderr
+    assert invoke("merge", d, "--max-reject-fraction", "1").exit_code == 0
