@@ -27,6 +27,8 @@ def build_config(inp: Path, out: Path, **kw):
     extra = {}
     if TOOL_TEMPLATE.exists() and "chat_template" in BuildConfig.__dataclass_fields__:
         extra["chat_template"] = str(TOOL_TEMPLATE)
+    if "max_reject_fraction" in BuildConfig.__dataclass_fields__:  # a benchmark measures; its rejects are counted
+        extra["max_reject_fraction"] = 1.0
     return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra, **kw)
 
 

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmprep.processor import resolve_chat_template
+
 IMAGE_FORMATS = ("zstd", "png", "webp", "original")
 ROLES = ("system", "user", "assistant", "tool")
 EOS_POLICIES = ("all", "turn", "last", "none")
@@ -34,6 +36,10 @@ class BuildConfig:
     zstd_level: int = 3
     progress: bool = True
     allow_empty: bool = False  # a build that writes 0 samples is an error (exit 1) unless this is set
+    # More rejected records than this share of the records read is an error (exit 1) after everything is written:
+    # a wrong template or option must not pass as a finished dataset. 1 = never.
+    max_reject_fraction: float = 0.05
+    overwrite: bool = False  # replace a dataset built with other options, or build beside unrelated files in --out
     # Masking policy (README, "Families and masking").
     train_on_roles: tuple[str, ...] = ("assistant",)
     train_on_eos: str = "turn"  # all | turn | last | none: which end-of-turn tokens get loss
@@ -96,6 +102,9 @@ class BuildConfig:
                 raise ValueError(f"{name}={v}: must be a positive pixel count, e.g. --max-pixels 1003520")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: swap them")
+        if not 0 <= self.max_reject_fraction <= 1:
+            raise ValueError(f"max_reject_fraction={self.max_reject_fraction}: must be in 0..1 (1 = never fail on "
+                             "rejects), e.g. --max-reject-fraction 0.05")
         if self.tasks < 1:
             raise ValueError(f"tasks={self.tasks}: must be >= 1 (1 = one task, today's single-machine build)")
         if self.task_index is not None and not 0 <= self.task_index < self.tasks:
@@ -109,9 +118,12 @@ class BuildConfig:
         if self.max_images_per_record > 999:
             raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
                              "(image members are img000..img999)")
-        for opt, path in (("--chat-template", self.chat_template), ("--role-boundaries", self.role_boundaries)):
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{opt} {path}: no such file; pass the path of an existing file")
+        if self.chat_template is not None:
+            resolve_chat_template(self.chat_template)  # a file, or a bundled template's name
+        if self.image_root is not None and not Path(self.image_root).is_dir():
+            raise ValueError(f"--image-root {self.image_root}: no such directory; pass the dir the image paths are under")
+        if self.role_boundaries is not None and not Path(self.role_boundaries).is_file():
+            raise ValueError(f"--role-boundaries {self.role_boundaries}: no such file; pass the path of an existing file")
 
     @classmethod
     def from_plan(cls, config: dict, **run) -> "BuildConfig":
@@ -128,6 +140,7 @@ class BuildConfig:
         d["train_on_roles"] = list(self.train_on_roles)
         # Display, worker count, the exit-code rule, the output dir and how tasks are run never change the bytes, so
         # a copy, a rebuild elsewhere or another executor stays byte-identical (the task count does change them).
-        for k in ("progress", "workers", "out", "allow_empty", "task_index", "plan_only", "executor", "ray_address"):
+        for k in ("progress", "workers", "out", "allow_empty", "max_reject_fraction", "overwrite", "task_index",
+                  "plan_only", "executor", "ray_address"):
             d.pop(k)
         return d

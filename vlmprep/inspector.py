@@ -46,6 +46,11 @@ class InspectConfig:
     role_boundaries: str | None = None
     image_root: str | None = None
     allow_remote: bool | None = None
+    long_traces: str | None = None
+    keep_images: int | str | None = None  # N (--keep-images last:N) or "all"
+    dropped_image_text: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     def __post_init__(self):
         if self.limit < 1:
@@ -95,7 +100,8 @@ def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
 
 
 RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls",
-               "chat_template", "role_boundaries", "image_root", "allow_remote")
+               "chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images",
+               "dropped_image_text", "min_pixels", "max_pixels")
 
 
 def _raw_build_config(cfg: InspectConfig):
@@ -110,6 +116,8 @@ def _raw_build_config(cfg: InspectConfig):
         # The saved processor is the one that rendered the dataset, chat template included.
         kw.update(processor=str(like / "processor"), chat_template=None)
     kw.update({k: getattr(cfg, k) for k in RAW_OPTIONS if getattr(cfg, k) is not None})
+    if kw.get("keep_images") == "all":
+        kw["keep_images"] = None
     return BuildConfig(inputs=(cfg.path,), out="", progress=False, **kw)  # out: inspect writes no dataset
 
 

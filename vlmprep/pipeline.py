@@ -11,6 +11,8 @@ depends on the executor, so for a fixed T every executor writes the same bytes.
 from __future__ import annotations
 
 import collections
+import fnmatch
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -21,9 +23,10 @@ from vlmprep.merge import merge_tasks
 from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs
+from vlmprep.summary import reject_fix, reject_share, rejected_records
 from vlmprep.task import BuildError, Renderer, run_task, start_worker_server, task_progress, worker_context
 
-__all__ = ["BuildError", "BuildResult", "build", "build_task", "plan_build"]
+__all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
 
 
 @dataclass
@@ -50,12 +53,60 @@ def _clear_dataset(out: Path) -> None:
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
 
 
+# What a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
+_BUILD_FILES = ("manifest.json", "rejects.jsonl", "rejects.jsonl.partial", PLAN_NAME, "build-journal.json", "processor",
+                TASKS_DIR, ".nv-meta", "shard-*.tar", "*.tar.tmp", "*.tar.idx", "*.tmp", "processor.*.old")
+
+
+def check_out(cfg: BuildConfig, out: Path) -> None:
+    """Refuse (changing nothing) an --out holding another build's dataset or plan with other options, or files no
+    build wrote, unless --overwrite. The same build again passes: it resumes, or finds the dataset complete."""
+    if cfg.overwrite or not out.exists():
+        return
+    if not out.is_dir():
+        raise BuildError(f"--out {out} is a file: pass a directory")
+    foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, g) for g in _BUILD_FILES))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise BuildError(f"--out {out} holds files no vlmprep build wrote ({shown}); build into an empty or new dir, "
+                         "or pass --overwrite to build beside them")
+    try:
+        old = load_plan(out)
+    except PlanError as e:
+        raise BuildError(f"{e}; or pass --overwrite to replace it") from None
+    old_config = old["config"] if old is not None else _manifest_config(out)
+    if old_config is None:
+        return
+    asked = cfg.to_json()
+    differ = config_changes(asked, old_config)
+    if differ:
+        shown = ", ".join(f"--{k.replace('_', '-')} {_show(old_config.get(k))} there, {_show(asked.get(k))} asked"
+                          for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        raise BuildError(f"--out {out} holds a dataset built with other options ({shown}); pass --overwrite to "
+                         "replace it, or build into another --out")
+
+
+def _manifest_config(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "manifest.json").read_text(encoding="utf-8")).get("config")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return {"manifest": "unreadable"}
+
+
+def _show(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
 def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]:
     """Make DIR/plan.json (and DIR/processor) for cfg, or reuse the one there. fresh=True (a whole build) replaces a
-    plan made with other options, clearing its outputs; fresh=False (one task of many) refuses it instead, since
-    other tasks may be using it. Returns the plan and, when the processor was loaded here, a Renderer over it."""
+    plan made with other options only with --overwrite (check_out), clearing its outputs; fresh=False (one task of
+    many) refuses it, since other tasks may be using it. Returns the plan and, when the processor was loaded here, a
+    Renderer over it. Nothing is created in --out before the inputs, processor and options proved good."""
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        check_out(cfg, out)
     files = expand_inputs(cfg.inputs)
     try:
         old = load_plan(out)
@@ -75,11 +126,12 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
         return old, None
     if cfg.executor == "local":
         start_worker_server(cfg.workers)  # worker imports overlap the processor load and the input scan
+    processor = load_processor(cfg.processor)
+    renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
+    out.mkdir(parents=True, exist_ok=True)
     if fresh:  # a whole build owns the dir: drop processor copies a killed earlier run left half-saved
         for p in list(out.glob("processor.*.tmp")) + list(out.glob("processor.*.old")):
             shutil.rmtree(p, ignore_errors=True)
-    processor = load_processor(cfg.processor)
-    renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
     fingerprint = save_processor(processor, out / "processor")
     plan = make_plan(config=cfg.to_json(), files=files, tasks=cfg.tasks, max_line_bytes=cfg.max_line_bytes,
                      max_zstd_window=cfg.max_zstd_window,
@@ -117,7 +169,13 @@ def build(cfg: BuildConfig) -> BuildResult:
     if cfg.task_index is not None:
         return build_task(Path(cfg.out), cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
     out = Path(cfg.out)
-    plan, renderer = plan_build(cfg, fresh=True)
+    created = not out.exists()
+    try:
+        plan, renderer = plan_build(cfg, fresh=True)
+    except BaseException:
+        if created and out.is_dir() and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
     if cfg.executor == "ray":
@@ -131,15 +189,37 @@ def build(cfg: BuildConfig) -> BuildResult:
     else:
         seconds = _run_tasks_locally(out, plan, cfg, renderer)
     manifest = merge_tasks(out)
-    result = BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest["rejects"]),
-                         task_seconds=seconds)
-    if manifest["totals"]["samples"] == 0 and not cfg.allow_empty:
-        # Complete (manifest and rejects.jsonl are there to look at), but almost surely not what was meant.
-        t, rejects = manifest["totals"], manifest["rejects"]
-        why = ", ".join(f"{r} {n}" for r, n in sorted(rejects.items(), key=lambda x: (-x[1], x[0]))) or "no records"
-        raise BuildError(f"{out}: 0 samples written from {t['records']} records ({why}); see "
-                         f"{out / 'rejects.jsonl'}, or pass --allow-empty")
-    return result
+    check_rejects(manifest, out, allow_empty=cfg.allow_empty, max_reject_fraction=cfg.max_reject_fraction)
+    return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest["rejects"]),
+                       task_seconds=seconds)
+
+
+class RejectsError(BuildError):
+    """A complete dataset (manifest and rejects.jsonl written) that rejected too much: exit 1 after its summary."""
+
+    def __init__(self, message: str, manifest: dict):
+        super().__init__(message)
+        self.manifest = manifest
+
+
+def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
+    """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
+    is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
+    out, t, rejects = Path(out), manifest["totals"], manifest["rejects"]
+    ranked = sorted(rejects.items(), key=lambda x: (-x[1], x[0]))
+    fix = f"; fix: {reject_fix(ranked[0][0], manifest['processor'].get('spec'))}" if ranked else ""
+    if t["samples"] == 0:
+        if allow_empty:
+            return
+        why = ", ".join(f"{r} {n}" for r, n in ranked) or "no records"
+        raise RejectsError(f"{out}: 0 samples written from {t['records']} records ({why}); see "
+                           f"{out / 'rejects.jsonl'}, or pass --allow-empty{fix}", manifest)
+    if reject_share(manifest) > max_reject_fraction:
+        why = ", ".join(f"{r} {n}" for r, n in ranked[:3]) + (", ..." if len(ranked) > 3 else "")
+        raise RejectsError(f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
+                           f"({reject_share(manifest):.1%} > "
+                           f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
+                           "--max-reject-fraction 1 accepts it", manifest)
 
 
 def _run_one(args: tuple) -> tuple[int, float, dict]:

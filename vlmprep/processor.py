@@ -9,6 +9,27 @@ import shutil
 from pathlib import Path
 
 
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+
+
+def bundled_templates() -> list[str]:
+    """Names of the chat templates shipped in vlmprep/templates (installed with the package)."""
+    return sorted(p.name[: -len(".jinja")] for p in TEMPLATES_DIR.glob("*.jinja"))
+
+
+def resolve_chat_template(value: str) -> Path:
+    """--chat-template: an existing file, else the name of a bundled template (`qwen2_vl_tools` =
+    vlmprep/templates/qwen2_vl_tools.jinja), so a pip-installed vlmprep reaches them without knowing where they are."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    name = value[: -len(".jinja")] if value.endswith(".jinja") else value
+    if "/" not in name and "\\" not in name and (TEMPLATES_DIR / f"{name}.jinja").is_file():
+        return TEMPLATES_DIR / f"{name}.jinja"
+    raise ValueError(f"--chat-template {value}: no such file or bundled template; pass a .jinja file or one of "
+                     + ", ".join(bundled_templates()))
+
+
 def load_processor(spec: str):
     from transformers import AutoProcessor
 
@@ -24,8 +45,14 @@ def load_processor(spec: str):
         return load_saved_processor(spec)
     if Path(spec).exists():
         raise ValueError(f"--processor {spec} is a file: pass a processor directory, a hub id or builtin:NAME")
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec:  # a path, never a hub id "org/name"
+        raise ValueError(f"--processor {spec}: no such directory; pass a processor directory, a hub id or builtin:NAME")
     # A hub id: the one path that may use the network, and only when the user asks for it.
-    return AutoProcessor.from_pretrained(spec)
+    try:
+        return AutoProcessor.from_pretrained(spec)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--processor {spec}: not a local directory, and loading it as a hub id failed: {first}") from e
 
 
 def load_saved_processor(path: str | Path):

@@ -4,10 +4,52 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def rejected_records(manifest: dict) -> int:
+    """Rejected records: reject lines less turn_too_long ones (a lost turn of a record whose other turns landed)."""
+    return manifest["totals"]["rejected"] - manifest["rejects"].get("turn_too_long", 0)
+
+
+def reject_share(manifest: dict) -> float:
+    records = manifest["totals"]["records"]
+    return rejected_records(manifest) / records if records else 0.0
+
+
+# The one-line fix for the most common reject reasons (the rest: README "Rejects" and rejects.jsonl).
+REJECT_FIXES = {
+    "tool_calls_not_rendered": "pass a tool-aware --chat-template (bundled for Qwen2-VL / Qwen2.5-VL: "
+                               "--chat-template qwen2_vl_tools), or --tool-calls drop-from-loss",
+    "no_trainable_tokens_after_truncation": "raise --seq-len, or pass --long-traces split (and --keep-images last:N)",
+    "turn_too_long": "raise --seq-len, or pass --keep-images last:N to drop older screenshots",
+    "image_not_found": "image paths resolve against each input file's dir: pass --image-root DIR",
+    "path_outside_root": "image paths must resolve inside --image-root: pass the dir that holds them",
+    "remote_image_refused": "pass --allow-remote to fetch http(s) images",
+    "too_many_images": "raise --max-images-per-record, or pass --keep-images last:N",
+    "image_too_large": "raise --max-image-pixels",
+    "image_too_small": "lower --min-image-side",
+    "line_too_long": "raise --max-line-bytes",
+    "no_assistant_turn": "records need an assistant turn to train (or --train-on-roles naming a role they have)",
+    "no_trainable_tokens": "check --train-on-roles against the roles your records have",
+    "duplicate_id": "give every record a unique id (or leave id out: one is derived from file and line)",
+    "missing_messages": "records must be OpenAI chat format {\"messages\": [...]}: see schemas/record.schema.json",
+    "invalid_json": "each input line must be one JSON record: see the first line rejects.jsonl names",
+}
+
+
+def reject_fix(reason: str, processor: str | None = None) -> str:
+    fix = REJECT_FIXES.get(reason, "see rejects.jsonl and the README's Rejects table")
+    if reason == "tool_calls_not_rendered" and processor in ("builtin:qwen2-vl", "builtin:qwen2.5-vl"):
+        fix = "pass --chat-template qwen2_vl_tools (the bundled tool-aware template), or --tool-calls drop-from-loss"
+    return fix
+
+
 def format_build_summary(manifest: dict, out: Path) -> str:
     t = manifest["totals"]
     lines = [
-        f"built {out}: {t['samples']} samples in {len(manifest['shards'])} shards "
+        f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest['shards']), 'shard')} "
         f"({manifest['image_format']} images, format v{manifest['format_version']})",
         f"  records read      {t['records']}",
         *([f"  unread input      {t['unread_bytes']} bytes after file faults (see rejects.jsonl)"]
@@ -18,7 +60,8 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  truncated samples {t['truncated_samples']} ({t['dropped_images']} images dropped by the cut)",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
         *_turn_lines(manifest.get("turns")),
-        f"  rejected          {t['rejected']}" + (" -> rejects.jsonl" if t["rejected"] else ""),
+        f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "
+        f"({reject_share(manifest):.1%})" + (" -> rejects.jsonl" if t["rejected"] else ""),
     ]
     for reason, n in manifest["rejects"].items():
         lines.append(f"    {reason:<36} {n}")
@@ -38,7 +81,7 @@ def _turn_lines(turns: dict | None) -> list[str]:
 def format_plan_summary(plan: dict, out: Path) -> str:
     sizes = [c["bytes"] for c in plan["cuts"]]
     mean = sum(sizes) / max(len(sizes), 1)
-    return (f"planned {out}: {plan['records']} records in {plan['tasks']} tasks "
+    return (f"planned {out}: {plural(plan['records'], 'record')} in {plural(plan['tasks'], 'task')} "
             f"(largest task {max(sizes, default=0) / max(mean, 1):.2f}x the mean input bytes)\n"
             f"  run each: vlmprep build --out {out} --task-index I   (I = 0..{plan['tasks'] - 1})\n"
             f"  then:     vlmprep merge {out}")
@@ -46,5 +89,5 @@ def format_plan_summary(plan: dict, out: Path) -> str:
 
 def format_task_summary(task: dict, out: Path) -> str:
     t = task["totals"]
-    return (f"task {task['task']} of {out}: {t['records']} records -> {t['samples']} samples in "
-            f"{len(task['shards'])} shards, {t['rejected']} rejected")
+    return (f"task {task['task']} of {out}: {plural(t['records'], 'record')} -> {plural(t['samples'], 'sample')} in "
+            f"{plural(len(task['shards']), 'shard')}, {t['rejected']} rejected")

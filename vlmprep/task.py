@@ -23,7 +23,7 @@ from vlmprep.images import prepare_image
 from vlmprep.journal import Journal, landed_ids, load_journal, save_journal
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.plan import TASKS_DIR, check_inputs_unchanged, plan_digest, shard_prefix, task_file, task_records
-from vlmprep.processor import apply_pixel_budget, load_saved_processor
+from vlmprep.processor import apply_pixel_budget, load_saved_processor, resolve_chat_template
 from vlmprep.records import parse_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import FORMAT_VERSION, sample_key
@@ -49,7 +49,7 @@ class Renderer:
         self.processor = processor
         if cfg.chat_template is not None and not saved:
             # Set on the processor itself, so the copy saved into the dataset carries the template that rendered it.
-            template = Path(cfg.chat_template).read_text(encoding="utf-8")
+            template = resolve_chat_template(cfg.chat_template).read_text(encoding="utf-8")
             processor.chat_template = template
             if getattr(processor.tokenizer, "chat_template", None) is not None:
                 processor.tokenizer.chat_template = template
@@ -227,11 +227,13 @@ def _ordered_results(cfg: BuildConfig, records, processor_dir: Path, renderer: R
 
 
 def _progress(cfg: BuildConfig):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
-    return Progress(TextColumn("[bold]build"), BarColumn(), TextColumn("{task.completed} records"),
+    return Progress(TextColumn("[bold]build"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
                     TextColumn("{task.fields[rate]:.1f} rec/s"), TextColumn("{task.fields[samples]} samples"),
-                    TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
+                    TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(), TextColumn("eta"),
+                    TimeRemainingColumn(),
                     disable=not cfg.progress, transient=False, console=None)
 
 
@@ -416,13 +418,14 @@ class task_progress:
     """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
 
     def __init__(self, cfg: BuildConfig, n: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self.progress = Progress(TextColumn("[bold]build tasks"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[records]} records"),
                                  TextColumn("{task.fields[samples]} samples"),
                                  TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
-                                 disable=not cfg.progress)
+                                 TextColumn("eta"), TimeRemainingColumn(), disable=not cfg.progress)
         self.n = n
         self.totals: collections.Counter = collections.Counter()
 

@@ -42,7 +42,7 @@ def built(tmp_path_factory):
     out = d / "shards"
     # The demo's tool calls are not rendered by the Qwen2-VL template: train their text content anyway.
     build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=SEQ_LEN, samples_per_shard=3,
-                      tool_calls="train-content", progress=False))
+                      tool_calls="train-content", progress=False, max_reject_fraction=1.0))  # rejects on purpose
     return inp, out
 
 

@@ -134,4 +134,4 @@ def test_cli_flags_reach_the_shards_and_the_manifest(tmp_path, qwen2vl_processor
     mask = np.load(io.BytesIO(arrays["loss_mask.npy"])).astype(bool)
     assert qwen2vl_processor.tokenizer.decode(ids[mask].tolist()) == "Green.<|im_end|>"
     bad = CliRunner().invoke(app, ["build", "--in", str(inp), "--out", str(out), "--train-on-eos", "maybe"])
-    assert bad.exit_code == 1 and "train_on_eos" in bad.output
+    assert bad.exit_code == 2 and "'maybe' is not one of" in bad.output  # refused at parse time

@@ -31,7 +31,7 @@ MODES = {"truncate": ({}, []),
 
 def build_cmd(inp, out, mode="truncate"):
     return [sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out), "--samples-per-shard", "2",
-            "--seq-len", "2048", "--no-progress", *MODES[mode][1]]
+            "--seq-len", "2048", "--no-progress", "--max-reject-fraction", "1", *MODES[mode][1]]
 
 
 def check_no_partial_final_files(out: Path) -> None:
@@ -77,7 +77,7 @@ def _forked_build(inp, out, mode="truncate"):
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vlmprep.pipeline"])
-    cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False,
+    cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False, max_reject_fraction=1.0,
                       **{"seq_len": 2048, **MODES[mode][0]})
     proc = ctx.Process(target=build, args=(cfg,))
     proc.start()

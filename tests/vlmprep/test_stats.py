@@ -25,7 +25,7 @@ def built(tmp_path_factory):
     inp.write_text("\n".join(lines) + "\n")
     out = d / "shards"
     build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=1024, samples_per_shard=3,
-                      tool_calls="train-content", progress=False))
+                      tool_calls="train-content", progress=False, max_reject_fraction=1.0))  # bad lines on purpose
     return out
 
 
