@@ -21,7 +21,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m scripts.demo_traces --out demo/traces.jsonl.zst --n $(DEMO_N) --seed 0
-	$(VENV)/bin/vlmprep build --in demo/traces.jsonl.zst --out demo/shards --processor builtin:qwen2-vl --chat-template vlmprep/templates/qwen2_vl_tools.jinja --seq-len 16384 --samples-per-shard 16 --workers 2
+	$(VENV)/bin/vlmprep build --in demo/traces.jsonl.zst --out demo/shards --processor builtin:qwen2-vl --chat-template qwen2_vl_tools --seq-len 16384 --samples-per-shard 16 --workers 2
 	$(VENV)/bin/vlmprep stats demo/shards
 	$(VENV)/bin/vlmprep inspect demo/shards --limit 1
 	$(VENV)/bin/vlmprep verify demo/shards

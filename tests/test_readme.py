@@ -147,7 +147,7 @@ def _demo(out: str, n: int, seed: int = 0, width: int = 320, height: int = 200, 
 
 
 # Each setup is a list of shell lines run once per session in an empty dir; tests get a copy of it.
-TOOLS_BUILD = f"vlmprep build --chat-template {REPO}/vlmprep/templates/qwen2_vl_tools.jinja --no-progress"
+TOOLS_BUILD = "vlmprep build --chat-template qwen2_vl_tools --no-progress"
 SETUPS: dict[str, list[str]] = {
     "none": [],
     # Small stand-ins for the README's traces/ and traces.jsonl.zst: 4 browser-agent traces, 320x200 screenshots.
