@@ -158,6 +158,12 @@ SETUPS: dict[str, list[str]] = {
     # demo/shards as `make demo` names it, from 8 small traces.
     "demo-small": [_demo("demo/traces.jsonl.zst", 8),
                    f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null"],
+    # The Inspect and stats examples: 12 small traces plus a file of two broken records, cut at 1024 tokens.
+    "inspect-demo": [_demo("demo/traces.jsonl.zst", 12, seed=1),
+                     "printf '%s\\n' '{\"messages\": [' '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'"
+                     " > demo/broken.jsonl",
+                     f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --in demo/broken.jsonl --out demo/shards --seq-len 1024 "
+                     "--max-reject-fraction 1 >/dev/null"],
     # `make demo`'s input itself: 64 traces of 1280x720 screenshots.
     "demo": [f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out demo/traces.jsonl.zst --n 64 --seed 0 "
              ">/dev/null"],

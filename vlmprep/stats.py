@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+from vlmprep.summary import plural
 
 HIST_BINS = 10
 HIST_WIDTH = 40
@@ -105,7 +106,7 @@ def format_stats(st: dict) -> str:
     n, t = st["samples"], st["tokens"]
     ips, tps = st["images_per_sample"], st["tokens_per_sample"]
     lines = [
-        f"dataset {st['dir']}: {n} samples in {st['shards']} shard{'s' if st['shards'] != 1 else ''} "
+        f"dataset {st['dir']}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
         f"(format v{st['format_version']}, {st['image_format']} images, {st['processor']}, seq_len {st['seq_len']})",
         f"records            {st['records']} read, {n} samples, {st['rejected']} rejected",
         f"tokens             {t} | trained {st['trainable_tokens']} ({st['trainable_ratio']:.1%}) | "
@@ -114,8 +115,8 @@ def format_stats(st: dict) -> str:
         f"max {ips['max']} | text-only samples {st['text_only_samples']}",
         f"tokens per sample  mean {tps['mean']:.1f} | p50 {tps['p50']} | p90 {tps['p90']} | p99 {tps['p99']} | "
         f"max {tps['max']}",
-        f"truncated          {st['truncated_samples']} samples ({st['truncated_samples'] / max(n, 1):.1%}), "
-        f"{st['dropped_images']} images dropped by the cut",
+        f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
+        f"{plural(st['dropped_images'], 'image')} dropped by the cut",
         f"rejected           {st['rejected']}" + (" by reason:" if st["rejects"] else ""),
     ]
     lines += [f"  {reason:<40} {count}" for reason, count in st["rejects"].items()]

@@ -57,7 +57,7 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  tokens            {t['tokens']} ({t['trainable_tokens']} trained, "
         f"{t['trainable_tokens'] / max(t['tokens'], 1):.1%})",
         f"  images            {t['images']} ({t['image_tokens']} image tokens)",
-        f"  truncated samples {t['truncated_samples']} ({t['dropped_images']} images dropped by the cut)",
+        f"  truncated samples {t['truncated_samples']} ({plural(t['dropped_images'], 'image')} dropped by the cut)",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
         *_turn_lines(manifest.get("turns")),
         f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "

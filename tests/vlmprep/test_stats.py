@@ -85,7 +85,8 @@ def test_stats_equal_totals_recomputed_from_shards(built):
     assert f"records            {st['records']} read, {len(tokens)} samples, {st['rejected']} rejected" in text
     assert f"tokens             {tokens.sum()} | trained {trained} ({trained / tokens.sum():.1%})" in text
     assert f"| p50 {tps['p50']} | p90 {tps['p90']} | p99 {tps['p99']} | max {tokens.max()}" in text
-    assert f"truncated          {truncated} samples" in text and f"{dropped} images dropped by the cut" in text
+    assert f"truncated          {truncated} sample{'s' * (truncated != 1)} (" in text
+    assert f"{dropped} image{'s' * (dropped != 1)} dropped by the cut" in text
     for reason, n in rejects.items():
         assert any(line.split() == [reason, str(n)] for line in text.splitlines())
     assert "tokens per sample histogram:" in text and "#" in text and "WARNING" not in text
