@@ -1,4 +1,4 @@
-"""Collate client samples (dicts from vlmprep.clients.wds / hf / energon) -> the batch an HF model takes:
+"""Collate client samples (dicts from vlmprep.clients.wds or .hf) -> the batch an HF model takes:
 input_ids, labels, attention_mask, position_ids, mm_token_type_ids, pixel_values, image_grid_thw (torch tensors).
 
     collator = vlmprep.clients.collate.Collator(DIR)  # a dataset dir, or its processor dir
@@ -16,7 +16,7 @@ import numpy as np
 from vlmprep.families import family_of
 from vlmprep.shards.reader import load_manifest
 
-IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: what HF losses skip
+IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
 
 
 class Collator:
