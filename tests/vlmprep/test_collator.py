@@ -110,9 +110,9 @@ def test_collator_refuses_another_processors_grids(built, tmp_path):
 
 
 def _readme_block(marker: str) -> str:
-    """The README's `<!-- readme-test: python -->` block containing `marker`."""
+    """The README's `<!-- readme-test: python ... -->` block containing `marker`."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"<!-- readme-test: python -->\n```python\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(r"<!-- readme-test: python[^\n]*-->\n```python\n(.*?)```", text, flags=re.S)
     (block,) = [b for b in blocks if marker in b]
     return block
 
