@@ -95,7 +95,8 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Options a resumed run may change: its length (the cosine then follows the new length from the current step),
-# speed and bookkeeping, and where things are (data, model and processor are compared by content instead).
+# speed and bookkeeping, and where things are (checkpoint.run_identity compares the data and the image processor by
+# content, the model by its resolved dir and config.json hash).
 # Every other option shapes the data order or the optimization, so a resume requires it unchanged (README, Trainer).
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
