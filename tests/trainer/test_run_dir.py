@@ -108,11 +108,13 @@ def test_no_resume_starts_over_in_place(run_dir, dataset, tmp_path, capsys):
 
 
 def test_a_missing_model_path_is_one_line_and_exit_1(dataset, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--model", str(tmp_path / "no-such-model"), "--data",
-                           str(dataset), "--out", str(tmp_path / "run")], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=240)
+    model = tmp_path / "no-such-model"
+    proc = subprocess.run([sys.executable, "-m", "trainer", "--model", str(model), "--data", str(dataset), "--out",
+                           str(tmp_path / "run")], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [f"trainer: error: --model {tmp_path / 'no-such-model'}: no checkpoint dir with a "
-                                        "config.json there (the trainer loads local checkpoints only, never from a hub)"]
+    assert proc.stderr.splitlines() == [f"trainer: error: --model {model}: no checkpoint dir with a config.json there "
+                                        "(the trainer loads local checkpoints only, never from a hub)"]
     assert not (tmp_path / "run").exists()
 
 
