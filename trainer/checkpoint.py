@@ -1,9 +1,13 @@
 """Checkpoints: model + optimizer + step (which fixes the LR schedule) + every rank's data position (and packer
 state when packing) and RNG -> a torch.distributed.checkpoint dir RUN/checkpoints/step-NNNNNNNN, renamed into
-place only once complete.
+place only once complete. RUN/run.json holds what those mean (data, model, options): a run resumes only its own.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -14,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.config import ConfigError
+from trainer.config import RESUME_MAY_CHANGE, ConfigError, TrainConfig
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -99,6 +103,81 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+RUN_FILE = "run.json"
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml")  # all the trainer writes into RUN, run.json first
+
+
+def _sha(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def run_identity(cfg: TrainConfig, *, shards, manifest: dict | None, model: dict, image_config: dict,
+                 world: int) -> dict:
+    """What a run's checkpoints mean: the data by content (the manifest's per-shard sha256 and processor
+    fingerprint, so a moved copy still matches; the URLs when there is no manifest), the model, the image
+    processor's settings, the rank count and every option outside RESUME_MAY_CHANGE."""
+    listed = {s["name"]: s for s in (manifest or {}).get("shards", [])}
+    data = [[s.name, listed[s.name].get("sha256"), s.num_bytes] if s.name in listed else [s.url] for s in shards]
+    fingerprint = (manifest or {}).get("processor", {}).get("fingerprint")
+    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUME_MAY_CHANGE}
+    return {"data": _sha([data, fingerprint]), **model, "image_processor": _sha(image_config), "ranks": world,
+            **options}
+
+
+def _differences(old: dict, new: dict, old_data: str, new_data: str) -> str:
+    out = []
+    for k in sorted(set(old) | set(new), key=lambda k: (k not in ("data", "model", "model_config"), k)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if k == "data":
+            out.append(f"data (--data {old_data} -> {new_data}, dataset fingerprint {str(a)[:12]} -> {str(b)[:12]})")
+        elif k in ("model_config", "image_processor"):
+            out.append(f"{k} (sha256 {str(a)[:12]} -> {str(b)[:12]})")
+        else:
+            out.append(f"{k} {a!r} -> {b!r}")
+    return "; ".join(out)
+
+
+def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
+    """Read-only: refuse a run dir holding another run's state, before anything in it is touched."""
+    run_dir = Path(run_dir)
+    # Only steps taken are worth protecting: a run that failed before its first step left just run.json/config.toml.
+    held = [n for n, p in ((n, run_dir / n) for n in ("checkpoints", "metrics.jsonl"))
+            if p.is_file() and p.stat().st_size or p.is_dir() and any(p.iterdir())]
+    if not held:
+        return
+    ways_out = f"pass --no-resume to start over in {run_dir} (its run state is deleted), or another --out"
+    try:
+        saved = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+        old, old_data = saved["identity"], saved["data_source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"{run_dir} holds {', '.join(held)} but no readable {RUN_FILE} saying which data, model "
+                          f"and options it belongs to, so it cannot be resumed safely: {ways_out}") from None
+    diff = _differences(old, identity, old_data, data)
+    if diff:
+        raise ConfigError(f"{run_dir} holds another run, which a resume would continue with other settings: "
+                          f"{diff}; {ways_out}")
+
+
+def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: bool) -> None:
+    """Rank 0, after check_resumable passed on every rank: --no-resume deletes exactly the trainer's own files
+    (run.json first, so an interrupted delete is never mistaken for a resumable run); then run.json is written."""
+    run_dir = Path(run_dir)
+    if not resume:
+        for name in RUN_STATE:
+            p = run_dir / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps({"data_source": data, "identity": identity}, indent=1, sort_keys=True) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, run_dir / RUN_FILE)
 
 
 def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> Resumed:

@@ -56,7 +56,7 @@ class TrainConfig:
     freeze_vision: bool = False
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2
-    resume: bool = True  # continue from the newest complete checkpoint in out/
+    resume: bool = True  # continue the run in out/ (same data, model, options); False: clear its state, start over
     progress: bool = True
 
     def __post_init__(self):
@@ -94,6 +94,13 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# Options a resumed run may change: its length (the cosine then follows the new length from the current step),
+# speed and bookkeeping, and where things are (checkpoint.run_identity compares the data and the image processor by
+# content, the model by its resolved dir and config.json hash).
+# Every other option shapes the data order or the optimization, so a resume requires it unchanged (README, Trainer).
+RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
+                               "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
+                               "attn_implementation", "device", "save_every", "keep_checkpoints", "progress"})
 
 
 def _coerce(name: str, value):

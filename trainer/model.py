@@ -3,10 +3,14 @@ activation checkpointing -> FSDP2 (each vision block and decoder layer, then the
 """
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from trainer.collate import IGNORE_INDEX, Batch
+from trainer.config import ConfigError
 
 TINY_CONFIGS = {
     "qwen2-vl": dict(
@@ -30,6 +34,18 @@ def tiny_config(name: str):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
+def model_identity(*, model: str = "", tiny_random: str = "") -> dict:
+    """What a checkpoint's weights started from: the tiny config's name, or the checkpoint dir and its config.json
+    hash (checked here, so a missing --model fails in one line before the run dir is touched)."""
+    if tiny_random:
+        return {"model": f"tiny-random {tiny_random}", "model_config": ""}
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"--model {model}: no checkpoint dir with a config.json there (the trainer loads local "
+                          "checkpoints only, never from a hub)")
+    return {"model": str(Path(model).resolve()), "model_config": hashlib.sha256(config.read_bytes()).hexdigest()}
+
+
 def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_implementation: str = "sdpa",
                 activation_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0,
                 lora_dropout: float = 0.0, freeze_vision: bool = False) -> torch.nn.Module:
@@ -41,8 +57,11 @@ def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_i
         net = AutoModelForImageTextToText.from_config(tiny_config(tiny_random), dtype=torch.float32,
                                                       attn_implementation=attn_implementation)
     else:
-        net = AutoModelForImageTextToText.from_pretrained(model, local_files_only=True, dtype=torch.float32,
-                                                          attn_implementation=attn_implementation)
+        try:
+            net = AutoModelForImageTextToText.from_pretrained(model, local_files_only=True, dtype=torch.float32,
+                                                              attn_implementation=attn_implementation)
+        except (OSError, ValueError) as e:  # no weights, an unknown model_type, unreadable files
+            raise ConfigError(f"--model {model}: cannot load the checkpoint: {str(e).splitlines()[0]}") from None
     net.config.use_cache = False
     if activation_checkpointing:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

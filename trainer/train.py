@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpoint, run_identity, save_checkpoint,
+                                start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers
 from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.metrics import FlopCounter, RunLog, peak_flops
-from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id
+from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity
 from trainer.pack import check_packing, empty_state
 from trainer.shards import DataError, load_image_processor_config, plan_shards, resolve_data
 from trainer.vision import ImageSpec, Patchifier
@@ -103,8 +104,13 @@ def run(cfg: TrainConfig) -> dict | None:
         source = resolve_data(cfg.data)
         spec = _load_spec(cfg, source.processor)
         plan = plan_shards(source.shards, world)
+        identity = run_identity(cfg, shards=source.shards, manifest=source.manifest, image_config=spec.config,
+                                model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
+        if cfg.resume:
+            check_resumable(out, identity, cfg.data)
+        dist.barrier()  # every rank checked before rank 0 changes the run dir
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
+            start_run_dir(out, identity, cfg.data, resume=cfg.resume)
             (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
             counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if source.counted else 'shards'}"
                                for r, (s, t) in enumerate(zip(plan.per_rank, plan.rank_tokens)))

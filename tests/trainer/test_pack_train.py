@@ -84,7 +84,8 @@ def test_resume_without_pack_to_is_refused(run_p, short_dataset, capsys):
     out, _, _ = run_p
     assert main(["--data", str(short_dataset), "--out", str(out), "--tiny-random", "qwen2-vl", "--no-progress",
                  "--num-workers", "0", "--max-steps", "99"]) == 1
-    assert "was written with --pack-to: resume with the same batching options" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the run dir's run.json names the differing options before anything loads
+    assert f"pack_to {T} -> 0" in err and "pass --no-resume to start over" in err, err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -217,8 +217,10 @@ def test_rebuild_drops_a_stale_energon_index(tmp_path):
 
 
 def test_vlmprep_imports_no_client_library():
-    """The build writes energon's dataset.yaml without energon; `import vlmprep` needs none of the client extras."""
+    """The build writes energon's dataset.yaml without energon; `import vlmprep` needs none of the client extras,
+    and nothing in vlmprep imports the trainer (the shard format is their only contract)."""
     code = ("import sys, vlmprep.cli, vlmprep.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
-            "vlmprep.clients.hf; print(sorted(m for m in ('datasets', 'megatron', 'webdataset') if m in sys.modules))")
+            "vlmprep.clients.hf, vlmprep.clients.collate; "
+            "print(sorted(m for m in ('datasets', 'megatron', 'webdataset', 'trainer') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]

@@ -1,0 +1,114 @@
+"""Collate client samples (dicts from vlmprep.clients.wds or .hf) -> the batch an HF model takes:
+input_ids, labels, attention_mask, position_ids, mm_token_type_ids, pixel_values, image_grid_thw (torch tensors).
+
+    collator = vlmprep.clients.collate.Collator(DIR)  # a dataset dir, or its processor dir
+    batch = collator([sample, ...])
+
+Pixels come from the dataset's saved processor (DIR/processor) itself: stored images with resizing off (they are
+stored already resized), `--image-format original` source pixels with its own resize, as the trainer does.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from vlmprep.families import family_of
+from vlmprep.shards.reader import load_manifest
+
+IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
+
+
+class Collator:
+    """Right-padded batch of client samples, usable as-is as the `collate_fn` of a torch DataLoader or the
+    `data_collator` of HF `Trainer` / TRL `SFTTrainer` (settings in README, "Train with HF Trainer / TRL")."""
+
+    def __init__(self, path: str | Path, *, pad_token_id: int | None = None):
+        path = Path(path)
+        self.image_format = None
+        if (path / "manifest.json").is_file():
+            manifest = load_manifest(path)
+            self.image_format = manifest.get("image_format")
+            path = path / manifest.get("processor", {}).get("dir", "processor")
+        if not any((path / n).is_file() for n in ("processor_config.json", "preprocessor_config.json")):
+            raise ValueError(f"{path}: neither a vlmprep dataset dir nor a saved processor dir")
+        self.processor_dir = str(path)
+        self._pad_token_id = pad_token_id
+        self._processor = None
+
+    def __getstate__(self) -> dict:  # DataLoader workers (spawn) load the processor themselves
+        return {**self.__dict__, "_processor": None}
+
+    @property
+    def processor(self):
+        """The dataset's saved processor (e.g. TRL's `processing_class`); loaded locally, never from a hub."""
+        if self._processor is None:
+            from vlmprep.processor import load_saved_processor
+
+            self._processor = load_saved_processor(self.processor_dir)
+        return self._processor
+
+    def _resizes(self, sample: dict) -> list[bool]:
+        """Per occurrence: does the processor still resize it? Source pixels (`img*.orig.*`) and families stored as
+        source (tiling processors) yes; every other stored image holds exactly the resized pixels already."""
+        family = family_of(type(self.processor).__name__)
+        if family is not None and family.image_mode == "source":
+            return [True] * len(sample["images"])
+        members = [im.get("member", "") for im in (sample.get("meta") or {}).get("images", [])]
+        if len(members) != len(sample["images"]):  # no meta: the manifest's format says
+            return [self.image_format == "original"] * len(sample["images"])
+        return [".orig." in m for m in members]
+
+    def _pixels(self, samples: list[dict]) -> dict:
+        """The image processor's outputs for every occurrence in token order, concatenated (one call per unique
+        image: a repeated screenshot is shared by the client readers and computed once)."""
+        import torch
+
+        ip = self.processor.image_processor
+        parts: list[dict] = []
+        done: dict[tuple[int, bool], dict] = {}
+        for s in samples:
+            for image, resize in zip(s["images"], self._resizes(s)):
+                key = (id(image), resize)
+                if key not in done:
+                    done[key] = ip(images=[np.asarray(image)], do_resize=resize, return_tensors="pt")
+                parts.append(done[key])
+        if not parts:
+            return {}
+        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()}
+        if "image_grid_thw" in out:
+            stored = torch.from_numpy(np.concatenate([np.asarray(s["image_grid_thw"]).reshape(-1, 3)
+                                                      for s in samples]).astype(np.int64))
+            if not torch.equal(out["image_grid_thw"], stored):
+                raise ValueError(f"{self.processor_dir} makes image grids {out['image_grid_thw'].tolist()}, the "
+                                 f"samples store {stored.tolist()}: not the processor these samples were built with")
+        return out
+
+    def __call__(self, samples: list[dict]) -> dict:
+        import torch
+
+        proc = self.processor
+        pad = self._pad_token_id
+        if pad is None:
+            pad = getattr(getattr(proc, "tokenizer", None), "pad_token_id", None) or 0
+        ids = [np.asarray(s["input_ids"]).astype(np.int64) for s in samples]
+        B, L = len(ids), max(len(x) for x in ids)
+        batch = {"input_ids": torch.full((B, L), pad, dtype=torch.long),
+                 "labels": torch.full((B, L), IGNORE_INDEX, dtype=torch.long),
+                 "attention_mask": torch.zeros((B, L), dtype=torch.long),
+                 "mm_token_type_ids": torch.zeros((B, L), dtype=torch.long)}
+        positions = torch.zeros((3, B, L), dtype=torch.long)
+        for b, (s, x) in enumerate(zip(samples, ids)):
+            n, t = len(x), torch.from_numpy(x)
+            batch["input_ids"][b, :n] = t
+            batch["labels"][b, :n] = torch.where(torch.from_numpy(np.asarray(s["loss_mask"]) != 0), t, IGNORE_INDEX)
+            batch["attention_mask"][b, :n] = 1
+            batch["mm_token_type_ids"][b, :n] = torch.from_numpy(np.asarray(s["mm_token_type_ids"]).astype(np.int64))
+            positions[:, b, :n] = torch.from_numpy(np.asarray(s["position_ids"]).astype(np.int64))
+        family = family_of(type(proc).__name__)
+        # MRoPE models take the stored [3, B, L] ids (their get_rope_index); 1-D rope models the text row.
+        batch["position_ids"] = positions if family is not None and family.positions == "mrope" else positions[0]
+        if "mm_token_type_ids" not in getattr(proc, "model_input_names", ()):
+            del batch["mm_token_type_ids"]
+        batch.update(self._pixels(samples))
+        return batch
