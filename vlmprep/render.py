@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vlmprep.builtin_llama import TOKEN_BREAK
 from vlmprep.config import EOS_POLICIES, ROLES, TOOL_CALL_POLICIES
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.positions import mrope_position_ids
@@ -92,9 +93,13 @@ class RenderContext:
         self.parse_arguments = not _prints_string_arguments(processor, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
         self._special_re = _alternation(specials)
+        # A tokenizer that splits at TOKEN_BREAK and drops it (the Llama builtins): the template's break between two
+        # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
+        self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
         # Text must not contain any control or placeholder string, special-flagged or not.
         placeholders = {getattr(processor, a, None) for a in ("image_token", "video_token", "boi_token", "fake_image_token")}
-        self._forbidden_re = _alternation(specials | {p for p in placeholders if isinstance(p, str) and p})
+        self._forbidden_re = _alternation(specials | {p for p in placeholders if isinstance(p, str) and p}
+                                          | {self.token_break})
         merged = processor._merge_kwargs(tokenizer_init_kwargs=getattr(tok, "init_kwargs", {}))
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
         self._mm_needs_lengths = "batch_image_seq_lengths" in inspect.signature(processor.create_mm_token_type_ids).parameters
@@ -539,7 +544,7 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
             raise RecordError("mask_boundary_misaligned", f"messages[{iv.msg}]: a token crosses the end of the message text")
         sel = (starts >= s) & (ends <= e) & (ends > starts)
         mask |= sel
-        proofs.append((sel, expanded[s:e]))
+        proofs.append((sel, expanded[s:e].replace(ctx.token_break, "") if ctx.token_break else expanded[s:e]))
         hit = np.flatnonzero(sel)
         if len(hit):
             turn_tokens.setdefault(iv.msg, []).extend([int(hit[0]), int(hit[-1]) + 1])
