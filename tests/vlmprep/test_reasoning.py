@@ -62,6 +62,11 @@ def qwen35():
     return load_family_processor("qwen3.5")
 
 
+@pytest.fixture(scope="module")
+def qwen3vl():
+    return load_family_processor("qwen3-vl")
+
+
 def runs(sample, processor):
     return [t for _, _, t in trained_runs(sample, processor.tokenizer)]
 
@@ -121,10 +126,10 @@ def test_qwen35_reasoning_before_the_last_query_is_left_out_by_the_template(qwen
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "qwen3-vl"])
-def test_template_that_ignores_reasoning_rejects_or_drops_counted(name):
+def test_template_that_ignores_reasoning_rejects_or_drops_counted(request, name):
     """Qwen2-VL's and Qwen3-VL (Instruct)'s templates never print reasoning_content: train and context reject the
     record (reasoning_not_rendered), drop renders it without (what the template gives anyway)."""
-    p = load_family_processor(name)
+    p = request.getfixturevalue({"qwen2-vl": "qwen2vl_processor", "qwen3-vl": "qwen3vl"}[name])
     for policy in ("train", "context"):
         with pytest.raises(RecordError) as e:
             render(record(), p, policy=MaskPolicy(reasoning=policy))
@@ -141,7 +146,7 @@ def process(processor, rec, **cfg):
     return [o[0] if o[0] == "ok" else o[1]["reason"] for o in outcomes], turns
 
 
-def test_turn_counts_per_policy(qwen35):
+def test_turn_counts_per_policy(qwen35, qwen2vl_processor):
     rec = record(earlier="First look: a red square.")
     want = {"train": (["ok"], 2, 0, 1), "context": (["ok"], 2, 0, 1), "drop": (["ok"], 2, 2, 0),
             "reject": (["reasoning_refused"], 2, 0, 0)}
@@ -150,7 +155,7 @@ def test_turn_counts_per_policy(qwen35):
         turns = collections.Counter(turns)
         assert (got, turns["reasoning_turns"], turns["reasoning_turns_dropped"],
                 turns["reasoning_turns_not_rendered"]) == (outcome, n, dropped, not_rendered), policy
-    got, turns = process(load_family_processor("qwen2-vl"), rec, reasoning="drop")
+    got, turns = process(qwen2vl_processor, rec, reasoning="drop")
     assert got == ["ok"] and turns["reasoning_turns_dropped"] == 2
 
 
@@ -184,7 +189,9 @@ def test_config_validates_reasoning():
     assert BuildConfig(inputs=("x",), out="o").to_json()["reasoning"] == "train"
 
 
-def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen35):
+def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2vl_processor):
+    """Qwen2-VL's template ignores reasoning: --reasoning drop lands the records, counted in the manifest and said
+    in the summary; a malformed reasoning is a counted reject."""
     from vlmprep.pipeline import build
     from vlmprep.summary import format_build_summary
 
@@ -193,10 +200,23 @@ def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen35
             dict(record(reasoning=[1]), id="c")]
     inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "ds"
-    build(BuildConfig(inputs=(str(inp),), out=str(out), processor="builtin:qwen3.5", progress=False, reasoning="drop"))
+    build(BuildConfig(inputs=(str(inp),), out=str(out), progress=False, reasoning="drop"))
     manifest = json.loads((out / "manifest.json").read_text())
     t = manifest["totals"]
     assert manifest["config"]["reasoning"] == "drop" and manifest["rejects"] == {"invalid_reasoning": 1}
     assert (t["samples"], t["reasoning_turns"], t["reasoning_turns_dropped"], t["reasoning_turns_not_rendered"]) == (2, 2, 2, 0)
     assert "reasoning turns   2 (--reasoning drop; 2 dropped by it, 0 left out by the template)" in \
         format_build_summary(manifest, out)
+
+
+def test_inspect_marks_trained_reasoning(tmp_path, qwen35):
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    inp = tmp_path / "r.jsonl"
+    inp.write_text(json.dumps(record()) + "\n")
+    env = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None, "NO_COLOR": None}
+    res = CliRunner().invoke(app, ["inspect", str(inp), "--processor", "builtin:qwen3.5", "--limit", "1"], env=env)
+    assert res.exit_code == 0, res.output
+    assert f"[T]{REASONING}\n</think>\n\nYes, red.<|im_end|>[/T]" in res.stdout
