@@ -220,3 +220,23 @@ def test_inspect_marks_trained_reasoning(tmp_path, qwen35):
     res = CliRunner().invoke(app, ["inspect", str(inp), "--processor", "builtin:qwen3.5", "--limit", "1"], env=env)
     assert res.exit_code == 0, res.output
     assert f"[T]{REASONING}\n</think>\n\nYes, red.<|im_end|>[/T]" in res.stdout
+
+
+def test_qwen35_reasoning_before_a_tool_call(qwen35):
+    """An agent step: reasoning, then only a tool call (no content). Same tokens as the processor; under context the
+    call and <|im_end|> are trained, under train the reasoning too."""
+    rec = {"id": "t", "messages": [
+        {"role": "user", "content": "Open the cart."},
+        {"role": "assistant", "reasoning_content": "The cart icon is top right.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 1, \"y\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "opened"},
+        {"role": "assistant", "reasoning_content": "It opened.", "content": "Done."}]}
+    msgs = json.loads(json.dumps(rec["messages"]))
+    msgs[1]["tool_calls"][0]["function"]["arguments"] = {"x": 1, "y": 2}
+    ref = qwen35.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np")["input_ids"][0]
+    call = "<tool_call>\n<function=click>\n<parameter=x>\n1\n</parameter>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>"
+    want = {"train": ["The cart icon is top right.\n</think>\n\n" + call, "It opened.\n</think>\n\nDone.<|im_end|>"],
+            "context": [call, "Done.<|im_end|>"]}
+    for policy, trained in want.items():
+        _, _, _, s = render(rec, qwen35, policy=MaskPolicy(reasoning=policy))
+        assert s.input_ids.tolist() == ref.tolist() and runs(s, qwen35) == trained, policy
