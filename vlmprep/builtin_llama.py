@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from transformers import ProcessorMixin
 
 TEMPLATES = Path(__file__).parent / "templates"
+# ChatFormat encodes each tool call on its own, so BPE never merges across two calls (`}}` `{"`, not `}}{` `"`). The
+# vendor templates print this string between such pieces and the builtin tokenizers split there and drop it, so the
+# processor's own apply_chat_template gives ChatFormat's tokens. Text holding it is refused (vlmprep's sentinel prefix).
+TOKEN_BREAK = "\ue000VLMPREP-BREAK\ue001"
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -73,7 +77,7 @@ def source_files(name: str) -> tuple[bytes, str]:
 
 
 def _tokenizer(spec: _LlamaSpec, template: str):
-    from tokenizers import AddedToken, processors
+    from tokenizers import AddedToken, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -82,6 +86,7 @@ def _tokenizer(spec: _LlamaSpec, template: str):
         backend = TikTokenConverter(vocab_file=str(path), pattern=spec.pattern).converted()
         n_ranks = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     backend.model.ignore_merges = True  # tiktoken looks a whole piece up first; see test_vendors parity
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(TOKEN_BREAK, "removed"), backend.pre_tokenizer])
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     for i, t in enumerate(specials):
         if backend.token_to_id(t) != n_ranks + i:

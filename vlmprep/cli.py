@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from vlmprep.builtin import builtin_names
-from vlmprep.config import EOS_POLICIES, EXECUTORS, IMAGE_FORMATS, LONG_TRACES, ROLES, TOOL_CALL_POLICIES
+from vlmprep.config import (EOS_POLICIES, EXECUTORS, IMAGE_FORMATS, LONG_TRACES, REASONING_POLICIES, ROLES,
+                            TOOL_CALL_POLICIES)
 from vlmprep.processor import bundled_templates
 from vlmprep.summary import plural
 from vlmprep.types import UserError
@@ -57,6 +58,7 @@ def _v(choice: enum.Enum | str | None) -> str | None:
 
 
 EosPolicy, ToolCallPolicy = _choice("EosPolicy", EOS_POLICIES), _choice("ToolCallPolicy", TOOL_CALL_POLICIES)
+ReasoningPolicy = _choice("ReasoningPolicy", REASONING_POLICIES)
 LongTraces, ImageFormat, Executor = (_choice("LongTraces", LONG_TRACES), _choice("ImageFormat", IMAGE_FORMATS),
                                      _choice("Executor", EXECUTORS))
 
@@ -73,6 +75,7 @@ TrainOnRolesOpt = Annotated[Optional[str], typer.Option(rich_help_panel=_RENDER,
 TrainOnEosOpt = Annotated[Optional[EosPolicy], typer.Option(rich_help_panel=_RENDER, help="End-of-turn tokens trained.")]
 LastTurnOnlyOpt = Annotated[Optional[bool], typer.Option(rich_help_panel=_RENDER, help="Train only the last trained turn of each record.")]
 ToolCallsOpt = Annotated[Optional[ToolCallPolicy], typer.Option(rich_help_panel=_RENDER, help="A trained turn whose tool_calls the template does not render.")]
+ReasoningOpt = Annotated[Optional[ReasoningPolicy], typer.Option(rich_help_panel=_RENDER, help="An assistant's reasoning_content: train (rendered, trained) | context (rendered, not trained) | drop (removed, counted) | reject.")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(rich_help_panel=_RENDER, help=f"A .jinja file or a bundled template's name ({', '.join(bundled_templates())}) replacing the processor's chat template (saved with the dataset).")]
 RoleBoundariesOpt = Annotated[Optional[str], typer.Option(rich_help_panel=_RENDER, help="TOML of per-role start/end markers, for processors vlmprep does not know.")]
 ImageRootOpt = Annotated[Optional[str], typer.Option(rich_help_panel=_INPUT, help="Local image paths must resolve inside this dir (default: each input file's dir).")]
@@ -96,6 +99,7 @@ def build(
     train_on_eos: TrainOnEosOpt = "turn",
     last_turn_only: LastTurnOnlyOpt = False,
     tool_calls: ToolCallsOpt = "reject",
+    reasoning: ReasoningOpt = "train",
     chat_template: ChatTemplateOpt = None,
     role_boundaries: RoleBoundariesOpt = None,
     image_format: Annotated[ImageFormat, typer.Option(rich_help_panel=_IMAGES, help="How images are stored (see README, Image formats).")] = "zstd",
@@ -151,6 +155,7 @@ def build(
                           min_image_side=min_image_side, progress=show_progress,
                           train_on_roles=_roles(train_on_roles), train_on_eos=_v(train_on_eos),
                           last_turn_only=last_turn_only, tool_calls=_v(tool_calls),
+                          reasoning=_v(reasoning),
                           chat_template=chat_template, role_boundaries=role_boundaries, long_traces=_v(long_traces),
                           keep_images=parse_keep_images(keep_images), dropped_image_text=dropped_image_text,
                           min_pixels=min_pixels, max_pixels=max_pixels, allow_empty=allow_empty,
@@ -236,6 +241,7 @@ def inspect(
     train_on_eos: TrainOnEosOpt = None,
     last_turn_only: LastTurnOnlyOpt = None,
     tool_calls: ToolCallsOpt = None,
+    reasoning: ReasoningOpt = None,
     chat_template: ChatTemplateOpt = None,
     role_boundaries: RoleBoundariesOpt = None,
     image_root: ImageRootOpt = None,
@@ -255,7 +261,8 @@ def inspect(
         cfg = InspectConfig(path=path, index=index, id=sample_id, shard=shard, limit=limit, only=only, tokens=tokens,
                             html=html, like=like, processor=processor, seq_len=seq_len, train_on_roles=roles,
                             train_on_eos=_v(train_on_eos), last_turn_only=last_turn_only, tool_calls=_v(tool_calls),
-                            chat_template=chat_template, role_boundaries=role_boundaries, image_root=image_root,
+                            reasoning=_v(reasoning), chat_template=chat_template, role_boundaries=role_boundaries,
+                            image_root=image_root,
                             allow_remote=allow_remote, long_traces=_v(long_traces),
                             keep_images=None if keep_images is None else ("all" if keep is None else keep),
                             dropped_image_text=dropped_image_text, min_pixels=min_pixels, max_pixels=max_pixels)

@@ -11,6 +11,7 @@ IMAGE_FORMATS = ("zstd", "png", "webp", "original")
 ROLES = ("system", "user", "assistant", "tool")
 EOS_POLICIES = ("all", "turn", "last", "none")
 TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
+REASONING_POLICIES = ("train", "context", "drop", "reject")
 LONG_TRACES = ("truncate", "split")
 EXECUTORS = ("local", "ray")
 
@@ -45,6 +46,7 @@ class BuildConfig:
     train_on_eos: str = "turn"  # all | turn | last | none: which end-of-turn tokens get loss
     last_turn_only: bool = False
     tool_calls: str = "reject"  # a trained turn whose tool_calls the template does not render
+    reasoning: str = "train"  # an assistant's reasoning_content: train | context (rendered, loss 0) | drop | reject
     chat_template: str | None = None  # a .jinja file replacing the processor's template (saved with the dataset)
     role_boundaries: str | None = None  # a TOML of per-role start/end markers, for unknown processors
     # Agent traces (README, "Agent traces"): what a record longer than seq_len becomes, the screenshot history kept
@@ -90,6 +92,8 @@ class BuildConfig:
             raise ValueError(f"train_on_eos={self.train_on_eos!r}: choose one of {', '.join(EOS_POLICIES)}")
         if self.tool_calls not in TOOL_CALL_POLICIES:
             raise ValueError(f"tool_calls={self.tool_calls!r}: choose one of {', '.join(TOOL_CALL_POLICIES)}")
+        if self.reasoning not in REASONING_POLICIES:
+            raise ValueError(f"reasoning={self.reasoning!r}: choose one of {', '.join(REASONING_POLICIES)}")
         if self.long_traces not in LONG_TRACES:
             raise ValueError(f"long_traces={self.long_traces!r}: choose one of {', '.join(LONG_TRACES)}")
         if self.keep_images is not None and self.keep_images < 0:

@@ -42,6 +42,7 @@ class InspectConfig:
     train_on_eos: str | None = None
     last_turn_only: bool | None = None
     tool_calls: str | None = None
+    reasoning: str | None = None
     chat_template: str | None = None
     role_boundaries: str | None = None
     image_root: str | None = None
@@ -100,7 +101,7 @@ def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
 
 
 RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls",
-               "chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images",
+               "reasoning", "chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images",
                "dropped_image_text", "min_pixels", "max_pixels")
 
 

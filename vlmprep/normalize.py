@@ -163,7 +163,30 @@ def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Mess
     name = m.get("name")
     return Message(role=role, parts=parts, tool_calls=tool_calls,
                    tool_call_id=tool_call_id if isinstance(tool_call_id, str) else None,
-                   name=name if isinstance(name, str) else None, weight=weight)
+                   name=name if isinstance(name, str) else None, weight=weight,
+                   reasoning=_normalize_reasoning(m, role, where))
+
+
+_REASONING_KEYS = ("reasoning_content", "reasoning")  # vLLM / DeepSeek / Qwen exports; `reasoning`: OpenRouter, others
+
+
+def _normalize_reasoning(m: dict, role: str, where: str) -> str | None:
+    """An assistant's reasoning text, or None. Reasoning that is there but unusable is a reject, never ignored."""
+    given = {k: m[k] for k in _REASONING_KEYS if k in m}
+    for k, v in given.items():
+        if not isinstance(v, str):
+            raise RecordError("invalid_reasoning", f"{where}.{k}: reasoning must be a string, got {type(v).__name__} "
+                                                   "(structured reasoning parts are not read)")
+        _check_text(v, f"{where}.{k}")
+    texts = {v for v in given.values() if v.strip()}  # "" is what exporters write for a turn without thinking
+    if not texts:
+        return None
+    if len(texts) > 1:
+        raise RecordError("invalid_reasoning", f"{where}: reasoning_content and reasoning differ; keep one")
+    if role != "assistant":
+        raise RecordError("invalid_reasoning", f"{where}: a {role} message carries reasoning; only assistant turns "
+                                               "think")
+    return texts.pop()
 
 
 def _split_markers(text: str, pending: list, ctx: "_ImageContext", where: str) -> list[Part]:

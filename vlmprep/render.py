@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vlmprep.config import EOS_POLICIES, ROLES, TOOL_CALL_POLICIES
+from vlmprep.builtin_llama import TOKEN_BREAK
+from vlmprep.config import EOS_POLICIES, REASONING_POLICIES, ROLES, TOOL_CALL_POLICIES
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.positions import mrope_position_ids
 from vlmprep.types import Conversation, PreparedImage, RecordError, RenderedSample
@@ -30,6 +31,7 @@ class MaskPolicy:
     train_on_eos: str = "turn"  # all: every turn's end token; turn: those of trained turns; last: the last one; none
     last_turn_only: bool = False
     tool_calls: str = "reject"  # an assistant turn whose tool_calls the template does not render
+    reasoning: str = "train"  # an assistant's reasoning: train | context (rendered, loss 0) | drop | reject
 
     def __post_init__(self):
         bad = set(self.train_on_roles) - set(ROLES)
@@ -39,6 +41,8 @@ class MaskPolicy:
             raise ValueError(f"train_on_eos={self.train_on_eos!r}: choose one of {', '.join(EOS_POLICIES)}")
         if self.tool_calls not in TOOL_CALL_POLICIES:
             raise ValueError(f"tool_calls={self.tool_calls!r}: choose one of {', '.join(TOOL_CALL_POLICIES)}")
+        if self.reasoning not in REASONING_POLICIES:
+            raise ValueError(f"reasoning={self.reasoning!r}: choose one of {', '.join(REASONING_POLICIES)}")
 
 
 # What RenderContext uses when a library caller passes no policy: the behaviour before policies existed (tool-call
@@ -86,26 +90,39 @@ class RenderContext:
         self.wrap_open = {tok.convert_tokens_to_ids(t) for t in self.family.wrapper_open}
         self.wrap_close = {tok.convert_tokens_to_ids(t) for t in self.family.wrapper_close}
         self.reasoning = "reasoning_content" in self.chat_template
+        # Whether the template prints an assistant's reasoning_content at all (on a last turn, where reasoning
+        # templates keep it); one that never does makes reasoning a reject or a counted drop, never a silent loss.
+        self.renders_reasoning = _renders_reasoning(processor, self.chat_template)
         # A turn with no content at all (a pure tool call) goes in as "" where the template accepts strings, so
         # content-truthiness branches render it as the model's own template would for content=None.
         self.empty_as_string = " is string" in self.chat_template
         self.parse_arguments = not _prints_string_arguments(processor, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
         self._special_re = _alternation(specials)
+        # A tokenizer that splits at TOKEN_BREAK and drops it (the Llama builtins): the template's break between two
+        # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
+        self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
         # Text must not contain any control or placeholder string, special-flagged or not.
         placeholders = {getattr(processor, a, None) for a in ("image_token", "video_token", "boi_token", "fake_image_token")}
-        self._forbidden_re = _alternation(specials | {p for p in placeholders if isinstance(p, str) and p})
+        self._forbidden_re = _alternation(specials | {p for p in placeholders if isinstance(p, str) and p}
+                                          | {self.token_break})
         merged = processor._merge_kwargs(tokenizer_init_kwargs=getattr(tok, "init_kwargs", {}))
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
         self._mm_needs_lengths = "batch_image_seq_lengths" in inspect.signature(processor.create_mm_token_type_ids).parameters
 
     def slots(self, conv: Conversation) -> list[Slot]:
-        return message_slots(conv, reasoning=self.reasoning, string_content=self.family.string_content)
+        return message_slots(conv, reasoning=self.reasoning, string_content=self.family.string_content,
+                             drop_reasoning=self.policy.reasoning == "drop")
 
     def messages(self, conv: Conversation, texts: list[str] | None = None) -> list[dict]:
         """HF chat-template messages for `conv`, exactly as render passes them (texts: replacement slot strings)."""
         return template_messages(conv, texts, reasoning=self.reasoning, string_content=self.family.string_content,
-                                 empty_as_string=self.empty_as_string, parse_arguments=self.parse_arguments)
+                                 empty_as_string=self.empty_as_string, parse_arguments=self.parse_arguments,
+                                 drop_reasoning=self.policy.reasoning == "drop")
+
+    def reasoning_messages(self, conv: Conversation) -> list[int]:
+        """Messages that carry reasoning: a reasoning_content, or a <think> block the template splits off itself."""
+        return [i for i, m in enumerate(conv.messages) if (_reasoning_of(m, self.reasoning)[0] or "").strip()]
 
     def render_text(self, messages: list[dict], tools: list | None) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -153,6 +170,16 @@ def _prints_string_arguments(processor, chat_template: str) -> bool:
     return '{"k": 1}' in rendered
 
 
+def _renders_reasoning(processor, chat_template: str) -> bool:
+    probe = [{"role": "user", "content": "q"},
+             {"role": "assistant", "reasoning_content": _SENTINEL.format(0), "content": "a"}]
+    try:
+        rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe renders no reasoning we could prove
+        return False
+    return _SENTINEL.format(0) in rendered
+
+
 def _alternation(strings) -> re.Pattern | None:
     strings = sorted((s for s in strings if s), key=len, reverse=True)
     return re.compile("|".join(re.escape(s) for s in strings)) if strings else None
@@ -170,13 +197,26 @@ def _reasoning_split_applies(m, reasoning: bool) -> bool:
             and "</think>" in texts[0].text)
 
 
-def message_slots(conv: Conversation, *, reasoning: bool = False, string_content: bool = False) -> list[Slot]:
+def _reasoning_of(m, reasoning: bool) -> tuple[str | None, str | None]:
+    """(reasoning, answer): a message's reasoning_content, or the <think> block a reasoning template splits off its
+    content (answer: the content that is left); (None, None) when it has none."""
+    if m.reasoning is not None:
+        return m.reasoning, None
+    if _reasoning_split_applies(m, reasoning):
+        return _split_think(m.text)
+    return None, None
+
+
+def message_slots(conv: Conversation, *, reasoning: bool = False, string_content: bool = False,
+                  drop_reasoning: bool = False) -> list[Slot]:
     """Every text the template receives, in template_messages order; each message has at least one slot."""
     slots = []
     for i, m in enumerate(conv.messages):
-        if _reasoning_split_applies(m, reasoning):
-            r, c = _split_think(m.text)
-            slots += [Slot(i, "reasoning", r), Slot(i, "text", c)]
+        r, answer = _reasoning_of(m, reasoning)
+        if r is not None and not drop_reasoning:
+            slots.append(Slot(i, "reasoning", r))
+        if answer is not None:
+            slots.append(Slot(i, "text", answer))
         elif string_content and not m.images:
             slots.append(Slot(i, "text", m.text))
         else:
@@ -187,20 +227,23 @@ def message_slots(conv: Conversation, *, reasoning: bool = False, string_content
 
 def template_messages(conv: Conversation, texts: list[str] | None = None, *, reasoning: bool = False,
                       string_content: bool = False, empty_as_string: bool = False,
-                      parse_arguments: bool = False) -> list[dict]:
+                      parse_arguments: bool = False, drop_reasoning: bool = False) -> list[dict]:
     """Conversation -> HF chat-template messages. With `texts`, the slots take those strings instead (sentinels).
     `reasoning`: an assistant "<think>R</think>A" goes in as reasoning_content=R, content=A, as reasoning templates
     split it themselves; `string_content`: text-only messages go in as one string (templates that print content);
     `empty_as_string`: a message without any part goes in as content "" instead of one empty text part;
     tool-call arguments go in as the record gave them (a string stays the exact string), or parsed where
-    `parse_arguments` (templates that cannot take a string)."""
-    slots = message_slots(conv, reasoning=reasoning, string_content=string_content)
+    `parse_arguments` (templates that cannot take a string). A message's own reasoning goes in as reasoning_content
+    (how reasoning templates read it); `drop_reasoning` leaves it out (and a split-off <think> block with it)."""
+    slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
     vals = iter(texts if texts is not None else [s.text for s in slots])
     out = []
     for i, m in enumerate(conv.messages):
         msg: dict = {"role": m.role}
-        if _reasoning_split_applies(m, reasoning):
+        r, answer = _reasoning_of(m, reasoning)
+        if r is not None and not drop_reasoning:
             msg["reasoning_content"] = next(vals)
+        if answer is not None:
             msg["content"] = [{"type": "text", "text": next(vals)}]
         elif (string_content and not m.images) or (empty_as_string and not m.parts):
             msg["content"] = next(vals)
@@ -238,7 +281,7 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
     if ctx._forbidden_re is None:
         return
     for i, m in enumerate(conv.messages):
-        for s in [m.text] + [tc.arguments_json for tc in m.tool_calls] + [tc.name for tc in m.tool_calls]:
+        for s in [m.text, m.reasoning or ""] + [tc.arguments_json for tc in m.tool_calls] + [tc.name for tc in m.tool_calls]:
             hit = ctx._forbidden_re.search(s)
             if hit:
                 raise RecordError("special_token_in_text",
@@ -365,9 +408,21 @@ def _tool_calls_rendered(gap: str, tool_calls) -> bool:
 
 def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage]) -> RenderedSample:
     _check_no_special_tokens(conv, ctx)
+    if ctx.policy.reasoning == "reject":
+        for i in ctx.reasoning_messages(conv):
+            raise RecordError("reasoning_refused", f"messages[{i}]: this assistant turn carries reasoning and "
+                                                   "--reasoning reject refuses it; pass --reasoning train|context|drop")
     slots = ctx.slots(conv)
     rendered = ctx.render_text(ctx.messages(conv), conv.tools)
     located = _locate(ctx, conv, slots, rendered)
+    reasoning_rendered = sorted({slots[loc.slot].msg for loc in located
+                                 if slots[loc.slot].kind == "reasoning" and slots[loc.slot].text.strip()})
+    if not ctx.renders_reasoning:
+        for slot in slots:
+            if slot.kind == "reasoning" and slot.text.strip() and slot.msg not in reasoning_rendered:
+                raise RecordError("reasoning_not_rendered",
+                                  f"messages[{slot.msg}]: the chat template does not render reasoning_content; pass "
+                                  "--reasoning drop to train without it (counted), or a --chat-template that renders it")
     if ctx.family.role_markers:
         _check_role_markers(ctx, conv, slots, located, rendered)
 
@@ -423,7 +478,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
         id=conv.id, source=conv.source, input_ids=ids.astype(np.int32), loss_mask=loss_mask,
         mm_token_type_ids=mm_types, position_ids=positions, image_grid_thw=grids, images=list(images),
         image_spans=image_spans, num_tokens_before_truncation=len(ids), unrendered_tool_calls=unrendered,
-        turn_spans=turn_spans,
+        turn_spans=turn_spans, reasoning_rendered=reasoning_rendered,
     )
 
 
@@ -504,6 +559,9 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
     intervals: list[_Interval] = []
     for i in trained:
         locs = by_msg[i]
+        if policy.reasoning == "context":  # the reasoning is context: training starts at the text after it
+            kept = [loc for loc in locs if slots[loc.slot].kind != "reasoning"]
+            locs = kept or [_Located(-1, locs[-1].end, locs[-1].end)]
         run = _Interval(locs[0].start, locs[0].end, msg=i)
         for loc in locs[1:]:
             between = rendered[run.end:loc.start]
@@ -539,7 +597,7 @@ def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids,
             raise RecordError("mask_boundary_misaligned", f"messages[{iv.msg}]: a token crosses the end of the message text")
         sel = (starts >= s) & (ends <= e) & (ends > starts)
         mask |= sel
-        proofs.append((sel, expanded[s:e]))
+        proofs.append((sel, expanded[s:e].replace(ctx.token_break, "") if ctx.token_break else expanded[s:e]))
         hit = np.flatnonzero(sel)
         if len(hit):
             turn_tokens.setdefault(iv.msg, []).extend([int(hit[0]), int(hit[-1]) + 1])

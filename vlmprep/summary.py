@@ -60,6 +60,7 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  truncated samples {t['truncated_samples']} ({plural(t['dropped_images'], 'image')} dropped by the cut)",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
         *_turn_lines(manifest.get("turns")),
+        *_reasoning_lines(t, manifest.get("config", {})),
         f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "
         f"({reject_share(manifest):.1%})" + (" -> rejects.jsonl" if t["rejected"] else ""),
     ]
@@ -76,6 +77,14 @@ def _turn_lines(turns: dict | None) -> list[str]:
             f"(coverage {turns['coverage']:.1%}; lost: {lost})",
             f"  history policy    {turns['images_removed_by_history']} images removed; split context "
             f"{turns['context_tokens_repeated']} tokens repeated"]
+
+
+def _reasoning_lines(t: dict, config: dict) -> list[str]:
+    if not t.get("reasoning_turns"):
+        return []
+    return [f"  reasoning turns   {t['reasoning_turns']} (--reasoning {config.get('reasoning', 'train')}; "
+            f"{t.get('reasoning_turns_dropped', 0)} dropped by it, {t.get('reasoning_turns_not_rendered', 0)} "
+            "left out by the template)"]
 
 
 def format_plan_summary(plan: dict, out: Path) -> str:

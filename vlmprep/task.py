@@ -60,7 +60,7 @@ class Renderer:
         if isinstance(warned, dict):
             warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         policy = MaskPolicy(train_on_roles=frozenset(cfg.train_on_roles), train_on_eos=cfg.train_on_eos,
-                            last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls)
+                            last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls, reasoning=cfg.reasoning)
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
                                      max_images_per_record=cfg.max_images_per_record)
@@ -79,6 +79,8 @@ class Renderer:
         conv = normalize_record(parse_record(raw), raw.source, self.norm)
         assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
         self.turns["input_assistant_turns"] = len(assistant)
+        reasoning = set(self.ctx.reasoning_messages(conv))
+        self.turns["reasoning_turns"] = len(reasoning)
         try:
             images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                     min_side=self.cfg.min_image_side) for im in conv.images]
@@ -106,6 +108,11 @@ class Renderer:
         except RecordError:
             self.turns["turns_lost_rejected"] = len(assistant)
             raise
+        # Reasoning left out: by --reasoning drop, or by the template itself (Qwen3.5 prints it only after the last
+        # user query), counted per input turn that no sample rendered it for.
+        shown = {sc.source_messages[m] for sc, s in zip(steps, samples) for m in s.reasoning_rendered}
+        key = "reasoning_turns_dropped" if self.ctx.policy.reasoning == "drop" else "reasoning_turns_not_rendered"
+        self.turns[key] = len(reasoning - shown)
         self.turns["turns_lost_too_long"] = len(set(self.lost) & assistant)
         self.turns["turns_lost_policy"] = (len(assistant) - self.turns["trained_assistant_turns"]
                                            - self.turns["turns_lost_truncated"] - self.turns["turns_lost_too_long"])
@@ -241,7 +248,7 @@ TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "i
               "truncated_samples", "dropped_images", "unrendered_tool_call_turns", "split_samples",
               "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
               "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated",
-              "unread_bytes")
+              "unread_bytes", "reasoning_turns", "reasoning_turns_dropped", "reasoning_turns_not_rendered")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     weight: int | None = None  # OpenAI fine-tuning per-message weight (0|1); None = role rule
+    reasoning: str | None = None  # an assistant's reasoning_content (or reasoning): its thinking before the answer
 
     @property
     def text(self) -> str:
@@ -139,6 +140,7 @@ class RenderedSample:
     dropped_images: int = 0
     unrendered_tool_calls: int = 0  # assistant turns whose tool_calls the template did not render
     turn_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (message, first, end) trained token spans
+    reasoning_rendered: list[int] = field(default_factory=list)  # messages whose reasoning the template printed
     # Where the sample came from in its record (set by the pipeline): the input messages it holds, those it trains,
     # the input image occurrences the history policy removed, and its number when the record was split.
     source_messages: list[int] = field(default_factory=list)

@@ -80,13 +80,31 @@ CONVERSATIONS = {
         {"role": "tool", "tool_call_id": "n4v1g4t3x", "content": [text("Page loaded."), png("wide")]},
         {"role": "assistant", "content": "The headline is \"Example Domain\"."},
     ],
+    # Parallel tool calls: ChatFormat encodes each call on its own (`}}` then `{"`, never `}}{`), mistral-common all
+    # calls as one JSON array.
+    "parallel_tool_calls": [
+        {"role": "user", "content": [text("Search both grinders, then click the results."), png("red")]},
+        {"role": "assistant", "content": "Searching both.", "tool_calls": [
+            {"id": "p1a2r3a4l", "type": "function", "function": {"name": "search", "arguments": "{\"q\": \"grinder A\"}"}},
+            {"id": "l5e6l7c8a", "type": "function", "function": {"name": "search", "arguments": "{\"q\": \"grinder B\"}"}}]},
+        {"role": "tool", "tool_call_id": "p1a2r3a4l", "content": "A: $500."},
+        {"role": "tool", "tool_call_id": "l5e6l7c8a", "content": "B: $300."},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1l2i3c4k", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 1, \"y\": 2}"}},
+            {"id": "c5l6i7c8k", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 3, \"y\": {\"z\": 4}}"}},
+            {"id": "c9l0i1c2k", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 5, \"y\": 6}"}}]},
+        {"role": "tool", "tool_call_id": "c1l2i3c4k", "content": "ok"},
+        {"role": "tool", "tool_call_id": "c5l6i7c8k", "content": "ok"},
+        {"role": "tool", "tool_call_id": "c9l0i1c2k", "content": "ok"},
+        {"role": "assistant", "content": "A costs $500, B $300."},
+    ],
     "multi_text_parts": [
         {"role": "system", "content": [text("Rule one."), text("Rule two.")]},
         {"role": "user", "content": [text("First part."), text("Second part."), png("red"), text("After."), png("tall")]},
         {"role": "assistant", "content": "OK."},
     ],
 }
-TOOL_RECORDS = {"tool_calls"}
+TOOL_RECORDS = {"tool_calls", "parallel_tool_calls"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,7 +348,8 @@ def llama3_tokens(rec):
     return tokens[:-len(header)]
 
 
-LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls", "tool_screenshot"]
+LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls", "tool_screenshot",
+                "parallel_tool_calls"]
 
 
 @pytest.mark.parametrize("name", LLAMA_PARITY)
@@ -459,6 +478,37 @@ def test_llama4_masks_train_assistant_text_calls_and_eom(llama4):
         '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}<|eom|>',
         "The grinder costs $500.<|eot|>",
         'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}<|eom|>']
+
+
+def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_format):
+    """Two calls in one turn: ChatFormat encodes `...}}` and `{"type"...` apart; one tokenizer call over the joined
+    string would merge `}}{` across the seam. The template breaks there, the tokenizer drops the break, so render and
+    the processor's own apply_chat_template both give ChatFormat's tokens, and the trained run decodes without it."""
+    from vlmprep.builtin_llama import TOKEN_BREAK
+
+    rec = record("parallel_tool_calls")
+    conv, _, ctx, sample = render(rec, llama4)
+    got, toks = sample.input_ids.tolist(), llama4.tokenizer.convert_ids_to_tokens
+    assert got == llama4_tokens(llama4_format, rec)
+    assert "}}{" not in toks(got) and toks(got).count('{"') == 5
+    assert ctx.render_text(ctx.messages(conv), conv.tools).count(TOKEN_BREAK) == 5
+    assert [t for _, _, t in trained_runs(sample, llama4.tokenizer)][:2] == [
+        'Searching both.{"type": "function", "name": "search", "parameters": {"q": "grinder A"}}'
+        '{"type": "function", "name": "search", "parameters": {"q": "grinder B"}}<|eom|>',
+        '{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}{"type": "function", "name": "click", '
+        '"parameters": {"x": 3, "y": {"z": 4}}}{"type": "function", "name": "click", "parameters": {"x": 5, "y": 6}}<|eom|>']
+    # Text holding the break would be dropped by the tokenizer: refused, in message text and in call arguments.
+    from vlmprep.types import RecordError
+
+    for where in ("content", "arguments"):
+        bad = json.loads(json.dumps(rec))
+        if where == "content":
+            bad["messages"][-1]["content"] = "A" + TOKEN_BREAK + "B"
+        else:
+            bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"q": TOKEN_BREAK}, ensure_ascii=False)
+        with pytest.raises(RecordError) as e:
+            render(bad, llama4)
+        assert e.value.reason in ("sentinel_in_text", "special_token_in_text"), where
 
 
 def test_llama4_tokenizer_matches_llama_models_on_1m_chars(llama4):
