@@ -274,7 +274,7 @@ def _code_reasons() -> set[str]:
     found: set[str] = set()
     for path in (REPO / "vlmprep").rglob("*.py"):
         for line in path.read_text().splitlines():
-            if "reason" in line or "RecordError" in line or "reject" in line:
+            if re.search(r"\breason\b|RecordError|reject", line):
                 found.update(m.group(1) for pattern in REASON_IN_CODE for m in pattern.finditer(line))
     return found
 
