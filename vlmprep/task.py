@@ -239,8 +239,8 @@ def worker_pool(workers: int, **kw) -> Iterator[ProcessPoolExecutor]:
 
 def pool_failure(e: BrokenProcessPool, where: str) -> str:
     """One line for a broken worker pool: what broke, where in the input it was, what to do."""
-    cause = str(e.__cause__ or "").strip().splitlines()
-    what = (f"a worker's result could not be read ({cause[-1].strip()})" if cause else
+    cause = [line.strip() for line in str(e.__cause__ or "").splitlines() if line.strip("'\" ")]  # a quoted traceback
+    what = (f"a worker's result could not be read ({cause[-1]})" if cause else
             "a worker process stopped abruptly (killed, out of memory, or crashed)")
     return (f"{what} while {where}; finished work is kept: run the same command again to resume, "
             "or with --workers 1 to see the record in this process")
