@@ -467,45 +467,41 @@ def test_file_level_faults_through_a_worker_pool_finish_as_with_one_worker(mode,
             assert (tmp_path / "ds" / shard.name).read_bytes() == shard.read_bytes()
 
 
+@pytest.mark.slow  # ~30 s of CPU: a CLI process, its forkserver and two workers start
 def test_a_worker_killed_mid_build_fails_the_build_with_one_line(tmp_path, qwen2vl_processor):
-    import threading
+    import subprocess
+    import sys
 
     import psutil
-
-    from vlmprep.pipeline import BuildError
 
     inp = tmp_path / "many.jsonl"
     inp.write_bytes(b"".join(encode_line({**chat(f"question {i} " * 20), "id": f"r{i}"}) for i in range(4000)))
     out = tmp_path / "ds"
-    result: dict = {}
-
-    def run():
-        try:
-            build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=512, samples_per_shard=50, workers=2,
-                              progress=False))
-            result["ok"] = True
-        except BaseException as e:  # noqa: BLE001 - the test looks at it
-            result["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    me, killed, deadline_at = psutil.Process(), None, time.monotonic() + 120
-    while killed is None and t.is_alive() and time.monotonic() < deadline_at:
-        if list(out.glob("shard-*.tar")):  # mid-build: a shard is done, records are still in flight
-            # Pool workers are the forkserver's children, so the grandchildren of this process.
-            workers = [p for p in me.children(recursive=True) if p.ppid() != me.pid]
-            if workers:
-                killed = workers[0].pid
-                os.kill(killed, signal.SIGKILL)
-        time.sleep(0.01)
-    t.join(120)
-    assert killed is not None, "no worker was caught mid-build"
-    assert not t.is_alive(), "the build still waits for the killed worker"
-    e = result.get("error")
-    assert isinstance(e, BuildError), result
-    msg = str(e)
-    assert "\n" not in msg and "a worker process stopped abruptly" in msg and str(inp) in msg, msg
-    assert "run the same command again to resume" in msg
+    # A subprocess, so that a build that hangs (the bug) is killed here instead of hanging the test run.
+    proc = subprocess.Popen([sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out),
+                             "--seq-len", "512", "--samples-per-shard", "50", "--workers", "2", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        killed, deadline_at = None, time.monotonic() + 180
+        while killed is None and proc.poll() is None and time.monotonic() < deadline_at:
+            if list(out.glob("shard-*.tar")):  # mid-build: a shard is done, records are still in flight
+                # Pool workers are the forkserver's children: the build's grandchildren.
+                workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.ppid() != proc.pid]
+                if workers:
+                    killed = workers[0].pid
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.01)
+        assert killed is not None, "no worker was caught mid-build"
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    lines = [l for l in err.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert "a worker process stopped abruptly" in lines[0] and f"from {inp}:" in lines[0], lines[0]
+    assert "run the same command again to resume" in lines[0]
 
 
 class _Unreadable:
