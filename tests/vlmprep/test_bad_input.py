@@ -437,7 +437,7 @@ def faulty_inputs(tmp_path_factory):
 
 def _faulty_build(d, out, **kw):
     cfg = BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, max_line_bytes=8192, samples_per_shard=3,
-                      progress=False, **kw)
+                      progress=False, max_reject_fraction=1.0, **kw)  # bad on purpose
     build(cfg)
     rejects = sorted((os.path.basename(r["source"]["file"]), r["source"]["line"], r["reason"])
                      for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines()))
