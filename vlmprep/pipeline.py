@@ -204,6 +204,9 @@ class RejectsError(BuildError):
         super().__init__(message)
         self.manifest = manifest
 
+    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
+        return type(self), (str(self), self.manifest)
+
 
 def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
     """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction

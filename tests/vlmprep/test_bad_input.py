@@ -556,11 +556,14 @@ def _vlmprep_exceptions():
 def test_every_vlmprep_exception_survives_a_process_boundary(cls):
     import pickle
 
-    e = cls("some_reason", "what went wrong \udc00") if issubclass(cls, RecordError) else cls("what went wrong")
+    args = {"RecordError": ("some_reason", "what went wrong \udc00"),
+            "RejectsError": ("too many rejects", {"totals": {"samples": 1}})}  # constructors with more than a message
+    e = cls(*args.get(cls.__name__, ("what went wrong",)))
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is cls and str(back) == str(e)
     if isinstance(e, RecordError):
         assert (back.reason, back.message) == ("some_reason", "what went wrong \\udc00")
+    assert vars(back) == vars(e)  # every attribute the error carries (reason, message, manifest, ...) comes back
 
 
 def test_inspect_on_raw_input_shows_the_other_records_and_names_the_bad_one(tmp_path, qwen2vl_processor):
