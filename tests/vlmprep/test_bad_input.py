@@ -353,7 +353,8 @@ def file_faults(tmp_path_factory, qwen2vl_processor):
     builds = {}
     for tasks in (1, 2):
         out = d.parent / f"out{tasks}"
-        res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False))
+        res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False,
+                                max_reject_fraction=1.0))  # bad on purpose
         rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
         samples = {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(out)}
         builds[tasks] = (d, res, rejects, {s.meta()["id"] for s in iter_dataset(out)}, samples)
