@@ -14,7 +14,7 @@ from vlmprep.config import (EOS_POLICIES, EXECUTORS, IMAGE_FORMATS, LONG_TRACES,
                             TOOL_CALL_POLICIES)
 from vlmprep.processor import bundled_templates
 from vlmprep.summary import plural
-from vlmprep.types import UserError
+from vlmprep.types import UserError, printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline VLM SFT data: render, mask, truncate and shard chat traces; inspect the result.")
@@ -28,7 +28,7 @@ def _root() -> None:
 def _fail(e: BaseException) -> None:
     if os.environ.get("VLMPREP_DEBUG"):
         raise e
-    typer.echo(f"error: {e}", err=True)
+    typer.echo(f"error: {printable(str(e))}", err=True)  # a path or record text may hold a lone surrogate
     raise typer.Exit(1)
 
 

@@ -15,6 +15,8 @@ import fnmatch
 import json
 import shutil
 import time
+from concurrent.futures import as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_p
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs
 from vlmprep.summary import reject_fix, reject_share, rejected_records
-from vlmprep.task import BuildError, Renderer, run_task, start_worker_server, task_progress, worker_context
+from vlmprep.task import (BuildError, Renderer, pool_failure, run_task, start_worker_server, task_progress,
+                          task_start, worker_pool)
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
 
@@ -201,6 +204,9 @@ class RejectsError(BuildError):
         super().__init__(message)
         self.manifest = manifest
 
+    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
+        return type(self), (str(self), self.manifest)
+
 
 def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
     """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
@@ -242,8 +248,15 @@ def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Render
                 seconds[i] = time.perf_counter() - t0
                 tick(totals)
         else:
-            with worker_context().Pool(min(cfg.workers, len(jobs))) as pool:
-                for i, s, totals in pool.imap_unordered(_run_one, jobs):
-                    seconds[i] = s
-                    tick(totals)
+            with worker_pool(min(cfg.workers, len(jobs))) as pool:
+                futures = [pool.submit(_run_one, job) for job in jobs]
+                try:
+                    for future in as_completed(futures):
+                        i, s, totals = future.result()
+                        seconds[i] = s
+                        tick(totals)
+                except BrokenProcessPool as e:
+                    left = [i for i in range(plan["tasks"]) if i not in seconds]
+                    raise BuildError(pool_failure(e, f"running tasks {', '.join(map(str, left))} (task {left[0]} "
+                                                     f"starts at {task_start(plan, left[0])})")) from None
     return seconds

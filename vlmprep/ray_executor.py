@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from vlmprep.config import BuildConfig
-from vlmprep.task import BuildError, run_task, task_progress
+from vlmprep.task import BuildError, run_task, task_progress, task_start
+from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
 MAX_RETRIES = 3
@@ -24,6 +25,22 @@ def _run_task_on_worker(out: str, plan: dict, config: dict, index: int, cwd: str
     cfg = BuildConfig.from_plan(config, out=out, workers=1, progress=False)
     task = run_task(Path(out), plan, index, cfg=cfg)
     return index, time.perf_counter() - t0, task["totals"]
+
+
+def _one_line(e: Exception) -> str:
+    """A Ray error as one line: the task's own exception when Ray carries it (a user-facing fault says itself), else
+    the end of the task's traceback, else the head of Ray's report (worker crashed, out of memory, ...)."""
+    import ray
+
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        lines = (str(cause) if isinstance(cause, UserError) else f"{type(cause).__name__}: {cause}").splitlines()
+    else:
+        lines = str(e).splitlines()
+        if isinstance(e, ray.exceptions.RayTaskError):
+            lines = lines[::-1]
+    lines = [line.strip() for line in lines if line.strip()]
+    return printable(lines[0] if lines else type(e).__name__)
 
 
 def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float]:
@@ -42,16 +59,17 @@ def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task_on_worker)
         out_abs = str(Path(out).resolve())
         plan_ref = ray.put(plan)
-        pending = [remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd()) for i in range(plan["tasks"])]
+        refs = {remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd()): i for i in range(plan["tasks"])}
+        pending = list(refs)
         seconds: dict[int, float] = {}
         with task_progress(cfg, plan["tasks"]) as tick:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 try:
                     index, s, totals = ray.get(done[0])
-                except ray.exceptions.RayTaskError as e:  # a user-facing fault inside a task: say it as one line
-                    cause = e.as_instanceof_cause()
-                    raise BuildError(f"a Ray task failed: {type(cause).__name__}: {str(cause).splitlines()[-1]}") from None
+                except ray.exceptions.RayError as e:  # a fault inside a task, or its worker lost MAX_RETRIES times
+                    i = refs[done[0]]
+                    raise BuildError(f"Ray task {i} (from {task_start(plan, i)}) failed: {_one_line(e)}") from None
                 seconds[index] = s
                 tick(totals)
         return seconds

@@ -7,6 +7,7 @@ import glob
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -282,11 +283,43 @@ def parse_record(raw: RawRecord) -> dict:
             data = json.loads(text)
         except ValueError as e:
             raise RecordError("invalid_json", f"line is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RecordError("invalid_json", "line is not valid JSON: nested too deeply") from None
+        # Decoded UTF-8 holds no lone surrogate; only a JSON escape (\udc00) can make one.
+        if _SURROGATE_ESCAPE.search(raw.text):
+            _check_unicode(data)
     else:
         data = raw.data
+        _check_unicode(data)
     if not isinstance(data, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(data).__name__}, expected an object")
+    rid = data.get("id")
+    if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+        raise RecordError("invalid_id", f"id must be a string (or an integer), got {json.dumps(rid)[:80]}")
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(data) -> None:
+    """Every string of the record, keys included, must be encodable: a lone surrogate (valid JSON as an escape) would
+    fail later in a tokenizer, a file write or a print. Raises invalid_unicode naming the first bad field's path."""
+    stack = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RecordError("invalid_unicode", f"{path or 'record'}: holds a lone surrogate: "
+                                                     f"{json.dumps(v[:60])}") from None
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):  # reversed: the stack pops the first field first
+                stack.append((f"{path}.{k}" if path else k, x))
+                stack.append((f"{path or 'record'} keys", k))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
 
 
 def input_dir(source: Source) -> str:

@@ -4,6 +4,7 @@ templates that trim or rewrite turns), mapped to tokens by offsets, and every tr
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -16,7 +17,7 @@ from vlmprep.builtin_llama import TOKEN_BREAK
 from vlmprep.config import EOS_POLICIES, REASONING_POLICIES, ROLES, TOOL_CALL_POLICIES
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.positions import mrope_position_ids
-from vlmprep.types import Conversation, PreparedImage, RecordError, RenderedSample
+from vlmprep.types import Conversation, Part, PreparedImage, RecordError, RenderedSample
 
 _SENTINEL = "\ue000VLMPREP{}\ue001"
 _SENTINEL_RE = re.compile("\ue000VLMPREP(\\d+)\ue001")
@@ -426,7 +427,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     if ctx.family.role_markers:
         _check_role_markers(ctx, conv, slots, located, rendered)
 
-    expanded, offs = _expand_images(ctx, rendered, images)
+    expanded, offs = _expand_images(ctx, rendered, images, conv)
     # Message text never holds a placeholder, so char positions only shift by each earlier expansion.
     rep_ends = [o["span"][1] for o in offs]
     rep_delta = np.cumsum([0] + [(o["new_span"][1] - o["new_span"][0]) - (o["span"][1] - o["span"][0]) for o in offs])
@@ -484,20 +485,40 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
 
 def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage]) -> int:
     """The length render_conversation would give, without locating text or proving masks (for planning splits)."""
-    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images)
+    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images, conv)
     bos = ctx.tokenizer.bos_token
     return len(ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)))["input_ids"])
 
 
-def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage]) -> tuple[str, list[dict]]:
+def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],
+                   conv: Conversation | None = None) -> tuple[str, list[dict]]:
     """The rendered text with each image placeholder replaced by the processor's own expansion, and the offsets."""
     n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
     if n_placeholders != len(images):
-        raise RecordError("image_count_mismatch",
-                          f"template emitted {n_placeholders} image placeholders for {len(images)} images")
+        what = f"template emitted {n_placeholders} image placeholders for {len(images)} images"
+        raise RecordError("image_count_mismatch", _dropped_images(ctx, conv, n_placeholders, what) or what)
     replacements = ctx.image_replacements(images, rendered)
     expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements)
     return expanded[0], (offs[0] if offs else [])
+
+
+def _dropped_images(ctx: RenderContext, conv: Conversation | None, n_placeholders: int, what: str) -> str | None:
+    """Names the first message whose images the template does not print (rendering without them keeps as many
+    placeholders), so the message points at the fix; None when no single message explains the mismatch."""
+    for i, m in enumerate(conv.messages if conv is not None else []):
+        if not m.images:
+            continue
+        parts = [p for p in m.parts if p.type != "image"] or [Part(type="text", text="")]
+        probe = dataclasses.replace(conv, messages=[*conv.messages[:i], dataclasses.replace(m, parts=parts),
+                                                    *conv.messages[i + 1:]])
+        try:
+            n = len(re.findall(re.escape(ctx.image_token), ctx.render_text(ctx.messages(probe), conv.tools)))
+        except Exception:  # noqa: BLE001 - a diagnosis only; the mismatch is reported either way
+            continue
+        if n_placeholders - n < len(m.images):
+            return (f"messages[{i}] ({m.role}): the chat template drops images in {m.role} messages ({what}); "
+                    f"move the image to a user message, or pass a --chat-template that renders it")
+    return None
 
 
 @dataclass

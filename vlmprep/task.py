@@ -10,13 +10,17 @@ byte-identical whatever N is. Every bad record becomes a counted reject, never a
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
@@ -31,7 +35,7 @@ from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardInfo, ShardWriter, encode_sample, write_json_atomic, write_text_atomic
 from vlmprep.steps import StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
-from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError, deterministic_message
+from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError, deterministic_message, printable
 
 
 class BuildError(UserError):
@@ -148,15 +152,16 @@ def _pick(images: list, sc) -> list:
 
 
 def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
+    """The rejects.jsonl line of a bad record; holds only text that any file or terminal can take."""
     rid = None
     if raw.text is not None or raw.data is not None:
         try:
-            v = parse_record(raw).get("id")
+            v = parse_record(raw).get("id")  # checked there: a string of valid unicode, or an integer
             rid = v if isinstance(v, (str, int)) else None
-        except RecordError:
+        except Exception:  # noqa: BLE001 - the record is being rejected already; its id is only a nicety
             pass
-    entry = {"source": {"file": raw.source.file, "line": raw.source.line}, "id": rid, "reason": reason,
-             "message": message}
+    entry = {"source": {"file": printable(raw.source.file), "line": raw.source.line}, "id": rid, "reason": reason,
+             "message": printable(message)}
     if raw.unread_bytes:  # a file-level fault: counted in the manifest's totals.unread_bytes
         entry["unread_bytes"] = raw.unread_bytes
     return entry
@@ -215,22 +220,61 @@ def process_record(raw: RawRecord):
     return _RENDERER.process(raw)
 
 
+@contextlib.contextmanager
+def worker_pool(workers: int, **kw) -> Iterator[ProcessPoolExecutor]:
+    """`workers` forkserver processes. Unlike multiprocessing.Pool (which silently replaces a dead worker and waits
+    forever for its task), the executor fails every pending future with BrokenProcessPool when a worker dies
+    (killed, out of memory, crashed) or a result cannot be read. Leaving early (an error, --strict) stops the
+    workers instead of waiting for their work."""
+    pool = ProcessPoolExecutor(workers, mp_context=worker_context(), **kw)
+    try:
+        yield pool
+    except BaseException:
+        for p in list((getattr(pool, "_processes", None) or {}).values()):  # public terminate_workers: Python 3.14
+            p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def pool_failure(e: BrokenProcessPool, where: str) -> str:
+    """One line for a broken worker pool: what broke, where in the input it was, what to do."""
+    cause = [line.strip() for line in str(e.__cause__ or "").splitlines() if line.strip("'\" ")]  # a quoted traceback
+    what = (f"a worker's result could not be read ({cause[-1]})" if cause else
+            "a worker process stopped abruptly (killed, out of memory, or crashed)")
+    return (f"{what} while {where}; finished work is kept: run the same command again to resume, "
+            "or with --workers 1 to see the record in this process")
+
+
+def task_start(plan: dict, index: int) -> str:
+    """Where task `index` of the plan starts reading: FILE:LINE, for messages."""
+    cut = plan["cuts"][index]
+    if cut["file"] >= len(plan["inputs"]):
+        return "the end of the input"
+    return f"{plan['inputs'][cut['file']]['path']}:{cut['seek']['line'] + 1}"
+
+
 def _ordered_results(cfg: BuildConfig, records, processor_dir: Path, renderer: Renderer):
     """Yield (position, result) in input order with a bounded read-ahead window (constant memory)."""
     if cfg.workers == 1:  # in-process, reusing the loaded processor: one copy of the tokenizer in memory
         for raw in records:
             yield raw.position, renderer.process(raw)
         return
-    window = collections.deque()
-    with worker_context().Pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
-        for raw in records:
-            window.append((raw.position, pool.apply_async(process_record, (raw,))))
-            if len(window) >= cfg.workers * 4:
-                pos, res = window.popleft()
-                yield pos, res.get()
-        while window:
-            pos, res = window.popleft()
-            yield pos, res.get()
+    window: collections.deque = collections.deque()  # (position, source, future), oldest first
+    with worker_pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
+        try:
+            for raw in records:
+                window.append((raw.position, raw.source, pool.submit(process_record, raw)))
+                if len(window) >= cfg.workers * 4:
+                    yield window[0][0], window[0][2].result()
+                    window.popleft()
+            while window:
+                yield window[0][0], window[0][2].result()
+                window.popleft()
+        except BrokenProcessPool as e:
+            src = window[0][1] if window else None
+            where = f"rendering the records from {src.file}:{src.line} on" if src else "rendering records"
+            raise BuildError(pool_failure(e, where)) from None
 
 
 def _progress(cfg: BuildConfig):

@@ -20,8 +20,14 @@ _ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
 
 def deterministic_message(message: str) -> str:
     """Drops object addresses (`<_io.BytesIO object at 0x7f...>`) that a library error may carry, so the same bad
-    record writes the same rejects.jsonl line in every build."""
-    return _ADDRESS.sub("", message)
+    record writes the same rejects.jsonl line in every build; a lone surrogate quoted from the record becomes the
+    text `\\udc00`, so the line can always be written and printed."""
+    return printable(_ADDRESS.sub("", message))
+
+
+def printable(text: str) -> str:
+    """`text` with each lone surrogate (which no file or terminal can encode) spelled as `\\udXXX`."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class RecordError(Exception):
@@ -32,6 +38,11 @@ class RecordError(Exception):
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
+
+    def __reduce__(self):
+        # Crosses process boundaries (pool workers, Ray): Exception's default pickles self.args, the one joined
+        # string, which __init__ cannot be called with.
+        return type(self), (self.reason, self.message)
 
 
 @dataclass(frozen=True)

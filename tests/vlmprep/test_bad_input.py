@@ -4,7 +4,9 @@ import base64
 import io
 import json
 import os
+import signal
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from PIL import Image
 from vlmprep.config import BuildConfig
 from vlmprep.pipeline import build
 from vlmprep.shards.reader import iter_dataset
+from vlmprep.types import RecordError
 
 
 def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
@@ -182,6 +185,22 @@ def corpus(tmp):
             {"role": "user", "content": "q"}, {"role": "assistant", "function_call": "f()"}]}, "invalid_tool_call"),
         ("refusal_only_assistant", {"messages": [
             {"role": "user", "content": "q"}, {"role": "assistant", "content": None, "refusal": "I can't."}]}, "ok"),
+        # Issue 22: a lone surrogate (valid JSON as an escape) anywhere is invalid_unicode naming the field, never an
+        # internal_error or a failed write; ids are strings or integers; nothing in one record stops the build.
+        ("surrogate_in_id", {**chat("q"), "id": "\udc00"}, "invalid_unicode"),
+        ("surrogate_in_tool_call_name", {"messages": [{"role": "user", "content": "q"}, {
+            "role": "assistant", "content": "a", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "cl\udc00ick", "arguments": "{}"}}]}]},
+         "invalid_unicode"),
+        ("surrogate_in_tools", chat("q", tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
+         "invalid_unicode"),
+        ("surrogate_in_image_path", with_image({"url": "shot\udc00.png"}), "invalid_unicode"),
+        ("surrogate_in_key", chat("q", **{"meta\udfff": 1}), "invalid_unicode"),
+        ("id_true", {**chat("q"), "id": True}, "invalid_id"),
+        ("id_object", {**chat("q"), "id": {"run": 1}}, "invalid_id"),
+        ("id_float", {**chat("q"), "id": 1.5}, "invalid_id"),
+        ("id_integer", {**chat("q"), "id": 424242}, "ok"),  # documented: an integer id is its decimal string
+        ("deeply_nested_json", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", "invalid_json"),
         # Issue 22: base64 and file:// as load_image / a URL reader take them; Responses and Anthropic parts.
         ("mime_line_broken_base64", with_image("data:image/png;base64," + base64.encodebytes(img_bytes()).decode()),
          "ok"),
@@ -209,6 +228,18 @@ def corpus(tmp):
     line = 2 + 2 * [c[0] for c in cases].index("cmyk_jpeg")  # corpus_build's layout: case k on line 2 + 2k
     cases[-1] = (cases[-1][0], {**chat("q"), "id": f"main.jsonl:{line}"}, "ok")
     return cases
+
+
+# What the reject message must say, for cases whose fix depends on where the fault is.
+MESSAGE_HAS = {
+    "surrogate_in_id": "id: holds a lone surrogate",
+    "surrogate_in_tool_call_name": "messages[1].tool_calls[0].function.name: holds a lone surrogate",
+    "surrogate_in_tools": "tools[0].function.description: holds a lone surrogate",
+    "surrogate_in_image_path": "messages[0].content[1].image_url.url: holds a lone surrogate",
+    "surrogate_in_key": "record keys: holds a lone surrogate",
+    "lone_surrogate": "messages[0].content: holds a lone surrogate",
+    "id_true": "got true",
+}
 
 
 def good(i):
@@ -273,6 +304,8 @@ def test_bad_input_case(name, corpus_build):
     else:
         assert got is not None and got["reason"] == want, f"{name}: expected {want}, got {got}"
         assert got["message"] and "\n" not in got["message"]
+        assert MESSAGE_HAS.get(name, "") in got["message"], got["message"]
+        json.dumps(got, ensure_ascii=False).encode("utf-8")  # every string in the reject line can be written and printed
     assert f"good-{k + 1}" in landed and f"good-{k}" in landed  # the good records around it landed
 
 
@@ -287,6 +320,7 @@ def test_file_level_faults_and_every_good_record_lands(corpus_build):
     assert goods <= landed, sorted(goods - landed)
     trunc_good = {i for i in landed if i.startswith("good-") and 2000 <= int(i[5:]) < 3000}
     assert len(trunc_good) == 30  # every complete record before the cut in the truncated stream landed
+    assert "424242" in landed  # id_integer
     expected_ok = sum(1 for c in cases if c[2] == "ok")
     assert res.manifest["totals"]["samples"] == len(goods) + len(trunc_good) + expected_ok
     assert sum(res.manifest["rejects"].values()) == len(rejects) == res.manifest["totals"]["rejected"]
@@ -319,7 +353,8 @@ def file_faults(tmp_path_factory, qwen2vl_processor):
     builds = {}
     for tasks in (1, 2):
         out = d.parent / f"out{tasks}"
-        res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False))
+        res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False,
+                                max_reject_fraction=1.0))  # bad on purpose
         rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
         samples = {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(out)}
         builds[tasks] = (d, res, rejects, {s.meta()["id"] for s in iter_dataset(out)}, samples)
@@ -350,3 +385,197 @@ def test_file_level_case(name, file_faults):
             assert {"traces.jsonl:1", "a/traces.jsonl:1", "~a/traces.jsonl:1"} <= landed
         assert len(rejects) == 1, rejects  # only the garbage: no duplicate_id, no BOM invalid_json
         assert rejects[0]["reason"] != "internal_error"
+
+
+def test_an_image_in_an_assistant_turn_names_the_message_the_template_drops():
+    from vlmprep.families import resolve_family
+    from vlmprep.images import prepare_image
+    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.processor import load_processor
+    from vlmprep.render import RenderContext, render_conversation
+    from vlmprep.types import RecordError, Source
+
+    processor = load_processor("builtin:qwen3-vl")  # its template prints only the text of assistant messages
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                        {"role": "user", "content": "and now?"},
+                        {"role": "assistant", "content": [{"type": "text", "text": "see"}, {"type": "image_url",
+                                                                                         "image_url": GOOD}]}]}
+    conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
+    images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
+    with pytest.raises(RecordError) as e:
+        render_conversation(conv, RenderContext(processor), images)
+    assert e.value.reason == "image_count_mismatch"
+    assert e.value.message.startswith("messages[3] (assistant): the chat template drops images in assistant messages")
+
+
+# --- Worker pools (issue 22): a file-level fault, a dead worker or an unreadable result never hangs a build. ---
+
+@pytest.fixture
+def deadline():
+    """Fails the test (instead of hanging CI) when the code under test waits past `seconds`."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError("still waiting after the deadline: the build hangs")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    yield lambda seconds: signal.alarm(seconds)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def faulty_inputs(tmp_path_factory):
+    """Good records beside each file-level fault the reader attaches to a record: an empty file, a .zst that is not
+    zstd at all, and a line over --max-line-bytes."""
+    d = tmp_path_factory.mktemp("faulty")
+    (d / "a.jsonl").write_bytes(b"".join(encode_line(good(i)) for i in range(4)))
+    (d / "b.jsonl").write_bytes(b"")
+    (d / "c.jsonl.zst").write_bytes(b"this is not a zstd frame at all" * 10)
+    (d / "d.jsonl").write_bytes(encode_line(chat("x" * 9000)) + encode_line(good(4)) + encode_line(good(5)))
+    return d
+
+
+def _faulty_build(d, out, **kw):
+    cfg = BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, max_line_bytes=8192, samples_per_shard=3,
+                      progress=False, max_reject_fraction=1.0, **kw)  # bad on purpose
+    build(cfg)
+    rejects = sorted((os.path.basename(r["source"]["file"]), r["source"]["line"], r["reason"])
+                     for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines()))
+    samples = [(s.meta()["id"], s.meta()["num_tokens"], s.meta()["num_trainable_tokens"]) for s in iter_dataset(out)]
+    return rejects, samples
+
+
+@pytest.fixture(scope="module")
+def faulty_reference(faulty_inputs, tmp_path_factory, qwen2vl_processor):
+    out = tmp_path_factory.mktemp("faulty-ref") / "ds"
+    rejects, samples = _faulty_build(faulty_inputs, out, workers=1)
+    assert rejects == [("b.jsonl", 0, "empty_file"), ("c.jsonl.zst", 1, "corrupt_zstd_stream"),
+                       ("d.jsonl", 1, "line_too_long")]
+    assert [s[0] for s in samples] == [f"good-{i}" for i in range(6)]
+    return out, rejects, samples
+
+
+@pytest.mark.parametrize("mode", [dict(workers=2), dict(tasks=2, workers=2)], ids=["workers2", "tasks2_workers2"])
+def test_file_level_faults_through_a_worker_pool_finish_as_with_one_worker(mode, faulty_inputs, faulty_reference,
+                                                                          tmp_path, deadline):
+    ref, ref_rejects, ref_samples = faulty_reference
+    deadline(150)
+    rejects, samples = _faulty_build(faulty_inputs, tmp_path / "ds", **mode)
+    assert rejects == ref_rejects and samples == ref_samples
+    if "tasks" not in mode:  # one task: the very same shard bytes
+        for shard in ref.glob("shard-*.tar"):
+            assert (tmp_path / "ds" / shard.name).read_bytes() == shard.read_bytes()
+
+
+@pytest.mark.slow  # ~30 s of CPU: a CLI process, its forkserver and two workers start
+def test_a_worker_killed_mid_build_fails_the_build_with_one_line(tmp_path, qwen2vl_processor):
+    import subprocess
+    import sys
+
+    import psutil
+
+    inp = tmp_path / "many.jsonl"
+    inp.write_bytes(b"".join(encode_line({**chat(f"question {i} " * 20), "id": f"r{i}"}) for i in range(4000)))
+    out = tmp_path / "ds"
+    # A subprocess, so that a build that hangs (the bug) is killed here instead of hanging the test run.
+    proc = subprocess.Popen([sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out),
+                             "--seq-len", "512", "--samples-per-shard", "50", "--workers", "2", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        killed, deadline_at = None, time.monotonic() + 180
+        while killed is None and proc.poll() is None and time.monotonic() < deadline_at:
+            if list(out.glob("shard-*.tar")):  # mid-build: a shard is done, records are still in flight
+                # Pool workers are the forkserver's children: the build's grandchildren.
+                workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.ppid() != proc.pid]
+                if workers:
+                    killed = workers[0].pid
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.01)
+        assert killed is not None, "no worker was caught mid-build"
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    lines = [l for l in err.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert "a worker process stopped abruptly" in lines[0] and f"from {inp}:" in lines[0], lines[0]
+    assert "run the same command again to resume" in lines[0]
+
+
+class _Unreadable:
+    """Pickles in the worker, cannot be unpickled in the parent."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
+def _refuse():
+    raise ValueError("this result cannot be read back")
+
+
+def _make_unreadable():
+    return _Unreadable()
+
+
+def test_a_result_the_parent_cannot_read_breaks_the_pool_with_its_cause(deadline):
+    from concurrent.futures.process import BrokenProcessPool
+
+    from vlmprep.task import pool_failure, worker_pool
+
+    deadline(120)
+    with pytest.raises(BrokenProcessPool) as e:
+        with worker_pool(1) as pool:
+            pool.submit(_make_unreadable).result()
+    msg = pool_failure(e.value, "rendering the records from x.jsonl:3 on")
+    assert msg.startswith("a worker's result could not be read (ValueError: this result cannot be read back) while "
+                          "rendering the records from x.jsonl:3 on"), msg
+
+
+def _vlmprep_exceptions():
+    import importlib
+    import pkgutil
+
+    import vlmprep
+
+    for m in pkgutil.walk_packages(vlmprep.__path__, "vlmprep."):
+        if m.name.startswith(("vlmprep.clients", "vlmprep.ray_executor", "vlmprep.__main__")):
+            continue  # optional dependencies (they define no exception types); __main__ runs the CLI
+        importlib.import_module(m.name)
+    seen, todo = set(), [Exception]
+    while todo:
+        for c in todo.pop().__subclasses__():
+            todo.append(c)
+            if c.__module__.startswith("vlmprep.") and c not in seen:
+                seen.add(c)
+    return sorted(seen, key=lambda c: c.__module__ + "." + c.__name__)
+
+
+@pytest.mark.parametrize("cls", _vlmprep_exceptions(), ids=lambda c: c.__name__)
+def test_every_vlmprep_exception_survives_a_process_boundary(cls):
+    import pickle
+
+    args = {"RecordError": ("some_reason", "what went wrong \udc00"),
+            "RejectsError": ("too many rejects", {"totals": {"samples": 1}})}  # constructors with more than a message
+    e = cls(*args.get(cls.__name__, ("what went wrong",)))
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is cls and str(back) == str(e)
+    if isinstance(e, RecordError):
+        assert (back.reason, back.message) == ("some_reason", "what went wrong \\udc00")
+    assert vars(back) == vars(e)  # every attribute the error carries (reason, message, manifest, ...) comes back
+
+
+def test_inspect_on_raw_input_shows_the_other_records_and_names_the_bad_one(tmp_path, qwen2vl_processor):
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    p = tmp_path / "sur.jsonl"
+    p.write_bytes(encode_line(good(0)) + encode_line({**chat("q"), "id": "\udc00"}) + encode_line(good(1)))
+    res = CliRunner().invoke(app, ["inspect", str(p), "--limit", "5"],
+                             env={"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None})
+    assert res.exit_code == 0, res.output
+    assert "id good-0" in res.output and "id good-1" in res.output
+    assert f"{p}:2  invalid_unicode: id: holds a lone surrogate" in res.output

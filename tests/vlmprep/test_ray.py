@@ -70,3 +70,14 @@ def test_a_local_build_never_imports_ray():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
     code = "import sys, vlmprep.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, tmp_path):
+    from vlmprep.pipeline import BuildError
+
+    # --strict makes the broken line (traces.jsonl:6) fatal inside whichever Ray task reads it.
+    with pytest.raises(BuildError) as e:
+        build(planned_cfg(task_traces, tmp_path / "ds", tasks=3, executor="ray", strict=True))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("Ray task "), msg
+    assert f"failed: --strict: {task_traces}:6: invalid_json: " in msg, msg
