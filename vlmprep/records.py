@@ -160,8 +160,9 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
         try:
             with open(path, "rb") as f:
                 data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
-        except (ValueError, UnicodeDecodeError) as e:
-            yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("invalid_json_file", f"{name}: {e}"),
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("invalid_json_file", f"{name}: {why}"),
                             unread_bytes=os.path.getsize(path))
             return
         if isinstance(data, dict) and ("messages" in data or "conversations" in data):

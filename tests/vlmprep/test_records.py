@@ -129,3 +129,12 @@ def test_input_names_are_paths_below_the_common_parent(tmp_path):
     assert input_names(files) == ["a/traces.jsonl", "b/traces.jsonl"]
     assert input_names(files[:1]) == ["traces.jsonl"]  # one input: its file name
     assert [r.source.input_name for r in iter_records(files)] == ["a/traces.jsonl", "b/traces.jsonl"]
+
+
+def test_a_json_file_nested_too_deeply_is_one_reject_not_a_crash(tmp_path):
+    (tmp_path / "a.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    (tmp_path / "b.jsonl").write_bytes(_lines([{"id": "b1"}]))
+    recs = list(iter_records(expand_inputs([str(tmp_path)])))
+    assert recs[0].error.reason == "invalid_json_file" and "nested too deeply" in recs[0].error.message
+    assert recs[0].unread_bytes == 200_000
+    assert [parse_record(r)["id"] for r in recs[1:]] == ["b1"]
