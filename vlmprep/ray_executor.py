@@ -51,8 +51,9 @@ def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float
     started = False
     if not ray.is_initialized():
         address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-        # No address: a local cluster with --workers CPUs, the same resources `--executor local` would use.
-        ray.init(address=address, num_cpus=None if address else cfg.workers, include_dashboard=False,
+        # No address: a new local cluster with --workers CPUs, the same resources `--executor local` would use
+        # ("local", since ray.init() alone would join a `ray start` cluster on this machine and refuse num_cpus).
+        ray.init(address=address or "local", num_cpus=None if address else cfg.workers, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
         started = True
     try:

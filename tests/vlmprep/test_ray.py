@@ -19,7 +19,8 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a cluster of its own, even where `ray start` runs one on this machine (another test, a user)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
