@@ -6,12 +6,14 @@ rejected here as the one-task build rejects them, by rewriting the few shards th
 from __future__ import annotations
 
 import collections
+import fnmatch
 import hashlib
 import json
 from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
-from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_plan, plan_digest, shard_prefix, task_file
+from vlmprep.plan import (PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, plan_digest,
+                          shard_prefix, task_file)
 from vlmprep.processor import fingerprint_dir
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
@@ -49,9 +51,11 @@ def _task_manifests(out: Path, plan: dict) -> list[dict]:
 
 def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
     claimed = {s["name"] for m in manifests for s in m["shards"]}
-    # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx, are not
-    # dataset content and are left alone).
-    stray = sorted(p.name for p in out.iterdir() if p.name.endswith((".tar", ".tar.tmp")) and p.name not in claimed)
+    # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx or the
+    # user's own tars beside an --overwrite build, are not dataset content and are left alone).
+    stray = sorted(p.name for p in out.iterdir()
+                   if fnmatch.fnmatch(p.name, SHARD_GLOB) and p.name not in claimed
+                   or fnmatch.fnmatch(p.name, SHARD_GLOB + ".tmp"))
     ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan["tasks"])
             for suffix in (".json", ".rejects.jsonl", ".samples.jsonl")}
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)

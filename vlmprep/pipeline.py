@@ -22,7 +22,7 @@ from pathlib import Path
 
 from vlmprep.config import BuildConfig
 from vlmprep.merge import merge_tasks
-from vlmprep.plan import PLAN_NAME, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
+from vlmprep.plan import PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
 from vlmprep.processor import load_processor, save_processor
 from vlmprep.records import expand_inputs
 from vlmprep.summary import reject_fix, reject_share, rejected_records
@@ -47,18 +47,24 @@ def _plan_options(plan: dict) -> dict:
             "inputs": [(i["path"], i["bytes"], i["mtime_ns"]) for i in plan["inputs"]]}
 
 
+# The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
+# files, manifest, rejects, plan and journal with their temp copies): what a new plan clears, and nothing else.
+_DATASET_FILES = (SHARD_GLOB, f"{SHARD_GLOB}.*", "manifest.json", "manifest.json.*", "rejects.jsonl",
+                  "rejects.jsonl.*", PLAN_NAME, f"{PLAN_NAME}.*", "build-journal.json", "build-journal.json.*")
+# Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
+_BUILD_FILES = _DATASET_FILES + ("processor", "processor.*", TASKS_DIR, ".nv-meta")
+
+
+def _ours(p: Path, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(p.name, g) for g in patterns)
+
+
 def _clear_dataset(out: Path) -> None:
-    """Remove every trace of an older dataset or plan in `out` (files vlmprep writes; nothing else)."""
-    for p in list(out.glob("*.tar")) + list(out.glob("*.tar.tmp")) + list(out.glob("*.tmp")):
-        p.unlink()
-    for name in ("manifest.json", "rejects.jsonl", PLAN_NAME, "build-journal.json", "rejects.jsonl.partial"):
-        (out / name).unlink(missing_ok=True)
+    """Remove every trace of an older dataset or plan in `out` (files vlmprep writes; never a file of the user's)."""
+    for p in out.iterdir():
+        if p.is_file() and _ours(p, _DATASET_FILES):
+            p.unlink()
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
-
-
-# What a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
-_BUILD_FILES = ("manifest.json", "rejects.jsonl", "rejects.jsonl.partial", PLAN_NAME, "build-journal.json", "processor",
-                TASKS_DIR, ".nv-meta", "shard-*.tar", "*.tar.tmp", "*.tar.idx", "*.tmp", "processor.*.old")
 
 
 def check_out(cfg: BuildConfig, out: Path) -> None:
@@ -68,7 +74,7 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
         return
     if not out.is_dir():
         raise BuildError(f"--out {out} is a file: pass a directory")
-    foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, g) for g in _BUILD_FILES))
+    foreign = sorted(p.name for p in out.iterdir() if not _ours(p, _BUILD_FILES))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise BuildError(f"--out {out} holds files no vlmprep build wrote ({shown}); build into an empty or new dir, "

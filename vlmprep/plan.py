@@ -31,6 +31,9 @@ def task_file(index: int, suffix: str) -> str:
     return f"{TASKS_DIR}/task-{index:05d}{suffix}"
 
 
+SHARD_GLOB = "shard-*.tar"  # every shard name shard_prefix makes; a .tar of another name is never ours
+
+
 def shard_prefix(plan: dict, index: int) -> str:
     """One task: today's shard names. Several: the task index leads, so names sort in plan order and two tasks
     never write the same file."""

@@ -121,8 +121,13 @@ def test_out_of_another_build_or_unrelated_files_is_refused_unchanged(tmp_path, 
     res = invoke("build", "--in", inp, "--out", mine, "--no-progress")
     assert res.exit_code == 1 and "holds files no vlmprep build wrote (notes.txt, sub)" in res.stderr
     assert state(mine) == before
+    # --overwrite builds beside the user's files and never deletes one, even where its name looks like build output.
+    for name in ("other.tar", "scratch.tmp", "old.tar.tmp"):
+        (mine / name).write_text("the user's")
     res = invoke("build", "--in", inp, "--out", mine, "--no-progress", "--overwrite")
-    assert res.exit_code == 0 and (mine / "manifest.json").is_file() and (mine / "notes.txt").is_file()
+    assert res.exit_code == 0 and (mine / "manifest.json").is_file(), res.stderr
+    assert all((mine / n).read_text() == "the user's" for n in ("other.tar", "scratch.tmp", "old.tar.tmp"))
+    assert (mine / "notes.txt").read_text() == "not a dataset"
 
 
 @pytest.mark.parametrize("args, msg", [
