@@ -113,17 +113,23 @@ def _sha(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def run_identity(cfg: TrainConfig, *, shards, manifest: dict | None, model: dict, image_config: dict,
-                 world: int) -> dict:
-    """What a run's checkpoints mean: the data by content (the manifest's per-shard sha256 and processor
-    fingerprint, so a moved copy still matches; the URLs when there is no manifest), the model, the image
-    processor's settings, the rank count and every option outside RESUME_MAY_CHANGE."""
+def _dataset_identity(shards, manifest: dict | None) -> list:
     listed = {s["name"]: s for s in (manifest or {}).get("shards", [])}
     data = [[s.name, listed[s.name].get("sha256"), s.num_bytes] if s.name in listed else [s.url] for s in shards]
-    fingerprint = (manifest or {}).get("processor", {}).get("fingerprint")
+    return [data, (manifest or {}).get("processor", {}).get("fingerprint")]
+
+
+def run_identity(cfg: TrainConfig, *, datasets: list, model: dict, image_config: dict, world: int) -> dict:
+    """What a run's checkpoints mean: the data by content (the manifest's per-shard sha256 and processor
+    fingerprint, so a moved copy still matches; the URLs when there is no manifest; a mixture's names, weights and
+    on_end too), the model, the image processor's settings, the rank count and every option outside
+    RESUME_MAY_CHANGE. `datasets`: (DataSpec, DataSource) per source."""
+    if len(datasets) == 1 and not datasets[0][0].name:
+        data = _sha(_dataset_identity(datasets[0][1].shards, datasets[0][1].manifest))
+    else:
+        data = _sha([[d.name, d.weight, d.on_end, _dataset_identity(s.shards, s.manifest)] for d, s in datasets])
     options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUME_MAY_CHANGE}
-    return {"data": _sha([data, fingerprint]), **model, "image_processor": _sha(image_config), "ranks": world,
-            **options}
+    return {"data": data, **model, "image_processor": _sha(image_config), "ranks": world, **options}
 
 
 def _differences(old: dict, new: dict, old_data: str, new_data: str) -> str:

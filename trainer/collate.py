@@ -34,6 +34,8 @@ class Batch:
     num_tokens: int  # real tokens of real samples (no padding, no placeholder)
     num_trained: int  # tokens that carry a loss: labels[:, 1:] != IGNORE_INDEX
     rows: int = 0  # packed rows laid end to end in this one flat row (trainer/pack.py); 0 = not packed
+    sources: tuple[int, ...] = ()  # per sample: its dataset's index in a mixture
+    sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
 
     @property
     def packed(self) -> bool:  # [4, 1, N] positions, row 0 restarting at 0 per sample: no attention mask
@@ -138,4 +140,18 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
                  images=[torch.as_tensor(im) for im in images], image_index=index,
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples],
                  num_tokens=int(sum(s.num_tokens for s in samples)),
-                 num_trained=num_trained)
+                 num_trained=num_trained, sources=tuple(s.source for s in samples),
+                 sample_tokens=tuple(s.num_tokens for s in samples))
+
+
+def token_sources(batch: Batch) -> torch.Tensor:
+    """int64 like input_ids: each token's dataset index (padding and the placeholder image: the row's last)."""
+    B, L = batch.input_ids.shape
+    src = torch.tensor(batch.sources or (0,), dtype=torch.int64)
+    if batch.packed:
+        n = torch.tensor(batch.sample_tokens or (L,), dtype=torch.int64)
+        out = torch.repeat_interleave(src, n)
+        return torch.cat([out, out[-1:].expand(L - len(out))])[None]
+    if not batch.sources:
+        return torch.zeros(B, L, dtype=torch.int64)
+    return src[:, None].expand(B, L).contiguous()

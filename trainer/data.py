@@ -1,6 +1,8 @@
 """Batches for one rank: its shards -> a sample stream split across DataLoader workers by position
 (i % W == w, so the order is the same for any W) -> micro-batches (count or token budget) -> steps.
-Position = samples consumed in the epoch; it is all a checkpoint needs to resume exactly.
+The stream is either the shards read in sequence (RankStream: no sample shuffle, one dataset, any URL) or the
+epoch schedule of trainer/order.py read by random access from indexed shards (ScheduledStream: sample shuffle,
+mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to resume exactly.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.collate import Batch, CollateSpec, collate
 from trainer.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.order import RankSource, Schedule, schedule
 from trainer.pack import Packer, collate_packed
+from trainer.index import read_indexed
 from trainer.shards import DataError, ShardRef, iter_tar_samples
 from trainer.vision import ImageSpec
 
@@ -67,6 +71,48 @@ class RankStream(IterableDataset):
                 raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
                                 "truncated or replaced shard")
             offset += count
+
+
+class ScheduledStream(IterableDataset):
+    """A rank's epoch schedule from stream position `start` on, each sample read by its byte range from an indexed
+    local shard: only the samples due are read and decoded, so host memory does not depend on how far the
+    permutation reaches. Worker w of W reads positions start + w, start + w + W, ... as RankStream does."""
+
+    MAX_OPEN = 64  # file handles a worker keeps open
+
+    def __init__(self, sources: list[RankSource], order: Schedule, *, start: int, spec: ImageSpec):
+        self.sources, self.order, self.start, self.spec = sources, order, start, spec
+        self.pool: SlabPool | None = None
+
+    def __iter__(self) -> Iterator[DecodedSample]:
+        info = get_worker_info()
+        w, W = (info.id, info.num_workers) if info else (0, 1)
+        resize = OriginalResizer(self.spec)
+        pool = self.pool if info else None
+        if pool is not None:
+            pool.worker = w
+        named = len(self.sources) > 1
+        files: dict[str, object] = {}
+        try:
+            for p in range(self.start + w, len(self.order), W):
+                src = self.sources[int(self.order.source[p])]
+                k, i = int(self.order.shard[p]), int(self.order.sample[p])
+                index = src.indexes[k]
+                f = files.get(index.path)
+                if f is None:
+                    if len(files) >= self.MAX_OPEN:
+                        files.pop(next(iter(files))).close()
+                    f = files[index.path] = open(index.path, "rb")
+                key, members = read_indexed(index, i, f)
+                sample = decode_sample(members, key=key, url=src.shards[k].url, spec=self.spec,
+                                       resize_original=resize, alloc=pool.views if pool else None)
+                sample.position, sample.worker, sample.source = p, w, int(self.order.source[p])
+                if named:
+                    sample.id = f"{src.name}/{sample.id}"
+                yield pool.pack(sample) if pool else sample
+        finally:
+            for f in files.values():
+                f.close()
 
 
 SLABS_PER_WORKER = 8  # reusable shared-memory slabs; more samples in flight fall back to fresh segments
@@ -162,7 +208,7 @@ def _identity(x):
     return x
 
 
-def sample_loader(stream: RankStream, *, num_workers: int, prefetch_factor: int, held: int = 0) -> "SampleLoader":
+def sample_loader(stream: RankStream | ScheduledStream, *, num_workers: int, prefetch_factor: int, held: int = 0) -> "SampleLoader":
     """`held`: samples the consumer keeps alive (a packing window); each worker gets slabs for its share of them."""
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
     slabs = SLABS_PER_WORKER + -(-held // max(num_workers, 1))
@@ -239,9 +285,13 @@ class StepLoader:
 
     def __init__(self, shards: list[ShardRef], *, spec: ImageSpec, collate_spec: CollateSpec, seed: int,
                  shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
-                 prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64):
+                 prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64,
+                 sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0):
+        """`sources` given: the epoch schedule of trainer/order.py over them (`shards`/`stride` unused); else the
+        shards in sequence (`shuffle`: their order per epoch)."""
         self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
         self.seed, self.shuffle = seed, shuffle
+        self.sources, self.sample_shuffle, self.shuffle_span = sources, sample_shuffle, shuffle_span
         self.micro_batch_size, self.max_tokens, self.grad_accum = micro_batch_size, max_tokens, grad_accum
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.pack_to, self.pack_window = pack_to, pack_window
@@ -257,8 +307,11 @@ class StepLoader:
         self.epoch = epoch
         if pack_state:
             position = Packer.resume_start(pack_state)
-        stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
-                            start=position, spec=self.spec, stride=self.stride)
+        if self.sources is not None:
+            stream = ScheduledStream(self.sources, self.schedule(epoch), start=position, spec=self.spec)
+        else:
+            stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
+                                start=position, spec=self.spec, stride=self.stride)
         self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                      held=self.pack_window if self.pack_to else 0)
         if self.pack_to:
@@ -269,6 +322,10 @@ class StepLoader:
             self._batcher = MicroBatcher(iter(self._loader), self.collate_spec,
                                          micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
                                          consumed=position)
+
+    def schedule(self, epoch: int) -> Schedule:
+        return schedule(self.sources, seed=self.seed, epoch=epoch, shuffle=self.sample_shuffle,
+                        shuffle_shards=self.shuffle, span=self.shuffle_span)
 
     @property
     def position(self) -> int:

@@ -44,6 +44,7 @@ class DecodedSample:
     image_index: list[int]  # occurrence -> images
     position: int = -1  # index in the rank's sample stream (set by the reader)
     worker: int = -1  # DataLoader worker that decoded it
+    source: int = 0  # index of its dataset in a mixture
 
     @property
     def num_tokens(self) -> int:

@@ -102,7 +102,8 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
     return net
 
 
-def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor) -> torch.Tensor:
+def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor,
+                 sources: tuple[torch.Tensor, int] | None = None):
     """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count.
     Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep). A packed batch
     goes without attention mask: the model then derives per-sample causal blocks from the resets of position row 0
@@ -115,4 +116,11 @@ def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor)
     out = net(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
               mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixel_values,
               image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False)
-    return F.cross_entropy(out.logits.float(), targets, reduction="sum")
+    if sources is None:
+        return F.cross_entropy(out.logits.float(), targets, reduction="sum")
+    # A mixture also reports loss and trained tokens per dataset: (sum, [S] loss sums, [S] token counts).
+    token_source, n = sources
+    losses = F.cross_entropy(out.logits.float(), targets, reduction="none")
+    src = token_source.to(losses.device)[:, 1:][keep[:, :-1]]
+    return (losses.sum(), torch.zeros(n, dtype=torch.float64, device=losses.device).index_add_(0, src, losses.double()),
+            torch.bincount(src, minlength=n).double())

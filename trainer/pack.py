@@ -184,7 +184,8 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
                  image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
                  images=[torch.as_tensor(im) for im in images], image_index=index,
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples], num_tokens=n,
-                 num_trained=int(np.count_nonzero(loss)), rows=len(rows))
+                 num_trained=int(np.count_nonzero(loss)), rows=len(rows), sources=tuple(s.source for s in samples),
+                 sample_tokens=tuple(s.num_tokens for s in samples))
 
 
 def empty_state(capacity: int, window: int) -> list[int]:

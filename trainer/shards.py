@@ -1,8 +1,10 @@
 """Read shards: a --data URL -> the shard list (with manifest counts when there is one) -> a token-balanced
-shard-to-rank plan -> raw tar members grouped per sample, opened with webdataset's opener.
+shard-to-rank plan -> raw tar members grouped per sample, opened with webdataset's opener (random access by
+sample: trainer/index.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -189,7 +191,7 @@ def open_shard(url: str):
     return open(url, "rb")
 
 
-_KEY = re.compile(r"^[^.]+$")
+SAMPLE_KEY = re.compile(r"^[^.]+$")
 
 
 def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
@@ -209,7 +211,7 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
                     continue
                 name = os.path.basename(ti.name)
                 k, dot, ext = name.partition(".")
-                if not dot or not _KEY.match(k):
+                if not dot or not SAMPLE_KEY.match(k):
                     raise DataError(f"{url}: member {ti.name!r} has no '<key>.<ext>' name")
                 if k != key:
                     if key is not None:
@@ -253,3 +255,23 @@ def load_image_processor_config(location: str) -> dict:
         errors.append(f"{url}: no image processor settings")
     raise DataError(f"cannot load the image processor from {location} ({'; '.join(errors)}); "
                     "pass --processor DIR pointing at the processor the shards were built with")
+
+
+def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
+    """What must agree between mixed datasets: the model family (processor class), the tokenizer's vocabulary
+    (tokens, merges and added tokens; not the chat template or truncation settings) and the image processor's
+    settings that the trainer's pixel math uses. Digests, so the message can say which part differs."""
+    def digest(value) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+    out = {"family": str(((manifest or {}).get("processor") or {}).get("class", "?"))}
+    try:
+        tok = json.loads(_read_url(_join(location, "tokenizer.json")))
+        out["vocabulary"] = digest([tok.get("model"), tok.get("added_tokens")])
+    except (OSError, ValueError, DataError):
+        out["vocabulary"] = "?"  # a slow tokenizer only: compared by family and image settings
+    image = load_image_processor_config(location)
+    keep = ("image_processor_type", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
+            "rescale_factor", "do_rescale", "do_normalize")
+    out["image processor"] = digest({k: image.get(k) for k in keep})
+    return out

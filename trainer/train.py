@@ -15,13 +15,16 @@ import torch.distributed as dist
 
 from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpoint, run_identity, save_checkpoint,
                                 start_run_dir)
-from trainer.collate import Batch, CollateSpec, keep_freed_buffers
-from trainer.config import ConfigError, TrainConfig, parse_args
+from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
+from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.metrics import FlopCounter, RunLog, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity
+from trainer.order import RankSource, rank_steps, schedule
 from trainer.pack import check_packing, empty_state
-from trainer.shards import DataError, load_image_processor_config, plan_shards, resolve_data
+from trainer.index import index_shard, local_copy
+from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image_processor_config, plan_shards,
+                            processor_identity, resolve_data)
 from trainer.vision import ImageSpec, Patchifier
 
 
@@ -50,10 +53,10 @@ def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def all_sum(values: list[float], device: torch.device) -> list[float]:
+def all_sum(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
     return t.tolist()
 
 
@@ -67,13 +70,20 @@ def build_optimizer(cfg: TrainConfig, net: torch.nn.Module) -> torch.optim.AdamW
 
 def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
                patchifier: Patchifier, device: torch.device, global_trained: float,
-               max_grad_norm: float) -> tuple[float, float]:
+               max_grad_norm: float, by_source: torch.Tensor | None = None) -> tuple[float, float]:
     """Forward/backward every micro-batch, clip, step. Returns (this rank's summed token loss, global grad norm).
-    Dividing each micro-batch's sum by the global count makes the summed gradient the exact token mean."""
+    Dividing each micro-batch's sum by the global count makes the summed gradient the exact token mean.
+    `by_source` ([2, S] zeros, a mixture of S datasets) receives this rank's loss sums and trained tokens per source."""
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = mb.to(device)
-        loss_sum = forward_loss(net, mb, patchifier(mb.images, mb.image_index))
+        pixels = patchifier(mb.images, mb.image_index)
+        if by_source is None:
+            loss_sum = forward_loss(net, mb, pixels)
+        else:
+            loss_sum, losses, counts = forward_loss(net, mb, pixels, sources=(token_sources(mb), by_source.shape[1]))
+            by_source[0] += losses.detach().to(by_source.device)
+            by_source[1] += counts.to(by_source.device)
         (loss_sum / max(global_trained, 1.0)).backward()
         local_sum += loss_sum.detach().double()
     params = [p for p in net.parameters() if p.grad is not None]
@@ -88,11 +98,49 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
 def _load_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
     location = cfg.processor or processor
     if not location:
-        raise ConfigError(f"--data {cfg.data} has no manifest to find the processor: pass --processor DIR")
+        raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
     try:
         return ImageSpec.from_config(load_image_processor_config(location))
     except ValueError as e:
         raise DataError(f"{location}: {e}") from None
+
+
+def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], processor: str) -> None:
+    """Mixed datasets must come from one tokenizer vocabulary, model family and image processor."""
+    ids = [processor_identity(cfg_proc, d.manifest) for d, cfg_proc in
+           zip(datasets, [processor or d.processor or "" for d in datasets])]
+    for spec, ds, ident in zip(specs[1:], datasets[1:], ids[1:]):
+        diff = [f"{k} {ids[0][k]} vs {ident[k]}" for k in ids[0] if ident[k] != ids[0][k]]
+        if diff:
+            raise ConfigError(f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
+                              f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
+                              "tokenizer vocabulary, model family and image processor; rebuild one of them with the "
+                              "other's --processor")
+
+
+def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
+                 world: int, cache: Path) -> list[RankSource]:
+    """Each source's shards as this rank reads them, indexed (remote shards copied to `cache` first)."""
+    total = sum(d.weight for d in specs)
+    out = []
+    for spec, ds, plan in zip(specs, datasets, plans):
+        shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
+        indexes = tuple(index_shard(local_copy(s, cache), url=s.url, expect=s.num_samples) for s in shards)
+        out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
+                              (rank, world) if plan.stride else (0, 1)))
+    return out
+
+
+def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> list[int]:
+    """Steps of each epoch, by running the batcher / packer over the stored token counts in schedule order; the
+    busiest rank sets an epoch's length (the others pad)."""
+    mine = []
+    for epoch in range(cfg.epochs):
+        lengths = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
+                           span=cfg.shuffle_span).tokens(sources)
+        mine.append(rank_steps(lengths, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
+                               grad_accum=cfg.grad_accum, pack_to=cfg.pack_to, pack_window=cfg.pack_window))
+    return [int(x) for x in all_sum(mine, device, op=dist.ReduceOp.MAX)]
 
 
 def run(cfg: TrainConfig) -> dict | None:
@@ -101,31 +149,40 @@ def run(cfg: TrainConfig) -> dict | None:
     out = Path(cfg.out)
     loader = log = None
     try:
-        source = resolve_data(cfg.data)
+        specs = cfg.sources
+        datasets = [resolve_data(d.path) for d in specs]
+        source = datasets[0]
         spec = _load_spec(cfg, source.processor)
-        plan = plan_shards(source.shards, world)
-        identity = run_identity(cfg, shards=source.shards, manifest=source.manifest, image_config=spec.config,
+        if len(specs) > 1:
+            check_compatible(specs, datasets, cfg.processor)
+        plans = [plan_shards(d.shards, world) for d in datasets]
+        plan = plans[0]
+        identity = run_identity(cfg, datasets=list(zip(specs, datasets)), image_config=spec.config,
                                 model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
+        label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
         if cfg.resume:
-            check_resumable(out, identity, cfg.data)
+            check_resumable(out, identity, label)
         dist.barrier()  # every rank checked before rank 0 changes the run dir
         if rank == 0:
-            start_run_dir(out, identity, cfg.data, resume=cfg.resume)
+            start_run_dir(out, identity, label, resume=cfg.resume)
             (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-            counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if source.counted else 'shards'}"
-                               for r, (s, t) in enumerate(zip(plan.per_rank, plan.rank_tokens)))
-            if plan.stride:
-                counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-            print(f"trainer: {len(source.shards)} shards over {world} ranks ({counts}); max/mean imbalance "
-                  f"{plan.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
-                  f"micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
+            for d, ds, plan in zip(specs, datasets, plans):
+                counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
+                                   for r, (s, t) in enumerate(zip(plan.per_rank, plan.rank_tokens)))
+                if plan.stride:
+                    counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
+                print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks "
+                      f"({counts}); max/mean imbalance {plan.imbalance:.3f}; remainder policy 'pad': ranks that run "
+                      "out first take empty micro-batches until all ranks are done, so no sample is dropped",
+                      file=sys.stderr)
         net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
                           attn_implementation=cfg.attn_implementation,
                           activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
                           lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
         if cfg.pack_to:
-            line = check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=source.manifest,
-                                 model_type=str(net.config.model_type))
+            # Every dataset's seq_len must fit a row; the log line speaks of the first.
+            line = [check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest,
+                                  model_type=str(net.config.model_type)) for ds in datasets][0]
             if rank == 0:
                 print(line, file=sys.stderr)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
@@ -137,20 +194,39 @@ def run(cfg: TrainConfig) -> dict | None:
 
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
         optimizer = build_optimizer(cfg, net)
-        per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
-                                    max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
-                                    pack_to=cfg.pack_to)
-        total = cfg.max_steps or (per_epoch * cfg.epochs if per_epoch is not None else None)
-        schedule = cfg.schedule_steps or total
-        if schedule is None:
-            raise ConfigError("the number of steps is not known up front (token budget, packing or no manifest): "
-                              "pass --max-steps or --schedule-steps")
+        # The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without
+        # them the shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the
+        # step count of a token budget or packing run is known up front.
+        scheduled = cfg.shuffle or len(specs) > 1
+        local = not any(s.url.startswith(("pipe:",) + REMOTE) for d in datasets for s in d.shards)
+        sources = None
+        if scheduled or local:
+            t_index = time.perf_counter()
+            sources = rank_sources(specs, datasets, plans, rank=rank, world=world,
+                                   cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}")
+            t_index = time.perf_counter() - t_index
+        predicted = predict_steps(cfg, sources, device) if sources is not None else None
+        if predicted is None:
+            per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
+                                        max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
+                                        pack_to=cfg.pack_to)
+            predicted = [per_epoch] * cfg.epochs if per_epoch is not None else None
+        total = cfg.max_steps or (sum(predicted) if predicted is not None else None)
+        schedule_len = cfg.schedule_steps or total
+        if schedule_len is None:
+            raise ConfigError("the number of steps is not known up front (token budget or packing over streamed "
+                              "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps")
+        if rank == 0:
+            _log_order(cfg, specs, sources, predicted, t_index if sources is not None else 0.0)
         loader = StepLoader([source.shards[i] for i in plan.per_rank[rank]], spec=spec, collate_spec=collate_spec,
                             seed=cfg.seed, shuffle=cfg.shuffle_shards, micro_batch_size=cfg.micro_batch_size,
                             max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
                             num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
                             stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
-                            pack_window=cfg.pack_window)
+                            pack_window=cfg.pack_window, sources=sources if scheduled else None,
+                            sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span)
+        names = [d.name for d in specs]
+        mixed_so_far = [0.0] * len(names)
         step, epoch, position, pack_state = 0, 0, 0, []
         ckpt = latest_checkpoint(out) if cfg.resume else None
         if ckpt is not None:
@@ -175,19 +251,22 @@ def run(cfg: TrainConfig) -> dict | None:
                                                sum(b.num_tokens for b in micro_batches)], device)
             if samples == 0:  # every rank is exhausted: the epoch is over everywhere at once
                 if steps_in_epoch == 0 and position == 0:
-                    raise DataError(f"--data {cfg.data} yielded no samples")
+                    raise DataError(f"--data {label} yielded no samples")
                 epoch, position, steps_in_epoch = epoch + 1, 0, 0
                 if not cfg.max_steps and epoch >= cfg.epochs:
                     break
                 loader.start(epoch, 0)
                 continue
-            lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, total=schedule, min_ratio=cfg.min_lr_ratio)
+            lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, total=schedule_len, min_ratio=cfg.min_lr_ratio)
             for g in optimizer.param_groups:
                 g["lr"] = lr
+            by_source = torch.zeros(2, len(names), dtype=torch.float64) if len(names) > 1 else None
             local_loss, grad_norm = train_step(net, optimizer, micro_batches, patchifier=patchifier, device=device,
-                                               global_trained=trained, max_grad_norm=cfg.max_grad_norm)
+                                               global_trained=trained, max_grad_norm=cfg.max_grad_norm,
+                                               by_source=by_source)
             step, steps_in_epoch = step + 1, steps_in_epoch + 1
-            (loss_sum,) = all_sum([local_loss], device)
+            (loss_sum, *per_source) = all_sum([local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []),
+                                              device)
             mine = ([i for b in micro_batches for i in b.sample_ids], wait, sum(b.num_tokens for b in micro_batches),
                     sum(b.rows for b in micro_batches), flop_counter.step(micro_batches) if peak else 0.0)
             gathered = [None] * world
@@ -200,6 +279,11 @@ def run(cfg: TrainConfig) -> dict | None:
                     "sample_ids": [i for g in gathered for i in g[0]], "samples_per_rank": [len(g[0]) for g in gathered],
                     "segments": int(samples), "tokens_per_rank": [g[2] for g in gathered],
                     "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1)}
+            if len(names) > 1:
+                losses, counts = per_source[:len(names)], per_source[len(names):]
+                last["tokens_by_source"] = {n: int(c) for n, c in zip(names, counts)}
+                last["loss_by_source"] = {n: (x / c if c else None) for n, x, c in zip(names, losses, counts)}
+                mixed_so_far = [a + c for a, c in zip(mixed_so_far, counts)]
             if cfg.pack_to:
                 last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * cfg.pack_to, 1)
                 if rank == 0 and step == 1:
@@ -219,6 +303,10 @@ def run(cfg: TrainConfig) -> dict | None:
                             pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
                             if cfg.pack_to else None)
         if rank == 0 and last is not None:
+            if len(names) > 1 and sum(mixed_so_far):
+                shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / sum(x.weight for x in specs):.3f})"
+                                   for n, c, d in zip(names, mixed_so_far, specs))
+                print(f"trainer: realized trained-token shares this session: {shares}", file=sys.stderr)
             print(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
                   f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
         return last
@@ -228,6 +316,29 @@ def run(cfg: TrainConfig) -> dict | None:
         if loader is not None:
             loader.close()
         dist.destroy_process_group()
+
+
+def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predicted: list[int] | None,
+               index_s: float) -> None:
+    """Start-up lines: how samples are ordered, the mixture, the predicted length (rank 0's view)."""
+    if cfg.shuffle:
+        span = f"blocks of {cfg.shuffle_span} shards" if cfg.shuffle_span else "all of a rank's shards at once"
+        order = f"sample shuffle on (seed {cfg.seed}, a new permutation each epoch over {span})"
+    else:
+        order = ("no sample shuffle: shards in sequence" + (", their order shuffled per epoch" if cfg.shuffle_shards
+                                                          else ", in manifest order"))
+    idx = f"; {sum(len(s.indexes) for s in sources)} shards indexed in {index_s:.1f}s" if sources else ""
+    print(f"trainer: data order: {order}{idx}", file=sys.stderr)
+    if len(specs) > 1 and sources:
+        total = sum(d.weight for d in specs)
+        parts = [f"{d.name} weight {d.weight / total:.3f} on_end={d.on_end} ({sum(ix.num_samples for ix in s.indexes)} "
+                 f"samples, {sum(int(ix.trained.sum()) for ix in s.indexes)} trained tokens on rank 0)"
+                 for d, s in zip(specs, sources)]
+        print("trainer: mixture by share of trained tokens: " + "; ".join(parts) + "; an epoch ends when every "
+              "dataset has been read through once", file=sys.stderr)
+    if predicted is not None:
+        print(f"trainer: predicted steps per epoch: {', '.join(map(str, predicted))} (total {sum(predicted)})",
+              file=sys.stderr)
 
 
 def _one_line(e: Exception) -> str:

@@ -1,0 +1,173 @@
+"""Data order: each source's samples on a rank -> a seeded per-epoch permutation (blocks of `span` shards, every
+sample once) -> several sources interleaved by trained-token weight -> the rank's epoch schedule, one
+(source, shard, sample) per stream position. Pure functions of metadata (the shards' sample indexes), so every
+DataLoader worker, a resumed run and the step predictor compute the same order without reading a sample.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer.index import ShardIndex
+
+ON_END = ("repeat", "stop")
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """One source as one rank reads it: its shards (all of them in stride mode) and their sample indexes."""
+
+    name: str
+    weight: float
+    on_end: str
+    shards: tuple  # ShardRef, in manifest order
+    indexes: tuple[ShardIndex, ...]
+    stride: tuple[int, int] = (0, 1)  # (rank, world): fewer shards than ranks, every rank keeps every world-th
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A rank's epoch: position p reads sample `sample[p]` of shard `shard[p]` of source `source[p]`."""
+
+    source: np.ndarray  # int16
+    shard: np.ndarray  # int32, index into that source's `shards`
+    sample: np.ndarray  # int32, index in the shard
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def tokens(self, sources: list[RankSource]) -> np.ndarray:
+        out = np.empty(len(self), dtype=np.int64)
+        for s, src in enumerate(sources):
+            at = np.flatnonzero(self.source == s)
+            for k, ix in enumerate(src.indexes):
+                sel = at[self.shard[at] == k]
+                out[sel] = ix.tokens[self.sample[sel]]
+        return out
+
+
+def _rng(*parts) -> np.random.Generator:
+    digest = hashlib.sha256(":".join(map(str, ("vlmprep-order",) + parts)).encode()).digest()
+    return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
+
+
+def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle: bool, shuffle_shards: bool,
+               span: int) -> tuple[np.ndarray, np.ndarray]:
+    """One pass over a source on this rank: (shard, sample) arrays. With shuffle, the shard order is permuted and
+    the samples of each block of `span` consecutive shards (0: all of them) are permuted together, so a shard's
+    samples spread over its block; seeded by (seed, epoch, source name, pass), the same on every rank."""
+    counts = np.array([ix.num_samples for ix in src.indexes], dtype=np.int64)
+    order = list(range(len(counts)))
+    if shuffle or shuffle_shards:  # the sequential reader's own shard order (data.epoch_shards) for pass 0
+        random.Random(f"vlmprep-trainer:{seed}:{epoch}" + (f":{src.name}:{pass_no}" if src.name or pass_no else "")
+                      ).shuffle(order)
+    order = np.asarray(order, dtype=np.int64)
+    shard = np.repeat(order, counts[order]).astype(np.int32)
+    sample = np.concatenate([np.arange(counts[k]) for k in order] or [np.zeros(0)]).astype(np.int32)
+    if shuffle:
+        block = span or max(len(order), 1)
+        rng = _rng(seed, epoch, src.name, pass_no, "samples")
+        bounds = np.concatenate([[0], np.cumsum([counts[order[i:i + block]].sum()
+                                                 for i in range(0, len(order), block)])]).astype(np.int64)
+        for a, z in zip(bounds[:-1], bounds[1:]):
+            perm = a + rng.permutation(z - a)
+            shard[a:z], sample[a:z] = shard[perm], sample[perm]
+    r, world = src.stride
+    return shard[r::world], sample[r::world]
+
+
+def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool, shuffle_shards: bool,
+             span: int) -> Schedule:
+    """The rank's epoch. One source: its pass. Several: at every position the source furthest below its weight
+    (trained tokens so far / weight, smallest first; a sample with no trained token counts as one) gives its next
+    sample, so each source's share of trained tokens tracks its weight within one sample. A source that runs out
+    starts a fresh pass ('repeat') or leaves the mixture ('stop'); the epoch ends once every source has been read
+    through once."""
+    def one_pass(s: int, k: int):
+        return pass_order(sources[s], seed=seed, epoch=epoch, pass_no=k, shuffle=shuffle,
+                          shuffle_shards=shuffle_shards, span=span)
+
+    if len(sources) == 1:
+        shard, sample = one_pass(0, 0)
+        return Schedule(np.zeros(len(shard), dtype=np.int16), shard, sample)
+    n = len(sources)
+    cur = [one_pass(s, 0) for s in range(n)]
+    trained = [np.maximum(_trained_of(sources[s], *cur[s]), 1) for s in range(n)]
+    at, passes, total = [0] * n, [0] * n, [0.0] * n
+    weights = [src.weight for src in sources]
+    active = [len(cur[s][0]) > 0 for s in range(n)]
+    unfinished = {s for s in range(n) if active[s]}
+    out_src, out_shard, out_sample = [], [], []
+    while unfinished:
+        s = min((s for s in range(n) if active[s]), key=lambda s: (total[s] / weights[s], s))
+        i = at[s]
+        out_src.append(s)
+        out_shard.append(cur[s][0][i])
+        out_sample.append(cur[s][1][i])
+        total[s] += float(trained[s][i])
+        at[s] = i + 1
+        if at[s] == len(cur[s][0]):
+            unfinished.discard(s)
+            if not unfinished:
+                break
+            if sources[s].on_end == "stop":
+                active[s] = False
+            else:
+                passes[s] += 1
+                cur[s] = one_pass(s, passes[s])
+                trained[s] = np.maximum(_trained_of(sources[s], *cur[s]), 1)
+                at[s] = 0
+    return Schedule(np.array(out_src, dtype=np.int16), np.array(out_shard, dtype=np.int32),
+                    np.array(out_sample, dtype=np.int32))
+
+
+def _trained_of(src: RankSource, shard: np.ndarray, sample: np.ndarray) -> np.ndarray:
+    out = np.empty(len(shard), dtype=np.int64)
+    for k, ix in enumerate(src.indexes):
+        sel = shard == k
+        out[sel] = ix.trained[sample[sel]]
+    return out
+
+
+def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
+    """Rows the Packer makes from a stream of these sample lengths (trainer/pack.py, run on lengths alone)."""
+    from trainer.pack import Packer
+
+    class _Len:
+        __slots__ = ("num_tokens", "position", "id")
+
+        def __init__(self, n: int, p: int):
+            self.num_tokens, self.position, self.id = n, p, str(p)
+
+    packer = Packer((_Len(int(n), p) for p, n in enumerate(lengths)), capacity=capacity, window=window)
+    rows = 0
+    while packer.next_row() is not None:
+        rows += 1
+    return rows
+
+
+def token_batches(lengths: np.ndarray, *, max_tokens: int) -> int:
+    """Micro-batches MicroBatcher makes under a token budget (rows x longest; a longer sample goes alone)."""
+    batches, size, longest = 0, 0, 0
+    for n in lengths.tolist():
+        wider = max(longest, n)
+        if size and wider * (size + 1) > max_tokens:
+            batches, size, longest = batches + 1, 1, n
+        else:
+            size, longest = size + 1, wider
+    return batches + (size > 0)
+
+
+def rank_steps(lengths: np.ndarray, *, micro_batch_size: int, max_tokens: int, grad_accum: int, pack_to: int,
+               pack_window: int) -> int:
+    """Steps this rank needs for one epoch of samples with these lengths, in stream order."""
+    if pack_to:
+        micro = -(-packed_rows(lengths, capacity=pack_to, window=pack_window) // micro_batch_size)
+    elif max_tokens:
+        micro = token_batches(lengths, max_tokens=max_tokens)
+    else:
+        micro = -(-len(lengths) // micro_batch_size)
+    return -(-micro // grad_accum)
