@@ -81,9 +81,10 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
 
 def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool, shuffle_shards: bool,
              span: int) -> Schedule:
-    """The rank's epoch. One source: its pass. Several: at every position the source furthest below its weight
-    (trained tokens so far / weight, smallest first; a sample with no trained token counts as one) gives its next
-    sample, so each source's share of trained tokens tracks its weight within one sample. A source that runs out
+    """The rank's epoch. One source: its pass. Several: weighted fair queuing on trained tokens: at every position
+    the source whose next sample would end earliest in its own time ((trained so far + that sample's) / weight; a
+    sample with no trained token counts as one) gives it, so each source's share of trained tokens tracks its
+    weight to within about one sample. A source that runs out
     starts a fresh pass ('repeat') or leaves the mixture ('stop'); the epoch ends once every source has been read
     through once."""
     def one_pass(s: int, k: int):
@@ -102,7 +103,7 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     unfinished = {s for s in range(n) if active[s]}
     out_src, out_shard, out_sample = [], [], []
     while unfinished:
-        s = min((s for s in range(n) if active[s]), key=lambda s: (total[s] / weights[s], s))
+        s = min((s for s in range(n) if active[s]), key=lambda s: ((total[s] + trained[s][at[s]]) / weights[s], s))
         i = at[s]
         out_src.append(s)
         out_shard.append(cur[s][0][i])

@@ -166,13 +166,13 @@ def run(cfg: TrainConfig) -> dict | None:
         if rank == 0:
             start_run_dir(out, identity, label, resume=cfg.resume)
             (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-            for d, ds, plan in zip(specs, datasets, plans):
+            for d, ds, p in zip(specs, datasets, plans):
                 counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
-                                   for r, (s, t) in enumerate(zip(plan.per_rank, plan.rank_tokens)))
-                if plan.stride:
+                                   for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
+                if p.stride:
                     counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
                 print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks "
-                      f"({counts}); max/mean imbalance {plan.imbalance:.3f}; remainder policy 'pad': ranks that run "
+                      f"({counts}); max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run "
                       "out first take empty micro-batches until all ranks are done, so no sample is dropped",
                       file=sys.stderr)
         net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,

@@ -1,0 +1,177 @@
+"""The data order (trainer/order.py) and its reader (ScheduledStream): sample-level shuffle, weighted mixing, and
+the step predictor, in process; the CLI runs (mixture + packing, incompatible mixtures) are at the end."""
+import collections
+import itertools
+
+import numpy as np
+import pytest
+
+from tests.trainer.conftest import build_dataset, read_metrics, run_trainer, trainer_cmd, trainer_env
+from trainer.collate import CollateSpec
+from trainer.data import ScheduledStream, StepLoader, sample_loader
+from trainer.index import ShardIndex, index_shard, read_indexed
+from trainer.order import RankSource, pass_order, rank_steps, schedule
+from trainer.shards import plan_shards, resolve_data
+
+SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def _source(shards, *, name="", weight=1.0, on_end="repeat", stride=(0, 1)) -> RankSource:
+    return RankSource(name, weight, on_end, tuple(shards), tuple(index_shard(s.url, expect=s.num_samples)
+                                                                  for s in shards), stride)
+
+
+def _fake(name, tokens_per_shard, *, weight=1.0, on_end="repeat", trained=None) -> RankSource:
+    """A source of synthetic shards (no files): only the counts the order needs."""
+    idx = []
+    for k, toks in enumerate(tokens_per_shard):
+        t = np.asarray(toks, dtype=np.int64)
+        tr = t // 2 if trained is None else np.asarray(trained[k], dtype=np.int64)
+        idx.append(ShardIndex(f"/nonexistent/{name}-{k}.tar", np.zeros(len(t), np.int64), np.zeros(len(t), np.int64),
+                              t, tr))
+    return RankSource(name, weight, on_end, tuple(range(len(idx))), tuple(idx))
+
+
+@pytest.fixture(scope="module")
+def shards(dataset):
+    return list(resolve_data(str(dataset)).shards)
+
+
+def _pairs(order):
+    return list(zip(order[0].tolist(), order[1].tolist()))
+
+
+def test_a_pass_holds_every_sample_once_is_seeded_and_spreads_each_shard(shards):
+    src = _source(shards)
+    everything = sorted((k, i) for k, ix in enumerate(src.indexes) for i in range(ix.num_samples))
+    kw = dict(seed=3, pass_no=0, shuffle=True, shuffle_shards=True, span=0)
+    epochs = [_pairs(pass_order(src, epoch=e, **kw)) for e in range(4)]
+    assert all(sorted(e) == everything for e in epochs)
+    assert epochs[0] == _pairs(pass_order(src, epoch=0, **kw))  # deterministic for (seed, epoch)
+    assert len({tuple(e) for e in epochs}) == 4 and _pairs(pass_order(src, epoch=0, **{**kw, "seed": 4})) != epochs[0]
+    # Each shard's samples are spread over the epoch, not one run: consecutive positions rarely share a shard.
+    same = sum(a[0] == b[0] for e in epochs for a, b in zip(e, e[1:])) / sum(len(e) - 1 for e in epochs)
+    assert same < 0.5, same  # a shard-sequential order has 13/17 here
+    # --shuffle-span 1: only within each shard, so each shard is one contiguous run of its own samples.
+    one = _pairs(pass_order(src, epoch=0, **{**kw, "span": 1}))
+    runs = [k for k, _ in itertools.groupby(s for s, _ in one)]
+    assert sorted(one) == everything and len(runs) == len(shards)
+    # No shuffle: exactly the sequential reader's order (shards in manifest order, samples in tar order).
+    assert _pairs(pass_order(src, epoch=0, **{**kw, "shuffle": False, "shuffle_shards": False})) == everything
+
+
+def test_stride_ranks_take_disjoint_slices_of_one_permutation(shards):
+    kw = dict(seed=0, epoch=1, pass_no=0, shuffle=True, shuffle_shards=True, span=0)
+    full = _pairs(pass_order(_source(shards[:2]), **kw))
+    per_rank = [_pairs(pass_order(_source(shards[:2], stride=(r, 3)), **kw)) for r in range(3)]
+    assert per_rank == [full[r::3] for r in range(3)]
+
+
+@pytest.mark.parametrize("start, workers", [(0, 0), (0, 2), (5, 3), (17, 2), (18, 2)])
+def test_scheduled_stream_is_the_schedule_for_any_worker_count_and_start(shards, image_spec, start, workers):
+    src = [_source(shards)]
+    order = schedule(src, seed=1, epoch=0, shuffle=True, shuffle_shards=True, span=2)
+    loader = sample_loader(ScheduledStream(src, order, start=start, spec=image_spec), num_workers=workers,
+                           prefetch_factor=2)
+    got = [(s.position, s.key, s.worker) for s in loader]
+    want = [(p, read_indexed(src[0].indexes[int(order.shard[p])], int(order.sample[p]))[0])
+            for p in range(start, len(order))]
+    assert [(p, k) for p, k, _ in got] == want
+    assert all(w == (p - start) % max(workers, 1) for p, _, w in got)
+
+
+def test_a_mixture_keeps_each_source_at_its_share_of_trained_tokens():
+    rng = np.random.default_rng(0)
+    big = _fake("agent", [rng.integers(50, 3000, 40) for _ in range(6)], weight=0.7)
+    small = _fake("vqa", [rng.integers(20, 400, 30) for _ in range(2)], weight=0.3)
+    order = schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0)
+    trained = np.array([[big, small][s].indexes[k].trained[i] for s, k, i in
+                        zip(order.source, order.shard, order.sample)])
+    mine, total = np.cumsum(trained * (order.source == 0)), np.cumsum(trained)
+    # Off by at most one sample's trained tokens at every position, so within 0.02 once 50 samples in.
+    assert np.all(np.abs(mine - 0.7 * total) <= trained.max()), np.abs(mine - 0.7 * total).max()
+    assert np.all(np.abs(mine / total - 0.7)[100:] < 0.02)
+    # The epoch ends when both were read through once: the small set repeats (fresh passes), the big one once.
+    seen = collections.Counter(zip(order.source.tolist(), order.shard.tolist(), order.sample.tolist()))
+    assert {v for (s, _, _), v in seen.items() if s == 0} == {1} and len([k for k in seen if k[0] == 0]) == 240
+    assert len([k for k in seen if k[0] == 1]) == 60 and max(v for (s, _, _), v in seen.items() if s == 1) > 1
+    assert schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0).source.tolist() == \
+        order.source.tolist()
+
+
+def test_a_stop_source_leaves_the_mixture_once_read_through():
+    a = _fake("a", [[100] * 10], weight=0.5, on_end="stop")
+    b = _fake("b", [[100] * 50], weight=0.5)
+    order = schedule([a, b], seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0)
+    src = order.source.tolist()
+    assert src.count(0) == 10 and src.count(1) == 50  # a once, then b alone until it is read through
+    assert src[:20].count(0) == 10
+
+
+@pytest.mark.parametrize("batching", [dict(pack_to=2048, pack_window=4), dict(max_tokens=600), dict()])
+def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, batching):
+    plan = plan_shards(tuple(shards), 2)
+    sources = [[_source([shards[i] for i in plan.per_rank[r]])] for r in range(2)]
+    kw = dict(micro_batch_size=2, max_tokens=batching.get("max_tokens", 0), grad_accum=2,
+              pack_to=batching.get("pack_to", 0), pack_window=batching.get("pack_window", 64))
+    for epoch in range(2):
+        predicted = max(rank_steps(schedule(src, seed=5, epoch=epoch, shuffle=True, shuffle_shards=True, span=0)
+                                   .tokens(src), **kw) for src in sources)
+        loaders = [StepLoader([], spec=image_spec, collate_spec=SPEC, seed=5, shuffle=True, num_workers=0,
+                              prefetch_factor=2, sources=src, sample_shuffle=True, **kw) for src in sources]
+        for ld in loaders:
+            ld.start(epoch, 0)
+        steps, seen = 0, []
+        while True:
+            got = [b for ld in loaders for b in ld.next_step()]
+            if not any(b.num_samples for b in got):
+                break
+            steps += 1
+            seen += [i for b in got for i in b.sample_ids]
+        assert steps == predicted and sorted(seen) == sorted(set(seen)) and len(seen) == 18, (epoch, steps, predicted)
+
+
+def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(dataset, traces, tmp_path):
+    """Two datasets (one built with another --seq-len, same processor) at 0.7/0.3, packed, --epochs 1 and no
+    --max-steps: the run takes exactly the predicted steps and reports tokens and loss per source."""
+    other = build_dataset(traces, tmp_path / "seq1024", seq_len=1024, samples_per_shard=3)
+    out = tmp_path / "run"
+    proc = run_trainer(["--data", f"name=agent,path={dataset},weight=0.7", "--data",
+                        f"name=short,path={other},weight=0.3", "--out", out, "--pack-to", 2048, "--pack-window", 8,
+                        "--num-workers", 2, "--micro-batch-size", 2])
+    metrics = read_metrics(out)
+    line = next(ln for ln in proc.stderr.splitlines() if "predicted steps per epoch" in ln)
+    assert line.endswith(f"(total {len(metrics)})"), (line, len(metrics))
+    assert "mixture by share of trained tokens: agent weight 0.700" in proc.stderr
+    assert all(set(m["tokens_by_source"]) == {"agent", "short"} for m in metrics)
+    assert all(sum(m["tokens_by_source"].values()) == m["num_trained_tokens"] for m in metrics)
+    assert {i.split("/", 1)[0] for m in metrics for i in m["sample_ids"]} == {"agent", "short"}
+    # Same trained tokens in both: at 0.3, 'short' sets the epoch's length and is read once; 'agent' repeats.
+    short = [i for m in metrics for i in m["sample_ids"] if i.startswith("short/")]
+    agent = collections.Counter(i for m in metrics for i in m["sample_ids"] if i.startswith("agent/"))
+    assert len(short) == len(set(short)) == 18 and len(agent) == 18 and max(agent.values()) >= 2
+    shares = sum(m["tokens_by_source"]["agent"] for m in metrics) / sum(m["num_trained_tokens"] for m in metrics)
+    assert shares == pytest.approx(0.7, abs=0.03)
+    assert "realized trained-token shares" in proc.stderr
+
+
+def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp_path):
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+
+    qwen3 = tmp_path / "qwen3"
+    build(BuildConfig(inputs=(str(traces),), out=str(qwen3), processor="builtin:qwen3-vl", seq_len=2048,
+                      progress=False, max_reject_fraction=1.0))
+    import subprocess
+
+    from tests.trainer.conftest import ROOT
+
+    proc = subprocess.run(trainer_cmd(["--data", f"name=agent,path={dataset},weight=0.5", "--data",
+                                       f"name=docs,path={qwen3},weight=0.5", "--out", tmp_path / "run"], 1),
+                          cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("trainer: error")]
+    assert len(err) == 1 and "'agent'" in err[0] and "'docs'" in err[0] and "incompatible processors" in err[0], err
+    assert "family Qwen2VLProcessor vs Qwen3VLProcessor" in err[0] and "image processor" in err[0], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
