@@ -62,6 +62,9 @@ class RunLog:
         if self.tb is not None:
             for tag, value in tb_scalars(record).items():
                 self.tb.add_scalar(tag, value, global_step=record["step"])
+            # Drain the writer's queue every step, like metrics.jsonl: events a killed run still held would be lost for
+            # good (its resume redoes only the steps after the checkpoint).
+            self.tb.flush()
         self.bar.update(self.task, completed=record["step"], loss=record["loss"], tps=record["tokens_per_s"])
 
     def close(self) -> None:

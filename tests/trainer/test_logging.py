@@ -55,10 +55,12 @@ def test_resumed_run_shows_each_step_once(tmp_path):
         run = RunLog(tmp_path, total_steps=3, start_step=start, progress=False, tensorboard=True)
         for step, loss in steps:
             run.step({"step": step, "loss": loss, "lr": 0.1, "tokens_per_s": 1.0})
-        run.close()
+        return run
 
-    log(0, [(1, 3.0), (2, 2.0), (3, 1.0)])
-    log(2, [(3, 0.5)])
+    killed = log(0, [(1, 3.0), (2, 2.0), (3, 1.0)])
+    assert [s for s, _ in _scalars(tmp_path)["train/loss"]] == [1, 2, 3]  # on disk before any close: a kill keeps it
+    killed.close()
+    log(2, [(3, 0.5)]).close()
     assert _scalars(tmp_path)["train/loss"] == [(1, 3.0), (2, 2.0), (3, 0.5)]
     assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(1, 3.0), (2, 2.0), (3, 0.5)]
 
