@@ -76,6 +76,10 @@ def test_help_walk_every_option_has_help_a_group_and_a_default():
         assert name in groups[f.metadata["group"]]
     formatted = ap.format_help()  # argparse expands %(default)s-style text without error
     assert "(default: 2e-05)" in formatted and "(required)" in formatted and "logging:" in formatted
+    from trainer.plot import _parser as plot_parser
+
+    for a in (a for a in plot_parser()._actions if a.dest != "help"):
+        assert a.help and (a.required or "(default: " in a.help), f"plot {a.dest}: {a.help!r}"
 
 
 def test_readme_options_table_is_the_declarations():
