@@ -106,7 +106,8 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
 
 
 RUN_FILE = "run.json"
-RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml")  # all the trainer writes into RUN, run.json first
+# Everything the trainer writes into RUN, run.json first.
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml", "tb")
 
 
 def _sha(value) -> str:

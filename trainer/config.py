@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import re
 import tomllib
@@ -69,49 +70,78 @@ class DataSpec:
         return "\n[[data]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
 
 
+# Option groups in --help and in the README's options table, in this order.
+GROUPS = {
+    "data": "where samples come from and how they are read",
+    "model": "which model, how it runs, what is trained",
+    "optimization": "run length, schedule, AdamW",
+    "packing": "how samples become micro-batches: padded, a token budget, or packed rows",
+    "checkpointing": "the run dir, checkpoints and resume",
+    "logging": "progress bar, TensorBoard",
+}
+REQUIRED = dataclasses.MISSING
+TENSORBOARD_INSTALLED = importlib.util.find_spec("tensorboard") is not None
+
+
+def opt(default, group: str, text: str, *, shown: str = ""):
+    """A TrainConfig field with its one declaration of docs: `text` (one line) and `group` feed --help and the
+    README's options table; `shown` says how a machine-dependent default is chosen (the README shows it instead)."""
+    assert group in GROUPS and text, f"option needs a group from {list(GROUPS)} and a help text"
+    return dataclasses.field(default=default, metadata={"group": group, "help": text, "shown": shown})
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    # shard dir, brace pattern, file:, http(s):// or pipe: URL; or several named datasets ([[data]] tables)
-    data: str | tuple[DataSpec, ...]
-    out: str = "runs/run"
-    processor: str = ""  # processor dir for pixel math; "" = the dataset's own processor/
-    model: str = ""  # HF checkpoint dir (AutoModelForImageTextToText)
-    tiny_random: str = ""  # random-init tiny model instead of --model
-    max_steps: int = 0  # 0 = train `epochs` full epochs
-    epochs: int = 1
-    schedule_steps: int = 0  # warmup + cosine length; 0 = the run's total steps
-    micro_batch_size: int = 1  # samples per micro-batch (padded), or packed rows per micro-batch with pack_to
-    max_tokens_per_batch: int = 0  # token budget per micro-batch, counted as rows x padded length
-    pack_to: int = 0  # > 0: pack whole samples into rows of at most this many tokens (trainer/pack.py)
-    pack_window: int = 64  # samples of look-ahead the packer chooses from (held decoded in memory)
-    grad_accum: int = 1
-    lr: float = 2e-5
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    max_grad_norm: float = 1.0  # 0 = no clipping
-    seed: int = 0
-    num_workers: int = 2
-    prefetch_factor: int = 4
-    shuffle_shards: bool = True  # per-epoch order of each rank's shards, seeded (implied by shuffle)
-    shuffle: bool = True  # per-epoch sample-level permutation (blocks of shuffle_span shards), seeded by seed
-    shuffle_span: int = 0  # shards whose samples are permuted together; 0 = all of a rank's shards
-    shard_cache: str = ""  # local copies of http(s)://, pipe: shards for random access; "" = OUT/shard-cache
-    activation_checkpointing: bool = False
-    precision: str = "auto"  # auto: bf16 params/compute on CUDA, fp32 on CPU
-    device: str = "auto"
-    attn_implementation: str = "sdpa"
-    lora_rank: int = 0  # > 0: LoRA on the language model, vision tower frozen
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    freeze_vision: bool = False
-    save_every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 2
-    resume: bool = True  # continue the run in out/ (same data, model, options); False: clear its state, start over
-    progress: bool = True
+    data: str | tuple[DataSpec, ...] = opt(REQUIRED, "data", "shard dir (its manifest.json), brace pattern, file:, "
+                                           "http(s):// or pipe: URL; or name=N,path=P[,weight=W][,on_end=repeat|stop] "
+                                           "once per dataset of a mixture ([[data]] tables in the TOML)")
+    out: str = opt("runs/run", "checkpointing", "run dir: checkpoints, metrics.jsonl, config.toml, tb/")
+    processor: str = opt("", "data", "processor dir for the pixel math; '' = the dataset's own DATA/processor/")
+    model: str = opt("", "model", "HF checkpoint dir (AutoModelForImageTextToText); or pass tiny_random")
+    tiny_random: str = opt("", "model", "random-init tiny model instead of --model: " + ", ".join(TINY_MODELS))
+    max_steps: int = opt(0, "optimization", "optimizer steps to run; 0 = `epochs` full epochs")
+    epochs: int = opt(1, "optimization", "full passes over the data (when max_steps is 0)")
+    schedule_steps: int = opt(0, "optimization", "warmup + cosine length in steps; 0 = the run's total steps")
+    micro_batch_size: int = opt(1, "packing", "samples per micro-batch (padded), or packed rows per micro-batch "
+                                              "with pack_to")
+    max_tokens_per_batch: int = opt(0, "packing", "> 0: micro-batches up to this many tokens, counted as rows x "
+                                                  "padded length")
+    pack_to: int = opt(0, "packing", "> 0: pack whole samples into rows of at most this many tokens")
+    pack_window: int = opt(64, "packing", "samples of look-ahead the packer chooses rows from (held in memory)")
+    grad_accum: int = opt(1, "optimization", "micro-batches per optimizer step on each rank")
+    lr: float = opt(2e-5, "optimization", "peak learning rate (after warmup; the cosine ends at lr x min_lr_ratio)")
+    min_lr_ratio: float = opt(0.1, "optimization", "final learning rate as a fraction of lr")
+    warmup_steps: int = opt(0, "optimization", "steps of linear warmup from lr/warmup_steps to lr")
+    weight_decay: float = opt(0.0, "optimization", "AdamW weight decay (matrices only; biases and norms get none)")
+    adam_beta1: float = opt(0.9, "optimization", "AdamW beta1")
+    adam_beta2: float = opt(0.95, "optimization", "AdamW beta2")
+    adam_eps: float = opt(1e-8, "optimization", "AdamW epsilon")
+    max_grad_norm: float = opt(1.0, "optimization", "clip the global gradient norm to this; 0 = no clipping")
+    seed: int = opt(0, "optimization", "seed of the model init, dropout and the data order")
+    num_workers: int = opt(2, "data", "DataLoader worker processes per rank that decode samples")
+    prefetch_factor: int = opt(4, "data", "samples each DataLoader worker decodes ahead")
+    shuffle: bool = opt(True, "data", "sample-level shuffle: a new seeded permutation each epoch (off: shards are "
+                                      "read in sequence)")
+    shuffle_span: int = opt(0, "data", "shards whose samples one permutation block mixes; 0 = all of a rank's shards")
+    shuffle_shards: bool = opt(True, "data", "shuffle each rank's shard order every epoch (seeded)")
+    shard_cache: str = opt("", "data", "where http(s)://, pipe: shards are copied for random access; '' = "
+                                       "OUT/shard-cache")
+    activation_checkpointing: bool = opt(False, "model", "recompute each block's activations in backward to save "
+                                                         "memory")
+    precision: str = opt("auto", "model", "auto (bf16 on CUDA, fp32 on CPU), " + ", ".join(PRECISIONS[1:]))
+    device: str = opt("auto", "model", "auto (CUDA when visible), " + ", ".join(DEVICES[1:]))
+    attn_implementation: str = opt("sdpa", "model", "transformers attention: sdpa, eager, flash_attention_2")
+    lora_rank: int = opt(0, "model", "> 0: train LoRA adapters of this rank on the language model, vision frozen")
+    lora_alpha: float = opt(16.0, "model", "LoRA alpha (the update is scaled by alpha / rank)")
+    lora_dropout: float = opt(0.0, "model", "LoRA dropout, in [0, 1)")
+    freeze_vision: bool = opt(False, "model", "freeze the vision tower (model.visual, merger included)")
+    save_every: int = opt(0, "checkpointing", "steps between checkpoints; 0 = only at the end")
+    keep_checkpoints: int = opt(2, "checkpointing", "newest checkpoints kept in RUN/checkpoints/")
+    resume: bool = opt(True, "checkpointing", "continue the run in out (same data, model, options); --no-resume "
+                                              "deletes its state and starts over")
+    progress: bool = opt(True, "logging", "progress bar on rank 0's terminal")
+    tensorboard: bool = opt(TENSORBOARD_INSTALLED, "logging", "TensorBoard scalars in RUN/tb/ (rank 0)",
+                            shown="on when the tensorboard package is installed")
 
     def __post_init__(self):
         if not self.data:
@@ -154,6 +184,9 @@ class TrainConfig:
                               "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)")
         if self.warmup_steps and self.schedule_steps and self.warmup_steps > self.schedule_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} > schedule_steps={self.schedule_steps}")
+        if self.tensorboard and not TENSORBOARD_INSTALLED:
+            raise ConfigError("tensorboard=true but the tensorboard package is not installed: "
+                              "pip install 'vlmprep[tb]', or pass --no-tensorboard")
 
     @property
     def sources(self) -> tuple[DataSpec, ...]:
@@ -175,8 +208,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Every other option shapes the data order or the optimization, so a resume requires it unchanged (README, Trainer).
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
-                               "shard_cache",
-                               "attn_implementation", "device", "save_every", "keep_checkpoints", "progress"})
+                               "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
+                               "tensorboard", "shard_cache"})
 
 
 def _coerce(name: str, value):
@@ -207,20 +240,45 @@ def load_toml(path: str) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m trainer", description="Train a VLM on vlmprep shards (FSDP2).",
-                                 allow_abbrev=False)
-    ap.add_argument("--config", help="TOML file with TrainConfig keys; command-line flags override it")
+    ap = argparse.ArgumentParser(prog="python -m trainer", description="Train a VLM on vlmprep shards (FSDP2). "
+                                 "Every option is also a key of the --config TOML (flag without --, _ for -).",
+                                 epilog="Other commands: python -m trainer plot RUN (--help)", allow_abbrev=False)
+    ap.add_argument("--config", metavar="TOML", default="",
+                    help="TOML file of these options; command-line flags override it (default: none)")
+    groups = {g: ap.add_argument_group(g, about) for g, about in GROUPS.items()}
     for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        if name == "data":
-            ap.add_argument(flag, dest=name, action="append", default=None,
-                            help="DIR|PATTERN|URL, or name=N,path=P[,weight=W][,on_end=repeat|stop] once per dataset "
-                                 "of a mixture")
+        flag, meta = "--" + name.replace("_", "-"), f.metadata
+        # default=None: only flags given on the command line override the TOML; --help shows the field's default.
+        # A field declared without opt() still parses (tests/trainer/test_train_config.py fails on its missing help).
+        shown = "required" if f.default is REQUIRED else f"default: {_show(f.default)}"
+        note = f"; {meta['shown']}" if meta.get("shown") else ""
+        text = f"{meta.get('help', '')} ({shown}{note})".replace("%", "%%")
+        group = groups.get(meta.get("group"), ap)
+        if name == "data":  # repeatable: one per dataset of a mixture
+            group.add_argument(flag, dest=name, action="append", default=None, metavar="DATA", help=text)
         elif f.type == "bool":
-            ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            ap.add_argument(flag, dest=name, type={"str": str, "int": int, "float": float}[f.type], default=None)
+            group.add_argument(flag, dest=name, type={"str": str, "int": int, "float": float}[f.type], default=None,
+                               metavar=f.type.upper(), help=text)
     return ap
+
+
+def _show(value) -> str:
+    return json.dumps(value)  # TOML spelling: "" for an empty string, true/false
+
+
+def options_table() -> str:
+    """The README's table of trainer options, generated from the field declarations (tests/trainer compares)."""
+    rows = ["| group | key (`--flag`) | default | what it does |", "| --- | --- | --- | --- |"]
+    for group in GROUPS:
+        for name, f in FIELDS.items():
+            if f.metadata.get("group") == group:
+                default = f.metadata["shown"] or ("required" if f.default is REQUIRED else f"`{_show(f.default)}`")
+                flag = ("[no-]" if f.type == "bool" else "") + name.replace("_", "-")
+                text = f.metadata["help"].replace("|", "\\|")
+                rows.append(f"| {group} | `{name}` (`--{flag}`) | {default} | {text} |")
+    return "\n".join(rows) + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

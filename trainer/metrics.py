@@ -1,4 +1,5 @@
-"""Run log on rank 0: one JSON line per step in RUN/metrics.jsonl, plus a progress bar on the terminal."""
+"""Run log on rank 0: one JSON line per step in RUN/metrics.jsonl, TensorBoard scalars in RUN/tb/, and a progress
+bar on the terminal."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,41 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
 
 
+# metrics.jsonl key -> TensorBoard tag; every numeric `eval_*` key (or a dict of them, per source) goes to eval/.
+TB_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
+           "pack_fill": "perf/pack_fill", "data_wait_s": "perf/data_wait_s", "mfu": "perf/mfu"}
+
+
+def tb_scalars(record: dict) -> dict[str, float]:
+    """The TensorBoard scalars of one metrics record: tag -> value."""
+    out = {tag: float(record[k]) for k, tag in TB_TAGS.items() if isinstance(record.get(k), (int, float))}
+    for k, v in record.items():
+        if not k.startswith("eval_"):
+            continue
+        tag = "eval/" + k[len("eval_"):]
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[tag] = float(v)
+        elif isinstance(v, dict):
+            out.update({f"{tag}/{s}": float(x) for s, x in v.items() if isinstance(x, (int, float))})
+    return out
+
+
 class RunLog:
-    def __init__(self, run_dir: Path, *, total_steps: int | None, start_step: int, progress: bool):
+    def __init__(self, run_dir: Path, *, total_steps: int | None, start_step: int, progress: bool,
+                 tensorboard: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.path = Path(run_dir) / "metrics.jsonl"
         truncate_metrics(self.path, start_step)
         self.file = open(self.path, "a", encoding="utf-8")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A resume redoes the steps after its checkpoint: purge_step hides the killed run's events from there
+            # on, so TensorBoard shows each step once, as metrics.jsonl does.
+            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"),
+                                    purge_step=start_step + 1 if start_step else None)
         self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
                             TimeRemainingColumn(), disable=not progress)
@@ -30,11 +59,19 @@ class RunLog:
     def step(self, record: dict) -> None:
         self.file.write(json.dumps(record, ensure_ascii=True) + "\n")
         self.file.flush()
+        if self.tb is not None:
+            for tag, value in tb_scalars(record).items():
+                self.tb.add_scalar(tag, value, global_step=record["step"])
+            # Drain the writer's queue every step, like metrics.jsonl: events a killed run still held would be lost for
+            # good (its resume redoes only the steps after the checkpoint).
+            self.tb.flush()
         self.bar.update(self.task, completed=record["step"], loss=record["loss"], tps=record["tokens_per_s"])
 
     def close(self) -> None:
         self.bar.stop()
         self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 # Dense bf16 peak FLOP/s by device name (no sparsity), for `mfu`; unknown devices get no mfu.

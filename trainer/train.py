@@ -238,7 +238,8 @@ def run(cfg: TrainConfig) -> dict | None:
             torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
         loader.start(epoch, position, pack_state)
         patchifier = Patchifier(spec, device)
-        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress) if rank == 0 else None
+        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress,
+                     tensorboard=cfg.tensorboard) if rank == 0 else None
         saved_at, steps_in_epoch, last = step, 0, None
         # A run resumed from its final checkpoint (epoch == epochs) has nothing left: the step count alone
         # does not say so when it is not known up front (token budget, packing).

@@ -55,3 +55,63 @@ def test_resolved_config_round_trips_as_toml(tmp_path):
     p.write_text(cfg.to_toml())
     assert tomllib.loads(p.read_text())["lr"] == 3e-4
     assert TrainConfig(**load_toml(str(p))) == cfg
+
+
+def test_help_walk_every_option_has_help_a_group_and_a_default():
+    """`python -m trainer --help` explains itself: every option (every TrainConfig field, also ones added later)
+    has a one-line help text, sits in one of the groups, and shows its default (or says it is required)."""
+    from trainer.config import FIELDS, GROUPS, _parser
+
+    ap = _parser()
+    actions = {a.dest: a for a in ap._actions if a.dest != "help"}
+    assert set(actions) == set(FIELDS) | {"config"}
+    for dest, a in actions.items():
+        text, flag = a.help or "", "--" + dest.replace("_", "-")
+        assert text.strip() and not text.startswith(" ("), f"{flag} has no help text"
+        assert "\n" not in text, f"{flag}: help is one line"
+        assert "(default: " in text or "(required" in text, f"{flag}: help shows no default: {text!r}"
+    groups = {g.title: [a.dest for a in g._group_actions] for g in ap._action_groups}
+    for name, f in FIELDS.items():
+        assert f.metadata.get("group") in GROUPS, f"{name}: declare it with opt(default, GROUP, HELP)"
+        assert name in groups[f.metadata["group"]]
+    formatted = ap.format_help()  # argparse expands %(default)s-style text without error
+    assert "(default: 2e-05)" in formatted and "(required)" in formatted and "logging:" in formatted
+    from trainer.plot import _parser as plot_parser
+
+    for a in (a for a in plot_parser()._actions if a.dest != "help"):
+        assert a.help and (a.required or "(default: " in a.help), f"plot {a.dest}: {a.help!r}"
+
+
+def test_readme_options_table_is_the_declarations():
+    """The README's options table is generated from the same declarations as --help (regenerate it with
+    trainer.config.options_table())."""
+    from trainer.config import FIELDS, options_table
+    from tests.trainer.conftest import ROOT
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- trainer-options: begin -->\n", "<!-- trainer-options: end -->"
+    assert begin in text and end in text, "README lost its trainer options table markers"
+    table = text.split(begin, 1)[1].split(end, 1)[0]
+    assert table == options_table(), "README trainer options table is stale: paste trainer.config.options_table()"
+    assert len(table.splitlines()) == 2 + len(FIELDS)
+
+
+def test_tensorboard_default_follows_the_installed_package():
+    """Without the tensorboard package the default turns off; asking for it explicitly is one line and exit 1."""
+    import subprocess
+    import sys
+
+    from tests.trainer.conftest import ROOT, trainer_env
+
+    hide = "import sys; sys.modules['tensorboard'] = None; "
+    probe = hide + ("from trainer.config import TrainConfig; "
+                    "print(TrainConfig(data='x', tiny_random='qwen2-vl').tensorboard)")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=trainer_env(), capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+    ask = hide + ("from trainer.train import main; "
+                  "sys.exit(main(['--data', 'x', '--tiny-random', 'qwen2-vl', '--tensorboard']))")
+    r = subprocess.run([sys.executable, "-c", ask], cwd=ROOT, env=trainer_env(), capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines() == ["trainer: error: tensorboard=true but the tensorboard package is not "
+                                             "installed: pip install 'vlmprep[tb]', or pass --no-tensorboard"]
+    assert TrainConfig(data="x", tiny_random="qwen2-vl").tensorboard  # installed here (the dev extra)

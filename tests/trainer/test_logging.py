@@ -1,0 +1,121 @@
+"""Run curves: TensorBoard scalars in RUN/tb/ (read back with tensorboard's own event reader, also after a resume)
+and `python -m trainer plot RUN` (the PNG opened and its curves found by colour)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.trainer.conftest import ROOT, read_metrics, run_trainer, trainer_env
+from trainer.metrics import RunLog, tb_scalars
+from trainer.plot import EVAL_COLOUR, PANELS, plot_run
+
+TRAIN_TAGS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
+              "perf/tokens_per_s": "tokens_per_s", "perf/pack_fill": "pack_fill", "perf/data_wait_s": "data_wait_s"}
+
+
+def _scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory):
+    """2 packed steps on CPU (packing, so pack_fill is logged too)."""
+    out = tmp_path_factory.mktemp("tb") / "run"
+    run_trainer(["--data", dataset, "--out", out, "--max-steps", 2, "--num-workers", 0, "--pack-to", 4096])
+    return out
+
+
+def test_training_writes_tensorboard_scalars(trained):
+    metrics = read_metrics(trained)
+    scalars = _scalars(trained)
+    assert set(TRAIN_TAGS) <= set(scalars), sorted(scalars)
+    for tag, key in TRAIN_TAGS.items():
+        assert [s for s, _ in scalars[tag]] == [1, 2], tag
+        np.testing.assert_allclose([v for _, v in scalars[tag]], [m[key] for m in metrics], rtol=1e-6, err_msg=tag)
+
+
+def test_eval_metrics_become_eval_scalars():
+    record = {"step": 7, "loss": 1.5, "lr": 1e-5, "sample_ids": ["a"], "epoch": 0, "eval_loss": 2.25,
+              "eval_tokens": 400, "eval_loss_per_source": {"web": 2.0, "docs": 2.5}, "eval_flag": True}
+    assert tb_scalars(record) == {"train/loss": 1.5, "train/lr": 1e-5, "eval/loss": 2.25, "eval/tokens": 400.0,
+                                  "eval/loss_per_source/web": 2.0, "eval/loss_per_source/docs": 2.5}
+
+
+def test_resumed_run_shows_each_step_once(tmp_path):
+    """A run killed after step 3 resumes from its step-2 checkpoint and redoes step 3: TensorBoard shows steps
+    1, 2, 3 once, step 3 with the resumed run's value (as metrics.jsonl does)."""
+    def log(start, steps):
+        run = RunLog(tmp_path, total_steps=3, start_step=start, progress=False, tensorboard=True)
+        for step, loss in steps:
+            run.step({"step": step, "loss": loss, "lr": 0.1, "tokens_per_s": 1.0})
+        return run
+
+    killed = log(0, [(1, 3.0), (2, 2.0), (3, 1.0)])
+    assert [s for s, _ in _scalars(tmp_path)["train/loss"]] == [1, 2, 3]  # on disk before any close: a kill keeps it
+    killed.close()
+    log(2, [(3, 0.5)]).close()
+    assert _scalars(tmp_path)["train/loss"] == [(1, 3.0), (2, 2.0), (3, 0.5)]
+    assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(1, 3.0), (2, 2.0), (3, 0.5)]
+
+
+def _colour_pixels(png, colour: str) -> int:
+    from matplotlib.colors import to_rgb
+
+    rgb = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    want = np.array([round(c * 255) for c in to_rgb(colour)])
+    return int((np.abs(rgb - want).max(-1) <= 8).sum())
+
+
+def _write_metrics(run_dir, n=40, eval_every=10):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for s in range(1, n + 1):
+            f.write(json.dumps({"step": s, "loss": 3.0 / s + 1, "lr": 1e-5 * min(1.0, s / 5), "tokens_per_s": 900 + s,
+                                "data_wait_s": 0.01 * (s % 4)}) + "\n")
+            if s % eval_every == 0:
+                f.write(json.dumps({"step": s, "eval_loss": 3.0 / s + 1.2, "eval_tokens": 100}) + "\n")
+
+
+def test_plot_draws_every_curve(tmp_path):
+    _write_metrics(tmp_path / "run")
+    png = plot_run(tmp_path / "run")
+    assert png == tmp_path / "run" / "curves.png"
+    img = Image.open(png)
+    assert img.format == "PNG" and img.size == (1100, 700)
+    for key, _, colour in PANELS:
+        assert _colour_pixels(png, colour) > 200, f"no {key} curve ({colour}) in the plot"
+    assert _colour_pixels(png, EVAL_COLOUR) > 50, "no eval_loss curve"
+    _write_metrics(tmp_path / "no-eval", eval_every=10**6)
+    assert _colour_pixels(plot_run(tmp_path / "no-eval"), EVAL_COLOUR) == 0
+
+
+def test_plot_command_on_a_training_run(trained, tmp_path):
+    out = tmp_path / "sub" / "curves.png"
+    r = subprocess.run([sys.executable, "-m", "trainer", "plot", str(trained), "--out", str(out)], cwd=ROOT,
+                       env=trainer_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"trainer plot: wrote {out}"
+    for key, _, colour in PANELS:
+        assert _colour_pixels(out, colour) > 50, f"no {key} curve ({colour}) in the plot"
+
+
+def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    from trainer.plot import main
+
+    assert main([str(tmp_path / "missing")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"trainer plot: error: cannot read {tmp_path / 'missing' / 'metrics.jsonl'}: No such file or directory "
+        f"(is {tmp_path / 'missing'} a trainer run dir?)"]
+    _write_metrics(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main([str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "trainer plot: error: plot needs matplotlib: pip install 'vlmprep[tb]'"]
