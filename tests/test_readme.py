@@ -158,6 +158,11 @@ SETUPS: dict[str, list[str]] = {
     # demo/shards as `make demo` names it, from 8 small traces.
     "demo-small": [_demo("demo/traces.jsonl.zst", 8),
                    f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null"],
+    # Two datasets to mix: demo/shards (agent traces) and chat/shards (short traces, one image at most).
+    "mix": [_demo("demo/traces.jsonl.zst", 8),
+            f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
+            _demo("chat/traces.jsonl.zst", 6, seed=5, max_images=1),
+            f"{TOOLS_BUILD} --in chat/traces.jsonl.zst --out chat/shards --seq-len 2048 >/dev/null"],
     # The Inspect and stats examples: 12 small traces plus a file of two broken records, cut at 1024 tokens.
     "inspect-demo": [_demo("demo/traces.jsonl.zst", 12, seed=1),
                      "printf '%s\\n' '{\"messages\": [' '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'"

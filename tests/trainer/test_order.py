@@ -175,3 +175,66 @@ def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp
     assert len(err) == 1 and "'agent'" in err[0] and "'docs'" in err[0] and "incompatible processors" in err[0], err
     assert "family Qwen2VLProcessor vs Qwen3VLProcessor" in err[0] and "image processor" in err[0], err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # two 200-step runs (one killed and resumed): ~6 min on 2 cores
+def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(dataset, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from scripts.demo_traces import write_traces
+    from tests.trainer.conftest import ROOT
+
+    traces = tmp_path / "other.jsonl.zst"
+    write_traces(traces, n=12, seed=7, min_images=1, max_images=2, width=192, height=160, overlong_fraction=0.0,
+                 text_only_fraction=0.5)
+    other = build_dataset(traces, tmp_path / "other", samples_per_shard=5)
+    args = ["--data", f"name=agent,path={dataset},weight=0.7", "--data", f"name=chat,path={other},weight=0.3",
+            "--max-steps", 200, "--save-every", 50, "--micro-batch-size", 1, "--seed", 3]
+    ref_dir = tmp_path / "ref"
+    run_trainer([*args, "--out", ref_dir, "--num-workers", 1], timeout=900)
+    ref = read_metrics(ref_dir)
+    assert len(ref) == 200 and max(m["epoch"] for m in ref) >= 2  # several mixture epochs
+    agent = sum(m["tokens_by_source"]["agent"] for m in ref) / sum(m["num_trained_tokens"] for m in ref)
+    assert abs(agent - 0.7) <= 0.02, agent
+
+    out = tmp_path / "killed"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(trainer_cmd([*args, "--out", out, "--num-workers", 1], 1), cwd=ROOT,
+                                env=trainer_env(), stdout=log, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not (out / "metrics.jsonl").is_file() or len(read_metrics(out)) < 120:
+                assert proc.poll() is None and time.monotonic() < deadline, "trainer ended before it could be killed"
+                time.sleep(0.1)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert (out / "checkpoints" / "step-00000100").is_dir() and not (out / "checkpoints" / "step-00000150").exists()
+    proc = run_trainer([*args, "--out", out, "--num-workers", 3], timeout=900)
+    assert "resumed from" in proc.stderr
+    got = read_metrics(out)
+    keys = ("step", "epoch", "sample_ids", "loss", "grad_norm", "tokens_by_source", "loss_by_source")
+    assert [[m[k] for k in keys] for m in got] == [[m[k] for k in keys] for m in ref]  # bit-exact
+
+
+def test_pipe_shards_are_copied_once_and_read_like_local_ones(dataset, image_spec, tmp_path):
+    """Random access needs a local file: a pipe: shard is copied into the cache (once), and the schedule and the
+    samples equal those of the local shards."""
+    from trainer.config import DataSpec
+    from trainer.train import rank_sources
+
+    local = resolve_data(str(dataset))
+    piped = resolve_data(f"pipe:cat {dataset}/shard-{{000000..000004}}.tar")
+    cache = tmp_path / "cache"
+    srcs = [rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1, cache=cache)
+            for d in (local, piped)]
+    assert len(list(cache.iterdir())) == 5 and all(ix.path.startswith(str(cache)) for ix in srcs[1][0].indexes)
+    mtimes = sorted(p.stat().st_mtime_ns for p in cache.iterdir())
+    rank_sources((DataSpec(path="x"),), [piped], [plan_shards(piped.shards, 1)], rank=0, world=1, cache=cache)
+    assert sorted(p.stat().st_mtime_ns for p in cache.iterdir()) == mtimes  # not fetched again
+    orders = [schedule(s, seed=2, epoch=1, shuffle=True, shuffle_shards=True, span=0) for s in srcs]
+    reads = [[s.id for s in ScheduledStream(src, order, start=0, spec=image_spec)] for src, order in zip(srcs, orders)]
+    assert reads[0] == reads[1] and len(reads[0]) == 18
