@@ -43,9 +43,7 @@ class Schedule:
         out = np.empty(len(self), dtype=np.int64)
         for s, src in enumerate(sources):
             at = np.flatnonzero(self.source == s)
-            for k, ix in enumerate(src.indexes):
-                sel = at[self.shard[at] == k]
-                out[sel] = ix.tokens[self.sample[sel]]
+            out[at] = _counts_of(src, "tokens", self.shard[at], self.sample[at])
         return out
 
 
@@ -96,7 +94,7 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
         return Schedule(np.zeros(len(shard), dtype=np.int16), shard, sample)
     n = len(sources)
     cur = [one_pass(s, 0) for s in range(n)]
-    trained = [np.maximum(_trained_of(sources[s], *cur[s]), 1) for s in range(n)]
+    trained = [np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1) for s in range(n)]
     at, passes, total = [0] * n, [0] * n, [0.0] * n
     weights = [src.weight for src in sources]
     active = [len(cur[s][0]) > 0 for s in range(n)]
@@ -119,18 +117,17 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
             else:
                 passes[s] += 1
                 cur[s] = one_pass(s, passes[s])
-                trained[s] = np.maximum(_trained_of(sources[s], *cur[s]), 1)
+                trained[s] = np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1)
                 at[s] = 0
     return Schedule(np.array(out_src, dtype=np.int16), np.array(out_shard, dtype=np.int32),
                     np.array(out_sample, dtype=np.int32))
 
 
-def _trained_of(src: RankSource, shard: np.ndarray, sample: np.ndarray) -> np.ndarray:
-    out = np.empty(len(shard), dtype=np.int64)
-    for k, ix in enumerate(src.indexes):
-        sel = shard == k
-        out[sel] = ix.trained[sample[sel]]
-    return out
+def _counts_of(src: RankSource, field: str, shard: np.ndarray, sample: np.ndarray) -> np.ndarray:
+    """A per-sample count ('tokens' or 'trained') at (shard, sample) pairs, vectorized over one flat array."""
+    flat = np.concatenate([getattr(ix, field) for ix in src.indexes] or [np.zeros(0, np.int64)])
+    starts = np.concatenate([[0], np.cumsum([ix.num_samples for ix in src.indexes])]).astype(np.int64)
+    return flat[starts[shard] + sample]
 
 
 def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:

@@ -156,6 +156,21 @@ def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(datas
     assert "realized trained-token shares" in proc.stderr
 
 
+def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(["--data", dataset, "--out", out, "--pack-to", 2048, "--pack-window", 6, "--epochs", 1,
+                        "--num-workers", 2])
+    metrics = read_metrics(out)
+    assert f"predicted steps per epoch: {len(metrics)} (total {len(metrics)})" in proc.stderr
+    seen = [i for m in metrics for i in m["sample_ids"]]
+    assert len(seen) == len(set(seen)) == 18 and len(metrics) >= 2  # exactly one epoch
+    from trainer.train import lr_at
+
+    # The cosine was given exactly the steps run as its length.
+    assert [m["lr"] for m in metrics] == [lr_at(k, lr=2e-5, warmup=0, total=len(metrics), min_ratio=0.1)
+                                          for k in range(len(metrics))]
+
+
 def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp_path):
     from vlmprep.config import BuildConfig
     from vlmprep.pipeline import build
