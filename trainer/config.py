@@ -13,6 +13,7 @@ from pathlib import Path
 TINY_MODELS = ("qwen2-vl",)
 PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
+EXPORT_DTYPES = ("bf16", "fp32")
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = True  # continue the run in out/ (same data, model, options); False: clear its state, start over
     progress: bool = True
+    save_hf: bool = False  # at the end: export RUN/hf/, model + the dataset's processor (trainer/export.py)
+    export_dtype: str = "bf16"  # weight dtype of the --save-hf export
 
     def __post_init__(self):
         if not self.data:
@@ -80,6 +83,8 @@ class TrainConfig:
             raise ConfigError("max_grad_norm and weight_decay must be >= 0, lora_dropout in [0, 1)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ConfigError(f"export_dtype={self.export_dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.pack_to and self.max_tokens_per_batch:
@@ -100,7 +105,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Every other option shapes the data order or the optimization, so a resume requires it unchanged (README, Trainer).
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
-                               "attn_implementation", "device", "save_every", "keep_checkpoints", "progress"})
+                               "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
+                               "save_hf", "export_dtype"})
 
 
 def _coerce(name: str, value):
