@@ -45,7 +45,7 @@ class ExportConfig:
 def read_run(run_dir: Path) -> tuple[TrainConfig, dict]:
     """The run's resolved options (config.toml) and what its checkpoints mean (run.json's identity)."""
     if not (run_dir / "config.toml").is_file() or not (run_dir / RUN_FILE).is_file():
-        raise ConfigError(f"{run_dir}: not a trainer run dir (no config.toml and {RUN_FILE})")
+        raise ConfigError(f"{run_dir}: not a trainer run dir (it needs config.toml and {RUN_FILE})")
     cfg = TrainConfig(**load_toml(str(run_dir / "config.toml")))
     try:
         identity = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))["identity"]
@@ -152,8 +152,8 @@ def export_run(ecfg: ExportConfig) -> Path:
     cfg, _ = read_run(Path(ecfg.run))
     if ecfg.adapter_only and not cfg.lora_rank:
         raise ConfigError(f"--adapter-only: {ecfg.run} is not a LoRA run (lora_rank = 0)")
-    processor = _processor_dir(cfg, ecfg.processor)
     find_checkpoint(Path(ecfg.run), ecfg.step)  # fail before touching --out
+    processor = _processor_dir(cfg, ecfg.processor)
     tmp = _prepare_out(out, ecfg.overwrite)
     try:
         _write_export(ecfg, tmp, processor)

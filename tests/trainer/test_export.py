@@ -5,6 +5,7 @@ sample's messages to its stored input_ids. The reference model is rebuilt from t
 import io
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,16 +174,28 @@ def test_export_user_errors_are_one_line(run1, tmp_path, capsys):
     assert json.loads((tmp_path / "again" / "export.json").read_text())["checkpoint"] == "step-00000002"
 
 
-@pytest.mark.slow  # torchrun 2 ranks: ~30 s on 2 cores
+def test_python_m_trainer_export_is_the_export_cli(run1, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer", "export", str(run1), "--out", str(tmp_path / "x"),
+                           "--step", "9"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"trainer export: error: {run1}: no checkpoint for step 9 (kept: step-00000002)"]
+
+
+@pytest.mark.slow  # torchrun 2 ranks: ~60 s on 2 cores
 def test_two_rank_fsdp_checkpoint_exports_offline(dataset, sample, image_spec, tmp_path):
     run = tmp_path / "run"
-    _torchrun(dataset, run)
-    assert _export(run, tmp_path / "hf", "--dtype", "fp32") == 0
+    _torchrun(dataset, run, "--save-hf", "--export-dtype", "fp32")  # rank 0 exports RUN/hf at the end
+    proc = subprocess.run([sys.executable, "-m", "trainer", "export", str(run), "--out", str(tmp_path / "hf"),
+                           "--dtype", "fp32"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Same bytes from the training process (in a process group) and the offline CLI.
+    assert (run / "hf" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
     ref = _trained_logits(_reference(run, tmp_path), sample, image_spec)
     assert float((_served_logits(tmp_path / "hf", _render(tmp_path / "hf", sample)) - ref).abs().max()) <= 1e-6
 
 
-@pytest.mark.slow  # torchrun 2 ranks: ~30 s on 2 cores
+@pytest.mark.slow  # torchrun 2 ranks: ~60 s on 2 cores
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
 def test_lora_run_exports_merged_weights_and_the_adapter_alone(dataset, sample, image_spec, tmp_path):
     from peft import PeftModel
@@ -205,7 +218,7 @@ def test_lora_run_exports_merged_weights_and_the_adapter_alone(dataset, sample, 
     assert float((_trained_logits(adapted, sample, image_spec) - ref).abs().max()) <= 1e-6
 
 
-@pytest.mark.slow  # torchrun 2 ranks: ~30 s on 2 cores
+@pytest.mark.slow  # torchrun 2 ranks: ~60 s on 2 cores
 def test_model_dir_run_exports_the_same_class_and_keys_as_its_base(dataset, sample, image_spec, tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
