@@ -169,6 +169,11 @@ SETUPS: dict[str, list[str]] = {
                      " > demo/broken.jsonl",
                      f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --in demo/broken.jsonl --out demo/shards --seq-len 1024 "
                      "--max-reject-fraction 1 >/dev/null"],
+    # demo-small trained 2 steps with --save-hf: runs/demo/hf as the export section's first example writes it.
+    "exported": [_demo("demo/traces.jsonl.zst", 8),
+                 f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
+                 "python -m trainer --data demo/shards --out runs/demo --tiny-random qwen2-vl --max-steps 2 --save-hf "
+                 "--no-progress >/dev/null 2>&1"],
     # `make demo`'s input itself: 64 traces of 1280x720 screenshots.
     "demo": [f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out demo/traces.jsonl.zst --n 64 --seed 0 "
              ">/dev/null"],

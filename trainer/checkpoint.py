@@ -106,8 +106,8 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
 
 
 RUN_FILE = "run.json"
-# Everything the trainer writes into RUN, run.json first.
-RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml", "tb")
+# Everything the trainer writes into RUN, run.json first (hf/: the --save-hf export).
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml", "tb", "hf")
 
 
 def _sha(value) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 TINY_MODELS = ("qwen2-vl",)
 PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
+EXPORT_DTYPES = ("bf16", "fp32")
 
 
 class ConfigError(ValueError):
@@ -142,6 +143,9 @@ class TrainConfig:
     progress: bool = opt(True, "logging", "progress bar on rank 0's terminal")
     tensorboard: bool = opt(TENSORBOARD_INSTALLED, "logging", "TensorBoard scalars in RUN/tb/ (rank 0)",
                             shown="on when the tensorboard package is installed")
+    save_hf: bool = opt(False, "checkpointing", "at the end, export RUN/hf/: a transformers model dir with the "
+                                                "dataset's processor (python -m trainer export)")
+    export_dtype: str = opt("bf16", "checkpointing", "weight dtype of the --save-hf export: bf16, fp32")
 
     def __post_init__(self):
         if not self.data:
@@ -177,6 +181,8 @@ class TrainConfig:
             raise ConfigError("max_grad_norm and weight_decay must be >= 0, lora_dropout in [0, 1)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ConfigError(f"export_dtype={self.export_dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.pack_to and self.max_tokens_per_batch:
@@ -209,7 +215,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
-                               "tensorboard", "shard_cache"})
+                               "tensorboard", "shard_cache", "save_hf", "export_dtype"})
 
 
 def _coerce(name: str, value):

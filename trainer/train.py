@@ -303,6 +303,11 @@ def run(cfg: TrainConfig) -> dict | None:
                             optimizer=optimizer, device=device, keep=cfg.keep_checkpoints,
                             pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
                             if cfg.pack_to else None)
+        if cfg.save_hf and rank == 0:
+            from trainer.export import ExportConfig, export_run
+
+            hf = export_run(ExportConfig(run=str(out), out=str(out / "hf"), dtype=cfg.export_dtype, overwrite=True))
+            print(f"trainer: exported {hf} ({cfg.export_dtype})", file=sys.stderr)
         if rank == 0 and last is not None:
             if len(names) > 1 and sum(mixed_so_far):
                 shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / sum(x.weight for x in specs):.3f})"

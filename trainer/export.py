@@ -1,0 +1,221 @@
+"""Export: a run's DCP checkpoint (RUN/checkpoints/step-N, from any number of ranks) -> read offline on CPU into
+the run's model -> a `save_pretrained` dir (safetensors + config; LoRA merged, or the adapter alone) with the
+dataset's processor copied beside it, so transformers loads model and processor offline.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
+from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
+from trainer.config import ConfigError, TrainConfig, load_toml
+from trainer.shards import REMOTE, DataError, resolve_data
+
+EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
+_MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only non-empty dir --overwrite replaces
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    run: str  # run dir (holds run.json, config.toml, checkpoints/)
+    out: str
+    step: int = 0  # 0 = the latest complete checkpoint
+    dtype: str = "bf16"
+    adapter_only: bool = False  # LoRA runs: the adapter alone (peft layout) instead of merged weights
+    processor: str = ""  # "" = the run's --processor, else the dataset's processor/
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in EXPORT_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+        if self.step < 0:
+            raise ConfigError(f"step={self.step}: must be >= 0 (0 = the latest checkpoint)")
+
+
+def read_run(run_dir: Path) -> tuple[TrainConfig, dict]:
+    """The run's resolved options (config.toml) and what its checkpoints mean (run.json's identity)."""
+    if not (run_dir / "config.toml").is_file() or not (run_dir / RUN_FILE).is_file():
+        raise ConfigError(f"{run_dir}: not a trainer run dir (it needs config.toml and {RUN_FILE})")
+    cfg = TrainConfig(**load_toml(str(run_dir / "config.toml")))
+    try:
+        identity = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))["identity"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{run_dir / RUN_FILE}: unreadable ({e})") from None
+    return cfg, identity
+
+
+def find_checkpoint(run_dir: Path, step: int) -> Path:
+    if step == 0:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ConfigError(f"{run_dir}: no complete checkpoint in {checkpoint_dir(run_dir)}")
+        return path
+    path = checkpoint_dir(run_dir) / f"step-{step:08d}"
+    if not (path / ".metadata").is_file():
+        kept = sorted(p.name for p in checkpoint_dir(run_dir).glob("step-*") if (p / ".metadata").is_file()) \
+            if checkpoint_dir(run_dir).is_dir() else []
+        raise ConfigError(f"{run_dir}: no checkpoint for step {step} (kept: {', '.join(kept) or 'none'})")
+    return path
+
+
+def _base_model_dir(cfg: TrainConfig, identity: dict) -> str:
+    """The --model dir as run.json resolved it (config.toml keeps the path as typed, relative to where the run
+    started); its config.json must be the one trained, since it shapes the exported architecture."""
+    model = identity.get("model") or cfg.model
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"base model {model}: no config.json there (the export rebuilds the run's model from it)")
+    if identity.get("model_config") and hashlib.sha256(config.read_bytes()).hexdigest() != identity["model_config"]:
+        raise ConfigError(f"base model {model}: config.json changed since the run trained from it")
+    return model
+
+
+def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.Module, TrainConfig, Path]:
+    """The run's model (fp32, CPU, eval mode) with the checkpoint's weights, read without a process group: DCP
+    reassembles the FSDP shards of every rank into the full tensors of this one-process model."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.model import build_model
+
+    run_dir = Path(run_dir)
+    cfg, identity = read_run(run_dir)
+    path = find_checkpoint(run_dir, step)
+    model = _base_model_dir(cfg, identity) if cfg.model else ""
+    net = build_model(model=model, tiny_random=cfg.tiny_random, seed=cfg.seed,
+                      attn_implementation=cfg.attn_implementation, lora_rank=cfg.lora_rank,
+                      lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
+    state = {"model": net.state_dict()}  # tied weights share a tensor: loading either key fills both
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - DCP's CheckpointException wraps the per-key errors
+        raise ConfigError(f"{path}: cannot load the model weights into the run's model: "
+                          f"{str(e).strip().splitlines()[-1][:300]}") from None
+    net.eval()
+    return net, cfg, path
+
+
+def _base_use_cache(cfg: TrainConfig, run_dir: str) -> bool:
+    from transformers import AutoConfig
+
+    from trainer.model import tiny_config
+
+    if cfg.tiny_random:
+        return bool(getattr(tiny_config(cfg.tiny_random), "use_cache", True))
+    model = _base_model_dir(cfg, read_run(Path(run_dir))[1])
+    return bool(getattr(AutoConfig.from_pretrained(model, local_files_only=True), "use_cache", True))
+
+
+def _processor_dir(cfg: TrainConfig, processor: str) -> Path:
+    """The processor the shards were rendered with: --processor, the run's --processor, or the dataset's copy (a
+    mixture's first dataset: mixed datasets share vocabulary, family and image settings, checked at start-up)."""
+    location = processor or cfg.processor
+    data = cfg.sources[0].path
+    if not location:
+        try:
+            location = resolve_data(data).processor
+        except DataError as e:
+            raise ConfigError(f"cannot find the dataset's processor ({e}): pass --processor DIR") from None
+        if not location:
+            raise ConfigError(f"--data {data} has no manifest naming its processor: pass --processor DIR")
+    if location.startswith(REMOTE) or not Path(location, "tokenizer_config.json").is_file():
+        raise ConfigError(f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
+                          "--processor DIR with the processor the shards were built with")
+    return Path(location)
+
+
+def _prepare_out(out: Path, overwrite: bool) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it, or another --out")
+        if not out.is_dir() or not any((out / m).is_file() for m in _MARKS):
+            raise ConfigError(f"--out {out} is not an earlier export (no {' or '.join(_MARKS)}): refusing to "
+                              "replace it; pick another --out")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def export_run(ecfg: ExportConfig) -> Path:
+    """Write ecfg.out: model (or adapter) + processor, assembled in OUT.tmp and renamed into place when complete."""
+    out = Path(ecfg.out)
+    cfg, _ = read_run(Path(ecfg.run))
+    if ecfg.adapter_only and not cfg.lora_rank:
+        raise ConfigError(f"--adapter-only: {ecfg.run} is not a LoRA run (lora_rank = 0)")
+    find_checkpoint(Path(ecfg.run), ecfg.step)  # fail before touching --out
+    processor = _processor_dir(cfg, ecfg.processor)
+    tmp = _prepare_out(out, ecfg.overwrite)
+    try:
+        _write_export(ecfg, tmp, processor)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+    return out
+
+
+def _write_export(ecfg: ExportConfig, tmp: Path, processor: Path) -> None:
+    net, cfg, path = load_trained_model(ecfg.run, step=ecfg.step)
+    dtype = EXPORT_DTYPES[ecfg.dtype]
+    if cfg.lora_rank and ecfg.adapter_only:
+        base = _base_model_dir(cfg, read_run(Path(ecfg.run))[1]) if cfg.model else None
+        net.peft_config["default"].base_model_name_or_path = base  # tiny-random: no base on disk to name
+        net.to(dtype).save_pretrained(str(tmp))
+    else:
+        if cfg.lora_rank:
+            net = net.merge_and_unload()  # in fp32, before the cast
+        net.config.use_cache = _base_use_cache(cfg, ecfg.run)  # training turned the KV cache off
+        net.to(dtype).save_pretrained(str(tmp))
+    for f in sorted(processor.iterdir()):
+        if f.is_file():
+            if (tmp / f.name).exists():
+                raise ConfigError(f"processor file {f} would overwrite the model's own {f.name}")
+            shutil.copy2(f, tmp / f.name)
+    (tmp / "export.json").write_text(json.dumps({"run": str(Path(ecfg.run).resolve()), "checkpoint": path.name,
+                                                 "dtype": ecfg.dtype, "adapter_only": ecfg.adapter_only,
+                                                 "processor": str(processor.resolve())}, indent=1) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m trainer export", allow_abbrev=False,
+                                 description="Write a run's checkpoint as a save_pretrained model dir with the "
+                                             "dataset's processor (loads with AutoModelForImageTextToText and "
+                                             "AutoProcessor).")
+    ap.add_argument("run", help="run dir (the trainer's --out)")
+    ap.add_argument("--out", required=True, help="export dir (must be empty or absent, unless --overwrite)")
+    ap.add_argument("--step", type=int, default=0, help="checkpoint step to export (default: the latest)")
+    ap.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16", help="weight dtype (default: bf16)")
+    ap.add_argument("--adapter-only", action="store_true",
+                    help="LoRA runs: write the adapter alone in peft's layout instead of merged weights")
+    ap.add_argument("--processor", default="",
+                    help="processor dir to ship (default: the run's --processor, else the dataset's processor/)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        out = export_run(ExportConfig(run=ns.run, out=ns.out, step=ns.step, dtype=ns.dtype,
+                                      adapter_only=ns.adapter_only, processor=ns.processor, overwrite=ns.overwrite))
+    except ConfigError as e:
+        if os.environ.get("TRAINER_DEBUG"):
+            raise
+        print(f"trainer export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"trainer export: wrote {out}")
+    return 0
