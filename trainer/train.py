@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -143,38 +144,92 @@ def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.dev
     return [int(x) for x in all_sum(mine, device, op=dist.ReduceOp.MAX)]
 
 
+@dataclass(frozen=True)
+class RunData:
+    """The run's datasets, resolved: their specs, shard lists and rank plans, and the image processor they share."""
+
+    specs: tuple[DataSpec, ...]
+    datasets: list[DataSource]
+    plans: list[ShardPlan]
+    image: ImageSpec
+    label: str  # how run.json and messages name the data
+
+
+def open_data(cfg: TrainConfig, world: int) -> RunData:
+    specs = cfg.sources
+    datasets = [resolve_data(d.path) for d in specs]
+    image = _load_spec(cfg, datasets[0].processor)
+    if len(specs) > 1:
+        check_compatible(specs, datasets, cfg.processor)
+    label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
+    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label)
+
+
+def _log_plans(data: RunData, world: int) -> None:
+    for d, ds, p in zip(data.specs, data.datasets, data.plans):
+        counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
+                           for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
+        if p.stride:
+            counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
+        print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks ({counts}); "
+              f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
+              "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
+
+
+def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, device: torch.device,
+                collate_spec: CollateSpec, out: Path) -> tuple[StepLoader, int | None, int]:
+    """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
+    The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without them the
+    shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
+    token budget or packing run is known up front."""
+    scheduled = cfg.shuffle or len(data.specs) > 1
+    local = not any(s.url.startswith(("pipe:",) + REMOTE) for d in data.datasets for s in d.shards)
+    sources, index_s = None, 0.0
+    if scheduled or local:
+        t0 = time.perf_counter()
+        sources = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world,
+                               cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}")
+        index_s = time.perf_counter() - t0
+    plan = data.plans[0]
+    predicted = predict_steps(cfg, sources, device) if sources is not None else None
+    if predicted is None:
+        per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
+                                    max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum, pack_to=cfg.pack_to)
+        predicted = [per_epoch] * cfg.epochs if per_epoch is not None else None
+    total = cfg.max_steps or (sum(predicted) if predicted is not None else None)
+    schedule_len = cfg.schedule_steps or total
+    if schedule_len is None:
+        raise ConfigError("the number of steps is not known up front (token budget or packing over streamed "
+                          "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps")
+    if rank == 0:
+        _log_order(cfg, data.specs, sources, predicted, index_s)
+    loader = StepLoader([data.datasets[0].shards[i] for i in plan.per_rank[rank]], spec=data.image,
+                        collate_spec=collate_spec, seed=cfg.seed, shuffle=cfg.shuffle_shards,
+                        micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
+                        grad_accum=cfg.grad_accum, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
+                        stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
+                        pack_window=cfg.pack_window, sources=sources if scheduled else None,
+                        sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span)
+    return loader, total, schedule_len
+
+
 def run(cfg: TrainConfig) -> dict | None:
     keep_freed_buffers()
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     loader = log = None
     try:
-        specs = cfg.sources
-        datasets = [resolve_data(d.path) for d in specs]
-        source = datasets[0]
-        spec = _load_spec(cfg, source.processor)
-        if len(specs) > 1:
-            check_compatible(specs, datasets, cfg.processor)
-        plans = [plan_shards(d.shards, world) for d in datasets]
-        plan = plans[0]
+        data = open_data(cfg, world)
+        specs, datasets, spec = data.specs, data.datasets, data.image
         identity = run_identity(cfg, datasets=list(zip(specs, datasets)), image_config=spec.config,
                                 model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
-        label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
         if cfg.resume:
-            check_resumable(out, identity, label)
+            check_resumable(out, identity, data.label)
         dist.barrier()  # every rank checked before rank 0 changes the run dir
         if rank == 0:
-            start_run_dir(out, identity, label, resume=cfg.resume)
+            start_run_dir(out, identity, data.label, resume=cfg.resume)
             (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-            for d, ds, p in zip(specs, datasets, plans):
-                counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
-                                   for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
-                if p.stride:
-                    counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-                print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks "
-                      f"({counts}); max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run "
-                      "out first take empty micro-batches until all ranks are done, so no sample is dropped",
-                      file=sys.stderr)
+            _log_plans(data, world)
         net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
                           attn_implementation=cfg.attn_implementation,
                           activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
@@ -194,37 +249,8 @@ def run(cfg: TrainConfig) -> dict | None:
 
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
         optimizer = build_optimizer(cfg, net)
-        # The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without
-        # them the shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the
-        # step count of a token budget or packing run is known up front.
-        scheduled = cfg.shuffle or len(specs) > 1
-        local = not any(s.url.startswith(("pipe:",) + REMOTE) for d in datasets for s in d.shards)
-        sources = None
-        if scheduled or local:
-            t_index = time.perf_counter()
-            sources = rank_sources(specs, datasets, plans, rank=rank, world=world,
-                                   cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}")
-            t_index = time.perf_counter() - t_index
-        predicted = predict_steps(cfg, sources, device) if sources is not None else None
-        if predicted is None:
-            per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
-                                        max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
-                                        pack_to=cfg.pack_to)
-            predicted = [per_epoch] * cfg.epochs if per_epoch is not None else None
-        total = cfg.max_steps or (sum(predicted) if predicted is not None else None)
-        schedule_len = cfg.schedule_steps or total
-        if schedule_len is None:
-            raise ConfigError("the number of steps is not known up front (token budget or packing over streamed "
-                              "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps")
-        if rank == 0:
-            _log_order(cfg, specs, sources, predicted, t_index if sources is not None else 0.0)
-        loader = StepLoader([source.shards[i] for i in plan.per_rank[rank]], spec=spec, collate_spec=collate_spec,
-                            seed=cfg.seed, shuffle=cfg.shuffle_shards, micro_batch_size=cfg.micro_batch_size,
-                            max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
-                            num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-                            stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
-                            pack_window=cfg.pack_window, sources=sources if scheduled else None,
-                            sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span)
+        loader, total, schedule_len = make_loader(cfg, data, rank=rank, world=world, device=device,
+                                                  collate_spec=collate_spec, out=out)
         names = [d.name for d in specs]
         mixed_so_far = [0.0] * len(names)
         step, epoch, position, pack_state = 0, 0, 0, []
@@ -252,7 +278,7 @@ def run(cfg: TrainConfig) -> dict | None:
                                                sum(b.num_tokens for b in micro_batches)], device)
             if samples == 0:  # every rank is exhausted: the epoch is over everywhere at once
                 if steps_in_epoch == 0 and position == 0:
-                    raise DataError(f"--data {label} yielded no samples")
+                    raise DataError(f"--data {data.label} yielded no samples")
                 epoch, position, steps_in_epoch = epoch + 1, 0, 0
                 if not cfg.max_steps and epoch >= cfg.epochs:
                     break
