@@ -67,8 +67,8 @@ class DataSpec:
                               f"{' or '.join(ON_END)}")
         return spec
 
-    def to_toml(self) -> str:
-        return "\n[[data]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
+    def to_toml(self, table: str = "data") -> str:
+        return f"\n[[{table}]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
 
 
 # Option groups in --help and in the README's options table, in this order.
@@ -77,6 +77,7 @@ GROUPS = {
     "model": "which model, how it runs, what is trained",
     "optimization": "run length, schedule, AdamW",
     "packing": "how samples become micro-batches: padded, a token budget, or packed rows",
+    "eval": "held-out loss: on what and how often",
     "checkpointing": "the run dir, checkpoints and resume",
     "logging": "progress bar, TensorBoard",
 }
@@ -141,6 +142,10 @@ class TrainConfig:
     resume: bool = opt(True, "checkpointing", "continue the run in out (same data, model, options); --no-resume "
                                               "deletes its state and starts over")
     progress: bool = opt(True, "logging", "progress bar on rank 0's terminal")
+    eval_data: str | tuple[DataSpec, ...] = opt("", "eval", "held-out data, the forms of data; name=N,path=P once per "
+                                                "eval set ([[eval_data]] in the TOML) for a loss per set; '' = no eval")
+    eval_every: int = opt(0, "eval", "steps between evals of the whole eval_data; 0 = only at the end (an eval "
+                                     "always ends a run that has eval_data)")
     tensorboard: bool = opt(TENSORBOARD_INSTALLED, "logging", "TensorBoard scalars in RUN/tb/ (rank 0)",
                             shown="on when the tensorboard package is installed")
     save_hf: bool = opt(False, "checkpointing", "at the end, export RUN/hf/: a transformers model dir with the "
@@ -150,19 +155,28 @@ class TrainConfig:
     def __post_init__(self):
         if not self.data:
             raise ConfigError("data is empty: pass --data DIR|PATTERN|URL")
-        if not isinstance(self.data, str):
-            specs = tuple(DataSpec.parse(v) for v in self.data)
-            if len(specs) == 1 and not specs[0].name:
-                specs = specs[0].path  # one unnamed dataset is just a path
-            object.__setattr__(self, "data", specs)
-        if not isinstance(self.data, str):
-            names = [d.name for d in self.data]
-            if not all(names) or len(set(names)) != len(names):
-                raise ConfigError(f"several datasets need distinct names (got {names}): "
-                                  "--data name=N,path=P,weight=W for each, or [[data]] name = ... in the TOML")
-            bad = [n for n in names if not _NAME.match(n)]
-            if bad:
-                raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
+        for key in ("data", "eval_data"):
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                specs = tuple(DataSpec.parse(v) for v in value)
+                if len(specs) == 1 and not specs[0].name:
+                    specs = specs[0].path  # one unnamed dataset is just a path
+                object.__setattr__(self, key, specs)
+            if not isinstance(getattr(self, key), str):
+                names = [d.name for d in getattr(self, key)]
+                if not all(names) or len(set(names)) != len(names):
+                    raise ConfigError(f"several datasets need distinct names (got {names}): --{key.replace('_', '-')} "
+                                      f"name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in the TOML")
+                bad = [n for n in names if not _NAME.match(n)]
+                if bad:
+                    raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
+        if any(d.weight != 1.0 or d.on_end != "repeat" for d in self.eval_sources):
+            raise ConfigError("eval_data entries take name and path only: every eval sample is read once, so weight "
+                              "and on_end do not apply")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every={self.eval_every}: must be >= 0")
+        if self.eval_every and not self.eval_data:
+            raise ConfigError(f"eval_every={self.eval_every} without eval_data: pass --eval-data DIR|PATTERN|URL")
         if bool(self.model) == bool(self.tiny_random):
             raise ConfigError("pass exactly one of --model CHECKPOINT_DIR or --tiny-random "
                               + "|".join(TINY_MODELS))
@@ -199,31 +213,41 @@ class TrainConfig:
         """The run's datasets: one unnamed for a plain --data, else the named mixture."""
         return (DataSpec(path=self.data),) if isinstance(self.data, str) else self.data
 
+    @property
+    def eval_sources(self) -> tuple[DataSpec, ...]:
+        """The eval sets: none, one unnamed, or the named ones."""
+        if isinstance(self.eval_data, str):
+            return (DataSpec(path=self.eval_data),) if self.eval_data else ()
+        return self.eval_data
+
     def to_toml(self) -> str:
         # Every other field is a str, int, float or bool, and JSON's quoting of ASCII strings is valid TOML;
-        # a mixture's [[data]] tables go last (top-level keys must precede tables).
-        mix = not isinstance(self.data, str)
-        top = "".join(f"{k} = {json.dumps(getattr(self, k))}\n" for k in FIELDS if not (mix and k == "data"))
-        return top + ("".join(d.to_toml() for d in self.data) if mix else "")
+        # a mixture's [[data]] (and named [[eval_data]]) tables go last (top-level keys must precede tables).
+        tables = [k for k in ("data", "eval_data") if not isinstance(getattr(self, k), str)]
+        top = "".join(f"{k} = {json.dumps(getattr(self, k))}\n" for k in FIELDS if k not in tables)
+        return top + "".join(d.to_toml(k) for k in tables for d in getattr(self, k))
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Options a resumed run may change: its length (the cosine then follows the new length from the current step),
 # speed and bookkeeping, and where things are (checkpoint.run_identity compares the data and the image processor by
 # content, the model by its resolved dir and config.json hash).
-# Every other option shapes the data order or the optimization, so a resume requires it unchanged (README, Trainer).
+# Eval may change too: it reads its own data with its own loaders and leaves the RNG and the training stream as they
+# were (tests/trainer/test_eval.py). Every other option shapes the data order or the optimization, so a resume
+# requires it unchanged (README, Trainer).
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
-                               "tensorboard", "shard_cache", "save_hf", "export_dtype"})
+                               "tensorboard", "shard_cache", "save_hf", "export_dtype", "eval_data",
+                               "eval_every"})
 
 
 def _coerce(name: str, value):
-    if name == "data":
+    if name in ("data", "eval_data"):
         if isinstance(value, list):
             return tuple(DataSpec.parse(v) for v in value)
         if not isinstance(value, str):
-            raise ConfigError(f"data = {value!r}: expected a path or [[data]] tables")
+            raise ConfigError(f"{name} = {value!r}: expected a path or [[{name}]] tables")
         return value
     ftype = FIELDS[name].type
     want = {"str": str, "int": int, "float": float, "bool": bool}[ftype]
@@ -260,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
         note = f"; {meta['shown']}" if meta.get("shown") else ""
         text = f"{meta.get('help', '')} ({shown}{note})".replace("%", "%%")
         group = groups.get(meta.get("group"), ap)
-        if name == "data":  # repeatable: one per dataset of a mixture
+        if name in ("data", "eval_data"):  # repeatable: one per dataset of a mixture / eval set
             group.add_argument(flag, dest=name, action="append", default=None, metavar="DATA", help=text)
         elif f.type == "bool":
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -291,9 +315,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ns = _parser().parse_args(argv)
     values = load_toml(ns.config) if ns.config else {}
     values.update({k: v for k, v in vars(ns).items() if k != "config" and v is not None})
-    if isinstance(values.get("data"), list):  # --data given on the CLI (repeatable)
-        values["data"] = values["data"][0] if len(values["data"]) == 1 and "path=" not in values["data"][0] \
-            else tuple(DataSpec.parse(v) for v in values["data"])
+    for key in ("data", "eval_data"):
+        if isinstance(values.get(key), list):  # given on the CLI (repeatable)
+            values[key] = values[key][0] if len(values[key]) == 1 and "path=" not in values[key][0] \
+                else tuple(DataSpec.parse(v) for v in values[key])
     if "data" not in values:
         raise ConfigError("data is missing: pass --data DIR|PATTERN|URL or set data in the TOML")
     return TrainConfig(**values)

@@ -57,6 +57,10 @@ class RunLog:
         self.task = self.bar.add_task("train", total=total_steps, completed=start_step, loss=float("nan"), tps=0.0)
 
     def step(self, record: dict) -> None:
+        self._write(record)
+        self.bar.update(self.task, completed=record["step"], loss=record["loss"], tps=record["tokens_per_s"])
+
+    def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record, ensure_ascii=True) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -65,7 +69,10 @@ class RunLog:
             # Drain the writer's queue every step, like metrics.jsonl: events a killed run still held would be lost for
             # good (its resume redoes only the steps after the checkpoint).
             self.tb.flush()
-        self.bar.update(self.task, completed=record["step"], loss=record["loss"], tps=record["tokens_per_s"])
+
+    def eval(self, record: dict) -> None:
+        """An eval row (trainer/evaluate.py): the same files, the progress bar untouched."""
+        self._write(record)
 
     def close(self) -> None:
         self.bar.stop()

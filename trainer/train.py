@@ -19,6 +19,7 @@ from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpo
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
 from trainer.data import StepLoader, steps_per_epoch
+from trainer.evaluate import eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity
 from trainer.order import RankSource, rank_steps, schedule
@@ -244,6 +245,8 @@ def run(cfg: TrainConfig) -> dict | None:
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size)
+        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec, train_data=datasets[0],
+                          model_type=str(net.config.model_type))
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -319,10 +322,14 @@ def run(cfg: TrainConfig) -> dict | None:
                 last["mfu"] = sum(g[4] for g in gathered) / (dt * peak * world)
             if log is not None:
                 log.step(last)
+            if evals and cfg.eval_every and step % cfg.eval_every == 0:  # before the checkpoint: a resume keeps it
+                evaluate(net, evals, step=step, device=device, patchifier=patchifier, log=log)
             if cfg.save_every and step % cfg.save_every == 0:
                 save_checkpoint(out, step=step, epoch=epoch, position=loader.position, net=net, optimizer=optimizer,
                                 device=device, keep=cfg.keep_checkpoints, pack_state=loader.pack_state)
                 saved_at = step
+        if evals and last is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
+            evaluate(net, evals, step=step, device=device, patchifier=patchifier, log=log)
         if step != saved_at:
             same = loader.epoch == epoch
             save_checkpoint(out, step=step, epoch=epoch, position=loader.position if same else 0, net=net,

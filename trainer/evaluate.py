@@ -1,0 +1,110 @@
+"""Held-out eval: each eval set's shards split over the ranks (disjoint, no shuffle) -> the training collate or
+packing -> forwards without gradients -> the token-weighted mean loss over the whole set and all ranks, a
+metrics.jsonl row. The training stream is left as it was: own loaders, torch's RNG and every module's mode restored.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.collate import CollateSpec
+from trainer.config import ConfigError, TrainConfig
+from trainer.data import StepLoader
+from trainer.model import forward_loss
+from trainer.pack import check_packing
+from trainer.shards import DataSource, processor_identity, resolve_data, plan_shards
+from trainer.vision import ImageSpec, Patchifier
+
+
+@dataclass
+class EvalSet:
+    name: str  # '' for a single unnamed eval set
+    loader: StepLoader  # this rank's part, started afresh at every eval
+
+
+def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, collate_spec: CollateSpec,
+              train_data: DataSource, model_type: str) -> list[EvalSet]:
+    """This rank's loader per eval set: whole shards planned over the ranks as for training (with fewer shards
+    than ranks, every rank strides over all samples), read in manifest order, batched exactly as training."""
+    out = []
+    for d in cfg.eval_sources:
+        ds = resolve_data(d.path)
+        if ds.processor and train_data.processor:  # a loss under another tokenizer or pixel math means nothing
+            mine, theirs = (processor_identity(cfg.processor or x.processor, x.manifest) for x in (ds, train_data))
+            diff = [f"{k} {theirs[k]} vs {mine[k]}" for k in theirs if mine[k] != theirs[k]]
+            if diff:
+                raise ConfigError(f"--eval-data {d.path} was built with another processor than --data "
+                                  f"({'; '.join(diff)}): rebuild it with the training data's --processor")
+        if cfg.pack_to:
+            check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest, model_type=model_type)
+        plan = plan_shards(ds.shards, world)
+        loader = StepLoader([ds.shards[i] for i in plan.per_rank[rank]], spec=spec, collate_spec=collate_spec,
+                            seed=cfg.seed, shuffle=False, micro_batch_size=cfg.micro_batch_size,
+                            max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
+                            num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
+                            stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
+                            pack_window=cfg.pack_window)
+        out.append(EvalSet(d.name, loader))
+        if rank == 0:
+            print(f"trainer: eval set {d.name or d.path}: {len(ds.shards)} shards over {world} ranks"
+                  f"{' (fewer shards than ranks: each rank strides over all samples)' if plan.stride else ''}; "
+                  + (f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the end"),
+                  file=sys.stderr)
+    return out
+
+
+def evaluate(net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: torch.device, patchifier: Patchifier,
+             log=None) -> dict:
+    """Every rank runs the same number of forwards (a rank that runs out takes empty micro-batches, or FSDP's
+    all-gathers would hang); returns the metrics row (rank 0 also logs it when given `log`)."""
+    t0 = time.perf_counter()
+    modes = [(m, m.training) for m in net.modules()]  # mixed under peft (and from_pretrained): restore each
+    net.eval()
+    # The eval DataLoaders draw their base seed from torch's generator: fork it so training's dropout masks and
+    # loaders see the same RNG stream with and without eval.
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            sums = [x for s in sets for x in _eval_set(net, s, device=device, patchifier=patchifier)]
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    t = torch.tensor(sums, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    totals = t.view(len(sets), 3).tolist()  # [loss sum, trained tokens, samples] per set
+    loss, tokens, samples = (sum(row[k] for row in totals) for k in range(3))
+    record = {"step": step, "eval_loss": loss / tokens if tokens else None, "eval_tokens": int(tokens),
+              "eval_samples": int(samples), "eval_time_s": time.perf_counter() - t0}
+    if len(sets) > 1:
+        record["eval_loss_by_source"] = {s.name: (x / c if c else None) for s, (x, c, _) in zip(sets, totals)}
+        record["eval_tokens_by_source"] = {s.name: int(c) for s, (_, c, _) in zip(sets, totals)}
+    if log is not None:
+        log.eval(record)
+        shown = f"{record['eval_loss']:.4f}" if tokens else "n/a (no trained tokens)"
+        print(f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
+              f"samples ({record['eval_time_s']:.1f}s)", file=sys.stderr)
+    return record
+
+
+def _eval_set(net, s: EvalSet, *, device: torch.device, patchifier: Patchifier) -> list[float]:
+    """This rank's [summed token loss, trained tokens, samples] over its part of one eval set."""
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = samples = 0
+    s.loader.start(0, 0)
+    try:
+        while True:
+            micro_batches = s.loader.next_step()
+            mine = torch.tensor([sum(b.num_samples for b in micro_batches)], dtype=torch.float64, device=device)
+            dist.all_reduce(mine)
+            if mine.item() == 0:  # every rank has read its whole part
+                break
+            for mb in micro_batches:
+                tokens, samples = tokens + mb.num_trained, samples + mb.num_samples
+                mb = mb.to(device)
+                loss += forward_loss(net, mb, patchifier(mb.images, mb.image_index)).double()
+    finally:
+        s.loader.close()
+    return [float(loss), float(tokens), float(samples)]
