@@ -80,6 +80,49 @@ def test_eval_loss_equals_a_single_process_computation(dataset, image_spec, tmp_
     assert f"eval at step 1: loss {loss:.4f}" in proc.stderr
 
 
+def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(dataset, image_spec):
+    """In-process, one rank: LoRA dropout 0.3 with non-zero adapters (so dropout would change the loss), a module
+    already in eval mode (peft over a from_pretrained model leaves modes mixed). The eval DataLoader draws a seed
+    from torch's generator: without the fork, training's next dropout mask would differ."""
+    import torch.distributed as dist
+
+    from trainer.collate import CollateSpec
+    from trainer.data import StepLoader
+    from trainer.evaluate import EvalSet, evaluate
+    from trainer.model import build_model
+    from trainer.shards import resolve_data
+    from trainer.vision import Patchifier
+
+    net = build_model(tiny_random="qwen2-vl", seed=0, lora_rank=4, lora_dropout=0.3)
+    torch.manual_seed(1)
+    for name, p in net.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    net.get_base_model().model.visual.eval()
+    modes = [m.training for m in net.modules()]
+    assert any(modes) and not all(modes)
+    pattern = str(dataset / "shard-000004.tar")
+    spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
+    loader = StepLoader(list(resolve_data(pattern).shards), spec=image_spec, collate_spec=spec, seed=0, shuffle=False,
+                        micro_batch_size=2, max_tokens=0, grad_accum=1, num_workers=0, prefetch_factor=2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(5)
+        before = torch.get_rng_state()
+        row = evaluate(net, [EvalSet("", loader)], step=7, device=torch.device("cpu"),
+                       patchifier=Patchifier(image_spec, "cpu"))
+        assert torch.equal(torch.get_rng_state(), before)
+    finally:
+        dist.destroy_process_group()
+    assert [m.training for m in net.modules()] == modes
+    net.eval()
+    loss, tokens, samples = reference_eval(net, pattern, image_spec)
+    net.train()  # dropout on: the loss moves, so the reference above is the eval-mode one
+    assert reference_eval(net, pattern, image_spec)[0] != pytest.approx(loss, rel=1e-4)
+    assert (row["step"], row["eval_tokens"], row["eval_samples"]) == (7, tokens, samples)
+    assert row["eval_loss"] == pytest.approx(loss, rel=1e-6, abs=0)
+
+
 COMMON = ["--micro-batch-size", 2, "--max-steps", 3, "--lora-rank", 4, "--lora-dropout", 0.3, "--lr", 1e-3,
           "--num-workers", 2, "--save-every", 2, "--no-tensorboard"]
 
