@@ -16,7 +16,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import StepLoader
 from trainer.model import forward_loss
 from trainer.pack import check_packing
-from trainer.shards import DataSource, processor_identity, resolve_data, plan_shards
+from trainer.shards import DataSource, plan_shards, processor_identity, resolve_data
 from trainer.vision import ImageSpec, Patchifier
 
 
