@@ -75,7 +75,9 @@ def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_i
         for name, p in net.named_parameters():
             if ".visual." in f".{name}":
                 p.requires_grad_(False)
-    return net
+    # from_pretrained returns eval mode: dropout off and, since transformers checkpoints only `if self.training`,
+    # --activation-checkpointing silently inactive. Training starts in train mode whatever built the model.
+    return net.train()
 
 
 def image_token_id(net: torch.nn.Module) -> int:

@@ -105,6 +105,8 @@ def test_checkpoint_dirs_of_other_families_load_shard_and_train(family, image_sp
                                vision_end_token_id=151653, **kw)
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
     net = build_model(model=str(tmp_path / "ckpt"))
+    # from_pretrained gives eval mode; training needs train mode (dropout, and activation checkpointing only runs then)
+    assert all(m.training for m in net.modules())
     spec = ImageSpec.from_config({**image_spec.config, "patch_size": patch})
     batch = collate([_one_image_sample(patch)], CollateSpec(0, 151655, patch, 2)).to("cpu")
     pixels = Patchifier(spec, "cpu")(batch.images, batch.image_index)
