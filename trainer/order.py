@@ -26,6 +26,10 @@ class RankSource:
     shards: tuple  # ShardRef, in manifest order
     indexes: tuple[ShardIndex, ...]
     stride: tuple[int, int] = (0, 1)  # (rank, world): fewer shards than ranks, every rank keeps every world-th
+    # Seeds this rank's own permutation when it owns its shards: ranks with equal sample counts would otherwise read
+    # the same slots of their shards in lockstep (neighbouring shards, often one task of a sorted input, in one
+    # global batch). -1 in stride mode, where all ranks must share one permutation.
+    owner: int = -1
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,12 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
                span: int) -> tuple[np.ndarray, np.ndarray]:
     """One pass over a source on this rank: (shard, sample) arrays. With shuffle, the shard order is permuted and
     the samples of each block of `span` consecutive shards (0: all of them) are permuted together, so a shard's
-    samples spread over its block; seeded by (seed, epoch, source name, pass), the same on every rank."""
+    samples spread over its block; seeded by (seed, epoch, source name, pass, owning rank)."""
     counts = np.array([ix.num_samples for ix in src.indexes], dtype=np.int64)
     order = list(range(len(counts)))
-    if shuffle or shuffle_shards:  # the sequential reader's own shard order (data.epoch_shards) for pass 0
+    if shuffle:
+        random.Random(f"vlmprep-order:{seed}:{epoch}:{src.name}:{pass_no}:{src.owner}").shuffle(order)
+    elif shuffle_shards:  # the sequential reader's own shard order (data.epoch_shards)
         random.Random(f"vlmprep-trainer:{seed}:{epoch}" + (f":{src.name}:{pass_no}" if src.name or pass_no else "")
                       ).shuffle(order)
     order = np.asarray(order, dtype=np.int64)
@@ -67,7 +73,7 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
     sample = np.concatenate([np.arange(counts[k]) for k in order] or [np.zeros(0)]).astype(np.int32)
     if shuffle:
         block = span or max(len(order), 1)
-        rng = _rng(seed, epoch, src.name, pass_no, "samples")
+        rng = _rng(seed, epoch, src.name, pass_no, src.owner, "samples")
         bounds = np.concatenate([[0], np.cumsum([counts[order[i:i + block]].sum()
                                                  for i in range(0, len(order), block)])]).astype(np.int64)
         for a, z in zip(bounds[:-1], bounds[1:]):

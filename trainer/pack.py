@@ -45,7 +45,7 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 class Packer:
     """Rows of whole samples from a rank's stream. Reads up to `window` samples, packs them by best-fit
-    decreasing, hands out the rows in the order they were opened, and keeps samples of rows below CARRY_BELOW
+    decreasing, hands out the rows in a fixed pseudo-random order, and keeps samples of rows below CARRY_BELOW
     for the next window (unless the stream has ended: then everything goes, so no sample is dropped)."""
 
     def __init__(self, samples: Iterator[DecodedSample], *, capacity: int, window: int, state: list[int] | None = None):
@@ -131,8 +131,20 @@ class Packer:
                 if sum(lengths[i] for i in bins[b]) >= CARRY_BELOW * self.capacity or len(keep) + len(bins[b]) > limit:
                     break
                 keep.update(bins[b])
-        self._ready.extend([self._pending[i] for i in sorted(b)] for b in bins if not keep.intersection(b))
+        rows = [[self._pending[i] for i in sorted(b)] for b in bins if not keep.intersection(b)]
+        # Best-fit decreasing opens rows longest first, and the longest samples of a window are often related (the
+        # late steps of one split trajectory): hand the rows out in a fixed pseudo-random order instead, so those
+        # rows do not all land in one step. Keyed by stream position: deterministic, and resume keeps _ready as is.
+        self._ready.extend(sorted(rows, key=lambda row: _mix(row[0].position)))
         self._pending = [s for i, s in enumerate(self._pending) if i in keep]
+
+
+def _mix(position: int) -> int:
+    """splitmix64 of a stream position: a fixed pseudo-random sort key."""
+    z = (position + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
 
 def _state_positions(state: list[int]) -> list[int]:

@@ -129,7 +129,7 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
         indexes = tuple(index_shard(local_copy(s, cache), url=s.url, expect=s.num_samples) for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
-                              (rank, world) if plan.stride else (0, 1)))
+                              (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))
     return out
 
 

@@ -17,9 +17,9 @@ SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
-def _source(shards, *, name="", weight=1.0, on_end="repeat", stride=(0, 1)) -> RankSource:
+def _source(shards, *, name="", weight=1.0, on_end="repeat", stride=(0, 1), owner=-1) -> RankSource:
     return RankSource(name, weight, on_end, tuple(shards), tuple(index_shard(s.url, expect=s.num_samples)
-                                                                  for s in shards), stride)
+                                                                  for s in shards), stride, owner)
 
 
 def _fake(name, tokens_per_shard, *, weight=1.0, on_end="repeat", trained=None) -> RankSource:
@@ -59,6 +59,14 @@ def test_a_pass_holds_every_sample_once_is_seeded_and_spreads_each_shard(shards)
     assert sorted(one) == everything and len(runs) == len(shards)
     # No shuffle: exactly the sequential reader's order (shards in manifest order, samples in tar order).
     assert _pairs(pass_order(src, epoch=0, **{**kw, "shuffle": False, "shuffle_shards": False})) == everything
+
+
+def test_ranks_owning_equal_shards_do_not_read_them_in_lockstep(shards):
+    """4 shards of 4 samples: ranks 0 and 1 each own two. One permutation for both would read the same slot of
+    neighbouring shards at every step (one task of a task-sorted input in one global batch)."""
+    kw = dict(seed=0, epoch=0, pass_no=0, shuffle=True, shuffle_shards=True, span=0)
+    a, b = (_pairs(pass_order(_source(shards[r:4:2], owner=r), **kw)) for r in range(2))
+    assert a != b and sorted(a) == sorted(b)  # the same (local shard, sample) slots, in different orders
 
 
 def test_stride_ranks_take_disjoint_slices_of_one_permutation(shards):

@@ -327,3 +327,14 @@ def test_flop_count_sees_the_same_samples_packed_or_not():
     attn = 6 * counter.layers * counter.hidden * sum(n * n for n in lens)
     assert packed == plain > attn + 6 * counter.text * sum(lens)  # vision patches on top
     assert counter.step([collate([], spec)]) == 0
+
+
+def test_a_window_hands_out_its_rows_in_a_fixed_shuffled_order_not_longest_first():
+    """Best-fit decreasing opens rows longest sample first; the related long samples of a window (late steps of one
+    trajectory) must not all leave in the first rows, i.e. in one step."""
+    lengths = [900, 100, 850, 120, 800, 150, 950, 60, 700, 200, 880, 90]  # six long, six short; T = 1000
+    rows = _rows(Packer(iter(_fake(i, n) for i, n in enumerate(lengths)), capacity=1000, window=12))
+    longest = [max(lengths[p] for p in r) for r in rows]
+    assert sorted(p for r in rows for p in r) == list(range(12)) and len(rows) == 6
+    assert longest != sorted(longest, reverse=True), longest  # best-fit decreasing's own order
+    assert rows == _rows(Packer(iter(_fake(i, n) for i, n in enumerate(lengths)), capacity=1000, window=12))
