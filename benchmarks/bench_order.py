@@ -1,11 +1,14 @@
 """Data-order benchmark (issue 24): same-trajectory sample pairs per global batch on the demo traces built with
---long-traces split (8 simulated ranks, each a real StepLoader): no sample shuffle vs shuffle vs a uniform random
-order; realized trained-token shares of a 0.7/0.3 mixture; sample_loader samples/s with and without the shuffle and
-host RSS (main process + workers) per --shuffle-span. Built inputs are cached under bench-out/."""
+--long-traces split (8 simulated ranks: the trainer's schedule and Packer, checked against real StepLoaders), without
+vs with the sample shuffle vs a uniform random order; realized trained-token shares of a 0.7/0.3 mixture (real
+StepLoaders); sample_loader samples/s with and without the shuffle, host RSS (main process + workers) per
+--shuffle-span. Built inputs are cached under bench-out/ (the first run renders and builds them: minutes)."""
 from __future__ import annotations
 
+import gc
 import json
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -253,8 +256,8 @@ def mixture(datasets: list[tuple[str, Path, float]], ranks: int) -> dict:
 
     weights = np.array([w for _, _, w in datasets]) / sum(w for _, _, w in datasets)
     with tempfile.TemporaryDirectory() as cache:
-        loaders = rank_loaders(datasets, world=ranks, shuffle=True, cache=Path(cache), pack_to=0,
-                                  micro_batch_size=1, max_tokens=0, grad_accum=1)
+        loaders = rank_loaders(datasets, world=ranks, shuffle=True, cache=Path(cache), pack_to=0, micro_batch_size=1,
+                               max_tokens=0, grad_accum=1)
         sched = np.zeros(len(datasets))
         for ld in loaders:  # schedule level: the stored trained-token counts in schedule order
             order = ld.schedule(0)
@@ -266,7 +269,7 @@ def mixture(datasets: list[tuple[str, Path, float]], ranks: int) -> dict:
     per_step = np.array([sum(trained_by_source(b, len(datasets)) for b in step) for step in steps], dtype=np.float64)
     cum = per_step.cumsum(0)
     share = cum[-1] / cum[-1].sum()
-    early = min(20, len(cum) - 1)
+    early = min(50, len(cum) - 1)
     running = cum[early:] / cum[early:].sum(1, keepdims=True)
     return dict(names=[n for n, _, _ in datasets], requested=[round(float(w), 4) for w in weights],
                 realized=[round(float(x), 4) for x in share],
@@ -292,6 +295,7 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
 
     keep_freed_buffers()  # as the trainer does at start-up
     source, spec, _ = _loader_parts(Path(ds))
+    t_index = time.perf_counter()
     if shuffle:
         with tempfile.TemporaryDirectory() as cache:
             srcs = rank_sources((DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0, world=1,
@@ -300,6 +304,7 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
                                  start=0, spec=spec)
     else:
         stream = RankStream(epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle=True), start=0, spec=spec)
+    t_index = time.perf_counter() - t_index  # the shuffle's start-up cost: reading every shard's sample index
     me, peak, done = psutil.Process(), [0], threading.Event()
 
     def poll():
@@ -312,14 +317,27 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
 
     if rss:
         threading.Thread(target=poll, daemon=True).start()
+    cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
     samples = images = 0
-    for s in sample_loader(stream, num_workers=workers, prefetch_factor=4):
+    s = None
+    loader = sample_loader(stream, num_workers=workers, prefetch_factor=4)
+    for s in loader:
         samples += 1
         images += len(s.images)
     seconds = time.perf_counter() - t0
     done.set()
-    return dict(samples=samples, images=images, seconds=seconds, rss_mb=peak[0] / 2**20)
+    del loader, s
+    gc.collect()  # the workers are joined (and their CPU time counted) once the iterator is gone
+    return dict(samples=samples, images=images, seconds=seconds, cpu_seconds=_cpu_seconds() - cpu0,
+                rss_mb=peak[0] / 2**20, index_seconds=t_index)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (the DataLoader workers): unlike wall time, hardly moved
+    by other jobs on a shared box."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _fresh_pass(ds: Path, shuffle: bool, span: int) -> dict:
@@ -337,11 +355,17 @@ def throughput(ds: Path, repeats: int) -> list[dict]:
         for shuffle in (False, True):
             runs[shuffle].append(loader_pass(str(ds), shuffle, 0))
     med = {k: statistics.median(r["samples"] / r["seconds"] for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r["cpu_seconds"] * 1000 / r["samples"] for r in v) for k, v in runs.items()}
+    pairwise = [no["seconds"] / sh["seconds"] for no, sh in zip(runs[False], runs[True])]  # passes back to back
     rows = [emit("order", metric="loader_throughput", workers=2, shards=n_shards, samples=runs[True][0]["samples"],
                  images=runs[True][0]["images"], repeats=repeats, samples_per_s_no_shuffle=round(med[False], 2),
                  samples_per_s_shuffle=round(med[True], 2), ratio=round(med[True] / med[False], 3),
+                 ratio_pairwise_median=round(statistics.median(pairwise), 3),
                  all_samples_per_s_no_shuffle=[round(r["samples"] / r["seconds"], 1) for r in runs[False]],
                  all_samples_per_s_shuffle=[round(r["samples"] / r["seconds"], 1) for r in runs[True]],
+                 cpu_ms_per_sample_no_shuffle=round(cpu[False], 2), cpu_ms_per_sample_shuffle=round(cpu[True], 2),
+                 cpu_ratio=round(cpu[True] / cpu[False], 3),
+                 index_seconds_shuffle=round(statistics.median(r["index_seconds"] for r in runs[True]), 3),
                  goal_ratio=">= 0.9")]
     rss = {"no_shuffle": _fresh_pass(ds, False, 0)}
     for span in (1, 4, 0):
@@ -350,6 +374,8 @@ def throughput(ds: Path, repeats: int) -> list[dict]:
     rows.append(emit("order", metric="loader_rss", workers=2, shards=n_shards,
                      **{f"peak_rss_mb_{k}": round(v["rss_mb"], 1) for k, v in rss.items()},
                      **{f"samples_per_s_{k}": round(v["samples"] / v["seconds"], 2) for k, v in rss.items()},
+                     **{f"cpu_ms_per_sample_{k}": round(v["cpu_seconds"] * 1000 / v["samples"], 2)
+                        for k, v in rss.items()},
                      rss_max_over_min_spans=round(max(spans) / min(spans), 3), goal="flat in the span"))
     return rows
 

@@ -33,10 +33,10 @@ REQUIRED = {
     ("pack", "token_budget"): {"max_tokens_per_batch", "fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "micro_batch_1"): {"fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "loader_cost"): {"pack_ms_per_sample", "collate_ms_per_sample", "added_ms_per_sample", "goal_ms"},
-    ("order", "batch_correlation"): {"batching", "ranks", "samples", "share_no_shuffle", "share_shuffle", "share_uniform",
-                                     "ratio_shuffle_vs_uniform", "ratio_no_shuffle_vs_uniform"},
+    ("order", "batch_correlation"): {"data", "batching", "ranks", "samples", "share_no_shuffle", "share_shuffle",
+                                     "share_uniform", "ratio_shuffle_vs_uniform", "ratio_no_shuffle_vs_uniform"},
     ("order", "mixture"): {"names", "requested", "realized", "schedule_level", "max_abs_error", "steps"},
-    ("order", "loader_throughput"): {"samples_per_s_no_shuffle", "samples_per_s_shuffle", "ratio"},
+    ("order", "loader_throughput"): {"samples_per_s_no_shuffle", "samples_per_s_shuffle", "ratio", "cpu_ratio"},
     ("order", "loader_rss"): {"peak_rss_mb_no_shuffle", "peak_rss_mb_span_1", "peak_rss_mb_span_4",
                               "peak_rss_mb_span_all", "rss_max_over_min_spans"},
 }
