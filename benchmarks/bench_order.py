@@ -243,6 +243,46 @@ def correlation(ds: Path, pack_to: int, epochs: int, copies: int) -> list[dict]:
     return rows
 
 
+def sorted_input(ds: Path, *, shards: int, per_shard: int, tasks: int, epochs: int) -> list[dict]:
+    """An input sorted by task (most are): `shards` equal shards of `per_shard` samples (lengths drawn from the
+    dataset's), task = which of `tasks` equal runs of the input a sample is in; 8 ranks, same-task pairs within a
+    global batch without vs with the shuffle vs uniform. Equal shards give every rank the same sample count."""
+    from trainer.index import ShardIndex, index_shard
+    from trainer.order import RankSource
+    from trainer.shards import ShardRef, plan_shards
+
+    source, _, _ = _loader_parts(ds)
+    pool = [(int(t), int(r)) for s in source.shards for ix in [index_shard(s.url)]
+            for t, r in zip(ix.tokens, ix.trained)]
+    rng = random.Random(SEED)
+    refs, indexes, task = [], {}, {}
+    for k in range(shards):
+        picks = [rng.choice(pool) for _ in range(per_shard)]
+        toks, trained = (np.array(v, dtype=np.int64) for v in zip(*picks))
+        name = f"sorted-{k:05d}"
+        refs.append(ShardRef(url=name, name=name, num_samples=per_shard, num_tokens=int(toks.sum())))
+        zero = np.zeros(per_shard, dtype=np.int64)
+        indexes[name] = ShardIndex(name, zero, zero, toks, trained)
+        task.update({(name, i): (k * per_shard + i) * tasks // (shards * per_shard) for i in range(per_shard)})
+    plan = plan_shards(tuple(refs), WORLD)
+    per_rank = [[RankSource("", 1.0, "repeat", tuple(refs[i] for i in o), tuple(indexes[refs[i].name] for i in o))]
+                for o in plan.per_rank]
+    rows = []
+    for label, batching in (("micro_batch_size=1", dict(micro_batch_size=1)), ("micro_batch_size=4",
+                                                                               dict(micro_batch_size=4))):
+        share = {}
+        for shuffle in (False, True):
+            runs = [simulated_steps(per_rank, epoch=e, shuffle=shuffle, pack_to=0, **batching) for e in range(epochs)]
+            share[shuffle] = pair_share([st for r in runs for st in r], task)[0]
+        c = uniform_share(task)
+        rows.append(emit("order", metric="sorted_input_correlation", batching=label, ranks=WORLD, shards=shards,
+                         samples_per_shard=per_shard, tasks=tasks, epochs=epochs,
+                         share_no_shuffle=round(share[False], 4), share_shuffle=round(share[True], 4),
+                         share_uniform=round(c, 4), ratio_no_shuffle_vs_uniform=round(share[False] / c, 3),
+                         ratio_shuffle_vs_uniform=round(share[True] / c, 3)))
+    return rows
+
+
 def trained_by_source(batch, n: int) -> np.ndarray:
     """The trainer's tokens_by_source rule (model.forward_loss): targets labels[:, 1:], by their token's source."""
     from trainer.collate import token_sources
@@ -252,8 +292,8 @@ def trained_by_source(batch, n: int) -> np.ndarray:
 
 
 def mixture(datasets: list[tuple[str, Path, float]], ranks: int) -> dict:
-    from trainer.order import schedule
-
+    """Real StepLoaders over a weighted mixture, one epoch: trained-token shares per source from the batches (and
+    from the schedule's stored counts), overall and, from step 50 on, of the running totals."""
     weights = np.array([w for _, _, w in datasets]) / sum(w for _, _, w in datasets)
     with tempfile.TemporaryDirectory() as cache:
         loaders = rank_loaders(datasets, world=ranks, shuffle=True, cache=Path(cache), pack_to=0, micro_batch_size=1,
@@ -401,6 +441,7 @@ def run(quick: bool) -> list[dict]:
     torch.set_num_threads(1)
     demo, pack_to, screens = datasets(quick)
     rows = correlation(demo, pack_to, 3 if quick else 50, 2 if quick else 16)
+    rows += sorted_input(demo, shards=16 if quick else 160, per_shard=16, tasks=8, epochs=2 if quick else 10)
     # Both datasets mixed 0.7 / 0.3 by trained tokens, 2 ranks, one sample per step: >= 200 steps.
     m = mixture([("screens", screens, 0.7), ("agent", demo, 0.3)], ranks=2)
     rows.append(emit("order", metric="mixture", **m, goal_max_abs_error=0.02, goal_steps=200))

@@ -35,6 +35,7 @@ REQUIRED = {
     ("pack", "loader_cost"): {"pack_ms_per_sample", "collate_ms_per_sample", "added_ms_per_sample", "goal_ms"},
     ("order", "batch_correlation"): {"data", "batching", "ranks", "samples", "share_no_shuffle", "share_shuffle",
                                      "share_uniform", "ratio_shuffle_vs_uniform", "ratio_no_shuffle_vs_uniform"},
+    ("order", "sorted_input_correlation"): {"batching", "ratio_no_shuffle_vs_uniform", "ratio_shuffle_vs_uniform"},
     ("order", "mixture"): {"names", "requested", "realized", "schedule_level", "max_abs_error", "steps"},
     ("order", "loader_throughput"): {"samples_per_s_no_shuffle", "samples_per_s_shuffle", "ratio", "cpu_ratio"},
     ("order", "loader_rss"): {"peak_rss_mb_no_shuffle", "peak_rss_mb_span_1", "peak_rss_mb_span_4",
