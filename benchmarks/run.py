@@ -1,19 +1,19 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
-shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack; traces (agent-trace
-split/keep-images table); scale (one plan: local pool vs Ray, per-task balance). `--quick` is a seconds-long smoke run
-(tiny inputs; figures meaningless, shape real)."""
+shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack -> order (sample shuffle,
+mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs Ray,
+per-task balance). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
 import time
 
-from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_pack, bench_scale,
-                        bench_startup, bench_traces)
+from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_order, bench_pack,
+                        bench_scale, bench_startup, bench_traces)
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "traces", "scale")
+BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_balance.run(a.quick)
     if "pack" in only:
         bench_pack.run(a.quick)
+    if "order" in only:
+        bench_order.run(a.quick)
     if "traces" in only:
         bench_traces.run(a.quick)
     if "scale" in only:

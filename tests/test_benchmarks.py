@@ -33,6 +33,13 @@ REQUIRED = {
     ("pack", "token_budget"): {"max_tokens_per_batch", "fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "micro_batch_1"): {"fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "loader_cost"): {"pack_ms_per_sample", "collate_ms_per_sample", "added_ms_per_sample", "goal_ms"},
+    ("order", "batch_correlation"): {"data", "batching", "ranks", "samples", "share_no_shuffle", "share_shuffle",
+                                     "share_uniform", "ratio_shuffle_vs_uniform", "ratio_no_shuffle_vs_uniform"},
+    ("order", "sorted_input_correlation"): {"batching", "ratio_no_shuffle_vs_uniform", "ratio_shuffle_vs_uniform"},
+    ("order", "mixture"): {"names", "requested", "realized", "schedule_level", "max_abs_error", "steps"},
+    ("order", "loader_throughput"): {"samples_per_s_no_shuffle", "samples_per_s_shuffle", "ratio", "cpu_ratio"},
+    ("order", "loader_rss"): {"peak_rss_mb_no_shuffle", "peak_rss_mb_span_1", "peak_rss_mb_span_4",
+                              "peak_rss_mb_span_all", "rss_max_over_min_spans"},
 }
 
 
@@ -55,3 +62,23 @@ def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     assert any("time_over_floor" in r for r in loader)
     assert {r["plan"] for r in rows if r["bench"] == "balance"} == {"sample_count_split", "token_balanced_shards"}
     assert {r["pack_to"] for r in rows if r.get("metric") == "pack"} == {16384, 32768}
+
+
+def test_order_pair_share_and_its_uniform_expectation():
+    """The order benchmark's metric: same-trajectory pairs / all pairs within a global batch, pooled over steps;
+    the uniform figure is what random permutations cut into the same batch sizes give on average."""
+    import random
+
+    from benchmarks.bench_order import pair_share, uniform_share
+
+    traj = {"a#0": "a", "a#1": "a", "a#2": "a", "b#0": "b", "b#1": "b", "c": "c"}
+    # step 1: {a, a, b} -> 1 same pair of 3; step 2: {a, b, c} -> 0 of 3
+    assert pair_share([["a#0", "a#1", "b#0"], ["a#2", "b#1", "c"]], traj) == (1 / 6, 1, 6)
+    assert uniform_share(traj) == (3 + 1) / 15
+    rng, ids, sizes = random.Random(0), sorted(traj), [2, 3, 1]
+    draws = []
+    for _ in range(20000):
+        rng.shuffle(ids)
+        cuts = [ids[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
+        draws.append(pair_share(cuts, traj)[0])
+    assert abs(sum(draws) / len(draws) - uniform_share(traj)) < 0.01
