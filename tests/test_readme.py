@@ -157,7 +157,9 @@ SETUPS: dict[str, list[str]] = {
                f"{TOOLS_BUILD} --in traces.jsonl.zst --out shards/ --seq-len 1024 >/dev/null"],
     # demo/shards as `make demo` names it, from 8 small traces.
     "demo-small": [_demo("demo/traces.jsonl.zst", 8),
-                   f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null"],
+                   f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
+                   _demo("demo/heldout.jsonl.zst", 2, seed=9),  # a held-out set for --eval-data
+                   f"{TOOLS_BUILD} --in demo/heldout.jsonl.zst --out demo/heldout --seq-len 4096 >/dev/null"],
     # Two datasets to mix: demo/shards (agent traces) and chat/shards (short traces, one image at most).
     "mix": [_demo("demo/traces.jsonl.zst", 8),
             f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
