@@ -17,6 +17,7 @@ from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpo
                                 start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
+from trainer.decode import refuse_videos
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.metrics import FlopCounter, RunLog, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity
@@ -151,6 +152,8 @@ def run(cfg: TrainConfig) -> dict | None:
     try:
         specs = cfg.sources
         datasets = [resolve_data(d.path) for d in specs]
+        for d, ds in zip(specs, datasets):
+            refuse_videos(ds.manifest, str(d.path))
         source = datasets[0]
         spec = _load_spec(cfg, source.processor)
         if len(specs) > 1:
