@@ -1,7 +1,8 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
 shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack; traces (agent-trace
-split/keep-images table); scale (one plan: local pool vs Ray, per-task balance). `--quick` is a seconds-long smoke run
+split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and shard bytes
+per second of video). `--quick` is a seconds-long smoke run
 (tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import argparse
 import time
 
 from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_pack, bench_scale,
-                        bench_startup, bench_traces)
+                        bench_startup, bench_traces, bench_video)
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "traces", "scale")
+BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "traces", "scale", "video")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_traces.run(a.quick)
     if "scale" in only:
         bench_scale.run(a.quick)
+    if "video" in only:
+        bench_video.run(a.quick)
     emit("done", seconds=round(time.perf_counter() - t0, 1))
 
 

@@ -272,7 +272,8 @@ def _video_part(p: dict, ptype: str, where: str, ctx: "_ImageContext") -> VideoD
             raise RecordError("video_no_frames", f"{where}: the video's frame list is empty; give at least one frame")
         frames = tuple(ctx.fetch(r, f"{where}.video[{k}]") for k, r in enumerate(ref))
         return VideoData(frames=frames, origin="frames", **options)
-    return VideoData(data=ctx.fetch(ref, where, kind="video").data, origin=ref if isinstance(ref, str) else "", **options)
+    fetched = ctx.fetch(ref, where, kind="video")
+    return VideoData(data=fetched.data, origin=fetched.origin, **options)
 
 
 def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:

@@ -296,3 +296,23 @@ def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
     refuse_videos({"totals": {"videos": 0}}, "d")
     with pytest.raises(DataError, match="holds 2 videos; this trainer does not train video samples yet"):
         refuse_videos({"totals": {"videos": 2}}, "d")
+
+
+def test_verify_stats_and_inspect_read_a_video_dataset(built):
+    """A dataset with videos verifies clean, stats counts videos apart from images, inspect collapses video runs."""
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+    from vlmprep.stats import compute_stats
+    from vlmprep.verify import verify_dataset
+
+    out = built["qwen3-vl"][0]
+    assert verify_dataset(out) == []
+    st = compute_stats(out)
+    assert (st["videos"], st["images"], st["mismatches"]) == (len(CLIPS), 1, [])
+    assert st["video_tokens"] > 0 and st["image_tokens"] > 0
+    res = CliRunner().invoke(app, ["inspect", str(out), "--html", str(out.parent / "v.html")],
+                             env={"COLUMNS": "200", "TERM": "dumb"})
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["inspect", str(out)], env={"COLUMNS": "200", "TERM": "dumb"})
+    assert res.exit_code == 0 and "[video: " in res.stdout and "WARNING" not in res.stdout, res.stdout
