@@ -33,6 +33,7 @@ REQUIRED = {
     ("pack", "token_budget"): {"max_tokens_per_batch", "fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "micro_batch_1"): {"fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "loader_cost"): {"pack_ms_per_sample", "collate_ms_per_sample", "added_ms_per_sample", "goal_ms"},
+    ("video", None): {"family", "build_s_per_video_s", "shard_bytes_per_video_s", "video_tokens"},
 }
 
 
