@@ -316,3 +316,17 @@ def test_verify_stats_and_inspect_read_a_video_dataset(built):
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["inspect", str(out)], env={"COLUMNS": "200", "TERM": "dumb"})
     assert res.exit_code == 0 and "[video: " in res.stdout and "WARNING" not in res.stdout, res.stdout
+
+
+@pytest.mark.slow  # ~50 s on 2 cores: two builds, one through a worker pool
+def test_video_builds_are_byte_identical_for_any_worker_count(clips, tmp_path):
+    """Decode, sampling, resize and frame encoding are deterministic: --workers 1 and 2 write the same shard bytes."""
+    d, data = clips
+    (d / "two.jsonl").write_text("".join(json.dumps({**_record(k == 0, data), "id": f"v{k}"}) + "\n" for k in range(2)))
+    shas = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        res = build(BuildConfig(inputs=(str(d / "two.jsonl"),), out=str(out), processor="builtin:qwen2.5-vl",
+                                seq_len=32768, tool_calls="train-content", workers=workers, progress=False))
+        shas.append([(s["name"], s["sha256"]) for s in res.manifest["shards"]])
+    assert shas[0] == shas[1] and res.manifest["totals"]["videos"] == 2 * len(CLIPS)
