@@ -3,6 +3,7 @@ ids, grids, second_per_grid_ts, mm types, pixel values of the stored frames, MRo
 with videos made here by PyAV: different sizes, rates and lengths, an odd sampled frame count, one below the
 processor's minimum frames; a frame list equals the same frames in a lossless file."""
 import base64
+import hashlib
 import io
 import json
 import tarfile
@@ -330,3 +331,38 @@ def test_video_builds_are_byte_identical_for_any_worker_count(clips, tmp_path):
                                 seq_len=32768, tool_calls="train-content", workers=workers, progress=False))
         shas.append([(s["name"], s["sha256"]) for s in res.manifest["shards"]])
     assert shas[0] == shas[1] and res.manifest["totals"]["videos"] == 2 * len(CLIPS)
+
+
+def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
+    """A frame member removed, or a video grid row changed, is a named violation (verify reads format v3)."""
+    import shutil
+
+    from vlmprep.verify import verify_dataset
+
+    src = built["qwen2-vl"][0]
+    for fault in ("drop_frame", "grid"):
+        d = tmp_path / fault
+        shutil.copytree(src, d)
+        [shard] = sorted(d.glob("shard-*.tar"))
+        with tarfile.open(shard) as tf:
+            members = [(m, tf.extractfile(m).read()) for m in tf]
+        with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for m, b in members:
+                if fault == "drop_frame" and m.name.endswith(".vid002.0001.npy.zst"):
+                    continue
+                if fault == "grid" and m.name.endswith(".video_grid_thw.npy"):
+                    g = np.load(io.BytesIO(b))
+                    g[0, 1] += 2
+                    buf = io.BytesIO()
+                    np.save(buf, g)
+                    b = buf.getvalue()
+                    m.size = len(b)
+                tf.addfile(m, io.BytesIO(b))
+        manifest = json.loads((d / "manifest.json").read_text())  # the shard-level checks pass: reach the samples
+        manifest["shards"][0].update(bytes=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        found = " | ".join(str(v) for v in verify_dataset(d))
+        if fault == "drop_frame":
+            assert "video 2: 5 frame members, meta says 6 frames" in found, found
+        else:
+            assert "video placeholders, video_grid_thw rows need" in found and "video 0: vid000.0000.npy.zst is" in found
