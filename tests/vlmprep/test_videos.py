@@ -99,6 +99,22 @@ def _read_one(out):
     return arrays, meta, videos
 
 
+def _assert_pixels_equal(processor, videos, want) -> None:
+    """Stored frames (uint8) through the video processor's own rescale+normalize and patchify (which pads an odd
+    frame count with the last frame) equal its pixel_values_videos, fp32, <= 1e-6."""
+    vp = processor.video_processor
+    mine = []
+    for v in videos:
+        t = torch.from_numpy(v).permute(0, 3, 1, 2)[None].contiguous()
+        t = vp.rescale_and_normalize(t, True, vp.rescale_factor, True, vp.image_mean, vp.image_std)
+        mine.append(vp.patchify(t, patch_size=vp.patch_size, merge_size=vp.merge_size,
+                                temporal_patch_size=vp.temporal_patch_size)[0][0])
+    got = torch.cat(mine)
+    want = torch.as_tensor(want)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-6
+
+
 def _rope_model(family: str):
     """The model class's get_rope_index with a config, no weights: what the model computes positions with."""
     import transformers as tf
@@ -153,16 +169,7 @@ def test_video_sample_equals_the_processors_output(family, built):
         assert meta["videos"][3]["frames"] == 7 and arrays["video_grid_thw"][3][0] == 4
         assert "seconds>" in processor.tokenizer.decode(arrays["input_ids"].tolist())
     # Pixel values: the stored frames through the processor's own normalize + patchify equal pixel_values_videos.
-    vp = processor.video_processor
-    mine = []
-    for v in videos:
-        t = torch.from_numpy(v).permute(0, 3, 1, 2)[None].contiguous()
-        t = vp.rescale_and_normalize(t, True, vp.rescale_factor, True, vp.image_mean, vp.image_std)
-        mine.append(vp.patchify(t, patch_size=vp.patch_size, merge_size=vp.merge_size,
-                                temporal_patch_size=vp.temporal_patch_size)[0][0])
-    got, want = torch.cat(mine), ref["pixel_values_videos"]
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
-    assert (got - want).abs().max().item() <= 1e-6
+    _assert_pixels_equal(processor, videos, ref["pixel_values_videos"])
     # Positions: the model's own get_rope_index with the videos.
     kw = {"second_per_grid_ts": ref["second_per_grid_ts"]} if family == "qwen2.5-vl" else {}
     pos, _ = _rope_model(family).get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
@@ -178,11 +185,12 @@ def test_video_sample_equals_the_processors_output(family, built):
 
 
 def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
-    """8 frames given as PNGs at fps 4, and the same frames as an FFV1 (lossless RGB) file sampled at 4 fps: every
-    frame kept both ways, so the samples are identical; both equal the processor fed the frames unsampled."""
+    """7 frames (odd: the processor pads the last temporal patch) given as PNGs at fps 4, and the same frames as an
+    FFV1 (lossless RGB) file sampled at 4 fps: every frame kept both ways, so the samples are identical; both equal
+    the processor fed the frames unsampled."""
     from transformers.video_utils import VideoMetadata
 
-    video = frames(8, 64, 48, seed=3)
+    video = frames(7, 64, 48, seed=3)
     ffv1 = encode(video, 4, codec="ffv1", fmt="matroska")
     np.testing.assert_array_equal(decode_all(ffv1)[0], video)  # lossless, so the claim is testable
     as_list = {"type": "video", "video": [_uri(_png(f), "image/png") for f in video], "fps": 4}
@@ -201,7 +209,8 @@ def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
         for name in a1:
             np.testing.assert_array_equal(a1[name], a2[name])
         np.testing.assert_array_equal(v1[0], v2[0])
-        assert m1["videos"][0]["frame_indices"] == list(range(8)) == m2["videos"][0]["frame_indices"]
+        assert m1["videos"][0]["frame_indices"] == list(range(7)) == m2["videos"][0]["frame_indices"]
+        assert a1["video_grid_thw"][0][0] == 4
         processor = load_processor(str(tmp_path / f"{fam}-0" / "processor"))
         msgs = [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "q"}]},
                 {"role": "assistant", "content": "a"}]
@@ -209,10 +218,11 @@ def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
             warnings.simplefilter("ignore")
             ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np",
                                                 do_sample_frames=False,
-                                                video_metadata=[VideoMetadata(total_num_frames=8, fps=4.0,
-                                                                              frames_indices=list(range(8)))])
+                                                video_metadata=[VideoMetadata(total_num_frames=7, fps=4.0,
+                                                                              frames_indices=list(range(7)))])
         np.testing.assert_array_equal(a1["input_ids"], ref["input_ids"][0])
         np.testing.assert_array_equal(a1["video_grid_thw"], ref["video_grid_thw"])
+        _assert_pixels_equal(processor, v1, ref["pixel_values_videos"])
 
 
 def test_video_options_reach_the_processor_and_are_saved(clips, tmp_path):
