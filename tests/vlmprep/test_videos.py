@@ -376,3 +376,22 @@ def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
             assert "video 2: 5 frame members, meta says 6 frames" in found, found
         else:
             assert "video placeholders, video_grid_thw rows need" in found and "video 0: vid000.0000.npy.zst is" in found
+
+
+def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
+    """Until the trainer trains video, a dataset with videos stops `python -m trainer` before anything runs: exit 1,
+    one line naming the dataset and why (manifest totals), no run dir."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "trainer", "--data", str(built["qwen2-vl"][0]), "--out",
+                           str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--device", "cpu"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"holds {len(CLIPS)} videos; this trainer does not train video" in lines[0], lines
+    assert not (tmp_path / "run").exists()
