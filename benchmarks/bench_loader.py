@@ -173,6 +173,12 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
 
 def as_format_v1(src: Path, dst: Path) -> Path:
     """A copy of a dataset as a format-v1 build wrote it: no image_index.npy member, format_version 1."""
+    return as_format(src, dst, 1)
+
+
+def as_format(src: Path, dst: Path, version: int) -> Path:
+    """A copy of an image-only dataset as a build of format `version` wrote it: without the members later versions
+    added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy)."""
     import hashlib
     import shutil
     import tarfile
@@ -183,15 +189,20 @@ def as_format_v1(src: Path, dst: Path) -> Path:
     for s in manifest["shards"]:
         path = dst / s["name"]
         with tarfile.open(path) as tf:
-            members = [(m, tf.extractfile(m).read()) for m in tf if not m.name.endswith(".image_index.npy")]
+            members = [(m, tf.extractfile(m).read()) for m in tf
+                       if not m.name.endswith(_LATER_MEMBERS[version])]
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
             for m, data in members:
                 tf.addfile(m, io.BytesIO(data))
         data = path.read_bytes()
         s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    manifest["format_version"] = 1
+    manifest["format_version"] = version
     (dst / "manifest.json").write_text(json.dumps(manifest))
     return dst
+
+
+_V3 = (".video_grid_thw.npy", ".second_per_grid_ts.npy")
+_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3}
 
 
 def format_version_row(ds: Path) -> dict:

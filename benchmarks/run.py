@@ -2,18 +2,19 @@
 build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
 shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack -> order (sample shuffle,
 mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs Ray,
-per-task balance). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
+per-task balance); video (build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run
+(tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
 import time
 
 from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_order, bench_pack,
-                        bench_scale, bench_startup, bench_traces)
+                        bench_scale, bench_startup, bench_traces, bench_video)
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale")
+BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale", "video")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_traces.run(a.quick)
     if "scale" in only:
         bench_scale.run(a.quick)
+    if "video" in only:
+        bench_video.run(a.quick)
     emit("done", seconds=round(time.perf_counter() - t0, 1))
 
 

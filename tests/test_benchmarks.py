@@ -40,6 +40,7 @@ REQUIRED = {
     ("order", "loader_throughput"): {"samples_per_s_no_shuffle", "samples_per_s_shuffle", "ratio", "cpu_ratio"},
     ("order", "loader_rss"): {"peak_rss_mb_no_shuffle", "peak_rss_mb_span_1", "peak_rss_mb_span_4",
                               "peak_rss_mb_span_all", "rss_max_over_min_spans"},
+    ("video", None): {"family", "build_s_per_video_s", "shard_bytes_per_video_s", "video_tokens"},
 }
 
 

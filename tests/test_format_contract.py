@@ -170,6 +170,30 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     assert res.exit_code == 0 and res.stdout.count("=== sample") == len(SOURCES)
 
 
+def test_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path, qwen2vl_processor):
+    """Format v3 added the video members; an image-only v2 dataset (no video_grid_thw / second_per_grid_ts) reads
+    as before, everywhere."""
+    from benchmarks.bench_loader import as_format
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+    from vlmprep.shards.reader import iter_dataset
+    from vlmprep.stats import compute_stats
+    from vlmprep.verify import verify_dataset
+
+    v3 = tmp_path / "v3"
+    build(BuildConfig(inputs=(str(records),), out=str(v3), progress=False))
+    assert json.loads((v3 / "manifest.json").read_text())["format_version"] == 3
+    v2 = as_format(v3, tmp_path / "v2", 2)
+    assert verify_dataset(v2) == []
+    assert compute_stats(v2)["samples"] == compute_stats(v3)["samples"] and not compute_stats(v2)["mismatches"]
+    old = list(iter_dataset(v2))
+    assert [s.version for s in old] == [2] * len(old) and "video_grid_thw.npy" not in old[0].names
+    t2, t3 = _trainer_samples(v2), _trainer_samples(v3)
+    assert t2.keys() == t3.keys()
+    for k in t2:
+        np.testing.assert_array_equal(t2[k].input_ids, t3[k].input_ids)
+
+
 def _vlmprep_imports() -> dict[str, set[str]]:
     """module -> vlmprep modules it imports (top level or inside functions), from the source."""
     pkg = ROOT / "vlmprep"

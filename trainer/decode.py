@@ -23,8 +23,12 @@ _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
 # (dtype, ndim, first format version that has it)
 NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a in _FORMAT["arrays"].items()}
-IMAGE_MEMBER = {2: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
+IMAGE_MEMBER = {3: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
+                2: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
+VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3; not trained yet
+NO_VIDEO = ("this trainer does not train video samples yet (pixel_values_videos, video packing); rebuild the "
+            "dataset without video parts")
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
 # The .npy header vlmprep writes for an image, matched instead of running numpy's literal_eval header parser.
 _NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
@@ -52,8 +56,16 @@ class DecodedSample:
 
 
 def sample_version(names) -> int:
-    """A sample's format version from its members (v2 added image_index.npy): pipe: sources have no manifest."""
-    return 2 if "image_index.npy" in names else 1
+    """A sample's format version from its members (v2 added image_index.npy, v3 video_grid_thw.npy): pipe: sources
+    have no manifest."""
+    return 3 if "video_grid_thw.npy" in names else 2 if "image_index.npy" in names else 1
+
+
+def refuse_videos(manifest: dict | None, where: str) -> None:
+    """At start-up: a dataset whose manifest counts videos is refused in one line, not mid-run."""
+    n = ((manifest or {}).get("totals") or {}).get("videos", 0)
+    if n:
+        raise DataError(f"{where}: the dataset holds {n} video{'s' if n != 1 else ''}; {NO_VIDEO}")
 
 
 def arrays_of(version: int) -> list[str]:
@@ -62,6 +74,8 @@ def arrays_of(version: int) -> list[str]:
 
 def check_member_names(names, *, url: str, key: str, version: int) -> None:
     for name in names:
+        if version >= 3 and VIDEO_MEMBER.match(name):
+            raise DataError(f"{url}: sample {key} holds video frames ({name}); {NO_VIDEO}")
         if name not in arrays_of(version) and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
             raise DataError(f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format "
                             f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "

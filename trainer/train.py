@@ -18,6 +18,7 @@ from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpo
                                 start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
+from trainer.decode import refuse_videos
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.evaluate import eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
@@ -159,6 +160,8 @@ class RunData:
 def open_data(cfg: TrainConfig, world: int) -> RunData:
     specs = cfg.sources
     datasets = [resolve_data(d.path) for d in specs]
+    for d, ds in zip(specs, datasets):
+        refuse_videos(ds.manifest, str(d.path))
     image = _load_spec(cfg, datasets[0].processor)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)

@@ -85,6 +85,8 @@ KeepImagesOpt = Annotated[Optional[str], typer.Option(rich_help_panel=_AGENT, ca
 DroppedImageTextOpt = Annotated[Optional[str], typer.Option(rich_help_panel=_AGENT, help="Text that replaces each image --keep-images removes (default: dropped).")]
 MinPixelsOpt = Annotated[Optional[int], typer.Option(rich_help_panel=_IMAGES, help="Image resize budget: min pixels per image (saved into DIR/processor).")]
 MaxPixelsOpt = Annotated[Optional[int], typer.Option(rich_help_panel=_IMAGES, help="Image resize budget: max pixels per image (saved into DIR/processor).")]
+VideoFpsOpt = Annotated[Optional[float], typer.Option(rich_help_panel=_IMAGES, help="Video frames sampled per second, unless a part sets fps (saved into DIR/processor; default: the processor's, else 2).")]
+VideoMaxFramesOpt = Annotated[Optional[int], typer.Option(rich_help_panel=_IMAGES, help="Most frames sampled from a video, unless a part sets max_frames (saved into DIR/processor).")]
 
 
 @app.command()
@@ -105,6 +107,8 @@ def build(
     image_format: Annotated[ImageFormat, typer.Option(rich_help_panel=_IMAGES, help="How images are stored (see README, Image formats).")] = "zstd",
     min_pixels: MinPixelsOpt = None,
     max_pixels: MaxPixelsOpt = None,
+    video_fps: VideoFpsOpt = None,
+    video_max_frames: VideoMaxFramesOpt = None,
     long_traces: LongTracesOpt = "truncate",
     keep_images: KeepImagesOpt = "all",
     dropped_image_text: DroppedImageTextOpt = None,
@@ -158,7 +162,8 @@ def build(
                           reasoning=_v(reasoning),
                           chat_template=chat_template, role_boundaries=role_boundaries, long_traces=_v(long_traces),
                           keep_images=parse_keep_images(keep_images), dropped_image_text=dropped_image_text,
-                          min_pixels=min_pixels, max_pixels=max_pixels, allow_empty=allow_empty,
+                          min_pixels=min_pixels, max_pixels=max_pixels, video_fps=video_fps,
+                          video_max_frames=video_max_frames, allow_empty=allow_empty,
                           max_reject_fraction=max_reject_fraction, overwrite=overwrite, tasks=tasks,
                           task_index=task_index, plan_only=plan_only, executor=_v(executor), ray_address=ray_address)
         result = run_build(cfg)

@@ -56,6 +56,10 @@ class BuildConfig:
     dropped_image_text: str | None = None  # replaces each image the history policy removes; None = dropped
     min_pixels: int | None = None
     max_pixels: int | None = None
+    # Video parts (README, "Video"): the build-wide frames sampled per second and cap on sampled frames, set on the
+    # video processor (saved into DIR/processor); a part's own fps / max_frames win. None: the processor's own.
+    video_fps: float | None = None
+    video_max_frames: int | None = None
     # Scale out (README, "Scale out"): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
     # at a time with task_index (a Slurm array / indexed job), then merged.
     tasks: int = 1
@@ -104,6 +108,12 @@ class BuildConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name}={v}: must be a positive pixel count, e.g. --max-pixels 1003520")
+        if self.video_fps is not None and not 0 < self.video_fps <= 1000:
+            raise ValueError(f"video_fps={self.video_fps}: must be a positive rate in frames per second, e.g. "
+                             "--video-fps 2")
+        if self.video_max_frames is not None and self.video_max_frames < 2:
+            raise ValueError(f"video_max_frames={self.video_max_frames}: must be >= 2 (one temporal patch), e.g. "
+                             "--video-max-frames 64")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: swap them")
         if not 0 <= self.max_reject_fraction <= 1:

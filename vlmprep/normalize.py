@@ -1,5 +1,6 @@
 """Normalize one parsed record (OpenAI chat or ShareGPT/LLaMA-Factory layout) into a Conversation.
-Image references are fetched to bytes here (data URI, local path under an allowed root, opt-in http).
+Image and video references are fetched to bytes here (data URI, local path under an allowed root, opt-in http for
+images; videos are local paths and data URIs only).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall
+from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
          "assistant": "assistant", "gpt": "assistant", "tool": "tool", "observation": "tool", "function": "tool"}
@@ -27,6 +28,7 @@ class NormalizeOptions:
     image_root: str | None = None  # None: the input file's own directory
     allow_remote: bool = False
     max_images_per_record: int = 64
+    videos: bool = False  # the processor's family renders video parts (vlmprep/families: FamilySpec.video)
 
 
 def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conversation:
@@ -50,7 +52,8 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     # <image> markers are the ShareGPT / LLaMA-Factory layout's own convention (an 'images' list, even empty, or
     # the 'conversations' key); in an OpenAI-layout record they are ordinary text.
     markers = marker_images is not None or "conversations" in data
-    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers)
+    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers,
+                        videos=opts.videos)
     messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
     if pending:
         raise RecordError("image_count_mismatch",
@@ -213,7 +216,7 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
     ptype = p.get("type")
     if ptype is None:
         # Untyped parts from schema-unified datasets: infer from the one payload key present.
-        ptype = next((k for k in ("text", "image_url", "image") if k in p), None)
+        ptype = next((k for k in ("text", "image_url", "image", "video_url", "video") if k in p), None)
     if ptype in ("text", "input_text", "output_text"):  # input_/output_text: the OpenAI Responses API's parts
         text = _check_text(p.get("text"), where)
         return _split_markers(text, pending, ctx, where)
@@ -233,10 +236,44 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
         ref = p.get("image", p.get("url", p.get("path")))
         return [Part("image", image=ctx.fetch(ref, where))]
     if ptype in ("video", "video_url", "input_video"):
-        raise RecordError("unsupported_video", f"{where}: video parts are not supported yet")
+        if not ctx.videos:
+            raise RecordError("unsupported_video", f"{where}: this processor's family has no video support in "
+                                                   "vlmprep (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have); drop the "
+                                                   "video part or build with one of those processors")
+        return [Part("video", video=_video_part(p, ptype, where, ctx))]
     if ptype in ("audio", "input_audio", "audio_url"):
         raise RecordError("unsupported_audio", f"{where}: audio parts are not supported")
     raise RecordError("unknown_content_type", f"{where}: unknown content part type {ptype!r}")
+
+
+_VIDEO_OPTIONS = {"fps": float, "max_frames": int, "min_pixels": int, "max_pixels": int, "total_pixels": int}
+
+
+def _video_part(p: dict, ptype: str, where: str, ctx: "_ImageContext") -> VideoData:
+    """`video_url` {"url": PATH_OR_DATA_URI}, `video` PATH, or `video` [IMG, ...] (frames taken at `fps`), with the
+    optional sampling and pixel options of the part (also accepted inside a `video_url` object)."""
+    ref = p.get("video_url") if ptype == "video_url" else p.get("video", p.get("url", p.get("path")))
+    opts = dict(p)
+    if isinstance(ref, dict):
+        opts.update(ref)
+        ref = ref.get("url")
+    options = {}
+    for k, kind in _VIDEO_OPTIONS.items():
+        v = opts.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or (kind is int and v != int(v)) \
+                or v != v or v == float("inf"):
+            raise RecordError("invalid_video_option", f"{where}: {k}={v!r} must be a positive "
+                                                      f"{'number' if kind is float else 'integer'}")
+        options[k] = kind(v)
+    if isinstance(ref, list):
+        if not ref:
+            raise RecordError("video_no_frames", f"{where}: the video's frame list is empty; give at least one frame")
+        frames = tuple(ctx.fetch(r, f"{where}.video[{k}]") for k, r in enumerate(ref))
+        return VideoData(frames=frames, origin="frames", **options)
+    fetched = ctx.fetch(ref, where, kind="video")
+    return VideoData(data=fetched.data, origin=fetched.origin, **options)
 
 
 def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:
@@ -296,10 +333,13 @@ class _ImageContext:
     root: str
     allow_remote: bool
     markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
+    videos: bool = False  # video parts are rendered (else rejected as unsupported_video)
 
-    def fetch(self, ref, where: str) -> ImageData:
+    def fetch(self, ref, where: str, kind: str = "image") -> ImageData:
+        """An image's (or, kind="video", a video file's) bytes. Videos are local or data URIs only: never fetched
+        remotely, whatever --allow-remote says (a video is too large to fetch per record)."""
         if not isinstance(ref, str) or not ref.strip():
-            raise RecordError("invalid_image_ref", f"{where}: image reference must be a non-empty string")
+            raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} reference must be a non-empty string")
         ref = ref.strip()
         m = _DATA_URI.match(ref)
         if m:
@@ -308,25 +348,28 @@ class _ImageContext:
             return ImageData(data=_decode_base64(ref[m.end():], f"{where}: data URI"), origin="data-uri")
         low = ref.lower()
         if low.startswith(("http://", "https://")):
+            if kind == "video":
+                raise RecordError("remote_video_refused", f"{where}: remote video {ref[:80]} refused: videos are "
+                                                          "read from local paths or data URIs; download it first")
             if not self.allow_remote:
                 raise RecordError("remote_image_refused", f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
             return ImageData(data=_fetch_remote(ref, where), origin=ref)
         if low.startswith("file://"):
             ref = urllib.parse.unquote(ref[len("file://"):])  # a URL: with%20space.png; the root check still follows
         elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
-            raise RecordError("unsupported_image_url", f"{where}: unsupported URL scheme in {ref[:80]}")
+            raise RecordError(f"unsupported_{kind}_url", f"{where}: unsupported URL scheme in {ref[:80]}")
         if "\x00" in ref:
-            raise RecordError("invalid_image_ref", f"{where}: image path holds a NUL character")
+            raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} path holds a NUL character")
         path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
         real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
         if os.path.commonpath([real, self.root]) != self.root:
-            raise RecordError("path_outside_root", f"{where}: image path {ref[:120]} resolves outside the allowed root {self.root}")
+            raise RecordError("path_outside_root", f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}")
         try:
             data = Path(real).read_bytes()
         except FileNotFoundError:
-            raise RecordError("image_not_found", f"{where}: image file not found: {ref[:120]}") from None
+            raise RecordError(f"{kind}_not_found", f"{where}: {kind} file not found: {ref[:120]}") from None
         except (IsADirectoryError, PermissionError, OSError) as e:
-            raise RecordError("image_unreadable", f"{where}: cannot read image {ref[:120]}: {e.strerror or e}") from None
+            raise RecordError(f"{kind}_unreadable", f"{where}: cannot read {kind} {ref[:120]}: {e.strerror or e}") from None
         return ImageData(data=data, origin=ref)
 
 

@@ -111,3 +111,18 @@ def apply_pixel_budget(processor, family, *, min_pixels: int | None, max_pixels:
     ip.size = SizeDict(shortest_edge=min_pixels or size.shortest_edge, longest_edge=max_pixels or size.longest_edge)
     if ip.size.shortest_edge > ip.size.longest_edge:
         raise ValueError(f"--min-pixels {ip.size.shortest_edge} > --max-pixels {ip.size.longest_edge}: swap them")
+
+
+def apply_video_budget(processor, family, *, fps: float | None, max_frames: int | None) -> None:
+    """Set --video-fps / --video-max-frames on the video processor itself (its sample_frames reads them from self), so
+    the copy saved into the dataset samples as the build did; refused for families without video support."""
+    if fps is None and max_frames is None:
+        return
+    vp = getattr(processor, "video_processor", None)
+    if family is None or family.video is None or vp is None:
+        raise ValueError(f"--video-fps/--video-max-frames: {type(processor).__name__} has no video support in vlmprep "
+                         "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)")
+    if fps is not None:
+        vp.fps = fps
+    if max_frames is not None:
+        vp.max_frames = max_frames

@@ -17,7 +17,7 @@ from vlmprep.builtin_llama import TOKEN_BREAK
 from vlmprep.config import EOS_POLICIES, REASONING_POLICIES, ROLES, TOOL_CALL_POLICIES
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.positions import mrope_position_ids
-from vlmprep.types import Conversation, Part, PreparedImage, RecordError, RenderedSample
+from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
 
 _SENTINEL = "\ue000VLMPREP{}\ue001"
 _SENTINEL_RE = re.compile("\ue000VLMPREP(\\d+)\ue001")
@@ -147,6 +147,17 @@ class RenderContext:
         _, replacements = p._process_images(layout[0], **kwargs)
         return [str(r) for r in replacements]
 
+    def video_replacements(self, videos: list[PreparedVideo]) -> list[str]:
+        """The processor's own expansion of each video placeholder (replace_video_token: Qwen3-VL's timestamp text
+        included), from the stored frames' grid and timing."""
+        from vlmprep.videos import video_metadata
+
+        if not videos:
+            return []
+        inputs = {"video_grid_thw": np.array([v.grid_thw for v in videos], dtype=np.int64),
+                  "video_metadata": [video_metadata(v) for v in videos]}
+        return [self.processor.replace_video_token(inputs, video_idx=i) for i in range(len(videos))]
+
     def mm_token_types(self, ids: np.ndarray, image_token_lengths: list[int]) -> np.ndarray:
         p = self.processor
         if self._mm_needs_lengths:
@@ -218,7 +229,7 @@ def message_slots(conv: Conversation, *, reasoning: bool = False, string_content
             slots.append(Slot(i, "reasoning", r))
         if answer is not None:
             slots.append(Slot(i, "text", answer))
-        elif string_content and not m.images:
+        elif string_content and not m.images and not m.videos:
             slots.append(Slot(i, "text", m.text))
         else:
             texts = [p.text for p in m.parts if p.type == "text"]
@@ -246,13 +257,15 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
             msg["reasoning_content"] = next(vals)
         if answer is not None:
             msg["content"] = [{"type": "text", "text": next(vals)}]
-        elif (string_content and not m.images) or (empty_as_string and not m.parts):
+        elif (string_content and not m.images and not m.videos) or (empty_as_string and not m.parts):
             msg["content"] = next(vals)
         else:
             content = []
             for p in m.parts:
                 if p.type == "image":
                     content.append({"type": "image"})
+                elif p.type == "video":
+                    content.append({"type": "video"})
                 else:
                     content.append({"type": "text", "text": next(vals)})
             if not any(p.type == "text" for p in m.parts):
@@ -407,7 +420,8 @@ def _tool_calls_rendered(gap: str, tool_calls) -> bool:
     return True
 
 
-def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage]) -> RenderedSample:
+def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
+                        videos: list[PreparedVideo] = ()) -> RenderedSample:
     _check_no_special_tokens(conv, ctx)
     if ctx.policy.reasoning == "reject":
         for i in ctx.reasoning_messages(conv):
@@ -427,7 +441,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     if ctx.family.role_markers:
         _check_role_markers(ctx, conv, slots, located, rendered)
 
-    expanded, offs = _expand_images(ctx, rendered, images, conv)
+    expanded, offs = _expand_images(ctx, rendered, images, conv, videos)
     # Message text never holds a placeholder, so char positions only shift by each earlier expansion.
     rep_ends = [o["span"][1] for o in offs]
     rep_delta = np.cumsum([0] + [(o["new_span"][1] - o["new_span"][0]) - (o["span"][1] - o["span"][0]) for o in offs])
@@ -441,22 +455,23 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
 
-    image_spans, lengths = [], []
+    image_spans, video_spans, lengths = [], [], []
     for o in offs:
         s, e = o["new_span"]
         covered = np.flatnonzero((ends > s) & (starts < e))
         if not len(covered):
-            raise RecordError("image_wrapper_missing", "an image expansion produced no tokens")
+            raise RecordError("image_wrapper_missing", f"an {o.get('type', 'image')} expansion produced no tokens")
         a, b = int(covered[0]), int(covered[-1]) + 1
-        lengths.append(b - a)
+        if o.get("type", "image") == "image":
+            lengths.append(b - a)
         while a > 0 and ids[a - 1] in ctx.wrap_open:
             a -= 1
         while b < len(ids) and ids[b] in ctx.wrap_close:
             b += 1
-        image_spans.append((a, b))
+        (video_spans if o.get("type") == "video" else image_spans).append((a, b))
     mm_types = ctx.mm_token_types(ids, lengths)
     in_image = np.zeros(len(ids), dtype=bool)
-    for a, b in image_spans:
+    for a, b in image_spans + video_spans:  # a video is one unit like an image: never trained, never cut
         in_image[a:b] = True
     if (mm_types.astype(bool) & ~in_image).any():
         raise RecordError("image_wrapper_missing", "image placeholder tokens outside any image's expansion")
@@ -466,39 +481,81 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
         raise RecordError("mask_verification_failed", "a trained token lies inside an image wrapper")
 
     grids = np.array([im.grid_thw for im in images], dtype=np.int32).reshape(-1, 3)
+    video_grids = np.array([v.grid_thw for v in videos], dtype=np.int32).reshape(-1, 3)
+    sgt = _second_per_grid_ts(ctx, videos)
     if ctx.family.positions == "mrope":
         runs = []
         for a, b in image_spans:
             run = np.flatnonzero(mm_types[a:b])
-            runs.append((a + int(run[0]), a + int(run[-1]) + 1))
-        positions = mrope_position_ids(len(ids), runs, grids, ctx.processor.image_processor.merge_size)
+            runs.append((a + int(run[0]), a + int(run[-1]) + 1, tuple(grids[len(runs)]), 1))
+        for k, (a, b) in enumerate(video_spans):
+            runs += _video_runs(ctx, a, mm_types[a:b], video_grids[k], sgt[k])
+        positions = mrope_position_ids(len(ids), [r[:2] for r in sorted(runs)],
+                                       np.array([r[2] for r in sorted(runs)], dtype=np.int64).reshape(-1, 3),
+                                       ctx.processor.image_processor.merge_size,
+                                       intervals=[r[3] for r in sorted(runs)])
     else:
         positions = np.broadcast_to(np.arange(len(ids), dtype=np.int32), (3, len(ids))).copy()
 
     return RenderedSample(
         id=conv.id, source=conv.source, input_ids=ids.astype(np.int32), loss_mask=loss_mask,
         mm_token_type_ids=mm_types, position_ids=positions, image_grid_thw=grids, images=list(images),
-        image_spans=image_spans, num_tokens_before_truncation=len(ids), unrendered_tool_calls=unrendered,
+        image_spans=image_spans, video_grid_thw=video_grids, second_per_grid_ts=sgt, videos=list(videos),
+        video_spans=video_spans, num_tokens_before_truncation=len(ids), unrendered_tool_calls=unrendered,
         turn_spans=turn_spans, reasoning_rendered=reasoning_rendered,
     )
 
 
-def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage]) -> int:
+def _second_per_grid_ts(ctx: RenderContext, videos: list[PreparedVideo]) -> np.ndarray:
+    from vlmprep.videos import second_per_grid_t
+
+    # float32: what the processor's list becomes as a tensor, and what Qwen2.5-VL's get_rope_index multiplies
+    return np.array([second_per_grid_t(v, ctx.processor.video_processor) for v in videos], dtype=np.float32)
+
+
+def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) -> list[tuple]:
+    """(start, end, grid, temporal interval) of each placeholder run of one video, as get_rope_index groups them:
+    Qwen2/2.5-VL one run of t x h x w (2.5: temporal ids spaced tokens_per_second * second_per_grid_t); Qwen3-VL
+    one run per temporal patch, split by its timestamp text."""
+    idx = np.flatnonzero(types == 2)
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    bounds = list(zip(np.r_[idx[:1], idx[breaks + 1]], np.r_[idx[breaks], idx[-1:]] + 1))
+    t, h, w = (int(x) for x in grid)
+    family = ctx.family
+    if family.video == "qwen3":
+        if len(bounds) != t:
+            raise RecordError("image_wrapper_missing", f"a video of {t} temporal patches expanded to {len(bounds)} runs")
+        return [(start + int(a), start + int(b), (1, h, w), 1) for a, b in bounds]
+    if len(bounds) != 1:
+        raise RecordError("image_wrapper_missing", f"a video expanded to {len(bounds)} placeholder runs, expected 1")
+    interval = np.float32(family.tokens_per_second) * np.float32(sgt) if family.video == "qwen2.5" else 1
+    return [(start + int(bounds[0][0]), start + int(bounds[0][1]), (t, h, w), interval)]
+
+
+def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
+                 videos: list[PreparedVideo] = ()) -> int:
     """The length render_conversation would give, without locating text or proving masks (for planning splits)."""
-    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images, conv)
+    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images, conv, videos)
     bos = ctx.tokenizer.bos_token
     return len(ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)))["input_ids"])
 
 
 def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],
-                   conv: Conversation | None = None) -> tuple[str, list[dict]]:
-    """The rendered text with each image placeholder replaced by the processor's own expansion, and the offsets."""
+                   conv: Conversation | None = None, videos: list[PreparedVideo] = ()) -> tuple[str, list[dict]]:
+    """The rendered text with each image and video placeholder replaced by the processor's own expansion, and the
+    offsets."""
     n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
     if n_placeholders != len(images):
         what = f"template emitted {n_placeholders} image placeholders for {len(images)} images"
         raise RecordError("image_count_mismatch", _dropped_images(ctx, conv, n_placeholders, what) or what)
+    video_token = getattr(ctx.processor, "video_token", None)
+    n_videos = len(re.findall(re.escape(video_token), rendered)) if video_token and videos else 0
+    if n_videos != len(videos):
+        raise RecordError("video_count_mismatch", f"template emitted {n_videos} video placeholders for {len(videos)} "
+                                                  "videos; move each video to a user message")
     replacements = ctx.image_replacements(images, rendered)
-    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements)
+    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements,
+                                                              videos_replacements=ctx.video_replacements(list(videos)))
     return expanded[0], (offs[0] if offs else [])
 
 

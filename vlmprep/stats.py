@@ -37,6 +37,7 @@ def compute_stats(root: Path) -> dict:
     manifest = load_manifest(root)
     tokens, trained, image_tokens, images = [], [], [], []
     truncated = dropped = 0
+    videos = video_tokens = dropped_videos = 0
     split: list[bool] = []
     for path in shard_paths(root, manifest):
         for ts in iter_shard(path, version=manifest["format_version"]):
@@ -44,7 +45,10 @@ def compute_stats(root: Path) -> dict:
             mask, types = ts.array("loss_mask"), ts.array("mm_token_type_ids")
             tokens.append(len(mask))
             trained.append(int(mask.sum()))
-            image_tokens.append(int((types != 0).sum()))
+            image_tokens.append(int((types == 1).sum()))
+            video_tokens += int((types == 2).sum())
+            videos += int(meta.get("num_videos", 0))
+            dropped_videos += int(meta.get("dropped_videos", 0))
             images.append(len(ts.array("image_grid_thw").reshape(-1, 3)))
             truncated += bool(meta.get("truncated"))
             split.append(meta.get("split") is not None)
@@ -75,6 +79,9 @@ def compute_stats(root: Path) -> dict:
         "tokens_histogram": _histogram(tok),
         "truncated_samples": truncated,
         "dropped_images": dropped,
+        "videos": videos,
+        "video_tokens": video_tokens,
+        "dropped_videos": dropped_videos,
         "rejected": sum(rejects.values()),
         "rejects": rejects,
         "split_samples": int(sum(split)),
@@ -89,7 +96,7 @@ def _mismatches(root: Path, manifest: dict, st: dict) -> list[str]:
     out = []
     totals = manifest.get("totals", {})
     for key in ("samples", "tokens", "trainable_tokens", "image_tokens", "images", "truncated_samples",
-                "dropped_images", "rejected"):
+                "dropped_images", "rejected", "videos", "video_tokens", "dropped_videos"):
         if key in totals and totals[key] != st[key]:
             out.append(f"manifest totals.{key}={totals[key]} but the {'rejects' if key == 'rejected' else 'shards'} "
                        f"give {st[key]}")

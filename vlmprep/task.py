@@ -24,10 +24,11 @@ from typing import Iterator
 
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
+from vlmprep.videos import prepare_video
 from vlmprep.journal import Journal, landed_ids, load_journal, save_journal
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.plan import TASKS_DIR, check_inputs_unchanged, plan_digest, shard_prefix, task_file, task_records
-from vlmprep.processor import apply_pixel_budget, load_saved_processor, resolve_chat_template
+from vlmprep.processor import apply_pixel_budget, apply_video_budget, load_saved_processor, resolve_chat_template
 from vlmprep.records import parse_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import FORMAT_VERSION, sample_key
@@ -67,9 +68,11 @@ class Renderer:
                             last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls, reasoning=cfg.reasoning)
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
-                                     max_images_per_record=cfg.max_images_per_record)
+                                     max_images_per_record=cfg.max_images_per_record,
+                                     videos=self.ctx.family.video is not None)
         if not saved:
             apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+            apply_video_budget(processor, self.ctx.family, fps=cfg.video_fps, max_frames=cfg.video_max_frames)
         self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()
@@ -88,15 +91,25 @@ class Renderer:
         try:
             images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                     min_side=self.cfg.min_image_side) for im in conv.images]
+            # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
+            videos = {id(v): prepare_video(v, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
+                                           min_side=self.cfg.min_image_side, max_tokens=self.cfg.seq_len)
+                      for v in conv.videos}
+
+            def vids(c):
+                return [videos[id(v)] for v in c.videos]
+
             whole = whole_trace(conv, self.steps)
             steps = [whole]
-            if self.cfg.long_traces == "split" and count_tokens(whole.conv, self.ctx, _pick(images, whole)) > self.cfg.seq_len:
+            if self.cfg.long_traces == "split" and count_tokens(whole.conv, self.ctx, _pick(images, whole),
+                                                                vids(whole.conv)) > self.cfg.seq_len:
                 steps, self.lost = split_trace(conv, trained_messages(conv, self.ctx.policy), self.steps,
-                                               lambda sc: count_tokens(sc.conv, self.ctx, _pick(images, sc)),
+                                               lambda sc: count_tokens(sc.conv, self.ctx, _pick(images, sc),
+                                                                       vids(sc.conv)),
                                                self.cfg.seq_len)
             samples = []
             for sc in steps:
-                full = render_conversation(sc.conv, self.ctx, _pick(images, sc))
+                full = render_conversation(sc.conv, self.ctx, _pick(images, sc), vids(sc.conv))
                 sample = truncate_sample(full, self.cfg.seq_len)
                 before = {sc.source_messages[m] for m, _, _ in full.turn_spans}
                 after = {sc.source_messages[m] for m, _, _ in sample.turn_spans}
@@ -292,7 +305,8 @@ TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "i
               "truncated_samples", "dropped_images", "unrendered_tool_call_turns", "split_samples",
               "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
               "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated",
-              "unread_bytes", "reasoning_turns", "reasoning_turns_dropped", "reasoning_turns_not_rendered")
+              "unread_bytes", "reasoning_turns", "reasoning_turns_dropped", "reasoning_turns_not_rendered",
+              "videos", "video_tokens", "dropped_videos")
 
 
 @dataclass(frozen=True)
@@ -434,7 +448,8 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
 
 
 _SAMPLE_FIELDS = ("id", "source", "num_tokens", "num_trainable_tokens", "num_image_tokens", "num_images", "truncated",
-                  "dropped_images", "unrendered_tool_calls", "split")
+                  "dropped_images", "unrendered_tool_calls", "split", "num_videos", "num_video_tokens",
+                  "dropped_videos")
 
 
 def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
@@ -443,6 +458,9 @@ def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
                        ("image_tokens", "num_image_tokens"), ("images", "num_images"),
                        ("dropped_images", "dropped_images"), ("unrendered_tool_call_turns", "unrendered_tool_calls")):
         totals[key] += sign * m[field]
+    for key, field in (("videos", "num_videos"), ("video_tokens", "num_video_tokens"),
+                       ("dropped_videos", "dropped_videos")):
+        totals[key] += sign * m.get(field, 0)  # absent from image-only samples
     totals["samples"] += sign
     totals["truncated_samples"] += sign * int(m["truncated"])
     totals["split_samples"] += sign * int(m["split"] is not None)

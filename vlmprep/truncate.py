@@ -1,5 +1,5 @@
-"""Truncate a RenderedSample to seq_len without ever cutting inside an image wrapper.
-Images past the cut are dropped with their grid rows and bytes; a sample left untrainable is rejected.
+"""Truncate a RenderedSample to seq_len without ever cutting inside an image wrapper or a video's expansion.
+Images and videos past the cut are dropped with their grid rows and bytes; a sample left untrainable is rejected.
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
     if n <= seq_len:
         return sample
     cut = seq_len
-    for start, end in sample.image_spans:
+    for start, end in sample.image_spans + sample.video_spans:
         if start < cut < end:
-            cut = start  # the whole wrapper goes: a partial image is what crashes trainers
+            cut = start  # the whole wrapper goes: a partial image or video is what crashes trainers
             break
     kept = sum(1 for _, end in sample.image_spans if end <= cut)
+    kept_videos = sum(1 for _, end in sample.video_spans if end <= cut)
     if not sample.loss_mask[:cut].any():
         raise RecordError("no_trainable_tokens_after_truncation",
                           f"{n} tokens cut to {cut} (seq_len={seq_len}) leaves no trained token")
@@ -31,7 +32,12 @@ def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
         image_grid_thw=sample.image_grid_thw[:kept],
         images=sample.images[:kept],
         image_spans=sample.image_spans[:kept],
+        video_grid_thw=sample.video_grid_thw[:kept_videos],
+        second_per_grid_ts=sample.second_per_grid_ts[:kept_videos],
+        videos=sample.videos[:kept_videos],
+        video_spans=sample.video_spans[:kept_videos],
         truncated=True,
         dropped_images=sample.dropped_images + (len(sample.images) - kept),
+        dropped_videos=sample.dropped_videos + (len(sample.videos) - kept_videos),
         turn_spans=[(m, a, b) for m, a, b in sample.turn_spans if b <= cut],  # a turn cut short is not trained
     )

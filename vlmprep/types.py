@@ -74,11 +74,27 @@ class ImageData:
     origin: str  # "data-uri", a path, or a URL: for messages only
 
 
+@dataclass(frozen=True, kw_only=True)
+class VideoData:
+    """One video part, fetched: a container file's bytes, or frame images taken at `fps`; plus the part's own
+    sampling and pixel options (None: the build-wide default, else the video processor's own)."""
+
+    data: bytes | None = None  # container bytes (a path's file or a data URI)
+    frames: tuple[ImageData, ...] = ()  # a video given as a list of frame images
+    origin: str = ""  # "data-uri", a path, or "frames": for messages only
+    fps: float | None = None  # a file: frames sampled per second; a frame list: the rate the frames were taken at
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+
+
 @dataclass
 class Part:
-    type: str  # "text" | "image"
+    type: str  # "text" | "image" | "video"
     text: str | None = None
     image: ImageData | None = None
+    video: VideoData | None = None
 
 
 @dataclass
@@ -110,6 +126,10 @@ class Message:
     def images(self) -> list[ImageData]:
         return [p.image for p in self.parts if p.type == "image" and p.image is not None]
 
+    @property
+    def videos(self) -> list[VideoData]:
+        return [p.video for p in self.parts if p.type == "video" and p.video is not None]
+
 
 @dataclass
 class Conversation:
@@ -122,6 +142,10 @@ class Conversation:
     def images(self) -> list[ImageData]:
         return [im for m in self.messages for im in m.images]
 
+    @property
+    def videos(self) -> list[VideoData]:
+        return [v for m in self.messages for v in m.videos]
+
 
 @dataclass
 class PreparedImage:
@@ -131,6 +155,18 @@ class PreparedImage:
     grid_thw: tuple[int, int, int]
     source: ImageData
     digest: str  # sha256 of the source bytes; identical images in a sample are stored once
+
+
+@dataclass
+class PreparedVideo:
+    """A video sampled and resized as the model's video processor does: these frames fix its grid and tokens."""
+
+    frames: np.ndarray  # uint8 T x H x W x 3, the sampled frames after the processor's resize (T not padded)
+    grid_thw: tuple[int, int, int]  # t = ceil(T / temporal_patch_size)
+    fps: float  # the source's frame rate (a frame list: the rate it was given)
+    total_num_frames: int  # frames in the source
+    frame_indices: list[int]  # source frame of each stored frame
+    source: VideoData
 
 
 @dataclass
@@ -146,9 +182,14 @@ class RenderedSample:
     image_grid_thw: np.ndarray  # int32 [N, 3]
     images: list[PreparedImage]
     image_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each image's whole wrapper
+    video_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int32))  # int32 [V, 3]
+    second_per_grid_ts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # float32 [V]
+    videos: list[PreparedVideo] = field(default_factory=list)
+    video_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each video's whole expansion
     num_tokens_before_truncation: int = 0
     truncated: bool = False
     dropped_images: int = 0
+    dropped_videos: int = 0
     unrendered_tool_calls: int = 0  # assistant turns whose tool_calls the template did not render
     turn_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (message, first, end) trained token spans
     reasoning_rendered: list[int] = field(default_factory=list)  # messages whose reasoning the template printed

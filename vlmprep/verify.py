@@ -1,6 +1,7 @@
 """Verify a built dataset dir: manifest and meta against schemas/, shard sha256 and counts, and per-sample
 invariants (aligned lengths, occurrence -> image mapping, placeholders = grid rows, mask only on text, images
-decodable at grid size). Reads through shards/reader.py: refused members are reported, never decoded.
+decodable at grid size; format v3: video placeholders = video grid rows, frame members = the meta's frames, each at
+grid size). Reads through shards/reader.py: refused members are reported, never decoded.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from referencing import Registry, Resource
 from vlmprep_schemas import NAMES, load
 
 from vlmprep.families import FamilySpec, family_of
-from vlmprep.shards.format import META_MEMBER, arrays_of
+from vlmprep.shards.format import META_MEMBER, arrays_of, is_video_member
 from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image, iter_shard, load_manifest
 
 
@@ -100,6 +101,7 @@ class _SampleCheck:
         self.merge = int(pcfg.get("merge_size", 2))
         patch = pcfg.get("patch_size", 14)  # PixtralImageProcessor saves {"height": h, "width": w}
         self.patch = int(patch["height"] if isinstance(patch, dict) else patch)
+        self.temporal = int(pcfg.get("temporal_patch_size") or 2)
 
     def __call__(self, s: StoredSample) -> tuple[list[Violation], tuple[int, int]]:
         where = f"{s.where}:{s.key}"
@@ -145,7 +147,40 @@ class _SampleCheck:
             out.append(Violation(where, f"image member(s) {unused} belong to no occurrence"))
         if self.family is not None and self.family.grid_images and grid.shape[1:] == (3,):
             out.extend(self._grid_checks(where, s, meta, grid, mm, members))
+        if self.version >= 3:
+            out.extend(self._video_checks(where, s, meta, arr["video_grid_thw"], arr["second_per_grid_ts"], mm))
         return out, counts
+
+    def _video_checks(self, where, s: StoredSample, meta, vgrid: np.ndarray, sgt: np.ndarray, mm: np.ndarray):
+        videos = meta.get("videos", [])
+        if vgrid.shape != (len(videos), 3) or sgt.shape != (len(videos),):
+            return [Violation(where, f"video_grid_thw {vgrid.shape} / second_per_grid_ts {sgt.shape} vs {len(videos)} "
+                                     "videos in meta")]
+        out = []
+        want = int((vgrid.prod(axis=1) // self.merge ** 2).sum()) if len(videos) else 0
+        if int((mm == 2).sum()) != want:
+            out.append(Violation(where, f"{int((mm == 2).sum())} video placeholders, video_grid_thw rows need {want}"))
+        stored = sorted(n for n in s.names if is_video_member(n, self.version))
+        claimed: list[str] = []
+        for k, (v, g) in enumerate(zip(videos, vgrid)):
+            frames = [n for n in stored if n.startswith(v["member"] + ".")]
+            claimed += frames
+            if len(frames) != v["frames"] or -(-v["frames"] // self.temporal) != g[0]:
+                out.append(Violation(where, f"video {k}: {len(frames)} frame members, meta says {v['frames']} "
+                                            f"frames, grid t {int(g[0])}"))
+            for name in frames:
+                try:
+                    pixels = decode_stored_image(name, s.read(name))
+                except Exception as e:  # noqa: BLE001 - any decode fault is a reported violation
+                    out.append(Violation(where, f"video {k}: {name} undecodable ({type(e).__name__}: {e})"))
+                    continue
+                if pixels.shape[:2] != (g[1] * self.patch, g[2] * self.patch):
+                    out.append(Violation(where, f"video {k}: {name} is {pixels.shape[1]}x{pixels.shape[0]}, grid "
+                                                f"{g.tolist()} needs {g[2] * self.patch}x{g[1] * self.patch}"))
+        unused = sorted(set(stored) - set(claimed))
+        if unused:
+            out.append(Violation(where, f"video member(s) {unused[:3]} belong to no video"))
+        return out
 
     def _grid_checks(self, where, s: StoredSample, meta, grid: np.ndarray, mm: np.ndarray, members) -> list[Violation]:
         out = []

@@ -91,7 +91,7 @@ class SampleView:
 
     @property
     def num_image_tokens(self) -> int:
-        return int((self.sample.mm_token_type_ids != 0).sum())
+        return int((self.sample.mm_token_type_ids == 1).sum())
 
     @property
     def num_images(self) -> int:
@@ -179,7 +179,9 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
     k = 0
     for s, e in zip(starts.tolist(), ends.tolist()):
         trained = bool(mask[s])
-        if types[s] != 0:
+        if types[s] == 2:  # a video's placeholder run (Qwen3-VL: one per temporal patch), collapsed
+            segments.append(Segment(s, e, "image", trained, f"[video: {e - s} tokens]", image=None))
+        elif types[s] != 0:
             segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv), image=k))
             k += 1
         elif special[s]:
@@ -309,7 +311,7 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
         removed_images=list(meta.get("removed_images", [])))
     # The view is computed from the arrays; a meta that disagrees with them is a corrupt dataset worth seeing.
     for k, v in (("num_tokens", len(ids)), ("num_trainable_tokens", int(mask.sum())),
-                 ("num_image_tokens", int((types != 0).sum())), ("num_images", len(grid))):
+                 ("num_image_tokens", int((types == 1).sum())), ("num_images", len(grid))):
         if k in meta and meta[k] != v:
             sample.warnings.append(f"meta {k}={meta[k]} but the arrays give {v}")
     return sample

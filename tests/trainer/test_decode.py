@@ -26,7 +26,16 @@ def _npy(arr, **kw):
 def test_unknown_member_extensions_are_refused(dataset, image_spec, name):
     key, members = _first_members(dataset)
     members = {**members, name: b"\x80\x04K\x01."}  # a pickle stream: must never be loaded
-    with pytest.raises(DataError, match=f"member '{name}' is not part of the vlmprep shard format v2; refusing"):
+    with pytest.raises(DataError, match=f"member '{name}' is not part of the vlmprep shard format v3; refusing"):
+        decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+
+
+def test_video_frames_are_refused_in_one_line(dataset, image_spec):
+    """A v3 sample with video frames (a pipe: source, no manifest to refuse at start-up) is one DataError naming the
+    member, never a crash mid-collate: this trainer does not train video yet."""
+    key, members = _first_members(dataset)
+    members = {**members, "vid000.0000.png": b"not read"}
+    with pytest.raises(DataError, match="holds video frames \\(vid000.0000.png\\); this trainer does not train video"):
         decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
 
 

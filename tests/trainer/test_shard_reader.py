@@ -20,9 +20,9 @@ def test_dataset_dir_uses_the_manifest(dataset):
 def test_unknown_format_version_is_refused(dataset, tmp_path):
     shutil.copytree(dataset, tmp_path / "d")
     m = json.loads((tmp_path / "d" / "manifest.json").read_text())
-    m["format_version"] = 3
+    m["format_version"] = 99  # 3 is video (issue 26); an unknown one
     (tmp_path / "d" / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DataError, match="format_version 3 is not supported"):
+    with pytest.raises(DataError, match="format_version 99 is not supported"):
         resolve_data(str(tmp_path / "d"))
 
 

@@ -17,6 +17,7 @@ from PIL import Image
 from vlmprep.config import BuildConfig
 from vlmprep.pipeline import build
 from vlmprep.shards.reader import iter_dataset
+from tests.support.videos import encode, frames
 from vlmprep.types import RecordError
 
 
@@ -81,6 +82,28 @@ def animated_gif():
     return buf.getvalue()
 
 
+def faststart_mp4(tmp, n=30):
+    """An mp4 with its index first (movflags faststart), so a cut copy still opens and fails mid-decode."""
+    import av
+
+    from tests.support.videos import frames
+
+    path = tmp / "faststart.mp4"
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as c:
+        s = c.add_stream("mpeg4", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for f in frames(n, 64, 48):
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path.read_bytes()
+
+
+def with_video(ref, **opts):
+    return chat([{"type": "text", "text": "watch"}, {"type": "video_url", "video_url": {"url": ref}, **opts}])
+
+
 def chat(user_content, assistant="fine.", **extra):
     return {"messages": [{"role": "user", "content": user_content}, {"role": "assistant", "content": assistant}], **extra}
 
@@ -102,6 +125,13 @@ def corpus(tmp):
         if not (tmp / "escape.png").exists():
             os.symlink(outside / "secret.png", tmp / "escape.png")
         (tmp / "with space.png").write_bytes(img_bytes())
+        (outside / "secret.mp4").write_bytes(encode(frames(2, 64, 48), 2))
+        (tmp / "clip.mp4").write_bytes(encode(frames(2, 64, 48), 2))
+        (tmp / "viddir").mkdir(exist_ok=True)
+        cut = faststart_mp4(tmp)
+        (tmp / "cut.mp4").write_bytes(cut[: len(cut) // 3])
+        # An AVI whose codec tag no decoder knows (PyAV would crash decoding it: vlmprep must refuse it first).
+        (tmp / "zzzz.avi").write_bytes(encode(frames(4, 64, 48), 10, fmt="avi").replace(b"FMP4", b"ZZZZ"))
     long_text = " ".join(f"word{i}" for i in range(2000))
     cases = [
         ("invalid_json_line", b"{this is not json\n", "invalid_json"),
@@ -159,7 +189,8 @@ def corpus(tmp):
                                          {"type": "image_url", "text": None, "image_url": {"url": GOOD, "detail": None}}]},
             {"role": "assistant", "content": "a", "tool_calls": None, "weight": None}]}, "ok"),
         ("duplicated_id", {**chat("q"), "id": "good-0"}, "duplicate_id"),
-        ("video_part", chat([{"type": "video", "video": "clip.mp4"}]), "unsupported_video"),
+        # Issue 26: video parts (a 2-frame clip is 1 temporal patch, 121 tokens: it fits --seq-len 256).
+        ("video_part", chat([{"type": "video", "video": "clip.mp4"}]), "ok"),
         ("audio_part", chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]),
          "unsupported_audio"),
         ("too_many_images", chat([{"type": "image_url", "image_url": GOOD}] * 9), "too_many_images"),
@@ -222,6 +253,22 @@ def corpus(tmp):
          "unsupported_file_id"),
         ("anthropic_unknown_image_source", chat([{"type": "image", "source": {"type": "s3", "uri": "s3://b/k"}}]),
          "unsupported_image_source"),
+        ("video_frame_list", chat([{"type": "video", "video": [GOOD, GOOD], "fps": 1}]), "ok"),
+        ("video_missing_file", with_video("nope/missing.mp4"), "video_not_found"),
+        ("video_directory", with_video("viddir"), "video_unreadable"),
+        ("video_path_traversal", with_video("../outside/secret.mp4"), "path_outside_root"),
+        ("video_remote_url", with_video("http://127.0.0.1:9/v.mp4"), "remote_video_refused"),
+        ("video_unsupported_scheme", with_video("rtsp://127.0.0.1/cam"), "unsupported_video_url"),
+        ("video_empty_ref", with_video(""), "invalid_video_ref"),
+        ("video_not_a_video", with_video(uri(b"just text, not a video", "video/mp4")), "corrupt_video"),
+        ("video_truncated_file", with_video("cut.mp4"), "corrupt_video"),
+        ("video_unknown_codec", with_video("zzzz.avi"), "unsupported_video_codec"),
+        ("video_one_frame", with_video(uri(encode(frames(1, 64, 48), 2), "video/mp4")), "video_too_short"),
+        ("video_empty_frame_list", chat([{"type": "video", "video": []}]), "video_no_frames"),
+        ("video_frames_differ_in_size", chat([{"type": "video", "video": [GOOD, uri(img_bytes(size=(48, 64)))]}]),
+         "video_frame_size_mismatch"),
+        ("video_over_seq_len", with_video(uri(encode(frames(12, 64, 48), 2), "video/mp4")), "video_too_long"),
+        ("video_negative_fps", with_video("clip.mp4", fps=-2), "invalid_video_option"),
         # The id earlier versions generated for the id-less cmyk_jpeg record above (main.jsonl:<its line>).
         ("id_equal_to_old_generated_id", {**chat("q"), "id": "main.jsonl:CMYK_LINE"}, "ok"),
     ]

@@ -5,5 +5,6 @@
 
 
 def sample_version(members) -> int:
-    """A sample's format version from its member names (v2 added image_index.npy): a tar stream has no manifest."""
-    return 2 if "image_index.npy" in members else 1
+    """A sample's format version from its member names (v2 added image_index.npy, v3 video_grid_thw.npy): a tar
+    stream has no manifest."""
+    return 3 if "video_grid_thw.npy" in members else 2 if "image_index.npy" in members else 1

@@ -27,6 +27,11 @@ class FamilySpec:
     # Tokens that open a turn, for views: "next" = the role is the first word after the token, else the role itself.
     turn_starts: dict[str, str] = field(default_factory=dict)
     tool_call_tokens: tuple[str, ...] = ()  # control tokens that open a turn's tool calls (trained with the calls)
+    # Video parts (vlmprep/videos.py), None: rejected as unsupported_video. "qwen2": one run per video, temporal
+    # rope ids step 1; "qwen2.5": step tokens_per_second * second_per_grid_t; "qwen3": timestamp text before each
+    # temporal patch, each its own run.
+    video: str | None = None
+    tokens_per_second: int = 2  # Qwen2.5-VL vision_config.tokens_per_second of every published checkpoint
 
     @property
     def grid_images(self) -> bool:
@@ -39,10 +44,10 @@ _QWEN = dict(end_of_turn=("<|im_end|>",), wrapper_open=("<|vision_start|>",), wr
              positions="mrope", image_mode="smart_resize", turn_starts=_IM_START)
 
 FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
-    FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", **_QWEN),
-    FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", **_QWEN),
+    FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", video="qwen2", **_QWEN),
+    FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN),
     # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
-    FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", **_QWEN),
+    FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", video="qwen3", **_QWEN),
     FamilySpec(name="glm-4.1v", processor_class="Glm4vProcessor", end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
                wrapper_open=("<|begin_of_image|>",), wrapper_close=("<|end_of_image|>",), positions="mrope",
                image_mode="smart_resize_temporal", string_content=True,

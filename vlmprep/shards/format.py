@@ -24,9 +24,11 @@ class ArraySpec:
 
 ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"])
                                 for name, a in _SPEC["arrays"].items()}
-_KEY = {2: re.compile(_SPEC["$defs"]["key"]["pattern"]), 1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
-_IMAGE = {2: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
+_KEY = {3: re.compile(_SPEC["$defs"]["key"]["pattern"]), 2: re.compile(_SPEC["$defs"]["key"]["pattern"]),
+        1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
+_IMAGE = {3: re.compile(_SPEC["$defs"]["image_member"]["pattern"]), 2: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
           1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"])}
+_VIDEO = re.compile(_SPEC["$defs"]["video_member"]["pattern"])  # format v3 on
 
 
 def arrays_of(version: int) -> dict[str, ArraySpec]:
@@ -42,9 +44,14 @@ def is_image_member(name: str, version: int = FORMAT_VERSION) -> bool:
     return bool(_IMAGE[version].match(name))
 
 
+def is_video_member(name: str, version: int = FORMAT_VERSION) -> bool:
+    return version >= 3 and bool(_VIDEO.match(name))
+
+
 def is_member(name: str, version: int = FORMAT_VERSION) -> bool:
     """True for every member a sample of this version may hold; anything else is refused unread."""
-    return name == META_MEMBER or name in arrays_of(version) or is_image_member(name, version)
+    return (name == META_MEMBER or name in arrays_of(version) or is_image_member(name, version)
+            or is_video_member(name, version))
 
 
 def sample_key(position: int, split: int | None = None) -> str:
@@ -57,4 +64,10 @@ def sample_key(position: int, split: int | None = None) -> str:
 def image_member_name(unique_index: int, ext: str) -> str:
     name = f"img{unique_index:03d}.{ext}"
     assert is_image_member(name), f"image member {name!r} breaks the shard format's member rule"
+    return name
+
+
+def video_frame_member_name(video: int, frame: int, ext: str) -> str:
+    name = f"vid{video:03d}.{frame:04d}.{ext}"
+    assert is_video_member(name), f"video member {name!r} breaks the shard format's member rule"
     return name

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.images import encode_image, stored_ext
-from vlmprep.shards.format import ARRAYS, META_MEMBER, image_member_name
+from vlmprep.videos import FRAME_EXT, encode_frame
+from vlmprep.shards.format import ARRAYS, META_MEMBER, image_member_name, video_frame_member_name
 from vlmprep.types import RenderedSample, ShardSample
 
 
@@ -45,10 +46,22 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         # Occurrence -> stored image: repeated images are stored once, so sorted img* members alone are not the
         # occurrence order; this array makes the mapping explicit for any reader.
         "image_index.npy": np.asarray(image_index, dtype=np.int64),
+        "video_grid_thw.npy": np.asarray(sample.video_grid_thw).reshape(-1, 3),
+        "second_per_grid_ts.npy": np.asarray(sample.second_per_grid_ts, dtype=np.float32).reshape(-1),
     }
     assert set(arrays) == set(ARRAYS), "writer and shards/format.py disagree on the array members"
     members: dict[str, bytes] = {name: _npy(a.astype(ARRAYS[name].dtype)) for name, a in arrays.items()}
     members.update(image_members)
+    videos_meta = []
+    for v, video in enumerate(sample.videos):
+        ext = FRAME_EXT[image_format]
+        for f, frame in enumerate(video.frames):
+            members[video_frame_member_name(v, f, ext)] = encode_frame(frame, image_format, zstd_level=zstd_level)
+        videos_meta.append({"member": f"vid{v:03d}", "frames": int(len(video.frames)),
+                            "height": int(video.frames.shape[1]), "width": int(video.frames.shape[2]),
+                            "grid_thw": [int(x) for x in video.grid_thw], "fps": float(video.fps),
+                            "total_num_frames": int(video.total_num_frames),
+                            "frame_indices": [int(i) for i in video.frame_indices]})
     n_tokens = int(len(sample.input_ids))
     n_trainable = int(sample.loss_mask.sum())
     meta = {
@@ -56,7 +69,7 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         "source": {"file": sample.source.file, "line": sample.source.line},
         "num_tokens": n_tokens,
         "num_trainable_tokens": n_trainable,
-        "num_image_tokens": int(sample.mm_token_type_ids.astype(bool).sum()),
+        "num_image_tokens": int((sample.mm_token_type_ids == 1).sum()),
         "num_images": len(sample.images),
         "num_tokens_before_truncation": int(sample.num_tokens_before_truncation),
         "truncated": bool(sample.truncated),
@@ -71,6 +84,10 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         "removed_images": [int(i) for i in sample.removed_images],
         "split": sample.split,
     }
+    if sample.videos or sample.dropped_videos:  # absent from image-only samples: their meta stays as in format v2
+        meta.update({"videos": videos_meta, "num_videos": len(sample.videos),
+                     "num_video_tokens": int((sample.mm_token_type_ids == 2).sum()),
+                     "dropped_videos": int(sample.dropped_videos)})
     members[META_MEMBER] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
     return ShardSample(key=key, members=members, num_tokens=n_tokens, num_trainable_tokens=n_trainable,
                        num_images=len(sample.images), meta=meta)

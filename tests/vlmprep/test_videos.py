@@ -1,0 +1,397 @@
+"""Video parts: each Qwen family's build equals the processor's own apply_chat_template on the same videos (token
+ids, grids, second_per_grid_ts, mm types, pixel values of the stored frames, MRoPE positions = get_rope_index),
+with videos made here by PyAV: different sizes, rates and lengths, an odd sampled frame count, one below the
+processor's minimum frames; a frame list equals the same frames in a lossless file."""
+import base64
+import hashlib
+import io
+import json
+import tarfile
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.support.videos import decode_all, encode, frames
+from vlmprep.config import BuildConfig
+from vlmprep.pipeline import build
+from vlmprep.processor import load_processor
+from vlmprep.shards.reader import decode_stored_image
+
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+# (frames, fps, width, height): 13 frames at 6 fps; 3 frames (below min_frames 4); 45 at 15 fps; 35 at 10 fps (Qwen3-VL
+# samples 7: odd, padded by the processor); a portrait 21 at 7 fps.
+CLIPS = [(13, 6, 80, 60), (3, 10, 64, 64), (45, 15, 96, 54), (35, 10, 72, 48), (21, 7, 50, 90)]
+
+
+def _uri(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _png(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clips")
+    out = []
+    for k, (n, fps, w, h) in enumerate(CLIPS):
+        data = encode(frames(n, w, h, seed=k), fps)
+        (d / f"clip{k}.mp4").write_bytes(data)
+        out.append(data)
+    (d / "shot.png").write_bytes(_png(frames(1, 120, 80, seed=9)[0]))
+    return d, out
+
+
+def _record(with_paths: bool, clips_data) -> dict:
+    """Videos as a path, a video_url data URI and a `video` path; an image; a tool call and its result."""
+    def video(k):
+        if k % 2 or not with_paths:
+            return {"type": "video_url", "video_url": {"url": _uri(clips_data[k], "video/mp4")}}
+        return {"type": "video", "video": f"clip{k}.mp4"}
+
+    return {"id": "v", "messages": [
+        {"role": "system", "content": "You watch videos."},
+        {"role": "user", "content": [video(0), {"type": "text", "text": "What moves here"},
+                                     {"type": "image_url", "image_url": {"url": "shot.png"}}, video(1)]},
+        {"role": "assistant", "content": "Let me look closer.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "seek", "arguments": '{"t": 1.5}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "seeked"},
+        {"role": "user", "content": [video(2), video(3), {"type": "text", "text": "And these?"}, video(4)]},
+        {"role": "assistant", "content": "A square crosses each clip."}]}
+
+
+def _reference(processor, conv_messages, clips_data, image, **kw):
+    """processor.apply_chat_template on the same messages, each video given as all its PyAV frames plus metadata,
+    the processor sampling them itself (fps 2, its default sampling rate for Qwen3-VL and ours for Qwen2)."""
+    from transformers.video_utils import VideoMetadata
+
+    decoded = [decode_all(d) for d in clips_data]
+    vids = iter(decoded)
+    msgs = []
+    for m in conv_messages:
+        m = dict(m)
+        if isinstance(m.get("content"), list):
+            m["content"] = [{**c, "video": next(vids)[0]} if c["type"] == "video" else
+                            {**c, "image": image} if c["type"] == "image" else c for c in m["content"]]
+        msgs.append(m)
+    meta = [VideoMetadata(total_num_frames=len(f), fps=fps) for f, fps in decoded]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt",
+                                             do_sample_frames=True, fps=2.0, video_metadata=meta, **kw)
+
+
+def _read_one(out):
+    """The one sample of a build, read with plain tarfile: arrays, meta and the video frames in member order."""
+    [shard] = sorted(out.glob("shard-*.tar"))
+    with tarfile.open(shard) as tf:
+        members = {m.name.split(".", 1)[1]: tf.extractfile(m).read() for m in tf}
+    arrays = {k[:-4]: np.load(io.BytesIO(v), allow_pickle=False) for k, v in members.items() if k.endswith(".npy")}
+    meta = json.loads(members["json"])
+    videos = [np.stack([decode_stored_image(n, members[n]) for n in sorted(members) if n.startswith(v["member"] + ".")])
+              for v in meta["videos"]]
+    return arrays, meta, videos
+
+
+def _assert_pixels_equal(processor, videos, want) -> None:
+    """Stored frames (uint8) through the video processor's own rescale+normalize and patchify (which pads an odd
+    frame count with the last frame) equal its pixel_values_videos, fp32, <= 1e-6."""
+    vp = processor.video_processor
+    mine = []
+    for v in videos:
+        t = torch.from_numpy(v).permute(0, 3, 1, 2)[None].contiguous()
+        t = vp.rescale_and_normalize(t, True, vp.rescale_factor, True, vp.image_mean, vp.image_std)
+        mine.append(vp.patchify(t, patch_size=vp.patch_size, merge_size=vp.merge_size,
+                                temporal_patch_size=vp.temporal_patch_size)[0][0])
+    got = torch.cat(mine)
+    want = torch.as_tensor(want)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-6
+
+
+def _rope_model(family: str):
+    """The model class's get_rope_index with a config, no weights: what the model computes positions with."""
+    import transformers as tf
+
+    cls, cfg = {"qwen2-vl": (tf.Qwen2VLModel, tf.Qwen2VLConfig(vision_config={"spatial_merge_size": 2})),
+                "qwen2.5-vl": (tf.Qwen2_5_VLModel, tf.Qwen2_5_VLConfig(
+                    vision_config={"spatial_merge_size": 2, "tokens_per_second": 2})),
+                "qwen3-vl": (tf.Qwen3VLModel, tf.Qwen3VLConfig(vision_config={"spatial_merge_size": 2}))}[family]
+    m = cls.__new__(cls)
+    torch.nn.Module.__init__(m)
+    m.config = cfg
+    return m
+
+
+@pytest.fixture(scope="module")
+def built(clips, tmp_path_factory):
+    """One build per family of the record above, and the processor's own output for it."""
+    d, data = clips
+    (d / "r.jsonl").write_text(json.dumps(_record(True, data)) + "\n")
+    res = {}
+    for fam in FAMILIES:
+        out = tmp_path_factory.mktemp(fam)
+        build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}", seq_len=32768,
+                          tool_calls="train-content", progress=False, overwrite=True))
+        processor = load_processor(str(out / "processor"))
+        from vlmprep.task import Renderer
+        from vlmprep.normalize import normalize_record
+        from vlmprep.types import Source
+
+        r = Renderer(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}",
+                                 tool_calls="train-content"), processor, saved=True)
+        conv = normalize_record(_record(True, data), Source(str(d / "r.jsonl"), 1), r.norm)
+        image = Image.open(d / "shot.png")
+        res[fam] = (out, processor, _reference(processor, r.ctx.messages(conv), data, image))
+    return res
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_video_sample_equals_the_processors_output(family, built):
+    out, processor, ref = built[family]
+    arrays, meta, videos = _read_one(out)
+    np.testing.assert_array_equal(arrays["input_ids"], ref["input_ids"][0].numpy())
+    np.testing.assert_array_equal(arrays["video_grid_thw"], ref["video_grid_thw"].numpy())
+    np.testing.assert_array_equal(arrays["image_grid_thw"], ref["image_grid_thw"].numpy())
+    np.testing.assert_array_equal(arrays["mm_token_type_ids"], ref["mm_token_type_ids"][0].numpy())
+    assert (arrays["mm_token_type_ids"] == 2).sum() > 0 and meta["num_videos"] == len(CLIPS)
+    if family == "qwen2.5-vl":
+        np.testing.assert_array_equal(arrays["second_per_grid_ts"], ref["second_per_grid_ts"].numpy())
+    # The clip below the minimum frames, and an odd sampled count where the family samples one (Qwen3-VL: 7).
+    assert meta["videos"][1]["frames"] < processor.video_processor.min_frames
+    if family == "qwen3-vl":
+        assert meta["videos"][3]["frames"] == 7 and arrays["video_grid_thw"][3][0] == 4
+        assert "seconds>" in processor.tokenizer.decode(arrays["input_ids"].tolist())
+    # Pixel values: the stored frames through the processor's own normalize + patchify equal pixel_values_videos.
+    _assert_pixels_equal(processor, videos, ref["pixel_values_videos"])
+    # Positions: the model's own get_rope_index with the videos.
+    kw = {"second_per_grid_ts": ref["second_per_grid_ts"]} if family == "qwen2.5-vl" else {}
+    pos, _ = _rope_model(family).get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
+                                               image_grid_thw=ref["image_grid_thw"],
+                                               video_grid_thw=ref["video_grid_thw"], **kw)
+    np.testing.assert_array_equal(arrays["position_ids"], pos[:, 0].numpy())
+    # Masks: only assistant text is trained, never a video or image token.
+    mask = arrays["loss_mask"].astype(bool)
+    assert not (mask & (arrays["mm_token_type_ids"] != 0)).any()
+    trained = processor.tokenizer.decode(arrays["input_ids"][mask].tolist())
+    assert "A square crosses each clip." in trained and "Let me look closer." in trained
+    assert "What moves" not in trained and "seeked" not in trained
+
+
+def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
+    """7 frames (odd: the processor pads the last temporal patch) given as PNGs at fps 4, and the same frames as an
+    FFV1 (lossless RGB) file sampled at 4 fps: every frame kept both ways, so the samples are identical; both equal
+    the processor fed the frames unsampled."""
+    from transformers.video_utils import VideoMetadata
+
+    video = frames(7, 64, 48, seed=3)
+    ffv1 = encode(video, 4, codec="ffv1", fmt="matroska")
+    np.testing.assert_array_equal(decode_all(ffv1)[0], video)  # lossless, so the claim is testable
+    as_list = {"type": "video", "video": [_uri(_png(f), "image/png") for f in video], "fps": 4}
+    as_file = {"type": "video_url", "video_url": {"url": _uri(ffv1, "video/x-matroska")}, "fps": 4}
+    for fam in ("qwen3-vl",):  # timestamps from the frame rate; Qwen2-VL's frame-list path is the same code
+        samples = []
+        for k, part in enumerate((as_list, as_file)):
+            (tmp_path / f"{fam}{k}.jsonl").write_text(json.dumps(
+                {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "q"}]},
+                              {"role": "assistant", "content": "a"}]}) + "\n")
+            out = tmp_path / f"{fam}-{k}"
+            build(BuildConfig(inputs=(str(tmp_path / f"{fam}{k}.jsonl"),), out=str(out), processor=f"builtin:{fam}",
+                              progress=False))
+            samples.append(_read_one(out))
+        (a1, m1, v1), (a2, m2, v2) = samples
+        for name in a1:
+            np.testing.assert_array_equal(a1[name], a2[name])
+        np.testing.assert_array_equal(v1[0], v2[0])
+        assert m1["videos"][0]["frame_indices"] == list(range(7)) == m2["videos"][0]["frame_indices"]
+        assert a1["video_grid_thw"][0][0] == 4
+        processor = load_processor(str(tmp_path / f"{fam}-0" / "processor"))
+        msgs = [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "q"}]},
+                {"role": "assistant", "content": "a"}]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np",
+                                                do_sample_frames=False,
+                                                video_metadata=[VideoMetadata(total_num_frames=7, fps=4.0,
+                                                                              frames_indices=list(range(7)))])
+        np.testing.assert_array_equal(a1["input_ids"], ref["input_ids"][0])
+        np.testing.assert_array_equal(a1["video_grid_thw"], ref["video_grid_thw"])
+        _assert_pixels_equal(processor, v1, ref["pixel_values_videos"])
+
+
+def test_video_options_reach_the_processor_and_are_saved(clips, tmp_path):
+    """--video-fps / --video-max-frames are set on the saved processor (Qwen3-VL's sample_frames reads max_frames
+    only from itself); a part's own fps / max_frames win over them; the sample equals the processor so configured."""
+    d, data = clips
+    rec = {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}},
+        {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}, "fps": 1, "max_frames": 4}]},
+        {"role": "assistant", "content": "a"}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
+    out = tmp_path / "out"
+    build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(out), processor="builtin:qwen3-vl",
+                      video_fps=4.0, video_max_frames=8, progress=False))
+    saved = json.loads((out / "processor" / "processor_config.json").read_text())["video_processor"]
+    assert saved["fps"] == 4.0 and saved["max_frames"] == 8
+    arrays, meta, videos = _read_one(out)
+    # 45 frames at 15 fps: 4 fps asks 12, capped at --video-max-frames 8; the part's fps 1 asks 3, min_frames 4.
+    assert [v["frames"] for v in meta["videos"]] == [8, 4]
+    processor = load_processor(str(out / "processor"))
+    f, fps = decode_all(data[2])
+    from transformers.video_utils import VideoMetadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = processor.video_processor(videos=[f], video_metadata=[VideoMetadata(total_num_frames=len(f), fps=fps)],
+                                        do_sample_frames=True, return_tensors="pt")
+    np.testing.assert_array_equal(arrays["video_grid_thw"][0], ref["video_grid_thw"][0].numpy())
+
+
+def test_truncation_drops_a_video_whole(clips, tmp_path):
+    """A --seq-len that ends inside the second video's tokens drops that video whole (tokens, grid row, frames),
+    counted in the sample and the manifest; the first video and the text before the cut stay."""
+    d, data = clips
+    rec = {"id": "t", "messages": [
+        {"role": "user", "content": "more"}, {"role": "assistant", "content": "trained first"},
+        {"role": "user", "content": [{"type": "text", "text": "first"},
+                                     {"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}},
+                                     {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}}]},
+        {"role": "assistant", "content": "a"}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
+    full = tmp_path / "full"
+    build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(full), progress=False))
+    a, m, _ = _read_one(full)
+    inside = int(np.flatnonzero(a["mm_token_type_ids"] == 2)[-1])  # the last token of the second video
+    cut = tmp_path / "cut"
+    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(cut), seq_len=inside, progress=False))
+    b, mb, vids = _read_one(cut)
+    assert mb["num_videos"] == 1 and mb["dropped_videos"] == 1 and len(vids) == 1
+    np.testing.assert_array_equal(b["video_grid_thw"], a["video_grid_thw"][:1])
+    assert len(b["input_ids"]) < inside and (b["mm_token_type_ids"] == 2).sum() == a["video_grid_thw"][0].prod() // 4
+    np.testing.assert_array_equal(b["input_ids"], a["input_ids"][:len(b["input_ids"])])
+    assert res.manifest["totals"]["videos"] == 1 and res.manifest["totals"]["dropped_videos"] == 1
+    assert res.manifest["format_version"] == 3
+
+
+def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
+    """Families without video support keep the unsupported_video reject (naming those that have it); frames over
+    --max-image-pixels are video_too_large; and the trainer refuses a dataset with videos at start-up."""
+    from vlmprep.families import FAMILIES, resolve_family
+    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.types import RecordError, Source, VideoData
+    from vlmprep.videos import prepare_video
+
+    assert sorted(f.name for f in FAMILIES.values() if f.video) == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+    rec = {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip0.mp4"}]},
+                        {"role": "assistant", "content": "a"}]}
+    with pytest.raises(RecordError) as e:
+        normalize_record(rec, Source(str(clips[0] / "r.jsonl"), 1), NormalizeOptions())
+    assert e.value.reason == "unsupported_video" and "Qwen2-VL, Qwen2.5-VL and Qwen3-VL" in e.value.message
+    conv = normalize_record(rec, Source(str(clips[0] / "r.jsonl"), 1), NormalizeOptions(videos=True))
+    assert conv.videos[0].data == clips[1][0]
+    processor = load_processor("builtin:qwen2-vl")
+    with pytest.raises(RecordError) as e:
+        prepare_video(VideoData(data=clips[1][0], origin="clip0.mp4"), processor, resolve_family(processor),
+                      max_pixels=79 * 60)
+    assert e.value.reason == "video_too_large" and "--max-image-pixels" in e.value.message
+
+    from trainer.decode import refuse_videos
+    from trainer.shards import DataError
+
+    refuse_videos({"totals": {"videos": 0}}, "d")
+    with pytest.raises(DataError, match="holds 2 videos; this trainer does not train video samples yet"):
+        refuse_videos({"totals": {"videos": 2}}, "d")
+
+
+def test_verify_stats_and_inspect_read_a_video_dataset(built):
+    """A dataset with videos verifies clean, stats counts videos apart from images, inspect collapses video runs."""
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+    from vlmprep.stats import compute_stats
+    from vlmprep.verify import verify_dataset
+
+    out = built["qwen3-vl"][0]
+    assert verify_dataset(out) == []
+    st = compute_stats(out)
+    assert (st["videos"], st["images"], st["mismatches"]) == (len(CLIPS), 1, [])
+    assert st["video_tokens"] > 0 and st["image_tokens"] > 0
+    res = CliRunner().invoke(app, ["inspect", str(out), "--html", str(out.parent / "v.html")],
+                             env={"COLUMNS": "200", "TERM": "dumb"})
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["inspect", str(out)], env={"COLUMNS": "200", "TERM": "dumb"})
+    assert res.exit_code == 0 and "[video: " in res.stdout and "WARNING" not in res.stdout, res.stdout
+
+
+@pytest.mark.slow  # ~50 s on 2 cores: two builds, one through a worker pool
+def test_video_builds_are_byte_identical_for_any_worker_count(clips, tmp_path):
+    """Decode, sampling, resize and frame encoding are deterministic: --workers 1 and 2 write the same shard bytes."""
+    d, data = clips
+    (d / "two.jsonl").write_text("".join(json.dumps({**_record(k == 0, data), "id": f"v{k}"}) + "\n" for k in range(2)))
+    shas = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        res = build(BuildConfig(inputs=(str(d / "two.jsonl"),), out=str(out), processor="builtin:qwen2.5-vl",
+                                seq_len=32768, tool_calls="train-content", workers=workers, progress=False))
+        shas.append([(s["name"], s["sha256"]) for s in res.manifest["shards"]])
+    assert shas[0] == shas[1] and res.manifest["totals"]["videos"] == 2 * len(CLIPS)
+
+
+def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
+    """A frame member removed, or a video grid row changed, is a named violation (verify reads format v3)."""
+    import shutil
+
+    from vlmprep.verify import verify_dataset
+
+    src = built["qwen2-vl"][0]
+    for fault in ("drop_frame", "grid"):
+        d = tmp_path / fault
+        shutil.copytree(src, d)
+        [shard] = sorted(d.glob("shard-*.tar"))
+        with tarfile.open(shard) as tf:
+            members = [(m, tf.extractfile(m).read()) for m in tf]
+        with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for m, b in members:
+                if fault == "drop_frame" and m.name.endswith(".vid002.0001.npy.zst"):
+                    continue
+                if fault == "grid" and m.name.endswith(".video_grid_thw.npy"):
+                    g = np.load(io.BytesIO(b))
+                    g[0, 1] += 2
+                    buf = io.BytesIO()
+                    np.save(buf, g)
+                    b = buf.getvalue()
+                    m.size = len(b)
+                tf.addfile(m, io.BytesIO(b))
+        manifest = json.loads((d / "manifest.json").read_text())  # the shard-level checks pass: reach the samples
+        manifest["shards"][0].update(bytes=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        found = " | ".join(str(v) for v in verify_dataset(d))
+        if fault == "drop_frame":
+            assert "video 2: 5 frame members, meta says 6 frames" in found, found
+        else:
+            assert "video placeholders, video_grid_thw rows need" in found and "video 0: vid000.0000.npy.zst is" in found
+
+
+def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
+    """Until the trainer trains video, a dataset with videos stops `python -m trainer` before anything runs: exit 1,
+    one line naming the dataset and why (manifest totals), no run dir."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "trainer", "--data", str(built["qwen2-vl"][0]), "--out",
+                           str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--device", "cpu"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"holds {len(CLIPS)} videos; this trainer does not train video" in lines[0], lines
+    assert not (tmp_path / "run").exists()
