@@ -178,7 +178,7 @@ def tiled_ranks(ds: Path, copies: int, world: int):
     base = [(s.name, index_shard(s.url)) for s in source.shards]
     refs, indexes, traj = [], {}, {}
     for j in range(copies):
-        # Each copy in its own shard order, so ranks differ: equal-sized ranks draw the same index permutation.
+        # Each copy in its own shard order (distinct trajectories per shard name).
         for name, ix in random.Random(j).sample(base, len(base)):
             tname = f"{j}-{name}"
             refs.append(ShardRef(url=tname, name=tname, num_samples=ix.num_samples, num_tokens=int(ix.tokens.sum())))
@@ -189,7 +189,7 @@ def tiled_ranks(ds: Path, copies: int, world: int):
     for r in range(world):
         shards = tuple(refs) if plan.stride else tuple(refs[i] for i in plan.per_rank[r])
         per_rank.append([RankSource("", 1.0, "repeat", shards, tuple(indexes[s.name] for s in shards),
-                                    (r, world) if plan.stride else (0, 1))])
+                                    (r, world) if plan.stride else (0, 1), -1 if plan.stride else r)])
     return plan, per_rank, traj
 
 
@@ -265,8 +265,8 @@ def sorted_input(ds: Path, *, shards: int, per_shard: int, tasks: int, epochs: i
         indexes[name] = ShardIndex(name, zero, zero, toks, trained)
         task.update({(name, i): (k * per_shard + i) * tasks // (shards * per_shard) for i in range(per_shard)})
     plan = plan_shards(tuple(refs), WORLD)
-    per_rank = [[RankSource("", 1.0, "repeat", tuple(refs[i] for i in o), tuple(indexes[refs[i].name] for i in o))]
-                for o in plan.per_rank]
+    per_rank = [[RankSource("", 1.0, "repeat", tuple(refs[i] for i in o), tuple(indexes[refs[i].name] for i in o),
+                            (0, 1), r)] for r, o in enumerate(plan.per_rank)]
     rows = []
     for label, batching in (("micro_batch_size=1", dict(micro_batch_size=1)), ("micro_batch_size=4",
                                                                                dict(micro_batch_size=4))):
