@@ -32,6 +32,7 @@ def trained(dataset, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # a CLI training run (make-test budget); in process: test_resumed_run_shows_each_step_once, test_plot_draws_every_curve
 def test_training_writes_tensorboard_scalars(trained):
     metrics = read_metrics(trained)
     scalars = _scalars(trained)
@@ -96,6 +97,7 @@ def test_plot_draws_every_curve(tmp_path):
     assert _colour_pixels(plot_run(tmp_path / "no-eval"), EVAL_COLOUR) == 0
 
 
+@pytest.mark.slow  # a CLI training run (make-test budget); in process: test_resumed_run_shows_each_step_once, test_plot_draws_every_curve
 def test_plot_command_on_a_training_run(trained, tmp_path):
     out = tmp_path / "sub" / "curves.png"
     r = subprocess.run([sys.executable, "-m", "trainer", "plot", str(trained), "--out", str(out)], cwd=ROOT,

@@ -140,6 +140,7 @@ def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, ba
         assert steps == predicted and sorted(seen) == sorted(set(seen)) and len(seen) == 18, (epoch, steps, predicted)
 
 
+@pytest.mark.slow  # a CLI training run (make-test budget); in process: test_predicted_steps_equal_the_steps_the_loader_gives
 def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(dataset, traces, tmp_path):
     """Two datasets (one built with another --seq-len, same processor) at 0.7/0.3, packed, --epochs 1 and no
     --max-steps: the run takes exactly the predicted steps and reports tokens and loss per source."""
@@ -164,6 +165,7 @@ def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(datas
     assert "realized trained-token shares" in proc.stderr
 
 
+@pytest.mark.slow  # a CLI training run (make-test budget); in process: test_predicted_steps_equal_the_steps_the_loader_gives
 def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, tmp_path):
     out = tmp_path / "run"
     proc = run_trainer(["--data", dataset, "--out", out, "--pack-to", 2048, "--pack-window", 6, "--epochs", 1,

@@ -30,7 +30,7 @@ def built(request, tmp_path_factory):
                       seq_len=2048, samples_per_shard=3, progress=False, tool_calls="train-content",
                       image_format=request.param))
     assert main(["--data", str(tmp / "ds"), "--out", str(tmp / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1",
-                 "--micro-batch-size", "2", "--no-shuffle-shards", "--num-workers", "0", "--no-progress",
+                 "--micro-batch-size", "2", "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0", "--no-progress",
                  "--device", "cpu", "--precision", "fp32"]) == 0
     step1 = json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[0])
     return request.param, tmp / "ds", step1

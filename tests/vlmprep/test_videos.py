@@ -184,6 +184,7 @@ def test_video_sample_equals_the_processors_output(family, built):
     assert "What moves" not in trained and "seeked" not in trained
 
 
+@pytest.mark.slow  # make-test budget; the per-family parity stays in make test
 def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
     """7 frames (odd: the processor pads the last temporal patch) given as PNGs at fps 4, and the same frames as an
     FFV1 (lossless RGB) file sampled at 4 fps: every frame kept both ways, so the samples are identical; both equal
