@@ -139,3 +139,125 @@ def test_video_sample_batch_and_loss_equal_online_processing(video_data, video_s
         ref = F.cross_entropy(logits[0, :-1].float(), on_labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
         ref = ref / (on_labels[0, 1:] != IGNORE_INDEX).sum()
     assert abs(float(ours) - float(ref)) / abs(float(ref)) <= 1e-6, (float(ours), float(ref))
+
+
+def _logits(net, batch, patchify):
+    with torch.no_grad():
+        return net(input_ids=batch.input_ids, attention_mask=None if batch.packed else batch.attention_mask,
+                   position_ids=batch.position_ids, mm_token_type_ids=batch.mm_token_type_ids,
+                   pixel_values=patchify(batch.images, batch.image_index), image_grid_thw=batch.image_grid_thw,
+                   pixel_values_videos=patchify.videos(batch.videos), video_grid_thw=batch.video_grid_thw,
+                   use_cache=False).logits[0].float()
+
+
+def test_packed_row_with_video_image_and_text_gives_each_sample_its_own_logits(video_data, video_spec):
+    """A packed row of a video sample, an image sample, a text sample and a video+image sample: each segment's logits
+    equal the sample's logits alone (fp32, <= 1e-5); with text positions running on (no resets) they do not."""
+    samples = {s.id: s for s in read_all_samples(video_data / "out", video_spec)}
+    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    spec, patchify = _spec(net), Patchifier(video_spec, "cpu")
+    row = [samples[k] for k in ("v", "i", "t", "vi")]
+    packed = collate_packed([row], spec)
+    assert packed.video_grid_thw.tolist() == [s.video_grid_thw.tolist()[0] for s in row if s.videos]
+    broken = collate_packed([row], spec, isolate=False)
+    for batch, ok in ((packed, True), (broken, False)):
+        got, start, worst = _logits(net, batch, patchify), 0, 0.0
+        for s in row:
+            alone = _logits(net, collate([s], spec), patchify)[:s.num_tokens]
+            worst = max(worst, float((got[start:start + s.num_tokens] - alone).abs().max()))
+            start += s.num_tokens
+        assert (worst <= 1e-5) == ok, (ok, worst)
+
+
+def test_placeholder_video_runs_the_video_pass_and_touches_no_real_token(video_data, video_spec):
+    """Where the run's data holds videos, a micro-batch (or packed row) without one gets a placeholder video token
+    after the last real token (after the placeholder image), no label: the same vision passes on every rank, and
+    the real tokens' logits unchanged."""
+    import dataclasses
+
+    samples = {s.id: s for s in read_all_samples(video_data / "out", video_spec)}
+    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    plain = _spec(net)
+    spec, patchify = dataclasses.replace(plain, videos=True), Patchifier(video_spec, "cpu")
+    t, i = samples["t"], samples["i"]
+    b = collate([t, i], spec)
+    n = t.num_tokens if t.num_tokens >= i.num_tokens else i.num_tokens
+    row0 = b.input_ids[0, t.num_tokens:t.num_tokens + 1].tolist()
+    assert row0 == [int(net.config.video_token_id)] and b.mm_token_type_ids[0, t.num_tokens] == 2
+    assert b.input_ids.shape[1] == max(n, t.num_tokens + 1) and len(b.videos) == 1 and len(b.images) == 1
+    assert b.video_grid_thw.tolist() == [[1, 2, 2]] and (b.labels[0, t.num_tokens:] == IGNORE_INDEX).all()
+    text = collate([t], spec)  # neither: the placeholder image, then the placeholder video
+    assert text.input_ids[0, -2:].tolist() == [int(net.config.image_token_id), int(net.config.video_token_id)]
+    assert text.mm_token_type_ids[0, -2:].tolist() == [1, 2]
+    assert torch.equal(_logits(net, text, patchify)[:t.num_tokens],
+                       _logits(net, collate([t], plain), patchify)[:t.num_tokens])
+    packed = collate_packed([[t, i]], spec)
+    assert packed.input_ids[0, -1] == int(net.config.video_token_id) and packed.loss_mask[0, -1] == 0
+    assert collate([samples["v"]], spec).input_ids.shape[1] == samples["v"].num_tokens + 1  # its own video: no extra
+
+
+def test_decoded_frames_are_the_stored_frames_and_bad_video_members_are_refused(video_data, video_spec):
+    """Decode gives each video its stored frames in order (the same pixels vlmprep's reader gives); a missing frame
+    or a video grid that disagrees with the frames is one DataError, never a crash mid-collate."""
+    import io
+    import tarfile
+
+    from trainer.decode import OriginalResizer, decode_sample
+    from trainer.shards import DataError
+    from vlmprep.shards.reader import decode_stored_image
+
+    with tarfile.open(video_data / "out" / "shard-000000.tar") as tf:
+        members = {}
+        for m in tf:
+            key, name = m.name.split(".", 1)
+            members.setdefault(key, {})[name] = tf.extractfile(m).read()
+    key, sample = next((k, m) for k, m in members.items() if b'"id": "vi"' in m["json"])
+    kw = dict(key=key, url="u.tar", spec=video_spec, resize_original=OriginalResizer(video_spec))
+    d = decode_sample(sample, **kw)
+    meta = json.loads(sample["json"])
+    names = sorted(n for n in sample if n.startswith("vid000."))
+    assert len(d.videos) == 1 and len(d.videos[0]) == meta["videos"][0]["frames"] == len(names)
+    for got, name in zip(d.videos[0], names):
+        assert np.array_equal(got, decode_stored_image(name, sample[name]))
+    assert d.video_grid_thw.tolist() == [meta["videos"][0]["grid_thw"]] and d.second_per_grid_ts.shape == (1,)
+    with pytest.raises(DataError, match="video 0: frame 1 has 0 members"):
+        decode_sample({n: v for n, v in sample.items() if not n.startswith("vid000.0001.")}, **kw)
+    grid = d.video_grid_thw.copy()
+    grid[0, 0] += 1
+    buf = io.BytesIO()
+    np.save(buf, grid)
+    with pytest.raises(DataError, match="but the sample stores grid"):
+        decode_sample({**sample, "video_grid_thw.npy": buf.getvalue()}, **kw)
+
+
+def test_worker_frames_equal_in_process_decode(video_data, video_spec):
+    """DataLoader workers send a sample's frames in its shared-memory slab with its images: the same pixels."""
+    from trainer.data import RankStream, sample_loader
+    from trainer.shards import resolve_data
+
+    shards = list(resolve_data(str(video_data / "out")).shards)
+
+    def pixels(workers):
+        loader = sample_loader(RankStream(shards, start=0, spec=video_spec), num_workers=workers, prefetch_factor=2)
+        return [(s.id, [[bytes(memoryview(np.ascontiguousarray(f))) for f in v] for v in s.videos],
+                 [bytes(memoryview(np.ascontiguousarray(im))) for im in s.images]) for s in loader]
+
+    ref = pixels(0)
+    assert sum(len(v) for _, v, _ in ref) == 2
+    assert pixels(1) == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,pack", [(1, False), (1, True), (2, False), (2, True)])
+def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack):
+    """Two optimizer steps of `python -m trainer` on videos, images and text, padded and packed, one rank and two
+    (FSDP2 on gloo: a rank whose micro-batch has no video runs the placeholder video, or the ranks would hang)."""
+    out = tmp_path / "run"
+    args = ["--data", video_data / "out", "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
+            "--no-shuffle"] + (["--pack-to", 4096] if pack else [])
+    run_trainer(args, nproc=nproc, timeout=300)
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(np.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
+    seen = [i for m in metrics for i in m["sample_ids"]]
+    assert any(i in ("v", "vi") for i in seen), seen
