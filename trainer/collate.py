@@ -94,8 +94,9 @@ class CollateSpec:
 def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
     for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id)):
         if (ids[mm == kind] != want).any():
-            raise DataError(f"samples {[s.id for s in samples]} mark {('image', 'video')[kind - 1]} tokens that are "
-                            f"not the model's token {want}: the shards were built for another model family")
+            name = ("image", "video")[kind - 1]
+            raise DataError(f"samples {[s.id for s in samples]} mark {name} tokens that are not the model's {name} "
+                            f"token {want}: the shards were built for another model family")
 
 
 def media(samples: list[DecodedSample]) -> tuple[list, list[int], list, list, list, list]:
