@@ -92,6 +92,9 @@ class CollateSpec:
 
 
 def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
+    if not spec.videos and any(s.videos for s in samples):
+        raise DataError(f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "
+                        "video (its manifest counts none, or the model's video path is not verified)")
     for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id)):
         if (ids[mm == kind] != want).any():
             name = ("image", "video")[kind - 1]

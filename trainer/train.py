@@ -18,7 +18,7 @@ from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpo
                                 start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
-from trainer.decode import refuse_videos
+from trainer.decode import VIDEO_MODELS, refuse_videos
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.evaluate import eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
@@ -159,6 +159,13 @@ class RunData:
     label: str  # how run.json and messages name the data
 
 
+def trains_videos(datasets: list[DataSource], model_type: str) -> bool:
+    """Whether this run trains video samples: a verified model type and a dataset whose manifest counts videos, or
+    one without a manifest (a pipe: source may hold them). Then every micro-batch runs the video pass."""
+    return model_type in VIDEO_MODELS and any(ds.manifest is None or (ds.manifest.get("totals") or {}).get("videos")
+                                              for ds in datasets)
+
+
 def open_data(cfg: TrainConfig, world: int) -> RunData:
     specs = cfg.sources
     datasets = [resolve_data(d.path) for d in specs]
@@ -253,8 +260,7 @@ def run(cfg: TrainConfig) -> dict | None:
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size, video_token_id=video_token_id(net),
-                                   videos=any(((ds.manifest or {}).get("totals") or {}).get("videos", 0)
-                                              for ds in datasets))
+                                   videos=trains_videos(datasets, str(net.config.model_type)))
         evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec, train_data=datasets[0],
                           model_type=str(net.config.model_type))
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
