@@ -3,6 +3,7 @@ rows with video segments isolate each sample, and the CLI trains a mixed video/i
 without --pack-to)."""
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 
@@ -261,3 +262,28 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
     assert all(np.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
     seen = [i for m in metrics for i in m["sample_ids"]]
     assert any(i in ("v", "vi") for i in seen), seen
+
+
+@functools.cache
+def _builtin(family: str):
+    from vlmprep.processor import load_processor
+
+    return load_processor(f"builtin:{family}")
+
+
+@pytest.mark.parametrize("family,frames_", [("qwen2-vl", 3), ("qwen2-vl", 4), ("qwen3-vl", 5)])
+def test_pixel_values_videos_equal_the_video_processors(family, frames_):
+    """Frames already at the processor's size through Patchifier.videos equal the video processor's own
+    pixel_values_videos (its rescale/normalize, the last frame repeated to fill an odd count, its patch order)."""
+    processor = _builtin(family)
+    vp = processor.video_processor
+    side = vp.patch_size * vp.merge_size
+    clip = frames(frames_, 3 * side, 2 * side, seed=frames_)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = vp(videos=[clip], do_resize=False, do_sample_frames=False, return_tensors="pt")
+    spec = ImageSpec.from_config(processor.image_processor.to_dict(), vp.to_dict())
+    got = Patchifier(spec, "cpu").videos([[torch.from_numpy(f) for f in clip]])
+    assert want["video_grid_thw"].tolist() == [[-(-frames_ // 2), 2 * vp.merge_size, 3 * vp.merge_size]]
+    assert got.dtype == torch.float32 and got.shape == want["pixel_values_videos"].shape
+    assert float((got - want["pixel_values_videos"]).abs().max()) <= 1e-6
