@@ -28,7 +28,7 @@ IMAGE_MEMBER = {3: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
 VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3
 # Model types whose video path (pixel_values_videos, packed video segments) matches online processing in tests.
-VIDEO_MODELS = ("qwen2_vl",)
+VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 NO_VIDEO = ("this trainer trains video samples only for model types {} (loss parity verified); train this model on "
             "a dataset without video parts").format(", ".join(VIDEO_MODELS))
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot

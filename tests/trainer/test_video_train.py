@@ -59,7 +59,7 @@ def video_spec(video_data):
     return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
 
 
-def _online(d, record) -> dict:
+def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
     """processor.apply_chat_template on the record, each video as all its PyAV frames, the processor sampling them."""
     from transformers.video_utils import VideoMetadata
 
@@ -69,8 +69,8 @@ def _online(d, record) -> dict:
     from vlmprep.config import BuildConfig
     from vlmprep.types import Source
 
-    processor = load_processor(str(d / "out" / "processor"))
-    r = Renderer(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / "out"), processor="builtin:qwen2-vl"),
+    processor = load_processor(str(d / out / "processor"))
+    r = Renderer(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / out), processor=f"builtin:{family}"),
                  processor, saved=True)
     conv = normalize_record(record, Source(str(d / "r.jsonl"), 1), r.norm)
     decoded, msgs = [], []
@@ -287,3 +287,59 @@ def test_pixel_values_videos_equal_the_video_processors(family, frames_):
     assert want["video_grid_thw"].tolist() == [[-(-frames_ // 2), 2 * vp.merge_size, 3 * vp.merge_size]]
     assert got.dtype == torch.float32 and got.shape == want["pixel_values_videos"].shape
     assert float((got - want["pixel_values_videos"]).abs().max()) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_other_families_video_loss_and_packed_logits(video_data, family):
+    """Tiny random Qwen2.5-VL / Qwen3-VL: a video+image sample's loss from shards equals online processing (rel.
+    1e-6), and a packed row of video, image and text samples gives each its own logits (<= 1e-5). What a model type
+    must pass before it joins VIDEO_MODELS."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.trainer.test_model import FAMILIES
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+
+    out = f"out-{family}"
+    if not (video_data / out / "manifest.json").exists():
+        build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
+                          processor=f"builtin:{family}", seq_len=8192, progress=False, overwrite=True))
+    location = str(video_data / out / "processor")
+    vspec = ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
+    samples = {s.id: s for s in read_all_samples(video_data / out, vspec)}
+    model_type = family.replace(".", "_").replace("-", "_")
+    kw = json.loads(json.dumps(FAMILIES[model_type][1]))
+    if model_type == "qwen2_5_vl":
+        kw["vision_config"]["tokens_per_second"] = 2
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                               vision_end_token_id=151653, **kw)
+    net = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=vspec.patch_size, merge_size=2,
+                       video_token_id=151656, videos=True)
+    patchify = Patchifier(vspec, "cpu")
+    batch = collate([samples["vi"]], spec).to("cpu")
+    on, processor = _online(video_data, _records()[3], out, family)
+    on_labels = _independent_labels(on["input_ids"][0], processor.tokenizer)[None]
+    assert torch.equal(batch.input_ids, on["input_ids"]) and torch.equal(batch.labels, on_labels)
+    assert torch.equal(batch.video_grid_thw, on["video_grid_thw"])
+    videos = patchify.videos(batch.videos)
+    assert float((videos - on["pixel_values_videos"]).abs().max()) <= 1e-6
+    extra = {"second_per_grid_ts": on["second_per_grid_ts"]} if "second_per_grid_ts" in on else {}
+    if extra:
+        assert torch.equal(batch.second_per_grid_ts, on["second_per_grid_ts"].float())
+    with torch.no_grad():
+        ours = forward_loss(net, batch, patchify(batch.images, batch.image_index), pixel_values_videos=videos)
+        ours = ours / batch.num_trained
+        logits = net(input_ids=on["input_ids"], attention_mask=on["attention_mask"],
+                     mm_token_type_ids=on["mm_token_type_ids"], pixel_values=on["pixel_values"],
+                     image_grid_thw=on["image_grid_thw"], pixel_values_videos=on["pixel_values_videos"],
+                     video_grid_thw=on["video_grid_thw"], use_cache=False, **extra).logits
+        ref = F.cross_entropy(logits[0, :-1].float(), on_labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
+        ref = ref / (on_labels[0, 1:] != IGNORE_INDEX).sum()
+    assert abs(float(ours) - float(ref)) / abs(float(ref)) <= 1e-6, (float(ours), float(ref))
+    row = [samples[k] for k in ("v", "i", "t", "vi")]
+    packed = _logits(net, collate_packed([row], spec), patchify)
+    alone = torch.cat([_logits(net, collate([s], spec), patchify)[:s.num_tokens] for s in row])
+    assert float((packed[:len(alone)] - alone).abs().max()) <= 1e-5
