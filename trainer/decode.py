@@ -176,22 +176,25 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
     videos = meta.get("videos", [])
     if len(videos) != n_grids:
         raise ValueError(f"meta lists {len(videos)} videos, video_grid_thw has {n_grids} rows")
-    out, named = [], set()
+    by_frame: dict[str, list[str]] = {}  # "vidVVV.FFFF" -> its members (one, unless a frame is stored twice)
+    for m in members:
+        if VIDEO_MEMBER.match(m):
+            by_frame.setdefault(m[:11], []).append(m)
+    out = []
     for v, vid in enumerate(videos):
         member, n, h, w = vid["member"], int(vid["frames"]), int(vid["height"]), int(vid["width"])
         if member != f"vid{v:03d}" or n <= 0 or h <= 0 or w <= 0 or n * h * w * 3 > MAX_IMAGE_BYTES:
             raise ValueError(f"meta gives video {v} an impossible entry {member!r}, {n} frames of {h}x{w}")
         frames = []
         for f in range(n):
-            found = [m for m in members if m.startswith(f"{member}.{f:04d}.")]
+            found = by_frame.pop(f"{member}.{f:04d}", [])
             if len(found) != 1:
                 raise ValueError(f"video {v}: frame {f} has {len(found)} members, expected 1")
             frames.append((found[0], h, w))
-            named.add(found[0])
         out.append(frames)
-    extra = sorted(m for m in members if VIDEO_MEMBER.match(m) and m not in named)
-    if extra:
-        raise ValueError(f"frame members {extra[:3]} belong to no video in the meta")
+    if by_frame:
+        raise ValueError(f"frame members {sorted(m for ms in by_frame.values() for m in ms)[:3]} belong to no video "
+                         "in the meta")
     return out
 
 
@@ -302,15 +305,15 @@ def _validate(s: DecodedSample, meta: dict, spec: ImageSpec) -> None:
     n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(grids) else 0
     if int((s.mm_token_type_ids == 1).sum()) != n_image_tokens:
         raise ValueError(f"{int((s.mm_token_type_ids == 1).sum())} image tokens but the grids need {n_image_tokens}")
-    vgrids = s.video_grid_thw
+    vgrids, vspec = s.video_grid_thw, spec.video or spec
     if s.second_per_grid_ts.shape != (len(vgrids),):
         raise ValueError(f"second_per_grid_ts has shape {s.second_per_grid_ts.shape} for {len(vgrids)} videos")
     for v, frames in enumerate(s.videos):
         h, w = frames[0].shape[:2]
-        t = -(-len(frames) // spec.temporal_patch_size)
-        if (t, *spec.grid(h, w)[1:]) != tuple(int(x) for x in vgrids[v]):
-            raise ValueError(f"video {v} is {len(frames)} frames of {h}x{w} (grid {(t, *spec.grid(h, w)[1:])}), "
+        t = -(-len(frames) // vspec.temporal_patch_size)
+        if (t, *vspec.grid(h, w)[1:]) != tuple(int(x) for x in vgrids[v]):
+            raise ValueError(f"video {v} is {len(frames)} frames of {h}x{w} (grid {(t, *vspec.grid(h, w)[1:])}), "
                              f"but the sample stores grid {vgrids[v].tolist()}")
-    n_video_tokens = int(vgrids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(vgrids) else 0
+    n_video_tokens = int(vgrids.prod(axis=1).sum()) // vspec.merge_size ** 2 if len(vgrids) else 0
     if int((s.mm_token_type_ids == 2).sum()) != n_video_tokens:
         raise ValueError(f"{int((s.mm_token_type_ids == 2).sum())} video tokens but the grids need {n_video_tokens}")

@@ -343,3 +343,35 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
     packed = _logits(net, collate_packed([row], spec), patchify)
     alone = torch.cat([_logits(net, collate([s], spec), patchify)[:s.num_tokens] for s in row])
     assert float((packed[:len(alone)] - alone).abs().max()) <= 1e-5
+
+
+@pytest.mark.slow
+def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tmp_path):
+    """A Qwen3-VL checkpoint dir (tiny, random) trains the video/image/text dataset built for it on two ranks, packed:
+    its deepstack vision path runs the placeholder video like Qwen2-VL's."""
+    import subprocess
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.trainer.conftest import ROOT, TORCHRUN, trainer_env
+    from tests.trainer.test_model import FAMILIES
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
+
+    out = "out-qwen3-vl"
+    if not (video_data / out / "manifest.json").exists():
+        build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
+                          processor="builtin:qwen3-vl", seq_len=8192, progress=False, overwrite=True))
+    cfg = AutoConfig.for_model("qwen3_vl", image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                               vision_end_token_id=151653, **FAMILIES["qwen3_vl"][1])
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
+    for pack in ([], ["--pack-to", 8192]):
+        run = tmp_path / f"run{len(pack)}"
+        cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "trainer", "--model", tmp_path / "ckpt",
+               "--no-progress", "--data", video_data / out, "--out", run, "--device", "cpu", "--num-workers", 1,
+               "--max-steps", 2, "--no-shuffle", *pack]
+        proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        metrics = read_metrics(run)
+        assert metrics and all(np.isfinite(m["loss"]) for m in metrics)
