@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -261,8 +261,9 @@ def run(cfg: TrainConfig) -> dict | None:
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size, video_token_id=video_token_id(net),
                                    videos=trains_videos(datasets, str(net.config.model_type)))
-        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec, train_data=datasets[0],
-                          model_type=str(net.config.model_type))
+        # Eval sets hold no videos (refused in open_data): no rank runs the video pass there, so no placeholder video.
+        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=replace(collate_spec, videos=False),
+                          train_data=datasets[0], model_type=str(net.config.model_type))
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -256,8 +256,18 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
     out = tmp_path / "run"
     args = ["--data", video_data / "out", "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
             "--no-shuffle"] + (["--pack-to", 4096] if pack else [])
+    if nproc == 1 and not pack:  # an image-only held-out set beside video training: eval runs no video pass
+        from vlmprep.config import BuildConfig
+        from vlmprep.pipeline import build
+
+        (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
+        build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(tmp_path / "held"),
+                          processor="builtin:qwen2-vl", seq_len=4096, progress=False, overwrite=True))
+        args += ["--eval-data", tmp_path / "held"]
     run_trainer(args, nproc=nproc, timeout=300)
-    metrics = read_metrics(out)
+    metrics = [m for m in read_metrics(out) if "sample_ids" in m]  # train steps; the eval line has none
+    if "--eval-data" in args:
+        assert any(np.isfinite(m.get("eval_loss", np.nan)) for m in read_metrics(out)), read_metrics(out)[-1]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(np.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
     seen = [i for m in metrics for i in m["sample_ids"]]
@@ -375,3 +385,14 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
         assert proc.returncode == 0, proc.stderr[-4000:]
         metrics = read_metrics(run)
         assert metrics and all(np.isfinite(m["loss"]) for m in metrics)
+
+
+def test_eval_data_with_videos_is_refused_at_start_up(video_data, tmp_path, capsys):
+    """Evaluation makes no pixel_values_videos yet: --eval-data with videos stops the run in one line, exit 1."""
+    from trainer.train import main
+
+    assert main(["--data", str(video_data / "out"), "--eval-data", str(video_data / "out"), "--tiny-random", "qwen2-vl",
+                 "--out", str(tmp_path / "r"), "--device", "cpu", "--no-progress"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"--eval-data {video_data / 'out'}: the dataset holds 2 videos" in err[0], err
+    assert not (tmp_path / "r").exists()
