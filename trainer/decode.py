@@ -66,12 +66,12 @@ def sample_version(names) -> int:
     return 3 if "video_grid_thw.npy" in names else 2 if "image_index.npy" in names else 1
 
 
-def refuse_videos(manifest: dict | None, where: str, model_type: str = "") -> None:
+def refuse_videos(manifest: dict | None, where: str, model_type: str = "", why: str = NO_VIDEO) -> None:
     """At start-up: a dataset whose manifest counts videos is refused in one line, not mid-run, unless the model's
     video path is verified (VIDEO_MODELS)."""
     n = ((manifest or {}).get("totals") or {}).get("videos", 0)
     if n and model_type not in VIDEO_MODELS:
-        raise DataError(f"{where}: the dataset holds {n} video{'s' if n != 1 else ''}; {NO_VIDEO}")
+        raise DataError(f"{where}: the dataset holds {n} video{'s' if n != 1 else ''}; {why}")
 
 
 def arrays_of(version: int) -> list[str]:

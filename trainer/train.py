@@ -172,8 +172,9 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
     model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
     for d, ds in zip(specs, datasets):
         refuse_videos(ds.manifest, str(d.path), model_type)
-    for d in cfg.eval_sources:  # evaluation does not make pixel_values_videos yet
-        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}")
+    for d in cfg.eval_sources:
+        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}",
+                      why="evaluation does not make pixel_values_videos yet: hold out a dataset without video parts")
     image = _load_spec(cfg, datasets[0].processor)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)

@@ -394,5 +394,5 @@ def test_eval_data_with_videos_is_refused_at_start_up(video_data, tmp_path, caps
     assert main(["--data", str(video_data / "out"), "--eval-data", str(video_data / "out"), "--tiny-random", "qwen2-vl",
                  "--out", str(tmp_path / "r"), "--device", "cpu", "--no-progress"]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and f"--eval-data {video_data / 'out'}: the dataset holds 2 videos" in err[0], err
+    assert len(err) == 1 and f"--eval-data {video_data / 'out'}: the dataset holds 2 videos; evaluation does" in err[0], err
     assert not (tmp_path / "r").exists()
