@@ -33,6 +33,9 @@ class Batch:
     positions: list[int]  # stream positions of the samples, for resume checks
     num_tokens: int  # real tokens of real samples (no padding, no placeholder)
     num_trained: int  # tokens that carry a loss: labels[:, 1:] != IGNORE_INDEX
+    video_grid_thw: torch.Tensor = torch.zeros(0, 3, dtype=torch.int64)  # int64 [V, 3], one row per video, token order
+    second_per_grid_ts: torch.Tensor = torch.zeros(0)  # float32 [V]
+    videos: list[list[torch.Tensor]] = ()  # per video its uint8 H x W x 3 frames; pixel math on the device
     rows: int = 0  # packed rows laid end to end in this one flat row (trainer/pack.py); 0 = not packed
     sources: tuple[int, ...] = ()  # per sample: its dataset's index in a mixture
     sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
@@ -60,7 +63,9 @@ class Batch:
 
         return replace(self, input_ids=move(self.input_ids), loss_mask=self.loss_mask.to(device, non_blocking=True),
                        lengths=move(self.lengths), position_ids=move(self.position_ids),
-                       mm_token_type_ids=move(self.mm_token_type_ids), image_grid_thw=move(self.image_grid_thw))
+                       mm_token_type_ids=move(self.mm_token_type_ids), image_grid_thw=move(self.image_grid_thw),
+                       video_grid_thw=move(self.video_grid_thw),
+                       second_per_grid_ts=self.second_per_grid_ts.to(device, non_blocking=True))
 
 
 def keep_freed_buffers() -> None:
@@ -82,16 +87,63 @@ class CollateSpec:
     image_token_id: int
     patch_size: int
     merge_size: int
+    video_token_id: int = -1
+    videos: bool = False  # the run's data holds videos: every micro-batch runs the video pass (see collate)
+
+
+def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
+    if not spec.videos and any(s.videos for s in samples):
+        raise DataError(f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "
+                        "video (its manifest counts none, or the model's video path is not verified)")
+    for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id)):
+        if (ids[mm == kind] != want).any():
+            name = ("image", "video")[kind - 1]
+            raise DataError(f"samples {[s.id for s in samples]} mark {name} tokens that are not the model's {name} "
+                            f"token {want}: the shards were built for another model family")
+
+
+def media(samples: list[DecodedSample]) -> tuple[list, list[int], list, list, list, list]:
+    """Images (unique, with the occurrence index) and videos of the samples in token order, with their grids."""
+    images: list = []  # uint8 H x W x 3, numpy or (from a DataLoader worker) tensors
+    index: list[int] = []
+    for s in samples:
+        index.extend(len(images) + u for u in s.image_index)
+        images.extend(s.images)
+    grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
+    videos = [v for s in samples for v in s.videos]
+    vgrids = [s.video_grid_thw for s in samples if len(s.video_grid_thw)]
+    seconds = [s.second_per_grid_ts for s in samples if len(s.second_per_grid_ts)]
+    return images, index, grids, videos, vgrids, seconds
+
+
+def placeholders(spec: CollateSpec, *, image: bool, video: bool) -> tuple[list[tuple[int, int]], dict]:
+    """The placeholder image / video a micro-batch without one gets: (token id, mm type) per token, and the media.
+    A placeholder video is two black frames of one merged patch: its single token runs the video pass."""
+    side = spec.patch_size * spec.merge_size
+    tokens, out = [], {}
+    if image:
+        tokens.append((spec.image_token_id, 1))
+        out.update(images=[np.zeros((side, side, 3), dtype=np.uint8)], index=[0],
+                   grids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)])
+    if video:
+        tokens.append((spec.video_token_id, 2))
+        out.update(videos=[[np.zeros((side, side, 3), dtype=np.uint8)] * 2],
+                   vgrids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)],
+                   seconds=[np.ones(1, dtype=np.float32)])
+    return tokens, out
 
 
 def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     """A micro-batch without images (or without samples) gets one placeholder image after row 0's last
     token: every rank must run the vision tower in every forward, or FSDP's per-block all-gathers would
     pair up across ranks in different orders and hang. Causal attention keeps it from touching any
-    real token, and it carries no label."""
+    real token, and it carries no label. Likewise, where the run's data holds videos, a micro-batch without one gets
+    a placeholder video: images and videos go through the same vision blocks in two calls, so a rank that made
+    only one of them would all-gather a different number of times than the others."""
     lens = np.array([s.num_tokens for s in samples] or [1], dtype=np.int64)
-    dummy = not any(s.image_index for s in samples)
-    B, L = len(lens), int(lens.max()) + int(dummy and lens[0] == lens.max())
+    extra, fill = placeholders(spec, image=not any(s.image_index for s in samples),
+                               video=spec.videos and not any(s.videos for s in samples))
+    B, L = len(lens), max(int(lens.max()), int(lens[0]) + len(extra))
     # Right padding: the real tokens are exactly `valid`, and a boolean-mask assignment fills it in row-major
     # order, i.e. in the order of the concatenated samples (several times faster than row/col fancy indexing).
     valid = np.arange(L) < lens[:, None]
@@ -103,9 +155,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     if samples:
         flat_ids = np.concatenate([s.input_ids for s in samples])
         flat_mm = np.concatenate([s.mm_token_type_ids for s in samples])
-        if (flat_ids[flat_mm == 1] != spec.image_token_id).any():
-            raise DataError(f"samples {[s.id for s in samples]} mark image tokens that are not the model's image "
-                            f"token {spec.image_token_id}: the shards were built for another model family")
+        check_tokens(flat_ids, flat_mm, samples, spec)
         ids[valid] = flat_ids
         flat_mask = np.concatenate([s.loss_mask for s in samples])
         loss[valid] = flat_mask
@@ -118,30 +168,33 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     else:
         num_trained = 0
 
-    images: list = []  # uint8 H x W x 3, numpy or (from a DataLoader worker) tensors
-    index: list[int] = []
-    grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
-    for s in samples:
-        index.extend(len(images) + u for u in s.image_index)
-        images.extend(s.images)
-    if dummy:
+    images, index, grids, videos, vgrids, seconds = media(samples)
+    images, index, grids = fill.get("images", images), fill.get("index", index), fill.get("grids", grids)
+    videos, vgrids, seconds = fill.get("videos", videos), fill.get("vgrids", vgrids), fill.get("seconds", seconds)
+    for token, kind in extra:
         n = int(lens[0])
-        ids[0, n], mm[0, n] = spec.image_token_id, 1
+        ids[0, n], mm[0, n] = token, kind
         lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
-        side = spec.patch_size * spec.merge_size
-        images, index = [np.zeros((side, side, 3), dtype=np.uint8)], [0]
-        grids = [np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)]
 
     return Batch(input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(loss), lengths=torch.from_numpy(lens),
                  position_ids=torch.from_numpy(pos),
                  mm_token_type_ids=torch.from_numpy(mm),
                  image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
                  images=[torch.as_tensor(im) for im in images], image_index=index,
+                 **video_fields(videos, vgrids, seconds),
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples],
                  num_tokens=int(sum(s.num_tokens for s in samples)),
                  num_trained=num_trained, sources=tuple(s.source for s in samples),
                  sample_tokens=tuple(s.num_tokens for s in samples))
+
+
+def video_fields(videos: list, vgrids: list, seconds: list) -> dict:
+    return dict(videos=[[torch.as_tensor(f) for f in v] for v in videos],
+                video_grid_thw=torch.from_numpy(np.concatenate(vgrids).astype(np.int64)) if vgrids else
+                torch.zeros(0, 3, dtype=torch.int64),
+                second_per_grid_ts=torch.from_numpy(np.concatenate(seconds).astype(np.float32)) if seconds else
+                torch.zeros(0))
 
 
 def token_sources(batch: Batch) -> torch.Tensor:

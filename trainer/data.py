@@ -140,7 +140,7 @@ class SlabPool:
 
     # --- worker side
     def views(self, sizes: list[int]) -> list[np.ndarray]:
-        """decode_sample's `alloc`: one uint8 view per image, all in one slab of this worker."""
+        """decode_sample's `alloc`: one uint8 view per image and video frame, all in one slab of this worker."""
         self._slab = self._take(sum(sizes))
         flat = self._slab[0].numpy()
         ends = np.cumsum([0, *sizes])
@@ -165,8 +165,9 @@ class SlabPool:
         slab, k = self._slab
         base = slab.data_ptr()
         layout = [(im.ctypes.data - base, *im.shape) for im in sample.images]
-        sample.images = []
-        return _Packed(sample, slab, self.worker, k, layout)
+        frames = [[(f.ctypes.data - base, *f.shape) for f in v] for v in sample.videos]
+        sample.images, sample.videos = [], []
+        return _Packed(sample, slab, self.worker, k, layout, frames)
 
     # --- training process side
     def unpack(self, item: "_Packed") -> DecodedSample:
@@ -184,6 +185,7 @@ class SlabPool:
             self.fresh += 1
         sample = item.sample
         sample.images = [slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in item.layout]
+        sample.videos = [[slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in v] for v in item.frames]
         return sample
 
 
@@ -195,13 +197,14 @@ def _shared_bytes(n: int) -> torch.Tensor:
 
 @dataclass
 class _Packed:
-    """What a worker sends: the sample without its images, the slab that holds them, and where they lie in it."""
+    """What a worker sends: the sample without its images and frames, the slab that holds them, and where they lie."""
 
     sample: DecodedSample
     slab: torch.Tensor
     worker: int
     k: int
     layout: list[tuple[int, int, int, int]]  # (byte offset, H, W, 3) per unique image
+    frames: list[list[tuple[int, int, int, int]]]  # per video, (byte offset, H, W, 3) per frame
 
 
 def _identity(x):

@@ -8,7 +8,7 @@ import io
 import json
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +26,11 @@ NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a i
 IMAGE_MEMBER = {3: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 2: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
-VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3; not trained yet
-NO_VIDEO = ("this trainer does not train video samples yet (pixel_values_videos, video packing); rebuild the "
-            "dataset without video parts")
+VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3
+# Model types whose video path (pixel_values_videos, packed video segments) matches online processing in tests.
+VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+NO_VIDEO = ("this trainer trains video samples only for model types {} (loss parity verified); train this model on "
+            "a dataset without video parts").format(", ".join(VIDEO_MODELS))
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
 # The .npy header vlmprep writes for an image, matched instead of running numpy's literal_eval header parser.
 _NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
@@ -46,6 +48,9 @@ class DecodedSample:
     image_grid_thw: np.ndarray  # int32 [N, 3], one row per occurrence
     images: list[np.ndarray]  # unique stored images, uint8 H x W x 3, already resized
     image_index: list[int]  # occurrence -> images
+    video_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # int32 [V, 3]
+    second_per_grid_ts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [V]
+    videos: list[list[np.ndarray]] = field(default_factory=list)  # per video its frames, uint8 H x W x 3, resized
     position: int = -1  # index in the rank's sample stream (set by the reader)
     worker: int = -1  # DataLoader worker that decoded it
     source: int = 0  # index of its dataset in a mixture
@@ -61,11 +66,12 @@ def sample_version(names) -> int:
     return 3 if "video_grid_thw.npy" in names else 2 if "image_index.npy" in names else 1
 
 
-def refuse_videos(manifest: dict | None, where: str) -> None:
-    """At start-up: a dataset whose manifest counts videos is refused in one line, not mid-run."""
+def refuse_videos(manifest: dict | None, where: str, model_type: str = "", why: str = NO_VIDEO) -> None:
+    """At start-up: a dataset whose manifest counts videos is refused in one line, not mid-run, unless the model's
+    video path is verified (VIDEO_MODELS)."""
     n = ((manifest or {}).get("totals") or {}).get("videos", 0)
-    if n:
-        raise DataError(f"{where}: the dataset holds {n} video{'s' if n != 1 else ''}; {NO_VIDEO}")
+    if n and model_type not in VIDEO_MODELS:
+        raise DataError(f"{where}: the dataset holds {n} video{'s' if n != 1 else ''}; {why}")
 
 
 def arrays_of(version: int) -> list[str]:
@@ -75,7 +81,7 @@ def arrays_of(version: int) -> list[str]:
 def check_member_names(names, *, url: str, key: str, version: int) -> None:
     for name in names:
         if version >= 3 and VIDEO_MEMBER.match(name):
-            raise DataError(f"{url}: sample {key} holds video frames ({name}); {NO_VIDEO}")
+            continue
         if name not in arrays_of(version) and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
             raise DataError(f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format "
                             f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "
@@ -164,6 +170,34 @@ def _image_layout(meta: dict, members: dict[str, bytes],
     return layout, index
 
 
+def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[list[tuple[str, int, int]]]:
+    """Per video (token order) its frame members with their stored (height, width), as the meta lists them; every
+    frame member of the sample must belong to one."""
+    videos = meta.get("videos", [])
+    if len(videos) != n_grids:
+        raise ValueError(f"meta lists {len(videos)} videos, video_grid_thw has {n_grids} rows")
+    by_frame: dict[str, list[str]] = {}  # "vidVVV.FFFF" -> its members (one, unless a frame is stored twice)
+    for m in members:
+        if VIDEO_MEMBER.match(m):
+            by_frame.setdefault(m[:11], []).append(m)
+    out = []
+    for v, vid in enumerate(videos):
+        member, n, h, w = vid["member"], int(vid["frames"]), int(vid["height"]), int(vid["width"])
+        if member != f"vid{v:03d}" or n <= 0 or h <= 0 or w <= 0 or n * h * w * 3 > MAX_IMAGE_BYTES:
+            raise ValueError(f"meta gives video {v} an impossible entry {member!r}, {n} frames of {h}x{w}")
+        frames = []
+        for f in range(n):
+            found = by_frame.pop(f"{member}.{f:04d}", [])
+            if len(found) != 1:
+                raise ValueError(f"video {v}: frame {f} has {len(found)} members, expected 1")
+            frames.append((found[0], h, w))
+        out.append(frames)
+    if by_frame:
+        raise ValueError(f"frame members {sorted(m for ms in by_frame.values() for m in ms)[:3]} belong to no video "
+                         "in the meta")
+    return out
+
+
 def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels."""
     if not name.endswith(".npy.zst"):
@@ -230,13 +264,21 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
         arrays = {name: _npy(members[name], name) for name in arrays_of(version)}
         meta = json.loads(members[META_MEMBER].decode("utf-8"))
         layout, index = _image_layout(meta, members, arrays.get("image_index.npy"))
-        buffers = (alloc or _alloc)([_decoded_size(m, members[m], h, w) for m, h, w in layout])
-        images = [decode_image_into(m, members[m], buf, (h, w, 3), resize_original)
-                  for (m, h, w), buf in zip(layout, buffers)]
+        grids = arrays.get("video_grid_thw.npy", np.zeros((0, 3), np.int32))
+        video_layout = _video_layout(meta, members, len(grids)) if version >= 3 else []
+        frames = [f for v in video_layout for f in v]
+        # One alloc for images and frames: a DataLoader worker's slab holds all of the sample's pixels.
+        buffers = (alloc or _alloc)([_decoded_size(m, members[m], h, w) for m, h, w in layout + frames])
+        decoded = [decode_image_into(m, members[m], buf, (h, w, 3), resize_original)
+                   for (m, h, w), buf in zip(layout + frames, buffers)]
+        images, rest = decoded[:len(layout)], iter(decoded[len(layout):])
+        videos = [[next(rest) for _ in v] for v in video_layout]
         sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
                                loss_mask=arrays["loss_mask.npy"], mm_token_type_ids=arrays["mm_token_type_ids.npy"],
                                position_ids=arrays["position_ids.npy"], image_grid_thw=arrays["image_grid_thw.npy"],
-                               images=images, image_index=index)
+                               images=images, image_index=index, video_grid_thw=grids,
+                               second_per_grid_ts=arrays.get("second_per_grid_ts.npy", np.zeros(0, np.float32)),
+                               videos=videos)
         _validate(sample, meta, spec)
     except (ValueError, KeyError, TypeError, OSError, zstandard.ZstdError) as e:
         raise DataError(f"{url}: sample {key}: {type(e).__name__}: {e}") from None
@@ -261,5 +303,17 @@ def _validate(s: DecodedSample, meta: dict, spec: ImageSpec) -> None:
             raise ValueError(f"image {k} is {h}x{w} (grid {spec.grid(h, w)}), but the sample stores grid "
                              f"{grids[k].tolist()} and meta {meta['images'][k]['height']}x{meta['images'][k]['width']}")
     n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(grids) else 0
-    if int(s.mm_token_type_ids.sum()) != n_image_tokens:
-        raise ValueError(f"{int(s.mm_token_type_ids.sum())} image tokens but the grids need {n_image_tokens}")
+    if int((s.mm_token_type_ids == 1).sum()) != n_image_tokens:
+        raise ValueError(f"{int((s.mm_token_type_ids == 1).sum())} image tokens but the grids need {n_image_tokens}")
+    vgrids, vspec = s.video_grid_thw, spec.video or spec
+    if s.second_per_grid_ts.shape != (len(vgrids),):
+        raise ValueError(f"second_per_grid_ts has shape {s.second_per_grid_ts.shape} for {len(vgrids)} videos")
+    for v, frames in enumerate(s.videos):
+        h, w = frames[0].shape[:2]
+        t = -(-len(frames) // vspec.temporal_patch_size)
+        if (t, *vspec.grid(h, w)[1:]) != tuple(int(x) for x in vgrids[v]):
+            raise ValueError(f"video {v} is {len(frames)} frames of {h}x{w} (grid {(t, *vspec.grid(h, w)[1:])}), "
+                             f"but the sample stores grid {vgrids[v].tolist()}")
+    n_video_tokens = int(vgrids.prod(axis=1).sum()) // vspec.merge_size ** 2 if len(vgrids) else 0
+    if int((s.mm_token_type_ids == 2).sum()) != n_video_tokens:
+        raise ValueError(f"{int((s.mm_token_type_ids == 2).sum())} video tokens but the grids need {n_video_tokens}")

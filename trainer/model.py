@@ -84,6 +84,22 @@ def image_token_id(net: torch.nn.Module) -> int:
     return int(net.config.image_token_id)
 
 
+def video_token_id(net: torch.nn.Module) -> int:
+    return int(getattr(net.config, "video_token_id", None) or -1)
+
+
+def model_type_of(*, model: str = "", tiny_random: str = "") -> str:
+    """The model type before the weights load (start-up checks): the tiny config's, or the checkpoint's config.json."""
+    import json
+
+    if tiny_random:
+        return TINY_CONFIGS[tiny_random]["model_type"]
+    try:
+        return str(json.loads((Path(model) / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
     """Block classes come from the model's own `_no_split_modules` (vision blocks and decoder layers).
     Gradients are summed, not averaged: the loss is already divided by the global trained-token count."""
@@ -105,7 +121,7 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
 
 
 def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor,
-                 sources: tuple[torch.Tensor, int] | None = None):
+                 sources: tuple[torch.Tensor, int] | None = None, pixel_values_videos: torch.Tensor | None = None):
     """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count.
     Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep). A packed batch
     goes without attention mask: the model then derives per-sample causal blocks from the resets of position row 0
@@ -115,9 +131,16 @@ def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor,
     keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     targets = labels[:, 1:][keep[:, :-1]]
     mask = None if batch.packed else batch.attention_mask
+    assert (pixel_values_videos is None) == (len(batch.videos) == 0), \
+        f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"
+    video = {}
+    if pixel_values_videos is not None:
+        video = dict(pixel_values_videos=pixel_values_videos, video_grid_thw=batch.video_grid_thw)
+        if net.config.model_type == "qwen2_5_vl":  # positions are given, so only get_rope_index would read it
+            video["second_per_grid_ts"] = batch.second_per_grid_ts
     out = net(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
               mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixel_values,
-              image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False)
+              image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False, **video)
     if sources is None:
         return F.cross_entropy(out.logits.float(), targets, reduction="sum")
     # A mixture also reports loss and trained tokens per dataset: (sum, [S] loss sums, [S] token counts).

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from trainer.collate import Batch, CollateSpec
+from trainer.collate import Batch, CollateSpec, check_tokens, media, placeholders, video_fields
 from trainer.decode import DecodedSample
 from trainer.shards import DataError
 
@@ -170,31 +170,26 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
     n = int(lens.sum())
     ids = np.concatenate([s.input_ids for s in samples])
     mm = np.concatenate([s.mm_token_type_ids for s in samples])
-    if (ids[mm == 1] != spec.image_token_id).any():
-        raise DataError(f"samples {[s.id for s in samples]} mark image tokens that are not the model's image "
-                        f"token {spec.image_token_id}: the shards were built for another model family")
+    check_tokens(ids, mm, samples, spec)
     loss = np.concatenate([s.loss_mask for s in samples])
     loss[starts] = 0
     pos = np.empty((4, n), dtype=np.int32)
     pos[1:] = np.concatenate([s.position_ids for s in samples], axis=1)
     pos[0] = np.arange(n) - np.repeat(starts, lens) if isolate else np.arange(n)
-    images: list = []
-    index: list[int] = []
-    grids = [s.image_grid_thw for s in samples if len(s.image_grid_thw)]
-    for s in samples:
-        index.extend(len(images) + u for u in s.image_index)
-        images.extend(s.images)
-    if not images:  # same reason as in collate: every rank runs the vision tower in every forward
-        ids, mm, loss = np.append(ids, spec.image_token_id), np.append(mm, 1), np.append(loss, 0)
+    images, index, grids, videos, vgrids, seconds = media(samples)
+    # Same reason as in collate: every rank runs the same vision passes in every forward.
+    extra, fill = placeholders(spec, image=not images, video=spec.videos and not videos)
+    images, index, grids = fill.get("images", images), fill.get("index", index), fill.get("grids", grids)
+    videos, vgrids, seconds = fill.get("videos", videos), fill.get("vgrids", vgrids), fill.get("seconds", seconds)
+    for token, kind in extra:
+        ids, mm, loss = np.append(ids, token), np.append(mm, kind), np.append(loss, 0)
         pos = np.concatenate([pos, pos[:, -1:] + 1], axis=1)  # continues the last sample, which never sees it
-        side = spec.patch_size * spec.merge_size
-        images, index = [np.zeros((side, side, 3), dtype=np.uint8)], [0]
-        grids = [np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)]
     return Batch(input_ids=torch.from_numpy(ids[None]), loss_mask=torch.from_numpy(loss[None]),
                  lengths=torch.tensor([len(ids)]), position_ids=torch.from_numpy(pos[:, None]),
                  mm_token_type_ids=torch.from_numpy(mm[None]),
                  image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
                  images=[torch.as_tensor(im) for im in images], image_index=index,
+                 **video_fields(videos, vgrids, seconds),
                  sample_ids=[s.id for s in samples], positions=[s.position for s in samples], num_tokens=n,
                  num_trained=int(np.count_nonzero(loss)), rows=len(rows), sources=tuple(s.source for s in samples),
                  sample_tokens=tuple(s.num_tokens for s in samples))

@@ -257,6 +257,23 @@ def load_image_processor_config(location: str) -> dict:
                     "pass --processor DIR pointing at the processor the shards were built with")
 
 
+def load_video_processor_config(location: str) -> dict | None:
+    """The video processor's saved settings (`processor_config.json`'s video_processor, or the older
+    `video_preprocessor_config.json`), or None where the processor saved none (an image-only model)."""
+    for name, pick in (("processor_config.json", lambda d: d.get("video_processor")),
+                       ("video_preprocessor_config.json", lambda d: d)):
+        url = _join(location, name)
+        if not url.startswith(REMOTE) and not Path(url).is_file():
+            continue
+        try:
+            cfg = pick(json.loads(_read_url(url)))
+        except (OSError, ValueError, DataError):
+            continue
+        if isinstance(cfg, dict):
+            return cfg
+    return None
+
+
 def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
     """What must agree between mixed datasets: the model family (processor class), the tokenizer's vocabulary
     (tokens, merges and added tokens; not the chat template or truncation settings) and the image processor's

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,16 +18,17 @@ from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpo
                                 start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
-from trainer.decode import refuse_videos
+from trainer.decode import VIDEO_MODELS, refuse_videos
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.evaluate import eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
-from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity
+from trainer.model import (apply_fsdp, build_model, forward_loss, image_token_id, model_identity, model_type_of,
+                           video_token_id)
 from trainer.order import RankSource, rank_steps, schedule
 from trainer.pack import check_packing, empty_state
 from trainer.index import index_shard, local_copy
 from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image_processor_config, plan_shards,
-                            processor_identity, resolve_data)
+                            load_video_processor_config, processor_identity, resolve_data)
 from trainer.vision import ImageSpec, Patchifier
 
 
@@ -80,11 +81,12 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = mb.to(device)
-        pixels = patchifier(mb.images, mb.image_index)
+        pixels, videos = patchifier(mb.images, mb.image_index), patchifier.videos(mb.videos)
         if by_source is None:
-            loss_sum = forward_loss(net, mb, pixels)
+            loss_sum = forward_loss(net, mb, pixels, pixel_values_videos=videos)
         else:
-            loss_sum, losses, counts = forward_loss(net, mb, pixels, sources=(token_sources(mb), by_source.shape[1]))
+            loss_sum, losses, counts = forward_loss(net, mb, pixels, sources=(token_sources(mb), by_source.shape[1]),
+                                                    pixel_values_videos=videos)
             by_source[0] += losses.detach().to(by_source.device)
             by_source[1] += counts.to(by_source.device)
         (loss_sum / max(global_trained, 1.0)).backward()
@@ -103,7 +105,7 @@ def _load_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
     if not location:
         raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
     try:
-        return ImageSpec.from_config(load_image_processor_config(location))
+        return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
     except ValueError as e:
         raise DataError(f"{location}: {e}") from None
 
@@ -157,11 +159,22 @@ class RunData:
     label: str  # how run.json and messages name the data
 
 
+def trains_videos(datasets: list[DataSource], model_type: str) -> bool:
+    """Whether this run trains video samples: a verified model type and a dataset whose manifest counts videos, or
+    one without a manifest (a pipe: source may hold them). Then every micro-batch runs the video pass."""
+    return model_type in VIDEO_MODELS and any(ds.manifest is None or (ds.manifest.get("totals") or {}).get("videos")
+                                              for ds in datasets)
+
+
 def open_data(cfg: TrainConfig, world: int) -> RunData:
     specs = cfg.sources
     datasets = [resolve_data(d.path) for d in specs]
+    model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
     for d, ds in zip(specs, datasets):
-        refuse_videos(ds.manifest, str(d.path))
+        refuse_videos(ds.manifest, str(d.path), model_type)
+    for d in cfg.eval_sources:
+        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}",
+                      why="evaluation does not make pixel_values_videos yet: hold out a dataset without video parts")
     image = _load_spec(cfg, datasets[0].processor)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)
@@ -247,9 +260,11 @@ def run(cfg: TrainConfig) -> dict | None:
         flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
-                                   merge_size=spec.merge_size)
-        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec, train_data=datasets[0],
-                          model_type=str(net.config.model_type))
+                                   merge_size=spec.merge_size, video_token_id=video_token_id(net),
+                                   videos=trains_videos(datasets, str(net.config.model_type)))
+        # Eval sets hold no videos (refused in open_data): no rank runs the video pass there, so no placeholder video.
+        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=replace(collate_spec, videos=False),
+                          train_data=datasets[0], model_type=str(net.config.model_type))
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -30,12 +30,11 @@ def test_unknown_member_extensions_are_refused(dataset, image_spec, name):
         decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
 
 
-def test_video_frames_are_refused_in_one_line(dataset, image_spec):
-    """A v3 sample with video frames (a pipe: source, no manifest to refuse at start-up) is one DataError naming the
-    member, never a crash mid-collate: this trainer does not train video yet."""
+def test_stray_video_frames_are_refused_in_one_line(dataset, image_spec):
+    """A frame member that no video of the sample's meta owns is one DataError naming the member, never read."""
     key, members = _first_members(dataset)
     members = {**members, "vid000.0000.png": b"not read"}
-    with pytest.raises(DataError, match="holds video frames \\(vid000.0000.png\\); this trainer does not train video"):
+    with pytest.raises(DataError, match="frame members \\['vid000.0000.png'\\] belong to no video in the meta"):
         decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
 
 
