@@ -151,6 +151,7 @@ def _logits(net, batch, patchify):
                    use_cache=False).logits[0].float()
 
 
+@pytest.mark.slow  # make-test budget (~13 s); the placeholder and parity cases stay
 def test_packed_row_with_video_image_and_text_gives_each_sample_its_own_logits(video_data, video_spec):
     """A packed row of a video sample, an image sample, a text sample and a video+image sample: each segment's logits
     equal the sample's logits alone (fp32, <= 1e-5); with text positions running on (no resets) they do not."""
