@@ -160,10 +160,10 @@ SETUPS: dict[str, list[str]] = {
                    f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
                    _demo("demo/heldout.jsonl.zst", 2, seed=9),  # a held-out set for --eval-data
                    f"{TOOLS_BUILD} --in demo/heldout.jsonl.zst --out demo/heldout --seq-len 4096 >/dev/null"],
-    # Two datasets to mix: demo/shards (agent traces) and chat/shards (short traces, one image at most).
+    # Two datasets to mix: demo/shards (agent traces) and chat/shards (short traces, two images at most).
     "mix": [_demo("demo/traces.jsonl.zst", 8),
             f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
-            _demo("chat/traces.jsonl.zst", 6, seed=5, max_images=1),
+            _demo("chat/traces.jsonl.zst", 6, seed=5, max_images=2),
             f"{TOOLS_BUILD} --in chat/traces.jsonl.zst --out chat/shards --seq-len 2048 >/dev/null"],
     # The Inspect and stats examples: 12 small traces plus a file of two broken records, cut at 1024 tokens.
     "inspect-demo": [_demo("demo/traces.jsonl.zst", 12, seed=1),
