@@ -61,7 +61,7 @@ def reference_eval(net, pattern: str, image_spec) -> tuple[float, int, int]:
 
 
 @pytest.mark.parametrize("batching", [
-    pytest.param(["--micro-batch-size", 2], id="padded"),
+    pytest.param(["--micro-batch-size", 2], id="padded", marks=pytest.mark.slow),  # make-test budget (~23 s)
     pytest.param(["--pack-to", 4096, "--pack-window", 4], id="packed", marks=pytest.mark.slow),
 ])
 def test_eval_loss_equals_a_single_process_computation(dataset, image_spec, tmp_path, batching):
