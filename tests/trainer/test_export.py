@@ -138,6 +138,7 @@ def test_save_hf_export_loads_with_transformers_and_gives_the_trained_logits(run
     assert float((untrained - run1_ref).abs().max()) > 1e-3
 
 
+@pytest.mark.slow  # make-test budget; the fp32 round trip stays
 def test_bf16_export_is_the_fp32_weights_rounded(run1, run1_ref, sample, tmp_path):
     assert _export(run1, tmp_path / "bf16") == 0  # bf16 is the default
     fp32, bf16 = _keys(run1 / "hf" / "model.safetensors"), _keys(tmp_path / "bf16" / "model.safetensors")
