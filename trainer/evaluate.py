@@ -16,7 +16,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import StepLoader
 from trainer.model import forward_loss
 from trainer.pack import check_packing
-from trainer.shards import DataSource, plan_shards, processor_identity, resolve_data
+from trainer.shards import DataSource, plan_shards, processor_difference, resolve_data
 from trainer.vision import ImageSpec, Patchifier
 
 
@@ -34,8 +34,7 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
     for d in cfg.eval_sources:
         ds = resolve_data(d.path)
         if ds.processor and train_data.processor:  # a loss under another tokenizer or pixel math means nothing
-            mine, theirs = (processor_identity(cfg.processor or x.processor, x.manifest) for x in (ds, train_data))
-            diff = [f"{k} {theirs[k]} vs {mine[k]}" for k in theirs if mine[k] != theirs[k]]
+            diff = processor_difference(train_data, ds, cfg.processor)
             if diff:
                 raise ConfigError(f"--eval-data {d.path} was built with another processor than --data "
                                   f"({'; '.join(diff)}): rebuild it with the training data's --processor")

@@ -274,6 +274,13 @@ def load_video_processor_config(location: str) -> dict | None:
     return None
 
 
+def processor_difference(a: DataSource, b: DataSource, processor: str = "") -> list[str]:
+    """How b's processor differs from a's in what training depends on ('part a-digest vs b-digest'; [] when none).
+    `processor` (the run's --processor) stands in for both when given."""
+    ia, ib = (processor_identity(processor or x.processor or "", x.manifest) for x in (a, b))
+    return [f"{k} {ia[k]} vs {ib[k]}" for k in ia if ib[k] != ia[k]]
+
+
 def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
     """What must agree between mixed datasets: the model family (processor class), the tokenizer's vocabulary
     (tokens, merges and added tokens; not the chat template or truncation settings) and the image processor's

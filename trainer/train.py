@@ -28,7 +28,7 @@ from trainer.order import RankSource, rank_steps, schedule
 from trainer.pack import check_packing, empty_state
 from trainer.index import index_shard, local_copy
 from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image_processor_config, plan_shards,
-                            load_video_processor_config, processor_identity, resolve_data)
+                            load_video_processor_config, processor_difference, resolve_data)
 from trainer.vision import ImageSpec, Patchifier
 
 
@@ -112,10 +112,8 @@ def _load_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
 
 def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], processor: str) -> None:
     """Mixed datasets must come from one tokenizer vocabulary, model family and image processor."""
-    ids = [processor_identity(cfg_proc, d.manifest) for d, cfg_proc in
-           zip(datasets, [processor or d.processor or "" for d in datasets])]
-    for spec, ds, ident in zip(specs[1:], datasets[1:], ids[1:]):
-        diff = [f"{k} {ids[0][k]} vs {ident[k]}" for k in ids[0] if ident[k] != ids[0][k]]
+    for spec, ds in zip(specs[1:], datasets[1:]):
+        diff = processor_difference(datasets[0], ds, processor)
         if diff:
             raise ConfigError(f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
                               f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
