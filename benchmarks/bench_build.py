@@ -33,7 +33,7 @@ def build_config(inp: Path, out: Path, **kw):
 
 
 def timed_build(inp: Path, out: Path, **kw) -> tuple[float, dict]:
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def rss_child(n: int, workers: int) -> dict:
 def run(quick: bool, n: int | None = None) -> list[dict]:
     import torch
 
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
 
     torch.set_num_threads(1)
     rows = []

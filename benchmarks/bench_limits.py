@@ -52,7 +52,7 @@ def run(quick: bool, shard: Path | None = None) -> dict:
 
     from vlmprep.families import resolve_family
     from vlmprep.images import encode_image, prepare_image
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
     from vlmprep.types import ImageData
 
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from pathlib import Path
 from benchmarks.bench_build import build_config
 from benchmarks.emit import emit
 from benchmarks.inputs import OUT, traces
-from vlmprep.task import _WORKER_PRELOAD
+from vlmprep.build.task import _WORKER_PRELOAD
 
 # What a pool worker has before it loads a processor: the forkserver's imports.
 IMPORTS = "import " + ", ".join(_WORKER_PRELOAD)
@@ -24,7 +24,7 @@ _START = time.time()  # a build child sets it to its interpreter's start
 def worker_child(processor_dir: str, inp: str) -> dict:
     """In a fresh process, after IMPORTS: seconds to renderer_from_saved, then to render the first record that has
     images (jinja compile, resize warm-up)."""
-    from vlmprep.task import renderer_from_saved
+    from vlmprep.build.task import renderer_from_saved
     from vlmprep.records import iter_records
 
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def worker_child(processor_dir: str, inp: str) -> dict:
 
 def build_child(inp: str, out: str, workers: int) -> dict:
     """In a fresh process: seconds from process start to the build's first record and to its end."""
-    from vlmprep import pipeline, task
+    from vlmprep.build import pipeline, task
 
     first = []
     ordered = task._ordered_results

@@ -15,7 +15,7 @@ def run(quick: bool) -> list[dict]:
 
     from tests.support.videos import encode, frames
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
 
     n, seconds, fps, (w, h) = (2, 2, 10, (160, 90)) if quick else (8, 10, 30, (640, 360))
     d = OUT / "video"

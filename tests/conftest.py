@@ -26,14 +26,14 @@ def _offline_env(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def qwen2vl_processor():
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
 
     return load_processor("builtin:qwen2-vl")
 
 
 @pytest.fixture(scope="session")
 def qwen25vl_processor():
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
 
     return load_processor("builtin:qwen2.5-vl")
 

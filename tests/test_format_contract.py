@@ -91,7 +91,7 @@ def records(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["zstd", "png", "webp", "original"])
 def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
     from vlmprep.shards.format import is_key, is_member
     from vlmprep.shards.reader import iter_dataset
 
@@ -116,8 +116,8 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     from trainer.shards import iter_tar_samples, load_image_processor_config
     from trainer.vision import ImageSpec
     from vlmprep.config import BuildConfig
-    from vlmprep.task import Renderer
-    from vlmprep.processor import save_processor
+    from vlmprep.build.task import Renderer
+    from vlmprep.processors.load import save_processor
     from vlmprep.records import iter_records
     from vlmprep.shards.format import sample_key
     from vlmprep.shards.writer import ShardWriter, encode_sample
@@ -145,10 +145,10 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     from benchmarks.bench_loader import as_format_v1
     from vlmprep.cli import app
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
     from vlmprep.shards.reader import iter_dataset
-    from vlmprep.stats import compute_stats
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.verify import verify_dataset
 
     v2 = tmp_path / "v2"
     build(BuildConfig(inputs=(str(records),), out=str(v2), progress=False))
@@ -175,10 +175,10 @@ def test_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp
     as before, everywhere."""
     from benchmarks.bench_loader import as_format
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
     from vlmprep.shards.reader import iter_dataset
-    from vlmprep.stats import compute_stats
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.verify import verify_dataset
 
     v3 = tmp_path / "v3"
     build(BuildConfig(inputs=(str(records),), out=str(v3), progress=False))
@@ -237,7 +237,7 @@ def test_the_package_has_no_import_cycle_and_only_the_reader_opens_shard_tars():
 def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     """`pip install vlmprep` (not -e): schemas and templates ship inside the wheel, `vlmprep verify` runs."""
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
 
     rec = tmp_path / "r.jsonl"
     rec.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},

@@ -9,11 +9,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmprep.builtin import builtin_names
+from vlmprep.processors.builtin import builtin_names
 from vlmprep.config import (EOS_POLICIES, EXECUTORS, IMAGE_FORMATS, LONG_TRACES, REASONING_POLICIES, ROLES,
                             TOOL_CALL_POLICIES)
-from vlmprep.processor import bundled_templates
-from vlmprep.summary import plural
+from vlmprep.processors.load import bundled_templates
+from vlmprep.shards.summary import plural
 from vlmprep.types import UserError, printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -142,8 +142,8 @@ def build(
             typer.echo(f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
                        f"{processor} into {out} ...", err=True)
         from vlmprep.config import BuildConfig
-        from vlmprep.pipeline import build as run_build, build_task
-        from vlmprep.summary import format_build_summary, format_plan_summary, format_task_summary
+        from vlmprep.build.pipeline import build as run_build, build_task
+        from vlmprep.shards.summary import format_build_summary, format_plan_summary, format_task_summary
 
         if not inputs:
             if task_index is None:
@@ -169,7 +169,7 @@ def build(
         result = run_build(cfg)
     except (UserError, ValueError, OSError) as e:
         if getattr(e, "manifest", None) is not None:  # RejectsError: complete but rejected too much
-            from vlmprep.summary import format_build_summary
+            from vlmprep.shards.summary import format_build_summary
 
             typer.echo(format_build_summary(e.manifest, out))
         _fail(e)
@@ -188,9 +188,9 @@ def merge(
     allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs)."""
-    from vlmprep.merge import merge_tasks
-    from vlmprep.pipeline import RejectsError, check_rejects
-    from vlmprep.summary import format_build_summary
+    from vlmprep.build.merge import merge_tasks
+    from vlmprep.build.pipeline import RejectsError, check_rejects
+    from vlmprep.shards.summary import format_build_summary
 
     try:
         manifest = merge_tasks(root)
@@ -218,7 +218,7 @@ def verify(
     quick: Annotated[bool, typer.Option(help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
 ) -> None:
     """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation."""
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.verify import verify_dataset
 
     violations = verify_dataset(root, deep=not quick)
     for v in violations:
@@ -258,7 +258,7 @@ def inspect(
     max_pixels: MaxPixelsOpt = None,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""
-    from vlmprep.inspector import InspectConfig, run_inspect
+    from vlmprep.tools.inspector import InspectConfig, run_inspect
 
     try:
         roles = None if train_on_roles is None else _roles(train_on_roles)
@@ -284,7 +284,7 @@ def stats(
     """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects."""
     import json
 
-    from vlmprep.stats import compute_stats, format_stats
+    from vlmprep.tools.stats import compute_stats, format_stats
 
     try:
         st = compute_stats(root)

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmprep.processor import resolve_chat_template
+from vlmprep.processors.load import resolve_chat_template
 
 IMAGE_FORMATS = ("zstd", "png", "webp", "original")
 ROLES = ("system", "user", "assistant", "tool")

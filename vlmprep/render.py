@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vlmprep.builtin_llama import TOKEN_BREAK
+from vlmprep.processors.llama import TOKEN_BREAK
 from vlmprep.config import EOS_POLICIES, REASONING_POLICIES, ROLES, TOOL_CALL_POLICIES
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.positions import mrope_position_ids

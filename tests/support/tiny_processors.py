@@ -218,7 +218,7 @@ def build_tiny_processor(name: str, cache_dir: str | None = None):
 @functools.lru_cache(maxsize=None)
 def load_family_processor(name: str):
     """Any family by name: the real-vocab builtins (qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5) or a tiny one above."""
-    from vlmprep.builtin import build_builtin_processor, builtin_names
+    from vlmprep.processors.builtin import build_builtin_processor, builtin_names
 
     if name in builtin_names():
         return build_builtin_processor(name)

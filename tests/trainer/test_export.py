@@ -61,7 +61,7 @@ def sample(dataset, image_spec):
     """A shard sample with images, and its record's messages as the processor's apply_chat_template takes them."""
     from scripts.demo_traces import generate_traces
     from vlmprep.normalize import NormalizeOptions, normalize_record
-    from vlmprep.processor import load_saved_processor
+    from vlmprep.processors.load import load_saved_processor
     from vlmprep.render import RenderContext
     from vlmprep.types import Source
 

@@ -41,7 +41,7 @@ def _records() -> list[dict]:
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory):
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
 
     d = tmp_path_factory.mktemp("videodata")
     for k, (n, fps, w, h) in enumerate(CLIPS):
@@ -64,8 +64,8 @@ def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
     from transformers.video_utils import VideoMetadata
 
     from vlmprep.normalize import normalize_record
-    from vlmprep.processor import load_processor
-    from vlmprep.task import Renderer
+    from vlmprep.processors.load import load_processor
+    from vlmprep.build.task import Renderer
     from vlmprep.config import BuildConfig
     from vlmprep.types import Source
 
@@ -259,7 +259,7 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
             "--no-shuffle"] + (["--pack-to", 4096] if pack else [])
     if nproc == 1 and not pack:  # an image-only held-out set beside video training: eval runs no video pass
         from vlmprep.config import BuildConfig
-        from vlmprep.pipeline import build
+        from vlmprep.build.pipeline import build
 
         (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
         build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(tmp_path / "held"),
@@ -277,7 +277,7 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
 
 @functools.cache
 def _builtin(family: str):
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
 
     return load_processor(f"builtin:{family}")
 
@@ -310,7 +310,7 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
 
     from tests.trainer.test_model import FAMILIES
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
 
     out = f"out-{family}"
     if not (video_data / out / "manifest.json").exists():
@@ -367,7 +367,7 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
     from tests.trainer.conftest import ROOT, TORCHRUN, trainer_env
     from tests.trainer.test_model import FAMILIES
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
+    from vlmprep.build.pipeline import build
 
     out = "out-qwen3-vl"
     if not (video_data / out / "manifest.json").exists():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")

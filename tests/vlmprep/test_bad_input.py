@@ -15,7 +15,7 @@ import zstandard
 from PIL import Image
 
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 from vlmprep.shards.reader import iter_dataset
 from tests.support.videos import encode, frames
 from vlmprep.types import RecordError
@@ -419,7 +419,7 @@ def test_file_level_case(name, file_faults):
             assert (r["reason"], r["source"]["line"], r["unread_bytes"]) == ("corrupt_zstd_stream", 4, len(ZST_GARBAGE))
             assert str(d / "g.jsonl.zst") in r["message"] and f"at byte {at} " in r["message"], r["message"]
             assert res.manifest["totals"]["unread_bytes"] == len(ZST_GARBAGE)
-            from vlmprep.summary import format_build_summary
+            from vlmprep.shards.summary import format_build_summary
 
             assert f"unread input      {len(ZST_GARBAGE)} bytes" in format_build_summary(res.manifest, d)
         elif name == "bom_jsonl":
@@ -438,7 +438,7 @@ def test_an_image_in_an_assistant_turn_names_the_message_the_template_drops():
     from vlmprep.families import resolve_family
     from vlmprep.images import prepare_image
     from vlmprep.normalize import NormalizeOptions, normalize_record
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
     from vlmprep.render import RenderContext, render_conversation
     from vlmprep.types import RecordError, Source
 
@@ -570,7 +570,7 @@ def _make_unreadable():
 def test_a_result_the_parent_cannot_read_breaks_the_pool_with_its_cause(deadline):
     from concurrent.futures.process import BrokenProcessPool
 
-    from vlmprep.task import pool_failure, worker_pool
+    from vlmprep.build.task import pool_failure, worker_pool
 
     deadline(120)
     with pytest.raises(BrokenProcessPool) as e:
@@ -588,7 +588,7 @@ def _vlmprep_exceptions():
     import vlmprep
 
     for m in pkgutil.walk_packages(vlmprep.__path__, "vlmprep."):
-        if m.name.startswith(("vlmprep.clients", "vlmprep.ray_executor", "vlmprep.__main__")):
+        if m.name.startswith(("vlmprep.clients", "vlmprep.build.ray_executor", "vlmprep.__main__")):
             continue  # optional dependencies (they define no exception types); __main__ runs the CLI
         importlib.import_module(m.name)
     seen, todo = set(), [Exception]

@@ -15,14 +15,14 @@ from PIL import Image
 from tests.conftest import LLAMAFACTORY
 from vlmprep.config import BuildConfig
 from vlmprep.shards.reader import decode_stored_image
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 
 # The demo traces act through tool_calls, which the stock Qwen2-VL template does not render (rejected by default).
 TOOLS_TEMPLATE = str(Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
 
 
 def schema(name):
-    from vlmprep.verify import schema_validator
+    from vlmprep.tools.verify import schema_validator
 
     return schema_validator(name)
 
@@ -202,7 +202,7 @@ def test_mixed_good_and_bad_records(tmp_path):
 
 
 def test_strict_stops_at_first_reject(tmp_path):
-    from vlmprep.pipeline import BuildError
+    from vlmprep.build.pipeline import BuildError
 
     inp = tmp_path / "x.jsonl"
     inp.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{bad\n')
@@ -222,7 +222,7 @@ def test_rebuild_removes_stale_shards(tmp_path, demo_traces):
 @pytest.fixture
 def loaded_once(monkeypatch, qwen2vl_processor):
     """Builds below reuse the session's builtin:qwen2-vl instead of loading it again (~15 s a load on 2 cores)."""
-    monkeypatch.setattr("vlmprep.pipeline.load_processor", lambda spec: qwen2vl_processor)
+    monkeypatch.setattr("vlmprep.build.pipeline.load_processor", lambda spec: qwen2vl_processor)
 
 
 def test_rejects_are_byte_identical_across_builds(tmp_path, loaded_once):

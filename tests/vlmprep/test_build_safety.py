@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from tests.vlmprep.conftest import tree_hashes
 from vlmprep.cli import app
-from vlmprep.pipeline import RejectsError, check_rejects
-from vlmprep.processor import TEMPLATES_DIR, resolve_chat_template
-from vlmprep.summary import format_build_summary
+from vlmprep.build.pipeline import RejectsError, check_rejects
+from vlmprep.processors.load import TEMPLATES_DIR, resolve_chat_template
+from vlmprep.shards.summary import format_build_summary
 
 # README "Agent traces": the recommended setting for browser-agent traces, with the tool-aware template.
 AGENT = ["--seq-len", "16384", "--long-traces", "split", "--keep-images", "last:3",
@@ -23,7 +23,7 @@ AGENT = ["--seq-len", "16384", "--long-traces", "split", "--keep-images", "last:
 def fresh_processor(monkeypatch, qwen2vl_processor):
     """Builds reuse a copy of the session's builtin:qwen2-vl (a load is ~15 s on 2 cores); a copy, because a
     --chat-template is set on the processor object itself."""
-    for where in ("vlmprep.pipeline.load_processor", "vlmprep.processor.load_processor"):  # build; inspect
+    for where in ("vlmprep.build.pipeline.load_processor", "vlmprep.processors.load.load_processor"):  # build; inspect
         monkeypatch.setattr(where, lambda spec: copy.deepcopy(qwen2vl_processor))
 
 
@@ -153,7 +153,7 @@ def test_a_failed_processor_load_removes_the_out_it_created(tmp_path, monkeypatc
     def boom(spec):
         raise ValueError("cannot load it")
 
-    monkeypatch.setattr("vlmprep.pipeline.load_processor", boom)
+    monkeypatch.setattr("vlmprep.build.pipeline.load_processor", boom)
     inp = text_records(tmp_path / "in.jsonl")
     res = invoke("build", "--in", inp, "--out", tmp_path / "a" / "b", "--no-progress")
     assert res.exit_code == 1 and "cannot load it" in res.stderr and not (tmp_path / "a").exists()
@@ -168,7 +168,7 @@ def test_bundled_templates_by_name():
 
 
 def test_build_help_lists_every_builtin_in_panels_and_choices_are_checked_at_parse_time(monkeypatch):
-    from vlmprep.builtin import builtin_names
+    from vlmprep.processors.builtin import builtin_names
 
     monkeypatch.setenv("COLUMNS", "200")
     res = invoke("build", "--help")
@@ -207,7 +207,7 @@ def test_progress_bar_shows_the_total_and_an_eta(monkeypatch):
     from rich.console import Console
 
     from vlmprep.config import BuildConfig
-    from vlmprep.task import _progress
+    from vlmprep.build.task import _progress
 
     buf = io.StringIO()
 

@@ -9,8 +9,8 @@ import unicodedata
 import pytest
 from PIL import Image
 
-from vlmprep import builtin
-from vlmprep.builtin import build_builtin_processor, builtin_names
+from vlmprep.processors import builtin
+from vlmprep.processors.builtin import build_builtin_processor, builtin_names
 
 QWEN2_VL_IDS = {
     "<|endoftext|>": 151643,

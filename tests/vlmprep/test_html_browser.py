@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
-from vlmprep.report import TRAINED_BG
+from vlmprep.build.pipeline import build
+from vlmprep.tools.report import TRAINED_BG
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
                   "--disable-component-update", "--disable-sync", "--disable-extensions", "--hide-scrollbars"]

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 
 SEQ_LEN = 1024
 # Rich must see a plain pipe, whatever the environment running the tests asks for.
@@ -250,7 +250,7 @@ def test_refuses_unexpected_members_and_pickles(built, tmp_path):
 def test_rich_terminal_view_colours_trained_tokens(built):
     from rich.console import Console
 
-    from vlmprep.inspector import InspectConfig, run_inspect
+    from vlmprep.tools.inspector import InspectConfig, run_inspect
 
     _, out = built
     buf = io.StringIO()
@@ -264,7 +264,7 @@ def test_rich_terminal_view_colours_trained_tokens(built):
 
 def test_segmentation_decodes_runs_not_tokens(qwen2vl_processor):
     """A 30k-token sample is decoded with one call per run of equal mask/type, whatever its length."""
-    from vlmprep.view import InspectedSample, TokenizerView, segment_sample
+    from vlmprep.tools.view import InspectedSample, TokenizerView, segment_sample
 
     tv = TokenizerView.from_processor(qwen2vl_processor)
     calls = []

@@ -266,7 +266,7 @@ def test_responses_file_id_image_is_rejected_as_such(src):
 
 
 def test_the_record_schema_describes_the_dialect_parts():
-    from vlmprep.verify import schema_validator
+    from vlmprep.tools.verify import schema_validator
 
     v = schema_validator("record.schema.json")
     b64 = base64.b64encode(png_bytes()).decode()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.vlmprep.conftest import planned_cfg, tree_hashes
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 
 ray = pytest.importorskip("ray")
 
@@ -66,15 +66,15 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(ta
 
 
 def test_a_local_build_never_imports_ray():
-    code = ("import sys, vlmprep.cli, vlmprep.pipeline, vlmprep.task, vlmprep.merge, vlmprep.plan; "
+    code = ("import sys, vlmprep.cli, vlmprep.build.pipeline, vlmprep.build.task, vlmprep.build.merge, vlmprep.build.plan; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
-    code = "import sys, vlmprep.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs
+    code = "import sys, vlmprep.build.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, tmp_path):
-    from vlmprep.pipeline import BuildError
+    from vlmprep.build.pipeline import BuildError
 
     # --strict makes the broken line (traces.jsonl:6) fatal inside whichever Ray task reads it.
     with pytest.raises(BuildError) as e:

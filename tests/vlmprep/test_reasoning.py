@@ -14,7 +14,7 @@ from tests.vlmprep.test_families import render, trained_runs
 from vlmprep.config import BuildConfig
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.render import MaskPolicy
-from vlmprep.task import Renderer
+from vlmprep.build.task import Renderer
 from vlmprep.types import RawRecord, RecordError, Source
 
 RED = Image.new("RGB", (56, 56), (200, 10, 10))
@@ -192,8 +192,8 @@ def test_config_validates_reasoning():
 def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2vl_processor):
     """Qwen2-VL's template ignores reasoning: --reasoning drop lands the records, counted in the manifest and said
     in the summary; a malformed reasoning is a counted reject."""
-    from vlmprep.pipeline import build
-    from vlmprep.summary import format_build_summary
+    from vlmprep.build.pipeline import build
+    from vlmprep.shards.summary import format_build_summary
 
     inp = tmp_path / "r.jsonl"
     recs = [dict(record(earlier="First look."), id="a"), dict(record(reasoning=None), id="b"),

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 
 
 @pytest.fixture(scope="module")

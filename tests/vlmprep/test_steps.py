@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 from vlmprep.shards.reader import iter_dataset
-from vlmprep.steps import StepConversation, StepPolicy, keep_last_images, split_trace
+from vlmprep.traces import StepConversation, StepPolicy, keep_last_images, split_trace
 from vlmprep.types import Conversation, ImageData, Message, Part, Source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ def test_split_covers_every_turn_and_truncate_reports_its_loss(traces, tmp_path,
     assert n2 == trained2 == n and split.manifest["turns"]["coverage"] == 1.0
     assert split.manifest["totals"]["split_samples"] > 0 and split.manifest["turns"]["context_tokens_repeated"] > 0
     assert all(s.meta()["num_tokens"] <= 1024 and not s.meta()["truncated"] for s in iter_dataset(tmp_path / "split"))
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.verify import verify_dataset
 
     assert verify_dataset(tmp_path / "split") == []
 
@@ -207,7 +207,7 @@ def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces,
         assert len(s.array("image_grid_thw")) <= 3  # --keep-images last:3
         checked += meta["split"] is not None
     assert checked >= 3
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.verify import verify_dataset
 
     assert verify_dataset(out) == []  # placeholders = grid rows, pixels at grid size, occurrence map
 

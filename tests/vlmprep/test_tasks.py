@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmprep.merge import MergeError, merge_tasks
-from vlmprep.pipeline import build, build_task
-from vlmprep.plan import PlanError
+from vlmprep.build.merge import MergeError, merge_tasks
+from vlmprep.build.pipeline import build, build_task
+from vlmprep.build.plan import PlanError
 from vlmprep.shards.reader import iter_dataset
 from tests.vlmprep.conftest import TOOLS, planned_cfg, tree_hashes
 

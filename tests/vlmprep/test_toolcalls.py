@@ -12,7 +12,7 @@ from PIL import Image
 from tests.vlmprep.test_families import png, render, trained_runs
 from vlmprep.config import BuildConfig
 from tests.support.tiny_processors import load_family_processor
-from vlmprep.pipeline import build
+from vlmprep.build.pipeline import build
 from vlmprep.render import MaskPolicy
 from vlmprep.types import RecordError
 
@@ -132,7 +132,7 @@ def record_ids(processor, rec, chat_template=None):
 
 @pytest.fixture(scope="module")
 def qwen3vl():
-    from vlmprep.processor import load_processor
+    from vlmprep.processors.load import load_processor
 
     return load_processor("builtin:qwen3-vl")
 

@@ -17,7 +17,7 @@ from PIL import Image
 from tests.vlmprep.test_builtin import PARITY_TEXTS, random_texts
 from tests.vlmprep.test_families import render, trained_runs
 import vlmprep
-from vlmprep.builtin import build_builtin_processor
+from vlmprep.processors.builtin import build_builtin_processor
 from vlmprep.shards.reader import iter_dataset
 
 IMAGES = {"red": (56, 56, (200, 10, 10)), "wide": (300, 90, (0, 90, 0)), "big": (3000, 1000, (10, 10, 200)),
@@ -130,7 +130,7 @@ def record(name):
 
 @pytest.fixture(scope="session")
 def vendor_cache():
-    from vlmprep.builtin import default_cache_dir
+    from vlmprep.processors.builtin import default_cache_dir
 
     return default_cache_dir()  # the session's private cache (tests/conftest.py), which `build` uses too
 
@@ -148,7 +148,7 @@ def mistral_reference(tmp_path_factory):
     from mistral_common.protocol.instruct.validator import ValidationMode
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-    from vlmprep.builtin_mistral import tekken_resource
+    from vlmprep.processors.mistral import tekken_resource
 
     data = json.loads(tekken_resource().read_text(encoding="utf-8"))
     data["config"]["version"] = "v7"
@@ -223,7 +223,7 @@ def test_mistral3_tokenizer_matches_tekkenizer_on_1m_chars(mistral3, mistral_ref
 
 
 def test_mistral3_special_tokens_at_official_ids(mistral3, mistral_reference):
-    from vlmprep.builtin_mistral import SPECIAL_IDS
+    from vlmprep.processors.mistral import SPECIAL_IDS
 
     tok, tekken = mistral3.tokenizer, mistral_reference.instruct_tokenizer.tokenizer
     assert len(tok) == tekken.n_words == 131072
@@ -241,7 +241,7 @@ def test_mistral3_hf_template_differs_from_mistral_common(mistral3, mistral_refe
     difference pinned. The builtin defaults to mistral-common's format (mistral3_mistral_common.jinja)."""
     import datetime
 
-    from vlmprep.builtin_mistral import HF_TEMPLATE, read_template
+    from vlmprep.processors.mistral import HF_TEMPLATE, read_template
     from vlmprep.types import RecordError
 
     hf = read_template(HF_TEMPLATE)
@@ -400,7 +400,7 @@ def test_llama32_special_tokens_at_official_ids(llama32):
 def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(llama32):
     """Each difference from llama-models' ChatFormat, pinned. The builtin renders ChatFormat's format
     (llama3_2_vision_llama_models.jinja); the Hub template is vlmprep/templates/llama3_2_vision.jinja."""
-    from vlmprep.builtin_llama import read_template
+    from vlmprep.processors.llama import read_template
     from vlmprep.types import RecordError
 
     hf = read_template("llama3_2_vision.jinja")
@@ -484,7 +484,7 @@ def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_f
     """Two calls in one turn: ChatFormat encodes `...}}` and `{"type"...` apart; one tokenizer call over the joined
     string would merge `}}{` across the seam. The template breaks there, the tokenizer drops the break, so render and
     the processor's own apply_chat_template both give ChatFormat's tokens, and the trained run decodes without it."""
-    from vlmprep.builtin_llama import TOKEN_BREAK
+    from vlmprep.processors.llama import TOKEN_BREAK
 
     rec = record("parallel_tool_calls")
     conv, _, ctx, sample = render(rec, llama4)
@@ -525,7 +525,7 @@ def test_llama_patterns_and_special_ids_are_llama_models(llama4, llama32):
     from llama_models.llama3.tokenizer import Tokenizer as Tokenizer3
     from llama_models.llama4.tokenizer import Tokenizer as Tokenizer4
 
-    from vlmprep.builtin_llama import LLAMA3_PATTERN, LLAMA4_PATTERN
+    from vlmprep.processors.llama import LLAMA3_PATTERN, LLAMA4_PATTERN
 
     assert (LLAMA3_PATTERN, LLAMA4_PATTERN) == (Tokenizer3.pat_str, Tokenizer4.O200K_PATTERN)
     ref, tok = Tokenizer4.get_instance(), llama4.tokenizer
@@ -540,7 +540,7 @@ def test_llama_patterns_and_special_ids_are_llama_models(llama4, llama32):
 
 def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_parts(llama4, llama4_format):
     """The Hub template (vlmprep/templates/llama4.jinja, via --chat-template) against ChatFormat, pinned."""
-    from vlmprep.builtin_llama import read_template
+    from vlmprep.processors.llama import read_template
     from vlmprep.types import RecordError
 
     hf = read_template("llama4.jinja")
@@ -595,7 +595,7 @@ def test_cli_build_end_to_end_matches_the_vendor(request, name, tmp_path):
     from typer.testing import CliRunner
 
     from vlmprep.cli import app
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.verify import verify_dataset
 
     cls, template, convs = BUILDS[name]
     inp = tmp_path / "records.jsonl"

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
-from vlmprep.verify import verify_dataset
+from vlmprep.build.pipeline import build
+from vlmprep.tools.verify import verify_dataset
 
 
 @pytest.fixture(scope="module")

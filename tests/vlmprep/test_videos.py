@@ -16,8 +16,8 @@ from PIL import Image
 
 from tests.support.videos import decode_all, encode, frames
 from vlmprep.config import BuildConfig
-from vlmprep.pipeline import build
-from vlmprep.processor import load_processor
+from vlmprep.build.pipeline import build
+from vlmprep.processors.load import load_processor
 from vlmprep.shards.reader import decode_stored_image
 
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
@@ -140,7 +140,7 @@ def built(clips, tmp_path_factory):
         build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}", seq_len=32768,
                           tool_calls="train-content", progress=False, overwrite=True))
         processor = load_processor(str(out / "processor"))
-        from vlmprep.task import Renderer
+        from vlmprep.build.task import Renderer
         from vlmprep.normalize import normalize_record
         from vlmprep.types import Source
 
@@ -316,8 +316,8 @@ def test_verify_stats_and_inspect_read_a_video_dataset(built):
     from typer.testing import CliRunner
 
     from vlmprep.cli import app
-    from vlmprep.stats import compute_stats
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.verify import verify_dataset
 
     out = built["qwen3-vl"][0]
     assert verify_dataset(out) == []
@@ -349,7 +349,7 @@ def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
     """A frame member removed, or a video grid row changed, is a named violation (verify reads format v3)."""
     import shutil
 
-    from vlmprep.verify import verify_dataset
+    from vlmprep.tools.verify import verify_dataset
 
     src = built["qwen2-vl"][0]
     for fault in ("drop_frame", "grid"):

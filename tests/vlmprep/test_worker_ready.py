@@ -4,8 +4,8 @@ import shutil
 from pathlib import Path
 
 from vlmprep.config import BuildConfig
-from vlmprep.task import Renderer, renderer_from_saved
-from vlmprep.processor import load_processor, save_processor
+from vlmprep.build.task import Renderer, renderer_from_saved
+from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import iter_records
 
 TOOLS_TEMPLATE = Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"

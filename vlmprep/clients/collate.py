@@ -43,7 +43,7 @@ class Collator:
     def processor(self):
         """The dataset's saved processor (e.g. TRL's `processing_class`); loaded locally, never from a hub."""
         if self._processor is None:
-            from vlmprep.processor import load_saved_processor
+            from vlmprep.processors.load import load_saved_processor
 
             self._processor = load_saved_processor(self.processor_dir)
         return self._processor

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmprep.config import BuildConfig
-from vlmprep.merge import merge_tasks
-from vlmprep.plan import PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
-from vlmprep.processor import load_processor, save_processor
+from vlmprep.build.merge import merge_tasks
+from vlmprep.build.plan import PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
+from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
-from vlmprep.summary import reject_fix, reject_share, rejected_records
-from vlmprep.task import (BuildError, Renderer, pool_failure, run_task, start_worker_server, task_progress,
+from vlmprep.shards.summary import reject_fix, reject_share, rejected_records
+from vlmprep.build.task import (BuildError, Renderer, pool_failure, run_task, start_worker_server, task_progress,
                           task_start, worker_pool)
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
@@ -188,7 +188,7 @@ def build(cfg: BuildConfig) -> BuildResult:
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
     if cfg.executor == "ray":
-        from vlmprep.ray_executor import run_tasks_on_ray  # ray is imported only when chosen
+        from vlmprep.build.ray_executor import run_tasks_on_ray  # ray is imported only when chosen
 
         seconds = run_tasks_on_ray(out, plan, cfg)
     elif plan["tasks"] == 1:  # the records of the one task spread over --workers processes

@@ -1,4 +1,4 @@
-"""Offline builds (cached by vlmprep.builtin) of the Llama 3.2 Vision (MllamaProcessor) and Llama 4 (Llama4Processor) processors from the
+"""Offline builds (cached by vlmprep.processors.builtin) of the Llama 3.2 Vision (MllamaProcessor) and Llama 4 (Llama4Processor) processors from the
 tiktoken BPE ranks `llama-models` ships, special tokens at the official Hugging Face ids, and the chat format of
 llama-models' ChatFormat (Meta's reference encoder) as the default template.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parent.parent / "templates"
 # ChatFormat encodes each tool call on its own, so BPE never merges across two calls (`}}` `{"`, not `}}{` `"`). The
 # vendor templates print this string between such pieces and the builtin tokenizers split there and drop it, so the
 # processor's own apply_chat_template gives ChatFormat's tokens. Text holding it is refused (vlmprep's sentinel prefix).
@@ -71,7 +71,7 @@ def read_template(name: str) -> str:
 
 
 def source_files(name: str) -> tuple[bytes, str]:
-    """What the build reads (BPE ranks, default template): vlmprep.builtin hashes them into the cache key."""
+    """What the build reads (BPE ranks, default template): vlmprep.processors.builtin hashes them into the cache key."""
     spec = SPECS[name]
     return ranks_resource(spec).read_bytes(), read_template(spec.template)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
-from vlmprep.summary import plural
+from vlmprep.shards.summary import plural
 
 HIST_BINS = 10
 HIST_WIDTH = 40

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from vlmprep.config import BuildConfig
-from vlmprep.task import BuildError, run_task, task_progress, task_start
+from vlmprep.build.task import BuildError, run_task, task_progress, task_start
 from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
-from vlmprep.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
+from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.types import RecordError, UserError
-from vlmprep.view import (InspectedSample, SampleView, TokenizerView, reject_line, sample_from_rendered,
+from vlmprep.tools.view import (InspectedSample, SampleView, TokenizerView, reject_line, sample_from_rendered,
                           sample_from_stored, view_sample)
 
 ONLY = ("truncated", "rejected")
@@ -138,7 +138,7 @@ def _raw_id_candidate(raw, want: str) -> bool:
 
 
 def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
-    from vlmprep.task import reject_entry
+    from vlmprep.build.task import reject_entry
     from vlmprep.records import expand_inputs, iter_records
     from vlmprep.shards.format import sample_key
 
@@ -190,8 +190,8 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
     else:
         if cfg.shard is not None:
             raise InspectError(f"--shard selects a shard of a built dir; {p} is raw input")
-        from vlmprep.task import Renderer
-        from vlmprep.processor import load_processor
+        from vlmprep.build.task import Renderer
+        from vlmprep.processors.load import load_processor
 
         bcfg = _raw_build_config(cfg)
         processor = load_processor(bcfg.processor)
@@ -226,7 +226,7 @@ def run_inspect(cfg: InspectConfig, console=None) -> InspectResult:
     views = [view_sample(x, tv) if isinstance(x, InspectedSample) else x for x in items]
     result = InspectResult([v for v in views if isinstance(v, SampleView)], [v for v in views if isinstance(v, dict)])
     if cfg.html:
-        from vlmprep.report import write_report
+        from vlmprep.tools.report import write_report
 
         write_report(Path(cfg.html), result.samples, result.rejects, title=f"vlmprep inspect {cfg.path}")
         result.html = cfg.html

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 
-TEMPLATES_DIR = Path(__file__).parent / "templates"
+TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
 
 def bundled_templates() -> list[str]:
@@ -34,7 +34,7 @@ def load_processor(spec: str):
     from transformers import AutoProcessor
 
     if spec.startswith("builtin:"):
-        from vlmprep.builtin import build_builtin_processor, builtin_names
+        from vlmprep.processors.builtin import build_builtin_processor, builtin_names
 
         name = spec.split(":", 1)[1]
         if name not in builtin_names():

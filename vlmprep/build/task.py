@@ -25,16 +25,16 @@ from typing import Iterator
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
 from vlmprep.videos import prepare_video
-from vlmprep.journal import Journal, landed_ids, load_journal, save_journal
+from vlmprep.build.journal import Journal, landed_ids, load_journal, save_journal
 from vlmprep.normalize import NormalizeOptions, normalize_record
-from vlmprep.plan import TASKS_DIR, check_inputs_unchanged, plan_digest, shard_prefix, task_file, task_records
-from vlmprep.processor import apply_pixel_budget, apply_video_budget, load_saved_processor, resolve_chat_template
+from vlmprep.build.plan import TASKS_DIR, check_inputs_unchanged, plan_digest, shard_prefix, task_file, task_records
+from vlmprep.processors.load import apply_pixel_budget, apply_video_budget, load_saved_processor, resolve_chat_template
 from vlmprep.records import parse_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import FORMAT_VERSION, sample_key
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardInfo, ShardWriter, encode_sample, write_json_atomic, write_text_atomic
-from vlmprep.steps import StepPolicy, split_trace, whole_trace
+from vlmprep.traces import StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RawRecord, RecordError, RenderedSample, UserError, deterministic_message, printable
 
@@ -185,7 +185,7 @@ _CACHED: tuple[tuple, Renderer] | None = None
 # Most of a worker's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Workers fork from
 # a forkserver that imported them once, instead of each spawned worker importing them again. Forking the server is
 # safe where forking the build process is not: it never ran torch, tokenizers or jinja, it only imported them.
-_WORKER_PRELOAD = ["vlmprep.task", "vlmprep.images", "torch", "torchvision",
+_WORKER_PRELOAD = ["vlmprep.build.task", "vlmprep.images", "torch", "torchvision",
                    "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
 
 

