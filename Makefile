@@ -7,7 +7,7 @@ DEMO_N ?= 64
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install demo test test-all test-gpu bench clean
+.PHONY: install demo lint test test-all test-gpu bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ demo: $(STAMP)
 	$(VENV)/bin/vlmprep inspect demo/shards --limit 1
 	$(VENV)/bin/vlmprep verify demo/shards
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m trainer --data demo/shards --out demo/run --tiny-random qwen2-vl --max-steps 4 --num-workers 1 --no-progress
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
