@@ -328,3 +328,28 @@ def test_reader_refuses_a_video_whose_frames_disagree_with_the_meta(video_datase
         with pytest.raises(ShardFormatError, match="video 1: frame members .* one member each"):
             vlmprep.clients.wds.decode(bad)
     assert len(vlmprep.clients.wds.decode(s)["videos"]) == 2
+
+
+@pytest.mark.slow  # energon's index and loader set-up (~10 s); its sample_loader on videos stays in make test above
+def test_energon_loader_gives_the_stored_video_frames(video_dataset, tmp_path):
+    """Through energon's own loader (prepare, get_train_dataset, savable loader) the VlmprepSamples hold the
+    stored videos bit for bit, as the webdataset and HF readers do."""
+    pytest.importorskip("megatron.energon")
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+    from megatron.energon.errors import reraise_exception
+
+    from vlmprep.clients.energon import VlmprepSample, prepare
+
+    d = tmp_path / "ds"
+    shutil.copytree(video_dataset("qwen2.5-vl", "zstd"), d)
+    want = _stored_videos(d)
+    assert prepare(d) == len(want) == 4
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    ds = get_train_dataset(d, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=False)
+    keys = []
+    for s in get_savable_loader(ds):
+        assert isinstance(s, VlmprepSample)
+        _assert_same_videos(s, want[s.__key__], s.__key__)
+        keys.append(s.__key__)
+    assert sorted(keys) == sorted(want) and sum(len(want[k]["videos"]) for k in keys) == 3
