@@ -97,7 +97,9 @@ class Collator:
         vp = getattr(self.processor, "video_processor", None)
         if vp is None:
             raise ValueError(f"{self.processor_dir} holds no video processor, but the samples hold videos")
-        made = vp(videos=videos, do_resize=False, do_sample_frames=False, return_tensors="pt")
+        # Resize is off, so the per-frame cap changes nothing; naming it (as the build did) silences its warning.
+        cap = {"cap_pixels_per_frame": bool(vp.cap_pixels_per_frame)} if hasattr(vp, "cap_pixels_per_frame") else {}
+        made = vp(videos=videos, do_resize=False, do_sample_frames=False, return_tensors="pt", **cap)
         out = {"pixel_values_videos": made["pixel_values_videos"], "video_grid_thw": made["video_grid_thw"]}
         with_videos = [s for s in samples if s.get("videos")]
         stored = torch.from_numpy(np.concatenate([np.asarray(s["video_grid_thw"]).reshape(-1, 3)
