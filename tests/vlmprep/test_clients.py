@@ -1,6 +1,7 @@
 """Real clients read a built dataset with vlmprep's one documented line of glue (webdataset, HF datasets,
-Megatron-Energon) and get, sample by sample, the arrays and every image occurrence the trainer's own decoder gets;
-a plain tarfile reader gets the images right through image_index.npy (and wrong by sorted img* members)."""
+Megatron-Energon) and get, sample by sample, the arrays and every image occurrence the trainer's own decoder gets,
+and every video's stored frames; a plain tarfile reader gets the images right through image_index.npy (and wrong by
+sorted img* members)."""
 import io
 import json
 import shutil

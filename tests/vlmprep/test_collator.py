@@ -1,7 +1,8 @@
 """vlmprep.clients.collate.Collator gives other trainers the project trainer's batches: equal to trainer/collate.py
 plus trainer/vision.py on the same samples (pixel_values bit for bit, through a DataLoader with workers too), and
 the README's HF Trainer and TRL SFTTrainer code, run as written, trains 2 steps with the trainer's step-1 loss,
-for zstd and `original` (resized at load time) datasets."""
+for zstd and `original` (resized at load time) datasets; video batches (pixel_values_videos, video_grid_thw,
+second_per_grid_ts) equal the trainer's for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
 import json
 import re
 from pathlib import Path
