@@ -53,3 +53,51 @@ def local3(task_traces, tmp_path_factory, qwen2vl_processor):
     return out, res
 
 
+
+
+# Client video datasets (test_clients.py, test_collator.py): clips (frames, fps, width, height) of an odd and an even
+# sampled frame count, and records with a video, an image, text only, and two videos around an image. Small per-part
+# pixel bounds keep the tiny models' forwards fast (the processors' own minimum is 100k pixels a frame).
+VIDEO_CLIPS = [(9, 4, 64, 48), (6, 2, 84, 56)]
+
+
+def video_records() -> list[dict]:
+    user = lambda *parts: {"role": "user", "content": list(parts)}  # noqa: E731
+    def video(k: int) -> dict:
+        return {"type": "video", "video": f"c{k}.mp4", "min_pixels": 56 * 56, "max_pixels": 112 * 112}
+
+    image = {"type": "image_url", "image_url": {"url": "s.png"}}
+    return [{"id": "v", "messages": [user(video(0), {"type": "text", "text": "what moves"}),
+                                     {"role": "assistant", "content": "a square"}]},
+            {"id": "i", "messages": [user(image, {"type": "text", "text": "what is it"}),
+                                     {"role": "assistant", "content": "a picture"}]},
+            {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"id": "vi", "messages": [user(video(1), image, video(0), {"type": "text", "text": "all"}),
+                                      {"role": "assistant", "content": "two clips and a picture"}]}]
+
+
+@pytest.fixture(scope="session")
+def video_dataset(tmp_path_factory):
+    """(family, image_format) -> a built 4-sample dataset dir with videos (2 shards), built once per session."""
+    import json
+
+    from PIL import Image
+
+    from tests.support.videos import encode, frames
+
+    d = tmp_path_factory.mktemp("client-videos")
+    for k, (n, fps, w, h) in enumerate(VIDEO_CLIPS):
+        (d / f"c{k}.mp4").write_bytes(encode(frames(n, w, h, seed=k), fps))
+    Image.fromarray(frames(1, 60, 40, seed=7)[0]).save(d / "s.png")
+    (d / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in video_records()))
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str = "qwen2-vl", image_format: str = "zstd") -> Path:
+        if (family, image_format) not in built:
+            out = d / f"{family}-{image_format}"
+            build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{family}",
+                              seq_len=8192, samples_per_shard=2, image_format=image_format, progress=False))
+            built[family, image_format] = out
+        return built[family, image_format]
+
+    return get

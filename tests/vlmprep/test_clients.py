@@ -1,6 +1,7 @@
 """Real clients read a built dataset with vlmprep's one documented line of glue (webdataset, HF datasets,
-Megatron-Energon) and get, sample by sample, the arrays and every image occurrence the trainer's own decoder gets;
-a plain tarfile reader gets the images right through image_index.npy (and wrong by sorted img* members)."""
+Megatron-Energon) and get, sample by sample, the arrays and every image occurrence the trainer's own decoder gets,
+and every video's stored frames; a plain tarfile reader gets the images right through image_index.npy (and wrong by
+sorted img* members)."""
 import io
 import json
 import shutil
@@ -224,3 +225,132 @@ def test_vlmprep_imports_no_client_library():
             "print(sorted(m for m in ('datasets', 'megatron', 'webdataset', 'trainer') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
+
+
+def _stored_videos(d: Path) -> dict[str, dict]:
+    """key -> the videos a build stored, read with plain tarfile, zstandard, numpy and PIL (not vlmprep's reader):
+    per video (vidVVV in the meta's token order) its frames stacked, and the stored video arrays."""
+    from PIL import Image
+
+    def frame(name: str, data: bytes) -> np.ndarray:
+        if name.endswith(".npy.zst"):
+            return np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(data)), allow_pickle=False)
+        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+    out = {}
+    for shard in sorted(d.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            samples: dict[str, dict[str, bytes]] = {}
+            for ti in tar:
+                key, _, member = ti.name.partition(".")
+                samples.setdefault(key, {})[member] = tar.extractfile(ti).read()
+        for key, m in samples.items():
+            meta = json.loads(m["json"])
+            videos = [np.stack([frame(n, m[n]) for f in range(v["frames"])
+                                for n in m if n.startswith(f"{v['member']}.{f:04d}.")])
+                      for v in meta.get("videos", [])]
+            out[key] = dict(videos=videos, meta=meta, **{a: np.load(io.BytesIO(m[a + ".npy"]), allow_pickle=False)
+                                                          for a in ("video_grid_thw", "second_per_grid_ts")})
+    return out
+
+
+def _assert_same_videos(got, want: dict, key: str) -> None:
+    g = dict(got) if isinstance(got, dict) else {f: getattr(got, f) for f in ("videos", "video_grid_thw",
+                                                                             "second_per_grid_ts")}
+    for name in ("video_grid_thw", "second_per_grid_ts"):
+        assert g[name].dtype == want[name].dtype and np.array_equal(g[name], want[name]), (key, name)
+    assert len(g["videos"]) == len(want["videos"]) == len(want["video_grid_thw"]), key
+    for v, (a, b) in enumerate(zip(g["videos"], want["videos"])):
+        entry = want["meta"]["videos"][v]
+        assert isinstance(a, np.ndarray) and a.dtype == np.uint8, (key, v, type(a))
+        assert a.shape == b.shape == (entry["frames"], entry["height"], entry["width"], 3), (key, v, a.shape)
+        assert np.array_equal(a, b), f"{key}: video {v} differs from the frames the build stored"
+
+
+@pytest.mark.parametrize("fmt", ["zstd", "png"])
+def test_adapters_give_the_stored_video_frames(video_dataset, fmt, tmp_path, monkeypatch):
+    """webdataset's decode, the HF datasets reader and energon's sample loader give each sample's videos in token
+    order, one uint8 frames x H x W x 3 array each, bit-equal to the frames the build stored (decoded here
+    independently), with video_grid_thw and second_per_grid_ts as stored; a sample without videos has none."""
+    import webdataset as wds
+
+    import vlmprep.clients.wds
+
+    d = video_dataset("qwen2.5-vl", fmt)
+    want = _stored_videos(d)
+    by_id = {w["meta"]["id"]: w for w in want.values()}
+    assert [len(by_id[i]["videos"]) for i in ("v", "i", "t", "vi")] == [1, 0, 0, 2]
+    assert by_id["vi"]["videos"][0].shape != by_id["vi"]["videos"][1].shape  # two sizes: token order shows
+    got = {s["__key__"]: s for s in wds.WebDataset(vlmprep.clients.wds.shard_urls(d), shardshuffle=False)
+           .map(vlmprep.clients.wds.decode)}
+    assert sorted(got) == sorted(want)
+    for key, s in got.items():
+        _assert_same_videos(s, want[key], key)
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    import vlmprep.clients.hf
+
+    keys = []
+    for s in vlmprep.clients.hf.iterable_dataset(d):
+        _assert_same_videos(s, want[s["__key__"]], s["__key__"])
+        keys.append(s["__key__"])
+    assert keys == sorted(want)
+    pytest.importorskip("megatron.energon")
+    from vlmprep.clients.energon import VlmprepSample, sample_loader
+
+    for shard in sorted(d.glob("shard-*.tar")):
+        with tarfile.open(shard) as tar:
+            raw: dict[str, dict] = {}
+            for ti in tar:
+                key, _, member = ti.name.partition(".")
+                raw.setdefault(key, {"__key__": key, "__shard__": shard.name})[member] = tar.extractfile(ti).read()
+        for key, r in raw.items():
+            s = VlmprepSample(__key__=key, __restore_key__=(), __subflavors__={}, **sample_loader(r))
+            _assert_same_videos(s, want[key], key)
+
+
+def test_reader_refuses_a_video_whose_frames_disagree_with_the_meta(video_dataset):
+    """A frame member missing (inside a video or its last), or one stored twice, is one named ShardFormatError from
+    the client decoders, never a short video."""
+    import vlmprep.clients.wds
+    from vlmprep.shards.reader import ShardFormatError
+
+    d = video_dataset("qwen2.5-vl", "zstd")
+    with tarfile.open(sorted(d.glob("shard-*.tar"))[-1]) as tar:
+        raw: dict[str, dict] = {}
+        for ti in tar:
+            key, _, member = ti.name.partition(".")
+            raw.setdefault(key, {"__key__": key, "__url__": "u.tar"})[member] = tar.extractfile(ti).read()
+    s = next(r for r in raw.values() if b'"vi"' in r["json"])
+    last = max(n for n in s if n.startswith("vid001."))
+    cases = {"vid001.0001.npy.zst": None, last: None, "vid001.0002.png": s["vid001.0002.npy.zst"]}
+    for name, data in cases.items():
+        bad = {k: v for k, v in s.items() if k != name} if data is None else {**s, name: data}
+        with pytest.raises(ShardFormatError, match="video 1: frame members .* one member each"):
+            vlmprep.clients.wds.decode(bad)
+    assert len(vlmprep.clients.wds.decode(s)["videos"]) == 2
+
+
+@pytest.mark.slow  # energon's index and loader set-up (~10 s); its sample_loader on videos stays in make test above
+def test_energon_loader_gives_the_stored_video_frames(video_dataset, tmp_path):
+    """Through energon's own loader (prepare, get_train_dataset, savable loader) the VlmprepSamples hold the
+    stored videos bit for bit, as the webdataset and HF readers do."""
+    pytest.importorskip("megatron.energon")
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+    from megatron.energon.errors import reraise_exception
+
+    from vlmprep.clients.energon import VlmprepSample, prepare
+
+    d = tmp_path / "ds"
+    shutil.copytree(video_dataset("qwen2.5-vl", "zstd"), d)
+    want = _stored_videos(d)
+    assert prepare(d) == len(want) == 4
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    ds = get_train_dataset(d, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=False)
+    keys = []
+    for s in get_savable_loader(ds):
+        assert isinstance(s, VlmprepSample)
+        _assert_same_videos(s, want[s.__key__], s.__key__)
+        keys.append(s.__key__)
+    assert sorted(keys) == sorted(want) and sum(len(want[k]["videos"]) for k in keys) == 3

@@ -1,7 +1,8 @@
 """vlmprep.clients.collate.Collator gives other trainers the project trainer's batches: equal to trainer/collate.py
 plus trainer/vision.py on the same samples (pixel_values bit for bit, through a DataLoader with workers too), and
 the README's HF Trainer and TRL SFTTrainer code, run as written, trains 2 steps with the trainer's step-1 loss,
-for zstd and `original` (resized at load time) datasets."""
+for zstd and `original` (resized at load time) datasets; video batches (pixel_values_videos, video_grid_thw,
+second_per_grid_ts) equal the trainer's for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
 import json
 import re
 from pathlib import Path
@@ -148,3 +149,92 @@ def test_trl_sft_trainer_trains_with_the_readme_code(built, tmp_path):
     steps = [e for e in log if "loss" in e]
     assert [e["step"] for e in steps] == [1, 2]
     assert steps[0]["loss"] == pytest.approx(step1["loss"], rel=1e-6), (fmt, steps[0]["loss"], step1["loss"])
+
+
+def _video_model(family: str):
+    """A tiny random model of the family (fp32, sdpa): the trainer's Qwen2-VL, else the trainer tests' configs."""
+    from trainer.model import build_model
+
+    if family == "qwen2-vl":
+        return build_model(tiny_random="qwen2-vl", seed=0).eval()
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.trainer.test_model import FAMILIES
+
+    model_type = family.replace(".", "_").replace("-", "_")
+    kw = json.loads(json.dumps(FAMILIES[model_type][1]))
+    if model_type == "qwen2_5_vl":
+        kw["vision_config"]["tokens_per_second"] = 2
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                               vision_end_token_id=151653, **kw)
+    return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def video_collator(video_dataset):
+    """family -> a Collator of its video dataset, made once: loading the saved processor is most of a test's time."""
+    from vlmprep.clients.collate import Collator
+
+    made = {}
+    return lambda family: made.setdefault(family, Collator(video_dataset(family)))
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", pytest.param("qwen3-vl", marks=pytest.mark.slow)])
+def test_collator_video_batches_equal_the_trainers(video_dataset, video_collator, family):
+    """A mixed batch (a video sample, an image sample, a text sample, two videos around an image): the Collator's
+    pixel_values_videos equal the trainer's Patchifier.videos of its own decode (bit for bit) and the video processor's
+    own output on the frames read from the tar independently (fp32 <= 1e-6); video_grid_thw and, for Qwen2.5-VL only,
+    second_per_grid_ts as the trainer passes them; and a tiny model's loss on the batch equals the trainer's (so
+    the model's forward gets what the trainer gives it)."""
+    import vlmprep.clients.hf
+    from tests.trainer.conftest import read_all_samples
+    from tests.vlmprep.test_clients import _stored_videos
+    from trainer.collate import CollateSpec, collate
+    from trainer.model import forward_loss
+    from trainer.shards import load_image_processor_config, load_video_processor_config
+    from trainer.vision import ImageSpec, Patchifier
+
+    d = video_dataset(family)
+    samples = list(vlmprep.clients.hf.iterable_dataset(d))
+    collator = video_collator(family)
+    got = collator(samples)
+    loc = str(d / "processor")
+    spec = ImageSpec.from_config(load_image_processor_config(loc), load_video_processor_config(loc))
+    tsamples = read_all_samples(d, spec)
+    assert [s.id for s in tsamples] == [s["id"] for s in samples] == ["v", "i", "t", "vi"]
+    tok = collator.processor.tokenizer
+    want = collate(tsamples, CollateSpec(pad_id=0, image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                                         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+                                         patch_size=spec.patch_size, merge_size=spec.merge_size, videos=True))
+    patchify = Patchifier(spec, "cpu")
+    pixels, videos = patchify(want.images, want.image_index), patchify.videos(want.videos)
+    _assert_same_batch(got, want, pixels)
+    assert got["pixel_values_videos"].dtype == torch.float32 and torch.equal(got["pixel_values_videos"], videos)
+    assert torch.equal(got["video_grid_thw"], want.video_grid_thw) and len(want.video_grid_thw) == 3
+    if family == "qwen2.5-vl":
+        assert got["second_per_grid_ts"].dtype == torch.float32
+        assert torch.equal(got["second_per_grid_ts"], want.second_per_grid_ts)
+    else:
+        assert "second_per_grid_ts" not in got
+    stored = [v for s in _stored_videos(d).values() for v in s["videos"]]  # key order = token order of the batch
+    vp = collator.processor.video_processor
+    own = vp(videos=stored, do_resize=False, do_sample_frames=False, return_tensors="pt")
+    assert own["pixel_values_videos"].shape == got["pixel_values_videos"].shape
+    assert float((own["pixel_values_videos"] - got["pixel_values_videos"]).abs().max()) <= 1e-6
+    net = _video_model(family)
+    with torch.no_grad():
+        loss = float(net(**got).loss)
+        ref = float(forward_loss(net, want, pixels, pixel_values_videos=videos) / want.num_trained)
+    assert loss == pytest.approx(ref, rel=1e-6)
+    only_video = collator([samples[0]])  # no image in the batch: no image keys, the video ones alone
+    assert "pixel_values" not in only_video and torch.equal(only_video["video_grid_thw"], want.video_grid_thw[:1])
+
+
+def test_collator_refuses_another_processors_video_grids(video_dataset, video_collator):
+    import vlmprep.clients.hf
+
+    s = next(s for s in vlmprep.clients.hf.iterable_dataset(video_dataset("qwen2-vl")) if s["videos"])
+    s["videos"] = [np.ascontiguousarray(np.concatenate([v, v], axis=1)) for v in s["videos"]]  # twice as tall
+    with pytest.raises(ValueError, match="video grids .* not the processor these samples were built with"):
+        video_collator("qwen2-vl")([s])

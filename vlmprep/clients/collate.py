@@ -1,11 +1,13 @@
 """Collate client samples (dicts from vlmprep.clients.wds or .hf) -> the batch an HF model takes:
-input_ids, labels, attention_mask, position_ids, mm_token_type_ids, pixel_values, image_grid_thw (torch tensors).
+input_ids, labels, attention_mask, position_ids, mm_token_type_ids, pixel_values, image_grid_thw,
+pixel_values_videos, video_grid_thw, second_per_grid_ts (Qwen2.5-VL) (torch tensors).
 
     collator = vlmprep.clients.collate.Collator(DIR)  # a dataset dir, or its processor dir
     batch = collator([sample, ...])
 
 Pixels come from the dataset's saved processor (DIR/processor) itself: stored images with resizing off (they are
-stored already resized), `--image-format original` source pixels with its own resize, as the trainer does.
+stored already resized), `--image-format original` source pixels with its own resize, as the trainer does; video
+frames with its video processor, neither sampled nor resized again (they are stored so).
 """
 from __future__ import annotations
 
@@ -84,6 +86,32 @@ class Collator:
                                  f"samples store {stored.tolist()}: not the processor these samples were built with")
         return out
 
+    def _video_pixels(self, samples: list[dict]) -> dict:
+        """The video processor's pixel_values_videos and video_grid_thw of every video in token order, from the stored
+        frames, and the stored second_per_grid_ts where the processor lists it as a model input (Qwen2.5-VL)."""
+        import torch
+
+        videos = [np.asarray(v) for s in samples for v in s.get("videos") or ()]
+        if not videos:
+            return {}
+        vp = getattr(self.processor, "video_processor", None)
+        if vp is None:
+            raise ValueError(f"{self.processor_dir} holds no video processor, but the samples hold videos")
+        # Resize is off, so the per-frame cap changes nothing; naming it (as the build did) silences its warning.
+        cap = {"cap_pixels_per_frame": bool(vp.cap_pixels_per_frame)} if hasattr(vp, "cap_pixels_per_frame") else {}
+        made = vp(videos=videos, do_resize=False, do_sample_frames=False, return_tensors="pt", **cap)
+        out = {"pixel_values_videos": made["pixel_values_videos"], "video_grid_thw": made["video_grid_thw"]}
+        with_videos = [s for s in samples if s.get("videos")]
+        stored = torch.from_numpy(np.concatenate([np.asarray(s["video_grid_thw"]).reshape(-1, 3)
+                                                  for s in with_videos]).astype(np.int64))
+        if not torch.equal(out["video_grid_thw"], stored):
+            raise ValueError(f"{self.processor_dir} makes video grids {out['video_grid_thw'].tolist()}, the samples "
+                             f"store {stored.tolist()}: not the processor these samples were built with")
+        if "second_per_grid_ts" in getattr(self.processor, "model_input_names", ()):
+            out["second_per_grid_ts"] = torch.from_numpy(np.concatenate(
+                [np.asarray(s["second_per_grid_ts"], dtype=np.float32).reshape(-1) for s in with_videos]))
+        return out
+
     def __call__(self, samples: list[dict]) -> dict:
         import torch
 
@@ -111,4 +139,5 @@ class Collator:
         if "mm_token_type_ids" not in getattr(proc, "model_input_names", ()):
             del batch["mm_token_type_ids"]
         batch.update(self._pixels(samples))
+        batch.update(self._video_pixels(samples))
         return batch

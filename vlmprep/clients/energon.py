@@ -17,7 +17,8 @@ from vlmprep.shards.reader import load_manifest, sample_from_members
 
 @edataclass
 class VlmprepSample(Sample):
-    """One vlmprep sample: numpy arrays as stored, `images` uint8 HxWx3 per occurrence in token order."""
+    """One vlmprep sample: numpy arrays as stored, `images` uint8 HxWx3 per occurrence in token order, `videos`
+    uint8 frames x H x W x 3 per video in token order."""
 
     id: str
     input_ids: np.ndarray  # int32 [L]
@@ -27,6 +28,9 @@ class VlmprepSample(Sample):
     image_grid_thw: np.ndarray  # int32 [N, 3], one row per occurrence
     image_index: np.ndarray  # int64 [N], occurrence -> stored image imgNNN
     images: list  # N x uint8 HxWx3
+    video_grid_thw: np.ndarray  # int32 [V, 3], one row per video (empty before format v3)
+    second_per_grid_ts: np.ndarray  # float32 [V], seconds per temporal patch (empty before format v3)
+    videos: list  # V x uint8 frames x H x W x 3, the stored (sampled, resized) frames
     meta: dict
 
 
@@ -39,6 +43,8 @@ def sample_loader(raw: dict) -> dict:
     members = {k: v for k, v in raw.items() if not k.startswith("__")}
     d = sample_from_members(members, key=raw["__key__"], where=str(raw.get("__shard__", "?")),
                             version=sample_version(members)).to_dict()
+    d.setdefault("video_grid_thw", np.zeros((0, 3), np.int32))  # format v1/v2 store no video arrays
+    d.setdefault("second_per_grid_ts", np.zeros(0, np.float32))
     return {name: d[name] for name in _FIELDS}
 
 

@@ -2,8 +2,9 @@
 
     ds = vlmprep.clients.hf.iterable_dataset(DIR)
 
-Examples hold numpy arrays and `images` (uint8 HxWx3, one per occurrence, in token order); shards are the
-generator's shard list, so `split_dataset_by_node` and DataLoader workers split by shard.
+Examples hold numpy arrays, `images` (uint8 HxWx3, one per occurrence, in token order) and `videos` (uint8
+frames x H x W x 3, one per video, in token order); shards are the generator's shard list, so
+`split_dataset_by_node` and DataLoader workers split by shard.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ def shard_urls(d: str | Path) -> list[str]:
 
 def decode(sample: dict) -> dict:
     """A webdataset sample -> `__key__`, `__url__`, `id`, the arrays (numpy: input_ids, loss_mask,
-    mm_token_type_ids, position_ids, image_grid_thw, image_index), `images` (uint8 HxWx3, one per occurrence, in
+    mm_token_type_ids, position_ids, image_grid_thw, image_index; format v3: video_grid_thw, second_per_grid_ts),
+    `images` (uint8 HxWx3, one per occurrence, in token order), `videos` (uint8 frames x H x W x 3, one per video, in
     token order) and `meta`. Member names are checked first; an unknown member is refused, never decoded."""
     members = {k: v for k, v in sample.items() if not k.startswith("__")}
     where = str(sample.get("__url__", "?"))

@@ -1,6 +1,7 @@
 """Read shards, the only code in vlmprep that opens them: manifest (version checked) -> shard list -> safe tar
 iterator (member names checked against shards/format.py before anything is read; .npy with allow_pickle=False;
-unknown members refused undecoded) -> StoredSample with arrays, meta and images in occurrence order.
+unknown members refused undecoded) -> StoredSample with arrays, meta, images in occurrence order and videos (frames
+stacked per video) in token order.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import zstandard
 from PIL import Image
 
-from vlmprep.shards.format import META_MEMBER, READABLE_VERSIONS, arrays_of, is_image_member, is_key, is_member
+from vlmprep.shards.format import (META_MEMBER, READABLE_VERSIONS, arrays_of, is_image_member, is_key, is_member,
+                                   is_video_member)
 from vlmprep.types import UserError
 
 
@@ -146,12 +148,53 @@ class StoredSample:
             out.append(cache[name])
         return out
 
+    def video_members(self) -> list[list[str]]:
+        """Per video (vidVVV, VVV = its video_grid_thw row, token order) its frame members vidVVV.FFFF.* in frame
+        order: frames 0..n-1, one member each, n as the meta's `videos[VVV].frames` says."""
+        if self.version < 3:
+            return []
+        by_video: dict[int, dict[int, list[str]]] = {}
+        for n in self.names:
+            if is_video_member(n, self.version):
+                by_video.setdefault(int(n[3:6]), {}).setdefault(int(n[7:11]), []).append(n)
+        rows = len(self.array("video_grid_thw"))
+        listed = self.meta().get("videos") or []
+        if sorted(by_video) != list(range(rows)) or len(listed) != rows:
+            raise self._fail(f"video_grid_thw has {rows} rows, the meta lists {len(listed)} videos, the frame members "
+                             f"are of videos {sorted(by_video)}")
+        out = []
+        for v in range(rows):
+            frames, n = by_video[v], listed[v].get("frames") if isinstance(listed[v], dict) else None
+            if not isinstance(n, int) or sorted(frames) != list(range(n)) or any(len(m) > 1 for m in frames.values()):
+                names = sorted(m for ms in frames.values() for m in ms)
+                raise self._fail(f"video {v}: frame members {names[:4]}{' ...' if len(names) > 4 else ''} are not "
+                                 f"frames 0..{n}-1 (the meta's count), one member each")
+            out.append([frames[f][0] for f in range(n)])
+        return out
+
+    def videos(self) -> list[np.ndarray]:
+        """Decoded videos in token order, each its stored frames stacked: uint8 frames x H x W x 3."""
+        out = []
+        for v, names in enumerate(self.video_members()):
+            frames = []
+            for name in names:
+                try:
+                    frames.append(decode_stored_image(name, self.read(name)))
+                except (ValueError, OSError, zstandard.ZstdError) as e:
+                    raise self._fail(f"{name} does not decode: {type(e).__name__}: {e}") from None
+            if len({f.shape for f in frames}) > 1:
+                raise self._fail(f"video {v}: its frames differ in size {sorted({f.shape for f in frames})[:2]}")
+            out.append(np.stack(frames))
+        return out
+
     def to_dict(self) -> dict:
-        """Everything, decoded: `__key__`, `id`, the arrays (name without .npy), `images` per occurrence, `meta`."""
+        """Everything, decoded: `__key__`, `id`, the arrays (name without .npy), `images` per occurrence, `videos`
+        per video in token order (empty before format v3), `meta`."""
         out = {"__key__": self.key, "id": str(self.meta().get("id"))}
         out.update({n.removesuffix(".npy"): self.array(n) for n in arrays_of(self.version)})
         out["image_index"] = self.image_index()
         out["images"] = self.images()
+        out["videos"] = self.videos()
         out["meta"] = self.meta()
         return out
 
