@@ -28,7 +28,7 @@ IMAGE_MEMBER = {3: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
 VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3
 # Model types whose video path (pixel_values_videos, packed video segments) matches online processing in tests.
-VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 NO_VIDEO = ("this trainer trains video samples only for model types {} (loss parity verified); train this model on "
             "a dataset without video parts").format(", ".join(VIDEO_MODELS))
 MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
@@ -72,6 +72,14 @@ def refuse_videos(manifest: dict | None, where: str, model_type: str = "", why: 
     n = ((manifest or {}).get("totals") or {}).get("videos", 0)
     if n and model_type not in VIDEO_MODELS:
         raise DataError(f"{where}: the dataset holds {n} video{'s' if n != 1 else ''}; {why}")
+
+
+def trains_videos(datasets, model_type: str) -> bool:
+    """Whether a run (or an eval set) over `datasets` (DataSources) runs the video pass: a verified model type and a
+    dataset whose manifest counts videos, or one without a manifest (a pipe: source may hold them). Then every
+    micro-batch runs it (a placeholder video where it holds none), on every rank alike."""
+    return model_type in VIDEO_MODELS and any(ds.manifest is None or (ds.manifest.get("totals") or {}).get("videos")
+                                              for ds in datasets)
 
 
 def arrays_of(version: int) -> list[str]:

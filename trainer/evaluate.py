@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from trainer.collate import CollateSpec
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import StepLoader
+from trainer.decode import trains_videos
 from trainer.model import forward_loss
 from trainer.pack import check_packing
 from trainer.shards import DataSource, plan_shards, processor_difference, resolve_data
@@ -29,7 +30,9 @@ class EvalSet:
 def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, collate_spec: CollateSpec,
               train_data: DataSource, model_type: str) -> list[EvalSet]:
     """This rank's loader per eval set: whole shards planned over the ranks as for training (with fewer shards
-    than ranks, every rank strides over all samples), read in manifest order, batched exactly as training."""
+    than ranks, every rank strides over all samples), read in manifest order, batched exactly as training. A set
+    that holds videos runs the video pass in every micro-batch (the placeholder video where it has none), whether
+    or not training does: the ranks' vision all-gathers then pair up in eval as in training."""
     out = []
     for d in cfg.eval_sources:
         ds = resolve_data(d.path)
@@ -40,8 +43,13 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
                                   f"({'; '.join(diff)}): rebuild it with the training data's --processor")
         if cfg.pack_to:
             check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest, model_type=model_type)
+        videos = trains_videos([ds], model_type)  # from the manifest: the same on every rank
+        if videos and spec.video is None:
+            raise ConfigError(f"--eval-data {d.path} holds videos, but the training data's processor saved no video "
+                              "processor to make their pixel_values_videos: pass --processor with one")
         plan = plan_shards(ds.shards, world)
-        loader = StepLoader([ds.shards[i] for i in plan.per_rank[rank]], spec=spec, collate_spec=collate_spec,
+        loader = StepLoader([ds.shards[i] for i in plan.per_rank[rank]], spec=spec,
+                            collate_spec=replace(collate_spec, videos=videos),
                             seed=cfg.seed, shuffle=False, micro_batch_size=cfg.micro_batch_size,
                             max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
                             num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
@@ -103,7 +111,8 @@ def _eval_set(net, s: EvalSet, *, device: torch.device, patchifier: Patchifier) 
             for mb in micro_batches:
                 tokens, samples = tokens + mb.num_trained, samples + mb.num_samples
                 mb = mb.to(device)
-                loss += forward_loss(net, mb, patchifier(mb.images, mb.image_index)).double()
+                loss += forward_loss(net, mb, patchifier(mb.images, mb.image_index),
+                                     pixel_values_videos=patchifier.videos(mb.videos)).double()
     finally:
         s.loader.close()
     return [float(loss), float(tokens), float(samples)]

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpo
                                 start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
-from trainer.decode import VIDEO_MODELS, refuse_videos
+from trainer.decode import refuse_videos, trains_videos
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.evaluate import eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
@@ -157,13 +157,6 @@ class RunData:
     label: str  # how run.json and messages name the data
 
 
-def trains_videos(datasets: list[DataSource], model_type: str) -> bool:
-    """Whether this run trains video samples: a verified model type and a dataset whose manifest counts videos, or
-    one without a manifest (a pipe: source may hold them). Then every micro-batch runs the video pass."""
-    return model_type in VIDEO_MODELS and any(ds.manifest is None or (ds.manifest.get("totals") or {}).get("videos")
-                                              for ds in datasets)
-
-
 def open_data(cfg: TrainConfig, world: int) -> RunData:
     specs = cfg.sources
     datasets = [resolve_data(d.path) for d in specs]
@@ -171,8 +164,7 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
     for d, ds in zip(specs, datasets):
         refuse_videos(ds.manifest, str(d.path), model_type)
     for d in cfg.eval_sources:
-        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}",
-                      why="evaluation does not make pixel_values_videos yet: hold out a dataset without video parts")
+        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}", model_type)
     image = _load_spec(cfg, datasets[0].processor)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)
@@ -260,8 +252,7 @@ def run(cfg: TrainConfig) -> dict | None:
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size, video_token_id=video_token_id(net),
                                    videos=trains_videos(datasets, str(net.config.model_type)))
-        # Eval sets hold no videos (refused in open_data): no rank runs the video pass there, so no placeholder video.
-        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=replace(collate_spec, videos=False),
+        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec,
                           train_data=datasets[0], model_type=str(net.config.model_type))
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh

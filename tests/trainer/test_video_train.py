@@ -1,6 +1,7 @@
 """Video training: shard samples with videos give the batch and the tiny-model loss of online processing, packed
-rows with video segments isolate each sample, and the CLI trains a mixed video/image/text dataset (with and
-without --pack-to)."""
+rows with video segments isolate each sample, the CLI trains a mixed video/image/text dataset (with and
+without --pack-to; its step-1 loss equals online processing for Qwen2.5-VL and Qwen3-VL-MoE checkpoints), and a video
+eval set's loss equals a single-process computation (one rank and two)."""
 from __future__ import annotations
 
 import functools
@@ -300,18 +301,32 @@ def test_pixel_values_videos_equal_the_video_processors(family, frames_):
     assert float((got - want["pixel_values_videos"]).abs().max()) <= 1e-6
 
 
+def _tiny_kwargs(model_type: str) -> dict:
+    """A tiny random config's keywords: tests/trainer/test_model.py's for the family, Qwen3-VL's plus 4 experts (2
+    per token) for Qwen3-VL-MoE."""
+    from tests.trainer.test_model import FAMILIES
+
+    kw = json.loads(json.dumps(FAMILIES[model_type.removesuffix("_moe")][1]))
+    if model_type == "qwen2_5_vl":
+        kw["vision_config"]["tokens_per_second"] = 2
+    if model_type == "qwen3_vl_moe":
+        kw["text_config"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return kw
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"])
 def test_other_families_video_loss_and_packed_logits(video_data, family):
-    """Tiny random Qwen2.5-VL / Qwen3-VL: a video+image sample's loss from shards equals online processing (rel.
-    1e-6), and a packed row of video, image and text samples gives each its own logits (<= 1e-5). What a model type
-    must pass before it joins VIDEO_MODELS."""
+    """Tiny random Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE: a video+image sample's loss from shards equals online
+    processing (rel. 1e-6), and a packed row of video, image and text samples gives each its own logits (<= 1e-5).
+    What a model type must pass before it joins VIDEO_MODELS (with the CLI step-1 loss test below)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from tests.trainer.test_model import FAMILIES
     from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
 
+    model_type = family.replace(".", "_").replace("-", "_")
+    family = family.removesuffix("-moe")  # Qwen3-VL-MoE reads Qwen3-VL's processor
     out = f"out-{family}"
     if not (video_data / out / "manifest.json").exists():
         build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
@@ -319,10 +334,7 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
     location = str(video_data / out / "processor")
     vspec = ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
     samples = {s.id: s for s in read_all_samples(video_data / out, vspec)}
-    model_type = family.replace(".", "_").replace("-", "_")
-    kw = json.loads(json.dumps(FAMILIES[model_type][1]))
-    if model_type == "qwen2_5_vl":
-        kw["vision_config"]["tokens_per_second"] = 2
+    kw = _tiny_kwargs(model_type)
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                                vision_end_token_id=151653, **kw)
@@ -388,12 +400,140 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
         assert metrics and all(np.isfinite(m["loss"]) for m in metrics)
 
 
-def test_eval_data_with_videos_is_refused_at_start_up(video_data, tmp_path, capsys):
-    """Evaluation makes no pixel_values_videos yet: --eval-data with videos stops the run in one line, exit 1."""
-    from trainer.train import main
+@pytest.fixture(scope="module")
+def held(video_data):
+    """An image/text-only dataset (records i and t) from the same processor: no videos in its manifest."""
+    from vlmprep.config import BuildConfig
+    from vlmprep.pipeline import build
 
-    assert main(["--data", str(video_data / "out"), "--eval-data", str(video_data / "out"), "--tiny-random", "qwen2-vl",
-                 "--out", str(tmp_path / "r"), "--device", "cpu", "--no-progress"]) == 1
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and f"--eval-data {video_data / 'out'}: the dataset holds 2 videos; evaluation does" in err[0], err
-    assert not (tmp_path / "r").exists()
+    (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
+    build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(video_data / "held"),
+                      processor="builtin:qwen2-vl", seq_len=4096, progress=False, overwrite=True))
+    return video_data / "held"
+
+
+def _reference_eval(net, dataset, vspec) -> tuple[float, int, int]:
+    """(mean token loss, trained tokens, samples) of every sample of `dataset`, one sample per forward with full
+    logits and no placeholder video: no batching, FSDP, logits_to_keep or all-reduce involved."""
+    patchify = Patchifier(vspec, "cpu")
+    total, tokens, n = torch.zeros((), dtype=torch.float64), 0, 0
+    with torch.no_grad():
+        for s in read_all_samples(dataset, vspec):
+            b = collate([s], CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2,
+                                         video_token_id=151656, videos=bool(s.videos)))
+            video = dict(pixel_values_videos=patchify.videos(b.videos), video_grid_thw=b.video_grid_thw) \
+                if s.videos else {}
+            out = net(input_ids=b.input_ids.long(), attention_mask=b.attention_mask, position_ids=b.position_ids.long(),
+                      mm_token_type_ids=b.mm_token_type_ids.long(), pixel_values=patchify(b.images, b.image_index),
+                      image_grid_thw=b.image_grid_thw, use_cache=False, **video)
+            labels = b.labels[0, 1:]
+            trained = labels != IGNORE_INDEX
+            total += F.cross_entropy(out.logits[0, :-1].float()[trained], labels[trained], reduction="sum").double()
+            tokens, n = tokens + int(trained.sum()), n + 1
+    return float(total) / tokens, tokens, n
+
+
+def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, video_spec, held):
+    """In-process, one rank, the run's own eval_sets + evaluate: a video set runs the video pass in every micro-batch
+    and an image-only set none, whether training runs it or not; beside training without it, the video set's eval
+    loss (v, i, t, vi; micro-batches of 1, so i and t take the placeholder video) equals one sample per forward with
+    full logits (rel. 1e-6)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from trainer.config import TrainConfig
+    from trainer.evaluate import eval_sets, evaluate
+    from trainer.shards import resolve_data
+
+    net = build_model(tiny_random="qwen2-vl", seed=0)
+    cfg = TrainConfig(data=str(held), tiny_random="qwen2-vl", num_workers=0, grad_accum=2,
+                      eval_data=(f"name=vid,path={video_data / 'out'}", f"name=img,path={held}"))
+    train_spec = dataclasses.replace(_spec(net), videos=False)
+    train_data = dataclasses.replace(resolve_data(str(held)), processor=None)  # skip the (slow) processor check
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for videos in (True, False):  # training with and without the video pass
+            sets = eval_sets(cfg, rank=0, world=1, spec=video_spec, collate_spec=dataclasses.replace(
+                train_spec, videos=videos), train_data=train_data, model_type="qwen2_vl")
+            assert [s.loader.collate_spec.videos for s in sets] == [True, False]
+        row = evaluate(net, sets[:1], step=3, device=torch.device("cpu"), patchifier=Patchifier(video_spec, "cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert net.training  # restored
+    loss, tokens, samples = _reference_eval(net.eval(), video_data / "out", video_spec)
+    assert (row["eval_tokens"], row["eval_samples"]) == (tokens, samples) == (tokens, 4)
+    assert row["eval_loss"] == pytest.approx(loss, rel=1e-6, abs=0)
+
+
+@pytest.mark.slow  # two torchrun runs of 2 steps with an eval after each: ~1 min on 2 shared cores
+@pytest.mark.parametrize("train", ["held", "out"])
+def test_two_ranks_eval_a_video_set_beside_training_with_and_without_videos(video_data, video_spec, held, tmp_path,
+                                                                              train):
+    """2 ranks (FSDP2 on gloo), micro-batches of 1, eval after every step over a video set (one shard: rank 0 reads v
+    and t, rank 1 i and vi, so one rank's micro-batch holds a video while the other's does not) and an image-only
+    set, training on image-only data (no video pass in training) or on the video data. The run completes (no
+    collective mismatch or hang) and the final eval equals the reference per set (rel. 1e-6)."""
+    from tests.trainer.test_eval import final_model
+
+    out = tmp_path / "run"
+    run_trainer(["--data", video_data / train, "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
+                 "--no-shuffle", "--lr", 1e-3, "--eval-every", 1, "--eval-data", f"name=vid,path={video_data / 'out'}",
+                 "--eval-data", f"name=img,path={held}", "--no-tensorboard"], nproc=2, timeout=400)
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2] and all(r["eval_samples"] == 6 for r in evals)
+    net = final_model(out)
+    last = evals[-1]
+    for name, path in (("vid", video_data / "out"), ("img", held)):
+        loss, tokens, _ = _reference_eval(net, path, video_spec)
+        assert last["eval_tokens_by_source"][name] == tokens
+        assert last["eval_loss_by_source"][name] == pytest.approx(loss, rel=1e-6, abs=0), name
+
+
+@pytest.mark.slow  # a shard build for the family and a CLI run of one step: ~30 s on 2 shared cores
+@pytest.mark.parametrize("family,model_type", [("qwen2.5-vl", "qwen2_5_vl"), ("qwen3-vl", "qwen3_vl_moe")])
+def test_cli_step_one_loss_of_a_checkpoint_equals_online_processing(video_data, tmp_path, family, model_type):
+    """`python -m trainer --model DIR` (a tiny random checkpoint of the model type, saved from its config) trains the
+    video/image/text dataset built for its family: step 1 (micro-batches of 1, grad_accum 4: all four samples) has
+    the loss of the same checkpoint on online `apply_chat_template` output, one record per forward (rel. 1e-6).
+    Qwen3-VL-MoE reads Qwen3-VL's processor: its shards are the qwen3-vl build."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tests.trainer.conftest import ROOT, trainer_env
+
+    out = f"out-{family}"
+    if not (video_data / out / "manifest.json").exists():
+        from vlmprep.config import BuildConfig
+        from vlmprep.pipeline import build
+
+        build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
+                          processor=f"builtin:{family}", seq_len=8192, progress=False, overwrite=True))
+    kw = _tiny_kwargs(model_type)
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                               vision_end_token_id=151653, **kw)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "--model", tmp_path / "ckpt", "--no-progress", "--data", video_data / out,
+           "--out", run, "--device", "cpu", "--num-workers", 0, "--max-steps", 1, "--no-shuffle", "--grad-accum", 4,
+           "--no-tensorboard"]
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (step,) = read_metrics(run)
+    assert sorted(step["sample_ids"]) == ["i", "t", "v", "vi"]
+    net = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
+                                                      attn_implementation="sdpa").eval()
+    total, tokens = 0.0, 0
+    for record in _records():
+        on, processor = _online(video_data, record, out, family)
+        labels = _independent_labels(on["input_ids"][0], processor.tokenizer)[1:]
+        with torch.no_grad():
+            logits = net(**{k: v for k, v in on.items() if k != "token_type_ids"}, use_cache=False).logits
+        total += float(F.cross_entropy(logits[0, :-1].double(), labels, ignore_index=IGNORE_INDEX, reduction="sum"))
+        tokens += int((labels != IGNORE_INDEX).sum())
+    assert step["num_trained_tokens"] == tokens
+    assert abs(step["loss"] - total / tokens) / (total / tokens) <= 1e-6, (step["loss"], total / tokens)

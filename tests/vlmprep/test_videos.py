@@ -308,7 +308,7 @@ def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
     refuse_videos({"totals": {"videos": 0}}, "d")
     refuse_videos({"totals": {"videos": 2}}, "d", "qwen2_vl")  # loss parity verified: tests/trainer/test_video_train.py
     with pytest.raises(DataError, match="holds 2 videos; this trainer trains video samples only for model types"):
-        refuse_videos({"totals": {"videos": 2}}, "d", "qwen3_vl_moe")
+        refuse_videos({"totals": {"videos": 2}}, "d", "llava_onevision")
 
 
 def test_verify_stats_and_inspect_read_a_video_dataset(built):
@@ -381,9 +381,9 @@ def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
 
 
 def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
-    """For a model type whose video training is not verified (here qwen3_vl_moe, from a checkpoint dir's config.json), a
-    dataset with videos stops `python -m trainer` before anything runs: exit 1, one line naming the dataset and why
-    (manifest totals), no run dir."""
+    """For a model type whose video training is not verified (here llava_onevision, from a checkpoint dir's
+    config.json), a dataset with videos stops `python -m trainer` before anything runs: exit 1, one line naming the
+    dataset and why (manifest totals), no run dir."""
     import os
     import subprocess
     import sys
@@ -392,7 +392,7 @@ def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "qwen3_vl_moe"}')
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llava_onevision"}')
     proc = subprocess.run([sys.executable, "-m", "trainer", "--data", str(built["qwen3-vl"][0]), "--out",
                            str(tmp_path / "run"), "--model", str(tmp_path / "ckpt"), "--device", "cpu"],
                           capture_output=True, text=True, env=env, timeout=300)
