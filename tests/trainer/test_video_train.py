@@ -437,12 +437,12 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
     """In-process, one rank, the run's own eval_sets + evaluate: a video set runs the video pass in every micro-batch
     and an image-only set none, whether training runs it or not; beside training without it, the video set's eval
     loss (v, i, t, vi; micro-batches of 1, so i and t take the placeholder video) equals one sample per forward with
-    full logits (rel. 1e-6)."""
+    full logits (rel. 1e-6). Without a saved video processor a video set is one ConfigError at start-up."""
     import dataclasses
 
     import torch.distributed as dist
 
-    from trainer.config import TrainConfig
+    from trainer.config import ConfigError, TrainConfig
     from trainer.evaluate import eval_sets, evaluate
     from trainer.shards import resolve_data
 
@@ -457,6 +457,9 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
             sets = eval_sets(cfg, rank=0, world=1, spec=video_spec, collate_spec=dataclasses.replace(
                 train_spec, videos=videos), train_data=train_data, model_type="qwen2_vl")
             assert [s.loader.collate_spec.videos for s in sets] == [True, False]
+        with pytest.raises(ConfigError, match="holds videos, but the training data's processor saved no video"):
+            eval_sets(cfg, rank=0, world=1, spec=dataclasses.replace(video_spec, video=None), collate_spec=train_spec,
+                      train_data=train_data, model_type="qwen2_vl")
         row = evaluate(net, sets[:1], step=3, device=torch.device("cpu"), patchifier=Patchifier(video_spec, "cpu"))
     finally:
         dist.destroy_process_group()
