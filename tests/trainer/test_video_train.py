@@ -403,8 +403,8 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
 @pytest.fixture(scope="module")
 def held(video_data):
     """An image/text-only dataset (records i and t) from the same processor: no videos in its manifest."""
+    from vlmprep.build.pipeline import build
     from vlmprep.config import BuildConfig
-    from vlmprep.pipeline import build
 
     (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
     build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(video_data / "held"),
@@ -509,8 +509,8 @@ def test_cli_step_one_loss_of_a_checkpoint_equals_online_processing(video_data, 
 
     out = f"out-{family}"
     if not (video_data / out / "manifest.json").exists():
+        from vlmprep.build.pipeline import build
         from vlmprep.config import BuildConfig
-        from vlmprep.pipeline import build
 
         build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
                           processor=f"builtin:{family}", seq_len=8192, progress=False, overwrite=True))
