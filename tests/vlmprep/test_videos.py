@@ -6,6 +6,7 @@ import base64
 import hashlib
 import io
 import json
+import re
 import tarfile
 import warnings
 
@@ -328,7 +329,126 @@ def test_verify_stats_and_inspect_read_a_video_dataset(built):
                              env={"COLUMNS": "200", "TERM": "dumb"})
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["inspect", str(out)], env={"COLUMNS": "200", "TERM": "dumb"})
-    assert res.exit_code == 0 and "[video: " in res.stdout and "WARNING" not in res.stdout, res.stdout
+    assert res.exit_code == 0 and "[video 1: " in res.stdout and "WARNING" not in res.stdout, res.stdout
+
+
+PLAIN_ENV = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None, "NO_COLOR": None}
+VIDEO_MARKER = re.compile(r"\[video (\d+): (\d+) of (\d+) frames at ([\d.]+) fps, t = ([^|\]]+) s \| (\d+)x(\d+)x(\d+) "
+                          r"patches -> (\d+) tokens(?: in (\d+) runs)?\]")
+
+
+def _inspect(*args):
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    res = CliRunner().invoke(app, ["inspect", *map(str, args)], env=PLAIN_ENV)
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def _runs(flags):
+    f = np.concatenate([[0], np.asarray(flags, dtype=np.int8), [0]])
+    d = np.diff(f)
+    return list(zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()))
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_inspect_shows_each_video_as_one_block_with_frame_times(family, built):
+    """The terminal view: one marker per video (Qwen3-VL's per-temporal-patch runs and the timestamp text between them
+    folded into it) naming its stored frame count, the source's frames and fps, each frame's time (source index / fps)
+    and its grid and tokens; the trained markup is exactly the loss mask; --tokens still lists every text token
+    (Qwen3-VL's timestamps) with each placeholder run as one row."""
+    out, processor, _ = built[family]
+    arrays, meta, _ = _read_one(out)
+    text = _inspect(out)
+    assert "WARNING" not in text
+    markers = VIDEO_MARKER.findall(text)
+    assert len(markers) == len(meta["videos"]) == len(CLIPS)
+    for k, (m, v, grid) in enumerate(zip(markers, meta["videos"], arrays["video_grid_thw"])):
+        n, frames, total, fps, ts, t, h, w, tokens, runs = m
+        assert (int(n), int(frames), int(total), float(fps)) == (k + 1, v["frames"], v["total_num_frames"], v["fps"])
+        assert ts.split(", ") == [f"{i / v['fps']:.2f}" for i in v["frame_indices"]]
+        assert [int(t), int(h), int(w)] == grid.tolist() and int(tokens) == grid.prod() // 4
+        assert runs == (str(grid[0]) if family == "qwen3-vl" and grid[0] > 1 else "")
+    tok = processor.tokenizer
+    mask = arrays["loss_mask"]
+    want = [tok.decode(arrays["input_ids"][a:b].tolist(), skip_special_tokens=False) for a, b in _runs(mask)]
+    assert re.findall(r"\[T\](.*?)\[/T\]", text, flags=re.S) == want
+    # The token table: every token not a placeholder is its own row; each placeholder run one row.
+    types = arrays["mm_token_type_ids"]
+    video_runs, image_runs = _runs(types == 2), _runs(types == 1)
+    assert len(video_runs) == (int(arrays["video_grid_thw"][:, 0].sum()) if family == "qwen3-vl" else len(CLIPS))
+    rows = [line.split(None, 4) for line in _inspect(out, "--tokens").splitlines()
+            if re.match(r"^\s*\d+(-\d+)?\s+\d+\s+[01]\s+[012]\s", line)]
+    assert [r[0] for r in rows if r[3] == "2"] == [f"{a}-{b - 1}" for a, b in video_runs]
+    assert len(rows) == len(types) - int((types != 0).sum()) + len(video_runs) + len(image_runs)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_inspect_html_shows_each_videos_stored_frames_with_their_times(family, built, tmp_path):
+    """The HTML report: per video one block holding one data-URI <img> per stored frame, in order, each labelled with
+    its time in the source (source frame index / fps); the image keeps its thumbnail; everything is escaped (only
+    the report's own tags appear, the hover naming Qwen3-VL's timestamp text as escaped text)."""
+    from html.parser import HTMLParser
+
+    out, _, _ = built[family]
+    arrays, meta, videos = _read_one(out)
+    page = tmp_path / "r.html"
+    _inspect(out, "--html", page)
+
+    class Collect(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.imgs, self.stack, self.labels, self.titles = set(), [], [], [], []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            self.tags.add(tag)
+            if tag == "img":
+                self.imgs.append(a)
+            if tag == "span" and a.get("class") == "im vid":
+                self.titles.append(a["title"])
+            if tag != "img":
+                self.stack.append(a.get("class"))
+
+        def handle_endtag(self, tag):
+            if tag != "img":
+                self.stack.pop()
+
+        def handle_data(self, data):
+            if self.stack and self.stack[-1] == "fr":
+                self.labels.append(data)
+
+    c = Collect()
+    c.feed(page.read_text(encoding="utf-8"))
+    assert c.tags <= {"html", "head", "meta", "title", "style", "body", "h1", "h2", "small", "div", "span", "table",
+                      "tr", "th", "td", "a", "img", "ul", "li", "section"}
+    frames = [a for a in c.imgs if a["alt"].startswith("video ")]
+    want = [f"video {k + 1} frame {f + 1} at {i / v['fps']:.2f} s" for k, v in enumerate(meta["videos"])
+            for f, i in enumerate(v["frame_indices"])]
+    assert [a["alt"] for a in frames] == want and len(want) == sum(len(v) for v in videos)
+    assert c.labels == [w.rsplit(" at ", 1)[1] for w in want]
+    for a, pixels in zip(frames, [f for v in videos for f in v]):
+        assert a["src"].startswith("data:image/png;base64,")
+        im = Image.open(io.BytesIO(base64.b64decode(a["src"].split(",", 1)[1])))
+        assert max(im.size) <= 128 and im.size[0] / im.size[1] == pytest.approx(pixels.shape[1] / pixels.shape[0],
+                                                                                  rel=0.05)
+    assert [a["alt"] for a in c.imgs if not a["alt"].startswith("video ")] == ["image 1"]
+    assert len(c.titles) == len(CLIPS)
+    if family == "qwen3-vl":
+        assert all("seconds>" in t for t, g in zip(c.titles, arrays["video_grid_thw"]) if g[0] > 1)
+        assert not re.search(r"<\d", page.read_text(encoding="utf-8"))  # "<0.3 seconds>" only ever as &lt;0.3
+
+
+def test_inspect_raw_video_input_gives_the_shards_view(built, clips):
+    """Raw input rendered with the dataset's processor and options shows the same video blocks as the shard."""
+    out, _, _ = built["qwen3-vl"]
+    d, _ = clips
+    strip = lambda s: re.sub(r"^(=== sample \d{10}  id .*)  \(.*\) ===$", r"\1", s, flags=re.M)  # noqa: E731
+    raw = _inspect(d / "r.jsonl", "--like", out)
+    assert "(rendered from input)" in raw and VIDEO_MARKER.search(raw)
+    assert strip(raw) == strip(_inspect(out))
 
 
 @pytest.mark.slow  # ~50 s on 2 cores: two builds, one through a worker pool

@@ -1,5 +1,6 @@
 """HTML report: inspected SampleViews (+ reject entries) -> one self-contained page (inline CSS, data-URI
-thumbnails, no script, no network) with the terminal view's colouring, a legend and per-token hover.
+thumbnails, no script, no network) with the terminal view's colouring, a legend and per-token hover; a video is one
+block with a strip of its stored frames, each labelled with its time in the source.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from vlmprep import __version__
 from vlmprep.tools.view import SampleView, Segment, fact_lines, message_line
 
 THUMB_PX = 256
+FRAME_THUMB_PX = 128  # video frames: a strip of many
 TRAINED_BG = "#8fe08f"  # tests look for this colour in the screenshot
 _UNIT_MAX = 4  # the longest UTF-8 character spans 4 byte-level tokens
 
@@ -37,21 +39,25 @@ td.l{text-align:left}
 .im{display:inline-block;vertical-align:top;background:#d6e6ff;color:#0b4a8b;font-weight:bold;
   border:1px solid #7aa7e0;border-radius:4px;padding:2px 4px;margin:2px 0}
 .im img{display:block;margin-top:3px;max-width:%(thumb)dpx;border:1px solid #999}
+.vid{display:block;max-width:100%%}
+.strip{display:flex;gap:4px;overflow-x:auto;margin-top:3px}
+.fr{flex:none;text-align:center;font-weight:normal;font-size:11px}
+.fr img{display:block;max-width:%(frame)dpx;border:1px solid #999}
 .k:hover,.im:hover{outline:1px solid #d00}
 ul.facts{font-size:13px;margin:6px 0}
 .warn{color:#b00;font-weight:bold}
-""" % {"green": TRAINED_BG, "thumb": THUMB_PX}
+""" % {"green": TRAINED_BG, "thumb": THUMB_PX, "frame": FRAME_THUMB_PX}
 
 
 def _e(s: str) -> str:
     return html.escape(s, quote=True)
 
 
-def _thumbnail(pixels: np.ndarray) -> str:
+def _thumbnail(pixels: np.ndarray, px: int = THUMB_PX) -> str:
     from PIL import Image
 
     im = Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8), "RGB")
-    im.thumbnail((THUMB_PX, THUMB_PX))
+    im.thumbnail((px, px))
     buf = io.BytesIO()
     im.save(buf, format="PNG", optimize=True)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
@@ -97,6 +103,27 @@ def _image(seg: Segment, v: SampleView) -> str:
     return f'<span class="im" title="{_e(title)}">{_e(seg.text)}{thumb}</span>'
 
 
+def _video(seg: Segment, v: SampleView) -> str:
+    """The video's marker, then one labelled thumbnail per stored frame; the hover names its placeholder runs and
+    the text between them (Qwen3-VL's timestamps), which the block stands for."""
+    s, tv = v.sample, v.tokenizer_view
+    runs = ", ".join(f"#{a}-{b - 1}" for a, b in seg.runs)
+    between = [tv.decode(s.input_ids[b:a]) for (_, b), (a, _) in zip(seg.runs, seg.runs[1:])]
+    title = (f"#{seg.start}-{seg.end - 1} id {int(s.input_ids[seg.runs[0][0]])} mask {int(s.loss_mask[seg.start])} "
+             f"type 2; placeholder runs {runs}" + (f"; text between them {between!r}" if between else ""))
+    strip = ""
+    if seg.video is not None and seg.video < len(s.videos):
+        video = s.videos[seg.video]
+        frames = []
+        for f, (load, t) in enumerate(zip(video.frames, video.timestamps)):
+            label = f"{t:.2f} s"
+            frames.append(f'<span class="fr" title="{_e(f"frame {f + 1}: source frame {video.frame_indices[f]}")}">'
+                          f'<img src="{_thumbnail(load(), FRAME_THUMB_PX)}" '
+                          f'alt="{_e(f"video {seg.video + 1} frame {f + 1} at {label}")}">{_e(label)}</span>')
+        strip = f'<span class="strip">{"".join(frames)}</span>'
+    return f'<span class="im vid" title="{_e(title)}">{_e(seg.text)}{strip}</span>'
+
+
 def _sample_section(n: int, v: SampleView) -> str:
     s = v.sample
     text_idx = np.flatnonzero(np.asarray(s.mm_token_type_ids) == 0)
@@ -106,7 +133,8 @@ def _sample_section(n: int, v: SampleView) -> str:
     for m in v.messages:
         parts.append(f'<div class="msg" data-role="{_e(m.role)}"><div class="role">{_e(message_line(m))}</div>')
         for trained, segs in m.runs:
-            inner = "".join(_image(seg, v) if seg.kind == "image" else _text_tokens(seg, v, pieces) for seg in segs)
+            inner = "".join(_image(seg, v) if seg.kind == "image" else _video(seg, v) if seg.kind == "video"
+                            else _text_tokens(seg, v, pieces) for seg in segs)
             parts.append(f'<span class="{"tr" if trained else "ms"}">{inner}</span>')
         parts.append("</div>")
     parts.append('</div><ul class="facts">')
@@ -148,6 +176,8 @@ def render_report(samples: list[SampleView], rejects: list[dict], *, title: str)
     legend = ('<div class="legend"><span class="tr key">trained (loss_mask 1)</span>'
               '<span class="ms key">masked (0)</span><span class="sp key">&lt;|special|&gt; token</span>'
               '<span class="im key">[image k: HxW patches -&gt; N tokens]</span>'
+              + ('<span class="im key">[video k: F of N frames at R fps, t = ... s | TxHxW patches -&gt; M tokens]'
+                 '</span>' if any(v.sample.videos for v in samples) else '') +
               "hover a token for index, id, piece, mask and type id</div>")
     body = [f"<h1>{_e(title)}</h1>", legend]
     if samples:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlmprep.tools.view import SampleView, fact_lines, header_line, message_line
+from vlmprep.tools.view import SampleView, fact_lines, header_line, message_line, run_marker
 
 
 def format_plain(v: SampleView) -> str:
@@ -22,7 +22,7 @@ def format_plain(v: SampleView) -> str:
     return "\n".join(out) + "\n"
 
 
-_STYLE = {"text": "dim", "special": "bold magenta", "image": "bold cyan"}
+_STYLE = {"text": "dim", "special": "bold magenta", "image": "bold cyan", "video": "bold cyan"}
 _TRAINED = "black on green"
 
 
@@ -47,7 +47,8 @@ def format_rich(v: SampleView):
 
 
 def token_rows(v: SampleView) -> list[tuple[str, str, str, str, str]]:
-    """(index, id, mask, type, piece) per token; each image run is one row, as in the conversation view."""
+    """(index, id, mask, type, piece) per token; each image or video placeholder run is one row, as in the
+    conversation view, and the text inside a video block (Qwen3-VL's timestamps) is listed token by token."""
     s = v.sample
     text_idx = np.flatnonzero(np.asarray(s.mm_token_type_ids) == 0)
     pieces = dict(zip(text_idx.tolist(), v.tokenizer_view.pieces(np.asarray(s.input_ids)[text_idx])))
@@ -58,9 +59,25 @@ def token_rows(v: SampleView) -> list[tuple[str, str, str, str, str]]:
                 rows.append((f"{seg.start}-{seg.end - 1}", str(int(s.input_ids[seg.start])), str(int(seg.trained)),
                              str(int(s.mm_token_type_ids[seg.start])), seg.text))
                 continue
+            if seg.kind == "video":
+                rows += _video_rows(v, seg, pieces)
+                continue
             for i in range(seg.start, seg.end):
                 rows.append((str(i), str(int(s.input_ids[i])), str(int(s.loss_mask[i])),
                              str(int(s.mm_token_type_ids[i])), repr(pieces[i])))
+    return rows
+
+
+def _video_rows(v: SampleView, seg, pieces: dict[int, str]) -> list[tuple[str, str, str, str, str]]:
+    s = v.sample
+    rows = []
+    for j, (a, b) in enumerate(seg.runs):
+        if j:  # the text between two runs
+            prev = seg.runs[j - 1][1]
+            rows += [(str(i), str(int(s.input_ids[i])), str(int(s.loss_mask[i])), str(int(s.mm_token_type_ids[i])),
+                      repr(pieces[i])) for i in range(prev, a)]
+        text = seg.text if j == 0 else run_marker(seg.video, j, len(seg.runs), b - a)  # runs > 1: a matched video
+        rows.append((f"{a}-{b - 1}", str(int(s.input_ids[a])), str(int(s.loss_mask[a])), "2", text))
     return rows
 
 

@@ -1,5 +1,6 @@
 """The view of a sample, shared by the terminal printers (show.py) and the HTML report (report.py): a stored or
-rendered sample -> segments (text runs, special tokens, collapsed image runs) grouped by message -> text and facts.
+rendered sample -> segments (text runs, special tokens, collapsed image and video runs) grouped by message -> text and
+facts.
 """
 from __future__ import annotations
 
@@ -11,7 +12,25 @@ from typing import Callable
 import numpy as np
 
 from vlmprep.families import ANY_TURN_STARTS, family_of
-from vlmprep.shards.reader import StoredSample, decode_stored_image
+from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image
+
+MAX_LISTED_TIMESTAMPS = 16  # a longer video lists its first 8 and last 4 frame times in the terminal marker
+
+
+@dataclass
+class InspectedVideo:
+    """One video of a sample: its grid row, its source timing (meta) and its stored frames, decoded on demand."""
+
+    grid_thw: tuple[int, int, int]
+    fps: float  # the source's frame rate
+    total_num_frames: int  # frames in the source
+    frame_indices: list[int]  # source frame of each stored frame
+    frames: list[Callable[[], np.ndarray]]  # per stored frame: uint8 HxWx3
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Seconds into the source of each stored frame."""
+        return [i / self.fps for i in self.frame_indices]
 
 
 @dataclass
@@ -36,18 +55,23 @@ class InspectedSample:
     messages: list[int] = field(default_factory=list)  # input message indices the sample holds
     trains: list[int] = field(default_factory=list)  # input message indices it trains
     removed_images: list[int] = field(default_factory=list)  # input image occurrences --keep-images removed
+    videos: list[InspectedVideo] = field(default_factory=list)
+    dropped_videos: int = 0
 
 
 @dataclass
 class Segment:
-    """Tokens [start, end) shown as one piece: a text run, one special token, or one collapsed image run."""
+    """Tokens [start, end) shown as one piece: a text run, one special token, one collapsed image run, or one video
+    (all its placeholder runs and, for Qwen3-VL, the timestamp text between them)."""
 
     start: int
     end: int
-    kind: str  # "text" | "special" | "image"
+    kind: str  # "text" | "special" | "image" | "video"
     trained: bool
     text: str
     image: int | None = None  # 0-based image occurrence for kind == "image"
+    video: int | None = None  # 0-based video for kind == "video"; None: a run no video_grid_thw row accounts for
+    runs: tuple[tuple[int, int], ...] = ()  # kind == "video": its placeholder runs [start, end)
 
 
 @dataclass
@@ -96,6 +120,10 @@ class SampleView:
     @property
     def num_images(self) -> int:
         return len(self.sample.image_grid_thw)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return int((self.sample.mm_token_type_ids == 2).sum())
 
 
 class TokenizerView:
@@ -159,7 +187,11 @@ def sample_from_rendered(s, key: str) -> InspectedSample:
         images=[(lambda px=im.pixels: px) for im in s.images],
         num_tokens_before_truncation=s.num_tokens_before_truncation, truncated=s.truncated,
         dropped_images=s.dropped_images, unrendered_tool_calls=s.unrendered_tool_calls, split=s.split,
-        messages=list(s.source_messages), trains=list(s.trains), removed_images=list(s.removed_images))
+        messages=list(s.source_messages), trains=list(s.trains), removed_images=list(s.removed_images),
+        videos=[InspectedVideo(grid_thw=tuple(int(x) for x in v.grid_thw), fps=float(v.fps),
+                               total_num_frames=int(v.total_num_frames), frame_indices=list(v.frame_indices),
+                               frames=[(lambda px=px: px) for px in v.frames]) for v in s.videos],
+        dropped_videos=s.dropped_videos)
 
 
 def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageView]:
@@ -175,12 +207,17 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
     change[1:] = (mask[1:] != mask[:-1]) | (types[1:] != types[:-1]) | special[1:] | special[:-1]
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], n)
+    videos = {seg.start: seg for seg in _video_segments(sample, types, mask, tv)}
     segments: list[Segment] = []
     k = 0
+    video_end = 0
     for s, e in zip(starts.tolist(), ends.tolist()):
         trained = bool(mask[s])
-        if types[s] == 2:  # a video's placeholder run (Qwen3-VL: one per temporal patch), collapsed
-            segments.append(Segment(s, e, "image", trained, f"[video: {e - s} tokens]", image=None))
+        if s < video_end:  # inside a video block: its later runs and the timestamp text between them
+            continue
+        if s in videos:
+            segments.append(videos[s])
+            video_end = videos[s].end
         elif types[s] != 0:
             segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv), image=k))
             k += 1
@@ -191,6 +228,63 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
     if k != len(sample.image_grid_thw):
         sample.warnings.append(f"{k} image placeholder runs but {len(sample.image_grid_thw)} image_grid_thw rows")
     return _split_messages(segments, ids, tv)
+
+
+def _video_segments(sample: InspectedSample, types: np.ndarray, mask: np.ndarray, tv: TokenizerView) -> list[Segment]:
+    """One segment per video: its placeholder runs (Qwen2/2.5-VL: one; Qwen3-VL: one per temporal patch, each after
+    its `<t seconds>` text) matched to its grid row by token count, folded with the text between them into one block
+    when that text shares the runs' loss mask (always, in a valid sample); otherwise each run is its own block."""
+    idx = np.flatnonzero(types == 2)
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    bounds = list(zip(idx[np.r_[0, breaks + 1]].tolist(), (idx[np.r_[breaks, len(idx) - 1]] + 1).tolist()))
+    # Without a merge size (a processor that names none), runs count as Qwen3-VL's (one per temporal patch) when that
+    # accounts for them all, else as one per video.
+    per_patch = len(bounds) == sum(v.grid_thw[0] for v in sample.videos)
+    out, i, matched = [], 0, 0
+    for k, video in enumerate(sample.videos):
+        t, h, w = video.grid_thw
+        want = t * h * w // tv.merge_size ** 2 if tv.merge_size else None
+        runs = []
+        while i < len(bounds) and (sum(b - a for a, b in runs) < want if want is not None
+                                   else len(runs) < (t if per_patch else 1)):
+            runs.append(bounds[i])
+            i += 1
+        if not runs:
+            break
+        matched += 1
+        got = sum(b - a for a, b in runs)
+        text = video_marker(video, k, got, len(runs), want)
+        a, b = runs[0][0], runs[-1][1]
+        if len(set(mask[a:b].tolist())) == 1:
+            out.append(Segment(a, b, "video", bool(mask[a]), text, video=k, runs=tuple(runs)))
+        else:
+            out += [Segment(ra, rb, "video", bool(mask[ra]), text if j == 0 else run_marker(k, j, len(runs), rb - ra),
+                            video=k, runs=((ra, rb),)) for j, (ra, rb) in enumerate(runs)]
+    for a, b in bounds[i:]:
+        out.append(Segment(a, b, "video", bool(mask[a]), f"[video: no grid row -> {b - a} tokens]", runs=((a, b),)))
+    if i < len(bounds) or matched < len(sample.videos):
+        sample.warnings.append(f"{len(bounds)} video placeholder runs do not match the {len(sample.videos)} videos' "
+                               "grid rows")
+    return out
+
+
+def video_marker(video: InspectedVideo, k: int, n_tokens: int, n_runs: int, expected: int | None) -> str:
+    """[video K: F of N frames at FPS fps, t = T0, T1, ... s | TxHxW patches -> X tokens (in R runs)]"""
+    t, h, w = video.grid_thw
+    ts = [f"{x:.2f}" for x in video.timestamps]
+    if len(ts) > MAX_LISTED_TIMESTAMPS:
+        ts = ts[:8] + ["..."] + ts[-4:]
+    runs = f" in {n_runs} runs" if n_runs > 1 else ""
+    bad = "" if expected in (None, n_tokens) else f", grid implies {expected}!"
+    return (f"[video {k + 1}: {len(video.frame_indices)} of {video.total_num_frames} frames at {video.fps:g} fps, "
+            f"t = {', '.join(ts)} s | {t}x{h}x{w} patches -> {n_tokens} tokens{runs}{bad}]")
+
+
+def run_marker(k: int, j: int, n_runs: int, n_tokens: int) -> str:
+    """A video's placeholder run after its first, where it is shown apart from the others."""
+    return f"[video {k + 1}, run {j + 1}/{n_runs}: {n_tokens} tokens]"
 
 
 def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView) -> str:
@@ -245,11 +339,14 @@ def fact_lines(v: SampleView) -> list[str]:
     ratio = v.num_trained / max(v.num_tokens, 1)
     if s.truncated:
         dropped = f"{s.dropped_images} image{'s' if s.dropped_images != 1 else ''} dropped by the cut"
+        if s.dropped_videos:
+            dropped += f", {s.dropped_videos} video{'s' if s.dropped_videos != 1 else ''} dropped"
         trunc = f"truncated: yes, {s.num_tokens_before_truncation} -> {v.num_tokens} tokens, {dropped}"
     else:
         trunc = "truncated: no"
     lines = [f"tokens {v.num_tokens} | trained {v.num_trained} ({ratio:.1%}) | image tokens {v.num_image_tokens}"
-             f" | images {v.num_images}",
+             f" | images {v.num_images}" + (f" | video tokens {v.num_video_tokens} | videos {len(s.videos)}"
+                                             if s.videos or v.num_video_tokens else ""),
              f"{trunc} | source {s.source[0]}:{s.source[1]}"]
     if s.split is not None or s.removed_images:
         context = [i for i in s.messages if i not in s.trains]
@@ -300,6 +397,7 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
     grid = s.array("image_grid_thw").reshape(-1, 3)
     blobs = {name: s.read(name) for name in dict.fromkeys(s.image_members())}
     loaders = [(lambda name=name: decode_stored_image(name, blobs[name])) for name in s.image_members()]
+    videos = _stored_videos(s, meta)
     src = meta.get("source") or {}
     sample = InspectedSample(
         key=s.key, id=str(meta.get("id")), source=(str(src.get("file")), int(src.get("line", 0))), where=s.where,
@@ -308,10 +406,35 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
         truncated=bool(meta.get("truncated", False)), dropped_images=int(meta.get("dropped_images", 0)),
         unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)), split=meta.get("split"),
         messages=list(meta.get("messages", [])), trains=list(meta.get("trains", [])),
-        removed_images=list(meta.get("removed_images", [])))
+        removed_images=list(meta.get("removed_images", [])), videos=videos,
+        dropped_videos=int(meta.get("dropped_videos", 0)))
     # The view is computed from the arrays; a meta that disagrees with them is a corrupt dataset worth seeing.
     for k, v in (("num_tokens", len(ids)), ("num_trainable_tokens", int(mask.sum())),
-                 ("num_image_tokens", int((types == 1).sum())), ("num_images", len(grid))):
+                 ("num_image_tokens", int((types == 1).sum())), ("num_images", len(grid)),
+                 ("num_video_tokens", int((types == 2).sum())), ("num_videos", len(videos))):
         if k in meta and meta[k] != v:
             sample.warnings.append(f"meta {k}={meta[k]} but the arrays give {v}")
     return sample
+
+
+def _stored_videos(s: StoredSample, meta: dict) -> list[InspectedVideo]:
+    """Format v3: the meta's videos with their frame members (the reader checks them; read now, decoded on demand);
+    grids from the array."""
+    members = s.video_members()
+    if not members:
+        return []
+    grid = s.array("video_grid_thw").reshape(-1, 3)
+    out = []
+    for k, (v, names) in enumerate(zip(meta["videos"], members)):
+        try:
+            fps, total, indices = float(v["fps"]), int(v["total_num_frames"]), [int(i) for i in v["frame_indices"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShardFormatError(f"{s.where}: sample {s.key}: meta videos[{k}] is malformed ({e!r})") from None
+        if fps <= 0 or len(indices) != len(names):
+            raise ShardFormatError(f"{s.where}: sample {s.key}: meta videos[{k}] has fps {fps} and {len(indices)} "
+                                   f"frame_indices for {len(names)} frames (fps must be > 0, one index per frame)")
+        blobs = {n: s.read(n) for n in names}
+        out.append(InspectedVideo(grid_thw=tuple(int(x) for x in grid[k]), fps=fps, total_num_frames=total,
+                                  frame_indices=indices,
+                                  frames=[(lambda n=n, b=b: decode_stored_image(n, b)) for n, b in blobs.items()]))
+    return out
