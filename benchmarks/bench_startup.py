@@ -14,7 +14,7 @@ from pathlib import Path
 from benchmarks.bench_build import build_config
 from benchmarks.emit import emit
 from benchmarks.inputs import OUT, traces
-from vlmprep.build.task import _WORKER_PRELOAD
+from vlmprep.build.workers import _WORKER_PRELOAD
 
 # What a pool worker has before it loads a processor: the forkserver's imports.
 IMPORTS = "import " + ", ".join(_WORKER_PRELOAD)
@@ -24,7 +24,7 @@ _START = time.time()  # a build child sets it to its interpreter's start
 def worker_child(processor_dir: str, inp: str) -> dict:
     """In a fresh process, after IMPORTS: seconds to renderer_from_saved, then to render the first record that has
     images (jinja compile, resize warm-up)."""
-    from vlmprep.build.task import renderer_from_saved
+    from vlmprep.build.workers import renderer_from_saved
     from vlmprep.records import iter_records
 
     t0 = time.perf_counter()
@@ -42,7 +42,7 @@ def build_child(inp: str, out: str, workers: int) -> dict:
     from vlmprep.build import pipeline, task
 
     first = []
-    ordered = task._ordered_results
+    ordered = task.ordered_results  # the name the task runner calls
 
     def timed(*args, **kw):  # the build consumes results in input order: the first one out is the first record
         for i, item in enumerate(ordered(*args, **kw)):
@@ -50,7 +50,7 @@ def build_child(inp: str, out: str, workers: int) -> dict:
                 first.append(time.time() - _START)
             yield item
 
-    task._ordered_results = timed
+    task.ordered_results = timed
     res = pipeline.build(build_config(Path(inp), Path(out), workers=workers, seq_len=16384))
     return {"first_record_s": first[0], "seconds": time.time() - _START, "samples": res.manifest["totals"]["samples"]}
 

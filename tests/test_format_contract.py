@@ -116,7 +116,7 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     from trainer.shards import iter_tar_samples, load_image_processor_config
     from trainer.vision import ImageSpec
     from vlmprep.config import BuildConfig
-    from vlmprep.build.task import Renderer
+    from vlmprep.process import Renderer
     from vlmprep.processors.load import save_processor
     from vlmprep.records import iter_records
     from vlmprep.shards.format import sample_key

@@ -66,7 +66,7 @@ def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
 
     from vlmprep.normalize import normalize_record
     from vlmprep.processors.load import load_processor
-    from vlmprep.build.task import Renderer
+    from vlmprep.process import Renderer
     from vlmprep.config import BuildConfig
     from vlmprep.types import Source
 

@@ -570,7 +570,7 @@ def _make_unreadable():
 def test_a_result_the_parent_cannot_read_breaks_the_pool_with_its_cause(deadline):
     from concurrent.futures.process import BrokenProcessPool
 
-    from vlmprep.build.task import pool_failure, worker_pool
+    from vlmprep.build.workers import pool_failure, worker_pool
 
     deadline(120)
     with pytest.raises(BrokenProcessPool) as e:

@@ -207,7 +207,7 @@ def test_progress_bar_shows_the_total_and_an_eta(monkeypatch):
     from rich.console import Console
 
     from vlmprep.config import BuildConfig
-    from vlmprep.build.task import _progress
+    from vlmprep.build.progress import record_progress
 
     buf = io.StringIO()
 
@@ -216,7 +216,7 @@ def test_progress_bar_shows_the_total_and_an_eta(monkeypatch):
             super().__init__(*a, **{**kw, "console": Console(file=buf, width=160, force_terminal=True)})
 
     monkeypatch.setattr(rich.progress, "Progress", Captured)
-    with _progress(BuildConfig(inputs=("x",), out="o", progress=True)) as p:
+    with record_progress(BuildConfig(inputs=("x",), out="o", progress=True)) as p:
         bar = p.add_task("build", total=64, rate=2.0, samples=10, rejects=1, completed=0)
         for _ in range(10):
             p.update(bar, advance=1)

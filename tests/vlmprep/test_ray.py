@@ -66,7 +66,8 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(ta
 
 
 def test_a_local_build_never_imports_ray():
-    code = ("import sys, vlmprep.cli, vlmprep.build.pipeline, vlmprep.build.task, vlmprep.build.merge, vlmprep.build.plan; "
+    code = ("import sys, vlmprep.cli, vlmprep.build.pipeline, vlmprep.build.task, vlmprep.build.workers, "
+            "vlmprep.build.merge, vlmprep.build.plan; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
     code = "import sys, vlmprep.build.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs

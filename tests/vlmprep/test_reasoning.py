@@ -14,7 +14,7 @@ from tests.vlmprep.test_families import render, trained_runs
 from vlmprep.config import BuildConfig
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.render import MaskPolicy
-from vlmprep.build.task import Renderer
+from vlmprep.process import Renderer
 from vlmprep.types import RawRecord, RecordError, Source
 
 RED = Image.new("RGB", (56, 56), (200, 10, 10))

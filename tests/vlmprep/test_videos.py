@@ -141,7 +141,7 @@ def built(clips, tmp_path_factory):
         build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}", seq_len=32768,
                           tool_calls="train-content", progress=False, overwrite=True))
         processor = load_processor(str(out / "processor"))
-        from vlmprep.build.task import Renderer
+        from vlmprep.process import Renderer
         from vlmprep.normalize import normalize_record
         from vlmprep.types import Source
 

@@ -4,7 +4,8 @@ import shutil
 from pathlib import Path
 
 from vlmprep.config import BuildConfig
-from vlmprep.build.task import Renderer, renderer_from_saved
+from vlmprep.build.workers import renderer_from_saved
+from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import iter_records
 

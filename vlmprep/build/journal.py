@@ -3,14 +3,13 @@ so far), so a rerun of the task resumes and still ends byte-identical to an unin
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vlmprep.shards.dataset import sha256_file, write_json_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.writer import write_json_atomic
 
 
 @dataclass
@@ -21,14 +20,6 @@ class Journal:
     rejects_bytes: int = 0
     totals: dict = field(default_factory=dict)
     rejects: dict = field(default_factory=dict)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: dict) -> Journal | None:
@@ -42,7 +33,7 @@ def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: di
         return None
     for s in j.shards:
         p = out / s["name"]
-        if not p.is_file() or p.stat().st_size != s["bytes"] or _sha256(p) != s["sha256"]:
+        if not p.is_file() or p.stat().st_size != s["bytes"] or sha256_file(p) != s["sha256"]:
             return None
     if not rejects.exists() and final.exists():
         final.replace(rejects)  # killed between the rejects rename and the manifest: take it back

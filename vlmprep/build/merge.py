@@ -12,13 +12,15 @@ import json
 from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
-from vlmprep.build.plan import (PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, plan_digest,
-                          shard_prefix, task_file)
+from vlmprep.build.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
+from vlmprep.build.totals import TOTAL_KEYS, count_sample, duplicate_reject, turn_coverage
 from vlmprep.processors.load import fingerprint_dir
+from vlmprep.shards.dataset import (MANIFEST_NAME, PLAN_NAME, REJECTS_NAME, SHARD_GLOB, TASK_SUFFIXES, TASKS_DIR,
+                                    TMP_SUFFIX, TaskFiles, load_task_manifest, task_file, write_json_atomic,
+                                    write_text_atomic)
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.writer import ShardWriter, write_json_atomic, write_text_atomic
-from vlmprep.build.task import TOTAL_KEYS, TaskFiles, count_sample, duplicate_reject, load_task_manifest, turn_coverage
+from vlmprep.shards.writer import ShardWriter
 from vlmprep.types import ShardSample
 
 class MergeError(PlanError):
@@ -55,9 +57,9 @@ def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
     # user's own tars beside an --overwrite build, are not dataset content and are left alone).
     stray = sorted(p.name for p in out.iterdir()
                    if fnmatch.fnmatch(p.name, SHARD_GLOB) and p.name not in claimed
-                   or fnmatch.fnmatch(p.name, SHARD_GLOB + ".tmp"))
+                   or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX))
     ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan["tasks"])
-            for suffix in (".json", ".rejects.jsonl", ".samples.jsonl")}
+            for suffix in TASK_SUFFIXES}
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)
     if stray:
         shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
@@ -106,7 +108,7 @@ def merge_tasks(out: Path) -> dict:
     for i, m in enumerate(manifests):
         files = TaskFiles(out, i, shard_prefix(plan, i))
         dups = []
-        for line in files.path(".samples.jsonl").read_text(encoding="utf-8").splitlines():
+        for line in files.samples.read_text(encoding="utf-8").splitlines():
             sample = json.loads(line)
             key = hashlib.blake2b(sample["id"].encode("utf-8"), digest_size=16).digest()  # bounded memory per id
             if key in seen:
@@ -114,7 +116,7 @@ def merge_tasks(out: Path) -> dict:
             seen.add(key)
         totals.update(m["totals"])
         rejects.update(m["rejects"])
-        reject_lines.append(files.path(".rejects.jsonl").read_text(encoding="utf-8"))
+        reject_lines.append(files.rejects.read_text(encoding="utf-8"))
         drop = {d["id"] for d in dups}
         affected = {d["shard"] for d in dups}
         for info in m["shards"]:
@@ -127,7 +129,7 @@ def merge_tasks(out: Path) -> dict:
             rejects["duplicate_id"] += 1
             totals["rejected"] += 1
             reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
-    write_text_atomic(out / "rejects.jsonl", "".join(reject_lines))
+    write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
     manifest = {
         "format_version": FORMAT_VERSION,
         "vlmprep_version": plan["vlmprep_version"],
@@ -142,5 +144,5 @@ def merge_tasks(out: Path) -> dict:
         "rejects": dict(sorted((k, v) for k, v in rejects.items() if v)),
     }
     write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
-    write_json_atomic(out / "manifest.json", manifest)  # last: its presence means complete
+    write_json_atomic(out / MANIFEST_NAME, manifest)  # last: its presence means complete
     return manifest

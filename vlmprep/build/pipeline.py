@@ -22,12 +22,16 @@ from pathlib import Path
 
 from vlmprep.config import BuildConfig
 from vlmprep.build.merge import merge_tasks
-from vlmprep.build.plan import PLAN_NAME, SHARD_GLOB, TASKS_DIR, PlanError, config_changes, load_plan, make_plan, write_plan
+from vlmprep.build.plan import PlanError, config_changes, load_plan, make_plan, write_plan
+from vlmprep.build.progress import TaskProgress
+from vlmprep.build.task import run_task, task_start
+from vlmprep.build.workers import BuildError, pool_failure, start_worker_server, worker_pool
+from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
+from vlmprep.shards.dataset import (JOURNAL_NAME, MANIFEST_NAME, NV_META, PLAN_NAME, PROCESSOR_DIR, REJECTS_NAME,
+                                    SHARD_GLOB, TASKS_DIR, TMP_SUFFIX)
 from vlmprep.shards.summary import reject_fix, reject_share, rejected_records
-from vlmprep.build.task import (BuildError, Renderer, pool_failure, run_task, start_worker_server, task_progress,
-                          task_start, worker_pool)
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
 
@@ -49,10 +53,10 @@ def _plan_options(plan: dict) -> dict:
 
 # The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
 # files, manifest, rejects, plan and journal with their temp copies): what a new plan clears, and nothing else.
-_DATASET_FILES = (SHARD_GLOB, f"{SHARD_GLOB}.*", "manifest.json", "manifest.json.*", "rejects.jsonl",
-                  "rejects.jsonl.*", PLAN_NAME, f"{PLAN_NAME}.*", "build-journal.json", "build-journal.json.*")
+_DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME)
+                       for g in (name, f"{name}.*"))
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
-_BUILD_FILES = _DATASET_FILES + ("processor", "processor.*", TASKS_DIR, ".nv-meta")
+_BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META)
 
 
 def _ours(p: Path, patterns: tuple[str, ...]) -> bool:
@@ -97,7 +101,7 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
 
 def _manifest_config(out: Path) -> dict | None:
     try:
-        return json.loads((out / "manifest.json").read_text(encoding="utf-8")).get("config")
+        return json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8")).get("config")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, AttributeError):
@@ -139,13 +143,13 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
     renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
     out.mkdir(parents=True, exist_ok=True)
     if fresh:  # a whole build owns the dir: drop processor copies a killed earlier run left half-saved
-        for p in list(out.glob("processor.*.tmp")) + list(out.glob("processor.*.old")):
+        for p in list(out.glob(f"{PROCESSOR_DIR}.*{TMP_SUFFIX}")) + list(out.glob(f"{PROCESSOR_DIR}.*.old")):
             shutil.rmtree(p, ignore_errors=True)
-    fingerprint = save_processor(processor, out / "processor")
+    fingerprint = save_processor(processor, out / PROCESSOR_DIR)
     plan = make_plan(config=cfg.to_json(), files=files, tasks=cfg.tasks, max_line_bytes=cfg.max_line_bytes,
                      max_zstd_window=cfg.max_zstd_window,
                      processor={"spec": cfg.processor, "class": type(processor).__name__, "fingerprint": fingerprint,
-                                "dir": "processor"})
+                                "dir": PROCESSOR_DIR})
     if plan != old:
         if old is not None or fresh:
             _clear_dataset(out)
@@ -225,7 +229,7 @@ def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
             return
         why = ", ".join(f"{r} {n}" for r, n in ranked) or "no records"
         raise RejectsError(f"{out}: 0 samples written from {t['records']} records ({why}); see "
-                           f"{out / 'rejects.jsonl'}, or pass --allow-empty{fix}", manifest)
+                           f"{out / REJECTS_NAME}, or pass --allow-empty{fix}", manifest)
     if reject_share(manifest) > max_reject_fraction:
         why = ", ".join(f"{r} {n}" for r, n in ranked[:3]) + (", ..." if len(ranked) > 3 else "")
         raise RejectsError(f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
@@ -246,7 +250,7 @@ def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Render
     one = BuildConfig.from_plan(plan["config"], out=str(out), workers=1, progress=False)
     jobs = [(str(out), plan, one, i) for i in range(plan["tasks"])]
     seconds: dict[int, float] = {}
-    with task_progress(cfg, plan["tasks"]) as tick:
+    with TaskProgress(cfg, plan["tasks"]) as tick:
         if cfg.workers == 1:  # in this process, with the processor plan_build already loaded
             for i in range(plan["tasks"]):
                 t0 = time.perf_counter()

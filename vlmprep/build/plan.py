@@ -14,24 +14,15 @@ from typing import Iterator
 
 from vlmprep import __version__
 from vlmprep.records import Seek, input_names, iter_file_records
+from vlmprep.shards.dataset import PLAN_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.types import RawRecord, UserError
 
-PLAN_NAME = "plan.json"
 PLAN_VERSION = 2  # 2: inputs carry their id name
-TASKS_DIR = "tasks"
 
 
 class PlanError(UserError):
     """The dataset dir's plan does not fit what was asked (other options, a missing plan, changed inputs)."""
-
-
-def task_file(index: int, suffix: str) -> str:
-    """tasks/task-00003.json (the task manifest), .journal.json, .rejects.jsonl, .samples.jsonl"""
-    return f"{TASKS_DIR}/task-{index:05d}{suffix}"
-
-
-SHARD_GLOB = "shard-*.tar"  # every shard name shard_prefix makes; a .tar of another name is never ours
 
 
 def shard_prefix(plan: dict, index: int) -> str:
@@ -98,12 +89,7 @@ def write_plan(out: Path, plan: dict) -> None:
     """Atomic and safe when several `--task-index` runs write the same plan at once: each writes its own temp
     file, and every rename puts identical bytes in place."""
     path = Path(out) / PLAN_NAME
-    tmp = path.with_name(f"{PLAN_NAME}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(plan_bytes(plan))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_bytes_atomic(path, plan_bytes(plan), tmp_suffix=f".{os.getpid()}{TMP_SUFFIX}")
 
 
 def load_plan(out: Path) -> dict | None:

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 from vlmprep.config import BuildConfig
-from vlmprep.build.task import BuildError, run_task, task_progress, task_start
+from vlmprep.build.progress import TaskProgress
+from vlmprep.build.task import run_task, task_start
+from vlmprep.build.workers import BuildError
 from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
@@ -63,7 +65,7 @@ def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float
         refs = {remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd()): i for i in range(plan["tasks"])}
         pending = list(refs)
         seconds: dict[int, float] = {}
-        with task_progress(cfg, plan["tasks"]) as tick:
+        with TaskProgress(cfg, plan["tasks"]) as tick:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.families import family_of
+from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR
 from vlmprep.shards.reader import load_manifest
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
@@ -28,10 +29,10 @@ class Collator:
     def __init__(self, path: str | Path, *, pad_token_id: int | None = None):
         path = Path(path)
         self.image_format = None
-        if (path / "manifest.json").is_file():
+        if (path / MANIFEST_NAME).is_file():
             manifest = load_manifest(path)
             self.image_format = manifest.get("image_format")
-            path = path / manifest.get("processor", {}).get("dir", "processor")
+            path = path / manifest.get("processor", {}).get("dir", PROCESSOR_DIR)
         if not any((path / n).is_file() for n in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path}: neither a vlmprep dataset dir nor a saved processor dir")
         self.processor_dir = str(path)

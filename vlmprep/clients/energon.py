@@ -12,6 +12,7 @@ from megatron.energon.flavors import BaseWebdatasetFactory
 from megatron.energon.edataclass import edataclass
 
 from vlmprep.clients import sample_version
+from vlmprep.shards.dataset import NV_META
 from vlmprep.shards.reader import load_manifest, sample_from_members
 
 
@@ -71,4 +72,4 @@ def prepare(d: str | Path, *, workers: int = 1) -> int:
     names = [s["name"] for s in manifest["shards"]]
     BaseWebdatasetFactory.prepare_dataset(d, names, split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
                                           shuffle_seed=None, workers=workers)
-    return sum(json.loads((d / ".nv-meta" / ".info.json").read_text())["shard_counts"].values())
+    return sum(json.loads((d / NV_META / ".info.json").read_text())["shard_counts"].values())

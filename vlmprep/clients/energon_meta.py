@@ -4,10 +4,10 @@ DIR/.nv-meta/dataset.yaml naming the sample type and loader of the installed vlm
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-NV_META = ".nv-meta"  # energon's MAIN_FOLDER_NAME
+from vlmprep.shards.dataset import NV_META, write_bytes_atomic
+
 PREPARE_COMMAND = "energon prepare DIR --non-interactive --split-ratio 1,0,0 --skip-dataset-yaml --no-progress"
 DATASET_YAML = f"""\
 # Written by `vlmprep build`. Energon reads this dataset through vlmprep's own reader (installed package
@@ -30,9 +30,4 @@ def write_energon_meta(out: Path) -> None:
     meta.mkdir(exist_ok=True)
     for p in [meta / n for n in STALE_INDEX] + list(Path(out).glob("*.tar.idx")):
         p.unlink(missing_ok=True)
-    tmp = meta / "dataset.yaml.tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(DATASET_YAML)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, meta / "dataset.yaml")
+    write_bytes_atomic(meta / "dataset.yaml", DATASET_YAML.encode("ascii"))

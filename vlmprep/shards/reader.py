@@ -16,6 +16,7 @@ import numpy as np
 import zstandard
 from PIL import Image
 
+from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.format import (META_MEMBER, READABLE_VERSIONS, arrays_of, is_image_member, is_key, is_member,
                                    is_video_member)
 from vlmprep.types import UserError
@@ -27,7 +28,7 @@ class ShardFormatError(UserError):
 
 def load_manifest(d: Path) -> dict:
     """DIR/manifest.json, refused unless its format_version is one this vlmprep reads."""
-    p = Path(d) / "manifest.json"
+    p = Path(d) / MANIFEST_NAME
     if not p.is_file():
         raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build (rerun `vlmprep build`)")
     try:

@@ -16,6 +16,7 @@ import numpy as np
 
 from vlmprep.images import encode_image, stored_ext
 from vlmprep.videos import FRAME_EXT, encode_frame
+from vlmprep.shards.dataset import TMP_SUFFIX
 from vlmprep.shards.format import ARRAYS, META_MEMBER, image_member_name, video_frame_member_name
 from vlmprep.types import RenderedSample, ShardSample
 
@@ -142,7 +143,7 @@ class ShardWriter:
 
     def _open(self):
         self._info = ShardInfo(name=f"{self.prefix}{self.index:06d}.tar")
-        self._file = open(self.out_dir / (self._info.name + ".tmp"), "wb")
+        self._file = open(self.out_dir / (self._info.name + TMP_SUFFIX), "wb")
         self._hf = _HashingFile(self._file)
         self._tar = tarfile.open(fileobj=self._hf, mode="w", format=tarfile.USTAR_FORMAT)
 
@@ -177,7 +178,7 @@ class ShardWriter:
         info = self._info
         info.bytes = self._hf.n
         info.sha256 = self._hf.h.hexdigest()
-        os.replace(self.out_dir / (info.name + ".tmp"), self.out_dir / info.name)
+        os.replace(self.out_dir / (info.name + TMP_SUFFIX), self.out_dir / info.name)
         self.shards.append(info)
         self.index += 1
         self._tar = self._file = self._hf = self._info = None
@@ -187,15 +188,3 @@ class ShardWriter:
         self.finish_shard()
         return self.shards
 
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.types import RecordError, UserError
@@ -86,7 +87,7 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
 
 
 def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
-    p = d / "rejects.jsonl"
+    p = d / REJECTS_NAME
     if not p.is_file():
         return
     with open(p, encoding="utf-8") as f:
@@ -115,7 +116,7 @@ def _raw_build_config(cfg: InspectConfig):
         kw = {k: tuple(v) if isinstance(v, list) else v
               for k, v in (load_manifest(like).get("config") or {}).items() if k in fields}
         # The saved processor is the one that rendered the dataset, chat template included.
-        kw.update(processor=str(like / "processor"), chat_template=None)
+        kw.update(processor=str(like / PROCESSOR_DIR), chat_template=None)
     kw.update({k: getattr(cfg, k) for k in RAW_OPTIONS if getattr(cfg, k) is not None})
     if kw.get("keep_images") == "all":
         kw["keep_images"] = None
@@ -138,7 +139,7 @@ def _raw_id_candidate(raw, want: str) -> bool:
 
 
 def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
-    from vlmprep.build.task import reject_entry
+    from vlmprep.process import reject_entry
     from vlmprep.records import expand_inputs, iter_records
     from vlmprep.shards.format import sample_key
 
@@ -178,19 +179,19 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
 def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerView]:
     """The first `limit` matching items in input order: samples, or reject entries (dicts)."""
     p = Path(cfg.path)
-    is_dataset = p.is_dir() and ((p / "manifest.json").exists() or any(p.glob("shard-*.tar")))
+    is_dataset = p.is_dir() and ((p / MANIFEST_NAME).exists() or any(p.glob(SHARD_GLOB)))
     if is_dataset:
         passed = ["--" + k.replace("_", "-") for k in ("like",) + RAW_OPTIONS if getattr(cfg, k) is not None]
         if passed:
             raise InspectError(f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
                                "the processor and options it was built with")
         manifest = load_manifest(p)
-        tv = TokenizerView.from_dir(p / "processor", (manifest.get("processor") or {}).get("class"))
+        tv = TokenizerView.from_dir(p / PROCESSOR_DIR, (manifest.get("processor") or {}).get("class"))
         items = _iter_dir(cfg, p)
     else:
         if cfg.shard is not None:
             raise InspectError(f"--shard selects a shard of a built dir; {p} is raw input")
-        from vlmprep.build.task import Renderer
+        from vlmprep.process import Renderer
         from vlmprep.processors.load import load_processor
 
         bcfg = _raw_build_config(cfg)

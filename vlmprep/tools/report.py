@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep import __version__
+from vlmprep.shards.dataset import write_text_atomic
 from vlmprep.tools.view import SampleView, Segment, fact_lines, message_line
 
 THUMB_PX = 256
@@ -195,6 +196,4 @@ def render_report(samples: list[SampleView], rejects: list[dict], *, title: str)
 
 def write_report(path: Path, samples: list[SampleView], rejects: list[dict], *, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_report(samples, rejects, title=title), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, render_report(samples, rejects, title=title))

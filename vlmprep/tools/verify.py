@@ -5,7 +5,6 @@ grid size). Reads through shards/reader.py: refused members are reported, never 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from referencing import Registry, Resource
 from vlmprep_schemas import NAMES, load
 
 from vlmprep.families import FamilySpec, family_of
+from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, is_video_member
 from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image, iter_shard, load_manifest
 
@@ -36,14 +36,6 @@ def schema_validator(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(load(name), registry=registry)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _schema_error(validator, obj) -> str | None:
     err = jsonschema.exceptions.best_match(validator.iter_errors(obj))
     return None if err is None else f"{err.message} at {'/'.join(map(str, err.absolute_path)) or '(root)'}"
@@ -54,14 +46,14 @@ def verify_dataset(root: Path, *, deep: bool = True) -> list[Violation]:
     try:
         manifest = load_manifest(root)
     except ShardFormatError as e:
-        return [Violation("manifest.json", str(e))]
+        return [Violation(MANIFEST_NAME, str(e))]
     problem = _schema_error(schema_validator("manifest.schema.json"), manifest)
     if problem:
-        return [Violation("manifest.json", f"schema: {problem}")]
+        return [Violation(MANIFEST_NAME, f"schema: {problem}")]
 
     out: list[Violation] = []
     listed = {s["name"] for s in manifest["shards"]}
-    for extra in sorted(p.name for p in root.glob("shard-*.tar") if p.name not in listed):
+    for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
         out.append(Violation(extra, "shard file not listed in the manifest"))
     check = _SampleCheck(manifest, root)
     for s in manifest["shards"]:
@@ -72,7 +64,7 @@ def verify_dataset(root: Path, *, deep: bool = True) -> list[Violation]:
         if path.stat().st_size != s["bytes"]:
             out.append(Violation(s["name"], f"size {path.stat().st_size} != manifest {s['bytes']}"))
             continue
-        if _sha256(path) != s["sha256"]:
+        if sha256_file(path) != s["sha256"]:
             out.append(Violation(s["name"], "sha256 differs from the manifest"))
             continue
         if deep:

@@ -1,0 +1,46 @@
+"""The build's progress bars (rich, on stderr when it is a terminal): records of one task, or tasks of a plan."""
+from __future__ import annotations
+
+import collections
+
+from vlmprep.config import BuildConfig
+
+
+def record_progress(cfg: BuildConfig):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    return Progress(TextColumn("[bold]build"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
+                    TextColumn("{task.fields[rate]:.1f} rec/s"), TextColumn("{task.fields[samples]} samples"),
+                    TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(), TextColumn("eta"),
+                    TimeRemainingColumn(),
+                    disable=not cfg.progress, transient=False, console=None)
+
+
+class TaskProgress:
+    """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
+
+    def __init__(self, cfg: BuildConfig, n: int):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.progress = Progress(TextColumn("[bold]build tasks"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[records]} records"),
+                                 TextColumn("{task.fields[samples]} samples"),
+                                 TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
+                                 TextColumn("eta"), TimeRemainingColumn(), disable=not cfg.progress)
+        self.n = n
+        self.totals: collections.Counter = collections.Counter()
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.bar = self.progress.add_task("tasks", total=self.n, records=0, samples=0, rejects=0)
+        return self.tick
+
+    def tick(self, totals: dict) -> None:
+        self.totals.update(totals)
+        self.progress.update(self.bar, advance=1, records=self.totals["records"], samples=self.totals["samples"],
+                             rejects=self.totals["rejected"])
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)

@@ -1,0 +1,125 @@
+"""The worker pool of a task: RawRecord -> (outcomes, turn accounting) in forkserver processes, each with a Renderer
+over the dataset's saved processor, results handed back in input order (so the output never depends on --workers).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Iterator
+
+from vlmprep.config import BuildConfig
+from vlmprep.process import Renderer
+from vlmprep.processors.load import load_saved_processor
+from vlmprep.types import RawRecord, UserError
+
+
+class BuildError(UserError):
+    """A fatal, user-facing build fault (bad option, --strict reject): one clear line."""
+
+
+_RENDERER: Renderer | None = None
+_CACHED: tuple[tuple, Renderer] | None = None
+# Most of a worker's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Workers fork from
+# a forkserver that imported them once, instead of each spawned worker importing them again. Forking the server is
+# safe where forking the build process is not: it never ran torch, tokenizers or jinja, it only imported them.
+_WORKER_PRELOAD = ["vlmprep.build.workers", "vlmprep.images", "torch", "torchvision",
+                   "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
+
+
+def worker_context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_WORKER_PRELOAD)  # no effect once the server runs: it already has them
+    return ctx
+
+
+def start_worker_server(workers: int) -> None:
+    """With several worker processes, start the forkserver's imports now, in the background, so they overlap the main
+    process's own set-up (load + save the processor, scan the plan) instead of following it. Does not wait."""
+    if workers > 1:
+        from multiprocessing import forkserver
+
+        worker_context()
+        forkserver.ensure_running()
+
+
+def renderer_from_saved(cfg: BuildConfig, processor_dir: str | Path) -> Renderer:
+    """The one way a worker of any kind (pool, task, Ray) gets ready: the dataset's saved processor dir, which carries
+    the chat template and pixel budget that rendered it, so the --chat-template file need not exist where it runs."""
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
+    return Renderer(cfg, load_saved_processor(processor_dir), saved=True)
+
+
+def cached_renderer(cfg: BuildConfig, processor_dir: Path) -> Renderer:
+    """renderer_from_saved, kept per process: a pool or Ray worker that runs several tasks of one plan loads the
+    processor once."""
+    global _CACHED
+    key = (str(processor_dir), json.dumps(cfg.to_json(), sort_keys=True))
+    if _CACHED is None or _CACHED[0] != key:
+        _CACHED = key, renderer_from_saved(cfg, processor_dir)
+    return _CACHED[1]
+
+
+def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
+    global _RENDERER
+    _RENDERER = renderer_from_saved(cfg, processor_dir)
+
+
+def process_record(raw: RawRecord):
+    return _RENDERER.process(raw)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, **kw) -> Iterator[ProcessPoolExecutor]:
+    """`workers` forkserver processes. Unlike multiprocessing.Pool (which silently replaces a dead worker and waits
+    forever for its task), the executor fails every pending future with BrokenProcessPool when a worker dies
+    (killed, out of memory, crashed) or a result cannot be read. Leaving early (an error, --strict) stops the
+    workers instead of waiting for their work."""
+    pool = ProcessPoolExecutor(workers, mp_context=worker_context(), **kw)
+    try:
+        yield pool
+    except BaseException:
+        for p in list((getattr(pool, "_processes", None) or {}).values()):  # public terminate_workers: Python 3.14
+            p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def pool_failure(e: BrokenProcessPool, where: str) -> str:
+    """One line for a broken worker pool: what broke, where in the input it was, what to do."""
+    cause = [line.strip() for line in str(e.__cause__ or "").splitlines() if line.strip("'\" ")]  # a quoted traceback
+    what = (f"a worker's result could not be read ({cause[-1]})" if cause else
+            "a worker process stopped abruptly (killed, out of memory, or crashed)")
+    return (f"{what} while {where}; finished work is kept: run the same command again to resume, "
+            "or with --workers 1 to see the record in this process")
+
+
+def ordered_results(cfg: BuildConfig, records, processor_dir: Path, renderer: Renderer):
+    """Yield (position, result) in input order with a bounded read-ahead window (constant memory)."""
+    if cfg.workers == 1:  # in-process, reusing the loaded processor: one copy of the tokenizer in memory
+        for raw in records:
+            yield raw.position, renderer.process(raw)
+        return
+    window: collections.deque = collections.deque()  # (position, source, future), oldest first
+    with worker_pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
+        try:
+            for raw in records:
+                window.append((raw.position, raw.source, pool.submit(process_record, raw)))
+                if len(window) >= cfg.workers * 4:
+                    yield window[0][0], window[0][2].result()
+                    window.popleft()
+            while window:
+                yield window[0][0], window[0][2].result()
+                window.popleft()
+        except BrokenProcessPool as e:
+            src = window[0][1] if window else None
+            where = f"rendering the records from {src.file}:{src.line} on" if src else "rendering records"
+            raise BuildError(pool_failure(e, where)) from None
+

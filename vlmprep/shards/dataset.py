@@ -1,0 +1,97 @@
+"""The dataset dir (--out): the names vlmprep gives its files, each task's state under tasks/, writes that land whole
+or not at all (temp file, fsync, rename), and the sha256 that vouches for a finished file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"  # written last: its presence means the dataset is complete
+REJECTS_NAME = "rejects.jsonl"
+PLAN_NAME = "plan.json"
+PROCESSOR_DIR = "processor"  # the saved processor that rendered the dataset
+JOURNAL_NAME = "build-journal.json"  # an older build's journal: cleared with the rest of a dataset
+NV_META = ".nv-meta"  # energon's MAIN_FOLDER_NAME
+TASKS_DIR = "tasks"
+SHARD_GLOB = "shard-*.tar"  # every shard name plan.shard_prefix makes; a .tar of another name is never ours
+TMP_SUFFIX = ".tmp"
+# What a finished task leaves under tasks/: its manifest (written last), rejects and sample list.
+TASK_SUFFIXES = (".json", ".rejects.jsonl", ".samples.jsonl")
+
+
+def task_file(index: int, suffix: str) -> str:
+    """tasks/task-00003.json (the task manifest), .journal.json, .rejects.jsonl, .samples.jsonl"""
+    return f"{TASKS_DIR}/task-{index:05d}{suffix}"
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    """Where task `index` of a plan keeps its state inside the dataset dir (all but the shards under tasks/)."""
+
+    out: Path
+    index: int
+    prefix: str  # its shard names start with this
+
+    def path(self, suffix: str) -> Path:
+        return self.out / task_file(self.index, suffix)
+
+    @property
+    def manifest(self) -> Path:  # written last: its presence means the task is complete
+        return self.path(".json")
+
+    @property
+    def journal(self) -> Path:
+        return self.path(".journal.json")
+
+    @property
+    def rejects(self) -> Path:
+        return self.path(".rejects.jsonl")
+
+    @property
+    def partial_rejects(self) -> Path:  # the rejects while the task runs; renamed to `rejects` when it ends
+        return self.path(".rejects.jsonl.partial")
+
+    @property
+    def samples(self) -> Path:
+        return self.path(".samples.jsonl")
+
+    def shards(self) -> list[Path]:
+        return sorted(self.out.glob(f"{self.prefix}[0-9]*.tar"))
+
+
+def load_task_manifest(files: TaskFiles) -> dict | None:
+    try:
+        return json.loads(files.manifest.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, tmp_suffix: str = TMP_SUFFIX) -> None:
+    """A reader, or a kill, sees the old file or the new one, never part of one. Where several processes may write
+    the same file at once, each passes its own tmp_suffix."""
+    path = Path(path)
+    tmp = path.with_name(path.name + tmp_suffix)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
