@@ -259,3 +259,31 @@ def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     res = subprocess.run([sys.executable, "-c", "from vlmprep.cli import main; main()", "verify", str(tmp_path / "ds")],
                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.startswith("OK"), res.stdout + res.stderr
+
+
+# The package's roles and which roles each may import: the folders are the data flow (see README Development).
+_ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.config", "vlmprep.rejects",
+                   "vlmprep.processors"),
+          "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "images", "videos", "traces", "render",
+                                                  "mask", "positions", "truncate", "families")),
+          "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.build",),
+          "tools": ("vlmprep.tools",), "clients": ("vlmprep.clients",), "cli": ("vlmprep.cli", "vlmprep.__main__")}
+_MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"}, "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples
+               "shards": {"base", "stage", "shards"}, "clients": {"base", "stage", "shards", "clients"},
+               "tools": {"base", "stage", "process", "shards", "tools"},  # tools never import the build
+               "build": {"base", "stage", "process", "shards", "clients", "build"},
+               "cli": set(_ROLES)}
+
+
+def _role(module: str) -> str:
+    best = max(((p, r) for r, ps in _ROLES.items() for p in ps if module == p or module.startswith(p + ".")),
+               key=lambda pr: len(pr[0]), default=None)
+    assert best is not None, f"{module} has no role in the layering: add it to _ROLES (and the README's map)"
+    return best[1]
+
+
+def test_each_role_imports_only_the_layers_below_it():
+    """types/config <- stages <- shards <- process <- build <- cli; shards <- tools <- cli; tools never import build."""
+    bad = sorted(f"{m} ({_role(m)}) imports {d} ({_role(d)})" for m, deps in _vlmprep_imports().items()
+                 for d in deps if _role(d) not in _MAY_IMPORT[_role(m)])
+    assert not bad, "\n".join(bad)
