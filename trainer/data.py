@@ -289,9 +289,10 @@ class StepLoader:
     def __init__(self, shards: list[ShardRef], *, spec: ImageSpec, collate_spec: CollateSpec, seed: int,
                  shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
                  prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64,
-                 sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0):
+                 sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0,
+                 first_schedule: Schedule | None = None):
         """`sources` given: the epoch schedule of trainer/order.py over them (`shards`/`stride` unused); else the
-        shards in sequence (`shuffle`: their order per epoch)."""
+        shards in sequence (`shuffle`: their order per epoch). `first_schedule`: epoch 0's, when already made."""
         self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
         self.seed, self.shuffle = seed, shuffle
         self.sources, self.sample_shuffle, self.shuffle_span = sources, sample_shuffle, shuffle_span
@@ -299,6 +300,7 @@ class StepLoader:
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.pack_to, self.pack_window = pack_to, pack_window
         self.epoch = 0
+        self._first = first_schedule
         self._batcher: MicroBatcher | None = None
         self._packer: Packer | None = None
         self._loader: SampleLoader | None = None
@@ -311,7 +313,9 @@ class StepLoader:
         if pack_state:
             position = Packer.resume_start(pack_state)
         if self.sources is not None:
-            stream = ScheduledStream(self.sources, self.schedule(epoch), start=position, spec=self.spec)
+            first, self._first = self._first, None  # used once, then freed
+            order = first if first is not None and epoch == 0 else self.schedule(epoch)
+            stream = ScheduledStream(self.sources, order, start=position, spec=self.spec)
         else:
             stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
                                 start=position, spec=self.spec, stride=self.stride)

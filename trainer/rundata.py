@@ -17,7 +17,7 @@ from trainer.data import StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
 from trainer.index import index_shard, local_copy
 from trainer.model import model_type_of
-from trainer.order import RankSource, rank_steps, schedule
+from trainer.order import RankSource, Schedule, rank_steps, schedule
 from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image_processor_config,
                             load_video_processor_config, plan_shards, processor_difference, resolve_data)
 from trainer.vision import ImageSpec
@@ -57,19 +57,21 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
     return out
 
 
-def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> list[int]:
+def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> tuple[list[int], Schedule]:
     """Steps of each epoch, by running the batcher / packer over the stored token counts in schedule order; the
-    busiest rank sets an epoch's length (the others pad)."""
-    mine = []
+    busiest rank sets an epoch's length (the others pad). Also returns epoch 0's schedule, for the loader."""
+    mine, first = [], None
     for epoch in range(cfg.epochs):
-        lengths = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
-                           span=cfg.shuffle_span).tokens(sources)
+        order = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
+                         span=cfg.shuffle_span)
+        first = order if epoch == 0 else first
+        lengths = order.tokens(sources)
         mine.append(rank_steps(lengths, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
                                grad_accum=cfg.grad_accum, pack_to=cfg.pack_to, pack_window=cfg.pack_window))
     steps = torch.tensor(mine, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    return [int(x) for x in steps.tolist()]
+    return [int(x) for x in steps.tolist()], first
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                                cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}")
         index_s = time.perf_counter() - t0
     plan = data.plans[0]
-    predicted = predict_steps(cfg, sources, device) if sources is not None else None
+    predicted, first = predict_steps(cfg, sources, device) if sources is not None else (None, None)
     if predicted is None:
         per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
                                     max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum, pack_to=cfg.pack_to)
@@ -142,7 +144,8 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                         grad_accum=cfg.grad_accum, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
                         stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
                         pack_window=cfg.pack_window, sources=sources if scheduled else None,
-                        sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span)
+                        sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span,
+                        first_schedule=first if scheduled else None)
     return loader, total, schedule_len
 
 
