@@ -23,7 +23,7 @@ from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image
 from trainer.vision import ImageSpec
 
 
-def _load_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
+def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
     location = cfg.processor or processor
     if not location:
         raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
@@ -93,7 +93,7 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
         refuse_videos(ds.manifest, str(d.path), model_type)
     for d in cfg.eval_sources:
         refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}", model_type)
-    image = _load_spec(cfg, datasets[0].processor)
+    image = _load_image_spec(cfg, datasets[0].processor)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)
     label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)

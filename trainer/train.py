@@ -99,8 +99,7 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
 
 def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Path) -> None:
     """Every rank refuses a resume of another run; then rank 0 creates the run dir (or reopens it to resume)."""
-    specs, datasets, spec = data.specs, data.datasets, data.image
-    identity = run_identity(cfg, datasets=list(zip(specs, datasets)), image_config=spec.config,
+    identity = run_identity(cfg, datasets=list(zip(data.specs, data.datasets)), image_config=data.image.config,
                             model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
     if cfg.resume:
         check_resumable(out, identity, data.label)
