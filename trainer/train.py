@@ -1,5 +1,5 @@
-"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data -> checkpoint load -> loop of
-train_step (loss = summed token losses / global trained-token count) -> metrics, checkpoints -> cleanup.
+"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data (trainer/rundata.py) -> checkpoint
+load -> loop of train_step (loss = summed token losses / global trained-token count) -> metrics, checkpoints -> cleanup.
 """
 from __future__ import annotations
 
