@@ -7,10 +7,13 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import re
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 TINY_MODELS = ("qwen2-vl",)
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -322,3 +325,17 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if "data" not in values:
         raise ConfigError("data is missing: pass --data DIR|PATTERN|URL or set data in the TOML")
     return TrainConfig(**values)
+
+
+def run_tool(prog: str, work: Callable[[], object]) -> int:
+    """A subcommand's exit code: 0 after printing `PROG: wrote OUT` (OUT: what `work` returns), 1 after one
+    `PROG: error: ...` line for a ConfigError (its traceback only with TRAINER_DEBUG set)."""
+    try:
+        out = work()
+    except ConfigError as e:
+        if os.environ.get("TRAINER_DEBUG"):
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{prog}: wrote {out}")
+    return 0

@@ -66,7 +66,7 @@ class RankStream(IterableDataset):
                     sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize,
                                            alloc=pool.views if pool else None)
                     sample.position, sample.worker = (offset + i) // R, w
-                    yield pool.pack(sample) if pool else sample
+                    yield pool.put(sample) if pool else sample
             if shard.num_samples is not None and count != shard.num_samples:
                 raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
                                 "truncated or replaced shard")
@@ -109,7 +109,7 @@ class ScheduledStream(IterableDataset):
                 sample.position, sample.worker, sample.source = p, w, int(self.order.source[p])
                 if named:
                     sample.id = f"{src.name}/{sample.id}"
-                yield pool.pack(sample) if pool else sample
+                yield pool.put(sample) if pool else sample
         finally:
             for f in files.values():
                 f.close()
@@ -141,12 +141,12 @@ class SlabPool:
     # --- worker side
     def views(self, sizes: list[int]) -> list[np.ndarray]:
         """decode_sample's `alloc`: one uint8 view per image and video frame, all in one slab of this worker."""
-        self._slab = self._take(sum(sizes))
+        self._slab = self._claim(sum(sizes))
         flat = self._slab[0].numpy()
         ends = np.cumsum([0, *sizes])
         return [flat[a:b] for a, b in zip(ends[:-1], ends[1:])]
 
-    def _take(self, nbytes: int) -> tuple[torch.Tensor, int]:
+    def _claim(self, nbytes: int) -> tuple[torch.Tensor, int]:
         """A uint8 tensor of at least nbytes in shared memory, and its slab index (-1: unpooled)."""
         if nbytes == 0:
             return _shared_bytes(0), -1
@@ -160,17 +160,17 @@ class SlabPool:
                 return slab, k
         return _shared_bytes(nbytes), -1
 
-    def pack(self, sample: DecodedSample) -> "_Packed":
+    def put(self, sample: DecodedSample) -> "_SlabRef":
         """The sample as it crosses to the training process: its images as offsets into the slab they lie in."""
         slab, k = self._slab
         base = slab.data_ptr()
         layout = [(im.ctypes.data - base, *im.shape) for im in sample.images]
         frames = [[(f.ctypes.data - base, *f.shape) for f in v] for v in sample.videos]
         sample.images, sample.videos = [], []
-        return _Packed(sample, slab, self.worker, k, layout, frames)
+        return _SlabRef(sample, slab, self.worker, k, layout, frames)
 
     # --- training process side
-    def unpack(self, item: "_Packed") -> DecodedSample:
+    def get(self, item: "_SlabRef") -> DecodedSample:
         """Frees the slabs whose views are all gone, then gives the sample its images as views of its slab."""
         for entry in list(self._held):
             if entry[0].expired():
@@ -196,7 +196,7 @@ def _shared_bytes(n: int) -> torch.Tensor:
 
 
 @dataclass
-class _Packed:
+class _SlabRef:
     """What a worker sends: the sample without its images and frames, the slab that holds them, and where they lie."""
 
     sample: DecodedSample
@@ -229,7 +229,7 @@ class SampleLoader:
 
     def __iter__(self) -> Iterator[DecodedSample]:
         for item in self.loader:
-            yield self.pool.unpack(item) if isinstance(item, _Packed) else item
+            yield self.pool.get(item) if isinstance(item, _SlabRef) else item
 
 
 @dataclass
@@ -289,9 +289,10 @@ class StepLoader:
     def __init__(self, shards: list[ShardRef], *, spec: ImageSpec, collate_spec: CollateSpec, seed: int,
                  shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
                  prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64,
-                 sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0):
+                 sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0,
+                 first_schedule: Schedule | None = None):
         """`sources` given: the epoch schedule of trainer/order.py over them (`shards`/`stride` unused); else the
-        shards in sequence (`shuffle`: their order per epoch)."""
+        shards in sequence (`shuffle`: their order per epoch). `first_schedule`: epoch 0's, when already made."""
         self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
         self.seed, self.shuffle = seed, shuffle
         self.sources, self.sample_shuffle, self.shuffle_span = sources, sample_shuffle, shuffle_span
@@ -299,6 +300,7 @@ class StepLoader:
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.pack_to, self.pack_window = pack_to, pack_window
         self.epoch = 0
+        self._first = first_schedule
         self._batcher: MicroBatcher | None = None
         self._packer: Packer | None = None
         self._loader: SampleLoader | None = None
@@ -311,7 +313,9 @@ class StepLoader:
         if pack_state:
             position = Packer.resume_start(pack_state)
         if self.sources is not None:
-            stream = ScheduledStream(self.sources, self.schedule(epoch), start=position, spec=self.spec)
+            first, self._first = self._first, None  # used once, then freed
+            order = first if first is not None and epoch == 0 else self.schedule(epoch)
+            stream = ScheduledStream(self.sources, order, start=position, spec=self.spec)
         else:
             stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
                                 start=position, spec=self.spec, stride=self.stride)

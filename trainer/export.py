@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
-from trainer.config import ConfigError, TrainConfig, load_toml
+from trainer.config import ConfigError, TrainConfig, load_toml, run_tool
 from trainer.shards import REMOTE, DataError, resolve_data
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
@@ -209,13 +208,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    try:
-        out = export_run(ExportConfig(run=ns.run, out=ns.out, step=ns.step, dtype=ns.dtype,
-                                      adapter_only=ns.adapter_only, processor=ns.processor, overwrite=ns.overwrite))
-    except ConfigError as e:
-        if os.environ.get("TRAINER_DEBUG"):
-            raise
-        print(f"trainer export: error: {e}", file=sys.stderr)
-        return 1
-    print(f"trainer export: wrote {out}")
-    return 0
+    return run_tool("trainer export", lambda: export_run(ExportConfig(
+        run=ns.run, out=ns.out, step=ns.step, dtype=ns.dtype, adapter_only=ns.adapter_only, processor=ns.processor,
+        overwrite=ns.overwrite)))

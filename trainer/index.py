@@ -16,7 +16,7 @@ import numpy as np
 from webdataset.gopen import gopen
 
 from trainer.decode import check_member_names, sample_version
-from trainer.shards import REMOTE, SAMPLE_KEY, DataError, ShardRef
+from trainer.shards import REMOTE, DataError, ShardRef, member_key
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,7 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
             for ti in tar:
                 if not ti.isfile():
                     continue
-                k, dot, ext = os.path.basename(ti.name).partition(".")
-                if not dot or not SAMPLE_KEY.match(k):
-                    raise DataError(f"{url}: member {ti.name!r} has no '<key>.<ext>' name")
+                k, ext = member_key(ti, url)
                 if k != key:
                     key = k
                     starts.append(ti.offset)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, run_tool
 
 # (metrics.jsonl key, panel title, colour): one panel per entry; eval_loss joins the loss panel.
 PANELS = (("loss", "loss", "tab:blue"), ("lr", "learning rate", "tab:green"),
@@ -77,12 +76,4 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
-    try:
-        path = plot_run(ns.run, ns.out or None)
-    except ConfigError as e:
-        if os.environ.get("TRAINER_DEBUG"):
-            raise
-        print(f"trainer plot: error: {e}", file=sys.stderr)
-        return 1
-    print(f"trainer plot: wrote {path}")
-    return 0
+    return run_tool("trainer plot", lambda: plot_run(ns.run, ns.out or None))

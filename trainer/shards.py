@@ -194,6 +194,14 @@ def open_shard(url: str):
 SAMPLE_KEY = re.compile(r"^[^.]+$")
 
 
+def member_key(ti: tarfile.TarInfo, url: str) -> tuple[str, str]:
+    """A shard member's (sample key, extension) from its `<key>.<ext>` base name."""
+    k, dot, ext = os.path.basename(ti.name).partition(".")
+    if not dot or not SAMPLE_KEY.match(k):
+        raise DataError(f"{url}: member {ti.name!r} has no '<key>.<ext>' name")
+    return k, ext
+
+
 def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
     """Yield (index in shard, key, members) per sample, in tar order; members is None when want(index) is
     False, and then no member bytes were read from a seekable file."""
@@ -209,10 +217,7 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
             for ti in tar:
                 if not ti.isfile():
                     continue
-                name = os.path.basename(ti.name)
-                k, dot, ext = name.partition(".")
-                if not dot or not SAMPLE_KEY.match(k):
-                    raise DataError(f"{url}: member {ti.name!r} has no '<key>.<ext>' name")
+                k, ext = member_key(ti, url)
                 if k != key:
                     if key is not None:
                         yield index, key, members

@@ -1,5 +1,5 @@
-"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data -> checkpoint load -> loop of
-train_step (loss = summed token losses / global trained-token count) -> metrics, checkpoints -> cleanup.
+"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data (trainer/rundata.py) -> checkpoint
+load -> loop of train_step (loss = summed token losses / global trained-token count) -> metrics, checkpoints -> cleanup.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,19 +17,16 @@ import torch.distributed as dist
 from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpoint, run_identity, save_checkpoint,
                                 start_run_dir)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
-from trainer.config import ConfigError, DataSpec, TrainConfig, parse_args
-from trainer.decode import refuse_videos, trains_videos
-from trainer.data import StepLoader, steps_per_epoch
-from trainer.evaluate import eval_sets, evaluate
+from trainer.config import ConfigError, TrainConfig, parse_args
+from trainer.data import StepLoader
+from trainer.decode import trains_videos
+from trainer.evaluate import EvalSet, eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
-from trainer.model import (apply_fsdp, build_model, forward_loss, image_token_id, model_identity, model_type_of,
-                           video_token_id)
-from trainer.order import RankSource, rank_steps, schedule
+from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
 from trainer.pack import check_packing, empty_state
-from trainer.index import index_shard, local_copy
-from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image_processor_config, plan_shards,
-                            load_video_processor_config, processor_difference, resolve_data)
-from trainer.vision import ImageSpec, Patchifier
+from trainer.rundata import RunData, log_plans, make_loader, open_data
+from trainer.shards import DataError
+from trainer.vision import Patchifier
 
 
 def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -100,124 +97,177 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     return float(local_sum), float(norm)
 
 
-def _load_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
-    location = cfg.processor or processor
-    if not location:
-        raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
-    try:
-        return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
-    except ValueError as e:
-        raise DataError(f"{location}: {e}") from None
-
-
-def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], processor: str) -> None:
-    """Mixed datasets must come from one tokenizer vocabulary, model family and image processor."""
-    for spec, ds in zip(specs[1:], datasets[1:]):
-        diff = processor_difference(datasets[0], ds, processor)
-        if diff:
-            raise ConfigError(f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
-                              f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
-                              "tokenizer vocabulary, model family and image processor; rebuild one of them with the "
-                              "other's --processor")
-
-
-def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
-                 world: int, cache: Path) -> list[RankSource]:
-    """Each source's shards as this rank reads them, indexed (remote shards copied to `cache` first)."""
-    total = sum(d.weight for d in specs)
-    out = []
-    for spec, ds, plan in zip(specs, datasets, plans):
-        shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
-        indexes = tuple(index_shard(local_copy(s, cache), url=s.url, expect=s.num_samples) for s in shards)
-        out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
-                              (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))
-    return out
-
-
-def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> list[int]:
-    """Steps of each epoch, by running the batcher / packer over the stored token counts in schedule order; the
-    busiest rank sets an epoch's length (the others pad)."""
-    mine = []
-    for epoch in range(cfg.epochs):
-        lengths = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
-                           span=cfg.shuffle_span).tokens(sources)
-        mine.append(rank_steps(lengths, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
-                               grad_accum=cfg.grad_accum, pack_to=cfg.pack_to, pack_window=cfg.pack_window))
-    return [int(x) for x in all_sum(mine, device, op=dist.ReduceOp.MAX)]
-
-
-@dataclass(frozen=True)
-class RunData:
-    """The run's datasets, resolved: their specs, shard lists and rank plans, and the image processor they share."""
-
-    specs: tuple[DataSpec, ...]
-    datasets: list[DataSource]
-    plans: list[ShardPlan]
-    image: ImageSpec
-    label: str  # how run.json and messages name the data
-
-
-def open_data(cfg: TrainConfig, world: int) -> RunData:
-    specs = cfg.sources
-    datasets = [resolve_data(d.path) for d in specs]
-    model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
-    for d, ds in zip(specs, datasets):
-        refuse_videos(ds.manifest, str(d.path), model_type)
-    for d in cfg.eval_sources:
-        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}", model_type)
-    image = _load_spec(cfg, datasets[0].processor)
-    if len(specs) > 1:
-        check_compatible(specs, datasets, cfg.processor)
-    label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
-    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label)
-
-
-def _log_plans(data: RunData, world: int) -> None:
-    for d, ds, p in zip(data.specs, data.datasets, data.plans):
-        counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
-                           for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
-        if p.stride:
-            counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-        print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks ({counts}); "
-              f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
-              "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
-
-
-def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, device: torch.device,
-                collate_spec: CollateSpec, out: Path) -> tuple[StepLoader, int | None, int]:
-    """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
-    The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without them the
-    shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
-    token budget or packing run is known up front."""
-    scheduled = cfg.shuffle or len(data.specs) > 1
-    local = not any(s.url.startswith(("pipe:",) + REMOTE) for d in data.datasets for s in d.shards)
-    sources, index_s = None, 0.0
-    if scheduled or local:
-        t0 = time.perf_counter()
-        sources = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world,
-                               cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}")
-        index_s = time.perf_counter() - t0
-    plan = data.plans[0]
-    predicted = predict_steps(cfg, sources, device) if sources is not None else None
-    if predicted is None:
-        per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
-                                    max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum, pack_to=cfg.pack_to)
-        predicted = [per_epoch] * cfg.epochs if per_epoch is not None else None
-    total = cfg.max_steps or (sum(predicted) if predicted is not None else None)
-    schedule_len = cfg.schedule_steps or total
-    if schedule_len is None:
-        raise ConfigError("the number of steps is not known up front (token budget or packing over streamed "
-                          "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps")
+def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Path) -> None:
+    """Every rank refuses a resume of another run; then rank 0 creates the run dir (or reopens it to resume)."""
+    identity = run_identity(cfg, datasets=list(zip(data.specs, data.datasets)), image_config=data.image.config,
+                            model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
+    if cfg.resume:
+        check_resumable(out, identity, data.label)
+    dist.barrier()  # every rank checked before rank 0 changes the run dir
     if rank == 0:
-        _log_order(cfg, data.specs, sources, predicted, index_s)
-    loader = StepLoader([data.datasets[0].shards[i] for i in plan.per_rank[rank]], spec=data.image,
-                        collate_spec=collate_spec, seed=cfg.seed, shuffle=cfg.shuffle_shards,
-                        micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
-                        grad_accum=cfg.grad_accum, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-                        stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
-                        pack_window=cfg.pack_window, sources=sources if scheduled else None,
-                        sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span)
-    return loader, total, schedule_len
+        start_run_dir(out, identity, data.label, resume=cfg.resume)
+        (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+        log_plans(data, world)
+
+
+def make_model(cfg: TrainConfig, data: RunData, *, rank: int) -> torch.nn.Module:
+    """The model before FSDP; with packing, every dataset's seq_len checked against a row."""
+    net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
+                      attn_implementation=cfg.attn_implementation,
+                      activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
+                      lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
+    if cfg.pack_to:
+        # Every dataset's seq_len must fit a row; the log line speaks of the first.
+        line = [check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest,
+                              model_type=str(net.config.model_type)) for ds in data.datasets][0]
+        if rank == 0:
+            print(line, file=sys.stderr)
+    return net
+
+
+def resume_state(cfg: TrainConfig, out: Path, *, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device, rank: int) -> tuple[int, int, int, list[int]]:
+    """(step, epoch, stream position, packer state) to start from: with --resume and a checkpoint, the checkpoint's
+    (model, optimizer and RNG states loaded too); else zeros."""
+    ckpt = latest_checkpoint(out) if cfg.resume else None
+    if ckpt is None:
+        torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
+        return 0, 0, 0, []
+    r = load_checkpoint(ckpt, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to))
+    if rank == 0:
+        print(f"trainer: resumed from {ckpt} (step {r.step}, epoch {r.epoch})", file=sys.stderr)
+    return r.step, r.epoch, r.position, r.pack_state
+
+
+@dataclass(kw_only=True, eq=False)
+class Session:
+    """One rank's training from its start step to its final checkpoint: what the loop uses, and the state it
+    advances (`last`: the newest step's metrics row)."""
+
+    cfg: TrainConfig
+    data: RunData
+    net: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: StepLoader
+    patchifier: Patchifier
+    evals: list[EvalSet]
+    log: RunLog | None
+    flop_counter: FlopCounter
+    peak: float | None
+    total: int | None  # the run's steps; None: until the data ends
+    schedule_len: int  # the LR schedule's length
+    rank: int
+    world: int
+    device: torch.device
+    out: Path
+    step: int
+    epoch: int
+    position: int  # the stream position this session entered its epoch at (0 once an epoch ends)
+    saved_at: int  # the step of the newest checkpoint
+    last: dict | None = None
+    mixed_so_far: list[float] = field(default_factory=list)  # trained tokens per source (mixtures)
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.data.specs]
+
+    def loop(self) -> None:
+        cfg, steps_in_epoch = self.cfg, 0
+        # A run resumed from its final checkpoint (epoch == epochs) has nothing left: the step count alone
+        # does not say so when it is not known up front (token budget, packing).
+        while (self.total is None or self.step < self.total) and (cfg.max_steps or self.epoch < cfg.epochs):
+            t0 = time.perf_counter()
+            micro_batches = self.loader.next_step()
+            wait = time.perf_counter() - t0
+            totals = all_sum([sum(b.num_trained for b in micro_batches), sum(b.num_samples for b in micro_batches),
+                              sum(b.num_tokens for b in micro_batches)], self.device)
+            if totals[1] == 0:  # every rank is exhausted: the epoch is over everywhere at once
+                if steps_in_epoch == 0 and self.position == 0:
+                    raise DataError(f"--data {self.data.label} yielded no samples")
+                self.epoch, self.position, steps_in_epoch = self.epoch + 1, 0, 0
+                if not cfg.max_steps and self.epoch >= cfg.epochs:
+                    break
+                self.loader.start(self.epoch, 0)
+                continue
+            self.train_one(micro_batches, totals, t0=t0, wait=wait)
+            steps_in_epoch += 1
+            # eval before the checkpoint: a resume keeps its row
+            if self.evals and cfg.eval_every and self.step % cfg.eval_every == 0:
+                evaluate(self.net, self.evals, step=self.step, device=self.device, patchifier=self.patchifier,
+                         log=self.log)
+            if cfg.save_every and self.step % cfg.save_every == 0:
+                save_checkpoint(self.out, step=self.step, epoch=self.epoch, position=self.loader.position,
+                                net=self.net, optimizer=self.optimizer, device=self.device,
+                                keep=cfg.keep_checkpoints, pack_state=self.loader.pack_state)
+                self.saved_at = self.step
+
+    def train_one(self, micro_batches: list[Batch], totals: list[float], *, t0: float, wait: float) -> None:
+        """One optimizer step over the global (trained, samples, tokens) `totals`, and its metrics row."""
+        cfg, names, world = self.cfg, self.names, self.world
+        trained, samples, tokens = totals
+        lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup_steps, total=self.schedule_len, min_ratio=cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        by_source = torch.zeros(2, len(names), dtype=torch.float64) if len(names) > 1 else None
+        local_loss, grad_norm = train_step(self.net, self.optimizer, micro_batches, patchifier=self.patchifier,
+                                           device=self.device, global_trained=trained,
+                                           max_grad_norm=cfg.max_grad_norm, by_source=by_source)
+        self.step += 1
+        (loss_sum, *per_source) = all_sum([local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []),
+                                          self.device)
+        mine = ([i for b in micro_batches for i in b.sample_ids], wait, sum(b.num_tokens for b in micro_batches),
+                sum(b.rows for b in micro_batches), self.flop_counter.step(micro_batches) if self.peak else 0.0)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        dt = time.perf_counter() - t0
+        last = {"step": self.step, "epoch": self.epoch, "loss": loss_sum / trained, "lr": lr, "grad_norm": grad_norm,
+                "num_samples": int(samples), "num_tokens": int(tokens), "num_trained_tokens": int(trained),
+                "tokens_per_s": tokens / dt, "samples_per_s": samples / dt, "step_time_s": dt,
+                "data_wait_s": max(g[1] for g in gathered), "data_wait_frac": max(g[1] for g in gathered) / dt,
+                "sample_ids": [i for g in gathered for i in g[0]], "samples_per_rank": [len(g[0]) for g in gathered],
+                "segments": int(samples), "tokens_per_rank": [g[2] for g in gathered],
+                "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1)}
+        if len(names) > 1:
+            losses, counts = per_source[:len(names)], per_source[len(names):]
+            last["tokens_by_source"] = {n: int(c) for n, c in zip(names, counts)}
+            last["loss_by_source"] = {n: (x / c if c else None) for n, x, c in zip(names, losses, counts)}
+            self.mixed_so_far = [a + c for a, c in zip(self.mixed_so_far, counts)]
+        if cfg.pack_to:
+            last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * cfg.pack_to, 1)
+            if self.rank == 0 and self.step == 1:
+                print(f"trainer: first step's rows are {last['pack_fill']:.1%} full", file=sys.stderr)
+        if self.peak:
+            last["mfu"] = sum(g[4] for g in gathered) / (dt * self.peak * world)
+        self.last = last
+        if self.log is not None:
+            self.log.step(last)
+
+    def finish(self) -> None:
+        """After the loop: the last eval and checkpoint where the last step did not make them, the HF export and
+        rank 0's closing lines."""
+        cfg, step, loader, out, last = self.cfg, self.step, self.loader, self.out, self.last
+        if self.evals and last is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
+            evaluate(self.net, self.evals, step=step, device=self.device, patchifier=self.patchifier, log=self.log)
+        if step != self.saved_at:
+            same = loader.epoch == self.epoch
+            save_checkpoint(out, step=step, epoch=self.epoch, position=loader.position if same else 0, net=self.net,
+                            optimizer=self.optimizer, device=self.device, keep=cfg.keep_checkpoints,
+                            pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
+                            if cfg.pack_to else None)
+        if cfg.save_hf and self.rank == 0:
+            from trainer.export import ExportConfig, export_run
+
+            hf = export_run(ExportConfig(run=str(out), out=str(out / "hf"), dtype=cfg.export_dtype, overwrite=True))
+            print(f"trainer: exported {hf} ({cfg.export_dtype})", file=sys.stderr)
+        if self.rank == 0 and last is not None:
+            names, specs, mixed_so_far = self.names, self.data.specs, self.mixed_so_far
+            if len(names) > 1 and sum(mixed_so_far):
+                weights = sum(x.weight for x in specs)
+                shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / weights:.3f})"
+                                   for n, c, d in zip(names, mixed_so_far, specs))
+                print(f"trainer: realized trained-token shares this session: {shares}", file=sys.stderr)
+            print(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
+                  f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
 
 
 def run(cfg: TrainConfig) -> dict | None:
@@ -227,26 +277,9 @@ def run(cfg: TrainConfig) -> dict | None:
     loader = log = None
     try:
         data = open_data(cfg, world)
-        specs, datasets, spec = data.specs, data.datasets, data.image
-        identity = run_identity(cfg, datasets=list(zip(specs, datasets)), image_config=spec.config,
-                                model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
-        if cfg.resume:
-            check_resumable(out, identity, data.label)
-        dist.barrier()  # every rank checked before rank 0 changes the run dir
-        if rank == 0:
-            start_run_dir(out, identity, data.label, resume=cfg.resume)
-            (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
-            _log_plans(data, world)
-        net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
-                          attn_implementation=cfg.attn_implementation,
-                          activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
-                          lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
-        if cfg.pack_to:
-            # Every dataset's seq_len must fit a row; the log line speaks of the first.
-            line = [check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest,
-                                  model_type=str(net.config.model_type)) for ds in datasets][0]
-            if rank == 0:
-                print(line, file=sys.stderr)
+        datasets, spec = data.datasets, data.image
+        start_run(cfg, data, rank=rank, world=world, out=out)
+        net = make_model(cfg, data, rank=rank)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
@@ -261,130 +294,26 @@ def run(cfg: TrainConfig) -> dict | None:
         optimizer = build_optimizer(cfg, net)
         loader, total, schedule_len = make_loader(cfg, data, rank=rank, world=world, device=device,
                                                   collate_spec=collate_spec, out=out)
-        names = [d.name for d in specs]
-        mixed_so_far = [0.0] * len(names)
-        step, epoch, position, pack_state = 0, 0, 0, []
-        ckpt = latest_checkpoint(out) if cfg.resume else None
-        if ckpt is not None:
-            r = load_checkpoint(ckpt, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to))
-            step, epoch, position, pack_state = r.step, r.epoch, r.position, r.pack_state
-            if rank == 0:
-                print(f"trainer: resumed from {ckpt} (step {step}, epoch {epoch})", file=sys.stderr)
-        if ckpt is None:
-            torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
+        step, epoch, position, pack_state = resume_state(cfg, out, net=net, optimizer=optimizer, device=device,
+                                                         rank=rank)
         loader.start(epoch, position, pack_state)
         patchifier = Patchifier(spec, device)
         log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress,
                      tensorboard=cfg.tensorboard) if rank == 0 else None
-        saved_at, steps_in_epoch, last = step, 0, None
-        # A run resumed from its final checkpoint (epoch == epochs) has nothing left: the step count alone
-        # does not say so when it is not known up front (token budget, packing).
-        while (total is None or step < total) and (cfg.max_steps or epoch < cfg.epochs):
-            t0 = time.perf_counter()
-            micro_batches = loader.next_step()
-            wait = time.perf_counter() - t0
-            trained, samples, tokens = all_sum([sum(b.num_trained for b in micro_batches),
-                                               sum(b.num_samples for b in micro_batches),
-                                               sum(b.num_tokens for b in micro_batches)], device)
-            if samples == 0:  # every rank is exhausted: the epoch is over everywhere at once
-                if steps_in_epoch == 0 and position == 0:
-                    raise DataError(f"--data {data.label} yielded no samples")
-                epoch, position, steps_in_epoch = epoch + 1, 0, 0
-                if not cfg.max_steps and epoch >= cfg.epochs:
-                    break
-                loader.start(epoch, 0)
-                continue
-            lr = lr_at(step, lr=cfg.lr, warmup=cfg.warmup_steps, total=schedule_len, min_ratio=cfg.min_lr_ratio)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            by_source = torch.zeros(2, len(names), dtype=torch.float64) if len(names) > 1 else None
-            local_loss, grad_norm = train_step(net, optimizer, micro_batches, patchifier=patchifier, device=device,
-                                               global_trained=trained, max_grad_norm=cfg.max_grad_norm,
-                                               by_source=by_source)
-            step, steps_in_epoch = step + 1, steps_in_epoch + 1
-            (loss_sum, *per_source) = all_sum([local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []),
-                                              device)
-            mine = ([i for b in micro_batches for i in b.sample_ids], wait, sum(b.num_tokens for b in micro_batches),
-                    sum(b.rows for b in micro_batches), flop_counter.step(micro_batches) if peak else 0.0)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, mine)
-            dt = time.perf_counter() - t0
-            last = {"step": step, "epoch": epoch, "loss": loss_sum / trained, "lr": lr, "grad_norm": grad_norm,
-                    "num_samples": int(samples), "num_tokens": int(tokens), "num_trained_tokens": int(trained),
-                    "tokens_per_s": tokens / dt, "samples_per_s": samples / dt, "step_time_s": dt,
-                    "data_wait_s": max(g[1] for g in gathered), "data_wait_frac": max(g[1] for g in gathered) / dt,
-                    "sample_ids": [i for g in gathered for i in g[0]], "samples_per_rank": [len(g[0]) for g in gathered],
-                    "segments": int(samples), "tokens_per_rank": [g[2] for g in gathered],
-                    "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1)}
-            if len(names) > 1:
-                losses, counts = per_source[:len(names)], per_source[len(names):]
-                last["tokens_by_source"] = {n: int(c) for n, c in zip(names, counts)}
-                last["loss_by_source"] = {n: (x / c if c else None) for n, x, c in zip(names, losses, counts)}
-                mixed_so_far = [a + c for a, c in zip(mixed_so_far, counts)]
-            if cfg.pack_to:
-                last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * cfg.pack_to, 1)
-                if rank == 0 and step == 1:
-                    print(f"trainer: first step's rows are {last['pack_fill']:.1%} full", file=sys.stderr)
-            if peak:
-                last["mfu"] = sum(g[4] for g in gathered) / (dt * peak * world)
-            if log is not None:
-                log.step(last)
-            if evals and cfg.eval_every and step % cfg.eval_every == 0:  # before the checkpoint: a resume keeps it
-                evaluate(net, evals, step=step, device=device, patchifier=patchifier, log=log)
-            if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(out, step=step, epoch=epoch, position=loader.position, net=net, optimizer=optimizer,
-                                device=device, keep=cfg.keep_checkpoints, pack_state=loader.pack_state)
-                saved_at = step
-        if evals and last is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
-            evaluate(net, evals, step=step, device=device, patchifier=patchifier, log=log)
-        if step != saved_at:
-            same = loader.epoch == epoch
-            save_checkpoint(out, step=step, epoch=epoch, position=loader.position if same else 0, net=net,
-                            optimizer=optimizer, device=device, keep=cfg.keep_checkpoints,
-                            pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
-                            if cfg.pack_to else None)
-        if cfg.save_hf and rank == 0:
-            from trainer.export import ExportConfig, export_run
-
-            hf = export_run(ExportConfig(run=str(out), out=str(out / "hf"), dtype=cfg.export_dtype, overwrite=True))
-            print(f"trainer: exported {hf} ({cfg.export_dtype})", file=sys.stderr)
-        if rank == 0 and last is not None:
-            if len(names) > 1 and sum(mixed_so_far):
-                shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / sum(x.weight for x in specs):.3f})"
-                                   for n, c, d in zip(names, mixed_so_far, specs))
-                print(f"trainer: realized trained-token shares this session: {shares}", file=sys.stderr)
-            print(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
-                  f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
-        return last
+        session = Session(cfg=cfg, data=data, net=net, optimizer=optimizer, loader=loader, patchifier=patchifier,
+                          evals=evals, log=log, flop_counter=flop_counter, peak=peak, total=total,
+                          schedule_len=schedule_len, rank=rank, world=world, device=device, out=out, step=step,
+                          epoch=epoch, position=position, saved_at=step,
+                          mixed_so_far=[0.0] * len(data.specs))
+        session.loop()
+        session.finish()
+        return session.last
     finally:
         if log is not None:
             log.close()
         if loader is not None:
             loader.close()
         dist.destroy_process_group()
-
-
-def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predicted: list[int] | None,
-               index_s: float) -> None:
-    """Start-up lines: how samples are ordered, the mixture, the predicted length (rank 0's view)."""
-    if cfg.shuffle:
-        span = f"blocks of {cfg.shuffle_span} shards" if cfg.shuffle_span else "all of a rank's shards at once"
-        order = f"sample shuffle on (seed {cfg.seed}, a new permutation each epoch over {span})"
-    else:
-        order = ("no sample shuffle: shards in sequence" + (", their order shuffled per epoch" if cfg.shuffle_shards
-                                                          else ", in manifest order"))
-    idx = f"; {sum(len(s.indexes) for s in sources)} shards indexed in {index_s:.1f}s" if sources else ""
-    print(f"trainer: data order: {order}{idx}", file=sys.stderr)
-    if len(specs) > 1 and sources:
-        total = sum(d.weight for d in specs)
-        parts = [f"{d.name} weight {d.weight / total:.3f} on_end={d.on_end} ({sum(ix.num_samples for ix in s.indexes)} "
-                 f"samples, {sum(int(ix.trained.sum()) for ix in s.indexes)} trained tokens on rank 0)"
-                 for d, s in zip(specs, sources)]
-        print("trainer: mixture by share of trained tokens: " + "; ".join(parts) + "; an epoch ends when every "
-              "dataset has been read through once", file=sys.stderr)
-    if predicted is not None:
-        print(f"trainer: predicted steps per epoch: {', '.join(map(str, predicted))} (total {sum(predicted)})",
-              file=sys.stderr)
 
 
 def _one_line(e: Exception) -> str:

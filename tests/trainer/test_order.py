@@ -250,7 +250,7 @@ def test_pipe_shards_are_copied_once_and_read_like_local_ones(dataset, image_spe
     """Random access needs a local file: a pipe: shard is copied into the cache (once), and the schedule and the
     samples equal those of the local shards."""
     from trainer.config import DataSpec
-    from trainer.train import rank_sources
+    from trainer.rundata import rank_sources
 
     local = resolve_data(str(dataset))
     piped = resolve_data(f"pipe:cat {dataset}/shard-{{000000..000004}}.tar")
