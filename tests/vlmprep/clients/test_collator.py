@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # `original` (resize at load time) in make test-all only: make test's time budget; the zstd cases stay.
@@ -189,7 +189,7 @@ def test_collator_video_batches_equal_the_trainers(video_dataset, video_collator
     the model's forward gets what the trainer gives it)."""
     import vlmprep.clients.hf
     from tests.trainer.conftest import read_all_samples
-    from tests.vlmprep.test_clients import _stored_videos
+    from tests.vlmprep.clients.test_clients import _stored_videos
     from trainer.collate import CollateSpec, collate
     from trainer.model import forward_loss
     from trainer.shards import load_image_processor_config, load_video_processor_config

@@ -18,7 +18,7 @@ from vlmprep.shards.reader import decode_stored_image
 from vlmprep.build.pipeline import build
 
 # The demo traces act through tool_calls, which the stock Qwen2-VL template does not render (rejected by default).
-TOOLS_TEMPLATE = str(Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
+TOOLS_TEMPLATE = str(Path(__file__).parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
 
 
 def schema(name):

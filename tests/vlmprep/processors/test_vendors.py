@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.vlmprep.test_builtin import PARITY_TEXTS, random_texts
+from tests.vlmprep.processors.test_builtin import PARITY_TEXTS, random_texts
 from tests.vlmprep.test_families import render, trained_runs
 import vlmprep
 from vlmprep.processors.builtin import build_builtin_processor
@@ -639,7 +639,7 @@ def test_builtin_matches_its_own_apply_chat_template(request, name):
 
 # ---- real agent trajectories (../shared/data/real_traces, beside the checkout in CI) --------------------------------
 
-REAL_TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "real_traces"
+REAL_TRACES = Path(__file__).resolve().parents[4] / "shared" / "data" / "real_traces"
 
 
 def real_records(name):

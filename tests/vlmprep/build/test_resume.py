@@ -22,7 +22,7 @@ def hashes(d: Path) -> dict:
     return out
 
 
-TOOLS = str(Path(__file__).resolve().parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
+TOOLS = str(Path(__file__).resolve().parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
 MODES = {"truncate": ({}, []),
          # Split records: several samples per record, a shard may close inside a record.
          "split": ({"long_traces": "split", "keep_images": 2, "seq_len": 768, "chat_template": TOOLS},

@@ -23,7 +23,7 @@ def built(tmp_path_factory, qwen2vl_processor):
     write_traces(d / "t.jsonl.zst", n=6, seed=2, min_images=1, max_images=3, width=320, height=200,
                  overlong_fraction=0.0, text_only_fraction=0.2)
     # The demo's agent turns are tool calls: the tool-aware template renders them (the default would reject).
-    template = Path(__file__).resolve().parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"
+    template = Path(__file__).resolve().parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"
     build(BuildConfig(inputs=(str(d / "t.jsonl.zst"),), out=str(d / "ds"), samples_per_shard=3, seq_len=4096,
                       progress=False, chat_template=str(template)))
     assert len(list((d / "ds").glob("shard-*.tar"))) >= 2
