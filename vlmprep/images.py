@@ -3,13 +3,14 @@ bytes, and back. Stored pixels are exactly those the processor would patchify, s
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import warnings
 
 import numpy as np
 import zstandard
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
@@ -23,6 +24,18 @@ _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 _HIGH_BIT = _SIXTEEN_BIT + ("I", "F")
 _PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")  # PNG stores these losslessly, palette and alpha included
 _ORIENTATION = 0x0112
+
+
+@contextlib.contextmanager
+def _strict_load():
+    """PIL's LOAD_TRUNCATED_IMAGES is process-wide and other libraries turn it on (llama_models.llama4.preprocess
+    does, on import): a cut-off file must stay corrupt_image here whatever was imported before."""
+    was = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = was
 
 
 def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image.Image:
@@ -40,7 +53,8 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
             # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
             if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
                 raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
-            im.load()
+            with _strict_load():
+                im.load()
             return _to_8bit(_upright(im))
     except RecordError:
         raise

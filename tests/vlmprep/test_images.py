@@ -4,7 +4,7 @@ import io
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 from transformers.image_utils import load_image
 
 from vlmprep.families import FAMILIES
@@ -185,3 +185,15 @@ def test_multi_picture_phone_jpeg_is_its_first_picture(tmp_path, qwen2vl_process
     prepared = prepare_image(ImageData(data, "mpo"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
     parity(qwen2vl_processor, prepared, load_image(str(tmp_path / "p.jpg")))
     assert stored_ext("original", prepared) == "orig.png"
+
+
+def test_a_cut_off_image_is_corrupt_even_when_another_library_loads_truncated_images(monkeypatch):
+    """llama_models.llama4.preprocess sets PIL's process-wide LOAD_TRUNCATED_IMAGES on import (the vendor tests import
+    it): decode must still refuse a cut-off PNG, and leave the other library's setting as it found it."""
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 200), (10, 200, 30)).save(buf, "PNG")
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(RecordError) as e:
+        decode_image(ImageData(data=buf.getvalue()[:150], origin="cut.png"), max_pixels=1 << 24)
+    assert e.value.reason == "corrupt_image"
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True
