@@ -180,7 +180,8 @@ def inspect(
     only: Annotated[Optional[str], typer.Option(help="truncated | rejected (raw input: why build would reject it).")] = None,
     tokens: Annotated[bool, typer.Option("--tokens", help="A table of token index, id, mask, type id and piece.")] = False,
     html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to this file instead.")] = None,
-    like: Annotated[Optional[str], typer.Option(help="Raw input: render with this built dir's processor and build options.")] = None,
+    like: Annotated[Optional[str], typer.Option(help="Raw input: render with this built dir's processor and build "
+                                                     "options.")] = None,
     **opts,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""

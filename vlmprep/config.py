@@ -163,6 +163,12 @@ class BuildConfig:
             raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level={self.zstd_level}: must be in -7..22")
+        if self.max_images_per_record > 999:
+            raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
+                             "(image members are img000..img999)")
+        if not 0 <= self.max_reject_fraction <= 1:
+            raise ValueError(f"max_reject_fraction={self.max_reject_fraction}: must be in 0..1 (1 = never fail on "
+                             "rejects), e.g. --max-reject-fraction 0.05")
 
     def _check_policy(self) -> None:
         if not self.train_on_roles or set(self.train_on_roles) - set(ROLES):
@@ -191,9 +197,6 @@ class BuildConfig:
                              "--video-max-frames 64")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: swap them")
-        if not 0 <= self.max_reject_fraction <= 1:
-            raise ValueError(f"max_reject_fraction={self.max_reject_fraction}: must be in 0..1 (1 = never fail on "
-                             "rejects), e.g. --max-reject-fraction 0.05")
 
     def _check_scale(self) -> None:
         if self.tasks < 1:
@@ -206,9 +209,6 @@ class BuildConfig:
             raise ValueError(f"executor={self.executor!r}: choose one of {', '.join(EXECUTORS)}")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError("--ray-address is for --executor ray: pass both")
-        if self.max_images_per_record > 999:
-            raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
-                             "(image members are img000..img999)")
 
     def _check_paths(self) -> None:
         if self.chat_template is not None:
