@@ -1,11 +1,13 @@
-"""BuildConfig: every `vlmprep build` option, validated once; written into the manifest as resolved."""
+"""BuildConfig: every `vlmprep build` option declared once (default, help, --help group), validated once; the CLI's
+options are generated from it and it is written into the manifest as resolved."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmprep.processors.load import resolve_chat_template
+from vlmprep.processors.builtin import builtin_names
+from vlmprep.processors.load import bundled_templates, resolve_chat_template
 
 IMAGE_FORMATS = ("zstd", "png", "webp", "original")
 ROLES = ("system", "user", "assistant", "tool")
@@ -14,61 +16,131 @@ TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
 REASONING_POLICIES = ("train", "context", "drop", "reject")
 LONG_TRACES = ("truncate", "split")
 EXECUTORS = ("local", "ray")
+# The --help panels, in this order (a panel first shows where its first option is declared).
+INPUT, RENDER, IMAGES, AGENT = "Input", "Rendering and masks", "Images", "Agent traces"
+LIMITS, OUTPUT, SCALE = "Limits", "Output", "Scale-out"
+GROUPS = (OUTPUT, INPUT, RENDER, IMAGES, AGENT, LIMITS, SCALE)
+REQUIRED = dataclasses.MISSING
+
+
+def parse_roles(value: str) -> tuple[str, ...]:
+    """--train-on-roles text -> roles; a ValueError names the fix."""
+    roles = tuple(r.strip() for r in value.split(",") if r.strip())
+    if not roles or set(roles) - set(ROLES):
+        raise ValueError(f"{value!r}: use a comma list of {', '.join(ROLES)}, e.g. assistant,tool")
+    return roles
+
+
+def parse_keep_images(value: str) -> int | None:
+    """--keep-images text -> N (last:N) or None (all)."""
+    if value == "all":
+        return None
+    head, _, n = value.partition(":")
+    if head != "last" or not n.isdigit():
+        raise ValueError(f"--keep-images {value!r}: use all or last:N, e.g. last:3")
+    return int(n)
+
+
+def opt(default, group: str | None, text: str, *, flag: str = "", choices: tuple[str, ...] = (), parse=None,
+        spelled: str | None = None, cli_type=None, bounds: tuple[float, float] | None = None):
+    """A BuildConfig field with its one declaration of docs: `text` and `group` feed `vlmprep build --help` (group None:
+    a library-only field, no flag). `flag` overrides --field-name; `choices` are checked at parse time; `parse` turns
+    the flag's text (default `spelled`) into the value; `cli_type` overrides the flag's type; `bounds` is a checked
+    range."""
+    assert group in GROUPS + (None,) and text, f"option needs a group from {GROUPS} and a help text"
+    return dataclasses.field(default=default, metadata={
+        "group": group, "help": text, "flag": flag, "choices": choices, "parse": parse, "spelled": spelled,
+        "cli_type": cli_type, "bounds": bounds})
+
+
+def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> None:
+    """The masking policy's choices, checked here for BuildConfig and render.MaskPolicy alike."""
+    for name, value, allowed in (("train_on_eos", train_on_eos, EOS_POLICIES),
+                                 ("tool_calls", tool_calls, TOOL_CALL_POLICIES),
+                                 ("reasoning", reasoning, REASONING_POLICIES)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
+
+
+_BUILTINS = " | ".join(f"builtin:{n}" for n in builtin_names())
 
 
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
-    inputs: tuple[str, ...]
-    out: str
-    processor: str = "builtin:qwen2-vl"
-    seq_len: int = 8192
-    image_format: str = "zstd"
-    samples_per_shard: int = 1000
-    shard_size_mb: float = 512.0
-    workers: int = 1
-    allow_remote: bool = False
-    image_root: str | None = None  # local image paths must resolve inside it; default: each input file's dir
-    strict: bool = False
-    max_image_pixels: int = 64_000_000  # decompression-bomb guard on the declared size
-    max_images_per_record: int = 64
-    max_line_bytes: int = 256 * 1024 * 1024
-    max_zstd_window: int = 1 << 27  # bytes of decoder window a .zst input may demand (zstd's own default cap)
-    min_image_side: int = 4  # smaller images carry no signal and upsample into noise
-    zstd_level: int = 3
-    progress: bool = True
-    allow_empty: bool = False  # a build that writes 0 samples is an error (exit 1) unless this is set
-    # More rejected records than this share of the records read is an error (exit 1) after everything is written:
-    # a wrong template or option must not pass as a finished dataset. 1 = never.
-    max_reject_fraction: float = 0.05
-    overwrite: bool = False  # replace a dataset built with other options, or build beside unrelated files in --out
-    # Masking policy (README, "Families and masking").
-    train_on_roles: tuple[str, ...] = ("assistant",)
-    train_on_eos: str = "turn"  # all | turn | last | none: which end-of-turn tokens get loss
-    last_turn_only: bool = False
-    tool_calls: str = "reject"  # a trained turn whose tool_calls the template does not render
-    reasoning: str = "train"  # an assistant's reasoning_content: train | context (rendered, loss 0) | drop | reject
-    chat_template: str | None = None  # a .jinja file replacing the processor's template (saved with the dataset)
-    role_boundaries: str | None = None  # a TOML of per-role start/end markers, for unknown processors
-    # Agent traces (README, "Agent traces"): what a record longer than seq_len becomes, the screenshot history kept
-    # per sample, and the image processor's resize budget (saved into DIR/processor).
-    long_traces: str = "truncate"
-    keep_images: int | None = None  # --keep-images last:N; None = all
-    dropped_image_text: str | None = None  # replaces each image the history policy removes; None = dropped
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    # Video parts (README, "Video"): the build-wide frames sampled per second and cap on sampled frames, set on the
-    # video processor (saved into DIR/processor); a part's own fps / max_frames win. None: the processor's own.
-    video_fps: float | None = None
-    video_max_frames: int | None = None
+    # Declared in `vlmprep build --help` order; the manifest's config is key-sorted, so the order never shows there.
+    out: str = opt(REQUIRED, OUTPUT, "Output dataset dir (shards, manifest, processor).", cli_type=Path)
+    inputs: tuple[str, ...] = opt(REQUIRED, INPUT, "Input .jsonl / .jsonl.zst / .json files, globs or dirs (optional "
+                                  "with --task-index when DIR/plan.json exists).", flag="--in", cli_type=list[str])
+    image_root: str | None = opt(None, INPUT, "Local image paths must resolve inside this dir (default: each input "
+                                 "file's dir).")
+    allow_remote: bool = opt(False, INPUT, "Allow fetching http(s) image URLs.")
+    # What a record renders to, and the masking policy (README, "Families and masking").
+    processor: str = opt("builtin:qwen2-vl", RENDER, f"{_BUILTINS} | a local processor dir | a hub id.")
+    seq_len: int = opt(8192, RENDER, "Max tokens per sample; cuts never split an image.")
+    train_on_roles: tuple[str, ...] = opt(("assistant",), RENDER, "Comma list of roles whose text is trained: "
+                                          f"{', '.join(ROLES)}.", parse=parse_roles, spelled="assistant")
+    train_on_eos: str = opt("turn", RENDER, "End-of-turn tokens trained.", choices=EOS_POLICIES)
+    last_turn_only: bool = opt(False, RENDER, "Train only the last trained turn of each record.")
+    tool_calls: str = opt("reject", RENDER, "A trained turn whose tool_calls the template does not render.",
+                          choices=TOOL_CALL_POLICIES)
+    reasoning: str = opt("train", RENDER, "An assistant's reasoning_content: train (rendered, trained) | context "
+                         "(rendered, not trained) | drop (removed, counted) | reject.", choices=REASONING_POLICIES)
+    chat_template: str | None = opt(None, RENDER, "A .jinja file or a bundled template's name "
+                                    f"({', '.join(bundled_templates())}) replacing the processor's chat template "
+                                    "(saved with the dataset).")
+    role_boundaries: str | None = opt(None, RENDER, "TOML of per-role start/end markers, for processors vlmprep does "
+                                      "not know.")
+    image_format: str = opt("zstd", IMAGES, "How images are stored (see README, Image formats).", choices=IMAGE_FORMATS)
+    # The image processor's resize budget and the video sampling (README, "Video"), saved into DIR/processor; a video
+    # part's own fps / max_frames win. None: the processor's own.
+    min_pixels: int | None = opt(None, IMAGES, "Image resize budget: min pixels per image (saved into DIR/processor).")
+    max_pixels: int | None = opt(None, IMAGES, "Image resize budget: max pixels per image (saved into DIR/processor).")
+    video_fps: float | None = opt(None, IMAGES, "Video frames sampled per second, unless a part sets fps (saved into "
+                                  "DIR/processor; default: the processor's, else 2).")
+    video_max_frames: int | None = opt(None, IMAGES, "Most frames sampled from a video, unless a part sets max_frames "
+                                       "(saved into DIR/processor).")
+    # Agent traces (README, "Agent traces"): what a record longer than seq_len becomes, the screenshot history kept.
+    long_traces: str = opt("truncate", AGENT, "A record longer than --seq-len: truncate (cut the end) | split (step "
+                           "samples, every trained turn kept).", choices=LONG_TRACES)
+    keep_images: int | None = opt(None, AGENT, "Screenshot history per sample: all | last:N (earlier images removed).",
+                                  parse=parse_keep_images, spelled="all")
+    dropped_image_text: str | None = opt(None, AGENT, "Text that replaces each image --keep-images removes (default: "
+                                         "dropped).")
+    strict: bool = opt(False, LIMITS, "Stop at the first rejected record.")
+    # More rejected records than this share is an error (exit 1) after everything is written: a wrong template or
+    # option must not pass as a finished dataset.
+    max_reject_fraction: float = opt(0.05, LIMITS, "Exit 1 (after writing everything) when more than this share of the "
+                                     "records is rejected, naming the fix; 1 = never.", bounds=(0.0, 1.0))
+    allow_empty: bool = opt(False, LIMITS, "Exit 0 even when every record is rejected (0 samples).")
+    max_image_pixels: int = opt(64_000_000, LIMITS, "Reject images whose declared size exceeds this.")  # bomb guard
+    max_images_per_record: int = opt(64, LIMITS, "Reject records with more images.")
+    max_line_bytes: int = opt(256 * 1024 * 1024, LIMITS, "Reject input lines longer than this.")
+    max_zstd_window: int = opt(1 << 27, LIMITS, "Max zstd window (bytes) an input may demand.")  # zstd's own cap
+    min_image_side: int = opt(4, LIMITS, "Reject images with a side shorter than this (pixels).")  # upsampled noise
+    zstd_level: int = opt(3, None, "zstd level of images and video frames stored as zstd (library only, no flag).")
+    samples_per_shard: int = opt(1000, OUTPUT, "Max samples per shard.")
+    shard_size_mb: float = opt(512.0, OUTPUT, "Max shard size in MiB.")
+    overwrite: bool = opt(False, OUTPUT, "Replace a dataset built with other options in --out, or build beside files "
+                          "that are not a dataset's.")
+    progress: bool = opt(True, OUTPUT, "Show a progress bar.")
     # Scale out (README, "Scale out"): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
     # at a time with task_index (a Slurm array / indexed job), then merged.
-    tasks: int = 1
-    task_index: int | None = None
-    plan_only: bool = False
-    executor: str = "local"
-    ray_address: str | None = None
+    workers: int = opt(1, SCALE, "Worker processes; output is identical for any value.")
+    tasks: int = opt(1, SCALE, "Cut the input into this many fixed tasks (DIR/plan.json); 1 = one task.")
+    task_index: int | None = opt(None, SCALE, "Run only this task of DIR/plan.json (a Slurm array / indexed job); "
+                                 "then `vlmprep merge DIR`.")
+    plan_only: bool = opt(False, SCALE, "Write DIR/plan.json (and DIR/processor) and stop.")
+    executor: str = opt("local", SCALE, "Who runs the tasks: local (--workers processes) | ray (pip install "
+                        "'vlmprep\\[ray]').", choices=EXECUTORS)
+    ray_address: str | None = opt(None, SCALE, "Ray cluster to join (default: $RAY_ADDRESS, else a local cluster of "
+                                  "--workers CPUs).")
 
     def __post_init__(self):
+        for check in (self._check_sizes, self._check_limits, self._check_policy, self._check_agent,
+                      self._check_pixels, self._check_scale, self._check_paths):
+            check()
+
+    def _check_sizes(self) -> None:
         if not self.inputs:
             raise ValueError("inputs is empty: pass at least one --in PATH")
         if self.seq_len < 16:
@@ -81,6 +153,8 @@ class BuildConfig:
             raise ValueError(f"shard_size_mb={self.shard_size_mb}: must be > 0")
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}: must be >= 1")
+
+    def _check_limits(self) -> None:
         if (self.max_images_per_record < 0 or self.max_image_pixels < 1 or self.max_line_bytes < 1
                 or self.min_image_side < 1):
             raise ValueError("limits must be positive: check --max-images-per-record, --max-image-pixels, "
@@ -89,21 +163,28 @@ class BuildConfig:
             raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level={self.zstd_level}: must be in -7..22")
+        if self.max_images_per_record > 999:
+            raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
+                             "(image members are img000..img999)")
+        if not 0 <= self.max_reject_fraction <= 1:
+            raise ValueError(f"max_reject_fraction={self.max_reject_fraction}: must be in 0..1 (1 = never fail on "
+                             "rejects), e.g. --max-reject-fraction 0.05")
+
+    def _check_policy(self) -> None:
         if not self.train_on_roles or set(self.train_on_roles) - set(ROLES):
             raise ValueError(f"train_on_roles={list(self.train_on_roles)}: use a comma list of {', '.join(ROLES)}, "
                              "e.g. --train-on-roles assistant,tool")
-        if self.train_on_eos not in EOS_POLICIES:
-            raise ValueError(f"train_on_eos={self.train_on_eos!r}: choose one of {', '.join(EOS_POLICIES)}")
-        if self.tool_calls not in TOOL_CALL_POLICIES:
-            raise ValueError(f"tool_calls={self.tool_calls!r}: choose one of {', '.join(TOOL_CALL_POLICIES)}")
-        if self.reasoning not in REASONING_POLICIES:
-            raise ValueError(f"reasoning={self.reasoning!r}: choose one of {', '.join(REASONING_POLICIES)}")
+        check_mask_policy(self.train_on_eos, self.tool_calls, self.reasoning)
+
+    def _check_agent(self) -> None:
         if self.long_traces not in LONG_TRACES:
             raise ValueError(f"long_traces={self.long_traces!r}: choose one of {', '.join(LONG_TRACES)}")
         if self.keep_images is not None and self.keep_images < 0:
             raise ValueError(f"keep_images={self.keep_images}: use --keep-images last:N with N >= 0, or all")
         if self.dropped_image_text is not None and self.keep_images is None:
             raise ValueError("--dropped-image-text replaces images that --keep-images last:N removes: pass both")
+
+    def _check_pixels(self) -> None:
         for name in ("min_pixels", "max_pixels"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -116,9 +197,8 @@ class BuildConfig:
                              "--video-max-frames 64")
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}: swap them")
-        if not 0 <= self.max_reject_fraction <= 1:
-            raise ValueError(f"max_reject_fraction={self.max_reject_fraction}: must be in 0..1 (1 = never fail on "
-                             "rejects), e.g. --max-reject-fraction 0.05")
+
+    def _check_scale(self) -> None:
         if self.tasks < 1:
             raise ValueError(f"tasks={self.tasks}: must be >= 1 (1 = one task, today's single-machine build)")
         if self.task_index is not None and not 0 <= self.task_index < self.tasks:
@@ -129,15 +209,16 @@ class BuildConfig:
             raise ValueError(f"executor={self.executor!r}: choose one of {', '.join(EXECUTORS)}")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError("--ray-address is for --executor ray: pass both")
-        if self.max_images_per_record > 999:
-            raise ValueError(f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "
-                             "(image members are img000..img999)")
+
+    def _check_paths(self) -> None:
         if self.chat_template is not None:
             resolve_chat_template(self.chat_template)  # a file, or a bundled template's name
         if self.image_root is not None and not Path(self.image_root).is_dir():
-            raise ValueError(f"--image-root {self.image_root}: no such directory; pass the dir the image paths are under")
+            raise ValueError(f"--image-root {self.image_root}: no such directory; pass the dir the image paths are "
+                             "under")
         if self.role_boundaries is not None and not Path(self.role_boundaries).is_file():
-            raise ValueError(f"--role-boundaries {self.role_boundaries}: no such file; pass the path of an existing file")
+            raise ValueError(f"--role-boundaries {self.role_boundaries}: no such file; pass the path of an existing "
+                             "file")
 
     @classmethod
     def from_plan(cls, config: dict, **run) -> "BuildConfig":
@@ -158,3 +239,11 @@ class BuildConfig:
                   "plan_only", "executor", "ray_address"):
             d.pop(k)
         return d
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
+# The build options `vlmprep inspect` takes on raw input (in its --help order): those that change what a record
+# renders to.
+RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls", "reasoning",
+               "chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images",
+               "dropped_image_text", "min_pixels", "max_pixels")

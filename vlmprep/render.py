@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vlmprep.processors.llama import TOKEN_BREAK
-from vlmprep.config import EOS_POLICIES, REASONING_POLICIES, ROLES, TOOL_CALL_POLICIES
+from vlmprep.config import ROLES, check_mask_policy
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.positions import mrope_position_ids
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
@@ -38,17 +38,13 @@ class MaskPolicy:
         bad = set(self.train_on_roles) - set(ROLES)
         if bad or not self.train_on_roles:
             raise ValueError(f"train_on_roles={sorted(self.train_on_roles)}: use a non-empty subset of {', '.join(ROLES)}")
-        if self.train_on_eos not in EOS_POLICIES:
-            raise ValueError(f"train_on_eos={self.train_on_eos!r}: choose one of {', '.join(EOS_POLICIES)}")
-        if self.tool_calls not in TOOL_CALL_POLICIES:
-            raise ValueError(f"tool_calls={self.tool_calls!r}: choose one of {', '.join(TOOL_CALL_POLICIES)}")
-        if self.reasoning not in REASONING_POLICIES:
-            raise ValueError(f"reasoning={self.reasoning!r}: choose one of {', '.join(REASONING_POLICIES)}")
+        check_mask_policy(self.train_on_eos, self.tool_calls, self.reasoning)
 
 
-# What RenderContext uses when a library caller passes no policy: the behaviour before policies existed (tool-call
-# turns trained on their text and counted). `vlmprep build` always passes its configured policy (default: reject).
-LEGACY_POLICY = MaskPolicy(tool_calls="train-content")
+# What RenderContext uses when a library caller passes no policy. It differs from the CLI's default in tool_calls:
+# tool-call turns trained on their text and counted (the behaviour before policies existed); `vlmprep build` always
+# passes its configured policy (default: reject).
+LIBRARY_DEFAULT_POLICY = MaskPolicy(tool_calls="train-content")
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class RenderContext:
                  role_boundaries: str | None = None):
         self.processor = processor
         self.family: FamilySpec = resolve_family(processor, role_boundaries)
-        self.policy = policy or LEGACY_POLICY
+        self.policy = policy or LIBRARY_DEFAULT_POLICY
         self.tokenizer = tok = processor.tokenizer
         self.chat_template = chat_template or processor.chat_template
         if not self.chat_template or not isinstance(self.chat_template, str):
@@ -284,7 +280,7 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
     return out
 
 
-def trained_messages(conv: Conversation, policy: MaskPolicy = LEGACY_POLICY) -> list[int]:
+def trained_messages(conv: Conversation, policy: MaskPolicy = LIBRARY_DEFAULT_POLICY) -> list[int]:
     """Indices of messages whose text is trained: the role rule, overridden by per-message weight, then last-turn."""
     idx = [i for i, m in enumerate(conv.messages)
            if m.weight == 1 or (m.weight is None and m.role in policy.train_on_roles)]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from vlmprep.config import RAW_OPTIONS
 from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
@@ -101,9 +102,6 @@ def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
 
 
 
-RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls",
-               "reasoning", "chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images",
-               "dropped_image_text", "min_pixels", "max_pixels")
 
 
 def _raw_build_config(cfg: InspectConfig):
