@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from vlmprep.config import EOS_POLICIES, REASONING_POLICIES, ROLES, TOOL_CALL_POLICIES
 from vlmprep.types import Conversation, RecordError
-
-if TYPE_CHECKING:
-    from vlmprep.render import RenderContext, Slot
 
 SENTINEL = "\ue000VLMPREP{}\ue001"
 _SENTINEL_RE = re.compile("\ue000VLMPREP(\\d+)\ue001")
@@ -74,7 +71,7 @@ def _candidates(text: str) -> list[str]:
     return out
 
 
-def locate_slots(ctx: RenderContext, conv: Conversation, slots: list[Slot], rendered: str) -> list[Located]:
+def locate_slots(ctx, conv: Conversation, slots: list, rendered: str) -> list[Located]:
     """Char span of every slot the template kept, proven either by rebuilding `rendered` from the sentinel rendering
     or, for templates that rewrite text (trim, think-stripping), slot by slot between identical scaffolding."""
     if any("\ue000VLMPREP" in s.text for s in slots):
@@ -138,7 +135,7 @@ def _locate_by_segments(ctx, conv, slots, sentinel_text: str, rendered: str) -> 
     return located
 
 
-def check_role_markers(ctx: RenderContext, conv: Conversation, slots, located, rendered: str) -> None:
+def check_role_markers(ctx, conv: Conversation, slots, located, rendered: str) -> None:
     """--role-boundaries: each located slot must lie inside its role's region, from the nearest start marker of that
     role (with no other role's start after it) to that role's next end marker."""
     markers = ctx.family.role_markers
@@ -196,8 +193,8 @@ class MaskInputs:
     text with each image and video expanded; `at` maps a char of `rendered` to its char in `expanded`)."""
 
     conv: Conversation
-    ctx: RenderContext
-    slots: list[Slot]
+    ctx: Any  # render.RenderContext (render imports this module, not the other way round)
+    slots: list  # render.Slot of each text the template received
     located: list[Located]
     rendered: str
     expanded: str
