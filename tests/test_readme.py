@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from vlmprep.rejects import REASONS, reasons_table
+from vlmprep.types import RecordError
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 MARKER = re.compile(r"^<!-- readme-test: (.*?) -->\s*$")
@@ -291,11 +294,24 @@ def _code_reasons() -> set[str]:
     return found
 
 
-def test_every_reject_reason_in_the_code_is_in_the_readme_table():
-    text = README.read_text()
-    section = text[text.index("## Rejects"):text.index("## Guarantees")]
-    table = set(re.findall(r"`([a-z_0-9]+)`", section))
+def test_every_reject_reason_in_the_code_is_in_the_registry():
+    """RecordError refuses an unknown reason when raised; this scan also covers the reasons written without it
+    (reject_entry, "reason": ..., rejects[...]) and the ones only built at run time."""
     reasons = _code_reasons()
     assert {"invalid_json", "internal_error", "duplicate_id", "corrupt_zstd_stream"} <= reasons  # each spelling found
-    missing = sorted(reasons - table)
-    assert not missing, f"reject reasons raised in vlmprep/ but missing from README's Rejects table: {missing}"
+    missing = sorted(reasons - set(REASONS))
+    assert not missing, f"reject reasons named in vlmprep/ but missing from vlmprep/rejects.py REASONS: {missing}"
+
+
+def test_the_readme_rejects_table_is_the_registry():
+    text = README.read_text()
+    marker = "<!-- reasons-table: generated from vlmprep/rejects.py REASONS (tests/test_readme.py compares) -->\n"
+    start = text.index(marker) + len(marker)
+    shown = text[start:text.index("\n\n", start) + 1]
+    assert shown == reasons_table(), "README's Rejects table differs from vlmprep/rejects.py: paste reasons_table()"
+
+
+def test_record_error_refuses_an_unknown_reason():
+    assert RecordError("invalid_json", "x").reason == "invalid_json"
+    with pytest.raises(ValueError, match="unknown reject reason 'no_such_reason'"):
+        RecordError("no_such_reason", "x")

@@ -54,7 +54,7 @@ def opt(default, group: str | None, text: str, *, flag: str = "", choices: tuple
 
 
 def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> None:
-    """The masking policy's choices, checked here for BuildConfig and render.MaskPolicy alike."""
+    """The masking policy's choices, checked here for BuildConfig and mask.MaskPolicy alike."""
     for name, value, allowed in (("train_on_eos", train_on_eos, EOS_POLICIES),
                                  ("tool_calls", tool_calls, TOOL_CALL_POLICIES),
                                  ("reasoning", reasoning, REASONING_POLICIES)):

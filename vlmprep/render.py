@@ -1,6 +1,6 @@
-"""Render + mask: Conversation + prepared images -> RenderedSample, with the processor's real chat template.
-Each message's text is located in the rendered string (sentinels, proven by rebuilding it; a per-slot fallback for
-templates that trim or rewrite turns), mapped to tokens by offsets, and every trained span is decoded back as proof.
+"""Render: Conversation + prepared images and videos -> RenderedSample, with the processor's real chat template:
+the rendered text, each image and video expanded as the processor does, token ids, mm token types and positions;
+the loss mask comes from the mask stage (mask.py).
 """
 from __future__ import annotations
 
@@ -9,42 +9,29 @@ import inspect
 import json
 import re
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from vlmprep.processors.llama import TOKEN_BREAK
-from vlmprep.config import ROLES, check_mask_policy
 from vlmprep.families import FamilySpec, resolve_family
+from vlmprep.mask import (
+    LIBRARY_DEFAULT_POLICY,
+    SENTINEL,
+    Located,
+    MaskInputs,
+    MaskPolicy,
+    check_role_markers,
+    compute_mask,
+    locate_slots,
+    trained_messages,
+)
 from vlmprep.positions import mrope_position_ids
+from vlmprep.processors.llama import TOKEN_BREAK
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
 
-_SENTINEL = "\ue000VLMPREP{}\ue001"
-_SENTINEL_RE = re.compile("\ue000VLMPREP(\\d+)\ue001")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MaskPolicy:
-    """Which tokens get loss. Per-message `weight` (0|1) overrides the role rule; headers and template scaffolding
-    outside a trained message's text are never trained."""
-
-    train_on_roles: frozenset[str] = frozenset({"assistant"})
-    train_on_eos: str = "turn"  # all: every turn's end token; turn: those of trained turns; last: the last one; none
-    last_turn_only: bool = False
-    tool_calls: str = "reject"  # an assistant turn whose tool_calls the template does not render
-    reasoning: str = "train"  # an assistant's reasoning: train | context (rendered, loss 0) | drop | reject
-
-    def __post_init__(self):
-        bad = set(self.train_on_roles) - set(ROLES)
-        if bad or not self.train_on_roles:
-            raise ValueError(f"train_on_roles={sorted(self.train_on_roles)}: use a non-empty subset of {', '.join(ROLES)}")
-        check_mask_policy(self.train_on_eos, self.tool_calls, self.reasoning)
-
-
-# What RenderContext uses when a library caller passes no policy. It differs from the CLI's default in tool_calls:
-# tool-call turns trained on their text and counted (the behaviour before policies existed); `vlmprep build` always
-# passes its configured policy (default: reject).
-LIBRARY_DEFAULT_POLICY = MaskPolicy(tool_calls="train-content")
+__all__ = ["MaskPolicy", "RenderContext", "count_tokens", "render_conversation", "template_messages",
+           "trained_messages"]  # MaskPolicy and trained_messages: re-exported from mask.py for callers of render
 
 
 @dataclass(frozen=True)
@@ -55,12 +42,6 @@ class Slot:
     kind: str  # "text" | "reasoning"
     text: str
 
-
-@dataclass
-class _Located:
-    slot: int
-    start: int  # char span in the rendered string
-    end: int
 
 
 class RenderContext:
@@ -180,12 +161,12 @@ def _prints_string_arguments(processor, chat_template: str) -> bool:
 
 def _renders_reasoning(processor, chat_template: str) -> bool:
     probe = [{"role": "user", "content": "q"},
-             {"role": "assistant", "reasoning_content": _SENTINEL.format(0), "content": "a"}]
+             {"role": "assistant", "reasoning_content": SENTINEL.format(0), "content": "a"}]
     try:
         rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that cannot render the probe renders no reasoning we could prove
         return False
-    return _SENTINEL.format(0) in rendered
+    return SENTINEL.format(0) in rendered
 
 
 def _alternation(strings) -> re.Pattern | None:
@@ -280,12 +261,6 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
     return out
 
 
-def trained_messages(conv: Conversation, policy: MaskPolicy = LIBRARY_DEFAULT_POLICY) -> list[int]:
-    """Indices of messages whose text is trained: the role rule, overridden by per-message weight, then last-turn."""
-    idx = [i for i, m in enumerate(conv.messages)
-           if m.weight == 1 or (m.weight is None and m.role in policy.train_on_roles)]
-    return idx[-1:] if policy.last_turn_only else idx
-
 
 def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
     if ctx._forbidden_re is None:
@@ -298,123 +273,6 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
                                   f"messages[{i}] ({m.role}) contains the control token {hit.group(0)!r} as text")
 
 
-def _candidates(text: str) -> list[str]:
-    # The rewrites templates apply to message text (jinja trim, Qwen's strip('\n'), mistral-common's rstrip(' ')),
-    # most faithful first.
-    out = []
-    for c in (text, text.strip(), text.strip("\n"), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.rstrip("\n"),
-              text.rstrip(" ")):
-        if c not in out:
-            out.append(c)
-    return out
-
-
-def _locate(ctx: RenderContext, conv: Conversation, slots: list[Slot], rendered: str) -> list[_Located]:
-    """Char span of every slot the template kept, proven either by rebuilding `rendered` from the sentinel rendering
-    or, for templates that rewrite text (trim, think-stripping), slot by slot between identical scaffolding."""
-    if any("\ue000VLMPREP" in s.text for s in slots):
-        raise RecordError("sentinel_in_text", "text contains vlmprep's reserved sentinel marker")
-    sentinel_text = ctx.render_text(ctx.messages(conv, [_SENTINEL.format(k) for k in range(len(slots))]), conv.tools)
-    pieces = _SENTINEL_RE.split(sentinel_text)  # scaffold, id, scaffold, id, ..., scaffold
-    order = [int(x) for x in pieces[1::2]]
-    if order != sorted(set(order)):
-        raise RecordError("template_not_verbatim", "the chat template repeats or reorders message text")
-    for k in sorted(set(range(len(slots))) - set(order)):
-        if slots[k].kind != "reasoning" and slots[k].text:
-            raise RecordError("template_not_verbatim",
-                              f"messages[{slots[k].msg}]: the chat template drops this message's text")
-    located, pos, rebuilt = [], 0, []
-    for k, scaffold in zip(order, pieces[0::2]):
-        pos += len(scaffold)
-        located.append(_Located(k, pos, pos + len(slots[k].text)))
-        rebuilt += [scaffold, slots[k].text]
-        pos += len(slots[k].text)
-    rebuilt.append(pieces[-1])
-    if "".join(rebuilt) == rendered:
-        return located
-    return _locate_by_segments(ctx, conv, slots, sentinel_text, rendered)
-
-
-def _locate_by_segments(ctx, conv, slots, sentinel_text: str, rendered: str) -> list[_Located]:
-    """Fallback: both renderings must share the same control-token skeleton; inside each plain segment the scaffold
-    around a slot must match exactly and the slot must be a known rewrite of its text (see _candidates)."""
-    split = ctx._special_re.split if ctx._special_re is not None else (lambda s: [s])
-    specials = ctx._special_re.findall if ctx._special_re is not None else (lambda s: [])
-    if specials(sentinel_text) != specials(rendered):
-        raise RecordError("template_not_verbatim", "the chat template changes its control tokens with the message text")
-    located, base = [], 0
-    r_specials = specials(rendered)
-    for j, (zseg, rseg) in enumerate(zip(split(sentinel_text), split(rendered))):
-        parts = _SENTINEL_RE.split(zseg)
-        scaffold, ks = parts[0::2], [int(k) for k in parts[1::2]]
-        if not rseg.startswith(scaffold[0]):
-            raise RecordError("template_not_verbatim", "the chat template rewrites scaffolding around message text")
-        cur = len(scaffold[0])
-        for n, k in enumerate(ks):
-            nxt, last, slot = scaffold[n + 1], n == len(ks) - 1, slots[k]
-            # After a turn's last text, tool-call rendering may depend on the text (e.g. only if non-empty).
-            loose_tail = last and bool(conv.messages[slot.msg].tool_calls)
-            found = None
-            for cand in _candidates(slot.text):
-                if not rseg.startswith(cand, cur):
-                    continue
-                after = cur + len(cand)
-                if (rseg[after:] == nxt or loose_tail) if last else rseg.startswith(nxt, after):
-                    found = cand
-                    break
-            if found is None:
-                raise RecordError("template_not_verbatim",
-                                  f"messages[{slot.msg}]: rendered text is not a known rewrite of the message text")
-            located.append(_Located(k, base + cur, base + cur + len(found)))
-            cur += len(found) + len(nxt)
-        if not ks and zseg != rseg:
-            raise RecordError("template_not_verbatim", "the chat template rewrites scaffolding between messages")
-        base += len(rseg) + (len(r_specials[j]) if j < len(r_specials) else 0)
-    return located
-
-
-def _check_role_markers(ctx: RenderContext, conv: Conversation, slots, located, rendered: str) -> None:
-    """--role-boundaries: each located slot must lie inside its role's region, from the nearest start marker of that
-    role (with no other role's start after it) to that role's next end marker."""
-    markers = ctx.family.role_markers
-    starts = sorted((m.start(), m.end(), role) for role, (st, _) in markers.items()
-                    for m in re.finditer(re.escape(st), rendered))
-    for loc in located:
-        role = conv.messages[slots[loc.slot].msg].role
-        if role not in markers:
-            continue
-        before = [(a, b, r) for a, b, r in starts if b <= loc.start]
-        end = rendered.find(markers[role][1], before[-1][1]) if before else -1
-        if not before or before[-1][2] != role or end < loc.end:
-            raise RecordError("role_boundary_mismatch",
-                              f"messages[{slots[loc.slot].msg}] ({role}) text is not inside its declared "
-                              f"{markers[role][0]!r}...{markers[role][1]!r} markers")
-
-
-def _tool_calls_rendered(gap: str, tool_calls) -> bool:
-    """Each call's name, and its arguments string verbatim or each argument key and value, appear in the text the
-    template put after the turn."""
-    cur = 0
-    for tc in tool_calls:
-        at = gap.find(tc.name, cur)
-        if at < 0:
-            return False
-        if isinstance(tc.arguments, str) and gap.find(tc.arguments, at) >= 0:
-            cur = at + len(tc.name)
-            continue
-        args = json.loads(tc.arguments_json)
-        items = args.items() if isinstance(args, dict) else [("", args)]
-        for k, v in items:
-            if k and gap.find(k, at) < 0:
-                return False
-            forms = {json.dumps(v), json.dumps(v, ensure_ascii=False)}
-            if not isinstance(v, (dict, list)):
-                forms.add(str(v))
-            if not any(gap.find(f, at) >= 0 for f in forms):
-                return False
-        cur = at + len(tc.name)
-    return True
-
 
 def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
                         videos: list[PreparedVideo] = ()) -> RenderedSample:
@@ -425,54 +283,23 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
                                                    "--reasoning reject refuses it; pass --reasoning train|context|drop")
     slots = ctx.slots(conv)
     rendered = ctx.render_text(ctx.messages(conv), conv.tools)
-    located = _locate(ctx, conv, slots, rendered)
-    reasoning_rendered = sorted({slots[loc.slot].msg for loc in located
-                                 if slots[loc.slot].kind == "reasoning" and slots[loc.slot].text.strip()})
-    if not ctx.renders_reasoning:
-        for slot in slots:
-            if slot.kind == "reasoning" and slot.text.strip() and slot.msg not in reasoning_rendered:
-                raise RecordError("reasoning_not_rendered",
-                                  f"messages[{slot.msg}]: the chat template does not render reasoning_content; pass "
-                                  "--reasoning drop to train without it (counted), or a --chat-template that renders it")
+    located = locate_slots(ctx, conv, slots, rendered)
+    reasoning_rendered = _reasoning_rendered(ctx, slots, located)
     if ctx.family.role_markers:
-        _check_role_markers(ctx, conv, slots, located, rendered)
+        check_role_markers(ctx, conv, slots, located, rendered)
 
     expanded, offs = _expand_images(ctx, rendered, images, conv, videos)
-    # Message text never holds a placeholder, so char positions only shift by each earlier expansion.
-    rep_ends = [o["span"][1] for o in offs]
-    rep_delta = np.cumsum([0] + [(o["new_span"][1] - o["new_span"][0]) - (o["span"][1] - o["span"][0]) for o in offs])
-
-    def at(pos: int) -> int:
-        return pos + int(rep_delta[bisect_right(rep_ends, pos)])
-
     bos = ctx.tokenizer.bos_token
-    enc = ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)), return_offsets_mapping=True)
+    enc = ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)),
+                        return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     starts, ends = offsets[:, 0], offsets[:, 1]
+    image_spans, video_spans, mm_types, in_image = _expansion_spans(ctx, offs, ids, starts, ends)
 
-    image_spans, video_spans, lengths = [], [], []
-    for o in offs:
-        s, e = o["new_span"]
-        covered = np.flatnonzero((ends > s) & (starts < e))
-        if not len(covered):
-            raise RecordError("image_wrapper_missing", f"an {o.get('type', 'image')} expansion produced no tokens")
-        a, b = int(covered[0]), int(covered[-1]) + 1
-        if o.get("type", "image") == "image":
-            lengths.append(b - a)
-        while a > 0 and ids[a - 1] in ctx.wrap_open:
-            a -= 1
-        while b < len(ids) and ids[b] in ctx.wrap_close:
-            b += 1
-        (video_spans if o.get("type") == "video" else image_spans).append((a, b))
-    mm_types = ctx.mm_token_types(ids, lengths)
-    in_image = np.zeros(len(ids), dtype=bool)
-    for a, b in image_spans + video_spans:  # a video is one unit like an image: never trained, never cut
-        in_image[a:b] = True
-    if (mm_types.astype(bool) & ~in_image).any():
-        raise RecordError("image_wrapper_missing", "image placeholder tokens outside any image's expansion")
-
-    loss_mask, unrendered, turn_spans = _mask(conv, ctx, slots, located, rendered, expanded, at, ids, starts, ends)
+    loss_mask, unrendered, turn_spans = compute_mask(MaskInputs(
+        conv=conv, ctx=ctx, slots=slots, located=located, rendered=rendered, expanded=expanded,
+        at=_char_map(offs), ids=ids, starts=starts, ends=ends))
     if (loss_mask.astype(bool) & in_image).any():
         raise RecordError("mask_verification_failed", "a trained token lies inside an image wrapper")
 
@@ -500,6 +327,58 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
         video_spans=video_spans, num_tokens_before_truncation=len(ids), unrendered_tool_calls=unrendered,
         turn_spans=turn_spans, reasoning_rendered=reasoning_rendered,
     )
+
+
+def _reasoning_rendered(ctx: RenderContext, slots: list[Slot], located: list[Located]) -> list[int]:
+    """Messages whose reasoning the template printed; reasoning it cannot print is a reject, never a silent loss."""
+    printed = sorted({slots[loc.slot].msg for loc in located
+                      if slots[loc.slot].kind == "reasoning" and slots[loc.slot].text.strip()})
+    if not ctx.renders_reasoning:
+        for slot in slots:
+            if slot.kind == "reasoning" and slot.text.strip() and slot.msg not in printed:
+                raise RecordError("reasoning_not_rendered",
+                                  f"messages[{slot.msg}]: the chat template does not render reasoning_content; pass "
+                                  "--reasoning drop to train without it (counted), or a --chat-template that "
+                                  "renders it")
+    return printed
+
+
+def _char_map(offs: list[dict]) -> Callable[[int], int]:
+    """Maps a char of the rendered text to the expanded text: message text never holds a placeholder, so char
+    positions only shift by each earlier expansion."""
+    rep_ends = [o["span"][1] for o in offs]
+    rep_delta = np.cumsum([0] + [(o["new_span"][1] - o["new_span"][0]) - (o["span"][1] - o["span"][0]) for o in offs])
+
+    def at(pos: int) -> int:
+        return pos + int(rep_delta[bisect_right(rep_ends, pos)])
+
+    return at
+
+
+def _expansion_spans(ctx: RenderContext, offs: list[dict], ids: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+    """[start, end) tokens of each image's and video's whole expansion (wrapper included), the mm token types, and
+    which tokens lie inside an expansion."""
+    image_spans, video_spans, lengths = [], [], []
+    for o in offs:
+        s, e = o["new_span"]
+        covered = np.flatnonzero((ends > s) & (starts < e))
+        if not len(covered):
+            raise RecordError("image_wrapper_missing", f"an {o.get('type', 'image')} expansion produced no tokens")
+        a, b = int(covered[0]), int(covered[-1]) + 1
+        if o.get("type", "image") == "image":
+            lengths.append(b - a)
+        while a > 0 and ids[a - 1] in ctx.wrap_open:
+            a -= 1
+        while b < len(ids) and ids[b] in ctx.wrap_close:
+            b += 1
+        (video_spans if o.get("type") == "video" else image_spans).append((a, b))
+    mm_types = ctx.mm_token_types(ids, lengths)
+    in_image = np.zeros(len(ids), dtype=bool)
+    for a, b in image_spans + video_spans:  # a video is one unit like an image: never trained, never cut
+        in_image[a:b] = True
+    if (mm_types.astype(bool) & ~in_image).any():
+        raise RecordError("image_wrapper_missing", "image placeholder tokens outside any image's expansion")
+    return image_spans, video_spans, mm_types, in_image
 
 
 def _second_per_grid_ts(ctx: RenderContext, videos: list[PreparedVideo]) -> np.ndarray:
@@ -572,138 +451,3 @@ def _dropped_images(ctx: RenderContext, conv: Conversation | None, n_placeholder
             return (f"messages[{i}] ({m.role}): the chat template drops images in {m.role} messages ({what}); "
                     f"move the image to a user message, or pass a --chat-template that renders it")
     return None
-
-
-@dataclass
-class _Interval:
-    """A trained char span of the expanded text, what it must decode to, and the end-of-turn right after it."""
-
-    start: int
-    end: int
-    eot: bool = False
-    msg: int = -1
-    expected: str = field(default="")
-
-
-def _mask(conv, ctx: RenderContext, slots, located, rendered, expanded, at, ids, starts, ends):
-    policy = ctx.policy
-    by_msg: dict[int, list[_Located]] = {}
-    for loc in sorted(located, key=lambda x: x.start):
-        by_msg.setdefault(slots[loc.slot].msg, []).append(loc)
-    special = ctx._special_re
-
-    def next_special(pos: int, skip: tuple[str, ...] = ()) -> int:
-        while True:
-            m = special.search(rendered, pos) if special is not None else None
-            if m is None or m.group() not in skip:
-                return m.start() if m else len(rendered)
-            pos = m.end()  # a control token the model generates as part of the turn (Mistral's [TOOL_CALLS])
-
-    # Where each message's body ends in `rendered`: its last text, plus tool calls or whitespace the template
-    # prints before the next control token (the model must generate those too).
-    body_end, unrendered_msgs = {}, set()
-    for i, locs in by_msg.items():
-        e = locs[-1].end
-        m = conv.messages[i]
-        gap = rendered[e:next_special(e, ctx.family.tool_call_tokens if m.tool_calls else ())]
-        if m.tool_calls:
-            if _tool_calls_rendered(gap, m.tool_calls):
-                e += len(gap)
-            else:
-                unrendered_msgs.add(i)
-        elif not gap.strip():
-            e += len(gap)
-        body_end[i] = e
-    for i, m in enumerate(conv.messages):
-        if m.role == "assistant" and m.tool_calls and i not in by_msg:
-            unrendered_msgs.add(i)
-
-    trained = []
-    for i in trained_messages(conv, policy):
-        if i in unrendered_msgs:
-            if policy.tool_calls == "reject":
-                raise RecordError("tool_calls_not_rendered",
-                                  f"messages[{i}]: the chat template does not render this turn's tool_calls; pass a "
-                                  "tool-aware --chat-template, or --tool-calls drop-from-loss")
-            if policy.tool_calls == "drop-from-loss":
-                continue
-        if i in by_msg:
-            trained.append(i)
-
-    intervals: list[_Interval] = []
-    for i in trained:
-        locs = by_msg[i]
-        if policy.reasoning == "context":  # the reasoning is context: training starts at the text after it
-            kept = [loc for loc in locs if slots[loc.slot].kind != "reasoning"]
-            locs = kept or [_Located(-1, locs[-1].end, locs[-1].end)]
-        run = _Interval(locs[0].start, locs[0].end, msg=i)
-        for loc in locs[1:]:
-            between = rendered[run.end:loc.start]
-            if special is not None and special.search(between):
-                intervals.append(run)  # an image or other control token splits the turn: never train it
-                run = _Interval(loc.start, loc.end, msg=i)
-            else:
-                run.end = loc.end  # plain template text inside one turn (e.g. "</think>"): the model generates it
-        run.end = body_end[i]
-        intervals.append(run)
-
-    eos_for = set()
-    if policy.train_on_eos == "turn":
-        eos_for = set(trained)
-    elif policy.train_on_eos == "last" and trained:
-        eos_for = {trained[-1]}
-    elif policy.train_on_eos == "all":
-        eos_for = set(by_msg)
-
-    mask = np.zeros(len(ids), dtype=bool)
-    proofs: list[tuple[np.ndarray, str]] = []
-    turn_tokens: dict[int, list[int]] = {}
-    for iv in intervals:
-        s, e = at(iv.start), at(iv.end)
-        straddle = np.flatnonzero((starts < s) & (ends > s))
-        if len(straddle):
-            t0 = int(starts[straddle[0]])
-            if expanded[t0:s].strip():
-                raise RecordError("mask_boundary_misaligned",
-                                  f"messages[{iv.msg}]: a token crosses the start of the message text")
-            s = t0  # a header's trailing space merged into the first token: generated by the model, so trained
-        if ((starts < e) & (ends > e)).any():
-            raise RecordError("mask_boundary_misaligned", f"messages[{iv.msg}]: a token crosses the end of the message text")
-        sel = (starts >= s) & (ends <= e) & (ends > starts)
-        mask |= sel
-        proofs.append((sel, expanded[s:e].replace(ctx.token_break, "") if ctx.token_break else expanded[s:e]))
-        hit = np.flatnonzero(sel)
-        if len(hit):
-            turn_tokens.setdefault(iv.msg, []).extend([int(hit[0]), int(hit[-1]) + 1])
-    # End-of-turn tokens: for a trained turn the one starting exactly where its body ends; with "all", for any
-    # other message the first one before the next message's text.
-    last_interval_of = {iv.msg: iv for iv in intervals}
-    msg_starts = sorted((at(locs[0].start), i) for i, locs in by_msg.items())
-    is_eot = np.isin(ids, list(ctx.eot_ids))
-    for i in sorted(eos_for):
-        e = at(last_interval_of[i].end if i in last_interval_of else body_end[i])
-        limit = next((s for s, j in msg_starts if j > i), len(expanded))
-        hit = np.flatnonzero((starts == e) & is_eot) if i in last_interval_of else []
-        if not len(hit) and (i not in last_interval_of or conv.messages[i].role != "assistant"):
-            hit = np.flatnonzero((starts >= e) & (starts < limit) & is_eot)  # e.g. after a trailing image
-        if len(hit):
-            k = int(hit[0])
-            mask[k] = True
-            if i in turn_tokens:  # a trained turn ends with its end-of-turn: cut before it, it is not trained
-                turn_tokens[i].extend([k, k + 1])
-            one = np.zeros(len(ids), dtype=bool)
-            one[k] = True
-            proofs.append((one, ctx.eot_ids[int(ids[k])]))
-        elif i in last_interval_of and conv.messages[i].role == "assistant" and expanded[e:].strip():
-            raise RecordError("end_of_turn_not_found",
-                              f"messages[{i}]: no {'/'.join(ctx.family.end_of_turn)} right after the turn, so the "
-                              "model could not learn to stop; check the template or --role-boundaries")
-    # Proof: every trained span decodes back to exactly the rendered text it covers.
-    for sel, want in proofs:
-        got = ctx.tokenizer.decode(ids[sel].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if got != want:
-            raise RecordError("mask_verification_failed", f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}")
-    if not mask.any():
-        raise RecordError("no_trainable_tokens", "no token of this record is trained")
-    spans = sorted((i, min(t), max(t)) for i, t in turn_tokens.items())
-    return mask.astype(np.uint8), len(unrendered_msgs), spans

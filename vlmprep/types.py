@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from vlmprep.rejects import REASONS
+
 
 class UserError(Exception):
     """A fault the user can fix (bad option, missing input, --strict stop): printed as one line, exit 1."""
@@ -34,6 +36,8 @@ class RecordError(Exception):
     """A bad record: rejected with a stable reason code, counted, never fatal unless --strict."""
 
     def __init__(self, reason: str, message: str):
+        if reason not in REASONS:  # a programming error: every reason is documented (README's Rejects table)
+            raise ValueError(f"unknown reject reason {reason!r}: add it to vlmprep/rejects.py REASONS")
         message = deterministic_message(message)
         super().__init__(f"{reason}: {message}")
         self.reason = reason

@@ -604,13 +604,13 @@ def _vlmprep_exceptions():
 def test_every_vlmprep_exception_survives_a_process_boundary(cls):
     import pickle
 
-    args = {"RecordError": ("some_reason", "what went wrong \udc00"),
+    args = {"RecordError": ("invalid_json", "what went wrong \udc00"),
             "RejectsError": ("too many rejects", {"totals": {"samples": 1}})}  # constructors with more than a message
     e = cls(*args.get(cls.__name__, ("what went wrong",)))
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is cls and str(back) == str(e)
     if isinstance(e, RecordError):
-        assert (back.reason, back.message) == ("some_reason", "what went wrong \\udc00")
+        assert (back.reason, back.message) == ("invalid_json", "what went wrong \\udc00")
     assert vars(back) == vars(e)  # every attribute the error carries (reason, message, manifest, ...) comes back
 
 

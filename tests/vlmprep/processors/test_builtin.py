@@ -9,7 +9,7 @@ import unicodedata
 import pytest
 from PIL import Image
 
-from vlmprep.processors import builtin
+from vlmprep.processors import builtin, qwen
 from vlmprep.processors.builtin import build_builtin_processor, builtin_names
 
 QWEN2_VL_IDS = {
@@ -234,7 +234,7 @@ def test_stock_processor_classes_and_defaults(processors, name, cls_name):
     assert list(ip.image_mean) == list(OPENAI_CLIP_MEAN) and list(ip.image_std) == list(OPENAI_CLIP_STD)
     assert type(proc.video_processor) is Qwen2VLVideoProcessor
     assert proc.image_token_id == 151655 and proc.video_token_id == 151656
-    template = builtin.TEMPLATE_PATH.read_text(encoding="utf-8")
+    template = qwen.TEMPLATE_PATH.read_text(encoding="utf-8")
     assert proc.chat_template == template == proc.tokenizer.chat_template
     assert template.startswith("{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}")
 
@@ -286,7 +286,7 @@ def test_second_call_hits_the_cache(processors, cache_dir, cold_seconds, monkeyp
     def no_rebuild(*args, **kwargs):
         raise AssertionError("cache miss: the processor was rebuilt")
 
-    monkeypatch.setattr(builtin, "_make_processor", no_rebuild)
+    monkeypatch.setattr(qwen, "make_processor", no_rebuild)
     for name, proc in processors.items():
         t0 = time.perf_counter()
         warm = build_builtin_processor(name, cache_dir)
@@ -320,7 +320,7 @@ def test_builder_that_loses_the_rename_race_uses_the_winner(processors, cache_di
         shutil.copytree(winner, tmp_path / winner.name)  # another process completes while we build
         return processors["qwen2-vl"]
 
-    monkeypatch.setattr(builtin, "_make_processor", finish_first_elsewhere)
+    monkeypatch.setattr(qwen, "_make_processor", finish_first_elsewhere)
     proc = build_builtin_processor("qwen2-vl", tmp_path)
     assert type(proc).__name__ == "Qwen2VLProcessor"
     assert [p.name for p in tmp_path.iterdir()] == [winner.name]  # our temp dir is gone
@@ -340,7 +340,7 @@ def test_dir_without_marker_is_rebuilt(processors, cache_dir, tmp_path, monkeypa
     stale = tmp_path / name
     stale.mkdir()
     (stale / "tokenizer.json").write_text("{truncated")  # e.g. a copy that was interrupted
-    monkeypatch.setattr(builtin, "_make_processor", lambda spec, template: processors["qwen2-vl"])
+    monkeypatch.setattr(qwen, "_make_processor", lambda spec, template: processors["qwen2-vl"])
     proc = build_builtin_processor("qwen2-vl", tmp_path)
     assert len(proc.tokenizer) == len(processors["qwen2-vl"].tokenizer)
     assert (stale / builtin.MARKER_FILE).is_file()
@@ -349,7 +349,7 @@ def test_dir_without_marker_is_rebuilt(processors, cache_dir, tmp_path, monkeypa
 
 # The published preprocessor_config.json of the checkpoint each builtin is named after, copied by hand from the
 # Hugging Face Hub (the `main` revision of each repo; Qwen2-VL / Qwen2.5-VL sizes share theirs, and so do all
-# Qwen3-VL Instruct sizes and the Qwen3.5 models). Test-only literals: builtin.py must not be their source.
+# Qwen3-VL Instruct sizes and the Qwen3.5 models). Test-only literals: qwen.py must not be their source.
 PUBLISHED_IMAGE_CONFIGS = {
     "qwen2-vl": ("https://huggingface.co/Qwen/Qwen2-VL-7B-Instruct/blob/main/preprocessor_config.json", {
         "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
