@@ -3,7 +3,6 @@ render time (the floor) on the same records; peak RSS at 1k vs 10k records; shar
 the input's decoded bytes."""
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os

@@ -9,8 +9,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks import (bench_balance, bench_build, bench_collate, bench_limits, bench_loader, bench_order, bench_pack,
-                        bench_scale, bench_startup, bench_traces, bench_video)
+from benchmarks import (
+    bench_balance,
+    bench_build,
+    bench_collate,
+    bench_limits,
+    bench_loader,
+    bench_order,
+    bench_pack,
+    bench_scale,
+    bench_startup,
+    bench_traces,
+    bench_video,
+)
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 

@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.collate import Batch, CollateSpec, collate
 from trainer.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.index import read_indexed
 from trainer.order import RankSource, Schedule, schedule
 from trainer.pack import Packer, collate_packed
-from trainer.index import read_indexed
 from trainer.shards import DataError, ShardRef, iter_tar_samples
 from trainer.vision import ImageSpec
 

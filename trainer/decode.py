@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import zstandard
 from PIL import Image
-from vlmprep_schemas import load
 
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
+from vlmprep_schemas import load
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]

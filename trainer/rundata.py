@@ -18,8 +18,17 @@ from trainer.decode import refuse_videos
 from trainer.index import index_shard, local_copy
 from trainer.model import model_type_of
 from trainer.order import RankSource, Schedule, rank_steps, schedule
-from trainer.shards import (REMOTE, DataError, DataSource, ShardPlan, load_image_processor_config,
-                            load_video_processor_config, plan_shards, processor_difference, resolve_data)
+from trainer.shards import (
+    REMOTE,
+    DataError,
+    DataSource,
+    ShardPlan,
+    load_image_processor_config,
+    load_video_processor_config,
+    plan_shards,
+    processor_difference,
+    resolve_data,
+)
 from trainer.vision import ImageSpec
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import braceexpand
-from vlmprep_schemas import load
 from webdataset.gopen import gopen
+
+from vlmprep_schemas import load
 
 READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
 REMOTE = ("http://", "https://")

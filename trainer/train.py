@@ -14,8 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import (check_resumable, latest_checkpoint, load_checkpoint, run_identity, save_checkpoint,
-                                start_run_dir)
+from trainer.checkpoint import (
+    check_resumable,
+    latest_checkpoint,
+    load_checkpoint,
+    run_identity,
+    save_checkpoint,
+    start_run_dir,
+)
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.data import StepLoader

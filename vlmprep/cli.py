@@ -102,7 +102,8 @@ def build(**opts) -> None:
             size = sum(f.stat().st_size for f in files)
             typer.echo(f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
                        f"{opts['processor']} into {out} ...", err=True)
-        from vlmprep.build.pipeline import build as run_build, build_task
+        from vlmprep.build.pipeline import build as run_build
+        from vlmprep.build.pipeline import build_task
         from vlmprep.config import BuildConfig
         from vlmprep.shards.summary import format_build_summary, format_plan_summary, format_task_summary
 

@@ -24,8 +24,9 @@ def frames(n: int, width: int, height: int, seed: int = 0) -> np.ndarray:
 
 def encode(video: np.ndarray, fps: int | float, *, codec: str = "mpeg4", fmt: str = "mp4") -> bytes:
     """The frames as a video file. codec "ffv1" in "matroska" is lossless (RGB kept exactly, as bgr0)."""
-    import av
     from fractions import Fraction
+
+    import av
 
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as c:

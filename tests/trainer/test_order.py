@@ -183,8 +183,8 @@ def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, 
 
 @pytest.mark.slow  # make-test budget: builds a qwen3-vl dataset (~12 s)
 def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp_path):
-    from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
+    from vlmprep.config import BuildConfig
 
     qwen3 = tmp_path / "qwen3"
     build(BuildConfig(inputs=(str(traces),), out=str(qwen3), processor="builtin:qwen3-vl", seq_len=2048,

@@ -8,7 +8,15 @@ import time
 
 import pytest
 
-from tests.trainer.conftest import ROOT, build_dataset, read_all_samples, read_metrics, run_trainer, trainer_cmd, trainer_env
+from tests.trainer.conftest import (
+    ROOT,
+    build_dataset,
+    read_all_samples,
+    read_metrics,
+    run_trainer,
+    trainer_cmd,
+    trainer_env,
+)
 from trainer.train import main
 
 T = 512

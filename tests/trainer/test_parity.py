@@ -2,7 +2,6 @@
 the source images itself) must give the same batch and the same tiny-model loss."""
 import io
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

@@ -85,8 +85,8 @@ def test_help_walk_every_option_has_help_a_group_and_a_default():
 def test_readme_options_table_is_the_declarations():
     """The README's options table is generated from the same declarations as --help (regenerate it with
     trainer.config.options_table())."""
-    from trainer.config import FIELDS, options_table
     from tests.trainer.conftest import ROOT
+    from trainer.config import FIELDS, options_table
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     begin, end = "<!-- trainer-options: begin -->\n", "<!-- trainer-options: end -->"

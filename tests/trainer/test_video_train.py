@@ -41,8 +41,8 @@ def _records() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory):
-    from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
+    from vlmprep.config import BuildConfig
 
     d = tmp_path_factory.mktemp("videodata")
     for k, (n, fps, w, h) in enumerate(CLIPS):
@@ -64,10 +64,10 @@ def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
     """processor.apply_chat_template on the record, each video as all its PyAV frames, the processor sampling them."""
     from transformers.video_utils import VideoMetadata
 
-    from vlmprep.normalize import normalize_record
-    from vlmprep.processors.load import load_processor
-    from vlmprep.process import Renderer
     from vlmprep.config import BuildConfig
+    from vlmprep.normalize import normalize_record
+    from vlmprep.process import Renderer
+    from vlmprep.processors.load import load_processor
     from vlmprep.types import Source
 
     processor = load_processor(str(d / out / "processor"))
@@ -259,8 +259,8 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
     args = ["--data", video_data / "out", "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
             "--no-shuffle"] + (["--pack-to", 4096] if pack else [])
     if nproc == 1 and not pack:  # an image-only held-out set beside video training: eval runs no video pass
-        from vlmprep.config import BuildConfig
         from vlmprep.build.pipeline import build
+        from vlmprep.config import BuildConfig
 
         (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
         build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(tmp_path / "held"),
@@ -322,8 +322,8 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
     What a model type must pass before it joins VIDEO_MODELS (with the CLI step-1 loss test below)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
+    from vlmprep.config import BuildConfig
 
     model_type = family.replace(".", "_").replace("-", "_")
     family = family.removesuffix("-moe")  # Qwen3-VL-MoE reads Qwen3-VL's processor
@@ -378,8 +378,8 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
 
     from tests.trainer.conftest import ROOT, TORCHRUN, trainer_env
     from tests.trainer.test_model import FAMILIES
-    from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
+    from vlmprep.config import BuildConfig
 
     out = "out-qwen3-vl"
     if not (video_data / out / "manifest.json").exists():

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmprep.config import BuildConfig
 from vlmprep.build.pipeline import build
+from vlmprep.config import BuildConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
@@ -23,9 +23,9 @@ def tree_hashes(d: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def task_traces(tmp_path_factory):
-    from scripts.demo_traces import write_traces
-
     import zstandard
+
+    from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("tasks")
     write_traces(d / "t.jsonl.zst", n=14, seed=3, min_images=1, max_images=3, width=320, height=200,

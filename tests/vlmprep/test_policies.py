@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from tests.support.tiny_processors import load_family_processor
 from tests.vlmprep.test_families import png, render, trained_runs
 from vlmprep.config import BuildConfig
-from tests.support.tiny_processors import load_family_processor
 from vlmprep.render import MaskPolicy
 
 

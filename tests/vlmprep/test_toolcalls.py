@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.vlmprep.test_families import png, render, trained_runs
-from vlmprep.config import BuildConfig
 from tests.support.tiny_processors import load_family_processor
+from tests.vlmprep.test_families import png, render, trained_runs
 from vlmprep.build.pipeline import build
+from vlmprep.config import BuildConfig
 from vlmprep.render import MaskPolicy
 from vlmprep.types import RecordError
 

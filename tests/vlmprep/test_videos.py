@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from tests.support.videos import decode_all, encode, frames
-from vlmprep.config import BuildConfig
 from vlmprep.build.pipeline import build
+from vlmprep.config import BuildConfig
 from vlmprep.processors.load import load_processor
 from vlmprep.shards.reader import decode_stored_image
 
@@ -141,8 +141,8 @@ def built(clips, tmp_path_factory):
         build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}", seq_len=32768,
                           tool_calls="train-content", progress=False, overwrite=True))
         processor = load_processor(str(out / "processor"))
-        from vlmprep.process import Renderer
         from vlmprep.normalize import normalize_record
+        from vlmprep.process import Renderer
         from vlmprep.types import Source
 
         r = Renderer(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 from megatron.energon import Sample, StandardWebdatasetFactory
-from megatron.energon.flavors import BaseWebdatasetFactory
 from megatron.energon.edataclass import edataclass
+from megatron.energon.flavors import BaseWebdatasetFactory
 
 from vlmprep.clients import sample_version
 from vlmprep.shards.dataset import NV_META

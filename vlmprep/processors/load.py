@@ -8,7 +8,6 @@ import os
 import shutil
 from pathlib import Path
 
-
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
 

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+
 from vlmprep_schemas import load
 
 _SPEC = load("shard_format.schema.json")

@@ -17,8 +17,15 @@ import zstandard
 from PIL import Image
 
 from vlmprep.shards.dataset import MANIFEST_NAME
-from vlmprep.shards.format import (META_MEMBER, READABLE_VERSIONS, arrays_of, is_image_member, is_key, is_member,
-                                   is_video_member)
+from vlmprep.shards.format import (
+    META_MEMBER,
+    READABLE_VERSIONS,
+    arrays_of,
+    is_image_member,
+    is_key,
+    is_member,
+    is_video_member,
+)
 from vlmprep.types import UserError
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.images import encode_image, stored_ext
-from vlmprep.videos import FRAME_EXT, encode_frame
 from vlmprep.shards.dataset import TMP_SUFFIX
 from vlmprep.shards.format import ARRAYS, META_MEMBER, image_member_name, video_frame_member_name
 from vlmprep.types import RenderedSample, ShardSample
+from vlmprep.videos import FRAME_EXT, encode_frame
 
 
 def _npy(arr: np.ndarray) -> bytes:

@@ -13,9 +13,16 @@ from vlmprep.config import RAW_OPTIONS
 from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
+from vlmprep.tools.view import (
+    InspectedSample,
+    SampleView,
+    TokenizerView,
+    reject_line,
+    sample_from_rendered,
+    sample_from_stored,
+    view_sample,
+)
 from vlmprep.types import RecordError, UserError
-from vlmprep.tools.view import (InspectedSample, SampleView, TokenizerView, reject_line, sample_from_rendered,
-                          sample_from_stored, view_sample)
 
 ONLY = ("truncated", "rejected")
 DEFAULT_LIMIT = 3

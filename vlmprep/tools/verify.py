@@ -12,12 +12,12 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 from referencing import Registry, Resource
-from vlmprep_schemas import NAMES, load
 
 from vlmprep.families import FamilySpec, family_of
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, is_video_member
 from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image, iter_shard, load_manifest
+from vlmprep_schemas import NAMES, load
 
 
 @dataclass(frozen=True)

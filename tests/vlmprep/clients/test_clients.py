@@ -23,8 +23,8 @@ ENERGON = [sys.executable, "-c", "import sys; from megatron.energon.cli.main imp
 def dataset(tmp_path_factory) -> Path:
     """8 records, 0-3 small screenshots each, 3 shards; seed 17 repeats an image inside a sample ([0, 1, 0])."""
     from scripts.demo_traces import write_traces
-    from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
+    from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp("clients")
     write_traces(tmp / "traces.jsonl.zst", n=8, seed=17, min_images=1, max_images=3, width=224, height=160,

@@ -21,8 +21,8 @@ def built(request, tmp_path_factory):
     samples (manifest order, fp32, CPU, the tiny random model)."""
     from scripts.demo_traces import write_traces
     from trainer.train import main
-    from vlmprep.config import BuildConfig
     from vlmprep.build.pipeline import build
+    from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp(f"collate-{request.param}")
     write_traces(tmp / "traces.jsonl.zst", n=6, seed=1, min_images=1, max_images=2, width=224, height=160,

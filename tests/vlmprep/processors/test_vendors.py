@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import vlmprep
 from tests.vlmprep.processors.test_builtin import PARITY_TEXTS, random_texts
 from tests.vlmprep.test_families import render, trained_runs
-import vlmprep
 from vlmprep.processors.builtin import build_builtin_processor
 from vlmprep.shards.reader import iter_dataset
 

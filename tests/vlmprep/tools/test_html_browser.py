@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from vlmprep.build.pipeline import build
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.build.pipeline import build
 from vlmprep.tools.report import TRAINED_BG
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from vlmprep.build.pipeline import build
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.build.pipeline import build
 
 SEQ_LEN = 1024
 # Rich must see a plain pipe, whatever the environment running the tests asks for.

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from vlmprep.build.pipeline import build
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
-from vlmprep.build.pipeline import build
 from vlmprep.tools.verify import verify_dataset
 
 
