@@ -30,7 +30,8 @@ def steps_tokens(rank_lengths: list[list[int]], *, micro: int = 0, budget: int =
     for lengths in rank_lengths:
         steps, group = [], []
         for L in lengths:
-            if group and ((budget and max(group + [L]) * (len(group) + 1) > budget) or (not budget and len(group) >= micro)):
+            full = (max(group + [L]) * (len(group) + 1) > budget) if budget else len(group) >= micro
+            if group and full:
                 steps.append(max(group) * len(group))
                 group = []
             group.append(L)
@@ -71,7 +72,8 @@ def run(quick: bool, n: int | None = None, world: int = 8) -> list[dict]:
                          epoch_tokens_max_over_mean=round(max(totals) / (sum(totals) / world), 4),
                          step_max_over_mean_micro1=round(imbalance(steps_tokens(ranks, micro=1)), 4),
                          step_max_over_mean_budget=round(imbalance(steps_tokens(ranks, budget=budget)), 4),
-                         step_max_over_mean_budget_accum8=round(imbalance(steps_tokens(ranks, budget=budget, accum=8)), 4),
+                         step_max_over_mean_budget_accum8=round(
+                             imbalance(steps_tokens(ranks, budget=budget, accum=8)), 4),
                          token_budget=budget, goal=1.05))
     return rows
 

@@ -28,7 +28,8 @@ def build_config(inp: Path, out: Path, **kw):
         extra["chat_template"] = str(TOOL_TEMPLATE)
     if "max_reject_fraction" in BuildConfig.__dataclass_fields__:  # a benchmark measures; its rejects are counted
         extra["max_reject_fraction"] = 1.0
-    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra, **kw)
+    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra,
+                       **kw)
 
 
 def timed_build(inp: Path, out: Path, **kw) -> tuple[float, dict]:

@@ -28,7 +28,8 @@ def _best(fn, reps: int) -> float:
 
 
 def screenshot_png(width: int, height: int) -> bytes:
-    inp = traces(2, width=width, height=height, min_images=2, max_images=3, overlong_fraction=0.0, text_only_fraction=0.0)
+    inp = traces(2, width=width, height=height, min_images=2, max_images=3, overlong_fraction=0.0,
+                 text_only_fraction=0.0)
     for rec in records(inp):
         for m in rec["messages"]:
             for p in m["content"] if isinstance(m["content"], list) else []:
@@ -92,7 +93,8 @@ def run(quick: bool, shard: Path | None = None) -> dict:
         lambda: ip(images=[prep.pixels] * 10, do_resize=False, return_tensors="pt"), max(3, reps // 5)) * 1e3 / 10
     if shard is not None and shard.exists():
         floors["tar_read_mb_s"] = tar_read_mb_s(shard)
-    emit("limits", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in floors.items() if not isinstance(v, dict)},
+    emit("limits", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in floors.items()
+                      if not isinstance(v, dict)},
          **{f"decode_ms_{k}": round(v, 3) for k, v in floors["decode_ms"].items()},
          **{f"bytes_{k}": v for k, v in floors["bytes"].items()})
     return floors

@@ -126,7 +126,8 @@ class OnlineRecords(Dataset):
 def online_pass(inp: Path, processor_dir: Path, workers: int, template: str | None) -> tuple[float, int, int]:
     import zstandard
 
-    lines = [l for l in zstandard.ZstdDecompressor().stream_reader(open(inp, "rb")).read().splitlines() if l.strip()]
+    with open(inp, "rb") as f:
+        lines = [line for line in zstandard.ZstdDecompressor().stream_reader(f).read().splitlines() if line.strip()]
     ds = OnlineRecords(lines, str(processor_dir), template)
     t0 = time.perf_counter()
     samples = tokens = 0

@@ -124,7 +124,8 @@ def run(quick: bool, n: int | None = None, world: int = 8, window: int = 64) -> 
         rows.append(emit("pack", metric="token_budget", max_tokens_per_batch=T, ranks=world, samples=samples,
                          **summarize(budget, lambda g: max(g) * len(g))))
     micro = [budget_steps(r, 0) for r in ranks]
-    rows.append(emit("pack", metric="micro_batch_1", ranks=world, samples=samples, **summarize(micro, lambda g: sum(g))))
+    rows.append(emit("pack", metric="micro_batch_1", ranks=world, samples=samples,
+                     **summarize(micro, lambda g: sum(g))))
     rows.append(emit("pack", metric="loader_cost", pack_to=16384, pack_window=window,
                      **loader_cost(ds, 64 if quick else 500, 16384, window)))
     return rows

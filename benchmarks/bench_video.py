@@ -25,7 +25,8 @@ def run(quick: bool) -> list[dict]:
         for i in range(n):
             (d / f"clip{i}.mp4").write_bytes(encode(frames(seconds * fps, w, h, seed=i), fps, codec="libx264"))
             f.write(json.dumps({"messages": [
-                {"role": "user", "content": [{"type": "video", "video": f"clip{i}.mp4"}, {"type": "text", "text": "?"}]},
+                {"role": "user", "content": [{"type": "video", "video": f"clip{i}.mp4"},
+                                             {"type": "text", "text": "?"}]},
                 {"role": "assistant", "content": f"clip {i}"}]}) + "\n")
     rows = []
     for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl"):

@@ -17,7 +17,8 @@ _DATA_URI = re.compile(rb'"data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)"')
 
 def traces(n: int, *, width: int = 1280, height: int = 720, min_images: int = 2, max_images: int = 25,
            seed: int = 0, overlong_fraction: float = 0.03, text_only_fraction: float = 0.05) -> Path:
-    name = f"traces-n{n}-{width}x{height}-i{min_images}-{max_images}-s{seed}-o{overlong_fraction}-t{text_only_fraction}.jsonl.zst"
+    name = (f"traces-n{n}-{width}x{height}-i{min_images}-{max_images}-s{seed}-o{overlong_fraction}"
+            f"-t{text_only_fraction}.jsonl.zst")
     path = OUT / "inputs" / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,4 +54,4 @@ def _line_bytes(line: bytes) -> int:
 def records(path: Path) -> list[dict]:
     with open(path, "rb") as f:
         data = zstandard.ZstdDecompressor().stream_reader(f).read()
-    return [json.loads(l) for l in data.splitlines() if l.strip()]
+    return [json.loads(line) for line in data.splitlines() if line.strip()]

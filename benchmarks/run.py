@@ -31,7 +31,8 @@ BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack",
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run")
     ap.add_argument("--quick", action="store_true", help="tiny inputs: checks that everything runs")
-    ap.add_argument("--records", type=int, default=None, help="records for build and loader (default: build 200, loader 1000; quick 6)")
+    ap.add_argument("--records", type=int, default=None,
+                    help="records for build and loader (default: build 200, loader 1000; quick 6)")
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
     a = ap.parse_args(argv)
     only = [b.strip() for b in a.only.split(",") if b.strip()]

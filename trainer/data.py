@@ -211,7 +211,8 @@ def _identity(x):
     return x
 
 
-def sample_loader(stream: RankStream | ScheduledStream, *, num_workers: int, prefetch_factor: int, held: int = 0) -> "SampleLoader":
+def sample_loader(stream: RankStream | ScheduledStream, *, num_workers: int, prefetch_factor: int,
+                  held: int = 0) -> "SampleLoader":
     """`held`: samples the consumer keeps alive (a packing window); each worker gets slabs for its share of them."""
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
     slabs = SLABS_PER_WORKER + -(-held // max(num_workers, 1))

@@ -105,7 +105,8 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
     Gradients are summed, not averaged: the loss is already divided by the global trained-token count."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+          else MixedPrecisionPolicy())
     base = net.get_base_model() if hasattr(net, "get_base_model") else net
     block_names = set(getattr(base, "_no_split_modules", None) or ())
     blocks = [m for m in net.modules() if type(m).__name__ in block_names]

@@ -30,7 +30,8 @@ class ImageSpec:
         """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos."""
         kind = cfg.get("image_processor_type") or cfg.get("video_processor_type")
         if kind not in SUPPORTED + VIDEO_SUPPORTED:
-            raise ValueError(f"processor {kind!r} is not supported (supported: {', '.join(SUPPORTED + VIDEO_SUPPORTED)})")
+            raise ValueError(f"processor {kind!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED + VIDEO_SUPPORTED)})")
         return cls(video=cls.from_config(video) if video else None,
                    patch_size=int(cfg["patch_size"]), temporal_patch_size=int(cfg["temporal_patch_size"]),
                    merge_size=int(cfg["merge_size"]), image_mean=tuple(cfg["image_mean"]),

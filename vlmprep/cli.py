@@ -134,7 +134,9 @@ def build(**opts) -> None:
 @app.command()
 def merge(
     root: Annotated[Path, typer.Argument(help="A dataset dir whose plan's tasks have all finished.")],
-    max_reject_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the records is rejected; 1 = never.")] = 0.05,
+    max_reject_fraction: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the "
+                               "records is rejected; 1 = never.")] = 0.05,
     allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs)."""
@@ -156,7 +158,8 @@ def merge(
 @app.command()
 def verify(
     root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
-    quick: Annotated[bool, typer.Option(help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
+    quick: Annotated[bool, typer.Option(
+        help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
 ) -> None:
     """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation."""
     from vlmprep.tools.verify import verify_dataset
@@ -173,14 +176,19 @@ def verify(
 @app.command()
 @_with_options(RAW_OPTIONS, given_only=True)
 def inspect(
-    path: Annotated[str, typer.Argument(help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
-    index: Annotated[Optional[int], typer.Option(help="The record at this 0-based input position (= its shard key).")] = None,
+    path: Annotated[str, typer.Argument(
+        help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
+    index: Annotated[Optional[int], typer.Option(
+        help="The record at this 0-based input position (= its shard key).")] = None,
     sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id.")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Only this shard of a built dir, e.g. shard-000001.")] = None,
     limit: Annotated[int, typer.Option(help="Show at most this many samples (or rejects).")] = 3,
-    only: Annotated[Optional[str], typer.Option(help="truncated | rejected (raw input: why build would reject it).")] = None,
-    tokens: Annotated[bool, typer.Option("--tokens", help="A table of token index, id, mask, type id and piece.")] = False,
-    html: Annotated[Optional[str], typer.Option(help="Write a self-contained HTML report to this file instead.")] = None,
+    only: Annotated[Optional[str], typer.Option(
+        help="truncated | rejected (raw input: why build would reject it).")] = None,
+    tokens: Annotated[bool, typer.Option(
+        "--tokens", help="A table of token index, id, mask, type id and piece.")] = False,
+    html: Annotated[Optional[str], typer.Option(
+        help="Write a self-contained HTML report to this file instead.")] = None,
     like: Annotated[Optional[str], typer.Option(help="Raw input: render with this built dir's processor and build "
                                                      "options.")] = None,
     **opts,

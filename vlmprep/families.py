@@ -48,12 +48,14 @@ FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
     FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN),
     # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
     FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", video="qwen3", **_QWEN),
-    FamilySpec(name="glm-4.1v", processor_class="Glm4vProcessor", end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
+    FamilySpec(name="glm-4.1v", processor_class="Glm4vProcessor",
+               end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
                wrapper_open=("<|begin_of_image|>",), wrapper_close=("<|end_of_image|>",), positions="mrope",
                image_mode="smart_resize_temporal", string_content=True,
                turn_starts={"<|system|>": "system", "<|user|>": "user", "<|assistant|>": "assistant",
                             "<|observation|>": "tool"}),
-    FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",), image_mode="fixed_resize",
+    FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",),
+               image_mode="fixed_resize",
                turn_starts={"<start_of_turn>": "next"}),
     FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",),
                turn_starts={"<|start_header_id|>": "next"}),
@@ -66,7 +68,8 @@ FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
     FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
     FamilySpec(name="llava-onevision", processor_class="LlavaOnevisionProcessor", end_of_turn=("<|im_end|>",),
                turn_starts=_IM_START),
-    FamilySpec(name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",), turn_starts=_IM_START),
+    FamilySpec(name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",),
+               turn_starts=_IM_START),
 )}
 # A view of a dataset whose family is not registered (--role-boundaries) recognises any known turn token.
 ANY_TURN_STARTS = {t: how for spec in FAMILIES.values() for t, how in spec.turn_starts.items()}

@@ -49,7 +49,8 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
             if min(w, h) < min_side:
                 raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
             if w * h > max_pixels:
-                raise RecordError("image_too_large", f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
+                raise RecordError("image_too_large",
+                                  f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
             # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
             if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
                 raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
@@ -92,7 +93,8 @@ def _to_8bit(im: Image.Image) -> Image.Image:
     return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")  # round(v / 257): 65535 -> 255
 
 
-def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
+def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
+                  min_side: int = 1) -> PreparedImage:
     """Resize with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 

@@ -155,7 +155,8 @@ def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Mess
     else:
         raise RecordError("invalid_content", f"{where}: content must be a string or a list of parts")
 
-    tool_calls = [_normalize_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m.get("tool_calls") or [])]
+    tool_calls = [_normalize_tool_call(tc, f"{where}.tool_calls[{k}]")
+                  for k, tc in enumerate(m.get("tool_calls") or [])]
     if role == "assistant" and not parts and not tool_calls:
         raise RecordError("empty_assistant_turn", f"{where}: assistant message has no content, tool_calls, "
                                                   "function_call or refusal to train on")
@@ -352,7 +353,8 @@ class _ImageContext:
                 raise RecordError("remote_video_refused", f"{where}: remote video {ref[:80]} refused: videos are "
                                                           "read from local paths or data URIs; download it first")
             if not self.allow_remote:
-                raise RecordError("remote_image_refused", f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
+                raise RecordError("remote_image_refused",
+                                  f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
             return ImageData(data=_fetch_remote(ref, where), origin=ref)
         if low.startswith("file://"):
             ref = urllib.parse.unquote(ref[len("file://"):])  # a URL: with%20space.png; the root check still follows
@@ -363,13 +365,15 @@ class _ImageContext:
         path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
         real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
         if os.path.commonpath([real, self.root]) != self.root:
-            raise RecordError("path_outside_root", f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}")
+            raise RecordError("path_outside_root",
+                              f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}")
         try:
             data = Path(real).read_bytes()
         except FileNotFoundError:
             raise RecordError(f"{kind}_not_found", f"{where}: {kind} file not found: {ref[:120]}") from None
         except (IsADirectoryError, PermissionError, OSError) as e:
-            raise RecordError(f"{kind}_unreadable", f"{where}: cannot read {kind} {ref[:120]}: {e.strerror or e}") from None
+            raise RecordError(f"{kind}_unreadable",
+                              f"{where}: cannot read {kind} {ref[:120]}: {e.strerror or e}") from None
         return ImageData(data=data, origin=ref)
 
 

@@ -262,7 +262,8 @@ def input_names(files: list[Path]) -> list[str]:
             for p in paths]
 
 
-def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20, max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
+def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20,
+                 max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
     pos = 0
     for path, name in zip(files, input_names(files)):
         for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes,

@@ -55,15 +55,18 @@ class RenderContext:
         self.tokenizer = tok = processor.tokenizer
         self.chat_template = chat_template or processor.chat_template
         if not self.chat_template or not isinstance(self.chat_template, str):
-            raise ValueError(f"processor {type(processor).__name__} has no single chat template: pass --chat-template FILE")
+            raise ValueError(f"processor {type(processor).__name__} has no single chat template: "
+                             "pass --chat-template FILE")
         self.image_token = getattr(processor, "image_token", None)
         if self.image_token is None:
-            raise ValueError(f"processor {type(processor).__name__} declares no image_token; vlmprep cannot place images")
+            raise ValueError(f"processor {type(processor).__name__} declares no image_token; "
+                             "vlmprep cannot place images")
         self.eot_ids = {}
         for t in self.family.end_of_turn:
             i = tok.convert_tokens_to_ids(t)
             if i is None or i == tok.unk_token_id or tok.convert_ids_to_tokens(i) != t:
-                raise ValueError(f"end-of-turn token {t!r} of family {self.family.name} is not one token of this tokenizer")
+                raise ValueError(f"end-of-turn token {t!r} of family {self.family.name} "
+                                 "is not one token of this tokenizer")
             self.eot_ids[i] = t
         self.wrap_open = {tok.convert_tokens_to_ids(t) for t in self.family.wrapper_open}
         self.wrap_close = {tok.convert_tokens_to_ids(t) for t in self.family.wrapper_close}
@@ -81,12 +84,14 @@ class RenderContext:
         # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
         self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
         # Text must not contain any control or placeholder string, special-flagged or not.
-        placeholders = {getattr(processor, a, None) for a in ("image_token", "video_token", "boi_token", "fake_image_token")}
+        placeholders = {getattr(processor, a, None)
+                        for a in ("image_token", "video_token", "boi_token", "fake_image_token")}
         self._forbidden_re = _alternation(specials | {p for p in placeholders if isinstance(p, str) and p}
                                           | {self.token_break})
         merged = processor._merge_kwargs(tokenizer_init_kwargs=getattr(tok, "init_kwargs", {}))
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
-        self._mm_needs_lengths = "batch_image_seq_lengths" in inspect.signature(processor.create_mm_token_type_ids).parameters
+        mm_params = inspect.signature(processor.create_mm_token_type_ids).parameters
+        self._mm_needs_lengths = "batch_image_seq_lengths" in mm_params
 
     def slots(self, conv: Conversation) -> list[Slot]:
         return message_slots(conv, reasoning=self.reasoning, string_content=self.family.string_content,
@@ -251,7 +256,8 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
         if m.tool_calls:
             msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
                 "name": tc.name,
-                "arguments": json.loads(tc.arguments) if parse_arguments and isinstance(tc.arguments, str) else tc.arguments}}
+                "arguments": (json.loads(tc.arguments) if parse_arguments and isinstance(tc.arguments, str)
+                              else tc.arguments)}}
                 for tc in m.tool_calls]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
@@ -266,7 +272,8 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
     if ctx._forbidden_re is None:
         return
     for i, m in enumerate(conv.messages):
-        for s in [m.text, m.reasoning or ""] + [tc.arguments_json for tc in m.tool_calls] + [tc.name for tc in m.tool_calls]:
+        calls = [tc.arguments_json for tc in m.tool_calls] + [tc.name for tc in m.tool_calls]
+        for s in [m.text, m.reasoning or ""] + calls:
             hit = ctx._forbidden_re.search(s)
             if hit:
                 raise RecordError("special_token_in_text",
@@ -399,7 +406,8 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
     family = ctx.family
     if family.video == "qwen3":
         if len(bounds) != t:
-            raise RecordError("image_wrapper_missing", f"a video of {t} temporal patches expanded to {len(bounds)} runs")
+            raise RecordError("image_wrapper_missing",
+                              f"a video of {t} temporal patches expanded to {len(bounds)} runs")
         return [(start + int(a), start + int(b), (1, h, w), 1) for a, b in bounds]
     if len(bounds) != 1:
         raise RecordError("image_wrapper_missing", f"a video expanded to {len(bounds)} placeholder runs, expected 1")

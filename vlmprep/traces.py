@@ -82,7 +82,8 @@ def whole_trace(conv: Conversation, policy: StepPolicy) -> StepConversation:
 
 
 def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
-                count_tokens: Callable[[StepConversation], int], seq_len: int) -> tuple[list[StepConversation], list[int]]:
+                count_tokens: Callable[[StepConversation], int],
+                seq_len: int) -> tuple[list[StepConversation], list[int]]:
     """Cut a trace into samples that each fit `seq_len`: every message in `trained` is trained in exactly one sample.
     Each sample = the head (system messages and the first user message: the task) + as many of the most recent
     earlier units as fit (untrained context) + a run of trained turns; a unit is a message with the tool results that

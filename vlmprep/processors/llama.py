@@ -1,4 +1,5 @@
-"""Offline builds (cached by vlmprep.processors.builtin) of the Llama 3.2 Vision (MllamaProcessor) and Llama 4 (Llama4Processor) processors from the
+"""Offline builds (cached by vlmprep.processors.builtin) of the Llama 3.2 Vision (MllamaProcessor) and Llama 4
+(Llama4Processor) processors from the
 tiktoken BPE ranks `llama-models` ships, special tokens at the official Hugging Face ids, and the chat format of
 llama-models' ChatFormat (Meta's reference encoder) as the default template.
 """
@@ -28,7 +29,8 @@ LLAMA3_SPECIALS = (("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_
                    + tuple(f"<|reserved_special_token_{i}|>" for i in range(3, 248))
                    + ("<|image|>",))  # 128256: added for Llama 3.2 Vision
 
-LLAMA4_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+LLAMA4_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
                   r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
                   r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -86,7 +88,8 @@ def _tokenizer(spec: _LlamaSpec, template: str):
         backend = TikTokenConverter(vocab_file=str(path), pattern=spec.pattern).converted()
         n_ranks = sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     backend.model.ignore_merges = True  # tiktoken looks a whole piece up first; see test_vendors parity
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(TOKEN_BREAK, "removed"), backend.pre_tokenizer])
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(TOKEN_BREAK, "removed"),
+                                                     backend.pre_tokenizer])
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     for i, t in enumerate(specials):
         if backend.token_to_id(t) != n_ranks + i:

@@ -51,7 +51,8 @@ def load_processor(spec: str):
         return AutoProcessor.from_pretrained(spec)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--processor {spec}: not a local directory, and loading it as a hub id failed: {first}") from e
+        raise ValueError(f"--processor {spec}: not a local directory, and loading it as a hub id failed: "
+                         f"{first}") from e
 
 
 def load_saved_processor(path: str | Path):

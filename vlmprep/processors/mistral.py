@@ -1,4 +1,5 @@
-"""Offline build (cached by vlmprep.processors.builtin) of the Mistral Small 3.1 (Mistral 3 / Pixtral architecture) processor: the Tekken vocabulary that
+"""Offline build (cached by vlmprep.processors.builtin) of the Mistral Small 3.1 (Mistral 3 / Pixtral architecture)
+processor: the Tekken vocabulary that
 `mistral-common` ships (special tokens at their official ids), mistral-common's own chat format, PixtralProcessor.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ def read_template(name: str = VENDOR_TEMPLATE) -> str:
 
 
 def source_files(name: str) -> tuple[bytes, str]:
-    """What the build reads (vocabulary bytes, default template): vlmprep.processors.builtin hashes them into the cache key."""
+    """What the build reads (vocabulary bytes, default template): vlmprep.processors.builtin hashes them into the
+    cache key."""
     assert name == "mistral-3", name
     return tekken_resource().read_bytes(), read_template()
 

@@ -27,7 +27,8 @@ ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"],
                                 for name, a in _SPEC["arrays"].items()}
 _KEY = {3: re.compile(_SPEC["$defs"]["key"]["pattern"]), 2: re.compile(_SPEC["$defs"]["key"]["pattern"]),
         1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
-_IMAGE = {3: re.compile(_SPEC["$defs"]["image_member"]["pattern"]), 2: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
+_IMAGE = {3: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
+          2: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
           1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"])}
 _VIDEO = re.compile(_SPEC["$defs"]["video_member"]["pattern"])  # format v3 on
 

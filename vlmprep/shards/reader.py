@@ -252,7 +252,8 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
             for ti in tar:
                 k, dot, ext = ti.name.partition(".")
                 if not ti.isreg() or not dot or "/" in ti.name:
-                    raise ShardFormatError(f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it")
+                    raise ShardFormatError(
+                        f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it")
                 if k != key and key is not None:
                     yield emit(key, spans)
                     spans = {}
