@@ -197,11 +197,11 @@ def inspect(
     from vlmprep.tools.inspector import InspectConfig, run_inspect
 
     try:
-        raw = _config_values(opts, RAW_OPTIONS)
+        raw = {k: v for k, v in _config_values(opts, RAW_OPTIONS).items() if v is not None}
         if opts["keep_images"] == "all":
             raw["keep_images"] = "all"  # given, unlike None: overrides --like's last:N
         run_inspect(InspectConfig(path=path, index=index, id=sample_id, shard=shard, limit=limit, only=only,
-                                  tokens=tokens, html=html, like=like, **raw))
+                                  tokens=tokens, html=html, like=like, build_options=raw))
     except (UserError, ValueError, OSError) as e:
         _fail(e)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from vlmprep.config import RAW_OPTIONS
 from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB
@@ -42,27 +42,16 @@ class InspectConfig:
     only: str | None = None
     tokens: bool = False
     html: str | None = None
-    # Raw input only: build options that change what a record renders to. None = not given: the value from
-    # `like` (a built dir whose resolved config and saved processor are reused), else build's default.
+    # Raw input only: `like` (a built dir whose resolved config and saved processor are reused) and the build options
+    # given (config.RAW_OPTIONS: those that change what a record renders to), else build's defaults. They are
+    # declared once, on BuildConfig; "keep_images": "all" overrides like's last:N.
     like: str | None = None
-    processor: str | None = None
-    seq_len: int | None = None
-    train_on_roles: tuple[str, ...] | None = None
-    train_on_eos: str | None = None
-    last_turn_only: bool | None = None
-    tool_calls: str | None = None
-    reasoning: str | None = None
-    chat_template: str | None = None
-    role_boundaries: str | None = None
-    image_root: str | None = None
-    allow_remote: bool | None = None
-    long_traces: str | None = None
-    keep_images: int | str | None = None  # N (--keep-images last:N) or "all"
-    dropped_image_text: str | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
+    build_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        unknown = sorted(set(self.build_options) - set(RAW_OPTIONS))
+        if unknown:
+            raise ValueError(f"build_options {unknown}: inspect takes only {', '.join(RAW_OPTIONS)}")
         if self.limit < 1:
             raise ValueError(f"limit={self.limit}: must be >= 1")
         if self.index is not None and self.index < 0:
@@ -122,7 +111,7 @@ def _raw_build_config(cfg: InspectConfig):
               for k, v in (load_manifest(like).get("config") or {}).items() if k in fields}
         # The saved processor is the one that rendered the dataset, chat template included.
         kw.update(processor=str(like / PROCESSOR_DIR), chat_template=None)
-    kw.update({k: getattr(cfg, k) for k in RAW_OPTIONS if getattr(cfg, k) is not None})
+    kw.update(cfg.build_options)
     if kw.get("keep_images") == "all":
         kw["keep_images"] = None
     return BuildConfig(inputs=(cfg.path,), out="", progress=False, **kw)  # out: inspect writes no dataset
@@ -186,7 +175,8 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
     p = Path(cfg.path)
     is_dataset = p.is_dir() and ((p / MANIFEST_NAME).exists() or any(p.glob(SHARD_GLOB)))
     if is_dataset:
-        passed = ["--" + k.replace("_", "-") for k in ("like",) + RAW_OPTIONS if getattr(cfg, k) is not None]
+        given = (["like"] if cfg.like is not None else []) + [k for k in RAW_OPTIONS if k in cfg.build_options]
+        passed = ["--" + k.replace("_", "-") for k in given]
         if passed:
             raise InspectError(f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
                                "the processor and options it was built with")
