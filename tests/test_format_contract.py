@@ -268,7 +268,8 @@ _ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.confi
                                                   "mask", "positions", "truncate", "families")),
           "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.build",),
           "tools": ("vlmprep.tools",), "clients": ("vlmprep.clients",), "cli": ("vlmprep.cli", "vlmprep.__main__")}
-_MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"}, "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples
+_MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"},
+               "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples
                "shards": {"base", "stage", "shards"}, "clients": {"base", "stage", "shards", "clients"},
                "tools": {"base", "stage", "process", "shards", "tools"},  # tools never import the build
                "build": {"base", "stage", "process", "shards", "clients", "build"},

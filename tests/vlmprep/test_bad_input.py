@@ -334,7 +334,7 @@ def corpus_build(tmp_path_factory, qwen2vl_processor):
                                     str(tmp_path / "window.jsonl.zst"), str(tmp_path / "empty.jsonl")),
                             out=str(out), seq_len=256, max_line_bytes=64 << 20, max_images_per_record=8,
                             progress=False, max_reject_fraction=1.0))  # bad on purpose
-    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     by_line = {(os.path.basename(r["source"]["file"]), r["source"]["line"]): r for r in rejects}
     landed = {s.meta()["id"] for s in iter_dataset(out)}
     return cases, res, rejects, by_line, landed
@@ -360,7 +360,7 @@ def test_file_level_faults_and_every_good_record_lands(corpus_build):
     cases, res, rejects, by_line, landed = corpus_build
     assert all(r["reason"] != "internal_error" for r in rejects), [r for r in rejects if r["reason"] == "internal_error"]
     assert by_line[("huge.jsonl", 1)]["reason"] == "line_too_long"
-    assert by_line[("trunc.jsonl.zst", max(l for f, l in by_line if f == "trunc.jsonl.zst"))]["reason"] == "corrupt_zstd_stream"
+    assert by_line[("trunc.jsonl.zst", max(n for f, n in by_line if f == "trunc.jsonl.zst"))]["reason"] == "corrupt_zstd_stream"
     assert by_line[("window.jsonl.zst", 1)]["reason"] == "zstd_window_too_large"
     assert by_line[("empty.jsonl", 0)]["reason"] == "empty_file"
     goods = {f"good-{k}" for k in range(len(cases) + 1)} | {"good-1000"}
@@ -402,7 +402,7 @@ def file_faults(tmp_path_factory, qwen2vl_processor):
         out = d.parent / f"out{tasks}"
         res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False,
                                 max_reject_fraction=1.0))  # bad on purpose
-        rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+        rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
         samples = {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(out)}
         builds[tasks] = (d, res, rejects, {s.meta()["id"] for s in iter_dataset(out)}, samples)
     return builds
@@ -546,7 +546,7 @@ def test_a_worker_killed_mid_build_fails_the_build_with_one_line(tmp_path, qwen2
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 1, err
-    lines = [l for l in err.splitlines() if l.startswith("error: ")]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, err
     assert "a worker process stopped abruptly" in lines[0] and f"from {inp}:" in lines[0], lines[0]
     assert "run the same command again to resume" in lines[0]

@@ -99,7 +99,7 @@ def traces(tmp_path_factory):
 def raw_records(path):
     import zstandard
 
-    return [json.loads(l) for l in zstandard.ZstdDecompressor().stream_reader(open(path, "rb")).read().splitlines()]
+    return [json.loads(line) for line in zstandard.ZstdDecompressor().stream_reader(open(path, "rb")).read().splitlines()]
 
 
 def build_steps(traces, out, **kw):
@@ -264,7 +264,7 @@ def test_a_step_that_cannot_fit_is_rejected_with_its_reason_and_the_rest_lands(t
     p.write_text(json.dumps(rec) + "\n" + json.dumps(ok) + "\n")
     res = build(BuildConfig(inputs=(str(p),), out=str(tmp_path / "o"), seq_len=128, long_traces="split",
                             progress=False))
-    rejects = [json.loads(l) for l in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    rejects = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["reason"], r["id"]) for r in rejects] == [("turn_too_long", "r")] and "messages[3]" in rejects[0]["message"]
     ids = sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o"))
     assert "ok" in ids and any(i.startswith("r#") for i in ids)
