@@ -58,7 +58,7 @@ class Renderer:
         self.lost: list[int] = []
 
     def render(self, raw: RawRecord) -> list[RenderedSample]:
-        """parse -> normalize -> prepare images -> history/split (steps.py) -> render + mask -> truncate; raises
+        """parse -> normalize -> prepare images -> history/split (traces.py) -> render + mask -> truncate; raises
         RecordError. One sample per record, or several when --long-traces split cuts a long trace; `self.turns`
         then holds the record's turn accounting and `self.lost` the trained turns that could not fit."""
         self.turns, self.lost = collections.Counter(), []
