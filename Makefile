@@ -9,12 +9,21 @@ BENCH_ARGS ?=
 
 .PHONY: install demo lint test test-all test-gpu bench clean
 
+# A download cut off mid-wheel (seen on CI: ray's 79 MB wheel, stuck at 30.7 MB through pip's own resumes) must not
+# fail the install: pip retries and resumes, and the whole step is tried again after a pause.
+PIP_NET := --retries 10 --resume-retries 20 --timeout 60
+define pip_retry
+for i in 1 2 3 4; do $(PY) -m pip install -q $(PIP_NET) $(1) && break; \
+  [ $$i = 4 ] && exit 1; echo "pip install failed (try $$i of 4); again in $$((i * 30)) s" >&2; sleep $$((i * 30)); done
+endef
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	# the venv's own pip (23.x) lacks --resume-retries: upgrade it first, with a plain retry
+	for i in 1 2 3; do $(PY) -m pip install -q --retries 10 --upgrade pip && break; [ $$i = 3 ] && exit 1; sleep 20; done
 	# torch first and pinned: pip takes both from local wheels; anything unpinned would pull a CUDA build.
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[dev]'
+	$(call pip_retry,torch==2.14.1 torchvision==0.29.1)
+	$(call pip_retry,-e '.[dev]')
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -40,7 +49,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+	$(call pip_retry,-e '.[bench]')
 	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:
