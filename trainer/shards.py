@@ -289,8 +289,9 @@ def processor_difference(a: DataSource, b: DataSource, processor: str = "") -> l
 
 def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
     """What must agree between mixed datasets: the model family (processor class), the tokenizer's vocabulary
-    (tokens, merges and added tokens; not the chat template or truncation settings) and the image processor's
-    settings that the trainer's pixel math uses. Digests, so the message can say which part differs."""
+    (tokens, merges and added tokens; not the chat template or truncation settings) and the image and video
+    processors' settings that the trainer's pixel math uses (not frame sampling or resize budgets: the frames
+    are stored already sampled and resized). Digests, so the message can say which part differs."""
     def digest(value) -> str:
         return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -300,8 +301,11 @@ def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
         out["vocabulary"] = digest([tok.get("model"), tok.get("added_tokens")])
     except (OSError, ValueError, DataError):
         out["vocabulary"] = "?"  # a slow tokenizer only: compared by family and image settings
+    keep = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+            "do_rescale", "do_normalize")
     image = load_image_processor_config(location)
-    keep = ("image_processor_type", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
-            "rescale_factor", "do_rescale", "do_normalize")
-    out["image processor"] = digest({k: image.get(k) for k in keep})
+    out["image processor"] = digest({k: image.get(k) for k in ("image_processor_type", *keep)})
+    # One run normalizes every dataset's videos with the first dataset's video processor.
+    video = load_video_processor_config(location)
+    out["video processor"] = "none" if video is None else digest({k: video.get(k) for k in keep})
     return out

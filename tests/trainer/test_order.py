@@ -203,6 +203,37 @@ def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_frame_sampling(dataset, tmp_path):
+    import json
+    import shutil
+
+    from trainer.shards import processor_difference
+
+    def variant(name: str, **video) -> str:
+        out = tmp_path / name
+        shutil.copytree(dataset, out)
+        path = out / "processor" / "processor_config.json"
+        cfg = json.loads(path.read_text())
+        cfg["video_processor"].update(video)
+        path.write_text(json.dumps(cfg))
+        return str(out)
+
+    base = resolve_data(str(dataset))
+    assert processor_difference(base, resolve_data(str(dataset))) == []
+    # Frames are stored sampled and resized: other sampling or budgets train the same pixels.
+    assert processor_difference(base, resolve_data(variant("fps", fps=1.0, max_frames=8, max_pixels=9999))) == []
+    diff = processor_difference(base, resolve_data(variant("mean", image_mean=[0.5, 0.5, 0.5])))
+    assert len(diff) == 1 and diff[0].startswith("video processor "), diff
+    no_video = tmp_path / "novideo"
+    shutil.copytree(dataset, no_video)
+    cfg_path = no_video / "processor" / "processor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["video_processor"]
+    cfg_path.write_text(json.dumps(cfg))
+    diff = processor_difference(base, resolve_data(str(no_video)))
+    assert len(diff) == 1 and diff[0].startswith("video processor ") and diff[0].endswith(" vs none"), diff
+
+
 @pytest.mark.slow  # two 200-step runs (one killed and resumed): ~6 min on 2 cores
 def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(dataset, tmp_path):
     import os
