@@ -39,8 +39,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Files spread over TEST_WORKERS processes (pytest-xdist; whole files, so module fixtures are built once);
+# TEST_WORKERS=0 runs in this process, e.g. for pdb.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)

@@ -207,30 +207,25 @@ def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_fra
     import json
     import shutil
 
-    from trainer.shards import processor_difference
+    from trainer.shards import DataSource, processor_difference
 
-    def variant(name: str, **video) -> str:
+    def variant(name: str, **video) -> DataSource:
+        """The dataset's saved processor with its video processor changed (None: removed)."""
         out = tmp_path / name
-        shutil.copytree(dataset, out)
-        path = out / "processor" / "processor_config.json"
-        cfg = json.loads(path.read_text())
-        cfg["video_processor"].update(video)
-        path.write_text(json.dumps(cfg))
-        return str(out)
+        shutil.copytree(dataset / "processor", out)
+        cfg = json.loads((out / "processor_config.json").read_text())
+        if video.pop("remove", False):
+            del cfg["video_processor"]
+        cfg["video_processor"] = cfg.get("video_processor") and {**cfg["video_processor"], **video}
+        (out / "processor_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+        return DataSource(shards=(), processor=str(out), manifest=base.manifest)
 
     base = resolve_data(str(dataset))
-    assert processor_difference(base, resolve_data(str(dataset))) == []
     # Frames are stored sampled and resized: other sampling or budgets train the same pixels.
-    assert processor_difference(base, resolve_data(variant("fps", fps=1.0, max_frames=8, max_pixels=9999))) == []
-    diff = processor_difference(base, resolve_data(variant("mean", image_mean=[0.5, 0.5, 0.5])))
+    assert processor_difference(base, variant("fps", fps=1.0, max_frames=8, max_pixels=9999)) == []
+    diff = processor_difference(base, variant("mean", image_mean=[0.5, 0.5, 0.5]))
     assert len(diff) == 1 and diff[0].startswith("video processor "), diff
-    no_video = tmp_path / "novideo"
-    shutil.copytree(dataset, no_video)
-    cfg_path = no_video / "processor" / "processor_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    del cfg["video_processor"]
-    cfg_path.write_text(json.dumps(cfg))
-    diff = processor_difference(base, resolve_data(str(no_video)))
+    diff = processor_difference(base, variant("none", remove=True))
     assert len(diff) == 1 and diff[0].startswith("video processor ") and diff[0].endswith(" vs none"), diff
 
 

@@ -1,6 +1,7 @@
 """--executor ray on one local cluster per module (ray.init(num_cpus=2)): the same bytes as the local pool for the same
 plan, also when a Ray worker is killed mid-task (retried; the task resumes from its journal); ray is never imported
-by a local build. The 2-node cluster (`ray start --head` + `ray start --address`) is in test_ray_cluster.py (slow)."""
+by a local build. The 2-node cluster (`ray start --head` + `ray start --address`) is in test_ray_cluster.py. All but
+the import check are `slow` (make-test budget: the cluster's start alone is ~12 s on 2 cores)."""
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from vlmprep.build.pipeline import build
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def cluster():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # address="local": a cluster of its own, even where `ray start` runs one on this machine (another test, a user)
@@ -25,6 +26,8 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow  # make-test budget: the cluster's start and a 3-task build (~45 s on 2 cores)
+@pytest.mark.usefixtures("cluster")
 def test_ray_on_a_local_cluster_writes_the_local_pool_bytes(task_traces, local3, tmp_path):
     ref, ref_res = local3
     res = build(planned_cfg(task_traces, tmp_path / "ds", tasks=3, executor="ray"))
@@ -41,6 +44,7 @@ def _busy_ray_workers() -> list:
 
 
 @pytest.mark.slow  # ~20 s
+@pytest.mark.usefixtures("cluster")
 def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(task_traces, local3, tmp_path):
     ref, _ = local3
     out = tmp_path / "ds"
@@ -74,6 +78,8 @@ def test_a_local_build_never_imports_ray():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # make-test budget: needs the cluster (~20 s with its start)
+@pytest.mark.usefixtures("cluster")
 def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, tmp_path):
     from vlmprep.build.pipeline import BuildError
 
