@@ -279,6 +279,11 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     np.testing.assert_array_equal(b["input_ids"], a["input_ids"][:len(b["input_ids"])])
     assert res.manifest["totals"]["videos"] == 1 and res.manifest["totals"]["dropped_videos"] == 1
     assert res.manifest["format_version"] == 3
+    from vlmprep.shards.summary import format_build_summary
+    from vlmprep.tools.stats import compute_stats, format_stats
+
+    assert "(0 images and 1 video dropped by the cut)" in format_build_summary(res.manifest, cut)
+    assert "0 images and 1 video dropped by the cut" in format_stats(compute_stats(cut))
 
 
 def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
@@ -325,6 +330,16 @@ def test_verify_stats_and_inspect_read_a_video_dataset(built):
     st = compute_stats(out)
     assert (st["videos"], st["images"], st["mismatches"]) == (len(CLIPS), 1, [])
     assert st["video_tokens"] > 0 and st["image_tokens"] > 0
+    import tarfile
+
+    stored = sum(1 for p in sorted(out.glob("shard-*.tar")) for m in tarfile.open(p).getnames()
+                 if re.search(r"\.vid\d{3}\.\d{4}\.", m))  # the frame members themselves
+    assert st["video_frames"] == stored > len(CLIPS)
+    from vlmprep.tools.stats import format_stats
+
+    text = format_stats(st)
+    assert f"videos             {len(CLIPS)} | frames {stored} | video tokens {st['video_tokens']} (" in text, text
+    assert "unread input" not in text
     res = CliRunner().invoke(app, ["inspect", str(out), "--html", str(out.parent / "v.html")],
                              env={"COLUMNS": "200", "TERM": "dumb"})
     assert res.exit_code == 0, res.output

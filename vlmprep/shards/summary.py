@@ -57,7 +57,10 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  tokens            {t['tokens']} ({t['trainable_tokens']} trained, "
         f"{t['trainable_tokens'] / max(t['tokens'], 1):.1%})",
         f"  images            {t['images']} ({t['image_tokens']} image tokens)",
-        f"  truncated samples {t['truncated_samples']} ({plural(t['dropped_images'], 'image')} dropped by the cut)",
+        *([f"  videos            {t['videos']} ({t['video_tokens']} video tokens)"]
+          if t.get("videos") or t.get("dropped_videos") else []),
+        f"  truncated samples {t['truncated_samples']} ({plural(t['dropped_images'], 'image')}"
+        + (f" and {plural(t['dropped_videos'], 'video')}" if t.get("dropped_videos") else "") + " dropped by the cut)",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
         *_turn_lines(manifest.get("turns")),
         *_reasoning_lines(t, manifest.get("config", {})),

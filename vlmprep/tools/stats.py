@@ -38,7 +38,7 @@ def compute_stats(root: Path) -> dict:
     manifest = load_manifest(root)
     tokens, trained, image_tokens, images = [], [], [], []
     truncated = dropped = 0
-    videos = video_tokens = dropped_videos = 0
+    videos = video_frames = video_tokens = dropped_videos = 0
     split: list[bool] = []
     for path in shard_paths(root, manifest):
         for ts in iter_shard(path, version=manifest["format_version"]):
@@ -49,6 +49,7 @@ def compute_stats(root: Path) -> dict:
             image_tokens.append(int((types == 1).sum()))
             video_tokens += int((types == 2).sum())
             videos += int(meta.get("num_videos", 0))
+            video_frames += sum(int(v["frames"]) for v in meta.get("videos", ()))
             dropped_videos += int(meta.get("dropped_videos", 0))
             images.append(len(ts.array("image_grid_thw").reshape(-1, 3)))
             truncated += bool(meta.get("truncated"))
@@ -65,6 +66,7 @@ def compute_stats(root: Path) -> dict:
         "seq_len": (manifest.get("config") or {}).get("seq_len"),
         "shards": len(manifest.get("shards", [])),
         "records": int(manifest.get("totals", {}).get("records", n + sum(rejects.values()))),
+        "unread_bytes": int(manifest.get("totals", {}).get("unread_bytes", 0)),
         "samples": n,
         "tokens": int(tok.sum()),
         "trainable_tokens": int(sum(trained)),
@@ -81,6 +83,7 @@ def compute_stats(root: Path) -> dict:
         "truncated_samples": truncated,
         "dropped_images": dropped,
         "videos": videos,
+        "video_frames": video_frames,
         "video_tokens": video_tokens,
         "dropped_videos": dropped_videos,
         "rejected": sum(rejects.values()),
@@ -116,15 +119,19 @@ def format_stats(st: dict) -> str:
     lines = [
         f"dataset {st['dir']}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
         f"(format v{st['format_version']}, {st['image_format']} images, {st['processor']}, seq_len {st['seq_len']})",
-        f"records            {st['records']} read, {n} samples, {st['rejected']} rejected",
+        f"records            {st['records']} read, {n} samples, {st['rejected']} rejected"
+        + (f" | unread input {st['unread_bytes']} bytes after file faults" if st["unread_bytes"] else ""),
         f"tokens             {t} | trained {st['trainable_tokens']} ({st['trainable_ratio']:.1%}) | "
         f"image {st['image_tokens']} ({st['image_tokens'] / max(t, 1):.1%})",
         f"images             {st['images']} | per sample mean {ips['mean']:.2f}, p50 {ips['p50']}, p90 {ips['p90']}, "
         f"max {ips['max']} | text-only samples {st['text_only_samples']}",
         f"tokens per sample  mean {tps['mean']:.1f} | p50 {tps['p50']} | p90 {tps['p90']} | p99 {tps['p99']} | "
         f"max {tps['max']}",
+        *([f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "
+           f"({st['video_tokens'] / max(t, 1):.1%})"] if st["videos"] or st["dropped_videos"] else []),
         f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
-        f"{plural(st['dropped_images'], 'image')} dropped by the cut",
+        f"{plural(st['dropped_images'], 'image')}"
+        + (f" and {plural(st['dropped_videos'], 'video')}" if st["dropped_videos"] else "") + " dropped by the cut",
         f"rejected           {st['rejected']}" + (" by reason:" if st["rejects"] else ""),
     ]
     lines += [f"  {reason:<40} {count}" for reason, count in st["rejects"].items()]
