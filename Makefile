@@ -10,17 +10,16 @@ BENCH_ARGS ?=
 .PHONY: install demo lint test test-all test-gpu bench clean
 
 # A download cut off mid-wheel (seen on CI: ray's 79 MB wheel, stuck at 30.7 MB through pip's own resumes) must not
-# fail the install: pip retries and resumes, and the whole step is tried again after a pause.
-PIP_NET := --retries 10 --resume-retries 20 --timeout 60
+# fail the install: pip retries and resumes, and the whole step is tried again after a pause. Set as environment
+# variables, which the venv's first pip (23.x, no --resume-retries) ignores where it lacks the option.
 define pip_retry
-for i in 1 2 3 4; do $(PY) -m pip install -q $(PIP_NET) $(1) && break; \
+for i in 1 2 3 4; do PIP_RETRIES=10 PIP_RESUME_RETRIES=20 PIP_TIMEOUT=60 $(PY) -m pip install -q $(1) && break; \
   [ $$i = 4 ] && exit 1; echo "pip install failed (try $$i of 4); again in $$((i * 30)) s" >&2; sleep $$((i * 30)); done
 endef
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# the venv's own pip (23.x) lacks --resume-retries: upgrade it first, with a plain retry
-	for i in 1 2 3; do $(PY) -m pip install -q --retries 10 --upgrade pip && break; [ $$i = 3 ] && exit 1; sleep 20; done
+	$(call pip_retry,--upgrade pip)
 	# torch first and pinned: pip takes both from local wheels; anything unpinned would pull a CUDA build.
 	$(call pip_retry,torch==2.14.1 torchvision==0.29.1)
 	$(call pip_retry,-e '.[dev]')
