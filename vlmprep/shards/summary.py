@@ -8,6 +8,11 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def dropped_by_cut(images: int, videos: int) -> str:
+    """What truncation dropped whole; videos named only where there were some."""
+    return plural(images, "image") + (f" and {plural(videos, 'video')}" if videos else "") + " dropped by the cut"
+
+
 def rejected_records(manifest: dict) -> int:
     """Rejected records: reject lines less turn_too_long ones (a lost turn of a record whose other turns landed)."""
     return manifest["totals"]["rejected"] - manifest["rejects"].get("turn_too_long", 0)
@@ -59,8 +64,8 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  images            {t['images']} ({t['image_tokens']} image tokens)",
         *([f"  videos            {t['videos']} ({t['video_tokens']} video tokens)"]
           if t.get("videos") or t.get("dropped_videos") else []),
-        f"  truncated samples {t['truncated_samples']} ({plural(t['dropped_images'], 'image')}"
-        + (f" and {plural(t['dropped_videos'], 'video')}" if t.get("dropped_videos") else "") + " dropped by the cut)",
+        f"  truncated samples {t['truncated_samples']} "
+        f"({dropped_by_cut(t['dropped_images'], t.get('dropped_videos', 0))})",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
         *_turn_lines(manifest.get("turns")),
         *_reasoning_lines(t, manifest.get("config", {})),

@@ -11,7 +11,7 @@ import numpy as np
 
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
-from vlmprep.shards.summary import plural
+from vlmprep.shards.summary import dropped_by_cut, plural
 
 HIST_BINS = 10
 HIST_WIDTH = 40
@@ -130,8 +130,7 @@ def format_stats(st: dict) -> str:
         *([f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "
            f"({st['video_tokens'] / max(t, 1):.1%})"] if st["videos"] or st["dropped_videos"] else []),
         f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
-        f"{plural(st['dropped_images'], 'image')}"
-        + (f" and {plural(st['dropped_videos'], 'video')}" if st["dropped_videos"] else "") + " dropped by the cut",
+        + dropped_by_cut(st["dropped_images"], st["dropped_videos"]),
         f"rejected           {st['rejected']}" + (" by reason:" if st["rejects"] else ""),
     ]
     lines += [f"  {reason:<40} {count}" for reason, count in st["rejects"].items()]
