@@ -421,7 +421,7 @@ def throughput(ds: Path, repeats: int) -> list[dict]:
 
 
 def datasets(quick: bool) -> tuple[Path, int, Path]:
-    """The demo input (`make demo`: 64 traces, 1280x720) built as the README's agent-trace split example, its
+    """The demo input (`make demo`: 64 traces, 1280x720) built as docs/build.md's agent-trace split example, its
     pack size, and many small shards of smaller screenshot traces for the loader."""
     if quick:
         demo = cached_build(traces(6, width=320, height=200), "order-split-quick", seq_len=1024, long_traces="split",

@@ -1,6 +1,6 @@
 """Agent-trace benchmark: the demo traces (1280x720 screenshots) built with --long-traces truncate vs split at
 --seq-len 8192 and 16384, with and without --keep-images last:3: assistant-turn coverage, samples, tokens,
-trained tokens, shard bytes, build seconds (the README's agent-trace table)."""
+trained tokens, shard bytes, build seconds (docs/build.md's agent-trace table)."""
 from __future__ import annotations
 
 from benchmarks.bench_build import timed_build

@@ -1,5 +1,5 @@
 """`make bench` smoke test: `python -m benchmarks.run --quick` runs every benchmark end to end on tiny inputs and
-prints well-formed JSON lines with the fields the README's Performance table is built from (figures unchecked)."""
+prints well-formed JSON lines with the fields docs/performance.md's table is built from (figures unchecked)."""
 import json
 import os
 import subprocess

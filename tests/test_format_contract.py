@@ -261,7 +261,7 @@ def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     assert res.returncode == 0 and res.stdout.startswith("OK"), res.stdout + res.stderr
 
 
-# The package's roles and which roles each may import: the folders are the data flow (see README Development).
+# The package's roles and which roles each may import: the folders are the data flow (see docs/development.md).
 _ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.config", "vlmprep.rejects",
                    "vlmprep.processors"),
           "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "images", "videos", "traces", "render",
@@ -279,7 +279,7 @@ _MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"},
 def _role(module: str) -> str:
     best = max(((p, r) for r, ps in _ROLES.items() for p in ps if module == p or module.startswith(p + ".")),
                key=lambda pr: len(pr[0]), default=None)
-    assert best is not None, f"{module} has no role in the layering: add it to _ROLES (and the README's map)"
+    assert best is not None, f"{module} has no role in the layering: add it to _ROLES (and docs/development.md's map)"
     return best[1]
 
 

@@ -1,5 +1,6 @@
-"""The README is a contract: every fenced bash/python example carries a `<!-- readme-test: ... -->` marker, and
-the marked ones run as written here (small inputs in place of the large ones the README names).
+"""The README and docs/ are a contract: every fenced bash/python example carries a `<!-- readme-test: ... -->`
+marker, and the marked ones run as written here (small inputs in place of the large ones the docs name). The pages
+are README.md, then docs/*.md in the order the README links them.
 
 Markers (an HTML comment on the line before the fence, invisible on GitHub):
     run [setup=NAME] [slow] [sub="OLD=>NEW"]...     a bash block: its commands run with `bash -e` in a copy of a
@@ -30,6 +31,13 @@ from vlmprep.types import RecordError
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOC_LINK = re.compile(r"\]\((docs/[a-z0-9\-]+\.md)\)")
+
+
+def doc_pages() -> list[Path]:
+    """README.md, then each docs/ page in the order the README links them (the order a user reads them)."""
+    linked = list(dict.fromkeys(DOC_LINK.findall(README.read_text())))
+    return [README] + [REPO / rel for rel in linked]
 MARKER = re.compile(r"^<!-- readme-test: (.*?) -->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 KINDS = ("run", "output", "python", "skip")
@@ -40,6 +48,7 @@ class Example:
     line: int  # 1-based line of the opening fence
     lang: str
     body: str
+    doc: str = "README.md"  # the page, relative to the repo
     kind: str | None = None
     setup: str = "none"
     slow: bool = False
@@ -47,11 +56,15 @@ class Example:
     reason: str = ""
 
     @property
+    def where(self) -> str:
+        return f"{self.doc} line {self.line}"
+
+    @property
     def test_id(self) -> str:
-        return f"L{self.line}-{self.kind}"
+        return f"{self.doc}:L{self.line}-{self.kind}"
 
 
-def parse_readme(text: str) -> list[Example]:
+def parse_readme(text: str, doc: str = "README.md") -> list[Example]:
     lines = text.splitlines()
     out: list[Example] = []
     i = 0
@@ -61,7 +74,7 @@ def parse_readme(text: str) -> list[Example]:
             i += 1
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        ex = Example(line=i + 1, lang=m.group(1), body="\n".join(lines[i + 1:end]) + "\n")
+        ex = Example(line=i + 1, doc=doc, lang=m.group(1), body="\n".join(lines[i + 1:end]) + "\n")
         marker = MARKER.match(lines[i - 1]) if i else None
         if marker:
             _apply_marker(ex, marker.group(1))
@@ -83,33 +96,33 @@ def _apply_marker(ex: Example, spec: str) -> None:
             ex.setup = w[len("setup="):]
         elif w.startswith("sub="):
             old, sep, new = w[len("sub="):].partition("=>")
-            assert sep, f"README line {ex.line}: sub needs OLD=>NEW, got {w!r}"
+            assert sep, f"{ex.where}: sub needs OLD=>NEW, got {w!r}"
             ex.subs.append((old, new))
         else:
-            raise AssertionError(f"README line {ex.line}: unknown marker word {w!r}")
+            raise AssertionError(f"{ex.where}: unknown marker word {w!r}")
 
 
 def substitute(ex: Example, text: str) -> str:
     for old, new in ex.subs:
-        assert old in text, f"README line {ex.line}: substitution {old!r} matches nothing (stale marker)"
+        assert old in text, f"{ex.where}: substitution {old!r} matches nothing (stale marker)"
         text = text.replace(old, new)
     return text
 
 
-EXAMPLES = parse_readme(README.read_text())
+EXAMPLES = [e for page in doc_pages() for e in parse_readme(page.read_text(), str(page.relative_to(REPO)))]
 RUNNABLE = [e for e in EXAMPLES if e.kind in ("run", "output", "python")]
 
 
 def test_every_example_is_marked_and_markers_are_valid():
-    unmarked = [e.line for e in EXAMPLES if e.lang in ("bash", "python", "sh") and e.kind is None]
-    assert not unmarked, f"README code blocks without a readme-test marker at lines {unmarked}"
+    unmarked = [e.where for e in EXAMPLES if e.lang in ("bash", "python", "sh") and e.kind is None]
+    assert not unmarked, f"code blocks without a readme-test marker: {unmarked}"
     for e in EXAMPLES:
         if e.kind is None:
             continue
-        assert e.kind in KINDS, f"README line {e.line}: unknown kind {e.kind!r}"
-        assert e.kind != "skip" or e.reason, f"README line {e.line}: skip needs a reason"
-        assert e.kind == "skip" or e.setup in SETUPS, f"README line {e.line}: unknown setup {e.setup!r}"
-        assert e.kind != "output" or e.body.startswith("$ "), f"README line {e.line}: a transcript starts with '$ '"
+        assert e.kind in KINDS, f"{e.where}: unknown kind {e.kind!r}"
+        assert e.kind != "skip" or e.reason, f"{e.where}: skip needs a reason"
+        assert e.kind == "skip" or e.setup in SETUPS, f"{e.where}: unknown setup {e.setup!r}"
+        assert e.kind != "output" or e.body.startswith("$ "), f"{e.where}: a transcript starts with '$ '"
 
 
 def test_the_parser_reads_markers_substitutions_and_transcripts():
@@ -258,13 +271,13 @@ def test_readme_example_runs_as_written(workspace, request):
     ex: Example = request.node.callspec.params["workspace"]
     if ex.kind == "run":
         r = _sh(substitute(ex, ex.body), workspace)
-        assert r.returncode == 0, f"README line {ex.line} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     elif ex.kind == "python":
         script = workspace / "example.py"
         script.write_text(substitute(ex, ex.body))
         r = subprocess.run([sys.executable, str(script)], cwd=workspace, env=_env(), text=True,
                            capture_output=True, timeout=900)
-        assert r.returncode == 0, f"README line {ex.line} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     else:
         for cmd, expected in split_transcript(ex.body):
             r = _sh(substitute(ex, cmd), workspace)
@@ -272,7 +285,7 @@ def test_readme_example_runs_as_written(workspace, request):
             got = [line.rstrip() for line in got]
             excerpt = "# excerpt" in cmd
             assert matches([line.rstrip() for line in expected], got, excerpt=excerpt), (
-                f"README line {ex.line}: `{cmd}` printed (exit {r.returncode}):\n" + "\n".join(got)
+                f"{ex.where}: `{cmd}` printed (exit {r.returncode}):\n" + "\n".join(got)
                 + f"\n--- stderr ---\n{r.stderr[-2000:]}")
 
 
@@ -303,12 +316,18 @@ def test_every_reject_reason_in_the_code_is_in_the_registry():
     assert not missing, f"reject reasons named in vlmprep/ but missing from vlmprep/rejects.py REASONS: {missing}"
 
 
+def test_every_docs_page_is_linked_from_the_readme():
+    pages = {p.name for p in doc_pages()[1:]}
+    on_disk = {p.name for p in (REPO / "docs").glob("*.md")}
+    assert on_disk == pages, f"docs/ pages the README does not link: {sorted(on_disk - pages)}"
+
+
 def test_the_readme_rejects_table_is_the_registry():
-    text = README.read_text()
+    text = (REPO / "docs" / "rejects.md").read_text()
     marker = "<!-- reasons-table: generated from vlmprep/rejects.py REASONS (tests/test_readme.py compares) -->\n"
     start = text.index(marker) + len(marker)
     shown = text[start:text.index("\n\n", start) + 1]
-    assert shown == reasons_table(), "README's Rejects table differs from vlmprep/rejects.py: paste reasons_table()"
+    assert shown == reasons_table(), "docs/rejects.md's table differs from vlmprep/rejects.py: paste reasons_table()"
 
 
 def test_record_error_refuses_an_unknown_reason():

@@ -74,7 +74,7 @@ class DataSpec:
         return f"\n[[{table}]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
 
 
-# Option groups in --help and in the README's options table, in this order.
+# Option groups in --help and in docs/trainer.md's options table, in this order.
 GROUPS = {
     "data": "where samples come from and how they are read",
     "model": "which model, how it runs, what is trained",
@@ -90,7 +90,8 @@ TENSORBOARD_INSTALLED = importlib.util.find_spec("tensorboard") is not None
 
 def opt(default, group: str, text: str, *, shown: str = ""):
     """A TrainConfig field with its one declaration of docs: `text` (one line) and `group` feed --help and the
-    README's options table; `shown` says how a machine-dependent default is chosen (the README shows it instead)."""
+    options table in docs/trainer.md; `shown` says how a machine-dependent default is chosen (the docs show it
+    instead)."""
     assert group in GROUPS and text, f"option needs a group from {list(GROUPS)} and a help text"
     return dataclasses.field(default=default, metadata={"group": group, "help": text, "shown": shown})
 
@@ -237,7 +238,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # content, the model by its resolved dir and config.json hash).
 # Eval may change too: it reads its own data with its own loaders and leaves the RNG and the training stream as they
 # were (tests/trainer/test_eval.py). Every other option shapes the data order or the optimization, so a resume
-# requires it unchanged (README, Trainer).
+# requires it unchanged (docs/trainer.md).
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
@@ -302,7 +303,7 @@ def _show(value) -> str:
 
 
 def options_table() -> str:
-    """The README's table of trainer options, generated from the field declarations (tests/trainer compares)."""
+    """docs/trainer.md's table of trainer options, generated from the field declarations (tests/trainer compares)."""
     rows = ["| group | key (`--flag`) | default | what it does |", "| --- | --- | --- | --- |"]
     for group in GROUPS:
         for name, f in FIELDS.items():

@@ -74,7 +74,7 @@ class BuildConfig:
     image_root: str | None = opt(None, INPUT, "Local image paths must resolve inside this dir (default: each input "
                                  "file's dir).")
     allow_remote: bool = opt(False, INPUT, "Allow fetching http(s) image URLs.")
-    # What a record renders to, and the masking policy (README, "Families and masking").
+    # What a record renders to, and the masking policy (docs/families-and-masking.md).
     processor: str = opt("builtin:qwen2-vl", RENDER, f"{_BUILTINS} | a local processor dir | a hub id.")
     seq_len: int = opt(8192, RENDER, "Max tokens per sample; cuts never split an image.")
     train_on_roles: tuple[str, ...] = opt(("assistant",), RENDER, "Comma list of roles whose text is trained: "
@@ -90,8 +90,8 @@ class BuildConfig:
                                     "(saved with the dataset).")
     role_boundaries: str | None = opt(None, RENDER, "TOML of per-role start/end markers, for processors vlmprep does "
                                       "not know.")
-    image_format: str = opt("zstd", IMAGES, "How images are stored (see README, Image formats).", choices=IMAGE_FORMATS)
-    # The image processor's resize budget and the video sampling (README, "Video"), saved into DIR/processor; a video
+    image_format: str = opt("zstd", IMAGES, "How images are stored (see docs/shard-format.md).", choices=IMAGE_FORMATS)
+    # The image processor's resize budget and the video sampling (docs/video.md), saved into DIR/processor; a video
     # part's own fps / max_frames win. None: the processor's own.
     min_pixels: int | None = opt(None, IMAGES, "Image resize budget: min pixels per image (saved into DIR/processor).")
     max_pixels: int | None = opt(None, IMAGES, "Image resize budget: max pixels per image (saved into DIR/processor).")
@@ -99,7 +99,7 @@ class BuildConfig:
                                   "DIR/processor; default: the processor's, else 2).")
     video_max_frames: int | None = opt(None, IMAGES, "Most frames sampled from a video, unless a part sets max_frames "
                                        "(saved into DIR/processor).")
-    # Agent traces (README, "Agent traces"): what a record longer than seq_len becomes, the screenshot history kept.
+    # Agent traces (docs/build.md): what a record longer than seq_len becomes, the screenshot history kept.
     long_traces: str = opt("truncate", AGENT, "A record longer than --seq-len: truncate (cut the end) | split (step "
                            "samples, every trained turn kept).", choices=LONG_TRACES)
     keep_images: int | None = opt(None, AGENT, "Screenshot history per sample: all | last:N (earlier images removed).",
@@ -123,7 +123,7 @@ class BuildConfig:
     overwrite: bool = opt(False, OUTPUT, "Replace a dataset built with other options in --out, or build beside files "
                           "that are not a dataset's.")
     progress: bool = opt(True, OUTPUT, "Show a progress bar.")
-    # Scale out (README, "Scale out"): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
+    # Scale out (docs/scale-out.md): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
     # at a time with task_index (a Slurm array / indexed job), then merged.
     workers: int = opt(1, SCALE, "Worker processes; output is identical for any value.")
     tasks: int = opt(1, SCALE, "Cut the input into this many fixed tasks (DIR/plan.json); 1 = one task.")

@@ -89,8 +89,8 @@ def resolve_family(processor, role_boundaries: str | None = None) -> FamilySpec:
     if known is None:
         raise ValueError(
             f"processor class {cls} is not a known family ({', '.join(sorted(FAMILIES))}); vlmprep will not guess "
-            "which tokens to train: pass --role-boundaries FILE declaring each role's start/end markers (README, "
-            "'Families and masking')")
+            "which tokens to train: pass --role-boundaries FILE declaring each role's start/end markers "
+            "(docs/families-and-masking.md)")
     return known
 
 

@@ -1,5 +1,5 @@
 """The registry of reject reasons: every reason code a bad record can get, with its stage and what it means.
-RecordError refuses a reason not listed here; the README's Rejects table is generated from it (reasons_table)."""
+RecordError refuses a reason not listed here; docs/rejects.md's table is generated from it (reasons_table)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Reason:
-    stage: str  # the README table's row
+    stage: str  # the docs/rejects.md table's row
     help: str = ""  # printed in parentheses after the code; "" for a self-explaining code
 
 
@@ -15,7 +15,7 @@ def _stage(stage: str, **reasons: str) -> dict[str, Reason]:
     return {name: Reason(stage, text) for name, text in reasons.items()}
 
 
-# In README order: the table lists the stages and, in each, the reasons as written here.
+# In docs/rejects.md order: the table lists the stages and, in each, the reasons as written here.
 REASONS: dict[str, Reason] = {
     **_stage(
         "reading",
@@ -127,7 +127,7 @@ REASONS: dict[str, Reason] = {
 
 
 def reasons_table() -> str:
-    """The README's Rejects table (tests/test_readme.py compares): one row per stage, its reasons in order."""
+    """docs/rejects.md's table (tests/test_readme.py compares): one row per stage, its reasons in order."""
     rows = ["| stage | reasons |", "| --- | --- |"]
     for stage in dict.fromkeys(r.stage for r in REASONS.values()):
         cells = [f"`{name}`" + (f" ({r.help})" if r.help else "") for name, r in REASONS.items() if r.stage == stage]

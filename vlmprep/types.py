@@ -36,7 +36,7 @@ class RecordError(Exception):
     """A bad record: rejected with a stable reason code, counted, never fatal unless --strict."""
 
     def __init__(self, reason: str, message: str):
-        if reason not in REASONS:  # a programming error: every reason is documented (README's Rejects table)
+        if reason not in REASONS:  # a programming error: every reason is documented (docs/rejects.md)
             raise ValueError(f"unknown reject reason {reason!r}: add it to vlmprep/rejects.py REASONS")
         message = deterministic_message(message)
         super().__init__(f"{reason}: {message}")

@@ -83,16 +83,16 @@ def test_help_walk_every_option_has_help_a_group_and_a_default():
 
 
 def test_readme_options_table_is_the_declarations():
-    """The README's options table is generated from the same declarations as --help (regenerate it with
+    """docs/trainer.md's options table is generated from the same declarations as --help (regenerate it with
     trainer.config.options_table())."""
     from tests.trainer.conftest import ROOT
     from trainer.config import FIELDS, options_table
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "trainer.md").read_text(encoding="utf-8")
     begin, end = "<!-- trainer-options: begin -->\n", "<!-- trainer-options: end -->"
-    assert begin in text and end in text, "README lost its trainer options table markers"
+    assert begin in text and end in text, "docs/trainer.md lost its trainer options table markers"
     table = text.split(begin, 1)[1].split(end, 1)[0]
-    assert table == options_table(), "README trainer options table is stale: paste trainer.config.options_table()"
+    assert table == options_table(), "docs/trainer.md options table is stale: paste trainer.config.options_table()"
     assert len(table.splitlines()) == 2 + len(FIELDS)
 
 

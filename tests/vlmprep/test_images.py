@@ -114,7 +114,7 @@ def test_32bit_int_gray_in_16bit_range_is_scaled_and_wider_is_refused():
 @pytest.mark.parametrize("make", [half_transparent_rgba, palette_with_transparency,
                                   lambda: half_transparent_rgba().convert("LA")])
 def test_alpha_and_palette_follow_the_processors_own_path(make, qwen2vl_processor):
-    # Decision (README "Image formats"): a PIL image goes through the processor's process_image, whose
+    # Decision (docs/shard-format.md): a PIL image goes through the processor's process_image, whose
     # convert_to_rgb composites alpha onto white, i.e. exactly `processor(images=Image.open(path))`.
     src = make()
     data = save(src)

@@ -291,4 +291,4 @@ def test_demo_traces_coverage_split_is_complete_and_truncate_reports_todays(seq_
         if mode == "split":
             assert trained == n and res.manifest["turns"]["coverage"] == 1.0
         else:
-            assert trained == {8192: 314, 16384: 618}[seq_len]  # the figures the README reports
+            assert trained == {8192: 314, 16384: 618}[seq_len]  # the figures docs/build.md reports

@@ -24,7 +24,7 @@ IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entro
 
 class Collator:
     """Right-padded batch of client samples, usable as-is as the `collate_fn` of a torch DataLoader or the
-    `data_collator` of HF `Trainer` / TRL `SFTTrainer` (settings in README, "Train with HF Trainer / TRL")."""
+    `data_collator` of HF `Trainer` / TRL `SFTTrainer` (settings: docs/other-libraries.md)."""
 
     def __init__(self, path: str | Path, *, pad_token_id: int | None = None):
         path = Path(path)

@@ -52,7 +52,7 @@ FIRST_ADDED_ID = 151643
 
 
 # The image settings each builtin mirrors: the published preprocessor_config.json of the checkpoint it is named
-# after (README "Build shards"). Unlisted keys (resample bicubic, rescale 1/255, RGB conversion) are the class
+# after (docs/build.md). Unlisted keys (resample bicubic, rescale 1/255, RGB conversion) are the class
 # defaults in the published files too. Qwen2-VL's class default max_pixels (1280 x 28 x 28) is NOT the checkpoint's.
 QWEN2_VL_IMAGE = {  # Qwen/Qwen2-VL-7B-Instruct and Qwen/Qwen2.5-VL-7B-Instruct
     "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,

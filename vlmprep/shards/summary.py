@@ -23,7 +23,7 @@ def reject_share(manifest: dict) -> float:
     return rejected_records(manifest) / records if records else 0.0
 
 
-# The one-line fix for the most common reject reasons (the rest: README "Rejects" and rejects.jsonl).
+# The one-line fix for the most common reject reasons (the rest: docs/rejects.md and rejects.jsonl).
 REJECT_FIXES = {
     "tool_calls_not_rendered": "pass a tool-aware --chat-template (bundled for Qwen2-VL / Qwen2.5-VL: "
                                "--chat-template qwen2_vl_tools), or --tool-calls drop-from-loss",
@@ -45,7 +45,7 @@ REJECT_FIXES = {
 
 
 def reject_fix(reason: str, processor: str | None = None) -> str:
-    fix = REJECT_FIXES.get(reason, "see rejects.jsonl and the README's Rejects table")
+    fix = REJECT_FIXES.get(reason, "see rejects.jsonl and docs/rejects.md")
     if reason == "tool_calls_not_rendered" and processor in ("builtin:qwen2-vl", "builtin:qwen2.5-vl"):
         fix = "pass --chat-template qwen2_vl_tools (the bundled tool-aware template), or --tool-calls drop-from-loss"
     return fix

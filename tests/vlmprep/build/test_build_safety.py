@@ -14,7 +14,7 @@ from vlmprep.build.pipeline import RejectsError, check_rejects
 from vlmprep.processors.load import TEMPLATES_DIR, resolve_chat_template
 from vlmprep.shards.summary import format_build_summary
 
-# README "Agent traces": the recommended setting for browser-agent traces, with the tool-aware template.
+# docs/build.md: the recommended setting for browser-agent traces, with the tool-aware template.
 AGENT = ["--seq-len", "16384", "--long-traces", "split", "--keep-images", "last:3",
          "--dropped-image-text", "[earlier screenshot]", "--max-pixels", "1003520"]
 

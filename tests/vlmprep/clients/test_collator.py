@@ -1,6 +1,6 @@
 """vlmprep.clients.collate.Collator gives other trainers the project trainer's batches: equal to trainer/collate.py
 plus trainer/vision.py on the same samples (pixel_values bit for bit, through a DataLoader with workers too), and
-the README's HF Trainer and TRL SFTTrainer code, run as written, trains 2 steps with the trainer's step-1 loss,
+docs/other-libraries.md's HF Trainer and TRL SFTTrainer code, run as written, trains 2 steps with the trainer's step-1 loss,
 for zstd and `original` (resized at load time) datasets; video batches (pixel_values_videos, video_grid_thw,
 second_per_grid_ts) equal the trainer's for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
 import json
@@ -112,8 +112,8 @@ def test_collator_refuses_another_processors_grids(built, tmp_path):
 
 
 def _readme_block(marker: str) -> str:
-    """The README's `<!-- readme-test: python ... -->` block containing `marker`."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """docs/other-libraries.md's `<!-- readme-test: python ... -->` block containing `marker`."""
+    text = (ROOT / "docs" / "other-libraries.md").read_text(encoding="utf-8")
     blocks = re.findall(r"<!-- readme-test: python[^\n]*-->\n```python\n(.*?)```", text, flags=re.S)
     (block,) = [b for b in blocks if marker in b]
     return block
@@ -129,7 +129,7 @@ def _run_readme_block(marker: str, d: Path, out: Path) -> list[dict]:
     assert n_dir == n_model == 1 and code.count('"runs/') == 1
     code = code.replace('"runs/', '_OUT + "/')
     ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": build_model(tiny_random="qwen2-vl", seed=0)}
-    exec(compile(code, f"README.md ({marker})", "exec"), ns)
+    exec(compile(code, f"docs/other-libraries.md ({marker})", "exec"), ns)
     return ns["trainer"].state.log_history
 
 
