@@ -11,6 +11,10 @@ Markers (an HTML comment on the line before the fence, invisible on GitHub):
     python [setup=NAME] [slow]                      a python block: run as a script in the workspace
     skip REASON                                     not runnable here (a GPU, a checkpoint path, a cluster): says why
 Substitutions are literal and visible in the marker, e.g. `sub="--workers 8=>--workers 2"` on a 2-core box.
+`defines=NAME` on a run block makes its commands (after the block's own setup) the setup NAME of later blocks, so
+a page's inputs are made by commands the reader sees. Alone, each block runs in a copy of its setup (the default
+tier); `test_the_docs_walk_in_document_order_in_one_directory` (slow) runs them all in ONE empty directory in
+document order, as a newcomer would, and fails on a refusal or a command that silently did nothing.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ class Example:
     kind: str | None = None
     setup: str = "none"
     slow: bool = False
+    defines: str = ""  # the setup this block's commands make for later blocks
     subs: list[tuple[str, str]] = field(default_factory=list)
     reason: str = ""
 
@@ -94,6 +99,8 @@ def _apply_marker(ex: Example, spec: str) -> None:
             ex.slow = True
         elif w.startswith("setup="):
             ex.setup = w[len("setup="):]
+        elif w.startswith("defines="):
+            ex.defines = w[len("defines="):]
         elif w.startswith("sub="):
             old, sep, new = w[len("sub="):].partition("=>")
             assert sep, f"{ex.where}: sub needs OLD=>NEW, got {w!r}"
@@ -198,6 +205,12 @@ SETUPS: dict[str, list[str]] = {
 }
 
 
+for _ex in RUNNABLE:  # setups made by the docs' own blocks, in document order
+    if _ex.defines:
+        assert _ex.kind == "run" and _ex.defines not in SETUPS, f"{_ex.where}: defines={_ex.defines} taken or not a run"
+        SETUPS[_ex.defines] = [*SETUPS[_ex.setup], substitute(_ex, _ex.body)]
+
+
 @pytest.fixture(scope="session")
 def workspaces(tmp_path_factory):
     made: dict[str, Path] = {}
@@ -266,27 +279,64 @@ def _params():
     return [pytest.param(e, id=e.test_id, marks=[pytest.mark.slow] if e.slow else []) for e in RUNNABLE]
 
 
+def run_example(ex: Example, cwd: Path) -> list[subprocess.CompletedProcess]:
+    """Run one block in `cwd` as written (with its marker's substitutions) and check it: exit 0, or for a transcript
+    the shown output. Returns the processes, for the walk's no-op check."""
+    if ex.kind == "run":
+        r = _sh(substitute(ex, ex.body), cwd)
+        assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return [r]
+    if ex.kind == "python":
+        script = cwd / "example.py"
+        script.write_text(substitute(ex, ex.body))
+        r = subprocess.run([sys.executable, str(script)], cwd=cwd, env=_env(), text=True,
+                           capture_output=True, timeout=900)
+        script.unlink()
+        assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return [r]
+    done = []
+    for cmd, expected in split_transcript(ex.body):
+        r = _sh(substitute(ex, cmd), cwd)
+        got = r.stdout.rstrip("\n").split("\n") if r.stdout.strip() else []
+        got = [line.rstrip() for line in got]
+        excerpt = "# excerpt" in cmd
+        assert matches([line.rstrip() for line in expected], got, excerpt=excerpt), (
+            f"{ex.where}: `{cmd}` printed (exit {r.returncode}):\n" + "\n".join(got)
+            + f"\n--- stderr ---\n{r.stderr[-2000:]}")
+        done.append(r)
+    return done
+
+
 @pytest.mark.parametrize("workspace", _params(), indirect=True)
 def test_readme_example_runs_as_written(workspace, request):
-    ex: Example = request.node.callspec.params["workspace"]
-    if ex.kind == "run":
-        r = _sh(substitute(ex, ex.body), workspace)
-        assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    elif ex.kind == "python":
-        script = workspace / "example.py"
-        script.write_text(substitute(ex, ex.body))
-        r = subprocess.run([sys.executable, str(script)], cwd=workspace, env=_env(), text=True,
-                           capture_output=True, timeout=900)
-        assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    else:
-        for cmd, expected in split_transcript(ex.body):
-            r = _sh(substitute(ex, cmd), workspace)
-            got = r.stdout.rstrip("\n").split("\n") if r.stdout.strip() else []
-            got = [line.rstrip() for line in got]
-            excerpt = "# excerpt" in cmd
-            assert matches([line.rstrip() for line in expected], got, excerpt=excerpt), (
-                f"{ex.where}: `{cmd}` printed (exit {r.returncode}):\n" + "\n".join(got)
-                + f"\n--- stderr ---\n{r.stderr[-2000:]}")
+    run_example(request.node.callspec.params["workspace"], workspace)
+
+
+# What the tools print when a command finds its work done already (a build found complete, a run resumed): in the
+# walk no block may meet another block's output that way unless it shows it, or it did nothing the reader sees.
+NO_OP = re.compile(r"resumed from|already complete|nothing (left )?to train|found complete|nothing to do")
+
+
+@pytest.mark.slow  # every block of README.md and docs/, trainer runs included: ~15 min on 2 cores
+def test_the_docs_walk_in_document_order_in_one_directory(tmp_path):
+    """A newcomer's walk: README.md, then each docs page in the README's link order, every runnable block in ONE
+    directory that starts empty (the quick start makes the inputs). No block is refused (each exits 0 or prints
+    its transcript) and none silently does nothing: a build over another block's dataset, or a training command
+    that resumes another block's finished run, fails here (the regression cases of three breaks a user met)."""
+    for ex in RUNNABLE:
+        for r in run_example(ex, tmp_path):
+            said = NO_OP.search(r.stdout + r.stderr)
+            assert not said or said.group(0) in ex.body, (
+                f"{ex.where}: a silent no-op in the walk ({said.group(0)!r}):\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
+
+
+def test_the_walk_runs_every_page_and_refuses_a_stale_define():
+    """The walk covers README.md and every linked page, and a `defines=` name is made once, by a run block."""
+    walked = {e.doc for e in RUNNABLE}
+    assert "README.md" in walked and {"docs/build.md", "docs/trainer.md"} <= walked
+    text = "<!-- readme-test: run defines=x -->\n```bash\ntrue\n```\n"
+    (ex,) = parse_readme(text)
+    assert ex.defines == "x" and ex.kind == "run"
 
 
 # --- the Rejects table ------------------------------------------------------------------------------------------
