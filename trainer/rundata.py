@@ -23,6 +23,7 @@ from trainer.shards import (
     DataError,
     DataSource,
     ShardPlan,
+    check_processor,
     load_image_processor_config,
     load_video_processor_config,
     plan_shards,
@@ -36,6 +37,7 @@ def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
     location = cfg.processor or processor
     if not location:
         raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
+    check_processor(location)  # no file linking out of it, no custom code (docs/untrusted-datasets.md)
     try:
         return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
     except ValueError as e:

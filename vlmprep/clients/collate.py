@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.families import family_of
-from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR
-from vlmprep.shards.reader import load_manifest
+from vlmprep.shards.dataset import MANIFEST_NAME
+from vlmprep.shards.reader import load_manifest, processor_dir
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
 
@@ -30,9 +30,9 @@ class Collator:
         path = Path(path)
         self.image_format = None
         if (path / MANIFEST_NAME).is_file():
-            manifest = load_manifest(path)
+            manifest = load_manifest(path)  # every path it names checked to stay inside the dataset
             self.image_format = manifest.get("image_format")
-            path = path / manifest.get("processor", {}).get("dir", PROCESSOR_DIR)
+            path = processor_dir(path, manifest)
         if not any((path / n).is_file() for n in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path}: neither a vlmprep dataset dir nor a saved processor dir")
         self.processor_dir = str(path)
@@ -44,7 +44,8 @@ class Collator:
 
     @property
     def processor(self):
-        """The dataset's saved processor (e.g. TRL's `processing_class`); loaded locally, never from a hub."""
+        """The dataset's saved processor (e.g. TRL's `processing_class`); loaded locally, never from a hub, never its
+        custom code (a processor whose configs carry `auto_map` is refused in one line)."""
         if self._processor is None:
             from vlmprep.processors.load import load_saved_processor
 

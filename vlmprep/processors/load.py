@@ -8,6 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
+from vlmprep_schemas.boundary import processor_files
+
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
 
@@ -46,9 +48,10 @@ def load_processor(spec: str):
         raise ValueError(f"--processor {spec} is a file: pass a processor directory, a hub id or builtin:NAME")
     if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec:  # a path, never a hub id "org/name"
         raise ValueError(f"--processor {spec}: no such directory; pass a processor directory, a hub id or builtin:NAME")
-    # A hub id: the one path that may use the network, and only when the user asks for it.
+    # A hub id: the one path that may use the network, and only when the user asks for it. Never its custom code:
+    # trust_remote_code=False refuses it without transformers' interactive prompt.
     try:
-        return AutoProcessor.from_pretrained(spec)
+        return AutoProcessor.from_pretrained(spec, trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--processor {spec}: not a local directory, and loading it as a hub id failed: "
@@ -56,10 +59,13 @@ def load_processor(spec: str):
 
 
 def load_saved_processor(path: str | Path):
-    """A processor from a local dir (e.g. the copy save_processor wrote into a dataset), never the network."""
+    """A processor from a local dir (e.g. the copy save_processor wrote into a dataset), never the network and never
+    code: a dir whose configs ask for custom code (auto_map), or whose files link outside it, is refused in one line
+    (UnsafeDataset, a ValueError) before transformers reads it."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    processor_files(path)
+    return AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
 def fingerprint_dir(path: Path) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.shards.dataset import REJECTS_NAME
-from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, shard_paths
 from vlmprep.shards.summary import dropped_by_cut, plural
 
 HIST_BINS = 10
@@ -104,7 +104,7 @@ def _mismatches(root: Path, manifest: dict, st: dict) -> list[str]:
         if key in totals and totals[key] != st[key]:
             out.append(f"manifest totals.{key}={totals[key]} but the {'rejects' if key == 'rejected' else 'shards'} "
                        f"give {st[key]}")
-    p = root / REJECTS_NAME
+    p = dataset_path(root, REJECTS_NAME)
     if p.is_file():
         with open(p, encoding="utf-8") as f:
             counted = collections.Counter(json.loads(line).get("reason") for line in f if line.strip())
