@@ -242,6 +242,35 @@ def test_a_shard_outside_the_dataset_is_refused_by_every_client(dataset, tmp_pat
     assert opened == []
 
 
+def test_a_fixed_file_linking_out_is_refused(dataset, tmp_path):
+    """manifest.json and rejects.jsonl are read by their fixed names: a symlink out of the dataset is refused too."""
+    from trainer.shards import DataError, resolve_data
+    from vlmprep.shards.reader import ShardFormatError, load_manifest
+    from vlmprep.tools.inspector import InspectConfig, select
+    from vlmprep.tools.stats import compute_stats
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret").write_text('{"reason": "-----BEGIN OPENSSH PRIVATE KEY-----"}\n')
+    ds = _copy(dataset, tmp_path)
+    (ds / "rejects.jsonl").unlink(missing_ok=True)
+    (ds / "rejects.jsonl").symlink_to(outside / "secret")
+    with watch(outside) as opened:
+        for read in (lambda: compute_stats(ds), lambda: select(InspectConfig(path=str(ds), only="rejected"))):
+            with pytest.raises(ShardFormatError) as e:
+                read()
+            _one_line(e.value, "'rejects.jsonl'", "outside the dataset")
+        shutil.move(ds / "manifest.json", outside / "manifest.json")
+        (ds / "manifest.json").symlink_to(outside / "manifest.json")
+        with pytest.raises(ShardFormatError) as e:
+            load_manifest(ds)
+        _one_line(e.value, "'manifest.json'", "outside the dataset")
+        with pytest.raises(DataError) as e:
+            resolve_data(str(ds))
+        _one_line(e.value, "'manifest.json'", "outside the dataset")
+    assert opened == []
+
+
 def test_energon_refuses_a_shard_outside_the_dataset(dataset, tmp_path):
     """prepare() checks the manifest first; energon's own loader refuses an index (.nv-meta) that names a shard the
     manifest does not list, e.g. `../` (energon joins such a name as given)."""
