@@ -120,17 +120,19 @@ def _read_config(path: Path):
             from None
 
 
-def processor_files(d: str | Path) -> list[Path]:
+def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
     """A saved processor's own files in dir `d` (PROCESSOR_FILES and additional_chat_templates/*.jinja that exist):
     what may be read from it and what `trainer export` copies. Refused unless each, and each config transformers
-    reads, resolves inside `d` (no symlink out), and no config asks for custom code (refuse_custom_code)."""
+    reads, resolves inside `d` (no symlink out), and no config asks for custom code (refuse_custom_code).
+    `links_out=True` is for a dir the user named (--processor): symlinks out are followed (a Hugging Face cache
+    snapshot links every file into blobs/), custom code is still refused."""
     d = Path(d)
     files = [d / n for n in PROCESSOR_FILES if os.path.lexists(d / n)]
     if (d / CHAT_TEMPLATES_DIR).is_dir():
         files += sorted((d / CHAT_TEMPLATES_DIR).glob("*.jinja"))
     configs = [d / n for n in CODE_CONFIGS if os.path.lexists(d / n)]
     for f in dict.fromkeys(files + configs):
-        if not _inside(str(f), str(d)):
+        if not links_out and not _inside(str(f), str(d)):
             raise UnsafeDataset(f"{f}: resolves to {os.path.realpath(f)}, outside the processor dir "
                                 f"{os.path.realpath(d)} (a symlink); refusing to read it: copy the file in")
         if not f.is_file():

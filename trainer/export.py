@@ -136,7 +136,7 @@ def _processor_files(cfg: TrainConfig, processor: str) -> tuple[Path, list[Path]
         raise ConfigError(f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
                           "--processor DIR with the processor the shards were built with")
     try:
-        return Path(location), processor_files(location)
+        return Path(location), processor_files(location, links_out=bool(processor or cfg.processor))
     except UnsafeDataset as e:
         raise ConfigError(str(e)) from None
 

@@ -37,7 +37,8 @@ def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
     location = cfg.processor or processor
     if not location:
         raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
-    check_processor(location)  # no file linking out of it, no custom code (docs/untrusted-datasets.md)
+    # No file linking out of a dataset's processor, no custom code in any (docs/untrusted-datasets.md).
+    check_processor(location, user_named=bool(cfg.processor))
     try:
         return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
     except ValueError as e:

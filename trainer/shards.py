@@ -251,12 +251,13 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
                 raise DataError(f"{url}: reader failed: {e}") from None
 
 
-def check_processor(location: str) -> None:
+def check_processor(location: str, *, user_named: bool = False) -> None:
     """A processor dir the trainer reads settings from (the dataset's, or --processor): each file it would read
-    inside it and no custom code (vlmprep_schemas.boundary.processor_files); a URL's configs are checked as read."""
+    inside it and no custom code (vlmprep_schemas.boundary.processor_files); a URL's configs are checked as read.
+    A dir the user named (`user_named`) may link out (a Hugging Face cache snapshot); a dataset's may not."""
     if not location.startswith(REMOTE):
         try:
-            processor_files(location)
+            processor_files(location, links_out=user_named)
         except UnsafeDataset as e:
             raise DataError(str(e)) from None
 
