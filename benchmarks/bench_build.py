@@ -68,17 +68,23 @@ def processor_floor(inp: Path, processor, chat_template: str | None) -> tuple[fl
     return time.perf_counter() - t0, tokens
 
 
-def _hwm_mb(pid: int | str = "self") -> float:
-    """Peak resident set of one process (VmHWM, per address space). Not ru_maxrss: Linux carries that across
-    fork+exec, so a child started by a big benchmark process would report its parent's peak."""
+def status_mb(field: str, pid: int | str = "self") -> float:
+    """One memory field of /proc/PID/status in MB (VmHWM: the peak resident set; VmRSS: the current one); 0 once
+    the process is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return 0.0
+
+
+def _hwm_mb(pid: int | str = "self") -> float:
+    """Peak resident set of one process (VmHWM, per address space). Not ru_maxrss: Linux carries that across
+    fork+exec, so a child started by a big benchmark process would report its parent's peak."""
+    return status_mb("VmHWM", pid)
 
 
 def _worker_pids(parent: int) -> list[int]:

@@ -26,6 +26,8 @@ REQUIRED = {
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
+    ("clients", "peak_rss"): {"run", "batch", "first_batch"},
+    ("clients", "ratio"): {"ratio", "goal", "step1_loss_rel_diff", "all_logits_over_trainer_peak_rss"},
     ("traces", None): {"long_traces", "seq_len", "keep_images", "coverage", "samples", "tokens", "shard_bytes"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
     ("pack", "pack"): {"pack_to", "pack_window", "ranks", "fill", "step_max_over_mean_tokens",
