@@ -276,16 +276,22 @@ def _table(rows: list[list[str]], *, left: int = 1) -> list[str]:
                              enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
+def shown_inputs(inputs: list[dict], limit: int) -> tuple[list[dict], str]:
+    """All input files in input order, or past `limit` the `limit` with the lowest turn coverage, and a note saying
+    so (a build may read thousands of files)."""
+    if len(inputs) <= limit:
+        return inputs, ""
+    return (sorted(inputs, key=lambda i: (i["coverage"], i["name"]))[:limit],
+            f"{limit} of {len(inputs)}, lowest turn coverage first; --json lists all")
+
+
 def _input_lines(st: dict) -> list[str]:
     inputs = st["inputs"]
     if inputs is None:
         return ["per input file     unavailable: this dataset was built before vlmprep recorded per-input counts "
                 "(rebuild to see them)"]
-    shown = inputs
-    head = "per input file:"
-    if len(inputs) > MAX_INPUT_ROWS:
-        shown = sorted(inputs, key=lambda i: (i["coverage"], i["name"]))[:MAX_INPUT_ROWS]
-        head = f"per input file ({MAX_INPUT_ROWS} of {len(inputs)}, lowest turn coverage first; --json lists all):"
+    shown, note = shown_inputs(inputs, MAX_INPUT_ROWS)
+    head = f"per input file{f' ({note})' if note else ''}:"
     rows = [["file", "records", "samples", "rejected", "turns trained", "coverage", "truncated", "images", "tokens",
              "trained"]]
     for i in shown:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from vlmprep.shards.dataset import write_text_atomic
 from vlmprep.tools.report import page
-from vlmprep.tools.stats import DISTRIBUTIONS, PERCENTILES, summary_lines
+from vlmprep.tools.stats import DISTRIBUTIONS, PERCENTILES, shown_inputs, summary_lines
 
 BAR = "#3b6fd4"  # histogram bars: tests look for this colour in the screenshot
 LOW = "#d9534f"  # a coverage under the dataset's --min-turn-coverage
 OK = "#5cb85c"
 CHART_W, CHART_H, PAD = 440, 170, 34
+MAX_INPUT_ROWS = 1000  # input files listed in the page
 
 _CSS = f"""
 body{{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:20px;color:#1d1d1f}}
@@ -77,13 +78,15 @@ def _inputs_table(st: dict) -> str:
                "rebuild to see them).</p>"
     head = ("file", "records", "samples", "rejected", "turns trained", "coverage", "truncated", "images", "tokens",
             "trained tokens")
-    rows = [f'<table class="inputs">{_head(head)}']
-    for i in inputs:
+    shown, note = shown_inputs(inputs, MAX_INPUT_ROWS)
+    rows = ([f"<p>{_e(note)}</p>"] if note else []) + [f'<table class="inputs">{_head(head)}']
+    for i in shown:
         rejects = ", ".join(f"{r} {c}" for r, c in i["rejects"].items())
         cells = [f'<td class="l" title="{_e(i["path"])}">{_e(i["name"])}</td>', f"<td>{i['records']}</td>",
                  f"<td>{i['samples']}</td>", f'<td title="{_e(rejects)}">{i["rejected"]}</td>',
                  f"<td>{i['trained_assistant_turns']} of {i['input_assistant_turns']}</td>",
-                 f'<td class="l">{_coverage_bar(i["coverage"], st["min_turn_coverage"])}</td>',
+                 f'<td class="l">{_coverage_bar(i["coverage"], st["min_turn_coverage"])}</td>'
+                 if i["input_assistant_turns"] else "<td>-</td>",
                  f"<td>{i['truncated_samples']}</td>", f"<td>{i['images']}</td>", f"<td>{i['tokens']}</td>",
                  f"<td>{i['trainable_tokens']}</td>"]
         rows.append("<tr>" + "".join(cells) + "</tr>")

@@ -420,3 +420,15 @@ def test_stats_on_the_real_traces_shows_what_each_file_loses(tmp_path):
     img = np.asarray(Image.open(shot).convert("RGB")).astype(int)[:1000]
     green = np.array([int(TRAINED_BG[i:i + 2], 16) for i in (1, 3, 5)])
     assert (np.abs(img - green).max(axis=2) <= 3).sum() > 5000, "no trained text on the sample's first screen"
+
+
+def test_many_input_files_list_the_lowest_coverage_first():
+    from vlmprep.tools.stats import MAX_INPUT_ROWS, _input_lines
+
+    inputs = [{**_input(f"part-{k:03d}.jsonl", 100 - k, 100), "path": f"/d/part-{k:03d}.jsonl", "records": 1,
+               "images": 0, "tokens": 10, "trainable_tokens": 1} for k in range(MAX_INPUT_ROWS + 5)]
+    lines = _input_lines({"inputs": inputs})
+    assert lines[0] == (f"per input file ({MAX_INPUT_ROWS} of {MAX_INPUT_ROWS + 5}, lowest turn coverage first; "
+                        "--json lists all):")
+    assert [line.split()[0] for line in lines[2:]] == [f"part-{k:03d}.jsonl" for k in range(MAX_INPUT_ROWS + 4,
+                                                                                              4, -1)]
