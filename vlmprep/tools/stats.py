@@ -24,7 +24,10 @@ PERCENTILES = (10, 50, 90, 99)
 # is judged by its own value (manifest config `min_turn_coverage`).
 MIN_TURN_COVERAGE = 0.95
 TRUNCATED_SHARE_WARN = 0.10  # a larger share of samples cut at --seq-len
-IMAGE_TOKENS_WARN = 4096  # an image over this many tokens: most of a sequence, usually a tall page or a huge photo
+# An image over a quarter of --seq-len leaves little room for the trace around it (a tall page, a huge photo); the
+# --max-pixels suggested caps one there, as the build's own fix line does.
+IMAGE_SHARE_WARN = 4
+IMAGE_TOKENS_WARN = 4096  # the limit where the manifest names no seq_len
 MAX_INPUT_ROWS = 40  # the terminal lists at most this many input files (the lowest coverage first); --json has all
 MAX_IMAGE_SIZES = 8  # the most common image sizes listed
 COVERAGE_FIX = REJECT_FIXES["no_trainable_tokens_after_truncation"]
@@ -70,14 +73,15 @@ def _image_runs(types: np.ndarray) -> list[int]:
 class _Scan:
     """What one pass over the shards collects: per-sample and per-image values, and per-input-file sample counts."""
 
-    def __init__(self):
+    def __init__(self, image_limit: int):
+        self.image_limit = image_limit
         self.tokens, self.trained, self.image_tokens, self.images = [], [], [], []
         self.truncated = self.dropped = self.split = 0
         self.videos = self.video_frames = self.video_tokens = self.dropped_videos = 0
         self.image_token_runs: list[int] = []
         self.sizes: collections.Counter = collections.Counter()  # (w, h) -> images
         self.sizes_are_source = True  # False once an image without a recorded source size is met (older datasets)
-        self.large: list[dict] = []  # images over IMAGE_TOKENS_WARN tokens
+        self.large: list[dict] = []  # images over image_limit tokens
         self.by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def add(self, ts) -> None:
@@ -105,7 +109,7 @@ class _Scan:
             else:
                 size, self.sizes_are_source = (int(im["width"]), int(im["height"])), False
             self.sizes[size] += 1
-            if len(runs) == len(entries) and runs[k] > IMAGE_TOKENS_WARN:
+            if len(runs) == len(entries) and runs[k] > self.image_limit:
                 self.large.append({"tokens": runs[k], "size": f"{size[0]}x{size[1]}", "file": source,
                                    "pixels_per_token": int(im["width"]) * int(im["height"]) / runs[k]})
 
@@ -113,20 +117,21 @@ class _Scan:
 def compute_stats(root: Path) -> dict:
     root = Path(root)
     manifest = load_manifest(root)
-    scan = _Scan()
+    config = manifest.get("config") or {}
+    seq_len = config.get("seq_len")
+    scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN)
     for path in shard_paths(root, manifest):
         for ts in iter_shard(path, version=manifest["format_version"]):
             scan.add(ts)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)
     rejects = {k: int(v) for k, v in sorted(manifest.get("rejects", {}).items())}
-    config = manifest.get("config") or {}
     st = {
         "dir": str(root),
         "format_version": manifest["format_version"],
         "image_format": manifest.get("image_format"),
         "processor": (manifest.get("processor") or {}).get("spec"),
-        "seq_len": config.get("seq_len"),
+        "seq_len": seq_len,
         "shards": len(manifest.get("shards", [])),
         "records": int(manifest.get("totals", {}).get("records", n + sum(rejects.values()))),
         "unread_bytes": int(manifest.get("totals", {}).get("unread_bytes", 0)),
@@ -144,7 +149,7 @@ def compute_stats(root: Path) -> dict:
         "image_sizes": {"kind": "source" if scan.sizes_are_source else "stored", "distinct": len(scan.sizes),
                         "top": [{"size": f"{w}x{h}", "count": c} for (w, h), c in
                                 sorted(scan.sizes.items(), key=lambda x: (-x[1], x[0]))[:MAX_IMAGE_SIZES]]},
-        "large_images": _large_images(scan.large, manifest),
+        "large_images": _large_images(scan, manifest),
         "truncated_samples": scan.truncated,
         "dropped_images": scan.dropped,
         "videos": scan.videos,
@@ -198,15 +203,16 @@ def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | Non
     return out
 
 
-def _large_images(large: list[dict], manifest: dict) -> dict:
-    """Images over IMAGE_TOKENS_WARN tokens, the largest, and the --max-pixels that caps an image at that many: the
+def _large_images(scan: _Scan, manifest: dict) -> dict:
+    """Images over the scan's limit, the largest, and the --max-pixels that caps an image at that many tokens: the
     stored pixels per token of a grid family (patch^2 x merge^2) times the limit."""
-    out = {"limit": IMAGE_TOKENS_WARN, "count": len(large), "largest": None, "max_pixels": None}
+    large = scan.large
+    out = {"limit": scan.image_limit, "count": len(large), "largest": None, "max_pixels": None}
     if large:
         out["largest"] = {k: v for k, v in max(large, key=lambda x: x["tokens"]).items() if k != "pixels_per_token"}
         family = family_of((manifest.get("processor") or {}).get("class"))
         if family is not None and family.grid_images:
-            out["max_pixels"] = int(IMAGE_TOKENS_WARN * round(min(x["pixels_per_token"] for x in large)))
+            out["max_pixels"] = int(scan.image_limit * round(min(x["pixels_per_token"] for x in large)))
     return out
 
 
@@ -233,8 +239,8 @@ def _mismatches(manifest: dict, st: dict, reject_lines: list[dict] | None, by_fi
 
 def data_warnings(st: dict) -> list[str]:
     """What in the numbers calls for a look, each with its fix: turn coverage under st['min_turn_coverage'] (the
-    dataset's and each input file's), a truncated share over TRUNCATED_SHARE_WARN, images over IMAGE_TOKENS_WARN
-    tokens."""
+    dataset's and each input file's), a truncated share over TRUNCATED_SHARE_WARN, images over a quarter of
+    --seq-len."""
     out = []
     floor, turns, inputs = st["min_turn_coverage"], st.get("turns"), st.get("inputs") or []
     if turns and turns["coverage"] < floor:

@@ -277,13 +277,13 @@ class _FakeStored:
 
 def test_image_sizes_and_tokens_per_image_from_one_sample():
     """Tokens per image are the placeholder runs; a source size where the meta records one, else (older datasets)
-    the stored size; an image over IMAGE_TOKENS_WARN tokens is counted with its file and size."""
-    from vlmprep.tools.stats import IMAGE_TOKENS_WARN, _Scan
+    the stored size; an image over the limit (a quarter of --seq-len) is counted with its file and size."""
+    from vlmprep.tools.stats import _Scan
 
-    big = IMAGE_TOKENS_WARN + 1
+    big = 2048 + 1
     images = [{"width": 56, "height": 28, "source_width": 100, "source_height": 50},
               {"width": 28 * big, "height": 28, "source_width": 5000, "source_height": 30}]
-    scan = _Scan()
+    scan = _Scan(2048)
     scan.add(_FakeStored({"source": {"file": "a.jsonl"}, "images": images}, [0, 1, 1, 0] + [1] * big + [0]))
     assert scan.image_token_runs == [2, big] and scan.sizes_are_source
     assert scan.sizes == {(100, 50): 1, (5000, 30): 1}
@@ -397,7 +397,7 @@ def test_stats_on_the_real_traces_shows_what_each_file_loses(tmp_path):
     assert any(w.startswith("WARNING: opencua.jsonl: ") for w in warnings)
     assert not any(w.startswith("WARNING: webvoyager.jsonl: ") for w in warnings)
     assert any("samples truncated" in w and "fix: " in w for w in warnings)
-    assert any(" over 4096 tokens " in w and "--max-pixels 3211264" in w for w in warnings)
+    assert any(" over 2048 tokens " in w and "--max-pixels 1605632" in w for w in warnings)
     seeact = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()
               if "seeact" in line]
     assert any("1280x5808" in r["message"] and "--max-pixels" in r["message"] for r in seeact)
