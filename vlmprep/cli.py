@@ -210,17 +210,26 @@ def inspect(
 def stats(
     root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+    html: Annotated[Optional[str], typer.Option(
+        help="Also write a self-contained HTML report with histograms to this file.")] = None,
 ) -> None:
-    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects."""
+    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects,
+    each input file's turn coverage, distributions, and warnings with their fixes."""
     import json
 
     from vlmprep.tools.stats import compute_stats, format_stats
 
     try:
         st = compute_stats(root)
+        if html:
+            from vlmprep.tools.stats_report import write_stats_report
+
+            write_stats_report(Path(html), st)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     typer.echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st))
+    if html:
+        typer.echo(f"wrote {html}", err=json_out)
 
 
 def main() -> None:

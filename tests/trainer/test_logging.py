@@ -10,7 +10,7 @@ from PIL import Image
 
 from tests.trainer.conftest import ROOT, read_metrics, run_trainer, trainer_env
 from trainer.metrics import RunLog, tb_scalars
-from trainer.plot import EVAL_COLOUR, PANELS, plot_run
+from trainer.plot import EVAL_COLOUR, PANELS, SOURCE_COLOURS, plot_run
 
 TRAIN_TAGS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
               "perf/tokens_per_s": "tokens_per_s", "perf/pack_fill": "pack_fill", "perf/data_wait_s": "data_wait_s"}
@@ -74,27 +74,39 @@ def _colour_pixels(png, colour: str) -> int:
     return int((np.abs(rgb - want).max(-1) <= 8).sum())
 
 
-def _write_metrics(run_dir, n=40, eval_every=10):
+def _write_metrics(run_dir, n=40, eval_every=10, sources=()):
+    """A run's metrics.jsonl as the trainer writes it (packed: pack_fill; a mixture of `sources`: loss_by_source,
+    None where a source had no trained token that step)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "w") as f:
         for s in range(1, n + 1):
-            f.write(json.dumps({"step": s, "loss": 3.0 / s + 1, "lr": 1e-5 * min(1.0, s / 5), "tokens_per_s": 900 + s,
-                                "data_wait_s": 0.01 * (s % 4)}) + "\n")
+            row = {"step": s, "loss": 3.0 / s + 1, "lr": 1e-5 * min(1.0, s / 5), "grad_norm": 2.0 / s + 0.5 * (s % 3),
+                   "tokens_per_s": 900 + s, "data_wait_s": 0.01 * (s % 4), "pack_fill": 0.9 + 0.002 * (s % 5)}
+            if sources:
+                row["loss_by_source"] = {name: (None if (s + i) % 7 == 0 else 3.0 / s + 0.5 * i)
+                                         for i, name in enumerate(sources)}
+            f.write(json.dumps(row) + "\n")
             if s % eval_every == 0:
                 f.write(json.dumps({"step": s, "eval_loss": 3.0 / s + 1.2, "eval_tokens": 100}) + "\n")
 
 
 def test_plot_draws_every_curve(tmp_path):
-    _write_metrics(tmp_path / "run")
+    """Loss (and eval loss), lr, grad norm, tokens/s, data wait and pack fill each draw their curve; a mixture adds
+    one loss curve per source."""
+    _write_metrics(tmp_path / "run", sources=("web", "docs"))
     png = plot_run(tmp_path / "run")
     assert png == tmp_path / "run" / "curves.png"
     img = Image.open(png)
-    assert img.format == "PNG" and img.size == (1100, 700)
+    assert img.format == "PNG" and img.size == (1500, 700)
+    assert {key for key, _, _ in PANELS} >= {"grad_norm", "pack_fill"}
     for key, _, colour in PANELS:
         assert _colour_pixels(png, colour) > 200, f"no {key} curve ({colour}) in the plot"
+    for name, colour in zip(("docs", "web"), SOURCE_COLOURS):
+        assert _colour_pixels(png, colour) > 200, f"no loss curve for source {name} ({colour})"
     assert _colour_pixels(png, EVAL_COLOUR) > 50, "no eval_loss curve"
     _write_metrics(tmp_path / "no-eval", eval_every=10**6)
-    assert _colour_pixels(plot_run(tmp_path / "no-eval"), EVAL_COLOUR) == 0
+    plain = plot_run(tmp_path / "no-eval")
+    assert _colour_pixels(plain, EVAL_COLOUR) == 0 and _colour_pixels(plain, SOURCE_COLOURS[0]) == 0
 
 
 @pytest.mark.slow  # a CLI training run (make-test budget); in process: test_resumed_run_shows_each_step_once, test_plot_draws_every_curve

@@ -438,7 +438,7 @@ def test_inspect_html_shows_each_videos_stored_frames_with_their_times(family, b
     c = Collect()
     c.feed(page.read_text(encoding="utf-8"))
     assert c.tags <= {"html", "head", "meta", "title", "style", "body", "h1", "h2", "small", "div", "span", "table",
-                      "tr", "th", "td", "a", "img", "ul", "li", "section"}
+                      "tr", "th", "td", "a", "img", "ul", "li", "section", "details", "summary"}
     frames = [a for a in c.imgs if a["alt"].startswith("video ")]
     want = [f"video {k + 1} frame {f + 1} at {i / v['fps']:.2f} s" for k, v in enumerate(meta["videos"])
             for f, i in enumerate(v["frame_indices"])]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.build.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
-from vlmprep.build.totals import TOTAL_KEYS, count_sample, duplicate_reject, turn_coverage
+from vlmprep.build.totals import TOTAL_KEYS, count_sample, duplicate_reject, input_totals, turn_coverage
 from vlmprep.processors.load import fingerprint_dir
 from vlmprep.shards.dataset import (MANIFEST_NAME, PLAN_NAME, REJECTS_NAME, SHARD_GLOB, TASK_SUFFIXES, TASKS_DIR,
                                     TMP_SUFFIX, TaskFiles, load_task_manifest, task_file, write_json_atomic,
@@ -104,6 +104,8 @@ def merge_tasks(out: Path) -> dict:
 
     seen: set[bytes] = set()
     totals, rejects = collections.Counter(), collections.Counter()
+    by_input = [collections.Counter() for _ in plan["inputs"]]
+    input_of = {inp["path"]: i for i, inp in enumerate(plan["inputs"])}
     shards, reject_lines = [], []
     for i, m in enumerate(manifests):
         files = TaskFiles(out, i, shard_prefix(plan, i))
@@ -115,6 +117,8 @@ def merge_tasks(out: Path) -> dict:
                 dups.append(sample)
             seen.add(key)
         totals.update(m["totals"])
+        for i, counts in m["inputs"].items():
+            by_input[int(i)].update(counts)
         rejects.update(m["rejects"])
         reject_lines.append(files.rejects.read_text(encoding="utf-8"))
         drop = {d["id"] for d in dups}
@@ -125,9 +129,10 @@ def merge_tasks(out: Path) -> dict:
             if info is not None:
                 shards.append(info)
         for d in dups:
-            count_sample(totals, d, sign=-1)
+            for counts in (totals, by_input[input_of[d["source"]["file"]]]):
+                count_sample(counts, d, sign=-1)
+                counts["rejected"] += 1
             rejects["duplicate_id"] += 1
-            totals["rejected"] += 1
             reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
     write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
     manifest = {
@@ -136,7 +141,8 @@ def merge_tasks(out: Path) -> dict:
         "processor": plan["processor"],
         "config": plan["config"],
         "image_format": plan["config"]["image_format"],
-        "inputs": [{"path": inp["path"], "bytes": inp["bytes"]} for inp in plan["inputs"]],
+        "inputs": [{"path": inp["path"], "bytes": inp["bytes"], "totals": input_totals(counts)}
+                   for inp, counts in zip(plan["inputs"], by_input)],
         "plan": {"tasks": plan["tasks"], "sha256": plan_digest(plan)},
         "shards": shards,
         "totals": {k: int(totals[k]) for k in TOTAL_KEYS},

@@ -32,6 +32,12 @@ def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
     totals["split_samples"] += sign * int(m["split"] is not None)
 
 
+def input_totals(counts) -> dict:
+    """One input file's share of the totals: the same keys, those that are 0 left out (a build may read thousands of
+    files; the manifest lists each)."""
+    return {k: int(counts[k]) for k in TOTAL_KEYS if counts[k]}
+
+
 def duplicate_reject(meta: dict) -> dict:
     return {"source": dict(meta["source"]), "id": meta["id"], "reason": "duplicate_id",
             "message": f"id {meta['id']!r} already used by an earlier record"}

@@ -137,3 +137,5 @@ def test_resume_keeps_completed_shards(kill_input, tmp_path, qwen2vl_processor):
     # Changed arguments invalidate the journal: a different seq-len starts over.
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["name"] for s in manifest["shards"]][: len(done)] == done
+    # the input file's share of the totals survived the resume with them (the journal carries it)
+    assert manifest["inputs"][0]["totals"] == {k: v for k, v in manifest["totals"].items() if v}

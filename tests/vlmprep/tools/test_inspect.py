@@ -292,3 +292,23 @@ def test_only_rejected_on_a_dir_refuses_position_selectors(built):
     _, out = built
     res = invoke(out, "--only", "rejected", "--index", 7)
     assert res.exit_code == 1 and "rejects.jsonl" in res.stderr
+
+
+def test_html_collapses_the_system_prompt_and_tool_list(built, tmp_path):
+    """In the HTML report each sample opens on its conversation: the system message, which holds the tool list under
+    the tool template, is a closed <details> (one click shows it); no other message is collapsed."""
+    from tests.vlmprep.conftest import TOOLS
+
+    inp, _ = built
+    page = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["inspect", str(inp), "--chat-template", TOOLS, "--limit", "2", "--html", str(page)])
+    assert res.exit_code == 0, res.output
+    sections = page.read_text(encoding="utf-8").split('<section class="sample"')[1:]
+    assert len(sections) == 2
+    for s in sections:
+        assert s.count("<details") == s.count('data-role="system"') == 1
+        assert '<details class="msg" data-role="system"><summary class="role">--- system --- <small>' in s
+        folded = s[s.index("<details"):s.index("</details>")]
+        assert "&lt;tools&gt;" in re.sub(r"<[^>]+>", "", folded) and "click to show" in folded  # the tool list
+        assert " open" not in s[s.index("<details"):s.index("<summary")]  # closed by default
+        assert s.index("</details>") < s.index('data-role="user"')  # the conversation follows, open
