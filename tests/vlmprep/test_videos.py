@@ -629,3 +629,36 @@ def test_llamafactory_video_records_build_as_the_same_videos(clips, tmp_path):
     np.testing.assert_array_equal(va[0], vb[0])
     assert "<video>" not in load_processor("builtin:qwen2-vl").tokenizer.decode(a["input_ids"].tolist())
 
+
+# What docs/performance.md states for every process of a build (and what the video benchmark row measures).
+PEAK_RSS_MB = 1536
+
+
+@pytest.mark.slow  # three `vlmprep build --workers 2` processes (~30 s each on 2 cores, mostly imports)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_process_of_a_small_video_build_stays_under_the_documented_peak(family, tmp_path):
+    """`vlmprep build --workers 2` of four 2.3 s clips: the main process (processor load, plan, merge), the
+    forkserver and each worker, each one's own VmHWM, stay under the figure docs/performance.md states."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.support.memory import peak_rss
+
+    root = Path(__file__).resolve().parents[2]
+    assert f"under {PEAK_RSS_MB / 1024:g} GiB" in (root / "docs" / "performance.md").read_text()
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(4):
+            (tmp_path / f"clip{i}.mp4").write_bytes(encode(frames(23, 160, 90, seed=i), 10))
+            f.write(json.dumps({"messages": [{"role": "user", "content": [{"type": "video", "video": f"clip{i}.mp4"},
+                                                                         {"type": "text", "text": "?"}]},
+                                             {"role": "assistant", "content": f"clip {i}"}]}) + "\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    rc, err, peaks = peak_rss([sys.executable, "-m", "vlmprep", "build", "--in", str(tmp_path / "in.jsonl"), "--out",
+                               str(tmp_path / "out"), "--processor", f"builtin:{family}", "--workers", "2",
+                               "--no-progress"], env=env)
+    assert rc == 0, err
+    roles = sorted(p.role for p in peaks)
+    assert roles.count("main") == 1 and roles.count("worker") == 2 and "forkserver" in roles, peaks
+    over = [p for p in peaks if p.peak_mb >= PEAK_RSS_MB]
+    assert not over, over
