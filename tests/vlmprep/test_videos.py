@@ -604,6 +604,7 @@ def _png_of(im: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow  # two builds; in make test: the normalized parts equal (test_normalize.py) and the corpus case
 def test_llamafactory_video_records_build_as_the_same_videos(clips, tmp_path):
     """LLaMA-Factory's video layout (`"videos": ["clip0.mp4"]`, `<video>` in the user text, as its mllm_video_demo)
     builds the very sample of the OpenAI layout's video part, which equals the processor's own render (above):
