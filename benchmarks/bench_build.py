@@ -88,15 +88,16 @@ def _hwm_mb(pid: int | str = "self") -> float:
 
 
 def _worker_pids(parent: int) -> list[int]:
+    """The pool's workers: forked by the forkserver the build started (so grandchildren of `parent`), or spawned."""
+    import psutil
+
     pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for p in psutil.Process(parent).children(recursive=True):
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"spawn_main" in (d / "cmdline").read_bytes():
-                pids.append(int(d.name))
-        except (OSError, IndexError, ValueError):
+            cmd = " ".join(p.cmdline())
+            if ("forkserver" in cmd and p.ppid() != parent) or (p.ppid() == parent and "spawn_main" in cmd):
+                pids.append(p.pid)
+        except psutil.Error:
             continue
     return pids
 

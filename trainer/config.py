@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -63,8 +65,14 @@ class DataSpec:
         spec = cls(**value)
         if not isinstance(spec.path, str) or not spec.path or not isinstance(spec.name, str):
             raise ConfigError(f"data entry {value!r}: path and name must be non-empty strings")
-        if not isinstance(spec.weight, float) or not spec.weight > 0 or spec.weight == float("inf"):
-            raise ConfigError(f"data entry {spec.name or spec.path}: weight={spec.weight!r} must be a number > 0")
+        if "name" in value and not spec.name.strip():
+            raise ConfigError(f"data entry path={spec.path}: its name is empty: name it (name=N: letters, digits, "
+                              "'_', '-', '.'), or leave name out for a single dataset")
+        w = spec.weight
+        # Subnormal weights lose their precision and overflow the order's token / weight clocks to inf.
+        if not isinstance(w, float) or not math.isfinite(w) or w < sys.float_info.min:
+            raise ConfigError(f"data entry {spec.name or spec.path}: weight={w!r} must be a finite number > 0 (not "
+                              f"below {sys.float_info.min:.3g}), e.g. weight=0.3: its share of the trained tokens")
         if spec.on_end not in ON_END:
             raise ConfigError(f"data entry {spec.name or spec.path}: on_end={spec.on_end!r}: choose "
                               f"{' or '.join(ON_END)}")
@@ -167,13 +175,26 @@ class TrainConfig:
                     specs = specs[0].path  # one unnamed dataset is just a path
                 object.__setattr__(self, key, specs)
             if not isinstance(getattr(self, key), str):
-                names = [d.name for d in getattr(self, key)]
-                if not all(names) or len(set(names)) != len(names):
-                    raise ConfigError(f"several datasets need distinct names (got {names}): --{key.replace('_', '-')} "
-                                      f"name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in the TOML")
+                specs = getattr(self, key)
+                names = [d.name for d in specs]
+                how = (f"--{key.replace('_', '-')} name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in "
+                       "the TOML")
+                unnamed = [d.path for d in specs if not d.name]
+                if unnamed:
+                    raise ConfigError(f"{key} entry path={unnamed[0]} has no name: several datasets need a name each: "
+                                      + how)
+                twice = sorted(n for n, c in collections.Counter(names).items() if c > 1)
+                if twice:
+                    raise ConfigError(f"dataset name {twice[0]!r} is given {names.count(twice[0])} times: several "
+                                      f"datasets need distinct names: {how}")
                 bad = [n for n in names if not _NAME.match(n)]
                 if bad:
                     raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
+                total = sum(d.weight for d in specs)
+                light = min(specs, key=lambda d: d.weight)
+                if not math.isfinite(total) or light.weight / total < sys.float_info.min:
+                    raise ConfigError(f"{key} weights span too wide a range ({light.name} {light.weight:g} of a sum "
+                                      f"of {total:g}): give them on one scale, e.g. shares that add up to 1")
         if any(d.weight != 1.0 or d.on_end != "repeat" for d in self.eval_sources):
             raise ConfigError("eval_data entries take name and path only: every eval sample is read once, so weight "
                               "and on_end do not apply")

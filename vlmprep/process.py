@@ -19,7 +19,7 @@ from vlmprep.shards.writer import encode_sample
 from vlmprep.traces import StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RawRecord, RecordError, RenderedSample, deterministic_message, printable
-from vlmprep.videos import prepare_video
+from vlmprep.videos import DEFAULT_VIDEO_FPS, prepare_video
 
 
 class Renderer:
@@ -51,7 +51,8 @@ class Renderer:
                                      videos=self.ctx.family.video is not None)
         if not saved:
             apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-            apply_video_budget(processor, self.ctx.family, fps=cfg.video_fps, max_frames=cfg.video_max_frames)
+            apply_video_budget(processor, self.ctx.family, fps=cfg.video_fps, max_frames=cfg.video_max_frames,
+                               default_fps=DEFAULT_VIDEO_FPS)
         self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()

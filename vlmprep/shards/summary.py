@@ -35,6 +35,9 @@ REJECT_FIXES = {
     "too_many_images": "raise --max-images-per-record, or pass --keep-images last:N",
     "image_too_large": "raise --max-image-pixels",
     "image_too_small": "lower --min-image-side",
+    "video_too_small": "lower --min-image-side",
+    "raw_video_stream": "wrap each raw stream in a container at its real rate: ffmpeg -framerate FPS -i IN -c copy "
+                        "OUT.mp4",
     "line_too_long": "raise --max-line-bytes",
     "no_assistant_turn": "records need an assistant turn to train (or --train-on-roles naming a role they have)",
     "no_trainable_tokens": "check --train-on-roles against the roles your records have",
