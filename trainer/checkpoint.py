@@ -193,24 +193,31 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
     killed run leaves never blocks."""
     run_dir = Path(run_dir)
     rank, world = _world()
-    fd, holder, created = -1, "", not run_dir.exists()
+    fd, refusal, created = -1, "", not run_dir.exists()
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd, holder = _take(run_dir / RUN_LOCK)
-        if fd >= 0:
-            command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]
-            note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "command": command}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(note).encode(), 0)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd, holder = _take(run_dir / RUN_LOCK)
+            if holder:
+                refusal = (f"{run_dir} is in use by another trainer ({holder}): wait for it to end (or stop it), or "
+                           "pass another --out; two runs in one dir would overwrite each other's checkpoints and "
+                           "metrics")
+            if fd >= 0:
+                command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]
+                note = {"pid": os.getpid(), "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(note).encode(), 0)
+        except OSError as e:  # every rank must hear of it, or the others would wait for rank 0 forever
+            refusal = f"--out {run_dir}: cannot create it or its {RUN_LOCK} ({e.strerror}): pass a writable dir"
     if world > 1:
-        shared = [holder]
+        shared = [refusal]
         dist.broadcast_object_list(shared, src=0)
-        holder = shared[0]
-    if holder:
-        raise ConfigError(f"{run_dir} is in use by another trainer ({holder}): wait for it to end (or stop it), or "
-                          "pass another --out; two runs in one dir would overwrite each other's checkpoints and "
-                          "metrics")
+        refusal = shared[0]
+    if refusal:
+        if fd >= 0:
+            os.close(fd)
+        raise ConfigError(refusal)
     try:
         yield
     finally:

@@ -125,3 +125,10 @@ def test_the_run_dir_has_one_owner_and_a_killed_ones_file_does_not_block(tmp_pat
             with own_run_dir(run):  # another open file: flock refuses it as it refuses another process
                 pass
     assert not (run / RUN_LOCK).exists()
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^--out .*/file/run: cannot create it or its trainer.lock \(Not a directory"):
+        with own_run_dir(tmp_path / "file" / "run"):
+            pass
