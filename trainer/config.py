@@ -140,6 +140,9 @@ class TrainConfig:
     shuffle_shards: bool = opt(True, "data", "shuffle each rank's shard order every epoch (seeded)")
     shard_cache: str = opt("", "data", "where http(s)://, pipe: shards are copied for random access; '' = "
                                        "OUT/shard-cache")
+    verify_shards: bool = opt(True, "data", "check each shard's sha256 against its manifest when this run first "
+                              "reads it (remembered in the shard cache: a resume does not hash again); off: sizes, "
+                              "sample counts and changes while training only")
     activation_checkpointing: bool = opt(False, "model", "recompute each block's activations in backward to save "
                                                          "memory")
     precision: str = opt("auto", "model", "auto (bf16 on CUDA, fp32 on CPU), " + ", ".join(PRECISIONS[1:]))
@@ -264,7 +267,7 @@ RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
                                "tensorboard", "shard_cache", "save_hf", "export_dtype", "eval_data",
-                               "eval_every"})
+                               "eval_every", "verify_shards"})
 
 
 def _coerce(name: str, value):

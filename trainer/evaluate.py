@@ -15,6 +15,7 @@ from trainer.collate import CollateSpec
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import StepLoader
 from trainer.decode import trains_videos
+from trainer.integrity import ShardCheck, check_local_shards
 from trainer.model import forward_loss
 from trainer.pack import check_packing
 from trainer.shards import DataSource, plan_shards, processor_difference, resolve_data
@@ -28,7 +29,7 @@ class EvalSet:
 
 
 def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, collate_spec: CollateSpec,
-              train_data: DataSource, model_type: str) -> list[EvalSet]:
+              train_data: DataSource, model_type: str, check: ShardCheck | None = None) -> list[EvalSet]:
     """This rank's loader per eval set: whole shards planned over the ranks as for training (with fewer shards
     than ranks, every rank strides over all samples), read in manifest order, batched exactly as training. A set
     that holds videos runs the video pass in every micro-batch (the placeholder video where it has none), whether
@@ -48,7 +49,9 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
             raise ConfigError(f"--eval-data {d.path} holds videos, but the training data's processor saved no video "
                               "processor to make their pixel_values_videos: pass --processor with one")
         plan = plan_shards(ds.shards, world)
-        loader = StepLoader([ds.shards[i] for i in plan.per_rank[rank]], spec=spec,
+        shards = [ds.shards[i] for i in plan.per_rank[rank]]
+        signatures = check_local_shards(shards, ds, check) if check is not None else None  # sha256 before reading
+        loader = StepLoader(shards, spec=spec, signatures=signatures,
                             collate_spec=replace(collate_spec, videos=videos),
                             seed=cfg.seed, shuffle=False, micro_batch_size=cfg.micro_batch_size,
                             max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,

@@ -16,7 +16,7 @@ from trainer.collate import CollateSpec
 from trainer.config import ConfigError, DataSpec, TrainConfig
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
-from trainer.index import index_shard, local_copy
+from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_index, expected_sha256
 from trainer.model import model_type_of
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
 from trainer.shards import (
@@ -68,13 +68,19 @@ def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> Non
 
 
 def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
-                 world: int, cache: Path) -> list[RankSource]:
-    """Each source's shards as this rank reads them, indexed (remote shards copied to `cache` first)."""
+                 world: int, cache: Path, check: ShardCheck | None = None) -> list[RankSource]:
+    """Each source's shards as this rank reads them, checked against their manifest's sha256 (by `check`; none:
+    stats only) and indexed (remote shards copied to `cache` first). Where every rank reads every shard (fewer shards
+    than ranks), rank r hashes shards r, r + world, ..."""
+    check = check or ShardCheck(None, enabled=False)
     total = sum(d.weight for d in specs)
     out = []
     for spec, ds, plan in zip(specs, datasets, plans):
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
-        indexes = tuple(index_shard(local_copy(s, cache), url=s.url, expect=s.num_samples) for s in shards)
+        want = expected_sha256(ds)
+        indexes = tuple(checked_index(s, cache=cache, check=check,
+                                      want=want.get(s.name) if not plan.stride or k % world == rank else None)
+                        for k, s in enumerate(shards))
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
                               (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))
     return out
@@ -128,6 +134,7 @@ class RunData:
     image: ImageSpec
     label: str  # how run.json and messages name the data
     warnings: tuple[str, ...] = ()  # printed by rank 0 with the start-up lines
+    watch: DatasetWatch | None = None  # the local datasets' manifests, checked every step
 
 
 def open_data(cfg: TrainConfig, world: int) -> RunData:
@@ -146,7 +153,8 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
         check_compatible(specs, datasets, cfg.processor)
         refuse_empty(specs, datasets)
     label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
-    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label, tuple(warnings))
+    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label, tuple(warnings),
+                   DatasetWatch(datasets))
 
 
 def _shard_keys(ds: DataSource) -> dict[str, str]:
@@ -185,8 +193,14 @@ def log_plans(data: RunData, world: int) -> None:
               "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
 
 
+def shard_check(cfg: TrainConfig, out: Path, rank: int) -> ShardCheck:
+    """This rank's sha256 checks of the shards it reads, remembered in its shard cache dir (trainer/integrity.py)."""
+    return ShardCheck(Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}" / RECORD,
+                      enabled=cfg.verify_shards)
+
+
 def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, device: torch.device,
-                collate_spec: CollateSpec, out: Path) -> tuple[StepLoader, int | None, int]:
+                collate_spec: CollateSpec, out: Path, check: ShardCheck) -> tuple[StepLoader, int | None, int]:
     """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
     The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without them the
     shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
@@ -197,8 +211,9 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
     if scheduled or local:
         t0 = time.perf_counter()
         sources = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world,
-                               cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}")
+                               cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}", check=check)
         index_s = time.perf_counter() - t0
+    check.save()  # what this rank hashed (eval sets too): a resume does not hash it again
     plan = data.plans[0]
     predicted, first = predict_steps(cfg, sources, device) if sources is not None else (None, None)
     if predicted is None:
@@ -219,7 +234,9 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                         stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
                         pack_window=cfg.pack_window, sources=sources if scheduled else None,
                         sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span,
-                        first_schedule=first if scheduled else None)
+                        first_schedule=first if scheduled else None,
+                        signatures={s.url: ix.signature for src in sources or [] for s, ix in zip(src.shards,
+                                                                                                   src.indexes)})
     return loader, total, schedule_len
 
 

@@ -3,6 +3,7 @@ load -> loop of train_step (loss = summed token losses / global trained-token co
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -16,8 +17,8 @@ import torch.distributed as dist
 
 from trainer.checkpoint import (
     check_resumable,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest,
+    own_run_dir,
     run_identity,
     save_checkpoint,
     start_run_dir,
@@ -30,7 +31,7 @@ from trainer.evaluate import EvalSet, eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
 from trainer.pack import check_packing, empty_state
-from trainer.rundata import RunData, log_plans, make_loader, open_data
+from trainer.rundata import RunData, log_plans, make_loader, open_data, shard_check
 from trainer.shards import DataError
 from trainer.vision import Patchifier
 
@@ -135,11 +136,12 @@ def resume_state(cfg: TrainConfig, out: Path, *, net: torch.nn.Module, optimizer
                  device: torch.device, rank: int) -> tuple[int, int, int, list[int]]:
     """(step, epoch, stream position, packer state) to start from: with --resume and a checkpoint, the checkpoint's
     (model, optimizer and RNG states loaded too); else zeros."""
-    ckpt = latest_checkpoint(out) if cfg.resume else None
-    if ckpt is None:
+    found = load_latest(out, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to)) \
+        if cfg.resume else None
+    if found is None:
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
         return 0, 0, 0, []
-    r = load_checkpoint(ckpt, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to))
+    ckpt, r = found
     if rank == 0:
         print(f"trainer: resumed from {ckpt} (step {r.step}, epoch {r.epoch})", file=sys.stderr)
     return r.step, r.epoch, r.position, r.pack_state
@@ -183,6 +185,8 @@ class Session:
         # does not say so when it is not known up front (token budget, packing).
         while (self.total is None or self.step < self.total) and (cfg.max_steps or self.epoch < cfg.epochs):
             t0 = time.perf_counter()
+            if self.data.watch is not None:
+                self.data.watch.check()  # a build replacing the dataset stops the run here (trainer/integrity.py)
             micro_batches = self.loader.next_step()
             wait = time.perf_counter() - t0
             totals = all_sum([sum(b.num_trained for b in micro_batches), sum(b.num_samples for b in micro_batches),
@@ -281,9 +285,11 @@ def run(cfg: TrainConfig) -> dict | None:
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     loader = log = None
+    owner = contextlib.ExitStack()
     try:
         data = open_data(cfg, world)
         datasets, spec = data.datasets, data.image
+        owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
         start_run(cfg, data, rank=rank, world=world, out=out)
         net = make_model(cfg, data, rank=rank)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
@@ -291,15 +297,16 @@ def run(cfg: TrainConfig) -> dict | None:
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size, video_token_id=video_token_id(net),
                                    videos=trains_videos(datasets, str(net.config.model_type)))
+        check = shard_check(cfg, out, rank)
         evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec,
-                          train_data=datasets[0], model_type=str(net.config.model_type))
+                          train_data=datasets[0], model_type=str(net.config.model_type), check=check)
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
         optimizer = build_optimizer(cfg, net)
         loader, total, schedule_len = make_loader(cfg, data, rank=rank, world=world, device=device,
-                                                  collate_spec=collate_spec, out=out)
+                                                  collate_spec=collate_spec, out=out, check=check)
         step, epoch, position, pack_state = resume_state(cfg, out, net=net, optimizer=optimizer, device=device,
                                                          rank=rank)
         loader.start(epoch, position, pack_state)
@@ -319,6 +326,7 @@ def run(cfg: TrainConfig) -> dict | None:
             log.close()
         if loader is not None:
             loader.close()
+        owner.close()
         dist.destroy_process_group()
 
 

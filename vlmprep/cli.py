@@ -140,12 +140,12 @@ def merge(
     allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs)."""
-    from vlmprep.build.merge import merge_tasks
     from vlmprep.build.pipeline import RejectsError, check_rejects
+    from vlmprep.build.pipeline import merge as merge_dir
     from vlmprep.shards.summary import format_build_summary
 
     try:
-        manifest = merge_tasks(root)
+        manifest = merge_dir(root)
         check_rejects(manifest, root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
     except RejectsError as e:
         typer.echo(format_build_summary(e.manifest, root))

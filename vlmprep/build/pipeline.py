@@ -11,6 +11,7 @@ depends on the executor, so for a fixed T every executor writes the same bytes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
 import json
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from vlmprep.config import BuildConfig
 from vlmprep.build.merge import merge_tasks
+from vlmprep.build.owner import own_out, share_out
 from vlmprep.build.plan import PlanError, config_changes, load_plan, make_plan, write_plan
 from vlmprep.build.progress import TaskProgress
 from vlmprep.build.task import run_task, task_start
@@ -29,11 +31,11 @@ from vlmprep.build.workers import BuildError, pool_failure, start_worker_server,
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
-from vlmprep.shards.dataset import (JOURNAL_NAME, MANIFEST_NAME, NV_META, PLAN_NAME, PROCESSOR_DIR, REJECTS_NAME,
-                                    SHARD_GLOB, TASKS_DIR, TMP_SUFFIX)
+from vlmprep.shards.dataset import (JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, NV_META, PLAN_NAME, PROCESSOR_DIR,
+                                    REJECTS_NAME, SHARD_GLOB, TASKS_DIR, TMP_SUFFIX)
 from vlmprep.shards.summary import reject_fix, reject_share, rejected_records
 
-__all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
+__all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "merge", "plan_build"]
 
 
 @dataclass
@@ -56,7 +58,7 @@ def _plan_options(plan: dict) -> dict:
 _DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME)
                        for g in (name, f"{name}.*"))
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
-_BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META)
+_BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
 
 
 def _ours(p: Path, patterns: tuple[str, ...]) -> bool:
@@ -163,6 +165,14 @@ def build_task(out: Path, index: int, *, workers: int = 1, progress: bool = Fals
     build options given again) a missing plan is made first, identical to the one any other task would make."""
     out = Path(out)
     if cfg is not None:
+        out.mkdir(parents=True, exist_ok=True)  # every task of a new --out makes it: the same dir
+    with share_out(out) if out.is_dir() else contextlib.nullcontext():
+        return _build_task_shared(out, index, workers=workers, progress=progress, cfg=cfg)
+
+
+def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None) -> BuildResult:
+    """build_task() under --out's shared lock: any number of tasks at once, never beside a whole build or a merge."""
+    if cfg is not None:
         plan, _ = plan_build(cfg, fresh=False)
     else:
         plan = load_plan(out)
@@ -182,13 +192,22 @@ def build(cfg: BuildConfig) -> BuildResult:
     if cfg.task_index is not None:
         return build_task(Path(cfg.out), cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
     out = Path(cfg.out)
-    created = not out.exists()
-    try:
-        plan, renderer = plan_build(cfg, fresh=True)
-    except BaseException:
-        if created and out.is_dir() and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out} is a file: pass a directory")
+    top = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the first dir made here
+    out.mkdir(parents=True, exist_ok=True)  # the lock lives inside --out: a second build into a new dir refuses too
+    with own_out(out):
+        try:
+            plan, renderer = plan_build(cfg, fresh=True)
+        except BaseException:
+            if top is not None and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
+                shutil.rmtree(top, ignore_errors=True)
+            raise
+        return _build_planned(cfg, out, plan, renderer)
+
+
+def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer | None) -> BuildResult:
+    """The rest of build() once the plan is made, under --out's lock: the tasks, then the merge."""
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
     if cfg.executor == "ray":
@@ -205,6 +224,13 @@ def build(cfg: BuildConfig) -> BuildResult:
     check_rejects(manifest, out, allow_empty=cfg.allow_empty, max_reject_fraction=cfg.max_reject_fraction)
     return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest["rejects"]),
                        task_seconds=seconds)
+
+
+def merge(out: Path) -> dict:
+    """`vlmprep merge DIR`: merge_tasks with DIR this process's alone, so no task or build writes there meanwhile."""
+    out = Path(out)
+    with own_out(out) if out.is_dir() else contextlib.nullcontext():
+        return merge_tasks(out)
 
 
 class RejectsError(BuildError):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from vlmprep.build.journal import Journal, landed_ids, load_journal, save_journal
+from vlmprep.build.owner import own_task
 from vlmprep.build.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.build.progress import record_progress
 from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject, input_totals
@@ -181,6 +182,13 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
     then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
     from its journal and ends byte-identical. Returns the task manifest."""
     out = Path(out)
+    (out / TASKS_DIR).mkdir(exist_ok=True)
+    with own_task(out, index):  # one run of a task at a time, whatever executor started it
+        return _run_owned_task(out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir)
+
+
+def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
+                    processor_dir: Path | None) -> dict:
     digest = plan_digest(plan)
     files = TaskFiles(out, index, shard_prefix(plan, index))
     done = load_task_manifest(files)
@@ -191,7 +199,6 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
     processor_dir = Path(processor_dir or out / plan["processor"]["dir"])
     if renderer is None:
         renderer = cached_renderer(cfg, processor_dir)
-    (out / TASKS_DIR).mkdir(exist_ok=True)
     journal = _start_or_resume(files, {"plan": digest, "task": index})
     state = _resume_state(files, journal, cfg, plan)
     _write_records(state, _task_records(plan, index, cfg, journal), plan["cuts"][index]["records"], cfg=cfg,
