@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmprep.config import FIELDS
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
-from vlmprep.shards.summary import dropped_by_cut, plural
+from vlmprep.shards.summary import coverage_problem, dropped_by_cut, plural
 
 HIST_BINS = 10
 HIST_WIDTH = 40
@@ -92,6 +93,9 @@ def compute_stats(root: Path) -> dict:
         "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
     }
     st["mismatches"] = _mismatches(root, manifest, st)
+    # The build's own rule, at its default: a dataset built with --min-turn-coverage 0 still says what it lost.
+    st["coverage_warning"] = coverage_problem(manifest, FIELDS["min_turn_coverage"].default) if "turns" in manifest \
+        else None
     return st
 
 
@@ -150,5 +154,6 @@ def format_stats(st: dict) -> str:
             bar = "#" * (round(HIST_WIDTH * b["count"] / top) if b["count"] else 0)
             lines.append(f"  [{b['lo']:>{w}}, {b['hi']:>{w}})  {bar:<{HIST_WIDTH}}  {b['count']}")
     lines += [f"WARNING: {m}" for m in st["mismatches"]]
+    lines += [f"WARNING: {st['coverage_warning']}"] if st.get("coverage_warning") else []
     return "\n".join(lines)
 
