@@ -25,7 +25,8 @@ def built(tmp_path_factory):
     inp.write_text("\n".join(lines) + "\n")
     out = d / "shards"
     build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=1024, samples_per_shard=3,
-                      tool_calls="train-content", progress=False, max_reject_fraction=1.0))  # bad lines on purpose
+                      tool_calls="train-content", progress=False, max_reject_fraction=1.0,  # bad lines on purpose,
+                      long_traces="truncate", min_turn_coverage=0.0))  # and truncated samples
     return out
 
 
@@ -89,7 +90,10 @@ def test_stats_equal_totals_recomputed_from_shards(built):
     assert f"{dropped} image{'s' * (dropped != 1)} dropped by the cut" in text
     for reason, n in rejects.items():
         assert any(line.split() == [reason, str(n)] for line in text.splitlines())
-    assert "tokens per sample histogram:" in text and "#" in text and "WARNING" not in text
+    assert "tokens per sample histogram:" in text and "#" in text
+    # No mismatch; the one warning is the truncated turns' (the build accepted them with --min-turn-coverage 0).
+    assert [ln for ln in text.splitlines() if "WARNING" in ln] == [f"WARNING: {st['coverage_warning']}"]
+    assert st["coverage_warning"].startswith("turn coverage 92.3% < --min-turn-coverage 0.95 (12 of 13 assistant ")
 
 
 def test_stats_flags_a_manifest_that_disagrees_with_the_shards(built, tmp_path):
