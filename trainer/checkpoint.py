@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.config import RESUME_MAY_CHANGE, ConfigError, TrainConfig
+from trainer.metrics import LOG_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -107,7 +108,7 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
 
 RUN_FILE = "run.json"
 # Everything the trainer writes into RUN, run.json first (hf/: the --save-hf export).
-RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml", "tb", "hf")
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", LOG_NAME, "config.toml", "tb", "hf")
 
 
 def _sha(value) -> str:
