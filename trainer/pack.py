@@ -224,9 +224,9 @@ def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_typ
             expect += (f"expected a low fill (a rank's whole epoch is {epoch:.1f} rows' worth, all of them the "
                        "epoch's last rows)")
         elif rows >= 4:
-            expect += f"expected fill >= {CARRY_BELOW:.2f}"
+            expect += f"expected fill >= {CARRY_BELOW:.2f} (except the epoch's last rows)"
         else:
             expect += f"expected a lower fill (raise --pack-window to {4 * pack_to * samples / tokens:.0f} or more)"
     return (f"trainer: packing whole samples into rows of <= {pack_to} tokens, best-fit decreasing over a window of "
             f"{window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
-            "(except the epoch's last rows; pack_fill per step in metrics.jsonl)")
+            "(pack_fill per step in metrics.jsonl)")

@@ -124,15 +124,19 @@ class Renderer:
         merge = getattr(self.processor.image_processor, "merge_size", 1)
         return math.prod(image.grid_thw) // (merge * merge) if self.ctx.family.grid_images else 0
 
+    @property
+    def _large_image(self) -> bool:
+        """The record holds an image over half of --seq-len: the turns that cost are --max-pixels' to fix, which
+        neither splitting nor dropping older screenshots can replace."""
+        return 2 * self.largest_image > self.cfg.seq_len
+
     def _count_large_image_loss(self, lost: int) -> None:
-        """Turns lost to --seq-len in a record holding an image over half of it: the fix is --max-pixels, which
-        neither splitting nor dropping older screenshots can replace (build's fix line reads this count)."""
-        if lost and 2 * self.largest_image > self.cfg.seq_len:
+        if lost and self._large_image:  # build's fix line reads this count
             self.turns["turns_lost_large_image"] = lost
 
     def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
-        big = (f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)"
-               if 2 * self.largest_image > self.cfg.seq_len else "")
+        big = f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)" if self._large_image \
+            else ""
         return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "
                             f"{self.cfg.seq_len} even with only the system message and the task as context{big}")
 

@@ -75,7 +75,8 @@ def _clear_dataset(out: Path) -> None:
 
 def check_out(cfg: BuildConfig, out: Path) -> None:
     """Refuse (changing nothing) an --out holding another build's dataset or plan with other options, or files no
-    build wrote, unless --overwrite. The same build again passes: it resumes, or finds the dataset complete."""
+    build wrote, unless --overwrite; a dataset that failed its checks (build-failed.txt) is replaced, saying so. The
+    same build again passes: it resumes, or finds the dataset complete."""
     if cfg.overwrite or not out.exists():
         return
     if not out.is_dir():

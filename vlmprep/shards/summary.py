@@ -79,7 +79,7 @@ def turns_to_train(manifest: dict) -> tuple[int, int, dict[str, int]]:
     return trained, trained + sum(lost.values()), lost
 
 
-def coverage_problem(manifest: dict, minimum: float, *, flag: str = "--min-turn-coverage") -> str | None:
+def coverage_problem(manifest: dict, minimum: float) -> str | None:
     """The one line (share, counts, lost by reason, fix) when fewer than `minimum` of the turns to train are trained;
     None when the dataset passes. Used by build and merge (an error) and stats (a warning)."""
     trained, total, lost = turns_to_train(manifest)
@@ -95,8 +95,8 @@ def coverage_problem(manifest: dict, minimum: float, *, flag: str = "--min-turn-
                "--keep-images last:3 so that traces fit")
     else:
         fix = "pass --keep-images last:3 to drop older screenshots, or raise --seq-len"
-    return (f"turn coverage {share:.1%} < {flag} {minimum:g} ({trained} of {total} assistant turns trained; "
-            f"lost to --seq-len {config.get('seq_len')}: {why}); fix: {fix}")
+    return (f"turn coverage {share:.1%} < --min-turn-coverage {minimum:g} ({trained} of {total} assistant turns "
+            f"trained; lost to --seq-len {config.get('seq_len')}: {why}); fix: {fix}")
 
 
 def format_build_summary(manifest: dict, out: Path) -> str:
