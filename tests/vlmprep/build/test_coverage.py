@@ -153,3 +153,10 @@ def test_real_agent_trajectories_with_defaults_train_95pct_of_their_turns_or_fai
                  "--chat-template", "qwen2_vl_tools", "--max-pixels", "1605632")
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "seeact" / "manifest.json").read_text())["turns"]["coverage"] == 1.0
+
+
+def test_an_unknown_option_names_the_close_one():
+    res = invoke("build", "--in", "x.jsonl", "--out", "o", "--long-trace", "split")
+    assert res.exit_code == 2 and "No such option: --long-trace" in res.output and "--long-traces" in res.output
+    res = invoke("merge", "o", "--min-turn-coverag", "0")
+    assert res.exit_code == 2 and "--min-turn-coverage" in res.output
