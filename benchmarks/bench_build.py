@@ -28,6 +28,9 @@ def build_config(inp: Path, out: Path, **kw):
         extra["chat_template"] = str(TOOL_TEMPLATE)
     if "max_reject_fraction" in BuildConfig.__dataclass_fields__:  # a benchmark measures; its rejects are counted
         extra["max_reject_fraction"] = 1.0
+    if "min_turn_coverage" in BuildConfig.__dataclass_fields__:  # and so are its lost turns; the documented numbers
+        extra["min_turn_coverage"] = 0.0  # were measured truncating where a benchmark names no --long-traces
+        kw.setdefault("long_traces", "truncate")
     return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra,
                        **kw)
 

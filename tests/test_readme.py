@@ -188,12 +188,12 @@ SETUPS: dict[str, list[str]] = {
             f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
             _demo("chat/traces.jsonl.zst", 6, seed=5, max_images=2),
             f"{TOOLS_BUILD} --in chat/traces.jsonl.zst --out chat/shards --seq-len 2048 >/dev/null"],
-    # The Inspect and stats examples: 12 small traces plus a file of two broken records, cut at 1024 tokens.
+    # The Inspect and stats examples: 12 small traces plus a file of two broken records, truncated at 1024 tokens.
     "inspect-demo": [_demo("demo/traces.jsonl.zst", 12, seed=1),
                      "printf '%s\\n' '{\"messages\": [' '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'"
                      " > demo/broken.jsonl",
                      f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --in demo/broken.jsonl --out demo/shards --seq-len 1024 "
-                     "--max-reject-fraction 1 >/dev/null"],
+                     "--max-reject-fraction 1 --long-traces truncate --min-turn-coverage 0 >/dev/null"],
     # demo-small trained 2 steps with --save-hf: runs/demo/hf as the export section's first example writes it.
     "exported": [_demo("demo/traces.jsonl.zst", 8),
                  f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",

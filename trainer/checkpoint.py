@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.config import RESUME_MAY_CHANGE, ConfigError, TrainConfig
+from trainer.metrics import LOG_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -231,7 +232,7 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
 
 RUN_FILE = "run.json"
 # Everything the trainer writes into RUN, run.json first (hf/: the --save-hf export).
-RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml", "tb", "hf")
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", LOG_NAME, "config.toml", "tb", "hf")
 
 
 def _sha(value) -> str:

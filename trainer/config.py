@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -157,6 +158,9 @@ class TrainConfig:
     resume: bool = opt(True, "checkpointing", "continue the run in out (same data, model, options); --no-resume "
                                               "deletes its state and starts over")
     progress: bool = opt(True, "logging", "progress bar on rank 0's terminal")
+    log_every: int = opt(10, "logging", "a plain-text line at step 1 and every N steps (step/total, loss, lr, grad "
+                                        "norm, tokens/s, data wait, ETA) in RUN/train.log, and on stdout unless a "
+                                        "progress bar shows it there; 0 = none")
     eval_data: str | tuple[DataSpec, ...] = opt("", "eval", "held-out data, the forms of data; name=N,path=P once per "
                                                 "eval set ([[eval_data]] in the TOML) for a loss per set; '' = no eval")
     eval_every: int = opt(0, "eval", "steps between evals of the whole eval_data; 0 = only at the end (an eval "
@@ -211,7 +215,7 @@ class TrainConfig:
         if self.tiny_random and self.tiny_random not in TINY_MODELS:
             raise ConfigError(f"tiny_random={self.tiny_random!r}: choose one of {', '.join(TINY_MODELS)}")
         for name in ("max_steps", "schedule_steps", "max_tokens_per_batch", "pack_to", "warmup_steps", "num_workers",
-                     "save_every", "lora_rank", "shuffle_span"):
+                     "save_every", "lora_rank", "shuffle_span", "log_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints", "pack_window"):
@@ -266,6 +270,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
+                               "log_every",
                                "tensorboard", "shard_cache", "save_hf", "export_dtype", "eval_data",
                                "eval_every", "verify_shards"})
 
@@ -339,8 +344,23 @@ def options_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def unknown_argument(extra: list[str], known: list[str]) -> str:
+    """The one-line error for arguments argparse does not know, naming the closest option (`--max-step` -> did you
+    mean --max-steps?)."""
+    first = extra[0]
+    if not first.startswith("-"):
+        return f"unexpected argument {first!r}: every option is --name VALUE (python -m trainer --help lists them)"
+    close = difflib.get_close_matches(first.split("=", 1)[0], known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "python -m trainer --help lists the options"
+    return f"unknown option {first}: {hint}"
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    ns = _parser().parse_args(argv)
+    ns, extra = _parser().parse_known_args(argv)
+    if extra:
+        flags = ["--" + name.replace("_", "-") for name in FIELDS]
+        raise ConfigError(unknown_argument(extra, ["--config", "--help"] + flags + [
+            "--no-" + f[2:] for f, field in zip(flags, FIELDS.values()) if field.type == "bool"]))
     values = load_toml(ns.config) if ns.config else {}
     values.update({k: v for k, v in vars(ns).items() if k != "config" and v is not None})
     for key in ("data", "eval_data"):

@@ -16,6 +16,7 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import StepLoader
 from trainer.decode import trains_videos
 from trainer.integrity import ShardCheck, check_local_shards
+from trainer.metrics import plural
 from trainer.model import forward_loss
 from trainer.pack import check_packing
 from trainer.shards import DataSource, plan_shards, processor_difference, resolve_data
@@ -60,7 +61,8 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
                             pack_window=cfg.pack_window)
         out.append(EvalSet(d.name, loader))
         if rank == 0:
-            print(f"trainer: eval set {d.name or d.path}: {len(ds.shards)} shards over {world} ranks"
+            print(f"trainer: eval set {d.name or d.path}: {plural(len(ds.shards), 'shard')} over "
+                  f"{plural(world, 'rank')}"
                   f"{' (fewer shards than ranks: each rank strides over all samples)' if plan.stride else ''}; "
                   + (f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the end"),
                   file=sys.stderr)
@@ -92,10 +94,11 @@ def evaluate(net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: to
         record["eval_loss_by_source"] = {s.name: (x / c if c else None) for s, (x, c, _) in zip(sets, totals)}
         record["eval_tokens_by_source"] = {s.name: int(c) for s, (_, c, _) in zip(sets, totals)}
     if log is not None:
-        log.eval(record)
         shown = f"{record['eval_loss']:.4f}" if tokens else "n/a (no trained tokens)"
-        print(f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
-              f"samples ({record['eval_time_s']:.1f}s)", file=sys.stderr)
+        line = (f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
+                f"samples ({record['eval_time_s']:.1f}s)")
+        log.eval(record, line)
+        print(line, file=sys.stderr)
     return record
 
 

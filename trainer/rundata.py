@@ -17,6 +17,7 @@ from trainer.config import ConfigError, DataSpec, TrainConfig
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
 from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_index, expected_sha256
+from trainer.metrics import plural
 from trainer.model import model_type_of
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
 from trainer.shards import (
@@ -184,11 +185,12 @@ def log_plans(data: RunData, world: int) -> None:
     for w in data.warnings:
         print(f"trainer: warning: {w}", file=sys.stderr)
     for d, ds, p in zip(data.specs, data.datasets, data.plans):
-        counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
+        counts = ", ".join(f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")
                            for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
         if p.stride:
             counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-        print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks ({counts}); "
+        print(f"trainer: {f'{d.name}: ' if d.name else ''}{plural(len(ds.shards), 'shard')} over "
+              f"{plural(world, 'rank')} ({counts}); "
               f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
               "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
 
@@ -258,6 +260,9 @@ def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predic
                  for d, s in zip(specs, sources)]
         print("trainer: mixture by share of trained tokens: " + "; ".join(parts) + "; an epoch ends when every "
               "dataset has been read through once", file=sys.stderr)
-    if predicted is not None:
+    if cfg.max_steps:  # the run's length is --max-steps, whatever an epoch holds
+        per = f"; predicted steps per epoch: {predicted[0]}" if predicted else ""
+        print(f"trainer: run length: {plural(cfg.max_steps, 'step')} (--max-steps){per}", file=sys.stderr)
+    elif predicted is not None:
         print(f"trainer: predicted steps per epoch: {', '.join(map(str, predicted))} (total {sum(predicted)})",
               file=sys.stderr)

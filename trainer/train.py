@@ -28,7 +28,7 @@ from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.data import StepLoader
 from trainer.decode import trains_videos
 from trainer.evaluate import EvalSet, eval_sets, evaluate
-from trainer.metrics import FlopCounter, RunLog, peak_flops
+from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
 from trainer.pack import check_packing, empty_state
 from trainer.rundata import RunData, log_plans, make_loader, open_data, shard_check
@@ -117,7 +117,7 @@ def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Pa
         log_plans(data, world)
 
 
-def make_model(cfg: TrainConfig, data: RunData, *, rank: int) -> torch.nn.Module:
+def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int) -> torch.nn.Module:
     """The model before FSDP; with packing, every dataset's seq_len checked against a row."""
     net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
                       attn_implementation=cfg.attn_implementation,
@@ -126,7 +126,7 @@ def make_model(cfg: TrainConfig, data: RunData, *, rank: int) -> torch.nn.Module
     if cfg.pack_to:
         # Every dataset's seq_len must fit a row; the log line speaks of the first.
         line = [check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest,
-                              model_type=str(net.config.model_type)) for ds in data.datasets][0]
+                              model_type=str(net.config.model_type), world=world) for ds in data.datasets][0]
         if rank == 0:
             print(line, file=sys.stderr)
     return net
@@ -256,7 +256,12 @@ class Session:
         """After the loop: the last eval and checkpoint where the last step did not make them, the HF export and
         rank 0's closing lines."""
         cfg, step, loader, out, last = self.cfg, self.step, self.loader, self.out, self.last
-        if self.evals and last is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
+        if last is None and self.rank == 0:  # resumed from its final checkpoint: say so, then do what is left
+            length = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs}"
+            self._say(f"trainer: nothing left to train: {out} finished at step {step} ({length}); raise --max-steps "
+                      "or --epochs to train further")
+        if self.evals and (not (cfg.eval_every and step % cfg.eval_every == 0) if last is not None
+                           else not self._eval_logged()):
             evaluate(self.net, self.evals, step=step, device=self.device, patchifier=self.patchifier, log=self.log)
         if step != self.saved_at:
             same = loader.epoch == self.epoch
@@ -276,8 +281,20 @@ class Session:
                 shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / weights:.3f})"
                                    for n, c, d in zip(names, mixed_so_far, specs))
                 print(f"trainer: realized trained-token shares this session: {shares}", file=sys.stderr)
-            print(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
-                  f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
+            self._say(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
+                      f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
+
+    def _say(self, line: str) -> None:
+        """A closing line: on stdout and in RUN/train.log (rank 0)."""
+        print(line)
+        if self.log is not None:
+            self.log.note(line)
+
+    def _eval_logged(self) -> bool:
+        """Whether metrics.jsonl holds this step's eval of these sets already (rank 0 reads, every rank agrees)."""
+        names = [s.name for s in self.evals]
+        done = float(self.rank == 0 and eval_logged(self.out, self.step, names if len(names) > 1 else None))
+        return all_sum([done], self.device)[0] > 0
 
 
 def run(cfg: TrainConfig) -> dict | None:
@@ -291,7 +308,7 @@ def run(cfg: TrainConfig) -> dict | None:
         datasets, spec = data.datasets, data.image
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
         start_run(cfg, data, rank=rank, world=world, out=out)
-        net = make_model(cfg, data, rank=rank)
+        net = make_model(cfg, data, rank=rank, world=world)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
@@ -311,8 +328,9 @@ def run(cfg: TrainConfig) -> dict | None:
                                                          rank=rank)
         loader.start(epoch, position, pack_state)
         patchifier = Patchifier(spec, device)
-        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress,
-                     tensorboard=cfg.tensorboard) if rank == 0 else None
+        # Step lines on stdout unless a progress bar shows the run there (a terminal): Slurm and nohup logs read them.
+        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress, tensorboard=cfg.tensorboard,
+                     log_every=cfg.log_every, echo=not (cfg.progress and sys.stdout.isatty())) if rank == 0 else None
         session = Session(cfg=cfg, data=data, net=net, optimizer=optimizer, loader=loader, patchifier=patchifier,
                           evals=evals, log=log, flop_counter=flop_counter, peak=peak, total=total,
                           schedule_len=schedule_len, rank=rank, world=world, device=device, out=out, step=step,

@@ -42,6 +42,49 @@ def test_training_writes_tensorboard_scalars(trained):
         np.testing.assert_allclose([v for _, v in scalars[tag]], [m[key] for m in metrics], rtol=1e-6, err_msg=tag)
 
 
+def test_off_a_terminal_log_every_1_prints_one_line_per_step_and_the_start_up_agrees_with_the_run(dataset, tmp_path):
+    """A Slurm / nohup job: stdout is a pipe, so each step is a plain line there and in RUN/train.log; under
+    --max-steps the start-up names the run's length, not the epoch's; counts take their plurals."""
+    out = tmp_path / "run"
+    proc = run_trainer(["--data", dataset, "--out", out, "--max-steps", 2, "--num-workers", 0, "--log-every", 1])
+    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("trainer: step ")]
+    assert len(steps) == 2 and steps[0].startswith("trainer: step 1/2 | loss ") and steps[1].endswith("ETA 0:00:00")
+    for key in ("| lr ", "| grad_norm ", " tok/s | data wait ", "% | ETA "):
+        assert all(key in ln for ln in steps), key
+    loss = [m["loss"] for m in read_metrics(out)]
+    assert [float(ln.split("| loss ")[1].split(" ")[0]) for ln in steps] == pytest.approx(loss, abs=1e-4)
+    log = (out / "train.log").read_text().splitlines()
+    assert log[:2] == steps and log[-1].startswith("trainer: done at step 2: ")
+    assert "trainer: run length: 2 steps (--max-steps); predicted steps per epoch: " in proc.stderr
+    assert "(total " not in proc.stderr and "5 shards over 1 rank (rank 0: 5 shards " in proc.stderr
+
+
+def test_log_every_writes_the_log_file_and_echoes_only_where_asked(tmp_path, capsys):
+    run = RunLog(tmp_path, total_steps=30, start_step=0, progress=False, log_every=10, echo=False)
+    for step in range(1, 31):
+        run.step({"step": step, "loss": 1.0, "lr": 1e-5, "grad_norm": 0.5, "tokens_per_s": 100.0,
+                  "data_wait_frac": 0.25})
+    run.close()
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert [ln.split(" | ")[0] for ln in lines] == ["trainer: step 1/30", "trainer: step 10/30", "trainer: step 20/30",
+                                                    "trainer: step 30/30"]
+    assert "| loss 1.0000 | lr 1e-05 | grad_norm 0.500 | 100 tok/s | data wait 25% | ETA 0:00:" in lines[0]
+    assert capsys.readouterr().out == ""
+
+
+def test_packing_start_up_line_expects_the_fill_a_rank_can_reach():
+    from trainer.pack import check_packing
+
+    def line(samples, tokens, world=1, window=64):
+        manifest = {"config": {"seq_len": 2048}, "shards": [{"num_samples": samples, "num_tokens": tokens}]}
+        return check_packing(pack_to=4096, window=window, manifest=manifest, model_type="qwen2_vl", world=world)
+
+    assert "expected a low fill (a rank's whole epoch is 2.2 rows' worth" in line(18, 9000)  # a tiny dataset
+    assert "expected fill >= 0.95" in line(1000, 500_000)
+    assert "expected a low fill" in line(1000, 500_000, world=512)
+    assert "expected a lower fill (raise --pack-window to " in line(1000, 500_000, window=8)
+
+
 def test_eval_metrics_become_eval_scalars():
     record = {"step": 7, "loss": 1.5, "lr": 1e-5, "sample_ids": ["a"], "epoch": 0, "eval_loss": 2.25,
               "eval_tokens": 400, "eval_loss_per_source": {"web": 2.0, "docs": 2.5}, "eval_flag": True}

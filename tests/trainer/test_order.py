@@ -146,7 +146,7 @@ def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, ba
 def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(dataset, traces, tmp_path):
     """Two datasets (one built with another --seq-len, same processor) at 0.7/0.3, packed, --epochs 1 and no
     --max-steps: the run takes exactly the predicted steps and reports tokens and loss per source."""
-    other = build_dataset(traces, tmp_path / "seq1024", seq_len=1024, samples_per_shard=3)
+    other = build_dataset(traces, tmp_path / "seq1024", seq_len=1024, samples_per_shard=3, truncate=True)
     out = tmp_path / "run"
     proc = run_trainer(["--data", f"name=agent,path={dataset},weight=0.7", "--data",
                         f"name=short,path={other},weight=0.3", "--out", out, "--pack-to", 2048, "--pack-window", 8,

@@ -30,9 +30,19 @@ def test_wrong_toml_type_is_an_error(tmp_path):
         load_toml(str(p))
 
 
-def test_unknown_cli_flag_exits():
-    with pytest.raises(SystemExit):
-        parse_args(["--data", "x", "--tiny-random", "qwen2-vl", "--no-such-flag", "1"])
+def test_unknown_cli_flag_is_one_line_naming_the_close_match(capsys):
+    with pytest.raises(ConfigError, match="^unknown option --frobnicate: python -m trainer --help lists"):
+        parse_args(["--data", "x", "--tiny-random", "qwen2-vl", "--frobnicate", "1"])
+    with pytest.raises(ConfigError, match=r"^unknown option --max-step: did you mean --max-steps\?$"):
+        parse_args(["--data", "x", "--tiny-random", "qwen2-vl", "--max-step", "2"])
+    with pytest.raises(ConfigError, match=r"^unknown option --no-shufle: did you mean --no-shuffle\?$"):
+        parse_args(["--data", "x", "--tiny-random", "qwen2-vl", "--no-shufle"])
+    with pytest.raises(ConfigError, match="^unexpected argument 'junk'"):
+        parse_args(["--data", "x", "--tiny-random", "qwen2-vl", "junk"])
+    from trainer.train import main
+
+    assert main(["--data", "x", "--tiny-random", "qwen2-vl", "--max-step", "2"]) == 1
+    assert capsys.readouterr().err == "trainer: error: unknown option --max-step: did you mean --max-steps?\n"
 
 
 @pytest.mark.parametrize("kw, msg", [

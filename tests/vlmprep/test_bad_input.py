@@ -367,7 +367,8 @@ def corpus_build(tmp_path_factory, qwen2vl_processor):
     res = build(BuildConfig(inputs=(str(main), str(huge), str(tmp_path / "trunc.jsonl.zst"),
                                     str(tmp_path / "window.jsonl.zst"), str(tmp_path / "empty.jsonl")),
                             out=str(out), seq_len=256, max_line_bytes=64 << 20, max_images_per_record=8,
-                            progress=False, max_reject_fraction=1.0))  # bad on purpose
+                            progress=False, max_reject_fraction=1.0,  # bad on purpose; the longer_than_seq_len cases
+                            long_traces="truncate", min_turn_coverage=0.0))  # are truncation's
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     by_line = {(os.path.basename(r["source"]["file"]), r["source"]["line"]): r for r in rejects}
     landed = {s.meta()["id"] for s in iter_dataset(out)}

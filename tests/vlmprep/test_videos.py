@@ -271,7 +271,8 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     a, m, _ = _read_one(full)
     inside = int(np.flatnonzero(a["mm_token_type_ids"] == 2)[-1])  # the last token of the second video
     cut = tmp_path / "cut"
-    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(cut), seq_len=inside, progress=False))
+    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(cut), seq_len=inside, progress=False,
+                            long_traces="truncate", min_turn_coverage=0.0))  # the cut and its lost turn on purpose
     b, mb, vids = _read_one(cut)
     assert mb["num_videos"] == 1 and mb["dropped_videos"] == 1 and len(vids) == 1
     np.testing.assert_array_equal(b["video_grid_thw"], a["video_grid_thw"][:1])

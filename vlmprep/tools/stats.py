@@ -11,18 +11,19 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmprep.config import FIELDS
 from vlmprep.families import family_of
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, shard_paths
-from vlmprep.shards.summary import REJECT_FIXES, dropped_by_cut, plural
+from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 
 HIST_BINS = 10
 HIST_WIDTH = 40
 PERCENTILES = (10, 50, 90, 99)
-# Warning thresholds. MIN_TURN_COVERAGE is the build's --min-turn-coverage default: a dataset built with that option
-# is judged by its own value (manifest config `min_turn_coverage`).
-MIN_TURN_COVERAGE = 0.95
+# Warning thresholds. The build's --min-turn-coverage default, and its rule (shards/summary.coverage_problem): a dataset
+# built with --min-turn-coverage 0 still says what it lost.
+MIN_TURN_COVERAGE = FIELDS["min_turn_coverage"].default
 TRUNCATED_SHARE_WARN = 0.10  # a larger share of samples cut at --seq-len
 # An image over a quarter of --seq-len leaves little room for the trace around it (a tall page, a huge photo); the
 # --max-pixels suggested caps one there, as the build's own fix line does.
@@ -160,7 +161,8 @@ def compute_stats(root: Path) -> dict:
         "rejects": rejects,
         "split_samples": scan.split,
         "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
-        "min_turn_coverage": float(config.get("min_turn_coverage", MIN_TURN_COVERAGE)),
+        "min_turn_coverage": MIN_TURN_COVERAGE,
+        "coverage_warning": coverage_problem(manifest, MIN_TURN_COVERAGE) if "turns" in manifest else None,
     }
     reject_lines = _reject_lines(root)
     st["inputs"] = _inputs(manifest, reject_lines)
@@ -197,10 +199,17 @@ def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | Non
                     "dropped_images": t["dropped_images"], "split_samples": t["split_samples"],
                     "input_assistant_turns": n_turns, "trained_assistant_turns": t["trained_assistant_turns"],
                     "coverage": t["trained_assistant_turns"] / n_turns if n_turns else 1.0,
+                    "kept_share": _kept_share(t),
                     "turns_lost": {"truncated": t["turns_lost_truncated"], "turn_too_long": t["turns_lost_too_long"],
                                    "not_trained_by_policy": t["turns_lost_policy"],
                                    "record_rejected": t["turns_lost_rejected"]}})
     return out
+
+
+def _kept_share(t: collections.Counter) -> float:
+    """Trained / (trained + lost to --seq-len): the share the --min-turn-coverage rule judges (shards/summary.py)."""
+    to_train = t["trained_assistant_turns"] + t["turns_lost_truncated"] + t["turns_lost_too_long"]
+    return t["trained_assistant_turns"] / to_train if to_train else 1.0
 
 
 def _large_images(scan: _Scan, manifest: dict) -> dict:
@@ -241,18 +250,15 @@ def data_warnings(st: dict) -> list[str]:
     """What in the numbers calls for a look, each with its fix: turn coverage under st['min_turn_coverage'] (the
     dataset's and each input file's), a truncated share over TRUNCATED_SHARE_WARN, images over a quarter of
     --seq-len."""
-    out = []
-    floor, turns, inputs = st["min_turn_coverage"], st.get("turns"), st.get("inputs") or []
-    if turns and turns["coverage"] < floor:
-        lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v)
-        out.append(f"{turns['trained_assistant_turns']} of {turns['input_assistant_turns']} assistant turns trained "
-                   f"(coverage {turns['coverage']:.1%} < {floor:.0%}; lost: {lost}); fix: {COVERAGE_FIX}")
-    # Per file where there are several (one file's line would repeat the dataset's).
-    low = sorted((i for i in inputs if i["coverage"] < floor), key=lambda i: (i["coverage"], i["name"]))
+    out = [st["coverage_warning"]] if st.get("coverage_warning") else []
+    floor, inputs = st["min_turn_coverage"], st.get("inputs") or []
+    # Per file where there are several (one file's line would repeat the dataset's), by the build's rule: the turns to
+    # train that --seq-len lost (truncated, turn_too_long).
+    low = sorted((i for i in inputs if i["kept_share"] < floor), key=lambda i: (i["kept_share"], i["name"]))
     low = low if len(inputs) > 1 else []
     for i in low[:MAX_INPUT_ROWS]:
         out.append(f"{i['name']}: {i['trained_assistant_turns']} of {i['input_assistant_turns']} assistant turns "
-                   f"trained (coverage {i['coverage']:.1%} < {floor:.0%}; {i['truncated_samples']} of "
+                   f"trained ({i['kept_share']:.1%} of those to train < {floor:g}; {i['truncated_samples']} of "
                    f"{plural(i['samples'], 'sample')} truncated, {i['rejected']} rejected"
                    + (": " + ", ".join(f"{r} {c}" for r, c in i["rejects"].items()) if i["rejects"] else "") + ")")
     if len(low) > MAX_INPUT_ROWS:

@@ -23,7 +23,8 @@ def hashes(d: Path) -> dict:
 
 
 TOOLS = str(Path(__file__).resolve().parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
-MODES = {"truncate": ({}, []),
+MODES = {"truncate": ({"long_traces": "truncate", "min_turn_coverage": 0.0},  # its lost turns accepted
+                      ["--long-traces", "truncate", "--min-turn-coverage", "0"]),
          # Split records: several samples per record, a shard may close inside a record.
          "split": ({"long_traces": "split", "keep_images": 2, "seq_len": 768, "chat_template": TOOLS},
                    ["--long-traces", "split", "--keep-images", "last:2", "--seq-len", "768", "--chat-template", TOOLS])}

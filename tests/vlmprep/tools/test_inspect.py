@@ -42,7 +42,8 @@ def built(tmp_path_factory):
     out = d / "shards"
     # The demo's tool calls are not rendered by the Qwen2-VL template: train their text content anyway.
     build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=SEQ_LEN, samples_per_shard=3,
-                      tool_calls="train-content", progress=False, max_reject_fraction=1.0))  # rejects on purpose
+                      tool_calls="train-content", progress=False, max_reject_fraction=1.0,  # rejects on purpose,
+                      long_traces="truncate", min_turn_coverage=0.0))  # and truncated samples
     return inp, out
 
 
@@ -149,7 +150,8 @@ def test_raw_input_gives_the_same_view_as_the_built_shard(built):
     # Without --only, raw mode says inline which records build would reject.
     assert sum(line.startswith("rejected  ") for line in raw_lines) == 3
     # One record alone, selected by the position that is also its shard key.
-    one_raw = invoke(inp, "--seq-len", SEQ_LEN, "--tool-calls", "train-content", "--index", 4, "--tokens")
+    one_raw = invoke(inp, "--seq-len", SEQ_LEN, "--tool-calls", "train-content", "--long-traces", "truncate",
+                     "--index", 4, "--tokens")
     one_dir = invoke(out, "--index", 4, "--tokens")
     assert strip_where(one_raw.stdout) == strip_where(one_dir.stdout)
 

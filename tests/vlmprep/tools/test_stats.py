@@ -30,7 +30,8 @@ def built(tmp_path_factory):
     bad.write_text("\n".join(["[1, 2]", "{broken", json.dumps(no_answer)]) + "\n")
     out = d / "shards"
     build(BuildConfig(inputs=(str(inp), str(bad)), out=str(out), seq_len=1024, samples_per_shard=3,
-                      tool_calls="train-content", progress=False, max_reject_fraction=1.0))  # bad lines on purpose
+                      tool_calls="train-content", progress=False, max_reject_fraction=1.0,  # bad lines on purpose,
+                      long_traces="truncate", min_turn_coverage=0.0))  # and truncated samples
     return out
 
 
@@ -106,6 +107,10 @@ def test_stats_equal_totals_recomputed_from_shards(built):
     for reason, n in rejects.items():
         assert any(line.split() == [reason, str(n)] for line in text.splitlines())
     assert "tokens per sample histogram:" in text and "#" in text and "WARNING: manifest" not in text
+    # The truncated turns' warning (the build accepted them with --min-turn-coverage 0), by the build's own rule.
+    st = json.loads(CliRunner().invoke(app, ["stats", str(built), "--json"]).stdout)
+    assert f"WARNING: {st['coverage_warning']}" in text.splitlines()
+    assert st["coverage_warning"].startswith("turn coverage ") and "< --min-turn-coverage 0.95" in st["coverage_warning"]
 
 
 def test_stats_distributions_of_tokens_trained_tokens_images_and_image_sizes(built):
