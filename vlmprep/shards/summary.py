@@ -34,6 +34,8 @@ REJECT_FIXES = {
     "remote_image_refused": "pass --allow-remote to fetch http(s) images",
     "too_many_images": "raise --max-images-per-record, or pass --keep-images last:N",
     "image_too_large": "raise --max-image-pixels",
+    "image_file_too_large": "raise --max-image-bytes",
+    "video_file_too_large": "raise --max-video-bytes",
     "image_too_small": "lower --min-image-side",
     "line_too_long": "raise --max-line-bytes",
     "no_assistant_turn": "records need an assistant turn to train (or --train-on-roles naming a role they have)",
