@@ -336,6 +336,22 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
         raise ShardFormatError(f"{where}: unreadable or truncated tar: {e}") from None
 
 
+def iter_rejects(p: Path) -> Iterator[dict]:
+    """A dataset's rejects.jsonl, one reject record per line; a line longer than the meta limit, nested too deep or
+    not a JSON object is one ShardFormatError naming the file and line, found before it is parsed."""
+    with open(p, "rb") as f:
+        for n, line in enumerate(iter(lambda: f.readline(LIMITS.meta_bytes + 1), b""), 1):
+            if not line.strip():
+                continue
+            try:
+                record = load_json(line, f"{Path(p).name} line {n}", LIMITS.meta_bytes)
+            except ValueError as e:
+                raise ShardFormatError(str(e)) from None
+            if not isinstance(record, dict):
+                raise ShardFormatError(f"{Path(p).name} line {n} is not a JSON object")
+            yield record
+
+
 def iter_dataset(d: Path, *, shard: str | None = None) -> Iterator[StoredSample]:
     """Every sample of a built dataset dir in manifest order."""
     manifest = load_manifest(d)

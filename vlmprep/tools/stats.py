@@ -4,13 +4,12 @@ manifest, with reject counts by reason; formatted as a plain-text summary (or JS
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
 
 from vlmprep.shards.dataset import REJECTS_NAME
-from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+from vlmprep.shards.reader import iter_rejects, iter_shard, load_manifest, shard_paths
 from vlmprep.shards.summary import dropped_by_cut, plural
 
 HIST_BINS = 10
@@ -106,8 +105,7 @@ def _mismatches(root: Path, manifest: dict, st: dict) -> list[str]:
                        f"give {st[key]}")
     p = root / REJECTS_NAME
     if p.is_file():
-        with open(p, encoding="utf-8") as f:
-            counted = collections.Counter(json.loads(line).get("reason") for line in f if line.strip())
+        counted = collections.Counter(str(r.get("reason")) for r in iter_rejects(p))
         if dict(sorted(counted.items())) != st["rejects"]:
             out.append(f"rejects.jsonl counts {dict(sorted(counted.items()))} differ from the manifest {st['rejects']}")
     return out
