@@ -4,6 +4,7 @@ someone else is untrusted input, and json.loads alone recurses (200,000 nested b
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -34,6 +35,9 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 def json_depth(text: str) -> int:
     """How deep [ and { nest in JSON text (strings skipped), counted without parsing it."""
+    opened = text.count("[") + text.count("{")
+    if opened <= LIMITS.json_depth:  # the common case, a small meta: no deeper than its brackets
+        return opened
     brackets = np.frombuffer(_NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode("ascii"), np.uint8)
     if not len(brackets):
         return 0
@@ -113,6 +117,24 @@ _JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boo
                "object": (dict,), "null": (type(None),)}
 
 
+def schema_problem(value, schema: str) -> str | None:
+    """The first place where a sample meta or manifest (`schema`: its file in schemas/) has a value of another JSON
+    type than the schema gives, or lacks a required key; None when there is none. Types and required keys only,
+    which is what readers index and convert (`vlmprep verify` checks the whole schema, at a hundred times the cost):
+    the schema is compiled once into a checker."""
+    problem = _checker(schema)(value)
+    if problem is None:
+        return None
+    path, text = problem
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in reversed(path)).lstrip(".")
+    return f"{where or 'it'} {text}"
+
+
+@functools.cache
+def _checker(schema: str):
+    return _compile(load(schema))
+
+
 def _node(node: dict) -> dict:
     """A schema node with its `$ref` (a file of schemas/ and a JSON pointer) followed."""
     if "$ref" not in node:
@@ -124,46 +146,43 @@ def _node(node: dict) -> dict:
     return node
 
 
-def _is_type(value, kinds: list[str]) -> bool:
-    if isinstance(value, bool):  # JSON true is no integer
-        return "boolean" in kinds
-    return isinstance(value, tuple(t for k in kinds for t in _JSON_TYPES[k]))
-
-
-def schema_problem(value, schema: str) -> str | None:
-    """The first place where a sample meta or manifest (`schema`: its file in schemas/) has a value of another JSON
-    type than the schema gives, or lacks a required key; None when there is none. Types and required keys only,
-    which is what readers index and convert: `vlmprep verify` checks the whole schema, at about a thousand times the
-    cost."""
-    return _problem(value, load(schema), "")
-
-
-def _problem(value, node: dict, where: str) -> str | None:
+def _compile(node: dict):
+    """A schema node -> check(value) -> the first problem or None."""
     node = _node(node)
     if "anyOf" in node:
-        problems = [_problem(value, n, where) for n in node["anyOf"]]
-        return None if None in problems else problems[0]
+        branches = [_compile(n) for n in node["anyOf"]]
+
+        def any_of(value):
+            problems = [b(value) for b in branches]
+            return None if None in problems else problems[0]
+        return any_of
     kinds = node.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    if kinds is not None and not _is_type(value, kinds):
-        return f"{where or 'it'} is {type(value).__name__}, not {' or '.join(kinds)}"
-    if isinstance(value, dict):
-        missing = [k for k in node.get("required", ()) if k not in value]
-        if missing:
-            return f"{where + ' has' if where else 'it has'} no {missing[0]!r}"
-        props, other = node.get("properties", {}), node.get("additionalProperties")
-        for k, v in value.items():
-            sub = props.get(k, other if isinstance(other, dict) else None)
-            problem = _problem(v, sub, f"{where}.{k}".lstrip(".")) if sub is not None else None
-            if problem:
-                return problem
-    elif isinstance(value, list) and "items" in node:
-        item = _node(node["items"])
-        if isinstance(item.get("type"), str) and item["type"] not in ("array", "object"):  # scalars: one pass
-            bad = next((k for k, x in enumerate(value) if not _is_type(x, [item["type"]])), None)
-            return None if bad is None else _problem(value[bad], item, f"{where}[{bad}]")
-        for k, x in enumerate(value):
-            problem = _problem(x, item, f"{where}[{k}]")
-            if problem:
-                return problem
-    return None
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    types = tuple(t for k in kinds for t in _JSON_TYPES[k] if k != "boolean")
+    boolean = "boolean" in kinds
+    required = tuple(node.get("required", ()))
+    props = {k: _compile(sub) for k, sub in node.get("properties", {}).items()}
+    other = _compile(node["additionalProperties"]) if isinstance(node.get("additionalProperties"), dict) else None
+    items = _compile(node["items"]) if "items" in node else None
+
+    def check(value):  # -> None, or (the path to the fault, innermost first; what is wrong there)
+        if kinds and not (boolean if isinstance(value, bool) else isinstance(value, types)):  # true is no integer
+            return [], f"is {type(value).__name__}, not {' or '.join(kinds)}"
+        if isinstance(value, dict):
+            missing = next((k for k in required if k not in value), None)
+            if missing is not None:
+                return [], f"has no {missing!r}"
+            for k, v in value.items():
+                sub = props.get(k, other)
+                problem = sub(v) if sub is not None else None
+                if problem:
+                    problem[0].append(k)
+                    return problem
+        elif isinstance(value, list) and items is not None:
+            for k, x in enumerate(value):
+                problem = items(x)
+                if problem:
+                    problem[0].append(k)
+                    return problem
+        return None
+    return check
