@@ -6,7 +6,6 @@ warnings they call for; formatted as plain text (or JSON by the CLI, or an HTML 
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from vlmprep.config import FIELDS
 from vlmprep.families import family_of
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
-from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, shard_paths
+from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, shard_paths
 from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 
 HIST_BINS = 10
@@ -175,8 +174,7 @@ def _reject_lines(root: Path) -> list[dict] | None:
     p = dataset_path(root, REJECTS_NAME)  # not through a symlink out of the dataset
     if not p.is_file():
         return None
-    with open(p, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return list(iter_rejects(p))  # bounded per line (vlmprep_schemas.limits)
 
 
 def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | None:
