@@ -205,12 +205,6 @@ SETUPS: dict[str, list[str]] = {
 }
 
 
-for _ex in RUNNABLE:  # setups made by the docs' own blocks, in document order
-    if _ex.defines:
-        assert _ex.kind == "run" and _ex.defines not in SETUPS, f"{_ex.where}: defines={_ex.defines} taken or not a run"
-        SETUPS[_ex.defines] = [*SETUPS[_ex.setup], substitute(_ex, _ex.body)]
-
-
 @pytest.fixture(scope="session")
 def workspaces(tmp_path_factory):
     made: dict[str, Path] = {}
@@ -273,6 +267,20 @@ def matches(expected: list[str], got: list[str], *, excerpt: bool) -> bool:
         return j < len(got) and expected[i] == got[j] and fit(i + 1, j + 1)
 
     return fit(0, 0)
+
+
+def _commands(ex: Example) -> str:
+    """A run block's body, or a transcript's commands (their output is checked where the block itself runs)."""
+    if ex.kind == "run":
+        return substitute(ex, ex.body)
+    return "\n".join(f"{substitute(ex, cmd)} >/dev/null" for cmd, _ in split_transcript(ex.body))
+
+
+for _ex in RUNNABLE:  # setups made by the docs' own blocks, in document order
+    if _ex.defines:
+        assert _ex.kind in ("run", "output") and _ex.defines not in SETUPS, (
+            f"{_ex.where}: defines={_ex.defines} taken, or not a run or output block")
+        SETUPS[_ex.defines] = [*SETUPS[_ex.setup], _commands(_ex)]
 
 
 def _params():
