@@ -1,6 +1,6 @@
 """The README and docs/ are a contract: every fenced bash/python example carries a `<!-- readme-test: ... -->`
 marker, and the marked ones run as written here (small inputs in place of the large ones the docs name). The pages
-are README.md, then docs/*.md in the order the README links them.
+are README.md, then docs/*.md in the order of the README's list of pages.
 
 Markers (an HTML comment on the line before the fence, invisible on GitHub):
     run [setup=NAME] [slow] [sub="OLD=>NEW"]...     a bash block: its commands run with `bash -e` in a copy of a
@@ -38,9 +38,14 @@ README = REPO / "README.md"
 DOC_LINK = re.compile(r"\]\((docs/[a-z0-9\-]+\.md)\)")
 
 
+DOC_LIST = re.compile(r"^- \[[^\]]+\]\((docs/[a-z0-9\-]+\.md)\)", re.M)
+
+
 def doc_pages() -> list[Path]:
-    """README.md, then each docs/ page in the order the README links them (the order a user reads them)."""
-    linked = list(dict.fromkeys(DOC_LINK.findall(README.read_text())))
+    """README.md, then each docs/ page in the order of the README's list of pages (the order a user reads them; a page
+    only linked inline comes after)."""
+    text = README.read_text()
+    linked = list(dict.fromkeys(DOC_LIST.findall(text) + DOC_LINK.findall(text)))
     return [README] + [REPO / rel for rel in linked]
 MARKER = re.compile(r"^<!-- readme-test: (.*?) -->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
