@@ -346,7 +346,7 @@ def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing
     head = {"train": {"step": torch.tensor(0), "world": torch.tensor(0), "pack_len": torch.tensor(0)}}
     try:
         dcp.load(head, checkpoint_id=str(path))
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException; a checkpoint from before packing existed
+    except BaseException as e:  # DCP's CheckpointException; a checkpoint from before packing existed
         if "pack_len" not in str(e):
             raise
         del head["train"]["pack_len"]

@@ -21,6 +21,7 @@ class Batch:
     """On the host (what collate makes) the token fields are compact: int32 ids and positions, uint8 masks, a
     third of the bytes of int64 to fill and to copy to the device. `to(device)` widens them to the int64 the
     model takes; labels and attention_mask are derived from loss_mask and lengths where they are used."""
+
     input_ids: torch.Tensor  # int32 [B, L] on the host, int64 after to()
     loss_mask: torch.Tensor  # uint8 [B, L], 1 where the token is trained
     lengths: torch.Tensor  # int64 [B], real tokens per row (right padding), the placeholder image included

@@ -375,4 +375,5 @@ def steps_per_epoch(rank_samples: list[int | None], *, micro_batch_size: int, ma
     """Known up front only for count batching over manifest counts: the busiest rank sets the length."""
     if max_tokens or pack_to or any(n is None for n in rank_samples):
         return None
-    return max(-(-(-(-n // micro_batch_size)) // grad_accum) for n in rank_samples)
+    micro_batches = [-(-n // micro_batch_size) for n in rank_samples]
+    return max(-(-m // grad_accum) for m in micro_batches)

@@ -232,7 +232,7 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
     slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
     vals = iter(texts if texts is not None else [s.text for s in slots])
     out = []
-    for i, m in enumerate(conv.messages):
+    for m in conv.messages:
         msg: dict = {"role": m.role}
         r, answer = _reasoning_of(m, reasoning)
         if r is not None and not drop_reasoning:
