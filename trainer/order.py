@@ -14,8 +14,6 @@ import numpy as np
 
 from trainer.index import ShardIndex
 
-ON_END = ("repeat", "stop")
-
 
 @dataclass(frozen=True)
 class RankSource:

@@ -322,7 +322,3 @@ def _check_unicode(data) -> None:
                 stack.append((f"{path or 'record'} keys", k))
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-
-
-def input_dir(source: Source) -> str:
-    return os.path.dirname(os.path.abspath(source.file))
