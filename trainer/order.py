@@ -43,6 +43,7 @@ class Schedule:
         return len(self.source)
 
     def tokens(self, sources: list[RankSource]) -> np.ndarray:
+        """The token count of each position of the epoch (from the sources' per-sample counts)."""
         out = np.empty(len(self), dtype=np.int64)
         for s, src in enumerate(sources):
             at = np.flatnonzero(self.source == s)
