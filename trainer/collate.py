@@ -42,8 +42,9 @@ class Batch:
     sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
 
     @property
-    def packed(self) -> bool:  # [4, 1, N] positions, row 0 restarting at 0 per sample: no attention mask
-        """True when rows hold several samples each ([4, 1, N] positions): attention is then by position, no mask."""
+    def packed(self) -> bool:
+        """True when rows hold several samples each: [4, 1, N] positions, row 0 restarting at 0 per sample, and no
+        attention mask."""
         return self.position_ids.shape[0] == 4
 
     @property
@@ -52,13 +53,13 @@ class Batch:
         return len(self.sample_ids)
 
     @property
-    def attention_mask(self) -> torch.Tensor:  # int64 [B, L]
+    def attention_mask(self) -> torch.Tensor:
         """int64 [B, L]: 1 on each row's real tokens, 0 on the padding after `lengths`."""
         L = self.input_ids.shape[1]
         return (torch.arange(L, device=self.lengths.device) < self.lengths[:, None]).long()
 
     @property
-    def labels(self) -> torch.Tensor:  # int64 [B, L], IGNORE_INDEX where untrained or padding
+    def labels(self) -> torch.Tensor:
         """int64 [B, L] labels: the input id where loss_mask trains it, IGNORE_INDEX elsewhere (and on padding)."""
         return torch.where(self.loss_mask.bool(), self.input_ids.long(), IGNORE_INDEX)
 

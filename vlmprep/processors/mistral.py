@@ -28,10 +28,12 @@ SPECIAL_IDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "[AVA
 
 
 def tekken_resource():
+    """mistral-common's Tekken vocabulary file (tekken.json) that builtin:mistral-3 is built from."""
     return importlib.resources.files("mistral_common").joinpath("data", TEKKEN)
 
 
 def read_template(name: str = VENDOR_TEMPLATE) -> str:
+    """A bundled chat template (vlmprep/templates/NAME, the mistral-common one by default) as text."""
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
@@ -43,11 +45,13 @@ def source_files(name: str) -> tuple[bytes, str]:
 
 
 def make_processor(name: str, template: str) -> ProcessorMixin:
+    """The builtin processor `name` (mistral-3 only) with `template`."""
     assert name == "mistral-3", name
     return make_mistral_processor(template)
 
 
 def make_mistral_processor(template: str) -> ProcessorMixin:
+    """builtin:mistral-3 built offline: a Pixtral processor over mistral-common's Tekken vocabulary, with `template`."""
     from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
     from transformers.integrations.mistral.tokenizer import MistralConverter
 

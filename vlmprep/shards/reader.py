@@ -117,11 +117,13 @@ class StoredSample:
         return ShardFormatError(f"{self.where}: sample {self.key}: {what}")
 
     def read(self, name: str) -> bytes:
+        """The bytes of member `name`; a member the sample does not hold is a ShardFormatError."""
         if name not in self.names:
             raise self._fail(f"has no member {name!r}")
         return self.reader(name)
 
     def meta(self) -> dict:
+        """The sample's parsed meta JSON (checked to be an object), read once."""
         if self._meta is None:
             try:
                 meta = json.loads(self.read(META_MEMBER))
