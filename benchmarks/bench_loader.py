@@ -4,6 +4,7 @@ DataLoader), on the same demo agent traces, with 0 and 2 workers, per --image-fo
 trainer's start-up sha256 check of the zstd dataset against one loader pass over it (`integrity`)."""
 from __future__ import annotations
 
+import functools
 import io
 import json
 import time
@@ -159,7 +160,7 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
     for fmt, ds in built.items():
         for pixels in ((True, False) if fmt == "zstd" else (False,)):
             for w in (0, 2):
-                t, s, tok, imgs = median_if_quick(lambda: trainer_pass(ds, w, pixels))
+                t, s, tok, imgs = median_if_quick(functools.partial(trainer_pass, ds, w, pixels))
                 row = dict(path="vlmprep_shards", image_format=fmt, workers=w,
                            pixel_values="cpu" if pixels else "on the training device (not in this time)",
                            samples=s, images=imgs, seconds=round(t, 3), samples_per_s=round(s / t, 2),

@@ -446,7 +446,7 @@ class _Page:
     def targets(self) -> list[tuple[str, str, int, int]]:
         """Visible clickable elements as (label, kind, screen x, screen y) of their centres."""
         out = []
-        for op, (x0, y0, x1, y1), *_rest, label, ck in self.items:
+        for _op, (x0, y0, x1, y1), *_rest, label, ck in self.items:
             if ck is None:
                 continue
             cx, cy = (x0 + x1) // 2, CHROME_H + (y0 + y1) // 2 - self.scroll
@@ -459,7 +459,7 @@ class _Page:
         im = Image.new("RGB", (W, H), (255, 255, 255))
         d = ImageDraw.Draw(im)
         off = CHROME_H - self.scroll
-        for op, (x0, y0, x1, y1), fill, outline, text, size, tfill, label, ck in self.items:
+        for op, (x0, y0, x1, y1), fill, outline, text, size, tfill, label, _ck in self.items:
             y0s, y1s = y0 + off, y1 + off
             if y1s < CHROME_H or y0s >= H:
                 continue
@@ -561,7 +561,7 @@ def _hit(i: int, frac: float, phase: float) -> bool:
 
 def _text_only_record(rng: random.Random, overlong: bool) -> list[dict]:
     msgs = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.7 else []
-    for t in range(rng.randint(1, 2)):
+    for _ in range(rng.randint(1, 2)):
         q = rng.randrange(len(CHAT_Q))
         msgs.append({"role": "user", "content": _fill(rng, CHAT_Q[q])})
         a = _fill(rng, CHAT_A[q]) + " " + " ".join(_sentence(rng) for _ in range(rng.randint(0, 3)))

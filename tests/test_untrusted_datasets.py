@@ -163,7 +163,7 @@ def test_custom_code_in_a_saved_processor_is_refused_before_transformers_sees_it
     _plant_custom_code(ds / "processor", marker, where)
     file = str(ds / "processor" / where.partition(":")[0])
     with pytest.raises(ValueError) as e:  # the processor dir named directly: refused when it loads
-        Collator(ds / "processor").processor
+        _ = Collator(ds / "processor").processor
     _one_line(e.value, file, "custom code", "auto_map")
     with pytest.raises(ValueError) as e:
         load_saved_processor(ds / "processor")

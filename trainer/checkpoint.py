@@ -36,6 +36,8 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 @dataclass(frozen=True)
 class Resumed:
+    """Where one rank resumes: the optimizer step and this rank's data position and packer state."""
+
     step: int
     epoch: int
     position: int  # this rank's samples consumed in `epoch`
@@ -69,6 +71,7 @@ def _barrier():
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
+    """RUN/checkpoints, the dir that holds a run's step-NNNNNNNN checkpoints."""
     return Path(run_dir) / "checkpoints"
 
 
@@ -125,6 +128,12 @@ def _gather_ragged(values: list[int], device: torch.device) -> torch.Tensor:
 
 def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int, net, optimizer,
                     device: torch.device, keep: int, pack_state: list[int] | None = None) -> Path:
+    """Every rank's training state at `step` -> RUN/checkpoints/step-NNNNNNNN (returned), collectively: all ranks
+    call it. Writes the model and optimizer state (torch.distributed.checkpoint, each rank its own shards), the step,
+    every rank's data position (`epoch`, `position`) and packer state (`pack_state`), and every rank's RNG state into
+    step-N.tmp, then rank 0 writes the completion marker and renames the dir into place, so a cut run leaves no dir a
+    resume would take; the newest `keep` complete checkpoints stay. Trade-off: exact resume (same batches, same RNG)
+    costs a full optimizer-state write each time, and ties a resume to the same world size."""
     rank, world = _world()
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step-{step:08d}", root / f"step-{step:08d}.tmp"
@@ -342,11 +351,16 @@ def load_latest(run_dir: str | Path, *, net, optimizer, device: torch.device, pa
 
 
 def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> Resumed:
+    """A complete checkpoint dir -> the model and optimizer state loaded into `net` and `optimizer` in place, this
+    rank's RNG restored, and its step, data position and packer state returned (Resumed), collectively. Refuses
+    (ConfigError) a checkpoint written by another number of ranks, or with --pack-to where this run packs
+    differently: the data positions would mean other samples. Checkpoints from before packing existed load as
+    unpacked."""
     rank, world = _world()
     head = {"train": {"step": torch.tensor(0), "world": torch.tensor(0), "pack_len": torch.tensor(0)}}
     try:
         dcp.load(head, checkpoint_id=str(path))
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException; a checkpoint from before packing existed
+    except BaseException as e:  # DCP's CheckpointException; a checkpoint from before packing existed
         if "pack_len" not in str(e):
             raise
         del head["train"]["pack_len"]

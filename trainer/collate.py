@@ -21,6 +21,7 @@ class Batch:
     """On the host (what collate makes) the token fields are compact: int32 ids and positions, uint8 masks, a
     third of the bytes of int64 to fill and to copy to the device. `to(device)` widens them to the int64 the
     model takes; labels and attention_mask are derived from loss_mask and lengths where they are used."""
+
     input_ids: torch.Tensor  # int32 [B, L] on the host, int64 after to()
     loss_mask: torch.Tensor  # uint8 [B, L], 1 where the token is trained
     lengths: torch.Tensor  # int64 [B], real tokens per row (right padding), the placeholder image included
@@ -41,23 +42,30 @@ class Batch:
     sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
 
     @property
-    def packed(self) -> bool:  # [4, 1, N] positions, row 0 restarting at 0 per sample: no attention mask
+    def packed(self) -> bool:
+        """True when rows hold several samples each: [4, 1, N] positions, row 0 restarting at 0 per sample, and no
+        attention mask."""
         return self.position_ids.shape[0] == 4
 
     @property
     def num_samples(self) -> int:
+        """How many samples the batch holds (packed rows count each sample)."""
         return len(self.sample_ids)
 
     @property
-    def attention_mask(self) -> torch.Tensor:  # int64 [B, L]
+    def attention_mask(self) -> torch.Tensor:
+        """int64 [B, L]: 1 on each row's real tokens, 0 on the padding after `lengths`."""
         L = self.input_ids.shape[1]
         return (torch.arange(L, device=self.lengths.device) < self.lengths[:, None]).long()
 
     @property
-    def labels(self) -> torch.Tensor:  # int64 [B, L], IGNORE_INDEX where untrained or padding
+    def labels(self) -> torch.Tensor:
+        """int64 [B, L] labels: the input id where loss_mask trains it, IGNORE_INDEX elsewhere (and on padding)."""
         return torch.where(self.loss_mask.bool(), self.input_ids.long(), IGNORE_INDEX)
 
     def to(self, device) -> "Batch":
+        """This batch on `device`, the token fields widened to int64 there (copied compact, non-blocking); pixels and
+        other float fields move as they are."""
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True).long()  # copy compact, widen on the device
 
@@ -83,6 +91,9 @@ def keep_freed_buffers() -> None:
 
 @dataclass(frozen=True)
 class CollateSpec:
+    """What collate needs from the model and processor: the pad id, the image (and video) placeholder ids, patch and
+    merge size; `videos` when the run trains video, so every micro-batch runs the same vision passes on every rank."""
+
     pad_id: int
     image_token_id: int
     patch_size: int
@@ -92,6 +103,8 @@ class CollateSpec:
 
 
 def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
+    """Refuses (DataError) a micro-batch the model cannot take: image or video tokens (by mm_token_type_ids) that are
+    not the model's placeholder id (shards built for another family), or videos in a run that does not train them."""
     if not spec.videos and any(s.videos for s in samples):
         raise DataError(f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "
                         "video (its manifest counts none, or the model's video path is not verified)")
@@ -190,6 +203,8 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
 
 
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:
+    """The video part of a batch: each sample's frames as tensors, the video grids (int64 [N, 3]) and seconds per
+    temporal grid (float32 [N]), empty tensors when there are none."""
     return dict(videos=[[torch.as_tensor(f) for f in v] for v in videos],
                 video_grid_thw=torch.from_numpy(np.concatenate(vgrids).astype(np.int64)) if vgrids else
                 torch.zeros(0, 3, dtype=torch.int64),

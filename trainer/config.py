@@ -43,6 +43,8 @@ class DataSpec:
 
     @classmethod
     def parse(cls, value) -> "DataSpec":
+        """One --data value (a path or URL, or name=N,path=P[,weight=W][,on_end=...]), or a [[data]] table -> a
+        DataSpec; bad keys or values are a ConfigError."""
         if isinstance(value, DataSpec):
             return value
         if isinstance(value, str):
@@ -80,6 +82,7 @@ class DataSpec:
         return spec
 
     def to_toml(self, table: str = "data") -> str:
+        """This dataset as one [[data]] (or [[`table`]]) TOML table."""
         return f"\n[[{table}]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
 
 
@@ -107,6 +110,11 @@ def opt(default, group: str, text: str, *, shown: str = ""):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """Every trainer option, each declared once here with its default and help (`opt(...)`): the CLI flags, the TOML
+    keys and `python -m trainer --help` are generated from these fields. Frozen and checked in __post_init__ (a bad
+    value is a one-line ConfigError naming the fix); `to_toml()` is what the run dir keeps as config.toml, so a
+    resume or an export reads the same options back."""
+
     data: str | tuple[DataSpec, ...] = opt(REQUIRED, "data", "shard dir (its manifest.json), brace pattern, file:, "
                                            "http(s):// or pipe: URL; or name=N,path=P[,weight=W][,on_end=repeat|stop] "
                                            "once per dataset of a mixture ([[data]] tables in the TOML)")
@@ -253,6 +261,7 @@ class TrainConfig:
         return self.eval_data
 
     def to_toml(self) -> str:
+        """The config as TOML text (config.toml in the run dir); parse_args(['--config', it]) gives it back."""
         # Every other field is a str, int, float or bool, and JSON's quoting of ASCII strings is valid TOML;
         # a mixture's [[data]] (and named [[eval_data]]) tables go last (top-level keys must precede tables).
         tables = [k for k in ("data", "eval_data") if not isinstance(getattr(self, k), str)]
@@ -292,6 +301,8 @@ def _coerce(name: str, value):
 
 
 def load_toml(path: str) -> dict:
+    """A TOML config file -> its values by field name; unknown keys, and a file that does not parse, are a one-line
+    ConfigError."""
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -356,6 +367,8 @@ def unknown_argument(extra: list[str], known: list[str]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Command-line arguments (sys.argv[1:] by default) -> a checked TrainConfig: the --config TOML first, then the
+    flags over it; an unknown flag is a ConfigError that suggests the closest one."""
     ns, extra = _parser().parse_known_args(argv)
     if extra:
         flags = ["--" + name.replace("_", "-") for name in FIELDS]

@@ -343,18 +343,23 @@ class StepLoader:
                                          consumed=position)
 
     def schedule(self, epoch: int) -> Schedule:
+        """The shard and sample order of `epoch` over this loader's datasets (the same on every rank)."""
         return schedule(self.sources, seed=self.seed, epoch=epoch, shuffle=self.sample_shuffle,
                         shuffle_shards=self.shuffle, span=self.shuffle_span)
 
     @property
     def position(self) -> int:
+        """Samples this rank has consumed in the current epoch (what a checkpoint saves)."""
         return self._packer.next_pos if self._packer else self._batcher.consumed
 
     @property
     def pack_state(self) -> list[int]:
+        """The packer's carry-over (samples read but not yet placed in a row); [] when not packing."""
         return self._packer.state() if self._packer else []
 
     def next_step(self) -> list[Batch]:
+        """The `grad_accum` micro-batches of the next optimizer step, on the host; past the end of this rank's data a
+        micro-batch is empty (so every rank still takes the same number of collective steps)."""
         out = []
         for _ in range(self.grad_accum):
             if self._packer:
@@ -366,6 +371,7 @@ class StepLoader:
         return out
 
     def close(self) -> None:
+        """Drops the DataLoader iterator, which stops its worker processes now."""
         # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
         self._batcher = self._packer = self._loader = None
 
@@ -375,4 +381,5 @@ def steps_per_epoch(rank_samples: list[int | None], *, micro_batch_size: int, ma
     """Known up front only for count batching over manifest counts: the busiest rank sets the length."""
     if max_tokens or pack_to or any(n is None for n in rank_samples):
         return None
-    return max(-(-(-(-n // micro_batch_size)) // grad_accum) for n in rank_samples)
+    micro_batches = [-(-n // micro_batch_size) for n in rank_samples]
+    return max(-(-m // grad_accum) for m in micro_batches)

@@ -44,6 +44,9 @@ _NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_o
 
 @dataclass
 class DecodedSample:
+    """One sample read from a shard: its token arrays, unique images and video frames as numpy arrays (decoded and
+    resized, not yet tensors), with its key, id and place in the rank's stream."""
+
     key: str
     id: str
     input_ids: np.ndarray  # int32 [L]
@@ -62,6 +65,7 @@ class DecodedSample:
 
     @property
     def num_tokens(self) -> int:
+        """The sample's length in tokens."""
         return int(self.input_ids.shape[0])
 
 
@@ -88,10 +92,13 @@ def trains_videos(datasets, model_type: str) -> bool:
 
 
 def arrays_of(version: int) -> list[str]:
+    """The .npy members a sample of shard format `version` holds."""
     return [n for n, (_, _, since) in NPY_MEMBERS.items() if since <= version]
 
 
 def check_member_names(names, *, url: str, key: str, version: int) -> None:
+    """Refuses (DataError naming `url` and `key`) any member name outside the shard format `version`: nothing else in
+    a shard is ever decoded (no pickle, no code); a required member that is missing is refused too."""
     for name in names:
         if version >= 3 and VIDEO_MEMBER.match(name):
             continue
@@ -129,6 +136,7 @@ class OriginalResizer:
         self._ip = None
 
     def __call__(self, data: bytes) -> np.ndarray:
+        """One stored source image (encoded bytes) -> uint8 H x W x 3, resized as the saved processor resizes it."""
         import torch
 
         if self._ip is None:

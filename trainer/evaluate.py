@@ -25,6 +25,8 @@ from trainer.vision import ImageSpec, Patchifier
 
 @dataclass
 class EvalSet:
+    """One held-out dataset: its name ('' for a single unnamed set) and this rank's loader over it."""
+
     name: str  # '' for a single unnamed eval set
     loader: StepLoader  # this rank's part, started afresh at every eval
 

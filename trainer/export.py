@@ -27,6 +27,8 @@ _MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only n
 
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig:
+    """The options of `python -m trainer export`: which run and checkpoint, where to, in which dtype and layout."""
+
     run: str  # run dir (holds run.json, config.toml, checkpoints/)
     out: str
     step: int = 0  # 0 = the latest complete checkpoint
@@ -55,6 +57,8 @@ def read_run(run_dir: Path) -> tuple[TrainConfig, dict]:
 
 
 def find_checkpoint(run_dir: Path, step: int) -> Path:
+    """A run dir and a step (0: the newest complete one) -> that checkpoint's dir; a missing or incomplete one is a
+    ConfigError."""
     if step == 0:
         path = latest_checkpoint(run_dir)
         if path is None:
@@ -216,6 +220,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer export RUN --out DIR ...` -> exit status: a run's checkpoint written as a transformers
+    model dir (or a LoRA adapter); a bad option is one line and exit 1."""
     ns = _parser().parse_args(argv)
     return run_tool("trainer export", lambda: export_run(ExportConfig(
         run=ns.run, out=ns.out, step=ns.step, dtype=ns.dtype, adapter_only=ns.adapter_only, processor=ns.processor,

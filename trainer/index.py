@@ -33,6 +33,7 @@ class ShardIndex:
 
     @property
     def num_samples(self) -> int:
+        """How many samples the shard holds."""
         return len(self.starts)
 
 

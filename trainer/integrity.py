@@ -18,6 +18,7 @@ RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank h
 
 
 def changed(where: str) -> DataError:
+    """The one-line DataError for a dataset file (`where`) that changed or vanished while the run reads it."""
     return DataError(f"{where} changed or was removed while this run reads it (e.g. by a `vlmprep build --overwrite` "
                      "of its dataset): the run stops rather than train on data other than it started with; start it "
                      "again once the dataset is final")
@@ -68,6 +69,7 @@ class ShardCheck:
         return file_signature(st)
 
     def save(self) -> None:
+        """Writes the record of checked shards (atomically) when this run checked any new one."""
         if not (self.dirty and self.record is not None):
             return
         self.record.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +131,8 @@ class DatasetWatch:
                 raise changed(str(path)) from None
 
     def check(self) -> None:
+        """Raises the `changed` DataError when a watched dataset's manifest.json is gone or lists other shards than
+        at the start; a stat that still matches spares the read."""
         for w in self.watched:
             try:
                 st = os.stat(w.path)

@@ -69,6 +69,9 @@ def step_line(record: dict, *, total: int | None, eta_s: float | None) -> str:
 
 
 class RunLog:
+    """Rank 0's record of a run: metrics.jsonl (one JSON row per step and eval; rows past a resume's step are cut),
+    train.log's step lines, the progress bar and, where installed and asked for, TensorBoard scalars."""
+
     def __init__(self, run_dir: Path, *, total_steps: int | None, start_step: int, progress: bool,
                  tensorboard: bool = False, log_every: int = 0, echo: bool = False):
         """log_every: a step_line at step 1 and every N steps into RUN/train.log (0: none); echo: also on stdout."""
@@ -95,6 +98,8 @@ class RunLog:
         self.task = self.bar.add_task("train", total=total_steps, completed=start_step, loss=float("nan"), tps=0.0)
 
     def step(self, record: dict) -> None:
+        """One step's metrics row -> metrics.jsonl, the progress bar, TensorBoard, and every `log_every` steps a step
+        line (with the ETA) into train.log (and stdout when echoing)."""
         self._write(record)
         self.bar.update(self.task, completed=record["step"], loss=record["loss"], tps=record["tokens_per_s"])
         step = record["step"]
@@ -127,6 +132,7 @@ class RunLog:
             self.note(line)
 
     def close(self) -> None:
+        """Stops the progress bar and closes the files (and the TensorBoard writer)."""
         self.bar.stop()
         self.file.close()
         self.text.close()
@@ -140,6 +146,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A8
 
 
 def peak_flops(device) -> float | None:
+    """The bf16 dense peak FLOP/s of a known CUDA device (for MFU); None on CPU or an unknown card."""
     import torch
 
     if getattr(device, "type", device) != "cuda":
@@ -168,6 +175,7 @@ class FlopCounter:
                 self.text += p.numel()  # a tied embedding is counted once, as the lm head's matmul
 
     def step(self, batches) -> float:
+        """The training FLOPs of one step's micro-batches (empty ones count 0)."""
         flops = 0.0
         for b in batches:
             if not b.num_samples:

@@ -28,6 +28,7 @@ LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_p
 
 
 def tiny_config(name: str):
+    """The transformers config of a named tiny random-init model (--tiny-random NAME), for tests and demos."""
     from transformers import AutoConfig
 
     cfg = dict(TINY_CONFIGS[name])
@@ -83,10 +84,12 @@ def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_i
 
 
 def image_token_id(net: torch.nn.Module) -> int:
+    """The model's image placeholder token id."""
     return int(net.config.image_token_id)
 
 
 def video_token_id(net: torch.nn.Module) -> int:
+    """The model's video placeholder token id; -1 when it has none."""
     return int(getattr(net.config, "video_token_id", None) or -1)
 
 

@@ -14,8 +14,6 @@ import numpy as np
 
 from trainer.index import ShardIndex
 
-ON_END = ("repeat", "stop")
-
 
 @dataclass(frozen=True)
 class RankSource:
@@ -45,6 +43,7 @@ class Schedule:
         return len(self.source)
 
     def tokens(self, sources: list[RankSource]) -> np.ndarray:
+        """The token count of each position of the epoch (from the sources' per-sample counts)."""
         out = np.empty(len(self), dtype=np.int64)
         for s, src in enumerate(sources):
             at = np.flatnonzero(self.source == s)

@@ -59,6 +59,8 @@ class Packer:
 
     # --- checkpoint state: [T, W, next_pos, n, *pending positions, rows, (len, *positions) per row]
     def state(self) -> list[int]:
+        """The packer's resumable state as flat ints: capacity, window, the next stream position, the samples read
+        but not yet placed and the rows made but not yet taken (by stream position); `Packer(state=...)` restores it."""
         out = [self.capacity, self.window, self.next_pos, len(self._pending), *(s.position for s in self._pending),
                len(self._ready)]
         for row in self._ready:

@@ -19,6 +19,8 @@ SOURCE_COLOURS = ("tab:cyan", "tab:pink", "tab:gray", "gold", "navy", "lime")  #
 
 
 def read_records(run_dir: Path) -> list[dict]:
+    """RUN/metrics.jsonl -> its rows; a missing or unparsable file is a one-line ConfigError that says what RUN
+    should be."""
     path = run_dir / "metrics.jsonl"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -98,5 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer plot RUN [--out PNG]` -> exit status: a run's curves drawn into one PNG; an unreadable run
+    is one line and exit 1."""
     ns = _parser().parse_args(argv)
     return run_tool("trainer plot", lambda: plot_run(ns.run, ns.out or None))

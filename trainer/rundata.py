@@ -139,6 +139,10 @@ class RunData:
 
 
 def open_data(cfg: TrainConfig, world: int) -> RunData:
+    """The config's datasets (train, mixture and eval) -> RunData: each resolved (local dir, pattern, URL), its
+    shards planned over `world` ranks, the image spec of the processor, and the watch that stops the run if a dataset
+    changes. Refuses (DataError / ConfigError) videos a model cannot train, a mixture whose datasets do not fit
+    together or are empty; eval sets that overlap training become warnings."""
     specs = cfg.sources
     datasets = [resolve_data(d.path) for d in specs]
     model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
@@ -182,6 +186,7 @@ def eval_overlap(spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...],
 
 
 def log_plans(data: RunData, world: int) -> None:
+    """Prints the run's warnings and each dataset's per-rank shard split to stderr (rank 0, at start)."""
     for w in data.warnings:
         print(f"trainer: warning: {w}", file=sys.stderr)
     for d, ds, p in zip(data.specs, data.datasets, data.plans):

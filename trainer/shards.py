@@ -37,6 +37,8 @@ class DataError(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardRef:
+    """One shard of a dataset: where to read it and, from the manifest where there is one, its counts."""
+
     url: str
     name: str
     num_samples: int | None = None  # from the manifest; None when the source has none
@@ -46,12 +48,15 @@ class ShardRef:
 
 @dataclass(frozen=True)
 class DataSource:
+    """A resolved dataset: its shards in manifest order, its saved processor, and its manifest (None for a bare URL)."""
+
     shards: tuple[ShardRef, ...]
     processor: str | None  # local dir or URL of the dataset's saved processor
     manifest: dict | None
 
     @property
     def counted(self) -> bool:
+        """True when every shard's sample count is known (from a manifest), so steps are known up front."""
         return all(s.num_samples is not None for s in self.shards)
 
 

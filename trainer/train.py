@@ -62,6 +62,7 @@ def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
 
 
 def all_sum(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
+    """Each of `values` summed (or reduced by `op`) over all ranks, as floats; the values themselves on one rank."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=op)
@@ -69,6 +70,8 @@ def all_sum(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> 
 
 
 def build_optimizer(cfg: TrainConfig, net: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: weight decay on matrices, none on biases and norms (cfg's lr, betas,
+    eps)."""
     params = [p for p in net.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -177,9 +180,12 @@ class Session:
 
     @property
     def names(self) -> list[str]:
+        """The datasets' names, in mixture order."""
         return [d.name for d in self.data.specs]
 
     def loop(self) -> None:
+        """Steps until the step budget or the epochs run out: each step trains one batch of micro-batches, logs, and
+        evaluates and checkpoints on their cadence; a new epoch starts its data afresh."""
         cfg, steps_in_epoch = self.cfg, 0
         # A run resumed from its final checkpoint (epoch == epochs) has nothing left: the step count alone
         # does not say so when it is not known up front (token budget, packing).
@@ -298,6 +304,11 @@ class Session:
 
 
 def run(cfg: TrainConfig) -> dict | None:
+    """A checked TrainConfig -> the trained run: distributed init (torchrun's ranks, or one process), data, model
+    sharded with FSDP2, optimizer, resume from the newest complete checkpoint in RUN where there is one, then the
+    step loop with its evals and checkpoints; returns the last step's metrics row. Every rank calls it; the process
+    group and RUN's lock are released on the way out, error or not. Trade-off: data order, RNG and batching are saved
+    so a resume repeats the same steps exactly, which ties a resume to the same world size and batching options."""
     keep_freed_buffers()
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
@@ -357,6 +368,8 @@ def _one_line(e: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line arguments -> exit status: runs `run(parse_args(argv))`; a ConfigError or DataError is one line on
+    stderr (naming the rank) and exit 1, with the traceback only where TRAINER_DEBUG is set."""
     try:
         run(parse_args(argv))
     except (ConfigError, DataError) as e:

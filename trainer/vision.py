@@ -14,6 +14,9 @@ VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
 
 @dataclass(frozen=True)
 class ImageSpec:
+    """The processor's pixel math that the trainer repeats: patch, temporal patch and merge size, rescale and
+    normalization."""
+
     patch_size: int
     temporal_patch_size: int
     merge_size: int
@@ -39,6 +42,7 @@ class ImageSpec:
                    do_rescale=bool(cfg["do_rescale"]), do_normalize=bool(cfg["do_normalize"]), config=dict(cfg))
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """The (t, h, w) patch grid of one resized image of `height` x `width` pixels."""
         return 1, height // self.patch_size, width // self.patch_size
 
 
@@ -77,6 +81,7 @@ class Patchifier:
         return x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
 
     def num_patches(self, image: torch.Tensor) -> int:
+        """How many patches one resized image (H x W x C) makes."""
         h, w = image.shape[0], image.shape[1]
         return (h // self.spec.patch_size) * (w // self.spec.patch_size)
 

@@ -241,4 +241,5 @@ def stats(
 
 
 def main() -> None:
+    """The `vlmprep` command: parses the command line and runs the subcommand (a user error is one line and exit 1)."""
     app()

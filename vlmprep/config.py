@@ -72,6 +72,11 @@ _BUILTINS = " | ".join(f"builtin:{n}" for n in builtin_names())
 
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
+    """Every `vlmprep build` option, each declared once here with its default, group and help (`opt(...)`): the CLI
+    options, `--help` and the manifest's config are generated from these fields. Frozen; `__post_init__` runs the
+    named `_check_*` checks, so a bad value is a one-line error naming the fix. The manifest stores `to_json()`, the
+    options that change the output bytes."""
+
     # Declared in `vlmprep build --help` order; the manifest's config is key-sorted, so the order never shows there.
     out: str = opt(REQUIRED, OUTPUT, "Output dataset dir (shards, manifest, processor).", cli_type=Path)
     inputs: tuple[str, ...] = opt(REQUIRED, INPUT, "Input .jsonl / .jsonl.zst / .json files, globs or dirs (optional "
@@ -246,6 +251,9 @@ class BuildConfig:
         return cls(**d, **run)
 
     def to_json(self) -> dict:
+        """The options that change the output bytes, as written into manifest.json (and plan.json): display, worker
+        count, the output dir, the exit-code rules and how tasks are run are left out, so the same data built
+        elsewhere, with other workers or another executor, has the same manifest."""
         d = dataclasses.asdict(self)
         d["inputs"] = list(self.inputs)
         d["train_on_roles"] = list(self.train_on_roles)

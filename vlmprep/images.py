@@ -154,6 +154,7 @@ _FAMILY_RESIZE = {"smart_resize": _smart_resize, "smart_resize_temporal": _smart
 
 
 def stored_ext(image_format: str, image: PreparedImage) -> str:
+    """The member extension one image gets under --image-format (`orig.<source format>` for original)."""
     if image_format == "original":
         return "orig." + (_kept_source_ext(image.source.data) or "png")
     return STORED_EXT[image_format]

@@ -45,6 +45,8 @@ LIBRARY_DEFAULT_POLICY = MaskPolicy(tool_calls="train-content")
 
 @dataclass
 class Located:
+    """Where one text slot of a message landed in the rendered template string (a char span)."""
+
     slot: int
     start: int  # char span in the rendered string
     end: int

@@ -26,6 +26,9 @@ _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[
 
 @dataclass(frozen=True, kw_only=True)
 class NormalizeOptions:
+    """What normalize needs from the build options: where local media may resolve, whether remote images may be
+    fetched, the per-record image limit, and whether the family renders video."""
+
     image_root: str | None = None  # None: the input file's own directory
     allow_remote: bool = False
     max_images_per_record: int = 64
@@ -35,6 +38,13 @@ class NormalizeOptions:
 
 
 def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conversation:
+    """One parsed record (OpenAI chat, Responses or Anthropic parts, or the ShareGPT / LLaMA-Factory layout with
+    <image> / <video> markers) -> one Conversation: messages with typed parts, images and videos read to bytes (data
+    URIs, local paths inside --image-root, http(s) only with --allow-remote), tool calls and reasoning kept, and a
+    generated id where the record has none. Null fields count as absent. Anything it cannot read the same way every
+    time is a RecordError with a registered reason (missing_messages, image_not_found, too_many_images, ...): the
+    record is rejected and counted, the build goes on. Trade-off: media bytes are read here, once per record, so
+    later stages never touch the file system or the network."""
     data = _drop_nulls(data)
     if "messages" in data:
         raw_messages = data["messages"]

@@ -137,6 +137,7 @@ class Renderer:
             self.turns["turns_lost_large_image"] = lost
 
     def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
+        """The turn_too_long reject entry for a turn that does not fit --seq-len even with the least context."""
         big = f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)" if self._large_image \
             else ""
         return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "

@@ -264,6 +264,9 @@ def input_names(files: list[Path]) -> list[str]:
 
 def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20,
                  max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
+    """Input files in order -> their raw records (RawRecord: each line's bytes unparsed, a .json array's items, or a
+    file-level fault in a record's place), numbered by one position across all files; each file read in a stream
+    (zstd, line-size and window limits), so no input is ever held whole in memory."""
     pos = 0
     for path, name in zip(files, input_names(files)):
         for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes,
@@ -322,7 +325,3 @@ def _check_unicode(data) -> None:
                 stack.append((f"{path or 'record'} keys", k))
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-
-
-def input_dir(source: Source) -> str:
-    return os.path.dirname(os.path.abspath(source.file))

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Reason:
+    """One registered reject reason: the stage that raises it (its docs/rejects.md row) and its help text."""
+
     stage: str  # the docs/rejects.md table's row
     help: str = ""  # printed in parentheses after the code; "" for a self-explaining code
 

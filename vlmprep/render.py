@@ -94,6 +94,7 @@ class RenderContext:
         self._mm_needs_lengths = "batch_image_seq_lengths" in mm_params
 
     def slots(self, conv: Conversation) -> list[Slot]:
+        """The conversation's text slots (message text, tool calls, reasoning) in the order the template prints them."""
         return message_slots(conv, reasoning=self.reasoning, string_content=self.family.string_content,
                              drop_reasoning=self.policy.reasoning == "drop")
 
@@ -108,6 +109,8 @@ class RenderContext:
         return [i for i, m in enumerate(conv.messages) if (_reasoning_of(m, self.reasoning)[0] or "").strip()]
 
     def render_text(self, messages: list[dict], tools: list | None) -> str:
+        """Template messages (and tools) -> the rendered chat string (the processor's apply_chat_template,
+        untokenized)."""
         kwargs = {"tools": tools} if tools else {}
         return self.processor.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False, **kwargs)
 
@@ -141,6 +144,7 @@ class RenderContext:
         return [self.processor.replace_video_token(inputs, video_idx=i) for i in range(len(videos))]
 
     def mm_token_types(self, ids: np.ndarray, image_token_lengths: list[int]) -> np.ndarray:
+        """Token ids -> the per-token multimodal type ids (0 text, 1 image, 2 video) the processor itself makes."""
         p = self.processor
         if self._mm_needs_lengths:
             out = p.create_mm_token_type_ids([ids.tolist()], [image_token_lengths])[0]
@@ -232,7 +236,7 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
     slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
     vals = iter(texts if texts is not None else [s.text for s in slots])
     out = []
-    for i, m in enumerate(conv.messages):
+    for m in conv.messages:
         msg: dict = {"role": m.role}
         r, answer = _reasoning_of(m, reasoning)
         if r is not None and not drop_reasoning:
@@ -283,6 +287,14 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
 
 def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
                         videos: list[PreparedVideo] = ()) -> RenderedSample:
+    """A Conversation and its prepared images and videos -> one RenderedSample: token ids from the processor's own
+    chat template with each image or video expanded to its placeholder tokens, the 0/1 loss mask (which turns and
+    parts train, per --train-on-roles, --tool-calls, --reasoning), the multimodal token types and MRoPE position ids.
+    The mask is derived from where each message's text landed in the rendered string and checked against the tokens,
+    so a template that drops or rewrites trained text is a RecordError (counted reject), never a silent mislabel.
+    Trade-off: rendering through the model's own template (not building ids turn by turn) keeps the ids exactly what
+    the model sees at inference, at the price of locating every message's text in the rendered string to derive the
+    mask."""
     _check_no_special_tokens(conv, ctx)
     if ctx.policy.reasoning == "reject":
         for i in ctx.reasoning_messages(conv):

@@ -13,6 +13,9 @@ from vlmprep.types import Conversation, Part
 
 @dataclass(frozen=True, kw_only=True)
 class StepPolicy:
+    """How agent traces become samples: --long-traces (truncate or split per step), --keep-images last:N, and the
+    text that stands for a removed image."""
+
     long_traces: str = "truncate"  # "truncate" | "split"
     keep_images: int | None = None  # only the last N images of each sample's messages stay
     dropped_image_text: str | None = None  # what replaces a removed image part (None: dropped)

@@ -9,6 +9,12 @@ from vlmprep.types import RecordError, RenderedSample
 
 
 def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
+    """A RenderedSample -> the same sample cut to at most `seq_len` tokens (unchanged when it fits). The cut never
+    splits an image or a video: one that would straddle it goes whole, with everything after it, and the sample
+    records what it dropped; turns cut short stop counting as trained turns. A cut that leaves no trained token is a
+    RecordError (no_trainable_tokens_after_truncation), with a --max-pixels hint where one image alone fills most of
+    the budget. Trade-off: keeping media whole can leave the sample well under seq_len; --long-traces split keeps
+    every turn instead, as several samples."""
     n = len(sample.input_ids)
     if n <= seq_len:
         return sample

@@ -51,6 +51,8 @@ class RecordError(Exception):
 
 @dataclass(frozen=True)
 class Source:
+    """Where a record came from: its file, its line (or array index), and the input name its generated id uses."""
+
     file: str
     line: int  # 1-based line (jsonl) or 1-based array index (json)
     input_name: str = ""  # the file's path relative to the inputs' common parent: the stem of generated ids
@@ -95,6 +97,8 @@ class VideoData:
 
 @dataclass
 class Part:
+    """One content part of a message: text, an image or a video."""
+
     type: str  # "text" | "image" | "video"
     text: str | None = None
     image: ImageData | None = None
@@ -103,17 +107,23 @@ class Part:
 
 @dataclass
 class ToolCall:
+    """One tool call of an assistant message: its id, the function name and the arguments as the record gave them."""
+
     id: str | None
     name: str
     arguments: str | dict  # as the record gave it: a JSON string (printed verbatim by templates) or an object
 
     @property
     def arguments_json(self) -> str:
+        """The arguments as a JSON string (the record's own string, verbatim, where it gave one)."""
         return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments, ensure_ascii=False)
 
 
 @dataclass
 class Message:
+    """One normalized message: role, typed content parts, tool calls, and the fields that steer masking (weight,
+    reasoning)."""
+
     role: str  # system | user | assistant | tool
     parts: list[Part]
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -124,19 +134,24 @@ class Message:
 
     @property
     def text(self) -> str:
+        """The message's text parts joined."""
         return "".join(p.text or "" for p in self.parts if p.type == "text")
 
     @property
     def images(self) -> list[ImageData]:
+        """The message's images, in order."""
         return [p.image for p in self.parts if p.type == "image" and p.image is not None]
 
     @property
     def videos(self) -> list[VideoData]:
+        """The message's videos, in order."""
         return [p.video for p in self.parts if p.type == "video" and p.video is not None]
 
 
 @dataclass
 class Conversation:
+    """A normalized record (normalize_record's output): its id, source, messages and tools."""
+
     id: str
     source: Source
     messages: list[Message]
@@ -144,10 +159,12 @@ class Conversation:
 
     @property
     def images(self) -> list[ImageData]:
+        """Every image of the conversation, in message order."""
         return [im for m in self.messages for im in m.images]
 
     @property
     def videos(self) -> list[VideoData]:
+        """Every video of the conversation, in message order."""
         return [v for m in self.messages for v in m.videos]
 
 

@@ -19,7 +19,10 @@ def png(w, h, color):
     return "data:image/png;base64," + __import__("base64").b64encode(buf.getvalue()).decode()
 
 
-def render_record(rec, processor, source=Source("/tmp/x.jsonl", 1)):
+SOURCE = Source("/tmp/x.jsonl", 1)
+
+
+def render_record(rec, processor, source=SOURCE):
     conv = normalize_record(rec, source, NormalizeOptions())
     images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
     return conv, render_conversation(conv, RenderContext(processor), images)

@@ -165,7 +165,7 @@ def test_a_template_that_walks_argument_keys_gets_the_parsed_object(qwen3vl):
     # object. (Its template on the Qwen3-VL processor: same mechanism, without loading a third vocabulary.)
     tmpl = (TOOLS_TEMPLATE.parent / "qwen3_5.jinja").read_text()
     rec = verbatim_record(['{"q": "cats", "n": 2}'])
-    with pytest.raises(Exception):
+    with pytest.raises(TypeError, match="mapping"):
         record_ids(qwen3vl, rec, tmpl)
     conv, _, ctx, s = render(rec, qwen3vl, chat_template=tmpl)
     assert ctx.parse_arguments and not render(rec, qwen3vl)[2].parse_arguments

@@ -14,6 +14,9 @@ from vlmprep.shards.reader import iter_shard
 
 @dataclass
 class Journal:
+    """A task's resume point, saved after each completed shard: what the task is (identity), its shards so far, the
+    input position every earlier record is accounted for at, and the totals and rejects up to there."""
+
     identity: dict  # config + input signature + processor fingerprint: a resume is valid only if all match
     shards: list[dict] = field(default_factory=list)
     next_position: int = 0  # every input record before this is in a completed shard or in the rejects
@@ -44,6 +47,7 @@ def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: di
 
 
 def save_journal(path: Path, journal: Journal) -> None:
+    """Writes the journal to `path` atomically (a crash leaves the previous one or this one, never half)."""
     write_json_atomic(path, asdict(journal))
 
 

@@ -42,6 +42,9 @@ __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "
 
 @dataclass
 class BuildResult:
+    """What a build returns: the output dir, its manifest (None when only the plan or one task ran), the plan, the
+    task manifest of a --task-index run, the reject counts and each task's wall time."""
+
     out: Path
     manifest: dict | None  # None when only the plan or one task ran
     plan: dict | None = None
@@ -194,6 +197,13 @@ def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, c
 
 
 def build(cfg: BuildConfig) -> BuildResult:
+    """A checked BuildConfig -> the dataset in cfg.out (shards, manifest.json, rejects.jsonl, the processor), and a
+    BuildResult with the manifest and the reject counts. Chains the whole build under --out's lock: plan (inputs cut
+    into tasks, plan.json), the tasks (one in this process's worker pool, several over the pool or Ray, or only
+    `--task-index i`), then the merge and the dataset checks (--max-reject-fraction, --min-turn-coverage). A bad
+    option or input is a one-line BuildError; a bad record is a counted reject, never a stop. Trade-off: each
+    completed shard is journaled, so a killed build resumes where it stopped at the cost of an fsync per shard; the
+    output is byte-identical for the same inputs, config and task count, whatever the worker count or executor."""
     if cfg.task_index is not None:
         return build_task(Path(cfg.out), cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
     out = Path(cfg.out)

@@ -78,10 +78,12 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
 
 
 def plan_bytes(plan: dict) -> bytes:
+    """A plan as the exact bytes of plan.json (sorted keys, so the same plan is the same file)."""
     return (json.dumps(plan, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def plan_digest(plan: dict) -> str:
+    """The sha256 of a plan's plan.json bytes: what each task manifest names, so merge refuses another plan's tasks."""
     return hashlib.sha256(plan_bytes(plan)).hexdigest()
 
 
@@ -93,6 +95,7 @@ def write_plan(out: Path, plan: dict) -> None:
 
 
 def load_plan(out: Path) -> dict | None:
+    """DIR/plan.json -> the plan, or None where there is none; an unreadable one is a PlanError saying to plan again."""
     try:
         plan = json.loads((Path(out) / PLAN_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:

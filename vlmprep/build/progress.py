@@ -7,6 +7,7 @@ from vlmprep.config import BuildConfig
 
 
 def record_progress(cfg: BuildConfig):
+    """A progress bar over one task's records (rich; shows nothing unless cfg.progress)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
@@ -38,6 +39,7 @@ class TaskProgress:
         return self.tick
 
     def tick(self, totals: dict) -> None:
+        """Adds one finished task's totals and moves the bar on by one task."""
         self.totals.update(totals)
         self.progress.update(self.bar, advance=1, records=self.totals["records"], samples=self.totals["samples"],
                              rejects=self.totals["rejected"])

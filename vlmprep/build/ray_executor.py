@@ -46,6 +46,9 @@ def _one_line(e: Exception) -> str:
 
 
 def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float]:
+    """Runs a plan's unfinished tasks as Ray tasks (a new local cluster with --workers CPUs, or the one at
+    --ray-address / RAY_ADDRESS) -> each task's wall time. Ray is imported only here; without it, a BuildError says
+    how to install it."""
     try:
         import ray
     except ImportError:

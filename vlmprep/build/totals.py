@@ -39,6 +39,7 @@ def input_totals(counts) -> dict:
 
 
 def duplicate_reject(meta: dict) -> dict:
+    """The reject entry for a sample whose id an earlier record already used (reason duplicate_id)."""
     return {"source": dict(meta["source"]), "id": meta["id"], "reason": "duplicate_id",
             "message": f"id {meta['id']!r} already used by an earlier record"}
 

@@ -32,6 +32,8 @@ _WORKER_PRELOAD = ["vlmprep.build.workers", "vlmprep.images", "torch", "torchvis
 
 
 def worker_context():
+    """The multiprocessing context for the build's pool: forkserver, the server preloading torch and transformers
+    once so each worker starts in a fork, not a fresh import."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_WORKER_PRELOAD)  # no effect once the server runs: it already has them
     return ctx
@@ -72,6 +74,7 @@ def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
 
 
 def process_record(raw: RawRecord):
+    """In a pool worker: one raw record -> its encoded samples or its rejects (the worker's Renderer)."""
     return _RENDERER.process(raw)
 
 

@@ -129,6 +129,9 @@ class Collator:
         return out
 
     def __call__(self, samples: list[dict]) -> dict:
+        """Client samples (dicts from vlmprep.clients.wds or .hf) -> one padded batch of torch tensors, the dict an
+        HF model takes (input_ids, labels, attention_mask, position ids, pixel values and grids); refuses samples
+        another processor built (its video grids differ from the stored ones) as a ValueError."""
         import torch
 
         proc = self.processor

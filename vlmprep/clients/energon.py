@@ -99,6 +99,7 @@ class VlmprepTaskEncoder(DefaultTaskEncoder):
 
     @stateless  # the same samples give the same batch: nothing to save in a loader checkpoint
     def batch(self, samples: list[VlmprepSample]) -> dict:
+        """Energon samples -> the HF batch dict that vlmprep's Collator makes of them."""
         return self.collator([{name: getattr(s, name) for name in _FIELDS} for s in samples])
 
 

@@ -30,10 +30,12 @@ VENDOR_BUILTINS = ("mistral-3", "llama-3.2-vision", "llama-4")
 
 
 def builtin_names() -> list[str]:
+    """The names `--processor builtin:NAME` accepts."""
     return list(QWEN_BUILTINS) + list(VENDOR_BUILTINS)
 
 
 def default_cache_dir() -> Path:
+    """Where the builtins are cached: $VLMPREP_CACHE, else ~/.cache/vlmprep."""
     env = os.environ.get("VLMPREP_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "vlmprep"
 

@@ -65,10 +65,12 @@ HF_TEMPLATES = {"llama-3.2-vision": "llama3_2_vision.jinja", "llama-4": "llama4.
 
 
 def ranks_resource(spec: _LlamaSpec):
+    """The llama-models tokenizer.model (tiktoken ranks) of a builtin Llama spec."""
     return importlib.resources.files("llama_models").joinpath(spec.package_dir, "tokenizer.model")
 
 
 def read_template(name: str) -> str:
+    """A bundled chat template (vlmprep/templates/NAME) as text."""
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
@@ -108,6 +110,8 @@ def _tokenizer(spec: _LlamaSpec, template: str):
 
 
 def make_processor(name: str, template: str) -> ProcessorMixin:
+    """A builtin Llama processor (llama-3.2-vision or llama-4) built offline from llama-models' vocabulary, with
+    `template`."""
     import transformers as T
 
     spec = SPECS[name]

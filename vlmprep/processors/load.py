@@ -32,6 +32,9 @@ def resolve_chat_template(value: str) -> Path:
 
 
 def load_processor(spec: str):
+    """--processor value -> a transformers processor: `builtin:NAME` built offline (cached), a local dir loaded
+    without code (load_saved_processor), else a hub id (the only path that may use the network; never remote code). A
+    path that does not exist or an unknown builtin is a one-line ValueError."""
     from transformers import AutoProcessor
 
     if spec.startswith("builtin:"):
@@ -69,6 +72,7 @@ def load_saved_processor(path: str | Path):
 
 
 def fingerprint_dir(path: Path) -> str:
+    """A processor dir -> the sha256 over its files' relative names and contents (what the plan records)."""
     h = hashlib.sha256()
     for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
         h.update(str(f.relative_to(path)).encode() + b"\0")

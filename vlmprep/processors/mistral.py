@@ -25,14 +25,15 @@ SPECIAL_IDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "[AVA
                "[/AVAILABLE_TOOLS]": 6, "[TOOL_RESULTS]": 7, "[/TOOL_RESULTS]": 8, "[TOOL_CALLS]": 9, "[IMG]": 10,
                "<pad>": 11, "[IMG_BREAK]": 12, "[IMG_END]": 13, "[PREFIX]": 14, "[MIDDLE]": 15, "[SUFFIX]": 16,
                "[SYSTEM_PROMPT]": 17, "[/SYSTEM_PROMPT]": 18, "[TOOL_CONTENT]": 19}
-NUM_SPECIAL = 1000
 
 
 def tekken_resource():
+    """mistral-common's Tekken vocabulary file (tekken.json) that builtin:mistral-3 is built from."""
     return importlib.resources.files("mistral_common").joinpath("data", TEKKEN)
 
 
 def read_template(name: str = VENDOR_TEMPLATE) -> str:
+    """A bundled chat template (vlmprep/templates/NAME, the mistral-common one by default) as text."""
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
@@ -44,11 +45,13 @@ def source_files(name: str) -> tuple[bytes, str]:
 
 
 def make_processor(name: str, template: str) -> ProcessorMixin:
+    """The builtin processor `name` (mistral-3 only) with `template`."""
     assert name == "mistral-3", name
     return make_mistral_processor(template)
 
 
 def make_mistral_processor(template: str) -> ProcessorMixin:
+    """builtin:mistral-3 built offline: a Pixtral processor over mistral-common's Tekken vocabulary, with `template`."""
     from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
     from transformers.integrations.mistral.tokenizer import MistralConverter
 

@@ -189,6 +189,7 @@ def _make_qwen3_processor(spec: _Qwen3Spec, template: str) -> ProcessorMixin:
 
 
 def names() -> list[str]:
+    """The Qwen builtin names (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)."""
     return list(_SPECS) + list(_QWEN3_SPECS)
 
 
@@ -203,6 +204,7 @@ def source_files(name: str) -> tuple[bytes, str]:
 
 
 def make_processor(name: str, template: str) -> ProcessorMixin:
+    """A builtin Qwen processor `name` built offline (no download), with `template`."""
     if name in _QWEN3_SPECS:
         return _make_qwen3_processor(_QWEN3_SPECS[name], template)
     return _make_processor(_SPECS[name], template)

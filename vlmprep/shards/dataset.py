@@ -40,33 +40,41 @@ class TaskFiles:
     prefix: str  # its shard names start with this
 
     def path(self, suffix: str) -> Path:
+        """The file of this task with `suffix` (tasks/task-NNNNN<suffix>)."""
         return self.out / task_file(self.index, suffix)
 
     @property
-    def manifest(self) -> Path:  # written last: its presence means the task is complete
+    def manifest(self) -> Path:
+        """The task manifest, written last: its presence means the task is complete."""
         return self.path(".json")
 
     @property
     def journal(self) -> Path:
+        """The task's resume journal."""
         return self.path(".journal.json")
 
     @property
     def rejects(self) -> Path:
+        """The task's rejects, once the task ends."""
         return self.path(".rejects.jsonl")
 
     @property
-    def partial_rejects(self) -> Path:  # the rejects while the task runs; renamed to `rejects` when it ends
+    def partial_rejects(self) -> Path:
+        """The task's rejects while it runs (renamed to `rejects` when it ends)."""
         return self.path(".rejects.jsonl.partial")
 
     @property
     def samples(self) -> Path:
+        """The task's per-sample rows, which merge reads."""
         return self.path(".samples.jsonl")
 
     def shards(self) -> list[Path]:
+        """The task's shard files on disk, in name order."""
         return sorted(self.out.glob(f"{self.prefix}[0-9]*.tar"))
 
 
 def load_task_manifest(files: TaskFiles) -> dict | None:
+    """A task's manifest, or None while the task is not complete."""
     try:
         return json.loads(files.manifest.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -86,14 +94,17 @@ def write_bytes_atomic(path: Path, data: bytes, *, tmp_suffix: str = TMP_SUFFIX)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Writes text (UTF-8) to `path` atomically (see write_bytes_atomic)."""
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Writes `obj` as indented, key-sorted JSON to `path` atomically: the same object is the same bytes."""
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def sha256_file(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

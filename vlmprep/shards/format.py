@@ -19,6 +19,8 @@ META_MEMBER: str = _SPEC["meta_member"]
 
 @dataclass(frozen=True)
 class ArraySpec:
+    """One .npy member of a sample: its dtype, its number of dims, and the format version that added it."""
+
     dtype: np.dtype
     ndim: int
     since: int
@@ -45,14 +47,17 @@ def arrays_of(version: int) -> dict[str, ArraySpec]:
 
 
 def is_key(key: str, version: int = FORMAT_VERSION) -> bool:
+    """Whether `key` is a valid sample key (tar member stem) in format `version`."""
     return bool(_KEY[version].match(key))
 
 
 def is_image_member(name: str, version: int = FORMAT_VERSION) -> bool:
+    """Whether `name` is a valid image member name in format `version`."""
     return bool(_IMAGE[version].match(name))
 
 
 def is_video_member(name: str, version: int = FORMAT_VERSION) -> bool:
+    """Whether `name` is a valid video frame member name in format `version` (videos from v3)."""
     return version >= 3 and bool(_VIDEO.match(name))
 
 
@@ -70,12 +75,14 @@ def sample_key(position: int, split: int | None = None) -> str:
 
 
 def image_member_name(unique_index: int, ext: str) -> str:
+    """The member name of a sample's `unique_index`-th stored image with extension `ext`."""
     name = f"img{unique_index:03d}.{ext}"
     assert is_image_member(name), f"image member {name!r} breaks the shard format's member rule"
     return name
 
 
 def video_frame_member_name(video: int, frame: int, ext: str) -> str:
+    """The member name of frame `frame` of the sample's video `video`, with extension `ext`."""
     name = f"vid{video:03d}.{frame:04d}.{ext}"
     assert is_video_member(name), f"video member {name!r} breaks the shard format's member rule"
     return name

@@ -153,6 +153,8 @@ class StoredSample:
         return ShardFormatError(f"{self.where}: sample {self.key}: {what}")
 
     def read(self, name: str) -> bytes:
+        """The bytes of member `name`; a member the sample does not hold, or one over the reader's size limit, is a
+        ShardFormatError (refused unread)."""
         if name not in self.names:
             raise self._fail(f"has no member {name!r}")
         limit = LIMITS.meta_bytes if name == META_MEMBER else LIMITS.member_bytes

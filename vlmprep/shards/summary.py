@@ -5,6 +5,7 @@ from pathlib import Path
 
 
 def plural(n: int, word: str) -> str:
+    """`n word`, with an s unless n is 1."""
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
@@ -19,6 +20,7 @@ def rejected_records(manifest: dict) -> int:
 
 
 def reject_share(manifest: dict) -> float:
+    """The share of input records the build rejected (0 when there were none)."""
     records = manifest["totals"]["records"]
     return rejected_records(manifest) / records if records else 0.0
 
@@ -50,6 +52,7 @@ REJECT_FIXES = {
 
 
 def reject_fix(reason: str, manifest: dict) -> str:
+    """The one-line fix printed for a reject reason, tuned to the dataset where the manifest says more."""
     fix = REJECT_FIXES.get(reason, "see rejects.jsonl and docs/rejects.md")
     if reason == "tool_calls_not_rendered" and manifest["processor"].get("spec") in ("builtin:qwen2-vl",
                                                                                      "builtin:qwen2.5-vl"):
@@ -105,6 +108,8 @@ def coverage_problem(manifest: dict, minimum: float) -> str | None:
 
 
 def format_build_summary(manifest: dict, out: Path) -> str:
+    """A built dataset's manifest -> the summary `vlmprep build` prints (totals, token counts, rejects and their
+    fixes)."""
     t = manifest["totals"]
     lines = [
         f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest['shards']), 'shard')} "
@@ -149,6 +154,7 @@ def _reasoning_lines(t: dict, config: dict) -> list[str]:
 
 
 def format_plan_summary(plan: dict, out: Path) -> str:
+    """A plan -> the lines `vlmprep build --plan-only` prints: the task count and how to run and merge them."""
     sizes = [c["bytes"] for c in plan["cuts"]]
     mean = sum(sizes) / max(len(sizes), 1)
     return (f"planned {out}: {plural(plan['records'], 'record')} in {plural(plan['tasks'], 'task')} "
@@ -158,6 +164,7 @@ def format_plan_summary(plan: dict, out: Path) -> str:
 
 
 def format_task_summary(task: dict, out: Path) -> str:
+    """A task manifest -> the line `vlmprep build --task-index I` prints."""
     t = task["totals"]
     return (f"task {task['task']} of {out}: {plural(t['records'], 'record')} -> {plural(t['samples'], 'sample')} in "
             f"{plural(len(task['shards']), 'shard')}, {t['rejected']} rejected")

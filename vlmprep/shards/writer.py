@@ -28,6 +28,10 @@ def _npy(arr: np.ndarray) -> bytes:
 
 
 def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int) -> ShardSample:
+    """A RenderedSample -> its shard members (ShardSample): the token arrays as .npy, each distinct image once
+    (encoded per --image-format: zstd-compressed resized pixels, png, webp, or the source bytes for original) with an
+    index from occurrence to stored image, video frames, and the meta JSON. Trade-off: storing processor-resized
+    pixels (zstd) makes shards larger than source bytes but leaves the trainer no image decode or resize to repeat."""
     images_meta, image_index, image_members = [], [], {}
     unique: dict[str, str] = {}  # source digest -> member name
     for im in sample.images:
@@ -115,6 +119,8 @@ class _HashingFile:
 
 @dataclass
 class ShardInfo:
+    """One finished shard as the manifest lists it: name, sample, token and image counts, size and sha256."""
+
     name: str
     num_samples: int = 0
     num_tokens: int = 0
@@ -124,6 +130,7 @@ class ShardInfo:
     sha256: str = ""
 
     def to_json(self) -> dict:
+        """The shard's manifest entry."""
         return dict(self.__dict__)
 
 
@@ -171,6 +178,7 @@ class ShardWriter:
         return False
 
     def finish_shard(self) -> bool:
+        """Closes the open shard (fsynced, renamed into place) and records it; False when none is open."""
         if self._tar is None:
             return False
         self._tar.close()
@@ -187,6 +195,7 @@ class ShardWriter:
         return True
 
     def close(self) -> list[ShardInfo]:
+        """Finishes the open shard -> every shard this writer wrote."""
         self.finish_shard()
         return self.shards
 

@@ -37,6 +37,9 @@ class InspectError(UserError):
 
 @dataclass(frozen=True, kw_only=True)
 class InspectConfig:
+    """The options of `vlmprep inspect`: what to show (input file or dataset dir, by index, id or shard; how many),
+    and how (token table, HTML report)."""
+
     path: str
     index: int | None = None  # input position (= shard key), the same number in raw and dir mode
     id: str | None = None
@@ -204,6 +207,8 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
 
 @dataclass
 class InspectResult:
+    """What inspect found: the samples' views, the rejects, and the HTML report's path when one was written."""
+
     samples: list[SampleView]
     rejects: list[dict]
     html: str | None = None

@@ -184,6 +184,7 @@ def _rejects_table(rejects: list[dict]) -> str:
 
 
 def render_report(samples: list[SampleView], rejects: list[dict], *, title: str) -> str:
+    """Sample views and rejects -> one self-contained HTML page (tokens coloured by mask and type, hover details)."""
     legend = ('<div class="legend"><span class="tr key">trained (loss_mask 1)</span>'
               '<span class="ms key">masked (0)</span><span class="sp key">&lt;|special|&gt; token</span>'
               '<span class="im key">[image k: HxW patches -&gt; N tokens]</span>'
@@ -210,5 +211,6 @@ def page(title: str, body: str, css: str = _CSS) -> str:
 
 
 def write_report(path: Path, samples: list[SampleView], rejects: list[dict], *, title: str) -> None:
+    """Writes the HTML report to `path` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, render_report(samples, rejects, title=title))

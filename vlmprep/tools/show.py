@@ -91,10 +91,12 @@ def _token_table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def format_tokens_plain(v: SampleView) -> str:
+    """One sample's token table as plain text (index, id, mask, type, piece), with its header and facts."""
     return "\n".join([header_line(v)] + _token_table(token_rows(v)) + fact_lines(v)) + "\n"
 
 
 def format_tokens_rich(v: SampleView):
+    """The same token table as styled rich Text for a terminal."""
     # Styled lines rather than a rich Table: a Table lays out 30k rows in seconds, lines in milliseconds.
     from rich.text import Text
 

@@ -115,6 +115,11 @@ class _Scan:
 
 
 def compute_stats(root: Path) -> dict:
+    """A built dataset dir -> its statistics as a dict (what `vlmprep stats` prints and --json writes): counts of
+    records, samples, tokens, trained tokens, images and videos, their distributions and histograms, image sizes,
+    truncation and what it dropped, rejects, turn coverage, and warnings where the manifest and the shards disagree
+    or images take most of the sequence. Reads every shard once (the manifest alone cannot say how tokens are
+    distributed)."""
     root = Path(root)
     manifest = load_manifest(root)
     config = manifest.get("config") or {}
@@ -372,6 +377,7 @@ def summary_lines(st: dict) -> list[str]:
 
 
 def format_stats(st: dict) -> str:
+    """The statistics dict -> the text `vlmprep stats` prints (summary, distributions, histograms, warnings)."""
     lines = summary_lines(st)
     lines += _input_lines(st)
     lines += _distribution_lines(st)

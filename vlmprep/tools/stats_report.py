@@ -104,6 +104,7 @@ def _percentiles_table(st: dict) -> str:
 
 
 def render_stats_report(st: dict) -> str:
+    """The statistics dict -> one self-contained HTML page (summary, warnings, histograms)."""
     title = f"vlmprep stats {st['dir']}"
     summary = "\n".join(summary_lines(st))
     body = [f"<h1>{_e(title)}</h1>"]
@@ -129,5 +130,6 @@ def render_stats_report(st: dict) -> str:
 
 
 def write_stats_report(path: Path, st: dict) -> None:
+    """Writes the stats HTML report to `path` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, render_stats_report(st))

@@ -22,6 +22,8 @@ from vlmprep_schemas import NAMES, load
 
 @dataclass(frozen=True)
 class Violation:
+    """One broken rule of a dataset: where (a file, or file and sample) and what."""
+
     where: str
     what: str
 
@@ -42,6 +44,11 @@ def _schema_error(validator, obj) -> str | None:
 
 
 def verify_dataset(root: Path, *, deep: bool = True) -> list[Violation]:
+    """A dataset dir -> every violation found ([] for a valid dataset): the manifest against its schema, each listed
+    shard present with its size and sha256, no unlisted shards, and with `deep` every sample decoded and checked
+    (member names, array dtypes and shapes, meta schema, token counts against image and video grids, mask and types).
+    Trade-off: `deep` reads and decodes every sample; without it only sizes and hashes are checked, in a fraction of
+    the time."""
     root = Path(root)
     try:
         manifest = load_manifest(root)

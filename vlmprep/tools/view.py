@@ -77,6 +77,8 @@ class Segment:
 
 @dataclass
 class MessageView:
+    """One message of a sample for display: its role and its token segments."""
+
     role: str
     segments: list[Segment]
 
@@ -93,37 +95,46 @@ class MessageView:
 
     @property
     def num_trained(self) -> int:
+        """How many of the message's tokens train."""
         return sum(s.end - s.start for s in self.segments if s.trained)
 
     @property
     def num_tokens(self) -> int:
+        """The message's length in tokens."""
         return sum(s.end - s.start for s in self.segments)
 
 
 @dataclass
 class SampleView:
+    """One sample prepared for display: its arrays, its messages cut into segments, and the tokenizer view."""
+
     sample: InspectedSample
     messages: list[MessageView]
     tokenizer_view: "TokenizerView"
 
     @property
     def num_tokens(self) -> int:
+        """The sample's length in tokens."""
         return len(self.sample.input_ids)
 
     @property
     def num_trained(self) -> int:
+        """How many of its tokens train (loss_mask 1)."""
         return int(self.sample.loss_mask.sum())
 
     @property
     def num_image_tokens(self) -> int:
+        """How many of its tokens are image placeholders."""
         return int((self.sample.mm_token_type_ids == 1).sum())
 
     @property
     def num_images(self) -> int:
+        """How many images it holds (occurrences)."""
         return len(self.sample.image_grid_thw)
 
     @property
     def num_video_tokens(self) -> int:
+        """How many of its tokens are video placeholders."""
         return int((self.sample.mm_token_type_ids == 2).sum())
 
 
@@ -141,6 +152,7 @@ class TokenizerView:
 
     @classmethod
     def from_processor(cls, processor) -> "TokenizerView":
+        """The view of a loaded processor's tokenizer."""
         tok = processor.tokenizer
         kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
         return cls(decode=lambda ids: tok.decode(ids, **kw), decode_batch=lambda b: tok.batch_decode(b, **kw),
@@ -174,6 +186,7 @@ class TokenizerView:
                    merge_size=int(merge) if merge else None, turn_starts=_turn_starts(processor_class))
 
     def decode(self, ids) -> str:
+        """Token ids -> their text, special tokens kept."""
         return self._decode([int(i) for i in ids])
 
     def pieces(self, ids: np.ndarray) -> list[str]:
@@ -183,6 +196,7 @@ class TokenizerView:
 
 
 def sample_from_rendered(s, key: str) -> InspectedSample:
+    """A RenderedSample (inspect's raw mode) -> the InspectedSample the views show, under shard key `key`."""
     return InspectedSample(
         key=key, id=s.id, source=(s.source.file, s.source.line), where="rendered from input",
         input_ids=s.input_ids, loss_mask=s.loss_mask, mm_token_type_ids=s.mm_token_type_ids,
@@ -291,6 +305,8 @@ def run_marker(k: int, j: int, n_runs: int, n_tokens: int) -> str:
 
 
 def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView) -> str:
+    """The marker that stands for image k's placeholder run: its patch grid and token count, flagged where the grid
+    implies another count."""
     grid = sample.image_grid_thw
     if k >= len(grid):
         return f"[image {k + 1}: no grid row -> {n_tokens} tokens]"
@@ -324,20 +340,25 @@ def _role(segs: list[Segment], ids: np.ndarray, tv: TokenizerView) -> str:
 
 
 def view_sample(sample: InspectedSample, tv: TokenizerView) -> SampleView:
+    """An InspectedSample -> its SampleView (messages cut into trained and masked segments)."""
     return SampleView(sample, segment_sample(sample, tv), tv)
 
 
 def header_line(v: SampleView) -> str:
+    """The sample's header line: key, id and where it came from."""
     s = v.sample
     return f"=== sample {s.key}  id {s.id}  ({s.where}) ==="
 
 
 def message_line(m: MessageView) -> str:
+    """A message's header line: its role and how many of its tokens train."""
     trained = f" ({m.num_trained}/{m.num_tokens} tokens trained)" if m.num_trained else ""
     return f"--- {m.role}{trained} ---"
 
 
 def fact_lines(v: SampleView) -> list[str]:
+    """The lines under a sample: token counts and trained share, truncation and what it dropped, split and context
+    messages, unrendered tool calls, warnings."""
     s = v.sample
     ratio = v.num_trained / max(v.num_tokens, 1)
     if s.truncated:
@@ -366,6 +387,7 @@ def fact_lines(v: SampleView) -> list[str]:
 
 
 def reject_line(r: dict) -> str:
+    """One reject as a line: source file and line, id, reason and message."""
     src = r.get("source") or {}
     rid = f"  id {r['id']}" if r.get("id") is not None else ""
     return f"rejected  {src.get('file')}:{src.get('line')}{rid}  {r.get('reason')}: {r.get('message')}"

@@ -87,7 +87,7 @@ def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, mani
         for key, m in samples.items():
             index = np.load(io.BytesIO(m["image_index.npy"]), allow_pickle=False)
             by_number = {int(name[3:6]): name for name in m if name.startswith("img")}
-            decode = lambda name: np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(m[name])),  # noqa: E731
+            decode = lambda name, m=m: np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(m[name])),  # noqa: E731
                                           allow_pickle=False)
             images = [decode(by_number[int(u)]) for u in index]  # the documented mapping
             got = {n: np.load(io.BytesIO(m[n + ".npy"]), allow_pickle=False) for n in ARRAYS}

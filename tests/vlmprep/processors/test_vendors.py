@@ -5,6 +5,7 @@ tokenizer parity on >= 1M characters of mixed scripts, official ids, masks on th
 difference from the Hugging Face templates pinned, and `vlmprep build --processor builtin:NAME` end to end."""
 import base64
 import functools
+import importlib
 import io
 import json
 import random
@@ -336,12 +337,17 @@ def raw_messages(messages):
     return out
 
 
-def llama3_tokens(rec):
-    """ChatFormat.encode_dialog_prompt without the assistant header it appends for generation."""
+@pytest.fixture(scope="session")
+def llama32_format():
+    """llama-models' Llama 3 ChatFormat (its tiktoken Tokenizer; images are one <|image|> token each)."""
     from llama_models.llama3.chat_format import ChatFormat
     from llama_models.llama3.tokenizer import Tokenizer
 
-    fmt = ChatFormat(Tokenizer.get_instance())
+    return ChatFormat(Tokenizer.get_instance())
+
+
+def chat_format_tokens(fmt, rec):
+    """ChatFormat.encode_dialog_prompt (Llama 3 or 4) without the assistant header it appends for generation."""
     tokens = fmt.encode_dialog_prompt(raw_messages(rec["messages"])).tokens
     header = fmt._encode_header("assistant")
     assert tokens[-len(header):] == header
@@ -350,34 +356,6 @@ def llama3_tokens(rec):
 
 LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls", "tool_screenshot",
                 "parallel_tool_calls"]
-
-
-@pytest.mark.parametrize("name", LLAMA_PARITY)
-def test_llama32_matches_llama_models_chat_format_on_fixed_conversations(llama32, name):
-    rec = record(name)
-    *_, sample = render(rec, llama32)
-    want = llama3_tokens(rec)
-    got = sample.input_ids.tolist()
-    assert got == want, llama32.tokenizer.decode(got) + "\n!=\n" + llama32.tokenizer.decode(want)
-
-
-def test_llama32_masks_train_assistant_text_calls_and_eot(llama32):
-    *_, sample = render(record("tool_calls"), llama32)
-    assert [t for _, _, t in trained_runs(sample, llama32.tokenizer)] == [
-        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}<|eot_id|>',
-        '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}<|eot_id|>',
-        "The grinder costs $500.<|eot_id|>",
-        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}<|eot_id|>']
-
-
-def test_llama32_tokenizer_matches_llama_models_on_1m_chars(llama32):
-    from llama_models.llama3.tokenizer import Tokenizer
-
-    ref = Tokenizer.get_instance()
-    docs = parity_corpus()
-    got = llama32.tokenizer(list(docs), add_special_tokens=False)["input_ids"]
-    bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
-    assert not bad, ascii(docs[bad[0]][:200])
 
 
 def test_llama32_special_tokens_at_official_ids(llama32):
@@ -397,7 +375,7 @@ def test_llama32_special_tokens_at_official_ids(llama32):
     assert tok.encode("hi") == [128000, 6151]  # as the official tokenizer.json: encode() adds <|begin_of_text|>
 
 
-def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(llama32):
+def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(llama32, llama32_format):
     """Each difference from llama-models' ChatFormat, pinned. The builtin renders ChatFormat's format
     (llama3_2_vision_llama_models.jinja); the Hub template is vlmprep/templates/llama3_2_vision.jinja."""
     from vlmprep.processors.llama import read_template
@@ -414,7 +392,7 @@ def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(ll
     assert dec(s.input_ids.tolist()).startswith(
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: ")
     *_, s = render(rec, llama32)
-    assert s.input_ids.tolist() == llama3_tokens(rec)
+    assert s.input_ids.tolist() == chat_format_tokens(llama32_format, rec)
     assert dec(s.input_ids.tolist()) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi  <|eot_id|>"
                                          "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>")
     # 3. Tool calls: the Hub template replaces the turn by {"name", "parameters"} (its text is dropped: refused);
@@ -428,7 +406,7 @@ def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(ll
     # not reproducible by any template; vlmprep keeps the joined encoding (the one the model sees at inference).
     rec = record("multi_text_parts")
     *_, s = render(rec, llama32)
-    got, want = s.input_ids.tolist(), llama3_tokens(rec)
+    got, want = s.input_ids.tolist(), chat_format_tokens(llama32_format, rec)
     assert got != want and dec(got) == dec(want)
     toks = llama32.tokenizer.convert_ids_to_tokens
     assert toks(got)[5:10] == ["Rule", "\u0120one", ".Rule", "\u0120two", "."]
@@ -455,29 +433,44 @@ def llama4_format():
     return ChatFormat(Tokenizer.get_instance(), vision_args=args)
 
 
-def llama4_tokens(fmt, rec):
-    tokens = fmt.encode_dialog_prompt(raw_messages(rec["messages"])).tokens
-    header = fmt._encode_header("assistant")
-    assert tokens[-len(header):] == header
-    return tokens[:-len(header)]
+# ---- both Llama builtins against llama-models: one test per check, parametrized by builtin ----------------------------
+
+LLAMAS = {  # builtin -> (processor fixture, ChatFormat fixture, llama-models module, end of a call turn, of a text turn)
+    "llama-3.2-vision": ("llama32", "llama32_format", "llama3", "<|eot_id|>", "<|eot_id|>"),
+    "llama-4": ("llama4", "llama4_format", "llama4", "<|eom|>", "<|eot|>"),
+}
 
 
 @pytest.mark.parametrize("name", LLAMA_PARITY)
-def test_llama4_matches_llama_models_chat_format_on_fixed_conversations(llama4, llama4_format, name):
+@pytest.mark.parametrize("builtin", list(LLAMAS))
+def test_llama_matches_llama_models_chat_format_on_fixed_conversations(request, builtin, name):
+    processor = request.getfixturevalue(LLAMAS[builtin][0])
     rec = record(name)
-    *_, sample = render(rec, llama4)
-    want = llama4_tokens(llama4_format, rec)
+    *_, sample = render(rec, processor)
+    want = chat_format_tokens(request.getfixturevalue(LLAMAS[builtin][1]), rec)
     got = sample.input_ids.tolist()
-    assert got == want, llama4.tokenizer.decode(got) + "\n!=\n" + llama4.tokenizer.decode(want)
+    assert got == want, processor.tokenizer.decode(got) + "\n!=\n" + processor.tokenizer.decode(want)
 
 
-def test_llama4_masks_train_assistant_text_calls_and_eom(llama4):
-    *_, sample = render(record("tool_calls"), llama4)
-    assert [t for _, _, t in trained_runs(sample, llama4.tokenizer)] == [
-        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}<|eom|>',
-        '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}<|eom|>',
-        "The grinder costs $500.<|eot|>",
-        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}<|eom|>']
+@pytest.mark.parametrize("builtin", list(LLAMAS))
+def test_llama_masks_train_assistant_text_calls_and_turn_ends(request, builtin):
+    processor, call_end, text_end = request.getfixturevalue(LLAMAS[builtin][0]), *LLAMAS[builtin][3:]
+    *_, sample = render(record("tool_calls"), processor)
+    assert [t for _, _, t in trained_runs(sample, processor.tokenizer)] == [
+        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}' + call_end,
+        '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}' + call_end,
+        "The grinder costs $500." + text_end,
+        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}' + call_end]
+
+
+@pytest.mark.parametrize("builtin", list(LLAMAS))
+def test_llama_tokenizer_matches_llama_models_on_1m_chars(request, builtin):
+    processor = request.getfixturevalue(LLAMAS[builtin][0])
+    ref = importlib.import_module(f"llama_models.{LLAMAS[builtin][2]}.tokenizer").Tokenizer.get_instance()
+    docs = parity_corpus()
+    got = processor.tokenizer(list(docs), add_special_tokens=False)["input_ids"]
+    bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
+    assert not bad, ascii(docs[bad[0]][:200])
 
 
 def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_format):
@@ -489,7 +482,7 @@ def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_f
     rec = record("parallel_tool_calls")
     conv, _, ctx, sample = render(rec, llama4)
     got, toks = sample.input_ids.tolist(), llama4.tokenizer.convert_ids_to_tokens
-    assert got == llama4_tokens(llama4_format, rec)
+    assert got == chat_format_tokens(llama4_format, rec)
     assert "}}{" not in toks(got) and toks(got).count('{"') == 5
     assert ctx.render_text(ctx.messages(conv), conv.tools).count(TOKEN_BREAK) == 5
     assert [t for _, _, t in trained_runs(sample, llama4.tokenizer)][:2] == [
@@ -509,16 +502,6 @@ def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_f
         with pytest.raises(RecordError) as e:
             render(bad, llama4)
         assert e.value.reason in ("sentinel_in_text", "special_token_in_text"), where
-
-
-def test_llama4_tokenizer_matches_llama_models_on_1m_chars(llama4):
-    from llama_models.llama4.tokenizer import Tokenizer
-
-    ref = Tokenizer.get_instance()
-    docs = parity_corpus()
-    got = llama4.tokenizer(list(docs), add_special_tokens=False)["input_ids"]
-    bad = [i for i, d in enumerate(docs) if got[i] != ref.encode(d, bos=False, eos=False)]
-    assert not bad, ascii(docs[bad[0]][:200])
 
 
 def test_llama_patterns_and_special_ids_are_llama_models(llama4, llama32):
@@ -547,7 +530,7 @@ def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_pa
     # Plain text and images: the same tokens (images expanded identically by the processor and ChatFormat).
     for name in ("system_images_cjk_emoji", "no_system_whitespace_big_image"):
         *_, s = render(record(name), llama4, chat_template=hf)
-        assert s.input_ids.tolist() == llama4_tokens(llama4_format, record(name)), name
+        assert s.input_ids.tolist() == chat_format_tokens(llama4_format, record(name)), name
     # A system message of several parts: the Hub template keeps the first part only (refused: text dropped).
     with pytest.raises(RecordError, match="drops this message's text"):
         render(record("multi_text_parts"), llama4, chat_template=hf)
@@ -564,7 +547,7 @@ def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_pa
         '<|header_start|>ipython<|header_end|>\n\n"ok"<|eot|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>')
     for m in msgs[1:2]:
         m["tool_calls"][0]["function"]["arguments"] = json.dumps(m["tool_calls"][0]["function"]["arguments"])
-    assert llama4.tokenizer.decode(llama4_tokens(llama4_format, {"messages": msgs})).endswith(
+    assert llama4.tokenizer.decode(chat_format_tokens(llama4_format, {"messages": msgs})).endswith(
         '<|header_end|>\n\n{"type": "function", "name": "click", "parameters": {"x": 1}}<|eom|>'
         '<|header_start|>ipython<|header_end|>\n\nok<|eom|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>')
 
@@ -581,10 +564,8 @@ BUILDS = {  # builtin -> (processor class, default template, fixed conversations
 def vendor_tokens(request, name, rec):
     if name == "mistral-3":
         return mistral_tokens(request.getfixturevalue("mistral_reference"), rec)
-    if name == "llama-3.2-vision":
-        return llama3_tokens(rec)
-    if name == "llama-4":
-        return llama4_tokens(request.getfixturevalue("llama4_format"), rec)
+    if name in LLAMAS:
+        return chat_format_tokens(request.getfixturevalue(LLAMAS[name][1]), rec)
     raise AssertionError(name)
 
 
@@ -672,4 +653,4 @@ def test_llama4_matches_chat_format_on_real_opencua_trajectories(llama4, llama4_
     assert parallel >= 2, "the fixture must hold turns with parallel tool calls"
     for rec in recs:
         *_, sample = render(rec, llama4)
-        assert sample.input_ids.tolist() == llama4_tokens(llama4_format, rec), rec["id"]
+        assert sample.input_ids.tolist() == chat_format_tokens(llama4_format, rec), rec["id"]

@@ -99,7 +99,7 @@ def test_plain_output_marks_exactly_the_trained_spans(built, qwen2vl_processor):
         image_runs = runs(s["mm_token_type_ids"] == 1)
         markers = MARKER.findall(block)
         assert [int(m[0]) for m in markers] == list(range(1, len(image_runs) + 1))
-        for (k, h, w, n), (a, b), grid in zip(markers, image_runs, s["image_grid_thw"]):
+        for (_k, h, w, n), (a, b), grid in zip(markers, image_runs, s["image_grid_thw"]):
             assert (int(h), int(w)) == (grid[1], grid[2]) and int(n) == b - a == grid.prod() // 4
         assert "<|image_pad|>" not in block and block.count("<|vision_start|>") == len(image_runs)
         assert "<|im_start|>assistant" in block  # special tokens stay visible
@@ -179,7 +179,7 @@ def test_tokens_table(built):
     rows = [line.split(None, 4) for line in res.stdout.splitlines()[2:] if row.match(line)]
     image_runs = runs(s["mm_token_type_ids"] == 1)
     assert len(rows) == len(s["input_ids"]) - sum(b - a for a, b in image_runs) + len(image_runs)
-    for idx, tid, mask, typ, piece in rows:
+    for idx, tid, mask, typ, _piece in rows:
         i = int(idx.split("-")[0])
         assert (int(tid), int(mask), int(typ)) == (s["input_ids"][i], s["loss_mask"][i], s["mm_token_type_ids"][i])
     assert [r[0] for r in rows if r[3] == "1"] == [f"{a}-{b - 1}" for a, b in image_runs]
