@@ -73,7 +73,7 @@ def test_each_tool_gets_the_same_length_and_pixel_bounds(tmp_path):
     vl = command("vlmprep", Path("python"), data, **args)
     assert vl[vl.index("--seq-len") + 1] == "4096" and vl[vl.index("--processor") + 1] == str(tmp_path / "model")
     command("llamafactory", tmp_path / "bin" / "python", data, **args)
-    cfg = json.loads((tmp_path / "llamafactory.json").read_text())
+    cfg = json.loads((tmp_path / "llamafactory.yaml").read_text())
     assert cfg["cutoff_len"] == 4096 and cfg["image_max_pixels"] == 12845056 and cfg["image_min_pixels"] == 3136
     assert cfg["tokenized_path"] == str((tmp_path / "o").resolve()) and cfg["preprocessing_num_workers"] == 1
     sw = command("ms-swift", tmp_path / "bin" / "python", data, **args)

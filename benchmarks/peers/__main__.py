@@ -2,7 +2,7 @@
 same Qwen2-VL processor (saved to a local dir, loaded offline) and the same length; each tool in a fresh process
 pinned to one core. One JSON line per measurement on stdout (benchmarks/emit.py).
 
-    python -m benchmarks.peers [--traces 48] [--demo-repeat 50] [--peers llamafactory,ms-swift] [--quick]
+    python -m benchmarks.peers [--traces 48] [--demo-repeat 50] [--tools vlmprep,llamafactory,ms-swift] [--quick]
 
 The peers live in their own venvs under bench-out/peers/ (benchmarks/peers/venvs.py), never in the project's."""
 from __future__ import annotations
@@ -33,6 +33,19 @@ TRAIN_TIME = {
     "ms-swift": "everything again: template + tokenizing and image decode + resize + normalize "
                 "(the output stores the raw messages, image paths and a length)",
 }
+
+
+# What `llamafactory-cli train CONFIG` runs before it loads the model (run_sft's first lines): with tokenized_path
+# set, get_dataset preprocesses and saves there. Its CLI itself would then go on to load model weights.
+LF_PREPROCESS = """
+from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+from llamafactory.hparams import get_train_args
+from llamafactory.model import load_tokenizer
+model_args, data_args, training_args, _, _ = get_train_args()
+tokenizer_module = load_tokenizer(model_args)
+template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
+get_dataset(template, model_args, data_args, training_args, stage="sft", **tokenizer_module)
+"""
 
 
 def save_model_dir(dest: Path) -> dict:
@@ -101,9 +114,9 @@ def command(tool: str, py: Path, data: dict, model: Path, out: Path, run_dir: Pa
                "tokenized_path": str(out.resolve()), "output_dir": str((run_dir / "lf-train").resolve()),
                "image_max_pixels": pixels["max_pixels"], "image_min_pixels": pixels["min_pixels"],
                "report_to": "none"}
-        path = run_dir / "llamafactory.json"
+        path = run_dir / "llamafactory.yaml"  # JSON is YAML; its .json branch passes json.load a Path
         path.write_text(json.dumps(cfg, indent=1))
-        return [str(py.parent / "llamafactory-cli"), "train", str(path.resolve())]
+        return [str(py), "-c", LF_PREPROCESS, str(path.resolve())]
     assert tool == "ms-swift", tool
     return [str(py.parent / "swift"), "export", "--model", str(model.resolve()), "--model_type", "qwen2_vl",
             "--template", "qwen2_vl", "--dataset", str(data["swift"].resolve()), "--to_cached_dataset", "true",
@@ -175,28 +188,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny inputs: checks that everything runs")
     ap.add_argument("--traces", type=int, default=48, help="demo agent traces (1280x720 screenshots)")
     ap.add_argument("--demo-repeat", type=int, default=50, help="copies of the 6-record LLaMA-Factory demo")
-    ap.add_argument("--peers", default="llamafactory,ms-swift", help="comma list of llamafactory, ms-swift")
+    ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     ap.add_argument("--workers", type=int, default=1, help="processes (and cores) per tool")
     ap.add_argument("--inputs", default="demo,traces", help="comma list of demo, traces")
     a = ap.parse_args(argv)
-    peers = [p.strip() for p in a.peers.split(",") if p.strip()]
-    if set(peers) - set(venvs.PEERS):
-        ap.error(f"--peers: choose from {', '.join(venvs.PEERS)}")
+    tools = [t.strip() for t in a.tools.split(",") if t.strip()]
+    if set(tools) - set(TOOLS):
+        ap.error(f"--tools: choose from {', '.join(TOOLS)}")
     if a.quick:
         a.traces, a.demo_repeat = min(a.traces, 3), min(a.demo_repeat, 2)
     emit("machine", quick=a.quick, cpu=_cpu_model(), load_avg=[round(x, 2) for x in os.getloadavg()], **machine())
     ROOT.mkdir(parents=True, exist_ok=True)
     model = ROOT / "model"
     pixels = save_model_dir(model)
-    pys = {"vlmprep": Path(sys.executable)}
-    for peer in peers:
+    pys = {"vlmprep": Path(sys.executable)} if "vlmprep" in tools else {}
+    for peer in [t for t in tools if t in venvs.PEERS]:
         try:
             pys[peer] = venvs.ensure(peer, ROOT)
             pkgs = [venvs.PEERS[peer]["pin"].split("==")[0], "transformers", "datasets", "torch"]
             emit("peers", metric="versions", tool=peer, **versions(pys[peer], pkgs))
         except Exception as e:  # noqa: BLE001 - a peer that cannot install is a result to report, not a crash
             emit("peers", metric="install", tool=peer, error=str(e)[-2000:])
-    emit("peers", metric="versions", tool="vlmprep", **versions(pys["vlmprep"], ["vlmprep", "transformers", "torch"]))
+    emit("peers", metric="versions", tool="vlmprep",
+         **versions(Path(sys.executable), ["vlmprep", "transformers", "torch"]))
     sets = {d["name"]: d for d in inputs(a.quick, a.traces, a.demo_repeat)}
     results: dict[tuple[str, str], dict] = {}
     for name in [n.strip() for n in a.inputs.split(",") if n.strip()]:
@@ -211,24 +225,24 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             # The 1-record run's start-up (imports, processor load) set apart; per core from the CPU seconds the
             # run used (its processes pinned to `workers` cores), and from the wall clock, which neighbours inflate.
-            cpu = max(rn["cpu_seconds"] - r1["cpu_seconds"], 1e-9)
-            wall = max(rn["seconds"] - r1["seconds"], 1e-9) * a.workers
+            cpu = rn["cpu_seconds"] - r1["cpu_seconds"]
+            wall = (rn["seconds"] - r1["seconds"]) * a.workers
             recs, imgs = full["records"] - one["records"], full["images"] - one["images"]
             result = emit("peers", metric="run", **row, seconds=rn["seconds"], cpu_seconds=rn["cpu_seconds"],
                           startup_seconds=r1["seconds"], startup_cpu_seconds=r1["cpu_seconds"],
-                          records_per_s_per_core=round(recs / cpu, 3), images_per_s_per_core=round(imgs / cpu, 2),
-                          records_per_s_per_core_wall=round(recs / wall, 3),
+                          records_per_s_per_core=round(recs / cpu, 3) if cpu > 0 else None,
+                          images_per_s_per_core=round(imgs / cpu, 2) if cpu > 0 else None,
+                          records_per_s_per_core_wall=round(recs / wall, 3) if wall > 0 else None,
                           **{k: rn[k] for k in ("samples", "tokens", "rejected", "output_bytes") if k in rn},
-                          columns=rn.get("columns"), train_time=TRAIN_TIME[tool], load_avg_1m=rn["load_avg_1m"],
+                          source_image_bytes=full["source_image_bytes"], columns=rn.get("columns"),
+                          train_time=TRAIN_TIME[tool], load_avg_1m=rn["load_avg_1m"],
                           command=rn["command"])
             results[name, tool] = result
         base = results.get((name, "vlmprep"))
         for peer in [t for t in TOOLS[1:] if (name, t) in results and base]:
-            p = results[name, peer]
-            emit("peers", metric="ratio", input=name, vs=peer,
-                 records_per_s_per_core=round(base["records_per_s_per_core"] / p["records_per_s_per_core"], 2),
-                 records_per_s_per_core_wall=round(base["records_per_s_per_core_wall"]
-                                                   / p["records_per_s_per_core_wall"], 2), goal=3.0)
+            ratio = {k: round(base[k] / results[name, peer][k], 2) if base[k] and results[name, peer][k] else None
+                     for k in ("records_per_s_per_core", "records_per_s_per_core_wall")}
+            emit("peers", metric="ratio", input=name, vs=peer, **ratio, goal=3.0)
     emit("done")
 
 

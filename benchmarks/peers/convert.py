@@ -43,7 +43,7 @@ def _arguments(call: dict) -> dict:
 def trace_to_peers(rec: dict, img_dir: Path) -> tuple[dict, dict]:
     """One agent trace -> (LLaMA-Factory ShareGPT record, ms-swift record), sharing the same image files.
     LLaMA-Factory: system / user / function_call / observation / assistant turns, the assistant's words before a
-    tool call kept as the call's thought (`<think>...</think>`, its template's own thought slot); ms-swift: the
+    tool call kept as the call's thought (its default thought words `<think>\n...\n</think>\n\n`); ms-swift: the
     OpenAI messages as they are (it converts tool_calls itself), content flattened to strings with <image>."""
     images: list[str] = []
     swift_msgs, lf_msgs = [], []
@@ -55,7 +55,8 @@ def trace_to_peers(rec: dict, img_dir: Path) -> tuple[dict, dict]:
                                  json.dumps(_arguments(c), ensure_ascii=False)}} for c in m["tool_calls"]]
             calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m["tool_calls"]]
             body = json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
-            lf_msgs.append({"role": "function_call", "content": f"<think>{text}</think>{body}" if text else body})
+            thought = f"<think>\n{text}\n</think>\n\n" if text else ""
+            lf_msgs.append({"role": "function_call", "content": thought + body})
         else:
             lf_msgs.append({"role": {"tool": "observation"}.get(m["role"], m["role"]), "content": text})
         swift_msgs.append(sm)
@@ -99,5 +100,8 @@ def _write(out: Path, lf: list[dict], sw: list[dict], *, tools: bool) -> dict:
     with open(out / "swift" / "data.jsonl", "w") as f:
         for r in sw:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return {"llamafactory": out / "llamafactory", "swift": out / "swift" / "data.jsonl", "records": len(lf),
-            "images": sum(len(r.get("images", [])) for r in lf)}
+    base = out / "llamafactory"
+    files = {(base / p).resolve() for r in lf for p in r.get("images", [])}  # what a path-keeping output needs
+    return {"llamafactory": base, "swift": out / "swift" / "data.jsonl", "records": len(lf),
+            "images": sum(len(r.get("images", [])) for r in lf),
+            "source_image_bytes": sum(f.stat().st_size for f in files)}
