@@ -61,6 +61,8 @@ def test_demo_repeated_for_all_tools(tmp_path):
     assert d["records"] == 18 and d["images"] == 24
     lf = json.loads((d["llamafactory"] / "data.json").read_text())
     assert all((d["llamafactory"] / p).is_file() for r in lf for p in r["images"])  # relative, as vlmprep reads it
+    assert len({p for r in lf for p in r["images"]}) == 3 * 3  # each copy its own files (1.jpg twice in a record)
+    assert d["source_image_bytes"] == 3 * sum(f.stat().st_size for f in (LLAMAFACTORY / "mllm_demo_data").iterdir())
     sw = [json.loads(line) for line in d["swift"].read_text().splitlines()]
     assert [r["messages"] for r in sw] == [r["messages"] for r in lf]
     assert all(Path(p).is_absolute() and Path(p).is_file() for r in sw for p in r["images"])

@@ -2,7 +2,7 @@
 same Qwen2-VL processor (saved to a local dir, loaded offline) and the same length; each tool in a fresh process
 pinned to one core. One JSON line per measurement on stdout (benchmarks/emit.py).
 
-    python -m benchmarks.peers [--traces 48] [--demo-repeat 50] [--tools vlmprep,llamafactory,ms-swift] [--quick]
+    python -m benchmarks.peers [--traces 64] [--demo-repeat 500] [--tools vlmprep,llamafactory,ms-swift] [--quick]
 
 The peers live in their own venvs under bench-out/peers/ (benchmarks/peers/venvs.py), never in the project's."""
 from __future__ import annotations
@@ -186,8 +186,8 @@ def versions(py: Path, names: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peers")
     ap.add_argument("--quick", action="store_true", help="tiny inputs: checks that everything runs")
-    ap.add_argument("--traces", type=int, default=48, help="demo agent traces (1280x720 screenshots)")
-    ap.add_argument("--demo-repeat", type=int, default=50, help="copies of the 6-record LLaMA-Factory demo")
+    ap.add_argument("--traces", type=int, default=64, help="demo agent traces (1280x720 screenshots)")
+    ap.add_argument("--demo-repeat", type=int, default=500, help="copies of the 6-record LLaMA-Factory demo")
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     ap.add_argument("--workers", type=int, default=1, help="processes (and cores) per tool")
     ap.add_argument("--inputs", default="demo,traces", help="comma list of demo, traces")

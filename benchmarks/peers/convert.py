@@ -79,14 +79,18 @@ def write_traces(recs: list[dict], out: Path) -> dict:
 
 
 def write_demo(src: Path, out: Path, repeat: int) -> dict:
-    """The LLaMA-Factory demo repeated `repeat` times: one json for vlmprep and LLaMA-Factory (its own layout, image
-    paths relative to the file) and one jsonl for ms-swift (the same messages, absolute image paths)."""
+    """The LLaMA-Factory demo repeated `repeat` times, each copy naming its own copies of the images (as a real
+    dataset's records do: no tool can reuse an image it has seen). One json for vlmprep and LLaMA-Factory (its own
+    layout, image paths relative to the file) and one jsonl for ms-swift (the same messages, absolute paths)."""
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    shutil.copytree(src / "mllm_demo_data", out / "llamafactory" / "mllm_demo_data")
-    recs = json.loads((src / "mllm_demo.json").read_text()) * repeat
-    absolute = [{**r, "images": [str((out / "llamafactory" / p).resolve()) for p in r.get("images", [])]}
-                for r in recs]
+    base = out / "llamafactory"
+    base.mkdir(parents=True)
+    recs = []
+    for k in range(repeat):
+        shutil.copytree(src / "mllm_demo_data", base / f"mllm_demo_data_{k:05d}")
+        recs += [{**r, "images": [p.replace("mllm_demo_data/", f"mllm_demo_data_{k:05d}/", 1) for p in r["images"]]}
+                 for r in json.loads((src / "mllm_demo.json").read_text())]
+    absolute = [{**r, "images": [str((base / p).resolve()) for p in r.get("images", [])]} for r in recs]
     return _write(out, recs, absolute, tools=False)
 
 
