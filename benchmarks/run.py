@@ -1,9 +1,10 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
-shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack -> order (sample shuffle,
-mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs Ray,
-per-task balance); video (build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run
-(tiny inputs; figures meaningless, shape real)."""
+shard) -> loader (vs online, as a multiple of the floor; integrity: the start-up sha256 check vs a loader pass) ->
+collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) -> balance -> pack -> order (sample
+shuffle, mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs
+Ray, per-task balance); video (build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke
+run (tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,7 @@ import time
 from benchmarks import (
     bench_balance,
     bench_build,
+    bench_clients,
     bench_collate,
     bench_limits,
     bench_loader,
@@ -25,7 +27,8 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale", "video")
+BENCHES = ("build", "startup", "limits", "loader", "collate", "clients", "balance", "pack", "order", "traces", "scale",
+           "video")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_loader.run(a.quick, a.records, floors)
     if "collate" in only:
         bench_collate.run(a.quick)
+    if "clients" in only:
+        bench_clients.run(a.quick)
     if "balance" in only:
         bench_balance.run(a.quick)
     if "pack" in only:

@@ -1,17 +1,19 @@
 """Megatron-Energon adapter: the sample type and loader that DIR/.nv-meta/dataset.yaml (written by the build,
 vlmprep/clients/energon_meta.py) names. Raw tar members -> vlmprep's reader -> VlmprepSample; energon's own
-decoder is never applied, so nothing is unpickled, and a member outside the format is refused.
+decoder is never applied, so nothing is unpickled, and a member outside the format is refused. VlmprepTaskEncoder
+batches VlmprepSamples with vlmprep's Collator: the dict an HF model takes.
 """
 import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
-from megatron.energon import Sample, StandardWebdatasetFactory
+from megatron.energon import DefaultTaskEncoder, Sample, StandardWebdatasetFactory, stateless
 from megatron.energon.edataclass import edataclass
 from megatron.energon.flavors import BaseWebdatasetFactory
 
 from vlmprep.clients import sample_version
+from vlmprep.clients.collate import Collator
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.shards.dataset import MANIFEST_NAME, NV_META
 from vlmprep.shards.reader import ShardFormatError, dataset_path, load_manifest, sample_from_members
@@ -82,6 +84,22 @@ def check_indexed_shards(path, names: list[str]) -> None:
                                + (f"{d / MANIFEST_NAME} does not list" if d is not None else "is not a plain name")
                                + "; refusing to read it: index the dataset again with "
                                "vlmprep.clients.energon.prepare(DIR)")
+
+
+class VlmprepTaskEncoder(DefaultTaskEncoder):
+    """A task encoder whose `batch` is vlmprep's Collator: `get_train_dataset(DIR, batch_size=B, task_encoder=
+    VlmprepTaskEncoder(DIR, trained_logits=True), ...)` yields the dict an HF model takes (`model(**batch).loss`),
+    not lists of arrays. Keywords go to `Collator` (trained_logits: logits only where the next token is trained)."""
+
+    decoder = None  # samples come from vlmprep's reader; energon's webdataset decoder (may unpickle) is never used
+
+    def __init__(self, path: str | Path, **collator_kwargs):
+        super().__init__()
+        self.collator = Collator(path, **collator_kwargs)
+
+    @stateless  # the same samples give the same batch: nothing to save in a loader checkpoint
+    def batch(self, samples: list[VlmprepSample]) -> dict:
+        return self.collator([{name: getattr(s, name) for name in _FIELDS} for s in samples])
 
 
 def prepare(d: str | Path, *, workers: int = 1) -> int:
