@@ -1,8 +1,14 @@
 """`make bench-peers` harness, the parts that run without the peers' venvs: the records in each peer's format carry
-the same turns, text and images as the trace they came from, and each tool is asked for the same length and pixels."""
+the same turns, text and images as the trace they came from, and each tool is asked for the same length and pixels;
+in `make test-all`, the harness's own quick run measures vlmprep (no peer installed)."""
 import base64
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from benchmarks.peers import convert
 from benchmarks.peers.__main__ import command
@@ -80,3 +86,22 @@ def test_each_tool_gets_the_same_length_and_pixel_bounds(tmp_path):
     assert cfg["tokenized_path"] == str((tmp_path / "o").resolve()) and cfg["preprocessing_num_workers"] == 1
     sw = command("ms-swift", tmp_path / "bin" / "python", data, **args)
     assert sw[sw.index("--max_length") + 1] == "4096" and sw[sw.index("--to_cached_dataset") + 1] == "true"
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: four small vlmprep builds (the peers are not installed by this test)
+def test_quick_harness_measures_vlmprep_on_both_inputs(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--quick", "--tools", "vlmprep"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert rows[0]["bench"] == "machine" and rows[-1]["bench"] == "done"
+    runs = {r["input"]: r for r in rows if r.get("metric") == "run"}
+    assert set(runs) == {"demo", "traces"} and not any("error" in r for r in runs.values()), runs
+    for r in runs.values():
+        assert r["samples"] == r["records"] and r["rejected"] == 0 and r["output_bytes"] > 0
+        # Rates are None where --quick's few records cost less CPU than the noise between two start-ups.
+        assert {"records_per_s_per_core", "images_per_s_per_core"} <= set(r) and r["cpu_seconds"] > 0
+        assert r["train_time"] and r["startup_cpu_seconds"] > 0
+    assert not (tmp_path / "bench-out" / "peers" / "venv-llamafactory").exists()  # nothing installed
