@@ -7,7 +7,7 @@ DEMO_N ?= 64
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install demo lint test test-all test-gpu bench clean
+.PHONY: install demo lint test test-all test-gpu bench bench-peers clean
 
 # A download cut off mid-wheel (seen on CI: ray's 79 MB wheel, stuck at 30.7 MB through pip's own resumes) must not
 # fail the install: pip retries and resumes, and the whole step is tried again after a pause. Set as environment
@@ -54,6 +54,12 @@ test-gpu: $(STAMP)
 bench: $(STAMP)
 	$(call pip_retry,-e '.[bench]')
 	$(PY) -m benchmarks.run $(BENCH_ARGS)
+
+# vlmprep beside LLaMA-Factory's and ms-swift's preprocessing on the same records (docs/performance.md). Each peer
+# gets its own venv under bench-out/peers/ (the project's torch hard-linked in, the peer's pinned release from PyPI:
+# minutes and ~2 GB on the first run). Not in CI, `make test` or `make bench`.
+bench-peers: $(STAMP)
+	$(PY) -m benchmarks.peers $(BENCH_ARGS)
 
 clean:
 	rm -rf demo .pytest_cache
