@@ -27,7 +27,7 @@ def test_vlmprep_and_trainer_read_the_same_rule():
     for version in vf.READABLE_VERSIONS:
         assert vf._IMAGE[version].pattern == td.IMAGE_MEMBER[version].pattern
         assert td.arrays_of(version) == list(vf.arrays_of(version))
-    names = ["img000.npy.zst", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
+    names = ["img000.delta.zst", "img000.npy.zst", "img000.delta.npy", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
              "img000.orig.ppm", "img000.orig.tiff", "image_index.npy", "input_ids.npy", "json", "state.pyd",
              "x.pth", "img0000.png", "img000.npy"]
     for version in vf.READABLE_VERSIONS:
@@ -35,6 +35,8 @@ def test_vlmprep_and_trainer_read_the_same_rule():
             trainer_ok = (n in td.arrays_of(version) or n == td.META_MEMBER or bool(td.IMAGE_MEMBER[version].match(n)))
             assert vf.is_member(n, version) == trainer_ok, (n, version)
     assert not vf.is_member("img000.orig.ppm", 2) and vf.is_member("img000.orig.ppm", 1)
+    assert vf.is_member("img000.delta.zst", 3) and vf.is_video_member("vid000.0000.delta.zst", 3)
+    assert not vf.is_member("img000.delta.zst", 1) and not vf.is_member("img000.delta.npy", 3)
     assert vf.sample_key(12) == "0000000012" and vf.sample_key(12, 3) == "0000000012_0003"
 
 
@@ -88,7 +90,7 @@ def records(tmp_path_factory):
     return _records(tmp_path_factory.mktemp("contract") / "all_sources.jsonl")
 
 
-@pytest.mark.parametrize("fmt", ["zstd", "png", "webp", "original"])
+@pytest.mark.parametrize("fmt", ["zstd-delta", "zstd", "png", "webp", "original"])
 def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
     from vlmprep.build.pipeline import build
     from vlmprep.config import BuildConfig

@@ -18,6 +18,7 @@ from PIL import Image
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
 from vlmprep_schemas import load
+from vlmprep_schemas.delta import unfilter_into
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -141,7 +142,8 @@ class OriginalResizer:
 
 
 def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:
-    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst` members go through _read_npy_zst_into)."""
+    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst` and `.delta.zst` members go through
+    _read_npy_zst_into)."""
     if ".orig." in name:
         arr = resize_original(data)
     else:
@@ -208,7 +210,7 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
 
 def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels."""
-    if not name.endswith(".npy.zst"):
+    if not name.endswith((".npy.zst", ".delta.zst")):
         return h * w * 3
     size = zstandard.frame_content_size(data)
     if not h * w * 3 < size <= h * w * 3 + 4096:
@@ -254,6 +256,9 @@ def decode_image_into(name: str, data: bytes, buf: np.ndarray, shape: tuple[int,
     """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view."""
     if name.endswith(".npy.zst"):
         return _read_npy_zst_into(data, buf, shape, name)
+    if name.endswith(".delta.zst"):  # a .npy.zst whose rows are filtered: undone from a copy into the same view
+        view = _read_npy_zst_into(data, buf, shape, name)
+        return unfilter_into(view.reshape(shape[0], 3, shape[1]).copy(), view)
     arr = decode_image(name, data, resize_original)
     if arr.shape != shape:
         raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {shape}")

@@ -28,6 +28,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
+from vlmprep_schemas.delta import unfilter_into
 
 
 class ShardFormatError(UserError):
@@ -88,10 +89,14 @@ def shard_paths(d: Path, manifest: dict, shard: str | None = None) -> list[Path]
 
 def decode_stored_image(name: str, data: bytes) -> np.ndarray:
     """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). Never unpickles."""
-    if name.endswith(".npy.zst"):
-        arr = np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(data)), allow_pickle=False)
+    if name.endswith((".npy.zst", ".delta.zst")):
+        raw = io.BytesIO(zstandard.ZstdDecompressor().decompress(data))
+        arr = np.load(raw, allow_pickle=False)  # .delta.zst: the header is the image's, the rows are filtered
         if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
             raise ValueError(f"stored image has dtype {arr.dtype} shape {arr.shape}, expected uint8 HxWx3")
+        if name.endswith(".delta.zst"):
+            h, w, _ = arr.shape
+            return unfilter_into(arr.reshape(h, 3, w), np.empty_like(arr))
         return arr
     with Image.open(io.BytesIO(data)) as im:
         if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own
