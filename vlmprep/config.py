@@ -95,8 +95,8 @@ class BuildConfig:
                                     "(saved with the dataset).")
     role_boundaries: str | None = opt(None, RENDER, "TOML of per-role start/end markers, for processors vlmprep does "
                                       "not know.")
-    image_format: str = opt("zstd-delta", IMAGES, "How images are stored (see docs/shard-format.md).",
-                            choices=IMAGE_FORMATS)
+    image_format: str = opt("zstd-delta", IMAGES, "How images are stored: zstd-delta (lossless, smallest that decodes "
+                            "fast), zstd, png, webp or original (see docs/shard-format.md).", choices=IMAGE_FORMATS)
     # The image processor's resize budget and the video sampling (docs/video.md), saved into DIR/processor; a video
     # part's own fps / max_frames win. None: the processor's own.
     min_pixels: int | None = opt(None, IMAGES, "Image resize budget: min pixels per image (saved into DIR/processor).")
