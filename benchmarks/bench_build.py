@@ -168,7 +168,7 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     fmt_n = 6 if quick else 30
     fmt_inp = traces(fmt_n, width=size[0], height=size[1], max_images=4 if quick else 25)
     in_bytes = decoded_input_bytes(fmt_inp)
-    for fmt in ("zstd", "png", "webp", "original"):
+    for fmt in ("zstd-delta", "zstd", "png", "webp", "original"):
         t, m = timed_build(fmt_inp, OUT / f"fmt-{fmt}", image_format=fmt)
         shard_bytes = sum(s["bytes"] for s in m["shards"])
         rows.append(emit("build", metric="shard_bytes_vs_input", image_format=fmt, records=fmt_n,

@@ -1,10 +1,11 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
-shard) -> loader (vs online, as a multiple of the floor; integrity: the start-up sha256 check vs a loader pass) ->
-collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) -> balance -> pack -> order (sample
-shuffle, mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs
-Ray, per-task balance); video (build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke
-run (tiny inputs; figures meaningless, shape real)."""
+shard) -> codec (stored image bytes vs source and one core's decode rate, per image format) -> loader (vs online, as
+a multiple of the floor; integrity: the start-up sha256 check vs a loader pass) -> collate -> clients (peak RSS of HF
+Trainer through the Collator vs the trainer) -> balance -> pack -> order (sample shuffle, mixture shares, shuffled
+loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video
+(build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs; figures
+meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ from benchmarks import (
     bench_balance,
     bench_build,
     bench_clients,
+    bench_codec,
     bench_collate,
     bench_limits,
     bench_loader,
@@ -27,8 +29,8 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "loader", "collate", "clients", "balance", "pack", "order", "traces", "scale",
-           "video")
+BENCHES = ("build", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order", "traces",
+           "scale", "video")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_build.run(a.quick, a.records)
     if "startup" in only:
         bench_startup.run(a.quick)
+    if "codec" in only:
+        bench_codec.run(a.quick)
     floors = None
     if "limits" in only or "loader" in only:
         shard = next(iter(sorted((OUT / "build-w1").glob("shard-*.tar"))), None)

@@ -23,6 +23,8 @@ REQUIRED = {
     ("startup", "speedup_2_workers_wall_clock"): {"ratio", "goal"},
     ("limits", None): {"tar_read_mb_s", "decode_ms_zstd_stored", "decode_ms_png_source", "decode_ms_jpeg_q90",
                        "processor_normalize_patchify_ms", "processor_full_ms"},
+    ("codec", "bytes_and_decode"): {"images", "image_format", "zstd_level", "ratio_vs_source", "encode_ms_per_image",
+                                    "decode_per_s_one_core", "bytes_vs_zstd3", "decode_vs_zstd3"},
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("integrity", None): {"sha256_mb_s", "loader_mb_s", "check_over_loader_pass"},

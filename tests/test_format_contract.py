@@ -29,7 +29,7 @@ def test_vlmprep_and_trainer_read_the_same_rule():
     for version in vf.READABLE_VERSIONS:
         assert vf._IMAGE[version].pattern == td.IMAGE_MEMBER[version].pattern
         assert td.arrays_of(version) == list(vf.arrays_of(version))
-    names = ["img000.npy.zst", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
+    names = ["img000.delta.zst", "img000.npy.zst", "img000.delta.npy", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
              "img000.orig.ppm", "img000.orig.tiff", "image_index.npy", "input_ids.npy", "json", "state.pyd",
              "x.pth", "img0000.png", "img000.npy"]
     for version in vf.READABLE_VERSIONS:
@@ -37,6 +37,8 @@ def test_vlmprep_and_trainer_read_the_same_rule():
             trainer_ok = (n in td.arrays_of(version) or n == td.META_MEMBER or bool(td.IMAGE_MEMBER[version].match(n)))
             assert vf.is_member(n, version) == trainer_ok, (n, version)
     assert not vf.is_member("img000.orig.ppm", 2) and vf.is_member("img000.orig.ppm", 1)
+    assert vf.is_member("img000.delta.zst", 3) and vf.is_video_member("vid000.0000.delta.zst", 3)
+    assert not vf.is_member("img000.delta.zst", 1) and not vf.is_member("img000.delta.npy", 3)
     assert vf.sample_key(12) == "0000000012" and vf.sample_key(12, 3) == "0000000012_0003"
 
 
@@ -90,7 +92,7 @@ def records(tmp_path_factory):
     return _records(tmp_path_factory.mktemp("contract") / "all_sources.jsonl")
 
 
-@pytest.mark.parametrize("fmt", ["zstd", "png", "webp", "original"])
+@pytest.mark.parametrize("fmt", ["zstd-delta", "zstd", "png", "webp", "original"])
 def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
     from vlmprep.build.pipeline import build
     from vlmprep.config import BuildConfig
@@ -152,8 +154,8 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     from vlmprep.tools.stats import compute_stats
     from vlmprep.tools.verify import verify_dataset
 
-    v2 = tmp_path / "v2"
-    build(BuildConfig(inputs=(str(records),), out=str(v2), progress=False))
+    v2 = tmp_path / "v2"  # zstd: what builds wrote in the days of format v1 (its member rule has no .delta.zst)
+    build(BuildConfig(inputs=(str(records),), out=str(v2), image_format="zstd", progress=False))
     v1 = as_format_v1(v2, tmp_path / "v1")
     assert verify_dataset(v1) == []
     assert compute_stats(v1)["samples"] == compute_stats(v2)["samples"] and not compute_stats(v1)["mismatches"]

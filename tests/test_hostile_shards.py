@@ -133,6 +133,10 @@ def _rename_image(key, new_ext):
 CASES = {
     # A small zstd image member whose frame declares 8 GiB (the meta still says 224x160).
     "inflating_zstd_image": lambda key: lambda ms: replace_member(ms, key, "img000.npy.zst", zstd_claiming(8 << 30)),
+    # The same as the default's zstd-delta member (.delta.zst, its meta renamed with it).
+    "inflating_delta_image": lambda key: _chain(
+        lambda ms: replace_member(ms, key, "img000.npy.zst", zstd_claiming(8 << 30), rename="img000.delta.zst"),
+        _rename_image(key, "delta.zst")),
     # A PNG header claiming 40000x40000 (4.8 GB decoded) for a 16x12-patch grid, the meta unchanged but its member.
     "inflating_png_image": lambda key: _chain(
         lambda ms: replace_member(ms, key, "img000.npy.zst", png_claiming(40000, 40000), rename="img000.png"),

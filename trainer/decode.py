@@ -20,6 +20,7 @@ from PIL import Image
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
 from vlmprep_schemas import load
+from vlmprep_schemas.delta import unfilter_into
 from vlmprep_schemas.limits import LIMITS, dtype_name, load_json, load_npy, npy_header, schema_problem
 
 _FORMAT = load("shard_format.schema.json")
@@ -155,7 +156,8 @@ class OriginalResizer:
 
 
 def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:
-    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst` members go through _read_npy_zst_into)."""
+    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst` and `.delta.zst` members go through
+    _read_npy_zst_into)."""
     if ".orig." in name:
         arr = resize_original(data)
     else:
@@ -225,7 +227,7 @@ def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels; its
     declared size (frame content size, image header) checked against the meta's h x w before anything is decoded
     (an `orig.*` source, resized at load time, against the image limit)."""
-    if not name.endswith(".npy.zst"):
+    if not name.endswith((".npy.zst", ".delta.zst")):
         with Image.open(io.BytesIO(data)) as im:  # the header only
             width, height = im.size
         if ".orig." in name and width * height * 4 > MAX_IMAGE_BYTES:
@@ -269,6 +271,9 @@ def decode_image_into(name: str, data: bytes, buf: np.ndarray, shape: tuple[int,
     """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view."""
     if name.endswith(".npy.zst"):
         return _read_npy_zst_into(data, buf, shape, name)
+    if name.endswith(".delta.zst"):  # a .npy.zst whose rows are filtered: undone from a copy into the same view
+        view = _read_npy_zst_into(data, buf, shape, name)
+        return unfilter_into(view.reshape(shape[0], 3, shape[1]).copy(), view)
     arr = decode_image(name, data, resize_original)
     if arr.shape != shape:
         raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {shape}")

@@ -14,11 +14,12 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
+from vlmprep_schemas.delta import filter_pixels
 
 # Our own declared-size check replaces PIL's global bomb limit, so the limit is configurable per build.
 Image.MAX_IMAGE_PIXELS = None
 
-STORED_EXT = {"zstd": "npy.zst", "png": "png", "webp": "webp"}
+STORED_EXT = {"zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp"}
 _ORIGINAL_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # kept as they are when no transform applies
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 _HIGH_BIT = _SIXTEEN_BIT + ("I", "F")
@@ -188,6 +189,11 @@ def _normalized_png(data: bytes) -> bytes:
 
 def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = 3) -> bytes:
     """Lossless and deterministic: same pixels and options give the same bytes."""
+    if image_format == "zstd-delta":  # the .npy header of the pixels, then their filtered rows, in one zstd frame
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(image.pixels))
+        buf.write(filter_pixels(image.pixels).data)
+        return zstandard.ZstdCompressor(level=zstd_level).compress(buf.getvalue())
     if image_format == "zstd":
         buf = io.BytesIO()
         np.save(buf, image.pixels, allow_pickle=False)

@@ -16,7 +16,8 @@ from vlmprep.types import PreparedImage, PreparedVideo, RecordError, VideoData
 # Frames per second sampled when neither the part, --video-fps nor the video processor's own config names a rate:
 # qwen-vl-utils' FPS, the rate the Qwen-VL models were trained at.
 DEFAULT_VIDEO_FPS = 2.0
-FRAME_EXT = {"zstd": "npy.zst", "png": "png", "webp": "webp", "original": "png"}  # "original": no source image
+# "original": no source image, so PNG
+FRAME_EXT = {"zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp", "original": "png"}
 
 
 def sampling_fps(video: VideoData, vp) -> float:

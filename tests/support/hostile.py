@@ -80,7 +80,7 @@ def small_dataset(d: Path) -> Path:
         {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
     (d / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / "ds"), processor="builtin:qwen2-vl", seq_len=4096,
-                      samples_per_shard=10, progress=False))
+                      samples_per_shard=10, image_format="zstd", progress=False))
     return d / "ds"
 
 

@@ -1,4 +1,5 @@
 import io
+import json
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from PIL import Image
 from tests.trainer.conftest import build_dataset, read_all_samples
 from trainer.decode import OriginalResizer, decode_image, decode_sample
 from trainer.shards import DataError, iter_tar_samples
+from vlmprep.types import PreparedImage
 
 
 def _first_members(dataset):
@@ -149,3 +151,49 @@ def test_original_member_of_a_transformed_source_decodes_to_the_stored_pixels(qw
         exts.append(name)
         np.testing.assert_array_equal(decode_image(name, encode_image(prepared, "original"), resize), prepared.pixels)
     assert exts == ["img000.orig.png"] * 3 + ["img000.orig.jpg", "img000.orig.png", "img000.orig.png"]
+
+
+def test_zstd_delta_dataset_decodes_to_the_zstd_datasets_pixels(traces, dataset, image_spec, tmp_path):
+    """The default codec (zstd-delta) through the loader's decode: every image and sample equals the same build
+    stored as plain zstd (the codec before it)."""
+    delta = build_dataset(traces, tmp_path / "delta", image_format="zstd-delta")
+    a, b = read_all_samples(dataset, image_spec), read_all_samples(delta, image_spec)
+    assert [s.id for s in a] == [s.id for s in b] and sum(len(s.images) for s in a) > 0
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.input_ids, y.input_ids)
+        assert len(x.images) == len(y.images) and x.image_index == y.image_index
+        for u, v in zip(x.images, y.images):
+            np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda a: _delta(a)[:-1], "stream ends|EOF|frame"),
+    (lambda a: _delta(a[:-2]), "declares .* decompressed bytes, not a"),
+    (lambda a: _delta(np.ascontiguousarray(a.transpose(1, 0, 2))), r"holds uint8 \(\d+, \d+, 3\), expected uint8"),
+    (lambda a: _zst(_npy(np.array([object()] * 3, dtype=object), allow_pickle=True)), "declares"),
+])
+def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, message):
+    """A .delta.zst member is bounded as a .npy.zst is: its zstd frame's declared size and its .npy header are checked
+    against the meta before its rows are unfiltered."""
+    from vlmprep.images import encode_image
+
+    key, members = _first_members(dataset)
+    s = decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+    meta = json.loads(members["json"])
+    meta["images"] = [{**im, "member": im["member"].replace(".npy.zst", ".delta.zst")} for im in meta["images"]]
+    good = {k.replace(".npy.zst", ".delta.zst"): v for k, v in members.items()} | {"json": json.dumps(meta).encode()}
+    for name in good:
+        if name.endswith(".delta.zst"):
+            u = int(name[3:6])
+            good[name] = encode_image(PreparedImage(s.images[u], (1, 1, 1), None, ""), "zstd-delta")
+    ok = decode_sample(good, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+    assert all(np.array_equal(x, y) for x, y in zip(ok.images, s.images))
+    bad = {**good, "img000.delta.zst": make(s.images[0])}
+    with pytest.raises(DataError, match=f"u.tar: sample {key}: .*({message})"):
+        decode_sample(bad, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
+
+
+def _delta(a: np.ndarray) -> bytes:
+    from vlmprep.images import encode_image
+
+    return encode_image(PreparedImage(a, (1, 1, 1), None, ""), "zstd-delta")

@@ -496,7 +496,7 @@ def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
             members = [(m, tf.extractfile(m).read()) for m in tf]
         with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
             for m, b in members:
-                if fault == "drop_frame" and m.name.endswith(".vid002.0001.npy.zst"):
+                if fault == "drop_frame" and m.name.endswith(".vid002.0001.delta.zst"):
                     continue
                 if fault == "grid" and m.name.endswith(".video_grid_thw.npy"):
                     g = np.load(io.BytesIO(b))

@@ -30,6 +30,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
+from vlmprep_schemas.delta import unfilter_into
 from vlmprep_schemas.limits import load_json, load_npy, npy_header, schema_problem
 
 
@@ -110,7 +111,7 @@ def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = N
     (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
     image header) is checked against it, or against the image limit, before anything is decompressed or
     allocated. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
-    if name.endswith(".npy.zst"):
+    if name.endswith((".npy.zst", ".delta.zst")):  # .delta.zst: the header is the image's, the rows are filtered
         declared = zstandard.frame_content_size(data)
         floor = 3 * (size[0] * size[1] if size is not None else 1)
         ceiling = 4096 + (3 * size[0] * size[1] if size is not None else LIMITS.image_bytes)  # + the .npy header
@@ -122,7 +123,10 @@ def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = N
         if len(dims) != 3 or dims[2] != 3:
             raise ValueError(f"{name} holds shape {dims}, expected H x W x 3")
         _check_pixels(name, dims[1], dims[0], size)
-        return load_npy(raw, name, np.uint8, dims)
+        pixels = load_npy(raw, name, np.uint8, dims)
+        if name.endswith(".delta.zst"):
+            return unfilter_into(pixels.reshape(dims[0], 3, dims[1]), np.empty_like(pixels))
+        return pixels
     with Image.open(io.BytesIO(data)) as im:  # reads the header only
         _check_pixels(name, *im.size, None if ".orig." in name else size, 4)
         if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own

@@ -76,6 +76,17 @@ def assert_same(got: dict, want: dict, key: str) -> None:
         assert np.array_equal(g, w), f"{key}: image occurrence {k} differs from the trainer's"
 
 
+def plain_decode(name: str, data: bytes) -> np.ndarray:
+    """A .npy.zst or .delta.zst image member with zstandard and numpy alone, as docs/other-libraries.md shows (the
+    .delta.zst filter undone with np.cumsum, not vlmprep's code)."""
+    arr = np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(data)), allow_pickle=False)
+    if name.endswith(".delta.zst"):
+        h, w, _ = arr.shape
+        q = np.cumsum(arr.reshape(h, 3, w), axis=0, dtype=np.uint8)
+        arr = np.stack([q[:, 0] + q[:, 1], q[:, 1], q[:, 2] + q[:, 1]], axis=-1)
+    return arr
+
+
 def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, manifest, expected):
     wrong_by_sorted_members = 0
     for shard in manifest["shards"]:
@@ -87,13 +98,11 @@ def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, mani
         for key, m in samples.items():
             index = np.load(io.BytesIO(m["image_index.npy"]), allow_pickle=False)
             by_number = {int(name[3:6]): name for name in m if name.startswith("img")}
-            decode = lambda name, m=m: np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(m[name])),  # noqa: E731
-                                          allow_pickle=False)
-            images = [decode(by_number[int(u)]) for u in index]  # the documented mapping
+            images = [plain_decode(by_number[int(u)], m[by_number[int(u)]]) for u in index]  # the documented mapping
             got = {n: np.load(io.BytesIO(m[n + ".npy"]), allow_pickle=False) for n in ARRAYS}
             assert_same({**got, "id": json.loads(m["json"])["id"], "image_index": index, "images": images},
                         expected[key], key)
-            naive = [decode(n) for n in sorted(by_number.values())]  # the obvious glue, one member per occurrence
+            naive = [plain_decode(n, m[n]) for n in sorted(by_number.values())]  # the obvious glue, one member per occurrence
             if len(naive) != len(images) or any(not np.array_equal(a, b) for a, b in zip(naive, images)):
                 wrong_by_sorted_members += 1
     assert wrong_by_sorted_members >= 1
