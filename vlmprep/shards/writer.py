@@ -27,14 +27,20 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int) -> ShardSample:
+def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int,
+                  encoded: dict[str, bytes] | None = None) -> ShardSample:
+    """encoded: stored image bytes by source digest, shared by the samples of one record, so an image that several
+    step samples hold is encoded once."""
+    encoded = {} if encoded is None else encoded
     images_meta, image_index, image_members = [], [], {}
     unique: dict[str, str] = {}  # source digest -> member name
     for im in sample.images:
         name = unique.get(im.digest)
         if name is None:  # identical images within a sample are stored once
             name = unique[im.digest] = image_member_name(len(unique), stored_ext(image_format, im))
-            image_members[name] = encode_image(im, image_format, zstd_level=zstd_level)
+            if im.digest not in encoded:
+                encoded[im.digest] = encode_image(im, image_format, zstd_level=zstd_level)
+            image_members[name] = encoded[im.digest]
         image_index.append(list(unique).index(im.digest))
         images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
                             "grid_thw": [int(x) for x in im.grid_thw]})
