@@ -491,15 +491,32 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
 
 def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
                  videos: list[PreparedVideo] = ()) -> int:
-    """The length render_conversation would give, without locating text or proving masks (for planning splits)."""
-    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images, conv, videos)
-    return ctx.count(expanded)
+    """The length render_conversation would give, without locating text or proving masks (for planning splits).
+    Each expansion goes in with its placeholder runs cut to one copy, counted back (see RenderContext._run_re): the
+    long runs are never built, scanned or tokenized."""
+    rendered = ctx.render_text(ctx.messages(conv), conv.tools)
+    image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
+    short = [_shorten_runs(r, ctx._run_re, ctx._run_tokens) for r in image_reps + video_reps]
+    expanded, _ = ctx.processor.get_text_with_replacements(
+        [rendered], images_replacements=[t for t, _ in short[:len(image_reps)]],
+        videos_replacements=[t for t, _ in short[len(image_reps):]])
+    return ctx.count(expanded[0]) + sum(k - 1 for _, runs in short for _, k, _ in runs)
 
 
 def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],
                    conv: Conversation | None = None, videos: list[PreparedVideo] = ()) -> tuple[str, list[dict]]:
     """The rendered text with each image and video placeholder replaced by the processor's own expansion, and the
     offsets."""
+    image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
+    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=image_reps,
+                                                              videos_replacements=video_reps)
+    return expanded[0], (offs[0] if offs else [])
+
+
+def _replacements(ctx: RenderContext, rendered: str, images: list[PreparedImage], conv: Conversation | None,
+                  videos: list[PreparedVideo]) -> tuple[list[str], list[str]]:
+    """The processor's own expansion of each image and video placeholder of the rendered text, once their counts
+    are checked."""
     n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
     if n_placeholders != len(images):
         what = f"template emitted {n_placeholders} image placeholders for {len(images)} images"
@@ -509,10 +526,7 @@ def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage
     if n_videos != len(videos):
         raise RecordError("video_count_mismatch", f"template emitted {n_videos} video placeholders for {len(videos)} "
                                                   "videos; move each video to a user message")
-    replacements = ctx.image_replacements(images, rendered)
-    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements,
-                                                              videos_replacements=ctx.video_replacements(list(videos)))
-    return expanded[0], (offs[0] if offs else [])
+    return ctx.image_replacements(images, rendered), ctx.video_replacements(list(videos))
 
 
 def _dropped_images(ctx: RenderContext, conv: Conversation | None, n_placeholders: int, what: str) -> str | None:

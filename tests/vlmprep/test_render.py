@@ -219,3 +219,19 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
 
     assert ctx._run_re is not None  # the shortcut is on for this tokenizer
     check()
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v"])
+def test_count_tokens_is_the_rendered_length(name):
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep.render import count_tokens
+
+    processor = load_family_processor(name)
+    rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"},
+                                                     {"type": "image_url", "image_url": {"url": png(56, 84, (1, 2, 3))}},
+                                                     {"type": "image_url", "image_url": {"url": png(140, 28, (9, 2, 3))}}]},
+                        {"role": "assistant", "content": "Two pictures."}]}
+    conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
+    ctx = RenderContext(processor)
+    images = [prepare_image(im, processor, ctx.family, max_pixels=10**8) for im in conv.images]
+    assert count_tokens(conv, ctx, images) == len(render_conversation(conv, ctx, images).input_ids)
