@@ -136,14 +136,23 @@ def _to_8bit(im: Image.Image) -> Image.Image:
     return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")  # round(v / 257): 65535 -> 255
 
 
-def open_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1) -> PreparedImage:
+def open_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1,
+               shapes: dict | None = None) -> PreparedImage:
     """The image as the processor will store it, from its header alone: the grid comes from the processor's own
     resize run on a meta tensor of the upright size (shape, no data), and the pixels are decoded and resized on first
     use (PreparedImage.pixels), once, so an image that no sample keeps is never decoded. Header faults (not an image,
     too small or large, animated, aspect ratio) raise here; faults in the pixel data when the pixels are made. Where
-    the header cannot tell the size (upright_size), the pixels are made now."""
+    the header cannot tell the size (upright_size), the pixels are made now. shapes: the stored shape by upright
+    size, kept by a caller whose processor and pixel budget stay as they are (a Renderer: screenshots share a size)."""
     size = upright_size(img, max_pixels=max_pixels, min_side=min_side)
-    shape = None if size is None else _stored_shape(processor, family, *size)
+    if size is None:
+        shape = None
+    elif shapes is not None and size in shapes:
+        shape = shapes[size]
+    else:
+        shape = _stored_shape(processor, family, *size)
+        if shapes is not None:
+            shapes[size] = shape
     if shape is None:
         return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side)
 

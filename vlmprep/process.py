@@ -67,6 +67,7 @@ class Renderer:
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()
         self.lost: list[int] = []
+        self._shapes: dict = {}  # an image's stored shape by its upright size (images.open_image)
 
     def render(self, raw: RawRecord) -> list[RenderedSample]:
         """parse -> normalize -> open images (header: grid) -> history/split (traces.py) -> render + mask ->
@@ -88,7 +89,7 @@ class Renderer:
                 if im.data not in opened:
                     opened[im.data] = open_image(im, self.processor, self.ctx.family,
                                                  max_pixels=self.cfg.max_image_pixels,
-                                                 min_side=self.cfg.min_image_side)
+                                                 min_side=self.cfg.min_image_side, shapes=self._shapes)
                 images.append(opened[im.data])
             # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
             videos = {id(v): prepare_video(v, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,

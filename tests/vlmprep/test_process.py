@@ -75,7 +75,9 @@ def outputs(processor, lines, **cfg):
 
 def eager(monkeypatch):
     """Every image decoded and resized up front, as before images were opened by their header."""
-    monkeypatch.setattr(process_module, "open_image", images_module.prepare_image)
+    monkeypatch.setattr(process_module, "open_image",
+                        lambda img, processor, family, shapes=None, **kw: images_module.prepare_image(
+                            img, processor, family, **kw))
 
 
 @pytest.mark.parametrize("cfg", [
