@@ -1,9 +1,10 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
-build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
-shard) -> loader (vs online, as a multiple of the floor) -> collate -> balance -> pack -> order (sample shuffle,
-mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs Ray,
-per-task balance); video (build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run
-(tiny inputs; figures meaningless, shape real)."""
+build -> stages (the record path's stages, each beside its floor) -> startup (worker ready, first record, 1 vs 2
+workers) -> limits (floors, incl. tar read speed of a real shard) -> loader (vs online, as a multiple of the floor) ->
+collate -> balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images
+cost, agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build
+seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs; figures
+meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ from benchmarks import (
     bench_order,
     bench_pack,
     bench_scale,
+    bench_stages,
     bench_startup,
     bench_traces,
     bench_video,
@@ -25,7 +27,8 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale", "video")
+BENCHES = ("build", "stages", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale",
+           "video")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if "build" in only:
         bench_build.run(a.quick, a.records)
+    if "stages" in only:
+        bench_stages.run(a.quick)
     if "startup" in only:
         bench_startup.run(a.quick)
     floors = None

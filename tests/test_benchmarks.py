@@ -27,6 +27,9 @@ REQUIRED = {
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
     ("traces", None): {"long_traces", "seq_len", "keep_images", "coverage", "samples", "tokens", "shard_bytes"},
+    ("stages", "stage"): {"stage", "unit", "ms", "floor_ms", "floor", "ratio"},
+    ("stages", "record_path"): {"ms_per_record", "floor_sum_ms_per_record", "ratio", "goal"},
+    ("traces", "keep_images_cost"): {"keep_images", "images_decoded", "dropped_images_decoded", "seconds"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
     ("pack", "pack"): {"pack_to", "pack_window", "ranks", "fill", "step_max_over_mean_tokens",
                        "step_max_over_mean_attention", "pack_ms_per_1000_samples"},
@@ -63,6 +66,11 @@ def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     assert any("time_over_floor" in r for r in loader)
     assert {r["plan"] for r in rows if r["bench"] == "balance"} == {"sample_count_split", "token_balanced_shards"}
     assert {r["pack_to"] for r in rows if r.get("metric") == "pack"} == {16384, 32768}
+    assert {r["stage"] for r in rows if r.get("metric") == "stage"} == {
+        "json_parse", "normalize_base64", "image_header", "image_decode", "resize", "encode", "tokenize", "render_mask",
+        "split_search", "tar_write", "hashing"}
+    keep = [r for r in rows if r.get("metric") == "keep_images_cost"]
+    assert [r["dropped_images_decoded"] for r in keep] == [0, 0] and "ratio_vs_keep_all" in keep[1]
 
 
 def test_order_pair_share_and_its_uniform_expectation():
