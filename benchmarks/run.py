@@ -1,10 +1,11 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> stages (the record path's stages, each beside its floor) -> startup (worker ready, first record, 1 vs 2
-workers) -> limits (floors, incl. tar read speed of a real shard) -> loader (vs online, as a multiple of the floor) ->
-collate -> balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images
-cost, agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build
-seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs; figures
-meaningless, shape real)."""
+workers) -> limits (floors, incl. tar read speed of a real shard) -> loader (vs online, as a multiple of the floor;
+integrity: the start-up sha256 check vs a loader pass) -> collate -> clients (peak RSS of HF Trainer through the
+Collator vs the trainer) -> balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what
+dropped images cost, agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance);
+video (build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs;
+figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import time
 from benchmarks import (
     bench_balance,
     bench_build,
+    bench_clients,
     bench_collate,
     bench_limits,
     bench_loader,
@@ -27,8 +29,8 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "stages", "startup", "limits", "loader", "collate", "balance", "pack", "order", "traces", "scale",
-           "video")
+BENCHES = ("build", "stages", "startup", "limits", "loader", "collate", "clients", "balance", "pack", "order", "traces",
+           "scale", "video")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_loader.run(a.quick, a.records, floors)
     if "collate" in only:
         bench_collate.run(a.quick)
+    if "clients" in only:
+        bench_clients.run(a.quick)
     if "balance" in only:
         bench_balance.run(a.quick)
     if "pack" in only:

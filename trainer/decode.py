@@ -130,7 +130,7 @@ class OriginalResizer:
 
             with tempfile.TemporaryDirectory() as tmp:
                 Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.spec.config))
-                self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True)
+                self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         ip = self._ip
         with Image.open(io.BytesIO(data)) as pil:
             pil.load()

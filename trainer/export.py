@@ -19,6 +19,7 @@ from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
 from trainer.config import ConfigError, TrainConfig, load_toml, run_tool
 from trainer.shards import REMOTE, DataError, resolve_data
+from vlmprep_schemas.boundary import UnsafeDataset, processor_files
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
 _MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only non-empty dir --overwrite replaces
@@ -113,17 +114,20 @@ def _base_use_cache(cfg: TrainConfig, run_dir: str) -> bool:
     if cfg.tiny_random:
         return bool(getattr(tiny_config(cfg.tiny_random), "use_cache", True))
     model = _base_model_dir(cfg, read_run(Path(run_dir))[1])
-    return bool(getattr(AutoConfig.from_pretrained(model, local_files_only=True), "use_cache", True))
+    return bool(getattr(AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False), "use_cache",
+                        True))
 
 
-def _processor_dir(cfg: TrainConfig, processor: str) -> Path:
+def _processor_files(cfg: TrainConfig, processor: str) -> tuple[Path, list[Path]]:
     """The processor the shards were rendered with: --processor, the run's --processor, or the dataset's copy (a
-    mixture's first dataset: mixed datasets share vocabulary, family and image settings, checked at start-up)."""
+    mixture's first dataset: mixed datasets share vocabulary, family and image settings, checked at start-up); with
+    the files the export copies: the processor's own (processor_files), each inside its dir (a dataset's inside the
+    dataset), never a stray file beside them."""
     location = processor or cfg.processor
     data = cfg.sources[0].path
     if not location:
         try:
-            location = resolve_data(data).processor
+            location = resolve_data(data).processor  # its manifest's paths checked to stay inside the dataset
         except DataError as e:
             raise ConfigError(f"cannot find the dataset's processor ({e}): pass --processor DIR") from None
         if not location:
@@ -131,7 +135,10 @@ def _processor_dir(cfg: TrainConfig, processor: str) -> Path:
     if location.startswith(REMOTE) or not Path(location, "tokenizer_config.json").is_file():
         raise ConfigError(f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
                           "--processor DIR with the processor the shards were built with")
-    return Path(location)
+    try:
+        return Path(location), processor_files(location, links_out=bool(processor or cfg.processor))
+    except UnsafeDataset as e:
+        raise ConfigError(str(e)) from None
 
 
 def _prepare_out(out: Path, overwrite: bool) -> Path:
@@ -154,7 +161,7 @@ def export_run(ecfg: ExportConfig) -> Path:
     if ecfg.adapter_only and not cfg.lora_rank:
         raise ConfigError(f"--adapter-only: {ecfg.run} is not a LoRA run (lora_rank = 0)")
     find_checkpoint(Path(ecfg.run), ecfg.step)  # fail before touching --out
-    processor = _processor_dir(cfg, ecfg.processor)
+    processor = _processor_files(cfg, ecfg.processor)
     tmp = _prepare_out(out, ecfg.overwrite)
     try:
         _write_export(ecfg, tmp, processor)
@@ -167,7 +174,7 @@ def export_run(ecfg: ExportConfig) -> Path:
     return out
 
 
-def _write_export(ecfg: ExportConfig, tmp: Path, processor: Path) -> None:
+def _write_export(ecfg: ExportConfig, tmp: Path, processor: tuple[Path, list[Path]]) -> None:
     net, cfg, path = load_trained_model(ecfg.run, step=ecfg.step)
     dtype = EXPORT_DTYPES[ecfg.dtype]
     if cfg.lora_rank and ecfg.adapter_only:
@@ -179,14 +186,16 @@ def _write_export(ecfg: ExportConfig, tmp: Path, processor: Path) -> None:
             net = net.merge_and_unload()  # in fp32, before the cast
         net.config.use_cache = _base_use_cache(cfg, ecfg.run)  # training turned the KV cache off
         net.to(dtype).save_pretrained(str(tmp))
-    for f in sorted(processor.iterdir()):
-        if f.is_file():
-            if (tmp / f.name).exists():
-                raise ConfigError(f"processor file {f} would overwrite the model's own {f.name}")
-            shutil.copy2(f, tmp / f.name)
+    where, files = processor
+    for f in files:
+        dest = tmp / f.relative_to(where)
+        if dest.exists():
+            raise ConfigError(f"processor file {f} would overwrite the model's own {dest.name}")
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copy2(f, dest)
     (tmp / "export.json").write_text(json.dumps({"run": str(Path(ecfg.run).resolve()), "checkpoint": path.name,
                                                  "dtype": ecfg.dtype, "adapter_only": ecfg.adapter_only,
-                                                 "processor": str(processor.resolve())}, indent=1) + "\n")
+                                                 "processor": str(where.resolve())}, indent=1) + "\n")
 
 
 def _parser() -> argparse.ArgumentParser:

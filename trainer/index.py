@@ -29,10 +29,16 @@ class ShardIndex:
     ends: np.ndarray  # int64, end of its last member's data block
     tokens: np.ndarray  # int64, num_tokens
     trained: np.ndarray  # int64, num_trainable_tokens
+    signature: tuple[int, ...] = ()  # file_signature of the file indexed: a later read checks it is still that file
 
     @property
     def num_samples(self) -> int:
         return len(self.starts)
+
+
+def file_signature(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: its device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def index_shard(path: str, *, url: str | None = None, expect: int | None = None) -> ShardIndex:
@@ -42,6 +48,7 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
     key = None
     try:
         with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            signature = file_signature(os.fstat(f.fileno()))
             for ti in tar:
                 if not ti.isfile():
                     continue
@@ -70,7 +77,7 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
         raise DataError(f"{url} holds {len(starts)} samples but the manifest says {expect}: truncated or replaced "
                         "shard")
     as64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-    return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained))
+    return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained), signature)
 
 
 def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, bytes]]:

@@ -58,8 +58,10 @@ def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_i
                                                       attn_implementation=attn_implementation)
     else:
         try:
+            # trust_remote_code=False: a model dir's custom code is refused by transformers, never prompted for
             net = AutoModelForImageTextToText.from_pretrained(model, local_files_only=True, dtype=torch.float32,
-                                                              attn_implementation=attn_implementation)
+                                                              attn_implementation=attn_implementation,
+                                                              trust_remote_code=False)
         except (OSError, ValueError) as e:  # no weights, an unknown model_type, unreadable files
             raise ConfigError(f"--model {model}: cannot load the checkpoint: {str(e).splitlines()[0]}") from None
     net.config.use_cache = False

@@ -17,9 +17,17 @@ import braceexpand
 from webdataset.gopen import gopen
 
 from vlmprep_schemas import load
+from vlmprep_schemas.boundary import (
+    MANIFEST_NAME,
+    REMOTE,
+    UnsafeDataset,
+    dataset_file,
+    dataset_paths,
+    processor_files,
+    refuse_custom_code,
+)
 
 READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
-REMOTE = ("http://", "https://")
 
 
 class DataError(RuntimeError):
@@ -60,11 +68,14 @@ def _read_url(url: str) -> bytes:
 
 
 def _load_manifest(base: str) -> dict:
-    url = base.rstrip("/") + "/manifest.json"
+    try:
+        url = dataset_file(base, MANIFEST_NAME, where=base, what="file")  # not a symlink out of the dataset
+    except UnsafeDataset as e:
+        raise DataError(str(e)) from None
     try:
         manifest = json.loads(_read_url(url))
-    except (OSError, ValueError, DataError) as e:
-        raise DataError(f"cannot read {url}: {e}") from None
+    except (OSError, ValueError, RecursionError, DataError) as e:
+        raise DataError(f"cannot read {url}: {e or type(e).__name__}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
         raise DataError(f"{url}: format_version {version!r} is not supported by this trainer (it reads "
@@ -73,28 +84,27 @@ def _load_manifest(base: str) -> dict:
     return manifest
 
 
-_SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.tar$")
-
-
 def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name if base.startswith(REMOTE) else str(Path(base) / name)
 
 
 def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> DataSource:
-    by_name = {s["name"]: s for s in manifest["shards"]}
+    where = _join(base, MANIFEST_NAME)
+    try:  # every path the manifest names stays inside the dataset, its processor asks for no custom code
+        paths = dataset_paths(base, manifest, where=where)
+    except UnsafeDataset as e:
+        raise DataError(str(e)) from None
+    by_name = {s["name"]: (s, url) for s, url in zip(manifest["shards"], paths.shards)}
     names = only if only is not None else [s["name"] for s in manifest["shards"]]
     shards = []
     for name in names:
-        if not _SHARD_NAME.match(name):
-            raise DataError(f"{_join(base, 'manifest.json')}: shard name {name!r} is not a plain file name")
-        s = by_name.get(name)
-        if s is None:
-            raise DataError(f"{_join(base, name)} is not listed in {_join(base, 'manifest.json')}")
-        shards.append(ShardRef(_join(base, name), name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"])))
+        if name not in by_name:
+            raise DataError(f"{_join(base, name)} is not listed in {where}")
+        s, url = by_name[name]
+        shards.append(ShardRef(url, name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"])))
     if not base.startswith(REMOTE):
-        _check_local_shards(shards, _join(base, "manifest.json"))
-    proc = manifest.get("processor", {}).get("dir", "processor")
-    return DataSource(tuple(shards), _join(base, proc), manifest)
+        _check_local_shards(shards, where)
+    return DataSource(tuple(shards), paths.processor, manifest)
 
 
 def _check_local_shards(shards: list[ShardRef], manifest_url: str) -> None:
@@ -111,6 +121,19 @@ def _check_local_shards(shards: list[ShardRef], manifest_url: str) -> None:
                             "or was modified: copy it again and run `vlmprep verify DIR`")
 
 
+RAW_SUFFIXES = (".jsonl", ".jsonl.zst", ".json")  # what `vlmprep build --in` reads
+
+
+def _refuse_raw_input(path: str) -> None:
+    """A records file (or a dir of them, no manifest.json) is what `vlmprep build` reads, not shards: say so."""
+    p = Path(path)
+    raw = p.is_file() and p.name.endswith(RAW_SUFFIXES) or p.is_dir() and not (p / "manifest.json").exists() and any(
+        c.name.endswith(RAW_SUFFIXES) for c in p.iterdir())
+    if raw:
+        raise DataError(f"--data {path} is raw input (records), not a built dataset: run `vlmprep build --in {path} "
+                        "--out DIR` first, then pass --data DIR")
+
+
 def resolve_data(url: str) -> DataSource:
     """Dataset dir or base URL (manifest required), shard path/pattern/URL (manifest used when beside it),
     or `pipe:` commands (no manifest)."""
@@ -124,6 +147,8 @@ def resolve_data(url: str) -> DataSource:
     remote = url.startswith(REMOTE)
     is_pattern = "{" in url or url.endswith(".tar")
     if not is_pattern:
+        if not remote:
+            _refuse_raw_input(url)
         if not remote and not Path(url).is_dir():
             raise DataError(f"--data {url}: no such dataset dir (or pass a shard pattern like "
                             "DIR/shard-{000000..000009}.tar)")
@@ -241,6 +266,26 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
                 raise DataError(f"{url}: reader failed: {e}") from None
 
 
+def check_processor(location: str, *, user_named: bool = False) -> None:
+    """A processor dir the trainer reads settings from (the dataset's, or --processor): each file it would read
+    inside it and no custom code (vlmprep_schemas.boundary.processor_files); a URL's configs are checked as read.
+    A dir the user named (`user_named`) may link out (a Hugging Face cache snapshot); a dataset's may not."""
+    if not location.startswith(REMOTE):
+        try:
+            processor_files(location, links_out=user_named)
+        except UnsafeDataset as e:
+            raise DataError(str(e)) from None
+
+
+def _no_custom_code(cfg, url: str):
+    """A processor config as read from `url`, refused (one line) when it asks for custom code."""
+    try:
+        refuse_custom_code(cfg, url)
+    except UnsafeDataset as e:
+        raise DataError(str(e)) from None
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def load_image_processor_config(location: str) -> dict:
     """The image processor's saved settings: `processor_config.json` (transformers 5) or the older
     `preprocessor_config.json`, from a local dir or a URL."""
@@ -252,10 +297,11 @@ def load_image_processor_config(location: str) -> dict:
             errors.append(f"{url}: no such file")
             continue
         try:
-            cfg = pick(json.loads(_read_url(url)))
-        except (OSError, ValueError, DataError) as e:
+            raw = json.loads(_read_url(url))
+        except (OSError, ValueError, RecursionError, DataError) as e:
             errors.append(f"{url}: {e}")
             continue
+        cfg = pick(_no_custom_code(raw, url))
         if isinstance(cfg, dict):
             return cfg
         errors.append(f"{url}: no image processor settings")
@@ -272,9 +318,10 @@ def load_video_processor_config(location: str) -> dict | None:
         if not url.startswith(REMOTE) and not Path(url).is_file():
             continue
         try:
-            cfg = pick(json.loads(_read_url(url)))
-        except (OSError, ValueError, DataError):
+            raw = json.loads(_read_url(url))
+        except (OSError, ValueError, RecursionError, DataError):
             continue
+        cfg = pick(_no_custom_code(raw, url))
         if isinstance(cfg, dict):
             return cfg
     return None

@@ -157,29 +157,33 @@ def open_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int
         return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side)
 
     def load() -> np.ndarray:
-        pixels = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
-        assert pixels.shape[:2] == shape, f"image {size}: header predicted {shape}, decoding gave {pixels.shape[:2]}"
+        pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+        assert pixels.shape[:2] == shape and decoded == size, \
+            f"image {size}: header predicted {shape}, decoding gave {decoded} -> {pixels.shape[:2]}"
         return pixels
 
-    return PreparedImage(grid_thw=_grid(processor.image_processor, family, shape), source=img, load=load)
+    return PreparedImage(grid_thw=_grid(processor.image_processor, family, shape), source=img, load=load,
+                         source_size=size)
 
 
 def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
                   min_side: int = 1) -> PreparedImage:
     """Decode and resize now, with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
-    pixels = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+    pixels, size = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
     return PreparedImage(pixels=pixels, grid_thw=_grid(processor.image_processor, family, pixels.shape[:2]),
-                         source=img)
+                         source=img, source_size=size)
 
 
-def _resized_pixels(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int) -> np.ndarray:
+def _resized_pixels(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
+                    min_side: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """The stored pixels and the upright (width, height) they were resized from."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
     pil = decode_image(img, max_pixels=max_pixels, min_side=min_side)
     with torch.no_grad():
         resized = _resize(processor, family, _processed(processor.image_processor, pil), *pil.size)
     assert resized.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
-    return np.ascontiguousarray(resized.permute(1, 2, 0).numpy())  # a view where the resize kept channels last
+    return np.ascontiguousarray(resized.permute(1, 2, 0).numpy()), pil.size  # a view where the resize kept HWC
 
 
 def _processed(ip, pil: Image.Image):

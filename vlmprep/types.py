@@ -158,10 +158,12 @@ class PreparedImage:
     first use, once, so an image that no sample keeps is never decoded."""
 
     def __init__(self, *, grid_thw: tuple[int, int, int], source: ImageData | None, pixels: np.ndarray | None = None,
-                 load: Callable[[], np.ndarray] | None = None, digest: str | None = None):
+                 load: Callable[[], np.ndarray] | None = None, digest: str | None = None,
+                 source_size: tuple[int, int] = (0, 0)):
         assert (pixels is None) != (load is None), "a PreparedImage holds its pixels or the way to make them"
         self.grid_thw = grid_thw
         self.source = source
+        self.source_size = source_size  # (width, height) upright, before the processor's resize; (0, 0): unknown
         self._pixels = pixels
         self._load = load
         self._digest = digest

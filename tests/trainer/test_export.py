@@ -4,6 +4,7 @@ sample's messages to its stored input_ids. The reference model is rebuilt from t
 (DCP's own dcp_to_torch_save, then load_state_dict)."""
 import io
 import json
+import shutil
 import subprocess
 import sys
 
@@ -180,6 +181,54 @@ def test_python_m_trainer_export_is_the_export_cli(run1, tmp_path):
                            "--step", "9"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         f"trainer export: error: {run1}: no checkpoint for step 9 (kept: step-00000002)"]
+
+
+def test_export_copies_only_the_processors_own_files(run1, tmp_path, capsys):
+    """A private key and other stray files in the processor dir stay behind (docs/untrusted-datasets.md). A dir the
+    user names may link out, as a Hugging Face cache snapshot links every file into blobs/: the export holds the
+    files' contents; a dataset's own processor may not (tests/test_untrusted_datasets.py)."""
+    proc = tmp_path / "proc"
+    shutil.copytree(run1 / "hf", proc, ignore=lambda d, names: [n for n in names if n != "export.json" and
+                                                                 n.startswith(("model", "config", "generation"))])
+    own = {p.name for p in proc.iterdir()} - {"export.json"}
+    for stray in ("id_ed25519", "notes.txt", "evil.py", "export.json"):
+        (proc / stray).write_text("not the processor's")
+    (proc / "config.json").write_text('{"architectures": ["Stray"]}')
+    assert _export(run1, tmp_path / "x", "--processor", proc) == 0
+    model = {p.name for p in (run1 / "hf").iterdir()} - own
+    assert {p.name for p in (tmp_path / "x").iterdir()} == own | model
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["architectures"] != ["Stray"]
+    snapshot, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    blobs.mkdir()
+    snapshot.mkdir()
+    for name in own:
+        shutil.copy(proc / name, blobs / name)
+        (snapshot / name).symlink_to(blobs / name)
+    assert _export(run1, tmp_path / "y", "--processor", snapshot) == 0
+    for name in own:
+        exported = tmp_path / "y" / name
+        assert not exported.is_symlink() and exported.read_bytes() == (proc / name).read_bytes(), name
+
+
+def test_export_refuses_a_manifest_processor_outside_the_dataset(run1, dataset, tmp_path, capsys):
+    """The run's dataset names its processor by an absolute path (next to a private key): nothing is exported."""
+    keys = tmp_path / "keys"
+    shutil.copytree(dataset / "processor", keys)
+    (keys / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data, ignore=shutil.ignore_patterns("processor"))
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["processor"]["dir"] = str(keys)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    run = tmp_path / "run"
+    shutil.copytree(run1, run, ignore=shutil.ignore_patterns("hf"))
+    config = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(config.replace(f"data = {json.dumps(str(dataset))}\n",
+                                                    f"data = {json.dumps(str(data))}\n"))
+    assert str(data) in (run / "config.toml").read_text()
+    err = _error(capsys, run, tmp_path / "x")
+    assert str(data / "manifest.json") in err and repr(str(keys)) in err and "processor dir" in err, err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
 
 
 @pytest.mark.slow  # torchrun 2 ranks: ~60 s on 2 cores

@@ -1,6 +1,7 @@
 """Collate client samples (dicts from vlmprep.clients.wds or .hf) -> the batch an HF model takes:
 input_ids, labels, attention_mask, position_ids, mm_token_type_ids, pixel_values, image_grid_thw,
-pixel_values_videos, video_grid_thw, second_per_grid_ts (Qwen2.5-VL) (torch tensors).
+pixel_values_videos, video_grid_thw, second_per_grid_ts (Qwen2.5-VL) (torch tensors); with `trained_logits=True`
+also logits_to_keep and shift_labels, so the model computes logits only where the next token is trained.
 
     collator = vlmprep.clients.collate.Collator(DIR)  # a dataset dir, or its processor dir
     batch = collator([sample, ...])
@@ -16,27 +17,40 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.families import family_of
-from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR
-from vlmprep.shards.reader import load_manifest
+from vlmprep.shards.dataset import MANIFEST_NAME
+from vlmprep.shards.reader import load_manifest, processor_dir
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
 
 
 class Collator:
     """Right-padded batch of client samples, usable as-is as the `collate_fn` of a torch DataLoader or the
-    `data_collator` of HF `Trainer` / TRL `SFTTrainer` (settings: docs/other-libraries.md)."""
+    `data_collator` of HF `Trainer` / TRL `SFTTrainer` (settings: docs/other-libraries.md).
 
-    def __init__(self, path: str | Path, *, pad_token_id: int | None = None):
+    Args:
+        path: a vlmprep dataset dir, or its saved processor dir.
+        pad_token_id: the id padding gets (default: the tokenizer's pad id, else 0); padding is never trained.
+        trained_logits: also give `logits_to_keep` (bool [B, L]: True where the next token is trained) and
+            `shift_labels` (those next tokens, int64 [N]). An HF model then projects only those N positions through
+            its LM head, and its loss is the mean over them, as `python -m trainer` computes it: logits of N x vocab
+            instead of B x L x vocab, the same loss. HF `Trainer` counts the loss's tokens from `shift_labels`
+            (gradient accumulation and multi-GPU normalize by the global count). Off by default, because with it
+            `outputs.logits` is [N, vocab], not [B, L, vocab], and TRL's `SFTTrainer` fails on these keys (its
+            fused LM head scores only the trained positions itself and reads `shift_labels` as [B, L]).
+    """
+
+    def __init__(self, path: str | Path, *, pad_token_id: int | None = None, trained_logits: bool = False):
         path = Path(path)
         self.image_format = None
         if (path / MANIFEST_NAME).is_file():
-            manifest = load_manifest(path)
+            manifest = load_manifest(path)  # every path it names checked to stay inside the dataset
             self.image_format = manifest.get("image_format")
-            path = path / manifest.get("processor", {}).get("dir", PROCESSOR_DIR)
+            path = processor_dir(path, manifest)
         if not any((path / n).is_file() for n in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path}: neither a vlmprep dataset dir nor a saved processor dir")
         self.processor_dir = str(path)
         self._pad_token_id = pad_token_id
+        self.trained_logits = trained_logits
         self._processor = None
 
     def __getstate__(self) -> dict:  # DataLoader workers (spawn) load the processor themselves
@@ -44,7 +58,8 @@ class Collator:
 
     @property
     def processor(self):
-        """The dataset's saved processor (e.g. TRL's `processing_class`); loaded locally, never from a hub."""
+        """The dataset's saved processor (e.g. TRL's `processing_class`); loaded locally, never from a hub, never its
+        custom code (a processor whose configs carry `auto_map` is refused in one line)."""
         if self._processor is None:
             from vlmprep.processors.load import load_saved_processor
 
@@ -139,6 +154,11 @@ class Collator:
         batch["position_ids"] = positions if family is not None and family.positions == "mrope" else positions[0]
         if "mm_token_type_ids" not in getattr(proc, "model_input_names", ()):
             del batch["mm_token_type_ids"]
+        if self.trained_logits:  # the trainer's own selection (trainer/model.py forward_loss)
+            keep = torch.zeros((B, L), dtype=torch.bool)
+            keep[:, :-1] = batch["labels"][:, 1:] != IGNORE_INDEX
+            batch["logits_to_keep"] = keep
+            batch["shift_labels"] = batch["labels"][:, 1:][keep[:, :-1]]
         batch.update(self._pixels(samples))
         batch.update(self._video_pixels(samples))
         return batch

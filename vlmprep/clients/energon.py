@@ -1,19 +1,23 @@
 """Megatron-Energon adapter: the sample type and loader that DIR/.nv-meta/dataset.yaml (written by the build,
 vlmprep/clients/energon_meta.py) names. Raw tar members -> vlmprep's reader -> VlmprepSample; energon's own
-decoder is never applied, so nothing is unpickled, and a member outside the format is refused.
+decoder is never applied, so nothing is unpickled, and a member outside the format is refused. VlmprepTaskEncoder
+batches VlmprepSamples with vlmprep's Collator: the dict an HF model takes.
 """
 import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
-from megatron.energon import Sample, StandardWebdatasetFactory
+from megatron.energon import DefaultTaskEncoder, Sample, StandardWebdatasetFactory, stateless
 from megatron.energon.edataclass import edataclass
 from megatron.energon.flavors import BaseWebdatasetFactory
 
 from vlmprep.clients import sample_version
-from vlmprep.shards.dataset import NV_META
-from vlmprep.shards.reader import load_manifest, sample_from_members
+from vlmprep.clients.collate import Collator
+from vlmprep.clients.energon_meta import write_energon_meta
+from vlmprep.shards.dataset import MANIFEST_NAME, NV_META
+from vlmprep.shards.reader import ShardFormatError, dataset_path, load_manifest, sample_from_members
+from vlmprep_schemas.boundary import is_plain_path
 
 
 @edataclass
@@ -62,13 +66,51 @@ class VlmprepWebdataset(StandardWebdatasetFactory):
         kwargs.pop("decoder", None)  # the task encoder's decoder (webdataset-style, may unpickle): never used here
         super().__init__(path, sample_type=sample_type, sample_loader=sample_loader, part_filter=part_filter,
                          decoder=None, **kwargs)
+        check_indexed_shards(self.path, [s.name for s in self.shards])
+
+
+def check_indexed_shards(path, names: list[str]) -> None:
+    """energon reads the shards its index (.nv-meta/) names, and joins an absolute or `../` name as given. A local
+    dataset: each must be a shard its manifest lists (load_manifest checks those stay inside it); a remote one (no
+    manifest read here): each a plain relative name. Else one line."""
+    try:
+        d = path.local_path() if hasattr(path, "local_path") else Path(path)
+    except ValueError:  # an msc:// dataset
+        d = None
+    listed = {s["name"] for s in load_manifest(d)["shards"]} if d is not None else None
+    stray = [n for n in names if (n not in listed if listed is not None else not is_plain_path(n))]
+    if stray:
+        raise ShardFormatError(f"{path}/{NV_META}: the energon index names shard {stray[0]!r}, which "
+                               + (f"{d / MANIFEST_NAME} does not list" if d is not None else "is not a plain name")
+                               + "; refusing to read it: index the dataset again with "
+                               "vlmprep.clients.energon.prepare(DIR)")
+
+
+class VlmprepTaskEncoder(DefaultTaskEncoder):
+    """A task encoder whose `batch` is vlmprep's Collator: `get_train_dataset(DIR, batch_size=B, task_encoder=
+    VlmprepTaskEncoder(DIR, trained_logits=True), ...)` yields the dict an HF model takes (`model(**batch).loss`),
+    not lists of arrays. Keywords go to `Collator` (trained_logits: logits only where the next token is trained)."""
+
+    decoder = None  # samples come from vlmprep's reader; energon's webdataset decoder (may unpickle) is never used
+
+    def __init__(self, path: str | Path, **collator_kwargs):
+        super().__init__()
+        self.collator = Collator(path, **collator_kwargs)
+
+    @stateless  # the same samples give the same batch: nothing to save in a loader checkpoint
+    def batch(self, samples: list[VlmprepSample]) -> dict:
+        return self.collator([{name: getattr(s, name) for name in _FIELDS} for s in samples])
 
 
 def prepare(d: str | Path, *, workers: int = 1) -> int:
     """What `energon prepare DIR --split-ratio 1,0,0 --skip-dataset-yaml` does: index the manifest's shards, all in
-    the train split. Returns the sample count energon indexed (the manifest's, when the shards are intact)."""
+    the train split, after writing vlmprep's own DIR/.nv-meta/dataset.yaml (energon imports the class that file
+    names: a dataset from elsewhere may name any). Returns the sample count energon indexed (the manifest's, when
+    the shards are intact)."""
     d = Path(d)
-    manifest = load_manifest(d)
+    manifest = load_manifest(d)  # every shard name checked to stay inside the dataset
+    dataset_path(d, NV_META)  # energon writes its index there: not through a symlink out of the dataset
+    write_energon_meta(d)
     names = [s["name"] for s in manifest["shards"]]
     BaseWebdatasetFactory.prepare_dataset(d, names, split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
                                           shuffle_seed=None, workers=workers)

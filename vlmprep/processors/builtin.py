@@ -57,7 +57,7 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
 
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(str(final), local_files_only=True)
+    return AutoProcessor.from_pretrained(str(final), local_files_only=True, trust_remote_code=False)
 
 
 def _cache_key(name: str, tiktoken_bytes: bytes, template: str) -> str:

@@ -8,6 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
+from vlmprep_schemas.boundary import processor_files
+
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
 
@@ -46,9 +48,10 @@ def load_processor(spec: str):
         raise ValueError(f"--processor {spec} is a file: pass a processor directory, a hub id or builtin:NAME")
     if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec:  # a path, never a hub id "org/name"
         raise ValueError(f"--processor {spec}: no such directory; pass a processor directory, a hub id or builtin:NAME")
-    # A hub id: the one path that may use the network, and only when the user asks for it.
+    # A hub id: the one path that may use the network, and only when the user asks for it. Never its custom code:
+    # trust_remote_code=False refuses it without transformers' interactive prompt.
     try:
-        return AutoProcessor.from_pretrained(spec)
+        return AutoProcessor.from_pretrained(spec, trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--processor {spec}: not a local directory, and loading it as a hub id failed: "
@@ -56,10 +59,13 @@ def load_processor(spec: str):
 
 
 def load_saved_processor(path: str | Path):
-    """A processor from a local dir (e.g. the copy save_processor wrote into a dataset), never the network."""
+    """A processor from a local dir (e.g. the copy save_processor wrote into a dataset), never the network and never
+    code: a dir whose configs ask for custom code (auto_map), or whose files link outside it, is refused in one line
+    (UnsafeDataset, a ValueError) before transformers reads it."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    processor_files(path)
+    return AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
 def fingerprint_dir(path: Path) -> str:
@@ -113,16 +119,19 @@ def apply_pixel_budget(processor, family, *, min_pixels: int | None, max_pixels:
         raise ValueError(f"--min-pixels {ip.size.shortest_edge} > --max-pixels {ip.size.longest_edge}: swap them")
 
 
-def apply_video_budget(processor, family, *, fps: float | None, max_frames: int | None) -> None:
-    """Set --video-fps / --video-max-frames on the video processor itself (its sample_frames reads them from self), so
-    the copy saved into the dataset samples as the build did; refused for families without video support."""
-    if fps is None and max_frames is None:
-        return
+def apply_video_budget(processor, family, *, fps: float | None, max_frames: int | None, default_fps: float) -> None:
+    """Set the build's frame sampling on the video processor itself (its sample_frames reads it from self):
+    do_sample_frames on, fps = --video-fps, else its own fps, else `default_fps` (the rate the build samples at),
+    and --video-max-frames. So the copy saved into the dataset (and `trainer export`'s) samples a source video as
+    the build did. --video-fps / --video-max-frames are refused for families without video support."""
     vp = getattr(processor, "video_processor", None)
     if family is None or family.video is None or vp is None:
+        if fps is None and max_frames is None:
+            return
         raise ValueError(f"--video-fps/--video-max-frames: {type(processor).__name__} has no video support in vlmprep "
                          "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)")
-    if fps is not None:
-        vp.fps = fps
+    vp.do_sample_frames = True
+    vp.fps = float(fps or getattr(vp, "fps", None) or default_fps)
+    vp.num_frames = None  # fps and num_frames exclude each other in sample_frames; the build samples by fps
     if max_frames is not None:
         vp.max_frames = max_frames

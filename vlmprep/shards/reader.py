@@ -27,26 +27,47 @@ from vlmprep.shards.format import (
     is_video_member,
 )
 from vlmprep.types import UserError
+from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
 
 
 class ShardFormatError(UserError):
     """A dataset that is not a readable vlmprep dataset, or a member that breaks the format: one line naming it."""
 
 
+def dataset_path(d: Path, name: str) -> Path:
+    """DIR/name for a file vlmprep reads by a fixed name (manifest.json, rejects.jsonl): refused when it is a symlink
+    out of DIR, as every path a manifest names is."""
+    try:
+        return Path(dataset_file(str(d), name, where=str(d), what="file"))
+    except UnsafeDataset as e:
+        raise ShardFormatError(str(e)) from None
+
+
 def load_manifest(d: Path) -> dict:
-    """DIR/manifest.json, refused unless its format_version is one this vlmprep reads."""
-    p = Path(d) / MANIFEST_NAME
+    """DIR/manifest.json, refused unless its format_version is one this vlmprep reads and every path it names stays
+    inside DIR with a processor that asks for no custom code (vlmprep_schemas.boundary, as the trainer checks)."""
+    p = dataset_path(d, MANIFEST_NAME)
     if not p.is_file():
         raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build (rerun `vlmprep build`)")
     try:
         manifest = json.loads(p.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ShardFormatError(f"{p} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ShardFormatError(f"{p} is not valid JSON: {type(e).__name__}: {e}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
         raise ShardFormatError(f"{p}: format_version {version!r} is not supported (this vlmprep reads "
                                f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
+    processor_dir(d, manifest)
     return manifest
+
+
+def processor_dir(d: Path, manifest: dict) -> Path:
+    """The dataset's saved processor dir, checked with every other path the manifest names (inside DIR, no custom
+    code): the one way vlmprep finds it."""
+    try:
+        return Path(dataset_paths(str(d), manifest, where=str(Path(d) / MANIFEST_NAME)).processor)
+    except UnsafeDataset as e:
+        raise ShardFormatError(str(e)) from None
 
 
 def shard_paths(d: Path, manifest: dict, shard: str | None = None) -> list[Path]:

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from vlmprep.config import RAW_OPTIONS
-from vlmprep.shards.dataset import MANIFEST_NAME, PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB
-from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
+from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, processor_dir, shard_paths
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import (
     InspectedSample,
@@ -26,6 +26,10 @@ from vlmprep.types import RecordError, UserError
 
 ONLY = ("truncated", "rejected")
 DEFAULT_LIMIT = 3
+# Build options `--like DIR` does not take from a dataset's manifest: where inputs are, what they may read (local
+# image dirs, remote URLs, a role-boundaries file) and how the build runs. The user passes them for their own input.
+LIKE_SKIPS = frozenset({"inputs", "out", "progress", "workers", "image_root", "allow_remote", "role_boundaries",
+                        "executor", "ray_address", "tasks", "task_index", "plan_only", "overwrite"})
 
 
 class InspectError(UserError):
@@ -84,7 +88,7 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
 
 
 def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
-    p = d / REJECTS_NAME
+    p = dataset_path(d, REJECTS_NAME)
     if not p.is_file():
         return
     with open(p, encoding="utf-8") as f:
@@ -106,11 +110,13 @@ def _raw_build_config(cfg: InspectConfig):
     kw = {}
     if cfg.like is not None:
         like = Path(cfg.like)
-        fields = {f.name for f in dataclasses.fields(BuildConfig)} - {"inputs", "out", "progress", "workers"}
+        manifest = load_manifest(like)
+        # Not taken from a dataset: where things are and what may be read (LIKE_SKIPS); pass them yourself.
+        fields = {f.name for f in dataclasses.fields(BuildConfig)} - LIKE_SKIPS
         kw = {k: tuple(v) if isinstance(v, list) else v
-              for k, v in (load_manifest(like).get("config") or {}).items() if k in fields}
+              for k, v in (manifest.get("config") or {}).items() if k in fields}
         # The saved processor is the one that rendered the dataset, chat template included.
-        kw.update(processor=str(like / PROCESSOR_DIR), chat_template=None)
+        kw.update(processor=str(processor_dir(like, manifest)), chat_template=None)
     kw.update(cfg.build_options)
     if kw.get("keep_images") == "all":
         kw["keep_images"] = None
@@ -181,7 +187,7 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
             raise InspectError(f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
                                "the processor and options it was built with")
         manifest = load_manifest(p)
-        tv = TokenizerView.from_dir(p / PROCESSOR_DIR, (manifest.get("processor") or {}).get("class"))
+        tv = TokenizerView.from_dir(processor_dir(p, manifest), (manifest.get("processor") or {}).get("class"))
         items = _iter_dir(cfg, p)
     else:
         if cfg.shard is not None:

@@ -16,7 +16,14 @@ from referencing import Registry, Resource
 from vlmprep.families import FamilySpec, family_of
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, is_video_member
-from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image, iter_shard, load_manifest
+from vlmprep.shards.reader import (
+    ShardFormatError,
+    StoredSample,
+    decode_stored_image,
+    iter_shard,
+    load_manifest,
+    processor_dir,
+)
 from vlmprep_schemas import NAMES, load
 
 
@@ -89,7 +96,7 @@ class _SampleCheck:
         self.image_format = manifest["image_format"]
         self.meta_validator = schema_validator("sample_meta.schema.json")
         self.family: FamilySpec | None = family_of(manifest["processor"]["class"])
-        pcfg = _processor_config(root / manifest["processor"]["dir"])
+        pcfg = _processor_config(processor_dir(root, manifest))
         self.merge = int(pcfg.get("merge_size", 2))
         patch = pcfg.get("patch_size", 14)  # PixtralImageProcessor saves {"height": h, "width": w}
         self.patch = int(patch["height"] if isinstance(patch, dict) else patch)

@@ -13,6 +13,7 @@ import numpy as np
 
 from vlmprep.families import ANY_TURN_STARTS, family_of
 from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image
+from vlmprep_schemas.boundary import processor_files
 
 MAX_LISTED_TIMESTAMPS = 16  # a longer video lists its first 8 and last 4 frame times in the terminal marker
 
@@ -150,7 +151,9 @@ class TokenizerView:
     @classmethod
     def from_dir(cls, d: Path, processor_class: str | None = None) -> "TokenizerView":
         """A dataset's saved processor. Its tokenizer.json alone decodes exactly as the HF tokenizer does
-        (decode is the Rust decoder either way) and skips seconds of transformers import per call."""
+        (decode is the Rust decoder either way) and skips seconds of transformers import per call. Checked first like
+        every processor read from a dataset (no file linking out, no custom code)."""
+        processor_files(d)
         merge = None
         for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
             if (d / name).is_file():
@@ -159,9 +162,9 @@ class TokenizerView:
                 if merge:
                     break
         if not (d / "tokenizer.json").is_file():
-            from transformers import AutoProcessor
+            from vlmprep.processors.load import load_saved_processor
 
-            return cls.from_processor(AutoProcessor.from_pretrained(str(d), local_files_only=True))
+            return cls.from_processor(load_saved_processor(d))
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(d / "tokenizer.json"))

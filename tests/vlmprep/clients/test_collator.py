@@ -5,6 +5,8 @@ for zstd and `original` (resized at load time) datasets; video batches (pixel_va
 second_per_grid_ts) equal the trainer's for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
 import json
 import re
+import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -119,33 +121,156 @@ def _readme_block(marker: str) -> str:
     return block
 
 
-def _run_readme_block(marker: str, d: Path, out: Path) -> list[dict]:
-    """Run the block as written, with the two inputs substituted: DIR and the model (the trainer's tiny model)."""
+def _run_readme_block(marker: str, d: Path, out: Path, model=None) -> dict:
+    """Run the block as written, with the two inputs substituted: DIR and the model (the trainer's tiny model);
+    its output dir `runs/...`, if any, goes under `out`. Returns the block's namespace."""
     from trainer.model import build_model
 
     code = _readme_block(marker)
     code, n_dir = re.subn(r"^DIR = .*$", "DIR = _DIR", code, flags=re.M)
     code, n_model = re.subn(r"^model = .*$", "model = _MODEL", code, flags=re.M)
-    assert n_dir == n_model == 1 and code.count('"runs/') == 1
+    assert n_dir == n_model == 1 and code.count('"runs/') <= 1
     code = code.replace('"runs/', '_OUT + "/')
-    ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": build_model(tiny_random="qwen2-vl", seed=0)}
+    ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": model or build_model(tiny_random="qwen2-vl", seed=0)}
     exec(compile(code, f"docs/other-libraries.md ({marker})", "exec"), ns)
-    return ns["trainer"].state.log_history
+    return ns
+
+
+def _kept_rows(net) -> list[int]:
+    """The rows the model's LM head projects, per forward call (filled as the model runs)."""
+    rows: list[int] = []
+    net.lm_head.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[:-1].numel()))
+    return rows
+
+
+def _trained_next_tokens(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_collator_trained_logits_keep_the_trainers_positions(built):
+    """trained_logits=True adds logits_to_keep (the trainer's own selection) and shift_labels (the targets there):
+    the model's LM head then projects one row per trained token instead of B x L, and the loss is the trainer's."""
+    fmt, d, step1 = built
+    import vlmprep.clients.hf
+    from trainer.model import build_model
+    from vlmprep.clients.collate import Collator
+
+    samples = list(vlmprep.clients.hf.iterable_dataset(d))[:2]
+    plain, got = Collator(d)(samples), Collator(d, trained_logits=True)(samples)
+    assert set(got) - set(plain) == {"logits_to_keep", "shift_labels"}
+    assert all(torch.equal(plain[k], got[k]) for k in plain)
+    want, _ = next(_trainer_batches(d, 2))
+    labels = want.labels.long()
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != -100  # trainer/model.py forward_loss's selection, on the trainer's own batch
+    assert got["logits_to_keep"].dtype == torch.bool and torch.equal(got["logits_to_keep"], keep)
+    assert torch.equal(got["shift_labels"], labels[:, 1:][keep[:, :-1]]) and bool((got["shift_labels"] >= 0).all())
+    net = build_model(tiny_random="qwen2-vl", seed=0)
+    rows = _kept_rows(net)
+    with torch.no_grad():
+        full, kept = net(**plain), net(**got)
+    B, L = got["input_ids"].shape
+    assert rows == [B * L, _trained_next_tokens(got)] and rows[1] < B * L / 2
+    assert kept.logits.shape == (rows[1], net.config.text_config.vocab_size)
+    assert float(kept.loss) == pytest.approx(step1["loss"], rel=1e-6)
+    assert float(kept.loss) == pytest.approx(float(full.loss), rel=1e-6)
 
 
 def test_hf_trainer_trains_with_the_readme_code(built, tmp_path):
+    """The docs' HF Trainer block (trained_logits=True): step-1 loss = the trainer's, LM head rows = trained tokens."""
+    from trainer.model import build_model
+
     fmt, d, step1 = built
-    log = _run_readme_block("trainer = Trainer(", d, tmp_path)
+    net = build_model(tiny_random="qwen2-vl", seed=0)
+    rows = _kept_rows(net)
+    log = _run_readme_block("trainer = Trainer(", d, tmp_path, model=net)["trainer"].state.log_history
     steps = [e for e in log if "loss" in e]
     assert [e["step"] for e in steps] == [1, 2]
     assert steps[0]["loss"] == pytest.approx(step1["loss"], rel=1e-6), (fmt, steps[0]["loss"], step1["loss"])
+    import vlmprep.clients.hf
+    from vlmprep.clients.collate import Collator
+
+    samples = list(vlmprep.clients.hf.iterable_dataset(d))[:4]
+    assert rows == [_trained_next_tokens(Collator(d)(samples[i:i + 2])) for i in (0, 2)]
+
+
+def _energon_samples(d: Path) -> list:
+    """Every sample as energon's loader makes it (VlmprepSample from the raw tar members), in manifest order."""
+    from vlmprep.clients.energon import VlmprepSample, sample_loader
+
+    out = []
+    for shard in json.loads((d / "manifest.json").read_text())["shards"]:
+        raw: dict[str, dict] = {}
+        with tarfile.open(d / shard["name"]) as tar:
+            for ti in tar:
+                key, _, member = ti.name.partition(".")
+                raw.setdefault(key, {"__key__": key, "__shard__": shard["name"]})[member] = tar.extractfile(ti).read()
+        out += [VlmprepSample(__key__=k, __restore_key__=(), __subflavors__={}, **sample_loader(r))
+                for k, r in raw.items()]
+    return out
+
+
+def test_energon_task_encoder_batches_are_the_collators(built):
+    """VlmprepTaskEncoder.batch over energon's samples is the Collator's batch over the HF reader's, key for key (so
+    a model's loss on it is the trainer's, tested above; energon's loader and a training loop: the slow test below)."""
+    pytest.importorskip("megatron.energon")
+    fmt, d, _ = built
+    if fmt != "zstd":
+        pytest.skip("one format is enough")
+    import vlmprep.clients.hf
+    from vlmprep.clients.collate import Collator
+    from vlmprep.clients.energon import VlmprepTaskEncoder
+
+    encoder = VlmprepTaskEncoder(d, trained_logits=True)
+    assert encoder.decoder is None  # energon's webdataset decoder (may unpickle) is never asked for
+    got = encoder.batch(_energon_samples(d)[:2])
+    want = Collator(d, trained_logits=True)(list(vlmprep.clients.hf.iterable_dataset(d))[:2])
+    assert {"logits_to_keep", "shift_labels", "pixel_values"} <= got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow  # energon's index, loader and 2 workers, 2 optimizer steps (the task encoder's batch stays above)
+def test_energon_trains_with_the_docs_code(built, tmp_path):
+    """The docs' energon block, run as written: each batch its loader yields is the Collator's batch of the same
+    samples (read through vlmprep.clients.hf), and the same loop over the Collator's batches gives the same losses."""
+    pytest.importorskip("megatron.energon")
+    fmt, d, _ = built
+    if fmt != "zstd":
+        pytest.skip("one format is enough")
+    import vlmprep.clients.hf
+    from trainer.model import build_model
+    from vlmprep.clients.collate import Collator
+
+    shutil.copytree(d, tmp_path / "ds")  # the block indexes DIR (energon's .nv-meta files)
+    d = tmp_path / "ds"
+    net = build_model(tiny_random="qwen2-vl", seed=0)
+    seen: list[tuple[dict, float]] = []
+    net.register_forward_hook(lambda m, args, kwargs, out: seen.append((dict(kwargs), float(out.loss.detach()))),
+                              with_kwargs=True)
+    _run_readme_block("VlmprepTaskEncoder(DIR", d, tmp_path, model=net)
+    assert len(seen) == 2
+    (lr,) = re.findall(r"AdamW\(model.parameters\(\), lr=([0-9.e-]+)\)", _readme_block("VlmprepTaskEncoder(DIR"))
+    by_ids = {tuple(s["input_ids"].tolist()): s for s in vlmprep.clients.hf.iterable_dataset(d)}
+    collator = Collator(d, trained_logits=True)
+    ref = build_model(tiny_random="qwen2-vl", seed=0)
+    optimizer = torch.optim.AdamW(ref.parameters(), lr=float(lr))
+    for batch, loss in seen:
+        rows = [by_ids[tuple(ids[m.bool()].tolist())] for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+        want = collator(rows)
+        assert len(rows) == 2 and batch.keys() == want.keys()
+        assert all(torch.equal(batch[k], want[k]) for k in want)
+        ref_loss = ref(**want).loss
+        ref_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss == pytest.approx(float(ref_loss), rel=1e-6)
 
 
 @pytest.mark.slow  # importing TRL and its trainer set-up: ~40 s on 2 busy cores
 def test_trl_sft_trainer_trains_with_the_readme_code(built, tmp_path):
     pytest.importorskip("trl")
     fmt, d, step1 = built
-    log = _run_readme_block("trainer = SFTTrainer(", d, tmp_path)
+    log = _run_readme_block("trainer = SFTTrainer(", d, tmp_path)["trainer"].state.log_history
     steps = [e for e in log if "loss" in e]
     assert [e["step"] for e in steps] == [1, 2]
     assert steps[0]["loss"] == pytest.approx(step1["loss"], rel=1e-6), (fmt, steps[0]["loss"], step1["loss"])

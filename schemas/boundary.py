@@ -1,0 +1,142 @@
+"""The dataset boundary (docs/untrusted-datasets.md): what a dataset from elsewhere may make a reader open or run.
+A dataset dir or base URL and its manifest -> the checked shard and processor locations (inside it, or under its
+URL); a saved processor dir -> its own files (inside it, no custom code). vlmprep and the trainer both call it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REMOTE = ("http://", "https://")
+MANIFEST_NAME = "manifest.json"
+PROCESSOR_DIR = "processor"  # where a manifest without processor.dir keeps its saved processor
+# One part of a name a dataset gives (not '.' or '..'): no separator, no '%' escape, no scheme, no space.
+_PART = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
+# A processor's own files, as transformers saves and reads them (tokenizer vocabularies of every backend, chat
+# templates): all that is read from a processor dir, and all that `trainer export` copies. Anything else is ignored.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                   "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json", "chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # its *.jinja files are the processor's named chat templates
+# Where transformers looks for `auto_map` (the custom code it would import, after a "run custom code? [y/N]" prompt
+# when trust_remote_code is unset): config.json too, which AutoProcessor falls back to.
+CODE_CONFIGS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                "tokenizer_config.json", "config.json")
+MAX_CONFIG_BYTES = 64 << 20  # a processor config this large is not one (tokenizer_config.json is KBs to a few MB)
+
+
+class UnsafeDataset(ValueError):
+    """A dataset that names something outside itself, or a processor that asks for custom code: one line that names
+    the file and the value."""
+
+
+@dataclass(frozen=True)
+class DatasetPaths:
+    """Where a reader may look, once the manifest is checked: local paths for a dataset dir, URLs under its base."""
+
+    shards: tuple[str, ...]  # in manifest order
+    processor: str  # the saved processor dir (it may be absent: a reader that needs it says so)
+
+
+def _inside(path: str, root: str) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, top]) == top
+
+
+def is_plain_path(name) -> bool:
+    """A relative path of plain parts: no absolute path, '.' or '..' part, '%' escape, URL or backslash."""
+    return isinstance(name, str) and all(_PART.match(p) and p not in (".", "..") for p in name.split("/"))
+
+
+def dataset_file(base: str, name, *, where: str, what: str) -> str:
+    """`name`, which `where` (a manifest) gives as `what`, joined to the dataset's dir or URL `base`: refused unless
+    it is a relative path of plain parts (no absolute path, '..', '%' escape or URL) and, for a local
+    dataset, its real path (every symlink followed) lies inside the dataset's real path."""
+    if not is_plain_path(name):
+        raise UnsafeDataset(f"{where}: {what} {name!r} is not a relative path inside the dataset (plain names only: "
+                            "no absolute path, '..' or URL); refusing to read it")
+    if base.startswith(REMOTE):
+        return base.rstrip("/") + "/" + name
+    path = os.path.join(base, *name.split("/"))
+    if not _inside(path, base):
+        raise UnsafeDataset(f"{where}: {what} {name!r} resolves to {os.path.realpath(path)}, outside the dataset "
+                            f"{os.path.realpath(base)} (a symlink); refusing to read it: copy the file in instead")
+    return path
+
+
+def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
+    """Every path a dataset's manifest (read from `where`) names, checked: each shard name one plain `.tar` file name
+    in the dataset, the processor dir inside it; a local processor dir that exists is checked too (processor_files),
+    so a dataset whose processor asks for custom code is refused by every reader, whether it loads the processor
+    or not."""
+    base = str(base)
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise UnsafeDataset(f"{where}: 'shards' is not a list of objects; not a vlmprep manifest")
+    names = []
+    for s in shards:
+        name = s.get("name")
+        if not isinstance(name, str) or "/" in name or not name.endswith(".tar"):
+            raise UnsafeDataset(f"{where}: shard name {name!r} is not a plain .tar file name in the dataset; "
+                                "refusing to read it")
+        names.append(dataset_file(base, name, where=where, what="shard name"))
+    proc = manifest.get("processor")
+    processor = dataset_file(base, proc.get("dir", PROCESSOR_DIR) if isinstance(proc, dict) else PROCESSOR_DIR,
+                             where=where, what="processor dir")
+    if not base.startswith(REMOTE) and os.path.isdir(processor):
+        processor_files(processor)
+    return DatasetPaths(tuple(names), processor)
+
+
+def refuse_custom_code(config, where: str) -> None:
+    """Refuse a processor config (as read from `where`) that names custom code anywhere in it (`auto_map`, top level
+    or nested, e.g. processor_config.json's image_processor): one line, before transformers ever sees it."""
+    stack = [config]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("auto_map"):
+                shown = json.dumps(node["auto_map"])
+                raise UnsafeDataset(f"{where}: asks to run custom code (auto_map {shown[:120]}"
+                                    f"{'...' if len(shown) > 120 else ''}); vlmprep and the trainer never run code "
+                                    "from a dataset or processor dir: use a processor built into transformers")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _read_config(path: Path):
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise UnsafeDataset(f"{path}: {path.stat().st_size} bytes, not a processor config (at most "
+                            f"{MAX_CONFIG_BYTES >> 20} MiB); refusing to read it")
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise UnsafeDataset(f"{path}: not a valid JSON config ({type(e).__name__}); refusing to load the processor") \
+            from None
+
+
+def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
+    """A saved processor's own files in dir `d` (PROCESSOR_FILES and additional_chat_templates/*.jinja that exist):
+    what may be read from it and what `trainer export` copies. Refused unless each, and each config transformers
+    reads, resolves inside `d` (no symlink out), and no config asks for custom code (refuse_custom_code).
+    `links_out=True` is for a dir the user named (--processor): symlinks out are followed (a Hugging Face cache
+    snapshot links every file into blobs/), custom code is still refused."""
+    d = Path(d)
+    files = [d / n for n in PROCESSOR_FILES if os.path.lexists(d / n)]
+    if (d / CHAT_TEMPLATES_DIR).is_dir():
+        files += sorted((d / CHAT_TEMPLATES_DIR).glob("*.jinja"))
+    configs = [d / n for n in CODE_CONFIGS if os.path.lexists(d / n)]
+    for f in dict.fromkeys(files + configs):
+        if not links_out and not _inside(str(f), str(d)):
+            raise UnsafeDataset(f"{f}: resolves to {os.path.realpath(f)}, outside the processor dir "
+                                f"{os.path.realpath(d)} (a symlink); refusing to read it: copy the file in")
+        if not f.is_file():
+            raise UnsafeDataset(f"{f}: not a regular file; refusing to read the processor")
+    for f in configs:
+        refuse_custom_code(_read_config(f), str(f))
+    return files
