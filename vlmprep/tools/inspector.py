@@ -4,14 +4,13 @@ would) -> the selected samples or rejects -> views printed by show.py or written
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from vlmprep.config import RAW_OPTIONS
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
-from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, processor_dir, shard_paths
+from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, processor_dir, shard_paths
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import (
     InspectedSample,
@@ -91,13 +90,8 @@ def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
     p = dataset_path(d, REJECTS_NAME)
     if not p.is_file():
         return
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if cfg.id is not None and str(r.get("id")) != cfg.id:
-                continue
+    for r in iter_rejects(p):
+        if cfg.id is None or str(r.get("id")) == cfg.id:
             yield r
 
 
