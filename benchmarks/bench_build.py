@@ -91,14 +91,17 @@ def _hwm_mb(pid: int | str = "self") -> float:
 
 
 def _worker_pids(parent: int) -> list[int]:
-    """The pool's workers: forked by the forkserver the build started (so grandchildren of `parent`), or spawned."""
+    """The pool's workers: forked from `parent` (its command line), forked by a forkserver it started (so its
+    grandchildren), or spawned."""
     import psutil
 
     pids = []
+    own = " ".join(psutil.Process(parent).cmdline())
     for p in psutil.Process(parent).children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
-            if ("forkserver" in cmd and p.ppid() != parent) or (p.ppid() == parent and "spawn_main" in cmd):
+            if (("forkserver" in cmd and p.ppid() != parent)
+                    or (p.ppid() == parent and ("spawn_main" in cmd or cmd == own))):
                 pids.append(p.pid)
         except psutil.Error:
             continue

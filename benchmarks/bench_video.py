@@ -1,6 +1,6 @@
 """Video benchmark: `vlmprep build` seconds and shard bytes per second of source video, per Qwen family, on H.264
 clips made here with PyAV (a moving pattern: every frame differs), sampled at the processor's default rate; and the
-peak resident memory of each process of a `vlmprep build --workers 2` of the same clips (main, forkserver, workers)."""
+peak resident memory of each process of a `vlmprep build --workers 2` of the same clips (main, workers)."""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,12 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
-build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
-shard) -> codec (stored image bytes vs source and one core's decode rate, per image format) -> loader (vs online, as
-a multiple of the floor; integrity: the start-up sha256 check vs a loader pass) -> collate -> clients (peak RSS of HF
-Trainer through the Collator vs the trainer) -> balance -> pack -> order (sample shuffle, mixture shares, shuffled
-loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video
-(build seconds and shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs; figures
-meaningless, shape real)."""
+build -> stages (the record path's stages, each beside its floor) -> startup (worker ready, first record, 1 vs 2
+workers) -> limits (floors, incl. tar read speed of a real shard) -> codec (stored image bytes vs source and one
+core's decode rate, per image format) -> loader (vs online, as a multiple of the floor; integrity: the start-up
+sha256 check vs a loader pass) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) ->
+balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images cost,
+agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and
+shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape
+real)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ from benchmarks import (
     bench_order,
     bench_pack,
     bench_scale,
+    bench_stages,
     bench_startup,
     bench_traces,
     bench_video,
@@ -29,7 +31,7 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order", "traces",
+BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order", "traces",
            "scale", "video")
 
 
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if "build" in only:
         bench_build.run(a.quick, a.records)
+    if "stages" in only:
+        bench_stages.run(a.quick)
     if "startup" in only:
         bench_startup.run(a.quick)
     if "codec" in only:

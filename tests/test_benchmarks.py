@@ -17,7 +17,8 @@ REQUIRED = {
     ("build", "speedup_2_workers"): {"ratio", "goal"},
     ("build", "shard_bytes_vs_input"): {"image_format", "input_decoded_bytes", "shard_bytes", "ratio"},
     ("build", "peak_rss"): {"workers", "main_rss_mb_small", "main_rss_mb_big", "worker_rss_mb_big", "ratio"},
-    ("startup", "worker_ready"): {"imports_seconds", "ready_beyond_imports_seconds", "first_render_seconds", "goal_seconds"},
+    ("startup", "worker_ready"): {"imports_seconds", "ready_beyond_imports_seconds", "first_render_seconds", "goal_seconds",
+                                  "forked_pool_workers_ready_seconds"},
     ("startup", "first_record"): {"workers", "seconds"},
     ("startup", "build_wall_clock"): {"workers", "records", "seconds"},
     ("startup", "speedup_2_workers_wall_clock"): {"ratio", "goal"},
@@ -32,6 +33,9 @@ REQUIRED = {
     ("clients", "peak_rss"): {"run", "batch", "first_batch"},
     ("clients", "ratio"): {"ratio", "goal", "step1_loss_rel_diff", "all_logits_over_trainer_peak_rss"},
     ("traces", None): {"long_traces", "seq_len", "keep_images", "coverage", "samples", "tokens", "shard_bytes"},
+    ("stages", "stage"): {"stage", "unit", "ms", "floor_ms", "floor", "ratio"},
+    ("stages", "record_path"): {"ms_per_record", "floor_sum_ms_per_record", "ratio", "goal"},
+    ("traces", "keep_images_cost"): {"keep_images", "images_decoded", "dropped_images_decoded", "seconds"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
     ("pack", "pack"): {"pack_to", "pack_window", "ranks", "fill", "step_max_over_mean_tokens",
                        "step_max_over_mean_attention", "pack_ms_per_1000_samples"},
@@ -68,6 +72,11 @@ def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     assert any("time_over_floor" in r for r in loader)
     assert {r["plan"] for r in rows if r["bench"] == "balance"} == {"sample_count_split", "token_balanced_shards"}
     assert {r["pack_to"] for r in rows if r.get("metric") == "pack"} == {16384, 32768}
+    assert {r["stage"] for r in rows if r.get("metric") == "stage"} == {
+        "json_parse", "normalize_base64", "image_header", "image_decode", "resize", "encode", "tokenize", "render_mask",
+        "split_search", "tar_write", "hashing"}
+    keep = [r for r in rows if r.get("metric") == "keep_images_cost"]
+    assert [r["dropped_images_decoded"] for r in keep] == [0, 0] and "ratio_vs_keep_all" in keep[1]
 
 
 def test_order_pair_share_and_its_uniform_expectation():

@@ -4,8 +4,8 @@ bytes, and back. Stored pixels are exactly those the processor would patchify, s
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
+import struct
 import warnings
 
 import numpy as np
@@ -25,6 +25,8 @@ _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 _HIGH_BIT = _SIXTEEN_BIT + ("I", "F")
 _PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")  # PNG stores these losslessly, palette and alpha included
 _ORIENTATION = 0x0112
+_TRANSPOSING = (5, 6, 7, 8)  # orientations that swap width and height
+_HEADER_FORMATS = ("JPEG", "MPO", "PNG", "WEBP")  # PIL reads all their metadata on open (PNG: see upright_size)
 
 
 @contextlib.contextmanager
@@ -42,22 +44,20 @@ def _strict_load():
 def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image.Image:
     """Open and fully load one image, rejecting bombs, corrupt data and animations with reason codes; the result
     is upright (EXIF orientation applied, tag dropped) and 8 bits per channel, in its own mode (alpha, palette)."""
+    with _image_faults(img):
+        im = _open_checked(img, max_pixels=max_pixels, min_side=min_side)
+        with _strict_load():
+            im.load()
+        return _to_8bit(_upright(im))
+
+
+@contextlib.contextmanager
+def _image_faults(img: ImageData):
+    """PIL's errors on a source image -> corrupt_image, naming the image."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            im = Image.open(io.BytesIO(img.data))
-            w, h = im.size
-            if min(w, h) < min_side:
-                raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
-            if w * h > max_pixels:
-                raise RecordError("image_too_large",
-                                  f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
-            # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
-            if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
-                raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
-            with _strict_load():
-                im.load()
-            return _to_8bit(_upright(im))
+            yield
     except RecordError:
         raise
     except UnidentifiedImageError:
@@ -65,6 +65,49 @@ def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image
                                            "PIL can identify") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise RecordError("corrupt_image", f"cannot decode image ({img.origin[:60]}): {str(e)[:120]}") from None
+
+
+def _open_checked(img: ImageData, *, max_pixels: int, min_side: int) -> Image.Image:
+    """The image opened (header read, nothing decoded), with the checks its header alone allows."""
+    im = Image.open(io.BytesIO(img.data))
+    w, h = im.size
+    if min(w, h) < min_side:
+        raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
+    if w * h > max_pixels:
+        raise RecordError("image_too_large",
+                          f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
+    # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
+    if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
+        raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
+    return im
+
+
+def upright_size(img: ImageData, *, max_pixels: int, min_side: int = 1) -> tuple[int, int] | None:
+    """(width, height) of decode_image's result, read from the header alone (EXIF orientation included), with the
+    header checks of decode_image; None where only decoding tells: formats whose metadata PIL completes on load,
+    and a PNG with chunks after its pixel data (text or eXIf there can carry an orientation)."""
+    with _image_faults(img):
+        im = _open_checked(img, max_pixels=max_pixels, min_side=min_side)
+        if im.format not in _HEADER_FORMATS or (im.format == "PNG" and not _png_metadata_first(img.data)):
+            return None
+        # Image.getexif itself: PngImageFile's decodes first, to find chunks after the pixels (checked above).
+        w, h = im.size
+        return (h, w) if Image.Image.getexif(im).get(_ORIENTATION) in _TRANSPOSING else (w, h)
+
+
+def _png_metadata_first(data: bytes) -> bool:
+    """Whether only image data and IEND follow a PNG's first IDAT chunk: then PIL's load adds no metadata to what
+    its open read (it reads the chunks after the pixels, eXIf and text included, only on load)."""
+    pos, pixels = 8, False
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        if kind == b"IEND":
+            return True
+        if pixels and kind != b"IDAT":
+            return False
+        pixels = pixels or kind == b"IDAT"
+        pos += 12 + length
+    return True  # cut short: decoding it fails, whatever its size
 
 
 def _upright(im: Image.Image) -> Image.Image:
@@ -94,29 +137,101 @@ def _to_8bit(im: Image.Image) -> Image.Image:
     return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")  # round(v / 257): 65535 -> 255
 
 
+def open_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1,
+               shapes: dict | None = None) -> PreparedImage:
+    """The image as the processor will store it, from its header alone: the grid comes from the processor's own
+    resize run on a meta tensor of the upright size (shape, no data), and the pixels are decoded and resized on first
+    use (PreparedImage.pixels), once, so an image that no sample keeps is never decoded. Header faults (not an image,
+    too small or large, animated, aspect ratio) raise here; faults in the pixel data when the pixels are made. Where
+    the header cannot tell the size (upright_size), the pixels are made now. shapes: the stored shape by upright
+    size, kept by a caller whose processor and pixel budget stay as they are (a Renderer: screenshots share a size)."""
+    size = upright_size(img, max_pixels=max_pixels, min_side=min_side)
+    if size is None:
+        shape = None
+    elif shapes is not None and size in shapes:
+        shape = shapes[size]
+    else:
+        shape = _stored_shape(processor, family, *size)
+        if shapes is not None:
+            shapes[size] = shape
+    if shape is None:
+        return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+
+    def load() -> np.ndarray:
+        pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+        assert pixels.shape[:2] == shape and decoded == size, \
+            f"image {size}: header predicted {shape}, decoding gave {decoded} -> {pixels.shape[:2]}"
+        return pixels
+
+    return PreparedImage(grid_thw=_grid(processor.image_processor, family, shape), source=img, load=load,
+                         source_size=size)
+
+
 def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
                   min_side: int = 1) -> PreparedImage:
-    """Resize with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
+    """Decode and resize now, with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
+    pixels, size = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+    return PreparedImage(pixels=pixels, grid_thw=_grid(processor.image_processor, family, pixels.shape[:2]),
+                         source=img, source_size=size)
+
+
+def _resized_pixels(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
+                    min_side: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """The stored pixels and the upright (width, height) they were resized from."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
-    mode = family.image_mode
-    ip = processor.image_processor
     pil = decode_image(img, max_pixels=max_pixels, min_side=min_side)
-    w, h = pil.size
     with torch.no_grad():
-        t = ip.process_image(pil, do_convert_rgb=getattr(ip, "do_convert_rgb", None) is not False)  # uint8 C x H x W
-        try:
-            resized = _FAMILY_RESIZE[mode](processor, ip, t)
-        except ValueError as e:  # smart_resize refuses aspect ratios over 200
-            raise RecordError("bad_aspect_ratio", f"image {w}x{h}: {e}") from None
+        resized = _resize(processor, family, _processed(processor.image_processor, pil), *pil.size)
     assert resized.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
-    pixels = np.ascontiguousarray(resized.permute(1, 2, 0).numpy())
-    if mode.startswith("smart_resize"):
-        grid = (1, pixels.shape[0] // ip.patch_size, pixels.shape[1] // ip.patch_size)
-    else:
-        grid = (1, pixels.shape[0], pixels.shape[1])  # no grid in these processors: the stored size, as image_sizes
-    return PreparedImage(pixels=pixels, grid_thw=grid, source=img, digest=hashlib.sha256(img.data).hexdigest(),
-                         source_size=(w, h))
+    return np.ascontiguousarray(resized.permute(1, 2, 0).numpy()), pil.size  # a view where the resize kept HWC
+
+
+def _processed(ip, pil: Image.Image):
+    """The processor's process_image of a PIL image (uint8 C x H x W), as a channels-last view: process_image's own
+    last step, .contiguous(), transposes every pixel, and the resize after it then runs several times slower than on
+    the view, for the same values (tests/vlmprep/test_images.py checks both ways agree)."""
+    import torch
+    from transformers.image_processing_backends import TorchvisionBackend
+    from transformers.image_transforms import convert_to_rgb
+
+    convert = getattr(ip, "do_convert_rgb", None) is not False
+    if not convert or type(ip).process_image is not TorchvisionBackend.process_image:
+        return ip.process_image(pil, do_convert_rgb=convert)
+    if pil.mode == "RGB" and pil.info.get("transparency") is None:
+        with warnings.catch_warnings():  # read-only: the resize only reads it
+            warnings.simplefilter("ignore")
+            return torch.from_numpy(np.asarray(pil)).permute(2, 0, 1)  # what convert_to_rgb gives, less two copies
+    return torch.from_numpy(convert_to_rgb(pil, return_numpy=True)).permute(2, 0, 1)  # process_image's PIL branch
+
+
+def _stored_shape(processor, family: FamilySpec, w: int, h: int) -> tuple[int, int] | None:
+    """(height, width) of the processor's resize of an upright w x h image: its own code run on a meta tensor,
+    which has a shape and no data; None where that code needs real pixels."""
+    import torch
+
+    t = torch.empty((3, h, w), dtype=torch.float32, device="meta")  # uint8 would run the clamp (python, ~40 ms)
+    try:
+        with torch.no_grad():
+            resized = _resize(processor, family, t, w, h)
+    except RecordError:
+        raise
+    except Exception:  # noqa: BLE001 - a resize that reads pixel values: the image is decoded now instead
+        return None
+    return int(resized.shape[-2]), int(resized.shape[-1])
+
+
+def _resize(processor, family: FamilySpec, t, w: int, h: int):
+    try:
+        return _FAMILY_RESIZE[family.image_mode](processor, processor.image_processor, t)
+    except ValueError as e:  # smart_resize refuses aspect ratios over 200
+        raise RecordError("bad_aspect_ratio", f"image {w}x{h}: {e}") from None
+
+
+def _grid(ip, family: FamilySpec, shape: tuple[int, int]) -> tuple[int, int, int]:
+    if family.grid_images:
+        return 1, shape[0] // ip.patch_size, shape[1] // ip.patch_size
+    return 1, shape[0], shape[1]  # no grid in these processors: the stored size, as image_sizes
 
 
 def _smart_resize(processor, ip, t):
@@ -195,9 +310,12 @@ def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = 3
         buf.write(filter_pixels(image.pixels).data)
         return zstandard.ZstdCompressor(level=zstd_level).compress(buf.getvalue())
     if image_format == "zstd":
+        # np.save's bytes, with one copy of the pixels instead of its three (tobytes, write, getvalue)
+        pixels = np.ascontiguousarray(image.pixels)
         buf = io.BytesIO()
-        np.save(buf, image.pixels, allow_pickle=False)
-        return zstandard.ZstdCompressor(level=zstd_level).compress(buf.getvalue())
+        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(pixels))
+        buf.write(pixels.data)
+        return zstandard.ZstdCompressor(level=zstd_level).compress(buf.getbuffer())
     if image_format == "png":
         buf = io.BytesIO()
         Image.fromarray(image.pixels, "RGB").save(buf, format="PNG", compress_level=6)

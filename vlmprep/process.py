@@ -1,7 +1,9 @@
 """One record -> its samples or its rejects, exactly as `build` writes them (and `vlmprep inspect` shows them):
 
-    RawRecord --parse/normalize--> Conversation --prepare_image/prepare_video--> --history/split (traces.py)-->
-              --render_conversation--> RenderedSample --truncate_sample--> --encode_sample--> ShardSample
+    RawRecord --parse/normalize--> Conversation --open_image/prepare_video--> --history/split (traces.py)-->
+              --render_conversation--> RenderedSample --truncate_sample--> pixels of the kept images
+              --encode_sample--> ShardSample
+An image's grid (so its tokens) comes from its header; only the images some sample keeps are decoded and resized.
 """
 from __future__ import annotations
 
@@ -10,16 +12,25 @@ import dataclasses
 import math
 
 from vlmprep.config import BuildConfig
-from vlmprep.images import prepare_image
+from vlmprep.images import open_image, prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
 from vlmprep.processors.load import apply_pixel_budget, apply_video_budget, resolve_chat_template
 from vlmprep.records import parse_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import sample_key
 from vlmprep.shards.writer import encode_sample
-from vlmprep.traces import StepPolicy, split_trace, whole_trace
+from vlmprep.traces import StepConversation, StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
-from vlmprep.types import RawRecord, RecordError, RenderedSample, deterministic_message, printable
+from vlmprep.types import (
+    Conversation,
+    PreparedImage,
+    PreparedVideo,
+    RawRecord,
+    RecordError,
+    RenderedSample,
+    deterministic_message,
+    printable,
+)
 from vlmprep.videos import DEFAULT_VIDEO_FPS, prepare_video
 
 
@@ -59,40 +70,40 @@ class Renderer:
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()
         self.lost: list[int] = []
+        self._shapes: dict = {}  # an image's stored shape by its upright size (images.open_image)
 
     def render(self, raw: RawRecord) -> list[RenderedSample]:
-        """parse -> normalize -> prepare images -> history/split (traces.py) -> render + mask -> truncate; raises
-        RecordError. One sample per record, or several when --long-traces split cuts a long trace; `self.turns`
-        then holds the record's turn accounting and `self.lost` the trained turns that could not fit."""
+        """parse -> normalize -> open images (header: grid) -> history/split (traces.py) -> render + mask ->
+        truncate -> the pixels of the images the samples keep; raises RecordError. One sample per record, or several
+        when --long-traces split cuts a long trace; `self.turns` then holds the record's turn accounting and
+        `self.lost` the trained turns that could not fit."""
         self.turns, self.lost, self.largest_image = collections.Counter(), [], 0
         conv = normalize_record(parse_record(raw), raw.source, self.norm)
         assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
         self.turns["input_assistant_turns"] = len(assistant)
         reasoning = set(self.ctx.reasoning_messages(conv))
         self.turns["reasoning_turns"] = len(reasoning)
+        images: list[PreparedImage] = []
         try:
-            images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
-                                    min_side=self.cfg.min_image_side) for im in conv.images]
+            # Each image's grid from its header (an image repeated in the record, once); its pixels are made below,
+            # only where a sample keeps it.
+            opened: dict[bytes, PreparedImage] = {}
+            for im in conv.images:
+                if im.data not in opened:
+                    opened[im.data] = open_image(im, self.processor, self.ctx.family,
+                                                 max_pixels=self.cfg.max_image_pixels,
+                                                 min_side=self.cfg.min_image_side, shapes=self._shapes)
+                images.append(opened[im.data])
             self.largest_image = max(map(self._image_tokens, images), default=0)
             # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
             videos = {id(v): prepare_video(v, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                            min_side=self.cfg.min_image_side, max_tokens=self.cfg.seq_len)
                       for v in conv.videos}
 
-            def vids(c):
-                return [videos[id(v)] for v in c.videos]
-
-            whole = whole_trace(conv, self.steps)
-            steps = [whole]
-            if self.cfg.long_traces == "split" and count_tokens(whole.conv, self.ctx, _pick(images, whole),
-                                                                vids(whole.conv)) > self.cfg.seq_len:
-                steps, self.lost = split_trace(conv, trained_messages(conv, self.ctx.policy), self.steps,
-                                               lambda sc: count_tokens(sc.conv, self.ctx, _pick(images, sc),
-                                                                       vids(sc.conv)),
-                                               self.cfg.seq_len)
+            steps, self.lost = self.plan(conv, images, videos)
             samples = []
             for sc in steps:
-                full = render_conversation(sc.conv, self.ctx, _pick(images, sc), vids(sc.conv))
+                full = render_conversation(sc.conv, self.ctx, *_pick(sc, images, videos))
                 sample = truncate_sample(full, self.cfg.seq_len)
                 before = {sc.source_messages[m] for m, _, _ in full.turn_spans}
                 after = {sc.source_messages[m] for m, _, _ in sample.turn_spans}
@@ -105,8 +116,16 @@ class Renderer:
                     sample, id=conv.id if sc.split is None else f"{conv.id}#{sc.split}",
                     source_messages=sc.source_messages, trains=sorted(after), removed_images=sc.removed_images,
                     split=sc.split))
-        except RecordError as e:
+            for s in samples:  # history, split and cut are done: decode and resize what the samples keep, once each
+                for im in s.images:
+                    im.pixels  # made here, so a fault in them rejects the record
+        except Exception as e:
+            fault = self._first_image_fault(conv, images)
+            if fault is None and not isinstance(e, RecordError):
+                raise
             self.turns["turns_lost_rejected"] = len(assistant)
+            if fault is not None:
+                raise fault from None
             if e.reason == "no_trainable_tokens_after_truncation":
                 self._count_large_image_loss(len(assistant))
             raise
@@ -120,6 +139,34 @@ class Renderer:
                                            - self.turns["turns_lost_truncated"] - self.turns["turns_lost_too_long"])
         self._count_large_image_loss(self.turns["turns_lost_truncated"] + self.turns["turns_lost_too_long"])
         return samples
+
+    def plan(self, conv: Conversation, images: list[PreparedImage],
+             videos: dict[int, PreparedVideo]) -> tuple[list[StepConversation], list[int]]:
+        """The conversations to render, one per sample: the whole record with the history policy applied, or, with
+        --long-traces split and a trace longer than --seq-len, the step samples split_trace cuts it into; and the
+        trained turns that fit no sample. Lengths come from the images' grids: no pixel is made here."""
+        def length(sc: StepConversation) -> int:
+            return count_tokens(sc.conv, self.ctx, *_pick(sc, images, videos))
+
+        whole = whole_trace(conv, self.steps)
+        if self.cfg.long_traces == "split" and length(whole) > self.cfg.seq_len:
+            return split_trace(conv, trained_messages(conv, self.ctx.policy), self.steps, length, self.cfg.seq_len)
+        return [whole], []
+
+    def _first_image_fault(self, conv: Conversation, opened: list[PreparedImage]) -> RecordError | None:
+        """The fault of the record's first faulty image, every image decoded up to it: a record that fails is
+        rejected for the reason it had when every image was prepared before anything else. (A fault in the pixel
+        data of an image that no sample keeps does not reject a record that is fine otherwise: it is never decoded.)"""
+        for k, im in enumerate(conv.images):
+            try:
+                if k < len(opened):
+                    opened[k].pixels  # decodes it (once)
+                else:
+                    prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
+                                  min_side=self.cfg.min_image_side)
+            except RecordError as e:
+                return e
+        return None
 
     def _image_tokens(self, image) -> int:
         """Placeholder tokens of one prepared image (0 for families whose count the grid does not give)."""
@@ -149,11 +196,11 @@ class Renderer:
         self.turns = collections.Counter()
         try:
             samples = self.render(raw)
-            outcomes = []
+            outcomes, encoded = [], {}
             for sample in samples:
                 outcomes.append(("ok", encode_sample(sample, key=sample_key(raw.position, sample.split),
                                                      image_format=self.cfg.image_format,
-                                                     zstd_level=self.cfg.zstd_level)))
+                                                     zstd_level=self.cfg.zstd_level, encoded=encoded)))
             outcomes += [("reject", self.lost_turn_entry(raw, i)) for i in self.lost]
             return outcomes, dict(self.turns)
         except RecordError as e:
@@ -163,9 +210,9 @@ class Renderer:
         return [("reject", reject_entry(raw, reason, message))], dict(self.turns)
 
 
-def _pick(images: list, sc) -> list:
-    """The prepared images a step conversation keeps (all of them when sc is None)."""
-    return images if sc is None else [images[k] for k in sc.images]
+def _pick(sc: StepConversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]) -> tuple[list, list]:
+    """The prepared images and videos a step conversation keeps (videos go with their message: keyed by part)."""
+    return [images[k] for k in sc.images], [videos[id(v)] for v in sc.conv.videos]
 
 
 def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:

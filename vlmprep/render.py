@@ -80,6 +80,18 @@ class RenderContext:
         self.parse_arguments = not _prints_string_arguments(processor, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
         self._special_re = _alternation(specials)
+        # Placeholders the processor repeats (an image's <|image_pad|> x N, most of an agent trace's tokens): each a
+        # special token, which the tokenizer splits out before it tokenizes the text around it, so a run of N is N
+        # copies of one id whatever surrounds it. encode() tokenizes each run as one copy and repeats it.
+        repeated = {getattr(processor, a, None) for a in ("image_token", "video_token")} & specials
+        if getattr(tok, "split_special_tokens", False):
+            repeated = set()
+        self._run_tokens = sorted(repeated, key=len, reverse=True)
+        self._run_re = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in self._run_tokens)) if repeated else None
+        probe = "".join(f"a{t * 3} b{t}{t}\n{t}" for t in self._run_tokens)
+        if repeated and not all(np.array_equal(x, y) for x, y in zip(self.encode(probe),
+                                                                    self._tokenize(probe, offsets=True))):
+            self._run_tokens, self._run_re = [], None  # this tokenizer does not split them off: tokenize runs whole
         # A tokenizer that splits at TOKEN_BREAK and drops it (the Llama builtins): the template's break between two
         # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
         self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
@@ -92,6 +104,29 @@ class RenderContext:
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
         mm_params = inspect.signature(processor.create_mm_token_type_ids).parameters
         self._mm_needs_lengths = "batch_image_seq_lengths" in mm_params
+
+    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The token ids of `text` and each token's [start, end) chars (N x 2), exactly as the tokenizer gives them,
+        with its BOS unless the text starts with it. Each run of a repeated placeholder is tokenized as one copy, then
+        repeated (see _run_re)."""
+        short, runs = _shorten_runs(text, self._run_re, self._run_tokens)
+        ids, spans = self._tokenize(short, offsets=True)
+        reps = _copies(runs, spans) if runs else None
+        if reps is None:
+            return (ids, spans) if not runs else self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
+        return np.repeat(ids, reps), _repeat_spans(spans, runs, reps)
+
+    def count(self, text: str) -> int:
+        """len(encode(text)[0]), without offsets."""
+        short, runs = _shorten_runs(text, self._run_re, self._run_tokens)
+        return len(self._tokenize(short, offsets=False)[0]) + sum(k - 1 for _, k, _ in runs)
+
+    def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        bos = self.tokenizer.bos_token
+        enc = self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)),
+                             return_offsets_mapping=offsets)
+        return (np.asarray(enc["input_ids"], dtype=np.int64),
+                np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) if offsets else None)
 
     def slots(self, conv: Conversation) -> list[Slot]:
         """The conversation's text slots (message text, tool calls, reasoning) in the order the template prints them."""
@@ -151,6 +186,49 @@ class RenderContext:
         else:
             out = p.create_mm_token_type_ids([ids.tolist()])[0]
         return np.asarray(out, dtype=np.uint8)
+
+
+def _shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tuple[str, list[tuple[int, int, int]]]:
+    """`text` with each run of a repeated placeholder cut to one copy, and each run's (start in the short text, copies,
+    chars per copy)."""
+    if run_re is None:
+        return text, []
+    pieces, runs, cut, length = [], [], 0, 0
+    for m in run_re.finditer(text):
+        unit = next(len(t) for t in tokens if m.group().startswith(t))
+        pieces.append(text[cut:m.start() + unit])
+        length += len(pieces[-1])
+        runs.append((length - unit, (m.end() - m.start()) // unit, unit))
+        cut = m.end()
+    return ("".join(pieces) + text[cut:], runs) if runs else (text, [])
+
+
+def _copies(runs: list[tuple[int, int, int]], spans: np.ndarray) -> np.ndarray | None:
+    """How many times each token of the short text stands in the text: a run's token its copies, others once; None
+    where a run's copy is not one token of its own (then the shortcut does not apply)."""
+    at = np.array([r[0] for r in runs], dtype=np.int64)
+    first = np.searchsorted(spans[:, 0], at)
+    unit = np.array([r[2] for r in runs], dtype=np.int64)
+    if (first >= len(spans)).any() or not ((spans[first, 0] == at) & (spans[first, 1] == at + unit)).all():
+        return None
+    reps = np.ones(len(spans), dtype=np.int64)
+    reps[first] = [r[1] for r in runs]
+    return reps
+
+
+def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.ndarray) -> np.ndarray:
+    """The short text's token spans -> the text's: each run's copies side by side, every later span moved by the
+    chars the runs add."""
+    at = np.array([r[0] for r in runs], dtype=np.int64)
+    added = np.concatenate([[0], np.cumsum([(k - 1) * u for _, k, u in runs])])
+    moved = spans + added[np.searchsorted(at, spans, side="left")]  # runs that start before each char
+    out = np.repeat(moved, reps, axis=0)
+    where = np.cumsum(reps) - reps
+    for (start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
+        p = where[i]
+        out[p:p + k, 0] = moved[i, 0] + unit * np.arange(k)
+        out[p:p + k, 1] = out[p:p + k, 0] + unit
+    return out
 
 
 def _prints_string_arguments(processor, chat_template: str) -> bool:
@@ -308,11 +386,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
         check_role_markers(ctx, conv, slots, located, rendered)
 
     expanded, offs = _expand_images(ctx, rendered, images, conv, videos)
-    bos = ctx.tokenizer.bos_token
-    enc = ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)),
-                        return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    ids, offsets = ctx.encode(expanded)
     starts, ends = offsets[:, 0], offsets[:, 1]
     image_spans, video_spans, mm_types, in_image = _expansion_spans(ctx, offs, ids, starts, ends)
 
@@ -429,16 +503,32 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
 
 def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
                  videos: list[PreparedVideo] = ()) -> int:
-    """The length render_conversation would give, without locating text or proving masks (for planning splits)."""
-    expanded, _ = _expand_images(ctx, ctx.render_text(ctx.messages(conv), conv.tools), images, conv, videos)
-    bos = ctx.tokenizer.bos_token
-    return len(ctx.tokenizer(expanded, add_special_tokens=not (bos and expanded.startswith(bos)))["input_ids"])
+    """The length render_conversation would give, without locating text or proving masks (for planning splits).
+    Each expansion goes in with its placeholder runs cut to one copy, counted back (see RenderContext._run_re): the
+    long runs are never built, scanned or tokenized."""
+    rendered = ctx.render_text(ctx.messages(conv), conv.tools)
+    image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
+    short = [_shorten_runs(r, ctx._run_re, ctx._run_tokens) for r in image_reps + video_reps]
+    expanded, _ = ctx.processor.get_text_with_replacements(
+        [rendered], images_replacements=[t for t, _ in short[:len(image_reps)]],
+        videos_replacements=[t for t, _ in short[len(image_reps):]])
+    return ctx.count(expanded[0]) + sum(k - 1 for _, runs in short for _, k, _ in runs)
 
 
 def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],
                    conv: Conversation | None = None, videos: list[PreparedVideo] = ()) -> tuple[str, list[dict]]:
     """The rendered text with each image and video placeholder replaced by the processor's own expansion, and the
     offsets."""
+    image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
+    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=image_reps,
+                                                              videos_replacements=video_reps)
+    return expanded[0], (offs[0] if offs else [])
+
+
+def _replacements(ctx: RenderContext, rendered: str, images: list[PreparedImage], conv: Conversation | None,
+                  videos: list[PreparedVideo]) -> tuple[list[str], list[str]]:
+    """The processor's own expansion of each image and video placeholder of the rendered text, once their counts
+    are checked."""
     n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
     if n_placeholders != len(images):
         what = f"template emitted {n_placeholders} image placeholders for {len(images)} images"
@@ -448,10 +538,7 @@ def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage
     if n_videos != len(videos):
         raise RecordError("video_count_mismatch", f"template emitted {n_videos} video placeholders for {len(videos)} "
                                                   "videos; move each video to a user message")
-    replacements = ctx.image_replacements(images, rendered)
-    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=replacements,
-                                                              videos_replacements=ctx.video_replacements(list(videos)))
-    return expanded[0], (offs[0] if offs else [])
+    return ctx.image_replacements(images, rendered), ctx.video_replacements(list(videos))
 
 
 def _dropped_images(ctx: RenderContext, conv: Conversation | None, n_placeholders: int, what: str) -> str | None:

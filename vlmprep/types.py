@@ -3,10 +3,11 @@ RawRecord -> Conversation -> RenderedSample -> ShardSample, plus RecordError for
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -168,15 +169,39 @@ class Conversation:
         return [v for m in self.messages for v in m.videos]
 
 
-@dataclass
 class PreparedImage:
-    """An image resized by the processor's own resize: these exact pixels fix its grid."""
+    """An image as the processor's own resize stores it: these exact pixels (uint8 H x W x 3) fix its grid. The grid,
+    and so the image's tokens, is known from the source's header alone (images.open_image); the pixels are made on
+    first use, once, so an image that no sample keeps is never decoded."""
 
-    pixels: np.ndarray  # uint8 H x W x 3
-    grid_thw: tuple[int, int, int]
-    source: ImageData
-    digest: str  # sha256 of the source bytes; identical images in a sample are stored once
-    source_size: tuple[int, int] = (0, 0)  # (width, height) decoded and upright, before the processor's resize
+    def __init__(self, *, grid_thw: tuple[int, int, int], source: ImageData | None, pixels: np.ndarray | None = None,
+                 load: Callable[[], np.ndarray] | None = None, digest: str | None = None,
+                 source_size: tuple[int, int] = (0, 0)):
+        assert (pixels is None) != (load is None), "a PreparedImage holds its pixels or the way to make them"
+        self.grid_thw = grid_thw
+        self.source = source
+        self.source_size = source_size  # (width, height) upright, before the processor's resize; (0, 0): unknown
+        self._pixels = pixels
+        self._load = load
+        self._digest = digest
+
+    @property
+    def pixels(self) -> np.ndarray:
+        if self._pixels is None:
+            self._pixels = self._load()  # a fault raises here, and again on the next access
+            self._load = None
+        return self._pixels
+
+    @property
+    def loaded(self) -> bool:
+        return self._pixels is not None
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the source bytes (made once): identical images in a sample are stored once."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.source.data).hexdigest()
+        return self._digest
 
 
 @dataclass

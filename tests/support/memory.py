@@ -1,4 +1,4 @@
-"""Peak resident memory of a command and of every process it starts (the main process, the forkserver, pool workers),
+"""Peak resident memory of a command and of every process it starts (the main process, pool workers, a forkserver),
 each one's own VmHWM polled while it lives. Not ru_maxrss: Linux carries that across fork+exec, so a child started
 by a big process (pytest, a benchmark runner) would report its parent's peak."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ProcessPeak:
     pid: int
-    role: str  # main, forkserver, worker (a forkserver's child), resource_tracker, child
+    role: str  # main, worker (forked from main, or a forkserver's child), forkserver, resource_tracker, child
     peak_mb: float  # VmHWM at the last poll, MiB
     rss_file_mb: float  # file-backed pages at that poll (shared libraries: mapped once for every process)
 
@@ -26,7 +26,7 @@ def _status(pid: int) -> dict[str, float]:
         return {}
 
 
-def _role(proc, main_pid: int, roles: dict[int, str]) -> str:
+def _role(proc, main_pid: int, main_cmd: str, roles: dict[int, str]) -> str:
     import psutil
 
     try:
@@ -36,6 +36,8 @@ def _role(proc, main_pid: int, roles: dict[int, str]) -> str:
         return "child"
     if proc.pid == main_pid:
         return "main"
+    if parent == main_pid and cmd == main_cmd:  # forked from main: a pool worker has main's command line
+        return "worker"
     if "resource_tracker" in cmd:
         return "resource_tracker"
     if "forkserver" in cmd:
@@ -63,7 +65,7 @@ def peak_rss(cmd: list[str], *, env: dict | None = None, cwd=None, timeout: floa
                     tree = []
                 for p in tree:
                     if p.pid not in roles:
-                        roles[p.pid] = _role(p, proc.pid, roles)
+                        roles[p.pid] = _role(p, proc.pid, " ".join(cmd), roles)
                     now = _status(p.pid)
                     if now.get("VmHWM") and now["VmHWM"] >= getattr(peaks.get(p.pid), "peak_mb", 0.0):
                         peaks[p.pid] = ProcessPeak(p.pid, roles[p.pid], now["VmHWM"], now.get("RssFile", 0.0))

@@ -598,7 +598,7 @@ def test_file_level_faults_through_a_worker_pool_finish_as_with_one_worker(mode,
             assert (tmp_path / "ds" / shard.name).read_bytes() == shard.read_bytes()
 
 
-@pytest.mark.slow  # ~30 s of CPU: a CLI process, its forkserver and two workers start
+@pytest.mark.slow  # ~15 s of CPU: a CLI process and its two forked workers start
 def test_a_worker_killed_mid_build_fails_the_build_with_one_line(tmp_path, qwen2vl_processor):
     import subprocess
     import sys
@@ -616,8 +616,9 @@ def test_a_worker_killed_mid_build_fails_the_build_with_one_line(tmp_path, qwen2
         killed, deadline_at = None, time.monotonic() + 180
         while killed is None and proc.poll() is None and time.monotonic() < deadline_at:
             if list(out.glob("shard-*.tar")):  # mid-build: a shard is done, records are still in flight
-                # Pool workers are the forkserver's children: the build's grandchildren.
-                workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.ppid() != proc.pid]
+                # Pool workers are forked from the build: its children with its command line.
+                main = psutil.Process(proc.pid)
+                workers = [p for p in main.children() if p.cmdline() == main.cmdline()]
                 if workers:
                     killed = workers[0].pid
                     os.kill(killed, signal.SIGKILL)

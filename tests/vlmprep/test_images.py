@@ -10,7 +10,7 @@ from PIL import Image, ImageFile
 from transformers.image_utils import load_image
 
 from vlmprep.families import FAMILIES
-from vlmprep.images import decode_image, encode_image, prepare_image, stored_ext
+from vlmprep.images import _FAMILY_RESIZE, decode_image, encode_image, prepare_image, stored_ext
 from vlmprep.types import ImageData, RecordError
 
 QWEN2VL = FAMILIES["Qwen2VLProcessor"]
@@ -269,3 +269,116 @@ def test_zstd_delta_stores_real_screenshots_in_fewer_bytes_than_their_png(qwen2v
         new += len(encode_image(prepared, "zstd-delta"))
         old += len(encode_image(prepared, "zstd"))
     assert new <= 1.0 * source and new <= 0.8 * old, (new / source, old / source)
+
+
+def png_chunks(data):
+    """A PNG's chunks as (type, body) pairs."""
+    import struct
+
+    out, pos = [], 8
+    while pos < len(data):
+        n, kind = struct.unpack_from(">I4s", data, pos)
+        out.append((kind, data[pos + 8: pos + 8 + n]))
+        pos += 12 + n
+    return out
+
+
+def png_from_chunks(chunks):
+    import struct
+    import zlib
+
+    return b"\x89PNG\r\n\x1a\n" + b"".join(struct.pack(">I", len(body)) + kind + body
+                                           + struct.pack(">I", zlib.crc32(kind + body)) for kind, body in chunks)
+
+
+def png_with_metadata_after_pixels(kind):
+    """An upright-6 PNG whose orientation chunk follows its pixel data, where PIL reads it only on load."""
+    if kind == b"eXIf":
+        chunks = png_chunks(with_orientation(asymmetric_rgb(), 6, "PNG"))
+        exif = [c for c in chunks if c[0] == b"eXIf"]
+        rest = [c for c in chunks if c[0] != b"eXIf"]
+        return png_from_chunks(rest[:-1] + exif + rest[-1:])
+    chunks = png_chunks(save(asymmetric_rgb()))
+    xmp = b'XML:com.adobe.xmp\x00\x00\x00\x00\x00<x:xmpmeta><tiff:Orientation>6</tiff:Orientation></x:xmpmeta>'
+    return png_from_chunks(chunks[:-1] + [(b"iTXt", xmp)] + chunks[-1:])
+
+
+def xmp_oriented_png():
+    chunks = png_chunks(save(asymmetric_rgb()))
+    xmp = b'XML:com.adobe.xmp\x00\x00\x00\x00\x00<x:xmpmeta tiff:Orientation="8"/>'
+    return png_from_chunks(chunks[:1] + [(b"iTXt", xmp)] + chunks[1:])
+
+
+HEADER_CASES = {
+    **{f"jpeg-exif{o}": with_orientation(asymmetric_rgb(), o) for o in range(1, 9)},
+    "png-exif6": with_orientation(asymmetric_rgb(), 6, "PNG"),
+    "png-xmp8": xmp_oriented_png(),
+    "webp-exif5": with_orientation(asymmetric_rgb(), 5, "WEBP"),
+    "png": save(asymmetric_rgb()),
+    "gray16-png": save(gray16_gradient()[0]),
+    "rgba-png": save(half_transparent_rgba()),
+    "palette-png": save(palette_with_transparency()),
+    "mpo": save(asymmetric_rgb(), "MPO", save_all=True, append_images=[Image.new("RGB", (30, 20))]),
+}
+DECODE_CASES = {  # the header cannot tell: decoded to know
+    "png-exif6-after-pixels": png_with_metadata_after_pixels(b"eXIf"),
+    "png-xmp6-after-pixels": png_with_metadata_after_pixels(b"iTXt"),
+    "gif": save(asymmetric_rgb(), "GIF"),
+    "tiff": save(asymmetric_rgb(), "TIFF"),
+    "bmp": save(asymmetric_rgb(), "BMP"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEADER_CASES) + list(DECODE_CASES))
+def test_the_header_gives_the_upright_size_decoding_gives_or_says_it_cannot(name, qwen2vl_processor):
+    from vlmprep.images import open_image, upright_size
+
+    data = HEADER_CASES.get(name) or DECODE_CASES[name]
+    img = ImageData(data, name)
+    decoded = decode_image(img, max_pixels=10**8).size
+    size = upright_size(img, max_pixels=10**8)
+    assert size == (decoded if name in HEADER_CASES else None)
+    opened = open_image(img, qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert opened.loaded == (name in DECODE_CASES)  # decoded now only where the header cannot tell
+    prepared = prepare_image(img, qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert opened.grid_thw == prepared.grid_thw
+    np.testing.assert_array_equal(opened.pixels, prepared.pixels)
+    if "after-pixels" in name:
+        assert decoded == (60, 92)  # the orientation after the pixels does apply
+
+
+@pytest.mark.parametrize("name", ["glm-4.1v", "gemma3", "mistral3-pixtral", "llava-onevision"])
+def test_the_header_grid_is_the_processors_own_resize_in_every_image_mode(name):
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep.families import resolve_family
+    from vlmprep.images import open_image
+
+    processor = load_family_processor(name)
+    family = resolve_family(processor)
+    ip = processor.image_processor
+    rng = np.random.default_rng(0)
+    for w, h in [(92, 60), (1280, 720), (28, 3000)]:
+        img = ImageData(save(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))), "x")
+        opened = open_image(img, processor, family, max_pixels=10**8)
+        prepared = prepare_image(img, processor, family, max_pixels=10**8)
+        assert not opened.loaded and opened.grid_thw == prepared.grid_thw, family.image_mode
+        np.testing.assert_array_equal(opened.pixels, prepared.pixels)
+        # The channels-last view resizes to the values of the processor's own process_image (contiguous C x H x W).
+        own = _FAMILY_RESIZE[family.image_mode](processor, ip, ip.process_image(decode_image(img, max_pixels=10**8),
+                                                                               do_convert_rgb=True))
+        np.testing.assert_array_equal(prepared.pixels, own.permute(1, 2, 0).numpy())
+
+
+def test_header_faults_raise_on_open_and_pixel_faults_on_first_use(qwen2vl_processor):
+    from vlmprep.images import open_image
+
+    with pytest.raises(RecordError) as e:
+        open_image(ImageData(save(asymmetric_rgb(2000, 8)), "thin"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    assert e.value.reason == "bad_aspect_ratio"
+    assert e.value.message.startswith("image 2000x8: absolute aspect ratio must be smaller than 200")
+    cut = save(asymmetric_rgb(300, 200))[:300]
+    opened = open_image(ImageData(cut, "cut.png"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
+    for _ in range(2):  # a fault is raised on every use, never cached as pixels
+        with pytest.raises(RecordError) as e:
+            opened.pixels
+        assert e.value.reason == "corrupt_image"

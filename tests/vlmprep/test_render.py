@@ -190,3 +190,51 @@ def test_responses_and_anthropic_parts_render_as_the_processor_renders_plain_par
     np.testing.assert_array_equal(s.image_grid_thw, ref["image_grid_thw"])
     assert [r[2] for r in trained_runs(s, tok)] == ["A blue square.<|im_end|>", "I can't delete files.<|im_end|>"]
     np.testing.assert_array_equal(s.images[0].pixels, s.images[1].pixels)  # Anthropic base64 == the data URI
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v", "llama4"])
+def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_ids_and_offsets(name):
+    """Most tokens of an image-heavy sample are one placeholder repeated; RenderContext.encode tokenizes each run as
+    one copy and repeats it. Ids and char offsets equal the tokenizer's own on the whole text, for any text around."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from tests.support.tiny_processors import load_family_processor
+
+    processor = load_family_processor(name)
+    ctx = RenderContext(processor)
+    tok = processor.tokenizer
+    pads = [t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t]
+    text = st.lists(st.sampled_from(list("ab \n\u00e9\u4e2d<|>") + ["<|im_end|>", "[IMG]", "<|patch|>"]),
+                    max_size=12).map("".join)
+    pieces = st.lists(st.one_of(text, st.builds(lambda t, k: t * k, st.sampled_from(pads), st.integers(1, 40))),
+                      max_size=8)
+
+    @given(pieces, st.booleans())
+    def check(parts, bos_first):
+        s = ((tok.bos_token or "") if bos_first else "") + "".join(parts)
+        bos = tok.bos_token
+        want = tok(s, add_special_tokens=not (bos and s.startswith(bos)), return_offsets_mapping=True)
+        ids, spans = ctx.encode(s)
+        assert ids.tolist() == want["input_ids"]
+        assert spans.tolist() == [list(o) for o in want["offset_mapping"]]
+        assert ctx.count(s) == len(want["input_ids"])
+
+    assert ctx._run_re is not None  # the shortcut is on for this tokenizer
+    check()
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v"])
+def test_count_tokens_is_the_rendered_length(name):
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep.render import count_tokens
+
+    processor = load_family_processor(name)
+    rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"},
+                                                     {"type": "image_url", "image_url": {"url": png(56, 84, (1, 2, 3))}},
+                                                     {"type": "image_url", "image_url": {"url": png(140, 28, (9, 2, 3))}}]},
+                        {"role": "assistant", "content": "Two pictures."}]}
+    conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
+    ctx = RenderContext(processor)
+    images = [prepare_image(im, processor, ctx.family, max_pixels=10**8) for im in conv.images]
+    assert count_tokens(conv, ctx, images) == len(render_conversation(conv, ctx, images).input_ids)

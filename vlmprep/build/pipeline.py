@@ -147,8 +147,8 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
             raise PlanError(f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "
                             f"options (or just `--out {out} --task-index N`), or plan into a fresh --out dir")
         return old, None
-    if cfg.executor == "local":
-        start_worker_server(cfg.workers)  # worker imports overlap the processor load and the input scan
+    if cfg.executor == "local" and cfg.tasks > 1:  # a single task's workers fork from this process instead
+        start_worker_server(cfg.workers)  # task processes' imports overlap the processor load and the input scan
     processor = load_processor(cfg.processor)
     renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
     out.mkdir(parents=True, exist_ok=True)

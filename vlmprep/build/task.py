@@ -22,7 +22,7 @@ from vlmprep.build.owner import own_task
 from vlmprep.build.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.build.progress import record_progress
 from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject, input_totals
-from vlmprep.build.workers import BuildError, cached_renderer, ordered_results
+from vlmprep.build.workers import BuildError, cached_renderer, ordered_results, record_workers
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 from vlmprep.shards.dataset import (TASKS_DIR, TMP_SUFFIX, TaskFiles, load_task_manifest, task_file, write_json_atomic,
@@ -135,14 +135,16 @@ def _task_records(plan: dict, index: int, cfg: BuildConfig, journal: Journal) ->
 
 
 def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, cfg: BuildConfig,
-                   processor_dir: Path, renderer: Renderer) -> None:
+                   renderer: Renderer) -> None:
     """Records -> shards and partial rejects, checkpointing the journal whenever a shard closes."""
     totals = state.totals
     t0 = time.monotonic()
-    with open(state.files.partial_rejects, "a", encoding="utf-8") as rej, record_progress(cfg) as progress:
+    # The workers fork first: before the progress bar's thread starts (record_workers).
+    with (record_workers(cfg, renderer) as pool, open(state.files.partial_rejects, "a", encoding="utf-8") as rej,
+          record_progress(cfg) as progress):
         bar = progress.add_task("build", total=n, rate=0.0, samples=totals["samples"],
                                 rejects=totals["rejected"], completed=totals["records"])
-        for pos, (outcomes, turns) in ordered_results(cfg, records, processor_dir, renderer):
+        for pos, (outcomes, turns) in ordered_results(cfg, records, renderer, pool):
             if state.land(pos, outcomes, turns, rej, strict=cfg.strict):
                 # a shard closed inside this record: the journal's durable point is the record's end
                 state.writer.finish_shard()
@@ -202,5 +204,5 @@ def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, rend
     journal = _start_or_resume(files, {"plan": digest, "task": index})
     state = _resume_state(files, journal, cfg, plan)
     _write_records(state, _task_records(plan, index, cfg, journal), plan["cuts"][index]["records"], cfg=cfg,
-                   processor_dir=processor_dir, renderer=renderer)
+                   renderer=renderer)
     return _finish_task(state, plan, digest)

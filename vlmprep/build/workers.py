@@ -1,5 +1,6 @@
-"""The worker pool of a task: RawRecord -> (outcomes, turn accounting) in forkserver processes, each with a Renderer
-over the dataset's saved processor, results handed back in input order (so the output never depends on --workers).
+"""The worker pools of a build: a task's records -> (outcomes, turn accounting) in processes forked from the task's
+process once its Renderer is loaded, results handed back in input order (so the output never depends on --workers);
+and the tasks of a local plan in forkserver processes, each loading the dataset's saved processor.
 """
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import collections
 import contextlib
 import json
 import multiprocessing as mp
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -24,9 +26,8 @@ class BuildError(UserError):
 
 _RENDERER: Renderer | None = None
 _CACHED: tuple[tuple, Renderer] | None = None
-# Most of a worker's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Workers fork from
-# a forkserver that imported them once, instead of each spawned worker importing them again. Forking the server is
-# safe where forking the build process is not: it never ran torch, tokenizers or jinja, it only imported them.
+# Most of a task process's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Task
+# processes fork from a forkserver that imported them once, instead of each spawned one importing them again.
 _WORKER_PRELOAD = ["vlmprep.build.workers", "vlmprep.images", "torch", "torchvision",
                    "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
 
@@ -40,7 +41,7 @@ def worker_context():
 
 
 def start_worker_server(workers: int) -> None:
-    """With several worker processes, start the forkserver's imports now, in the background, so they overlap the main
+    """With several task processes, start the forkserver's imports now, in the background, so they overlap the main
     process's own set-up (load + save the processor, scan the plan) instead of following it. Does not wait."""
     if workers > 1:
         from multiprocessing import forkserver
@@ -68,9 +69,12 @@ def cached_renderer(cfg: BuildConfig, processor_dir: Path) -> Renderer:
     return _CACHED[1]
 
 
-def _init_worker(cfg: BuildConfig, processor_dir: str) -> None:
+def _init_worker(renderer: Renderer) -> None:
+    import torch
+
     global _RENDERER
-    _RENDERER = renderer_from_saved(cfg, processor_dir)
+    torch.set_num_threads(1)  # one core per worker: N workers scale instead of oversubscribing
+    _RENDERER = renderer
 
 
 def process_record(raw: RawRecord):
@@ -79,12 +83,30 @@ def process_record(raw: RawRecord):
 
 
 @contextlib.contextmanager
-def worker_pool(workers: int, **kw) -> Iterator[ProcessPoolExecutor]:
-    """`workers` forkserver processes. Unlike multiprocessing.Pool (which silently replaces a dead worker and waits
-    forever for its task), the executor fails every pending future with BrokenProcessPool when a worker dies
-    (killed, out of memory, crashed) or a result cannot be read. Leaving early (an error, --strict) stops the
-    workers instead of waiting for their work."""
-    pool = ProcessPoolExecutor(workers, mp_context=worker_context(), **kw)
+def record_workers(cfg: BuildConfig, renderer: Renderer) -> Iterator[ProcessPoolExecutor | None]:
+    """cfg.workers processes forked from this one, each with its own copy of `renderer` (None for one worker: records
+    are then rendered in this process). Forked after the processor is loaded, a worker is ready at once: no imports,
+    no processor load (those cost ~3 s and ~8 s of CPU per worker, while this process waited). Forking is safe here
+    on the terms PyTorch's DataLoader workers rely on: a worker keeps one torch thread, and this process starts no
+    thread of its own before the fork (the pool forks every worker at its first task, before its manager thread;
+    callers open it before the progress bar). Tokenizers' thread pool cannot cross a fork, so it is turned off first
+    (its single-text encode does not use it)."""
+    if cfg.workers == 1:
+        yield None
+        return
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with worker_pool(cfg.workers, fork=True, initializer=_init_worker, initargs=(renderer,)) as pool:
+        pool.submit(int)  # forks every worker now
+        yield pool
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, *, fork: bool = False, **kw) -> Iterator[ProcessPoolExecutor]:
+    """`workers` processes, forked from this one or from the forkserver. Unlike multiprocessing.Pool (which silently
+    replaces a dead worker and waits forever for its task), the executor fails every pending future with
+    BrokenProcessPool when a worker dies (killed, out of memory, crashed) or a result cannot be read. Leaving early
+    (an error, --strict) stops the workers instead of waiting for their work."""
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork") if fork else worker_context(), **kw)
     try:
         yield pool
     except BaseException:
@@ -104,25 +126,25 @@ def pool_failure(e: BrokenProcessPool, where: str) -> str:
             "or with --workers 1 to see the record in this process")
 
 
-def ordered_results(cfg: BuildConfig, records, processor_dir: Path, renderer: Renderer):
-    """Yield (position, result) in input order with a bounded read-ahead window (constant memory)."""
-    if cfg.workers == 1:  # in-process, reusing the loaded processor: one copy of the tokenizer in memory
+def ordered_results(cfg: BuildConfig, records, renderer: Renderer, pool: ProcessPoolExecutor | None):
+    """Yield (position, result) in input order with a bounded read-ahead window (constant memory); pool: the
+    record_workers of cfg and renderer."""
+    if pool is None:  # in-process, reusing the loaded processor: one copy of the tokenizer in memory
         for raw in records:
             yield raw.position, renderer.process(raw)
         return
     window: collections.deque = collections.deque()  # (position, source, future), oldest first
-    with worker_pool(cfg.workers, initializer=_init_worker, initargs=(cfg, str(processor_dir))) as pool:
-        try:
-            for raw in records:
-                window.append((raw.position, raw.source, pool.submit(process_record, raw)))
-                if len(window) >= cfg.workers * 4:
-                    yield window[0][0], window[0][2].result()
-                    window.popleft()
-            while window:
+    try:
+        for raw in records:
+            window.append((raw.position, raw.source, pool.submit(process_record, raw)))
+            if len(window) >= cfg.workers * 4:
                 yield window[0][0], window[0][2].result()
                 window.popleft()
-        except BrokenProcessPool as e:
-            src = window[0][1] if window else None
-            where = f"rendering the records from {src.file}:{src.line} on" if src else "rendering records"
-            raise BuildError(pool_failure(e, where)) from None
+        while window:
+            yield window[0][0], window[0][2].result()
+            window.popleft()
+    except BrokenProcessPool as e:
+        src = window[0][1] if window else None
+        where = f"rendering the records from {src.file}:{src.line} on" if src else "rendering records"
+        raise BuildError(pool_failure(e, where)) from None
 

@@ -27,18 +27,24 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int) -> ShardSample:
+def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int,
+                  encoded: dict[str, bytes] | None = None) -> ShardSample:
     """A RenderedSample -> its shard members (ShardSample): the token arrays as .npy, each distinct image once
-    (encoded per --image-format: zstd-compressed resized pixels, png, webp, or the source bytes for original) with an
-    index from occurrence to stored image, video frames, and the meta JSON. Trade-off: storing processor-resized
-    pixels (zstd) makes shards larger than source bytes but leaves the trainer no image decode or resize to repeat."""
+    (encoded per --image-format: zstd-delta or zstd of the resized pixels, png, webp, or the source bytes for
+    original) with an index from occurrence to stored image, video frames, and the meta JSON. `encoded`: stored image
+    bytes by source digest, shared by the samples of one record, so an image that several step samples hold is
+    encoded once. Trade-off: storing processor-resized pixels makes shards about the source bytes in size (zstd-delta)
+    but leaves the trainer no image decode or resize to repeat."""
+    encoded = {} if encoded is None else encoded
     images_meta, image_index, image_members = [], [], {}
     unique: dict[str, str] = {}  # source digest -> member name
     for im in sample.images:
         name = unique.get(im.digest)
         if name is None:  # identical images within a sample are stored once
             name = unique[im.digest] = image_member_name(len(unique), stored_ext(image_format, im))
-            image_members[name] = encode_image(im, image_format, zstd_level=zstd_level)
+            if im.digest not in encoded:
+                encoded[im.digest] = encode_image(im, image_format, zstd_level=zstd_level)
+            image_members[name] = encoded[im.digest]
         image_index.append(list(unique).index(im.digest))
         images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
                             "grid_thw": [int(x) for x in im.grid_thw]})
@@ -100,6 +106,17 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
                        num_images=len(sample.images), meta=meta)
 
 
+def _member_header(name: str, size: int) -> bytes:
+    """The tar header block of one member, fixed metadata: same input + config gives byte-identical tars."""
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = 0
+    ti.mode = 0o644
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    return ti.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")  # tarfile.open's own defaults
+
+
 class _HashingFile:
     """Write-through file wrapper: the sha256 is known when the tar closes, no second read."""
 
@@ -145,7 +162,6 @@ class ShardWriter:
         self.shard_size_bytes = shard_size_bytes
         self.shards: list[ShardInfo] = list(done or [])  # shards a resumed build already completed
         self.index = len(self.shards)
-        self._tar = None
         self._file = None
         self._hf: _HashingFile | None = None
         self._info: ShardInfo | None = None
@@ -154,20 +170,18 @@ class ShardWriter:
         self._info = ShardInfo(name=f"{self.prefix}{self.index:06d}.tar")
         self._file = open(self.out_dir / (self._info.name + TMP_SUFFIX), "wb")
         self._hf = _HashingFile(self._file)
-        self._tar = tarfile.open(fileobj=self._hf, mode="w", format=tarfile.USTAR_FORMAT)
 
     def write(self, sample: ShardSample) -> bool:
         """Add one sample; True when this completed (closed and renamed) a shard."""
-        if self._tar is None:
+        if self._hf is None:
             self._open()
         for ext, data in sample.members.items():
-            ti = tarfile.TarInfo(f"{sample.key}.{ext}")
-            ti.size = len(data)
-            ti.mtime = 0  # fixed metadata: same input + config gives byte-identical tars
-            ti.mode = 0o644
-            ti.uid = ti.gid = 0
-            ti.uname = ti.gname = ""
-            self._tar.addfile(ti, io.BytesIO(data))
+            # What tarfile's addfile writes (header block, data, zeros to a whole block), without its copy of the data
+            # through a file object in 16 KiB pieces.
+            self._hf.write(_member_header(f"{sample.key}.{ext}", len(data)))
+            self._hf.write(data)
+            if len(data) % tarfile.BLOCKSIZE:
+                self._hf.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
         info = self._info
         info.num_samples += 1
         info.num_tokens += sample.num_tokens
@@ -179,9 +193,11 @@ class ShardWriter:
 
     def finish_shard(self) -> bool:
         """Closes the open shard (fsynced, renamed into place) and records it; False when none is open."""
-        if self._tar is None:
+        if self._hf is None:
             return False
-        self._tar.close()
+        # tarfile's close: two zero blocks end the archive, then zeros up to a whole record
+        end = self._hf.n + 2 * tarfile.BLOCKSIZE
+        self._hf.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE + (-end) % tarfile.RECORDSIZE))
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -191,7 +207,7 @@ class ShardWriter:
         os.replace(self.out_dir / (info.name + TMP_SUFFIX), self.out_dir / info.name)
         self.shards.append(info)
         self.index += 1
-        self._tar = self._file = self._hf = self._info = None
+        self._file = self._hf = self._info = None
         return True
 
     def close(self) -> list[ShardInfo]:

@@ -1,10 +1,13 @@
 """renderer_from_saved: a worker made ready from the dataset's saved processor dir alone renders byte-identically to
-the main process, with --chat-template and --max-pixels carried by the saved copy (the template file is gone)."""
+the main process, with --chat-template and --max-pixels carried by the saved copy (the template file is gone); pool
+workers are forked ready, with the Renderer their task process loaded."""
+import dataclasses
+import os
 import shutil
 from pathlib import Path
 
-from vlmprep.config import BuildConfig
 from vlmprep.build.workers import renderer_from_saved
+from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import iter_records
@@ -36,3 +39,25 @@ def test_worker_renderer_from_saved_dir_is_byte_identical_without_the_template_f
         assert got == expected, f"record {raw.position}"
         n_ok += sum(status == "ok" and s.num_images > 0 for status, s in expected[0])
     assert n_ok >= 3, "the check needs rendered samples with images"
+
+
+def _renderer_and_parent():
+    from vlmprep.build import workers
+
+    return id(workers._RENDERER), getattr(workers._RENDERER, "marked", None), os.getppid(), os.getpid()
+
+
+def test_pool_workers_are_forked_ready_with_the_loaded_renderer(tmp_path):
+    """--workers N: each worker is forked from the process that loaded the Renderer and renders with its copy of it,
+    so a worker neither imports nor loads a processor (the 3 s + 8 s a worker used to spend before its first record);
+    the output equals one worker's (tests/vlmprep/build/test_build.py)."""
+    from vlmprep.build.workers import record_workers
+
+    cfg = BuildConfig(inputs=("x.jsonl",), out=str(tmp_path / "out"), progress=False, workers=2)
+    renderer = Renderer(cfg, load_processor("builtin:qwen2-vl"))
+    renderer.marked = "loaded here"
+    with record_workers(cfg, renderer) as pool:
+        got = {f.result() for f in [pool.submit(_renderer_and_parent) for _ in range(8)]}
+    assert {(r, m, parent) for r, m, parent, _ in got} == {(id(renderer), "loaded here", os.getpid())}
+    with record_workers(dataclasses.replace(cfg, workers=1), renderer) as pool:
+        assert pool is None  # one worker: records render in this process
