@@ -124,7 +124,7 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
             steps.append((sc.conv, [imgs[k] for k in sc.images]))
     for _, imgs in steps:
         for im in imgs:
-            im.pixels  # made before the timing: render reads only their grids, and this stage is not about them
+            _ = im.pixels  # made before the timing: render reads only their grids, and this stage is not about them
     tokens = sum(s.num_tokens_before_truncation for s in samples)
     expanded = [_expand_images(ctx, ctx.render_text(ctx.messages(sc), sc.tools), imgs, sc)[0] for sc, imgs in steps]
     shorts = [_shorten_runs(t, ctx._run_re, ctx._run_tokens)[0] for t in expanded]

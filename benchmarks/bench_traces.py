@@ -48,12 +48,12 @@ def keep_images_cost(inp, *, seq_len: int) -> list[dict]:
     for keep in (None, 3):
         decoded, encoded = collections.Counter(), collections.Counter()
 
-        def counting_decode(img, **kw):
-            decoded[img.data] += 1
+        def counting_decode(img, _count=decoded, **kw):
+            _count[img.data] += 1
             return decode(img, **kw)
 
-        def counting_encode(image, *a, **kw):
-            encoded[image.source.data] += 1
+        def counting_encode(image, *a, _count=encoded, **kw):
+            _count[image.source.data] += 1
             return encode(image, *a, **kw)
 
         images.decode_image, writer.encode_image = counting_decode, counting_encode

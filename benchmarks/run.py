@@ -31,8 +31,8 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order", "traces",
-           "scale", "video")
+BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order",
+           "traces", "scale", "video")
 
 
 def main(argv: list[str] | None = None) -> None:

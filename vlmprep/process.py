@@ -118,7 +118,7 @@ class Renderer:
                     split=sc.split))
             for s in samples:  # history, split and cut are done: decode and resize what the samples keep, once each
                 for im in s.images:
-                    im.pixels  # made here, so a fault in them rejects the record
+                    _ = im.pixels  # made here, so a fault in them rejects the record
         except Exception as e:
             fault = self._first_image_fault(conv, images)
             if fault is None and not isinstance(e, RecordError):
@@ -160,7 +160,7 @@ class Renderer:
         for k, im in enumerate(conv.images):
             try:
                 if k < len(opened):
-                    opened[k].pixels  # decodes it (once)
+                    _ = opened[k].pixels  # decodes it (once)
                 else:
                     prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                   min_side=self.cfg.min_image_side)

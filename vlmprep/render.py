@@ -224,7 +224,7 @@ def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.
     moved = spans + added[np.searchsorted(at, spans, side="left")]  # runs that start before each char
     out = np.repeat(moved, reps, axis=0)
     where = np.cumsum(reps) - reps
-    for (start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
+    for (_start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
         p = where[i]
         out[p:p + k, 0] = moved[i, 0] + unit * np.arange(k)
         out[p:p + k, 1] = out[p:p + k, 0] + unit

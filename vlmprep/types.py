@@ -187,6 +187,7 @@ class PreparedImage:
 
     @property
     def pixels(self) -> np.ndarray:
+        """The resized pixels, decoded on first access (a fault raises a RecordError here, on every access)."""
         if self._pixels is None:
             self._pixels = self._load()  # a fault raises here, and again on the next access
             self._load = None
@@ -194,6 +195,7 @@ class PreparedImage:
 
     @property
     def loaded(self) -> bool:
+        """Whether the pixels were decoded (a counter of the work done, for tests and benchmarks)."""
         return self._pixels is not None
 
     @property

@@ -380,5 +380,5 @@ def test_header_faults_raise_on_open_and_pixel_faults_on_first_use(qwen2vl_proce
     opened = open_image(ImageData(cut, "cut.png"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
     for _ in range(2):  # a fault is raised on every use, never cached as pixels
         with pytest.raises(RecordError) as e:
-            opened.pixels
+            _ = opened.pixels
         assert e.value.reason == "corrupt_image"
