@@ -30,7 +30,7 @@ from trainer.evaluate import EvalSet, eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
 from trainer.pack import check_packing, empty_state
-from trainer.rundata import RunData, log_plans, make_loader, open_data
+from trainer.rundata import RunData, fit_span, log_plans, make_loader, open_data
 from trainer.shards import DataError
 from trainer.vision import Patchifier
 
@@ -283,6 +283,7 @@ def run(cfg: TrainConfig) -> dict | None:
     loader = log = None
     try:
         data = open_data(cfg, world)
+        cfg = fit_span(cfg, data, world)  # under --shard-cache-limit: shuffle blocks that fit the cache
         datasets, spec = data.datasets, data.image
         start_run(cfg, data, rank=rank, world=world, out=out)
         net = make_model(cfg, data, rank=rank)

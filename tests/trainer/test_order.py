@@ -272,21 +272,34 @@ def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(datas
     assert [[m[k] for k in keys] for m in got] == [[m[k] for k in keys] for m in ref]  # bit-exact
 
 
-def test_pipe_shards_are_copied_once_and_read_like_local_ones(dataset, image_spec, tmp_path):
-    """Random access needs a local file: a pipe: shard is copied into the cache (once), and the schedule and the
-    samples equal those of the local shards."""
+def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset, image_spec, tmp_path):
+    """A pipe: shard has no manifest, so no sample index: it is indexed by streaming its tar once (nothing stored);
+    the shard cache copies it when the schedule reads it (once: another epoch reuses the copy), and the schedule
+    and the samples equal those of the local shards."""
+    from trainer.cache import ShardCache
     from trainer.config import DataSpec
     from trainer.rundata import rank_sources
 
     local = resolve_data(str(dataset))
     piped = resolve_data(f"pipe:cat {dataset}/shard-{{000000..000004}}.tar")
     cache = tmp_path / "cache"
-    srcs = [rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1, cache=cache)
-            for d in (local, piped)]
-    assert len(list(cache.iterdir())) == 5 and all(ix.path.startswith(str(cache)) for ix in srcs[1][0].indexes)
-    mtimes = sorted(p.stat().st_mtime_ns for p in cache.iterdir())
-    rank_sources((DataSpec(path="x"),), [piped], [plan_shards(piped.shards, 1)], rank=0, world=1, cache=cache)
-    assert sorted(p.stat().st_mtime_ns for p in cache.iterdir()) == mtimes  # not fetched again
+    srcs, derived = zip(*[rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1,
+                                       cache=cache) for d in (local, piped)])
+    assert derived == (0, 5) and not cache.exists()  # the local shards' sidecars; nothing copied yet
     orders = [schedule(s, seed=2, epoch=1, shuffle=True, shuffle_shards=True, span=0) for s in srcs]
-    reads = [[s.id for s in ScheduledStream(src, order, start=0, spec=image_spec)] for src, order in zip(srcs, orders)]
-    assert reads[0] == reads[1] and len(reads[0]) == 18
+    shard_cache = ShardCache(srcs[1], cache)
+
+    def read(src, order, view=None):
+        return [s.id for s in ScheduledStream(src, order, start=0, spec=image_spec, cache=view)]
+
+    try:
+        shard_cache.begin(orders[1], 0, 0)
+        assert read(srcs[0], orders[0]) == read(srcs[1], orders[1], shard_cache.view)
+        copies = sorted(cache.glob("*.tar"))
+        assert len(copies) == 5 and len(read(srcs[0], orders[0])) == 18
+        mtimes = [p.stat().st_mtime_ns for p in copies]
+        shard_cache.begin(orders[1], 0, 0)
+        read(srcs[1], orders[1], shard_cache.view)
+        assert [p.stat().st_mtime_ns for p in copies] == mtimes and shard_cache.fetched == 5  # not fetched again
+    finally:
+        shard_cache.close()
