@@ -112,6 +112,7 @@ class ShardCache:
         self._stop = threading.Event()
         self.error: DataError | None = None
         self.fetched = self.evicted = 0
+        self.fetch_order: list[int] = []  # shards (flat ids) in the order fetches started
         self.first_ready_s: float | None = None  # seconds from begin() until the first shard was local
 
     @property
@@ -226,6 +227,7 @@ class ShardCache:
                         held[j] = last[i]
                         if int(v.state[j]) != READY:
                             inflight[pool.submit(self._fetch, j)] = j
+                            self.fetch_order.append(j)
                     ahead += first[i] > pos
                     i += 1
                 if inflight:

@@ -82,7 +82,9 @@ def _load_manifest(base: str) -> dict:
         raise DataError(str(e)) from None
     try:
         manifest = json.loads(_read_url(url))
-    except (OSError, ValueError, RecursionError, DataError) as e:
+    except DataError:
+        raise
+    except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"cannot read {url}: {e or type(e).__name__}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:

@@ -38,6 +38,8 @@ def _fs(url: str):
 
 
 def _fail(url: str, what: str, e: BaseException) -> StorageError:
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"cannot {what} {url}: no such file or object")
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return StorageError(f"cannot {what} {url}: {text[:300]}")
 

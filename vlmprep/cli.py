@@ -139,7 +139,10 @@ def merge(
                                "records is rejected; 1 = never.")] = 0.05,
     allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
 ) -> None:
-    """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs)."""
+    """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs).
+
+    Reads every sample's line of the tasks' sample lists (ids repeated across tasks are rejected here), not the
+    shards: time grows with the sample count (docs/scale.md)."""
     from vlmprep.build.merge import merge_tasks
     from vlmprep.build.pipeline import RejectsError, check_rejects
     from vlmprep.shards.summary import format_build_summary
@@ -161,7 +164,10 @@ def verify(
     quick: Annotated[bool, typer.Option(
         help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
 ) -> None:
-    """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation."""
+    """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation.
+
+    Reads every sample (every byte of every shard for the sha256s, --quick included): time grows with the dataset's
+    size (docs/scale.md)."""
     from vlmprep.tools.verify import verify_dataset
 
     violations = verify_dataset(root, deep=not quick)
@@ -179,8 +185,9 @@ def inspect(
     path: Annotated[str, typer.Argument(
         help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
     index: Annotated[Optional[int], typer.Option(
-        help="The record at this 0-based input position (= its shard key).")] = None,
-    sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id.")] = None,
+        help="The record at this 0-based input position (= its shard key); found through the sample index.")] = None,
+    sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id; found through the sample "
+                                                                  "index, reading only that sample.")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Only this shard of a built dir, e.g. shard-000001.")] = None,
     limit: Annotated[int, typer.Option(help="Show at most this many samples (or rejects).")] = 3,
     only: Annotated[Optional[str], typer.Option(
@@ -193,7 +200,10 @@ def inspect(
                                                      "options.")] = None,
     **opts,
 ) -> None:
-    """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""
+    """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts.
+
+    --id and --index find their samples through the shards' sample index (reading the index files, not the samples);
+    a dataset built without one, and --only truncated, read every sample's meta until --limit is reached."""
     from vlmprep.tools.inspector import InspectConfig, run_inspect
 
     try:
@@ -211,7 +221,10 @@ def stats(
     root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
 ) -> None:
-    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects."""
+    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects.
+
+    Reads every sample's arrays and meta (counts recomputed and checked against the manifest): time grows with the
+    sample count (docs/scale.md)."""
     import json
 
     from vlmprep.tools.stats import compute_stats, format_stats

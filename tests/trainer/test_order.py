@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tests.trainer.conftest import build_dataset, read_metrics, run_trainer, trainer_cmd, trainer_env
+from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
 from trainer.collate import CollateSpec
 from trainer.data import ScheduledStream, StepLoader, sample_loader
 from trainer.index import ShardIndex, index_shard, read_indexed
@@ -231,13 +231,7 @@ def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_fra
 
 @pytest.mark.slow  # two 200-step runs (one killed and resumed): ~6 min on 2 cores
 def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(dataset, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import time
-
     from scripts.demo_traces import write_traces
-    from tests.trainer.conftest import ROOT
 
     traces = tmp_path / "other.jsonl.zst"
     write_traces(traces, n=12, seed=7, min_images=1, max_images=2, width=192, height=160, overlong_fraction=0.0,
@@ -253,17 +247,7 @@ def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(datas
     assert abs(agent - 0.7) <= 0.02, agent
 
     out = tmp_path / "killed"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(trainer_cmd([*args, "--out", out, "--num-workers", 1], 1), cwd=ROOT,
-                                env=trainer_env(), stdout=log, stderr=log, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while not (out / "metrics.jsonl").is_file() or len(read_metrics(out)) < 120:
-                assert proc.poll() is None and time.monotonic() < deadline, "trainer ended before it could be killed"
-                time.sleep(0.1)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    kill_at_step([*args, "--num-workers", 1], out, 120, tmp_path / "killed.log")
     assert (out / "checkpoints" / "step-00000100").is_dir() and not (out / "checkpoints" / "step-00000150").exists()
     proc = run_trainer([*args, "--out", out, "--num-workers", 3], timeout=900)
     assert "resumed from" in proc.stderr
