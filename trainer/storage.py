@@ -13,8 +13,9 @@ from vlmprep_schemas.boundary import REMOTE
 
 CHUNK = 4 << 20
 # The package each URL scheme needs beyond fsspec, and the extra that installs it.
-_EXTRAS = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "hf": ("huggingface_hub", "hf"),
-           "http": ("aiohttp", "remote"), "https": ("aiohttp", "remote")}
+_EXTRAS = {"s3": ("s3fs", "vlmprep[s3]"), "gs": ("gcsfs", "vlmprep[gcs]"), "gcs": ("gcsfs", "vlmprep[gcs]"),
+           "hf": ("huggingface_hub", "huggingface_hub"), "http": ("aiohttp", "aiohttp"),
+           "https": ("aiohttp", "aiohttp")}
 
 
 class StorageError(RuntimeError):
@@ -33,8 +34,8 @@ def _fs(url: str):
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
         scheme = url.split("://", 1)[0]
-        package, extra = _EXTRAS.get(scheme, (str(e.name), "remote"))
-        raise StorageError(f"{url}: reading {scheme}:// needs {package}: pip install 'vlmprep[{extra}]'") from None
+        package, install = _EXTRAS.get(scheme, (str(e.name), str(e.name)))
+        raise StorageError(f"{url}: reading {scheme}:// needs {package}: pip install '{install}'") from None
 
 
 def _fail(url: str, what: str, e: BaseException) -> StorageError:

@@ -274,6 +274,22 @@ def test_s3_urls_resolve_and_stream_from_a_local_s3_server(s3_server, dataset, i
     assert s3_server["AWS_SECRET_ACCESS_KEY"] not in str(e.value) and "no-such-bucket" in str(e.value)
 
 
+def test_a_fetch_a_kill_cut_short_continues_with_a_range_read(dataset, tmp_path):
+    """The loopback server answers Range requests: a .part left behind is continued, not fetched again, and the
+    whole file is still checked against the manifest's sha256."""
+    from tests.support.range_server import RangeServer
+    from trainer.storage import fetch
+
+    shard = resolve_data(str(dataset)).shards[1]
+    dest = tmp_path / "copy.tar"
+    Path(str(dest) + ".part").write_bytes(Path(shard.url).read_bytes()[:50_000])
+    with RangeServer(dataset) as srv:
+        fetch(f"{srv.url}/{shard.name}", dest, size=shard.num_bytes, sha256=shard.sha256)
+        ranges = [r for m, p, r, _ in srv.log if m == "GET" and p.endswith(shard.name)]
+    assert dest.read_bytes() == Path(shard.url).read_bytes() and not Path(str(dest) + ".part").exists()
+    assert ranges and all(r and r.startswith("bytes=") for r in ranges) and ranges[0].startswith("bytes=50000-")
+
+
 # --- the trainer CLI over loopback servers (slow)
 
 def _small_shards(tmp_path: Path) -> Path:
