@@ -28,6 +28,9 @@ def build_config(inp: Path, out: Path, **kw):
         extra["chat_template"] = str(TOOL_TEMPLATE)
     if "max_reject_fraction" in BuildConfig.__dataclass_fields__:  # a benchmark measures; its rejects are counted
         extra["max_reject_fraction"] = 1.0
+    if "min_turn_coverage" in BuildConfig.__dataclass_fields__:  # and so are its lost turns; the documented numbers
+        extra["min_turn_coverage"] = 0.0  # were measured truncating where a benchmark names no --long-traces
+        kw.setdefault("long_traces", "truncate")
     return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra,
                        **kw)
 
@@ -88,15 +91,16 @@ def _hwm_mb(pid: int | str = "self") -> float:
 
 
 def _worker_pids(parent: int) -> list[int]:
+    """The pool's workers: forked by the forkserver the build started (so grandchildren of `parent`), or spawned."""
+    import psutil
+
     pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for p in psutil.Process(parent).children(recursive=True):
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"spawn_main" in (d / "cmdline").read_bytes():
-                pids.append(int(d.name))
-        except (OSError, IndexError, ValueError):
+            cmd = " ".join(p.cmdline())
+            if ("forkserver" in cmd and p.ppid() != parent) or (p.ppid() == parent and "spawn_main" in cmd):
+                pids.append(p.pid)
+        except psutil.Error:
             continue
     return pids
 

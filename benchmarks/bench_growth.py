@@ -4,8 +4,8 @@ linear; n log n over a 10x step is 1.1). Datasets of 10k and 100k samples are wr
 rendered demo samples replicated under new ids, cut into plan tasks, then `vlmprep merge`); 1M samples only where a
 command touches just the manifest and sample index (the trainer's start-up: manifest, sidecars, sparse shard files).
 Plan over 10 / 10^3 / 10^4 input files and 1 / 100 / 1,000 tasks. The trainer's start-up to its first step on rank 0
-of 8 and 64 simulated ranks (open the data, the sample index, the step predictor under a token budget, the first
-step's batches), and over loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
+of 8 and 64 simulated ranks (open the data, the sample index, the step predictor under a token budget, the sha256
+of the rank's shards that a run dir's first start checks (a resume skips it), the first step's batches), and over loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
 `--quick`: 1k / 10k samples (100k index-only), 10 / 100 files, 1 / 10 tasks."""
 from __future__ import annotations
 
@@ -205,10 +205,19 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     t2 = time.perf_counter()
     steps, first = predict_steps(cfg, sources, torch.device("cpu"))
     t3 = time.perf_counter()
+    if first_step and "://" not in data:  # the trainer's sha256 of each local shard, at a run dir's first read
+        from trainer.integrity import ShardCheck, expected_sha256
+
+        check = ShardCheck(None)
+        for src, ds in zip(sources, data_.datasets):
+            want = expected_sha256(ds)
+            for sh in src.shards:
+                check.verify(sh.url, url=sh.url, want=want.get(sh.name))
+    t4 = time.perf_counter()
     samples = sum(ix.num_samples for s in sources for ix in s.indexes)
     index_bytes = sum(a.nbytes for s in sources for ix in s.indexes for a in (ix.starts, ix.ends, ix.tokens,
                                                                                 ix.trained))
-    out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "samples": samples,
+    out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "sha256_s": t4 - t3, "samples": samples,
            "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
     if first_step:
         from trainer.cache import ShardCache, remote_shards
@@ -227,7 +236,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
         loader.start(0, 0)
         batches = loader.next_step()
         loader.close()
-        out["first_step_s"] = time.perf_counter() - t3
+        out["first_step_s"] = time.perf_counter() - t4
         out["first_step_samples"] = sum(b.num_samples for b in batches)
     out["total_s"] = time.perf_counter() - t0
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -288,6 +297,7 @@ def run(quick: bool) -> list[dict]:
             rows.append(emit("growth", command="trainer start-up", samples=n, ranks=world, index_only=not first,
                              process_seconds=round(s, 2), open_seconds=round(r["open_s"], 3),
                              index_seconds=round(r["index_s"], 3), predict_seconds=round(r["predict_s"], 3),
+                             first_read_sha256_seconds=round(r["sha256_s"], 3),
                              first_step_seconds=round(r.get("first_step_s", 0.0), 3),
                              samples_on_rank=r["samples"], index_bytes_per_sample=round(r["index_bytes_per_sample"], 1),
                              peak_rss_mb=round(r["peak_rss_mb"], 1), goal_seconds=30))

@@ -1,6 +1,7 @@
 """Loader benchmark: the trainer's data path (shard read -> decode -> pixel_values -> collated batch) against
 the online baseline that peers use (TRL's DataCollatorForVisionLanguageModeling over raw records in a
-DataLoader), on the same demo agent traces, with 0 and 2 workers, per --image-format; plus the floor ratio."""
+DataLoader), on the same demo agent traces, with 0 and 2 workers, per --image-format; plus the floor ratio, and the
+trainer's start-up sha256 check of the zstd dataset against one loader pass over it (`integrity`)."""
 from __future__ import annotations
 
 import io
@@ -169,7 +170,33 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
                                goal_over_floor=1.5)
                 rows.append(emit("loader", **row))
     rows.append(format_version_row(built["zstd"]))
+    loader_s = next(r["seconds"] for r in rows if r.get("image_format") == "zstd" and r["workers"] == 0
+                    and r["pixel_values"] != "cpu")
+    rows.append(integrity_row(built["zstd"], loader_s))
     return rows
+
+
+def integrity_row(ds: Path, loader_s: float) -> dict:
+    """The trainer's start-up check (trainer/integrity.py: every shard's sha256 against the manifest, page cache
+    warm, one core) against one pass of the loader's worker path over the same dataset: what checking costs."""
+    from trainer.integrity import ShardCheck, expected_sha256
+    from trainer.shards import resolve_data
+
+    source = resolve_data(str(ds))
+    want, nbytes = expected_sha256(source), sum(s.num_bytes for s in source.shards)
+
+    def check() -> float:
+        t0 = time.perf_counter()
+        verifier = ShardCheck(None)
+        for s in source.shards:
+            verifier.verify(s.url, url=s.url, want=want[s.name])
+        return time.perf_counter() - t0
+
+    t = median_if_quick(check)
+    return emit("integrity", path="sha256_check_at_start_up", shards=len(source.shards),
+                mb=round(nbytes / 1e6, 1), seconds=round(t, 3), sha256_mb_s=round(nbytes / t / 1e6, 1),
+                loader_seconds=round(loader_s, 3), loader_mb_s=round(nbytes / loader_s / 1e6, 1),
+                check_over_loader_pass=round(t / loader_s, 3))
 
 
 def as_format_v1(src: Path, dst: Path) -> Path:

@@ -1,10 +1,14 @@
 """Video benchmark: `vlmprep build` seconds and shard bytes per second of source video, per Qwen family, on H.264
-clips made here with PyAV (a moving pattern: every frame differs), sampled at the processor's default rate."""
+clips made here with PyAV (a moving pattern: every frame differs), sampled at the processor's default rate; and the
+peak resident memory of each process of a `vlmprep build --workers 2` of the same clips (main, forkserver, workers)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 import time
+from pathlib import Path
 
 from benchmarks.emit import emit
 from benchmarks.inputs import OUT
@@ -41,4 +45,26 @@ def run(quick: bool) -> list[dict]:
                          build_s=round(t, 2), build_s_per_video_s=round(t / video_s, 3),
                          shard_bytes_per_video_s=round(shard_bytes / video_s),
                          video_tokens=res.manifest["totals"]["video_tokens"]))
+    rows += peak_rss_rows(d, ("qwen2-vl",) if quick else ("qwen2-vl", "qwen2.5-vl", "qwen3-vl"))
+    return rows
+
+
+def peak_rss_rows(d: Path, families) -> list[dict]:
+    """Each process's own VmHWM through a CLI build with 2 workers (tests/support/memory.py polls the process tree)."""
+    from tests.support.memory import peak_rss
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    rows = []
+    for family in families:
+        rc, err, peaks = peak_rss([sys.executable, "-m", "vlmprep", "build", "--in", str(d / "in.jsonl"), "--out",
+                                   str(d / f"rss-{family}"), "--processor", f"builtin:{family}", "--workers", "2",
+                                   "--seq-len", "32768", "--no-progress"], env=env)
+        assert rc == 0, err[-2000:]
+        fields = {}
+        for role in ("main", "forkserver", "worker"):
+            mine = [p for p in peaks if p.role == role]
+            fields[f"{role}_rss_mb"] = round(max((p.peak_mb for p in mine), default=0.0))
+            fields[f"{role}_file_mb"] = round(max((p.rss_file_mb for p in mine), default=0.0))
+        rows.append(emit("video", metric="peak_rss", family=family, workers=2, **fields, goal_mb=1536))
     return rows

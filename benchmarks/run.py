@@ -1,11 +1,11 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
 build -> startup (worker ready, first record, 1 vs 2 workers) -> limits (floors, incl. tar read speed of a real
-shard) -> loader (vs online, as a multiple of the floor) -> collate -> clients (peak RSS of HF Trainer through the
-Collator vs the trainer) -> balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces
-(agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds
-and shard bytes per second of video); growth (each command's time and peak RSS as samples, input files
-and tasks grow, with growth exponents: 10k / 100k samples, 1M from the index). `--quick` is a seconds-long smoke
-run (tiny inputs; figures meaningless, shape real)."""
+shard) -> loader (vs online, as a multiple of the floor; integrity: the start-up sha256 check vs a loader pass) ->
+collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) -> balance -> pack -> order (sample
+shuffle, mixture shares, shuffled loader); traces (agent-trace split/keep-images table); scale (one plan: local pool vs
+Ray, per-task balance); video (build seconds and shard bytes per second of video); growth (each command's time and
+peak RSS as samples, input files and tasks grow, with growth exponents: 10k / 100k samples, 1M from the index).
+`--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse

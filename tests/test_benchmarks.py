@@ -25,6 +25,7 @@ REQUIRED = {
                        "processor_normalize_patchify_ms", "processor_full_ms"},
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
+    ("integrity", None): {"sha256_mb_s", "loader_mb_s", "check_over_loader_pass"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
     ("clients", "peak_rss"): {"run", "batch", "first_batch"},
     ("clients", "ratio"): {"ratio", "goal", "step1_loss_rel_diff", "all_logits_over_trainer_peak_rss"},

@@ -188,12 +188,12 @@ SETUPS: dict[str, list[str]] = {
             f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
             _demo("chat/traces.jsonl.zst", 6, seed=5, max_images=2),
             f"{TOOLS_BUILD} --in chat/traces.jsonl.zst --out chat/shards --seq-len 2048 >/dev/null"],
-    # The Inspect and stats examples: 12 small traces plus a file of two broken records, cut at 1024 tokens.
+    # The Inspect and stats examples: 12 small traces plus a file of two broken records, truncated at 1024 tokens.
     "inspect-demo": [_demo("demo/traces.jsonl.zst", 12, seed=1),
                      "printf '%s\\n' '{\"messages\": [' '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'"
                      " > demo/broken.jsonl",
                      f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --in demo/broken.jsonl --out demo/shards --seq-len 1024 "
-                     "--max-reject-fraction 1 >/dev/null"],
+                     "--max-reject-fraction 1 --long-traces truncate --min-turn-coverage 0 >/dev/null"],
     # demo-small trained 2 steps with --save-hf: runs/demo/hf as the export section's first example writes it.
     "exported": [_demo("demo/traces.jsonl.zst", 8),
                  f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
@@ -203,12 +203,6 @@ SETUPS: dict[str, list[str]] = {
     "demo": [f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out demo/traces.jsonl.zst --n 64 --seed 0 "
              ">/dev/null"],
 }
-
-
-for _ex in RUNNABLE:  # setups made by the docs' own blocks, in document order
-    if _ex.defines:
-        assert _ex.kind == "run" and _ex.defines not in SETUPS, f"{_ex.where}: defines={_ex.defines} taken or not a run"
-        SETUPS[_ex.defines] = [*SETUPS[_ex.setup], substitute(_ex, _ex.body)]
 
 
 @pytest.fixture(scope="session")
@@ -273,6 +267,20 @@ def matches(expected: list[str], got: list[str], *, excerpt: bool) -> bool:
         return j < len(got) and expected[i] == got[j] and fit(i + 1, j + 1)
 
     return fit(0, 0)
+
+
+def _commands(ex: Example) -> str:
+    """A run block's body, or a transcript's commands (their output is checked where the block itself runs)."""
+    if ex.kind == "run":
+        return substitute(ex, ex.body)
+    return "\n".join(f"{substitute(ex, cmd)} >/dev/null" for cmd, _ in split_transcript(ex.body))
+
+
+for _ex in RUNNABLE:  # setups made by the docs' own blocks, in document order
+    if _ex.defines:
+        assert _ex.kind in ("run", "output") and _ex.defines not in SETUPS, (
+            f"{_ex.where}: defines={_ex.defines} taken, or not a run or output block")
+        SETUPS[_ex.defines] = [*SETUPS[_ex.setup], _commands(_ex)]
 
 
 def _params():

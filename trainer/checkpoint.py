@@ -1,24 +1,35 @@
 """Checkpoints: model + optimizer + step (which fixes the LR schedule) + every rank's data position (and packer
-state when packing) and RNG -> a torch.distributed.checkpoint dir RUN/checkpoints/step-NNNNNNNN, renamed into
-place only once complete. RUN/run.json holds what those mean (data, model, options): a run resumes only its own.
+state when packing) and RNG -> a torch.distributed.checkpoint dir RUN/checkpoints/step-NNNNNNNN, its marker written
+last and the dir renamed into place only then; a resume takes the newest one still complete. RUN/run.json holds what
+those mean (data, model, options): a run resumes only its own; RUN/trainer.lock keeps a second run out.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import socket
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.config import RESUME_MAY_CHANGE, ConfigError, TrainConfig
+from trainer.metrics import LOG_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -61,11 +72,47 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+MARKER = "complete.json"  # written last into a checkpoint: the files it holds and their sizes
+
+
+def _step_dirs(run_dir: str | Path) -> list[Path]:
     root = checkpoint_dir(run_dir)
-    done = sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and (p / ".metadata").is_file()) \
-        if root.is_dir() else []
+    return sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name)) if root.is_dir() else []
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint (None: it is): its marker must list files that all still have the
+    sizes they were saved with. A checkpoint from before markers counts as complete when its .metadata is there."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return None if (path / ".metadata").is_file() else f"no {MARKER} (the save did not finish)"
+    try:
+        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
+        for name, size in files.items():
+            got = (path / name).stat().st_size
+            if got != size:
+                return f"{name} has {got} bytes, {size} when saved (cut short)"
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable {MARKER} ({e})"
+    return None
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint."""
+    done = [p for p in _step_dirs(run_dir) if checkpoint_problem(p) is None]
     return done[-1] if done else None
+
+
+def _write_marker(path: Path, step: int) -> None:
+    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+    tmp = path / f"{MARKER}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, "files": files}, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MARKER)
 
 
 def _gather_ragged(values: list[int], device: torch.device) -> torch.Tensor:
@@ -96,18 +143,96 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
     dcp.save({"model": model_sd, "optim": optim_sd, "train": train}, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
+        _write_marker(tmp, step)  # last: every rank's files are written
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        done = sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name))
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        # The newest `keep` complete ones stay; newer ones (cut short, and skipped by the resume that led here) are
+        # left for this run to replace when it reaches their step.
+        kept = [p for p in _step_dirs(run_dir) if p.name <= final.name and checkpoint_problem(p) is None][-keep:]
+        for old in _step_dirs(run_dir):
+            if old.name < final.name and old not in kept:
+                shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
+RUN_LOCK = "trainer.lock"
+
+
+def _take(path: Path) -> tuple[int, str]:
+    """(fd holding an exclusive flock on path, '') or (-1, who holds it); (-1, '') where the file system has no
+    locks. The holder removes the file while it still holds it: the lock taken must be on the file at `path` now."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return -1, ""
+            if not isinstance(e, BlockingIOError):
+                raise
+            try:
+                note = json.loads(path.read_bytes() or b"{}")
+                return -1, f"pid {note['pid']} on {note['host']}, since {note['since']}: `{note['command']}`"
+            except (OSError, ValueError, KeyError, TypeError):
+                return -1, "another process"
+        try:
+            mine = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            mine = False
+        if mine:
+            return fd, ""
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def own_run_dir(run_dir: str | Path) -> Iterator[None]:
+    """One trainer per run dir: rank 0 holds an fcntl.flock on RUN/trainer.lock for the whole run, its pid, host,
+    start time and command written in it; when another run holds it, every rank refuses with that holder named
+    (the other ranks of this run never take it). The kernel drops the lock when its holder dies, so the file a
+    killed run leaves never blocks."""
+    run_dir = Path(run_dir)
+    rank, world = _world()
+    fd, refusal, created = -1, "", not run_dir.exists()
+    if rank == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd, holder = _take(run_dir / RUN_LOCK)
+            if holder:
+                refusal = (f"{run_dir} is in use by another trainer ({holder}): wait for it to end (or stop it), or "
+                           "pass another --out; two runs in one dir would overwrite each other's checkpoints and "
+                           "metrics")
+            if fd >= 0:
+                command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]
+                note = {"pid": os.getpid(), "host": socket.gethostname(),
+                        "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(note).encode(), 0)
+        except OSError as e:  # every rank must hear of it, or the others would wait for rank 0 forever
+            refusal = f"--out {run_dir}: cannot create it or its {RUN_LOCK} ({e.strerror}): pass a writable dir"
+    if world > 1:
+        shared = [refusal]
+        dist.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal:
+        if fd >= 0:
+            os.close(fd)
+        raise ConfigError(refusal)
+    try:
+        yield
+    finally:
+        if fd >= 0:
+            (run_dir / RUN_LOCK).unlink(missing_ok=True)  # while still held: see _take
+            os.close(fd)
+            if created:  # a run that failed before writing anything leaves no dir
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # only where empty
+
+
 RUN_FILE = "run.json"
 # Everything the trainer writes into RUN, run.json first (hf/: the --save-hf export).
-RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", "config.toml", "tb", "hf")
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", LOG_NAME, "config.toml", "tb", "hf")
 
 
 def _sha(value) -> str:
@@ -185,6 +310,35 @@ def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: boo
     tmp.write_text(json.dumps({"data_source": data, "identity": identity}, indent=1, sort_keys=True) + "\n",
                    encoding="utf-8")
     os.replace(tmp, run_dir / RUN_FILE)
+
+
+def load_latest(run_dir: str | Path, *, net, optimizer, device: torch.device, packing: bool = False
+                ) -> tuple[Path, Resumed] | None:
+    """The newest checkpoint that is complete and loads, and its state (None: there is none). Each one skipped is
+    named in one line on rank 0's stderr, with why (DCP's errors are raised on every rank alike, so all ranks skip
+    it); where none is left, ConfigError (a failed load may have changed the model: never train on from there)."""
+    skipped = []
+    for path in reversed(_step_dirs(run_dir)):
+        why = checkpoint_problem(path)
+        if why is None:
+            quiet = logging.root.manager.disable
+            logging.disable(logging.WARNING)  # DCP logs each failed read with its traceback before it raises
+            try:
+                return path, load_checkpoint(path, net=net, optimizer=optimizer, device=device, packing=packing)
+            except ConfigError:
+                raise
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException), EOF, pickle
+                lines = str(e).strip().splitlines() or [type(e).__name__]
+                why = f"unreadable ({lines[-1][:200]})"
+            finally:
+                logging.disable(quiet)
+        skipped.append(f"{path.name}: {why}")
+        if _world()[0] == 0:
+            print(f"trainer: skipped checkpoint {path}: {why}; resuming from the one before it", file=sys.stderr)
+    if skipped:
+        raise ConfigError(f"{checkpoint_dir(run_dir)} holds no complete checkpoint ({'; '.join(skipped[:3])}): pass "
+                          "--no-resume to start over (its run state is deleted), or another --out")
+    return None
 
 
 def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> Resumed:

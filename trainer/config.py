@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import difflib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -63,8 +66,14 @@ class DataSpec:
         spec = cls(**value)
         if not isinstance(spec.path, str) or not spec.path or not isinstance(spec.name, str):
             raise ConfigError(f"data entry {value!r}: path and name must be non-empty strings")
-        if not isinstance(spec.weight, float) or not spec.weight > 0 or spec.weight == float("inf"):
-            raise ConfigError(f"data entry {spec.name or spec.path}: weight={spec.weight!r} must be a number > 0")
+        if "name" in value and not spec.name.strip():
+            raise ConfigError(f"data entry path={spec.path}: its name is empty: name it (name=N: letters, digits, "
+                              "'_', '-', '.'), or leave name out for a single dataset")
+        w = spec.weight
+        # Subnormal weights lose their precision and overflow the order's token / weight clocks to inf.
+        if not isinstance(w, float) or not math.isfinite(w) or w < sys.float_info.min:
+            raise ConfigError(f"data entry {spec.name or spec.path}: weight={w!r} must be a finite number > 0 (not "
+                              f"below {sys.float_info.min:.3g}), e.g. weight=0.3: its share of the trained tokens")
         if spec.on_end not in ON_END:
             raise ConfigError(f"data entry {spec.name or spec.path}: on_end={spec.on_end!r}: choose "
                               f"{' or '.join(ON_END)}")
@@ -150,6 +159,9 @@ class TrainConfig:
     shard_cache_limit: str = opt("", "data", "most bytes the shard cache holds per node, e.g. 50GB (split over the "
                                              "node's ranks; shards no reader needs are evicted); '' = no limit")
     shard_prefetch: int = opt(4, "data", "remote shards fetched ahead of those being read (within the cache limit)")
+    verify_shards: bool = opt(True, "data", "check each shard's sha256 against its manifest when this run first "
+                              "reads it (remembered in the shard cache: a resume does not hash again); off: sizes, "
+                              "sample counts and changes while training only")
     activation_checkpointing: bool = opt(False, "model", "recompute each block's activations in backward to save "
                                                          "memory")
     precision: str = opt("auto", "model", "auto (bf16 on CUDA, fp32 on CPU), " + ", ".join(PRECISIONS[1:]))
@@ -164,6 +176,9 @@ class TrainConfig:
     resume: bool = opt(True, "checkpointing", "continue the run in out (same data, model, options); --no-resume "
                                               "deletes its state and starts over")
     progress: bool = opt(True, "logging", "progress bar on rank 0's terminal")
+    log_every: int = opt(10, "logging", "a plain-text line at step 1 and every N steps (step/total, loss, lr, grad "
+                                        "norm, tokens/s, data wait, ETA) in RUN/train.log, and on stdout unless a "
+                                        "progress bar shows it there; 0 = none")
     eval_data: str | tuple[DataSpec, ...] = opt("", "eval", "held-out data, the forms of data; name=N,path=P once per "
                                                 "eval set ([[eval_data]] in the TOML) for a loss per set; '' = no eval")
     eval_every: int = opt(0, "eval", "steps between evals of the whole eval_data; 0 = only at the end (an eval "
@@ -185,13 +200,26 @@ class TrainConfig:
                     specs = specs[0].path  # one unnamed dataset is just a path
                 object.__setattr__(self, key, specs)
             if not isinstance(getattr(self, key), str):
-                names = [d.name for d in getattr(self, key)]
-                if not all(names) or len(set(names)) != len(names):
-                    raise ConfigError(f"several datasets need distinct names (got {names}): --{key.replace('_', '-')} "
-                                      f"name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in the TOML")
+                specs = getattr(self, key)
+                names = [d.name for d in specs]
+                how = (f"--{key.replace('_', '-')} name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in "
+                       "the TOML")
+                unnamed = [d.path for d in specs if not d.name]
+                if unnamed:
+                    raise ConfigError(f"{key} entry path={unnamed[0]} has no name: several datasets need a name each: "
+                                      + how)
+                twice = sorted(n for n, c in collections.Counter(names).items() if c > 1)
+                if twice:
+                    raise ConfigError(f"dataset name {twice[0]!r} is given {names.count(twice[0])} times: several "
+                                      f"datasets need distinct names: {how}")
                 bad = [n for n in names if not _NAME.match(n)]
                 if bad:
                     raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
+                total = sum(d.weight for d in specs)
+                light = min(specs, key=lambda d: d.weight)
+                if not math.isfinite(total) or light.weight / total < sys.float_info.min:
+                    raise ConfigError(f"{key} weights span too wide a range ({light.name} {light.weight:g} of a sum "
+                                      f"of {total:g}): give them on one scale, e.g. shares that add up to 1")
         if any(d.weight != 1.0 or d.on_end != "repeat" for d in self.eval_sources):
             raise ConfigError("eval_data entries take name and path only: every eval sample is read once, so weight "
                               "and on_end do not apply")
@@ -205,7 +233,7 @@ class TrainConfig:
         if self.tiny_random and self.tiny_random not in TINY_MODELS:
             raise ConfigError(f"tiny_random={self.tiny_random!r}: choose one of {', '.join(TINY_MODELS)}")
         for name in ("max_steps", "schedule_steps", "max_tokens_per_batch", "pack_to", "warmup_steps", "num_workers",
-                     "save_every", "lora_rank", "shuffle_span"):
+                     "save_every", "lora_rank", "shuffle_span", "log_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints", "pack_window"):
@@ -263,9 +291,9 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
+                               "log_every",
                                "tensorboard", "shard_cache", "shard_cache_limit", "shard_prefetch", "save_hf",
-                               "export_dtype", "eval_data",
-                               "eval_every"})
+                               "export_dtype", "eval_data", "eval_every", "verify_shards"})
 
 
 def _coerce(name: str, value):
@@ -337,8 +365,23 @@ def options_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def unknown_argument(extra: list[str], known: list[str]) -> str:
+    """The one-line error for arguments argparse does not know, naming the closest option (`--max-step` -> did you
+    mean --max-steps?)."""
+    first = extra[0]
+    if not first.startswith("-"):
+        return f"unexpected argument {first!r}: every option is --name VALUE (python -m trainer --help lists them)"
+    close = difflib.get_close_matches(first.split("=", 1)[0], known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "python -m trainer --help lists the options"
+    return f"unknown option {first}: {hint}"
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    ns = _parser().parse_args(argv)
+    ns, extra = _parser().parse_known_args(argv)
+    if extra:
+        flags = ["--" + name.replace("_", "-") for name in FIELDS]
+        raise ConfigError(unknown_argument(extra, ["--config", "--help"] + flags + [
+            "--no-" + f[2:] for f, field in zip(flags, FIELDS.values()) if field.type == "bool"]))
     values = load_toml(ns.config) if ns.config else {}
     values.update({k: v for k, v in vars(ns).items() if k != "config" and v is not None})
     for key in ("data", "eval_data"):

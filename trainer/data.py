@@ -6,6 +6,7 @@ mixtures). Position = samples consumed in the epoch; it is all a checkpoint need
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,6 +20,7 @@ from trainer.cache import CacheView, ShardCache
 from trainer.collate import Batch, CollateSpec, collate
 from trainer.decode import DecodedSample, OriginalResizer, decode_sample
 from trainer.index import read_indexed
+from trainer.integrity import check_unchanged
 from trainer.order import RankSource, Schedule, schedule
 from trainer.pack import Packer, collate_packed
 from trainer.shards import DataError, ShardRef, iter_tar_samples
@@ -38,8 +40,10 @@ class RankStream(IterableDataset):
     `start` on. Worker w of W decodes only positions start + w, start + w + W, ...; the DataLoader's in-order
     round robin then restores the sequential order."""
 
-    def __init__(self, shards: list[ShardRef], *, start: int, spec: ImageSpec, stride: tuple[int, int] = (0, 1)):
+    def __init__(self, shards: list[ShardRef], *, start: int, spec: ImageSpec, stride: tuple[int, int] = (0, 1),
+                 signatures: dict[str, tuple[int, ...]] | None = None):
         self.shards, self.start, self.spec, self.stride = shards, start, spec, stride
+        self.signatures = signatures or {}  # url -> file_signature when the run checked it: it must stay that file
         self.pool: SlabPool | None = None  # set by sample_loader when workers decode
 
     def __iter__(self) -> Iterator[DecodedSample]:
@@ -60,7 +64,9 @@ class RankStream(IterableDataset):
                 g = offset + i
                 return g % R == r and g // R >= self.start and (g // R - self.start) % W == w
 
-            count = 0
+            count, signature = 0, self.signatures.get(shard.url, ())
+            if signature:  # before the shard is opened, and again once it is read through
+                check_unchanged(os.stat(shard.url), signature, shard.url)
             for i, key, members in iter_tar_samples(shard.url, want):
                 count += 1
                 if members is not None:
@@ -68,6 +74,8 @@ class RankStream(IterableDataset):
                                            alloc=pool.views if pool else None)
                     sample.position, sample.worker = (offset + i) // R, w
                     yield pool.put(sample) if pool else sample
+            if signature:
+                check_unchanged(os.stat(shard.url), signature, shard.url)
             if shard.num_samples is not None and count != shard.num_samples:
                 raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
                                 "truncated or replaced shard")
@@ -115,6 +123,7 @@ class ScheduledStream(IterableDataset):
                     if len(files) >= self.MAX_OPEN:
                         files.pop(next(iter(files)))[0].close()
                     entry = files[index.path] = (open(index.path, "rb"), cache.flat(s, k) if cache else -1)
+                check_unchanged(os.fstat(entry[0].fileno()), index.signature, src.shards[k].url)  # one fstat a sample
                 key, members = read_indexed(index, i, entry[0])
                 sample = decode_sample(members, key=key, url=src.shards[k].url, spec=self.spec,
                                        resize_original=resize, alloc=pool.views if pool else None)
@@ -305,10 +314,13 @@ class StepLoader:
                  shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
                  prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64,
                  sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0,
-                 first_schedule: Schedule | None = None, cache: ShardCache | None = None):
+                 first_schedule: Schedule | None = None, cache: ShardCache | None = None,
+                 signatures: dict[str, tuple[int, ...]] | None = None):
         """`sources` given: the epoch schedule of trainer/order.py over them (`shards`/`stride` unused); else the
         shards in sequence (`shuffle`: their order per epoch). `first_schedule`: epoch 0's, when already made.
-        `cache`: the rank's shard cache for the sources' remote shards (started per epoch, closed with the loader)."""
+        `cache`: the rank's shard cache for the sources' remote shards (started per epoch, closed with the loader).
+        `signatures`: url -> the file_signature of each shard as the run checked it (trainer/integrity.py)."""
+        self.signatures = signatures
         self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
         self.seed, self.shuffle = seed, shuffle
         self.sources, self.sample_shuffle, self.shuffle_span = sources, sample_shuffle, shuffle_span
@@ -338,7 +350,7 @@ class StepLoader:
                                      cache=self.cache.view if self.cache else None)
         else:
             stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
-                                start=position, spec=self.spec, stride=self.stride)
+                                start=position, spec=self.spec, stride=self.stride, signatures=self.signatures)
         self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                      held=self.pack_window if self.pack_to else 0)
         if self.pack_to:

@@ -15,6 +15,8 @@ from trainer.collate import CollateSpec
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import StepLoader
 from trainer.decode import trains_videos
+from trainer.integrity import ShardCheck, check_local_shards
+from trainer.metrics import plural
 from trainer.model import forward_loss
 from trainer.pack import check_packing
 from trainer.shards import DataSource, plan_shards, processor_difference, resolve_data
@@ -28,7 +30,7 @@ class EvalSet:
 
 
 def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, collate_spec: CollateSpec,
-              train_data: DataSource, model_type: str) -> list[EvalSet]:
+              train_data: DataSource, model_type: str, check: ShardCheck | None = None) -> list[EvalSet]:
     """This rank's loader per eval set: whole shards planned over the ranks as for training (with fewer shards
     than ranks, every rank strides over all samples), read in manifest order, batched exactly as training. A set
     that holds videos runs the video pass in every micro-batch (the placeholder video where it has none), whether
@@ -48,7 +50,9 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
             raise ConfigError(f"--eval-data {d.path} holds videos, but the training data's processor saved no video "
                               "processor to make their pixel_values_videos: pass --processor with one")
         plan = plan_shards(ds.shards, world)
-        loader = StepLoader([ds.shards[i] for i in plan.per_rank[rank]], spec=spec,
+        shards = [ds.shards[i] for i in plan.per_rank[rank]]
+        signatures = check_local_shards(shards, ds, check) if check is not None else None  # sha256 before reading
+        loader = StepLoader(shards, spec=spec, signatures=signatures,
                             collate_spec=replace(collate_spec, videos=videos),
                             seed=cfg.seed, shuffle=False, micro_batch_size=cfg.micro_batch_size,
                             max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
@@ -57,7 +61,8 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
                             pack_window=cfg.pack_window)
         out.append(EvalSet(d.name, loader))
         if rank == 0:
-            print(f"trainer: eval set {d.name or d.path}: {len(ds.shards)} shards over {world} ranks"
+            print(f"trainer: eval set {d.name or d.path}: {plural(len(ds.shards), 'shard')} over "
+                  f"{plural(world, 'rank')}"
                   f"{' (fewer shards than ranks: each rank strides over all samples)' if plan.stride else ''}; "
                   + (f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the end"),
                   file=sys.stderr)
@@ -89,10 +94,11 @@ def evaluate(net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: to
         record["eval_loss_by_source"] = {s.name: (x / c if c else None) for s, (x, c, _) in zip(sets, totals)}
         record["eval_tokens_by_source"] = {s.name: int(c) for s, (_, c, _) in zip(sets, totals)}
     if log is not None:
-        log.eval(record)
         shown = f"{record['eval_loss']:.4f}" if tokens else "n/a (no trained tokens)"
-        print(f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
-              f"samples ({record['eval_time_s']:.1f}s)", file=sys.stderr)
+        line = (f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
+                f"samples ({record['eval_time_s']:.1f}s)")
+        log.eval(record, line)
+        print(line, file=sys.stderr)
     return record
 
 

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import tarfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,16 @@ class ShardIndex:
     ends: np.ndarray  # int64, end of its last member's data block
     tokens: np.ndarray  # int64, num_tokens
     trained: np.ndarray  # int64, num_trainable_tokens
+    signature: tuple[int, ...] = ()  # file_signature of the file indexed: a later read checks it is still that file
 
     @property
     def num_samples(self) -> int:
         return len(self.starts)
+
+
+def file_signature(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: its device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def index_shard(path: str, *, url: str | None = None, expect: int | None = None) -> ShardIndex:
@@ -52,6 +59,7 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
     try:
         with (open_shard(url) if remote else open(path, "rb")) as f, \
                 tarfile.open(fileobj=f, mode="r|" if remote else "r:") as tar:
+            signature = () if remote else file_signature(os.fstat(f.fileno()))
             for ti in tar:
                 if not ti.isfile():
                     continue
@@ -80,7 +88,7 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
         raise DataError(f"{url} holds {len(starts)} samples but the manifest says {expect}: truncated or replaced "
                         "shard")
     as64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-    return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained))
+    return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained), signature)
 
 
 def load_index(shard: ShardRef, data: bytes, *, path: str) -> ShardIndex:
@@ -123,36 +131,36 @@ def cache_name(url: str, name: str) -> str:
     return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name.rsplit('/', 1)[-1][:80]}"
 
 
-def index_shards(shards: tuple[ShardRef, ...], cache: Path) -> tuple[tuple[ShardIndex, ...], int]:
-    """Every shard's index, in order, and how many had to be derived from their tars (an older build's). Local
-    sidecars are read in place; remote ones fetched into `cache` (sha256-checked, kept for a resume), several at a
-    time; a remote shard's own bytes are left to the shard cache."""
-    def one(s: ShardRef) -> ShardIndex:
-        remote = s.url.startswith(("pipe:",) + REMOTE)
-        path = str(Path(cache) / cache_name(s.url, s.name)) if remote else s.url
-        if s.index is None:
-            return index_shard(path, url=s.url, expect=s.num_samples)
-        if not s.index.url.startswith(REMOTE):
-            try:
-                return load_index(s, Path(s.index.url).read_bytes(), path=path)
-            except OSError as e:
-                raise DataError(f"{s.index.url}: listed in the manifest but cannot be read ({e.strerror}); copy "
-                                "the dataset again") from None
-        local = Path(cache) / cache_name(s.index.url, s.index.url)
-        if not local.is_file():
-            local.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                fetch(s.index.url, local, size=s.index.num_bytes, sha256=s.index.sha256)
-            except StorageError as e:
-                raise DataError(str(e)) from None
-        return load_index(s, local.read_bytes(), path=path)
+def shard_index(s: ShardRef, cache: Path) -> ShardIndex:
+    """A shard's index: its sidecar (a local one read in place; a remote one fetched into `cache`, sha256-checked and
+    kept for a resume), or for an older build's shard derived from its tar. A remote shard's own bytes are left to
+    the shard cache (trainer/cache.py); the index's path is where that keeps them."""
+    remote = s.url.startswith(("pipe:",) + REMOTE)
+    path = str(Path(cache) / cache_name(s.url, s.name)) if remote else s.url
+    if s.index is None:
+        return index_shard(path, url=s.url, expect=s.num_samples)
+    if not s.index.url.startswith(REMOTE):
+        try:
+            return load_index(s, Path(s.index.url).read_bytes(), path=path)
+        except OSError as e:
+            raise DataError(f"{s.index.url}: listed in the manifest but cannot be read ({e.strerror}); copy "
+                            "the dataset again") from None
+    local = Path(cache) / cache_name(s.index.url, s.index.url)
+    if not local.is_file():
+        local.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fetch(s.index.url, local, size=s.index.num_bytes, sha256=s.index.sha256)
+        except StorageError as e:
+            raise DataError(str(e)) from None
+    return load_index(s, local.read_bytes(), path=path)
 
+
+def index_shards(shards: tuple[ShardRef, ...], index: Callable[[ShardRef], ShardIndex]) -> tuple[ShardIndex, ...]:
+    """`index(shard)` of every shard, in order; several at a time where remote sidecars are to be fetched."""
     if len(shards) > 1 and any(s.url.startswith(REMOTE) for s in shards):
         with ThreadPoolExecutor(FETCH_THREADS) as pool:
-            out = tuple(pool.map(one, shards))
-    else:
-        out = tuple(one(s) for s in shards)
-    return out, sum(s.index is None for s in shards)
+            return tuple(pool.map(index, shards))
+    return tuple(index(s) for s in shards)
 
 
 def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, bytes]]:

@@ -1,9 +1,17 @@
-"""Run log on rank 0: one JSON line per step in RUN/metrics.jsonl, TensorBoard scalars in RUN/tb/, and a progress
-bar on the terminal."""
+"""Run log on rank 0: one JSON line per step in RUN/metrics.jsonl, TensorBoard scalars in RUN/tb/, a progress
+bar on the terminal, and every --log-every steps a plain-text line in RUN/train.log (and on stdout off a terminal)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+LOG_NAME = "train.log"
+
+
+def plural(n: int, word: str) -> str:
+    """`1 shard`, `2 shards`: what the start-up lines count."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -13,6 +21,20 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
             if ln.strip() and json.loads(ln)["step"] <= last_step]
     path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+
+
+def eval_logged(run_dir: Path, step: int, names: list[str] | None) -> bool:
+    """An eval row of `step` over these eval sets (names None: one unnamed set) is in RUN/metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if row.get("step") == step and "eval_loss" in row:
+            by_set = row.get("eval_loss_by_source")
+            if (sorted(by_set) if by_set is not None else None) == (sorted(names) if names is not None else None):
+                return True
+    return False
 
 
 # metrics.jsonl key -> TensorBoard tag; every numeric `eval_*` key (or a dict of them, per source) goes to eval/.
@@ -34,14 +56,30 @@ def tb_scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def step_line(record: dict, *, total: int | None, eta_s: float | None) -> str:
+    """The plain-text line of one step, for a log a person reads (RUN/train.log, a Slurm job's stdout)."""
+    return (f"trainer: step {record['step']}{f'/{total}' if total else ''} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.3g} | grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+            f"data wait {record['data_wait_frac']:.0%} | ETA {_clock(eta_s) if eta_s is not None else 'unknown'}")
+
+
 class RunLog:
     def __init__(self, run_dir: Path, *, total_steps: int | None, start_step: int, progress: bool,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, log_every: int = 0, echo: bool = False):
+        """log_every: a step_line at step 1 and every N steps into RUN/train.log (0: none); echo: also on stdout."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.path = Path(run_dir) / "metrics.jsonl"
         truncate_metrics(self.path, start_step)
         self.file = open(self.path, "a", encoding="utf-8")
+        self.text = open(Path(run_dir) / LOG_NAME, "a", encoding="utf-8")
+        self.log_every, self.echo = log_every, echo
+        self.total, self.start_step, self.t0 = total_steps, start_step, time.perf_counter()
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -59,6 +97,18 @@ class RunLog:
     def step(self, record: dict) -> None:
         self._write(record)
         self.bar.update(self.task, completed=record["step"], loss=record["loss"], tps=record["tokens_per_s"])
+        step = record["step"]
+        if self.log_every and (step == 1 or step % self.log_every == 0):
+            done = step - self.start_step  # this session's steps time the rest
+            eta = ((time.perf_counter() - self.t0) / done * (self.total - step)) if self.total and done else None
+            self.note(step_line(record, total=self.total, eta_s=eta), echo=self.echo)
+
+    def note(self, line: str, *, echo: bool = False) -> None:
+        """A line for RUN/train.log (and stdout with echo): the step lines, evals, the run's closing line."""
+        self.text.write(line + "\n")
+        self.text.flush()
+        if echo:
+            print(line, flush=True)
 
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record, ensure_ascii=True) + "\n")
@@ -70,13 +120,16 @@ class RunLog:
             # good (its resume redoes only the steps after the checkpoint).
             self.tb.flush()
 
-    def eval(self, record: dict) -> None:
-        """An eval row (trainer/evaluate.py): the same files, the progress bar untouched."""
+    def eval(self, record: dict, line: str = "") -> None:
+        """An eval row (trainer/evaluate.py): the same files, the progress bar untouched; `line` goes to train.log."""
         self._write(record)
+        if line:
+            self.note(line)
 
     def close(self) -> None:
         self.bar.stop()
         self.file.close()
+        self.text.close()
         if self.tb is not None:
             self.tb.close()
 

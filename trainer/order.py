@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,13 +106,13 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     weights = [src.weight for src in sources]
     active = [len(cur[s][0]) > 0 for s in range(n)]
     unfinished = {s for s in range(n) if active[s]}
-    out_src, out_shard, out_sample = [], [], []
+    out_src, out_shard, out_sample = array("h"), array("i"), array("i")  # 10 bytes a position, not ~100
     while unfinished:
         s = min((s for s in range(n) if active[s]), key=lambda s: ((total[s] + trained[s][at[s]]) / weights[s], s))
         i = at[s]
         out_src.append(s)
-        out_shard.append(cur[s][0][i])
-        out_sample.append(cur[s][1][i])
+        out_shard.append(int(cur[s][0][i]))
+        out_sample.append(int(cur[s][1][i]))
         total[s] += float(trained[s][i])
         at[s] = i + 1
         if at[s] == len(cur[s][0]):
@@ -125,8 +126,44 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
                 cur[s] = one_pass(s, passes[s])
                 trained[s] = np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1)
                 at[s] = 0
-    return Schedule(np.array(out_src, dtype=np.int16), np.array(out_shard, dtype=np.int32),
-                    np.array(out_sample, dtype=np.int32))
+    return Schedule(np.frombuffer(out_src, dtype=np.int16).copy(), np.frombuffer(out_shard, dtype=np.int32).copy(),
+                    np.frombuffer(out_sample, dtype=np.int32).copy())
+
+
+# An epoch of a mixture ends when every source has been read through once, so weights far from the sources' own
+# token shares stretch it: a source at weight 1e-9 is read through only after the others have repeated ~1e9 times.
+# The schedule is built position by position, so such an epoch would never finish being predicted; it is refused
+# beyond this many times the sources' own samples (and this many samples at the least).
+MAX_EPOCH_STRETCH = 64
+MIN_EPOCH_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class EpochSize:
+    """A rank's epoch of a mixture, estimated from the sources' counts alone (no schedule is built)."""
+
+    positions: float  # samples the epoch reads
+    limit: float  # the most an epoch may read (MAX_EPOCH_STRETCH x the sources' samples, at least MIN_EPOCH_LIMIT)
+    last: int  # the source whose first pass ends the epoch
+    passes: tuple[float, ...]  # passes over each source the epoch reads
+
+
+def epoch_size(sources: list[RankSource]) -> EpochSize:
+    """How long schedule() makes a rank's epoch, in O(sources): every source runs on its own clock (trained tokens /
+    weight); the epoch ends when the slowest one finishes its first pass, by which time a 'repeat' source has read
+    its weight x that time in trained tokens, a 'stop' source one pass."""
+    samples = [sum(ix.num_samples for ix in src.indexes) for src in sources]
+    tokens = [float(sum(int(np.maximum(ix.trained, 1).sum()) for ix in src.indexes)) for src in sources]
+    clocks = [t / src.weight if src.weight > 0 else float("inf") for t, src in zip(tokens, sources)]
+    live = [s for s in range(len(sources)) if samples[s]]
+    limit = float(max(MAX_EPOCH_STRETCH * sum(samples), MIN_EPOCH_LIMIT))
+    if len(sources) == 1 or not live:
+        return EpochSize(float(sum(samples)), limit, 0, tuple(1.0 if n else 0.0 for n in samples))
+    last = max(live, key=lambda s: (clocks[s], -s))
+    end = clocks[last]
+    passes = tuple(0.0 if not samples[s] else 1.0 if sources[s].on_end == "stop" or s == last
+                   else max(1.0, end * sources[s].weight / tokens[s]) for s in range(len(sources)))
+    return EpochSize(sum(p * n for p, n in zip(passes, samples)), limit, last, passes)
 
 
 def _counts_of(src: RankSource, field: str, shard: np.ndarray, sample: np.ndarray) -> np.ndarray:

@@ -200,8 +200,9 @@ def empty_state(capacity: int, window: int) -> list[int]:
     return [capacity, window, 0, 0, 0]
 
 
-def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_type: str) -> str:
-    """Start-up checks of --pack-to against the dataset and the model; returns the log line."""
+def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_type: str, world: int = 1) -> str:
+    """Start-up checks of --pack-to against the dataset and the model; returns the log line, whose fill expectation
+    counts what one of `world` ranks reads (a window never holds more than a rank's epoch)."""
     from trainer.config import ConfigError
 
     if model_type not in PACKABLE_MODELS:
@@ -215,10 +216,17 @@ def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_typ
     samples, tokens = sum(s["num_samples"] for s in shards), sum(s["num_tokens"] for s in shards)
     expect = "expected fill unknown without a manifest"
     if samples and tokens:
-        rows = window * tokens / samples / pack_to
-        expect = (f"mean sample {tokens / samples:.0f} tokens, so a window holds {rows:.1f} rows' worth: expected "
-                  + (f"fill >= {CARRY_BELOW:.2f}" if rows >= 4 else "a lower fill (raise --pack-window to "
-                     f"{4 * pack_to * samples / tokens:.0f} or more)"))
+        per_rank = samples / world
+        epoch = per_rank * tokens / samples / pack_to  # one rank's epoch, in rows' worth
+        rows = min(window, per_rank) * tokens / samples / pack_to
+        expect = f"mean sample {tokens / samples:.0f} tokens, so a window holds {rows:.1f} rows' worth: "
+        if epoch < 4:  # the whole epoch is its own last rows: only a bigger dataset (or fewer ranks) fills them
+            expect += (f"expected a low fill (a rank's whole epoch is {epoch:.1f} rows' worth, all of them the "
+                       "epoch's last rows)")
+        elif rows >= 4:
+            expect += f"expected fill >= {CARRY_BELOW:.2f} (except the epoch's last rows)"
+        else:
+            expect += f"expected a lower fill (raise --pack-window to {4 * pack_to * samples / tokens:.0f} or more)"
     return (f"trainer: packing whole samples into rows of <= {pack_to} tokens, best-fit decreasing over a window of "
             f"{window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
-            "(except the epoch's last rows; pack_fill per step in metrics.jsonl)")
+            "(pack_fill per step in metrics.jsonl)")

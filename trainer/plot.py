@@ -1,5 +1,5 @@
-"""`python -m trainer plot RUN`: one PNG of a run's curves (loss and eval loss, lr, tokens/s, data wait) from
-RUN/metrics.jsonl, for people without TensorBoard."""
+"""`python -m trainer plot RUN`: one PNG of a run's curves (loss with eval loss and, for a mixture, each source's loss;
+lr; grad norm; tokens/s; data wait; pack fill) from RUN/metrics.jsonl, for people without TensorBoard."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,13 @@ from pathlib import Path
 
 from trainer.config import ConfigError, run_tool
 
-# (metrics.jsonl key, panel title, colour): one panel per entry; eval_loss joins the loss panel.
+# (metrics.jsonl key, panel title, colour): one panel per entry, in a 2 x 3 grid; eval_loss and loss_by_source join
+# the loss panel. A run without packing has no pack_fill: its panel says so.
 PANELS = (("loss", "loss", "tab:blue"), ("lr", "learning rate", "tab:green"),
-          ("tokens_per_s", "tokens/s", "tab:purple"), ("data_wait_s", "data wait (s)", "tab:red"))
+          ("grad_norm", "grad norm (before clipping)", "tab:brown"), ("tokens_per_s", "tokens/s", "tab:purple"),
+          ("data_wait_s", "data wait (s)", "tab:red"), ("pack_fill", "pack fill (real / row tokens)", "tab:olive"))
 EVAL_COLOUR = "tab:orange"
+SOURCE_COLOURS = ("tab:cyan", "tab:pink", "tab:gray", "gold", "navy", "lime")  # loss_by_source, cycled
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -33,6 +36,18 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pts], [v for _, v in pts]
 
 
+def source_series(records: list[dict], key: str = "loss_by_source") -> dict[str, tuple[list[int], list[float]]]:
+    """Per source of a mixture: (steps, values) of the steps where that source had trained tokens."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for r in records:
+        for name, v in (r.get(key) or {}).items():
+            if isinstance(v, (int, float)) and "step" in r:
+                steps, values = out.setdefault(name, ([], []))
+                steps.append(r["step"])
+                values.append(float(v))
+    return out
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the curves of RUN/metrics.jsonl to `out` (default RUN/curves.png); returns the PNG's path."""
     try:
@@ -45,16 +60,24 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not any("loss" in r for r in records):
         raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no training steps yet: nothing to plot")
     out = Path(out) if out else run_dir / "curves.png"
-    fig = Figure(figsize=(11, 7), dpi=100, layout="constrained")
+    fig = Figure(figsize=(15, 7), dpi=100, layout="constrained")
     fig.suptitle(str(run_dir))
-    for ax, (key, title, colour) in zip(fig.subplots(2, 2).flat, PANELS):
+    for ax, (key, title, colour) in zip(fig.subplots(2, 3).flat, PANELS):
         steps, values = series(records, key)
         ax.plot(steps, values, color=colour, marker="." if len(steps) < 50 else None, label=key)
         if key == "loss":
+            for i, (name, (s_steps, s_values)) in enumerate(sorted(source_series(records).items())):
+                ax.plot(s_steps, s_values, color=SOURCE_COLOURS[i % len(SOURCE_COLOURS)], linewidth=1,
+                        label=f"loss {name}")
             eval_steps, eval_values = series(records, "eval_loss")
             if eval_steps:
                 ax.plot(eval_steps, eval_values, color=EVAL_COLOUR, marker="o", label="eval_loss")
-            ax.legend()
+            ax.legend(fontsize="small")
+        if not steps:
+            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl" + (" (no --pack-to)" if key == "pack_fill" else ""),
+                    ha="center", va="center", transform=ax.transAxes, color="0.4")
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -19,8 +19,10 @@ from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
 from trainer.index import index_shards
+from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_index, expected_sha256
+from trainer.metrics import plural
 from trainer.model import model_type_of
-from trainer.order import RankSource, Schedule, rank_steps, schedule
+from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
 from trainer.shards import (
     REMOTE,
     DataError,
@@ -59,16 +61,33 @@ def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], pr
                               "other's --processor")
 
 
+def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> None:
+    """A dataset of a mixture with no samples could never get its weight's share (it would train at 0.0 in silence)."""
+    total = sum(d.weight for d in specs)
+    for spec, ds in zip(specs, datasets):
+        if ds.counted and sum(s.num_samples for s in ds.shards) == 0:
+            raise ConfigError(f"dataset {spec.name!r} ({spec.path}) holds 0 samples, so the mixture cannot give it "
+                              f"its weight {spec.weight / total:.3g} of the trained tokens: drop it from --data, or "
+                              "rebuild it (`vlmprep stats` shows why its records were rejected)")
+
+
 def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
-                 world: int, cache: Path) -> tuple[list[RankSource], int]:
+                 world: int, cache: Path, check: ShardCheck | None = None) -> tuple[list[RankSource], int]:
     """Each source's shards as this rank reads them, with their sample indexes (trainer/index.py: the build's
-    sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their tars)."""
+    sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their tars). Local shards
+    are checked against their manifest's sha256 first (by `check`; none: stats only); where every rank reads every
+    shard (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are checked by the shard
+    cache as it fetches them."""
+    check = check or ShardCheck(None, enabled=False)
     total = sum(d.weight for d in specs)
     out, derived = [], 0
     for spec, ds, plan in zip(specs, datasets, plans):
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
-        indexes, n = index_shards(shards, cache)
-        derived += n
+        want = expected_sha256(ds)
+        hashed = {s.url for k, s in enumerate(shards) if not plan.stride or k % world == rank}
+        indexes = index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want.get(s.name)
+                                                               if s.url in hashed else None))
+        derived += sum(s.index is None for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
                               (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))
     return out, derived
@@ -105,6 +124,7 @@ def fit_span(cfg: TrainConfig, data: "RunData", world: int) -> TrainConfig:
 def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> tuple[list[int], Schedule]:
     """Steps of each epoch, by running the batcher / packer over the stored token counts in schedule order; the
     busiest rank sets an epoch's length (the others pad). Also returns epoch 0's schedule, for the loader."""
+    check_epoch_size(cfg, sources, device)
     mine, first = [], None
     for epoch in range(cfg.epochs):
         order = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
@@ -119,6 +139,26 @@ def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.dev
     return [int(x) for x in steps.tolist()], first
 
 
+def check_epoch_size(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> None:
+    """Refuse, on every rank alike, mixture weights that stretch an epoch beyond order.MAX_EPOCH_STRETCH x the data
+    (a weight of 1e-9 would take the schedule forever to build, whatever --max-steps says)."""
+    size = epoch_size(sources)
+    worst = torch.tensor([min(size.positions / size.limit, 1e300)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if worst.item() <= 1.0:
+        return
+    slow = cfg.sources[size.last]
+    again = [f"{d.name} {p:.3g} times" for d, p, src in zip(cfg.sources, size.passes, sources)
+             if p > 1 and src.on_end == "repeat"]
+    held = sum(ix.num_samples for s in sources for ix in s.indexes)
+    raise ConfigError(f"mixture weights: one epoch would read about {size.positions:.3g} samples on this rank (its "
+                      f"datasets hold {held} there), since an epoch ends when every dataset has been read through "
+                      f"once and {slow.name!r} (weight {slow.weight:g}) is read through only after "
+                      f"{', '.join(again) or 'the others repeat'}: raise {slow.name}'s weight (a weight is a share of "
+                      "the trained tokens), or drop it from --data")
+
+
 @dataclass(frozen=True)
 class RunData:
     """The run's datasets, resolved: their specs, shard lists and rank plans, and the image processor they share."""
@@ -128,6 +168,8 @@ class RunData:
     plans: list[ShardPlan]
     image: ImageSpec
     label: str  # how run.json and messages name the data
+    warnings: tuple[str, ...] = ()  # printed by rank 0 with the start-up lines
+    watch: DatasetWatch | None = None  # the local datasets' manifests, checked every step
 
 
 def open_data(cfg: TrainConfig, world: int) -> RunData:
@@ -136,28 +178,65 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
     model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
     for d, ds in zip(specs, datasets):
         refuse_videos(ds.manifest, str(d.path), model_type)
+    warnings = []
     for d in cfg.eval_sources:
-        refuse_videos(resolve_data(d.path).manifest, f"--eval-data {d.path}", model_type)
+        held = resolve_data(d.path)
+        refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
+        warnings += eval_overlap(d, held, specs, datasets)
     image = _load_image_spec(cfg, datasets[0].processor)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)
+        refuse_empty(specs, datasets)
     label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
-    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label)
+    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label, tuple(warnings),
+                   DatasetWatch(datasets))
+
+
+def _shard_keys(ds: DataSource) -> dict[str, str]:
+    """Each shard's identity -> its URL: the manifest's sha256 (a copy of a dataset is the same data), else the
+    resolved path or URL."""
+    sha = {s.get("name"): s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
+    return {sha.get(s.name) or (os.path.realpath(s.url) if "://" not in s.url and not s.url.startswith("pipe:")
+                                else s.url): s.url for s in ds.shards}
+
+
+def eval_overlap(spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...],
+                 datasets: list[DataSource]) -> list[str]:
+    """A warning when an eval set shares shards with the training data: its loss is then no held-out loss. Not
+    refused: the training data as eval data is a fair check of fit (docs/trainer.md)."""
+    trained = {k for ds in datasets for k in _shard_keys(ds)}
+    mine = _shard_keys(held)
+    shared = [k for k in mine if k in trained]
+    if not shared:
+        return []
+    which = ", ".join(d.path for d, ds in zip(specs, datasets) if set(_shard_keys(ds)) & set(shared))
+    return [f"--eval-data {spec.path} shares {len(shared)} of its {len(mine)} shards with the training data ({which}): "
+            "its eval loss is measured on trained samples, not held out; build the eval set from records kept out "
+            "of the training data"]
 
 
 def log_plans(data: RunData, world: int) -> None:
+    for w in data.warnings:
+        print(f"trainer: warning: {w}", file=sys.stderr)
     for d, ds, p in zip(data.specs, data.datasets, data.plans):
-        counts = ", ".join(f"rank {r}: {len(s)} shards {t} {'tokens' if ds.counted else 'shards'}"
+        counts = ", ".join(f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")
                            for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
         if p.stride:
             counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-        print(f"trainer: {f'{d.name}: ' if d.name else ''}{len(ds.shards)} shards over {world} ranks ({counts}); "
+        print(f"trainer: {f'{d.name}: ' if d.name else ''}{plural(len(ds.shards), 'shard')} over "
+              f"{plural(world, 'rank')} ({counts}); "
               f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
               "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
 
 
+def shard_check(cfg: TrainConfig, out: Path, rank: int) -> ShardCheck:
+    """This rank's sha256 checks of the shards it reads, remembered in its shard cache dir (trainer/integrity.py)."""
+    return ShardCheck(Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}" / RECORD,
+                      enabled=cfg.verify_shards)
+
+
 def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, device: torch.device,
-                collate_spec: CollateSpec, out: Path) -> tuple[StepLoader, int | None, int]:
+                collate_spec: CollateSpec, out: Path, check: ShardCheck) -> tuple[StepLoader, int | None, int]:
     """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
     The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without them the
     shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
@@ -168,8 +247,10 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
     root = Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}"
     if scheduled or local:
         t0 = time.perf_counter()
-        sources, derived = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world, cache=root)
+        sources, derived = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world, cache=root,
+                                        check=check)
         index_s = time.perf_counter() - t0
+    check.save()  # what this rank hashed (eval sets too): a resume does not hash it again
     if scheduled and remote_shards(sources):
         limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
         cache = ShardCache(sources, root, limit=limit, prefetch=cfg.shard_prefetch)
@@ -202,7 +283,9 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                         stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
                         pack_window=cfg.pack_window, sources=sources if scheduled else None,
                         sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span,
-                        first_schedule=first if scheduled else None, cache=cache)
+                        first_schedule=first if scheduled else None, cache=cache,
+                        signatures={s.url: ix.signature for src in sources or [] for s, ix in zip(src.shards,
+                                                                                                   src.indexes)})
     return loader, total, schedule_len
 
 
@@ -224,6 +307,9 @@ def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predic
                  for d, s in zip(specs, sources)]
         print("trainer: mixture by share of trained tokens: " + "; ".join(parts) + "; an epoch ends when every "
               "dataset has been read through once", file=sys.stderr)
-    if predicted is not None:
+    if cfg.max_steps:  # the run's length is --max-steps, whatever an epoch holds
+        per = f"; predicted steps per epoch: {predicted[0]}" if predicted else ""
+        print(f"trainer: run length: {plural(cfg.max_steps, 'step')} (--max-steps){per}", file=sys.stderr)
+    elif predicted is not None:
         print(f"trainer: predicted steps per epoch: {', '.join(map(str, predicted))} (total {sum(predicted)})",
               file=sys.stderr)

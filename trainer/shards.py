@@ -133,6 +133,19 @@ def _check_local_shards(shards: list[ShardRef], manifest_url: str) -> None:
                             "or was modified: copy it again and run `vlmprep verify DIR`")
 
 
+RAW_SUFFIXES = (".jsonl", ".jsonl.zst", ".json")  # what `vlmprep build --in` reads
+
+
+def _refuse_raw_input(path: str) -> None:
+    """A records file (or a dir of them, no manifest.json) is what `vlmprep build` reads, not shards: say so."""
+    p = Path(path)
+    raw = p.is_file() and p.name.endswith(RAW_SUFFIXES) or p.is_dir() and not (p / "manifest.json").exists() and any(
+        c.name.endswith(RAW_SUFFIXES) for c in p.iterdir())
+    if raw:
+        raise DataError(f"--data {path} is raw input (records), not a built dataset: run `vlmprep build --in {path} "
+                        "--out DIR` first, then pass --data DIR")
+
+
 def resolve_data(url: str) -> DataSource:
     """Dataset dir or base URL (manifest required), shard path/pattern/URL (manifest used when beside it),
     or `pipe:` commands (no manifest)."""
@@ -151,6 +164,8 @@ def resolve_data(url: str) -> DataSource:
             raise DataError(str(e)) from None
     is_pattern = "{" in url or url.endswith(".tar")
     if not is_pattern:
+        if not remote:
+            _refuse_raw_input(url)
         if not remote and not Path(url).is_dir():
             raise DataError(f"--data {url}: no such dataset dir (or pass a shard pattern like "
                             "DIR/shard-{000000..000009}.tar)")

@@ -3,6 +3,7 @@ load -> loop of train_step (loss = summed token losses / global trained-token co
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -16,8 +17,8 @@ import torch.distributed as dist
 
 from trainer.checkpoint import (
     check_resumable,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest,
+    own_run_dir,
     run_identity,
     save_checkpoint,
     start_run_dir,
@@ -27,10 +28,10 @@ from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.data import StepLoader
 from trainer.decode import trains_videos
 from trainer.evaluate import EvalSet, eval_sets, evaluate
-from trainer.metrics import FlopCounter, RunLog, peak_flops
+from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
 from trainer.pack import check_packing, empty_state
-from trainer.rundata import RunData, fit_span, log_plans, make_loader, open_data
+from trainer.rundata import RunData, fit_span, log_plans, make_loader, open_data, shard_check
 from trainer.shards import DataError
 from trainer.vision import Patchifier
 
@@ -116,7 +117,7 @@ def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Pa
         log_plans(data, world)
 
 
-def make_model(cfg: TrainConfig, data: RunData, *, rank: int) -> torch.nn.Module:
+def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int) -> torch.nn.Module:
     """The model before FSDP; with packing, every dataset's seq_len checked against a row."""
     net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
                       attn_implementation=cfg.attn_implementation,
@@ -125,7 +126,7 @@ def make_model(cfg: TrainConfig, data: RunData, *, rank: int) -> torch.nn.Module
     if cfg.pack_to:
         # Every dataset's seq_len must fit a row; the log line speaks of the first.
         line = [check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest,
-                              model_type=str(net.config.model_type)) for ds in data.datasets][0]
+                              model_type=str(net.config.model_type), world=world) for ds in data.datasets][0]
         if rank == 0:
             print(line, file=sys.stderr)
     return net
@@ -135,11 +136,12 @@ def resume_state(cfg: TrainConfig, out: Path, *, net: torch.nn.Module, optimizer
                  device: torch.device, rank: int) -> tuple[int, int, int, list[int]]:
     """(step, epoch, stream position, packer state) to start from: with --resume and a checkpoint, the checkpoint's
     (model, optimizer and RNG states loaded too); else zeros."""
-    ckpt = latest_checkpoint(out) if cfg.resume else None
-    if ckpt is None:
+    found = load_latest(out, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to)) \
+        if cfg.resume else None
+    if found is None:
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
         return 0, 0, 0, []
-    r = load_checkpoint(ckpt, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to))
+    ckpt, r = found
     if rank == 0:
         print(f"trainer: resumed from {ckpt} (step {r.step}, epoch {r.epoch})", file=sys.stderr)
     return r.step, r.epoch, r.position, r.pack_state
@@ -183,6 +185,8 @@ class Session:
         # does not say so when it is not known up front (token budget, packing).
         while (self.total is None or self.step < self.total) and (cfg.max_steps or self.epoch < cfg.epochs):
             t0 = time.perf_counter()
+            if self.data.watch is not None:
+                self.data.watch.check()  # a build replacing the dataset stops the run here (trainer/integrity.py)
             micro_batches = self.loader.next_step()
             wait = time.perf_counter() - t0
             totals = all_sum([sum(b.num_trained for b in micro_batches), sum(b.num_samples for b in micro_batches),
@@ -252,7 +256,12 @@ class Session:
         """After the loop: the last eval and checkpoint where the last step did not make them, the HF export and
         rank 0's closing lines."""
         cfg, step, loader, out, last = self.cfg, self.step, self.loader, self.out, self.last
-        if self.evals and last is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
+        if last is None and self.rank == 0:  # resumed from its final checkpoint: say so, then do what is left
+            length = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs}"
+            self._say(f"trainer: nothing left to train: {out} finished at step {step} ({length}); raise --max-steps "
+                      "or --epochs to train further")
+        if self.evals and (not (cfg.eval_every and step % cfg.eval_every == 0) if last is not None
+                           else not self._eval_logged()):
             evaluate(self.net, self.evals, step=step, device=self.device, patchifier=self.patchifier, log=self.log)
         if step != self.saved_at:
             same = loader.epoch == self.epoch
@@ -272,8 +281,20 @@ class Session:
                 shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / weights:.3f})"
                                    for n, c, d in zip(names, mixed_so_far, specs))
                 print(f"trainer: realized trained-token shares this session: {shares}", file=sys.stderr)
-            print(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
-                  f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
+            self._say(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
+                      f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
+
+    def _say(self, line: str) -> None:
+        """A closing line: on stdout and in RUN/train.log (rank 0)."""
+        print(line)
+        if self.log is not None:
+            self.log.note(line)
+
+    def _eval_logged(self) -> bool:
+        """Whether metrics.jsonl holds this step's eval of these sets already (rank 0 reads, every rank agrees)."""
+        names = [s.name for s in self.evals]
+        done = float(self.rank == 0 and eval_logged(self.out, self.step, names if len(names) > 1 else None))
+        return all_sum([done], self.device)[0] > 0
 
 
 def run(cfg: TrainConfig) -> dict | None:
@@ -281,32 +302,36 @@ def run(cfg: TrainConfig) -> dict | None:
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     loader = log = None
+    owner = contextlib.ExitStack()
     try:
         data = open_data(cfg, world)
         cfg = fit_span(cfg, data, world)  # under --shard-cache-limit: shuffle blocks that fit the cache
         datasets, spec = data.datasets, data.image
+        owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
         start_run(cfg, data, rank=rank, world=world, out=out)
-        net = make_model(cfg, data, rank=rank)
+        net = make_model(cfg, data, rank=rank, world=world)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
                                    image_token_id=image_token_id(net), patch_size=spec.patch_size,
                                    merge_size=spec.merge_size, video_token_id=video_token_id(net),
                                    videos=trains_videos(datasets, str(net.config.model_type)))
+        check = shard_check(cfg, out, rank)
         evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec,
-                          train_data=datasets[0], model_type=str(net.config.model_type))
+                          train_data=datasets[0], model_type=str(net.config.model_type), check=check)
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
         optimizer = build_optimizer(cfg, net)
         loader, total, schedule_len = make_loader(cfg, data, rank=rank, world=world, device=device,
-                                                  collate_spec=collate_spec, out=out)
+                                                  collate_spec=collate_spec, out=out, check=check)
         step, epoch, position, pack_state = resume_state(cfg, out, net=net, optimizer=optimizer, device=device,
                                                          rank=rank)
         loader.start(epoch, position, pack_state)
         patchifier = Patchifier(spec, device)
-        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress,
-                     tensorboard=cfg.tensorboard) if rank == 0 else None
+        # Step lines on stdout unless a progress bar shows the run there (a terminal): Slurm and nohup logs read them.
+        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress, tensorboard=cfg.tensorboard,
+                     log_every=cfg.log_every, echo=not (cfg.progress and sys.stdout.isatty())) if rank == 0 else None
         session = Session(cfg=cfg, data=data, net=net, optimizer=optimizer, loader=loader, patchifier=patchifier,
                           evals=evals, log=log, flop_counter=flop_counter, peak=peak, total=total,
                           schedule_len=schedule_len, rank=rank, world=world, device=device, out=out, step=step,
@@ -320,6 +345,7 @@ def run(cfg: TrainConfig) -> dict | None:
             log.close()
         if loader is not None:
             loader.close()
+        owner.close()
         dist.destroy_process_group()
 
 

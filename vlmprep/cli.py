@@ -131,25 +131,33 @@ def build(**opts) -> None:
         typer.echo(format_plan_summary(result.plan, out))
 
 
+# merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
+_REJECTS, _COVERAGE = FIELDS["max_reject_fraction"].default, FIELDS["min_turn_coverage"].default
+
+
 @app.command()
 def merge(
     root: Annotated[Path, typer.Argument(help="A dataset dir whose plan's tasks have all finished.")],
     max_reject_fraction: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the "
-                               "records is rejected; 1 = never.")] = 0.05,
+                               "records is rejected; 1 = never.")] = _REJECTS,
+    min_turn_coverage: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when fewer than this share of the "
+                               "assistant turns to train land in a sample; 0 = never.")] = _COVERAGE,
     allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs).
 
-    Reads every sample's line of the tasks' sample lists (ids repeated across tasks are rejected here), not the
-    shards: time grows with the sample count (docs/scale.md)."""
-    from vlmprep.build.merge import merge_tasks
-    from vlmprep.build.pipeline import RejectsError, check_rejects
+    Reads every sample's line of the tasks' sample lists (ids repeated across tasks are rejected here) and hashes
+    every shard: time grows with the sample count and the bytes (docs/scale.md)."""
+    from vlmprep.build.pipeline import RejectsError, check_dataset
+    from vlmprep.build.pipeline import merge as merge_dir
     from vlmprep.shards.summary import format_build_summary
 
     try:
-        manifest = merge_tasks(root)
-        check_rejects(manifest, root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
+        manifest = merge_dir(root)
+        check_dataset(manifest, root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction,
+                      min_turn_coverage=min_turn_coverage)
     except RejectsError as e:
         typer.echo(format_build_summary(e.manifest, root))
         _fail(e)
@@ -220,8 +228,11 @@ def inspect(
 def stats(
     root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+    html: Annotated[Optional[str], typer.Option(
+        help="Also write a self-contained HTML report with histograms to this file.")] = None,
 ) -> None:
-    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects.
+    """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects,
+    each input file's turn coverage, distributions, and warnings with their fixes.
 
     Reads every sample's arrays and meta (counts recomputed and checked against the manifest): time grows with the
     sample count (docs/scale.md)."""
@@ -231,9 +242,15 @@ def stats(
 
     try:
         st = compute_stats(root)
+        if html:
+            from vlmprep.tools.stats_report import write_stats_report
+
+            write_stats_report(Path(html), st)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     typer.echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st))
+    if html:
+        typer.echo(f"wrote {html}", err=json_out)
 
 
 def main() -> None:

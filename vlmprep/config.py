@@ -41,16 +41,21 @@ def parse_keep_images(value: str) -> int | None:
     return int(n)
 
 
+def show_keep_images(value: int | None) -> str:
+    """--keep-images as typed: the inverse of parse_keep_images."""
+    return "all" if value is None else f"last:{value}"
+
+
 def opt(default, group: str | None, text: str, *, flag: str = "", choices: tuple[str, ...] = (), parse=None,
-        spelled: str | None = None, cli_type=None, bounds: tuple[float, float] | None = None):
+        spelled: str | None = None, show=None, cli_type=None, bounds: tuple[float, float] | None = None):
     """A BuildConfig field with its one declaration of docs: `text` and `group` feed `vlmprep build --help` (group None:
     a library-only field, no flag). `flag` overrides --field-name; `choices` are checked at parse time; `parse` turns
-    the flag's text (default `spelled`) into the value; `cli_type` overrides the flag's type; `bounds` is a checked
-    range."""
+    the flag's text (default `spelled`) into the value and `show` the value back into that text; `cli_type` overrides
+    the flag's type; `bounds` is a checked range."""
     assert group in GROUPS + (None,) and text, f"option needs a group from {GROUPS} and a help text"
     return dataclasses.field(default=default, metadata={
         "group": group, "help": text, "flag": flag, "choices": choices, "parse": parse, "spelled": spelled,
-        "cli_type": cli_type, "bounds": bounds})
+        "show": show, "cli_type": cli_type, "bounds": bounds})
 
 
 def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> None:
@@ -100,10 +105,11 @@ class BuildConfig:
     video_max_frames: int | None = opt(None, IMAGES, "Most frames sampled from a video, unless a part sets max_frames "
                                        "(saved into DIR/processor).")
     # Agent traces (docs/build.md): what a record longer than seq_len becomes, the screenshot history kept.
-    long_traces: str = opt("truncate", AGENT, "A record longer than --seq-len: truncate (cut the end) | split (step "
-                           "samples, every trained turn kept).", choices=LONG_TRACES)
+    # split by default: truncation silently drops the later turns of every long trace (docs/build.md says why).
+    long_traces: str = opt("split", AGENT, "A record longer than --seq-len: split (step samples, every trained turn "
+                           "kept) | truncate (cut the end, its turns lost).", choices=LONG_TRACES)
     keep_images: int | None = opt(None, AGENT, "Screenshot history per sample: all | last:N (earlier images removed).",
-                                  parse=parse_keep_images, spelled="all")
+                                  parse=parse_keep_images, spelled="all", show=show_keep_images)
     dropped_image_text: str | None = opt(None, AGENT, "Text that replaces each image --keep-images removes (default: "
                                          "dropped).")
     strict: bool = opt(False, LIMITS, "Stop at the first rejected record.")
@@ -111,6 +117,10 @@ class BuildConfig:
     # option must not pass as a finished dataset.
     max_reject_fraction: float = opt(0.05, LIMITS, "Exit 1 (after writing everything) when more than this share of the "
                                      "records is rejected, naming the fix; 1 = never.", bounds=(0.0, 1.0))
+    # Fewer trained turns than this share is an error the same way: lost turns are as silent as rejected records.
+    min_turn_coverage: float = opt(0.95, LIMITS, "Exit 1 (after writing everything) when fewer than this share of "
+                                   "the assistant turns to train land in a sample (lost to --seq-len), naming the "
+                                   "fix; 0 = never.", bounds=(0.0, 1.0))
     allow_empty: bool = opt(False, LIMITS, "Exit 0 even when every record is rejected (0 samples).")
     max_image_pixels: int = opt(64_000_000, LIMITS, "Reject images whose declared size exceeds this.")  # bomb guard
     max_images_per_record: int = opt(64, LIMITS, "Reject records with more images.")
@@ -169,6 +179,9 @@ class BuildConfig:
         if not 0 <= self.max_reject_fraction <= 1:
             raise ValueError(f"max_reject_fraction={self.max_reject_fraction}: must be in 0..1 (1 = never fail on "
                              "rejects), e.g. --max-reject-fraction 0.05")
+        if not 0 <= self.min_turn_coverage <= 1:
+            raise ValueError(f"min_turn_coverage={self.min_turn_coverage}: must be in 0..1 (0 = never fail on lost "
+                             "turns), e.g. --min-turn-coverage 0.95")
 
     def _check_policy(self) -> None:
         if not self.train_on_roles or set(self.train_on_roles) - set(ROLES):
@@ -235,13 +248,33 @@ class BuildConfig:
         d["train_on_roles"] = list(self.train_on_roles)
         # Display, worker count, the exit-code rule, the output dir and how tasks are run never change the bytes, so
         # a copy, a rebuild elsewhere or another executor stays byte-identical (the task count does change them).
-        for k in ("progress", "workers", "out", "allow_empty", "max_reject_fraction", "overwrite", "task_index",
-                  "plan_only", "executor", "ray_address"):
+        for k in ("progress", "workers", "out", "allow_empty", "max_reject_fraction", "min_turn_coverage", "overwrite",
+                  "task_index", "plan_only", "executor", "ray_address"):
             d.pop(k)
         return d
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
+
+
+def spelled(name: str, value) -> str:
+    """A resolved config value as the user types it (`last:3`, `assistant,tool`), "not set" for an unset one."""
+    show = FIELDS[name].metadata["show"] if name in FIELDS else None
+    if show is not None:
+        return show(value)
+    if value is None:
+        return "not set"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def spelled_flag(name: str, value) -> str:
+    """`--keep-images last:3`, `--no-allow-remote`, `--chat-template not set`: an option as the user writes it."""
+    flag = (FIELDS[name].metadata["flag"] if name in FIELDS else "") or "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {spelled(name, value)}"
 # The build options `vlmprep inspect` takes on raw input (in its --help order): those that change what a record
 # renders to.
 RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls", "reasoning",

@@ -114,7 +114,8 @@ def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: 
         grid = (1, pixels.shape[0] // ip.patch_size, pixels.shape[1] // ip.patch_size)
     else:
         grid = (1, pixels.shape[0], pixels.shape[1])  # no grid in these processors: the stored size, as image_sizes
-    return PreparedImage(pixels=pixels, grid_thw=grid, source=img, digest=hashlib.sha256(img.data).hexdigest())
+    return PreparedImage(pixels=pixels, grid_thw=grid, source=img, digest=hashlib.sha256(img.data).hexdigest(),
+                         source_size=(w, h))
 
 
 def _smart_resize(processor, ip, t):

@@ -19,6 +19,8 @@ from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, S
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
          "assistant": "assistant", "gpt": "assistant", "tool": "tool", "observation": "tool", "function": "tool"}
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 _MAX_REMOTE_BYTES = 64 << 20
 
@@ -44,21 +46,24 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
 
     base_dir = os.path.dirname(os.path.abspath(source.file))
     root = os.path.realpath(opts.image_root or base_dir)
-    marker_images = data.get("images")
+    marker_images, marker_videos = data.get("images"), data.get("videos")
     if marker_images is not None and not isinstance(marker_images, list):
         raise RecordError("invalid_images_field", "'images' must be a list of paths or URLs")
-    pending = list(marker_images or [])
+    if marker_videos is not None and not isinstance(marker_videos, list):
+        raise RecordError("invalid_videos_field", "'videos' must be a list of video paths (or of frame-image lists)")
+    pending = {IMAGE_MARKER: list(marker_images or []), VIDEO_MARKER: list(marker_videos or [])}
 
-    # <image> markers are the ShareGPT / LLaMA-Factory layout's own convention (an 'images' list, even empty, or
-    # the 'conversations' key); in an OpenAI-layout record they are ordinary text.
-    markers = marker_images is not None or "conversations" in data
+    # <image> / <video> markers are the ShareGPT / LLaMA-Factory layout's own convention (an 'images' or 'videos'
+    # list, even empty, or the 'conversations' key); in an OpenAI-layout record they are ordinary text.
+    markers = marker_images is not None or marker_videos is not None or "conversations" in data
     ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers,
                         videos=opts.videos)
     messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
-    if pending:
-        raise RecordError("image_count_mismatch",
-                          f"'images' lists {len(marker_images)} images but the text has only "
-                          f"{len(marker_images) - len(pending)} {IMAGE_MARKER} markers")
+    for marker, given, kind in ((IMAGE_MARKER, marker_images, "image"), (VIDEO_MARKER, marker_videos, "video")):
+        if pending[marker]:
+            raise RecordError(f"{kind}_count_mismatch",
+                              f"'{kind}s' lists {len(given)} {kind}s but the text has only "
+                              f"{len(given) - len(pending[marker])} {marker} markers")
     if not any(m.role == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", "record has no assistant message to train on")
     n_images = sum(len(m.images) for m in messages)
@@ -135,7 +140,7 @@ def _check_text(text, where: str) -> str:
     return text
 
 
-def _normalize_message(m, idx: int, pending: list, ctx: "_ImageContext") -> Message:
+def _normalize_message(m, idx: int, pending: dict[str, list], ctx: "_ImageContext") -> Message:
     where = f"messages[{idx}]"
     if not isinstance(m, dict):
         raise RecordError("invalid_message", f"{where} is a {type(m).__name__}, expected an object")
@@ -193,23 +198,29 @@ def _normalize_reasoning(m: dict, role: str, where: str) -> str | None:
     return texts.pop()
 
 
-def _split_markers(text: str, pending: list, ctx: "_ImageContext", where: str) -> list[Part]:
-    """LLaMA-Factory layout: each <image> marker takes the next entry of the record's 'images' list."""
-    if not ctx.markers or IMAGE_MARKER not in text:
+def _split_markers(text: str, pending: dict[str, list], ctx: "_ImageContext", where: str) -> list[Part]:
+    """LLaMA-Factory layout: each <image> marker takes the next entry of the record's 'images' list, each <video>
+    marker the next of its 'videos' list (a video path, or a list of frame images as LLaMA-Factory also takes)."""
+    if not ctx.markers or (IMAGE_MARKER not in text and VIDEO_MARKER not in text):
         return [Part("text", text=text)] if text else []
     parts: list[Part] = []
-    pieces = text.split(IMAGE_MARKER)
-    for k, piece in enumerate(pieces):
-        if piece:
-            parts.append(Part("text", text=piece))
-        if k < len(pieces) - 1:
-            if not pending:
-                raise RecordError("image_count_mismatch", f"{where}: more {IMAGE_MARKER} markers than 'images' entries")
-            parts.append(Part("image", image=ctx.fetch(pending.pop(0), where)))
+    for piece in _MARKERS.split(text):
+        if piece not in pending:
+            if piece:
+                parts.append(Part("text", text=piece))
+            continue
+        kind = "image" if piece == IMAGE_MARKER else "video"
+        if not pending[piece]:
+            raise RecordError(f"{kind}_count_mismatch", f"{where}: more {piece} markers than '{kind}s' entries")
+        ref = pending[piece].pop(0)
+        if kind == "image":
+            parts.append(Part("image", image=ctx.fetch(ref, where)))
+        else:
+            parts.append(_video({"type": "video", "video": ref}, "video", where, ctx))
     return parts
 
 
-def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[Part]:
+def _normalize_part(p, where: str, pending: dict[str, list], ctx: "_ImageContext") -> list[Part]:
     if isinstance(p, str):
         return _split_markers(_check_text(p, where), pending, ctx, where)
     if not isinstance(p, dict):
@@ -237,14 +248,18 @@ def _normalize_part(p, where: str, pending: list, ctx: "_ImageContext") -> list[
         ref = p.get("image", p.get("url", p.get("path")))
         return [Part("image", image=ctx.fetch(ref, where))]
     if ptype in ("video", "video_url", "input_video"):
-        if not ctx.videos:
-            raise RecordError("unsupported_video", f"{where}: this processor's family has no video support in "
-                                                   "vlmprep (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have); drop the "
-                                                   "video part or build with one of those processors")
-        return [Part("video", video=_video_part(p, ptype, where, ctx))]
+        return [_video(p, ptype, where, ctx)]
     if ptype in ("audio", "input_audio", "audio_url"):
         raise RecordError("unsupported_audio", f"{where}: audio parts are not supported")
     raise RecordError("unknown_content_type", f"{where}: unknown content part type {ptype!r}")
+
+
+def _video(p: dict, ptype: str, where: str, ctx: "_ImageContext") -> Part:
+    if not ctx.videos:
+        raise RecordError("unsupported_video", f"{where}: this processor's family has no video support in "
+                                               "vlmprep (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have); drop the "
+                                               "video part or build with one of those processors")
+    return Part("video", video=_video_part(p, ptype, where, ctx))
 
 
 _VIDEO_OPTIONS = {"fps": float, "max_frames": int, "min_pixels": int, "max_pixels": int, "total_pixels": int}

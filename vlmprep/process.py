@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 from vlmprep.config import BuildConfig
 from vlmprep.images import prepare_image
@@ -19,7 +20,7 @@ from vlmprep.shards.writer import encode_sample
 from vlmprep.traces import StepPolicy, split_trace, whole_trace
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RawRecord, RecordError, RenderedSample, deterministic_message, printable
-from vlmprep.videos import prepare_video
+from vlmprep.videos import DEFAULT_VIDEO_FPS, prepare_video
 
 
 class Renderer:
@@ -51,7 +52,8 @@ class Renderer:
                                      videos=self.ctx.family.video is not None)
         if not saved:
             apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-            apply_video_budget(processor, self.ctx.family, fps=cfg.video_fps, max_frames=cfg.video_max_frames)
+            apply_video_budget(processor, self.ctx.family, fps=cfg.video_fps, max_frames=cfg.video_max_frames,
+                               default_fps=DEFAULT_VIDEO_FPS)
         self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
                                 dropped_image_text=cfg.dropped_image_text)
         self.turns: collections.Counter = collections.Counter()
@@ -61,7 +63,7 @@ class Renderer:
         """parse -> normalize -> prepare images -> history/split (traces.py) -> render + mask -> truncate; raises
         RecordError. One sample per record, or several when --long-traces split cuts a long trace; `self.turns`
         then holds the record's turn accounting and `self.lost` the trained turns that could not fit."""
-        self.turns, self.lost = collections.Counter(), []
+        self.turns, self.lost, self.largest_image = collections.Counter(), [], 0
         conv = normalize_record(parse_record(raw), raw.source, self.norm)
         assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
         self.turns["input_assistant_turns"] = len(assistant)
@@ -70,6 +72,7 @@ class Renderer:
         try:
             images = [prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                     min_side=self.cfg.min_image_side) for im in conv.images]
+            self.largest_image = max(map(self._image_tokens, images), default=0)
             # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
             videos = {id(v): prepare_video(v, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
                                            min_side=self.cfg.min_image_side, max_tokens=self.cfg.seq_len)
@@ -101,8 +104,10 @@ class Renderer:
                     sample, id=conv.id if sc.split is None else f"{conv.id}#{sc.split}",
                     source_messages=sc.source_messages, trains=sorted(after), removed_images=sc.removed_images,
                     split=sc.split))
-        except RecordError:
+        except RecordError as e:
             self.turns["turns_lost_rejected"] = len(assistant)
+            if e.reason == "no_trainable_tokens_after_truncation":
+                self._count_large_image_loss(len(assistant))
             raise
         # Reasoning left out: by --reasoning drop, or by the template itself (Qwen3.5 prints it only after the last
         # user query), counted per input turn that no sample rendered it for.
@@ -112,11 +117,29 @@ class Renderer:
         self.turns["turns_lost_too_long"] = len(set(self.lost) & assistant)
         self.turns["turns_lost_policy"] = (len(assistant) - self.turns["trained_assistant_turns"]
                                            - self.turns["turns_lost_truncated"] - self.turns["turns_lost_too_long"])
+        self._count_large_image_loss(self.turns["turns_lost_truncated"] + self.turns["turns_lost_too_long"])
         return samples
 
+    def _image_tokens(self, image) -> int:
+        """Placeholder tokens of one prepared image (0 for families whose count the grid does not give)."""
+        merge = getattr(self.processor.image_processor, "merge_size", 1)
+        return math.prod(image.grid_thw) // (merge * merge) if self.ctx.family.grid_images else 0
+
+    @property
+    def _large_image(self) -> bool:
+        """The record holds an image over half of --seq-len: the turns that cost are --max-pixels' to fix, which
+        neither splitting nor dropping older screenshots can replace."""
+        return 2 * self.largest_image > self.cfg.seq_len
+
+    def _count_large_image_loss(self, lost: int) -> None:
+        if lost and self._large_image:  # build's fix line reads this count
+            self.turns["turns_lost_large_image"] = lost
+
     def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
+        big = f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)" if self._large_image \
+            else ""
         return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "
-                            f"{self.cfg.seq_len} even with only the system message and the task as context")
+                            f"{self.cfg.seq_len} even with only the system message and the task as context{big}")
 
     def process(self, raw: RawRecord):
         """Returns (outcomes, turn accounting): outcomes are ("ok", ShardSample) per sample and ("reject", entry) per

@@ -72,6 +72,7 @@ REASONS: dict[str, Reason] = {
     **_stage(
         "video",
         unsupported_video="a family without video support",
+        invalid_videos_field="ShareGPT / LLaMA-Factory layout: `videos` not a list",
         invalid_video_option="fps, max_frames, pixels not positive",
         invalid_video_ref="",
         unsupported_video_url="",
@@ -84,9 +85,13 @@ REASONS: dict[str, Reason] = {
         video_too_short="fewer frames than the temporal patch, 2",
         video_frame_size_mismatch="a frame list of several sizes",
         video_too_large="frames over `--max-image-pixels`",
+        video_too_small="frames with a side under `--min-image-side`, as images",
+        raw_video_stream="an elementary stream with no container, e.g. `.h264`: no frame times, its rate unknown; wrap"
+                         " it in MP4 at its real rate",
         video_too_long="its tokens alone exceed `--seq-len` even at the sampled frames: lower fps / max_frames /"
                        " max_pixels",
-        video_count_mismatch="the template drops a video, e.g. in an assistant turn",
+        video_count_mismatch="ShareGPT / LLaMA-Factory layout: `<video>` markers and `videos` differ in number; or"
+                             " the template drops a video, e.g. in an assistant turn",
     ),
     **_stage(
         "image content",

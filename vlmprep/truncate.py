@@ -20,8 +20,8 @@ def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
     kept = sum(1 for _, end in sample.image_spans if end <= cut)
     kept_videos = sum(1 for _, end in sample.video_spans if end <= cut)
     if not sample.loss_mask[:cut].any():
-        raise RecordError("no_trainable_tokens_after_truncation",
-                          f"{n} tokens cut to {cut} (seq_len={seq_len}) leaves no trained token")
+        why = f"{n} tokens cut to {cut} (seq_len={seq_len}) leaves no trained token"
+        raise RecordError("no_trainable_tokens_after_truncation", why + _large_image(sample, cut, seq_len))
     # Causal positions of a prefix do not depend on what follows, so slicing position_ids is exact.
     return dataclasses.replace(
         sample,
@@ -41,3 +41,13 @@ def truncate_sample(sample: RenderedSample, seq_len: int) -> RenderedSample:
         dropped_videos=sample.dropped_videos + (len(sample.videos) - kept_videos),
         turn_spans=[(m, a, b) for m, a, b in sample.turn_spans if b <= cut],  # a turn cut short is not trained
     )
+
+
+def _large_image(sample: RenderedSample, cut: int, seq_len: int) -> str:
+    """The hint where the cut fell at an image that alone takes most of seq_len: a smaller pixel budget fits it."""
+    for k, (start, end) in enumerate(sample.image_spans):
+        if start == cut and end - start > seq_len // 2:
+            w, h = sample.images[k].source_size
+            size = f" ({w}x{h})" if w else ""
+            return f"; image {k + 1}{size} alone takes {end - start} tokens: lower --max-pixels, or raise --seq-len"
+    return ""

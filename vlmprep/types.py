@@ -159,6 +159,7 @@ class PreparedImage:
     grid_thw: tuple[int, int, int]
     source: ImageData
     digest: str  # sha256 of the source bytes; identical images in a sample are stored once
+    source_size: tuple[int, int] = (0, 0)  # (width, height) decoded and upright, before the processor's resize
 
 
 @dataclass

@@ -44,7 +44,12 @@ def video_size(video: VideoData, vp, family: FamilySpec, num_frames: int):
     return SizeDict(shortest_edge=shortest, longest_edge=longest)
 
 
-def _decode_container(video: VideoData, *, max_pixels: int, fps: float, vp) -> tuple[np.ndarray, dict]:
+# FFmpeg's AVFMT_NOTIMESTAMPS: a raw elementary stream (.h264, .hevc, .m4v, ...) that stores no frame times, so its
+# frame rate is a guess (the h264 demuxer says 25 whatever the stream was shot at).
+_NO_TIMESTAMPS = 0x0080
+
+
+def _decode_container(video: VideoData, *, max_pixels: int, min_side: int, fps: float, vp) -> tuple[np.ndarray, dict]:
     """Open with PyAV, count frames as transformers' pyav loader does (declared, else demuxed packets), sample with
     the processor's own sample_frames, and decode only up to the last sampled frame."""
     import av
@@ -57,6 +62,11 @@ def _decode_container(video: VideoData, *, max_pixels: int, fps: float, vp) -> t
         raise RecordError("corrupt_video", f"cannot open video ({where}): {_av_reason(e)}; re-encode it (e.g. "
                                            "ffmpeg -i IN -c:v libx264 OUT.mp4) or drop the part") from None
     with container:
+        if int(container.format.flags) & _NO_TIMESTAMPS:
+            raise RecordError("raw_video_stream", f"video ({where}) is a {container.format.long_name} stream with no "
+                                                  "container, so it stores no frame times and its frame rate is "
+                                                  "unknown; wrap it in one at its real rate, e.g. ffmpeg -framerate "
+                                                  "FPS -i IN -c copy OUT.mp4")
         if not container.streams.video:
             raise RecordError("video_no_frames", f"video ({where}) holds no video stream; drop the part")
         stream = container.streams.video[0]
@@ -66,6 +76,8 @@ def _decode_container(video: VideoData, *, max_pixels: int, fps: float, vp) -> t
                                                          f"{getattr(stream, 'codec_tag', '?')!r}; re-encode it to "
                                                          "H.264, VP9 or AV1")
         w, h = stream.width, stream.height
+        if min(w, h) < min_side:
+            raise RecordError("video_too_small", f"video frames are {w}x{h}, below min_image_side={min_side}")
         if w * h > max_pixels:
             raise RecordError("video_too_large", f"video frames are {w}x{h} = {w * h} pixels > "
                                                  f"max_image_pixels={max_pixels}; downscale it or raise "
@@ -75,8 +87,7 @@ def _decode_container(video: VideoData, *, max_pixels: int, fps: float, vp) -> t
             raise RecordError("corrupt_video", f"video ({where}) declares no frame rate; re-encode it with one")
         declared = int(stream.frames or 0)
         if declared <= 0:  # containers that declare no count (WebM, MKV): count the frames' packets, no decoding
-            declared = sum(1 for p in container.demux(stream) if p.size)
-            container.seek(0)
+            declared = _count_packets(video.data, where)
         if declared <= 0:
             raise RecordError("video_no_frames", f"video ({where}) has no frames; drop the part")
         if declared < vp.temporal_patch_size:
@@ -101,6 +112,19 @@ def _decode_container(video: VideoData, *, max_pixels: int, fps: float, vp) -> t
         raise RecordError("corrupt_video", f"video ({where}) is truncated: it declares {declared} frames but only "
                                            f"{n} decode; re-encode or re-download it")
     return np.stack([frames[i] for i in indices]), {"fps": float(rate), "total": declared, "indices": indices}
+
+
+def _count_packets(data: bytes, where: str) -> int:
+    """The video stream's packets with data, in a container of their own: the caller's is left at its start (a seek
+    back is not possible in every container)."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as c:
+            return sum(1 for p in c.demux(c.streams.video[0]) if p.size)
+    except av.error.FFmpegError as e:
+        raise RecordError("corrupt_video", f"cannot read video ({where}): {_av_reason(e)}; re-encode it or drop "
+                                           "the part") from None
 
 
 def _av_reason(e: Exception) -> str:
@@ -132,9 +156,16 @@ def _frames_list(video: VideoData, *, max_pixels: int, min_side: int, vp) -> np.
         raise RecordError("video_too_short", _too_short(len(video.frames), vp))
     out = []
     with torch.no_grad():
-        for im in video.frames:
-            t = vp.process_image(decode_image(im, max_pixels=max_pixels, min_side=min_side))
-            out.append(vp.convert_to_rgb(t) if t.shape[0] != 3 else t)
+        for k, im in enumerate(video.frames):
+            try:
+                pil = decode_image(im, max_pixels=max_pixels, min_side=min_side)
+            except RecordError as e:
+                if e.reason != "image_too_small":
+                    raise
+                raise RecordError("video_too_small", f"video frame {k}: {e.message}") from None
+            # Made RGB as the processor makes an image RGB (alpha laid on white, palette, gray, CMYK converted), one
+            # frame at a time, so a list may mix modes.
+            out.append(vp.process_image(pil, do_convert_rgb=True))
     shapes = {tuple(t.shape) for t in out}
     if len(shapes) > 1:
         raise RecordError("video_frame_size_mismatch", f"the video's frames differ in size ({len(shapes)} sizes: "
@@ -150,7 +181,7 @@ def prepare_video(video: VideoData, processor, family: FamilySpec, *, max_pixels
     vp = processor.video_processor
     fps = sampling_fps(video, vp)
     if video.data is not None:
-        frames, timing = _decode_container(video, max_pixels=max_pixels, fps=fps, vp=vp)
+        frames, timing = _decode_container(video, max_pixels=max_pixels, min_side=min_side, fps=fps, vp=vp)
     else:
         frames = _frames_list(video, max_pixels=max_pixels, min_side=min_side, vp=vp)
         timing = {"fps": fps, "total": len(frames), "indices": list(range(len(frames)))}

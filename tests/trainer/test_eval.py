@@ -193,3 +193,33 @@ def test_bad_eval_data_is_one_line(dataset, tmp_path, capsys):
                  "--max-steps", "1", "--eval-data", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("trainer: error: ") and "no such dataset dir" in err[-1], err
+
+
+def test_the_training_data_as_eval_data_is_warned_not_refused(dataset, tmp_path, capsys):
+    """An eval set that shares shards with the training data (the same dir, or a copy: same sha256) gets one
+    warning line at start-up: its loss is no held-out loss. Not refused: it is a fair check of fit."""
+    import shutil
+
+    from trainer.rundata import eval_overlap, log_plans, open_data
+    from trainer.shards import DataSource, ShardRef, resolve_data
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset, copy)
+    for held in (str(dataset), str(copy)):
+        data = open_data(TrainConfig(data=str(dataset), eval_data=held, tiny_random="qwen2-vl"), 1)
+        assert data.warnings == (f"--eval-data {held} shares 5 of its 5 shards with the training data ({dataset}): "
+                                 "its eval loss is measured on trained samples, not held out; build the eval set "
+                                 "from records kept out of the training data",)
+        log_plans(data, 1)
+        assert capsys.readouterr().err.count("trainer: warning: --eval-data") == 1
+    # One shard of the copy as a pattern, against a mixture: named by the datasets that hold it.
+    one = f"{copy}/shard-000001.tar"
+    cfg = TrainConfig(data=(f"name=a,path={dataset}", "name=b,path=elsewhere"), eval_data=one,
+                      tiny_random="qwen2-vl")
+    warned = eval_overlap(cfg.eval_sources[0], resolve_data(one), cfg.sources,
+                          [resolve_data(str(dataset)), DataSource((), None, None)])
+    assert warned == [f"--eval-data {one} shares 1 of its 1 shards with the training data ({dataset}): its eval loss "
+                      "is measured on trained samples, not held out; build the eval set from records kept out of the "
+                      "training data"]
+    other = DataSource((ShardRef(str(tmp_path / "held.tar"), "held.tar", 1, 1, 1),), None, None)
+    assert eval_overlap(cfg.eval_sources[0], other, cfg.sources, [resolve_data(str(dataset))]) == []

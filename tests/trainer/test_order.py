@@ -1,7 +1,9 @@
 """The data order (trainer/order.py) and its reader (ScheduledStream): sample-level shuffle, weighted mixing, and
 the step predictor, in process; the CLI runs (mixture + packing, incompatible mixtures) are at the end."""
 import collections
+import contextlib
 import itertools
+import signal
 
 import numpy as np
 import pytest
@@ -144,7 +146,7 @@ def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, ba
 def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(dataset, traces, tmp_path):
     """Two datasets (one built with another --seq-len, same processor) at 0.7/0.3, packed, --epochs 1 and no
     --max-steps: the run takes exactly the predicted steps and reports tokens and loss per source."""
-    other = build_dataset(traces, tmp_path / "seq1024", seq_len=1024, samples_per_shard=3)
+    other = build_dataset(traces, tmp_path / "seq1024", seq_len=1024, samples_per_shard=3, truncate=True)
     out = tmp_path / "run"
     proc = run_trainer(["--data", f"name=agent,path={dataset},weight=0.7", "--data",
                         f"name=short,path={other},weight=0.3", "--out", out, "--pack-to", 2048, "--pack-window", 8,
@@ -287,3 +289,92 @@ def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset,
         assert [p.stat().st_mtime_ns for p in copies] == mtimes and shard_cache.fetched == 5  # not fetched again
     finally:
         shard_cache.close()
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Fail instead of hanging: what a stuck epoch prediction did before it was bounded."""
+    def stop(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_the_epoch_size_estimate_is_the_schedules_length():
+    """order.epoch_size, from counts alone, gives the length schedule() builds (within a sample per source), for a
+    repeating source, a 'stop' one and one with no samples on this rank."""
+    rng = np.random.default_rng(1)
+    big = _fake("big", [rng.integers(50, 3000, 40) for _ in range(3)], weight=0.2)
+    small = _fake("small", [rng.integers(20, 400, 30)], weight=0.8)
+    stop = _fake("stop", [[100] * 5], weight=0.8, on_end="stop")
+    empty = _fake("empty", [[]], weight=0.5)
+    from trainer.order import epoch_size
+
+    for sources in ([big, small], [small, big], [big, stop], [big, small, empty], [big]):
+        n = len(schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0))
+        size = epoch_size(sources)
+        assert abs(size.positions - n) <= len(sources), ([s.name for s in sources], size, n)
+        assert size.positions < size.limit
+    assert epoch_size([big, small]).last == 0 and epoch_size([big, small]).passes[1] > 1
+
+
+def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
+    """Weight 1e-12 is a valid number, but its epoch (every dataset read through once) is ~1e12 times the data:
+    the run stops at start-up with one line naming the dataset and the fix, even with --max-steps 1. Before,
+    the step prediction built that schedule position by position and never returned."""
+    import torch
+
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.rundata import predict_steps
+
+    cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=1e-12"), tiny_random="qwen2-vl", max_steps=1)
+    a, b = _fake("a", [[500] * 20], weight=1 / (1 + 1e-12)), _fake("b", [[500] * 20], weight=1e-12 / (1 + 1e-12))
+    with _deadline(30), pytest.raises(ConfigError, match=r"one epoch would read about 2e\+13 samples on this rank \("
+                                                         r"its datasets hold 40 there\).*'b' \(weight 1e-12\) is read "
+                                                         r"through only after a 1e\+12 times: raise b's weight"):
+        predict_steps(cfg, [a, b], torch.device("cpu"))
+    # Weights apart but the epoch bounded: predicted as before.
+    cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=0.05"), tiny_random="qwen2-vl")
+    steps, first = predict_steps(cfg, [_fake("a", [[500] * 20], weight=0.95), _fake("b", [[500] * 20], weight=0.05)],
+                                 torch.device("cpu"))
+    assert steps == [len(first)] and 20 * 19 <= len(first) <= 20 * 19 + 21
+
+
+@pytest.mark.slow  # a trainer start-up up to the loader (model, FSDP); in process: the test above
+def test_a_tiny_mixture_weight_stops_the_trainer_with_one_line(dataset, tmp_path, capsys):
+    from trainer.train import main
+
+    with _deadline(300):
+        assert main(["--data", f"name=a,path={dataset}", "--data", f"name=b,path={dataset},weight=1e-12", "--out",
+                     str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--no-progress", "--max-steps", "1",
+                     "--num-workers", "0", "--no-tensorboard"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trainer: error")]
+    assert len(err) == 1 and "raise b's weight" in err[0], err
+
+
+def test_a_dataset_with_0_samples_in_a_mixture_is_refused(dataset, tmp_path):
+    """Its realized share would be 0.0 against its weight, in silence: refused at start-up, naming it and the fix.
+    One dataset alone with 0 samples is left to the run's own 'yielded no samples'."""
+    import json
+    import shutil
+
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.rundata import open_data
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copytree(dataset / "processor", empty / "processor")
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    manifest.update(shards=[], totals={**manifest["totals"], "samples": 0})
+    (empty / "manifest.json").write_text(json.dumps(manifest))
+    cfg = TrainConfig(data=(f"name=full,path={dataset},weight=3", f"name=none,path={empty}"), tiny_random="qwen2-vl")
+    with pytest.raises(ConfigError, match=rf"dataset 'none' \({empty}\) holds 0 samples, so the mixture cannot give "
+                                          r"it its weight 0.25 of the trained tokens: drop it from --data"):
+        open_data(cfg, 1)
+    assert open_data(TrainConfig(data=str(empty), tiny_random="qwen2-vl"), 1).datasets[0].shards == ()

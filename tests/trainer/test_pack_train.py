@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.fixture(scope="module")
 def short_dataset(traces, tmp_path_factory):
     """The conftest traces built with --seq-len 512: about 8 rows of 512 tokens, so a few packed steps per rank."""
-    return build_dataset(traces, tmp_path_factory.mktemp("ds512") / "shards", seq_len=T)
+    return build_dataset(traces, tmp_path_factory.mktemp("ds512") / "shards", seq_len=T, truncate=True)
 
 
 @pytest.fixture(scope="module")

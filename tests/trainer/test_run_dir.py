@@ -94,6 +94,25 @@ def test_the_same_command_resumes_with_a_longer_run_and_other_workers(run_dir, d
     assert json.loads((out / "run.json").read_text())["data_source"] == str(dataset)
 
 
+def test_a_finished_run_resumed_says_so_and_still_runs_the_asked_eval_and_export(run_dir, dataset, tmp_path, capsys):
+    """The same command again after the run ended (the served-model walk): one line instead of a silent 0-step run,
+    then what was asked and is not done yet: the final eval (once) and the --save-hf export."""
+    out = _copy(run_dir, tmp_path)
+    args = _args(dataset, out, "--max-steps", 1, "--eval-data", _subset(dataset), "--save-hf")
+    assert main(args) == 0
+    said = capsys.readouterr()
+    assert said.out.splitlines() == [f"trainer: nothing left to train: {out} finished at step 1 (--max-steps 1); "
+                                     "raise --max-steps or --epochs to train further"]
+    assert "trainer: eval at step 1: loss" in said.err and f"trainer: exported {out / 'hf'}" in said.err
+    evals = [m for m in read_metrics(out) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [1] and (out / "hf" / "config.json").is_file()
+    assert [m["step"] for m in read_metrics(out) if "loss" in m] == [1]  # no step trained again
+    assert said.out.splitlines()[0] in (out / "train.log").read_text()
+    assert main(args) == 0  # and again: the eval is in metrics.jsonl already
+    assert "eval at step" not in capsys.readouterr().err
+    assert len([m for m in read_metrics(out) if "eval_loss" in m]) == 1
+
+
 def test_no_resume_starts_over_in_place(run_dir, dataset, tmp_path, capsys):
     out = _copy(run_dir, tmp_path)
     (out / "notes.txt").write_text("mine")  # not the trainer's: left alone
@@ -115,6 +134,20 @@ def test_a_missing_model_path_is_one_line_and_exit_1(dataset, tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"trainer: error: --model {model}: no checkpoint dir with a config.json there "
                                         "(the trainer loads local checkpoints only, never from a hub)"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("raw", ["traces.jsonl", "traces.jsonl.zst", "dir-of-records"])
+def test_raw_input_says_build_it_first(tmp_path, capsys, raw):
+    path = tmp_path / raw
+    if raw.startswith("dir"):
+        path.mkdir()
+        (path / "a.jsonl").write_text("{}\n")
+    else:
+        path.write_text("{}\n")
+    assert main(_args(path, tmp_path / "run", "--max-steps", 1)) == 1
+    assert capsys.readouterr().err == (f"trainer: error: --data {path} is raw input (records), not a built dataset: "
+                                       f"run `vlmprep build --in {path} --out DIR` first, then pass --data DIR\n")
     assert not (tmp_path / "run").exists()
 
 

@@ -24,7 +24,7 @@ from vlmprep.types import RecordError
 def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
     buf = io.BytesIO()
     color = {"RGB": (10, 120, 200), "RGBA": (10, 120, 200, 90), "CMYK": (10, 20, 30, 40), "P": 3, "L": 90,
-             "I;16": 40000}[mode]
+             "I;16": 40000, "LA": (90, 128)}[mode]
     Image.new(mode, size, color).save(buf, format=fmt, **kw)
     return buf.getvalue()
 
@@ -98,6 +98,22 @@ def faststart_mp4(tmp, n=30):
         for p in s.encode():
             c.mux(p)
     return path.read_bytes()
+
+
+def raw_h264():
+    """An H.264 elementary stream with no container (what `ffmpeg -i x.mp4 -c copy x.h264` writes)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="h264") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for f in frames(4, 64, 48):
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()
 
 
 def with_video(ref, **opts):
@@ -269,6 +285,19 @@ def corpus(tmp):
          "video_frame_size_mismatch"),
         ("video_over_seq_len", with_video(uri(encode(frames(12, 64, 48), 2), "video/mp4")), "video_too_long"),
         ("video_negative_fps", with_video("clip.mp4", fps=-2), "invalid_video_option"),
+        # Issue 32: edges of video input. Frames of other modes are made RGB as the processor does, frame by frame.
+        ("video_frames_rgba_and_palette", chat([{"type": "video", "video": [uri(img_bytes("RGBA")), uri(img_bytes("P"))]}]),
+         "ok"),
+        ("video_frames_gray_alpha_and_cmyk", chat([{"type": "video", "video": [
+            uri(img_bytes("LA")), uri(img_bytes("CMYK", fmt="JPEG"), "image/jpeg")]}]), "ok"),
+        ("video_frames_rgb_and_gray", chat([{"type": "video", "video": [GOOD, uri(img_bytes("L"))]}]), "ok"),
+        ("video_raw_h264_stream", with_video(uri(raw_h264(), "video/h264")), "raw_video_stream"),
+        ("video_1x1", with_video(uri(encode(frames(2, 1, 1), 2), "video/mp4")), "video_too_small"),
+        ("video_1x1_frame_list", chat([{"type": "video", "video": [uri(img_bytes(size=(1, 1)))] * 2}]),
+         "video_too_small"),
+        ("llamafactory_video_layout", {**chat("<video>What moves?"), "videos": ["clip.mp4"]}, "ok"),
+        ("llamafactory_video_marker_without_video", {**chat("<video>What moves?"), "videos": []},
+         "video_count_mismatch"),
         # The id earlier versions generated for the id-less cmyk_jpeg record above (main.jsonl:<its line>).
         ("id_equal_to_old_generated_id", {**chat("q"), "id": "main.jsonl:CMYK_LINE"}, "ok"),
     ]
@@ -286,6 +315,11 @@ MESSAGE_HAS = {
     "surrogate_in_key": "record keys: holds a lone surrogate",
     "lone_surrogate": "messages[0].content: holds a lone surrogate",
     "id_true": "got true",
+    "video_raw_h264_stream": "no container, so it stores no frame times and its frame rate is unknown; wrap it in one "
+                             "at its real rate, e.g. ffmpeg -framerate FPS -i IN -c copy OUT.mp4",
+    "video_1x1": "video frames are 1x1, below min_image_side=4",
+    "video_1x1_frame_list": "video frame 0: image is 1x1, below min_image_side=4",
+    "llamafactory_video_marker_without_video": "more <video> markers than 'videos' entries",
 }
 
 
@@ -333,7 +367,8 @@ def corpus_build(tmp_path_factory, qwen2vl_processor):
     res = build(BuildConfig(inputs=(str(main), str(huge), str(tmp_path / "trunc.jsonl.zst"),
                                     str(tmp_path / "window.jsonl.zst"), str(tmp_path / "empty.jsonl")),
                             out=str(out), seq_len=256, max_line_bytes=64 << 20, max_images_per_record=8,
-                            progress=False, max_reject_fraction=1.0))  # bad on purpose
+                            progress=False, max_reject_fraction=1.0,  # bad on purpose; the longer_than_seq_len cases
+                            long_traces="truncate", min_turn_coverage=0.0))  # are truncation's
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     by_line = {(os.path.basename(r["source"]["file"]), r["source"]["line"]): r for r in rejects}
     landed = {s.meta()["id"] for s in iter_dataset(out)}

@@ -83,6 +83,47 @@ def test_llamafactory_markers_take_images_in_order(tmp_path):
     assert [im.origin for im in conv.images] == ["a.png", "b.png"]
 
 
+def test_llamafactory_video_markers_take_videos_in_order(tmp_path):
+    """LLaMA-Factory's video layout (its mllm_video_demo: `"videos": ["x.mp4"]`, `<video>` in the text): each marker
+    takes the next video, as a video part (a path, or a list of frame images), beside <image> markers; the same
+    record with no video support, or with markers and videos that do not pair up, is a reject, never text."""
+    (tmp_path / "a.mp4").write_bytes(b"mp4 bytes")
+    (tmp_path / "b.png").write_bytes(png_bytes(color=(8, 8, 8)))
+    rec = {"messages": [{"role": "user", "content": "<video>Why is this video funny?"},
+                        {"role": "assistant", "content": "A baby reads."},
+                        {"role": "user", "content": "And<image>this<video>?"}, {"role": "assistant", "content": "Us."}],
+           "videos": ["a.mp4", ["b.png", "b.png"]], "images": ["b.png"]}
+    source = Source(str(tmp_path / "d.json"), 1)
+    conv = normalize_record(rec, source, NormalizeOptions(videos=True))
+    assert [p.type for p in conv.messages[0].parts] == ["video", "text"]
+    assert [(p.type, p.text) for p in conv.messages[2].parts] == [("text", "And"), ("image", None), ("text", "this"),
+                                                                   ("video", None), ("text", "?")]
+    first, second = conv.videos
+    assert (first.data, first.origin) == (b"mp4 bytes", "a.mp4") and len(second.frames) == 2
+    # The same as the OpenAI layout's video part, so it renders as one (tests/vlmprep/test_videos.py builds both).
+    openai = normalize_record({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"},
+                                                                         {"type": "text", "text": "Why is this video "
+                                                                                                  "funny?"}]},
+                                            {"role": "assistant", "content": "A baby reads."}]},
+                              source, NormalizeOptions(videos=True))
+    assert openai.messages[0].parts == conv.messages[0].parts
+    bad = [({**rec, "videos": ["a.mp4"]}, "video_count_mismatch", "more <video> markers than 'videos' entries"),
+           ({**rec, "videos": ["a.mp4"] * 3}, "video_count_mismatch", "'videos' lists 3 videos but the text has only "
+                                                                      "2 <video> markers"),
+           ({**rec, "videos": "a.mp4"}, "invalid_videos_field", "'videos' must be a list"),
+           ({**rec, "videos": [7, "a.mp4"]}, "invalid_video_ref", "video reference must be a non-empty string")]
+    for record, reason, text in bad:
+        with pytest.raises(RecordError) as e:
+            normalize_record(record, source, NormalizeOptions(videos=True))
+        assert (e.value.reason, text in e.value.message) == (reason, True), e.value.message
+    with pytest.raises(RecordError) as e:  # a family without video support: refused, not trained as "<video>" text
+        normalize_record(rec, source, OPTS)
+    assert e.value.reason == "unsupported_video"
+    # In the OpenAI layout (no 'videos' or 'images' list, no 'conversations') the marker is ordinary text.
+    plain = {"messages": [{"role": "user", "content": "<video> tags"}, {"role": "assistant", "content": "ok"}]}
+    assert normalize_record(plain, source, NormalizeOptions(videos=True)).messages[0].text == "<video> tags"
+
+
 def test_sharegpt_conversations_layout(src):
     rec = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     conv = normalize_record(rec, src, OPTS)

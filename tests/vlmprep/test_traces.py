@@ -138,7 +138,7 @@ def coverage_from_shards(ds, records, tokenizer) -> tuple[int, int]:
 def test_split_covers_every_turn_and_truncate_reports_its_loss(traces, tmp_path, qwen2vl_processor):
     records = raw_records(traces)
     tok = qwen2vl_processor.tokenizer
-    cut = build_steps(traces, tmp_path / "truncate")
+    cut = build_steps(traces, tmp_path / "truncate", long_traces="truncate", min_turn_coverage=0.0)  # loss on purpose
     n, trained = coverage_from_shards(tmp_path / "truncate", records, tok)
     assert trained < n and cut.manifest["turns"]["trained_assistant_turns"] == trained
     assert cut.manifest["turns"]["lost"]["truncated"] == n - trained
@@ -263,7 +263,7 @@ def test_a_step_that_cannot_fit_is_rejected_with_its_reason_and_the_rest_lands(t
     p = tmp_path / "r.jsonl"
     p.write_text(json.dumps(rec) + "\n" + json.dumps(ok) + "\n")
     res = build(BuildConfig(inputs=(str(p),), out=str(tmp_path / "o"), seq_len=128, long_traces="split",
-                            progress=False))
+                            progress=False, min_turn_coverage=0.0))  # a lost turn on purpose
     rejects = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["reason"], r["id"]) for r in rejects] == [("turn_too_long", "r")] and "messages[3]" in rejects[0]["message"]
     ids = sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o"))
@@ -285,7 +285,8 @@ def test_demo_traces_coverage_split_is_complete_and_truncate_reports_todays(seq_
     records = raw_records(inp)
     tok = qwen2vl_processor.tokenizer
     for mode in ("truncate", "split"):
-        res = build_steps(inp, tmp_path / mode, seq_len=seq_len, long_traces=mode, workers=2, samples_per_shard=16)
+        res = build_steps(inp, tmp_path / mode, seq_len=seq_len, long_traces=mode, workers=2, samples_per_shard=16,
+                          min_turn_coverage=0.0 if mode == "truncate" else 0.95)
         n, trained = coverage_from_shards(tmp_path / mode, records, tok)
         assert n == 888 and res.manifest["turns"]["trained_assistant_turns"] == trained
         if mode == "split":

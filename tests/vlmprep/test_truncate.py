@@ -87,3 +87,18 @@ def test_untrainable_prefix_is_rejected():
     with pytest.raises(RecordError) as e:
         truncate_sample(full, 9)
     assert e.value.reason == "no_trainable_tokens_after_truncation"
+
+
+def test_an_image_that_alone_fills_most_of_seq_len_names_the_pixel_budget():
+    """The reject of a sample whose only trained text lies past one huge image (SeeAct's 1280x5808 page) says so."""
+    import dataclasses
+
+    full = make_sample([2, 5], [(1, 8, 8)], [False, True])  # 2 text, an image of 16 + 2 wrapper tokens, 5 trained
+    full.images[0] = dataclasses.replace(full.images[0], source_size=(1280, 5808))
+    with pytest.raises(RecordError) as e:
+        truncate_sample(full, 10)
+    assert e.value.message == ("25 tokens cut to 2 (seq_len=10) leaves no trained token; image 1 (1280x5808) alone "
+                               "takes 18 tokens: lower --max-pixels, or raise --seq-len")
+    with pytest.raises(RecordError) as e:  # an image of under half of seq_len: no hint
+        truncate_sample(make_sample([30, 5], [(1, 8, 8)], [False, True]), 40)
+    assert e.value.message == "53 tokens cut to 30 (seq_len=40) leaves no trained token"

@@ -271,7 +271,8 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     a, m, _ = _read_one(full)
     inside = int(np.flatnonzero(a["mm_token_type_ids"] == 2)[-1])  # the last token of the second video
     cut = tmp_path / "cut"
-    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(cut), seq_len=inside, progress=False))
+    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(cut), seq_len=inside, progress=False,
+                            long_traces="truncate", min_turn_coverage=0.0))  # the cut and its lost turn on purpose
     b, mb, vids = _read_one(cut)
     assert mb["num_videos"] == 1 and mb["dropped_videos"] == 1 and len(vids) == 1
     np.testing.assert_array_equal(b["video_grid_thw"], a["video_grid_thw"][:1])
@@ -438,7 +439,7 @@ def test_inspect_html_shows_each_videos_stored_frames_with_their_times(family, b
     c = Collect()
     c.feed(page.read_text(encoding="utf-8"))
     assert c.tags <= {"html", "head", "meta", "title", "style", "body", "h1", "h2", "small", "div", "span", "table",
-                      "tr", "th", "td", "a", "img", "ul", "li", "section"}
+                      "tr", "th", "td", "a", "img", "ul", "li", "section", "details", "summary"}
     frames = [a for a in c.imgs if a["alt"].startswith("video ")]
     want = [f"video {k + 1} frame {f + 1} at {i / v['fps']:.2f} s" for k, v in enumerate(meta["videos"])
             for f, i in enumerate(v["frame_indices"])]
@@ -535,3 +536,131 @@ def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"holds {len(CLIPS)} videos; this trainer trains video samples only" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen2-vl" else pytest.mark.slow)
+                                    for f in FAMILIES])  # make-test budget: Qwen2-VL's was the broken one
+@pytest.mark.parametrize("video_fps", [None, 5.0])
+def test_the_saved_processor_samples_a_source_video_as_the_build_did(family, video_fps, tmp_path):
+    """A 2.3 s clip is stored sampled at --video-fps (else the processor's fps, else 2): the dataset's saved
+    processor (what `python -m trainer export` ships) carries that sampling, so its own apply_chat_template on the
+    source video (decoded by transformers' own PyAV loader, no sampling option passed) gives the shard's tokens."""
+    from transformers.video_utils import load_video
+
+    (tmp_path / "clip.mp4").write_bytes(encode(frames(23, 64, 48, seed=5), 10))
+    content = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What moves?"}]
+    (tmp_path / "r.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": content},
+                                                               {"role": "assistant", "content": "A square."}]}) + "\n")
+    out = tmp_path / "out"
+    build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(out), processor=f"builtin:{family}",
+                      video_fps=video_fps, progress=False))
+    arrays, meta, _ = _read_one(out)
+    # Sampled, not every frame kept: 2.3 s at 2 fps is 4 frames (the processor's min_frames), at 5 fps 10 or 11.
+    assert meta["videos"][0]["frames"] in ({4} if video_fps is None else {10, 11})
+    saved = json.loads((out / "processor" / "processor_config.json").read_text())["video_processor"]
+    assert saved["do_sample_frames"] is True and saved["fps"] == (video_fps or 2.0)
+    processor = load_processor(str(out / "processor"))
+    clip, metadata = load_video(str(tmp_path / "clip.mp4"), backend="pyav")
+    msgs = [{"role": "user", "content": [{"type": "video", "video": clip}, content[1]]},
+            {"role": "assistant", "content": "A square."}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np",
+                                            video_metadata=[metadata])
+    np.testing.assert_array_equal(arrays["input_ids"], ref["input_ids"][0])
+    np.testing.assert_array_equal(arrays["video_grid_thw"], ref["video_grid_thw"])
+
+
+def test_a_frame_list_mixing_image_modes_is_made_rgb_frame_by_frame():
+    """RGB, RGBA (alpha laid on white, as the processor makes an image RGB), gray, palette and gray+alpha frames in
+    one list: stored exactly as the same frames given as RGB; before, a gray+alpha frame (and any partly clear one)
+    was an internal error and a palette frame's indices were read as gray levels."""
+    from vlmprep.families import resolve_family
+    from vlmprep.types import ImageData, VideoData
+    from vlmprep.videos import prepare_video
+
+    rgb = frames(6, 40, 30, seed=2)
+    alpha = np.where(np.arange(40)[None, :] < 20, 0, 255).astype(np.uint8).repeat(30, 0)  # clear / opaque halves
+    on_white = rgb[1].copy()
+    on_white[alpha == 0] = 255
+    palette = Image.fromarray(rgb[3]).quantize(16)
+    as_modes = [Image.fromarray(rgb[0]), Image.fromarray(np.dstack([rgb[1], alpha]), "RGBA"),
+                Image.fromarray(rgb[2]).convert("L"), palette, Image.fromarray(rgb[4]).convert("LA"),
+                Image.fromarray(rgb[5])]
+    as_rgb = [rgb[0], on_white, np.asarray(as_modes[2].convert("RGB")), np.asarray(palette.convert("RGB")),
+              np.asarray(as_modes[4].convert("RGB")), rgb[5]]
+    processor = load_processor("builtin:qwen2-vl")
+
+    def prepared(images):
+        video = VideoData(frames=tuple(ImageData(data=_png(im) if isinstance(im, np.ndarray) else _png_of(im),
+                                                 origin=f"f{k}") for k, im in enumerate(images)), origin="frames")
+        return prepare_video(video, processor, resolve_family(processor), max_pixels=1 << 24, min_side=4).frames
+
+    np.testing.assert_array_equal(prepared(as_modes), prepared(as_rgb))
+
+
+def _png_of(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.slow  # two builds; in make test: the normalized parts equal (test_normalize.py) and the corpus case
+def test_llamafactory_video_records_build_as_the_same_videos(clips, tmp_path):
+    """LLaMA-Factory's video layout (`"videos": ["clip0.mp4"]`, `<video>` in the user text, as its mllm_video_demo)
+    builds the very sample of the OpenAI layout's video part, which equals the processor's own render (above):
+    the video is read, never dropped with `<video>` trained as text."""
+    d, _ = clips
+    question = "Why is this video funny?"
+    layouts = {"llamafactory": {"messages": [{"role": "user", "content": f"<video>{question}"},
+                                             {"role": "assistant", "content": "A square crosses it."}],
+                                "videos": ["clip0.mp4"]},
+               "openai": {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip0.mp4"},
+                                                                    {"type": "text", "text": question}]},
+                                       {"role": "assistant", "content": "A square crosses it."}]}}
+    samples = {}
+    for name, rec in layouts.items():
+        (d / f"{name}.jsonl").write_text(json.dumps({"id": "v", **rec}) + "\n")
+        build(BuildConfig(inputs=(str(d / f"{name}.jsonl"),), out=str(tmp_path / name), processor="builtin:qwen2-vl",
+                          progress=False))
+        samples[name] = _read_one(tmp_path / name)
+    (a, ma, va), (b, mb, vb) = samples["llamafactory"], samples["openai"]
+    assert ma["num_videos"] == 1 and set(a) == set(b) and {**ma, "source": None} == {**mb, "source": None}
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    np.testing.assert_array_equal(va[0], vb[0])
+    assert "<video>" not in load_processor("builtin:qwen2-vl").tokenizer.decode(a["input_ids"].tolist())
+
+
+# What docs/performance.md states for every process of a build (and what the video benchmark row measures).
+PEAK_RSS_MB = 1536
+
+
+@pytest.mark.slow  # three `vlmprep build --workers 2` processes (~30 s each on 2 cores, mostly imports)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_process_of_a_small_video_build_stays_under_the_documented_peak(family, tmp_path):
+    """`vlmprep build --workers 2` of four 2.3 s clips: the main process (processor load, plan, merge), the
+    forkserver and each worker, each one's own VmHWM, stay under the figure docs/performance.md states."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.support.memory import peak_rss
+
+    root = Path(__file__).resolve().parents[2]
+    assert f"under {PEAK_RSS_MB / 1024:g} GiB" in (root / "docs" / "performance.md").read_text()
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(4):
+            (tmp_path / f"clip{i}.mp4").write_bytes(encode(frames(23, 160, 90, seed=i), 10))
+            f.write(json.dumps({"messages": [{"role": "user", "content": [{"type": "video", "video": f"clip{i}.mp4"},
+                                                                         {"type": "text", "text": "?"}]},
+                                             {"role": "assistant", "content": f"clip {i}"}]}) + "\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    rc, err, peaks = peak_rss([sys.executable, "-m", "vlmprep", "build", "--in", str(tmp_path / "in.jsonl"), "--out",
+                               str(tmp_path / "out"), "--processor", f"builtin:{family}", "--workers", "2",
+                               "--no-progress"], env=env)
+    assert rc == 0, err
+    roles = sorted(p.role for p in peaks)
+    assert roles.count("main") == 1 and roles.count("worker") == 2 and "forkserver" in roles, peaks
+    over = [p for p in peaks if p.peak_mb >= PEAK_RSS_MB]
+    assert not over, over

@@ -20,6 +20,7 @@ class Journal:
     rejects_bytes: int = 0
     totals: dict = field(default_factory=dict)
     rejects: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)  # input file index -> its share of the totals
 
 
 def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: dict) -> Journal | None:
@@ -29,7 +30,7 @@ def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: di
         j = Journal(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if j.identity != identity:
+    if j.identity != identity or (j.totals.get("records") and not j.inputs):  # or per-input counts it never kept
         return None
     for s in j.shards:
         if not _intact(out / s["name"], s) or (s.get("index") and not _intact(out / s["index"]["name"], s["index"])):

@@ -1,7 +1,9 @@
 """Merge: the plan's finished tasks (tasks/task-NNNNN.json, their shards, rejects and sample lists) -> one DIR/manifest.json
 and DIR/rejects.jsonl in plan order. Refuses a dir it cannot vouch for: a missing task, a task of another plan or
-processor, files no task of this plan wrote. Ids repeated across tasks (no task can see another's ids) are
-rejected here as the one-task build rejects them, by rewriting the few shards that hold them.
+processor, a task manifest that is not its own task's, files no task of this plan wrote, a listed shard missing or
+changed (size, sha256): the manifest never names a missing, changed or duplicated shard. Ids repeated across tasks
+(no task can see another's ids) are rejected here as the one-task build rejects them, by rewriting the few shards
+that hold them.
 """
 from __future__ import annotations
 
@@ -9,19 +11,22 @@ import collections
 import fnmatch
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.build.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
-from vlmprep.build.totals import TOTAL_KEYS, count_sample, duplicate_reject, turn_coverage
+from vlmprep.build.totals import TOTAL_KEYS, count_sample, duplicate_reject, input_totals, turn_coverage
 from vlmprep.processors.load import fingerprint_dir
 from vlmprep.shards.dataset import (MANIFEST_NAME, PLAN_NAME, REJECTS_NAME, SHARD_GLOB, TASK_SUFFIXES, TASKS_DIR,
-                                    TMP_SUFFIX, TaskFiles, load_task_manifest, task_file, write_json_atomic,
-                                    write_text_atomic)
-from vlmprep.shards.format import FORMAT_VERSION
+                                    TMP_SUFFIX, TaskFiles, load_task_manifest, sha256_file, task_file,
+                                    write_json_atomic, write_text_atomic)
+from vlmprep.shards.format import FORMAT_VERSION, index_name
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardWriter
-from vlmprep.types import ShardSample
+from vlmprep.types import ShardSample, UserError
+
 
 class MergeError(PlanError):
     """The dataset dir cannot be merged as it is: one clear line naming the task or file and the fix."""
@@ -59,7 +64,7 @@ def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
                    if fnmatch.fnmatch(p.name, SHARD_GLOB) and p.name not in claimed
                    or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX))
     ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan["tasks"])
-            for suffix in TASK_SUFFIXES}
+            for suffix in TASK_SUFFIXES + (".lock",)}  # a task run's lock, left by a killed one
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)
     if stray:
         shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
@@ -86,48 +91,152 @@ def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> dict | N
     writer.close()
     if not writer.shards:
         path.unlink()
+        path.with_name(index_name(name)).unlink(missing_ok=True)
         return None
     return writer.shards[0].to_json()
 
 
-def merge_tasks(out: Path) -> dict:
-    """Check every task, then write rejects.jsonl and manifest.json (last). Returns the manifest."""
-    out = Path(out)
-    plan = load_plan(out)
-    if plan is None:
-        raise MergeError(f"{out}: no {PLAN_NAME}: not a planned build dir (run `vlmprep build --plan-only` first)")
-    manifests = _task_manifests(out, plan)
-    _check_strays(out, plan, manifests)
-    proc = out / plan["processor"]["dir"]
-    if not proc.is_dir() or fingerprint_dir(proc) != plan["processor"]["fingerprint"]:
-        raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
+def _rerun(out: Path, i: int) -> str:
+    """How to make task i's output whole again: its manifest gone, a run clears and rewrites all the task wrote."""
+    return (f"remove {out / task_file(i, '.json')} and run the task again (`vlmprep build --out {out} --task-index "
+            f"{i}`, then `vlmprep merge {out}`)")
 
-    seen: set[bytes] = set()
-    totals, rejects = collections.Counter(), collections.Counter()
-    shards, reject_lines = [], []
+
+def _check_claims(out: Path, plan: dict, manifests: list[dict]) -> None:
+    """Each task manifest is its own task's and names shards of its own once: a copy of another task's manifest
+    would list that task's shards twice in the dataset."""
+    owner: dict[str, int] = {}
     for i, m in enumerate(manifests):
+        prefix = shard_prefix(plan, i)
+        if m.get("task") != i:
+            raise MergeError(f"{out / task_file(i, '.json')} is the manifest of task {m.get('task')!r}, not of task "
+                             f"{i} (copied or moved there?): {_rerun(out, i)}")
+        for s in m["shards"]:
+            name = s["name"]
+            if not name.startswith(prefix) or "/" in name or not fnmatch.fnmatch(name, SHARD_GLOB):
+                raise MergeError(f"{out / task_file(i, '.json')} lists {name!r}, not a shard of task {i} (its shards "
+                                 f"are {prefix}NNNNNN.tar): {_rerun(out, i)}")
+            if name in owner:
+                raise MergeError(f"{out / task_file(i, '.json')} lists {name} twice: {_rerun(out, i)}")
+            owner[name] = i
+
+
+def _same_ids(path: Path, want: list[str]) -> bool:
+    try:
+        return [s.meta()["id"] for s in iter_shard(path, version=FORMAT_VERSION)] == want
+    except (OSError, ValueError, KeyError, UserError):
+        return False
+
+
+def _index_problem(out: Path, s: dict, listed: str) -> str | None:
+    """The shard's sample index sidecar, where its task manifest lists one, as listed (size, sha256)."""
+    ix = s.get("index")
+    if ix is None:
+        return None
+    path = out / ix["name"]
+    if not path.is_file():
+        return f"its sample index {ix['name']} is listed in {listed} but missing"
+    digest = sha256_file(path)
+    if path.stat().st_size != ix["bytes"] or digest != ix["sha256"]:
+        return f"its sample index {ix['name']} has sha256 {digest[:16]}..., but {listed} lists {ix['sha256'][:16]}..."
+    return None
+
+
+def _verify_shards(out: Path, manifests: list[dict], rewritten: dict[str, list[str]]) -> None:
+    """Every listed shard exists with the size and sha256 its task manifest gives, or refuse naming the task file.
+    `rewritten`: the shards merge rewrites without ids repeated across tasks -> the ids they keep; one an interrupted
+    earlier merge already rewrote holds exactly those (and is gone where it kept none). Hashed on threads (hashlib
+    and file reads release the GIL)."""
+    jobs = [(i, s) for i, m in enumerate(manifests) for s in m["shards"]]
+
+    def problem(job) -> str | None:
+        i, s = job
+        path, kept, listed = out / s["name"], rewritten.get(s["name"]), task_file(i, ".json")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None if kept == [] else f"listed in {listed} but missing"
+        if size != s["bytes"]:
+            return None if kept is not None and _same_ids(path, kept) else \
+                f"{size} bytes, but {listed} lists {s['bytes']}"
+        digest = sha256_file(path)
+        if kept is not None and (digest == s["sha256"] or _same_ids(path, kept)):
+            return None  # rewritten here, with its sample index
+        if digest != s["sha256"]:
+            return f"sha256 {digest[:16]}..., but {listed} lists {s['sha256'][:16]}..."
+        return _index_problem(out, s, listed)
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for (i, s), why in zip(jobs, pool.map(problem, jobs)):
+            if why:
+                raise MergeError(f"{out / s['name']}: {why} (changed, cut short or removed after task {i} wrote "
+                                 f"it): {_rerun(out, i)}")
+
+
+def _repeated_ids(out: Path, plan: dict, manifests: list[dict]) -> tuple[list[list[dict]], dict[str, list[str]]]:
+    """Per task, its samples whose id an earlier task already has (no task can see another's ids); and the shards
+    holding them -> the ids each keeps."""
+    seen: set[bytes] = set()
+    dups_per_task, rewritten = [], {}
+    for i in range(len(manifests)):
         files = TaskFiles(out, i, shard_prefix(plan, i))
+        lines = files.samples.read_text(encoding="utf-8").splitlines()
         dups = []
-        for line in files.samples.read_text(encoding="utf-8").splitlines():
+        for line in lines:
             sample = json.loads(line)
             key = hashlib.blake2b(sample["id"].encode("utf-8"), digest_size=16).digest()  # bounded memory per id
             if key in seen:
                 dups.append(sample)
             seen.add(key)
+        dups_per_task.append(dups)
+        if dups:
+            drop, affected = {d["id"] for d in dups}, {d["shard"] for d in dups}
+            for name in affected:
+                rewritten[name] = []
+            for sample in map(json.loads, lines):
+                if sample["shard"] in affected and sample["id"] not in drop:
+                    rewritten[sample["shard"]].append(sample["id"])
+    return dups_per_task, rewritten
+
+
+def merge_tasks(out: Path) -> dict:
+    """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
+    and manifest.json (last). Returns the manifest. The caller owns the dir (build/owner.py)."""
+    out = Path(out)
+    plan = load_plan(out)
+    if plan is None:
+        raise MergeError(f"{out}: no {PLAN_NAME}: not a planned build dir (run `vlmprep build --plan-only` first)")
+    manifests = _task_manifests(out, plan)
+    _check_claims(out, plan, manifests)
+    _check_strays(out, plan, manifests)
+    proc = out / plan["processor"]["dir"]
+    if not proc.is_dir() or fingerprint_dir(proc) != plan["processor"]["fingerprint"]:
+        raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
+    dups_per_task, rewritten = _repeated_ids(out, plan, manifests)
+    _verify_shards(out, manifests, rewritten)
+
+    totals, rejects = collections.Counter(), collections.Counter()
+    by_input = [collections.Counter() for _ in plan["inputs"]]
+    input_of = {inp["path"]: i for i, inp in enumerate(plan["inputs"])}
+    shards, reject_lines = [], []
+    for i, (m, dups) in enumerate(zip(manifests, dups_per_task)):
+        files = TaskFiles(out, i, shard_prefix(plan, i))
         totals.update(m["totals"])
+        for k, counts in m["inputs"].items():
+            by_input[int(k)].update(counts)
         rejects.update(m["rejects"])
         reject_lines.append(files.rejects.read_text(encoding="utf-8"))
         drop = {d["id"] for d in dups}
-        affected = {d["shard"] for d in dups}
         for info in m["shards"]:
-            if info["name"] in affected:
+            if info["name"] in rewritten:
                 info = _filter_shard(out, info["name"], drop, files.prefix)
             if info is not None:
                 shards.append(info)
         for d in dups:
-            count_sample(totals, d, sign=-1)
+            for counts in (totals, by_input[input_of[d["source"]["file"]]]):
+                count_sample(counts, d, sign=-1)
+                counts["rejected"] += 1
             rejects["duplicate_id"] += 1
-            totals["rejected"] += 1
             reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
     write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
     manifest = {
@@ -136,7 +245,8 @@ def merge_tasks(out: Path) -> dict:
         "processor": plan["processor"],
         "config": plan["config"],
         "image_format": plan["config"]["image_format"],
-        "inputs": [{"path": inp["path"], "bytes": inp["bytes"]} for inp in plan["inputs"]],
+        "inputs": [{"path": inp["path"], "bytes": inp["bytes"], "totals": input_totals(counts)}
+                   for inp, counts in zip(plan["inputs"], by_input)],
         "plan": {"tasks": plan["tasks"], "sha256": plan_digest(plan)},
         "shards": shards,
         "totals": {k: int(totals[k]) for k in TOTAL_KEYS},

@@ -11,17 +11,20 @@ depends on the executor, so for a fixed T every executor writes the same bytes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fnmatch
 import json
 import shutil
+import sys
 import time
 from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmprep.config import BuildConfig
+from vlmprep.config import BuildConfig, spelled, spelled_flag
 from vlmprep.build.merge import merge_tasks
+from vlmprep.build.owner import own_out, share_out
 from vlmprep.build.plan import PlanError, config_changes, load_plan, make_plan, write_plan
 from vlmprep.build.progress import TaskProgress
 from vlmprep.build.task import run_task, task_start
@@ -29,11 +32,12 @@ from vlmprep.build.workers import BuildError, pool_failure, start_worker_server,
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
-from vlmprep.shards.dataset import (JOURNAL_NAME, MANIFEST_NAME, NV_META, PLAN_NAME, PROCESSOR_DIR, REJECTS_NAME,
-                                    SHARD_GLOB, TASKS_DIR, TMP_SUFFIX)
-from vlmprep.shards.summary import reject_fix, reject_share, rejected_records
+from vlmprep.shards.dataset import (FAILED_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, NV_META, PLAN_NAME,
+                                    PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB, TASKS_DIR, TMP_SUFFIX, write_text_atomic)
+from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
 
-__all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_rejects", "plan_build"]
+__all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_coverage", "check_dataset",
+           "check_rejects", "merge", "plan_build"]
 
 
 @dataclass
@@ -53,10 +57,10 @@ def _plan_options(plan: dict) -> dict:
 
 # The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
 # files, manifest, rejects, plan and journal with their temp copies): what a new plan clears, and nothing else.
-_DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME)
+_DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME)
                        for g in (name, f"{name}.*"))
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
-_BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META)
+_BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
 
 
 def _ours(p: Path, patterns: tuple[str, ...]) -> bool:
@@ -73,7 +77,8 @@ def _clear_dataset(out: Path) -> None:
 
 def check_out(cfg: BuildConfig, out: Path) -> None:
     """Refuse (changing nothing) an --out holding another build's dataset or plan with other options, or files no
-    build wrote, unless --overwrite. The same build again passes: it resumes, or finds the dataset complete."""
+    build wrote, unless --overwrite; a dataset that failed its checks (build-failed.txt) is replaced, saying so. The
+    same build again passes: it resumes, or finds the dataset complete."""
     if cfg.overwrite or not out.exists():
         return
     if not out.is_dir():
@@ -92,8 +97,14 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
         return
     asked = cfg.to_json()
     differ = config_changes(asked, old_config)
+    if differ and (out / FAILED_NAME).is_file() and (out / MANIFEST_NAME).is_file():
+        # A dataset that failed its checks is there to be looked at, not kept: its own fix line must just work.
+        print(f"vlmprep build: replacing the dataset in {out}, which failed its checks ({FAILED_NAME}), with one "
+              f"built with {', '.join(spelled_flag(k, asked.get(k)) for k in differ[:3])}", file=sys.stderr)
+        return
     if differ:
-        shown = ", ".join(f"--{k.replace('_', '-')} {_show(old_config.get(k))} there, {_show(asked.get(k))} asked"
+        now = {k: spelled_flag(k, v) if isinstance(v, bool) else spelled(k, v) for k, v in asked.items()}
+        shown = ", ".join(f"{spelled_flag(k, old_config.get(k))} there, {now.get(k, 'not set')} asked"
                           for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
         raise BuildError(f"--out {out} holds a dataset built with other options ({shown}); pass --overwrite to "
                          "replace it, or build into another --out")
@@ -106,10 +117,6 @@ def _manifest_config(out: Path) -> dict | None:
         return None
     except (OSError, ValueError, AttributeError):
         return {"manifest": "unreadable"}
-
-
-def _show(v) -> str:
-    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]:
@@ -163,6 +170,14 @@ def build_task(out: Path, index: int, *, workers: int = 1, progress: bool = Fals
     build options given again) a missing plan is made first, identical to the one any other task would make."""
     out = Path(out)
     if cfg is not None:
+        out.mkdir(parents=True, exist_ok=True)  # every task of a new --out makes it: the same dir
+    with share_out(out) if out.is_dir() else contextlib.nullcontext():
+        return _build_task_shared(out, index, workers=workers, progress=progress, cfg=cfg)
+
+
+def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None) -> BuildResult:
+    """build_task() under --out's shared lock: any number of tasks at once, never beside a whole build or a merge."""
+    if cfg is not None:
         plan, _ = plan_build(cfg, fresh=False)
     else:
         plan = load_plan(out)
@@ -182,13 +197,22 @@ def build(cfg: BuildConfig) -> BuildResult:
     if cfg.task_index is not None:
         return build_task(Path(cfg.out), cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
     out = Path(cfg.out)
-    created = not out.exists()
-    try:
-        plan, renderer = plan_build(cfg, fresh=True)
-    except BaseException:
-        if created and out.is_dir() and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out} is a file: pass a directory")
+    top = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the first dir made here
+    out.mkdir(parents=True, exist_ok=True)  # the lock lives inside --out: a second build into a new dir refuses too
+    with own_out(out):
+        try:
+            plan, renderer = plan_build(cfg, fresh=True)
+        except BaseException:
+            if top is not None and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
+                shutil.rmtree(top, ignore_errors=True)
+            raise
+        return _build_planned(cfg, out, plan, renderer)
+
+
+def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer | None) -> BuildResult:
+    """The rest of build() once the plan is made, under --out's lock: the tasks, then the merge."""
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
     if cfg.executor == "ray":
@@ -202,9 +226,17 @@ def build(cfg: BuildConfig) -> BuildResult:
     else:
         seconds = _run_tasks_locally(out, plan, cfg, renderer)
     manifest = merge_tasks(out)
-    check_rejects(manifest, out, allow_empty=cfg.allow_empty, max_reject_fraction=cfg.max_reject_fraction)
+    check_dataset(manifest, out, allow_empty=cfg.allow_empty, max_reject_fraction=cfg.max_reject_fraction,
+                  min_turn_coverage=cfg.min_turn_coverage)
     return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest["rejects"]),
                        task_seconds=seconds)
+
+
+def merge(out: Path) -> dict:
+    """`vlmprep merge DIR`: merge_tasks with DIR this process's alone, so no task or build writes there meanwhile."""
+    out = Path(out)
+    with own_out(out) if out.is_dir() else contextlib.nullcontext():
+        return merge_tasks(out)
 
 
 class RejectsError(BuildError):
@@ -223,7 +255,7 @@ def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
     is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
     out, t, rejects = Path(out), manifest["totals"], manifest["rejects"]
     ranked = sorted(rejects.items(), key=lambda x: (-x[1], x[0]))
-    fix = f"; fix: {reject_fix(ranked[0][0], manifest['processor'].get('spec'))}" if ranked else ""
+    fix = f"; fix: {reject_fix(ranked[0][0], manifest)}" if ranked else ""
     if t["samples"] == 0:
         if allow_empty:
             return
@@ -236,6 +268,29 @@ def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
                            f"({reject_share(manifest):.1%} > "
                            f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
                            "--max-reject-fraction 1 accepts it", manifest)
+
+
+def check_coverage(manifest: dict, out: Path, *, min_turn_coverage: float) -> None:
+    """After the whole dataset is merged: fewer trained turns than min_turn_coverage of those to train (the rest lost
+    to --seq-len) is an error naming the share, the loss by reason and the fix. The files stay, as for rejects."""
+    problem = coverage_problem(manifest, min_turn_coverage)
+    if problem is not None:
+        raise RejectsError(f"{Path(out)}: {problem}; the dataset is written: --min-turn-coverage 0 accepts it",
+                           manifest)
+
+
+def check_dataset(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float,
+                  min_turn_coverage: float) -> None:
+    """Both checks of a merged dataset (build and `vlmprep merge`); a failure leaves DIR/build-failed.txt holding its
+    line, so that the build's own fix line rebuilds the dir without --overwrite (check_out); a pass removes it."""
+    out = Path(out)
+    try:
+        check_rejects(manifest, out, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
+        check_coverage(manifest, out, min_turn_coverage=min_turn_coverage)
+    except RejectsError as e:
+        write_text_atomic(out / FAILED_NAME, f"{e}\n")
+        raise
+    (out / FAILED_NAME).unlink(missing_ok=True)
 
 
 def _run_one(args: tuple) -> tuple[int, float, dict]:

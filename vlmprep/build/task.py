@@ -8,6 +8,7 @@ byte-identical whatever N is. Every bad record becomes a counted reject, never a
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import os
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from vlmprep.build.journal import Journal, landed_ids, load_journal, save_journal
+from vlmprep.build.owner import own_task
 from vlmprep.build.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.build.progress import record_progress
-from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject
+from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject, input_totals
 from vlmprep.build.workers import BuildError, cached_renderer, ordered_results
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
@@ -75,6 +77,8 @@ class _TaskState:
     rejects: collections.Counter
     totals: collections.Counter
     seen_ids: set[str]
+    input_starts: list[int]  # the plan's first position of each input file
+    inputs: dict[int, collections.Counter]  # input file index -> its share of the totals
 
     def checkpoint(self, rej: IO[str], next_position: int) -> None:
         rej.flush()
@@ -84,35 +88,43 @@ class _TaskState:
         self.journal.rejects_bytes = rej.tell()
         self.journal.totals = dict(self.totals)
         self.journal.rejects = dict(self.rejects)
+        self.journal.inputs = {str(i): dict(c) for i, c in sorted(self.inputs.items())}
         save_journal(self.files.journal, self.journal)
 
-    def land(self, outcomes: list, rej: IO[str], *, strict: bool) -> bool:
-        """Write one record's samples and rejects; True when a shard closed inside it."""
+    def land(self, position: int, outcomes: list, turns: dict, rej: IO[str], *, strict: bool) -> bool:
+        """Write one record's samples and rejects and count them, in the totals and in its input file's;
+        True when a shard closed inside it."""
         completed = False
+        counts = collections.Counter(records=1, **turns)
         for status, payload in outcomes:
             if status == "ok" and payload.meta["id"] in self.seen_ids:
                 status, payload = "reject", duplicate_reject(payload.meta)
             if status == "ok":
                 self.seen_ids.add(payload.meta["id"])
-                count_sample(self.totals, payload.meta)
+                count_sample(counts, payload.meta)
                 completed |= self.writer.write(payload)
             else:
                 self.rejects[payload["reason"]] += 1
-                self.totals["rejected"] += 1
-                self.totals["unread_bytes"] += payload.get("unread_bytes", 0)
+                counts["rejected"] += 1
+                counts["unread_bytes"] += payload.get("unread_bytes", 0)
                 rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
                 if strict:
                     raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
                                      f"{payload['reason']}: {payload['message']}")
+        self.totals.update(counts)
+        self.inputs[bisect.bisect_right(self.input_starts, position) - 1].update(counts)
         return completed
 
 
-def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig) -> _TaskState:
+def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig, plan: dict) -> _TaskState:
     writer = ShardWriter(files.out, samples_per_shard=cfg.samples_per_shard,
                          shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024), prefix=files.prefix,
                          done=[ShardInfo(**s) for s in journal.shards])
+    inputs: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    inputs.update((int(i), collections.Counter(c)) for i, c in journal.inputs.items())
     return _TaskState(files=files, journal=journal, writer=writer, rejects=collections.Counter(journal.rejects),
-                      totals=collections.Counter(journal.totals), seen_ids=landed_ids(files.out, journal.shards))
+                      totals=collections.Counter(journal.totals), seen_ids=landed_ids(files.out, journal.shards),
+                      input_starts=[inp["first_position"] for inp in plan["inputs"]], inputs=inputs)
 
 
 def _task_records(plan: dict, index: int, cfg: BuildConfig, journal: Journal) -> Iterator[RawRecord]:
@@ -132,9 +144,7 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
         bar = progress.add_task("build", total=n, rate=0.0, samples=totals["samples"],
                                 rejects=totals["rejected"], completed=totals["records"])
         for pos, (outcomes, turns) in ordered_results(cfg, records, processor_dir, renderer):
-            totals["records"] += 1
-            totals.update(turns)
-            if state.land(outcomes, rej, strict=cfg.strict):
+            if state.land(pos, outcomes, turns, rej, strict=cfg.strict):
                 # a shard closed inside this record: the journal's durable point is the record's end
                 state.writer.finish_shard()
                 state.checkpoint(rej, pos + 1)
@@ -160,6 +170,7 @@ def _finish_task(state: _TaskState, plan: dict, digest: str) -> dict:
                 "processor": plan["processor"]["fingerprint"],
                 "records": {"first_position": cut["position"], "count": cut["records"]},
                 "shards": [s.to_json() for s in writer.shards], "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
+                "inputs": {str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
                 "rejects": dict(sorted(state.rejects.items()))}
     write_json_atomic(files.manifest, manifest)
     files.journal.unlink()
@@ -172,6 +183,13 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
     then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
     from its journal and ends byte-identical. Returns the task manifest."""
     out = Path(out)
+    (out / TASKS_DIR).mkdir(exist_ok=True)
+    with own_task(out, index):  # one run of a task at a time, whatever executor started it
+        return _run_owned_task(out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir)
+
+
+def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
+                    processor_dir: Path | None) -> dict:
     digest = plan_digest(plan)
     files = TaskFiles(out, index, shard_prefix(plan, index))
     done = load_task_manifest(files)
@@ -182,9 +200,8 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
     processor_dir = Path(processor_dir or out / plan["processor"]["dir"])
     if renderer is None:
         renderer = cached_renderer(cfg, processor_dir)
-    (out / TASKS_DIR).mkdir(exist_ok=True)
     journal = _start_or_resume(files, {"plan": digest, "task": index})
-    state = _resume_state(files, journal, cfg)
+    state = _resume_state(files, journal, cfg, plan)
     _write_records(state, _task_records(plan, index, cfg, journal), plan["cuts"][index]["records"], cfg=cfg,
                    processor_dir=processor_dir, renderer=renderer)
     return _finish_task(state, plan, digest)

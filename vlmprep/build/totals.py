@@ -10,7 +10,7 @@ TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "i
               "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
               "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated",
               "unread_bytes", "reasoning_turns", "reasoning_turns_dropped", "reasoning_turns_not_rendered",
-              "videos", "video_tokens", "dropped_videos")
+              "videos", "video_tokens", "dropped_videos", "turns_lost_large_image")
 
 
 SAMPLE_FIELDS = ("id", "source", "num_tokens", "num_trainable_tokens", "num_image_tokens", "num_images", "truncated",
@@ -30,6 +30,12 @@ def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
     totals["samples"] += sign
     totals["truncated_samples"] += sign * int(m["truncated"])
     totals["split_samples"] += sign * int(m["split"] is not None)
+
+
+def input_totals(counts) -> dict:
+    """One input file's share of the totals: the same keys, those that are 0 left out (a build may read thousands of
+    files; the manifest lists each)."""
+    return {k: int(counts[k]) for k in TOTAL_KEYS if counts[k]}
 
 
 def duplicate_reject(meta: dict) -> dict:

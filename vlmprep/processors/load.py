@@ -119,16 +119,19 @@ def apply_pixel_budget(processor, family, *, min_pixels: int | None, max_pixels:
         raise ValueError(f"--min-pixels {ip.size.shortest_edge} > --max-pixels {ip.size.longest_edge}: swap them")
 
 
-def apply_video_budget(processor, family, *, fps: float | None, max_frames: int | None) -> None:
-    """Set --video-fps / --video-max-frames on the video processor itself (its sample_frames reads them from self), so
-    the copy saved into the dataset samples as the build did; refused for families without video support."""
-    if fps is None and max_frames is None:
-        return
+def apply_video_budget(processor, family, *, fps: float | None, max_frames: int | None, default_fps: float) -> None:
+    """Set the build's frame sampling on the video processor itself (its sample_frames reads it from self):
+    do_sample_frames on, fps = --video-fps, else its own fps, else `default_fps` (the rate the build samples at),
+    and --video-max-frames. So the copy saved into the dataset (and `trainer export`'s) samples a source video as
+    the build did. --video-fps / --video-max-frames are refused for families without video support."""
     vp = getattr(processor, "video_processor", None)
     if family is None or family.video is None or vp is None:
+        if fps is None and max_frames is None:
+            return
         raise ValueError(f"--video-fps/--video-max-frames: {type(processor).__name__} has no video support in vlmprep "
                          "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)")
-    if fps is not None:
-        vp.fps = fps
+    vp.do_sample_frames = True
+    vp.fps = float(fps or getattr(vp, "fps", None) or default_fps)
+    vp.num_frames = None  # fps and num_frames exclude each other in sample_frames; the build samples by fps
     if max_frames is not None:
         vp.max_frames = max_frames

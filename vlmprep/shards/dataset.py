@@ -11,11 +11,15 @@ from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"  # written last: its presence means the dataset is complete
 REJECTS_NAME = "rejects.jsonl"
+# Beside a complete dataset that failed the build's checks (--max-reject-fraction, --min-turn-coverage): the error
+# line. Such a dir is written to look at, not a finished dataset: a build with other options replaces it unasked.
+FAILED_NAME = "build-failed.txt"
 PLAN_NAME = "plan.json"
 PROCESSOR_DIR = "processor"  # the saved processor that rendered the dataset
 JOURNAL_NAME = "build-journal.json"  # an older build's journal: cleared with the rest of a dataset
 NV_META = ".nv-meta"  # energon's MAIN_FOLDER_NAME
 TASKS_DIR = "tasks"
+LOCK_NAME = ".vlmprep.lock"  # held while a build or merge writes into the dir (build/owner.py); removed after
 SHARD_GLOB = "shard-*.tar"  # every shard name plan.shard_prefix makes; a .tar of another name is never ours
 TMP_SUFFIX = ".tmp"
 # What a finished task leaves under tasks/: its manifest (written last), rejects and sample list.

@@ -35,6 +35,9 @@ REJECT_FIXES = {
     "too_many_images": "raise --max-images-per-record, or pass --keep-images last:N",
     "image_too_large": "raise --max-image-pixels",
     "image_too_small": "lower --min-image-side",
+    "video_too_small": "lower --min-image-side",
+    "raw_video_stream": "wrap each raw stream in a container at its real rate: ffmpeg -framerate FPS -i IN -c copy "
+                        "OUT.mp4",
     "line_too_long": "raise --max-line-bytes",
     "no_assistant_turn": "records need an assistant turn to train (or --train-on-roles naming a role they have)",
     "no_trainable_tokens": "check --train-on-roles against the roles your records have",
@@ -44,11 +47,59 @@ REJECT_FIXES = {
 }
 
 
-def reject_fix(reason: str, processor: str | None = None) -> str:
+def reject_fix(reason: str, manifest: dict) -> str:
     fix = REJECT_FIXES.get(reason, "see rejects.jsonl and docs/rejects.md")
-    if reason == "tool_calls_not_rendered" and processor in ("builtin:qwen2-vl", "builtin:qwen2.5-vl"):
+    if reason == "tool_calls_not_rendered" and manifest["processor"].get("spec") in ("builtin:qwen2-vl",
+                                                                                     "builtin:qwen2.5-vl"):
         fix = "pass --chat-template qwen2_vl_tools (the bundled tool-aware template), or --tool-calls drop-from-loss"
+    if reason in ("no_trainable_tokens_after_truncation", "turn_too_long") and _large_images_cost(manifest):
+        fix = _max_pixels_fix(manifest)
     return fix
+
+
+def _max_pixels_fix(manifest: dict) -> str:
+    """An image over half of --seq-len leaves no room for the turns around it, and neither split nor --keep-images
+    helps: the pixel budget that makes any image at most a quarter of --seq-len (28 x 28 pixels a token: Qwen2-VL and
+    Qwen2.5-VL; fewer tokens for Qwen3-VL's 32 x 32)."""
+    seq_len = int(manifest["config"]["seq_len"])
+    return (f"pass --max-pixels {seq_len // 4 * 28 * 28} (images over half of --seq-len {seq_len} cost these turns; "
+            "this caps one at a quarter of it), or raise --seq-len")
+
+
+def _large_images_cost(manifest: dict) -> bool:
+    t = manifest["totals"]
+    cut, large = t.get("turns_lost_truncated", 0) + t.get("turns_lost_too_long", 0), t.get("turns_lost_large_image", 0)
+    return 2 * large >= cut if cut else large > 0  # at least half the turns --seq-len cost, or records rejected
+
+
+def turns_to_train(manifest: dict) -> tuple[int, int, dict[str, int]]:
+    """(trained, to train, lost by reason) for the --min-turn-coverage rule: the assistant turns the options train
+    in the records that landed, and those --seq-len cost (truncated, turn_too_long). Turns the policy leaves
+    untrained are the user's choice; turns of rejected records are judged by --max-reject-fraction."""
+    turns = manifest.get("turns") or {}
+    lost = {k: int(turns.get("lost", {}).get(k, 0)) for k in ("truncated", "turn_too_long")}
+    trained = int(turns.get("trained_assistant_turns", 0))
+    return trained, trained + sum(lost.values()), lost
+
+
+def coverage_problem(manifest: dict, minimum: float) -> str | None:
+    """The one line (share, counts, lost by reason, fix) when fewer than `minimum` of the turns to train are trained;
+    None when the dataset passes. Used by build and merge (an error) and stats (a warning)."""
+    trained, total, lost = turns_to_train(manifest)
+    share = trained / total if total else 1.0
+    if share >= minimum:
+        return None
+    config = manifest.get("config") or {}
+    why = ", ".join(f"{k} {v}" for k, v in lost.items() if v)
+    if _large_images_cost(manifest):
+        fix = _max_pixels_fix(manifest)
+    elif lost["truncated"] and config.get("long_traces") == "truncate":
+        fix = ("drop --long-traces truncate (split, the default, trains every turn in step samples), or pass "
+               "--keep-images last:3 so that traces fit")
+    else:
+        fix = "pass --keep-images last:3 to drop older screenshots, or raise --seq-len"
+    return (f"turn coverage {share:.1%} < --min-turn-coverage {minimum:g} ({trained} of {total} assistant turns "
+            f"trained; lost to --seq-len {config.get('seq_len')}: {why}); fix: {fix}")
 
 
 def format_build_summary(manifest: dict, out: Path) -> str:

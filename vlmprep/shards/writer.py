@@ -46,6 +46,8 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         image_index.append(list(unique).index(im.digest))
         images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
                             "grid_thw": [int(x) for x in im.grid_thw]})
+        if im.source_size[0]:  # the size before the processor's resize: what `stats` shows and --max-pixels acts on
+            images_meta[-1].update(source_width=int(im.source_size[0]), source_height=int(im.source_size[1]))
     arrays = {
         "input_ids.npy": sample.input_ids,
         "loss_mask.npy": sample.loss_mask,

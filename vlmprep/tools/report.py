@@ -34,6 +34,8 @@ td.l{text-align:left}
 .conv{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px;line-height:1.55;
   white-space:pre-wrap;overflow-wrap:anywhere;border:1px solid #ddd;background:#fcfcfc;padding:8px}
 .role{font-family:system-ui,sans-serif;font-weight:bold;color:#1f4fb5;margin-top:6px}
+summary.role{cursor:pointer}
+summary.role small{font-weight:normal;color:#555}
 .tr{background:%(green)s;color:#000}
 .ms{color:#808080}
 .sp{color:#8a2be2;font-weight:bold}
@@ -132,12 +134,20 @@ def _sample_section(n: int, v: SampleView) -> str:
     parts = [f'<section class="sample" id="s-{_e(s.key)}" data-key="{_e(s.key)}">',
              f'<h2>{n}. sample {_e(s.key)} <small>id {_e(s.id)} ({_e(s.where)})</small></h2>', '<div class="conv">']
     for m in v.messages:
-        parts.append(f'<div class="msg" data-role="{_e(m.role)}"><div class="role">{_e(message_line(m))}</div>')
+        # The system prompt (and the tool list templates print into it) is collapsed: the first screen of a sample
+        # shows the conversation, and the prompt is one click away.
+        folded = m.role == "system" and not m.num_trained
+        if folded:
+            parts.append(f'<details class="msg" data-role="{_e(m.role)}"><summary class="role">'
+                         f'{_e(message_line(m))} <small>{m.num_tokens} tokens: the system prompt and any tool list, '
+                         'click to show</small></summary>')
+        else:
+            parts.append(f'<div class="msg" data-role="{_e(m.role)}"><div class="role">{_e(message_line(m))}</div>')
         for trained, segs in m.runs:
             inner = "".join(_image(seg, v) if seg.kind == "image" else _video(seg, v) if seg.kind == "video"
                             else _text_tokens(seg, v, pieces) for seg in segs)
             parts.append(f'<span class="{"tr" if trained else "ms"}">{inner}</span>')
-        parts.append("</div>")
+        parts.append("</details>" if folded else "</div>")
     parts.append('</div><ul class="facts">')
     for line in fact_lines(v):
         cls = ' class="warn"' if line.startswith("WARNING") else ""
@@ -186,12 +196,17 @@ def render_report(samples: list[SampleView], rejects: list[dict], *, title: str)
     if rejects:
         body.append(_rejects_table(rejects))
     body += [_sample_section(n, v) for n, v in enumerate(samples, 1)]
-    # The CSP makes "no network" a property of the page, not just of how it was written.
+    return page(title, "".join(body))
+
+
+def page(title: str, body: str, css: str = _CSS) -> str:
+    """One self-contained HTML page: inline CSS, no script; the CSP makes "no network" a property of the page, not
+    just of how it was written."""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
             "style-src 'unsafe-inline'\">"
             f"<meta name=\"generator\" content=\"vlmprep {__version__}\"><title>{_e(title)}</title>"
-            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
+            f"<style>{css}</style></head><body>{body}</body></html>\n")
 
 
 def write_report(path: Path, samples: list[SampleView], rejects: list[dict], *, title: str) -> None:

@@ -1,5 +1,7 @@
-"""Stats: a built dataset dir -> counts recomputed from the shards' arrays and meta, checked against the
-manifest, with reject counts by reason; formatted as a plain-text summary (or JSON by the CLI).
+"""Stats: a built dataset dir -> counts recomputed from the shards' arrays and meta, checked against the manifest, with
+reject counts by reason, each input file's share (records, samples, rejects, turn coverage, truncation), the
+distributions of tokens, trained tokens and images per sample and of image sizes and tokens per image, and the
+warnings they call for; formatted as plain text (or JSON by the CLI, or an HTML page by stats_report.py).
 """
 from __future__ import annotations
 
@@ -9,16 +11,33 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmprep.config import FIELDS
+from vlmprep.families import family_of
+from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, shard_paths
-from vlmprep.shards.summary import dropped_by_cut, plural
+from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 
 HIST_BINS = 10
 HIST_WIDTH = 40
+PERCENTILES = (10, 50, 90, 99)
+# Warning thresholds. The build's --min-turn-coverage default, and its rule (shards/summary.coverage_problem): a dataset
+# built with --min-turn-coverage 0 still says what it lost.
+MIN_TURN_COVERAGE = FIELDS["min_turn_coverage"].default
+TRUNCATED_SHARE_WARN = 0.10  # a larger share of samples cut at --seq-len
+# An image over a quarter of --seq-len leaves little room for the trace around it (a tall page, a huge photo); the
+# --max-pixels suggested caps one there, as the build's own fix line does.
+IMAGE_SHARE_WARN = 4
+IMAGE_TOKENS_WARN = 4096  # the limit where the manifest names no seq_len
+MAX_INPUT_ROWS = 40  # the terminal lists at most this many input files (the lowest coverage first); --json has all
+MAX_IMAGE_SIZES = 8  # the most common image sizes listed
+COVERAGE_FIX = REJECT_FIXES["no_trainable_tokens_after_truncation"]
+DISTRIBUTIONS = {"tokens_per_sample": "tokens per sample", "trained_tokens_per_sample": "trained tokens per sample",
+                 "images_per_sample": "images per sample", "tokens_per_image": "tokens per image"}
 
 
 def _pct(x: np.ndarray, q: float) -> int:
-    # Nearest rank: always a length that some sample really has.
+    # Nearest rank: always a value that some sample really has.
     return int(np.percentile(x, q, method="inverted_cdf")) if len(x) else 0
 
 
@@ -33,29 +52,79 @@ def _histogram(x: np.ndarray, bins: int = HIST_BINS) -> list[dict]:
     return [{"lo": lo + i * width, "hi": lo + (i + 1) * width, "count": int(counts[i])} for i in range(n)]
 
 
+def _distribution(values: list[int]) -> dict:
+    """Mean, min, nearest-rank percentiles, max and the histogram of one per-sample (or per-image) count."""
+    x = np.asarray(values, dtype=np.int64)
+    n = len(x)
+    return {"count": n, "mean": float(x.mean()) if n else 0.0, "min": int(x.min()) if n else 0,
+            **{f"p{q}": _pct(x, q) for q in PERCENTILES}, "max": int(x.max()) if n else 0,
+            "histogram": _histogram(x)}
+
+
+def _image_runs(types: np.ndarray) -> list[int]:
+    """Tokens of each image: the runs of image placeholders (one per image in every family inspect shows)."""
+    idx = np.flatnonzero(types == 1)
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    starts, ends = idx[np.r_[0, breaks + 1]], idx[np.r_[breaks, len(idx) - 1]] + 1
+    return (ends - starts).tolist()
+
+
+class _Scan:
+    """What one pass over the shards collects: per-sample and per-image values, and per-input-file sample counts."""
+
+    def __init__(self, image_limit: int):
+        self.image_limit = image_limit
+        self.tokens, self.trained, self.image_tokens, self.images = [], [], [], []
+        self.truncated = self.dropped = self.split = 0
+        self.videos = self.video_frames = self.video_tokens = self.dropped_videos = 0
+        self.image_token_runs: list[int] = []
+        self.sizes: collections.Counter = collections.Counter()  # (w, h) -> images
+        self.sizes_are_source = True  # False once an image without a recorded source size is met (older datasets)
+        self.large: list[dict] = []  # images over image_limit tokens
+        self.by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def add(self, ts) -> None:
+        meta = ts.meta()
+        mask, types = ts.array("loss_mask"), ts.array("mm_token_type_ids")
+        self.tokens.append(len(mask))
+        self.trained.append(int(mask.sum()))
+        self.image_tokens.append(int((types == 1).sum()))
+        self.video_tokens += int((types == 2).sum())
+        self.videos += int(meta.get("num_videos", 0))
+        self.video_frames += sum(int(v["frames"]) for v in meta.get("videos", ()))
+        self.dropped_videos += int(meta.get("dropped_videos", 0))
+        self.images.append(len(ts.array("image_grid_thw").reshape(-1, 3)))
+        self.truncated += bool(meta.get("truncated"))
+        self.split += meta.get("split") is not None
+        self.dropped += int(meta.get("dropped_images", 0))
+        source = str((meta.get("source") or {}).get("file"))
+        self.by_file[source].update(samples=1, tokens=len(mask))
+        runs = _image_runs(types)
+        self.image_token_runs += runs
+        entries = meta.get("images") or []
+        for k, im in enumerate(entries):
+            if "source_width" in im:
+                size = (int(im["source_width"]), int(im["source_height"]))
+            else:
+                size, self.sizes_are_source = (int(im["width"]), int(im["height"])), False
+            self.sizes[size] += 1
+            if len(runs) == len(entries) and runs[k] > self.image_limit:
+                self.large.append({"tokens": runs[k], "size": f"{size[0]}x{size[1]}", "file": source,
+                                   "pixels_per_token": int(im["width"]) * int(im["height"]) / runs[k]})
+
+
 def compute_stats(root: Path) -> dict:
     root = Path(root)
     manifest = load_manifest(root)
-    tokens, trained, image_tokens, images = [], [], [], []
-    truncated = dropped = 0
-    videos = video_frames = video_tokens = dropped_videos = 0
-    split: list[bool] = []
+    config = manifest.get("config") or {}
+    seq_len = config.get("seq_len")
+    scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN)
     for path in shard_paths(root, manifest):
         for ts in iter_shard(path, version=manifest["format_version"]):
-            meta = ts.meta()
-            mask, types = ts.array("loss_mask"), ts.array("mm_token_type_ids")
-            tokens.append(len(mask))
-            trained.append(int(mask.sum()))
-            image_tokens.append(int((types == 1).sum()))
-            video_tokens += int((types == 2).sum())
-            videos += int(meta.get("num_videos", 0))
-            video_frames += sum(int(v["frames"]) for v in meta.get("videos", ()))
-            dropped_videos += int(meta.get("dropped_videos", 0))
-            images.append(len(ts.array("image_grid_thw").reshape(-1, 3)))
-            truncated += bool(meta.get("truncated"))
-            split.append(meta.get("split") is not None)
-            dropped += int(meta.get("dropped_images", 0))
-    tok, img = np.array(tokens, dtype=np.int64), np.array(images, dtype=np.int64)
+            scan.add(ts)
+    tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)
     rejects = {k: int(v) for k, v in sorted(manifest.get("rejects", {}).items())}
     st = {
@@ -63,39 +132,100 @@ def compute_stats(root: Path) -> dict:
         "format_version": manifest["format_version"],
         "image_format": manifest.get("image_format"),
         "processor": (manifest.get("processor") or {}).get("spec"),
-        "seq_len": (manifest.get("config") or {}).get("seq_len"),
+        "seq_len": seq_len,
         "shards": len(manifest.get("shards", [])),
         "records": int(manifest.get("totals", {}).get("records", n + sum(rejects.values()))),
         "unread_bytes": int(manifest.get("totals", {}).get("unread_bytes", 0)),
         "samples": n,
         "tokens": int(tok.sum()),
-        "trainable_tokens": int(sum(trained)),
-        "trainable_ratio": sum(trained) / max(int(tok.sum()), 1),
-        "image_tokens": int(sum(image_tokens)),
+        "trainable_tokens": int(sum(scan.trained)),
+        "trainable_ratio": sum(scan.trained) / max(int(tok.sum()), 1),
+        "image_tokens": int(sum(scan.image_tokens)),
         "images": int(img.sum()),
         "text_only_samples": int((img == 0).sum()),
-        "images_per_sample": {"mean": float(img.mean()) if n else 0.0, "p50": _pct(img, 50), "p90": _pct(img, 90),
-                              "max": int(img.max()) if n else 0},
-        "tokens_per_sample": {"mean": float(tok.mean()) if n else 0.0, "min": int(tok.min()) if n else 0,
-                              "p50": _pct(tok, 50), "p90": _pct(tok, 90), "p99": _pct(tok, 99),
-                              "max": int(tok.max()) if n else 0},
-        "tokens_histogram": _histogram(tok),
-        "truncated_samples": truncated,
-        "dropped_images": dropped,
-        "videos": videos,
-        "video_frames": video_frames,
-        "video_tokens": video_tokens,
-        "dropped_videos": dropped_videos,
+        "tokens_per_sample": _distribution(scan.tokens),
+        "trained_tokens_per_sample": _distribution(scan.trained),
+        "images_per_sample": _distribution(scan.images),
+        "tokens_per_image": _distribution(scan.image_token_runs),
+        "image_sizes": {"kind": "source" if scan.sizes_are_source else "stored", "distinct": len(scan.sizes),
+                        "top": [{"size": f"{w}x{h}", "count": c} for (w, h), c in
+                                sorted(scan.sizes.items(), key=lambda x: (-x[1], x[0]))[:MAX_IMAGE_SIZES]]},
+        "large_images": _large_images(scan, manifest),
+        "truncated_samples": scan.truncated,
+        "dropped_images": scan.dropped,
+        "videos": scan.videos,
+        "video_frames": scan.video_frames,
+        "video_tokens": scan.video_tokens,
+        "dropped_videos": scan.dropped_videos,
         "rejected": sum(rejects.values()),
         "rejects": rejects,
-        "split_samples": int(sum(split)),
+        "split_samples": scan.split,
         "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
+        "min_turn_coverage": MIN_TURN_COVERAGE,
+        "coverage_warning": coverage_problem(manifest, MIN_TURN_COVERAGE) if "turns" in manifest else None,
     }
-    st["mismatches"] = _mismatches(root, manifest, st)
+    reject_lines = _reject_lines(root)
+    st["inputs"] = _inputs(manifest, reject_lines)
+    st["mismatches"] = _mismatches(manifest, st, reject_lines, scan.by_file)
+    st["warnings"] = data_warnings(st)
     return st
 
 
-def _mismatches(root: Path, manifest: dict, st: dict) -> list[str]:
+def _reject_lines(root: Path) -> list[dict] | None:
+    p = dataset_path(root, REJECTS_NAME)  # not through a symlink out of the dataset
+    if not p.is_file():
+        return None
+    with open(p, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | None:
+    """Each input file's counts (the manifest's per-input totals, rejects by reason from rejects.jsonl); None for a
+    dataset built before the build recorded them."""
+    inputs = manifest.get("inputs") or []
+    if not inputs or any("totals" not in inp for inp in inputs):
+        return None
+    by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in reject_lines or ():
+        by_file[str((r.get("source") or {}).get("file"))][r.get("reason")] += 1
+    out = []
+    for inp, name in zip(inputs, input_names([Path(inp["path"]) for inp in inputs])):
+        t = collections.Counter(inp["totals"])
+        n_turns = t["input_assistant_turns"]
+        out.append({"path": inp["path"], "name": name, "records": t["records"], "samples": t["samples"],
+                    "rejected": t["rejected"], "rejects": dict(sorted(by_file[inp["path"]].items())),
+                    "tokens": t["tokens"], "trainable_tokens": t["trainable_tokens"], "images": t["images"],
+                    "image_tokens": t["image_tokens"], "truncated_samples": t["truncated_samples"],
+                    "dropped_images": t["dropped_images"], "split_samples": t["split_samples"],
+                    "input_assistant_turns": n_turns, "trained_assistant_turns": t["trained_assistant_turns"],
+                    "coverage": t["trained_assistant_turns"] / n_turns if n_turns else 1.0,
+                    "kept_share": _kept_share(t),
+                    "turns_lost": {"truncated": t["turns_lost_truncated"], "turn_too_long": t["turns_lost_too_long"],
+                                   "not_trained_by_policy": t["turns_lost_policy"],
+                                   "record_rejected": t["turns_lost_rejected"]}})
+    return out
+
+
+def _kept_share(t: collections.Counter) -> float:
+    """Trained / (trained + lost to --seq-len): the share the --min-turn-coverage rule judges (shards/summary.py)."""
+    to_train = t["trained_assistant_turns"] + t["turns_lost_truncated"] + t["turns_lost_too_long"]
+    return t["trained_assistant_turns"] / to_train if to_train else 1.0
+
+
+def _large_images(scan: _Scan, manifest: dict) -> dict:
+    """Images over the scan's limit, the largest, and the --max-pixels that caps an image at that many tokens: the
+    stored pixels per token of a grid family (patch^2 x merge^2) times the limit."""
+    large = scan.large
+    out = {"limit": scan.image_limit, "count": len(large), "largest": None, "max_pixels": None}
+    if large:
+        out["largest"] = {k: v for k, v in max(large, key=lambda x: x["tokens"]).items() if k != "pixels_per_token"}
+        family = family_of((manifest.get("processor") or {}).get("class"))
+        if family is not None and family.grid_images:
+            out["max_pixels"] = int(scan.image_limit * round(min(x["pixels_per_token"] for x in large)))
+    return out
+
+
+def _mismatches(manifest: dict, st: dict, reject_lines: list[dict] | None, by_file: dict) -> list[str]:
     """Where the manifest disagrees with what the shards (or rejects.jsonl) actually hold."""
     out = []
     totals = manifest.get("totals", {})
@@ -104,18 +234,116 @@ def _mismatches(root: Path, manifest: dict, st: dict) -> list[str]:
         if key in totals and totals[key] != st[key]:
             out.append(f"manifest totals.{key}={totals[key]} but the {'rejects' if key == 'rejected' else 'shards'} "
                        f"give {st[key]}")
-    p = dataset_path(root, REJECTS_NAME)
-    if p.is_file():
-        with open(p, encoding="utf-8") as f:
-            counted = collections.Counter(json.loads(line).get("reason") for line in f if line.strip())
+    if reject_lines is not None:
+        counted = collections.Counter(r.get("reason") for r in reject_lines)
         if dict(sorted(counted.items())) != st["rejects"]:
             out.append(f"rejects.jsonl counts {dict(sorted(counted.items()))} differ from the manifest {st['rejects']}")
+    for inp in st["inputs"] or ():
+        got = by_file.get(inp["path"], collections.Counter())
+        for key in ("samples", "tokens"):
+            if got[key] != inp[key]:
+                out.append(f"manifest inputs[{inp['name']}].totals.{key}={inp[key]} but the shards give {got[key]}")
     return out
 
 
-def format_stats(st: dict) -> str:
+def data_warnings(st: dict) -> list[str]:
+    """What in the numbers calls for a look, each with its fix: turn coverage under st['min_turn_coverage'] (the
+    dataset's and each input file's), a truncated share over TRUNCATED_SHARE_WARN, images over a quarter of
+    --seq-len."""
+    out = [st["coverage_warning"]] if st.get("coverage_warning") else []
+    floor, inputs = st["min_turn_coverage"], st.get("inputs") or []
+    # Per file where there are several (one file's line would repeat the dataset's), by the build's rule: the turns to
+    # train that --seq-len lost (truncated, turn_too_long).
+    low = sorted((i for i in inputs if i["kept_share"] < floor), key=lambda i: (i["kept_share"], i["name"]))
+    low = low if len(inputs) > 1 else []
+    for i in low[:MAX_INPUT_ROWS]:
+        out.append(f"{i['name']}: {i['trained_assistant_turns']} of {i['input_assistant_turns']} assistant turns "
+                   f"trained ({i['kept_share']:.1%} of those to train < {floor:g}; {i['truncated_samples']} of "
+                   f"{plural(i['samples'], 'sample')} truncated, {i['rejected']} rejected"
+                   + (": " + ", ".join(f"{r} {c}" for r, c in i["rejects"].items()) if i["rejects"] else "") + ")")
+    if len(low) > MAX_INPUT_ROWS:
+        out.append(f"... and {len(low) - MAX_INPUT_ROWS} more input files under {floor:.0%} coverage "
+                   "(--json lists all)")
+    n, cut = st["samples"], st["truncated_samples"]
+    if n and cut / n > TRUNCATED_SHARE_WARN:
+        worst = sorted((i for i in inputs if i["truncated_samples"]), key=lambda i: -i["truncated_samples"])[:3]
+        where = ", ".join(f"{i['name']} {i['truncated_samples']} of {i['samples']}" for i in worst)
+        out.append(f"{cut} of {plural(n, 'sample')} truncated ({cut / n:.1%} > {TRUNCATED_SHARE_WARN:.0%}"
+                   + (f"; {where}" if where else "") + f"), {dropped_by_cut(st['dropped_images'], 0)}; "
+                   f"fix: {COVERAGE_FIX}")
+    large = st["large_images"]
+    if large["count"]:
+        big = large["largest"]
+        fix = (f"--max-pixels {large['max_pixels']} caps an image at {large['limit']} tokens" if large["max_pixels"]
+               else "lower --max-pixels (or the images' resolution)")
+        out.append(f"{plural(large['count'], 'image')} over {large['limit']} tokens (largest {big['tokens']}: "
+                   f"{big['size']} in {Path(big['file']).name}); fix: {fix}")
+    return out
+
+
+def _table(rows: list[list[str]], *, left: int = 1) -> list[str]:
+    """Columns padded to their widest cell; the first `left` columns left-aligned, the rest right-aligned."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) if c < left else cell.rjust(w) for c, (cell, w) in
+                             enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def shown_inputs(inputs: list[dict], limit: int) -> tuple[list[dict], str]:
+    """All input files in input order, or past `limit` the `limit` with the lowest turn coverage, and a note saying
+    so (a build may read thousands of files)."""
+    if len(inputs) <= limit:
+        return inputs, ""
+    return (sorted(inputs, key=lambda i: (i["coverage"], i["name"]))[:limit],
+            f"{limit} of {len(inputs)}, lowest turn coverage first; --json lists all")
+
+
+def _input_lines(st: dict) -> list[str]:
+    inputs = st["inputs"]
+    if inputs is None:
+        return ["per input file     unavailable: this dataset was built before vlmprep recorded per-input counts "
+                "(rebuild to see them)"]
+    shown, note = shown_inputs(inputs, MAX_INPUT_ROWS)
+    head = f"per input file{f' ({note})' if note else ''}:"
+    rows = [["file", "records", "samples", "rejected", "turns trained", "coverage", "truncated", "images", "tokens",
+             "trained"]]
+    for i in shown:
+        rows.append([i["name"], str(i["records"]), str(i["samples"]), str(i["rejected"]),
+                     f"{i['trained_assistant_turns']} of {i['input_assistant_turns']}",
+                     f"{i['coverage']:.1%}" if i["input_assistant_turns"] else "-",
+                     str(i["truncated_samples"]), str(i["images"]), str(i["tokens"]), str(i["trainable_tokens"])])
+    return [head] + _table(rows)
+
+
+def _distribution_lines(st: dict) -> list[str]:
+    rows = [["distribution", "min", *(f"p{q}" for q in PERCENTILES), "max", "mean"]]
+    for key, label in DISTRIBUTIONS.items():
+        d = st[key]
+        rows.append([label, str(d["min"]), *(str(d[f"p{q}"]) for q in PERCENTILES), str(d["max"]), f"{d['mean']:.1f}"])
+    lines = ["distributions:"] + _table(rows)
+    sizes = st["image_sizes"]
+    if sizes["top"]:
+        shown = ", ".join(f"{s['size']} {s['count']}" for s in sizes["top"])
+        more = sizes["distinct"] - len(sizes["top"])
+        lines.append(f"image sizes ({sizes['kind']} WxH, images): {shown}" + (f", {more} other sizes" if more else ""))
+    return lines
+
+
+def _histogram_lines(title: str, hist: list[dict]) -> list[str]:
+    if not hist:
+        return []
+    lines = [f"{title} histogram:"]
+    top = max(b["count"] for b in hist)
+    w = len(str(hist[-1]["hi"]))
+    for b in hist:
+        bar = "#" * (round(HIST_WIDTH * b["count"] / top) if b["count"] else 0)
+        lines.append(f"  [{b['lo']:>{w}}, {b['hi']:>{w}})  {bar:<{HIST_WIDTH}}  {b['count']}")
+    return lines
+
+
+def summary_lines(st: dict) -> list[str]:
+    """The dataset's totals: the head of format_stats (and of the HTML report)."""
     n, t = st["samples"], st["tokens"]
-    ips, tps = st["images_per_sample"], st["tokens_per_sample"]
+    ips = st["images_per_sample"]
     lines = [
         f"dataset {st['dir']}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
         f"(format v{st['format_version']}, {st['image_format']} images, {st['processor']}, seq_len {st['seq_len']})",
@@ -125,8 +353,6 @@ def format_stats(st: dict) -> str:
         f"image {st['image_tokens']} ({st['image_tokens'] / max(t, 1):.1%})",
         f"images             {st['images']} | per sample mean {ips['mean']:.2f}, p50 {ips['p50']}, p90 {ips['p90']}, "
         f"max {ips['max']} | text-only samples {st['text_only_samples']}",
-        f"tokens per sample  mean {tps['mean']:.1f} | p50 {tps['p50']} | p90 {tps['p90']} | p99 {tps['p99']} | "
-        f"max {tps['max']}",
         *([f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "
            f"({st['video_tokens'] / max(t, 1):.1%})"] if st["videos"] or st["dropped_videos"] else []),
         f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
@@ -141,14 +367,14 @@ def format_stats(st: dict) -> str:
                   f"(coverage {turns['coverage']:.1%}) | lost: {lost}",
                   f"agent traces       {st['split_samples']} split samples | {turns['images_removed_by_history']} "
                   f"images removed by --keep-images | {turns['context_tokens_repeated']} context tokens repeated"]
-    hist = st["tokens_histogram"]
-    if hist:
-        lines.append("tokens per sample histogram:")
-        top = max(b["count"] for b in hist)
-        w = len(str(hist[-1]["hi"]))
-        for b in hist:
-            bar = "#" * (round(HIST_WIDTH * b["count"] / top) if b["count"] else 0)
-            lines.append(f"  [{b['lo']:>{w}}, {b['hi']:>{w}})  {bar:<{HIST_WIDTH}}  {b['count']}")
-    lines += [f"WARNING: {m}" for m in st["mismatches"]]
-    return "\n".join(lines)
+    return lines
 
+
+def format_stats(st: dict) -> str:
+    lines = summary_lines(st)
+    lines += _input_lines(st)
+    lines += _distribution_lines(st)
+    lines += _histogram_lines("tokens per sample", st["tokens_per_sample"]["histogram"])
+    lines += _histogram_lines("tokens per image", st["tokens_per_image"]["histogram"])
+    lines += [f"WARNING: {m}" for m in st["mismatches"] + st["warnings"]]
+    return "\n".join(lines)

@@ -42,10 +42,15 @@ def demo_traces(tmp_path_factory):
     return p
 
 
+# Truncated samples on purpose (the generator's over-long traces), their lost turns accepted.
+DEMO = dict(seq_len=4096, samples_per_shard=5, chat_template=TOOLS_TEMPLATE, long_traces="truncate",
+            min_turn_coverage=0.0)
+
+
 @pytest.fixture(scope="module")
 def demo_build(demo_traces, tmp_path_factory, qwen2vl_processor):
     out = tmp_path_factory.mktemp("b") / "shards"
-    res = build(cfg([demo_traces], out, seq_len=4096, samples_per_shard=5, chat_template=TOOLS_TEMPLATE))
+    res = build(cfg([demo_traces], out, **DEMO))
     return out, res
 
 
@@ -119,7 +124,7 @@ def test_webdataset_and_tarfile_read_the_same_arrays(demo_build):
 def test_build_twice_and_with_two_workers_is_byte_identical(demo_traces, demo_build, tmp_path):
     out1, _ = demo_build
     out2 = tmp_path / "again"
-    build(cfg([demo_traces], out2, seq_len=4096, samples_per_shard=5, workers=2, chat_template=TOOLS_TEMPLATE))
+    build(cfg([demo_traces], out2, workers=2, **DEMO))
     h1, h2 = file_hashes(out1), file_hashes(out2)
     assert h1 == h2 and any(k.startswith("shard-") for k in h1)
     assert file_hashes(out1 / "processor") == file_hashes(out2 / "processor")

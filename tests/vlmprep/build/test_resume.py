@@ -23,7 +23,8 @@ def hashes(d: Path) -> dict:
 
 
 TOOLS = str(Path(__file__).resolve().parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
-MODES = {"truncate": ({}, []),
+MODES = {"truncate": ({"long_traces": "truncate", "min_turn_coverage": 0.0},  # its lost turns accepted
+                      ["--long-traces", "truncate", "--min-turn-coverage", "0"]),
          # Split records: several samples per record, a shard may close inside a record.
          "split": ({"long_traces": "split", "keep_images": 2, "seq_len": 768, "chat_template": TOOLS},
                    ["--long-traces", "split", "--keep-images", "last:2", "--seq-len", "768", "--chat-template", TOOLS])}
@@ -137,3 +138,5 @@ def test_resume_keeps_completed_shards(kill_input, tmp_path, qwen2vl_processor):
     # Changed arguments invalidate the journal: a different seq-len starts over.
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["name"] for s in manifest["shards"]][: len(done)] == done
+    # the input file's share of the totals survived the resume with them (the journal carries it)
+    assert manifest["inputs"][0]["totals"] == {k: v for k, v in manifest["totals"].items() if v}

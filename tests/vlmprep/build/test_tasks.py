@@ -39,6 +39,8 @@ def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(singl
     a, b = json.loads((single / "manifest.json").read_text()), res.manifest
     assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {"duplicate_id": 1, "invalid_json": 1}
     assert a["turns"] == b["turns"]
+    # each input file's share of the totals (one input here): merge takes the repeated id back from it too
+    assert a["inputs"][0]["totals"] == b["inputs"][0]["totals"] == {k: v for k, v in a["totals"].items() if v}
     assert sorted((single / "rejects.jsonl").read_text().splitlines()) == sorted((out / "rejects.jsonl").read_text().splitlines())
     assert b["plan"]["tasks"] == 3 and len(res.task_seconds) == 3
     assert [s["name"][:12] for s in b["shards"]][:1] == ["shard-00000-"] and b["shards"][-1]["name"].startswith("shard-00002-")

@@ -42,7 +42,8 @@ def built(tmp_path_factory):
     out = d / "shards"
     # The demo's tool calls are not rendered by the Qwen2-VL template: train their text content anyway.
     build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=SEQ_LEN, samples_per_shard=3,
-                      tool_calls="train-content", progress=False, max_reject_fraction=1.0))  # rejects on purpose
+                      tool_calls="train-content", progress=False, max_reject_fraction=1.0,  # rejects on purpose,
+                      long_traces="truncate", min_turn_coverage=0.0))  # and truncated samples
     return inp, out
 
 
@@ -149,7 +150,8 @@ def test_raw_input_gives_the_same_view_as_the_built_shard(built):
     # Without --only, raw mode says inline which records build would reject.
     assert sum(line.startswith("rejected  ") for line in raw_lines) == 3
     # One record alone, selected by the position that is also its shard key.
-    one_raw = invoke(inp, "--seq-len", SEQ_LEN, "--tool-calls", "train-content", "--index", 4, "--tokens")
+    one_raw = invoke(inp, "--seq-len", SEQ_LEN, "--tool-calls", "train-content", "--long-traces", "truncate",
+                     "--index", 4, "--tokens")
     one_dir = invoke(out, "--index", 4, "--tokens")
     assert strip_where(one_raw.stdout) == strip_where(one_dir.stdout)
 
@@ -311,3 +313,23 @@ def test_id_and_index_are_found_through_the_sample_index_without_scanning_shards
     by_index = invoke(out, "--index", position, "--limit", 100)
     assert list(blocks(by_index.stdout)) == sorted(k for k in ref if int(k[:10]) == position)
     assert invoke(out, "--id", "no-such-id").exit_code == 1
+
+
+def test_html_collapses_the_system_prompt_and_tool_list(built, tmp_path):
+    """In the HTML report each sample opens on its conversation: the system message, which holds the tool list under
+    the tool template, is a closed <details> (one click shows it); no other message is collapsed."""
+    from tests.vlmprep.conftest import TOOLS
+
+    inp, _ = built
+    page = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["inspect", str(inp), "--chat-template", TOOLS, "--limit", "2", "--html", str(page)])
+    assert res.exit_code == 0, res.output
+    sections = page.read_text(encoding="utf-8").split('<section class="sample"')[1:]
+    assert len(sections) == 2
+    for s in sections:
+        assert s.count("<details") == s.count('data-role="system"') == 1
+        assert '<details class="msg" data-role="system"><summary class="role">--- system --- <small>' in s
+        folded = s[s.index("<details"):s.index("</details>")]
+        assert "&lt;tools&gt;" in re.sub(r"<[^>]+>", "", folded) and "click to show" in folded  # the tool list
+        assert " open" not in s[s.index("<details"):s.index("<summary")]  # closed by default
+        assert s.index("</details>") < s.index('data-role="user"')  # the conversation follows, open

@@ -1,0 +1,147 @@
+"""The data a run trains on is the data it started with: each shard's sha256 checked against the manifest the first
+time a run reads it (a record in the rank's cache dir, keyed by the file's stat, spares a resume the hashing); every
+read after that checks the file is still the one checked, and every step that the dataset's manifest still lists the
+same shards. A change stops the run with one line naming the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.index import ShardIndex, file_signature, shard_index
+from trainer.shards import REMOTE, DataError, DataSource, ShardRef
+
+RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
+
+
+def changed(where: str) -> DataError:
+    return DataError(f"{where} changed or was removed while this run reads it (e.g. by a `vlmprep build --overwrite` "
+                     "of its dataset): the run stops rather than train on data other than it started with; start it "
+                     "again once the dataset is final")
+
+
+def check_unchanged(st: os.stat_result, signature: tuple[int, ...], where: str) -> None:
+    """Refuse a file whose stat is not the one it had when this run checked it (no signature: nothing to check)."""
+    if signature and file_signature(st) != signature:
+        raise changed(where)
+
+
+class ShardCheck:
+    """One rank's sha256 checks of the shards it reads. `record` (a json file) remembers the files already hashed
+    by (device, inode, size, mtime, ctime) and digest, so a resume hashes only what changed since; a file
+    rewritten in any way gets a new ctime and is hashed again. enabled=False: only stats are taken."""
+
+    def __init__(self, record: Path | None, *, enabled: bool = True):
+        self.record, self.enabled, self.dirty = record, enabled, False
+        self.known: dict[str, list] = {}
+        if record is not None and enabled:
+            try:
+                self.known = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                self.known = {}
+
+    def verify(self, path: str, *, url: str, want: str | None) -> tuple[int, ...]:
+        """The file's signature, once its content is checked to hash to `want` (None: not checked)."""
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not (self.enabled and want):
+                    return file_signature(st)
+                key = [*file_signature(st), st.st_ctime_ns, want]
+                if self.known.get(os.path.abspath(path)) == key:
+                    return file_signature(st)
+                h = hashlib.sha256()
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError as e:
+            raise DataError(f"cannot read shard {url}: {e}") from None
+        got = h.hexdigest()
+        if got != want:
+            raise DataError(f"{url}: sha256 {got[:16]}..., but its manifest lists {want[:16]}...: the shard changed "
+                            "after it was built (modified, damaged, or a copy cut short); copy it again (or rebuild "
+                            "the dataset) and run `vlmprep verify DIR`")
+        self.known[os.path.abspath(path)] = key
+        self.dirty = True
+        return file_signature(st)
+
+    def save(self) -> None:
+        if not (self.dirty and self.record is not None):
+            return
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.record.with_name(f"{self.record.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.known, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, self.record)
+        self.dirty = False
+
+
+def expected_sha256(ds: DataSource) -> dict[str, str]:
+    """Shard name -> sha256, from the dataset's manifest ({} without one: a pattern or pipe: source)."""
+    return {s["name"]: s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
+
+
+def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None) -> ShardIndex:
+    """The shard's index (trainer/index.py); a local shard's content is checked first and the signature it had then
+    goes into the index (every read checks the file is still that one). A remote shard's bytes are checked by the
+    shard cache as it fetches them (trainer/cache.py)."""
+    if shard.url.startswith(("pipe:",) + REMOTE):
+        return shard_index(shard, cache)
+    signature = check.verify(shard.url, url=shard.url, want=want)
+    index = shard_index(shard, cache)
+    if shard.index is not None:  # the build's sidecar: the tar itself is not read here
+        return dataclasses.replace(index, signature=signature)
+    if index.signature != signature:  # derived from the tar: the hash and the index read one file
+        raise changed(shard.url)
+    return index
+
+
+def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:
+    """Streamed local shards (eval sets): each checked, url -> signature; remote ones are left to their size and
+    sample counts."""
+    want = expected_sha256(ds)
+    return {s.url: check.verify(s.url, url=s.url, want=want.get(s.name)) for s in shards
+            if not s.url.startswith(("pipe:",) + REMOTE)}
+
+
+@dataclass
+class _Watched:
+    path: Path
+    signature: tuple[int, ...]
+    listing: list
+
+
+def _listing(manifest: dict) -> list:
+    return [[s.get("name"), s.get("bytes"), s.get("sha256")] for s in manifest.get("shards", [])]
+
+
+class DatasetWatch:
+    """The local datasets' manifests, checked every step (one stat each): one removed, or rewritten with another
+    shard list, means a build is replacing the dataset under the run. Rewritten with the same list (the same build
+    run again) changes nothing."""
+
+    def __init__(self, datasets: list[DataSource]):
+        self.watched = []
+        for ds in datasets:
+            if ds.manifest is None or not ds.shards or ds.shards[0].url.startswith(("pipe:",) + REMOTE):
+                continue
+            path = Path(ds.shards[0].url).parent / "manifest.json"
+            try:
+                self.watched.append(_Watched(path, file_signature(os.stat(path)), _listing(ds.manifest)))
+            except OSError:
+                raise changed(str(path)) from None
+
+    def check(self) -> None:
+        for w in self.watched:
+            try:
+                st = os.stat(w.path)
+                if file_signature(st) == w.signature:
+                    continue
+                same = _listing(json.loads(w.path.read_text(encoding="utf-8"))) == w.listing
+            except (OSError, ValueError, AttributeError):
+                same = False
+            if not same:
+                raise changed(str(w.path))
+            w.signature = file_signature(st)
