@@ -5,7 +5,8 @@ rendered demo samples replicated under new ids, cut into plan tasks, then `vlmpr
 command touches just the manifest and sample index (the trainer's start-up: manifest, sidecars, sparse shard files).
 Plan over 10 / 10^3 / 10^4 input files and 1 / 100 / 1,000 tasks. The trainer's start-up to its first step on rank 0
 of 8 and 64 simulated ranks (open the data, the sample index, the step predictor under a token budget, the sha256
-of the rank's shards that a run dir's first start checks (a resume skips it), the first step's batches), and over loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
+of the rank's shards that a run dir's first start checks (a resume skips it), the first step's batches), and over
+loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
 `--quick`: 1k / 10k samples (100k index-only), 10 / 100 files, 1 / 10 tasks."""
 from __future__ import annotations
 

@@ -35,6 +35,16 @@ def _sources(data: str, cache: Path, **kw):
     return rank_sources((DataSpec(path=data),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=cache)
 
 
+def _older(dataset: Path, old: Path) -> Path:
+    """A copy of dataset as an older vlmprep built it: no sample index files, none in the manifest."""
+    shutil.copytree(dataset, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        (old / s.pop("index")["name"]).unlink()
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    return old
+
+
 def test_the_sidecar_index_is_the_one_derived_from_the_tar(dataset):
     for s in resolve_data(str(dataset)).shards:
         assert s.index is not None and s.index.url.endswith(".tar.index.npy")
@@ -56,17 +66,41 @@ def test_start_up_reads_only_the_index_and_an_older_dataset_is_derived(dataset, 
         m.setattr(trainer.index, "index_shard", no_tar)
         sources, derived = _sources(str(dataset), tmp_path / "c")
     assert derived == 0 and sum(ix.num_samples for ix in sources[0].indexes) == 18
-    old = tmp_path / "old"
-    shutil.copytree(dataset, old)
-    manifest = json.loads((old / "manifest.json").read_text())
-    for s in manifest["shards"]:
-        (old / s.pop("index")["name"]).unlink()
-    (old / "manifest.json").write_text(json.dumps(manifest))
+    held = sum(a.nbytes for ix in sources[0].indexes for a in (ix.starts, ix.ends, ix.tokens, ix.trained))
+    assert held / 18 <= 100  # the index's host memory per sample (the issue's bound; 32 bytes today)
+    old = _older(dataset, tmp_path / "old")
     again, derived = _sources(str(old), tmp_path / "c")
     assert derived == 5
     for a, b in zip(sources[0].indexes, again[0].indexes):
         np.testing.assert_array_equal(a.starts, b.starts)
         np.testing.assert_array_equal(a.trained, b.trained)
+
+
+def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys):
+    """A dataset an older vlmprep built (no sample index files) still starts and takes a step, its index derived from
+    the tars; rank 0 says so in one line."""
+    import torch
+
+    from trainer.collate import CollateSpec
+    from trainer.integrity import ShardCheck
+    from trainer.rundata import make_loader, open_data
+
+    old = _older(dataset, tmp_path / "old")
+    cfg = TrainConfig(data=str(old), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"))
+    data = open_data(cfg, 1)
+    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
+                       merge_size=data.image.merge_size)
+    loader, total, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
+                                   out=tmp_path / "r", check=ShardCheck(None))
+    try:
+        loader.start(0, 0)
+        assert sum(b.num_samples for b in loader.next_step()) == 2 and total == 9
+    finally:
+        loader.close()
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "no sample index" in ln]
+    assert notes == ["trainer: note: 5 shard(s) on rank 0 have no sample index (an older vlmprep built them): indexed "
+                     "from every tar header and sample meta, as before; rebuild with this vlmprep for a start-up that "
+                     "does not grow with the sample count"]
 
 
 def test_an_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset, tmp_path):

@@ -163,3 +163,11 @@ def test_a_sample_index_that_is_not_the_manifests_or_not_the_shards_is_a_violati
     assert verify_dataset(ds, deep=False) == []
     got = [str(v) for v in verify_dataset(ds)]
     assert len(got) == 1 and got[0].startswith("shard-000000.tar.index.npy: row 0 ") and "does not describe" in got[0]
+
+
+def test_the_commands_that_read_every_sample_say_so_in_their_help():
+    """merge, stats and verify cost time in proportion to the data (docs/scale.md): their --help says so."""
+    for command in ("merge", "stats", "verify"):
+        res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        text = " ".join(res.output.split())
+        assert res.exit_code == 0 and "Reads every sample" in text and "time grows with" in text, (command, text)
