@@ -117,7 +117,7 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path) -> Path:
 
     from vlmprep.build.pipeline import plan_build
     from vlmprep.build.plan import plan_digest, shard_prefix
-    from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample
+    from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, input_totals
     from vlmprep.config import BuildConfig
     from vlmprep.shards.dataset import TASKS_DIR, TaskFiles, write_json_atomic, write_text_atomic
     from vlmprep.shards.writer import ShardWriter
@@ -150,6 +150,7 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path) -> Path:
             "plan": digest, "task": i, "config": plan["config"], "processor": plan["processor"]["fingerprint"],
             "records": {"first_position": cut["position"], "count": cut["records"]},
             "shards": [s.to_json() for s in shards], "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
+            "inputs": {str(cut["file"]): input_totals(totals)},
             "rejects": {}})
     (d / ".written").touch()
     return d
