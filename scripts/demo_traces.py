@@ -708,8 +708,9 @@ def generate_traces(*, n: int, seed: int = 0, min_images: int = 2, max_images: i
 
 def write_traces(path: Path, *, n: int, seed: int = 0, min_images: int = 2, max_images: int = 25,
                  text_only_fraction: float = 0.05, overlong_fraction: float = 0.03,
-                 width: int = 1280, height: int = 720) -> dict:
-    """Write generate_traces(...) as .jsonl.zst atomically; return {"records", "images", "bytes"}."""
+                 width: int = 1280, height: int = 720, id_prefix: str = "trace") -> dict:
+    """Write generate_traces(...) as .jsonl.zst atomically; return {"records", "images", "bytes"}. Ids are
+    ID_PREFIX-000001 ...: parts of one corpus need distinct prefixes (a build rejects duplicate ids)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -719,6 +720,7 @@ def write_traces(path: Path, *, n: int, seed: int = 0, min_images: int = 2, max_
             with zstandard.ZstdCompressor(level=3).stream_writer(f, closefd=False) as w:
                 for rec, k in _generate(n, seed, min_images, max_images, text_only_fraction, overlong_fraction,
                                         width, height):
+                    rec = {**rec, "id": id_prefix + rec["id"].removeprefix("trace")}
                     w.write(json.dumps(rec, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n")
                     records += 1
                     images += k
@@ -738,9 +740,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-images", type=int, default=25)
     ap.add_argument("--width", type=int, default=1280)
     ap.add_argument("--height", type=int, default=720)
+    ap.add_argument("--id-prefix", default="trace", help="ids are PREFIX-000001 ... (distinct per part of a corpus)")
     a = ap.parse_args(argv)
     stats = write_traces(a.out, n=a.n, seed=a.seed, min_images=a.min_images, max_images=a.max_images,
-                         width=a.width, height=a.height)
+                         width=a.width, height=a.height, id_prefix=a.id_prefix)
     print(json.dumps({"out": str(a.out), **stats}))
 
 

@@ -23,6 +23,8 @@ def test_vlmprep_and_trainer_read_the_same_rule():
     import vlmprep.shards.format as vf
 
     assert {n: (a.dtype, a.ndim, a.since) for n, a in vf.ARRAYS.items()} == td.NPY_MEMBERS
+    assert {n: a.shape for n, a in vf.ARRAYS.items()} == td.NPY_SHAPES
+    assert all(len(a.shape) == a.ndim for a in vf.ARRAYS.values())
     assert vf.META_MEMBER == td.META_MEMBER
     for version in vf.READABLE_VERSIONS:
         assert vf._IMAGE[version].pattern == td.IMAGE_MEMBER[version].pattern

@@ -164,45 +164,9 @@ def _sh(cmd: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def _demo(out: str, n: int, seed: int = 0, width: int = 320, height: int = 200, max_images: int = 4) -> str:
-    return (f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out {out} --n {n} --seed {seed} "
-            f"--width {width} --height {height} --max-images {max_images} >/dev/null")
-
-
-# Each setup is a list of shell lines run once per session in an empty dir; tests get a copy of it.
-TOOLS_BUILD = "vlmprep build --chat-template qwen2_vl_tools --no-progress"
-SETUPS: dict[str, list[str]] = {
-    "none": [],
-    # Small stand-ins for the README's traces/ and traces.jsonl.zst: 4 browser-agent traces, 320x200 screenshots.
-    "traces": [_demo("traces/part-000.jsonl.zst", 4), "cp traces/part-000.jsonl.zst traces.jsonl.zst"],
-    # The same, built: shards/ as the README's build example writes it.
-    "shards": [_demo("traces/part-000.jsonl.zst", 4), "cp traces/part-000.jsonl.zst traces.jsonl.zst",
-               f"{TOOLS_BUILD} --in traces.jsonl.zst --out shards/ --seq-len 1024 >/dev/null"],
-    # demo/shards as `make demo` names it, from 8 small traces.
-    "demo-small": [_demo("demo/traces.jsonl.zst", 8),
-                   f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
-                   _demo("demo/heldout.jsonl.zst", 2, seed=9),  # a held-out set for --eval-data
-                   f"{TOOLS_BUILD} --in demo/heldout.jsonl.zst --out demo/heldout --seq-len 4096 >/dev/null"],
-    # Two datasets to mix: demo/shards (agent traces) and chat/shards (short traces, two images at most).
-    "mix": [_demo("demo/traces.jsonl.zst", 8),
-            f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
-            _demo("chat/traces.jsonl.zst", 6, seed=5, max_images=2),
-            f"{TOOLS_BUILD} --in chat/traces.jsonl.zst --out chat/shards --seq-len 2048 >/dev/null"],
-    # The Inspect and stats examples: 12 small traces plus a file of two broken records, truncated at 1024 tokens.
-    "inspect-demo": [_demo("demo/traces.jsonl.zst", 12, seed=1),
-                     "printf '%s\\n' '{\"messages\": [' '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'"
-                     " > demo/broken.jsonl",
-                     f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --in demo/broken.jsonl --out demo/shards --seq-len 1024 "
-                     "--max-reject-fraction 1 --long-traces truncate --min-turn-coverage 0 >/dev/null"],
-    # demo-small trained 2 steps with --save-hf: runs/demo/hf as the export section's first example writes it.
-    "exported": [_demo("demo/traces.jsonl.zst", 8),
-                 f"{TOOLS_BUILD} --in demo/traces.jsonl.zst --out demo/shards --seq-len 4096 >/dev/null",
-                 "python -m trainer --data demo/shards --out runs/demo --tiny-random qwen2-vl --max-steps 2 --save-hf "
-                 "--no-progress >/dev/null 2>&1"],
-    # `make demo`'s input itself: 64 traces of 1280x720 screenshots.
-    "demo": [f"{shlex.quote(sys.executable)} -m scripts.demo_traces --out demo/traces.jsonl.zst --n 64 --seed 0 "
-             ">/dev/null"],
-}
+# Each setup is a list of shell lines run once per session in an empty dir; tests get a copy of it. Every other setup
+# is made by the docs' own blocks (`defines=NAME`), so what a block needs is what a reader walking the docs has.
+SETUPS: dict[str, list[str]] = {"none": []}
 
 
 @pytest.fixture(scope="session")

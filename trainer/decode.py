@@ -1,6 +1,8 @@
-"""Decode: one sample's raw tar members -> DecodedSample (numpy only). The only decoders are npy with
-allow_pickle=False, json and image bytes; members are checked against the shard format's one member-name rule
-(schemas/shard_format.schema.json, shared with vlmprep) first, so nothing unknown is read and nothing unpickled.
+"""Decode: one sample's raw tar members -> DecodedSample (numpy only). The only decoders are npy (never unpickled),
+json and image bytes; members are checked against the shard format's one member-name rule
+(schemas/shard_format.schema.json, shared with vlmprep) first, so nothing unknown is read and nothing unpickled, and
+each member against the meta and the format's reader limits before it is decoded or memory is allocated for it (json
+size and depth, .npy header shape and length, zstd content size, image header size, grids against the image sizes).
 """
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from PIL import Image
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
 from vlmprep_schemas import load
+from vlmprep_schemas.limits import LIMITS, dtype_name, load_json, load_npy, npy_header, schema_problem
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
 # (dtype, ndim, first format version that has it)
 NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a in _FORMAT["arrays"].items()}
+# Each array's shape in the meta's terms: L = num_tokens, N = image occurrences, V = videos.
+NPY_SHAPES = {name: tuple(a["shape"]) for name, a in _FORMAT["arrays"].items()}
 IMAGE_MEMBER = {3: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 2: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
                 1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
@@ -31,7 +36,7 @@ VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format
 VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 NO_VIDEO = ("this trainer trains video samples only for model types {} (loss parity verified); train this model on "
             "a dataset without video parts").format(", ".join(VIDEO_MODELS))
-MAX_IMAGE_BYTES = 1 << 30  # a decompressed image larger than this is corrupt, not a screenshot
+MAX_IMAGE_BYTES = LIMITS.image_bytes  # a decoded image or frame larger than this is corrupt, not a screenshot
 # The .npy header vlmprep writes for an image, matched instead of running numpy's literal_eval header parser.
 _NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
                              rb"'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z", re.DOTALL)
@@ -99,19 +104,20 @@ def check_member_names(names, *, url: str, key: str, version: int) -> None:
         raise DataError(f"{url}: sample {key}: missing members {', '.join(missing)}")
 
 
-def _load_npy(data: bytes, name: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as e:  # an object array is a pickle inside the .npy
-        raise ValueError(f"{name}: {e}; refusing to unpickle") from None
+def _npy(data: bytes, name: str, dims: dict[str, int]) -> np.ndarray:
+    """An array member, its header checked first (vlmprep_schemas.limits.load_npy): dtype as the format says, shape as
+    the meta says (`dims`), data exactly as long as declared; so a header declaring an enormous shape allocates
+    nothing, and nothing is unpickled."""
+    dtype, _, _ = NPY_MEMBERS[name]
+    return load_npy(data, name, dtype, tuple(dims[d] if isinstance(d, str) else d for d in NPY_SHAPES[name]))
 
 
-def _npy(data: bytes, name: str) -> np.ndarray:
-    dtype, ndim, _ = NPY_MEMBERS[name]
-    arr = _load_npy(data, name)
-    if arr.dtype != dtype or arr.ndim != ndim:
-        raise ValueError(f"{name} is {arr.dtype} with {arr.ndim} dims, expected {np.dtype(dtype)} with {ndim}")
-    return arr
+def _meta_dims(meta) -> dict[str, int]:
+    """The meta's sizes that array shapes are given in, once its types are checked against the meta schema."""
+    problem = schema_problem(meta, "sample_meta.schema.json")
+    if problem:
+        raise ValueError(f"meta: {problem}")
+    return {"L": meta["num_tokens"], "N": len(meta["images"]), "V": len(meta.get("videos", ()))}
 
 
 class OriginalResizer:
@@ -165,15 +171,16 @@ def _image_layout(meta: dict, members: dict[str, bytes],
     layout: list[tuple[str, int, int]] = []
     index: list[int] = []
     for im in meta["images"]:
-        member = im["member"]
+        member, h, w = im["member"], int(im["height"]), int(im["width"])
         if member not in unique:
             if member not in members:
                 raise ValueError(f"meta names image member {member!r} that the sample does not have")
-            h, w = int(im["height"]), int(im["width"])
             if h <= 0 or w <= 0 or h * w * 3 > MAX_IMAGE_BYTES:
                 raise ValueError(f"meta gives image member {member!r} an impossible size {h}x{w}")
             unique[member] = len(layout)
             layout.append((member, h, w))
+        if layout[unique[member]][1:] != (h, w):
+            raise ValueError(f"meta gives image member {member!r} two sizes, {layout[unique[member]][1:]} and {(h, w)}")
         index.append(unique[member])
     return layout, index
 
@@ -191,10 +198,10 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
     out = []
     for v, vid in enumerate(videos):
         member, n, h, w = vid["member"], int(vid["frames"]), int(vid["height"]), int(vid["width"])
-        if member != f"vid{v:03d}" or n <= 0 or h <= 0 or w <= 0 or n * h * w * 3 > MAX_IMAGE_BYTES:
+        if member != f"vid{v:03d}" or n <= 0 or h <= 0 or w <= 0 or h * w * 3 > MAX_IMAGE_BYTES:
             raise ValueError(f"meta gives video {v} an impossible entry {member!r}, {n} frames of {h}x{w}")
         frames = []
-        for f in range(n):
+        for f in range(n):  # each frame found is popped: a count the members do not hold ends at the first missing
             found = by_frame.pop(f"{member}.{f:04d}", [])
             if len(found) != 1:
                 raise ValueError(f"video {v}: frame {f} has {len(found)} members, expected 1")
@@ -207,8 +214,16 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
 
 
 def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
-    """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels."""
+    """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels; its
+    declared size (frame content size, image header) checked against the meta's h x w before anything is decoded
+    (an `orig.*` source, resized at load time, against the image limit)."""
     if not name.endswith(".npy.zst"):
+        with Image.open(io.BytesIO(data)) as im:  # the header only
+            width, height = im.size
+        if ".orig." in name and width * height * 4 > MAX_IMAGE_BYTES:
+            raise ValueError(f"{name} declares {width}x{height}, more pixels than a reader decodes")
+        if ".orig." not in name and (height, width) != (h, w):
+            raise ValueError(f"{name} declares {width}x{height}, but its meta gives {w}x{h}")
         return h * w * 3
     size = zstandard.frame_content_size(data)
     if not h * w * 3 < size <= h * w * 3 + 4096:
@@ -231,21 +246,13 @@ def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int]
     header = buf[:buf.size - shape[0] * shape[1] * 3].tobytes()
     fast = _NPY_RGB_HEADER.match(header)
     if fast and int.from_bytes(header[8:10], "little") == len(header) - 10:
-        dims, fortran, dtype = (int(fast.group(1)), int(fast.group(2)), 3), False, np.dtype(np.uint8)
+        descr, fortran, dims = "|u1", False, (int(fast.group(1)), int(fast.group(2)), 3)
     else:
-        f = io.BytesIO(header)
-        try:
-            version = np.lib.format.read_magic(f)
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-            if version not in read_header:
-                raise ValueError(f"unsupported .npy version {version}")
-            dims, fortran, dtype = read_header[version](f)
-        except ValueError as e:
-            raise ValueError(f"{name}: not a uint8 {shape} .npy as its meta says ({e})") from None
-        if f.read(1):
+        descr, fortran, dims, end = npy_header(header, name)
+        if end != len(header):
             raise ValueError(f"{name}: header and pixels disagree in length")
-    if dtype != np.uint8 or fortran or tuple(dims) != shape:
-        raise ValueError(f"{name} holds {dtype} {tuple(dims)}, expected uint8 {shape} as its meta says")
+    if descr != "|u1" or fortran or dims != shape:
+        raise ValueError(f"{name} holds {dtype_name(descr)} {dims}, expected uint8 {shape} as its meta says")
     return buf[len(header):].reshape(shape)
 
 
@@ -269,14 +276,20 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
     version = sample_version(members)
     check_member_names(members, url=url, key=key, version=version)
     try:
-        arrays = {name: _npy(members[name], name) for name in arrays_of(version)}
-        meta = json.loads(members[META_MEMBER].decode("utf-8"))
+        meta = load_json(members[META_MEMBER], "the meta", LIMITS.meta_bytes)
+        dims = _meta_dims(meta)
+        arrays = {name: _npy(members[name], name, dims) for name in arrays_of(version)}
         layout, index = _image_layout(meta, members, arrays.get("image_index.npy"))
         grids = arrays.get("video_grid_thw.npy", np.zeros((0, 3), np.int32))
         video_layout = _video_layout(meta, members, len(grids)) if version >= 3 else []
         frames = [f for v in video_layout for f in v]
+        _validate(arrays, layout, index, video_layout, spec)
+        sizes = [_decoded_size(m, members[m], h, w) for m, h, w in layout + frames]
+        if sum(sizes) > LIMITS.sample_bytes:
+            raise ValueError(f"its images and frames decode to {sum(sizes)} bytes, more than a reader accepts "
+                             f"({LIMITS.sample_bytes})")
         # One alloc for images and frames: a DataLoader worker's slab holds all of the sample's pixels.
-        buffers = (alloc or _alloc)([_decoded_size(m, members[m], h, w) for m, h, w in layout + frames])
+        buffers = (alloc or _alloc)(sizes)
         decoded = [decode_image_into(m, members[m], buf, (h, w, 3), resize_original)
                    for (m, h, w), buf in zip(layout + frames, buffers)]
         images, rest = decoded[:len(layout)], iter(decoded[len(layout):])
@@ -287,8 +300,8 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
                                images=images, image_index=index, video_grid_thw=grids,
                                second_per_grid_ts=arrays.get("second_per_grid_ts.npy", np.zeros(0, np.float32)),
                                videos=videos)
-        _validate(sample, meta, spec)
-    except (ValueError, KeyError, TypeError, OSError, zstandard.ZstdError) as e:
+    except (ValueError, KeyError, TypeError, OSError, ArithmeticError, zstandard.ZstdError,
+            Image.DecompressionBombError) as e:
         raise DataError(f"{url}: sample {key}: {type(e).__name__}: {e}") from None
     return sample
 
@@ -297,31 +310,28 @@ def _alloc(sizes: list[int]) -> list[np.ndarray]:
     return [np.empty(n, dtype=np.uint8) for n in sizes]
 
 
-def _validate(s: DecodedSample, meta: dict, spec: ImageSpec) -> None:
-    n = s.num_tokens
-    if s.loss_mask.shape != (n,) or s.mm_token_type_ids.shape != (n,) or s.position_ids.shape != (3, n):
-        raise ValueError(f"member lengths disagree with input_ids length {n}")
-    grids = s.image_grid_thw
-    if grids.shape != (len(s.image_index), 3):
-        raise ValueError(f"image_grid_thw has shape {grids.shape} for {len(s.image_index)} image occurrences")
-    for k, u in enumerate(s.image_index):
-        h, w = s.images[u].shape[:2]
-        if spec.grid(h, w) != tuple(int(x) for x in grids[k]) or (h, w) != (meta["images"][k]["height"],
-                                                                           meta["images"][k]["width"]):
+def _validate(arrays: dict[str, np.ndarray], layout: list[tuple[str, int, int]], index: list[int],
+              video_layout: list[list[tuple[str, int, int]]], spec: ImageSpec) -> None:
+    """Before anything is allocated: each image's and video's size (the meta's; every member is checked to decode to
+    exactly that) makes the stored grid, and the grids make the placeholder counts. Array lengths already agree (each
+    array's shape was checked against the meta)."""
+    grids, types = arrays["image_grid_thw.npy"], arrays["mm_token_type_ids.npy"]
+    for k, u in enumerate(index):
+        _, h, w = layout[u]
+        if spec.grid(h, w) != tuple(int(x) for x in grids[k]):
             raise ValueError(f"image {k} is {h}x{w} (grid {spec.grid(h, w)}), but the sample stores grid "
-                             f"{grids[k].tolist()} and meta {meta['images'][k]['height']}x{meta['images'][k]['width']}")
+                             f"{grids[k].tolist()}")
     n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(grids) else 0
-    if int((s.mm_token_type_ids == 1).sum()) != n_image_tokens:
-        raise ValueError(f"{int((s.mm_token_type_ids == 1).sum())} image tokens but the grids need {n_image_tokens}")
-    vgrids, vspec = s.video_grid_thw, spec.video or spec
-    if s.second_per_grid_ts.shape != (len(vgrids),):
-        raise ValueError(f"second_per_grid_ts has shape {s.second_per_grid_ts.shape} for {len(vgrids)} videos")
-    for v, frames in enumerate(s.videos):
-        h, w = frames[0].shape[:2]
+    if int((types == 1).sum()) != n_image_tokens:
+        raise ValueError(f"{int((types == 1).sum())} image tokens but the grids need {n_image_tokens}")
+    vgrids = arrays.get("video_grid_thw.npy", np.zeros((0, 3), np.int32))
+    vspec = spec.video or spec
+    for v, frames in enumerate(video_layout):
+        _, h, w = frames[0]
         t = -(-len(frames) // vspec.temporal_patch_size)
         if (t, *vspec.grid(h, w)[1:]) != tuple(int(x) for x in vgrids[v]):
             raise ValueError(f"video {v} is {len(frames)} frames of {h}x{w} (grid {(t, *vspec.grid(h, w)[1:])}), "
                              f"but the sample stores grid {vgrids[v].tolist()}")
     n_video_tokens = int(vgrids.prod(axis=1).sum()) // vspec.merge_size ** 2 if len(vgrids) else 0
-    if int((s.mm_token_type_ids == 2).sum()) != n_video_tokens:
-        raise ValueError(f"{int((s.mm_token_type_ids == 2).sum())} video tokens but the grids need {n_video_tokens}")
+    if int((types == 2).sum()) != n_video_tokens:
+        raise ValueError(f"{int((types == 2).sum())} video tokens but the grids need {n_video_tokens}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import tarfile
 from collections.abc import Callable
@@ -18,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer.decode import check_member_names, sample_version
-from trainer.shards import REMOTE, DataError, ShardRef, member_key, open_shard
+from trainer.shards import REMOTE, DataError, ShardRef, check_member_size, member_key, open_shard
 from trainer.storage import StorageError, fetch
 from vlmprep_schemas import load
+from vlmprep_schemas.limits import LIMITS, load_json
 
 INDEX_DTYPE = np.dtype([tuple(f) for f in load("shard_format.schema.json")["sample_index"]["fields"]])
 FETCH_THREADS = 8  # sample indexes of remote shards fetched at once at start-up
@@ -75,8 +75,9 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
                 ends[-1] = ti.offset_data + -(-ti.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE  # padded
                 names[-1].append(ext)
                 if ext == "json":
-                    meta = json.loads(tar.extractfile(ti).read())
-                    tokens[-1], trained[-1] = int(meta["num_tokens"]), int(meta["num_trainable_tokens"])
+                    check_member_size(ti, ext, url)
+                    meta = load_json(tar.extractfile(ti).read(), f"sample {k}'s meta", LIMITS.meta_bytes)
+                    tokens[-1], trained[-1] = _count(meta["num_tokens"]), _count(meta["num_trainable_tokens"])
     except (tarfile.TarError, OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{url}: cannot index the shard (unreadable, corrupt or truncated tar, or a sample meta "
                         f"without token counts): {e}") from None
@@ -89,6 +90,12 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
                         "shard")
     as64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
     return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained), signature)
+
+
+def _count(value) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 62:
+        raise ValueError(f"token count {value!r} is not a count")
+    return value
 
 
 def load_index(shard: ShardRef, data: bytes, *, path: str) -> ShardIndex:
@@ -186,6 +193,7 @@ def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, byte
                 if k != key or ext in members:
                     raise DataError(f"{index.path}: sample {i} is not one run of members (the shard changed since "
                                     "it was indexed)")
+                check_member_size(ti, ext, index.path)
                 members[ext] = tar.extractfile(ti).read()
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"{index.path}: sample {i} unreadable: {e}") from None

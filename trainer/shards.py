@@ -27,6 +27,7 @@ from vlmprep_schemas.boundary import (
     refuse_credentials,
     refuse_custom_code,
 )
+from vlmprep_schemas.limits import LIMITS, load_json, schema_problem
 
 READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
 
@@ -66,13 +67,19 @@ class DataSource:
         return all(s.num_samples is not None for s in self.shards)
 
 
-def _read_url(url: str) -> bytes:
+def _read_url(url: str, limit: int = LIMITS.manifest_bytes) -> bytes:
+    """A small file of a dataset (its manifest, a processor config), refused when over `limit` bytes."""
     if url.startswith(REMOTE):
         try:
-            return read_url(url)
+            data = read_url(url, limit)
         except StorageError as e:
             raise DataError(str(e)) from None
-    return Path(url).read_bytes()
+    else:
+        with open(url, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise DataError(f"{url} is more than {limit} bytes, more than a reader accepts")
+    return data
 
 
 def _load_manifest(base: str) -> dict:
@@ -81,16 +88,17 @@ def _load_manifest(base: str) -> dict:
     except UnsafeDataset as e:
         raise DataError(str(e)) from None
     try:
-        manifest = json.loads(_read_url(url))
-    except DataError:
-        raise
-    except (OSError, ValueError, RecursionError) as e:
-        raise DataError(f"cannot read {url}: {e or type(e).__name__}") from None
+        manifest = load_json(_read_url(url), "it", LIMITS.manifest_bytes)
+    except (OSError, ValueError, DataError) as e:
+        raise DataError(f"cannot read {url}: {e}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
         raise DataError(f"{url}: format_version {version!r} is not supported by this trainer (it reads "
                         f"format_version {', '.join(map(str, READABLE_VERSIONS))}); rebuild the shards or upgrade "
                         "the trainer")
+    problem = schema_problem(manifest, "manifest.schema.json")
+    if problem:
+        raise DataError(f"{url} does not match the manifest schema: {problem}")
     return manifest
 
 
@@ -249,6 +257,15 @@ def member_key(ti: tarfile.TarInfo, url: str) -> tuple[str, str]:
     return k, ext
 
 
+def check_member_size(ti: tarfile.TarInfo, ext: str, url: str) -> None:
+    """Before a member is read into memory: a regular member (a sparse one would expand its holes) within the reader
+    limit (the meta's, for the json member)."""
+    limit = LIMITS.meta_bytes if ext == "json" else LIMITS.member_bytes
+    if ti.issparse() or ti.size > limit:
+        raise DataError(f"{url}: member {ti.name!r} is {'sparse' if ti.issparse() else f'{ti.size} bytes'}: a reader "
+                        f"accepts plain members of at most {limit} bytes; refusing to read it")
+
+
 def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
     """Yield (index in shard, key, members) per sample, in tar order; members is None when want(index) is
     False, and then no member bytes were read from a seekable file."""
@@ -273,6 +290,7 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
                 if members is not None:
                     if ext in members:
                         raise DataError(f"{url}: sample {k} has member {ext!r} twice")
+                    check_member_size(ti, ext, url)
                     members[ext] = tar.extractfile(ti).read()
             if key is not None:
                 yield index, key, members

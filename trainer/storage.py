@@ -45,11 +45,12 @@ def _fail(url: str, what: str, e: BaseException) -> StorageError:
     return StorageError(f"cannot {what} {url}: {text[:300]}")
 
 
-def read_url(url: str) -> bytes:
-    """A whole (small) remote object: a manifest, a processor config, a sample index."""
+def read_url(url: str, limit: int | None = None) -> bytes:
+    """A whole (small) remote object: a manifest, a processor config, a sample index; with `limit`, at most
+    limit + 1 bytes (so a caller can refuse one over its limit without reading all of it)."""
     fs, path = _fs(url)
     try:
-        return fs.cat_file(path)
+        return fs.cat_file(path) if limit is None else fs.cat_file(path, start=0, end=limit + 1)
     except Exception as e:  # noqa: BLE001 - each backend raises its own kinds (FileNotFoundError, ClientError, ...)
         raise _fail(url, "read", e) from None
 

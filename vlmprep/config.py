@@ -123,6 +123,9 @@ class BuildConfig:
                                    "fix; 0 = never.", bounds=(0.0, 1.0))
     allow_empty: bool = opt(False, LIMITS, "Exit 0 even when every record is rejected (0 samples).")
     max_image_pixels: int = opt(64_000_000, LIMITS, "Reject images whose declared size exceeds this.")  # bomb guard
+    # Input files are read whole: a huge file, or a device / FIFO named as an image or a video, must not be.
+    max_image_bytes: int = opt(64 << 20, LIMITS, "Reject image files (local or --allow-remote) larger than this.")
+    max_video_bytes: int = opt(512 << 20, LIMITS, "Reject video files larger than this.")
     max_images_per_record: int = opt(64, LIMITS, "Reject records with more images.")
     max_line_bytes: int = opt(256 * 1024 * 1024, LIMITS, "Reject input lines longer than this.")
     max_zstd_window: int = opt(1 << 27, LIMITS, "Max zstd window (bytes) an input may demand.")  # zstd's own cap
@@ -166,9 +169,9 @@ class BuildConfig:
 
     def _check_limits(self) -> None:
         if (self.max_images_per_record < 0 or self.max_image_pixels < 1 or self.max_line_bytes < 1
-                or self.min_image_side < 1):
+                or self.min_image_side < 1 or self.max_image_bytes < 1 or self.max_video_bytes < 1):
             raise ValueError("limits must be positive: check --max-images-per-record, --max-image-pixels, "
-                             "--max-line-bytes, --min-image-side")
+                             "--max-line-bytes, --min-image-side, --max-image-bytes, --max-video-bytes")
         if not (1 << 10) <= self.max_zstd_window <= (1 << 31):
             raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")
         if not -7 <= self.zstd_level <= 22:

@@ -9,10 +9,10 @@ import binascii
 import json
 import os
 import re
+import stat
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
 
@@ -22,7 +22,6 @@ IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
 _MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
-_MAX_REMOTE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +29,8 @@ class NormalizeOptions:
     image_root: str | None = None  # None: the input file's own directory
     allow_remote: bool = False
     max_images_per_record: int = 64
+    max_image_bytes: int = 64 << 20  # an image file (local or remote) is read whole: never more than this
+    max_video_bytes: int = 512 << 20  # likewise a video file
     videos: bool = False  # the processor's family renders video parts (vlmprep/families: FamilySpec.video)
 
 
@@ -57,6 +58,7 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     # list, even empty, or the 'conversations' key); in an OpenAI-layout record they are ordinary text.
     markers = marker_images is not None or marker_videos is not None or "conversations" in data
     ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers,
+                        max_bytes={"image": opts.max_image_bytes, "video": opts.max_video_bytes},
                         videos=opts.videos)
     messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
     for marker, given, kind in ((IMAGE_MARKER, marker_images, "image"), (VIDEO_MARKER, marker_videos, "video")):
@@ -348,6 +350,7 @@ class _ImageContext:
     base_dir: str
     root: str
     allow_remote: bool
+    max_bytes: dict[str, int]  # "image" / "video" -> the most bytes a file of that kind may have (it is read whole)
     markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
     videos: bool = False  # video parts are rendered (else rejected as unsupported_video)
 
@@ -370,7 +373,7 @@ class _ImageContext:
             if not self.allow_remote:
                 raise RecordError("remote_image_refused",
                                   f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
-            return ImageData(data=_fetch_remote(ref, where), origin=ref)
+            return ImageData(data=_fetch_remote(ref, where, self.max_bytes["image"]), origin=ref)
         if low.startswith("file://"):
             ref = urllib.parse.unquote(ref[len("file://"):])  # a URL: with%20space.png; the root check still follows
         elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
@@ -382,22 +385,46 @@ class _ImageContext:
         if os.path.commonpath([real, self.root]) != self.root:
             raise RecordError("path_outside_root",
                               f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}")
+        return ImageData(data=_read_local(real, kind, self.max_bytes[kind], f"{where}: {kind} {ref[:120]}"), origin=ref)
+
+
+def _read_local(path: str, kind: str, limit: int, what: str) -> bytes:
+    """A local image or video file, read whole: only a regular file (a device or FIFO never ends) of at most
+    `limit` bytes (--max-image-bytes / --max-video-bytes), checked before reading and while reading."""
+    try:  # O_NONBLOCK: a FIFO opens without waiting for a writer (and is then refused)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise RecordError(f"{kind}_not_found", f"{what}: file not found") from None
+    except OSError as e:
+        raise RecordError(f"{kind}_unreadable", f"{what}: cannot read it: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordError(f"{kind}_unreadable", f"{what}: not a regular file (a directory, device, FIFO or "
+                                                    "socket); name the file itself")
+        if st.st_size > limit:
+            raise RecordError(f"{kind}_file_too_large", f"{what}: {st.st_size} bytes > --max-{kind}-bytes {limit}")
+        f = open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
         try:
-            data = Path(real).read_bytes()
-        except FileNotFoundError:
-            raise RecordError(f"{kind}_not_found", f"{where}: {kind} file not found: {ref[:120]}") from None
-        except (IsADirectoryError, PermissionError, OSError) as e:
-            raise RecordError(f"{kind}_unreadable",
-                              f"{where}: cannot read {kind} {ref[:120]}: {e.strerror or e}") from None
-        return ImageData(data=data, origin=ref)
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise RecordError(f"{kind}_unreadable", f"{what}: cannot read it: {e.strerror or e}") from None
+    if len(data) > limit:  # grew while read
+        raise RecordError(f"{kind}_file_too_large", f"{what}: more than --max-{kind}-bytes {limit} bytes")
+    return data
 
 
-def _fetch_remote(url: str, where: str) -> bytes:
+def _fetch_remote(url: str, where: str, limit: int) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
-            data = r.read(_MAX_REMOTE_BYTES + 1)
+            data = r.read(limit + 1)
     except Exception as e:  # noqa: BLE001 - any network fault is this record's fault, not the build's
         raise RecordError("remote_fetch_failed", f"{where}: cannot fetch {url[:80]}: {e}") from None
-    if len(data) > _MAX_REMOTE_BYTES:
-        raise RecordError("image_too_large", f"{where}: remote image exceeds {_MAX_REMOTE_BYTES} bytes")
+    if len(data) > limit:
+        raise RecordError("image_file_too_large", f"{where}: remote image {url[:80]}: more than --max-image-bytes "
+                                                  f"{limit} bytes")
     return data

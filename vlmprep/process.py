@@ -49,6 +49,7 @@ class Renderer:
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
         self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
                                      max_images_per_record=cfg.max_images_per_record,
+                                     max_image_bytes=cfg.max_image_bytes, max_video_bytes=cfg.max_video_bytes,
                                      videos=self.ctx.family.video is not None)
         if not saved:
             apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)

@@ -64,6 +64,7 @@ REASONS: dict[str, Reason] = {
         path_outside_root="`--image-root`",
         remote_image_refused="`--allow-remote`",
         remote_fetch_failed="",
+        image_file_too_large="`--max-image-bytes`, local files and `--allow-remote` fetches alike",
         image_count_mismatch="ShareGPT / LLaMA-Factory layout: `<image>` markers and images differ in number; or"
                              " the template drops a message's images, e.g. Qwen3-VL's in assistant turns: names the"
                              " message",
@@ -78,7 +79,8 @@ REASONS: dict[str, Reason] = {
         unsupported_video_url="",
         remote_video_refused="videos are local or data URIs only",
         video_not_found="",
-        video_unreadable="",
+        video_unreadable="also a directory, device or FIFO named as the video",
+        video_file_too_large="`--max-video-bytes`: a video file is read whole",
         corrupt_video="undecodable, or truncated: fewer frames decode than it declares; re-encode it",
         unsupported_video_codec="no decoder for its codec: re-encode to H.264, VP9 or AV1",
         video_no_frames="an empty frame list or a container without frames",
@@ -95,7 +97,7 @@ REASONS: dict[str, Reason] = {
     ),
     **_stage(
         "image content",
-        image_unreadable="",
+        image_unreadable="also a directory, device or FIFO named as the image",
         corrupt_image="also formats PIL cannot identify, e.g. SVG",
         unsupported_image_mode="integer or float pixels beyond 16-bit / 0..1",
         image_too_large="`--max-image-pixels`, decompression bombs",

@@ -107,3 +107,49 @@ def test_corrupted_shard_at_training_time_names_the_shard(dataset, tmp_path):
     data = _rewrite_shard(dataset, tmp_path / "d", corrupt)
     err = _one_line_error(_train(data, tmp_path / "run", workers=2))
     assert "shard-000000.tar" in err, err
+
+
+def _first_image_sample(members) -> str:
+    return next(n.split(".")[0] for n, d in members if n.endswith(".json") and b'"images": [{' in d)
+
+
+def _hostile(kind):
+    """Issue 32: a member claiming far more than it holds, in the first sample with an image."""
+    from tests.support.hostile import deep_json, npy_claiming, png_claiming
+
+    def edit(members):
+        key = _first_image_sample(members)
+        meta = json.loads(dict(members)[f"{key}.json"])
+        if kind == "png":  # a PNG header claiming 40000x40000 in place of the stored image (its meta updated)
+            meta["images"] = [{**im, "member": "img000.png"} if im["member"] == "img000.npy.zst" else im
+                              for im in meta["images"]]
+            new = {f"{key}.img000.npy.zst": (f"{key}.img000.png", png_claiming(40000, 40000)),
+                   f"{key}.json": (f"{key}.json", json.dumps(meta).encode())}
+        else:
+            new = {f"{key}.json": (f"{key}.json", deep_json(200_000))} if kind == "deep_json" else \
+                {f"{key}.loss_mask.npy": (f"{key}.loss_mask.npy", npy_claiming((10**12,), "|u1"))}
+        return [new.get(n, (n, d)) for n, d in members]
+    return edit
+
+
+def _address_space(limit: int):
+    """A preexec_fn capping the trainer's address space (its DataLoader workers inherit it)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+
+@pytest.mark.parametrize("kind", [
+    "deep_json",  # json.loads recursed: a RecursionError traceback
+    pytest.param("npy_shape", marks=pytest.mark.slow),  # np.load allocated a terabyte: MemoryError
+    pytest.param("png", marks=pytest.mark.slow),  # PIL's DecompressionBombError, or 4.8 GB decoded
+])
+def test_a_member_that_claims_more_than_it_holds_is_one_line_from_the_trainer(dataset, tmp_path, kind):
+    """The trainer CLI (2 DataLoader workers), its address space capped at 6 GiB (torch maps about 3.3 GiB), names
+    the shard in one line."""
+    data = _rewrite_shard(dataset, tmp_path / "d", _hostile(kind))
+    args = ["--data", data, "--out", tmp_path / "run", "--max-steps", 2, "--micro-batch-size", 2, "--num-workers", 2]
+    proc = subprocess.run(trainer_cmd(args, 1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=_address_space(6 << 30))
+    err = _one_line_error(proc)
+    assert "shard-000000.tar" in err, err

@@ -1,6 +1,7 @@
 """Bad-input corpus: 40+ classes of malformed or hostile records, each written by a generator here, built
 in one run between good records. Each gets its documented reason code; every good record lands."""
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -148,6 +149,14 @@ def corpus(tmp):
         (tmp / "cut.mp4").write_bytes(cut[: len(cut) // 3])
         # An AVI whose codec tag no decoder knows (PyAV would crash decoding it: vlmprep must refuse it first).
         (tmp / "zzzz.avi").write_bytes(encode(frames(4, 64, 48), 10, fmt="avi").replace(b"FMP4", b"ZZZZ"))
+        # Issue 32: a FIFO never ends (reading it blocked the build forever) and a huge file must not be read whole
+        # (a device as a "video" took a build to 18.8 GB RSS): both refused before a byte is read. Sparse: no disk.
+        for name in ("pipe.mp4", "pipe.png"):
+            if not (tmp / name).exists():
+                os.mkfifo(tmp / name)
+        for name, size in (("huge.mp4", 8 << 30), ("huge.png", 1 << 30)):
+            with open(tmp / name, "wb") as f:
+                f.truncate(size)
     long_text = " ".join(f"word{i}" for i in range(2000))
     cases = [
         ("invalid_json_line", b"{this is not json\n", "invalid_json"),
@@ -298,6 +307,10 @@ def corpus(tmp):
         ("llamafactory_video_layout", {**chat("<video>What moves?"), "videos": ["clip.mp4"]}, "ok"),
         ("llamafactory_video_marker_without_video", {**chat("<video>What moves?"), "videos": []},
          "video_count_mismatch"),
+        ("video_fifo", with_video("pipe.mp4"), "video_unreadable"),
+        ("image_fifo", with_image("pipe.png"), "image_unreadable"),
+        ("video_file_over_max_video_bytes", with_video("huge.mp4"), "video_file_too_large"),
+        ("image_file_over_max_image_bytes", with_image("huge.png"), "image_file_too_large"),
         # The id earlier versions generated for the id-less cmyk_jpeg record above (main.jsonl:<its line>).
         ("id_equal_to_old_generated_id", {**chat("q"), "id": "main.jsonl:CMYK_LINE"}, "ok"),
     ]
@@ -320,6 +333,9 @@ MESSAGE_HAS = {
     "video_1x1": "video frames are 1x1, below min_image_side=4",
     "video_1x1_frame_list": "video frame 0: image is 1x1, below min_image_side=4",
     "llamafactory_video_marker_without_video": "more <video> markers than 'videos' entries",
+    "video_fifo": "not a regular file",
+    "video_file_over_max_video_bytes": "8589934592 bytes > --max-video-bytes 536870912",
+    "image_file_over_max_image_bytes": "1073741824 bytes > --max-image-bytes 67108864",
 }
 
 
@@ -389,6 +405,33 @@ def test_bad_input_case(name, corpus_build):
         assert MESSAGE_HAS.get(name, "") in got["message"], got["message"]
         json.dumps(got, ensure_ascii=False).encode("utf-8")  # every string in the reject line can be written and printed
     assert f"good-{k + 1}" in landed and f"good-{k}" in landed  # the good records around it landed
+
+
+def test_local_inputs_are_read_with_a_size_cap_under_a_memory_limit(tmp_path):
+    """Issue 32: an image or video file larger than --max-image-bytes / --max-video-bytes (8 GiB here, sparse), or a
+    FIFO or device named as one, is a reject with its reason before a byte is read: under an address-space limit of
+    256 MiB above this process, with nothing to write into the FIFO (reading it would wait forever)."""
+    from tests.support.hostile import address_space
+    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.types import Source
+
+    for name, size in (("big.mp4", 8 << 30), ("big.png", 8 << 30), ("small.mp4", 3000)):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(size)
+    os.mkfifo(tmp_path / "pipe.mp4")
+    opts = NormalizeOptions(videos=True, max_video_bytes=2000)
+    cases = {"big.mp4": "video_file_too_large", "small.mp4": "video_file_too_large", "pipe.mp4": "video_unreadable"}
+    cases |= {"big.png": "image_file_too_large"}
+    if os.path.exists("/dev/zero"):  # a device: only reachable with an --image-root that holds it
+        cases["/dev/zero"] = "video_unreadable"
+    for ref, reason in cases.items():
+        part = {"type": "image_url", "image_url": ref} if ref.endswith(".png") else {"type": "video", "video": ref}
+        rec = chat([{"type": "text", "text": "see"}, part])
+        root = "/dev" if ref.startswith("/dev") else None
+        with address_space(256 << 20), pytest.raises(RecordError) as e:
+            normalize_record(rec, Source(str(tmp_path / "r.jsonl"), 1),
+                             dataclasses.replace(opts, image_root=root) if root else opts)
+        assert e.value.reason == reason and "\n" not in str(e.value), (ref, e.value.reason, str(e.value))
 
 
 def test_file_level_faults_and_every_good_record_lands(corpus_build):

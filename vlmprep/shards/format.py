@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmprep_schemas import load
+from vlmprep_schemas.limits import LIMITS  # noqa: F401 - re-exported: what every reader here refuses
 
 _SPEC = load("shard_format.schema.json")
 FORMAT_VERSION: int = _SPEC["format_version"]
@@ -25,9 +26,14 @@ class ArraySpec:
     dtype: np.dtype
     ndim: int
     since: int
+    shape: tuple[int | str, ...]  # in terms of the meta: L = num_tokens, N = image occurrences, V = videos
+
+    def shape_for(self, dims: dict[str, int]) -> tuple[int, ...]:
+        """The shape this array must have in a sample whose meta gives `dims` (L, N, V)."""
+        return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
 
 
-ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"])
+ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"], tuple(a["shape"]))
                                 for name, a in _SPEC["arrays"].items()}
 _KEY = {3: re.compile(_SPEC["$defs"]["key"]["pattern"]), 2: re.compile(_SPEC["$defs"]["key"]["pattern"]),
         1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}

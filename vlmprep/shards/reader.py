@@ -1,12 +1,13 @@
 """Read shards, the only code in vlmprep that opens them: manifest (version checked) -> shard list -> safe tar
-iterator (member names checked against shards/format.py before anything is read; .npy with allow_pickle=False;
-unknown members refused undecoded) -> StoredSample with arrays, meta, images in occurrence order and videos (frames
-stacked per video) in token order.
+iterator (member names checked against shards/format.py before anything is read; unknown members refused undecoded)
+-> StoredSample with arrays, meta, images in occurrence order and videos (frames stacked per video) in token order.
+A dataset is untrusted input: every member is checked against the meta and the format's reader limits before it is
+decoded or memory is allocated for it (json size and depth, .npy header shape and length, image header size).
 """
 from __future__ import annotations
 
 import io
-import json
+import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from PIL import Image
 from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.format import (
     INDEX_DTYPE,
+    LIMITS,
     META_MEMBER,
     READABLE_VERSIONS,
     arrays_of,
@@ -29,6 +31,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
+from vlmprep_schemas.limits import load_json, load_npy, npy_header, schema_problem
 
 
 class ShardFormatError(UserError):
@@ -51,13 +54,19 @@ def load_manifest(d: Path) -> dict:
     if not p.is_file():
         raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build (rerun `vlmprep build`)")
     try:
-        manifest = json.loads(p.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise ShardFormatError(f"{p} is not valid JSON: {type(e).__name__}: {e}") from None
+        size = p.stat().st_size
+        if size > LIMITS.manifest_bytes:  # refused unread
+            raise ValueError(f"{p} is {size} bytes, more than a reader accepts ({LIMITS.manifest_bytes})")
+        manifest = load_json(p.read_bytes(), str(p), LIMITS.manifest_bytes)
+    except ValueError as e:
+        raise ShardFormatError(str(e)) from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
         raise ShardFormatError(f"{p}: format_version {version!r} is not supported (this vlmprep reads "
                                f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
+    problem = schema_problem(manifest, "manifest.schema.json")
+    if problem:
+        raise ShardFormatError(f"{p} does not match the manifest schema: {problem}")
     processor_dir(d, manifest)
     return manifest
 
@@ -87,14 +96,36 @@ def shard_paths(d: Path, manifest: dict, shard: str | None = None) -> list[Path]
     return [d / n for n in names]
 
 
-def decode_stored_image(name: str, data: bytes) -> np.ndarray:
-    """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). Never unpickles."""
+def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | None, channels: int = 3) -> None:
+    """A stored image's declared size (header) against the meta's `size` (height, width), or against the image
+    limit where the meta gives none (orig.* members hold the source, at its own size)."""
+    if size is not None and (height, width) != tuple(size):
+        raise ValueError(f"{name} declares {width}x{height}, but the meta gives {size[1]}x{size[0]}")
+    if width * height * channels > LIMITS.image_bytes:
+        raise ValueError(f"{name} declares {width}x{height}, more pixels than a reader decodes "
+                         f"({LIMITS.image_bytes} bytes)")
+
+
+def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = None) -> np.ndarray:
+    """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). `size`: the
+    (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
+    image header) is checked against it, or against the image limit, before anything is decompressed or
+    allocated. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
     if name.endswith(".npy.zst"):
-        arr = np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(data)), allow_pickle=False)
-        if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
-            raise ValueError(f"stored image has dtype {arr.dtype} shape {arr.shape}, expected uint8 HxWx3")
-        return arr
-    with Image.open(io.BytesIO(data)) as im:
+        declared = zstandard.frame_content_size(data)
+        floor = 3 * (size[0] * size[1] if size is not None else 1)
+        ceiling = 4096 + (3 * size[0] * size[1] if size is not None else LIMITS.image_bytes)  # + the .npy header
+        if not floor < declared <= ceiling:
+            raise ValueError(f"{name} declares {declared} decompressed bytes, not a uint8 "
+                             f"{'x'.join(map(str, size or ('H', 'W')))}x3 .npy")
+        raw = zstandard.ZstdDecompressor().decompress(data)
+        dims = npy_header(raw, name)[2]
+        if len(dims) != 3 or dims[2] != 3:
+            raise ValueError(f"{name} holds shape {dims}, expected H x W x 3")
+        _check_pixels(name, dims[1], dims[0], size)
+        return load_npy(raw, name, np.uint8, dims)
+    with Image.open(io.BytesIO(data)) as im:  # reads the header only
+        _check_pixels(name, *im.size, None if ".orig." in name else size, 4)
         if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own
             from transformers.image_transforms import convert_to_rgb  # RGB conversion, alpha onto white
 
@@ -102,15 +133,20 @@ def decode_stored_image(name: str, data: bytes) -> np.ndarray:
         return np.array(im.convert("RGB"))
 
 
+DECODE_ERRORS = (ValueError, OSError, zstandard.ZstdError, Image.DecompressionBombError)
+
+
 @dataclass
 class StoredSample:
-    """One sample's members, each read on demand (a tar member, or bytes a client already holds)."""
+    """One sample's members, each read on demand (a tar member, or bytes a client already holds), each checked
+    against the format and the meta before it is decoded; every fault is one ShardFormatError naming the sample."""
 
     key: str
     where: str  # shard name or URL, for messages
     version: int
     names: tuple[str, ...]  # members that passed the name rule
     reader: Callable[[str], bytes] = field(repr=False)
+    sizes: dict[str, int] = field(default_factory=dict, repr=False)  # member -> bytes, known before it is read
     unknown: tuple[str, ...] = ()  # members refused by the rule, never read (only with on_unknown="report")
     _meta: dict | None = field(default=None, repr=False)
 
@@ -120,40 +156,49 @@ class StoredSample:
     def read(self, name: str) -> bytes:
         if name not in self.names:
             raise self._fail(f"has no member {name!r}")
+        limit = LIMITS.meta_bytes if name == META_MEMBER else LIMITS.member_bytes
+        if self.sizes.get(name, 0) > limit:  # refused unread
+            raise self._fail(f"{name} is {self.sizes[name]} bytes, more than a reader accepts ({limit})")
         return self.reader(name)
 
     def meta(self) -> dict:
+        """The json member, bounded in size and depth before it is parsed, and its types checked against the meta
+        schema (every field a reader uses has the type the schema gives)."""
         if self._meta is None:
             try:
-                meta = json.loads(self.read(META_MEMBER))
+                meta = load_json(self.read(META_MEMBER), META_MEMBER, LIMITS.meta_bytes)
             except ValueError as e:
-                raise self._fail(f"{META_MEMBER} is not valid JSON: {e}") from None
-            if not isinstance(meta, dict):
-                raise self._fail(f"{META_MEMBER} is not a JSON object")
+                raise self._fail(str(e)) from None
+            problem = schema_problem(meta, "sample_meta.schema.json")
+            if problem:
+                raise self._fail(f"meta: {problem}")
             self._meta = meta
         return self._meta
 
+    def _dims(self) -> dict[str, int]:
+        """The meta's sizes that array shapes are given in (schemas/shard_format.schema.json `shapes`)."""
+        meta = self.meta()
+        return {"L": meta["num_tokens"], "N": len(meta["images"]), "V": len(meta.get("videos", ()))}
+
     def array(self, name: str) -> np.ndarray:
-        """An array member (`input_ids`, ... without `.npy`), dtype and rank checked against the format."""
+        """An array member (`input_ids`, ... without `.npy`): dtype and rank as the format says, shape as the meta
+        says, checked from its header before it is read."""
         member = name if name.endswith(".npy") else name + ".npy"
         spec = arrays_of(self.version).get(member)
         if spec is None:
             raise self._fail(f"{member} is not an array of format v{self.version}")
+        dims = self._dims()
         try:
-            arr = np.load(io.BytesIO(self.read(member)), allow_pickle=False)
-        except ValueError as e:  # object arrays need pickle: refused, never executed
-            raise self._fail(f"{member} is not a plain numeric .npy ({e}); refusing to unpickle it") from None
-        if not isinstance(arr, np.ndarray) or arr.dtype != spec.dtype or arr.ndim != spec.ndim:
-            raise self._fail(f"{member} is {getattr(arr, 'dtype', type(arr))} with {getattr(arr, 'ndim', '?')} dims, "
-                             f"expected {spec.dtype} with {spec.ndim}")
-        return arr
+            return load_npy(self.read(member), member, spec.dtype, spec.shape_for(dims))
+        except ValueError as e:
+            raise self._fail(str(e)) from None
 
     def image_index(self) -> np.ndarray:
         """Occurrence k -> unique image number u (member imgUUU.*). v1 datasets derive it from the meta."""
         if self.version >= 2:
             return self.array("image_index").astype(np.int64)
-        members = [im.get("member", "") for im in self.meta().get("images", [])]
-        return np.array([int(m[3:6]) for m in members], dtype=np.int64)
+        members = [im["member"] for im in self.meta()["images"]]
+        return np.array([int(m[3:6]) if re.fullmatch("[0-9]{3}", m[3:6]) else -1 for m in members], dtype=np.int64)
 
     def image_members(self) -> list[str]:
         """The stored member of each image occurrence, in token order."""
@@ -165,16 +210,46 @@ class StoredSample:
             out.append(by_number[u])
         return out
 
+    def stored_sizes(self) -> dict[str, tuple[int, int] | None]:
+        """Each image and frame member's (height, width) as the meta gives it (None for `orig.*`: the source, at its
+        own size), checked before anything is decoded: every occurrence of a member agrees, no image exceeds the
+        image limit and all of them together stay within the sample limit."""
+        meta, out = self.meta(), {}
+        for name, im in zip(self.image_members(), meta["images"]):
+            size = (im["height"], im["width"])
+            if min(size) < 1 or 3 * size[0] * size[1] > LIMITS.image_bytes:
+                raise self._fail(f"meta gives {name} the impossible size {size[1]}x{size[0]}")
+            if out.setdefault(name, size) != size:
+                raise self._fail(f"meta gives {name} two sizes, {out[name][1]}x{out[name][0]} and {size[1]}x{size[0]}")
+        total = sum(3 * h * w for h, w in out.values())
+        for video, frames in zip(meta.get("videos", ()), self.video_members()):
+            size = (video["height"], video["width"])
+            if min(size) < 1 or 3 * size[0] * size[1] > LIMITS.image_bytes:
+                raise self._fail(f"meta gives {video['member']} the impossible frame size {size[1]}x{size[0]}")
+            out.update(dict.fromkeys(frames, size))
+            total += 3 * size[0] * size[1] * len(frames)
+        if total > LIMITS.sample_bytes:
+            raise self._fail(f"its images and frames decode to {total} bytes, more than a reader accepts "
+                             f"({LIMITS.sample_bytes})")
+        return {n: None if ".orig." in n else size for n, size in out.items()}
+
+    def decode(self, name: str, size: tuple[int, int] | None, data: bytes | None = None) -> np.ndarray:
+        """One image or frame member (its bytes `data` when already read), its declared size checked against `size`
+        (stored_sizes) first."""
+        try:
+            return decode_stored_image(name, self.read(name) if data is None else data, size)
+        except DECODE_ERRORS as e:  # the checks' own messages name the member; a decoder's do not
+            raise self._fail(str(e) if str(e).startswith(name) else f"{name} does not decode: {type(e).__name__}: {e}"
+                             ) from None
+
     def images(self) -> list[np.ndarray]:
         """Decoded images per occurrence (uint8 H x W x 3); a repeated image is decoded once and shared."""
+        sizes = self.stored_sizes()
         cache: dict[str, np.ndarray] = {}
         out = []
         for name in self.image_members():
             if name not in cache:
-                try:
-                    cache[name] = decode_stored_image(name, self.read(name))
-                except (ValueError, OSError, zstandard.ZstdError) as e:
-                    raise self._fail(f"{name} does not decode: {type(e).__name__}: {e}") from None
+                cache[name] = self.decode(name, sizes[name])
             out.append(cache[name])
         return out
 
@@ -194,8 +269,8 @@ class StoredSample:
                              f"are of videos {sorted(by_video)}")
         out = []
         for v in range(rows):
-            frames, n = by_video[v], listed[v].get("frames") if isinstance(listed[v], dict) else None
-            if not isinstance(n, int) or sorted(frames) != list(range(n)) or any(len(m) > 1 for m in frames.values()):
+            frames, n = by_video[v], listed[v]["frames"]
+            if len(frames) != n or sorted(frames) != list(range(n)) or any(len(m) > 1 for m in frames.values()):
                 names = sorted(m for ms in frames.values() for m in ms)
                 raise self._fail(f"video {v}: frame members {names[:4]}{' ...' if len(names) > 4 else ''} are not "
                                  f"frames 0..{n}-1 (the meta's count), one member each")
@@ -204,18 +279,8 @@ class StoredSample:
 
     def videos(self) -> list[np.ndarray]:
         """Decoded videos in token order, each its stored frames stacked: uint8 frames x H x W x 3."""
-        out = []
-        for v, names in enumerate(self.video_members()):
-            frames = []
-            for name in names:
-                try:
-                    frames.append(decode_stored_image(name, self.read(name)))
-                except (ValueError, OSError, zstandard.ZstdError) as e:
-                    raise self._fail(f"{name} does not decode: {type(e).__name__}: {e}") from None
-            if len({f.shape for f in frames}) > 1:
-                raise self._fail(f"video {v}: its frames differ in size {sorted({f.shape for f in frames})[:2]}")
-            out.append(np.stack(frames))
-        return out
+        sizes = self.stored_sizes()
+        return [np.stack([self.decode(name, sizes[name]) for name in names]) for names in self.video_members()]
 
     def to_dict(self) -> dict:
         """Everything, decoded: `__key__`, `id`, the arrays (name without .npy), `images` per occurrence, `videos`
@@ -244,7 +309,8 @@ def _check_names(names, *, key: str, where: str, version: int, on_unknown: str) 
 def sample_from_members(members: dict[str, bytes], *, key: str, where: str, version: int) -> StoredSample:
     """A sample whose raw members a client already holds (webdataset, HF datasets, energon): names checked first."""
     ok, _ = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
-    return StoredSample(key=key, where=where, version=version, names=tuple(ok), reader=members.__getitem__)
+    return StoredSample(key=key, where=where, version=version, names=tuple(ok), reader=members.__getitem__,
+                        sizes={n: len(members[n]) for n in ok})
 
 
 def _read_range(path: Path, offset: int, size: int) -> bytes:
@@ -266,13 +332,16 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
     def emit(key, spans):
         ok, bad = _check_names(list(spans), key=key, where=where, version=version, on_unknown=on_unknown)
         return StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
-                            reader=lambda n: _read_range(path, *spans[n]))
+                            reader=lambda n: _read_range(path, *spans[n]), sizes={n: spans[n][1] for n in ok})
 
     try:
         with tarfile.open(path, mode="r:") as tar:
             key, spans = None, {}
             for ti in tar:
                 k, dot, ext = ti.name.partition(".")
+                if ti.issparse():  # its holes would read as zeros: a member that claims more than it holds
+                    raise ShardFormatError(f"{where}: member {ti.name!r} is sparse (it claims {ti.size} bytes); "
+                                           "refusing to read it")
                 if not ti.isreg() or not dot or "/" in ti.name:
                     raise ShardFormatError(
                         f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it")
@@ -287,6 +356,22 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
                 yield emit(key, spans)
     except tarfile.TarError as e:
         raise ShardFormatError(f"{where}: unreadable or truncated tar: {e}") from None
+
+
+def iter_rejects(p: Path) -> Iterator[dict]:
+    """A dataset's rejects.jsonl, one reject record per line; a line longer than the meta limit, nested too deep or
+    not a JSON object is one ShardFormatError naming the file and line, found before it is parsed."""
+    with open(p, "rb") as f:
+        for n, line in enumerate(iter(lambda: f.readline(LIMITS.meta_bytes + 1), b""), 1):
+            if not line.strip():
+                continue
+            try:
+                record = load_json(line, f"{Path(p).name} line {n}", LIMITS.meta_bytes)
+            except ValueError as e:
+                raise ShardFormatError(str(e)) from None
+            if not isinstance(record, dict):
+                raise ShardFormatError(f"{Path(p).name} line {n} is not a JSON object")
+            yield record
 
 
 def load_sample_index(d: Path, entry: dict) -> np.ndarray | None:

@@ -34,6 +34,8 @@ REJECT_FIXES = {
     "remote_image_refused": "pass --allow-remote to fetch http(s) images",
     "too_many_images": "raise --max-images-per-record, or pass --keep-images last:N",
     "image_too_large": "raise --max-image-pixels",
+    "image_file_too_large": "raise --max-image-bytes",
+    "video_file_too_large": "raise --max-video-bytes",
     "image_too_small": "lower --min-image-side",
     "video_too_small": "lower --min-image-side",
     "raw_video_stream": "wrap each raw stream in a container at its real rate: ffmpeg -framerate FPS -i IN -c copy "

@@ -4,7 +4,6 @@ would) -> the selected samples or rejects -> views printed by show.py or written
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,6 +16,7 @@ from vlmprep.shards.format import id_hash
 from vlmprep.shards.reader import (
     StaleIndex,
     dataset_path,
+    iter_rejects,
     iter_shard,
     load_manifest,
     load_sample_index,
@@ -132,13 +132,8 @@ def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
     p = dataset_path(d, REJECTS_NAME)
     if not p.is_file():
         return
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if cfg.id is not None and str(r.get("id")) != cfg.id:
-                continue
+    for r in iter_rejects(p):
+        if cfg.id is None or str(r.get("id")) == cfg.id:
             yield r
 
 

@@ -6,7 +6,6 @@ warnings they call for; formatted as plain text (or JSON by the CLI, or an HTML 
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from vlmprep.config import FIELDS
 from vlmprep.families import family_of
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
-from vlmprep.shards.reader import dataset_path, iter_shard, load_manifest, shard_paths
+from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, shard_paths
 from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 
 HIST_BINS = 10
@@ -120,6 +119,9 @@ def compute_stats(root: Path) -> dict:
     manifest = load_manifest(root)
     config = manifest.get("config") or {}
     seq_len = config.get("seq_len")
+    # The dataset's own threshold (the build's --min-turn-coverage); a value that is not a share gives the default.
+    floor = config.get("min_turn_coverage")
+    floor = float(floor) if isinstance(floor, (int, float)) and 0 <= floor <= 1 else MIN_TURN_COVERAGE
     scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN)
     for path in shard_paths(root, manifest):
         for ts in iter_shard(path, version=manifest["format_version"]):
@@ -161,8 +163,8 @@ def compute_stats(root: Path) -> dict:
         "rejects": rejects,
         "split_samples": scan.split,
         "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
-        "min_turn_coverage": MIN_TURN_COVERAGE,
-        "coverage_warning": coverage_problem(manifest, MIN_TURN_COVERAGE) if "turns" in manifest else None,
+        "min_turn_coverage": floor,
+        "coverage_warning": coverage_problem(manifest, floor) if "turns" in manifest else None,
     }
     reject_lines = _reject_lines(root)
     st["inputs"] = _inputs(manifest, reject_lines)
@@ -175,8 +177,7 @@ def _reject_lines(root: Path) -> list[dict] | None:
     p = dataset_path(root, REJECTS_NAME)  # not through a symlink out of the dataset
     if not p.is_file():
         return None
-    with open(p, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return list(iter_rejects(p))  # bounded per line (vlmprep_schemas.limits)
 
 
 def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | None:
@@ -255,7 +256,7 @@ def data_warnings(st: dict) -> list[str]:
     # Per file where there are several (one file's line would repeat the dataset's), by the build's rule: the turns to
     # train that --seq-len lost (truncated, turn_too_long).
     low = sorted((i for i in inputs if i["kept_share"] < floor), key=lambda i: (i["kept_share"], i["name"]))
-    low = low if len(inputs) > 1 else []
+    low = low if sum(1 for i in inputs if i["input_assistant_turns"]) > 1 else []
     for i in low[:MAX_INPUT_ROWS]:
         out.append(f"{i['name']}: {i['trained_assistant_turns']} of {i['input_assistant_turns']} assistant turns "
                    f"trained ({i['kept_share']:.1%} of those to train < {floor:g}; {i['truncated_samples']} of "

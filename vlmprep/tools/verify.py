@@ -19,7 +19,6 @@ from vlmprep.shards.format import META_MEMBER, arrays_of, id_hash, is_video_memb
 from vlmprep.shards.reader import (
     ShardFormatError,
     StoredSample,
-    decode_stored_image,
     iter_shard,
     load_manifest,
     load_sample_index,
@@ -150,13 +149,13 @@ class _SampleCheck:
         if missing:
             return [Violation(where, f"missing member(s) {missing}")], (0, 0)
         try:
-            arr = {n.removesuffix(".npy"): s.array(n) for n in arrays_of(self.version)}
             meta = s.meta()
+            problem = _schema_error(self.meta_validator, meta)
+            if problem:
+                return [Violation(where, f"meta: {problem}")], (0, 0)
+            arr = {n.removesuffix(".npy"): s.array(n) for n in arrays_of(self.version)}
         except ShardFormatError as e:
             return [Violation(where, str(e).split(": ", 2)[-1])], (0, 0)
-        problem = _schema_error(self.meta_validator, meta)
-        if problem:
-            return [Violation(where, f"meta: {problem}")], (0, 0)
         out: list[Violation] = []
         ids, mask, mm, pos, grid = (arr[k] for k in ("input_ids", "loss_mask", "mm_token_type_ids", "position_ids",
                                                       "image_grid_thw"))
@@ -206,15 +205,15 @@ class _SampleCheck:
             if len(frames) != v["frames"] or -(-v["frames"] // self.temporal) != g[0]:
                 out.append(Violation(where, f"video {k}: {len(frames)} frame members, meta says {v['frames']} "
                                             f"frames, grid t {int(g[0])}"))
+            if (v["height"], v["width"]) != (g[1] * self.patch, g[2] * self.patch):
+                out.append(Violation(where, f"video {k}: frames of {v['width']}x{v['height']}, grid {g.tolist()} "
+                                            f"needs {g[2] * self.patch}x{g[1] * self.patch}"))
+                continue  # not decoded: the meta's size is what bounds the decode
             for name in frames:
                 try:
-                    pixels = decode_stored_image(name, s.read(name))
-                except Exception as e:  # noqa: BLE001 - any decode fault is a reported violation
-                    out.append(Violation(where, f"video {k}: {name} undecodable ({type(e).__name__}: {e})"))
-                    continue
-                if pixels.shape[:2] != (g[1] * self.patch, g[2] * self.patch):
-                    out.append(Violation(where, f"video {k}: {name} is {pixels.shape[1]}x{pixels.shape[0]}, grid "
-                                                f"{g.tolist()} needs {g[2] * self.patch}x{g[1] * self.patch}"))
+                    s.decode(name, (v["height"], v["width"]))
+                except ShardFormatError as e:
+                    out.append(Violation(where, f"video {k}: {name} undecodable ({str(e).split(': ', 2)[-1]})"))
         unused = sorted(set(stored) - set(claimed))
         if unused:
             out.append(Violation(where, f"video member(s) {unused[:3]} belong to no video"))
@@ -225,15 +224,19 @@ class _SampleCheck:
         want = int((grid.prod(axis=1) // self.merge ** 2).sum())
         if int((mm == 1).sum()) != want:
             out.append(Violation(where, f"{int((mm == 1).sum())} image placeholders, grid rows need {want}"))
-        for k, (name, g) in enumerate(zip(members, grid)):
-            try:
-                pixels = decode_stored_image(name, s.read(name))
-            except Exception as e:  # noqa: BLE001 - any decode fault is a reported violation
-                out.append(Violation(where, f"image {k}: undecodable ({type(e).__name__}: {e})"))
-                continue
-            if self.image_format != "original" and pixels.shape[:2] != (g[1] * self.patch, g[2] * self.patch):
-                out.append(Violation(where, f"image {k}: {pixels.shape[1]}x{pixels.shape[0]} does not match grid "
+        try:
+            sizes = s.stored_sizes()
+        except ShardFormatError as e:
+            return out + [Violation(where, str(e).split(": ", 2)[-1])]
+        for k, (name, g, im) in enumerate(zip(members, grid, meta["images"])):
+            if (im["height"], im["width"]) != (g[1] * self.patch, g[2] * self.patch):
+                out.append(Violation(where, f"image {k}: {im['width']}x{im['height']} does not match grid "
                                             f"{g.tolist()}"))
+                continue  # not decoded: the meta's size is what bounds the decode
+            try:
+                s.decode(name, sizes[name])
+            except ShardFormatError as e:
+                out.append(Violation(where, f"image {k}: undecodable ({str(e).split(': ', 2)[-1]})"))
         return out
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from vlmprep.families import ANY_TURN_STARTS, family_of
-from vlmprep.shards.reader import ShardFormatError, StoredSample, decode_stored_image
+from vlmprep.shards.reader import ShardFormatError, StoredSample
 from vlmprep_schemas.boundary import processor_files
 
 MAX_LISTED_TIMESTAMPS = 16  # a longer video lists its first 8 and last 4 frame times in the terminal marker
@@ -398,9 +398,10 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
     if not (len(ids) == len(mask) == len(types)):
         raise ValueError(f"{s.where}: sample {s.key} has misaligned arrays ({ids.shape}, {mask.shape}, {types.shape})")
     grid = s.array("image_grid_thw").reshape(-1, 3)
+    sizes = s.stored_sizes()  # every member's declared size checked against the meta before any is decoded
     blobs = {name: s.read(name) for name in dict.fromkeys(s.image_members())}
-    loaders = [(lambda name=name: decode_stored_image(name, blobs[name])) for name in s.image_members()]
-    videos = _stored_videos(s, meta)
+    loaders = [(lambda name=name: s.decode(name, sizes[name], blobs[name])) for name in s.image_members()]
+    videos = _stored_videos(s, meta, sizes)
     src = meta.get("source") or {}
     sample = InspectedSample(
         key=s.key, id=str(meta.get("id")), source=(str(src.get("file")), int(src.get("line", 0))), where=s.where,
@@ -420,7 +421,7 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
     return sample
 
 
-def _stored_videos(s: StoredSample, meta: dict) -> list[InspectedVideo]:
+def _stored_videos(s: StoredSample, meta: dict, sizes: dict) -> list[InspectedVideo]:
     """Format v3: the meta's videos with their frame members (the reader checks them; read now, decoded on demand);
     grids from the array."""
     members = s.video_members()
@@ -439,5 +440,5 @@ def _stored_videos(s: StoredSample, meta: dict) -> list[InspectedVideo]:
         blobs = {n: s.read(n) for n in names}
         out.append(InspectedVideo(grid_thw=tuple(int(x) for x in grid[k]), fps=fps, total_num_frames=total,
                                   frame_indices=indices,
-                                  frames=[(lambda n=n, b=b: decode_stored_image(n, b)) for n, b in blobs.items()]))
+                                  frames=[(lambda n=n, b=b: s.decode(n, sizes[n], b)) for n, b in blobs.items()]))
     return out

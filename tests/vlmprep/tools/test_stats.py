@@ -206,49 +206,52 @@ def test_stats_on_a_dir_that_is_not_a_build_is_a_one_line_error(tmp_path):
     assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1 and "manifest.json" in res.stderr
 
 
-def _input(name, trained, of, *, samples=2, truncated=0, rejects=None):
+def _input(name, trained, of, *, samples=2, truncated=0, rejects=None, cut=None):
+    """An input file's counts; `cut` turns lost to --seq-len (default: every untrained turn)."""
     rejects = rejects or {}
+    cut = of - trained if cut is None else cut
     return {"name": name, "path": f"/d/{name}", "trained_assistant_turns": trained, "input_assistant_turns": of,
-            "coverage": trained / of, "samples": samples, "truncated_samples": truncated,
-            "rejected": sum(rejects.values()), "rejects": rejects}
+            "coverage": trained / of if of else 1.0, "kept_share": trained / (trained + cut) if trained + cut else 1.0,
+            "samples": samples, "truncated_samples": truncated, "rejected": sum(rejects.values()), "rejects": rejects}
 
 
-def _stats(inputs, *, floor=0.95, samples=10, truncated=0, large=None):
-    trained, of = sum(i["trained_assistant_turns"] for i in inputs), sum(i["input_assistant_turns"] for i in inputs)
+def _stats(inputs, *, floor=0.95, samples=10, truncated=0, large=None, dataset_line=None):
     return {"min_turn_coverage": floor, "inputs": inputs, "samples": samples, "truncated_samples": truncated,
-            "dropped_images": 3 * truncated,
-            "turns": {"trained_assistant_turns": trained, "input_assistant_turns": of, "coverage": trained / of,
-                      "lost": {"truncated": of - trained, "turn_too_long": 0}},
+            "dropped_images": 3 * truncated, "coverage_warning": dataset_line,
             "large_images": large or {"limit": 4096, "count": 0, "largest": None, "max_pixels": None}}
 
 
 def test_warnings_name_the_low_coverage_files_the_truncated_share_and_large_images():
+    """The dataset's line is the build's rule (coverage_problem); each input file under the floor by the same rule
+    (trained of the turns to train: those --seq-len lost count, a rejected record's do not), lowest first."""
     from vlmprep.tools.stats import COVERAGE_FIX, data_warnings
 
     inputs = [_input("opencua.jsonl", 24, 69, samples=6, truncated=6), _input("webvoyager.jsonl", 88, 90, samples=15,
                                                                               truncated=2),
-              _input("seeact.jsonl", 4, 6, rejects={"no_trainable_tokens_after_truncation": 1})]
+              _input("seeact.jsonl", 4, 6, rejects={"no_trainable_tokens_after_truncation": 1}, cut=1)]
     large = {"limit": 4096, "count": 5, "max_pixels": 3211264,
              "largest": {"tokens": 9524, "size": "1280x5808", "file": "/d/seeact.jsonl"}}
-    assert data_warnings(_stats(inputs, samples=23, truncated=8, large=large)) == [
-        f"116 of 165 assistant turns trained (coverage 70.3% < 95%; lost: truncated 49); fix: {COVERAGE_FIX}",
-        "opencua.jsonl: 24 of 69 assistant turns trained (coverage 34.8% < 95%; 6 of 6 samples truncated, 0 rejected)",
-        "seeact.jsonl: 4 of 6 assistant turns trained (coverage 66.7% < 95%; 0 of 2 samples truncated, 1 rejected: "
-        "no_trainable_tokens_after_truncation 1)",
+    assert data_warnings(_stats(inputs, samples=23, truncated=8, large=large, dataset_line="DATASET")) == [
+        "DATASET",
+        "opencua.jsonl: 24 of 69 assistant turns trained (34.8% of those to train < 0.95; 6 of 6 samples truncated, "
+        "0 rejected)",
+        "seeact.jsonl: 4 of 6 assistant turns trained (80.0% of those to train < 0.95; 0 of 2 samples truncated, "
+        "1 rejected: no_trainable_tokens_after_truncation 1)",
         "8 of 23 samples truncated (34.8% > 10%; opencua.jsonl 6 of 6, webvoyager.jsonl 2 of 15), 24 images dropped "
         f"by the cut; fix: {COVERAGE_FIX}",
         "5 images over 4096 tokens (largest 9524: 1280x5808 in seeact.jsonl); fix: --max-pixels 3211264 caps an image "
         "at 4096 tokens"]
-    # The threshold is the dataset's own (the build's --min-turn-coverage, in the manifest config), else 0.95.
+    # A rejected record's turns are the reject threshold's business, not coverage's.
+    assert not any(w.startswith("seeact") for w in data_warnings(_stats([inputs[0], {**inputs[2], "kept_share": 1.0}])))
+    # The threshold is the dataset's own (the build's --min-turn-coverage, in the manifest config).
     two = [inputs[1], _input("demo.jsonl", 12, 12)]
     assert data_warnings(_stats(two, floor=0.95)) == []
-    assert [w.split(":")[0] for w in data_warnings(_stats(two, floor=0.99))] == [
-        "100 of 102 assistant turns trained (coverage 98.0% < 99%; lost", "webvoyager.jsonl"]
-    # One input file: its line would repeat the dataset's.
-    assert [w.split(":")[0] for w in data_warnings(_stats(inputs[:1]))] == [
-        "24 of 69 assistant turns trained (coverage 34.8% < 95%; lost"]
+    assert [w.split(":")[0] for w in data_warnings(_stats(two, floor=0.99))] == ["webvoyager.jsonl"]
+    # One input file with turns (others may hold none, e.g. only broken records): its line would repeat the dataset's.
+    assert data_warnings(_stats(inputs[:1], dataset_line="DATASET")) == ["DATASET"]
+    assert data_warnings(_stats([inputs[0], _input("broken.jsonl", 0, 0)], dataset_line="DATASET")) == ["DATASET"]
     # Older datasets (no per-input counts): the dataset's line only.
-    assert len(data_warnings({**_stats(inputs), "inputs": None})) == 1
+    assert data_warnings({**_stats(inputs, dataset_line="DATASET"), "inputs": None}) == ["DATASET"]
 
 
 def test_the_coverage_threshold_comes_from_the_manifest(built, tmp_path):
@@ -263,7 +266,10 @@ def test_the_coverage_threshold_comes_from_the_manifest(built, tmp_path):
     st = compute_stats(strict)
     assert st["min_turn_coverage"] == 1.0
     if st["turns"]["coverage"] < 1.0:
-        assert any(w.startswith("traces.jsonl: ") and "< 100%" in w for w in st["warnings"])
+        assert any(w.startswith("turn coverage ") and "< --min-turn-coverage 1 " in w for w in st["warnings"])
+    manifest["config"]["min_turn_coverage"] = "all"  # untrusted: not a share, so the default
+    (strict / "manifest.json").write_text(json.dumps(manifest))
+    assert compute_stats(strict)["min_turn_coverage"] == MIN_TURN_COVERAGE
 
 
 class _FakeStored:

@@ -111,7 +111,7 @@ def _set_array(ext, fn):
 
 @pytest.mark.parametrize("mutate,expect", [
     (_set_array("loss_mask.npy", lambda m: np.ones_like(m)), "loss_mask trains image placeholder tokens"),
-    (_set_array("loss_mask.npy", lambda m: m[:-1]), "misaligned arrays"),
+    (_set_array("loss_mask.npy", lambda m: m[:-1]), "loss_mask.npy declares shape"),
     (_set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)), "image placeholders, grid rows need"),
     (_set_array("input_ids.npy", lambda a: a.astype(np.int64)), "input_ids.npy is int64"),
     (_set_array("image_index.npy", lambda a: a + 1), "image_index"),

@@ -1,0 +1,188 @@
+"""What every reader of a dataset refuses before it reads or allocates (shard_format.schema.json `reader_limits`),
+and JSON text from a dataset -> its value within them. vlmprep and the trainer both use it: a dataset from
+someone else is untrusted input, and json.loads alone recurses (200,000 nested brackets are a RecursionError).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlmprep_schemas import load
+
+
+@dataclass(frozen=True)
+class ReaderLimits:
+    """Bytes and depths a reader accepts; the schema's reader_limits says what each bounds."""
+
+    member_bytes: int
+    meta_bytes: int
+    manifest_bytes: int
+    json_depth: int
+    image_bytes: int
+    sample_bytes: int
+
+
+LIMITS = ReaderLimits(**{k: v for k, v in load("shard_format.schema.json")["reader_limits"].items()
+                         if k != "description"})
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep [ and { nest in JSON text (strings skipped), counted without parsing it."""
+    opened = text.count("[") + text.count("{")
+    if opened <= LIMITS.json_depth:  # the common case, a small meta: no deeper than its brackets
+        return opened
+    brackets = np.frombuffer(_NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode("ascii"), np.uint8)
+    if not len(brackets):
+        return 0
+    opens = (brackets == ord("[")) | (brackets == ord("{"))
+    return int(np.cumsum(np.where(opens, 1, -1), dtype=np.int64).max())
+
+
+def load_json(data: bytes, what: str, max_bytes: int):
+    """UTF-8 JSON from a dataset -> its value. ValueError, one line naming `what`, for more than max_bytes, bytes
+    that are not UTF-8, nesting deeper than LIMITS.json_depth (all found before parsing) or text that is not JSON."""
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} is {len(data)} bytes, more than a reader accepts ({max_bytes})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    depth = json_depth(text)
+    if depth > LIMITS.json_depth:
+        raise ValueError(f"{what} nests {depth} levels deep, more than a reader accepts ({LIMITS.json_depth})")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+
+
+# The header np.save writes (keys sorted, shape as a tuple repr), matched instead of running numpy's own parser
+# (tokenize + literal_eval) on bytes from a dataset: it raises more than ValueError on a damaged header.
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_HEADER = re.compile(r"\{'descr': '([^']{1,32})', 'fortran_order': (False|True), "
+                         r"'shape': \(((?:[0-9]{1,20}, )*[0-9]{0,20},?)\), \} *\n")
+
+
+def npy_header(data: bytes, name: str) -> tuple[str, bool, tuple[int, ...], int]:
+    """A .npy member's declared descr (dtype string), Fortran order and shape, and where its data starts, from its
+    header alone; ValueError (one line naming `name`) when it is not the header np.save writes."""
+    if data[:6] != _NPY_MAGIC or data[6:8] not in (b"\x01\x00", b"\x02\x00"):
+        raise ValueError(f"{name} is not a .npy version 1 or 2 (it starts {data[:8]!r})")
+    start = 10 if data[6] == 1 else 12
+    end = start + int.from_bytes(data[8:start], "little")
+    match = _NPY_HEADER.fullmatch(data[start:min(end, start + 65536)].decode("latin-1"))
+    if end > len(data) or match is None:
+        raise ValueError(f"{name} has no .npy header as np.save writes it ({data[start:start + 80].rstrip()!r})")
+    shape = tuple(int(d) for d in match.group(3).split(",") if d.strip())
+    return match.group(1), match.group(2) == "True", shape, end
+
+
+def dtype_name(descr: str) -> str:
+    """A .npy descr's dtype name (int64 for '<i8'), or the descr itself when numpy knows none."""
+    try:
+        return np.dtype(descr).name
+    except TypeError:
+        return descr
+
+
+def load_npy(data: bytes, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A .npy member -> its array (a copy), the header checked first: `dtype`, `shape` (what the meta says) and data
+    exactly as long as declared, so a header claiming an enormous shape allocates nothing; an object array (a pickle)
+    is refused unread. ValueError (one line naming `name`) on any fault."""
+    descr, fortran, dims, offset = npy_header(data, name)
+    if "O" in descr:
+        raise ValueError(f"{name} is not a plain numeric .npy (its dtype {descr} holds Python objects, which need "
+                         "allow_pickle); refusing to unpickle it")
+    want = np.dtype(dtype)
+    if descr != want.str or len(dims) != len(shape):
+        raise ValueError(f"{name} is {dtype_name(descr)} with {len(dims)} dims, expected {want} with {len(shape)}")
+    if dims != tuple(shape) or fortran:
+        raise ValueError(f"{name} declares shape {dims}{' in Fortran order' if fortran else ''}, but its meta needs "
+                         f"{tuple(shape)}")
+    count = math.prod(dims)
+    if len(data) - offset != count * want.itemsize:
+        raise ValueError(f"{name} holds {len(data) - offset} bytes of data, its header declares "
+                         f"{count * want.itemsize}")
+    return np.frombuffer(data, want, count=count, offset=offset).reshape(dims).copy()
+
+
+_JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,), "array": (list,),
+               "object": (dict,), "null": (type(None),)}
+
+
+def schema_problem(value, schema: str) -> str | None:
+    """The first place where a sample meta or manifest (`schema`: its file in schemas/) has a value of another JSON
+    type than the schema gives, or lacks a required key; None when there is none. Types and required keys only,
+    which is what readers index and convert (`vlmprep verify` checks the whole schema, at a hundred times the cost):
+    the schema is compiled once into a checker."""
+    problem = _checker(schema)(value)
+    if problem is None:
+        return None
+    path, text = problem
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in reversed(path)).lstrip(".")
+    return f"{where or 'it'} {text}"
+
+
+@functools.cache
+def _checker(schema: str):
+    return _compile(load(schema))
+
+
+def _node(node: dict) -> dict:
+    """A schema node with its `$ref` (a file of schemas/ and a JSON pointer) followed."""
+    if "$ref" not in node:
+        return node
+    name, _, pointer = node["$ref"].partition("#")
+    node = load(name)
+    for part in pointer.strip("/").split("/"):
+        node = node[part]
+    return node
+
+
+def _compile(node: dict):
+    """A schema node -> check(value) -> the first problem or None."""
+    node = _node(node)
+    if "anyOf" in node:
+        branches = [_compile(n) for n in node["anyOf"]]
+
+        def any_of(value):
+            problems = [b(value) for b in branches]
+            return None if None in problems else problems[0]
+        return any_of
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
+    types = tuple(t for k in kinds for t in _JSON_TYPES[k] if k != "boolean")
+    boolean = "boolean" in kinds
+    required = tuple(node.get("required", ()))
+    props = {k: _compile(sub) for k, sub in node.get("properties", {}).items()}
+    other = _compile(node["additionalProperties"]) if isinstance(node.get("additionalProperties"), dict) else None
+    items = _compile(node["items"]) if "items" in node else None
+
+    def check(value):  # -> None, or (the path to the fault, innermost first; what is wrong there)
+        if kinds and not (boolean if isinstance(value, bool) else isinstance(value, types)):  # true is no integer
+            return [], f"is {type(value).__name__}, not {' or '.join(kinds)}"
+        if isinstance(value, dict):
+            missing = next((k for k in required if k not in value), None)
+            if missing is not None:
+                return [], f"has no {missing!r}"
+            for k, v in value.items():
+                sub = props.get(k, other)
+                problem = sub(v) if sub is not None else None
+                if problem:
+                    problem[0].append(k)
+                    return problem
+        elif isinstance(value, list) and items is not None:
+            for k, x in enumerate(value):
+                problem = items(x)
+                if problem:
+                    problem[0].append(k)
+                    return problem
+        return None
+    return check
