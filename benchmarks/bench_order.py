@@ -67,13 +67,14 @@ def _loader_parts(ds: Path):
 def rank_setup(datasets: list[tuple[str, Path, float]], *, world: int, cache: Path):
     """As trainer/train.py sets up each rank: plan_shards per dataset, then each rank's indexed sources."""
     from trainer.config import DataSpec
+    from trainer.rundata import rank_sources
     from trainer.shards import plan_shards
-    from trainer.train import rank_sources
 
     specs = tuple(DataSpec(path=str(p), name=n, weight=w) for n, p, w in datasets)
     sources = [_loader_parts(p)[0] for _, p, _ in datasets]
     plans = [plan_shards(s.shards, world) for s in sources]
-    return sources, plans, [rank_sources(specs, sources, plans, rank=r, world=world, cache=cache) for r in range(world)]
+    return sources, plans, [rank_sources(specs, sources, plans, rank=r, world=world, cache=cache)[0]
+                            for r in range(world)]
 
 
 def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle: bool, cache: Path, **batching):
@@ -330,16 +331,16 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
     from trainer.config import DataSpec
     from trainer.data import RankStream, ScheduledStream, epoch_shards, sample_loader
     from trainer.order import schedule
+    from trainer.rundata import rank_sources
     from trainer.shards import plan_shards
-    from trainer.train import rank_sources
 
     keep_freed_buffers()  # as the trainer does at start-up
     source, spec, _ = _loader_parts(Path(ds))
     t_index = time.perf_counter()
     if shuffle:
         with tempfile.TemporaryDirectory() as cache:
-            srcs = rank_sources((DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0, world=1,
-                                cache=Path(cache))
+            srcs, _ = rank_sources((DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0,
+                                   world=1, cache=Path(cache))
         stream = ScheduledStream(srcs, schedule(srcs, seed=SEED, epoch=0, shuffle=True, shuffle_shards=True, span=span),
                                  start=0, spec=spec)
     else:

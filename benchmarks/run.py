@@ -5,8 +5,9 @@ core's decode rate, per image format) -> loader (vs online, as a multiple of the
 sha256 check vs a loader pass) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) ->
 balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images cost,
 agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and
-shard bytes per second of video). `--quick` is a seconds-long smoke run (tiny inputs; figures meaningless, shape
-real)."""
+shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
+with growth exponents: 10k / 100k samples, 1M from the index). `--quick` is a seconds-long smoke run (tiny inputs;
+figures meaningless, shape real)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ from benchmarks import (
     bench_clients,
     bench_codec,
     bench_collate,
+    bench_growth,
     bench_limits,
     bench_loader,
     bench_order,
@@ -32,7 +34,7 @@ from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
 BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order",
-           "traces", "scale", "video")
+           "traces", "scale", "video", "growth")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_scale.run(a.quick)
     if "video" in only:
         bench_video.run(a.quick)
+    if "growth" in only:
+        bench_growth.run(a.quick)
     emit("done", seconds=round(time.perf_counter() - t0, 1))
 
 

@@ -10,7 +10,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-REMOTE = ("http://", "https://")
+# URL bases a dataset may live under, read through fsspec (s3fs, gcsfs, huggingface_hub's HfFileSystem; memory:// is
+# fsspec's in-process filesystem): a manifest's names are joined to the base and never leave it.
+REMOTE = ("http://", "https://", "s3://", "gs://", "gcs://", "hf://", "memory://")
 MANIFEST_NAME = "manifest.json"
 PROCESSOR_DIR = "processor"  # where a manifest without processor.dir keeps its saved processor
 # One part of a name a dataset gives (not '.' or '..'): no separator, no '%' escape, no scheme, no space.
@@ -40,6 +42,7 @@ class DatasetPaths:
 
     shards: tuple[str, ...]  # in manifest order
     processor: str  # the saved processor dir (it may be absent: a reader that needs it says so)
+    indexes: tuple[str | None, ...] = ()  # each shard's sample index sidecar, None where the manifest lists none
 
 
 def _inside(path: str, root: str) -> bool:
@@ -60,12 +63,25 @@ def dataset_file(base: str, name, *, where: str, what: str) -> str:
         raise UnsafeDataset(f"{where}: {what} {name!r} is not a relative path inside the dataset (plain names only: "
                             "no absolute path, '..' or URL); refusing to read it")
     if base.startswith(REMOTE):
+        refuse_credentials(base, where=where)
         return base.rstrip("/") + "/" + name
     path = os.path.join(base, *name.split("/"))
     if not _inside(path, base):
         raise UnsafeDataset(f"{where}: {what} {name!r} resolves to {os.path.realpath(path)}, outside the dataset "
                             f"{os.path.realpath(base)} (a symlink); refusing to read it: copy the file in instead")
     return path
+
+
+def refuse_credentials(url: str, *, where: str) -> None:
+    """A URL with a user or password in it (scheme://user:secret@host/...) would be printed, logged and written
+    into run files wherever the URL is: refused; credentials come from each storage library's own environment and
+    config (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, HF_TOKEN, ~/.netrc)."""
+    authority = url.split("://", 1)[-1].split("/", 1)[0]
+    if "@" in authority:
+        scheme = url.split("://", 1)[0]
+        raise UnsafeDataset(f"{where}: a {scheme}:// URL with credentials in it (user@ or user:password@); "
+                            "refusing it: put them in the storage library's environment or config instead, "
+                            "never in a URL")
 
 
 def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
@@ -77,19 +93,28 @@ def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
     shards = manifest.get("shards") if isinstance(manifest, dict) else None
     if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
         raise UnsafeDataset(f"{where}: 'shards' is not a list of objects; not a vlmprep manifest")
-    names = []
+    names, indexes = [], []
     for s in shards:
         name = s.get("name")
         if not isinstance(name, str) or "/" in name or not name.endswith(".tar"):
             raise UnsafeDataset(f"{where}: shard name {name!r} is not a plain .tar file name in the dataset; "
                                 "refusing to read it")
         names.append(dataset_file(base, name, where=where, what="shard name"))
+        index = s.get("index")
+        if index is None:
+            indexes.append(None)
+            continue
+        iname = index.get("name") if isinstance(index, dict) else None
+        if not isinstance(iname, str) or "/" in iname or not iname.endswith(".index.npy"):
+            raise UnsafeDataset(f"{where}: sample index {iname!r} of shard {name!r} is not a plain .index.npy file "
+                                "name in the dataset; refusing to read it")
+        indexes.append(dataset_file(base, iname, where=where, what="sample index"))
     proc = manifest.get("processor")
     processor = dataset_file(base, proc.get("dir", PROCESSOR_DIR) if isinstance(proc, dict) else PROCESSOR_DIR,
                              where=where, what="processor dir")
     if not base.startswith(REMOTE) and os.path.isdir(processor):
         processor_files(processor)
-    return DatasetPaths(tuple(names), processor)
+    return DatasetPaths(tuple(names), processor, tuple(indexes))
 
 
 def refuse_custom_code(config, where: str) -> None:

@@ -86,6 +86,21 @@ class DataSpec:
         return f"\n[[{table}]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
 
 
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
+          "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def cache_limit_bytes(value: str) -> int:
+    """'50GB' -> 50 * 10**9 (KB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary, a plain number is bytes); '' -> 0 (none)."""
+    if not value:
+        return 0
+    m = _SIZE.match(str(value))
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"shard_cache_limit={value!r}: a size like 50GB, 500MiB or 2000000000 (bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
 # Option groups in --help and in docs/trainer.md's options table, in this order.
 GROUPS = {
     "data": "where samples come from and how they are read",
@@ -147,8 +162,11 @@ class TrainConfig:
                                       "read in sequence)")
     shuffle_span: int = opt(0, "data", "shards whose samples one permutation block mixes; 0 = all of a rank's shards")
     shuffle_shards: bool = opt(True, "data", "shuffle each rank's shard order every epoch (seeded)")
-    shard_cache: str = opt("", "data", "where http(s)://, pipe: shards are copied for random access; '' = "
-                                       "OUT/shard-cache")
+    shard_cache: str = opt("", "data", "where remote (s3://, gs://, hf://, http(s)://, pipe:) shards are cached for "
+                                       "random access, one dir per rank; '' = OUT/shard-cache")
+    shard_cache_limit: str = opt("", "data", "most bytes the shard cache holds per node, e.g. 50GB (split over the "
+                                             "node's ranks; shards no reader needs are evicted); '' = no limit")
+    shard_prefetch: int = opt(4, "data", "remote shards fetched ahead of those being read (within the cache limit)")
     verify_shards: bool = opt(True, "data", "check each shard's sha256 against its manifest when this run first "
                               "reads it (remembered in the shard cache: a resume does not hash again); off: sizes, "
                               "sample counts and changes while training only")
@@ -229,6 +247,9 @@ class TrainConfig:
         for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints", "pack_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        cache_limit_bytes(self.shard_cache_limit)
+        if self.shard_prefetch < 1:
+            raise ConfigError(f"shard_prefetch={self.shard_prefetch}: must be >= 1")
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}: need lr > 0 and 0 <= min_lr_ratio <= 1")
         if self.max_grad_norm < 0 or self.weight_decay < 0 or not 0 <= self.lora_dropout < 1:
@@ -280,8 +301,8 @@ RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
                                "log_every",
-                               "tensorboard", "shard_cache", "save_hf", "export_dtype", "eval_data",
-                               "eval_every", "verify_shards"})
+                               "tensorboard", "shard_cache", "shard_cache_limit", "shard_prefetch", "save_hf",
+                               "export_dtype", "eval_data", "eval_every", "verify_shards"})
 
 
 def _coerce(name: str, value):

@@ -16,6 +16,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from trainer.cache import CacheView, ShardCache
 from trainer.collate import Batch, CollateSpec, collate
 from trainer.decode import DecodedSample, OriginalResizer, decode_sample
 from trainer.index import read_indexed
@@ -88,8 +89,11 @@ class ScheduledStream(IterableDataset):
 
     MAX_OPEN = 64  # file handles a worker keeps open
 
-    def __init__(self, sources: list[RankSource], order: Schedule, *, start: int, spec: ImageSpec):
-        self.sources, self.order, self.start, self.spec = sources, order, start, spec
+    def __init__(self, sources: list[RankSource], order: Schedule, *, start: int, spec: ImageSpec,
+                 cache: CacheView | None = None):
+        """`cache`: remote shards are read from the rank's shard cache (trainer/cache.py), each once it is local;
+        the reader's position goes back to the cache, which evicts what no reader needs any more."""
+        self.sources, self.order, self.start, self.spec, self.cache = sources, order, start, spec, cache
         self.pool: SlabPool | None = None
 
     def __iter__(self) -> Iterator[DecodedSample]:
@@ -100,27 +104,37 @@ class ScheduledStream(IterableDataset):
         if pool is not None:
             pool.worker = w
         named = len(self.sources) > 1
+        cache = self.cache
         files: dict[str, object] = {}
         try:
             for p in range(self.start + w, len(self.order), W):
-                src = self.sources[int(self.order.source[p])]
+                s = int(self.order.source[p])
+                src = self.sources[s]
                 k, i = int(self.order.shard[p]), int(self.order.sample[p])
                 index = src.indexes[k]
-                f = files.get(index.path)
-                if f is None:
+                if cache is not None:
+                    cache.at(w, p)
+                    j = cache.flat(s, k)
+                    for gone in [path for path, (_, g) in files.items() if cache.gone(g)]:
+                        files.pop(gone)[0].close()  # evicted: its disk space is freed once no handle holds it
+                    cache.path(j)
+                entry = files.get(index.path)
+                if entry is None:
                     if len(files) >= self.MAX_OPEN:
-                        files.pop(next(iter(files))).close()
-                    f = files[index.path] = open(index.path, "rb")
-                check_unchanged(os.fstat(f.fileno()), index.signature, src.shards[k].url)  # one fstat per sample
-                key, members = read_indexed(index, i, f)
+                        files.pop(next(iter(files)))[0].close()
+                    entry = files[index.path] = (open(index.path, "rb"), cache.flat(s, k) if cache else -1)
+                check_unchanged(os.fstat(entry[0].fileno()), index.signature, src.shards[k].url)  # one fstat a sample
+                key, members = read_indexed(index, i, entry[0])
                 sample = decode_sample(members, key=key, url=src.shards[k].url, spec=self.spec,
                                        resize_original=resize, alloc=pool.views if pool else None)
                 sample.position, sample.worker, sample.source = p, w, int(self.order.source[p])
                 if named:
                     sample.id = f"{src.name}/{sample.id}"
                 yield pool.put(sample) if pool else sample
+            if cache is not None:
+                cache.at(w, len(self.order))  # done: this reader holds no shard back
         finally:
-            for f in files.values():
+            for f, _ in files.values():
                 f.close()
 
 
@@ -300,9 +314,11 @@ class StepLoader:
                  shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
                  prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64,
                  sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0,
-                 first_schedule: Schedule | None = None, signatures: dict[str, tuple[int, ...]] | None = None):
+                 first_schedule: Schedule | None = None, cache: ShardCache | None = None,
+                 signatures: dict[str, tuple[int, ...]] | None = None):
         """`sources` given: the epoch schedule of trainer/order.py over them (`shards`/`stride` unused); else the
         shards in sequence (`shuffle`: their order per epoch). `first_schedule`: epoch 0's, when already made.
+        `cache`: the rank's shard cache for the sources' remote shards (started per epoch, closed with the loader).
         `signatures`: url -> the file_signature of each shard as the run checked it (trainer/integrity.py)."""
         self.signatures = signatures
         self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
@@ -312,6 +328,7 @@ class StepLoader:
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.pack_to, self.pack_window = pack_to, pack_window
         self.epoch = 0
+        self.cache = cache
         self._first = first_schedule
         self._batcher: MicroBatcher | None = None
         self._packer: Packer | None = None
@@ -327,7 +344,10 @@ class StepLoader:
         if self.sources is not None:
             first, self._first = self._first, None  # used once, then freed
             order = first if first is not None and epoch == 0 else self.schedule(epoch)
-            stream = ScheduledStream(self.sources, order, start=position, spec=self.spec)
+            if self.cache is not None:
+                self.cache.begin(order, position, self.num_workers)
+            stream = ScheduledStream(self.sources, order, start=position, spec=self.spec,
+                                     cache=self.cache.view if self.cache else None)
         else:
             stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
                                 start=position, spec=self.spec, stride=self.stride, signatures=self.signatures)
@@ -374,6 +394,8 @@ class StepLoader:
         """Drops the DataLoader iterator, which stops its worker processes now."""
         # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
         self._batcher = self._packer = self._loader = None
+        if self.cache is not None:
+            self.cache.close()
 
 
 def steps_per_epoch(rank_samples: list[int | None], *, micro_batch_size: int, max_tokens: int,

@@ -1,6 +1,7 @@
-"""Random access to samples: a local shard's tar headers -> a sample index (each sample's byte range and token
-counts, read from its meta json) -> one read per sample. http(s):// and pipe: shards are first copied to local disk.
-Used by the epoch schedule (trainer/order.py) for sample shuffling and mixtures.
+"""Random access to samples: a shard's sample index (the build's SHARD.tar.index.npy sidecar, checked against the
+manifest's sha256; for an older build's shard, derived from its tar headers and each sample's meta json) -> each
+sample's byte range and token counts -> one read per sample. Used by the epoch schedule (trainer/order.py) for
+sample shuffling and mixtures; remote shards are read from the rank's shard cache (trainer/cache.py).
 """
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import hashlib
 import io
 import os
 import tarfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from webdataset.gopen import gopen
 
 from trainer.decode import check_member_names, sample_version
-from trainer.shards import REMOTE, DataError, ShardRef, check_member_size, member_key
+from trainer.shards import REMOTE, DataError, ShardRef, check_member_size, member_key, open_shard
+from trainer.storage import StorageError, fetch
+from vlmprep_schemas import load
 from vlmprep_schemas.limits import LIMITS, load_json
+
+INDEX_DTYPE = np.dtype([tuple(f) for f in load("shard_format.schema.json")["sample_index"]["fields"]])
+FETCH_THREADS = 8  # sample indexes of remote shards fetched at once at start-up
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,7 @@ class ShardIndex:
     """Where each sample of a shard lies (its members' byte range) and its token counts, from the tar headers and
     each sample's meta json: what random access and the step predictor need without decoding a sample."""
 
-    path: str  # the local file
+    path: str  # the local file (for a remote shard: where the rank's shard cache keeps it)
     starts: np.ndarray  # int64, offset of the sample's first member header
     ends: np.ndarray  # int64, end of its last member's data block
     tokens: np.ndarray  # int64, num_tokens
@@ -43,13 +50,17 @@ def file_signature(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def index_shard(path: str, *, url: str | None = None, expect: int | None = None) -> ShardIndex:
-    """Scan a local tar's headers (data is skipped by seeking) and read each sample's `.json` meta."""
+    """Derive a shard's index (an older build wrote none): scan its tar headers (a local file's data is skipped by
+    seeking; a remote one is streamed once, not stored) and read each sample's `.json` meta. `path` is the local
+    file, or where the shard cache will keep a remote `url`."""
     url = url or path
     starts, ends, tokens, trained, names, keys = [], [], [], [], [], []
     key = None
+    remote = url != path and url.startswith(("pipe:",) + REMOTE)
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-            signature = file_signature(os.fstat(f.fileno()))
+        with (open_shard(url) if remote else open(path, "rb")) as f, \
+                tarfile.open(fileobj=f, mode="r|" if remote else "r:") as tar:
+            signature = () if remote else file_signature(os.fstat(f.fileno()))
             for ti in tar:
                 if not ti.isfile():
                     continue
@@ -88,6 +99,78 @@ def _count(value) -> int:
     return value
 
 
+def load_index(shard: ShardRef, data: bytes, *, path: str) -> ShardIndex:
+    """A shard's sample index from its sidecar's bytes: refused (one line naming it) unless they are the manifest's
+    (size, sha256) and describe the shard the manifest lists (its sample count, byte size and token counts, byte
+    ranges in order inside it); so the trainer never seeks to a range a dataset did not vouch for."""
+    ix, where = shard.index, shard.index.url
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != ix.num_bytes or digest != ix.sha256:
+        raise DataError(f"{where}: the sample index is not the one the manifest lists ({len(data)} bytes, sha256 "
+                        f"{digest[:12]}... vs {ix.num_bytes}, {ix.sha256[:12]}...): copy the dataset again")
+    try:
+        rows = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"{where}: not a sample index .npy ({e})") from None
+    if not isinstance(rows, np.ndarray) or rows.dtype != INDEX_DTYPE or rows.ndim != 1:
+        raise DataError(f"{where}: a sample index must be a 1-d array of {INDEX_DTYPE.descr}, got "
+                        f"{getattr(rows, 'dtype', type(rows))}")
+    starts, ends = rows["start"], rows["end"]
+    tokens, trained = rows["num_tokens"], rows["num_trainable_tokens"]
+    bad = []
+    if shard.num_samples is not None and len(rows) != shard.num_samples:
+        bad.append(f"{len(rows)} rows for {shard.num_samples} samples")
+    if len(rows) and (starts[0] < 0 or (ends <= starts).any() or (starts[1:] < ends[:-1]).any()
+                      or (shard.num_bytes is not None and ends[-1] > shard.num_bytes)):
+        bad.append("byte ranges out of order or outside the shard")
+    if (tokens < 0).any() or (trained < 0).any() or (trained > tokens).any():
+        bad.append("negative or inconsistent token counts")
+    if shard.num_tokens is not None and int(tokens.sum()) != shard.num_tokens:
+        bad.append(f"{int(tokens.sum())} tokens, the manifest says {shard.num_tokens}")
+    if bad:
+        raise DataError(f"{where}: the sample index does not describe {shard.name} ({'; '.join(bad)}): a corrupt "
+                        "or foreign dataset; run `vlmprep verify`")
+    as64 = np.ascontiguousarray
+    return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained))
+
+
+def cache_name(url: str, name: str) -> str:
+    """A remote file's name in the rank's shard cache: unique per URL, readable by its shard name."""
+    return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name.rsplit('/', 1)[-1][:80]}"
+
+
+def shard_index(s: ShardRef, cache: Path) -> ShardIndex:
+    """A shard's index: its sidecar (a local one read in place; a remote one fetched into `cache`, sha256-checked and
+    kept for a resume), or for an older build's shard derived from its tar. A remote shard's own bytes are left to
+    the shard cache (trainer/cache.py); the index's path is where that keeps them."""
+    remote = s.url.startswith(("pipe:",) + REMOTE)
+    path = str(Path(cache) / cache_name(s.url, s.name)) if remote else s.url
+    if s.index is None:
+        return index_shard(path, url=s.url, expect=s.num_samples)
+    if not s.index.url.startswith(REMOTE):
+        try:
+            return load_index(s, Path(s.index.url).read_bytes(), path=path)
+        except OSError as e:
+            raise DataError(f"{s.index.url}: listed in the manifest but cannot be read ({e.strerror}); copy "
+                            "the dataset again") from None
+    local = Path(cache) / cache_name(s.index.url, s.index.url)
+    if not local.is_file():
+        local.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fetch(s.index.url, local, size=s.index.num_bytes, sha256=s.index.sha256)
+        except StorageError as e:
+            raise DataError(str(e)) from None
+    return load_index(s, local.read_bytes(), path=path)
+
+
+def index_shards(shards: tuple[ShardRef, ...], index: Callable[[ShardRef], ShardIndex]) -> tuple[ShardIndex, ...]:
+    """`index(shard)` of every shard, in order; several at a time where remote sidecars are to be fetched."""
+    if len(shards) > 1 and any(s.url.startswith(REMOTE) for s in shards):
+        with ThreadPoolExecutor(FETCH_THREADS) as pool:
+            return tuple(pool.map(index, shards))
+    return tuple(index(s) for s in shards)
+
+
 def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, bytes]]:
     """Sample i of an indexed shard: (key, members), one read of its byte range."""
     a, z = int(index.starts[i]), int(index.ends[i])
@@ -118,34 +201,3 @@ def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, byte
     if key is None:
         raise DataError(f"{index.path}: sample {i} holds no members (the shard changed since it was indexed)")
     return key, members
-
-
-def local_copy(shard: ShardRef, cache: Path) -> str:
-    """A local path for random access: local shards as they are; http(s):// and pipe: shards copied once into
-    `cache` (streamed to a temp file, renamed when complete and of the manifest's size)."""
-    if not shard.url.startswith(("pipe:",) + REMOTE):
-        return shard.url
-    digest = hashlib.sha256(shard.url.encode()).hexdigest()[:16]
-    dest = Path(cache) / f"{digest}-{shard.name.rsplit('/', 1)[-1][:80]}"
-    if dest.is_file() and (shard.num_bytes is None or dest.stat().st_size == shard.num_bytes):
-        return str(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-    try:
-        stream = gopen(shard.url)
-        try:
-            with open(tmp, "wb") as out:
-                while chunk := stream.read(1 << 20):
-                    out.write(chunk)
-        finally:
-            stream.close()
-    except Exception as e:  # noqa: BLE001 - curl / pipe exit status surfaces here
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot copy {shard.url} to {cache}: {e}") from None
-    if shard.num_bytes is not None and tmp.stat().st_size != shard.num_bytes:
-        size = tmp.stat().st_size
-        tmp.unlink()
-        raise DataError(f"{shard.url}: fetched {size} bytes but the manifest says {shard.num_bytes}")
-    os.replace(tmp, dest)
-    return str(dest)
-

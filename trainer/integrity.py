@@ -5,13 +5,14 @@ same shards. A change stops the run with one line naming the file.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.index import ShardIndex, file_signature, index_shard, local_copy
+from trainer.index import ShardIndex, file_signature, shard_index
 from trainer.shards import REMOTE, DataError, DataSource, ShardRef
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
@@ -85,12 +86,16 @@ def expected_sha256(ds: DataSource) -> dict[str, str]:
 
 
 def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None) -> ShardIndex:
-    """The shard's index (trainer/index.py) over a local copy whose content was checked first: the hash and the
-    index read one file, or the shard changed between them."""
-    path = local_copy(shard, cache)
-    signature = check.verify(path, url=shard.url, want=want)
-    index = index_shard(path, url=shard.url, expect=shard.num_samples)
-    if index.signature != signature:
+    """The shard's index (trainer/index.py); a local shard's content is checked first and the signature it had then
+    goes into the index (every read checks the file is still that one). A remote shard's bytes are checked by the
+    shard cache as it fetches them (trainer/cache.py)."""
+    if shard.url.startswith(("pipe:",) + REMOTE):
+        return shard_index(shard, cache)
+    signature = check.verify(shard.url, url=shard.url, want=want)
+    index = shard_index(shard, cache)
+    if shard.index is not None:  # the build's sidecar: the tar itself is not read here
+        return dataclasses.replace(index, signature=signature)
+    if index.signature != signature:  # derived from the tar: the hash and the index read one file
         raise changed(shard.url)
     return index
 

@@ -3,6 +3,7 @@ rank's shard plan and indexed sources -> its StepLoader and the run's length in 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -12,10 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.cache import ShardCache, remote_shards
 from trainer.collate import CollateSpec
-from trainer.config import ConfigError, DataSpec, TrainConfig
+from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
+from trainer.index import index_shards
 from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_index, expected_sha256
 from trainer.metrics import plural
 from trainer.model import model_type_of
@@ -69,22 +72,53 @@ def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> Non
 
 
 def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
-                 world: int, cache: Path, check: ShardCheck | None = None) -> list[RankSource]:
-    """Each source's shards as this rank reads them, checked against their manifest's sha256 (by `check`; none:
-    stats only) and indexed (remote shards copied to `cache` first). Where every rank reads every shard (fewer shards
-    than ranks), rank r hashes shards r, r + world, ..."""
+                 world: int, cache: Path, check: ShardCheck | None = None) -> tuple[list[RankSource], int]:
+    """Each source's shards as this rank reads them, with their sample indexes (trainer/index.py: the build's
+    sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their tars). Local shards
+    are checked against their manifest's sha256 first (by `check`; none: stats only); where every rank reads every
+    shard (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are checked by the shard
+    cache as it fetches them."""
     check = check or ShardCheck(None, enabled=False)
     total = sum(d.weight for d in specs)
-    out = []
+    out, derived = [], 0
     for spec, ds, plan in zip(specs, datasets, plans):
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
         want = expected_sha256(ds)
-        indexes = tuple(checked_index(s, cache=cache, check=check,
-                                      want=want.get(s.name) if not plan.stride or k % world == rank else None)
-                        for k, s in enumerate(shards))
+        hashed = {s.url for k, s in enumerate(shards) if not plan.stride or k % world == rank}
+        indexes = index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want.get(s.name)
+                                                               if s.url in hashed else None))
+        derived += sum(s.index is None for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
                               (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))
-    return out
+    return out, derived
+
+
+def fit_span(cfg: TrainConfig, data: "RunData", world: int) -> TrainConfig:
+    """Under --shard-cache-limit, the sample shuffle of remote data mixes blocks of shards that fit the cache: each
+    rank's share of the limit (the node's limit over its LOCAL_WORLD_SIZE ranks) holds, per dataset, the block being
+    read and the next one being fetched. Returns cfg with that --shuffle-span when it was 0 (written to config.toml
+    and compared on resume); refuses a limit below one shard per dataset, or a span given that cannot fit."""
+    remote = any(s.url.startswith(("pipe:",) + REMOTE) for d in data.datasets for s in d.shards)
+    if not cfg.shard_cache_limit or not remote or not (cfg.shuffle or len(data.specs) > 1):
+        return cfg
+    limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    biggest = max(s.num_bytes or 0 for d in data.datasets for s in d.shards)
+    n = len(data.specs)
+    if n * biggest > limit:
+        raise ConfigError(f"--shard-cache-limit {cfg.shard_cache_limit} leaves each rank {limit} bytes, less than one "
+                          f"shard per dataset ({n} x {biggest} bytes, the largest shard): raise it")
+    if not cfg.shuffle:
+        return cfg
+    fits = max(limit // (2 * n * biggest), 1)
+    if cfg.shuffle_span and cfg.shuffle_span * n * biggest > limit:
+        raise ConfigError(f"--shuffle-span {cfg.shuffle_span} mixes up to {cfg.shuffle_span} shards per dataset at "
+                          f"once ({n} x {cfg.shuffle_span} x {biggest} bytes), more than --shard-cache-limit "
+                          f"{cfg.shard_cache_limit} leaves each rank ({limit} bytes): pass --shuffle-span {fits} or "
+                          "raise the limit")
+    if cfg.shuffle_span:
+        return cfg
+    most = max(len(p.per_rank[0]) if p.stride else max(len(r) for r in p.per_rank) for p in data.plans)
+    return dataclasses.replace(cfg, shuffle_span=fits if fits < most else 0)
 
 
 def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> tuple[list[int], Schedule]:
@@ -214,13 +248,17 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
     token budget or packing run is known up front."""
     scheduled = cfg.shuffle or len(data.specs) > 1
     local = not any(s.url.startswith(("pipe:",) + REMOTE) for d in data.datasets for s in d.shards)
-    sources, index_s = None, 0.0
+    sources, index_s, derived, cache = None, 0.0, 0, None
+    root = Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}"
     if scheduled or local:
         t0 = time.perf_counter()
-        sources = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world,
-                               cache=Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}", check=check)
+        sources, derived = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world, cache=root,
+                                        check=check)
         index_s = time.perf_counter() - t0
     check.save()  # what this rank hashed (eval sets too): a resume does not hash it again
+    if scheduled and remote_shards(sources):
+        limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+        cache = ShardCache(sources, root, limit=limit, prefetch=cfg.shard_prefetch)
     plan = data.plans[0]
     predicted, first = predict_steps(cfg, sources, device) if sources is not None else (None, None)
     if predicted is None:
@@ -234,6 +272,15 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                           "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps")
     if rank == 0:
         _log_order(cfg, data.specs, sources, predicted, index_s)
+        if derived:
+            print(f"trainer: note: {derived} shard(s) on rank 0 have no sample index (an older vlmprep built them): "
+                  "indexed from every tar header and sample meta, as before; rebuild with this vlmprep for a "
+                  "start-up that does not grow with the sample count", file=sys.stderr)
+        if cache is not None:
+            print(f"trainer: remote shards stream through {root.parent} ("
+                  + (f"at most {cfg.shard_cache_limit} per node, " if cfg.shard_cache_limit else "no size limit, ")
+                  + f"{cfg.shard_prefetch} shards fetched ahead, each checked against the manifest's sha256)",
+                  file=sys.stderr)
     loader = StepLoader([data.datasets[0].shards[i] for i in plan.per_rank[rank]], spec=data.image,
                         collate_spec=collate_spec, seed=cfg.seed, shuffle=cfg.shuffle_shards,
                         micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
@@ -241,7 +288,7 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                         stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
                         pack_window=cfg.pack_window, sources=sources if scheduled else None,
                         sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span,
-                        first_schedule=first if scheduled else None,
+                        first_schedule=first if scheduled else None, cache=cache,
                         signatures={s.url: ix.signature for src in sources or [] for s, ix in zip(src.shards,
                                                                                                    src.indexes)})
     return loader, total, schedule_len

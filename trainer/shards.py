@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import braceexpand
-from webdataset.gopen import gopen
 
+from trainer.storage import StorageError, open_url, read_url
 from vlmprep_schemas import load
 from vlmprep_schemas.boundary import (
     MANIFEST_NAME,
@@ -24,6 +24,7 @@ from vlmprep_schemas.boundary import (
     dataset_file,
     dataset_paths,
     processor_files,
+    refuse_credentials,
     refuse_custom_code,
 )
 from vlmprep_schemas.limits import LIMITS, load_json, schema_problem
@@ -36,6 +37,15 @@ class DataError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class IndexRef:
+    """A shard's sample index sidecar as the manifest lists it (shard_format.schema.json sample_index)."""
+
+    url: str
+    num_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ShardRef:
     """One shard of a dataset: where to read it and, from the manifest where there is one, its counts."""
 
@@ -44,6 +54,8 @@ class ShardRef:
     num_samples: int | None = None  # from the manifest; None when the source has none
     num_tokens: int | None = None
     num_bytes: int | None = None
+    sha256: str | None = None
+    index: IndexRef | None = None  # None: an older build's shard, indexed from its tar headers and metas
 
 
 @dataclass(frozen=True)
@@ -63,15 +75,10 @@ class DataSource:
 def _read_url(url: str, limit: int = LIMITS.manifest_bytes) -> bytes:
     """A small file of a dataset (its manifest, a processor config), refused when over `limit` bytes."""
     if url.startswith(REMOTE):
-        stream, data = gopen(url), b""
         try:
-            data = stream.read(limit + 1)
-        finally:
-            try:
-                stream.close()
-            except Exception as e:  # noqa: BLE001 - curl exit status is reported here, e.g. 404 (or the cut below)
-                if len(data) <= limit:
-                    raise DataError(f"cannot fetch {url}: {e}") from None
+            data = read_url(url, limit)
+        except StorageError as e:
+            raise DataError(str(e)) from None
     else:
         with open(url, "rb") as f:
             data = f.read(limit + 1)
@@ -110,14 +117,16 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
         paths = dataset_paths(base, manifest, where=where)
     except UnsafeDataset as e:
         raise DataError(str(e)) from None
-    by_name = {s["name"]: (s, url) for s, url in zip(manifest["shards"], paths.shards)}
+    by_name = {s["name"]: (s, url, ix) for s, url, ix in zip(manifest["shards"], paths.shards, paths.indexes)}
     names = only if only is not None else [s["name"] for s in manifest["shards"]]
     shards = []
     for name in names:
         if name not in by_name:
             raise DataError(f"{_join(base, name)} is not listed in {where}")
-        s, url = by_name[name]
-        shards.append(ShardRef(url, name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"])))
+        s, url, ix = by_name[name]
+        index = IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None
+        shards.append(ShardRef(url, name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"]),
+                               str(s["sha256"]) if "sha256" in s else None, index))
     if not base.startswith(REMOTE):
         _check_local_shards(shards, where)
     return DataSource(tuple(shards), paths.processor, manifest)
@@ -161,6 +170,11 @@ def resolve_data(url: str) -> DataSource:
         cmds = list(braceexpand.braceexpand(url))
         return DataSource(tuple(ShardRef(c, c) for c in cmds), None, None)
     remote = url.startswith(REMOTE)
+    if remote:
+        try:
+            refuse_credentials(url, where="--data")
+        except UnsafeDataset as e:
+            raise DataError(str(e)) from None
     is_pattern = "{" in url or url.endswith(".tar")
     if not is_pattern:
         if not remote:
@@ -227,9 +241,13 @@ def plan_shards(shards: tuple[ShardRef, ...], world: int) -> ShardPlan:
 
 
 def open_shard(url: str):
-    """Local files stay seekable, so members a worker skips are never read; others stream via gopen."""
+    """Local files stay seekable, so members a worker skips are never read; remote ones stream through fsspec
+    (trainer/storage.py), pipe: commands through webdataset's gopen."""
     if url.startswith(("pipe:",) + REMOTE):
-        return gopen(url)
+        try:
+            return open_url(url)
+        except StorageError as e:
+            raise OSError(str(e)) from None
     return open(url, "rb")
 
 

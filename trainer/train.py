@@ -31,7 +31,7 @@ from trainer.evaluate import EvalSet, eval_sets, evaluate
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
 from trainer.pack import check_packing, empty_state
-from trainer.rundata import RunData, log_plans, make_loader, open_data, shard_check
+from trainer.rundata import RunData, fit_span, log_plans, make_loader, open_data, shard_check
 from trainer.shards import DataError
 from trainer.vision import Patchifier
 
@@ -316,6 +316,7 @@ def run(cfg: TrainConfig) -> dict | None:
     owner = contextlib.ExitStack()
     try:
         data = open_data(cfg, world)
+        cfg = fit_span(cfg, data, world)  # under --shard-cache-limit: shuffle blocks that fit the cache
         datasets, spec = data.datasets, data.image
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
         start_run(cfg, data, rank=rank, world=world, out=out)

@@ -146,7 +146,10 @@ def merge(
                                "assistant turns to train land in a sample; 0 = never.")] = _COVERAGE,
     allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
 ) -> None:
-    """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs)."""
+    """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs).
+
+    Reads every sample's line of the tasks' sample lists (ids repeated across tasks are rejected here) and hashes
+    every shard: time grows with the sample count and the bytes (docs/scale.md)."""
     from vlmprep.build.pipeline import RejectsError, check_dataset
     from vlmprep.build.pipeline import merge as merge_dir
     from vlmprep.shards.summary import format_build_summary
@@ -169,7 +172,10 @@ def verify(
     quick: Annotated[bool, typer.Option(
         help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
 ) -> None:
-    """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation."""
+    """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation.
+
+    Reads every sample (every byte of every shard for the sha256s, --quick included): time grows with the dataset's
+    size (docs/scale.md)."""
     from vlmprep.tools.verify import verify_dataset
 
     violations = verify_dataset(root, deep=not quick)
@@ -187,8 +193,9 @@ def inspect(
     path: Annotated[str, typer.Argument(
         help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
     index: Annotated[Optional[int], typer.Option(
-        help="The record at this 0-based input position (= its shard key).")] = None,
-    sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id.")] = None,
+        help="The record at this 0-based input position (= its shard key); found through the sample index.")] = None,
+    sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id; found through the sample "
+                                                                  "index, reading only that sample.")] = None,
     shard: Annotated[Optional[str], typer.Option(help="Only this shard of a built dir, e.g. shard-000001.")] = None,
     limit: Annotated[int, typer.Option(help="Show at most this many samples (or rejects).")] = 3,
     only: Annotated[Optional[str], typer.Option(
@@ -201,7 +208,10 @@ def inspect(
                                                      "options.")] = None,
     **opts,
 ) -> None:
-    """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts."""
+    """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts.
+
+    --id and --index find their samples through the shards' sample index (reading the index files, not the samples);
+    a dataset built without one, and --only truncated, read every sample's meta until --limit is reached."""
     from vlmprep.tools.inspector import InspectConfig, run_inspect
 
     try:
@@ -222,7 +232,10 @@ def stats(
         help="Also write a self-contained HTML report with histograms to this file.")] = None,
 ) -> None:
     """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects,
-    each input file's turn coverage, distributions, and warnings with their fixes."""
+    each input file's turn coverage, distributions, and warnings with their fixes.
+
+    Reads every sample's arrays and meta (counts recomputed and checked against the manifest): time grows with the
+    sample count (docs/scale.md)."""
     import json
 
     from vlmprep.tools.stats import compute_stats, format_stats

@@ -71,6 +71,25 @@ def run_trainer(args: list, *, nproc: int = 1, timeout: float = 240) -> subproce
     return proc
 
 
+def kill_at_step(args: list, out: Path, steps: int, log: Path, *, nproc: int = 1, timeout: float = 600) -> None:
+    """Run the trainer into `out` until its metrics.jsonl has `steps` rows, then SIGKILL the whole launch (torchrun,
+    every rank and their DataLoader workers); its output goes to `log`."""
+    import signal
+    import time
+
+    with open(log, "w") as f:
+        proc = subprocess.Popen(trainer_cmd([*args, "--out", out], nproc), cwd=ROOT, env=trainer_env(), stdout=f,
+                                stderr=f, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not (Path(out) / "metrics.jsonl").is_file() or len(read_metrics(out)) < steps:
+                assert proc.poll() is None and time.monotonic() < deadline, "trainer ended before it could be killed"
+                time.sleep(0.05)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.trainer.conftest import build_dataset, read_metrics, run_trainer, trainer_cmd, trainer_env
+from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
 from trainer.collate import CollateSpec
 from trainer.data import ScheduledStream, StepLoader, sample_loader
 from trainer.index import ShardIndex, index_shard, read_indexed
@@ -233,13 +233,7 @@ def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_fra
 
 @pytest.mark.slow  # two 200-step runs (one killed and resumed): ~6 min on 2 cores
 def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(dataset, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import time
-
     from scripts.demo_traces import write_traces
-    from tests.trainer.conftest import ROOT
 
     traces = tmp_path / "other.jsonl.zst"
     write_traces(traces, n=12, seed=7, min_images=1, max_images=2, width=192, height=160, overlong_fraction=0.0,
@@ -255,17 +249,7 @@ def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(datas
     assert abs(agent - 0.7) <= 0.02, agent
 
     out = tmp_path / "killed"
-    with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(trainer_cmd([*args, "--out", out, "--num-workers", 1], 1), cwd=ROOT,
-                                env=trainer_env(), stdout=log, stderr=log, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while not (out / "metrics.jsonl").is_file() or len(read_metrics(out)) < 120:
-                assert proc.poll() is None and time.monotonic() < deadline, "trainer ended before it could be killed"
-                time.sleep(0.1)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    kill_at_step([*args, "--num-workers", 1], out, 120, tmp_path / "killed.log")
     assert (out / "checkpoints" / "step-00000100").is_dir() and not (out / "checkpoints" / "step-00000150").exists()
     proc = run_trainer([*args, "--out", out, "--num-workers", 3], timeout=900)
     assert "resumed from" in proc.stderr
@@ -274,24 +258,37 @@ def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(datas
     assert [[m[k] for k in keys] for m in got] == [[m[k] for k in keys] for m in ref]  # bit-exact
 
 
-def test_pipe_shards_are_copied_once_and_read_like_local_ones(dataset, image_spec, tmp_path):
-    """Random access needs a local file: a pipe: shard is copied into the cache (once), and the schedule and the
-    samples equal those of the local shards."""
+def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset, image_spec, tmp_path):
+    """A pipe: shard has no manifest, so no sample index: it is indexed by streaming its tar once (nothing stored);
+    the shard cache copies it when the schedule reads it (once: another epoch reuses the copy), and the schedule
+    and the samples equal those of the local shards."""
+    from trainer.cache import ShardCache
     from trainer.config import DataSpec
     from trainer.rundata import rank_sources
 
     local = resolve_data(str(dataset))
     piped = resolve_data(f"pipe:cat {dataset}/shard-{{000000..000004}}.tar")
     cache = tmp_path / "cache"
-    srcs = [rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1, cache=cache)
-            for d in (local, piped)]
-    assert len(list(cache.iterdir())) == 5 and all(ix.path.startswith(str(cache)) for ix in srcs[1][0].indexes)
-    mtimes = sorted(p.stat().st_mtime_ns for p in cache.iterdir())
-    rank_sources((DataSpec(path="x"),), [piped], [plan_shards(piped.shards, 1)], rank=0, world=1, cache=cache)
-    assert sorted(p.stat().st_mtime_ns for p in cache.iterdir()) == mtimes  # not fetched again
+    srcs, derived = zip(*[rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1,
+                                       cache=cache) for d in (local, piped)])
+    assert derived == (0, 5) and not cache.exists()  # the local shards' sidecars; nothing copied yet
     orders = [schedule(s, seed=2, epoch=1, shuffle=True, shuffle_shards=True, span=0) for s in srcs]
-    reads = [[s.id for s in ScheduledStream(src, order, start=0, spec=image_spec)] for src, order in zip(srcs, orders)]
-    assert reads[0] == reads[1] and len(reads[0]) == 18
+    shard_cache = ShardCache(srcs[1], cache)
+
+    def read(src, order, view=None):
+        return [s.id for s in ScheduledStream(src, order, start=0, spec=image_spec, cache=view)]
+
+    try:
+        shard_cache.begin(orders[1], 0, 0)
+        assert read(srcs[0], orders[0]) == read(srcs[1], orders[1], shard_cache.view)
+        copies = sorted(cache.glob("*.tar"))
+        assert len(copies) == 5 and len(read(srcs[0], orders[0])) == 18
+        mtimes = [p.stat().st_mtime_ns for p in copies]
+        shard_cache.begin(orders[1], 0, 0)
+        read(srcs[1], orders[1], shard_cache.view)
+        assert [p.stat().st_mtime_ns for p in copies] == mtimes and shard_cache.fetched == 5  # not fetched again
+    finally:
+        shard_cache.close()
 
 
 @contextlib.contextmanager

@@ -36,14 +36,17 @@ def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: di
     if j.identity != identity or (j.totals.get("records") and not j.inputs):  # or per-input counts it never kept
         return None
     for s in j.shards:
-        p = out / s["name"]
-        if not p.is_file() or p.stat().st_size != s["bytes"] or sha256_file(p) != s["sha256"]:
+        if not _intact(out / s["name"], s) or (s.get("index") and not _intact(out / s["index"]["name"], s["index"])):
             return None
     if not rejects.exists() and final.exists():
         final.replace(rejects)  # killed between the rejects rename and the manifest: take it back
     if (rejects.stat().st_size if rejects.exists() else 0) < j.rejects_bytes:
         return None
     return j
+
+
+def _intact(p: Path, entry: dict) -> bool:
+    return p.is_file() and p.stat().st_size == entry["bytes"] and sha256_file(p) == entry["sha256"]
 
 
 def save_journal(path: Path, journal: Journal) -> None:

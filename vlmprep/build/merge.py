@@ -22,7 +22,7 @@ from vlmprep.processors.load import fingerprint_dir
 from vlmprep.shards.dataset import (MANIFEST_NAME, PLAN_NAME, REJECTS_NAME, SHARD_GLOB, TASK_SUFFIXES, TASKS_DIR,
                                     TMP_SUFFIX, TaskFiles, load_task_manifest, sha256_file, task_file,
                                     write_json_atomic, write_text_atomic)
-from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.shards.format import FORMAT_VERSION, index_name
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardWriter
 from vlmprep.types import ShardSample, UserError
@@ -91,6 +91,7 @@ def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> dict | N
     writer.close()
     if not writer.shards:
         path.unlink()
+        path.with_name(index_name(name)).unlink(missing_ok=True)
         return None
     return writer.shards[0].to_json()
 
@@ -127,6 +128,20 @@ def _same_ids(path: Path, want: list[str]) -> bool:
         return False
 
 
+def _index_problem(out: Path, s: dict, listed: str) -> str | None:
+    """The shard's sample index sidecar, where its task manifest lists one, as listed (size, sha256)."""
+    ix = s.get("index")
+    if ix is None:
+        return None
+    path = out / ix["name"]
+    if not path.is_file():
+        return f"its sample index {ix['name']} is listed in {listed} but missing"
+    digest = sha256_file(path)
+    if path.stat().st_size != ix["bytes"] or digest != ix["sha256"]:
+        return f"its sample index {ix['name']} has sha256 {digest[:16]}..., but {listed} lists {ix['sha256'][:16]}..."
+    return None
+
+
 def _verify_shards(out: Path, manifests: list[dict], rewritten: dict[str, list[str]]) -> None:
     """Every listed shard exists with the size and sha256 its task manifest gives, or refuse naming the task file.
     `rewritten`: the shards merge rewrites without ids repeated across tasks -> the ids they keep; one an interrupted
@@ -145,9 +160,11 @@ def _verify_shards(out: Path, manifests: list[dict], rewritten: dict[str, list[s
             return None if kept is not None and _same_ids(path, kept) else \
                 f"{size} bytes, but {listed} lists {s['bytes']}"
         digest = sha256_file(path)
-        if digest == s["sha256"] or kept is not None and _same_ids(path, kept):
-            return None
-        return f"sha256 {digest[:16]}..., but {listed} lists {s['sha256'][:16]}..."
+        if kept is not None and (digest == s["sha256"] or _same_ids(path, kept)):
+            return None  # rewritten here, with its sample index
+        if digest != s["sha256"]:
+            return f"sha256 {digest[:16]}..., but {listed} lists {s['sha256'][:16]}..."
+        return _index_problem(out, s, listed)
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for (i, s), why in zip(jobs, pool.map(problem, jobs)):

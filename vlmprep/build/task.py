@@ -27,7 +27,7 @@ from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 from vlmprep.shards.dataset import (TASKS_DIR, TMP_SUFFIX, TaskFiles, load_task_manifest, task_file, write_json_atomic,
                                     write_text_atomic)
-from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.shards.format import FORMAT_VERSION, index_name
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
@@ -51,6 +51,7 @@ def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
     else:
         done = {s["name"] for s in journal.shards}
         stale += [p for p in files.shards() if p.name not in done]
+    stale += [p.with_name(index_name(p.name)) for p in stale if p.name.endswith(".tar")]  # their sample indexes
     for p in stale:
         if p.exists():
             p.unlink()

@@ -3,6 +3,7 @@ reads the same file), so the writer, every reader in vlmprep and the trainer can
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ _SPEC = load("shard_format.schema.json")
 FORMAT_VERSION: int = _SPEC["format_version"]
 READABLE_VERSIONS: tuple[int, ...] = tuple(_SPEC["readable_versions"])
 META_MEMBER: str = _SPEC["meta_member"]
+# The optional per-shard sample index sidecar (SHARD.tar.index.npy): one row per sample, in tar order.
+INDEX_SUFFIX: str = _SPEC["sample_index"]["suffix"]
+INDEX_DTYPE = np.dtype([tuple(f) for f in _SPEC["sample_index"]["fields"]])
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,16 @@ def sample_key(position: int, split: int | None = None) -> str:
     key = f"{position:010d}" if split is None else f"{position:010d}_{split:04d}"
     assert is_key(key), f"sample key {key!r} breaks the shard format's key rule"
     return key
+
+
+def index_name(shard_name: str) -> str:
+    """The sample index sidecar of a shard: shard-000000.tar -> shard-000000.tar.index.npy."""
+    return shard_name + INDEX_SUFFIX
+
+
+def id_hash(sample_id: str) -> int:
+    """The sample index's `id` column: blake2b-64 of the meta id (finds a sample by id without reading metas)."""
+    return int.from_bytes(hashlib.blake2b(str(sample_id).encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def image_member_name(unique_index: int, ext: str) -> str:

@@ -19,6 +19,7 @@ from PIL import Image
 
 from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.format import (
+    INDEX_DTYPE,
     LIMITS,
     META_MEMBER,
     READABLE_VERSIONS,
@@ -377,6 +378,78 @@ def iter_rejects(p: Path) -> Iterator[dict]:
             if not isinstance(record, dict):
                 raise ShardFormatError(f"{Path(p).name} line {n} is not a JSON object")
             yield record
+
+
+def load_sample_index(d: Path, entry: dict) -> np.ndarray | None:
+    """A shard's sample index sidecar (manifest shard entry `index`), or None where the build wrote none; refused
+    unless it is a plain .npy of the format's index dtype (never unpickled). Its sha256 is verify's to check."""
+    index = entry.get("index")
+    if index is None:
+        return None
+    path = dataset_path(Path(d), index["name"])
+    try:
+        rows = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ShardFormatError(f"{path.name}: not a readable sample index ({type(e).__name__}: {e})") from None
+    if not isinstance(rows, np.ndarray) or rows.dtype != INDEX_DTYPE or rows.ndim != 1:
+        raise ShardFormatError(f"{path.name}: a sample index must be a 1-d array of {INDEX_DTYPE.descr}")
+    return rows
+
+
+def sample_ranges(path: Path) -> list[tuple[str, int, int]]:
+    """(key, start, end) of each sample of a shard from its tar headers: where its first member's header starts and
+    its last member's padded data ends (what the sample index records)."""
+    out: list[tuple[str, int, int]] = []
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for ti in tar:
+                key = ti.name.partition(".")[0]
+                end = ti.offset_data + -(-ti.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                if out and out[-1][0] == key:
+                    out[-1] = (key, out[-1][1], end)
+                else:
+                    out.append((key, ti.offset, end))
+    except tarfile.TarError as e:
+        raise ShardFormatError(f"{Path(path).name}: unreadable or truncated tar: {e}") from None
+    return out
+
+
+class StaleIndex(ShardFormatError):
+    """A sample index row that does not land on its sample: the shard changed after the index was written."""
+
+
+def sample_at(path: Path, start: int, end: int, *, version: int, position: int) -> StoredSample:
+    """The one sample whose members lie in bytes [start, end) of a shard (a sample index row, with the input
+    `position` its key starts with): read without scanning the shard."""
+    try:
+        samples = list(iter_shard_bytes(_read_range(Path(path), start, end - start), where=Path(path).name,
+                                        version=version))
+    except ShardFormatError as e:
+        raise StaleIndex(str(e)) from None
+    if len(samples) != 1 or not samples[0].key.startswith(f"{position:010d}"):
+        raise StaleIndex(f"{Path(path).name}: bytes {start}..{end} are not the sample at input position {position}: "
+                         "the sample index does not match the shard (run `vlmprep verify`)")
+    return samples[0]
+
+
+def iter_shard_bytes(data: bytes, *, where: str, version: int) -> Iterator[StoredSample]:
+    """The samples of a tar held in memory (a byte range of a shard), checked as iter_shard checks them."""
+    spans: dict[str, dict[str, tuple[int, int]]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for ti in tar:
+                k, dot, ext = ti.name.partition(".")
+                if not ti.isreg() or not dot or "/" in ti.name:
+                    raise ShardFormatError(f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing it")
+                if ext in spans.setdefault(k, {}):
+                    raise ShardFormatError(f"{where}: sample {k} has member {ext!r} twice")
+                spans[k][ext] = (ti.offset_data, ti.size)
+    except tarfile.TarError as e:
+        raise ShardFormatError(f"{where}: unreadable tar bytes: {e}") from None
+    for key, members in spans.items():
+        ok, bad = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
+        yield StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
+                           reader=lambda n, m=members: data[m[n][0]:m[n][0] + m[n][1]])
 
 
 def iter_dataset(d: Path, *, shard: str | None = None) -> Iterator[StoredSample]:

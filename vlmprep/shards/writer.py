@@ -15,8 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.images import encode_image, stored_ext
-from vlmprep.shards.dataset import TMP_SUFFIX
-from vlmprep.shards.format import ARRAYS, META_MEMBER, image_member_name, video_frame_member_name
+from vlmprep.shards.dataset import TMP_SUFFIX, write_bytes_atomic
+from vlmprep.shards.format import (
+    ARRAYS,
+    INDEX_DTYPE,
+    META_MEMBER,
+    id_hash,
+    image_member_name,
+    index_name,
+    video_frame_member_name,
+)
 from vlmprep.types import RenderedSample, ShardSample
 from vlmprep.videos import FRAME_EXT, encode_frame
 
@@ -145,14 +153,17 @@ class ShardInfo:
     num_images: int = 0
     bytes: int = 0
     sha256: str = ""
+    index: dict | None = None  # the sample index sidecar: name, bytes, sha256 (absent from older builds' journals)
 
     def to_json(self) -> dict:
-        """The shard's manifest entry."""
-        return dict(self.__dict__)
+        """The shard's manifest entry (fields that are None left out)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 class ShardWriter:
-    """Rolls tars at samples_per_shard or shard_size_bytes, whichever comes first."""
+    """Rolls tars at samples_per_shard or shard_size_bytes, whichever comes first. Beside each tar it writes the
+    shard's sample index (SHARD.tar.index.npy: each sample's byte range and token counts, from what it wrote), so
+    a reader finds any sample without reading the tar's headers or metas."""
 
     def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int, prefix: str = "shard-",
                  done: list[ShardInfo] | None = None):
@@ -165,6 +176,7 @@ class ShardWriter:
         self._file = None
         self._hf: _HashingFile | None = None
         self._info: ShardInfo | None = None
+        self._rows: list[tuple] = []
 
     def _open(self):
         self._info = ShardInfo(name=f"{self.prefix}{self.index:06d}.tar")
@@ -175,6 +187,7 @@ class ShardWriter:
         """Add one sample; True when this completed (closed and renamed) a shard."""
         if self._hf is None:
             self._open()
+        start = self._hf.n
         for ext, data in sample.members.items():
             # What tarfile's addfile writes (header block, data, zeros to a whole block), without its copy of the data
             # through a file object in 16 KiB pieces.
@@ -182,6 +195,8 @@ class ShardWriter:
             self._hf.write(data)
             if len(data) % tarfile.BLOCKSIZE:
                 self._hf.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
+        self._rows.append((int(sample.key[:10]), id_hash(sample.meta["id"]), start, self._hf.n, sample.num_tokens,
+                           sample.num_trainable_tokens))
         info = self._info
         info.num_samples += 1
         info.num_tokens += sample.num_tokens
@@ -204,11 +219,21 @@ class ShardWriter:
         info = self._info
         info.bytes = self._hf.n
         info.sha256 = self._hf.h.hexdigest()
+        info.index = self._write_index(info.name)
         os.replace(self.out_dir / (info.name + TMP_SUFFIX), self.out_dir / info.name)
         self.shards.append(info)
         self.index += 1
         self._file = self._hf = self._info = None
         return True
+
+    def _write_index(self, shard_name: str) -> dict:
+        """The finished shard's sample index, written (atomically) before the tar gets its final name."""
+        buf = io.BytesIO()
+        np.save(buf, np.array(self._rows, dtype=INDEX_DTYPE), allow_pickle=False)
+        data, self._rows = buf.getvalue(), []
+        name = index_name(shard_name)
+        write_bytes_atomic(self.out_dir / name, data)
+        return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def close(self) -> list[ShardInfo]:
         """Finishes the open shard -> every shard this writer wrote."""

@@ -8,9 +8,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from vlmprep.config import RAW_OPTIONS
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
-from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, processor_dir, shard_paths
+from vlmprep.shards.format import id_hash
+from vlmprep.shards.reader import (
+    StaleIndex,
+    dataset_path,
+    iter_rejects,
+    iter_shard,
+    load_manifest,
+    load_sample_index,
+    processor_dir,
+    sample_at,
+    shard_paths,
+)
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import (
     InspectedSample,
@@ -76,6 +89,14 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
                                "position: select with --id, or inspect the raw input with --index")
         yield from _iter_rejects_file(d, cfg)
         return
+    if (cfg.id is not None or cfg.index is not None) and all(e.get("index") for e in manifest["shards"]):
+        try:
+            hits = list(_iter_indexed(cfg, d, manifest))
+        except StaleIndex:
+            hits = None  # a shard changed after its index was written: scan it as if it had none
+        if hits is not None:
+            yield from hits
+            return
     for path in shard_paths(d, manifest, cfg.shard):
         for ts in iter_shard(path, version=manifest["format_version"]):
             if cfg.index is not None and int(ts.key[:10]) != cfg.index:
@@ -86,6 +107,27 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
                     continue
                 if cfg.only == "truncated" and not meta.get("truncated"):
                     continue
+            yield sample_from_stored(ts)
+
+
+def _iter_indexed(cfg: InspectConfig, d: Path, manifest: dict) -> Iterator[InspectedSample]:
+    """--id / --index over a dataset whose shards all have a sample index: the index rows find the samples (by id
+    hash, then the id itself; by input position), and only those are read, each by its byte range."""
+    paths = shard_paths(d, manifest, cfg.shard)
+    entries = {e["name"]: e for e in manifest["shards"]}
+    want = id_hash(cfg.id) if cfg.id is not None else None
+    for path in paths:
+        rows = load_sample_index(d, entries[path.name])
+        hit = (rows["id"] == np.uint64(want)) if want is not None else np.ones(len(rows), bool)
+        if cfg.index is not None:
+            hit &= rows["position"] == cfg.index
+        for i in np.flatnonzero(hit).tolist():
+            ts = sample_at(path, int(rows["start"][i]), int(rows["end"][i]), version=manifest["format_version"],
+                           position=int(rows["position"][i]))
+            if cfg.id is not None and str(ts.meta().get("id")) != cfg.id:
+                continue  # a hash collision
+            if cfg.only == "truncated" and not ts.meta().get("truncated"):
+                continue
             yield sample_from_stored(ts)
 
 

@@ -15,8 +15,16 @@ from referencing import Registry, Resource
 
 from vlmprep.families import FamilySpec, family_of
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
-from vlmprep.shards.format import META_MEMBER, arrays_of, is_video_member
-from vlmprep.shards.reader import ShardFormatError, StoredSample, iter_shard, load_manifest, processor_dir
+from vlmprep.shards.format import META_MEMBER, arrays_of, id_hash, is_video_member
+from vlmprep.shards.reader import (
+    ShardFormatError,
+    StoredSample,
+    iter_shard,
+    load_manifest,
+    load_sample_index,
+    processor_dir,
+    sample_ranges,
+)
 from vlmprep_schemas import NAMES, load
 
 
@@ -74,9 +82,46 @@ def verify_dataset(root: Path, *, deep: bool = True) -> list[Violation]:
         if sha256_file(path) != s["sha256"]:
             out.append(Violation(s["name"], "sha256 differs from the manifest"))
             continue
+        index = _index_file(root, s)
+        if index:
+            out.append(index)
+        seen: list[tuple[str, int, int, int]] = []
         if deep:
-            out.extend(_verify_shard(path, s, check))
+            out.extend(_verify_shard(path, s, check, seen))
+            if index is None and s.get("index"):
+                out.extend(_verify_index(root, s, path, seen))
     return out
+
+
+def _index_file(root: Path, s: dict) -> Violation | None:
+    """The shard's sample index sidecar, where the manifest lists one: present with the listed size and sha256."""
+    index = s.get("index")
+    if index is None:
+        return None
+    p = root / index["name"]
+    if not p.is_file():
+        return Violation(index["name"], f"missing (the sample index of {s['name']})")
+    if p.stat().st_size != index["bytes"] or sha256_file(p) != index["sha256"]:
+        return Violation(index["name"], "size or sha256 differs from the manifest")
+    return None
+
+
+def _verify_index(root: Path, s: dict, path: Path, seen: list[tuple[str, int, int, int]]) -> list[Violation]:
+    """The sidecar's rows are the shard's samples: their byte ranges (from the tar headers), input positions, id
+    hashes and token counts (from the metas read by the sample checks)."""
+    name = s["index"]["name"]
+    try:
+        rows = load_sample_index(root, s)
+        ranges = sample_ranges(path)
+    except ShardFormatError as e:
+        return [Violation(name, str(e))]
+    if len(rows) != len(ranges) or len(rows) != len(seen):
+        return [Violation(name, f"{len(rows)} rows for the shard's {len(ranges)} samples")]
+    for i, (row, (key, a, z), (_, sid, t, tr)) in enumerate(zip(rows, ranges, seen)):
+        want = (int(key[:10]), id_hash(sid), a, z, t, tr)
+        if tuple(int(x) for x in row.tolist()) != want:
+            return [Violation(name, f"row {i} {row.tolist()} does not describe sample {key} {list(want)}")]
+    return []
 
 
 def _processor_config(d: Path) -> dict:
@@ -202,13 +247,16 @@ class _SampleCheck:
         return out
 
 
-def _verify_shard(path: Path, info: dict, check: _SampleCheck) -> list[Violation]:
+def _verify_shard(path: Path, info: dict, check: _SampleCheck,
+                  seen: list[tuple[str, int, int, int]]) -> list[Violation]:
+    """Every sample's checks and the shard's counts; `seen` gets each sample's (key, id, tokens, trained)."""
     out: list[Violation] = []
     n = tokens = trainable = 0
     try:
         for sample in iter_shard(path, version=check.version, on_unknown="report"):
             n += 1
             v, (t, tr) = check(sample)
+            seen.append((sample.key, str(sample.meta().get("id")) if not v else "", t, tr))
             out.extend(v)
             tokens += t
             trainable += tr

@@ -95,7 +95,7 @@ def test_a_sigkilled_task_index_process_reruns_to_the_same_task_output(task_trac
 
 
 def _copy_task(src: Path, dst: Path, i: int) -> None:
-    for p in list(src.glob(f"shard-{i:05d}-*.tar")) + list((src / "tasks").glob(f"task-{i:05d}.*")):
+    for p in list(src.glob(f"shard-{i:05d}-*.tar*")) + list((src / "tasks").glob(f"task-{i:05d}.*")):
         shutil.copy2(p, dst / p.relative_to(src))
 
 
@@ -113,7 +113,7 @@ def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(t
     _copy_task(other, out, 1)
     with pytest.raises(MergeError, match=r"task 1 was built with another config \(seq_len differ"):
         merge_tasks(out)
-    for p in list(out.glob("shard-00001-*.tar")) + list((out / "tasks").glob("task-00001.*")):
+    for p in list(out.glob("shard-00001-*.tar*")) + list((out / "tasks").glob("task-00001.*")):
         p.unlink()
     _copy_task(ref, out, 1)
     (out / "shard-00007-000000.tar").write_bytes((other / "shard-00001-000000.tar").read_bytes())

@@ -296,6 +296,25 @@ def test_only_rejected_on_a_dir_refuses_position_selectors(built):
     assert res.exit_code == 1 and "rejects.jsonl" in res.stderr
 
 
+def test_id_and_index_are_found_through_the_sample_index_without_scanning_shards(built, monkeypatch):
+    """--id / --index read the shards' sample index files and then only the samples they select."""
+    import vlmprep.tools.inspector as inspector
+
+    _, out = built
+    ref = read_shards(out)
+    want = {k: s for k, s in ref.items() if s["meta"]["id"] == JP_ID}
+
+    def no_scan(*a, **kw):
+        raise AssertionError("inspect scanned a shard")
+
+    monkeypatch.setattr(inspector, "iter_shard", no_scan)
+    assert list(blocks(invoke(out, "--id", JP_ID).stdout)) == list(want)
+    position = int(next(iter(want))[:10])
+    by_index = invoke(out, "--index", position, "--limit", 100)
+    assert list(blocks(by_index.stdout)) == sorted(k for k in ref if int(k[:10]) == position)
+    assert invoke(out, "--id", "no-such-id").exit_code == 1
+
+
 def test_html_collapses_the_system_prompt_and_tool_list(built, tmp_path):
     """In the HTML report each sample opens on its conversation: the system message, which holds the tool list under
     the tool template, is a closed <details> (one click shows it); no other message is collapsed."""

@@ -144,3 +144,30 @@ def test_every_builtin_family_gets_the_per_sample_grid_checks(name, tmp_path):
     assert verify_dataset(out) == []
     rewrite_first_image_sample(out, _set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)))
     assert any("grid rows need" in str(v) for v in verify_dataset(out)), verify_dataset(out)
+
+
+def test_a_sample_index_that_is_not_the_manifests_or_not_the_shards_is_a_violation(ds):
+    side = ds / "shard-000000.tar.index.npy"
+    good = side.read_bytes()
+    side.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert [str(v) for v in verify_dataset(ds, deep=False)] == [
+        "shard-000000.tar.index.npy: size or sha256 differs from the manifest"]
+    rows = np.load(io.BytesIO(good))
+    rows["num_tokens"][0] += 1  # re-sealed in the manifest: only the deep check sees the row is wrong
+    buf = io.BytesIO()
+    np.save(buf, rows, allow_pickle=False)
+    side.write_bytes(buf.getvalue())
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["shards"][0]["index"].update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_dataset(ds, deep=False) == []
+    got = [str(v) for v in verify_dataset(ds)]
+    assert len(got) == 1 and got[0].startswith("shard-000000.tar.index.npy: row 0 ") and "does not describe" in got[0]
+
+
+def test_the_commands_that_read_every_sample_say_so_in_their_help():
+    """merge, stats and verify cost time in proportion to the data (docs/scale.md): their --help says so."""
+    for command in ("merge", "stats", "verify"):
+        res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        text = " ".join(res.output.split())
+        assert res.exit_code == 0 and "Reads every sample" in text and "time grows with" in text, (command, text)

@@ -1,0 +1,439 @@
+"""Datasets bigger than a node: the build's sample index (the trainer starts from it, never from tar headers), remote
+shards through fsspec (memory://, a registered hf://, a local S3 server, loopback HTTP with Range support) and the
+bounded shard cache (fetch order, eviction under the limit, sha256 refusal), in process; the trainer CLI runs over
+HTTP (10x the cache limit, shuffled and mixed, kill + resume) and S3 (no credential printed) are slow."""
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.trainer.conftest import (
+    ROOT,
+    build_dataset,
+    kill_at_step,
+    read_metrics,
+    run_trainer,
+    trainer_cmd,
+    trainer_env,
+)
+from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
+from trainer.data import ScheduledStream
+from trainer.index import index_shard, load_index, read_indexed
+from trainer.order import schedule
+from trainer.shards import DataError, plan_shards, resolve_data
+
+
+def _sources(data: str, cache: Path, **kw):
+    from trainer.rundata import rank_sources
+
+    ds = resolve_data(data)
+    return rank_sources((DataSpec(path=data),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=cache)
+
+
+def _older(dataset: Path, old: Path) -> Path:
+    """A copy of dataset as an older vlmprep built it: no sample index files, none in the manifest."""
+    shutil.copytree(dataset, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        (old / s.pop("index")["name"]).unlink()
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    return old
+
+
+def test_the_sidecar_index_is_the_one_derived_from_the_tar(dataset):
+    for s in resolve_data(str(dataset)).shards:
+        assert s.index is not None and s.index.url.endswith(".tar.index.npy")
+        built = load_index(s, Path(s.index.url).read_bytes(), path=s.url)
+        derived = index_shard(s.url, expect=s.num_samples)
+        for field in ("starts", "ends", "tokens", "trained"):
+            np.testing.assert_array_equal(getattr(built, field), getattr(derived, field))
+        assert read_indexed(built, built.num_samples - 1)[0] == read_indexed(derived, derived.num_samples - 1)[0]
+
+
+def test_start_up_reads_only_the_index_and_an_older_dataset_is_derived(dataset, tmp_path, monkeypatch):
+    """With sidecars no tar is opened at start-up; without (an older build) every shard is indexed from its tar."""
+    import trainer.index
+
+    def no_tar(*a, **kw):
+        raise AssertionError("start-up opened a shard")
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer.index, "index_shard", no_tar)
+        sources, derived = _sources(str(dataset), tmp_path / "c")
+    assert derived == 0 and sum(ix.num_samples for ix in sources[0].indexes) == 18
+    held = sum(a.nbytes for ix in sources[0].indexes for a in (ix.starts, ix.ends, ix.tokens, ix.trained))
+    assert held / 18 <= 100  # the index's host memory per sample (the issue's bound; 32 bytes today)
+    old = _older(dataset, tmp_path / "old")
+    again, derived = _sources(str(old), tmp_path / "c")
+    assert derived == 5
+    for a, b in zip(sources[0].indexes, again[0].indexes):
+        np.testing.assert_array_equal(a.starts, b.starts)
+        np.testing.assert_array_equal(a.trained, b.trained)
+
+
+def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys):
+    """A dataset an older vlmprep built (no sample index files) still starts and takes a step, its index derived from
+    the tars; rank 0 says so in one line."""
+    import torch
+
+    from trainer.collate import CollateSpec
+    from trainer.integrity import ShardCheck
+    from trainer.rundata import make_loader, open_data
+
+    old = _older(dataset, tmp_path / "old")
+    cfg = TrainConfig(data=str(old), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"))
+    data = open_data(cfg, 1)
+    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
+                       merge_size=data.image.merge_size)
+    loader, total, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
+                                   out=tmp_path / "r", check=ShardCheck(None))
+    try:
+        loader.start(0, 0)
+        assert sum(b.num_samples for b in loader.next_step()) == 2 and total == 9
+    finally:
+        loader.close()
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if "no sample index" in ln]
+    assert notes == ["trainer: note: 5 shard(s) on rank 0 have no sample index (an older vlmprep built them): indexed "
+                     "from every tar header and sample meta, as before; rebuild with this vlmprep for a start-up that "
+                     "does not grow with the sample count"]
+
+
+def test_an_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(dataset, bad)
+    side = bad / "shard-000002.tar.index.npy"
+    side.write_bytes(side.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(DataError, match=r"shard-000002\.tar\.index\.npy: the sample index is not the one the manifest"):
+        _sources(str(bad), tmp_path / "c")
+    # bytes the manifest vouches for, but ranges outside the shard: refused before any seek
+    rows = np.load(dataset / "shard-000002.tar.index.npy")
+    rows["end"][-1] = 10**9
+    np.save(side, rows, allow_pickle=False)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    import hashlib
+
+    entry = manifest["shards"][2]["index"]
+    entry.update(bytes=side.stat().st_size, sha256=hashlib.sha256(side.read_bytes()).hexdigest())
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="does not describe shard-000002.tar .*byte ranges"):
+        _sources(str(bad), tmp_path / "c")
+
+
+def test_cache_limit_sizes_and_the_span_that_fits():
+    from trainer.rundata import RunData, fit_span
+
+    assert cache_limit_bytes("50GB") == 50 * 10**9 and cache_limit_bytes("1.5GiB") == 3 << 29
+    assert cache_limit_bytes("2000") == 2000 and cache_limit_bytes("") == 0
+    for bad in ("lots", "-1GB", "5 PB"):
+        with pytest.raises(ConfigError, match="shard_cache_limit"):
+            TrainConfig(data="x", tiny_random="qwen2-vl", shard_cache_limit=bad)
+    from trainer.shards import DataSource, ShardRef
+
+    shards = tuple(ShardRef(f"https://h/d/s{i}.tar", f"s{i}.tar", 10, 100, 1000) for i in range(40))
+    data = RunData((DataSpec(path="https://h/d"),), [DataSource(shards, None, None)], [plan_shards(shards, 1)],
+                   None, "x")
+    cfg = TrainConfig(data="https://h/d", tiny_random="qwen2-vl", shard_cache_limit="8000")
+    assert fit_span(cfg, data, 1).shuffle_span == 4  # the block read and the next one fetched: 2 x 4 x 1000 bytes
+    with pytest.raises(ConfigError, match="--shuffle-span 9 .* pass --shuffle-span 4"):
+        fit_span(TrainConfig(**{**cfg.__dict__, "shuffle_span": 9}), data, 1)
+    with pytest.raises(ConfigError, match="less than one shard per dataset"):
+        fit_span(TrainConfig(**{**cfg.__dict__, "shard_cache_limit": "999"}), data, 1)
+    assert fit_span(TrainConfig(**{**cfg.__dict__, "shard_cache_limit": ""}), data, 1).shuffle_span == 0
+
+
+def test_intervals_are_per_pass_and_sorted_by_first_read(dataset):
+    from trainer.cache import intervals
+
+    sources, _ = _sources(str(dataset), Path("/nonexistent"))
+    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=1)
+    shard, first, last = intervals(sources, order, 0, np.ones(5, bool), [0])
+    assert sorted(shard.tolist()) == list(range(5)) and (np.diff(first) > 0).all()
+    # span 1: each shard is read in one run of positions, so its interval holds just its own samples
+    assert ((last - first + 1) == np.array([sources[0].indexes[k].num_samples for k in shard])).all()
+    later, _, _ = intervals(sources, order, 10, np.ones(5, bool), [0])
+    assert len(later) < 5  # shards read before position 10 are not fetched again
+
+
+def _to_memory(dataset: Path, base: str, corrupt: str = "") -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for p in dataset.rglob("*"):
+        if p.is_file() and "tasks" not in p.parts:
+            data = p.read_bytes()
+            if p.name == corrupt:
+                data = bytes([data[0] ^ 1]) + data[1:]
+            fs.pipe(f"{base}/{p.relative_to(dataset)}", data)
+
+
+def _read_all(sources, order, image_spec, cache, *, on_sample=lambda: None) -> list[str]:
+    cache.begin(order, 0, 0)
+    ids = []
+    try:
+        for s in ScheduledStream(sources, order, start=0, spec=image_spec, cache=cache.view):
+            ids.append(s.id)
+            on_sample()
+    finally:
+        cache.close()
+    return ids
+
+
+def test_a_memory_fs_dataset_streams_through_a_bounded_cache_in_schedule_order(dataset, image_spec, tmp_path):
+    """fsspec's generic path: the sample indexes are fetched (sha256-checked), the shards are fetched in the order
+    the schedule reads them and evicted once read, the cache never holding more than the limit; the samples are
+    the local dataset's, in the same order."""
+    from trainer.cache import ShardCache
+
+    _to_memory(dataset, "memory://scale-ds")
+    remote, _ = _sources("memory://scale-ds", tmp_path / "cache")
+    local, _ = _sources(str(dataset), tmp_path / "unused")
+    biggest = max(s.num_bytes for s in remote[0].shards)
+    orders = [schedule(s, seed=1, epoch=0, shuffle=True, shuffle_shards=True, span=1) for s in (remote, local)]
+    cache = ShardCache(remote, tmp_path / "cache", limit=2 * biggest, prefetch=1)
+    sizes = []
+    ids = _read_all(remote, orders[0], image_spec, cache, on_sample=lambda: sizes.append(cache.size_bytes))
+    want = [s.id for s in ScheduledStream(local, orders[1], start=0, spec=image_spec)]
+    assert ids == want and len(ids) == 18
+    assert max(sizes) <= 2 * biggest + 4096 and cache.fetched == 5 and cache.evicted >= 2
+    firsts = [int(np.flatnonzero(orders[0].shard == k)[0]) for k in range(5)]
+    assert cache.fetch_order == sorted(range(5), key=firsts.__getitem__)
+
+
+def test_a_remote_shard_whose_bytes_differ_from_the_manifest_is_refused_naming_it(dataset, image_spec, tmp_path):
+    from trainer.cache import ShardCache
+
+    _to_memory(dataset, "memory://scale-bad", corrupt="shard-000003.tar")
+    remote, _ = _sources("memory://scale-bad", tmp_path / "cache")
+    order = schedule(remote, seed=1, epoch=0, shuffle=True, shuffle_shards=True, span=1)
+    with pytest.raises(DataError) as e:
+        _read_all(remote, order, image_spec, ShardCache(remote, tmp_path / "cache"))
+    assert str(e.value).startswith("memory://scale-bad/shard-000003.tar: its bytes do not match the manifest's sha256")
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "cache").glob("*shard-000003.tar")) + list((tmp_path / "cache").glob("*.part"))
+
+
+def test_hf_urls_resolve_through_fsspec(dataset, tmp_path):
+    """hf:// goes through fsspec's protocol registry (huggingface_hub's HfFileSystem in use; no Hub here, so a
+    memory filesystem registered as hf stands in): manifest, processor config, sample indexes."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FakeHub(MemoryFileSystem):
+        protocol = ("hf",)
+        store: dict = {}
+        pseudo_dirs = [""]
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return "/" + str(path).removeprefix("hf://").strip("/")
+
+    fsspec.register_implementation("hf", FakeHub, clobber=True)
+    try:
+        fs = FakeHub()
+        for p in dataset.rglob("*"):
+            if p.is_file() and "tasks" not in p.parts:
+                fs.pipe(f"datasets/team/agent@main/v1/{p.relative_to(dataset)}", p.read_bytes())
+        ds = resolve_data("hf://datasets/team/agent@main/v1")
+        assert ds.shards[0].url == "hf://datasets/team/agent@main/v1/shard-000000.tar"
+        sources, derived = _sources("hf://datasets/team/agent@main/v1", tmp_path / "c")
+        assert derived == 0 and sum(ix.num_samples for ix in sources[0].indexes) == 18
+        from trainer.shards import load_image_processor_config
+
+        assert load_image_processor_config(ds.processor)["patch_size"] == 14
+    finally:
+        from huggingface_hub import HfFileSystem
+
+        fsspec.register_implementation("hf", HfFileSystem, clobber=True)
+
+
+def test_a_url_with_credentials_in_it_is_refused_without_echoing_them():
+    for url in ("https://alice:hunter2@example.test/ds", "s3://AKIA:hunter2@bucket/ds"):
+        with pytest.raises(DataError) as e:
+            resolve_data(url)
+        assert "hunter2" not in str(e.value) and "credentials" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's server mode: a real HTTP server on loopback implementing the S3 REST API (s3fs talks to it over
+    HTTP exactly as to S3). Credentials reach s3fs only through the standard AWS_* environment."""
+    moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[s3]' flask flask-cors")
+    pytest.importorskip("s3fs")
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "scale-test-key",
+           "AWS_SECRET_ACCESS_KEY": "scale-secret-0123456789", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        srv.stop()
+
+
+def _to_s3(dataset: Path, bucket: str) -> str:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir(bucket)
+    for p in dataset.rglob("*"):
+        if p.is_file() and "tasks" not in p.parts:
+            fs.pipe(f"{bucket}/ds/{p.relative_to(dataset)}", p.read_bytes())
+    fs.invalidate_cache()
+    return f"s3://{bucket}/ds"
+
+
+def test_s3_urls_resolve_and_stream_from_a_local_s3_server(s3_server, dataset, image_spec, tmp_path):
+    from trainer.cache import ShardCache
+
+    url = _to_s3(dataset, "scale-bucket")
+    sources, derived = _sources(url, tmp_path / "cache")
+    assert derived == 0 and sources[0].shards[0].url == f"{url}/shard-000000.tar"
+    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=2)
+    ids = _read_all(sources, order, image_spec, ShardCache(sources, tmp_path / "cache"))
+    assert len(ids) == len(set(ids)) == 18
+    with pytest.raises(DataError) as e:
+        resolve_data("s3://no-such-bucket/ds")
+    assert s3_server["AWS_SECRET_ACCESS_KEY"] not in str(e.value) and "no-such-bucket" in str(e.value)
+
+
+def test_a_fetch_a_kill_cut_short_continues_with_a_range_read(dataset, tmp_path):
+    """The loopback server answers Range requests: a .part left behind is continued, not fetched again, and the
+    whole file is still checked against the manifest's sha256."""
+    from tests.support.range_server import RangeServer
+    from trainer.storage import fetch
+
+    shard = resolve_data(str(dataset)).shards[1]
+    dest = tmp_path / "copy.tar"
+    Path(str(dest) + ".part").write_bytes(Path(shard.url).read_bytes()[:50_000])
+    with RangeServer(dataset) as srv:
+        fetch(f"{srv.url}/{shard.name}", dest, size=shard.num_bytes, sha256=shard.sha256)
+        ranges = [r for m, p, r, _ in srv.log if m == "GET" and p.endswith(shard.name)]
+    assert dest.read_bytes() == Path(shard.url).read_bytes() and not Path(str(dest) + ".part").exists()
+    assert ranges and all(r and r.startswith("bytes=") for r in ranges) and ranges[0].startswith("bytes=50000-")
+
+
+# --- the trainer CLI over loopback servers (slow)
+
+def _small_shards(tmp_path: Path) -> Path:
+    """24 one-sample shards of near-equal size (one image each): a dataset many times a small cache."""
+    from scripts.demo_traces import write_traces
+
+    traces = tmp_path / "one-image.jsonl.zst"
+    write_traces(traces, n=24, seed=5, min_images=1, max_images=1, width=224, height=160, overlong_fraction=0.0,
+                 text_only_fraction=0.0)
+    return build_dataset(traces, tmp_path / "small", samples_per_shard=1)
+
+
+def _train_polling(args: list, out: Path, cache_dir: Path, server) -> tuple[subprocess.CompletedProcess, int, int]:
+    """Run the trainer; poll its shard cache's size (every file in it) and count the shard GETs the server had
+    answered when the first step's metrics row appeared. Returns (process, peak cache bytes, GETs by step 1)."""
+    peak, by_first = 0, None
+    proc = subprocess.Popen(trainer_cmd([*args, "--out", out], 1), cwd=ROOT, env=trainer_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, "trainer did not finish"
+        if cache_dir.is_dir():
+            peak = max(peak, sum(p.stat().st_size for p in cache_dir.glob("*") if p.is_file()
+                                 and not p.name.endswith(".index.npy")))
+        if by_first is None and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
+            by_first = sum(1 for m, p, *_ in server.log if m == "GET" and p.endswith(".tar"))
+        time.sleep(0.02)
+    stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
+    return subprocess.CompletedProcess(proc.args, 0, stdout, stderr), peak, by_first
+
+
+@pytest.mark.slow  # two trainer runs over loopback HTTP: ~3 min on 2 cores
+def test_a_dataset_10x_the_cache_limit_trains_shuffled_and_mixed_every_sample_once(tmp_path):
+    from tests.support.range_server import RangeServer
+
+    small = _small_shards(tmp_path)
+    served = tmp_path / "served"
+    served.mkdir()
+    for name in ("a", "b"):
+        (served / name).symlink_to(small)
+    shards = json.loads((small / "manifest.json").read_text())["shards"]
+    total, biggest = sum(s["bytes"] for s in shards), max(s["bytes"] for s in shards)
+    limit = max(total // 10, 2 * biggest)
+    assert total >= 9 * limit, (total, limit)
+    ids = {s["id"] for s in map(json.loads, (small / "tasks" / "task-00000.samples.jsonl").read_text().splitlines())}
+    with RangeServer(served) as srv:
+        common = ["--shard-cache-limit", str(limit), "--num-workers", 2, "--micro-batch-size", 2, "--seed", 4]
+        proc, peak, by_first = _train_polling(["--data", f"{srv.url}/a/", *common], tmp_path / "one",
+                                              tmp_path / "one" / "shard-cache" / "rank-00000", srv)
+        got = [i for m in read_metrics(tmp_path / "one") for i in m["sample_ids"]]
+        assert sorted(got) == sorted(ids) and len(got) == 24 and got != sorted(got)  # once each, shuffled
+        assert peak <= limit + biggest, (peak, limit)
+        assert by_first is not None and by_first < len(shards) // 2, by_first  # step 1 long before the last shard
+        assert "remote shards stream through" in proc.stderr
+        srv.log.clear()
+        mix = ["--data", f"name=a,path={srv.url}/a/,weight=0.7,on_end=stop",
+               "--data", f"name=b,path={srv.url}/b/,weight=0.3,on_end=stop"]
+        proc, peak, _ = _train_polling([*mix, *common], tmp_path / "mix", tmp_path / "mix" / "shard-cache" /
+                                       "rank-00000", srv)
+        got = [i for m in read_metrics(tmp_path / "mix") for i in m["sample_ids"]]
+        for name in ("a", "b"):
+            mine = [i.split("/", 1)[1] for i in got if i.startswith(f"{name}/")]
+            assert sorted(mine) == sorted(ids), name
+        assert peak <= limit + biggest, (peak, limit)
+
+
+@pytest.mark.slow  # a reference run, a killed run and its resume over loopback HTTP: ~3 min on 2 cores
+def test_killed_and_resumed_over_http_with_a_small_cache_replays_bit_exactly(tmp_path):
+    from tests.support.range_server import RangeServer
+
+    small = _small_shards(tmp_path)
+    shards = json.loads((small / "manifest.json").read_text())["shards"]
+    limit = max(sum(s["bytes"] for s in shards) // 10, 2 * max(s["bytes"] for s in shards))
+    with RangeServer(small) as srv:
+        args = ["--data", f"{srv.url}/", "--shard-cache-limit", str(limit), "--micro-batch-size", 2,
+                "--save-every", 2, "--seed", 9]
+        run_trainer([*args, "--out", tmp_path / "ref", "--num-workers", 1], timeout=600)
+        ref = read_metrics(tmp_path / "ref")
+        out = tmp_path / "killed"
+        kill_at_step([*args, "--num-workers", 2], out, 5, tmp_path / "killed.log")
+        proc = run_trainer([*args, "--out", out, "--num-workers", 3], timeout=600)
+        assert "resumed from" in proc.stderr
+    got = read_metrics(out)
+    keys = ("step", "epoch", "sample_ids", "loss", "grad_norm")
+    assert [[m[k] for k in keys] for m in got] == [[m[k] for k in keys] for m in ref]  # bit-exact
+
+
+@pytest.mark.slow  # one trainer CLI run per case: ~1 min on 2 cores
+def test_the_trainer_refuses_a_corrupted_remote_shard_with_one_line(dataset, tmp_path):
+    from tests.support.range_server import RangeServer
+
+    with RangeServer(dataset) as srv:
+        srv.server.corrupt.add("shard-000001.tar")
+        proc = subprocess.run(trainer_cmd(["--data", f"{srv.url}/", "--out", tmp_path / "run", "--num-workers", 2],
+                                          1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
+                              timeout=600)
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"trainer: error: {srv.url}/shard-000001.tar: its bytes do not match the manifest's sha256")
+
+
+@pytest.mark.slow  # one trainer CLI run against the local S3 server: ~1 min on 2 cores
+def test_training_from_s3_never_prints_or_stores_the_credentials(s3_server, dataset, tmp_path):
+    url = _to_s3(dataset, "scale-train")
+    out = tmp_path / "run"
+    proc = run_trainer(["--data", url, "--out", out, "--max-steps", 2, "--num-workers", 1], timeout=600)
+    secret, key = s3_server["AWS_SECRET_ACCESS_KEY"], s3_server["AWS_ACCESS_KEY_ID"]
+    written = [p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix in
+               (".json", ".toml", ".jsonl", ".txt")]
+    for text in (proc.stdout, proc.stderr, *written):
+        assert secret not in text and key not in text
+    assert len(read_metrics(out)) == 2 and json.loads((out / "run.json").read_text())["data_source"] == url

@@ -1,0 +1,249 @@
+"""The rank's shard cache: its epoch schedule over remote shards -> each shard's reads, grouped per pass of its
+source into intervals [first, last position] -> a fetcher thread that copies shards in the order of their intervals,
+up to `prefetch` shards ahead of the read position, into --shard-cache, checked against the manifest's sha256, and
+under --shard-cache-limit evicts a shard once no fetched interval of it reaches the slowest reader's position.
+DataLoader workers wait for a shard's file and report their positions through shared memory (CacheView).
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.order import RankSource, Schedule
+from trainer.shards import REMOTE, DataError
+from trainer.storage import StorageError, fetch, sha256_file
+
+MISSING, READY, FAILED = 0, 1, 2
+MAX_WORKERS = 256
+POLL_S = 0.005
+
+
+@dataclass
+class CacheView:
+    """What the readers (the training process or its DataLoader workers) share with the fetcher: per shard (flat
+    id over the sources) its file and state, per worker the position it reads next."""
+
+    files: list[str]  # flat id -> local path (a local shard's own path)
+    state: torch.Tensor  # uint8 [shards], shared: MISSING / READY / FAILED
+    progress: torch.Tensor  # int64 [MAX_WORKERS], shared: each reader's next position (the end once done)
+    offsets: list[int]  # source s, shard k -> flat id offsets[s] + k
+    errors: str  # dir of the one-line error of each FAILED shard
+
+    def flat(self, source: int, shard: int) -> int:
+        return self.offsets[source] + shard
+
+    def at(self, worker: int, position: int) -> None:
+        self.progress[worker] = position
+
+    def path(self, j: int) -> str:
+        """Shard j's local file, once the fetcher has it (waits); a failed fetch is raised here, as its one line."""
+        while True:
+            s = int(self.state[j])
+            if s == READY:
+                return self.files[j]
+            if s == FAILED:
+                try:
+                    message = Path(self.errors, "failed.txt").read_text(encoding="utf-8").strip()
+                except OSError:
+                    message = f"{self.files[j]}: the shard cache failed to fetch it"
+                raise DataError(message)
+            time.sleep(POLL_S)
+
+    def gone(self, j: int) -> bool:
+        return int(self.state[j]) != READY
+
+
+def intervals(sources: list[RankSource], order: Schedule, start: int, remote: np.ndarray,
+              offsets: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat shard, first, last position) of each remote shard's reads at or after `start`, one interval per pass of
+    its source (a source that repeats reads a shard again in its next pass), sorted by first position."""
+    n = len(order)
+    if n <= start:
+        return (np.zeros(0, np.int64),) * 3
+    src = order.source.astype(np.int64)
+    flat = np.asarray(offsets, dtype=np.int64)[src] + order.shard
+    passes = np.zeros(n, dtype=np.int64)
+    for s, rs in enumerate(sources):  # reads of source s so far // its reads per pass
+        at = np.flatnonzero(src == s)
+        total = sum(ix.num_samples for ix in rs.indexes)
+        per_pass = max(len(range(rs.stride[0], total, rs.stride[1])), 1)
+        passes[at] = np.arange(len(at)) // per_pass
+    pos = np.arange(n, dtype=np.int64)
+    keep = (pos >= start) & remote[flat]
+    flat, passes, pos = flat[keep], passes[keep], pos[keep]
+    key = flat * (passes.max(initial=0) + 1) + passes
+    uniq, inverse = np.unique(key, return_inverse=True)
+    first = np.full(len(uniq), n, dtype=np.int64)
+    last = np.full(len(uniq), -1, dtype=np.int64)
+    np.minimum.at(first, inverse, pos)
+    np.maximum.at(last, inverse, pos)
+    shard = np.zeros(len(uniq), dtype=np.int64)
+    shard[inverse] = flat
+    by = np.argsort(first, kind="stable")
+    return shard[by], first[by], last[by]
+
+
+class ShardCache:
+    """Owns --shard-cache/rank-NNNNN for one rank: begin(schedule, start) starts a fetcher for that epoch from that
+    position; close() stops it. Files that stay valid are kept across epochs and runs (re-checked by sha256 once)."""
+
+    def __init__(self, sources: list[RankSource], root: Path, *, limit: int = 0, prefetch: int = 4,
+                 threads: int = 4):
+        self.sources, self.root, self.limit = sources, Path(root), limit
+        self.prefetch, self.threads = max(prefetch, 1), max(threads, 1)
+        self.shards = [sh for src in sources for sh in src.shards]
+        self.offsets = list(np.cumsum([0] + [len(src.shards) for src in sources])[:-1].tolist())
+        self.remote = np.array([sh.url.startswith(("pipe:",) + REMOTE) for sh in self.shards], dtype=bool)
+        files = [ix.path for src in sources for ix in src.indexes]
+        self.errors = self.root / "errors"
+        self.view = CacheView(files, torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
+                              torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(), self.offsets,
+                              str(self.errors))
+        self.verified: set[int] = set()  # remote shards this process has checked against the manifest
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: DataError | None = None
+        self.fetched = self.evicted = 0
+        self.fetch_order: list[int] = []  # shards (flat ids) in the order fetches started
+        self.first_ready_s: float | None = None  # seconds from begin() until the first shard was local
+
+    @property
+    def size_bytes(self) -> int:
+        """What the cache dir holds now (shard files and partial fetches): what --shard-cache-limit bounds."""
+        return sum(p.stat().st_size for p in self.root.glob("*") if p.is_file())
+
+    def begin(self, order: Schedule, start: int, num_workers: int) -> None:
+        self.close()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.errors.mkdir(exist_ok=True)
+        (self.errors / "failed.txt").unlink(missing_ok=True)
+        v = self.view
+        for j, path in enumerate(v.files):
+            ok = not self.remote[j] or (j in self.verified and os.path.isfile(path))
+            v.state[j] = READY if ok else MISSING
+        v.progress.fill_(len(order))
+        v.progress[:max(num_workers, 1)] = start
+        self._stop.clear()
+        plan = intervals(self.sources, order, start, self.remote, self.offsets)
+        self._thread = threading.Thread(target=self._run, args=(plan, max(num_workers, 1)), daemon=True,
+                                        name="shard-cache")
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    # --- the fetcher thread
+    def _size(self, j: int) -> int:
+        return self.shards[j].num_bytes or 0
+
+    def _fetch(self, j: int) -> None:
+        sh, path = self.shards[j], Path(self.view.files[j])
+        if path.is_file() and (sh.sha256 is None and sh.num_bytes in (None, path.stat().st_size)
+                               or sh.sha256 is not None and sha256_file(path) == sh.sha256):
+            return  # left by an earlier run (a resume): checked, not fetched again
+        path.unlink(missing_ok=True)
+        fetch(sh.url, path, size=sh.num_bytes, sha256=sh.sha256, stopped=self._stop.is_set)
+
+    def _fail(self, j: int, message: str) -> None:
+        """Shard j failed: every shard not yet local fails with its line, so no reader waits for a fetcher that
+        stopped; the first reader to reach one raises it."""
+        (self.errors / "failed.txt").write_text(message + "\n", encoding="utf-8")
+        self.error = DataError(message)
+        for k in range(len(self.view.files)):
+            if int(self.view.state[k]) != READY:
+                self.view.state[k] = FAILED
+
+    def _run(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray], readers: int) -> None:
+        try:
+            self._loop(plan, readers)
+        except Exception as e:  # noqa: BLE001 - never leave a reader waiting on a dead thread
+            self._fail(-1, f"the shard cache stopped: {type(e).__name__}: {e}")
+
+    def _loop(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray], readers: int) -> None:
+        shard, first, last = (a.tolist() for a in plan)
+        v, t0 = self.view, time.perf_counter()
+        held: dict[int, int] = {}  # shard local or being fetched -> last position a fetched interval reads
+        # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
+        # evicted first.
+        leftover = {j: self._size(j) for j, path in enumerate(v.files)
+                    if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))}
+        used = sum(leftover.values())
+        inflight: dict[Future, int] = {}
+        i = 0
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="shard-fetch") as pool:
+            while not self._stop.is_set():
+                for f in [f for f in inflight if f.done()]:
+                    j = inflight.pop(f)
+                    e = f.exception()
+                    if e is not None:
+                        self._fail(j, str(e) if isinstance(e, StorageError)
+                                   else f"{self.shards[j].url}: fetch failed: {type(e).__name__}: {e}")
+                        return
+                    if self._stop.is_set():
+                        return
+                    self.verified.add(j)
+                    v.state[j] = READY
+                    self.fetched += 1
+                    if self.first_ready_s is None:
+                        self.first_ready_s = time.perf_counter() - t0
+                if i == len(shard) and not inflight:
+                    return
+                pos = int(v.progress[:readers].min())
+                ahead = i - bisect.bisect_right(first, pos)  # fetched intervals that no reader has reached yet
+                while i < len(shard) and len(inflight) < self.threads and (first[i] <= pos or ahead < self.prefetch):
+                    j = shard[i]
+                    if j in held:
+                        held[j] = max(held[j], last[i])
+                    else:
+                        used -= leftover.pop(j, 0)
+                        need = self._size(j)
+                        if self.limit and used + need > self.limit:
+                            for k in list(leftover):
+                                used -= self._evict(k, leftover)
+                            busy = set(inflight.values())
+                            for k in sorted((k for k, z in held.items() if z < pos and k not in busy), key=held.get):
+                                if used + need <= self.limit:
+                                    break
+                                used -= self._evict(k, held)
+                        if self.limit and used + need > self.limit:
+                            if first[i] <= pos and not inflight and all(z >= pos for z in held.values()):
+                                self._fail(j, f"{self.shards[j].url}: needed now, but --shard-cache-limit "
+                                              f"({self.limit} bytes for this rank) is full of {len(held)} shards "
+                                              "still being read: raise the limit or lower --shuffle-span")
+                                return
+                            break
+                        used += need
+                        held[j] = last[i]
+                        if int(v.state[j]) != READY:
+                            inflight[pool.submit(self._fetch, j)] = j
+                            self.fetch_order.append(j)
+                    ahead += first[i] > pos
+                    i += 1
+                if inflight:
+                    wait(list(inflight), timeout=0.05, return_when=FIRST_COMPLETED)
+                else:
+                    time.sleep(POLL_S)
+
+    def _evict(self, j: int, table: dict) -> int:
+        self.view.state[j] = MISSING
+        Path(self.view.files[j]).unlink(missing_ok=True)
+        Path(self.view.files[j] + ".part").unlink(missing_ok=True)
+        self.verified.discard(j)
+        self.evicted += 1
+        del table[j]
+        return self._size(j)
+
+
+def remote_shards(sources: list[RankSource]) -> bool:
+    return any(sh.url.startswith(("pipe:",) + REMOTE) for src in sources for sh in src.shards)

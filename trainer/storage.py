@@ -1,0 +1,128 @@
+"""Remote bytes: a dataset URL (http(s)://, s3://, gs://, hf://, memory://) -> a streaming file, the whole object, or a
+local copy checked against the manifest's size and sha256. Read through fsspec (s3fs, gcsfs, huggingface_hub), each
+library taking credentials from its own environment and config; this module never sees, prints or stores them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable
+
+from vlmprep_schemas.boundary import REMOTE
+
+CHUNK = 4 << 20
+# The package each URL scheme needs beyond fsspec, and the extra that installs it.
+_EXTRAS = {"s3": ("s3fs", "vlmprep[s3]"), "gs": ("gcsfs", "vlmprep[gcs]"), "gcs": ("gcsfs", "vlmprep[gcs]"),
+           "hf": ("huggingface_hub", "huggingface_hub"), "http": ("aiohttp", "aiohttp"),
+           "https": ("aiohttp", "aiohttp")}
+
+
+class StorageError(RuntimeError):
+    """A remote read that failed: one line naming the URL (its scheme's library message, never a credential)."""
+
+
+def is_remote(url: str) -> bool:
+    return url.startswith(REMOTE)
+
+
+def _fs(url: str):
+    """The fsspec filesystem of a URL and the path in it; a missing backend is one line saying what to install."""
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        scheme = url.split("://", 1)[0]
+        package, install = _EXTRAS.get(scheme, (str(e.name), str(e.name)))
+        raise StorageError(f"{url}: reading {scheme}:// needs {package}: pip install '{install}'") from None
+
+
+def _fail(url: str, what: str, e: BaseException) -> StorageError:
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"cannot {what} {url}: no such file or object")
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return StorageError(f"cannot {what} {url}: {text[:300]}")
+
+
+def read_url(url: str, limit: int | None = None) -> bytes:
+    """A whole (small) remote object: a manifest, a processor config, a sample index; with `limit`, at most
+    limit + 1 bytes (so a caller can refuse one over its limit without reading all of it)."""
+    fs, path = _fs(url)
+    try:
+        return fs.cat_file(path) if limit is None else fs.cat_file(path, start=0, end=limit + 1)
+    except Exception as e:  # noqa: BLE001 - each backend raises its own kinds (FileNotFoundError, ClientError, ...)
+        raise _fail(url, "read", e) from None
+
+
+def open_url(url: str):
+    """A remote object as a sequential binary stream (one GET, no range requests), for reading a shard in order;
+    a `pipe:` command's output through webdataset's gopen."""
+    if url.startswith("pipe:"):
+        from webdataset.gopen import gopen
+
+        return gopen(url)
+    fs, path = _fs(url)
+    try:
+        return fs.open(path, "rb", block_size=0) if fs.protocol[0].startswith("http") else fs.open(path, "rb")
+    except Exception as e:  # noqa: BLE001
+        raise _fail(url, "open", e) from None
+
+
+def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
+          stopped: Callable[[], bool] = lambda: False) -> None:
+    """Copy `url` to `dest`: streamed to DEST.part with the sha256 computed on the way, renamed only when its size and
+    sha256 are the manifest's. A .part left by a killed run is continued with a range read where the store supports
+    them (else fetched again from the start). Raises StorageError; `stopped()` True abandons the copy (part kept)."""
+    dest = Path(dest)
+    part = dest.with_name(dest.name + ".part")
+    h = hashlib.sha256()
+    have = part.stat().st_size if part.is_file() else 0
+    if size is not None and have > size:
+        have = 0
+    if have:
+        with open(part, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+    try:
+        try:
+            if not have:
+                raise ValueError("nothing to continue")
+            fs, path = _fs(url)
+            stream = fs.open(path, "rb", block_size=CHUNK)
+            if have:
+                stream.seek(have)
+        except Exception:  # noqa: BLE001 - nothing to continue, or no range reads here: from the start
+            have, h = 0, hashlib.sha256()
+            stream = open_url(url)
+        with stream, open(part, "ab" if have else "wb") as out:
+            while not stopped():
+                chunk = stream.read(CHUNK)
+                if not chunk:
+                    break
+                h.update(chunk)
+                out.write(chunk)
+            else:
+                return
+    except StorageError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _fail(url, "fetch", e) from None
+    got = part.stat().st_size
+    if size is not None and got != size:
+        part.unlink()
+        raise StorageError(f"{url}: fetched {got} bytes but the manifest says {size}: the shard was replaced or cut "
+                           "short in storage; refusing it")
+    if sha256 is not None and h.hexdigest() != sha256:
+        part.unlink()
+        raise StorageError(f"{url}: its bytes do not match the manifest's sha256 ({h.hexdigest()[:12]}... vs "
+                           f"{sha256[:12]}...): the shard was modified or corrupted in storage; refusing it")
+    os.replace(part, dest)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
