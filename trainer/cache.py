@@ -38,9 +38,11 @@ class CacheView:
     errors: str  # dir of the one-line error of each FAILED shard
 
     def flat(self, source: int, shard: int) -> int:
+        """Source `source`'s shard `shard` -> its flat id."""
         return self.offsets[source] + shard
 
     def at(self, worker: int, position: int) -> None:
+        """Reader `worker` reads `position` next (what the fetcher evicts behind and fetches ahead of)."""
         self.progress[worker] = position
 
     def path(self, j: int) -> str:
@@ -58,6 +60,7 @@ class CacheView:
             time.sleep(POLL_S)
 
     def gone(self, j: int) -> bool:
+        """Whether shard j's local file is not there to read (evicted, not fetched yet, or failed)."""
         return int(self.state[j]) != READY
 
 
@@ -121,6 +124,8 @@ class ShardCache:
         return sum(p.stat().st_size for p in self.root.glob("*") if p.is_file())
 
     def begin(self, order: Schedule, start: int, num_workers: int) -> None:
+        """Start fetching for the reads of `order` from position `start` on, by `num_workers` readers (stops a
+        previous fetcher first; shards still verified in the cache dir are kept)."""
         self.close()
         self.root.mkdir(parents=True, exist_ok=True)
         self.errors.mkdir(exist_ok=True)
@@ -138,6 +143,7 @@ class ShardCache:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the fetcher thread (the files stay, for the next begin)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -246,4 +252,5 @@ class ShardCache:
 
 
 def remote_shards(sources: list[RankSource]) -> bool:
+    """Whether any shard of the rank's sources is remote (a URL or a pipe), so that a shard cache is needed."""
     return any(sh.url.startswith(("pipe:",) + REMOTE) for src in sources for sh in src.shards)

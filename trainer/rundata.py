@@ -85,8 +85,8 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
         want = expected_sha256(ds)
         hashed = {s.url for k, s in enumerate(shards) if not plan.stride or k % world == rank}
-        indexes = index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want.get(s.name)
-                                                               if s.url in hashed else None))
+        indexes = index_shards(shards, lambda s, want=want, hashed=hashed: checked_index(
+            s, cache=cache, check=check, want=want.get(s.name) if s.url in hashed else None))
         derived += sum(s.index is None for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
                               (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))

@@ -23,6 +23,7 @@ class StorageError(RuntimeError):
 
 
 def is_remote(url: str) -> bool:
+    """Whether a URL is read through fsspec (s3, gs, hf, http(s)) rather than from the local filesystem."""
     return url.startswith(REMOTE)
 
 
@@ -121,6 +122,7 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
 
 
 def sha256_file(path: Path) -> str:
+    """The hex sha256 of a local file, read in CHUNK pieces (bounded memory)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):

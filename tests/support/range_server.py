@@ -22,10 +22,10 @@ class _Handler(SimpleHTTPRequestHandler):
         path = Path(self.translate_path(self.path))
         return path if path.is_file() else None
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._serve(body=False)
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._serve(body=True)
 
     def _serve(self, *, body: bool) -> None:

@@ -205,6 +205,7 @@ def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
 def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_frame_sampling(dataset, tmp_path):
     import json
     import shutil

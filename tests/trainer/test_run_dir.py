@@ -94,6 +94,7 @@ def test_the_same_command_resumes_with_a_longer_run_and_other_workers(run_dir, d
     assert json.loads((out / "run.json").read_text())["data_source"] == str(dataset)
 
 
+@pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
 def test_a_finished_run_resumed_says_so_and_still_runs_the_asked_eval_and_export(run_dir, dataset, tmp_path, capsys):
     """The same command again after the run ended (the served-model walk): one line instead of a silent 0-step run,
     then what was asked and is not done yet: the final eval (once) and the --save-hf export."""

@@ -517,6 +517,7 @@ def test_file_level_case(name, file_faults):
         assert rejects[0]["reason"] != "internal_error"
 
 
+@pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
 def test_an_image_in_an_assistant_turn_names_the_message_the_template_drops():
     from vlmprep.families import resolve_family
     from vlmprep.images import prepare_image

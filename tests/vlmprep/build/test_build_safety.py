@@ -24,6 +24,7 @@ def text_records(path, n=3):
     return path
 
 
+@pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
 def test_readme_agent_example_trains_every_turn_and_without_the_template_fails_with_the_fix(demo8, tmp_path,
                                                                                             fresh_processor):
     out = tmp_path / "agent"
@@ -71,6 +72,7 @@ def test_check_rejects_threshold_and_allow_empty():
     check_rejects(manifest(0, 0, 0), "d", allow_empty=True, max_reject_fraction=0.05)
 
 
+@pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
 def test_out_of_another_build_or_unrelated_files_is_refused_unchanged(tmp_path, fresh_processor):
     inp = text_records(tmp_path / "in.jsonl")
     out = tmp_path / "ds"
