@@ -262,6 +262,10 @@ def run_inspect(cfg: InspectConfig, console=None) -> InspectResult:
 
     console = console or Console(highlight=False)
     items, tv = select(cfg)
+    if not items and cfg.only == "truncated" and cfg.index is None and cfg.id is None:
+        # Nothing cut is the good news --only truncated looks for, not a failed selection.
+        console.print(f"no truncated sample in {cfg.path}" + (f" {cfg.shard}" if cfg.shard else ""), soft_wrap=True)
+        return InspectResult([], [])
     if not items and cfg.only != "rejected":
         what = [f"{k} {v}" for k, v in (("--index", cfg.index), ("--id", cfg.id), ("--shard", cfg.shard),
                                          ("--only", cfg.only)) if v is not None]

@@ -119,6 +119,21 @@ def test_messages_and_roles_are_shown(built):
     assert all(bool(r[1]) == (r[0] == "assistant") for r in roles)
 
 
+def test_only_truncated_with_nothing_cut_says_so_and_exits_0(built):
+    """No truncated sample is the good news --only truncated looks for (split, the default, cuts none), not an
+    error; a selection that names a sample that is not there still is."""
+    _, out = built
+    shard_of = {}
+    for s in read_shards(out).values():
+        shard_of.setdefault(s["shard"], []).append(s["meta"]["truncated"])
+    clean = sorted(name for name, cut in shard_of.items() if not any(cut))
+    assert clean, "fixture must have a shard with no truncated sample"
+    res = invoke(out, "--only", "truncated", "--shard", clean[0].removesuffix(".tar"))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == f"no truncated sample in {out} {clean[0].removesuffix('.tar')}"
+    assert invoke(out, "--only", "truncated", "--index", 999).exit_code == 1
+
+
 def test_truncated_sample_shows_dropped_images(built):
     _, out = built
     ref = {k: s for k, s in read_shards(out).items() if s["meta"]["truncated"]}
