@@ -36,7 +36,7 @@ def build_config(inp: Path, out: Path, **kw):
 
 
 def timed_build(inp: Path, out: Path, **kw) -> tuple[float, dict]:
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -88,7 +88,7 @@ def plan_inputs(files: int, records: int) -> Path:
 def real_samples() -> list:
     """A few demo agent-trace samples rendered by the real build (small screenshots keep 100k samples ~1 GB)."""
     from benchmarks.bench_build import build_config
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.shards.reader import iter_dataset
 
     d = OUT / "growth" / "seed"
@@ -115,9 +115,9 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path) -> Path:
     task, shards of replicated samples written by the real writer, its sample list, rejects and task manifest."""
     import collections
 
-    from vlmprep.build.pipeline import plan_build
-    from vlmprep.build.plan import plan_digest, shard_prefix
-    from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, input_totals
+    from vlmprep.builder.pipeline import plan_build
+    from vlmprep.builder.plan import plan_digest, shard_prefix
+    from vlmprep.builder.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, input_totals
     from vlmprep.config import BuildConfig
     from vlmprep.shards.dataset import TASKS_DIR, TaskFiles, write_json_atomic, write_text_atomic
     from vlmprep.shards.writer import ShardWriter

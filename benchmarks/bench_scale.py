@@ -23,7 +23,7 @@ def _tree(d: Path) -> str:
 
 
 def _build(inp: Path, out: Path, **kw):
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks.bench_build import build_config
 from benchmarks.emit import emit
 from benchmarks.inputs import OUT, traces
-from vlmprep.build.workers import _WORKER_PRELOAD
+from vlmprep.builder.workers import _WORKER_PRELOAD
 
 GOAL_READY_S = 3  # a task or Ray worker's seconds from its imports to ready
 GOAL_SPEEDUP_2 = 1.6  # 1 worker's wall-clock over 2 workers' on 2 cores
@@ -30,7 +30,7 @@ def worker_child(processor_dir: str, inp: str) -> dict:
     """In a fresh process, after IMPORTS: seconds to renderer_from_saved, then to render the first record that has
     images (jinja compile, resize warm-up); then seconds until 2 pool workers forked from it (record_workers) have
     each answered."""
-    from vlmprep.build.workers import record_workers, renderer_from_saved
+    from vlmprep.builder.workers import record_workers, renderer_from_saved
     from vlmprep.records import iter_records
 
     t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def _slow_pid() -> int:
 
 def build_child(inp: str, out: str, workers: int) -> dict:
     """In a fresh process: seconds from process start to the build's first record and to its end."""
-    from vlmprep.build import pipeline, task
+    from vlmprep.builder import pipeline, task
 
     first = []
     ordered = task.ordered_results  # the name the task runner calls

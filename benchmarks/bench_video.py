@@ -18,7 +18,7 @@ def run(quick: bool) -> list[dict]:
     import av  # noqa: F401 - fail early with the import error if PyAV is missing
 
     from tests.support.videos import encode, frames
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     n, seconds, fps, (w, h) = (2, 2, 10, (160, 90)) if quick else (8, 10, 30, (640, 360))

@@ -94,7 +94,7 @@ def records(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["zstd-delta", "zstd", "png", "webp", "original"])
 def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
     from vlmprep.shards.format import is_key, is_member
     from vlmprep.shards.reader import iter_dataset
@@ -147,7 +147,7 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     from typer.testing import CliRunner
 
     from benchmarks.bench_loader import as_format_v1
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.cli import app
     from vlmprep.config import BuildConfig
     from vlmprep.shards.reader import iter_dataset
@@ -178,7 +178,7 @@ def test_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp
     """Format v3 added the video members; an image-only v2 dataset (no video_grid_thw / second_per_grid_ts) reads
     as before, everywhere."""
     from benchmarks.bench_loader import as_format
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
     from vlmprep.shards.reader import iter_dataset
     from vlmprep.tools.stats import compute_stats
@@ -240,7 +240,7 @@ def test_the_package_has_no_import_cycle_and_only_the_reader_opens_shard_tars():
 @pytest.mark.slow  # ~15 s: pip wheel + install --target
 def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     """`pip install vlmprep` (not -e): schemas and templates ship inside the wheel, `vlmprep verify` runs."""
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     rec = tmp_path / "r.jsonl"
@@ -270,7 +270,7 @@ _ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.confi
                    "vlmprep.processors"),
           "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "images", "videos", "traces", "render",
                                                   "mask", "positions", "truncate", "families")),
-          "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.build",),
+          "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.builder",),
           "tools": ("vlmprep.tools",), "clients": ("vlmprep.clients",), "cli": ("vlmprep.cli", "vlmprep.__main__")}
 _MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"},
                "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples

@@ -40,7 +40,7 @@ def watch(outside: Path):
 def dataset(tmp_path_factory) -> Path:
     """4 records with small screenshots, 2 shards, built with builtin:qwen2-vl."""
     from scripts.demo_traces import write_traces
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp("untrusted")

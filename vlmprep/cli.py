@@ -102,8 +102,8 @@ def build(**opts) -> None:
             size = sum(f.stat().st_size for f in files)
             typer.echo(f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
                        f"{opts['processor']} into {out} ...", err=True)
-        from vlmprep.build.pipeline import build as run_build
-        from vlmprep.build.pipeline import build_task
+        from vlmprep.builder.pipeline import build as run_build
+        from vlmprep.builder.pipeline import build_task
         from vlmprep.config import BuildConfig
         from vlmprep.shards.summary import format_build_summary, format_plan_summary, format_task_summary
 
@@ -150,8 +150,8 @@ def merge(
 
     Reads every sample's line of the tasks' sample lists (ids repeated across tasks are rejected here) and hashes
     every shard: time grows with the sample count and the bytes (docs/scale.md)."""
-    from vlmprep.build.pipeline import RejectsError, check_dataset
-    from vlmprep.build.pipeline import merge as merge_dir
+    from vlmprep.builder.pipeline import RejectsError, check_dataset
+    from vlmprep.builder.pipeline import merge as merge_dir
     from vlmprep.shards.summary import format_build_summary
 
     try:

@@ -65,7 +65,7 @@ def small_dataset(d: Path) -> Path:
     import base64
 
     from tests.support.videos import encode, frames
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     (d / "clip.mp4").write_bytes(encode(frames(4, 64, 48), 2))

@@ -17,7 +17,7 @@ TRACES = dict(n=18, seed=1, min_images=1, max_images=3, width=224, height=160, o
 def build_dataset(traces: Path, out: Path, *, image_format: str = "zstd", samples_per_shard: int = 4,
                   seq_len: int = 2048, truncate: bool = False) -> Path:
     """truncate: one sample per trace, cut at seq_len (its lost turns accepted), as a short-sequence dataset."""
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     # The demo's agent turns carry tool_calls the Qwen2-VL template does not render: train their content.

@@ -185,7 +185,7 @@ def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, 
 
 @pytest.mark.slow  # make-test budget: builds a qwen3-vl dataset (~12 s)
 def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp_path):
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     qwen3 = tmp_path / "qwen3"

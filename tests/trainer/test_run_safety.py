@@ -78,7 +78,7 @@ def test_a_shard_modified_under_a_running_trainer_stops_it_naming_the_shard(data
 
 def test_a_build_over_the_dataset_a_trainer_reads_stops_the_trainer(data, traces, tmp_path, capsys, monkeypatch,
                                                                   qwen2vl_processor):
-    from vlmprep.build import pipeline
+    from vlmprep.builder import pipeline
     from vlmprep.config import BuildConfig
 
     policy = {"tool_calls": "train-content"} if "tool_calls" in BuildConfig.__dataclass_fields__ else {}

@@ -41,7 +41,7 @@ def _records() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory):
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     d = tmp_path_factory.mktemp("videodata")
@@ -259,7 +259,7 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
     args = ["--data", video_data / "out", "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
             "--no-shuffle"] + (["--pack-to", 4096] if pack else [])
     if nproc == 1 and not pack:  # an image-only held-out set beside video training: eval runs no video pass
-        from vlmprep.build.pipeline import build
+        from vlmprep.builder.pipeline import build
         from vlmprep.config import BuildConfig
 
         (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
@@ -322,7 +322,7 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
     What a model type must pass before it joins VIDEO_MODELS (with the CLI step-1 loss test below)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     model_type = family.replace(".", "_").replace("-", "_")
@@ -378,7 +378,7 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
 
     from tests.trainer.conftest import ROOT, TORCHRUN, trainer_env
     from tests.trainer.test_model import FAMILIES
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     out = "out-qwen3-vl"
@@ -403,7 +403,7 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
 @pytest.fixture(scope="module")
 def held(video_data):
     """An image/text-only dataset (records i and t) from the same processor: no videos in its manifest."""
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
@@ -509,7 +509,7 @@ def test_cli_step_one_loss_of_a_checkpoint_equals_online_processing(video_data, 
 
     out = f"out-{family}"
     if not (video_data / out / "manifest.json").exists():
-        from vlmprep.build.pipeline import build
+        from vlmprep.builder.pipeline import build
         from vlmprep.config import BuildConfig
 
         build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import zstandard
 from PIL import Image
 
 from tests.support.videos import encode, frames
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 from vlmprep.shards.reader import iter_dataset
 from vlmprep.types import RecordError
@@ -655,7 +655,7 @@ def _make_unreadable():
 def test_a_result_the_parent_cannot_read_breaks_the_pool_with_its_cause(deadline):
     from concurrent.futures.process import BrokenProcessPool
 
-    from vlmprep.build.workers import pool_failure, worker_pool
+    from vlmprep.builder.workers import pool_failure, worker_pool
 
     deadline(120)
     with pytest.raises(BrokenProcessPool) as e:
@@ -673,7 +673,7 @@ def _vlmprep_exceptions():
     import vlmprep
 
     for m in pkgutil.walk_packages(vlmprep.__path__, "vlmprep."):
-        if m.name.startswith(("vlmprep.clients", "vlmprep.build.ray_executor", "vlmprep.__main__")):
+        if m.name.startswith(("vlmprep.clients", "vlmprep.builder.ray_executor", "vlmprep.__main__")):
             continue  # optional dependencies (they define no exception types); __main__ runs the CLI
         importlib.import_module(m.name)
     seen, todo = set(), [Exception]

@@ -192,7 +192,7 @@ def test_config_validates_reasoning():
 def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2vl_processor):
     """Qwen2-VL's template ignores reasoning: --reasoning drop lands the records, counted in the manifest and said
     in the summary; a malformed reasoning is a counted reject."""
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.shards.summary import format_build_summary
 
     inp = tmp_path / "r.jsonl"

@@ -11,7 +11,7 @@ from PIL import Image
 
 from tests.support.tiny_processors import load_family_processor
 from tests.vlmprep.test_families import png, render, trained_runs
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 from vlmprep.render import MaskPolicy
 from vlmprep.types import RecordError

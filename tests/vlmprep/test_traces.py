@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 from vlmprep.shards.reader import iter_dataset
 from vlmprep.traces import StepConversation, StepPolicy, keep_last_images, split_trace

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from tests.support.videos import decode_all, encode, frames
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 from vlmprep.processors.load import load_processor
 from vlmprep.shards.reader import decode_stored_image

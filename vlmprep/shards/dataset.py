@@ -19,7 +19,7 @@ PROCESSOR_DIR = "processor"  # the saved processor that rendered the dataset
 JOURNAL_NAME = "build-journal.json"  # an older build's journal: cleared with the rest of a dataset
 NV_META = ".nv-meta"  # energon's MAIN_FOLDER_NAME
 TASKS_DIR = "tasks"
-LOCK_NAME = ".vlmprep.lock"  # held while a build or merge writes into the dir (build/owner.py); removed after
+LOCK_NAME = ".vlmprep.lock"  # held while a build or merge writes into the dir (builder/owner.py); removed after
 SHARD_GLOB = "shard-*.tar"  # every shard name plan.shard_prefix makes; a .tar of another name is never ours
 TMP_SUFFIX = ".tmp"
 # What a finished task leaves under tasks/: its manifest (written last), rejects and sample list.

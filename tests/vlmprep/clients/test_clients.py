@@ -23,7 +23,7 @@ ENERGON = [sys.executable, "-c", "import sys; from megatron.energon.cli.main imp
 def dataset(tmp_path_factory) -> Path:
     """8 records, 0-3 small screenshots each, 3 shards; seed 17 repeats an image inside a sample ([0, 1, 0])."""
     from scripts.demo_traces import write_traces
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp("clients")
@@ -229,7 +229,7 @@ def test_rebuild_drops_a_stale_energon_index(tmp_path):
 def test_vlmprep_imports_no_client_library():
     """The build writes energon's dataset.yaml without energon; `import vlmprep` needs none of the client extras,
     and nothing in vlmprep imports the trainer (the shard format is their only contract)."""
-    code = ("import sys, vlmprep.cli, vlmprep.build.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
+    code = ("import sys, vlmprep.cli, vlmprep.builder.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
             "vlmprep.clients.hf, vlmprep.clients.collate; "
             "print(sorted(m for m in ('datasets', 'megatron', 'webdataset', 'trainer') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

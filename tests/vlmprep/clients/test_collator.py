@@ -23,7 +23,7 @@ def built(request, tmp_path_factory):
     samples (manifest order, fp32, CPU, the tiny random model)."""
     from scripts.demo_traces import write_traces
     from trainer.train import main
-    from vlmprep.build.pipeline import build
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp(f"collate-{request.param}")

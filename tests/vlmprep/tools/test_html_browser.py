@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
 from vlmprep.tools.report import TRAINED_BG

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
 from vlmprep.tools.verify import verify_dataset

@@ -13,7 +13,7 @@ from vlmprep.cli import app
 def fresh_processor(monkeypatch, qwen2vl_processor):
     """Builds reuse a copy of the session's builtin:qwen2-vl (a load is ~15 s on 2 cores); a copy, because a
     --chat-template is set on the processor object itself."""
-    for where in ("vlmprep.build.pipeline.load_processor", "vlmprep.processors.load.load_processor"):  # build; inspect
+    for where in ("vlmprep.builder.pipeline.load_processor", "vlmprep.processors.load.load_processor"):  # build; inspect
         monkeypatch.setattr(where, lambda spec: copy.deepcopy(qwen2vl_processor))
 
 

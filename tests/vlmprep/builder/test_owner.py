@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from tests.vlmprep.conftest import ROOT, tree_hashes
-from vlmprep.build import pipeline, task, workers
-from vlmprep.build.merge import MergeError, merge_tasks
-from vlmprep.build.owner import BusyError, own_out
-from vlmprep.build.pipeline import build, build_task
+from vlmprep.builder import pipeline, task, workers
+from vlmprep.builder.merge import MergeError, merge_tasks
+from vlmprep.builder.owner import BusyError, own_out
+from vlmprep.builder.pipeline import build, build_task
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 from vlmprep.shards.dataset import LOCK_NAME
@@ -129,7 +129,7 @@ def test_a_lock_left_by_a_killed_process_does_not_block(records, tmp_path, fast)
     out = tmp_path / "ds"
     out.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vlmprep.build.owner import own_out\n"
+                               "from vlmprep.builder.owner import own_out\n"
                                f"with own_out(Path({str(out)!r})):\n print('held', flush=True); time.sleep(60)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert holder.stdout.readline().strip() == "held"

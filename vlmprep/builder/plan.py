@@ -70,8 +70,9 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
             frame, frame_offset = frames[bisect.bisect_right([d for _, d in frames], offset) - 1]
         else:
             fi, line, offset, frame, frame_offset = len(files), 0, 0, 0, 0
+        seek = {"offset": offset, "line": line, "frame": frame, "frame_offset": frame_offset}
         cuts.append({"task": i, "position": start, "records": end - start, "bytes": int(sum(sizes[start:end])),
-                     "file": fi, "seek": {"offset": offset, "line": line, "frame": frame, "frame_offset": frame_offset}})
+                     "file": fi, "seek": seek})
     return {"plan_version": PLAN_VERSION, "format_version": FORMAT_VERSION, "vlmprep_version": __version__,
             "tasks": tasks, "records": len(sizes), "config": config, "processor": processor, "inputs": inputs,
             "cuts": cuts}
@@ -103,8 +104,9 @@ def load_plan(out: Path) -> dict | None:
     except (OSError, ValueError) as e:
         raise PlanError(f"{Path(out) / PLAN_NAME}: unreadable ({e}); remove it and plan again") from None
     if not isinstance(plan, dict) or plan.get("plan_version") != PLAN_VERSION:
-        raise PlanError(f"{Path(out) / PLAN_NAME}: plan_version {plan.get('plan_version') if isinstance(plan, dict) else '?'}"
-                        f" is not {PLAN_VERSION}; plan again with this vlmprep")
+        version = plan.get("plan_version") if isinstance(plan, dict) else "?"
+        raise PlanError(f"{Path(out) / PLAN_NAME}: plan_version {version} is not {PLAN_VERSION}; plan again with this "
+                        "vlmprep")
     return plan
 
 

@@ -1,4 +1,4 @@
-"""Task plan (vlmprep/build/plan.py): every task reads exactly its cut of the input, and the cuts together are the input in
+"""Task plan (vlmprep/builder/plan.py): every task reads exactly its cut of the input, and the cuts together are the input in
 order, for each input kind (plain, single- and multi-frame .zst, .json arrays, blank lines, oversized lines, an
 empty file); cuts fall on the record boundary nearest each k/T of the bytes."""
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from vlmprep.build.plan import make_plan, plan_digest, task_records
+from vlmprep.builder.plan import make_plan, plan_digest, task_records
 from vlmprep.records import iter_records
 
 LIMITS = dict(max_line_bytes=400, max_zstd_window=1 << 27)

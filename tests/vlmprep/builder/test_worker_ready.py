@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vlmprep.build.workers import renderer_from_saved
+from vlmprep.builder.workers import renderer_from_saved
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
@@ -42,7 +42,7 @@ def test_worker_renderer_from_saved_dir_is_byte_identical_without_the_template_f
 
 
 def _renderer_and_parent():
-    from vlmprep.build import workers
+    from vlmprep.builder import workers
 
     return id(workers._RENDERER), getattr(workers._RENDERER, "marked", None), os.getppid(), os.getpid()
 
@@ -50,8 +50,8 @@ def _renderer_and_parent():
 def test_pool_workers_are_forked_ready_with_the_loaded_renderer(tmp_path):
     """--workers N: each worker is forked from the process that loaded the Renderer and renders with its copy of it,
     so a worker neither imports nor loads a processor (the 3 s + 8 s a worker used to spend before its first record);
-    the output equals one worker's (tests/vlmprep/build/test_build.py)."""
-    from vlmprep.build.workers import record_workers
+    the output equals one worker's (tests/vlmprep/builder/test_build.py)."""
+    from vlmprep.builder.workers import record_workers
 
     cfg = BuildConfig(inputs=("x.jsonl",), out=str(tmp_path / "out"), progress=False, workers=2)
     renderer = Renderer(cfg, load_processor("builtin:qwen2-vl"))

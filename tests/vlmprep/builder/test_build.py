@@ -13,9 +13,9 @@ import zstandard
 from PIL import Image
 
 from tests.conftest import LLAMAFACTORY
+from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 from vlmprep.shards.reader import decode_stored_image
-from vlmprep.build.pipeline import build
 
 # The demo traces act through tool_calls, which the stock Qwen2-VL template does not render (rejected by default).
 TOOLS_TEMPLATE = str(Path(__file__).parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
@@ -138,7 +138,7 @@ def test_pixel_parity_per_image_format(fmt, tmp_path, qwen2vl_processor):
     srcs = json.loads((LLAMAFACTORY / "mllm_demo.json").read_text())
     checked = 0
     for sh in sorted(out.glob("shard-*.tar")):
-        for key, s in read_tar(sh).items():
+        for s in read_tar(sh).values():
             meta = json.loads(s["json"])
             rec = srcs[meta["source"]["line"] - 1]
             grids = npy(s["image_grid_thw.npy"])
@@ -197,7 +197,7 @@ def test_mixed_good_and_bad_records(tmp_path):
     assert res.manifest["totals"]["samples"] == 4
     assert res.manifest["rejects"] == {"invalid_json": 1, "invalid_base64": 1, "image_not_found": 1,
                                        "unknown_content_type": 1}
-    rejects = [json.loads(l) for l in (out / "rejects.jsonl").read_text().splitlines()]
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["source"]["line"], r["reason"], r["id"]) for r in rejects] == [
         (2, "invalid_json", None), (4, "invalid_base64", "b64"), (5, "image_not_found", "missing"),
         (7, "unknown_content_type", "weird")]
@@ -207,7 +207,7 @@ def test_mixed_good_and_bad_records(tmp_path):
 
 
 def test_strict_stops_at_first_reject(tmp_path):
-    from vlmprep.build.pipeline import BuildError
+    from vlmprep.builder.pipeline import BuildError
 
     inp = tmp_path / "x.jsonl"
     inp.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n{bad\n')
@@ -227,7 +227,7 @@ def test_rebuild_removes_stale_shards(tmp_path, demo_traces):
 @pytest.fixture
 def loaded_once(monkeypatch, qwen2vl_processor):
     """Builds below reuse the session's builtin:qwen2-vl instead of loading it again (~15 s a load on 2 cores)."""
-    monkeypatch.setattr("vlmprep.build.pipeline.load_processor", lambda spec: qwen2vl_processor)
+    monkeypatch.setattr("vlmprep.builder.pipeline.load_processor", lambda spec: qwen2vl_processor)
 
 
 def test_rejects_are_byte_identical_across_builds(tmp_path, loaded_once):

@@ -28,7 +28,7 @@ _RENDERER: Renderer | None = None
 _CACHED: tuple[tuple, Renderer] | None = None
 # Most of a task process's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Task
 # processes fork from a forkserver that imported them once, instead of each spawned one importing them again.
-_WORKER_PRELOAD = ["vlmprep.build.workers", "vlmprep.images", "torch", "torchvision",
+_WORKER_PRELOAD = ["vlmprep.builder.workers", "vlmprep.images", "torch", "torchvision",
                    "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
 
 

@@ -1,9 +1,9 @@
-"""Merge: the plan's finished tasks (tasks/task-NNNNN.json, their shards, rejects and sample lists) -> one DIR/manifest.json
-and DIR/rejects.jsonl in plan order. Refuses a dir it cannot vouch for: a missing task, a task of another plan or
-processor, a task manifest that is not its own task's, files no task of this plan wrote, a listed shard missing or
-changed (size, sha256): the manifest never names a missing, changed or duplicated shard. Ids repeated across tasks
-(no task can see another's ids) are rejected here as the one-task build rejects them, by rewriting the few shards
-that hold them.
+"""Merge: the plan's finished tasks (tasks/task-NNNNN.json, their shards, rejects and sample lists) -> one
+DIR/manifest.json and DIR/rejects.jsonl in plan order. Refuses a dir it cannot vouch for: a missing task, a task of
+another plan or processor, a task manifest that is not its own task's, files no task of this plan wrote, a listed
+shard missing or changed (size, sha256): the manifest never names a missing, changed or duplicated shard. Ids
+repeated across tasks (no task can see another's ids) are rejected here as the one-task build rejects them, by
+rewriting the few shards that hold them.
 """
 from __future__ import annotations
 
@@ -15,13 +15,25 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from vlmprep.builder.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
+from vlmprep.builder.totals import TOTAL_KEYS, count_sample, duplicate_reject, input_totals, turn_coverage
 from vlmprep.clients.energon_meta import write_energon_meta
-from vlmprep.build.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
-from vlmprep.build.totals import TOTAL_KEYS, count_sample, duplicate_reject, input_totals, turn_coverage
 from vlmprep.processors.load import fingerprint_dir
-from vlmprep.shards.dataset import (MANIFEST_NAME, PLAN_NAME, REJECTS_NAME, SHARD_GLOB, TASK_SUFFIXES, TASKS_DIR,
-                                    TMP_SUFFIX, TaskFiles, load_task_manifest, sha256_file, task_file,
-                                    write_json_atomic, write_text_atomic)
+from vlmprep.shards.dataset import (
+    MANIFEST_NAME,
+    PLAN_NAME,
+    REJECTS_NAME,
+    SHARD_GLOB,
+    TASK_SUFFIXES,
+    TASKS_DIR,
+    TMP_SUFFIX,
+    TaskFiles,
+    load_task_manifest,
+    sha256_file,
+    task_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from vlmprep.shards.format import FORMAT_VERSION, index_name
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardWriter
@@ -201,7 +213,7 @@ def _repeated_ids(out: Path, plan: dict, manifests: list[dict]) -> tuple[list[li
 
 def merge_tasks(out: Path) -> dict:
     """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
-    and manifest.json (last). Returns the manifest. The caller owns the dir (build/owner.py)."""
+    and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py)."""
     out = Path(out)
     plan = load_plan(out)
     if plan is None:

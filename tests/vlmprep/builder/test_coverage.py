@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.vlmprep.build.conftest import invoke, state
+from tests.vlmprep.builder.conftest import invoke, state
 from vlmprep.config import BuildConfig
 from vlmprep.shards.summary import coverage_problem
 

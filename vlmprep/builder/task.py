@@ -17,16 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
-from vlmprep.build.journal import Journal, landed_ids, load_journal, save_journal
-from vlmprep.build.owner import own_task
-from vlmprep.build.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
-from vlmprep.build.progress import record_progress
-from vlmprep.build.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject, input_totals
-from vlmprep.build.workers import BuildError, cached_renderer, ordered_results, record_workers
+from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_journal
+from vlmprep.builder.owner import own_task
+from vlmprep.builder.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
+from vlmprep.builder.progress import record_progress
+from vlmprep.builder.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject, input_totals
+from vlmprep.builder.workers import BuildError, cached_renderer, ordered_results, record_workers
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
-from vlmprep.shards.dataset import (TASKS_DIR, TMP_SUFFIX, TaskFiles, load_task_manifest, task_file, write_json_atomic,
-                                    write_text_atomic)
+from vlmprep.shards.dataset import (
+    TASKS_DIR,
+    TMP_SUFFIX,
+    TaskFiles,
+    load_task_manifest,
+    task_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from vlmprep.shards.format import FORMAT_VERSION, index_name
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.writer import ShardInfo, ShardWriter

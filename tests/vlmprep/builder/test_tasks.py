@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from vlmprep.build.merge import MergeError, merge_tasks
-from vlmprep.build.pipeline import build, build_task
-from vlmprep.build.plan import PlanError
-from vlmprep.shards.reader import iter_dataset
 from tests.vlmprep.conftest import TOOLS, planned_cfg, tree_hashes
+from vlmprep.builder.merge import MergeError, merge_tasks
+from vlmprep.builder.pipeline import build, build_task
+from vlmprep.builder.plan import PlanError
+from vlmprep.shards.reader import iter_dataset
 
 CLI_OPTS = ["--seq-len", "2048", "--samples-per-shard", "2", "--chat-template", TOOLS, "--no-progress",
             "--max-reject-fraction", "1"]

@@ -8,8 +8,14 @@ from vlmprep.config import BuildConfig
 
 def record_progress(cfg: BuildConfig):
     """A progress bar over one task's records (rich; shows nothing unless cfg.progress)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn("[bold]build"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
                     TextColumn("{task.fields[rate]:.1f} rec/s"), TextColumn("{task.fields[samples]} samples"),
@@ -22,8 +28,14 @@ class TaskProgress:
     """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
 
     def __init__(self, cfg: BuildConfig, n: int):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.progress = Progress(TextColumn("[bold]build tasks"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[records]} records"),

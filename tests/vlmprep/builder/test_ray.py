@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.vlmprep.conftest import planned_cfg, tree_hashes
-from vlmprep.build.pipeline import build
+from vlmprep.builder.pipeline import build
 
 ray = pytest.importorskip("ray")
 
@@ -70,18 +70,18 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(ta
 
 
 def test_a_local_build_never_imports_ray():
-    code = ("import sys, vlmprep.cli, vlmprep.build.pipeline, vlmprep.build.task, vlmprep.build.workers, "
-            "vlmprep.build.merge, vlmprep.build.plan; "
+    code = ("import sys, vlmprep.cli, vlmprep.builder.pipeline, vlmprep.builder.task, vlmprep.builder.workers, "
+            "vlmprep.builder.merge, vlmprep.builder.plan; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
-    code = "import sys, vlmprep.build.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs
+    code = "import sys, vlmprep.builder.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 @pytest.mark.slow  # make-test budget: needs the cluster (~20 s with its start)
 @pytest.mark.usefixtures("cluster")
 def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, tmp_path):
-    from vlmprep.build.pipeline import BuildError
+    from vlmprep.builder.pipeline import BuildError
 
     # --strict makes the broken line (traces.jsonl:6) fatal inside whichever Ray task reads it.
     with pytest.raises(BuildError) as e:

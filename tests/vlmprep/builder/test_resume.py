@@ -73,11 +73,11 @@ def _forked_build(inp, out, mode="truncate"):
     interpreter start-up per kill. A plain fork of this (threaded) pytest process can deadlock in the child."""
     import multiprocessing as mp
 
+    from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
-    from vlmprep.build.pipeline import build
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["vlmprep.build.pipeline"])
+    ctx.set_forkserver_preload(["vlmprep.builder.pipeline"])
     cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False, max_reject_fraction=1.0,
                       **{"seq_len": 2048, **MODES[mode][0]})
     proc = ctx.Process(target=build, args=(cfg,))

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from tests.vlmprep.build.conftest import invoke, state
+from tests.vlmprep.builder.conftest import invoke, state
 from tests.vlmprep.conftest import tree_hashes
-from vlmprep.build.pipeline import RejectsError, check_rejects
+from vlmprep.builder.pipeline import RejectsError, check_rejects
 from vlmprep.processors.load import TEMPLATES_DIR, resolve_chat_template
 from vlmprep.shards.summary import format_build_summary
 
@@ -128,7 +128,7 @@ def test_a_failed_processor_load_removes_the_out_it_created(tmp_path, monkeypatc
     def boom(spec):
         raise ValueError("cannot load it")
 
-    monkeypatch.setattr("vlmprep.build.pipeline.load_processor", boom)
+    monkeypatch.setattr("vlmprep.builder.pipeline.load_processor", boom)
     inp = text_records(tmp_path / "in.jsonl")
     res = invoke("build", "--in", inp, "--out", tmp_path / "a" / "b", "--no-progress")
     assert res.exit_code == 1 and "cannot load it" in res.stderr and not (tmp_path / "a").exists()
@@ -181,8 +181,8 @@ def test_progress_bar_shows_the_total_and_an_eta(monkeypatch):
     import rich.progress
     from rich.console import Console
 
+    from vlmprep.builder.progress import record_progress
     from vlmprep.config import BuildConfig
-    from vlmprep.build.progress import record_progress
 
     buf = io.StringIO()
 

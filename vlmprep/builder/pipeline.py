@@ -22,18 +22,30 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlmprep.builder.merge import merge_tasks
+from vlmprep.builder.owner import own_out, share_out
+from vlmprep.builder.plan import PlanError, config_changes, load_plan, make_plan, write_plan
+from vlmprep.builder.progress import TaskProgress
+from vlmprep.builder.task import run_task, task_start
+from vlmprep.builder.workers import BuildError, pool_failure, start_worker_server, worker_pool
 from vlmprep.config import BuildConfig, spelled, spelled_flag
-from vlmprep.build.merge import merge_tasks
-from vlmprep.build.owner import own_out, share_out
-from vlmprep.build.plan import PlanError, config_changes, load_plan, make_plan, write_plan
-from vlmprep.build.progress import TaskProgress
-from vlmprep.build.task import run_task, task_start
-from vlmprep.build.workers import BuildError, pool_failure, start_worker_server, worker_pool
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
-from vlmprep.shards.dataset import (FAILED_NAME, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, NV_META, PLAN_NAME,
-                                    PROCESSOR_DIR, REJECTS_NAME, SHARD_GLOB, TASKS_DIR, TMP_SUFFIX, write_text_atomic)
+from vlmprep.shards.dataset import (
+    FAILED_NAME,
+    JOURNAL_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    NV_META,
+    PLAN_NAME,
+    PROCESSOR_DIR,
+    REJECTS_NAME,
+    SHARD_GLOB,
+    TASKS_DIR,
+    TMP_SUFFIX,
+    write_text_atomic,
+)
 from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_coverage", "check_dataset",
@@ -226,7 +238,7 @@ def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer |
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
     if cfg.executor == "ray":
-        from vlmprep.build.ray_executor import run_tasks_on_ray  # ray is imported only when chosen
+        from vlmprep.builder.ray_executor import run_tasks_on_ray  # ray is imported only when chosen
 
         seconds = run_tasks_on_ray(out, plan, cfg)
     elif plan["tasks"] == 1:  # the records of the one task spread over --workers processes

@@ -7,10 +7,10 @@ import os
 import time
 from pathlib import Path
 
+from vlmprep.builder.progress import TaskProgress
+from vlmprep.builder.task import run_task, task_start
+from vlmprep.builder.workers import BuildError
 from vlmprep.config import BuildConfig
-from vlmprep.build.progress import TaskProgress
-from vlmprep.build.task import run_task, task_start
-from vlmprep.build.workers import BuildError
 from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
