@@ -185,7 +185,7 @@ def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, messag
     for name in good:
         if name.endswith(".delta.zst"):
             u = int(name[3:6])
-            good[name] = encode_image(PreparedImage(s.images[u], (1, 1, 1), None, ""), "zstd-delta")
+            good[name] = encode_image(PreparedImage(pixels=s.images[u], grid_thw=(1, 1, 1), source=None, digest=""), "zstd-delta")
     ok = decode_sample(good, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
     assert all(np.array_equal(x, y) for x, y in zip(ok.images, s.images))
     bad = {**good, "img000.delta.zst": make(s.images[0])}
@@ -196,4 +196,4 @@ def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, messag
 def _delta(a: np.ndarray) -> bytes:
     from vlmprep.images import encode_image
 
-    return encode_image(PreparedImage(a, (1, 1, 1), None, ""), "zstd-delta")
+    return encode_image(PreparedImage(pixels=a, grid_thw=(1, 1, 1), source=None, digest=""), "zstd-delta")

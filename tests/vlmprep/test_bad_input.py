@@ -587,7 +587,8 @@ def faulty_reference(faulty_inputs, tmp_path_factory, qwen2vl_processor):
     return out, rejects, samples
 
 
-@pytest.mark.parametrize("mode", [dict(workers=2), dict(tasks=2, workers=2)], ids=["workers2", "tasks2_workers2"])
+@pytest.mark.parametrize("mode", [dict(workers=2), pytest.param(dict(tasks=2, workers=2), marks=pytest.mark.slow)],
+                         ids=["workers2", "tasks2_workers2"])
 def test_file_level_faults_through_a_worker_pool_finish_as_with_one_worker(mode, faulty_inputs, faulty_reference,
                                                                           tmp_path, deadline):
     ref, ref_rejects, ref_samples = faulty_reference

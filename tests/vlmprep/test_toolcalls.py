@@ -94,6 +94,7 @@ def test_a_template_that_drops_the_arguments_is_not_trusted():
     assert e.value.reason == "tool_calls_not_rendered"
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_build_rejects_then_trains_with_the_chat_template_flag(tmp_path):
     inp = tmp_path / "trace.jsonl"
     inp.write_text(json.dumps(TRACE) + "\n")

@@ -212,6 +212,7 @@ def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces,
     assert verify_dataset(out) == []  # placeholders = grid rows, pixels at grid size, occurrence map
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_max_pixels_is_saved_and_gives_the_processors_own_grid(traces, tmp_path):
     from transformers import AutoProcessor
 

@@ -255,6 +255,7 @@ def test_video_options_reach_the_processor_and_are_saved(clips, tmp_path):
     np.testing.assert_array_equal(arrays["video_grid_thw"][0], ref["video_grid_thw"][0].numpy())
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_truncation_drops_a_video_whole(clips, tmp_path):
     """A --seq-len that ends inside the second video's tokens drops that video whole (tokens, grid row, frames),
     counted in the sample and the manifest; the first video and the text before the cut stay."""

@@ -215,6 +215,7 @@ def test_strict_stops_at_first_reject(tmp_path):
         build(cfg([inp], tmp_path / "o", strict=True))
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_rebuild_removes_stale_shards(tmp_path, demo_traces):
     out = tmp_path / "o"
     build(cfg([demo_traces], out, samples_per_shard=2, chat_template=TOOLS_TEMPLATE))

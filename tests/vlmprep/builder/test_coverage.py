@@ -88,6 +88,7 @@ def _big_image_records(d: Path) -> Path:
     return d / "big.jsonl"
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_an_image_too_large_for_seq_len_points_to_max_pixels_and_the_pasted_fix_builds(tmp_path, fresh_processor):
     inp, out = _big_image_records(tmp_path), tmp_path / "ds"
     res = invoke("build", "--in", inp, "--out", out, "--no-progress", "--seq-len", "512")

@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from vlmprep.builder.workers import renderer_from_saved
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
@@ -16,6 +18,7 @@ TOOLS_TEMPLATE = Path(__file__).parents[3] / "vlmprep" / "templates" / "qwen2_vl
 MAX_PIXELS = 128 * 28 * 28  # well under the demo images' 480x270, so the budget changes every image's grid
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_worker_renderer_from_saved_dir_is_byte_identical_without_the_template_file(tmp_path):
     from scripts.demo_traces import write_traces
 

@@ -305,6 +305,7 @@ def video_collator(video_dataset):
     return lambda family: made.setdefault(family, Collator(video_dataset(family)))
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", pytest.param("qwen3-vl", marks=pytest.mark.slow)])
 def test_collator_video_batches_equal_the_trainers(video_dataset, video_collator, family):
     """A mixed batch (a video sample, an image sample, a text sample, two videos around an image): the Collator's
