@@ -75,6 +75,7 @@ def test_png_member_decodes_to_the_same_pixels(dataset, image_spec):
     np.testing.assert_array_equal(decode_image("img000.png", buf.getvalue(), None), s.images[0])
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_original_format_is_resized_at_load_time_like_the_build(traces, dataset, image_spec, tmp_path):
     orig = build_dataset(traces, tmp_path / "orig", image_format="original")
     a, b = read_all_samples(dataset, image_spec), read_all_samples(orig, image_spec)

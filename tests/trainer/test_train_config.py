@@ -107,6 +107,7 @@ def test_readme_options_table_is_the_declarations():
     assert len(table.splitlines()) == 2 + len(FIELDS)
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_tensorboard_default_follows_the_installed_package():
     """Without the tensorboard package the default turns off; asking for it explicitly is one line and exit 1."""
     import subprocess

@@ -653,6 +653,7 @@ def _make_unreadable():
     return _Unreadable()
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_a_result_the_parent_cannot_read_breaks_the_pool_with_its_cause(deadline):
     from concurrent.futures.process import BrokenProcessPool
 

@@ -189,6 +189,7 @@ def test_config_validates_reasoning():
     assert BuildConfig(inputs=("x",), out="o").to_json()["reasoning"] == "train"
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2vl_processor):
     """Qwen2-VL's template ignores reasoning: --reasoning drop lands the records, counted in the manifest and said
     in the summary; a malformed reasoning is a counted reject."""
@@ -209,6 +210,7 @@ def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2v
         format_build_summary(manifest, out)
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_inspect_marks_trained_reasoning(tmp_path, qwen35):
     from typer.testing import CliRunner
 

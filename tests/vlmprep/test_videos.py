@@ -227,6 +227,7 @@ def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
         _assert_pixels_equal(processor, v1, ref["pixel_values_videos"])
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_video_options_reach_the_processor_and_are_saved(clips, tmp_path):
     """--video-fps / --video-max-frames are set on the saved processor (Qwen3-VL's sample_frames reads max_frames
     only from itself); a part's own fps / max_frames win over them; the sample equals the processor so configured."""
@@ -458,6 +459,7 @@ def test_inspect_html_shows_each_videos_stored_frames_with_their_times(family, b
         assert not re.search(r"<\d", page.read_text(encoding="utf-8"))  # "<0.3 seconds>" only ever as &lt;0.3
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_inspect_raw_video_input_gives_the_shards_view(built, clips):
     """Raw input rendered with the dataset's processor and options shows the same video blocks as the shard."""
     out, _, _ = built["qwen3-vl"]
@@ -517,6 +519,7 @@ def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
             assert "video placeholders, video_grid_thw rows need" in found and "video 0: frames of" in found
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
     """For a model type whose video training is not verified (here llava_onevision, from a checkpoint dir's
     config.json), a dataset with videos stops `python -m trainer` before anything runs: exit 1, one line naming the
@@ -541,7 +544,7 @@ def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen2-vl" else pytest.mark.slow)
                                     for f in FAMILIES])  # make-test budget: Qwen2-VL's was the broken one
-@pytest.mark.parametrize("video_fps", [None, 5.0])
+@pytest.mark.parametrize("video_fps", [None, pytest.param(5.0, marks=pytest.mark.slow)])
 def test_the_saved_processor_samples_a_source_video_as_the_build_did(family, video_fps, tmp_path):
     """A 2.3 s clip is stored sampled at --video-fps (else the processor's fps, else 2): the dataset's saved
     processor (what `python -m trainer export` ships) carries that sampling, so its own apply_chat_template on the

@@ -357,6 +357,7 @@ def test_collator_video_batches_equal_the_trainers(video_dataset, video_collator
     assert "pixel_values" not in only_video and torch.equal(only_video["video_grid_thw"], want.video_grid_thw[:1])
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_collator_refuses_another_processors_video_grids(video_dataset, video_collator):
     import vlmprep.clients.hf
 

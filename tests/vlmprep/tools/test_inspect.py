@@ -171,6 +171,7 @@ def test_raw_input_gives_the_same_view_as_the_built_shard(built):
     assert strip_where(one_raw.stdout) == strip_where(one_dir.stdout)
 
 
+@pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_only_rejected_raw_input_matches_build_rejects(built):
     inp, out = built
     built_rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
