@@ -18,10 +18,17 @@ LLAMAFACTORY = FIXTURES / "llamafactory_mllm_demo"
 
 @pytest.fixture(scope="session", autouse=True)
 def _offline_env(tmp_path_factory):
-    # Tests never reach a hub; a private builtin cache keeps runs hermetic.
+    # Tests never reach a hub; a private builtin cache keeps runs hermetic. One cache for the run's test processes
+    # (pytest-xdist workers share the base temp's parent): each builtin is built cold once, and the builder's atomic
+    # rename settles two workers building the same one at once.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    os.environ.setdefault("VLMPREP_CACHE", str(tmp_path_factory.mktemp("vlmprep-cache")))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    cache = root / "vlmprep-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ.setdefault("VLMPREP_CACHE", str(cache))
 
 
 @pytest.fixture(scope="session")
