@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmprep.config import FIELDS, INSPECT_FIELDS, RAW_OPTIONS, REQUIRED, InspectConfig
+from vlmprep.config import FIELDS, INSPECT_FIELDS, RAW_OPTIONS, REQUIRED, InspectConfig, default
 from vlmprep.shards.summary import plural
 from vlmprep.types import UserError, printable
 
@@ -133,20 +133,17 @@ def build(**opts) -> None:
 
 
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
-_REJECTS, _COVERAGE = FIELDS["max_reject_fraction"].default, FIELDS["min_turn_coverage"].default
-
-
 @app.command()
 def merge(
     root: Annotated[Path, typer.Argument(help="A dataset dir whose plan's tasks have all finished.")],
     max_reject_fraction: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the "
-                               "records is rejected; 1 = never.")] = _REJECTS,
+                               "records is rejected; 1 = never.")] = default("max_reject_fraction"),
     min_turn_coverage: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when fewer than this share of the "
-                               "assistant turns to train land in a sample; 0 = never.")] = _COVERAGE,
+                               "assistant turns to train land in a sample; 0 = never.")] = default("min_turn_coverage"),
     allow_empty: Annotated[bool, typer.Option(
-        help="As for build: exit 0 even when every record is rejected.")] = FIELDS["allow_empty"].default,
+        help="As for build: exit 0 even when every record is rejected.")] = default("allow_empty"),
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs).
 

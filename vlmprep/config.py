@@ -284,6 +284,13 @@ class BuildConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
 
 
+def default(name: str):
+    """An option's one declared default (its BuildConfig field's), for the library classes and signatures that take
+    the option: tests/vlmprep/test_defaults.py holds every library default of an option to it."""
+    assert FIELDS[name].default is not REQUIRED, f"{name} has no default"
+    return FIELDS[name].default
+
+
 def spelled(name: str, value) -> str:
     """A resolved config value as the user types it (`last:3`, `assistant,tool`), "not set" for an unset one."""
     show = FIELDS[name].metadata["show"] if name in FIELDS else None
