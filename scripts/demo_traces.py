@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import base64
 import functools
+import inspect
 import io
 import json
 import os
@@ -261,6 +262,10 @@ _COLUMNS = {
 }
 
 
+# A page item's style, in the item tuple's order after (op, box): the defaults of _Page._add.
+ITEM_STYLE = {"fill": None, "outline": None, "text": "", "size": 14, "tfill": (30, 30, 30), "label": None, "ck": None}
+
+
 class _Page:
     """One page: items in page coordinates (y from the top of the page, below the browser chrome)."""
 
@@ -291,9 +296,11 @@ class _Page:
             return rng.choice(TABLE_TITLES)
         return _sentence(rng, 4, 9)[:-1].title()
 
-    # item: (op, box, fill, outline, text, size, text_fill, label, clickable kind)
-    def _add(self, op, box, fill=None, outline=None, text="", size=14, tfill=(30, 30, 30), label=None, ck=None):
-        self.items.append((op, box, fill, outline, text, size, tfill, label, ck))
+    def _add(self, op, box, **style):
+        """An item: (op, box, then ITEM_STYLE's keys in order: fill, outline, text, size, text fill, label, clickable
+        kind), each style its default unless given."""
+        assert style.keys() <= ITEM_STYLE.keys(), sorted(style.keys() - ITEM_STYLE.keys())
+        self.items.append((op, box, *{**ITEM_STYLE, **style}.values()))
 
     def _button(self, x, y, label, color, w=None):
         w = w or _textw(label, 14) + 28
@@ -688,7 +695,7 @@ def _check(n, min_images, max_images, text_only_fraction, overlong_fraction, wid
         raise ValueError(f"image size must be at least 160x{CHROME_H + 24}")
 
 
-def _generate(n, seed, min_images, max_images, text_only_fraction, overlong_fraction, width, height):
+def _generate(*, n, seed, min_images, max_images, text_only_fraction, overlong_fraction, width, height):
     _check(n, min_images, max_images, text_only_fraction, overlong_fraction, width, height)
     phases = random.Random(f"vlmprep-demo-phase:{seed}")
     p_text, p_long = phases.random(), phases.random()
@@ -702,15 +709,17 @@ def generate_traces(*, n: int, seed: int = 0, min_images: int = 2, max_images: i
                     text_only_fraction: float = 0.05, overlong_fraction: float = 0.03,
                     width: int = 1280, height: int = 720) -> Iterator[dict]:
     """Yield n browser-agent trace records; record i depends only on (seed, i) and the other arguments."""
-    for rec, _ in _generate(n, seed, min_images, max_images, text_only_fraction, overlong_fraction, width, height):
+    for rec, _ in _generate(n=n, seed=seed, min_images=min_images, max_images=max_images,
+                            text_only_fraction=text_only_fraction, overlong_fraction=overlong_fraction, width=width,
+                            height=height):
         yield rec
 
 
-def write_traces(path: Path, *, n: int, seed: int = 0, min_images: int = 2, max_images: int = 25,
-                 text_only_fraction: float = 0.05, overlong_fraction: float = 0.03,
-                 width: int = 1280, height: int = 720, id_prefix: str = "trace") -> dict:
-    """Write generate_traces(...) as .jsonl.zst atomically; return {"records", "images", "bytes"}. Ids are
+def write_traces(path: Path, *, id_prefix: str = "trace", **options) -> dict:
+    """Write generate_traces(**options) as .jsonl.zst atomically; return {"records", "images", "bytes"}. Ids are
     ID_PREFIX-000001 ...: parts of one corpus need distinct prefixes (a build rejects duplicate ids)."""
+    given = inspect.signature(generate_traces).bind(**options)  # its options and defaults, as a call would take them
+    given.apply_defaults()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -718,8 +727,7 @@ def write_traces(path: Path, *, n: int, seed: int = 0, min_images: int = 2, max_
     try:
         with open(tmp, "wb") as f:
             with zstandard.ZstdCompressor(level=3).stream_writer(f, closefd=False) as w:
-                for rec, k in _generate(n, seed, min_images, max_images, text_only_fraction, overlong_fraction,
-                                        width, height):
+                for rec, k in _generate(**given.arguments):
                     rec = {**rec, "id": id_prefix + rec["id"].removeprefix("trace")}
                     w.write(json.dumps(rec, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n")
                     records += 1

@@ -75,9 +75,9 @@ def test_demo_repeated_for_all_tools(tmp_path):
 
 
 def test_each_tool_gets_the_same_length_and_pixel_bounds(tmp_path):
-    data = {"kind": "demo", "name": "demo", "llamafactory": tmp_path, "swift": tmp_path / "d.jsonl"}
+    data = {"kind": "demo", "name": "demo", "llamafactory": tmp_path, "swift": tmp_path / "d.jsonl", "seq_len": 4096}
     pixels = {"min_pixels": 3136, "max_pixels": 12845056}
-    args = dict(model=tmp_path / "model", out=tmp_path / "o", run_dir=tmp_path, seq_len=4096, workers=1, pixels=pixels)
+    args = dict(model=tmp_path / "model", out=tmp_path / "o", run_dir=tmp_path, workers=1, pixels=pixels)
     vl = command("vlmprep", Path("python"), data, **args)
     assert vl[vl.index("--seq-len") + 1] == "4096" and vl[vl.index("--processor") + 1] == str(tmp_path / "model")
     command("llamafactory", tmp_path / "bin" / "python", data, **args)

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmprep.config import FIELDS, RAW_OPTIONS, REQUIRED
+from vlmprep.config import FIELDS, INSPECT_FIELDS, RAW_OPTIONS, REQUIRED, InspectConfig, default
 from vlmprep.shards.summary import plural
 from vlmprep.types import UserError, printable
 
@@ -43,17 +43,17 @@ def _parsed_ok(parse):
     return check
 
 
-def _option(name: str, *, given_only: bool) -> Parameter:
-    """The typer option of one BuildConfig field, from its declaration (config.opt). given_only: every default is
-    None, meaning "not given" (inspect: the value of --like's dataset, else build's default)."""
-    f, m = FIELDS[name], FIELDS[name].metadata
+def _option(name: str, f, *, given_only: bool) -> Parameter:
+    """The typer option of one config field, from its declaration (config.opt). given_only: every default is None,
+    meaning "not given" (inspect: the value of --like's dataset, else build's default)."""
+    m = f.metadata
     if m["choices"]:  # an Enum over the config's tuple, so typer lists and checks the choices at parse time
         typ = enum.Enum(name, {v: v for v in m["choices"]}, type=str)
     else:
         typ = m["cli_type"] or (str if m["parse"] else _TYPES[f.type.removesuffix(" | None")])
     low, high = m["bounds"] or (None, None)
-    info = typer.Option(*[m["flag"]] if m["flag"] else [], rich_help_panel=m["group"], help=m["help"], min=low,
-                        max=high, callback=_parsed_ok(m["parse"]) if m["parse"] else None)
+    info = typer.Option(*[m["flag"]] if m["flag"] else [], rich_help_panel=m["group"] or None, help=m["help"],
+                        min=low, max=high, callback=_parsed_ok(m["parse"]) if m["parse"] else None)
     if given_only:
         default = None
     elif f.default is REQUIRED:  # a repeatable --in may be missing: the command says when it is needed
@@ -67,11 +67,12 @@ def _option(name: str, *, given_only: bool) -> Parameter:
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 
 
-def _with_options(names, *, given_only: bool = False):
-    """Append the generated options of these BuildConfig fields to a command's own parameters."""
+def _with_options(names, *, fields=FIELDS, given_only: bool = False):
+    """Append the generated options of these config fields (BuildConfig's unless `fields` says) to a command's own
+    parameters."""
     def add(fn):
         own = [p for p in signature(fn, eval_str=True).parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
-        params = own + [_option(n, given_only=given_only) for n in names]
+        params = own + [_option(n, fields[n], given_only=given_only) for n in names]
         fn.__signature__ = Signature(params)
         fn.__annotations__ = {p.name: p.annotation for p in params}
         return fn
@@ -132,19 +133,17 @@ def build(**opts) -> None:
 
 
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
-_REJECTS, _COVERAGE = FIELDS["max_reject_fraction"].default, FIELDS["min_turn_coverage"].default
-
-
 @app.command()
 def merge(
     root: Annotated[Path, typer.Argument(help="A dataset dir whose plan's tasks have all finished.")],
     max_reject_fraction: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the "
-                               "records is rejected; 1 = never.")] = _REJECTS,
+                               "records is rejected; 1 = never.")] = default("max_reject_fraction"),
     min_turn_coverage: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when fewer than this share of the "
-                               "assistant turns to train land in a sample; 0 = never.")] = _COVERAGE,
-    allow_empty: Annotated[bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")] = False,
+                               "assistant turns to train land in a sample; 0 = never.")] = default("min_turn_coverage"),
+    allow_empty: Annotated[bool, typer.Option(
+        help="As for build: exit 0 even when every record is rejected.")] = default("allow_empty"),
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs).
 
@@ -189,37 +188,23 @@ def verify(
 
 @app.command()
 @_with_options(RAW_OPTIONS, given_only=True)
+@_with_options(INSPECT_FIELDS, fields=INSPECT_FIELDS)  # inspect's own options first, from InspectConfig
 def inspect(
     path: Annotated[str, typer.Argument(
         help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
-    index: Annotated[Optional[int], typer.Option(
-        help="The record at this 0-based input position (= its shard key); found through the sample index.")] = None,
-    sample_id: Annotated[Optional[str], typer.Option("--id", help="The sample with this id; found through the sample "
-                                                                  "index, reading only that sample.")] = None,
-    shard: Annotated[Optional[str], typer.Option(help="Only this shard of a built dir, e.g. shard-000001.")] = None,
-    limit: Annotated[int, typer.Option(help="Show at most this many samples (or rejects).")] = 3,
-    only: Annotated[Optional[str], typer.Option(
-        help="truncated | rejected (raw input: why build would reject it).")] = None,
-    tokens: Annotated[bool, typer.Option(
-        "--tokens", help="A table of token index, id, mask, type id and piece.")] = False,
-    html: Annotated[Optional[str], typer.Option(
-        help="Write a self-contained HTML report to this file instead.")] = None,
-    like: Annotated[Optional[str], typer.Option(help="Raw input: render with this built dir's processor and build "
-                                                     "options.")] = None,
     **opts,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts.
 
     --id and --index find their samples through the shards' sample index (reading the index files, not the samples);
     a dataset built without one, and --only truncated, read every sample's meta until --limit is reached."""
-    from vlmprep.tools.inspector import InspectConfig, run_inspect
+    from vlmprep.tools.inspector import run_inspect
 
     try:
         raw = {k: v for k, v in _config_values(opts, RAW_OPTIONS).items() if v is not None}
         if opts["keep_images"] == "all":
             raw["keep_images"] = "all"  # given, unlike None: overrides --like's last:N
-        run_inspect(InspectConfig(path=path, index=index, id=sample_id, shard=shard, limit=limit, only=only,
-                                  tokens=tokens, html=html, like=like, build_options=raw))
+        run_inspect(InspectConfig(path=path, **{name: opts[name] for name in INSPECT_FIELDS}, build_options=raw))
     except (UserError, ValueError, OSError) as e:
         _fail(e)
 

@@ -1,10 +1,12 @@
 """BuildConfig: every `vlmprep build` option declared once (default, help, --help group), validated once; the CLI's
-options are generated from it and it is written into the manifest as resolved."""
+options are generated from it and it is written into the manifest as resolved. InspectConfig: the same for
+`vlmprep inspect`'s own options."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from vlmprep.processors.builtin import builtin_names
 from vlmprep.processors.load import bundled_templates, resolve_chat_template
@@ -20,6 +22,7 @@ EXECUTORS = ("local", "ray")
 INPUT, RENDER, IMAGES, AGENT = "Input", "Rendering and masks", "Images", "Agent traces"
 LIMITS, OUTPUT, SCALE = "Limits", "Output", "Scale-out"
 GROUPS = (OUTPUT, INPUT, RENDER, IMAGES, AGENT, LIMITS, SCALE)
+OWN = ""  # typer's own "Options" panel: inspect's options, before the build options it takes
 REQUIRED = dataclasses.MISSING
 
 
@@ -46,16 +49,27 @@ def show_keep_images(value: int | None) -> str:
     return "all" if value is None else f"last:{value}"
 
 
-def opt(default, group: str | None, text: str, *, flag: str = "", choices: tuple[str, ...] = (), parse=None,
-        spelled: str | None = None, show=None, cli_type=None, bounds: tuple[float, float] | None = None):
-    """A BuildConfig field with its one declaration of docs: `text` and `group` feed `vlmprep build --help` (group None:
-    a library-only field, no flag). `flag` overrides --field-name; `choices` are checked at parse time; `parse` turns
-    the flag's text (default `spelled`) into the value and `show` the value back into that text; `cli_type` overrides
-    the flag's type; `bounds` is a checked range."""
-    assert group in GROUPS + (None,) and text, f"option needs a group from {GROUPS} and a help text"
+@dataclass(frozen=True)
+class Spelled:
+    """How an option is typed when its value is not the text itself: `parse` turns the flag's text into the value,
+    `show` the value back into that text (default str), `default` is the default as typed (`all`, `assistant`)."""
+
+    parse: Callable[[str], Any]
+    default: str
+    show: Callable[[Any], str] | None = None
+
+
+def opt(default, group: str | None, text: str, *, flag: str = "", choices: tuple[str, ...] = (),
+        spelled: Spelled | None = None, cli_type=None, bounds: tuple[float, float] | None = None):
+    """A BuildConfig (or InspectConfig) field with its one declaration of docs: `text` and `group` feed the command's
+    --help (group None: a library-only field, no flag; OWN: a command's own options, in --help's first panel). `flag`
+    overrides --field-name; `choices` are checked at parse time; `spelled` says how the flag's text becomes the value
+    and back; `cli_type` overrides the flag's type; `bounds` is a checked range."""
+    assert group in GROUPS + (OWN, None) and text, f"option needs a group from {GROUPS} and a help text"
     return dataclasses.field(default=default, metadata={
-        "group": group, "help": text, "flag": flag, "choices": choices, "parse": parse, "spelled": spelled,
-        "show": show, "cli_type": cli_type, "bounds": bounds})
+        "group": group, "help": text, "flag": flag, "choices": choices, "parse": spelled and spelled.parse,
+        "spelled": spelled and spelled.default, "show": spelled and spelled.show, "cli_type": cli_type,
+        "bounds": bounds})
 
 
 def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> None:
@@ -88,7 +102,7 @@ class BuildConfig:
     processor: str = opt("builtin:qwen2-vl", RENDER, f"{_BUILTINS} | a local processor dir | a hub id.")
     seq_len: int = opt(8192, RENDER, "Max tokens per sample; cuts never split an image.")
     train_on_roles: tuple[str, ...] = opt(("assistant",), RENDER, "Comma list of roles whose text is trained: "
-                                          f"{', '.join(ROLES)}.", parse=parse_roles, spelled="assistant")
+                                          f"{', '.join(ROLES)}.", spelled=Spelled(parse_roles, "assistant"))
     train_on_eos: str = opt("turn", RENDER, "End-of-turn tokens trained.", choices=EOS_POLICIES)
     last_turn_only: bool = opt(False, RENDER, "Train only the last trained turn of each record.")
     tool_calls: str = opt("reject", RENDER, "A trained turn whose tool_calls the template does not render.",
@@ -115,7 +129,7 @@ class BuildConfig:
     long_traces: str = opt("split", AGENT, "A record longer than --seq-len: split (step samples, every trained turn "
                            "kept) | truncate (cut the end, its turns lost).", choices=LONG_TRACES)
     keep_images: int | None = opt(None, AGENT, "Screenshot history per sample: all | last:N (earlier images removed).",
-                                  parse=parse_keep_images, spelled="all", show=show_keep_images)
+                                  spelled=Spelled(parse_keep_images, "all", show_keep_images))
     dropped_image_text: str | None = opt(None, AGENT, "Text that replaces each image --keep-images removes (default: "
                                          "dropped).")
     strict: bool = opt(False, LIMITS, "Stop at the first rejected record.")
@@ -270,6 +284,13 @@ class BuildConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
 
 
+def default(name: str):
+    """An option's one declared default (its BuildConfig field's), for the library classes and signatures that take
+    the option: tests/vlmprep/test_defaults.py holds every library default of an option to it."""
+    assert FIELDS[name].default is not REQUIRED, f"{name} has no default"
+    return FIELDS[name].default
+
+
 def spelled(name: str, value) -> str:
     """A resolved config value as the user types it (`last:3`, `assistant,tool`), "not set" for an unset one."""
     show = FIELDS[name].metadata["show"] if name in FIELDS else None
@@ -288,8 +309,49 @@ def spelled_flag(name: str, value) -> str:
     if isinstance(value, bool):
         return flag if value else "--no-" + flag[2:]
     return f"{flag} {spelled(name, value)}"
+
+
 # The build options `vlmprep inspect` takes on raw input (in its --help order): those that change what a record
 # renders to.
 RAW_OPTIONS = ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls", "reasoning",
                "chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images",
                "dropped_image_text", "min_pixels", "max_pixels")
+ONLY = ("truncated", "rejected")  # inspect --only
+
+
+@dataclass(frozen=True, kw_only=True)
+class InspectConfig:
+    """The options of `vlmprep inspect`, each declared once here (its --help is generated from these fields): what to
+    show (input file or dataset dir, by index, id or shard; how many), and how (token table, HTML report)."""
+
+    path: str  # the command's argument: a built dataset dir, or raw input
+    index: int | None = opt(None, OWN, "The record at this 0-based input position (= its shard key); found through "
+                            "the sample index.")
+    id: str | None = opt(None, OWN, "The sample with this id; found through the sample index, reading only that "
+                         "sample.", flag="--id")
+    shard: str | None = opt(None, OWN, "Only this shard of a built dir, e.g. shard-000001.")
+    limit: int = opt(3, OWN, "Show at most this many samples (or rejects).")
+    only: str | None = opt(None, OWN, "truncated | rejected (raw input: why build would reject it).")
+    tokens: bool = opt(False, OWN, "A table of token index, id, mask, type id and piece.", flag="--tokens")
+    html: str | None = opt(None, OWN, "Write a self-contained HTML report to this file instead.")
+    # Raw input only: `like` (a built dir whose resolved config and saved processor are reused) and the build options
+    # given (RAW_OPTIONS: those that change what a record renders to), else build's defaults. They are declared once,
+    # on BuildConfig; "keep_images": "all" overrides like's last:N.
+    like: str | None = opt(None, OWN, "Raw input: render with this built dir's processor and build options.")
+    build_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.build_options) - set(RAW_OPTIONS))
+        if unknown:
+            raise ValueError(f"build_options {unknown}: inspect takes only {', '.join(RAW_OPTIONS)}")
+        if self.limit < 1:
+            raise ValueError(f"limit={self.limit}: must be >= 1")
+        if self.index is not None and self.index < 0:
+            raise ValueError(f"index={self.index}: must be >= 0 (the record's 0-based input position)")
+        if self.only is not None and self.only not in ONLY:
+            raise ValueError(f"only={self.only!r}: choose one of {', '.join(ONLY)}")
+        if self.only == "rejected" and self.tokens:
+            raise ValueError("--tokens shows samples; it cannot be combined with --only rejected")
+
+
+INSPECT_FIELDS = {f.name: f for f in dataclasses.fields(InspectConfig) if f.metadata}

@@ -12,6 +12,7 @@ import numpy as np
 import zstandard
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from vlmprep.config import default
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
 from vlmprep_schemas.delta import filter_pixels
@@ -302,7 +303,7 @@ def _normalized_png(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = 3) -> bytes:
+def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = default("zstd_level")) -> bytes:
     """Lossless and deterministic: same pixels and options give the same bytes."""
     if image_format == "zstd-delta":  # the .npy header of the pixels, then their filtered rows, in one zstd frame
         buf = io.BytesIO()

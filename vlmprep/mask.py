@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vlmprep.config import ROLES, check_mask_policy
+from vlmprep.config import ROLES, check_mask_policy, default
 from vlmprep.types import Conversation, RecordError
 
 SENTINEL = "\ue000VLMPREP{}\ue001"
@@ -23,11 +23,12 @@ class MaskPolicy:
     """Which tokens get loss. Per-message `weight` (0|1) overrides the role rule; headers and template scaffolding
     outside a trained message's text are never trained."""
 
-    train_on_roles: frozenset[str] = frozenset({"assistant"})
-    train_on_eos: str = "turn"  # all: every turn's end token; turn: those of trained turns; last: the last one; none
-    last_turn_only: bool = False
-    tool_calls: str = "reject"  # an assistant turn whose tool_calls the template does not render
-    reasoning: str = "train"  # an assistant's reasoning: train | context (rendered, loss 0) | drop | reject
+    # Each default is the option's (BuildConfig's): a library caller gets what `vlmprep build` does.
+    train_on_roles: frozenset[str] = frozenset(default("train_on_roles"))
+    train_on_eos: str = default("train_on_eos")  # all | turn (those of trained turns) | last | none
+    last_turn_only: bool = default("last_turn_only")
+    tool_calls: str = default("tool_calls")  # an assistant turn whose tool_calls the template does not render
+    reasoning: str = default("reasoning")  # train | context (rendered, loss 0) | drop | reject
 
     def __post_init__(self):
         bad = set(self.train_on_roles) - set(ROLES)
@@ -35,12 +36,6 @@ class MaskPolicy:
             raise ValueError(f"train_on_roles={sorted(self.train_on_roles)}: "
                              f"use a non-empty subset of {', '.join(ROLES)}")
         check_mask_policy(self.train_on_eos, self.tool_calls, self.reasoning)
-
-
-# What RenderContext uses when a library caller passes no policy. It differs from the CLI's default in tool_calls:
-# tool-call turns trained on their text and counted (the behaviour before policies existed); `vlmprep build` always
-# passes its configured policy (default: reject).
-LIBRARY_DEFAULT_POLICY = MaskPolicy(tool_calls="train-content")
 
 
 @dataclass
@@ -52,7 +47,7 @@ class Located:
     end: int
 
 
-def trained_messages(conv: Conversation, policy: MaskPolicy = LIBRARY_DEFAULT_POLICY) -> list[int]:
+def trained_messages(conv: Conversation, policy: MaskPolicy) -> list[int]:
     """Indices of messages whose text is trained: the role rule, overridden by per-message weight, then last-turn."""
     idx = [i for i, m in enumerate(conv.messages)
            if m.weight == 1 or (m.weight is None and m.role in policy.train_on_roles)]
@@ -193,7 +188,7 @@ class MaskInputs:
 
     conv: Conversation
     ctx: Any  # render.RenderContext (render imports this module, not the other way round)
-    slots: list  # render.Slot of each text the template received
+    slots: list  # chat_template.Slot of each text the template received
     located: list[Located]
     rendered: str
     expanded: str

@@ -14,6 +14,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
+from vlmprep.config import default
 from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
@@ -29,11 +30,11 @@ class NormalizeOptions:
     """What normalize needs from the build options: where local media may resolve, whether remote images may be
     fetched, the per-record image limit, and whether the family renders video."""
 
-    image_root: str | None = None  # None: the input file's own directory
-    allow_remote: bool = False
-    max_images_per_record: int = 64
-    max_image_bytes: int = 64 << 20  # an image file (local or remote) is read whole: never more than this
-    max_video_bytes: int = 512 << 20  # likewise a video file
+    image_root: str | None = default("image_root")  # None: the input file's own directory
+    allow_remote: bool = default("allow_remote")
+    max_images_per_record: int = default("max_images_per_record")
+    max_image_bytes: int = default("max_image_bytes")  # an image file (local or remote) is read whole: no more
+    max_video_bytes: int = default("max_video_bytes")  # likewise a video file
     videos: bool = False  # the processor's family renders video parts (vlmprep/families: FamilySpec.video)
 
 

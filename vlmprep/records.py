@@ -14,6 +14,7 @@ from typing import Iterator
 
 import zstandard
 
+from vlmprep.config import default
 from vlmprep.types import RawRecord, RecordError, Source, UserError
 
 SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd")
@@ -131,7 +132,7 @@ class Seek:
     frame_offset: int = 0
 
 
-def _open_lines(path: Path, max_window_size: int = 1 << 27, seek: Seek = Seek(),
+def _open_lines(path: Path, max_window_size: int, seek: Seek = Seek(),
                 frames: list | None = None) -> io.BufferedReader:
     raw = open(path, "rb")
     if path.name.endswith((".zst", ".zstd")):
@@ -150,9 +151,9 @@ def _open_lines(path: Path, max_window_size: int = 1 << 27, seek: Seek = Seek(),
     return io.BufferedReader(raw, buffer_size=1 << 20)
 
 
-def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = 256 << 20,
-                      max_zstd_window: int = 1 << 27, seek: Seek = Seek(), frames: list | None = None,
-                      input_name: str = "") -> Iterator[RawRecord]:
+def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = default("max_line_bytes"),
+                      max_zstd_window: int = default("max_zstd_window"), seek: Seek = Seek(),
+                      frames: list | None = None, input_name: str = "") -> Iterator[RawRecord]:
     """Yield one RawRecord per non-blank line, from `seek` on; a file-level fault becomes a final record carrying
     the error, after every line read before it. `frames`, when given, collects the zstd frame starts seen (the
     plan's seek points); `input_name` is the input's name for generated ids (see input_names)."""
@@ -264,8 +265,8 @@ def input_names(files: list[Path]) -> list[str]:
             for p in paths]
 
 
-def iter_records(files: list[Path], *, max_line_bytes: int = 256 << 20,
-                 max_zstd_window: int = 1 << 27) -> Iterator[RawRecord]:
+def iter_records(files: list[Path], *, max_line_bytes: int = default("max_line_bytes"),
+                 max_zstd_window: int = default("max_zstd_window")) -> Iterator[RawRecord]:
     """Input files in order -> their raw records (RawRecord: each line's bytes unparsed, a .json array's items, or a
     file-level fault in a record's place), numbered by one position across all files; each file read in a stream
     (zstd, line-size and window limits), so no input is ever held whole in memory."""

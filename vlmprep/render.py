@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import re
 from bisect import bisect_right
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
+from vlmprep.chat_template import (
+    Slot,
+    message_slots,
+    prints_string_arguments,
+    reasoning_of,
+    renders_reasoning,
+    template_messages,
+)
 from vlmprep.families import FamilySpec, resolve_family
 from vlmprep.mask import (
-    LIBRARY_DEFAULT_POLICY,
-    SENTINEL,
     Located,
     MaskInputs,
     MaskPolicy,
@@ -31,27 +35,19 @@ from vlmprep.processors.llama import TOKEN_BREAK
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
 
 __all__ = ["MaskPolicy", "RenderContext", "count_tokens", "render_conversation", "template_messages",
-           "trained_messages"]  # MaskPolicy and trained_messages: re-exported from mask.py for callers of render
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One text the template receives: a content text part, or an assistant's reasoning split off its <think>."""
-
-    msg: int
-    kind: str  # "text" | "reasoning"
-    text: str
-
+           "trained_messages"]  # re-exported for callers of render: MaskPolicy, trained_messages from mask.py,
+# template_messages from chat_template.py
 
 
 class RenderContext:
-    """A loaded processor plus its family, template, policy and the ids render needs, computed once per process."""
+    """A loaded processor plus its family, template, policy and the ids render needs, computed once per process.
+    Without a policy it renders as `vlmprep build` does by default (MaskPolicy(): --tool-calls reject included)."""
 
     def __init__(self, processor, *, chat_template: str | None = None, policy: MaskPolicy | None = None,
                  role_boundaries: str | None = None):
         self.processor = processor
         self.family: FamilySpec = resolve_family(processor, role_boundaries)
-        self.policy = policy or LIBRARY_DEFAULT_POLICY
+        self.policy = policy or MaskPolicy()  # no policy: `vlmprep build`'s default one
         self.tokenizer = tok = processor.tokenizer
         self.chat_template = chat_template or processor.chat_template
         if not self.chat_template or not isinstance(self.chat_template, str):
@@ -73,11 +69,11 @@ class RenderContext:
         self.reasoning = "reasoning_content" in self.chat_template
         # Whether the template prints an assistant's reasoning_content at all (on a last turn, where reasoning
         # templates keep it); one that never does makes reasoning a reject or a counted drop, never a silent loss.
-        self.renders_reasoning = _renders_reasoning(processor, self.chat_template)
+        self.renders_reasoning = renders_reasoning(processor, self.chat_template)
         # A turn with no content at all (a pure tool call) goes in as "" where the template accepts strings, so
         # content-truthiness branches render it as the model's own template would for content=None.
         self.empty_as_string = " is string" in self.chat_template
-        self.parse_arguments = not _prints_string_arguments(processor, self.chat_template)
+        self.parse_arguments = not prints_string_arguments(processor, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
         self._special_re = _alternation(specials)
         # Placeholders the processor repeats (an image's <|image_pad|> x N, most of an agent trace's tokens): each a
@@ -141,7 +137,7 @@ class RenderContext:
 
     def reasoning_messages(self, conv: Conversation) -> list[int]:
         """Messages that carry reasoning: a reasoning_content, or a <think> block the template splits off itself."""
-        return [i for i, m in enumerate(conv.messages) if (_reasoning_of(m, self.reasoning)[0] or "").strip()]
+        return [i for i, m in enumerate(conv.messages) if (reasoning_of(m, self.reasoning)[0] or "").strip()]
 
     def render_text(self, messages: list[dict], tools: list | None) -> str:
         """Template messages (and tools) -> the rendered chat string (the processor's apply_chat_template,
@@ -231,123 +227,9 @@ def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.
     return out
 
 
-def _prints_string_arguments(processor, chat_template: str) -> bool:
-    """Whether the template prints tool-call arguments given as a JSON string verbatim (Qwen2/3-VL). Templates that
-    walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string, and templates that serialize them
-    (`tojson`: the Llama / Mistral vendor templates) would print it escaped, as a JSON string inside the JSON; both
-    expect the object, so they get the parsed one."""
-    probe = [{"role": "user", "content": "q"},
-             {"role": "assistant", "content": "", "tool_calls": [
-                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}]}]
-    try:
-        rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
-    except Exception:  # noqa: BLE001 - any template error on a string means it needs the object
-        return False
-    return '{"k": 1}' in rendered
-
-
-def _renders_reasoning(processor, chat_template: str) -> bool:
-    probe = [{"role": "user", "content": "q"},
-             {"role": "assistant", "reasoning_content": SENTINEL.format(0), "content": "a"}]
-    try:
-        rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render the probe renders no reasoning we could prove
-        return False
-    return SENTINEL.format(0) in rendered
-
-
 def _alternation(strings) -> re.Pattern | None:
     strings = sorted((s for s in strings if s), key=len, reverse=True)
     return re.compile("|".join(re.escape(s) for s in strings)) if strings else None
-
-
-def _split_think(text: str) -> tuple[str, str]:
-    # The exact split Qwen3 / Qwen3.5 templates apply to an assistant content holding "</think>".
-    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-    return reasoning, text.split("</think>")[-1].lstrip("\n")
-
-
-def _reasoning_split_applies(m, reasoning: bool) -> bool:
-    texts = [p for p in m.parts if p.type == "text"]
-    return (reasoning and m.role == "assistant" and len(texts) == 1 and len(m.parts) == 1
-            and "</think>" in texts[0].text)
-
-
-def _reasoning_of(m, reasoning: bool) -> tuple[str | None, str | None]:
-    """(reasoning, answer): a message's reasoning_content, or the <think> block a reasoning template splits off its
-    content (answer: the content that is left); (None, None) when it has none."""
-    if m.reasoning is not None:
-        return m.reasoning, None
-    if _reasoning_split_applies(m, reasoning):
-        return _split_think(m.text)
-    return None, None
-
-
-def message_slots(conv: Conversation, *, reasoning: bool = False, string_content: bool = False,
-                  drop_reasoning: bool = False) -> list[Slot]:
-    """Every text the template receives, in template_messages order; each message has at least one slot."""
-    slots = []
-    for i, m in enumerate(conv.messages):
-        r, answer = _reasoning_of(m, reasoning)
-        if r is not None and not drop_reasoning:
-            slots.append(Slot(i, "reasoning", r))
-        if answer is not None:
-            slots.append(Slot(i, "text", answer))
-        elif string_content and not m.images and not m.videos:
-            slots.append(Slot(i, "text", m.text))
-        else:
-            texts = [p.text for p in m.parts if p.type == "text"]
-            slots += [Slot(i, "text", t) for t in (texts or [""])]
-    return slots
-
-
-def template_messages(conv: Conversation, texts: list[str] | None = None, *, reasoning: bool = False,
-                      string_content: bool = False, empty_as_string: bool = False,
-                      parse_arguments: bool = False, drop_reasoning: bool = False) -> list[dict]:
-    """Conversation -> HF chat-template messages. With `texts`, the slots take those strings instead (sentinels).
-    `reasoning`: an assistant "<think>R</think>A" goes in as reasoning_content=R, content=A, as reasoning templates
-    split it themselves; `string_content`: text-only messages go in as one string (templates that print content);
-    `empty_as_string`: a message without any part goes in as content "" instead of one empty text part;
-    tool-call arguments go in as the record gave them (a string stays the exact string), or parsed where
-    `parse_arguments` (templates that cannot take a string). A message's own reasoning goes in as reasoning_content
-    (how reasoning templates read it); `drop_reasoning` leaves it out (and a split-off <think> block with it)."""
-    slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
-    vals = iter(texts if texts is not None else [s.text for s in slots])
-    out = []
-    for m in conv.messages:
-        msg: dict = {"role": m.role}
-        r, answer = _reasoning_of(m, reasoning)
-        if r is not None and not drop_reasoning:
-            msg["reasoning_content"] = next(vals)
-        if answer is not None:
-            msg["content"] = [{"type": "text", "text": next(vals)}]
-        elif (string_content and not m.images and not m.videos) or (empty_as_string and not m.parts):
-            msg["content"] = next(vals)
-        else:
-            content = []
-            for p in m.parts:
-                if p.type == "image":
-                    content.append({"type": "image"})
-                elif p.type == "video":
-                    content.append({"type": "video"})
-                else:
-                    content.append({"type": "text", "text": next(vals)})
-            if not any(p.type == "text" for p in m.parts):
-                content.append({"type": "text", "text": next(vals)})
-            msg["content"] = content
-        if m.tool_calls:
-            msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
-                "name": tc.name,
-                "arguments": (json.loads(tc.arguments) if parse_arguments and isinstance(tc.arguments, str)
-                              else tc.arguments)}}
-                for tc in m.tool_calls]
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
 
 
 def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
@@ -360,7 +242,6 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
             if hit:
                 raise RecordError("special_token_in_text",
                                   f"messages[{i}] ({m.role}) contains the control token {hit.group(0)!r} as text")
-
 
 
 def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],

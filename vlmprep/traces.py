@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vlmprep.config import default
 from vlmprep.types import Conversation, Part
 
 
@@ -16,9 +17,9 @@ class StepPolicy:
     """How agent traces become samples: --long-traces (truncate or split per step), --keep-images last:N, and the
     text that stands for a removed image."""
 
-    long_traces: str = "truncate"  # "truncate" | "split"
-    keep_images: int | None = None  # only the last N images of each sample's messages stay
-    dropped_image_text: str | None = None  # what replaces a removed image part (None: dropped)
+    long_traces: str = default("long_traces")  # "truncate" | "split"
+    keep_images: int | None = default("keep_images")  # only the last N images of each sample's messages stay
+    dropped_image_text: str | None = default("dropped_image_text")  # what replaces a removed image (None: dropped)
 
 
 @dataclass

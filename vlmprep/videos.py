@@ -9,6 +9,7 @@ import io
 
 import numpy as np
 
+from vlmprep.config import default
 from vlmprep.families import FamilySpec
 from vlmprep.images import decode_image, encode_image
 from vlmprep.types import PreparedImage, PreparedVideo, RecordError, VideoData
@@ -222,7 +223,7 @@ def second_per_grid_t(video: PreparedVideo, vp) -> float:
     return vp.temporal_patch_size / video_metadata(video).sampled_fps
 
 
-def encode_frame(frame: np.ndarray, image_format: str, *, zstd_level: int = 3) -> bytes:
+def encode_frame(frame: np.ndarray, image_format: str, *, zstd_level: int = default("zstd_level")) -> bytes:
     """One stored frame, lossless as an image of the same format ("original" has no source image: PNG)."""
     fmt = "png" if image_format == "original" else image_format
     return encode_image(PreparedImage(pixels=frame, grid_thw=(1, 1, 1), source=None, digest=""), fmt,

@@ -98,9 +98,11 @@ def _env(run_dir: Path, pixels: dict) -> dict:
     return env
 
 
-def command(tool: str, py: Path, data: dict, model: Path, out: Path, run_dir: Path, seq_len: int, workers: int,
+def command(tool: str, py: Path, data: dict, model: Path, out: Path, run_dir: Path, workers: int,
             pixels: dict) -> list[str]:
-    """Each tool's own CLI, as its docs give it, writing its preprocessed dataset to `out`."""
+    """Each tool's own CLI, as its docs give it, writing its preprocessed dataset to `out` (at the input set's
+    seq_len)."""
+    seq_len = data["seq_len"]
     if tool == "vlmprep":
         inp = data["llamafactory"] / "data.json" if data["kind"] == "demo" else data["vlmprep"]
         return [str(py), "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out), "--processor", str(model),
@@ -131,13 +133,13 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_tool(tool: str, py: Path, data: dict, model: Path, seq_len: int, workers: int, pixels: dict) -> dict:
+def run_tool(tool: str, py: Path, data: dict, model: Path, workers: int, pixels: dict) -> dict:
     """One timed run in a fresh process on `workers` cores (taskset), its output measured afterwards."""
     run_dir = ROOT / "runs" / f"{data['name']}-{tool}-w{workers}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     out = run_dir / "out"
-    cmd = command(tool, py, data, model, out, run_dir, seq_len, workers, pixels)
+    cmd = command(tool, py, data, model, out, run_dir, workers, pixels)
     cores = ",".join(str(i) for i in range(workers))
     load0 = os.getloadavg()[0]
     cpu0 = _children_cpu()
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in [n.strip() for n in a.inputs.split(",") if n.strip()]:
         one, full = sets[f"{name}-1"], sets[name]
         for tool in [t for t in TOOLS if t in pys]:
-            r1 = run_tool(tool, pys[tool], one, model, one["seq_len"], a.workers, pixels)
-            rn = run_tool(tool, pys[tool], full, model, full["seq_len"], a.workers, pixels)
+            r1 = run_tool(tool, pys[tool], one, model, a.workers, pixels)
+            rn = run_tool(tool, pys[tool], full, model, a.workers, pixels)
             row = {"input": name, "tool": tool, "workers": a.workers, "records": full["records"],
                    "images": full["images"], "seq_len": full["seq_len"]}
             if "error" in r1 or "error" in rn:

@@ -9,7 +9,7 @@ from tests.conftest import LLAMAFACTORY
 from vlmprep.families import resolve_family
 from vlmprep.images import prepare_image
 from vlmprep.normalize import NormalizeOptions, normalize_record
-from vlmprep.render import RenderContext, render_conversation, template_messages
+from vlmprep.render import MaskPolicy, RenderContext, render_conversation, template_messages
 from vlmprep.types import RecordError, Source
 
 
@@ -20,12 +20,14 @@ def png(w, h, color):
 
 
 SOURCE = Source("/tmp/x.jsonl", 1)
+# Tool-call turns the stock Qwen2-VL template does not print, trained on their text (the default policy rejects them).
+TRAIN_CONTENT = MaskPolicy(tool_calls="train-content")
 
 
-def render_record(rec, processor, source=SOURCE):
+def render_record(rec, processor, source=SOURCE, policy=None):
     conv = normalize_record(rec, source, NormalizeOptions())
     images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
-    return conv, render_conversation(conv, RenderContext(processor), images)
+    return conv, render_conversation(conv, RenderContext(processor, policy=policy), images)
 
 
 def trained_runs(sample, tokenizer):
@@ -99,7 +101,7 @@ def _demo_records(n):
 @pytest.mark.parametrize("proc_fixture", ["qwen2vl_processor", "qwen25vl_processor"])
 def test_token_parity_with_apply_chat_template(proc_fixture, request):
     processor = request.getfixturevalue(proc_fixture)
-    ctx = RenderContext(processor)
+    ctx = RenderContext(processor, policy=TRAIN_CONTENT)  # the demo traces' tool calls: token parity, not the policy
     cases = _llamafactory_records() + _demo_records(50)
     checked = 0
     for rec, src in cases:
@@ -136,7 +138,7 @@ def test_tool_call_turns_are_counted_as_unrendered(qwen2vl_processor):
             {"id": "c1", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 3}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
         {"role": "assistant", "content": "done"}]}
-    _, s = render_record(rec, qwen2vl_processor)
+    _, s = render_record(rec, qwen2vl_processor, policy=TRAIN_CONTENT)
     assert s.unrendered_tool_calls == 1
     assert [r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer)] == ["clicking<|im_end|>", "done<|im_end|>"]
 

@@ -28,7 +28,7 @@ from vlmprep.builder.plan import PlanError, config_changes, load_plan, make_plan
 from vlmprep.builder.progress import TaskProgress
 from vlmprep.builder.task import run_task, task_start
 from vlmprep.builder.workers import BuildError, pool_failure, start_worker_server, worker_pool
-from vlmprep.config import BuildConfig, spelled, spelled_flag
+from vlmprep.config import BuildConfig, default, spelled, spelled_flag
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
@@ -179,7 +179,7 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
     return plan, renderer
 
 
-def build_task(out: Path, index: int, *, workers: int = 1, progress: bool = False,
+def build_task(out: Path, index: int, *, workers: int = default("workers"), progress: bool = default("progress"),
                cfg: BuildConfig | None = None) -> BuildResult:
     """`vlmprep build --out DIR --task-index i`: one task of DIR/plan.json, anywhere DIR is visible. With cfg (the
     build options given again) a missing plan is made first, identical to the one any other task would make."""

@@ -6,8 +6,8 @@ import collections
 from vlmprep.config import BuildConfig
 
 
-def record_progress(cfg: BuildConfig):
-    """A progress bar over one task's records (rich; shows nothing unless cfg.progress)."""
+def _bar(title: str, *counts: str, disable: bool):
+    """A rich progress bar: title, bar, done of total, the counts, time elapsed and left."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -17,31 +17,22 @@ def record_progress(cfg: BuildConfig):
         TimeRemainingColumn,
     )
 
-    return Progress(TextColumn("[bold]build"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
-                    TextColumn("{task.fields[rate]:.1f} rec/s"), TextColumn("{task.fields[samples]} samples"),
-                    TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(), TextColumn("eta"),
-                    TimeRemainingColumn(),
-                    disable=not cfg.progress, transient=False, console=None)
+    return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), *map(TextColumn, counts),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), disable=disable)
+
+
+def record_progress(cfg: BuildConfig):
+    """A progress bar over one task's records (rich; shows nothing unless cfg.progress)."""
+    return _bar("[bold]build", "records", "{task.fields[rate]:.1f} rec/s", "{task.fields[samples]} samples",
+                "{task.fields[rejects]} rejects", disable=not cfg.progress)
 
 
 class TaskProgress:
     """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
 
     def __init__(self, cfg: BuildConfig, n: int):
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.progress = Progress(TextColumn("[bold]build tasks"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[records]} records"),
-                                 TextColumn("{task.fields[samples]} samples"),
-                                 TextColumn("{task.fields[rejects]} rejects"), TimeElapsedColumn(),
-                                 TextColumn("eta"), TimeRemainingColumn(), disable=not cfg.progress)
+        self.progress = _bar("[bold]build tasks", "{task.fields[records]} records", "{task.fields[samples]} samples",
+                             "{task.fields[rejects]} rejects", disable=not cfg.progress)
         self.n = n
         self.totals: collections.Counter = collections.Counter()
 

@@ -31,6 +31,11 @@ def task_file(index: int, suffix: str) -> str:
     return f"{TASKS_DIR}/task-{index:05d}{suffix}"
 
 
+def _task_file(suffix: str, doc: str) -> property:
+    """A TaskFiles property: the task's file with this suffix."""
+    return property(lambda self: self.path(suffix), doc=doc)
+
+
 @dataclass(frozen=True)
 class TaskFiles:
     """Where task `index` of a plan keeps its state inside the dataset dir (all but the shards under tasks/)."""
@@ -43,30 +48,12 @@ class TaskFiles:
         """The file of this task with `suffix` (tasks/task-NNNNN<suffix>)."""
         return self.out / task_file(self.index, suffix)
 
-    @property
-    def manifest(self) -> Path:
-        """The task manifest, written last: its presence means the task is complete."""
-        return self.path(".json")
-
-    @property
-    def journal(self) -> Path:
-        """The task's resume journal."""
-        return self.path(".journal.json")
-
-    @property
-    def rejects(self) -> Path:
-        """The task's rejects, once the task ends."""
-        return self.path(".rejects.jsonl")
-
-    @property
-    def partial_rejects(self) -> Path:
-        """The task's rejects while it runs (renamed to `rejects` when it ends)."""
-        return self.path(".rejects.jsonl.partial")
-
-    @property
-    def samples(self) -> Path:
-        """The task's per-sample rows, which merge reads."""
-        return self.path(".samples.jsonl")
+    manifest = _task_file(".json", "The task manifest, written last: its presence means the task is complete.")
+    journal = _task_file(".journal.json", "The task's resume journal.")
+    rejects = _task_file(".rejects.jsonl", "The task's rejects, once the task ends.")
+    partial_rejects = _task_file(".rejects.jsonl.partial", "The task's rejects while it runs (renamed to `rejects` "
+                                 "when it ends).")
+    samples = _task_file(".samples.jsonl", "The task's per-sample rows, which merge reads.")
 
     def shards(self) -> list[Path]:
         """The task's shard files on disk, in name order."""

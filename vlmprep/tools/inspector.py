@@ -4,13 +4,13 @@ would) -> the selected samples or rejects -> views printed by show.py or written
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 
-from vlmprep.config import RAW_OPTIONS
+from vlmprep.config import RAW_OPTIONS, InspectConfig
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
 from vlmprep.shards.reader import (
@@ -36,8 +36,6 @@ from vlmprep.tools.view import (
 )
 from vlmprep.types import RecordError, UserError
 
-ONLY = ("truncated", "rejected")
-DEFAULT_LIMIT = 3
 # Build options `--like DIR` does not take from a dataset's manifest: where inputs are, what they may read (local
 # image dirs, remote URLs, a role-boundaries file) and how the build runs. The user passes them for their own input.
 LIKE_SKIPS = frozenset({"inputs", "out", "progress", "workers", "image_root", "allow_remote", "role_boundaries",
@@ -46,39 +44,6 @@ LIKE_SKIPS = frozenset({"inputs", "out", "progress", "workers", "image_root", "a
 
 class InspectError(UserError):
     """A user-facing inspect fault (bad selection, unsafe or malformed shard member): one line."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class InspectConfig:
-    """The options of `vlmprep inspect`: what to show (input file or dataset dir, by index, id or shard; how many),
-    and how (token table, HTML report)."""
-
-    path: str
-    index: int | None = None  # input position (= shard key), the same number in raw and dir mode
-    id: str | None = None
-    shard: str | None = None
-    limit: int = DEFAULT_LIMIT
-    only: str | None = None
-    tokens: bool = False
-    html: str | None = None
-    # Raw input only: `like` (a built dir whose resolved config and saved processor are reused) and the build options
-    # given (config.RAW_OPTIONS: those that change what a record renders to), else build's defaults. They are
-    # declared once, on BuildConfig; "keep_images": "all" overrides like's last:N.
-    like: str | None = None
-    build_options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        unknown = sorted(set(self.build_options) - set(RAW_OPTIONS))
-        if unknown:
-            raise ValueError(f"build_options {unknown}: inspect takes only {', '.join(RAW_OPTIONS)}")
-        if self.limit < 1:
-            raise ValueError(f"limit={self.limit}: must be >= 1")
-        if self.index is not None and self.index < 0:
-            raise ValueError(f"index={self.index}: must be >= 0 (the record's 0-based input position)")
-        if self.only is not None and self.only not in ONLY:
-            raise ValueError(f"only={self.only!r}: choose one of {', '.join(ONLY)}")
-        if self.only == "rejected" and self.tokens:
-            raise ValueError("--tokens shows samples; it cannot be combined with --only rejected")
 
 
 def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:

@@ -1,0 +1,135 @@
+"""The chat template's side of render: a Conversation -> the messages an HF chat template takes (each text slot in
+the order the template prints it, reasoning split off or dropped, tool-call arguments as the template wants them),
+and probes of what a template prints. Input: a Conversation; output: template messages and their text slots.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from vlmprep.mask import SENTINEL
+from vlmprep.types import Conversation
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One text the template receives: a content text part, or an assistant's reasoning split off its <think>."""
+
+    msg: int
+    kind: str  # "text" | "reasoning"
+    text: str
+
+
+def prints_string_arguments(processor, chat_template: str) -> bool:
+    """Whether the template prints tool-call arguments given as a JSON string verbatim (Qwen2/3-VL). Templates that
+    walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string, and templates that serialize them
+    (`tojson`: the Llama / Mistral vendor templates) would print it escaped, as a JSON string inside the JSON; both
+    expect the object, so they get the parsed one."""
+    probe = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}]}]
+    try:
+        rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
+    except Exception:  # noqa: BLE001 - any template error on a string means it needs the object
+        return False
+    return '{"k": 1}' in rendered
+
+
+def renders_reasoning(processor, chat_template: str) -> bool:
+    """Whether the template prints an assistant's reasoning_content at all (probed on a last turn, where reasoning
+    templates keep it)."""
+    probe = [{"role": "user", "content": "q"},
+             {"role": "assistant", "reasoning_content": SENTINEL.format(0), "content": "a"}]
+    try:
+        rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe renders no reasoning we could prove
+        return False
+    return SENTINEL.format(0) in rendered
+
+
+def _split_think(text: str) -> tuple[str, str]:
+    # The exact split Qwen3 / Qwen3.5 templates apply to an assistant content holding "</think>".
+    reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return reasoning, text.split("</think>")[-1].lstrip("\n")
+
+
+def _reasoning_split_applies(m, reasoning: bool) -> bool:
+    texts = [p for p in m.parts if p.type == "text"]
+    return (reasoning and m.role == "assistant" and len(texts) == 1 and len(m.parts) == 1
+            and "</think>" in texts[0].text)
+
+
+def reasoning_of(m, reasoning: bool) -> tuple[str | None, str | None]:
+    """(reasoning, answer): a message's reasoning_content, or the <think> block a reasoning template splits off its
+    content (answer: the content that is left); (None, None) when it has none."""
+    if m.reasoning is not None:
+        return m.reasoning, None
+    if _reasoning_split_applies(m, reasoning):
+        return _split_think(m.text)
+    return None, None
+
+
+def message_slots(conv: Conversation, *, reasoning: bool = False, string_content: bool = False,
+                  drop_reasoning: bool = False) -> list[Slot]:
+    """Every text the template receives, in template_messages order; each message has at least one slot."""
+    slots = []
+    for i, m in enumerate(conv.messages):
+        r, answer = reasoning_of(m, reasoning)
+        if r is not None and not drop_reasoning:
+            slots.append(Slot(i, "reasoning", r))
+        if answer is not None:
+            slots.append(Slot(i, "text", answer))
+        elif string_content and not m.images and not m.videos:
+            slots.append(Slot(i, "text", m.text))
+        else:
+            texts = [p.text for p in m.parts if p.type == "text"]
+            slots += [Slot(i, "text", t) for t in (texts or [""])]
+    return slots
+
+
+def template_messages(conv: Conversation, texts: list[str] | None = None, *, reasoning: bool = False,
+                      string_content: bool = False, empty_as_string: bool = False,
+                      parse_arguments: bool = False, drop_reasoning: bool = False) -> list[dict]:
+    """Conversation -> HF chat-template messages. With `texts`, the slots take those strings instead (sentinels).
+    `reasoning`: an assistant "<think>R</think>A" goes in as reasoning_content=R, content=A, as reasoning templates
+    split it themselves; `string_content`: text-only messages go in as one string (templates that print content);
+    `empty_as_string`: a message without any part goes in as content "" instead of one empty text part;
+    tool-call arguments go in as the record gave them (a string stays the exact string), or parsed where
+    `parse_arguments` (templates that cannot take a string). A message's own reasoning goes in as reasoning_content
+    (how reasoning templates read it); `drop_reasoning` leaves it out (and a split-off <think> block with it)."""
+    slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
+    vals = iter(texts if texts is not None else [s.text for s in slots])
+    out = []
+    for m in conv.messages:
+        msg: dict = {"role": m.role}
+        r, answer = reasoning_of(m, reasoning)
+        if r is not None and not drop_reasoning:
+            msg["reasoning_content"] = next(vals)
+        if answer is not None:
+            msg["content"] = [{"type": "text", "text": next(vals)}]
+        elif (string_content and not m.images and not m.videos) or (empty_as_string and not m.parts):
+            msg["content"] = next(vals)
+        else:
+            content = []
+            for p in m.parts:
+                if p.type == "image":
+                    content.append({"type": "image"})
+                elif p.type == "video":
+                    content.append({"type": "video"})
+                else:
+                    content.append({"type": "text", "text": next(vals)})
+            if not any(p.type == "text" for p in m.parts):
+                content.append({"type": "text", "text": next(vals)})
+            msg["content"] = content
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
+                "name": tc.name,
+                "arguments": (json.loads(tc.arguments) if parse_arguments and isinstance(tc.arguments, str)
+                              else tc.arguments)}}
+                for tc in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
