@@ -207,8 +207,8 @@ def as_format_v1(src: Path, dst: Path) -> Path:
 
 def as_format(src: Path, dst: Path, version: int) -> Path:
     """A copy of an image-only dataset as a build of format `version` wrote it: without the members later versions
-    added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy) and without the sample index
-    sidecars (later builds added them)."""
+    added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy; v4 changed no member a zstd-delta
+    build writes) and without the sample index sidecars (later builds added them)."""
     import hashlib
     import shutil
     import tarfile
@@ -234,7 +234,7 @@ def as_format(src: Path, dst: Path, version: int) -> Path:
 
 
 _V3 = (".video_grid_thw.npy", ".second_per_grid_ts.npy")
-_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3}
+_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3, 3: ()}
 
 
 def format_version_row(ds: Path) -> dict:
