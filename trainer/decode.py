@@ -321,9 +321,12 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
             if m in prefixes and prefixes[m] not in payloads:
                 raise ValueError(f"{m}'s prefix {prefixes[m]} is not decoded before it (images decode in member "
                                  "order)")
-            decoded.append(decode_image_into(m, members[m], buf, (h, w, 3), resize_original,
-                                             payloads.pop(prefixes.get(m), None),
-                                             payloads if m in prefixes.values() else None))
+            try:
+                decoded.append(decode_image_into(m, members[m], buf, (h, w, 3), resize_original,
+                                                 payloads.pop(prefixes.get(m), None),
+                                                 payloads if m in prefixes.values() else None))
+            except zstandard.ZstdError as e:  # named: a .pdelta.zst member decodes only with its own prefix
+                raise ValueError(f"{m} does not decode ({e})") from None
         images, rest = decoded[:len(layout)], iter(decoded[len(layout):])
         videos = [[next(rest) for _ in v] for v in video_layout]
         sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
