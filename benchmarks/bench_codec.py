@@ -23,7 +23,8 @@ from benchmarks.inputs import records, traces
 REAL_TRACES = Path(os.environ.get("VLMPREP_REAL_TRACES",
                                   Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces"))
 # (image_format, zstd level): the build's choices at their defaults, and zstd at higher levels.
-CANDIDATES = (("zstd-delta", 3), ("zstd-delta", 9), ("zstd", 3), ("zstd", 19), ("png", None), ("webp", None))
+CANDIDATES = (("zstd-pdelta", 3), ("zstd-delta", 3), ("zstd-delta", 9), ("zstd", 3), ("zstd", 19), ("png", None),
+              ("webp", None))
 # Candidates that are no stored format (issue 34: measured, not adopted): each a name, its zstd level, an encoder of
 # the screenshots in order (a list of payloads) and a decoder of one payload given the previous screenshot's.
 EXPERIMENTS = ("planes", "delta-prev", "delta-unresized")
@@ -70,7 +71,6 @@ def measure(name: str, sources: list[bytes], processor, reps: int) -> list[dict]
 def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps: int) -> list[dict]:
     """One row per candidate: stored bytes over source bytes, encode ms per image, decode screenshots/s (CPU time
     of this one-threaded process through the loader's own decode, so a busy neighbour does not count)."""
-    from trainer.decode import _decoded_size, decode_image_into
     from vlmprep.images import STORED_EXT, encode_image
     from vlmprep.types import PreparedImage
 
@@ -78,19 +78,17 @@ def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps:
     rows, base = [], None
     for fmt, level in CANDIDATES:
         t0 = time.process_time()
-        stored = [encode_image(p, fmt, zstd_level=level or 3) for p in prepared]
+        # zstd-pdelta: each screenshot against the one before (same size), as in a sample of one trace
+        prefixes = [q if fmt == "zstd-pdelta" and q is not None and q.pixels.shape == p.pixels.shape else None
+                    for q, p in zip([None, *prepared], prepared)]
+        stored = [encode_image(p, fmt, zstd_level=level or 3, prefix=q) for p, q in zip(prepared, prefixes)]
         encode_s = time.process_time() - t0
         member = "img000." + STORED_EXT[fmt]
-        for p, data in zip(prepared[:3], stored):  # lossless, through the loader's own decode
-            h, w, _ = p.pixels.shape
-            buf = np.empty(_decoded_size(member, data, h, w), np.uint8)
-            assert np.array_equal(decode_image_into(member, data, buf, (h, w, 3), None), p.pixels), fmt
+        for p, got in zip(prepared, decode_in_order(member, stored[:3], prepared, prefixes)):  # lossless
+            assert np.array_equal(got, p.pixels), fmt
         t0 = time.process_time()
         for _ in range(reps):
-            for p, data in zip(prepared, stored):
-                h, w, _ = p.pixels.shape
-                decode_image_into(member, data, np.empty(_decoded_size(member, data, h, w), np.uint8), (h, w, 3),
-                                  None)
+            decode_in_order(member, stored, prepared, prefixes)
         per_s = reps * len(stored) / (time.process_time() - t0)
         ratio = sum(map(len, stored)) / source_bytes
         if (fmt, level) == ("zstd", 3):
@@ -103,6 +101,20 @@ def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps:
         r.update(bytes_vs_zstd3=round(r["ratio_vs_source"] / base[0], 3),
                  decode_vs_zstd3=round(r["decode_per_s_one_core"] / base[1], 3))
     return [emit("codec", metric="bytes_and_decode", **r) for r in rows]
+
+
+def decode_in_order(member: str, stored: list[bytes], prepared: list, prefixes: list) -> list[np.ndarray]:
+    """Each stored screenshot through the loader's own decode, in order: a .pdelta.zst member's prefix payload (the
+    one before, where it has one) kept from the last decode, as the loader keeps it within a sample."""
+    from trainer.decode import _decoded_size, decode_image_into
+
+    out, keep = [], {}
+    for p, data, q in zip(prepared, stored, prefixes):
+        h, w, _ = p.pixels.shape
+        buf = np.empty(_decoded_size(member, data, h, w), np.uint8)
+        out.append(decode_image_into(member, data, buf, (h, w, 3), None, keep.pop(member, None) if q else None,
+                                     keep if member.endswith(".pdelta.zst") else None))
+    return out
 
 
 def _planes(pixels: np.ndarray) -> np.ndarray:
