@@ -148,7 +148,8 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
     rows = []
     online = {}
     built = {}
-    for fmt in (("zstd-delta", "zstd", "png") if quick else ("zstd-delta", "zstd", "png", "webp", "original")):
+    for fmt in (("zstd-pdelta", "zstd-delta", "zstd", "png") if quick
+                else ("zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")):
         ds = OUT / f"loader-{fmt}"
         timed_build(inp, ds, image_format=fmt, workers=1 if quick else 2)
         built[fmt] = ds
@@ -207,8 +208,8 @@ def as_format_v1(src: Path, dst: Path) -> Path:
 
 def as_format(src: Path, dst: Path, version: int) -> Path:
     """A copy of an image-only dataset as a build of format `version` wrote it: without the members later versions
-    added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy) and without the sample index
-    sidecars (later builds added them)."""
+    added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy; v4 changed no member a zstd-delta
+    build writes) and without the sample index sidecars (later builds added them)."""
     import hashlib
     import shutil
     import tarfile
@@ -234,7 +235,7 @@ def as_format(src: Path, dst: Path, version: int) -> Path:
 
 
 _V3 = (".video_grid_thw.npy", ".second_per_grid_ts.npy")
-_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3}
+_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3, 3: ()}
 
 
 def format_version_row(ds: Path) -> dict:
@@ -267,7 +268,8 @@ def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: b
 def decode_floor_seconds(tars: list[Path]) -> float:
     """Sum over the stored image members of their bare decode: zstd into an arena that holds one sample's images
     (allocated once: a batch needs all of a sample's images in memory at once, so they cannot share one hot
-    buffer; no checks; zstd-delta: its rows unfiltered in place), PNG / WebP / source bytes by PIL's decoder alone
+    buffer; no checks; zstd-delta: its rows unfiltered in place; zstd-pdelta: the sample's previous payload as its
+    dictionary, kept as one copy), PNG / WebP / source bytes by PIL's decoder alone
     (no copy)."""
     import tarfile
 
@@ -278,7 +280,7 @@ def decode_floor_seconds(tars: list[Path]) -> float:
     from vlmprep_schemas.delta import unfilter_into
 
     dctx = zstandard.ZstdDecompressor()
-    arena = np.empty(0, dtype=np.uint8)
+    arena, last = np.empty(0, dtype=np.uint8), None
     total, key, offset = 0.0, None, 0
     for path in tars:
         with tarfile.open(path) as tf:
@@ -289,15 +291,22 @@ def decode_floor_seconds(tars: list[Path]) -> float:
                 if sample != key:
                     key, offset = sample, 0
                 data = tf.extractfile(m).read()
-                if name.endswith((".npy.zst", ".delta.zst")):
+                if name.endswith((".npy.zst", ".delta.zst", ".pdelta.zst")):
                     size = zstandard.frame_content_size(data)
                     if arena.size < offset + size:
                         arena = np.concatenate([arena, np.empty(offset + size - arena.size, dtype=np.uint8)])
                     t0 = time.perf_counter()
-                    reader, view, got = dctx.stream_reader(data), memoryview(arena)[offset:offset + size], 0
+                    prefix = None  # .pdelta.zst: the sample's previous payload when as long (a frame needs it or
+                    if name.endswith(".pdelta.zst") and last is not None and last[0] == sample:  # ignores it)
+                        prefix = last[1] if len(last[1]) == size else None
+                    dec = zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(
+                        prefix, dict_type=zstandard.DICT_TYPE_RAWCONTENT)) if prefix else dctx
+                    reader, view, got = dec.stream_reader(data), memoryview(arena)[offset:offset + size], 0
                     while got < size:
                         got += reader.readinto(view[got:])
-                    if name.endswith(".delta.zst"):  # its rows unfiltered too: the format's least work
+                    if name.endswith(".pdelta.zst"):
+                        last = (sample, arena[offset:offset + size].tobytes())
+                    if name.endswith("delta.zst"):  # its rows unfiltered too: the format's least work
                         h, w, _ = npy_header(arena[offset:offset + 128].tobytes())
                         pixels = arena[offset + size - 3 * h * w:offset + size]
                         unfilter_into(pixels.reshape(h, 3, w).copy(), pixels.reshape(h, w, 3))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +98,22 @@ def test_order_pair_share_and_its_uniform_expectation():
         cuts = [ids[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
         draws.append(pair_share(cuts, traj)[0])
     assert abs(sum(draws) / len(draws) - uniform_share(traj)) < 0.01
+
+
+def test_codec_candidates_decode_losslessly_and_the_previous_screenshot_prefix_pays():
+    """bench_codec's candidates (no stored format) undo exactly; with the previous screenshot as a zstd prefix a
+    screenshot that differs from it by a moved cursor stores a fraction of its standalone bytes."""
+    from benchmarks.bench_codec import decode_experiment, experiment
+
+    rng = np.random.default_rng(0)
+    first = np.full((96, 160, 3), 245, np.uint8)
+    first[20:70, 10:150] = rng.integers(0, 256, (50, 140, 3), dtype=np.uint8)  # "text": incompressible alone
+    second = first.copy()
+    second[40:52, 60:68] = 0  # the cursor moved
+    for kind in ("planes", "delta-prev", "delta-unresized"):
+        _, stored = experiment(kind, [first, second])
+        for pixels, (data, ref) in zip((first, second), stored):
+            assert np.array_equal(decode_experiment(kind, data, ref, pixels.shape), pixels), kind
+    _, prev = experiment("delta-prev", [first, second])
+    assert prev[0][1] is None and prev[1][1] is not None  # the first screenshot stands alone
+    assert len(prev[1][0]) < len(prev[0][0]) / 10

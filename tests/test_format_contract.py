@@ -29,7 +29,7 @@ def test_vlmprep_and_trainer_read_the_same_rule():
     for version in vf.READABLE_VERSIONS:
         assert vf._IMAGE[version].pattern == td.IMAGE_MEMBER[version].pattern
         assert td.arrays_of(version) == list(vf.arrays_of(version))
-    names = ["img000.delta.zst", "img000.npy.zst", "img000.delta.npy", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
+    names = ["img000.delta.zst", "img001.pdelta.zst", "img000.npy.zst", "img000.delta.npy", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
              "img000.orig.ppm", "img000.orig.tiff", "image_index.npy", "input_ids.npy", "json", "state.pyd",
              "x.pth", "img0000.png", "img000.npy"]
     for version in vf.READABLE_VERSIONS:
@@ -39,6 +39,9 @@ def test_vlmprep_and_trainer_read_the_same_rule():
     assert not vf.is_member("img000.orig.ppm", 2) and vf.is_member("img000.orig.ppm", 1)
     assert vf.is_member("img000.delta.zst", 3) and vf.is_video_member("vid000.0000.delta.zst", 3)
     assert not vf.is_member("img000.delta.zst", 1) and not vf.is_member("img000.delta.npy", 3)
+    assert vf.is_member("img001.pdelta.zst", 4) and not vf.is_member("img001.pdelta.zst", 3)  # v4 added it
+    assert td.sample_version(["video_grid_thw.npy", "img000.pdelta.zst"]) == 4
+    assert td.sample_version(["video_grid_thw.npy", "img000.delta.zst"]) == 3
     assert vf.sample_key(12) == "0000000012" and vf.sample_key(12, 3) == "0000000012_0003"
 
 
@@ -92,7 +95,7 @@ def records(tmp_path_factory):
     return _records(tmp_path_factory.mktemp("contract") / "all_sources.jsonl")
 
 
-@pytest.mark.parametrize("fmt", ["zstd-delta", "zstd", "png", "webp", "original"])
+@pytest.mark.parametrize("fmt", ["zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original"])
 def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
@@ -174,28 +177,40 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     assert res.exit_code == 0 and res.stdout.count("=== sample") == len(SOURCES)
 
 
-def test_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path, qwen2vl_processor):
-    """Format v3 added the video members; an image-only v2 dataset (no video_grid_thw / second_per_grid_ts) reads
-    as before, everywhere."""
+def test_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path, qwen2vl_processor):
+    """Format v4 added .pdelta.zst images, v3 the video members; a v3 dataset (zstd-delta images) and an image-only
+    v2 one (no video_grid_thw / second_per_grid_ts) read as before, everywhere, with the pixels a v4 build stores;
+    a .pdelta.zst member in a v3 dataset is refused unread, as any member its version does not name."""
     from benchmarks.bench_loader import as_format
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
-    from vlmprep.shards.reader import iter_dataset
+    from vlmprep.shards.reader import ShardFormatError, iter_dataset
     from vlmprep.tools.stats import compute_stats
     from vlmprep.tools.verify import verify_dataset
 
-    v3 = tmp_path / "v3"
-    build(BuildConfig(inputs=(str(records),), out=str(v3), progress=False))
-    assert json.loads((v3 / "manifest.json").read_text())["format_version"] == 3
-    v2 = as_format(v3, tmp_path / "v2", 2)
-    assert verify_dataset(v2) == []
-    assert compute_stats(v2)["samples"] == compute_stats(v3)["samples"] and not compute_stats(v2)["mismatches"]
-    old = list(iter_dataset(v2))
-    assert [s.version for s in old] == [2] * len(old) and "video_grid_thw.npy" not in old[0].names
-    t2, t3 = _trainer_samples(v2), _trainer_samples(v3)
-    assert t2.keys() == t3.keys()
-    for k in t2:
-        np.testing.assert_array_equal(t2[k].input_ids, t3[k].input_ids)
+    v4, delta = tmp_path / "v4", tmp_path / "delta"
+    build(BuildConfig(inputs=(str(records),), out=str(v4), progress=False))
+    build(BuildConfig(inputs=(str(records),), out=str(delta), image_format="zstd-delta", progress=False))
+    assert json.loads((v4 / "manifest.json").read_text())["format_version"] == 4
+    assert any(n.endswith(".pdelta.zst") for s in iter_dataset(v4) for n in s.names)
+    t4 = _trainer_samples(v4)
+    for version in (3, 2):
+        old_dir = as_format(delta, tmp_path / f"v{version}", version)
+        assert verify_dataset(old_dir) == []
+        assert compute_stats(old_dir)["samples"] == compute_stats(v4)["samples"]
+        assert not compute_stats(old_dir)["mismatches"]
+        old = list(iter_dataset(old_dir))
+        assert [s.version for s in old] == [version] * len(old)
+        assert ("video_grid_thw.npy" in old[0].names) == (version == 3)
+        t_old = _trainer_samples(old_dir)
+        assert t_old.keys() == t4.keys()
+        for k in t_old:
+            np.testing.assert_array_equal(t_old[k].input_ids, t4[k].input_ids)
+            for a, b in zip(t_old[k].images, t4[k].images, strict=True):
+                np.testing.assert_array_equal(a, b)
+    mixed = as_format(v4, tmp_path / "v3-with-pdelta", 3)
+    with pytest.raises(ShardFormatError, match="pdelta.zst.*not part of the vlmprep shard format"):
+        list(iter_dataset(mixed))
 
 
 def _vlmprep_imports() -> dict[str, set[str]]:

@@ -167,6 +167,53 @@ def test_a_hostile_member_ends_in_one_line_in_every_reader(case, dataset, spec, 
         one_line_refusal(o, SHARD, key)
 
 
+@pytest.fixture(scope="module")
+def pdelta_dataset(tmp_path_factory):
+    """The small dataset with two images of one size in its first sample, stored zstd-pdelta: img001 is compressed
+    against img000's payload, as its meta's prefix says."""
+    d = small_dataset(tmp_path_factory.mktemp("hostile-pdelta"), images=2, image_format="zstd-pdelta")
+    meta = json.loads(dict(read_members(d / SHARD))[f"{K}.json"])
+    assert [im.get("prefix") for im in meta["images"]] == [None, "img000.pdelta.zst"]
+    return d
+
+
+def _set_prefix(key, prefix):
+    def edit(meta):
+        if prefix is None:
+            del meta["images"][1]["prefix"]
+        else:
+            meta["images"][1]["prefix"] = prefix
+    return _meta_edit(key, edit)
+
+
+PDELTA_CASES = {
+    # The dependent member's frame declares 8 GiB.
+    "inflating_pdelta_image": lambda key: lambda ms: replace_member(ms, key, "img001.pdelta.zst",
+                                                                    zstd_claiming(8 << 30)),
+    # Its prefix inflating: refused before the member that needs it is decompressed.
+    "inflating_prefix_image": lambda key: lambda ms: replace_member(ms, key, "img000.pdelta.zst",
+                                                                    zstd_claiming(8 << 30)),
+    # A prefix that is not the previous image (a member the sample does not hold).
+    "prefix_not_the_previous_image": lambda key: _set_prefix(key, "img007.pdelta.zst"),
+    # The prefix taken away: the member decompressed without its dictionary is corrupt data.
+    "prefix_dropped": lambda key: _set_prefix(key, None),
+    # The prefix's meta size changed (a reader checks the size, or the grid it makes, before decoding).
+    "prefix_of_another_size": lambda key: _meta_edit(key, lambda m: m["images"][0].update(height=28, width=28)),
+}
+
+
+@pytest.mark.parametrize("case", list(PDELTA_CASES))
+def test_a_hostile_pdelta_member_ends_in_one_line_in_every_reader(case, pdelta_dataset, spec, collator, tmp_path):
+    """A .pdelta.zst member (format v4) depends on its sample's previous image: an inflating member or prefix, a
+    prefix that is not the previous image, none, or one of another size end in one line naming the sample."""
+    d = forge(pdelta_dataset, tmp_path / "d", PDELTA_CASES[case](K))
+    for o in every_reader(d, spec=spec, collator=collator):
+        if o.reader in NO_IMAGE_DECODE and o.ok:
+            assert not o.crash, o.crash
+            continue
+        one_line_refusal(o, SHARD, K)
+
+
 def test_a_sparse_tar_member_is_refused_unread(dataset, spec, collator, key, tmp_path):
     """A GNU sparse member claiming 8 GiB (a hole a reader expanding it fills with zeros) is refused by every reader
     that opens the tar itself."""
@@ -197,7 +244,7 @@ K, T = "0000000000", "0000000001"  # the sample with an image and a video, the t
 
 # --- what a case may do to the shard and the manifest
 
-NAMES = [f"{K}.json", f"{K}.img000.npy.zst", f"{K}.img000.png", f"{K}.img001.webp", f"{K}.img000.orig.ppm",
+NAMES = [f"{K}.json", f"{K}.img000.npy.zst", f"{K}.img000.pdelta.zst", f"{K}.img001.pdelta.zst", f"{K}.img000.png", f"{K}.img001.webp", f"{K}.img000.orig.ppm",
          f"{K}.vid000.0000.npy.zst", f"{K}.vid000.0009.png", f"{K}.vid999.0000.png", f"{K}.input_ids.npy",
          f"{K}.evil.pyd", f"{K}.x.pth", K, f"{K}.", f"../outside/{K}.json", f"/etc/{K}.json", f"{K}/x.json",
          f"x/{K}.json", f"{T}.json", f"{T}.img000.npy.zst", "0000000009.json", "a.b.json", "0000000000_0001.json",
@@ -208,7 +255,8 @@ json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.samp
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
 META_PATHS = [("num_tokens",), ("num_images",), ("id",), ("images",), ("images", 0), ("images", 0, "height"),
-              ("images", 0, "width"), ("images", 0, "member"), ("images", 0, "grid_thw"), ("videos",), ("videos", 0),
+              ("images", 0, "width"), ("images", 0, "member"), ("images", 0, "grid_thw"), ("images", 0, "prefix"),
+              ("videos",), ("videos", 0),
               ("videos", 0, "frames"), ("videos", 0, "height"), ("videos", 0, "width"), ("videos", 0, "member"),
               ("source",), ("source", "line"), ("num_videos",), ("image_format",), ("messages",)]
 # Values near the real ones (a 224x168 image of 16x12 patches, 4 frames of 392x280), and past every limit.

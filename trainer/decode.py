@@ -20,7 +20,7 @@ from PIL import Image
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
 from vlmprep_schemas import load
-from vlmprep_schemas.delta import unfilter_into
+from vlmprep_schemas.delta import PDELTA, decompressor, pdelta_prefixes, unfilter_into
 from vlmprep_schemas.limits import LIMITS, dtype_name, load_json, load_npy, npy_header, schema_problem
 
 _FORMAT = load("shard_format.schema.json")
@@ -29,8 +29,9 @@ META_MEMBER = _FORMAT["meta_member"]
 NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a in _FORMAT["arrays"].items()}
 # Each array's shape in the meta's terms: L = num_tokens, N = image occurrences, V = videos.
 NPY_SHAPES = {name: tuple(a["shape"]) for name, a in _FORMAT["arrays"].items()}
-IMAGE_MEMBER = {3: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
-                2: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
+IMAGE_MEMBER = {4: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
+                3: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
+                2: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
                 1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
 VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3
 # Model types whose video path (pixel_values_videos, packed video segments) matches online processing in tests.
@@ -71,9 +72,11 @@ class DecodedSample:
 
 
 def sample_version(names) -> int:
-    """A sample's format version from its members (v2 added image_index.npy, v3 video_grid_thw.npy): pipe: sources
-    have no manifest."""
-    return 3 if "video_grid_thw.npy" in names else 2 if "image_index.npy" in names else 1
+    """A sample's format version from its members (v2 added image_index.npy, v3 video_grid_thw.npy, v4 .pdelta.zst
+    images): pipe: sources have no manifest."""
+    if "video_grid_thw.npy" in names:
+        return 4 if any(n.endswith(PDELTA) for n in names) else 3
+    return 2 if "image_index.npy" in names else 1
 
 
 def refuse_videos(manifest: dict | None, where: str, model_type: str = "", why: str = NO_VIDEO) -> None:
@@ -156,8 +159,8 @@ class OriginalResizer:
 
 
 def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:
-    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst` and `.delta.zst` members go through
-    _read_npy_zst_into)."""
+    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst`, `.delta.zst` and `.pdelta.zst` members go
+    through _read_npy_zst_into)."""
     if ".orig." in name:
         arr = resize_original(data)
     else:
@@ -223,11 +226,14 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
     return out
 
 
+_ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)
+
+
 def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels; its
     declared size (frame content size, image header) checked against the meta's h x w before anything is decoded
     (an `orig.*` source, resized at load time, against the image limit)."""
-    if not name.endswith((".npy.zst", ".delta.zst")):
+    if not name.endswith(_ZSTD_IMAGE):
         with Image.open(io.BytesIO(data)) as im:  # the header only
             width, height = im.size
         if ".orig." in name and width * height * 4 > MAX_IMAGE_BYTES:
@@ -241,10 +247,12 @@ def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     return size
 
 
-def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int], name: str) -> np.ndarray:
+def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int], name: str,
+                       prefix: bytes | None = None) -> np.ndarray:
     """A zstd-compressed uint8 .npy decompressed in one pass into `buf` (header + pixels); returns the pixel view.
-    The header is checked before the pixels are used, and nothing is ever unpickled."""
-    reader = zstandard.ZstdDecompressor().stream_reader(data)
+    The header is checked before the pixels are used, and nothing is ever unpickled. prefix: a `.pdelta.zst`
+    member's dictionary (the payload of the member its meta names)."""
+    reader = decompressor(prefix).stream_reader(data)
     view, got = memoryview(buf), 0
     while got < buf.size:
         n = reader.readinto(view[got:])
@@ -267,12 +275,16 @@ def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int]
 
 
 def decode_image_into(name: str, data: bytes, buf: np.ndarray, shape: tuple[int, int, int],
-                      resize_original: OriginalResizer) -> np.ndarray:
-    """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view."""
+                      resize_original: OriginalResizer, prefix: bytes | None = None,
+                      keep: dict[str, bytes] | None = None) -> np.ndarray:
+    """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view. prefix: a
+    `.pdelta.zst` member's dictionary; keep: where its payload goes when a later member names it as prefix."""
     if name.endswith(".npy.zst"):
         return _read_npy_zst_into(data, buf, shape, name)
-    if name.endswith(".delta.zst"):  # a .npy.zst whose rows are filtered: undone from a copy into the same view
-        view = _read_npy_zst_into(data, buf, shape, name)
+    if name.endswith((".delta.zst", PDELTA)):  # a .npy.zst whose rows are filtered: undone from a copy into the view
+        view = _read_npy_zst_into(data, buf, shape, name, prefix)
+        if keep is not None:
+            keep[name] = buf.tobytes()
         return unfilter_into(view.reshape(shape[0], 3, shape[1]).copy(), view)
     arr = decode_image(name, data, resize_original)
     if arr.shape != shape:
@@ -302,9 +314,19 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
             raise ValueError(f"its images and frames decode to {sum(sizes)} bytes, more than a reader accepts "
                              f"({LIMITS.sample_bytes})")
         # One alloc for images and frames: a DataLoader worker's slab holds all of the sample's pixels.
+        prefixes = pdelta_prefixes(meta["images"], members) if version >= 4 else {}
         buffers = (alloc or _alloc)(sizes)
-        decoded = [decode_image_into(m, members[m], buf, (h, w, 3), resize_original)
-                   for (m, h, w), buf in zip(layout + frames, buffers)]
+        decoded, payloads = [], {}  # payloads: of decoded members a later one names as its prefix (each names one)
+        for (m, h, w), buf in zip(layout + frames, buffers):
+            if m in prefixes and prefixes[m] not in payloads:
+                raise ValueError(f"{m}'s prefix {prefixes[m]} is not decoded before it (images decode in member "
+                                 "order)")
+            try:
+                decoded.append(decode_image_into(m, members[m], buf, (h, w, 3), resize_original,
+                                                 payloads.pop(prefixes.get(m), None),
+                                                 payloads if m in prefixes.values() else None))
+            except zstandard.ZstdError as e:  # named: a .pdelta.zst member decodes only with its own prefix
+                raise ValueError(f"{m} does not decode ({e})") from None
         images, rest = decoded[:len(layout)], iter(decoded[len(layout):])
         videos = [[next(rest) for _ in v] for v in video_layout]
         sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from vlmprep.processors.builtin import builtin_names
 from vlmprep.processors.load import bundled_templates, resolve_chat_template
 
-IMAGE_FORMATS = ("zstd-delta", "zstd", "png", "webp", "original")
+IMAGE_FORMATS = ("zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")
 ROLES = ("system", "user", "assistant", "tool")
 EOS_POLICIES = ("all", "turn", "last", "none")
 TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
@@ -114,8 +114,9 @@ class BuildConfig:
                                     "(saved with the dataset).")
     role_boundaries: str | None = opt(None, RENDER, "TOML of per-role start/end markers, for processors vlmprep does "
                                       "not know.")
-    image_format: str = opt("zstd-delta", IMAGES, "How images are stored: zstd-delta (lossless, smallest that decodes "
-                            "fast), zstd, png, webp or original (see docs/shard-format.md).", choices=IMAGE_FORMATS)
+    image_format: str = opt("zstd-pdelta", IMAGES, "How images are stored: zstd-pdelta (lossless, each image "
+                            "compressed against the sample's previous one: smallest that decodes fast), zstd-delta, "
+                            "zstd, png, webp or original (see docs/shard-format.md).", choices=IMAGE_FORMATS)
     # The image processor's resize budget and the video sampling (docs/video.md), saved into DIR/processor; a video
     # part's own fps / max_frames win. None: the processor's own.
     min_pixels: int | None = opt(None, IMAGES, "Image resize budget: min pixels per image (saved into DIR/processor).")
@@ -150,8 +151,8 @@ class BuildConfig:
     max_line_bytes: int = opt(256 * 1024 * 1024, LIMITS, "Reject input lines longer than this.")
     max_zstd_window: int = opt(1 << 27, LIMITS, "Max zstd window (bytes) an input may demand.")  # zstd's own cap
     min_image_side: int = opt(4, LIMITS, "Reject images with a side shorter than this (pixels).")  # upsampled noise
-    zstd_level: int = opt(3, None, "zstd level of images and video frames stored as zstd-delta or zstd (library only, "
-                                   "no flag).")
+    zstd_level: int = opt(3, None, "zstd level of images and video frames stored as zstd-delta or zstd, at least 5 "
+                                   "for zstd-pdelta images (library only, no flag).")
     samples_per_shard: int = opt(1000, OUTPUT, "Max samples per shard.")
     shard_size_mb: float = opt(512.0, OUTPUT, "Max shard size in MiB.")
     overwrite: bool = opt(False, OUTPUT, "Replace a dataset built with other options in --out, or build beside files "

@@ -15,12 +15,12 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from vlmprep.config import default
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
-from vlmprep_schemas.delta import filter_pixels
+from vlmprep_schemas.delta import compress_pdelta, filter_pixels
 
 # Our own declared-size check replaces PIL's global bomb limit, so the limit is configurable per build.
 Image.MAX_IMAGE_PIXELS = None
 
-STORED_EXT = {"zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp"}
+STORED_EXT = {"zstd-pdelta": "pdelta.zst", "zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp"}
 _ORIGINAL_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # kept as they are when no transform applies
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 _HIGH_BIT = _SIXTEEN_BIT + ("I", "F")
@@ -303,13 +303,24 @@ def _normalized_png(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = default("zstd_level")) -> bytes:
-    """Lossless and deterministic: same pixels and options give the same bytes."""
-    if image_format == "zstd-delta":  # the .npy header of the pixels, then their filtered rows, in one zstd frame
-        buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(image.pixels))
-        buf.write(filter_pixels(image.pixels).data)
-        return zstandard.ZstdCompressor(level=zstd_level).compress(buf.getvalue())
+def delta_payload(pixels: np.ndarray) -> bytes:
+    """What a zstd-delta or zstd-pdelta member decompresses to: the .npy header of the pixels, then their filtered
+    rows (vlmprep_schemas.delta)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(pixels))
+    buf.write(filter_pixels(pixels).data)
+    return buf.getvalue()
+
+
+def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = default("zstd_level"),
+                 prefix: PreparedImage | None = None) -> bytes:
+    """Lossless and deterministic: same pixels and options give the same bytes. prefix: zstd-pdelta's previous image
+    of the sample (same size), whose payload the image is compressed against; None for the first image."""
+    if image_format == "zstd-delta":
+        return zstandard.ZstdCompressor(level=zstd_level).compress(delta_payload(image.pixels))
+    if image_format == "zstd-pdelta":
+        return compress_pdelta(delta_payload(image.pixels), None if prefix is None else delta_payload(prefix.pixels),
+                               zstd_level)
     if image_format == "zstd":
         # np.save's bytes, with one copy of the pixels instead of its three (tobytes, write, getvalue)
         pixels = np.ascontiguousarray(image.pixels)

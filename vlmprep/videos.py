@@ -17,8 +17,9 @@ from vlmprep.types import PreparedImage, PreparedVideo, RecordError, VideoData
 # Frames per second sampled when neither the part, --video-fps nor the video processor's own config names a rate:
 # qwen-vl-utils' FPS, the rate the Qwen-VL models were trained at.
 DEFAULT_VIDEO_FPS = 2.0
-# "original": no source image, so PNG
-FRAME_EXT = {"zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp", "original": "png"}
+# "original": no source image, so PNG; zstd-pdelta: each frame zstd-delta on its own
+FRAME_EXT = {"zstd-pdelta": "delta.zst", "zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp",
+             "original": "png"}
 
 
 def sampling_fps(video: VideoData, vp) -> float:
@@ -224,7 +225,8 @@ def second_per_grid_t(video: PreparedVideo, vp) -> float:
 
 
 def encode_frame(frame: np.ndarray, image_format: str, *, zstd_level: int = default("zstd_level")) -> bytes:
-    """One stored frame, lossless as an image of the same format ("original" has no source image: PNG)."""
-    fmt = "png" if image_format == "original" else image_format
+    """One stored frame, lossless as an image of the same format ("original" has no source image: PNG; zstd-pdelta's
+    frames are zstd-delta, each on its own)."""
+    fmt = {"original": "png", "zstd-pdelta": "zstd-delta"}.get(image_format, image_format)
     return encode_image(PreparedImage(pixels=frame, grid_thw=(1, 1, 1), source=None, digest=""), fmt,
                         zstd_level=zstd_level)

@@ -60,8 +60,9 @@ def npy(a: np.ndarray) -> bytes:
 # --- shards
 
 
-def small_dataset(d: Path) -> Path:
-    """d/ds: one shard of a sample with an image and a 4-frame video (Qwen2-VL, zstd members) and a text-only one."""
+def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd") -> Path:
+    """d/ds: one shard of a sample with an image (or `images` of one size: zstd-pdelta then stores each later one
+    against the one before) and a 4-frame video (Qwen2-VL, zstd members) and a text-only one."""
     import base64
 
     from tests.support.videos import encode, frames
@@ -69,18 +70,20 @@ def small_dataset(d: Path) -> Path:
     from vlmprep.config import BuildConfig
 
     (d / "clip.mp4").write_bytes(encode(frames(4, 64, 48), 2))
-    buf = io.BytesIO()
-    Image.fromarray(frames(1, 224, 160, seed=3)[0]).save(buf, format="PNG")
-    image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    parts = []
+    for k in range(images):
+        buf = io.BytesIO()
+        Image.fromarray(frames(1, 224, 160, seed=3 + k)[0]).save(buf, format="PNG")
+        parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                         + base64.b64encode(buf.getvalue()).decode()}})
     records = [{"id": "iv", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "what happens?"},
-                                     {"type": "image_url", "image_url": {"url": image}},
+        {"role": "user", "content": [{"type": "text", "text": "what happens?"}, *parts,
                                      {"type": "video", "video": "clip.mp4"}]},
         {"role": "assistant", "content": "a square moves."}]},
         {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
     (d / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / "ds"), processor="builtin:qwen2-vl", seq_len=4096,
-                      samples_per_shard=10, image_format="zstd", progress=False))
+                      samples_per_shard=10, image_format=image_format, progress=False))
     return d / "ds"
 
 

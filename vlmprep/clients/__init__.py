@@ -5,6 +5,8 @@
 
 
 def sample_version(members) -> int:
-    """A sample's format version from its member names (v2 added image_index.npy, v3 video_grid_thw.npy): a tar
-    stream has no manifest."""
-    return 3 if "video_grid_thw.npy" in members else 2 if "image_index.npy" in members else 1
+    """A sample's format version from its member names (v2 added image_index.npy, v3 video_grid_thw.npy, v4
+    .pdelta.zst images): a tar stream has no manifest."""
+    if "video_grid_thw.npy" in members:
+        return 4 if any(str(n).endswith(".pdelta.zst") for n in members) else 3
+    return 2 if "image_index.npy" in members else 1

@@ -37,10 +37,11 @@ class ArraySpec:
 
 ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"], tuple(a["shape"]))
                                 for name, a in _SPEC["arrays"].items()}
-_KEY = {3: re.compile(_SPEC["$defs"]["key"]["pattern"]), 2: re.compile(_SPEC["$defs"]["key"]["pattern"]),
-        1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
-_IMAGE = {3: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
-          2: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
+_KEY = {4: re.compile(_SPEC["$defs"]["key"]["pattern"]), 3: re.compile(_SPEC["$defs"]["key"]["pattern"]),
+        2: re.compile(_SPEC["$defs"]["key"]["pattern"]), 1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
+_IMAGE = {4: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
+          3: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
+          2: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
           1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"])}
 _VIDEO = re.compile(_SPEC["$defs"]["video_member"]["pattern"])  # format v3 on
 

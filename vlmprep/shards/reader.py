@@ -31,7 +31,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
-from vlmprep_schemas.delta import unfilter_into
+from vlmprep_schemas.delta import PDELTA, decompressor, pdelta_prefixes, unfilter_into
 from vlmprep_schemas.limits import load_json, load_npy, npy_header, schema_problem
 
 
@@ -107,27 +107,31 @@ def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | No
                          f"({LIMITS.image_bytes} bytes)")
 
 
-def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = None) -> np.ndarray:
+_ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)
+
+
+def zstd_payload(name: str, data: bytes, size: tuple[int, int] | None = None, prefix: bytes | None = None) -> bytes:
+    """A `.npy.zst` / `.delta.zst` / `.pdelta.zst` member -> what it decompresses to (the .npy header, then the
+    pixels or their filtered rows), its declared size (the zstd frame's content size) checked against `size` (or the
+    image limit) before anything is decompressed. prefix: a `.pdelta.zst` member's dictionary, the payload of the
+    member its meta names (None: none)."""
+    declared = zstandard.frame_content_size(data)
+    floor = 3 * (size[0] * size[1] if size is not None else 1)
+    ceiling = 4096 + (3 * size[0] * size[1] if size is not None else LIMITS.image_bytes)  # + the .npy header
+    if not floor < declared <= ceiling:
+        raise ValueError(f"{name} declares {declared} decompressed bytes, not a uint8 "
+                         f"{'x'.join(map(str, size or ('H', 'W')))}x3 .npy")
+    return decompressor(prefix).decompress(data)
+
+
+def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = None,
+                        prefix: bytes | None = None) -> np.ndarray:
     """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). `size`: the
     (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
     image header) is checked against it, or against the image limit, before anything is decompressed or
-    allocated. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
-    if name.endswith((".npy.zst", ".delta.zst")):  # .delta.zst: the header is the image's, the rows are filtered
-        declared = zstandard.frame_content_size(data)
-        floor = 3 * (size[0] * size[1] if size is not None else 1)
-        ceiling = 4096 + (3 * size[0] * size[1] if size is not None else LIMITS.image_bytes)  # + the .npy header
-        if not floor < declared <= ceiling:
-            raise ValueError(f"{name} declares {declared} decompressed bytes, not a uint8 "
-                             f"{'x'.join(map(str, size or ('H', 'W')))}x3 .npy")
-        raw = zstandard.ZstdDecompressor().decompress(data)
-        dims = npy_header(raw, name)[2]
-        if len(dims) != 3 or dims[2] != 3:
-            raise ValueError(f"{name} holds shape {dims}, expected H x W x 3")
-        _check_pixels(name, dims[1], dims[0], size)
-        pixels = load_npy(raw, name, np.uint8, dims)
-        if name.endswith(".delta.zst"):
-            return unfilter_into(pixels.reshape(dims[0], 3, dims[1]), np.empty_like(pixels))
-        return pixels
+    allocated. prefix: as zstd_payload's. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
+    if name.endswith(_ZSTD_IMAGE):
+        return pixels_of_payload(name, zstd_payload(name, data, size, prefix), size)
     with Image.open(io.BytesIO(data)) as im:  # reads the header only
         _check_pixels(name, *im.size, None if ".orig." in name else size, 4)
         if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own
@@ -135,6 +139,19 @@ def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = N
 
             return convert_to_rgb(im, return_numpy=True)
         return np.array(im.convert("RGB"))
+
+
+def pixels_of_payload(name: str, raw: bytes, size: tuple[int, int] | None) -> np.ndarray:
+    """zstd_payload's bytes -> uint8 H x W x 3: the .npy header checked (against `size` too), the filtered rows of a
+    `.delta.zst` / `.pdelta.zst` member undone."""
+    dims = npy_header(raw, name)[2]
+    if len(dims) != 3 or dims[2] != 3:
+        raise ValueError(f"{name} holds shape {dims}, expected H x W x 3")
+    _check_pixels(name, dims[1], dims[0], size)
+    pixels = load_npy(raw, name, np.uint8, dims)
+    if name.endswith(".npy.zst"):
+        return pixels
+    return unfilter_into(pixels.reshape(dims[0], 3, dims[1]), np.empty_like(pixels))
 
 
 DECODE_ERRORS = (ValueError, OSError, zstandard.ZstdError, Image.DecompressionBombError)
@@ -153,6 +170,7 @@ class StoredSample:
     sizes: dict[str, int] = field(default_factory=dict, repr=False)  # member -> bytes, known before it is read
     unknown: tuple[str, ...] = ()  # members refused by the rule, never read (only with on_unknown="report")
     _meta: dict | None = field(default=None, repr=False)
+    _last: tuple[str | None, bytes | None] = field(default=(None, None), repr=False)  # the last .pdelta.zst payload
 
     def _fail(self, what: str) -> ShardFormatError:
         return ShardFormatError(f"{self.where}: sample {self.key}: {what}")
@@ -241,12 +259,39 @@ class StoredSample:
 
     def decode(self, name: str, size: tuple[int, int] | None, data: bytes | None = None) -> np.ndarray:
         """One image or frame member (its bytes `data` when already read), its declared size checked against `size`
-        (stored_sizes) first."""
+        (stored_sizes) first; a `.pdelta.zst` member's prefix is decoded first (in member order, the one before
+        is cached)."""
         try:
-            return decode_stored_image(name, self.read(name) if data is None else data, size)
+            data = self.read(name) if data is None else data
+            if not name.endswith(PDELTA):
+                return decode_stored_image(name, data, size)
+            return pixels_of_payload(name, self._payload(name, size, data), size)
         except DECODE_ERRORS as e:  # the checks' own messages name the member; a decoder's do not
             raise self._fail(str(e) if str(e).startswith(name) else f"{name} does not decode: {type(e).__name__}: {e}"
                              ) from None
+
+    def _payload(self, name: str, size: tuple[int, int] | None, data: bytes) -> bytes:
+        """A `.pdelta.zst` member's decompressed payload: the chain of prefixes it depends on decompressed from its
+        first member (or the cached one) on; each is the previous image, so the chain only goes back."""
+        prefixes = self.prefixes()
+        chain = [name]
+        while chain[-1] in prefixes and self._last[0] != prefixes[chain[-1]]:
+            chain.append(prefixes[chain[-1]])
+        payload = self._last[1] if chain[-1] in prefixes else None
+        for member in reversed(chain):
+            payload = zstd_payload(member, data if member == name else self.read(member), size, payload)
+        self._last = (name, payload)
+        return payload
+
+    def prefixes(self) -> dict[str, str]:
+        """Format v4: {`.pdelta.zst` member: the member it was compressed against}, from the meta, checked
+        (vlmprep_schemas.delta.pdelta_prefixes)."""
+        if self.version < 4:
+            return {}
+        try:
+            return pdelta_prefixes(self.meta()["images"], self.names)
+        except ValueError as e:
+            raise self._fail(str(e)) from None
 
     def images(self) -> list[np.ndarray]:
         """Decoded images per occurrence (uint8 H x W x 3); a repeated image is decoded once and shared."""

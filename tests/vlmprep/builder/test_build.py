@@ -130,7 +130,7 @@ def test_build_twice_and_with_two_workers_is_byte_identical(demo_traces, demo_bu
     assert file_hashes(out1 / "processor") == file_hashes(out2 / "processor")
 
 
-@pytest.mark.parametrize("fmt", ["zstd-delta", "zstd", "png", "webp", "original"])
+@pytest.mark.parametrize("fmt", ["zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original"])
 def test_pixel_parity_per_image_format(fmt, tmp_path, qwen2vl_processor):
     out = tmp_path / fmt
     build(cfg([LLAMAFACTORY / "mllm_demo.json"], out, image_format=fmt))
@@ -165,7 +165,7 @@ def test_llamafactory_demo_builds_with_deduped_images(tmp_path):
     assert res.manifest["totals"]["images"] == 8
     first = read_tar(out / "shard-000000.tar")[min(read_tar(out / "shard-000000.tar"))]
     meta = json.loads(first["json"])
-    assert [i["member"] for i in meta["images"]] == ["img000.delta.zst", "img000.delta.zst"]  # 1.jpg twice, stored once
+    assert [i["member"] for i in meta["images"]] == ["img000.pdelta.zst", "img000.pdelta.zst"]  # 1.jpg twice, stored once
     assert sum(1 for k in first if k.startswith("img")) == 1
 
 

@@ -76,11 +76,16 @@ def assert_same(got: dict, want: dict, key: str) -> None:
         assert np.array_equal(g, w), f"{key}: image occurrence {k} differs from the trainer's"
 
 
-def plain_decode(name: str, data: bytes) -> np.ndarray:
-    """A .npy.zst or .delta.zst image member with zstandard and numpy alone, as docs/other-libraries.md shows (the
-    .delta.zst filter undone with np.cumsum, not vlmprep's code)."""
-    arr = np.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(data)), allow_pickle=False)
-    if name.endswith(".delta.zst"):
+def plain_decode(name: str, members: dict[str, bytes], prefix: dict[str, str], payloads: dict[str, bytes]):
+    """A .npy.zst, .delta.zst or .pdelta.zst image member with zstandard and numpy alone, as docs/other-libraries.md
+    shows (a .pdelta.zst member's prefix payload as a raw zstd dictionary, the filter undone with np.cumsum, not
+    vlmprep's code); members decode in member order."""
+    d = None
+    if name in prefix:
+        d = zstandard.ZstdCompressionDict(payloads[prefix[name]], dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    payloads[name] = zstandard.ZstdDecompressor(dict_data=d).decompress(members[name])
+    arr = np.load(io.BytesIO(payloads[name]), allow_pickle=False)
+    if not name.endswith(".npy.zst"):
         h, w, _ = arr.shape
         q = np.cumsum(arr.reshape(h, 3, w), axis=0, dtype=np.uint8)
         arr = np.stack([q[:, 0] + q[:, 1], q[:, 1], q[:, 2] + q[:, 1]], axis=-1)
@@ -88,7 +93,7 @@ def plain_decode(name: str, data: bytes) -> np.ndarray:
 
 
 def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, manifest, expected):
-    wrong_by_sorted_members = 0
+    wrong_by_sorted_members = with_prefix = 0
     for shard in manifest["shards"]:
         with tarfile.open(dataset / shard["name"]) as tar:
             samples: dict[str, dict[str, bytes]] = {}
@@ -98,14 +103,19 @@ def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, mani
         for key, m in samples.items():
             index = np.load(io.BytesIO(m["image_index.npy"]), allow_pickle=False)
             by_number = {int(name[3:6]): name for name in m if name.startswith("img")}
-            images = [plain_decode(by_number[int(u)], m[by_number[int(u)]]) for u in index]  # the documented mapping
+            prefix = {im["member"]: im["prefix"] for im in json.loads(m["json"])["images"] if "prefix" in im}
+            payloads: dict[str, bytes] = {}
+            with_prefix += len(prefix)
+            stored = {u: plain_decode(name, m, prefix, payloads) for u, name in sorted(by_number.items())}
+            images = [stored[int(u)] for u in index]  # the documented mapping
             got = {n: np.load(io.BytesIO(m[n + ".npy"]), allow_pickle=False) for n in ARRAYS}
             assert_same({**got, "id": json.loads(m["json"])["id"], "image_index": index, "images": images},
                         expected[key], key)
-            naive = [plain_decode(n, m[n]) for n in sorted(by_number.values())]  # the obvious glue, one member per occurrence
+            naive = [stored[u] for u in sorted(by_number)]  # the obvious glue, one member per occurrence
             if len(naive) != len(images) or any(not np.array_equal(a, b) for a, b in zip(naive, images)):
                 wrong_by_sorted_members += 1
     assert wrong_by_sorted_members >= 1
+    assert with_prefix >= 1  # the default zstd-pdelta: a sample's later screenshots need the one before
 
 
 def test_webdataset_reads_every_sample(dataset, expected):
@@ -363,3 +373,21 @@ def test_energon_loader_gives_the_stored_video_frames(video_dataset, tmp_path):
         _assert_same_videos(s, want[s.__key__], s.__key__)
         keys.append(s.__key__)
     assert sorted(keys) == sorted(want) and sum(len(want[k]["videos"]) for k in keys) == 3
+
+
+def test_a_pdelta_member_decodes_alone_and_in_any_order(dataset):
+    """vlmprep's reader decodes a .pdelta.zst member on its own (inspect's lazy views, verify's per-member check):
+    the prefixes it needs are decoded first, so last-to-first gives the pixels first-to-last gives."""
+    from vlmprep.shards.reader import iter_dataset
+
+    checked = 0
+    for s in iter_dataset(dataset):
+        if not s.prefixes():
+            continue
+        sizes, names = s.stored_sizes(), list(dict.fromkeys(s.image_members()))
+        forward = {n: s.decode(n, sizes[n]) for n in names}
+        fresh = next(t for t in iter_dataset(dataset) if t.key == s.key)
+        for n in reversed(names):
+            np.testing.assert_array_equal(fresh.decode(n, sizes[n]), forward[n])
+        checked += 1
+    assert checked >= 1
