@@ -42,6 +42,13 @@ def default_cache_dir() -> Path:
 
 def build_builtin_processor(name: str, cache_dir: Path | None = None) -> ProcessorMixin:
     """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
+    from vlmprep.processors.load import from_local_dir
+
+    return from_local_dir(builtin_dir(name, cache_dir))
+
+
+def builtin_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """The cached processor dir of builtin `name` in `cache_dir`, built there first if missing."""
     if name in QWEN_BUILTINS:
         from vlmprep.processors import qwen as vendor
     elif name == "mistral-3":
@@ -56,10 +63,7 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
     final = root / f"{name}-{key[:16]}"
     if not (final / MARKER_FILE).is_file():
         _build_into(final, name, key, lambda: vendor.make_processor(name, template))
-
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(str(final), local_files_only=True, trust_remote_code=False)
+    return final
 
 
 def _cache_key(name: str, tiktoken_bytes: bytes, template: str) -> str:
