@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from vlmprep.processors.builtin import builtin_dir, builtin_names
-from vlmprep.processors.load import from_local_dir
+from vlmprep.processors.builtin import builtin_dir, builtin_names, from_local_dir
 
 TEXT = ("<|im_start|>user\nHello <|vision_start|><|image_pad|><|vision_end|> w\u00f6rld 123 \n\n  x<|im_end|>"
         "<|endoftext|><think> [IMG][/INST]<|begin_of_text|><|eot|> \u4f60\u597d")
@@ -70,7 +69,7 @@ def test_fast_load_equals_transformers_load_every_builtin(name):
 
 def test_fast_load_skips_dirs_it_does_not_cover(tmp_path):
     """A dir without tokenizer.json, or a processor transformers loads its own way (Pixtral), takes the slow load."""
-    from vlmprep.processors.load import _fast_classes
+    from vlmprep.processors.builtin import _fast_classes
 
     assert _fast_classes(tmp_path) is None
     assert _fast_classes(builtin_dir("qwen2-vl")) is not None
