@@ -30,11 +30,16 @@ def worker_child(processor_dir: str, inp: str) -> dict:
     """In a fresh process, after IMPORTS: seconds to renderer_from_saved, then to render the first record that has
     images (jinja compile, resize warm-up); then seconds until 2 pool workers forked from it (record_workers) have
     each answered."""
+    from transformers import AutoProcessor
+
     from vlmprep.builder.workers import record_workers, renderer_from_saved
+    from vlmprep.process import Renderer
     from vlmprep.records import iter_records
 
-    t0 = time.perf_counter()
     cfg = build_config(Path(inp), Path(processor_dir).parent, seq_len=16384)
+    t0 = time.perf_counter()  # the load before from_local_dir: transformers' own, in the same process
+    Renderer(cfg, AutoProcessor.from_pretrained(processor_dir, local_files_only=True), saved=True)
+    t0, before = time.perf_counter(), time.perf_counter() - t0
     renderer = renderer_from_saved(cfg, processor_dir)
     t1 = time.perf_counter()
     for raw in iter_records([Path(inp)]):
@@ -46,7 +51,8 @@ def worker_child(processor_dir: str, inp: str) -> dict:
                         renderer) as pool:
         pids = {f.result() for f in [pool.submit(_slow_pid) for _ in range(4)]}
     assert len(pids) == 2, pids
-    return {"ready_s": t1 - t0, "first_render_s": t3 - t2, "forked_ready_s": time.perf_counter() - t3 - 0.05}
+    return {"ready_s": t1 - t0, "transformers_load_s": before, "first_render_s": t3 - t2,
+            "forked_ready_s": time.perf_counter() - t3 - 0.05}
 
 
 def _slow_pid() -> int:
@@ -100,12 +106,21 @@ def run(quick: bool) -> list[dict]:
     runs = {w: timed_child_build(inp, OUT / f"startup-w{w}", w) for w in (1, 2)}
 
     probes = [worker_startup(OUT / "startup-w1" / "processor", inp) for _ in range(1 if quick else 3)]
-    med = {k: statistics.median(p[k] for p in probes) for k in ("imports_s", "ready_s", "first_render_s",
-                                                                "forked_ready_s")}
+    med = {k: statistics.median(p[k] for p in probes) for k in ("imports_s", "ready_s", "transformers_load_s",
+                                                                "first_render_s", "forked_ready_s")}
     rows.append(emit("startup", metric="worker_ready", repeats=len(probes), imports_seconds=round(med["imports_s"], 2),
                      ready_beyond_imports_seconds=round(med["ready_s"], 2),
                      first_render_seconds=round(med["first_render_s"], 2), goal_seconds=GOAL_READY_S,
                      forked_pool_workers_ready_seconds=round(med["forked_ready_s"], 2)))
+    # Per path, seconds from its imports to ready: a task process (local --tasks, forked from the forkserver that
+    # imported) and a Ray worker both run cached_renderer -> renderer_from_saved after their imports; a pool worker
+    # is forked from the loaded build. Beside it, transformers' own load of the same dir in the same processes.
+    for path, key, how in (("pool", "forked_ready_s", "forked from the build's loaded Renderer (record_workers)"),
+                           ("task", "ready_s", "renderer_from_saved of the dataset's processor dir after the imports"),
+                           ("ray", "ready_s", "renderer_from_saved, as a task (the Ray task runs run_task)")):
+        rows.append(emit("startup", metric="ready_beyond_imports", path=path, seconds=round(med[key], 2),
+                         goal_seconds=GOAL_READY_S, how=how,
+                         transformers_load_seconds=None if path == "pool" else round(med["transformers_load_s"], 2)))
     for w, r in runs.items():
         rows.append(emit("startup", metric="first_record", workers=w, seconds=round(r["first_record_s"], 2)))
     for w, r in runs.items():

@@ -145,8 +145,10 @@ class Renderer:
         """The conversations to render, one per sample: the whole record with the history policy applied, or, with
         --long-traces split and a trace longer than --seq-len, the step samples split_trace cuts it into; and the
         trained turns that fit no sample. Lengths come from the images' grids: no pixel is made here."""
+        pieces: dict[str, int] = {}  # the candidates share most of their text: each piece is tokenized once
+
         def length(sc: StepConversation) -> int:
-            return count_tokens(sc.conv, self.ctx, *_pick(sc, images, videos))
+            return count_tokens(sc.conv, self.ctx, *_pick(sc, images, videos), pieces=pieces)
 
         whole = whole_trace(conv, self.steps)
         if self.cfg.long_traces == "split" and length(whole) > self.cfg.seq_len:

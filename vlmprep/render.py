@@ -88,6 +88,7 @@ class RenderContext:
         if repeated and not all(np.array_equal(x, y) for x, y in zip(self.encode(probe),
                                                                     self._tokenize(probe, offsets=True))):
             self._run_tokens, self._run_re = [], None  # this tokenizer does not split them off: tokenize runs whole
+        self._boundary_re, self._post_specials = _segment_boundaries(tok, specials)
         # A tokenizer that splits at TOKEN_BREAK and drops it (the Llama builtins): the template's break between two
         # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
         self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
@@ -112,10 +113,26 @@ class RenderContext:
             return (ids, spans) if not runs else self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
         return np.repeat(ids, reps), _repeat_spans(spans, runs, reps)
 
-    def count(self, text: str) -> int:
-        """len(encode(text)[0]), without offsets."""
+    def count(self, text: str, pieces: dict[str, int] | None = None) -> int:
+        """len(encode(text)[0]), without offsets. With `pieces` (a dict kept over the candidate samples of one record,
+        where most text recurs): the text between the tokenizer's split-out added tokens is tokenized once per
+        distinct piece, its count kept there (see _segment_boundaries)."""
         short, runs = _shorten_runs(text, self._run_re, self._run_tokens)
-        return len(self._tokenize(short, offsets=False)[0]) + sum(k - 1 for _, k, _ in runs)
+        repeats = sum(k - 1 for _, k, _ in runs)
+        if pieces is None or self._boundary_re is None:
+            return len(self._tokenize(short, offsets=False)[0]) + repeats
+        return self._count_pieces(short, pieces) + repeats
+
+    def _count_pieces(self, text: str, pieces: dict[str, int]) -> int:
+        split = self._boundary_re.split(text)  # one capturing group: the split-out tokens at odd positions
+        new = [p for p in dict.fromkeys(split[::2]) if p and p not in pieces]
+        if new:
+            backend = self.tokenizer.backend_tokenizer
+            for p, enc in zip(new, backend.encode_batch(new, add_special_tokens=False)):
+                pieces[p] = len(enc.ids)
+        bos = self.tokenizer.bos_token
+        added = 0 if bos and text.startswith(bos) else self._post_specials
+        return added + len(split) // 2 + sum(pieces[p] for p in split[::2] if p)
 
     def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
         bos = self.tokenizer.bos_token
@@ -225,6 +242,30 @@ def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.
         out[p:p + k, 0] = moved[i, 0] + unit * np.arange(k)
         out[p:p + k, 1] = out[p:p + k, 0] + unit
     return out
+
+
+def _segment_boundaries(tok, specials: set[str]) -> tuple[re.Pattern | None, int]:
+    """The added tokens the tokenizer splits out of the raw text before it normalizes, pre-tokenizes and encodes the
+    text between them (no lstrip / rstrip / single_word, not normalized), as one capturing alternation, longest first
+    (the tokenizer's leftmost-longest match): a text's token count is then the sum over the text between them, plus
+    one per token, plus what the post-processor adds. None where that does not hold for this tokenizer (special
+    tokens not split, or a pre-tokenizer that treats a text's first piece apart, such as a prefix space), checked on
+    a probe against the whole text's encode. Also returns how many tokens the post-processor adds (a BOS)."""
+    post = len(tok("", add_special_tokens=True)["input_ids"]) - len(tok("", add_special_tokens=False)["input_ids"])
+    if getattr(tok, "split_special_tokens", False):
+        return None, post
+    clean = {t.content for t in tok.added_tokens_decoder.values()
+             if not (t.normalized or t.lstrip or t.rstrip or t.single_word)}
+    alternation = _alternation(clean)
+    if alternation is None:
+        return None, post
+    boundary = re.compile(f"({alternation.pattern})")
+    probe = "".join(f"{t}\u0301 a{t}  b\n{t}{t}c{t} \n" for t in sorted(clean & specials)[:8]) + " x\u00e9\n"
+    whole = len(tok(probe, add_special_tokens=True)["input_ids"])
+    split = boundary.split(probe)
+    parts = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch([p for p in split[::2] if p],
+                                                                          add_special_tokens=False))
+    return (boundary if parts + len(split) // 2 + post == whole else None), post
 
 
 def _alternation(strings) -> re.Pattern | None:
@@ -383,17 +424,18 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
 
 
 def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
-                 videos: list[PreparedVideo] = ()) -> int:
+                 videos: list[PreparedVideo] = (), pieces: dict[str, int] | None = None) -> int:
     """The length render_conversation would give, without locating text or proving masks (for planning splits).
     Each expansion goes in with its placeholder runs cut to one copy, counted back (see RenderContext._run_re): the
-    long runs are never built, scanned or tokenized."""
+    long runs are never built, scanned or tokenized. `pieces`: RenderContext.count's per-record counts of the text
+    between special tokens, so the candidates of one split search tokenize each piece once."""
     rendered = ctx.render_text(ctx.messages(conv), conv.tools)
     image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
     short = [_shorten_runs(r, ctx._run_re, ctx._run_tokens) for r in image_reps + video_reps]
     expanded, _ = ctx.processor.get_text_with_replacements(
         [rendered], images_replacements=[t for t, _ in short[:len(image_reps)]],
         videos_replacements=[t for t, _ in short[len(image_reps):]])
-    return ctx.count(expanded[0]) + sum(k - 1 for _, runs in short for _, k, _ in runs)
+    return ctx.count(expanded[0], pieces) + sum(k - 1 for _, runs in short for _, k, _ in runs)
 
 
 def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],

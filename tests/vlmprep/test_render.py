@@ -212,6 +212,8 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
     pieces = st.lists(st.one_of(text, st.builds(lambda t, k: t * k, st.sampled_from(pads), st.integers(1, 40))),
                       max_size=8)
 
+    counts: dict[str, int] = {}  # kept over every example, as over the candidates of one split search
+
     @given(pieces, st.booleans())
     def check(parts, bos_first):
         s = ((tok.bos_token or "") if bos_first else "") + "".join(parts)
@@ -221,8 +223,10 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
         assert ids.tolist() == want["input_ids"]
         assert spans.tolist() == [list(o) for o in want["offset_mapping"]]
         assert ctx.count(s) == len(want["input_ids"])
+        assert ctx.count(s, counts) == len(want["input_ids"])  # summed over the text between special tokens
 
     assert ctx._run_re is not None  # the shortcut is on for this tokenizer
+    assert name != "qwen2-vl" or ctx._boundary_re is not None  # and the per-piece count
     check()
 
 
@@ -239,4 +243,6 @@ def test_count_tokens_is_the_rendered_length(name):
     conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
     ctx = RenderContext(processor)
     images = [prepare_image(im, processor, ctx.family, max_pixels=10**8) for im in conv.images]
-    assert count_tokens(conv, ctx, images) == len(render_conversation(conv, ctx, images).input_ids)
+    n = len(render_conversation(conv, ctx, images).input_ids)
+    assert count_tokens(conv, ctx, images) == n
+    assert count_tokens(conv, ctx, images, pieces={}) == n

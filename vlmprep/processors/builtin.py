@@ -1,6 +1,6 @@
 """The builtin processors (`--processor builtin:NAME`): each is built offline by its vendor module (qwen.py,
 mistral.py, llama.py) from the vocabulary and template files it reads, saved once into an on-disk cache keyed by
-those files, and loaded back from there.
+those files, and loaded back from there (from_local_dir, also the load of a dataset's saved processor dir).
 """
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ def default_cache_dir() -> Path:
 
 def build_builtin_processor(name: str, cache_dir: Path | None = None) -> ProcessorMixin:
     """The processor for builtin `name`, built on first use and then loaded from `cache_dir`."""
+    return from_local_dir(builtin_dir(name, cache_dir))
+
+
+def builtin_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """The cached processor dir of builtin `name` in `cache_dir`, built there first if missing."""
     if name in QWEN_BUILTINS:
         from vlmprep.processors import qwen as vendor
     elif name == "mistral-3":
@@ -56,10 +61,63 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
     final = root / f"{name}-{key[:16]}"
     if not (final / MARKER_FILE).is_file():
         _build_into(final, name, key, lambda: vendor.make_processor(name, template))
+    return final
 
+
+def from_local_dir(path: str | Path):
+    """AutoProcessor.from_pretrained of a local dir, its tokenizer read from tokenizer.json by the tokenizers library
+    alone (~1 s of CPU for a 150k vocabulary, against ~3.5 s; most of a task or Ray worker's start-up). transformers'
+    own load parses that 18 MB file with Python's json twice more (once for the added tokens the file's backend
+    already carries, once to rebuild the BPE from its vocabulary and merges in the class's __init__). Here the
+    tokenizer is the same class, made by the same from_pretrained, with the file handed to the Rust loader as
+    transformers does for a class without its own __init__; tests/vlmprep/processors/test_load.py checks it equals the
+    slow load for every builtin. Anything else (no tokenizer.json, a tokenizer or processor class transformers does
+    not name, a sentencepiece or Mistral tokenizer) takes the slow load."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(str(final), local_files_only=True, trust_remote_code=False)
+    classes = _fast_classes(Path(path))
+    if classes is None:
+        return AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    processor_cls, tokenizer_cls = classes
+    # Runtime subclasses, so that transformers' from_pretrained does all the rest; their instances get the real
+    # classes back at once.
+    fast_tokenizer_cls = type(tokenizer_cls.__name__, (tokenizer_cls,), {"__module__": tokenizer_cls.__module__})
+    tokenizer = fast_tokenizer_cls.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
+                                                   added_tokens_decoder={})  # the file's backend has them all
+    tokenizer.__class__ = tokenizer_cls
+
+    def given_tokenizer(cls, sub_processor_type, *args, **kwargs):
+        return tokenizer
+
+    fast_processor_cls = type(processor_cls.__name__, (processor_cls,), {
+        "__module__": processor_cls.__module__, "_load_tokenizer_from_pretrained": classmethod(given_tokenizer)})
+    processor = fast_processor_cls.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    processor.__class__ = processor_cls
+    return processor
+
+
+def _fast_classes(d: Path):
+    """(processor class, tokenizer class) where from_local_dir's fast path applies to dir d, else None."""
+    import transformers
+    from transformers import ProcessorMixin
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    try:
+        tok_name = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+        proc_name = json.loads((d / "processor_config.json").read_text(encoding="utf-8")).get("processor_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not (d / "tokenizer.json").is_file() or not isinstance(tok_name, str) or not isinstance(proc_name, str):
+        return None
+    tokenizer_cls = tokenizer_class_from_name(tok_name)
+    processor_cls = getattr(transformers, proc_name, None)
+    if (not isinstance(tokenizer_cls, type) or not issubclass(tokenizer_cls, TokenizersBackend)
+            or not isinstance(processor_cls, type) or not issubclass(processor_cls, ProcessorMixin)
+            or [a for a in processor_cls.get_attributes() if "tokenizer" in a] != ["tokenizer"]
+            or "Pixtral" in proc_name):
+        return None  # PixtralProcessor loads its tokenizer itself, not through _load_tokenizer_from_pretrained
+    return processor_cls, tokenizer_cls
 
 
 def _cache_key(name: str, tiktoken_bytes: bytes, template: str) -> str:

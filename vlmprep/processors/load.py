@@ -65,10 +65,10 @@ def load_saved_processor(path: str | Path):
     """A processor from a local dir (e.g. the copy save_processor wrote into a dataset), never the network and never
     code: a dir whose configs ask for custom code (auto_map), or whose files link outside it, is refused in one line
     (UnsafeDataset, a ValueError) before transformers reads it."""
-    from transformers import AutoProcessor
+    from vlmprep.processors.builtin import from_local_dir
 
     processor_files(path)
-    return AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    return from_local_dir(path)
 
 
 def fingerprint_dir(path: Path) -> str:
