@@ -11,8 +11,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from trainer.index import ShardIndex, file_signature, shard_index
+from trainer.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
 from trainer.shards import REMOTE, DataError, DataSource, ShardRef
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
@@ -98,6 +99,19 @@ def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str 
     if index.signature != signature:  # derived from the tar: the hash and the index read one file
         raise changed(shard.url)
     return index
+
+
+def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path, check: ShardCheck,
+                    want: Callable[[ShardRef], str | None]) -> tuple[ShardIndex, ...]:
+    """checked_index of each of a dataset's shards (`want(shard)`: the sha256 to check it against, None: not
+    hashed). Where the manifest lists the dataset's sample index, all their rows come from that one file
+    (trainer/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
+    if ds.index is None or any(s.row is None for s in shards):
+        return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
+    indexes = dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache)
+    return tuple(ix if s.url.startswith(("pipe:",) + REMOTE) else
+                 dataclasses.replace(ix, signature=check.verify(s.url, url=s.url, want=want(s)))
+                 for s, ix in zip(shards, indexes))
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:
