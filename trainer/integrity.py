@@ -49,13 +49,12 @@ class ShardCheck:
     def verify(self, path: str, *, url: str, want: str | None) -> tuple[int, ...]:
         """The file's signature, once its content is checked to hash to `want` (None: not checked)."""
         try:
+            st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
+            if not (self.enabled and want) or self.known.get(os.path.abspath(path)) == self._key(st, want):
+                return file_signature(st)
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                if not (self.enabled and want):
-                    return file_signature(st)
-                key = [*file_signature(st), st.st_ctime_ns, want]
-                if self.known.get(os.path.abspath(path)) == key:
-                    return file_signature(st)
+                key = self._key(st, want)
                 h = hashlib.sha256()
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
@@ -69,6 +68,11 @@ class ShardCheck:
         self.known[os.path.abspath(path)] = key
         self.dirty = True
         return file_signature(st)
+
+    @staticmethod
+    def _key(st: os.stat_result, want: str) -> list:
+        """What the record keeps of a hashed file: its signature, its ctime (any rewrite changes it) and digest."""
+        return [*file_signature(st), st.st_ctime_ns, want]
 
     def save(self) -> None:
         """Writes the record of checked shards (atomically) when this run checked any new one."""
