@@ -158,7 +158,8 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path) -> Path:
 
 def index_only(src: Path, n: int) -> Path:
     """A dataset of n samples as far as the manifest and sample indexes go: src's shard entries and sidecars
-    repeated under new names, each shard a sparse file of its size (no command here reads a shard's bytes)."""
+    repeated under new names, the dataset's sample index over them, each shard a sparse file of its size (no command
+    here reads a shard's bytes)."""
     d = OUT / "growth" / f"index-only-{n}"
     if (d / "manifest.json").exists():
         return d
@@ -178,6 +179,11 @@ def index_only(src: Path, n: int) -> Path:
         have += s["num_samples"]
     manifest["shards"] = shards
     manifest["totals"]["samples"] = have
+    if all(s.get("index") for s in shards):  # the dataset's sample index, as merge writes it
+        from vlmprep.shards.reader import load_sample_index
+        from vlmprep.shards.writer import write_dataset_index
+
+        manifest["sample_index"] = write_dataset_index(d, (load_sample_index(d, s) for s in shards), have)
     (d / "manifest.json").write_text(json.dumps(manifest))
     return d
 

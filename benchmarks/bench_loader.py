@@ -209,7 +209,7 @@ def as_format_v1(src: Path, dst: Path) -> Path:
 def as_format(src: Path, dst: Path, version: int) -> Path:
     """A copy of an image-only dataset as a build of format `version` wrote it: without the members later versions
     added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy; v4 changed no member a zstd-delta
-    build writes) and without the sample index sidecars (later builds added them)."""
+    build writes) and without the sample index files (later builds added them)."""
     import hashlib
     import shutil
     import tarfile
@@ -229,6 +229,8 @@ def as_format(src: Path, dst: Path, version: int) -> Path:
         s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
         if "index" in s:
             (dst / s.pop("index")["name"]).unlink()
+    if "sample_index" in manifest:
+        (dst / manifest.pop("sample_index")["name"]).unlink()
     manifest["format_version"] = version
     (dst / "manifest.json").write_text(json.dumps(manifest))
     return dst

@@ -43,6 +43,7 @@ class DatasetPaths:
     shards: tuple[str, ...]  # in manifest order
     processor: str  # the saved processor dir (it may be absent: a reader that needs it says so)
     indexes: tuple[str | None, ...] = ()  # each shard's sample index sidecar, None where the manifest lists none
+    sample_index: str | None = None  # the dataset's sample index (every shard's rows in one file), where listed
 
 
 def _inside(path: str, root: str) -> bool:
@@ -84,22 +85,46 @@ def refuse_credentials(url: str, *, where: str) -> None:
                             "never in a URL")
 
 
+class _Names:
+    """dataset_file for the many one-part names of one manifest (shards, sample indexes) in O(1) syscalls each: a
+    plain one-part name joined to the dataset dir leaves it only when that entry is a symlink (no '..', no
+    separator), so the dir is listed once and only its symlinks are resolved (realpath) and checked."""
+
+    def __init__(self, base: str, where: str):
+        self.base, self.where, self.links = base, where, None
+        if not base.startswith(REMOTE):
+            try:
+                with os.scandir(base) as it:
+                    self.links = {e.name for e in it if e.is_symlink()}
+            except OSError:
+                self.links = None  # checked one by one below, as dataset_file does
+
+    def __call__(self, name, what: str) -> str:
+        if self.links is None or not isinstance(name, str) or "/" in name or name in self.links \
+                or not is_plain_path(name):
+            return dataset_file(self.base, name, where=self.where, what=what)
+        return os.path.join(self.base, name)
+
+
 def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
     """Every path a dataset's manifest (read from `where`) names, checked: each shard name one plain `.tar` file name
-    in the dataset, the processor dir inside it; a local processor dir that exists is checked too (processor_files),
-    so a dataset whose processor asks for custom code is refused by every reader, whether it loads the processor
-    or not."""
+    in the dataset, each sample index one plain `.index.npy` name, the processor dir inside it; a local processor dir
+    that exists is checked too (processor_files), so a dataset whose processor asks for custom code is refused by
+    every reader, whether it loads the processor or not. O(shards) with one stat-free listing of a local dir."""
     base = str(base)
     shards = manifest.get("shards") if isinstance(manifest, dict) else None
     if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
         raise UnsafeDataset(f"{where}: 'shards' is not a list of objects; not a vlmprep manifest")
+    if base.startswith(REMOTE):
+        refuse_credentials(base, where=where)
+    joined = _Names(base, where)
     names, indexes = [], []
     for s in shards:
         name = s.get("name")
         if not isinstance(name, str) or "/" in name or not name.endswith(".tar"):
             raise UnsafeDataset(f"{where}: shard name {name!r} is not a plain .tar file name in the dataset; "
                                 "refusing to read it")
-        names.append(dataset_file(base, name, where=where, what="shard name"))
+        names.append(joined(name, "shard name"))
         index = s.get("index")
         if index is None:
             indexes.append(None)
@@ -108,13 +133,21 @@ def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
         if not isinstance(iname, str) or "/" in iname or not iname.endswith(".index.npy"):
             raise UnsafeDataset(f"{where}: sample index {iname!r} of shard {name!r} is not a plain .index.npy file "
                                 "name in the dataset; refusing to read it")
-        indexes.append(dataset_file(base, iname, where=where, what="sample index"))
+        indexes.append(joined(iname, "sample index"))
+    whole = manifest.get("sample_index")
+    sample_index = None
+    if whole is not None:
+        wname = whole.get("name") if isinstance(whole, dict) else None
+        if not isinstance(wname, str) or "/" in wname or not wname.endswith(".index.npy"):
+            raise UnsafeDataset(f"{where}: the dataset's sample index {wname!r} is not a plain .index.npy file name "
+                                "in the dataset; refusing to read it")
+        sample_index = joined(wname, "sample index")
     proc = manifest.get("processor")
     processor = dataset_file(base, proc.get("dir", PROCESSOR_DIR) if isinstance(proc, dict) else PROCESSOR_DIR,
                              where=where, what="processor dir")
     if not base.startswith(REMOTE) and os.path.isdir(processor):
         processor_files(processor)
-    return DatasetPaths(tuple(names), processor, tuple(indexes))
+    return DatasetPaths(tuple(names), processor, tuple(indexes), sample_index)
 
 
 def refuse_custom_code(config, where: str) -> None:

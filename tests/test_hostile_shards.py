@@ -422,3 +422,36 @@ def test_fuzz_every_reader_refuses_a_hostile_shard_in_one_line_or_reads_it(datas
             assert not outside, f"{reader} opened files outside the dataset: {outside[:3]}"
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_json_depth_skips_strings_as_the_parser_does():
+    """json_depth counts brackets outside strings in C-speed passes (escaped backslashes and quotes dropped first):
+    the same depth as skipping each string with a regex (what it replaced; 0.45 s on a 10^4-shard manifest), for
+    strings full of brackets, quotes and backslashes, ASCII-escaped or not."""
+    import random
+    import re
+
+    from vlmprep_schemas.limits import json_depth
+
+    string = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+    def by_regex(text: str) -> int:
+        depth = best = 0
+        for c in re.sub(r"[^\[\]{}]+", "", string.sub("", text)):
+            depth += 1 if c in "[{" else -1
+            best = max(best, depth)
+        return best
+
+    rnd = random.Random(3)
+
+    def value(d: int):
+        r = rnd.random()
+        if d > 40 or r < 0.3:
+            return rnd.choice(['a\\"[{', "\\\\", "x]]}", '"', "\u00e9[\n", 1, None, '\\\\"{', "\\"])
+        if r < 0.6:
+            return [value(d + 1) for _ in range(rnd.randint(0, 3))]
+        return {rnd.choice(["k[", "\\", '"{}']) + str(i): value(d + 1) for i in range(rnd.randint(0, 3))}
+
+    for _ in range(500):
+        text = "[" * 70 + json.dumps(value(0), ensure_ascii=rnd.random() < 0.5) + "]" * 70  # past the fast path
+        assert json_depth(text) == by_regex(text), text

@@ -384,3 +384,80 @@ def test_refuse_custom_code_finds_auto_map_anywhere():
                 {"a": [{"b": [{"auto_map": ["m.C", None]}]}]}):
         with pytest.raises(UnsafeDataset, match=r"^f: asks to run custom code \(auto_map "):
             refuse_custom_code(cfg, "f")
+
+
+def test_dataset_paths_refuses_a_shard_or_sample_index_linking_out(tmp_path):
+    """The manifest-wide check (one listing of the dir, then only its symlinks resolved) refuses what dataset_file
+    refuses name by name: a shard, a shard's sample index or the dataset's sample index that links out."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (tmp_path / "secret").write_bytes(b"")
+    (ds / "shard-000000.tar").write_bytes(b"")
+    (ds / "shard-000001.tar").symlink_to("shard-000000.tar")  # inside: fine
+    entries = [{"name": "shard-000000.tar"}, {"name": "shard-000001.tar"}]
+    paths = dataset_paths(str(ds), {"shards": entries}, where="m")
+    assert paths.shards == (str(ds / "shard-000000.tar"), str(ds / "shard-000001.tar")) and paths.sample_index is None
+    for link, manifest in (
+            ("shard-000002.tar", {"shards": [*entries, {"name": "shard-000002.tar"}]}),
+            ("shard-000000.tar.index.npy", {"shards": [{"name": "shard-000000.tar",
+                                                        "index": {"name": "shard-000000.tar.index.npy"}}]}),
+            ("samples.index.npy", {"shards": entries, "sample_index": {"name": "samples.index.npy"}})):
+        (ds / link).symlink_to(tmp_path / "secret")
+        with pytest.raises(UnsafeDataset, match=f"{link}' resolves to .*secret, outside the dataset"):
+            dataset_paths(str(ds), manifest, where="m")
+        (ds / link).unlink()
+    with pytest.raises(UnsafeDataset, match="the dataset's sample index '../x.index.npy' is not a plain"):
+        dataset_paths(str(ds), {"shards": entries, "sample_index": {"name": "../x.index.npy"}}, where="m")
+
+
+# --- A sample index file that claims more bytes than its samples take: refused before a byte of it is read ---
+
+@pytest.mark.parametrize("which", ["sidecar", "sidecar grown", "dataset index"])
+def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_path, which):
+    """A 64 MiB index file (sparse) for a few samples, its manifest entry listing that size and its true sha256
+    (an attacker can make both agree), or a sidecar grown past the size its manifest lists: the trainer and vlmprep's
+    reader (inspect --id, verify) refuse it in one line from its size alone, allocating nothing like it."""
+    import hashlib
+    import tracemalloc
+
+    from trainer.config import DataSpec
+    from trainer.rundata import rank_sources
+    from trainer.shards import DataError, plan_shards, resolve_data
+    from vlmprep.shards.reader import ShardFormatError, load_sample_index, read_index_file
+
+    big = 64 << 20
+    ds = _copy(dataset, tmp_path)
+    m = json.loads((ds / "manifest.json").read_text())
+    if which == "dataset index":
+        entry, rows = m["sample_index"], sum(s["num_samples"] for s in m["shards"])
+    else:  # the trainer reads the sidecars where the manifest lists no dataset index
+        (ds / m.pop("sample_index")["name"]).unlink()
+        entry, rows = m["shards"][0]["index"], m["shards"][0]["num_samples"]
+    path = ds / entry["name"]
+    with open(path, "r+b") as f:
+        f.truncate(big)
+    if which != "sidecar grown":
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        entry.update(bytes=big, sha256=h.hexdigest())
+    (ds / "manifest.json").write_text(json.dumps(m))
+    tracemalloc.start()
+    try:
+        data = resolve_data(str(ds))
+        with pytest.raises(DataError) as e:
+            rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
+                         cache=tmp_path / "cache")
+        _one_line(e.value, entry["name"], f"{big} bytes", "refusing to read it")
+        with pytest.raises(ShardFormatError) as e:
+            if which == "dataset index":
+                read_index_file(path, entry, rows=rows)
+            else:
+                load_sample_index(ds, m["shards"][0])
+        _one_line(e.value, entry["name"], f"{big} bytes", "refusing to read it")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak} bytes allocated while refusing a {big}-byte index file"
+    _verify_fails(ds, entry["name"])

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer.decode import check_member_names, sample_version
-from trainer.shards import REMOTE, DataError, ShardRef, check_member_size, member_key, open_shard
+from trainer.shards import REMOTE, DataError, IndexRef, ShardRef, check_member_size, member_key, open_shard
 from trainer.storage import StorageError, fetch
 from vlmprep_schemas import load
-from vlmprep_schemas.limits import LIMITS, load_json
+from vlmprep_schemas.limits import INDEX_HEADER_BYTES, LIMITS, index_bytes_limit, index_header, index_rows, load_json
 
 INDEX_DTYPE = np.dtype([tuple(f) for f in load("shard_format.schema.json")["sample_index"]["fields"]])
 FETCH_THREADS = 8  # sample indexes of remote shards fetched at once at start-up
@@ -109,19 +109,26 @@ def load_index(shard: ShardRef, data: bytes, *, path: str) -> ShardIndex:
         raise DataError(f"{where}: the sample index is not the one the manifest lists ({len(data)} bytes, sha256 "
                         f"{digest[:12]}... vs {ix.num_bytes}, {ix.sha256[:12]}...): copy the dataset again")
     try:
-        rows = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
+        rows = index_rows(data, where, INDEX_DTYPE)
+    except ValueError as e:
         raise DataError(f"{where}: not a sample index .npy ({e})") from None
-    if not isinstance(rows, np.ndarray) or rows.dtype != INDEX_DTYPE or rows.ndim != 1:
-        raise DataError(f"{where}: a sample index must be a 1-d array of {INDEX_DTYPE.descr}, got "
-                        f"{getattr(rows, 'dtype', type(rows))}")
-    starts, ends = rows["start"], rows["end"]
-    tokens, trained = rows["num_tokens"], rows["num_trainable_tokens"]
+    index = ShardIndex(path, *(np.ascontiguousarray(rows[f]) for f in _COLUMNS))
+    check_rows(shard, index, where)
+    return index
+
+
+_COLUMNS = ("start", "end", "num_tokens", "num_trainable_tokens")  # ShardIndex's starts, ends, tokens, trained
+
+
+def check_rows(shard: ShardRef, index: ShardIndex, where: str) -> None:
+    """Refuse (one line naming `where`) index rows that do not describe the shard the manifest lists: its sample
+    count, byte ranges in order inside it, its token counts."""
+    starts, ends, tokens, trained = index.starts, index.ends, index.tokens, index.trained
     bad = []
-    if shard.num_samples is not None and len(rows) != shard.num_samples:
-        bad.append(f"{len(rows)} rows for {shard.num_samples} samples")
-    if len(rows) and (starts[0] < 0 or (ends <= starts).any() or (starts[1:] < ends[:-1]).any()
-                      or (shard.num_bytes is not None and ends[-1] > shard.num_bytes)):
+    if shard.num_samples is not None and len(starts) != shard.num_samples:
+        bad.append(f"{len(starts)} rows for {shard.num_samples} samples")
+    if len(starts) and (starts[0] < 0 or (ends <= starts).any() or (starts[1:] < ends[:-1]).any()
+                        or (shard.num_bytes is not None and ends[-1] > shard.num_bytes)):
         bad.append("byte ranges out of order or outside the shard")
     if (tokens < 0).any() or (trained < 0).any() or (trained > tokens).any():
         bad.append("negative or inconsistent token counts")
@@ -130,8 +137,22 @@ def load_index(shard: ShardRef, data: bytes, *, path: str) -> ShardIndex:
     if bad:
         raise DataError(f"{where}: the sample index does not describe {shard.name} ({'; '.join(bad)}): a corrupt "
                         "or foreign dataset; run `vlmprep verify`")
-    as64 = np.ascontiguousarray
-    return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained))
+
+
+def read_listed(path: Path, ref: IndexRef, rows: int | None, where: str) -> bytes:
+    """A local index file's bytes, its size checked against the manifest's listing and the most `rows` rows take
+    before a byte is read (a file that grew, or a listing that claims a terabyte, is refused unread)."""
+    limit = index_bytes_limit(rows if rows is not None else 0, INDEX_DTYPE)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == ref.num_bytes and (rows is None or size <= limit):
+                return f.read(size + 1)
+    except OSError as e:
+        raise DataError(f"{where}: listed in the manifest but cannot be read ({e.strerror}); copy the dataset "
+                        "again") from None
+    raise DataError(f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (a sample index of {rows} samples "
+                    f"is at most {limit}); refusing to read it: copy the dataset again")
 
 
 def cache_name(url: str, name: str) -> str:
@@ -143,24 +164,119 @@ def shard_index(s: ShardRef, cache: Path) -> ShardIndex:
     """A shard's index: its sidecar (a local one read in place; a remote one fetched into `cache`, sha256-checked and
     kept for a resume), or for an older build's shard derived from its tar. A remote shard's own bytes are left to
     the shard cache (trainer/cache.py); the index's path is where that keeps them."""
-    remote = s.url.startswith(("pipe:",) + REMOTE)
-    path = str(Path(cache) / cache_name(s.url, s.name)) if remote else s.url
+    path = _local_path(s, cache)
     if s.index is None:
         return index_shard(path, url=s.url, expect=s.num_samples)
     if not s.index.url.startswith(REMOTE):
-        try:
-            return load_index(s, Path(s.index.url).read_bytes(), path=path)
-        except OSError as e:
-            raise DataError(f"{s.index.url}: listed in the manifest but cannot be read ({e.strerror}); copy "
-                            "the dataset again") from None
-    local = Path(cache) / cache_name(s.index.url, s.index.url)
+        return load_index(s, read_listed(Path(s.index.url), s.index, s.num_samples, s.index.url), path=path)
+    local = _fetched(s.index, cache)
+    return load_index(s, read_listed(local, s.index, s.num_samples, s.index.url), path=path)
+
+
+def _fetched(ref: IndexRef, cache: Path) -> Path:
+    """A remote index file's copy in the rank's cache dir (fetched, size and sha256 checked once; kept for a
+    resume)."""
+    local = Path(cache) / cache_name(ref.url, ref.url)
     if not local.is_file():
         local.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fetch(s.index.url, local, size=s.index.num_bytes, sha256=s.index.sha256)
+            fetch(ref.url, local, size=ref.num_bytes, sha256=ref.sha256)
         except StorageError as e:
             raise DataError(str(e)) from None
-    return load_index(s, local.read_bytes(), path=path)
+    return local
+
+
+DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed and sifted at a time (1.5 MiB)
+
+
+def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, cache: Path) -> tuple[ShardIndex, ...]:
+    """The sample indexes of `shards` from the dataset's one sample index file (`rows` rows, every shard's in manifest
+    order; ShardRef.row is where a shard's start): its size checked against the manifest's listing (and the most
+    `rows` rows take) before a byte is read, its header against np.save's, then read once in chunks, hashed against
+    the manifest's sha256 and only the given shards' rows kept (32 bytes a sample); each shard's rows checked as a
+    sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as shard_index gives."""
+    where = ref.url
+    local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
+    limit = index_bytes_limit(rows, INDEX_DTYPE)
+    spans = sorted({(s.row, s.num_samples) for s in shards})  # a shard named twice (a pattern) is read once
+    keep = np.empty(sum(n for _, n in spans), dtype=INDEX_DTYPE)
+    at = dict(zip(spans, np.cumsum([0] + [n for _, n in spans[:-1]]).tolist()))
+    h = hashlib.sha256()
+    try:
+        with open(local, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != ref.num_bytes or size > limit:
+                raise DataError(f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (the sample index of "
+                                f"{rows} samples is at most {limit}); refusing to read it: copy the dataset again")
+            head = f.read(min(size, INDEX_HEADER_BYTES))
+            try:
+                offset, count = index_header(head, size, where, INDEX_DTYPE)
+            except ValueError as e:
+                raise DataError(f"{where}: not a sample index .npy ({e})") from None
+            if count != rows:
+                raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
+                                "foreign dataset; run `vlmprep verify`")
+            h.update(head[:offset])
+            f.seek(offset)
+            first, k = 0, 0  # the chunk's first row; the first span not wholly before it
+            while chunk := f.read(DATASET_CHUNK_ROWS * INDEX_DTYPE.itemsize):
+                h.update(chunk)
+                part = np.frombuffer(chunk, INDEX_DTYPE, count=len(chunk) // INDEX_DTYPE.itemsize)
+                last = first + len(part)
+                while k < len(spans) and spans[k][0] + spans[k][1] <= first:
+                    k += 1
+                j = k
+                while j < len(spans) and spans[j][0] < last:
+                    a, z = max(spans[j][0], first), min(spans[j][0] + spans[j][1], last)
+                    o = at[spans[j]] + a - spans[j][0]
+                    keep[o:o + z - a] = part[a - first:z - first]
+                    j += 1
+                first = last
+    except OSError as e:
+        raise DataError(f"{where}: listed in the manifest but cannot be read ({e.strerror}); copy the dataset "
+                        "again") from None
+    if h.hexdigest() != ref.sha256:
+        raise DataError(f"{where}: the sample index is not the one the manifest lists (sha256 {h.hexdigest()[:12]}... "
+                        f"vs {ref.sha256[:12]}...): copy the dataset again")
+    columns = [np.ascontiguousarray(keep[c]) for c in _COLUMNS]
+    del keep
+    out = []
+    for s in shards:
+        o = at[s.row, s.num_samples]
+        index = ShardIndex(_local_path(s, cache), *(c[o:o + s.num_samples] for c in columns))
+        out.append(index)
+    _check_all(shards, out, where)
+    return tuple(out)
+
+
+def _check_all(shards: tuple[ShardRef, ...], indexes: list[ShardIndex], where: str) -> None:
+    """check_rows of every shard, vectorized over the lot; the per-shard check names the first that fails."""
+    if not indexes:
+        return
+    cat = lambda f: np.concatenate([getattr(ix, f) for ix in indexes])  # noqa: E731
+    starts, ends, tokens, trained = cat("starts"), cat("ends"), cat("tokens"), cat("trained")
+    counts = np.array([ix.num_samples for ix in indexes], dtype=np.int64)
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    inner = np.ones(len(starts), dtype=bool)
+    inner[firsts[counts > 0]] = False  # a shard's first row: its start is not compared with the row before it
+    full = counts > 0
+    lasts = (firsts + counts - 1)[full]
+    num_bytes = np.array([s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards], dtype=np.int64)
+    sums = np.zeros(len(counts), dtype=np.int64)
+    sums[full] = np.add.reduceat(tokens, firsts[full])
+    want = np.array([s.num_tokens if s.num_tokens is not None else -1 for s in shards], dtype=np.int64)
+    ok = ((ends > starts).all() and (starts[1:] >= ends[:-1])[inner[1:]].all() and (starts[firsts[full]] >= 0).all()
+          and (ends[lasts] <= num_bytes[full]).all() and (tokens >= 0).all() and (trained >= 0).all()
+          and (trained <= tokens).all() and ((want < 0) | (sums == want)).all())
+    if not ok:
+        for s, ix in zip(shards, indexes):
+            check_rows(s, ix, f"{where} (rows of {s.name})")
+        raise DataError(f"{where}: the sample index does not describe the dataset's shards: run `vlmprep verify`")
+
+
+def _local_path(s: ShardRef, cache: Path) -> str:
+    """Where a shard is read from: the file itself, or a remote shard's place in the rank's shard cache."""
+    return str(Path(cache) / cache_name(s.url, s.name)) if s.url.startswith(("pipe:",) + REMOTE) else s.url
 
 
 def index_shards(shards: tuple[ShardRef, ...], index: Callable[[ShardRef], ShardIndex]) -> tuple[ShardIndex, ...]:

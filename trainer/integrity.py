@@ -11,8 +11,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from trainer.index import ShardIndex, file_signature, shard_index
+from trainer.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
 from trainer.shards import REMOTE, DataError, DataSource, ShardRef
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
@@ -48,13 +49,12 @@ class ShardCheck:
     def verify(self, path: str, *, url: str, want: str | None) -> tuple[int, ...]:
         """The file's signature, once its content is checked to hash to `want` (None: not checked)."""
         try:
+            st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
+            if not (self.enabled and want) or self.known.get(os.path.abspath(path)) == self._key(st, want):
+                return file_signature(st)
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                if not (self.enabled and want):
-                    return file_signature(st)
-                key = [*file_signature(st), st.st_ctime_ns, want]
-                if self.known.get(os.path.abspath(path)) == key:
-                    return file_signature(st)
+                key = self._key(st, want)
                 h = hashlib.sha256()
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
@@ -68,6 +68,11 @@ class ShardCheck:
         self.known[os.path.abspath(path)] = key
         self.dirty = True
         return file_signature(st)
+
+    @staticmethod
+    def _key(st: os.stat_result, want: str) -> list:
+        """What the record keeps of a hashed file: its signature, its ctime (any rewrite changes it) and digest."""
+        return [*file_signature(st), st.st_ctime_ns, want]
 
     def save(self) -> None:
         """Writes the record of checked shards (atomically) when this run checked any new one."""
@@ -98,6 +103,19 @@ def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str 
     if index.signature != signature:  # derived from the tar: the hash and the index read one file
         raise changed(shard.url)
     return index
+
+
+def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path, check: ShardCheck,
+                    want: Callable[[ShardRef], str | None]) -> tuple[ShardIndex, ...]:
+    """checked_index of each of a dataset's shards (`want(shard)`: the sha256 to check it against, None: not
+    hashed). Where the manifest lists the dataset's sample index, all their rows come from that one file
+    (trainer/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
+    if ds.index is None or any(s.row is None for s in shards):
+        return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
+    indexes = dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache)
+    return tuple(ix if s.url.startswith(("pipe:",) + REMOTE) else
+                 dataclasses.replace(ix, signature=check.verify(s.url, url=s.url, want=want(s)))
+                 for s, ix in zip(shards, indexes))
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:

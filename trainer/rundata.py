@@ -18,8 +18,7 @@ from trainer.collate import CollateSpec
 from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data import StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
-from trainer.index import index_shards
-from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_index, expected_sha256
+from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes, expected_sha256
 from trainer.metrics import plural
 from trainer.model import model_type_of
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
@@ -74,10 +73,10 @@ def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> Non
 def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
                  world: int, cache: Path, check: ShardCheck | None = None) -> tuple[list[RankSource], int]:
     """Each source's shards as this rank reads them, with their sample indexes (trainer/index.py: the build's
-    sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their tars). Local shards
-    are checked against their manifest's sha256 first (by `check`; none: stats only); where every rank reads every
-    shard (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are checked by the shard
-    cache as it fetches them."""
+    dataset index or sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their
+    tars). Local shards are checked against their manifest's sha256 first (by `check`; none: stats only); where
+    every rank reads every shard (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are
+    checked by the shard cache as it fetches them."""
     check = check or ShardCheck(None, enabled=False)
     total = sum(d.weight for d in specs)
     out, derived = [], 0
@@ -85,9 +84,9 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
         want = expected_sha256(ds)
         hashed = {s.url for k, s in enumerate(shards) if not plan.stride or k % world == rank}
-        indexes = index_shards(shards, lambda s, want=want, hashed=hashed: checked_index(
-            s, cache=cache, check=check, want=want.get(s.name) if s.url in hashed else None))
-        derived += sum(s.index is None for s in shards)
+        indexes = checked_indexes(shards, ds, cache=cache, check=check, want=lambda s, want=want, hashed=hashed:
+                                  want.get(s.name) if s.url in hashed else None)
+        derived += 0 if ds.index is not None else sum(s.index is None for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
                               (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))
     return out, derived

@@ -5,6 +5,7 @@ sample: trainer/index.py).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import re
@@ -56,6 +57,7 @@ class ShardRef:
     num_bytes: int | None = None
     sha256: str | None = None
     index: IndexRef | None = None  # None: an older build's shard, indexed from its tar headers and metas
+    row: int | None = None  # where its rows start in the dataset's sample index (DataSource.index), where listed
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class DataSource:
     shards: tuple[ShardRef, ...]
     processor: str | None  # local dir or URL of the dataset's saved processor
     manifest: dict | None
+    index: IndexRef | None = None  # the dataset's sample index: every shard's rows in one file (manifest order)
+    index_rows: int = 0  # the rows it holds: the samples of every shard the manifest lists
 
     @property
     def counted(self) -> bool:
@@ -80,8 +84,8 @@ def _read_url(url: str, limit: int = LIMITS.manifest_bytes) -> bytes:
         except StorageError as e:
             raise DataError(str(e)) from None
     else:
-        with open(url, "rb") as f:
-            data = f.read(limit + 1)
+        with open(url, "rb") as f:  # read() of n bytes allocates n first: ask for no more than the file holds
+            data = f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
     if len(data) > limit:
         raise DataError(f"{url} is more than {limit} bytes, more than a reader accepts")
     return data
@@ -117,6 +121,12 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
         paths = dataset_paths(base, manifest, where=where)
     except UnsafeDataset as e:
         raise DataError(str(e)) from None
+    rows, row = {}, 0
+    for s in manifest["shards"]:
+        rows[s["name"]] = row
+        row += int(s["num_samples"])
+    whole = manifest.get("sample_index")
+    index = IndexRef(paths.sample_index, int(whole["bytes"]), str(whole["sha256"])) if whole else None
     by_name = {s["name"]: (s, url, ix) for s, url, ix in zip(manifest["shards"], paths.shards, paths.indexes)}
     names = only if only is not None else [s["name"] for s in manifest["shards"]]
     shards = []
@@ -124,12 +134,13 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
         if name not in by_name:
             raise DataError(f"{_join(base, name)} is not listed in {where}")
         s, url, ix = by_name[name]
-        index = IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None
         shards.append(ShardRef(url, name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"]),
-                               str(s["sha256"]) if "sha256" in s else None, index))
+                               str(s["sha256"]) if "sha256" in s else None,
+                               IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None,
+                               rows[name] if index else None))
     if not base.startswith(REMOTE):
         _check_local_shards(shards, where)
-    return DataSource(tuple(shards), paths.processor, manifest)
+    return DataSource(tuple(shards), paths.processor, manifest, index, row)
 
 
 def _check_local_shards(shards: list[ShardRef], manifest_url: str) -> None:
@@ -232,10 +243,12 @@ def plan_shards(shards: tuple[ShardRef, ...], world: int) -> ShardPlan:
     order = sorted(range(len(shards)), key=lambda i: (-weight[i], i))
     loads = [0] * world
     owned: list[list[int]] = [[] for _ in range(world)]
+    heap = [(0, 0, k) for k in range(world)]  # (load, shards, rank): the least-loaded rank first, O(log world)
     for i in order:
-        r = min(range(world), key=lambda k: (loads[k], len(owned[k]), k))
+        load_, count, r = heap[0]
         owned[r].append(i)
         loads[r] += weight[i]
+        heapq.heapreplace(heap, (loads[r], count + 1, r))
     samples = tuple(sum(shards[i].num_samples for i in o) if counted else None for o in owned)
     return ShardPlan(tuple(tuple(sorted(o)) for o in owned), tuple(loads), samples)
 

@@ -114,3 +114,27 @@ def test_worker_images_equal_in_process_decode_whether_slabs_are_reused_or_held(
         assert loader.pool.reused > 0  # the transport really reuses slabs
     if hold == 99:
         assert loader.pool.fresh > 0  # more held samples than slabs: fresh segments, still correct
+
+
+def test_the_shard_plan_is_longest_first_to_the_least_loaded_rank():
+    """plan_shards picks the least-loaded rank (ties: fewer shards, lower rank) from a heap: the same plan as the
+    scan over every rank per shard it replaced (O(shards x ranks): 0.6 s for 10^4 shards on 64 ranks)."""
+    import random
+
+    def scan(shards, world):
+        weight = [s.num_tokens if s.num_tokens is not None else 1 for s in shards]
+        loads, owned = [0] * world, [[] for _ in range(world)]
+        for i in sorted(range(len(shards)), key=lambda i: (-weight[i], i)):
+            r = min(range(world), key=lambda k: (loads[k], len(owned[k]), k))
+            owned[r].append(i)
+            loads[r] += weight[i]
+        return tuple(tuple(sorted(o)) for o in owned), tuple(loads)
+
+    rnd = random.Random(7)
+    for _ in range(300):
+        world = rnd.randint(1, 12)
+        shards = tuple(ShardRef(f"s{i}.tar", f"s{i}.tar", rnd.randint(1, 5), rnd.choice([None, 0, 5, rnd.randint(0, 999)]))
+                       for i in range(rnd.randint(world, 80)))
+        plan = plan_shards(shards, world)
+        assert (plan.per_rank, plan.rank_tokens) == scan(shards, world)
+

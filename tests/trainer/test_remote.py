@@ -35,11 +35,13 @@ def _sources(data: str, cache: Path, **kw):
     return rank_sources((DataSpec(path=data),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=cache)
 
 
-def _older(dataset: Path, old: Path) -> Path:
-    """A copy of dataset as an older vlmprep built it: no sample index files, none in the manifest."""
+def _older(dataset: Path, old: Path, *, sidecars: bool = False) -> Path:
+    """A copy of dataset as an older vlmprep built it: no sample index files, none in the manifest (`sidecars`: the
+    shards' own index files kept, as the vlmprep before the dataset's sample index wrote them)."""
     shutil.copytree(dataset, old)
     manifest = json.loads((old / "manifest.json").read_text())
-    for s in manifest["shards"]:
+    (old / manifest.pop("sample_index")["name"]).unlink()
+    for s in manifest["shards"] if not sidecars else ():
         (old / s.pop("index")["name"]).unlink()
     (old / "manifest.json").write_text(json.dumps(manifest))
     return old
@@ -103,9 +105,68 @@ def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys)
                      "does not grow with the sample count"]
 
 
-def test_an_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset, tmp_path):
+def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatch):
+    """Where the manifest lists the dataset's sample index (every build since it was added), start-up opens that
+    one file, no tar and no sidecar: each rank gets its own shards' sidecar rows (ranks whose shards are not
+    contiguous, the file read 2 rows at a time to cross chunk edges; every rank all shards when fewer shards than
+    ranks), at 32 bytes a sample."""
+    import trainer.index
+    from trainer.rundata import rank_sources
+    from vlmprep.shards.reader import load_sample_index
+
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    whole = np.load(dataset / manifest["sample_index"]["name"], allow_pickle=False)
+    np.testing.assert_array_equal(whole, np.concatenate([load_sample_index(dataset, s) for s in manifest["shards"]]))
+    ds = resolve_data(str(dataset))
+    want = {s.name: load_index(s, Path(s.index.url).read_bytes(), path=s.url) for s in ds.shards}
+
+    def unread(*a, **kw):
+        raise AssertionError("start-up read a tar or a sidecar")
+
+    monkeypatch.setattr(trainer.index, "index_shard", unread)
+    monkeypatch.setattr(trainer.index, "load_index", unread)
+    monkeypatch.setattr(trainer.index, "DATASET_CHUNK_ROWS", 2)
+    for world in (1, 3, 8):
+        plan = plan_shards(ds.shards, world)
+        for rank in range(world):
+            sources, derived = rank_sources((DataSpec(path=str(dataset)),), [ds], [plan], rank=rank, world=world,
+                                            cache=tmp_path / "c")
+            assert derived == 0 and [s.name for s in sources[0].shards] == [
+                ds.shards[i].name for i in (range(len(ds.shards)) if plan.stride else plan.per_rank[rank])]
+            for s, ix in zip(sources[0].shards, sources[0].indexes):
+                assert ix.path == s.url and ix.signature  # local shards: stat-checked on every read
+                for field in ("starts", "ends", "tokens", "trained"):
+                    np.testing.assert_array_equal(getattr(ix, field), getattr(want[s.name], field))
+            held = sum(a.nbytes for ix in sources[0].indexes for a in (ix.starts, ix.ends, ix.tokens, ix.trained))
+            assert held <= 32 * sum(ix.num_samples for ix in sources[0].indexes)
+
+
+def test_a_dataset_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset, tmp_path):
+    import hashlib
+
     bad = tmp_path / "bad"
     shutil.copytree(dataset, bad)
+    path = bad / "samples.index.npy"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"samples\.index\.npy: the sample index is not the one the manifest lists"):
+        _sources(str(bad), tmp_path / "c")
+    # bytes the manifest vouches for, but a byte range outside its shard: refused, naming the shard, before any seek
+    rows = np.load(dataset / "samples.index.npy")
+    rows["end"][7] = 10**9
+    np.save(path, rows, allow_pickle=False)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["sample_index"].update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    shard = next(s["name"] for s, a in zip(manifest["shards"], np.cumsum([s["num_samples"] for s in manifest["shards"]]))
+                 if a > 7)
+    with pytest.raises(DataError, match=f"rows of {shard}\\): the sample index does not describe {shard} .*byte ranges"):
+        _sources(str(bad), tmp_path / "c")
+
+
+def test_an_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset, tmp_path):
+    bad = _older(dataset, tmp_path / "bad", sidecars=True)
     side = bad / "shard-000002.tar.index.npy"
     side.write_bytes(side.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(DataError, match=r"shard-000002\.tar\.index\.npy: the sample index is not the one the manifest"):
@@ -437,3 +498,33 @@ def test_training_from_s3_never_prints_or_stores_the_credentials(s3_server, data
     for text in (proc.stdout, proc.stderr, *written):
         assert secret not in text and key not in text
     assert len(read_metrics(out)) == 2 and json.loads((out / "run.json").read_text())["data_source"] == url
+
+
+def test_opening_a_manifest_costs_no_path_resolution_per_shard(dataset, tmp_path, monkeypatch):
+    """Opening a dataset of many shards is O(shards) with a small constant: the names are checked against one
+    listing of the dir (only symlinks resolved), not with two realpath walks each (8 s for 10^4 shards before)."""
+    import os
+
+    import vlmprep_schemas.boundary as boundary
+
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    big = tmp_path / "big"
+    shutil.copytree(dataset / "processor", big / "processor")
+    entry, shards = manifest["shards"][0], []
+    for k in range(2000):
+        name = f"shard-{k:06d}.tar"
+        with open(big / name, "wb") as f:
+            f.truncate(entry["bytes"])
+        shards.append({**entry, "name": name, "index": {**entry["index"], "name": name + ".index.npy"}})
+    (big / "shard-000001.tar.index.npy").symlink_to(dataset / "shard-000000.tar.index.npy")  # a link out: refused
+    manifest.pop("sample_index")
+    (big / "manifest.json").write_text(json.dumps({**manifest, "shards": shards}))
+    calls = []
+    real = os.path.realpath
+    monkeypatch.setattr(boundary.os.path, "realpath", lambda p, *a, **kw: calls.append(p) or real(p, *a, **kw))
+    with pytest.raises(DataError, match=r"sample index 'shard-000001\.tar\.index\.npy' resolves to .* outside"):
+        resolve_data(str(big))
+    assert len(calls) <= 8, calls[:10]  # the manifest's and the link's own checks, not 4 per shard
+    (big / "shard-000001.tar.index.npy").unlink()
+    calls.clear()
+    assert len(resolve_data(str(big)).shards) == 2000 and len(calls) <= 16  # the processor dir's own files

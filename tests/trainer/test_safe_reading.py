@@ -37,7 +37,8 @@ def _object_npy(marker) -> bytes:
 
 def _rewrite_shard(dataset, dst, edit, *, fix_manifest=True):
     """Copy the dataset and rewrite shard-000000.tar; with fix_manifest the attacker also updates bytes/sha256 and
-    drops the shard's now stale sample index (the trainer indexes the tar itself, as for an older dataset), so only
+    drops the shard's and the dataset's now stale sample index (the trainer indexes the tars itself, as for an older
+    dataset), so only
     the decoder stands between the member and the trainer."""
     shutil.copytree(dataset, dst)
     tar = dst / "shard-000000.tar"
@@ -53,9 +54,9 @@ def _rewrite_shard(dataset, dst, edit, *, fix_manifest=True):
     if fix_manifest:
         m = json.loads((dst / "manifest.json").read_text())
         m["shards"][0].update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
-        index = m["shards"][0].pop("index", None)
-        if index:
-            (dst / index["name"]).unlink()
+        for index in (m["shards"][0].pop("index", None), m.pop("sample_index", None)):
+            if index:
+                (dst / index["name"]).unlink()
         (dst / "manifest.json").write_text(json.dumps(m))
     return dst
 

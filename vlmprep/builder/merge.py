@@ -34,9 +34,9 @@ from vlmprep.shards.dataset import (
     write_json_atomic,
     write_text_atomic,
 )
-from vlmprep.shards.format import FORMAT_VERSION, index_name
-from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.writer import ShardWriter
+from vlmprep.shards.format import DATASET_INDEX_NAME, FORMAT_VERSION, index_name
+from vlmprep.shards.reader import iter_shard, load_sample_index
+from vlmprep.shards.writer import ShardWriter, write_dataset_index
 from vlmprep.types import ShardSample, UserError
 
 
@@ -211,6 +211,25 @@ def _repeated_ids(out: Path, plan: dict, manifests: list[dict]) -> tuple[list[li
     return dups_per_task, rewritten
 
 
+def _dataset_index(out: Path, shards: list[dict]) -> dict | None:
+    """Every shard's sidecar rows in one file (DATASET_INDEX_NAME), so a reader opens one file for the whole
+    dataset's index; None (and no file) where a shard has no sidecar. The sidecars were checked against their task
+    manifests (size, sha256) or written here."""
+    (out / DATASET_INDEX_NAME).unlink(missing_ok=True)
+    if not shards or not all(s.get("index") for s in shards):
+        return None
+
+    def parts():
+        for s in shards:
+            rows = load_sample_index(out, s)
+            if len(rows) != s["num_samples"]:
+                raise MergeError(f"{out / s['index']['name']}: {len(rows)} rows for the {s['num_samples']} samples "
+                                 f"of {s['name']}: remove the task's files and run it again")
+            yield rows
+
+    return write_dataset_index(out, parts(), sum(s["num_samples"] for s in shards))
+
+
 def merge_tasks(out: Path) -> dict:
     """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
     and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py)."""
@@ -251,6 +270,7 @@ def merge_tasks(out: Path) -> dict:
             rejects["duplicate_id"] += 1
             reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
     write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
+    index = _dataset_index(out, shards)
     manifest = {
         "format_version": FORMAT_VERSION,
         "vlmprep_version": plan["vlmprep_version"],
@@ -264,6 +284,7 @@ def merge_tasks(out: Path) -> dict:
         "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
         "turns": turn_coverage(totals),
         "rejects": dict(sorted((k, v) for k, v in rejects.items() if v)),
+        **({"sample_index": index} if index else {}),
     }
     write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
     write_json_atomic(out / MANIFEST_NAME, manifest)  # last: its presence means complete

@@ -46,6 +46,7 @@ from vlmprep.shards.dataset import (
     TMP_SUFFIX,
     write_text_atomic,
 )
+from vlmprep.shards.format import DATASET_INDEX_NAME
 from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_coverage", "check_dataset",
@@ -71,9 +72,10 @@ def _plan_options(plan: dict) -> dict:
 
 
 # The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
-# files, manifest, rejects, plan and journal with their temp copies): what a new plan clears, and nothing else.
-_DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME)
-                       for g in (name, f"{name}.*"))
+# files, manifest, rejects, plan and journal with their temp copies, the dataset's sample index): what a new plan
+# clears, and nothing else.
+_DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME,
+                                      DATASET_INDEX_NAME) for g in (name, f"{name}.*"))
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
 _BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
 

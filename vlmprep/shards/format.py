@@ -19,6 +19,8 @@ META_MEMBER: str = _SPEC["meta_member"]
 # The optional per-shard sample index sidecar (SHARD.tar.index.npy): one row per sample, in tar order.
 INDEX_SUFFIX: str = _SPEC["sample_index"]["suffix"]
 INDEX_DTYPE = np.dtype([tuple(f) for f in _SPEC["sample_index"]["fields"]])
+# The dataset's sample index (DIR/samples.index.npy): every shard's sidecar rows in manifest order, in one file.
+DATASET_INDEX_NAME: str = _SPEC["sample_index"]["dataset_file"]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ decoded or memory is allocated for it (json size and depth, .npy header shape an
 from __future__ import annotations
 
 import io
+import os
 import re
 import tarfile
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from vlmprep.shards.format import (
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
 from vlmprep_schemas.delta import PDELTA, decompressor, pdelta_prefixes, unfilter_into
-from vlmprep_schemas.limits import load_json, load_npy, npy_header, schema_problem
+from vlmprep_schemas.limits import index_bytes_limit, index_rows, load_json, load_npy, npy_header, schema_problem
 
 
 class ShardFormatError(UserError):
@@ -431,14 +432,27 @@ def load_sample_index(d: Path, entry: dict) -> np.ndarray | None:
     index = entry.get("index")
     if index is None:
         return None
-    path = dataset_path(Path(d), index["name"])
+    return read_index_file(dataset_path(Path(d), index["name"]), index, rows=entry.get("num_samples"))
+
+
+def read_index_file(path: Path, listed: dict, *, rows: int | None) -> np.ndarray:
+    """A sample index file (a shard's sidecar, or the dataset's for `rows` samples in all) as the manifest lists it
+    (`listed`: its bytes): its size is checked against the listing and the most `rows` rows take before a byte is
+    read, then its header against the one np.save writes (limits.index_rows). ShardFormatError, one line, else."""
+    limit = index_bytes_limit(rows if isinstance(rows, int) else 0, INDEX_DTYPE)
     try:
-        rows = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != listed.get("bytes") or (rows is not None and size > limit):
+                data = None
+            else:
+                data = f.read(size + 1)
+        if data is not None:
+            return index_rows(data, path.name, INDEX_DTYPE)
+    except (ValueError, OSError) as e:
         raise ShardFormatError(f"{path.name}: not a readable sample index ({type(e).__name__}: {e})") from None
-    if not isinstance(rows, np.ndarray) or rows.dtype != INDEX_DTYPE or rows.ndim != 1:
-        raise ShardFormatError(f"{path.name}: a sample index must be a 1-d array of {INDEX_DTYPE.descr}")
-    return rows
+    raise ShardFormatError(f"{path.name}: {size} bytes, but the manifest lists {listed.get('bytes')} (at most {limit} "
+                           f"for {rows} samples); refusing to read it")
 
 
 def sample_ranges(path: Path) -> list[tuple[str, int, int]]:

@@ -18,6 +18,7 @@ from vlmprep.images import encode_image, stored_ext
 from vlmprep.shards.dataset import TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import (
     ARRAYS,
+    DATASET_INDEX_NAME,
     INDEX_DTYPE,
     META_MEMBER,
     id_hash,
@@ -251,4 +252,26 @@ class ShardWriter:
         """Finishes the open shard -> every shard this writer wrote."""
         self.finish_shard()
         return self.shards
+
+
+def write_dataset_index(out_dir: Path, parts, rows: int) -> dict:
+    """The dataset's sample index (DATASET_INDEX_NAME): `parts`, each shard's sidecar rows in manifest order, `rows`
+    in all, streamed into one .npy (the bytes np.save writes for their concatenation), written atomically. Returns
+    its manifest entry: name, bytes, sha256."""
+    path = Path(out_dir) / DATASET_INDEX_NAME
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    h, n = hashlib.sha256(), 0
+    with open(tmp, "wb") as f:
+        head = io.BytesIO()
+        np.lib.format.write_array_header_1_0(head, {"descr": np.lib.format.dtype_to_descr(INDEX_DTYPE),
+                                                    "fortran_order": False, "shape": (rows,)})
+        for chunk in (head.getvalue(), *(np.ascontiguousarray(p, dtype=INDEX_DTYPE).tobytes() for p in parts)):
+            f.write(chunk)
+            h.update(chunk)
+            n += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    assert n == len(head.getvalue()) + rows * INDEX_DTYPE.itemsize, f"{path}: {n} bytes for {rows} rows"
+    os.replace(tmp, path)
+    return {"name": DATASET_INDEX_NAME, "bytes": n, "sha256": h.hexdigest()}
 

@@ -23,6 +23,7 @@ from vlmprep.shards.reader import (
     load_manifest,
     load_sample_index,
     processor_dir,
+    read_index_file,
     sample_ranges,
 )
 from vlmprep_schemas import NAMES, load
@@ -90,7 +91,38 @@ def verify_dataset(root: Path, *, deep: bool = True) -> list[Violation]:
             out.extend(_verify_shard(path, s, check, seen))
             if index is None and s.get("index"):
                 out.extend(_verify_index(root, s, path, seen))
+    out.extend(_verify_dataset_index(root, manifest, deep=deep))
     return out
+
+
+def _verify_dataset_index(root: Path, manifest: dict, *, deep: bool) -> list[Violation]:
+    """The dataset's sample index, where the manifest lists one: present with the listed size and sha256 and (`deep`)
+    every shard's sidecar rows, in manifest order (each sidecar is checked against its shard above)."""
+    listed = manifest.get("sample_index")
+    if listed is None:
+        return []
+    name, p = listed["name"], root / listed["name"]
+    if not p.is_file():
+        return [Violation(name, "missing (the dataset's sample index)")]
+    if p.stat().st_size != listed["bytes"] or sha256_file(p) != listed["sha256"]:
+        return [Violation(name, "size or sha256 differs from the manifest")]
+    if not deep:
+        return []
+    try:
+        rows = read_index_file(p, listed, rows=sum(s["num_samples"] for s in manifest["shards"]))
+        at = 0
+        for s in manifest["shards"]:
+            part = load_sample_index(root, s)
+            if part is None:
+                return [Violation(name, f"listed, but shard {s['name']} has no sample index of its own")]
+            if not np.array_equal(rows[at:at + len(part)], part):
+                return [Violation(name, f"rows {at}..{at + len(part) - 1} are not {s['name']}'s sample index")]
+            at += len(part)
+    except ShardFormatError as e:
+        return [Violation(name, str(e))]
+    if at != len(rows):
+        return [Violation(name, f"{len(rows)} rows for the shards' {at} samples")]
+    return []
 
 
 def _index_file(root: Path, s: dict) -> Violation | None:

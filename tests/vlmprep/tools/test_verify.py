@@ -163,7 +163,34 @@ def test_a_sample_index_that_is_not_the_manifests_or_not_the_shards_is_a_violati
     (ds / "manifest.json").write_text(json.dumps(manifest))
     assert verify_dataset(ds, deep=False) == []
     got = [str(v) for v in verify_dataset(ds)]
-    assert len(got) == 1 and got[0].startswith("shard-000000.tar.index.npy: row 0 ") and "does not describe" in got[0]
+    assert len(got) == 2 and got[0].startswith("shard-000000.tar.index.npy: row 0 ") and "does not describe" in got[0]
+    assert got[1] == "samples.index.npy: rows 0..2 are not shard-000000.tar's sample index"  # it holds the build's rows
+
+
+def test_the_dataset_index_is_every_sidecar_and_verify_checks_it(ds):
+    """merge writes samples.index.npy (every shard's sidecar rows in manifest order, listed with its sha256); verify
+    checks its size and sha256, and (deep) that its rows are the sidecars'."""
+    from vlmprep.shards.reader import load_sample_index
+
+    manifest = json.loads((ds / "manifest.json").read_text())
+    listed = manifest["sample_index"]
+    path = ds / listed["name"]
+    assert listed["name"] == "samples.index.npy" and listed["bytes"] == path.stat().st_size
+    assert listed["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    rows = np.load(path, allow_pickle=False)
+    np.testing.assert_array_equal(rows, np.concatenate([load_sample_index(ds, s) for s in manifest["shards"]]))
+    rows["start"][1] += 512  # re-sealed: only the deep check sees the rows are not the sidecars'
+    buf = io.BytesIO()
+    np.save(buf, rows, allow_pickle=False)
+    path.write_bytes(buf.getvalue())
+    assert [str(v) for v in verify_dataset(ds, deep=False)] == [
+        "samples.index.npy: size or sha256 differs from the manifest"]
+    listed.update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_dataset(ds, deep=False) == []
+    got = [str(v) for v in verify_dataset(ds)]
+    assert got == [f"samples.index.npy: rows 0..{manifest['shards'][0]['num_samples'] - 1} are not shard-000000.tar's "
+                   "sample index"]
 
 
 def test_the_commands_that_read_every_sample_say_so_in_their_help():
