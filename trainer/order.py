@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer.config import Batching
 from trainer.index import ShardIndex
 
 
@@ -189,25 +190,25 @@ def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
     return rows
 
 
-def token_batches(lengths: np.ndarray, *, max_tokens: int) -> int:
+def token_batches(lengths: np.ndarray, *, max_tokens_per_batch: int) -> int:
     """Micro-batches MicroBatcher makes under a token budget (rows x longest; a longer sample goes alone)."""
     batches, size, longest = 0, 0, 0
     for n in lengths.tolist():
         wider = max(longest, n)
-        if size and wider * (size + 1) > max_tokens:
+        if size and wider * (size + 1) > max_tokens_per_batch:
             batches, size, longest = batches + 1, 1, n
         else:
             size, longest = size + 1, wider
     return batches + (size > 0)
 
 
-def rank_steps(lengths: np.ndarray, *, micro_batch_size: int, max_tokens: int, grad_accum: int, pack_to: int,
-               pack_window: int) -> int:
+def rank_steps(lengths: np.ndarray, batching: Batching) -> int:
     """Steps this rank needs for one epoch of samples with these lengths, in stream order."""
-    if pack_to:
-        micro = -(-packed_rows(lengths, capacity=pack_to, window=pack_window) // micro_batch_size)
-    elif max_tokens:
-        micro = token_batches(lengths, max_tokens=max_tokens)
+    b = batching
+    if b.pack_to:
+        micro = -(-packed_rows(lengths, capacity=b.pack_to, window=b.pack_window) // b.micro_batch_size)
+    elif b.max_tokens_per_batch:
+        micro = token_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch)
     else:
-        micro = -(-len(lengths) // micro_batch_size)
-    return -(-micro // grad_accum)
+        micro = -(-len(lengths) // b.micro_batch_size)
+    return -(-micro // b.grad_accum)

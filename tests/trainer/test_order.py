@@ -10,7 +10,8 @@ import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
 from trainer.collate import CollateSpec
-from trainer.data import ScheduledStream, StepLoader, sample_loader
+from trainer.config import Batching
+from trainer.data import EpochSchedule, ScheduledStream, StepLoader, sample_loader
 from trainer.index import ShardIndex, index_shard, read_indexed
 from trainer.order import RankSource, pass_order, rank_steps, schedule
 from trainer.shards import plan_shards, resolve_data
@@ -119,17 +120,18 @@ def test_a_stop_source_leaves_the_mixture_once_read_through():
     assert src[:20].count(0) == 10
 
 
-@pytest.mark.parametrize("batching", [dict(pack_to=2048, pack_window=4), dict(max_tokens=600), dict()])
+@pytest.mark.parametrize("batching", [dict(pack_to=2048, pack_window=4), dict(max_tokens_per_batch=600), dict()])
 def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, batching):
     plan = plan_shards(tuple(shards), 2)
     sources = [[_source([shards[i] for i in plan.per_rank[r]])] for r in range(2)]
-    kw = dict(micro_batch_size=2, max_tokens=batching.get("max_tokens", 0), grad_accum=2,
-              pack_to=batching.get("pack_to", 0), pack_window=batching.get("pack_window", 64))
+    batching = Batching(micro_batch_size=2, grad_accum=2, **batching)
     for epoch in range(2):
         predicted = max(rank_steps(schedule(src, seed=5, epoch=epoch, shuffle=True, shuffle_shards=True, span=0)
-                                   .tokens(src), **kw) for src in sources)
-        loaders = [StepLoader([], spec=image_spec, collate_spec=SPEC, seed=5, shuffle=True, num_workers=0,
-                              prefetch_factor=2, sources=src, sample_shuffle=True, **kw) for src in sources]
+                                   .tokens(src), batching) for src in sources)
+        loaders = [StepLoader(EpochSchedule(src, spec=image_spec, seed=5, shuffle=True, shuffle_shards=True,
+                                            shuffle_span=0),
+                              collate_spec=SPEC, batching=batching, num_workers=0, prefetch_factor=2)
+                   for src in sources]
         for ld in loaders:
             ld.start(epoch, 0)
         steps, seen = 0, []
@@ -179,7 +181,7 @@ def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, 
     from trainer.train import lr_at
 
     # The cosine was given exactly the steps run as its length.
-    assert [m["lr"] for m in metrics] == [lr_at(k, lr=2e-5, warmup=0, total=len(metrics), min_ratio=0.1)
+    assert [m["lr"] for m in metrics] == [lr_at(k, lr=2e-5, warmup_steps=0, total=len(metrics), min_lr_ratio=0.1)
                                           for k in range(len(metrics))]
 
 
