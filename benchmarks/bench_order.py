@@ -130,7 +130,7 @@ def simulated_steps(per_rank: list, *, epoch: int, shuffle: bool, pack_to: int, 
 
     ranks = []
     for sources in per_rank:
-        order = schedule(sources, seed=SEED, epoch=epoch, shuffle=shuffle, shuffle_shards=True, span=0)
+        order = schedule(sources, seed=SEED, epoch=epoch, shuffle=shuffle, shuffle_shards=True, shuffle_span=0)
         src = sources[0]
         keys = [(src.shards[k].name, i) for k, i in zip(order.shard.tolist(), order.sample.tolist())]
         lengths = order.tokens(sources).tolist()
@@ -349,10 +349,11 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
         with tempfile.TemporaryDirectory() as cache:
             srcs, _ = rank_sources((DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0,
                                    world=1, cache=Path(cache))
-        stream = ScheduledStream(srcs, schedule(srcs, seed=SEED, epoch=0, shuffle=True, shuffle_shards=True, span=span),
-                                 start=0, spec=spec)
+        order = schedule(srcs, seed=SEED, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=span)
+        stream = ScheduledStream(srcs, order, start=0, spec=spec)
     else:
-        stream = RankStream(epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle=True), start=0, spec=spec)
+        stream = RankStream(epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle_shards=True), start=0,
+                            spec=spec)
     t_index = time.perf_counter() - t_index  # the shuffle's start-up cost: reading every shard's sample index
     me, peak, done = psutil.Process(), [0], threading.Event()
 

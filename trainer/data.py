@@ -29,10 +29,10 @@ from trainer.shards import DataError, ShardRef, iter_tar_samples
 from trainer.vision import ImageSpec
 
 
-def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle: bool) -> list[ShardRef]:
+def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle_shards: bool) -> list[ShardRef]:
     """A rank's shard order for an epoch: manifest order, or a permutation fixed by (seed, epoch)."""
     order = list(shards)
-    if shuffle:
+    if shuffle_shards:
         random.Random(f"vlmprep-trainer:{seed}:{epoch}").shuffle(order)
     return order
 
@@ -323,7 +323,7 @@ class ShardSequence:
 
     def open(self, epoch: int, position: int, num_workers: int) -> RankStream:
         """The epoch's stream from `position` on."""
-        shards = epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle_shards)
+        shards = epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle_shards=self.shuffle_shards)
         return RankStream(shards, start=position, spec=self.spec, stride=self.stride, signatures=self.signatures)
 
     def close(self) -> None:
@@ -345,7 +345,7 @@ class EpochSchedule:
     def schedule(self, epoch: int) -> Schedule:
         """The shard and sample order of `epoch` over these datasets (the same on every rank)."""
         return schedule(self.sources, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                        shuffle_shards=self.shuffle_shards, span=self.shuffle_span)
+                        shuffle_shards=self.shuffle_shards, shuffle_span=self.shuffle_span)
 
     def open(self, epoch: int, position: int, num_workers: int) -> ScheduledStream:
         """The epoch's stream from `position` on (the shard cache, if any, restarted at it)."""

@@ -128,7 +128,7 @@ def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.dev
     mine, first = [], None
     for epoch in range(cfg.epochs):
         order = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
-                         span=cfg.shuffle_span)
+                         shuffle_span=cfg.shuffle_span)
         first = order if epoch == 0 else first
         lengths = order.tokens(sources)
         mine.append(rank_steps(lengths, Batching.of(cfg)))

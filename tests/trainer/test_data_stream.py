@@ -43,11 +43,11 @@ def test_manifest_count_mismatch_is_detected(shards, image_spec):
 
 
 def test_epoch_shard_order_is_seeded(shards):
-    a = epoch_shards(shards, epoch=0, seed=3, shuffle=True)
-    assert a == epoch_shards(shards, epoch=0, seed=3, shuffle=True)
+    a = epoch_shards(shards, epoch=0, seed=3, shuffle_shards=True)
+    assert a == epoch_shards(shards, epoch=0, seed=3, shuffle_shards=True)
     assert sorted(s.name for s in a) == [s.name for s in shards]
-    assert any(epoch_shards(shards, epoch=e, seed=3, shuffle=True) != a for e in range(1, 5))
-    assert epoch_shards(shards, epoch=2, seed=3, shuffle=False) == shards
+    assert any(epoch_shards(shards, epoch=e, seed=3, shuffle_shards=True) != a for e in range(1, 5))
+    assert epoch_shards(shards, epoch=2, seed=3, shuffle_shards=False) == shards
 
 
 def test_pad_policy_gives_every_rank_the_same_steps_and_drops_nothing(shards, image_spec):
