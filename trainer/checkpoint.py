@@ -128,14 +128,14 @@ def _gather_ragged(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def save_checkpoint(run_dir: str | Path, state: TrainState, *, net, optimizer, device: torch.device,
-                    keep: int) -> Path:
+                    keep_checkpoints: int) -> Path:
     """Every rank's training state at `state.step` -> RUN/checkpoints/step-NNNNNNNN (returned), collectively: all
     ranks call it. Writes the model and optimizer state (torch.distributed.checkpoint, each rank its own shards), the
     step, every rank's data position (`state.epoch`, `state.position`) and packer state (`state.pack_state`), and
     every rank's RNG state into step-N.tmp, then rank 0 writes the completion marker and renames the dir into place,
-    so a cut run leaves no dir a resume would take; the newest `keep` complete checkpoints stay. Trade-off: exact
-    resume (same batches, same RNG) costs a full optimizer-state write each time, and ties a resume to the same world
-    size."""
+    so a cut run leaves no dir a resume would take; the newest `keep_checkpoints` complete checkpoints stay.
+    Trade-off: exact resume (same batches, same RNG) costs a full optimizer-state write each time, and ties a resume
+    to the same world size."""
     step, epoch, position, pack_state = state.step, state.epoch, state.position, state.pack_state
     rank, world = _world()
     root = checkpoint_dir(run_dir)
@@ -158,9 +158,10 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, net, optimizer, d
         _write_marker(tmp, step)  # last: every rank's files are written
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        # The newest `keep` complete ones stay; newer ones (cut short, and skipped by the resume that led here) are
-        # left for this run to replace when it reaches their step.
-        kept = [p for p in _step_dirs(run_dir) if p.name <= final.name and checkpoint_problem(p) is None][-keep:]
+        # The newest `keep_checkpoints` complete ones stay; newer ones (cut short, and skipped by the resume that led
+        # here) are left for this run to replace when it reaches their step.
+        kept = [p for p in _step_dirs(run_dir) if p.name <= final.name and checkpoint_problem(p) is None]
+        kept = kept[-keep_checkpoints:]
         for old in _step_dirs(run_dir):
             if old.name < final.name and old not in kept:
                 shutil.rmtree(old, ignore_errors=True)

@@ -215,7 +215,7 @@ class Session:
                 state = TrainState(step=self.step, epoch=self.epoch, position=self.loader.position,
                                    pack_state=self.loader.pack_state)
                 save_checkpoint(self.out, state, net=self.net, optimizer=self.optimizer, device=self.device,
-                                keep=cfg.keep_checkpoints)
+                                keep_checkpoints=cfg.keep_checkpoints)
                 self.saved_at = self.step
 
     def train_one(self, micro_batches: list[Batch], totals: list[float], *, t0: float, wait: float) -> None:
@@ -277,7 +277,7 @@ class Session:
                                pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
                                if cfg.pack_to else [])
             save_checkpoint(out, state, net=self.net, optimizer=self.optimizer, device=self.device,
-                            keep=cfg.keep_checkpoints)
+                            keep_checkpoints=cfg.keep_checkpoints)
         if cfg.save_hf and self.rank == 0:
             from trainer.export import ExportConfig, export_run
 

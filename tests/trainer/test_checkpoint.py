@@ -44,7 +44,7 @@ def _train_and_save(run, steps, keep=3):
         opt.step()
         opt.zero_grad()
         save_checkpoint(run, TrainState(step=step, epoch=0, position=10 * step, pack_state=[]), net=net, optimizer=opt,
-                        device=CPU, keep=keep)
+                        device=CPU, keep_checkpoints=keep)
         weights[step] = net.weight.detach().clone()
     return weights
 
@@ -113,7 +113,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
     _cut(_ckpt(tmp_path, 2))
     net, opt = _model()
     save_checkpoint(tmp_path, TrainState(step=3, epoch=0, position=0, pack_state=[]), net=net, optimizer=opt, device=CPU,
-                    keep=2)
+                    keep_checkpoints=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000003"]
 
 
