@@ -68,13 +68,14 @@ def _train_hf(ds: str, out: str, trained_logits: bool) -> float:
     from transformers import Trainer, TrainingArguments
 
     import vlmprep.clients.hf
+    from trainer.config import ModelOptions
     from trainer.model import build_model
     from vlmprep.clients.collate import Collator
 
     args = TrainingArguments(output_dir=f"{out}/hf", max_steps=2, per_device_train_batch_size=2, logging_steps=1,
                              report_to="none", remove_unused_columns=False,
                              accelerator_config={"dispatch_batches": False})
-    trainer = Trainer(model=build_model(tiny_random="qwen2-vl"), args=args,
+    trainer = Trainer(model=build_model(ModelOptions(tiny_random="qwen2-vl")), args=args,
                       train_dataset=vlmprep.clients.hf.iterable_dataset(ds),
                       data_collator=Collator(ds, trained_logits=trained_logits))
     trainer.train()

@@ -198,8 +198,8 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     import torch
 
     from trainer.collate import CollateSpec
-    from trainer.config import TrainConfig
-    from trainer.data import StepLoader
+    from trainer.config import Batching, TrainConfig
+    from trainer.data import EpochSchedule, StepLoader
     from trainer.rundata import fit_span, open_data, predict_steps, rank_sources
 
     t0 = time.perf_counter()
@@ -237,10 +237,9 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
             shard_cache = ShardCache(sources, cache, limit=cache_limit_bytes(limit))
         spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data_.image.patch_size,
                            merge_size=data_.image.merge_size)
-        loader = StepLoader([], spec=data_.image, collate_spec=spec, seed=0, shuffle=True, micro_batch_size=1,
-                            max_tokens=MAX_TOKENS, grad_accum=1, num_workers=0, prefetch_factor=2, sources=sources,
-                            sample_shuffle=True, shuffle_span=cfg.shuffle_span, first_schedule=first,
-                            cache=shard_cache)
+        streams = EpochSchedule(sources, spec=data_.image, seed=0, shuffle=True, shuffle_shards=True,
+                                shuffle_span=cfg.shuffle_span, first=first, cache=shard_cache)
+        loader = StepLoader(streams, collate_spec=spec, batching=Batching.of(cfg), num_workers=0, prefetch_factor=2)
         loader.start(0, 0)
         batches = loader.next_step()
         loader.close()

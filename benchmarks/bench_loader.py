@@ -23,6 +23,7 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     pixels=False it stops at the collated batch of uint8 images: what the DataLoader workers do when the
     rescale/normalize/patchify runs on the training GPU."""
     from trainer.collate import CollateSpec, keep_freed_buffers
+    from trainer.config import Batching
     from trainer.data import MicroBatcher, RankStream, sample_loader
     from trainer.shards import load_image_processor_config, plan_shards, resolve_data
     from trainer.vision import ImageSpec, Patchifier
@@ -35,7 +36,7 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     cspec = CollateSpec(pad_id=151643, image_token_id=151655, patch_size=spec.patch_size, merge_size=spec.merge_size)
     t0 = time.perf_counter()
     loader = sample_loader(RankStream(shards, start=0, spec=spec), num_workers=workers, prefetch_factor=4)
-    batcher = MicroBatcher(iter(loader), cspec, micro_batch_size=1)
+    batcher = MicroBatcher(iter(loader), cspec, Batching(micro_batch_size=1))
     samples = tokens = images = 0
     while (batch := batcher.next()) is not None:
         if pixels and batch.image_index:

@@ -80,14 +80,21 @@ def rank_setup(datasets: list[tuple[str, Path, float]], *, world: int, cache: Pa
 def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle: bool, cache: Path, **batching):
     """One real StepLoader per simulated rank, as trainer/train.py makes it: the epoch schedule (rank_sources)
     when the sample shuffle is on or several datasets mix, else the rank's shards read in sequence."""
-    from trainer.data import StepLoader
+    from trainer.config import Batching
+    from trainer.data import EpochSchedule, ShardSequence, StepLoader
 
     sources, plans, per_rank = rank_setup(datasets, world=world, cache=cache)
     _, spec, cs = _loader_parts(datasets[0][1])
     scheduled = shuffle or len(datasets) > 1
-    return [StepLoader([sources[0].shards[i] for i in plans[0].per_rank[r]], spec=spec, collate_spec=cs, seed=SEED,
-                       shuffle=True, num_workers=0, prefetch_factor=2, stride=(r, world) if plans[0].stride else (0, 1),
-                       sources=per_rank[r] if scheduled else None, sample_shuffle=shuffle, shuffle_span=0, **batching)
+
+    def streams(r: int):
+        if scheduled:
+            return EpochSchedule(per_rank[r], spec=spec, seed=SEED, shuffle=shuffle, shuffle_shards=True,
+                                 shuffle_span=0)
+        return ShardSequence([sources[0].shards[i] for i in plans[0].per_rank[r]], spec=spec, seed=SEED,
+                             shuffle_shards=True, stride=(r, world) if plans[0].stride else (0, 1))
+
+    return [StepLoader(streams(r), collate_spec=cs, batching=Batching(**batching), num_workers=0, prefetch_factor=2)
             for r in range(world)]
 
 
@@ -123,7 +130,7 @@ def simulated_steps(per_rank: list, *, epoch: int, shuffle: bool, pack_to: int, 
 
     ranks = []
     for sources in per_rank:
-        order = schedule(sources, seed=SEED, epoch=epoch, shuffle=shuffle, shuffle_shards=True, span=0)
+        order = schedule(sources, seed=SEED, epoch=epoch, shuffle=shuffle, shuffle_shards=True, shuffle_span=0)
         src = sources[0]
         keys = [(src.shards[k].name, i) for k, i in zip(order.shard.tolist(), order.sample.tolist())]
         lengths = order.tokens(sources).tolist()
@@ -228,7 +235,8 @@ def correlation(ds: Path, pack_to: int, epochs: int, copies: int) -> list[dict]:
         # The simulation is the trainer's order: epoch 0 of the first batching equals the real loaders' batches.
         for shuffle in (False, True):
             loaders = rank_loaders([("", ds, 1.0)], world=WORLD, shuffle=shuffle, cache=Path(cache), pack_to=pack_to,
-                                   pack_window=64, max_tokens=0, micro_batch_size=1, grad_accum=1)
+                                   pack_window=64, max_tokens_per_batch=0, micro_batch_size=1,
+                                   grad_accum=1)
             real = [[i for b in step for i in b.sample_ids] for step in global_batches(loaders)]
             sim = simulated_steps(setups[WORLD][1], epoch=0, shuffle=shuffle, pack_to=pack_to)
             assert real == [[meta[k][0] for k in step] for step in sim], f"simulation != StepLoader (shuffle={shuffle})"
@@ -298,11 +306,11 @@ def mixture(datasets: list[tuple[str, Path, float]], ranks: int) -> dict:
     weights = np.array([w for _, _, w in datasets]) / sum(w for _, _, w in datasets)
     with tempfile.TemporaryDirectory() as cache:
         loaders = rank_loaders(datasets, world=ranks, shuffle=True, cache=Path(cache), pack_to=0, micro_batch_size=1,
-                               max_tokens=0, grad_accum=1)
+                               max_tokens_per_batch=0, grad_accum=1)
         sched = np.zeros(len(datasets))
         for ld in loaders:  # schedule level: the stored trained-token counts in schedule order
-            order = ld.schedule(0)
-            for s, src in enumerate(ld.sources):
+            order = ld.streams.schedule(0)
+            for s, src in enumerate(ld.streams.sources):
                 at = np.flatnonzero(order.source == s)
                 sched[s] += sum(int(ix.trained[order.sample[at[order.shard[at] == k]]].sum())
                                 for k, ix in enumerate(src.indexes))
@@ -341,10 +349,11 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
         with tempfile.TemporaryDirectory() as cache:
             srcs, _ = rank_sources((DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0,
                                    world=1, cache=Path(cache))
-        stream = ScheduledStream(srcs, schedule(srcs, seed=SEED, epoch=0, shuffle=True, shuffle_shards=True, span=span),
-                                 start=0, spec=spec)
+        order = schedule(srcs, seed=SEED, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=span)
+        stream = ScheduledStream(srcs, order, start=0, spec=spec)
     else:
-        stream = RankStream(epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle=True), start=0, spec=spec)
+        stream = RankStream(epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle_shards=True), start=0,
+                            spec=spec)
     t_index = time.perf_counter() - t_index  # the shuffle's start-up cost: reading every shard's sample index
     me, peak, done = psutil.Process(), [0], threading.Event()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.config import cache_limit_bytes, default
 from trainer.order import RankSource, Schedule
 from trainer.shards import REMOTE, DataError
 from trainer.storage import StorageError, fetch, sha256_file
@@ -98,8 +99,9 @@ class ShardCache:
     """Owns --shard-cache/rank-NNNNN for one rank: begin(schedule, start) starts a fetcher for that epoch from that
     position; close() stops it. Files that stay valid are kept across epochs and runs (re-checked by sha256 once)."""
 
-    def __init__(self, sources: list[RankSource], root: Path, *, limit: int = 0, prefetch: int = 4,
-                 threads: int = 4):
+    def __init__(self, sources: list[RankSource], root: Path, *,
+                 limit: int = cache_limit_bytes(default("shard_cache_limit")),
+                 prefetch: int = default("shard_prefetch"), threads: int = 4):
         self.sources, self.root, self.limit = sources, Path(root), limit
         self.prefetch, self.threads = max(prefetch, 1), max(threads, 1)
         self.shards = [sh for src in sources for sh in src.shards]

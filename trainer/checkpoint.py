@@ -35,8 +35,9 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 @dataclass(frozen=True)
-class Resumed:
-    """Where one rank resumes: the optimizer step and this rank's data position and packer state."""
+class TrainState:
+    """Where one rank is: the optimizer step and this rank's data position and packer state; what a checkpoint saves
+    beside the model, optimizer and RNG states, and where a resume continues."""
 
     step: int
     epoch: int
@@ -126,14 +127,16 @@ def _gather_ragged(values: list[int], device: torch.device) -> torch.Tensor:
     return _gather(row, device)
 
 
-def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int, net, optimizer,
-                    device: torch.device, keep: int, pack_state: list[int] | None = None) -> Path:
-    """Every rank's training state at `step` -> RUN/checkpoints/step-NNNNNNNN (returned), collectively: all ranks
-    call it. Writes the model and optimizer state (torch.distributed.checkpoint, each rank its own shards), the step,
-    every rank's data position (`epoch`, `position`) and packer state (`pack_state`), and every rank's RNG state into
-    step-N.tmp, then rank 0 writes the completion marker and renames the dir into place, so a cut run leaves no dir a
-    resume would take; the newest `keep` complete checkpoints stay. Trade-off: exact resume (same batches, same RNG)
-    costs a full optimizer-state write each time, and ties a resume to the same world size."""
+def save_checkpoint(run_dir: str | Path, state: TrainState, *, net, optimizer, device: torch.device,
+                    keep_checkpoints: int) -> Path:
+    """Every rank's training state at `state.step` -> RUN/checkpoints/step-NNNNNNNN (returned), collectively: all
+    ranks call it. Writes the model and optimizer state (torch.distributed.checkpoint, each rank its own shards), the
+    step, every rank's data position (`state.epoch`, `state.position`) and packer state (`state.pack_state`), and
+    every rank's RNG state into step-N.tmp, then rank 0 writes the completion marker and renames the dir into place,
+    so a cut run leaves no dir a resume would take; the newest `keep_checkpoints` complete checkpoints stay.
+    Trade-off: exact resume (same batches, same RNG) costs a full optimizer-state write each time, and ties a resume
+    to the same world size."""
+    step, epoch, position, pack_state = state.step, state.epoch, state.position, state.pack_state
     rank, world = _world()
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step-{step:08d}", root / f"step-{step:08d}.tmp"
@@ -155,9 +158,10 @@ def save_checkpoint(run_dir: str | Path, *, step: int, epoch: int, position: int
         _write_marker(tmp, step)  # last: every rank's files are written
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        # The newest `keep` complete ones stay; newer ones (cut short, and skipped by the resume that led here) are
-        # left for this run to replace when it reaches their step.
-        kept = [p for p in _step_dirs(run_dir) if p.name <= final.name and checkpoint_problem(p) is None][-keep:]
+        # The newest `keep_checkpoints` complete ones stay; newer ones (cut short, and skipped by the resume that led
+        # here) are left for this run to replace when it reaches their step.
+        kept = [p for p in _step_dirs(run_dir) if p.name <= final.name and checkpoint_problem(p) is None]
+        kept = kept[-keep_checkpoints:]
         for old in _step_dirs(run_dir):
             if old.name < final.name and old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
@@ -322,7 +326,7 @@ def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: boo
 
 
 def load_latest(run_dir: str | Path, *, net, optimizer, device: torch.device, packing: bool = False
-                ) -> tuple[Path, Resumed] | None:
+                ) -> tuple[Path, TrainState] | None:
     """The newest checkpoint that is complete and loads, and its state (None: there is none). Each one skipped is
     named in one line on rank 0's stderr, with why (DCP's errors are raised on every rank alike, so all ranks skip
     it); where none is left, ConfigError (a failed load may have changed the model: never train on from there)."""
@@ -350,9 +354,9 @@ def load_latest(run_dir: str | Path, *, net, optimizer, device: torch.device, pa
     return None
 
 
-def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> Resumed:
+def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> TrainState:
     """A complete checkpoint dir -> the model and optimizer state loaded into `net` and `optimizer` in place, this
-    rank's RNG restored, and its step, data position and packer state returned (Resumed), collectively. Refuses
+    rank's RNG restored, and its step, data position and packer state returned (TrainState), collectively. Refuses
     (ConfigError) a checkpoint written by another number of ranks, or with --pack-to where this run packs
     differently: the data positions would mean other samples. Checkpoints from before packing existed load as
     unpacked."""
@@ -387,4 +391,4 @@ def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing
         torch.cuda.set_rng_state(train["rng_cuda"][rank].clone(), device)
     epoch, position = (int(x) for x in train["data"][rank])
     pack_state = [int(x) for x in train["pack"][rank] if x >= 0] if pack_len else []
-    return Resumed(step=int(train["step"]), epoch=epoch, position=position, pack_state=pack_state)
+    return TrainState(step=int(train["step"]), epoch=epoch, position=position, pack_state=pack_state)

@@ -126,9 +126,9 @@ def opt(default, group: str, text: str, *, shown: str = ""):
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Every trainer option, each declared once here with its default and help (`opt(...)`): the CLI flags, the TOML
-    keys and `python -m trainer --help` are generated from these fields. Frozen and checked in __post_init__ (a bad
-    value is a one-line ConfigError naming the fix); `to_toml()` is what the run dir keeps as config.toml, so a
-    resume or an export reads the same options back."""
+    keys and `python -m trainer --help` are generated from these fields. Frozen and checked in __post_init__ by named
+    `_check_*` checks (a bad value is a one-line ConfigError naming the fix); `to_toml()` is what the run dir keeps as
+    config.toml, so a resume or an export reads the same options back."""
 
     data: str | tuple[DataSpec, ...] = opt(REQUIRED, "data", "shard dir (its manifest.json), brace pattern, file:, "
                                            "http(s):// or pipe: URL; or name=N,path=P[,weight=W][,on_end=repeat|stop] "
@@ -198,6 +198,11 @@ class TrainConfig:
     export_dtype: str = opt("bf16", "checkpointing", "weight dtype of the --save-hf export: bf16, fp32")
 
     def __post_init__(self):
+        for check in (self._check_data, self._check_eval, self._check_model, self._check_counts,
+                      self._check_optimization, self._check_choices, self._check_batching):
+            check()
+
+    def _check_data(self) -> None:
         if not self.data:
             raise ConfigError("data is empty: pass --data DIR|PATTERN|URL")
         for key in ("data", "eval_data"):
@@ -208,26 +213,31 @@ class TrainConfig:
                     specs = specs[0].path  # one unnamed dataset is just a path
                 object.__setattr__(self, key, specs)
             if not isinstance(getattr(self, key), str):
-                specs = getattr(self, key)
-                names = [d.name for d in specs]
-                how = (f"--{key.replace('_', '-')} name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in "
-                       "the TOML")
-                unnamed = [d.path for d in specs if not d.name]
-                if unnamed:
-                    raise ConfigError(f"{key} entry path={unnamed[0]} has no name: several datasets need a name each: "
-                                      + how)
-                twice = sorted(n for n, c in collections.Counter(names).items() if c > 1)
-                if twice:
-                    raise ConfigError(f"dataset name {twice[0]!r} is given {names.count(twice[0])} times: several "
-                                      f"datasets need distinct names: {how}")
-                bad = [n for n in names if not _NAME.match(n)]
-                if bad:
-                    raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
-                total = sum(d.weight for d in specs)
-                light = min(specs, key=lambda d: d.weight)
-                if not math.isfinite(total) or light.weight / total < sys.float_info.min:
-                    raise ConfigError(f"{key} weights span too wide a range ({light.name} {light.weight:g} of a sum "
-                                      f"of {total:g}): give them on one scale, e.g. shares that add up to 1")
+                self._check_mixture(key, getattr(self, key))
+
+    @staticmethod
+    def _check_mixture(key: str, specs: tuple[DataSpec, ...]) -> None:
+        names = [d.name for d in specs]
+        how = (f"--{key.replace('_', '-')} name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in "
+               "the TOML")
+        unnamed = [d.path for d in specs if not d.name]
+        if unnamed:
+            raise ConfigError(f"{key} entry path={unnamed[0]} has no name: several datasets need a name each: "
+                              + how)
+        twice = sorted(n for n, c in collections.Counter(names).items() if c > 1)
+        if twice:
+            raise ConfigError(f"dataset name {twice[0]!r} is given {names.count(twice[0])} times: several "
+                              f"datasets need distinct names: {how}")
+        bad = [n for n in names if not _NAME.match(n)]
+        if bad:
+            raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
+        total = sum(d.weight for d in specs)
+        light = min(specs, key=lambda d: d.weight)
+        if not math.isfinite(total) or light.weight / total < sys.float_info.min:
+            raise ConfigError(f"{key} weights span too wide a range ({light.name} {light.weight:g} of a sum "
+                              f"of {total:g}): give them on one scale, e.g. shares that add up to 1")
+
+    def _check_eval(self) -> None:
         if any(d.weight != 1.0 or d.on_end != "repeat" for d in self.eval_sources):
             raise ConfigError("eval_data entries take name and path only: every eval sample is read once, so weight "
                               "and on_end do not apply")
@@ -235,11 +245,15 @@ class TrainConfig:
             raise ConfigError(f"eval_every={self.eval_every}: must be >= 0")
         if self.eval_every and not self.eval_data:
             raise ConfigError(f"eval_every={self.eval_every} without eval_data: pass --eval-data DIR|PATTERN|URL")
+
+    def _check_model(self) -> None:
         if bool(self.model) == bool(self.tiny_random):
             raise ConfigError("pass exactly one of --model CHECKPOINT_DIR or --tiny-random "
                               + "|".join(TINY_MODELS))
         if self.tiny_random and self.tiny_random not in TINY_MODELS:
             raise ConfigError(f"tiny_random={self.tiny_random!r}: choose one of {', '.join(TINY_MODELS)}")
+
+    def _check_counts(self) -> None:
         for name in ("max_steps", "schedule_steps", "max_tokens_per_batch", "pack_to", "warmup_steps", "num_workers",
                      "save_every", "lora_rank", "shuffle_span", "log_every"):
             if getattr(self, name) < 0:
@@ -250,24 +264,30 @@ class TrainConfig:
         cache_limit_bytes(self.shard_cache_limit)
         if self.shard_prefetch < 1:
             raise ConfigError(f"shard_prefetch={self.shard_prefetch}: must be >= 1")
+
+    def _check_optimization(self) -> None:
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"lr={self.lr}, min_lr_ratio={self.min_lr_ratio}: need lr > 0 and 0 <= min_lr_ratio <= 1")
         if self.max_grad_norm < 0 or self.weight_decay < 0 or not 0 <= self.lora_dropout < 1:
             raise ConfigError("max_grad_norm and weight_decay must be >= 0, lora_dropout in [0, 1)")
+        if self.warmup_steps and self.schedule_steps and self.warmup_steps > self.schedule_steps:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} > schedule_steps={self.schedule_steps}")
+
+    def _check_choices(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.export_dtype not in EXPORT_DTYPES:
             raise ConfigError(f"export_dtype={self.export_dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
-        if self.pack_to and self.max_tokens_per_batch:
-            raise ConfigError(f"pack_to={self.pack_to} and max_tokens_per_batch={self.max_tokens_per_batch}: pick one "
-                              "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)")
-        if self.warmup_steps and self.schedule_steps and self.warmup_steps > self.schedule_steps:
-            raise ConfigError(f"warmup_steps={self.warmup_steps} > schedule_steps={self.schedule_steps}")
         if self.tensorboard and not TENSORBOARD_INSTALLED:
             raise ConfigError("tensorboard=true but the tensorboard package is not installed: "
                               "pip install 'vlmprep[tb]', or pass --no-tensorboard")
+
+    def _check_batching(self) -> None:
+        if self.pack_to and self.max_tokens_per_batch:
+            raise ConfigError(f"pack_to={self.pack_to} and max_tokens_per_batch={self.max_tokens_per_batch}: pick one "
+                              "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)")
 
     @property
     def sources(self) -> tuple[DataSpec, ...]:
@@ -291,6 +311,62 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def default(name: str):
+    """The declared default of TrainConfig field `name`: a library default that stands for an option is taken from
+    here, so each option has one default (tests/trainer/test_defaults.py compares them)."""
+    return FIELDS[name].default
+
+
+class OptionGroup:
+    """Options a component takes together, passed as one object (torchtitan passes its config sections): a frozen,
+    keyword-only dataclass of TrainConfig fields under their config names, made by @option_group."""
+
+    @classmethod
+    def of(cls, cfg: TrainConfig):
+        """The group's values in `cfg`."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+def option_group(cls):
+    """Makes `cls` (an OptionGroup listing TrainConfig field names with their types) a frozen keyword-only dataclass
+    whose fields default to those TrainConfig fields' declared defaults."""
+    for name in cls.__annotations__:
+        assert name in FIELDS, f"{cls.__name__}.{name} is no TrainConfig field"
+        setattr(cls, name, default(name))
+    return dataclass(frozen=True, kw_only=True)(cls)
+
+
+@option_group
+class Batching(OptionGroup):
+    """How a rank's samples become optimizer steps: micro-batches of micro_batch_size samples, or of as many as fit
+    max_tokens_per_batch (rows x padded length), or of micro_batch_size rows packed to pack_to tokens from a
+    pack_window look-ahead; grad_accum micro-batches a step."""
+
+    micro_batch_size: int
+    max_tokens_per_batch: int
+    pack_to: int
+    pack_window: int
+    grad_accum: int
+
+
+@option_group
+class ModelOptions(OptionGroup):
+    """Which model to build and how (trainer/model.py build_model): a checkpoint dir or a tiny random one, its init
+    seed, attention, activation checkpointing, LoRA and a frozen vision tower."""
+
+    model: str
+    tiny_random: str
+    seed: int
+    attn_implementation: str
+    activation_checkpointing: bool
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    freeze_vision: bool
+
+
 # Options a resumed run may change: its length (the cosine then follows the new length from the current step),
 # speed and bookkeeping, and where things are (checkpoint.run_identity compares the data and the image processor by
 # content, the model by its resolved dir and config.json hash).

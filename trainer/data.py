@@ -1,8 +1,9 @@
 """Batches for one rank: its shards -> a sample stream split across DataLoader workers by position
 (i % W == w, so the order is the same for any W) -> micro-batches (count or token budget) -> steps.
-The stream is either the shards read in sequence (RankStream: no sample shuffle, one dataset, any URL) or the
-epoch schedule of trainer/order.py read by random access from indexed shards (ScheduledStream: sample shuffle,
-mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to resume exactly.
+The stream is either the shards read in sequence (ShardSequence -> RankStream: no sample shuffle, one dataset, any
+URL) or the epoch schedule of trainer/order.py read by random access from indexed shards (EpochSchedule ->
+ScheduledStream: sample shuffle, mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to
+resume exactly.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.cache import CacheView, ShardCache
 from trainer.collate import Batch, CollateSpec, collate
+from trainer.config import Batching
 from trainer.decode import DecodedSample, OriginalResizer, decode_sample
 from trainer.index import read_indexed
 from trainer.integrity import check_unchanged
@@ -27,10 +29,10 @@ from trainer.shards import DataError, ShardRef, iter_tar_samples
 from trainer.vision import ImageSpec
 
 
-def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle: bool) -> list[ShardRef]:
+def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle_shards: bool) -> list[ShardRef]:
     """A rank's shard order for an epoch: manifest order, or a permutation fixed by (seed, epoch)."""
     order = list(shards)
-    if shuffle:
+    if shuffle_shards:
         random.Random(f"vlmprep-trainer:{seed}:{epoch}").shuffle(order)
     return order
 
@@ -258,13 +260,13 @@ class SampleLoader:
 
 @dataclass
 class MicroBatcher:
-    """Groups the stream into micro-batches: micro_batch_size samples, or as many as fit max_tokens
-    (rows x padded length; a longer sample goes alone). Counts the samples it emitted in `consumed`."""
+    """Groups the stream into micro-batches: `batching.micro_batch_size` samples, or as many as fit
+    `batching.max_tokens_per_batch` (rows x padded length; a longer sample goes alone). Counts the samples it emitted
+    in `consumed`."""
 
     samples: Iterator[DecodedSample]
     collate_spec: CollateSpec
-    micro_batch_size: int = 1
-    max_tokens: int = 0
+    batching: Batching
     consumed: int = 0
     _pending: DecodedSample | None = None
     _done: bool = False
@@ -283,6 +285,7 @@ class MicroBatcher:
         """The next micro-batch, or None once the stream is exhausted."""
         group: list[DecodedSample] = []
         longest = 0
+        max_tokens, size = self.batching.max_tokens_per_batch, self.batching.micro_batch_size
         while True:
             s = self._next_sample()
             if s is None:
@@ -291,13 +294,13 @@ class MicroBatcher:
                 raise DataError(f"sample stream out of order: got position {s.position}, "
                                 f"expected {self.consumed + len(group)}")
             longest_if = max(longest, s.num_tokens)
-            if group and ((self.max_tokens and longest_if * (len(group) + 1) > self.max_tokens)
-                          or (not self.max_tokens and len(group) >= self.micro_batch_size)):
+            if group and ((max_tokens and longest_if * (len(group) + 1) > max_tokens)
+                          or (not max_tokens and len(group) >= size)):
                 self._pending = s
                 break
             group.append(s)
             longest = longest_if
-            if not self.max_tokens and len(group) >= self.micro_batch_size:
+            if not max_tokens and len(group) >= size:
                 break
         if not group:
             return None
@@ -305,31 +308,71 @@ class MicroBatcher:
         return collate(group, self.collate_spec)
 
 
+@dataclass
+class ShardSequence:
+    """The stream of one mode: the rank's shards read in sequence (RankStream: any URL, no index, no sample shuffle),
+    their order per epoch shuffled with `shuffle_shards`; stride=(r, R): every rank reads all shards and keeps every
+    R-th sample. `signatures`: url -> the file_signature of each shard as the run checked it (trainer/integrity.py)."""
+
+    shards: list[ShardRef]
+    spec: ImageSpec
+    seed: int
+    shuffle_shards: bool
+    stride: tuple[int, int] = (0, 1)
+    signatures: dict[str, tuple[int, ...]] | None = None
+
+    def open(self, epoch: int, position: int, num_workers: int) -> RankStream:
+        """The epoch's stream from `position` on."""
+        shards = epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle_shards=self.shuffle_shards)
+        return RankStream(shards, start=position, spec=self.spec, stride=self.stride, signatures=self.signatures)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class EpochSchedule:
+    """The stream of the other mode: the epoch schedule of trainer/order.py over the rank's indexed sources
+    (ScheduledStream: sample shuffle in blocks of `shuffle_span` shards, mixtures), read by random access.
+    `first`: epoch 0's schedule, when already made. `cache`: the rank's shard cache for the sources' remote shards
+    (started per epoch, closed with the loader)."""
+
+    def __init__(self, sources: list[RankSource], *, spec: ImageSpec, seed: int, shuffle: bool, shuffle_shards: bool,
+                 shuffle_span: int, first: Schedule | None = None, cache: ShardCache | None = None):
+        self.sources, self.spec, self.seed, self.cache = sources, spec, seed, cache
+        self.shuffle, self.shuffle_shards, self.shuffle_span = shuffle, shuffle_shards, shuffle_span
+        self._first = first
+
+    def schedule(self, epoch: int) -> Schedule:
+        """The shard and sample order of `epoch` over these datasets (the same on every rank)."""
+        return schedule(self.sources, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                        shuffle_shards=self.shuffle_shards, shuffle_span=self.shuffle_span)
+
+    def open(self, epoch: int, position: int, num_workers: int) -> ScheduledStream:
+        """The epoch's stream from `position` on (the shard cache, if any, restarted at it)."""
+        first, self._first = self._first, None  # used once, then freed
+        order = first if first is not None and epoch == 0 else self.schedule(epoch)
+        if self.cache is not None:
+            self.cache.begin(order, position, num_workers)
+        return ScheduledStream(self.sources, order, start=position, spec=self.spec,
+                               cache=self.cache.view if self.cache else None)
+
+    def close(self) -> None:
+        """Stops the shard cache's fetches."""
+        if self.cache is not None:
+            self.cache.close()
+
+
 class StepLoader:
     """A rank's steps: grad_accum micro-batches each; an exhausted rank yields empty micro-batches (the
     'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted. With pack_to,
     a micro-batch is micro_batch_size packed rows (trainer/pack.py) instead of micro_batch_size samples."""
 
-    def __init__(self, shards: list[ShardRef], *, spec: ImageSpec, collate_spec: CollateSpec, seed: int,
-                 shuffle: bool, micro_batch_size: int, max_tokens: int, grad_accum: int, num_workers: int,
-                 prefetch_factor: int, stride: tuple[int, int] = (0, 1), pack_to: int = 0, pack_window: int = 64,
-                 sources: list[RankSource] | None = None, sample_shuffle: bool = False, shuffle_span: int = 0,
-                 first_schedule: Schedule | None = None, cache: ShardCache | None = None,
-                 signatures: dict[str, tuple[int, ...]] | None = None):
-        """`sources` given: the epoch schedule of trainer/order.py over them (`shards`/`stride` unused); else the
-        shards in sequence (`shuffle`: their order per epoch). `first_schedule`: epoch 0's, when already made.
-        `cache`: the rank's shard cache for the sources' remote shards (started per epoch, closed with the loader).
-        `signatures`: url -> the file_signature of each shard as the run checked it (trainer/integrity.py)."""
-        self.signatures = signatures
-        self.shards, self.spec, self.collate_spec, self.stride = shards, spec, collate_spec, stride
-        self.seed, self.shuffle = seed, shuffle
-        self.sources, self.sample_shuffle, self.shuffle_span = sources, sample_shuffle, shuffle_span
-        self.micro_batch_size, self.max_tokens, self.grad_accum = micro_batch_size, max_tokens, grad_accum
+    def __init__(self, streams: ShardSequence | EpochSchedule, *, collate_spec: CollateSpec, batching: Batching,
+                 num_workers: int, prefetch_factor: int):
+        """`streams`: where each epoch's samples come from (the shards in sequence, or the epoch schedule)."""
+        self.streams, self.collate_spec, self.batching = streams, collate_spec, batching
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
-        self.pack_to, self.pack_window = pack_to, pack_window
         self.epoch = 0
-        self.cache = cache
-        self._first = first_schedule
         self._batcher: MicroBatcher | None = None
         self._packer: Packer | None = None
         self._loader: SampleLoader | None = None
@@ -341,31 +384,15 @@ class StepLoader:
         self.epoch = epoch
         if pack_state:
             position = Packer.resume_start(pack_state)
-        if self.sources is not None:
-            first, self._first = self._first, None  # used once, then freed
-            order = first if first is not None and epoch == 0 else self.schedule(epoch)
-            if self.cache is not None:
-                self.cache.begin(order, position, self.num_workers)
-            stream = ScheduledStream(self.sources, order, start=position, spec=self.spec,
-                                     cache=self.cache.view if self.cache else None)
-        else:
-            stream = RankStream(epoch_shards(self.shards, epoch=epoch, seed=self.seed, shuffle=self.shuffle),
-                                start=position, spec=self.spec, stride=self.stride, signatures=self.signatures)
+        stream = self.streams.open(epoch, position, self.num_workers)
+        pack_to, window = self.batching.pack_to, self.batching.pack_window
         self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                     held=self.pack_window if self.pack_to else 0)
-        if self.pack_to:
-            self._packer = Packer(iter(self._loader), capacity=self.pack_to, window=self.pack_window,
-                                  state=pack_state or None)
+                                     held=window if pack_to else 0)
+        if pack_to:
+            self._packer = Packer(iter(self._loader), capacity=pack_to, window=window, state=pack_state or None)
             self._packer.next_pos = max(self._packer.next_pos, position)
         else:
-            self._batcher = MicroBatcher(iter(self._loader), self.collate_spec,
-                                         micro_batch_size=self.micro_batch_size, max_tokens=self.max_tokens,
-                                         consumed=position)
-
-    def schedule(self, epoch: int) -> Schedule:
-        """The shard and sample order of `epoch` over this loader's datasets (the same on every rank)."""
-        return schedule(self.sources, seed=self.seed, epoch=epoch, shuffle=self.sample_shuffle,
-                        shuffle_shards=self.shuffle, span=self.shuffle_span)
+            self._batcher = MicroBatcher(iter(self._loader), self.collate_spec, self.batching, consumed=position)
 
     @property
     def position(self) -> int:
@@ -381,9 +408,9 @@ class StepLoader:
         """The `grad_accum` micro-batches of the next optimizer step, on the host; past the end of this rank's data a
         micro-batch is empty (so every rank still takes the same number of collective steps)."""
         out = []
-        for _ in range(self.grad_accum):
+        for _ in range(self.batching.grad_accum):
             if self._packer:
-                rows = [r for r in (self._packer.next_row() for _ in range(self.micro_batch_size)) if r]
+                rows = [r for r in (self._packer.next_row() for _ in range(self.batching.micro_batch_size)) if r]
                 mb = collate_packed(rows, self.collate_spec) if rows else None
             else:
                 mb = self._batcher.next()
@@ -394,14 +421,12 @@ class StepLoader:
         """Drops the DataLoader iterator, which stops its worker processes now."""
         # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
         self._batcher = self._packer = self._loader = None
-        if self.cache is not None:
-            self.cache.close()
+        self.streams.close()
 
 
-def steps_per_epoch(rank_samples: list[int | None], *, micro_batch_size: int, max_tokens: int,
-                    grad_accum: int, pack_to: int = 0) -> int | None:
+def steps_per_epoch(rank_samples: list[int | None], batching: Batching) -> int | None:
     """Known up front only for count batching over manifest counts: the busiest rank sets the length."""
-    if max_tokens or pack_to or any(n is None for n in rank_samples):
+    if batching.max_tokens_per_batch or batching.pack_to or any(n is None for n in rank_samples):
         return None
-    micro_batches = [-(-n // micro_batch_size) for n in rank_samples]
-    return max(-(-m // grad_accum) for m in micro_batches)
+    micro_batches = [-(-n // batching.micro_batch_size) for n in rank_samples]
+    return max(-(-m // batching.grad_accum) for m in micro_batches)

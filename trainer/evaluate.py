@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.collate import CollateSpec
-from trainer.config import ConfigError, TrainConfig
-from trainer.data import StepLoader
+from trainer.config import Batching, ConfigError, TrainConfig
+from trainer.data import ShardSequence, StepLoader
 from trainer.decode import trains_videos
 from trainer.integrity import ShardCheck, check_local_shards
 from trainer.metrics import plural
@@ -46,7 +46,7 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
                 raise ConfigError(f"--eval-data {d.path} was built with another processor than --data "
                                   f"({'; '.join(diff)}): rebuild it with the training data's --processor")
         if cfg.pack_to:
-            check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest, model_type=model_type)
+            check_packing(pack_to=cfg.pack_to, pack_window=cfg.pack_window, manifest=ds.manifest, model_type=model_type)
         videos = trains_videos([ds], model_type)  # from the manifest: the same on every rank
         if videos and spec.video is None:
             raise ConfigError(f"--eval-data {d.path} holds videos, but the training data's processor saved no video "
@@ -54,13 +54,10 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
         plan = plan_shards(ds.shards, world)
         shards = [ds.shards[i] for i in plan.per_rank[rank]]
         signatures = check_local_shards(shards, ds, check) if check is not None else None  # sha256 before reading
-        loader = StepLoader(shards, spec=spec, signatures=signatures,
-                            collate_spec=replace(collate_spec, videos=videos),
-                            seed=cfg.seed, shuffle=False, micro_batch_size=cfg.micro_batch_size,
-                            max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum,
-                            num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-                            stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
-                            pack_window=cfg.pack_window)
+        streams = ShardSequence(shards, spec=spec, seed=cfg.seed, shuffle_shards=False,
+                                stride=(rank, world) if plan.stride else (0, 1), signatures=signatures)
+        loader = StepLoader(streams, collate_spec=replace(collate_spec, videos=videos), batching=Batching.of(cfg),
+                            num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor)
         out.append(EvalSet(d.name, loader))
         if rank == 0:
             print(f"trainer: eval set {d.name or d.path}: {plural(len(ds.shards), 'shard')} over "

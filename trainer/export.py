@@ -10,14 +10,14 @@ import json
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
-from trainer.config import ConfigError, TrainConfig, load_toml, run_tool
+from trainer.config import ConfigError, ModelOptions, TrainConfig, default, load_toml, run_tool
 from trainer.shards import REMOTE, DataError, resolve_data
 from vlmprep_schemas.boundary import UnsafeDataset, processor_files
 
@@ -32,7 +32,7 @@ class ExportConfig:
     run: str  # run dir (holds run.json, config.toml, checkpoints/)
     out: str
     step: int = 0  # 0 = the latest complete checkpoint
-    dtype: str = "bf16"
+    dtype: str = default("export_dtype")
     adapter_only: bool = False  # LoRA runs: the adapter alone (peft layout) instead of merged weights
     processor: str = ""  # "" = the run's --processor, else the dataset's processor/
     overwrite: bool = False
@@ -95,9 +95,7 @@ def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.
     cfg, identity = read_run(run_dir)
     path = find_checkpoint(run_dir, step)
     model = _base_model_dir(cfg, identity) if cfg.model else ""
-    net = build_model(model=model, tiny_random=cfg.tiny_random, seed=cfg.seed,
-                      attn_implementation=cfg.attn_implementation, lora_rank=cfg.lora_rank,
-                      lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
+    net = build_model(replace(ModelOptions.of(cfg), model=model, activation_checkpointing=False))
     state = {"model": net.state_dict()}  # tied weights share a tensor: loading either key fills both
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -210,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("run", help="run dir (the trainer's --out)")
     ap.add_argument("--out", required=True, help="export dir (must be empty or absent, unless --overwrite)")
     ap.add_argument("--step", type=int, default=0, help="checkpoint step to export (default: the latest)")
-    ap.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16", help="weight dtype (default: bf16)")
+    ap.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=default("export_dtype"),
+                    help=f"weight dtype (default: {default('export_dtype')})")
     ap.add_argument("--adapter-only", action="store_true",
                     help="LoRA runs: write the adapter alone in peft's layout instead of merged weights")
     ap.add_argument("--processor", default="",

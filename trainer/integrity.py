@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from trainer.config import default
 from trainer.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
 from trainer.shards import REMOTE, DataError, DataSource, ShardRef
 
@@ -37,7 +38,7 @@ class ShardCheck:
     by (device, inode, size, mtime, ctime) and digest, so a resume hashes only what changed since; a file
     rewritten in any way gets a new ctime and is hashed again. enabled=False: only stats are taken."""
 
-    def __init__(self, record: Path | None, *, enabled: bool = True):
+    def __init__(self, record: Path | None, *, enabled: bool = default("verify_shards")):
         self.record, self.enabled, self.dirty = record, enabled, False
         self.known: dict[str, list] = {}
         if record is not None and enabled:

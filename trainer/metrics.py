@@ -73,7 +73,7 @@ class RunLog:
     train.log's step lines, the progress bar and, where installed and asked for, TensorBoard scalars."""
 
     def __init__(self, run_dir: Path, *, total_steps: int | None, start_step: int, progress: bool,
-                 tensorboard: bool = False, log_every: int = 0, echo: bool = False):
+                 tensorboard: bool, log_every: int, echo: bool = False):
         """log_every: a step_line at step 1 and every N steps into RUN/train.log (0: none); echo: also on stdout."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.collate import IGNORE_INDEX, Batch
-from trainer.config import ConfigError
+from trainer.config import ConfigError, ModelOptions
 
 TINY_CONFIGS = {
     "qwen2-vl": dict(
@@ -35,7 +35,7 @@ def tiny_config(name: str):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
-def model_identity(*, model: str = "", tiny_random: str = "") -> dict:
+def model_identity(*, model: str, tiny_random: str) -> dict:
     """What a checkpoint's weights started from: the tiny config's name, or the checkpoint dir and its config.json
     hash (checked here, so a missing --model fails in one line before the run dir is touched)."""
     if tiny_random:
@@ -47,31 +47,32 @@ def model_identity(*, model: str = "", tiny_random: str = "") -> dict:
     return {"model": str(Path(model).resolve()), "model_config": hashlib.sha256(config.read_bytes()).hexdigest()}
 
 
-def build_model(*, model: str = "", tiny_random: str = "", seed: int = 0, attn_implementation: str = "sdpa",
-                activation_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0,
-                lora_dropout: float = 0.0, freeze_vision: bool = False) -> torch.nn.Module:
-    """fp32 weights on CPU, identical on every rank (same seed); FSDP moves each shard to the device."""
+def build_model(options: ModelOptions) -> torch.nn.Module:
+    """The model `options` name -> fp32 weights on CPU, identical on every rank (same seed; FSDP moves each shard to
+    the device), with activation checkpointing, LoRA adapters and a frozen vision tower as asked, in train mode."""
     from transformers import AutoModelForImageTextToText
 
-    torch.manual_seed(seed)
-    if tiny_random:
-        net = AutoModelForImageTextToText.from_config(tiny_config(tiny_random), dtype=torch.float32,
-                                                      attn_implementation=attn_implementation)
+    o = options
+    torch.manual_seed(o.seed)
+    if o.tiny_random:
+        net = AutoModelForImageTextToText.from_config(tiny_config(o.tiny_random), dtype=torch.float32,
+                                                      attn_implementation=o.attn_implementation)
     else:
         try:
             # trust_remote_code=False: a model dir's custom code is refused by transformers, never prompted for
-            net = AutoModelForImageTextToText.from_pretrained(model, local_files_only=True, dtype=torch.float32,
-                                                              attn_implementation=attn_implementation,
+            net = AutoModelForImageTextToText.from_pretrained(o.model, local_files_only=True, dtype=torch.float32,
+                                                              attn_implementation=o.attn_implementation,
                                                               trust_remote_code=False)
         except (OSError, ValueError) as e:  # no weights, an unknown model_type, unreadable files
-            raise ConfigError(f"--model {model}: cannot load the checkpoint: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"--model {o.model}: cannot load the checkpoint: {str(e).splitlines()[0]}") from None
     net.config.use_cache = False
-    if activation_checkpointing:
+    if o.activation_checkpointing:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if lora_rank:
+    freeze_vision = o.freeze_vision
+    if o.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        net = get_peft_model(net, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+        net = get_peft_model(net, LoraConfig(r=o.lora_rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
                                              target_modules=LORA_TARGETS))
         freeze_vision = True
     if freeze_vision:
@@ -93,7 +94,7 @@ def video_token_id(net: torch.nn.Module) -> int:
     return int(getattr(net.config, "video_token_id", None) or -1)
 
 
-def model_type_of(*, model: str = "", tiny_random: str = "") -> str:
+def model_type_of(*, model: str, tiny_random: str) -> str:
     """The model type before the weights load (start-up checks): the tiny config's, or the checkpoint's config.json."""
     import json
 

@@ -1,4 +1,4 @@
-"""Data order: each source's samples on a rank -> a seeded per-epoch permutation (blocks of `span` shards, every
+"""Data order: each source's samples on a rank -> a seeded per-epoch permutation (blocks of `shuffle_span` shards, every
 sample once) -> several sources interleaved by trained-token weight -> the rank's epoch schedule, one
 (source, shard, sample) per stream position. Pure functions of metadata (the shards' sample indexes), so every
 DataLoader worker, a resumed run and the step predictor compute the same order without reading a sample.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer.config import Batching
 from trainer.index import ShardIndex
 
 
@@ -57,9 +58,9 @@ def _rng(*parts) -> np.random.Generator:
 
 
 def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle: bool, shuffle_shards: bool,
-               span: int) -> tuple[np.ndarray, np.ndarray]:
+               shuffle_span: int) -> tuple[np.ndarray, np.ndarray]:
     """One pass over a source on this rank: (shard, sample) arrays. With shuffle, the shard order is permuted and
-    the samples of each block of `span` consecutive shards (0: all of them) are permuted together, so a shard's
+    the samples of each block of `shuffle_span` consecutive shards (0: all of them) are permuted together, so a shard's
     samples spread over its block; seeded by (seed, epoch, source name, pass, owning rank)."""
     counts = np.array([ix.num_samples for ix in src.indexes], dtype=np.int64)
     order = list(range(len(counts)))
@@ -72,7 +73,7 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
     shard = np.repeat(order, counts[order]).astype(np.int32)
     sample = np.concatenate([np.arange(counts[k]) for k in order] or [np.zeros(0)]).astype(np.int32)
     if shuffle:
-        block = span or max(len(order), 1)
+        block = shuffle_span or max(len(order), 1)
         rng = _rng(seed, epoch, src.name, pass_no, src.owner, "samples")
         bounds = np.concatenate([[0], np.cumsum([counts[order[i:i + block]].sum()
                                                  for i in range(0, len(order), block)])]).astype(np.int64)
@@ -84,7 +85,7 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
 
 
 def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool, shuffle_shards: bool,
-             span: int) -> Schedule:
+             shuffle_span: int) -> Schedule:
     """The rank's epoch. One source: its pass. Several: weighted fair queuing on trained tokens: at every position
     the source whose next sample would end earliest in its own time ((trained so far + that sample's) / weight; a
     sample with no trained token counts as one) gives it, so each source's share of trained tokens tracks its
@@ -93,7 +94,7 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     through once."""
     def one_pass(s: int, k: int):
         return pass_order(sources[s], seed=seed, epoch=epoch, pass_no=k, shuffle=shuffle,
-                          shuffle_shards=shuffle_shards, span=span)
+                          shuffle_shards=shuffle_shards, shuffle_span=shuffle_span)
 
     if len(sources) == 1:
         shard, sample = one_pass(0, 0)
@@ -189,25 +190,25 @@ def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
     return rows
 
 
-def token_batches(lengths: np.ndarray, *, max_tokens: int) -> int:
+def token_batches(lengths: np.ndarray, *, max_tokens_per_batch: int) -> int:
     """Micro-batches MicroBatcher makes under a token budget (rows x longest; a longer sample goes alone)."""
     batches, size, longest = 0, 0, 0
     for n in lengths.tolist():
         wider = max(longest, n)
-        if size and wider * (size + 1) > max_tokens:
+        if size and wider * (size + 1) > max_tokens_per_batch:
             batches, size, longest = batches + 1, 1, n
         else:
             size, longest = size + 1, wider
     return batches + (size > 0)
 
 
-def rank_steps(lengths: np.ndarray, *, micro_batch_size: int, max_tokens: int, grad_accum: int, pack_to: int,
-               pack_window: int) -> int:
+def rank_steps(lengths: np.ndarray, batching: Batching) -> int:
     """Steps this rank needs for one epoch of samples with these lengths, in stream order."""
-    if pack_to:
-        micro = -(-packed_rows(lengths, capacity=pack_to, window=pack_window) // micro_batch_size)
-    elif max_tokens:
-        micro = token_batches(lengths, max_tokens=max_tokens)
+    b = batching
+    if b.pack_to:
+        micro = -(-packed_rows(lengths, capacity=b.pack_to, window=b.pack_window) // b.micro_batch_size)
+    elif b.max_tokens_per_batch:
+        micro = token_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch)
     else:
-        micro = -(-len(lengths) // micro_batch_size)
-    return -(-micro // grad_accum)
+        micro = -(-len(lengths) // b.micro_batch_size)
+    return -(-micro // b.grad_accum)

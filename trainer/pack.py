@@ -202,7 +202,7 @@ def empty_state(capacity: int, window: int) -> list[int]:
     return [capacity, window, 0, 0, 0]
 
 
-def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_type: str, world: int = 1) -> str:
+def check_packing(*, pack_to: int, pack_window: int, manifest: dict | None, model_type: str, world: int = 1) -> str:
     """Start-up checks of --pack-to against the dataset and the model; returns the log line, whose fill expectation
     counts what one of `world` ranks reads (a window never holds more than a rank's epoch)."""
     from trainer.config import ConfigError
@@ -220,7 +220,7 @@ def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_typ
     if samples and tokens:
         per_rank = samples / world
         epoch = per_rank * tokens / samples / pack_to  # one rank's epoch, in rows' worth
-        rows = min(window, per_rank) * tokens / samples / pack_to
+        rows = min(pack_window, per_rank) * tokens / samples / pack_to
         expect = f"mean sample {tokens / samples:.0f} tokens, so a window holds {rows:.1f} rows' worth: "
         if epoch < 4:  # the whole epoch is its own last rows: only a bigger dataset (or fewer ranks) fills them
             expect += (f"expected a low fill (a rank's whole epoch is {epoch:.1f} rows' worth, all of them the "
@@ -230,5 +230,5 @@ def check_packing(*, pack_to: int, window: int, manifest: dict | None, model_typ
         else:
             expect += f"expected a lower fill (raise --pack-window to {4 * pack_to * samples / tokens:.0f} or more)"
     return (f"trainer: packing whole samples into rows of <= {pack_to} tokens, best-fit decreasing over a window of "
-            f"{window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
+            f"{pack_window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
             "(pack_fill per step in metrics.jsonl)")

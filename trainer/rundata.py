@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from trainer.cache import ShardCache, remote_shards
 from trainer.collate import CollateSpec
-from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
-from trainer.data import StepLoader, steps_per_epoch
+from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
+from trainer.data import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
 from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes, expected_sha256
 from trainer.metrics import plural
@@ -127,11 +127,10 @@ def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.dev
     mine, first = [], None
     for epoch in range(cfg.epochs):
         order = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
-                         span=cfg.shuffle_span)
+                         shuffle_span=cfg.shuffle_span)
         first = order if epoch == 0 else first
         lengths = order.tokens(sources)
-        mine.append(rank_steps(lengths, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
-                               grad_accum=cfg.grad_accum, pack_to=cfg.pack_to, pack_window=cfg.pack_window))
+        mine.append(rank_steps(lengths, Batching.of(cfg)))
     steps = torch.tensor(mine, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
@@ -261,8 +260,7 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
     plan = data.plans[0]
     predicted, first = predict_steps(cfg, sources, device) if sources is not None else (None, None)
     if predicted is None:
-        per_epoch = steps_per_epoch(list(plan.rank_samples), micro_batch_size=cfg.micro_batch_size,
-                                    max_tokens=cfg.max_tokens_per_batch, grad_accum=cfg.grad_accum, pack_to=cfg.pack_to)
+        per_epoch = steps_per_epoch(list(plan.rank_samples), Batching.of(cfg))
         predicted = [per_epoch] * cfg.epochs if per_epoch is not None else None
     total = cfg.max_steps or (sum(predicted) if predicted is not None else None)
     schedule_len = cfg.schedule_steps or total
@@ -280,16 +278,17 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
                   + (f"at most {cfg.shard_cache_limit} per node, " if cfg.shard_cache_limit else "no size limit, ")
                   + f"{cfg.shard_prefetch} shards fetched ahead, each checked against the manifest's sha256)",
                   file=sys.stderr)
-    loader = StepLoader([data.datasets[0].shards[i] for i in plan.per_rank[rank]], spec=data.image,
-                        collate_spec=collate_spec, seed=cfg.seed, shuffle=cfg.shuffle_shards,
-                        micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_batch,
-                        grad_accum=cfg.grad_accum, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-                        stride=(rank, world) if plan.stride else (0, 1), pack_to=cfg.pack_to,
-                        pack_window=cfg.pack_window, sources=sources if scheduled else None,
-                        sample_shuffle=cfg.shuffle, shuffle_span=cfg.shuffle_span,
-                        first_schedule=first if scheduled else None, cache=cache,
-                        signatures={s.url: ix.signature for src in sources or [] for s, ix in zip(src.shards,
-                                                                                                   src.indexes)})
+    if scheduled:
+        streams = EpochSchedule(sources, spec=data.image, seed=cfg.seed, shuffle=cfg.shuffle,
+                                shuffle_shards=cfg.shuffle_shards, shuffle_span=cfg.shuffle_span, first=first,
+                                cache=cache)
+    else:
+        signatures = {s.url: ix.signature for src in sources or [] for s, ix in zip(src.shards, src.indexes)}
+        streams = ShardSequence([data.datasets[0].shards[i] for i in plan.per_rank[rank]], spec=data.image,
+                                seed=cfg.seed, shuffle_shards=cfg.shuffle_shards,
+                                stride=(rank, world) if plan.stride else (0, 1), signatures=signatures)
+    loader = StepLoader(streams, collate_spec=collate_spec, batching=Batching.of(cfg), num_workers=cfg.num_workers,
+                        prefetch_factor=cfg.prefetch_factor)
     return loader, total, schedule_len
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import (
+    TrainState,
     check_resumable,
     load_latest,
     own_run_dir,
@@ -24,7 +25,7 @@ from trainer.checkpoint import (
     start_run_dir,
 )
 from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
-from trainer.config import ConfigError, TrainConfig, parse_args
+from trainer.config import ConfigError, ModelOptions, TrainConfig, parse_args
 from trainer.data import StepLoader
 from trainer.decode import trains_videos
 from trainer.evaluate import EvalSet, eval_sets, evaluate
@@ -36,12 +37,12 @@ from trainer.shards import DataError
 from trainer.vision import Patchifier
 
 
-def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup, then cosine to lr * min_ratio at `total`; `step` counts from 0."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
+    """Linear warmup, then cosine to lr * min_lr_ratio at `total`; `step` counts from 0."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min((step - warmup_steps) / max(total - warmup_steps, 1), 1.0)
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
@@ -80,11 +81,13 @@ def build_optimizer(cfg: TrainConfig, net: torch.nn.Module) -> torch.optim.AdamW
 
 
 def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
-               patchifier: Patchifier, device: torch.device, global_trained: float,
-               max_grad_norm: float, by_source: torch.Tensor | None = None) -> tuple[float, float]:
-    """Forward/backward every micro-batch, clip, step. Returns (this rank's summed token loss, global grad norm).
-    Dividing each micro-batch's sum by the global count makes the summed gradient the exact token mean.
-    `by_source` ([2, S] zeros, a mixture of S datasets) receives this rank's loss sums and trained tokens per source."""
+               patchifier: Patchifier, global_trained: float, max_grad_norm: float,
+               by_source: torch.Tensor | None = None) -> tuple[float, float]:
+    """Forward/backward every micro-batch on the patchifier's device, clip, step. Returns (this rank's summed token
+    loss, global grad norm). Dividing each micro-batch's sum by the global count makes the summed gradient the exact
+    token mean. `by_source` ([2, S] zeros, a mixture of S datasets) receives this rank's loss sums and trained tokens
+    per source."""
+    device = patchifier.device
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = mb.to(device)
@@ -122,13 +125,10 @@ def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Pa
 
 def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int) -> torch.nn.Module:
     """The model before FSDP; with packing, every dataset's seq_len checked against a row."""
-    net = build_model(model=cfg.model, tiny_random=cfg.tiny_random, seed=cfg.seed,
-                      attn_implementation=cfg.attn_implementation,
-                      activation_checkpointing=cfg.activation_checkpointing, lora_rank=cfg.lora_rank,
-                      lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, freeze_vision=cfg.freeze_vision)
+    net = build_model(ModelOptions.of(cfg))
     if cfg.pack_to:
         # Every dataset's seq_len must fit a row; the log line speaks of the first.
-        line = [check_packing(pack_to=cfg.pack_to, window=cfg.pack_window, manifest=ds.manifest,
+        line = [check_packing(pack_to=cfg.pack_to, pack_window=cfg.pack_window, manifest=ds.manifest,
                               model_type=str(net.config.model_type), world=world) for ds in data.datasets][0]
         if rank == 0:
             print(line, file=sys.stderr)
@@ -136,18 +136,18 @@ def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int) -> tor
 
 
 def resume_state(cfg: TrainConfig, out: Path, *, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: torch.device, rank: int) -> tuple[int, int, int, list[int]]:
-    """(step, epoch, stream position, packer state) to start from: with --resume and a checkpoint, the checkpoint's
-    (model, optimizer and RNG states loaded too); else zeros."""
+                 device: torch.device, rank: int) -> TrainState:
+    """The step, epoch, stream position and packer state to start from: with --resume and a checkpoint, the
+    checkpoint's (model, optimizer and RNG states loaded too); else zeros."""
     found = load_latest(out, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to)) \
         if cfg.resume else None
     if found is None:
         torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
-        return 0, 0, 0, []
+        return TrainState(step=0, epoch=0, position=0, pack_state=[])
     ckpt, r = found
     if rank == 0:
         print(f"trainer: resumed from {ckpt} (step {r.step}, epoch {r.epoch})", file=sys.stderr)
-    return r.step, r.epoch, r.position, r.pack_state
+    return r
 
 
 @dataclass(kw_only=True, eq=False)
@@ -212,22 +212,24 @@ class Session:
                 evaluate(self.net, self.evals, step=self.step, device=self.device, patchifier=self.patchifier,
                          log=self.log)
             if cfg.save_every and self.step % cfg.save_every == 0:
-                save_checkpoint(self.out, step=self.step, epoch=self.epoch, position=self.loader.position,
-                                net=self.net, optimizer=self.optimizer, device=self.device,
-                                keep=cfg.keep_checkpoints, pack_state=self.loader.pack_state)
+                state = TrainState(step=self.step, epoch=self.epoch, position=self.loader.position,
+                                   pack_state=self.loader.pack_state)
+                save_checkpoint(self.out, state, net=self.net, optimizer=self.optimizer, device=self.device,
+                                keep_checkpoints=cfg.keep_checkpoints)
                 self.saved_at = self.step
 
     def train_one(self, micro_batches: list[Batch], totals: list[float], *, t0: float, wait: float) -> None:
         """One optimizer step over the global (trained, samples, tokens) `totals`, and its metrics row."""
         cfg, names, world = self.cfg, self.names, self.world
         trained, samples, tokens = totals
-        lr = lr_at(self.step, lr=cfg.lr, warmup=cfg.warmup_steps, total=self.schedule_len, min_ratio=cfg.min_lr_ratio)
+        lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total=self.schedule_len,
+                   min_lr_ratio=cfg.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         by_source = torch.zeros(2, len(names), dtype=torch.float64) if len(names) > 1 else None
         local_loss, grad_norm = train_step(self.net, self.optimizer, micro_batches, patchifier=self.patchifier,
-                                           device=self.device, global_trained=trained,
-                                           max_grad_norm=cfg.max_grad_norm, by_source=by_source)
+                                           global_trained=trained, max_grad_norm=cfg.max_grad_norm,
+                                           by_source=by_source)
         self.step += 1
         (loss_sum, *per_source) = all_sum([local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []),
                                           self.device)
@@ -271,10 +273,11 @@ class Session:
             evaluate(self.net, self.evals, step=step, device=self.device, patchifier=self.patchifier, log=self.log)
         if step != self.saved_at:
             same = loader.epoch == self.epoch
-            save_checkpoint(out, step=step, epoch=self.epoch, position=loader.position if same else 0, net=self.net,
-                            optimizer=self.optimizer, device=self.device, keep=cfg.keep_checkpoints,
-                            pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
-                            if cfg.pack_to else None)
+            state = TrainState(step=step, epoch=self.epoch, position=loader.position if same else 0,
+                               pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
+                               if cfg.pack_to else [])
+            save_checkpoint(out, state, net=self.net, optimizer=self.optimizer, device=self.device,
+                            keep_checkpoints=cfg.keep_checkpoints)
         if cfg.save_hf and self.rank == 0:
             from trainer.export import ExportConfig, export_run
 
@@ -336,9 +339,9 @@ def run(cfg: TrainConfig) -> dict | None:
         optimizer = build_optimizer(cfg, net)
         loader, total, schedule_len = make_loader(cfg, data, rank=rank, world=world, device=device,
                                                   collate_spec=collate_spec, out=out, check=check)
-        step, epoch, position, pack_state = resume_state(cfg, out, net=net, optimizer=optimizer, device=device,
-                                                         rank=rank)
-        loader.start(epoch, position, pack_state)
+        resumed = resume_state(cfg, out, net=net, optimizer=optimizer, device=device, rank=rank)
+        step, epoch, position = resumed.step, resumed.epoch, resumed.position
+        loader.start(epoch, position, resumed.pack_state)
         patchifier = Patchifier(spec, device)
         # Step lines on stdout unless a progress bar shows the run there (a terminal): Slurm and nohup logs read them.
         log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress, tensorboard=cfg.tensorboard,

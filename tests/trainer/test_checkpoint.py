@@ -11,6 +11,7 @@ import torch
 from trainer.checkpoint import (
     MARKER,
     RUN_LOCK,
+    TrainState,
     checkpoint_problem,
     latest_checkpoint,
     load_latest,
@@ -42,7 +43,8 @@ def _train_and_save(run, steps, keep=3):
         net(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-        save_checkpoint(run, step=step, epoch=0, position=10 * step, net=net, optimizer=opt, device=CPU, keep=keep)
+        save_checkpoint(run, TrainState(step=step, epoch=0, position=10 * step, pack_state=[]), net=net, optimizer=opt,
+                        device=CPU, keep_checkpoints=keep)
         weights[step] = net.weight.detach().clone()
     return weights
 
@@ -110,7 +112,8 @@ def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
     _train_and_save(tmp_path, [1, 2], keep=2)
     _cut(_ckpt(tmp_path, 2))
     net, opt = _model()
-    save_checkpoint(tmp_path, step=3, epoch=0, position=0, net=net, optimizer=opt, device=CPU, keep=2)
+    save_checkpoint(tmp_path, TrainState(step=3, epoch=0, position=0, pack_state=[]), net=net, optimizer=opt, device=CPU,
+                    keep_checkpoints=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000003"]
 
 

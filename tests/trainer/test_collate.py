@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from trainer.collate import IGNORE_INDEX, CollateSpec, collate
+from trainer.config import Batching
 from trainer.data import MicroBatcher
 from trainer.decode import DecodedSample
 from trainer.shards import DataError
@@ -69,17 +70,17 @@ def _stream(lengths):
 
 
 def test_micro_batches_by_count_and_by_token_budget():
-    mb = MicroBatcher(iter(_stream([3, 5, 2, 2, 9])), SPEC, micro_batch_size=2)
+    mb = MicroBatcher(iter(_stream([3, 5, 2, 2, 9])), SPEC, Batching(micro_batch_size=2))
     assert [b.sample_ids for b in iter(mb.next, None)] == [["s0", "s1"], ["s2", "s3"], ["s4"]]
     assert mb.consumed == 5
     # Budget 10 = rows x longest: [3,5] -> 2x5; [2,2] -> 2x2, adding 9 would be 3x9; 9 goes alone.
-    mb = MicroBatcher(iter(_stream([3, 5, 2, 2, 9, 12])), SPEC, max_tokens=10)
+    mb = MicroBatcher(iter(_stream([3, 5, 2, 2, 9, 12])), SPEC, Batching(max_tokens_per_batch=10))
     assert [b.sample_ids for b in iter(mb.next, None)] == [["s0", "s1"], ["s2", "s3"], ["s4"], ["s5"]]
 
 
 def test_batcher_resumes_from_a_position_and_checks_order():
-    mb = MicroBatcher(iter(_stream([3, 5, 2, 2])[2:]), SPEC, micro_batch_size=2, consumed=2)
+    mb = MicroBatcher(iter(_stream([3, 5, 2, 2])[2:]), SPEC, Batching(micro_batch_size=2), consumed=2)
     assert mb.next().sample_ids == ["s2", "s3"] and mb.consumed == 4
-    bad = MicroBatcher(iter(_stream([3, 5, 2])[1:]), SPEC, micro_batch_size=2)
+    bad = MicroBatcher(iter(_stream([3, 5, 2])[1:]), SPEC, Batching(micro_batch_size=2))
     with pytest.raises(DataError, match="out of order"):
         bad.next()

@@ -1,7 +1,8 @@
 import pytest
 
 from trainer.collate import CollateSpec
-from trainer.data import RankStream, StepLoader, epoch_shards, sample_loader, steps_per_epoch
+from trainer.config import Batching
+from trainer.data import RankStream, ShardSequence, StepLoader, epoch_shards, sample_loader, steps_per_epoch
 from trainer.shards import DataError, ShardRef, plan_shards, resolve_data
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
@@ -42,22 +43,23 @@ def test_manifest_count_mismatch_is_detected(shards, image_spec):
 
 
 def test_epoch_shard_order_is_seeded(shards):
-    a = epoch_shards(shards, epoch=0, seed=3, shuffle=True)
-    assert a == epoch_shards(shards, epoch=0, seed=3, shuffle=True)
+    a = epoch_shards(shards, epoch=0, seed=3, shuffle_shards=True)
+    assert a == epoch_shards(shards, epoch=0, seed=3, shuffle_shards=True)
     assert sorted(s.name for s in a) == [s.name for s in shards]
-    assert any(epoch_shards(shards, epoch=e, seed=3, shuffle=True) != a for e in range(1, 5))
-    assert epoch_shards(shards, epoch=2, seed=3, shuffle=False) == shards
+    assert any(epoch_shards(shards, epoch=e, seed=3, shuffle_shards=True) != a for e in range(1, 5))
+    assert epoch_shards(shards, epoch=2, seed=3, shuffle_shards=False) == shards
 
 
 def test_pad_policy_gives_every_rank_the_same_steps_and_drops_nothing(shards, image_spec):
     plan = plan_shards(tuple(shards), 2)
     assert plan.rank_samples == (8, 10)  # 5 uneven shards, balanced by tokens, not samples
-    loaders = [StepLoader([shards[i] for i in plan.per_rank[r]], spec=image_spec, collate_spec=SPEC, seed=0,
-                          shuffle=False, micro_batch_size=2, max_tokens=0, grad_accum=2, num_workers=0,
-                          prefetch_factor=2) for r in range(2)]
+    batching = Batching(micro_batch_size=2, grad_accum=2)
+    loaders = [StepLoader(ShardSequence([shards[i] for i in plan.per_rank[r]], spec=image_spec, seed=0,
+                                        shuffle_shards=False),
+                          collate_spec=SPEC, batching=batching, num_workers=0, prefetch_factor=2) for r in range(2)]
     for ld in loaders:
         ld.start(0, 0)
-    n_steps = steps_per_epoch(list(plan.rank_samples), micro_batch_size=2, max_tokens=0, grad_accum=2)
+    n_steps = steps_per_epoch(list(plan.rank_samples), batching)
     seen = []
     for _ in range(n_steps):
         steps = [ld.next_step() for ld in loaders]

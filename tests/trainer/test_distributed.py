@@ -43,7 +43,7 @@ def test_two_ranks_two_workers_read_every_sample_once_and_run_the_same_steps(run
 @pytest.mark.slow  # a single-process replay of the whole epoch: ~50 s on 2 cores
 def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a, dataset, image_spec):
     from trainer.collate import CollateSpec, collate
-    from trainer.config import TrainConfig
+    from trainer.config import ModelOptions, TrainConfig
     from trainer.model import build_model
     from trainer.train import build_optimizer, lr_at, train_step
     from trainer.vision import Patchifier
@@ -51,16 +51,17 @@ def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a,
     _, metrics, _ = run_a
     by_id = {s.id: s for s in read_all_samples(dataset, image_spec)}
     cfg = TrainConfig(data="-", tiny_random="qwen2-vl")
-    net = build_model(tiny_random="qwen2-vl", seed=0)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     opt = build_optimizer(cfg, net)
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
     worst = [0.0, 0.0]
     for m in metrics:
         batch = collate([by_id[i] for i in m["sample_ids"]], spec)  # the whole global batch, one micro-batch
-        lr = lr_at(m["step"] - 1, lr=cfg.lr, warmup=cfg.warmup_steps, total=len(metrics), min_ratio=cfg.min_lr_ratio)
+        lr = lr_at(m["step"] - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total=len(metrics),
+                   min_lr_ratio=cfg.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss_sum, grad_norm = train_step(net, opt, [batch], patchifier=Patchifier(image_spec, "cpu"), device="cpu",
+        loss_sum, grad_norm = train_step(net, opt, [batch], patchifier=Patchifier(image_spec, "cpu"),
                                          global_trained=batch.num_trained, max_grad_norm=cfg.max_grad_norm)
         assert lr == m["lr"] and batch.num_trained == m["num_trained_tokens"]
         worst = [max(worst[0], abs(loss_sum / batch.num_trained / m["loss"] - 1)),

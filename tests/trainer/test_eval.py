@@ -27,9 +27,10 @@ def final_model(run_dir, **model_kw):
     import torch.distributed.checkpoint as dcp
 
     from trainer.checkpoint import latest_checkpoint
+    from trainer.config import ModelOptions
     from trainer.model import build_model
 
-    net = build_model(tiny_random="qwen2-vl", seed=0, **model_kw)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, **model_kw))
     state = {"model": net.state_dict()}
     dcp.load(state, checkpoint_id=str(latest_checkpoint(run_dir)))
     net.load_state_dict(state["model"])
@@ -87,13 +88,14 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     import torch.distributed as dist
 
     from trainer.collate import CollateSpec
-    from trainer.data import StepLoader
+    from trainer.config import Batching, ModelOptions
+    from trainer.data import ShardSequence, StepLoader
     from trainer.evaluate import EvalSet, evaluate
     from trainer.model import build_model
     from trainer.shards import resolve_data
     from trainer.vision import Patchifier
 
-    net = build_model(tiny_random="qwen2-vl", seed=0, lora_rank=4, lora_dropout=0.3)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, lora_rank=4, lora_dropout=0.3))
     torch.manual_seed(1)
     for name, p in net.named_parameters():
         if "lora_B" in name:
@@ -103,8 +105,9 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     assert any(modes) and not all(modes)
     pattern = str(dataset / "shard-000004.tar")
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
-    loader = StepLoader(list(resolve_data(pattern).shards), spec=image_spec, collate_spec=spec, seed=0, shuffle=False,
-                        micro_batch_size=2, max_tokens=0, grad_accum=1, num_workers=0, prefetch_factor=2)
+    streams = ShardSequence(list(resolve_data(pattern).shards), spec=image_spec, seed=0, shuffle_shards=False)
+    loader = StepLoader(streams, collate_spec=spec, batching=Batching(micro_batch_size=2), num_workers=0,
+                        prefetch_factor=2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(5)

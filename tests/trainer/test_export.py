@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from tests.trainer.conftest import ROOT, TORCHRUN, TRACES, read_all_samples, trainer_env
 from trainer.collate import CollateSpec, collate
+from trainer.config import ModelOptions
 from trainer.model import build_model
 from trainer.train import main
 from trainer.vision import Patchifier
@@ -52,7 +53,7 @@ def _reference(run, tmp_path, *, model: str = "", lora_rank: int = 0):
 
     path = tmp_path / "reference.pt"
     dcp_to_torch_save(str(latest_checkpoint(run)), str(path))
-    net = build_model(model=model, tiny_random="" if model else "qwen2-vl", lora_rank=lora_rank)
+    net = build_model(ModelOptions(model=model, tiny_random="" if model else "qwen2-vl", lora_rank=lora_rank))
     net.load_state_dict(torch.load(path, weights_only=True)["model"], strict=True)
     return net.eval()
 
@@ -135,7 +136,7 @@ def test_save_hf_export_loads_with_transformers_and_gives_the_trained_logits(run
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"] and config["use_cache"] is True
     assert float((_served_logits(hf, _render(hf, sample)) - run1_ref).abs().max()) <= 1e-6
     # The weights did train: an untrained model is far from them.
-    untrained = _trained_logits(build_model(tiny_random="qwen2-vl").eval(), sample, image_spec)
+    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl")).eval(), sample, image_spec)
     assert float((untrained - run1_ref).abs().max()) > 1e-3
 
 
@@ -256,14 +257,14 @@ def test_lora_run_exports_merged_weights_and_the_adapter_alone(dataset, sample, 
     ref = _trained_logits(_reference(run, tmp_path, lora_rank=4), sample, image_spec)
     assert not any("lora" in k for k in _keys(tmp_path / "merged" / "model.safetensors"))
     assert float((_served_logits(tmp_path / "merged", _render(tmp_path / "merged", sample)) - ref).abs().max()) <= 1e-6
-    untrained = _trained_logits(build_model(tiny_random="qwen2-vl").eval(), sample, image_spec)
+    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl")).eval(), sample, image_spec)
     assert float((untrained - ref).abs().max()) > 1e-3  # the adapters moved the logits
 
     assert _export(run, tmp_path / "adapter", "--dtype", "fp32", "--adapter-only") == 0
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
     assert "model.safetensors" not in files
-    base = build_model(tiny_random="qwen2-vl")  # LoRA froze the base: it is the seeded initial model
+    base = build_model(ModelOptions(tiny_random="qwen2-vl"))  # LoRA froze the base: it is the seeded initial model
     adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     assert float((_trained_logits(adapted, sample, image_spec) - ref).abs().max()) <= 1e-6
 

@@ -60,7 +60,7 @@ def test_off_a_terminal_log_every_1_prints_one_line_per_step_and_the_start_up_ag
 
 
 def test_log_every_writes_the_log_file_and_echoes_only_where_asked(tmp_path, capsys):
-    run = RunLog(tmp_path, total_steps=30, start_step=0, progress=False, log_every=10, echo=False)
+    run = RunLog(tmp_path, total_steps=30, start_step=0, progress=False, tensorboard=False, log_every=10, echo=False)
     for step in range(1, 31):
         run.step({"step": step, "loss": 1.0, "lr": 1e-5, "grad_norm": 0.5, "tokens_per_s": 100.0,
                   "data_wait_frac": 0.25})
@@ -77,7 +77,7 @@ def test_packing_start_up_line_expects_the_fill_a_rank_can_reach():
 
     def line(samples, tokens, world=1, window=64):
         manifest = {"config": {"seq_len": 2048}, "shards": [{"num_samples": samples, "num_tokens": tokens}]}
-        return check_packing(pack_to=4096, window=window, manifest=manifest, model_type="qwen2_vl", world=world)
+        return check_packing(pack_to=4096, pack_window=window, manifest=manifest, model_type="qwen2_vl", world=world)
 
     assert "expected a low fill (a rank's whole epoch is 2.2 rows' worth" in line(18, 9000)  # a tiny dataset
     assert "expected fill >= 0.95" in line(1000, 500_000)
@@ -96,7 +96,7 @@ def test_resumed_run_shows_each_step_once(tmp_path):
     """A run killed after step 3 resumes from its step-2 checkpoint and redoes step 3: TensorBoard shows steps
     1, 2, 3 once, step 3 with the resumed run's value (as metrics.jsonl does)."""
     def log(start, steps):
-        run = RunLog(tmp_path, total_steps=3, start_step=start, progress=False, tensorboard=True)
+        run = RunLog(tmp_path, total_steps=3, start_step=start, progress=False, tensorboard=True, log_every=0)
         for step, loss in steps:
             run.step({"step": step, "loss": loss, "lr": 0.1, "tokens_per_s": 1.0})
         return run

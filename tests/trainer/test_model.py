@@ -4,6 +4,7 @@ import torch
 
 from tests.trainer.conftest import read_all_samples
 from trainer.collate import CollateSpec, collate
+from trainer.config import ModelOptions
 from trainer.decode import DecodedSample
 from trainer.model import build_model, forward_loss
 from trainer.train import main
@@ -28,22 +29,22 @@ def _grads(net, batch):
 
 
 def test_tiny_model_shape():
-    net = build_model(tiny_random="qwen2-vl")
+    net = build_model(ModelOptions(tiny_random="qwen2-vl"))
     text = net.config.text_config
     assert (text.vocab_size, text.hidden_size, text.num_hidden_layers) == (151936, 128, 2)
     assert net.config.use_cache is False and sorted(net._no_split_modules) == ["Qwen2VLDecoderLayer", "Qwen2VLVisionBlock"]
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(batch):
-    loss, grads = _grads(build_model(tiny_random="qwen2-vl", seed=0), batch)
-    loss_ac, grads_ac = _grads(build_model(tiny_random="qwen2-vl", seed=0, activation_checkpointing=True), batch)
+    loss, grads = _grads(build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)), batch)
+    loss_ac, grads_ac = _grads(build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, activation_checkpointing=True)), batch)
     assert loss == loss_ac and grads.keys() == grads_ac.keys()
     assert all(torch.equal(grads[n], grads_ac[n]) for n in grads)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
 def test_lora_trains_adapters_only_and_freezes_the_vision_tower(batch):
-    net = build_model(tiny_random="qwen2-vl", seed=0, lora_rank=4)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, lora_rank=4))
     trainable = [n for n, p in net.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and "language_model" in n for n in trainable)
     _, grads = _grads(net, batch)
@@ -104,7 +105,7 @@ def test_checkpoint_dirs_of_other_families_load_shard_and_train(family, image_sp
     cfg = AutoConfig.for_model(family, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                                vision_end_token_id=151653, **kw)
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
-    net = build_model(model=str(tmp_path / "ckpt"))
+    net = build_model(ModelOptions(model=str(tmp_path / "ckpt")))
     # from_pretrained gives eval mode; training needs train mode (dropout, and activation checkpointing only runs then)
     assert all(m.training for m in net.modules())
     spec = ImageSpec.from_config({**image_spec.config, "patch_size": patch})

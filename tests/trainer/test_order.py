@@ -10,7 +10,8 @@ import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
 from trainer.collate import CollateSpec
-from trainer.data import ScheduledStream, StepLoader, sample_loader
+from trainer.config import Batching
+from trainer.data import EpochSchedule, ScheduledStream, StepLoader, sample_loader
 from trainer.index import ShardIndex, index_shard, read_indexed
 from trainer.order import RankSource, pass_order, rank_steps, schedule
 from trainer.shards import plan_shards, resolve_data
@@ -47,7 +48,7 @@ def _pairs(order):
 def test_a_pass_holds_every_sample_once_is_seeded_and_spreads_each_shard(shards):
     src = _source(shards)
     everything = sorted((k, i) for k, ix in enumerate(src.indexes) for i in range(ix.num_samples))
-    kw = dict(seed=3, pass_no=0, shuffle=True, shuffle_shards=True, span=0)
+    kw = dict(seed=3, pass_no=0, shuffle=True, shuffle_shards=True, shuffle_span=0)
     epochs = [_pairs(pass_order(src, epoch=e, **kw)) for e in range(4)]
     assert all(sorted(e) == everything for e in epochs)
     assert epochs[0] == _pairs(pass_order(src, epoch=0, **kw))  # deterministic for (seed, epoch)
@@ -56,7 +57,7 @@ def test_a_pass_holds_every_sample_once_is_seeded_and_spreads_each_shard(shards)
     same = sum(a[0] == b[0] for e in epochs for a, b in zip(e, e[1:])) / sum(len(e) - 1 for e in epochs)
     assert same < 0.5, same  # a shard-sequential order has 13/17 here
     # --shuffle-span 1: only within each shard, so each shard is one contiguous run of its own samples.
-    one = _pairs(pass_order(src, epoch=0, **{**kw, "span": 1}))
+    one = _pairs(pass_order(src, epoch=0, **{**kw, "shuffle_span": 1}))
     runs = [k for k, _ in itertools.groupby(s for s, _ in one)]
     assert sorted(one) == everything and len(runs) == len(shards)
     # No shuffle: exactly the sequential reader's order (shards in manifest order, samples in tar order).
@@ -66,13 +67,13 @@ def test_a_pass_holds_every_sample_once_is_seeded_and_spreads_each_shard(shards)
 def test_ranks_owning_equal_shards_do_not_read_them_in_lockstep(shards):
     """4 shards of 4 samples: ranks 0 and 1 each own two. One permutation for both would read the same slot of
     neighbouring shards at every step (one task of a task-sorted input in one global batch)."""
-    kw = dict(seed=0, epoch=0, pass_no=0, shuffle=True, shuffle_shards=True, span=0)
+    kw = dict(seed=0, epoch=0, pass_no=0, shuffle=True, shuffle_shards=True, shuffle_span=0)
     a, b = (_pairs(pass_order(_source(shards[r:4:2], owner=r), **kw)) for r in range(2))
     assert a != b and sorted(a) == sorted(b)  # the same (local shard, sample) slots, in different orders
 
 
 def test_stride_ranks_take_disjoint_slices_of_one_permutation(shards):
-    kw = dict(seed=0, epoch=1, pass_no=0, shuffle=True, shuffle_shards=True, span=0)
+    kw = dict(seed=0, epoch=1, pass_no=0, shuffle=True, shuffle_shards=True, shuffle_span=0)
     full = _pairs(pass_order(_source(shards[:2]), **kw))
     per_rank = [_pairs(pass_order(_source(shards[:2], stride=(r, 3)), **kw)) for r in range(3)]
     assert per_rank == [full[r::3] for r in range(3)]
@@ -81,7 +82,7 @@ def test_stride_ranks_take_disjoint_slices_of_one_permutation(shards):
 @pytest.mark.parametrize("start, workers", [(0, 0), (0, 2), (5, 3), (17, 2), (18, 2)])
 def test_scheduled_stream_is_the_schedule_for_any_worker_count_and_start(shards, image_spec, start, workers):
     src = [_source(shards)]
-    order = schedule(src, seed=1, epoch=0, shuffle=True, shuffle_shards=True, span=2)
+    order = schedule(src, seed=1, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=2)
     loader = sample_loader(ScheduledStream(src, order, start=start, spec=image_spec), num_workers=workers,
                            prefetch_factor=2)
     got = [(s.position, s.key, s.worker) for s in loader]
@@ -95,7 +96,7 @@ def test_a_mixture_keeps_each_source_at_its_share_of_trained_tokens():
     rng = np.random.default_rng(0)
     big = _fake("agent", [rng.integers(50, 3000, 40) for _ in range(6)], weight=0.7)
     small = _fake("vqa", [rng.integers(20, 400, 30) for _ in range(2)], weight=0.3)
-    order = schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0)
+    order = schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0)
     trained = np.array([[big, small][s].indexes[k].trained[i] for s, k, i in
                         zip(order.source, order.shard, order.sample)])
     mine, total = np.cumsum(trained * (order.source == 0)), np.cumsum(trained)
@@ -106,30 +107,31 @@ def test_a_mixture_keeps_each_source_at_its_share_of_trained_tokens():
     seen = collections.Counter(zip(order.source.tolist(), order.shard.tolist(), order.sample.tolist()))
     assert {v for (s, _, _), v in seen.items() if s == 0} == {1} and len([k for k in seen if k[0] == 0]) == 240
     assert len([k for k in seen if k[0] == 1]) == 60 and max(v for (s, _, _), v in seen.items() if s == 1) > 1
-    assert schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0).source.tolist() == \
+    assert schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0).source.tolist() == \
         order.source.tolist()
 
 
 def test_a_stop_source_leaves_the_mixture_once_read_through():
     a = _fake("a", [[100] * 10], weight=0.5, on_end="stop")
     b = _fake("b", [[100] * 50], weight=0.5)
-    order = schedule([a, b], seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0)
+    order = schedule([a, b], seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0)
     src = order.source.tolist()
     assert src.count(0) == 10 and src.count(1) == 50  # a once, then b alone until it is read through
     assert src[:20].count(0) == 10
 
 
-@pytest.mark.parametrize("batching", [dict(pack_to=2048, pack_window=4), dict(max_tokens=600), dict()])
+@pytest.mark.parametrize("batching", [dict(pack_to=2048, pack_window=4), dict(max_tokens_per_batch=600), dict()])
 def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, batching):
     plan = plan_shards(tuple(shards), 2)
     sources = [[_source([shards[i] for i in plan.per_rank[r]])] for r in range(2)]
-    kw = dict(micro_batch_size=2, max_tokens=batching.get("max_tokens", 0), grad_accum=2,
-              pack_to=batching.get("pack_to", 0), pack_window=batching.get("pack_window", 64))
+    batching = Batching(micro_batch_size=2, grad_accum=2, **batching)
     for epoch in range(2):
-        predicted = max(rank_steps(schedule(src, seed=5, epoch=epoch, shuffle=True, shuffle_shards=True, span=0)
-                                   .tokens(src), **kw) for src in sources)
-        loaders = [StepLoader([], spec=image_spec, collate_spec=SPEC, seed=5, shuffle=True, num_workers=0,
-                              prefetch_factor=2, sources=src, sample_shuffle=True, **kw) for src in sources]
+        predicted = max(rank_steps(schedule(src, seed=5, epoch=epoch, shuffle=True, shuffle_shards=True, shuffle_span=0)
+                                   .tokens(src), batching) for src in sources)
+        loaders = [StepLoader(EpochSchedule(src, spec=image_spec, seed=5, shuffle=True, shuffle_shards=True,
+                                            shuffle_span=0),
+                              collate_spec=SPEC, batching=batching, num_workers=0, prefetch_factor=2)
+                   for src in sources]
         for ld in loaders:
             ld.start(epoch, 0)
         steps, seen = 0, []
@@ -179,7 +181,7 @@ def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, 
     from trainer.train import lr_at
 
     # The cosine was given exactly the steps run as its length.
-    assert [m["lr"] for m in metrics] == [lr_at(k, lr=2e-5, warmup=0, total=len(metrics), min_ratio=0.1)
+    assert [m["lr"] for m in metrics] == [lr_at(k, lr=2e-5, warmup_steps=0, total=len(metrics), min_lr_ratio=0.1)
                                           for k in range(len(metrics))]
 
 
@@ -273,7 +275,7 @@ def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset,
     srcs, derived = zip(*[rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1,
                                        cache=cache) for d in (local, piped)])
     assert derived == (0, 5) and not cache.exists()  # the local shards' sidecars; nothing copied yet
-    orders = [schedule(s, seed=2, epoch=1, shuffle=True, shuffle_shards=True, span=0) for s in srcs]
+    orders = [schedule(s, seed=2, epoch=1, shuffle=True, shuffle_shards=True, shuffle_span=0) for s in srcs]
     shard_cache = ShardCache(srcs[1], cache)
 
     def read(src, order, view=None):
@@ -318,7 +320,7 @@ def test_the_epoch_size_estimate_is_the_schedules_length():
     from trainer.order import epoch_size
 
     for sources in ([big, small], [small, big], [big, stop], [big, small, empty], [big]):
-        n = len(schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=0))
+        n = len(schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0))
         size = epoch_size(sources)
         assert abs(size.positions - n) <= len(sources), ([s.name for s in sources], size, n)
         assert size.positions < size.limit

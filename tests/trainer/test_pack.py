@@ -12,7 +12,7 @@ import torch
 from tests.trainer.conftest import read_all_samples
 from tests.trainer.test_model import FAMILIES
 from trainer.collate import IGNORE_INDEX, CollateSpec, collate
-from trainer.config import ConfigError
+from trainer.config import Batching, ConfigError, ModelOptions
 from trainer.decode import DecodedSample
 from trainer.model import build_model, forward_loss, tiny_config
 from trainer.pack import Packer, best_fit_decreasing, collate_packed
@@ -240,7 +240,7 @@ def test_packed_step_equals_unpacked_loss_and_grad_norm(family, spec_for):
     for batch in (collate_packed([samples], spec), collate(samples, spec)):
         net = _net(family, "sdpa").train()
         opt = build_optimizer(TrainConfig(data="-", tiny_random="qwen2-vl"), net)
-        out.append((batch.num_trained, *train_step(net, opt, [batch], patchifier=patchify, device="cpu",
+        out.append((batch.num_trained, *train_step(net, opt, [batch], patchifier=patchify,
                                                     global_trained=batch.num_trained, max_grad_norm=1.0)))
     (n_p, loss_p, norm_p), (n_u, loss_u, norm_u) = out
     assert n_p == n_u
@@ -257,7 +257,7 @@ def test_packed_real_samples_equal_unpacked(dataset, image_spec):
     one = [s for s in pick if len(s.image_index) == 1][:2]
     group = text + multi + one
     assert len(group) == 4
-    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     spec = CollateSpec(0, IMG, 14, 2)
     patchify = Patchifier(image_spec, "cpu")
     packed, plain = collate_packed([group], spec), collate(group, spec)
@@ -271,11 +271,12 @@ def test_packed_real_samples_equal_unpacked(dataset, image_spec):
 # --- the rank's step loader with packing -------------------------------------------------------------------------
 
 def _pack_loader(shards, image_spec, workers):
-    from trainer.data import StepLoader
+    from trainer.data import ShardSequence, StepLoader
 
-    return StepLoader(shards, spec=image_spec, collate_spec=CollateSpec(0, IMG, 14, 2), seed=0, shuffle=True,
-                      micro_batch_size=1, max_tokens=0, grad_accum=2, num_workers=workers, prefetch_factor=2,
-                      pack_to=400, pack_window=5)
+    return StepLoader(ShardSequence(shards, spec=image_spec, seed=0, shuffle_shards=True),
+                      collate_spec=CollateSpec(0, IMG, 14, 2),
+                      batching=Batching(micro_batch_size=1, grad_accum=2, pack_to=400, pack_window=5),
+                      num_workers=workers, prefetch_factor=2)
 
 
 def _steps(loader, n=None):

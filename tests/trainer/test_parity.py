@@ -9,6 +9,7 @@ from PIL import Image
 
 from tests.trainer.conftest import TRACES, read_all_samples
 from trainer.collate import IGNORE_INDEX, CollateSpec, collate
+from trainer.config import ModelOptions
 from trainer.model import build_model, forward_loss
 from trainer.vision import Patchifier
 
@@ -66,7 +67,7 @@ def test_shard_batches_equal_online_rendering_and_give_the_same_loss(dataset, im
 
     records = {r["id"]: r for r in generate_traces(**TRACES)}
     samples = read_all_samples(dataset, image_spec)
-    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
     patchify = Patchifier(image_spec, "cpu")
     groups = [samples[k:k + 4] for k in range(0, len(samples), 4)]

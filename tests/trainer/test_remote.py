@@ -211,7 +211,7 @@ def test_intervals_are_per_pass_and_sorted_by_first_read(dataset):
     from trainer.cache import intervals
 
     sources, _ = _sources(str(dataset), Path("/nonexistent"))
-    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=1)
+    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1)
     shard, first, last = intervals(sources, order, 0, np.ones(5, bool), [0])
     assert sorted(shard.tolist()) == list(range(5)) and (np.diff(first) > 0).all()
     # span 1: each shard is read in one run of positions, so its interval holds just its own samples
@@ -254,7 +254,7 @@ def test_a_memory_fs_dataset_streams_through_a_bounded_cache_in_schedule_order(d
     remote, _ = _sources("memory://scale-ds", tmp_path / "cache")
     local, _ = _sources(str(dataset), tmp_path / "unused")
     biggest = max(s.num_bytes for s in remote[0].shards)
-    orders = [schedule(s, seed=1, epoch=0, shuffle=True, shuffle_shards=True, span=1) for s in (remote, local)]
+    orders = [schedule(s, seed=1, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1) for s in (remote, local)]
     cache = ShardCache(remote, tmp_path / "cache", limit=2 * biggest, prefetch=1)
     sizes = []
     ids = _read_all(remote, orders[0], image_spec, cache, on_sample=lambda: sizes.append(cache.size_bytes))
@@ -270,7 +270,7 @@ def test_a_remote_shard_whose_bytes_differ_from_the_manifest_is_refused_naming_i
 
     _to_memory(dataset, "memory://scale-bad", corrupt="shard-000003.tar")
     remote, _ = _sources("memory://scale-bad", tmp_path / "cache")
-    order = schedule(remote, seed=1, epoch=0, shuffle=True, shuffle_shards=True, span=1)
+    order = schedule(remote, seed=1, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1)
     with pytest.raises(DataError) as e:
         _read_all(remote, order, image_spec, ShardCache(remote, tmp_path / "cache"))
     assert str(e.value).startswith("memory://scale-bad/shard-000003.tar: its bytes do not match the manifest's sha256")
@@ -361,7 +361,7 @@ def test_s3_urls_resolve_and_stream_from_a_local_s3_server(s3_server, dataset, i
     url = _to_s3(dataset, "scale-bucket")
     sources, derived = _sources(url, tmp_path / "cache")
     assert derived == 0 and sources[0].shards[0].url == f"{url}/shard-000000.tar"
-    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, span=2)
+    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=2)
     ids = _read_all(sources, order, image_spec, ShardCache(sources, tmp_path / "cache"))
     assert len(ids) == len(set(ids)) == 18
     with pytest.raises(DataError) as e:

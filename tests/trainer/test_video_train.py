@@ -18,6 +18,7 @@ from tests.support.videos import decode_all, encode, frames
 from tests.trainer.conftest import read_all_samples, read_metrics, run_trainer
 from tests.trainer.test_parity import _independent_labels
 from trainer.collate import IGNORE_INDEX, CollateSpec, collate
+from trainer.config import ModelOptions
 from trainer.model import build_model, forward_loss
 from trainer.pack import collate_packed
 from trainer.shards import DataError, load_image_processor_config, load_video_processor_config
@@ -106,7 +107,7 @@ def _spec(net) -> CollateSpec:
 def test_video_sample_batch_and_loss_equal_online_processing(video_data, video_spec, sample_id):
     samples = {s.id: s for s in read_all_samples(video_data / "out", video_spec)}
     records = {r["id"]: r for r in _records()}
-    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     patchify = Patchifier(video_spec, "cpu")
     batch = collate([samples[sample_id]], _spec(net)).to("cpu")
     on, processor = _online(video_data, records[sample_id])
@@ -157,7 +158,7 @@ def test_packed_row_with_video_image_and_text_gives_each_sample_its_own_logits(v
     """A packed row of a video sample, an image sample, a text sample and a video+image sample: each segment's logits
     equal the sample's logits alone (fp32, <= 1e-5); with text positions running on (no resets) they do not."""
     samples = {s.id: s for s in read_all_samples(video_data / "out", video_spec)}
-    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     spec, patchify = _spec(net), Patchifier(video_spec, "cpu")
     row = [samples[k] for k in ("v", "i", "t", "vi")]
     packed = collate_packed([row], spec)
@@ -178,7 +179,7 @@ def test_placeholder_video_runs_the_video_pass_and_touches_no_real_token(video_d
     import dataclasses
 
     samples = {s.id: s for s in read_all_samples(video_data / "out", video_spec)}
-    net = build_model(tiny_random="qwen2-vl", seed=0).eval()
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     spec, patchify = _spec(net), Patchifier(video_spec, "cpu")
     plain = dataclasses.replace(spec, videos=False)
     t, i = samples["t"], samples["i"]
@@ -446,7 +447,7 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
     from trainer.evaluate import eval_sets, evaluate
     from trainer.shards import resolve_data
 
-    net = build_model(tiny_random="qwen2-vl", seed=0)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     cfg = TrainConfig(data=str(held), tiny_random="qwen2-vl", num_workers=0, grad_accum=2,
                       eval_data=(f"name=vid,path={video_data / 'out'}", f"name=img,path={held}"))
     train_spec = dataclasses.replace(_spec(net), videos=False)

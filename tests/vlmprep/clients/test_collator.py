@@ -72,6 +72,7 @@ def _key(batch: dict) -> tuple:
 def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
     fmt, d, step1 = built
     import vlmprep.clients.hf
+    from trainer.config import ModelOptions
     from trainer.model import build_model
     from vlmprep.clients.collate import Collator
 
@@ -94,7 +95,7 @@ def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
     text_only = [b for b in by_shard if "pixel_values" not in b]
     assert len(text_only) == 1 and "image_grid_thw" not in text_only[0]  # the last shard's last sample
     with torch.no_grad():  # the first batch, straight into the model, gives the trainer's step-1 loss
-        net = build_model(tiny_random="qwen2-vl", seed=0)
+        net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
         loss = float(net(**got[0]).loss)
         assert np.isfinite(float(net(**text_only[0]).loss))
     assert loss == pytest.approx(step1["loss"], rel=1e-6)
@@ -124,6 +125,7 @@ def _readme_block(marker: str) -> str:
 def _run_readme_block(marker: str, d: Path, out: Path, model=None) -> dict:
     """Run the block as written, with the two inputs substituted: DIR and the model (the trainer's tiny model);
     its output dir `runs/...`, if any, goes under `out`. Returns the block's namespace."""
+    from trainer.config import ModelOptions
     from trainer.model import build_model
 
     code = _readme_block(marker)
@@ -131,7 +133,7 @@ def _run_readme_block(marker: str, d: Path, out: Path, model=None) -> dict:
     code, n_model = re.subn(r"^model = .*$", "model = _MODEL", code, flags=re.M)
     assert n_dir == n_model == 1 and code.count('"runs/') <= 1
     code = code.replace('"runs/', '_OUT + "/')
-    ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": model or build_model(tiny_random="qwen2-vl", seed=0)}
+    ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": model or build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))}
     exec(compile(code, f"docs/other-libraries.md ({marker})", "exec"), ns)
     return ns
 
@@ -152,6 +154,7 @@ def test_collator_trained_logits_keep_the_trainers_positions(built):
     the model's LM head then projects one row per trained token instead of B x L, and the loss is the trainer's."""
     fmt, d, step1 = built
     import vlmprep.clients.hf
+    from trainer.config import ModelOptions
     from trainer.model import build_model
     from vlmprep.clients.collate import Collator
 
@@ -165,7 +168,7 @@ def test_collator_trained_logits_keep_the_trainers_positions(built):
     keep[:, :-1] = labels[:, 1:] != -100  # trainer/model.py forward_loss's selection, on the trainer's own batch
     assert got["logits_to_keep"].dtype == torch.bool and torch.equal(got["logits_to_keep"], keep)
     assert torch.equal(got["shift_labels"], labels[:, 1:][keep[:, :-1]]) and bool((got["shift_labels"] >= 0).all())
-    net = build_model(tiny_random="qwen2-vl", seed=0)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     rows = _kept_rows(net)
     with torch.no_grad():
         full, kept = net(**plain), net(**got)
@@ -178,10 +181,11 @@ def test_collator_trained_logits_keep_the_trainers_positions(built):
 
 def test_hf_trainer_trains_with_the_readme_code(built, tmp_path):
     """The docs' HF Trainer block (trained_logits=True): step-1 loss = the trainer's, LM head rows = trained tokens."""
+    from trainer.config import ModelOptions
     from trainer.model import build_model
 
     fmt, d, step1 = built
-    net = build_model(tiny_random="qwen2-vl", seed=0)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     rows = _kept_rows(net)
     log = _run_readme_block("trainer = Trainer(", d, tmp_path, model=net)["trainer"].state.log_history
     steps = [e for e in log if "loss" in e]
@@ -238,12 +242,13 @@ def test_energon_trains_with_the_docs_code(built, tmp_path):
     if fmt != "zstd":
         pytest.skip("one format is enough")
     import vlmprep.clients.hf
+    from trainer.config import ModelOptions
     from trainer.model import build_model
     from vlmprep.clients.collate import Collator
 
     shutil.copytree(d, tmp_path / "ds")  # the block indexes DIR (energon's .nv-meta files)
     d = tmp_path / "ds"
-    net = build_model(tiny_random="qwen2-vl", seed=0)
+    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     seen: list[tuple[dict, float]] = []
     net.register_forward_hook(lambda m, args, kwargs, out: seen.append((dict(kwargs), float(out.loss.detach()))),
                               with_kwargs=True)
@@ -252,7 +257,7 @@ def test_energon_trains_with_the_docs_code(built, tmp_path):
     (lr,) = re.findall(r"AdamW\(model.parameters\(\), lr=([0-9.e-]+)\)", _readme_block("VlmprepTaskEncoder(DIR"))
     by_ids = {tuple(s["input_ids"].tolist()): s for s in vlmprep.clients.hf.iterable_dataset(d)}
     collator = Collator(d, trained_logits=True)
-    ref = build_model(tiny_random="qwen2-vl", seed=0)
+    ref = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     optimizer = torch.optim.AdamW(ref.parameters(), lr=float(lr))
     for batch, loss in seen:
         rows = [by_ids[tuple(ids[m.bool()].tolist())] for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
@@ -278,10 +283,11 @@ def test_trl_sft_trainer_trains_with_the_readme_code(built, tmp_path):
 
 def _video_model(family: str):
     """A tiny random model of the family (fp32, sdpa): the trainer's Qwen2-VL, else the trainer tests' configs."""
+    from trainer.config import ModelOptions
     from trainer.model import build_model
 
     if family == "qwen2-vl":
-        return build_model(tiny_random="qwen2-vl", seed=0).eval()
+        return build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from tests.trainer.test_model import FAMILIES
