@@ -55,6 +55,7 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     from vlmprep.render import _expand_images, _shorten_runs, render_conversation
     from vlmprep.shards.writer import ShardWriter
     from vlmprep.types import PreparedImage
+    from vlmprep_schemas.delta import PDELTA_MIN_LEVEL
 
     torch.set_num_threads(1)  # one worker's core
     n = n or (3 if quick else 16)
@@ -112,10 +113,13 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
           "torch bicubic antialias kernel alone on the decoded pixels (channels last)")
     pixels = [PreparedImage(pixels=im.pixels, grid_thw=im.grid_thw, source=im.source) for im in kept]
     level = cfg.zstd_level
+    # The floor compresses at the level the format itself uses (zstd-pdelta raises it to PDELTA_MIN_LEVEL for its
+    # smaller shards): what the chosen output costs, not a cheaper output's.
+    floor_level = max(level, PDELTA_MIN_LEVEL) if cfg.image_format == "zstd-pdelta" else level
     stage("encode", "ms per kept image", len(kept),
           lambda: [encode_image(p, cfg.image_format, zstd_level=level) for p in pixels],
-          lambda: [zstandard.ZstdCompressor(level=level).compress(p.pixels) for p in pixels],
-          f"zstandard compress (level {level}) of the pixel buffer alone")
+          lambda: [zstandard.ZstdCompressor(level=floor_level).compress(p.pixels) for p in pixels],
+          f"zstandard compress (level {floor_level}, the {cfg.image_format} format's) of the pixel buffer alone")
 
     steps = []  # (step conversation, its images, pixels made) of every sample written, as Renderer.render plans them
     for conv in convs:
