@@ -147,14 +147,17 @@ class TrainConfig:
     pack_to: int = opt(0, "packing", "> 0: pack whole samples into rows of at most this many tokens")
     pack_window: int = opt(64, "packing", "samples of look-ahead the packer chooses rows from (held in memory)")
     grad_accum: int = opt(1, "optimization", "micro-batches per optimizer step on each rank")
-    lr: float = opt(2e-5, "optimization", "peak learning rate (after warmup; the cosine ends at lr x min_lr_ratio)")
+    lr: float = opt(2e-5, "optimization", "peak learning rate (after warmup; the cosine ends at "
+                                          "lr x min_lr_ratio)")
     min_lr_ratio: float = opt(0.1, "optimization", "final learning rate as a fraction of lr")
     warmup_steps: int = opt(0, "optimization", "steps of linear warmup from lr/warmup_steps to lr")
-    weight_decay: float = opt(0.0, "optimization", "AdamW weight decay (matrices only; biases and norms get none)")
+    weight_decay: float = opt(0.0, "optimization", "AdamW weight decay (matrices only; biases and norms "
+                                                   "get none)")
     adam_beta1: float = opt(0.9, "optimization", "AdamW beta1")
     adam_beta2: float = opt(0.95, "optimization", "AdamW beta2")
     adam_eps: float = opt(1e-8, "optimization", "AdamW epsilon")
-    max_grad_norm: float = opt(1.0, "optimization", "clip the global gradient norm to this; 0 = no clipping")
+    max_grad_norm: float = opt(1.0, "optimization", "clip the global gradient norm to this; "
+                                                    "0 = no clipping")
     seed: int = opt(0, "optimization", "seed of the model init, dropout and the data order")
     num_workers: int = opt(2, "data", "DataLoader worker processes per rank that decode samples")
     prefetch_factor: int = opt(4, "data", "samples each DataLoader worker decodes ahead")
