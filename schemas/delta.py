@@ -8,6 +8,7 @@ import numpy as np
 import zstandard
 
 PDELTA = ".pdelta.zst"
+ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)  # image members that are one zstd frame of a uint8 .npy payload
 # Below level 5 zstd's match finders find little in the previous image (docs/performance.md: 1.50x the demo source
 # bytes at level 3, 1.10x at 5); a window over 2^27 bytes is more than zstd decoders accept by default.
 PDELTA_MIN_LEVEL = 5

@@ -20,7 +20,7 @@ from PIL import Image
 from trainer.shards import DataError
 from trainer.vision import ImageSpec
 from vlmprep_schemas import load
-from vlmprep_schemas.delta import PDELTA, decompressor, pdelta_prefixes, unfilter_into
+from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
 from vlmprep_schemas.limits import LIMITS, dtype_name, load_json, load_npy, npy_header, schema_problem
 
 _FORMAT = load("shard_format.schema.json")
@@ -226,14 +226,11 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
     return out
 
 
-_ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)
-
-
 def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels; its
     declared size (frame content size, image header) checked against the meta's h x w before anything is decoded
     (an `orig.*` source, resized at load time, against the image limit)."""
-    if not name.endswith(_ZSTD_IMAGE):
+    if not name.endswith(ZSTD_IMAGE):
         with Image.open(io.BytesIO(data)) as im:  # the header only
             width, height = im.size
         if ".orig." in name and width * height * 4 > MAX_IMAGE_BYTES:

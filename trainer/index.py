@@ -11,6 +11,7 @@ import os
 import tarfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,20 +140,27 @@ def check_rows(shard: ShardRef, index: ShardIndex, where: str) -> None:
                         "or foreign dataset; run `vlmprep verify`")
 
 
-def read_listed(path: Path, ref: IndexRef, rows: int | None, where: str) -> bytes:
-    """A local index file's bytes, its size checked against the manifest's listing and the most `rows` rows take
-    before a byte is read (a file that grew, or a listing that claims a terabyte, is refused unread)."""
+@contextmanager
+def _open_listed(path: Path, ref: IndexRef, rows: int | None, where: str):
+    """A local index file open for reading, with its size: checked against the manifest's listing and the most `rows`
+    rows take before a byte is read (a file that grew, or a listing that claims a terabyte, is refused unread)."""
     limit = index_bytes_limit(rows if rows is not None else 0, INDEX_DTYPE)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size == ref.num_bytes and (rows is None or size <= limit):
-                return f.read(size + 1)
+            if size != ref.num_bytes or (rows is not None and size > limit):
+                raise DataError(f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (a sample index of "
+                                f"{rows} samples is at most {limit}); refusing to read it: copy the dataset again")
+            yield f, size
     except OSError as e:
         raise DataError(f"{where}: listed in the manifest but cannot be read ({e.strerror}); copy the dataset "
                         "again") from None
-    raise DataError(f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (a sample index of {rows} samples "
-                    f"is at most {limit}); refusing to read it: copy the dataset again")
+
+
+def read_listed(path: Path, ref: IndexRef, rows: int | None, where: str) -> bytes:
+    """A local index file's bytes, its size checked first (_open_listed)."""
+    with _open_listed(path, ref, rows, where) as (f, size):
+        return f.read(size + 1)
 
 
 def cache_name(url: str, name: str) -> str:
@@ -197,44 +205,35 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as shard_index gives."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
-    limit = index_bytes_limit(rows, INDEX_DTYPE)
     spans = sorted({(s.row, s.num_samples) for s in shards})  # a shard named twice (a pattern) is read once
     keep = np.empty(sum(n for _, n in spans), dtype=INDEX_DTYPE)
     at = dict(zip(spans, np.cumsum([0] + [n for _, n in spans[:-1]]).tolist()))
     h = hashlib.sha256()
-    try:
-        with open(local, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != ref.num_bytes or size > limit:
-                raise DataError(f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (the sample index of "
-                                f"{rows} samples is at most {limit}); refusing to read it: copy the dataset again")
-            head = f.read(min(size, INDEX_HEADER_BYTES))
-            try:
-                offset, count = index_header(head, size, where, INDEX_DTYPE)
-            except ValueError as e:
-                raise DataError(f"{where}: not a sample index .npy ({e})") from None
-            if count != rows:
-                raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
-                                "foreign dataset; run `vlmprep verify`")
-            h.update(head[:offset])
-            f.seek(offset)
-            first, k = 0, 0  # the chunk's first row; the first span not wholly before it
-            while chunk := f.read(DATASET_CHUNK_ROWS * INDEX_DTYPE.itemsize):
-                h.update(chunk)
-                part = np.frombuffer(chunk, INDEX_DTYPE, count=len(chunk) // INDEX_DTYPE.itemsize)
-                last = first + len(part)
-                while k < len(spans) and spans[k][0] + spans[k][1] <= first:
-                    k += 1
-                j = k
-                while j < len(spans) and spans[j][0] < last:
-                    a, z = max(spans[j][0], first), min(spans[j][0] + spans[j][1], last)
-                    o = at[spans[j]] + a - spans[j][0]
-                    keep[o:o + z - a] = part[a - first:z - first]
-                    j += 1
-                first = last
-    except OSError as e:
-        raise DataError(f"{where}: listed in the manifest but cannot be read ({e.strerror}); copy the dataset "
-                        "again") from None
+    with _open_listed(local, ref, rows, where) as (f, size):
+        head = f.read(min(size, INDEX_HEADER_BYTES))
+        try:
+            offset, count = index_header(head, size, where, INDEX_DTYPE)
+        except ValueError as e:
+            raise DataError(f"{where}: not a sample index .npy ({e})") from None
+        if count != rows:
+            raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
+                            "foreign dataset; run `vlmprep verify`")
+        h.update(head[:offset])
+        f.seek(offset)
+        first, k = 0, 0  # the chunk's first row; the first span not wholly before it
+        while chunk := f.read(DATASET_CHUNK_ROWS * INDEX_DTYPE.itemsize):
+            h.update(chunk)
+            part = np.frombuffer(chunk, INDEX_DTYPE, count=len(chunk) // INDEX_DTYPE.itemsize)
+            last = first + len(part)
+            while k < len(spans) and spans[k][0] + spans[k][1] <= first:
+                k += 1
+            j = k
+            while j < len(spans) and spans[j][0] < last:
+                a, z = max(spans[j][0], first), min(spans[j][0] + spans[j][1], last)
+                o = at[spans[j]] + a - spans[j][0]
+                keep[o:o + z - a] = part[a - first:z - first]
+                j += 1
+            first = last
     if h.hexdigest() != ref.sha256:
         raise DataError(f"{where}: the sample index is not the one the manifest lists (sha256 {h.hexdigest()[:12]}... "
                         f"vs {ref.sha256[:12]}...): copy the dataset again")

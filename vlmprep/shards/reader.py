@@ -32,7 +32,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
-from vlmprep_schemas.delta import PDELTA, decompressor, pdelta_prefixes, unfilter_into
+from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
 from vlmprep_schemas.limits import index_bytes_limit, index_rows, load_json, load_npy, npy_header, schema_problem
 
 
@@ -108,9 +108,6 @@ def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | No
                          f"({LIMITS.image_bytes} bytes)")
 
 
-_ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)
-
-
 def zstd_payload(name: str, data: bytes, size: tuple[int, int] | None = None, prefix: bytes | None = None) -> bytes:
     """A `.npy.zst` / `.delta.zst` / `.pdelta.zst` member -> what it decompresses to (the .npy header, then the
     pixels or their filtered rows), its declared size (the zstd frame's content size) checked against `size` (or the
@@ -131,7 +128,7 @@ def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = N
     (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
     image header) is checked against it, or against the image limit, before anything is decompressed or
     allocated. prefix: as zstd_payload's. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
-    if name.endswith(_ZSTD_IMAGE):
+    if name.endswith(ZSTD_IMAGE):
         return pixels_of_payload(name, zstd_payload(name, data, size, prefix), size)
     with Image.open(io.BytesIO(data)) as im:  # reads the header only
         _check_pixels(name, *im.size, None if ".orig." in name else size, 4)
