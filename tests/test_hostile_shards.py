@@ -26,6 +26,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import vlmprep_schemas
 from tests.support.hostile import (
     READERS,
     address_space,
@@ -360,9 +361,13 @@ def apply(members, manifest: dict, case) -> tuple[list, dict | bytes, dict, dict
     return members, manifest, sparse, types, seal
 
 
+# vlmprep's own schema files (read lazily, once per process, by whichever reader needs one first): not the dataset's.
+_OWN_SCHEMAS = os.path.realpath(os.path.dirname(vlmprep_schemas.__file__)) + os.sep
+
+
 class OpenWatch:
     """An audit hook (installed once per process: hooks cannot be removed) recording every file opened while a case
-    runs but the modules Python imports and this process's /proc entries."""
+    runs but the modules Python imports, vlmprep's own schema files and this process's /proc entries."""
 
     on = False
     opened: list[str] = []
@@ -371,7 +376,8 @@ class OpenWatch:
     def hook(cls, event, args):
         if cls.on and event == "open" and isinstance(args[0], (str, bytes, Path)):
             path = os.path.abspath(os.fsdecode(args[0]))
-            if not path.endswith((".py", ".pyc", ".so")) and not path.startswith("/proc/self/"):
+            if not path.endswith((".py", ".pyc", ".so")) and not path.startswith("/proc/self/") \
+                    and not os.path.realpath(path).startswith(_OWN_SCHEMAS):
                 cls.opened.append(path)
 
 

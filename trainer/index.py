@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -194,21 +195,49 @@ def _fetched(ref: IndexRef, cache: Path) -> Path:
     return local
 
 
-DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed and sifted at a time (1.5 MiB)
+DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed at a time (1.5 MiB), where it is hashed whole
+
+
+@lru_cache(maxsize=64)
+def _sidecar_head(rows: int) -> bytes:
+    """The .npy header np.save writes before `rows` sample index rows: a shard's sidecar is this, then its rows."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(INDEX_DTYPE),
+                                               "fortran_order": False, "shape": (rows,)})
+    return buf.getvalue()
+
+
+def _vouched(s: ShardRef, rows: memoryview) -> bool:
+    """Whether a shard's rows, as read from the dataset's sample index, are its sidecar's as the manifest lists it
+    (size and sha256 of the sidecar's header + these rows)."""
+    if s.index is None:
+        return False
+    head = _sidecar_head(s.num_samples)
+    if len(head) + len(rows) != s.index.num_bytes:
+        return False
+    h = hashlib.sha256(head)
+    h.update(rows)
+    return h.hexdigest() == s.index.sha256
 
 
 def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, cache: Path) -> tuple[ShardIndex, ...]:
     """The sample indexes of `shards` from the dataset's one sample index file (`rows` rows, every shard's in manifest
     order; ShardRef.row is where a shard's start): its size checked against the manifest's listing (and the most
-    `rows` rows take) before a byte is read, its header against np.save's, then read once in chunks, hashed against
-    the manifest's sha256 and only the given shards' rows kept (32 bytes a sample); each shard's rows checked as a
-    sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as shard_index gives."""
+    `rows` rows take) before a byte is read, its header against np.save's; then only the given shards' rows are read
+    (32 bytes a sample kept), each shard's checked against the sha256 the manifest lists for its sidecar (the same
+    rows under np.save's header), so a rank's start-up reads and hashes its own rows, not the dataset's. Where one is
+    not vouched for that way, the whole file is hashed against the manifest's sha256 instead. Each shard's rows are
+    then checked as a sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as
+    shard_index gives."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
-    spans = sorted({(s.row, s.num_samples) for s in shards})  # a shard named twice (a pattern) is read once
+    first_of = {}
+    for s in shards:  # a shard named twice (a pattern) is read once
+        first_of.setdefault((s.row, s.num_samples), s)
+    spans = sorted(first_of)
     keep = np.empty(sum(n for _, n in spans), dtype=INDEX_DTYPE)
+    raw, width = memoryview(keep.view(np.uint8)), INDEX_DTYPE.itemsize
     at = dict(zip(spans, np.cumsum([0] + [n for _, n in spans[:-1]]).tolist()))
-    h = hashlib.sha256()
     with _open_listed(local, ref, rows, where) as (f, size):
         head = f.read(min(size, INDEX_HEADER_BYTES))
         try:
@@ -218,43 +247,50 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
         if count != rows:
             raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
                             "foreign dataset; run `vlmprep verify`")
-        h.update(head[:offset])
-        f.seek(offset)
-        first, k = 0, 0  # the chunk's first row; the first span not wholly before it
-        while chunk := f.read(DATASET_CHUNK_ROWS * INDEX_DTYPE.itemsize):
-            h.update(chunk)
-            part = np.frombuffer(chunk, INDEX_DTYPE, count=len(chunk) // INDEX_DTYPE.itemsize)
-            last = first + len(part)
-            while k < len(spans) and spans[k][0] + spans[k][1] <= first:
-                k += 1
-            j = k
-            while j < len(spans) and spans[j][0] < last:
-                a, z = max(spans[j][0], first), min(spans[j][0] + spans[j][1], last)
-                o = at[spans[j]] + a - spans[j][0]
-                keep[o:o + z - a] = part[a - first:z - first]
-                j += 1
-            first = last
-    if h.hexdigest() != ref.sha256:
-        raise DataError(f"{where}: the sample index is not the one the manifest lists (sha256 {h.hexdigest()[:12]}... "
-                        f"vs {ref.sha256[:12]}...): copy the dataset again")
+        k, fd = 0, f.fileno()
+        while k < len(spans):  # runs of adjacent shards in one read each, straight into `keep`
+            z = k + 1
+            while z < len(spans) and spans[z][0] == spans[z - 1][0] + spans[z - 1][1]:
+                z += 1
+            o, n = at[spans[k]], spans[z - 1][0] + spans[z - 1][1] - spans[k][0]
+            if os.preadv(fd, [raw[o * width:(o + n) * width]], offset + spans[k][0] * width) != n * width:
+                raise DataError(f"{where}: ends before the rows of its shards (a file cut short): copy the dataset "
+                                "again")
+            k = z
+        if not all(_vouched(first_of[sp], raw[at[sp] * width:(at[sp] + sp[1]) * width]) for sp in spans):
+            _check_whole(f, head[:offset], ref, where)
     columns = [np.ascontiguousarray(keep[c]) for c in _COLUMNS]
-    del keep
+    del raw, keep
+    _check_all([first_of[sp] for sp in spans], columns, where)
     out = []
     for s in shards:
-        o = at[s.row, s.num_samples]
-        index = ShardIndex(_local_path(s, cache), *(c[o:o + s.num_samples] for c in columns))
-        out.append(index)
-    _check_all(shards, out, where)
+        o, n = at[s.row, s.num_samples], s.num_samples
+        starts, ends, tokens, trained = columns
+        out.append(ShardIndex(_local_path(s, cache), starts[o:o + n], ends[o:o + n], tokens[o:o + n],
+                              trained[o:o + n]))
     return tuple(out)
 
 
-def _check_all(shards: tuple[ShardRef, ...], indexes: list[ShardIndex], where: str) -> None:
-    """check_rows of every shard, vectorized over the lot; the per-shard check names the first that fails."""
-    if not indexes:
+def _check_whole(f, head: bytes, ref: IndexRef, where: str) -> None:
+    """The whole sample index file (open as `f`, its header `head`) hashed against the manifest's sha256."""
+    h = hashlib.sha256(head)
+    f.seek(len(head))
+    buf = bytearray(DATASET_CHUNK_ROWS * INDEX_DTYPE.itemsize)
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        h.update(view[:n])
+    if h.hexdigest() != ref.sha256:
+        raise DataError(f"{where}: the sample index is not the one the manifest lists (sha256 {h.hexdigest()[:12]}... "
+                        f"vs {ref.sha256[:12]}...): copy the dataset again")
+
+
+def _check_all(shards: list[ShardRef], columns: list[np.ndarray], where: str) -> None:
+    """check_rows of every shard, vectorized over the lot (`columns`: their rows' starts, ends, tokens and trained,
+    the shards' one after another); the per-shard check names the first that fails."""
+    if not shards:
         return
-    cat = lambda f: np.concatenate([getattr(ix, f) for ix in indexes])  # noqa: E731
-    starts, ends, tokens, trained = cat("starts"), cat("ends"), cat("tokens"), cat("trained")
-    counts = np.array([ix.num_samples for ix in indexes], dtype=np.int64)
+    starts, ends, tokens, trained = columns
+    counts = np.array([s.num_samples for s in shards], dtype=np.int64)
     firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     inner = np.ones(len(starts), dtype=bool)
     inner[firsts[counts > 0]] = False  # a shard's first row: its start is not compared with the row before it
@@ -268,8 +304,8 @@ def _check_all(shards: tuple[ShardRef, ...], indexes: list[ShardIndex], where: s
           and (ends[lasts] <= num_bytes[full]).all() and (tokens >= 0).all() and (trained >= 0).all()
           and (trained <= tokens).all() and ((want < 0) | (sums == want)).all())
     if not ok:
-        for s, ix in zip(shards, indexes):
-            check_rows(s, ix, f"{where} (rows of {s.name})")
+        for s, a, n in zip(shards, firsts.tolist(), counts.tolist()):
+            check_rows(s, ShardIndex("", *(c[a:a + n] for c in columns)), f"{where} (rows of {s.name})")
         raise DataError(f"{where}: the sample index does not describe the dataset's shards: run `vlmprep verify`")
 
 

@@ -71,7 +71,8 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
                       ).shuffle(order)
     order = np.asarray(order, dtype=np.int64)
     shard = np.repeat(order, counts[order]).astype(np.int32)
-    sample = np.concatenate([np.arange(counts[k]) for k in order] or [np.zeros(0)]).astype(np.int32)
+    firsts = np.cumsum(counts[order]) - counts[order]  # where each shard's run starts in the pass
+    sample = (np.arange(len(shard), dtype=np.int64) - np.repeat(firsts, counts[order])).astype(np.int32)
     if shuffle:
         block = shuffle_span or max(len(order), 1)
         rng = _rng(seed, epoch, src.name, pass_no, src.owner, "samples")
@@ -153,12 +154,13 @@ def epoch_size(sources: list[RankSource]) -> EpochSize:
     weight); the epoch ends when the slowest one finishes its first pass, by which time a 'repeat' source has read
     its weight x that time in trained tokens, a 'stop' source one pass."""
     samples = [sum(ix.num_samples for ix in src.indexes) for src in sources]
-    tokens = [float(sum(int(np.maximum(ix.trained, 1).sum()) for ix in src.indexes)) for src in sources]
-    clocks = [t / src.weight if src.weight > 0 else float("inf") for t, src in zip(tokens, sources)]
     live = [s for s in range(len(sources)) if samples[s]]
     limit = float(max(MAX_EPOCH_STRETCH * sum(samples), MIN_EPOCH_LIMIT))
     if len(sources) == 1 or not live:
         return EpochSize(float(sum(samples)), limit, 0, tuple(1.0 if n else 0.0 for n in samples))
+    tokens = [float(np.maximum(np.concatenate([ix.trained for ix in src.indexes] or [np.zeros(0, np.int64)]), 1)
+                    .sum()) for src in sources]
+    clocks = [t / src.weight if src.weight > 0 else float("inf") for t, src in zip(tokens, sources)]
     last = max(live, key=lambda s: (clocks[s], -s))
     end = clocks[last]
     passes = tuple(0.0 if not samples[s] else 1.0 if sources[s].on_end == "stop" or s == last
@@ -191,15 +193,61 @@ def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
 
 
 def token_batches(lengths: np.ndarray, *, max_tokens_per_batch: int) -> int:
-    """Micro-batches MicroBatcher makes under a token budget (rows x longest; a longer sample goes alone)."""
-    batches, size, longest = 0, 0, 0
-    for n in lengths.tolist():
-        wider = max(longest, n)
-        if size and wider * (size + 1) > max_tokens_per_batch:
-            batches, size, longest = batches + 1, 1, n
-        else:
-            size, longest = size + 1, wider
-    return batches + (size > 0)
+    """Micro-batches MicroBatcher makes under a token budget (rows x longest; a longer sample goes alone), in numpy.
+    Its greedy rule: the batch that starts at i holds the most k samples with max(lengths[i:i+k]) * k <= budget (at
+    least one); that cost only grows with k. Short batches: every i's k at once (_batch_sizes); long ones: each
+    batch's k from one search over its window (_walk_batches)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n, budget = len(lengths), int(max_tokens_per_batch)
+    if n == 0:
+        return 0
+    if budget // max(1, int(lengths.mean())) >= 64:
+        return _walk_batches(lengths, budget)
+    step = _batch_sizes(lengths, budget).tolist()
+    batches, i = 0, 0
+    while i < n:  # the chain of batch starts
+        i += step[i]
+        batches += 1
+    return batches
+
+
+def _batch_sizes(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The size of the batch that would start at each i, built bit by bit from the top: each bit's window max is read
+    from a table of power-of-two range maxima (O(n log k))."""
+    n = len(lengths)
+    shortest = int(lengths.min())
+    most = n if shortest <= 0 else max(1, min(n, budget // shortest))  # no batch holds more samples than this
+    # Past the end, a length no batch fits, so a window that runs off the data fails on its own.
+    table = [np.concatenate([lengths, np.full(1 << most.bit_length(), budget + 1, dtype=np.int64)])]
+    while 1 << len(table) <= most:  # table[j][i]: the max of lengths[i:i + 2**j]
+        prev, half = table[-1], 1 << (len(table) - 1)
+        if int(prev.min()) * half > budget:  # no 2**(j-1) samples fit anywhere: no batch is any longer
+            break
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    start = np.arange(n, dtype=np.int64)
+    end = start.copy()  # i + the k found so far
+    peak = np.zeros(n, dtype=np.int64)
+    for j in range(len(table) - 1, -1, -1):
+        wider = np.maximum(peak, table[j][end])
+        fits = wider * (end - start + (1 << j)) <= budget
+        end += fits.astype(np.int64) << j
+        np.copyto(peak, wider, where=fits)
+    return np.maximum(end - start, 1)
+
+
+def _walk_batches(lengths: np.ndarray, budget: int) -> int:
+    """The batches, one search per batch over a window that doubles until the batch ends inside it."""
+    n, batches, i, window = len(lengths), 0, 0, 64
+    while i < n:
+        part = lengths[i:i + window]
+        cost = np.maximum.accumulate(part) * np.arange(1, len(part) + 1)  # non-decreasing
+        k = int(np.searchsorted(cost, budget, side="right"))
+        if k == len(part) and i + window < n:  # the batch may run past the window
+            window *= 2
+            continue
+        k = max(k, 1)
+        i, batches, window = i + k, batches + 1, max(64, 2 * k)
+    return batches
 
 
 def rank_steps(lengths: np.ndarray, batching: Batching) -> int:

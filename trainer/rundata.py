@@ -18,7 +18,7 @@ from trainer.collate import CollateSpec
 from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos
-from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes, expected_sha256
+from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
 from trainer.metrics import plural
 from trainer.model import model_type_of
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
@@ -82,10 +82,10 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
     out, derived = [], 0
     for spec, ds, plan in zip(specs, datasets, plans):
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
-        want = expected_sha256(ds)
         hashed = {s.url for k, s in enumerate(shards) if not plan.stride or k % world == rank}
-        indexes = checked_indexes(shards, ds, cache=cache, check=check, want=lambda s, want=want, hashed=hashed:
-                                  want.get(s.name) if s.url in hashed else None)
+        # the manifest's sha256 of the rank's own shards (ShardRef.sha256), not a dict of the dataset's
+        indexes = checked_indexes(shards, ds, cache=cache, check=check, want=lambda s, hashed=hashed:
+                                  s.sha256 if s.url in hashed else None)
         derived += 0 if ds.index is not None else sum(s.index is None for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
                               (rank, world) if plan.stride else (0, 1), -1 if plan.stride else rank))

@@ -13,7 +13,7 @@ from trainer.collate import CollateSpec
 from trainer.config import Batching
 from trainer.data import EpochSchedule, ScheduledStream, StepLoader, sample_loader
 from trainer.index import ShardIndex, index_shard, read_indexed
-from trainer.order import RankSource, pass_order, rank_steps, schedule
+from trainer.order import RankSource, pass_order, rank_steps, schedule, token_batches
 from trainer.shards import plan_shards, resolve_data
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
@@ -118,6 +118,30 @@ def test_a_stop_source_leaves_the_mixture_once_read_through():
     src = order.source.tolist()
     assert src.count(0) == 10 and src.count(1) == 50  # a once, then b alone until it is read through
     assert src[:20].count(0) == 10
+
+
+def _token_batches_loop(lengths, budget: int) -> int:
+    """MicroBatcher's rule, one sample at a time (what token_batches computes in numpy)."""
+    batches, size, longest = 0, 0, 0
+    for n in lengths:
+        wider = max(longest, n)
+        if size and wider * (size + 1) > budget:
+            batches, size, longest = batches + 1, 1, n
+        else:
+            size, longest = size + 1, wider
+    return batches + (size > 0)
+
+
+def test_token_batches_equals_the_batchers_loop():
+    """Both of its paths (every start's batch size at once for short batches; one window search per batch for long
+    ones), on random lengths with zeros, samples longer than the budget and budgets from 1 to 64k."""
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n, top = int(rng.integers(0, 300)), int(rng.choice([2, 10, 1000, 20000]))
+        lengths, budget = rng.integers(0, top, n), int(rng.choice([1, 5, 100, 8192, 65536]))
+        assert token_batches(lengths, max_tokens_per_batch=budget) == _token_batches_loop(lengths.tolist(), budget)
+    long = rng.integers(1, 400, 20000)  # hundreds of samples a batch: the window walk, past its first window
+    assert token_batches(long, max_tokens_per_batch=65536) == _token_batches_loop(long.tolist(), 65536)
 
 
 @pytest.mark.parametrize("batching", [dict(pack_to=2048, pack_window=4), dict(max_tokens_per_batch=600), dict()])

@@ -107,9 +107,9 @@ def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys)
 
 def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatch):
     """Where the manifest lists the dataset's sample index (every build since it was added), start-up opens that
-    one file, no tar and no sidecar: each rank gets its own shards' sidecar rows (ranks whose shards are not
-    contiguous, the file read 2 rows at a time to cross chunk edges; every rank all shards when fewer shards than
-    ranks), at 32 bytes a sample."""
+    one file, no tar and no sidecar: each rank reads its own shards' rows (ranks whose shards are not contiguous;
+    every rank all shards when fewer shards than ranks), each shard's vouched for by its sidecar's sha256 in the
+    manifest, so the whole file is never hashed; 32 bytes a sample kept."""
     import trainer.index
     from trainer.rundata import rank_sources
     from vlmprep.shards.reader import load_sample_index
@@ -123,9 +123,12 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
     def unread(*a, **kw):
         raise AssertionError("start-up read a tar or a sidecar")
 
+    def whole(*a, **kw):
+        raise AssertionError("start-up hashed the whole dataset index, not the rank's rows")
+
     monkeypatch.setattr(trainer.index, "index_shard", unread)
     monkeypatch.setattr(trainer.index, "load_index", unread)
-    monkeypatch.setattr(trainer.index, "DATASET_CHUNK_ROWS", 2)
+    monkeypatch.setattr(trainer.index, "_check_whole", whole)
     for world in (1, 3, 8):
         plan = plan_shards(ds.shards, world)
         for rank in range(world):
@@ -152,6 +155,20 @@ def test_a_dataset_index_that_is_not_the_manifests_or_not_the_shards_is_refused(
     path.write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"samples\.index\.npy: the sample index is not the one the manifest lists"):
         _sources(str(bad), tmp_path / "c")
+    # the rows of one shard changed (its sidecar's sha256 no longer vouches for them): the whole file is hashed, refused
+    rows = np.load(dataset / "samples.index.npy")
+    rows["num_tokens"][3] += 1
+    np.save(path, rows, allow_pickle=False)
+    with pytest.raises(DataError, match=r"samples\.index\.npy: the sample index is not the one the manifest lists"):
+        _sources(str(bad), tmp_path / "c")
+    # cut short: refused before a row is trusted
+    path.write_bytes((dataset / "samples.index.npy").read_bytes()[:-48])
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["sample_index"]["bytes"] = path.stat().st_size
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"samples\.index\.npy: not a sample index \.npy .*header is not the one of 17 rows"):
+        _sources(str(bad), tmp_path / "c")
+    shutil.copy(dataset / "manifest.json", bad / "manifest.json")
     # bytes the manifest vouches for, but a byte range outside its shard: refused, naming the shard, before any seek
     rows = np.load(dataset / "samples.index.npy")
     rows["end"][7] = 10**9
