@@ -97,12 +97,18 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
             have, h = 0, hashlib.sha256()
             stream = open_url(url)
         with stream, open(part, "ab" if have else "wb") as out:
+            got = have
             while not stopped():
-                chunk = stream.read(CHUNK)
+                # A store that sends more than the manifest's size is cut off one byte past it (refused below), not
+                # written to the cache disk to its end.
+                chunk = stream.read(CHUNK if size is None else min(CHUNK, size + 1 - got))
                 if not chunk:
                     break
                 h.update(chunk)
                 out.write(chunk)
+                got += len(chunk)
+                if size is not None and got > size:
+                    break
             else:
                 return
     except StorageError:

@@ -402,6 +402,35 @@ def test_a_fetch_a_kill_cut_short_continues_with_a_range_read(dataset, tmp_path)
     assert ranges and all(r and r.startswith("bytes=") for r in ranges) and ranges[0].startswith("bytes=50000-")
 
 
+def test_a_store_that_sends_more_than_the_manifests_size_is_cut_off_past_it(tmp_path, monkeypatch):
+    """An endless (or too long) answer: the fetch stops reading one byte past the listed size, refuses the file with
+    one line and leaves nothing in the cache (not a disk filled first)."""
+    import io
+
+    import trainer.storage
+    from trainer.storage import StorageError, fetch
+
+    class Endless(io.RawIOBase):
+        sent = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            if Endless.sent > 64 << 20:
+                raise AssertionError("read on past the listed size")
+            Endless.sent += len(b)
+            b[:] = b"\0" * len(b)
+            return len(b)
+
+    monkeypatch.setattr(trainer.storage, "open_url", lambda url: io.BufferedReader(Endless()))
+    dest = tmp_path / "copy.tar"
+    with pytest.raises(StorageError, match=r"https://example\.invalid/shard-000000\.tar: fetched 10001 bytes but the "
+                                           r"manifest says 10000"):
+        fetch("https://example.invalid/shard-000000.tar", dest, size=10_000, sha256="0" * 64)
+    assert Endless.sent <= 10_001 + io.DEFAULT_BUFFER_SIZE and list(tmp_path.iterdir()) == []
+
+
 # --- the trainer CLI over loopback servers (slow)
 
 def _small_shards(tmp_path: Path) -> Path:
