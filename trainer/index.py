@@ -220,7 +220,8 @@ def _vouched(s: ShardRef, rows: memoryview) -> bool:
     return h.hexdigest() == s.index.sha256
 
 
-def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, cache: Path) -> tuple[ShardIndex, ...]:
+def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, cache: Path,
+                    signature: Callable[[ShardRef], tuple[int, ...]] = lambda s: ()) -> tuple[ShardIndex, ...]:
     """The sample indexes of `shards` from the dataset's one sample index file (`rows` rows, every shard's in manifest
     order; ShardRef.row is where a shard's start): its size checked against the manifest's listing (and the most
     `rows` rows take) before a byte is read, its header against np.save's; then only the given shards' rows are read
@@ -228,7 +229,7 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     rows under np.save's header), so a rank's start-up reads and hashes its own rows, not the dataset's. Where one is
     not vouched for that way, the whole file is hashed against the manifest's sha256 instead. Each shard's rows are
     then checked as a sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as
-    shard_index gives."""
+    shard_index gives; each index's signature is `signature(shard)`'s."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
     first_of = {}
@@ -263,11 +264,11 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     del raw, keep
     _check_all([first_of[sp] for sp in spans], columns, where)
     out = []
+    starts, ends, tokens, trained = columns
     for s in shards:
         o, n = at[s.row, s.num_samples], s.num_samples
-        starts, ends, tokens, trained = columns
         out.append(ShardIndex(_local_path(s, cache), starts[o:o + n], ends[o:o + n], tokens[o:o + n],
-                              trained[o:o + n]))
+                              trained[o:o + n], signature(s)))
     return tuple(out)
 
 

@@ -113,11 +113,8 @@ def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path
     (trainer/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
     if ds.index is None or any(s.row is None for s in shards):
         return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
-    indexes = dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache)
-    return tuple(ix if s.url.startswith(("pipe:",) + REMOTE) else  # (a dataclasses.replace costs ~10 us a shard)
-                 ShardIndex(ix.path, ix.starts, ix.ends, ix.tokens, ix.trained,
-                            check.verify(s.url, url=s.url, want=want(s)))
-                 for s, ix in zip(shards, indexes))
+    return dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache, signature=lambda s: () if
+                           s.url.startswith(("pipe:",) + REMOTE) else check.verify(s.url, url=s.url, want=want(s)))
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:
