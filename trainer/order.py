@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,40 +99,41 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     if len(sources) == 1:
         shard, sample = one_pass(0, 0)
         return Schedule(np.zeros(len(shard), dtype=np.int16), shard, sample)
+    # Each source's next sample ends at (its trained tokens so far + that sample's) / weight, independent of the
+    # others, so the loop "take the source whose next sample ends earliest (ties: the lower source)" is a merge of
+    # each source's sorted end times: one lexsort. Token counts are integers, so their running sums are exact in any
+    # order. A 'repeat' source's passes continue its clock; the epoch ends with the item that completes the last
+    # first pass.
     n = len(sources)
     cur = [one_pass(s, 0) for s in range(n)]
-    trained = [np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1) for s in range(n)]
-    at, passes, total = [0] * n, [0] * n, [0.0] * n
-    weights = [src.weight for src in sources]
-    active = [len(cur[s][0]) > 0 for s in range(n)]
-    unfinished = {s for s in range(n) if active[s]}
-    out_src, out_shard, out_sample = array("h"), array("i"), array("i")  # 10 bytes a position, not ~100
-    while unfinished:
-        s = min((s for s in range(n) if active[s]), key=lambda s: ((total[s] + trained[s][at[s]]) / weights[s], s))
-        i = at[s]
-        out_src.append(s)
-        out_shard.append(int(cur[s][0][i]))
-        out_sample.append(int(cur[s][1][i]))
-        total[s] += float(trained[s][i])
-        at[s] = i + 1
-        if at[s] == len(cur[s][0]):
-            unfinished.discard(s)
-            if not unfinished:
-                break
-            if sources[s].on_end == "stop":
-                active[s] = False
-            else:
-                passes[s] += 1
-                cur[s] = one_pass(s, passes[s])
-                trained[s] = np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1)
-                at[s] = 0
-    return Schedule(np.frombuffer(out_src, dtype=np.int16).copy(), np.frombuffer(out_shard, dtype=np.int32).copy(),
-                    np.frombuffer(out_sample, dtype=np.int32).copy())
+    live = [s for s in range(n) if len(cur[s][0])]
+    if not live:
+        return Schedule(np.zeros(0, np.int16), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    clocks = [np.cumsum(np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1)) for s in live]
+    last = max(range(len(live)), key=lambda j: (float(clocks[j][-1]) / sources[live[j]].weight, live[j]))
+    horizon = float(clocks[last][-1]) / sources[live[last]].weight
+    keys, srcs, shards, samples = [], [], [], []
+    for j, s in enumerate(live):
+        parts, clock = [cur[s]], [clocks[j]]
+        while sources[s].on_end != "stop" and float(clock[-1][-1]) / sources[s].weight <= horizon:
+            parts.append(one_pass(s, len(parts)))  # a later pass, while this source has not passed the epoch's end
+            clock.append(clock[-1][-1] + np.cumsum(np.maximum(_counts_of(sources[s], "trained", *parts[-1]), 1)))
+        keys.append(np.concatenate(clock).astype(np.float64) / sources[s].weight)
+        srcs.append(np.full(len(keys[-1]), s, dtype=np.int16))
+        shards.append(np.concatenate([p[0] for p in parts]))
+        samples.append(np.concatenate([p[1] for p in parts]))
+    key, src = np.concatenate(keys), np.concatenate(srcs)
+    within = np.concatenate([np.arange(len(k)) for k in keys])  # a source's own order where end times tie
+    order = np.lexsort((within, src, key))
+    end_at = sum(len(k) for k in keys[:last]) + len(clocks[last]) - 1  # the item that completes the last first pass
+    order = order[:int(np.flatnonzero(order == end_at)[0]) + 1]
+    return Schedule(src[order], np.concatenate(shards)[order].astype(np.int32),
+                    np.concatenate(samples)[order].astype(np.int32))
 
 
 # An epoch of a mixture ends when every source has been read through once, so weights far from the sources' own
 # token shares stretch it: a source at weight 1e-9 is read through only after the others have repeated ~1e9 times.
-# The schedule is built position by position, so such an epoch would never finish being predicted; it is refused
+# The schedule holds every position of the epoch, so such an epoch would never finish being predicted; it is refused
 # beyond this many times the sources' own samples (and this many samples at the least).
 MAX_EPOCH_STRETCH = 64
 MIN_EPOCH_LIMIT = 1 << 20

@@ -120,6 +120,63 @@ def test_a_stop_source_leaves_the_mixture_once_read_through():
     assert src[:20].count(0) == 10
 
 
+def _mixture_loop(sources, **kw):
+    """The mixture schedule one position at a time (what schedule() computes with one lexsort): the source whose
+    next sample ends earliest on its own clock (trained tokens / weight; ties: the lower source); 'repeat' starts a
+    fresh pass, 'stop' leaves; the epoch ends once every source has been read through once."""
+    from trainer.order import _counts_of
+
+    n = len(sources)
+    one = lambda s, k: pass_order(sources[s], pass_no=k, **kw)  # noqa: E731
+    cur = [one(s, 0) for s in range(n)]
+    trained = [np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1) for s in range(n)]
+    at, passes, total = [0] * n, [0] * n, [0.0] * n
+    active = [len(cur[s][0]) > 0 for s in range(n)]
+    unfinished = {s for s in range(n) if active[s]}
+    out = []
+    while unfinished:
+        s = min((s for s in range(n) if active[s]),
+                key=lambda s: ((total[s] + trained[s][at[s]]) / sources[s].weight, s))
+        i = at[s]
+        out.append((s, int(cur[s][0][i]), int(cur[s][1][i])))
+        total[s] += float(trained[s][i])
+        at[s] = i + 1
+        if at[s] == len(cur[s][0]):
+            unfinished.discard(s)
+            if not unfinished:
+                break
+            if sources[s].on_end == "stop":
+                active[s] = False
+            else:
+                passes[s] += 1
+                cur[s] = one(s, passes[s])
+                trained[s] = np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1)
+                at[s] = 0
+    return out
+
+
+def test_the_mixture_schedule_equals_the_one_position_at_a_time_loop():
+    """Random mixtures of 2-4 sources (weights from even to 7:1, 'repeat' and 'stop', empty sources, samples with no
+    trained token, equal end times across sources): the lexsort merge gives the loop's positions exactly."""
+    rng = np.random.default_rng(1)
+    for case in range(60):
+        sources = []
+        for k in range(int(rng.integers(2, 5))):
+            shards = [rng.integers(1, 400, int(rng.integers(0, 8))).tolist() for _ in range(int(rng.integers(1, 4)))]
+            trained = [(np.asarray(t) * rng.choice([0, 1, 2, 3]) // 3).tolist() for t in shards]
+            if case % 7 == 0:  # all the same: end times tie across sources
+                shards, trained = [[100] * 5], [[10] * 5]
+            sources.append(_fake(f"s{k}", shards, trained=trained, weight=float(rng.choice([1, 2, 3, 7])),
+                                 on_end=str(rng.choice(["repeat", "stop"]))))
+        total = sum(src.weight for src in sources)
+        sources = [RankSource(s.name, s.weight / total, s.on_end, s.shards, s.indexes) for s in sources]
+        kw = dict(seed=case, epoch=case % 3, shuffle=bool(case % 2), shuffle_shards=True, shuffle_span=0)
+        order = schedule(sources, **kw)
+        assert list(zip(order.source.tolist(), order.shard.tolist(), order.sample.tolist())) == \
+            _mixture_loop(sources, **kw), case
+        assert order.source.dtype == np.int16 and order.shard.dtype == order.sample.dtype == np.int32
+
+
 def _token_batches_loop(lengths, budget: int) -> int:
     """MicroBatcher's rule, one sample at a time (what token_batches computes in numpy)."""
     batches, size, longest = 0, 0, 0
