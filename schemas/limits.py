@@ -5,6 +5,7 @@ someone else is untrusted input, and json.loads alone recurses (200,000 nested b
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 import re
@@ -126,6 +127,16 @@ def index_bytes_limit(rows: int, dtype) -> int:
     """The most bytes a sample index of `rows` rows of `dtype` may have: what a reader checks (the manifest's size and
     the file's) before it reads one byte of it."""
     return INDEX_HEADER_BYTES + rows * np.dtype(dtype).itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def index_head(rows: int, dtype) -> bytes:
+    """The .npy header np.save writes before `rows` rows of the structured `dtype`: what a sample index file (a
+    shard's sidecar, or the dataset's) starts with."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                               "fortran_order": False, "shape": (rows,)})
+    return buf.getvalue()
 
 
 def index_header(head: bytes, size: int, name: str, dtype) -> tuple[int, int]:

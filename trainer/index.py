@@ -13,7 +13,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,15 @@ from trainer.decode import check_member_names, sample_version
 from trainer.shards import REMOTE, DataError, IndexRef, ShardRef, check_member_size, member_key, open_shard
 from trainer.storage import StorageError, fetch
 from vlmprep_schemas import load
-from vlmprep_schemas.limits import INDEX_HEADER_BYTES, LIMITS, index_bytes_limit, index_header, index_rows, load_json
+from vlmprep_schemas.limits import (
+    INDEX_HEADER_BYTES,
+    LIMITS,
+    index_bytes_limit,
+    index_head,
+    index_header,
+    index_rows,
+    load_json,
+)
 
 INDEX_DTYPE = np.dtype([tuple(f) for f in load("shard_format.schema.json")["sample_index"]["fields"]])
 FETCH_THREADS = 8  # sample indexes of remote shards fetched at once at start-up
@@ -198,21 +205,12 @@ def _fetched(ref: IndexRef, cache: Path) -> Path:
 DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed at a time (1.5 MiB), where it is hashed whole
 
 
-@lru_cache(maxsize=64)
-def _sidecar_head(rows: int) -> bytes:
-    """The .npy header np.save writes before `rows` sample index rows: a shard's sidecar is this, then its rows."""
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(INDEX_DTYPE),
-                                               "fortran_order": False, "shape": (rows,)})
-    return buf.getvalue()
-
-
 def _vouched(s: ShardRef, rows: memoryview) -> bool:
     """Whether a shard's rows, as read from the dataset's sample index, are its sidecar's as the manifest lists it
     (size and sha256 of the sidecar's header + these rows)."""
     if s.index is None:
         return False
-    head = _sidecar_head(s.num_samples)
+    head = index_head(s.num_samples, INDEX_DTYPE)  # a shard's sidecar is this header, then its rows
     if len(head) + len(rows) != s.index.num_bytes:
         return False
     h = hashlib.sha256(head)

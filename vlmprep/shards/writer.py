@@ -28,6 +28,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import RenderedSample, ShardSample
 from vlmprep.videos import FRAME_EXT, encode_frame
+from vlmprep_schemas.limits import index_head
 
 
 def _npy(arr: np.ndarray) -> bytes:
@@ -262,16 +263,14 @@ def write_dataset_index(out_dir: Path, parts, rows: int) -> dict:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     h, n = hashlib.sha256(), 0
     with open(tmp, "wb") as f:
-        head = io.BytesIO()
-        np.lib.format.write_array_header_1_0(head, {"descr": np.lib.format.dtype_to_descr(INDEX_DTYPE),
-                                                    "fortran_order": False, "shape": (rows,)})
-        for chunk in (head.getvalue(), *(np.ascontiguousarray(p, dtype=INDEX_DTYPE).tobytes() for p in parts)):
+        head = index_head(rows, INDEX_DTYPE)
+        for chunk in (head, *(np.ascontiguousarray(p, dtype=INDEX_DTYPE).tobytes() for p in parts)):
             f.write(chunk)
             h.update(chunk)
             n += len(chunk)
         f.flush()
         os.fsync(f.fileno())
-    assert n == len(head.getvalue()) + rows * INDEX_DTYPE.itemsize, f"{path}: {n} bytes for {rows} rows"
+    assert n == len(head) + rows * INDEX_DTYPE.itemsize, f"{path}: {n} bytes for {rows} rows"
     os.replace(tmp, path)
     return {"name": DATASET_INDEX_NAME, "bytes": n, "sha256": h.hexdigest()}
 
