@@ -109,16 +109,20 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     live = [s for s in range(n) if len(cur[s][0])]
     if not live:
         return Schedule(np.zeros(0, np.int16), np.zeros(0, np.int32), np.zeros(0, np.int32))
-    clocks = [np.cumsum(np.maximum(_counts_of(sources[s], "trained", *cur[s]), 1)) for s in live]
+    def clock(s: int, part: tuple[np.ndarray, np.ndarray], start: int = 0) -> np.ndarray:
+        """A source's trained tokens once each sample of `part` is read (one for a sample with none), from `start`."""
+        return start + np.cumsum(np.maximum(_counts_of(sources[s], "trained", *part), 1))
+
+    clocks = [clock(s, cur[s]) for s in live]
     last = max(range(len(live)), key=lambda j: (float(clocks[j][-1]) / sources[live[j]].weight, live[j]))
     horizon = float(clocks[last][-1]) / sources[live[last]].weight
     keys, srcs, shards, samples = [], [], [], []
     for j, s in enumerate(live):
-        parts, clock = [cur[s]], [clocks[j]]
-        while sources[s].on_end != "stop" and float(clock[-1][-1]) / sources[s].weight <= horizon:
+        parts, ticks = [cur[s]], [clocks[j]]
+        while sources[s].on_end != "stop" and float(ticks[-1][-1]) / sources[s].weight <= horizon:
             parts.append(one_pass(s, len(parts)))  # a later pass, while this source has not passed the epoch's end
-            clock.append(clock[-1][-1] + np.cumsum(np.maximum(_counts_of(sources[s], "trained", *parts[-1]), 1)))
-        keys.append(np.concatenate(clock).astype(np.float64) / sources[s].weight)
+            ticks.append(clock(s, parts[-1], ticks[-1][-1]))
+        keys.append(np.concatenate(ticks).astype(np.float64) / sources[s].weight)
         srcs.append(np.full(len(keys[-1]), s, dtype=np.int16))
         shards.append(np.concatenate([p[0] for p in parts]))
         samples.append(np.concatenate([p[1] for p in parts]))
