@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 import tarfile
 from collections.abc import Callable
@@ -205,13 +206,10 @@ def _fetched(ref: IndexRef, cache: Path) -> Path:
 DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed at a time (1.5 MiB), where it is hashed whole
 
 
-def _vouched(s: ShardRef, rows: memoryview) -> bool:
+def _vouched(s: ShardRef, head: bytes, rows: memoryview) -> bool:
     """Whether a shard's rows, as read from the dataset's sample index, are its sidecar's as the manifest lists it
-    (size and sha256 of the sidecar's header + these rows)."""
-    if s.index is None:
-        return False
-    head = index_head(s.num_samples, INDEX_DTYPE)  # a shard's sidecar is this header, then its rows
-    if len(head) + len(rows) != s.index.num_bytes:
+    (size and sha256 of the sidecar's header `head`, np.save's for that many rows, + these rows)."""
+    if s.index is None or len(head) + len(rows) != s.index.num_bytes:
         return False
     h = hashlib.sha256(head)
     h.update(rows)
@@ -227,16 +225,18 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     rows under np.save's header), so a rank's start-up reads and hashes its own rows, not the dataset's. Where one is
     not vouched for that way, the whole file is hashed against the manifest's sha256 instead. Each shard's rows are
     then checked as a sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as
-    shard_index gives; each index's signature is `signature(shard)`'s."""
+    shard_index gives; each index's signature is `signature(shard)`'s. Per shard: one read (one per run of adjacent
+    shards), one sha256 of its rows, no more (start-up grows with the rank's shards)."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
     first_of = {}
     for s in shards:  # a shard named twice (a pattern) is read once
         first_of.setdefault((s.row, s.num_samples), s)
     spans = sorted(first_of)
-    keep = np.empty(sum(n for _, n in spans), dtype=INDEX_DTYPE)
-    raw, width = memoryview(keep.view(np.uint8)), INDEX_DTYPE.itemsize
-    at = dict(zip(spans, np.cumsum([0] + [n for _, n in spans[:-1]]).tolist()))
+    width = INDEX_DTYPE.itemsize
+    stops = list(itertools.accumulate(n * width for _, n in spans))  # each span's bytes end in `keep`
+    keep = np.empty(stops[-1] // width if stops else 0, dtype=INDEX_DTYPE)
+    raw = memoryview(keep.view(np.uint8))
     with _open_listed(local, ref, rows, where) as (f, size):
         head = f.read(min(size, INDEX_HEADER_BYTES))
         try:
@@ -246,27 +246,34 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
         if count != rows:
             raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
                             "foreign dataset; run `vlmprep verify`")
-        k, fd = 0, f.fileno()
-        while k < len(spans):  # runs of adjacent shards in one read each, straight into `keep`
-            z = k + 1
-            while z < len(spans) and spans[z][0] == spans[z - 1][0] + spans[z - 1][1]:
-                z += 1
-            o, n = at[spans[k]], spans[z - 1][0] + spans[z - 1][1] - spans[k][0]
-            if os.preadv(fd, [raw[o * width:(o + n) * width]], offset + spans[k][0] * width) != n * width:
+        fd, a, k = f.fileno(), 0, 0
+        for z in range(1, len(spans) + 1):  # runs of adjacent shards in one read each, straight into `keep`
+            if z < len(spans) and spans[z][0] == spans[z - 1][0] + spans[z - 1][1]:
+                continue
+            if os.preadv(fd, [raw[a:stops[z - 1]]], offset + spans[k][0] * width) != stops[z - 1] - a:
                 raise DataError(f"{where}: ends before the rows of its shards (a file cut short): copy the dataset "
                                 "again")
-            k = z
-        if not all(_vouched(first_of[sp], raw[at[sp] * width:(at[sp] + sp[1]) * width]) for sp in spans):
-            _check_whole(f, head[:offset], ref, where)
+            a, k = stops[z - 1], z
+        heads: dict[int, bytes] = {}  # np.save's header per row count: most shards share one
+        a = 0
+        for sp, z in zip(spans, stops):
+            n = sp[1]
+            if (head_n := heads.get(n)) is None:
+                head_n = heads[n] = index_head(n, INDEX_DTYPE)
+            if not _vouched(first_of[sp], head_n, raw[a:z]):
+                _check_whole(f, head[:offset], ref, where)
+                break
+            a = z
     columns = [np.ascontiguousarray(keep[c]) for c in _COLUMNS]
     del raw, keep
     _check_all([first_of[sp] for sp in spans], columns, where)
-    out = []
+    at = {sp: (z // width - sp[1]) for sp, z in zip(spans, stops)}
     starts, ends, tokens, trained = columns
+    out = []
     for s in shards:
-        o, n = at[s.row, s.num_samples], s.num_samples
-        out.append(ShardIndex(_local_path(s, cache), starts[o:o + n], ends[o:o + n], tokens[o:o + n],
-                              trained[o:o + n], signature(s)))
+        o = at[s.row, s.num_samples]
+        z = o + s.num_samples
+        out.append(ShardIndex(_local_path(s, cache), starts[o:z], ends[o:z], tokens[o:z], trained[o:z], signature(s)))
     return tuple(out)
 
 
