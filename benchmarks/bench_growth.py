@@ -3,13 +3,16 @@ process (wall seconds and peak RSS), with the growth exponent between sizes (log
 linear; n log n over a 10x step is 1.1). Datasets of 10k and 100k samples are written by the real writer (a few
 rendered demo samples replicated under new ids, cut into plan tasks, then `vlmprep merge`); 1M samples only where a
 command touches just the manifest and sample index (the trainer's start-up: manifest, sidecars, sparse shard files).
-Plan over 10 / 10^3 / 10^4 input files and 1 / 100 / 1,000 tasks. The trainer's start-up to its first step on rank 0
+These datasets hold 100 samples per shard (10x the shards of the build's default); the trainer's data part is also
+measured at the default (1,000 per shard: a real 10k dataset replicated index-only to 100k and 1M). Plan over
+10 / 10^3 / 10^4 input files and 1 / 100 / 1,000 tasks. The trainer's start-up to its first step on rank 0
 of 8 and 64 simulated ranks (open the data, the sample index, the step predictor under a token budget, the sha256
 of the rank's shards that a run dir's first start checks (a resume skips it), the first step's batches), and over
 loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
 `--quick`: 1k / 10k samples (100k index-only), 10 / 100 files, 1 / 10 tasks."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -118,9 +121,10 @@ def _replica(samples, q: int):
                        num_trainable_tokens=meta["num_trainable_tokens"], num_images=meta["num_images"], meta=meta)
 
 
-def planned_dataset(n: int, tasks: int, samples, records_dir: Path) -> Path:
+def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: int = SAMPLES_PER_SHARD) -> Path:
     """A dataset dir as `vlmprep build --tasks T` leaves it before merge: the real plan (over records_dir) and, per
-    task, shards of replicated samples written by the real writer, its sample list, rejects and task manifest."""
+    task, shards of `per_shard` replicated samples written by the real writer, its sample list, rejects and task
+    manifest."""
     import collections
 
     from vlmprep.builder.pipeline import plan_build
@@ -130,18 +134,18 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path) -> Path:
     from vlmprep.shards.dataset import TASKS_DIR, TaskFiles, write_json_atomic, write_text_atomic
     from vlmprep.shards.writer import ShardWriter
 
-    d = OUT / "growth" / f"ds-{n}-t{tasks}"
+    d = OUT / "growth" / (f"ds-{n}-t{tasks}" + (f"-s{per_shard}" if per_shard != SAMPLES_PER_SHARD else ""))
     if (d / ".written").exists():
         return d
     shutil.rmtree(d, ignore_errors=True)
     plan, _ = plan_build(BuildConfig(inputs=(str(records_dir),), out=str(d), tasks=tasks, plan_only=True,
-                                     progress=False, samples_per_shard=SAMPLES_PER_SHARD), fresh=True)
+                                     progress=False, samples_per_shard=per_shard), fresh=True)
     (d / TASKS_DIR).mkdir(exist_ok=True)
     digest = plan_digest(plan)
     per = -(-n // tasks)
     for i in range(tasks):
         files = TaskFiles(d, i, shard_prefix(plan, i))
-        writer = ShardWriter(d, samples_per_shard=SAMPLES_PER_SHARD, shard_size_bytes=1 << 40, prefix=files.prefix)
+        writer = ShardWriter(d, samples_per_shard=per_shard, shard_size_bytes=1 << 40, prefix=files.prefix)
         totals, lines = collections.Counter(), []
         for q in range(i * per, min(n, (i + 1) * per)):
             s = _replica(samples, q)
@@ -168,7 +172,7 @@ def index_only(src: Path, n: int) -> Path:
     """A dataset of n samples as far as the manifest and sample indexes go: src's shard entries and sidecars
     repeated under new names, the dataset's sample index over them, each shard a sparse file of its size (no command
     here reads a shard's bytes)."""
-    d = OUT / "growth" / f"index-only-{n}"
+    d = OUT / "growth" / f"index-only-{n}-from-{src.name}"
     if (d / "manifest.json").exists():
         return d
     shutil.rmtree(d, ignore_errors=True)
@@ -232,10 +236,11 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
                 check.verify(sh.url, url=sh.url, want=want.get(sh.name))
     t4 = time.perf_counter()
     samples = sum(ix.num_samples for s in sources for ix in s.indexes)
+    shards = sum(len(s.indexes) for s in sources)
     index_bytes = sum(a.nbytes for s in sources for ix in s.indexes for a in (ix.starts, ix.ends, ix.tokens,
                                                                                 ix.trained))
     out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "sha256_s": t4 - t3, "samples": samples,
-           "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
+           "shards": shards, "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
     if first_step:
         from trainer.cache import ShardCache, remote_shards
 
@@ -264,6 +269,17 @@ def _startup(data: str, world: int, *, first_step: bool, limit: str = "") -> tup
             f"print(json.dumps(startup_child({data!r}, {world}, 0, {first_step}, {limit!r})))")
     seconds, _, out = _run([sys.executable, "-c", code])
     return seconds, json.loads(out.strip().splitlines()[-1])
+
+
+def _data_part(path: str, world: int, first_step: bool) -> tuple[float, dict, float]:
+    """The trainer's start-up on rank 0 of `world` in fresh processes: the data part (index + step predictor) is a
+    few ms, so one process's scheduling noise moves it by 2x: the median of 7, and the last process's time and
+    row."""
+    parts = []
+    for _ in range(7):
+        s, r = _startup(path, world, first_step=first_step)
+        parts.append(r["index_s"] + r["predict_s"])
+    return s, r, statistics.median(parts)
 
 
 def run(quick: bool) -> list[dict]:
@@ -305,26 +321,34 @@ def run(quick: bool) -> list[dict]:
     # the trainer's start-up per rank: the real datasets to the first step, the index-only one to the prediction
     datasets = [(n, str(merged[n][0]), True) for n in sizes] + [(big, str(index_only(merged[sizes[-1]][0], big)),
                                                                   False)]
+    # The same data part at the build's default shard size (1,000 samples per shard, a tenth of the shards): a real
+    # dataset of 10k samples (written, then merged), replicated index-only to 100k and 1M.
+    from vlmprep.config import BuildConfig
+
+    per_shard = next(f.default for f in dataclasses.fields(BuildConfig) if f.name == "samples_per_shard")
+    base = planned_dataset(10_000, 1, samples, inp, per_shard=per_shard)
+    if not (base / "manifest.json").exists():
+        _vlmprep("merge", base, "--max-reject-fraction", 1)
+    default_size = [(n, str(index_only(base, n)), False)
+                    for n in (10_000, 100_000) + ((1_000_000,) if not quick else ())]
     for world in (8, 64):
-        data_part = []
-        for n, path, first in datasets:
-            # The data part is a few ms, so one process's scheduling noise moves it by 2x: the median of 7 fresh
-            # processes, and the last one's row.
-            parts = []
-            for _ in range(7):
-                s, r = _startup(path, world, first_step=first)
-                parts.append(r["index_s"] + r["predict_s"])
-            data_part.append((n, statistics.median(parts)))
-            rows.append(emit("growth", command="trainer start-up", samples=n, ranks=world, index_only=not first,
-                             process_seconds=round(s, 2), open_seconds=round(r["open_s"], 3),
-                             index_seconds=round(r["index_s"], 3), predict_seconds=round(r["predict_s"], 3),
-                             first_read_sha256_seconds=round(r["sha256_s"], 3),
-                             first_step_seconds=round(r.get("first_step_s", 0.0), 3),
-                             samples_on_rank=r["samples"], index_bytes_per_sample=round(r["index_bytes_per_sample"], 1),
-                             peak_rss_mb=round(r["peak_rss_mb"], 1), goal_seconds=30))
-        rows.append(_growth("trainer start-up (index + step predictor)", "samples", data_part, ranks=world,
-                            goal_data_part_100k_over_10k="<= 2x",
-                            data_part_ratio=_ratio(data_part, 100_000, 10_000)))
+        for spp, points in ((SAMPLES_PER_SHARD, datasets), (per_shard, default_size)):
+            data_part = []
+            for n, path, first in points:
+                s, r, part = _data_part(path, world, first)
+                data_part.append((n, part))
+                rows.append(emit("growth", command="trainer start-up", samples=n, ranks=world, index_only=not first,
+                                 samples_per_shard=spp, process_seconds=round(s, 2),
+                                 open_seconds=round(r["open_s"], 3), index_seconds=round(r["index_s"], 3),
+                                 predict_seconds=round(r["predict_s"], 3), data_part_seconds=round(part, 4),
+                                 first_read_sha256_seconds=round(r["sha256_s"], 3),
+                                 first_step_seconds=round(r.get("first_step_s", 0.0), 3),
+                                 samples_on_rank=r["samples"], shards_on_rank=r["shards"],
+                                 index_bytes_per_sample=round(r["index_bytes_per_sample"], 1),
+                                 peak_rss_mb=round(r["peak_rss_mb"], 1), goal_seconds=30))
+            rows.append(_growth("trainer start-up (index + step predictor)", "samples", data_part, ranks=world,
+                                samples_per_shard=spp, goal_data_part_100k_over_10k="<= 2x",
+                                data_part_ratio=_ratio(data_part, 100_000, 10_000)))
 
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -30,6 +31,23 @@ class RankSource:
     # global batch). -1 in stride mode, where all ranks must share one permutation.
     owner: int = -1
 
+    # Made once per source: the schedule, the step predictor and every pass of a mixture read them.
+    @cached_property
+    def all_tokens(self) -> np.ndarray:
+        """Every sample's token count, the shards' one after another (shard k's from shard_firsts[k])."""
+        return np.concatenate([ix.tokens for ix in self.indexes] or [np.zeros(0, np.int64)])
+
+    @cached_property
+    def all_trained(self) -> np.ndarray:
+        """Every sample's trained token count, laid out as all_tokens."""
+        return np.concatenate([ix.trained for ix in self.indexes] or [np.zeros(0, np.int64)])
+
+    @cached_property
+    def shard_firsts(self) -> np.ndarray:
+        """Where each shard's samples begin in all_tokens / all_trained."""
+        counts = np.fromiter((ix.num_samples for ix in self.indexes), dtype=np.int64, count=len(self.indexes))
+        return np.cumsum(counts) - counts
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -44,6 +62,8 @@ class Schedule:
 
     def tokens(self, sources: list[RankSource]) -> np.ndarray:
         """The token count of each position of the epoch (from the sources' per-sample counts)."""
+        if len(sources) == 1:
+            return _counts_of(sources[0], "tokens", self.shard, self.sample)
         out = np.empty(len(self), dtype=np.int64)
         for s, src in enumerate(sources):
             at = np.flatnonzero(self.source == s)
@@ -162,8 +182,7 @@ def epoch_size(sources: list[RankSource]) -> EpochSize:
     limit = float(max(MAX_EPOCH_STRETCH * sum(samples), MIN_EPOCH_LIMIT))
     if len(sources) == 1 or not live:
         return EpochSize(float(sum(samples)), limit, 0, tuple(1.0 if n else 0.0 for n in samples))
-    tokens = [float(np.maximum(np.concatenate([ix.trained for ix in src.indexes] or [np.zeros(0, np.int64)]), 1)
-                    .sum()) for src in sources]
+    tokens = [float(np.maximum(src.all_trained, 1).sum()) for src in sources]
     clocks = [t / src.weight if src.weight > 0 else float("inf") for t, src in zip(tokens, sources)]
     last = max(live, key=lambda s: (clocks[s], -s))
     end = clocks[last]
@@ -174,9 +193,7 @@ def epoch_size(sources: list[RankSource]) -> EpochSize:
 
 def _counts_of(src: RankSource, field: str, shard: np.ndarray, sample: np.ndarray) -> np.ndarray:
     """A per-sample count ('tokens' or 'trained') at (shard, sample) pairs, vectorized over one flat array."""
-    flat = np.concatenate([getattr(ix, field) for ix in src.indexes] or [np.zeros(0, np.int64)])
-    starts = np.concatenate([[0], np.cumsum([ix.num_samples for ix in src.indexes])]).astype(np.int64)
-    return flat[starts[shard] + sample]
+    return getattr(src, f"all_{field}")[src.shard_firsts[shard] + sample]
 
 
 def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
