@@ -134,7 +134,9 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: i
     from vlmprep.shards.dataset import TASKS_DIR, TaskFiles, write_json_atomic, write_text_atomic
     from vlmprep.shards.writer import ShardWriter
 
-    d = OUT / "growth" / (f"ds-{n}-t{tasks}" + (f"-s{per_shard}" if per_shard != SAMPLES_PER_SHARD else ""))
+    # named by what it is made of (a --quick run plans over fewer input files: its datasets are not the full run's)
+    d = OUT / "growth" / (f"ds-{n}-t{tasks}" + (f"-s{per_shard}" if per_shard != SAMPLES_PER_SHARD else "")
+                          + f"-over-{records_dir.name}")
     if (d / ".written").exists():
         return d
     shutil.rmtree(d, ignore_errors=True)
