@@ -209,6 +209,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     (first_step) start the loader and take the first step's batches. Seconds per phase; index bytes per sample."""
     import resource
 
+    import numpy as np
     import numpy.random  # noqa: F401  (numpy imports it lazily, at the schedule's first seed: an import, not data work)
     import torch
 
@@ -241,6 +242,8 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     shards = sum(len(s.indexes) for s in sources)
     index_bytes = sum(a.nbytes for s in sources for ix in s.indexes for a in (ix.starts, ix.ends, ix.tokens,
                                                                                 ix.trained))
+    # and each source's per-sample counts the schedule and predictor made once (RankSource's cached properties)
+    index_bytes += sum(a.nbytes for s in sources for k, a in vars(s).items() if isinstance(a, np.ndarray))
     out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "sha256_s": t4 - t3, "samples": samples,
            "shards": shards, "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
     if first_step:
