@@ -210,7 +210,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     import resource
 
     import numpy as np
-    import numpy.random  # noqa: F401  (numpy imports it lazily, at the schedule's first seed: an import, not data work)
+    import numpy.random  # (numpy imports it lazily, at the schedule's first seed: an import, not data work)
     import torch
 
     from trainer.collate import CollateSpec
