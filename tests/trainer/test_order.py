@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
+from trainer import order as order_mod
 from trainer.collate import CollateSpec
 from trainer.config import Batching
 from trainer.data import EpochSchedule, ScheduledStream, StepLoader, sample_loader
@@ -189,13 +190,17 @@ def _token_batches_loop(lengths, budget: int) -> int:
     return batches + (size > 0)
 
 
-def test_token_batches_equals_the_batchers_loop():
-    """Both of its paths (every start's batch size at once for short batches; one window search per batch for long
-    ones), on random lengths with zeros, samples longer than the budget and budgets from 1 to 64k."""
+@pytest.mark.parametrize("short_batches", [0, order_mod.SHORT_BATCHES, 1000])
+def test_token_batches_equals_the_batchers_loop(short_batches, monkeypatch):
+    """Each of its paths (every start's batch size at once for short batches: by the table of range maxima, or by
+    passes where no batch can hold more than SHORT_BATCHES samples (0: never; 1000: always here); one window search
+    per batch for long ones), on random lengths with and without zeros, samples longer than the budget and budgets
+    from 1 to 2^31."""
+    monkeypatch.setattr(order_mod, "SHORT_BATCHES", short_batches)
     rng = np.random.default_rng(0)
     for _ in range(3000):
-        n, top = int(rng.integers(0, 300)), int(rng.choice([2, 10, 1000, 20000]))
-        lengths, budget = rng.integers(0, top, n), int(rng.choice([1, 5, 100, 8192, 65536]))
+        n, top, low = int(rng.integers(0, 300)), int(rng.choice([2, 10, 1000, 20000])), int(rng.choice([0, 1, 50]))
+        lengths, budget = rng.integers(low, low + top, n), int(rng.choice([1, 5, 100, 8192, 40000, 65536, 2**31 - 2]))
         assert token_batches(lengths, max_tokens_per_batch=budget) == _token_batches_loop(lengths.tolist(), budget)
     long = rng.integers(1, 400, 20000)  # hundreds of samples a batch: the window walk, past its first window
     assert token_batches(long, max_tokens_per_batch=65536) == _token_batches_loop(long.tolist(), 65536)
