@@ -29,6 +29,7 @@ class ConfigError(ValueError):
 
 
 ON_END = ("repeat", "stop")
+MAX_BATCH_TOKENS = 1 << 40  # --max-tokens-per-batch / --pack-to: beyond any batch, and far inside int64
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -264,6 +265,10 @@ class TrainConfig:
         for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints", "pack_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("max_tokens_per_batch", "pack_to"):  # token counts live in int64 arrays: refused, not overflowed
+            if getattr(self, name) > MAX_BATCH_TOKENS:
+                raise ConfigError(f"{name}={getattr(self, name)}: more tokens than any batch holds (at most "
+                                  f"{MAX_BATCH_TOKENS})")
         cache_limit_bytes(self.shard_cache_limit)
         if self.shard_prefetch < 1:
             raise ConfigError(f"shard_prefetch={self.shard_prefetch}: must be >= 1")

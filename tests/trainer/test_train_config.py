@@ -54,6 +54,8 @@ def test_unknown_cli_flag_is_one_line_naming_the_close_match(capsys):
     (dict(tiny_random="qwen2-vl", pack_to=-5), "pack_to=-5"),
     (dict(tiny_random="qwen2-vl", pack_to=4096, pack_window=0), "pack_window=0"),
     (dict(tiny_random="qwen2-vl", pack_to=4096, max_tokens_per_batch=8192), "pick one"),
+    (dict(tiny_random="qwen2-vl", max_tokens_per_batch=10**20), "max_tokens_per_batch=10{20}: more tokens than any"),
+    (dict(tiny_random="qwen2-vl", pack_to=1 << 41), "pack_to=2199023255552: more tokens than any batch"),
 ])
 def test_validation_names_the_bad_value(kw, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
