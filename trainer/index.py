@@ -254,13 +254,9 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
                 raise DataError(f"{where}: ends before the rows of its shards (a file cut short): copy the dataset "
                                 "again")
             a, k = stops[z - 1], z
-        heads: dict[int, bytes] = {}  # np.save's header per row count: most shards share one
         a = 0
-        for sp, z in zip(spans, stops):
-            n = sp[1]
-            if (head_n := heads.get(n)) is None:
-                head_n = heads[n] = index_head(n, INDEX_DTYPE)
-            if not _vouched(first_of[sp], head_n, raw[a:z]):
+        for sp, z in zip(spans, stops):  # index_head is cached per row count: most shards share one
+            if not _vouched(first_of[sp], index_head(sp[1], INDEX_DTYPE), raw[a:z]):
                 _check_whole(f, head[:offset], ref, where)
                 break
             a = z
