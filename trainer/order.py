@@ -43,10 +43,14 @@ class RankSource:
         return np.concatenate([ix.trained for ix in self.indexes] or [np.zeros(0, np.int64)])
 
     @cached_property
+    def shard_sizes(self) -> np.ndarray:
+        """Each shard's sample count (int64; read, never written)."""
+        return np.fromiter((ix.num_samples for ix in self.indexes), dtype=np.int64, count=len(self.indexes))
+
+    @cached_property
     def shard_firsts(self) -> np.ndarray:
         """Where each shard's samples begin in all_tokens / all_trained."""
-        counts = np.fromiter((ix.num_samples for ix in self.indexes), dtype=np.int64, count=len(self.indexes))
-        return np.cumsum(counts) - counts
+        return np.cumsum(self.shard_sizes) - self.shard_sizes
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
     """One pass over a source on this rank: (shard, sample) arrays. With shuffle, the shard order is permuted and
     the samples of each block of `shuffle_span` consecutive shards (0: all of them) are permuted together, so a shard's
     samples spread over its block; seeded by (seed, epoch, source name, pass, owning rank)."""
-    counts = np.array([ix.num_samples for ix in src.indexes], dtype=np.int64)
+    counts = src.shard_sizes
     order = list(range(len(counts)))
     if shuffle:
         random.Random(f"vlmprep-order:{seed}:{epoch}:{src.name}:{pass_no}:{src.owner}").shuffle(order)
