@@ -243,7 +243,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     index_bytes = sum(a.nbytes for s in sources for ix in s.indexes for a in (ix.starts, ix.ends, ix.tokens,
                                                                                 ix.trained))
     # and each source's per-sample counts the schedule and predictor made once (RankSource's cached properties)
-    index_bytes += sum(a.nbytes for s in sources for k, a in vars(s).items() if isinstance(a, np.ndarray))
+    index_bytes += sum(a.nbytes for s in sources for a in vars(s).values() if isinstance(a, np.ndarray))
     out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "sha256_s": t4 - t3, "samples": samples,
            "shards": shards, "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
     if first_step:
