@@ -36,7 +36,7 @@ INDEX_DTYPE = np.dtype([tuple(f) for f in load("shard_format.schema.json")["samp
 FETCH_THREADS = 8  # sample indexes of remote shards fetched at once at start-up
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardIndex:
     """Where each sample of a shard lies (its members' byte range) and its token counts, from the tar headers and
     each sample's meta json: what random access and the step predictor need without decoding a sample."""
@@ -229,12 +229,16 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     shards), one sha256 of its rows, no more (start-up grows with the rank's shards)."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
-    first_of = {}
-    for s in shards:  # a shard named twice (a pattern) is read once
-        first_of.setdefault((s.row, s.num_samples), s)
-    spans = sorted(first_of)
+    rows_of = [s.row for s in shards]
+    if all(a < b for a, b in zip(rows_of, rows_of[1:])):  # manifest order, each shard once: the usual rank's list
+        firsts = list(shards)
+    else:  # a shard named twice (a pattern) is read once
+        by_span = {}
+        for s in shards:
+            by_span.setdefault((s.row, s.num_samples), s)
+        firsts = [by_span[sp] for sp in sorted(by_span)]
     width = INDEX_DTYPE.itemsize
-    stops = list(itertools.accumulate(n * width for _, n in spans))  # each span's bytes end in `keep`
+    stops = list(itertools.accumulate(s.num_samples * width for s in firsts))  # each span's bytes end in `keep`
     keep = np.empty(stops[-1] // width if stops else 0, dtype=INDEX_DTYPE)
     raw = memoryview(keep.view(np.uint8))
     with _open_listed(local, ref, rows, where) as (f, size):
@@ -247,24 +251,24 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
             raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
                             "foreign dataset; run `vlmprep verify`")
         fd, a, k = f.fileno(), 0, 0
-        for z in range(1, len(spans) + 1):  # runs of adjacent shards in one read each, straight into `keep`
-            if z < len(spans) and spans[z][0] == spans[z - 1][0] + spans[z - 1][1]:
+        for z in range(1, len(firsts) + 1):  # runs of adjacent shards in one read each, straight into `keep`
+            if z < len(firsts) and firsts[z].row == firsts[z - 1].row + firsts[z - 1].num_samples:
                 continue
-            if os.preadv(fd, [raw[a:stops[z - 1]]], offset + spans[k][0] * width) != stops[z - 1] - a:
+            if os.preadv(fd, [raw[a:stops[z - 1]]], offset + firsts[k].row * width) != stops[z - 1] - a:
                 raise DataError(f"{where}: ends before the rows of its shards (a file cut short): copy the dataset "
                                 "again")
             a, k = stops[z - 1], z
         a = 0
-        for sp, z in zip(spans, stops):  # index_head is cached per row count: most shards share one
-            if not _vouched(first_of[sp], index_head(sp[1], INDEX_DTYPE), raw[a:z]):
+        for s, z in zip(firsts, stops):  # index_head is cached per row count: most shards share one
+            if not _vouched(s, index_head(s.num_samples, INDEX_DTYPE), raw[a:z]):
                 _check_whole(f, head[:offset], ref, where)
                 break
             a = z
     columns = [np.ascontiguousarray(keep[c]) for c in _COLUMNS]
     del raw, keep
-    _check_all([first_of[sp] for sp in spans], columns, where)
-    at = {sp: (z // width - sp[1]) for sp, z in zip(spans, stops)}
+    _check_all(firsts, columns, where)
     starts, ends, tokens, trained = columns
+    at = {(s.row, s.num_samples): z // width - s.num_samples for s, z in zip(firsts, stops)}
     out = []
     for s in shards:
         o = at[s.row, s.num_samples]
@@ -292,28 +296,35 @@ def _check_all(shards: list[ShardRef], columns: list[np.ndarray], where: str) ->
     if not shards:
         return
     starts, ends, tokens, trained = columns
-    counts = np.array([s.num_samples for s in shards], dtype=np.int64)
-    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    inner = np.ones(len(starts), dtype=bool)
-    inner[firsts[counts > 0]] = False  # a shard's first row: its start is not compared with the row before it
+    counts = np.fromiter((s.num_samples for s in shards), dtype=np.int64, count=len(shards))
+    firsts = np.cumsum(counts) - counts
     full = counts > 0
     lasts = (firsts + counts - 1)[full]
-    num_bytes = np.array([s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards], dtype=np.int64)
+    num_bytes = np.fromiter((s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards), dtype=np.int64,
+                            count=len(shards))
+    want = np.fromiter((s.num_tokens if s.num_tokens is not None else -1 for s in shards), dtype=np.int64,
+                       count=len(shards))
     sums = np.zeros(len(counts), dtype=np.int64)
     sums[full] = np.add.reduceat(tokens, firsts[full])
-    want = np.array([s.num_tokens if s.num_tokens is not None else -1 for s in shards], dtype=np.int64)
-    ok = ((ends > starts).all() and (starts[1:] >= ends[:-1])[inner[1:]].all() and (starts[firsts[full]] >= 0).all()
-          and (ends[lasts] <= num_bytes[full]).all() and (tokens >= 0).all() and (trained >= 0).all()
-          and (trained <= tokens).all() and ((want < 0) | (sums == want)).all())
+    ordered = starts[1:] >= ends[:-1]  # each row starts after the one before it ends...
+    inner = firsts[full]
+    ordered[inner[inner > 0] - 1] = True  # ...within its shard (a shard's first row is not compared)
+    # trained >= 0 and trained <= tokens imply tokens >= 0
+    ok = ((ends > starts).all() and ordered.all() and (starts[firsts[full]] >= 0).all()
+          and (ends[lasts] <= num_bytes[full]).all() and (trained >= 0).all() and (trained <= tokens).all()
+          and ((want < 0) | (sums == want)).all())
     if not ok:
         for s, a, n in zip(shards, firsts.tolist(), counts.tolist()):
             check_rows(s, ShardIndex("", *(c[a:a + n] for c in columns)), f"{where} (rows of {s.name})")
         raise DataError(f"{where}: the sample index does not describe the dataset's shards: run `vlmprep verify`")
 
 
+_CACHED = ("pipe:",) + REMOTE  # URL prefixes whose shards are read from the rank's shard cache
+
+
 def _local_path(s: ShardRef, cache: Path) -> str:
     """Where a shard is read from: the file itself, or a remote shard's place in the rank's shard cache."""
-    return str(Path(cache) / cache_name(s.url, s.name)) if s.url.startswith(("pipe:",) + REMOTE) else s.url
+    return str(Path(cache) / cache_name(s.url, s.name)) if s.url.startswith(_CACHED) else s.url
 
 
 def index_shards(shards: tuple[ShardRef, ...], index: Callable[[ShardRef], ShardIndex]) -> tuple[ShardIndex, ...]:

@@ -88,3 +88,51 @@ def test_bad_member_name(tmp_path):
         tar.addfile(ti, io.BytesIO(b"x"))
     with pytest.raises(DataError, match="no '<key>.<ext>' name"):
         list(iter_tar_samples(str(p), lambda i: True))
+
+
+def test_the_vectorized_row_check_agrees_with_the_per_shard_one():
+    """_check_all (every shard of a rank at once, from the dataset's sample index) refuses exactly the row tables
+    that check_rows refuses for some shard: random tables over shards of 0-4 samples, each with one random flaw or
+    none (a boundary between shards is not an order check)."""
+    import numpy as np
+
+    from trainer.index import ShardIndex, _check_all, check_rows
+
+    rng = np.random.default_rng(7)
+    refused = {True: 0, False: 0}
+    for _ in range(3000):
+        shards, rows = [], []
+        for k in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(0, 5))
+            starts = np.cumsum(rng.integers(0, 3, n)) + np.arange(n) * 10
+            ends = starts + rng.integers(1, 10, n)
+            tokens = rng.integers(0, 9, n)
+            trained = np.minimum(tokens, rng.integers(0, 9, n))
+            cols = [starts, ends, tokens, trained]
+            size = int(ends[-1]) + int(rng.integers(0, 3)) if n else 10
+            flaw = int(rng.integers(0, 36))  # 0-9: a flaw, one shard in about four
+            if n and flaw < 8:
+                i, c = int(rng.integers(0, n)), flaw % 4
+                cols[c] = cols[c].copy()
+                cols[c][i] += int(rng.choice([-40, -9, -1, 1, 9]))
+            shards.append(ShardRef(f"s{k}", f"s{k}", n, int(tokens.sum()) + (flaw == 8), size - (flaw == 9) * 5))
+            rows.append(cols)
+        columns = [np.concatenate([r[c] for r in rows]).astype(np.int64) for c in range(4)]
+
+        def per_shard_refuses():
+            for s, r in zip(shards, rows):
+                try:
+                    check_rows(s, ShardIndex("", *(np.asarray(c, np.int64) for c in r)), "x")
+                except DataError:
+                    return True
+            return False
+
+        want = per_shard_refuses()
+        try:
+            _check_all(shards, columns, "x")
+            got = False
+        except DataError:
+            got = True
+        assert got == want, (shards, rows)
+        refused[want] += 1
+    assert min(refused.values()) > 500  # both outcomes are well exercised
