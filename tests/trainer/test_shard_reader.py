@@ -119,7 +119,7 @@ def test_the_vectorized_row_check_agrees_with_the_per_shard_one():
             rows.append(cols)
         columns = [np.concatenate([r[c] for r in rows]).astype(np.int64) for c in range(4)]
 
-        def per_shard_refuses():
+        def per_shard_refuses(shards, rows):
             for s, r in zip(shards, rows):
                 try:
                     check_rows(s, ShardIndex("", *(np.asarray(c, np.int64) for c in r)), "x")
@@ -127,7 +127,7 @@ def test_the_vectorized_row_check_agrees_with_the_per_shard_one():
                     return True
             return False
 
-        want = per_shard_refuses()
+        want = per_shard_refuses(shards, rows)
         try:
             _check_all(shards, columns, "x")
             got = False
