@@ -93,17 +93,21 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
         random.Random(f"vlmprep-trainer:{seed}:{epoch}" + (f":{src.name}:{pass_no}" if src.name or pass_no else "")
                       ).shuffle(order)
     order = np.asarray(order, dtype=np.int64)
-    shard = np.repeat(order, counts[order]).astype(np.int32)
-    firsts = np.cumsum(counts[order]) - counts[order]  # where each shard's run starts in the pass
-    sample = (np.arange(len(shard), dtype=np.int64) - np.repeat(firsts, counts[order])).astype(np.int32)
+    sizes = counts[order]
+    shard = np.repeat(order.astype(np.int32), sizes)
+    sample = np.arange(len(shard), dtype=np.int32) - np.repeat((np.cumsum(sizes) - sizes).astype(np.int32), sizes)
     if shuffle:
         block = shuffle_span or max(len(order), 1)
         rng = _rng(seed, epoch, src.name, pass_no, src.owner, "samples")
-        bounds = np.concatenate([[0], np.cumsum([counts[order[i:i + block]].sum()
-                                                 for i in range(0, len(order), block)])]).astype(np.int64)
-        for a, z in zip(bounds[:-1], bounds[1:]):
-            perm = a + rng.permutation(z - a)
-            shard[a:z], sample[a:z] = shard[perm], sample[perm]
+        if block >= len(order):  # one block, the whole pass: no bounds, no copy back
+            perm = rng.permutation(len(shard))
+            shard, sample = shard[perm], sample[perm]
+        else:
+            bounds = np.concatenate([[0], np.cumsum([sizes[i:i + block].sum()
+                                                     for i in range(0, len(order), block)])]).astype(np.int64)
+            for a, z in zip(bounds[:-1], bounds[1:]):
+                perm = a + rng.permutation(z - a)
+                shard[a:z], sample[a:z] = shard[perm], sample[perm]
     r, world = src.stride
     return shard[r::world], sample[r::world]
 
@@ -228,7 +232,7 @@ def token_batches(lengths: np.ndarray, *, max_tokens_per_batch: int) -> int:
         return 0
     if budget // max(1, int(lengths.mean())) >= 64:
         return _walk_batches(lengths, budget)
-    step = _batch_sizes(lengths, budget).tolist()
+    step = memoryview(_batch_sizes(lengths, budget))  # the chain reads a few of them: no list of every one
     batches, i = 0, 0
     while i < n:  # the chain of batch starts
         i += step[i]
