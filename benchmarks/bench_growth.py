@@ -276,15 +276,28 @@ def _startup(data: str, world: int, *, first_step: bool, limit: str = "") -> tup
     return seconds, json.loads(out.strip().splitlines()[-1])
 
 
-def _data_part(path: str, world: int, first_step: bool) -> tuple[float, dict, float]:
-    """The trainer's start-up on rank 0 of `world` in fresh processes: the data part (index + step predictor) is a
-    few ms, so one process's scheduling noise moves it by 2x: the median of 7, and the last process's time and
-    row."""
-    parts = []
-    for _ in range(7):
-        s, r = _startup(path, world, first_step=first_step)
-        parts.append(r["index_s"] + r["predict_s"])
-    return s, r, statistics.median(parts)
+ROUNDS = 11  # fresh processes per dataset size for the data part
+
+
+def _data_parts(points: list[tuple[int, str, bool]], world: int) -> tuple[list[tuple[float, dict, float]], float]:
+    """The trainer's start-up on rank 0 of `world`, each of `points` (samples, path, to the first step) in fresh
+    processes. The data part (index + step predictor) is a few ms, so one process's scheduling noise moves it by 2x,
+    and the box's speed drifts over minutes: ROUNDS rounds, each running every size once in turn, so each round's
+    100k-over-10k ratio compares processes that ran seconds apart. Per point: the last process's time and row, and
+    the median data part; and the median of the rounds' 100k / 10k ratios (nan without that pair)."""
+    parts: list[list[float]] = [[] for _ in points]
+    last: list[tuple[float, dict]] = [(0.0, {})] * len(points)
+    for _ in range(ROUNDS):
+        for k, (_, path, first) in enumerate(points):
+            s, r = _startup(path, world, first_step=first)
+            parts[k].append(r["index_s"] + r["predict_s"])
+            last[k] = (s, r)
+    sizes = [n for n, _, _ in points]
+    paired = float("nan")
+    if 10_000 in sizes and 100_000 in sizes:
+        small, big = parts[sizes.index(10_000)], parts[sizes.index(100_000)]
+        paired = statistics.median(b / max(a, 1e-9) for a, b in zip(small, big))
+    return [(s, r, statistics.median(p)) for (s, r), p in zip(last, parts)], paired
 
 
 def run(quick: bool) -> list[dict]:
@@ -339,8 +352,8 @@ def run(quick: bool) -> list[dict]:
     for world in (8, 64):
         for spp, points in ((SAMPLES_PER_SHARD, datasets), (per_shard, default_size)):
             data_part = []
-            for n, path, first in points:
-                s, r, part = _data_part(path, world, first)
+            measured, paired = _data_parts(points, world)
+            for (n, _, first), (s, r, part) in zip(points, measured):
                 data_part.append((n, part))
                 rows.append(emit("growth", command="trainer start-up", samples=n, ranks=world, index_only=not first,
                                  samples_per_shard=spp, process_seconds=round(s, 2),
@@ -352,8 +365,9 @@ def run(quick: bool) -> list[dict]:
                                  index_bytes_per_sample=round(r["index_bytes_per_sample"], 1),
                                  peak_rss_mb=round(r["peak_rss_mb"], 1), goal_seconds=30))
             rows.append(_growth("trainer start-up (index + step predictor)", "samples", data_part, ranks=world,
-                                samples_per_shard=spp, goal_data_part_100k_over_10k="<= 2x",
-                                data_part_ratio=_ratio(data_part, 100_000, 10_000)))
+                                samples_per_shard=spp, goal_data_part_100k_over_10k="<= 2x", rounds=ROUNDS,
+                                data_part_ratio=_ratio(data_part, 100_000, 10_000),
+                                data_part_ratio_of_rounds=None if paired != paired else round(paired, 3)))
 
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer
