@@ -195,12 +195,43 @@ def _fetched(ref: IndexRef, cache: Path) -> Path:
     resume)."""
     local = Path(cache) / cache_name(ref.url, ref.url)
     if not local.is_file():
-        local.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fetch(ref.url, local, size=ref.num_bytes, sha256=ref.sha256)
-        except StorageError as e:
-            raise DataError(str(e)) from None
+        _fetch_index(ref, local)
     return local
+
+
+SHARED_INDEXES = "indexes"  # beside the ranks' cache dirs: the remote dataset indexes a node's ranks share
+
+
+def _fetched_shared(ref: IndexRef, cache: Path) -> Path:
+    """A remote dataset's one sample index, which every rank reads: one copy per shard-cache dir (a node's ranks
+    share it, or all ranks where that dir is on a shared filesystem), not one per rank: 48 bytes a sample of the
+    dataset, fetched once under a file lock while the others wait, then kept for a resume. Named by the URL and the
+    manifest's sha256 of it, so a dataset rebuilt at the same URL gets a copy of its own. Where the filesystem has no
+    file locks, each rank fetches its own copy as before."""
+    import fcntl
+
+    local = Path(cache).parent / SHARED_INDEXES / cache_name(f"{ref.url}#{ref.sha256}", ref.url)
+    try:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(local.with_name(local.name + ".lock"), "a")
+    except OSError:
+        return _fetched(ref, cache)
+    with lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the lock file closes, or by a killed rank's exit
+        except OSError:
+            return _fetched(ref, cache)
+        if not local.is_file():
+            _fetch_index(ref, local)  # to LOCAL.part, renamed once its size and sha256 are the manifest's
+    return local
+
+
+def _fetch_index(ref: IndexRef, local: Path) -> None:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fetch(ref.url, local, size=ref.num_bytes, sha256=ref.sha256)
+    except StorageError as e:
+        raise DataError(str(e)) from None
 
 
 DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed at a time (1.5 MiB), where it is hashed whole
@@ -224,11 +255,12 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     (32 bytes a sample kept), each shard's checked against the sha256 the manifest lists for its sidecar (the same
     rows under np.save's header), so a rank's start-up reads and hashes its own rows, not the dataset's. Where one is
     not vouched for that way, the whole file is hashed against the manifest's sha256 instead. Each shard's rows are
-    then checked as a sidecar's are. A remote one is fetched into `cache` first (kept for a resume). Paths: as
+    then checked as a sidecar's are. A remote one is fetched first, one copy beside the ranks' cache dirs
+    (_fetched_shared; kept for a resume). Paths: as
     shard_index gives; each index's signature is `signature(shard)`'s. Per shard: one read (one per run of adjacent
     shards), one sha256 of its rows, no more (start-up grows with the rank's shards)."""
     where = ref.url
-    local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched(ref, cache)
+    local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched_shared(ref, cache)
     rows_of = [s.row for s in shards]
     if all(a < b for a, b in zip(rows_of, rows_of[1:])):  # manifest order, each shard once: the usual rank's list
         firsts = list(shards)

@@ -402,6 +402,67 @@ def test_a_fetch_a_kill_cut_short_continues_with_a_range_read(dataset, tmp_path)
     assert ranges and all(r and r.startswith("bytes=") for r in ranges) and ranges[0].startswith("bytes=50000-")
 
 
+def test_a_nodes_ranks_fetch_the_remote_dataset_index_once(dataset, tmp_path):
+    """8 ranks of one node start at once over HTTP: the dataset's sample index (48 bytes a sample of the whole
+    dataset) is fetched once into the shard cache's shared dir, under a file lock, not once per rank; each rank gets
+    its own shards' rows from it. A resume fetches nothing; a dataset rebuilt at the same URL gets its own copy."""
+    import hashlib
+    import threading
+
+    from tests.support.range_server import RangeServer
+    from trainer.rundata import rank_sources
+
+    local = resolve_data(str(dataset))
+    want = {s.name: load_index(s, Path(s.index.url).read_bytes(), path=s.url) for s in local.shards}
+    served = tmp_path / "served"
+    shutil.copytree(dataset, served)
+    root = tmp_path / "shard-cache"
+    with RangeServer(served) as srv:
+        ds = resolve_data(srv.url + "/")
+        plan = plan_shards(ds.shards, 8)
+        got, errors = {}, []
+
+        def rank(r: int) -> None:
+            try:
+                got[r] = rank_sources((DataSpec(path=srv.url),), [ds], [plan], rank=r, world=8,
+                                      cache=root / f"rank-{r:05d}")[0][0]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        def start_all() -> None:
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        start_all()
+        fetched = [p for m, p, _, _ in srv.log if m == "GET" and p.endswith("samples.index.npy")]
+        assert not errors and len(fetched) == 1
+        for src in got.values():
+            for s, ix in zip(src.shards, src.indexes):
+                np.testing.assert_array_equal(ix.tokens, want[s.name].tokens)
+                np.testing.assert_array_equal(ix.starts, want[s.name].starts)
+        assert [p.name for p in (root / "indexes").iterdir() if p.suffix == ".npy"]
+        assert not any(p.name.endswith(".npy") for r in range(8) for p in (root / f"rank-{r:05d}").glob("*"))
+        srv.log.clear()
+        start_all()  # a resume
+        assert not errors and not [p for m, p, _, _ in srv.log if m == "GET" and p.endswith("samples.index.npy")]
+        # rebuilt at the same URL (other rows, so another sha256 in its manifest): fetched again, into a copy of its own
+        manifest = json.loads((served / "manifest.json").read_text())
+        rows = np.load(served / "samples.index.npy")
+        rows["id"][0] ^= 1
+        np.save(served / "samples.index.npy", rows, allow_pickle=False)
+        data = (served / "samples.index.npy").read_bytes()
+        manifest["sample_index"]["sha256"] = hashlib.sha256(data).hexdigest()
+        (served / "manifest.json").write_text(json.dumps(manifest))
+        ds = resolve_data(srv.url + "/")
+        srv.log.clear()
+        start_all()
+        assert not errors and len([p for m, p, _, _ in srv.log if m == "GET" and p.endswith("samples.index.npy")]) == 1
+        assert len([p for p in (root / "indexes").iterdir() if p.suffix == ".npy"]) == 2
+
+
 def test_a_store_that_sends_more_than_the_manifests_size_is_cut_off_past_it(tmp_path, monkeypatch):
     """An endless (or too long) answer: the fetch stops reading one byte past the listed size, refuses the file with
     one line and leaves nothing in the cache (not a disk filled first)."""
