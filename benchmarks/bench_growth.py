@@ -218,6 +218,9 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     from trainer.data import EpochSchedule, StepLoader
     from trainer.rundata import fit_span, open_data, predict_steps, rank_sources
 
+    # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op
+    # (~0.5 ms here) is not part of it: paid here too, before the clock starts.
+    torch.zeros(2, dtype=torch.float64).sum().item()
     t0 = time.perf_counter()
     cfg = TrainConfig(data=data, tiny_random="qwen2-vl", max_tokens_per_batch=MAX_TOKENS, num_workers=0,
                       shard_cache_limit=limit, out=str(OUT / "growth" / "run"))
