@@ -228,18 +228,26 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     cfg = fit_span(cfg, data_, world)
     t1 = time.perf_counter()
     cache = OUT / "growth" / "run" / "shard-cache" / f"rank-{rank:05d}"
-    sources, _ = rank_sources(data_.specs, data_.datasets, data_.plans, rank=rank, world=world, cache=cache)
+    # A run dir's first start, as the trainer makes it: local shards stat-ed, their sha256 left to the shard cache
+    check = None
+    if first_step and "://" not in data:
+        from trainer.integrity import ShardCheck
+
+        check = ShardCheck(None)
+        check.deferring = True
+    sources, _ = rank_sources(data_.specs, data_.datasets, data_.plans, rank=rank, world=world, cache=cache,
+                              check=check)
     t2 = time.perf_counter()
     steps, first = predict_steps(cfg, sources, torch.device("cpu"))
     t3 = time.perf_counter()
-    if first_step and "://" not in data:  # the trainer's sha256 of each local shard, at a run dir's first read
+    if check is not None:  # what step 1 waited for before the shard cache hashed local shards: the rank's whole share
         from trainer.integrity import ShardCheck, expected_sha256
 
-        check = ShardCheck(None)
+        whole = ShardCheck(None)
         for src, ds in zip(sources, data_.datasets):
             want = expected_sha256(ds)
             for sh in src.shards:
-                check.verify(sh.url, url=sh.url, want=want.get(sh.name))
+                whole.verify(sh.url, url=sh.url, want=want.get(sh.name))
     t4 = time.perf_counter()
     samples = sum(ix.num_samples for s in sources for ix in s.indexes)
     shards = sum(len(s.indexes) for s in sources)
@@ -253,10 +261,10 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
         from trainer.cache import ShardCache, remote_shards
 
         shard_cache = None
-        if remote_shards(sources):
+        if remote_shards(sources) or (check is not None and check.deferred):  # step 1 waits for its own shards' hashes
             from trainer.config import cache_limit_bytes
 
-            shard_cache = ShardCache(sources, cache, limit=cache_limit_bytes(limit))
+            shard_cache = ShardCache(sources, cache, limit=cache_limit_bytes(limit), check=check)
         spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data_.image.patch_size,
                            merge_size=data_.image.merge_size)
         streams = EpochSchedule(sources, spec=data_.image, seed=0, shuffle=True, shuffle_shards=True,

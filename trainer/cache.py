@@ -2,6 +2,8 @@
 source into intervals [first, last position] -> a fetcher thread that copies shards in the order of their intervals,
 up to `prefetch` shards ahead of the read position, into --shard-cache, checked against the manifest's sha256, and
 under --shard-cache-limit evicts a shard once no fetched interval of it reaches the slowest reader's position.
+Local shards that this run dir has not hashed yet go through the same gate, in place: hashed in read order, ahead of
+the readers, never copied, evicted or counted against the limit.
 DataLoader workers wait for a shard's file and report their positions through shared memory (CacheView).
 """
 from __future__ import annotations
@@ -18,11 +20,13 @@ import numpy as np
 import torch
 
 from trainer.config import cache_limit_bytes, default
+from trainer.integrity import ShardCheck
 from trainer.order import RankSource, Schedule
 from trainer.shards import REMOTE, DataError
 from trainer.storage import StorageError, fetch, sha256_file
 
 MISSING, READY, FAILED = 0, 1, 2
+SAVE_S = 30  # the record of hashed local shards is written at most this often while the cache hashes them
 MAX_WORKERS = 256
 POLL_S = 0.005
 
@@ -37,6 +41,7 @@ class CacheView:
     progress: torch.Tensor  # int64 [MAX_WORKERS], shared: each reader's next position (the end once done)
     offsets: list[int]  # source s, shard k -> flat id offsets[s] + k
     errors: str  # dir of the one-line error of each FAILED shard
+    evicts: bool = True  # False where every shard is local (hashed in place, never evicted): readers skip that check
 
     def flat(self, source: int, shard: int) -> int:
         """Source `source`'s shard `shard` -> its flat id."""
@@ -97,28 +102,34 @@ def intervals(sources: list[RankSource], order: Schedule, start: int, remote: np
 
 class ShardCache:
     """Owns --shard-cache/rank-NNNNN for one rank: begin(schedule, start) starts a fetcher for that epoch from that
-    position; close() stops it. Files that stay valid are kept across epochs and runs (re-checked by sha256 once)."""
+    position; close() stops it. Files that stay valid are kept across epochs and runs (re-checked by sha256 once).
+    `check`: the rank's ShardCheck, whose deferred local shards are hashed here before a reader opens them."""
 
     def __init__(self, sources: list[RankSource], root: Path, *,
                  limit: int = cache_limit_bytes(default("shard_cache_limit")),
-                 prefetch: int = default("shard_prefetch"), threads: int = 4):
+                 prefetch: int = default("shard_prefetch"), threads: int = 4, check: ShardCheck | None = None):
         self.sources, self.root, self.limit = sources, Path(root), limit
         self.prefetch, self.threads = max(prefetch, 1), max(threads, 1)
         self.shards = [sh for src in sources for sh in src.shards]
         self.offsets = list(np.cumsum([0] + [len(src.shards) for src in sources])[:-1].tolist())
         self.remote = np.array([sh.url.startswith(("pipe:",) + REMOTE) for sh in self.shards], dtype=bool)
+        self.check = check
+        deferred = check.deferred if check is not None else {}
+        # what readers wait for: remote shards (fetched) and local ones this run dir has not hashed yet
+        self.gated = self.remote | np.array([sh.url in deferred for sh in self.shards], dtype=bool)
         files = [ix.path for src in sources for ix in src.indexes]
         self.errors = self.root / "errors"
         self.view = CacheView(files, torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
                               torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(), self.offsets,
-                              str(self.errors))
+                              str(self.errors), evicts=bool(self.remote.any()))
         self.verified: set[int] = set()  # remote shards this process has checked against the manifest
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: DataError | None = None
-        self.fetched = self.evicted = 0
+        self.fetched = self.evicted = self.hashed = 0
+        self._saved = time.monotonic()
         self.fetch_order: list[int] = []  # shards (flat ids) in the order fetches started
-        self.first_ready_s: float | None = None  # seconds from begin() until the first shard was local
+        self.first_ready_s: float | None = None  # seconds from begin() until the first remote shard was local
 
     @property
     def size_bytes(self) -> int:
@@ -134,28 +145,33 @@ class ShardCache:
         (self.errors / "failed.txt").unlink(missing_ok=True)
         v = self.view
         for j, path in enumerate(v.files):
-            ok = not self.remote[j] or (j in self.verified and os.path.isfile(path))
+            ok = not self.gated[j] or (j in self.verified and (not self.remote[j] or os.path.isfile(path)))
             v.state[j] = READY if ok else MISSING
         v.progress.fill_(len(order))
         v.progress[:max(num_workers, 1)] = start
         self._stop.clear()
-        plan = intervals(self.sources, order, start, self.remote, self.offsets)
+        plan = intervals(self.sources, order, start, self.gated, self.offsets)
         self._thread = threading.Thread(target=self._run, args=(plan, max(num_workers, 1)), daemon=True,
                                         name="shard-cache")
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the fetcher thread (the files stay, for the next begin)."""
+        """Stop the fetcher thread (the files stay, for the next begin); record the local shards it hashed."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = None
+        if self.check is not None:
+            self.check.save()
 
     # --- the fetcher thread
     def _size(self, j: int) -> int:
         return self.shards[j].num_bytes or 0
 
     def _fetch(self, j: int) -> None:
+        if not self.remote[j]:  # a local shard: hashed in place
+            self.check.verify_deferred(self.shards[j].url)
+            return
         sh, path = self.shards[j], Path(self.view.files[j])
         if path.is_file() and (sh.sha256 is None and sh.num_bytes in (None, path.stat().st_size)
                                or sh.sha256 is not None and sha256_file(path) == sh.sha256):
@@ -195,23 +211,33 @@ class ShardCache:
                     j = inflight.pop(f)
                     e = f.exception()
                     if e is not None:
-                        self._fail(j, str(e) if isinstance(e, StorageError)
+                        self._fail(j, str(e) if isinstance(e, (StorageError, DataError))
                                    else f"{self.shards[j].url}: fetch failed: {type(e).__name__}: {e}")
                         return
                     if self._stop.is_set():
                         return
                     self.verified.add(j)
                     v.state[j] = READY
-                    self.fetched += 1
-                    if self.first_ready_s is None:
-                        self.first_ready_s = time.perf_counter() - t0
+                    if self.remote[j]:
+                        self.fetched += 1
+                        if self.first_ready_s is None:
+                            self.first_ready_s = time.perf_counter() - t0
+                    else:
+                        self.hashed += 1
+                        if time.monotonic() - self._saved > SAVE_S:  # a kill loses at most this much hashing
+                            self.check.save()
+                            self._saved = time.monotonic()
                 if i == len(shard) and not inflight:
                     return
                 pos = int(v.progress[:readers].min())
                 ahead = i - bisect.bisect_right(first, pos)  # fetched intervals that no reader has reached yet
                 while i < len(shard) and len(inflight) < self.threads and (first[i] <= pos or ahead < self.prefetch):
                     j = shard[i]
-                    if j in held:
+                    if not self.remote[j]:  # a local shard to hash: no copy, no limit, never evicted
+                        if int(v.state[j]) != READY and j not in inflight.values():
+                            inflight[pool.submit(self._fetch, j)] = j
+                            self.fetch_order.append(j)
+                    elif j in held:
                         held[j] = max(held[j], last[i])
                     else:
                         used -= leftover.pop(j, 0)

@@ -117,7 +117,7 @@ class ScheduledStream(IterableDataset):
                 if cache is not None:
                     cache.at(w, p)
                     j = cache.flat(s, k)
-                    for gone in [path for path, (_, g) in files.items() if cache.gone(g)]:
+                    for gone in [path for path, (_, g) in files.items() if cache.gone(g)] if cache.evicts else ():
                         files.pop(gone)[0].close()  # evicted: its disk space is freed once no handle holds it
                     cache.path(j)
                 entry = files.get(index.path)

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,11 +37,16 @@ def check_unchanged(st: os.stat_result, signature: tuple[int, ...], where: str) 
 class ShardCheck:
     """One rank's sha256 checks of the shards it reads. `record` (a json file) remembers the files already hashed
     by (device, inode, size, mtime, ctime) and digest, so a resume hashes only what changed since; a file
-    rewritten in any way gets a new ctime and is hashed again. enabled=False: only stats are taken."""
+    rewritten in any way gets a new ctime and is hashed again. enabled=False: only stats are taken. While
+    `deferring`, a shard that needs hashing is only stat-ed and listed in `deferred`: a scheduled run's shard cache
+    hashes it (verify_deferred) before any reader opens it, ahead of the read position, not all before step 1."""
 
     def __init__(self, record: Path | None, *, enabled: bool = default("verify_shards")):
         self.record, self.enabled, self.dirty = record, enabled, False
         self.known: dict[str, list] = {}
+        self.deferring = False
+        self.deferred: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # path -> (url, sha256, its signature then)
+        self._lock = threading.Lock()  # the shard cache's threads add to `known` while the training thread saves it
         if record is not None and enabled:
             try:
                 self.known = json.loads(record.read_text(encoding="utf-8"))
@@ -48,11 +54,28 @@ class ShardCheck:
                 self.known = {}
 
     def verify(self, path: str, *, url: str, want: str | None) -> tuple[int, ...]:
-        """The file's signature, once its content is checked to hash to `want` (None: not checked)."""
+        """The file's signature, once its content is checked to hash to `want` (None: not checked; deferring: left
+        to verify_deferred)."""
         try:
             st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
-            if not (self.enabled and want) or self.known.get(os.path.abspath(path)) == self._key(st, want):
-                return file_signature(st)
+        except OSError as e:
+            raise DataError(f"cannot read shard {url}: {e}") from None
+        if not (self.enabled and want) or self.known.get(os.path.abspath(path)) == self._key(st, want):
+            return file_signature(st)
+        if self.deferring:
+            self.deferred[path] = (url, want, file_signature(st))
+            return file_signature(st)
+        return self._hash(path, url=url, want=want)
+
+    def verify_deferred(self, path: str) -> None:
+        """Hash a deferred shard now; refuses it (one line) unless it is still the file start-up saw and hashes to
+        its manifest's sha256."""
+        url, want, signature = self.deferred[path]
+        if self._hash(path, url=url, want=want) != signature:
+            raise changed(url)
+
+    def _hash(self, path: str, *, url: str, want: str) -> tuple[int, ...]:
+        try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
                 key = self._key(st, want)
@@ -66,8 +89,9 @@ class ShardCheck:
             raise DataError(f"{url}: sha256 {got[:16]}..., but its manifest lists {want[:16]}...: the shard changed "
                             "after it was built (modified, damaged, or a copy cut short); copy it again (or rebuild "
                             "the dataset) and run `vlmprep verify DIR`")
-        self.known[os.path.abspath(path)] = key
-        self.dirty = True
+        with self._lock:
+            self.known[os.path.abspath(path)] = key
+            self.dirty = True
         return file_signature(st)
 
     @staticmethod
@@ -77,13 +101,14 @@ class ShardCheck:
 
     def save(self) -> None:
         """Writes the record of checked shards (atomically) when this run checked any new one."""
-        if not (self.dirty and self.record is not None):
-            return
-        self.record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.record.with_name(f"{self.record.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.known, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, self.record)
-        self.dirty = False
+        with self._lock:
+            if not (self.dirty and self.record is not None):
+                return
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.record.with_name(f"{self.record.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.known, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.record)
+            self.dirty = False
 
 
 def expected_sha256(ds: DataSource) -> dict[str, str]:

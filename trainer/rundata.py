@@ -250,13 +250,19 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
     root = Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}"
     if scheduled or local:
         t0 = time.perf_counter()
-        sources, derived = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world, cache=root,
-                                        check=check)
+        # A scheduled run reads its local shards through the shard cache's gate, which hashes each one ahead of the
+        # readers: step 1 waits for its own shards' hashes, not the rank's whole share's.
+        check.deferring = scheduled
+        try:
+            sources, derived = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world,
+                                            cache=root, check=check)
+        finally:
+            check.deferring = False
         index_s = time.perf_counter() - t0
     check.save()  # what this rank hashed (eval sets too): a resume does not hash it again
-    if scheduled and remote_shards(sources):
+    if scheduled and (remote_shards(sources) or check.deferred):
         limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-        cache = ShardCache(sources, root, limit=limit, prefetch=cfg.shard_prefetch)
+        cache = ShardCache(sources, root, limit=limit, prefetch=cfg.shard_prefetch, check=check)
     plan = data.plans[0]
     predicted, first = predict_steps(cfg, sources, device) if sources is not None else (None, None)
     if predicted is None:
@@ -273,7 +279,11 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
             print(f"trainer: note: {derived} shard(s) on rank 0 have no sample index (an older vlmprep built them): "
                   "indexed from every tar header and sample meta, as before; rebuild with this vlmprep for a "
                   "start-up that does not grow with the sample count", file=sys.stderr)
-        if cache is not None:
+        if check.deferred:
+            print(f"trainer: {len(check.deferred)} local shard(s) on rank 0 not yet hashed by this run dir are checked "
+                  "against the manifest's sha256 as the run first reaches them (ahead of the readers, in read "
+                  "order; a mismatch stops the run naming the shard), not all before step 1", file=sys.stderr)
+        if cache is not None and remote_shards(sources):
             print(f"trainer: remote shards stream through {root.parent} ("
                   + (f"at most {cfg.shard_cache_limit} per node, " if cfg.shard_cache_limit else "no size limit, ")
                   + f"{cfg.shard_prefetch} shards fetched ahead, each checked against the manifest's sha256)",

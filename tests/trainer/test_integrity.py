@@ -82,3 +82,78 @@ def test_the_manifest_watch_passes_the_same_dataset_rewritten_and_stops_on_anoth
     manifest.unlink()
     with pytest.raises(DataError, match=r"changed or was removed"):
         watch.check()
+
+
+def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before_step_1(dataset, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """With the sample shuffle, a run dir's first start only stats its local shards; the shard cache's gate hashes
+    each, in read order, ahead of the readers. Step 1 waits for its own shards' hashes, not the rank's whole share;
+    no sample is read from a shard before its hash matched; each is hashed once per run dir (the record, written as
+    the cache closes, spares a resume); a shard whose bytes differ stops the run, naming it, when the run reaches it,
+    with nothing read from it."""
+    import threading
+    import time
+
+    import torch
+
+    import trainer.data
+    from trainer.collate import CollateSpec
+    from trainer.config import TrainConfig
+    from trainer.rundata import make_loader, open_data
+
+    hashed, reads, lock = [], [], threading.Lock()
+    real_hash, real_read = ShardCheck._hash, trainer.data.read_indexed
+
+    def slow_hash(self, path, *, url, want):  # 0.1 s a shard: what a large shard's hash costs, in small
+        time.sleep(0.1)
+        sig = real_hash(self, path, url=url, want=want)
+        with lock:
+            hashed.append(path)
+        return sig
+
+    def read(index, i, f=None):
+        with lock:
+            assert index.path in hashed, f"read {index.path} before its sha256 was checked"
+            reads.append(index.path)
+        return real_read(index, i, f)
+
+    monkeypatch.setattr(ShardCheck, "_hash", slow_hash)
+    monkeypatch.setattr(trainer.data, "read_indexed", read)
+
+    def run(data_dir, out, steps=None):
+        cfg = TrainConfig(data=str(data_dir), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2,
+                          out=str(out), shard_prefetch=1)
+        data = open_data(cfg, 1)
+        spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
+                           merge_size=data.image.merge_size)
+        check = ShardCheck(out / "shard-cache" / "rank-00000" / RECORD)
+        loader, total, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
+                                       out=out, check=check)
+        at_start, at_first = len(hashed), None
+        try:
+            loader.start(0, 0)
+            for _ in range(steps or total):
+                loader.next_step()
+                at_first = len(hashed) if at_first is None else at_first
+        finally:
+            loader.close()
+        return at_start, at_first
+
+    n = len(resolve_data(str(dataset)).shards)
+    at_start, at_first = run(dataset, tmp_path / "r")
+    assert at_start == 0 and 1 <= at_first < n, (at_start, at_first)
+    assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == n and len(reads) >= 2 * n
+    assert "local shard(s) on rank 0 not yet hashed by this run dir" in capsys.readouterr().err
+    run(dataset, tmp_path / "r", steps=2)  # a resume: the record vouches for every shard
+    assert len(hashed) == n
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dataset, bad)
+    victim = sorted(bad.glob("shard-*.tar"))[2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    reads.clear()
+    with pytest.raises(DataError, match=rf"^{victim}: sha256 .*but its manifest lists"):
+        run(bad, tmp_path / "r2")
+    assert str(victim) not in reads  # nothing read from it
