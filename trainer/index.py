@@ -256,9 +256,9 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     rows under np.save's header), so a rank's start-up reads and hashes its own rows, not the dataset's. Where one is
     not vouched for that way, the whole file is hashed against the manifest's sha256 instead. Each shard's rows are
     then checked as a sidecar's are. A remote one is fetched first, one copy beside the ranks' cache dirs
-    (_fetched_shared; kept for a resume). Paths: as
-    shard_index gives; each index's signature is `signature(shard)`'s. Per shard: one read (one per run of adjacent
-    shards), one sha256 of its rows, no more (start-up grows with the rank's shards)."""
+    (_fetched_shared; kept for a resume). Paths: as shard_index gives; each index's signature is
+    `signature(shard)`'s. Per shard: one read (one per run of adjacent shards), one sha256 of its rows, no more
+    (start-up grows with the rank's shards)."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched_shared(ref, cache)
     rows_of = [s.row for s in shards]
