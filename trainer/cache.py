@@ -22,7 +22,7 @@ import torch
 from trainer.config import cache_limit_bytes, default
 from trainer.integrity import ShardCheck
 from trainer.order import RankSource, Schedule
-from trainer.shards import REMOTE, DataError
+from trainer.shards import REMOTE_OR_PIPE, DataError
 from trainer.storage import StorageError, fetch, sha256_file
 
 MISSING, READY, FAILED = 0, 1, 2
@@ -112,7 +112,7 @@ class ShardCache:
         self.prefetch, self.threads = max(prefetch, 1), max(threads, 1)
         self.shards = [sh for src in sources for sh in src.shards]
         self.offsets = list(np.cumsum([0] + [len(src.shards) for src in sources])[:-1].tolist())
-        self.remote = np.array([sh.url.startswith(("pipe:",) + REMOTE) for sh in self.shards], dtype=bool)
+        self.remote = np.array([sh.url.startswith(REMOTE_OR_PIPE) for sh in self.shards], dtype=bool)
         self.check = check
         deferred = check.deferred if check is not None else {}
         # what readers wait for: remote shards (fetched) and local ones this run dir has not hashed yet
@@ -281,4 +281,4 @@ class ShardCache:
 
 def remote_shards(sources: list[RankSource]) -> bool:
     """Whether any shard of the rank's sources is remote (a URL or a pipe), so that a shard cache is needed."""
-    return any(sh.url.startswith(("pipe:",) + REMOTE) for src in sources for sh in src.shards)
+    return any(sh.url.startswith(REMOTE_OR_PIPE) for src in sources for sh in src.shards)

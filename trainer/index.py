@@ -19,7 +19,16 @@ from pathlib import Path
 import numpy as np
 
 from trainer.decode import check_member_names, sample_version
-from trainer.shards import REMOTE, DataError, IndexRef, ShardRef, check_member_size, member_key, open_shard
+from trainer.shards import (
+    REMOTE,
+    REMOTE_OR_PIPE,
+    DataError,
+    IndexRef,
+    ShardRef,
+    check_member_size,
+    member_key,
+    open_shard,
+)
 from trainer.storage import StorageError, fetch
 from vlmprep_schemas import load
 from vlmprep_schemas.limits import (
@@ -66,7 +75,7 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
     url = url or path
     starts, ends, tokens, trained, names, keys = [], [], [], [], [], []
     key = None
-    remote = url != path and url.startswith(("pipe:",) + REMOTE)
+    remote = url != path and url.startswith(REMOTE_OR_PIPE)
     try:
         with (open_shard(url) if remote else open(path, "rb")) as f, \
                 tarfile.open(fileobj=f, mode="r|" if remote else "r:") as tar:
@@ -351,12 +360,9 @@ def _check_all(shards: list[ShardRef], columns: list[np.ndarray], where: str) ->
         raise DataError(f"{where}: the sample index does not describe the dataset's shards: run `vlmprep verify`")
 
 
-_CACHED = ("pipe:",) + REMOTE  # URL prefixes whose shards are read from the rank's shard cache
-
-
 def _local_path(s: ShardRef, cache: Path) -> str:
     """Where a shard is read from: the file itself, or a remote shard's place in the rank's shard cache."""
-    return str(Path(cache) / cache_name(s.url, s.name)) if s.url.startswith(_CACHED) else s.url
+    return str(Path(cache) / cache_name(s.url, s.name)) if s.url.startswith(REMOTE_OR_PIPE) else s.url
 
 
 def index_shards(shards: tuple[ShardRef, ...], index: Callable[[ShardRef], ShardIndex]) -> tuple[ShardIndex, ...]:

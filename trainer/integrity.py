@@ -16,7 +16,7 @@ from typing import Callable
 
 from trainer.config import default
 from trainer.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
-from trainer.shards import REMOTE, DataError, DataSource, ShardRef
+from trainer.shards import REMOTE_OR_PIPE, DataError, DataSource, ShardRef
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
 
@@ -120,7 +120,7 @@ def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str 
     """The shard's index (trainer/index.py); a local shard's content is checked first and the signature it had then
     goes into the index (every read checks the file is still that one). A remote shard's bytes are checked by the
     shard cache as it fetches them (trainer/cache.py)."""
-    if shard.url.startswith(("pipe:",) + REMOTE):
+    if shard.url.startswith(REMOTE_OR_PIPE):
         return shard_index(shard, cache)
     signature = check.verify(shard.url, url=shard.url, want=want)
     index = shard_index(shard, cache)
@@ -139,7 +139,7 @@ def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path
     if ds.index is None or any(s.row is None for s in shards):
         return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
     return dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache, signature=lambda s: () if
-                           s.url.startswith(("pipe:",) + REMOTE) else check.verify(s.url, url=s.url, want=want(s)))
+                           s.url.startswith(REMOTE_OR_PIPE) else check.verify(s.url, url=s.url, want=want(s)))
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:
@@ -147,7 +147,7 @@ def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck
     sample counts."""
     want = expected_sha256(ds)
     return {s.url: check.verify(s.url, url=s.url, want=want.get(s.name)) for s in shards
-            if not s.url.startswith(("pipe:",) + REMOTE)}
+            if not s.url.startswith(REMOTE_OR_PIPE)}
 
 
 @dataclass
@@ -169,7 +169,7 @@ class DatasetWatch:
     def __init__(self, datasets: list[DataSource]):
         self.watched = []
         for ds in datasets:
-            if ds.manifest is None or not ds.shards or ds.shards[0].url.startswith(("pipe:",) + REMOTE):
+            if ds.manifest is None or not ds.shards or ds.shards[0].url.startswith(REMOTE_OR_PIPE):
                 continue
             path = Path(ds.shards[0].url).parent / "manifest.json"
             try:

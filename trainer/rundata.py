@@ -23,7 +23,7 @@ from trainer.metrics import plural
 from trainer.model import model_type_of
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
 from trainer.shards import (
-    REMOTE,
+    REMOTE_OR_PIPE,
     DataError,
     DataSource,
     ShardPlan,
@@ -97,7 +97,7 @@ def fit_span(cfg: TrainConfig, data: "RunData", world: int) -> TrainConfig:
     rank's share of the limit (the node's limit over its LOCAL_WORLD_SIZE ranks) holds, per dataset, the block being
     read and the next one being fetched. Returns cfg with that --shuffle-span when it was 0 (written to config.toml
     and compared on resume); refuses a limit below one shard per dataset, or a span given that cannot fit."""
-    remote = any(s.url.startswith(("pipe:",) + REMOTE) for d in data.datasets for s in d.shards)
+    remote = any(s.url.startswith(REMOTE_OR_PIPE) for d in data.datasets for s in d.shards)
     if not cfg.shard_cache_limit or not remote or not (cfg.shuffle or len(data.specs) > 1):
         return cfg
     limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
@@ -245,7 +245,7 @@ def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, devic
     shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
     token budget or packing run is known up front."""
     scheduled = cfg.shuffle or len(data.specs) > 1
-    local = not any(s.url.startswith(("pipe:",) + REMOTE) for d in data.datasets for s in d.shards)
+    local = not any(s.url.startswith(REMOTE_OR_PIPE) for d in data.datasets for s in d.shards)
     sources, index_s, derived, cache = None, 0.0, 0, None
     root = Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}"
     if scheduled or local:

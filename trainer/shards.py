@@ -31,6 +31,8 @@ from vlmprep_schemas.boundary import (
 from vlmprep_schemas.limits import LIMITS, load_json, schema_problem
 
 READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
+# Shard URLs that are not local files: streamed once, or read from the rank's shard cache
+REMOTE_OR_PIPE = ("pipe:",) + REMOTE
 
 
 class DataError(RuntimeError):
@@ -256,7 +258,7 @@ def plan_shards(shards: tuple[ShardRef, ...], world: int) -> ShardPlan:
 def open_shard(url: str):
     """Local files stay seekable, so members a worker skips are never read; remote ones stream through fsspec
     (trainer/storage.py), pipe: commands through webdataset's gopen."""
-    if url.startswith(("pipe:",) + REMOTE):
+    if url.startswith(REMOTE_OR_PIPE):
         try:
             return open_url(url)
         except StorageError as e:
@@ -291,7 +293,7 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
         stream = open_shard(url)
     except OSError as e:
         raise DataError(f"cannot open shard {url}: {e}") from None
-    mode = "r|" if url.startswith(("pipe:",) + REMOTE) else "r:"
+    mode = "r|" if url.startswith(REMOTE_OR_PIPE) else "r:"
     finished = False
     try:
         with tarfile.open(fileobj=stream, mode=mode) as tar:
