@@ -216,6 +216,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     from trainer.collate import CollateSpec
     from trainer.config import Batching, TrainConfig
     from trainer.data import EpochSchedule, StepLoader
+    from trainer.integrity import ShardCheck, expected_sha256
     from trainer.rundata import fit_span, open_data, predict_steps, rank_sources
 
     # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op
@@ -231,8 +232,6 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     # A run dir's first start, as the trainer makes it: local shards stat-ed, their sha256 left to the shard cache
     check = None
     if first_step and "://" not in data:
-        from trainer.integrity import ShardCheck
-
         check = ShardCheck(None)
         check.deferring = True
     sources, _ = rank_sources(data_.specs, data_.datasets, data_.plans, rank=rank, world=world, cache=cache,
@@ -241,8 +240,6 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     steps, first = predict_steps(cfg, sources, torch.device("cpu"))
     t3 = time.perf_counter()
     if check is not None:  # what step 1 waited for before the shard cache hashed local shards: the rank's whole share
-        from trainer.integrity import ShardCheck, expected_sha256
-
         whole = ShardCheck(None)
         for src, ds in zip(sources, data_.datasets):
             want = expected_sha256(ds)

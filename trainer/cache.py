@@ -70,10 +70,11 @@ class CacheView:
         return int(self.state[j]) != READY
 
 
-def intervals(sources: list[RankSource], order: Schedule, start: int, remote: np.ndarray,
+def intervals(sources: list[RankSource], order: Schedule, start: int, gated: np.ndarray,
               offsets: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(flat shard, first, last position) of each remote shard's reads at or after `start`, one interval per pass of
-    its source (a source that repeats reads a shard again in its next pass), sorted by first position."""
+    """(flat shard, first, last position) of each gated shard's reads (remote, or local and not hashed yet) at or after
+    `start`, one interval per pass of its source (a source that repeats reads a shard again in its next pass), sorted
+    by first position."""
     n = len(order)
     if n <= start:
         return (np.zeros(0, np.int64),) * 3
@@ -86,7 +87,7 @@ def intervals(sources: list[RankSource], order: Schedule, start: int, remote: np
         per_pass = max(len(range(rs.stride[0], total, rs.stride[1])), 1)
         passes[at] = np.arange(len(at)) // per_pass
     pos = np.arange(n, dtype=np.int64)
-    keep = (pos >= start) & remote[flat]
+    keep = (pos >= start) & gated[flat]
     flat, passes, pos = flat[keep], passes[keep], pos[keep]
     key = flat * (passes.max(initial=0) + 1) + passes
     uniq, inverse = np.unique(key, return_inverse=True)
@@ -122,7 +123,7 @@ class ShardCache:
         self.view = CacheView(files, torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
                               torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(), self.offsets,
                               str(self.errors), evicts=bool(self.remote.any()))
-        self.verified: set[int] = set()  # remote shards this process has checked against the manifest
+        self.verified: set[int] = set()  # gated shards this process has fetched or hashed and checked
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: DataError | None = None
