@@ -287,12 +287,13 @@ def _startup(data: str, world: int, *, first_step: bool, limit: str = "") -> tup
 ROUNDS = 11  # fresh processes per dataset size for the data part
 
 
-def _data_parts(points: list[tuple[int, str, bool]], world: int) -> tuple[list[tuple[float, dict, float]], float]:
+def _data_parts(points: list[tuple[int, str, bool]], world: int) -> tuple[list[tuple[float, dict, float]],
+                                                                            float | None]:
     """The trainer's start-up on rank 0 of `world`, each of `points` (samples, path, to the first step) in fresh
     processes. The data part (index + step predictor) is a few ms, so one process's scheduling noise moves it by 2x,
     and the box's speed drifts over minutes: ROUNDS rounds, each running every size once in turn, so each round's
     100k-over-10k ratio compares processes that ran seconds apart. Per point: the last process's time and row, and
-    the median data part; and the median of the rounds' 100k / 10k ratios (nan without that pair)."""
+    the median data part; and the median of the rounds' 100k / 10k ratios (None without that pair)."""
     parts: list[list[float]] = [[] for _ in points]
     last: list[tuple[float, dict]] = [(0.0, {})] * len(points)
     for _ in range(ROUNDS):
@@ -301,10 +302,10 @@ def _data_parts(points: list[tuple[int, str, bool]], world: int) -> tuple[list[t
             parts[k].append(r["index_s"] + r["predict_s"])
             last[k] = (s, r)
     sizes = [n for n, _, _ in points]
-    paired = float("nan")
+    paired = None
     if 10_000 in sizes and 100_000 in sizes:
         small, big = parts[sizes.index(10_000)], parts[sizes.index(100_000)]
-        paired = statistics.median(b / max(a, 1e-9) for a, b in zip(small, big))
+        paired = round(statistics.median(b / max(a, 1e-9) for a, b in zip(small, big)), 3)
     return [(s, r, statistics.median(p)) for (s, r), p in zip(last, parts)], paired
 
 
@@ -375,7 +376,7 @@ def run(quick: bool) -> list[dict]:
             rows.append(_growth("trainer start-up (index + step predictor)", "samples", data_part, ranks=world,
                                 samples_per_shard=spp, goal_data_part_100k_over_10k="<= 2x", rounds=ROUNDS,
                                 data_part_ratio=_ratio(data_part, 100_000, 10_000),
-                                data_part_ratio_of_rounds=None if paired != paired else round(paired, 3)))
+                                data_part_ratio_of_rounds=paired))
 
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer
