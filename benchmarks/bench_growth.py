@@ -229,9 +229,10 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     cfg = fit_span(cfg, data_, world)
     t1 = time.perf_counter()
     cache = OUT / "growth" / "run" / "shard-cache" / f"rank-{rank:05d}"
-    # A run dir's first start, as the trainer makes it: local shards stat-ed, their sha256 left to the shard cache
+    # A run dir's first start, as the trainer's make_loader makes it: its check (on by default, its record empty)
+    # defers the local shards' sha256 to the shard cache, and stats them
     check = None
-    if first_step and "://" not in data:
+    if "://" not in data:
         check = ShardCheck(None)
         check.deferring = True
     sources, _ = rank_sources(data_.specs, data_.datasets, data_.plans, rank=rank, world=world, cache=cache,
@@ -239,7 +240,8 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     t2 = time.perf_counter()
     steps, first = predict_steps(cfg, sources, torch.device("cpu"))
     t3 = time.perf_counter()
-    if check is not None:  # what step 1 waited for before the shard cache hashed local shards: the rank's whole share
+    if first_step and check is not None:  # what step 1 waited for before the shard cache hashed local shards: the
+        # rank's whole share
         whole = ShardCheck(None)
         for src, ds in zip(sources, data_.datasets):
             want = expected_sha256(ds)

@@ -5,6 +5,7 @@ sample shuffling and mixtures; remote shards are read from the rank's shard cach
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import itertools
@@ -246,12 +247,23 @@ def _fetch_index(ref: IndexRef, local: Path) -> None:
 DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed at a time (1.5 MiB), where it is hashed whole
 
 
-def _vouched(s: ShardRef, head: bytes, rows: memoryview) -> bool:
+@functools.lru_cache(maxsize=64)
+def _sidecar_head(rows: int) -> tuple[int, "hashlib._Hash"]:
+    """The size of np.save's .npy header for a sidecar of `rows` rows, and a sha256 that has hashed it: copied per
+    shard (most shards share a row count), not built and fed the header again."""
+    head = index_head(rows, INDEX_DTYPE)
+    return len(head), hashlib.sha256(head)
+
+
+def _vouched(s: ShardRef, rows: memoryview) -> bool:
     """Whether a shard's rows, as read from the dataset's sample index, are its sidecar's as the manifest lists it
-    (size and sha256 of the sidecar's header `head`, np.save's for that many rows, + these rows)."""
-    if s.index is None or len(head) + len(rows) != s.index.num_bytes:
+    (size and sha256 of np.save's header for that many rows + these rows)."""
+    if s.index is None:
         return False
-    h = hashlib.sha256(head)
+    size, head = _sidecar_head(s.num_samples)
+    if size + len(rows) != s.index.num_bytes:
+        return False
+    h = head.copy()
     h.update(rows)
     return h.hexdigest() == s.index.sha256
 
@@ -270,9 +282,9 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     (start-up grows with the rank's shards)."""
     where = ref.url
     local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched_shared(ref, cache)
-    rows_of = [s.row for s in shards]
+    rows_of, ordered = [s.row for s in shards], None
     if all(a < b for a, b in zip(rows_of, rows_of[1:])):  # manifest order, each shard once: the usual rank's list
-        firsts = list(shards)
+        firsts = ordered = list(shards)
     else:  # a shard named twice (a pattern) is read once
         by_span = {}
         for s in shards:
@@ -300,8 +312,8 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
                                 "again")
             a, k = stops[z - 1], z
         a = 0
-        for s, z in zip(firsts, stops):  # index_head is cached per row count: most shards share one
-            if not _vouched(s, index_head(s.num_samples, INDEX_DTYPE), raw[a:z]):
+        for s, z in zip(firsts, stops):
+            if not _vouched(s, raw[a:z]):
                 _check_whole(f, head[:offset], ref, where)
                 break
             a = z
@@ -309,13 +321,13 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     del raw, keep
     _check_all(firsts, columns, where)
     starts, ends, tokens, trained = columns
-    at = {(s.row, s.num_samples): z // width - s.num_samples for s, z in zip(firsts, stops)}
-    out = []
-    for s in shards:
-        o = at[s.row, s.num_samples]
-        z = o + s.num_samples
-        out.append(ShardIndex(_local_path(s, cache), starts[o:z], ends[o:z], tokens[o:z], trained[o:z], signature(s)))
-    return tuple(out)
+    ends_at = [z // width for z in stops]
+    if firsts is not ordered:  # rows read in another order, or once for a shard named twice: each takes its span's
+        at = {(s.row, s.num_samples): z for s, z in zip(firsts, ends_at)}
+        ends_at = [at[s.row, s.num_samples] for s in shards]
+    return tuple(ShardIndex(_local_path(s, cache), starts[z - s.num_samples:z], ends[z - s.num_samples:z],
+                            tokens[z - s.num_samples:z], trained[z - s.num_samples:z], signature(s))
+                 for s, z in zip(shards, ends_at))
 
 
 def _check_whole(f, head: bytes, ref: IndexRef, where: str) -> None:

@@ -60,11 +60,13 @@ class ShardCheck:
             st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
         except OSError as e:
             raise DataError(f"cannot read shard {url}: {e}") from None
-        if not (self.enabled and want) or self.known.get(os.path.abspath(path)) == self._key(st, want):
-            return file_signature(st)
+        signature = file_signature(st)
+        # (a first start's record is empty: no abspath, a getcwd for a relative path, per shard)
+        if not (self.enabled and want) or self.known and self.known.get(os.path.abspath(path)) == self._key(st, want):
+            return signature
         if self.deferring:
-            self.deferred[path] = (url, want, file_signature(st))
-            return file_signature(st)
+            self.deferred[path] = (url, want, signature)
+            return signature
         return self._hash(path, url=url, want=want)
 
     def verify_deferred(self, path: str) -> None:

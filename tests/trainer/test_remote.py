@@ -142,6 +142,13 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
                     np.testing.assert_array_equal(getattr(ix, field), getattr(want[s.name], field))
             held = sum(a.nbytes for ix in sources[0].indexes for a in (ix.starts, ix.ends, ix.tokens, ix.trained))
             assert held <= 32 * sum(ix.num_samples for ix in sources[0].indexes)
+    # shards listed out of manifest order (each once), or one named twice (a pattern): each still gets its own rows
+    for shards in (ds.shards[::-1], ds.shards[1:] + ds.shards[:1], ds.shards + ds.shards[2:3]):
+        got = trainer.index.dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=tmp_path / "c")
+        assert [ix.path for ix in got] == [s.url for s in shards]
+        for s, ix in zip(shards, got):
+            for field in ("starts", "ends", "tokens", "trained"):
+                np.testing.assert_array_equal(getattr(ix, field), getattr(want[s.name], field))
 
 
 def test_a_dataset_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset, tmp_path):
