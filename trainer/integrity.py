@@ -47,6 +47,8 @@ class ShardCheck:
         self.deferring = False
         self.deferred: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # path -> (url, sha256, its signature then)
         self._lock = threading.Lock()  # the shard cache's threads add to `known` while the training thread saves it
+        self._hashing: dict[str, threading.Lock] = {}  # deferred path -> held while it is hashed (once)
+        self._done: set[str] = set()  # deferred paths hashed and matched
         if record is not None and enabled:
             try:
                 self.known = json.loads(record.read_text(encoding="utf-8"))
@@ -73,8 +75,14 @@ class ShardCheck:
         """Hash a deferred shard now; refuses it (one line) unless it is still the file start-up saw and hashes to
         its manifest's sha256."""
         url, want, signature = self.deferred[path]
-        if self._hash(path, url=url, want=want) != signature:
-            raise changed(url)
+        with self._lock:
+            hashing = self._hashing.setdefault(path, threading.Lock())
+        with hashing:  # a shard in two sources of a mixture is gated twice, and hashed once
+            if path in self._done:
+                return
+            if self._hash(path, url=url, want=want) != signature:
+                raise changed(url)
+            self._done.add(path)
 
     def _hash(self, path: str, *, url: str, want: str) -> tuple[int, ...]:
         try:

@@ -157,3 +157,47 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
     with pytest.raises(DataError, match=rf"^{victim}: sha256 .*but its manifest lists"):
         run(bad, tmp_path / "r2")
     assert str(victim) not in reads  # nothing read from it
+
+
+def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, monkeypatch):
+    """The same dataset named twice in a mixture (two sources, one set of files): the shard cache's gate passes each
+    shard of both sources, reaching a file from both at once or one after the other, and hashes the file once."""
+    import threading
+    import time
+
+    import torch
+
+    from trainer.collate import CollateSpec
+    from trainer.config import DataSpec, TrainConfig
+    from trainer.rundata import make_loader, open_data
+
+    hashed, lock, real_hash = [], threading.Lock(), ShardCheck._hash
+
+    def slow_hash(self, path, *, url, want):  # slow enough that both sources' gates reach a shard while it hashes
+        time.sleep(0.05)
+        with lock:
+            hashed.append(path)
+        return real_hash(self, path, url=url, want=want)
+
+    monkeypatch.setattr(ShardCheck, "_hash", slow_hash)
+    cfg = TrainConfig(data=(DataSpec(name="a", path=str(dataset), weight=0.5),
+                            DataSpec(name="b", path=str(dataset), weight=0.5, on_end="stop")),
+                      tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"),
+                      shard_prefetch=64)  # the gate runs through the whole schedule, no reader needed
+    data = open_data(cfg, 1)
+    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
+                       merge_size=data.image.merge_size)
+    check = ShardCheck(tmp_path / "r" / "shard-cache" / "rank-00000" / RECORD)
+    loader, _, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
+                               out=tmp_path / "r", check=check)
+    n = len(resolve_data(str(dataset)).shards)
+    assert len(check.deferred) == n
+    cache = loader.streams.cache
+    try:
+        loader.start(0, 0)
+        cache._thread.join(timeout=60)
+        assert not cache._thread.is_alive() and cache.error is None
+    finally:
+        loader.close()
+    assert cache.hashed == 2 * n  # both sources' shards passed the gate...
+    assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == n, hashed  # ...each file hashed once
