@@ -415,5 +415,12 @@ def run(quick: bool) -> list[dict]:
             rows.append(emit("growth", command=command, samples=n, seconds=round(s, 3), peak_rss_mb=round(rss, 1)))
     for command, points in times.items():
         rows.append(_growth(command, "samples", points))
+    # verify checks shards in --workers processes (default: every CPU here): against one, on the smallest dataset
+    n = sizes[0]
+    one, rss, _ = _vlmprep("verify", merged[n][0], "--workers", "1")
+    every = dict(times["verify"])[n]
+    rows.append(emit("growth", command="verify --workers 1 (baseline)", samples=n, seconds=round(one, 3),
+                     peak_rss_mb=round(rss, 1), default_workers=len(os.sched_getaffinity(0)),
+                     default_seconds=round(every, 3), speedup=round(one / max(every, 1e-6), 2)))
 
     return rows

@@ -170,14 +170,22 @@ def verify(
     root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
     quick: Annotated[bool, typer.Option(
         help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
+    workers: Annotated[Optional[int], typer.Option(
+        min=1, show_default="the CPUs this process may use",
+        help="Processes that check shards at once; the report is the same for any value.")] = None,
 ) -> None:
     """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation.
 
     Reads every sample (every byte of every shard for the sha256s, --quick included): time grows with the dataset's
-    size (docs/scale.md)."""
-    from vlmprep.tools.verify import verify_dataset
+    size (docs/scale.md), divided among --workers processes."""
+    from vlmprep.tools.verify import shard_progress, verify_dataset
 
-    violations = verify_dataset(root, deep=not quick)
+    try:
+        with shard_progress("verify") as progress:
+            violations = verify_dataset(root, deep=not quick, workers=workers or len(os.sched_getaffinity(0)),
+                                        progress=progress)
+    except UserError as e:
+        _fail(e)
     for v in violations:
         typer.echo(f"FAIL {v}")
     if violations:

@@ -199,3 +199,42 @@ def test_the_commands_that_read_every_sample_say_so_in_their_help():
         res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
         text = " ".join(res.output.split())
         assert res.exit_code == 0 and "Reads every sample" in text and "time grows with" in text, (command, text)
+
+
+def test_workers_check_shards_in_processes_and_report_the_same_in_manifest_order(ds, monkeypatch):
+    """--workers N checks shards in N forked processes: the same violations, in manifest order, as one process, the
+    progress counting every shard; a worker that dies is one line, not a hang or a traceback."""
+    import os
+
+    import vlmprep.tools.verify as verify
+
+    rewrite_first_image_sample(ds, _set_array("loss_mask.npy", lambda m: np.ones_like(m)))  # shard 0, one sample
+    last = sorted(ds.glob("shard-*.tar"))[-1]
+    last.write_bytes(last.read_bytes() + b"\0" * 512)
+    n = len(json.loads((ds / "manifest.json").read_text())["shards"])
+    assert n >= 2 and last.name != "shard-000000.tar"
+    runs = {}
+    for workers in (1, 3):
+        seen = []
+        found = verify_dataset(ds, workers=workers, progress=lambda done, total, seen=seen: seen.append((done, total)))
+        runs[workers] = [str(v) for v in found]
+        assert seen == [(k, n) for k in range(1, n + 1)]
+    assert runs[1] == runs[3]
+    assert runs[1][0].startswith("shard-000000.tar:") and "loss_mask trains image placeholder tokens" in runs[1][0]
+    assert f"{last.name}: size " in runs[1][-1]
+    cli = [CliRunner().invoke(app, ["verify", str(ds), "--workers", w]) for w in ("1", "2")]
+    assert cli[0].exit_code == cli[1].exit_code == 1 and cli[0].output == cli[1].output
+
+    parent, real = os.getpid(), verify.sha256_file
+
+    def dies(path):  # (a forked worker runs it too: nothing is pickled but shard numbers)
+        if os.getpid() != parent and Path(path).name == "shard-000000.tar":
+            os._exit(9)  # what the OOM killer does
+        return real(path)
+
+    monkeypatch.setattr(verify, "sha256_file", dies)
+    res = CliRunner().invoke(app, ["verify", str(ds), "--workers", "2"])
+    assert res.exit_code == 1 and res.output.strip().splitlines() == [
+        "error: a verify worker process stopped abruptly (killed, out of memory, or crashed): run it again with "
+        "--workers 1 to check the shards in this process"]
+    assert verify_dataset(ds, workers=1) != []  # in this process the patch never dies
