@@ -415,12 +415,13 @@ def run(quick: bool) -> list[dict]:
             rows.append(emit("growth", command=command, samples=n, seconds=round(s, 3), peak_rss_mb=round(rss, 1)))
     for command, points in times.items():
         rows.append(_growth(command, "samples", points))
-    # verify checks shards in --workers processes (default: every CPU here): against one, on the smallest dataset
+    # stats and verify read shards in --workers processes (default: every CPU here): against one, at the first size
     n = sizes[0]
-    one, rss, _ = _vlmprep("verify", merged[n][0], "--workers", "1")
-    every = dict(times["verify"])[n]
-    rows.append(emit("growth", command="verify --workers 1 (baseline)", samples=n, seconds=round(one, 3),
-                     peak_rss_mb=round(rss, 1), default_workers=len(os.sched_getaffinity(0)),
-                     default_seconds=round(every, 3), speedup=round(one / max(every, 1e-6), 2)))
+    for command, args in (("stats", ["stats", merged[n][0], "--json"]), ("verify", ["verify", merged[n][0]])):
+        one, rss, _ = _vlmprep(*args, "--workers", "1")
+        every = dict(times[command])[n]
+        rows.append(emit("growth", command=f"{command} --workers 1 (baseline)", samples=n, seconds=round(one, 3),
+                         peak_rss_mb=round(rss, 1), default_workers=len(os.sched_getaffinity(0)),
+                         default_seconds=round(every, 3), speedup=round(one / max(every, 1e-6), 2)))
 
     return rows

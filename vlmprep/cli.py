@@ -178,7 +178,8 @@ def verify(
 
     Reads every sample (every byte of every shard for the sha256s, --quick included): time grows with the dataset's
     size (docs/scale.md), divided among --workers processes."""
-    from vlmprep.tools.verify import shard_progress, verify_dataset
+    from vlmprep.tools.per_shard import shard_progress
+    from vlmprep.tools.verify import verify_dataset
 
     try:
         with shard_progress("verify") as progress:
@@ -223,18 +224,23 @@ def stats(
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
     html: Annotated[Optional[str], typer.Option(
         help="Also write a self-contained HTML report with histograms to this file.")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        min=1, show_default="the CPUs this process may use",
+        help="Processes that read shards at once; the numbers are the same for any value.")] = None,
 ) -> None:
     """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects,
     each input file's turn coverage, distributions, and warnings with their fixes.
 
     Reads every sample's arrays and meta (counts recomputed and checked against the manifest): time grows with the
-    sample count (docs/scale.md)."""
+    sample count (docs/scale.md), divided among --workers processes."""
     import json
 
+    from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.stats import compute_stats, format_stats
 
     try:
-        st = compute_stats(root)
+        with shard_progress("stats") as progress:
+            st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), progress=progress)
         if html:
             from vlmprep.tools.stats_report import write_stats_report
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, shard_paths
 from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
+from vlmprep.tools.per_shard import map_shards
 
 HIST_BINS = 10
 HIST_WIDTH = 40
@@ -84,6 +86,17 @@ class _Scan:
         self.large: list[dict] = []  # images over image_limit tokens
         self.by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
+    def merge(self, other: "_Scan") -> None:
+        """Adds another scan's values after this one's (the next shard's, in manifest order)."""
+        for name in ("tokens", "trained", "image_tokens", "images", "image_token_runs", "large"):
+            getattr(self, name).extend(getattr(other, name))
+        for name in ("truncated", "dropped", "split", "videos", "video_frames", "video_tokens", "dropped_videos"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.sizes.update(other.sizes)
+        self.sizes_are_source = self.sizes_are_source and other.sizes_are_source
+        for source, counts in other.by_file.items():
+            self.by_file[source].update(counts)
+
     def add(self, ts) -> None:
         meta = ts.meta()
         mask, types = ts.array("loss_mask"), ts.array("mm_token_type_ids")
@@ -114,12 +127,22 @@ class _Scan:
                                    "pixels_per_token": int(im["width"]) * int(im["height"]) / runs[k]})
 
 
-def compute_stats(root: Path) -> dict:
+def _scan_shard(job: tuple[list[Path], int, int], k: int) -> _Scan:
+    """The k-th shard's scan (job: the shard paths, the format version, the image token limit)."""
+    paths, version, image_limit = job
+    scan = _Scan(image_limit)
+    for ts in iter_shard(paths[k], version=version):
+        scan.add(ts)
+    return scan
+
+
+def compute_stats(root: Path, *, workers: int = 1, progress: Callable[[int, int], None] | None = None) -> dict:
     """A built dataset dir -> its statistics as a dict (what `vlmprep stats` prints and --json writes): counts of
     records, samples, tokens, trained tokens, images and videos, their distributions and histograms, image sizes,
     truncation and what it dropped, rejects, turn coverage, and warnings where the manifest and the shards disagree
     or images take most of the sequence. Reads every shard once (the manifest alone cannot say how tokens are
-    distributed)."""
+    distributed); `workers` > 1: in that many processes (tools/per_shard.py), each shard's scan merged in manifest
+    order, so the result is the same for any value. `progress(done, total)`: called as each shard is done."""
     root = Path(root)
     manifest = load_manifest(root)
     config = manifest.get("config") or {}
@@ -128,9 +151,10 @@ def compute_stats(root: Path) -> dict:
     floor = config.get("min_turn_coverage")
     floor = float(floor) if isinstance(floor, (int, float)) and 0 <= floor <= 1 else MIN_TURN_COVERAGE
     scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN)
-    for path in shard_paths(root, manifest):
-        for ts in iter_shard(path, version=manifest["format_version"]):
-            scan.add(ts)
+    paths = shard_paths(root, manifest)
+    for part in map_shards(_scan_shard, (paths, manifest["format_version"], scan.image_limit), len(paths),
+                           workers=workers, command="stats", progress=progress):
+        scan.merge(part)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)
     rejects = {k: int(v) for k, v in sorted(manifest.get("rejects", {}).items())}

@@ -5,14 +5,10 @@ grid size). Reads through shards/reader.py: refused members are reported, never 
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing as mp
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import jsonschema
 import numpy as np
@@ -31,7 +27,7 @@ from vlmprep.shards.reader import (
     read_index_file,
     sample_ranges,
 )
-from vlmprep.types import UserError
+from vlmprep.tools.per_shard import map_shards
 from vlmprep_schemas import NAMES, load
 
 
@@ -64,7 +60,7 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
     shard present with its size and sha256, no unlisted shards, and with `deep` every sample decoded and checked
     (member names, array dtypes and shapes, meta schema, token counts against image and video grids, mask and types).
     Trade-off: `deep` reads and decodes every sample; without it only sizes and hashes are checked, in a fraction of
-    the time. `workers` > 1: shards are checked in that many processes forked from this one, the violations listed in
+    the time. `workers` > 1: shards are checked in that many processes (tools/per_shard.py), the violations listed in
     manifest order all the same (the same list for any value). `progress(done, total)`: called as each shard is
     done."""
     root = Path(root)
@@ -81,55 +77,16 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
     for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
         out.append(Violation(extra, "shard file not listed in the manifest"))
     job = _ShardJob(root, manifest, _SampleCheck(manifest, root), deep)
-    n = len(manifest["shards"])
-    if workers > 1 and n > 1:
-        # forked: each worker inherits the job (manifest, checks); only shard numbers and violations cross
-        try:
-            with ProcessPoolExecutor(min(workers, n), mp_context=mp.get_context("fork"), initializer=_take_job,
-                                     initargs=(job,)) as pool:
-                for k, found in enumerate(pool.map(_check_shard, range(n))):  # in manifest order
-                    out.extend(found)
-                    if progress:
-                        progress(k + 1, n)
-        except BrokenProcessPool:
-            raise UserError("a verify worker process stopped abruptly (killed, out of memory, or crashed): run it "
-                            "again with --workers 1 to check the shards in this process") from None
-    else:
-        for k in range(n):
-            out.extend(_check_shard(k, job))
-            if progress:
-                progress(k + 1, n)
+    for found in map_shards(_check_shard, job, len(manifest["shards"]), workers=workers, command="verify",
+                            progress=progress):
+        out.extend(found)
     out.extend(_verify_dataset_index(root, manifest, deep=deep))
     return out
 
 
-@contextlib.contextmanager
-def shard_progress(title: str) -> Iterator[Callable[[int, int], None]]:
-    """A progress bar over a dataset's shards on stderr when it is a terminal; yields show(done, total). Redrawn on
-    each call, with no refresh thread: worker processes then fork from a process that has one thread."""
-    import sys
-
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bar = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
-                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), auto_refresh=False,
-                   console=Console(stderr=True), disable=not sys.stderr.isatty())
-    with bar:
-        task = bar.add_task(title, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total, refresh=True)
-
-
 @dataclass(frozen=True)
 class _ShardJob:
-    """What every shard's check needs, set before the workers fork (they inherit it)."""
+    """What every shard's check needs (workers inherit it at the fork)."""
 
     root: Path
     manifest: dict
@@ -137,18 +94,9 @@ class _ShardJob:
     deep: bool
 
 
-_JOB: _ShardJob | None = None  # in a worker process: its job
-
-
-def _take_job(job: _ShardJob) -> None:
-    global _JOB
-    _JOB = job
-
-
-def _check_shard(k: int, job: _ShardJob | None = None) -> list[Violation]:
-    """The manifest's k-th shard (of `job`'s dataset; in a worker, its job): present with its size and sha256, its
-    sidecar, and (deep) every sample and the sidecar's rows."""
-    job = job or _JOB
+def _check_shard(job: _ShardJob, k: int) -> list[Violation]:
+    """The manifest's k-th shard of `job`'s dataset: present with its size and sha256, its sidecar, and (deep) every
+    sample and the sidecar's rows."""
     root, s, check = job.root, job.manifest["shards"][k], job.check
     path = root / s["name"]
     if not path.is_file():

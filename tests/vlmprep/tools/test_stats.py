@@ -443,3 +443,35 @@ def test_many_input_files_list_the_lowest_coverage_first():
                         "--json lists all):")
     assert [line.split()[0] for line in lines[2:]] == [f"part-{k:03d}.jsonl" for k in range(MAX_INPUT_ROWS + 4,
                                                                                               4, -1)]
+
+
+def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
+    """--workers N scans shards in N forked processes and merges them in manifest order: the same numbers, the same
+    lists (large images, per-input rows, warnings) and the same terminal text as one process."""
+    from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+    from vlmprep.tools.stats import _Scan, _scan_shard, compute_stats, format_stats
+
+    n = len(list(built.glob("shard-*.tar")))
+    assert n >= 2
+    runs = {}
+    for workers in (1, 2, 3):
+        seen = []
+        runs[workers] = compute_stats(built, workers=workers, progress=lambda done, total, seen=seen:
+                                      seen.append((done, total)))
+        assert seen == [(k, n) for k in range(1, n + 1)]
+    assert runs[1] == runs[2] == runs[3] and format_stats(runs[1]) == format_stats(runs[3])
+    assert runs[1]["samples"] > n and runs[1]["truncated_samples"] and runs[1]["dropped_images"]
+    # the merge of per-shard scans is the one scan of every shard: each field, not only what the report shows
+    manifest = load_manifest(built)
+    paths, limit = shard_paths(built, manifest), 8  # a low limit: every image is "large", so that list is filled
+    one, merged = _Scan(limit), _Scan(limit)
+    for k in range(n):
+        part = _scan_shard((paths, manifest["format_version"], limit), k)
+        merged.merge(part)
+    for p in paths:
+        for ts in iter_shard(p, version=manifest["format_version"]):
+            one.add(ts)
+    assert one.large and one.by_file and one.sizes
+    assert vars(one) == vars(merged)
+    cli = [CliRunner().invoke(app, ["stats", str(built), "--json", "--workers", w]) for w in ("1", "2")]
+    assert cli[0].exit_code == cli[1].exit_code == 0 and cli[0].stdout == cli[1].stdout

@@ -236,5 +236,5 @@ def test_workers_check_shards_in_processes_and_report_the_same_in_manifest_order
     res = CliRunner().invoke(app, ["verify", str(ds), "--workers", "2"])
     assert res.exit_code == 1 and res.output.strip().splitlines() == [
         "error: a verify worker process stopped abruptly (killed, out of memory, or crashed): run it again with "
-        "--workers 1 to check the shards in this process"]
+        "--workers 1 to read the shards in this process"]
     assert verify_dataset(ds, workers=1) != []  # in this process the patch never dies
