@@ -184,7 +184,7 @@ def verify(
     try:
         with shard_progress("verify") as progress:
             violations = verify_dataset(root, deep=not quick, workers=workers or len(os.sched_getaffinity(0)),
-                                        progress=progress)
+                                        on_shard=progress)
     except UserError as e:
         _fail(e)
     for v in violations:
@@ -240,7 +240,7 @@ def stats(
 
     try:
         with shard_progress("stats") as progress:
-            st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), progress=progress)
+            st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress)
         if html:
             from vlmprep.tools.stats_report import write_stats_report
 

@@ -15,6 +15,8 @@ PACKAGE = Path(vlmprep.__file__).parent
 # Names that are not the option they are spelled like, and what each is instead.
 NOT_OPTIONS = {
     "vlmprep.clients.energon.prepare.workers": "energon's own indexing processes, not build's --workers",
+    "vlmprep.cli.verify.workers": "verify's shard processes (default: every CPU), not build's --workers",
+    "vlmprep.cli.stats.workers": "stats' shard processes (default: every CPU), not build's --workers",
     "vlmprep.chat_template.message_slots.reasoning": "whether the template reads reasoning_content (a bool)",
     "vlmprep.chat_template.template_messages.reasoning": "whether the template reads reasoning_content (a bool)",
     "vlmprep.types.Message.tool_calls": "a message's tool calls (record data)",

@@ -27,23 +27,23 @@ def _run(k: int) -> Any:
 
 
 def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int, command: str,
-               progress: Callable[[int, int], None] | None = None) -> Iterator[Any]:
+               on_shard: Callable[[int, int], None] | None = None) -> Iterator[Any]:
     """fn(job, k) for k in range(n) (shards in manifest order), in order. workers > 1: in that many processes forked
     from this one, which inherit fn and job (nothing crosses but k and the results; fn's result must pickle: plain
-    lists, counters, dataclasses). progress(done, n) after each. A worker that dies is one line (a UserError)."""
+    lists, counters, dataclasses). on_shard(done, n) after each. A worker that dies is one line (a UserError)."""
     if workers <= 1 or n <= 1:
         for k in range(n):
             yield fn(job, k)
-            if progress:
-                progress(k + 1, n)
+            if on_shard:
+                on_shard(k + 1, n)
         return
     try:
         with ProcessPoolExecutor(min(workers, n), mp_context=mp.get_context("fork"), initializer=_take,
                                  initargs=(fn, job)) as pool:
             for k, result in enumerate(pool.map(_run, range(n))):
                 yield result
-                if progress:
-                    progress(k + 1, n)
+                if on_shard:
+                    on_shard(k + 1, n)
     except BrokenProcessPool:
         raise UserError(f"a {command} worker process stopped abruptly (killed, out of memory, or crashed): run it "
                         f"again with --workers 1 to read the shards in this process") from None

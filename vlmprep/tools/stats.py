@@ -136,13 +136,13 @@ def _scan_shard(job: tuple[list[Path], int, int], k: int) -> _Scan:
     return scan
 
 
-def compute_stats(root: Path, *, workers: int = 1, progress: Callable[[int, int], None] | None = None) -> dict:
+def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int], None] | None = None) -> dict:
     """A built dataset dir -> its statistics as a dict (what `vlmprep stats` prints and --json writes): counts of
     records, samples, tokens, trained tokens, images and videos, their distributions and histograms, image sizes,
     truncation and what it dropped, rejects, turn coverage, and warnings where the manifest and the shards disagree
     or images take most of the sequence. Reads every shard once (the manifest alone cannot say how tokens are
     distributed); `workers` > 1: in that many processes (tools/per_shard.py), each shard's scan merged in manifest
-    order, so the result is the same for any value. `progress(done, total)`: called as each shard is done."""
+    order, so the result is the same for any value. `on_shard(done, total)`: called as each shard is done."""
     root = Path(root)
     manifest = load_manifest(root)
     config = manifest.get("config") or {}
@@ -153,7 +153,7 @@ def compute_stats(root: Path, *, workers: int = 1, progress: Callable[[int, int]
     scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN)
     paths = shard_paths(root, manifest)
     for part in map_shards(_scan_shard, (paths, manifest["format_version"], scan.image_limit), len(paths),
-                           workers=workers, command="stats", progress=progress):
+                           workers=workers, command="stats", on_shard=on_shard):
         scan.merge(part)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)

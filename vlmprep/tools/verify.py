@@ -55,13 +55,13 @@ def _schema_error(validator, obj) -> str | None:
 
 
 def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
-                   progress: Callable[[int, int], None] | None = None) -> list[Violation]:
+                   on_shard: Callable[[int, int], None] | None = None) -> list[Violation]:
     """A dataset dir -> every violation found ([] for a valid dataset): the manifest against its schema, each listed
     shard present with its size and sha256, no unlisted shards, and with `deep` every sample decoded and checked
     (member names, array dtypes and shapes, meta schema, token counts against image and video grids, mask and types).
     Trade-off: `deep` reads and decodes every sample; without it only sizes and hashes are checked, in a fraction of
     the time. `workers` > 1: shards are checked in that many processes (tools/per_shard.py), the violations listed in
-    manifest order all the same (the same list for any value). `progress(done, total)`: called as each shard is
+    manifest order all the same (the same list for any value). `on_shard(done, total)`: called as each shard is
     done."""
     root = Path(root)
     try:
@@ -78,7 +78,7 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
         out.append(Violation(extra, "shard file not listed in the manifest"))
     job = _ShardJob(root, manifest, _SampleCheck(manifest, root), deep)
     for found in map_shards(_check_shard, job, len(manifest["shards"]), workers=workers, command="verify",
-                            progress=progress):
+                            on_shard=on_shard):
         out.extend(found)
     out.extend(_verify_dataset_index(root, manifest, deep=deep))
     return out

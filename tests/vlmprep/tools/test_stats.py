@@ -456,7 +456,7 @@ def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
     runs = {}
     for workers in (1, 2, 3):
         seen = []
-        runs[workers] = compute_stats(built, workers=workers, progress=lambda done, total, seen=seen:
+        runs[workers] = compute_stats(built, workers=workers, on_shard=lambda done, total, seen=seen:
                                       seen.append((done, total)))
         assert seen == [(k, n) for k in range(1, n + 1)]
     assert runs[1] == runs[2] == runs[3] and format_stats(runs[1]) == format_stats(runs[3])

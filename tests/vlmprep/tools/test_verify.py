@@ -216,7 +216,7 @@ def test_workers_check_shards_in_processes_and_report_the_same_in_manifest_order
     runs = {}
     for workers in (1, 3):
         seen = []
-        found = verify_dataset(ds, workers=workers, progress=lambda done, total, seen=seen: seen.append((done, total)))
+        found = verify_dataset(ds, workers=workers, on_shard=lambda done, total, seen=seen: seen.append((done, total)))
         runs[workers] = [str(v) for v in found]
         assert seen == [(k, n) for k in range(1, n + 1)]
     assert runs[1] == runs[3]
