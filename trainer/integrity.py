@@ -55,13 +55,18 @@ class ShardCheck:
             except (OSError, ValueError):
                 self.known = {}
 
-    def verify(self, path: str, *, url: str, want: str | None) -> tuple[int, ...]:
-        """The file's signature, once its content is checked to hash to `want` (None: not checked; deferring: left
-        to verify_deferred)."""
+    def verify(self, path: str, *, url: str, want: str | None, size: int | None = None) -> tuple[int, ...]:
+        """The file's signature, once it is there with the manifest's `size` (None: not checked) and its content is
+        checked to hash to `want` (None: not checked; deferring: left to verify_deferred). Each rank checks its own
+        shards, so a missing or cut copy fails at start-up without every rank stat-ing the whole dataset."""
         try:
             st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
         except OSError as e:
-            raise DataError(f"cannot read shard {url}: {e}") from None
+            raise DataError(f"{url}: listed in its manifest but cannot be read ({e.strerror}); copy the dataset "
+                            "again or run `vlmprep verify`") from None
+        if size is not None and st.st_size != size:
+            raise DataError(f"{url}: {st.st_size} bytes but its manifest says {size}; the shard is truncated or was "
+                            "modified: copy it again and run `vlmprep verify DIR`")
         signature = file_signature(st)
         # (a first start's record is empty: no abspath, a getcwd for a relative path, per shard)
         if not (self.enabled and want) or self.known and self.known.get(os.path.abspath(path)) == self._key(st, want):
@@ -132,7 +137,7 @@ def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str 
     shard cache as it fetches them (trainer/cache.py)."""
     if shard.url.startswith(REMOTE_OR_PIPE):
         return shard_index(shard, cache)
-    signature = check.verify(shard.url, url=shard.url, want=want)
+    signature = check.verify(shard.url, url=shard.url, want=want, size=shard.num_bytes)
     index = shard_index(shard, cache)
     if shard.index is not None:  # the build's sidecar: the tar itself is not read here
         return dataclasses.replace(index, signature=signature)
@@ -149,14 +154,15 @@ def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path
     if ds.index is None or any(s.row is None for s in shards):
         return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
     return dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache, signature=lambda s: () if
-                           s.url.startswith(REMOTE_OR_PIPE) else check.verify(s.url, url=s.url, want=want(s)))
+                           s.url.startswith(REMOTE_OR_PIPE) else check.verify(s.url, url=s.url, want=want(s),
+                                                                               size=s.num_bytes))
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:
     """Streamed local shards (eval sets): each checked, url -> signature; remote ones are left to their size and
     sample counts."""
     want = expected_sha256(ds)
-    return {s.url: check.verify(s.url, url=s.url, want=want.get(s.name)) for s in shards
+    return {s.url: check.verify(s.url, url=s.url, want=want.get(s.name), size=s.num_bytes) for s in shards
             if not s.url.startswith(REMOTE_OR_PIPE)}
 
 

@@ -140,23 +140,10 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
                                str(s["sha256"]) if "sha256" in s else None,
                                IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None,
                                rows[name] if index else None))
-    if not base.startswith(REMOTE):
-        _check_local_shards(shards, where)
+    # A local shard's presence and size are checked by the rank that reads it, as it starts (trainer/integrity.py
+    # ShardCheck.verify): not here, where every rank would stat every shard of the dataset (10^5 files x 512 ranks
+    # of metadata calls on a shared filesystem).
     return DataSource(tuple(shards), paths.processor, manifest, index, row)
-
-
-def _check_local_shards(shards: list[ShardRef], manifest_url: str) -> None:
-    """The cheap part of `vlmprep verify`, at start-up: every listed shard exists with the manifest's byte size,
-    so a missing or cut-off copy fails before any rank trains rather than hours in (sha256 is left to verify)."""
-    for s in shards:
-        try:
-            size = os.stat(s.url).st_size
-        except OSError as e:
-            raise DataError(f"{s.url}: listed in {manifest_url} but cannot be read ({e.strerror}); "
-                            "copy the dataset again or run `vlmprep verify`") from None
-        if size != s.num_bytes:
-            raise DataError(f"{s.url}: {size} bytes but {manifest_url} says {s.num_bytes}; the shard is truncated "
-                            "or was modified: copy it again and run `vlmprep verify DIR`")
 
 
 RAW_SUFFIXES = (".jsonl", ".jsonl.zst", ".json")  # what `vlmprep build --in` reads

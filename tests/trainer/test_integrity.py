@@ -201,3 +201,54 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
         loader.close()
     assert cache.hashed == 2 * n  # both sources' shards passed the gate...
     assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == n, hashed  # ...each file hashed once
+
+
+def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_start_up(dataset, tmp_path,
+                                                                                          monkeypatch):
+    """Opening a dataset stats none of its shards (every rank stat-ing every shard is 10^5 files x 512 ranks of
+    metadata calls on a shared filesystem); each rank's start-up stats its own, and a missing or cut copy of one of
+    them stops that rank's start-up with one line naming it, before a step."""
+    from trainer.config import TrainConfig
+    from trainer.rundata import open_data, rank_sources
+
+    data = tmp_path / "ds"
+    shutil.copytree(dataset, data)
+    stats, real_stat = [], os.stat
+
+    def counted(path, *a, **kw):
+        if str(path).endswith(".tar") and str(data) in str(path):
+            stats.append(os.path.basename(str(path)))
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", counted)
+    world = 2
+    cfg = TrainConfig(data=str(data), tiny_random="qwen2-vl", out=str(tmp_path / "r"))
+
+    def start(rank):
+        stats.clear()
+        d = open_data(cfg, world)
+        assert stats == []  # no shard stat-ed by opening the dataset
+        check = ShardCheck(None)
+        check.deferring = True
+        rank_sources(d.specs, d.datasets, d.plans, rank=rank, world=world, cache=tmp_path / "c", check=check)
+        return d
+
+    d = start(0)
+    shards, plan = d.datasets[0].shards, d.plans[0]
+    assert len(shards) > world and not plan.stride
+    mine = {r: sorted(shards[i].name for i in plan.per_rank[r]) for r in range(world)}
+    assert sorted(stats) == mine[0]
+    start(1)
+    assert sorted(stats) == mine[1]
+
+    (data / mine[1][0]).unlink()  # rank 1's: rank 0 starts, rank 1 does not
+    start(0)
+    with pytest.raises(DataError, match=rf"^{data / mine[1][0]}: listed in its manifest but cannot be read \("):
+        start(1)
+    cut = data / mine[0][-1]
+    size = cut.stat().st_size
+    with open(cut, "r+b") as f:
+        f.truncate(size - 512)
+    with pytest.raises(DataError, match=rf"^{cut}: {size - 512} bytes but its manifest says {size}; the shard is "
+                                        "truncated or was modified"):
+        start(0)
