@@ -6,8 +6,9 @@ import collections
 from vlmprep.config import BuildConfig
 
 
-def _bar(title: str, *counts: str, disable: bool):
-    """A rich progress bar: title, bar, done of total, the counts, time elapsed and left."""
+def progress_bar(title: str, *counts: str, disable: bool, **kw):
+    """A rich progress bar: title, bar, done of total, the counts, time elapsed and left (`kw`: rich Progress's
+    own, e.g. console, auto_refresh)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -18,21 +19,22 @@ def _bar(title: str, *counts: str, disable: bool):
     )
 
     return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), *map(TextColumn, counts),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), disable=disable)
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), disable=disable, **kw)
 
 
 def record_progress(cfg: BuildConfig):
     """A progress bar over one task's records (rich; shows nothing unless cfg.progress)."""
-    return _bar("[bold]build", "records", "{task.fields[rate]:.1f} rec/s", "{task.fields[samples]} samples",
-                "{task.fields[rejects]} rejects", disable=not cfg.progress)
+    return progress_bar("[bold]build", "records", "{task.fields[rate]:.1f} rec/s", "{task.fields[samples]} samples",
+                        "{task.fields[rejects]} rejects", disable=not cfg.progress)
 
 
 class TaskProgress:
     """A progress bar over tasks, fed by each finished task's totals (local pool and Ray alike)."""
 
     def __init__(self, cfg: BuildConfig, n: int):
-        self.progress = _bar("[bold]build tasks", "{task.fields[records]} records", "{task.fields[samples]} samples",
-                             "{task.fields[rejects]} rejects", disable=not cfg.progress)
+        self.progress = progress_bar("[bold]build tasks", "{task.fields[records]} records",
+                                     "{task.fields[samples]} samples", "{task.fields[rejects]} rejects",
+                                     disable=not cfg.progress)
         self.n = n
         self.totals: collections.Counter = collections.Counter()
 

@@ -5,12 +5,12 @@ bar over shards on a terminal.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterator
 
+from vlmprep.builder.progress import progress_bar
+from vlmprep.builder.workers import worker_pool
 from vlmprep.types import UserError
 
 _WORK: tuple[Callable[[Any, int], Any], Any] | None = None  # in a worker process: (fn, job), inherited at the fork
@@ -29,8 +29,9 @@ def _run(k: int) -> Any:
 def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int, command: str,
                on_shard: Callable[[int, int], None] | None = None) -> Iterator[Any]:
     """fn(job, k) for k in range(n) (shards in manifest order), in order. workers > 1: in that many processes forked
-    from this one, which inherit fn and job (nothing crosses but k and the results; fn's result must pickle: plain
-    lists, counters, dataclasses). on_shard(done, n) after each. A worker that dies is one line (a UserError)."""
+    from this one (the build's worker_pool), which inherit fn and job (nothing crosses but k and the results; fn's
+    result must pickle: plain lists, counters, dataclasses). on_shard(done, n) after each. A worker that dies is one
+    line (a UserError)."""
     if workers <= 1 or n <= 1:
         for k in range(n):
             yield fn(job, k)
@@ -38,8 +39,7 @@ def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int,
                 on_shard(k + 1, n)
         return
     try:
-        with ProcessPoolExecutor(min(workers, n), mp_context=mp.get_context("fork"), initializer=_take,
-                                 initargs=(fn, job)) as pool:
+        with worker_pool(min(workers, n), fork=True, initializer=_take, initargs=(fn, job)) as pool:
             for k, result in enumerate(pool.map(_run, range(n))):
                 yield result
                 if on_shard:
@@ -54,18 +54,9 @@ def shard_progress(title: str) -> Iterator[Callable[[int, int], None]]:
     """A progress bar over a dataset's shards on stderr when it is a terminal; yields show(done, total). Redrawn on
     each call, with no refresh thread: worker processes then fork from a process that has one thread."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
-    bar = Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
-                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), auto_refresh=False,
-                   console=Console(stderr=True), disable=not sys.stderr.isatty())
+    bar = progress_bar(f"[bold]{title}", "shards", disable=not sys.stderr.isatty(), console=Console(stderr=True),
+                       auto_refresh=False)
     with bar:
         task = bar.add_task(title, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total, refresh=True)
