@@ -4,22 +4,7 @@ from __future__ import annotations
 import collections
 
 from vlmprep.config import BuildConfig
-
-
-def progress_bar(title: str, *counts: str, disable: bool, **kw):
-    """A rich progress bar: title, bar, done of total, the counts, time elapsed and left (`kw`: rich Progress's
-    own, e.g. console, auto_refresh)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), *map(TextColumn, counts),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), disable=disable, **kw)
+from vlmprep.jobs import progress_bar
 
 
 def record_progress(cfg: BuildConfig):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep.config import BuildConfig
+from vlmprep.jobs import process_pool
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_saved_processor
 from vlmprep.types import RawRecord, UserError
@@ -100,21 +101,10 @@ def record_workers(cfg: BuildConfig, renderer: Renderer) -> Iterator[ProcessPool
         yield pool
 
 
-@contextlib.contextmanager
-def worker_pool(workers: int, *, fork: bool = False, **kw) -> Iterator[ProcessPoolExecutor]:
-    """`workers` processes, forked from this one or from the forkserver. Unlike multiprocessing.Pool (which silently
-    replaces a dead worker and waits forever for its task), the executor fails every pending future with
-    BrokenProcessPool when a worker dies (killed, out of memory, crashed) or a result cannot be read. Leaving early
-    (an error, --strict) stops the workers instead of waiting for their work."""
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork") if fork else worker_context(), **kw)
-    try:
-        yield pool
-    except BaseException:
-        for p in list((getattr(pool, "_processes", None) or {}).values()):  # public terminate_workers: Python 3.14
-            p.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
+def worker_pool(workers: int, *, fork: bool = False, **kw):
+    """`workers` processes, forked from this one or from the forkserver (vlmprep/jobs.py process_pool: a dead worker
+    fails the pending work, leaving early stops the workers)."""
+    return process_pool(workers, mp.get_context("fork") if fork else worker_context(), **kw)
 
 
 def pool_failure(e: BrokenProcessPool, where: str) -> str:

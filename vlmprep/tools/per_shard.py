@@ -5,12 +5,12 @@ bar over shards on a terminal.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import sys
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterator
 
-from vlmprep.builder.progress import progress_bar
-from vlmprep.builder.workers import worker_pool
+from vlmprep.jobs import process_pool, progress_bar
 from vlmprep.types import UserError
 
 _WORK: tuple[Callable[[Any, int], Any], Any] | None = None  # in a worker process: (fn, job), inherited at the fork
@@ -29,7 +29,7 @@ def _run(k: int) -> Any:
 def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int, command: str,
                on_shard: Callable[[int, int], None] | None = None) -> Iterator[Any]:
     """fn(job, k) for k in range(n) (shards in manifest order), in order. workers > 1: in that many processes forked
-    from this one (the build's worker_pool), which inherit fn and job (nothing crosses but k and the results; fn's
+    from this one (vlmprep/jobs.py process_pool), which inherit fn and job (nothing crosses but k and the results; fn's
     result must pickle: plain lists, counters, dataclasses). on_shard(done, n) after each. A worker that dies is one
     line (a UserError)."""
     if workers <= 1 or n <= 1:
@@ -39,7 +39,7 @@ def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int,
                 on_shard(k + 1, n)
         return
     try:
-        with worker_pool(min(workers, n), fork=True, initializer=_take, initargs=(fn, job)) as pool:
+        with process_pool(min(workers, n), mp.get_context("fork"), initializer=_take, initargs=(fn, job)) as pool:
             for k, result in enumerate(pool.map(_run, range(n))):
                 yield result
                 if on_shard:
