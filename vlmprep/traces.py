@@ -90,9 +90,11 @@ def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
                 seq_len: int) -> tuple[list[StepConversation], list[int]]:
     """Cut a trace into samples that each fit `seq_len`: every message in `trained` is trained in exactly one sample.
     Each sample = the head (system messages and the first user message: the task) + as many of the most recent
-    earlier units as fit (untrained context) + a run of trained turns; a unit is a message with the tool results that
-    follow it, so a tool result never loses the call that produced it. Returns the samples and the trained messages
-    that cannot fit even with the head alone (lost, to be reported)."""
+    earlier units as fit (untrained context) + a run of trained turns, each with what it acts on: every message since
+    the assistant turn before it (tool results, screenshots, user follow-ups). A unit is a message with the tool
+    results that follow it, so a tool result never loses the call that produced it. Returns the samples and the
+    trained messages that cannot fit even with the head and their own observation alone (lost, to be reported):
+    a turn is never trained without the screen it acts on."""
     n = len(conv.messages)
     first_user = next((i for i, m in enumerate(conv.messages) if m.role == "user"), 0)
     head = list(range(first_user + 1))
@@ -105,10 +107,19 @@ def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
     head_trained = [t for t in trained if t in head]
     todo = [t for t in trained if t not in head]
 
+    def observed_from(a: int) -> int:
+        # A trained turn acts on what came since the assistant turn before it (tool results and their screenshots,
+        # user follow-ups): its sample holds all of it, and the call those tool results answer.
+        q = next((k for k in range(a - 1, first_user, -1) if conv.messages[k].role == "assistant"), None)
+        if q is None:
+            return min(first_user + 1, a)
+        return unit_start[q + 1] if q + 1 < a else a
+
     def build(ctx_units: list[list[int]], a: int, b: int, with_head_trained: bool) -> StepConversation:
-        body = list(range(unit_start[a], b + 1))
+        start = observed_from(a)
+        body = list(range(start, b + 1))
         keep = head + [i for u in ctx_units for i in u] + body
-        trains = {t for t in trained if unit_start[a] <= t <= b} | (set(head_trained) if with_head_trained else set())
+        trains = {t for t in trained if a <= t <= b} | (set(head_trained) if with_head_trained else set())
         sub = _subset(conv, keep, trains)
         numbering = _image_numbering(conv, keep)
         c, removed = keep_last_images(sub, policy.keep_images, policy.dropped_image_text, numbering)
@@ -140,7 +151,7 @@ def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
                 hi = mid - 1
         j = lo
         # Then as many of the most recent earlier units as fit, as untrained context.
-        before = [u for u in units if u[-1] < unit_start[todo[i]]]
+        before = [u for u in units if u[-1] < observed_from(todo[i])]
         lo, hi = 0, len(before)
         while lo < hi:
             mid = (lo + hi + 1) // 2

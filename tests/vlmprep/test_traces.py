@@ -4,10 +4,13 @@ import base64
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from vlmprep.builder.pipeline import build
@@ -70,8 +73,81 @@ def test_a_turn_that_cannot_fit_is_reported_and_the_rest_still_split():
         return cost(sc) + (1000 if 4 in sc.source_messages else 0)
 
     samples, lost = split_trace(conv, trained, StepPolicy(long_traces="split"), big, seq_len=200)
-    assert lost == [4]
-    assert sorted(t for s in samples for t in s.trains) == [t for t in trained if t != 4]
+    # Turn 6 acts on tool result 5, which comes with the call that produced it (4): it cannot fit either, and is
+    # reported lost rather than trained without the screen it acts on.
+    assert lost == [4, 6]
+    assert sorted(t for s in samples for t in s.trains) == [t for t in trained if t not in (4, 6)]
+
+
+def missing_observation(roles: list[str], held: list[int], trains: list[int]) -> list[int]:
+    """The trained assistant turns of one sample that lack a message of what they act on: every message since the
+    assistant turn before them (tool results, screenshots, user follow-ups); [] when each has all of it."""
+    bad = []
+    for t in trains:
+        if roles[t] != "assistant":
+            continue
+        k = t - 1
+        while k >= 0 and roles[k] != "assistant":
+            if k not in held:
+                bad.append(t)
+                break
+            k -= 1
+    return bad
+
+
+@st.composite
+def step_traces(draw):
+    """A trace after its head (system?, task): steps of assistant / tool / user messages in any order, a cost per
+    message, the trained subset of its assistant turns, and a --seq-len."""
+    roles = (["system"] if draw(st.booleans()) else []) + ["user"]
+    roles += draw(st.lists(st.sampled_from(["assistant", "assistant", "tool", "user"]), min_size=1, max_size=24))
+    costs = draw(st.lists(st.integers(1, 60), min_size=len(roles), max_size=len(roles)))
+    assistants = [i for i, r in enumerate(roles) if r == "assistant"]
+    trained = sorted(draw(st.sets(st.sampled_from(assistants)))) if assistants else []
+    seq_len = draw(st.integers(20, 400))
+    return roles, costs, trained, seq_len
+
+
+@given(step_traces())
+def test_every_trained_step_keeps_the_observation_it_acts_on_or_is_lost(case):
+    """The property of --long-traces split: a trained turn lands in exactly one sample, with every message since the
+    assistant turn before it (and the call a tool result answers), or is reported lost; never trained without it."""
+    roles, costs, trained, seq_len = case
+    conv = Conversation(id="t", source=Source("f", 1), messages=[msg(r, f"m{i}") for i, r in enumerate(roles)])
+    by_text = {f"m{i}": c for i, c in enumerate(costs)}
+
+    def count(sc: StepConversation) -> int:
+        return sum(by_text[m.text] for m in sc.conv.messages)
+
+    samples, lost = split_trace(conv, trained, StepPolicy(long_traces="split"), count, seq_len=seq_len)
+    landed = [t for s in samples for t in s.trains]
+    assert sorted(landed + lost) == sorted(set(trained) | set(lost)) and len(landed) == len(set(landed))
+    assert not set(landed) & set(lost) and set(lost) <= set(trained)
+    for s in samples:
+        assert count(s) <= seq_len and s.source_messages == sorted(set(s.source_messages))
+        assert missing_observation(roles, s.source_messages, s.trains) == []
+        for i in s.source_messages:  # a tool result never without the call that produced it
+            if roles[i] == "tool" and i > roles.index("user") + 1:
+                j = i - 1
+                while roles[j] == "tool":
+                    j -= 1
+                assert j in s.source_messages, (i, j, s.source_messages)
+        assert [m.weight for m in s.conv.messages] == [int(i in s.trains) for i in s.source_messages]
+
+
+def test_the_step_after_a_split_point_keeps_its_screenshot():
+    """The bug this property guards: a sample that starts at a trained turn held the task, then the turn, but not the
+    tool result (the screenshot) right before it."""
+    conv = trace(6)
+    trained = [i for i, m in enumerate(conv.messages) if m.role == "assistant"]
+    samples, lost = split_trace(conv, trained, StepPolicy(long_traces="split"), cost, seq_len=200)
+    assert not lost and len(samples) > 2
+    roles = [m.role for m in conv.messages]
+    for s in samples:
+        assert missing_observation(roles, s.source_messages, s.trains) == []
+        first = s.trains[0]
+        if first > 2:  # its observation, the tool result before it, and the call that result answers
+            assert {first - 2, first - 1} <= set(s.source_messages)
 
 
 def test_keep_last_images_drops_or_replaces_earlier_ones():
@@ -277,8 +353,8 @@ def test_a_step_that_cannot_fit_is_rejected_with_its_reason_and_the_rest_lands(t
 @pytest.mark.slow  # four builds of the 64 demo traces with 1280x720 screenshots: ~5 min on 2 cores
 @pytest.mark.parametrize("seq_len", [8192, 16384])
 def test_demo_traces_coverage_split_is_complete_and_truncate_reports_todays(seq_len, tmp_path, qwen2vl_processor):
-    """The issue's acceptance on `make demo`'s own input: every input assistant turn trained exactly once with split,
-    matched by decoding the trained spans of the shards; truncation's coverage reported as measured."""
+    """On `make demo`'s own input: every input assistant turn trained exactly once with split (or lost loudly where
+    what it acts on cannot fit), matched by decoding the trained spans of the shards; truncation's coverage reported as measured."""
     from scripts.demo_traces import write_traces
 
     inp = tmp_path / "demo.jsonl.zst"
@@ -291,6 +367,35 @@ def test_demo_traces_coverage_split_is_complete_and_truncate_reports_todays(seq_
         n, trained = coverage_from_shards(tmp_path / mode, records, tok)
         assert n == 888 and res.manifest["turns"]["trained_assistant_turns"] == trained
         if mode == "split":
-            assert trained == n and res.manifest["turns"]["coverage"] == 1.0
+            # Every turn but those whose observation alone (a tool result holding a ~13k-token page dump) cannot
+            # fit: those are lost loudly, as turn_too_long, never trained without it.
+            lost = res.manifest["turns"]["lost"]["turn_too_long"]
+            assert trained == n - lost and lost == {8192: 2, 16384: 1}[seq_len]
         else:
             assert trained == {8192: 314, 16384: 618}[seq_len]  # the figures docs/build.md reports
+
+
+REAL_TRACES = Path(os.environ.get("VLMPREP_REAL_TRACES", ROOT.parent / "shared" / "data" / "real_traces"))
+
+
+def test_real_agent_trajectories_train_no_step_without_the_screen_it_acts_on(tmp_path):
+    """The real OpenCUA and WebVoyager trajectories built with the defaults (split at --seq-len 8192) and the
+    tool-aware template: no sample trains an assistant turn without every message since the assistant turn before
+    it; the 9 of 159 turns that used to lose their screenshot now keep it."""
+    files = [REAL_TRACES / "opencua.jsonl", REAL_TRACES / "webvoyager.jsonl"]
+    if not all(f.is_file() for f in files):
+        pytest.skip(f"real trajectories not found under {REAL_TRACES} (VLMPREP_REAL_TRACES names another place)")
+    res = build(BuildConfig(inputs=tuple(map(str, files)), out=str(tmp_path / "o"), chat_template="qwen2_vl_tools",
+                            progress=False, workers=2))
+    roles = {(str(f), i + 1): [m["role"] for m in json.loads(line)["messages"]]
+             for f in files for i, line in enumerate(f.read_text(encoding="utf-8").splitlines())}
+    checked, split = 0, 0
+    for s in iter_dataset(tmp_path / "o"):
+        meta = s.meta()
+        r = roles[(meta["source"]["file"], meta["source"]["line"])]
+        assert missing_observation(r, meta["messages"], meta["trains"]) == [], meta["id"]
+        checked += sum(r[t] == "assistant" for t in meta["trains"])
+        split += meta["split"] is not None
+    turns = res.manifest["turns"]
+    assert checked == turns["trained_assistant_turns"] == 159 and split >= 9
+    assert turns["trained_assistant_turns"] + turns["lost"]["turn_too_long"] == turns["input_assistant_turns"]

@@ -668,3 +668,36 @@ def test_every_process_of_a_small_video_build_stays_under_the_documented_peak(fa
     assert roles.count("main") == 1 and roles.count("worker") == 2, peaks
     over = [p for p in peaks if p.peak_mb >= PEAK_RSS_MB]
     assert not over, over
+
+
+def test_a_split_step_keeps_the_video_and_image_it_answers(clips, tmp_path):
+    """A trace that does not fit --seq-len, split in two: the sample that trains the last answer holds the message it
+    answers (a video, an image and "and now?"), not only the task."""
+    from vlmprep.shards.reader import iter_dataset
+
+    d, data = clips
+    image = {"type": "image_url", "image_url": {"url": _uri((d / "shot.png").read_bytes(), "image/png")}}
+    rec = {"id": "s", "messages": [
+        {"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]},
+        {"role": "assistant", "content": "A square on a gradient, moving slowly to the right."},
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}}, image,
+                                     {"type": "text", "text": "and now?"}]},
+        {"role": "assistant", "content": "A video and a picture."}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
+    whole = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "whole"), progress=False))
+    total = whole.manifest["totals"]["tokens"]
+    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "split"), seq_len=total - 4,
+                            progress=False))
+    assert res.manifest["totals"]["split_samples"] == 2 and res.manifest["turns"]["coverage"] == 1.0
+    last = [s for s in iter_dataset(tmp_path / "split") if 3 in s.meta()["trains"]]
+    [sample] = last
+    assert sample.meta()["messages"] == [0, 2, 3]
+    assert sample.meta()["num_videos"] == 1 and sample.meta()["num_images"] == 2
+    assert (sample.array("mm_token_type_ids") == 2).any()
+    # One token less and the answer cannot fit with what it answers: it is lost loudly, never trained on the task alone.
+    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "lost"),
+                            seq_len=sample.meta()["num_tokens"] - 1, progress=False, min_turn_coverage=0.0))
+    assert [s.meta()["trains"] for s in iter_dataset(tmp_path / "lost")] == [[1]]
+    assert res.manifest["turns"]["lost"]["turn_too_long"] == 1 and res.manifest["turns"]["coverage"] == 0.5
+    [reject] = [json.loads(line) for line in (tmp_path / "lost" / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == "turn_too_long" and reject["message"].startswith("messages[3]: ")
