@@ -78,7 +78,17 @@ class Renderer:
         when --long-traces split cuts a long trace; `self.turns` then holds the record's turn accounting and
         `self.lost` the trained turns that could not fit."""
         self.turns, self.lost, self.largest_image = collections.Counter(), [], 0
-        conv = normalize_record(parse_record(raw), raw.source, self.norm)
+        conv = None
+        try:
+            conv = normalize_record(parse_record(raw), raw.source, self.norm)
+            return self._render(conv)
+        except Exception:
+            # A rejected record trains nothing: every assistant turn it holds is lost with it, whatever was counted
+            # before the fault (the coverage gate sees them).
+            self.turns = rejected_turns(raw, conv, self.turns)
+            raise
+
+    def _render(self, conv: Conversation) -> list[RenderedSample]:
         assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
         self.turns["input_assistant_turns"] = len(assistant)
         reasoning = set(self.ctx.reasoning_messages(conv))
@@ -123,7 +133,6 @@ class Renderer:
             fault = self._first_image_fault(conv, images)
             if fault is None and not isinstance(e, RecordError):
                 raise
-            self.turns["turns_lost_rejected"] = len(assistant)
             if fault is not None:
                 raise fault from None
             if e.reason == "no_trainable_tokens_after_truncation":
@@ -190,7 +199,8 @@ class Renderer:
         big = f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)" if self._large_image \
             else ""
         return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "
-                            f"{self.cfg.seq_len} even with only the system message and the task as context{big}")
+                            f"{self.cfg.seq_len} even with only the system message, the task and what the turn acts "
+                            f"on (the messages since the assistant turn before it) as context{big}")
 
     def process(self, raw: RawRecord):
         """Returns (outcomes, turn accounting): outcomes are ("ok", ShardSample) per sample and ("reject", entry) per
@@ -210,6 +220,24 @@ class Renderer:
         except Exception as e:  # noqa: BLE001 - a bad record must never stop the build; counted loudly instead
             reason, message = "internal_error", deterministic_message(f"{type(e).__name__}: {str(e)[:300]}")
         return [("reject", reject_entry(raw, reason, message))], dict(self.turns)
+
+
+def rejected_turns(raw: RawRecord, conv: Conversation | None, counted: collections.Counter) -> collections.Counter:
+    """The turn accounting of a rejected record: its assistant turns (from the normalized conversation, else the
+    raw `messages` where they parse) all lost with it; of what was counted before the fault, only the facts about
+    the input stay (reasoning turns, and turns an oversized image cost, which build's fix line reads)."""
+    if conv is not None:
+        n = sum(m.role == "assistant" for m in conv.messages)
+    else:
+        try:
+            messages = parse_record(raw).get("messages")
+        except Exception:  # noqa: BLE001 - the record is being rejected already; its turn count is best effort
+            messages = None
+        messages = messages if isinstance(messages, list) else []
+        n = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+    keep = ("reasoning_turns", "turns_lost_large_image")
+    return collections.Counter({"input_assistant_turns": n, "turns_lost_rejected": n,
+                                **{k: counted[k] for k in keep if counted[k]}})
 
 
 def _pick(sc: StepConversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]) -> tuple[list, list]:

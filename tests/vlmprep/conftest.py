@@ -10,7 +10,8 @@ from vlmprep.config import BuildConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
-OPTS = dict(seq_len=2048, samples_per_shard=2, chat_template=TOOLS, max_reject_fraction=1.0)  # bad lines on purpose
+OPTS = dict(seq_len=2048, samples_per_shard=2, chat_template=TOOLS, max_reject_fraction=1.0,
+            min_turn_coverage=0.0)  # bad lines (and their lost turns) on purpose
 
 
 def planned_cfg(inp, out, **kw):

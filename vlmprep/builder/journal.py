@@ -21,27 +21,29 @@ class Journal:
     shards: list[dict] = field(default_factory=list)
     next_position: int = 0  # every input record before this is in a completed shard or in the rejects
     rejects_bytes: int = 0
+    samples_bytes: int | None = None  # the partial sample rows up to here (None: a journal from before they were kept)
     totals: dict = field(default_factory=dict)
     rejects: dict = field(default_factory=dict)
     inputs: dict = field(default_factory=dict)  # input file index -> its share of the totals
 
 
-def load_journal(out: Path, path: Path, rejects: Path, final: Path, identity: dict) -> Journal | None:
+def load_journal(out: Path, path: Path, partials: dict[Path, Path], identity: dict) -> Journal | None:
     """The journal at `path` if it belongs to this exact task and its shards are intact; else None (start over).
-    `rejects` is the task's partial rejects file, `final` its completed name."""
+    `partials`: the task's partial rejects and sample rows files -> their completed names."""
     try:
         j = Journal(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if j.identity != identity or (j.totals.get("records") and not j.inputs):  # or per-input counts it never kept
-        return None
+    if j.identity != identity or (j.totals.get("records") and not j.inputs) or j.samples_bytes is None:
+        return None  # another task's, or counts it never kept
     for s in j.shards:
         if not _intact(out / s["name"], s) or (s.get("index") and not _intact(out / s["index"]["name"], s["index"])):
             return None
-    if not rejects.exists() and final.exists():
-        final.replace(rejects)  # killed between the rejects rename and the manifest: take it back
-    if (rejects.stat().st_size if rejects.exists() else 0) < j.rejects_bytes:
-        return None
+    for (partial, final), size in zip(partials.items(), (j.rejects_bytes, j.samples_bytes)):
+        if not partial.exists() and final.exists():
+            final.replace(partial)  # killed between the renames and the manifest: take it back
+        if (partial.stat().st_size if partial.exists() else 0) < size:
+            return None
     return j
 
 

@@ -16,7 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vlmprep.builder.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
-from vlmprep.builder.totals import TOTAL_KEYS, count_sample, duplicate_reject, input_totals, turn_coverage
+from vlmprep.builder.totals import (
+    TOTAL_KEYS,
+    count_sample,
+    duplicate_reject,
+    duplicate_turns,
+    input_totals,
+    turn_coverage,
+)
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.processors.load import fingerprint_dir
 from vlmprep.shards.dataset import (
@@ -185,30 +192,72 @@ def _verify_shards(out: Path, manifests: list[dict], rewritten: dict[str, list[s
                                  f"it): {_rerun(out, i)}")
 
 
-def _repeated_ids(out: Path, plan: dict, manifests: list[dict]) -> tuple[list[list[dict]], dict[str, list[str]]]:
-    """Per task, its samples whose id an earlier task already has (no task can see another's ids); and the shards
-    holding them -> the ids each keeps."""
+def _records(lines: list[str]):
+    """A task's sample rows grouped by the record they came from (a record's samples are consecutive)."""
+    group: list[dict] = []
+    for sample in map(json.loads, lines):
+        if group and sample["source"] != group[0]["source"]:
+            yield group
+            group = []
+        group.append(sample)
+    if group:
+        yield group
+
+
+def _repeated_ids(out: Path, plan: dict, manifests: list[dict]) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
+    """Per task, its records (each: its sample rows) whose id an earlier task already has (no task can see another's
+    ids): rejected whole, as the one-task build rejects them; and the shards holding them -> the ids each keeps."""
     seen: set[bytes] = set()
     dups_per_task, rewritten = [], {}
     for i in range(len(manifests)):
         files = TaskFiles(out, i, shard_prefix(plan, i))
         lines = files.samples.read_text(encoding="utf-8").splitlines()
         dups = []
-        for line in lines:
-            sample = json.loads(line)
-            key = hashlib.blake2b(sample["id"].encode("utf-8"), digest_size=16).digest()  # bounded memory per id
-            if key in seen:
-                dups.append(sample)
-            seen.add(key)
+        for record in _records(lines):
+            # bounded memory per id
+            keys = [hashlib.blake2b(s["id"].encode("utf-8"), digest_size=16).digest() for s in record]
+            if any(k in seen for k in keys):
+                dups.append(record)
+            else:
+                seen.update(keys)
         dups_per_task.append(dups)
         if dups:
-            drop, affected = {d["id"] for d in dups}, {d["shard"] for d in dups}
+            drop = {s["id"] for record in dups for s in record}
+            affected = {s["shard"] for record in dups for s in record}
             for name in affected:
                 rewritten[name] = []
             for sample in map(json.loads, lines):
                 if sample["shard"] in affected and sample["id"] not in drop:
                     rewritten[sample["shard"]].append(sample["id"])
     return dups_per_task, rewritten
+
+
+def _reject_duplicate(record: list[dict], counters: list[collections.Counter]) -> None:
+    """Take a landed record back as one duplicate_id reject: its samples out of the counts, its turns all lost (its
+    own lost-turn rejects are taken out by _task_rejects)."""
+    turns = record[0].get("turns", {})
+    for counts in counters:
+        for sample in record:
+            count_sample(counts, sample, sign=-1)
+        counts.subtract(turns)
+        counts.update(duplicate_turns(turns))
+        counts["rejected"] += 1
+
+
+def _task_rejects(text: str, dups: list[list[dict]]) -> tuple[str, list[dict]]:
+    """A task's rejects less the lost-turn lines of its records that merge rejects as duplicates (a record is
+    rejected once, under one reason); and the lines taken out."""
+    if not dups:
+        return text, []
+    gone = {(r[0]["source"]["file"], r[0]["source"]["line"]) for r in dups}
+    kept, removed = [], []
+    for line in text.splitlines(keepends=True):
+        entry = json.loads(line)
+        if (entry["source"]["file"], entry["source"]["line"]) in gone:
+            removed.append(entry)
+        else:
+            kept.append(line)
+    return "".join(kept), removed
 
 
 def _dataset_index(out: Path, shards: list[dict]) -> dict | None:
@@ -256,19 +305,22 @@ def merge_tasks(out: Path) -> dict:
         for k, counts in m["inputs"].items():
             by_input[int(k)].update(counts)
         rejects.update(m["rejects"])
-        reject_lines.append(files.rejects.read_text(encoding="utf-8"))
-        drop = {d["id"] for d in dups}
+        text, removed = _task_rejects(files.rejects.read_text(encoding="utf-8"), dups)
+        reject_lines.append(text)
+        for entry in removed:
+            rejects[entry["reason"]] -= 1
+            for counts in (totals, by_input[input_of[entry["source"]["file"]]]):
+                counts["rejected"] -= 1
+        drop = {s["id"] for record in dups for s in record}
         for info in m["shards"]:
             if info["name"] in rewritten:
                 info = _filter_shard(out, info["name"], drop, files.prefix)
             if info is not None:
                 shards.append(info)
-        for d in dups:
-            for counts in (totals, by_input[input_of[d["source"]["file"]]]):
-                count_sample(counts, d, sign=-1)
-                counts["rejected"] += 1
+        for record in dups:
+            _reject_duplicate(record, [totals, by_input[input_of[record[0]["source"]["file"]]]])
             rejects["duplicate_id"] += 1
-            reject_lines.append(json.dumps(duplicate_reject(d), ensure_ascii=False, sort_keys=True) + "\n")
+            reject_lines.append(json.dumps(duplicate_reject(record[0]), ensure_ascii=False, sort_keys=True) + "\n")
     write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
     index = _dataset_index(out, shards)
     manifest = {

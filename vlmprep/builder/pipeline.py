@@ -274,6 +274,9 @@ class RejectsError(BuildError):
         return type(self), (str(self), self.manifest)
 
 
+_ACCEPT_REJECTS = "--max-reject-fraction 1 accepts it"
+
+
 def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
     """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
     is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
@@ -291,7 +294,7 @@ def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
         raise RejectsError(f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
                            f"({reject_share(manifest):.1%} > "
                            f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
-                           "--max-reject-fraction 1 accepts it", manifest)
+                           f"{_ACCEPT_REJECTS}", manifest)
 
 
 def check_coverage(manifest: dict, out: Path, *, min_turn_coverage: float) -> None:
@@ -309,8 +312,16 @@ def check_dataset(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
     line, so that the build's own fix line rebuilds the dir without --overwrite (check_out); a pass removes it."""
     out = Path(out)
     try:
-        check_rejects(manifest, out, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
-        check_coverage(manifest, out, min_turn_coverage=min_turn_coverage)
+        try:
+            check_rejects(manifest, out, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
+        except RejectsError as e:
+            if coverage_problem(manifest, min_turn_coverage) is None or not str(e).endswith(_ACCEPT_REJECTS):
+                raise
+            # The rejected records' turns fail the turn coverage too: accepting the rejects takes both options.
+            raise RejectsError(f"{str(e)[:-len(_ACCEPT_REJECTS)]}--max-reject-fraction 1 --min-turn-coverage 0 "
+                               "accepts it", manifest) from None
+        if manifest["totals"]["samples"] or not allow_empty:  # --allow-empty accepts a build that rejected all
+            check_coverage(manifest, out, min_turn_coverage=min_turn_coverage)
     except RejectsError as e:
         write_text_atomic(out / FAILED_NAME, f"{e}\n")
         raise

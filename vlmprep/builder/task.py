@@ -21,7 +21,14 @@ from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_jour
 from vlmprep.builder.owner import own_task
 from vlmprep.builder.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.builder.progress import record_progress
-from vlmprep.builder.totals import SAMPLE_FIELDS, TOTAL_KEYS, count_sample, duplicate_reject, input_totals
+from vlmprep.builder.totals import (
+    SAMPLE_FIELDS,
+    TOTAL_KEYS,
+    count_sample,
+    duplicate_reject,
+    duplicate_turns,
+    input_totals,
+)
 from vlmprep.builder.workers import BuildError, cached_renderer, ordered_results, record_workers
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
@@ -32,10 +39,8 @@ from vlmprep.shards.dataset import (
     load_task_manifest,
     task_file,
     write_json_atomic,
-    write_text_atomic,
 )
-from vlmprep.shards.format import FORMAT_VERSION, index_name
-from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.format import index_name
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
 
@@ -50,11 +55,12 @@ def task_start(plan: dict, index: int) -> str:
 
 def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
     """Resume this task's matching interrupted run, or clear every trace of an older one and start fresh."""
-    journal = load_journal(files.out, files.journal, files.partial_rejects, files.rejects, identity)
+    partials = {files.partial_rejects: files.rejects, files.partial_samples: files.samples}
+    journal = load_journal(files.out, files.journal, partials, identity)
     stale = [p for p in files.out.glob(f"{files.prefix}*.tar{TMP_SUFFIX}")]
     if journal is None:
-        journal = Journal(identity=identity)
-        stale += files.shards() + [files.rejects, files.partial_rejects, files.journal, files.samples]
+        journal = Journal(identity=identity, samples_bytes=0)
+        stale += files.shards() + [*partials, *partials.values(), files.journal]
     else:
         done = {s["name"] for s in journal.shards}
         stale += [p for p in files.shards() if p.name not in done]
@@ -62,14 +68,15 @@ def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
     for p in stale:
         if p.exists():
             p.unlink()
-    with open(files.partial_rejects, "a+b") as f:  # drop rejects written after the last durable point
-        f.truncate(journal.rejects_bytes)
+    for path, size in ((files.partial_rejects, journal.rejects_bytes), (files.partial_samples, journal.samples_bytes)):
+        with open(path, "a+b") as f:  # drop what was written after the last durable point
+            f.truncate(size)
     return journal
 
 
 def _clean_up(files: TaskFiles) -> None:
     """What a finished task leaves no longer: its journal, partial rejects and temp files."""
-    for p in [files.journal, files.partial_rejects] + list(
+    for p in [files.journal, files.partial_rejects, files.partial_samples] + list(
             files.out.glob(task_file(files.index, f".*{TMP_SUFFIX}"))):
         p.unlink(missing_ok=True)
 
@@ -87,28 +94,39 @@ class _TaskState:
     input_starts: list[int]  # the plan's first position of each input file
     inputs: dict[int, collections.Counter]  # input file index -> its share of the totals
 
-    def checkpoint(self, rej: IO[str], next_position: int) -> None:
-        rej.flush()
-        os.fsync(rej.fileno())
+    def checkpoint(self, rej: IO[str], rows: IO[str], next_position: int) -> None:
+        for f in (rej, rows):
+            f.flush()
+            os.fsync(f.fileno())
         self.journal.shards = [s.to_json() for s in self.writer.shards]
         self.journal.next_position = next_position
         self.journal.rejects_bytes = rej.tell()
+        self.journal.samples_bytes = rows.tell()
         self.journal.totals = dict(self.totals)
         self.journal.rejects = dict(self.rejects)
         self.journal.inputs = {str(i): dict(c) for i, c in sorted(self.inputs.items())}
         save_journal(self.files.journal, self.journal)
 
-    def land(self, position: int, outcomes: list, turns: dict, rej: IO[str], *, strict: bool) -> bool:
-        """Write one record's samples and rejects and count them, in the totals and in its input file's;
+    def land(self, position: int, outcomes: list, turns: dict, rej: IO[str], rows: IO[str], *, strict: bool) -> bool:
+        """Write one record's samples (and their rows: id, shard, counts; the first also the record's turns, which
+        merge needs to reject it as a duplicate) and rejects and count them, in the totals and in its input file's;
         True when a shard closed inside it."""
         completed = False
+        landed = [payload.meta for status, payload in outcomes if status == "ok"]
+        if any(meta["id"] in self.seen_ids for meta in landed):
+            # A record whose id an earlier record used is rejected once, whole: none of its samples land, its
+            # other rejects (lost turns) are not written, and its turns count as lost with it.
+            outcomes, turns = [("reject", duplicate_reject(landed[0]))], duplicate_turns(turns)
         counts = collections.Counter(records=1, **turns)
         for status, payload in outcomes:
-            if status == "ok" and payload.meta["id"] in self.seen_ids:
-                status, payload = "reject", duplicate_reject(payload.meta)
             if status == "ok":
                 self.seen_ids.add(payload.meta["id"])
                 count_sample(counts, payload.meta)
+                row = {"shard": self.writer.shard_name, **{k: payload.meta[k] for k in SAMPLE_FIELDS
+                                                           if k in payload.meta}}
+                if payload.meta is landed[0]:
+                    row["turns"] = {k: v for k, v in sorted(turns.items()) if v}
+                rows.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
                 completed |= self.writer.write(payload)
             else:
                 self.rejects[payload["reason"]] += 1
@@ -149,30 +167,27 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
     t0 = time.monotonic()
     # The workers fork first: before the progress bar's thread starts (record_workers).
     with (record_workers(cfg, renderer) as pool, open(state.files.partial_rejects, "a", encoding="utf-8") as rej,
-          record_progress(cfg) as progress):
+          open(state.files.partial_samples, "a", encoding="utf-8") as rows, record_progress(cfg) as progress):
         bar = progress.add_task("build", total=n, rate=0.0, samples=totals["samples"],
                                 rejects=totals["rejected"], completed=totals["records"])
         for pos, (outcomes, turns) in ordered_results(cfg, records, renderer, pool):
-            if state.land(pos, outcomes, turns, rej, strict=cfg.strict):
+            if state.land(pos, outcomes, turns, rej, rows, strict=cfg.strict):
                 # a shard closed inside this record: the journal's durable point is the record's end
                 state.writer.finish_shard()
-                state.checkpoint(rej, pos + 1)
+                state.checkpoint(rej, rows, pos + 1)
             elapsed = max(time.monotonic() - t0, 1e-9)
             progress.update(bar, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
                             rejects=totals["rejected"])
         state.writer.close()
-        state.checkpoint(rej, 1 << 62)  # everything consumed: a kill from here on resumes straight to the task manifest
+        state.checkpoint(rej, rows, 1 << 62)  # all consumed: a kill from here on resumes straight to the task manifest
 
 
 def _finish_task(state: _TaskState, plan: dict, digest: str) -> dict:
     """The sample list, the final rejects name, then the task manifest (last); returns the manifest."""
     files, writer, totals = state.files, state.writer, state.totals
-    # Every landed sample's id, shard and counts, in order: merge finds ids repeated across tasks (and what removing
-    # one changes) without reading shards.
-    lines = [json.dumps({"shard": s.name, **{k: v for k, v in sample.meta().items() if k in SAMPLE_FIELDS}},
-                        ensure_ascii=False, sort_keys=True) + "\n"
-             for s in writer.shards for sample in iter_shard(files.out / s.name, version=FORMAT_VERSION)]
-    write_text_atomic(files.samples, "".join(lines))
+    # Every landed sample's id, shard and counts, in order, written as it landed: merge finds ids repeated across
+    # tasks (and what removing one changes) without reading shards.
+    os.replace(files.partial_samples, files.samples)
     os.replace(files.partial_rejects, files.rejects)
     cut = plan["cuts"][files.index]
     manifest = {"plan": digest, "task": files.index, "config": plan["config"],

@@ -38,10 +38,26 @@ def input_totals(counts) -> dict:
     return {k: int(counts[k]) for k in TOTAL_KEYS if counts[k]}
 
 
+def record_id(meta: dict) -> str:
+    """The id of the record a landed sample came from (a split sample's id is `<id>#<S>`)."""
+    return meta["id"] if meta.get("split") is None else meta["id"].rsplit("#", 1)[0]
+
+
 def duplicate_reject(meta: dict) -> dict:
-    """The reject entry for a sample whose id an earlier record already used (reason duplicate_id)."""
-    return {"source": dict(meta["source"]), "id": meta["id"], "reason": "duplicate_id",
-            "message": f"id {meta['id']!r} already used by an earlier record"}
+    """The one reject entry of a record whose id an earlier record already used (reason duplicate_id); `meta`: any
+    landed sample of it."""
+    rid = record_id(meta)
+    return {"source": dict(meta["source"]), "id": rid, "reason": "duplicate_id",
+            "message": f"id {rid!r} already used by an earlier record"}
+
+
+def duplicate_turns(turns: dict) -> dict:
+    """A record's turn accounting once it is rejected as a duplicate: its assistant turns, all lost with it."""
+    n = int(turns.get("input_assistant_turns", 0))
+    out = {"input_assistant_turns": n, "turns_lost_rejected": n}
+    if turns.get("reasoning_turns"):
+        out["reasoning_turns"] = turns["reasoning_turns"]
+    return out
 
 
 def turn_coverage(totals) -> dict:

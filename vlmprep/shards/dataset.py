@@ -53,7 +53,10 @@ class TaskFiles:
     rejects = _task_file(".rejects.jsonl", "The task's rejects, once the task ends.")
     partial_rejects = _task_file(".rejects.jsonl.partial", "The task's rejects while it runs (renamed to `rejects` "
                                  "when it ends).")
-    samples = _task_file(".samples.jsonl", "The task's per-sample rows, which merge reads.")
+    samples = _task_file(".samples.jsonl", "The task's per-sample rows (a record's first also carries its turn "
+                         "accounting), which merge reads.")
+    partial_samples = _task_file(".samples.jsonl.partial", "The task's per-sample rows while it runs (renamed to "
+                                 "`samples` when it ends).")
 
     def shards(self) -> list[Path]:
         """The task's shard files on disk, in name order."""

@@ -78,11 +78,12 @@ def _large_images_cost(manifest: dict) -> bool:
 
 
 def turns_to_train(manifest: dict) -> tuple[int, int, dict[str, int]]:
-    """(trained, to train, lost by reason) for the --min-turn-coverage rule: the assistant turns the options train
-    in the records that landed, and those --seq-len cost (truncated, turn_too_long). Turns the policy leaves
-    untrained are the user's choice; turns of rejected records are judged by --max-reject-fraction."""
+    """(trained, to train, lost by reason) for the --min-turn-coverage rule: the assistant turns the options train in
+    the records that landed, those --seq-len cost (truncated, turn_too_long) and every assistant turn of a rejected
+    record (duplicates included: a build that keeps 2% of its records never passes on the turns it kept). Turns the
+    policy leaves untrained are the user's choice."""
     turns = manifest.get("turns") or {}
-    lost = {k: int(turns.get("lost", {}).get(k, 0)) for k in ("truncated", "turn_too_long")}
+    lost = {k: int(turns.get("lost", {}).get(k, 0)) for k in ("truncated", "turn_too_long", "record_rejected")}
     trained = int(turns.get("trained_assistant_turns", 0))
     return trained, trained + sum(lost.values()), lost
 
@@ -95,8 +96,16 @@ def coverage_problem(manifest: dict, minimum: float) -> str | None:
     if share >= minimum:
         return None
     config = manifest.get("config") or {}
+    rejected = lost.pop("record_rejected")
     why = ", ".join(f"{k} {v}" for k, v in lost.items() if v)
-    if _large_images_cost(manifest):
+    losses = ([f"lost to --seq-len {config.get('seq_len')}: {why}"] if why else []) + (
+        [f"lost with rejected records: {rejected}"] if rejected else [])
+    if rejected > sum(lost.values()):
+        ranked = sorted(((r, n) for r, n in manifest.get("rejects", {}).items() if r != "turn_too_long"),
+                        key=lambda x: (-x[1], x[0]))
+        fix = (f"{ranked[0][0]} is the most common reject ({ranked[0][1]}): {reject_fix(ranked[0][0], manifest)}"
+               if ranked else "see rejects.jsonl")
+    elif _large_images_cost(manifest):
         fix = _max_pixels_fix(manifest)
     elif lost["truncated"] and config.get("long_traces") == "truncate":
         fix = ("drop --long-traces truncate (split, the default, trains every turn in step samples), or pass "
@@ -104,7 +113,7 @@ def coverage_problem(manifest: dict, minimum: float) -> str | None:
     else:
         fix = "pass --keep-images last:3 to drop older screenshots, or raise --seq-len"
     return (f"turn coverage {share:.1%} < --min-turn-coverage {minimum:g} ({trained} of {total} assistant turns "
-            f"trained; lost to --seq-len {config.get('seq_len')}: {why}); fix: {fix}")
+            f"trained; {'; '.join(losses)}); fix: {fix}")
 
 
 def format_build_summary(manifest: dict, out: Path) -> str:

@@ -192,8 +192,13 @@ class ShardWriter:
         self._info: ShardInfo | None = None
         self._rows: list[tuple] = []
 
+    @property
+    def shard_name(self) -> str:
+        """The shard the next sample goes into."""
+        return f"{self.prefix}{self.index:06d}.tar"
+
     def _open(self):
-        self._info = ShardInfo(name=f"{self.prefix}{self.index:06d}.tar")
+        self._info = ShardInfo(name=self.shard_name)
         self._file = open(self.out_dir / (self._info.name + TMP_SUFFIX), "wb")
         self._hf = _HashingFile(self._file)
 

@@ -164,15 +164,16 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
             samples, rejects = [], [reject_entry(raw, "internal_error", f"{type(e).__name__}: {str(e)[:300]}")]
         else:
             rejects = [renderer.lost_turn_entry(raw, i) for i in renderer.lost]
+        # Build rejects a record whose id an earlier one used, once and whole; seen only among records rendered
+        # here, so exact for a full scan.
+        if any(sample.id in seen_ids for sample in samples):
+            rid = samples[0].id if samples[0].split is None else samples[0].id.rsplit("#", 1)[0]
+            samples, rejects = [], [{**reject_entry(raw, "duplicate_id", ""), "id": rid,
+                                     "message": f"id {rid!r} already used by an earlier record"}]
+        seen_ids.update(sample.id for sample in samples)
         for sample in samples:
             if cfg.id is not None and sample.id != cfg.id and sample.id.rsplit("#", 1)[0] != cfg.id:
                 continue
-            # Build rejects a repeated id; seen only among records rendered here, so exact for a full scan.
-            if sample.id in seen_ids:
-                rejects.append({**reject_entry(raw, "duplicate_id", ""), "id": sample.id,
-                                "message": f"id {sample.id!r} already used by an earlier record"})
-                continue
-            seen_ids.add(sample.id)
             if cfg.only == "rejected" or (cfg.only == "truncated" and not sample.truncated):
                 continue
             yield sample_from_rendered(sample, sample_key(raw.position, sample.split))

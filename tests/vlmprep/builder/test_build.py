@@ -193,7 +193,7 @@ def test_mixed_good_and_bad_records(tmp_path):
     inp = tmp_path / "mixed.jsonl.zst"
     inp.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
     out = tmp_path / "out"
-    res = build(cfg([inp], out, max_reject_fraction=1.0))
+    res = build(cfg([inp], out, max_reject_fraction=1.0, min_turn_coverage=0.0))
     assert res.manifest["totals"]["samples"] == 4
     assert res.manifest["rejects"] == {"invalid_json": 1, "invalid_base64": 1, "image_not_found": 1,
                                        "unknown_content_type": 1}

@@ -10,7 +10,7 @@ from tests.vlmprep.builder.conftest import invoke, state
 from tests.vlmprep.conftest import tree_hashes
 from vlmprep.builder.pipeline import RejectsError, check_rejects
 from vlmprep.processors.load import TEMPLATES_DIR, resolve_chat_template
-from vlmprep.shards.summary import format_build_summary
+from vlmprep.shards.summary import format_build_summary, rejected_records
 
 # docs/build.md: the recommended setting for browser-agent traces, with the tool-aware template.
 AGENT = ["--seq-len", "16384", "--long-traces", "split", "--keep-images", "last:3",
@@ -207,9 +207,13 @@ def test_merge_checks_the_share_over_the_whole_dataset(single, tmp_path):
     d = tmp_path / "ds"
     shutil.copytree(single, d)
     m = json.loads((d / "manifest.json").read_text())
-    n, records = m["totals"]["rejected"], m["totals"]["records"]
+    n, records = rejected_records(m), m["totals"]["records"]
     assert n / records > 0.05 and m["rejects"].get("duplicate_id")
     res = invoke("merge", d)
     assert res.exit_code == 1 and f"rejected          {n} of {records} records" in res.stdout
     assert f"error: {d}: rejected {n} of {records} records" in res.stderr and "fix: " in res.stderr
-    assert invoke("merge", d, "--max-reject-fraction", "1").exit_code == 0
+    # The rejected records' turns fail the turn coverage too: the line names both options, which accept it.
+    assert res.stderr.strip().endswith("--max-reject-fraction 1 --min-turn-coverage 0 accepts it")
+    res = invoke("merge", d, "--max-reject-fraction", "1")
+    assert res.exit_code == 1 and "lost with rejected records: " in res.stderr
+    assert invoke("merge", d, "--max-reject-fraction", "1", "--min-turn-coverage", "0").exit_code == 0

@@ -33,8 +33,15 @@ def test_the_rule_counts_turns_lost_to_seq_len_and_names_the_fix():
     assert msg == ("turn coverage 69.6% < --min-turn-coverage 0.95 (618 of 888 assistant turns trained; lost to "
                    "--seq-len 8192: truncated 270); fix: drop --long-traces truncate (split, the default, trains "
                    "every turn in step samples), or pass --keep-images last:3 so that traces fit")
-    # Turns the policy leaves untrained are asked for; rejected records' turns are --max-reject-fraction's to judge.
-    assert coverage_problem(_manifest(10, policy=90, rejected=50), 0.95) is None
+    # Turns the policy leaves untrained are asked for; rejected records' turns are lost (duplicates included), and
+    # where they are most of the loss the fix is the most common reject's.
+    assert coverage_problem(_manifest(10, policy=90), 0.95) is None
+    msg = coverage_problem({**_manifest(10, policy=90, rejected=50, too_long=1), "rejects": {
+        "turn_too_long": 1, "image_not_found": 3, "duplicate_id": 7}}, 0.95)
+    assert msg == ("turn coverage 16.4% < --min-turn-coverage 0.95 (10 of 61 assistant turns trained; lost to "
+                   "--seq-len 8192: turn_too_long 1; lost with rejected records: 50); fix: duplicate_id is the most "
+                   "common reject (7): give every record a unique id (or leave id out: one is derived from file and "
+                   "line)")
     msg = coverage_problem(_manifest(4, too_long=2, long_traces="split", large=2), 0.95)
     assert "(4 of 6 assistant turns trained; lost to --seq-len 8192: turn_too_long 2)" in msg
     assert msg.endswith("fix: pass --max-pixels 1605632 (images over half of --seq-len 8192 cost these turns; this "

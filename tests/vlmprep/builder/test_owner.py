@@ -41,7 +41,7 @@ def records(tmp_path_factory):
 
 def cfg(records, out, **kw) -> BuildConfig:
     return BuildConfig(inputs=(str(records),), out=str(out), progress=False, samples_per_shard=1,
-                       max_reject_fraction=1.0, **kw)
+                       max_reject_fraction=1.0, min_turn_coverage=0.0, **kw)
 
 
 @pytest.fixture

@@ -43,7 +43,8 @@ def test_a_two_node_ray_cluster_writes_the_local_pool_bytes(task_traces, local3,
         out = tmp_path / "ds"
         cmd = [sys.executable, "-m", "vlmprep", "build", "--in", task_traces, "--out", out, "--tasks", "3",
                "--executor", "ray", "--ray-address", address, "--seq-len", "2048", "--samples-per-shard", "2",
-               "--chat-template", TOOLS, "--no-progress", "--max-reject-fraction", "1"]
+               "--chat-template", TOOLS, "--no-progress", "--max-reject-fraction", "1",
+               "--min-turn-coverage", "0"]
         built = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=600)
         assert built.returncode == 0, built.stderr[-3000:]
         assert tree_hashes(out) == tree_hashes(ref)

@@ -32,7 +32,7 @@ MODES = {"truncate": ({"long_traces": "truncate", "min_turn_coverage": 0.0},  # 
 
 def build_cmd(inp, out, mode="truncate"):
     return [sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out), "--samples-per-shard", "2",
-            "--seq-len", "2048", "--no-progress", "--max-reject-fraction", "1", *MODES[mode][1]]
+            "--seq-len", "2048", "--no-progress", "--max-reject-fraction", "1", "--min-turn-coverage", "0", *MODES[mode][1]]
 
 
 def check_no_partial_final_files(out: Path) -> None:
@@ -79,6 +79,7 @@ def _forked_build(inp, out, mode="truncate"):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vlmprep.builder.pipeline"])
     cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False, max_reject_fraction=1.0,
+                      min_turn_coverage=0.0,
                       **{"seq_len": 2048, **MODES[mode][0]})
     proc = ctx.Process(target=build, args=(cfg,))
     proc.start()

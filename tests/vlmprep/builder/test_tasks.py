@@ -19,7 +19,7 @@ from vlmprep.builder.plan import PlanError
 from vlmprep.shards.reader import iter_dataset
 
 CLI_OPTS = ["--seq-len", "2048", "--samples-per-shard", "2", "--chat-template", TOOLS, "--no-progress",
-            "--max-reject-fraction", "1"]
+            "--max-reject-fraction", "1", "--min-turn-coverage", "0"]
 
 
 cfg, hashes = planned_cfg, tree_hashes
@@ -37,7 +37,8 @@ def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(singl
     out, res = local3
     assert samples(out) == samples(single)
     a, b = json.loads((single / "manifest.json").read_text()), res.manifest
-    assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {"duplicate_id": 1, "invalid_json": 1}
+    assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {"duplicate_id": 1, "invalid_json": 1,
+                                                                   "turn_too_long": 2}
     assert a["turns"] == b["turns"]
     # each input file's share of the totals (one input here): merge takes the repeated id back from it too
     assert a["inputs"][0]["totals"] == b["inputs"][0]["totals"] == {k: v for k, v in a["totals"].items() if v}
@@ -64,7 +65,7 @@ def test_task_index_processes_started_together_then_merge_equal_the_local_pool(t
         assert p.returncode == 0, err.decode()[-2000:]
     with pytest.raises(FileNotFoundError):
         (out / "manifest.json").read_bytes()  # a task never merges
-    merged = subprocess.run(cli("merge", out, "--max-reject-fraction", 1), capture_output=True, text=True)
+    merged = subprocess.run(cli("merge", out, "--max-reject-fraction", 1, "--min-turn-coverage", 0), capture_output=True, text=True)
     assert merged.returncode == 0, merged.stderr
     assert "16 samples" in merged.stdout  # split by default: the long traces are step samples
     assert hashes(out) == hashes(ref)
@@ -150,3 +151,63 @@ def test_a_whole_build_drops_what_a_killed_earlier_run_left_half_written(task_tr
     (out / "plan.json.4242.tmp").write_text("{")
     build(cfg(task_traces, out))
     assert tree_hashes(out) == tree_hashes(single)
+
+
+def _copied_records(d: Path) -> Path:
+    """64 copies of 9 records with the same ids: 6 that land whole, one split into two samples, one that lands with
+    a turn lost (turn_too_long) and one whose image is missing."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 10, 10)).save(buf, format="PNG")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+    def chat(*texts, first=None):
+        ms = [{"role": "user", "content": [first, {"type": "text", "text": texts[0]}] if first else texts[0]}]
+        for k, t in enumerate(texts[1:]):
+            ms.append({"role": "assistant" if k % 2 == 0 else "user", "content": t})
+        return ms
+
+    words = " ".join(f"w{i}" for i in range(60))
+    records = [{"id": f"g{k}", "messages": chat(f"q{k}", f"a{k}", "more", "b", first=image)} for k in range(6)]
+    records.append({"id": "split", "messages": chat("task", words, "go on", words)})
+    records.append({"id": "lost", "messages": chat("task", "one", "go on", words + " " + words + " " + words)})
+    records.append({"id": "gone", "messages": chat("q", "a", first={"type": "image_url", "image_url": {"url": "no.png"}})})
+    p = d / "copies.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for _ in range(64) for r in records))
+    return p
+
+
+def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_path, qwen2vl_processor):
+    """Rejects never exceed records: a record is rejected once, under one reason (a repeated id rejects the whole
+    record, split samples and lost-turn lines included); the turns of every rejected record count as lost, so a build
+    that keeps 8 of 576 records fails the turn coverage gate. One task and three (where merge finds the repeats
+    across tasks) count alike."""
+    from vlmprep.builder.pipeline import RejectsError
+    from vlmprep.shards.summary import format_build_summary, rejected_records
+
+    inp = _copied_records(tmp_path)
+    with pytest.raises(RejectsError, match=r"turn coverage 1\.4% < --min-turn-coverage 0\.95 \(15 of 1088 assistant "
+                                           r"turns trained; lost to --seq-len 256: turn_too_long 1; lost with rejected "
+                                           r"records: 1072\); fix: duplicate_id is the most common reject \(504\)"):
+        build(cfg(inp, tmp_path / "gate", seq_len=256, min_turn_coverage=0.95))
+    m1 = build(cfg(inp, tmp_path / "one", seq_len=256, min_turn_coverage=0.0)).manifest
+    m3 = build(cfg(inp, tmp_path / "three", seq_len=256, min_turn_coverage=0.0, tasks=3, workers=2)).manifest
+    for m in (m1, m3):
+        t = m["totals"]
+        assert t["records"] == 576 and rejected_records(m) == 504 + 64 and t["samples"] == 9
+        assert m["rejects"] == {"duplicate_id": 504, "image_not_found": 64, "turn_too_long": 1}
+        assert m["turns"]["input_assistant_turns"] == 64 * 17 and m["turns"]["trained_assistant_turns"] == 15
+        assert m["turns"]["lost"]["record_rejected"] == 64 * 17 - 16
+        assert "rejected          568 of 576 records (98.6%)" in format_build_summary(m, tmp_path)
+    assert m1["totals"] == m3["totals"] and m1["rejects"] == m3["rejects"] and m1["turns"] == m3["turns"]
+    assert m1["inputs"][0]["totals"] == m3["inputs"][0]["totals"]
+    for d in ("one", "three"):
+        lines = [json.loads(x) for x in (tmp_path / d / "rejects.jsonl").read_text().splitlines()]
+        assert len(lines) == len({(x["source"]["line"], x["reason"]) for x in lines}) == 568 + 1
+        assert sorted({x["id"] for x in lines if x["reason"] == "duplicate_id"}) == sorted(
+            ["g0", "g1", "g2", "g3", "g4", "g5", "split", "lost"])
+    assert samples(tmp_path / "one") == samples(tmp_path / "three")
