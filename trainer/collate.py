@@ -5,13 +5,14 @@ are made on the device.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from trainer.decode import DecodedSample
 from trainer.shards import DataError
+from trainer.vision import PLACEHOLDER_SIDE, HostPixels
 
 IGNORE_INDEX = -100
 
@@ -37,6 +38,8 @@ class Batch:
     video_grid_thw: torch.Tensor = torch.zeros(0, 3, dtype=torch.int64)  # int64 [V, 3], one row per video, token order
     second_per_grid_ts: torch.Tensor = torch.zeros(0)  # float32 [V]
     videos: list[list[torch.Tensor]] = ()  # per video its uint8 H x W x 3 frames; pixel math on the device
+    vision: dict = field(default_factory=dict)  # families whose pixels the host makes: the model's pixel inputs
+    filler: int = 0  # placeholder tokens at the end of row 0 (a micro-batch without images): not real tokens
     rows: int = 0  # packed rows laid end to end in this one flat row (trainer/pack.py); 0 = not packed
     sources: tuple[int, ...] = ()  # per sample: its dataset's index in a mixture
     sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
@@ -59,6 +62,17 @@ class Batch:
         return (torch.arange(L, device=self.lengths.device) < self.lengths[:, None]).long()
 
     @property
+    def real(self) -> torch.Tensor:
+        """bool [B, L]: the real tokens, neither padding nor a placeholder image (what a router's balance loss
+        counts)."""
+        L = self.input_ids.shape[1]
+        real = torch.arange(L, device=self.lengths.device) < self.lengths[:, None]
+        if self.filler:
+            end = int(self.lengths[0])
+            real[0, end - self.filler:end] = False
+        return real
+
+    @property
     def labels(self) -> torch.Tensor:
         """int64 [B, L] labels: the input id where loss_mask trains it, IGNORE_INDEX elsewhere (and on padding)."""
         return torch.where(self.loss_mask.bool(), self.input_ids.long(), IGNORE_INDEX)
@@ -73,7 +87,8 @@ class Batch:
                        lengths=move(self.lengths), position_ids=move(self.position_ids),
                        mm_token_type_ids=move(self.mm_token_type_ids), image_grid_thw=move(self.image_grid_thw),
                        video_grid_thw=move(self.video_grid_thw),
-                       second_per_grid_ts=self.second_per_grid_ts.to(device, non_blocking=True))
+                       second_per_grid_ts=self.second_per_grid_ts.to(device, non_blocking=True),
+                       vision={k: v.to(device, non_blocking=True) for k, v in self.vision.items()})
 
 
 def keep_freed_buffers() -> None:
@@ -95,11 +110,15 @@ class CollateSpec:
     merge size; `videos` when the run trains video, so every micro-batch runs the same vision passes on every rank."""
 
     pad_id: int
-    image_token_id: int
+    image_token_id: int  # the model's image token (Qwen's families: the one mm_token_type_ids marks as image)
     patch_size: int
     merge_size: int
     video_token_id: int = -1
     videos: bool = False  # the run's data holds videos: every micro-batch runs the video pass (see collate)
+    host: HostPixels | None = None  # families whose pixel inputs the host makes (trainer/vision.py)
+    # The tokens a placeholder image adds (host families: the model's image token, as many as the processor expands
+    # a small black image to; see vision.placeholder_tokens). Empty: one image_token_id (Qwen's 1 x 2 x 2 grid).
+    placeholder: tuple[int, ...] = ()
 
 
 def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
@@ -108,7 +127,8 @@ def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], 
     if not spec.videos and any(s.videos for s in samples):
         raise DataError(f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "
                         "video (its manifest counts none, or the model's video path is not verified)")
-    for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id)):
+    # A host family's processor marks its own image tokens (wrappers, breaks): the family is checked at start-up.
+    for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id))[1 if spec.host is not None else 0:]:
         if (ids[mm == kind] != want).any():
             name = ("image", "video")[kind - 1]
             raise DataError(f"samples {[s.id for s in samples]} mark {name} tokens that are not the model's {name} "
@@ -134,7 +154,11 @@ def placeholders(spec: CollateSpec, *, image: bool, video: bool) -> tuple[list[t
     A placeholder video is two black frames of one merged patch: its single token runs the video pass."""
     side = spec.patch_size * spec.merge_size
     tokens, out = [], {}
-    if image:
+    if image and spec.host is not None:  # its processor resizes it; grid rows are sizes there
+        tokens += [(t, 1) for t in spec.placeholder]
+        out.update(images=[np.zeros((PLACEHOLDER_SIDE, PLACEHOLDER_SIDE, 3), dtype=np.uint8)], index=[0],
+                   grids=[np.array([[1, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE]], dtype=np.int64)])
+    elif image:
         tokens.append((spec.image_token_id, 1))
         out.update(images=[np.zeros((side, side, 3), dtype=np.uint8)], index=[0],
                    grids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)])
@@ -190,7 +214,8 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
 
-    return Batch(input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(loss), lengths=torch.from_numpy(lens),
+    return Batch(vision=host_inputs(spec, samples, fill, ids), filler=len(extra),
+                 input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(loss), lengths=torch.from_numpy(lens),
                  position_ids=torch.from_numpy(pos),
                  mm_token_type_ids=torch.from_numpy(mm),
                  image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
@@ -200,6 +225,17 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
                  num_tokens=int(sum(s.num_tokens for s in samples)),
                  num_trained=num_trained, sources=tuple(s.source for s in samples),
                  sample_tokens=tuple(s.num_tokens for s in samples))
+
+
+def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray) -> dict:
+    """A host family's pixel inputs for the micro-batch: each sample's images in token order through the dataset's
+    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for Qwen's families)."""
+    if spec.host is None:
+        return {}
+    per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
+    if "images" in fill:
+        per_sample[0] = fill["images"]
+    return spec.host(per_sample, ids, stored="images" not in fill)
 
 
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:

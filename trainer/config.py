@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-TINY_MODELS = ("qwen2-vl",)
+from trainer.families import TINY_NAMES
+
+TINY_MODELS = TINY_NAMES  # --tiny-random NAME: one per family (trainer/families.py), sized to the dataset's processor
 PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 EXPORT_DTYPES = ("bf16", "fp32")
@@ -137,7 +139,8 @@ class TrainConfig:
     out: str = opt("runs/run", "checkpointing", "run dir: checkpoints, metrics.jsonl, config.toml, tb/")
     processor: str = opt("", "data", "processor dir for the pixel math; '' = the dataset's own DATA/processor/")
     model: str = opt("", "model", "HF checkpoint dir (AutoModelForImageTextToText); or pass tiny_random")
-    tiny_random: str = opt("", "model", "random-init tiny model instead of --model: " + ", ".join(TINY_MODELS))
+    tiny_random: str = opt("", "model", "random-init tiny model instead of --model, sized to the dataset's processor: "
+                           + ", ".join(TINY_MODELS))
     max_steps: int = opt(0, "optimization", "optimizer steps to run; 0 = `epochs` full epochs")
     epochs: int = opt(1, "optimization", "full passes over the data (when max_steps is 0)")
     schedule_steps: int = opt(0, "optimization", "warmup + cosine length in steps; 0 = the run's total steps")

@@ -18,6 +18,7 @@ import torch
 from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
 from trainer.config import ConfigError, ModelOptions, TrainConfig, default, load_toml, run_tool
+from trainer.families import Vocab
 from trainer.shards import REMOTE, DataError, resolve_data
 from vlmprep_schemas.boundary import UnsafeDataset, processor_files
 
@@ -95,7 +96,7 @@ def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.
     cfg, identity = read_run(run_dir)
     path = find_checkpoint(run_dir, step)
     model = _base_model_dir(cfg, identity) if cfg.model else ""
-    net = build_model(replace(ModelOptions.of(cfg), model=model, activation_checkpointing=False))
+    net = build_model(replace(ModelOptions.of(cfg), model=model, activation_checkpointing=False), _vocab(identity))
     state = {"model": net.state_dict()}  # tied weights share a tensor: loading either key fills both
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -108,13 +109,19 @@ def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.
     return net, cfg, path
 
 
+def _vocab(identity: dict) -> Vocab | None:
+    """The vocabulary a tiny random run's model was sized to, as run.json keeps it (None: a checkpoint's run)."""
+    v = identity.get("tiny_vocab")
+    return Vocab(size=int(v["size"]), ids=dict(v["ids"]), pad_id=int(v["pad_id"])) if v else None
+
+
 def _base_use_cache(cfg: TrainConfig, run_dir: str) -> bool:
     from transformers import AutoConfig
 
     from trainer.model import tiny_config
 
     if cfg.tiny_random:
-        return bool(getattr(tiny_config(cfg.tiny_random), "use_cache", True))
+        return bool(getattr(tiny_config(cfg.tiny_random, _vocab(read_run(Path(run_dir))[1])), "use_cache", True))
     model = _base_model_dir(cfg, read_run(Path(run_dir))[1])
     return bool(getattr(AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False), "use_cache",
                         True))

@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+from trainer.families import family_of_model
+
 LOG_NAME = "train.log"
 
 
@@ -157,19 +159,23 @@ def peak_flops(device) -> float | None:
 
 class FlopCounter:
     """Training FLOPs (forward + backward = 3 x forward) from the model's parameter counts: 6 x text parameters
-    (lm head included) per token, 6 x vision parameters per image patch, and causal attention
+    (lm head included) per token, 6 x vision parameters (tower and projector) per image patch, and causal attention
     6 x layers x hidden x sum of squared sample lengths (packed samples do not attend to each other)."""
 
     def __init__(self, net):
         cfg = getattr(net.config, "text_config", net.config)
         self.layers, self.hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+        family = family_of_model(str(net.config.model_type))
+        parts = family.vision if family else ("visual",)
+        patch = getattr(getattr(net.config, "vision_config", None), "patch_size", 14)
+        self.patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         self.vision = self.text = 0
         seen = set()
         for name, p in net.named_parameters(remove_duplicate=False):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if ".visual." in f".{name}":
+            if any(f".{part}." in f".{name}" for part in parts):
                 self.vision += p.numel()
             elif "embed_tokens" not in name or getattr(net.config, "tie_word_embeddings", False):
                 self.text += p.numel()  # a tied embedding is counted once, as the lm head's matmul
@@ -182,7 +188,11 @@ class FlopCounter:
                 continue
             lens = [len(p) for p in _segments(b)]
             flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
-            flops += 6 * self.vision * float(b.image_grid_thw.prod(-1).sum())
+            # Qwen's grids count patches; the host families' pixel_values hold them (tiles, crops: an estimate)
+            pixels = b.vision.get("pixel_values")
+            patches = float(b.image_grid_thw.prod(-1).sum()) if pixels is None else pixels.numel() / (
+                3 * self.patch * self.patch)
+            flops += 6 * self.vision * patches
         return flops
 
 

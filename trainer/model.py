@@ -11,35 +11,49 @@ import torch.nn.functional as F
 
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, ModelOptions
+from trainer.families import BY_NAME, Family, Vocab, family_of_model, supported_models
 
-TINY_CONFIGS = {
-    "qwen2-vl": dict(
-        model_type="qwen2_vl",
-        text_config=dict(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6}),
-        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-        tie_word_embeddings=True,
-    ),
-}
-LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+# --tiny-random qwen2-vl without a processor to size it (tests, the docs' quick checks): Qwen2-VL's own vocabulary
+# (the checkpoint's 151936 rows) and token ids.
+QWEN2_VL_VOCAB = Vocab(size=151936, ids={"<|image_pad|>": 151655, "<|video_pad|>": 151656, "<|vision_start|>": 151652,
+                                         "<|vision_end|>": 151653, "<|endoftext|>": 151643, "<|im_end|>": 151645},
+                       pad_id=0)
 
 
-def tiny_config(name: str):
-    """The transformers config of a named tiny random-init model (--tiny-random NAME), for tests and demos."""
+def tiny_config(name: str, vocab: Vocab | None = None):
+    """The transformers config of a named tiny random-init model (--tiny-random NAME, trainer/families.py): the
+    family's real class, sized to `vocab` (the dataset's processor's)."""
     from transformers import AutoConfig
 
-    cfg = dict(TINY_CONFIGS[name])
-    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    if vocab is None:
+        if name != "qwen2-vl":
+            raise ValueError(f"--tiny-random {name}: its vocabulary comes from the dataset's processor")
+        vocab = QWEN2_VL_VOCAB
+    kw = BY_NAME[name].tiny(vocab)
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
-def model_identity(*, model: str, tiny_random: str) -> dict:
-    """What a checkpoint's weights started from: the tiny config's name, or the checkpoint dir and its config.json
-    hash (checked here, so a missing --model fails in one line before the run dir is touched)."""
-    if tiny_random:
-        return {"model": f"tiny-random {tiny_random}", "model_config": ""}
+def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
+    """The vocabulary `--tiny-random NAME` takes from the dataset's processor (a local dir); None without one."""
+    if not name or not processor_dir:
+        return None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+    try:
+        return Vocab.of(processor, BY_NAME[name].tokens)
+    except ValueError as e:
+        raise ConfigError(f"--tiny-random {name}: {e} (the dataset was built for another family: pass the "
+                          f"--tiny-random of its family)") from None
+
+
+def model_identity(*, model: str, tiny_random: str, vocab: Vocab | None = None) -> dict:
+    """What a checkpoint's weights started from: the tiny config's name and vocabulary, or the checkpoint dir and its
+    config.json hash (checked here, so a missing --model fails in one line before the run dir is touched)."""
+    if tiny_random:  # the vocabulary it was sized to, which `trainer export` rebuilds it with
+        sized = {} if vocab is None else {"tiny_vocab": {"size": vocab.size, "ids": dict(sorted(vocab.ids.items())),
+                                                         "pad_id": vocab.pad_id}}
+        return {"model": f"tiny-random {tiny_random}", "model_config": "", **sized}
     config = Path(model) / "config.json"
     if not config.is_file():
         raise ConfigError(f"--model {model}: no checkpoint dir with a config.json there (the trainer loads local "
@@ -47,15 +61,16 @@ def model_identity(*, model: str, tiny_random: str) -> dict:
     return {"model": str(Path(model).resolve()), "model_config": hashlib.sha256(config.read_bytes()).hexdigest()}
 
 
-def build_model(options: ModelOptions) -> torch.nn.Module:
+def build_model(options: ModelOptions, vocab: Vocab | None = None) -> torch.nn.Module:
     """The model `options` name -> fp32 weights on CPU, identical on every rank (same seed; FSDP moves each shard to
-    the device), with activation checkpointing, LoRA adapters and a frozen vision tower as asked, in train mode."""
+    the device), with activation checkpointing, LoRA adapters and a frozen vision tower as asked, in train mode.
+    `vocab`: what a tiny random model is sized to (tiny_vocab)."""
     from transformers import AutoModelForImageTextToText
 
     o = options
     torch.manual_seed(o.seed)
     if o.tiny_random:
-        net = AutoModelForImageTextToText.from_config(tiny_config(o.tiny_random), dtype=torch.float32,
+        net = AutoModelForImageTextToText.from_config(tiny_config(o.tiny_random, vocab), dtype=torch.float32,
                                                       attn_implementation=o.attn_implementation)
     else:
         try:
@@ -68,25 +83,37 @@ def build_model(options: ModelOptions) -> torch.nn.Module:
     net.config.use_cache = False
     if o.activation_checkpointing:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    family = model_family(net)
     freeze_vision = o.freeze_vision
     if o.lora_rank:
         from peft import LoraConfig, get_peft_model
 
         net = get_peft_model(net, LoraConfig(r=o.lora_rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
-                                             target_modules=LORA_TARGETS))
+                                             target_modules=family.lora_targets))
         freeze_vision = True
     if freeze_vision:
         for name, p in net.named_parameters():
-            if ".visual." in f".{name}":
+            if any(f".{part}." in f".{name}" for part in family.vision):
                 p.requires_grad_(False)
     # from_pretrained returns eval mode: dropout off and, since transformers checkpoints only `if self.training`,
     # --activation-checkpointing silently inactive. Training starts in train mode whatever built the model.
     return net.train()
 
 
+def model_family(net: torch.nn.Module) -> Family:
+    """The family that trains this model (by its config's model_type); a model of none is refused in one line."""
+    model_type = str(net.config.model_type)
+    family = family_of_model(model_type)
+    if family is None:
+        raise ConfigError(f"model type {model_type!r} is not one this trainer trains ({supported_models()})")
+    return family
+
+
 def image_token_id(net: torch.nn.Module) -> int:
-    """The model's image placeholder token id."""
-    return int(net.config.image_token_id)
+    """The model's image placeholder token id (the token its image features replace)."""
+    cfg = net.config
+    return int(getattr(cfg, "image_token_id", None) if getattr(cfg, "image_token_id", None) is not None
+               else cfg.image_token_index)
 
 
 def video_token_id(net: torch.nn.Module) -> int:
@@ -99,7 +126,7 @@ def model_type_of(*, model: str, tiny_random: str) -> str:
     import json
 
     if tiny_random:
-        return TINY_CONFIGS[tiny_random]["model_type"]
+        return BY_NAME[tiny_random].model_types[0]
     try:
         return str(json.loads((Path(model) / "config.json").read_text()).get("model_type", ""))
     except (OSError, ValueError):
@@ -127,32 +154,78 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
     return net
 
 
-def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor,
+def model_inputs(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor | None,
+                 pixel_values_videos: torch.Tensor | None = None) -> dict:
+    """The forward's keyword arguments for `batch` as its family takes them: positions (the stored 3-D MRoPE rows, or
+    the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's patchified on the
+    device, `pixel_values`; every other family's made on the host, `batch.vision`) and the family's extras."""
+    family = model_family(net)
+    kw = dict(input_ids=batch.input_ids, attention_mask=None if batch.packed else batch.attention_mask,
+              position_ids=batch.position_ids if family.mrope else batch.position_ids[0], use_cache=False)
+    if family.mm_token_type_ids:
+        kw["mm_token_type_ids"] = batch.mm_token_type_ids
+    if family.token_type_ids:  # Gemma: the image tokens attend to each other both ways
+        kw["token_type_ids"] = (batch.mm_token_type_ids == 1).long()
+    if family.pixels == "processor":
+        return {**kw, **batch.vision}
+    assert (pixel_values_videos is None) == (len(batch.videos) == 0), \
+        f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"
+    kw.update(pixel_values=pixel_values, image_grid_thw=batch.image_grid_thw)
+    if pixel_values_videos is not None:
+        kw.update(pixel_values_videos=pixel_values_videos, video_grid_thw=batch.video_grid_thw)
+        if net.config.model_type == "qwen2_5_vl":  # positions are given, so only get_rope_index would read it
+            kw["second_per_grid_ts"] = batch.second_per_grid_ts
+    return kw
+
+
+def _balance_loss_of(net: torch.nn.Module):
+    """The router's balance loss the model trains, as its config asks (output_router_logits) and its own module
+    computes it (load_balancing_loss_func; families without one, Llama 4's, train none): (text config, function), or
+    None."""
+    import importlib
+
+    cfg = net.config
+    text = getattr(cfg, "text_config", None) or cfg
+    if not getattr(text, "output_router_logits", False):
+        return None
+    base = net.get_base_model() if hasattr(net, "get_base_model") else net
+    fn = getattr(importlib.import_module(type(base).__module__), "load_balancing_loss_func", None)
+    return (text, fn) if fn is not None else None
+
+
+def balance_loss(net: torch.nn.Module, router_logits, real: torch.Tensor) -> torch.Tensor:
+    """The model's own load-balancing loss over the tokens `real` marks (B x L: not padding, not a placeholder
+    image), as its forward computes it with the attention mask, the filler left out too."""
+    text, fn = _balance_loss_of(net)
+    experts = getattr(text, "num_experts", None) or text.num_local_experts
+    return fn(router_logits, experts, text.num_experts_per_tok, real.long())
+
+
+def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor | None,
                  sources: tuple[torch.Tensor, int] | None = None, pixel_values_videos: torch.Tensor | None = None):
-    """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count.
-    Logits are computed only at positions whose next token is trained (a 2-D bool logits_to_keep). A packed batch
-    goes without attention mask: the model then derives per-sample causal blocks from the resets of position row 0
-    (sdpa/eager: a packed-sequence mask; flash_attention_2: varlen cu_seqlens, which needs the single flat row)."""
+    """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count. Where the
+    model's config trains its router's balance loss (output_router_logits), router_aux_loss_coef x that loss x this
+    micro-batch's trained tokens is added, so a single micro-batch's mean is the model's own loss; padding and
+    placeholder tokens are kept out of it. Logits are computed only at positions whose next token is trained (a 2-D
+    bool logits_to_keep). A packed batch goes without attention mask: the model then derives per-sample causal
+    blocks from the resets of position row 0 (sdpa/eager: a packed-sequence mask; flash_attention_2: varlen
+    cu_seqlens, which needs the single flat row)."""
     labels = batch.labels
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     targets = labels[:, 1:][keep[:, :-1]]
-    mask = None if batch.packed else batch.attention_mask
-    assert (pixel_values_videos is None) == (len(batch.videos) == 0), \
-        f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"
-    video = {}
-    if pixel_values_videos is not None:
-        video = dict(pixel_values_videos=pixel_values_videos, video_grid_thw=batch.video_grid_thw)
-        if net.config.model_type == "qwen2_5_vl":  # positions are given, so only get_rope_index would read it
-            video["second_per_grid_ts"] = batch.second_per_grid_ts
-    out = net(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
-              mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixel_values,
-              image_grid_thw=batch.image_grid_thw, logits_to_keep=keep, use_cache=False, **video)
+    kw = model_inputs(net, batch, pixel_values, pixel_values_videos)
+    router = _balance_loss_of(net)
+    out = net(**kw, logits_to_keep=keep, **({"output_router_logits": True} if router is not None else {}))
+    losses = F.cross_entropy(out.logits.float(), targets, reduction="none")
+    total = losses.sum()
+    if router is not None:
+        aux = balance_loss(net, out.router_logits, batch.real)
+        total = total + router[0].router_aux_loss_coef * aux * len(targets)
     if sources is None:
-        return F.cross_entropy(out.logits.float(), targets, reduction="sum")
+        return total
     # A mixture also reports loss and trained tokens per dataset: (sum, [S] loss sums, [S] token counts).
     token_source, n = sources
-    losses = F.cross_entropy(out.logits.float(), targets, reduction="none")
     src = token_source.to(losses.device)[:, 1:][keep[:, :-1]]
-    return (losses.sum(), torch.zeros(n, dtype=torch.float64, device=losses.device).index_add_(0, src, losses.double()),
+    return (total, torch.zeros(n, dtype=torch.float64, device=losses.device).index_add_(0, src, losses.double()),
             torch.bincount(src, minlength=n).double())

@@ -3,9 +3,11 @@ rank's shard plan and indexed sources -> its StepLoader and the run's length in 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +19,11 @@ from trainer.cache import ShardCache, remote_shards
 from trainer.collate import CollateSpec
 from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
-from trainer.decode import refuse_videos
+from trainer.decode import refuse_videos, trains_videos
+from trainer.families import Family, family_of_model, family_of_processor, supported_models
 from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
 from trainer.metrics import plural
-from trainer.model import model_type_of
+from trainer.model import image_token_id, model_family, model_type_of, video_token_id
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
 from trainer.shards import (
     REMOTE_OR_PIPE,
@@ -30,11 +33,12 @@ from trainer.shards import (
     check_processor,
     load_image_processor_config,
     load_video_processor_config,
+    local_processor,
     plan_shards,
     processor_difference,
     resolve_data,
 )
-from trainer.vision import ImageSpec
+from trainer.vision import ImageSpec, host_pixels
 
 
 def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
@@ -166,6 +170,7 @@ class RunData:
     plans: list[ShardPlan]
     image: ImageSpec
     label: str  # how run.json and messages name the data
+    processor: str = ""  # where the processor the shards were rendered with is (--processor, else the dataset's)
     warnings: tuple[str, ...] = ()  # printed by rank 0 with the start-up lines
     watch: DatasetWatch | None = None  # the local datasets' manifests, checked every step
 
@@ -186,12 +191,31 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
         refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
         warnings += eval_overlap(d, held, specs, datasets)
     image = _load_image_spec(cfg, datasets[0].processor)
+    for d, ds in zip(specs, datasets):
+        refuse_other_family(ds.manifest, str(d.path), model_type)
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)
         refuse_empty(specs, datasets)
     label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
-    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label, tuple(warnings),
-                   DatasetWatch(datasets))
+    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label,
+                   cfg.processor or datasets[0].processor or "", tuple(warnings), DatasetWatch(datasets))
+
+
+def refuse_other_family(manifest: dict | None, where: str, model_type: str) -> None:
+    """A model of a family the trainer does not train, or a dataset rendered with another family's processor, is one
+    line naming both, before anything is loaded."""
+    family = family_of_model(model_type)
+    if not model_type:  # no readable config.json: the model's own check says so (model_identity)
+        return
+    if family is None:
+        raise ConfigError(f"model type {model_type!r} is not one this trainer trains (it trains {supported_models()})")
+    rendered = str(((manifest or {}).get("processor") or {}).get("class") or "")
+    if rendered and rendered not in family.processor_classes:
+        other = family_of_processor(rendered)
+        raise ConfigError(f"--data {where} was rendered with {rendered} ({other.name if other else 'another family'}), "
+                          f"but the model is {family.name} ({model_type}, trained from "
+                          f"{' or '.join(family.processor_classes)} datasets): rebuild the data with this model's "
+                          "processor, or train the model of its family")
 
 
 def _shard_keys(ds: DataSource) -> dict[str, str]:
@@ -326,3 +350,29 @@ def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predic
     elif predicted is not None:
         print(f"trainer: predicted steps per epoch: {', '.join(map(str, predicted))} (total {sum(predicted)})",
               file=sys.stderr)
+
+
+def processor_dir(cfg: TrainConfig, data: RunData, family: Family | None, owner: contextlib.ExitStack) -> str | None:
+    """The processor as a local dir, where the run loads it (a tiny model's vocabulary, a host family's placeholder
+    image): the dataset's own or --processor, a URL's copied into a temp dir for the run; None where not needed."""
+    model_type = family.model_types[0] if family else model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
+    needed = family is not None or getattr(family_of_model(model_type), "pixels", "") == "processor"
+    if not needed or not data.processor:
+        return None
+    tmp = Path(owner.enter_context(tempfile.TemporaryDirectory(prefix="vlmprep-processor-")))
+    return local_processor(data.processor, tmp)
+
+
+def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) -> CollateSpec:
+    """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
+    the run trains video, and for a family whose pixels the host makes, its pixel maker and placeholder tokens."""
+    spec, family = data.image, model_family(net)
+    base = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0), image_token_id=image_token_id(net),
+                       patch_size=spec.patch_size, merge_size=spec.merge_size, video_token_id=video_token_id(net),
+                       videos=trains_videos(data.datasets, str(net.config.model_type)))
+    if family.pixels != "processor":
+        return base
+    if processor is None:
+        raise ConfigError(f"{family.name} needs its processor to make pixel inputs: pass --processor DIR")
+    host, placeholder = host_pixels(family, processor, spec, image_token_id(net))
+    return dataclasses.replace(base, host=host, placeholder=placeholder)

@@ -20,6 +20,8 @@ from trainer.storage import StorageError, open_url, read_url
 from vlmprep_schemas import load
 from vlmprep_schemas.boundary import (
     MANIFEST_NAME,
+    MAX_CONFIG_BYTES,
+    PROCESSOR_FILES,
     REMOTE,
     UnsafeDataset,
     dataset_file,
@@ -371,6 +373,26 @@ def load_video_processor_config(location: str) -> dict | None:
         if isinstance(cfg, dict):
             return cfg
     return None
+
+
+def local_processor(location: str, dest: Path) -> str:
+    """A processor dir the trainer loads (its tokenizer, for a tiny model's vocabulary and a placeholder image's
+    tokens): a local one as it is, a URL's files (the fixed list a processor may hold, each bounded) copied into
+    `dest` first. Checked like any processor (no file linking out, no custom code) before it is loaded."""
+    if not location.startswith(REMOTE):
+        return location
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in PROCESSOR_FILES:
+        url = _join(location, name)
+        try:
+            data = _read_url(url, MAX_CONFIG_BYTES)
+        except DataError as e:
+            if "no such file or object" in str(e):  # a file this processor does not have
+                continue
+            raise
+        (dest / name).write_bytes(data)
+    check_processor(str(dest))
+    return str(dest)
 
 
 def processor_difference(a: DataSource, b: DataSource, processor: str = "") -> list[str]:

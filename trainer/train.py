@@ -24,15 +24,24 @@ from trainer.checkpoint import (
     save_checkpoint,
     start_run_dir,
 )
-from trainer.collate import Batch, CollateSpec, keep_freed_buffers, token_sources
+from trainer.collate import Batch, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, ModelOptions, TrainConfig, parse_args
 from trainer.data import StepLoader
-from trainer.decode import trains_videos
 from trainer.evaluate import EvalSet, eval_sets, evaluate
+from trainer.families import BY_NAME, Vocab
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
-from trainer.model import apply_fsdp, build_model, forward_loss, image_token_id, model_identity, video_token_id
+from trainer.model import apply_fsdp, build_model, forward_loss, model_identity, tiny_vocab
 from trainer.pack import check_packing, empty_state
-from trainer.rundata import RunData, fit_span, log_plans, make_loader, open_data, shard_check
+from trainer.rundata import (
+    RunData,
+    collate_spec_of,
+    fit_span,
+    log_plans,
+    make_loader,
+    open_data,
+    processor_dir,
+    shard_check,
+)
 from trainer.shards import DataError
 from trainer.vision import Patchifier
 
@@ -91,7 +100,9 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = mb.to(device)
-        pixels, videos = patchifier(mb.images, mb.image_index), patchifier.videos(mb.videos)
+        # Qwen's families: pixels patchified here, on the device; the others' came made by the host (mb.vision).
+        pixels, videos = (None, None) if mb.vision else (patchifier(mb.images, mb.image_index),
+                                                         patchifier.videos(mb.videos))
         if by_source is None:
             loss_sum = forward_loss(net, mb, pixels, pixel_values_videos=videos)
         else:
@@ -110,10 +121,11 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     return float(local_sum), float(norm)
 
 
-def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Path) -> None:
+def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Path, vocab: Vocab | None) -> None:
     """Every rank refuses a resume of another run; then rank 0 creates the run dir (or reopens it to resume)."""
     identity = run_identity(cfg, datasets=list(zip(data.specs, data.datasets)), image_config=data.image.config,
-                            model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random), world=world)
+                            model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab),
+                            world=world)
     if cfg.resume:
         check_resumable(out, identity, data.label)
     dist.barrier()  # every rank checked before rank 0 changes the run dir
@@ -123,9 +135,10 @@ def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Pa
         log_plans(data, world)
 
 
-def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int) -> torch.nn.Module:
-    """The model before FSDP; with packing, every dataset's seq_len checked against a row."""
-    net = build_model(ModelOptions.of(cfg))
+def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int, vocab: Vocab | None) -> torch.nn.Module:
+    """The model before FSDP (a tiny one sized to `vocab`); with packing, every dataset's seq_len checked against a
+    row."""
+    net = build_model(ModelOptions.of(cfg), vocab)
     if cfg.pack_to:
         # Every dataset's seq_len must fit a row; the log line speaks of the first.
         line = [check_packing(pack_to=cfg.pack_to, pack_window=cfg.pack_window, manifest=ds.manifest,
@@ -322,13 +335,12 @@ def run(cfg: TrainConfig) -> dict | None:
         cfg = fit_span(cfg, data, world)  # under --shard-cache-limit: shuffle blocks that fit the cache
         datasets, spec = data.datasets, data.image
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
-        start_run(cfg, data, rank=rank, world=world, out=out)
-        net = make_model(cfg, data, rank=rank, world=world)
+        processor = processor_dir(cfg, data, BY_NAME.get(cfg.tiny_random), owner)
+        vocab = tiny_vocab(cfg.tiny_random, processor)
+        start_run(cfg, data, rank=rank, world=world, out=out, vocab=vocab)
+        net = make_model(cfg, data, rank=rank, world=world, vocab=vocab)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
-        collate_spec = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0),
-                                   image_token_id=image_token_id(net), patch_size=spec.patch_size,
-                                   merge_size=spec.merge_size, video_token_id=video_token_id(net),
-                                   videos=trains_videos(datasets, str(net.config.model_type)))
+        collate_spec = collate_spec_of(net, data, processor)
         check = shard_check(cfg, out, rank)
         evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec,
                           train_data=datasets[0], model_type=str(net.config.model_type), check=check)

@@ -1,15 +1,23 @@
-"""Pixels on the training device: uint8 H x W x 3 images (and video frames) -> rescale + normalize + patchify ->
-pixel_values (pixel_values_videos), with the exact arithmetic and Qwen2-VL patch layout of the dataset's saved image
-(video) processor.
+"""Pixels: the stored uint8 H x W x 3 images (and video frames) -> the model's pixel inputs. Qwen's families on the
+training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch layout of the
+saved image and video processors); every other family on the host (HostPixels: the dataset's own saved image
+processor on the stored pixels, in the DataLoader workers).
 """
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
 SUPPORTED = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
+# Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens); the other
+# families' grid rows are the stored size (1, h, w), as vlmprep writes them.
+GRID = SUPPORTED + ("Glm4vImageProcessor", "Glm4vImageProcessorFast", "Glm4vImageProcessorPil")
 
 
 @dataclass(frozen=True)
@@ -27,14 +35,19 @@ class ImageSpec:
     do_normalize: bool
     config: dict = field(compare=False, repr=False)  # the processor's own dict, for load-time resizing
     video: "ImageSpec | None" = field(default=None, compare=False, repr=False)  # the saved video processor's
+    grid_images: bool = True  # False: a family whose images are not on a patch grid (grid rows are the size)
 
     @classmethod
     def from_config(cls, cfg: dict, video: dict | None = None) -> "ImageSpec":
-        """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos."""
+        """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos. A processor
+        of a family that is not on a patch grid is read for its name only (its own class makes the pixels)."""
         kind = cfg.get("image_processor_type") or cfg.get("video_processor_type")
-        if kind not in SUPPORTED + VIDEO_SUPPORTED:
-            raise ValueError(f"processor {kind!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED + VIDEO_SUPPORTED)})")
+        if not isinstance(kind, str) or not kind.endswith(("ImageProcessor", "ImageProcessorFast",
+                                                           "ImageProcessorPil", "VideoProcessor")):
+            raise ValueError(f"processor type {kind!r} is not an image processor")
+        if kind not in GRID + VIDEO_SUPPORTED:
+            return cls(patch_size=1, temporal_patch_size=1, merge_size=1, image_mean=(), image_std=(),
+                       rescale_factor=1.0, do_rescale=False, do_normalize=False, config=dict(cfg), grid_images=False)
         return cls(video=cls.from_config(video) if video else None,
                    patch_size=int(cfg["patch_size"]), temporal_patch_size=int(cfg["temporal_patch_size"]),
                    merge_size=int(cfg["merge_size"]), image_mean=tuple(cfg["image_mean"]),
@@ -42,8 +55,14 @@ class ImageSpec:
                    do_rescale=bool(cfg["do_rescale"]), do_normalize=bool(cfg["do_normalize"]), config=dict(cfg))
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
-        """The (t, h, w) patch grid of one resized image of `height` x `width` pixels."""
+        """The (t, h, w) patch grid of one resized image of `height` x `width` pixels (the size itself where the
+        family has no grid)."""
         return 1, height // self.patch_size, width // self.patch_size
+
+    @property
+    def kind(self) -> str:
+        """The image processor's class name, as saved."""
+        return str(self.config.get("image_processor_type") or self.config.get("video_processor_type"))
 
 
 class Patchifier:
@@ -141,3 +160,106 @@ class Patchifier:
         if s.do_rescale:
             return x * s.rescale_factor
         return x.to(torch.float32)
+
+
+PLACEHOLDER_SIDE = 64  # the black image a host family's micro-batch without images gets (its processor resizes it)
+
+
+def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> tuple[HostPixels, tuple[int, ...]]:
+    """A host family's pixel maker and its placeholder image's tokens: `token_id` (the model's image token) as many
+    times as the processor's own render of one user message holding a PLACEHOLDER_SIDE black image has it (what a
+    micro-batch without images appends, collate.placeholders)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+    host = HostPixels(family, spec.config, image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
+                      max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0))
+    black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
+    message = [{"role": "user", "content": [{"type": "image", "image": black}, {"type": "text", "text": "x"}]}]
+    ids = np.asarray(processor.apply_chat_template(message, tokenize=True, return_dict=True)["input_ids"]).reshape(-1)
+    n = int((ids == token_id).sum())
+    assert n, f"the processor in {processor_dir} renders an image with no token {token_id} (the model's image token)"
+    return host, (token_id,) * n
+
+
+class HostPixels:
+    """The dataset's own image processor, on the host (in the DataLoader workers): each micro-batch's stored images ->
+    the model's pixel inputs (pixel_values and whatever else the family's forward takes: aspect ratios, image
+    sizes, tile masks), exactly as the processor makes them from the records, since the stored pixels are the source
+    images, or the processor's own resize (then it runs with do_resize=False). Picklable: each process loads the
+    processor (its saved config only, no code) once, on first use."""
+
+    def __init__(self, family, config: dict, *, image_token_id: int = -1, max_tiles: int = 0):
+        """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
+        made from (Mllama); `max_tiles`: its tiles per image."""
+        self.family = family
+        self.config = dict(config)
+        self.image_token_id = image_token_id
+        self.max_tiles = max_tiles
+        self._ip = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_ip": None}
+
+    @property
+    def processor(self):
+        """The image processor, loaded from the saved settings alone (a temp dir holding only them)."""
+        if self._ip is None:
+            from transformers import AutoImageProcessor
+
+            with tempfile.TemporaryDirectory() as tmp:
+                Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.config))
+                self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        return self._ip
+
+    def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray | None = None, *,
+                 stored: bool = True) -> dict[str, torch.Tensor]:
+        """Each sample's images in token order (uint8 H x W x 3) -> the model's pixel inputs for the micro-batch; `ids`
+        (B x L) where the family needs token positions (Mllama's cross-attention mask). `stored=False`: images that
+        were not stored resized (the placeholder image), resized as the processor resizes."""
+        from PIL import Image
+
+        fam = self.family
+        kwargs = {"return_tensors": "pt"}
+        if fam.resized and stored:
+            kwargs["do_resize"] = False
+        pils = [[Image.fromarray(np.asarray(im), "RGB") for im in images] for images in per_sample]
+        if fam.cross_attention:
+            out = self._mllama(pils, ids, kwargs)
+        elif fam.nested:
+            out = dict(self.processor(pils, **kwargs))
+        else:
+            out = dict(self.processor([im for images in pils for im in images], **kwargs))
+        if fam.name == "llava-onevision":  # how many of the flat images each sample holds
+            out["batch_num_images"] = torch.tensor([len(images) for images in pils])
+        for k in fam.drop:
+            out.pop(k, None)
+        # Float inputs in fp32 (Llama 4's processor returns bf16): the model casts them to its own dtype.
+        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+    def _mllama(self, pils: list[list], ids: np.ndarray, kwargs: dict) -> dict:
+        """Mllama: images padded per sample to the batch's most (pixels 0, aspect ratio id 0, mask [1, 0, ...]), as
+        its processor pads them, samples without images included; and the dense cross-attention mask."""
+        from transformers.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense,
+            get_cross_attention_token_mask,
+        )
+
+        rows = [k for k, images in enumerate(pils) if images]
+        got = self.processor([pils[k] for k in rows], **kwargs)
+        B, n = len(pils), max(len(images) for images in pils)
+        pv, ar, am = got["pixel_values"], got["aspect_ratio_ids"], got["aspect_ratio_mask"]
+        pixel_values = torch.zeros((B, n, *pv.shape[2:]), dtype=pv.dtype)
+        ratio_ids = torch.zeros((B, n), dtype=ar.dtype)
+        ratio_mask = torch.zeros((B, n, am.shape[2]), dtype=am.dtype)
+        ratio_mask[:, :, 0] = 1
+        for j, k in enumerate(rows):
+            m = len(pils[k])
+            pixel_values[k, :m], ratio_ids[k, :m], ratio_mask[k, :m] = pv[j, :m], ar[j, :m], am[j, :m]
+        tiles = [got["num_tiles"][rows.index(k)] if k in rows else [] for k in range(B)]
+        masks = [get_cross_attention_token_mask(row.tolist(), self.image_token_id) for row in ids]
+        dense = convert_sparse_cross_attention_mask_to_dense(masks, num_tiles=tiles, max_num_tiles=self.max_tiles,
+                                                             length=ids.shape[1])
+        return {"pixel_values": pixel_values, "aspect_ratio_ids": ratio_ids, "aspect_ratio_mask": ratio_mask,
+                "cross_attention_mask": torch.from_numpy(dense)}

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,13 @@ def _torchrun(dataset, out, *extra, model=None):
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
 
 
+def run_vocab(run):
+    """The vocabulary a tiny run's model was sized to (the dataset's processor's), as run.json keeps it."""
+    from trainer.export import _vocab, read_run
+
+    return _vocab(read_run(Path(run))[1])
+
+
 def _export(run, out, *extra) -> int:
     from trainer.export import main as export_main
 
@@ -53,7 +61,8 @@ def _reference(run, tmp_path, *, model: str = "", lora_rank: int = 0):
 
     path = tmp_path / "reference.pt"
     dcp_to_torch_save(str(latest_checkpoint(run)), str(path))
-    net = build_model(ModelOptions(model=model, tiny_random="" if model else "qwen2-vl", lora_rank=lora_rank))
+    net = build_model(ModelOptions(model=model, tiny_random="" if model else "qwen2-vl", lora_rank=lora_rank),
+                      run_vocab(run))
     net.load_state_dict(torch.load(path, weights_only=True)["model"], strict=True)
     return net.eval()
 
@@ -136,7 +145,8 @@ def test_save_hf_export_loads_with_transformers_and_gives_the_trained_logits(run
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"] and config["use_cache"] is True
     assert float((_served_logits(hf, _render(hf, sample)) - run1_ref).abs().max()) <= 1e-6
     # The weights did train: an untrained model is far from them.
-    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl")).eval(), sample, image_spec)
+    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run1)).eval(), sample,
+                                image_spec)
     assert float((untrained - run1_ref).abs().max()) > 1e-3
 
 
@@ -257,14 +267,15 @@ def test_lora_run_exports_merged_weights_and_the_adapter_alone(dataset, sample, 
     ref = _trained_logits(_reference(run, tmp_path, lora_rank=4), sample, image_spec)
     assert not any("lora" in k for k in _keys(tmp_path / "merged" / "model.safetensors"))
     assert float((_served_logits(tmp_path / "merged", _render(tmp_path / "merged", sample)) - ref).abs().max()) <= 1e-6
-    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl")).eval(), sample, image_spec)
+    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run)).eval(), sample,
+                                image_spec)
     assert float((untrained - ref).abs().max()) > 1e-3  # the adapters moved the logits
 
     assert _export(run, tmp_path / "adapter", "--dtype", "fp32", "--adapter-only") == 0
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
     assert "model.safetensors" not in files
-    base = build_model(ModelOptions(tiny_random="qwen2-vl"))  # LoRA froze the base: it is the seeded initial model
+    base = build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run))  # LoRA froze the base: the initial model
     adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     assert float((_trained_logits(adapted, sample, image_spec) - ref).abs().max()) <= 1e-6
 

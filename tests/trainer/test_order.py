@@ -308,7 +308,7 @@ def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp
 
     qwen3 = tmp_path / "qwen3"
     build(BuildConfig(inputs=(str(traces),), out=str(qwen3), processor="builtin:qwen3-vl", seq_len=2048,
-                      progress=False, max_reject_fraction=1.0))
+                      progress=False, max_reject_fraction=1.0, min_turn_coverage=0.0))
     import subprocess
 
     from tests.trainer.conftest import ROOT

@@ -93,7 +93,7 @@ def test_a_build_over_the_dataset_a_trainer_reads_stops_the_trainer(data, traces
         monkeypatch.setattr(pipeline, "load_processor", lambda spec: qwen2vl_processor)
         pipeline.build(BuildConfig(inputs=(str(traces),), out=str(data), processor="builtin:qwen2-vl", seq_len=1024,
                                    samples_per_shard=6, image_format="zstd", progress=False, overwrite=True,
-                                   max_reject_fraction=1.0, **policy))
+                                   max_reject_fraction=1.0, min_turn_coverage=0.0, **policy))
 
     _after_step(monkeypatch, 1, rebuild)
     assert main(_args(data, tmp_path / "run", "--max-steps", 50, "--num-workers", 0, "--no-shuffle")) == 1

@@ -479,7 +479,7 @@ def file_faults(tmp_path_factory, qwen2vl_processor):
     for tasks in (1, 2):
         out = d.parent / f"out{tasks}"
         res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False,
-                                max_reject_fraction=1.0))  # bad on purpose
+                                max_reject_fraction=1.0, min_turn_coverage=0.0))  # bad on purpose
         rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
         samples = {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(out)}
         builds[tasks] = (d, res, rejects, {s.meta()["id"] for s in iter_dataset(out)}, samples)
@@ -569,7 +569,7 @@ def faulty_inputs(tmp_path_factory):
 
 def _faulty_build(d, out, **kw):
     cfg = BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, max_line_bytes=8192, samples_per_shard=3,
-                      progress=False, max_reject_fraction=1.0, **kw)  # bad on purpose
+                      progress=False, max_reject_fraction=1.0, min_turn_coverage=0.0, **kw)  # bad on purpose
     build(cfg)
     rejects = sorted((os.path.basename(r["source"]["file"]), r["source"]["line"], r["reason"])
                      for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines()))

@@ -201,7 +201,7 @@ def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2v
             dict(record(reasoning=[1]), id="c")]
     inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "ds"
-    build(BuildConfig(inputs=(str(inp),), out=str(out), progress=False, reasoning="drop", max_reject_fraction=1))
+    build(BuildConfig(inputs=(str(inp),), out=str(out), progress=False, reasoning="drop", max_reject_fraction=1.0, min_turn_coverage=0.0))
     manifest = json.loads((out / "manifest.json").read_text())
     t = manifest["totals"]
     assert manifest["config"]["reasoning"] == "drop" and manifest["rejects"] == {"invalid_reasoning": 1}

@@ -46,7 +46,22 @@ def build_builtin_processor(name: str, cache_dir: Path | None = None) -> Process
 
 
 def builtin_dir(name: str, cache_dir: Path | None = None) -> Path:
-    """The cached processor dir of builtin `name` in `cache_dir`, built there first if missing."""
+    """The cached processor dir of builtin `name` (or `tiny:NAME`, vlmprep/processors/tiny.py) in `cache_dir`, built
+    there first if missing."""
+    if name.startswith("tiny:"):
+        from vlmprep.processors import tiny as vendor
+
+        name = name.split(":", 1)[1]
+        if name not in vendor.tiny_names():
+            raise ValueError(f"unknown tiny processor tiny:{name}: choose one of "
+                             + ", ".join(f"tiny:{n}" for n in vendor.tiny_names()))
+        data, template = vendor.source_files(name)
+        key = _cache_key(f"tiny:{name}", data, template)
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        final = root / f"tiny-{name}-{key[:16]}"
+        if not (final / MARKER_FILE).is_file():
+            _build_into(final, f"tiny:{name}", key, lambda: vendor.make_processor(name, template))
+        return final
     if name in QWEN_BUILTINS:
         from vlmprep.processors import qwen as vendor
     elif name == "mistral-3":

@@ -32,9 +32,9 @@ def resolve_chat_template(value: str) -> Path:
 
 
 def load_processor(spec: str):
-    """--processor value -> a transformers processor: `builtin:NAME` built offline (cached), a local dir loaded
-    without code (load_saved_processor), else a hub id (the only path that may use the network; never remote code). A
-    path that does not exist or an unknown builtin is a one-line ValueError."""
+    """--processor value -> a transformers processor: `builtin:NAME` or `tiny:NAME` built offline (cached), a local
+    dir loaded without code (load_saved_processor), else a hub id (the only path that may use the network; never
+    remote code). A path that does not exist or an unknown builtin is a one-line ValueError."""
     from transformers import AutoProcessor
 
     if spec.startswith("builtin:"):
@@ -45,6 +45,10 @@ def load_processor(spec: str):
             raise ValueError(f"unknown builtin processor {spec!r}: choose one of "
                              + ", ".join(f"builtin:{n}" for n in builtin_names()))
         return build_builtin_processor(name)
+    if spec.startswith("tiny:"):  # the family's real classes over a small vocabulary: for trying it and tests
+        from vlmprep.processors.builtin import build_builtin_processor
+
+        return build_builtin_processor(spec)
     if Path(spec).is_dir():
         return load_saved_processor(spec)
     if Path(spec).exists():

@@ -14,6 +14,10 @@ def dropped_by_cut(images: int, videos: int) -> str:
     return plural(images, "image") + (f" and {plural(videos, 'video')}" if videos else "") + " dropped by the cut"
 
 
+# A reject line that is a lost turn of a record whose other turns landed, not a rejected record.
+LOST_TURNS_NOTE = {"turn_too_long": " (turns; their records landed)"}
+
+
 def rejected_records(manifest: dict) -> int:
     """Rejected records: reject lines less turn_too_long ones (a lost turn of a record whose other turns landed)."""
     return manifest["totals"]["rejected"] - manifest["rejects"].get("turn_too_long", 0)
@@ -110,6 +114,9 @@ def coverage_problem(manifest: dict, minimum: float) -> str | None:
     elif lost["truncated"] and config.get("long_traces") == "truncate":
         fix = ("drop --long-traces truncate (split, the default, trains every turn in step samples), or pass "
                "--keep-images last:3 so that traces fit")
+    elif config.get("keep_images") is not None:  # older screenshots are dropped already: what is left is too long
+        fix = (f"raise --seq-len (these turns, with what they act on, do not fit {config.get('seq_len')} tokens even "
+               f"with --keep-images last:{config['keep_images']}; rejects.jsonl names each)")
     else:
         fix = "pass --keep-images last:3 to drop older screenshots, or raise --seq-len"
     return (f"turn coverage {share:.1%} < --min-turn-coverage {minimum:g} ({trained} of {total} assistant turns "
@@ -140,7 +147,7 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"({reject_share(manifest):.1%})" + (" -> rejects.jsonl" if t["rejected"] else ""),
     ]
     for reason, n in manifest["rejects"].items():
-        lines.append(f"    {reason:<36} {n}")
+        lines.append(f"    {reason:<36} {n}" + LOST_TURNS_NOTE.get(reason, ""))
     return "\n".join(lines)
 
 

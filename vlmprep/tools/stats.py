@@ -16,7 +16,7 @@ from vlmprep.families import family_of
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, shard_paths
-from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
+from vlmprep.shards.summary import LOST_TURNS_NOTE, REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 from vlmprep.tools.per_shard import map_shards
 
 HIST_BINS = 10
@@ -188,7 +188,8 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
         "video_frames": scan.video_frames,
         "video_tokens": scan.video_tokens,
         "dropped_videos": scan.dropped_videos,
-        "rejected": sum(rejects.values()),
+        "rejected": sum(rejects.values()),  # reject lines: records, and turns lost as turn_too_long
+        "rejected_records": sum(rejects.values()) - rejects.get("turn_too_long", 0),
         "rejects": rejects,
         "split_samples": scan.split,
         "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
@@ -223,7 +224,9 @@ def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | Non
         t = collections.Counter(inp["totals"])
         n_turns = t["input_assistant_turns"]
         out.append({"path": inp["path"], "name": name, "records": t["records"], "samples": t["samples"],
-                    "rejected": t["rejected"], "rejects": dict(sorted(by_file[inp["path"]].items())),
+                    "rejected": t["rejected"] - by_file[inp["path"]].get("turn_too_long", 0) if reject_lines
+                    is not None else t["rejected"] - t["turns_lost_too_long"],  # records, not lost-turn lines
+                    "rejects": dict(sorted(by_file[inp["path"]].items())),
                     "tokens": t["tokens"], "trainable_tokens": t["trainable_tokens"], "images": t["images"],
                     "image_tokens": t["image_tokens"], "truncated_samples": t["truncated_samples"],
                     "dropped_images": t["dropped_images"], "split_samples": t["split_samples"],
@@ -377,7 +380,7 @@ def summary_lines(st: dict) -> list[str]:
     lines = [
         f"dataset {st['dir']}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
         f"(format v{st['format_version']}, {st['image_format']} images, {st['processor']}, seq_len {st['seq_len']})",
-        f"records            {st['records']} read, {n} samples, {st['rejected']} rejected"
+        f"records            {st['records']} read, {n} samples, {st['rejected_records']} rejected"
         + (f" | unread input {st['unread_bytes']} bytes after file faults" if st["unread_bytes"] else ""),
         f"tokens             {t} | trained {st['trainable_tokens']} ({st['trainable_ratio']:.1%}) | "
         f"image {st['image_tokens']} ({st['image_tokens'] / max(t, 1):.1%})",
@@ -387,9 +390,10 @@ def summary_lines(st: dict) -> list[str]:
            f"({st['video_tokens'] / max(t, 1):.1%})"] if st["videos"] or st["dropped_videos"] else []),
         f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
         + dropped_by_cut(st["dropped_images"], st["dropped_videos"]),
-        f"rejected           {st['rejected']}" + (" by reason:" if st["rejects"] else ""),
+        f"rejected           {st['rejected_records']} of {plural(st['records'], 'record')}"
+        + (" by reason:" if st["rejects"] else ""),
     ]
-    lines += [f"  {reason:<40} {count}" for reason, count in st["rejects"].items()]
+    lines += [f"  {reason:<40} {count}" + LOST_TURNS_NOTE.get(reason, "") for reason, count in st["rejects"].items()]
     turns = st.get("turns")
     if turns:
         lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v) or "none"

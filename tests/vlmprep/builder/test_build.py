@@ -263,7 +263,7 @@ def test_json_file_shapes(tmp_path, loaded_once):
     (tmp_path / "wrapped.json").write_text(json.dumps({"data": [rec]}))
     (tmp_path / "empty.json").write_text("[]")
     res = build(cfg([tmp_path / "one.json", tmp_path / "wrapped.json", tmp_path / "empty.json"], tmp_path / "o",
-                    max_reject_fraction=1.0))
+                    max_reject_fraction=1.0, min_turn_coverage=0.0))
     assert res.manifest["totals"]["samples"] == 1
     rejects = {Path(r["source"]["file"]).name: r for r in map(json.loads, (tmp_path / "o" / "rejects.jsonl").open())}
     assert rejects["wrapped.json"]["reason"] == "invalid_json_file"

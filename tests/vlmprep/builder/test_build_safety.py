@@ -44,13 +44,15 @@ def test_readme_agent_example_trains_every_turn_and_without_the_template_fails_w
     assert f"rejected          {n} of 8 records ({n / 8:.1%}) -> rejects.jsonl" in res.stdout
     err = res.stderr.strip().splitlines()[-1]
     assert err.startswith("error: ") and "--max-reject-fraction 0.05" in err
-    assert "fix: pass --chat-template qwen2_vl_tools" in err and "--max-reject-fraction 1 accepts it" in err
+    # The rejected records' turns fail the turn coverage too: accepting them takes both options.
+    assert "fix: pass --chat-template qwen2_vl_tools" in err
+    assert err.endswith("--max-reject-fraction 1 --min-turn-coverage 0 accepts it")
 
-    # --max-reject-fraction 1: today's behaviour (exit 0), the same dataset (the option changes no byte); only the
-    # failed build's note goes.
+    # Both options: exit 0, the same dataset (the options change no byte); only the failed build's note goes.
     before = tree_hashes(bare)
     assert before.pop("build-failed.txt")
-    res = invoke("build", "--in", demo8, "--out", bare, "--no-progress", *AGENT, "--max-reject-fraction", "1")
+    res = invoke("build", "--in", demo8, "--out", bare, "--no-progress", *AGENT, "--max-reject-fraction", "1",
+                 "--min-turn-coverage", "0")
     assert res.exit_code == 0, res.output
     assert tree_hashes(bare) == before
 

@@ -79,8 +79,7 @@ def _forked_build(inp, out, mode="truncate"):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vlmprep.builder.pipeline"])
     cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False, max_reject_fraction=1.0,
-                      min_turn_coverage=0.0,
-                      **{"seq_len": 2048, **MODES[mode][0]})
+                      **{"seq_len": 2048, "min_turn_coverage": 0.0, **MODES[mode][0]})
     proc = ctx.Process(target=build, args=(cfg,))
     proc.start()
     return proc

@@ -67,7 +67,8 @@ def test_task_index_processes_started_together_then_merge_equal_the_local_pool(t
         (out / "manifest.json").read_bytes()  # a task never merges
     merged = subprocess.run(cli("merge", out, "--max-reject-fraction", 1, "--min-turn-coverage", 0), capture_output=True, text=True)
     assert merged.returncode == 0, merged.stderr
-    assert "16 samples" in merged.stdout  # split by default: the long traces are step samples
+    # split by default: the long traces are step samples (two turns whose page dump cannot fit are lost)
+    assert "14 samples" in merged.stdout
     assert hashes(out) == hashes(ref)
 
 
@@ -188,6 +189,7 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
     across tasks) count alike."""
     from vlmprep.builder.pipeline import RejectsError
     from vlmprep.shards.summary import format_build_summary, rejected_records
+    from vlmprep.tools.stats import compute_stats, format_stats
 
     inp = _copied_records(tmp_path)
     with pytest.raises(RejectsError, match=r"turn coverage 1\.4% < --min-turn-coverage 0\.95 \(15 of 1088 assistant "
@@ -203,6 +205,12 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
         assert m["turns"]["input_assistant_turns"] == 64 * 17 and m["turns"]["trained_assistant_turns"] == 15
         assert m["turns"]["lost"]["record_rejected"] == 64 * 17 - 16
         assert "rejected          568 of 576 records (98.6%)" in format_build_summary(m, tmp_path)
+    for d in ("one", "three"):
+        text = format_stats(compute_stats(tmp_path / d))
+        assert "records            576 read, 9 samples, 568 rejected" in text
+        assert "rejected           568 of 576 records by reason:" in text
+        assert "turn_too_long                            1 (turns; their records landed)" in text
+        assert compute_stats(tmp_path / d)["mismatches"] == []
     assert m1["totals"] == m3["totals"] and m1["rejects"] == m3["rejects"] and m1["turns"] == m3["turns"]
     assert m1["inputs"][0]["totals"] == m3["inputs"][0]["totals"]
     for d in ("one", "three"):

@@ -69,11 +69,17 @@ def _key(batch: dict) -> tuple:
     return tuple(batch["input_ids"][0].tolist())
 
 
+def tiny_model(d):
+    """The trainer's --tiny-random qwen2-vl, sized to the dataset's processor as the trainer sizes it."""
+    from trainer.config import ModelOptions
+    from trainer.model import build_model, tiny_vocab
+
+    return build_model(ModelOptions(tiny_random="qwen2-vl", seed=0), tiny_vocab("qwen2-vl", str(Path(d) / "processor")))
+
+
 def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
     fmt, d, step1 = built
     import vlmprep.clients.hf
-    from trainer.config import ModelOptions
-    from trainer.model import build_model
     from vlmprep.clients.collate import Collator
 
     loader = torch.utils.data.DataLoader(vlmprep.clients.hf.iterable_dataset(d), batch_size=2,
@@ -95,7 +101,7 @@ def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
     text_only = [b for b in by_shard if "pixel_values" not in b]
     assert len(text_only) == 1 and "image_grid_thw" not in text_only[0]  # the last shard's last sample
     with torch.no_grad():  # the first batch, straight into the model, gives the trainer's step-1 loss
-        net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
+        net = tiny_model(d)
         loss = float(net(**got[0]).loss)
         assert np.isfinite(float(net(**text_only[0]).loss))
     assert loss == pytest.approx(step1["loss"], rel=1e-6)
@@ -125,15 +131,13 @@ def _readme_block(marker: str) -> str:
 def _run_readme_block(marker: str, d: Path, out: Path, model=None) -> dict:
     """Run the block as written, with the two inputs substituted: DIR and the model (the trainer's tiny model);
     its output dir `runs/...`, if any, goes under `out`. Returns the block's namespace."""
-    from trainer.config import ModelOptions
-    from trainer.model import build_model
 
     code = _readme_block(marker)
     code, n_dir = re.subn(r"^DIR = .*$", "DIR = _DIR", code, flags=re.M)
     code, n_model = re.subn(r"^model = .*$", "model = _MODEL", code, flags=re.M)
     assert n_dir == n_model == 1 and code.count('"runs/') <= 1
     code = code.replace('"runs/', '_OUT + "/')
-    ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": model or build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))}
+    ns = {"_DIR": str(d), "_OUT": str(out), "_MODEL": model or tiny_model(d)}
     exec(compile(code, f"docs/other-libraries.md ({marker})", "exec"), ns)
     return ns
 
@@ -154,8 +158,6 @@ def test_collator_trained_logits_keep_the_trainers_positions(built):
     the model's LM head then projects one row per trained token instead of B x L, and the loss is the trainer's."""
     fmt, d, step1 = built
     import vlmprep.clients.hf
-    from trainer.config import ModelOptions
-    from trainer.model import build_model
     from vlmprep.clients.collate import Collator
 
     samples = list(vlmprep.clients.hf.iterable_dataset(d))[:2]
@@ -168,7 +170,7 @@ def test_collator_trained_logits_keep_the_trainers_positions(built):
     keep[:, :-1] = labels[:, 1:] != -100  # trainer/model.py forward_loss's selection, on the trainer's own batch
     assert got["logits_to_keep"].dtype == torch.bool and torch.equal(got["logits_to_keep"], keep)
     assert torch.equal(got["shift_labels"], labels[:, 1:][keep[:, :-1]]) and bool((got["shift_labels"] >= 0).all())
-    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
+    net = tiny_model(d)
     rows = _kept_rows(net)
     with torch.no_grad():
         full, kept = net(**plain), net(**got)
@@ -181,11 +183,9 @@ def test_collator_trained_logits_keep_the_trainers_positions(built):
 
 def test_hf_trainer_trains_with_the_readme_code(built, tmp_path):
     """The docs' HF Trainer block (trained_logits=True): step-1 loss = the trainer's, LM head rows = trained tokens."""
-    from trainer.config import ModelOptions
-    from trainer.model import build_model
 
     fmt, d, step1 = built
-    net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
+    net = tiny_model(d)
     rows = _kept_rows(net)
     log = _run_readme_block("trainer = Trainer(", d, tmp_path, model=net)["trainer"].state.log_history
     steps = [e for e in log if "loss" in e]
