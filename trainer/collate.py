@@ -214,7 +214,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
 
-    return Batch(vision=host_inputs(spec, samples, fill, ids), filler=len(extra),
+    return Batch(vision=host_inputs(spec, samples, fill, ids, mm), filler=len(extra),
                  input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(loss), lengths=torch.from_numpy(lens),
                  position_ids=torch.from_numpy(pos),
                  mm_token_type_ids=torch.from_numpy(mm),
@@ -227,7 +227,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
                  sample_tokens=tuple(s.num_tokens for s in samples))
 
 
-def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray) -> dict:
+def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray) -> dict:
     """A host family's pixel inputs for the micro-batch: each sample's images in token order through the dataset's
     image processor, or the placeholder image in row 0 where the micro-batch has none ({} for Qwen's families)."""
     if spec.host is None:
@@ -235,7 +235,7 @@ def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids
     per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
     if "images" in fill:
         per_sample[0] = fill["images"]
-    return spec.host(per_sample, ids, stored="images" not in fill)
+    return spec.host(per_sample, ids, mm, stored="images" not in fill)
 
 
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:

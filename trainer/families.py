@@ -156,7 +156,7 @@ def _llava_onevision(v: Vocab) -> dict:
 
 def _smolvlm(v: Vocab) -> dict:
     # SmolVLM-256M: 512 px tiles in 16 px patches, pixel shuffle 4: 64 tokens a tile.
-    return dict(model_type="idefics3", image_token_id=v.ids["<image>"], scale_factor=4,
+    return dict(model_type="idefics3", image_token_id=v.ids["<image>"], scale_factor=4, pad_token_id=v.pad_id,
                 text_config=dict(model_type="llama", **_text(v)),
                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=512, patch_size=16))
@@ -172,15 +172,11 @@ class Family:
     tiny: Callable[[Vocab], dict]  # the tiny random config's keywords (model_type included)
     tokens: tuple[str, ...]  # the named tokens the tiny config takes ids of
     # "patchify": on the device, Qwen2-VL's patch layout (trainer/vision.py Patchifier); "processor": the dataset's
-    # own image processor on the host (trainer/vision.py HostPixels), on the stored pixels
+    # own image processor on the host (trainer/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
     resized: bool = False  # the stored pixels are the processor's resize: it runs with do_resize=False
-    nested: bool = False  # its image processor takes each sample's images as a list (Mllama, Idefics3)
-    token_type_ids: bool = False  # Gemma: image tokens attend to each other both ways (token_type_ids == 1)
-    cross_attention: bool = False  # Mllama: text attends to images through cross-attention layers
     mm_token_type_ids: bool = False  # the forward takes mm_token_type_ids (Qwen, GLM)
-    drop: tuple[str, ...] = ()  # image processor outputs the forward does not take
     pack: str = ""  # "": --pack-to is exact (each packed sample's logits equal it alone); else why it is refused
     moe: bool = False  # routes tokens to experts: padding is kept out of the router's balance loss
     vision: tuple[str, ...] = ()  # parameter-name parts of the vision tower and projector (--freeze-vision, LoRA)
@@ -206,30 +202,29 @@ FAMILIES: tuple[Family, ...] = (
            tiny=_qwen3_5, moe=True,
            pack="its linear-attention layers carry state from one packed sample into the next", **_QWEN),
     Family(name="llama-3.2-vision", model_types=("mllama",), processor_classes=("MllamaProcessor",), tiny=_mllama,
-           tokens=("<|image|>", "<|begin_of_text|>", "<|eot_id|>"), nested=True, cross_attention=True,
-           drop=("num_tiles",),
+           tokens=("<|image|>", "<|begin_of_text|>", "<|eot_id|>"),
            vision=("vision_model", "multi_modal_projector"),
            pack="its cross-attention mask is per row, so a packed sample would see another sample's images"),
     Family(name="llama-4", model_types=("llama4",), processor_classes=("Llama4Processor",), tiny=_llama4,
-           tokens=("<|patch|>", "<|begin_of_text|>", "<|eot|>"), drop=("aspect_ratios",), moe=True,
+           tokens=("<|patch|>", "<|begin_of_text|>", "<|eot|>"), moe=True,
            vision=("vision_model", "multi_modal_projector"),
            pack="its chunked attention is not reset at packed sample boundaries"),
     Family(name="mistral-3", model_types=("mistral3",), processor_classes=("PixtralProcessor",), tiny=_mistral3,
            tokens=("[IMG]",), resized=True, vision=("vision_tower", "multi_modal_projector")),
     Family(name="gemma-3", model_types=("gemma3",), processor_classes=("Gemma3Processor",), tiny=_gemma3,
-           tokens=("<image_soft_token>", "<start_of_image>", "<end_of_image>"), resized=True, token_type_ids=True,
-           drop=("num_crops",), vision=("vision_tower", "multi_modal_projector"),
+           tokens=("<image_soft_token>", "<start_of_image>", "<end_of_image>"), resized=True,
+           vision=("vision_tower", "multi_modal_projector"),
            pack="its image tokens attend to each other both ways through a mask that packing cannot express"),
     Family(name="glm-4.1v", model_types=("glm4v",), processor_classes=("Glm4vProcessor",), tiny=_glm4v,
            tokens=("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
                    "<|end_of_video|>"), mrope=True, resized=True, mm_token_type_ids=True, vision=("visual",)),
     Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",), tiny=_internvl,
-           tokens=("<IMG_CONTEXT>",), drop=("num_patches",), vision=("vision_tower", "multi_modal_projector")),
+           tokens=("<IMG_CONTEXT>",), vision=("vision_tower", "multi_modal_projector")),
     Family(name="llava-onevision", model_types=("llava_onevision",), processor_classes=("LlavaOnevisionProcessor",),
            tiny=_llava_onevision, tokens=("<image>", "<video>"), vision=("vision_tower", "multi_modal_projector")),
     Family(name="smolvlm", model_types=("idefics3", "smolvlm"), processor_classes=("Idefics3Processor",
                                                                                   "SmolVLMProcessor"),
-           tiny=_smolvlm, tokens=("<image>",), nested=True, vision=("vision_model", "connector"), text="text_model"),
+           tiny=_smolvlm, tokens=("<image>",), vision=("vision_model", "connector"), text="text_model"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 TINY_NAMES = tuple(BY_NAME)
@@ -248,3 +243,14 @@ def family_of_processor(processor_class: str) -> Family | None:
 def supported_models() -> str:
     """The model types the trainer trains, for messages."""
     return ", ".join(t for f in FAMILIES for t in f.model_types)
+
+
+def packing_refusal(model_type: str) -> str | None:
+    """The one line refusing --pack-to for this model type's family (where packed samples would see each other or
+    share state), or None where packing is exact."""
+    family = family_of_model(model_type)
+    if family is None or not family.pack:
+        return None
+    packs = ", ".join(f.name for f in FAMILIES if not f.pack)
+    return (f"--pack-to: {family.name} ({model_type}) cannot be packed exactly ({family.pack}); train it without "
+            f"--pack-to (families that pack: {packs})")

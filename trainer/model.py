@@ -116,6 +116,18 @@ def image_token_id(net: torch.nn.Module) -> int:
                else cfg.image_token_index)
 
 
+def pad_token_id(net: torch.nn.Module) -> int:
+    """The id padding gets: the text model's pad token where its config names one inside the vocabulary (a
+    composite config's own may be a default outside it: Idefics3's 128002), else 0. Padding is never attended to or
+    trained, so any id in the vocabulary gives the same loss."""
+    text = getattr(net.config, "text_config", None) or net.config
+    for cfg in (text, net.config):
+        pad = getattr(cfg, "pad_token_id", None)
+        if isinstance(pad, int) and 0 <= pad < int(text.vocab_size):
+            return pad
+    return 0
+
+
 def video_token_id(net: torch.nn.Module) -> int:
     """The model's video placeholder token id; -1 when it has none."""
     return int(getattr(net.config, "video_token_id", None) or -1)
@@ -164,9 +176,7 @@ def model_inputs(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor 
               position_ids=batch.position_ids if family.mrope else batch.position_ids[0], use_cache=False)
     if family.mm_token_type_ids:
         kw["mm_token_type_ids"] = batch.mm_token_type_ids
-    if family.token_type_ids:  # Gemma: the image tokens attend to each other both ways
-        kw["token_type_ids"] = (batch.mm_token_type_ids == 1).long()
-    if family.pixels == "processor":
+    if family.pixels == "processor":  # Gemma's token_type_ids, Mllama's cross-attention mask come with them
         return {**kw, **batch.vision}
     assert (pixel_values_videos is None) == (len(batch.videos) == 0), \
         f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"

@@ -13,7 +13,7 @@ import torch
 
 from trainer.collate import Batch, CollateSpec, check_tokens, host_inputs, media, placeholders, video_fields
 from trainer.decode import DecodedSample
-from trainer.families import FAMILIES, family_of_model
+from trainer.families import FAMILIES, packing_refusal
 from trainer.shards import DataError
 
 # Model types whose text model reads [4, B, L] position_ids (row 0: per-sample text positions) as packed
@@ -188,7 +188,7 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
     for token, kind in extra:
         ids, mm, loss = np.append(ids, token), np.append(mm, kind), np.append(loss, 0)
         pos = np.concatenate([pos, pos[:, -1:] + 1], axis=1)  # continues the last sample, which never sees it
-    return Batch(vision=host_inputs(spec, samples, fill, ids[None]), filler=len(extra),
+    return Batch(vision=host_inputs(spec, samples, fill, ids[None], mm[None]), filler=len(extra),
                  input_ids=torch.from_numpy(ids[None]), loss_mask=torch.from_numpy(loss[None]),
                  lengths=torch.tensor([len(ids)]), position_ids=torch.from_numpy(pos[:, None]),
                  mm_token_type_ids=torch.from_numpy(mm[None]),
@@ -210,11 +210,9 @@ def check_packing(*, pack_to: int, pack_window: int, manifest: dict | None, mode
     counts what one of `world` ranks reads (a window never holds more than a rank's epoch)."""
     from trainer.config import ConfigError
 
-    family = family_of_model(model_type)
-    if family is not None and family.pack:
-        packs = ", ".join(f.name for f in FAMILIES if not f.pack)
-        raise ConfigError(f"--pack-to: {family.name} ({model_type}) cannot be packed exactly ({family.pack}); train it "
-                          f"without --pack-to (families that pack: {packs})")
+    refusal = packing_refusal(model_type)
+    if refusal:
+        raise ConfigError(refusal)
     if model_type not in PACKABLE_MODELS:
         raise ConfigError(f"--pack-to: model type {model_type!r} has no packed-sequence path this trainer has "
                           f"verified (supported: {', '.join(PACKABLE_MODELS)}); train it without --pack-to")

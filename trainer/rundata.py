@@ -20,10 +20,10 @@ from trainer.collate import CollateSpec
 from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
 from trainer.decode import refuse_videos, trains_videos
-from trainer.families import Family, family_of_model, family_of_processor, supported_models
+from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
 from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
 from trainer.metrics import plural
-from trainer.model import image_token_id, model_family, model_type_of, video_token_id
+from trainer.model import image_token_id, model_family, model_type_of, pad_token_id, video_token_id
 from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
 from trainer.shards import (
     REMOTE_OR_PIPE,
@@ -193,6 +193,8 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
     image = _load_image_spec(cfg, datasets[0].processor)
     for d, ds in zip(specs, datasets):
         refuse_other_family(ds.manifest, str(d.path), model_type)
+    if cfg.pack_to and packing_refusal(model_type):  # before the run dir is touched
+        raise ConfigError(packing_refusal(model_type))
     if len(specs) > 1:
         check_compatible(specs, datasets, cfg.processor)
         refuse_empty(specs, datasets)
@@ -367,7 +369,7 @@ def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) 
     """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
     the run trains video, and for a family whose pixels the host makes, its pixel maker and placeholder tokens."""
     spec, family = data.image, model_family(net)
-    base = CollateSpec(pad_id=int(getattr(net.config, "pad_token_id", None) or 0), image_token_id=image_token_id(net),
+    base = CollateSpec(pad_id=pad_token_id(net), image_token_id=image_token_id(net),
                        patch_size=spec.patch_size, merge_size=spec.merge_size, video_token_id=video_token_id(net),
                        videos=trains_videos(data.datasets, str(net.config.model_type)))
     if family.pixels != "processor":

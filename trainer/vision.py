@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlmprep_schemas.pixels import RULES, pixel_inputs
+
 SUPPORTED = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
 # Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens); the other
@@ -186,14 +188,15 @@ def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> t
 class HostPixels:
     """The dataset's own image processor, on the host (in the DataLoader workers): each micro-batch's stored images ->
     the model's pixel inputs (pixel_values and whatever else the family's forward takes: aspect ratios, image
-    sizes, tile masks), exactly as the processor makes them from the records, since the stored pixels are the source
-    images, or the processor's own resize (then it runs with do_resize=False). Picklable: each process loads the
+    sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
+    the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares). Picklable: each process loads the
     processor (its saved config only, no code) once, on first use."""
 
     def __init__(self, family, config: dict, *, image_token_id: int = -1, max_tiles: int = 0):
         """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
         made from (Mllama); `max_tiles`: its tiles per image."""
         self.family = family
+        self.rule = RULES[family.processor_classes[0]]
         self.config = dict(config)
         self.image_token_id = image_token_id
         self.max_tiles = max_tiles
@@ -213,53 +216,10 @@ class HostPixels:
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         return self._ip
 
-    def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray | None = None, *,
+    def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray, *,
                  stored: bool = True) -> dict[str, torch.Tensor]:
-        """Each sample's images in token order (uint8 H x W x 3) -> the model's pixel inputs for the micro-batch; `ids`
-        (B x L) where the family needs token positions (Mllama's cross-attention mask). `stored=False`: images that
-        were not stored resized (the placeholder image), resized as the processor resizes."""
-        from PIL import Image
-
-        fam = self.family
-        kwargs = {"return_tensors": "pt"}
-        if fam.resized and stored:
-            kwargs["do_resize"] = False
-        pils = [[Image.fromarray(np.asarray(im), "RGB") for im in images] for images in per_sample]
-        if fam.cross_attention:
-            out = self._mllama(pils, ids, kwargs)
-        elif fam.nested:
-            out = dict(self.processor(pils, **kwargs))
-        else:
-            out = dict(self.processor([im for images in pils for im in images], **kwargs))
-        if fam.name == "llava-onevision":  # how many of the flat images each sample holds
-            out["batch_num_images"] = torch.tensor([len(images) for images in pils])
-        for k in fam.drop:
-            out.pop(k, None)
-        # Float inputs in fp32 (Llama 4's processor returns bf16): the model casts them to its own dtype.
-        return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
-
-    def _mllama(self, pils: list[list], ids: np.ndarray, kwargs: dict) -> dict:
-        """Mllama: images padded per sample to the batch's most (pixels 0, aspect ratio id 0, mask [1, 0, ...]), as
-        its processor pads them, samples without images included; and the dense cross-attention mask."""
-        from transformers.models.mllama.processing_mllama import (
-            convert_sparse_cross_attention_mask_to_dense,
-            get_cross_attention_token_mask,
-        )
-
-        rows = [k for k, images in enumerate(pils) if images]
-        got = self.processor([pils[k] for k in rows], **kwargs)
-        B, n = len(pils), max(len(images) for images in pils)
-        pv, ar, am = got["pixel_values"], got["aspect_ratio_ids"], got["aspect_ratio_mask"]
-        pixel_values = torch.zeros((B, n, *pv.shape[2:]), dtype=pv.dtype)
-        ratio_ids = torch.zeros((B, n), dtype=ar.dtype)
-        ratio_mask = torch.zeros((B, n, am.shape[2]), dtype=am.dtype)
-        ratio_mask[:, :, 0] = 1
-        for j, k in enumerate(rows):
-            m = len(pils[k])
-            pixel_values[k, :m], ratio_ids[k, :m], ratio_mask[k, :m] = pv[j, :m], ar[j, :m], am[j, :m]
-        tiles = [got["num_tiles"][rows.index(k)] if k in rows else [] for k in range(B)]
-        masks = [get_cross_attention_token_mask(row.tolist(), self.image_token_id) for row in ids]
-        dense = convert_sparse_cross_attention_mask_to_dense(masks, num_tiles=tiles, max_num_tiles=self.max_tiles,
-                                                             length=ids.shape[1])
-        return {"pixel_values": pixel_values, "aspect_ratio_ids": ratio_ids, "aspect_ratio_mask": ratio_mask,
-                "cross_attention_mask": torch.from_numpy(dense)}
+        """Each sample's images in token order (uint8 H x W x 3), the token ids and mm types (B x L) -> the model's
+        pixel inputs for the micro-batch. `stored=False`: images that were not stored resized (the placeholder
+        image), resized as the processor resizes."""
+        return pixel_inputs(self.processor, self.rule, per_sample, resize=not (self.family.resized and stored),
+                            ids=ids, mm=mm, image_token_id=self.image_token_id, max_tiles=self.max_tiles)

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,25 +101,56 @@ def own_loss(hf, record, image, sample, string_content: bool) -> tuple[float, to
     return float(loss), inputs["input_ids"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_each_family_trains_and_its_export_gives_the_same_loss(name, tmp_path):
+@pytest.fixture(scope="module", params=NAMES)
+def trained(request, tmp_path_factory):
+    """Per family: the one-record dataset built with tiny:NAME, and one trainer step on it (--save-hf)."""
+    name = request.param
+    tmp = tmp_path_factory.mktemp(name)
+    ds, record, image = build_one(tmp, f"tiny:{name}")
+    return name, ds, record, image, train_one_step(ds, tmp / "run", name), tmp / "run"
+
+
+def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
     from vlmprep.families import FAMILIES as RENDER_FAMILIES
 
+    name, ds, record, image, row, run = trained
     family = BY_NAME[name]
-    ds, record, image = build_one(tmp_path, f"tiny:{name}")
     sample = shard_sample(ds)
-    row = train_one_step(ds, tmp_path / "run", name)
     string_content = RENDER_FAMILIES[family.processor_classes[0]].string_content
-    loss, ids = own_loss(tmp_path / "run" / "hf", record, image, sample, string_content)
+    loss, ids = own_loss(run / "hf", record, image, sample, string_content)
     assert ids[0].tolist() == sample.array("input_ids").tolist()
     assert row["loss"] == pytest.approx(loss, rel=1e-5), (name, row["loss"], loss)
     # The model is the family's real class, its vocabulary the processor's.
-    config = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
+    config = json.loads((run / "hf" / "config.json").read_text())
     assert config["model_type"] in family.model_types
-    text = config.get("text_config", config)
-    assert text["vocab_size"] == len(json.loads((tmp_path / "run" / "hf" / "tokenizer.json").read_text())["model"]
-                                     ["vocab"]) + len(json.loads((tmp_path / "run" / "hf" / "tokenizer.json")
-                                                                 .read_text())["added_tokens"])
+    tokenizer = json.loads((run / "hf" / "tokenizer.json").read_text())
+    assert config.get("text_config", config)["vocab_size"] == len(tokenizer["model"]["vocab"]) + len(
+        tokenizer["added_tokens"])
+
+
+def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(trained, tmp_path):
+    """The Collator (vlmprep/clients/collate.py) as HF Trainer's data_collator over the HF datasets reader, the same
+    tiny model (same seed, vocabulary): its step-1 loss is the trainer's."""
+    from transformers import Trainer, TrainingArguments
+
+    import vlmprep.clients.hf
+    from trainer.config import ModelOptions
+    from trainer.model import build_model, tiny_vocab
+    from vlmprep.clients.collate import Collator
+
+    name, ds, _, _, row, _ = trained
+    model = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, str(ds / "processor")))
+    args = TrainingArguments(output_dir=str(tmp_path / "hf-run"), max_steps=1, per_device_train_batch_size=1,
+                             learning_rate=1e-30, logging_steps=1, report_to="none", use_cpu=True,
+                             remove_unused_columns=False, save_strategy="no", dataloader_num_workers=0,
+                             accelerator_config={"dispatch_batches": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, train_dataset=vlmprep.clients.hf.iterable_dataset(ds),
+                          data_collator=Collator(ds))
+        trainer.train()
+    [step] = [e for e in trainer.state.log_history if "loss" in e]
+    assert step["loss"] == pytest.approx(row["loss"], rel=1e-5), (name, step["loss"], row["loss"])
 
 
 def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):
@@ -129,3 +161,134 @@ def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):
                  "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was rendered with Gemma3Processor (gemma-3), but the model is smolvlm" in err[0]
+
+
+def three_records(tmp_path) -> Path:
+    """Two records with an image each (different sizes) and a text-only one: what one packed row holds."""
+    records = []
+    for k, (w, h) in enumerate([(120, 90), (64, 96)]):
+        uri, _ = _png(w, h, k + 1)
+        records.append({"id": f"i{k}", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                         {"type": "text", "text": "Describe the image."}]},
+            {"role": "assistant", "content": f"The page shows a red square and {k + 2} banners."}]})
+    records.append({"id": "t", "messages": [{"role": "user", "content": "Open the page, then type the query."},
+                                            {"role": "assistant", "content": "Done: the page is open."}]})
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+PACKABLE = [pytest.param(f.name, marks=() if f.name == "mistral-3" else pytest.mark.slow) for f in FAMILIES
+            if not f.pack]
+
+
+@pytest.mark.parametrize("name", PACKABLE)
+def test_packing_is_exact_where_the_family_allows_it(name, tmp_path):
+    """Three samples (two images of different sizes, one text-only) in one step: packed into one row (no padding,
+    positions restarting per sample) the step-1 loss equals the padded micro-batch's (rel 1e-5)."""
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    build(BuildConfig(inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}",
+                      progress=False, seq_len=4096))
+    padded = train_one_step(tmp_path / "ds", tmp_path / "padded", name, "--micro-batch-size", "3")
+    packed = train_one_step(tmp_path / "ds", tmp_path / "packed", name, "--pack-to", "12000", "--pack-window", "3")
+    assert padded["num_samples"] == packed["num_samples"] == 3 and packed["num_trained_tokens"] == \
+        padded["num_trained_tokens"]
+    assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5), (name, packed["loss"], padded["loss"])
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.pack])
+def test_packing_is_refused_in_one_line_where_the_attention_cannot_express_it(name, tmp_path, capsys):
+    from trainer.train import main
+
+    ds, _, _ = build_one(tmp_path, f"tiny:{name}")
+    assert main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", name, "--pack-to", "8192",
+                 "--max-steps", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--pack-to: {name} (" in err[0] and BY_NAME[name].pack in err[0], err
+
+
+def _decoded(ds):
+    from tests.trainer.conftest import read_all_samples
+    from trainer.config import TrainConfig
+    from trainer.rundata import _load_image_spec
+
+    spec = _load_image_spec(TrainConfig(data=str(ds), tiny_random="qwen2-vl"), str(ds / "processor"))
+    return read_all_samples(ds, spec), spec
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.moe])
+def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_path):
+    """A mixture-of-experts family with its router's balance loss on (output_router_logits): a micro-batch of two
+    samples of different lengths, collated as the trainer does and again with 16 more padding tokens a row, gives
+    the same loss, the same expert counts over its real tokens (= the two samples' counts alone) and the same grads;
+    the balance loss taken over the padding too would differ."""
+    import dataclasses
+
+    from trainer.collate import collate
+    from trainer.config import ModelOptions
+    from trainer.model import balance_loss, build_model, forward_loss, model_inputs, tiny_vocab
+    from trainer.rundata import RunData, collate_spec_of
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    build(BuildConfig(inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}",
+                      progress=False))
+    samples, spec = _decoded(tmp_path / "ds")
+    a, b = samples[0], samples[2]  # an image sample and the text-only one: different lengths
+    net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, str(tmp_path / "ds" / "processor")))
+    net.config.get_text_config().output_router_logits = True
+    data = RunData((), [], [], spec, "", str(tmp_path / "ds" / "processor"))
+    cspec = collate_spec_of(net, data, str(tmp_path / "ds" / "processor"))
+
+    def more_padding(batch, n=16):
+        grow = lambda t, v: torch.nn.functional.pad(t, (0, n), value=v)  # noqa: E731
+        return dataclasses.replace(batch, input_ids=grow(batch.input_ids, cspec.pad_id),
+                                   loss_mask=grow(batch.loss_mask, 0), mm_token_type_ids=grow(batch.mm_token_type_ids, 0),
+                                   position_ids=grow(batch.position_ids, 0),
+                                   vision={k: (grow(v, 0) if k in ("token_type_ids",) else v)
+                                           for k, v in batch.vision.items()})
+
+    def run(batch):
+        net.zero_grad()
+        loss = forward_loss(net, batch, None if batch.vision else _patchify(spec, batch))
+        loss.backward()
+        with torch.no_grad():
+            out = net(**model_inputs(net, batch, None if batch.vision else _patchify(spec, batch)),
+                      output_router_logits=True)
+        real = batch.real.reshape(-1)
+        counts = [torch.bincount(r.topk(_top_k(net), dim=-1).indices[real].reshape(-1), minlength=r.shape[-1])
+                  for r in out.router_logits]
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+        return float(loss), counts, grads, out.router_logits
+
+    x = collate([a, b], cspec)
+    y = more_padding(x)
+    lx, cx, gx, router = run(x)
+    ly, cy, gy, _ = run(y)
+    assert ly == pytest.approx(lx, rel=1e-6)
+    assert all(torch.equal(p, q) for p, q in zip(cx, cy))
+    alone = [run(collate([s], cspec))[1] for s in (a, b)]
+    assert all(torch.equal(p, q + r) for p, q, r in zip(cx, *alone))
+    assert gx.keys() == gy.keys() and all(float((gx[k] - gy[k]).abs().max()) <= 1e-6 for k in gx)
+    from trainer.model import _balance_loss_of
+
+    with torch.no_grad():  # the loss is the model's own with its config: mean cross-entropy + coef x balance loss
+        own = net(**model_inputs(net, x, None if x.vision else _patchify(spec, x)), labels=x.labels).loss
+    assert lx / x.num_trained == pytest.approx(float(own), rel=1e-5)
+    if _balance_loss_of(net) is not None:  # the balance loss over the padding as well would differ
+        assert float(balance_loss(net, router, torch.ones_like(y.real[:, :x.real.shape[1]]))) != pytest.approx(
+            float(balance_loss(net, router, x.real)), rel=1e-6)
+
+
+def _top_k(net) -> int:
+    text = net.config.get_text_config()
+    return int(text.num_experts_per_tok)
+
+
+def _patchify(spec, batch):
+    from trainer.vision import Patchifier
+
+    return Patchifier(spec, "cpu")(batch.images, batch.image_index)

@@ -19,6 +19,7 @@ import numpy as np
 from vlmprep.families import family_of
 from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.reader import load_manifest, processor_dir
+from vlmprep_schemas.pixels import RULES, pixel_inputs
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
 
@@ -76,6 +77,18 @@ class Collator:
         if len(members) != len(sample["images"]):  # no meta: the manifest's format says
             return [self.image_format == "original"] * len(sample["images"])
         return [".orig." in m for m in members]
+
+    def _family_pixels(self, samples: list[dict], rule, ids, mm) -> dict:
+        """A family whose pixel inputs are not a grid's (Llama, Gemma, Mistral, InternVL, LLaVA-OneVision, SmolVLM,
+        GLM-4.1V): the processor's own batch call on each sample's images, by the rule the trainer shares
+        (vlmprep_schemas.pixels), with the family's extras (token types, cross-attention mask)."""
+        resize = {r for s in samples for r in self._resizes(s)}
+        assert len(resize) <= 1, "a batch mixes stored and source images"
+        proc = self.processor
+        return pixel_inputs(proc.image_processor, rule, [list(s["images"]) for s in samples],
+                            resize=resize == {True}, ids=ids, mm=mm,
+                            image_token_id=int(getattr(proc, "image_token_id", -1) or -1),
+                            max_tiles=int(getattr(proc.image_processor, "max_image_tiles", 0) or 0))
 
     def _pixels(self, samples: list[dict]) -> dict:
         """The image processor's outputs for every occurrence in token order, concatenated (one call per unique
@@ -155,6 +168,10 @@ class Collator:
         family = family_of(type(proc).__name__)
         # MRoPE models take the stored [3, B, L] ids (their get_rope_index); 1-D rope models the text row.
         batch["position_ids"] = positions if family is not None and family.positions == "mrope" else positions[0]
+        rule = RULES.get(type(proc).__name__)
+        if rule is not None:
+            batch.update(self._family_pixels(samples, rule, batch["input_ids"].numpy(),
+                                             batch["mm_token_type_ids"].numpy()))
         if "mm_token_type_ids" not in getattr(proc, "model_input_names", ()):
             del batch["mm_token_type_ids"]
         if self.trained_logits:  # the trainer's own selection (trainer/model.py forward_loss)
@@ -162,6 +179,7 @@ class Collator:
             keep[:, :-1] = batch["labels"][:, 1:] != IGNORE_INDEX
             batch["logits_to_keep"] = keep
             batch["shift_labels"] = batch["labels"][:, 1:][keep[:, :-1]]
-        batch.update(self._pixels(samples))
+        if rule is None:
+            batch.update(self._pixels(samples))
         batch.update(self._video_pixels(samples))
         return batch

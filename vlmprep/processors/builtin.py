@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Bump whenever a build would produce different files from the same inputs; it is part of the cache key.
-BUILDER_VERSION = 2  # 2: image processors carry the published checkpoint settings, not the class defaults
+# 2: image processors carry the published checkpoint settings, not the class defaults; 3: Llama 3.2 Vision's 560 px
+BUILDER_VERSION = 3
 MARKER_FILE = "vlmprep_builtin.json"
 
 QWEN_BUILTINS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")  # built by vlmprep/processors/qwen.py

@@ -116,8 +116,10 @@ def make_processor(name: str, template: str) -> ProcessorMixin:
 
     spec = SPECS[name]
     tok = _tokenizer(spec, template)
-    if name == "llama-3.2-vision":  # Llama-3.2-11B-Vision-Instruct preprocessor_config: 560 px tiles, up to 4
-        return T.MllamaProcessor(image_processor=T.MllamaImageProcessor(), tokenizer=tok, chat_template=template)
+    if name == "llama-3.2-vision":  # Llama-3.2-11B-Vision-Instruct preprocessor_config: 560 px tiles, up to 4 (the
+        # class default is 224 px, which the checkpoint's vision tower, 560 px, cannot take)
+        ip = T.MllamaImageProcessor(size={"height": 560, "width": 560}, max_image_tiles=4)
+        return T.MllamaProcessor(image_processor=ip, tokenizer=tok, chat_template=template)
     if name == "llama-4":  # Llama-4-Scout-17B-16E-Instruct: 336 px tiles, up to 16, 14 px patches, pixel shuffle 0.5
         return T.Llama4Processor(image_processor=T.Llama4ImageProcessor(), tokenizer=tok, chat_template=template,
                                  patch_size=14, pixel_shuffle_ratio=0.5)

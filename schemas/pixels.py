@@ -1,0 +1,98 @@
+"""Stored images -> a model's pixel inputs, with the dataset's own saved image processor: the one rule the trainer
+(its host path) and vlmprep's collator share, so both give a model exactly what its processor makes from the records
+(the stored pixels are the source images, or the processor's own resize: then it runs with do_resize=False).
+Keyed by processor class; Qwen's families make theirs from grids instead (the trainer patchifies on the device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PixelRule:
+    """How one family's image processor is called for a batch, and what else its forward takes."""
+
+    nested: bool = False  # the processor takes each sample's images as a list (Mllama, Idefics3)
+    drop: tuple[str, ...] = ()  # processor outputs the forward does not take
+    token_type_ids: bool = False  # Gemma: the image tokens (mm type 1) attend to each other both ways
+    cross_attention: bool = False  # Mllama: the cross-attention mask, from the image tokens' positions
+    images_per_sample: bool = False  # LLaVA-OneVision: batch_num_images (one image and several take other paths)
+
+
+RULES: dict[str, PixelRule] = {
+    "MllamaProcessor": PixelRule(nested=True, cross_attention=True, drop=("num_tiles",)),
+    "Llama4Processor": PixelRule(drop=("aspect_ratios",)),
+    "PixtralProcessor": PixelRule(),
+    "Gemma3Processor": PixelRule(token_type_ids=True, drop=("num_crops",)),
+    "Glm4vProcessor": PixelRule(),
+    "InternVLProcessor": PixelRule(drop=("num_patches",)),
+    "LlavaOnevisionProcessor": PixelRule(images_per_sample=True),
+    "Idefics3Processor": PixelRule(nested=True),
+    "SmolVLMProcessor": PixelRule(nested=True),
+}
+
+
+def pixel_inputs(image_processor, rule: PixelRule, per_sample: list[list[np.ndarray]], *, resize: bool,
+                 ids: np.ndarray | None = None, mm: np.ndarray | None = None, image_token_id: int = -1,
+                 max_tiles: int = 0) -> dict:
+    """Each sample's images in token order (uint8 H x W x 3) -> the batch's pixel inputs as torch tensors: what the
+    processor gives for these images (resize: whether it resizes them), with the family's extras from the token ids
+    `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's cross-attention mask, LLaVA-OneVision's images
+    per sample. Float inputs in fp32 (Llama 4's processor gives bf16): a model casts them to its own dtype."""
+    from PIL import Image
+
+    kwargs = {"return_tensors": "pt"} if resize else {"return_tensors": "pt", "do_resize": False}
+    pils = [[Image.fromarray(np.asarray(im), "RGB") for im in images] for images in per_sample]
+    if rule.cross_attention:
+        out = _mllama(image_processor, pils, ids, kwargs, image_token_id, max_tiles)
+    elif not any(pils):
+        out = {}
+    elif rule.nested:
+        out = dict(image_processor(pils, **kwargs))
+    else:
+        out = dict(image_processor([im for images in pils for im in images], **kwargs))
+    if rule.images_per_sample and out:
+        import torch
+
+        out["batch_num_images"] = torch.tensor([len(images) for images in pils])
+    for k in rule.drop:
+        out.pop(k, None)
+    if rule.token_type_ids and mm is not None:
+        import torch
+
+        out["token_type_ids"] = torch.as_tensor(np.asarray(mm) == 1).long()
+    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+
+
+def _mllama(image_processor, pils: list[list], ids: np.ndarray, kwargs: dict, image_token_id: int,
+            max_tiles: int) -> dict:
+    """Mllama: images padded per sample to the batch's most (pixels 0, aspect ratio id 0, mask [1, 0, ...]), as its
+    processor pads them, samples without images included; and the dense cross-attention mask."""
+    import torch
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    rows = [k for k, images in enumerate(pils) if images]
+    if not rows:
+        return {}
+    got = image_processor([pils[k] for k in rows], **kwargs)
+    B, n = len(pils), max(len(images) for images in pils)
+    pv, ar, am = got["pixel_values"], got["aspect_ratio_ids"], got["aspect_ratio_mask"]
+    pixel_values = torch.zeros((B, n, *pv.shape[2:]), dtype=pv.dtype)
+    ratio_ids = torch.zeros((B, n), dtype=ar.dtype)
+    ratio_mask = torch.zeros((B, n, am.shape[2]), dtype=am.dtype)
+    ratio_mask[:, :, 0] = 1
+    for j, k in enumerate(rows):
+        m = len(pils[k])
+        pixel_values[k, :m], ratio_ids[k, :m], ratio_mask[k, :m] = pv[j, :m], ar[j, :m], am[j, :m]
+    tiles = [got["num_tiles"][rows.index(k)] if k in rows else [] for k in range(B)]
+    masks = [get_cross_attention_token_mask(np.asarray(row).tolist(), image_token_id) for row in ids]
+    dense = convert_sparse_cross_attention_mask_to_dense(masks, num_tiles=tiles,
+                                                         max_num_tiles=max_tiles or image_processor.max_image_tiles,
+                                                         length=ids.shape[1])
+    return {"pixel_values": pixel_values, "aspect_ratio_ids": ratio_ids, "aspect_ratio_mask": ratio_mask,
+            "cross_attention_mask": torch.from_numpy(dense)}
