@@ -26,6 +26,7 @@ RULES: dict[str, PixelRule] = {
     "Llama4Processor": PixelRule(drop=("aspect_ratios",)),
     "PixtralProcessor": PixelRule(),
     "Gemma3Processor": PixelRule(token_type_ids=True, drop=("num_crops",)),
+    "Gemma4Processor": PixelRule(drop=("num_soft_tokens_per_image",)),
     "Glm4vProcessor": PixelRule(),
     "InternVLProcessor": PixelRule(drop=("num_patches",)),
     "LlavaOnevisionProcessor": PixelRule(images_per_sample=True),

@@ -117,8 +117,10 @@ class CollateSpec:
     videos: bool = False  # the run's data holds videos: every micro-batch runs the video pass (see collate)
     host: HostPixels | None = None  # families whose pixel inputs the host makes (trainer/vision.py)
     # The tokens a placeholder image adds (host families: the model's image token, as many as the processor expands
-    # a small black image to; see vision.placeholder_tokens). Empty: one image_token_id (Qwen's 1 x 2 x 2 grid).
+    # a small black image to; see vision.host_pixels) and the size it is stored at. Empty: one image_token_id (Qwen's
+    # 1 x 2 x 2 grid).
     placeholder: tuple[int, ...] = ()
+    placeholder_size: tuple[int, int] = (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)
 
 
 def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
@@ -156,8 +158,8 @@ def placeholders(spec: CollateSpec, *, image: bool, video: bool) -> tuple[list[t
     tokens, out = [], {}
     if image and spec.host is not None:  # its processor resizes it; grid rows are sizes there
         tokens += [(t, 1) for t in spec.placeholder]
-        out.update(images=[np.zeros((PLACEHOLDER_SIDE, PLACEHOLDER_SIDE, 3), dtype=np.uint8)], index=[0],
-                   grids=[np.array([[1, PLACEHOLDER_SIDE, PLACEHOLDER_SIDE]], dtype=np.int64)])
+        h, w = spec.placeholder_size
+        out.update(images=[np.zeros((h, w, 3), dtype=np.uint8)], index=[0], grids=[np.array([[1, h, w]], np.int64)])
     elif image:
         tokens.append((spec.image_token_id, 1))
         out.update(images=[np.zeros((side, side, 3), dtype=np.uint8)], index=[0],
@@ -235,7 +237,7 @@ def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids
     per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
     if "images" in fill:
         per_sample[0] = fill["images"]
-    return spec.host(per_sample, ids, mm, stored="images" not in fill)
+    return spec.host(per_sample, ids, mm)
 
 
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:

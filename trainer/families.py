@@ -128,6 +128,17 @@ def _gemma3(v: Vocab) -> dict:
                                    image_size=896, patch_size=56))
 
 
+def _gemma4(v: Vocab) -> dict:
+    return dict(model_type="gemma4", audio_config=None, image_token_id=v.ids["<|image|>"],
+                boi_token_id=v.ids["<|image>"], eoi_token_id=v.ids["<image|>"], video_token_id=v.ids["<|video|>"],
+                audio_token_id=v.ids["<|audio|>"], boa_token_id=v.ids["<|audio>"], eoa_token_index=v.ids["<audio|>"],
+                text_config=_text(v, head_dim=16, global_head_dim=16, sliding_window=64,
+                                  layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                                  num_kv_shared_layers=0, vocab_size_per_layer_input=v.size),
+                vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3))
+
+
 def _glm4v(v: Vocab) -> dict:
     return dict(model_type="glm4v", image_token_id=v.ids["<|image|>"], video_token_id=v.ids["<|video|>"],
                 image_start_token_id=v.ids["<|begin_of_image|>"], image_end_token_id=v.ids["<|end_of_image|>"],
@@ -215,6 +226,10 @@ FAMILIES: tuple[Family, ...] = (
            tokens=("<image_soft_token>", "<start_of_image>", "<end_of_image>"), resized=True,
            vision=("vision_tower", "multi_modal_projector"),
            pack="its image tokens attend to each other both ways through a mask that packing cannot express"),
+    Family(name="gemma-4", model_types=("gemma4",), processor_classes=("Gemma4Processor",), tiny=_gemma4,
+           tokens=("<|image|>", "<|image>", "<image|>", "<|video|>", "<|audio|>", "<|audio>", "<audio|>"),
+           mm_token_type_ids=True, vision=("vision_tower", "embed_vision"),
+           pack="its vision tokens and per-layer inputs are not verified under packed positions"),
     Family(name="glm-4.1v", model_types=("glm4v",), processor_classes=("Glm4vProcessor",), tiny=_glm4v,
            tokens=("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
                    "<|end_of_video|>"), mrope=True, resized=True, mm_token_type_ids=True, vision=("visual",)),

@@ -376,5 +376,5 @@ def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) 
         return base
     if processor is None:
         raise ConfigError(f"{family.name} needs its processor to make pixel inputs: pass --processor DIR")
-    host, placeholder = host_pixels(family, processor, spec, image_token_id(net))
-    return dataclasses.replace(base, host=host, placeholder=placeholder)
+    host, placeholder, size = host_pixels(family, processor, spec, image_token_id(net))
+    return dataclasses.replace(base, host=host, placeholder=placeholder, placeholder_size=size)

@@ -167,10 +167,12 @@ class Patchifier:
 PLACEHOLDER_SIDE = 64  # the black image a host family's micro-batch without images gets (its processor resizes it)
 
 
-def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> tuple[HostPixels, tuple[int, ...]]:
-    """A host family's pixel maker and its placeholder image's tokens: `token_id` (the model's image token) as many
-    times as the processor's own render of one user message holding a PLACEHOLDER_SIDE black image has it (what a
-    micro-batch without images appends, collate.placeholders)."""
+def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> tuple[HostPixels, tuple[int, ...],
+                                                                                     tuple[int, int]]:
+    """A host family's pixel maker, and its placeholder image: `token_id` (the model's image token) as many times as
+    the processor's own render of one user message holding a PLACEHOLDER_SIDE black image has it, and the size that
+    black image is stored at (the processor's resize of it where the family stores resized pixels), so that the
+    placeholder goes through the same call as every stored image (collate.placeholders)."""
     from PIL import Image
     from transformers import AutoProcessor
 
@@ -179,10 +181,20 @@ def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> t
                       max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0))
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     message = [{"role": "user", "content": [{"type": "image", "image": black}, {"type": "text", "text": "x"}]}]
-    ids = np.asarray(processor.apply_chat_template(message, tokenize=True, return_dict=True)["input_ids"]).reshape(-1)
+    out = processor.apply_chat_template(message, tokenize=True, return_dict=True, return_tensors="pt")
+    ids = np.asarray(out["input_ids"]).reshape(-1)
     n = int((ids == token_id).sum())
     assert n, f"the processor in {processor_dir} renders an image with no token {token_id} (the model's image token)"
-    return host, (token_id,) * n
+    size = (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)
+    if family.resized:  # stored as the processor resized it: the size its output says
+        if "image_sizes" in out:
+            size = tuple(int(x) for x in out["image_sizes"][0])
+        elif "image_grid_thw" in out:
+            _, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+            size = (gh * spec.patch_size, gw * spec.patch_size)
+        else:
+            size = tuple(int(x) for x in out["pixel_values"].shape[-2:])
+    return host, (token_id,) * n, size
 
 
 class HostPixels:
@@ -216,10 +228,8 @@ class HostPixels:
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         return self._ip
 
-    def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray, *,
-                 stored: bool = True) -> dict[str, torch.Tensor]:
-        """Each sample's images in token order (uint8 H x W x 3), the token ids and mm types (B x L) -> the model's
-        pixel inputs for the micro-batch. `stored=False`: images that were not stored resized (the placeholder
-        image), resized as the processor resizes."""
-        return pixel_inputs(self.processor, self.rule, per_sample, resize=not (self.family.resized and stored),
-                            ids=ids, mm=mm, image_token_id=self.image_token_id, max_tiles=self.max_tiles)
+    def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
+        """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the
+        model's pixel inputs for the micro-batch."""
+        return pixel_inputs(self.processor, self.rule, per_sample, resize=not self.family.resized, ids=ids, mm=mm,
+                            image_token_id=self.image_token_id, max_tiles=self.max_tiles)

@@ -100,7 +100,8 @@ class BuildConfig:
     allow_remote: bool = opt(False, INPUT, "Allow fetching http(s) image URLs.")
     # What a record renders to, and the masking policy (docs/families-and-masking.md).
     processor: str = opt("builtin:qwen2-vl", RENDER, f"{_BUILTINS} | tiny:NAME (a family's classes over a small "
-                         "vocabulary: for trying it and tests, never real training) | a local processor dir | a hub id.")
+                         "vocabulary: for trying it and tests, never real training) | a local processor dir | a hub "
+                         "id.")
     seq_len: int = opt(8192, RENDER, "Max tokens per sample; cuts never split an image.")
     train_on_roles: tuple[str, ...] = opt(("assistant",), RENDER, "Comma list of roles whose text is trained: "
                                           f"{', '.join(ROLES)}.", spelled=Spelled(parse_roles, "assistant"))

@@ -57,6 +57,10 @@ FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
     FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",),
                image_mode="fixed_resize",
                turn_starts={"<start_of_turn>": "next"}),
+    # Gemma 4: `<|turn>role ... <turn|>` turns; images resized by its processor at train time (aspect kept, a patch
+    # budget), so they are stored as the source.
+    FamilySpec(name="gemma4", processor_class="Gemma4Processor", end_of_turn=("<turn|>",),
+               turn_starts={"<|turn>": "next"}),
     FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",),
                turn_starts={"<|start_header_id|>": "next"}),
     # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.

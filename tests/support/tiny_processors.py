@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 # The families' registry names (vlmprep/families.py) -> their tiny:NAME.
-TINY = {"gemma3": "gemma-3", "llama3.2-vision": "llama-3.2-vision", "llama4": "llama-4",
+TINY = {"gemma3": "gemma-3", "gemma4": "gemma-4", "llama3.2-vision": "llama-3.2-vision", "llama4": "llama-4",
         "mistral3-pixtral": "mistral-3", "idefics3-smolvlm": "smolvlm", "llava-onevision": "llava-onevision",
         "internvl": "internvl", "glm-4.1v": "glm-4.1v"}
 

@@ -98,6 +98,12 @@ def own_loss(hf, record, image, sample, string_content: bool) -> tuple[float, to
     labels = torch.where(torch.as_tensor(sample.array("loss_mask")).bool()[None], ids, -100)
     with torch.no_grad():
         loss = model(**inputs, labels=labels).loss
+        # And it serves: generate from the first question, as docs/export-and-serving.md does.
+        prompt = processor.apply_chat_template(processor_messages(record, image, string_content)[:1], tokenize=True,
+                                               add_generation_prompt=True, return_dict=True, return_tensors="pt")
+        prompt = {k: v.float() if v.is_floating_point() else v for k, v in prompt.items()}
+        out = model.generate(**prompt, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
     return float(loss), inputs["input_ids"]
 
 
@@ -292,3 +298,80 @@ def _patchify(spec, batch):
     from trainer.vision import Patchifier
 
     return Patchifier(spec, "cpu")(batch.images, batch.image_index)
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_lora_adapts_the_language_model_only_and_freezes_the_vision_tower(name):
+    """--lora-rank: adapters on the language model's attention and MLP projections of every family (not the vision
+    tower, not fused expert weights); the vision tower and projector are frozen."""
+    from trainer.config import ModelOptions
+    from trainer.model import build_model, tiny_vocab
+    from vlmprep.processors.builtin import builtin_dir
+
+    family = BY_NAME[name]
+    net = build_model(ModelOptions(tiny_random=name, seed=0, lora_rank=4),
+                      tiny_vocab(name, str(builtin_dir(f"tiny:{name}"))))
+    trainable = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and f".{family.text}." in n for n in trainable), trainable[:5]
+    vision = [n for n, _ in net.named_parameters() if any(f".{v}." in f".{n}" for v in family.vision)]
+    assert vision and not any(p.requires_grad for n, p in net.named_parameters() if n in vision)
+
+
+HOSTS = [pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow) for f in FAMILIES
+         if f.pixels == "processor"]
+
+
+@pytest.mark.parametrize("name", HOSTS)
+def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_same_loss(name, tmp_path):
+    """Every rank runs the vision tower in every forward (FSDP's all-gathers pair up across ranks): a text-only
+    micro-batch of a family whose host makes the pixels gets a black image the processor expands, after row 0's last
+    token, untrained; the loss equals the model's on the text alone, without any image."""
+    from trainer.collate import collate
+    from trainer.config import ModelOptions
+    from trainer.model import build_model, forward_loss, tiny_vocab
+    from trainer.rundata import RunData, collate_spec_of
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    build(BuildConfig(inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}",
+                      progress=False))
+    samples, spec = _decoded(tmp_path / "ds")
+    text = [s for s in samples if not s.image_index]
+    processor = str(tmp_path / "ds" / "processor")
+    net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, processor)).eval()
+    cspec = collate_spec_of(net, RunData((), [], [], spec, "", processor), processor)
+    batch = collate(text, cspec)
+    assert batch.filler == len(cspec.placeholder) > 0 and batch.vision
+    assert int(batch.lengths[0]) == text[0].num_tokens + batch.filler and batch.num_trained == text[0].loss_mask[1:].sum()
+    with torch.no_grad():
+        ours = float(forward_loss(net, batch, None))
+        ids = torch.as_tensor(text[0].input_ids).long()[None]
+        labels = torch.where(torch.as_tensor(text[0].loss_mask).bool()[None], ids, -100)
+        alone = float(net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss)
+    assert ours / batch.num_trained == pytest.approx(alone, rel=1e-5)
+
+
+@pytest.mark.slow  # torchrun, 2 ranks: ~30 s on 2 cores
+@pytest.mark.parametrize("name", ["llama-3.2-vision", "gemma-3"])
+def test_two_ranks_one_with_only_text_train_without_hanging(name, tmp_path):
+    """2 ranks over FSDP2: at step 1 rank 0 reads an image sample while rank 1 reads the text-only one, which gets
+    the processor's placeholder image, so both run the vision tower (and Mllama's cross-attention layers) and their
+    all-gathers pair up: the run ends with finite losses instead of hanging."""
+    import subprocess
+
+    from tests.trainer.conftest import ROOT, TORCHRUN, read_metrics, trainer_env
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    path = three_records(tmp_path)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[2], lines[0], lines[1]]) + "\n")  # text first: shard 0, which rank 1 reads
+    build(BuildConfig(inputs=(str(path),), out=str(tmp_path / "ds"), processor=f"tiny:{name}", progress=False,
+                      samples_per_shard=1))
+    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "trainer", "--data",
+                           str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--tiny-random", name, "--max-steps",
+                           "2", "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0", "--no-progress"],
+                          cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["samples_per_rank"] for r in rows][0] == [1, 1] and all(np.isfinite(r["loss"]) for r in rows)

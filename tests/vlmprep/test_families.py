@@ -17,8 +17,8 @@ from vlmprep.render import MaskPolicy, RenderContext, render_conversation
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RecordError, Source
 
-NAMES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "gemma3", "llama3.2-vision", "llama4", "mistral3-pixtral",
-         "idefics3-smolvlm", "llava-onevision", "internvl", "glm-4.1v"]
+NAMES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "gemma3", "gemma4", "llama3.2-vision", "llama4",
+         "mistral3-pixtral", "idefics3-smolvlm", "llava-onevision", "internvl", "glm-4.1v"]
 TOOL_MIDDLE = {"qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "idefics3-smolvlm", "llava-onevision", "internvl"}
 NO_SYSTEM = {"llama3.2-vision"}  # its template refuses a system message next to images
 
@@ -89,6 +89,8 @@ EXPECTED = {
     "internvl": (1100, [(34, 292), (315, 1085)], [(299, 306, "A red square.<|im_end|>"), (1092, 1099, "A green banner.<|im_end|>")]),
     # GLM-4.1V's template closes an assistant turn only by the next <|user|>; the last turn has no end token.
     "glm-4.1v": (66, [(25, 36), (48, 58)], [(38, 45, "A red square.<|user|>"), (60, 66, "A green banner.")]),
+    # 56x56 and 112x56, aspect kept under the 280-token budget: 256 and 253 soft tokens, each between <|image> and <image|>
+    "gemma4": (591, [(36, 294), (319, 574)], [(303, 310, "A red square.<turn|>"), (583, 590, "A green banner.<turn|>")]),
 }
 
 # What the first token of each image wrapper is, and the last: the family's whole image unit.
@@ -100,6 +102,7 @@ WRAPPER_ENDS = {
     "mistral3-pixtral": ("[IMG]", "[IMG_END]"), "idefics3-smolvlm": ("<fake_token_around_image>", "<fake_token_around_image>"),
     "llava-onevision": ("<image>", "<image>"), "internvl": ("<img>", "</img>"),
     "glm-4.1v": ("<|begin_of_image|>", "<|end_of_image|>"),
+    "gemma4": ("<|image>", "<image|>"),
 }
 
 

@@ -90,6 +90,13 @@ SPECS: dict[str, TinySpec] = {
          "<image_soft_token>"),
         roles=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
         extra=dict(image_token="<image_soft_token>", boi_token="<start_of_image>", eoi_token="<end_of_image>")),
+    "gemma-4": TinySpec(
+        "Gemma4Processor", "gemma4.jinja",
+        ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|video|>",
+         "<|audio>", "<audio|>", "<|audio|>", "<|channel>", "<channel|>", "<|think|>"),
+        roles=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
+        extra=dict(image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>",
+                   audio_token="<|audio|>", boa_token="<|audio>", eoa_token="<audio|>")),
     "glm-4.1v": TinySpec(
         "Glm4vProcessor", "glm4v.jinja",
         ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
@@ -199,6 +206,9 @@ def _image_processors(name: str):
         ip = T.Gemma3ImageProcessor(size={"height": 896, "width": 896}, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                                     resample=2, do_pan_and_scan=False)
         return ip, None, dict(image_seq_length=256)
+    if name == "gemma-4":  # google/gemma-4-E4B-it: 16 px patches, 280 soft tokens (3 x 3 pooling), aspect kept
+        return (T.Gemma4ImageProcessor(patch_size=16, max_soft_tokens=280, pooling_kernel_size=3),
+                T.Gemma4VideoProcessor(), dict(feature_extractor=T.Gemma4AudioFeatureExtractor()))
     if name == "glm-4.1v":  # GLM-4.1V-9B-Thinking: patch 14, merge 2, temporal 2
         ip = T.Glm4vImageProcessor(size={"shortest_edge": 12544, "longest_edge": 9633792}, patch_size=14,
                                    merge_size=2, temporal_patch_size=2)
