@@ -6,6 +6,7 @@ shard's input_ids where loss_mask is 1, and the token ids are the shard's."""
 import base64
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -375,3 +376,39 @@ def test_two_ranks_one_with_only_text_train_without_hanging(name, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["samples_per_rank"] for r in rows][0] == [1, 1] and all(np.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_image_tokens_are_counted_as_each_familys_whole_image_unit(name, tmp_path):
+    """The build summary, the manifest, `stats` and `inspect` count as image tokens each image's whole unit: every
+    token the model replaces with image features (Llama 4's ~150 <|patch|>, not its one <|image|>), every token the
+    processor marks as image, and its wrappers, breaks and separators; never user text, never trained."""
+    from typer.testing import CliRunner
+
+    from trainer.model import image_token_id, tiny_config, tiny_vocab
+    from vlmprep.cli import app
+    from vlmprep.shards.summary import format_build_summary
+    from vlmprep.tools.stats import compute_stats
+
+    ds, _, _ = build_one(tmp_path, f"tiny:{name}")
+    manifest = json.loads((ds / "manifest.json").read_text())
+    s = shard_sample(ds)
+    ids, mm, mask, meta = (s.array("input_ids"), s.array("mm_token_type_ids"), s.array("loss_mask"), s.meta())
+    [(a, b)] = [tuple(im["span"]) for im in meta["images"]]
+    model_token = image_token_id(type("M", (), {"config": tiny_config(name, tiny_vocab(name, str(ds / "processor")))}))
+    inside = np.zeros(len(ids), bool)
+    inside[a:b] = True
+    assert (ids == model_token).sum() > 0 and not ((ids == model_token) & ~inside).any()
+    assert not ((mm == 1) & ~inside).any() and not mask[a:b].any()
+    tokenizer = json.loads((ds / "processor" / "tokenizer.json").read_text())
+    added = {t["id"] for t in tokenizer["added_tokens"]}
+    # No user text: besides added tokens, at most the newlines SmolVLM puts between its tile rows.
+    text = {int(i) for i in ids[a:b] if int(i) not in added}
+    vocab = {v: k for k, v in tokenizer["model"]["vocab"].items()}
+    assert {vocab[i] for i in text} <= {"Ċ", "ĊĊ"}, {vocab[i] for i in text}
+    n = b - a
+    assert meta["num_image_tokens"] == manifest["totals"]["image_tokens"] == n
+    assert f"images            1 ({n} image tokens)" in format_build_summary(manifest, ds)
+    assert compute_stats(ds)["image_tokens"] == n and compute_stats(ds)["mismatches"] == []
+    shown = CliRunner().invoke(app, ["inspect", str(ds), "--limit", "1"]).output
+    assert re.search(rf"\[image 1: [^\]]* -> {n} tokens\]", shown) and f"image tokens {n} " in shown

@@ -51,7 +51,8 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
     unique: dict[str, str] = {}  # source digest -> member name
     prefixes: dict[str, str] = {}  # zstd-pdelta: member -> the previous image's member it is compressed against
     previous = None
-    for im in sample.images:
+    assert len(sample.image_spans) == len(sample.images), "an image without its span in the tokens"
+    for im, span in zip(sample.images, sample.image_spans):
         name = unique.get(im.digest)
         if name is None:  # identical images within a sample are stored once
             name = unique[im.digest] = image_member_name(len(unique), stored_ext(image_format, im))
@@ -67,7 +68,7 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
             previous = im
         image_index.append(list(unique).index(im.digest))
         images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
-                            "grid_thw": [int(x) for x in im.grid_thw]})
+                            "grid_thw": [int(x) for x in im.grid_thw], "span": [int(x) for x in span]})
         if name in prefixes:
             images_meta[-1]["prefix"] = prefixes[name]
         if im.source_size[0]:  # the size before the processor's resize: what `stats` shows and --max-pixels acts on
@@ -104,7 +105,7 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         "source": {"file": sample.source.file, "line": sample.source.line},
         "num_tokens": n_tokens,
         "num_trainable_tokens": n_trainable,
-        "num_image_tokens": int((sample.mm_token_type_ids == 1).sum()),
+        "num_image_tokens": sum(int(b - a) for a, b in sample.image_spans),  # the whole units, wrappers included
         "num_images": len(sample.images),
         "num_tokens_before_truncation": int(sample.num_tokens_before_truncation),
         "truncated": bool(sample.truncated),

@@ -47,8 +47,9 @@ def format_rich(v: SampleView):
 
 
 def token_rows(v: SampleView) -> list[tuple[str, str, str, str, str]]:
-    """(index, id, mask, type, piece) per token; each image or video placeholder run is one row, as in the
-    conversation view, and the text inside a video block (Qwen3-VL's timestamps) is listed token by token."""
+    """(index, id, mask, type, piece) per token; each image's whole unit (type 1) or video placeholder run is one
+    row, as in the conversation view, and the text inside a video block (Qwen3-VL's timestamps) is listed token by
+    token."""
     s = v.sample
     text_idx = np.flatnonzero(np.asarray(s.mm_token_type_ids) == 0)
     pieces = dict(zip(text_idx.tolist(), v.tokenizer_view.pieces(np.asarray(s.input_ids)[text_idx])))
@@ -57,7 +58,7 @@ def token_rows(v: SampleView) -> list[tuple[str, str, str, str, str]]:
         for seg in m.segments:
             if seg.kind == "image":
                 rows.append((f"{seg.start}-{seg.end - 1}", str(int(s.input_ids[seg.start])), str(int(seg.trained)),
-                             str(int(s.mm_token_type_ids[seg.start])), seg.text))
+                             "1", seg.text))  # the image's whole unit, wrappers included
                 continue
             if seg.kind == "video":
                 rows += _video_rows(v, seg, pieces)

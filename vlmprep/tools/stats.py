@@ -63,7 +63,7 @@ def _distribution(values: list[int]) -> dict:
 
 
 def _image_runs(types: np.ndarray) -> list[int]:
-    """Tokens of each image: the runs of image placeholders (one per image in every family inspect shows)."""
+    """Tokens of each image in a dataset built before spans were recorded: the runs of tokens marked image."""
     idx = np.flatnonzero(types == 1)
     if not len(idx):
         return []
@@ -102,7 +102,7 @@ class _Scan:
         mask, types = ts.array("loss_mask"), ts.array("mm_token_type_ids")
         self.tokens.append(len(mask))
         self.trained.append(int(mask.sum()))
-        self.image_tokens.append(int((types == 1).sum()))
+        self.image_tokens.append(int(meta.get("num_image_tokens", (types == 1).sum())))
         self.video_tokens += int((types == 2).sum())
         self.videos += int(meta.get("num_videos", 0))
         self.video_frames += sum(int(v["frames"]) for v in meta.get("videos", ()))
@@ -113,9 +113,10 @@ class _Scan:
         self.dropped += int(meta.get("dropped_images", 0))
         source = str((meta.get("source") or {}).get("file"))
         self.by_file[source].update(samples=1, tokens=len(mask))
-        runs = _image_runs(types)
-        self.image_token_runs += runs
         entries = meta.get("images") or []
+        spans = [im.get("span") for im in entries]
+        runs = [b - a for a, b in spans] if spans and None not in spans else _image_runs(types)  # older: marked runs
+        self.image_token_runs += runs
         for k, im in enumerate(entries):
             if "source_width" in im:
                 size = (int(im["source_width"]), int(im["source_height"]))

@@ -58,6 +58,9 @@ class InspectedSample:
     removed_images: list[int] = field(default_factory=list)  # input image occurrences --keep-images removed
     videos: list[InspectedVideo] = field(default_factory=list)
     dropped_videos: int = 0
+    # [start, end) of each image's whole unit (wrappers, breaks, separators); None: a dataset that did not record
+    # them, whose images show as their runs of tokens marked image
+    image_spans: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -124,8 +127,8 @@ class SampleView:
 
     @property
     def num_image_tokens(self) -> int:
-        """How many of its tokens are image placeholders."""
-        return int((self.sample.mm_token_type_ids == 1).sum())
+        """How many of its tokens stand for image content (each image's whole unit)."""
+        return image_token_count(self.sample)
 
     @property
     def num_images(self) -> int:
@@ -142,13 +145,15 @@ class TokenizerView:
     """What the views need from a processor: decode, special tokens, turn starts and the image merge size."""
 
     def __init__(self, *, decode: Callable[[list[int]], str], decode_batch: Callable[[list[list[int]]], list[str]],
-                 special: dict[int, str], merge_size: int | None, turn_starts: dict[str, str] = ANY_TURN_STARTS):
+                 special: dict[int, str], merge_size: int | None, turn_starts: dict[str, str] = ANY_TURN_STARTS,
+                 grid: bool = True):
         self._decode = decode
         self._decode_batch = decode_batch
         self.special = special
         self.special_ids = np.array(sorted(special), dtype=np.int64)
         self.turn_starts = {i: turn_starts[c] for i, c in special.items() if c in turn_starts}
         self.merge_size = merge_size  # None: the family has no patch grid to check placeholder counts against
+        self.grid = grid  # False: the family's grid rows are image sizes (no patch grid)
 
     @classmethod
     def from_processor(cls, processor) -> "TokenizerView":
@@ -158,7 +163,7 @@ class TokenizerView:
         return cls(decode=lambda ids: tok.decode(ids, **kw), decode_batch=lambda b: tok.batch_decode(b, **kw),
                    special={int(i): t.content for i, t in tok.added_tokens_decoder.items() if t.special},
                    merge_size=getattr(getattr(processor, "image_processor", None), "merge_size", None),
-                   turn_starts=_turn_starts(type(processor).__name__))
+                   turn_starts=_turn_starts(type(processor).__name__), grid=_grid(type(processor).__name__))
 
     @classmethod
     def from_dir(cls, d: Path, processor_class: str | None = None) -> "TokenizerView":
@@ -183,7 +188,8 @@ class TokenizerView:
         return cls(decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
                    decode_batch=lambda b: tok.decode_batch(b, skip_special_tokens=False),
                    special={int(i): t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
-                   merge_size=int(merge) if merge else None, turn_starts=_turn_starts(processor_class))
+                   merge_size=int(merge) if merge else None, turn_starts=_turn_starts(processor_class),
+                   grid=_grid(processor_class))
 
     def decode(self, ids) -> str:
         """Token ids -> their text, special tokens kept."""
@@ -193,6 +199,13 @@ class TokenizerView:
         """Each token's own text, in one batched call."""
         return self._decode_batch([[int(i)] for i in ids])
 
+
+
+def image_token_count(sample: InspectedSample) -> int:
+    """Tokens standing for image content: the images' spans summed (older datasets: the tokens marked image)."""
+    if sample.image_spans is not None:
+        return sum(b - a for a, b in sample.image_spans)
+    return int((np.asarray(sample.mm_token_type_ids) == 1).sum())
 
 
 def sample_from_rendered(s, key: str) -> InspectedSample:
@@ -208,7 +221,7 @@ def sample_from_rendered(s, key: str) -> InspectedSample:
         videos=[InspectedVideo(grid_thw=tuple(int(x) for x in v.grid_thw), fps=float(v.fps),
                                total_num_frames=int(v.total_num_frames), frame_indices=list(v.frame_indices),
                                frames=[(lambda px=px: px) for px in v.frames]) for v in s.videos],
-        dropped_videos=s.dropped_videos)
+        dropped_videos=s.dropped_videos, image_spans=[(int(a), int(b)) for a, b in s.image_spans])
 
 
 def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageView]:
@@ -219,9 +232,14 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
     n = len(ids)
     if n == 0:
         return []
-    special = np.isin(ids, tv.special_ids) & (types == 0)
+    marked = types
+    if sample.image_spans is not None:  # each image's whole unit is one piece: its own kind, 3 + k
+        marked = np.where(types == 1, 0, types)
+        for k, (a, b) in enumerate(sample.image_spans):
+            marked[a:b] = 3 + k
+    special = np.isin(ids, tv.special_ids) & (marked == 0)
     change = np.ones(n, dtype=bool)
-    change[1:] = (mask[1:] != mask[:-1]) | (types[1:] != types[:-1]) | special[1:] | special[:-1]
+    change[1:] = (mask[1:] != mask[:-1]) | (marked[1:] != marked[:-1]) | special[1:] | special[:-1]
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], n)
     videos = {seg.start: seg for seg in _video_segments(sample, types, mask, tv)}
@@ -235,8 +253,10 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
         if s in videos:
             segments.append(videos[s])
             video_end = videos[s].end
-        elif types[s] != 0:
-            segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv), image=k))
+        elif marked[s] != 0:
+            placeholders = int((types[s:e] == 1).sum())
+            segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv, placeholders),
+                                    image=k))
             k += 1
         elif special[s]:
             segments.append(Segment(s, e, "special", trained, tv.special[int(ids[s])]))
@@ -304,16 +324,21 @@ def run_marker(k: int, j: int, n_runs: int, n_tokens: int) -> str:
     return f"[video {k + 1}, run {j + 1}/{n_runs}: {n_tokens} tokens]"
 
 
-def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView) -> str:
-    """The marker that stands for image k's placeholder run: its patch grid and token count, flagged where the grid
-    implies another count."""
+def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView,
+                 placeholders: int | None = None) -> str:
+    """The marker that stands for image k's whole unit: its patch grid (or, for a family without one, its stored size)
+    and token count, flagged where the grid implies another count of placeholders (`placeholders`: those the unit
+    holds; default all its tokens)."""
     grid = sample.image_grid_thw
     if k >= len(grid):
         return f"[image {k + 1}: no grid row -> {n_tokens} tokens]"
     t, h, w = (int(x) for x in grid[k])
+    if not tv.grid:  # the grid row is the stored size
+        return f"[image {k + 1}: {w}x{h} px -> {n_tokens} tokens]"
     patches = f"{h}x{w}" if t == 1 else f"{t}x{h}x{w}"
     expected = None if tv.merge_size is None else t * h * w // (tv.merge_size ** 2)
-    bad = "" if expected in (None, n_tokens) else f", grid implies {expected}!"
+    got = n_tokens if placeholders is None else placeholders
+    bad = "" if expected in (None, got) else f", grid implies {expected}!"
     return f"[image {k + 1}: {patches} patches -> {n_tokens} tokens{bad}]"
 
 
@@ -413,6 +438,12 @@ def _turn_starts(processor_class: str | None) -> dict[str, str]:
     return family.turn_starts if family is not None and family.turn_starts else ANY_TURN_STARTS
 
 
+def _grid(processor_class: str | None) -> bool:
+    """Whether the family's grid rows are patch grids (an unknown class: as they are stored, checked as grids)."""
+    family = family_of(processor_class)
+    return family is None or family.grid_images
+
+
 def sample_from_stored(s: StoredSample) -> InspectedSample:
     """A stored sample's arrays and meta, read now (the shard closes after selection); images decode on demand."""
     meta = s.meta()
@@ -433,10 +464,10 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
         unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)), split=meta.get("split"),
         messages=list(meta.get("messages", [])), trains=list(meta.get("trains", [])),
         removed_images=list(meta.get("removed_images", [])), videos=videos,
-        dropped_videos=int(meta.get("dropped_videos", 0)))
+        dropped_videos=int(meta.get("dropped_videos", 0)), image_spans=_spans(meta, len(ids)))
     # The view is computed from the arrays; a meta that disagrees with them is a corrupt dataset worth seeing.
     for k, v in (("num_tokens", len(ids)), ("num_trainable_tokens", int(mask.sum())),
-                 ("num_image_tokens", int((types == 1).sum())), ("num_images", len(grid)),
+                 ("num_image_tokens", image_token_count(sample)), ("num_images", len(grid)),
                  ("num_video_tokens", int((types == 2).sum())), ("num_videos", len(videos))):
         if k in meta and meta[k] != v:
             sample.warnings.append(f"meta {k}={meta[k]} but the arrays give {v}")
@@ -464,3 +495,17 @@ def _stored_videos(s: StoredSample, meta: dict, sizes: dict) -> list[InspectedVi
                                   frame_indices=indices,
                                   frames=[(lambda n=n, b=b: s.decode(n, sizes[n], b)) for n, b in blobs.items()]))
     return out
+
+
+def _spans(meta: dict, n: int) -> list[tuple[int, int]] | None:
+    """The images' spans the meta records, where every image has one in order inside the n tokens (else None: the
+    view falls back to the tokens marked image, and verify names the fault)."""
+    spans = [im.get("span") for im in meta.get("images") or []]
+    if not spans or any(not isinstance(sp, list) or len(sp) != 2 for sp in spans):
+        return None
+    end = 0
+    for a, b in spans:
+        if not (isinstance(a, int) and isinstance(b, int) and end <= a < b <= n):
+            return None
+        end = b
+    return [(a, b) for a, b in spans]

@@ -100,8 +100,9 @@ def test_plain_output_marks_exactly_the_trained_spans(built, qwen2vl_processor):
         markers = MARKER.findall(block)
         assert [int(m[0]) for m in markers] == list(range(1, len(image_runs) + 1))
         for (_k, h, w, n), (a, b), grid in zip(markers, image_runs, s["image_grid_thw"]):
-            assert (int(h), int(w)) == (grid[1], grid[2]) and int(n) == b - a == grid.prod() // 4
-        assert "<|image_pad|>" not in block and block.count("<|vision_start|>") == len(image_runs)
+            # the image's whole unit: <|vision_start|>, its placeholders, <|vision_end|>
+            assert (int(h), int(w)) == (grid[1], grid[2]) and int(n) == b - a + 2 == grid.prod() // 4 + 2
+        assert "<|image_pad|>" not in block and "<|vision_start|>" not in block and "<|vision_end|>" not in block
         assert "<|im_start|>assistant" in block  # special tokens stay visible
         m = s["meta"]
         assert f"tokens {len(s['input_ids'])} | trained {int(s['loss_mask'].sum())} (" in block
@@ -193,12 +194,14 @@ def test_tokens_table(built):
     assert res.exit_code == 0, res.output
     row = re.compile(r"^\s*\d+(-\d+)?\s+\d+\s+[01]\s")
     rows = [line.split(None, 4) for line in res.stdout.splitlines()[2:] if row.match(line)]
-    image_runs = runs(s["mm_token_type_ids"] == 1)
-    assert len(rows) == len(s["input_ids"]) - sum(b - a for a, b in image_runs) + len(image_runs)
+    units = [(a - 1, b + 1) for a, b in runs(s["mm_token_type_ids"] == 1)]  # with <|vision_start|>, <|vision_end|>
+    assert units == [tuple(im["span"]) for im in s["meta"]["images"]]
+    assert len(rows) == len(s["input_ids"]) - sum(b - a for a, b in units) + len(units)
     for idx, tid, mask, typ, _piece in rows:
         i = int(idx.split("-")[0])
-        assert (int(tid), int(mask), int(typ)) == (s["input_ids"][i], s["loss_mask"][i], s["mm_token_type_ids"][i])
-    assert [r[0] for r in rows if r[3] == "1"] == [f"{a}-{b - 1}" for a, b in image_runs]
+        want = 1 if "-" in idx else s["mm_token_type_ids"][i]
+        assert (int(tid), int(mask), int(typ)) == (s["input_ids"][i], s["loss_mask"][i], want)
+    assert [r[0] for r in rows if r[3] == "1"] == [f"{a}-{b - 1}" for a, b in units]
 
 
 def test_selection_by_id_and_shard(built):

@@ -38,9 +38,10 @@ def built(tmp_path_factory):
 def recompute(out):
     """Per-sample and per-image values straight from the tars with tarfile + np.load, independent of vlmprep's
     reader: tokens, trained tokens, image tokens, images per sample; tokens per image (qwen2-vl: t*h*w / 2^2 of its
-    grid row) and source sizes; truncated and dropped counts; rejects by reason."""
+    grid row, and its two wrappers) and source sizes; truncated and dropped counts; rejects by reason."""
     per = {"tokens": [], "trained": [], "images": [], "image_tokens": [], "tokens_per_image": [], "sizes": []}
     truncated = dropped = 0
+    marked, wrappers = {}, {}
     for tar in sorted(out.glob("shard-*.tar")):
         with tarfile.open(tar) as tf:
             for m in tf.getmembers():
@@ -50,17 +51,19 @@ def recompute(out):
                     mask = np.load(io.BytesIO(data))
                     per["tokens"].append(len(mask))
                     per["trained"].append(int(mask.sum()))
-                elif ext == "mm_token_type_ids.npy":
-                    per["image_tokens"].append(int(np.load(io.BytesIO(data)).sum()))
+                elif ext == "mm_token_type_ids.npy":  # an image's unit: its placeholders and 2 wrappers
+                    marked[key] = int(np.load(io.BytesIO(data)).sum())
                 elif ext == "image_grid_thw.npy":
                     grid = np.load(io.BytesIO(data)).reshape(-1, 3)
                     per["images"].append(len(grid))
-                    per["tokens_per_image"] += [int(g.prod()) // 4 for g in grid]
+                    per["tokens_per_image"] += [int(g.prod()) // 4 + 2 for g in grid]
+                    wrappers[key] = 2 * len(grid)
                 elif ext == "json":
                     meta = json.loads(data)
                     truncated += meta["truncated"]
                     dropped += meta["dropped_images"]
                     per["sizes"] += [f"{im['source_width']}x{im['source_height']}" for im in meta["images"]]
+    per["image_tokens"] = [marked[k] + wrappers[k] for k in marked]
     rejects = {}
     for line in (out / "rejects.jsonl").read_text().splitlines():
         r = json.loads(line)["reason"]
@@ -301,6 +304,14 @@ def test_image_sizes_and_tokens_per_image_from_one_sample():
     assert scan.large == [{"tokens": big, "size": "5000x30", "file": "a.jsonl", "pixels_per_token": 784.0}]
     scan.add(_FakeStored({"source": {"file": "a.jsonl"}, "images": [{"width": 56, "height": 28}]}, [1, 1]))
     assert not scan.sizes_are_source and scan.sizes[(56, 28)] == 1
+    # A dataset that records each image's unit (its span): those are the image's tokens, wrappers and all (Llama 4
+    # marks one token of its ~150 as the image).
+    scan = _Scan(2048)
+    scan.add(_FakeStored({"source": {"file": "a.jsonl"}, "num_image_tokens": 7,
+                          "images": [{"width": 56, "height": 28, "span": [1, 6]}, {"width": 8, "height": 8,
+                                                                                    "span": [7, 9]}]},
+                         [0, 0, 0, 1, 0, 0, 0, 0, 1, 0]))
+    assert scan.image_token_runs == [5, 2] and scan.image_tokens == [7]
 
 
 def test_stats_html_report_is_self_contained_with_a_chart_per_distribution(built, tmp_path):
