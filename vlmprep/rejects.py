@@ -109,6 +109,8 @@ REASONS: dict[str, Reason] = {
     ),
     **_stage(
         "render and mask",
+        template_refused="the chat template raised on the conversation, e.g. Gemma 3's roles that do not alternate"
+                         " (a tool turn) or Llama 3.2 Vision's system message beside an image",
         special_token_in_text="",
         sentinel_in_text="",
         template_not_verbatim="",

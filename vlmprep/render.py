@@ -159,8 +159,15 @@ class RenderContext:
     def render_text(self, messages: list[dict], tools: list | None) -> str:
         """Template messages (and tools) -> the rendered chat string (the processor's apply_chat_template,
         untokenized)."""
+        from jinja2 import TemplateError
+
         kwargs = {"tools": tools} if tools else {}
-        return self.processor.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False, **kwargs)
+        try:
+            return self.processor.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                      **kwargs)
+        except TemplateError as e:  # the template's own raise_exception: this conversation is not one it takes
+            raise RecordError("template_refused", f"the chat template refuses this conversation: {str(e)[:200]}; "
+                              "pass a --chat-template that takes it (roles, tools, images)") from None
 
     def image_replacements(self, images: list[PreparedImage], rendered: str) -> list[str]:
         """The processor's own expansion of each image placeholder (replace_image_token), from the stored pixels."""

@@ -408,7 +408,33 @@ def test_image_tokens_are_counted_as_each_familys_whole_image_unit(name, tmp_pat
     assert {vocab[i] for i in text} <= {"Ċ", "ĊĊ"}, {vocab[i] for i in text}
     n = b - a
     assert meta["num_image_tokens"] == manifest["totals"]["image_tokens"] == n
-    assert f"images            1 ({n} image tokens)" in format_build_summary(manifest, ds)
-    assert compute_stats(ds)["image_tokens"] == n and compute_stats(ds)["mismatches"] == []
+    summary = format_build_summary(manifest, ds)
+    assert f"images            1 ({n} image tokens)" in summary
+    st = compute_stats(ds)
+    assert st["image_tokens"] == n and st["mismatches"] == []
+    # A tiny processor says what it is for, in the summary and stats' warnings.
+    assert f"processor         tiny:{name}: a small vocabulary" in summary
+    assert any(w.startswith(f"built with tiny:{name}:") for w in st["warnings"])
     shown = CliRunner().invoke(app, ["inspect", str(ds), "--limit", "1"]).output
     assert re.search(rf"\[image 1: [^\]]* -> {n} tokens\]", shown) and f"image tokens {n} " in shown
+
+
+BUILTINS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "llama-3.2-vision", "llama-4", "mistral-3")
+
+
+@pytest.mark.slow  # the real vocabularies: 130k-250k rows per tiny model
+@pytest.mark.parametrize("name", BUILTINS)
+def test_builtin_processors_train_each_family_with_its_real_vocabulary(name, tmp_path):
+    """As test_each_family_trains_and_its_export_gives_the_same_loss, on `builtin:NAME`: the family's real
+    vocabulary and special-token ids (the tiny model sized to them), the step-1 loss equal to the exported model's own
+    on apply_chat_template of the raw record."""
+    from vlmprep.families import FAMILIES as RENDER_FAMILIES
+
+    family = BY_NAME[name]
+    ds, record, image = build_one(tmp_path, f"builtin:{name}")
+    sample = shard_sample(ds)
+    row = train_one_step(ds, tmp_path / "run", name)
+    string_content = RENDER_FAMILIES[family.processor_classes[0]].string_content
+    loss, ids = own_loss(tmp_path / "run" / "hf", record, image, sample, string_content)
+    assert ids[0].tolist() == sample.array("input_ids").tolist()
+    assert row["loss"] == pytest.approx(loss, rel=1e-5), (name, row["loss"], loss)

@@ -3,6 +3,7 @@ spans on a fixed multi-turn conversation with images, image-safe truncation, sto
 think-stripping (Qwen3.5), trimming templates, unknown processors and --role-boundaries."""
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -298,3 +299,25 @@ def test_role_boundaries_make_an_unknown_processor_usable(tmp_path):
     typo.write_text('[roles.assistent]\nstart = "a"\nend = "b"\n')
     with pytest.raises(ValueError, match="unknown role"):
         RenderContext(p, role_boundaries=str(typo))
+
+
+def test_a_template_that_refuses_a_conversation_is_a_reject_naming_why(tmp_path):
+    """Gemma 3's template takes only alternating user / model turns: a tool turn makes it raise, which is the record's
+    reject `template_refused` with the template's own words and the fix, not an internal error; the rest lands."""
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    ok = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    tool = {"id": "tool", "messages": [
+        {"role": "user", "content": "open it"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                             "function": {"name": "open", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "opened"}, {"role": "assistant", "content": "done"}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(ok) + "\n" + json.dumps(tool) + "\n")
+    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "o"), processor="tiny:gemma-3",
+                            progress=False, tool_calls="drop-from-loss", max_reject_fraction=1.0,
+                            min_turn_coverage=0.0))
+    [reject] = [json.loads(x) for x in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == "template_refused" and reject["id"] == "tool"
+    assert "Conversation roles must alternate" in reject["message"] and "--chat-template" in reject["message"]
+    assert res.manifest["totals"]["samples"] == 1 and res.manifest["rejects"] == {"template_refused": 1}

@@ -31,6 +31,8 @@ def reject_share(manifest: dict) -> float:
 
 # The one-line fix for the most common reject reasons (the rest: docs/rejects.md and rejects.jsonl).
 REJECT_FIXES = {
+    "template_refused": "the chat template takes no such conversation (see rejects.jsonl): pass one that does with "
+                        "--chat-template, or reshape the records",
     "tool_calls_not_rendered": "pass a tool-aware --chat-template (bundled for Qwen2-VL / Qwen2.5-VL: "
                                "--chat-template qwen2_vl_tools), or --tool-calls drop-from-loss",
     "no_trainable_tokens_after_truncation": "raise --seq-len, or pass --long-traces split (and --keep-images last:N)",
@@ -130,6 +132,9 @@ def format_build_summary(manifest: dict, out: Path) -> str:
     lines = [
         f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest['shards']), 'shard')} "
         f"({manifest['image_format']} images, format v{manifest['format_version']})",
+        *([f"  processor         {manifest['processor']['spec']}: a small vocabulary for trying the family and "
+           "for tests, never for training a real model"]
+          if str((manifest.get("processor") or {}).get("spec", "")).startswith("tiny:") else []),
         f"  records read      {t['records']}",
         *([f"  unread input      {t['unread_bytes']} bytes after file faults (see rejects.jsonl)"]
           if t.get("unread_bytes") else []),

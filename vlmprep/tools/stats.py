@@ -281,10 +281,14 @@ def _mismatches(manifest: dict, st: dict, reject_lines: list[dict] | None, by_fi
 
 
 def data_warnings(st: dict) -> list[str]:
-    """What in the numbers calls for a look, each with its fix: turn coverage under st['min_turn_coverage'] (the
-    dataset's and each input file's), a truncated share over TRUNCATED_SHARE_WARN, images over a quarter of
-    --seq-len."""
+    """What in the numbers calls for a look, each with its fix: a tiny processor (never for real training), turn
+    coverage under st['min_turn_coverage'] (the dataset's and each input file's), a truncated share over
+    TRUNCATED_SHARE_WARN, images over a quarter of --seq-len."""
     out = [st["coverage_warning"]] if st.get("coverage_warning") else []
+    if str(st.get("processor", "")).startswith("tiny:"):
+        out.append(f"built with {st['processor']}: the family's classes over a small vocabulary, for trying it and "
+                   "for tests; its token ids are not the checkpoint's, never train a real model on it: rebuild with "
+                   "the checkpoint's processor (--processor DIR, or builtin:NAME where one exists)")
     floor, inputs = st["min_turn_coverage"], st.get("inputs") or []
     # Per file where there are several (one file's line would repeat the dataset's), by the build's rule: the turns to
     # train that --seq-len lost (truncated, turn_too_long).
