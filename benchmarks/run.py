@@ -2,7 +2,8 @@
 build -> stages (the record path's stages, each beside its floor) -> startup (worker ready, first record, 1 vs 2
 workers) -> limits (floors, incl. tar read speed of a real shard) -> codec (stored image bytes vs source and one
 core's decode rate, per image format) -> loader (vs online, as a multiple of the floor; integrity: the start-up
-sha256 check vs a loader pass) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) ->
+sha256 check vs a loader pass) -> families (the loader of each family vs its processor's online path, and the
+floor) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) ->
 balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images cost,
 agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and
 shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
@@ -19,6 +20,7 @@ from benchmarks import (
     bench_clients,
     bench_codec,
     bench_collate,
+    bench_families,
     bench_growth,
     bench_limits,
     bench_loader,
@@ -33,8 +35,8 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "collate", "clients", "balance", "pack", "order",
-           "traces", "scale", "video", "growth")
+BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "families", "collate", "clients", "balance",
+           "pack", "order", "traces", "scale", "video", "growth")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         floors = bench_limits.run(a.quick, shard)
     if "loader" in only:
         bench_loader.run(a.quick, a.records, floors)
+    if "families" in only:
+        bench_families.run(a.quick)
     if "collate" in only:
         bench_collate.run(a.quick)
     if "clients" in only:

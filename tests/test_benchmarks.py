@@ -51,6 +51,8 @@ REQUIRED = {
     ("order", "loader_rss"): {"peak_rss_mb_no_shuffle", "peak_rss_mb_span_1", "peak_rss_mb_span_4",
                               "peak_rss_mb_span_all", "rss_max_over_min_spans"},
     ("video", None): {"family", "build_s_per_video_s", "shard_bytes_per_video_s", "video_tokens"},
+    ("families", None): {"family", "pixels", "loader_samples_per_s", "floor_samples_per_s", "online_samples_per_s",
+                         "speedup_vs_online", "share_of_floor"},
 }
 
 
