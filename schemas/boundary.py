@@ -4,9 +4,11 @@ URL); a saved processor dir -> its own files (inside it, no custom code). vlmpre
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,3 +200,40 @@ def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
     for f in configs:
         refuse_custom_code(_read_config(f), str(f))
     return files
+
+
+class UnsafeWrite(OSError):
+    """Where vlmprep or the trainer writes (a cache, a lock, a run dir, a build output), something that is not a
+    plain file of its own is in the way: a symlink planted there (in a shared cache dir, anyone could make it point at
+    a file of the user's), a FIFO or a device. One line naming the path; nothing is written through it."""
+
+
+_WRITE_FLAGS = {"wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                "a+b": os.O_RDWR | os.O_CREAT | os.O_APPEND, "lock": os.O_RDWR | os.O_CREAT}
+
+
+def open_fd_no_follow(path: str | Path, mode: str = "wb") -> int:
+    """A file descriptor on `path` opened for writing (`mode` as open()'s, or "lock": read-write, created if absent)
+    without following a symlink at it (O_NOFOLLOW) and only if it is a regular file (a FIFO is not waited on).
+    Raises UnsafeWrite naming the path otherwise."""
+    flags = _WRITE_FLAGS[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO) or os.path.islink(path):  # a symlink; a FIFO without a reader
+            raise UnsafeWrite(f"{path} is a symlink or special file where a plain file is written: refusing "
+                              "to write through it (someone may have planted it); remove it and run again") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeWrite(f"{path} is not a plain file where one is written (a FIFO, device or dir): "
+                          "refusing it; remove it and run again")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_no_follow(path: str | Path, mode: str = "wb", **kwargs):
+    """open(path, mode) for writing without following a symlink at `path` (open_fd_no_follow); text modes take
+    open()'s keywords (encoding)."""
+    return os.fdopen(open_fd_no_follow(path, mode), mode, **kwargs)

@@ -19,13 +19,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer import locks
 from trainer.config import cache_limit_bytes, default
 from trainer.integrity import ShardCheck
 from trainer.order import RankSource, Schedule
 from trainer.shards import REMOTE_OR_PIPE, DataError
 from trainer.storage import StorageError, fetch, sha256_file
+from vlmprep_schemas.boundary import UnsafeWrite
 
 MISSING, READY, FAILED = 0, 1, 2
+MESSAGE_BYTES = 2048  # the failed fetch's line, shared with the readers
+LOCK_NAME = "cache.lock"  # in the rank's cache dir, held by the run that uses it
 SAVE_S = 30  # the record of hashed local shards is written at most this often while the cache hashes them
 MAX_WORKERS = 256
 POLL_S = 0.005
@@ -40,7 +44,8 @@ class CacheView:
     state: torch.Tensor  # uint8 [shards], shared: MISSING / READY / FAILED
     progress: torch.Tensor  # int64 [MAX_WORKERS], shared: each reader's next position (the end once done)
     offsets: list[int]  # source s, shard k -> flat id offsets[s] + k
-    errors: str  # dir of the one-line error of each FAILED shard
+    message: torch.Tensor  # uint8 [MESSAGE_BYTES], shared: the one-line error of the FAILED shards (UTF-8, 0-padded),
+    # in memory, so that a fetcher that failed on a full disk can still tell the readers why
     evicts: bool = True  # False where every shard is local (hashed in place, never evicted): readers skip that check
 
     def flat(self, source: int, shard: int) -> int:
@@ -58,11 +63,8 @@ class CacheView:
             if s == READY:
                 return self.files[j]
             if s == FAILED:
-                try:
-                    message = Path(self.errors, "failed.txt").read_text(encoding="utf-8").strip()
-                except OSError:
-                    message = f"{self.files[j]}: the shard cache failed to fetch it"
-                raise DataError(message)
+                message = bytes(self.message.numpy()).rstrip(b"\0").decode("utf-8", "replace")
+                raise DataError(message or f"{self.files[j]}: the shard cache failed to fetch it")
             time.sleep(POLL_S)
 
     def gone(self, j: int) -> bool:
@@ -119,10 +121,11 @@ class ShardCache:
         # what readers wait for: remote shards (fetched) and local ones this run dir has not hashed yet
         self.gated = self.remote | np.array([sh.url in deferred for sh in self.shards], dtype=bool)
         files = [ix.path for src in sources for ix in src.indexes]
-        self.errors = self.root / "errors"
         self.view = CacheView(files, torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
                               torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(), self.offsets,
-                              str(self.errors), evicts=bool(self.remote.any()))
+                              torch.zeros(MESSAGE_BYTES, dtype=torch.uint8).share_memory_(),
+                              evicts=bool(self.remote.any()))
+        self._lock = -1  # the rank's cache dir lock (root/LOCK_NAME), held from the first begin() to end()
         self.verified: set[int] = set()  # gated shards this process has fetched or hashed and checked
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -142,9 +145,10 @@ class ShardCache:
         previous fetcher first; shards still verified in the cache dir are kept)."""
         self.close()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.errors.mkdir(exist_ok=True)
-        (self.errors / "failed.txt").unlink(missing_ok=True)
+        if self._lock < 0:
+            self._own()
         v = self.view
+        v.message.zero_()
         for j, path in enumerate(v.files):
             ok = not self.gated[j] or (j in self.verified and (not self.remote[j] or os.path.isfile(path)))
             v.state[j] = READY if ok else MISSING
@@ -155,6 +159,22 @@ class ShardCache:
         self._thread = threading.Thread(target=self._run, args=(plan, max(num_workers, 1)), daemon=True,
                                         name="shard-cache")
         self._thread.start()
+
+    def _own(self) -> None:
+        """One run per rank cache dir: two would continue each other's .part files and evict each other's shards."""
+        try:
+            self._lock, who = locks.take(self.root / LOCK_NAME)
+        except UnsafeWrite as e:
+            raise DataError(str(e)) from None
+        if who:
+            raise DataError(f"{self.root} is in use by another trainer ({who}): two runs on one shard cache dir would "
+                            "continue each other's partial fetches; wait for it to end, or pass another --shard-cache")
+
+    def end(self) -> None:
+        """close(), and let the cache dir go (the run is over)."""
+        self.close()
+        locks.release(self.root / LOCK_NAME, self._lock)
+        self._lock = -1
 
     def close(self) -> None:
         """Stop the fetcher thread (the files stay, for the next begin); record the local shards it hashed."""
@@ -182,8 +202,10 @@ class ShardCache:
 
     def _fail(self, j: int, message: str) -> None:
         """Shard j failed: every shard not yet local fails with its line, so no reader waits for a fetcher that
-        stopped; the first reader to reach one raises it."""
-        (self.errors / "failed.txt").write_text(message + "\n", encoding="utf-8")
+        stopped; the first reader to reach one raises it. Nothing is written to disk (it may be the full one)."""
+        data = message.encode("utf-8")[:MESSAGE_BYTES]
+        self.view.message.zero_()
+        self.view.message[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.error = DataError(message)
         for k in range(len(self.view.files)):
             if int(self.view.state[k]) != READY:

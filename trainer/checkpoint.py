@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -28,8 +24,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer import locks
 from trainer.config import RESUME_MAY_CHANGE, ConfigError, TrainConfig
 from trainer.metrics import LOG_NAME
+from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -112,7 +110,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def _write_marker(path: Path, step: int) -> None:
     files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
     tmp = path / f"{MARKER}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open_no_follow(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps({"step": step, "files": files}, indent=1, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -172,33 +170,6 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, net, optimizer, d
 RUN_LOCK = "trainer.lock"
 
 
-def _take(path: Path) -> tuple[int, str]:
-    """(fd holding an exclusive flock on path, '') or (-1, who holds it); (-1, '') where the file system has no
-    locks. The holder removes the file while it still holds it: the lock taken must be on the file at `path` now."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return -1, ""
-            if not isinstance(e, BlockingIOError):
-                raise
-            try:
-                note = json.loads(path.read_bytes() or b"{}")
-                return -1, f"pid {note['pid']} on {note['host']}, since {note['since']}: `{note['command']}`"
-            except (OSError, ValueError, KeyError, TypeError):
-                return -1, "another process"
-        try:
-            mine = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            mine = False
-        if mine:
-            return fd, ""
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def own_run_dir(run_dir: str | Path) -> Iterator[None]:
     """One trainer per run dir: rank 0 holds an fcntl.flock on RUN/trainer.lock for the whole run, its pid, host,
@@ -211,17 +182,13 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
     if rank == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            fd, holder = _take(run_dir / RUN_LOCK)
+            fd, holder = locks.take(run_dir / RUN_LOCK)
             if holder:
                 refusal = (f"{run_dir} is in use by another trainer ({holder}): wait for it to end (or stop it), or "
                            "pass another --out; two runs in one dir would overwrite each other's checkpoints and "
                            "metrics")
-            if fd >= 0:
-                command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]
-                note = {"pid": os.getpid(), "host": socket.gethostname(),
-                        "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(note).encode(), 0)
+        except UnsafeWrite as e:
+            refusal = str(e)
         except OSError as e:  # every rank must hear of it, or the others would wait for rank 0 forever
             refusal = f"--out {run_dir}: cannot create it or its {RUN_LOCK} ({e.strerror}): pass a writable dir"
     if world > 1:
@@ -236,8 +203,7 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
         yield
     finally:
         if fd >= 0:
-            (run_dir / RUN_LOCK).unlink(missing_ok=True)  # while still held: see _take
-            os.close(fd)
+            locks.release(run_dir / RUN_LOCK, fd)
             if created:  # a run that failed before writing anything leaves no dir
                 with contextlib.suppress(OSError):
                     run_dir.rmdir()  # only where empty
@@ -320,8 +286,8 @@ def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: boo
                 p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (RUN_FILE + ".tmp")
-    tmp.write_text(json.dumps({"data_source": data, "identity": identity}, indent=1, sort_keys=True) + "\n",
-                   encoding="utf-8")
+    with open_no_follow(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"data_source": data, "identity": identity}, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
 
 

@@ -357,9 +357,9 @@ class EpochSchedule:
                                cache=self.cache.view if self.cache else None)
 
     def close(self) -> None:
-        """Stops the shard cache's fetches."""
+        """Stops the shard cache's fetches and lets its dir go."""
         if self.cache is not None:
-            self.cache.close()
+            self.cache.end()
 
 
 class StepLoader:
@@ -380,7 +380,7 @@ class StepLoader:
     def start(self, epoch: int, position: int, pack_state: list[int] | None = None) -> None:
         """Continue `epoch` at stream `position`; a packing run continues from its packer state instead (the
         stream restarts at the oldest sample the state still holds)."""
-        self.close()
+        self._drop()  # the shard cache's fetcher restarts in open() (its dir stays this run's)
         self.epoch = epoch
         if pack_state:
             position = Packer.resume_start(pack_state)
@@ -417,10 +417,13 @@ class StepLoader:
             out.append(mb if mb is not None else collate([], self.collate_spec))
         return out
 
-    def close(self) -> None:
-        """Drops the DataLoader iterator, which stops its worker processes now."""
+    def _drop(self) -> None:
         # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
         self._batcher = self._packer = self._loader = None
+
+    def close(self) -> None:
+        """Drops the DataLoader iterator (its worker processes stop now) and ends the streams (the run is over)."""
+        self._drop()
         self.streams.close()
 
 

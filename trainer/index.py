@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer import locks
 from trainer.decode import check_member_names, sample_version
 from trainer.shards import (
     REMOTE,
@@ -32,6 +33,7 @@ from trainer.shards import (
 )
 from trainer.storage import StorageError, fetch
 from vlmprep_schemas import load
+from vlmprep_schemas.boundary import UnsafeWrite
 from vlmprep_schemas.limits import (
     INDEX_HEADER_BYTES,
     LIMITS,
@@ -218,21 +220,22 @@ def _fetched_shared(ref: IndexRef, cache: Path) -> Path:
     dataset, fetched once under a file lock while the others wait, then kept for a resume. Named by the URL and the
     manifest's sha256 of it, so a dataset rebuilt at the same URL gets a copy of its own. Where the filesystem has no
     file locks, each rank fetches its own copy as before."""
-    import fcntl
-
     local = Path(cache).parent / SHARED_INDEXES / cache_name(f"{ref.url}#{ref.sha256}", ref.url)
+    lock = local.with_name(local.name + ".lock")
     try:
         local.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(local.with_name(local.name + ".lock"), "a")
-    except OSError:
+        fd = locks.wait_for(lock, "the dataset's sample index, which one rank of a node fetches while the others wait")
+    except (UnsafeWrite, TimeoutError) as e:
+        raise DataError(str(e)) from None
+    except OSError:  # no lock here (a read-only or lock-less file system): this rank fetches its own copy
         return _fetched(ref, cache)
-    with lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the lock file closes, or by a killed rank's exit
-        except OSError:
-            return _fetched(ref, cache)
+    if fd < 0:
+        return _fetched(ref, cache)
+    try:
         if not local.is_file():
             _fetch_index(ref, local)  # to LOCAL.part, renamed once its size and sha256 are the manifest's
+    finally:
+        os.close(fd)  # the lock file stays: a rank waiting on it must find the one it locks
     return local
 
 

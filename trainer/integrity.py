@@ -17,6 +17,7 @@ from typing import Callable
 from trainer.config import default
 from trainer.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
 from trainer.shards import REMOTE_OR_PIPE, DataError, DataSource, ShardRef
+from vlmprep_schemas.boundary import open_no_follow
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
 
@@ -121,7 +122,8 @@ class ShardCheck:
                 return
             self.record.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.record.with_name(f"{self.record.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.known, sort_keys=True), encoding="utf-8")
+            with open_no_follow(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(self.known, sort_keys=True))
             os.replace(tmp, self.record)
             self.dirty = False
 

@@ -3,10 +3,12 @@ bar on the terminal, and every --log-every steps a plain-text line in RUN/train.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from trainer.families import family_of_model
+from vlmprep_schemas.boundary import open_no_follow
 
 LOG_NAME = "train.log"
 
@@ -18,11 +20,14 @@ def plural(n: int, word: str) -> str:
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """A resumed run redoes the steps after its checkpoint: drop their lines from the killed run."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         return
-    keep = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-            if ln.strip() and json.loads(ln)["step"] <= last_step]
-    path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+    with open_no_follow(path, "a+b") as f:  # a link planted in the run dir is neither read nor written through
+        f.seek(0)
+        keep = [ln for ln in f.read().decode("utf-8").splitlines()
+                if ln.strip() and json.loads(ln)["step"] <= last_step]
+        f.truncate(0)
+        f.write("".join(ln + "\n" for ln in keep).encode("utf-8"))
 
 
 def eval_logged(run_dir: Path, step: int, names: list[str] | None) -> bool:
@@ -81,8 +86,8 @@ class RunLog:
 
         self.path = Path(run_dir) / "metrics.jsonl"
         truncate_metrics(self.path, start_step)
-        self.file = open(self.path, "a", encoding="utf-8")
-        self.text = open(Path(run_dir) / LOG_NAME, "a", encoding="utf-8")
+        self.file = open_no_follow(self.path, "a", encoding="utf-8")
+        self.text = open_no_follow(Path(run_dir) / LOG_NAME, "a", encoding="utf-8")
         self.log_every, self.echo = log_every, echo
         self.total, self.start_step, self.t0 = total_steps, start_step, time.perf_counter()
         self.tb = None

@@ -4,12 +4,14 @@ library taking credentials from its own environment and config; this module neve
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Callable
 
-from vlmprep_schemas.boundary import REMOTE
+from vlmprep_schemas.boundary import REMOTE, UnsafeWrite, open_no_follow
 
 CHUNK = 4 << 20
 # The package each URL scheme needs beyond fsspec, and the extra that installs it.
@@ -78,6 +80,9 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
     dest = Path(dest)
     part = dest.with_name(dest.name + ".part")
     h = hashlib.sha256()
+    if os.path.lexists(part) and not stat.S_ISREG(os.lstat(part).st_mode):  # a planted link: never read or written
+        raise StorageError(f"{part} is a symlink or special file where the cache writes a shard: refusing to write "
+                           "through it (someone may have planted it in the cache dir); remove it and run again")
     have = part.stat().st_size if part.is_file() else 0
     if size is not None and have > size:
         have = 0
@@ -96,7 +101,7 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
         except Exception:  # noqa: BLE001 - nothing to continue, or no range reads here: from the start
             have, h = 0, hashlib.sha256()
             stream = open_url(url)
-        with stream, open(part, "ab" if have else "wb") as out:
+        with stream, open_no_follow(part, "ab" if have else "wb") as out:
             got = have
             while not stopped():
                 # A store that sends more than the manifest's size is cut off one byte past it (refused below), not
@@ -113,6 +118,13 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
                 return
     except StorageError:
         raise
+    except UnsafeWrite as e:
+        raise StorageError(str(e)) from None
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the cache's disk, not the store: say which
+            raise StorageError(f"cannot fetch {url} into {part.parent}: no space left there ({e.strerror}); free "
+                               "space, lower --shard-cache-limit, or pass a --shard-cache on a larger disk") from None
+        raise _fail(url, "fetch", e) from None
     except Exception as e:  # noqa: BLE001
         raise _fail(url, "fetch", e) from None
     got = part.stat().st_size

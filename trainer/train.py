@@ -4,6 +4,7 @@ load -> loop of train_step (loss = summed token losses / global trained-token co
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import sys
@@ -44,6 +45,7 @@ from trainer.rundata import (
 )
 from trainer.shards import DataError
 from trainer.vision import Patchifier
+from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
@@ -131,7 +133,8 @@ def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Pa
     dist.barrier()  # every rank checked before rank 0 changes the run dir
     if rank == 0:
         start_run_dir(out, identity, data.label, resume=cfg.resume)
-        (out / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+        with open_no_follow(out / "config.toml", "w", encoding="utf-8") as f:
+            f.write(cfg.to_toml())
         log_plans(data, world)
 
 
@@ -385,13 +388,17 @@ def _one_line(e: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line arguments -> exit status: runs `run(parse_args(argv))`; a ConfigError or DataError is one line on
-    stderr (naming the rank) and exit 1, with the traceback only where TRAINER_DEBUG is set."""
+    stderr (naming the rank) and exit 1, with the traceback only where TRAINER_DEBUG is set. So are a planted symlink
+    where the run writes (UnsafeWrite) and a full disk."""
     try:
         run(parse_args(argv))
-    except (ConfigError, DataError) as e:
-        if os.environ.get("TRAINER_DEBUG"):
+    except (ConfigError, DataError, OSError) as e:
+        disk_full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        known = not isinstance(e, OSError) or isinstance(e, UnsafeWrite) or disk_full
+        if os.environ.get("TRAINER_DEBUG") or not known:
             raise
         rank = os.environ.get("RANK")
-        print(f"trainer: error{f' (rank {rank})' if rank else ''}: {_one_line(e)}", file=sys.stderr)
+        hint = " (free space there, or write the run or --shard-cache elsewhere)" if disk_full else ""
+        print(f"trainer: error{f' (rank {rank})' if rank else ''}: {_one_line(e)}{hint}", file=sys.stderr)
         return 1
     return 0

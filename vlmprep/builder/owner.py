@@ -18,6 +18,7 @@ from typing import Iterator
 
 from vlmprep.shards.dataset import LOCK_NAME, TASKS_DIR, task_file
 from vlmprep.types import UserError
+from vlmprep_schemas.boundary import UnsafeWrite, open_fd_no_follow
 
 
 class BusyError(UserError):
@@ -49,7 +50,10 @@ def _lock(path: Path, *, shared: bool) -> int | None:
     A holder removes the file on release while it still holds it, so the lock taken here must be on the file that
     is at `path` now, not on one unlinked meanwhile."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = open_fd_no_follow(path, "lock")
+        except UnsafeWrite as e:
+            raise UserError(str(e)) from None
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -43,6 +43,7 @@ from vlmprep.shards.dataset import (
 from vlmprep.shards.format import index_name
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
+from vlmprep_schemas.boundary import open_no_follow
 
 
 def task_start(plan: dict, index: int) -> str:
@@ -69,7 +70,7 @@ def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
         if p.exists():
             p.unlink()
     for path, size in ((files.partial_rejects, journal.rejects_bytes), (files.partial_samples, journal.samples_bytes)):
-        with open(path, "a+b") as f:  # drop what was written after the last durable point
+        with open_no_follow(path, "a+b") as f:  # drop what was written after the last durable point
             f.truncate(size)
     return journal
 
@@ -166,8 +167,9 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
     totals = state.totals
     t0 = time.monotonic()
     # The workers fork first: before the progress bar's thread starts (record_workers).
-    with (record_workers(cfg, renderer) as pool, open(state.files.partial_rejects, "a", encoding="utf-8") as rej,
-          open(state.files.partial_samples, "a", encoding="utf-8") as rows, record_progress(cfg) as progress):
+    with (record_workers(cfg, renderer) as pool,
+          open_no_follow(state.files.partial_rejects, "a", encoding="utf-8") as rej,
+          open_no_follow(state.files.partial_samples, "a", encoding="utf-8") as rows, record_progress(cfg) as progress):
         bar = progress.add_task("build", total=n, rate=0.0, samples=totals["samples"],
                                 rejects=totals["rejected"], completed=totals["records"])
         for pos, (outcomes, turns) in ordered_results(cfg, records, renderer, pool):

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmprep_schemas.boundary import open_no_follow
+
 MANIFEST_NAME = "manifest.json"  # written last: its presence means the dataset is complete
 REJECTS_NAME = "rejects.jsonl"
 # Beside a complete dataset that failed the build's checks (--max-reject-fraction, --min-turn-coverage): the error
@@ -76,7 +78,7 @@ def write_bytes_atomic(path: Path, data: bytes, *, tmp_suffix: str = TMP_SUFFIX)
     the same file at once, each passes its own tmp_suffix."""
     path = Path(path)
     tmp = path.with_name(path.name + tmp_suffix)
-    with open(tmp, "wb") as f:
+    with open_no_follow(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

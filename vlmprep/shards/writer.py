@@ -28,6 +28,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.types import RenderedSample, ShardSample
 from vlmprep.videos import FRAME_EXT, encode_frame
+from vlmprep_schemas.boundary import open_no_follow
 from vlmprep_schemas.limits import index_head
 
 
@@ -200,7 +201,7 @@ class ShardWriter:
 
     def _open(self):
         self._info = ShardInfo(name=self.shard_name)
-        self._file = open(self.out_dir / (self._info.name + TMP_SUFFIX), "wb")
+        self._file = open_no_follow(self.out_dir / (self._info.name + TMP_SUFFIX), "wb")
         self._hf = _HashingFile(self._file)
 
     def write(self, sample: ShardSample) -> bool:
@@ -268,7 +269,7 @@ def write_dataset_index(out_dir: Path, parts, rows: int) -> dict:
     path = Path(out_dir) / DATASET_INDEX_NAME
     tmp = path.with_name(path.name + TMP_SUFFIX)
     h, n = hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
+    with open_no_follow(tmp, "wb") as f:
         head = index_head(rows, INDEX_DTYPE)
         for chunk in (head, *(np.ascontiguousarray(p, dtype=INDEX_DTYPE).tobytes() for p in parts)):
             f.write(chunk)
