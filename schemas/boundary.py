@@ -31,6 +31,12 @@ CHAT_TEMPLATES_DIR = "additional_chat_templates"  # its *.jinja files are the pr
 CODE_CONFIGS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
                 "tokenizer_config.json", "config.json")
 MAX_CONFIG_BYTES = 64 << 20  # a processor config this large is not one (tokenizer_config.json is KBs to a few MB)
+MAX_VOCAB_BYTES = 512 << 20  # tokenizer.json, vocab.json, tekken.json: tens of MB for the largest vocabularies
+MAX_JSON_DEPTH = 64  # a processor's JSON nests under 12 levels; 10^5 levels crash the parsers that read it
+# Sizes a processor's pixel math divides by or allocates from: positive integers, or dicts of them ("size").
+POSITIVE_SIZES = frozenset({"patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size", "size",
+                            "min_pixels", "max_pixels", "image_seq_length", "tile_size", "max_image_tiles",
+                            "crop_size", "max_patches", "image_size"})
 
 
 class UnsafeDataset(ValueError):
@@ -169,15 +175,47 @@ def refuse_custom_code(config, where: str) -> None:
             stack.extend(node)
 
 
-def _read_config(path: Path):
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise UnsafeDataset(f"{path}: {path.stat().st_size} bytes, not a processor config (at most "
-                            f"{MAX_CONFIG_BYTES >> 20} MiB); refusing to read it")
+def refuse_bad_sizes(config, where: str) -> None:
+    """Refuse a processor config whose sizes (POSITIVE_SIZES, at any depth) are not positive integers: a patch_size
+    of 0 or -14 would be a ZeroDivisionError or a negative shape deep in the pixel math, naming no file."""
+    stack = [config]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            values = value.values() if isinstance(value, dict) and key in POSITIVE_SIZES else [value]
+            if key in POSITIVE_SIZES and any(v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                                                or v <= 0) for v in values):
+                raise UnsafeDataset(f"{where}: {key} {json.dumps(value)[:80]} is not a positive integer; refusing to "
+                                    "load the processor (save it again from the model's own processor)")
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+
+
+def _read_json(path: Path, max_bytes: int, *, parse: bool = True):
+    """A processor's JSON file, bounded in size and nesting before it is parsed (transformers parses it again);
+    `parse` False: checked only (a vocabulary's tens of MB are parsed once, by the tokenizer's loader)."""
+    from vlmprep_schemas.limits import json_depth
+
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise UnsafeDataset(f"{path}: {size} bytes, more than a processor file holds (at most {max_bytes >> 20} MiB); "
+                            "refusing to read it")
+    data = path.read_bytes()
     try:
-        return json.loads(path.read_bytes())
+        text = data.decode("utf-8")
+        depth = json_depth(text)
+        if depth > MAX_JSON_DEPTH:
+            raise UnsafeDataset(f"{path}: JSON nested {depth} levels deep (a processor file nests under "
+                                f"{MAX_JSON_DEPTH}); refusing to load the processor")
+        return json.loads(text) if parse else None
     except (ValueError, RecursionError) as e:
-        raise UnsafeDataset(f"{path}: not a valid JSON config ({type(e).__name__}); refusing to load the processor") \
-            from None
+        if isinstance(e, UnsafeDataset):
+            raise
+        raise UnsafeDataset(f"{path}: not valid JSON ({type(e).__name__}); refusing to load the processor") from None
 
 
 def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
@@ -198,7 +236,13 @@ def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
         if not f.is_file():
             raise UnsafeDataset(f"{f}: not a regular file; refusing to read the processor")
     for f in configs:
-        refuse_custom_code(_read_config(f), str(f))
+        config = _read_json(f, MAX_CONFIG_BYTES)
+        refuse_custom_code(config, str(f))
+        refuse_bad_sizes(config, str(f))
+    for f in files:
+        if f.suffix == ".json" and f not in configs:  # tokenizer.json and the other vocabularies: size and depth
+            vocab = f.name in ("tokenizer.json", "vocab.json", "tekken.json")
+            _read_json(f, MAX_VOCAB_BYTES if vocab else MAX_CONFIG_BYTES, parse=not vocab)
     return files
 
 

@@ -174,6 +174,8 @@ class TrainConfig:
     shard_cache_limit: str = opt("", "data", "most bytes the shard cache holds per node, e.g. 50GB (split over the "
                                              "node's ranks; shards no reader needs are evicted); '' = no limit")
     shard_prefetch: int = opt(4, "data", "remote shards fetched ahead of those being read (within the cache limit)")
+    read_timeout: float = opt(60.0, "data", "seconds a remote read may go without a byte before it fails (and after "
+                                            "which a read averaging under 64 KiB/s is stopped)")
     verify_shards: bool = opt(True, "data", "check each shard's sha256 against its manifest when this run first "
                               "reads it (remembered in the shard cache: a resume does not hash again); off: sizes, "
                               "sample counts and changes while training only")
@@ -275,6 +277,8 @@ class TrainConfig:
         cache_limit_bytes(self.shard_cache_limit)
         if self.shard_prefetch < 1:
             raise ConfigError(f"shard_prefetch={self.shard_prefetch}: must be >= 1")
+        if not self.read_timeout > 0:
+            raise ConfigError(f"read_timeout={self.read_timeout}: seconds, > 0")
 
     def _check_optimization(self) -> None:
         if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -387,8 +391,8 @@ class ModelOptions(OptionGroup):
 RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
                                "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
                                "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
-                               "log_every",
-                               "tensorboard", "shard_cache", "shard_cache_limit", "shard_prefetch", "save_hf",
+                               "log_every", "tensorboard", "shard_cache", "shard_cache_limit", "shard_prefetch",
+                               "read_timeout", "save_hf",
                                "export_dtype", "eval_data", "eval_every", "verify_shards"})
 
 

@@ -37,9 +37,9 @@ def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
     """The vocabulary `--tiny-random NAME` takes from the dataset's processor (a local dir); None without one."""
     if not name or not processor_dir:
         return None
-    from transformers import AutoProcessor
+    from trainer.shards import load_processor
 
-    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+    processor = load_processor(processor_dir)
     try:
         return Vocab.of(processor, BY_NAME[name].tokens)
     except ValueError as e:

@@ -21,12 +21,14 @@ from vlmprep_schemas import load
 from vlmprep_schemas.boundary import (
     MANIFEST_NAME,
     MAX_CONFIG_BYTES,
+    MAX_VOCAB_BYTES,
     PROCESSOR_FILES,
     REMOTE,
     UnsafeDataset,
     dataset_file,
     dataset_paths,
     processor_files,
+    refuse_bad_sizes,
     refuse_credentials,
     refuse_custom_code,
 )
@@ -325,10 +327,25 @@ def check_processor(location: str, *, user_named: bool = False) -> None:
             raise DataError(str(e)) from None
 
 
+def load_processor(processor_dir: str):
+    """transformers' processor from a checked local dir (check_processor), offline and without code; a tokenizer or
+    config it cannot load is one DataError naming the dir (the tokenizers library's own errors are bare Exceptions)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise anything
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{processor_dir}: cannot load the processor there ({type(e).__name__}: {text[:200]}); "
+                        "pass --processor DIR with the processor the shards were built with") from None
+
+
 def _no_custom_code(cfg, url: str):
-    """A processor config as read from `url`, refused (one line) when it asks for custom code."""
+    """A processor config as read from `url`, refused (one line) when it asks for custom code or its sizes are not
+    positive integers."""
     try:
         refuse_custom_code(cfg, url)
+        refuse_bad_sizes(cfg, url)
     except UnsafeDataset as e:
         raise DataError(str(e)) from None
     return cfg if isinstance(cfg, dict) else {}
@@ -345,7 +362,7 @@ def load_image_processor_config(location: str) -> dict:
             errors.append(f"{url}: no such file")
             continue
         try:
-            raw = json.loads(_read_url(url))
+            raw = load_json(_read_url(url, MAX_CONFIG_BYTES), url, MAX_CONFIG_BYTES)
         except (OSError, ValueError, RecursionError, DataError) as e:
             errors.append(f"{url}: {e}")
             continue
@@ -366,7 +383,7 @@ def load_video_processor_config(location: str) -> dict | None:
         if not url.startswith(REMOTE) and not Path(url).is_file():
             continue
         try:
-            raw = json.loads(_read_url(url))
+            raw = load_json(_read_url(url, MAX_CONFIG_BYTES), url, MAX_CONFIG_BYTES)
         except (OSError, ValueError, RecursionError, DataError):
             continue
         cfg = pick(_no_custom_code(raw, url))
@@ -412,7 +429,8 @@ def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
 
     out = {"family": str(((manifest or {}).get("processor") or {}).get("class", "?"))}
     try:
-        tok = json.loads(_read_url(_join(location, "tokenizer.json")))
+        url = _join(location, "tokenizer.json")
+        tok = load_json(_read_url(url, MAX_VOCAB_BYTES), url, MAX_VOCAB_BYTES)
         out["vocabulary"] = digest([tok.get("model"), tok.get("added_tokens")])
     except (OSError, ValueError, DataError):
         out["vocabulary"] = "?"  # a slow tokenizer only: compared by family and image settings

@@ -4,16 +4,20 @@ library taking credentials from its own environment and config; this module neve
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Callable
 
 from vlmprep_schemas.boundary import REMOTE, UnsafeWrite, open_no_follow
 
 CHUNK = 4 << 20
+READ_TIMEOUT_S = 60.0  # --read-timeout: no byte for this long fails a read; see Pace for a server that drips
+MIN_RATE = 64 << 10  # bytes/s a read must average once READ_TIMEOUT_S has passed
 # The package each URL scheme needs beyond fsspec, and the extra that installs it.
 _EXTRAS = {"s3": ("s3fs", "vlmprep[s3]"), "gs": ("gcsfs", "vlmprep[gcs]"), "gcs": ("gcsfs", "vlmprep[gcs]"),
            "hf": ("huggingface_hub", "huggingface_hub"), "http": ("aiohttp", "aiohttp"),
@@ -29,33 +33,82 @@ def is_remote(url: str) -> bool:
     return url.startswith(REMOTE)
 
 
+def set_read_timeout(seconds: float) -> None:
+    """The run's --read-timeout (before its first remote read; DataLoader workers fork with it)."""
+    global READ_TIMEOUT_S
+    READ_TIMEOUT_S = float(seconds)
+
+
+def _options(url: str) -> dict:
+    """Each backend's own read timeouts: no limit on a whole transfer (a big shard over a slow link is fine), a limit
+    on a silence (aiohttp's default instead ends any request after 5 minutes, naming no limit)."""
+    scheme = url.split("://", 1)[0]
+    if scheme in ("http", "https"):
+        import aiohttp
+
+        t = READ_TIMEOUT_S
+        return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)}}
+    if scheme == "s3":
+        return {"config_kwargs": {"connect_timeout": READ_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S}}
+    return {}
+
+
 def _fs(url: str):
     """The fsspec filesystem of a URL and the path in it; a missing backend is one line saying what to install."""
     try:
         import fsspec
 
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **_options(url))
     except ImportError as e:
         scheme = url.split("://", 1)[0]
         package, install = _EXTRAS.get(scheme, (str(e.name), str(e.name)))
         raise StorageError(f"{url}: reading {scheme}:// needs {package}: pip install '{install}'") from None
 
 
+class Pace:
+    """A read that has run READ_TIMEOUT_S and averages under MIN_RATE is stopped: a server that drips a byte a
+    second never trips the silence timeout, and would hold a fetcher (and the readers waiting on it) for days."""
+
+    def __init__(self, url: str, what: str):
+        self.url, self.what, self.t0 = url, what, time.monotonic()
+
+    def check(self, got: int) -> None:
+        """Raise StorageError where `got` bytes so far are too few for the time taken."""
+        elapsed = time.monotonic() - self.t0
+        if elapsed > READ_TIMEOUT_S and got < MIN_RATE * elapsed:
+            raise StorageError(f"cannot {self.what} {self.url}: {got} bytes in {elapsed:.0f} s, under "
+                               f"{MIN_RATE >> 10} KiB/s after --read-timeout {READ_TIMEOUT_S:g} s: the server is too "
+                               "slow or stalled; try again, or raise --read-timeout")
+
+
 def _fail(url: str, what: str, e: BaseException) -> StorageError:
     if isinstance(e, FileNotFoundError):
         return StorageError(f"cannot {what} {url}: no such file or object")
+    if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:  # asyncio's, fsspec's FSTimeoutError, botocore's
+        return StorageError(f"cannot {what} {url}: no answer for --read-timeout {READ_TIMEOUT_S:g} s; try again, or "
+                            "raise --read-timeout")
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return StorageError(f"cannot {what} {url}: {text[:300]}")
 
 
-def read_url(url: str, limit: int | None = None) -> bytes:
-    """A whole (small) remote object: a manifest, a processor config, a sample index; with `limit`, at most
-    limit + 1 bytes (so a caller can refuse one over its limit without reading all of it)."""
-    fs, path = _fs(url)
+def read_url(url: str, limit: int) -> bytes:
+    """A whole small remote object (a manifest, a processor config): at most limit + 1 bytes, so a caller can refuse
+    one over its limit. Read as a stream that stops there whatever the server does: one that ignores Range and
+    sends on, one that never ends, one whose gzip-encoded body decodes to far more than it sent."""
+    out, pace = bytearray(), Pace(url, "read")
     try:
-        return fs.cat_file(path) if limit is None else fs.cat_file(path, start=0, end=limit + 1)
+        with open_url(url) as stream:
+            while len(out) <= limit:
+                chunk = stream.read(min(CHUNK, limit + 1 - len(out)))
+                if not chunk:
+                    break
+                out += chunk
+                pace.check(len(out))
+    except StorageError:
+        raise
     except Exception as e:  # noqa: BLE001 - each backend raises its own kinds (FileNotFoundError, ClientError, ...)
         raise _fail(url, "read", e) from None
+    return bytes(out)
 
 
 def open_url(url: str):
@@ -70,6 +123,23 @@ def open_url(url: str):
         return fs.open(path, "rb", block_size=0) if fs.protocol[0].startswith("http") else fs.open(path, "rb")
     except Exception as e:  # noqa: BLE001
         raise _fail(url, "open", e) from None
+
+
+def _continued(url: str, have: int, n: int):
+    """(stream at byte `have`, its first chunk of up to n bytes) by a range read, or (None, b"") where the store
+    answers none: fsspec's HTTP file says so only on its first read ("doesn't appear to support range requests"),
+    so that read is made here, where a refusal means "from the start", not a failed fetch on every restart."""
+    stream = None
+    try:
+        fs, path = _fs(url)
+        stream = fs.open(path, "rb", block_size=CHUNK)
+        stream.seek(have)
+        return stream, stream.read(n)
+    except Exception:  # noqa: BLE001 - no range reads here, or the object changed: the caller starts over
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.close()
+        return None, b""
 
 
 def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
@@ -90,28 +160,26 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
         with open(part, "rb") as f:
             while chunk := f.read(CHUNK):
                 h.update(chunk)
+    pace = Pace(url, "fetch")
     try:
-        try:
-            if not have:
-                raise ValueError("nothing to continue")
-            fs, path = _fs(url)
-            stream = fs.open(path, "rb", block_size=CHUNK)
-            if have:
-                stream.seek(have)
-        except Exception:  # noqa: BLE001 - nothing to continue, or no range reads here: from the start
-            have, h = 0, hashlib.sha256()
+        stream, first = _continued(url, have, CHUNK if size is None else min(CHUNK, size + 1 - have)) if have else \
+            (None, b"")
+        if stream is None:  # nothing to continue, or the store answers no range read: from the start
+            have, h, first = 0, hashlib.sha256(), b""
             stream = open_url(url)
         with stream, open_no_follow(part, "ab" if have else "wb") as out:
             got = have
             while not stopped():
                 # A store that sends more than the manifest's size is cut off one byte past it (refused below), not
                 # written to the cache disk to its end.
-                chunk = stream.read(CHUNK if size is None else min(CHUNK, size + 1 - got))
+                chunk = first or stream.read(CHUNK if size is None else min(CHUNK, size + 1 - got))
+                first = b""
                 if not chunk:
                     break
                 h.update(chunk)
                 out.write(chunk)
                 got += len(chunk)
+                pace.check(got - have)
                 if size is not None and got > size:
                     break
             else:

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from trainer.rundata import (
     shard_check,
 )
 from trainer.shards import DataError
+from trainer.storage import set_read_timeout
 from trainer.vision import Patchifier
 from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
@@ -54,6 +56,20 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: 
         return lr * (step + 1) / warmup_steps
     progress = min((step - warmup_steps) / max(total - warmup_steps, 1), 1.0)
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def die_with_launcher() -> None:
+    """A rank ends when torchrun does: a `kill -9` of torchrun (an OOM killer, a careless kill) would otherwise leave
+    the ranks training on to the end, writing checkpoints into a run dir that a restart is refused. Linux's
+    parent-death signal (SIGTERM), set by each rank on itself."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it died before the signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
@@ -329,6 +345,8 @@ def run(cfg: TrainConfig) -> dict | None:
     group and RUN's lock are released on the way out, error or not. Trade-off: data order, RNG and batching are saved
     so a resume repeats the same steps exactly, which ties a resume to the same world size and batching options."""
     keep_freed_buffers()
+    die_with_launcher()
+    set_read_timeout(cfg.read_timeout)
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     loader = log = None

@@ -174,9 +174,10 @@ def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> t
     black image is stored at (the processor's resize of it where the family stores resized pixels), so that the
     placeholder goes through the same call as every stored image (collate.placeholders)."""
     from PIL import Image
-    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+    from trainer.shards import load_processor
+
+    processor = load_processor(processor_dir)
     host = HostPixels(family, spec.config, image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
                       max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0))
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))

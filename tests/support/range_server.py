@@ -1,6 +1,7 @@
 """A loopback HTTP file server for tests: serves a directory with HEAD, GET and single-range `Range: bytes=a-b`
 requests (206), logs every request (method, path, range, time) for the tests to count, and can corrupt a file's bytes
-on the wire. Runs in a thread of the test process: `with RangeServer(root) as srv: srv.url`."""
+on the wire, or misbehave as a hostile server does: ignore Range, send an endless body, a gzip body that decodes to
+far more than it sends, or drip one byte at a time. Runs in a thread of the test process: `with RangeServer(root) as srv: srv.url`."""
 from __future__ import annotations
 
 import re
@@ -31,6 +32,9 @@ class _Handler(SimpleHTTPRequestHandler):
     def _serve(self, *, body: bool) -> None:
         rng = self.headers.get("Range")
         self.server.log.append((self.command, self.path, rng, time.time()))
+        name = self.path.rsplit("/", 1)[-1]
+        if body and self._hostile(name):
+            return
         path = self._file()
         if path is None:
             self.send_error(404)
@@ -39,7 +43,7 @@ class _Handler(SimpleHTTPRequestHandler):
         if path.name in self.server.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         a, z, status = 0, len(data), 200
-        m = _RANGE.match(rng or "")
+        m = None if self.server.no_ranges else _RANGE.match(rng or "")
         if m:
             a, z, status = int(m.group(1)), min(int(m.group(2)) + 1 if m.group(2) else len(data), len(data)), 206
         self.send_response(status)
@@ -56,6 +60,42 @@ class _Handler(SimpleHTTPRequestHandler):
                 pass
 
 
+    def _hostile(self, name: str) -> bool:
+        srv = self.server
+        if name in srv.silent:  # accepts, then says nothing
+            time.sleep(10)
+            return True
+        if name not in srv.endless and name not in srv.gzip and name not in srv.drip:
+            return False
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        try:
+            if name in srv.gzip:  # a small body that decodes to srv.gzip[name] bytes of "{"
+                import gzip
+
+                data = gzip.compress(b"{" * srv.gzip[name], compresslevel=9)
+                self.send_header("Content-Encoding", "gzip")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            elif name in srv.endless:  # no length, never ends (until the client hangs up)
+                self.end_headers()
+                block = b"[" * 65536
+                while True:
+                    self.wfile.write(block)
+                    srv.sent += len(block)
+            else:  # a byte every 50 ms, forever
+                self.end_headers()
+                while True:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    srv.sent += 1
+                    time.sleep(0.05)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return True
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -64,6 +104,12 @@ class _Server(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), lambda *a, **kw: _Handler(*a, directory=root, **kw))
         self.log: list[tuple] = []
         self.corrupt: set[str] = set()
+        self.no_ranges = False  # answer every GET with the whole file (200), as a server without Range support does
+        self.endless: set[str] = set()  # file names answered with an endless body
+        self.gzip: dict[str, int] = {}  # file name -> decoded bytes of a gzip-encoded body
+        self.drip: set[str] = set()  # file names answered a byte at a time
+        self.silent: set[str] = set()  # file names never answered
+        self.sent = 0  # bytes of hostile bodies sent
 
 
 class RangeServer:

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vlmprep_schemas.boundary import processor_files
+from vlmprep_schemas.boundary import UnsafeDataset, processor_files
 
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
@@ -72,7 +72,12 @@ def load_saved_processor(path: str | Path):
     from vlmprep.processors.builtin import from_local_dir
 
     processor_files(path)
-    return from_local_dir(path)
+    try:
+        return from_local_dir(path)
+    except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise anything (their Rust: plain Exception)
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UnsafeDataset(f"{path}: cannot load the processor saved there ({type(e).__name__}: {text[:200]}); "
+                            "save it again from the model's own processor") from None
 
 
 def fingerprint_dir(path: Path) -> str:

@@ -127,6 +127,27 @@ def _raw_build_config(cfg: InspectConfig):
     return BuildConfig(inputs=(cfg.path,), out="", progress=False, **kw)  # out: inspect writes no dataset
 
 
+def _refuse_foreign_template(processor, like: Path) -> None:
+    """--like DIR renders with DIR's saved processor, but not with a chat template that came with the dataset: that
+    is Jinja from elsewhere (a loop nested to 10^16 steps hangs any renderer, sandbox or not). A template vlmprep
+    ships, or the one its builtin/tiny processor carries, is vlmprep's own; any other the user names themselves."""
+    from vlmprep.processors.load import TEMPLATES_DIR, load_processor
+
+    saved = processor.chat_template
+    if saved is None or any(saved == p.read_text(encoding="utf-8") for p in TEMPLATES_DIR.glob("*.jinja")):
+        return
+    spec = str((load_manifest(like).get("processor") or {}).get("spec") or "")
+    if spec.startswith(("builtin:", "tiny:")):
+        try:
+            if load_processor(spec).chat_template == saved:
+                return
+        except ValueError:  # not a builtin of this vlmprep: foreign
+            pass
+    raise InspectError(f"--like {like}: its saved chat template is not one vlmprep ships, and inspect does not render "
+                       "a dataset's own template (untrusted Jinja, docs/untrusted-datasets.md): pass --chat-template "
+                       "with the template it was built with, or --processor with its processor")
+
+
 def _raw_id_candidate(raw, want: str) -> bool:
     """Cheap pre-filter for --id, mirroring normalize_record's id rule; the rendered id is checked after."""
     from vlmprep.normalize import generated_id
@@ -202,6 +223,8 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
 
         bcfg = _raw_build_config(cfg)
         processor = load_processor(bcfg.processor)
+        if cfg.like is not None and bcfg.chat_template is None and "processor" not in cfg.build_options:
+            _refuse_foreign_template(processor, Path(cfg.like))
         tv = TokenizerView.from_processor(processor)
         items = _iter_raw(cfg, Renderer(bcfg, processor))
     out = []

@@ -352,3 +352,22 @@ def test_html_collapses_the_system_prompt_and_tool_list(built, tmp_path):
         assert "&lt;tools&gt;" in re.sub(r"<[^>]+>", "", folded) and "click to show" in folded  # the tool list
         assert " open" not in s[s.index("<details"):s.index("<summary")]  # closed by default
         assert s.index("</details>") < s.index('data-role="user"')  # the conversation follows, open
+
+
+LOOPING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}"
+
+
+def test_like_never_renders_a_datasets_own_template(built, tmp_path):
+    """--like DIR takes DIR's saved processor, not Jinja that came with the dataset: a template nested to 10^10
+    steps (it would hang the render) is refused in one line; the user may name the template it was built with."""
+    inp, out = built
+    foreign = tmp_path / "foreign"
+    shutil.copytree(out, foreign)
+    (foreign / "processor" / "chat_template.jinja").write_text(LOOPING_TEMPLATE)
+    res = invoke(inp, "--like", foreign, "--index", 0)
+    assert res.exit_code != 0 and "its saved chat template is not one vlmprep ships" in res.output, res.output
+    assert "--chat-template" in res.output and "Traceback" not in res.output
+    named = invoke(inp, "--like", foreign, "--index", 0, "--chat-template", "qwen2_vl")
+    assert named.exit_code == 0, named.output
+    mine = invoke(inp, "--like", out, "--index", 0)  # vlmprep's own template: rendered as before
+    assert mine.exit_code == 0 and strip_where(mine.stdout) == strip_where(named.stdout)

@@ -1,0 +1,75 @@
+"""A dataset's saved processor is untrusted JSON too (issue 44, round 4): every processor JSON file is bounded in size
+and nesting before a parser sees it, its sizes are checked positive, and a tokenizer that does not load is one line
+naming the dir; through vlmprep's loader, the Collator, verify and the trainer."""
+import json
+
+import pytest
+
+from tests import test_untrusted_datasets as base
+from tests.test_untrusted_datasets import _copy, _one_line, _trainer_refuses, _verify_fails
+
+dataset = base.dataset  # the same module-scoped fixture: 4 records built with builtin:qwen2-vl
+
+DEEP = 100_000
+
+
+def _nest(path, depth: int = DEEP) -> None:
+    path.write_text("[" * depth + "]" * depth)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "processor_config.json", "tokenizer_config.json"])
+def test_a_processor_file_nested_100000_deep_is_refused_by_every_reader(dataset, tmp_path, capsys, name):
+    from vlmprep.clients.collate import Collator
+    from vlmprep.processors.load import load_saved_processor
+    from vlmprep.shards.reader import ShardFormatError
+
+    ds = _copy(dataset, tmp_path)
+    _nest(ds / "processor" / name)
+    must = (str(ds / "processor" / name), f"JSON nested {DEEP} levels deep")
+    with pytest.raises(ValueError) as e:
+        load_saved_processor(ds / "processor")
+    _one_line(e.value, *must)
+    with pytest.raises(ShardFormatError) as e:
+        Collator(ds)
+    _one_line(e.value, *must)
+    _verify_fails(ds, *must)  # before: OK, and `trainer export` shipped it
+    _trainer_refuses(ds, tmp_path, capsys, *must)
+
+
+@pytest.mark.parametrize("value", [0, -14, 14.5, True, {"height": 0, "width": 448}])
+def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_file(dataset, tmp_path, capsys, value):
+    """patch_size 0 was a ZeroDivisionError and -14 an 'invalid shape dimension', with no file named."""
+    from trainer.shards import DataError, load_image_processor_config
+    from vlmprep.processors.load import load_saved_processor
+
+    ds = _copy(dataset, tmp_path)
+    path = ds / "processor" / "processor_config.json"
+    cfg = json.loads(path.read_text())
+    key = "size" if isinstance(value, dict) else "patch_size"
+    cfg["image_processor"][key] = value
+    path.write_text(json.dumps(cfg))
+    must = (str(path), f"{key} {json.dumps(value)} is not a positive integer")
+    with pytest.raises(ValueError) as e:
+        load_saved_processor(ds / "processor")
+    _one_line(e.value, *must)
+    with pytest.raises(DataError) as e:
+        load_image_processor_config(str(ds / "processor"))
+    _verify_fails(ds, *must)
+    _trainer_refuses(ds, tmp_path, capsys, *must)
+
+
+def test_a_tokenizer_that_does_not_load_is_one_line_naming_the_dir(dataset, tmp_path):
+    """Valid, shallow JSON that is not a tokenizer: the tokenizers library raises a bare Exception; here it is one
+    line naming the processor dir, in vlmprep and in the trainer."""
+    from trainer.shards import DataError
+    from trainer.shards import load_processor as trainer_load
+    from vlmprep.processors.load import load_saved_processor
+
+    ds = _copy(dataset, tmp_path)
+    (ds / "processor" / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "Nope"}}))
+    with pytest.raises(ValueError) as e:
+        load_saved_processor(ds / "processor")
+    _one_line(e.value, str(ds / "processor"), "cannot load the processor saved there")
+    with pytest.raises(DataError) as e:
+        trainer_load(str(ds / "processor"))
+    _one_line(e.value, str(ds / "processor"), "cannot load the processor there")
