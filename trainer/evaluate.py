@@ -39,7 +39,7 @@ def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, colla
     or not training does: the ranks' vision all-gathers then pair up in eval as in training."""
     out = []
     for d in cfg.eval_sources:
-        ds = resolve_data(d.path)
+        ds = resolve_data(d.path, option="--eval-data")
         if ds.processor and train_data.processor:  # a loss under another tokenizer or pixel math means nothing
             diff = processor_difference(train_data, ds, cfg.processor)
             if diff:

@@ -187,7 +187,7 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
         refuse_videos(ds.manifest, str(d.path), model_type)
     warnings = []
     for d in cfg.eval_sources:
-        held = resolve_data(d.path)
+        held = resolve_data(d.path, option="--eval-data")
         refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
         warnings += eval_overlap(d, held, specs, datasets)
     image = _load_image_spec(cfg, datasets[0].processor)

@@ -103,8 +103,14 @@ def _load_manifest(base: str) -> dict:
     except UnsafeDataset as e:
         raise DataError(str(e)) from None
     try:
-        manifest = load_json(_read_url(url), "it", LIMITS.manifest_bytes)
-    except (OSError, ValueError, DataError) as e:
+        data = _read_url(url)
+    except DataError as e:  # its own line names the URL
+        raise DataError(str(e) if str(e).startswith("cannot ") else f"cannot read {url}: {e}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {url}: {e}") from None
+    try:
+        manifest = load_json(data, "it", LIMITS.manifest_bytes)
+    except ValueError as e:
         raise DataError(f"cannot read {url}: {e}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
@@ -163,9 +169,9 @@ def _refuse_raw_input(path: str) -> None:
                         "--out DIR` first, then pass --data DIR")
 
 
-def resolve_data(url: str) -> DataSource:
+def resolve_data(url: str, *, option: str = "--data") -> DataSource:
     """Dataset dir or base URL (manifest required), shard path/pattern/URL (manifest used when beside it),
-    or `pipe:` commands (no manifest)."""
+    or `pipe:` commands (no manifest). `option`: the option that named it, for the messages (--eval-data)."""
     if url.startswith("file:"):
         url = url[len("file:"):]
         if url.startswith("//"):
@@ -176,7 +182,7 @@ def resolve_data(url: str) -> DataSource:
     remote = url.startswith(REMOTE)
     if remote:
         try:
-            refuse_credentials(url, where="--data")
+            refuse_credentials(url, where=option)
         except UnsafeDataset as e:
             raise DataError(str(e)) from None
     is_pattern = "{" in url or url.endswith(".tar")

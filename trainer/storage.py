@@ -82,6 +82,12 @@ class Pace:
 
 
 def _fail(url: str, what: str, e: BaseException) -> StorageError:
+    cause = type(e.__cause__).__name__ if e.__cause__ is not None else ""
+    if cause == "TooManyRedirects":  # fsspec's HTTP calls every failed request "not found"
+        return StorageError(f"cannot {what} {url}: the server redirects it in a loop (or more than 10 times)")
+    if "RedirectClientError" in cause:  # aiohttp's NonHttpUrl..., InvalidUrl...
+        return StorageError(f"cannot {what} {url}: the server redirects it to {str(e.__cause__)[:200]}, which is not "
+                            "an http(s) URL; refusing to follow it")
     if isinstance(e, FileNotFoundError):
         return StorageError(f"cannot {what} {url}: no such file or object")
     if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:  # asyncio's, fsspec's FSTimeoutError, botocore's

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import sys
 from inspect import Parameter, Signature, signature
 from pathlib import Path
@@ -29,6 +30,15 @@ def _fail(e: BaseException) -> None:
         raise e
     typer.echo(f"error: {printable(str(e))}", err=True)  # a path or record text may hold a lone surrogate
     raise typer.Exit(1)
+
+
+def _local_dir(value: str, command: str) -> str:
+    """verify, stats and inspect read a local dir: a URL (as a Path, `http:/host/...`) would be called missing."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):
+        _fail(UserError(f"{value}: a URL; vlmprep {command} reads a local dataset dir: download the dataset first "
+                        "(e.g. `hf download REPO --repo-type dataset --local-dir DIR`, `aws s3 sync URL DIR`); the "
+                        "trainer reads URLs directly (--data URL)"))
+    return value
 
 
 def _parsed_ok(parse):
@@ -167,7 +177,7 @@ def merge(
 
 @app.command()
 def verify(
-    root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
+    root: Annotated[str, typer.Argument(help="A built dataset dir.")],
     quick: Annotated[bool, typer.Option(
         help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
     workers: Annotated[Optional[int], typer.Option(
@@ -180,6 +190,8 @@ def verify(
     size (docs/scale.md), divided among --workers processes."""
     from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.verify import verify_dataset
+
+    root = Path(_local_dir(root, "verify"))
 
     try:
         with shard_progress("verify") as progress:
@@ -209,6 +221,7 @@ def inspect(
     a dataset built without one, and --only truncated, read every sample's meta until --limit is reached."""
     from vlmprep.tools.inspector import run_inspect
 
+    _local_dir(path, "inspect")
     try:
         raw = {k: v for k, v in _config_values(opts, RAW_OPTIONS).items() if v is not None}
         if opts["keep_images"] == "all":
@@ -220,7 +233,7 @@ def inspect(
 
 @app.command()
 def stats(
-    root: Annotated[Path, typer.Argument(help="A built dataset dir.")],
+    root: Annotated[str, typer.Argument(help="A built dataset dir.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
     html: Annotated[Optional[str], typer.Option(
         help="Also write a self-contained HTML report with histograms to this file.")] = None,
@@ -237,6 +250,8 @@ def stats(
 
     from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.stats import compute_stats, format_stats
+
+    root = Path(_local_dir(root, "stats"))
 
     try:
         with shard_progress("stats") as progress:

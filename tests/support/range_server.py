@@ -33,7 +33,7 @@ class _Handler(SimpleHTTPRequestHandler):
         rng = self.headers.get("Range")
         self.server.log.append((self.command, self.path, rng, time.time()))
         name = self.path.rsplit("/", 1)[-1]
-        if body and self._hostile(name):
+        if (body or name in self.server.redirect) and self._hostile(name):
             return
         path = self._file()
         if path is None:
@@ -62,10 +62,16 @@ class _Handler(SimpleHTTPRequestHandler):
 
     def _hostile(self, name: str) -> bool:
         srv = self.server
+        if name in srv.redirect:  # to srv.redirect[name] (a file:// URL, or itself: a loop)
+            self.send_response(302)
+            self.send_header("Location", srv.redirect[name])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
         if name in srv.silent:  # accepts, then says nothing
             time.sleep(10)
             return True
-        if name not in srv.endless and name not in srv.gzip and name not in srv.drip:
+        if not {name} & (srv.endless | srv.gzip.keys() | srv.drip):
             return False
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
@@ -109,6 +115,7 @@ class _Server(ThreadingHTTPServer):
         self.gzip: dict[str, int] = {}  # file name -> decoded bytes of a gzip-encoded body
         self.drip: set[str] = set()  # file names answered a byte at a time
         self.silent: set[str] = set()  # file names never answered
+        self.redirect: dict[str, str] = {}  # file name -> where a 302 sends it
         self.sent = 0  # bytes of hostile bodies sent
 
 

@@ -113,3 +113,27 @@ def test_bad_json_from_a_url_dataset_is_one_line(served):
             resolve_data(srv.url + "/")
     assert "\n" not in str(e.value) and "manifest.json" in str(e.value)
     json.dumps(str(e.value))
+
+
+def test_a_redirect_out_of_http_or_in_a_loop_says_so(served):
+    """fsspec's HTTP calls every failed open "no such file"; a redirect to file:// or a loop is named as one."""
+    with RangeServer(served) as srv:
+        srv.server.redirect["manifest.json"] = "file:///etc/passwd"
+        srv.server.redirect["loop.json"] = f"{srv.url}/loop.json"
+        with pytest.raises(DataError) as e:
+            resolve_data(srv.url + "/")
+        with pytest.raises(StorageError) as loop:
+            read_url(f"{srv.url}/loop.json", LIMIT)
+    assert str(e.value) == (f"cannot open {srv.url}/manifest.json: the server redirects it to file:///etc/passwd, "
+                            "which is not an http(s) URL; refusing to follow it")
+    assert str(loop.value).endswith("the server redirects it in a loop (or more than 10 times)")
+
+
+def test_credentials_in_eval_data_are_named_as_eval_data(dataset, tmp_path, capsys):
+    from trainer.train import main
+
+    assert main(["--data", str(dataset), "--eval-data", "http://user:hunter2@127.0.0.1:9/ds/", "--out",
+                 str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1", "--num-workers", "0",
+                 "--no-progress", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "trainer: error: --eval-data: a http:// URL with credentials in it" in err and "hunter2" not in err, err
