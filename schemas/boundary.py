@@ -154,7 +154,7 @@ def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
     processor = dataset_file(base, proc.get("dir", PROCESSOR_DIR) if isinstance(proc, dict) else PROCESSOR_DIR,
                              where=where, what="processor dir")
     if not base.startswith(REMOTE) and os.path.isdir(processor):
-        processor_files(processor)
+        processor_files(processor, vocab=False)  # its loaders (and verify) check the vocabulary
     return DatasetPaths(tuple(names), processor, tuple(indexes), sample_index)
 
 
@@ -218,7 +218,7 @@ def _read_json(path: Path, max_bytes: int, *, parse: bool = True):
         raise UnsafeDataset(f"{path}: not valid JSON ({type(e).__name__}); refusing to load the processor") from None
 
 
-def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
+def processor_files(d: str | Path, *, links_out: bool = False, vocab: bool = True) -> list[Path]:
     """A saved processor's own files in dir `d` (PROCESSOR_FILES and additional_chat_templates/*.jinja that exist):
     what may be read from it and what `trainer export` copies. Refused unless each, and each config transformers
     reads, resolves inside `d` (no symlink out), and no config asks for custom code (refuse_custom_code).
@@ -239,10 +239,11 @@ def processor_files(d: str | Path, *, links_out: bool = False) -> list[Path]:
         config = _read_json(f, MAX_CONFIG_BYTES)
         refuse_custom_code(config, str(f))
         refuse_bad_sizes(config, str(f))
-    for f in files:
-        if f.suffix == ".json" and f not in configs:  # tokenizer.json and the other vocabularies: size and depth
-            vocab = f.name in ("tokenizer.json", "vocab.json", "tekken.json")
-            _read_json(f, MAX_VOCAB_BYTES if vocab else MAX_CONFIG_BYTES, parse=not vocab)
+    for f in files:  # tokenizer.json and the other vocabularies: size and depth (`vocab` False: a dataset opened
+        # to read its shards, whose tokenizer nobody loads, is not made to read tens of MB)
+        big = f.name in ("tokenizer.json", "vocab.json", "tekken.json")
+        if f.suffix == ".json" and f not in configs and (vocab or not big):
+            _read_json(f, MAX_VOCAB_BYTES if big else MAX_CONFIG_BYTES, parse=not big)
     return files
 
 

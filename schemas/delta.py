@@ -70,6 +70,7 @@ def pdelta_prefixes(images: list[dict], members) -> dict[str, str]:
     name a `prefix`. ValueError, one line, unless each prefix is the sample's previous image (number minus one), a
     `.pdelta.zst` member it holds (`members`), of the same size, and every occurrence of a member names the same."""
     sizes = {im["member"]: (im["height"], im["width"]) for im in images}
+    members = set(members)  # a tuple of names would make each lookup, so a 999-image chain, cost the sample's length
     out: dict[str, str | None] = {}
     for im in images:
         member, prefix = im["member"], im.get("prefix")

@@ -26,6 +26,7 @@ class ReaderLimits:
     json_depth: int
     image_bytes: int
     sample_bytes: int
+    patch_pixels: int
 
 
 LIMITS = ReaderLimits(**{k: v for k, v in load("shard_format.schema.json")["reader_limits"].items()
@@ -68,6 +69,34 @@ def load_json(data: bytes, what: str, max_bytes: int):
         return json.loads(text)
     except ValueError as e:
         raise ValueError(f"{what} is not valid JSON: {e}") from None
+
+
+def grid_problem(height: int, width: int, row, patch: int, *, frames: bool = False) -> str | None:
+    """Why an image stored at `height` x `width` pixels (the meta's, what bounds its decode) is not what its grid row
+    `row` (t, h, w) makes on `patch`-pixel patches (1: a family whose grid rows are the stored size itself), or None.
+    An image's t is 1; a video's frames (`frames`) have any t (checked against their count elsewhere)."""
+    t, gh, gw = (int(x) for x in row)
+    if not 0 < patch <= LIMITS.patch_pixels:
+        return (f"is {width}x{height} on grid {[t, gh, gw]}: patches of {patch} pixels, not 1 to "
+                f"{LIMITS.patch_pixels} as a reader accepts")
+    if (t != 1 and not frames) or (height, width) != (gh * patch, gw * patch):
+        return (f"is {width}x{height}, but the sample stores grid {[t, gh, gw]} ({gw * patch}x{gh * patch} in "
+                f"{patch}-pixel patches)")
+    return None
+
+
+def check_grid_sizes(sizes, rows, *, patch: int | None = None, frames: bool = False) -> None:
+    """A sample's images (or its videos' frames): each (height, width) of `sizes` must be its row of `rows`
+    (image_grid_thw or video_grid_thw) times one patch size, the processor's `patch` where the reader knows it, else
+    the one the first of them gives, for all of them (grid_problem). What every reader checks before it decodes one:
+    a size its grid does not make is refused unread. ValueError, one line naming the image (or video) by its place
+    in token order."""
+    for k, ((height, width), row) in enumerate(zip(sizes, rows)):
+        if patch is None:  # a reader without the processor: one p for the sample, at most LIMITS.patch_pixels
+            patch = height // int(row[1]) if int(row[1]) > 0 else 0
+        problem = grid_problem(height, width, row, patch, frames=frames)
+        if problem:
+            raise ValueError(f"{'video' if frames else 'image'} {k} {problem}")
 
 
 # The header np.save writes (keys sorted, shape as a tuple repr), matched instead of running numpy's own parser

@@ -461,3 +461,53 @@ def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_pa
         tracemalloc.stop()
     assert peak < 8 << 20, f"{peak} bytes allocated while refusing a {big}-byte index file"
     _verify_fails(ds, entry["name"])
+
+
+# --- A manifest claiming more samples than its index files hold: refused before anything is sized by the claim ---
+
+@pytest.mark.parametrize("claim", [10**12, 10**8])
+@pytest.mark.parametrize("which", ["dataset index", "sidecar"])
+def test_a_sample_count_the_index_does_not_hold_is_refused_before_allocating(dataset, tmp_path, claim, which):
+    """Issue 44.7: a shard entry claiming 10^12 samples beside the dataset's 448-byte sample index made the trainer
+    size the rows it reads by the claim (a 43.7 TiB allocation traceback; 10^8 reserved 4.8 GB before the refusal).
+    The rows are now sized by the file: the claim is one line naming the index file, under an address-space limit
+    far below either; the shard's own sidecar (no dataset index) and `vlmprep verify` say so in one line too."""
+    from tests.support.hostile import address_space
+    from trainer.config import DataSpec
+    from trainer.rundata import rank_sources
+    from trainer.shards import DataError, plan_shards, resolve_data
+
+    def claim_more(m):
+        m["shards"][0]["num_samples"] = claim
+        if which == "sidecar":  # the trainer then reads each shard's own sidecar
+            (tmp_path / "ds" / m.pop("sample_index")["name"]).unlink()
+
+    ds = _copy(dataset, tmp_path, claim_more)
+    m = json.loads((ds / "manifest.json").read_text())
+    rows = sum(s["num_samples"] for s in m["shards"])
+    data = resolve_data(str(ds))
+    with address_space(256 << 20), pytest.raises(DataError) as e:
+        rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
+                     cache=tmp_path / "cache")
+    if which == "dataset index":
+        _one_line(e.value, "samples.index.npy", f"but the manifest's shards hold {rows} samples")
+    else:
+        _one_line(e.value, "shard-000000.tar.index.npy", f"rows for {claim} samples")
+    _verify_fails(ds, "shard-000000.tar", f"manifest says {claim}")
+
+
+@pytest.mark.parametrize("field,value", [("num_tokens", 2**63), ("num_tokens", -1), ("bytes", 2**64)])
+def test_a_count_past_int64_in_the_manifest_is_one_line(dataset, tmp_path, field, value):
+    """A shard entry's token or byte count that no column holds (past int64, or negative: JSON has no bound; the
+    readers' fuzz found 2^63 tokens an OverflowError in the trainer's vectorized row check): one line naming the
+    dataset's sample index."""
+    from trainer.config import DataSpec
+    from trainer.rundata import rank_sources
+    from trainer.shards import DataError, plan_shards, resolve_data
+
+    ds = _copy(dataset, tmp_path, lambda m: m["shards"][0].update({field: value}))
+    data = resolve_data(str(ds))
+    with pytest.raises(DataError) as e:
+        rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
+                     cache=tmp_path / "cache")
+    _one_line(e.value, "samples.index.npy")

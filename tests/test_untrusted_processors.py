@@ -29,8 +29,9 @@ def test_a_processor_file_nested_100000_deep_is_refused_by_every_reader(dataset,
     with pytest.raises(ValueError) as e:
         load_saved_processor(ds / "processor")
     _one_line(e.value, *must)
-    with pytest.raises(ShardFormatError) as e:
-        Collator(ds)
+    with pytest.raises((ShardFormatError, ValueError)) as e:  # as it opens the dataset (configs), or loads its
+        # processor (the vocabulary)
+        _ = Collator(ds).processor
     _one_line(e.value, *must)
     _verify_fails(ds, *must)  # before: OK, and `trainer export` shipped it
     _trainer_refuses(ds, tmp_path, capsys, *must)

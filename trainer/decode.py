@@ -21,7 +21,15 @@ from trainer.shards import DataError
 from trainer.vision import ImageSpec
 from vlmprep_schemas import load
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
-from vlmprep_schemas.limits import LIMITS, dtype_name, load_json, load_npy, npy_header, schema_problem
+from vlmprep_schemas.limits import (
+    LIMITS,
+    check_grid_sizes,
+    dtype_name,
+    load_json,
+    load_npy,
+    npy_header,
+    schema_problem,
+)
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -313,15 +321,19 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
         # One alloc for images and frames: a DataLoader worker's slab holds all of the sample's pixels.
         prefixes = pdelta_prefixes(meta["images"], members) if version >= 4 else {}
         buffers = (alloc or _alloc)(sizes)
-        decoded, payloads = [], {}  # payloads: of decoded members a later one names as its prefix (each names one)
-        for (m, h, w), buf in zip(layout + frames, buffers):
+        items = list(zip(layout + frames, buffers))
+        decoded, payloads = [None] * len(items), {}  # payloads: of decoded members a later one names as its prefix
+        # Images in member order, whatever order the occurrences list them in: a .pdelta.zst member's prefix (the
+        # member before it) is then decoded just before it, so each payload is held until the next one only.
+        for i in sorted(range(len(layout)), key=lambda u: layout[u][0]) + list(range(len(layout), len(items))):
+            (m, h, w), buf = items[i]
             if m in prefixes and prefixes[m] not in payloads:
                 raise ValueError(f"{m}'s prefix {prefixes[m]} is not decoded before it (images decode in member "
                                  "order)")
             try:
-                decoded.append(decode_image_into(m, members[m], buf, (h, w, 3), resize_original,
-                                                 payloads.pop(prefixes.get(m), None),
-                                                 payloads if m in prefixes.values() else None))
+                decoded[i] = decode_image_into(m, members[m], buf, (h, w, 3), resize_original,
+                                               payloads.pop(prefixes.get(m), None),
+                                               payloads if m in prefixes.values() else None)
             except zstandard.ZstdError as e:  # named: a .pdelta.zst member decodes only with its own prefix
                 raise ValueError(f"{m} does not decode ({e})") from None
         images, rest = decoded[:len(layout)], iter(decoded[len(layout):])
@@ -348,11 +360,7 @@ def _validate(arrays: dict[str, np.ndarray], layout: list[tuple[str, int, int]],
     exactly that) makes the stored grid, and the grids make the placeholder counts. Array lengths already agree (each
     array's shape was checked against the meta)."""
     grids, types = arrays["image_grid_thw.npy"], arrays["mm_token_type_ids.npy"]
-    for k, u in enumerate(index):
-        _, h, w = layout[u]
-        if spec.grid(h, w) != tuple(int(x) for x in grids[k]):
-            raise ValueError(f"image {k} is {h}x{w} (grid {spec.grid(h, w)}), but the sample stores grid "
-                             f"{grids[k].tolist()}")
+    check_grid_sizes([layout[u][1:] for u in index], grids, patch=spec.patch_size)
     n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(grids) else 0
     if spec.grid_images and int((types == 1).sum()) != n_image_tokens:  # other families: their processor's count
         raise ValueError(f"{int((types == 1).sum())} image tokens but the grids need {n_image_tokens}")

@@ -295,17 +295,19 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
         firsts = [by_span[sp] for sp in sorted(by_span)]
     width = INDEX_DTYPE.itemsize
     stops = list(itertools.accumulate(s.num_samples * width for s in firsts))  # each span's bytes end in `keep`
-    keep = np.empty(stops[-1] // width if stops else 0, dtype=INDEX_DTYPE)
-    raw = memoryview(keep.view(np.uint8))
     with _open_listed(local, ref, rows, where) as (f, size):
         head = f.read(min(size, INDEX_HEADER_BYTES))
         try:
             offset, count = index_header(head, size, where, INDEX_DTYPE)
         except ValueError as e:
             raise DataError(f"{where}: not a sample index .npy ({e})") from None
-        if count != rows:
+        if count != rows or (stops and stops[-1] // width > count):
             raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
                             "foreign dataset; run `vlmprep verify`")
+        # Sized by the rows the file holds (its size gave `count`), never by the manifest's claim alone: a count of
+        # 10^12 samples would otherwise reserve 44 TiB before the 448-byte file is looked at.
+        keep = np.empty(stops[-1] // width if stops else 0, dtype=INDEX_DTYPE)
+        raw = memoryview(keep.view(np.uint8))
         fd, a, k = f.fileno(), 0, 0
         for z in range(1, len(firsts) + 1):  # runs of adjacent shards in one read each, straight into `keep`
             if z < len(firsts) and firsts[z].row == firsts[z - 1].row + firsts[z - 1].num_samples:
@@ -354,21 +356,24 @@ def _check_all(shards: list[ShardRef], columns: list[np.ndarray], where: str) ->
     starts, ends, tokens, trained = columns
     counts = np.fromiter((s.num_samples for s in shards), dtype=np.int64, count=len(shards))
     firsts = np.cumsum(counts) - counts
-    full = counts > 0
-    lasts = (firsts + counts - 1)[full]
-    num_bytes = np.fromiter((s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards), dtype=np.int64,
-                            count=len(shards))
-    want = np.fromiter((s.num_tokens if s.num_tokens is not None else -1 for s in shards), dtype=np.int64,
-                       count=len(shards))
-    sums = np.zeros(len(counts), dtype=np.int64)
-    sums[full] = np.add.reduceat(tokens, firsts[full])
-    ordered = starts[1:] >= ends[:-1]  # each row starts after the one before it ends...
-    inner = firsts[full]
-    ordered[inner[inner > 0] - 1] = True  # ...within its shard (a shard's first row is not compared)
-    # trained >= 0 and trained <= tokens imply tokens >= 0
-    ok = ((ends > starts).all() and ordered.all() and (starts[firsts[full]] >= 0).all()
-          and (ends[lasts] <= num_bytes[full]).all() and (trained >= 0).all() and (trained <= tokens).all()
-          and ((want < 0) | (sums == want)).all())
+    # A byte or token count past int64 or below 0 (a hostile manifest's) fits no column: the per-shard check names it.
+    ok = all(v is None or 0 <= v < 1 << 62 for s in shards for v in (s.num_bytes, s.num_tokens))
+    if ok:
+        full = counts > 0
+        lasts = (firsts + counts - 1)[full]
+        num_bytes = np.fromiter((s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards),
+                                dtype=np.int64, count=len(shards))
+        want = np.fromiter((s.num_tokens if s.num_tokens is not None else -1 for s in shards), dtype=np.int64,
+                           count=len(shards))
+        sums = np.zeros(len(counts), dtype=np.int64)
+        sums[full] = np.add.reduceat(tokens, firsts[full])
+        ordered = starts[1:] >= ends[:-1]  # each row starts after the one before it ends...
+        inner = firsts[full]
+        ordered[inner[inner > 0] - 1] = True  # ...within its shard (a shard's first row is not compared)
+        # trained >= 0 and trained <= tokens imply tokens >= 0
+        ok = ((ends > starts).all() and ordered.all() and (starts[firsts[full]] >= 0).all()
+              and (ends[lasts] <= num_bytes[full]).all() and (trained >= 0).all() and (trained <= tokens).all()
+              and ((want < 0) | (sums == want)).all())
     if not ok:
         for s, a, n in zip(shards, firsts.tolist(), counts.tolist()):
             check_rows(s, ShardIndex("", *(c[a:a + n] for c in columns)), f"{where} (rows of {s.name})")

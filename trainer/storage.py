@@ -98,23 +98,27 @@ def _fail(url: str, what: str, e: BaseException) -> StorageError:
 
 
 def read_url(url: str, limit: int) -> bytes:
-    """A whole small remote object (a manifest, a processor config): at most limit + 1 bytes, so a caller can refuse
-    one over its limit. Read as a stream that stops there whatever the server does: one that ignores Range and
-    sends on, one that never ends, one whose gzip-encoded body decodes to far more than it sent."""
-    out, pace = bytearray(), Pace(url, "read")
+    """A whole small remote object (a manifest, a processor config), refused (StorageError) past `limit` bytes. Read
+    as a stream that stops one byte past the limit whatever the server does: one that ignores Range and sends on, one
+    that never ends, one whose gzip-encoded body decodes to far more than it sent. The pieces are joined only for an
+    object within the limit: a refused one costs its limit in memory, once."""
+    chunks, got, pace = [], 0, Pace(url, "read")
     try:
         with open_url(url) as stream:
-            while len(out) <= limit:
-                chunk = stream.read(min(CHUNK, limit + 1 - len(out)))
+            while got <= limit:
+                chunk = stream.read(min(CHUNK, limit + 1 - got))
                 if not chunk:
                     break
-                out += chunk
-                pace.check(len(out))
+                chunks.append(chunk)
+                got += len(chunk)
+                pace.check(got)
     except StorageError:
         raise
     except Exception as e:  # noqa: BLE001 - each backend raises its own kinds (FileNotFoundError, ClientError, ...)
         raise _fail(url, "read", e) from None
-    return bytes(out)
+    if got > limit:
+        raise StorageError(f"{url} is more than {limit} bytes, more than a reader accepts")
+    return b"".join(chunks)
 
 
 def open_url(url: str):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import zstandard
 from PIL import Image
 
 # --- members that claim more than they hold
@@ -45,6 +46,20 @@ def npy_claiming(shape: tuple, descr: str = "<i4", data: bytes = b"\0" * 16) -> 
     header = repr({"descr": descr, "fortran_order": False, "shape": tuple(shape)}).encode() + b" "
     header += b" " * (-(len(header) + 11) % 64) + b"\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + data
+
+
+def black_pdelta(height: int, width: int) -> bytes:
+    """A legal .pdelta.zst member without a prefix: a black height x width image (its filtered rows are zeros too),
+    compressed as it streams, so a few KB that decode to 3 x height x width bytes, allocated nowhere here."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "|u1", "fortran_order": False, "shape": (height, width, 3)})
+    header, size = buf.getvalue(), 3 * height * width
+    z = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(size=len(header) + size)
+    chunk, out = bytes(1 << 24), [z.compress(header)]
+    for _ in range(size // len(chunk)):
+        out.append(z.compress(chunk))
+    out += [z.compress(bytes(size % len(chunk))), z.flush()]
+    return b"".join(out)
 
 
 def deep_json(depth: int) -> bytes:
@@ -150,11 +165,12 @@ def reseal(d: Path, shard: str = "shard-000000.tar") -> None:
     (d / "manifest.json").write_text(json.dumps(m))
 
 
-def copy_dataset(src: Path, dst: Path, *, processor: bool = True) -> Path:
-    """A dataset's manifest and shards (and its processor dir, or only the processor's small config files)."""
+def copy_dataset(src: Path, dst: Path, *, processor: bool = True, indexes: bool = False) -> Path:
+    """A dataset's manifest and shards (and its processor dir, or only the processor's small config files; with
+    `indexes` its sample index files too)."""
     dst.mkdir(parents=True)
     for p in src.iterdir():
-        if p.is_file() and (p.suffix == ".tar" or p.name == "manifest.json"):
+        if p.is_file() and (p.suffix == ".tar" or p.name == "manifest.json" or (indexes and p.name.endswith(".npy"))):
             shutil.copyfile(p, dst / p.name)
     if processor:
         shutil.copytree(src / "processor", dst / "processor")
@@ -163,6 +179,31 @@ def copy_dataset(src: Path, dst: Path, *, processor: bool = True) -> Path:
         for p in (src / "processor").glob("*processor_config.json"):
             shutil.copyfile(p, dst / "processor" / p.name)
     return dst
+
+
+def seal_indexes(d: Path, manifest: dict) -> None:
+    """The attacker's manifest for sample index files: each one it lists (and d holds) with its bytes and sha256 as
+    they now are, so only the readers' checks of the rows stand between them and the reader's memory."""
+    shards = manifest.get("shards")
+    listed = [s.get("index") for s in (shards if isinstance(shards, list) else []) if isinstance(s, dict)]
+    listed.append(manifest.get("sample_index"))
+    for entry in listed:
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str) and (d / entry["name"]).is_file():
+            data = (d / entry["name"]).read_bytes()
+            entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def patch_members(tar: Path, data: dict[str, bytes]) -> None:
+    """Members' bytes replaced in place by as many others (member name -> bytes): every offset in the tar stays, so
+    the sample index files still describe it."""
+    with tarfile.open(tar) as tf:
+        spans = {m.name: (m.offset_data, m.size) for m in tf.getmembers()}
+    with open(tar, "r+b") as f:
+        for name, b in data.items():
+            offset, size = spans[name]
+            assert len(b) == size, f"{name}: {len(b)} bytes for {size}"
+            f.seek(offset)
+            f.write(b)
 
 
 def forge(src: Path, dst: Path, edit, *, sparse: dict[str, int] | None = None, processor: bool = True) -> Path:
@@ -216,6 +257,9 @@ class Outcome:
 
 
 READERS = ("verify", "inspect", "stats", "trainer-stream", "trainer-indexed", "wds", "hf", "energon", "collator")
+# The trainer's start-up from the build's sample index files (the dataset's, or each shard's), then one read a sample:
+# only over a dataset that holds them (forge leaves them out, copy_dataset(indexes=True) keeps them).
+INDEX_READER = "trainer-rows"
 # Readers whose tar is read by another library (webdataset's, energon's own reader, stood in for by tarfile here):
 # what that library raises over a broken tar is its own error, before vlmprep is handed a sample.
 THIRD_PARTY_TAR = ("wds", "energon", "collator")
@@ -272,6 +316,22 @@ def _read(reader: str, d: Path, spec, collator) -> list:
         from trainer.data import RankStream
 
         return list(RankStream(list(resolve_data(str(d)).shards), start=0, spec=spec))
+    if reader == INDEX_READER:
+        from trainer.config import DataSpec
+        from trainer.index import read_indexed
+        from trainer.rundata import rank_sources
+        from trainer.shards import plan_shards
+
+        data = resolve_data(str(d))
+        (source,), _ = rank_sources((DataSpec(path=str(d)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
+                                    cache=d / "shard-cache")
+        out = []
+        for shard, index in zip(source.shards, source.indexes):
+            for i in range(index.num_samples):
+                key, members = read_indexed(index, i)
+                out.append(decode_sample(members, key=key, url=shard.url, spec=spec,
+                                         resize_original=OriginalResizer(spec)))
+        return out
     if reader == "trainer-indexed":
         from trainer.index import index_shard, read_indexed
 

@@ -30,7 +30,7 @@ def served(tmp_path) -> Path:
 @pytest.mark.parametrize("how", ["endless", "gzip", "no_ranges"])
 def test_a_small_remote_file_is_read_no_further_than_its_limit(served, how):
     """Endless body, a 100 MB gzip body of ~100 KB on the wire, a server that ignores Range and sends the whole
-    8 MB file: each read returns limit + 1 bytes (the caller refuses it) and the server sent little more."""
+    8 MB file: each read stops one byte past the limit and is refused, and the server sent little more."""
     with RangeServer(served) as srv:
         if how == "endless":
             srv.server.endless.add("big.json")
@@ -38,10 +38,10 @@ def test_a_small_remote_file_is_read_no_further_than_its_limit(served, how):
             srv.server.gzip["big.json"] = 100 * LIMIT
         else:
             srv.server.no_ranges = True
-        data = read_url(f"{srv.url}/big.json", LIMIT)
+        with pytest.raises(StorageError, match=rf"big.json is more than {LIMIT} bytes, more than a reader accepts"):
+            read_url(f"{srv.url}/big.json", LIMIT)
         time.sleep(0.2)
         sent = srv.server.sent
-    assert len(data) == LIMIT + 1
     if how == "endless":
         assert sent < 32 * LIMIT, sent  # socket buffers' worth past the limit, not gigabytes
 
@@ -67,7 +67,7 @@ def test_an_endless_manifest_is_one_line_in_bounded_memory(served):
                            timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line, peak_mb = r.stdout.strip().splitlines()
     assert line.endswith("manifest.json is more than 268435456 bytes, more than a reader accepts"), r.stdout + r.stderr
-    assert int(peak_mb) < 1200, peak_mb
+    assert int(peak_mb) < 900, peak_mb
 
 
 def test_a_part_from_a_server_without_range_reads_is_fetched_again(dataset, tmp_path):

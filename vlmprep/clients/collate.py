@@ -19,6 +19,7 @@ import numpy as np
 from vlmprep.families import family_of
 from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.reader import load_manifest, processor_dir
+from vlmprep_schemas.limits import grid_problem
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
@@ -77,6 +78,24 @@ class Collator:
         if len(members) != len(sample["images"]):  # no meta: the manifest's format says
             return [self.image_format == "original"] * len(sample["images"])
         return [".orig." in m for m in members]
+
+    def _check_sizes(self, samples: list[dict]) -> None:
+        """Each stored image's size against its grid row on the processor's patches (1 where the family's grid rows
+        are the size), the trainer's check, before the processor sees a pixel; source pixels (the processor resizes
+        them) are bounded by the reader's limits instead. ValueError, one line naming the sample and image."""
+        family = family_of(type(self.processor).__name__)
+        patch = 1 if family is not None and not family.grid_images else (
+            getattr(self.processor.image_processor, "patch_size", None))
+        if not isinstance(patch, int):  # a processor that names no patch size: its own grids are compared below
+            return
+        for s in samples:
+            grids = np.asarray(s["image_grid_thw"]).reshape(-1, 3)
+            for k, (image, resize) in enumerate(zip(s["images"], self._resizes(s))):
+                problem = "has no grid row" if k >= len(grids) else None if resize else grid_problem(
+                    *np.shape(image)[:2], grids[k], patch)
+                if problem:
+                    raise ValueError(f"{self.processor_dir}: sample {s.get('id', '?')}: image {k} {problem}: not the "
+                                     "processor these samples were built with, or a corrupt sample")
 
     def _family_pixels(self, samples: list[dict], rule, ids, mm) -> dict:
         """A family whose pixel inputs are not a grid's (Llama, Gemma, Mistral, InternVL, LLaVA-OneVision, SmolVLM,
@@ -165,6 +184,7 @@ class Collator:
             batch["attention_mask"][b, :n] = 1
             batch["mm_token_type_ids"][b, :n] = torch.from_numpy(np.asarray(s["mm_token_type_ids"]).astype(np.int64))
             positions[:, b, :n] = torch.from_numpy(np.asarray(s["position_ids"]).astype(np.int64))
+        self._check_sizes(samples)
         family = family_of(type(proc).__name__)
         # MRoPE models take the stored [3, B, L] ids (their get_rope_index); 1-D rope models the text row.
         batch["position_ids"] = positions if family is not None and family.positions == "mrope" else positions[0]

@@ -2,7 +2,7 @@
 iterator (member names checked against shards/format.py before anything is read; unknown members refused undecoded)
 -> StoredSample with arrays, meta, images in occurrence order and videos (frames stacked per video) in token order.
 A dataset is untrusted input: every member is checked against the meta and the format's reader limits before it is
-decoded or memory is allocated for it (json size and depth, .npy header shape and length, image header size).
+decoded or memory is allocated for it (json size and depth, .npy header shape and length, image header and grid).
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import io
 import os
 import re
 import tarfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -33,7 +34,15 @@ from vlmprep.shards.format import (
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
-from vlmprep_schemas.limits import index_bytes_limit, index_rows, load_json, load_npy, npy_header, schema_problem
+from vlmprep_schemas.limits import (
+    check_grid_sizes,
+    index_bytes_limit,
+    index_rows,
+    load_json,
+    load_npy,
+    npy_header,
+    schema_problem,
+)
 
 
 class ShardFormatError(UserError):
@@ -153,6 +162,33 @@ def pixels_of_payload(name: str, raw: bytes, size: tuple[int, int] | None) -> np
 
 
 DECODE_ERRORS = (ValueError, OSError, zstandard.ZstdError, Image.DecompressionBombError)
+# A few hundred screenshots' payloads: a .pdelta.zst chain decoded out of member order (inspect's views of a sample
+# whose occurrences list its images last to first) is decompressed once while its payloads fit.
+PAYLOAD_CACHE_BYTES = 256 << 20
+
+
+class PayloadCache:
+    """Decompressed `.pdelta.zst` payloads by member (what a later member of the chain is compressed against); the
+    least recently used dropped past `limit` bytes, the newest always kept (the next member in order needs it)."""
+
+    def __init__(self, limit: int = PAYLOAD_CACHE_BYTES):
+        self.limit = limit
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, member: str | None) -> bytes | None:
+        """The member's payload, or None where it is not cached."""
+        if member not in self._items:
+            return None
+        self._items.move_to_end(member)
+        return self._items[member]
+
+    def put(self, member: str, payload: bytes) -> None:
+        """Cache one payload, dropping the least recently used past the limit."""
+        self._bytes += len(payload) - len(self._items.pop(member, b""))
+        self._items[member] = payload
+        while self._bytes > self.limit and len(self._items) > 1:
+            self._bytes -= len(self._items.popitem(last=False)[1])
 
 
 @dataclass
@@ -168,7 +204,8 @@ class StoredSample:
     sizes: dict[str, int] = field(default_factory=dict, repr=False)  # member -> bytes, known before it is read
     unknown: tuple[str, ...] = ()  # members refused by the rule, never read (only with on_unknown="report")
     _meta: dict | None = field(default=None, repr=False)
-    _last: tuple[str | None, bytes | None] = field(default=(None, None), repr=False)  # the last .pdelta.zst payload
+    _prefixes: dict[str, str] | None = field(default=None, repr=False)
+    _payloads: PayloadCache = field(default_factory=PayloadCache, repr=False)
 
     def _fail(self, what: str) -> ShardFormatError:
         return ShardFormatError(f"{self.where}: sample {self.key}: {what}")
@@ -235,7 +272,8 @@ class StoredSample:
     def stored_sizes(self) -> dict[str, tuple[int, int] | None]:
         """Each image and frame member's (height, width) as the meta gives it (None for `orig.*`: the source, at its
         own size), checked before anything is decoded: every occurrence of a member agrees, no image exceeds the
-        image limit and all of them together stay within the sample limit."""
+        image limit and all of them together stay within the sample limit, and each is its grid row times one patch
+        size (vlmprep_schemas.limits.check_grid_sizes: a reader here has no processor to say which)."""
         meta, out = self.meta(), {}
         for name, im in zip(self.image_members(), meta["images"]):
             size = (im["height"], im["width"])
@@ -253,12 +291,19 @@ class StoredSample:
         if total > LIMITS.sample_bytes:
             raise self._fail(f"its images and frames decode to {total} bytes, more than a reader accepts "
                              f"({LIMITS.sample_bytes})")
+        try:
+            check_grid_sizes([(im["height"], im["width"]) for im in meta["images"]], self.array("image_grid_thw"))
+            if self.version >= 3:
+                check_grid_sizes([(v["height"], v["width"]) for v in meta.get("videos", ())],
+                                 self.array("video_grid_thw"), frames=True)
+        except ValueError as e:
+            raise self._fail(str(e)) from None
         return {n: None if ".orig." in n else size for n, size in out.items()}
 
     def decode(self, name: str, size: tuple[int, int] | None, data: bytes | None = None) -> np.ndarray:
         """One image or frame member (its bytes `data` when already read), its declared size checked against `size`
-        (stored_sizes) first; a `.pdelta.zst` member's prefix is decoded first (in member order, the one before
-        is cached)."""
+        (stored_sizes) first; a `.pdelta.zst` member's prefixes are decoded first (_payload). Any order works; member
+        order decompresses each member once with one payload cached."""
         try:
             data = self.read(name) if data is None else data
             if not name.endswith(PDELTA):
@@ -269,16 +314,21 @@ class StoredSample:
                              ) from None
 
     def _payload(self, name: str, size: tuple[int, int] | None, data: bytes) -> bytes:
-        """A `.pdelta.zst` member's decompressed payload: the chain of prefixes it depends on decompressed from its
-        first member (or the cached one) on; each is the previous image, so the chain only goes back."""
+        """A `.pdelta.zst` member's decompressed payload: the chain of prefixes it depends on (each the previous
+        image, so the chain only goes back) decompressed from the nearest cached one (or its first member) on, each
+        payload cached by member (PayloadCache): one decompression a member in member order, and in any order while
+        the chain's payloads fit the cache."""
+        cached = self._payloads.get(name)
+        if cached is not None:
+            return cached
         prefixes = self.prefixes()
         chain = [name]
-        while chain[-1] in prefixes and self._last[0] != prefixes[chain[-1]]:
+        while chain[-1] in prefixes and self._payloads.get(prefixes[chain[-1]]) is None:
             chain.append(prefixes[chain[-1]])
-        payload = self._last[1] if chain[-1] in prefixes else None
+        payload = self._payloads.get(prefixes.get(chain[-1]))
         for member in reversed(chain):
             payload = zstd_payload(member, data if member == name else self.read(member), size, payload)
-        self._last = (name, payload)
+            self._payloads.put(member, payload)
         return payload
 
     def prefixes(self) -> dict[str, str]:
@@ -286,21 +336,21 @@ class StoredSample:
         (vlmprep_schemas.delta.pdelta_prefixes)."""
         if self.version < 4:
             return {}
-        try:
-            return pdelta_prefixes(self.meta()["images"], self.names)
-        except ValueError as e:
-            raise self._fail(str(e)) from None
+        if self._prefixes is None:  # once: every .pdelta.zst member's decode asks
+            try:
+                self._prefixes = pdelta_prefixes(self.meta()["images"], self.names)
+            except ValueError as e:
+                raise self._fail(str(e)) from None
+        return self._prefixes
 
     def images(self) -> list[np.ndarray]:
-        """Decoded images per occurrence (uint8 H x W x 3); a repeated image is decoded once and shared."""
+        """Decoded images per occurrence (uint8 H x W x 3); a repeated image is decoded once and shared. Members
+        decode in member order whatever order the occurrences list them in: each `.pdelta.zst` member's prefix (the
+        one before it) is then the payload just cached."""
         sizes = self.stored_sizes()
-        cache: dict[str, np.ndarray] = {}
-        out = []
-        for name in self.image_members():
-            if name not in cache:
-                cache[name] = self.decode(name, sizes[name])
-            out.append(cache[name])
-        return out
+        members = self.image_members()
+        decoded = {name: self.decode(name, sizes[name]) for name in sorted(set(members))}
+        return [decoded[name] for name in members]
 
     def video_members(self) -> list[list[str]]:
         """Per video (vidVVV, VVV = its video_grid_thw row, token order) its frame members vidVVV.FFFF.* in frame

@@ -29,6 +29,8 @@ from vlmprep.shards.reader import (
 )
 from vlmprep.tools.per_shard import map_shards
 from vlmprep_schemas import NAMES, load
+from vlmprep_schemas.boundary import UnsafeDataset, processor_files
+from vlmprep_schemas.limits import grid_problem
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
     problem = _schema_error(schema_validator("manifest.schema.json"), manifest)
     if problem:
         return [Violation(MANIFEST_NAME, f"schema: {problem}")]
+    try:  # the vocabulary too (a reader of shards skips it): a file no tokenizer could load is not a valid dataset
+        processor_files(processor_dir(root, manifest))
+    except (ShardFormatError, UnsafeDataset) as e:
+        return [Violation(MANIFEST_NAME, str(e))]
 
     out: list[Violation] = []
     listed = {s["name"] for s in manifest["shards"]}
@@ -290,16 +296,20 @@ class _SampleCheck:
             sizes = s.stored_sizes()
         except ShardFormatError as e:
             return out + [Violation(where, str(e).split(": ", 2)[-1])]
+        found: dict[int, str] = {}
+        occurrences: dict[str, list[int]] = {}  # member -> its occurrences whose size the grid makes
         for k, (name, g, im) in enumerate(zip(members, grid, meta["images"])):
-            if (im["height"], im["width"]) != (g[1] * self.patch, g[2] * self.patch):
-                out.append(Violation(where, f"image {k}: {im['width']}x{im['height']} does not match grid "
-                                            f"{g.tolist()}"))
-                continue  # not decoded: the meta's size is what bounds the decode
+            problem = grid_problem(im["height"], im["width"], g, self.patch)
+            if problem:  # not decoded: the meta's size is what bounds the decode
+                found[k] = f"image {k} {problem}"
+            else:
+                occurrences.setdefault(name, []).append(k)
+        for name in sorted(occurrences):  # member order: a .pdelta.zst member's prefix is the one just decoded
             try:
                 s.decode(name, sizes[name])
             except ShardFormatError as e:
-                out.append(Violation(where, f"image {k}: undecodable ({str(e).split(': ', 2)[-1]})"))
-        return out
+                found.update({k: f"image {k}: undecodable ({str(e).split(': ', 2)[-1]})" for k in occurrences[name]})
+        return out + [Violation(where, found[k]) for k in sorted(found)]
 
 
 def _verify_shard(path: Path, info: dict, check: _SampleCheck,
