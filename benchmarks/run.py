@@ -1,5 +1,6 @@
 """`make bench`: every benchmark in data-flow order, one JSON line per measurement on stdout.
-build -> stages (the record path's stages, each beside its floor) -> startup (worker ready, first record, 1 vs 2
+build -> tables (Parquet vs .jsonl.zst ingest of the same records) ->
+stages (the record path's stages, each beside its floor) -> startup (worker ready, first record, 1 vs 2
 workers) -> limits (floors, incl. tar read speed of a real shard) -> codec (stored image bytes vs source and one
 core's decode rate, per image format) -> loader (vs online, as a multiple of the floor; integrity: the start-up
 sha256 check vs a loader pass) -> families (the loader of each family vs its processor's online path, and the
@@ -29,14 +30,15 @@ from benchmarks import (
     bench_scale,
     bench_stages,
     bench_startup,
+    bench_tables,
     bench_traces,
     bench_video,
 )
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "stages", "startup", "limits", "codec", "loader", "families", "collate", "clients", "balance",
-           "pack", "order", "traces", "scale", "video", "growth")
+BENCHES = ("build", "tables", "stages", "startup", "limits", "codec", "loader", "families", "collate", "clients",
+           "balance", "pack", "order", "traces", "scale", "video", "growth")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if "build" in only:
         bench_build.run(a.quick, a.records)
+    if "tables" in only:
+        bench_tables.run(a.quick)
     if "stages" in only:
         bench_stages.run(a.quick)
     if "startup" in only:

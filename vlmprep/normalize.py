@@ -368,6 +368,11 @@ class _ImageContext:
     def fetch(self, ref, where: str, kind: str = "image") -> ImageData:
         """An image's (or, kind="video", a video file's) bytes. Videos are local or data URIs only: never fetched
         remotely, whatever --allow-remote says (a video is too large to fetch per record)."""
+        if isinstance(ref, (bytes, bytearray)):  # a table's image cell (tables.py): the bytes themselves
+            if len(ref) > self.max_bytes[kind]:
+                raise RecordError(f"{kind}_file_too_large", f"{where}: {kind} of {len(ref)} bytes > "
+                                                            f"--max-{kind}-bytes {self.max_bytes[kind]}")
+            return ImageData(data=bytes(ref), origin="table cell")
         if not isinstance(ref, str) or not ref.strip():
             raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} reference must be a non-empty string")
         ref = ref.strip()

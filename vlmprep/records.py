@@ -1,5 +1,6 @@
-"""Ingest: input paths/globs -> a stream of RawRecord (one per line), in stable input order.
-Streams .jsonl and .jsonl.zst in constant memory (never decompresses to disk); .json arrays load whole.
+"""Ingest: input paths/globs -> a stream of RawRecord (one per line or table row), in stable input order.
+Streams .jsonl and .jsonl.zst in constant memory (never decompresses to disk); .json arrays load whole; Parquet and
+Arrow tables by row group (tables.py).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Iterator
 import zstandard
 
 from vlmprep.config import default
+from vlmprep.tables import TABLE_SUFFIXES, is_table, iter_table_records, table_record
 from vlmprep.types import RawRecord, RecordError, Source, UserError
 
-SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd")
+SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd") + TABLE_SUFFIXES
 
 
 class InputError(UserError):
@@ -31,7 +33,8 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Path]:
     for pat in patterns:
         p = Path(pat)
         if p.is_dir():
-            matched = sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES))
+            matched = sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES)
+                             and not _hf_metadata(q))
         elif any(ch in pat for ch in "*?["):
             matched = sorted(Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file())
         elif p.is_file():
@@ -42,11 +45,20 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Path]:
             raise InputError(f"no input files matched: {pat}")
         for m in matched:
             if not m.name.endswith(SUFFIXES):
-                raise InputError(f"unsupported input file type: {m} (expected .jsonl, .jsonl.zst or .json)")
+                raise InputError(f"unsupported input file type: {m} (expected .jsonl, .jsonl.zst, .json, .parquet or "
+                                 ".arrow)")
             if m not in seen:
                 seen.add(m)
                 files.append(m)
     return files
+
+
+# The JSON beside the Arrow files of a `datasets` save_to_disk dir (a Dataset's, or each split's of a DatasetDict).
+_HF_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
+
+
+def _hf_metadata(q: Path) -> bool:
+    return q.name in _HF_METADATA and any((q.parent / n).is_file() for n in ("state.json", "dataset_dict.json"))
 
 
 _CHUNK = 1 << 20
@@ -153,12 +165,17 @@ def _open_lines(path: Path, max_window_size: int, seek: Seek = Seek(),
 
 def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = default("max_line_bytes"),
                       max_zstd_window: int = default("max_zstd_window"), seek: Seek = Seek(),
-                      frames: list | None = None, input_name: str = "") -> Iterator[RawRecord]:
-    """Yield one RawRecord per non-blank line, from `seek` on; a file-level fault becomes a final record carrying
-    the error, after every line read before it. `frames`, when given, collects the zstd frame starts seen (the
-    plan's seek points); `input_name` is the input's name for generated ids (see input_names)."""
+                      frames: list | None = None, input_name: str = "", scan: bool = False) -> Iterator[RawRecord]:
+    """Yield one RawRecord per non-blank line (table row), from `seek` on; a file-level fault becomes a final record
+    carrying the error, after every line read before it. `frames`, when given, collects the zstd frame starts seen
+    (the plan's seek points); `input_name` is the input's name for generated ids (see input_names); `scan`: the
+    plan's pass, where a table's rows need no data."""
     name = str(path)
     pos = start_position
+    if is_table(path):
+        yield from iter_table_records(path, start_position=pos, first_row=seek.offset, input_name=input_name,
+                                      scan=scan)
+        return
     if path.name.endswith(".json"):
         try:
             with open(path, "rb") as f:
@@ -297,7 +314,7 @@ def parse_record(raw: RawRecord) -> dict:
         if _SURROGATE_ESCAPE.search(raw.text):
             _check_unicode(data)
     else:
-        data = raw.data
+        data = table_record(raw.data) if raw.row else raw.data
         _check_unicode(data)
     if not isinstance(data, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(data).__name__}, expected an object")

@@ -55,7 +55,7 @@ class Source:
     """Where a record came from: its file, its line (or array index), and the input name its generated id uses."""
 
     file: str
-    line: int  # 1-based line (jsonl) or 1-based array index (json)
+    line: int  # 1-based line (jsonl), array index (json) or row (a Parquet / Arrow table)
     input_name: str = ""  # the file's path relative to the inputs' common parent: the stem of generated ids
 
 
@@ -71,6 +71,7 @@ class RawRecord:
     offset: int = 0  # where the line starts in the (decompressed) file, .json: item index; a task plan cuts here
     size: int = 0  # its bytes: the plan balances tasks by them
     unread_bytes: int = 0  # a file-level fault: the input bytes from the fault on, which no record was read from
+    row: bool = False  # `data` is a table row (tables.py): its layout is converted when parsed, in the worker
 
 
 @dataclass(frozen=True)

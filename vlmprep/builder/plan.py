@@ -43,7 +43,7 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
         frames: list[tuple[int, int]] = []
         first = position
         for raw in iter_file_records(path, start_position=position, max_line_bytes=max_line_bytes,
-                                     max_zstd_window=max_zstd_window, frames=frames, input_name=name):
+                                     max_zstd_window=max_zstd_window, frames=frames, input_name=name, scan=True):
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1

@@ -1,0 +1,195 @@
+"""Ingest of tables: Parquet files and Arrow IPC files (HF datasets' `save_to_disk` and cache files) -> one RawRecord
+per row, read by row group / record batch in bounded memory; and each row's layout -> the record shape normalize.py
+reads. The layouts of the Hub's VLM SFT data: OpenAI `messages` (nested structs, or a JSON string), TRL's `messages`
+with `{"type": "image"}` placeholders + an `images` column, ShareGPT / LLaMA-Factory (`conversations` or `messages`
+with `<image>` markers + `images` or `image`) and the_cauldron's `images` + `texts`. Image cells: the HF `Image`
+feature's `{bytes, path}` struct, raw bytes, or a path (read under --image-root like any path).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from vlmprep.types import RawRecord, RecordError, Source
+
+TABLE_SUFFIXES = (".parquet", ".arrow")
+BATCH_ROWS = 64  # at most this many rows are decoded and converted to Python at once,
+BATCH_BYTES = 32 << 20  # and fewer where their bytes would pass this: a row group of large images never lands whole
+READ_BUFFER = 1 << 20  # Parquet pages are read through a buffer of this size, not a whole column chunk first
+
+
+def is_table(path: Path) -> bool:
+    """A Parquet or Arrow IPC input, by its name."""
+    return path.name.endswith(TABLE_SUFFIXES)
+
+
+def _batches(path: Path, first_row: int):
+    """(row index of the batch's first row, record batch of <= BATCH_ROWS rows), from the batch holding `first_row`
+    on. Parquet: from its row group; Arrow IPC file format by batch index, stream format (what `save_to_disk` writes)
+    read through from the start."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.name.endswith(".parquet"):
+        pf = pq.ParquetFile(path, buffer_size=READ_BUFFER, pre_buffer=False)
+        meta = [pf.metadata.row_group(g) for g in range(pf.metadata.num_row_groups)]
+        widest = max((m.total_byte_size / max(m.num_rows, 1) for m in meta), default=1.0)  # bytes a row, decoded
+        rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(widest, 1.0))))
+        start, groups = 0, []
+        for g, m in enumerate(meta):
+            n = m.num_rows
+            if start + n > first_row:
+                groups.append(g)
+            if not groups:
+                start += n
+        if groups:
+            yield from _sliced(start, pf.iter_batches(batch_size=rows, row_groups=groups, use_threads=False))
+        return
+    source = pa.memory_map(str(path), "r")  # mapped: a batch's pages are read as its rows are converted
+    try:
+        reader = pa.ipc.open_file(source)
+    except pa.ArrowInvalid:  # not the file format: the stream format
+        source.seek(0)
+        yield from _sliced(0, pa.ipc.open_stream(source))
+        return
+    yield from _sliced(0, (reader.get_batch(i) for i in range(reader.num_record_batches)))
+
+
+def _sliced(start: int, batches) -> Iterator:
+    """Each batch in slices of BATCH_ROWS rows, fewer where that many would pass BATCH_BYTES."""
+    for batch in batches:
+        rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES * batch.num_rows // max(batch.nbytes, 1))))
+        for i in range(0, batch.num_rows, rows):
+            yield start + i, batch.slice(i, rows)
+        start += batch.num_rows
+
+
+def iter_table_records(path: Path, *, start_position: int = 0, first_row: int = 0, input_name: str = "",
+                       scan: bool = False) -> Iterator[RawRecord]:
+    """One RawRecord per row from `first_row` on (its data the row as a dict, `row` set: table_record converts it in
+    the worker); a file that cannot be read, or fails mid-way, ends in a record carrying the error, after every row
+    read before it. `scan`: rows without their data (the task plan's pass: positions and sizes only)."""
+    import pyarrow as pa
+
+    name, pos, row = str(path), start_position, first_row
+    try:
+        for at, batch in _batches(path, first_row):
+            per_row = max(batch.nbytes // max(batch.num_rows, 1), 1)
+            skip = max(first_row - at, 0)
+            rows = [None] * (batch.num_rows - skip) if scan else batch.slice(skip).to_pylist()
+            for data in rows:
+                row += 1
+                yield RawRecord(Source(name, row, input_name), pos, data=data, offset=row - 1, size=per_row,
+                                row=True)
+                pos += 1
+    except (OSError, pa.ArrowException) as e:
+        what = f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'Arrow IPC'} file ({e})" \
+            if row == first_row == 0 else f"{name}: {e} after row {row}; the rows before it were kept"
+        yield RawRecord(Source(name, row + 1, input_name), pos, error=RecordError("unreadable_table", what[:600]),
+                        offset=row, unread_bytes=_size(path) if row == 0 else 0)
+        return
+    if pos == start_position and first_row == 0:
+        yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no rows"))
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+# --- a row's layout -> the record normalize reads ---
+
+def table_record(row: dict) -> dict:
+    """A table row -> an OpenAI or ShareGPT record (normalize_record's input), image cells as bytes or paths. A row
+    that fits no layout is a RecordError (unknown_layout) naming the columns found."""
+    columns = sorted(row)
+    row = {k: v for k, v in row.items() if v is not None}  # a null cell: the column is absent from this row
+    if isinstance(row.get("messages"), str):
+        try:
+            row["messages"] = json.loads(row["messages"])
+        except ValueError as e:
+            raise RecordError("invalid_json", f"messages: a JSON string column that is not valid JSON: {e}") from None
+    for key in ("tools",):  # tool specs are often stored as a JSON string column: their schemas differ per row
+        if isinstance(row.get(key), str):
+            try:
+                row[key] = json.loads(row[key])
+            except ValueError as e:
+                raise RecordError("invalid_tools", f"{key}: a JSON string column that is not valid JSON: {e}") \
+                    from None
+    if "image" in row and "images" not in row:  # LLaVA-style: one image per row
+        row["images"] = [row.pop("image")]
+    if isinstance(row.get("images"), list):
+        row["images"] = [_image_cell(c, f"images[{i}]") for i, c in enumerate(row["images"])]
+    if isinstance(row.get("messages"), list) and isinstance(row.get("images"), list) and _placeholders(row):
+        return _trl(row)
+    if "messages" in row or "conversations" in row:
+        return row
+    if isinstance(row.get("texts"), list):
+        return _cauldron(row)
+    nulls = [c for c in columns if c not in row]
+    found = ", ".join(sorted(row)[:12]) or "none"
+    raise RecordError("unknown_layout", f"a row with columns {found}" + (f" (null: {', '.join(nulls[:12])})" if nulls
+                                                                          else "")
+                      + ": none of the layouts vlmprep reads (messages; conversations; messages + images; texts + "
+                        "images)")
+
+
+def _image_cell(cell, where: str):
+    """The HF Image feature's {bytes, path} struct -> its bytes (else its path); raw bytes and paths as they are."""
+    if isinstance(cell, dict):
+        if cell.get("bytes") is not None:
+            return cell["bytes"]
+        if cell.get("path") is not None:
+            return cell["path"]
+        raise RecordError("invalid_image_ref", f"{where}: an image cell with neither bytes nor a path")
+    return cell
+
+
+def _is_placeholder(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image" and all(
+        part.get(k) is None for k in ("image", "url", "path", "source", "image_url"))
+
+
+def _placeholders(row: dict) -> bool:
+    return any(_is_placeholder(p) for m in row["messages"] if isinstance(m, dict)
+               for p in (m.get("content") if isinstance(m.get("content"), list) else []))
+
+
+def _trl(row: dict) -> dict:
+    """TRL's vision layout: each {"type": "image"} part, in message order, takes the next cell of `images`."""
+    images = list(row.pop("images"))
+    n = len(images)
+    messages = []
+    for m in row["messages"]:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            content = []
+            for p in m["content"]:
+                if _is_placeholder(p):
+                    if not images:
+                        raise RecordError("image_count_mismatch", f"more image placeholders than the {n} images of "
+                                                                  "the row's 'images'")
+                    p = {"type": "image", "image": images.pop(0)}
+                content.append(p)
+            m = {**m, "content": content}
+        messages.append(m)
+    if images:
+        raise RecordError("image_count_mismatch", f"'images' holds {n} images but the messages have only "
+                                                  f"{n - len(images)} image placeholders")
+    return {**row, "messages": messages}
+
+
+def _cauldron(row: dict) -> dict:
+    """the_cauldron: `images` go with the first user turn, then each `texts` entry is a user / assistant pair."""
+    images = row.get("images") or []
+    messages = []
+    for i, t in enumerate(row["texts"]):
+        if not isinstance(t, dict) or not isinstance(t.get("user"), str) or not isinstance(t.get("assistant"), str):
+            raise RecordError("unknown_layout", f"texts[{i}]: expected an object with 'user' and 'assistant' strings")
+        parts = [{"type": "image", "image": im} for im in images] if i == 0 else []
+        messages.append({"role": "user", "content": parts + [{"type": "text", "text": t["user"]}]})
+        messages.append({"role": "assistant", "content": t["assistant"]})
+    return {k: v for k, v in row.items() if k not in ("images", "texts")} | {"messages": messages}
