@@ -237,6 +237,12 @@ def stats(
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
     html: Annotated[Optional[str], typer.Option(
         help="Also write a self-contained HTML report with histograms to this file.")] = None,
+    samples: Annotated[Optional[str], typer.Option(
+        help="Also write one Parquet row per sample to this file (id, source, shard, tokens, trained tokens, images, "
+             "image tokens, truncated, split part): for pandas, DuckDB, Polars.")] = None,
+    rejects: Annotated[Optional[str], typer.Option(
+        help="Also write one Parquet row per line of rejects.jsonl to this file (id, source, reason, message).")]
+    = None,
     workers: Annotated[Optional[int], typer.Option(
         min=1, show_default="the CPUs this process may use",
         help="Processes that read shards at once; the numbers are the same for any value.")] = None,
@@ -253,18 +259,29 @@ def stats(
 
     root = Path(_local_dir(root, "stats"))
 
+    rows: dict[str, list] | None = {} if samples else None
+    written = []
     try:
         with shard_progress("stats") as progress:
-            st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress)
+            st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress,
+                               sample_rows=rows)
         if html:
             from vlmprep.tools.stats_report import write_stats_report
 
             write_stats_report(Path(html), st)
+            written.append(f"wrote {html}")
+        if samples or rejects:
+            from vlmprep.tools.stats_tables import write_reject_table, write_sample_table
+
+            if samples:
+                written.append(f"wrote {samples} ({write_sample_table(rows, Path(samples))} samples)")
+            if rejects:
+                written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects))} rejects)")
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     typer.echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st))
-    if html:
-        typer.echo(f"wrote {html}", err=json_out)
+    for line in written:
+        typer.echo(line, err=json_out)
 
 
 def main() -> None:

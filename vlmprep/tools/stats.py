@@ -72,11 +72,18 @@ def _image_runs(types: np.ndarray) -> list[int]:
     return (ends - starts).tolist()
 
 
-class _Scan:
-    """What one pass over the shards collects: per-sample and per-image values, and per-input-file sample counts."""
+# `vlmprep stats --samples FILE`: one row per sample (tools/tables_out.py writes them as Parquet).
+SAMPLE_COLUMNS = ("id", "source_file", "source_line", "shard", "shard_index", "tokens", "trained_tokens", "images",
+                  "image_tokens", "videos", "truncated", "split_part", "dropped_images")
 
-    def __init__(self, image_limit: int):
+
+class _Scan:
+    """What one pass over the shards collects: per-sample and per-image values, and per-input-file sample counts;
+    with `rows`, each sample's row of SAMPLE_COLUMNS."""
+
+    def __init__(self, image_limit: int, rows: bool = False):
         self.image_limit = image_limit
+        self.rows: dict[str, list] | None = {c: [] for c in SAMPLE_COLUMNS} if rows else None
         self.tokens, self.trained, self.image_tokens, self.images = [], [], [], []
         self.truncated = self.dropped = self.split = 0
         self.videos = self.video_frames = self.video_tokens = self.dropped_videos = 0
@@ -94,6 +101,9 @@ class _Scan:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.sizes.update(other.sizes)
         self.sizes_are_source = self.sizes_are_source and other.sizes_are_source
+        if self.rows is not None and other.rows is not None:
+            for c in SAMPLE_COLUMNS:
+                self.rows[c].extend(other.rows[c])
         for source, counts in other.by_file.items():
             self.by_file[source].update(counts)
 
@@ -113,6 +123,17 @@ class _Scan:
         self.dropped += int(meta.get("dropped_images", 0))
         source = str((meta.get("source") or {}).get("file"))
         self.by_file[source].update(samples=1, tokens=len(mask))
+        if self.rows is not None:
+            r, src = self.rows, meta.get("source") or {}
+            first = not r["shard"] or r["shard"][-1] != ts.where  # a scan's samples come shard by shard, in tar order
+            values = {"id": meta.get("id"), "source_file": source, "source_line": src.get("line"), "shard": ts.where,
+                      "shard_index": 0 if first else r["shard_index"][-1] + 1, "tokens": len(mask),
+                      "trained_tokens": self.trained[-1], "images": self.images[-1],
+                      "image_tokens": self.image_tokens[-1], "videos": int(meta.get("num_videos", 0)),
+                      "truncated": bool(meta.get("truncated")), "split_part": meta.get("split"),
+                      "dropped_images": int(meta.get("dropped_images", 0))}
+            for c in SAMPLE_COLUMNS:
+                r[c].append(values[c])
         entries = meta.get("images") or []
         spans = [im.get("span") for im in entries]
         runs = [b - a for a, b in spans] if spans and None not in spans else _image_runs(types)  # older: marked runs
@@ -128,22 +149,24 @@ class _Scan:
                                    "pixels_per_token": int(im["width"]) * int(im["height"]) / runs[k]})
 
 
-def _scan_shard(job: tuple[list[Path], int, int], k: int) -> _Scan:
-    """The k-th shard's scan (job: the shard paths, the format version, the image token limit)."""
-    paths, version, image_limit = job
-    scan = _Scan(image_limit)
+def _scan_shard(job: tuple[list[Path], int, int, bool], k: int) -> _Scan:
+    """The k-th shard's scan (job: the shard paths, the format version, the image token limit, whether rows)."""
+    paths, version, image_limit, rows = job
+    scan = _Scan(image_limit, rows)
     for ts in iter_shard(paths[k], version=version):
         scan.add(ts)
     return scan
 
 
-def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int], None] | None = None) -> dict:
+def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int], None] | None = None,
+                  sample_rows: dict[str, list] | None = None) -> dict:
     """A built dataset dir -> its statistics as a dict (what `vlmprep stats` prints and --json writes): counts of
     records, samples, tokens, trained tokens, images and videos, their distributions and histograms, image sizes,
     truncation and what it dropped, rejects, turn coverage, and warnings where the manifest and the shards disagree
     or images take most of the sequence. Reads every shard once (the manifest alone cannot say how tokens are
     distributed); `workers` > 1: in that many processes (tools/per_shard.py), each shard's scan merged in manifest
-    order, so the result is the same for any value. `on_shard(done, total)`: called as each shard is done."""
+    order, so the result is the same for any value. `on_shard(done, total)`: called as each shard is done.
+    `sample_rows`: a dict filled with each sample's row, column by column (SAMPLE_COLUMNS), in manifest order."""
     root = Path(root)
     manifest = load_manifest(root)
     config = manifest.get("config") or {}
@@ -151,9 +174,10 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
     # The dataset's own threshold (the build's --min-turn-coverage); a value that is not a share gives the default.
     floor = config.get("min_turn_coverage")
     floor = float(floor) if isinstance(floor, (int, float)) and 0 <= floor <= 1 else MIN_TURN_COVERAGE
-    scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN)
+    scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN, sample_rows is not None)
     paths = shard_paths(root, manifest)
-    for part in map_shards(_scan_shard, (paths, manifest["format_version"], scan.image_limit), len(paths),
+    for part in map_shards(_scan_shard, (paths, manifest["format_version"], scan.image_limit, scan.rows is not None),
+                           len(paths),
                            workers=workers, command="stats", on_shard=on_shard):
         scan.merge(part)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
@@ -201,6 +225,8 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
     st["inputs"] = _inputs(manifest, reject_lines)
     st["mismatches"] = _mismatches(manifest, st, reject_lines, scan.by_file)
     st["warnings"] = data_warnings(st)
+    if sample_rows is not None:
+        sample_rows.update(scan.rows)
     return st
 
 

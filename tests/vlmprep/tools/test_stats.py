@@ -475,14 +475,46 @@ def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
     # the merge of per-shard scans is the one scan of every shard: each field, not only what the report shows
     manifest = load_manifest(built)
     paths, limit = shard_paths(built, manifest), 8  # a low limit: every image is "large", so that list is filled
-    one, merged = _Scan(limit), _Scan(limit)
+    one, merged = _Scan(limit, rows=True), _Scan(limit, rows=True)  # the sample rows (--samples) too
     for k in range(n):
-        part = _scan_shard((paths, manifest["format_version"], limit), k)
+        part = _scan_shard((paths, manifest["format_version"], limit, True), k)
         merged.merge(part)
     for p in paths:
         for ts in iter_shard(p, version=manifest["format_version"]):
             one.add(ts)
-    assert one.large and one.by_file and one.sizes
+    assert one.large and one.by_file and one.sizes and len(one.rows["id"]) == runs[1]["samples"]
     assert vars(one) == vars(merged)
     cli = [CliRunner().invoke(app, ["stats", str(built), "--json", "--workers", w]) for w in ("1", "2")]
     assert cli[0].exit_code == cli[1].exit_code == 0 and cli[0].stdout == cli[1].stdout
+
+
+def test_samples_and_rejects_tables_load_in_pandas_and_add_up_to_the_manifest(built, tmp_path):
+    """`stats --samples / --rejects`: one Parquet row per sample and per reject, read back with pandas; counts and
+    sums equal the manifest's and the tars' own (recompute), rows in manifest order; the same bytes for any --workers."""
+    pd = pytest.importorskip("pandas")
+    manifest = json.loads((built / "manifest.json").read_text())
+    tables = {}
+    for w in (1, 2):
+        s, r = tmp_path / f"samples-{w}.parquet", tmp_path / f"rejects-{w}.parquet"
+        res = CliRunner().invoke(app, ["stats", str(built), "--samples", str(s), "--rejects", str(r),
+                                       "--workers", str(w)])
+        assert res.exit_code == 0, res.output
+        assert f"wrote {s} ({manifest['totals']['samples']} samples)" in res.output
+        tables[w] = s.read_bytes(), r.read_bytes()
+    assert tables[1] == tables[2]
+    samples = pd.read_parquet(tmp_path / "samples-1.parquet")
+    rejects = pd.read_parquet(tmp_path / "rejects-1.parquet")
+    t = manifest["totals"]
+    assert len(samples) == t["samples"] and int(samples["tokens"].sum()) == t["tokens"]
+    assert int(samples["trained_tokens"].sum()) == t["trainable_tokens"]
+    assert int(samples["images"].sum()) == t["images"] and int(samples["truncated"].sum()) == t["truncated_samples"]
+    per, truncated, _, by_reason = recompute(built)
+    assert samples["tokens"].tolist() == per["tokens"].tolist() and samples["trained_tokens"].tolist() == per[
+        "trained"].tolist() and int(samples["truncated"].sum()) == truncated
+    shards = [s["name"] for s in manifest["shards"]]
+    assert samples["shard"].tolist() == [n for n, s in zip(shards, manifest["shards"]) for _ in range(s["num_samples"])]
+    assert samples.groupby("shard")["shard_index"].apply(list).tolist() == [
+        list(range(s["num_samples"])) for s in manifest["shards"]]
+    assert rejects["reason"].value_counts().to_dict() == manifest["rejects"] == by_reason
+    assert set(rejects["source_file"]) == {str(built.parent / "bad.jsonl")} and rejects["source_line"].tolist() == [
+        1, 2, 3]
