@@ -107,10 +107,11 @@ def build(**opts) -> None:
     show_progress = opts["progress"] and sys.stderr.isatty()
     try:
         if inputs:  # before the heavy imports (torch, transformers): the first second says what is happening
+            from vlmprep.locations import size_of
             from vlmprep.records import expand_inputs
 
             files = expand_inputs(inputs)
-            size = sum(f.stat().st_size for f in files)
+            size = sum(map(size_of, files))
             typer.echo(f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
                        f"{opts['processor']} into {out} ...", err=True)
         from vlmprep.builder.pipeline import build as run_build

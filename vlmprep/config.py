@@ -93,8 +93,9 @@ class BuildConfig:
 
     # Declared in `vlmprep build --help` order; the manifest's config is key-sorted, so the order never shows there.
     out: str = opt(REQUIRED, OUTPUT, "Output dataset dir (shards, manifest, processor).", cli_type=Path)
-    inputs: tuple[str, ...] = opt(REQUIRED, INPUT, "Input .jsonl / .jsonl.zst / .json files, globs or dirs (optional "
-                                  "with --task-index when DIR/plan.json exists).", flag="--in", cli_type=list[str])
+    inputs: tuple[str, ...] = opt(REQUIRED, INPUT, "Input .jsonl / .jsonl.zst / .json / .parquet / .arrow files, globs "
+                                  "or dirs, local or s3:// gs:// hf:// https:// URLs (optional with --task-index when "
+                                  "DIR/plan.json exists).", flag="--in", cli_type=list[str])
     image_root: str | None = opt(None, INPUT, "Local image paths must resolve inside this dir (default: each input "
                                  "file's dir).")
     allow_remote: bool = opt(False, INPUT, "Allow fetching http(s) image URLs.")

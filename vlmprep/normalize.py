@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from vlmprep.config import default
+from vlmprep.locations import is_url
 from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
@@ -56,8 +57,11 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     if not isinstance(raw_messages, list) or not raw_messages:
         raise RecordError("missing_messages", "'messages' must be a non-empty list")
 
-    base_dir = os.path.dirname(os.path.abspath(source.file))
-    root = os.path.realpath(opts.image_root or base_dir)
+    # An input in a store has no local dir: its images come inline (data URIs, table cells), by URL, or as absolute
+    # paths under an --image-root given for them.
+    remote = is_url(source.file)
+    base_dir = None if remote else os.path.dirname(os.path.abspath(source.file))
+    root = os.path.realpath(opts.image_root) if opts.image_root else None if remote else os.path.realpath(base_dir)
     marker_images, marker_videos = data.get("images"), data.get("videos")
     if marker_images is not None and not isinstance(marker_images, list):
         raise RecordError("invalid_images_field", "'images' must be a list of paths or URLs")
@@ -358,8 +362,8 @@ def _normalize_tool_call(tc, where: str) -> ToolCall:
 
 @dataclass(frozen=True)
 class _ImageContext:
-    base_dir: str
-    root: str
+    base_dir: str | None  # None: an input read from a store
+    root: str | None
     allow_remote: bool
     max_bytes: dict[str, int]  # "image" / "video" -> the most bytes a file of that kind may have (it is read whole)
     markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
@@ -396,6 +400,10 @@ class _ImageContext:
             raise RecordError(f"unsupported_{kind}_url", f"{where}: unsupported URL scheme in {ref[:80]}")
         if "\x00" in ref:
             raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} path holds a NUL character")
+        if self.root is None or (self.base_dir is None and not os.path.isabs(ref)):
+            raise RecordError("path_outside_root", f"{where}: {kind} path {ref[:120]} in an input read from a store: "
+                                                   "a store's input names local files only by absolute paths under "
+                                                   "--image-root (or carries them inline)")
         path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
         real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
         if os.path.commonpath([real, self.root]) != self.root:

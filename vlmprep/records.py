@@ -16,6 +16,7 @@ from typing import Iterator
 import zstandard
 
 from vlmprep.config import default
+from vlmprep.locations import Input, LocationError, RemoteFile, expand_url, is_url, open_input, size_of
 from vlmprep.tables import TABLE_SUFFIXES, is_table, iter_table_records, table_record
 from vlmprep.types import RawRecord, RecordError, Source, UserError
 
@@ -26,13 +27,19 @@ class InputError(UserError):
     """A user-level fault with the inputs themselves (missing file, nothing matched): one clear line."""
 
 
-def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Path]:
-    """Resolve paths, globs and directories into a sorted, de-duplicated file list (order = output order)."""
-    files: list[Path] = []
-    seen: set[Path] = set()  # not `in files`: that is quadratic in the file count (minutes at 10^4 files)
+def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Input]:
+    """Resolve paths, globs and directories (local, or URLs of a store: locations.py) into a sorted, de-duplicated
+    file list (order = output order)."""
+    files: list[Input] = []
+    seen: set[Input] = set()  # not `in files`: that is quadratic in the file count (minutes at 10^4 files)
     for pat in patterns:
         p = Path(pat)
-        if p.is_dir():
+        if is_url(pat):
+            try:
+                matched = expand_url(pat, SUFFIXES)
+            except LocationError as e:
+                raise InputError(str(e)) from None
+        elif p.is_dir():
             matched = sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES)
                              and not _hf_metadata(q))
         elif any(ch in pat for ch in "*?["):
@@ -144,9 +151,9 @@ class Seek:
     frame_offset: int = 0
 
 
-def _open_lines(path: Path, max_window_size: int, seek: Seek = Seek(),
+def _open_lines(path: Input, max_window_size: int, seek: Seek = Seek(),
                 frames: list | None = None) -> io.BufferedReader:
-    raw = open(path, "rb")
+    raw = open_input(path)
     if path.name.endswith((".zst", ".zstd")):
         raw.seek(seek.frame)
         # max_window_size bounds decoder memory against a hostile frame header.
@@ -163,7 +170,7 @@ def _open_lines(path: Path, max_window_size: int, seek: Seek = Seek(),
     return io.BufferedReader(raw, buffer_size=1 << 20)
 
 
-def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: int = default("max_line_bytes"),
+def iter_file_records(path: Input, *, start_position: int = 0, max_line_bytes: int = default("max_line_bytes"),
                       max_zstd_window: int = default("max_zstd_window"), seek: Seek = Seek(),
                       frames: list | None = None, input_name: str = "", scan: bool = False) -> Iterator[RawRecord]:
     """Yield one RawRecord per non-blank line (table row), from `seek` on; a file-level fault becomes a final record
@@ -178,12 +185,12 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
         return
     if path.name.endswith(".json"):
         try:
-            with open(path, "rb") as f:
+            with open_input(path) as f:
                 data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
             yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("invalid_json_file", f"{name}: {why}"),
-                            unread_bytes=os.path.getsize(path))
+                            unread_bytes=size_of(path))
             return
         if isinstance(data, dict) and ("messages" in data or "conversations" in data):
             data = [data]
@@ -246,11 +253,8 @@ def iter_file_records(path: Path, *, start_position: int = 0, max_line_bytes: in
 _BOM = b"\xef\xbb\xbf"
 
 
-def _size(path: Path) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+def _size(path: Input) -> int:
+    return size_of(path)
 
 
 def _zstd_fault(path: Path, fault: tuple, source: Source, position: int, offset: int) -> RawRecord:
@@ -272,17 +276,22 @@ def _zstd_fault(path: Path, fault: tuple, source: Source, position: int, offset:
                      unread_bytes=max(size - at, 0))
 
 
-def input_names(files: list[Path]) -> list[str]:
-    """Each input's path relative to the inputs' common parent directory (one input: its file name). Distinct files
-    get distinct names, the same inputs the same names; generated ids are built from them (normalize.py). Kept
-    printable: a file name that is not UTF-8 shows its bytes as \\x escapes."""
-    paths = [os.path.abspath(f) for f in files]
-    root = os.path.commonpath([os.path.dirname(p) for p in paths]) if paths else ""
-    return [os.path.relpath(p, root).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            for p in paths]
+def input_names(files: list[Input]) -> list[str]:
+    """Each input's path relative to the inputs' common parent directory (one input: its file name; a URL's are
+    relative among the URLs, each store's path after its scheme). Distinct files get distinct names, the same inputs
+    the same names; generated ids are built from them (normalize.py). Kept printable: a file name that is not UTF-8
+    shows its bytes as \\x escapes."""
+    names: dict[int, str] = {}
+    for remote in (False, True):
+        idx = [i for i, f in enumerate(files) if isinstance(f, RemoteFile) == remote]
+        paths = ["/" + str(files[i]).split("://", 1)[1] if remote else os.path.abspath(files[i]) for i in idx]
+        root = os.path.commonpath([os.path.dirname(p) for p in paths]) if paths else ""
+        for i, p in zip(idx, paths):
+            names[i] = os.path.relpath(p, root).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return [names[i] for i in range(len(files))]
 
 
-def iter_records(files: list[Path], *, max_line_bytes: int = default("max_line_bytes"),
+def iter_records(files: list[Input], *, max_line_bytes: int = default("max_line_bytes"),
                  max_zstd_window: int = default("max_zstd_window")) -> Iterator[RawRecord]:
     """Input files in order -> their raw records (RawRecord: each line's bytes unparsed, a .json array's items, or a
     file-level fault in a record's place), numbered by one position across all files; each file read in a stream

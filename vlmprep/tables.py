@@ -8,10 +8,10 @@ feature's `{bytes, path}` struct, raw bytes, or a path (read under --image-root 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterator
 
+from vlmprep.locations import Input, open_input, size_of
 from vlmprep.types import RawRecord, RecordError, Source
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
@@ -20,12 +20,12 @@ BATCH_BYTES = 32 << 20  # and fewer where their bytes would pass this: a row gro
 READ_BUFFER = 1 << 20  # Parquet pages are read through a buffer of this size, not a whole column chunk first
 
 
-def is_table(path: Path) -> bool:
+def is_table(path: Input) -> bool:
     """A Parquet or Arrow IPC input, by its name."""
     return path.name.endswith(TABLE_SUFFIXES)
 
 
-def _batches(path: Path, first_row: int):
+def _batches(path: Input, first_row: int):
     """(row index of the batch's first row, record batch of <= BATCH_ROWS rows), from the batch holding `first_row`
     on. Parquet: from its row group; Arrow IPC file format by batch index, stream format (what `save_to_disk` writes)
     read through from the start."""
@@ -33,7 +33,9 @@ def _batches(path: Path, first_row: int):
     import pyarrow.parquet as pq
 
     if path.name.endswith(".parquet"):
-        pf = pq.ParquetFile(path, buffer_size=READ_BUFFER, pre_buffer=False)
+        # A store's object through its range reads (locations.py); a local file by path.
+        pf = pq.ParquetFile(path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER,
+                            pre_buffer=False)
         meta = [pf.metadata.row_group(g) for g in range(pf.metadata.num_row_groups)]
         widest = max((m.total_byte_size / max(m.num_rows, 1) for m in meta), default=1.0)  # bytes a row, decoded
         rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(widest, 1.0))))
@@ -47,7 +49,8 @@ def _batches(path: Path, first_row: int):
         if groups:
             yield from _sliced(start, pf.iter_batches(batch_size=rows, row_groups=groups, use_threads=False))
         return
-    source = pa.memory_map(str(path), "r")  # mapped: a batch's pages are read as its rows are converted
+    # mapped: a batch's pages are read as its rows are converted (a store's object: through its range reads)
+    source = pa.memory_map(str(path), "r") if isinstance(path, Path) else pa.PythonFile(open_input(path), mode="r")
     try:
         reader = pa.ipc.open_file(source)
     except pa.ArrowInvalid:  # not the file format: the stream format
@@ -66,7 +69,7 @@ def _sliced(start: int, batches) -> Iterator:
         start += batch.num_rows
 
 
-def iter_table_records(path: Path, *, start_position: int = 0, first_row: int = 0, input_name: str = "",
+def iter_table_records(path: Input, *, start_position: int = 0, first_row: int = 0, input_name: str = "",
                        scan: bool = False) -> Iterator[RawRecord]:
     """One RawRecord per row from `first_row` on (its data the row as a dict, `row` set: table_record converts it in
     the worker); a file that cannot be read, or fails mid-way, ends in a record carrying the error, after every row
@@ -88,17 +91,10 @@ def iter_table_records(path: Path, *, start_position: int = 0, first_row: int = 
         what = f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'Arrow IPC'} file ({e})" \
             if row == first_row == 0 else f"{name}: {e} after row {row}; the rows before it were kept"
         yield RawRecord(Source(name, row + 1, input_name), pos, error=RecordError("unreadable_table", what[:600]),
-                        offset=row, unread_bytes=_size(path) if row == 0 else 0)
+                        offset=row, unread_bytes=size_of(path) if row == 0 else 0)
         return
     if pos == start_position and first_row == 0:
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no rows"))
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 # --- a row's layout -> the record normalize reads ---

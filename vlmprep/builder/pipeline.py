@@ -29,6 +29,7 @@ from vlmprep.builder.progress import TaskProgress
 from vlmprep.builder.task import run_task, task_start
 from vlmprep.builder.workers import BuildError, pool_failure, start_worker_server, worker_pool
 from vlmprep.config import BuildConfig, default, spelled, spelled_flag
+from vlmprep.locations import stamp
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
@@ -68,7 +69,7 @@ class BuildResult:
 
 def _plan_options(plan: dict) -> dict:
     return {"config": plan["config"], "tasks": plan["tasks"],
-            "inputs": [(i["path"], i["bytes"], i["mtime_ns"]) for i in plan["inputs"]]}
+            "inputs": [(i["path"], i["bytes"], i["mtime_ns"], i.get("etag")) for i in plan["inputs"]]}
 
 
 # The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
@@ -152,7 +153,8 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
             raise
         old = None
     asked = {"config": cfg.to_json(), "tasks": cfg.tasks,
-             "inputs": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]}
+             "inputs": [(str(f), st["bytes"], st["mtime_ns"], st.get("etag")) for f, st in
+                        ((f, stamp(f)) for f in files)]}
     if old is not None and not fresh:
         if _plan_options(old) != asked:  # a task never re-plans over a plan other tasks are running from
             differ = config_changes(asked["config"], old["config"])

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep import __version__
+from vlmprep.locations import LocationError, as_input, stamp
 from vlmprep.records import Seek, input_names, iter_file_records
 from vlmprep.shards.dataset import PLAN_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
@@ -47,8 +48,7 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1
-        st = path.stat()
-        inputs.append({"path": str(path), "name": name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+        inputs.append({"path": str(path), "name": name, **stamp(path),
                        "first_position": first, "records": position - first})
         frames_of.append(frames or [(0, 0)])
     cum = array.array("q", [0])
@@ -119,11 +119,12 @@ def check_inputs_unchanged(plan: dict) -> None:
     """A task reads byte offsets the plan took: an input changed since then would silently shift them."""
     for inp in plan["inputs"]:
         try:
-            st = os.stat(inp["path"])
-        except OSError as e:
-            raise PlanError(f"{inp['path']}: listed in the plan but not readable here ({e.strerror}); tasks must "
-                            "run where the inputs are visible under the same path") from None
-        if (st.st_size, st.st_mtime_ns) != (inp["bytes"], inp["mtime_ns"]):
+            now = stamp(as_input(inp["path"]))
+        except (OSError, LocationError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise PlanError(f"{inp['path']}: listed in the plan but not readable here ({why}); tasks must run where "
+                            "the inputs are visible under the same path") from None
+        if any(inp.get(k) != v for k, v in now.items()):  # size and time (and a store's ETag)
             raise PlanError(f"{inp['path']} changed after the plan was made (size or mtime); plan again into a "
                             "fresh --out dir")
 
@@ -139,7 +140,7 @@ def task_records(plan: dict, index: int, *, max_line_bytes: int, max_zstd_window
         first = fi == cut["file"]
         seek = Seek(**cut["seek"]) if first else Seek()
         start = cut["position"] if first else inp["first_position"]
-        for raw in iter_file_records(Path(inp["path"]), start_position=start, seek=seek, input_name=inp["name"],
+        for raw in iter_file_records(as_input(inp["path"]), start_position=start, seek=seek, input_name=inp["name"],
                                      max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window):
             if raw.position >= end:
                 return

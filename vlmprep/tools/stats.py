@@ -13,6 +13,7 @@ import numpy as np
 
 from vlmprep.config import FIELDS
 from vlmprep.families import family_of
+from vlmprep.locations import as_input
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, shard_paths
@@ -247,7 +248,7 @@ def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | Non
     for r in reject_lines or ():
         by_file[str((r.get("source") or {}).get("file"))][r.get("reason")] += 1
     out = []
-    for inp, name in zip(inputs, input_names([Path(inp["path"]) for inp in inputs])):
+    for inp, name in zip(inputs, input_names([as_input(inp["path"]) for inp in inputs])):
         t = collections.Counter(inp["totals"])
         n_turns = t["input_assistant_turns"]
         out.append({"path": inp["path"], "name": name, "records": t["records"], "samples": t["samples"],
