@@ -511,3 +511,22 @@ def test_a_count_past_int64_in_the_manifest_is_one_line(dataset, tmp_path, field
         rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
                      cache=tmp_path / "cache")
     _one_line(e.value, "samples.index.npy")
+
+
+@pytest.mark.parametrize("kind", ["directory", "FIFO"])
+def test_a_dir_or_fifo_in_a_shards_place_is_named_as_such_not_missing_or_truncated(dataset, tmp_path, capsys, kind):
+    """Before: verify called a directory "missing" and the trainer called a FIFO "truncated"."""
+    import os
+
+    ds = _copy(dataset, tmp_path)
+    shard = ds / "shard-000001.tar"
+    shard.unlink()
+    shard.mkdir() if kind == "directory" else os.mkfifo(shard)
+    _verify_fails(ds, "shard-000001.tar: not a plain file (a directory, FIFO or device)")
+    from trainer.train import main
+
+    assert main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1",
+                 "--num-workers", "0", "--no-progress", "--device", "cpu"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trainer: error")]
+    assert len(err) == 1 and "shard-000001.tar: listed in its manifest as a shard, but it is not a plain file " \
+        f"(a {kind})" in err[0], err

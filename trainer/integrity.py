@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,9 @@ class ShardCheck:
         except OSError as e:
             raise DataError(f"{url}: listed in its manifest but cannot be read ({e.strerror}); copy the dataset "
                             "again or run `vlmprep verify`") from None
+        if not stat.S_ISREG(st.st_mode):  # a dir's or a FIFO's size says nothing of a shard (nor "truncated")
+            raise DataError(f"{url}: listed in its manifest as a shard, but it is not a plain file (a "
+                            f"{_kind(st.st_mode)}); copy the dataset again or run `vlmprep verify`")
         if size is not None and st.st_size != size:
             raise DataError(f"{url}: {st.st_size} bytes but its manifest says {size}; the shard is truncated or was "
                             "modified: copy it again and run `vlmprep verify DIR`")
@@ -126,6 +130,11 @@ class ShardCheck:
                 f.write(json.dumps(self.known, sort_keys=True))
             os.replace(tmp, self.record)
             self.dirty = False
+
+
+def _kind(mode: int) -> str:
+    return {stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "device",
+            stat.S_IFBLK: "device", stat.S_IFLNK: "symlink"}.get(stat.S_IFMT(mode), "special file")
 
 
 def expected_sha256(ds: DataSource) -> dict[str, str]:

@@ -6,6 +6,7 @@ grid size). Reads through shards/reader.py: refused members are reported, never 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -105,8 +106,9 @@ def _check_shard(job: _ShardJob, k: int) -> list[Violation]:
     sample and the sidecar's rows."""
     root, s, check = job.root, job.manifest["shards"][k], job.check
     path = root / s["name"]
-    if not path.is_file():
-        return [Violation(s["name"], "missing")]
+    if not path.is_file():  # a dir or a FIFO where a shard should be is not "missing"
+        kind = "missing" if not os.path.lexists(path) else "not a plain file (a directory, FIFO or device)"
+        return [Violation(s["name"], kind)]
     if path.stat().st_size != s["bytes"]:
         return [Violation(s["name"], f"size {path.stat().st_size} != manifest {s['bytes']}")]
     if sha256_file(path) != s["sha256"]:
