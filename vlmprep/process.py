@@ -106,9 +106,13 @@ class Renderer:
                 images.append(opened[im.data])
             self.largest_image = max(map(self._image_tokens, images), default=0)
             # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
+            # One longer than --seq-len rejects the record only where every trained turn follows it; a later one is
+            # cut or its turns are lost, as an image there would be.
+            first = min(assistant, default=len(conv.messages))
             videos = {id(v): prepare_video(v, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
-                                           min_side=self.cfg.min_image_side, max_tokens=self.cfg.seq_len)
-                      for v in conv.videos}
+                                           min_side=self.cfg.min_image_side,
+                                           max_tokens=self.cfg.seq_len if i < first else None)
+                      for i, m in enumerate(conv.messages) for v in m.videos}
 
             steps, self.lost = self.plan(conv, images, videos)
             samples = []

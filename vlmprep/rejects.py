@@ -94,8 +94,8 @@ REASONS: dict[str, Reason] = {
         video_too_small="frames with a side under `--min-image-side`, as images",
         raw_video_stream="an elementary stream with no container, e.g. `.h264`: no frame times, its rate unknown; wrap"
                          " it in MP4 at its real rate",
-        video_too_long="its tokens alone exceed `--seq-len` even at the sampled frames: lower fps / max_frames /"
-                       " max_pixels",
+        video_too_long="its tokens alone exceed `--seq-len` even at the sampled frames, before the first answer: lower"
+                       " fps / max_frames / max_pixels; a later one costs only its turn, as an image",
         video_count_mismatch="ShareGPT / LLaMA-Factory layout: `<video>` markers and `videos` differ in number; or"
                              " the template drops a video, e.g. in an assistant turn",
     ),

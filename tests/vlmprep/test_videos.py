@@ -702,3 +702,38 @@ def test_a_split_step_keeps_the_video_and_image_it_answers(clips, tmp_path):
     assert res.manifest["turns"]["lost"]["turn_too_long"] == 1 and res.manifest["turns"]["coverage"] == 0.5
     [reject] = [json.loads(line) for line in (tmp_path / "lost" / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "turn_too_long" and reject["message"].startswith("messages[3]: ")
+
+
+@pytest.mark.parametrize("mode", ["split", "truncate"])
+def test_a_video_longer_than_seq_len_in_a_later_turn_costs_that_turn_not_the_record(clips, tmp_path, mode):
+    """Turn 1 (an image and a question) fits; turn 2's video alone does not fit --seq-len: the record lands with turn
+    1 trained, and turn 2 is lost loudly (split) or the video cut with it (truncate), as an image there would be.
+    Before: the whole record was rejected as video_too_long. A video before the first answer still is (nothing could
+    train)."""
+    from vlmprep.shards.reader import iter_dataset
+
+    d, data = clips
+    image = {"type": "image_url", "image_url": {"url": _uri((d / "shot.png").read_bytes(), "image/png")}}
+    video = {"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}}
+    turn1 = [{"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]},
+             {"role": "assistant", "content": "A square on a gradient."}]
+    rec = {"id": "v", "messages": turn1 + [{"role": "user", "content": [video, {"type": "text", "text": "and now?"}]},
+                                           {"role": "assistant", "content": "A video."}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
+    whole = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "whole"), progress=False))
+    [s] = iter_dataset(tmp_path / "whole")
+    video_tokens = int((s.array("mm_token_type_ids") == 2).sum())
+    first = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "first"), progress=False,
+                              seq_len=video_tokens - 1, long_traces=mode, min_turn_coverage=0.0))
+    samples = list(iter_dataset(tmp_path / "first"))
+    assert whole.manifest["rejects"] == {} and first.manifest["totals"]["records"] == 1
+    assert [x.meta()["trains"] for x in samples] == [[1]] and not (samples[0].array("mm_token_type_ids") == 2).any()
+    assert first.manifest["rejects"] == ({"turn_too_long": 1} if mode == "split" else {})
+    assert first.manifest["turns"]["trained_assistant_turns"] == 1
+    (tmp_path / "early.jsonl").write_text(json.dumps({"id": "e", "messages": [
+        {"role": "user", "content": [video, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": "A video."}]}) + "\n")
+    early = build(BuildConfig(inputs=(str(tmp_path / "early.jsonl"),), out=str(tmp_path / "early"), progress=False,
+                              seq_len=video_tokens - 1, long_traces=mode, min_turn_coverage=0.0,
+                              max_reject_fraction=1.0, allow_empty=True))
+    assert early.manifest["rejects"] == {"video_too_long": 1}
