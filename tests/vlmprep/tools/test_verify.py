@@ -254,3 +254,21 @@ def test_a_url_is_named_as_one_not_mangled_into_a_missing_path(command, url):
     assert lines[0] == (f"error: {url}: a URL; vlmprep {command} reads a local dataset dir: download the dataset "
                         "first (e.g. `hf download REPO --repo-type dataset --local-dir DIR`, `aws s3 sync URL DIR`); "
                         "the trainer reads URLs directly (--data URL)")
+
+
+def test_an_undecodable_sample_is_reported_and_its_correct_index_row_is_not(tmp_path):
+    """A sample whose image member is garbage (the same size, resealed): verify names the sample; the sidecar's row,
+    which still describes the sample's bytes, is not reported too (before: 'row N does not describe sample ...')."""
+    from tests.support.hostile import copy_dataset, patch_members, reseal, small_dataset
+
+    (tmp_path / "src").mkdir()
+    src = small_dataset(tmp_path / "src")
+    ds = copy_dataset(src, tmp_path / "ds", indexes=True)
+    with tarfile.open(ds / "shard-000000.tar") as tf:
+        image = next(m for m in tf.getmembers() if ".img" in m.name or m.name.endswith((".png", ".zst")) and
+                     ".npy" not in m.name and not m.name.endswith(".json"))
+    patch_members(ds / "shard-000000.tar", {image.name: b"\x00" * image.size})
+    reseal(ds)
+    found = [str(v) for v in verify_dataset(ds)]
+    assert found and all("index" not in v for v in found), found
+    assert any(image.name.split(".")[0] in v for v in found), found
