@@ -16,8 +16,10 @@ from vlmprep.types import RawRecord, RecordError, Source
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 BATCH_ROWS = 64  # at most this many rows are decoded and converted to Python at once,
-BATCH_BYTES = 32 << 20  # and fewer where their bytes would pass this: a row group of large images never lands whole
-READ_BUFFER = 1 << 20  # Parquet pages are read through a buffer of this size, not a whole column chunk first
+BATCH_BYTES = 8 << 20  # and fewer where their bytes would pass this: a row group of large images never lands whole
+# Parquet pages are read through a buffer of this size, not a whole column chunk first. A data page itself is read and
+# decoded whole (pyarrow): a file whose writer put a row group of large images in one page costs about twice that page.
+READ_BUFFER = 1 << 20
 
 
 def is_table(path: Input) -> bool:

@@ -46,15 +46,16 @@ def test_a_small_remote_file_is_read_no_further_than_its_limit(served, how):
         assert sent < 32 * LIMIT, sent  # socket buffers' worth past the limit, not gigabytes
 
 
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so the child would report the pytest worker's peak.
 _CHILD = """
-import resource, sys
+import sys
 from trainer.shards import DataError, resolve_data
 try:
     resolve_data(sys.argv[1])
     print("no error")
 except DataError as e:
     print(str(e))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) // 1024)
 """
 
 

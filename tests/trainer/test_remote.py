@@ -351,6 +351,11 @@ def s3_server():
     pytest.importorskip("s3fs")
     srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     srv.start()
+    # fsspec caches filesystem instances by their arguments: one made for an earlier module's server (same worker)
+    # would still point at that server's port, long closed.
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
     host, port = srv.get_host_and_port()
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "scale-test-key",
            "AWS_SECRET_ACCESS_KEY": "scale-secret-0123456789", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -364,6 +369,7 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
         srv.stop()
 
 
