@@ -235,7 +235,7 @@ def _fetched_shared(ref: IndexRef, cache: Path) -> Path:
         if not local.is_file():
             _fetch_index(ref, local)  # to LOCAL.part, renamed once its size and sha256 are the manifest's
     finally:
-        os.close(fd)  # the lock file stays: a rank waiting on it must find the one it locks
+        locks.unlock(fd)  # the lock file stays: a rank waiting on it must find the one it locks
     return local
 
 

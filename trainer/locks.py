@@ -18,6 +18,21 @@ from vlmprep_schemas.boundary import open_fd_no_follow
 
 WAIT_S = 600.0  # how long a lock another process holds is waited for before the run stops naming the holder
 NOTE_AFTER_S = 10.0  # how long before the wait is said, once
+_HELD: set[int] = set()  # this process's lock fds
+
+
+def _close_held_in_child() -> None:
+    # A forked child (a DataLoader worker) shares the lock's open file: were it to keep the fd, the lock would outlive
+    # its holder until the last worker is reaped, and a restart right after a kill would find it held.
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def take(path: Path) -> tuple[int, str]:
@@ -44,6 +59,7 @@ def take(path: Path) -> tuple[int, str]:
                     "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(note).encode(), 0)
+            _HELD.add(fd)
             return fd, ""
         os.close(fd)
 
@@ -58,10 +74,18 @@ def holder(path: Path) -> str:
         return "another process"
 
 
+def unlock(fd: int) -> None:
+    """Let a lock go and keep its file (others may be waiting on that very file)."""
+    if fd >= 0:
+        _HELD.discard(fd)
+        os.close(fd)
+
+
 def release(path: Path, fd: int) -> None:
     """Remove the lock file while still holding it (see take), then let it go."""
     if fd >= 0:
         Path(path).unlink(missing_ok=True)
+        _HELD.discard(fd)
         os.close(fd)
 
 

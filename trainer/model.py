@@ -41,10 +41,16 @@ def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
 
     processor = load_processor(processor_dir)
     try:
-        return Vocab.of(processor, BY_NAME[name].tokens)
+        vocab = Vocab.of(processor, BY_NAME[name].tokens)
     except ValueError as e:
         raise ConfigError(f"--tiny-random {name}: {e} (the dataset was built for another family: pass the "
                           f"--tiny-random of its family)") from None
+    if name == "qwen2-vl" and vocab.size <= QWEN2_VL_VOCAB.size and all(
+            vocab.ids.get(t) == i for t, i in QWEN2_VL_VOCAB.ids.items()):
+        # The real Qwen vocabulary: the published config's padded embedding (151936 rows), as Qwen2-VL checkpoints
+        # have it and as every Qwen2-VL run and test before the other families has been sized.
+        return QWEN2_VL_VOCAB
+    return vocab
 
 
 def model_identity(*, model: str, tiny_random: str, vocab: Vocab | None = None) -> dict:

@@ -191,12 +191,13 @@ def open_data(cfg: TrainConfig, world: int) -> RunData:
         refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
         warnings += eval_overlap(d, held, specs, datasets)
     image = _load_image_spec(cfg, datasets[0].processor)
+    if len(specs) > 1:  # first: a mixture at odds with itself is the fault, whatever the model
+        check_compatible(specs, datasets, cfg.processor)
     for d, ds in zip(specs, datasets):
         refuse_other_family(ds.manifest, str(d.path), model_type)
     if cfg.pack_to and packing_refusal(model_type):  # before the run dir is touched
         raise ConfigError(packing_refusal(model_type))
     if len(specs) > 1:
-        check_compatible(specs, datasets, cfg.processor)
         refuse_empty(specs, datasets)
     label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
     return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label,
