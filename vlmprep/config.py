@@ -92,7 +92,8 @@ class BuildConfig:
     options that change the output bytes."""
 
     # Declared in `vlmprep build --help` order; the manifest's config is key-sorted, so the order never shows there.
-    out: str = opt(REQUIRED, OUTPUT, "Output dataset dir (shards, manifest, processor).", cli_type=Path)
+    out: str = opt(REQUIRED, OUTPUT, "Output dataset dir (shards, manifest, processor), or a store's prefix (s3://, "
+                   "gs://, hf://): built in a local stage ($VLMPREP_STAGE), uploaded as it lands.", cli_type=str)
     inputs: tuple[str, ...] = opt(REQUIRED, INPUT, "Input .jsonl / .jsonl.zst / .json / .parquet / .arrow files, globs "
                                   "or dirs, local or s3:// gs:// hf:// https:// URLs (optional with --task-index when "
                                   "DIR/plan.json exists).", flag="--in", cli_type=list[str])

@@ -53,9 +53,11 @@ def as_input(value: str) -> Input:
     return RemoteFile(value) if is_url(value) else Path(value)
 
 
-def _fs(url: str):
+def url_fs(url: str, where: str = "--in"):
+    """(fsspec filesystem, path) of a URL; a URL with credentials in it, or a scheme whose package is missing, is one
+    line naming `where` it was given."""
     try:
-        refuse_credentials(url, where="--in")
+        refuse_credentials(url, where=where)
     except UnsafeDataset as e:
         raise LocationError(str(e)) from None
     try:
@@ -65,7 +67,7 @@ def _fs(url: str):
     except ImportError as e:
         scheme = url.split("://", 1)[0].lower()
         package = _EXTRAS.get(scheme, str(e.name))
-        raise LocationError(f"{url}: reading {scheme}:// inputs needs {package}: pip install {package}") from None
+        raise LocationError(f"{url}: {scheme}:// for {where} needs {package}: pip install {package}") from None
 
 
 def _why(e: BaseException) -> str:
@@ -77,7 +79,7 @@ def _why(e: BaseException) -> str:
 def expand_url(pattern: str, suffixes: tuple[str, ...]) -> list[RemoteFile]:
     """A URL -> the input objects it names, sorted: a glob, a prefix ("dir") listed recursively for `suffixes`, or
     one object."""
-    fs, path = _fs(pattern)
+    fs, path = url_fs(pattern)
     scheme = pattern.split("://", 1)[0]
     web = scheme.lower() in ("http", "https")
     try:
@@ -142,7 +144,7 @@ def open_input(p: Input):
     (an OSError naming the URL on any fault)."""
     if isinstance(p, Path):
         return open(p, "rb")
-    fs, path = _fs(p.url)
+    fs, path = url_fs(p.url)
     try:
         f = fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
     except Exception as e:  # noqa: BLE001
@@ -156,7 +158,7 @@ def stamp(p: Input) -> dict:
     if isinstance(p, Path):
         st = p.stat()
         return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-    fs, path = _fs(p.url)
+    fs, path = url_fs(p.url)
     try:
         info = fs.info(path)
     except Exception as e:  # noqa: BLE001

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fnmatch
+import dataclasses
 import json
+import os
 import shutil
 import sys
 import time
@@ -24,8 +25,21 @@ from pathlib import Path
 
 from vlmprep.builder.merge import merge_tasks
 from vlmprep.builder.owner import own_out, share_out
-from vlmprep.builder.plan import PlanError, config_changes, load_plan, make_plan, write_plan
+from vlmprep.builder.plan import PlanError, config_changes, load_plan, make_plan, shard_prefix, write_plan
 from vlmprep.builder.progress import TaskProgress
+from vlmprep.builder.store import (
+    Bucket,
+    check_bucket,
+    is_store,
+    pull,
+    pull_plan,
+    pull_task,
+    push_dataset,
+    push_plan,
+    say,
+    scratch_stage,
+    stage_for,
+)
 from vlmprep.builder.task import run_task, task_start
 from vlmprep.builder.workers import BuildError, pool_failure, start_worker_server, worker_pool
 from vlmprep.config import BuildConfig, default, spelled, spelled_flag
@@ -34,21 +48,22 @@ from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
 from vlmprep.shards.dataset import (
+    BUILD_FILES,
+    DATASET_FILES,
     FAILED_NAME,
-    JOURNAL_NAME,
-    LOCK_NAME,
     MANIFEST_NAME,
-    NV_META,
     PLAN_NAME,
     PROCESSOR_DIR,
     REJECTS_NAME,
-    SHARD_GLOB,
     TASKS_DIR,
     TMP_SUFFIX,
+    TaskFiles,
+    is_ours,
+    load_task_manifest,
     write_text_atomic,
 )
-from vlmprep.shards.format import DATASET_INDEX_NAME
 from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
+from vlmprep.types import UserError
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_coverage", "check_dataset",
            "check_rejects", "merge", "plan_build"]
@@ -72,23 +87,10 @@ def _plan_options(plan: dict) -> dict:
             "inputs": [(i["path"], i["bytes"], i["mtime_ns"], i.get("etag")) for i in plan["inputs"]]}
 
 
-# The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
-# files, manifest, rejects, plan and journal with their temp copies, the dataset's sample index): what a new plan
-# clears, and nothing else.
-_DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME,
-                                      DATASET_INDEX_NAME) for g in (name, f"{name}.*"))
-# Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
-_BUILD_FILES = _DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
-
-
-def _ours(p: Path, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatch(p.name, g) for g in patterns)
-
-
 def _clear_dataset(out: Path) -> None:
     """Remove every trace of an older dataset or plan in `out` (files vlmprep writes; never a file of the user's)."""
     for p in out.iterdir():
-        if p.is_file() and _ours(p, _DATASET_FILES):
+        if p.is_file() and is_ours(p.name, DATASET_FILES):
             p.unlink()
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
 
@@ -101,7 +103,7 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
         return
     if not out.is_dir():
         raise BuildError(f"--out {out} is a file: pass a directory")
-    foreign = sorted(p.name for p in out.iterdir() if not _ours(p, _BUILD_FILES))
+    foreign = sorted(p.name for p in out.iterdir() if not is_ours(p.name, BUILD_FILES))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise BuildError(f"--out {out} holds files no vlmprep build wrote ({shown}); build into an empty or new dir, "
@@ -187,6 +189,8 @@ def build_task(out: Path, index: int, *, workers: int = default("workers"), prog
                cfg: BuildConfig | None = None) -> BuildResult:
     """`vlmprep build --out DIR --task-index i`: one task of DIR/plan.json, anywhere DIR is visible. With cfg (the
     build options given again) a missing plan is made first, identical to the one any other task would make."""
+    if is_store(str(out)):
+        return _task_in_store(str(out).rstrip("/"), index, workers=workers, progress=progress, cfg=cfg)
     out = Path(out)
     if cfg is not None:
         out.mkdir(parents=True, exist_ok=True)  # every task of a new --out makes it: the same dir
@@ -194,7 +198,26 @@ def build_task(out: Path, index: int, *, workers: int = default("workers"), prog
         return _build_task_shared(out, index, workers=workers, progress=progress, cfg=cfg)
 
 
-def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None) -> BuildResult:
+def _task_in_store(url: str, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None) -> BuildResult:
+    """--task-index with --out in a store, on any machine (no shared filesystem): the plan and processor fetched into
+    a scratch stage of the task's own (or, with the build options, the plan made there and uploaded, identical to
+    the one any other task makes), the task run there, its files uploaded as they land; nothing left behind."""
+    bucket = Bucket(url)
+    have = bucket.names()
+    with scratch_stage(url, index) as stage:
+        try:
+            if not pull_plan(bucket, stage, have) and cfg is not None:
+                plan_build(dataclasses.replace(cfg, out=str(stage)), fresh=False)
+                push_plan(bucket, stage)
+            result = _build_task_shared(stage, index, workers=workers, progress=progress, cfg=None, upload_to=url)
+        except UserError as e:
+            e.args = (str(e).replace(str(stage), url),)
+            raise
+    return dataclasses.replace(result, out=url)
+
+
+def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None,
+                       upload_to: str | None = None) -> BuildResult:
     """build_task() under --out's shared lock: any number of tasks at once, never beside a whole build or a merge."""
     if cfg is not None:
         plan, _ = plan_build(cfg, fresh=False)
@@ -207,7 +230,7 @@ def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, c
         raise PlanError(f"--task-index {index}: the plan in {out} has tasks 0..{plan['tasks'] - 1}")
     run = BuildConfig.from_plan(plan["config"], out=str(out), workers=workers, progress=progress)
     t0 = time.perf_counter()
-    task = run_task(out, plan, index, cfg=run)
+    task = run_task(out, plan, index, cfg=run, upload_to=upload_to)
     return BuildResult(out=out, manifest=None, plan=plan, task=task, rejects=collections.Counter(task["rejects"]),
                        task_seconds={index: time.perf_counter() - t0})
 
@@ -221,7 +244,14 @@ def build(cfg: BuildConfig) -> BuildResult:
     completed shard is journaled, so a killed build resumes where it stopped at the cost of an fsync per shard; the
     output is byte-identical for the same inputs, config and task count, whatever the worker count or executor."""
     if cfg.task_index is not None:
-        return build_task(Path(cfg.out), cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
+        return build_task(cfg.out, cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
+    if is_store(cfg.out):
+        return _build_to_store(cfg)
+    return _build_local(cfg)
+
+
+def _build_local(cfg: BuildConfig, upload_to: str | None = None) -> BuildResult:
+    """build() into a local dir: the --out dir, or the stage of an --out in a store (upload_to, its URL)."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise BuildError(f"--out {out} is a file: pass a directory")
@@ -234,35 +264,100 @@ def build(cfg: BuildConfig) -> BuildResult:
             if top is not None and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
                 shutil.rmtree(top, ignore_errors=True)
             raise
-        return _build_planned(cfg, out, plan, renderer)
+        if upload_to:
+            push_plan(Bucket(upload_to), out)
+        return _build_planned(cfg, out, plan, renderer, upload_to)
 
 
-def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer | None) -> BuildResult:
+def _build_to_store(cfg: BuildConfig) -> BuildResult:
+    """build() with --out in a store (builder/store.py): in this machine's stage of the URL (fetched back from the
+    bucket where the stage is gone), every file uploaded as it lands; the stage removed once the manifest is up.
+    Messages name the URL, not the stage."""
+    url = cfg.out.rstrip("/")
+    bucket, stage = Bucket(url), stage_for(url)
+    have = check_bucket(bucket, overwrite=cfg.overwrite)
+    try:
+        if not (stage / PLAN_NAME).is_file() and PLAN_NAME in have:
+            say(f"resuming from {url}: fetching its plan and finished tasks into {stage}")
+            stage.mkdir(parents=True, exist_ok=True)
+            pull(bucket, stage, have)
+        result = _build_local(dataclasses.replace(cfg, out=str(stage)), upload_to=url)
+    except UserError as e:
+        e.args = (str(e).replace(str(stage), url),)
+        if isinstance(e, RejectsError):  # complete, and uploaded: the stage has done its job
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if result.manifest is not None:
+        shutil.rmtree(stage, ignore_errors=True)
+    return dataclasses.replace(result, out=url)
+
+
+def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer | None,
+                   upload_to: str | None = None) -> BuildResult:
     """The rest of build() once the plan is made, under --out's lock: the tasks, then the merge."""
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
     if cfg.executor == "ray":
         from vlmprep.builder.ray_executor import run_tasks_on_ray  # ray is imported only when chosen
 
-        seconds = run_tasks_on_ray(out, plan, cfg)
+        seconds = run_tasks_on_ray(out, plan, cfg, upload_to=upload_to)
     elif plan["tasks"] == 1:  # the records of the one task spread over --workers processes
         t0 = time.perf_counter()
-        run_task(out, plan, 0, cfg=cfg, renderer=renderer)
+        run_task(out, plan, 0, cfg=cfg, renderer=renderer, upload_to=upload_to)
         seconds = {0: time.perf_counter() - t0}
     else:
-        seconds = _run_tasks_locally(out, plan, cfg, renderer)
-    manifest = merge_tasks(out)
-    check_dataset(manifest, out, allow_empty=cfg.allow_empty, max_reject_fraction=cfg.max_reject_fraction,
-                  min_turn_coverage=cfg.min_turn_coverage)
+        seconds = _run_tasks_locally(out, plan, cfg, renderer, upload_to)
+    manifest = _merge_and_check(out, upload_to, allow_empty=cfg.allow_empty,
+                                max_reject_fraction=cfg.max_reject_fraction, min_turn_coverage=cfg.min_turn_coverage)
     return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest["rejects"]),
                        task_seconds=seconds)
 
 
-def merge(out: Path) -> dict:
-    """`vlmprep merge DIR`: merge_tasks with DIR this process's alone, so no task or build writes there meanwhile."""
+def _merge_and_check(out: Path, upload_to: str | None, **checks) -> dict:
+    """merge_tasks and check_dataset; for a store's --out the dataset is uploaded either way (a dataset that failed
+    its checks is complete, with its build-failed.txt), manifest.json last."""
+    plan = load_plan(out) if upload_to else None
+    if upload_to and plan is not None:
+        bucket = Bucket(upload_to)
+        have = bucket.names()
+        for i in range(plan["tasks"]):  # tasks that ran elsewhere (Ray workers, --task-index): fetched back
+            if load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) is None:
+                pull_task(bucket, out, have, i)
+    manifest = merge_tasks(out)
+    try:
+        check_dataset(manifest, out, **checks)
+    finally:
+        if upload_to and plan is not None:
+            tasks = [load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) for i in range(plan["tasks"])]
+            push_dataset(Bucket(upload_to), out, manifest, tasks)
+    return manifest
+
+
+def merge(out: str | Path, *, allow_empty: bool = default("allow_empty"),
+          max_reject_fraction: float = default("max_reject_fraction"),
+          min_turn_coverage: float = default("min_turn_coverage")) -> dict:
+    """`vlmprep merge DIR` (or URL): merge_tasks and check_dataset with DIR this process's alone, so no task or build
+    writes there meanwhile; a URL's finished tasks are fetched into its stage, merged there and uploaded."""
+    checks = {"allow_empty": allow_empty, "max_reject_fraction": max_reject_fraction,
+              "min_turn_coverage": min_turn_coverage}
+    if is_store(str(out)):
+        url = str(out).rstrip("/")
+        stage = stage_for(url)
+        stage.mkdir(parents=True, exist_ok=True)
+        with own_out(stage):
+            if not pull_plan(Bucket(url), stage, Bucket(url).names()):
+                raise PlanError(f"{url}/{PLAN_NAME}: no plan; make one with `vlmprep build --in ... --out {url} "
+                                "--tasks T --plan-only`")
+            try:
+                manifest = _merge_and_check(stage, url, **checks)
+            except UserError as e:
+                e.args = (str(e).replace(str(stage), url),)
+                raise
+        shutil.rmtree(stage, ignore_errors=True)
+        return manifest
     out = Path(out)
     with own_out(out) if out.is_dir() else contextlib.nullcontext():
-        return merge_tasks(out)
+        return _merge_and_check(out, None, **checks)
 
 
 class RejectsError(BuildError):
@@ -330,23 +425,31 @@ def check_dataset(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
     (out / FAILED_NAME).unlink(missing_ok=True)
 
 
+# Where the stores' libraries take credentials and endpoints from: handed to a task process as this process sees them
+# now, since the forkserver it forks from may predate them (a notebook that sets AWS_* after an earlier build).
+_STORE_ENV = ("AWS_", "GOOGLE_", "GCS_", "HF_", "FSSPEC_")
+
+
 def _run_one(args: tuple) -> tuple[int, float, dict]:
-    out, plan, cfg, index = args
+    out, plan, cfg, index, upload_to, env = args
+    os.environ.update(env)
     t0 = time.perf_counter()
-    task = run_task(Path(out), plan, index, cfg=cfg)
+    task = run_task(Path(out), plan, index, cfg=cfg, upload_to=upload_to)
     return index, time.perf_counter() - t0, task["totals"]
 
 
-def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Renderer | None) -> dict[int, float]:
+def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Renderer | None,
+                       upload_to: str | None) -> dict[int, float]:
     """T > 1 on this machine: --workers processes, each running whole tasks (its processor loaded once)."""
     one = BuildConfig.from_plan(plan["config"], out=str(out), workers=1, progress=False)
-    jobs = [(str(out), plan, one, i) for i in range(plan["tasks"])]
+    env = {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)} if upload_to else {}
+    jobs = [(str(out), plan, one, i, upload_to, env) for i in range(plan["tasks"])]
     seconds: dict[int, float] = {}
     with TaskProgress(cfg, plan["tasks"]) as tick:
         if cfg.workers == 1:  # in this process, with the processor plan_build already loaded
             for i in range(plan["tasks"]):
                 t0 = time.perf_counter()
-                totals = run_task(out, plan, i, cfg=one, renderer=renderer)["totals"]
+                totals = run_task(out, plan, i, cfg=one, renderer=renderer, upload_to=upload_to)["totals"]
                 seconds[i] = time.perf_counter() - t0
                 tick(totals)
         else:

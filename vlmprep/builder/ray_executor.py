@@ -7,23 +7,41 @@ import os
 import time
 from pathlib import Path
 
+from vlmprep.builder.plan import plan_digest, shard_prefix
 from vlmprep.builder.progress import TaskProgress
+from vlmprep.builder.store import Bucket, pull_plan, pull_task, scratch_stage
 from vlmprep.builder.task import run_task, task_start
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import BuildConfig
+from vlmprep.shards.dataset import TaskFiles, load_task_manifest, task_file
 from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
 MAX_RETRIES = 3
 
 
-def _run_task_on_worker(out: str, plan: dict, config: dict, index: int, cwd: str) -> tuple[int, float, dict]:
+def _run_task_on_worker(out: str, plan: dict, config: dict, index: int, cwd: str,
+                        upload_to: str | None = None) -> tuple[int, float, dict]:
     import torch
 
     torch.set_num_threads(1)  # one CPU per Ray task, as requested from the scheduler
     if os.path.isdir(cwd):  # relative input paths mean what they meant to the driver (as a Slurm job's submit dir)
         os.chdir(cwd)
     t0 = time.perf_counter()
+    if upload_to:  # --out in a store: nothing shared but the bucket; the task runs in a scratch stage of its own
+        bucket = Bucket(upload_to)
+        have = bucket.names()
+        if task_file(index, ".json") in have:  # finished before a retry or a resumed build
+            with scratch_stage(upload_to, index) as stage:
+                done = pull_task(bucket, stage, have, index)
+                task = load_task_manifest(TaskFiles(stage, index, shard_prefix(plan, index))) if done else None
+            if task is not None and task.get("plan") == plan_digest(plan):
+                return index, time.perf_counter() - t0, task["totals"]
+        with scratch_stage(upload_to, index) as stage:
+            pull_plan(bucket, stage, have)
+            cfg = BuildConfig.from_plan(config, out=str(stage), workers=1, progress=False)
+            task = run_task(stage, plan, index, cfg=cfg, upload_to=upload_to)
+        return index, time.perf_counter() - t0, task["totals"]
     cfg = BuildConfig.from_plan(config, out=out, workers=1, progress=False)
     task = run_task(Path(out), plan, index, cfg=cfg)
     return index, time.perf_counter() - t0, task["totals"]
@@ -45,7 +63,7 @@ def _one_line(e: Exception) -> str:
     return printable(lines[0] if lines else type(e).__name__)
 
 
-def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float]:
+def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig, upload_to: str | None = None) -> dict[int, float]:
     """Runs a plan's unfinished tasks as Ray tasks (a new local cluster with --workers CPUs, or the one at
     --ray-address / RAY_ADDRESS) -> each task's wall time. Ray is imported only here; without it, a BuildError says
     how to install it."""
@@ -65,7 +83,8 @@ def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig) -> dict[int, float
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task_on_worker)
         out_abs = str(Path(out).resolve())
         plan_ref = ray.put(plan)
-        refs = {remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd()): i for i in range(plan["tasks"])}
+        refs = {remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd(), upload_to): i
+                for i in range(plan["tasks"])}
         pending = list(refs)
         seconds: dict[int, float] = {}
         with TaskProgress(cfg, plan["tasks"]) as tick:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import json
 import os
 import time
@@ -21,6 +22,7 @@ from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_jour
 from vlmprep.builder.owner import own_task
 from vlmprep.builder.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.builder.progress import record_progress
+from vlmprep.builder.store import Uploader
 from vlmprep.builder.totals import (
     SAMPLE_FIELDS,
     TOTAL_KEYS,
@@ -162,8 +164,9 @@ def _task_records(plan: dict, index: int, cfg: BuildConfig, journal: Journal) ->
 
 
 def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, cfg: BuildConfig,
-                   renderer: Renderer) -> None:
-    """Records -> shards and partial rejects, checkpointing the journal whenever a shard closes."""
+                   renderer: Renderer, uploader: Uploader | None) -> None:
+    """Records -> shards and partial rejects, checkpointing the journal whenever a shard closes (and then, for an
+    --out in a store, uploading the shard)."""
     totals = state.totals
     t0 = time.monotonic()
     # The workers fork first: before the progress bar's thread starts (record_workers).
@@ -177,6 +180,8 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
                 # a shard closed inside this record: the journal's durable point is the record's end
                 state.writer.finish_shard()
                 state.checkpoint(rej, rows, pos + 1)
+                if uploader is not None:
+                    uploader.shards(state.writer.shards)
             elapsed = max(time.monotonic() - t0, 1e-9)
             progress.update(bar, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
                             rejects=totals["rejected"])
@@ -204,23 +209,33 @@ def _finish_task(state: _TaskState, plan: dict, digest: str) -> dict:
 
 
 def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None = None,
-             processor_dir: Path | None = None) -> dict:
+             processor_dir: Path | None = None, upload_to: str | None = None) -> dict:
     """One task of the plan: its records -> its shards (final names), tasks/task-NNNNN.rejects.jsonl and .samples.jsonl,
     then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
-    from its journal and ends byte-identical. Returns the task manifest."""
+    from its journal and ends byte-identical. upload_to: the --out URL the task's files go to as they land (out is
+    then the local stage). Returns the task manifest."""
     out = Path(out)
     (out / TASKS_DIR).mkdir(exist_ok=True)
     with own_task(out, index):  # one run of a task at a time, whatever executor started it
-        return _run_owned_task(out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir)
+        uploader = Uploader(upload_to, out) if upload_to else None
+        try:
+            return _run_owned_task(out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir,
+                                   uploader=uploader)
+        finally:
+            if uploader is not None:
+                with contextlib.suppress(Exception):  # the task's own error, if any, is the one to raise
+                    uploader.close()
 
 
 def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
-                    processor_dir: Path | None) -> dict:
+                    processor_dir: Path | None, uploader: Uploader | None) -> dict:
     digest = plan_digest(plan)
     files = TaskFiles(out, index, shard_prefix(plan, index))
     done = load_task_manifest(files)
     if done is not None and done.get("plan") == digest:
         _clean_up(files)  # killed between its manifest and its clean-up: only the clean-up is left to do
+        if uploader is not None:  # killed before its files were all up: those missing in the bucket go now
+            uploader.task_done(files, done)
         return done
     check_inputs_unchanged(plan)
     processor_dir = Path(processor_dir or out / plan["processor"]["dir"])
@@ -229,5 +244,8 @@ def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, rend
     journal = _start_or_resume(files, {"plan": digest, "task": index})
     state = _resume_state(files, journal, cfg, plan)
     _write_records(state, _task_records(plan, index, cfg, journal), plan["cuts"][index]["records"], cfg=cfg,
-                   renderer=renderer)
-    return _finish_task(state, plan, digest)
+                   renderer=renderer, uploader=uploader)
+    manifest = _finish_task(state, plan, digest)
+    if uploader is not None:
+        uploader.task_done(files, manifest)
+    return manifest

@@ -3,12 +3,14 @@ or not at all (temp file, fsync, rename), and the sha256 that vouches for a fini
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmprep.shards.format import DATASET_INDEX_NAME
 from vlmprep_schemas.boundary import open_no_follow
 
 MANIFEST_NAME = "manifest.json"  # written last: its presence means the dataset is complete
@@ -26,6 +28,21 @@ SHARD_GLOB = "shard-*.tar"  # every shard name plan.shard_prefix makes; a .tar o
 TMP_SUFFIX = ".tmp"
 # What a finished task leaves under tasks/: its manifest (written last), rejects and sample list.
 TASK_SUFFIXES = (".json", ".rejects.jsonl", ".samples.jsonl")
+
+
+# The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
+# files, manifest, rejects, plan and journal with their temp copies, the dataset's sample index): what a new plan
+# clears, and nothing else.
+DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME,
+                                     DATASET_INDEX_NAME) for g in (name, f"{name}.*"))
+# Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
+BUILD_FILES = DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
+
+
+def is_ours(name: str, patterns: tuple[str, ...] = BUILD_FILES) -> bool:
+    """Whether a name in --out (its first part, for a name inside a dir: `tasks/...`) is one vlmprep gives."""
+    top = name.split("/", 1)[0]
+    return any(fnmatch.fnmatch(top, g) for g in patterns)
 
 
 def task_file(index: int, suffix: str) -> str:

@@ -1,0 +1,166 @@
+"""--out in a store (issue 46.3 and 46.4), against moto's S3 server on loopback: the bucket ends holding the local
+build's files byte for byte (the merge's rewritten shard included, manifest last); a build killed mid-way resumes on a
+machine without its stage from what the bucket holds, re-running only unfinished tasks; --plan-only, --task-index in
+scratch dirs of their own and `vlmprep merge URL` work with nothing shared but the bucket; a prefix holding files no
+build wrote is refused."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer import test_remote
+from tests.trainer.conftest import ROOT
+from tests.vlmprep.conftest import OPTS, planned_cfg, tree_hashes
+from vlmprep.builder.pipeline import build
+from vlmprep.builder.store import STAGE_ENV, stage_for
+
+s3_server = test_remote.s3_server  # moto's S3 server on loopback, module-scoped
+
+
+@pytest.fixture
+def bucket(s3_server, tmp_path, monkeypatch, request):
+    """A new empty bucket per test, and this test's own stage root."""
+    import s3fs
+
+    monkeypatch.setenv(STAGE_ENV, str(tmp_path / "stages"))
+    fs = s3fs.S3FileSystem()
+    name = f"out-{request.node.name.lower().replace('_', '-')[:40].strip('-')}"
+    fs.mkdir(name)
+    return fs, name
+
+
+def _objects(fs, prefix: str) -> dict:
+    import hashlib
+
+    fs.invalidate_cache()
+    return {k[len(prefix) + 1:]: hashlib.sha256(fs.cat_file(k)).hexdigest() for k in sorted(fs.find(prefix))}
+
+
+# OPTS on the command line
+FLAGS = ["--seq-len", str(OPTS["seq_len"]), "--samples-per-shard", str(OPTS["samples_per_shard"]), "--chat-template",
+         OPTS["chat_template"], "--max-reject-fraction", "1", "--min-turn-coverage", "0"]
+
+
+def _local(d: Path) -> dict:
+    return {k: v for k, v in tree_hashes(d).items() if not k.endswith(".lock")}
+
+
+def test_a_build_into_s3_holds_the_local_build_byte_for_byte(bucket, task_traces, local3, tmp_path):
+    fs, name = bucket
+    ref, ref_res = local3
+    url = f"s3://{name}/ds"
+    res = build(planned_cfg(task_traces, url, tasks=3, workers=2))
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+    assert res.manifest == ref_res.manifest and str(res.out) == url
+    assert not stage_for(url).exists()  # removed once the manifest is up
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    os.environ["VLMPREP_CACHE"] = str(tmp_path / "cache")
+    try:
+        r = CliRunner().invoke(app, ["verify", url])
+    finally:
+        del os.environ["VLMPREP_CACHE"]
+    assert r.exit_code == 0 and "OK" in r.output, r.output
+
+
+def test_a_prefix_holding_files_no_build_wrote_is_refused(bucket, task_traces, tmp_path):
+    from vlmprep.builder.workers import BuildError
+
+    fs, name = bucket
+    fs.pipe(f"{name}/ds/notes.txt", b"mine")
+    with pytest.raises(BuildError, match=rf"--out s3://{name}/ds holds files no vlmprep build wrote \(notes.txt\)"):
+        build(planned_cfg(task_traces, f"s3://{name}/ds", tasks=3))
+    fs.invalidate_cache()
+    assert fs.find(f"{name}/ds") == [f"{name}/ds/notes.txt"]
+
+
+def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_traces, local3, tmp_path):
+    """SIGKILL once task 0's manifest is in the bucket; the stage is then deleted (another machine): the rerun fetches
+    the plan and the finished tasks, runs the rest, and the bucket holds the local build; task 0's shards were not
+    uploaded again."""
+    fs, name = bucket
+    ref, _ = local3
+    url = f"s3://{name}/ds"
+    args = ["build", "--in", str(task_traces), "--out", url, "--tasks", "3", "--workers", "1", "--no-progress", *FLAGS]
+    proc = subprocess.Popen([sys.executable, "-m", "vlmprep", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        fs.invalidate_cache()
+        if fs.exists(f"{name}/ds/tasks/task-00000.json"):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{name}/ds/manifest.json"), "the build ended before it could be killed"
+    first = sorted(k for k in fs.find(f"{name}/ds") if Path(k).name.startswith("shard-00000-"))
+    assert first, "task 0 finished without shards"
+    before = {k: fs.info(k)["LastModified"] for k in first}
+    import shutil
+
+    shutil.rmtree(stage_for(url))
+    r = subprocess.run([sys.executable, "-m", "vlmprep", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from {url}" in r.stderr
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+    fs.invalidate_cache()
+    assert {k: fs.info(k)["LastModified"] for k in first} == before
+
+
+def test_plan_tasks_and_merge_share_nothing_but_the_bucket(bucket, task_traces, local3, tmp_path, monkeypatch):
+    """--plan-only on one "machine", each --task-index in a scratch dir of its own, `vlmprep merge URL` on a third
+    (each with its own stage root): the bucket holds the local build."""
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    fs, name = bucket
+    ref, _ = local3
+    url = f"s3://{name}/ds"
+    base = ["--out", url, "--no-progress"]
+    monkeypatch.setenv(STAGE_ENV, str(tmp_path / "planner"))
+    r = CliRunner().invoke(app, ["build", "--in", str(task_traces), *base, "--tasks", "3", "--plan-only", *FLAGS])
+    assert r.exit_code == 0, r.output
+    for i in range(3):
+        monkeypatch.setenv(STAGE_ENV, str(tmp_path / f"task{i}"))
+        r = CliRunner().invoke(app, ["build", *base, "--task-index", str(i)])
+        assert r.exit_code == 0, r.output
+        assert not (tmp_path / f"task{i}").exists()
+    monkeypatch.setenv(STAGE_ENV, str(tmp_path / "merger"))
+    r = CliRunner().invoke(app, ["merge", url, "--max-reject-fraction", "1", "--min-turn-coverage", "0"])
+    assert r.exit_code == 0, r.output
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+
+
+@pytest.mark.slow  # make-test budget: a Ray cluster's start (~12 s on 2 cores) and two 3-task builds
+def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(bucket, task_traces, tmp_path,
+                                                                             monkeypatch):
+    """Inputs and --out in the bucket, --executor ray: each Ray task runs in a scratch dir of its own (fetching the
+    plan and processor from the bucket, uploading its files), the driver merges what the bucket holds; the bucket then
+    holds a local one-machine build of the same inputs, byte for byte. The driver runs from an empty dir."""
+    ray = pytest.importorskip("ray")
+    fs, name = bucket
+    fs.pipe(f"{name}/in/traces.jsonl", task_traces.read_bytes())
+    fs.invalidate_cache()
+    src = f"s3://{name}/in/traces.jsonl"
+    ref = tmp_path / "ref"
+    build(planned_cfg(src, ref, tasks=3, workers=2))
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        url = f"s3://{name}/ds"
+        build(planned_cfg(src, url, tasks=3, workers=2, executor="ray"))
+    finally:
+        ray.shutdown()
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+    assert list((tmp_path / "empty").iterdir()) == []

@@ -1,0 +1,272 @@
+"""--out in a store (s3://, gs://, hf://; memory:// in tests): the build runs in a local stage dir exactly as a local
+build does, and what lands there is uploaded as it lands: each shard (and its sample index) once the task's journal
+holds it, a task's rejects and sample list and then its manifest when it ends, the merged dataset's files after the
+merge and manifest.json last. A PUT lands whole or not at all, so the bucket never holds part of a file.
+
+Resume: a killed build resumes from its stage (the same machine); without it (another machine, a lost disk), from the
+bucket: the plan, the processor and every finished task (manifest, lists, shards) are fetched back and only the
+unfinished tasks run again, so the unit of resume from a bucket is the task (`--tasks N`). The stage holds the
+dataset until the manifest is uploaded, then is removed.
+
+No shared filesystem: a task run anywhere (a Ray worker, `--task-index`) fetches the plan and processor into its own
+scratch stage, runs, uploads, and leaves nothing behind; the merge fetches the finished tasks into the driver's stage.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import json
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from vlmprep.builder.workers import BuildError
+from vlmprep.locations import LocationError, is_url, url_fs
+from vlmprep.shards.dataset import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PLAN_NAME,
+    PROCESSOR_DIR,
+    TASKS_DIR,
+    TMP_SUFFIX,
+    TaskFiles,
+    is_ours,
+    task_file,
+)
+from vlmprep.shards.format import index_name
+
+STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
+# A stage's files that are the local run's own state, never uploaded: locks, journals, partial lists, temp files.
+_LOCAL_ONLY = (LOCK_NAME, "*.lock", "*.journal.json", "*.partial", f"*{TMP_SUFFIX}", "*.part", "*.old")
+
+
+def is_store(out: str) -> bool:
+    """Whether --out names a store's prefix rather than a local dir."""
+    return is_url(str(out))
+
+
+def stage_for(url: str) -> Path:
+    """The local stage of an --out URL: one per URL, so a rerun on this machine resumes from it."""
+    root = Path(os.environ.get(STAGE_ENV) or Path.home() / ".cache" / "vlmprep" / "stage")
+    return root / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def _local_only(name: str) -> bool:
+    return any(fnmatch.fnmatch(Path(name).name, g) for g in _LOCAL_ONLY)
+
+
+class Bucket:
+    """A dataset prefix in a store: list, put and get files by their names inside the dataset."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = url_fs(self.url, where="--out")
+        self.root = self.root.rstrip("/")
+
+    def _key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def names(self) -> dict[str, int]:
+        """Every object under the prefix -> its size, by its name inside the dataset."""
+        try:
+            self.fs.invalidate_cache()
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:  # noqa: BLE001 - each store raises its own kinds
+            raise LocationError(f"--out {self.url}: cannot list it: {_why(e)}") from None
+        cut = len(self.root) + 1
+        return {k[cut:]: int(v.get("size") or 0) for k, v in found.items()
+                if k.startswith(self.root + "/") and v.get("type", "file") == "file"}
+
+    def put(self, local: Path, name: str) -> None:
+        """Upload one file as the object `name` (a PUT: the object appears whole or not at all)."""
+        try:
+            self.fs.put_file(str(local), self._key(name))
+        except Exception as e:  # noqa: BLE001
+            raise LocationError(f"--out {self.url}: uploading {name} failed: {_why(e)}") from None
+
+    def get(self, name: str, local: Path, size: int | None = None) -> None:
+        """Fetch one object to `local` (NAME.part, then renamed): a kill never leaves part of one under its name."""
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise LocationError(f"--out {self.url}: {name!r} is outside the dataset; refusing it")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        part = local.with_name(local.name + ".part")
+        part.unlink(missing_ok=True)  # never written through a planted link
+        try:
+            self.fs.get_file(self._key(name), str(part))
+        except Exception as e:  # noqa: BLE001
+            raise LocationError(f"--out {self.url}: fetching {name} failed: {_why(e)}") from None
+        if size is not None and part.stat().st_size != size:
+            raise LocationError(f"--out {self.url}: {name} is {part.stat().st_size} bytes fetched, {size} listed")
+        os.replace(part, local)
+
+    def remove(self, names: list[str]) -> None:
+        """Delete these objects (one already gone is fine)."""
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._key(name))
+
+
+def _why(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+class Uploader:
+    """Uploads a task's files from the stage as they become final, on one background thread (a bounded queue of
+    names, so a slow store slows the task instead of piling up). close() waits and raises the first failure."""
+
+    def __init__(self, url: str, stage: Path):
+        self.bucket, self.stage = Bucket(url), Path(stage)
+        self.sent: set[str] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=8)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="vlmprep-upload", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (name := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self.bucket.put(self.stage / name, name)
+                except BaseException as e:  # noqa: BLE001 - raised on the task's thread by send() / close()
+                    self._error = e
+
+    def send(self, *names: str) -> None:
+        """Queue files of the stage for upload (each once); a failed upload before is raised here."""
+        if self._error is not None:
+            raise self._error
+        for name in names:
+            if name not in self.sent:
+                self.sent.add(name)
+                self._queue.put(name)
+
+    def shards(self, shards: list) -> None:
+        """Each finished shard (ShardInfo or its json) and its sample index not sent yet."""
+        for s in shards:
+            s = s if isinstance(s, dict) else s.to_json()
+            self.send(s["name"], *([s["index"]["name"]] if s.get("index") else []))
+
+    def task_done(self, files: TaskFiles, manifest: dict) -> None:
+        """A finished task: its shards (those sent before a kill may be missing: sent again where the bucket lacks
+        them), its lists, then its manifest once all else is up."""
+        have = self.bucket.names()
+        for s in manifest["shards"]:
+            for n, size in [(s["name"], s["bytes"])] + ([(s["index"]["name"], s["index"]["bytes"])]
+                                                         if s.get("index") else []):
+                if have.get(n) == size:  # up already (this run, or a run before the kill)
+                    self.sent.add(n)
+                else:
+                    self.sent.discard(n)
+        self.shards(manifest["shards"])
+        self.send(task_file(files.index, ".rejects.jsonl"), task_file(files.index, ".samples.jsonl"))
+        self.close()
+        self.bucket.put(files.manifest, task_file(files.index, ".json"))
+
+    def close(self) -> None:
+        """Wait for every queued upload; raise the first that failed."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def check_bucket(bucket: Bucket, *, overwrite: bool) -> dict[str, int]:
+    """The prefix's objects; refused when it holds files no vlmprep build wrote (unless --overwrite)."""
+    have = bucket.names()
+    foreign = sorted(n for n in have if not is_ours(n))  # the same names a local --out is judged by
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise BuildError(f"--out {bucket.url} holds files no vlmprep build wrote ({shown}); build into an empty or "
+                         "new prefix, or pass --overwrite to build beside them")
+    return have
+
+
+def pull_plan(bucket: Bucket, stage: Path, have: dict[str, int]) -> bool:
+    """The plan and the processor, into a stage; False where the bucket holds no plan. The plan comes last: a plan
+    in the stage means the processor is there too."""
+    if PLAN_NAME not in have:
+        return False
+    for name in sorted(n for n in have if n.startswith(PROCESSOR_DIR + "/")):
+        bucket.get(name, stage / name, have[name])
+    bucket.get(PLAN_NAME, stage / PLAN_NAME, have[PLAN_NAME])
+    return True
+
+
+def pull_task(bucket: Bucket, stage: Path, have: dict[str, int], index: int) -> bool:
+    """A finished task as the bucket holds it (lists and shards, its manifest last), into a stage; False where the
+    task is not finished there (no manifest, or one without its files: the task runs again)."""
+    name = task_file(index, ".json")
+    if name not in have:
+        return False
+    fetched = stage / (name + ".part")
+    bucket.get(name, fetched, have[name])
+    done = json.loads(fetched.read_text(encoding="utf-8"))
+    wanted = [task_file(index, ".rejects.jsonl"), task_file(index, ".samples.jsonl")]
+    for s in done.get("shards", []):
+        wanted += [s["name"]] + ([s["index"]["name"]] if s.get("index") else [])
+    if not all(n in have for n in wanted):
+        fetched.unlink()
+        return False
+    for n in wanted:
+        bucket.get(n, stage / n, have[n])
+    os.replace(fetched, stage / name)
+    return True
+
+
+def pull(bucket: Bucket, stage: Path, have: dict[str, int]) -> None:
+    """What the bucket holds of a build, into an empty stage: the plan, the processor and each finished task. An
+    unfinished task's shards are left in the bucket: the task runs again and overwrites them."""
+    if not any(n == PLAN_NAME for n in have):
+        return
+    (stage / TASKS_DIR).mkdir(parents=True, exist_ok=True)
+    for name in sorted(n for n in have if fnmatch.fnmatch(n, f"{TASKS_DIR}/task-[0-9]*.json")):
+        pull_task(bucket, stage, have, int(Path(name).name[5:10]))
+    pull_plan(bucket, stage, have)
+
+
+def push_plan(bucket: Bucket, stage: Path) -> None:
+    """The plan and the processor, before any task starts: a task anywhere, or a later resume, starts from them."""
+    for p in sorted((stage / PROCESSOR_DIR).rglob("*")):
+        if p.is_file() and not _local_only(p.name):
+            bucket.put(p, p.relative_to(stage).as_posix())
+    bucket.put(stage / PLAN_NAME, PLAN_NAME)
+
+
+def push_dataset(bucket: Bucket, stage: Path, manifest: dict, tasks: list[dict]) -> None:
+    """After the merge: every file of the dataset the bucket lacks or holds otherwise (the merge rewrites the shards
+    that held ids repeated across tasks), objects of an older build that the dataset no longer has removed, and
+    manifest.json last."""
+    have = bucket.names()
+    sent = {s["name"]: s["sha256"] for m in tasks for s in m["shards"]}
+    local = {p.relative_to(stage).as_posix(): p for p in sorted(stage.rglob("*"))
+             if p.is_file() and not _local_only(p.name) and p.name != MANIFEST_NAME}
+    for name, p in local.items():
+        shard = next((s for s in manifest["shards"] if s["name"] == name), None)
+        changed = shard is not None and sent.get(name) != shard["sha256"]
+        if changed or have.get(name) != p.stat().st_size or not (name.endswith(".tar") or
+                                                                 name.endswith(index_name(".tar"))):
+            bucket.put(p, name)
+    bucket.remove([n for n in have if n not in local and n != MANIFEST_NAME and is_ours(n)])
+    bucket.put(stage / MANIFEST_NAME, MANIFEST_NAME)
+
+
+@contextlib.contextmanager
+def scratch_stage(url: str, index: int):
+    """A task's own stage where no shared filesystem is: a new temp dir, removed after."""
+    d = Path(tempfile.mkdtemp(prefix=f"vlmprep-task-{index}-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def say(line: str) -> None:
+    """One progress line of a store build, on stderr."""
+    print(f"vlmprep build: {line}", file=sys.stderr)
