@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 import sys
 from inspect import Parameter, Signature, signature
 from pathlib import Path
@@ -32,13 +31,22 @@ def _fail(e: BaseException) -> None:
     raise typer.Exit(1)
 
 
-def _local_dir(value: str, command: str) -> str:
-    """verify, stats and inspect read a local dir: a URL (as a Path, `http:/host/...`) would be called missing."""
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):
-        _fail(UserError(f"{value}: a URL; vlmprep {command} reads a local dataset dir: download the dataset first "
-                        "(e.g. `hf download REPO --repo-type dataset --local-dir DIR`, `aws s3 sync URL DIR`); the "
-                        "trainer reads URLs directly (--data URL)"))
-    return value
+def _local_dir(value: str, command: str, shards: list[str] | None = None) -> tuple[Path, str]:
+    """verify, stats and inspect read a local dir: a dataset URL is copied into the cache first (shards/remote.py;
+    `shards`: only these of its shards) and the copy read. -> (the dir to read, what to call it: the URL for a copy).
+    A URL as a Path (`http:/host/...`) would be called missing."""
+    from vlmprep.shards.remote import fetch_dataset, is_dataset_url
+
+    if not is_dataset_url(value):
+        return Path(value), str(Path(value))
+    from vlmprep.tools.per_shard import shard_progress
+
+    try:
+        with shard_progress("fetch", "files") as progress:
+            return fetch_dataset(value, shards=shards, on_file=progress,
+                                 say=lambda line: typer.echo(f"vlmprep {command}: {line}", err=True)), value
+    except UserError as e:
+        _fail(e)
 
 
 def _parsed_ok(parse):
@@ -146,7 +154,7 @@ def build(**opts) -> None:
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
 @app.command()
 def merge(
-    root: Annotated[Path, typer.Argument(help="A dataset dir whose plan's tasks have all finished.")],
+    root: Annotated[str, typer.Argument(help="A dataset dir (or store prefix) whose plan's tasks have all finished.")],
     max_reject_fraction: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the "
                                "records is rejected; 1 = never.")] = default("max_reject_fraction"),
@@ -160,14 +168,13 @@ def merge(
 
     Reads every sample's line of the tasks' sample lists (ids repeated across tasks are rejected here) and hashes
     every shard: time grows with the sample count and the bytes (docs/scale.md)."""
-    from vlmprep.builder.pipeline import RejectsError, check_dataset
+    from vlmprep.builder.pipeline import RejectsError
     from vlmprep.builder.pipeline import merge as merge_dir
     from vlmprep.shards.summary import format_build_summary
 
     try:
-        manifest = merge_dir(root)
-        check_dataset(manifest, root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction,
-                      min_turn_coverage=min_turn_coverage)
+        manifest = merge_dir(root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction,
+                             min_turn_coverage=min_turn_coverage)
     except RejectsError as e:
         typer.echo(format_build_summary(e.manifest, root))
         _fail(e)
@@ -178,7 +185,8 @@ def merge(
 
 @app.command()
 def verify(
-    root: Annotated[str, typer.Argument(help="A built dataset dir.")],
+    root: Annotated[str, typer.Argument(help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: "
+                                             "copied into the cache first).")],
     quick: Annotated[bool, typer.Option(
         help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
     workers: Annotated[Optional[int], typer.Option(
@@ -192,7 +200,7 @@ def verify(
     from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.verify import verify_dataset
 
-    root = Path(_local_dir(root, "verify"))
+    root, shown = _local_dir(root, "verify")
 
     try:
         with shard_progress("verify") as progress:
@@ -203,9 +211,9 @@ def verify(
     for v in violations:
         typer.echo(f"FAIL {v}")
     if violations:
-        typer.echo(f"{len(violations)} violation(s) in {root}", err=True)
+        typer.echo(f"{len(violations)} violation(s) in {shown}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"OK {root}: manifest, shards" + ("" if quick else " and every sample") + " verified")
+    typer.echo(f"OK {shown}: manifest, shards" + ("" if quick else " and every sample") + " verified")
 
 
 @app.command()
@@ -213,28 +221,38 @@ def verify(
 @_with_options(INSPECT_FIELDS, fields=INSPECT_FIELDS)  # inspect's own options first, from InspectConfig
 def inspect(
     path: Annotated[str, typer.Argument(
-        help="A built dataset dir, or raw input (.jsonl / .jsonl.zst / .json, a dir of them).")],
+        help="A built dataset dir or its URL, or raw input (.jsonl / .jsonl.zst / .json, a dir of them; or a URL of "
+             "one).")],
     **opts,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts.
 
     --id and --index find their samples through the shards' sample index (reading the index files, not the samples);
-    a dataset built without one, and --only truncated, read every sample's meta until --limit is reached."""
-    from vlmprep.tools.inspector import run_inspect
+    a dataset built without one, and --only truncated, read every sample's meta until --limit is reached.
 
-    _local_dir(path, "inspect")
+    A dataset URL is copied into the cache first (docs/inspect-and-stats.md): every shard, however small --limit,
+    unless --shard names one (--only rejected: none)."""
+    import dataclasses
+
+    from vlmprep.records import SUFFIXES
+    from vlmprep.tools.inspector import run_inspect, shards_read
+
     try:
         raw = {k: v for k, v in _config_values(opts, RAW_OPTIONS).items() if v is not None}
         if opts["keep_images"] == "all":
             raw["keep_images"] = "all"  # given, unlike None: overrides --like's last:N
-        run_inspect(InspectConfig(path=path, **{name: opts[name] for name in INSPECT_FIELDS}, build_options=raw))
+        cfg = InspectConfig(path=path, **{name: opts[name] for name in INSPECT_FIELDS}, build_options=raw)
+        if not path.endswith(SUFFIXES):  # raw input in a store is read where it is, as build reads an --in URL
+            cfg = dataclasses.replace(cfg, path=str(_local_dir(path, "inspect", shards_read(cfg))[0]))
+        run_inspect(cfg)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
 
 
 @app.command()
 def stats(
-    root: Annotated[str, typer.Argument(help="A built dataset dir.")],
+    root: Annotated[str, typer.Argument(help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: "
+                                             "copied into the cache first).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
     html: Annotated[Optional[str], typer.Option(
         help="Also write a self-contained HTML report with histograms to this file.")] = None,
@@ -258,7 +276,7 @@ def stats(
     from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.stats import compute_stats, format_stats
 
-    root = Path(_local_dir(root, "stats"))
+    root, shown = _local_dir(root, "stats")
 
     rows: dict[str, list] | None = {} if samples else None
     written = []
@@ -266,6 +284,7 @@ def stats(
         with shard_progress("stats") as progress:
             st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress,
                                sample_rows=rows)
+        st["dir"] = shown  # a URL's copy by the URL
         if html:
             from vlmprep.tools.stats_report import write_stats_report
 

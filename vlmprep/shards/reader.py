@@ -71,14 +71,21 @@ def load_manifest(d: Path) -> dict:
         manifest = load_json(p.read_bytes(), str(p), LIMITS.manifest_bytes)
     except ValueError as e:
         raise ShardFormatError(str(e)) from None
+    check_manifest(manifest, str(p))
+    processor_dir(d, manifest)
+    return manifest
+
+
+def check_manifest(manifest, where: str) -> dict:
+    """A parsed manifest (read from `where`), refused unless its format_version is one this vlmprep reads and its
+    values have the schema's types (the paths it names are dataset_paths' to check)."""
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
-        raise ShardFormatError(f"{p}: format_version {version!r} is not supported (this vlmprep reads "
+        raise ShardFormatError(f"{where}: format_version {version!r} is not supported (this vlmprep reads "
                                f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
     problem = schema_problem(manifest, "manifest.schema.json")
     if problem:
-        raise ShardFormatError(f"{p} does not match the manifest schema: {problem}")
-    processor_dir(d, manifest)
+        raise ShardFormatError(f"{where} does not match the manifest schema: {problem}")
     return manifest
 
 

@@ -96,6 +96,15 @@ def _iter_indexed(cfg: InspectConfig, d: Path, manifest: dict) -> Iterator[Inspe
             yield sample_from_stored(ts)
 
 
+def shards_read(cfg: InspectConfig) -> list[str] | None:
+    """The shards of a built dataset that inspect may read for `cfg`: --shard's alone, none for --only rejected
+    (rejects.jsonl), else None: any (which shard holds the --limit-th match is known only by reading them in order).
+    What the copy of a dataset URL fetches (shards/remote.py)."""
+    if cfg.only == "rejected":
+        return []
+    return None if cfg.shard is None else [cfg.shard]
+
+
 def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
     p = dataset_path(d, REJECTS_NAME)
     if not p.is_file():

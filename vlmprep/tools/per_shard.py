@@ -50,12 +50,13 @@ def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int,
 
 
 @contextlib.contextmanager
-def shard_progress(title: str) -> Iterator[Callable[[int, int], None]]:
-    """A progress bar over a dataset's shards on stderr when it is a terminal; yields show(done, total). Redrawn on
-    each call, with no refresh thread: worker processes then fork from a process that has one thread."""
+def shard_progress(title: str, unit: str = "shards") -> Iterator[Callable[[int, int], None]]:
+    """A progress bar over a dataset's shards (or other `unit`) on stderr when it is a terminal; yields
+    show(done, total). Redrawn on each call, with no refresh thread: worker processes then fork from a process that
+    has one thread."""
     from rich.console import Console
 
-    bar = progress_bar(f"[bold]{title}", "shards", disable=not sys.stderr.isatty(), console=Console(stderr=True),
+    bar = progress_bar(f"[bold]{title}", unit, disable=not sys.stderr.isatty(), console=Console(stderr=True),
                        auto_refresh=False)
     with bar:
         task = bar.add_task(title, total=None)

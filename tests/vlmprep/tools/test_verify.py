@@ -240,22 +240,6 @@ def test_workers_check_shards_in_processes_and_report_the_same_in_manifest_order
     assert verify_dataset(ds, workers=1) != []  # in this process the patch never dies
 
 
-@pytest.mark.parametrize("command", ["verify", "stats", "inspect"])
-@pytest.mark.parametrize("url", ["http://example.com/ds/", "s3://bucket/ds", "hf://datasets/org/ds"])
-def test_a_url_is_named_as_one_not_mangled_into_a_missing_path(command, url):
-    """`vlmprep verify http://host/ds` used to look for the local path `http:/host/ds` and advise a rebuild."""
-    from typer.testing import CliRunner
-
-    from vlmprep.cli import app
-
-    res = CliRunner().invoke(app, [command, url])
-    lines = [ln for ln in res.output.splitlines() if ln.strip()]
-    assert res.exit_code == 1 and len(lines) == 1, res.output
-    assert lines[0] == (f"error: {url}: a URL; vlmprep {command} reads a local dataset dir: download the dataset "
-                        "first (e.g. `hf download REPO --repo-type dataset --local-dir DIR`, `aws s3 sync URL DIR`); "
-                        "the trainer reads URLs directly (--data URL)")
-
-
 def test_an_undecodable_sample_is_reported_and_its_correct_index_row_is_not(tmp_path):
     """A sample whose image member is garbage (the same size, resealed): verify names the sample; the sidecar's row,
     which still describes the sample's bytes, is not reported too (before: 'row N does not describe sample ...')."""

@@ -1,0 +1,253 @@
+"""A dataset URL (s3://, gs://, hf://, http(s)://; memory:// in tests) -> a local copy in the cache, which verify, stats
+and inspect then read as any dataset dir: manifest.json first (bounded, its names checked), then exactly the files it
+names, each bounded and checked against the manifest's size and sha256 where it gives them; manifest.json lands last.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from vlmprep.locations import READ_BLOCK, LocationError, url_fs
+from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, sha256_file, write_bytes_atomic
+from vlmprep.shards.reader import ShardFormatError, check_manifest
+from vlmprep.types import UserError
+from vlmprep_schemas.boundary import (
+    MAX_CONFIG_BYTES,
+    MAX_VOCAB_BYTES,
+    PROCESSOR_FILES,
+    REMOTE,
+    UnsafeDataset,
+    dataset_file,
+    dataset_paths,
+    open_no_follow,
+)
+from vlmprep_schemas.limits import LIMITS, load_json
+
+CACHE_SUBDIR = "datasets"  # under $VLMPREP_CACHE (default ~/.cache/vlmprep): one dir per dataset URL
+LOCK_NAME = ".fetch.lock"  # held while a copy is fetched: two commands on one URL take turns, never mix .part files
+# rejects.jsonl has no size in the manifest: a bound all the same (stats holds every line in memory anyway).
+REJECTS_BYTES = 4 << 30
+_VOCABULARIES = ("tokenizer.json", "vocab.json", "tekken.json")  # tens of MB, where a config is KBs
+
+
+class FetchError(UserError):
+    """A dataset URL that cannot be copied: missing, unreadable, or its bytes not what its manifest says. One line
+    naming the URL (never a credential: a URL with one is refused before it is used)."""
+
+
+@dataclass(frozen=True)
+class _File:
+    """One file to copy: its name inside the dataset, the most bytes read of it, and what the manifest says of it."""
+
+    name: str
+    limit: int
+    size: int | None = None
+    sha256: str | None = None
+    optional: bool = False  # absent at the URL: none here either (a file this processor does not have)
+
+
+def is_dataset_url(value: str) -> bool:
+    """Whether a command's DIR argument names a URL (any scheme://) rather than a local path."""
+    head, sep, _ = value.partition("://")
+    return bool(sep) and head.isascii() and head[:1].isalpha() and all(c.isalnum() or c in "+.-" for c in head)
+
+
+def cache_dir(url: str) -> Path:
+    """Where the copy of dataset `url` lives: $VLMPREP_CACHE/datasets/<sha256(url)[:16]> (~/.cache/vlmprep without
+    $VLMPREP_CACHE), one dir per URL (a trailing / ignored) so a second run finds what the first fetched."""
+    from vlmprep.processors.builtin import default_cache_dir  # the one place the cache root is decided
+
+    return default_cache_dir() / CACHE_SUBDIR / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def fetch_dataset(url: str, *, shards: Sequence[str] | None = None, say: Callable[[str], None] | None = None,
+                  on_file: Callable[[int, int], None] | None = None) -> Path:
+    """Dataset `url` -> its local copy (cache_dir), ready for any reader of a dataset dir. Fetched: manifest.json
+    (at most LIMITS.manifest_bytes, its names checked as every reader checks them: plain names inside the dataset),
+    the shards and their sample indexes, the dataset's sample index, rejects.jsonl and the processor's own files
+    (vlmprep_schemas.boundary.PROCESSOR_FILES; not additional_chat_templates/, which no reader of shards needs).
+    `shards`: only these of the manifest's shards (names with or without .tar; unknown names are left to the reader
+    to refuse) and their indexes; None: all, with the dataset's index. Trade-off: a file the manifest gives a sha256
+    for is kept when the copy already has it (read once to hash it); rejects.jsonl and the processor files are
+    fetched on every call. Files of an older copy that the manifest no longer names are removed; manifest.json is
+    written last. `say(line)`: one line when the copy starts; `on_file(done, total)`: after each file.
+    Raises FetchError (a UserError): one line."""
+    if not url.startswith(REMOTE):
+        raise FetchError(f"{url}: not a dataset location this vlmprep reads: a local dir, or a URL of "
+                         f"{', '.join(s for s in REMOTE if s != 'memory://')}")
+    base = url.rstrip("/")
+    try:
+        fs, root = url_fs(base, where="the dataset URL")  # a URL with credentials in it: refused, never echoed
+    except LocationError as e:
+        raise FetchError(str(e)) from None
+    store = _Store(fs, root.rstrip("/"), base)
+    data = store.read(MANIFEST_NAME, LIMITS.manifest_bytes, missing=f"{url}: no {MANIFEST_NAME} there: not a vlmprep "
+                      "dataset, or not a finished one (a build writes its manifest last), or not at this URL")
+    manifest, named, processor = _manifest(data, base)
+    files = _files(manifest, processor, shards)
+    dest = cache_dir(url)
+    dest.mkdir(parents=True, exist_ok=True)
+    if say:
+        say(f"copying {url} into {dest} (files already there with the manifest's sha256 are kept)")
+    with _locked(dest / LOCK_NAME):
+        for k, f in enumerate(files):
+            store.fetch(f, dest)
+            if on_file:
+                on_file(k + 1, len(files))
+        _prune(dest, keep=named | {f.name for f in files})
+        write_bytes_atomic(dest / MANIFEST_NAME, data)
+    return dest
+
+
+def _manifest(data: bytes, base: str) -> tuple[dict, set[str], str]:
+    """The manifest's bytes -> (the manifest, every file name it gives inside the dataset: shards and sample indexes,
+    its processor dir's name), checked as every reader of a dataset checks them (reader.check_manifest,
+    boundary.dataset_paths: plain names inside the dataset, no '..', absolute path or URL), before any is fetched."""
+    where = f"{base}/{MANIFEST_NAME}"
+    try:
+        manifest = check_manifest(load_json(data, where, LIMITS.manifest_bytes), where)
+        paths = dataset_paths(base, manifest, where=where)
+    except (ValueError, ShardFormatError) as e:  # UnsafeDataset is a ValueError
+        raise FetchError(str(e)) from None
+    cut = len(base) + 1
+    named = {u[cut:] for u in (*paths.shards, *paths.indexes, paths.sample_index) if u is not None}
+    return manifest, named, paths.processor[cut:]
+
+
+def _files(manifest: dict, processor: str, shards: Sequence[str] | None) -> list[_File]:
+    """What to copy, in the order a reader wants it: the processor's files, rejects.jsonl, the shards (each with its
+    sample index), the dataset's sample index."""
+    out = [_File(f"{processor}/{n}", MAX_VOCAB_BYTES if n in _VOCABULARIES or not n.endswith(".json")
+                 else MAX_CONFIG_BYTES, optional=True) for n in PROCESSOR_FILES]
+    out.append(_File(REJECTS_NAME, REJECTS_BYTES, optional=True))
+    wanted = None if shards is None else {s if s.endswith(".tar") else s + ".tar" for s in shards}
+    for s in manifest["shards"]:
+        if wanted is None or s["name"] in wanted:
+            out.append(_File(s["name"], s["bytes"], s["bytes"], s["sha256"]))
+            if s.get("index"):
+                out.append(_File(s["index"]["name"], s["index"]["bytes"], s["index"]["bytes"], s["index"]["sha256"]))
+    whole = manifest.get("sample_index")
+    if whole and shards is None:
+        out.append(_File(whole["name"], whole["bytes"], whole["bytes"], whole["sha256"]))
+    return out
+
+
+def _reason(e: BaseException) -> str:
+    """A store library's exception -> the first line of what it says (each library raises its own kinds)."""
+    if isinstance(e, FileNotFoundError):
+        return "no such file or object"
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+@dataclass(frozen=True)
+class _Store:
+    """The dataset's prefix in its store: `root` is its path for fsspec, `base` its URL (what messages name)."""
+
+    fs: object
+    root: str
+    base: str
+
+    def chunks(self, name: str, limit: int) -> Iterator[bytes]:
+        """File `name` in READ_BLOCK range reads, stopped one byte past `limit` whatever the server sends (one that
+        ignores Range, never ends, or gzip-encodes far more than it sends). FileNotFoundError where it is absent;
+        FetchError naming its URL on any other fault."""
+        url = f"{self.base}/{name}"
+        try:
+            f = self.fs.open(f"{self.root}/{name}", "rb", block_size=READ_BLOCK, cache_type="readahead")
+        except FileNotFoundError as e:
+            # fsspec's HTTP calls every failed request "not found": a refused connection or a 403 is no missing file
+            if e.__cause__ is None or getattr(e.__cause__, "status", None) in (404, 410):
+                raise
+            raise FetchError(f"cannot read {url}: {_reason(e.__cause__)}") from None
+        except Exception as e:  # noqa: BLE001 - botocore, aiohttp, huggingface_hub each raise their own
+            raise FetchError(f"cannot read {url}: {_reason(e)}") from None
+        got = 0
+        with f:
+            while got <= limit:
+                try:
+                    chunk = f.read(min(READ_BLOCK, limit + 1 - got))
+                except Exception as e:  # noqa: BLE001
+                    raise FetchError(f"cannot read {url}: {_reason(e)}") from None
+                if not chunk:
+                    return
+                got += len(chunk)
+                yield chunk
+
+    def read(self, name: str, limit: int, *, missing: str) -> bytes:
+        """A whole small file (the manifest), at most `limit` bytes; FetchError `missing` where it is absent."""
+        try:
+            data = b"".join(self.chunks(name, limit))
+        except FileNotFoundError:
+            raise FetchError(missing) from None
+        if len(data) > limit:
+            raise FetchError(f"{self.base}/{name} is more than {limit} bytes, more than a reader accepts; refusing it")
+        return data
+
+    def fetch(self, f: _File, root: Path) -> None:
+        """One file into the copy at `root` (NAME.part, opened without following a link, then renamed over NAME),
+        unless the copy has it with the manifest's size and sha256 already. A size or sha256 other than the
+        manifest's is one FetchError naming its URL, and nothing is kept of it."""
+        url = f"{self.base}/{f.name}"
+        try:  # a link planted in the cache is not followed out of it
+            dest = Path(dataset_file(str(root), f.name, where=str(root), what="file"))
+        except UnsafeDataset as e:
+            raise FetchError(str(e)) from None
+        if f.sha256 and dest.is_file() and not dest.is_symlink() and dest.stat().st_size == f.size \
+                and sha256_file(dest) == f.sha256:
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        h, got = hashlib.sha256(), 0
+        try:
+            with open_no_follow(part, "wb") as out:
+                for chunk in self.chunks(f.name, f.limit):
+                    h.update(chunk)
+                    out.write(chunk)
+                    got += len(chunk)
+        except FileNotFoundError:
+            part.unlink(missing_ok=True)
+            if not f.optional:
+                raise FetchError(f"cannot read {url}: no such file or object, but the manifest lists it") from None
+            dest.unlink(missing_ok=True)  # an older copy's file this dataset no longer has
+            return
+        except OSError as e:  # the cache's disk (full, read-only), or a link planted at NAME.part
+            part.unlink(missing_ok=True)
+            raise FetchError(f"cannot copy {url} into {root}: {_reason(e)}") from None
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        problem = (f"more than {f.limit} bytes, more than a reader accepts" if got > f.limit
+                   else f"{got} bytes, but the manifest lists {f.size}" if f.size is not None and got != f.size
+                   else "its sha256 differs from the manifest's" if f.sha256 and h.hexdigest() != f.sha256 else None)
+        if problem:
+            part.unlink()
+            raise FetchError(f"{url}: {problem}: changed or damaged in storage; refusing it")
+        os.replace(part, dest)
+
+
+def _prune(root: Path, keep: set[str]) -> None:
+    """Remove what the copy holds beyond `keep` (names inside it) and the lock: an older manifest's shards (verify
+    would call them unlisted), a processor file the dataset no longer has, a .part a killed run left."""
+    for top, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(top, n), root).replace(os.sep, "/")
+            if rel not in keep and rel not in (LOCK_NAME, MANIFEST_NAME):
+                os.unlink(os.path.join(top, n))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created; never through a planted link), released on exit."""
+    from vlmprep_schemas.boundary import open_fd_no_follow
+
+    fd = open_fd_no_follow(path, "lock")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
