@@ -120,3 +120,40 @@ def test_a_build_from_s3_equals_the_local_one_and_a_changed_input_is_refused(s3_
     res = CliRunner().invoke(app, ["build", "--out", str(tmp_path / "o"), "--task-index", "0", "--no-progress"])
     assert res.exit_code == 1 and "s3://in-bucket/in/a.jsonl.zst changed after the plan was made" in res.output, \
         res.output
+
+
+def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_path):
+    """A 190 MB .jsonl.zst (256 MB of 1 MB lines) on a loopback HTTP server: the build streams it in range reads;
+    its peak memory grows by under 100 MB (the limit) over a build of a 4-line file in the same process, so neither
+    the object nor its decompressed lines are ever held whole (each line is rejected: the test measures the reader)."""
+    import base64
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.range_server import RangeServer
+    from tests.trainer.conftest import ROOT
+    from tests.vlmprep.test_tables import _PEAK
+    from vlmprep.locations import READ_BLOCK
+
+    served = tmp_path / "served"
+    served.mkdir()
+    pad = base64.b64encode(os.urandom(3 << 18)).decode()  # 1 MiB of text that compresses to ~0.75 MiB
+    for name, n in (("small", 4), ("big", 256)):
+        zc = zstandard.ZstdCompressor(level=1)
+        with open(served / f"{name}.jsonl.zst", "wb") as f, zc.stream_writer(f) as w:
+            for i in range(n):
+                line = {"id": f"r{i}", "messages": [{"role": "user", "content": "?"}], "pad": pad[i:] + pad[:i]}
+                w.write((json.dumps(line) + "\n").encode())
+    assert (served / "big.jsonl.zst").stat().st_size > 150 << 20
+    with RangeServer(served) as srv:
+        r = subprocess.run([sys.executable, "-c", _PEAK, f"{srv.url}/small.jsonl.zst", f"{srv.url}/big.jsonl.zst",
+                            str(tmp_path / "o1"), str(tmp_path / "o")],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        longest = max((int(b) - int(a) + 1 for _, p, rng, _ in srv.server.log if rng and p.endswith("big.jsonl.zst")
+                       for a, b in [rng[len("bytes="):].split("-")]), default=0)
+    before, peak = map(int, r.stdout.split()[-2:])
+    assert peak - before < 100, (before, peak, r.stderr[-2000:])
+    assert 0 < longest <= READ_BLOCK + (1 << 20)  # range reads of a block and the read past it, never the object
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["totals"]["records"] == 256 and manifest["totals"]["samples"] == 0

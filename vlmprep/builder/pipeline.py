@@ -442,7 +442,7 @@ def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Render
                        upload_to: str | None) -> dict[int, float]:
     """T > 1 on this machine: --workers processes, each running whole tasks (its processor loaded once)."""
     one = BuildConfig.from_plan(plan["config"], out=str(out), workers=1, progress=False)
-    env = {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)} if upload_to else {}
+    env = {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)}
     jobs = [(str(out), plan, one, i, upload_to, env) for i in range(plan["tasks"])]
     seconds: dict[int, float] = {}
     with TaskProgress(cfg, plan["tasks"]) as tick:

@@ -50,6 +50,8 @@ def _local(d: Path) -> dict:
 
 
 def test_a_build_into_s3_holds_the_local_build_byte_for_byte(bucket, task_traces, local3, tmp_path):
+    """The bucket holds the local 3-task build's files (the merge's rewritten shard included); `vlmprep verify URL`
+    passes; the trainer trains a step from the URL; the secret key is in no output, run file or object."""
     fs, name = bucket
     ref, ref_res = local3
     url = f"s3://{name}/ds"
@@ -67,6 +69,14 @@ def test_a_build_into_s3_holds_the_local_build_byte_for_byte(bucket, task_traces
     finally:
         del os.environ["VLMPREP_CACHE"]
     assert r.exit_code == 0 and "OK" in r.output, r.output
+    from tests.trainer.conftest import run_trainer
+
+    proc = run_trainer(["--data", url, "--out", tmp_path / "run", "--max-steps", "1", "--num-workers", "0"])
+    assert "trainer: done at step 1" in proc.stdout + proc.stderr
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in proc.stdout + proc.stderr + r.output
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not [k for k in fs.find(f"{name}/ds") if secret.encode() in fs.cat_file(k)]
 
 
 def test_a_prefix_holding_files_no_build_wrote_is_refused(bucket, task_traces, tmp_path):
@@ -110,6 +120,7 @@ def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_t
                        timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from {url}" in r.stderr
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in r.stdout + r.stderr
     assert _objects(fs, f"{name}/ds") == _local(ref)
     fs.invalidate_cache()
     assert {k: fs.info(k)["LastModified"] for k in first} == before
