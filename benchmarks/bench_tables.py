@@ -1,11 +1,14 @@
 """Table ingest benchmark: the same records as `.jsonl.zst` (images as data URIs) and as Parquet (images as bytes
 cells), built with one worker back to back in this process: records/s of each and their ratio (goal: Parquet >= 1.0x
 the JSONL). Two record shapes: short VQA records (LLaMA-Factory's demo, in the TRL layout: a few small JPEGs each) and
-the demo agent traces (OpenAI layout, `messages` as a JSON string column)."""
+the demo agent traces (OpenAI layout, `messages` as a JSON string column). Then the same inputs read from an S3 store
+(moto's server on loopback, where installed) beside the local files, and with --out in the bucket too (goal:
+>= 0.9x)."""
 from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import zstandard
@@ -15,6 +18,7 @@ from benchmarks.emit import emit
 from benchmarks.inputs import OUT, records, traces
 
 GOAL = 1.0
+GOAL_S3 = 0.9
 DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces" / "llamafactory_mllm_demo.jsonl"
 
 
@@ -73,7 +77,53 @@ def run(quick: bool) -> list[dict]:
                          ratio=round(rate["parquet"] / rate["jsonl_zst"], 3), goal=GOAL,
                          input_mb={"jsonl_zst": round(jsonl.stat().st_size / 1e6, 1),
                                    "parquet": round(table.stat().st_size / 1e6, 1)}))
+        rows += _from_s3(shape, [jsonl, table], len(recs), d)
     return rows
+
+
+def _from_s3(shape: str, files: list[Path], n: int, d: Path) -> list[dict]:
+    """The shape's inputs built from moto's S3 server on loopback and from the local files, back to back."""
+    import os
+
+    try:
+        import s3fs
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        return [emit("tables", metric="s3_vs_local", shape=shape, skipped="moto[s3] and s3fs not installed")]
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request on stderr
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps one per endpoint-less key: a new server, a new client
+    try:
+        fs = s3fs.S3FileSystem()
+        if not fs.exists("bench"):  # moto's store lives as long as the process: a second shape finds it
+            fs.mkdir("bench")
+        here = d / f"local-{shape}"  # the same two files as a local dir
+        shutil.rmtree(here, ignore_errors=True)
+        here.mkdir()
+        for f in files:
+            fs.pipe(f"bench/{shape}/{f.name}", f.read_bytes())
+            shutil.copyfile(f, here / f.name)
+        local, _ = timed_build(here, d / f"out-{shape}-local", workers=1)
+        remote, _ = timed_build(f"s3://bench/{shape}/", d / f"out-{shape}-s3", workers=1)
+        os.environ["VLMPREP_STAGE"] = str(d / "stage")  # --out in the bucket too: built in a stage, uploaded
+        both, _ = timed_build(f"s3://bench/{shape}/", f"s3://bench/out-{shape}", workers=1)
+    finally:
+        os.environ.pop("VLMPREP_STAGE", None)
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        srv.stop()
+    return [emit("tables", metric="s3_vs_local", shape=shape, records=2 * n, local_seconds=round(local, 2),
+                 s3_seconds=round(remote, 2), ratio=round(local / remote, 3), goal=GOAL_S3,
+                 s3_in_and_out_seconds=round(both, 2), ratio_in_and_out=round(local / both, 3))]
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ REQUIRED = {
     ("build", "speedup_2_workers"): {"ratio", "goal"},
     ("build", "shard_bytes_vs_input"): {"image_format", "input_decoded_bytes", "shard_bytes", "ratio"},
     ("tables", "ingest"): {"shape", "records", "jsonl_zst_records_per_s", "parquet_records_per_s", "ratio", "goal"},
+    ("tables", "s3_vs_local"): {"shape", "records", "local_seconds", "s3_seconds", "ratio", "goal"},
     ("build", "peak_rss"): {"workers", "main_rss_mb_small", "main_rss_mb_big", "worker_rss_mb_big", "ratio"},
     ("startup", "worker_ready"): {"imports_seconds", "ready_beyond_imports_seconds", "first_render_seconds", "goal_seconds",
                                   "forked_pool_workers_ready_seconds"},
