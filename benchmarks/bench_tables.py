@@ -11,20 +11,12 @@ import json
 import shutil
 from pathlib import Path
 
-import zstandard
-
 from benchmarks.bench_build import timed_build
 from benchmarks.emit import emit
-from benchmarks.inputs import OUT, records, traces
+from benchmarks.inputs import OUT, jsonl_zst, records, traces, vqa_demo
 
 GOAL = 1.0
 GOAL_S3 = 0.9
-DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces" / "llamafactory_mllm_demo.jsonl"
-
-
-def _jsonl_zst(recs: list[dict], path: Path) -> Path:
-    path.write_bytes(zstandard.ZstdCompressor(level=3).compress("".join(json.dumps(r) + "\n" for r in recs).encode()))
-    return path
 
 
 def _trl(r: dict) -> dict:
@@ -54,9 +46,8 @@ def run(quick: bool) -> list[dict]:
     d = OUT / "tables"
     d.mkdir(parents=True, exist_ok=True)
     shapes = []
-    if DEMO.is_file():
-        demo = [json.loads(line) for line in DEMO.read_text().splitlines()]
-        vqa = [{**r, "id": f"{r['id']}#{k}"} for k in range(2 if quick else 100) for r in demo]
+    vqa = vqa_demo(2 if quick else 100)
+    if vqa:
         shapes.append(("vqa_trl", vqa, [_trl(r) for r in vqa], {}))
     agent = records(traces(4 if quick else 64, width=640, height=400))
     shapes.append(("agent_oai_json", agent, [{"id": r["id"], "messages": json.dumps(r["messages"]),
@@ -64,7 +55,7 @@ def run(quick: bool) -> list[dict]:
                                               for r in agent], {}))
     rows = []
     for shape, recs, table_rows, kw in shapes:
-        jsonl = _jsonl_zst(recs, d / f"{shape}.jsonl.zst")
+        jsonl = jsonl_zst(recs, d / f"{shape}.jsonl.zst")
         table = _parquet(table_rows, d / f"{shape}.parquet")
         seconds = {}
         for name, inp in (("jsonl_zst", jsonl), ("parquet", table)):

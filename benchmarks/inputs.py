@@ -12,6 +12,8 @@ import zstandard
 from scripts.demo_traces import write_traces
 
 OUT = Path("bench-out")
+# LLaMA-Factory's multimodal demo (6 short chats, 1-2 small JPEGs each): the short-record shape
+DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces" / "llamafactory_mllm_demo.jsonl"
 _DATA_URI = re.compile(rb'"data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)"')
 
 
@@ -24,6 +26,21 @@ def traces(n: int, *, width: int = 1280, height: int = 720, min_images: int = 2,
         path.parent.mkdir(parents=True, exist_ok=True)
         write_traces(path, n=n, seed=seed, width=width, height=height, min_images=min_images, max_images=max_images,
                      overlong_fraction=overlong_fraction, text_only_fraction=text_only_fraction)
+    return path
+
+
+def vqa_demo(copies: int) -> list[dict]:
+    """The demo's records `copies` times over, ids made unique; [] where ../shared/data is absent."""
+    if not DEMO.is_file():
+        return []
+    demo = [json.loads(line) for line in DEMO.read_text().splitlines()]
+    return [{**r, "id": f"{r['id']}#{k}"} for k in range(copies) for r in demo]
+
+
+def jsonl_zst(recs: list[dict], path: Path) -> Path:
+    """Records as a .jsonl.zst file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(zstandard.ZstdCompressor(level=3).compress("".join(json.dumps(r) + "\n" for r in recs).encode()))
     return path
 
 

@@ -83,6 +83,11 @@ def process_record(raw: RawRecord):
     return _RENDERER.process(raw)
 
 
+def process_records(raws: list[RawRecord]) -> list:
+    """In a pool worker: a run of consecutive records -> their results, in order (one hand-off for several)."""
+    return [_RENDERER.process(raw) for raw in raws]
+
+
 @contextlib.contextmanager
 def record_workers(cfg: BuildConfig, renderer: Renderer) -> Iterator[ProcessPoolExecutor | None]:
     """cfg.workers processes forked from this one, each with its own copy of `renderer` (None for one worker: records
@@ -116,6 +121,23 @@ def pool_failure(e: BrokenProcessPool, where: str) -> str:
             "or with --workers 1 to see the record in this process")
 
 
+BATCH_RECORDS = 8  # records handed to a worker at once: a short record's own work is a few ms, as is a hand-off,
+BATCH_BYTES = 256 << 10  # so short ones travel together; a record of more input bytes than this travels alone
+
+
+def _batches(records) -> Iterator[list[RawRecord]]:
+    batch, size = [], 0
+    for raw in records:
+        n = raw.size or len(raw.text or b"")
+        if batch and (len(batch) >= BATCH_RECORDS or size + n > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(raw)
+        size += n
+    if batch:
+        yield batch
+
+
 def ordered_results(cfg: BuildConfig, records, renderer: Renderer, pool: ProcessPoolExecutor | None):
     """Yield (position, result) in input order with a bounded read-ahead window (constant memory); pool: the
     record_workers of cfg and renderer."""
@@ -123,15 +145,15 @@ def ordered_results(cfg: BuildConfig, records, renderer: Renderer, pool: Process
         for raw in records:
             yield raw.position, renderer.process(raw)
         return
-    window: collections.deque = collections.deque()  # (position, source, future), oldest first
+    window: collections.deque = collections.deque()  # (positions, source, future) of each batch, oldest first
     try:
-        for raw in records:
-            window.append((raw.position, raw.source, pool.submit(process_record, raw)))
+        for batch in _batches(records):
+            window.append(([r.position for r in batch], batch[0].source, pool.submit(process_records, batch)))
             if len(window) >= cfg.workers * 4:
-                yield window[0][0], window[0][2].result()
+                yield from zip(window[0][0], window[0][2].result())
                 window.popleft()
         while window:
-            yield window[0][0], window[0][2].result()
+            yield from zip(window[0][0], window[0][2].result())
             window.popleft()
     except BrokenProcessPool as e:
         src = window[0][1] if window else None
