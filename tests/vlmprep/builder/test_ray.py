@@ -80,12 +80,18 @@ def test_a_local_build_never_imports_ray():
 
 @pytest.mark.slow  # make-test budget: needs the cluster (~20 s with its start)
 @pytest.mark.usefixtures("cluster")
-def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, tmp_path):
+def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, local3, tmp_path):
+    import json
+
     from vlmprep.builder.pipeline import BuildError
 
-    # --strict makes the broken line (traces.jsonl:6) fatal inside whichever Ray task reads it.
+    # --strict makes a task's first reject (the broken line traces.jsonl:6, an overlong turn, ...) fatal inside
+    # whichever Ray task reads it first: the line is one of the non-strict build's rejects, with its reason.
     with pytest.raises(BuildError) as e:
         build(planned_cfg(task_traces, tmp_path / "ds", tasks=3, executor="ray", strict=True))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("Ray task "), msg
-    assert f"failed: --strict: {task_traces}:6: invalid_json: " in msg, msg
+    rejects = [json.loads(line) for line in (local3[0] / "rejects.jsonl").read_text().splitlines()]
+    said = [f"failed: --strict: {r['source']['file']}:{r['source']['line']}: {r['reason']}: " for r in rejects
+            if r["reason"] != "duplicate_id"]  # found by the merge, never inside a task
+    assert any(s in msg for s in said), (msg, said)
