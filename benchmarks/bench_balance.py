@@ -51,7 +51,7 @@ def imbalance(tokens: np.ndarray) -> float:
 
 
 def run(quick: bool, n: int | None = None, world: int = 8) -> list[dict]:
-    from trainer.shards import ShardRef, plan_shards
+    from trainer.data.sources import ShardRef, plan_shards
 
     n = n or (64 if quick else 1000)
     inp = traces(n, width=160, height=100, max_images=25)  # token counts only: small screenshots, same structure

@@ -106,7 +106,7 @@ def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps:
 def decode_in_order(member: str, stored: list[bytes], prepared: list, prefixes: list) -> list[np.ndarray]:
     """Each stored screenshot through the loader's own decode, in order: a .pdelta.zst member's prefix payload (the
     one before, where it has one) kept from the last decode, as the loader keeps it within a sample."""
-    from trainer.decode import _decoded_size, decode_image_into
+    from trainer.data.decode import _decoded_size, decode_image_into
 
     out, keep = [], {}
     for p, data, q in zip(prepared, stored, prefixes):

@@ -12,7 +12,7 @@ from benchmarks.emit import emit
 
 
 def samples(n: int, seed: int = 0):
-    from trainer.decode import DecodedSample
+    from trainer.data.decode import DecodedSample
 
     rng = np.random.default_rng(seed)
     out = []
@@ -29,7 +29,7 @@ def samples(n: int, seed: int = 0):
 def run(quick: bool) -> list[dict]:
     import torch
 
-    from trainer.collate import CollateSpec, collate, keep_freed_buffers
+    from trainer.data.collate import CollateSpec, collate, keep_freed_buffers
 
     torch.set_num_threads(1)
     keep_freed_buffers()  # as the trainer does at start

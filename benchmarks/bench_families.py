@@ -45,8 +45,8 @@ def records(n: int, path: Path) -> list[dict]:
 def _spec(ds: Path, name: str):
     """The trainer's collate spec for the dataset, as a run makes it (a tiny model of the family for its ids)."""
     from trainer.config import ModelOptions, TrainConfig
+    from trainer.data.pipeline import RunData, _load_image_spec, collate_spec_of
     from trainer.model import build_model, tiny_vocab
-    from trainer.rundata import RunData, _load_image_spec, collate_spec_of
 
     processor = str(ds / "processor")
     image = _load_image_spec(TrainConfig(data=str(ds), tiny_random=name), processor)
@@ -57,10 +57,10 @@ def _spec(ds: Path, name: str):
 def loader_pass(ds: Path, name: str, pixels: bool) -> tuple[float, int]:
     """One pass of the trainer's data path (micro-batch 1, in this process): seconds, samples. pixels=False: the
     floor, samples read and decoded, no pixel inputs made."""
-    from trainer.collate import collate
-    from trainer.data import RankStream
-    from trainer.shards import resolve_data
-    from trainer.vision import Patchifier
+    from trainer.data.collate import collate
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import RankStream
+    from trainer.data.vision import Patchifier
 
     image, cspec = _spec(ds, name)
     patchify = Patchifier(image, "cpu") if cspec.host is None else None

@@ -213,11 +213,11 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     import numpy.random  # (numpy imports it lazily, at the schedule's first seed: an import, not data work)
     import torch
 
-    from trainer.collate import CollateSpec
     from trainer.config import Batching, TrainConfig
-    from trainer.data import EpochSchedule, StepLoader
-    from trainer.integrity import ShardCheck, expected_sha256
-    from trainer.rundata import fit_span, open_data, predict_steps, rank_sources
+    from trainer.data.collate import CollateSpec
+    from trainer.data.integrity import ShardCheck, expected_sha256
+    from trainer.data.pipeline import fit_span, open_data, predict_steps, rank_sources
+    from trainer.data.streams import EpochSchedule, StepLoader
 
     # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op
     # (~0.5 ms here) is not part of it: paid here too, before the clock starts.
@@ -257,7 +257,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "sha256_s": t4 - t3, "samples": samples,
            "shards": shards, "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
     if first_step:
-        from trainer.cache import ShardCache, remote_shards
+        from trainer.data.cache import ShardCache, remote_shards
 
         shard_cache = None
         if remote_shards(sources) or (check is not None and check.deferred):  # step 1 waits for its own shards' hashes
@@ -382,7 +382,7 @@ def run(quick: bool) -> list[dict]:
 
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer
-    from trainer.storage import fetch
+    from trainer.data.storage import fetch
 
     d = merged[sizes[0]][0]
     manifest = json.loads((d / "manifest.json").read_text())

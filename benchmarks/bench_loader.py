@@ -22,11 +22,11 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     """One epoch of the trainer's data path on one rank; returns seconds, samples, tokens, images. With
     pixels=False it stops at the collated batch of uint8 images: what the DataLoader workers do when the
     rescale/normalize/patchify runs on the training GPU."""
-    from trainer.collate import CollateSpec, keep_freed_buffers
     from trainer.config import Batching
-    from trainer.data import MicroBatcher, RankStream, sample_loader
-    from trainer.shards import load_image_processor_config, plan_shards, resolve_data
-    from trainer.vision import ImageSpec, Patchifier
+    from trainer.data.collate import CollateSpec, keep_freed_buffers
+    from trainer.data.sources import load_image_processor_config, plan_shards, resolve_data
+    from trainer.data.streams import MicroBatcher, RankStream, sample_loader
+    from trainer.data.vision import ImageSpec, Patchifier
 
     keep_freed_buffers()  # as the trainer does at start-up: batches and images reuse freed heap
     source = resolve_data(str(ds))
@@ -180,10 +180,10 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
 
 
 def integrity_row(ds: Path, loader_s: float) -> dict:
-    """The trainer's start-up check (trainer/integrity.py: every shard's sha256 against the manifest, page cache
+    """The trainer's start-up check (trainer/data/integrity.py: every shard's sha256 against the manifest, page cache
     warm, one core) against one pass of the loader's worker path over the same dataset: what checking costs."""
-    from trainer.integrity import ShardCheck, expected_sha256
-    from trainer.shards import resolve_data
+    from trainer.data.integrity import ShardCheck, expected_sha256
+    from trainer.data.sources import resolve_data
 
     source = resolve_data(str(ds))
     want, nbytes = expected_sha256(source), sum(s.num_bytes for s in source.shards)

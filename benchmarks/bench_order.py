@@ -54,9 +54,9 @@ def trajectories(ds: Path) -> dict[tuple[str, int], tuple[str, str, int]]:
 
 
 def _loader_parts(ds: Path):
-    from trainer.collate import CollateSpec
-    from trainer.shards import load_image_processor_config, resolve_data
-    from trainer.vision import ImageSpec
+    from trainer.data.collate import CollateSpec
+    from trainer.data.sources import load_image_processor_config, resolve_data
+    from trainer.data.vision import ImageSpec
 
     source = resolve_data(str(ds))
     spec = ImageSpec.from_config(load_image_processor_config(source.processor))
@@ -67,8 +67,8 @@ def _loader_parts(ds: Path):
 def rank_setup(datasets: list[tuple[str, Path, float]], *, world: int, cache: Path):
     """As trainer/train.py sets up each rank: plan_shards per dataset, then each rank's indexed sources."""
     from trainer.config import DataSpec
-    from trainer.rundata import rank_sources
-    from trainer.shards import plan_shards
+    from trainer.data.pipeline import rank_sources
+    from trainer.data.sources import plan_shards
 
     specs = tuple(DataSpec(path=str(p), name=n, weight=w) for n, p, w in datasets)
     sources = [_loader_parts(p)[0] for _, p, _ in datasets]
@@ -81,7 +81,7 @@ def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle
     """One real StepLoader per simulated rank, as trainer/train.py makes it: the epoch schedule (rank_sources)
     when the sample shuffle is on or several datasets mix, else the rank's shards read in sequence."""
     from trainer.config import Batching
-    from trainer.data import EpochSchedule, ShardSequence, StepLoader
+    from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader
 
     sources, plans, per_rank = rank_setup(datasets, world=world, cache=cache)
     _, spec, cs = _loader_parts(datasets[0][1])
@@ -125,8 +125,8 @@ def simulated_steps(per_rank: list, *, epoch: int, shuffle: bool, pack_to: int, 
     sequential reader's order: its shards in the seeded per-epoch order, samples in tar order), cut by the real
     Packer or by count into micro-batches; a step is grad_accum micro-batches of every rank. Samples are
     (shard name, index in shard)."""
-    from trainer.order import schedule
-    from trainer.pack import Packer
+    from trainer.data.order import schedule
+    from trainer.data.pack import Packer
 
     ranks = []
     for sources in per_rank:
@@ -177,9 +177,9 @@ BATCHINGS = [  # (ranks, label, options); the first is also checked against the 
 def tiled_ranks(ds: Path, copies: int, world: int):
     """The dataset's sample index repeated `copies` times as distinct shards of distinct trajectories (no files:
     the order and the Packer need only token counts), planned over `world` ranks as rank_sources does."""
-    from trainer.index import ShardIndex, index_shard
-    from trainer.order import RankSource
-    from trainer.shards import ShardRef, plan_shards
+    from trainer.data.index import ShardIndex, index_shard
+    from trainer.data.order import RankSource
+    from trainer.data.sources import ShardRef, plan_shards
 
     source, _, _ = _loader_parts(ds)
     meta = trajectories(ds)
@@ -256,9 +256,9 @@ def sorted_input(ds: Path, *, shards: int, per_shard: int, tasks: int, epochs: i
     """An input sorted by task (most are): `shards` equal shards of `per_shard` samples (lengths drawn from the
     dataset's), task = which of `tasks` equal runs of the input a sample is in; 8 ranks, same-task pairs within a
     global batch without vs with the shuffle vs uniform. Equal shards give every rank the same sample count."""
-    from trainer.index import ShardIndex, index_shard
-    from trainer.order import RankSource
-    from trainer.shards import ShardRef, plan_shards
+    from trainer.data.index import ShardIndex, index_shard
+    from trainer.data.order import RankSource
+    from trainer.data.sources import ShardRef, plan_shards
 
     source, _, _ = _loader_parts(ds)
     pool = [(int(t), int(r)) for s in source.shards for ix in [index_shard(s.url)]
@@ -294,7 +294,7 @@ def sorted_input(ds: Path, *, shards: int, per_shard: int, tasks: int, epochs: i
 
 def trained_by_source(batch, n: int) -> np.ndarray:
     """The trainer's tokens_by_source rule (model.forward_loss): targets labels[:, 1:], by their token's source."""
-    from trainer.collate import token_sources
+    from trainer.data.collate import token_sources
 
     keep = batch.loss_mask[:, 1:].bool()
     return np.bincount(token_sources(batch)[:, 1:][keep].numpy(), minlength=n)[:n]
@@ -335,12 +335,12 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
     polled every 20 ms). Sequential: RankStream over the shards in (seeded) order; shuffle: ScheduledStream."""
     import psutil
 
-    from trainer.collate import keep_freed_buffers
     from trainer.config import DataSpec
-    from trainer.data import RankStream, ScheduledStream, epoch_shards, sample_loader
-    from trainer.order import schedule
-    from trainer.rundata import rank_sources
-    from trainer.shards import plan_shards
+    from trainer.data.collate import keep_freed_buffers
+    from trainer.data.order import schedule
+    from trainer.data.pipeline import rank_sources
+    from trainer.data.sources import plan_shards
+    from trainer.data.streams import RankStream, ScheduledStream, epoch_shards, sample_loader
 
     keep_freed_buffers()  # as the trainer does at start-up
     source, spec, _ = _loader_parts(Path(ds))

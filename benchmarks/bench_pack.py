@@ -27,7 +27,7 @@ class _Len:
 
 def packed_steps(lengths: list[int], capacity: int, window: int) -> tuple[list[list[int]], float]:
     """A rank's steps as lists of sample lengths (one row each), and the seconds the Packer took."""
-    from trainer.pack import Packer
+    from trainer.data.pack import Packer
 
     samples = [_Len(i, n) for i, n in enumerate(lengths)]
     t0 = time.perf_counter()
@@ -65,11 +65,11 @@ def summarize(per_rank: list[list[list[int]]], slots) -> dict:
 
 def loader_cost(ds: Path, n: int, capacity: int, window: int) -> dict:
     """ms per sample of Packer + collate_packed against collate of one sample per micro-batch, on decoded samples."""
-    from trainer.collate import CollateSpec, collate
-    from trainer.data import RankStream
-    from trainer.pack import Packer, collate_packed
-    from trainer.shards import load_image_processor_config, resolve_data
-    from trainer.vision import ImageSpec
+    from trainer.data.collate import CollateSpec, collate
+    from trainer.data.pack import Packer, collate_packed
+    from trainer.data.sources import load_image_processor_config, resolve_data
+    from trainer.data.streams import RankStream
+    from trainer.data.vision import ImageSpec
 
     spec = ImageSpec.from_config(load_image_processor_config(str(ds / "processor")))
     samples = []
@@ -102,7 +102,7 @@ def loader_cost(ds: Path, n: int, capacity: int, window: int) -> dict:
 
 
 def run(quick: bool, n: int | None = None, world: int = 8, window: int = 64) -> list[dict]:
-    from trainer.shards import ShardRef, plan_shards
+    from trainer.data.sources import ShardRef, plan_shards
 
     n = n or (64 if quick else 1000)
     inp = traces(n, width=160, height=100, max_images=25)  # token counts only, as in bench_balance

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_vlmprep_and_trainer_read_the_same_rule():
-    import trainer.decode as td
+    import trainer.data.decode as td
     import vlmprep.shards.format as vf
 
     assert {n: (a.dtype, a.ndim, a.since) for n, a in vf.ARRAYS.items()} == td.NPY_MEMBERS
@@ -78,9 +78,9 @@ def _records(path: Path) -> Path:
 
 
 def _trainer_samples(ds: Path):
-    from trainer.decode import OriginalResizer, decode_sample
-    from trainer.shards import iter_tar_samples, load_image_processor_config
-    from trainer.vision import ImageSpec
+    from trainer.data.decode import OriginalResizer, decode_sample
+    from trainer.data.sources import iter_tar_samples, load_image_processor_config
+    from trainer.data.vision import ImageSpec
 
     spec = ImageSpec.from_config(load_image_processor_config(str(ds / "processor")))
     out = {}
@@ -119,9 +119,9 @@ def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, q
 
 
 def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
-    from trainer.decode import OriginalResizer, decode_sample
-    from trainer.shards import iter_tar_samples, load_image_processor_config
-    from trainer.vision import ImageSpec
+    from trainer.data.decode import OriginalResizer, decode_sample
+    from trainer.data.sources import iter_tar_samples, load_image_processor_config
+    from trainer.data.vision import ImageSpec
     from vlmprep.config import BuildConfig
     from vlmprep.process import Renderer
     from vlmprep.processors.load import save_processor
@@ -271,7 +271,7 @@ def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     assert (site / "vlmprep_schemas" / "shard_format.schema.json").is_file()
     assert (site / "vlmprep" / "templates" / "qwen2_vl_tools.jinja").is_file()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    probe = subprocess.run([sys.executable, "-c", "import vlmprep, vlmprep_schemas, trainer.decode; "
+    probe = subprocess.run([sys.executable, "-c", "import vlmprep, vlmprep_schemas, trainer.data.decode; "
                             "print(vlmprep.__file__, vlmprep_schemas.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.count(str(site)) == 2, probe.stdout  # the wheel's copy, not the source tree

@@ -279,7 +279,7 @@ def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reade
     999 * 1000 / 2 times (verify 296 s on real screenshots, the webdataset client > 300 s). Every reader now reads it
     with one decompression a member (counted in vlmprep's and the trainer's decoders), inspect's lazy views in
     occurrence order included, and each occurrence gets its image."""
-    import trainer.decode
+    import trainer.data.decode
     import vlmprep.clients.wds
     import vlmprep.shards.reader
     from vlmprep.shards.reader import iter_dataset
@@ -287,7 +287,7 @@ def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reade
 
     d, forward = reversed_chain
     calls = []
-    for module in (trainer.decode, vlmprep.shards.reader):
+    for module in (trainer.data.decode, vlmprep.shards.reader):
         monkeypatch.setattr(module, "decompressor", lambda prefix, real=module.decompressor: (calls.append(prefix),
                                                                                             real(prefix))[1])
     for reader in ("verify", "trainer-stream", "trainer-indexed", INDEX_READER, "wds", "hf", "energon", "collator"):

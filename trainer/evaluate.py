@@ -11,16 +11,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from trainer.collate import CollateSpec
 from trainer.config import Batching, ConfigError, TrainConfig
-from trainer.data import ShardSequence, StepLoader
-from trainer.decode import trains_videos
-from trainer.integrity import ShardCheck, check_local_shards
+from trainer.data.collate import CollateSpec
+from trainer.data.decode import trains_videos
+from trainer.data.integrity import ShardCheck, check_local_shards
+from trainer.data.pack import check_packing
+from trainer.data.sources import DataSource, plan_shards, processor_difference, resolve_data
+from trainer.data.streams import ShardSequence, StepLoader
+from trainer.data.vision import ImageSpec, Patchifier
 from trainer.metrics import plural
 from trainer.model import forward_loss
-from trainer.pack import check_packing
-from trainer.shards import DataSource, plan_shards, processor_difference, resolve_data
-from trainer.vision import ImageSpec, Patchifier
 
 
 @dataclass

@@ -182,8 +182,8 @@ class Family:
     processor_classes: tuple[str, ...]  # the datasets' processor class (manifest processor.class)
     tiny: Callable[[Vocab], dict]  # the tiny random config's keywords (model_type included)
     tokens: tuple[str, ...]  # the named tokens the tiny config takes ids of
-    # "patchify": on the device, Qwen2-VL's patch layout (trainer/vision.py Patchifier); "processor": the dataset's
-    # own image processor on the host (trainer/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
+    # "patchify": on the device, Qwen2-VL's patch layout (trainer/data/vision.py Patchifier); "processor": the dataset's
+    # own image processor on the host (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
     resized: bool = False  # the stored pixels are the processor's resize: it runs with do_resize=False

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, ModelOptions
+from trainer.data.collate import IGNORE_INDEX, Batch
 from trainer.families import BY_NAME, Family, Vocab, family_of_model, supported_models
 
 # --tiny-random qwen2-vl without a processor to size it (tests, the docs' quick checks): Qwen2-VL's own vocabulary
@@ -37,7 +37,7 @@ def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
     """The vocabulary `--tiny-random NAME` takes from the dataset's processor (a local dir); None without one."""
     if not name or not processor_dir:
         return None
-    from trainer.shards import load_processor
+    from trainer.data.sources import load_processor
 
     processor = load_processor(processor_dir)
     try:

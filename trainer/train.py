@@ -1,4 +1,4 @@
-"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data (trainer/rundata.py) -> checkpoint
+"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data (trainer/data/pipeline.py) -> checkpoint
 load -> loop of train_step (loss = summed token losses / global trained-token count) -> metrics, checkpoints -> cleanup.
 """
 from __future__ import annotations
@@ -26,15 +26,10 @@ from trainer.checkpoint import (
     save_checkpoint,
     start_run_dir,
 )
-from trainer.collate import Batch, keep_freed_buffers, token_sources
 from trainer.config import ConfigError, ModelOptions, TrainConfig, parse_args
-from trainer.data import StepLoader
-from trainer.evaluate import EvalSet, eval_sets, evaluate
-from trainer.families import BY_NAME, Vocab
-from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
-from trainer.model import apply_fsdp, build_model, forward_loss, model_identity, tiny_vocab
-from trainer.pack import check_packing, empty_state
-from trainer.rundata import (
+from trainer.data.collate import Batch, keep_freed_buffers, token_sources
+from trainer.data.pack import check_packing, empty_state
+from trainer.data.pipeline import (
     RunData,
     collate_spec_of,
     fit_span,
@@ -44,9 +39,14 @@ from trainer.rundata import (
     processor_dir,
     shard_check,
 )
-from trainer.shards import DataError
-from trainer.storage import set_read_timeout
-from trainer.vision import Patchifier
+from trainer.data.sources import DataError
+from trainer.data.storage import set_read_timeout
+from trainer.data.streams import StepLoader
+from trainer.data.vision import Patchifier
+from trainer.evaluate import EvalSet, eval_sets, evaluate
+from trainer.families import BY_NAME, Vocab
+from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
+from trainer.model import apply_fsdp, build_model, forward_loss, model_identity, tiny_vocab
 from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
 
@@ -224,7 +224,7 @@ class Session:
         while (self.total is None or self.step < self.total) and (cfg.max_steps or self.epoch < cfg.epochs):
             t0 = time.perf_counter()
             if self.data.watch is not None:
-                self.data.watch.check()  # a build replacing the dataset stops the run here (trainer/integrity.py)
+                self.data.watch.check()  # a build replacing the dataset stops the run here (trainer/data/integrity.py)
             micro_batches = self.loader.next_step()
             wait = time.perf_counter() - t0
             totals = all_sum([sum(b.num_trained for b in micro_batches), sum(b.num_samples for b in micro_batches),

@@ -104,8 +104,8 @@ def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd") -> Pa
 
 def image_spec(d: Path):
     """The trainer's ImageSpec (with the video processor's) of dataset d."""
-    from trainer.shards import load_image_processor_config, load_video_processor_config
-    from trainer.vision import ImageSpec
+    from trainer.data.sources import load_image_processor_config, load_video_processor_config
+    from trainer.data.vision import ImageSpec
 
     loc = str(d / "processor")
     return ImageSpec.from_config(load_image_processor_config(loc), load_video_processor_config(loc))
@@ -280,7 +280,7 @@ def cli(args: list[str]) -> tuple[bool, str, str]:
 def run_reader(reader: str, d: Path, *, spec=None, collator=None) -> Outcome:
     """One reader over dataset dir d, as a user runs it; a refusal is the exception's message (libraries) or the CLI's
     output and exit 1, anything else is a crash with its traceback."""
-    from trainer.shards import DataError
+    from trainer.data.sources import DataError
     from vlmprep.shards.reader import ShardFormatError
 
     try:
@@ -308,19 +308,19 @@ def _raised_in(e: BaseException, places: tuple[str, ...]) -> str:
 
 def _read(reader: str, d: Path, spec, collator) -> list:
     import vlmprep.clients.wds as wds_client
-    from trainer.decode import OriginalResizer, decode_sample
-    from trainer.shards import resolve_data
+    from trainer.data.decode import OriginalResizer, decode_sample
+    from trainer.data.sources import resolve_data
     from vlmprep.shards.reader import load_manifest, shard_paths
 
     if reader == "trainer-stream":
-        from trainer.data import RankStream
+        from trainer.data.streams import RankStream
 
         return list(RankStream(list(resolve_data(str(d)).shards), start=0, spec=spec))
     if reader == INDEX_READER:
         from trainer.config import DataSpec
-        from trainer.index import read_indexed
-        from trainer.rundata import rank_sources
-        from trainer.shards import plan_shards
+        from trainer.data.index import read_indexed
+        from trainer.data.pipeline import rank_sources
+        from trainer.data.sources import plan_shards
 
         data = resolve_data(str(d))
         (source,), _ = rank_sources((DataSpec(path=str(d)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
@@ -333,7 +333,7 @@ def _read(reader: str, d: Path, spec, collator) -> list:
                                          resize_original=OriginalResizer(spec)))
         return out
     if reader == "trainer-indexed":
-        from trainer.index import index_shard, read_indexed
+        from trainer.data.index import index_shard, read_indexed
 
         out = []
         for shard in resolve_data(str(d)).shards:

@@ -45,8 +45,8 @@ def dataset(tmp_path_factory, traces) -> Path:
 
 @pytest.fixture(scope="session")
 def image_spec(dataset):
-    from trainer.shards import load_image_processor_config
-    from trainer.vision import ImageSpec
+    from trainer.data.sources import load_image_processor_config
+    from trainer.data.vision import ImageSpec
 
     return ImageSpec.from_config(load_image_processor_config(str(dataset / "processor")))
 
@@ -96,7 +96,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def read_all_samples(dataset: Path, spec) -> list:
     """Every sample of the dataset in manifest order, decoded in-process."""
-    from trainer.data import RankStream
-    from trainer.shards import resolve_data
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import RankStream
 
     return list(RankStream(list(resolve_data(str(dataset)).shards), start=0, spec=spec))

@@ -40,10 +40,10 @@ def final_model(run_dir, **model_kw):
 def reference_eval(net, pattern: str, image_spec) -> tuple[float, int, int]:
     """(mean token loss, trained tokens, samples) over every sample of `pattern`, one sample per forward with full
     logits: no batching, packing, FSDP, logits_to_keep or all-reduce involved."""
-    from trainer.collate import CollateSpec, collate
-    from trainer.data import RankStream
-    from trainer.shards import resolve_data
-    from trainer.vision import Patchifier
+    from trainer.data.collate import CollateSpec, collate
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import RankStream
+    from trainer.data.vision import Patchifier
 
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
     patchify = Patchifier(image_spec, "cpu")
@@ -87,13 +87,13 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     from torch's generator: without the fork, training's next dropout mask would differ."""
     import torch.distributed as dist
 
-    from trainer.collate import CollateSpec
     from trainer.config import Batching, ModelOptions
-    from trainer.data import ShardSequence, StepLoader
+    from trainer.data.collate import CollateSpec
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import ShardSequence, StepLoader
+    from trainer.data.vision import Patchifier
     from trainer.evaluate import EvalSet, evaluate
     from trainer.model import build_model
-    from trainer.shards import resolve_data
-    from trainer.vision import Patchifier
 
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, lora_rank=4, lora_dropout=0.3))
     torch.manual_seed(1)
@@ -170,7 +170,7 @@ def test_eval_options_parse_round_trip_and_may_change_on_resume(tmp_path):
     assert TrainConfig(data="d", tiny_random="qwen2-vl").eval_sources == ()
 
     from trainer.checkpoint import run_identity
-    from trainer.shards import DataSource
+    from trainer.data.sources import DataSource
 
     def identity(c):
         return run_identity(c, datasets=[(c.sources[0], DataSource((), None, None))], model={}, image_config={},
@@ -203,8 +203,8 @@ def test_the_training_data_as_eval_data_is_warned_not_refused(dataset, tmp_path,
     warning line at start-up: its loss is no held-out loss. Not refused: it is a fair check of fit."""
     import shutil
 
-    from trainer.rundata import eval_overlap, log_plans, open_data
-    from trainer.shards import DataSource, ShardRef, resolve_data
+    from trainer.data.pipeline import eval_overlap, log_plans, open_data
+    from trainer.data.sources import DataSource, ShardRef, resolve_data
 
     copy = tmp_path / "copy"
     shutil.copytree(dataset, copy)

@@ -15,11 +15,11 @@ from PIL import Image
 from safetensors import safe_open
 
 from tests.trainer.conftest import ROOT, TORCHRUN, TRACES, read_all_samples, trainer_env
-from trainer.collate import CollateSpec, collate
 from trainer.config import ModelOptions
+from trainer.data.collate import CollateSpec, collate
+from trainer.data.vision import Patchifier
 from trainer.model import build_model
 from trainer.train import main
-from trainer.vision import Patchifier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:This DataLoader will create")
 TWO_STEPS = ["--max-steps", 2, "--micro-batch-size", 2, "--num-workers", 0, "--no-progress"]

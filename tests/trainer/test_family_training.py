@@ -220,7 +220,7 @@ def test_packing_is_refused_in_one_line_where_the_attention_cannot_express_it(na
 def _decoded(ds):
     from tests.trainer.conftest import read_all_samples
     from trainer.config import TrainConfig
-    from trainer.rundata import _load_image_spec
+    from trainer.data.pipeline import _load_image_spec
 
     spec = _load_image_spec(TrainConfig(data=str(ds), tiny_random="qwen2-vl"), str(ds / "processor"))
     return read_all_samples(ds, spec), spec
@@ -234,10 +234,10 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
     the balance loss taken over the padding too would differ."""
     import dataclasses
 
-    from trainer.collate import collate
     from trainer.config import ModelOptions
+    from trainer.data.collate import collate
+    from trainer.data.pipeline import RunData, collate_spec_of
     from trainer.model import balance_loss, build_model, forward_loss, model_inputs, tiny_vocab
-    from trainer.rundata import RunData, collate_spec_of
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
@@ -296,7 +296,7 @@ def _top_k(net) -> int:
 
 
 def _patchify(spec, batch):
-    from trainer.vision import Patchifier
+    from trainer.data.vision import Patchifier
 
     return Patchifier(spec, "cpu")(batch.images, batch.image_index)
 
@@ -327,10 +327,10 @@ def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_sa
     """Every rank runs the vision tower in every forward (FSDP's all-gathers pair up across ranks): a text-only
     micro-batch of a family whose host makes the pixels gets a black image the processor expands, after row 0's last
     token, untrained; the loss equals the model's on the text alone, without any image."""
-    from trainer.collate import collate
     from trainer.config import ModelOptions
+    from trainer.data.collate import collate
+    from trainer.data.pipeline import RunData, collate_spec_of
     from trainer.model import build_model, forward_loss, tiny_vocab
-    from trainer.rundata import RunData, collate_spec_of
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 

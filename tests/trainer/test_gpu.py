@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.trainer.conftest import read_all_samples, read_metrics, run_trainer
-from trainer.vision import Patchifier
+from trainer.data.vision import Patchifier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -37,9 +37,9 @@ def test_packed_row_per_segment_parity_in_bf16_with_flash_attention_or_sdpa(imag
     import importlib.util
 
     from tests.trainer.test_pack import _net, _segments, _variant, _worst_segment_diff
-    from trainer.collate import CollateSpec
-    from trainer.pack import collate_packed
-    from trainer.vision import ImageSpec
+    from trainer.data.collate import CollateSpec
+    from trainer.data.pack import collate_packed
+    from trainer.data.vision import ImageSpec
 
     attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     net = _net("qwen2_vl", attn).to("cuda", torch.bfloat16)

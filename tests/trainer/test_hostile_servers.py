@@ -13,8 +13,8 @@ import pytest
 from tests.support.range_server import RangeServer
 from tests.trainer.conftest import ROOT
 from trainer import storage
-from trainer.shards import DataError, resolve_data
-from trainer.storage import StorageError, fetch, read_url
+from trainer.data.sources import DataError, resolve_data
+from trainer.data.storage import StorageError, fetch, read_url
 
 LIMIT = 1 << 20
 
@@ -49,7 +49,7 @@ def test_a_small_remote_file_is_read_no_further_than_its_limit(served, how):
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so the child would report the pytest worker's peak.
 _CHILD = """
 import sys
-from trainer.shards import DataError, resolve_data
+from trainer.data.sources import DataError, resolve_data
 try:
     resolve_data(sys.argv[1])
     print("no error")

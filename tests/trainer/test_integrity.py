@@ -1,4 +1,4 @@
-"""trainer/integrity.py on its own: a shard's sha256 is checked once per file version (the record keyed by stat
+"""trainer/data/integrity.py on its own: a shard's sha256 is checked once per file version (the record keyed by stat
 spares a resume the hashing; any rewrite makes it hash again), a mismatch names the shard; the per-step manifest
 watch lets a byte-identical rewrite pass and stops on another shard list or a removed manifest. Live runs:
 test_run_safety.py."""
@@ -11,8 +11,8 @@ import types
 import pytest
 
 from trainer import integrity
-from trainer.integrity import RECORD, DatasetWatch, ShardCheck
-from trainer.shards import DataError, resolve_data
+from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck
+from trainer.data.sources import DataError, resolve_data
 
 
 @pytest.fixture
@@ -96,13 +96,13 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
 
     import torch
 
-    import trainer.data
-    from trainer.collate import CollateSpec
+    import trainer.data.streams
     from trainer.config import TrainConfig
-    from trainer.rundata import make_loader, open_data
+    from trainer.data.collate import CollateSpec
+    from trainer.data.pipeline import make_loader, open_data
 
     hashed, reads, lock = [], [], threading.Lock()
-    real_hash, real_read = ShardCheck._hash, trainer.data.read_indexed
+    real_hash, real_read = ShardCheck._hash, trainer.data.streams.read_indexed
 
     def slow_hash(self, path, *, url, want):  # 0.1 s a shard: what a large shard's hash costs, in small
         time.sleep(0.1)
@@ -118,7 +118,7 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
         return real_read(index, i, f)
 
     monkeypatch.setattr(ShardCheck, "_hash", slow_hash)
-    monkeypatch.setattr(trainer.data, "read_indexed", read)
+    monkeypatch.setattr(trainer.data.streams, "read_indexed", read)
 
     def run(data_dir, out, steps=None):
         cfg = TrainConfig(data=str(data_dir), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2,
@@ -167,9 +167,9 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
 
     import torch
 
-    from trainer.collate import CollateSpec
     from trainer.config import DataSpec, TrainConfig
-    from trainer.rundata import make_loader, open_data
+    from trainer.data.collate import CollateSpec
+    from trainer.data.pipeline import make_loader, open_data
 
     hashed, lock, real_hash = [], threading.Lock(), ShardCheck._hash
 
@@ -209,7 +209,7 @@ def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_
     metadata calls on a shared filesystem); each rank's start-up stats its own, and a missing or cut copy of one of
     them stops that rank's start-up with one line naming it, before a step."""
     from trainer.config import TrainConfig
-    from trainer.rundata import open_data, rank_sources
+    from trainer.data.pipeline import open_data, rank_sources
 
     data = tmp_path / "ds"
     shutil.copytree(dataset, data)

@@ -73,7 +73,7 @@ def test_log_every_writes_the_log_file_and_echoes_only_where_asked(tmp_path, cap
 
 
 def test_packing_start_up_line_expects_the_fill_a_rank_can_reach():
-    from trainer.pack import check_packing
+    from trainer.data.pack import check_packing
 
     def line(samples, tokens, world=1, window=64):
         manifest = {"config": {"seq_len": 2048}, "shards": [{"num_samples": samples, "num_tokens": tokens}]}

@@ -3,12 +3,12 @@ import pytest
 import torch
 
 from tests.trainer.conftest import read_all_samples
-from trainer.collate import CollateSpec, collate
 from trainer.config import ModelOptions
-from trainer.decode import DecodedSample
+from trainer.data.collate import CollateSpec, collate
+from trainer.data.decode import DecodedSample
+from trainer.data.vision import Patchifier
 from trainer.model import build_model, forward_loss
 from trainer.train import main
-from trainer.vision import Patchifier
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 
@@ -97,8 +97,8 @@ def test_checkpoint_dirs_of_other_families_load_shard_and_train(family, image_sp
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    from trainer.data.vision import ImageSpec
     from trainer.model import apply_fsdp
-    from trainer.vision import ImageSpec
 
     patch, kw = FAMILIES[family]
     torch.manual_seed(0)

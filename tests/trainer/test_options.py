@@ -64,7 +64,7 @@ def second_defaults(defaults: list[tuple[str, str, object]]) -> list[str]:
 
 
 def _trainer_modules():
-    return [importlib.import_module(f"trainer.{m.name}") for m in pkgutil.iter_modules(trainer.__path__)]
+    return [importlib.import_module(m.name) for m in pkgutil.walk_packages(trainer.__path__, "trainer.")]
 
 
 def test_every_library_default_of_an_option_is_its_config_fields_default():
@@ -97,7 +97,7 @@ def test_option_groups_are_config_fields_under_their_config_names():
 
 def test_no_function_in_trainer_takes_more_than_8_parameters():
     over = []
-    for path in sorted(Path(trainer.__file__).parent.glob("*.py")):
+    for path in sorted(Path(trainer.__file__).parent.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 a = node.args

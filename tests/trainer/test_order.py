@@ -1,4 +1,4 @@
-"""The data order (trainer/order.py) and its reader (ScheduledStream): sample-level shuffle, weighted mixing, and
+"""The data order (trainer/data/order.py) and its reader (ScheduledStream): sample-level shuffle, weighted mixing, and
 the step predictor, in process; the CLI runs (mixture + packing, incompatible mixtures) are at the end."""
 import collections
 import contextlib
@@ -10,12 +10,12 @@ import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
 from trainer import order as order_mod
-from trainer.collate import CollateSpec
 from trainer.config import Batching
-from trainer.data import EpochSchedule, ScheduledStream, StepLoader, sample_loader
-from trainer.index import ShardIndex, index_shard, read_indexed
-from trainer.order import RankSource, pass_order, rank_steps, schedule, token_batches
-from trainer.shards import plan_shards, resolve_data
+from trainer.data.collate import CollateSpec
+from trainer.data.index import ShardIndex, index_shard, read_indexed
+from trainer.data.order import RankSource, pass_order, rank_steps, schedule, token_batches
+from trainer.data.sources import plan_shards, resolve_data
+from trainer.data.streams import EpochSchedule, ScheduledStream, StepLoader, sample_loader
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -155,7 +155,7 @@ def _mixture_loop(sources, **kw):
     """The mixture schedule one position at a time (what schedule() computes with one lexsort): the source whose
     next sample ends earliest on its own clock (trained tokens / weight; ties: the lower source); 'repeat' starts a
     fresh pass, 'stop' leaves; the epoch ends once every source has been read through once."""
-    from trainer.order import _counts_of
+    from trainer.data.order import _counts_of
 
     n = len(sources)
     one = lambda s, k: pass_order(sources[s], pass_no=k, **kw)  # noqa: E731
@@ -328,7 +328,7 @@ def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_fra
     import json
     import shutil
 
-    from trainer.shards import DataSource, processor_difference
+    from trainer.data.sources import DataSource, processor_difference
 
     def variant(name: str, **video) -> DataSource:
         """The dataset's saved processor with its video processor changed (None: removed)."""
@@ -381,9 +381,9 @@ def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset,
     """A pipe: shard has no manifest, so no sample index: it is indexed by streaming its tar once (nothing stored);
     the shard cache copies it when the schedule reads it (once: another epoch reuses the copy), and the schedule
     and the samples equal those of the local shards."""
-    from trainer.cache import ShardCache
     from trainer.config import DataSpec
-    from trainer.rundata import rank_sources
+    from trainer.data.cache import ShardCache
+    from trainer.data.pipeline import rank_sources
 
     local = resolve_data(str(dataset))
     piped = resolve_data(f"pipe:cat {dataset}/shard-{{000000..000004}}.tar")
@@ -433,7 +433,7 @@ def test_the_epoch_size_estimate_is_the_schedules_length():
     small = _fake("small", [rng.integers(20, 400, 30)], weight=0.8)
     stop = _fake("stop", [[100] * 5], weight=0.8, on_end="stop")
     empty = _fake("empty", [[]], weight=0.5)
-    from trainer.order import epoch_size
+    from trainer.data.order import epoch_size
 
     for sources in ([big, small], [small, big], [big, stop], [big, small, empty], [big]):
         n = len(schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0))
@@ -450,7 +450,7 @@ def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
     import torch
 
     from trainer.config import ConfigError, TrainConfig
-    from trainer.rundata import predict_steps
+    from trainer.data.pipeline import predict_steps
 
     cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=1e-12"), tiny_random="qwen2-vl", max_steps=1)
     a, b = _fake("a", [[500] * 20], weight=1 / (1 + 1e-12)), _fake("b", [[500] * 20], weight=1e-12 / (1 + 1e-12))
@@ -484,7 +484,7 @@ def test_a_dataset_with_0_samples_in_a_mixture_is_refused(dataset, tmp_path):
     import shutil
 
     from trainer.config import ConfigError, TrainConfig
-    from trainer.rundata import open_data
+    from trainer.data.pipeline import open_data
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -11,13 +11,13 @@ import torch
 
 from tests.trainer.conftest import read_all_samples
 from tests.trainer.test_model import FAMILIES
-from trainer.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.config import Batching, ConfigError, ModelOptions
-from trainer.decode import DecodedSample
+from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
+from trainer.data.decode import DecodedSample
+from trainer.data.pack import Packer, best_fit_decreasing, collate_packed
+from trainer.data.sources import DataError
+from trainer.data.vision import ImageSpec, Patchifier
 from trainer.model import build_model, forward_loss, tiny_config
-from trainer.pack import Packer, best_fit_decreasing, collate_packed
-from trainer.shards import DataError
-from trainer.vision import ImageSpec, Patchifier
 
 IMG = 151655
 
@@ -271,7 +271,7 @@ def test_packed_real_samples_equal_unpacked(dataset, image_spec):
 # --- the rank's step loader with packing -------------------------------------------------------------------------
 
 def _pack_loader(shards, image_spec, workers):
-    from trainer.data import ShardSequence, StepLoader
+    from trainer.data.streams import ShardSequence, StepLoader
 
     return StepLoader(ShardSequence(shards, spec=image_spec, seed=0, shuffle_shards=True),
                       collate_spec=CollateSpec(0, IMG, 14, 2),
@@ -292,7 +292,7 @@ def _steps(loader, n=None):
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_step_loader_packs_every_sample_once_and_resumes_from_its_state_with_other_workers(dataset, image_spec):
-    from trainer.shards import plan_shards, resolve_data
+    from trainer.data.sources import plan_shards, resolve_data
 
     shards = list(resolve_data(str(dataset)).shards)
     plan = plan_shards(tuple(shards), 2)

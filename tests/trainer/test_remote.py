@@ -22,14 +22,14 @@ from tests.trainer.conftest import (
     trainer_env,
 )
 from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
-from trainer.data import ScheduledStream
-from trainer.index import index_shard, load_index, read_indexed
-from trainer.order import schedule
-from trainer.shards import DataError, plan_shards, resolve_data
+from trainer.data.index import index_shard, load_index, read_indexed
+from trainer.data.order import schedule
+from trainer.data.sources import DataError, plan_shards, resolve_data
+from trainer.data.streams import ScheduledStream
 
 
 def _sources(data: str, cache: Path, **kw):
-    from trainer.rundata import rank_sources
+    from trainer.data.pipeline import rank_sources
 
     ds = resolve_data(data)
     return rank_sources((DataSpec(path=data),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=cache)
@@ -59,13 +59,13 @@ def test_the_sidecar_index_is_the_one_derived_from_the_tar(dataset):
 
 def test_start_up_reads_only_the_index_and_an_older_dataset_is_derived(dataset, tmp_path, monkeypatch):
     """With sidecars no tar is opened at start-up; without (an older build) every shard is indexed from its tar."""
-    import trainer.index
+    import trainer.data.index
 
     def no_tar(*a, **kw):
         raise AssertionError("start-up opened a shard")
 
     with monkeypatch.context() as m:
-        m.setattr(trainer.index, "index_shard", no_tar)
+        m.setattr(trainer.data.index, "index_shard", no_tar)
         sources, derived = _sources(str(dataset), tmp_path / "c")
     assert derived == 0 and sum(ix.num_samples for ix in sources[0].indexes) == 18
     held = sum(a.nbytes for ix in sources[0].indexes for a in (ix.starts, ix.ends, ix.tokens, ix.trained))
@@ -83,9 +83,9 @@ def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys)
     the tars; rank 0 says so in one line."""
     import torch
 
-    from trainer.collate import CollateSpec
-    from trainer.integrity import ShardCheck
-    from trainer.rundata import make_loader, open_data
+    from trainer.data.collate import CollateSpec
+    from trainer.data.integrity import ShardCheck
+    from trainer.data.pipeline import make_loader, open_data
 
     old = _older(dataset, tmp_path / "old")
     cfg = TrainConfig(data=str(old), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"))
@@ -110,8 +110,8 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
     one file, no tar and no sidecar: each rank reads its own shards' rows (ranks whose shards are not contiguous;
     every rank all shards when fewer shards than ranks), each shard's vouched for by its sidecar's sha256 in the
     manifest, so the whole file is never hashed; 32 bytes a sample kept."""
-    import trainer.index
-    from trainer.rundata import rank_sources
+    import trainer.data.index
+    from trainer.data.pipeline import rank_sources
     from vlmprep.shards.reader import load_sample_index
 
     manifest = json.loads((dataset / "manifest.json").read_text())
@@ -126,9 +126,9 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
     def whole(*a, **kw):
         raise AssertionError("start-up hashed the whole dataset index, not the rank's rows")
 
-    monkeypatch.setattr(trainer.index, "index_shard", unread)
-    monkeypatch.setattr(trainer.index, "load_index", unread)
-    monkeypatch.setattr(trainer.index, "_check_whole", whole)
+    monkeypatch.setattr(trainer.data.index, "index_shard", unread)
+    monkeypatch.setattr(trainer.data.index, "load_index", unread)
+    monkeypatch.setattr(trainer.data.index, "_check_whole", whole)
     for world in (1, 3, 8):
         plan = plan_shards(ds.shards, world)
         for rank in range(world):
@@ -144,7 +144,7 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
             assert held <= 32 * sum(ix.num_samples for ix in sources[0].indexes)
     # shards listed out of manifest order (each once), or one named twice (a pattern): each still gets its own rows
     for shards in (ds.shards[::-1], ds.shards[1:] + ds.shards[:1], ds.shards + ds.shards[2:3]):
-        got = trainer.index.dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=tmp_path / "c")
+        got = trainer.data.index.dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=tmp_path / "c")
         assert [ix.path for ix in got] == [s.url for s in shards]
         for s, ix in zip(shards, got):
             for field in ("starts", "ends", "tokens", "trained"):
@@ -210,14 +210,14 @@ def test_an_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset
 
 
 def test_cache_limit_sizes_and_the_span_that_fits():
-    from trainer.rundata import RunData, fit_span
+    from trainer.data.pipeline import RunData, fit_span
 
     assert cache_limit_bytes("50GB") == 50 * 10**9 and cache_limit_bytes("1.5GiB") == 3 << 29
     assert cache_limit_bytes("2000") == 2000 and cache_limit_bytes("") == 0
     for bad in ("lots", "-1GB", "5 PB"):
         with pytest.raises(ConfigError, match="shard_cache_limit"):
             TrainConfig(data="x", tiny_random="qwen2-vl", shard_cache_limit=bad)
-    from trainer.shards import DataSource, ShardRef
+    from trainer.data.sources import DataSource, ShardRef
 
     shards = tuple(ShardRef(f"https://h/d/s{i}.tar", f"s{i}.tar", 10, 100, 1000) for i in range(40))
     data = RunData((DataSpec(path="https://h/d"),), [DataSource(shards, None, None)], [plan_shards(shards, 1)],
@@ -232,7 +232,7 @@ def test_cache_limit_sizes_and_the_span_that_fits():
 
 
 def test_intervals_are_per_pass_and_sorted_by_first_read(dataset):
-    from trainer.cache import intervals
+    from trainer.data.cache import intervals
 
     sources, _ = _sources(str(dataset), Path("/nonexistent"))
     order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1)
@@ -272,7 +272,7 @@ def test_a_memory_fs_dataset_streams_through_a_bounded_cache_in_schedule_order(d
     """fsspec's generic path: the sample indexes are fetched (sha256-checked), the shards are fetched in the order
     the schedule reads them and evicted once read, the cache never holding more than the limit; the samples are
     the local dataset's, in the same order."""
-    from trainer.cache import ShardCache
+    from trainer.data.cache import ShardCache
 
     _to_memory(dataset, "memory://scale-ds")
     remote, _ = _sources("memory://scale-ds", tmp_path / "cache")
@@ -290,7 +290,7 @@ def test_a_memory_fs_dataset_streams_through_a_bounded_cache_in_schedule_order(d
 
 
 def test_a_remote_shard_whose_bytes_differ_from_the_manifest_is_refused_naming_it(dataset, image_spec, tmp_path):
-    from trainer.cache import ShardCache
+    from trainer.data.cache import ShardCache
 
     _to_memory(dataset, "memory://scale-bad", corrupt="shard-000003.tar")
     remote, _ = _sources("memory://scale-bad", tmp_path / "cache")
@@ -327,7 +327,7 @@ def test_hf_urls_resolve_through_fsspec(dataset, tmp_path):
         assert ds.shards[0].url == "hf://datasets/team/agent@main/v1/shard-000000.tar"
         sources, derived = _sources("hf://datasets/team/agent@main/v1", tmp_path / "c")
         assert derived == 0 and sum(ix.num_samples for ix in sources[0].indexes) == 18
-        from trainer.shards import load_image_processor_config
+        from trainer.data.sources import load_image_processor_config
 
         assert load_image_processor_config(ds.processor)["patch_size"] == 14
     finally:
@@ -386,7 +386,7 @@ def _to_s3(dataset: Path, bucket: str) -> str:
 
 
 def test_s3_urls_resolve_and_stream_from_a_local_s3_server(s3_server, dataset, image_spec, tmp_path):
-    from trainer.cache import ShardCache
+    from trainer.data.cache import ShardCache
 
     url = _to_s3(dataset, "scale-bucket")
     sources, derived = _sources(url, tmp_path / "cache")
@@ -403,7 +403,7 @@ def test_a_fetch_a_kill_cut_short_continues_with_a_range_read(dataset, tmp_path)
     """The loopback server answers Range requests: a .part left behind is continued, not fetched again, and the
     whole file is still checked against the manifest's sha256."""
     from tests.support.range_server import RangeServer
-    from trainer.storage import fetch
+    from trainer.data.storage import fetch
 
     shard = resolve_data(str(dataset)).shards[1]
     dest = tmp_path / "copy.tar"
@@ -423,7 +423,7 @@ def test_a_nodes_ranks_fetch_the_remote_dataset_index_once(dataset, tmp_path):
     import threading
 
     from tests.support.range_server import RangeServer
-    from trainer.rundata import rank_sources
+    from trainer.data.pipeline import rank_sources
 
     local = resolve_data(str(dataset))
     want = {s.name: load_index(s, Path(s.index.url).read_bytes(), path=s.url) for s in local.shards}
@@ -481,8 +481,8 @@ def test_a_store_that_sends_more_than_the_manifests_size_is_cut_off_past_it(tmp_
     one line and leaves nothing in the cache (not a disk filled first)."""
     import io
 
-    import trainer.storage
-    from trainer.storage import StorageError, fetch
+    import trainer.data.storage
+    from trainer.data.storage import StorageError, fetch
 
     class Endless(io.RawIOBase):
         sent = 0
@@ -497,7 +497,7 @@ def test_a_store_that_sends_more_than_the_manifests_size_is_cut_off_past_it(tmp_
             b[:] = b"\0" * len(b)
             return len(b)
 
-    monkeypatch.setattr(trainer.storage, "open_url", lambda url: io.BufferedReader(Endless()))
+    monkeypatch.setattr(trainer.data.storage, "open_url", lambda url: io.BufferedReader(Endless()))
     dest = tmp_path / "copy.tar"
     with pytest.raises(StorageError, match=r"https://example\.invalid/shard-000000\.tar: fetched 10001 bytes but the "
                                            r"manifest says 10000"):

@@ -5,7 +5,7 @@ import tarfile
 
 import pytest
 
-from trainer.shards import DataError, ShardRef, iter_tar_samples, plan_shards, resolve_data
+from trainer.data.sources import DataError, ShardRef, iter_tar_samples, plan_shards, resolve_data
 
 
 def test_dataset_dir_uses_the_manifest(dataset):
@@ -96,7 +96,7 @@ def test_the_vectorized_row_check_agrees_with_the_per_shard_one():
     none (a boundary between shards is not an order check)."""
     import numpy as np
 
-    from trainer.index import ShardIndex, _check_all, check_rows
+    from trainer.data.index import ShardIndex, _check_all, check_rows
 
     rng = np.random.default_rng(7)
     refused = {True: 0, False: 0}

@@ -12,7 +12,7 @@ import pytest
 
 from tests.trainer.conftest import ROOT
 from trainer.config import ConfigError, DataSpec
-from trainer.shards import DataError, plan_shards, resolve_data
+from trainer.data.sources import DataError, plan_shards, resolve_data
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_a_symlinked_part_file_in_the_cache_is_refused_and_its_target_kept(datas
     shard's bytes to it. The fetch refuses it in one line and writes nothing through it."""
     import fsspec
 
-    from trainer.storage import StorageError, fetch
+    from trainer.data.storage import StorageError, fetch
 
     shard = resolve_data(str(dataset)).shards[0]
     fsspec.filesystem("memory").pipe("memory://planted/s.tar", Path(shard.url).read_bytes())
@@ -125,8 +125,8 @@ def test_a_lock_held_by_another_process_is_waited_for_then_refused_naming_it(tmp
 def test_the_shared_index_lock_wait_is_a_data_error(dataset, tmp_path, monkeypatch):
     """The same through the trainer's path: the rank that waits past the limit stops with a DataError."""
     from trainer import locks
-    from trainer.index import SHARED_INDEXES, _fetched_shared, cache_name
-    from trainer.shards import IndexRef
+    from trainer.data.index import SHARED_INDEXES, _fetched_shared, cache_name
+    from trainer.data.sources import IndexRef
 
     ref = IndexRef(url="memory://held/samples.index.npy", num_bytes=10, sha256="0" * 64)
     cache = tmp_path / "shard-cache" / "rank-00000"
@@ -145,9 +145,9 @@ def test_the_shared_index_lock_wait_is_a_data_error(dataset, tmp_path, monkeypat
 def test_two_runs_on_one_shard_cache_dir_are_refused(dataset, tmp_path):
     """Two trainers with the same --shard-cache would continue each other's .part files and evict each other's
     shards: the second is refused naming the first; once the first ends, the dir is free."""
-    from trainer.cache import ShardCache
-    from trainer.order import schedule
-    from trainer.rundata import rank_sources
+    from trainer.data.cache import ShardCache
+    from trainer.data.order import schedule
+    from trainer.data.pipeline import rank_sources
 
     ds = resolve_data(str(dataset))
     sources = rank_sources((DataSpec(path=str(dataset)),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1,
@@ -170,11 +170,11 @@ def test_a_full_disk_fails_the_fetch_in_one_line_that_the_readers_see(dataset, i
     reader through shared memory (writing it to a file on the full disk would fail too)."""
     import fsspec
 
-    import trainer.storage as storage
-    from trainer.cache import ShardCache
-    from trainer.data import ScheduledStream
-    from trainer.order import schedule
-    from trainer.rundata import rank_sources
+    import trainer.data.storage as storage
+    from trainer.data.cache import ShardCache
+    from trainer.data.order import schedule
+    from trainer.data.pipeline import rank_sources
+    from trainer.data.streams import ScheduledStream
 
     fs = fsspec.filesystem("memory")
     for p in dataset.rglob("*"):

@@ -17,12 +17,12 @@ from PIL import Image
 from tests.support.videos import decode_all, encode, frames
 from tests.trainer.conftest import read_all_samples, read_metrics, run_trainer
 from tests.trainer.test_parity import _independent_labels
-from trainer.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.config import ModelOptions
+from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
+from trainer.data.pack import collate_packed
+from trainer.data.sources import DataError, load_image_processor_config, load_video_processor_config
+from trainer.data.vision import ImageSpec, Patchifier
 from trainer.model import build_model, forward_loss
-from trainer.pack import collate_packed
-from trainer.shards import DataError, load_image_processor_config, load_video_processor_config
-from trainer.vision import ImageSpec, Patchifier
 
 CLIPS = [(9, 4, 64, 48), (6, 2, 56, 56)]  # frames, fps, width, height: an odd sampled count and an even one
 
@@ -207,7 +207,7 @@ def test_decoded_frames_are_the_stored_frames_and_bad_video_members_are_refused(
     import io
     import tarfile
 
-    from trainer.decode import OriginalResizer, decode_sample
+    from trainer.data.decode import OriginalResizer, decode_sample
     from vlmprep.shards.reader import decode_stored_image
 
     with tarfile.open(video_data / "out" / "shard-000000.tar") as tf:
@@ -236,8 +236,8 @@ def test_decoded_frames_are_the_stored_frames_and_bad_video_members_are_refused(
 
 def test_worker_frames_equal_in_process_decode(video_data, video_spec):
     """DataLoader workers send a sample's frames in its shared-memory slab with its images: the same pixels."""
-    from trainer.data import RankStream, sample_loader
-    from trainer.shards import resolve_data
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import RankStream, sample_loader
 
     shards = list(resolve_data(str(video_data / "out")).shards)
 
@@ -444,8 +444,8 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
     import torch.distributed as dist
 
     from trainer.config import ConfigError, TrainConfig
+    from trainer.data.sources import resolve_data
     from trainer.evaluate import eval_sets, evaluate
-    from trainer.shards import resolve_data
 
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     cfg = TrainConfig(data=str(held), tiny_random="qwen2-vl", num_workers=0, grad_accum=2,

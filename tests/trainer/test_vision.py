@@ -4,7 +4,7 @@ import torch
 from PIL import Image
 
 from tests.trainer.conftest import read_all_samples
-from trainer.vision import ImageSpec, Patchifier
+from trainer.data.vision import ImageSpec, Patchifier
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from trainer.decode import DecodedSample
-from trainer.shards import DataError
-from trainer.vision import PLACEHOLDER_SIDE, HostPixels
+from trainer.data.decode import DecodedSample
+from trainer.data.sources import DataError
+from trainer.data.vision import PLACEHOLDER_SIDE, HostPixels
 
 IGNORE_INDEX = -100
 
@@ -40,7 +40,7 @@ class Batch:
     videos: list[list[torch.Tensor]] = ()  # per video its uint8 H x W x 3 frames; pixel math on the device
     vision: dict = field(default_factory=dict)  # families whose pixels the host makes: the model's pixel inputs
     filler: int = 0  # placeholder tokens at the end of row 0 (a micro-batch without images): not real tokens
-    rows: int = 0  # packed rows laid end to end in this one flat row (trainer/pack.py); 0 = not packed
+    rows: int = 0  # packed rows laid end to end in this one flat row (trainer/data/pack.py); 0 = not packed
     sources: tuple[int, ...] = ()  # per sample: its dataset's index in a mixture
     sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
 
@@ -115,7 +115,7 @@ class CollateSpec:
     merge_size: int
     video_token_id: int = -1
     videos: bool = False  # the run's data holds videos: every micro-batch runs the video pass (see collate)
-    host: HostPixels | None = None  # families whose pixel inputs the host makes (trainer/vision.py)
+    host: HostPixels | None = None  # families whose pixel inputs the host makes (trainer/data/vision.py)
     # The tokens a placeholder image adds (host families: the model's image token, as many as the processor expands
     # a small black image to; see vision.host_pixels) and the size it is stored at. Empty: one image_token_id (Qwen's
     # 1 x 2 x 2 grid).

@@ -1,7 +1,7 @@
 """Random access to samples: a shard's sample index (the build's SHARD.tar.index.npy sidecar, checked against the
 manifest's sha256; for an older build's shard, derived from its tar headers and each sample's meta json) -> each
-sample's byte range and token counts -> one read per sample. Used by the epoch schedule (trainer/order.py) for
-sample shuffling and mixtures; remote shards are read from the rank's shard cache (trainer/cache.py).
+sample's byte range and token counts -> one read per sample. Used by the epoch schedule (trainer/data/order.py) for
+sample shuffling and mixtures; remote shards are read from the rank's shard cache (trainer/data/cache.py).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from trainer import locks
-from trainer.decode import check_member_names, sample_version
-from trainer.shards import (
+from trainer.data.decode import check_member_names, sample_version
+from trainer.data.sources import (
     REMOTE,
     REMOTE_OR_PIPE,
     DataError,
@@ -31,7 +31,7 @@ from trainer.shards import (
     member_key,
     open_shard,
 )
-from trainer.storage import StorageError, fetch
+from trainer.data.storage import StorageError, fetch
 from vlmprep_schemas import load
 from vlmprep_schemas.boundary import UnsafeWrite
 from vlmprep_schemas.limits import (
@@ -192,7 +192,7 @@ def cache_name(url: str, name: str) -> str:
 def shard_index(s: ShardRef, cache: Path) -> ShardIndex:
     """A shard's index: its sidecar (a local one read in place; a remote one fetched into `cache`, sha256-checked and
     kept for a resume), or for an older build's shard derived from its tar. A remote shard's own bytes are left to
-    the shard cache (trainer/cache.py); the index's path is where that keeps them."""
+    the shard cache (trainer/data/cache.py); the index's path is where that keeps them."""
     path = _local_path(s, cache)
     if s.index is None:
         return index_shard(path, url=s.url, expect=s.num_samples)

@@ -1,7 +1,7 @@
 """Batches for one rank: its shards -> a sample stream split across DataLoader workers by position
 (i % W == w, so the order is the same for any W) -> micro-batches (count or token budget) -> steps.
 The stream is either the shards read in sequence (ShardSequence -> RankStream: no sample shuffle, one dataset, any
-URL) or the epoch schedule of trainer/order.py read by random access from indexed shards (EpochSchedule ->
+URL) or the epoch schedule of trainer/data/order.py read by random access from indexed shards (EpochSchedule ->
 ScheduledStream: sample shuffle, mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to
 resume exactly.
 """
@@ -17,16 +17,16 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainer.cache import CacheView, ShardCache
-from trainer.collate import Batch, CollateSpec, collate
 from trainer.config import Batching
-from trainer.decode import DecodedSample, OriginalResizer, decode_sample
-from trainer.index import read_indexed
-from trainer.integrity import check_unchanged
-from trainer.order import RankSource, Schedule, schedule
-from trainer.pack import Packer, collate_packed
-from trainer.shards import DataError, ShardRef, iter_tar_samples
-from trainer.vision import ImageSpec
+from trainer.data.cache import CacheView, ShardCache
+from trainer.data.collate import Batch, CollateSpec, collate
+from trainer.data.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.data.index import read_indexed
+from trainer.data.integrity import check_unchanged
+from trainer.data.order import RankSource, Schedule, schedule
+from trainer.data.pack import Packer, collate_packed
+from trainer.data.sources import DataError, ShardRef, iter_tar_samples
+from trainer.data.vision import ImageSpec
 
 
 def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle_shards: bool) -> list[ShardRef]:
@@ -93,7 +93,7 @@ class ScheduledStream(IterableDataset):
 
     def __init__(self, sources: list[RankSource], order: Schedule, *, start: int, spec: ImageSpec,
                  cache: CacheView | None = None):
-        """`cache`: remote shards are read from the rank's shard cache (trainer/cache.py), each once it is local;
+        """`cache`: remote shards are read from the rank's shard cache (trainer/data/cache.py), each once it is local;
         the reader's position goes back to the cache, which evicts what no reader needs any more."""
         self.sources, self.order, self.start, self.spec, self.cache = sources, order, start, spec, cache
         self.pool: SlabPool | None = None
@@ -312,7 +312,7 @@ class MicroBatcher:
 class ShardSequence:
     """The stream of one mode: the rank's shards read in sequence (RankStream: any URL, no index, no sample shuffle),
     their order per epoch shuffled with `shuffle_shards`; stride=(r, R): every rank reads all shards and keeps every
-    R-th sample. `signatures`: url -> the file_signature of each shard as the run checked it (trainer/integrity.py)."""
+    R-th sample. `signatures`: url -> the file_signature of each shard as the run checked it (integrity.py)."""
 
     shards: list[ShardRef]
     spec: ImageSpec
@@ -331,7 +331,7 @@ class ShardSequence:
 
 
 class EpochSchedule:
-    """The stream of the other mode: the epoch schedule of trainer/order.py over the rank's indexed sources
+    """The stream of the other mode: the epoch schedule of trainer/data/order.py over the rank's indexed sources
     (ScheduledStream: sample shuffle in blocks of `shuffle_span` shards, mixtures), read by random access.
     `first`: epoch 0's schedule, when already made. `cache`: the rank's shard cache for the sources' remote shards
     (started per epoch, closed with the loader)."""
@@ -365,7 +365,7 @@ class EpochSchedule:
 class StepLoader:
     """A rank's steps: grad_accum micro-batches each; an exhausted rank yields empty micro-batches (the
     'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted. With pack_to,
-    a micro-batch is micro_batch_size packed rows (trainer/pack.py) instead of micro_batch_size samples."""
+    a micro-batch is micro_batch_size packed rows (trainer/data/pack.py) instead of micro_batch_size samples."""
 
     def __init__(self, streams: ShardSequence | EpochSchedule, *, collate_spec: CollateSpec, batching: Batching,
                  num_workers: int, prefetch_factor: int):

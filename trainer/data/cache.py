@@ -21,10 +21,10 @@ import torch
 
 from trainer import locks
 from trainer.config import cache_limit_bytes, default
-from trainer.integrity import ShardCheck
-from trainer.order import RankSource, Schedule
-from trainer.shards import REMOTE_OR_PIPE, DataError
-from trainer.storage import StorageError, fetch, sha256_file
+from trainer.data.integrity import ShardCheck
+from trainer.data.order import RankSource, Schedule
+from trainer.data.sources import REMOTE_OR_PIPE, DataError
+from trainer.data.storage import StorageError, fetch, sha256_file
 from vlmprep_schemas.boundary import UnsafeWrite
 
 MISSING, READY, FAILED = 0, 1, 2

@@ -1,6 +1,6 @@
 """Read shards: a --data URL -> the shard list (with manifest counts when there is one) -> a token-balanced
 shard-to-rank plan -> raw tar members grouped per sample, opened with webdataset's opener (random access by
-sample: trainer/index.py).
+sample: trainer/data/index.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import braceexpand
 
-from trainer.storage import StorageError, open_url, read_url
+from trainer.data.storage import StorageError, open_url, read_url
 from vlmprep_schemas import load
 from vlmprep_schemas.boundary import (
     MANIFEST_NAME,
@@ -150,7 +150,7 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
                                str(s["sha256"]) if "sha256" in s else None,
                                IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None,
                                rows[name] if index else None))
-    # A local shard's presence and size are checked by the rank that reads it, as it starts (trainer/integrity.py
+    # A local shard's presence and size are checked by the rank that reads it, as it starts (trainer/data/integrity.py
     # ShardCheck.verify): not here, where every rank would stat every shard of the dataset (10^5 files x 512 ranks
     # of metadata calls on a shared filesystem).
     return DataSource(tuple(shards), paths.processor, manifest, index, row)
@@ -254,7 +254,7 @@ def plan_shards(shards: tuple[ShardRef, ...], world: int) -> ShardPlan:
 
 def open_shard(url: str):
     """Local files stay seekable, so members a worker skips are never read; remote ones stream through fsspec
-    (trainer/storage.py), pipe: commands through webdataset's gopen."""
+    (trainer/data/storage.py), pipe: commands through webdataset's gopen."""
     if url.startswith(REMOTE_OR_PIPE):
         try:
             return open_url(url)

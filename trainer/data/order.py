@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from trainer.config import Batching
-from trainer.index import ShardIndex
+from trainer.data.index import ShardIndex
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,8 @@ def _counts_of(src: RankSource, field: str, shard: np.ndarray, sample: np.ndarra
 
 
 def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
-    """Rows the Packer makes from a stream of these sample lengths (trainer/pack.py, run on lengths alone)."""
-    from trainer.pack import Packer
+    """Rows the Packer makes from a stream of these sample lengths (trainer/data/pack.py, run on lengths alone)."""
+    from trainer.data.pack import Packer
 
     class _Len:
         __slots__ = ("num_tokens", "position", "id")

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.config import default
-from trainer.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
-from trainer.shards import REMOTE_OR_PIPE, DataError, DataSource, ShardRef
+from trainer.data.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
+from trainer.data.sources import REMOTE_OR_PIPE, DataError, DataSource, ShardRef
 from vlmprep_schemas.boundary import open_no_follow
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
@@ -143,9 +143,9 @@ def expected_sha256(ds: DataSource) -> dict[str, str]:
 
 
 def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None) -> ShardIndex:
-    """The shard's index (trainer/index.py); a local shard's content is checked first and the signature it had then
+    """The shard's index (trainer/data/index.py); a local shard's content is checked first and the signature it had then
     goes into the index (every read checks the file is still that one). A remote shard's bytes are checked by the
-    shard cache as it fetches them (trainer/cache.py)."""
+    shard cache as it fetches them (trainer/data/cache.py)."""
     if shard.url.startswith(REMOTE_OR_PIPE):
         return shard_index(shard, cache)
     signature = check.verify(shard.url, url=shard.url, want=want, size=shard.num_bytes)
@@ -161,7 +161,7 @@ def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path
                     want: Callable[[ShardRef], str | None]) -> tuple[ShardIndex, ...]:
     """checked_index of each of a dataset's shards (`want(shard)`: the sha256 to check it against, None: not
     hashed). Where the manifest lists the dataset's sample index, all their rows come from that one file
-    (trainer/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
+    (trainer/data/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
     if ds.index is None or any(s.row is None for s in shards):
         return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
     return dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache, signature=lambda s: () if

@@ -11,10 +11,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from trainer.collate import Batch, CollateSpec, check_tokens, host_inputs, media, placeholders, video_fields
-from trainer.decode import DecodedSample
+from trainer.data.collate import Batch, CollateSpec, check_tokens, host_inputs, media, placeholders, video_fields
+from trainer.data.decode import DecodedSample
+from trainer.data.sources import DataError
 from trainer.families import FAMILIES, packing_refusal
-from trainer.shards import DataError
 
 # Model types whose text model reads [4, B, L] position_ids (row 0: per-sample text positions) as packed
 # sequences: the mask (sdpa/eager) and flash-attention's cu_seqlens are derived from the resets of row 0.

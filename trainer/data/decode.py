@@ -17,8 +17,8 @@ import numpy as np
 import zstandard
 from PIL import Image
 
-from trainer.shards import DataError
-from trainer.vision import ImageSpec
+from trainer.data.sources import DataError
+from trainer.data.vision import ImageSpec
 from vlmprep_schemas import load
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
 from vlmprep_schemas.limits import (

@@ -15,17 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.cache import ShardCache, remote_shards
-from trainer.collate import CollateSpec
 from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
-from trainer.data import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
-from trainer.decode import refuse_videos, trains_videos
-from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
-from trainer.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
-from trainer.metrics import plural
-from trainer.model import image_token_id, model_family, model_type_of, pad_token_id, video_token_id
-from trainer.order import RankSource, Schedule, epoch_size, rank_steps, schedule
-from trainer.shards import (
+from trainer.data.cache import ShardCache, remote_shards
+from trainer.data.collate import CollateSpec
+from trainer.data.decode import refuse_videos, trains_videos
+from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
+from trainer.data.order import RankSource, Schedule, epoch_size, rank_steps, schedule
+from trainer.data.sources import (
     REMOTE_OR_PIPE,
     DataError,
     DataSource,
@@ -38,7 +34,11 @@ from trainer.shards import (
     processor_difference,
     resolve_data,
 )
-from trainer.vision import ImageSpec, host_pixels
+from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
+from trainer.data.vision import ImageSpec, host_pixels
+from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
+from trainer.metrics import plural
+from trainer.model import image_token_id, model_family, model_type_of, pad_token_id, video_token_id
 
 
 def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
@@ -76,7 +76,7 @@ def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> Non
 
 def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
                  world: int, cache: Path, check: ShardCheck | None = None) -> tuple[list[RankSource], int]:
-    """Each source's shards as this rank reads them, with their sample indexes (trainer/index.py: the build's
+    """Each source's shards as this rank reads them, with their sample indexes (trainer/data/index.py: the build's
     dataset index or sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their
     tars). Local shards are checked against their manifest's sha256 first (by `check`; none: stats only); where
     every rank reads every shard (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are
@@ -260,7 +260,7 @@ def log_plans(data: RunData, world: int) -> None:
 
 
 def shard_check(cfg: TrainConfig, out: Path, rank: int) -> ShardCheck:
-    """This rank's sha256 checks of the shards it reads, remembered in its shard cache dir (trainer/integrity.py)."""
+    """This rank's sha256 checks of the shards it reads, remembered in its shard cache dir (integrity.py)."""
     return ShardCheck(Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}" / RECORD,
                       enabled=cfg.verify_shards)
 
@@ -268,7 +268,7 @@ def shard_check(cfg: TrainConfig, out: Path, rank: int) -> ShardCheck:
 def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, device: torch.device,
                 collate_spec: CollateSpec, out: Path, check: ShardCheck) -> tuple[StepLoader, int | None, int]:
     """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
-    The epoch schedule (trainer/order.py) reads samples by random access: sample shuffle, mixtures. Without them the
+    The epoch schedule (order.py) reads samples by random access: sample shuffle, mixtures. Without them the
     shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
     token budget or packing run is known up front."""
     scheduled = cfg.shuffle or len(data.specs) > 1
