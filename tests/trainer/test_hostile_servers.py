@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.range_server import RangeServer
 from tests.trainer.conftest import ROOT
-from trainer import storage
+from trainer.data import storage
 from trainer.data.sources import DataError, resolve_data
 from trainer.data.storage import StorageError, fetch, read_url
 

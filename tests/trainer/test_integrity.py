@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from trainer import integrity
+from trainer.data import integrity
 from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck
 from trainer.data.sources import DataError, resolve_data
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
-from trainer import order as order_mod
 from trainer.config import Batching
+from trainer.data import order as order_mod
 from trainer.data.collate import CollateSpec
 from trainer.data.index import ShardIndex, index_shard, read_indexed
 from trainer.data.order import RankSource, pass_order, rank_steps, schedule, token_batches

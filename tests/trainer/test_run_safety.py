@@ -13,7 +13,7 @@ import types
 import pytest
 
 from tests.trainer.conftest import ROOT, read_metrics, trainer_env
-from trainer import integrity
+from trainer.data import integrity
 from trainer.train import Session, main
 
 COMMON = ["--tiny-random", "qwen2-vl", "--no-progress", "--micro-batch-size", "2"]
