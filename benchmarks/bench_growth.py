@@ -216,7 +216,8 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     from trainer.config import Batching, TrainConfig
     from trainer.data.collate import CollateSpec
     from trainer.data.integrity import ShardCheck, expected_sha256
-    from trainer.data.pipeline import fit_span, open_data, predict_steps, rank_sources
+    from trainer.data.pipeline import fit_span, open_data, rank_sources
+    from trainer.data.steps import predict_steps
     from trainer.data.streams import EpochSchedule, StepLoader
 
     # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op

@@ -3,7 +3,8 @@ import pytest
 from trainer.config import Batching
 from trainer.data.collate import CollateSpec
 from trainer.data.sources import DataError, ShardRef, plan_shards, resolve_data
-from trainer.data.streams import RankStream, ShardSequence, StepLoader, epoch_shards, sample_loader, steps_per_epoch
+from trainer.data.steps import steps_per_epoch
+from trainer.data.streams import RankStream, ShardSequence, StepLoader, epoch_shards, sample_loader
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")

@@ -10,11 +10,12 @@ import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
 from trainer.config import Batching
-from trainer.data import order as order_mod
+from trainer.data import steps as steps_mod
 from trainer.data.collate import CollateSpec
 from trainer.data.index import ShardIndex, index_shard, read_indexed
-from trainer.data.order import RankSource, pass_order, rank_steps, schedule, token_batches
+from trainer.data.order import RankSource, pass_order, schedule
 from trainer.data.sources import plan_shards, resolve_data
+from trainer.data.steps import rank_steps, token_batches
 from trainer.data.streams import EpochSchedule, ScheduledStream, StepLoader, sample_loader
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
@@ -220,13 +221,13 @@ def _token_batches_loop(lengths, budget: int) -> int:
     return batches + (size > 0)
 
 
-@pytest.mark.parametrize("short_batches", [0, order_mod.SHORT_BATCHES, 1000])
+@pytest.mark.parametrize("short_batches", [0, steps_mod.SHORT_BATCHES, 1000])
 def test_token_batches_equals_the_batchers_loop(short_batches, monkeypatch):
     """Each of its paths (every start's batch size at once for short batches: by the table of range maxima, or by
     passes where no batch can hold more than SHORT_BATCHES samples (0: never; 1000: always here); one window search
     per batch for long ones), on random lengths with and without zeros, samples longer than the budget and budgets
     from 1 to 2^31."""
-    monkeypatch.setattr(order_mod, "SHORT_BATCHES", short_batches)
+    monkeypatch.setattr(steps_mod, "SHORT_BATCHES", short_batches)
     rng = np.random.default_rng(0)
     for _ in range(3000):
         n, top, low = int(rng.integers(0, 300)), int(rng.choice([2, 10, 1000, 20000])), int(rng.choice([0, 1, 50]))
@@ -450,7 +451,7 @@ def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
     import torch
 
     from trainer.config import ConfigError, TrainConfig
-    from trainer.data.pipeline import predict_steps
+    from trainer.data.steps import predict_steps
 
     cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=1e-12"), tiny_random="qwen2-vl", max_steps=1)
     a, b = _fake("a", [[500] * 20], weight=1 / (1 + 1e-12)), _fake("b", [[500] * 20], weight=1e-12 / (1 + 1e-12))

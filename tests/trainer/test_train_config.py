@@ -151,7 +151,7 @@ def test_mixture_weights_on_scales_apart_are_refused():
     with pytest.raises(ConfigError, match="span too wide"):
         TrainConfig(data=("name=a,path=x,weight=1e308", "name=b,path=y,weight=1e308"), tiny_random="qwen2-vl")
     cfg = TrainConfig(data=("name=a,path=x,weight=1e-9", "name=b,path=y"), tiny_random="qwen2-vl")
-    assert cfg.sources[0].weight == 1e-9  # valid here; trainer/rundata.check_epoch_size judges the epoch it makes
+    assert cfg.sources[0].weight == 1e-9  # valid here; trainer/data/steps.check_epoch_size judges the epoch it makes
 
 
 @pytest.mark.parametrize("data, msg", [

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data.cache import ShardCache, remote_shards
 from trainer.data.collate import CollateSpec
 from trainer.data.decode import refuse_videos, trains_videos
 from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
-from trainer.data.order import RankSource, Schedule, epoch_size, rank_steps, schedule
+from trainer.data.order import RankSource
 from trainer.data.sources import (
     REMOTE_OR_PIPE,
     DataError,
@@ -34,7 +33,8 @@ from trainer.data.sources import (
     processor_difference,
     resolve_data,
 )
-from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader, steps_per_epoch
+from trainer.data.steps import predict_steps, steps_per_epoch
+from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader
 from trainer.data.vision import ImageSpec, host_pixels
 from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
 from trainer.metrics import plural
@@ -122,43 +122,6 @@ def fit_span(cfg: TrainConfig, data: "RunData", world: int) -> TrainConfig:
         return cfg
     most = max(len(p.per_rank[0]) if p.stride else max(len(r) for r in p.per_rank) for p in data.plans)
     return dataclasses.replace(cfg, shuffle_span=fits if fits < most else 0)
-
-
-def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> tuple[list[int], Schedule]:
-    """Steps of each epoch, by running the batcher / packer over the stored token counts in schedule order; the
-    busiest rank sets an epoch's length (the others pad). Also returns epoch 0's schedule, for the loader."""
-    check_epoch_size(cfg, sources, device)
-    mine, first = [], None
-    for epoch in range(cfg.epochs):
-        order = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
-                         shuffle_span=cfg.shuffle_span)
-        first = order if epoch == 0 else first
-        lengths = order.tokens(sources)
-        mine.append(rank_steps(lengths, Batching.of(cfg)))
-    steps = torch.tensor(mine, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    return [int(x) for x in steps.tolist()], first
-
-
-def check_epoch_size(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> None:
-    """Refuse, on every rank alike, mixture weights that stretch an epoch beyond order.MAX_EPOCH_STRETCH x the data
-    (a weight of 1e-9 would take the schedule forever to build, whatever --max-steps says)."""
-    size = epoch_size(sources)
-    worst = torch.tensor([min(size.positions / size.limit, 1e300)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if worst.item() <= 1.0:
-        return
-    slow = cfg.sources[size.last]
-    again = [f"{d.name} {p:.3g} times" for d, p, src in zip(cfg.sources, size.passes, sources)
-             if p > 1 and src.on_end == "repeat"]
-    held = sum(ix.num_samples for s in sources for ix in s.indexes)
-    raise ConfigError(f"mixture weights: one epoch would read about {size.positions:.3g} samples on this rank (its "
-                      f"datasets hold {held} there), since an epoch ends when every dataset has been read through "
-                      f"once and {slow.name!r} (weight {slow.weight:g}) is read through only after "
-                      f"{', '.join(again) or 'the others repeat'}: raise {slow.name}'s weight (a weight is a share of "
-                      "the trained tokens), or drop it from --data")
 
 
 @dataclass(frozen=True)

@@ -425,11 +425,3 @@ class StepLoader:
         """Drops the DataLoader iterator (its worker processes stop now) and ends the streams (the run is over)."""
         self._drop()
         self.streams.close()
-
-
-def steps_per_epoch(rank_samples: list[int | None], batching: Batching) -> int | None:
-    """Known up front only for count batching over manifest counts: the busiest rank sets the length."""
-    if batching.max_tokens_per_batch or batching.pack_to or any(n is None for n in rank_samples):
-        return None
-    micro_batches = [-(-n // batching.micro_batch_size) for n in rank_samples]
-    return max(-(-m // batching.grad_accum) for m in micro_batches)
