@@ -24,7 +24,8 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     rescale/normalize/patchify runs on the training GPU."""
     from trainer.config import Batching
     from trainer.data.collate import CollateSpec, keep_freed_buffers
-    from trainer.data.sources import load_image_processor_config, plan_shards, resolve_data
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.sources import plan_shards, resolve_data
     from trainer.data.streams import MicroBatcher, RankStream, sample_loader
     from trainer.data.vision import ImageSpec, Patchifier
 

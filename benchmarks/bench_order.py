@@ -55,7 +55,8 @@ def trajectories(ds: Path) -> dict[tuple[str, int], tuple[str, str, int]]:
 
 def _loader_parts(ds: Path):
     from trainer.data.collate import CollateSpec
-    from trainer.data.sources import load_image_processor_config, resolve_data
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.sources import resolve_data
     from trainer.data.vision import ImageSpec
 
     source = resolve_data(str(ds))

@@ -67,7 +67,8 @@ def loader_cost(ds: Path, n: int, capacity: int, window: int) -> dict:
     """ms per sample of Packer + collate_packed against collate of one sample per micro-batch, on decoded samples."""
     from trainer.data.collate import CollateSpec, collate
     from trainer.data.pack import Packer, collate_packed
-    from trainer.data.sources import load_image_processor_config, resolve_data
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.sources import resolve_data
     from trainer.data.streams import RankStream
     from trainer.data.vision import ImageSpec
 

@@ -79,7 +79,8 @@ def _records(path: Path) -> Path:
 
 def _trainer_samples(ds: Path):
     from trainer.data.decode import OriginalResizer, decode_sample
-    from trainer.data.sources import iter_tar_samples, load_image_processor_config
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.tars import iter_tar_samples
     from trainer.data.vision import ImageSpec
 
     spec = ImageSpec.from_config(load_image_processor_config(str(ds / "processor")))
@@ -120,7 +121,8 @@ def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, q
 
 def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     from trainer.data.decode import OriginalResizer, decode_sample
-    from trainer.data.sources import iter_tar_samples, load_image_processor_config
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.tars import iter_tar_samples
     from trainer.data.vision import ImageSpec
     from vlmprep.config import BuildConfig
     from vlmprep.process import Renderer

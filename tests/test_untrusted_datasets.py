@@ -97,7 +97,8 @@ def absolute_processor(dataset, tmp_path):
 
 
 def test_an_absolute_processor_dir_is_refused_by_every_reader(absolute_processor, tmp_path, capsys):
-    from trainer.data.sources import DataError, resolve_data
+    from trainer.data.errors import DataError
+    from trainer.data.sources import resolve_data
     from vlmprep.clients.collate import Collator
     from vlmprep.shards.reader import ShardFormatError
     from vlmprep.tools.inspector import InspectConfig, select
@@ -176,7 +177,8 @@ def test_custom_code_in_a_saved_processor_is_refused_before_transformers_sees_it
 
 def test_custom_code_in_a_datasets_processor_is_refused_by_the_trainer_and_verify(dataset, tmp_path, capsys,
                                                                                    no_prompt):
-    from trainer.data.sources import DataError, resolve_data
+    from trainer.data.errors import DataError
+    from trainer.data.sources import resolve_data
 
     ds, marker = _copy(dataset, tmp_path), tmp_path / "ran"
     _plant_custom_code(ds / "processor", marker, "processor_config.json")
@@ -223,7 +225,8 @@ def _shard_outside(kind: str):
 def test_a_shard_outside_the_dataset_is_refused_by_every_client(dataset, tmp_path, kind):
     import vlmprep.clients.hf
     import vlmprep.clients.wds
-    from trainer.data.sources import DataError, resolve_data
+    from trainer.data.errors import DataError
+    from trainer.data.sources import resolve_data
     from vlmprep.clients.collate import Collator
     from vlmprep.shards.reader import ShardFormatError
 
@@ -244,7 +247,8 @@ def test_a_shard_outside_the_dataset_is_refused_by_every_client(dataset, tmp_pat
 
 def test_a_fixed_file_linking_out_is_refused(dataset, tmp_path):
     """manifest.json and rejects.jsonl are read by their fixed names: a symlink out of the dataset is refused too."""
-    from trainer.data.sources import DataError, resolve_data
+    from trainer.data.errors import DataError
+    from trainer.data.sources import resolve_data
     from vlmprep.shards.reader import ShardFormatError, load_manifest
     from vlmprep.tools.inspector import InspectConfig, select
     from vlmprep.tools.stats import compute_stats
@@ -421,8 +425,9 @@ def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_pa
     import tracemalloc
 
     from trainer.config import DataSpec
+    from trainer.data.errors import DataError
     from trainer.data.pipeline import rank_sources
-    from trainer.data.sources import DataError, plan_shards, resolve_data
+    from trainer.data.sources import plan_shards, resolve_data
     from vlmprep.shards.reader import ShardFormatError, load_sample_index, read_index_file
 
     big = 64 << 20
@@ -474,8 +479,9 @@ def test_a_sample_count_the_index_does_not_hold_is_refused_before_allocating(dat
     far below either; the shard's own sidecar (no dataset index) and `vlmprep verify` say so in one line too."""
     from tests.support.hostile import address_space
     from trainer.config import DataSpec
+    from trainer.data.errors import DataError
     from trainer.data.pipeline import rank_sources
-    from trainer.data.sources import DataError, plan_shards, resolve_data
+    from trainer.data.sources import plan_shards, resolve_data
 
     def claim_more(m):
         m["shards"][0]["num_samples"] = claim
@@ -502,8 +508,9 @@ def test_a_count_past_int64_in_the_manifest_is_one_line(dataset, tmp_path, field
     readers' fuzz found 2^63 tokens an OverflowError in the trainer's vectorized row check): one line naming the
     dataset's sample index."""
     from trainer.config import DataSpec
+    from trainer.data.errors import DataError
     from trainer.data.pipeline import rank_sources
-    from trainer.data.sources import DataError, plan_shards, resolve_data
+    from trainer.data.sources import plan_shards, resolve_data
 
     ds = _copy(dataset, tmp_path, lambda m: m["shards"][0].update({field: value}))
     data = resolve_data(str(ds))

@@ -40,7 +40,8 @@ def test_a_processor_file_nested_100000_deep_is_refused_by_every_reader(dataset,
 @pytest.mark.parametrize("value", [0, -14, 14.5, True, {"height": 0, "width": 448}])
 def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_file(dataset, tmp_path, capsys, value):
     """patch_size 0 was a ZeroDivisionError and -14 an 'invalid shape dimension', with no file named."""
-    from trainer.data.sources import DataError, load_image_processor_config
+    from trainer.data.errors import DataError
+    from trainer.data.processors import load_image_processor_config
     from vlmprep.processors.load import load_saved_processor
 
     ds = _copy(dataset, tmp_path)
@@ -62,8 +63,8 @@ def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_f
 def test_a_tokenizer_that_does_not_load_is_one_line_naming_the_dir(dataset, tmp_path):
     """Valid, shallow JSON that is not a tokenizer: the tokenizers library raises a bare Exception; here it is one
     line naming the processor dir, in vlmprep and in the trainer."""
-    from trainer.data.sources import DataError
-    from trainer.data.sources import load_processor as trainer_load
+    from trainer.data.errors import DataError
+    from trainer.data.processors import load_processor as trainer_load
     from vlmprep.processors.load import load_saved_processor
 
     ds = _copy(dataset, tmp_path)

@@ -18,7 +18,8 @@ import torch
 from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
 from trainer.config import ConfigError, ModelOptions, TrainConfig, default, load_toml, run_tool
-from trainer.data.sources import REMOTE, DataError, resolve_data
+from trainer.data.errors import DataError
+from trainer.data.sources import REMOTE, resolve_data
 from trainer.families import Vocab
 from vlmprep_schemas.boundary import UnsafeDataset, processor_files
 

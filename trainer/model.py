@@ -37,7 +37,7 @@ def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
     """The vocabulary `--tiny-random NAME` takes from the dataset's processor (a local dir); None without one."""
     if not name or not processor_dir:
         return None
-    from trainer.data.sources import load_processor
+    from trainer.data.processors import load_processor
 
     processor = load_processor(processor_dir)
     try:

@@ -28,6 +28,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import ConfigError, ModelOptions, TrainConfig, parse_args
 from trainer.data.collate import Batch, keep_freed_buffers, token_sources
+from trainer.data.errors import DataError
 from trainer.data.pack import check_packing, empty_state
 from trainer.data.pipeline import (
     RunData,
@@ -39,7 +40,6 @@ from trainer.data.pipeline import (
     processor_dir,
     shard_check,
 )
-from trainer.data.sources import DataError
 from trainer.data.storage import set_read_timeout
 from trainer.data.streams import StepLoader
 from trainer.data.vision import Patchifier

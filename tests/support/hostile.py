@@ -104,7 +104,7 @@ def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd") -> Pa
 
 def image_spec(d: Path):
     """The trainer's ImageSpec (with the video processor's) of dataset d."""
-    from trainer.data.sources import load_image_processor_config, load_video_processor_config
+    from trainer.data.processors import load_image_processor_config, load_video_processor_config
     from trainer.data.vision import ImageSpec
 
     loc = str(d / "processor")
@@ -280,7 +280,7 @@ def cli(args: list[str]) -> tuple[bool, str, str]:
 def run_reader(reader: str, d: Path, *, spec=None, collator=None) -> Outcome:
     """One reader over dataset dir d, as a user runs it; a refusal is the exception's message (libraries) or the CLI's
     output and exit 1, anything else is a crash with its traceback."""
-    from trainer.data.sources import DataError
+    from trainer.data.errors import DataError
     from vlmprep.shards.reader import ShardFormatError
 
     try:

@@ -45,7 +45,7 @@ def dataset(tmp_path_factory, traces) -> Path:
 
 @pytest.fixture(scope="session")
 def image_spec(dataset):
-    from trainer.data.sources import load_image_processor_config
+    from trainer.data.processors import load_image_processor_config
     from trainer.data.vision import ImageSpec
 
     return ImageSpec.from_config(load_image_processor_config(str(dataset / "processor")))

@@ -2,7 +2,8 @@ import pytest
 
 from trainer.config import Batching
 from trainer.data.collate import CollateSpec
-from trainer.data.sources import DataError, ShardRef, plan_shards, resolve_data
+from trainer.data.errors import DataError
+from trainer.data.sources import ShardRef, plan_shards, resolve_data
 from trainer.data.steps import steps_per_epoch
 from trainer.data.streams import RankStream, ShardSequence, StepLoader, epoch_shards, sample_loader
 

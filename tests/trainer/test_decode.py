@@ -7,7 +7,8 @@ from PIL import Image
 
 from tests.trainer.conftest import build_dataset, read_all_samples
 from trainer.data.decode import OriginalResizer, decode_image, decode_sample
-from trainer.data.sources import DataError, iter_tar_samples
+from trainer.data.errors import DataError
+from trainer.data.tars import iter_tar_samples
 from vlmprep.types import PreparedImage
 
 
@@ -116,7 +117,7 @@ def test_stored_image_must_match_its_meta_and_is_never_unpickled(dataset, image_
 def test_original_member_of_a_transformed_source_decodes_to_the_stored_pixels(qwen2vl_processor, tmp_path):
     # EXIF-rotated, 16-bit, alpha, palette: `orig.*` holds either untouched bytes or vlmprep's normalized PNG, and the
     # trainer's plain PIL + processor resize of it gives exactly the pixels vlmprep counted tokens for.
-    from trainer.data.sources import load_image_processor_config
+    from trainer.data.processors import load_image_processor_config
     from trainer.data.vision import ImageSpec
     from vlmprep.families import FAMILIES
     from vlmprep.images import encode_image, prepare_image, stored_ext

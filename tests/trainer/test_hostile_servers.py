@@ -13,7 +13,8 @@ import pytest
 from tests.support.range_server import RangeServer
 from tests.trainer.conftest import ROOT
 from trainer.data import storage
-from trainer.data.sources import DataError, resolve_data
+from trainer.data.errors import DataError
+from trainer.data.sources import resolve_data
 from trainer.data.storage import StorageError, fetch, read_url
 
 LIMIT = 1 << 20

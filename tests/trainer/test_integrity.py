@@ -11,8 +11,9 @@ import types
 import pytest
 
 from trainer.data import integrity
+from trainer.data.errors import DataError
 from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck
-from trainer.data.sources import DataError, resolve_data
+from trainer.data.sources import resolve_data
 
 
 @pytest.fixture

@@ -329,7 +329,8 @@ def test_mixed_datasets_must_agree_on_the_video_processors_pixel_math_not_on_fra
     import json
     import shutil
 
-    from trainer.data.sources import DataSource, processor_difference
+    from trainer.data.processors import processor_difference
+    from trainer.data.sources import DataSource
 
     def variant(name: str, **video) -> DataSource:
         """The dataset's saved processor with its video processor changed (None: removed)."""

@@ -14,8 +14,8 @@ from tests.trainer.test_model import FAMILIES
 from trainer.config import Batching, ConfigError, ModelOptions
 from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.data.decode import DecodedSample
+from trainer.data.errors import DataError
 from trainer.data.pack import Packer, best_fit_decreasing, collate_packed
-from trainer.data.sources import DataError
 from trainer.data.vision import ImageSpec, Patchifier
 from trainer.model import build_model, forward_loss, tiny_config
 

@@ -22,9 +22,10 @@ from tests.trainer.conftest import (
     trainer_env,
 )
 from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
+from trainer.data.errors import DataError
 from trainer.data.index import index_shard, load_index, read_indexed
 from trainer.data.order import schedule
-from trainer.data.sources import DataError, plan_shards, resolve_data
+from trainer.data.sources import plan_shards, resolve_data
 from trainer.data.streams import ScheduledStream
 
 
@@ -327,7 +328,7 @@ def test_hf_urls_resolve_through_fsspec(dataset, tmp_path):
         assert ds.shards[0].url == "hf://datasets/team/agent@main/v1/shard-000000.tar"
         sources, derived = _sources("hf://datasets/team/agent@main/v1", tmp_path / "c")
         assert derived == 0 and sum(ix.num_samples for ix in sources[0].indexes) == 18
-        from trainer.data.sources import load_image_processor_config
+        from trainer.data.processors import load_image_processor_config
 
         assert load_image_processor_config(ds.processor)["patch_size"] == 14
     finally:

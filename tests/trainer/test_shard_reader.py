@@ -5,7 +5,9 @@ import tarfile
 
 import pytest
 
-from trainer.data.sources import DataError, ShardRef, iter_tar_samples, plan_shards, resolve_data
+from trainer.data.errors import DataError
+from trainer.data.sources import ShardRef, plan_shards, resolve_data
+from trainer.data.tars import iter_tar_samples
 
 
 def test_dataset_dir_uses_the_manifest(dataset):

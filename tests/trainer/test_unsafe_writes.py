@@ -12,7 +12,8 @@ import pytest
 
 from tests.trainer.conftest import ROOT
 from trainer.config import ConfigError, DataSpec
-from trainer.data.sources import DataError, plan_shards, resolve_data
+from trainer.data.errors import DataError
+from trainer.data.sources import plan_shards, resolve_data
 
 
 @pytest.fixture

@@ -19,8 +19,9 @@ from tests.trainer.conftest import read_all_samples, read_metrics, run_trainer
 from tests.trainer.test_parity import _independent_labels
 from trainer.config import ModelOptions
 from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
+from trainer.data.errors import DataError
 from trainer.data.pack import collate_packed
-from trainer.data.sources import DataError, load_image_processor_config, load_video_processor_config
+from trainer.data.processors import load_image_processor_config, load_video_processor_config
 from trainer.data.vision import ImageSpec, Patchifier
 from trainer.model import build_model, forward_loss
 

@@ -21,9 +21,10 @@ import torch
 
 from trainer import locks
 from trainer.config import cache_limit_bytes, default
+from trainer.data.errors import DataError
 from trainer.data.integrity import ShardCheck
 from trainer.data.order import RankSource, Schedule
-from trainer.data.sources import REMOTE_OR_PIPE, DataError
+from trainer.data.sources import REMOTE_OR_PIPE
 from trainer.data.storage import StorageError, fetch, sha256_file
 from vlmprep_schemas.boundary import UnsafeWrite
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from trainer.data.decode import DecodedSample
-from trainer.data.sources import DataError
+from trainer.data.errors import DataError
 from trainer.data.vision import PLACEHOLDER_SIDE, HostPixels
 
 IGNORE_INDEX = -100

@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 from PIL import Image
 
-from trainer.data.sources import DataError
+from trainer.data.errors import DataError
 from trainer.data.vision import ImageSpec
 from vlmprep_schemas import load
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into

@@ -21,17 +21,10 @@ import numpy as np
 
 from trainer import locks
 from trainer.data.decode import check_member_names, sample_version
-from trainer.data.sources import (
-    REMOTE,
-    REMOTE_OR_PIPE,
-    DataError,
-    IndexRef,
-    ShardRef,
-    check_member_size,
-    member_key,
-    open_shard,
-)
+from trainer.data.errors import DataError
+from trainer.data.sources import REMOTE, REMOTE_OR_PIPE, IndexRef, ShardRef
 from trainer.data.storage import StorageError, fetch
+from trainer.data.tars import check_member_size, member_key, open_shard
 from vlmprep_schemas import load
 from vlmprep_schemas.boundary import UnsafeWrite
 from vlmprep_schemas.limits import (

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.config import default
+from trainer.data.errors import DataError
 from trainer.data.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
-from trainer.data.sources import REMOTE_OR_PIPE, DataError, DataSource, ShardRef
+from trainer.data.sources import REMOTE_OR_PIPE, DataSource, ShardRef
 from vlmprep_schemas.boundary import open_no_follow
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat

@@ -13,7 +13,7 @@ import torch
 
 from trainer.data.collate import Batch, CollateSpec, check_tokens, host_inputs, media, placeholders, video_fields
 from trainer.data.decode import DecodedSample
-from trainer.data.sources import DataError
+from trainer.data.errors import DataError
 from trainer.families import FAMILIES, packing_refusal
 
 # Model types whose text model reads [4, B, L] position_ids (row 0: per-sample text positions) as packed

@@ -18,21 +18,17 @@ from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_l
 from trainer.data.cache import ShardCache, remote_shards
 from trainer.data.collate import CollateSpec
 from trainer.data.decode import refuse_videos, trains_videos
+from trainer.data.errors import DataError
 from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
 from trainer.data.order import RankSource
-from trainer.data.sources import (
-    REMOTE_OR_PIPE,
-    DataError,
-    DataSource,
-    ShardPlan,
+from trainer.data.processors import (
     check_processor,
     load_image_processor_config,
     load_video_processor_config,
     local_processor,
-    plan_shards,
     processor_difference,
-    resolve_data,
 )
+from trainer.data.sources import REMOTE_OR_PIPE, DataSource, ShardPlan, plan_shards, resolve_data
 from trainer.data.steps import predict_steps, steps_per_epoch
 from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader
 from trainer.data.vision import ImageSpec, host_pixels

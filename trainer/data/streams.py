@@ -21,11 +21,13 @@ from trainer.config import Batching
 from trainer.data.cache import CacheView, ShardCache
 from trainer.data.collate import Batch, CollateSpec, collate
 from trainer.data.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.data.errors import DataError
 from trainer.data.index import read_indexed
 from trainer.data.integrity import check_unchanged
 from trainer.data.order import RankSource, Schedule, schedule
 from trainer.data.pack import Packer, collate_packed
-from trainer.data.sources import DataError, ShardRef, iter_tar_samples
+from trainer.data.sources import ShardRef
+from trainer.data.tars import iter_tar_samples
 from trainer.data.vision import ImageSpec
 
 

@@ -175,7 +175,7 @@ def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> t
     placeholder goes through the same call as every stored image (collate.placeholders)."""
     from PIL import Image
 
-    from trainer.data.sources import load_processor
+    from trainer.data.processors import load_processor
 
     processor = load_processor(processor_dir)
     host = HostPixels(family, spec.config, image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
