@@ -214,11 +214,12 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     import torch
 
     from trainer.config import Batching, TrainConfig
+    from trainer.data.batches import StepLoader
     from trainer.data.collate import CollateSpec
     from trainer.data.integrity import ShardCheck, expected_sha256
     from trainer.data.pipeline import fit_span, open_data, rank_sources
     from trainer.data.steps import predict_steps
-    from trainer.data.streams import EpochSchedule, StepLoader
+    from trainer.data.streams import EpochSchedule
 
     # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op
     # (~0.5 ms here) is not part of it: paid here too, before the clock starts.

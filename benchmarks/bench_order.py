@@ -82,7 +82,8 @@ def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle
     """One real StepLoader per simulated rank, as trainer/train.py makes it: the epoch schedule (rank_sources)
     when the sample shuffle is on or several datasets mix, else the rank's shards read in sequence."""
     from trainer.config import Batching
-    from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader
+    from trainer.data.batches import StepLoader
+    from trainer.data.streams import EpochSchedule, ShardSequence
 
     sources, plans, per_rank = rank_setup(datasets, world=world, cache=cache)
     _, spec, cs = _loader_parts(datasets[0][1])
@@ -337,11 +338,12 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
     import psutil
 
     from trainer.config import DataSpec
+    from trainer.data.batches import sample_loader
     from trainer.data.collate import keep_freed_buffers
     from trainer.data.order import schedule
     from trainer.data.pipeline import rank_sources
     from trainer.data.sources import plan_shards
-    from trainer.data.streams import RankStream, ScheduledStream, epoch_shards, sample_loader
+    from trainer.data.streams import RankStream, ScheduledStream, epoch_shards
 
     keep_freed_buffers()  # as the trainer does at start-up
     source, spec, _ = _loader_parts(Path(ds))

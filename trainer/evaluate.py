@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Batching, ConfigError, TrainConfig
+from trainer.data.batches import StepLoader
 from trainer.data.collate import CollateSpec
 from trainer.data.decode import trains_videos
 from trainer.data.integrity import ShardCheck, check_local_shards
 from trainer.data.pack import check_packing
 from trainer.data.processors import processor_difference
 from trainer.data.sources import DataSource, plan_shards, resolve_data
-from trainer.data.streams import ShardSequence, StepLoader
+from trainer.data.streams import ShardSequence
 from trainer.data.vision import ImageSpec, Patchifier
 from trainer.metrics import plural
 from trainer.model import forward_loss

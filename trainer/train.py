@@ -27,6 +27,7 @@ from trainer.checkpoint import (
     start_run_dir,
 )
 from trainer.config import ConfigError, ModelOptions, TrainConfig, parse_args
+from trainer.data.batches import StepLoader
 from trainer.data.collate import Batch, keep_freed_buffers, token_sources
 from trainer.data.errors import DataError
 from trainer.data.pack import check_packing, empty_state
@@ -41,7 +42,6 @@ from trainer.data.pipeline import (
     shard_check,
 )
 from trainer.data.storage import set_read_timeout
-from trainer.data.streams import StepLoader
 from trainer.data.vision import Patchifier
 from trainer.evaluate import EvalSet, eval_sets, evaluate
 from trainer.families import BY_NAME, Vocab

@@ -1,11 +1,12 @@
 import pytest
 
 from trainer.config import Batching
+from trainer.data.batches import StepLoader, sample_loader
 from trainer.data.collate import CollateSpec
 from trainer.data.errors import DataError
 from trainer.data.sources import ShardRef, plan_shards, resolve_data
 from trainer.data.steps import steps_per_epoch
-from trainer.data.streams import RankStream, ShardSequence, StepLoader, epoch_shards, sample_loader
+from trainer.data.streams import RankStream, ShardSequence, epoch_shards
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -98,7 +99,7 @@ def test_worker_images_equal_in_process_decode_whether_slabs_are_reused_or_held(
 
     ref = _pixels(sample_loader(RankStream(shards, start=0, spec=image_spec), num_workers=0, prefetch_factor=2))
     assert sum(len(ims) for _, ims in ref) > 0
-    monkeypatch.setattr("trainer.data.streams.SLABS_PER_WORKER", 3)  # fewer slabs than image samples per worker
+    monkeypatch.setattr("trainer.data.batches.SLABS_PER_WORKER", 3)  # fewer slabs than image samples per worker
     loader = sample_loader(RankStream(shards, start=0, spec=image_spec), num_workers=2, prefetch_factor=2)
     held, got = collections.deque(), []
 

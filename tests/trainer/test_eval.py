@@ -88,9 +88,10 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     import torch.distributed as dist
 
     from trainer.config import Batching, ModelOptions
+    from trainer.data.batches import StepLoader
     from trainer.data.collate import CollateSpec
     from trainer.data.sources import resolve_data
-    from trainer.data.streams import ShardSequence, StepLoader
+    from trainer.data.streams import ShardSequence
     from trainer.data.vision import Patchifier
     from trainer.evaluate import EvalSet, evaluate
     from trainer.model import build_model

@@ -271,7 +271,8 @@ def test_packed_real_samples_equal_unpacked(dataset, image_spec):
 # --- the rank's step loader with packing -------------------------------------------------------------------------
 
 def _pack_loader(shards, image_spec, workers):
-    from trainer.data.streams import ShardSequence, StepLoader
+    from trainer.data.batches import StepLoader
+    from trainer.data.streams import ShardSequence
 
     return StepLoader(ShardSequence(shards, spec=image_spec, seed=0, shuffle_shards=True),
                       collate_spec=CollateSpec(0, IMG, 14, 2),

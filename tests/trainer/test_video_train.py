@@ -237,8 +237,9 @@ def test_decoded_frames_are_the_stored_frames_and_bad_video_members_are_refused(
 
 def test_worker_frames_equal_in_process_decode(video_data, video_spec):
     """DataLoader workers send a sample's frames in its shared-memory slab with its images: the same pixels."""
+    from trainer.data.batches import sample_loader
     from trainer.data.sources import resolve_data
-    from trainer.data.streams import RankStream, sample_loader
+    from trainer.data.streams import RankStream
 
     shards = list(resolve_data(str(video_data / "out")).shards)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
+from trainer.data.batches import StepLoader
 from trainer.data.cache import ShardCache, remote_shards
 from trainer.data.collate import CollateSpec
 from trainer.data.decode import refuse_videos, trains_videos
@@ -30,7 +31,7 @@ from trainer.data.processors import (
 )
 from trainer.data.sources import REMOTE_OR_PIPE, DataSource, ShardPlan, plan_shards, resolve_data
 from trainer.data.steps import predict_steps, steps_per_epoch
-from trainer.data.streams import EpochSchedule, ShardSequence, StepLoader
+from trainer.data.streams import EpochSchedule, ShardSequence
 from trainer.data.vision import ImageSpec, host_pixels
 from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
 from trainer.metrics import plural

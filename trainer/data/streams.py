@@ -1,34 +1,42 @@
-"""Batches for one rank: its shards -> a sample stream split across DataLoader workers by position
-(i % W == w, so the order is the same for any W) -> micro-batches (count or token budget) -> steps.
-The stream is either the shards read in sequence (ShardSequence -> RankStream: no sample shuffle, one dataset, any
-URL) or the epoch schedule of trainer/data/order.py read by random access from indexed shards (EpochSchedule ->
-ScheduledStream: sample shuffle, mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to
-resume exactly.
+"""Streams: a rank's samples in one epoch's order, from a stream position on, split across DataLoader workers by
+position (i % W == w, so the order is the same for any W), each decoded (decode.py). Two read paths behind one
+protocol (Streams): the shards read in sequence (ShardSequence -> RankStream: no sample shuffle, one dataset, any
+URL) or the epoch schedule of order.py read by random access from indexed shards (EpochSchedule -> ScheduledStream:
+sample shuffle, mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to resume exactly.
 """
 from __future__ import annotations
 
 import os
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
-import numpy as np
-import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer.config import Batching
 from trainer.data.cache import CacheView, ShardCache
-from trainer.data.collate import Batch, CollateSpec, collate
 from trainer.data.decode import DecodedSample, OriginalResizer, decode_sample
 from trainer.data.errors import DataError
 from trainer.data.index import read_indexed
 from trainer.data.integrity import check_unchanged
 from trainer.data.order import RankSource, Schedule, schedule
-from trainer.data.pack import Packer, collate_packed
+from trainer.data.shm import SlabPool
 from trainer.data.sources import ShardRef
 from trainer.data.tars import iter_tar_samples
 from trainer.data.vision import ImageSpec
+
+
+class Streams(Protocol):
+    """Where a rank's samples come from, epoch by epoch: the shards in sequence (ShardSequence) or the epoch schedule
+    by random access (EpochSchedule). StepLoader opens one stream per epoch (from a position, for a resume), hands it
+    to its DataLoader workers, and closes the streams when the run is over."""
+
+    def open(self, epoch: int, position: int, num_workers: int) -> RankStream | ScheduledStream:
+        """The epoch's stream from stream position `position` on, read by `num_workers` DataLoader workers."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the streams hold (the shard cache's fetcher and dir)."""
+        ...
 
 
 def epoch_shards(shards: list[ShardRef], *, epoch: int, seed: int, shuffle_shards: bool) -> list[ShardRef]:
@@ -142,174 +150,6 @@ class ScheduledStream(IterableDataset):
                 f.close()
 
 
-SLABS_PER_WORKER = 8  # reusable shared-memory slabs; more samples in flight fall back to fresh segments
-
-
-class SlabPool:
-    """Shared-memory transport of decoded images from DataLoader workers to the training process.
-
-    A worker decodes each sample's images straight into one slab (a shared-memory segment) and sends the slab as
-    one fd. A fresh segment per sample costs page faults and zeroing of every byte (a trace of 12 screenshots is
-    34 MB: ~20 ms, more than its decode), so slabs are reused: `flags[w, k]` (shared, made before the workers
-    start) is 1 while slab k of worker w may still be referenced by the training process; the training process
-    clears it only once its own mapping of that slab is gone (no tensor views left), and a worker writes only
-    into slabs whose flag is 0. With all slabs busy a worker sends a fresh, unpooled segment instead."""
-
-    def __init__(self, num_workers: int, slabs: int = 0):
-        slabs = slabs or SLABS_PER_WORKER  # slabs are mapped on first use: a slot costs nothing until then
-        self.flags = torch.zeros(max(num_workers, 1), slabs, dtype=torch.uint8).share_memory_()
-        self.worker = -1  # set in each worker process
-        self._slabs: list[torch.Tensor | None] = [None] * slabs  # this worker's own mappings
-        self._slab: tuple[torch.Tensor, int] | None = None  # the slab of the sample being decoded, and its index
-        self._held: list[tuple[StorageWeakRef, int, int]] = []  # training process: (slab mapping, worker, slab)
-        self.fresh = self.reused = 0  # training process: samples that came in unpooled segments / in reused slabs
-        self._seen: set[tuple[int, int]] = set()
-
-    # --- worker side
-    def views(self, sizes: list[int]) -> list[np.ndarray]:
-        """decode_sample's `alloc`: one uint8 view per image and video frame, all in one slab of this worker."""
-        self._slab = self._claim(sum(sizes))
-        flat = self._slab[0].numpy()
-        ends = np.cumsum([0, *sizes])
-        return [flat[a:b] for a, b in zip(ends[:-1], ends[1:])]
-
-    def _claim(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        """A uint8 tensor of at least nbytes in shared memory, and its slab index (-1: unpooled)."""
-        if nbytes == 0:
-            return _shared_bytes(0), -1
-        flags = self.flags[self.worker].numpy()
-        for k in range(len(flags)):
-            if flags[k] == 0:
-                slab = self._slabs[k]
-                if slab is None or slab.numel() < nbytes:
-                    slab = self._slabs[k] = _shared_bytes(nbytes * 5 // 4)  # headroom for later samples
-                flags[k] = 1
-                return slab, k
-        return _shared_bytes(nbytes), -1
-
-    def put(self, sample: DecodedSample) -> "_SlabRef":
-        """The sample as it crosses to the training process: its images as offsets into the slab they lie in."""
-        slab, k = self._slab
-        base = slab.data_ptr()
-        layout = [(im.ctypes.data - base, *im.shape) for im in sample.images]
-        frames = [[(f.ctypes.data - base, *f.shape) for f in v] for v in sample.videos]
-        sample.images, sample.videos = [], []
-        return _SlabRef(sample, slab, self.worker, k, layout, frames)
-
-    # --- training process side
-    def get(self, item: "_SlabRef") -> DecodedSample:
-        """Frees the slabs whose views are all gone, then gives the sample its images as views of its slab."""
-        for entry in list(self._held):
-            if entry[0].expired():
-                self.flags[entry[1], entry[2]] = 0
-                self._held.remove(entry)
-        slab, worker, k = item.slab, item.worker, item.k
-        if k >= 0:
-            self._held.append((StorageWeakRef(slab.untyped_storage()), worker, k))
-            self.reused += (worker, k) in self._seen
-            self._seen.add((worker, k))
-        elif slab.numel():
-            self.fresh += 1
-        sample = item.sample
-        sample.images = [slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in item.layout]
-        sample.videos = [[slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in v] for v in item.frames]
-        return sample
-
-
-def _shared_bytes(n: int) -> torch.Tensor:
-    if n == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))
-
-
-@dataclass
-class _SlabRef:
-    """What a worker sends: the sample without its images and frames, the slab that holds them, and where they lie."""
-
-    sample: DecodedSample
-    slab: torch.Tensor
-    worker: int
-    k: int
-    layout: list[tuple[int, int, int, int]]  # (byte offset, H, W, 3) per unique image
-    frames: list[list[tuple[int, int, int, int]]]  # per video, (byte offset, H, W, 3) per frame
-
-
-def _identity(x):
-    return x
-
-
-def sample_loader(stream: RankStream | ScheduledStream, *, num_workers: int, prefetch_factor: int,
-                  held: int = 0) -> "SampleLoader":
-    """`held`: samples the consumer keeps alive (a packing window); each worker gets slabs for its share of them."""
-    kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
-    slabs = SLABS_PER_WORKER + -(-held // max(num_workers, 1))
-    stream.pool = SlabPool(num_workers, slabs) if num_workers else None  # made before the workers start: they share it
-    return SampleLoader(DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_identity, **kw),
-                        stream.pool)
-
-
-@dataclass
-class SampleLoader:
-    """The rank's decoded samples in stream order; iterating starts the DataLoader's workers."""
-
-    loader: DataLoader
-    pool: SlabPool | None = None
-
-    def __iter__(self) -> Iterator[DecodedSample]:
-        for item in self.loader:
-            yield self.pool.get(item) if isinstance(item, _SlabRef) else item
-
-
-@dataclass
-class MicroBatcher:
-    """Groups the stream into micro-batches: `batching.micro_batch_size` samples, or as many as fit
-    `batching.max_tokens_per_batch` (rows x padded length; a longer sample goes alone). Counts the samples it emitted
-    in `consumed`."""
-
-    samples: Iterator[DecodedSample]
-    collate_spec: CollateSpec
-    batching: Batching
-    consumed: int = 0
-    _pending: DecodedSample | None = None
-    _done: bool = False
-
-    def _next_sample(self) -> DecodedSample | None:
-        if self._pending is not None:
-            s, self._pending = self._pending, None
-            return s
-        if self._done:
-            return None
-        s = next(self.samples, None)
-        self._done = s is None
-        return s
-
-    def next(self) -> Batch | None:
-        """The next micro-batch, or None once the stream is exhausted."""
-        group: list[DecodedSample] = []
-        longest = 0
-        max_tokens, size = self.batching.max_tokens_per_batch, self.batching.micro_batch_size
-        while True:
-            s = self._next_sample()
-            if s is None:
-                break
-            if s.position != self.consumed + len(group):
-                raise DataError(f"sample stream out of order: got position {s.position}, "
-                                f"expected {self.consumed + len(group)}")
-            longest_if = max(longest, s.num_tokens)
-            if group and ((max_tokens and longest_if * (len(group) + 1) > max_tokens)
-                          or (not max_tokens and len(group) >= size)):
-                self._pending = s
-                break
-            group.append(s)
-            longest = longest_if
-            if not max_tokens and len(group) >= size:
-                break
-        if not group:
-            return None
-        self.consumed += len(group)
-        return collate(group, self.collate_spec)
-
-
 @dataclass
 class ShardSequence:
     """The stream of one mode: the rank's shards read in sequence (RankStream: any URL, no index, no sample shuffle),
@@ -362,68 +202,3 @@ class EpochSchedule:
         """Stops the shard cache's fetches and lets its dir go."""
         if self.cache is not None:
             self.cache.end()
-
-
-class StepLoader:
-    """A rank's steps: grad_accum micro-batches each; an exhausted rank yields empty micro-batches (the
-    'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted. With pack_to,
-    a micro-batch is micro_batch_size packed rows (trainer/data/pack.py) instead of micro_batch_size samples."""
-
-    def __init__(self, streams: ShardSequence | EpochSchedule, *, collate_spec: CollateSpec, batching: Batching,
-                 num_workers: int, prefetch_factor: int):
-        """`streams`: where each epoch's samples come from (the shards in sequence, or the epoch schedule)."""
-        self.streams, self.collate_spec, self.batching = streams, collate_spec, batching
-        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
-        self.epoch = 0
-        self._batcher: MicroBatcher | None = None
-        self._packer: Packer | None = None
-        self._loader: SampleLoader | None = None
-
-    def start(self, epoch: int, position: int, pack_state: list[int] | None = None) -> None:
-        """Continue `epoch` at stream `position`; a packing run continues from its packer state instead (the
-        stream restarts at the oldest sample the state still holds)."""
-        self._drop()  # the shard cache's fetcher restarts in open() (its dir stays this run's)
-        self.epoch = epoch
-        if pack_state:
-            position = Packer.resume_start(pack_state)
-        stream = self.streams.open(epoch, position, self.num_workers)
-        pack_to, window = self.batching.pack_to, self.batching.pack_window
-        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                     held=window if pack_to else 0)
-        if pack_to:
-            self._packer = Packer(iter(self._loader), capacity=pack_to, window=window, state=pack_state or None)
-            self._packer.next_pos = max(self._packer.next_pos, position)
-        else:
-            self._batcher = MicroBatcher(iter(self._loader), self.collate_spec, self.batching, consumed=position)
-
-    @property
-    def position(self) -> int:
-        """Samples this rank has consumed in the current epoch (what a checkpoint saves)."""
-        return self._packer.next_pos if self._packer else self._batcher.consumed
-
-    @property
-    def pack_state(self) -> list[int]:
-        """The packer's carry-over (samples read but not yet placed in a row); [] when not packing."""
-        return self._packer.state() if self._packer else []
-
-    def next_step(self) -> list[Batch]:
-        """The `grad_accum` micro-batches of the next optimizer step, on the host; past the end of this rank's data a
-        micro-batch is empty (so every rank still takes the same number of collective steps)."""
-        out = []
-        for _ in range(self.batching.grad_accum):
-            if self._packer:
-                rows = [r for r in (self._packer.next_row() for _ in range(self.batching.micro_batch_size)) if r]
-                mb = collate_packed(rows, self.collate_spec) if rows else None
-            else:
-                mb = self._batcher.next()
-            out.append(mb if mb is not None else collate([], self.collate_spec))
-        return out
-
-    def _drop(self) -> None:
-        # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
-        self._batcher = self._packer = self._loader = None
-
-    def close(self) -> None:
-        """Drops the DataLoader iterator (its worker processes stop now) and ends the streams (the run is over)."""
-        self._drop()
-        self.streams.close()
