@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +102,22 @@ def intervals(sources: list[RankSource], order: Schedule, start: int, gated: np.
     shard[inverse] = flat
     by = np.argsort(first, kind="stable")
     return shard[by], first[by], last[by]
+
+
+@dataclass
+class _Pass:
+    """One fetcher pass over an epoch's plan from a start position: its intervals (flat shard, first and last position,
+    in order of first), the next one to admit, and what the cache holds meanwhile."""
+
+    shard: list[int]
+    first: list[int]
+    last: list[int]
+    t0: float  # when the pass began (first_ready_s counts from it)
+    leftover: dict[int, int]  # shard left by an earlier epoch or run -> its bytes, until needed or evicted
+    used: int  # bytes counted against the limit
+    held: dict[int, int] = field(default_factory=dict)  # shard local or being fetched -> last position it is read at
+    inflight: dict[Future, int] = field(default_factory=dict)  # fetch -> its shard
+    i: int = 0  # the next interval to admit
 
 
 class ShardCache:
@@ -219,79 +235,110 @@ class ShardCache:
             self._fail(-1, f"the shard cache stopped: {type(e).__name__}: {e}")
 
     def _loop(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray], readers: int) -> None:
-        shard, first, last = (a.tolist() for a in plan)
-        v, t0 = self.view, time.perf_counter()
-        held: dict[int, int] = {}  # shard local or being fetched -> last position a fetched interval reads
-        # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
-        # evicted first.
-        leftover = {j: self._size(j) for j, path in enumerate(v.files)
-                    if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))}
-        used = sum(leftover.values())
-        inflight: dict[Future, int] = {}
-        i = 0
+        """The fetcher: until the plan is done (or the cache stops), land the finished fetches, then admit the
+        next intervals the readers' position allows, evicting by the policy where the limit asks for room."""
+        p = self._start_pass(plan)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="shard-fetch") as pool:
             while not self._stop.is_set():
-                for f in [f for f in inflight if f.done()]:
-                    j = inflight.pop(f)
-                    e = f.exception()
-                    if e is not None:
-                        self._fail(j, str(e) if isinstance(e, (StorageError, DataError))
-                                   else f"{self.shards[j].url}: fetch failed: {type(e).__name__}: {e}")
-                        return
-                    if self._stop.is_set():
-                        return
-                    self.verified.add(j)
-                    v.state[j] = READY
-                    if self.remote[j]:
-                        self.fetched += 1
-                        if self.first_ready_s is None:
-                            self.first_ready_s = time.perf_counter() - t0
-                    else:
-                        self.hashed += 1
-                        if time.monotonic() - self._saved > SAVE_S:  # a kill loses at most this much hashing
-                            self.check.save()
-                            self._saved = time.monotonic()
-                if i == len(shard) and not inflight:
+                if not self._land(p) or (p.i == len(p.shard) and not p.inflight):
                     return
-                pos = int(v.progress[:readers].min())
-                ahead = i - bisect.bisect_right(first, pos)  # fetched intervals that no reader has reached yet
-                while i < len(shard) and len(inflight) < self.threads and (first[i] <= pos or ahead < self.prefetch):
-                    j = shard[i]
-                    if not self.remote[j]:  # a local shard to hash: no copy, no limit, never evicted
-                        if int(v.state[j]) != READY and j not in inflight.values():
-                            inflight[pool.submit(self._fetch, j)] = j
-                            self.fetch_order.append(j)
-                    elif j in held:
-                        held[j] = max(held[j], last[i])
-                    else:
-                        used -= leftover.pop(j, 0)
-                        need = self._size(j)
-                        if self.limit and used + need > self.limit:
-                            for k in list(leftover):
-                                used -= self._evict(k, leftover)
-                            busy = set(inflight.values())
-                            for k in sorted((k for k, z in held.items() if z < pos and k not in busy), key=held.get):
-                                if used + need <= self.limit:
-                                    break
-                                used -= self._evict(k, held)
-                        if self.limit and used + need > self.limit:
-                            if first[i] <= pos and not inflight and all(z >= pos for z in held.values()):
-                                self._fail(j, f"{self.shards[j].url}: needed now, but --shard-cache-limit "
-                                              f"({self.limit} bytes for this rank) is full of {len(held)} shards "
-                                              "still being read: raise the limit or lower --shuffle-span")
-                                return
-                            break
-                        used += need
-                        held[j] = last[i]
-                        if int(v.state[j]) != READY:
-                            inflight[pool.submit(self._fetch, j)] = j
-                            self.fetch_order.append(j)
-                    ahead += first[i] > pos
-                    i += 1
-                if inflight:
-                    wait(list(inflight), timeout=0.05, return_when=FIRST_COMPLETED)
+                pos = int(self.view.progress[:readers].min())
+                if not self._admit(p, pos, pool):
+                    return
+                if p.inflight:
+                    wait(list(p.inflight), timeout=0.05, return_when=FIRST_COMPLETED)
                 else:
                     time.sleep(POLL_S)
+
+    def _start_pass(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray]) -> "_Pass":
+        shard, first, last = (a.tolist() for a in plan)
+        # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
+        # evicted first.
+        leftover = {j: self._size(j) for j, path in enumerate(self.view.files)
+                    if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))}
+        return _Pass(shard, first, last, t0=time.perf_counter(), leftover=leftover, used=sum(leftover.values()))
+
+    # --- landing: fetches (and hashes) that finished
+    def _land(self, p: "_Pass") -> bool:
+        """Marks each finished fetch READY for the readers; False where one failed (every waiting reader is told) or
+        the cache is stopping."""
+        for f in [f for f in p.inflight if f.done()]:
+            j = p.inflight.pop(f)
+            e = f.exception()
+            if e is not None:
+                self._fail(j, str(e) if isinstance(e, (StorageError, DataError))
+                           else f"{self.shards[j].url}: fetch failed: {type(e).__name__}: {e}")
+                return False
+            if self._stop.is_set():
+                return False
+            self.verified.add(j)
+            self.view.state[j] = READY
+            if self.remote[j]:
+                self.fetched += 1
+                if self.first_ready_s is None:
+                    self.first_ready_s = time.perf_counter() - p.t0
+            else:
+                self.hashed += 1
+                if time.monotonic() - self._saved > SAVE_S:  # a kill loses at most this much hashing
+                    self.check.save()
+                    self._saved = time.monotonic()
+        return True
+
+    # --- admission: which intervals start fetching now
+    def _admit(self, p: "_Pass", pos: int, pool: ThreadPoolExecutor) -> bool:
+        """Starts the fetches of the next intervals while a fetch thread is free and each is due (a reader is at it)
+        or within `prefetch` intervals of the readers; a remote shard only where the limit holds it. False where a
+        shard needed now cannot fit (the cache fails, naming it)."""
+        ahead = p.i - bisect.bisect_right(p.first, pos)  # fetched intervals that no reader has reached yet
+        while p.i < len(p.shard) and len(p.inflight) < self.threads and (p.first[p.i] <= pos or ahead < self.prefetch):
+            j = p.shard[p.i]
+            if not self.remote[j]:  # a local shard to hash: no copy, no limit, never evicted
+                if int(self.view.state[j]) != READY and j not in p.inflight.values():
+                    self._submit(p, j, pool)
+            elif j in p.held:
+                p.held[j] = max(p.held[j], p.last[p.i])
+            elif not self._hold(p, j, pos, pool):
+                if p.first[p.i] <= pos and not p.inflight and all(z >= pos for z in p.held.values()):
+                    self._fail(j, f"{self.shards[j].url}: needed now, but --shard-cache-limit ({self.limit} bytes "
+                                  f"for this rank) is full of {len(p.held)} shards still being read: raise the limit "
+                                  "or lower --shuffle-span")
+                    return False
+                return True  # no room yet: readers move on, and evictable shards with them
+            ahead += p.first[p.i] > pos
+            p.i += 1
+        return True
+
+    def _hold(self, p: "_Pass", j: int, pos: int, pool: ThreadPoolExecutor) -> bool:
+        """Counts remote shard j against the limit for the interval at p.i (room made by the eviction policy first)
+        and fetches it unless it is still local; False where it does not fit."""
+        p.used -= p.leftover.pop(j, 0)
+        need = self._size(j)
+        if self.limit and p.used + need > self.limit:
+            self._make_room(p, need, pos)
+        if self.limit and p.used + need > self.limit:
+            return False
+        p.used += need
+        p.held[j] = p.last[p.i]
+        if int(self.view.state[j]) != READY:
+            self._submit(p, j, pool)
+        return True
+
+    def _submit(self, p: "_Pass", j: int, pool: ThreadPoolExecutor) -> None:
+        p.inflight[pool.submit(self._fetch, j)] = j
+        self.fetch_order.append(j)
+
+    # --- the eviction policy
+    def _make_room(self, p: "_Pass", need: int, pos: int) -> None:
+        """Frees room for `need` more bytes: what an earlier epoch or run left first, then the shards no reader needs
+        any more (every fetched interval of theirs ends before the slowest reader's position, and none is being
+        fetched), the one whose last read lies furthest back first."""
+        for k in list(p.leftover):
+            p.used -= self._evict(k, p.leftover)
+        busy = set(p.inflight.values())
+        for k in sorted((k for k, z in p.held.items() if z < pos and k not in busy), key=p.held.get):
+            if p.used + need <= self.limit:
+                break
+            p.used -= self._evict(k, p.held)
 
     def _evict(self, j: int, table: dict) -> int:
         self.view.state[j] = MISSING
