@@ -68,8 +68,8 @@ def _train_hf(ds: str, out: str, trained_logits: bool) -> float:
     from transformers import Trainer, TrainingArguments
 
     import vlmprep.clients.hf
-    from trainer.config import ModelOptions
     from trainer.model import build_model
+    from trainer.options import ModelOptions
     from vlmprep.clients.collate import Collator
 
     args = TrainingArguments(output_dir=f"{out}/hf", max_steps=2, per_device_train_batch_size=2, logging_steps=1,

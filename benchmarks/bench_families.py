@@ -44,9 +44,10 @@ def records(n: int, path: Path) -> list[dict]:
 
 def _spec(ds: Path, name: str):
     """The trainer's collate spec for the dataset, as a run makes it (a tiny model of the family for its ids)."""
-    from trainer.config import ModelOptions, TrainConfig
+    from trainer.config import TrainConfig
     from trainer.data.pipeline import RunData, _load_image_spec, collate_spec_of
     from trainer.model import build_model, tiny_vocab
+    from trainer.options import ModelOptions
 
     processor = str(ds / "processor")
     image = _load_image_spec(TrainConfig(data=str(ds), tiny_random=name), processor)

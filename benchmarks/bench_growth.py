@@ -213,13 +213,14 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     import numpy.random  # (numpy imports it lazily, at the schedule's first seed: an import, not data work)
     import torch
 
-    from trainer.config import Batching, TrainConfig
+    from trainer.config import TrainConfig
     from trainer.data.batches import StepLoader
     from trainer.data.collate import CollateSpec
     from trainer.data.integrity import ShardCheck, expected_sha256
     from trainer.data.pipeline import fit_span, open_data, rank_sources
     from trainer.data.steps import predict_steps
     from trainer.data.streams import EpochSchedule
+    from trainer.options import Batching
 
     # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op
     # (~0.5 ms here) is not part of it: paid here too, before the clock starts.

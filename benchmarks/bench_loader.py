@@ -22,13 +22,13 @@ def trainer_pass(ds: Path, workers: int, pixels: bool = True) -> tuple[float, in
     """One epoch of the trainer's data path on one rank; returns seconds, samples, tokens, images. With
     pixels=False it stops at the collated batch of uint8 images: what the DataLoader workers do when the
     rescale/normalize/patchify runs on the training GPU."""
-    from trainer.config import Batching
     from trainer.data.batches import MicroBatcher, sample_loader
     from trainer.data.collate import CollateSpec, keep_freed_buffers
     from trainer.data.processors import load_image_processor_config
     from trainer.data.sources import plan_shards, resolve_data
     from trainer.data.streams import RankStream
     from trainer.data.vision import ImageSpec, Patchifier
+    from trainer.options import Batching
 
     keep_freed_buffers()  # as the trainer does at start-up: batches and images reuse freed heap
     source = resolve_data(str(ds))

@@ -81,9 +81,9 @@ def rank_setup(datasets: list[tuple[str, Path, float]], *, world: int, cache: Pa
 def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle: bool, cache: Path, **batching):
     """One real StepLoader per simulated rank, as trainer/train.py makes it: the epoch schedule (rank_sources)
     when the sample shuffle is on or several datasets mix, else the rank's shards read in sequence."""
-    from trainer.config import Batching
     from trainer.data.batches import StepLoader
     from trainer.data.streams import EpochSchedule, ShardSequence
+    from trainer.options import Batching
 
     sources, plans, per_rank = rank_setup(datasets, world=world, cache=cache)
     _, spec, cs = _loader_parts(datasets[0][1])

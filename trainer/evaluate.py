@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from trainer.config import Batching, ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.data.batches import StepLoader
 from trainer.data.collate import CollateSpec
 from trainer.data.decode import trains_videos
@@ -23,6 +23,7 @@ from trainer.data.streams import ShardSequence
 from trainer.data.vision import ImageSpec, Patchifier
 from trainer.metrics import plural
 from trainer.model import forward_loss
+from trainer.options import Batching
 
 
 @dataclass

@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
+from trainer.cli import load_toml, run_tool
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
-from trainer.config import ConfigError, ModelOptions, TrainConfig, default, load_toml, run_tool
+from trainer.config import ConfigError, TrainConfig, default
 from trainer.data.errors import DataError
 from trainer.data.sources import REMOTE, resolve_data
 from trainer.families import Vocab
+from trainer.options import ModelOptions
 from vlmprep_schemas.boundary import UnsafeDataset, processor_files
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))

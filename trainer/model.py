@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ConfigError, ModelOptions
+from trainer.config import ConfigError
 from trainer.data.collate import IGNORE_INDEX, Batch
 from trainer.families import BY_NAME, Family, Vocab, family_of_model, supported_models
+from trainer.options import ModelOptions
 
 # --tiny-random qwen2-vl without a processor to size it (tests, the docs' quick checks): Qwen2-VL's own vocabulary
 # (the checkpoint's 151936 rows) and token ids.

@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from trainer.config import ConfigError, run_tool
+from trainer.cli import run_tool
+from trainer.config import ConfigError
 
 # (metrics.jsonl key, panel title, colour): one panel per entry, in a 2 x 3 grid; eval_loss and loss_by_source join
 # the loss panel. A run without packing has no pack_fill: its panel says so.

@@ -26,7 +26,8 @@ from trainer.checkpoint import (
     save_checkpoint,
     start_run_dir,
 )
-from trainer.config import ConfigError, ModelOptions, TrainConfig, parse_args
+from trainer.cli import parse_args
+from trainer.config import ConfigError, TrainConfig
 from trainer.data.batches import StepLoader
 from trainer.data.collate import Batch, keep_freed_buffers, token_sources
 from trainer.data.errors import DataError
@@ -47,6 +48,7 @@ from trainer.evaluate import EvalSet, eval_sets, evaluate
 from trainer.families import BY_NAME, Vocab
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
 from trainer.model import apply_fsdp, build_model, forward_loss, model_identity, tiny_vocab
+from trainer.options import ModelOptions
 from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
 

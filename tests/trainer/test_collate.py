@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import Batching
 from trainer.data.batches import MicroBatcher
 from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.data.decode import DecodedSample
 from trainer.data.errors import DataError
+from trainer.options import Batching
 
 SPEC = CollateSpec(pad_id=0, image_token_id=9, patch_size=14, merge_size=2)
 

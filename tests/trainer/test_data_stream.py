@@ -1,12 +1,12 @@
 import pytest
 
-from trainer.config import Batching
 from trainer.data.batches import StepLoader, sample_loader
 from trainer.data.collate import CollateSpec
 from trainer.data.errors import DataError
 from trainer.data.sources import ShardRef, plan_shards, resolve_data
 from trainer.data.steps import steps_per_epoch
 from trainer.data.streams import RankStream, ShardSequence, epoch_shards
+from trainer.options import Batching
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")

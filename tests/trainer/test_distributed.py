@@ -42,10 +42,11 @@ def test_two_ranks_two_workers_read_every_sample_once_and_run_the_same_steps(run
 
 @pytest.mark.slow  # a single-process replay of the whole epoch: ~50 s on 2 cores
 def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a, dataset, image_spec):
-    from trainer.config import ModelOptions, TrainConfig
+    from trainer.config import TrainConfig
     from trainer.data.collate import CollateSpec, collate
     from trainer.data.vision import Patchifier
     from trainer.model import build_model
+    from trainer.options import ModelOptions
     from trainer.train import build_optimizer, lr_at, train_step
 
     _, metrics, _ = run_a

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.conftest import TRACES, build_dataset, read_metrics, run_trainer
-from trainer.config import ConfigError, TrainConfig, load_toml, parse_args
+from trainer.cli import load_toml, parse_args
+from trainer.config import ConfigError, TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -27,8 +28,8 @@ def final_model(run_dir, **model_kw):
     import torch.distributed.checkpoint as dcp
 
     from trainer.checkpoint import latest_checkpoint
-    from trainer.config import ModelOptions
     from trainer.model import build_model
+    from trainer.options import ModelOptions
 
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, **model_kw))
     state = {"model": net.state_dict()}
@@ -87,7 +88,6 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     from torch's generator: without the fork, training's next dropout mask would differ."""
     import torch.distributed as dist
 
-    from trainer.config import Batching, ModelOptions
     from trainer.data.batches import StepLoader
     from trainer.data.collate import CollateSpec
     from trainer.data.sources import resolve_data
@@ -95,6 +95,7 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     from trainer.data.vision import Patchifier
     from trainer.evaluate import EvalSet, evaluate
     from trainer.model import build_model
+    from trainer.options import Batching, ModelOptions
 
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, lora_rank=4, lora_dropout=0.3))
     torch.manual_seed(1)

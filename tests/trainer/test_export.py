@@ -15,10 +15,10 @@ from PIL import Image
 from safetensors import safe_open
 
 from tests.trainer.conftest import ROOT, TORCHRUN, TRACES, read_all_samples, trainer_env
-from trainer.config import ModelOptions
 from trainer.data.collate import CollateSpec, collate
 from trainer.data.vision import Patchifier
 from trainer.model import build_model
+from trainer.options import ModelOptions
 from trainer.train import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:This DataLoader will create")

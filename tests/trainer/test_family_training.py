@@ -141,8 +141,8 @@ def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(tr
     from transformers import Trainer, TrainingArguments
 
     import vlmprep.clients.hf
-    from trainer.config import ModelOptions
     from trainer.model import build_model, tiny_vocab
+    from trainer.options import ModelOptions
     from vlmprep.clients.collate import Collator
 
     name, ds, _, _, row, _ = trained
@@ -234,10 +234,10 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
     the balance loss taken over the padding too would differ."""
     import dataclasses
 
-    from trainer.config import ModelOptions
     from trainer.data.collate import collate
     from trainer.data.pipeline import RunData, collate_spec_of
     from trainer.model import balance_loss, build_model, forward_loss, model_inputs, tiny_vocab
+    from trainer.options import ModelOptions
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
@@ -305,8 +305,8 @@ def _patchify(spec, batch):
 def test_lora_adapts_the_language_model_only_and_freezes_the_vision_tower(name):
     """--lora-rank: adapters on the language model's attention and MLP projections of every family (not the vision
     tower, not fused expert weights); the vision tower and projector are frozen."""
-    from trainer.config import ModelOptions
     from trainer.model import build_model, tiny_vocab
+    from trainer.options import ModelOptions
     from vlmprep.processors.builtin import builtin_dir
 
     family = BY_NAME[name]
@@ -327,10 +327,10 @@ def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_sa
     """Every rank runs the vision tower in every forward (FSDP's all-gathers pair up across ranks): a text-only
     micro-batch of a family whose host makes the pixels gets a black image the processor expands, after row 0's last
     token, untrained; the loss equals the model's on the text alone, without any image."""
-    from trainer.config import ModelOptions
     from trainer.data.collate import collate
     from trainer.data.pipeline import RunData, collate_spec_of
     from trainer.model import build_model, forward_loss, tiny_vocab
+    from trainer.options import ModelOptions
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 

@@ -101,7 +101,8 @@ def test_a_stalled_server_ends_in_one_line_naming_read_timeout(dataset, tmp_path
 
 
 def test_read_timeout_is_an_option_the_run_uses(tmp_path):
-    from trainer.config import ConfigError, parse_args
+    from trainer.cli import parse_args
+    from trainer.config import ConfigError
 
     assert parse_args(["--data", "d", "--out", str(tmp_path), "--tiny-random", "qwen2-vl", "--read-timeout", "5"]).read_timeout == 5.0
     with pytest.raises(ConfigError, match="read_timeout=0.0: seconds, > 0"):

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from tests.trainer.conftest import read_all_samples
-from trainer.config import ModelOptions
 from trainer.data.collate import CollateSpec, collate
 from trainer.data.decode import DecodedSample
 from trainer.data.vision import Patchifier
 from trainer.model import build_model, forward_loss
+from trainer.options import ModelOptions
 from trainer.train import main
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)

@@ -9,7 +9,8 @@ import pkgutil
 from pathlib import Path
 
 import trainer
-from trainer.config import FIELDS, Batching, ModelOptions, TrainConfig, cache_limit_bytes
+from trainer.config import FIELDS, TrainConfig, cache_limit_bytes
+from trainer.options import Batching, ModelOptions
 
 # Parameters that carry an option under a library name: (qualified name, parameter) -> (option, the option's value
 # as the parameter reads it).

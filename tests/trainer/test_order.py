@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
-from trainer.config import Batching
 from trainer.data import steps as steps_mod
 from trainer.data.batches import StepLoader, sample_loader
 from trainer.data.collate import CollateSpec
@@ -18,6 +17,7 @@ from trainer.data.order import RankSource, pass_order, schedule
 from trainer.data.sources import plan_shards, resolve_data
 from trainer.data.steps import rank_steps, token_batches
 from trainer.data.streams import EpochSchedule, ScheduledStream
+from trainer.options import Batching
 
 SPEC = CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")

@@ -11,13 +11,14 @@ import torch
 
 from tests.trainer.conftest import read_all_samples
 from tests.trainer.test_model import FAMILIES
-from trainer.config import Batching, ConfigError, ModelOptions
+from trainer.config import ConfigError
 from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.data.decode import DecodedSample
 from trainer.data.errors import DataError
 from trainer.data.pack import Packer, best_fit_decreasing, collate_packed
 from trainer.data.vision import ImageSpec, Patchifier
 from trainer.model import build_model, forward_loss, tiny_config
+from trainer.options import Batching, ModelOptions
 
 IMG = 151655
 

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from PIL import Image
 
 from tests.trainer.conftest import TRACES, read_all_samples
-from trainer.config import ModelOptions
 from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.data.vision import Patchifier
 from trainer.model import build_model, forward_loss
+from trainer.options import ModelOptions
 
 
 def _messages(processor, conv):

@@ -3,7 +3,8 @@ import tomllib
 
 import pytest
 
-from trainer.config import ConfigError, TrainConfig, load_toml, parse_args
+from trainer.cli import load_toml, parse_args
+from trainer.config import ConfigError, TrainConfig
 
 
 def test_toml_then_cli_overrides(tmp_path):
@@ -73,7 +74,8 @@ def test_resolved_config_round_trips_as_toml(tmp_path):
 def test_help_walk_every_option_has_help_a_group_and_a_default():
     """`python -m trainer --help` explains itself: every option (every TrainConfig field, also ones added later)
     has a one-line help text, sits in one of the groups, and shows its default (or says it is required)."""
-    from trainer.config import FIELDS, GROUPS, _parser
+    from trainer.cli import _parser
+    from trainer.config import FIELDS, GROUPS
 
     ap = _parser()
     actions = {a.dest: a for a in ap._actions if a.dest != "help"}
@@ -97,15 +99,16 @@ def test_help_walk_every_option_has_help_a_group_and_a_default():
 
 def test_readme_options_table_is_the_declarations():
     """docs/trainer.md's options table is generated from the same declarations as --help (regenerate it with
-    trainer.config.options_table())."""
+    trainer.cli.options_table())."""
     from tests.trainer.conftest import ROOT
-    from trainer.config import FIELDS, options_table
+    from trainer.cli import options_table
+    from trainer.config import FIELDS
 
     text = (ROOT / "docs" / "trainer.md").read_text(encoding="utf-8")
     begin, end = "<!-- trainer-options: begin -->\n", "<!-- trainer-options: end -->"
     assert begin in text and end in text, "docs/trainer.md lost its trainer options table markers"
     table = text.split(begin, 1)[1].split(end, 1)[0]
-    assert table == options_table(), "docs/trainer.md options table is stale: paste trainer.config.options_table()"
+    assert table == options_table(), "docs/trainer.md options table is stale: paste trainer.cli.options_table()"
     assert len(table.splitlines()) == 2 + len(FIELDS)
 
 

@@ -17,13 +17,13 @@ from PIL import Image
 from tests.support.videos import decode_all, encode, frames
 from tests.trainer.conftest import read_all_samples, read_metrics, run_trainer
 from tests.trainer.test_parity import _independent_labels
-from trainer.config import ModelOptions
 from trainer.data.collate import IGNORE_INDEX, CollateSpec, collate
 from trainer.data.errors import DataError
 from trainer.data.pack import collate_packed
 from trainer.data.processors import load_image_processor_config, load_video_processor_config
 from trainer.data.vision import ImageSpec, Patchifier
 from trainer.model import build_model, forward_loss
+from trainer.options import ModelOptions
 
 CLIPS = [(9, 4, 64, 48), (6, 2, 56, 56)]  # frames, fps, width, height: an odd sampled count and an even one
 

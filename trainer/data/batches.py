@@ -9,13 +9,13 @@ from typing import Iterator
 
 from torch.utils.data import DataLoader
 
-from trainer.config import Batching
 from trainer.data.collate import Batch, CollateSpec, collate
 from trainer.data.decode import DecodedSample
 from trainer.data.errors import DataError
 from trainer.data.pack import Packer, collate_packed
 from trainer.data.shm import SLABS_PER_WORKER, SlabPool, SlabRef
 from trainer.data.streams import RankStream, ScheduledStream, Streams
+from trainer.options import Batching
 
 
 def _identity(x):

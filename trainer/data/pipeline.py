@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import Batching, ConfigError, DataSpec, TrainConfig, cache_limit_bytes
+from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
 from trainer.data.batches import StepLoader
 from trainer.data.cache import ShardCache, remote_shards
 from trainer.data.collate import CollateSpec
@@ -36,6 +36,7 @@ from trainer.data.vision import ImageSpec, host_pixels
 from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
 from trainer.metrics import plural
 from trainer.model import image_token_id, model_family, model_type_of, pad_token_id, video_token_id
+from trainer.options import Batching
 
 
 def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:

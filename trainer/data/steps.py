@@ -7,8 +7,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.config import Batching, ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.data.order import RankSource, Schedule, epoch_size, schedule
+from trainer.options import Batching
 
 
 def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> tuple[list[int], Schedule]:
