@@ -45,12 +45,12 @@ def records(n: int, path: Path) -> list[dict]:
 def _spec(ds: Path, name: str):
     """The trainer's collate spec for the dataset, as a run makes it (a tiny model of the family for its ids)."""
     from trainer.config import TrainConfig
-    from trainer.data.pipeline import RunData, _load_image_spec, collate_spec_of
-    from trainer.model import build_model, tiny_vocab
-    from trainer.options import ModelOptions
+    from trainer.data.datasets import RunData, load_image_spec
+    from trainer.model import build_model, collate_spec_of, tiny_vocab
+    from trainer.options import DataOptions, ModelOptions
 
     processor = str(ds / "processor")
-    image = _load_image_spec(TrainConfig(data=str(ds), tiny_random=name), processor)
+    image = load_image_spec(DataOptions.of(TrainConfig(data=str(ds), tiny_random=name)), processor)
     net = build_model(ModelOptions(tiny_random=name), tiny_vocab(name, processor))
     return image, collate_spec_of(net, RunData((), [], [], image, "", processor), processor)
 

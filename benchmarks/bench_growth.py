@@ -216,11 +216,13 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     from trainer.config import TrainConfig
     from trainer.data.batches import StepLoader
     from trainer.data.collate import CollateSpec
+    from trainer.data.datasets import open_data
     from trainer.data.integrity import ShardCheck, expected_sha256
-    from trainer.data.pipeline import fit_span, open_data, rank_sources
+    from trainer.data.pipeline import rank_sources, read_plan
     from trainer.data.steps import predict_steps
     from trainer.data.streams import EpochSchedule
-    from trainer.options import Batching
+    from trainer.model import model_type_of
+    from trainer.options import Batching, DataOptions
 
     # The trainer builds its model before the data part, so torch's one-off set-up at a process's first tensor op
     # (~0.5 ms here) is not part of it: paid here too, before the clock starts.
@@ -228,8 +230,10 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     t0 = time.perf_counter()
     cfg = TrainConfig(data=data, tiny_random="qwen2-vl", max_tokens_per_batch=MAX_TOKENS, num_workers=0,
                       shard_cache_limit=limit, out=str(OUT / "growth" / "run"))
-    data_ = open_data(cfg, world)
-    cfg = fit_span(cfg, data_, world)
+    data_ = open_data(DataOptions.of(cfg), model_type=model_type_of(model="", tiny_random="qwen2-vl"), packing=False,
+                      world=world)
+    span = read_plan(DataOptions.of(cfg), data_, rank=rank).shuffle_span
+    cfg = dataclasses.replace(cfg, shuffle_span=span)
     t1 = time.perf_counter()
     cache = OUT / "growth" / "run" / "shard-cache" / f"rank-{rank:05d}"
     # A run dir's first start, as the trainer's make_loader makes it: its check (on by default, its record empty)
@@ -237,11 +241,11 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     check = None
     if "://" not in data:
         check = ShardCheck(None)
-        check.deferring = True
     sources, _ = rank_sources(data_.specs, data_.datasets, data_.plans, rank=rank, world=world, cache=cache,
-                              check=check)
+                              check=check, defer=check is not None)
     t2 = time.perf_counter()
-    steps, first = predict_steps(cfg, sources, torch.device("cpu"))
+    steps, first = predict_steps(sources, DataOptions.of(cfg), Batching.of(cfg), specs=data_.specs, epochs=cfg.epochs,
+                                 device=torch.device("cpu"))
     t3 = time.perf_counter()
     if first_step and check is not None:  # what step 1 waited for before the shard cache hashed local shards: the
         # rank's whole share

@@ -6,7 +6,6 @@ those mean (data, model, options): a run resumes only its own; RUN/trainer.lock 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -25,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import locks
-from trainer.config import RESUME_MAY_CHANGE, ConfigError, TrainConfig
+from trainer.config import ConfigError
 from trainer.metrics import LOG_NAME
 from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
@@ -224,16 +223,15 @@ def _dataset_identity(shards, manifest: dict | None) -> list:
     return [data, (manifest or {}).get("processor", {}).get("fingerprint")]
 
 
-def run_identity(cfg: TrainConfig, *, datasets: list, model: dict, image_config: dict, world: int) -> dict:
+def run_identity(options: dict, *, datasets: list, model: dict, image_config: dict, world: int) -> dict:
     """What a run's checkpoints mean: the data by content (the manifest's per-shard sha256 and processor
     fingerprint, so a moved copy still matches; the URLs when there is no manifest; a mixture's names, weights and
-    on_end too), the model, the image processor's settings, the rank count and every option outside
-    RESUME_MAY_CHANGE. `datasets`: (DataSpec, DataSource) per source."""
+    on_end too), the model, the image processor's settings, the rank count and `options`, every option outside
+    RESUME_MAY_CHANGE (TrainConfig.resume_identity()). `datasets`: (DataSpec, DataSource) per source."""
     if len(datasets) == 1 and not datasets[0][0].name:
         data = _sha(_dataset_identity(datasets[0][1].shards, datasets[0][1].manifest))
     else:
         data = _sha([[d.name, d.weight, d.on_end, _dataset_identity(s.shards, s.manifest)] for d, s in datasets])
-    options = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUME_MAY_CHANGE}
     return {"data": data, **model, "image_processor": _sha(image_config), "ranks": world, **options}
 
 

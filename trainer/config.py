@@ -1,6 +1,6 @@
 """TrainConfig: every trainer option, declared once with its default and help and validated once; built from an
 optional TOML file plus CLI overrides (cli.py) and written into the run dir as `config.toml`. Components take the
-option groups of options.py.
+option groups of options.py, not the whole config.
 """
 from __future__ import annotations
 
@@ -84,6 +84,26 @@ class DataSpec:
         return f"\n[[{table}]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(self).items())
 
 
+def _specs(value: str | tuple[DataSpec, ...]) -> tuple[DataSpec, ...]:
+    if isinstance(value, str):
+        return (DataSpec(path=value),) if value else ()
+    return value
+
+
+class DataSources:
+    """The datasets of a config or option group with `data` and `eval_data` fields, as DataSpecs."""
+
+    @property
+    def sources(self) -> tuple[DataSpec, ...]:
+        """The run's datasets: one unnamed for a plain --data, else the named mixture."""
+        return _specs(self.data)
+
+    @property
+    def eval_sources(self) -> tuple[DataSpec, ...]:
+        """The eval sets: none, one unnamed, or the named ones."""
+        return _specs(self.eval_data)
+
+
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
           "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
@@ -122,7 +142,7 @@ def opt(default, group: str, text: str, *, shown: str = ""):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(DataSources):
     """Every trainer option, each declared once here with its default and help (`opt(...)`): the CLI flags, the TOML
     keys and `python -m trainer --help` are generated from these fields. Frozen and checked in __post_init__ by named
     `_check_*` checks (a bad value is a one-line ConfigError naming the fix); `to_toml()` is what the run dir keeps as
@@ -299,17 +319,9 @@ class TrainConfig:
             raise ConfigError(f"pack_to={self.pack_to} and max_tokens_per_batch={self.max_tokens_per_batch}: pick one "
                               "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)")
 
-    @property
-    def sources(self) -> tuple[DataSpec, ...]:
-        """The run's datasets: one unnamed for a plain --data, else the named mixture."""
-        return (DataSpec(path=self.data),) if isinstance(self.data, str) else self.data
-
-    @property
-    def eval_sources(self) -> tuple[DataSpec, ...]:
-        """The eval sets: none, one unnamed, or the named ones."""
-        if isinstance(self.eval_data, str):
-            return (DataSpec(path=self.eval_data),) if self.eval_data else ()
-        return self.eval_data
+    def resume_identity(self) -> dict:
+        """The options a resume must keep (every one outside RESUME_MAY_CHANGE), as run.json's identity holds them."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RESUME_MAY_CHANGE}
 
     def to_toml(self) -> str:
         """The config as TOML text (config.toml in the run dir); parse_args(['--config', it]) gives it back."""

@@ -1,74 +1,18 @@
-"""Held-out eval: each eval set's shards split over the ranks (disjoint, no shuffle) -> the training collate or
-packing -> forwards without gradients -> the token-weighted mean loss over the whole set and all ranks, a
-metrics.jsonl row. The training stream is left as it was: own loaders, torch's RNG and every module's mode restored.
+"""Held-out eval: each eval set's loader (trainer/data/pipeline.py eval_loaders: its shards split over the ranks,
+disjoint, no shuffle, the training collate or packing) -> forwards without gradients -> the token-weighted mean loss
+over the whole set and all ranks, a metrics.jsonl row. The training stream is left as it was: own loaders, torch's
+RNG and every module's mode restored.
 """
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from trainer.config import ConfigError, TrainConfig
-from trainer.data.batches import StepLoader
-from trainer.data.collate import CollateSpec
-from trainer.data.decode import trains_videos
-from trainer.data.integrity import ShardCheck, check_local_shards
-from trainer.data.pack import check_packing
-from trainer.data.processors import processor_difference
-from trainer.data.sources import DataSource, plan_shards, resolve_data
-from trainer.data.streams import ShardSequence
-from trainer.data.vision import ImageSpec, Patchifier
-from trainer.metrics import plural
+from trainer.data import EvalSet, Patchifier
 from trainer.model import forward_loss
-from trainer.options import Batching
-
-
-@dataclass
-class EvalSet:
-    """One held-out dataset: its name ('' for a single unnamed set) and this rank's loader over it."""
-
-    name: str  # '' for a single unnamed eval set
-    loader: StepLoader  # this rank's part, started afresh at every eval
-
-
-def eval_sets(cfg: TrainConfig, *, rank: int, world: int, spec: ImageSpec, collate_spec: CollateSpec,
-              train_data: DataSource, model_type: str, check: ShardCheck | None = None) -> list[EvalSet]:
-    """This rank's loader per eval set: whole shards planned over the ranks as for training (with fewer shards
-    than ranks, every rank strides over all samples), read in manifest order, batched exactly as training. A set
-    that holds videos runs the video pass in every micro-batch (the placeholder video where it has none), whether
-    or not training does: the ranks' vision all-gathers then pair up in eval as in training."""
-    out = []
-    for d in cfg.eval_sources:
-        ds = resolve_data(d.path, option="--eval-data")
-        if ds.processor and train_data.processor:  # a loss under another tokenizer or pixel math means nothing
-            diff = processor_difference(train_data, ds, cfg.processor)
-            if diff:
-                raise ConfigError(f"--eval-data {d.path} was built with another processor than --data "
-                                  f"({'; '.join(diff)}): rebuild it with the training data's --processor")
-        if cfg.pack_to:
-            check_packing(pack_to=cfg.pack_to, pack_window=cfg.pack_window, manifest=ds.manifest, model_type=model_type)
-        videos = trains_videos([ds], model_type)  # from the manifest: the same on every rank
-        if videos and spec.video is None:
-            raise ConfigError(f"--eval-data {d.path} holds videos, but the training data's processor saved no video "
-                              "processor to make their pixel_values_videos: pass --processor with one")
-        plan = plan_shards(ds.shards, world)
-        shards = [ds.shards[i] for i in plan.per_rank[rank]]
-        signatures = check_local_shards(shards, ds, check) if check is not None else None  # sha256 before reading
-        streams = ShardSequence(shards, spec=spec, seed=cfg.seed, shuffle_shards=False,
-                                stride=(rank, world) if plan.stride else (0, 1), signatures=signatures)
-        loader = StepLoader(streams, collate_spec=replace(collate_spec, videos=videos), batching=Batching.of(cfg),
-                            num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor)
-        out.append(EvalSet(d.name, loader))
-        if rank == 0:
-            print(f"trainer: eval set {d.name or d.path}: {plural(len(ds.shards), 'shard')} over "
-                  f"{plural(world, 'rank')}"
-                  f"{' (fewer shards than ranks: each rank strides over all samples)' if plan.stride else ''}; "
-                  + (f"every {cfg.eval_every} steps and at the end" if cfg.eval_every else "at the end"),
-                  file=sys.stderr)
-    return out
 
 
 def evaluate(net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: torch.device, patchifier: Patchifier,

@@ -19,11 +19,10 @@ from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
 from trainer.cli import load_toml, run_tool
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
 from trainer.config import ConfigError, TrainConfig, default
-from trainer.data.errors import DataError
-from trainer.data.sources import REMOTE, resolve_data
+from trainer.data import DataError, resolve_data
 from trainer.families import Vocab
-from trainer.options import ModelOptions
-from vlmprep_schemas.boundary import UnsafeDataset, processor_files
+from trainer.options import DataOptions, ModelOptions
+from vlmprep_schemas.boundary import REMOTE, UnsafeDataset, processor_files
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
 _MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only non-empty dir --overwrite replaces
@@ -76,10 +75,10 @@ def find_checkpoint(run_dir: Path, step: int) -> Path:
     return path
 
 
-def _base_model_dir(cfg: TrainConfig, identity: dict) -> str:
+def _base_model_dir(options: ModelOptions, identity: dict) -> str:
     """The --model dir as run.json resolved it (config.toml keeps the path as typed, relative to where the run
     started); its config.json must be the one trained, since it shapes the exported architecture."""
-    model = identity.get("model") or cfg.model
+    model = identity.get("model") or options.model
     config = Path(model) / "config.json"
     if not config.is_file():
         raise ConfigError(f"base model {model}: no config.json there (the export rebuilds the run's model from it)")
@@ -88,7 +87,7 @@ def _base_model_dir(cfg: TrainConfig, identity: dict) -> str:
     return model
 
 
-def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.Module, TrainConfig, Path]:
+def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.Module, ModelOptions, Path]:
     """The run's model (fp32, CPU, eval mode) with the checkpoint's weights, read without a process group: DCP
     reassembles the FSDP shards of every rank into the full tensors of this one-process model."""
     import torch.distributed.checkpoint as dcp
@@ -97,9 +96,10 @@ def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.
 
     run_dir = Path(run_dir)
     cfg, identity = read_run(run_dir)
+    options = ModelOptions.of(cfg)
     path = find_checkpoint(run_dir, step)
-    model = _base_model_dir(cfg, identity) if cfg.model else ""
-    net = build_model(replace(ModelOptions.of(cfg), model=model, activation_checkpointing=False), _vocab(identity))
+    model = _base_model_dir(options, identity) if options.model else ""
+    net = build_model(replace(options, model=model, activation_checkpointing=False), _vocab(identity))
     state = {"model": net.state_dict()}  # tied weights share a tensor: loading either key fills both
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -109,7 +109,7 @@ def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.
         raise ConfigError(f"{path}: cannot load the model weights into the run's model: "
                           f"{str(e).strip().splitlines()[-1][:300]}") from None
     net.eval()
-    return net, cfg, path
+    return net, options, path
 
 
 def _vocab(identity: dict) -> Vocab | None:
@@ -118,25 +118,25 @@ def _vocab(identity: dict) -> Vocab | None:
     return Vocab(size=int(v["size"]), ids=dict(v["ids"]), pad_id=int(v["pad_id"])) if v else None
 
 
-def _base_use_cache(cfg: TrainConfig, run_dir: str) -> bool:
+def _base_use_cache(options: ModelOptions, run_dir: str) -> bool:
     from transformers import AutoConfig
 
     from trainer.model import tiny_config
 
-    if cfg.tiny_random:
-        return bool(getattr(tiny_config(cfg.tiny_random, _vocab(read_run(Path(run_dir))[1])), "use_cache", True))
-    model = _base_model_dir(cfg, read_run(Path(run_dir))[1])
+    if options.tiny_random:
+        return bool(getattr(tiny_config(options.tiny_random, _vocab(read_run(Path(run_dir))[1])), "use_cache", True))
+    model = _base_model_dir(options, read_run(Path(run_dir))[1])
     return bool(getattr(AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False), "use_cache",
                         True))
 
 
-def _processor_files(cfg: TrainConfig, processor: str) -> tuple[Path, list[Path]]:
+def _processor_files(options: DataOptions, processor: str) -> tuple[Path, list[Path]]:
     """The processor the shards were rendered with: --processor, the run's --processor, or the dataset's copy (a
     mixture's first dataset: mixed datasets share vocabulary, family and image settings, checked at start-up); with
     the files the export copies: the processor's own (processor_files), each inside its dir (a dataset's inside the
     dataset), never a stray file beside them."""
-    location = processor or cfg.processor
-    data = cfg.sources[0].path
+    location = processor or options.processor
+    data = options.sources[0].path
     if not location:
         try:
             location = resolve_data(data).processor  # its manifest's paths checked to stay inside the dataset
@@ -148,7 +148,7 @@ def _processor_files(cfg: TrainConfig, processor: str) -> tuple[Path, list[Path]
         raise ConfigError(f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
                           "--processor DIR with the processor the shards were built with")
     try:
-        return Path(location), processor_files(location, links_out=bool(processor or cfg.processor))
+        return Path(location), processor_files(location, links_out=bool(processor or options.processor))
     except UnsafeDataset as e:
         raise ConfigError(str(e)) from None
 
@@ -173,7 +173,7 @@ def export_run(ecfg: ExportConfig) -> Path:
     if ecfg.adapter_only and not cfg.lora_rank:
         raise ConfigError(f"--adapter-only: {ecfg.run} is not a LoRA run (lora_rank = 0)")
     find_checkpoint(Path(ecfg.run), ecfg.step)  # fail before touching --out
-    processor = _processor_files(cfg, ecfg.processor)
+    processor = _processor_files(DataOptions.of(cfg), ecfg.processor)
     tmp = _prepare_out(out, ecfg.overwrite)
     try:
         _write_export(ecfg, tmp, processor)
@@ -187,16 +187,16 @@ def export_run(ecfg: ExportConfig) -> Path:
 
 
 def _write_export(ecfg: ExportConfig, tmp: Path, processor: tuple[Path, list[Path]]) -> None:
-    net, cfg, path = load_trained_model(ecfg.run, step=ecfg.step)
+    net, options, path = load_trained_model(ecfg.run, step=ecfg.step)
     dtype = EXPORT_DTYPES[ecfg.dtype]
-    if cfg.lora_rank and ecfg.adapter_only:
-        base = _base_model_dir(cfg, read_run(Path(ecfg.run))[1]) if cfg.model else None
+    if options.lora_rank and ecfg.adapter_only:
+        base = _base_model_dir(options, read_run(Path(ecfg.run))[1]) if options.model else None
         net.peft_config["default"].base_model_name_or_path = base  # tiny-random: no base on disk to name
         net.to(dtype).save_pretrained(str(tmp))
     else:
-        if cfg.lora_rank:
+        if options.lora_rank:
             net = net.merge_and_unload()  # in fp32, before the cast
-        net.config.use_cache = _base_use_cache(cfg, ecfg.run)  # training turned the KV cache off
+        net.config.use_cache = _base_use_cache(options, ecfg.run)  # training turned the KV cache off
         net.to(dtype).save_pretrained(str(tmp))
     where, files = processor
     for f in files:

@@ -3,6 +3,7 @@ activation checkpointing -> FSDP2 (each vision block and decoder layer, then the
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import ConfigError
-from trainer.data.collate import IGNORE_INDEX, Batch
+from trainer.data import IGNORE_INDEX, Batch, CollateSpec, RunData, host_pixels, load_processor, trains_videos
 from trainer.families import BY_NAME, Family, Vocab, family_of_model, supported_models
 from trainer.options import ModelOptions
 
@@ -38,8 +39,6 @@ def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
     """The vocabulary `--tiny-random NAME` takes from the dataset's processor (a local dir); None without one."""
     if not name or not processor_dir:
         return None
-    from trainer.data.processors import load_processor
-
     processor = load_processor(processor_dir)
     try:
         vocab = Vocab.of(processor, BY_NAME[name].tokens)
@@ -246,3 +245,18 @@ def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor 
     src = token_source.to(losses.device)[:, 1:][keep[:, :-1]]
     return (total, torch.zeros(n, dtype=torch.float64, device=losses.device).index_add_(0, src, losses.double()),
             torch.bincount(src, minlength=n).double())
+
+
+def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) -> CollateSpec:
+    """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
+    the run trains video, and for a family whose pixels the host makes, its pixel maker and placeholder tokens."""
+    spec, family = data.image, model_family(net)
+    base = CollateSpec(pad_id=pad_token_id(net), image_token_id=image_token_id(net),
+                       patch_size=spec.patch_size, merge_size=spec.merge_size, video_token_id=video_token_id(net),
+                       videos=trains_videos(data.datasets, str(net.config.model_type)))
+    if family.pixels != "processor":
+        return base
+    if processor is None:
+        raise ConfigError(f"{family.name} needs its processor to make pixel inputs: pass --processor DIR")
+    host, placeholder, size = host_pixels(family, processor, spec, image_token_id(net))
+    return dataclasses.replace(base, host=host, placeholder=placeholder, placeholder_size=size)

@@ -1,13 +1,14 @@
 """Option groups: the options a component takes together, passed as one object (torchtitan passes its config
 sections): frozen keyword-only views of TrainConfig fields under their config names, with the fields' declared
-defaults.
+defaults. The run (train.py) makes each from its TrainConfig with `Group.of(cfg)`; nothing past it takes the whole
+config.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from trainer.config import FIELDS, TrainConfig, default
+from trainer.config import FIELDS, DataSources, DataSpec, TrainConfig, default
 
 
 class OptionGroup:
@@ -57,3 +58,66 @@ class ModelOptions(OptionGroup):
     lora_dropout: float
     freeze_vision: bool
 
+
+
+@option_group
+class DataOptions(OptionGroup, DataSources):
+    """Where samples come from and how they are read (trainer/data/pipeline.py): the datasets, eval sets and
+    processor, the data order's seed and shuffles, the DataLoader workers, the shard cache (under `out` unless
+    --shard-cache names another dir) and the sha256 checks."""
+
+    data: str | tuple[DataSpec, ...]
+    eval_data: str | tuple[DataSpec, ...]
+    processor: str
+    seed: int
+    shuffle: bool
+    shuffle_span: int
+    shuffle_shards: bool
+    num_workers: int
+    prefetch_factor: int
+    out: str
+    shard_cache: str
+    shard_cache_limit: str
+    shard_prefetch: int
+    verify_shards: bool
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether samples are read by the epoch schedule (sample shuffle, or a mixture) rather than in sequence."""
+        return self.shuffle or len(self.sources) > 1
+
+
+@option_group
+class RunLength(OptionGroup):
+    """How long the run trains: --max-steps, else --epochs full epochs; and the LR schedule's length."""
+
+    max_steps: int
+    epochs: int
+    schedule_steps: int
+
+
+@option_group
+class Optimization(OptionGroup):
+    """AdamW and its learning rate: the peak lr, its linear warmup and cosine to lr x min_lr_ratio, weight decay,
+    betas, epsilon and gradient clipping."""
+
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    max_grad_norm: float
+
+
+@option_group
+class Checkpointing(OptionGroup):
+    """The run dir and what is kept in it: checkpoints and their cadence, resume, the HF export at the end."""
+
+    out: str
+    save_every: int
+    keep_checkpoints: int
+    resume: bool
+    save_hf: bool
+    export_dtype: str

@@ -1,17 +1,17 @@
-"""Training: config -> distributed init -> model -> FSDP2 -> optimizer -> data (trainer/data/pipeline.py) -> checkpoint
-load -> loop of train_step (loss = summed token losses / global trained-token count) -> metrics, checkpoints -> cleanup.
+"""Training: config -> distributed init -> data (trainer/data/: the datasets checked, this rank's read plan) -> model
+-> FSDP2 -> optimizer -> the rank's step loader -> checkpoint load -> loop of train_step (loss = summed token losses /
+global trained-token count) -> metrics, checkpoints -> cleanup.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -28,27 +28,39 @@ from trainer.checkpoint import (
 )
 from trainer.cli import parse_args
 from trainer.config import ConfigError, TrainConfig
-from trainer.data.batches import StepLoader
-from trainer.data.collate import Batch, keep_freed_buffers, token_sources
-from trainer.data.errors import DataError
-from trainer.data.pack import check_packing, empty_state
-from trainer.data.pipeline import (
+from trainer.data import (
+    Batch,
+    DataError,
+    EvalSet,
+    Patchifier,
     RunData,
-    collate_spec_of,
-    fit_span,
+    StepLoader,
+    check_packing,
+    empty_state,
+    eval_loaders,
+    keep_freed_buffers,
     log_plans,
     make_loader,
     open_data,
     processor_dir,
-    shard_check,
+    read_plan,
+    set_read_timeout,
+    token_sources,
 )
-from trainer.data.storage import set_read_timeout
-from trainer.data.vision import Patchifier
-from trainer.evaluate import EvalSet, eval_sets, evaluate
-from trainer.families import BY_NAME, Vocab
+from trainer.distributed import all_sum, die_with_launcher, init_distributed
+from trainer.evaluate import evaluate
+from trainer.families import Vocab
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
-from trainer.model import apply_fsdp, build_model, forward_loss, model_identity, tiny_vocab
-from trainer.options import ModelOptions
+from trainer.model import (
+    apply_fsdp,
+    build_model,
+    collate_spec_of,
+    forward_loss,
+    model_identity,
+    model_type_of,
+    tiny_vocab,
+)
+from trainer.options import Batching, Checkpointing, DataOptions, ModelOptions, Optimization, RunLength
 from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
 
 
@@ -60,53 +72,14 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: 
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def die_with_launcher() -> None:
-    """A rank ends when torchrun does: a `kill -9` of torchrun (an OOM killer, a careless kill) would otherwise leave
-    the ranks training on to the end, writing checkpoints into a run dir that a restart is refused. Linux's
-    parent-death signal (SIGTERM), set by each rank on itself."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    launcher = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != launcher:  # it died before the signal was set
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def init_distributed(device_kind: str) -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE; plain `python -m trainer` becomes a one-rank group, so one code path."""
-    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is visible")
-    backend = "nccl" if use_cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def all_sum(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
-    """Each of `values` summed (or reduced by `op`) over all ranks, as floats; the values themselves on one rank."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def build_optimizer(cfg: TrainConfig, net: torch.nn.Module) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: weight decay on matrices, none on biases and norms (cfg's lr, betas,
-    eps)."""
+def build_optimizer(optim: Optimization, net: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: weight decay on matrices, none on biases and norms (the options' lr,
+    betas, eps)."""
     params = [p for p in net.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
+                             betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
 
 
 def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
@@ -141,42 +114,44 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     return float(local_sum), float(norm)
 
 
-def start_run(cfg: TrainConfig, data: RunData, *, rank: int, world: int, out: Path, vocab: Vocab | None) -> None:
-    """Every rank refuses a resume of another run; then rank 0 creates the run dir (or reopens it to resume)."""
-    identity = run_identity(cfg, datasets=list(zip(data.specs, data.datasets)), image_config=data.image.config,
-                            model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab),
-                            world=world)
-    if cfg.resume:
+def start_run(identity: dict, data: RunData, *, rank: int, ckpt: Checkpointing, config_toml: str) -> None:
+    """Every rank refuses a resume of another run (`identity`: what the run's checkpoints mean, run_identity); then
+    rank 0 creates the run dir (or reopens it to resume) and writes the resolved config into it."""
+    out = Path(ckpt.out)
+    if ckpt.resume:
         check_resumable(out, identity, data.label)
     dist.barrier()  # every rank checked before rank 0 changes the run dir
     if rank == 0:
-        start_run_dir(out, identity, data.label, resume=cfg.resume)
+        start_run_dir(out, identity, data.label, resume=ckpt.resume)
         with open_no_follow(out / "config.toml", "w", encoding="utf-8") as f:
-            f.write(cfg.to_toml())
-        log_plans(data, world)
+            f.write(config_toml)
+        log_plans(data)
 
 
-def make_model(cfg: TrainConfig, data: RunData, *, rank: int, world: int, vocab: Vocab | None) -> torch.nn.Module:
+def make_model(options: ModelOptions, batching: Batching, data: RunData, *, rank: int,
+               vocab: Vocab | None) -> torch.nn.Module:
     """The model before FSDP (a tiny one sized to `vocab`); with packing, every dataset's seq_len checked against a
     row."""
-    net = build_model(ModelOptions.of(cfg), vocab)
-    if cfg.pack_to:
+    net = build_model(options, vocab)
+    if batching.pack_to:
         # Every dataset's seq_len must fit a row; the log line speaks of the first.
-        line = [check_packing(pack_to=cfg.pack_to, pack_window=cfg.pack_window, manifest=ds.manifest,
-                              model_type=str(net.config.model_type), world=world) for ds in data.datasets][0]
+        line = [check_packing(pack_to=batching.pack_to, pack_window=batching.pack_window, manifest=ds.manifest,
+                              model_type=str(net.config.model_type), world=data.world) for ds in data.datasets][0]
         if rank == 0:
             print(line, file=sys.stderr)
     return net
 
 
-def resume_state(cfg: TrainConfig, out: Path, *, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: torch.device, rank: int) -> TrainState:
+def resume_state(checkpointing: Checkpointing, *, seed: int, packing: bool, net: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, device: torch.device, rank: int) -> TrainState:
     """The step, epoch, stream position and packer state to start from: with --resume and a checkpoint, the
-    checkpoint's (model, optimizer and RNG states loaded too); else zeros."""
-    found = load_latest(out, net=net, optimizer=optimizer, device=device, packing=bool(cfg.pack_to)) \
-        if cfg.resume else None
+    checkpoint's (model, optimizer and RNG states loaded too; `packing`: its packer state too); else zeros, and
+    dropout seeded from `seed`."""
+    found = None
+    if checkpointing.resume:
+        found = load_latest(Path(checkpointing.out), net=net, optimizer=optimizer, device=device, packing=packing)
     if found is None:
-        torch.manual_seed(cfg.seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
+        torch.manual_seed(seed + 1 + rank)  # dropout masks differ per rank; a resume restores them instead
         return TrainState(step=0, epoch=0, position=0, pack_state=[])
     ckpt, r = found
     if rank == 0:
@@ -189,7 +164,11 @@ class Session:
     """One rank's training from its start step to its final checkpoint: what the loop uses, and the state it
     advances (`last`: the newest step's metrics row)."""
 
-    cfg: TrainConfig
+    length: RunLength
+    optim: Optimization
+    ckpt: Checkpointing
+    batching: Batching
+    eval_every: int
     data: RunData
     net: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -220,10 +199,10 @@ class Session:
     def loop(self) -> None:
         """Steps until the step budget or the epochs run out: each step trains one batch of micro-batches, logs, and
         evaluates and checkpoints on their cadence; a new epoch starts its data afresh."""
-        cfg, steps_in_epoch = self.cfg, 0
+        length, ckpt, eval_every, steps_in_epoch = self.length, self.ckpt, self.eval_every, 0
         # A run resumed from its final checkpoint (epoch == epochs) has nothing left: the step count alone
         # does not say so when it is not known up front (token budget, packing).
-        while (self.total is None or self.step < self.total) and (cfg.max_steps or self.epoch < cfg.epochs):
+        while (self.total is None or self.step < self.total) and (length.max_steps or self.epoch < length.epochs):
             t0 = time.perf_counter()
             if self.data.watch is not None:
                 self.data.watch.check()  # a build replacing the dataset stops the run here (trainer/data/integrity.py)
@@ -235,34 +214,34 @@ class Session:
                 if steps_in_epoch == 0 and self.position == 0:
                     raise DataError(f"--data {self.data.label} yielded no samples")
                 self.epoch, self.position, steps_in_epoch = self.epoch + 1, 0, 0
-                if not cfg.max_steps and self.epoch >= cfg.epochs:
+                if not length.max_steps and self.epoch >= length.epochs:
                     break
                 self.loader.start(self.epoch, 0)
                 continue
             self.train_one(micro_batches, totals, t0=t0, wait=wait)
             steps_in_epoch += 1
             # eval before the checkpoint: a resume keeps its row
-            if self.evals and cfg.eval_every and self.step % cfg.eval_every == 0:
+            if self.evals and eval_every and self.step % eval_every == 0:
                 evaluate(self.net, self.evals, step=self.step, device=self.device, patchifier=self.patchifier,
                          log=self.log)
-            if cfg.save_every and self.step % cfg.save_every == 0:
+            if ckpt.save_every and self.step % ckpt.save_every == 0:
                 state = TrainState(step=self.step, epoch=self.epoch, position=self.loader.position,
                                    pack_state=self.loader.pack_state)
                 save_checkpoint(self.out, state, net=self.net, optimizer=self.optimizer, device=self.device,
-                                keep_checkpoints=cfg.keep_checkpoints)
+                                keep_checkpoints=ckpt.keep_checkpoints)
                 self.saved_at = self.step
 
     def train_one(self, micro_batches: list[Batch], totals: list[float], *, t0: float, wait: float) -> None:
         """One optimizer step over the global (trained, samples, tokens) `totals`, and its metrics row."""
-        cfg, names, world = self.cfg, self.names, self.world
+        optim, names, world = self.optim, self.names, self.world
         trained, samples, tokens = totals
-        lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total=self.schedule_len,
-                   min_lr_ratio=cfg.min_lr_ratio)
+        lr = lr_at(self.step, lr=optim.lr, warmup_steps=optim.warmup_steps, total=self.schedule_len,
+                   min_lr_ratio=optim.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         by_source = torch.zeros(2, len(names), dtype=torch.float64) if len(names) > 1 else None
         local_loss, grad_norm = train_step(self.net, self.optimizer, micro_batches, patchifier=self.patchifier,
-                                           global_trained=trained, max_grad_norm=cfg.max_grad_norm,
+                                           global_trained=trained, max_grad_norm=optim.max_grad_norm,
                                            by_source=by_source)
         self.step += 1
         (loss_sum, *per_source) = all_sum([local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []),
@@ -284,8 +263,8 @@ class Session:
             last["tokens_by_source"] = {n: int(c) for n, c in zip(names, counts)}
             last["loss_by_source"] = {n: (x / c if c else None) for n, x, c in zip(names, losses, counts)}
             self.mixed_so_far = [a + c for a, c in zip(self.mixed_so_far, counts)]
-        if cfg.pack_to:
-            last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * cfg.pack_to, 1)
+        if self.batching.pack_to:
+            last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * self.batching.pack_to, 1)
             if self.rank == 0 and self.step == 1:
                 print(f"trainer: first step's rows are {last['pack_fill']:.1%} full", file=sys.stderr)
         if self.peak:
@@ -297,26 +276,28 @@ class Session:
     def finish(self) -> None:
         """After the loop: the last eval and checkpoint where the last step did not make them, the HF export and
         rank 0's closing lines."""
-        cfg, step, loader, out, last = self.cfg, self.step, self.loader, self.out, self.last
+        length, ckpt, batching = self.length, self.ckpt, self.batching
+        step, loader, out, last = self.step, self.loader, self.out, self.last
         if last is None and self.rank == 0:  # resumed from its final checkpoint: say so, then do what is left
-            length = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs}"
-            self._say(f"trainer: nothing left to train: {out} finished at step {step} ({length}); raise --max-steps "
+            until = f"--max-steps {length.max_steps}" if length.max_steps else f"--epochs {length.epochs}"
+            self._say(f"trainer: nothing left to train: {out} finished at step {step} ({until}); raise --max-steps "
                       "or --epochs to train further")
-        if self.evals and (not (cfg.eval_every and step % cfg.eval_every == 0) if last is not None
+        if self.evals and (not (self.eval_every and step % self.eval_every == 0) if last is not None
                            else not self._eval_logged()):
             evaluate(self.net, self.evals, step=step, device=self.device, patchifier=self.patchifier, log=self.log)
         if step != self.saved_at:
             same = loader.epoch == self.epoch
             state = TrainState(step=step, epoch=self.epoch, position=loader.position if same else 0,
-                               pack_state=(loader.pack_state if same else empty_state(cfg.pack_to, cfg.pack_window))
-                               if cfg.pack_to else [])
+                               pack_state=(loader.pack_state if same else empty_state(batching.pack_to,
+                                                                                      batching.pack_window))
+                               if batching.pack_to else [])
             save_checkpoint(out, state, net=self.net, optimizer=self.optimizer, device=self.device,
-                            keep_checkpoints=cfg.keep_checkpoints)
-        if cfg.save_hf and self.rank == 0:
+                            keep_checkpoints=ckpt.keep_checkpoints)
+        if ckpt.save_hf and self.rank == 0:
             from trainer.export import ExportConfig, export_run
 
-            hf = export_run(ExportConfig(run=str(out), out=str(out / "hf"), dtype=cfg.export_dtype, overwrite=True))
-            print(f"trainer: exported {hf} ({cfg.export_dtype})", file=sys.stderr)
+            hf = export_run(ExportConfig(run=str(out), out=str(out / "hf"), dtype=ckpt.export_dtype, overwrite=True))
+            print(f"trainer: exported {hf} ({ckpt.export_dtype})", file=sys.stderr)
         if self.rank == 0 and last is not None:
             names, specs, mixed_so_far = self.names, self.data.specs, self.mixed_so_far
             if len(names) > 1 and sum(mixed_so_far):
@@ -350,42 +331,47 @@ def run(cfg: TrainConfig) -> dict | None:
     die_with_launcher()
     set_read_timeout(cfg.read_timeout)
     rank, world, device = init_distributed(cfg.device)
-    out = Path(cfg.out)
+    out, batching = Path(cfg.out), Batching.of(cfg)
     loader = log = None
     owner = contextlib.ExitStack()
     try:
-        data = open_data(cfg, world)
-        cfg = fit_span(cfg, data, world)  # under --shard-cache-limit: shuffle blocks that fit the cache
-        datasets, spec = data.datasets, data.image
+        model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
+        data = open_data(DataOptions.of(cfg), model_type=model_type, packing=bool(cfg.pack_to), world=world)
+        plan = read_plan(DataOptions.of(cfg), data, rank=rank)
+        # under --shard-cache-limit: shuffle blocks that fit the cache, written to config.toml and compared on resume
+        cfg = dataclasses.replace(cfg, shuffle_span=plan.shuffle_span)
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
-        processor = processor_dir(cfg, data, BY_NAME.get(cfg.tiny_random), owner)
+        processor = processor_dir(data, owner, model_type=model_type, tiny=bool(cfg.tiny_random))
         vocab = tiny_vocab(cfg.tiny_random, processor)
-        start_run(cfg, data, rank=rank, world=world, out=out, vocab=vocab)
-        net = make_model(cfg, data, rank=rank, world=world, vocab=vocab)
+        identity = run_identity(cfg.resume_identity(), datasets=list(zip(data.specs, data.datasets)), world=world,
+                                model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab),
+                                image_config=data.image.config)
+        start_run(identity, data, rank=rank, ckpt=Checkpointing.of(cfg), config_toml=cfg.to_toml())
+        net = make_model(ModelOptions.of(cfg), batching, data, rank=rank, vocab=vocab)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = collate_spec_of(net, data, processor)
-        check = shard_check(cfg, out, rank)
-        evals = eval_sets(cfg, rank=rank, world=world, spec=spec, collate_spec=collate_spec,
-                          train_data=datasets[0], model_type=str(net.config.model_type), check=check)
+        evals = eval_loaders(DataOptions.of(cfg), plan, data, batching=batching, collate_spec=collate_spec,
+                             model_type=str(net.config.model_type), eval_every=cfg.eval_every)
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
-        optimizer = build_optimizer(cfg, net)
-        loader, total, schedule_len = make_loader(cfg, data, rank=rank, world=world, device=device,
-                                                  collate_spec=collate_spec, out=out, check=check)
-        resumed = resume_state(cfg, out, net=net, optimizer=optimizer, device=device, rank=rank)
+        optimizer = build_optimizer(Optimization.of(cfg), net)
+        loader, total, schedule_len = make_loader(DataOptions.of(cfg), plan, data, batching=batching,
+                                                  length=RunLength.of(cfg), device=device, collate_spec=collate_spec)
+        resumed = resume_state(Checkpointing.of(cfg), seed=cfg.seed, packing=bool(cfg.pack_to), net=net,
+                               optimizer=optimizer, device=device, rank=rank)
         step, epoch, position = resumed.step, resumed.epoch, resumed.position
         loader.start(epoch, position, resumed.pack_state)
-        patchifier = Patchifier(spec, device)
         # Step lines on stdout unless a progress bar shows the run there (a terminal): Slurm and nohup logs read them.
         log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress, tensorboard=cfg.tensorboard,
                      log_every=cfg.log_every, echo=not (cfg.progress and sys.stdout.isatty())) if rank == 0 else None
-        session = Session(cfg=cfg, data=data, net=net, optimizer=optimizer, loader=loader, patchifier=patchifier,
-                          evals=evals, log=log, flop_counter=flop_counter, peak=peak, total=total,
-                          schedule_len=schedule_len, rank=rank, world=world, device=device, out=out, step=step,
-                          epoch=epoch, position=position, saved_at=step,
-                          mixed_so_far=[0.0] * len(data.specs))
+        session = Session(length=RunLength.of(cfg), optim=Optimization.of(cfg), ckpt=Checkpointing.of(cfg),
+                          batching=batching, eval_every=cfg.eval_every, data=data, net=net, optimizer=optimizer,
+                          loader=loader, patchifier=Patchifier(data.image, device), evals=evals, log=log,
+                          flop_counter=flop_counter, peak=peak, total=total, schedule_len=schedule_len, rank=rank,
+                          world=world, device=device, out=out, step=step, epoch=epoch, position=position,
+                          saved_at=step, mixed_so_far=[0.0] * len(data.specs))
         session.loop()
         session.finish()
         return session.last

@@ -100,3 +100,31 @@ def read_all_samples(dataset: Path, spec) -> list:
     from trainer.data.streams import RankStream
 
     return list(RankStream(list(resolve_data(str(dataset)).shards), start=0, spec=spec))
+
+
+def open_data_of(cfg, world: int = 1):
+    """open_data as the run calls it for a TrainConfig (trainer/train.py run)."""
+    from trainer.data import open_data
+    from trainer.model import model_type_of
+    from trainer.options import DataOptions
+
+    return open_data(DataOptions.of(cfg), model_type=model_type_of(model=cfg.model, tiny_random=cfg.tiny_random),
+                     packing=bool(cfg.pack_to), world=world)
+
+
+def make_loader_of(cfg, data, *, collate_spec, check=None, rank: int = 0):
+    """read_plan and make_loader as the run calls them for a TrainConfig (`check`: the test's own ShardCheck in place
+    of the plan's), on the CPU."""
+    import dataclasses
+
+    import torch
+
+    from trainer.data import make_loader, read_plan
+    from trainer.options import Batching, DataOptions, RunLength
+
+    plan = read_plan(DataOptions.of(cfg), data, rank=rank)
+    if check is not None:
+        plan = dataclasses.replace(plan, check=check)
+    options = DataOptions.of(dataclasses.replace(cfg, shuffle_span=plan.shuffle_span))
+    return make_loader(options, plan, data, batching=Batching.of(cfg), length=RunLength.of(cfg),
+                       device=torch.device("cpu"), collate_spec=collate_spec)

@@ -46,14 +46,14 @@ def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a,
     from trainer.data.collate import CollateSpec, collate
     from trainer.data.vision import Patchifier
     from trainer.model import build_model
-    from trainer.options import ModelOptions
+    from trainer.options import ModelOptions, Optimization
     from trainer.train import build_optimizer, lr_at, train_step
 
     _, metrics, _ = run_a
     by_id = {s.id: s for s in read_all_samples(dataset, image_spec)}
     cfg = TrainConfig(data="-", tiny_random="qwen2-vl")
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
-    opt = build_optimizer(cfg, net)
+    opt = build_optimizer(Optimization.of(cfg), net)
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
     worst = [0.0, 0.0]
     for m in metrics:

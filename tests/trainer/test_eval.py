@@ -90,10 +90,11 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
 
     from trainer.data.batches import StepLoader
     from trainer.data.collate import CollateSpec
+    from trainer.data.pipeline import EvalSet
     from trainer.data.sources import resolve_data
     from trainer.data.streams import ShardSequence
     from trainer.data.vision import Patchifier
-    from trainer.evaluate import EvalSet, evaluate
+    from trainer.evaluate import evaluate
     from trainer.model import build_model
     from trainer.options import Batching, ModelOptions
 
@@ -175,8 +176,8 @@ def test_eval_options_parse_round_trip_and_may_change_on_resume(tmp_path):
     from trainer.data.sources import DataSource
 
     def identity(c):
-        return run_identity(c, datasets=[(c.sources[0], DataSource((), None, None))], model={}, image_config={},
-                            world=1)
+        return run_identity(c.resume_identity(), datasets=[(c.sources[0], DataSource((), None, None))], model={},
+                            image_config={}, world=1)
     assert identity(cfg) == identity(TrainConfig(data="d", tiny_random="qwen2-vl"))  # eval never blocks a resume
 
 
@@ -205,17 +206,18 @@ def test_the_training_data_as_eval_data_is_warned_not_refused(dataset, tmp_path,
     warning line at start-up: its loss is no held-out loss. Not refused: it is a fair check of fit."""
     import shutil
 
-    from trainer.data.pipeline import eval_overlap, log_plans, open_data
+    from tests.trainer.conftest import open_data_of
+    from trainer.data.datasets import eval_overlap, log_plans
     from trainer.data.sources import DataSource, ShardRef, resolve_data
 
     copy = tmp_path / "copy"
     shutil.copytree(dataset, copy)
     for held in (str(dataset), str(copy)):
-        data = open_data(TrainConfig(data=str(dataset), eval_data=held, tiny_random="qwen2-vl"), 1)
+        data = open_data_of(TrainConfig(data=str(dataset), eval_data=held, tiny_random="qwen2-vl"))
         assert data.warnings == (f"--eval-data {held} shares 5 of its 5 shards with the training data ({dataset}): "
                                  "its eval loss is measured on trained samples, not held out; build the eval set "
                                  "from records kept out of the training data",)
-        log_plans(data, 1)
+        log_plans(data)
         assert capsys.readouterr().err.count("trainer: warning: --eval-data") == 1
     # One shard of the copy as a pattern, against a mixture: named by the datasets that hold it.
     one = f"{copy}/shard-000001.tar"

@@ -220,9 +220,10 @@ def test_packing_is_refused_in_one_line_where_the_attention_cannot_express_it(na
 def _decoded(ds):
     from tests.trainer.conftest import read_all_samples
     from trainer.config import TrainConfig
-    from trainer.data.pipeline import _load_image_spec
+    from trainer.data.datasets import load_image_spec
+    from trainer.options import DataOptions
 
-    spec = _load_image_spec(TrainConfig(data=str(ds), tiny_random="qwen2-vl"), str(ds / "processor"))
+    spec = load_image_spec(DataOptions.of(TrainConfig(data=str(ds), tiny_random="qwen2-vl")), str(ds / "processor"))
     return read_all_samples(ds, spec), spec
 
 
@@ -235,8 +236,8 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
     import dataclasses
 
     from trainer.data.collate import collate
-    from trainer.data.pipeline import RunData, collate_spec_of
-    from trainer.model import balance_loss, build_model, forward_loss, model_inputs, tiny_vocab
+    from trainer.data.datasets import RunData
+    from trainer.model import balance_loss, build_model, collate_spec_of, forward_loss, model_inputs, tiny_vocab
     from trainer.options import ModelOptions
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
@@ -328,8 +329,8 @@ def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_sa
     micro-batch of a family whose host makes the pixels gets a black image the processor expands, after row 0's last
     token, untrained; the loss equals the model's on the text alone, without any image."""
     from trainer.data.collate import collate
-    from trainer.data.pipeline import RunData, collate_spec_of
-    from trainer.model import build_model, forward_loss, tiny_vocab
+    from trainer.data.datasets import RunData
+    from trainer.model import build_model, collate_spec_of, forward_loss, tiny_vocab
     from trainer.options import ModelOptions
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig

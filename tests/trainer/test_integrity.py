@@ -95,12 +95,10 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
     import threading
     import time
 
-    import torch
-
     import trainer.data.streams
+    from tests.trainer.conftest import make_loader_of, open_data_of
     from trainer.config import TrainConfig
     from trainer.data.collate import CollateSpec
-    from trainer.data.pipeline import make_loader, open_data
 
     hashed, reads, lock = [], [], threading.Lock()
     real_hash, real_read = ShardCheck._hash, trainer.data.streams.read_indexed
@@ -124,12 +122,11 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
     def run(data_dir, out, steps=None):
         cfg = TrainConfig(data=str(data_dir), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2,
                           out=str(out), shard_prefetch=1)
-        data = open_data(cfg, 1)
+        data = open_data_of(cfg)
         spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
                            merge_size=data.image.merge_size)
         check = ShardCheck(out / "shard-cache" / "rank-00000" / RECORD)
-        loader, total, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
-                                       out=out, check=check)
+        loader, total, _ = make_loader_of(cfg, data, collate_spec=spec, check=check)
         at_start, at_first = len(hashed), None
         try:
             loader.start(0, 0)
@@ -166,11 +163,9 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
     import threading
     import time
 
-    import torch
-
+    from tests.trainer.conftest import make_loader_of, open_data_of
     from trainer.config import DataSpec, TrainConfig
     from trainer.data.collate import CollateSpec
-    from trainer.data.pipeline import make_loader, open_data
 
     hashed, lock, real_hash = [], threading.Lock(), ShardCheck._hash
 
@@ -185,12 +180,11 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
                             DataSpec(name="b", path=str(dataset), weight=0.5, on_end="stop")),
                       tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"),
                       shard_prefetch=64)  # the gate runs through the whole schedule, no reader needed
-    data = open_data(cfg, 1)
+    data = open_data_of(cfg)
     spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
                        merge_size=data.image.merge_size)
     check = ShardCheck(tmp_path / "r" / "shard-cache" / "rank-00000" / RECORD)
-    loader, _, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
-                               out=tmp_path / "r", check=check)
+    loader, _, _ = make_loader_of(cfg, data, collate_spec=spec, check=check)
     n = len(resolve_data(str(dataset)).shards)
     assert len(check.deferred) == n
     cache = loader.streams.cache
@@ -209,8 +203,9 @@ def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_
     """Opening a dataset stats none of its shards (every rank stat-ing every shard is 10^5 files x 512 ranks of
     metadata calls on a shared filesystem); each rank's start-up stats its own, and a missing or cut copy of one of
     them stops that rank's start-up with one line naming it, before a step."""
+    from tests.trainer.conftest import open_data_of
     from trainer.config import TrainConfig
-    from trainer.data.pipeline import open_data, rank_sources
+    from trainer.data.pipeline import rank_sources
 
     data = tmp_path / "ds"
     shutil.copytree(dataset, data)
@@ -227,11 +222,10 @@ def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_
 
     def start(rank):
         stats.clear()
-        d = open_data(cfg, world)
+        d = open_data_of(cfg, world)
         assert stats == []  # no shard stat-ed by opening the dataset
-        check = ShardCheck(None)
-        check.deferring = True
-        rank_sources(d.specs, d.datasets, d.plans, rank=rank, world=world, cache=tmp_path / "c", check=check)
+        rank_sources(d.specs, d.datasets, d.plans, rank=rank, world=world, cache=tmp_path / "c",
+                     check=ShardCheck(None), defer=True)
         return d
 
     d = start(0)

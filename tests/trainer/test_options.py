@@ -9,8 +9,9 @@ import pkgutil
 from pathlib import Path
 
 import trainer
+from trainer import options
 from trainer.config import FIELDS, TrainConfig, cache_limit_bytes
-from trainer.options import Batching, ModelOptions
+from trainer.options import Batching, Checkpointing, DataOptions, ModelOptions, Optimization, OptionGroup, RunLength
 
 # Parameters that carry an option under a library name: (qualified name, parameter) -> (option, the option's value
 # as the parameter reads it).
@@ -91,7 +92,10 @@ def test_option_groups_are_config_fields_under_their_config_names():
     cfg = TrainConfig(data="d", tiny_random="qwen2-vl", max_tokens_per_batch=512, grad_accum=3, lora_rank=4, seed=7)
     assert Batching.of(cfg) == Batching(max_tokens_per_batch=512, grad_accum=3)
     assert ModelOptions.of(cfg) == ModelOptions(tiny_random="qwen2-vl", lora_rank=4, seed=7)
-    for group in (Batching, ModelOptions):
+    groups = [g for g in vars(options).values() if isinstance(g, type) and issubclass(g, OptionGroup) and g is not
+              OptionGroup]
+    assert {Batching, ModelOptions, DataOptions, RunLength, Optimization, Checkpointing} <= set(groups)
+    for group in groups:
         for f in dataclasses.fields(group):
             assert f.default == FIELDS[f.name].default and f.type == FIELDS[f.name].type, (group.__name__, f.name)
 

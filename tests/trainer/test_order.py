@@ -453,7 +453,12 @@ def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
     import torch
 
     from trainer.config import ConfigError, TrainConfig
-    from trainer.data.steps import predict_steps
+    from trainer.data.steps import predict_steps as predict
+    from trainer.options import Batching, DataOptions
+
+    def predict_steps(cfg, sources, device):  # as make_loader calls it
+        return predict(sources, DataOptions.of(cfg), Batching.of(cfg), specs=cfg.sources, epochs=cfg.epochs,
+                       device=device)
 
     cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=1e-12"), tiny_random="qwen2-vl", max_steps=1)
     a, b = _fake("a", [[500] * 20], weight=1 / (1 + 1e-12)), _fake("b", [[500] * 20], weight=1e-12 / (1 + 1e-12))
@@ -486,8 +491,8 @@ def test_a_dataset_with_0_samples_in_a_mixture_is_refused(dataset, tmp_path):
     import json
     import shutil
 
+    from tests.trainer.conftest import open_data_of
     from trainer.config import ConfigError, TrainConfig
-    from trainer.data.pipeline import open_data
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -498,5 +503,5 @@ def test_a_dataset_with_0_samples_in_a_mixture_is_refused(dataset, tmp_path):
     cfg = TrainConfig(data=(f"name=full,path={dataset},weight=3", f"name=none,path={empty}"), tiny_random="qwen2-vl")
     with pytest.raises(ConfigError, match=rf"dataset 'none' \({empty}\) holds 0 samples, so the mixture cannot give "
                                           r"it its weight 0.25 of the trained tokens: drop it from --data"):
-        open_data(cfg, 1)
-    assert open_data(TrainConfig(data=str(empty), tiny_random="qwen2-vl"), 1).datasets[0].shards == ()
+        open_data_of(cfg)
+    assert open_data_of(TrainConfig(data=str(empty), tiny_random="qwen2-vl")).datasets[0].shards == ()

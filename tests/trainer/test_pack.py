@@ -231,6 +231,7 @@ def test_packed_row_gives_each_sample_its_own_logits_and_broken_packing_does_not
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_packed_step_equals_unpacked_loss_and_grad_norm(family, spec_for):
     from trainer.config import TrainConfig
+    from trainer.options import Optimization
     from trainer.train import build_optimizer, train_step
 
     patch = _patch(family)
@@ -240,7 +241,7 @@ def test_packed_step_equals_unpacked_loss_and_grad_norm(family, spec_for):
     out = []
     for batch in (collate_packed([samples], spec), collate(samples, spec)):
         net = _net(family, "sdpa").train()
-        opt = build_optimizer(TrainConfig(data="-", tiny_random="qwen2-vl"), net)
+        opt = build_optimizer(Optimization.of(TrainConfig(data="-", tiny_random="qwen2-vl")), net)
         out.append((batch.num_trained, *train_step(net, opt, [batch], patchifier=patchify,
                                                     global_trained=batch.num_trained, max_grad_norm=1.0)))
     (n_p, loss_p, norm_p), (n_u, loss_u, norm_u) = out

@@ -82,19 +82,16 @@ def test_start_up_reads_only_the_index_and_an_older_dataset_is_derived(dataset, 
 def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys):
     """A dataset an older vlmprep built (no sample index files) still starts and takes a step, its index derived from
     the tars; rank 0 says so in one line."""
-    import torch
-
+    from tests.trainer.conftest import make_loader_of, open_data_of
     from trainer.data.collate import CollateSpec
     from trainer.data.integrity import ShardCheck
-    from trainer.data.pipeline import make_loader, open_data
 
     old = _older(dataset, tmp_path / "old")
     cfg = TrainConfig(data=str(old), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"))
-    data = open_data(cfg, 1)
+    data = open_data_of(cfg)
     spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
                        merge_size=data.image.merge_size)
-    loader, total, _ = make_loader(cfg, data, rank=0, world=1, device=torch.device("cpu"), collate_spec=spec,
-                                   out=tmp_path / "r", check=ShardCheck(None))
+    loader, total, _ = make_loader_of(cfg, data, collate_spec=spec, check=ShardCheck(None))
     try:
         loader.start(0, 0)
         assert sum(b.num_samples for b in loader.next_step()) == 2 and total == 9
@@ -210,8 +207,13 @@ def test_an_index_that_is_not_the_manifests_or_not_the_shards_is_refused(dataset
         _sources(str(bad), tmp_path / "c")
 
 
-def test_cache_limit_sizes_and_the_span_that_fits():
-    from trainer.data.pipeline import RunData, fit_span
+def test_cache_limit_sizes_and_the_span_that_fits(tmp_path):
+    from trainer.data.datasets import RunData
+    from trainer.data.pipeline import read_plan
+    from trainer.options import DataOptions
+
+    def fit_span(cfg, data):  # the span the run writes into its config.toml
+        return read_plan(DataOptions.of(cfg), data, rank=0).shuffle_span
 
     assert cache_limit_bytes("50GB") == 50 * 10**9 and cache_limit_bytes("1.5GiB") == 3 << 29
     assert cache_limit_bytes("2000") == 2000 and cache_limit_bytes("") == 0
@@ -223,13 +225,13 @@ def test_cache_limit_sizes_and_the_span_that_fits():
     shards = tuple(ShardRef(f"https://h/d/s{i}.tar", f"s{i}.tar", 10, 100, 1000) for i in range(40))
     data = RunData((DataSpec(path="https://h/d"),), [DataSource(shards, None, None)], [plan_shards(shards, 1)],
                    None, "x")
-    cfg = TrainConfig(data="https://h/d", tiny_random="qwen2-vl", shard_cache_limit="8000")
-    assert fit_span(cfg, data, 1).shuffle_span == 4  # the block read and the next one fetched: 2 x 4 x 1000 bytes
+    cfg = TrainConfig(data="https://h/d", tiny_random="qwen2-vl", shard_cache_limit="8000", out=str(tmp_path))
+    assert fit_span(cfg, data) == 4  # the block read and the next one fetched: 2 x 4 x 1000 bytes
     with pytest.raises(ConfigError, match="--shuffle-span 9 .* pass --shuffle-span 4"):
-        fit_span(TrainConfig(**{**cfg.__dict__, "shuffle_span": 9}), data, 1)
+        fit_span(TrainConfig(**{**cfg.__dict__, "shuffle_span": 9}), data)
     with pytest.raises(ConfigError, match="less than one shard per dataset"):
-        fit_span(TrainConfig(**{**cfg.__dict__, "shard_cache_limit": "999"}), data, 1)
-    assert fit_span(TrainConfig(**{**cfg.__dict__, "shard_cache_limit": ""}), data, 1).shuffle_span == 0
+        fit_span(TrainConfig(**{**cfg.__dict__, "shard_cache_limit": "999"}), data)
+    assert fit_span(TrainConfig(**{**cfg.__dict__, "shard_cache_limit": ""}), data) == 0
 
 
 def test_intervals_are_per_pass_and_sorted_by_first_read(dataset):

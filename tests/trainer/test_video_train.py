@@ -437,7 +437,7 @@ def _reference_eval(net, dataset, vspec) -> tuple[float, int, int]:
 
 
 def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, video_spec, held):
-    """In-process, one rank, the run's own eval_sets + evaluate: a video set runs the video pass in every micro-batch
+    """In-process, one rank, the run's own eval_loaders + evaluate: a video set runs the video pass in every micro-batch
     and an image-only set none, whether training runs it or not; beside training without it, the video set's eval
     loss (v, i, t, vi; micro-batches of 1, so i and t take the placeholder video) equals one sample per forward with
     full logits (rel. 1e-6). Without a saved video processor a video set is one ConfigError at start-up."""
@@ -446,23 +446,32 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
     import torch.distributed as dist
 
     from trainer.config import ConfigError, TrainConfig
+    from trainer.data.datasets import RunData
+    from trainer.data.integrity import ShardCheck
+    from trainer.data.pipeline import ReadPlan, eval_loaders
     from trainer.data.sources import resolve_data
-    from trainer.evaluate import eval_sets, evaluate
+    from trainer.evaluate import evaluate
+    from trainer.options import Batching, DataOptions
 
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     cfg = TrainConfig(data=str(held), tiny_random="qwen2-vl", num_workers=0, grad_accum=2,
                       eval_data=(f"name=vid,path={video_data / 'out'}", f"name=img,path={held}"))
     train_spec = dataclasses.replace(_spec(net), videos=False)
     train_data = dataclasses.replace(resolve_data(str(held)), processor=None)  # skip the (slow) processor check
+    plan = ReadPlan(0, False, False, held / "no-cache", 0, 0, ShardCheck(None, enabled=False))
+
+    def eval_sets(spec, collate_spec):  # the run's, over training data whose processor is `spec`
+        data = RunData(cfg.sources, [train_data], [], spec, str(held))
+        return eval_loaders(DataOptions.of(cfg), plan, data, batching=Batching.of(cfg), collate_spec=collate_spec,
+                            model_type="qwen2_vl", eval_every=0)
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for videos in (True, False):  # training with and without the video pass
-            sets = eval_sets(cfg, rank=0, world=1, spec=video_spec, collate_spec=dataclasses.replace(
-                train_spec, videos=videos), train_data=train_data, model_type="qwen2_vl")
+            sets = eval_sets(video_spec, dataclasses.replace(train_spec, videos=videos))
             assert [s.loader.collate_spec.videos for s in sets] == [True, False]
         with pytest.raises(ConfigError, match="holds videos, but the training data's processor saved no video"):
-            eval_sets(cfg, rank=0, world=1, spec=dataclasses.replace(video_spec, video=None), collate_spec=train_spec,
-                      train_data=train_data, model_type="qwen2_vl")
+            eval_sets(dataclasses.replace(video_spec, video=None), train_spec)
         row = evaluate(net, sets[:1], step=3, device=torch.device("cpu"), patchifier=Patchifier(video_spec, "cpu"))
     finally:
         dist.destroy_process_group()

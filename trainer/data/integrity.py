@@ -40,14 +40,13 @@ def check_unchanged(st: os.stat_result, signature: tuple[int, ...], where: str) 
 class ShardCheck:
     """One rank's sha256 checks of the shards it reads. `record` (a json file) remembers the files already hashed
     by (device, inode, size, mtime, ctime) and digest, so a resume hashes only what changed since; a file
-    rewritten in any way gets a new ctime and is hashed again. enabled=False: only stats are taken. While
-    `deferring`, a shard that needs hashing is only stat-ed and listed in `deferred`: a scheduled run's shard cache
-    hashes it (verify_deferred) before any reader opens it, ahead of the read position, not all before step 1."""
+    rewritten in any way gets a new ctime and is hashed again. enabled=False: only stats are taken. A shard verified
+    with `defer` that needs hashing is only stat-ed and listed in `deferred`: a scheduled run's shard cache hashes it
+    (verify_deferred) before any reader opens it, ahead of the read position, not all before step 1."""
 
     def __init__(self, record: Path | None, *, enabled: bool = default("verify_shards")):
         self.record, self.enabled, self.dirty = record, enabled, False
         self.known: dict[str, list] = {}
-        self.deferring = False
         self.deferred: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # path -> (url, sha256, its signature then)
         self._lock = threading.Lock()  # the shard cache's threads add to `known` while the training thread saves it
         self._hashing: dict[str, threading.Lock] = {}  # deferred path -> held while it is hashed (once)
@@ -58,9 +57,10 @@ class ShardCheck:
             except (OSError, ValueError):
                 self.known = {}
 
-    def verify(self, path: str, *, url: str, want: str | None, size: int | None = None) -> tuple[int, ...]:
+    def verify(self, path: str, *, url: str, want: str | None, size: int | None = None,
+               defer: bool = False) -> tuple[int, ...]:
         """The file's signature, once it is there with the manifest's `size` (None: not checked) and its content is
-        checked to hash to `want` (None: not checked; deferring: left to verify_deferred). Each rank checks its own
+        checked to hash to `want` (None: not checked; `defer`: left to verify_deferred). Each rank checks its own
         shards, so a missing or cut copy fails at start-up without every rank stat-ing the whole dataset."""
         try:
             st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
@@ -77,7 +77,7 @@ class ShardCheck:
         # (a first start's record is empty: no abspath, a getcwd for a relative path, per shard)
         if not (self.enabled and want) or self.known and self.known.get(os.path.abspath(path)) == self._key(st, want):
             return signature
-        if self.deferring:
+        if defer:
             self.deferred[path] = (url, want, signature)
             return signature
         return self._hash(path, url=url, want=want)
@@ -143,13 +143,14 @@ def expected_sha256(ds: DataSource) -> dict[str, str]:
     return {s["name"]: s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
 
 
-def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None) -> ShardIndex:
-    """The shard's index (trainer/data/index.py); a local shard's content is checked first and the signature it had then
-    goes into the index (every read checks the file is still that one). A remote shard's bytes are checked by the
-    shard cache as it fetches them (trainer/data/cache.py)."""
+def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None,
+                  defer: bool = False) -> ShardIndex:
+    """The shard's index (index.py); a local shard's content is checked first (`defer`: by the shard cache, later)
+    and the signature it had then goes into the index (every read checks the file is still that one). A remote
+    shard's bytes are checked by the shard cache as it fetches them (cache.py)."""
     if shard.url.startswith(REMOTE_OR_PIPE):
         return shard_index(shard, cache)
-    signature = check.verify(shard.url, url=shard.url, want=want, size=shard.num_bytes)
+    signature = check.verify(shard.url, url=shard.url, want=want, size=shard.num_bytes, defer=defer)
     index = shard_index(shard, cache)
     if shard.index is not None:  # the build's sidecar: the tar itself is not read here
         return dataclasses.replace(index, signature=signature)
@@ -159,15 +160,15 @@ def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str 
 
 
 def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path, check: ShardCheck,
-                    want: Callable[[ShardRef], str | None]) -> tuple[ShardIndex, ...]:
+                    want: Callable[[ShardRef], str | None], defer: bool = False) -> tuple[ShardIndex, ...]:
     """checked_index of each of a dataset's shards (`want(shard)`: the sha256 to check it against, None: not
     hashed). Where the manifest lists the dataset's sample index, all their rows come from that one file
     (trainer/data/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
     if ds.index is None or any(s.row is None for s in shards):
-        return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s)))
+        return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s), defer=defer))
     return dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache, signature=lambda s: () if
                            s.url.startswith(REMOTE_OR_PIPE) else check.verify(s.url, url=s.url, want=want(s),
-                                                                               size=s.num_bytes))
+                                                                               size=s.num_bytes, defer=defer))
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:

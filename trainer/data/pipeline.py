@@ -1,84 +1,101 @@
-"""The run's training data: --data specs -> resolved datasets checked to share one processor (RunData) -> each
-rank's shard plan and indexed sources -> its StepLoader and the run's length in steps.
+"""The data path of a run, chained top to bottom (the stages are the modules of trainer/data/, README.md):
+
+    --data specs -> RunData (datasets.py: resolved, checked, planned over the ranks)
+      -> ReadPlan (read_plan: this rank's way of reading: scheduled or in sequence, its shard cache dir and limit,
+         the shuffle span that fits it, its sha256 checks)
+      -> the rank's sources with their sample indexes (rank_sources: index.py, integrity.py)
+      -> the run's length in steps (steps.py) and the rank's streams (streams.py, through cache.py for remote or
+         not yet hashed shards)
+      -> its StepLoader (batches.py); and a StepLoader per eval set (eval_loaders)
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.config import ConfigError, DataSpec, TrainConfig, cache_limit_bytes
+from trainer.config import ConfigError, DataSpec, cache_limit_bytes
 from trainer.data.batches import StepLoader
 from trainer.data.cache import ShardCache, remote_shards
 from trainer.data.collate import CollateSpec
-from trainer.data.decode import refuse_videos, trains_videos
-from trainer.data.errors import DataError
-from trainer.data.integrity import RECORD, DatasetWatch, ShardCheck, checked_indexes
-from trainer.data.order import RankSource
-from trainer.data.processors import (
-    check_processor,
-    load_image_processor_config,
-    load_video_processor_config,
-    local_processor,
-    processor_difference,
-)
+from trainer.data.datasets import RunData, plural
+from trainer.data.decode import trains_videos
+from trainer.data.integrity import RECORD, ShardCheck, check_local_shards, checked_indexes
+from trainer.data.order import RankSource, Schedule
+from trainer.data.pack import check_packing
+from trainer.data.processors import processor_difference
 from trainer.data.sources import REMOTE_OR_PIPE, DataSource, ShardPlan, plan_shards, resolve_data
 from trainer.data.steps import predict_steps, steps_per_epoch
-from trainer.data.streams import EpochSchedule, ShardSequence
-from trainer.data.vision import ImageSpec, host_pixels
-from trainer.families import Family, family_of_model, family_of_processor, packing_refusal, supported_models
-from trainer.metrics import plural
-from trainer.model import image_token_id, model_family, model_type_of, pad_token_id, video_token_id
-from trainer.options import Batching
+from trainer.data.streams import EpochSchedule, ShardSequence, Streams
+from trainer.options import Batching, DataOptions, RunLength
 
 
-def _load_image_spec(cfg: TrainConfig, processor: str | None) -> ImageSpec:
-    location = cfg.processor or processor
-    if not location:
-        raise ConfigError(f"--data {cfg.sources[0].path} has no manifest to find the processor: pass --processor DIR")
-    # No file linking out of a dataset's processor, no custom code in any (docs/untrusted-datasets.md).
-    check_processor(location, user_named=bool(cfg.processor))
-    try:
-        return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
-    except ValueError as e:
-        raise DataError(f"{location}: {e}") from None
+@dataclass(frozen=True)
+class ReadPlan:
+    """How this rank reads the run's data, decided once at start-up (read_plan) and followed by its loaders."""
+
+    rank: int
+    scheduled: bool  # by the epoch schedule (sample shuffle or a mixture), else the shards in sequence
+    remote: bool  # some shard is a URL or a pipe
+    cache_dir: Path  # this rank's shard cache dir (--shard-cache, else RUN/shard-cache): fetched shards, indexes
+    cache_limit: int  # this rank's bytes of --shard-cache-limit (the node's over LOCAL_WORLD_SIZE); 0: none
+    shuffle_span: int  # --shuffle-span, fitted to the cache limit where it was 0 (fit_span)
+    check: ShardCheck  # the rank's sha256 checks of the shards it reads (eval sets too), recorded in cache_dir
 
 
-def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], processor: str) -> None:
-    """Mixed datasets must come from one tokenizer vocabulary, model family and image processor."""
-    for spec, ds in zip(specs[1:], datasets[1:]):
-        diff = processor_difference(datasets[0], ds, processor)
-        if diff:
-            raise ConfigError(f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
-                              f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
-                              "tokenizer vocabulary, model family and image processor; rebuild one of them with the "
-                              "other's --processor")
+def read_plan(options: DataOptions, data: RunData, *, rank: int) -> ReadPlan:
+    """This rank's way of reading `data`: scheduled or in sequence, whether any shard is remote, its shard cache dir
+    and share of --shard-cache-limit, the shuffle span that fits that share (fit_span; the run writes it into
+    config.toml, where a resume compares it), and its ShardCheck (the record of what it hashed, in its cache dir)."""
+    remote = any(s.url.startswith(REMOTE_OR_PIPE) for d in data.datasets for s in d.shards)
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1) if options.shard_cache_limit else 1
+    limit = cache_limit_bytes(options.shard_cache_limit) // local_ranks
+    cache_dir = Path(options.shard_cache or Path(options.out) / "shard-cache") / f"rank-{rank:05d}"
+    return ReadPlan(rank, options.scheduled, remote, cache_dir, limit,
+                    fit_span(options, data, remote=remote, limit=limit),
+                    ShardCheck(cache_dir / RECORD, enabled=options.verify_shards))
 
 
-def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> None:
-    """A dataset of a mixture with no samples could never get its weight's share (it would train at 0.0 in silence)."""
-    total = sum(d.weight for d in specs)
-    for spec, ds in zip(specs, datasets):
-        if ds.counted and sum(s.num_samples for s in ds.shards) == 0:
-            raise ConfigError(f"dataset {spec.name!r} ({spec.path}) holds 0 samples, so the mixture cannot give it "
-                              f"its weight {spec.weight / total:.3g} of the trained tokens: drop it from --data, or "
-                              "rebuild it (`vlmprep stats` shows why its records were rejected)")
+def fit_span(options: DataOptions, data: RunData, *, remote: bool, limit: int) -> int:
+    """Under --shard-cache-limit, the sample shuffle of remote data mixes blocks of shards that fit the cache: each
+    rank's share of the limit (`limit`) holds, per dataset, the block being read and the next one being fetched.
+    Returns that --shuffle-span where it was 0 (else the span given); refuses a limit below one shard per dataset, or
+    a span given that cannot fit."""
+    if not options.shard_cache_limit or not remote or not options.scheduled:
+        return options.shuffle_span
+    biggest = max(s.num_bytes or 0 for d in data.datasets for s in d.shards)
+    n = len(data.specs)
+    if n * biggest > limit:
+        raise ConfigError(f"--shard-cache-limit {options.shard_cache_limit} leaves each rank {limit} bytes, less than "
+                          f"one shard per dataset ({n} x {biggest} bytes, the largest shard): raise it")
+    if not options.shuffle:
+        return options.shuffle_span
+    fits = max(limit // (2 * n * biggest), 1)
+    span = options.shuffle_span
+    if span and span * n * biggest > limit:
+        raise ConfigError(f"--shuffle-span {span} mixes up to {span} shards per dataset at once ({n} x {span} x "
+                          f"{biggest} bytes), more than --shard-cache-limit {options.shard_cache_limit} leaves each "
+                          f"rank ({limit} bytes): pass --shuffle-span {fits} or raise the limit")
+    if span:
+        return span
+    most = max(len(p.per_rank[0]) if p.stride else max(len(r) for r in p.per_rank) for p in data.plans)
+    return fits if fits < most else 0
 
 
 def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans: list[ShardPlan], *, rank: int,
-                 world: int, cache: Path, check: ShardCheck | None = None) -> tuple[list[RankSource], int]:
-    """Each source's shards as this rank reads them, with their sample indexes (trainer/data/index.py: the build's
-    dataset index or sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their
-    tars). Local shards are checked against their manifest's sha256 first (by `check`; none: stats only); where
-    every rank reads every shard (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are
-    checked by the shard cache as it fetches them."""
+                 world: int, cache: Path, check: ShardCheck | None = None,
+                 defer: bool = False) -> tuple[list[RankSource], int]:
+    """Each source's shards as this rank reads them, with their sample indexes (index.py: the build's dataset index
+    or sidecars, remote ones fetched into `cache`), and how many shards had none (indexed from their tars). Local
+    shards are checked against their manifest's sha256 first (by `check`; none: stats only; `defer`: listed in
+    check.deferred for the shard cache to hash ahead of the readers instead); where every rank reads every shard
+    (fewer shards than ranks), rank r hashes shards r, r + world, ... Remote shards are checked by the shard cache as
+    it fetches them."""
     check = check or ShardCheck(None, enabled=False)
     total = sum(d.weight for d in specs)
     out, derived = [], 0
@@ -86,7 +103,7 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
         shards = ds.shards if plan.stride else tuple(ds.shards[i] for i in plan.per_rank[rank])
         hashed = {s.url for k, s in enumerate(shards) if not plan.stride or k % world == rank}
         # the manifest's sha256 of the rank's own shards (ShardRef.sha256), not a dict of the dataset's
-        indexes = checked_indexes(shards, ds, cache=cache, check=check, want=lambda s, hashed=hashed:
+        indexes = checked_indexes(shards, ds, cache=cache, check=check, defer=defer, want=lambda s, hashed=hashed:
                                   s.sha256 if s.url in hashed else None)
         derived += 0 if ds.index is not None else sum(s.index is None for s in shards)
         out.append(RankSource(spec.name, spec.weight / total, spec.on_end, shards, indexes,
@@ -94,211 +111,107 @@ def rank_sources(specs: tuple[DataSpec, ...], datasets: list[DataSource], plans:
     return out, derived
 
 
-def fit_span(cfg: TrainConfig, data: "RunData", world: int) -> TrainConfig:
-    """Under --shard-cache-limit, the sample shuffle of remote data mixes blocks of shards that fit the cache: each
-    rank's share of the limit (the node's limit over its LOCAL_WORLD_SIZE ranks) holds, per dataset, the block being
-    read and the next one being fetched. Returns cfg with that --shuffle-span when it was 0 (written to config.toml
-    and compared on resume); refuses a limit below one shard per dataset, or a span given that cannot fit."""
-    remote = any(s.url.startswith(REMOTE_OR_PIPE) for d in data.datasets for s in d.shards)
-    if not cfg.shard_cache_limit or not remote or not (cfg.shuffle or len(data.specs) > 1):
-        return cfg
-    limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-    biggest = max(s.num_bytes or 0 for d in data.datasets for s in d.shards)
-    n = len(data.specs)
-    if n * biggest > limit:
-        raise ConfigError(f"--shard-cache-limit {cfg.shard_cache_limit} leaves each rank {limit} bytes, less than one "
-                          f"shard per dataset ({n} x {biggest} bytes, the largest shard): raise it")
-    if not cfg.shuffle:
-        return cfg
-    fits = max(limit // (2 * n * biggest), 1)
-    if cfg.shuffle_span and cfg.shuffle_span * n * biggest > limit:
-        raise ConfigError(f"--shuffle-span {cfg.shuffle_span} mixes up to {cfg.shuffle_span} shards per dataset at "
-                          f"once ({n} x {cfg.shuffle_span} x {biggest} bytes), more than --shard-cache-limit "
-                          f"{cfg.shard_cache_limit} leaves each rank ({limit} bytes): pass --shuffle-span {fits} or "
-                          "raise the limit")
-    if cfg.shuffle_span:
-        return cfg
-    most = max(len(p.per_rank[0]) if p.stride else max(len(r) for r in p.per_rank) for p in data.plans)
-    return dataclasses.replace(cfg, shuffle_span=fits if fits < most else 0)
+@dataclass
+class _RankPart:
+    """This rank's sources as make_loader found them: indexed (None: streamed in sequence, unindexed), the shard
+    cache they are read through, and what rank 0 says of them at start."""
+
+    sources: list[RankSource] | None
+    cache: ShardCache | None = None
+    derived: int = 0  # shards without a sample index, indexed from their tars
+    index_s: float = 0.0  # seconds the indexing took
 
 
-@dataclass(frozen=True)
-class RunData:
-    """The run's datasets, resolved: their specs, shard lists and rank plans, and the image processor they share."""
-
-    specs: tuple[DataSpec, ...]
-    datasets: list[DataSource]
-    plans: list[ShardPlan]
-    image: ImageSpec
-    label: str  # how run.json and messages name the data
-    processor: str = ""  # where the processor the shards were rendered with is (--processor, else the dataset's)
-    warnings: tuple[str, ...] = ()  # printed by rank 0 with the start-up lines
-    watch: DatasetWatch | None = None  # the local datasets' manifests, checked every step
-
-
-def open_data(cfg: TrainConfig, world: int) -> RunData:
-    """The config's datasets (train, mixture and eval) -> RunData: each resolved (local dir, pattern, URL), its
-    shards planned over `world` ranks, the image spec of the processor, and the watch that stops the run if a dataset
-    changes. Refuses (DataError / ConfigError) videos a model cannot train, a mixture whose datasets do not fit
-    together or are empty; eval sets that overlap training become warnings."""
-    specs = cfg.sources
-    datasets = [resolve_data(d.path) for d in specs]
-    model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
-    for d, ds in zip(specs, datasets):
-        refuse_videos(ds.manifest, str(d.path), model_type)
-    warnings = []
-    for d in cfg.eval_sources:
-        held = resolve_data(d.path, option="--eval-data")
-        refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
-        warnings += eval_overlap(d, held, specs, datasets)
-    image = _load_image_spec(cfg, datasets[0].processor)
-    if len(specs) > 1:  # first: a mixture at odds with itself is the fault, whatever the model
-        check_compatible(specs, datasets, cfg.processor)
-    for d, ds in zip(specs, datasets):
-        refuse_other_family(ds.manifest, str(d.path), model_type)
-    if cfg.pack_to and packing_refusal(model_type):  # before the run dir is touched
-        raise ConfigError(packing_refusal(model_type))
-    if len(specs) > 1:
-        refuse_empty(specs, datasets)
-    label = cfg.data if isinstance(cfg.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
-    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label,
-                   cfg.processor or datasets[0].processor or "", tuple(warnings), DatasetWatch(datasets))
-
-
-def refuse_other_family(manifest: dict | None, where: str, model_type: str) -> None:
-    """A model of a family the trainer does not train, or a dataset rendered with another family's processor, is one
-    line naming both, before anything is loaded."""
-    family = family_of_model(model_type)
-    if not model_type:  # no readable config.json: the model's own check says so (model_identity)
-        return
-    if family is None:
-        raise ConfigError(f"model type {model_type!r} is not one this trainer trains (it trains {supported_models()})")
-    rendered = str(((manifest or {}).get("processor") or {}).get("class") or "")
-    if rendered and rendered not in family.processor_classes:
-        other = family_of_processor(rendered)
-        raise ConfigError(f"--data {where} was rendered with {rendered} ({other.name if other else 'another family'}), "
-                          f"but the model is {family.name} ({model_type}, trained from "
-                          f"{' or '.join(family.processor_classes)} datasets): rebuild the data with this model's "
-                          "processor, or train the model of its family")
-
-
-def _shard_keys(ds: DataSource) -> dict[str, str]:
-    """Each shard's identity -> its URL: the manifest's sha256 (a copy of a dataset is the same data), else the
-    resolved path or URL."""
-    sha = {s.get("name"): s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
-    return {sha.get(s.name) or (os.path.realpath(s.url) if "://" not in s.url and not s.url.startswith("pipe:")
-                                else s.url): s.url for s in ds.shards}
-
-
-def eval_overlap(spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...],
-                 datasets: list[DataSource]) -> list[str]:
-    """A warning when an eval set shares shards with the training data: its loss is then no held-out loss. Not
-    refused: the training data as eval data is a fair check of fit (docs/trainer.md)."""
-    trained = {k for ds in datasets for k in _shard_keys(ds)}
-    mine = _shard_keys(held)
-    shared = [k for k in mine if k in trained]
-    if not shared:
-        return []
-    which = ", ".join(d.path for d, ds in zip(specs, datasets) if set(_shard_keys(ds)) & set(shared))
-    return [f"--eval-data {spec.path} shares {len(shared)} of its {len(mine)} shards with the training data ({which}): "
-            "its eval loss is measured on trained samples, not held out; build the eval set from records kept out "
-            "of the training data"]
-
-
-def log_plans(data: RunData, world: int) -> None:
-    """Prints the run's warnings and each dataset's per-rank shard split to stderr (rank 0, at start)."""
-    for w in data.warnings:
-        print(f"trainer: warning: {w}", file=sys.stderr)
-    for d, ds, p in zip(data.specs, data.datasets, data.plans):
-        counts = ", ".join(f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")
-                           for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
-        if p.stride:
-            counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-        print(f"trainer: {f'{d.name}: ' if d.name else ''}{plural(len(ds.shards), 'shard')} over "
-              f"{plural(world, 'rank')} ({counts}); "
-              f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
-              "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
-
-
-def shard_check(cfg: TrainConfig, out: Path, rank: int) -> ShardCheck:
-    """This rank's sha256 checks of the shards it reads, remembered in its shard cache dir (integrity.py)."""
-    return ShardCheck(Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}" / RECORD,
-                      enabled=cfg.verify_shards)
-
-
-def make_loader(cfg: TrainConfig, data: RunData, *, rank: int, world: int, device: torch.device,
-                collate_spec: CollateSpec, out: Path, check: ShardCheck) -> tuple[StepLoader, int | None, int]:
+def make_loader(options: DataOptions, plan: ReadPlan, data: RunData, *, batching: Batching, length: RunLength,
+                device: torch.device, collate_spec: CollateSpec) -> tuple[StepLoader, int | None, int]:
     """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
     The epoch schedule (order.py) reads samples by random access: sample shuffle, mixtures. Without them the
     shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
-    token budget or packing run is known up front."""
-    scheduled = cfg.shuffle or len(data.specs) > 1
-    local = not any(s.url.startswith(REMOTE_OR_PIPE) for d in data.datasets for s in d.shards)
-    sources, index_s, derived, cache = None, 0.0, 0, None
-    root = Path(cfg.shard_cache or out / "shard-cache") / f"rank-{rank:05d}"
-    if scheduled or local:
-        t0 = time.perf_counter()
-        # A scheduled run reads its local shards through the shard cache's gate, which hashes each one ahead of the
-        # readers: step 1 waits for its own shards' hashes, not the rank's whole share's.
-        check.deferring = scheduled
-        try:
-            sources, derived = rank_sources(data.specs, data.datasets, data.plans, rank=rank, world=world,
-                                            cache=root, check=check)
-        finally:
-            check.deferring = False
-        index_s = time.perf_counter() - t0
-    check.save()  # what this rank hashed (eval sets too): a resume does not hash it again
-    if scheduled and (remote_shards(sources) or check.deferred):
-        limit = cache_limit_bytes(cfg.shard_cache_limit) // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-        cache = ShardCache(sources, root, limit=limit, prefetch=cfg.shard_prefetch, check=check)
-    plan = data.plans[0]
-    predicted, first = predict_steps(cfg, sources, device) if sources is not None else (None, None)
-    if predicted is None:
-        per_epoch = steps_per_epoch(list(plan.rank_samples), Batching.of(cfg))
-        predicted = [per_epoch] * cfg.epochs if per_epoch is not None else None
-    total = cfg.max_steps or (sum(predicted) if predicted is not None else None)
-    schedule_len = cfg.schedule_steps or total
+    token budget or packing run is known up front. `options` as fitted: its shuffle_span is the plan's."""
+    assert options.shuffle_span == plan.shuffle_span, "make_loader reads the options read_plan fitted"
+    part = _index_rank(plan, data)
+    if plan.scheduled and (remote_shards(part.sources) or plan.check.deferred):
+        part.cache = ShardCache(part.sources, plan.cache_dir, limit=plan.cache_limit, prefetch=options.shard_prefetch,
+                                check=plan.check)
+    if part.sources is not None:
+        predicted, first = predict_steps(part.sources, options, batching, specs=data.specs, epochs=length.epochs,
+                                         device=device)
+    else:
+        per_epoch = steps_per_epoch(list(data.plans[0].rank_samples), batching)
+        predicted, first = ([per_epoch] * length.epochs if per_epoch is not None else None), None
+    total = length.max_steps or (sum(predicted) if predicted is not None else None)
+    schedule_len = length.schedule_steps or total
     if schedule_len is None:
         raise ConfigError("the number of steps is not known up front (token budget or packing over streamed "
                           "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps")
-    if rank == 0:
-        _log_order(cfg, data.specs, sources, predicted, index_s)
-        if derived:
-            print(f"trainer: note: {derived} shard(s) on rank 0 have no sample index (an older vlmprep built them): "
-                  "indexed from every tar header and sample meta, as before; rebuild with this vlmprep for a "
-                  "start-up that does not grow with the sample count", file=sys.stderr)
-        if check.deferred:
-            print(f"trainer: {len(check.deferred)} local shard(s) on rank 0 not yet hashed by this run dir are checked "
-                  "against the manifest's sha256 as the run first reaches them (ahead of the readers, in read "
-                  "order; a mismatch stops the run naming the shard), not all before step 1", file=sys.stderr)
-        if cache is not None and remote_shards(sources):
-            print(f"trainer: remote shards stream through {root.parent} ("
-                  + (f"at most {cfg.shard_cache_limit} per node, " if cfg.shard_cache_limit else "no size limit, ")
-                  + f"{cfg.shard_prefetch} shards fetched ahead, each checked against the manifest's sha256)",
-                  file=sys.stderr)
-    if scheduled:
-        streams = EpochSchedule(sources, spec=data.image, seed=cfg.seed, shuffle=cfg.shuffle,
-                                shuffle_shards=cfg.shuffle_shards, shuffle_span=cfg.shuffle_span, first=first,
-                                cache=cache)
-    else:
-        signatures = {s.url: ix.signature for src in sources or [] for s, ix in zip(src.shards, src.indexes)}
-        streams = ShardSequence([data.datasets[0].shards[i] for i in plan.per_rank[rank]], spec=data.image,
-                                seed=cfg.seed, shuffle_shards=cfg.shuffle_shards,
-                                stride=(rank, world) if plan.stride else (0, 1), signatures=signatures)
-    loader = StepLoader(streams, collate_spec=collate_spec, batching=Batching.of(cfg), num_workers=cfg.num_workers,
-                        prefetch_factor=cfg.prefetch_factor)
+    if plan.rank == 0:
+        _log_start(options, plan, data.specs, part, predicted, max_steps=length.max_steps)
+    loader = StepLoader(_streams(options, plan, data, part, first), collate_spec=collate_spec, batching=batching,
+                        num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
     return loader, total, schedule_len
 
 
-def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predicted: list[int] | None,
-               index_s: float) -> None:
+def _index_rank(plan: ReadPlan, data: RunData) -> _RankPart:
+    """The rank's sources with their sample indexes, where it reads by the schedule or its shards are local; the
+    record of what it hashed (eval sets too) saved, so a resume does not hash it again."""
+    part = _RankPart(None)
+    if plan.scheduled or not plan.remote:
+        t0 = time.perf_counter()
+        # A scheduled run reads its local shards through the shard cache's gate, which hashes each one ahead of the
+        # readers: step 1 waits for its own shards' hashes, not the rank's whole share's.
+        part.sources, part.derived = rank_sources(data.specs, data.datasets, data.plans, rank=plan.rank,
+                                                  world=data.world, cache=plan.cache_dir, check=plan.check,
+                                                  defer=plan.scheduled)
+        part.index_s = time.perf_counter() - t0
+    plan.check.save()
+    return part
+
+
+def _streams(options: DataOptions, plan: ReadPlan, data: RunData, part: _RankPart, first: Schedule | None) -> Streams:
+    """The rank's read path: the epoch schedule over its indexed sources (epoch 0's schedule `first`, when the step
+    prediction made it), or its shards of the one dataset in sequence."""
+    if plan.scheduled:
+        return EpochSchedule(part.sources, spec=data.image, seed=options.seed, shuffle=options.shuffle,
+                             shuffle_shards=options.shuffle_shards, shuffle_span=options.shuffle_span, first=first,
+                             cache=part.cache)
+    shards = data.plans[0]
+    signatures = {s.url: ix.signature for src in part.sources or [] for s, ix in zip(src.shards, src.indexes)}
+    return ShardSequence([data.datasets[0].shards[i] for i in shards.per_rank[plan.rank]], spec=data.image,
+                         seed=options.seed, shuffle_shards=options.shuffle_shards,
+                         stride=(plan.rank, data.world) if shards.stride else (0, 1), signatures=signatures)
+
+
+def _log_start(options: DataOptions, plan: ReadPlan, specs: tuple[DataSpec, ...], part: _RankPart,
+               predicted: list[int] | None, *, max_steps: int) -> None:
+    """Rank 0's start-up lines about its data: the order, the mixture and the run's length, and where its shards'
+    indexes, hashes and copies come from."""
+    _log_order(options, specs, part.sources, predicted, part.index_s, max_steps=max_steps)
+    if part.derived:
+        print(f"trainer: note: {part.derived} shard(s) on rank 0 have no sample index (an older vlmprep built them): "
+              "indexed from every tar header and sample meta, as before; rebuild with this vlmprep for a "
+              "start-up that does not grow with the sample count", file=sys.stderr)
+    if plan.check.deferred:
+        print(f"trainer: {len(plan.check.deferred)} local shard(s) on rank 0 not yet hashed by this run dir are "
+              "checked against the manifest's sha256 as the run first reaches them (ahead of the readers, in read "
+              "order; a mismatch stops the run naming the shard), not all before step 1", file=sys.stderr)
+    if part.cache is not None and remote_shards(part.sources):
+        limit = options.shard_cache_limit
+        print(f"trainer: remote shards stream through {plan.cache_dir.parent} ("
+              + (f"at most {limit} per node, " if limit else "no size limit, ")
+              + f"{options.shard_prefetch} shards fetched ahead, each checked against the manifest's sha256)",
+              file=sys.stderr)
+
+
+def _log_order(options: DataOptions, specs: tuple[DataSpec, ...], sources: list[RankSource] | None,
+               predicted: list[int] | None, index_s: float, *, max_steps: int) -> None:
     """Start-up lines: how samples are ordered, the mixture, the predicted length (rank 0's view)."""
-    if cfg.shuffle:
-        span = f"blocks of {cfg.shuffle_span} shards" if cfg.shuffle_span else "all of a rank's shards at once"
-        order = f"sample shuffle on (seed {cfg.seed}, a new permutation each epoch over {span})"
+    if options.shuffle:
+        span = (f"blocks of {options.shuffle_span} shards" if options.shuffle_span
+                else "all of a rank's shards at once")
+        order = f"sample shuffle on (seed {options.seed}, a new permutation each epoch over {span})"
     else:
-        order = ("no sample shuffle: shards in sequence" + (", their order shuffled per epoch" if cfg.shuffle_shards
-                                                          else ", in manifest order"))
+        order = ("no sample shuffle: shards in sequence" + (", their order shuffled per epoch"
+                                                          if options.shuffle_shards else ", in manifest order"))
     idx = f"; {sum(len(s.indexes) for s in sources)} shards indexed in {index_s:.1f}s" if sources else ""
     print(f"trainer: data order: {order}{idx}", file=sys.stderr)
     if len(specs) > 1 and sources:
@@ -308,35 +221,55 @@ def _log_order(cfg: TrainConfig, specs, sources: list[RankSource] | None, predic
                  for d, s in zip(specs, sources)]
         print("trainer: mixture by share of trained tokens: " + "; ".join(parts) + "; an epoch ends when every "
               "dataset has been read through once", file=sys.stderr)
-    if cfg.max_steps:  # the run's length is --max-steps, whatever an epoch holds
+    if max_steps:  # the run's length is --max-steps, whatever an epoch holds
         per = f"; predicted steps per epoch: {predicted[0]}" if predicted else ""
-        print(f"trainer: run length: {plural(cfg.max_steps, 'step')} (--max-steps){per}", file=sys.stderr)
+        print(f"trainer: run length: {plural(max_steps, 'step')} (--max-steps){per}", file=sys.stderr)
     elif predicted is not None:
         print(f"trainer: predicted steps per epoch: {', '.join(map(str, predicted))} (total {sum(predicted)})",
               file=sys.stderr)
 
 
-def processor_dir(cfg: TrainConfig, data: RunData, family: Family | None, owner: contextlib.ExitStack) -> str | None:
-    """The processor as a local dir, where the run loads it (a tiny model's vocabulary, a host family's placeholder
-    image): the dataset's own or --processor, a URL's copied into a temp dir for the run; None where not needed."""
-    model_type = family.model_types[0] if family else model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
-    needed = family is not None or getattr(family_of_model(model_type), "pixels", "") == "processor"
-    if not needed or not data.processor:
-        return None
-    tmp = Path(owner.enter_context(tempfile.TemporaryDirectory(prefix="vlmprep-processor-")))
-    return local_processor(data.processor, tmp)
+@dataclass
+class EvalSet:
+    """One held-out dataset: its name ('' for a single unnamed set) and this rank's loader over it."""
+
+    name: str  # '' for a single unnamed eval set
+    loader: StepLoader  # this rank's part, started afresh at every eval
 
 
-def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) -> CollateSpec:
-    """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
-    the run trains video, and for a family whose pixels the host makes, its pixel maker and placeholder tokens."""
-    spec, family = data.image, model_family(net)
-    base = CollateSpec(pad_id=pad_token_id(net), image_token_id=image_token_id(net),
-                       patch_size=spec.patch_size, merge_size=spec.merge_size, video_token_id=video_token_id(net),
-                       videos=trains_videos(data.datasets, str(net.config.model_type)))
-    if family.pixels != "processor":
-        return base
-    if processor is None:
-        raise ConfigError(f"{family.name} needs its processor to make pixel inputs: pass --processor DIR")
-    host, placeholder, size = host_pixels(family, processor, spec, image_token_id(net))
-    return dataclasses.replace(base, host=host, placeholder=placeholder, placeholder_size=size)
+def eval_loaders(options: DataOptions, plan: ReadPlan, data: RunData, *, batching: Batching,
+                 collate_spec: CollateSpec, model_type: str, eval_every: int) -> list[EvalSet]:
+    """This rank's loader per eval set: whole shards planned over the ranks as for training (with fewer shards
+    than ranks, every rank strides over all samples), read in manifest order, batched exactly as training. A set
+    that holds videos runs the video pass in every micro-batch (the placeholder video where it has none), whether
+    or not training does: the ranks' vision all-gathers then pair up in eval as in training."""
+    out, spec, train_data, rank, world = [], data.image, data.datasets[0], plan.rank, data.world
+    for d in options.eval_sources:
+        ds = resolve_data(d.path, option="--eval-data")
+        if ds.processor and train_data.processor:  # a loss under another tokenizer or pixel math means nothing
+            diff = processor_difference(train_data, ds, options.processor)
+            if diff:
+                raise ConfigError(f"--eval-data {d.path} was built with another processor than --data "
+                                  f"({'; '.join(diff)}): rebuild it with the training data's --processor")
+        if batching.pack_to:
+            check_packing(pack_to=batching.pack_to, pack_window=batching.pack_window, manifest=ds.manifest,
+                          model_type=model_type)
+        videos = trains_videos([ds], model_type)  # from the manifest: the same on every rank
+        if videos and spec.video is None:
+            raise ConfigError(f"--eval-data {d.path} holds videos, but the training data's processor saved no video "
+                              "processor to make their pixel_values_videos: pass --processor with one")
+        shards_plan = plan_shards(ds.shards, world)
+        shards = [ds.shards[i] for i in shards_plan.per_rank[rank]]
+        signatures = check_local_shards(shards, ds, plan.check)  # sha256 before reading
+        streams = ShardSequence(shards, spec=spec, seed=options.seed, shuffle_shards=False,
+                                stride=(rank, world) if shards_plan.stride else (0, 1), signatures=signatures)
+        loader = StepLoader(streams, collate_spec=dataclasses.replace(collate_spec, videos=videos), batching=batching,
+                            num_workers=options.num_workers, prefetch_factor=options.prefetch_factor)
+        out.append(EvalSet(d.name, loader))
+        if rank == 0:
+            print(f"trainer: eval set {d.name or d.path}: {plural(len(ds.shards), 'shard')} over "
+                  f"{plural(world, 'rank')}"
+                  f"{' (fewer shards than ranks: each rank strides over all samples)' if shards_plan.stride else ''}; "
+                  + (f"every {eval_every} steps and at the end" if eval_every else "at the end"),
+                  file=sys.stderr)
+    return out

@@ -7,29 +7,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ConfigError, DataSpec
 from trainer.data.order import RankSource, Schedule, epoch_size, schedule
-from trainer.options import Batching
+from trainer.options import Batching, DataOptions
 
 
-def predict_steps(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> tuple[list[int], Schedule]:
-    """Steps of each epoch, by running the batcher / packer over the stored token counts in schedule order; the
-    busiest rank sets an epoch's length (the others pad). Also returns epoch 0's schedule, for the loader."""
-    check_epoch_size(cfg, sources, device)
+def predict_steps(sources: list[RankSource], options: DataOptions, batching: Batching, *, specs: tuple[DataSpec, ...],
+                  epochs: int, device: torch.device) -> tuple[list[int], Schedule]:
+    """Steps of each of `epochs` epochs, by running the batcher / packer over the stored token counts in the order's
+    schedule (`options`: its seed and shuffles); the busiest rank sets an epoch's length (the others pad). Also returns
+    epoch 0's schedule, for the loader. `specs`: the mixture's datasets, named in a refusal (check_epoch_size)."""
+    check_epoch_size(sources, specs, device)
     mine, first = [], None
-    for epoch in range(cfg.epochs):
-        order = schedule(sources, seed=cfg.seed, epoch=epoch, shuffle=cfg.shuffle, shuffle_shards=cfg.shuffle_shards,
-                         shuffle_span=cfg.shuffle_span)
+    for epoch in range(epochs):
+        order = schedule(sources, seed=options.seed, epoch=epoch, shuffle=options.shuffle,
+                         shuffle_shards=options.shuffle_shards, shuffle_span=options.shuffle_span)
         first = order if epoch == 0 else first
         lengths = order.tokens(sources)
-        mine.append(rank_steps(lengths, Batching.of(cfg)))
+        mine.append(rank_steps(lengths, batching))
     steps = torch.tensor(mine, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     return [int(x) for x in steps.tolist()], first
 
 
-def check_epoch_size(cfg: TrainConfig, sources: list[RankSource], device: torch.device) -> None:
+def check_epoch_size(sources: list[RankSource], specs: tuple[DataSpec, ...], device: torch.device) -> None:
     """Refuse, on every rank alike, mixture weights that stretch an epoch beyond order.MAX_EPOCH_STRETCH x the data
     (a weight of 1e-9 would take the schedule forever to build, whatever --max-steps says)."""
     size = epoch_size(sources)
@@ -38,8 +40,8 @@ def check_epoch_size(cfg: TrainConfig, sources: list[RankSource], device: torch.
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if worst.item() <= 1.0:
         return
-    slow = cfg.sources[size.last]
-    again = [f"{d.name} {p:.3g} times" for d, p, src in zip(cfg.sources, size.passes, sources)
+    slow = specs[size.last]
+    again = [f"{d.name} {p:.3g} times" for d, p, src in zip(specs, size.passes, sources)
              if p > 1 and src.on_end == "repeat"]
     held = sum(ix.num_samples for s in sources for ix in s.indexes)
     raise ConfigError(f"mixture weights: one epoch would read about {size.positions:.3g} samples on this rank (its "

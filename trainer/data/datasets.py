@@ -1,0 +1,181 @@
+"""The run's datasets: --data (and --eval-data) specs -> each resolved (sources.py) and checked before anything is
+loaded: videos the model can train, the model's family, one processor for a mixture, no empty dataset of a mixture,
+eval sets that overlap training (a warning) -> RunData: the datasets, their shard plans over the ranks, the image
+spec of their processor and the watch that stops the run if one changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import ConfigError, DataSpec
+from trainer.data.decode import refuse_videos
+from trainer.data.errors import DataError
+from trainer.data.integrity import DatasetWatch
+from trainer.data.processors import (
+    check_processor,
+    load_image_processor_config,
+    load_video_processor_config,
+    local_processor,
+    processor_difference,
+)
+from trainer.data.sources import DataSource, ShardPlan, plan_shards, resolve_data
+from trainer.data.vision import ImageSpec
+from trainer.families import family_of_model, family_of_processor, packing_refusal, supported_models
+from trainer.options import DataOptions
+
+
+def plural(n: int, word: str) -> str:
+    """`1 shard`, `2 shards`: what the start-up lines count."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def load_image_spec(options: DataOptions, processor: str | None) -> ImageSpec:
+    """The pixel math of --processor, else of the first dataset's own processor (`processor`), checked first."""
+    location = options.processor or processor
+    if not location:
+        raise ConfigError(f"--data {options.sources[0].path} has no manifest to find the processor: pass --processor "
+                          "DIR")
+    # No file linking out of a dataset's processor, no custom code in any (docs/untrusted-datasets.md).
+    check_processor(location, user_named=bool(options.processor))
+    try:
+        return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
+    except ValueError as e:
+        raise DataError(f"{location}: {e}") from None
+
+
+def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], processor: str) -> None:
+    """Mixed datasets must come from one tokenizer vocabulary, model family and image processor."""
+    for spec, ds in zip(specs[1:], datasets[1:]):
+        diff = processor_difference(datasets[0], ds, processor)
+        if diff:
+            raise ConfigError(f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
+                              f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
+                              "tokenizer vocabulary, model family and image processor; rebuild one of them with the "
+                              "other's --processor")
+
+
+def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> None:
+    """A dataset of a mixture with no samples could never get its weight's share (it would train at 0.0 in silence)."""
+    total = sum(d.weight for d in specs)
+    for spec, ds in zip(specs, datasets):
+        if ds.counted and sum(s.num_samples for s in ds.shards) == 0:
+            raise ConfigError(f"dataset {spec.name!r} ({spec.path}) holds 0 samples, so the mixture cannot give it "
+                              f"its weight {spec.weight / total:.3g} of the trained tokens: drop it from --data, or "
+                              "rebuild it (`vlmprep stats` shows why its records were rejected)")
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The run's datasets, resolved: their specs, shard lists and rank plans, and the image processor they share."""
+
+    specs: tuple[DataSpec, ...]
+    datasets: list[DataSource]
+    plans: list[ShardPlan]
+    image: ImageSpec
+    label: str  # how run.json and messages name the data
+    processor: str = ""  # where the processor the shards were rendered with is (--processor, else the dataset's)
+    warnings: tuple[str, ...] = ()  # printed by rank 0 with the start-up lines
+    watch: DatasetWatch | None = None  # the local datasets' manifests, checked every step
+    world: int = 1  # the ranks the shards are planned over
+
+
+def open_data(options: DataOptions, *, model_type: str, packing: bool, world: int) -> RunData:
+    """The options' datasets (train, mixture and eval) -> RunData: each resolved (local dir, pattern, URL), its
+    shards planned over `world` ranks, the image spec of the processor, and the watch that stops the run if a dataset
+    changes. Refuses (DataError / ConfigError) videos a model of `model_type` cannot train, data of another family,
+    packing (`packing`) for a model that cannot pack, a mixture whose datasets do not fit together or are empty; eval
+    sets that overlap training become warnings."""
+    specs = options.sources
+    datasets = [resolve_data(d.path) for d in specs]
+    for d, ds in zip(specs, datasets):
+        refuse_videos(ds.manifest, str(d.path), model_type)
+    warnings = []
+    for d in options.eval_sources:
+        held = resolve_data(d.path, option="--eval-data")
+        refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
+        warnings += eval_overlap(d, held, specs, datasets)
+    image = load_image_spec(options, datasets[0].processor)
+    if len(specs) > 1:  # first: a mixture at odds with itself is the fault, whatever the model
+        check_compatible(specs, datasets, options.processor)
+    for d, ds in zip(specs, datasets):
+        refuse_other_family(ds.manifest, str(d.path), model_type)
+    if packing and packing_refusal(model_type):  # before the run dir is touched
+        raise ConfigError(packing_refusal(model_type))
+    if len(specs) > 1:
+        refuse_empty(specs, datasets)
+    label = options.data if isinstance(options.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
+    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label,
+                   options.processor or datasets[0].processor or "", tuple(warnings), DatasetWatch(datasets), world)
+
+
+def refuse_other_family(manifest: dict | None, where: str, model_type: str) -> None:
+    """A model of a family the trainer does not train, or a dataset rendered with another family's processor, is one
+    line naming both, before anything is loaded."""
+    family = family_of_model(model_type)
+    if not model_type:  # no readable config.json: the model's own check says so (model_identity)
+        return
+    if family is None:
+        raise ConfigError(f"model type {model_type!r} is not one this trainer trains (it trains {supported_models()})")
+    rendered = str(((manifest or {}).get("processor") or {}).get("class") or "")
+    if rendered and rendered not in family.processor_classes:
+        other = family_of_processor(rendered)
+        raise ConfigError(f"--data {where} was rendered with {rendered} ({other.name if other else 'another family'}), "
+                          f"but the model is {family.name} ({model_type}, trained from "
+                          f"{' or '.join(family.processor_classes)} datasets): rebuild the data with this model's "
+                          "processor, or train the model of its family")
+
+
+def _shard_keys(ds: DataSource) -> dict[str, str]:
+    """Each shard's identity -> its URL: the manifest's sha256 (a copy of a dataset is the same data), else the
+    resolved path or URL."""
+    sha = {s.get("name"): s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
+    return {sha.get(s.name) or (os.path.realpath(s.url) if "://" not in s.url and not s.url.startswith("pipe:")
+                                else s.url): s.url for s in ds.shards}
+
+
+def eval_overlap(spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...],
+                 datasets: list[DataSource]) -> list[str]:
+    """A warning when an eval set shares shards with the training data: its loss is then no held-out loss. Not
+    refused: the training data as eval data is a fair check of fit (docs/trainer.md)."""
+    trained = {k for ds in datasets for k in _shard_keys(ds)}
+    mine = _shard_keys(held)
+    shared = [k for k in mine if k in trained]
+    if not shared:
+        return []
+    which = ", ".join(d.path for d, ds in zip(specs, datasets) if set(_shard_keys(ds)) & set(shared))
+    return [f"--eval-data {spec.path} shares {len(shared)} of its {len(mine)} shards with the training data ({which}): "
+            "its eval loss is measured on trained samples, not held out; build the eval set from records kept out "
+            "of the training data"]
+
+
+def log_plans(data: RunData) -> None:
+    """Prints the run's warnings and each dataset's per-rank shard split to stderr (rank 0, at start)."""
+    world = data.world
+    for w in data.warnings:
+        print(f"trainer: warning: {w}", file=sys.stderr)
+    for d, ds, p in zip(data.specs, data.datasets, data.plans):
+        counts = ", ".join(f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")
+                           for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
+        if p.stride:
+            counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
+        print(f"trainer: {f'{d.name}: ' if d.name else ''}{plural(len(ds.shards), 'shard')} over "
+              f"{plural(world, 'rank')} ({counts}); "
+              f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
+              "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
+
+
+def processor_dir(data: RunData, owner: contextlib.ExitStack, *, model_type: str, tiny: bool) -> str | None:
+    """The processor as a local dir, where the run loads it (a tiny model's vocabulary, `tiny`; a host family's
+    placeholder image): the dataset's own or --processor, a URL's copied into a temp dir that `owner` removes at the
+    end of the run; None where not needed."""
+    needed = tiny or getattr(family_of_model(model_type), "pixels", "") == "processor"
+    if not needed or not data.processor:
+        return None
+    tmp = Path(owner.enter_context(tempfile.TemporaryDirectory(prefix="vlmprep-processor-")))
+    return local_processor(data.processor, tmp)
+
