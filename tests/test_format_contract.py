@@ -105,8 +105,8 @@ def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, q
 
     out = tmp_path / fmt
     res = build(BuildConfig(inputs=(str(records),), out=str(out), image_format=fmt, progress=False))
-    assert res.manifest["totals"]["rejected"] == 0, (out / "rejects.jsonl").read_text()
-    assert res.manifest["totals"]["samples"] == len(SOURCES)
+    assert res.manifest.totals["rejected"] == 0, (out / "rejects.jsonl").read_text()
+    assert res.manifest.totals["samples"] == len(SOURCES)
     trained = _trainer_samples(out)
     assert len(trained) == len(SOURCES)
     for s in iter_dataset(out):

@@ -428,6 +428,7 @@ def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_pa
     from trainer.data.errors import DataError
     from trainer.data.pipeline import rank_sources
     from trainer.data.sources import plan_shards, resolve_data
+    from vlmprep.shards.manifest import FileEntry, ShardEntry
     from vlmprep.shards.reader import ShardFormatError, load_sample_index, read_index_file
 
     big = 64 << 20
@@ -457,9 +458,9 @@ def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_pa
         _one_line(e.value, entry["name"], f"{big} bytes", "refusing to read it")
         with pytest.raises(ShardFormatError) as e:
             if which == "dataset index":
-                read_index_file(path, entry, rows=rows)
+                read_index_file(path, FileEntry.from_json(entry), rows=rows)
             else:
-                load_sample_index(ds, m["shards"][0])
+                load_sample_index(ds, ShardEntry.from_json(m["shards"][0]))
         _one_line(e.value, entry["name"], f"{big} bytes", "refusing to read it")
         peak = tracemalloc.get_traced_memory()[1]
     finally:

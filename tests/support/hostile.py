@@ -355,7 +355,7 @@ def _read(reader: str, d: Path, spec, collator) -> list:
         from vlmprep.clients.hf import generate_samples
 
         manifest = load_manifest(d)
-        return list(generate_samples([str(p) for p in shard_paths(d, manifest)], manifest["format_version"]))
+        return list(generate_samples([str(p) for p in shard_paths(d, manifest)], manifest.format_version))
     if reader == "energon":
         from vlmprep.clients.energon import sample_loader
 

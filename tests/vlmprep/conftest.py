@@ -7,6 +7,8 @@ import pytest
 
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
+from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.shards.manifest import Manifest, SavedProcessor
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
@@ -16,6 +18,13 @@ OPTS = dict(seq_len=2048, samples_per_shard=2, chat_template=TOOLS, max_reject_f
 
 def planned_cfg(inp, out, **kw):
     return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, **{**OPTS, **kw})
+
+
+def a_manifest(*, spec: str = "some/dir", **given) -> Manifest:
+    """A Manifest for the summary and check functions: the fields a test gives, the rest empty."""
+    processor = SavedProcessor(spec=spec, class_name="Qwen2VLProcessor", fingerprint="0" * 64, dir="processor")
+    return Manifest(**{"format_version": FORMAT_VERSION, "vlmprep_version": "0", "processor": processor, "config": {},
+                       "image_format": "zstd", "inputs": (), "shards": (), "totals": {}, "rejects": {}, **given})
 
 
 def tree_hashes(d: Path) -> dict:

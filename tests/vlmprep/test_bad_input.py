@@ -447,8 +447,8 @@ def test_file_level_faults_and_every_good_record_lands(corpus_build):
     assert len(trunc_good) == 30  # every complete record before the cut in the truncated stream landed
     assert "424242" in landed  # id_integer
     expected_ok = sum(1 for c in cases if c[2] == "ok")
-    assert res.manifest["totals"]["samples"] == len(goods) + len(trunc_good) + expected_ok
-    assert sum(res.manifest["rejects"].values()) == len(rejects) == res.manifest["totals"]["rejected"]
+    assert res.manifest.totals["samples"] == len(goods) + len(trunc_good) + expected_ok
+    assert sum(res.manifest.rejects.values()) == len(rejects) == res.manifest.totals["rejected"]
 
 
 # File-level cases (issue 22): each is its own input file(s); built as one task and as --tasks 2, which must agree.
@@ -496,7 +496,7 @@ def test_file_level_case(name, file_faults):
             at = (d / "g.jsonl.zst").stat().st_size - len(ZST_GARBAGE)
             assert (r["reason"], r["source"]["line"], r["unread_bytes"]) == ("corrupt_zstd_stream", 4, len(ZST_GARBAGE))
             assert str(d / "g.jsonl.zst") in r["message"] and f"at byte {at} " in r["message"], r["message"]
-            assert res.manifest["totals"]["unread_bytes"] == len(ZST_GARBAGE)
+            assert res.manifest.totals["unread_bytes"] == len(ZST_GARBAGE)
             from vlmprep.shards.summary import format_build_summary
 
             assert f"unread input      {len(ZST_GARBAGE)} bytes" in format_build_summary(res.manifest, d)

@@ -320,4 +320,4 @@ def test_a_template_that_refuses_a_conversation_is_a_reject_naming_why(tmp_path)
     [reject] = [json.loads(x) for x in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "template_refused" and reject["id"] == "tool"
     assert "Conversation roles must alternate" in reject["message"] and "--chat-template" in reject["message"]
-    assert res.manifest["totals"]["samples"] == 1 and res.manifest["rejects"] == {"template_refused": 1}
+    assert res.manifest.totals["samples"] == 1 and res.manifest.rejects == {"template_refused": 1}

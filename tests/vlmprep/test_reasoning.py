@@ -194,6 +194,7 @@ def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2v
     """Qwen2-VL's template ignores reasoning: --reasoning drop lands the records, counted in the manifest and said
     in the summary; a malformed reasoning is a counted reject."""
     from vlmprep.builder.pipeline import build
+    from vlmprep.shards.manifest import Manifest
     from vlmprep.shards.summary import format_build_summary
 
     inp = tmp_path / "r.jsonl"
@@ -207,7 +208,7 @@ def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2v
     assert manifest["config"]["reasoning"] == "drop" and manifest["rejects"] == {"invalid_reasoning": 1}
     assert (t["samples"], t["reasoning_turns"], t["reasoning_turns_dropped"], t["reasoning_turns_not_rendered"]) == (2, 2, 2, 0)
     assert "reasoning turns   2 (--reasoning drop; 2 dropped by it, 0 left out by the template)" in \
-        format_build_summary(manifest, out)
+        format_build_summary(Manifest.from_json(manifest), out)
 
 
 @pytest.mark.slow  # make test-all: keeps make test within its budget

@@ -56,7 +56,7 @@ def test_a_store_prefix_and_a_glob_build_what_the_local_files_build(inputs, loca
         fs.pipe(f"/bkt/data/{p.name}", p.read_bytes())
     res = _build(["memory://bkt/data/"], tmp_path / "prefix", tasks=2)
     assert _samples(tmp_path / "prefix") == local and local[0][0] == "~a.jsonl.zst:1"
-    assert [i["path"] for i in res.manifest["inputs"]] == ["memory://bkt/data/a.jsonl.zst",
+    assert [i.path for i in res.manifest.inputs] == ["memory://bkt/data/a.jsonl.zst",
                                                            "memory://bkt/data/b.parquet"]
     _build(["memory://bkt/data/*.parquet", "memory://bkt/data/a.jsonl.zst"], tmp_path / "glob")
     assert sorted(_samples(tmp_path / "glob")) == sorted(local)

@@ -170,7 +170,7 @@ def _layouts_match_jsonl(names, tmp_path: Path) -> dict:
         want = _samples(tmp_path / f"ref-{layout}")
         table = _write([row for _, row in rows], tmp_path / f"{layout}.parquet")
         res = _build(table, tmp_path / layout)
-        assert res.manifest["rejects"] == {}, (layout, res.manifest["rejects"])
+        assert res.manifest.rejects == {}, (layout, res.manifest.rejects)
         _assert_same(_samples(tmp_path / layout), want)
     return counts
 
@@ -206,7 +206,7 @@ def test_hf_datasets_parquet_and_save_to_disk_dirs_build_the_same(tmp_path):
     want = _samples(tmp_path / "ref")
     for name in ("hf.parquet", "saved", "file.arrow"):
         res = _build(tmp_path / name, tmp_path / f"out-{name}")
-        assert res.manifest["rejects"] == {}, (name, res.manifest["rejects"])
+        assert res.manifest.rejects == {}, (name, res.manifest.rejects)
         _assert_same(_samples(tmp_path / f"out-{name}"), want)
 
 
@@ -220,7 +220,7 @@ def test_rows_without_ids_get_file_and_row_ids_and_a_row_of_no_layout_is_one_rej
     res = _build(tmp_path / "t.parquet", tmp_path / "o", max_reject_fraction=1.0, min_turn_coverage=0.0)
     ids = [s.meta()["id"] for s in iter_dataset(tmp_path / "o")]
     assert ids == [f"~t.parquet:{i}" for i in (1, 2, 4, 5, 6, 7)]
-    assert res.manifest["rejects"] == {"unknown_layout": 1}
+    assert res.manifest.rejects == {"unknown_layout": 1}
     reject = json.loads((tmp_path / "o" / "rejects.jsonl").read_text())
     assert reject["source"] == {"file": str(tmp_path / "t.parquet"), "line": 3}
     assert reject["message"].startswith("a row with columns answer, question (null: images, messages, tools): none "
@@ -232,7 +232,7 @@ def test_a_file_that_is_not_a_table_is_one_reject_and_the_other_inputs_land(tmp_
     _write([trl(r) for r in records], tmp_path / "good.parquet")
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really a parquet file")
     res = _build(tmp_path, tmp_path / "o", max_reject_fraction=1.0, min_turn_coverage=0.0)
-    assert res.manifest["rejects"] == {"unreadable_table": 1}
+    assert res.manifest.rejects == {"unreadable_table": 1}
     assert len(list(iter_dataset(tmp_path / "o"))) == len(records)
     line = json.loads((tmp_path / "o" / "rejects.jsonl").read_text())["message"]
     assert line.startswith(f"{tmp_path / 'bad.parquet'}: not a readable Parquet file")

@@ -102,13 +102,13 @@ def test_build_rejects_then_trains_with_the_chat_template_flag(tmp_path):
     def run(out, **kw):
         return build(BuildConfig(inputs=(str(inp),), out=str(tmp_path / out), progress=False, **kw)).manifest
 
-    assert run("default", allow_empty=True)["rejects"] == {"tool_calls_not_rendered": 1}
+    assert run("default", allow_empty=True).rejects == {"tool_calls_not_rendered": 1}
     m = run("tools", chat_template=str(TOOLS_TEMPLATE))
-    assert m["totals"]["samples"] == 1 and m["config"]["chat_template"] == str(TOOLS_TEMPLATE)
+    assert m.totals["samples"] == 1 and m.config["chat_template"] == str(TOOLS_TEMPLATE)
     # The dataset carries the template that rendered it.
     assert (tmp_path / "tools" / "processor" / "chat_template.jinja").read_text() == TOOLS_TEMPLATE.read_text()
     m = run("drop", tool_calls="drop-from-loss")
-    assert m["totals"]["samples"] == 1 and m["totals"]["unrendered_tool_call_turns"] == 2
+    assert m.totals["samples"] == 1 and m.totals["unrendered_tool_call_turns"] == 2
 
 
 # Arguments as the user wrote them: number forms, duplicate keys, escapes and spacing a re-serialization would change.

@@ -216,12 +216,12 @@ def test_split_covers_every_turn_and_truncate_reports_its_loss(traces, tmp_path,
     tok = qwen2vl_processor.tokenizer
     cut = build_steps(traces, tmp_path / "truncate", long_traces="truncate", min_turn_coverage=0.0)  # loss on purpose
     n, trained = coverage_from_shards(tmp_path / "truncate", records, tok)
-    assert trained < n and cut.manifest["turns"]["trained_assistant_turns"] == trained
-    assert cut.manifest["turns"]["lost"]["truncated"] == n - trained
+    assert trained < n and cut.manifest.turns["trained_assistant_turns"] == trained
+    assert cut.manifest.turns["lost"]["truncated"] == n - trained
     split = build_steps(traces, tmp_path / "split", long_traces="split")
     n2, trained2 = coverage_from_shards(tmp_path / "split", records, tok)
-    assert n2 == trained2 == n and split.manifest["turns"]["coverage"] == 1.0
-    assert split.manifest["totals"]["split_samples"] > 0 and split.manifest["turns"]["context_tokens_repeated"] > 0
+    assert n2 == trained2 == n and split.manifest.turns["coverage"] == 1.0
+    assert split.manifest.totals["split_samples"] > 0 and split.manifest.turns["context_tokens_repeated"] > 0
     assert all(s.meta()["num_tokens"] <= 1024 and not s.meta()["truncated"] for s in iter_dataset(tmp_path / "split"))
     from vlmprep.tools.verify import verify_dataset
 
@@ -270,7 +270,7 @@ def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces,
     out = tmp_path / name
     res = build_steps(traces, out, processor=f"builtin:{name}", long_traces="split", keep_images=3,
                       dropped_image_text="[earlier screenshot]", **kw)
-    assert res.manifest["totals"]["split_samples"] > 0
+    assert res.manifest.totals["split_samples"] > 0
     proc = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
     records = raw_records(traces)
     checked = 0
@@ -345,7 +345,7 @@ def test_a_step_that_cannot_fit_is_rejected_with_its_reason_and_the_rest_lands(t
     assert [(r["reason"], r["id"]) for r in rejects] == [("turn_too_long", "r")] and "messages[3]" in rejects[0]["message"]
     ids = sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o"))
     assert "ok" in ids and any(i.startswith("r#") for i in ids)
-    assert res.manifest["turns"]["lost"]["turn_too_long"] == 1
+    assert res.manifest.turns["lost"]["turn_too_long"] == 1
     trained = sorted(t for s in iter_dataset(tmp_path / "o") if s.meta()["id"] != "ok" for t in s.meta()["trains"])
     assert trained == [1, 5]
 
@@ -365,11 +365,11 @@ def test_demo_traces_coverage_split_is_complete_and_truncate_reports_todays(seq_
         res = build_steps(inp, tmp_path / mode, seq_len=seq_len, long_traces=mode, workers=2, samples_per_shard=16,
                           min_turn_coverage=0.0 if mode == "truncate" else 0.95)
         n, trained = coverage_from_shards(tmp_path / mode, records, tok)
-        assert n == 888 and res.manifest["turns"]["trained_assistant_turns"] == trained
+        assert n == 888 and res.manifest.turns["trained_assistant_turns"] == trained
         if mode == "split":
             # Every turn but those whose observation alone (a tool result holding a ~13k-token page dump) cannot
             # fit: those are lost loudly, as turn_too_long, never trained without it.
-            lost = res.manifest["turns"]["lost"]["turn_too_long"]
+            lost = res.manifest.turns["lost"]["turn_too_long"]
             assert trained == n - lost and lost == {8192: 2, 16384: 1}[seq_len]
         else:
             assert trained == {8192: 314, 16384: 618}[seq_len]  # the figures docs/build.md reports
@@ -396,6 +396,6 @@ def test_real_agent_trajectories_train_no_step_without_the_screen_it_acts_on(tmp
         assert missing_observation(r, meta["messages"], meta["trains"]) == [], meta["id"]
         checked += sum(r[t] == "assistant" for t in meta["trains"])
         split += meta["split"] is not None
-    turns = res.manifest["turns"]
+    turns = res.manifest.turns
     assert checked == turns["trained_assistant_turns"] == 159 and split >= 9
     assert turns["trained_assistant_turns"] + turns["lost"]["turn_too_long"] == turns["input_assistant_turns"]

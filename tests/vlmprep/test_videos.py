@@ -280,8 +280,8 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     np.testing.assert_array_equal(b["video_grid_thw"], a["video_grid_thw"][:1])
     assert len(b["input_ids"]) < inside and (b["mm_token_type_ids"] == 2).sum() == a["video_grid_thw"][0].prod() // 4
     np.testing.assert_array_equal(b["input_ids"], a["input_ids"][:len(b["input_ids"])])
-    assert res.manifest["totals"]["videos"] == 1 and res.manifest["totals"]["dropped_videos"] == 1
-    assert res.manifest["format_version"] == 4
+    assert res.manifest.totals["videos"] == 1 and res.manifest.totals["dropped_videos"] == 1
+    assert res.manifest.format_version == 4
     from vlmprep.shards.summary import format_build_summary
     from vlmprep.tools.stats import compute_stats, format_stats
 
@@ -481,8 +481,8 @@ def test_video_builds_are_byte_identical_for_any_worker_count(clips, tmp_path):
         out = tmp_path / f"w{workers}"
         res = build(BuildConfig(inputs=(str(d / "two.jsonl"),), out=str(out), processor="builtin:qwen2.5-vl",
                                 seq_len=32768, tool_calls="train-content", workers=workers, progress=False))
-        shas.append([(s["name"], s["sha256"]) for s in res.manifest["shards"]])
-    assert shas[0] == shas[1] and res.manifest["totals"]["videos"] == 2 * len(CLIPS)
+        shas.append([(s.name, s.sha256) for s in res.manifest.shards])
+    assert shas[0] == shas[1] and res.manifest.totals["videos"] == 2 * len(CLIPS)
 
 
 def test_verify_catches_a_missing_frame_and_a_wrong_video_grid(built, tmp_path):
@@ -686,10 +686,10 @@ def test_a_split_step_keeps_the_video_and_image_it_answers(clips, tmp_path):
         {"role": "assistant", "content": "A video and a picture."}]}
     (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
     whole = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "whole"), progress=False))
-    total = whole.manifest["totals"]["tokens"]
+    total = whole.manifest.totals["tokens"]
     res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "split"), seq_len=total - 4,
                             progress=False))
-    assert res.manifest["totals"]["split_samples"] == 2 and res.manifest["turns"]["coverage"] == 1.0
+    assert res.manifest.totals["split_samples"] == 2 and res.manifest.turns["coverage"] == 1.0
     last = [s for s in iter_dataset(tmp_path / "split") if 3 in s.meta()["trains"]]
     [sample] = last
     assert sample.meta()["messages"] == [0, 2, 3]
@@ -699,7 +699,7 @@ def test_a_split_step_keeps_the_video_and_image_it_answers(clips, tmp_path):
     res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "lost"),
                             seq_len=sample.meta()["num_tokens"] - 1, progress=False, min_turn_coverage=0.0))
     assert [s.meta()["trains"] for s in iter_dataset(tmp_path / "lost")] == [[1]]
-    assert res.manifest["turns"]["lost"]["turn_too_long"] == 1 and res.manifest["turns"]["coverage"] == 0.5
+    assert res.manifest.turns["lost"]["turn_too_long"] == 1 and res.manifest.turns["coverage"] == 0.5
     [reject] = [json.loads(line) for line in (tmp_path / "lost" / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "turn_too_long" and reject["message"].startswith("messages[3]: ")
 
@@ -726,14 +726,14 @@ def test_a_video_longer_than_seq_len_in_a_later_turn_costs_that_turn_not_the_rec
     first = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "first"), progress=False,
                               seq_len=video_tokens - 1, long_traces=mode, min_turn_coverage=0.0))
     samples = list(iter_dataset(tmp_path / "first"))
-    assert whole.manifest["rejects"] == {} and first.manifest["totals"]["records"] == 1
+    assert whole.manifest.rejects == {} and first.manifest.totals["records"] == 1
     assert [x.meta()["trains"] for x in samples] == [[1]] and not (samples[0].array("mm_token_type_ids") == 2).any()
-    assert first.manifest["rejects"] == ({"turn_too_long": 1} if mode == "split" else {})
-    assert first.manifest["turns"]["trained_assistant_turns"] == 1
+    assert first.manifest.rejects == ({"turn_too_long": 1} if mode == "split" else {})
+    assert first.manifest.turns["trained_assistant_turns"] == 1
     (tmp_path / "early.jsonl").write_text(json.dumps({"id": "e", "messages": [
         {"role": "user", "content": [video, {"type": "text", "text": "?"}]},
         {"role": "assistant", "content": "A video."}]}) + "\n")
     early = build(BuildConfig(inputs=(str(tmp_path / "early.jsonl"),), out=str(tmp_path / "early"), progress=False,
                               seq_len=video_tokens - 1, long_traces=mode, min_turn_coverage=0.0,
                               max_reject_fraction=1.0, allow_empty=True))
-    assert early.manifest["rejects"] == {"video_too_long": 1}
+    assert early.manifest.rejects == {"video_too_long": 1}

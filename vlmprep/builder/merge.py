@@ -35,13 +35,22 @@ from vlmprep.shards.dataset import (
     TASKS_DIR,
     TMP_SUFFIX,
     TaskFiles,
-    load_task_manifest,
     sha256_file,
     task_file,
     write_json_atomic,
     write_text_atomic,
 )
 from vlmprep.shards.format import DATASET_INDEX_NAME, FORMAT_VERSION, index_name
+from vlmprep.shards.manifest import (
+    FileEntry,
+    InputEntry,
+    Manifest,
+    PlanRef,
+    SavedProcessor,
+    ShardEntry,
+    TaskManifest,
+    load_task_manifest,
+)
 from vlmprep.shards.reader import iter_shard, load_sample_index
 from vlmprep.shards.writer import ShardWriter, write_dataset_index
 from vlmprep.types import ShardSample, UserError
@@ -51,17 +60,17 @@ class MergeError(PlanError):
     """The dataset dir cannot be merged as it is: one clear line naming the task or file and the fix."""
 
 
-def _task_manifests(out: Path, plan: dict) -> list[dict]:
+def _task_manifests(out: Path, plan: dict) -> list[TaskManifest]:
     digest = plan_digest(plan)
     missing, foreign, manifests = [], [], []
     for i in range(plan["tasks"]):
         m = load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i)))
         if m is None:
             missing.append(i)
-        elif m.get("plan") != digest:
-            changed = config_changes(m.get("config", {}), plan["config"])
+        elif m.plan != digest:
+            changed = config_changes(m.config, plan["config"])
             why = (f"another config ({', '.join(changed)} differ)" if changed else
-                   "another processor" if m.get("processor") != plan["processor"]["fingerprint"] else "another plan")
+                   "another processor" if m.fingerprint != plan["processor"]["fingerprint"] else "another plan")
             foreign.append(f"task {i} was built with {why}")
         manifests.append(m)
     if missing:
@@ -75,8 +84,8 @@ def _task_manifests(out: Path, plan: dict) -> list[dict]:
     return manifests
 
 
-def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
-    claimed = {s["name"] for m in manifests for s in m["shards"]}
+def _check_strays(out: Path, plan: dict, manifests: list[TaskManifest]) -> None:
+    claimed = {s.name for m in manifests for s in m.shards}
     # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx or the
     # user's own tars beside an --overwrite build, are not dataset content and are left alone).
     stray = sorted(p.name for p in out.iterdir()
@@ -91,7 +100,7 @@ def _check_strays(out: Path, plan: dict, manifests: list[dict]) -> None:
                          "plan or build: remove them, or build into a fresh --out dir")
 
 
-def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> dict | None:
+def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> ShardEntry | None:
     """Rewrite one shard without the samples whose ids `drop` names (None: nothing left, file removed). The writer is
     deterministic and filtering twice changes nothing, so a merge run again after a crash ends the same."""
     path = out / name
@@ -112,7 +121,7 @@ def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> dict | N
         path.unlink()
         path.with_name(index_name(name)).unlink(missing_ok=True)
         return None
-    return writer.shards[0].to_json()
+    return writer.shards[0].entry()
 
 
 def _rerun(out: Path, i: int) -> str:
@@ -121,17 +130,17 @@ def _rerun(out: Path, i: int) -> str:
             f"{i}`, then `vlmprep merge {out}`)")
 
 
-def _check_claims(out: Path, plan: dict, manifests: list[dict]) -> None:
+def _check_claims(out: Path, plan: dict, manifests: list[TaskManifest]) -> None:
     """Each task manifest is its own task's and names shards of its own once: a copy of another task's manifest
     would list that task's shards twice in the dataset."""
     owner: dict[str, int] = {}
     for i, m in enumerate(manifests):
         prefix = shard_prefix(plan, i)
-        if m.get("task") != i:
-            raise MergeError(f"{out / task_file(i, '.json')} is the manifest of task {m.get('task')!r}, not of task "
+        if m.task != i:
+            raise MergeError(f"{out / task_file(i, '.json')} is the manifest of task {m.task!r}, not of task "
                              f"{i} (copied or moved there?): {_rerun(out, i)}")
-        for s in m["shards"]:
-            name = s["name"]
+        for s in m.shards:
+            name = s.name
             if not name.startswith(prefix) or "/" in name or not fnmatch.fnmatch(name, SHARD_GLOB):
                 raise MergeError(f"{out / task_file(i, '.json')} lists {name!r}, not a shard of task {i} (its shards "
                                  f"are {prefix}NNNNNN.tar): {_rerun(out, i)}")
@@ -147,48 +156,48 @@ def _same_ids(path: Path, want: list[str]) -> bool:
         return False
 
 
-def _index_problem(out: Path, s: dict, listed: str) -> str | None:
+def _index_problem(out: Path, s: ShardEntry, listed: str) -> str | None:
     """The shard's sample index sidecar, where its task manifest lists one, as listed (size, sha256)."""
-    ix = s.get("index")
+    ix = s.index
     if ix is None:
         return None
-    path = out / ix["name"]
+    path = out / ix.name
     if not path.is_file():
-        return f"its sample index {ix['name']} is listed in {listed} but missing"
+        return f"its sample index {ix.name} is listed in {listed} but missing"
     digest = sha256_file(path)
-    if path.stat().st_size != ix["bytes"] or digest != ix["sha256"]:
-        return f"its sample index {ix['name']} has sha256 {digest[:16]}..., but {listed} lists {ix['sha256'][:16]}..."
+    if path.stat().st_size != ix.bytes or digest != ix.sha256:
+        return f"its sample index {ix.name} has sha256 {digest[:16]}..., but {listed} lists {ix.sha256[:16]}..."
     return None
 
 
-def _verify_shards(out: Path, manifests: list[dict], rewritten: dict[str, list[str]]) -> None:
+def _verify_shards(out: Path, manifests: list[TaskManifest], rewritten: dict[str, list[str]]) -> None:
     """Every listed shard exists with the size and sha256 its task manifest gives, or refuse naming the task file.
     `rewritten`: the shards merge rewrites without ids repeated across tasks -> the ids they keep; one an interrupted
     earlier merge already rewrote holds exactly those (and is gone where it kept none). Hashed on threads (hashlib
     and file reads release the GIL)."""
-    jobs = [(i, s) for i, m in enumerate(manifests) for s in m["shards"]]
+    jobs = [(i, s) for i, m in enumerate(manifests) for s in m.shards]
 
     def problem(job) -> str | None:
         i, s = job
-        path, kept, listed = out / s["name"], rewritten.get(s["name"]), task_file(i, ".json")
+        path, kept, listed = out / s.name, rewritten.get(s.name), task_file(i, ".json")
         try:
             size = path.stat().st_size
         except FileNotFoundError:
             return None if kept == [] else f"listed in {listed} but missing"
-        if size != s["bytes"]:
+        if size != s.bytes:
             return None if kept is not None and _same_ids(path, kept) else \
-                f"{size} bytes, but {listed} lists {s['bytes']}"
+                f"{size} bytes, but {listed} lists {s.bytes}"
         digest = sha256_file(path)
-        if kept is not None and (digest == s["sha256"] or _same_ids(path, kept)):
+        if kept is not None and (digest == s.sha256 or _same_ids(path, kept)):
             return None  # rewritten here, with its sample index
-        if digest != s["sha256"]:
-            return f"sha256 {digest[:16]}..., but {listed} lists {s['sha256'][:16]}..."
+        if digest != s.sha256:
+            return f"sha256 {digest[:16]}..., but {listed} lists {s.sha256[:16]}..."
         return _index_problem(out, s, listed)
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for (i, s), why in zip(jobs, pool.map(problem, jobs)):
             if why:
-                raise MergeError(f"{out / s['name']}: {why} (changed, cut short or removed after task {i} wrote "
+                raise MergeError(f"{out / s.name}: {why} (changed, cut short or removed after task {i} wrote "
                                  f"it): {_rerun(out, i)}")
 
 
@@ -204,7 +213,8 @@ def _records(lines: list[str]):
         yield group
 
 
-def _repeated_ids(out: Path, plan: dict, manifests: list[dict]) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
+def _repeated_ids(out: Path, plan: dict,
+                  manifests: list[TaskManifest]) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
     """Per task, its records (each: its sample rows) whose id an earlier task already has (no task can see another's
     ids): rejected whole, as the one-task build rejects them; and the shards holding them -> the ids each keeps."""
     seen: set[bytes] = set()
@@ -260,26 +270,26 @@ def _task_rejects(text: str, dups: list[list[dict]]) -> tuple[str, list[dict]]:
     return "".join(kept), removed
 
 
-def _dataset_index(out: Path, shards: list[dict]) -> dict | None:
+def _dataset_index(out: Path, shards: list[ShardEntry]) -> FileEntry | None:
     """Every shard's sidecar rows in one file (DATASET_INDEX_NAME), so a reader opens one file for the whole
     dataset's index; None (and no file) where a shard has no sidecar. The sidecars were checked against their task
     manifests (size, sha256) or written here."""
     (out / DATASET_INDEX_NAME).unlink(missing_ok=True)
-    if not shards or not all(s.get("index") for s in shards):
+    if not shards or not all(s.index for s in shards):
         return None
 
     def parts():
         for s in shards:
             rows = load_sample_index(out, s)
-            if len(rows) != s["num_samples"]:
-                raise MergeError(f"{out / s['index']['name']}: {len(rows)} rows for the {s['num_samples']} samples "
-                                 f"of {s['name']}: remove the task's files and run it again")
+            if len(rows) != s.num_samples:
+                raise MergeError(f"{out / s.index.name}: {len(rows)} rows for the {s.num_samples} samples "
+                                 f"of {s.name}: remove the task's files and run it again")
             yield rows
 
-    return write_dataset_index(out, parts(), sum(s["num_samples"] for s in shards))
+    return FileEntry.from_json(write_dataset_index(out, parts(), sum(s.num_samples for s in shards)))
 
 
-def merge_tasks(out: Path) -> dict:
+def merge_tasks(out: Path) -> Manifest:
     """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
     and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py)."""
     out = Path(out)
@@ -301,10 +311,10 @@ def merge_tasks(out: Path) -> dict:
     shards, reject_lines = [], []
     for i, (m, dups) in enumerate(zip(manifests, dups_per_task)):
         files = TaskFiles(out, i, shard_prefix(plan, i))
-        totals.update(m["totals"])
-        for k, counts in m["inputs"].items():
+        totals.update(m.totals)
+        for k, counts in m.inputs.items():
             by_input[int(k)].update(counts)
-        rejects.update(m["rejects"])
+        rejects.update(m.rejects)
         text, removed = _task_rejects(files.rejects.read_text(encoding="utf-8"), dups)
         reject_lines.append(text)
         for entry in removed:
@@ -312,9 +322,9 @@ def merge_tasks(out: Path) -> dict:
             for counts in (totals, by_input[input_of[entry["source"]["file"]]]):
                 counts["rejected"] -= 1
         drop = {s["id"] for record in dups for s in record}
-        for info in m["shards"]:
-            if info["name"] in rewritten:
-                info = _filter_shard(out, info["name"], drop, files.prefix)
+        for info in m.shards:
+            if info.name in rewritten:
+                info = _filter_shard(out, info.name, drop, files.prefix)
             if info is not None:
                 shards.append(info)
         for record in dups:
@@ -323,21 +333,21 @@ def merge_tasks(out: Path) -> dict:
             reject_lines.append(json.dumps(duplicate_reject(record[0]), ensure_ascii=False, sort_keys=True) + "\n")
     write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
     index = _dataset_index(out, shards)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "vlmprep_version": plan["vlmprep_version"],
-        "processor": plan["processor"],
-        "config": plan["config"],
-        "image_format": plan["config"]["image_format"],
-        "inputs": [{"path": inp["path"], "bytes": inp["bytes"], "totals": input_totals(counts)}
-                   for inp, counts in zip(plan["inputs"], by_input)],
-        "plan": {"tasks": plan["tasks"], "sha256": plan_digest(plan)},
-        "shards": shards,
-        "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
-        "turns": turn_coverage(totals),
-        "rejects": dict(sorted((k, v) for k, v in rejects.items() if v)),
-        **({"sample_index": index} if index else {}),
-    }
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        vlmprep_version=plan["vlmprep_version"],
+        processor=SavedProcessor.from_json(plan["processor"]),
+        config=plan["config"],
+        image_format=plan["config"]["image_format"],
+        inputs=tuple(InputEntry(path=inp["path"], bytes=inp["bytes"], totals=input_totals(counts))
+                     for inp, counts in zip(plan["inputs"], by_input)),
+        plan=PlanRef(tasks=plan["tasks"], sha256=plan_digest(plan)),
+        shards=tuple(shards),
+        totals={k: int(totals[k]) for k in TOTAL_KEYS},
+        turns=turn_coverage(totals),
+        rejects=dict(sorted((k, v) for k, v in rejects.items() if v)),
+        sample_index=index,
+    )
     write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
-    write_json_atomic(out / MANIFEST_NAME, manifest)  # last: its presence means complete
+    write_json_atomic(out / MANIFEST_NAME, manifest.to_json())  # last: its presence means complete
     return manifest

@@ -59,9 +59,9 @@ from vlmprep.shards.dataset import (
     TMP_SUFFIX,
     TaskFiles,
     is_ours,
-    load_task_manifest,
     write_text_atomic,
 )
+from vlmprep.shards.manifest import Manifest, TaskManifest, load_task_manifest
 from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
 from vlmprep.types import UserError
 
@@ -75,9 +75,9 @@ class BuildResult:
     task manifest of a --task-index run, the reject counts and each task's wall time."""
 
     out: Path
-    manifest: dict | None  # None when only the plan or one task ran
+    manifest: Manifest | None  # None when only the plan or one task ran
     plan: dict | None = None
-    task: dict | None = None  # the task manifest of a --task-index run
+    task: TaskManifest | None = None  # the task manifest of a --task-index run
     rejects: collections.Counter = field(default_factory=collections.Counter)
     task_seconds: dict[int, float] = field(default_factory=dict)  # wall time of each task this run executed
 
@@ -231,7 +231,7 @@ def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, c
     run = BuildConfig.from_plan(plan["config"], out=str(out), workers=workers, progress=progress)
     t0 = time.perf_counter()
     task = run_task(out, plan, index, cfg=run, upload_to=upload_to)
-    return BuildResult(out=out, manifest=None, plan=plan, task=task, rejects=collections.Counter(task["rejects"]),
+    return BuildResult(out=out, manifest=None, plan=plan, task=task, rejects=collections.Counter(task.rejects),
                        task_seconds={index: time.perf_counter() - t0})
 
 
@@ -309,11 +309,11 @@ def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer |
         seconds = _run_tasks_locally(out, plan, cfg, renderer, upload_to)
     manifest = _merge_and_check(out, upload_to, allow_empty=cfg.allow_empty,
                                 max_reject_fraction=cfg.max_reject_fraction, min_turn_coverage=cfg.min_turn_coverage)
-    return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest["rejects"]),
+    return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest.rejects),
                        task_seconds=seconds)
 
 
-def _merge_and_check(out: Path, upload_to: str | None, **checks) -> dict:
+def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
     """merge_tasks and check_dataset; for a store's --out the dataset is uploaded either way (a dataset that failed
     its checks is complete, with its build-failed.txt), manifest.json last."""
     plan = load_plan(out) if upload_to else None
@@ -335,7 +335,7 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> dict:
 
 def merge(out: str | Path, *, allow_empty: bool = default("allow_empty"),
           max_reject_fraction: float = default("max_reject_fraction"),
-          min_turn_coverage: float = default("min_turn_coverage")) -> dict:
+          min_turn_coverage: float = default("min_turn_coverage")) -> Manifest:
     """`vlmprep merge DIR` (or URL): merge_tasks and check_dataset with DIR this process's alone, so no task or build
     writes there meanwhile; a URL's finished tasks are fetched into its stage, merged there and uploaded."""
     checks = {"allow_empty": allow_empty, "max_reject_fraction": max_reject_fraction,
@@ -363,7 +363,7 @@ def merge(out: str | Path, *, allow_empty: bool = default("allow_empty"),
 class RejectsError(BuildError):
     """A complete dataset (manifest and rejects.jsonl written) that rejected too much: exit 1 after its summary."""
 
-    def __init__(self, message: str, manifest: dict):
+    def __init__(self, message: str, manifest: Manifest):
         super().__init__(message)
         self.manifest = manifest
 
@@ -374,10 +374,10 @@ class RejectsError(BuildError):
 _ACCEPT_REJECTS = "--max-reject-fraction 1 accepts it"
 
 
-def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
+def check_rejects(manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
     """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
     is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
-    out, t, rejects = Path(out), manifest["totals"], manifest["rejects"]
+    out, t, rejects = Path(out), manifest.totals, manifest.rejects
     ranked = sorted(rejects.items(), key=lambda x: (-x[1], x[0]))
     fix = f"; fix: {reject_fix(ranked[0][0], manifest)}" if ranked else ""
     if t["samples"] == 0:
@@ -394,7 +394,7 @@ def check_rejects(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
                            f"{_ACCEPT_REJECTS}", manifest)
 
 
-def check_coverage(manifest: dict, out: Path, *, min_turn_coverage: float) -> None:
+def check_coverage(manifest: Manifest, out: Path, *, min_turn_coverage: float) -> None:
     """After the whole dataset is merged: fewer trained turns than min_turn_coverage of those to train (the rest lost
     to --seq-len) is an error naming the share, the loss by reason and the fix. The files stay, as for rejects."""
     problem = coverage_problem(manifest, min_turn_coverage)
@@ -403,7 +403,7 @@ def check_coverage(manifest: dict, out: Path, *, min_turn_coverage: float) -> No
                            manifest)
 
 
-def check_dataset(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fraction: float,
+def check_dataset(manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float,
                   min_turn_coverage: float) -> None:
     """Both checks of a merged dataset (build and `vlmprep merge`); a failure leaves DIR/build-failed.txt holding its
     line, so that the build's own fix line rebuilds the dir without --overwrite (check_out); a pass removes it."""
@@ -417,7 +417,7 @@ def check_dataset(manifest: dict, out: Path, *, allow_empty: bool, max_reject_fr
             # The rejected records' turns fail the turn coverage too: accepting the rejects takes both options.
             raise RejectsError(f"{str(e)[:-len(_ACCEPT_REJECTS)]}--max-reject-fraction 1 --min-turn-coverage 0 "
                                "accepts it", manifest) from None
-        if manifest["totals"]["samples"] or not allow_empty:  # --allow-empty accepts a build that rejected all
+        if manifest.totals["samples"] or not allow_empty:  # --allow-empty accepts a build that rejected all
             check_coverage(manifest, out, min_turn_coverage=min_turn_coverage)
     except RejectsError as e:
         write_text_atomic(out / FAILED_NAME, f"{e}\n")
@@ -435,7 +435,7 @@ def _run_one(args: tuple) -> tuple[int, float, dict]:
     os.environ.update(env)
     t0 = time.perf_counter()
     task = run_task(Path(out), plan, index, cfg=cfg, upload_to=upload_to)
-    return index, time.perf_counter() - t0, task["totals"]
+    return index, time.perf_counter() - t0, task.totals
 
 
 def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Renderer | None,
@@ -449,7 +449,7 @@ def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Render
         if cfg.workers == 1:  # in this process, with the processor plan_build already loaded
             for i in range(plan["tasks"]):
                 t0 = time.perf_counter()
-                totals = run_task(out, plan, i, cfg=one, renderer=renderer, upload_to=upload_to)["totals"]
+                totals = run_task(out, plan, i, cfg=one, renderer=renderer, upload_to=upload_to).totals
                 seconds[i] = time.perf_counter() - t0
                 tick(totals)
         else:

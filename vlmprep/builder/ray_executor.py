@@ -13,7 +13,8 @@ from vlmprep.builder.store import Bucket, pull_plan, pull_task, scratch_stage
 from vlmprep.builder.task import run_task, task_start
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import BuildConfig
-from vlmprep.shards.dataset import TaskFiles, load_task_manifest, task_file
+from vlmprep.shards.dataset import TaskFiles, task_file
+from vlmprep.shards.manifest import load_task_manifest
 from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
@@ -35,16 +36,16 @@ def _run_task_on_worker(out: str, plan: dict, config: dict, index: int, cwd: str
             with scratch_stage(upload_to, index) as stage:
                 done = pull_task(bucket, stage, have, index)
                 task = load_task_manifest(TaskFiles(stage, index, shard_prefix(plan, index))) if done else None
-            if task is not None and task.get("plan") == plan_digest(plan):
-                return index, time.perf_counter() - t0, task["totals"]
+            if task is not None and task.plan == plan_digest(plan):
+                return index, time.perf_counter() - t0, task.totals
         with scratch_stage(upload_to, index) as stage:
             pull_plan(bucket, stage, have)
             cfg = BuildConfig.from_plan(config, out=str(stage), workers=1, progress=False)
             task = run_task(stage, plan, index, cfg=cfg, upload_to=upload_to)
-        return index, time.perf_counter() - t0, task["totals"]
+        return index, time.perf_counter() - t0, task.totals
     cfg = BuildConfig.from_plan(config, out=out, workers=1, progress=False)
     task = run_task(Path(out), plan, index, cfg=cfg)
-    return index, time.perf_counter() - t0, task["totals"]
+    return index, time.perf_counter() - t0, task.totals
 
 
 def _one_line(e: Exception) -> str:

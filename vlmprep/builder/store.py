@@ -39,6 +39,7 @@ from vlmprep.shards.dataset import (
     task_file,
 )
 from vlmprep.shards.format import index_name
+from vlmprep.shards.manifest import Manifest, ShardEntry, TaskManifest
 
 STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
 # A stage's files that are the local run's own state, never uploaded: locks, journals, partial lists, temp files.
@@ -147,23 +148,22 @@ class Uploader:
                 self._queue.put(name)
 
     def shards(self, shards: list) -> None:
-        """Each finished shard (ShardInfo or its json) and its sample index not sent yet."""
+        """Each finished shard (ShardInfo or ShardEntry) and its sample index not sent yet."""
         for s in shards:
-            s = s if isinstance(s, dict) else s.to_json()
-            self.send(s["name"], *([s["index"]["name"]] if s.get("index") else []))
+            s = s if isinstance(s, ShardEntry) else s.entry()
+            self.send(s.name, *([s.index.name] if s.index else []))
 
-    def task_done(self, files: TaskFiles, manifest: dict) -> None:
+    def task_done(self, files: TaskFiles, manifest: TaskManifest) -> None:
         """A finished task: its shards (those sent before a kill may be missing: sent again where the bucket lacks
         them), its lists, then its manifest once all else is up."""
         have = self.bucket.names()
-        for s in manifest["shards"]:
-            for n, size in [(s["name"], s["bytes"])] + ([(s["index"]["name"], s["index"]["bytes"])]
-                                                         if s.get("index") else []):
+        for s in manifest.shards:
+            for n, size in [(s.name, s.bytes)] + ([(s.index.name, s.index.bytes)] if s.index else []):
                 if have.get(n) == size:  # up already (this run, or a run before the kill)
                     self.sent.add(n)
                 else:
                     self.sent.discard(n)
-        self.shards(manifest["shards"])
+        self.shards(manifest.shards)
         self.send(task_file(files.index, ".rejects.jsonl"), task_file(files.index, ".samples.jsonl"))
         self.close()
         self.bucket.put(files.manifest, task_file(files.index, ".json"))
@@ -239,17 +239,17 @@ def push_plan(bucket: Bucket, stage: Path) -> None:
     bucket.put(stage / PLAN_NAME, PLAN_NAME)
 
 
-def push_dataset(bucket: Bucket, stage: Path, manifest: dict, tasks: list[dict]) -> None:
+def push_dataset(bucket: Bucket, stage: Path, manifest: Manifest, tasks: list[TaskManifest]) -> None:
     """After the merge: every file of the dataset the bucket lacks or holds otherwise (the merge rewrites the shards
     that held ids repeated across tasks), objects of an older build that the dataset no longer has removed, and
     manifest.json last."""
     have = bucket.names()
-    sent = {s["name"]: s["sha256"] for m in tasks for s in m["shards"]}
+    sent = {s.name: s.sha256 for m in tasks for s in m.shards}
     local = {p.relative_to(stage).as_posix(): p for p in sorted(stage.rglob("*"))
              if p.is_file() and not _local_only(p.name) and p.name != MANIFEST_NAME}
     for name, p in local.items():
-        shard = next((s for s in manifest["shards"] if s["name"] == name), None)
-        changed = shard is not None and sent.get(name) != shard["sha256"]
+        shard = next((s for s in manifest.shards if s.name == name), None)
+        changed = shard is not None and sent.get(name) != shard.sha256
         if changed or have.get(name) != p.stat().st_size or not (name.endswith(".tar") or
                                                                  name.endswith(index_name(".tar"))):
             bucket.put(p, name)

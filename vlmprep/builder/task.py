@@ -34,15 +34,9 @@ from vlmprep.builder.totals import (
 from vlmprep.builder.workers import BuildError, cached_renderer, ordered_results, record_workers
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
-from vlmprep.shards.dataset import (
-    TASKS_DIR,
-    TMP_SUFFIX,
-    TaskFiles,
-    load_task_manifest,
-    task_file,
-    write_json_atomic,
-)
+from vlmprep.shards.dataset import TASKS_DIR, TMP_SUFFIX, TaskFiles, task_file, write_json_atomic
 from vlmprep.shards.format import index_name
+from vlmprep.shards.manifest import TaskManifest, TaskRecords, load_task_manifest
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
 from vlmprep_schemas.boundary import open_no_follow
@@ -189,7 +183,7 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
         state.checkpoint(rej, rows, 1 << 62)  # all consumed: a kill from here on resumes straight to the task manifest
 
 
-def _finish_task(state: _TaskState, plan: dict, digest: str) -> dict:
+def _finish_task(state: _TaskState, plan: dict, digest: str) -> TaskManifest:
     """The sample list, the final rejects name, then the task manifest (last); returns the manifest."""
     files, writer, totals = state.files, state.writer, state.totals
     # Every landed sample's id, shard and counts, in order, written as it landed: merge finds ids repeated across
@@ -197,19 +191,20 @@ def _finish_task(state: _TaskState, plan: dict, digest: str) -> dict:
     os.replace(files.partial_samples, files.samples)
     os.replace(files.partial_rejects, files.rejects)
     cut = plan["cuts"][files.index]
-    manifest = {"plan": digest, "task": files.index, "config": plan["config"],
-                "processor": plan["processor"]["fingerprint"],
-                "records": {"first_position": cut["position"], "count": cut["records"]},
-                "shards": [s.to_json() for s in writer.shards], "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
-                "inputs": {str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
-                "rejects": dict(sorted(state.rejects.items()))}
-    write_json_atomic(files.manifest, manifest)
+    manifest = TaskManifest(plan=digest, task=files.index, config=plan["config"],
+                            fingerprint=plan["processor"]["fingerprint"],
+                            records=TaskRecords(first_position=cut["position"], count=cut["records"]),
+                            shards=tuple(s.entry() for s in writer.shards),
+                            totals={k: int(totals[k]) for k in TOTAL_KEYS},
+                            inputs={str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
+                            rejects=dict(sorted(state.rejects.items())))
+    write_json_atomic(files.manifest, manifest.to_json())
     files.journal.unlink()
     return manifest
 
 
 def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None = None,
-             processor_dir: Path | None = None, upload_to: str | None = None) -> dict:
+             processor_dir: Path | None = None, upload_to: str | None = None) -> TaskManifest:
     """One task of the plan: its records -> its shards (final names), tasks/task-NNNNN.rejects.jsonl and .samples.jsonl,
     then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
     from its journal and ends byte-identical. upload_to: the --out URL the task's files go to as they land (out is
@@ -228,11 +223,11 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
 
 
 def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
-                    processor_dir: Path | None, uploader: Uploader | None) -> dict:
+                    processor_dir: Path | None, uploader: Uploader | None) -> TaskManifest:
     digest = plan_digest(plan)
     files = TaskFiles(out, index, shard_prefix(plan, index))
     done = load_task_manifest(files)
-    if done is not None and done.get("plan") == digest:
+    if done is not None and done.plan == digest:
         _clean_up(files)  # killed between its manifest and its clean-up: only the clean-up is left to do
         if uploader is not None:  # killed before its files were all up: those missing in the bucket go now
             uploader.task_done(files, done)

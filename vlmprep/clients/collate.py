@@ -18,7 +18,7 @@ import numpy as np
 
 from vlmprep.families import family_of
 from vlmprep.shards.dataset import MANIFEST_NAME
-from vlmprep.shards.reader import load_manifest, processor_dir
+from vlmprep.shards.manifest import load_manifest, processor_dir
 from vlmprep_schemas.limits import grid_problem
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 
@@ -46,7 +46,7 @@ class Collator:
         self.image_format = None
         if (path / MANIFEST_NAME).is_file():
             manifest = load_manifest(path)  # every path it names checked to stay inside the dataset
-            self.image_format = manifest.get("image_format")
+            self.image_format = manifest.image_format
             path = processor_dir(path, manifest)
         if not any((path / n).is_file() for n in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path}: neither a vlmprep dataset dir nor a saved processor dir")

@@ -16,7 +16,8 @@ from vlmprep.clients import sample_version
 from vlmprep.clients.collate import Collator
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.shards.dataset import MANIFEST_NAME, NV_META
-from vlmprep.shards.reader import ShardFormatError, dataset_path, load_manifest, sample_from_members
+from vlmprep.shards.manifest import ShardFormatError, dataset_path, load_manifest
+from vlmprep.shards.reader import sample_from_members
 from vlmprep_schemas.boundary import is_plain_path
 
 
@@ -77,7 +78,7 @@ def check_indexed_shards(path, names: list[str]) -> None:
         d = path.local_path() if hasattr(path, "local_path") else Path(path)
     except ValueError:  # an msc:// dataset
         d = None
-    listed = {s["name"] for s in load_manifest(d)["shards"]} if d is not None else None
+    listed = {s.name for s in load_manifest(d).shards} if d is not None else None
     stray = [n for n in names if (n not in listed if listed is not None else not is_plain_path(n))]
     if stray:
         raise ShardFormatError(f"{path}/{NV_META}: the energon index names shard {stray[0]!r}, which "
@@ -112,7 +113,7 @@ def prepare(d: str | Path, *, workers: int = 1) -> int:
     manifest = load_manifest(d)  # every shard name checked to stay inside the dataset
     dataset_path(d, NV_META)  # energon writes its index there: not through a symlink out of the dataset
     write_energon_meta(d)
-    names = [s["name"] for s in manifest["shards"]]
+    names = [s.name for s in manifest.shards]
     BaseWebdatasetFactory.prepare_dataset(d, names, split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
                                           shuffle_seed=None, workers=workers)
     return sum(json.loads((d / NV_META / ".info.json").read_text())["shard_counts"].values())

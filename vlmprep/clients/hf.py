@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+from vlmprep.shards.manifest import load_manifest, shard_paths
+from vlmprep.shards.reader import iter_shard
 
 
 def generate_samples(shards: list[str], version: int):
@@ -27,4 +28,4 @@ def iterable_dataset(d: str | Path):
     manifest = load_manifest(Path(d))
     shards = [str(p) for p in shard_paths(Path(d), manifest)]
     return datasets.IterableDataset.from_generator(
-        generate_samples, gen_kwargs={"shards": shards, "version": manifest["format_version"]})
+        generate_samples, gen_kwargs={"shards": shards, "version": manifest.format_version})

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmprep.clients import sample_version
-from vlmprep.shards.reader import load_manifest, sample_from_members, shard_paths
+from vlmprep.shards.manifest import load_manifest, shard_paths
+from vlmprep.shards.reader import sample_from_members
 
 
 def shard_urls(d: str | Path) -> list[str]:

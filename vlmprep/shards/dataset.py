@@ -82,14 +82,6 @@ class TaskFiles:
         return sorted(self.out.glob(f"{self.prefix}[0-9]*.tar"))
 
 
-def load_task_manifest(files: TaskFiles) -> dict | None:
-    """A task's manifest, or None while the task is not complete."""
-    try:
-        return json.loads(files.manifest.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-
-
 def write_bytes_atomic(path: Path, data: bytes, *, tmp_suffix: str = TMP_SUFFIX) -> None:
     """A reader, or a kill, sees the old file or the new one, never part of one. Where several processes may write
     the same file at once, each passes its own tmp_suffix."""

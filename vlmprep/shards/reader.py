@@ -1,4 +1,4 @@
-"""Read shards, the only code in vlmprep that opens them: manifest (version checked) -> shard list -> safe tar
+"""Read shards, the only code in vlmprep that opens them: the manifest's shard list (shards/manifest.py) -> safe tar
 iterator (member names checked against shards/format.py before anything is read; unknown members refused undecoded)
 -> StoredSample with arrays, meta, images in occurrence order and videos (frames stacked per video) in token order.
 A dataset is untrusted input: every member is checked against the meta and the format's reader limits before it is
@@ -19,20 +19,17 @@ import numpy as np
 import zstandard
 from PIL import Image
 
-from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.format import (
     INDEX_DTYPE,
     LIMITS,
     META_MEMBER,
-    READABLE_VERSIONS,
     arrays_of,
     is_image_member,
     is_key,
     is_member,
     is_video_member,
 )
-from vlmprep.types import UserError
-from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
+from vlmprep.shards.manifest import FileEntry, ShardEntry, ShardFormatError, dataset_path, load_manifest, shard_paths
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
 from vlmprep_schemas.limits import (
     check_grid_sizes,
@@ -43,75 +40,6 @@ from vlmprep_schemas.limits import (
     npy_header,
     schema_problem,
 )
-
-
-class ShardFormatError(UserError):
-    """A dataset that is not a readable vlmprep dataset, or a member that breaks the format: one line naming it."""
-
-
-def dataset_path(d: Path, name: str) -> Path:
-    """DIR/name for a file vlmprep reads by a fixed name (manifest.json, rejects.jsonl): refused when it is a symlink
-    out of DIR, as every path a manifest names is."""
-    try:
-        return Path(dataset_file(str(d), name, where=str(d), what="file"))
-    except UnsafeDataset as e:
-        raise ShardFormatError(str(e)) from None
-
-
-def load_manifest(d: Path) -> dict:
-    """DIR/manifest.json, refused unless its format_version is one this vlmprep reads and every path it names stays
-    inside DIR with a processor that asks for no custom code (vlmprep_schemas.boundary, as the trainer checks)."""
-    p = dataset_path(d, MANIFEST_NAME)
-    if not p.is_file():
-        raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build (rerun `vlmprep build`)")
-    try:
-        size = p.stat().st_size
-        if size > LIMITS.manifest_bytes:  # refused unread
-            raise ValueError(f"{p} is {size} bytes, more than a reader accepts ({LIMITS.manifest_bytes})")
-        manifest = load_json(p.read_bytes(), str(p), LIMITS.manifest_bytes)
-    except ValueError as e:
-        raise ShardFormatError(str(e)) from None
-    check_manifest(manifest, str(p))
-    processor_dir(d, manifest)
-    return manifest
-
-
-def check_manifest(manifest, where: str) -> dict:
-    """A parsed manifest (read from `where`), refused unless its format_version is one this vlmprep reads and its
-    values have the schema's types (the paths it names are dataset_paths' to check)."""
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version not in READABLE_VERSIONS:
-        raise ShardFormatError(f"{where}: format_version {version!r} is not supported (this vlmprep reads "
-                               f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
-    problem = schema_problem(manifest, "manifest.schema.json")
-    if problem:
-        raise ShardFormatError(f"{where} does not match the manifest schema: {problem}")
-    return manifest
-
-
-def processor_dir(d: Path, manifest: dict) -> Path:
-    """The dataset's saved processor dir, checked with every other path the manifest names (inside DIR, no custom
-    code): the one way vlmprep finds it."""
-    try:
-        return Path(dataset_paths(str(d), manifest, where=str(Path(d) / MANIFEST_NAME)).processor)
-    except UnsafeDataset as e:
-        raise ShardFormatError(str(e)) from None
-
-
-def shard_paths(d: Path, manifest: dict, shard: str | None = None) -> list[Path]:
-    """The manifest's shards in order (or just `shard`, with or without .tar); each must exist."""
-    d = Path(d)
-    names = [s["name"] for s in manifest.get("shards", [])]
-    if shard is not None:
-        want = shard if shard.endswith(".tar") else shard + ".tar"
-        if want not in names:
-            raise ShardFormatError(f"--shard {shard}: no such shard in {d} (have {', '.join(names[:5]) or 'none'}"
-                                   + (", ..." if len(names) > 5 else "") + ")")
-        names = [want]
-    for n in names:
-        if not (d / n).is_file():
-            raise ShardFormatError(f"{d / n} is listed in the manifest but missing")
-    return [d / n for n in names]
 
 
 def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | None, channels: int = 3) -> None:
@@ -480,16 +408,15 @@ def iter_rejects(p: Path) -> Iterator[dict]:
             yield record
 
 
-def load_sample_index(d: Path, entry: dict) -> np.ndarray | None:
+def load_sample_index(d: Path, entry: ShardEntry) -> np.ndarray | None:
     """A shard's sample index sidecar (manifest shard entry `index`), or None where the build wrote none; refused
     unless it is a plain .npy of the format's index dtype (never unpickled). Its sha256 is verify's to check."""
-    index = entry.get("index")
-    if index is None:
+    if entry.index is None:
         return None
-    return read_index_file(dataset_path(Path(d), index["name"]), index, rows=entry.get("num_samples"))
+    return read_index_file(dataset_path(Path(d), entry.index.name), entry.index, rows=entry.num_samples)
 
 
-def read_index_file(path: Path, listed: dict, *, rows: int | None) -> np.ndarray:
+def read_index_file(path: Path, listed: FileEntry, *, rows: int | None) -> np.ndarray:
     """A sample index file (a shard's sidecar, or the dataset's for `rows` samples in all) as the manifest lists it
     (`listed`: its bytes): its size is checked against the listing and the most `rows` rows take before a byte is
     read, then its header against the one np.save writes (limits.index_rows). ShardFormatError, one line, else."""
@@ -497,7 +424,7 @@ def read_index_file(path: Path, listed: dict, *, rows: int | None) -> np.ndarray
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size != listed.get("bytes") or (rows is not None and size > limit):
+            if size != listed.bytes or (rows is not None and size > limit):
                 data = None
             else:
                 data = f.read(size + 1)
@@ -505,7 +432,7 @@ def read_index_file(path: Path, listed: dict, *, rows: int | None) -> np.ndarray
             return index_rows(data, path.name, INDEX_DTYPE)
     except (ValueError, OSError) as e:
         raise ShardFormatError(f"{path.name}: not a readable sample index ({type(e).__name__}: {e})") from None
-    raise ShardFormatError(f"{path.name}: {size} bytes, but the manifest lists {listed.get('bytes')} (at most {limit} "
+    raise ShardFormatError(f"{path.name}: {size} bytes, but the manifest lists {listed.bytes} (at most {limit} "
                            f"for {rows} samples); refusing to read it")
 
 
@@ -569,4 +496,4 @@ def iter_dataset(d: Path, *, shard: str | None = None) -> Iterator[StoredSample]
     """Every sample of a built dataset dir in manifest order."""
     manifest = load_manifest(d)
     for path in shard_paths(d, manifest, shard):
-        yield from iter_shard(path, version=manifest["format_version"])
+        yield from iter_shard(path, version=manifest.format_version)

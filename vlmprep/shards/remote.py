@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 from vlmprep.locations import READ_BLOCK, LocationError, url_fs
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, sha256_file, write_bytes_atomic
-from vlmprep.shards.reader import ShardFormatError, check_manifest
+from vlmprep.shards.manifest import Manifest, ShardFormatError
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import (
     MAX_CONFIG_BYTES,
@@ -104,14 +104,14 @@ def fetch_dataset(url: str, *, shards: Sequence[str] | None = None, say: Callabl
     return dest
 
 
-def _manifest(data: bytes, base: str) -> tuple[dict, set[str], str]:
+def _manifest(data: bytes, base: str) -> tuple[Manifest, set[str], str]:
     """The manifest's bytes -> (the manifest, every file name it gives inside the dataset: shards and sample indexes,
-    its processor dir's name), checked as every reader of a dataset checks them (reader.check_manifest,
+    its processor dir's name), checked as every reader of a dataset checks them (Manifest.from_json,
     boundary.dataset_paths: plain names inside the dataset, no '..', absolute path or URL), before any is fetched."""
     where = f"{base}/{MANIFEST_NAME}"
     try:
-        manifest = check_manifest(load_json(data, where, LIMITS.manifest_bytes), where)
-        paths = dataset_paths(base, manifest, where=where)
+        manifest = Manifest.from_json(load_json(data, where, LIMITS.manifest_bytes), where=where)
+        paths = dataset_paths(base, manifest.to_json(), where=where)
     except (ValueError, ShardFormatError) as e:  # UnsafeDataset is a ValueError
         raise FetchError(str(e)) from None
     cut = len(base) + 1
@@ -119,21 +119,21 @@ def _manifest(data: bytes, base: str) -> tuple[dict, set[str], str]:
     return manifest, named, paths.processor[cut:]
 
 
-def _files(manifest: dict, processor: str, shards: Sequence[str] | None) -> list[_File]:
+def _files(manifest: Manifest, processor: str, shards: Sequence[str] | None) -> list[_File]:
     """What to copy, in the order a reader wants it: the processor's files, rejects.jsonl, the shards (each with its
     sample index), the dataset's sample index."""
     out = [_File(f"{processor}/{n}", MAX_VOCAB_BYTES if n in _VOCABULARIES or not n.endswith(".json")
                  else MAX_CONFIG_BYTES, optional=True) for n in PROCESSOR_FILES]
     out.append(_File(REJECTS_NAME, REJECTS_BYTES, optional=True))
     wanted = None if shards is None else {s if s.endswith(".tar") else s + ".tar" for s in shards}
-    for s in manifest["shards"]:
-        if wanted is None or s["name"] in wanted:
-            out.append(_File(s["name"], s["bytes"], s["bytes"], s["sha256"]))
-            if s.get("index"):
-                out.append(_File(s["index"]["name"], s["index"]["bytes"], s["index"]["bytes"], s["index"]["sha256"]))
-    whole = manifest.get("sample_index")
+    for s in manifest.shards:
+        if wanted is None or s.name in wanted:
+            out.append(_File(s.name, s.bytes, s.bytes, s.sha256))
+            if s.index:
+                out.append(_File(s.index.name, s.index.bytes, s.index.bytes, s.index.sha256))
+    whole = manifest.sample_index
     if whole and shards is None:
-        out.append(_File(whole["name"], whole["bytes"], whole["bytes"], whole["sha256"]))
+        out.append(_File(whole.name, whole.bytes, whole.bytes, whole.sha256))
     return out
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlmprep.shards.manifest import Manifest, TaskManifest
+
 
 def plural(n: int, word: str) -> str:
     """`n word`, with an s unless n is 1."""
@@ -18,14 +20,14 @@ def dropped_by_cut(images: int, videos: int) -> str:
 LOST_TURNS_NOTE = {"turn_too_long": " (turns; their records landed)"}
 
 
-def rejected_records(manifest: dict) -> int:
+def rejected_records(manifest: Manifest) -> int:
     """Rejected records: reject lines less turn_too_long ones (a lost turn of a record whose other turns landed)."""
-    return manifest["totals"]["rejected"] - manifest["rejects"].get("turn_too_long", 0)
+    return manifest.totals["rejected"] - manifest.rejects.get("turn_too_long", 0)
 
 
-def reject_share(manifest: dict) -> float:
+def reject_share(manifest: Manifest) -> float:
     """The share of input records the build rejected (0 when there were none)."""
-    records = manifest["totals"]["records"]
+    records = manifest.totals["records"]
     return rejected_records(manifest) / records if records else 0.0
 
 
@@ -57,57 +59,56 @@ REJECT_FIXES = {
 }
 
 
-def reject_fix(reason: str, manifest: dict) -> str:
+def reject_fix(reason: str, manifest: Manifest) -> str:
     """The one-line fix printed for a reject reason, tuned to the dataset where the manifest says more."""
     fix = REJECT_FIXES.get(reason, "see rejects.jsonl and docs/rejects.md")
-    if reason == "tool_calls_not_rendered" and manifest["processor"].get("spec") in ("builtin:qwen2-vl",
-                                                                                     "builtin:qwen2.5-vl"):
+    if reason == "tool_calls_not_rendered" and manifest.processor.spec in ("builtin:qwen2-vl", "builtin:qwen2.5-vl"):
         fix = "pass --chat-template qwen2_vl_tools (the bundled tool-aware template), or --tool-calls drop-from-loss"
     if reason in ("no_trainable_tokens_after_truncation", "turn_too_long") and _large_images_cost(manifest):
         fix = _max_pixels_fix(manifest)
     return fix
 
 
-def _max_pixels_fix(manifest: dict) -> str:
+def _max_pixels_fix(manifest: Manifest) -> str:
     """An image over half of --seq-len leaves no room for the turns around it, and neither split nor --keep-images
     helps: the pixel budget that makes any image at most a quarter of --seq-len (28 x 28 pixels a token: Qwen2-VL and
     Qwen2.5-VL; fewer tokens for Qwen3-VL's 32 x 32)."""
-    seq_len = int(manifest["config"]["seq_len"])
+    seq_len = int(manifest.config["seq_len"])
     return (f"pass --max-pixels {seq_len // 4 * 28 * 28} (images over half of --seq-len {seq_len} cost these turns; "
             "this caps one at a quarter of it), or raise --seq-len")
 
 
-def _large_images_cost(manifest: dict) -> bool:
-    t = manifest["totals"]
+def _large_images_cost(manifest: Manifest) -> bool:
+    t = manifest.totals
     cut, large = t.get("turns_lost_truncated", 0) + t.get("turns_lost_too_long", 0), t.get("turns_lost_large_image", 0)
     return 2 * large >= cut if cut else large > 0  # at least half the turns --seq-len cost, or records rejected
 
 
-def turns_to_train(manifest: dict) -> tuple[int, int, dict[str, int]]:
+def turns_to_train(manifest: Manifest) -> tuple[int, int, dict[str, int]]:
     """(trained, to train, lost by reason) for the --min-turn-coverage rule: the assistant turns the options train in
     the records that landed, those --seq-len cost (truncated, turn_too_long) and every assistant turn of a rejected
     record (duplicates included: a build that keeps 2% of its records never passes on the turns it kept). Turns the
     policy leaves untrained are the user's choice."""
-    turns = manifest.get("turns") or {}
+    turns = manifest.turns or {}
     lost = {k: int(turns.get("lost", {}).get(k, 0)) for k in ("truncated", "turn_too_long", "record_rejected")}
     trained = int(turns.get("trained_assistant_turns", 0))
     return trained, trained + sum(lost.values()), lost
 
 
-def coverage_problem(manifest: dict, minimum: float) -> str | None:
+def coverage_problem(manifest: Manifest, minimum: float) -> str | None:
     """The one line (share, counts, lost by reason, fix) when fewer than `minimum` of the turns to train are trained;
     None when the dataset passes. Used by build and merge (an error) and stats (a warning)."""
     trained, total, lost = turns_to_train(manifest)
     share = trained / total if total else 1.0
     if share >= minimum:
         return None
-    config = manifest.get("config") or {}
+    config = manifest.config or {}
     rejected = lost.pop("record_rejected")
     why = ", ".join(f"{k} {v}" for k, v in lost.items() if v)
     losses = ([f"lost to --seq-len {config.get('seq_len')}: {why}"] if why else []) + (
         [f"lost with rejected records: {rejected}"] if rejected else [])
     if rejected > sum(lost.values()):
-        ranked = sorted(((r, n) for r, n in manifest.get("rejects", {}).items() if r != "turn_too_long"),
+        ranked = sorted(((r, n) for r, n in manifest.rejects.items() if r != "turn_too_long"),
                         key=lambda x: (-x[1], x[0]))
         fix = (f"{ranked[0][0]} is the most common reject ({ranked[0][1]}): {reject_fix(ranked[0][0], manifest)}"
                if ranked else "see rejects.jsonl")
@@ -125,16 +126,16 @@ def coverage_problem(manifest: dict, minimum: float) -> str | None:
             f"trained; {'; '.join(losses)}); fix: {fix}")
 
 
-def format_build_summary(manifest: dict, out: Path) -> str:
+def format_build_summary(manifest: Manifest, out: Path) -> str:
     """A built dataset's manifest -> the summary `vlmprep build` prints (totals, token counts, rejects and their
     fixes)."""
-    t = manifest["totals"]
+    t = manifest.totals
     lines = [
-        f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest['shards']), 'shard')} "
-        f"({manifest['image_format']} images, format v{manifest['format_version']})",
-        *([f"  processor         {manifest['processor']['spec']}: a small vocabulary for trying the family and "
+        f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest.shards), 'shard')} "
+        f"({manifest.image_format} images, format v{manifest.format_version})",
+        *([f"  processor         {manifest.processor.spec}: a small vocabulary for trying the family and "
            "for tests, never for training a real model"]
-          if str((manifest.get("processor") or {}).get("spec", "")).startswith("tiny:") else []),
+          if str(manifest.processor.spec).startswith("tiny:") else []),
         f"  records read      {t['records']}",
         *([f"  unread input      {t['unread_bytes']} bytes after file faults (see rejects.jsonl)"]
           if t.get("unread_bytes") else []),
@@ -146,12 +147,12 @@ def format_build_summary(manifest: dict, out: Path) -> str:
         f"  truncated samples {t['truncated_samples']} "
         f"({dropped_by_cut(t['dropped_images'], t.get('dropped_videos', 0))})",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
-        *_turn_lines(manifest.get("turns")),
-        *_reasoning_lines(t, manifest.get("config", {})),
+        *_turn_lines(manifest.turns),
+        *_reasoning_lines(t, manifest.config),
         f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "
         f"({reject_share(manifest):.1%})" + (" -> rejects.jsonl" if t["rejected"] else ""),
     ]
-    for reason, n in manifest["rejects"].items():
+    for reason, n in manifest.rejects.items():
         lines.append(f"    {reason:<36} {n}" + LOST_TURNS_NOTE.get(reason, ""))
     return "\n".join(lines)
 
@@ -184,8 +185,8 @@ def format_plan_summary(plan: dict, out: Path) -> str:
             f"  then:     vlmprep merge {out}")
 
 
-def format_task_summary(task: dict, out: Path) -> str:
+def format_task_summary(task: TaskManifest, out: Path) -> str:
     """A task manifest -> the line `vlmprep build --task-index I` prints."""
-    t = task["totals"]
-    return (f"task {task['task']} of {out}: {plural(t['records'], 'record')} -> {plural(t['samples'], 'sample')} in "
-            f"{plural(len(task['shards']), 'shard')}, {t['rejected']} rejected")
+    t = task.totals
+    return (f"task {task.task} of {out}: {plural(t['records'], 'record')} -> {plural(t['samples'], 'sample')} in "
+            f"{plural(len(task.shards), 'shard')}, {t['rejected']} rejected")

@@ -26,6 +26,7 @@ from vlmprep.shards.format import (
     index_name,
     video_frame_member_name,
 )
+from vlmprep.shards.manifest import ShardEntry
 from vlmprep.types import RenderedSample, ShardSample
 from vlmprep.videos import FRAME_EXT, encode_frame
 from vlmprep_schemas.boundary import open_no_follow
@@ -174,6 +175,10 @@ class ShardInfo:
     def to_json(self) -> dict:
         """The shard's manifest entry (fields that are None left out)."""
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def entry(self) -> ShardEntry:
+        """The shard's manifest entry, as the manifests hold it."""
+        return ShardEntry.from_json(self.to_json())
 
 
 class ShardWriter:

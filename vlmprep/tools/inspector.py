@@ -13,17 +13,8 @@ import numpy as np
 from vlmprep.config import RAW_OPTIONS, InspectConfig
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
-from vlmprep.shards.reader import (
-    StaleIndex,
-    dataset_path,
-    iter_rejects,
-    iter_shard,
-    load_manifest,
-    load_sample_index,
-    processor_dir,
-    sample_at,
-    shard_paths,
-)
+from vlmprep.shards.manifest import Manifest, dataset_path, load_manifest, processor_dir, shard_paths
+from vlmprep.shards.reader import StaleIndex, iter_rejects, iter_shard, load_sample_index, sample_at
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import (
     InspectedSample,
@@ -54,7 +45,7 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
                                "position: select with --id, or inspect the raw input with --index")
         yield from _iter_rejects_file(d, cfg)
         return
-    if (cfg.id is not None or cfg.index is not None) and all(e.get("index") for e in manifest["shards"]):
+    if (cfg.id is not None or cfg.index is not None) and all(e.index for e in manifest.shards):
         try:
             hits = list(_iter_indexed(cfg, d, manifest))
         except StaleIndex:
@@ -63,7 +54,7 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
             yield from hits
             return
     for path in shard_paths(d, manifest, cfg.shard):
-        for ts in iter_shard(path, version=manifest["format_version"]):
+        for ts in iter_shard(path, version=manifest.format_version):
             if cfg.index is not None and int(ts.key[:10]) != cfg.index:
                 continue
             if cfg.id is not None or cfg.only == "truncated":
@@ -75,11 +66,11 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
             yield sample_from_stored(ts)
 
 
-def _iter_indexed(cfg: InspectConfig, d: Path, manifest: dict) -> Iterator[InspectedSample]:
+def _iter_indexed(cfg: InspectConfig, d: Path, manifest: Manifest) -> Iterator[InspectedSample]:
     """--id / --index over a dataset whose shards all have a sample index: the index rows find the samples (by id
     hash, then the id itself; by input position), and only those are read, each by its byte range."""
     paths = shard_paths(d, manifest, cfg.shard)
-    entries = {e["name"]: e for e in manifest["shards"]}
+    entries = {e.name: e for e in manifest.shards}
     want = id_hash(cfg.id) if cfg.id is not None else None
     for path in paths:
         rows = load_sample_index(d, entries[path.name])
@@ -87,7 +78,7 @@ def _iter_indexed(cfg: InspectConfig, d: Path, manifest: dict) -> Iterator[Inspe
         if cfg.index is not None:
             hit &= rows["position"] == cfg.index
         for i in np.flatnonzero(hit).tolist():
-            ts = sample_at(path, int(rows["start"][i]), int(rows["end"][i]), version=manifest["format_version"],
+            ts = sample_at(path, int(rows["start"][i]), int(rows["end"][i]), version=manifest.format_version,
                            position=int(rows["position"][i]))
             if cfg.id is not None and str(ts.meta().get("id")) != cfg.id:
                 continue  # a hash collision
@@ -127,7 +118,7 @@ def _raw_build_config(cfg: InspectConfig):
         # Not taken from a dataset: where things are and what may be read (LIKE_SKIPS); pass them yourself.
         fields = {f.name for f in dataclasses.fields(BuildConfig)} - LIKE_SKIPS
         kw = {k: tuple(v) if isinstance(v, list) else v
-              for k, v in (manifest.get("config") or {}).items() if k in fields}
+              for k, v in (manifest.config or {}).items() if k in fields}
         # The saved processor is the one that rendered the dataset, chat template included.
         kw.update(processor=str(processor_dir(like, manifest)), chat_template=None)
     kw.update(cfg.build_options)
@@ -145,7 +136,7 @@ def _refuse_foreign_template(processor, like: Path) -> None:
     saved = processor.chat_template
     if saved is None or any(saved == p.read_text(encoding="utf-8") for p in TEMPLATES_DIR.glob("*.jinja")):
         return
-    spec = str((load_manifest(like).get("processor") or {}).get("spec") or "")
+    spec = str(load_manifest(like).processor.spec or "")
     if spec.startswith(("builtin:", "tiny:")):
         try:
             if load_processor(spec).chat_template == saved:
@@ -222,7 +213,7 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
             raise InspectError(f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
                                "the processor and options it was built with")
         manifest = load_manifest(p)
-        tv = TokenizerView.from_dir(processor_dir(p, manifest), (manifest.get("processor") or {}).get("class"))
+        tv = TokenizerView.from_dir(processor_dir(p, manifest), manifest.processor.class_name)
         items = _iter_dir(cfg, p)
     else:
         if cfg.shard is not None:

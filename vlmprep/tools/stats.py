@@ -16,7 +16,8 @@ from vlmprep.families import family_of
 from vlmprep.locations import as_input
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
-from vlmprep.shards.reader import dataset_path, iter_rejects, iter_shard, load_manifest, shard_paths
+from vlmprep.shards.manifest import Manifest, dataset_path, load_manifest, shard_paths
+from vlmprep.shards.reader import iter_rejects, iter_shard
 from vlmprep.shards.summary import LOST_TURNS_NOTE, REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 from vlmprep.tools.per_shard import map_shards
 
@@ -170,29 +171,29 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
     `sample_rows`: a dict filled with each sample's row, column by column (SAMPLE_COLUMNS), in manifest order."""
     root = Path(root)
     manifest = load_manifest(root)
-    config = manifest.get("config") or {}
+    config = manifest.config or {}
     seq_len = config.get("seq_len")
     # The dataset's own threshold (the build's --min-turn-coverage); a value that is not a share gives the default.
     floor = config.get("min_turn_coverage")
     floor = float(floor) if isinstance(floor, (int, float)) and 0 <= floor <= 1 else MIN_TURN_COVERAGE
     scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN, sample_rows is not None)
     paths = shard_paths(root, manifest)
-    for part in map_shards(_scan_shard, (paths, manifest["format_version"], scan.image_limit, scan.rows is not None),
+    for part in map_shards(_scan_shard, (paths, manifest.format_version, scan.image_limit, scan.rows is not None),
                            len(paths),
                            workers=workers, command="stats", on_shard=on_shard):
         scan.merge(part)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)
-    rejects = {k: int(v) for k, v in sorted(manifest.get("rejects", {}).items())}
+    rejects = {k: int(v) for k, v in sorted(manifest.rejects.items())}
     st = {
         "dir": str(root),
-        "format_version": manifest["format_version"],
-        "image_format": manifest.get("image_format"),
-        "processor": (manifest.get("processor") or {}).get("spec"),
+        "format_version": manifest.format_version,
+        "image_format": manifest.image_format,
+        "processor": manifest.processor.spec,
         "seq_len": seq_len,
-        "shards": len(manifest.get("shards", [])),
-        "records": int(manifest.get("totals", {}).get("records", n + sum(rejects.values()))),
-        "unread_bytes": int(manifest.get("totals", {}).get("unread_bytes", 0)),
+        "shards": len(manifest.shards),
+        "records": int(manifest.totals.get("records", n + sum(rejects.values()))),
+        "unread_bytes": int(manifest.totals.get("unread_bytes", 0)),
         "samples": n,
         "tokens": int(tok.sum()),
         "trainable_tokens": int(sum(scan.trained)),
@@ -218,9 +219,9 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
         "rejected_records": sum(rejects.values()) - rejects.get("turn_too_long", 0),
         "rejects": rejects,
         "split_samples": scan.split,
-        "turns": manifest.get("turns"),  # per-record accounting, only the build can know it (input turns)
+        "turns": manifest.turns,  # per-record accounting, only the build can know it (input turns)
         "min_turn_coverage": floor,
-        "coverage_warning": coverage_problem(manifest, floor) if "turns" in manifest else None,
+        "coverage_warning": coverage_problem(manifest, floor) if manifest.turns is not None else None,
     }
     reject_lines = _reject_lines(root)
     st["inputs"] = _inputs(manifest, reject_lines)
@@ -238,23 +239,23 @@ def _reject_lines(root: Path) -> list[dict] | None:
     return list(iter_rejects(p))  # bounded per line (vlmprep_schemas.limits)
 
 
-def _inputs(manifest: dict, reject_lines: list[dict] | None) -> list[dict] | None:
+def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] | None:
     """Each input file's counts (the manifest's per-input totals, rejects by reason from rejects.jsonl); None for a
     dataset built before the build recorded them."""
-    inputs = manifest.get("inputs") or []
-    if not inputs or any("totals" not in inp for inp in inputs):
+    inputs = manifest.inputs
+    if not inputs or any(inp.totals is None for inp in inputs):
         return None
     by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in reject_lines or ():
         by_file[str((r.get("source") or {}).get("file"))][r.get("reason")] += 1
     out = []
-    for inp, name in zip(inputs, input_names([as_input(inp["path"]) for inp in inputs])):
-        t = collections.Counter(inp["totals"])
+    for inp, name in zip(inputs, input_names([as_input(inp.path) for inp in inputs])):
+        t = collections.Counter(inp.totals)
         n_turns = t["input_assistant_turns"]
-        out.append({"path": inp["path"], "name": name, "records": t["records"], "samples": t["samples"],
-                    "rejected": t["rejected"] - by_file[inp["path"]].get("turn_too_long", 0) if reject_lines
+        out.append({"path": inp.path, "name": name, "records": t["records"], "samples": t["samples"],
+                    "rejected": t["rejected"] - by_file[inp.path].get("turn_too_long", 0) if reject_lines
                     is not None else t["rejected"] - t["turns_lost_too_long"],  # records, not lost-turn lines
-                    "rejects": dict(sorted(by_file[inp["path"]].items())),
+                    "rejects": dict(sorted(by_file[inp.path].items())),
                     "tokens": t["tokens"], "trainable_tokens": t["trainable_tokens"], "images": t["images"],
                     "image_tokens": t["image_tokens"], "truncated_samples": t["truncated_samples"],
                     "dropped_images": t["dropped_images"], "split_samples": t["split_samples"],
@@ -273,23 +274,23 @@ def _kept_share(t: collections.Counter) -> float:
     return t["trained_assistant_turns"] / to_train if to_train else 1.0
 
 
-def _large_images(scan: _Scan, manifest: dict) -> dict:
+def _large_images(scan: _Scan, manifest: Manifest) -> dict:
     """Images over the scan's limit, the largest, and the --max-pixels that caps an image at that many tokens: the
     stored pixels per token of a grid family (patch^2 x merge^2) times the limit."""
     large = scan.large
     out = {"limit": scan.image_limit, "count": len(large), "largest": None, "max_pixels": None}
     if large:
         out["largest"] = {k: v for k, v in max(large, key=lambda x: x["tokens"]).items() if k != "pixels_per_token"}
-        family = family_of((manifest.get("processor") or {}).get("class"))
+        family = family_of(manifest.processor.class_name)
         if family is not None and family.grid_images:
             out["max_pixels"] = int(scan.image_limit * round(min(x["pixels_per_token"] for x in large)))
     return out
 
 
-def _mismatches(manifest: dict, st: dict, reject_lines: list[dict] | None, by_file: dict) -> list[str]:
+def _mismatches(manifest: Manifest, st: dict, reject_lines: list[dict] | None, by_file: dict) -> list[str]:
     """Where the manifest disagrees with what the shards (or rejects.jsonl) actually hold."""
     out = []
-    totals = manifest.get("totals", {})
+    totals = manifest.totals
     for key in ("samples", "tokens", "trainable_tokens", "image_tokens", "images", "truncated_samples",
                 "dropped_images", "rejected", "videos", "video_tokens", "dropped_videos"):
         if key in totals and totals[key] != st[key]:

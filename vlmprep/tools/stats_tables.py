@@ -7,7 +7,8 @@ import io
 from pathlib import Path
 
 from vlmprep.shards.dataset import REJECTS_NAME, write_bytes_atomic
-from vlmprep.shards.reader import dataset_path, iter_rejects
+from vlmprep.shards.manifest import dataset_path
+from vlmprep.shards.reader import iter_rejects
 
 REJECT_COLUMNS = ("id", "source_file", "source_line", "reason", "message", "unread_bytes")
 

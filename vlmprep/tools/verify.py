@@ -18,16 +18,8 @@ from referencing import Registry, Resource
 from vlmprep.families import FamilySpec, family_of
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, id_hash, is_video_member
-from vlmprep.shards.reader import (
-    ShardFormatError,
-    StoredSample,
-    iter_shard,
-    load_manifest,
-    load_sample_index,
-    processor_dir,
-    read_index_file,
-    sample_ranges,
-)
+from vlmprep.shards.manifest import Manifest, ShardEntry, ShardFormatError, load_manifest, processor_dir
+from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
 from vlmprep.tools.per_shard import map_shards
 from vlmprep_schemas import NAMES, load
 from vlmprep_schemas.boundary import UnsafeDataset, processor_files
@@ -71,7 +63,7 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
         manifest = load_manifest(root)
     except ShardFormatError as e:
         return [Violation(MANIFEST_NAME, str(e))]
-    problem = _schema_error(schema_validator("manifest.schema.json"), manifest)
+    problem = _schema_error(schema_validator("manifest.schema.json"), manifest.to_json())
     if problem:
         return [Violation(MANIFEST_NAME, f"schema: {problem}")]
     try:  # the vocabulary too (a reader of shards skips it): a file no tokenizer could load is not a valid dataset
@@ -80,11 +72,11 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
         return [Violation(MANIFEST_NAME, str(e))]
 
     out: list[Violation] = []
-    listed = {s["name"] for s in manifest["shards"]}
+    listed = {s.name for s in manifest.shards}
     for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
         out.append(Violation(extra, "shard file not listed in the manifest"))
     job = _ShardJob(root, manifest, _SampleCheck(manifest, root), deep)
-    for found in map_shards(_check_shard, job, len(manifest["shards"]), workers=workers, command="verify",
+    for found in map_shards(_check_shard, job, len(manifest.shards), workers=workers, command="verify",
                             on_shard=on_shard):
         out.extend(found)
     out.extend(_verify_dataset_index(root, manifest, deep=deep))
@@ -96,7 +88,7 @@ class _ShardJob:
     """What every shard's check needs (workers inherit it at the fork)."""
 
     root: Path
-    manifest: dict
+    manifest: Manifest
     check: "_SampleCheck"
     deep: bool
 
@@ -104,15 +96,15 @@ class _ShardJob:
 def _check_shard(job: _ShardJob, k: int) -> list[Violation]:
     """The manifest's k-th shard of `job`'s dataset: present with its size and sha256, its sidecar, and (deep) every
     sample and the sidecar's rows."""
-    root, s, check = job.root, job.manifest["shards"][k], job.check
-    path = root / s["name"]
+    root, s, check = job.root, job.manifest.shards[k], job.check
+    path = root / s.name
     if not path.is_file():  # a dir or a FIFO where a shard should be is not "missing"
         kind = "missing" if not os.path.lexists(path) else "not a plain file (a directory, FIFO or device)"
-        return [Violation(s["name"], kind)]
-    if path.stat().st_size != s["bytes"]:
-        return [Violation(s["name"], f"size {path.stat().st_size} != manifest {s['bytes']}")]
-    if sha256_file(path) != s["sha256"]:
-        return [Violation(s["name"], "sha256 differs from the manifest")]
+        return [Violation(s.name, kind)]
+    if path.stat().st_size != s.bytes:
+        return [Violation(s.name, f"size {path.stat().st_size} != manifest {s.bytes}")]
+    if sha256_file(path) != s.sha256:
+        return [Violation(s.name, "sha256 differs from the manifest")]
     out: list[Violation] = []
     index = _index_file(root, s)
     if index:
@@ -120,33 +112,33 @@ def _check_shard(job: _ShardJob, k: int) -> list[Violation]:
     seen: list[tuple[str, str | None, int, int]] = []
     if job.deep:
         out.extend(_verify_shard(path, s, check, seen))
-        if index is None and s.get("index"):
+        if index is None and s.index:
             out.extend(_verify_index(root, s, path, seen))
     return out
 
 
-def _verify_dataset_index(root: Path, manifest: dict, *, deep: bool) -> list[Violation]:
+def _verify_dataset_index(root: Path, manifest: Manifest, *, deep: bool) -> list[Violation]:
     """The dataset's sample index, where the manifest lists one: present with the listed size and sha256 and (`deep`)
     every shard's sidecar rows, in manifest order (each sidecar is checked against its shard above)."""
-    listed = manifest.get("sample_index")
+    listed = manifest.sample_index
     if listed is None:
         return []
-    name, p = listed["name"], root / listed["name"]
+    name, p = listed.name, root / listed.name
     if not p.is_file():
         return [Violation(name, "missing (the dataset's sample index)")]
-    if p.stat().st_size != listed["bytes"] or sha256_file(p) != listed["sha256"]:
+    if p.stat().st_size != listed.bytes or sha256_file(p) != listed.sha256:
         return [Violation(name, "size or sha256 differs from the manifest")]
     if not deep:
         return []
     try:
-        rows = read_index_file(p, listed, rows=sum(s["num_samples"] for s in manifest["shards"]))
+        rows = read_index_file(p, listed, rows=sum(s.num_samples for s in manifest.shards))
         at = 0
-        for s in manifest["shards"]:
+        for s in manifest.shards:
             part = load_sample_index(root, s)
             if part is None:
-                return [Violation(name, f"listed, but shard {s['name']} has no sample index of its own")]
+                return [Violation(name, f"listed, but shard {s.name} has no sample index of its own")]
             if not np.array_equal(rows[at:at + len(part)], part):
-                return [Violation(name, f"rows {at}..{at + len(part) - 1} are not {s['name']}'s sample index")]
+                return [Violation(name, f"rows {at}..{at + len(part) - 1} are not {s.name}'s sample index")]
             at += len(part)
     except ShardFormatError as e:
         return [Violation(name, str(e))]
@@ -155,23 +147,24 @@ def _verify_dataset_index(root: Path, manifest: dict, *, deep: bool) -> list[Vio
     return []
 
 
-def _index_file(root: Path, s: dict) -> Violation | None:
+def _index_file(root: Path, s: ShardEntry) -> Violation | None:
     """The shard's sample index sidecar, where the manifest lists one: present with the listed size and sha256."""
-    index = s.get("index")
+    index = s.index
     if index is None:
         return None
-    p = root / index["name"]
+    p = root / index.name
     if not p.is_file():
-        return Violation(index["name"], f"missing (the sample index of {s['name']})")
-    if p.stat().st_size != index["bytes"] or sha256_file(p) != index["sha256"]:
-        return Violation(index["name"], "size or sha256 differs from the manifest")
+        return Violation(index.name, f"missing (the sample index of {s.name})")
+    if p.stat().st_size != index.bytes or sha256_file(p) != index.sha256:
+        return Violation(index.name, "size or sha256 differs from the manifest")
     return None
 
 
-def _verify_index(root: Path, s: dict, path: Path, seen: list[tuple[str, str | None, int, int]]) -> list[Violation]:
+def _verify_index(root: Path, s: ShardEntry, path: Path,
+                  seen: list[tuple[str, str | None, int, int]]) -> list[Violation]:
     """The sidecar's rows are the shard's samples: their byte ranges (from the tar headers), input positions, id
     hashes and token counts (from the metas read by the sample checks)."""
-    name = s["index"]["name"]
+    name = s.index.name
     try:
         rows = load_sample_index(root, s)
         ranges = sample_ranges(path)
@@ -203,11 +196,11 @@ def _processor_config(d: Path) -> dict:
 class _SampleCheck:
     """Per-sample invariants of one dataset; family facts come from the registry by the manifest's processor class."""
 
-    def __init__(self, manifest: dict, root: Path):
-        self.version = manifest["format_version"]
-        self.image_format = manifest["image_format"]
+    def __init__(self, manifest: Manifest, root: Path):
+        self.version = manifest.format_version
+        self.image_format = manifest.image_format
         self.meta_validator = schema_validator("sample_meta.schema.json")
-        self.family: FamilySpec | None = family_of(manifest["processor"]["class"])
+        self.family: FamilySpec | None = family_of(manifest.processor.class_name)
         pcfg = _processor_config(processor_dir(root, manifest))
         self.merge = int(pcfg.get("merge_size", 2))
         patch = pcfg.get("patch_size", 14)  # PixtralImageProcessor saves {"height": h, "width": w}
@@ -319,7 +312,7 @@ class _SampleCheck:
         return out + [Violation(where, found[k]) for k in sorted(found)]
 
 
-def _verify_shard(path: Path, info: dict, check: _SampleCheck,
+def _verify_shard(path: Path, info: ShardEntry, check: _SampleCheck,
                   seen: list[tuple[str, str | None, int, int]]) -> list[Violation]:
     """Every sample's checks and the shard's counts; `seen` gets each sample's (key, id (None: it failed its checks),
     tokens, trained)."""
@@ -335,9 +328,9 @@ def _verify_shard(path: Path, info: dict, check: _SampleCheck,
             trainable += tr
     except (ShardFormatError, OSError) as e:
         return out + [Violation(path.name, f"unreadable: {e}")]
-    if n != info["num_samples"]:
-        out.append(Violation(path.name, f"{n} samples, manifest says {info['num_samples']}"))
-    if (tokens, trainable) != (info["num_tokens"], info["num_trainable_tokens"]):
+    if n != info.num_samples:
+        out.append(Violation(path.name, f"{n} samples, manifest says {info.num_samples}"))
+    if (tokens, trainable) != (info.num_tokens, info.num_trainable_tokens):
         out.append(Violation(path.name, f"token counts ({tokens}, {trainable}) differ from the manifest"))
     return out
 

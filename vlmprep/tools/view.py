@@ -12,7 +12,8 @@ from typing import Callable
 import numpy as np
 
 from vlmprep.families import ANY_TURN_STARTS, family_of
-from vlmprep.shards.reader import ShardFormatError, StoredSample
+from vlmprep.shards.manifest import ShardFormatError
+from vlmprep.shards.reader import StoredSample
 from vlmprep_schemas.boundary import processor_files
 
 MAX_LISTED_TIMESTAMPS = 16  # a longer video lists its first 8 and last 4 frame times in the terminal marker

@@ -76,7 +76,7 @@ def test_manifest_and_meta_match_schemas_and_shards(demo_build):
     out, res = demo_build
     manifest = json.loads((out / "manifest.json").read_text())
     schema("manifest.schema.json").validate(manifest)
-    assert manifest == res.manifest
+    assert manifest == res.manifest.to_json()
     meta_schema = schema("sample_meta.schema.json")
     total_samples = total_tokens = 0
     for sh in manifest["shards"]:
@@ -161,8 +161,8 @@ def test_pixel_parity_per_image_format(fmt, tmp_path, qwen2vl_processor):
 def test_llamafactory_demo_builds_with_deduped_images(tmp_path):
     out = tmp_path / "lf"
     res = build(cfg([LLAMAFACTORY / "mllm_demo.json"], out))
-    assert res.manifest["totals"]["samples"] == 6 and res.manifest["totals"]["rejected"] == 0
-    assert res.manifest["totals"]["images"] == 8
+    assert res.manifest.totals["samples"] == 6 and res.manifest.totals["rejected"] == 0
+    assert res.manifest.totals["images"] == 8
     first = read_tar(out / "shard-000000.tar")[min(read_tar(out / "shard-000000.tar"))]
     meta = json.loads(first["json"])
     assert [i["member"] for i in meta["images"]] == ["img000.pdelta.zst", "img000.pdelta.zst"]  # 1.jpg twice, stored once
@@ -194,8 +194,8 @@ def test_mixed_good_and_bad_records(tmp_path):
     inp.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
     out = tmp_path / "out"
     res = build(cfg([inp], out, max_reject_fraction=1.0, min_turn_coverage=0.0))
-    assert res.manifest["totals"]["samples"] == 4
-    assert res.manifest["rejects"] == {"invalid_json": 1, "invalid_base64": 1, "image_not_found": 1,
+    assert res.manifest.totals["samples"] == 4
+    assert res.manifest.rejects == {"invalid_json": 1, "invalid_base64": 1, "image_not_found": 1,
                                        "unknown_content_type": 1}
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["source"]["line"], r["reason"], r["id"]) for r in rejects] == [
@@ -264,7 +264,7 @@ def test_json_file_shapes(tmp_path, loaded_once):
     (tmp_path / "empty.json").write_text("[]")
     res = build(cfg([tmp_path / "one.json", tmp_path / "wrapped.json", tmp_path / "empty.json"], tmp_path / "o",
                     max_reject_fraction=1.0, min_turn_coverage=0.0))
-    assert res.manifest["totals"]["samples"] == 1
+    assert res.manifest.totals["samples"] == 1
     rejects = {Path(r["source"]["file"]).name: r for r in map(json.loads, (tmp_path / "o" / "rejects.jsonl").open())}
     assert rejects["wrapped.json"]["reason"] == "invalid_json_file"
     assert "must be an array of records or one record" in rejects["wrapped.json"]["message"]

@@ -7,9 +7,10 @@ import re
 import pytest
 
 from tests.vlmprep.builder.conftest import invoke, state
-from tests.vlmprep.conftest import tree_hashes
+from tests.vlmprep.conftest import a_manifest, tree_hashes
 from vlmprep.builder.pipeline import RejectsError, check_rejects
 from vlmprep.processors.load import TEMPLATES_DIR, resolve_chat_template
+from vlmprep.shards.manifest import Manifest, ShardEntry
 from vlmprep.shards.summary import format_build_summary, rejected_records
 
 # docs/build.md: the recommended setting for browser-agent traces, with the tool-aware template.
@@ -59,8 +60,8 @@ def test_readme_agent_example_trains_every_turn_and_without_the_template_fails_w
 
 def test_check_rejects_threshold_and_allow_empty():
     def manifest(records, rejected, samples, reason="image_not_found"):
-        return {"totals": {"records": records, "rejected": rejected, "samples": samples},
-                "rejects": {reason: rejected} if rejected else {}, "processor": {"spec": "some/dir"}}
+        return a_manifest(totals={"records": records, "rejected": rejected, "samples": samples},
+                          rejects={reason: rejected} if rejected else {})
 
     check_rejects(manifest(100, 5, 95), "d", allow_empty=False, max_reject_fraction=0.05)  # 5% is not > 5%
     with pytest.raises(RejectsError, match=r"rejected 6 of 100 records \(6.0% > --max-reject-fraction 0.05: "
@@ -169,9 +170,11 @@ def test_inspect_raw_input_takes_the_agent_trace_options(demo8, fresh_processor)
 
 
 def test_summary_plurals():
-    m = {"totals": {k: 1 for k in ("samples", "records", "tokens", "trainable_tokens", "images", "image_tokens",
-                                   "truncated_samples", "dropped_images", "unrendered_tool_call_turns")} | {"rejected": 0},
-         "shards": [{}], "image_format": "zstd", "format_version": 2, "rejects": {}}
+    shard = ShardEntry(name="shard-000000.tar", num_samples=1, num_tokens=1, num_trainable_tokens=1, num_images=1,
+                       bytes=1, sha256="0" * 64)
+    m = a_manifest(totals={k: 1 for k in ("samples", "records", "tokens", "trainable_tokens", "images", "image_tokens",
+                                          "truncated_samples", "dropped_images", "unrendered_tool_call_turns")}
+                   | {"rejected": 0}, shards=(shard,), image_format="zstd", format_version=2)
     s = format_build_summary(m, "d")
     assert s.startswith("built d: 1 sample in 1 shard (") and "rejected          0 of 1 record (0.0%)" in s
 
@@ -208,9 +211,9 @@ def test_merge_checks_the_share_over_the_whole_dataset(single, tmp_path):
 
     d = tmp_path / "ds"
     shutil.copytree(single, d)
-    m = json.loads((d / "manifest.json").read_text())
-    n, records = rejected_records(m), m["totals"]["records"]
-    assert n / records > 0.05 and m["rejects"].get("duplicate_id")
+    m = Manifest.from_json(json.loads((d / "manifest.json").read_text()))
+    n, records = rejected_records(m), m.totals["records"]
+    assert n / records > 0.05 and m.rejects.get("duplicate_id")
     res = invoke("merge", d)
     assert res.exit_code == 1 and f"rejected          {n} of {records} records" in res.stdout
     assert f"error: {d}: rejected {n} of {records} records" in res.stderr and "fix: " in res.stderr

@@ -10,19 +10,20 @@ import pytest
 from PIL import Image
 
 from tests.vlmprep.builder.conftest import invoke, state
+from tests.vlmprep.conftest import a_manifest
 from vlmprep.config import BuildConfig
 from vlmprep.shards.summary import coverage_problem
 
 REAL = Path("/work/shared/data/real_traces")
 
 
-def _manifest(trained, truncated=0, too_long=0, policy=0, rejected=0, *, long_traces="truncate", large=0):
-    return {"turns": {"trained_assistant_turns": trained, "lost": {
-                "truncated": truncated, "turn_too_long": too_long, "not_trained_by_policy": policy,
-                "record_rejected": rejected}},
-            "totals": {"turns_lost_truncated": truncated, "turns_lost_too_long": too_long,
-                       "turns_lost_rejected": rejected, "turns_lost_large_image": large},
-            "config": {"seq_len": 8192, "long_traces": long_traces}}
+def _manifest(trained, truncated=0, too_long=0, policy=0, rejected=0, *, long_traces="truncate", large=0, rejects=None):
+    return a_manifest(turns={"trained_assistant_turns": trained, "lost": {
+                          "truncated": truncated, "turn_too_long": too_long, "not_trained_by_policy": policy,
+                          "record_rejected": rejected}},
+                      totals={"turns_lost_truncated": truncated, "turns_lost_too_long": too_long,
+                              "turns_lost_rejected": rejected, "turns_lost_large_image": large},
+                      config={"seq_len": 8192, "long_traces": long_traces}, rejects=rejects or {})
 
 
 def test_the_rule_counts_turns_lost_to_seq_len_and_names_the_fix():
@@ -36,8 +37,8 @@ def test_the_rule_counts_turns_lost_to_seq_len_and_names_the_fix():
     # Turns the policy leaves untrained are asked for; rejected records' turns are lost (duplicates included), and
     # where they are most of the loss the fix is the most common reject's.
     assert coverage_problem(_manifest(10, policy=90), 0.95) is None
-    msg = coverage_problem({**_manifest(10, policy=90, rejected=50, too_long=1), "rejects": {
-        "turn_too_long": 1, "image_not_found": 3, "duplicate_id": 7}}, 0.95)
+    msg = coverage_problem(_manifest(10, policy=90, rejected=50, too_long=1, rejects={
+        "turn_too_long": 1, "image_not_found": 3, "duplicate_id": 7}), 0.95)
     assert msg == ("turn coverage 16.4% < --min-turn-coverage 0.95 (10 of 61 assistant turns trained; lost to "
                    "--seq-len 8192: turn_too_long 1; lost with rejected records: 50); fix: duplicate_id is the most "
                    "common reject (7): give every record a unique id (or leave id out: one is derived from file and "

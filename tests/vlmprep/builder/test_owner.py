@@ -56,7 +56,7 @@ def ref3(records, tmp_path_factory, qwen2vl_processor):
     with pytest.MonkeyPatch.context() as mp:
         _fast(mp, qwen2vl_processor)
         res = build(cfg(records, out, tasks=3))
-    assert res.manifest["rejects"] == {"duplicate_id": 1}
+    assert res.manifest.rejects == {"duplicate_id": 1}
     return out
 
 
@@ -93,7 +93,7 @@ def test_a_second_build_or_merge_on_an_out_in_use_refuses_naming_the_first(recor
 
     _nested(monkeypatch, pipeline, "merge_tasks", inner)
     res = build(cfg(records, out))
-    assert res.manifest["totals"]["samples"] > 0  # the first build is unaffected
+    assert res.manifest.totals["samples"] > 0  # the first build is unaffected
     assert len(second) == 3 and all("\n" not in m and f"pid {os.getpid()}" in m for m in second), second
     assert second[0].startswith(f"--out {out} is in use by `") and "build into another --out" in second[0]
     assert "which owns the whole dir" in second[2]
@@ -109,7 +109,7 @@ def test_task_index_runs_share_the_out_but_one_task_runs_once(records, tmp_path,
         if started:  # task 2's own run comes through here too
             return
         started.append(True)
-        ran.append(build_task(out, 2).task["task"])
+        ran.append(build_task(out, 2).task.task)
         for run in (lambda: build_task(out, 0), lambda: build(cfg(records, out, tasks=3)),
                     lambda: pipeline.merge(out)):
             with pytest.raises(BusyError) as e:
@@ -197,7 +197,7 @@ def test_merge_refuses_a_task_manifest_copied_over_another_and_its_advice_gives_
     (out / "tasks" / "task-00001.json").unlink()  # this advice
     build_task(out, 1)
     manifest = merge_tasks(out)
-    names = [s["name"] for s in manifest["shards"]]
+    names = [s.name for s in manifest.shards]
     assert len(names) == len(set(names)) and all((out / n).is_file() for n in names)
     assert tree_hashes(out) == tree_hashes(ref3)
 

@@ -36,7 +36,7 @@ def cli(*args) -> list[str]:
 def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(single, local3):
     out, res = local3
     assert samples(out) == samples(single)
-    a, b = json.loads((single / "manifest.json").read_text()), res.manifest
+    a, b = json.loads((single / "manifest.json").read_text()), res.manifest.to_json()
     assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {"duplicate_id": 1, "invalid_json": 1,
                                                                    "turn_too_long": 2}
     assert a["turns"] == b["turns"]
@@ -199,11 +199,11 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
     m1 = build(cfg(inp, tmp_path / "one", seq_len=256, min_turn_coverage=0.0)).manifest
     m3 = build(cfg(inp, tmp_path / "three", seq_len=256, min_turn_coverage=0.0, tasks=3, workers=2)).manifest
     for m in (m1, m3):
-        t = m["totals"]
+        t = m.totals
         assert t["records"] == 576 and rejected_records(m) == 504 + 64 and t["samples"] == 9
-        assert m["rejects"] == {"duplicate_id": 504, "image_not_found": 64, "turn_too_long": 1}
-        assert m["turns"]["input_assistant_turns"] == 64 * 17 and m["turns"]["trained_assistant_turns"] == 15
-        assert m["turns"]["lost"]["record_rejected"] == 64 * 17 - 16
+        assert m.rejects == {"duplicate_id": 504, "image_not_found": 64, "turn_too_long": 1}
+        assert m.turns["input_assistant_turns"] == 64 * 17 and m.turns["trained_assistant_turns"] == 15
+        assert m.turns["lost"]["record_rejected"] == 64 * 17 - 16
         assert "rejected          568 of 576 records (98.6%)" in format_build_summary(m, tmp_path)
     for d in ("one", "three"):
         text = format_stats(compute_stats(tmp_path / d))
@@ -211,8 +211,8 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
         assert "rejected           568 of 576 records by reason:" in text
         assert "turn_too_long                            1 (turns; their records landed)" in text
         assert compute_stats(tmp_path / d)["mismatches"] == []
-    assert m1["totals"] == m3["totals"] and m1["rejects"] == m3["rejects"] and m1["turns"] == m3["turns"]
-    assert m1["inputs"][0]["totals"] == m3["inputs"][0]["totals"]
+    assert m1.totals == m3.totals and m1.rejects == m3.rejects and m1.turns == m3.turns
+    assert m1.inputs[0].totals == m3.inputs[0].totals
     for d in ("one", "three"):
         lines = [json.loads(x) for x in (tmp_path / d / "rejects.jsonl").read_text().splitlines()]
         assert len(lines) == len({(x["source"]["line"], x["reason"]) for x in lines}) == 568 + 1

@@ -459,7 +459,8 @@ def test_many_input_files_list_the_lowest_coverage_first():
 def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
     """--workers N scans shards in N forked processes and merges them in manifest order: the same numbers, the same
     lists (large images, per-input rows, warnings) and the same terminal text as one process."""
-    from vlmprep.shards.reader import iter_shard, load_manifest, shard_paths
+    from vlmprep.shards.manifest import load_manifest, shard_paths
+    from vlmprep.shards.reader import iter_shard
     from vlmprep.tools.stats import _Scan, _scan_shard, compute_stats, format_stats
 
     n = len(list(built.glob("shard-*.tar")))
@@ -477,10 +478,10 @@ def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
     paths, limit = shard_paths(built, manifest), 8  # a low limit: every image is "large", so that list is filled
     one, merged = _Scan(limit, rows=True), _Scan(limit, rows=True)  # the sample rows (--samples) too
     for k in range(n):
-        part = _scan_shard((paths, manifest["format_version"], limit, True), k)
+        part = _scan_shard((paths, manifest.format_version, limit, True), k)
         merged.merge(part)
     for p in paths:
-        for ts in iter_shard(p, version=manifest["format_version"]):
+        for ts in iter_shard(p, version=manifest.format_version):
             one.add(ts)
     assert one.large and one.by_file and one.sizes and len(one.rows["id"]) == runs[1]["samples"]
     assert vars(one) == vars(merged)

@@ -170,6 +170,7 @@ def test_a_sample_index_that_is_not_the_manifests_or_not_the_shards_is_a_violati
 def test_the_dataset_index_is_every_sidecar_and_verify_checks_it(ds):
     """merge writes samples.index.npy (every shard's sidecar rows in manifest order, listed with its sha256); verify
     checks its size and sha256, and (deep) that its rows are the sidecars'."""
+    from vlmprep.shards.manifest import ShardEntry
     from vlmprep.shards.reader import load_sample_index
 
     manifest = json.loads((ds / "manifest.json").read_text())
@@ -178,7 +179,7 @@ def test_the_dataset_index_is_every_sidecar_and_verify_checks_it(ds):
     assert listed["name"] == "samples.index.npy" and listed["bytes"] == path.stat().st_size
     assert listed["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     rows = np.load(path, allow_pickle=False)
-    np.testing.assert_array_equal(rows, np.concatenate([load_sample_index(ds, s) for s in manifest["shards"]]))
+    np.testing.assert_array_equal(rows, np.concatenate([load_sample_index(ds, ShardEntry.from_json(s)) for s in manifest["shards"]]))
     rows["start"][1] += 512  # re-sealed: only the deep check sees the rows are not the sidecars'
     buf = io.BytesIO()
     np.save(buf, rows, allow_pickle=False)
