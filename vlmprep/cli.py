@@ -124,8 +124,9 @@ def build(**opts) -> None:
                        f"{opts['processor']} into {out} ...", err=True)
         from vlmprep.builder.pipeline import build as run_build
         from vlmprep.builder.pipeline import build_task
+        from vlmprep.builder.plan import format_plan_summary
         from vlmprep.config import BuildConfig
-        from vlmprep.shards.summary import format_build_summary, format_plan_summary, format_task_summary
+        from vlmprep.shards.summary import format_build_summary, format_task_summary
 
         if not inputs:
             if task_index is None:

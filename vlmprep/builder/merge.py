@@ -15,7 +15,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vlmprep.builder.plan import PlanError, config_changes, load_plan, plan_digest, shard_prefix
+from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, plan_digest, shard_prefix
 from vlmprep.builder.totals import (
     TOTAL_KEYS,
     count_sample,
@@ -46,7 +46,6 @@ from vlmprep.shards.manifest import (
     InputEntry,
     Manifest,
     PlanRef,
-    SavedProcessor,
     ShardEntry,
     TaskManifest,
     load_task_manifest,
@@ -60,22 +59,22 @@ class MergeError(PlanError):
     """The dataset dir cannot be merged as it is: one clear line naming the task or file and the fix."""
 
 
-def _task_manifests(out: Path, plan: dict) -> list[TaskManifest]:
+def _task_manifests(out: Path, plan: Plan) -> list[TaskManifest]:
     digest = plan_digest(plan)
     missing, foreign, manifests = [], [], []
-    for i in range(plan["tasks"]):
+    for i in range(plan.tasks):
         m = load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i)))
         if m is None:
             missing.append(i)
         elif m.plan != digest:
-            changed = config_changes(m.config, plan["config"])
+            changed = config_changes(m.config, plan.config)
             why = (f"another config ({', '.join(changed)} differ)" if changed else
-                   "another processor" if m.fingerprint != plan["processor"]["fingerprint"] else "another plan")
+                   "another processor" if m.fingerprint != plan.processor.fingerprint else "another plan")
             foreign.append(f"task {i} was built with {why}")
         manifests.append(m)
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-        raise MergeError(f"{out}: {len(missing)} of {plan['tasks']} tasks have not finished (no "
+        raise MergeError(f"{out}: {len(missing)} of {plan.tasks} tasks have not finished (no "
                          f"{task_file(missing[0], '.json')}): tasks {shown}; run `vlmprep build --out {out} "
                          f"--task-index {missing[0]}` for each, then merge again")
     if foreign:
@@ -84,14 +83,14 @@ def _task_manifests(out: Path, plan: dict) -> list[TaskManifest]:
     return manifests
 
 
-def _check_strays(out: Path, plan: dict, manifests: list[TaskManifest]) -> None:
+def _check_strays(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
     claimed = {s.name for m in manifests for s in m.shards}
     # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx or the
     # user's own tars beside an --overwrite build, are not dataset content and are left alone).
     stray = sorted(p.name for p in out.iterdir()
                    if fnmatch.fnmatch(p.name, SHARD_GLOB) and p.name not in claimed
                    or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX))
-    ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan["tasks"])
+    ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan.tasks)
             for suffix in TASK_SUFFIXES + (".lock",)}  # a task run's lock, left by a killed one
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)
     if stray:
@@ -130,7 +129,7 @@ def _rerun(out: Path, i: int) -> str:
             f"{i}`, then `vlmprep merge {out}`)")
 
 
-def _check_claims(out: Path, plan: dict, manifests: list[TaskManifest]) -> None:
+def _check_claims(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
     """Each task manifest is its own task's and names shards of its own once: a copy of another task's manifest
     would list that task's shards twice in the dataset."""
     owner: dict[str, int] = {}
@@ -213,7 +212,7 @@ def _records(lines: list[str]):
         yield group
 
 
-def _repeated_ids(out: Path, plan: dict,
+def _repeated_ids(out: Path, plan: Plan,
                   manifests: list[TaskManifest]) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
     """Per task, its records (each: its sample rows) whose id an earlier task already has (no task can see another's
     ids): rejected whole, as the one-task build rejects them; and the shards holding them -> the ids each keeps."""
@@ -299,15 +298,15 @@ def merge_tasks(out: Path) -> Manifest:
     manifests = _task_manifests(out, plan)
     _check_claims(out, plan, manifests)
     _check_strays(out, plan, manifests)
-    proc = out / plan["processor"]["dir"]
-    if not proc.is_dir() or fingerprint_dir(proc) != plan["processor"]["fingerprint"]:
+    proc = out / plan.processor.dir
+    if not proc.is_dir() or fingerprint_dir(proc) != plan.processor.fingerprint:
         raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
     dups_per_task, rewritten = _repeated_ids(out, plan, manifests)
     _verify_shards(out, manifests, rewritten)
 
     totals, rejects = collections.Counter(), collections.Counter()
-    by_input = [collections.Counter() for _ in plan["inputs"]]
-    input_of = {inp["path"]: i for i, inp in enumerate(plan["inputs"])}
+    by_input = [collections.Counter() for _ in plan.inputs]
+    input_of = {inp.path: i for i, inp in enumerate(plan.inputs)}
     shards, reject_lines = [], []
     for i, (m, dups) in enumerate(zip(manifests, dups_per_task)):
         files = TaskFiles(out, i, shard_prefix(plan, i))
@@ -335,13 +334,13 @@ def merge_tasks(out: Path) -> Manifest:
     index = _dataset_index(out, shards)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
-        vlmprep_version=plan["vlmprep_version"],
-        processor=SavedProcessor.from_json(plan["processor"]),
-        config=plan["config"],
-        image_format=plan["config"]["image_format"],
-        inputs=tuple(InputEntry(path=inp["path"], bytes=inp["bytes"], totals=input_totals(counts))
-                     for inp, counts in zip(plan["inputs"], by_input)),
-        plan=PlanRef(tasks=plan["tasks"], sha256=plan_digest(plan)),
+        vlmprep_version=plan.vlmprep_version,
+        processor=plan.processor,
+        config=plan.config,
+        image_format=plan.config["image_format"],
+        inputs=tuple(InputEntry(path=inp.path, bytes=inp.bytes, totals=input_totals(counts))
+                     for inp, counts in zip(plan.inputs, by_input)),
+        plan=PlanRef(tasks=plan.tasks, sha256=plan_digest(plan)),
         shards=tuple(shards),
         totals={k: int(totals[k]) for k in TOTAL_KEYS},
         turns=turn_coverage(totals),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vlmprep.builder.merge import merge_tasks
 from vlmprep.builder.owner import own_out, share_out
-from vlmprep.builder.plan import PlanError, config_changes, load_plan, make_plan, shard_prefix, write_plan
+from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, make_plan, shard_prefix, write_plan
 from vlmprep.builder.progress import TaskProgress
 from vlmprep.builder.store import (
     Bucket,
@@ -61,7 +61,7 @@ from vlmprep.shards.dataset import (
     is_ours,
     write_text_atomic,
 )
-from vlmprep.shards.manifest import Manifest, TaskManifest, load_task_manifest
+from vlmprep.shards.manifest import Manifest, SavedProcessor, TaskManifest, load_task_manifest
 from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
 from vlmprep.types import UserError
 
@@ -76,15 +76,15 @@ class BuildResult:
 
     out: Path
     manifest: Manifest | None  # None when only the plan or one task ran
-    plan: dict | None = None
+    plan: Plan | None = None
     task: TaskManifest | None = None  # the task manifest of a --task-index run
     rejects: collections.Counter = field(default_factory=collections.Counter)
     task_seconds: dict[int, float] = field(default_factory=dict)  # wall time of each task this run executed
 
 
-def _plan_options(plan: dict) -> dict:
-    return {"config": plan["config"], "tasks": plan["tasks"],
-            "inputs": [(i["path"], i["bytes"], i["mtime_ns"], i.get("etag")) for i in plan["inputs"]]}
+def _plan_options(plan: Plan) -> dict:
+    return {"config": plan.config, "tasks": plan.tasks,
+            "inputs": [(i.path, i.bytes, i.mtime_ns, i.etag) for i in plan.inputs]}
 
 
 def _clear_dataset(out: Path) -> None:
@@ -112,7 +112,7 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
         old = load_plan(out)
     except PlanError as e:
         raise BuildError(f"{e}; or pass --overwrite to replace it") from None
-    old_config = old["config"] if old is not None else _manifest_config(out)
+    old_config = old.config if old is not None else _manifest_config(out)
     if old_config is None:
         return
     asked = cfg.to_json()
@@ -139,7 +139,7 @@ def _manifest_config(out: Path) -> dict | None:
         return {"manifest": "unreadable"}
 
 
-def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]:
+def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]:
     """Make DIR/plan.json (and DIR/processor) for cfg, or reuse the one there. fresh=True (a whole build) replaces a
     plan made with other options only with --overwrite (check_out), clearing its outputs; fresh=False (one task of
     many) refuses it, since other tasks may be using it. Returns the plan and, when the processor was loaded here, a
@@ -159,9 +159,9 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
                         ((f, stamp(f)) for f in files)]}
     if old is not None and not fresh:
         if _plan_options(old) != asked:  # a task never re-plans over a plan other tasks are running from
-            differ = config_changes(asked["config"], old["config"])
+            differ = config_changes(asked["config"], old.config)
             why = (f"options {', '.join(differ)} differ" if differ else
-                   "--tasks differs" if asked["tasks"] != old["tasks"] else "the inputs changed")
+                   "--tasks differs" if asked["tasks"] != old.tasks else "the inputs changed")
             raise PlanError(f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "
                             f"options (or just `--out {out} --task-index N`), or plan into a fresh --out dir")
         return old, None
@@ -176,8 +176,8 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[dict, Renderer | None]
     fingerprint = save_processor(processor, out / PROCESSOR_DIR)
     plan = make_plan(config=cfg.to_json(), files=files, tasks=cfg.tasks, max_line_bytes=cfg.max_line_bytes,
                      max_zstd_window=cfg.max_zstd_window,
-                     processor={"spec": cfg.processor, "class": type(processor).__name__, "fingerprint": fingerprint,
-                                "dir": PROCESSOR_DIR})
+                     processor=SavedProcessor(spec=cfg.processor, class_name=type(processor).__name__,
+                                              fingerprint=fingerprint, dir=PROCESSOR_DIR))
     if plan != old:
         if old is not None or fresh:
             _clear_dataset(out)
@@ -226,9 +226,9 @@ def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, c
         if plan is None:
             raise PlanError(f"{out / PLAN_NAME}: no plan; make one with `vlmprep build --in ... --out {out} --tasks T "
                             "--plan-only`, or pass the build options with --task-index")
-    if not 0 <= index < plan["tasks"]:
-        raise PlanError(f"--task-index {index}: the plan in {out} has tasks 0..{plan['tasks'] - 1}")
-    run = BuildConfig.from_plan(plan["config"], out=str(out), workers=workers, progress=progress)
+    if not 0 <= index < plan.tasks:
+        raise PlanError(f"--task-index {index}: the plan in {out} has tasks 0..{plan.tasks - 1}")
+    run = BuildConfig.from_plan(plan.config, out=str(out), workers=workers, progress=progress)
     t0 = time.perf_counter()
     task = run_task(out, plan, index, cfg=run, upload_to=upload_to)
     return BuildResult(out=out, manifest=None, plan=plan, task=task, rejects=collections.Counter(task.rejects),
@@ -292,7 +292,7 @@ def _build_to_store(cfg: BuildConfig) -> BuildResult:
     return dataclasses.replace(result, out=url)
 
 
-def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer | None,
+def _build_planned(cfg: BuildConfig, out: Path, plan: Plan, renderer: Renderer | None,
                    upload_to: str | None = None) -> BuildResult:
     """The rest of build() once the plan is made, under --out's lock: the tasks, then the merge."""
     if cfg.plan_only:
@@ -301,7 +301,7 @@ def _build_planned(cfg: BuildConfig, out: Path, plan: dict, renderer: Renderer |
         from vlmprep.builder.ray_executor import run_tasks_on_ray  # ray is imported only when chosen
 
         seconds = run_tasks_on_ray(out, plan, cfg, upload_to=upload_to)
-    elif plan["tasks"] == 1:  # the records of the one task spread over --workers processes
+    elif plan.tasks == 1:  # the records of the one task spread over --workers processes
         t0 = time.perf_counter()
         run_task(out, plan, 0, cfg=cfg, renderer=renderer, upload_to=upload_to)
         seconds = {0: time.perf_counter() - t0}
@@ -320,7 +320,7 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
     if upload_to and plan is not None:
         bucket = Bucket(upload_to)
         have = bucket.names()
-        for i in range(plan["tasks"]):  # tasks that ran elsewhere (Ray workers, --task-index): fetched back
+        for i in range(plan.tasks):  # tasks that ran elsewhere (Ray workers, --task-index): fetched back
             if load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) is None:
                 pull_task(bucket, out, have, i)
     manifest = merge_tasks(out)
@@ -328,7 +328,7 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
         check_dataset(manifest, out, **checks)
     finally:
         if upload_to and plan is not None:
-            tasks = [load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) for i in range(plan["tasks"])]
+            tasks = [load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) for i in range(plan.tasks)]
             push_dataset(Bucket(upload_to), out, manifest, tasks)
     return manifest
 
@@ -438,16 +438,16 @@ def _run_one(args: tuple) -> tuple[int, float, dict]:
     return index, time.perf_counter() - t0, task.totals
 
 
-def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Renderer | None,
+def _run_tasks_locally(out: Path, plan: Plan, cfg: BuildConfig, renderer: Renderer | None,
                        upload_to: str | None) -> dict[int, float]:
     """T > 1 on this machine: --workers processes, each running whole tasks (its processor loaded once)."""
-    one = BuildConfig.from_plan(plan["config"], out=str(out), workers=1, progress=False)
+    one = BuildConfig.from_plan(plan.config, out=str(out), workers=1, progress=False)
     env = {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)}
-    jobs = [(str(out), plan, one, i, upload_to, env) for i in range(plan["tasks"])]
+    jobs = [(str(out), plan, one, i, upload_to, env) for i in range(plan.tasks)]
     seconds: dict[int, float] = {}
-    with TaskProgress(cfg, plan["tasks"]) as tick:
+    with TaskProgress(cfg, plan.tasks) as tick:
         if cfg.workers == 1:  # in this process, with the processor plan_build already loaded
-            for i in range(plan["tasks"]):
+            for i in range(plan.tasks):
                 t0 = time.perf_counter()
                 totals = run_task(out, plan, i, cfg=one, renderer=renderer, upload_to=upload_to).totals
                 seconds[i] = time.perf_counter() - t0
@@ -461,7 +461,7 @@ def _run_tasks_locally(out: Path, plan: dict, cfg: BuildConfig, renderer: Render
                         seconds[i] = s
                         tick(totals)
                 except BrokenProcessPool as e:
-                    left = [i for i in range(plan["tasks"]) if i not in seconds]
+                    left = [i for i in range(plan.tasks) if i not in seconds]
                     raise BuildError(pool_failure(e, f"running tasks {', '.join(map(str, left))} (task {left[0]} "
                                                      f"starts at {task_start(plan, left[0])})")) from None
     return seconds

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import array
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -17,6 +19,8 @@ from vlmprep.locations import LocationError, as_input, stamp
 from vlmprep.records import Seek, input_names, iter_file_records
 from vlmprep.shards.dataset import PLAN_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
+from vlmprep.shards.manifest import JsonObject, SavedProcessor
+from vlmprep.shards.summary import plural
 from vlmprep.types import RawRecord, UserError
 
 PLAN_VERSION = 2  # 2: inputs carry their id name
@@ -26,14 +30,72 @@ class PlanError(UserError):
     """The dataset dir's plan does not fit what was asked (other options, a missing plan, changed inputs)."""
 
 
-def shard_prefix(plan: dict, index: int) -> str:
+@dataclass(frozen=True, kw_only=True)
+class PlanInput(JsonObject):
+    """One input file as the plan scanned it: its path, its id name, its stamp (bytes, mtime, a store's ETag) and
+    the input positions of its records (first_position, then `records` of them)."""
+
+    path: str
+    name: str
+    bytes: int
+    mtime_ns: int
+    etag: str | None = None
+    first_position: int
+    records: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cut(JsonObject):
+    """Where task `task` reads: from input position `position` (in input file `file`, at `seek`), `records` records
+    of `bytes` bytes in all."""
+
+    task: int
+    position: int
+    records: int
+    bytes: int
+    file: int
+    seek: Seek
+
+    NESTED = {"seek": (lambda d: Seek(**d), dataclasses.asdict)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan(JsonObject):
+    """DIR/plan.json: the resolved config, the saved processor, the inputs and each task's cut."""
+
+    plan_version: int
+    format_version: int
+    vlmprep_version: str
+    tasks: int
+    records: int
+    config: dict  # the resolved BuildConfig (BuildConfig.to_json)
+    processor: SavedProcessor
+    inputs: tuple[PlanInput, ...]
+    cuts: tuple[Cut, ...]
+
+    NESTED = {"processor": SavedProcessor, "inputs": [PlanInput], "cuts": [Cut]}
+
+    @classmethod
+    def from_json(cls, obj, *, where: str = PLAN_NAME) -> Plan:
+        """A parsed plan.json (read from `where`), refused with a PlanError unless it is this vlmprep's plan_version
+        and has every key a plan has."""
+        if not isinstance(obj, dict) or obj.get("plan_version") != PLAN_VERSION:
+            version = obj.get("plan_version") if isinstance(obj, dict) else "?"
+            raise PlanError(f"{where}: plan_version {version} is not {PLAN_VERSION}; plan again with this vlmprep")
+        try:
+            return super().from_json(obj)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise PlanError(f"{where}: unreadable ({e}); remove it and plan again") from None
+
+
+def shard_prefix(plan: Plan, index: int) -> str:
     """One task: today's shard names. Several: the task index leads, so names sort in plan order and two tasks
     never write the same file."""
-    return "shard-" if plan["tasks"] == 1 else f"shard-{index:05d}-"
+    return "shard-" if plan.tasks == 1 else f"shard-{index:05d}-"
 
 
-def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, max_line_bytes: int,
-              max_zstd_window: int) -> dict:
+def make_plan(*, config: dict, files: list[Path], processor: SavedProcessor, tasks: int, max_line_bytes: int,
+              max_zstd_window: int) -> Plan:
     """Scan every input once (lines, not JSON: cheap beside rendering) and cut it into `tasks` runs of records of
     about equal bytes; a trace's bytes (screenshots inline) track its render time far better than a count."""
     sizes = array.array("q")
@@ -48,8 +110,8 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1
-        inputs.append({"path": str(path), "name": name, **stamp(path),
-                       "first_position": first, "records": position - first})
+        inputs.append(PlanInput(path=str(path), name=name, **stamp(path), first_position=first,
+                                records=position - first))
         frames_of.append(frames or [(0, 0)])
     cum = array.array("q", [0])
     for s in sizes:
@@ -70,44 +132,39 @@ def make_plan(*, config: dict, files: list[Path], processor: dict, tasks: int, m
             frame, frame_offset = frames[bisect.bisect_right([d for _, d in frames], offset) - 1]
         else:
             fi, line, offset, frame, frame_offset = len(files), 0, 0, 0, 0
-        seek = {"offset": offset, "line": line, "frame": frame, "frame_offset": frame_offset}
-        cuts.append({"task": i, "position": start, "records": end - start, "bytes": int(sum(sizes[start:end])),
-                     "file": fi, "seek": seek})
-    return {"plan_version": PLAN_VERSION, "format_version": FORMAT_VERSION, "vlmprep_version": __version__,
-            "tasks": tasks, "records": len(sizes), "config": config, "processor": processor, "inputs": inputs,
-            "cuts": cuts}
+        seek = Seek(offset=offset, line=line, frame=frame, frame_offset=frame_offset)
+        cuts.append(Cut(task=i, position=start, records=end - start, bytes=int(sum(sizes[start:end])), file=fi,
+                        seek=seek))
+    return Plan(plan_version=PLAN_VERSION, format_version=FORMAT_VERSION, vlmprep_version=__version__, tasks=tasks,
+                records=len(sizes), config=config, processor=processor, inputs=tuple(inputs), cuts=tuple(cuts))
 
 
-def plan_bytes(plan: dict) -> bytes:
+def plan_bytes(plan: Plan) -> bytes:
     """A plan as the exact bytes of plan.json (sorted keys, so the same plan is the same file)."""
-    return (json.dumps(plan, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+    return (json.dumps(plan.to_json(), indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def plan_digest(plan: dict) -> str:
+def plan_digest(plan: Plan) -> str:
     """The sha256 of a plan's plan.json bytes: what each task manifest names, so merge refuses another plan's tasks."""
     return hashlib.sha256(plan_bytes(plan)).hexdigest()
 
 
-def write_plan(out: Path, plan: dict) -> None:
+def write_plan(out: Path, plan: Plan) -> None:
     """Atomic and safe when several `--task-index` runs write the same plan at once: each writes its own temp
     file, and every rename puts identical bytes in place."""
     path = Path(out) / PLAN_NAME
     write_bytes_atomic(path, plan_bytes(plan), tmp_suffix=f".{os.getpid()}{TMP_SUFFIX}")
 
 
-def load_plan(out: Path) -> dict | None:
+def load_plan(out: Path) -> Plan | None:
     """DIR/plan.json -> the plan, or None where there is none; an unreadable one is a PlanError saying to plan again."""
     try:
-        plan = json.loads((Path(out) / PLAN_NAME).read_text(encoding="utf-8"))
+        raw = json.loads((Path(out) / PLAN_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         raise PlanError(f"{Path(out) / PLAN_NAME}: unreadable ({e}); remove it and plan again") from None
-    if not isinstance(plan, dict) or plan.get("plan_version") != PLAN_VERSION:
-        version = plan.get("plan_version") if isinstance(plan, dict) else "?"
-        raise PlanError(f"{Path(out) / PLAN_NAME}: plan_version {version} is not {PLAN_VERSION}; plan again with this "
-                        "vlmprep")
-    return plan
+    return Plan.from_json(raw, where=str(Path(out) / PLAN_NAME))
 
 
 def config_changes(a: dict, b: dict) -> list[str]:
@@ -115,35 +172,45 @@ def config_changes(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def check_inputs_unchanged(plan: dict) -> None:
+def check_inputs_unchanged(plan: Plan) -> None:
     """A task reads byte offsets the plan took: an input changed since then would silently shift them."""
-    for inp in plan["inputs"]:
+    for inp in plan.inputs:
         try:
-            now = stamp(as_input(inp["path"]))
+            now = stamp(as_input(inp.path))
         except (OSError, LocationError) as e:
             why = getattr(e, "strerror", None) or e
-            raise PlanError(f"{inp['path']}: listed in the plan but not readable here ({why}); tasks must run where "
+            raise PlanError(f"{inp.path}: listed in the plan but not readable here ({why}); tasks must run where "
                             "the inputs are visible under the same path") from None
-        if any(inp.get(k) != v for k, v in now.items()):  # size and time (and a store's ETag)
-            raise PlanError(f"{inp['path']} changed after the plan was made (size or mtime); plan again into a "
+        if any(getattr(inp, k) != v for k, v in now.items()):  # size and time (and a store's ETag)
+            raise PlanError(f"{inp.path} changed after the plan was made (size or mtime); plan again into a "
                             "fresh --out dir")
 
 
-def task_records(plan: dict, index: int, *, max_line_bytes: int, max_zstd_window: int) -> Iterator[RawRecord]:
+def task_records(plan: Plan, index: int, *, max_line_bytes: int, max_zstd_window: int) -> Iterator[RawRecord]:
     """The records of one task, read from its cut point on (a seek, or a frame start for .zst) to the next cut."""
-    cut = plan["cuts"][index]
-    end = cut["position"] + cut["records"]
-    if cut["records"] == 0:
+    cut = plan.cuts[index]
+    end = cut.position + cut.records
+    if cut.records == 0:
         return
-    for fi in range(cut["file"], len(plan["inputs"])):
-        inp = plan["inputs"][fi]
-        first = fi == cut["file"]
-        seek = Seek(**cut["seek"]) if first else Seek()
-        start = cut["position"] if first else inp["first_position"]
-        for raw in iter_file_records(as_input(inp["path"]), start_position=start, seek=seek, input_name=inp["name"],
+    for fi in range(cut.file, len(plan.inputs)):
+        inp = plan.inputs[fi]
+        first = fi == cut.file
+        seek = cut.seek if first else Seek()
+        start = cut.position if first else inp.first_position
+        for raw in iter_file_records(as_input(inp.path), start_position=start, seek=seek, input_name=inp.name,
                                      max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window):
             if raw.position >= end:
                 return
             yield raw
-        if inp["first_position"] + inp["records"] >= end:
+        if inp.first_position + inp.records >= end:
             return
+
+
+def format_plan_summary(plan: Plan, out: Path) -> str:
+    """A plan -> the lines `vlmprep build --plan-only` prints: the task count and how to run and merge them."""
+    sizes = [c.bytes for c in plan.cuts]
+    mean = sum(sizes) / max(len(sizes), 1)
+    return (f"planned {out}: {plural(plan.records, 'record')} in {plural(plan.tasks, 'task')} "
+            f"(largest task {max(sizes, default=0) / max(mean, 1):.2f}x the mean input bytes)\n"
+            f"  run each: vlmprep build --out {out} --task-index I   (I = 0..{plan.tasks - 1})\n"
+            f"  then:     vlmprep merge {out}")

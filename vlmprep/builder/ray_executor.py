@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from vlmprep.builder.plan import plan_digest, shard_prefix
+from vlmprep.builder.plan import Plan, plan_digest, shard_prefix
 from vlmprep.builder.progress import TaskProgress
 from vlmprep.builder.store import Bucket, pull_plan, pull_task, scratch_stage
 from vlmprep.builder.task import run_task, task_start
@@ -21,7 +21,7 @@ from vlmprep.types import UserError, printable
 MAX_RETRIES = 3
 
 
-def _run_task_on_worker(out: str, plan: dict, config: dict, index: int, cwd: str,
+def _run_task_on_worker(out: str, plan: Plan, config: dict, index: int, cwd: str,
                         upload_to: str | None = None) -> tuple[int, float, dict]:
     import torch
 
@@ -64,7 +64,7 @@ def _one_line(e: Exception) -> str:
     return printable(lines[0] if lines else type(e).__name__)
 
 
-def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig, upload_to: str | None = None) -> dict[int, float]:
+def run_tasks_on_ray(out: Path, plan: Plan, cfg: BuildConfig, upload_to: str | None = None) -> dict[int, float]:
     """Runs a plan's unfinished tasks as Ray tasks (a new local cluster with --workers CPUs, or the one at
     --ray-address / RAY_ADDRESS) -> each task's wall time. Ray is imported only here; without it, a BuildError says
     how to install it."""
@@ -84,11 +84,11 @@ def run_tasks_on_ray(out: Path, plan: dict, cfg: BuildConfig, upload_to: str | N
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task_on_worker)
         out_abs = str(Path(out).resolve())
         plan_ref = ray.put(plan)
-        refs = {remote.remote(out_abs, plan_ref, plan["config"], i, os.getcwd(), upload_to): i
-                for i in range(plan["tasks"])}
+        refs = {remote.remote(out_abs, plan_ref, plan.config, i, os.getcwd(), upload_to): i
+                for i in range(plan.tasks)}
         pending = list(refs)
         seconds: dict[int, float] = {}
-        with TaskProgress(cfg, plan["tasks"]) as tick:
+        with TaskProgress(cfg, plan.tasks) as tick:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 try:

@@ -20,7 +20,7 @@ from typing import IO, Iterator
 
 from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_journal
 from vlmprep.builder.owner import own_task
-from vlmprep.builder.plan import check_inputs_unchanged, plan_digest, shard_prefix, task_records
+from vlmprep.builder.plan import Plan, check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.builder.progress import record_progress
 from vlmprep.builder.store import Uploader
 from vlmprep.builder.totals import (
@@ -42,12 +42,12 @@ from vlmprep.types import RawRecord
 from vlmprep_schemas.boundary import open_no_follow
 
 
-def task_start(plan: dict, index: int) -> str:
+def task_start(plan: Plan, index: int) -> str:
     """Where task `index` of the plan starts reading: FILE:LINE, for messages."""
-    cut = plan["cuts"][index]
-    if cut["file"] >= len(plan["inputs"]):
+    cut = plan.cuts[index]
+    if cut.file >= len(plan.inputs):
         return "the end of the input"
-    return f"{plan['inputs'][cut['file']]['path']}:{cut['seek']['line'] + 1}"
+    return f"{plan.inputs[cut.file].path}:{cut.seek.line + 1}"
 
 
 def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
@@ -138,7 +138,7 @@ class _TaskState:
         return completed
 
 
-def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig, plan: dict) -> _TaskState:
+def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig, plan: Plan) -> _TaskState:
     writer = ShardWriter(files.out, samples_per_shard=cfg.samples_per_shard,
                          shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024), prefix=files.prefix,
                          done=[ShardInfo(**s) for s in journal.shards])
@@ -146,15 +146,15 @@ def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig, plan: di
     inputs.update((int(i), collections.Counter(c)) for i, c in journal.inputs.items())
     return _TaskState(files=files, journal=journal, writer=writer, rejects=collections.Counter(journal.rejects),
                       totals=collections.Counter(journal.totals), seen_ids=landed_ids(files.out, journal.shards),
-                      input_starts=[inp["first_position"] for inp in plan["inputs"]], inputs=inputs)
+                      input_starts=[inp.first_position for inp in plan.inputs], inputs=inputs)
 
 
-def _task_records(plan: dict, index: int, cfg: BuildConfig, journal: Journal) -> Iterator[RawRecord]:
+def _task_records(plan: Plan, index: int, cfg: BuildConfig, journal: Journal) -> Iterator[RawRecord]:
     """The task's records the journal has not yet made durable."""
-    cut = plan["cuts"][index]
+    cut = plan.cuts[index]
     return (r for r in task_records(plan, index, max_line_bytes=cfg.max_line_bytes,
                                     max_zstd_window=cfg.max_zstd_window)
-            if r.position >= max(journal.next_position, cut["position"]))
+            if r.position >= max(journal.next_position, cut.position))
 
 
 def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, cfg: BuildConfig,
@@ -183,17 +183,16 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
         state.checkpoint(rej, rows, 1 << 62)  # all consumed: a kill from here on resumes straight to the task manifest
 
 
-def _finish_task(state: _TaskState, plan: dict, digest: str) -> TaskManifest:
+def _finish_task(state: _TaskState, plan: Plan, digest: str) -> TaskManifest:
     """The sample list, the final rejects name, then the task manifest (last); returns the manifest."""
     files, writer, totals = state.files, state.writer, state.totals
     # Every landed sample's id, shard and counts, in order, written as it landed: merge finds ids repeated across
     # tasks (and what removing one changes) without reading shards.
     os.replace(files.partial_samples, files.samples)
     os.replace(files.partial_rejects, files.rejects)
-    cut = plan["cuts"][files.index]
-    manifest = TaskManifest(plan=digest, task=files.index, config=plan["config"],
-                            fingerprint=plan["processor"]["fingerprint"],
-                            records=TaskRecords(first_position=cut["position"], count=cut["records"]),
+    cut = plan.cuts[files.index]
+    manifest = TaskManifest(plan=digest, task=files.index, config=plan.config, fingerprint=plan.processor.fingerprint,
+                            records=TaskRecords(first_position=cut.position, count=cut.records),
                             shards=tuple(s.entry() for s in writer.shards),
                             totals={k: int(totals[k]) for k in TOTAL_KEYS},
                             inputs={str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
@@ -203,7 +202,7 @@ def _finish_task(state: _TaskState, plan: dict, digest: str) -> TaskManifest:
     return manifest
 
 
-def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None = None,
+def run_task(out: Path, plan: Plan, index: int, *, cfg: BuildConfig, renderer: Renderer | None = None,
              processor_dir: Path | None = None, upload_to: str | None = None) -> TaskManifest:
     """One task of the plan: its records -> its shards (final names), tasks/task-NNNNN.rejects.jsonl and .samples.jsonl,
     then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
@@ -222,7 +221,7 @@ def run_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: R
                     uploader.close()
 
 
-def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
+def _run_owned_task(out: Path, plan: Plan, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
                     processor_dir: Path | None, uploader: Uploader | None) -> TaskManifest:
     digest = plan_digest(plan)
     files = TaskFiles(out, index, shard_prefix(plan, index))
@@ -233,12 +232,12 @@ def _run_owned_task(out: Path, plan: dict, index: int, *, cfg: BuildConfig, rend
             uploader.task_done(files, done)
         return done
     check_inputs_unchanged(plan)
-    processor_dir = Path(processor_dir or out / plan["processor"]["dir"])
+    processor_dir = Path(processor_dir or out / plan.processor.dir)
     if renderer is None:
         renderer = cached_renderer(cfg, processor_dir)
     journal = _start_or_resume(files, {"plan": digest, "task": index})
     state = _resume_state(files, journal, cfg, plan)
-    _write_records(state, _task_records(plan, index, cfg, journal), plan["cuts"][index]["records"], cfg=cfg,
+    _write_records(state, _task_records(plan, index, cfg, journal), plan.cuts[index].records, cfg=cfg,
                    renderer=renderer, uploader=uploader)
     manifest = _finish_task(state, plan, digest)
     if uploader is not None:

@@ -175,16 +175,6 @@ def _reasoning_lines(t: dict, config: dict) -> list[str]:
             "left out by the template)"]
 
 
-def format_plan_summary(plan: dict, out: Path) -> str:
-    """A plan -> the lines `vlmprep build --plan-only` prints: the task count and how to run and merge them."""
-    sizes = [c["bytes"] for c in plan["cuts"]]
-    mean = sum(sizes) / max(len(sizes), 1)
-    return (f"planned {out}: {plural(plan['records'], 'record')} in {plural(plan['tasks'], 'task')} "
-            f"(largest task {max(sizes, default=0) / max(mean, 1):.2f}x the mean input bytes)\n"
-            f"  run each: vlmprep build --out {out} --task-index I   (I = 0..{plan['tasks'] - 1})\n"
-            f"  then:     vlmprep merge {out}")
-
-
 def format_task_summary(task: TaskManifest, out: Path) -> str:
     """A task manifest -> the line `vlmprep build --task-index I` prints."""
     t = task.totals
