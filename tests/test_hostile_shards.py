@@ -281,13 +281,13 @@ def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reade
     occurrence order included, and each occurrence gets its image."""
     import trainer.data.decode
     import vlmprep.clients.wds
-    import vlmprep.shards.reader
+    import vlmprep.shards.decode
     from vlmprep.shards.reader import iter_dataset
     from vlmprep.tools.view import sample_from_stored
 
     d, forward = reversed_chain
     calls = []
-    for module in (trainer.data.decode, vlmprep.shards.reader):
+    for module in (trainer.data.decode, vlmprep.shards.decode):
         monkeypatch.setattr(module, "decompressor", lambda prefix, real=module.decompressor: (calls.append(prefix),
                                                                                             real(prefix))[1])
     for reader in ("verify", "trainer-stream", "trainer-indexed", INDEX_READER, "wds", "hf", "energon", "collator"):
@@ -308,7 +308,8 @@ def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reade
 def test_the_payload_cache_that_makes_a_chain_linear_stays_within_its_limit(reversed_chain):
     """The cache by member that makes any decode order linear is bounded in bytes: with room for 100 payloads, the
     reversed chain decoded occurrence by occurrence (inspect's order) never holds more, and every image is right."""
-    from vlmprep.shards.reader import PayloadCache, iter_dataset
+    from vlmprep.shards.decode import PayloadCache
+    from vlmprep.shards.reader import iter_dataset
 
     d, forward = reversed_chain
     (s,) = iter_dataset(d)

@@ -210,7 +210,7 @@ def _stored(pixels):
 def _read_back(name, data, shape):
     """Both readers: vlmprep's (verify, inspect, the clients) and the trainer's loader (into a buffer)."""
     from trainer.decode import _decoded_size, decode_image_into
-    from vlmprep.shards.reader import decode_stored_image
+    from vlmprep.shards.decode import decode_stored_image
 
     buf = np.empty(_decoded_size(name, data, shape[0], shape[1]), np.uint8)
     return decode_stored_image(name, data), decode_image_into(name, data, buf, shape, None)
@@ -392,7 +392,7 @@ def test_zstd_pdelta_stores_a_screenshot_against_the_one_before():
 
     from trainer.decode import _decoded_size, decode_image_into
     from vlmprep.images import delta_payload
-    from vlmprep.shards.reader import decode_stored_image
+    from vlmprep.shards.decode import decode_stored_image
 
     rng = np.random.default_rng(1)
     first = rng.integers(0, 256, (96, 128, 3), dtype=np.uint8)

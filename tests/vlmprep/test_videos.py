@@ -19,7 +19,7 @@ from tests.support.videos import decode_all, encode, frames
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
 from vlmprep.processors.load import load_processor
-from vlmprep.shards.reader import decode_stored_image
+from vlmprep.shards.decode import decode_stored_image
 
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 # (frames, fps, width, height): 13 frames at 6 fps; 3 frames (below min_frames 4); 45 at 15 fps; 35 at 10 fps (Qwen3-VL

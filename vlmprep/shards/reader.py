@@ -1,6 +1,7 @@
 """Read shards, the only code in vlmprep that opens them: the manifest's shard list (shards/manifest.py) -> safe tar
 iterator (member names checked against shards/format.py before anything is read; unknown members refused undecoded)
--> StoredSample with arrays, meta, images in occurrence order and videos (frames stacked per video) in token order.
+-> StoredSample with arrays, meta, images in occurrence order and videos (frames stacked per video) in token order
+(each image and frame decoded by shards/decode.py).
 A dataset is untrusted input: every member is checked against the meta and the format's reader limits before it is
 decoded or memory is allocated for it (json size and depth, .npy header shape and length, image header and grid).
 """
@@ -10,15 +11,13 @@ import io
 import os
 import re
 import tarfile
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-import zstandard
-from PIL import Image
 
+from vlmprep.shards.decode import DECODE_ERRORS, PayloadCache, decode_stored_image, pixels_of_payload, zstd_payload
 from vlmprep.shards.format import (
     INDEX_DTYPE,
     LIMITS,
@@ -30,100 +29,15 @@ from vlmprep.shards.format import (
     is_video_member,
 )
 from vlmprep.shards.manifest import FileEntry, ShardEntry, ShardFormatError, dataset_path, load_manifest, shard_paths
-from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
+from vlmprep_schemas.delta import PDELTA, pdelta_prefixes
 from vlmprep_schemas.limits import (
     check_grid_sizes,
     index_bytes_limit,
     index_rows,
     load_json,
     load_npy,
-    npy_header,
     schema_problem,
 )
-
-
-def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | None, channels: int = 3) -> None:
-    """A stored image's declared size (header) against the meta's `size` (height, width), or against the image
-    limit where the meta gives none (orig.* members hold the source, at its own size)."""
-    if size is not None and (height, width) != tuple(size):
-        raise ValueError(f"{name} declares {width}x{height}, but the meta gives {size[1]}x{size[0]}")
-    if width * height * channels > LIMITS.image_bytes:
-        raise ValueError(f"{name} declares {width}x{height}, more pixels than a reader decodes "
-                         f"({LIMITS.image_bytes} bytes)")
-
-
-def zstd_payload(name: str, data: bytes, size: tuple[int, int] | None = None, prefix: bytes | None = None) -> bytes:
-    """A `.npy.zst` / `.delta.zst` / `.pdelta.zst` member -> what it decompresses to (the .npy header, then the
-    pixels or their filtered rows), its declared size (the zstd frame's content size) checked against `size` (or the
-    image limit) before anything is decompressed. prefix: a `.pdelta.zst` member's dictionary, the payload of the
-    member its meta names (None: none)."""
-    declared = zstandard.frame_content_size(data)
-    floor = 3 * (size[0] * size[1] if size is not None else 1)
-    ceiling = 4096 + (3 * size[0] * size[1] if size is not None else LIMITS.image_bytes)  # + the .npy header
-    if not floor < declared <= ceiling:
-        raise ValueError(f"{name} declares {declared} decompressed bytes, not a uint8 "
-                         f"{'x'.join(map(str, size or ('H', 'W')))}x3 .npy")
-    return decompressor(prefix).decompress(data)
-
-
-def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = None,
-                        prefix: bytes | None = None) -> np.ndarray:
-    """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). `size`: the
-    (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
-    image header) is checked against it, or against the image limit, before anything is decompressed or
-    allocated. prefix: as zstd_payload's. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
-    if name.endswith(ZSTD_IMAGE):
-        return pixels_of_payload(name, zstd_payload(name, data, size, prefix), size)
-    with Image.open(io.BytesIO(data)) as im:  # reads the header only
-        _check_pixels(name, *im.size, None if ".orig." in name else size, 4)
-        if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own
-            from transformers.image_transforms import convert_to_rgb  # RGB conversion, alpha onto white
-
-            return convert_to_rgb(im, return_numpy=True)
-        return np.array(im.convert("RGB"))
-
-
-def pixels_of_payload(name: str, raw: bytes, size: tuple[int, int] | None) -> np.ndarray:
-    """zstd_payload's bytes -> uint8 H x W x 3: the .npy header checked (against `size` too), the filtered rows of a
-    `.delta.zst` / `.pdelta.zst` member undone."""
-    dims = npy_header(raw, name)[2]
-    if len(dims) != 3 or dims[2] != 3:
-        raise ValueError(f"{name} holds shape {dims}, expected H x W x 3")
-    _check_pixels(name, dims[1], dims[0], size)
-    pixels = load_npy(raw, name, np.uint8, dims)
-    if name.endswith(".npy.zst"):
-        return pixels
-    return unfilter_into(pixels.reshape(dims[0], 3, dims[1]), np.empty_like(pixels))
-
-
-DECODE_ERRORS = (ValueError, OSError, zstandard.ZstdError, Image.DecompressionBombError)
-# A few hundred screenshots' payloads: a .pdelta.zst chain decoded out of member order (inspect's views of a sample
-# whose occurrences list its images last to first) is decompressed once while its payloads fit.
-PAYLOAD_CACHE_BYTES = 256 << 20
-
-
-class PayloadCache:
-    """Decompressed `.pdelta.zst` payloads by member (what a later member of the chain is compressed against); the
-    least recently used dropped past `limit` bytes, the newest always kept (the next member in order needs it)."""
-
-    def __init__(self, limit: int = PAYLOAD_CACHE_BYTES):
-        self.limit = limit
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, member: str | None) -> bytes | None:
-        """The member's payload, or None where it is not cached."""
-        if member not in self._items:
-            return None
-        self._items.move_to_end(member)
-        return self._items[member]
-
-    def put(self, member: str, payload: bytes) -> None:
-        """Cache one payload, dropping the least recently used past the limit."""
-        self._bytes += len(payload) - len(self._items.pop(member, b""))
-        self._items[member] = payload
-        while self._bytes > self.limit and len(self._items) > 1:
-            self._bytes -= len(self._items.popitem(last=False)[1])
 
 
 @dataclass

@@ -15,7 +15,7 @@ from PIL import Image
 from tests.conftest import LLAMAFACTORY
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
-from vlmprep.shards.reader import decode_stored_image
+from vlmprep.shards.decode import decode_stored_image
 
 # The demo traces act through tool_calls, which the stock Qwen2-VL template does not render (rejected by default).
 TOOLS_TEMPLATE = str(Path(__file__).parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
