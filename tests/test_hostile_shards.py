@@ -283,7 +283,7 @@ def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reade
     import vlmprep.clients.wds
     import vlmprep.shards.decode
     from vlmprep.shards.reader import iter_dataset
-    from vlmprep.tools.view import sample_from_stored
+    from vlmprep.tools.inspected import sample_from_stored
 
     d, forward = reversed_chain
     calls = []

@@ -15,16 +15,9 @@ from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
 from vlmprep.shards.manifest import Manifest, dataset_path, load_manifest, processor_dir, shard_paths
 from vlmprep.shards.reader import StaleIndex, iter_rejects, iter_shard, load_sample_index, sample_at
+from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sample_from_stored
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
-from vlmprep.tools.view import (
-    InspectedSample,
-    SampleView,
-    TokenizerView,
-    reject_line,
-    sample_from_rendered,
-    sample_from_stored,
-    view_sample,
-)
+from vlmprep.tools.view import SampleView, TokenizerView, reject_line, view_sample
 from vlmprep.types import RecordError, UserError
 
 # Build options `--like DIR` does not take from a dataset's manifest: where inputs are, what they may read (local
