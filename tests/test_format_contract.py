@@ -286,8 +286,8 @@ def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
 _ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.config", "vlmprep.rejects",
                    "vlmprep.processors", "vlmprep.jobs"),
           "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "images", "videos", "traces",
-                                                  "chat_template", "render", "mask", "positions", "truncate",
-                                                  "families")),
+                                                  "chat_template", "render", "tokens", "mask", "positions",
+                                                  "truncate", "families")),
           "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.builder",),
           "tools": ("vlmprep.tools",), "clients": ("vlmprep.clients",), "cli": ("vlmprep.cli", "vlmprep.__main__")}
 _MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"},

@@ -32,6 +32,7 @@ from vlmprep.mask import (
 )
 from vlmprep.positions import mrope_position_ids
 from vlmprep.processors.llama import TOKEN_BREAK
+from vlmprep.tokens import TextEncoder, alternation, shorten_runs
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
 
 __all__ = ["MaskPolicy", "RenderContext", "count_tokens", "render_conversation", "template_messages",
@@ -75,71 +76,23 @@ class RenderContext:
         self.empty_as_string = " is string" in self.chat_template
         self.parse_arguments = not prints_string_arguments(processor, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
-        self._special_re = _alternation(specials)
-        # Placeholders the processor repeats (an image's <|image_pad|> x N, most of an agent trace's tokens): each a
-        # special token, which the tokenizer splits out before it tokenizes the text around it, so a run of N is N
-        # copies of one id whatever surrounds it. encode() tokenizes each run as one copy and repeats it.
+        self._special_re = alternation(specials)
+        # Placeholders the processor repeats (an image's <|image_pad|> x N, most of an agent trace's tokens): encoded
+        # one copy a run, then repeated (tokens.py).
         repeated = {getattr(processor, a, None) for a in ("image_token", "video_token")} & specials
-        if getattr(tok, "split_special_tokens", False):
-            repeated = set()
-        self._run_tokens = sorted(repeated, key=len, reverse=True)
-        self._run_re = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in self._run_tokens)) if repeated else None
-        probe = "".join(f"a{t * 3} b{t}{t}\n{t}" for t in self._run_tokens)
-        if repeated and not all(np.array_equal(x, y) for x, y in zip(self.encode(probe),
-                                                                    self._tokenize(probe, offsets=True))):
-            self._run_tokens, self._run_re = [], None  # this tokenizer does not split them off: tokenize runs whole
-        self._boundary_re, self._post_specials = _segment_boundaries(tok, specials)
+        self.text = TextEncoder(tok, specials=specials, repeated=repeated)
         # A tokenizer that splits at TOKEN_BREAK and drops it (the Llama builtins): the template's break between two
         # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
         self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
         # Text must not contain any control or placeholder string, special-flagged or not.
         placeholders = {getattr(processor, a, None)
                         for a in ("image_token", "video_token", "boi_token", "fake_image_token")}
-        self._forbidden_re = _alternation(specials | {p for p in placeholders if isinstance(p, str) and p}
+        self._forbidden_re = alternation(specials | {p for p in placeholders if isinstance(p, str) and p}
                                           | {self.token_break})
         merged = processor._merge_kwargs(tokenizer_init_kwargs=getattr(tok, "init_kwargs", {}))
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
         mm_params = inspect.signature(processor.create_mm_token_type_ids).parameters
         self._mm_needs_lengths = "batch_image_seq_lengths" in mm_params
-
-    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """The token ids of `text` and each token's [start, end) chars (N x 2), exactly as the tokenizer gives them,
-        with its BOS unless the text starts with it. Each run of a repeated placeholder is tokenized as one copy, then
-        repeated (see _run_re)."""
-        short, runs = _shorten_runs(text, self._run_re, self._run_tokens)
-        ids, spans = self._tokenize(short, offsets=True)
-        reps = _copies(runs, spans) if runs else None
-        if reps is None:
-            return (ids, spans) if not runs else self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
-        return np.repeat(ids, reps), _repeat_spans(spans, runs, reps)
-
-    def count(self, text: str, pieces: dict[str, int] | None = None) -> int:
-        """len(encode(text)[0]), without offsets. With `pieces` (a dict kept over the candidate samples of one record,
-        where most text recurs): the text between the tokenizer's split-out added tokens is tokenized once per
-        distinct piece, its count kept there (see _segment_boundaries)."""
-        short, runs = _shorten_runs(text, self._run_re, self._run_tokens)
-        repeats = sum(k - 1 for _, k, _ in runs)
-        if pieces is None or self._boundary_re is None:
-            return len(self._tokenize(short, offsets=False)[0]) + repeats
-        return self._count_pieces(short, pieces) + repeats
-
-    def _count_pieces(self, text: str, pieces: dict[str, int]) -> int:
-        split = self._boundary_re.split(text)  # one capturing group: the split-out tokens at odd positions
-        new = [p for p in dict.fromkeys(split[::2]) if p and p not in pieces]
-        if new:
-            backend = self.tokenizer.backend_tokenizer
-            for p, enc in zip(new, backend.encode_batch(new, add_special_tokens=False)):
-                pieces[p] = len(enc.ids)
-        bos = self.tokenizer.bos_token
-        added = 0 if bos and text.startswith(bos) else self._post_specials
-        return added + len(split) // 2 + sum(pieces[p] for p in split[::2] if p)
-
-    def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        bos = self.tokenizer.bos_token
-        enc = self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)),
-                             return_offsets_mapping=offsets)
-        return (np.asarray(enc["input_ids"], dtype=np.int64),
-                np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) if offsets else None)
 
     def slots(self, conv: Conversation) -> list[Slot]:
         """The conversation's text slots (message text, tool calls, reasoning) in the order the template prints them."""
@@ -208,78 +161,6 @@ class RenderContext:
         return np.asarray(out, dtype=np.uint8)
 
 
-def _shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tuple[str, list[tuple[int, int, int]]]:
-    """`text` with each run of a repeated placeholder cut to one copy, and each run's (start in the short text, copies,
-    chars per copy)."""
-    if run_re is None:
-        return text, []
-    pieces, runs, cut, length = [], [], 0, 0
-    for m in run_re.finditer(text):
-        unit = next(len(t) for t in tokens if m.group().startswith(t))
-        pieces.append(text[cut:m.start() + unit])
-        length += len(pieces[-1])
-        runs.append((length - unit, (m.end() - m.start()) // unit, unit))
-        cut = m.end()
-    return ("".join(pieces) + text[cut:], runs) if runs else (text, [])
-
-
-def _copies(runs: list[tuple[int, int, int]], spans: np.ndarray) -> np.ndarray | None:
-    """How many times each token of the short text stands in the text: a run's token its copies, others once; None
-    where a run's copy is not one token of its own (then the shortcut does not apply)."""
-    at = np.array([r[0] for r in runs], dtype=np.int64)
-    first = np.searchsorted(spans[:, 0], at)
-    unit = np.array([r[2] for r in runs], dtype=np.int64)
-    if (first >= len(spans)).any() or not ((spans[first, 0] == at) & (spans[first, 1] == at + unit)).all():
-        return None
-    reps = np.ones(len(spans), dtype=np.int64)
-    reps[first] = [r[1] for r in runs]
-    return reps
-
-
-def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.ndarray) -> np.ndarray:
-    """The short text's token spans -> the text's: each run's copies side by side, every later span moved by the
-    chars the runs add."""
-    at = np.array([r[0] for r in runs], dtype=np.int64)
-    added = np.concatenate([[0], np.cumsum([(k - 1) * u for _, k, u in runs])])
-    moved = spans + added[np.searchsorted(at, spans, side="left")]  # runs that start before each char
-    out = np.repeat(moved, reps, axis=0)
-    where = np.cumsum(reps) - reps
-    for (_start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
-        p = where[i]
-        out[p:p + k, 0] = moved[i, 0] + unit * np.arange(k)
-        out[p:p + k, 1] = out[p:p + k, 0] + unit
-    return out
-
-
-def _segment_boundaries(tok, specials: set[str]) -> tuple[re.Pattern | None, int]:
-    """The added tokens the tokenizer splits out of the raw text before it normalizes, pre-tokenizes and encodes the
-    text between them (no lstrip / rstrip / single_word, not normalized), as one capturing alternation, longest first
-    (the tokenizer's leftmost-longest match): a text's token count is then the sum over the text between them, plus
-    one per token, plus what the post-processor adds. None where that does not hold for this tokenizer (special
-    tokens not split, or a pre-tokenizer that treats a text's first piece apart, such as a prefix space), checked on
-    a probe against the whole text's encode. Also returns how many tokens the post-processor adds (a BOS)."""
-    post = len(tok("", add_special_tokens=True)["input_ids"]) - len(tok("", add_special_tokens=False)["input_ids"])
-    if getattr(tok, "split_special_tokens", False):
-        return None, post
-    clean = {t.content for t in tok.added_tokens_decoder.values()
-             if not (t.normalized or t.lstrip or t.rstrip or t.single_word)}
-    alternation = _alternation(clean)
-    if alternation is None:
-        return None, post
-    boundary = re.compile(f"({alternation.pattern})")
-    probe = "".join(f"{t}\u0301 a{t}  b\n{t}{t}c{t} \n" for t in sorted(clean & specials)[:8]) + " x\u00e9\n"
-    whole = len(tok(probe, add_special_tokens=True)["input_ids"])
-    split = boundary.split(probe)
-    parts = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch([p for p in split[::2] if p],
-                                                                          add_special_tokens=False))
-    return (boundary if parts + len(split) // 2 + post == whole else None), post
-
-
-def _alternation(strings) -> re.Pattern | None:
-    strings = sorted((s for s in strings if s), key=len, reverse=True)
-    return re.compile("|".join(re.escape(s) for s in strings)) if strings else None
-
-
 def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
     if ctx._forbidden_re is None:
         return
@@ -315,7 +196,7 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
         check_role_markers(ctx, conv, slots, located, rendered)
 
     expanded, offs = _expand_images(ctx, rendered, images, conv, videos)
-    ids, offsets = ctx.encode(expanded)
+    ids, offsets = ctx.text.encode(expanded)
     starts, ends = offsets[:, 0], offsets[:, 1]
     image_spans, video_spans, mm_types, in_image = _expansion_spans(ctx, offs, ids, starts, ends)
 
@@ -433,16 +314,16 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
 def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
                  videos: list[PreparedVideo] = (), pieces: dict[str, int] | None = None) -> int:
     """The length render_conversation would give, without locating text or proving masks (for planning splits).
-    Each expansion goes in with its placeholder runs cut to one copy, counted back (see RenderContext._run_re): the
-    long runs are never built, scanned or tokenized. `pieces`: RenderContext.count's per-record counts of the text
+    Each expansion goes in with its placeholder runs cut to one copy, counted back (see tokens.TextEncoder): the
+    long runs are never built, scanned or tokenized. `pieces`: TextEncoder.count's per-record counts of the text
     between special tokens, so the candidates of one split search tokenize each piece once."""
     rendered = ctx.render_text(ctx.messages(conv), conv.tools)
     image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
-    short = [_shorten_runs(r, ctx._run_re, ctx._run_tokens) for r in image_reps + video_reps]
+    short = [shorten_runs(r, ctx.text.run_re, ctx.text.run_tokens) for r in image_reps + video_reps]
     expanded, _ = ctx.processor.get_text_with_replacements(
         [rendered], images_replacements=[t for t, _ in short[:len(image_reps)]],
         videos_replacements=[t for t, _ in short[len(image_reps):]])
-    return ctx.count(expanded[0], pieces) + sum(k - 1 for _, runs in short for _, k, _ in runs)
+    return ctx.text.count(expanded[0], pieces) + sum(k - 1 for _, runs in short for _, k, _ in runs)
 
 
 def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],

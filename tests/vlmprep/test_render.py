@@ -196,8 +196,8 @@ def test_responses_and_anthropic_parts_render_as_the_processor_renders_plain_par
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v", "llama4"])
 def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_ids_and_offsets(name):
-    """Most tokens of an image-heavy sample are one placeholder repeated; RenderContext.encode tokenizes each run as
-    one copy and repeats it. Ids and char offsets equal the tokenizer's own on the whole text, for any text around."""
+    """Most tokens of an image-heavy sample are one placeholder repeated; TextEncoder.encode (RenderContext.text)
+    tokenizes each run as one copy and repeats it. Ids and char offsets equal the tokenizer's own on the whole text, for any text around."""
     from hypothesis import given
     from hypothesis import strategies as st
 
@@ -219,14 +219,14 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
         s = ((tok.bos_token or "") if bos_first else "") + "".join(parts)
         bos = tok.bos_token
         want = tok(s, add_special_tokens=not (bos and s.startswith(bos)), return_offsets_mapping=True)
-        ids, spans = ctx.encode(s)
+        ids, spans = ctx.text.encode(s)
         assert ids.tolist() == want["input_ids"]
         assert spans.tolist() == [list(o) for o in want["offset_mapping"]]
-        assert ctx.count(s) == len(want["input_ids"])
-        assert ctx.count(s, counts) == len(want["input_ids"])  # summed over the text between special tokens
+        assert ctx.text.count(s) == len(want["input_ids"])
+        assert ctx.text.count(s, counts) == len(want["input_ids"])  # summed over the text between special tokens
 
-    assert ctx._run_re is not None  # the shortcut is on for this tokenizer
-    assert name != "qwen2-vl" or ctx._boundary_re is not None  # and the per-piece count
+    assert ctx.text.run_re is not None  # the shortcut is on for this tokenizer
+    assert name != "qwen2-vl" or ctx.text.boundary_re is not None  # and the per-piece count
     check()
 
 
