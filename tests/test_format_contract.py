@@ -285,7 +285,7 @@ def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
 # The package's roles and which roles each may import: the folders are the data flow (see docs/development.md).
 _ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.config", "vlmprep.rejects",
                    "vlmprep.processors", "vlmprep.jobs"),
-          "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "images", "videos", "traces",
+          "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "media", "images", "videos", "traces",
                                                   "chat_template", "render", "tokens", "mask", "positions",
                                                   "truncate", "families")),
           "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.builder",),

@@ -1,21 +1,17 @@
 """Normalize one parsed record (OpenAI chat or ShareGPT/LLaMA-Factory layout) into a Conversation.
-Image and video references are fetched to bytes here (data URI, local path under an allowed root, opt-in http for
-images; videos are local paths and data URIs only).
+Image and video references are fetched to bytes here (media.py: data URI, local path under an allowed root, opt-in
+http for images; videos are local paths and data URIs only).
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import os
 import re
-import stat
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 
 from vlmprep.config import default
 from vlmprep.locations import is_url
+from vlmprep.media import MediaFetcher, decode_base64
 from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
@@ -23,7 +19,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "human": "us
 IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
 _MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
-_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,7 +309,7 @@ def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:
     and local rules as image_url)."""
     kind = src.get("type")
     if kind == "base64":
-        return ImageData(data=_decode_base64(src.get("data"), where), origin="data-uri")
+        return ImageData(data=decode_base64(src.get("data"), where), origin="data-uri")
     if kind == "url":
         return ctx.fetch(src.get("url"), where)
     if kind == "file" or "file_id" in src:
@@ -322,20 +317,6 @@ def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:
                                                  "as base64 data or a path")
     raise RecordError("unsupported_image_source", f"{where}: Anthropic image source type {kind!r} is not supported "
                                                   "(base64 or url)")
-
-
-def _decode_base64(payload, where: str) -> bytes:
-    """Base64 as transformers' load_image takes it (MIME line breaks and other whitespace ignored), but strict
-    otherwise: a stray character is a reject, not silently skipped bytes."""
-    if not isinstance(payload, str):
-        raise RecordError("invalid_base64", f"{where}: base64 image data must be a string")
-    try:
-        data = base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise RecordError("invalid_base64", f"{where}: image data is not valid base64") from None
-    if not data:
-        raise RecordError("invalid_base64", f"{where}: image data is empty")
-    return data
 
 
 def _normalize_tool_call(tc, where: str) -> ToolCall:
@@ -361,94 +342,8 @@ def _normalize_tool_call(tc, where: str) -> ToolCall:
 
 
 @dataclass(frozen=True)
-class _ImageContext:
-    base_dir: str | None  # None: an input read from a store
-    root: str | None
-    allow_remote: bool
-    max_bytes: dict[str, int]  # "image" / "video" -> the most bytes a file of that kind may have (it is read whole)
+class _ImageContext(MediaFetcher):
+    """One record's media (media.py) and how its parts read: the ShareGPT markers, whether video parts render."""
+
     markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
     videos: bool = False  # video parts are rendered (else rejected as unsupported_video)
-
-    def fetch(self, ref, where: str, kind: str = "image") -> ImageData:
-        """An image's (or, kind="video", a video file's) bytes. Videos are local or data URIs only: never fetched
-        remotely, whatever --allow-remote says (a video is too large to fetch per record)."""
-        if isinstance(ref, (bytes, bytearray)):  # a table's image cell (tables.py): the bytes themselves
-            if len(ref) > self.max_bytes[kind]:
-                raise RecordError(f"{kind}_file_too_large", f"{where}: {kind} of {len(ref)} bytes > "
-                                                            f"--max-{kind}-bytes {self.max_bytes[kind]}")
-            return ImageData(data=bytes(ref), origin="table cell")
-        if not isinstance(ref, str) or not ref.strip():
-            raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} reference must be a non-empty string")
-        ref = ref.strip()
-        m = _DATA_URI.match(ref)
-        if m:
-            if not m.group("b64"):
-                raise RecordError("invalid_data_uri", f"{where}: only base64 data URIs are supported")
-            return ImageData(data=_decode_base64(ref[m.end():], f"{where}: data URI"), origin="data-uri")
-        low = ref.lower()
-        if low.startswith(("http://", "https://")):
-            if kind == "video":
-                raise RecordError("remote_video_refused", f"{where}: remote video {ref[:80]} refused: videos are "
-                                                          "read from local paths or data URIs; download it first")
-            if not self.allow_remote:
-                raise RecordError("remote_image_refused",
-                                  f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
-            return ImageData(data=_fetch_remote(ref, where, self.max_bytes["image"]), origin=ref)
-        if low.startswith("file://"):
-            ref = urllib.parse.unquote(ref[len("file://"):])  # a URL: with%20space.png; the root check still follows
-        elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
-            raise RecordError(f"unsupported_{kind}_url", f"{where}: unsupported URL scheme in {ref[:80]}")
-        if "\x00" in ref:
-            raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} path holds a NUL character")
-        if self.root is None or (self.base_dir is None and not os.path.isabs(ref)):
-            raise RecordError("path_outside_root", f"{where}: {kind} path {ref[:120]} in an input read from a store: "
-                                                   "a store's input names local files only by absolute paths under "
-                                                   "--image-root (or carries them inline)")
-        path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
-        real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
-        if os.path.commonpath([real, self.root]) != self.root:
-            raise RecordError("path_outside_root",
-                              f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}")
-        return ImageData(data=_read_local(real, kind, self.max_bytes[kind], f"{where}: {kind} {ref[:120]}"), origin=ref)
-
-
-def _read_local(path: str, kind: str, limit: int, what: str) -> bytes:
-    """A local image or video file, read whole: only a regular file (a device or FIFO never ends) of at most
-    `limit` bytes (--max-image-bytes / --max-video-bytes), checked before reading and while reading."""
-    try:  # O_NONBLOCK: a FIFO opens without waiting for a writer (and is then refused)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    except FileNotFoundError:
-        raise RecordError(f"{kind}_not_found", f"{what}: file not found") from None
-    except OSError as e:
-        raise RecordError(f"{kind}_unreadable", f"{what}: cannot read it: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RecordError(f"{kind}_unreadable", f"{what}: not a regular file (a directory, device, FIFO or "
-                                                    "socket); name the file itself")
-        if st.st_size > limit:
-            raise RecordError(f"{kind}_file_too_large", f"{what}: {st.st_size} bytes > --max-{kind}-bytes {limit}")
-        f = open(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    with f:
-        try:
-            data = f.read(limit + 1)
-        except OSError as e:
-            raise RecordError(f"{kind}_unreadable", f"{what}: cannot read it: {e.strerror or e}") from None
-    if len(data) > limit:  # grew while read
-        raise RecordError(f"{kind}_file_too_large", f"{what}: more than --max-{kind}-bytes {limit} bytes")
-    return data
-
-
-def _fetch_remote(url: str, where: str, limit: int) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            data = r.read(limit + 1)
-    except Exception as e:  # noqa: BLE001 - any network fault is this record's fault, not the build's
-        raise RecordError("remote_fetch_failed", f"{where}: cannot fetch {url[:80]}: {e}") from None
-    if len(data) > limit:
-        raise RecordError("image_file_too_large", f"{where}: remote image {url[:80]}: more than --max-image-bytes "
-                                                  f"{limit} bytes")
-    return data
