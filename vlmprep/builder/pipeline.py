@@ -4,6 +4,7 @@
            --executor: local pool | Ray | one `--task-index i` per job--> task.run_task x T
                (records -> normalize -> render + mask -> truncate -> shards of that task; see task.py)
            --merge.merge_tasks--> DIR/manifest.json + rejects.jsonl  (manifest last)
+           --checks.check_dataset--> the reject share and turn coverage judged (build-failed.txt on a failure)
 
 T = 1 is the single-machine build: one task whose records are spread over --workers processes. The plan never
 depends on the executor, so for a fixed T every executor writes the same bytes.
@@ -23,6 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlmprep.builder.checks import RejectsError, check_coverage, check_dataset, check_rejects
 from vlmprep.builder.merge import merge_tasks
 from vlmprep.builder.owner import own_out, share_out
 from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, make_plan, shard_prefix, write_plan
@@ -54,15 +56,12 @@ from vlmprep.shards.dataset import (
     MANIFEST_NAME,
     PLAN_NAME,
     PROCESSOR_DIR,
-    REJECTS_NAME,
     TASKS_DIR,
     TMP_SUFFIX,
     TaskFiles,
     is_ours,
-    write_text_atomic,
 )
 from vlmprep.shards.manifest import Manifest, SavedProcessor, TaskManifest, load_task_manifest
-from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
 from vlmprep.types import UserError
 
 __all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_coverage", "check_dataset",
@@ -358,71 +357,6 @@ def merge(out: str | Path, *, allow_empty: bool = default("allow_empty"),
     out = Path(out)
     with own_out(out) if out.is_dir() else contextlib.nullcontext():
         return _merge_and_check(out, None, **checks)
-
-
-class RejectsError(BuildError):
-    """A complete dataset (manifest and rejects.jsonl written) that rejected too much: exit 1 after its summary."""
-
-    def __init__(self, message: str, manifest: Manifest):
-        super().__init__(message)
-        self.manifest = manifest
-
-    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
-        return type(self), (str(self), self.manifest)
-
-
-_ACCEPT_REJECTS = "--max-reject-fraction 1 accepts it"
-
-
-def check_rejects(manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
-    """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
-    is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
-    out, t, rejects = Path(out), manifest.totals, manifest.rejects
-    ranked = sorted(rejects.items(), key=lambda x: (-x[1], x[0]))
-    fix = f"; fix: {reject_fix(ranked[0][0], manifest)}" if ranked else ""
-    if t["samples"] == 0:
-        if allow_empty:
-            return
-        why = ", ".join(f"{r} {n}" for r, n in ranked) or "no records"
-        raise RejectsError(f"{out}: 0 samples written from {t['records']} records ({why}); see "
-                           f"{out / REJECTS_NAME}, or pass --allow-empty{fix}", manifest)
-    if reject_share(manifest) > max_reject_fraction:
-        why = ", ".join(f"{r} {n}" for r, n in ranked[:3]) + (", ..." if len(ranked) > 3 else "")
-        raise RejectsError(f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
-                           f"({reject_share(manifest):.1%} > "
-                           f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
-                           f"{_ACCEPT_REJECTS}", manifest)
-
-
-def check_coverage(manifest: Manifest, out: Path, *, min_turn_coverage: float) -> None:
-    """After the whole dataset is merged: fewer trained turns than min_turn_coverage of those to train (the rest lost
-    to --seq-len) is an error naming the share, the loss by reason and the fix. The files stay, as for rejects."""
-    problem = coverage_problem(manifest, min_turn_coverage)
-    if problem is not None:
-        raise RejectsError(f"{Path(out)}: {problem}; the dataset is written: --min-turn-coverage 0 accepts it",
-                           manifest)
-
-
-def check_dataset(manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float,
-                  min_turn_coverage: float) -> None:
-    """Both checks of a merged dataset (build and `vlmprep merge`); a failure leaves DIR/build-failed.txt holding its
-    line, so that the build's own fix line rebuilds the dir without --overwrite (check_out); a pass removes it."""
-    out = Path(out)
-    try:
-        try:
-            check_rejects(manifest, out, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
-        except RejectsError as e:
-            if coverage_problem(manifest, min_turn_coverage) is None or not str(e).endswith(_ACCEPT_REJECTS):
-                raise
-            # The rejected records' turns fail the turn coverage too: accepting the rejects takes both options.
-            raise RejectsError(f"{str(e)[:-len(_ACCEPT_REJECTS)]}--max-reject-fraction 1 --min-turn-coverage 0 "
-                               "accepts it", manifest) from None
-        if manifest.totals["samples"] or not allow_empty:  # --allow-empty accepts a build that rejected all
-            check_coverage(manifest, out, min_turn_coverage=min_turn_coverage)
-    except RejectsError as e:
-        write_text_atomic(out / FAILED_NAME, f"{e}\n")
-        raise
-    (out / FAILED_NAME).unlink(missing_ok=True)
 
 
 # Where the stores' libraries take credentials and endpoints from: handed to a task process as this process sees them
