@@ -48,7 +48,22 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
     image that several step samples hold after the same image is encoded once. Trade-off: storing processor-resized
     pixels makes shards about the source bytes in size (zstd-pdelta: 0.69x on real screenshots) but leaves the
     trainer no image decode or resize to repeat."""
-    encoded = {} if encoded is None else encoded
+    image_members, image_index, images_meta = _image_members(sample, image_format, zstd_level,
+                                                             {} if encoded is None else encoded)
+    members = _array_members(sample, image_index)
+    members.update(image_members)
+    frame_members, videos_meta = _video_members(sample, image_format, zstd_level)
+    members.update(frame_members)
+    meta = _meta(sample, image_format, images_meta, videos_meta)
+    members[META_MEMBER] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    return ShardSample(key=key, members=members, num_tokens=meta["num_tokens"],
+                       num_trainable_tokens=meta["num_trainable_tokens"], num_images=len(sample.images), meta=meta)
+
+
+def _image_members(sample: RenderedSample, image_format: str, zstd_level: int,
+                   encoded: dict[str, bytes]) -> tuple[dict[str, bytes], list[int], list[dict]]:
+    """Each distinct image of the sample stored once (member name -> bytes), the stored image of each occurrence,
+    and each occurrence's meta (member, size, grid, span; zstd-pdelta: the member it is compressed against)."""
     images_meta, image_index, image_members = [], [], {}
     unique: dict[str, str] = {}  # source digest -> member name
     prefixes: dict[str, str] = {}  # zstd-pdelta: member -> the previous image's member it is compressed against
@@ -75,6 +90,11 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
             images_meta[-1]["prefix"] = prefixes[name]
         if im.source_size[0]:  # the size before the processor's resize: what `stats` shows and --max-pixels acts on
             images_meta[-1].update(source_width=int(im.source_size[0]), source_height=int(im.source_size[1]))
+    return image_members, image_index, images_meta
+
+
+def _array_members(sample: RenderedSample, image_index: list[int]) -> dict[str, bytes]:
+    """The sample's arrays as .npy members, in the format's dtypes."""
     arrays = {
         "input_ids.npy": sample.input_ids,
         "loss_mask.npy": sample.loss_mask,
@@ -88,9 +108,12 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         "second_per_grid_ts.npy": np.asarray(sample.second_per_grid_ts, dtype=np.float32).reshape(-1),
     }
     assert set(arrays) == set(ARRAYS), "writer and shards/format.py disagree on the array members"
-    members: dict[str, bytes] = {name: _npy(a.astype(ARRAYS[name].dtype)) for name, a in arrays.items()}
-    members.update(image_members)
-    videos_meta = []
+    return {name: _npy(a.astype(ARRAYS[name].dtype)) for name, a in arrays.items()}
+
+
+def _video_members(sample: RenderedSample, image_format: str, zstd_level: int) -> tuple[dict[str, bytes], list[dict]]:
+    """Each video's frames as members (vidVVV.FFFF.*, in frame order), and each video's meta."""
+    members, videos_meta = {}, []
     for v, video in enumerate(sample.videos):
         ext = FRAME_EXT[image_format]
         for f, frame in enumerate(video.frames):
@@ -100,13 +123,16 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
                             "grid_thw": [int(x) for x in video.grid_thw], "fps": float(video.fps),
                             "total_num_frames": int(video.total_num_frames),
                             "frame_indices": [int(i) for i in video.frame_indices]})
-    n_tokens = int(len(sample.input_ids))
-    n_trainable = int(sample.loss_mask.sum())
+    return members, videos_meta
+
+
+def _meta(sample: RenderedSample, image_format: str, images_meta: list[dict], videos_meta: list[dict]) -> dict:
+    """The sample's meta (the json member, schemas/sample_meta.schema.json)."""
     meta = {
         "id": sample.id,
         "source": {"file": sample.source.file, "line": sample.source.line},
-        "num_tokens": n_tokens,
-        "num_trainable_tokens": n_trainable,
+        "num_tokens": int(len(sample.input_ids)),
+        "num_trainable_tokens": int(sample.loss_mask.sum()),
         "num_image_tokens": sum(int(b - a) for a, b in sample.image_spans),  # the whole units, wrappers included
         "num_images": len(sample.images),
         "num_tokens_before_truncation": int(sample.num_tokens_before_truncation),
@@ -126,9 +152,7 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
         meta.update({"videos": videos_meta, "num_videos": len(sample.videos),
                      "num_video_tokens": int((sample.mm_token_type_ids == 2).sum()),
                      "dropped_videos": int(sample.dropped_videos)})
-    members[META_MEMBER] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
-    return ShardSample(key=key, members=members, num_tokens=n_tokens, num_trainable_tokens=n_trainable,
-                       num_images=len(sample.images), meta=meta)
+    return meta
 
 
 def _member_header(name: str, size: int) -> bytes:
