@@ -85,6 +85,55 @@ def whole_trace(conv: Conversation, policy: StepPolicy) -> StepConversation:
                             images=[k for k in range(len(conv.images)) if k not in removed])
 
 
+@dataclass(frozen=True)
+class _Trace:
+    """A trace as split_trace packs it: the head (system messages and the first user message: the task), its units
+    (a message with the tool results that follow it, so a tool result never loses the call that produced it), and
+    the sample of any run of trained turns with what they act on and some earlier units as context."""
+
+    conv: Conversation
+    trained: list[int]
+    policy: StepPolicy
+    first_user: int
+    head: list[int]
+    unit_start: list[int]  # message -> the first message of its unit
+    units: list[list[int]]  # the units after the head, in order
+
+    @classmethod
+    def of(cls, conv: Conversation, trained: list[int], policy: StepPolicy) -> _Trace:
+        """The head and units of `conv`."""
+        n = len(conv.messages)
+        first_user = next((i for i, m in enumerate(conv.messages) if m.role == "user"), 0)
+        unit_start = list(range(n))
+        for i in range(1, n):  # tool results join the unit of the message before them
+            if conv.messages[i].role == "tool" and i > first_user + 1:
+                unit_start[i] = unit_start[i - 1]
+        starts = sorted({unit_start[i] for i in range(first_user + 1, n)})
+        return cls(conv=conv, trained=trained, policy=policy, first_user=first_user,
+                   head=list(range(first_user + 1)), unit_start=unit_start,
+                   units=[list(range(s, e)) for s, e in zip(starts, starts[1:] + [n])])
+
+    def observed_from(self, a: int) -> int:
+        """The first message trained turn `a` acts on: what came since the assistant turn before it (tool results
+        and their screenshots, user follow-ups); its sample holds all of it, and the call those tool results answer."""
+        conv = self.conv
+        q = next((k for k in range(a - 1, self.first_user, -1) if conv.messages[k].role == "assistant"), None)
+        if q is None:
+            return min(self.first_user + 1, a)
+        return self.unit_start[q + 1] if q + 1 < a else a
+
+    def sample(self, ctx_units: list[list[int]], a: int, b: int, head_trained: list[int]) -> StepConversation:
+        """The head, the units `ctx_units` (untrained context), then the trained turns a..b with what they act on
+        (head_trained: the head's trained turns, trained here too), the image history policy applied."""
+        keep = self.head + [i for u in ctx_units for i in u] + list(range(self.observed_from(a), b + 1))
+        trains = {t for t in self.trained if a <= t <= b} | set(head_trained)
+        numbering = _image_numbering(self.conv, keep)
+        c, removed = keep_last_images(_subset(self.conv, keep, trains), self.policy.keep_images,
+                                      self.policy.dropped_image_text, numbering)
+        return StepConversation(conv=c, source_messages=keep, trains=sorted(trains), removed_images=removed,
+                                images=[k for k in numbering if k not in removed])
+
+
 def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
                 count_tokens: Callable[[StepConversation], int],
                 seq_len: int) -> tuple[list[StepConversation], list[int]]:
@@ -95,36 +144,13 @@ def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
     results that follow it, so a tool result never loses the call that produced it. Returns the samples and the
     trained messages that cannot fit even with the head and their own observation alone (lost, to be reported):
     a turn is never trained without the screen it acts on."""
-    n = len(conv.messages)
-    first_user = next((i for i, m in enumerate(conv.messages) if m.role == "user"), 0)
-    head = list(range(first_user + 1))
-    unit_start = list(range(n))
-    for i in range(1, n):  # tool results join the unit of the message before them
-        if conv.messages[i].role == "tool" and i > first_user + 1:
-            unit_start[i] = unit_start[i - 1]
-    starts = sorted({unit_start[i] for i in range(first_user + 1, n)})
-    units = [list(range(s, e)) for s, e in zip(starts, starts[1:] + [n])]
+    trace = _Trace.of(conv, trained, policy)
+    head, units, observed_from = trace.head, trace.units, trace.observed_from
     head_trained = [t for t in trained if t in head]
     todo = [t for t in trained if t not in head]
 
-    def observed_from(a: int) -> int:
-        # A trained turn acts on what came since the assistant turn before it (tool results and their screenshots,
-        # user follow-ups): its sample holds all of it, and the call those tool results answer.
-        q = next((k for k in range(a - 1, first_user, -1) if conv.messages[k].role == "assistant"), None)
-        if q is None:
-            return min(first_user + 1, a)
-        return unit_start[q + 1] if q + 1 < a else a
-
     def build(ctx_units: list[list[int]], a: int, b: int, with_head_trained: bool) -> StepConversation:
-        start = observed_from(a)
-        body = list(range(start, b + 1))
-        keep = head + [i for u in ctx_units for i in u] + body
-        trains = {t for t in trained if a <= t <= b} | (set(head_trained) if with_head_trained else set())
-        sub = _subset(conv, keep, trains)
-        numbering = _image_numbering(conv, keep)
-        c, removed = keep_last_images(sub, policy.keep_images, policy.dropped_image_text, numbering)
-        return StepConversation(conv=c, source_messages=keep, trains=sorted(trains), removed_images=removed,
-                                images=[k for k in numbering if k not in removed])
+        return trace.sample(ctx_units, a, b, head_trained if with_head_trained else [])
 
     def fits(sc: StepConversation) -> bool:
         return count_tokens(sc) <= seq_len
