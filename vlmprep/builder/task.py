@@ -36,7 +36,7 @@ from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 from vlmprep.shards.dataset import TASKS_DIR, TMP_SUFFIX, TaskFiles, task_file, write_json_atomic
 from vlmprep.shards.format import index_name
-from vlmprep.shards.manifest import TaskManifest, TaskRecords, load_task_manifest
+from vlmprep.shards.manifest import TaskManifest, load_task_manifest
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
 from vlmprep_schemas.boundary import open_no_follow
@@ -192,7 +192,7 @@ def _finish_task(state: _TaskState, plan: Plan, digest: str) -> TaskManifest:
     os.replace(files.partial_rejects, files.rejects)
     cut = plan.cuts[files.index]
     manifest = TaskManifest(plan=digest, task=files.index, config=plan.config, fingerprint=plan.processor.fingerprint,
-                            records=TaskRecords(first_position=cut.position, count=cut.records),
+                            records={"first_position": cut.position, "count": cut.records},
                             shards=tuple(s.entry() for s in writer.shards),
                             totals={k: int(totals[k]) for k in TOTAL_KEYS},
                             inputs={str(i): input_totals(c) for i, c in sorted(state.inputs.items())},

@@ -152,23 +152,18 @@ class Manifest(JsonObject):
     def from_json(cls, obj, *, where: str = MANIFEST_NAME) -> Manifest:
         """A parsed manifest (read from `where`), refused unless its format_version is one this vlmprep reads and its
         values have the schema's types (the paths it names are dataset_paths' to check)."""
-        version = obj.get("format_version") if isinstance(obj, dict) else None
-        if version not in READABLE_VERSIONS:
-            raise ShardFormatError(f"{where}: format_version {version!r} is not supported (this vlmprep reads "
-                                   f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the "
-                                   "dataset")
-        problem = schema_problem(obj, "manifest.schema.json")
-        if problem:
-            raise ShardFormatError(f"{where} does not match the manifest schema: {problem}")
+        _check_manifest(obj, where)
         return super().from_json(obj)
 
 
-@dataclass(frozen=True, kw_only=True)
-class TaskRecords(JsonObject):
-    """The records a task read: from input position `first_position`, `count` of them."""
-
-    first_position: int
-    count: int
+def _check_manifest(manifest, where: str) -> None:
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version not in READABLE_VERSIONS:
+        raise ShardFormatError(f"{where}: format_version {version!r} is not supported (this vlmprep reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
+    problem = schema_problem(manifest, "manifest.schema.json")
+    if problem:
+        raise ShardFormatError(f"{where} does not match the manifest schema: {problem}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,14 +176,14 @@ class TaskManifest(JsonObject):
     task: int | None = None
     config: dict = field(default_factory=dict)
     fingerprint: str | None = None  # the saved processor's (key `processor`)
-    records: TaskRecords
+    records: dict  # the records the task read: {"first_position": its first input position, "count": how many}
     shards: tuple[ShardEntry, ...]
     totals: dict
     inputs: dict  # str(input file index) -> its share of the totals
     rejects: dict
 
     KEYS = {"fingerprint": "processor"}
-    NESTED = {"records": TaskRecords, "shards": [ShardEntry]}
+    NESTED = {"shards": [ShardEntry]}
 
 
 def load_task_manifest(files: TaskFiles) -> TaskManifest | None:
