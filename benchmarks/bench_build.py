@@ -41,7 +41,7 @@ def timed_build(inp: Path, out: Path, **kw) -> tuple[float, dict]:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
     res = build(build_config(inp, out, **kw))
-    return time.perf_counter() - t0, res.manifest
+    return time.perf_counter() - t0, res.manifest.to_json()
 
 
 def processor_floor(inp: Path, processor, chat_template: str | None) -> tuple[float, int]:

@@ -159,12 +159,12 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: i
         shards = writer.close()
         write_text_atomic(files.samples, "".join(line + "\n" for line in lines))
         write_text_atomic(files.rejects, "")
-        cut = plan["cuts"][i]
+        cut = plan.cuts[i]
         write_json_atomic(files.manifest, {
-            "plan": digest, "task": i, "config": plan["config"], "processor": plan["processor"]["fingerprint"],
-            "records": {"first_position": cut["position"], "count": cut["records"]},
+            "plan": digest, "task": i, "config": plan.config, "processor": plan.processor.fingerprint,
+            "records": {"first_position": cut.position, "count": cut.records},
             "shards": [s.to_json() for s in shards], "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
-            "inputs": {str(cut["file"]): input_totals(totals)},
+            "inputs": {str(cut.file): input_totals(totals)},
             "rejects": {}})
     (d / ".written").touch()
     return d
@@ -194,10 +194,12 @@ def index_only(src: Path, n: int) -> Path:
     manifest["shards"] = shards
     manifest["totals"]["samples"] = have
     if all(s.get("index") for s in shards):  # the dataset's sample index, as merge writes it
+        from vlmprep.shards.manifest import ShardEntry
         from vlmprep.shards.reader import load_sample_index
         from vlmprep.shards.writer import write_dataset_index
 
-        manifest["sample_index"] = write_dataset_index(d, (load_sample_index(d, s) for s in shards), have)
+        manifest["sample_index"] = write_dataset_index(d, (load_sample_index(d, ShardEntry.from_json(s))
+                                                           for s in shards), have)
     (d / "manifest.json").write_text(json.dumps(manifest))
     return d
 

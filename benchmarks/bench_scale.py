@@ -40,8 +40,8 @@ def run(quick: bool, n: int | None = None, tasks: int | None = None) -> list[dic
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rows = []
     local_s, local = _build(inp, OUT / "scale-local", workers=2, **kw)
-    rows.append(emit("scale", executor="local", processes=2, tasks=tasks, records=local.manifest["totals"]["records"],
-                     samples=local.manifest["totals"]["samples"], seconds=round(local_s, 2)))
+    rows.append(emit("scale", executor="local", processes=2, tasks=tasks, records=local.manifest.totals["records"],
+                     samples=local.manifest.totals["samples"], seconds=round(local_s, 2)))
     try:
         import ray
     except ImportError:
@@ -58,7 +58,7 @@ def run(quick: bool, n: int | None = None, tasks: int | None = None) -> list[dic
     # Each task alone in this process, one after another: its own work, free of contention for the 2 cores.
     serial_s, serial = _build(inp, OUT / "scale-serial", workers=1, **kw)
     secs = [serial.task_seconds[i] for i in range(tasks)]
-    sizes = [c["bytes"] for c in serial.plan["cuts"]]
+    sizes = [c.bytes for c in serial.plan.cuts]
     rows.append(emit("scale_balance", tasks=tasks, records=n, one_process_seconds=round(serial_s, 2),
                      task_seconds=[round(s, 2) for s in secs],
                      max_over_mean_seconds=round(max(secs) / (sum(secs) / tasks), 3),

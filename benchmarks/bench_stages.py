@@ -52,8 +52,9 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     from vlmprep.process import Renderer
     from vlmprep.processors.load import load_processor
     from vlmprep.records import iter_records, parse_record
-    from vlmprep.render import _expand_images, _shorten_runs, render_conversation
+    from vlmprep.render import _expand_images, render_conversation
     from vlmprep.shards.writer import ShardWriter
+    from vlmprep.tokens import shorten_runs
     from vlmprep.types import PreparedImage
     from vlmprep_schemas.delta import PDELTA_MIN_LEVEL
 
@@ -131,10 +132,10 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
             _ = im.pixels  # made before the timing: render reads only their grids, and this stage is not about them
     tokens = sum(s.num_tokens_before_truncation for s in samples)
     expanded = [_expand_images(ctx, ctx.render_text(ctx.messages(sc), sc.tools), imgs, sc)[0] for sc, imgs in steps]
-    shorts = [_shorten_runs(t, ctx._run_re, ctx._run_tokens)[0] for t in expanded]
+    shorts = [shorten_runs(t, ctx.text.run_re, ctx.text.run_tokens)[0] for t in expanded]
     backend = ctx.tokenizer.backend_tokenizer
     whole = _best(lambda: [ctx.tokenizer(t, return_offsets_mapping=True) for t in expanded], reps)
-    stage("tokenize", "ms per 1k tokens", tokens / 1e3, lambda: [ctx.encode(t) for t in expanded],
+    stage("tokenize", "ms per 1k tokens", tokens / 1e3, lambda: [ctx.text.encode(t) for t in expanded],
           lambda: [backend.encode(t, add_special_tokens=False) for t in shorts],
           "the tokenizer's Rust encode of the text less each placeholder run's repeats",
           whole_text_ms=round(whole * 1e6 / tokens, 3))

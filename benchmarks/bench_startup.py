@@ -75,7 +75,7 @@ def build_child(inp: str, out: str, workers: int) -> dict:
 
     task.ordered_results = timed
     res = pipeline.build(build_config(Path(inp), Path(out), workers=workers, seq_len=16384))
-    return {"first_record_s": first[0], "seconds": time.time() - _START, "samples": res.manifest["totals"]["samples"]}
+    return {"first_record_s": first[0], "seconds": time.time() - _START, "samples": res.manifest.totals["samples"]}
 
 
 def _child(code: str) -> dict:

@@ -40,11 +40,11 @@ def run(quick: bool) -> list[dict]:
                                 seq_len=32768, progress=False))
         t = time.perf_counter() - t0
         video_s = n * seconds
-        shard_bytes = sum(s["bytes"] for s in res.manifest["shards"])
+        shard_bytes = sum(s.bytes for s in res.manifest.shards)
         rows.append(emit("video", family=family, clips=n, clip_seconds=seconds, fps=fps, width=w, height=h,
                          build_s=round(t, 2), build_s_per_video_s=round(t / video_s, 3),
                          shard_bytes_per_video_s=round(shard_bytes / video_s),
-                         video_tokens=res.manifest["totals"]["video_tokens"]))
+                         video_tokens=res.manifest.totals["video_tokens"]))
     rows += peak_rss_rows(d, ("qwen2-vl",) if quick else ("qwen2-vl", "qwen2.5-vl", "qwen3-vl"))
     return rows
 
