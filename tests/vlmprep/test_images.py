@@ -209,7 +209,7 @@ def _stored(pixels):
 
 def _read_back(name, data, shape):
     """Both readers: vlmprep's (verify, inspect, the clients) and the trainer's loader (into a buffer)."""
-    from trainer.decode import _decoded_size, decode_image_into
+    from trainer.data.decode import _decoded_size, decode_image_into
     from vlmprep.shards.decode import decode_stored_image
 
     buf = np.empty(_decoded_size(name, data, shape[0], shape[1]), np.uint8)
@@ -390,7 +390,7 @@ def test_zstd_pdelta_stores_a_screenshot_against_the_one_before():
     decode it bit-identical given that payload, and without it it does not decode."""
     import zstandard
 
-    from trainer.decode import _decoded_size, decode_image_into
+    from trainer.data.decode import _decoded_size, decode_image_into
     from vlmprep.images import delta_payload
     from vlmprep.shards.decode import decode_stored_image
 

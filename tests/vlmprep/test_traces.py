@@ -307,10 +307,11 @@ def test_max_pixels_is_saved_and_gives_the_processors_own_grid(traces, tmp_path)
         BuildConfig(inputs=("x",), out="o", min_pixels=10, max_pixels=5)
     # The trainer reads the budgeted dataset unchanged: its decoder checks every grid against the pixels and the
     # placeholder count, with the image spec of the saved (budgeted) processor; then one batch collates.
-    from trainer.collate import CollateSpec, collate
-    from trainer.decode import OriginalResizer, decode_sample
-    from trainer.shards import iter_tar_samples, load_image_processor_config
-    from trainer.vision import ImageSpec, Patchifier
+    from trainer.data.collate import CollateSpec, collate
+    from trainer.data.decode import OriginalResizer, decode_sample
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.tars import iter_tar_samples
+    from trainer.data.vision import ImageSpec, Patchifier
 
     spec = ImageSpec.from_config(load_image_processor_config(str(out / "processor")))
     decoded = [decode_sample(m, key=k, url=str(p), spec=spec, resize_original=OriginalResizer(spec))

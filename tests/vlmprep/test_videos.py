@@ -311,8 +311,8 @@ def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
                       max_pixels=79 * 60)
     assert e.value.reason == "video_too_large" and "--max-image-pixels" in e.value.message
 
-    from trainer.decode import refuse_videos
-    from trainer.shards import DataError
+    from trainer.data.decode import refuse_videos
+    from trainer.data.errors import DataError
 
     refuse_videos({"totals": {"videos": 0}}, "d")
     refuse_videos({"totals": {"videos": 2}}, "d", "qwen2_vl")  # loss parity verified: tests/trainer/test_video_train.py

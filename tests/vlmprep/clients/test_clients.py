@@ -41,10 +41,11 @@ def manifest(dataset) -> dict:
 
 @pytest.fixture(scope="module")
 def expected(dataset, manifest) -> dict:
-    """key -> the trainer's own decode (trainer/decode.py) of that sample, images expanded per occurrence."""
-    from trainer.decode import OriginalResizer, decode_sample
-    from trainer.shards import iter_tar_samples, load_image_processor_config
-    from trainer.vision import ImageSpec
+    """key -> the trainer's own decode (trainer/data/decode.py) of that sample, images expanded per occurrence."""
+    from trainer.data.decode import OriginalResizer, decode_sample
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.tars import iter_tar_samples
+    from trainer.data.vision import ImageSpec
 
     spec = ImageSpec.from_config(load_image_processor_config(str(dataset / "processor")))
     out = {}

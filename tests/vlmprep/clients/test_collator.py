@@ -1,5 +1,5 @@
-"""vlmprep.clients.collate.Collator gives other trainers the project trainer's batches: equal to trainer/collate.py
-plus trainer/vision.py on the same samples (pixel_values bit for bit, through a DataLoader with workers too), and
+"""vlmprep.clients.collate.Collator gives other trainers the project trainer's batches: equal to trainer/data/collate.py
+plus trainer/data/vision.py on the same samples (pixel_values bit for bit, through a DataLoader with workers too), and
 docs/other-libraries.md's HF Trainer and TRL SFTTrainer code, run as written, trains 2 steps with the trainer's step-1 loss,
 for zstd and `original` (resized at load time) datasets; video batches (pixel_values_videos, video_grid_thw,
 second_per_grid_ts) equal the trainer's for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
@@ -41,10 +41,11 @@ def built(request, tmp_path_factory):
 
 def _trainer_batches(d: Path, size: int):
     """The project trainer's own batches of the dataset in manifest order: collate + on-device pixel math."""
-    from trainer.collate import CollateSpec, collate
-    from trainer.data import RankStream
-    from trainer.shards import load_image_processor_config, resolve_data
-    from trainer.vision import ImageSpec, Patchifier
+    from trainer.data.collate import CollateSpec, collate
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import RankStream
+    from trainer.data.vision import ImageSpec, Patchifier
 
     spec = ImageSpec.from_config(load_image_processor_config(str(d / "processor")))
     samples = list(RankStream(list(resolve_data(str(d)).shards), start=0, spec=spec))
@@ -71,8 +72,8 @@ def _key(batch: dict) -> tuple:
 
 def tiny_model(d):
     """The trainer's --tiny-random qwen2-vl, sized to the dataset's processor as the trainer sizes it."""
-    from trainer.config import ModelOptions
     from trainer.model import build_model, tiny_vocab
+    from trainer.options import ModelOptions
 
     return build_model(ModelOptions(tiny_random="qwen2-vl", seed=0), tiny_vocab("qwen2-vl", str(Path(d) / "processor")))
 
@@ -242,8 +243,8 @@ def test_energon_trains_with_the_docs_code(built, tmp_path):
     if fmt != "zstd":
         pytest.skip("one format is enough")
     import vlmprep.clients.hf
-    from trainer.config import ModelOptions
     from trainer.model import build_model
+    from trainer.options import ModelOptions
     from vlmprep.clients.collate import Collator
 
     shutil.copytree(d, tmp_path / "ds")  # the block indexes DIR (energon's .nv-meta files)
@@ -283,8 +284,8 @@ def test_trl_sft_trainer_trains_with_the_readme_code(built, tmp_path):
 
 def _video_model(family: str):
     """A tiny random model of the family (fp32, sdpa): the trainer's Qwen2-VL, else the trainer tests' configs."""
-    from trainer.config import ModelOptions
     from trainer.model import build_model
+    from trainer.options import ModelOptions
 
     if family == "qwen2-vl":
         return build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
@@ -322,10 +323,10 @@ def test_collator_video_batches_equal_the_trainers(video_dataset, video_collator
     import vlmprep.clients.hf
     from tests.trainer.conftest import read_all_samples
     from tests.vlmprep.clients.test_clients import _stored_videos
-    from trainer.collate import CollateSpec, collate
+    from trainer.data.collate import CollateSpec, collate
+    from trainer.data.processors import load_image_processor_config, load_video_processor_config
+    from trainer.data.vision import ImageSpec, Patchifier
     from trainer.model import forward_loss
-    from trainer.shards import load_image_processor_config, load_video_processor_config
-    from trainer.vision import ImageSpec, Patchifier
 
     d = video_dataset(family)
     samples = list(vlmprep.clients.hf.iterable_dataset(d))
