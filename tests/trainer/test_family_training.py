@@ -388,6 +388,7 @@ def test_image_tokens_are_counted_as_each_familys_whole_image_unit(name, tmp_pat
 
     from trainer.model import image_token_id, tiny_config, tiny_vocab
     from vlmprep.cli import app
+    from vlmprep.shards.manifest import Manifest
     from vlmprep.shards.summary import format_build_summary
     from vlmprep.tools.stats import compute_stats
 
@@ -409,7 +410,7 @@ def test_image_tokens_are_counted_as_each_familys_whole_image_unit(name, tmp_pat
     assert {vocab[i] for i in text} <= {"Ċ", "ĊĊ"}, {vocab[i] for i in text}
     n = b - a
     assert meta["num_image_tokens"] == manifest["totals"]["image_tokens"] == n
-    summary = format_build_summary(manifest, ds)
+    summary = format_build_summary(Manifest.from_json(manifest), ds)
     assert f"images            1 ({n} image tokens)" in summary
     st = compute_stats(ds)
     assert st["image_tokens"] == n and st["mismatches"] == []

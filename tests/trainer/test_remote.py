@@ -110,11 +110,13 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
     manifest, so the whole file is never hashed; 32 bytes a sample kept."""
     import trainer.data.index
     from trainer.data.pipeline import rank_sources
+    from vlmprep.shards.manifest import ShardEntry
     from vlmprep.shards.reader import load_sample_index
 
     manifest = json.loads((dataset / "manifest.json").read_text())
     whole = np.load(dataset / manifest["sample_index"]["name"], allow_pickle=False)
-    np.testing.assert_array_equal(whole, np.concatenate([load_sample_index(dataset, s) for s in manifest["shards"]]))
+    np.testing.assert_array_equal(whole, np.concatenate([load_sample_index(dataset, ShardEntry.from_json(s))
+                                                            for s in manifest["shards"]]))
     ds = resolve_data(str(dataset))
     want = {s.name: load_index(s, Path(s.index.url).read_bytes(), path=s.url) for s in ds.shards}
 
