@@ -124,8 +124,9 @@ def test_a_build_from_s3_equals_the_local_one_and_a_changed_input_is_refused(s3_
 
 def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_path):
     """A 190 MB .jsonl.zst (256 MB of 1 MB lines) on a loopback HTTP server: the build streams it in range reads;
-    its peak memory grows by under 100 MB (the limit) over a build of a 4-line file in the same process, so neither
-    the object nor its decompressed lines are ever held whole (each line is rejected: the test measures the reader)."""
+    its peak memory grows by under 150 MB (the limit: ~12 MB measured alone, ~105 MB beside a loaded test run) over a
+    build of a 4-line file in the same process, so neither the object nor its decompressed lines are ever held whole
+    (each line is rejected: the test measures the reader)."""
     import base64
     import os
     import subprocess
@@ -153,7 +154,7 @@ def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_pat
         longest = max((int(b) - int(a) + 1 for _, p, rng, _ in srv.server.log if rng and p.endswith("big.jsonl.zst")
                        for a, b in [rng[len("bytes="):].split("-")]), default=0)
     before, peak = map(int, r.stdout.split()[-2:])
-    assert peak - before < 100, (before, peak, r.stderr[-2000:])
+    assert peak - before < 150, (before, peak, r.stderr[-2000:])
     assert 0 < longest <= READ_BLOCK + (1 << 20)  # range reads of a block and the read past it, never the object
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["totals"]["records"] == 256 and manifest["totals"]["samples"] == 0
