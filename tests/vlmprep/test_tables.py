@@ -290,6 +290,7 @@ def test_a_row_group_larger_than_memory_allows_is_read_in_bounded_slices(tmp_pat
                                                                                    "o1", "o"))],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     before, peak = map(int, r.stdout.split()[-2:])
-    assert peak - before < 160, (before, peak, r.stderr[-2000:])
+    # ~90 MB alone, ~180 MB beside a loaded make test; the row group read whole costs 2x its 384 MB
+    assert peak - before < 250, (before, peak, r.stderr[-2000:])
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["rejects"] == {"corrupt_image": 48}
