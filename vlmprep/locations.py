@@ -70,7 +70,8 @@ def url_fs(url: str, where: str = "--in"):
         raise LocationError(f"{url}: {scheme}:// for {where} needs {package}: pip install {package}") from None
 
 
-def _why(e: BaseException) -> str:
+def why(e: BaseException) -> str:
+    """A store library's exception as a short reason (its first line)."""
     if isinstance(e, FileNotFoundError):
         return "no such object"
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -98,7 +99,7 @@ def expand_url(pattern: str, suffixes: tuple[str, ...]) -> list[RemoteFile]:
     except LocationError:
         raise
     except Exception as e:  # noqa: BLE001 - each backend raises its own kinds
-        raise LocationError(f"cannot list {pattern}: {_why(e)}") from None
+        raise LocationError(f"cannot list {pattern}: {why(e)}") from None
     return [RemoteFile(fs.unstrip_protocol(p) if "://" not in p else p) if scheme != "memory"
             else RemoteFile(f"memory://{p.lstrip('/')}") for p in sorted(found)]
 
@@ -114,7 +115,7 @@ class _Guarded(io.RawIOBase):
         try:
             return fn(*a)
         except Exception as e:  # noqa: BLE001 - botocore, aiohttp, huggingface_hub each raise their own
-            raise OSError(f"cannot read {self._url}: {_why(e)}") from None
+            raise OSError(f"cannot read {self._url}: {why(e)}") from None
 
     def readable(self) -> bool:
         return True
@@ -148,7 +149,7 @@ def open_input(p: Input):
     try:
         f = fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
     except Exception as e:  # noqa: BLE001
-        raise OSError(f"cannot read {p.url}: {_why(e)}") from None
+        raise OSError(f"cannot read {p.url}: {why(e)}") from None
     return io.BufferedReader(_Guarded(f, p.url), buffer_size=1 << 20)
 
 
@@ -162,7 +163,7 @@ def stamp(p: Input) -> dict:
     try:
         info = fs.info(path)
     except Exception as e:  # noqa: BLE001
-        raise LocationError(f"cannot read {p.url}: {_why(e)}") from None
+        raise LocationError(f"cannot read {p.url}: {why(e)}") from None
     tag = next((str(info[k]) for k in ("ETag", "etag", "VersionId", "version_id", "md5Hash", "blob_id", "lfs")
                 if info.get(k)), None)
     when = next((info[k] for k in ("LastModified", "last_modified", "mtime", "updated", "created") if info.get(k)),

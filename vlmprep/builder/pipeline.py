@@ -27,7 +27,16 @@ from pathlib import Path
 from vlmprep.builder.checks import RejectsError, check_coverage, check_dataset, check_rejects
 from vlmprep.builder.merge import merge_tasks
 from vlmprep.builder.owner import own_out, share_out
-from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, make_plan, shard_prefix, write_plan
+from vlmprep.builder.plan import (
+    Plan,
+    PlanError,
+    config_changes,
+    load_plan,
+    make_plan,
+    plan_digest,
+    shard_prefix,
+    write_plan,
+)
 from vlmprep.builder.progress import TaskProgress
 from vlmprep.builder.store import (
     Bucket,
@@ -208,6 +217,11 @@ def _task_in_store(url: str, index: int, *, workers: int, progress: bool, cfg: B
             if not pull_plan(bucket, stage, have) and cfg is not None:
                 plan_build(dataclasses.replace(cfg, out=str(stage)), fresh=False)
                 push_plan(bucket, stage)
+            plan = load_plan(stage)
+            done = bucket.finished_task(have, index, plan_digest(plan)) if plan is not None else None
+            if done is not None:  # a rerun of a finished array job: nothing to do
+                return BuildResult(out=url, manifest=None, plan=plan, task=done,
+                                   rejects=collections.Counter(done.rejects))
             result = _build_task_shared(stage, index, workers=workers, progress=progress, cfg=None, upload_to=url)
         except UserError as e:
             e.args = (str(e).replace(str(stage), url),)

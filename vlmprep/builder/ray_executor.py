@@ -7,14 +7,12 @@ import os
 import time
 from pathlib import Path
 
-from vlmprep.builder.plan import Plan, plan_digest, shard_prefix
+from vlmprep.builder.plan import Plan, plan_digest
 from vlmprep.builder.progress import TaskProgress
-from vlmprep.builder.store import Bucket, pull_plan, pull_task, scratch_stage
+from vlmprep.builder.store import Bucket, pull_plan, scratch_stage
 from vlmprep.builder.task import run_task, task_start
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import BuildConfig
-from vlmprep.shards.dataset import TaskFiles, task_file
-from vlmprep.shards.manifest import load_task_manifest
 from vlmprep.types import UserError, printable
 
 # A task killed with its worker (node lost, OOM, preemption) is run again; it resumes from its own journal.
@@ -32,12 +30,9 @@ def _run_task_on_worker(out: str, plan: Plan, config: dict, index: int, cwd: str
     if upload_to:  # --out in a store: nothing shared but the bucket; the task runs in a scratch stage of its own
         bucket = Bucket(upload_to)
         have = bucket.names()
-        if task_file(index, ".json") in have:  # finished before a retry or a resumed build
-            with scratch_stage(upload_to, index) as stage:
-                done = pull_task(bucket, stage, have, index)
-                task = load_task_manifest(TaskFiles(stage, index, shard_prefix(plan, index))) if done else None
-            if task is not None and task.plan == plan_digest(plan):
-                return index, time.perf_counter() - t0, task.totals
+        done = bucket.finished_task(have, index, plan_digest(plan))  # before a retry or a resumed build
+        if done is not None:
+            return index, time.perf_counter() - t0, done.totals
         with scratch_stage(upload_to, index) as stage:
             pull_plan(bucket, stage, have)
             cfg = BuildConfig.from_plan(config, out=str(stage), workers=1, progress=False)

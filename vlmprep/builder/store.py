@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from vlmprep.builder.workers import BuildError
-from vlmprep.locations import LocationError, is_url, url_fs
+from vlmprep.locations import READ_BLOCK, LocationError, is_url, url_fs, why
 from vlmprep.shards.dataset import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -40,6 +40,7 @@ from vlmprep.shards.dataset import (
 )
 from vlmprep.shards.format import index_name
 from vlmprep.shards.manifest import Manifest, ShardEntry, TaskManifest
+from vlmprep_schemas.boundary import open_no_follow
 
 STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
 # A stage's files that are the local run's own state, never uploaded: locks, journals, partial lists, temp files.
@@ -80,7 +81,7 @@ class Bucket:
         except FileNotFoundError:
             return {}
         except Exception as e:  # noqa: BLE001 - each store raises its own kinds
-            raise LocationError(f"--out {self.url}: cannot list it: {_why(e)}") from None
+            raise LocationError(f"--out {self.url}: cannot list it: {why(e)}") from None
         cut = len(self.root) + 1
         return {k[cut:]: int(v.get("size") or 0) for k, v in found.items()
                 if k.startswith(self.root + "/") and v.get("type", "file") == "file"}
@@ -90,32 +91,52 @@ class Bucket:
         try:
             self.fs.put_file(str(local), self._key(name))
         except Exception as e:  # noqa: BLE001
-            raise LocationError(f"--out {self.url}: uploading {name} failed: {_why(e)}") from None
+            raise LocationError(f"--out {self.url}: uploading {name} failed: {why(e)}") from None
 
-    def get(self, name: str, local: Path, size: int | None = None) -> None:
-        """Fetch one object to `local` (NAME.part, then renamed): a kill never leaves part of one under its name."""
+    def get(self, name: str, local: Path, size: int) -> None:
+        """Fetch one object of its listed `size` to `local` (NAME.part, opened without following a link, then
+        renamed): a kill never leaves part of one under its name, and a body past its size is refused unread."""
         if ".." in Path(name).parts or Path(name).is_absolute():
             raise LocationError(f"--out {self.url}: {name!r} is outside the dataset; refusing it")
         local.parent.mkdir(parents=True, exist_ok=True)
         part = local.with_name(local.name + ".part")
-        part.unlink(missing_ok=True)  # never written through a planted link
-        try:
-            self.fs.get_file(self._key(name), str(part))
-        except Exception as e:  # noqa: BLE001
-            raise LocationError(f"--out {self.url}: fetching {name} failed: {_why(e)}") from None
-        if size is not None and part.stat().st_size != size:
-            raise LocationError(f"--out {self.url}: {name} is {part.stat().st_size} bytes fetched, {size} listed")
+        with open_no_follow(part, "wb") as f:
+            got = self._stream(name, size, f.write)
+        if got != size:
+            part.unlink()
+            raise LocationError(f"--out {self.url}: {name} is {got}{'+' if got > size else ''} bytes fetched, "
+                                f"{size} listed")
         os.replace(part, local)
+
+    def _stream(self, name: str, size: int, sink) -> int:
+        """The object's bytes to `sink` in 4 MiB reads, stopping one byte past `size`; the bytes read."""
+        got = 0
+        try:
+            with self.fs.open(self._key(name), "rb") as src:
+                while got <= size and (chunk := src.read(min(READ_BLOCK, size + 1 - got))):
+                    sink(chunk)
+                    got += len(chunk)
+        except Exception as e:  # noqa: BLE001 - each store raises its own kinds
+            raise LocationError(f"--out {self.url}: fetching {name} failed: {why(e)}") from None
+        return got
+
+    def finished_task(self, have: dict[str, int], index: int, digest: str) -> TaskManifest | None:
+        """Task `index`'s manifest where the bucket holds one of this plan (`digest`), read alone (its lists and
+        shards are not fetched): a task finished there is not run again."""
+        name = task_file(index, ".json")
+        if name not in have:
+            return None
+        parts: list[bytes] = []
+        if self._stream(name, have[name], parts.append) != have[name]:
+            return None
+        done = TaskManifest.from_json(json.loads(b"".join(parts)))
+        return done if done.plan == digest else None
 
     def remove(self, names: list[str]) -> None:
         """Delete these objects (one already gone is fine)."""
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._key(name))
-
-
-def _why(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 class Uploader:

@@ -149,6 +149,12 @@ def test_plan_tasks_and_merge_share_nothing_but_the_bucket(bucket, task_traces, 
     r = CliRunner().invoke(app, ["merge", url, "--max-reject-fraction", "1", "--min-turn-coverage", "0"])
     assert r.exit_code == 0, r.output
     assert _objects(fs, f"{name}/ds") == _local(ref)
+    shards = sorted(k for k in fs.find(f"{name}/ds") if Path(k).name.startswith("shard-00000-"))
+    before = {k: fs.info(k)["LastModified"] for k in shards}
+    r = CliRunner().invoke(app, ["build", *base, "--task-index", "0"])  # a rerun of a finished array job
+    assert r.exit_code == 0, r.output
+    fs.invalidate_cache()
+    assert {k: fs.info(k)["LastModified"] for k in shards} == before and _objects(fs, f"{name}/ds") == _local(ref)
 
 
 @pytest.mark.slow  # make-test budget: a Ray cluster's start (~12 s on 2 cores) and two 3-task builds
