@@ -2,17 +2,24 @@
 -> checked, cached shards -> decoded samples -> the micro-batches of a step (README.md has the map, one line per
 module). The run imports these names only; the stages behind them are this package's modules.
 """
-from trainer.data.batches import StepLoader
-from trainer.data.collate import IGNORE_INDEX, Batch, CollateSpec, keep_freed_buffers, token_sources
-from trainer.data.datasets import RunData, log_plans, open_data, processor_dir
-from trainer.data.decode import trains_videos
-from trainer.data.errors import DataError
-from trainer.data.pack import check_packing, empty_state
-from trainer.data.pipeline import EvalSet, ReadPlan, eval_loaders, make_loader, read_plan
-from trainer.data.processors import load_processor
-from trainer.data.sources import resolve_data
-from trainer.data.storage import set_read_timeout
-from trainer.data.vision import Patchifier, host_pixels
+import importlib
+
+# Each name -> the module that holds it, imported on first use (PEP 562): importing one stage (`trainer.data.sources`
+# for a dataset's manifest) must not import every stage and torch with it.
+_FACE = {"StepLoader": "batches", "IGNORE_INDEX": "collate", "Batch": "collate", "CollateSpec": "collate",
+         "keep_freed_buffers": "collate", "token_sources": "collate", "RunData": "datasets", "log_plans": "datasets",
+         "open_data": "datasets", "processor_dir": "datasets", "trains_videos": "decode", "DataError": "errors",
+         "check_packing": "pack", "empty_state": "pack", "EvalSet": "pipeline", "ReadPlan": "pipeline",
+         "eval_loaders": "pipeline", "make_loader": "pipeline", "read_plan": "pipeline",
+         "load_processor": "processors", "resolve_data": "sources", "set_read_timeout": "storage",
+         "Patchifier": "vision", "host_pixels": "vision"}
+
+
+def __getattr__(name: str):
+    if name not in _FACE:
+        raise AttributeError(f"module 'trainer.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainer.data.{_FACE[name]}"), name)
+
 
 __all__ = [
     # the run's data, assembled (datasets.py, pipeline.py)
