@@ -37,6 +37,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Files spread over TEST_WORKERS processes (pytest-xdist; whole files, so module fixtures are built once);
 # TEST_WORKERS=0 runs in this process, e.g. for pdb.

@@ -1,6 +1,7 @@
 """Balance benchmark: 8 simulated ranks over the demo traces' real token counts. Tokens per step, max/mean
 across ranks, for the trainer's token-balanced shard plan (+ token-budget micro-batches) vs a sample-count
 split; both run the same number of steps, as the trainer does."""
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def steps_tokens(rank_lengths: list[list[int]], *, micro: int = 0, budget: int =
         if group:
             steps.append(max(group) * len(group))
         steps += [0] * (-len(steps) % accum)
-        per_rank.append([sum(steps[i:i + accum]) for i in range(0, len(steps), accum)])
+        per_rank.append([sum(steps[i : i + accum]) for i in range(0, len(steps), accum)])
     n = max(len(s) for s in per_rank)
     return np.array([s + [0] * (n - len(s)) for s in per_rank], dtype=np.float64)  # exhausted ranks idle
 
@@ -63,17 +64,23 @@ def run(quick: bool, n: int | None = None, world: int = 8) -> list[dict]:
     balanced = [[L for i in plan.per_rank[r] for L in shards[i]] for r in range(world)]
     flat = [L for s in shards for L in s]
     chunk = -(-len(flat) // world)
-    by_count = [flat[r * chunk:(r + 1) * chunk] for r in range(world)]
+    by_count = [flat[r * chunk : (r + 1) * chunk] for r in range(world)]
     budget = 2 * max(flat)
     rows = []
     for name, ranks in (("sample_count_split", by_count), ("token_balanced_shards", balanced)):
         totals = [sum(r) for r in ranks]
-        rows.append(emit("balance", plan=name, ranks=world, samples=len(flat),
-                         epoch_tokens_max_over_mean=round(max(totals) / (sum(totals) / world), 4),
-                         step_max_over_mean_micro1=round(imbalance(steps_tokens(ranks, micro=1)), 4),
-                         step_max_over_mean_budget=round(imbalance(steps_tokens(ranks, budget=budget)), 4),
-                         step_max_over_mean_budget_accum8=round(
-                             imbalance(steps_tokens(ranks, budget=budget, accum=8)), 4),
-                         token_budget=budget, goal=1.05))
+        rows.append(
+            emit(
+                "balance",
+                plan=name,
+                ranks=world,
+                samples=len(flat),
+                epoch_tokens_max_over_mean=round(max(totals) / (sum(totals) / world), 4),
+                step_max_over_mean_micro1=round(imbalance(steps_tokens(ranks, micro=1)), 4),
+                step_max_over_mean_budget=round(imbalance(steps_tokens(ranks, budget=budget)), 4),
+                step_max_over_mean_budget_accum8=round(imbalance(steps_tokens(ranks, budget=budget, accum=8)), 4),
+                token_budget=budget,
+                goal=1.05,
+            )
+        )
     return rows
-

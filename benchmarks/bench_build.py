@@ -1,6 +1,7 @@
 """Build benchmark: records/s and tokens/s of `vlmprep build` with 1 and 2 workers against the processor's own
 render time (the floor) on the same records; peak RSS at 1k vs 10k records; shard bytes per image format vs
 the input's decoded bytes."""
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,9 @@ def build_config(inp: Path, out: Path, **kw):
     if "min_turn_coverage" in BuildConfig.__dataclass_fields__:  # and so are its lost turns; the documented numbers
         extra["min_turn_coverage"] = 0.0  # were measured truncating where a benchmark names no --long-traces
         kw.setdefault("long_traces", "truncate")
-    return BuildConfig(inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra,
-                       **kw)
+    return BuildConfig(
+        inputs=(str(inp),), out=str(out), progress=False, seq_len=kw.pop("seq_len", 32768), **extra, **kw
+    )
 
 
 def timed_build(inp: Path, out: Path, **kw) -> tuple[float, dict]:
@@ -100,8 +102,9 @@ def _worker_pids(parent: int) -> list[int]:
     for p in psutil.Process(parent).children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
-            if (("forkserver" in cmd and p.ppid() != parent)
-                    or (p.ppid() == parent and ("spawn_main" in cmd or cmd == own))):
+            if ("forkserver" in cmd and p.ppid() != parent) or (
+                p.ppid() == parent and ("spawn_main" in cmd or cmd == own)
+            ):
                 pids.append(p.pid)
         except psutil.Error:
             continue
@@ -121,16 +124,23 @@ def measure_rss(inp: str, out: str, workers: int) -> dict:
     threading.Thread(target=poll, daemon=True).start()
     t, m = timed_build(Path(inp), Path(out), workers=workers)
     done.set()
-    return {"seconds": t, "samples": m["totals"]["samples"], "main_rss_mb": _hwm_mb(),
-            "worker_rss_mb": max(peaks.values(), default=0.0), "workers_seen": len(peaks)}
+    return {
+        "seconds": t,
+        "samples": m["totals"]["samples"],
+        "main_rss_mb": _hwm_mb(),
+        "worker_rss_mb": max(peaks.values(), default=0.0),
+        "workers_seen": len(peaks),
+    }
 
 
 def rss_child(n: int, workers: int) -> dict:
     """Peak RSS of a fresh process building n small records (main process and its workers separately)."""
     inp = traces(n, width=160, height=100, min_images=1, max_images=1, overlong_fraction=0.0, text_only_fraction=0.3)
     out = OUT / f"rss-{n}-w{workers}"
-    code = ("import json; from benchmarks.bench_build import measure_rss;"
-            f"print(json.dumps(measure_rss({str(inp)!r}, {str(out)!r}, {workers})))")
+    code = (
+        "import json; from benchmarks.bench_build import measure_rss;"
+        f"print(json.dumps(measure_rss({str(inp)!r}, {str(out)!r}, {workers})))"
+    )
     res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     shutil.rmtree(out, ignore_errors=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -142,8 +152,10 @@ def _short_records_scaling(quick: bool) -> list[dict]:
     recs = vqa_demo(1 if quick else 96)
     if not recs:
         return [emit("build", metric="speedup_2_workers", shape="short_vqa", skipped="../shared/data not found")]
-    inp, one = jsonl_zst(recs, OUT / "inputs" / f"vqa-{len(recs)}.jsonl.zst"), jsonl_zst(recs[:1], OUT / "inputs" /
-                                                                                       "vqa-1.jsonl.zst")
+    inp, one = (
+        jsonl_zst(recs, OUT / "inputs" / f"vqa-{len(recs)}.jsonl.zst"),
+        jsonl_zst(recs[:1], OUT / "inputs" / "vqa-1.jsonl.zst"),
+    )
     timed_build(one, OUT / "vqa-warm", workers=2, seq_len=4096)  # the first build in a process loads the processor
     seconds = {}
     for w in (1, 2):
@@ -151,9 +163,18 @@ def _short_records_scaling(quick: bool) -> list[dict]:
         t, _ = timed_build(inp, OUT / f"vqa-w{w}", workers=w, seq_len=4096)
         seconds[w] = (t - start, start)
     (t1, s1), (t2, s2) = seconds[1], seconds[2]
-    return [emit("build", metric="speedup_2_workers", shape="short_vqa", records=len(recs),
-                 records_per_s={"1": round(len(recs) / t1, 1), "2": round(len(recs) / t2, 1)},
-                 startup_seconds={"1": round(s1, 2), "2": round(s2, 2)}, ratio=round(t1 / t2, 3), goal=1.4)]
+    return [
+        emit(
+            "build",
+            metric="speedup_2_workers",
+            shape="short_vqa",
+            records=len(recs),
+            records_per_s={"1": round(len(recs) / t1, 1), "2": round(len(recs) / t2, 1)},
+            startup_seconds={"1": round(s1, 2), "2": round(s2, 2)},
+            ratio=round(t1 / t2, 3),
+            goal=1.4,
+        )
+    ]
 
 
 def run(quick: bool, n: int | None = None) -> list[dict]:
@@ -170,8 +191,16 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     template = TOOL_TEMPLATE.read_text() if TOOL_TEMPLATE.exists() else None
 
     t_floor, floor_tokens = processor_floor(inp, processor, template)
-    rows.append(emit("build", metric="processor_render_floor", records=n, seconds=round(t_floor, 3),
-                     records_per_s=round(n / t_floor, 2), tokens_per_s=round(floor_tokens / t_floor)))
+    rows.append(
+        emit(
+            "build",
+            metric="processor_render_floor",
+            records=n,
+            seconds=round(t_floor, 3),
+            records_per_s=round(n / t_floor, 2),
+            tokens_per_s=round(floor_tokens / t_floor),
+        )
+    )
     # Fixed cost (load + save the processor, start workers) measured on a 1-record input and reported apart:
     # the goals are about the per-record work, which is what scales with a real dataset.
     one = traces(1, width=size[0], height=size[1], max_images=2)
@@ -180,14 +209,41 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     t1, m1 = timed_build(inp, OUT / "build-w1", workers=1)
     t2, m2 = timed_build(inp, OUT / "build-w2", workers=2)
     for w, t, s, m in ((1, t1, s1, m1), (2, t2, s2, m2)):
-        rows.append(emit("build", metric="build", workers=w, records=n, samples=m["totals"]["samples"],
-                         rejected=m["totals"]["rejected"], seconds=round(t, 3), startup_seconds=round(s, 3),
-                         records_per_s=round(n / (t - s), 2), tokens_per_s=round(m["totals"]["tokens"] / (t - s))))
+        rows.append(
+            emit(
+                "build",
+                metric="build",
+                workers=w,
+                records=n,
+                samples=m["totals"]["samples"],
+                rejected=m["totals"]["rejected"],
+                seconds=round(t, 3),
+                startup_seconds=round(s, 3),
+                records_per_s=round(n / (t - s), 2),
+                tokens_per_s=round(m["totals"]["tokens"] / (t - s)),
+            )
+        )
     r1 = (t1 - s1) / t_floor
-    rows.append(emit("build", metric="overhead_vs_processor_render", workers=1, ratio=round(r1, 3),
-                     overhead_pct=round(100 * (r1 - 1), 1), goal_pct=10))
-    rows.append(emit("build", metric="speedup_2_workers", shape="agent_traces", records=n,
-                     ratio=round((t1 - s1) / (t2 - s2), 3), goal=1.8))
+    rows.append(
+        emit(
+            "build",
+            metric="overhead_vs_processor_render",
+            workers=1,
+            ratio=round(r1, 3),
+            overhead_pct=round(100 * (r1 - 1), 1),
+            goal_pct=10,
+        )
+    )
+    rows.append(
+        emit(
+            "build",
+            metric="speedup_2_workers",
+            shape="agent_traces",
+            records=n,
+            ratio=round((t1 - s1) / (t2 - s2), 3),
+            goal=1.8,
+        )
+    )
     rows += _short_records_scaling(quick)
 
     fmt_n = 6 if quick else 30
@@ -196,18 +252,38 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     for fmt in ("zstd-delta", "zstd", "png", "webp", "original"):
         t, m = timed_build(fmt_inp, OUT / f"fmt-{fmt}", image_format=fmt)
         shard_bytes = sum(s["bytes"] for s in m["shards"])
-        rows.append(emit("build", metric="shard_bytes_vs_input", image_format=fmt, records=fmt_n,
-                         input_decoded_bytes=in_bytes, shard_bytes=shard_bytes,
-                         ratio=round(shard_bytes / in_bytes, 3), build_seconds=round(t, 2), goal_ratio=1.1))
+        rows.append(
+            emit(
+                "build",
+                metric="shard_bytes_vs_input",
+                image_format=fmt,
+                records=fmt_n,
+                input_decoded_bytes=in_bytes,
+                shard_bytes=shard_bytes,
+                ratio=round(shard_bytes / in_bytes, 3),
+                build_seconds=round(t, 2),
+                goal_ratio=1.1,
+            )
+        )
 
     sizes = (20, 100) if quick else (1000, 10000)
     for workers in (1, 2):  # 1: all work in the main process; 2: the main process feeds a pool
         small, big = rss_child(sizes[0], workers), rss_child(sizes[1], workers)
         peak = lambda r: max(r["main_rss_mb"], r["worker_rss_mb"])  # noqa: E731
-        rows.append(emit("build", metric="peak_rss", workers=workers, records_small=sizes[0], records_big=sizes[1],
-                         main_rss_mb_small=round(small["main_rss_mb"], 1), main_rss_mb_big=round(big["main_rss_mb"], 1),
-                         worker_rss_mb_small=round(small["worker_rss_mb"], 1),
-                         worker_rss_mb_big=round(big["worker_rss_mb"], 1),
-                         ratio=round(peak(big) / peak(small), 3), goal_ratio=1.1, goal_mb=1024))
+        rows.append(
+            emit(
+                "build",
+                metric="peak_rss",
+                workers=workers,
+                records_small=sizes[0],
+                records_big=sizes[1],
+                main_rss_mb_small=round(small["main_rss_mb"], 1),
+                main_rss_mb_big=round(big["main_rss_mb"], 1),
+                worker_rss_mb_small=round(small["worker_rss_mb"], 1),
+                worker_rss_mb_big=round(big["worker_rss_mb"], 1),
+                ratio=round(peak(big) / peak(small), 3),
+                goal_ratio=1.1,
+                goal_mb=1024,
+            )
+        )
     return rows
-

@@ -4,6 +4,7 @@ process: `python -m trainer` vs HF Trainer through vlmprep.clients.collate.Colla
 step-1 losses; and HF Trainer with the plain Collator (logits at every position), stopped past ALL_LOGITS_CAP x the
 trainer's peak (or this machine's free memory less 2 GB): it can take many times the trainer's memory.
 `python -m benchmarks.bench_clients trainer|hf-trained|hf-all DS OUT` runs one of them alone, uncapped."""
+
 from __future__ import annotations
 
 import json
@@ -37,16 +38,23 @@ def measure(which: str, ds: Path, out: Path, cap_mb: float | None = None) -> dic
     t0 = time.perf_counter()
     with open(out / "log.txt", "w") as log:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        p = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_clients", which, str(ds), str(out)],
-                             stdout=log, stderr=subprocess.STDOUT, env=env)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_clients", which, str(ds), str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         seen = 0.0
         while p.poll() is None:
             seen = max(seen, status_mb("VmRSS", p.pid))
             if cap_mb is not None and seen > cap_mb:
                 p.kill()
                 p.wait()
-                return {"stopped_past_mb": round(cap_mb), "peak_rss_mb_seen": round(seen),
-                        "seconds": round(time.perf_counter() - t0, 1)}
+                return {
+                    "stopped_past_mb": round(cap_mb),
+                    "peak_rss_mb_seen": round(seen),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
             time.sleep(0.05)
     if p.returncode != 0:
         raise RuntimeError(f"{which} exited {p.returncode}: {(out / 'log.txt').read_text()[-3000:]}")
@@ -57,9 +65,32 @@ def measure(which: str, ds: Path, out: Path, cap_mb: float | None = None) -> dic
 def _train_trainer(ds: str, out: str) -> float:
     from trainer.train import main
 
-    assert main(["--data", ds, "--out", f"{out}/run", "--tiny-random", "qwen2-vl", "--max-steps", "2",
-                 "--micro-batch-size", "2", "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0",
-                 "--no-progress", "--device", "cpu", "--precision", "fp32"]) == 0
+    assert (
+        main(
+            [
+                "--data",
+                ds,
+                "--out",
+                f"{out}/run",
+                "--tiny-random",
+                "qwen2-vl",
+                "--max-steps",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--no-shuffle",
+                "--no-shuffle-shards",
+                "--num-workers",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--precision",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     return json.loads(Path(out, "run", "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
 
@@ -72,12 +103,21 @@ def _train_hf(ds: str, out: str, trained_logits: bool) -> float:
     from trainer.options import ModelOptions
     from vlmprep.clients.collate import Collator
 
-    args = TrainingArguments(output_dir=f"{out}/hf", max_steps=2, per_device_train_batch_size=2, logging_steps=1,
-                             report_to="none", remove_unused_columns=False,
-                             accelerator_config={"dispatch_batches": False})
-    trainer = Trainer(model=build_model(ModelOptions(tiny_random="qwen2-vl")), args=args,
-                      train_dataset=vlmprep.clients.hf.iterable_dataset(ds),
-                      data_collator=Collator(ds, trained_logits=trained_logits))
+    args = TrainingArguments(
+        output_dir=f"{out}/hf",
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        report_to="none",
+        remove_unused_columns=False,
+        accelerator_config={"dispatch_batches": False},
+    )
+    trainer = Trainer(
+        model=build_model(ModelOptions(tiny_random="qwen2-vl")),
+        args=args,
+        train_dataset=vlmprep.clients.hf.iterable_dataset(ds),
+        data_collator=Collator(ds, trained_logits=trained_logits),
+    )
     trainer.train()
     return next(e["loss"] for e in trainer.state.log_history if e.get("step") == 1 and "loss" in e)
 
@@ -91,31 +131,54 @@ def demo_shards(quick: bool) -> tuple[Path, dict]:
     ds = OUT / ("clients-quick" if quick else "clients-demo")
     timed_build(inp, ds, seq_len=16384, samples_per_shard=16)
     samples = list(vlmprep.clients.hf.iterable_dataset(ds))[:2]
-    return ds, {"tokens": sum(len(s["input_ids"]) for s in samples),
-                "trained_tokens": sum(int(s["loss_mask"].sum()) for s in samples),
-                "images": sum(len(s["images"]) for s in samples)}
+    return ds, {
+        "tokens": sum(len(s["input_ids"]) for s in samples),
+        "trained_tokens": sum(int(s["loss_mask"].sum()) for s in samples),
+        "images": sum(len(s["images"]) for s in samples),
+    }
 
 
 def run(quick: bool) -> list[dict]:
     ds, first = demo_shards(quick)
-    base = dict(data="demo traces 0-3, make demo's build options" + (" (quick: 320x200)" if quick else ""),
-                batch=2, steps=2, device="cpu fp32", model="tiny random qwen2-vl, vocab 151936", first_batch=first)
+    base = dict(
+        data="demo traces 0-3, make demo's build options" + (" (quick: 320x200)" if quick else ""),
+        batch=2,
+        steps=2,
+        device="cpu fp32",
+        model="tiny random qwen2-vl, vocab 151936",
+        first_batch=first,
+    )
     trainer = measure("trainer", ds, OUT / "clients-trainer")
     hf = measure("hf-trained", ds, OUT / "clients-hf-trained")
     cap = min(ALL_LOGITS_CAP * trainer["peak_rss_mb"], _free_mb() - 2048)
-    hf_all = (measure("hf-all", ds, OUT / "clients-hf-all", cap_mb=cap) if cap > GOAL * trainer["peak_rss_mb"]
-              else {"skipped": f"{round(_free_mb())} MB free"})
-    rows = [emit("clients", metric="peak_rss", run="python -m trainer", **base, **trainer),
-            emit("clients", metric="peak_rss", run="HF Trainer, Collator(DIR, trained_logits=True)", **base, **hf),
-            emit("clients", metric="peak_rss", run="HF Trainer, Collator(DIR): logits at every position", **base,
-                 **hf_all)]
-    all_logits = (round(hf_all["peak_rss_mb"] / trainer["peak_rss_mb"], 3) if "peak_rss_mb" in hf_all
-                  else f"> {round(cap / trainer['peak_rss_mb'], 2)} (stopped)" if "stopped_past_mb" in hf_all
-                  else hf_all["skipped"])
+    hf_all = (
+        measure("hf-all", ds, OUT / "clients-hf-all", cap_mb=cap)
+        if cap > GOAL * trainer["peak_rss_mb"]
+        else {"skipped": f"{round(_free_mb())} MB free"}
+    )
+    rows = [
+        emit("clients", metric="peak_rss", run="python -m trainer", **base, **trainer),
+        emit("clients", metric="peak_rss", run="HF Trainer, Collator(DIR, trained_logits=True)", **base, **hf),
+        emit("clients", metric="peak_rss", run="HF Trainer, Collator(DIR): logits at every position", **base, **hf_all),
+    ]
+    all_logits = (
+        round(hf_all["peak_rss_mb"] / trainer["peak_rss_mb"], 3)
+        if "peak_rss_mb" in hf_all
+        else f"> {round(cap / trainer['peak_rss_mb'], 2)} (stopped)"
+        if "stopped_past_mb" in hf_all
+        else hf_all["skipped"]
+    )
     want = trainer["step1_loss"]
-    rows.append(emit("clients", metric="ratio", ratio=round(hf["peak_rss_mb"] / trainer["peak_rss_mb"], 3),
-                     goal=GOAL, step1_loss_rel_diff=abs(hf["step1_loss"] - want) / want,
-                     all_logits_over_trainer_peak_rss=all_logits))
+    rows.append(
+        emit(
+            "clients",
+            metric="ratio",
+            ratio=round(hf["peak_rss_mb"] / trainer["peak_rss_mb"], 3),
+            goal=GOAL,
+            step1_loss_rel_diff=abs(hf["step1_loss"] - want) / want,
+            all_logits_over_trainer_peak_rss=all_logits,
+        )
+    )
     return rows
 
 
@@ -126,8 +189,11 @@ def _child(which: str, ds: str, out: str) -> None:
         loss = _train_trainer(ds, out)
     else:
         loss = _train_hf(ds, out, trained_logits=which == "hf-trained")
-    res = {"peak_rss_mb": round(status_mb("VmHWM")), "step1_loss": loss,
-           "train_seconds": round(time.perf_counter() - t0, 1)}
+    res = {
+        "peak_rss_mb": round(status_mb("VmHWM")),
+        "step1_loss": loss,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+    }
     Path(out, "result.json").write_text(json.dumps(res))
 
 

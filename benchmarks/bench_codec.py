@@ -4,6 +4,7 @@ rate through the trainer's own decode path, on the real PNG screenshots of ../sh
 (builtin:qwen2-vl's resize). Rows carry the same-run ratio against `zstd` at level 3 (the default before
 zstd-delta) and the goals: <= 1.0x the source bytes on real screenshots, <= 1.3x on demo ones, >= 100 screenshots
 per second on one core."""
+
 from __future__ import annotations
 
 import base64
@@ -20,11 +21,19 @@ from PIL import Image
 from benchmarks.emit import emit
 from benchmarks.inputs import records, traces
 
-REAL_TRACES = Path(os.environ.get("VLMPREP_REAL_TRACES",
-                                  Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces"))
+REAL_TRACES = Path(
+    os.environ.get("VLMPREP_REAL_TRACES", Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces")
+)
 # (image_format, zstd level): the build's choices at their defaults, and zstd at higher levels.
-CANDIDATES = (("zstd-pdelta", 3), ("zstd-delta", 3), ("zstd-delta", 9), ("zstd", 3), ("zstd", 19), ("png", None),
-              ("webp", None))
+CANDIDATES = (
+    ("zstd-pdelta", 3),
+    ("zstd-delta", 3),
+    ("zstd-delta", 9),
+    ("zstd", 3),
+    ("zstd", 19),
+    ("png", None),
+    ("webp", None),
+)
 # Candidates that are no stored format (issue 34: measured, not adopted): each a name, its zstd level, an encoder of
 # the screenshots in order (a list of payloads) and a decoder of one payload given the previous screenshot's.
 EXPERIMENTS = ("planes", "delta-prev", "delta-unresized")
@@ -42,8 +51,14 @@ def real_screenshots(limit: int | None) -> list[bytes]:
 def demo_screenshots(quick: bool) -> list[bytes]:
     """The distinct PNG screenshots of seeded demo agent traces (1280x720; quick: 320x200)."""
     size = (320, 200) if quick else (1280, 720)
-    path = traces(2 if quick else 8, width=size[0], height=size[1], max_images=4 if quick else 25,
-                  overlong_fraction=0.0, text_only_fraction=0.0)
+    path = traces(
+        2 if quick else 8,
+        width=size[0],
+        height=size[1],
+        max_images=4 if quick else 25,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
     seen: dict[bytes, None] = {}
     for rec in records(path):
         for m in rec["messages"]:
@@ -79,8 +94,10 @@ def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps:
     for fmt, level in CANDIDATES:
         t0 = time.process_time()
         # zstd-pdelta: each screenshot against the one before (same size), as in a sample of one trace
-        prefixes = [q if fmt == "zstd-pdelta" and q is not None and q.pixels.shape == p.pixels.shape else None
-                    for q, p in zip([None, *prepared], prepared)]
+        prefixes = [
+            q if fmt == "zstd-pdelta" and q is not None and q.pixels.shape == p.pixels.shape else None
+            for q, p in zip([None, *prepared], prepared)
+        ]
         stored = [encode_image(p, fmt, zstd_level=level or 3, prefix=q) for p, q in zip(prepared, prefixes)]
         encode_s = time.process_time() - t0
         member = "img000." + STORED_EXT[fmt]
@@ -93,13 +110,26 @@ def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps:
         ratio = sum(map(len, stored)) / source_bytes
         if (fmt, level) == ("zstd", 3):
             base = (ratio, per_s)
-        rows.append(dict(images=name, image_format=fmt, zstd_level=level if "zstd" in fmt else None,
-                         screenshots=len(stored), source_bytes=source_bytes, stored_bytes=sum(map(len, stored)),
-                         ratio_vs_source=round(ratio, 3), encode_ms_per_image=round(encode_s / len(stored) * 1e3, 1),
-                         decode_per_s_one_core=round(per_s, 1), goal_ratio=GOAL_RATIO[name], goal_per_s=GOAL_PER_S))
+        rows.append(
+            dict(
+                images=name,
+                image_format=fmt,
+                zstd_level=level if "zstd" in fmt else None,
+                screenshots=len(stored),
+                source_bytes=source_bytes,
+                stored_bytes=sum(map(len, stored)),
+                ratio_vs_source=round(ratio, 3),
+                encode_ms_per_image=round(encode_s / len(stored) * 1e3, 1),
+                decode_per_s_one_core=round(per_s, 1),
+                goal_ratio=GOAL_RATIO[name],
+                goal_per_s=GOAL_PER_S,
+            )
+        )
     for r in rows:  # the same run's zstd level 3, today's default before zstd-delta
-        r.update(bytes_vs_zstd3=round(r["ratio_vs_source"] / base[0], 3),
-                 decode_vs_zstd3=round(r["decode_per_s_one_core"] / base[1], 3))
+        r.update(
+            bytes_vs_zstd3=round(r["ratio_vs_source"] / base[0], 3),
+            decode_vs_zstd3=round(r["decode_per_s_one_core"] / base[1], 3),
+        )
     return [emit("codec", metric="bytes_and_decode", **r) for r in rows]
 
 
@@ -112,8 +142,17 @@ def decode_in_order(member: str, stored: list[bytes], prepared: list, prefixes: 
     for p, data, q in zip(prepared, stored, prefixes):
         h, w, _ = p.pixels.shape
         buf = np.empty(_decoded_size(member, data, h, w), np.uint8)
-        out.append(decode_image_into(member, data, buf, (h, w, 3), None, keep.pop(member, None) if q else None,
-                                     keep if member.endswith(".pdelta.zst") else None))
+        out.append(
+            decode_image_into(
+                member,
+                data,
+                buf,
+                (h, w, 3),
+                None,
+                keep.pop(member, None) if q else None,
+                keep if member.endswith(".pdelta.zst") else None,
+            )
+        )
     return out
 
 
@@ -163,14 +202,16 @@ def decode_experiment(kind: str, data: bytes, ref: bytes | None, shape: tuple[in
 
     h, w, _ = shape
     d = zstandard.ZstdCompressionDict(ref, dict_type=zstandard.DICT_TYPE_RAWCONTENT) if ref else None
-    rows = np.frombuffer(zstandard.ZstdDecompressor(dict_data=d).decompress(data, max_output_size=h * w * 3),
-                         np.uint8).reshape(h, 3, w)
+    rows = np.frombuffer(
+        zstandard.ZstdDecompressor(dict_data=d).decompress(data, max_output_size=h * w * 3), np.uint8
+    ).reshape(h, 3, w)
     out = np.empty(shape, np.uint8)
     return _unplanes(rows, out) if kind == "planes" else unfilter_into(rows.copy(), out)
 
 
-def measure_experiments(name: str, source_bytes: int, pixels: list[np.ndarray], unresized: list[np.ndarray],
-                        reps: int, rows: list[dict]) -> list[dict]:
+def measure_experiments(
+    name: str, source_bytes: int, pixels: list[np.ndarray], unresized: list[np.ndarray], reps: int, rows: list[dict]
+) -> list[dict]:
     """One row per EXPERIMENTS candidate, as measure_pixels' rows (its same-run zstd level 3 as the base)."""
     base = next(r for r in rows if (r["image_format"], r["zstd_level"]) == ("zstd", 3))
     out = []
@@ -188,12 +229,25 @@ def measure_experiments(name: str, source_bytes: int, pixels: list[np.ndarray], 
         per_s = reps * len(stored) / (time.process_time() - t0)
         size = sum(len(d) for d, _ in stored)
         ratio = size / source_bytes
-        out.append(emit("codec", metric="bytes_and_decode", images=name, image_format=f"candidate:{kind}",
-                        zstd_level=level, screenshots=len(stored), source_bytes=source_bytes, stored_bytes=size,
-                        ratio_vs_source=round(ratio, 3), encode_ms_per_image=round(encode_s / len(stored) * 1e3, 1),
-                        decode_per_s_one_core=round(per_s, 1), goal_ratio=GOAL_RATIO[name], goal_per_s=GOAL_PER_S,
-                        bytes_vs_zstd3=round(ratio / base["ratio_vs_source"], 3),
-                        decode_vs_zstd3=round(per_s / base["decode_per_s_one_core"], 3)))
+        out.append(
+            emit(
+                "codec",
+                metric="bytes_and_decode",
+                images=name,
+                image_format=f"candidate:{kind}",
+                zstd_level=level,
+                screenshots=len(stored),
+                source_bytes=source_bytes,
+                stored_bytes=size,
+                ratio_vs_source=round(ratio, 3),
+                encode_ms_per_image=round(encode_s / len(stored) * 1e3, 1),
+                decode_per_s_one_core=round(per_s, 1),
+                goal_ratio=GOAL_RATIO[name],
+                goal_per_s=GOAL_PER_S,
+                bytes_vs_zstd3=round(ratio / base["ratio_vs_source"], 3),
+                decode_vs_zstd3=round(per_s / base["decode_per_s_one_core"], 3),
+            )
+        )
     return out
 
 

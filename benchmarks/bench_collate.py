@@ -1,6 +1,7 @@
 """Collate benchmark: time to collate 1,024 decoded samples into one padded batch (seed reference 16.2 ms), and,
 apart, the widening to int64 plus labels/attention mask that `Batch.to(device)` does on the training device
 (measured here on the CPU, the worst case)."""
+
 from __future__ import annotations
 
 import statistics
@@ -18,11 +19,20 @@ def samples(n: int, seed: int = 0):
     out = []
     for i in range(n):
         L = int(rng.integers(64, 1024))
-        out.append(DecodedSample(
-            key=f"{i:010d}", id=f"s{i}", input_ids=rng.integers(0, 151000, L, dtype=np.int32),
-            loss_mask=(rng.random(L) < 0.4).astype(np.uint8), mm_token_type_ids=np.zeros(L, np.uint8),
-            position_ids=np.broadcast_to(np.arange(L, dtype=np.int32), (3, L)).copy(),
-            image_grid_thw=np.zeros((0, 3), np.int32), images=[], image_index=[], position=i))
+        out.append(
+            DecodedSample(
+                key=f"{i:010d}",
+                id=f"s{i}",
+                input_ids=rng.integers(0, 151000, L, dtype=np.int32),
+                loss_mask=(rng.random(L) < 0.4).astype(np.uint8),
+                mm_token_type_ids=np.zeros(L, np.uint8),
+                position_ids=np.broadcast_to(np.arange(L, dtype=np.int32), (3, L)).copy(),
+                image_grid_thw=np.zeros((0, 3), np.int32),
+                images=[],
+                image_index=[],
+                position=i,
+            )
+        )
     return out
 
 
@@ -48,9 +58,18 @@ def run(quick: bool) -> list[dict]:
         dev = out.to("cpu")
         dev.labels, dev.attention_mask  # noqa: B018 - made where the model uses them
         widen.append(time.perf_counter() - t0)
-    return [emit("collate", samples=1024, tokens=int(sum(s.num_tokens for s in batch)),
-                 padded_shape=list(out.input_ids.shape), host_bytes=sum(t.nbytes for t in (
-                     out.input_ids, out.loss_mask, out.lengths, out.position_ids, out.mm_token_type_ids)),
-                 median_ms=round(ms, 3), goal_ms=10, seed_reference_ms=16.2,
-                 widen_on_cpu_median_ms=round(statistics.median(widen) * 1e3, 3))]
-
+    return [
+        emit(
+            "collate",
+            samples=1024,
+            tokens=int(sum(s.num_tokens for s in batch)),
+            padded_shape=list(out.input_ids.shape),
+            host_bytes=sum(
+                t.nbytes for t in (out.input_ids, out.loss_mask, out.lengths, out.position_ids, out.mm_token_type_ids)
+            ),
+            median_ms=round(ms, 3),
+            goal_ms=10,
+            seed_reference_ms=16.2,
+            widen_on_cpu_median_ms=round(statistics.median(widen) * 1e3, 3),
+        )
+    ]

@@ -4,6 +4,7 @@ records (parse, decode the images, apply_chat_template with tokenization and ima
 floor (read and decode only, no pixel math). VQA records (an image of 320-1280 px and two question/answer turns),
 built with each family's `tiny:NAME` processor (a small vocabulary: tokenization is cheap on both sides, so the
 ratio is the pixel and template work; with a real vocabulary the online path is slower still)."""
+
 from __future__ import annotations
 
 import base64
@@ -32,12 +33,23 @@ def records(n: int, path: Path) -> list[dict]:
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
         uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        out.append({"id": f"q{k}", "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                         {"type": "text", "text": f"What is in picture {k}?"}]},
-            {"role": "assistant", "content": "A red square and a green banner."},
-            {"role": "user", "content": "And the page?"},
-            {"role": "assistant", "content": f"The page shows {k % 7 + 2} search results."}]})
+        out.append(
+            {
+                "id": f"q{k}",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": uri}},
+                            {"type": "text", "text": f"What is in picture {k}?"},
+                        ],
+                    },
+                    {"role": "assistant", "content": "A red square and a green banner."},
+                    {"role": "user", "content": "And the page?"},
+                    {"role": "assistant", "content": f"The page shows {k % 7 + 2} search results."},
+                ],
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in out))
     return out
 
@@ -117,15 +129,30 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     rows = []
     for family in FAMILIES[:3] if quick else FAMILIES:
         ds = root / family.name
-        build(BuildConfig(inputs=(str(root / "vqa.jsonl"),), out=str(ds), processor=f"tiny:{family.name}",
-                          progress=False, overwrite=True, samples_per_shard=64))
+        build(
+            BuildConfig(
+                inputs=(str(root / "vqa.jsonl"),),
+                out=str(ds),
+                processor=f"tiny:{family.name}",
+                progress=False,
+                overwrite=True,
+                samples_per_shard=64,
+            )
+        )
         loader_s, samples = loader_pass(ds, family.name, True)
         floor_s, _ = loader_pass(ds, family.name, False)
         online_s, _ = online_pass(recs, ds / "processor")
-        rows.append(emit("families", family=family.name, pixels=family.pixels, samples=samples,
-                         loader_samples_per_s=round(samples / loader_s, 1),
-                         floor_samples_per_s=round(samples / floor_s, 1),
-                         online_samples_per_s=round(samples / online_s, 1),
-                         speedup_vs_online=round(online_s / loader_s, 2),
-                         share_of_floor=round(floor_s / loader_s, 3)))
+        rows.append(
+            emit(
+                "families",
+                family=family.name,
+                pixels=family.pixels,
+                samples=samples,
+                loader_samples_per_s=round(samples / loader_s, 1),
+                floor_samples_per_s=round(samples / floor_s, 1),
+                online_samples_per_s=round(samples / online_s, 1),
+                speedup_vs_online=round(online_s / loader_s, 2),
+                share_of_floor=round(floor_s / loader_s, 3),
+            )
+        )
     return rows

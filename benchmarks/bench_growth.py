@@ -10,6 +10,7 @@ of 8 and 64 simulated ranks (open the data, the sample index, the step predictor
 of the rank's shards that a run dir's first start checks (a resume skips it), the first step's batches), and over
 loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
 `--quick`: 1k / 10k samples (100k index-only), 10 / 100 files, 1 / 10 tasks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,22 +34,29 @@ NLOGN_10X = 1.1  # growth exponent of n log n over one 10x step (from 10^4): any
 
 # Runs the command as its only child and writes that child's peak RSS (KiB) to argv[1]: measured from a small
 # process, since a child forked straight from this (large) one would count the pages it inherited.
-_WRAP = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
-         "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)")
+_WRAP = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)"
+)
 
 
 def _run(args: list[str]) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MiB, stdout) of one fresh process."""
     import tempfile
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         rss = Path(tmp) / "rss"
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _WRAP, str(rss), *map(str, args)], capture_output=True,
-                              text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", _WRAP, str(rss), *map(str, args)], capture_output=True, text=True, env=env
+        )
         seconds = time.perf_counter() - t0
         if proc.returncode:
             raise RuntimeError(f"{' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -73,12 +81,22 @@ def _ratio(points: list[tuple[int, float]], big: int, small: int) -> float | Non
 def _growth(command: str, by: str, points: list[tuple[int, float]], **fields) -> dict:
     """One row: a command's times at each size and the exponent of each step (the last step's judged)."""
     steps = [_exponent(a, ta, b, tb) for (a, ta), (b, tb) in zip(points, points[1:])]
-    return emit("growth", metric="exponent", command=command, by=by, sizes=[p[0] for p in points],
-                seconds=[round(p[1], 3) for p in points], exponents=steps, goal=f"<= {NLOGN_10X} (n log n)",
-                within_goal=all(e <= NLOGN_10X for e in steps), **fields)
+    return emit(
+        "growth",
+        metric="exponent",
+        command=command,
+        by=by,
+        sizes=[p[0] for p in points],
+        seconds=[round(p[1], 3) for p in points],
+        exponents=steps,
+        goal=f"<= {NLOGN_10X} (n log n)",
+        within_goal=all(e <= NLOGN_10X for e in steps),
+        **fields,
+    )
 
 
 # --- inputs: plan files and real samples
+
 
 def plan_inputs(files: int, records: int) -> Path:
     """`files` .jsonl files holding `records` tiny chat records in all (what the plan scans, not renders)."""
@@ -88,9 +106,17 @@ def plan_inputs(files: int, records: int) -> Path:
         d.mkdir(parents=True)
         per = -(-records // files)
         for f in range(files):
-            rows = [json.dumps({"messages": [{"role": "user", "content": f"question {f}.{i}"},
-                                             {"role": "assistant", "content": f"answer {f}.{i}"}]})
-                    for i in range(min(per, records - f * per))]
+            rows = [
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"question {f}.{i}"},
+                            {"role": "assistant", "content": f"answer {f}.{i}"},
+                        ]
+                    }
+                )
+                for i in range(min(per, records - f * per))
+            ]
             (d / f"part-{f:05d}.jsonl").write_text("\n".join(rows) + "\n")
         (d / ".done").touch()
     return d
@@ -117,8 +143,14 @@ def _replica(samples, q: int):
     meta, members = samples[q % len(samples)]
     meta = {**meta, "id": f"replica-{q:09d}", "source": {"file": "replicas.jsonl", "line": q + 1}}
     members = {**members, META_MEMBER: json.dumps(meta, sort_keys=True).encode()}
-    return ShardSample(key=sample_key(q), members=members, num_tokens=meta["num_tokens"],
-                       num_trainable_tokens=meta["num_trainable_tokens"], num_images=meta["num_images"], meta=meta)
+    return ShardSample(
+        key=sample_key(q),
+        members=members,
+        num_tokens=meta["num_tokens"],
+        num_trainable_tokens=meta["num_trainable_tokens"],
+        num_images=meta["num_images"],
+        meta=meta,
+    )
 
 
 def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: int = SAMPLES_PER_SHARD) -> Path:
@@ -135,13 +167,29 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: i
     from vlmprep.shards.writer import ShardWriter
 
     # named by what it is made of (a --quick run plans over fewer input files: its datasets are not the full run's)
-    d = OUT / "growth" / (f"ds-{n}-t{tasks}" + (f"-s{per_shard}" if per_shard != SAMPLES_PER_SHARD else "")
-                          + f"-over-{records_dir.name}")
+    d = (
+        OUT
+        / "growth"
+        / (
+            f"ds-{n}-t{tasks}"
+            + (f"-s{per_shard}" if per_shard != SAMPLES_PER_SHARD else "")
+            + f"-over-{records_dir.name}"
+        )
+    )
     if (d / ".written").exists():
         return d
     shutil.rmtree(d, ignore_errors=True)
-    plan, _ = plan_build(BuildConfig(inputs=(str(records_dir),), out=str(d), tasks=tasks, plan_only=True,
-                                     progress=False, samples_per_shard=per_shard), fresh=True)
+    plan, _ = plan_build(
+        BuildConfig(
+            inputs=(str(records_dir),),
+            out=str(d),
+            tasks=tasks,
+            plan_only=True,
+            progress=False,
+            samples_per_shard=per_shard,
+        ),
+        fresh=True,
+    )
     (d / TASKS_DIR).mkdir(exist_ok=True)
     digest = plan_digest(plan)
     per = -(-n // tasks)
@@ -154,18 +202,33 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: i
             writer.write(s)
             count_sample(totals, s.meta)
             totals["records"] += 1
-            lines.append(json.dumps({"shard": writer._info.name if writer._info else writer.shards[-1].name,
-                                     **{k: v for k, v in s.meta.items() if k in SAMPLE_FIELDS}}, sort_keys=True))
+            lines.append(
+                json.dumps(
+                    {
+                        "shard": writer._info.name if writer._info else writer.shards[-1].name,
+                        **{k: v for k, v in s.meta.items() if k in SAMPLE_FIELDS},
+                    },
+                    sort_keys=True,
+                )
+            )
         shards = writer.close()
         write_text_atomic(files.samples, "".join(line + "\n" for line in lines))
         write_text_atomic(files.rejects, "")
         cut = plan.cuts[i]
-        write_json_atomic(files.manifest, {
-            "plan": digest, "task": i, "config": plan.config, "processor": plan.processor.fingerprint,
-            "records": {"first_position": cut.position, "count": cut.records},
-            "shards": [s.to_json() for s in shards], "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
-            "inputs": {str(cut.file): input_totals(totals)},
-            "rejects": {}})
+        write_json_atomic(
+            files.manifest,
+            {
+                "plan": digest,
+                "task": i,
+                "config": plan.config,
+                "processor": plan.processor.fingerprint,
+                "records": {"first_position": cut.position, "count": cut.records},
+                "shards": [s.to_json() for s in shards],
+                "totals": {k: int(totals[k]) for k in TOTAL_KEYS},
+                "inputs": {str(cut.file): input_totals(totals)},
+                "rejects": {},
+            },
+        )
     (d / ".written").touch()
     return d
 
@@ -198,13 +261,15 @@ def index_only(src: Path, n: int) -> Path:
         from vlmprep.shards.reader import load_sample_index
         from vlmprep.shards.writer import write_dataset_index
 
-        manifest["sample_index"] = write_dataset_index(d, (load_sample_index(d, ShardEntry.from_json(s))
-                                                           for s in shards), have)
+        manifest["sample_index"] = write_dataset_index(
+            d, (load_sample_index(d, ShardEntry.from_json(s)) for s in shards), have
+        )
     (d / "manifest.json").write_text(json.dumps(manifest))
     return d
 
 
 # --- the trainer's start-up, in a fresh process
+
 
 def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str = "") -> dict:
     """Rank `rank` of `world`: open the data, index its shards, predict every epoch's steps (token budget), then
@@ -230,10 +295,17 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     # (~0.5 ms here) is not part of it: paid here too, before the clock starts.
     torch.zeros(2, dtype=torch.float64).sum().item()
     t0 = time.perf_counter()
-    cfg = TrainConfig(data=data, tiny_random="qwen2-vl", max_tokens_per_batch=MAX_TOKENS, num_workers=0,
-                      shard_cache_limit=limit, out=str(OUT / "growth" / "run"))
-    data_ = open_data(DataOptions.of(cfg), model_type=model_type_of(model="", tiny_random="qwen2-vl"), packing=False,
-                      world=world)
+    cfg = TrainConfig(
+        data=data,
+        tiny_random="qwen2-vl",
+        max_tokens_per_batch=MAX_TOKENS,
+        num_workers=0,
+        shard_cache_limit=limit,
+        out=str(OUT / "growth" / "run"),
+    )
+    data_ = open_data(
+        DataOptions.of(cfg), model_type=model_type_of(model="", tiny_random="qwen2-vl"), packing=False, world=world
+    )
     span = read_plan(DataOptions.of(cfg), data_, rank=rank).shuffle_span
     cfg = dataclasses.replace(cfg, shuffle_span=span)
     t1 = time.perf_counter()
@@ -243,11 +315,20 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     check = None
     if "://" not in data:
         check = ShardCheck(None)
-    sources, _ = rank_sources(data_.specs, data_.datasets, data_.plans, rank=rank, world=world, cache=cache,
-                              check=check, defer=check is not None)
+    sources, _ = rank_sources(
+        data_.specs,
+        data_.datasets,
+        data_.plans,
+        rank=rank,
+        world=world,
+        cache=cache,
+        check=check,
+        defer=check is not None,
+    )
     t2 = time.perf_counter()
-    steps, first = predict_steps(sources, DataOptions.of(cfg), Batching.of(cfg), specs=data_.specs, epochs=cfg.epochs,
-                                 device=torch.device("cpu"))
+    steps, first = predict_steps(
+        sources, DataOptions.of(cfg), Batching.of(cfg), specs=data_.specs, epochs=cfg.epochs, device=torch.device("cpu")
+    )
     t3 = time.perf_counter()
     if first_step and check is not None:  # what step 1 waited for before the shard cache hashed local shards: the
         # rank's whole share
@@ -259,12 +340,21 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
     t4 = time.perf_counter()
     samples = sum(ix.num_samples for s in sources for ix in s.indexes)
     shards = sum(len(s.indexes) for s in sources)
-    index_bytes = sum(a.nbytes for s in sources for ix in s.indexes for a in (ix.starts, ix.ends, ix.tokens,
-                                                                                ix.trained))
+    index_bytes = sum(
+        a.nbytes for s in sources for ix in s.indexes for a in (ix.starts, ix.ends, ix.tokens, ix.trained)
+    )
     # and each source's per-sample counts the schedule and predictor made once (RankSource's cached properties)
     index_bytes += sum(a.nbytes for s in sources for a in vars(s).values() if isinstance(a, np.ndarray))
-    out = {"open_s": t1 - t0, "index_s": t2 - t1, "predict_s": t3 - t2, "sha256_s": t4 - t3, "samples": samples,
-           "shards": shards, "index_bytes_per_sample": index_bytes / max(samples, 1), "steps": steps[0]}
+    out = {
+        "open_s": t1 - t0,
+        "index_s": t2 - t1,
+        "predict_s": t3 - t2,
+        "sha256_s": t4 - t3,
+        "samples": samples,
+        "shards": shards,
+        "index_bytes_per_sample": index_bytes / max(samples, 1),
+        "steps": steps[0],
+    }
     if first_step:
         from trainer.data.cache import ShardCache, remote_shards
 
@@ -273,10 +363,19 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
             from trainer.config import cache_limit_bytes
 
             shard_cache = ShardCache(sources, cache, limit=cache_limit_bytes(limit), check=check)
-        spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data_.image.patch_size,
-                           merge_size=data_.image.merge_size)
-        streams = EpochSchedule(sources, spec=data_.image, seed=0, shuffle=True, shuffle_shards=True,
-                                shuffle_span=cfg.shuffle_span, first=first, cache=shard_cache)
+        spec = CollateSpec(
+            pad_id=0, image_token_id=151655, patch_size=data_.image.patch_size, merge_size=data_.image.merge_size
+        )
+        streams = EpochSchedule(
+            sources,
+            spec=data_.image,
+            seed=0,
+            shuffle=True,
+            shuffle_shards=True,
+            shuffle_span=cfg.shuffle_span,
+            first=first,
+            cache=shard_cache,
+        )
         loader = StepLoader(streams, collate_spec=spec, batching=Batching.of(cfg), num_workers=0, prefetch_factor=2)
         loader.start(0, 0)
         batches = loader.next_step()
@@ -289,8 +388,10 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
 
 
 def _startup(data: str, world: int, *, first_step: bool, limit: str = "") -> tuple[float, dict]:
-    code = ("import json, sys; from benchmarks.bench_growth import startup_child; "
-            f"print(json.dumps(startup_child({data!r}, {world}, 0, {first_step}, {limit!r})))")
+    code = (
+        "import json, sys; from benchmarks.bench_growth import startup_child; "
+        f"print(json.dumps(startup_child({data!r}, {world}, 0, {first_step}, {limit!r})))"
+    )
     seconds, _, out = _run([sys.executable, "-c", code])
     return seconds, json.loads(out.strip().splitlines()[-1])
 
@@ -298,8 +399,9 @@ def _startup(data: str, world: int, *, first_step: bool, limit: str = "") -> tup
 ROUNDS = 11  # fresh processes per dataset size for the data part
 
 
-def _data_parts(points: list[tuple[int, str, bool]], world: int) -> tuple[list[tuple[float, dict, float]],
-                                                                            float | None]:
+def _data_parts(
+    points: list[tuple[int, str, bool]], world: int
+) -> tuple[list[tuple[float, dict, float]], float | None]:
     """The trainer's start-up on rank 0 of `world`, each of `points` (samples, path, to the first step) in fresh
     processes. The data part (index + step predictor) is a few ms, so one process's scheduling noise moves it by 2x,
     and the box's speed drifts over minutes: ROUNDS rounds, each running every size once in turn, so each round's
@@ -336,8 +438,17 @@ def run(quick: bool) -> list[dict]:
             shutil.rmtree(out, ignore_errors=True)
             s, rss, _ = _vlmprep("build", "--in", inp, "--out", out, "--plan-only", "--tasks", tasks, "--no-progress")
             plan_s[files, tasks] = s
-            rows.append(emit("growth", command="plan", files=files, tasks=tasks, records=records,
-                             seconds=round(s, 3), peak_rss_mb=round(rss, 1)))
+            rows.append(
+                emit(
+                    "growth",
+                    command="plan",
+                    files=files,
+                    tasks=tasks,
+                    records=records,
+                    seconds=round(s, 3),
+                    peak_rss_mb=round(rss, 1),
+                )
+            )
     mid = tasks_set[len(tasks_set) // 2]
     rows.append(_growth("plan", "input files", [(f, plan_s[f, mid]) for f in files_set], tasks=mid))
     rows.append(_growth("plan", "tasks", [(t, plan_s[files_set[-1], t]) for t in tasks_set], files=files_set[-1]))
@@ -347,18 +458,20 @@ def run(quick: bool) -> list[dict]:
     inp = plan_inputs(files_set[-1], records)
     merged = {}
     for n in sizes:
-        for tasks in (tasks_set if n == sizes[0] else (mid,)):
+        for tasks in tasks_set if n == sizes[0] else (mid,):
             d = planned_dataset(n, tasks, samples, inp)
             (d / "manifest.json").unlink(missing_ok=True)
             s, rss, _ = _vlmprep("merge", d, "--max-reject-fraction", 1)
-            rows.append(emit("growth", command="merge", samples=n, tasks=tasks, seconds=round(s, 3),
-                             peak_rss_mb=round(rss, 1)))
+            rows.append(
+                emit("growth", command="merge", samples=n, tasks=tasks, seconds=round(s, 3), peak_rss_mb=round(rss, 1))
+            )
             if tasks == mid:
                 merged[n] = (d, s)
     rows.append(_growth("merge", "samples", [(n, merged[n][1]) for n in sizes], tasks=mid))
     # the trainer's start-up per rank: the real datasets to the first step, the index-only one to the prediction
-    datasets = [(n, str(merged[n][0]), True) for n in sizes] + [(big, str(index_only(merged[sizes[-1]][0], big)),
-                                                                  False)]
+    datasets = [(n, str(merged[n][0]), True) for n in sizes] + [
+        (big, str(index_only(merged[sizes[-1]][0], big)), False)
+    ]
     # The same data part at the build's default shard size (1,000 samples per shard, a tenth of the shards): a real
     # dataset of 10k samples (written, then merged), replicated index-only to 100k and 1M.
     from vlmprep.config import BuildConfig
@@ -367,27 +480,50 @@ def run(quick: bool) -> list[dict]:
     base = planned_dataset(10_000, 1, samples, inp, per_shard=per_shard)
     if not (base / "manifest.json").exists():
         _vlmprep("merge", base, "--max-reject-fraction", 1)
-    default_size = [(n, str(index_only(base, n)), False)
-                    for n in (10_000, 100_000) + ((1_000_000,) if not quick else ())]
+    default_size = [
+        (n, str(index_only(base, n)), False) for n in (10_000, 100_000) + ((1_000_000,) if not quick else ())
+    ]
     for world in (8, 64):
         for spp, points in ((SAMPLES_PER_SHARD, datasets), (per_shard, default_size)):
             data_part = []
             measured, paired = _data_parts(points, world)
             for (n, _, first), (s, r, part) in zip(points, measured):
                 data_part.append((n, part))
-                rows.append(emit("growth", command="trainer start-up", samples=n, ranks=world, index_only=not first,
-                                 samples_per_shard=spp, process_seconds=round(s, 2),
-                                 open_seconds=round(r["open_s"], 3), index_seconds=round(r["index_s"], 3),
-                                 predict_seconds=round(r["predict_s"], 3), data_part_seconds=round(part, 4),
-                                 first_read_sha256_seconds=round(r["sha256_s"], 3),
-                                 first_step_seconds=round(r.get("first_step_s", 0.0), 3),
-                                 samples_on_rank=r["samples"], shards_on_rank=r["shards"],
-                                 index_bytes_per_sample=round(r["index_bytes_per_sample"], 1),
-                                 peak_rss_mb=round(r["peak_rss_mb"], 1), goal_seconds=30))
-            rows.append(_growth("trainer start-up (index + step predictor)", "samples", data_part, ranks=world,
-                                samples_per_shard=spp, goal_data_part_100k_over_10k="<= 2x", rounds=ROUNDS,
-                                data_part_ratio=_ratio(data_part, 100_000, 10_000),
-                                data_part_ratio_of_rounds=paired))
+                rows.append(
+                    emit(
+                        "growth",
+                        command="trainer start-up",
+                        samples=n,
+                        ranks=world,
+                        index_only=not first,
+                        samples_per_shard=spp,
+                        process_seconds=round(s, 2),
+                        open_seconds=round(r["open_s"], 3),
+                        index_seconds=round(r["index_s"], 3),
+                        predict_seconds=round(r["predict_s"], 3),
+                        data_part_seconds=round(part, 4),
+                        first_read_sha256_seconds=round(r["sha256_s"], 3),
+                        first_step_seconds=round(r.get("first_step_s", 0.0), 3),
+                        samples_on_rank=r["samples"],
+                        shards_on_rank=r["shards"],
+                        index_bytes_per_sample=round(r["index_bytes_per_sample"], 1),
+                        peak_rss_mb=round(r["peak_rss_mb"], 1),
+                        goal_seconds=30,
+                    )
+                )
+            rows.append(
+                _growth(
+                    "trainer start-up (index + step predictor)",
+                    "samples",
+                    data_part,
+                    ranks=world,
+                    samples_per_shard=spp,
+                    goal_data_part_100k_over_10k="<= 2x",
+                    rounds=ROUNDS,
+                    data_part_ratio=_ratio(data_part, 100_000, 10_000),
+                    data_part_ratio_of_rounds=paired,
+                )
+            )
 
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer
@@ -407,18 +543,30 @@ def run(quick: bool) -> list[dict]:
         two = time.perf_counter() - t0
         shutil.rmtree(OUT / "growth" / "run", ignore_errors=True)
         s, r = _startup(f"{srv.url}/", 1, first_step=True, limit=str(limit))
-    rows.append(emit("growth", command="trainer start-up over http", samples=sizes[0], cache_limit_bytes=limit,
-                     dataset_bytes=total, cache_fraction=round(limit / total, 3),
-                     first_step_seconds=round(r["first_step_s"], 3),
-                     to_first_step_seconds=round(r["total_s"], 3), two_shards_seconds=round(two, 3),
-                     first_step_over_two_shards=round(r["first_step_s"] / max(two, 1e-6), 2)))
+    rows.append(
+        emit(
+            "growth",
+            command="trainer start-up over http",
+            samples=sizes[0],
+            cache_limit_bytes=limit,
+            dataset_bytes=total,
+            cache_fraction=round(limit / total, 3),
+            first_step_seconds=round(r["first_step_s"], 3),
+            to_first_step_seconds=round(r["total_s"], 3),
+            two_shards_seconds=round(two, 3),
+            first_step_over_two_shards=round(r["first_step_s"] / max(two, 1e-6), 2),
+        )
+    )
     # the commands that read every sample, last (the slowest)
     times: dict[str, list[tuple[int, float]]] = {}
     for n in sizes:
         d = merged[n][0]
         some_id = f"replica-{n // 2:09d}"
-        for command, args in (("stats", ["stats", d, "--json"]), ("verify", ["verify", d]),
-                              ("inspect --id", ["inspect", d, "--id", some_id])):
+        for command, args in (
+            ("stats", ["stats", d, "--json"]),
+            ("verify", ["verify", d]),
+            ("inspect --id", ["inspect", d, "--id", some_id]),
+        ):
             s, rss, _ = _vlmprep(*args)
             times.setdefault(command, []).append((n, s))
             rows.append(emit("growth", command=command, samples=n, seconds=round(s, 3), peak_rss_mb=round(rss, 1)))
@@ -429,8 +577,17 @@ def run(quick: bool) -> list[dict]:
     for command, args in (("stats", ["stats", merged[n][0], "--json"]), ("verify", ["verify", merged[n][0]])):
         one, rss, _ = _vlmprep(*args, "--workers", "1")
         every = dict(times[command])[n]
-        rows.append(emit("growth", command=f"{command} --workers 1 (baseline)", samples=n, seconds=round(one, 3),
-                         peak_rss_mb=round(rss, 1), default_workers=len(os.sched_getaffinity(0)),
-                         default_seconds=round(every, 3), speedup=round(one / max(every, 1e-6), 2)))
+        rows.append(
+            emit(
+                "growth",
+                command=f"{command} --workers 1 (baseline)",
+                samples=n,
+                seconds=round(one, 3),
+                peak_rss_mb=round(rss, 1),
+                default_workers=len(os.sched_getaffinity(0)),
+                default_seconds=round(every, 3),
+                speedup=round(one / max(every, 1e-6), 2),
+            )
+        )
 
     return rows

@@ -1,5 +1,6 @@
 """Limits benchmark: the floor under the loader on this machine, per image and per byte: tar read from page
 cache, PNG / JPEG / WebP / raw+zstd decode of a real demo screenshot, and the processor's normalize+patchify."""
+
 from __future__ import annotations
 
 import base64
@@ -28,8 +29,9 @@ def _best(fn, reps: int) -> float:
 
 
 def screenshot_png(width: int, height: int) -> bytes:
-    inp = traces(2, width=width, height=height, min_images=2, max_images=3, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    inp = traces(
+        2, width=width, height=height, min_images=2, max_images=3, overlong_fraction=0.0, text_only_fraction=0.0
+    )
     for rec in records(inp):
         for m in rec["messages"]:
             for p in m["content"] if isinstance(m["content"], list) else []:
@@ -85,17 +87,20 @@ def run(quick: bool, shard: Path | None = None) -> dict:
     floors["bytes"] = {k: len(v) for k, v in stored.items()} | {"png_source": len(png)}
     ip = processor.image_processor
     floors["processor_full_ms"] = _best(lambda: ip(images=[pil], return_tensors="pt"), reps) * 1e3
-    floors["processor_normalize_patchify_ms"] = _best(
-        lambda: ip(images=[prep.pixels], do_resize=False, return_tensors="pt"), reps) * 1e3
+    floors["processor_normalize_patchify_ms"] = (
+        _best(lambda: ip(images=[prep.pixels], do_resize=False, return_tensors="pt"), reps) * 1e3
+    )
     # At sample scale (10 screenshots in one call, as a trace is processed) memory traffic dominates: pixel_values
     # of one 1288x728 screenshot are 22 MB of float32. This per-image figure is the floor the loader is held to.
-    floors["processor_normalize_patchify_ms_per_image_in_10"] = _best(
-        lambda: ip(images=[prep.pixels] * 10, do_resize=False, return_tensors="pt"), max(3, reps // 5)) * 1e3 / 10
+    floors["processor_normalize_patchify_ms_per_image_in_10"] = (
+        _best(lambda: ip(images=[prep.pixels] * 10, do_resize=False, return_tensors="pt"), max(3, reps // 5)) * 1e3 / 10
+    )
     if shard is not None and shard.exists():
         floors["tar_read_mb_s"] = tar_read_mb_s(shard)
-    emit("limits", **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in floors.items()
-                      if not isinstance(v, dict)},
-         **{f"decode_ms_{k}": round(v, 3) for k, v in floors["decode_ms"].items()},
-         **{f"bytes_{k}": v for k, v in floors["bytes"].items()})
+    emit(
+        "limits",
+        **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in floors.items() if not isinstance(v, dict)},
+        **{f"decode_ms_{k}": round(v, 3) for k, v in floors["decode_ms"].items()},
+        **{f"bytes_{k}": v for k, v in floors["bytes"].items()},
+    )
     return floors
-

@@ -2,6 +2,7 @@
 the online baseline that peers use (TRL's DataCollatorForVisionLanguageModeling over raw records in a
 DataLoader), on the same demo agent traces, with 0 and 2 workers, per --image-format; plus the floor ratio, and the
 trainer's start-up sha256 check of the zstd dataset against one loader pass over it (`integrity`)."""
+
 from __future__ import annotations
 
 import functools
@@ -63,6 +64,7 @@ def median_if_quick(measure):
 def _online_path() -> str:
     try:
         import trl.trainer.sft_trainer  # noqa: F401  (`pip install -e .[bench]`)
+
         return "online_trl_collator"
     except ImportError:
         return "online_apply_chat_template"
@@ -79,8 +81,9 @@ class _ApplyChatTemplate:
 
     def __call__(self, examples):
         kw = {"chat_template": self.template} if self.template else {}
-        return self.processor.apply_chat_template(examples[0]["messages"], tokenize=True, return_dict=True,
-                                                  return_tensors="pt", **kw)
+        return self.processor.apply_chat_template(
+            examples[0]["messages"], tokenize=True, return_dict=True, return_tensors="pt", **kw
+        )
 
 
 class OnlineRecords(Dataset):
@@ -151,32 +154,58 @@ def run(quick: bool, n: int | None = None, floors: dict | None = None) -> list[d
     rows = []
     online = {}
     built = {}
-    for fmt in (("zstd-pdelta", "zstd-delta", "zstd", "png") if quick
-                else ("zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")):
+    for fmt in (
+        ("zstd-pdelta", "zstd-delta", "zstd", "png")
+        if quick
+        else ("zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")
+    ):
         ds = OUT / f"loader-{fmt}"
         timed_build(inp, ds, image_format=fmt, workers=1 if quick else 2)
         built[fmt] = ds
     for w in (0, 2):
         t, s, tok = online_pass(inp, built["zstd"] / "processor", w, template)
         online[w] = t
-        rows.append(emit("loader", path=ONLINE_PATH, workers=w, records=n, samples=s, seconds=round(t, 3),
-                         samples_per_s=round(s / t, 2), tokens_per_s=round(tok / t)))
+        rows.append(
+            emit(
+                "loader",
+                path=ONLINE_PATH,
+                workers=w,
+                records=n,
+                samples=s,
+                seconds=round(t, 3),
+                samples_per_s=round(s / t, 2),
+                tokens_per_s=round(tok / t),
+            )
+        )
     for fmt, ds in built.items():
-        for pixels in ((True, False) if fmt == "zstd" else (False,)):
+        for pixels in (True, False) if fmt == "zstd" else (False,):
             for w in (0, 2):
                 t, s, tok, imgs = median_if_quick(functools.partial(trainer_pass, ds, w, pixels))
-                row = dict(path="vlmprep_shards", image_format=fmt, workers=w,
-                           pixel_values="cpu" if pixels else "on the training device (not in this time)",
-                           samples=s, images=imgs, seconds=round(t, 3), samples_per_s=round(s / t, 2),
-                           tokens_per_s=round(tok / t), speedup_vs_online=round(online[w] / t, 2), goal_speedup=20)
+                row = dict(
+                    path="vlmprep_shards",
+                    image_format=fmt,
+                    workers=w,
+                    pixel_values="cpu" if pixels else "on the training device (not in this time)",
+                    samples=s,
+                    images=imgs,
+                    seconds=round(t, 3),
+                    samples_per_s=round(s / t, 2),
+                    tokens_per_s=round(tok / t),
+                    speedup_vs_online=round(online[w] / t, 2),
+                    goal_speedup=20,
+                )
                 if floors and w == 0:
                     floor_s = _floor_seconds(ds, imgs, fmt, floors, pixels)
-                    row.update(floor_seconds=round(floor_s, 3), time_over_floor=round(t / floor_s, 3),
-                               goal_over_floor=1.5)
+                    row.update(
+                        floor_seconds=round(floor_s, 3), time_over_floor=round(t / floor_s, 3), goal_over_floor=1.5
+                    )
                 rows.append(emit("loader", **row))
     rows.append(format_version_row(built["zstd"]))
-    loader_s = next(r["seconds"] for r in rows if r.get("image_format") == "zstd" and r["workers"] == 0
-                    and r["pixel_values"] != "cpu")
+    loader_s = next(
+        r["seconds"]
+        for r in rows
+        if r.get("image_format") == "zstd" and r["workers"] == 0 and r["pixel_values"] != "cpu"
+    )
     rows.append(integrity_row(built["zstd"], loader_s))
     return rows
 
@@ -198,10 +227,17 @@ def integrity_row(ds: Path, loader_s: float) -> dict:
         return time.perf_counter() - t0
 
     t = median_if_quick(check)
-    return emit("integrity", path="sha256_check_at_start_up", shards=len(source.shards),
-                mb=round(nbytes / 1e6, 1), seconds=round(t, 3), sha256_mb_s=round(nbytes / t / 1e6, 1),
-                loader_seconds=round(loader_s, 3), loader_mb_s=round(nbytes / loader_s / 1e6, 1),
-                check_over_loader_pass=round(t / loader_s, 3))
+    return emit(
+        "integrity",
+        path="sha256_check_at_start_up",
+        shards=len(source.shards),
+        mb=round(nbytes / 1e6, 1),
+        seconds=round(t, 3),
+        sha256_mb_s=round(nbytes / t / 1e6, 1),
+        loader_seconds=round(loader_s, 3),
+        loader_mb_s=round(nbytes / loader_s / 1e6, 1),
+        check_over_loader_pass=round(t / loader_s, 3),
+    )
 
 
 def as_format_v1(src: Path, dst: Path) -> Path:
@@ -223,8 +259,7 @@ def as_format(src: Path, dst: Path, version: int) -> Path:
     for s in manifest["shards"]:
         path = dst / s["name"]
         with tarfile.open(path) as tf:
-            members = [(m, tf.extractfile(m).read()) for m in tf
-                       if not m.name.endswith(_LATER_MEMBERS[version])]
+            members = [(m, tf.extractfile(m).read()) for m in tf if not m.name.endswith(_LATER_MEMBERS[version])]
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
             for m, data in members:
                 tf.addfile(m, io.BytesIO(data))
@@ -252,9 +287,18 @@ def format_version_row(ds: Path) -> dict:
             t, samples, tokens, _ = trainer_pass(d, 0, pixels=False)
             times[version].append(t)
     t1, t2 = sorted(times[1])[1], sorted(times[2])[1]
-    return emit("loader", metric="format_v2_vs_v1", path="vlmprep_shards_v2_vs_v1", workers=0,
-                samples_per_s=round(samples / t2, 2), tokens_per_s=round(tokens / t2), seconds_v1=round(t1, 3),
-                seconds_v2=round(t2, 3), ratio=round(t2 / t1, 3), goal="<= 1.0 (not slower, within noise)")
+    return emit(
+        "loader",
+        metric="format_v2_vs_v1",
+        path="vlmprep_shards_v2_vs_v1",
+        workers=0,
+        samples_per_s=round(samples / t2, 2),
+        tokens_per_s=round(tokens / t2),
+        seconds_v1=round(t1, 3),
+        seconds_v2=round(t2, 3),
+        ratio=round(t2 / t1, 3),
+        goal="<= 1.0 (not slower, within noise)",
+    )
 
 
 def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: bool) -> float:
@@ -304,16 +348,21 @@ def decode_floor_seconds(tars: list[Path]) -> float:
                     prefix = None  # .pdelta.zst: the sample's previous payload when as long (a frame needs it or
                     if name.endswith(".pdelta.zst") and last is not None and last[0] == sample:  # ignores it)
                         prefix = last[1] if len(last[1]) == size else None
-                    dec = zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(
-                        prefix, dict_type=zstandard.DICT_TYPE_RAWCONTENT)) if prefix else dctx
-                    reader, view, got = dec.stream_reader(data), memoryview(arena)[offset:offset + size], 0
+                    dec = (
+                        zstandard.ZstdDecompressor(
+                            dict_data=zstandard.ZstdCompressionDict(prefix, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+                        )
+                        if prefix
+                        else dctx
+                    )
+                    reader, view, got = dec.stream_reader(data), memoryview(arena)[offset : offset + size], 0
                     while got < size:
                         got += reader.readinto(view[got:])
                     if name.endswith(".pdelta.zst"):
-                        last = (sample, arena[offset:offset + size].tobytes())
+                        last = (sample, arena[offset : offset + size].tobytes())
                     if name.endswith("delta.zst"):  # its rows unfiltered too: the format's least work
-                        h, w, _ = npy_header(arena[offset:offset + 128].tobytes())
-                        pixels = arena[offset + size - 3 * h * w:offset + size]
+                        h, w, _ = npy_header(arena[offset : offset + 128].tobytes())
+                        pixels = arena[offset + size - 3 * h * w : offset + size]
                         unfilter_into(pixels.reshape(h, 3, w).copy(), pixels.reshape(h, w, 3))
                     offset += size
                 else:
@@ -325,5 +374,5 @@ def decode_floor_seconds(tars: list[Path]) -> float:
 
 def npy_header(head: bytes) -> tuple[int, int, int]:
     """(H, W, 3) from the start of an image's np.save bytes."""
-    shape = head[head.index(b"(") + 1:head.index(b")")]
+    shape = head[head.index(b"(") + 1 : head.index(b")")]
     return tuple(int(d) for d in shape.split(b","))

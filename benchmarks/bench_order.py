@@ -3,6 +3,7 @@
 vs with the sample shuffle vs a uniform random order; realized trained-token shares of a 0.7/0.3 mixture (real
 StepLoaders); sample_loader samples/s with and without the shuffle, host RSS (main process + workers) per
 --shuffle-span. Built inputs are cached under bench-out/ (the first run renders and builds them: minutes)."""
+
 from __future__ import annotations
 
 import gc
@@ -74,8 +75,11 @@ def rank_setup(datasets: list[tuple[str, Path, float]], *, world: int, cache: Pa
     specs = tuple(DataSpec(path=str(p), name=n, weight=w) for n, p, w in datasets)
     sources = [_loader_parts(p)[0] for _, p, _ in datasets]
     plans = [plan_shards(s.shards, world) for s in sources]
-    return sources, plans, [rank_sources(specs, sources, plans, rank=r, world=world, cache=cache)[0]
-                            for r in range(world)]
+    return (
+        sources,
+        plans,
+        [rank_sources(specs, sources, plans, rank=r, world=world, cache=cache)[0] for r in range(world)],
+    )
 
 
 def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle: bool, cache: Path, **batching):
@@ -91,13 +95,21 @@ def rank_loaders(datasets: list[tuple[str, Path, float]], *, world: int, shuffle
 
     def streams(r: int):
         if scheduled:
-            return EpochSchedule(per_rank[r], spec=spec, seed=SEED, shuffle=shuffle, shuffle_shards=True,
-                                 shuffle_span=0)
-        return ShardSequence([sources[0].shards[i] for i in plans[0].per_rank[r]], spec=spec, seed=SEED,
-                             shuffle_shards=True, stride=(r, world) if plans[0].stride else (0, 1))
+            return EpochSchedule(
+                per_rank[r], spec=spec, seed=SEED, shuffle=shuffle, shuffle_shards=True, shuffle_span=0
+            )
+        return ShardSequence(
+            [sources[0].shards[i] for i in plans[0].per_rank[r]],
+            spec=spec,
+            seed=SEED,
+            shuffle_shards=True,
+            stride=(r, world) if plans[0].stride else (0, 1),
+        )
 
-    return [StepLoader(streams(r), collate_spec=cs, batching=Batching(**batching), num_workers=0, prefetch_factor=2)
-            for r in range(world)]
+    return [
+        StepLoader(streams(r), collate_spec=cs, batching=Batching(**batching), num_workers=0, prefetch_factor=2)
+        for r in range(world)
+    ]
 
 
 def global_batches(loaders, epoch: int = 0) -> list[list]:
@@ -121,8 +133,16 @@ class _Len:
         self.position, self.num_tokens, self.id = position, n, key
 
 
-def simulated_steps(per_rank: list, *, epoch: int, shuffle: bool, pack_to: int, pack_window: int = 64,
-                    micro_batch_size: int = 1, grad_accum: int = 1) -> list[list[tuple[str, int]]]:
+def simulated_steps(
+    per_rank: list,
+    *,
+    epoch: int,
+    shuffle: bool,
+    pack_to: int,
+    pack_window: int = 64,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+) -> list[list[tuple[str, int]]]:
     """The same global batches without decoding a sample: each rank's epoch schedule (with shuffle off, the
     sequential reader's order: its shards in the seeded per-epoch order, samples in tar order), cut by the real
     Packer or by count into micro-batches; a step is grad_accum micro-batches of every rank. Samples are
@@ -137,15 +157,16 @@ def simulated_steps(per_rank: list, *, epoch: int, shuffle: bool, pack_to: int, 
         keys = [(src.shards[k].name, i) for k, i in zip(order.shard.tolist(), order.sample.tolist())]
         lengths = order.tokens(sources).tolist()
         if pack_to:
-            packer = Packer((_Len(p, n, k) for p, (n, k) in enumerate(zip(lengths, keys))), capacity=pack_to,
-                            window=pack_window)
+            packer = Packer(
+                (_Len(p, n, k) for p, (n, k) in enumerate(zip(lengths, keys))), capacity=pack_to, window=pack_window
+            )
             rows = []
             while (row := packer.next_row()) is not None:
                 rows.append([s.id for s in row])
-            micro = [sum(rows[i:i + micro_batch_size], []) for i in range(0, len(rows), micro_batch_size)]
+            micro = [sum(rows[i : i + micro_batch_size], []) for i in range(0, len(rows), micro_batch_size)]
         else:
-            micro = [keys[i:i + micro_batch_size] for i in range(0, len(keys), micro_batch_size)]
-        ranks.append([sum(micro[i:i + grad_accum], []) for i in range(0, len(micro), grad_accum)])
+            micro = [keys[i : i + micro_batch_size] for i in range(0, len(keys), micro_batch_size)]
+        ranks.append([sum(micro[i : i + grad_accum], []) for i in range(0, len(micro), grad_accum)])
     return [sum((r[s] for r in ranks if s < len(r)), []) for s in range(max(map(len, ranks)))]
 
 
@@ -198,31 +219,64 @@ def tiled_ranks(ds: Path, copies: int, world: int):
     per_rank = []
     for r in range(world):
         shards = tuple(refs) if plan.stride else tuple(refs[i] for i in plan.per_rank[r])
-        per_rank.append([RankSource("", 1.0, "repeat", shards, tuple(indexes[s.name] for s in shards),
-                                    (r, world) if plan.stride else (0, 1), -1 if plan.stride else r)])
+        per_rank.append(
+            [
+                RankSource(
+                    "",
+                    1.0,
+                    "repeat",
+                    shards,
+                    tuple(indexes[s.name] for s in shards),
+                    (r, world) if plan.stride else (0, 1),
+                    -1 if plan.stride else r,
+                )
+            ]
+        )
     return plan, per_rank, traj
 
 
-def correlation_row(data: str, per_rank: list, plan, traj: dict, *, label: str, pack_to: int, epochs: int,
-                    batching: dict) -> dict:
+def correlation_row(
+    data: str, per_rank: list, plan, traj: dict, *, label: str, pack_to: int, epochs: int, batching: dict
+) -> dict:
     """Pooled pair shares over `epochs` epochs (each its own permutation) without and with the sample shuffle."""
     c = uniform_share(traj)
     split = Counter(traj.values())
     got = {}
     for shuffle in (False, True):
-        runs = [simulated_steps(per_rank, epoch=e, shuffle=shuffle, **{"pack_to": pack_to, **batching})
-                for e in range(epochs)]
+        runs = [
+            simulated_steps(per_rank, epoch=e, shuffle=shuffle, **{"pack_to": pack_to, **batching})
+            for e in range(epochs)
+        ]
         assert all(sorted(k for st in r for k in st) == sorted(traj) for r in runs), "each sample once per epoch"
-        got[shuffle] = (pair_share([st for r in runs for st in r], traj), float(np.mean([len(r) for r in runs])),
-                        float(np.mean([len(st) for r in runs for st in r])))
+        got[shuffle] = (
+            pair_share([st for r in runs for st in r], traj),
+            float(np.mean([len(r) for r in runs])),
+            float(np.mean([len(st) for r in runs for st in r])),
+        )
     (a, _, _), (b, steps, size) = got[False], got[True]
-    return emit("order", metric="batch_correlation", data=data, batching=label.replace("T", str(pack_to)),
-                ranks=len(per_rank), plan="stride" if plan.stride else "shards", samples=len(traj),
-                trajectories=len(split), split_trajectories=sum(k > 1 for k in split.values()), epochs=epochs,
-                steps_per_epoch=round(steps, 2), mean_global_batch_samples=round(size, 2),
-                share_no_shuffle=round(a[0], 5), share_shuffle=round(b[0], 5), share_uniform=round(c, 5),
-                ratio_shuffle_vs_uniform=round(b[0] / c, 3), ratio_no_shuffle_vs_uniform=round(a[0] / c, 3),
-                same_pairs_no_shuffle=a[1], same_pairs_shuffle=b[1], pairs=b[2], goal_ratio_shuffle_vs_uniform=1.5)
+    return emit(
+        "order",
+        metric="batch_correlation",
+        data=data,
+        batching=label.replace("T", str(pack_to)),
+        ranks=len(per_rank),
+        plan="stride" if plan.stride else "shards",
+        samples=len(traj),
+        trajectories=len(split),
+        split_trajectories=sum(k > 1 for k in split.values()),
+        epochs=epochs,
+        steps_per_epoch=round(steps, 2),
+        mean_global_batch_samples=round(size, 2),
+        share_no_shuffle=round(a[0], 5),
+        share_shuffle=round(b[0], 5),
+        share_uniform=round(c, 5),
+        ratio_shuffle_vs_uniform=round(b[0] / c, 3),
+        ratio_no_shuffle_vs_uniform=round(a[0] / c, 3),
+        same_pairs_no_shuffle=a[1],
+        same_pairs_shuffle=b[1],
+        pairs=b[2],
+        goal_ratio_shuffle_vs_uniform=1.5,
+    )
 
 
 def correlation(ds: Path, pack_to: int, epochs: int, copies: int) -> list[dict]:
@@ -236,21 +290,42 @@ def correlation(ds: Path, pack_to: int, epochs: int, copies: int) -> list[dict]:
             setups[world] = (plans[0], per_rank)
         # The simulation is the trainer's order: epoch 0 of the first batching equals the real loaders' batches.
         for shuffle in (False, True):
-            loaders = rank_loaders([("", ds, 1.0)], world=WORLD, shuffle=shuffle, cache=Path(cache), pack_to=pack_to,
-                                   pack_window=64, max_tokens_per_batch=0, micro_batch_size=1,
-                                   grad_accum=1)
+            loaders = rank_loaders(
+                [("", ds, 1.0)],
+                world=WORLD,
+                shuffle=shuffle,
+                cache=Path(cache),
+                pack_to=pack_to,
+                pack_window=64,
+                max_tokens_per_batch=0,
+                micro_batch_size=1,
+                grad_accum=1,
+            )
             real = [[i for b in step for i in b.sample_ids] for step in global_batches(loaders)]
             sim = simulated_steps(setups[WORLD][1], epoch=0, shuffle=shuffle, pack_to=pack_to)
             assert real == [[meta[k][0] for k in step] for step in sim], f"simulation != StepLoader (shuffle={shuffle})"
     for world, label, batching in BATCHINGS:
         plan, per_rank = setups[world]
-        rows.append(correlation_row("demo", per_rank, plan, traj, label=label, pack_to=pack_to, epochs=epochs,
-                                    batching=batching))
+        rows.append(
+            correlation_row(
+                "demo", per_rank, plan, traj, label=label, pack_to=pack_to, epochs=epochs, batching=batching
+            )
+        )
     # The demo gives a rank ~13 samples, fewer than the packing window: the same traces as 16 copies give it ~200.
     for world, label, batching in BATCHINGS:
         plan, per_rank, ttraj = tiled_ranks(ds, copies, world)
-        rows.append(correlation_row(f"demo_x{copies}", per_rank, plan, ttraj, label=label, pack_to=pack_to,
-                                    epochs=max(epochs // 2, 1), batching=batching))
+        rows.append(
+            correlation_row(
+                f"demo_x{copies}",
+                per_rank,
+                plan,
+                ttraj,
+                label=label,
+                pack_to=pack_to,
+                epochs=max(epochs // 2, 1),
+                batching=batching,
+            )
+        )
     return rows
 
 
@@ -263,8 +338,9 @@ def sorted_input(ds: Path, *, shards: int, per_shard: int, tasks: int, epochs: i
     from trainer.data.sources import ShardRef, plan_shards
 
     source, _, _ = _loader_parts(ds)
-    pool = [(int(t), int(r)) for s in source.shards for ix in [index_shard(s.url)]
-            for t, r in zip(ix.tokens, ix.trained)]
+    pool = [
+        (int(t), int(r)) for s in source.shards for ix in [index_shard(s.url)] for t, r in zip(ix.tokens, ix.trained)
+    ]
     rng = random.Random(SEED)
     refs, indexes, task = [], {}, {}
     for k in range(shards):
@@ -276,21 +352,37 @@ def sorted_input(ds: Path, *, shards: int, per_shard: int, tasks: int, epochs: i
         indexes[name] = ShardIndex(name, zero, zero, toks, trained)
         task.update({(name, i): (k * per_shard + i) * tasks // (shards * per_shard) for i in range(per_shard)})
     plan = plan_shards(tuple(refs), WORLD)
-    per_rank = [[RankSource("", 1.0, "repeat", tuple(refs[i] for i in o), tuple(indexes[refs[i].name] for i in o),
-                            (0, 1), r)] for r, o in enumerate(plan.per_rank)]
+    per_rank = [
+        [RankSource("", 1.0, "repeat", tuple(refs[i] for i in o), tuple(indexes[refs[i].name] for i in o), (0, 1), r)]
+        for r, o in enumerate(plan.per_rank)
+    ]
     rows = []
-    for label, batching in (("micro_batch_size=1", dict(micro_batch_size=1)), ("micro_batch_size=4",
-                                                                               dict(micro_batch_size=4))):
+    for label, batching in (
+        ("micro_batch_size=1", dict(micro_batch_size=1)),
+        ("micro_batch_size=4", dict(micro_batch_size=4)),
+    ):
         share = {}
         for shuffle in (False, True):
             runs = [simulated_steps(per_rank, epoch=e, shuffle=shuffle, pack_to=0, **batching) for e in range(epochs)]
             share[shuffle] = pair_share([st for r in runs for st in r], task)[0]
         c = uniform_share(task)
-        rows.append(emit("order", metric="sorted_input_correlation", batching=label, ranks=WORLD, shards=shards,
-                         samples_per_shard=per_shard, tasks=tasks, epochs=epochs,
-                         share_no_shuffle=round(share[False], 4), share_shuffle=round(share[True], 4),
-                         share_uniform=round(c, 4), ratio_no_shuffle_vs_uniform=round(share[False] / c, 3),
-                         ratio_shuffle_vs_uniform=round(share[True] / c, 3)))
+        rows.append(
+            emit(
+                "order",
+                metric="sorted_input_correlation",
+                batching=label,
+                ranks=WORLD,
+                shards=shards,
+                samples_per_shard=per_shard,
+                tasks=tasks,
+                epochs=epochs,
+                share_no_shuffle=round(share[False], 4),
+                share_shuffle=round(share[True], 4),
+                share_uniform=round(c, 4),
+                ratio_no_shuffle_vs_uniform=round(share[False] / c, 3),
+                ratio_shuffle_vs_uniform=round(share[True] / c, 3),
+            )
+        )
     return rows
 
 
@@ -307,29 +399,43 @@ def mixture(datasets: list[tuple[str, Path, float]], ranks: int) -> dict:
     from the schedule's stored counts), overall and, from step 50 on, of the running totals."""
     weights = np.array([w for _, _, w in datasets]) / sum(w for _, _, w in datasets)
     with tempfile.TemporaryDirectory() as cache:
-        loaders = rank_loaders(datasets, world=ranks, shuffle=True, cache=Path(cache), pack_to=0, micro_batch_size=1,
-                               max_tokens_per_batch=0, grad_accum=1)
+        loaders = rank_loaders(
+            datasets,
+            world=ranks,
+            shuffle=True,
+            cache=Path(cache),
+            pack_to=0,
+            micro_batch_size=1,
+            max_tokens_per_batch=0,
+            grad_accum=1,
+        )
         sched = np.zeros(len(datasets))
         for ld in loaders:  # schedule level: the stored trained-token counts in schedule order
             order = ld.streams.schedule(0)
             for s, src in enumerate(ld.streams.sources):
                 at = np.flatnonzero(order.source == s)
-                sched[s] += sum(int(ix.trained[order.sample[at[order.shard[at] == k]]].sum())
-                                for k, ix in enumerate(src.indexes))
+                sched[s] += sum(
+                    int(ix.trained[order.sample[at[order.shard[at] == k]]].sum()) for k, ix in enumerate(src.indexes)
+                )
         steps = global_batches(loaders)
     per_step = np.array([sum(trained_by_source(b, len(datasets)) for b in step) for step in steps], dtype=np.float64)
     cum = per_step.cumsum(0)
     share = cum[-1] / cum[-1].sum()
     early = min(50, len(cum) - 1)
     running = cum[early:] / cum[early:].sum(1, keepdims=True)
-    return dict(names=[n for n, _, _ in datasets], requested=[round(float(w), 4) for w in weights],
-                realized=[round(float(x), 4) for x in share],
-                schedule_level=[round(float(x), 4) for x in sched / sched.sum()],
-                max_abs_error=round(float(np.abs(share - weights).max()), 4),
-                max_abs_error_running_from_step=early,
-                max_abs_error_running=round(float(np.abs(running - weights).max()), 4), steps=len(steps),
-                ranks=ranks, trained_tokens=[int(x) for x in cum[-1]],
-                samples=[int(sum(b.sources.count(s) for step in steps for b in step)) for s in range(len(datasets))])
+    return dict(
+        names=[n for n, _, _ in datasets],
+        requested=[round(float(w), 4) for w in weights],
+        realized=[round(float(x), 4) for x in share],
+        schedule_level=[round(float(x), 4) for x in sched / sched.sum()],
+        max_abs_error=round(float(np.abs(share - weights).max()), 4),
+        max_abs_error_running_from_step=early,
+        max_abs_error_running=round(float(np.abs(running - weights).max()), 4),
+        steps=len(steps),
+        ranks=ranks,
+        trained_tokens=[int(x) for x in cum[-1]],
+        samples=[int(sum(b.sources.count(s) for step in steps for b in step)) for s in range(len(datasets))],
+    )
 
 
 def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool = False) -> dict:
@@ -350,13 +456,15 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
     t_index = time.perf_counter()
     if shuffle:
         with tempfile.TemporaryDirectory() as cache:
-            srcs, _ = rank_sources((DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0,
-                                   world=1, cache=Path(cache))
+            srcs, _ = rank_sources(
+                (DataSpec(path=ds),), [source], [plan_shards(source.shards, 1)], rank=0, world=1, cache=Path(cache)
+            )
         order = schedule(srcs, seed=SEED, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=span)
         stream = ScheduledStream(srcs, order, start=0, spec=spec)
     else:
-        stream = RankStream(epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle_shards=True), start=0,
-                            spec=spec)
+        stream = RankStream(
+            epoch_shards(list(source.shards), epoch=0, seed=SEED, shuffle_shards=True), start=0, spec=spec
+        )
     t_index = time.perf_counter() - t_index  # the shuffle's start-up cost: reading every shard's sample index
     me, peak, done = psutil.Process(), [0], threading.Event()
 
@@ -382,8 +490,14 @@ def loader_pass(ds: str, shuffle: bool, span: int, workers: int = 2, rss: bool =
     done.set()
     del loader, s
     gc.collect()  # the workers are joined (and their CPU time counted) once the iterator is gone
-    return dict(samples=samples, images=images, seconds=seconds, cpu_seconds=_cpu_seconds() - cpu0,
-                rss_mb=peak[0] / 2**20, index_seconds=t_index)
+    return dict(
+        samples=samples,
+        images=images,
+        seconds=seconds,
+        cpu_seconds=_cpu_seconds() - cpu0,
+        rss_mb=peak[0] / 2**20,
+        index_seconds=t_index,
+    )
 
 
 def _cpu_seconds() -> float:
@@ -395,8 +509,10 @@ def _cpu_seconds() -> float:
 
 def _fresh_pass(ds: Path, shuffle: bool, span: int) -> dict:
     """loader_pass in a fresh process: the main process's RSS then holds nothing from earlier benchmarks."""
-    code = ("import json; from benchmarks.bench_order import loader_pass;"
-            f"print(json.dumps(loader_pass({str(ds)!r}, {shuffle}, {span}, rss=True)))")
+    code = (
+        "import json; from benchmarks.bench_order import loader_pass;"
+        f"print(json.dumps(loader_pass({str(ds)!r}, {shuffle}, {span}, rss=True)))"
+    )
     res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -410,26 +526,45 @@ def throughput(ds: Path, repeats: int) -> list[dict]:
     med = {k: statistics.median(r["samples"] / r["seconds"] for r in v) for k, v in runs.items()}
     cpu = {k: statistics.median(r["cpu_seconds"] * 1000 / r["samples"] for r in v) for k, v in runs.items()}
     pairwise = [no["seconds"] / sh["seconds"] for no, sh in zip(runs[False], runs[True])]  # passes back to back
-    rows = [emit("order", metric="loader_throughput", workers=2, shards=n_shards, samples=runs[True][0]["samples"],
-                 images=runs[True][0]["images"], repeats=repeats, samples_per_s_no_shuffle=round(med[False], 2),
-                 samples_per_s_shuffle=round(med[True], 2), ratio=round(med[True] / med[False], 3),
-                 ratio_pairwise_median=round(statistics.median(pairwise), 3),
-                 all_samples_per_s_no_shuffle=[round(r["samples"] / r["seconds"], 1) for r in runs[False]],
-                 all_samples_per_s_shuffle=[round(r["samples"] / r["seconds"], 1) for r in runs[True]],
-                 cpu_ms_per_sample_no_shuffle=round(cpu[False], 2), cpu_ms_per_sample_shuffle=round(cpu[True], 2),
-                 cpu_ratio=round(cpu[True] / cpu[False], 3),
-                 index_seconds_shuffle=round(statistics.median(r["index_seconds"] for r in runs[True]), 3),
-                 goal_ratio=">= 0.9")]
+    rows = [
+        emit(
+            "order",
+            metric="loader_throughput",
+            workers=2,
+            shards=n_shards,
+            samples=runs[True][0]["samples"],
+            images=runs[True][0]["images"],
+            repeats=repeats,
+            samples_per_s_no_shuffle=round(med[False], 2),
+            samples_per_s_shuffle=round(med[True], 2),
+            ratio=round(med[True] / med[False], 3),
+            ratio_pairwise_median=round(statistics.median(pairwise), 3),
+            all_samples_per_s_no_shuffle=[round(r["samples"] / r["seconds"], 1) for r in runs[False]],
+            all_samples_per_s_shuffle=[round(r["samples"] / r["seconds"], 1) for r in runs[True]],
+            cpu_ms_per_sample_no_shuffle=round(cpu[False], 2),
+            cpu_ms_per_sample_shuffle=round(cpu[True], 2),
+            cpu_ratio=round(cpu[True] / cpu[False], 3),
+            index_seconds_shuffle=round(statistics.median(r["index_seconds"] for r in runs[True]), 3),
+            goal_ratio=">= 0.9",
+        )
+    ]
     rss = {"no_shuffle": _fresh_pass(ds, False, 0)}
     for span in (1, 4, 0):
         rss[f"span_{span or 'all'}"] = _fresh_pass(ds, True, span)
     spans = [v["rss_mb"] for k, v in rss.items() if k.startswith("span")]
-    rows.append(emit("order", metric="loader_rss", workers=2, shards=n_shards,
-                     **{f"peak_rss_mb_{k}": round(v["rss_mb"], 1) for k, v in rss.items()},
-                     **{f"samples_per_s_{k}": round(v["samples"] / v["seconds"], 2) for k, v in rss.items()},
-                     **{f"cpu_ms_per_sample_{k}": round(v["cpu_seconds"] * 1000 / v["samples"], 2)
-                        for k, v in rss.items()},
-                     rss_max_over_min_spans=round(max(spans) / min(spans), 3), goal="flat in the span"))
+    rows.append(
+        emit(
+            "order",
+            metric="loader_rss",
+            workers=2,
+            shards=n_shards,
+            **{f"peak_rss_mb_{k}": round(v["rss_mb"], 1) for k, v in rss.items()},
+            **{f"samples_per_s_{k}": round(v["samples"] / v["seconds"], 2) for k, v in rss.items()},
+            **{f"cpu_ms_per_sample_{k}": round(v["cpu_seconds"] * 1000 / v["samples"], 2) for k, v in rss.items()},
+            rss_max_over_min_spans=round(max(spans) / min(spans), 3),
+            goal="flat in the span",
+        )
+    )
     return rows
 
 
@@ -437,14 +572,30 @@ def datasets(quick: bool) -> tuple[Path, int, Path]:
     """The demo input (`make demo`: 64 traces, 1280x720) built as docs/build.md's agent-trace split example, its
     pack size, and many small shards of smaller screenshot traces for the loader."""
     if quick:
-        demo = cached_build(traces(6, width=320, height=200), "order-split-quick", seq_len=1024, long_traces="split",
-                            samples_per_shard=4, workers=1)
-        screens = cached_build(traces(32, width=320, height=200, max_images=4, overlong_fraction=0.0),
-                               "order-screens-quick", seq_len=16384, samples_per_shard=2, workers=1)
+        demo = cached_build(
+            traces(6, width=320, height=200),
+            "order-split-quick",
+            seq_len=1024,
+            long_traces="split",
+            samples_per_shard=4,
+            workers=1,
+        )
+        screens = cached_build(
+            traces(32, width=320, height=200, max_images=4, overlong_fraction=0.0),
+            "order-screens-quick",
+            seq_len=16384,
+            samples_per_shard=2,
+            workers=1,
+        )
         return demo, 1024, screens
     demo = cached_build(traces(64), "order-split", seq_len=16384, long_traces="split", samples_per_shard=16, workers=2)
-    screens = cached_build(traces(256, width=640, height=360, max_images=8, overlong_fraction=0.0), "order-screens",
-                           seq_len=16384, samples_per_shard=16, workers=2)
+    screens = cached_build(
+        traces(256, width=640, height=360, max_images=8, overlong_fraction=0.0),
+        "order-screens",
+        seq_len=16384,
+        samples_per_shard=16,
+        workers=2,
+    )
     return demo, 16384, screens
 
 

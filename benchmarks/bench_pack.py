@@ -3,6 +3,7 @@ micro-batch per step. Per T: packed rows (--pack-to T, the trainer's own Packer)
 budget of T (--max-tokens-per-batch T) and one sample per micro-batch, on the same rank streams: fill (real tokens /
 slots paid for), per-step max/mean tokens and attention cost (sum of squared sample lengths) across ranks, packing
 time. Then the loader cost of packing on real decoded samples: Packer + collate_packed vs collate, per sample."""
+
 from __future__ import annotations
 
 import time
@@ -57,10 +58,13 @@ def summarize(per_rank: list[list[list[int]]], slots) -> dict:
     tokens = np.array([[sum(g) for g in s] + [0] * (n - len(s)) for s in per_rank], dtype=np.float64)
     attn = np.array([[sum(x * x for x in g) for g in s] + [0] * (n - len(s)) for s in per_rank], dtype=np.float64)
     paid = sum(slots(g) for s in per_rank for g in s)
-    return dict(steps=n, fill=round(float(tokens.sum() / paid), 4),
-                step_max_over_mean_tokens=round(imbalance(tokens), 4),
-                step_max_over_mean_attention=round(imbalance(attn), 4),
-                worst_step_max_over_mean_tokens=round(float((tokens.max(0) / tokens.mean(0)).max()), 3))
+    return dict(
+        steps=n,
+        fill=round(float(tokens.sum() / paid), 4),
+        step_max_over_mean_tokens=round(imbalance(tokens), 4),
+        step_max_over_mean_attention=round(imbalance(attn), 4),
+        worst_step_max_over_mean_tokens=round(float((tokens.max(0) / tokens.mean(0)).max()), 3),
+    )
 
 
 def loader_cost(ds: Path, n: int, capacity: int, window: int) -> dict:
@@ -98,8 +102,13 @@ def loader_cost(ds: Path, n: int, capacity: int, window: int) -> dict:
             collate([s], cs)
 
     pack_ms, plain_ms = best(packed), best(plain)
-    return dict(samples=len(samples), pack_ms_per_sample=round(pack_ms, 4), collate_ms_per_sample=round(plain_ms, 4),
-                added_ms_per_sample=round(pack_ms - plain_ms, 4), goal_ms=1.0)
+    return dict(
+        samples=len(samples),
+        pack_ms_per_sample=round(pack_ms, 4),
+        collate_ms_per_sample=round(plain_ms, 4),
+        added_ms_per_sample=round(pack_ms - plain_ms, 4),
+        goal_ms=1.0,
+    )
 
 
 def run(quick: bool, n: int | None = None, world: int = 8, window: int = 64) -> list[dict]:
@@ -117,16 +126,42 @@ def run(quick: bool, n: int | None = None, world: int = 8, window: int = 64) -> 
     rows = []
     for T in (16384, 32768):
         packed, seconds = zip(*(packed_steps(r, T, window) for r in ranks))
-        rows.append(emit("pack", metric="pack", pack_to=T, pack_window=window, ranks=world, samples=samples,
-                         **summarize(list(packed), lambda g, T=T: T),
-                         pack_ms_per_1000_samples=round(sum(seconds) * 1000 * 1000 / samples, 3),
-                         goal_fill=0.97 if T == 16384 else None, goal_max_over_mean=1.05 if T == 16384 else None))
+        rows.append(
+            emit(
+                "pack",
+                metric="pack",
+                pack_to=T,
+                pack_window=window,
+                ranks=world,
+                samples=samples,
+                **summarize(list(packed), lambda g, T=T: T),
+                pack_ms_per_1000_samples=round(sum(seconds) * 1000 * 1000 / samples, 3),
+                goal_fill=0.97 if T == 16384 else None,
+                goal_max_over_mean=1.05 if T == 16384 else None,
+            )
+        )
         budget = [budget_steps(r, T) for r in ranks]
-        rows.append(emit("pack", metric="token_budget", max_tokens_per_batch=T, ranks=world, samples=samples,
-                         **summarize(budget, lambda g: max(g) * len(g))))
+        rows.append(
+            emit(
+                "pack",
+                metric="token_budget",
+                max_tokens_per_batch=T,
+                ranks=world,
+                samples=samples,
+                **summarize(budget, lambda g: max(g) * len(g)),
+            )
+        )
     micro = [budget_steps(r, 0) for r in ranks]
-    rows.append(emit("pack", metric="micro_batch_1", ranks=world, samples=samples,
-                     **summarize(micro, lambda g: sum(g))))
-    rows.append(emit("pack", metric="loader_cost", pack_to=16384, pack_window=window,
-                     **loader_cost(ds, 64 if quick else 500, 16384, window)))
+    rows.append(
+        emit("pack", metric="micro_batch_1", ranks=world, samples=samples, **summarize(micro, lambda g: sum(g)))
+    )
+    rows.append(
+        emit(
+            "pack",
+            metric="loader_cost",
+            pack_to=16384,
+            pack_window=window,
+            **loader_cost(ds, 64 if quick else 500, 16384, window),
+        )
+    )
     return rows

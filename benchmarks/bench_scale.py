@@ -1,6 +1,7 @@
 """Scale-out benchmark: one plan of T tasks over the demo traces run by the local pool (2 processes) and by Ray on a
 local cluster of 2 CPUs (started before the clock, as a user's cluster is): wall-clock and the Ray/local ratio
 (same bytes, checked); then each task alone, one after another, for per-task seconds (and input bytes) max/mean."""
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,17 @@ def run(quick: bool, n: int | None = None, tasks: int | None = None) -> list[dic
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rows = []
     local_s, local = _build(inp, OUT / "scale-local", workers=2, **kw)
-    rows.append(emit("scale", executor="local", processes=2, tasks=tasks, records=local.manifest.totals["records"],
-                     samples=local.manifest.totals["samples"], seconds=round(local_s, 2)))
+    rows.append(
+        emit(
+            "scale",
+            executor="local",
+            processes=2,
+            tasks=tasks,
+            records=local.manifest.totals["records"],
+            samples=local.manifest.totals["samples"],
+            seconds=round(local_s, 2),
+        )
+    )
     try:
         import ray
     except ImportError:
@@ -52,15 +62,30 @@ def run(quick: bool, n: int | None = None, tasks: int | None = None) -> list[dic
             ray_s, _ = _build(inp, OUT / "scale-ray", workers=2, executor="ray", **kw)
         finally:
             ray.shutdown()
-        rows.append(emit("scale", executor="ray", cpus=2, tasks=tasks, seconds=round(ray_s, 2),
-                         ray_over_local=round(ray_s / local_s, 3),
-                         identical_bytes=_tree(OUT / "scale-local") == _tree(OUT / "scale-ray")))
+        rows.append(
+            emit(
+                "scale",
+                executor="ray",
+                cpus=2,
+                tasks=tasks,
+                seconds=round(ray_s, 2),
+                ray_over_local=round(ray_s / local_s, 3),
+                identical_bytes=_tree(OUT / "scale-local") == _tree(OUT / "scale-ray"),
+            )
+        )
     # Each task alone in this process, one after another: its own work, free of contention for the 2 cores.
     serial_s, serial = _build(inp, OUT / "scale-serial", workers=1, **kw)
     secs = [serial.task_seconds[i] for i in range(tasks)]
     sizes = [c.bytes for c in serial.plan.cuts]
-    rows.append(emit("scale_balance", tasks=tasks, records=n, one_process_seconds=round(serial_s, 2),
-                     task_seconds=[round(s, 2) for s in secs],
-                     max_over_mean_seconds=round(max(secs) / (sum(secs) / tasks), 3),
-                     max_over_mean_bytes=round(max(sizes) / (sum(sizes) / tasks), 3)))
+    rows.append(
+        emit(
+            "scale_balance",
+            tasks=tasks,
+            records=n,
+            one_process_seconds=round(serial_s, 2),
+            task_seconds=[round(s, 2) for s in secs],
+            max_over_mean_seconds=round(max(secs) / (sum(secs) / tasks), 3),
+            max_over_mean_bytes=round(max(sizes) / (sum(sizes) / tasks), 3),
+        )
+    )
     return rows

@@ -3,6 +3,7 @@ image decode, resize, encode, tokenize, render + mask, split search, tar write, 
 traces beside its floor, the least work that stage needs, measured in the same run on the same data; then the whole
 record path (Renderer.process + ShardWriter.write) against the sum of the floors (docs/performance.md's stage table).
 Each figure is the median over interleaved repetitions: the stage, then its floor, on a box shared with other jobs."""
+
 from __future__ import annotations
 
 import base64
@@ -35,9 +36,18 @@ def _pair(stage, floor, reps: int) -> tuple[float, float]:
 
 def _row(stage: str, unit: str, n: float, seconds: float, floor_seconds: float, floor: str, **extra) -> dict:
     per = 1e3 / n if n else 0.0
-    return emit("stages", metric="stage", stage=stage, unit=unit, n=round(n, 1), ms=round(seconds * per, 3),
-                floor_ms=round(floor_seconds * per, 3), floor=floor,
-                ratio=round(seconds / floor_seconds, 2) if floor_seconds else None, **extra)
+    return emit(
+        "stages",
+        metric="stage",
+        stage=stage,
+        unit=unit,
+        n=round(n, 1),
+        ms=round(seconds * per, 3),
+        floor_ms=round(floor_seconds * per, 3),
+        floor=floor,
+        ratio=round(seconds / floor_seconds, 2) if floor_seconds else None,
+        **extra,
+    )
 
 
 def run(quick: bool, n: int | None = None) -> list[dict]:
@@ -85,42 +95,81 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
         rows.append(_row(name, unit, count, s, f, floor_name, **extra))
         return s
 
-    stage("json_parse", "ms per record", len(raws), lambda: [parse_record(r) for r in raws],
-          lambda: [json.loads(line) for line in lines], "json.loads of the same lines", images=len(images))
-    stage("normalize_base64", "ms per image", len(images),
-          lambda: [normalize_record(d, raw.source, renderer.norm) for d, raw in zip(datas, raws)],
-          lambda: [base64.b64decode(p) for p in payloads], "base64.b64decode of the image payloads")
-    stage("image_header", "ms per image", len(images),
-          lambda: [open_image(im, proc, family, **opts, shapes=shapes) for shapes in [{}] for im in images],
-          lambda: [Image.open(io.BytesIO(im.data)).size for im in images], "PIL Image.open (header only)")
+    stage(
+        "json_parse",
+        "ms per record",
+        len(raws),
+        lambda: [parse_record(r) for r in raws],
+        lambda: [json.loads(line) for line in lines],
+        "json.loads of the same lines",
+        images=len(images),
+    )
+    stage(
+        "normalize_base64",
+        "ms per image",
+        len(images),
+        lambda: [normalize_record(d, raw.source, renderer.norm) for d, raw in zip(datas, raws)],
+        lambda: [base64.b64decode(p) for p in payloads],
+        "base64.b64decode of the image payloads",
+    )
+    stage(
+        "image_header",
+        "ms per image",
+        len(images),
+        lambda: [open_image(im, proc, family, **opts, shapes=shapes) for shapes in [{}] for im in images],
+        lambda: [Image.open(io.BytesIO(im.data)).size for im in images],
+        "PIL Image.open (header only)",
+    )
     sources = [im.source for im in kept]
-    stage("image_decode", "ms per kept image", len(kept), lambda: [decode_image(s, **opts) for s in sources],
-          lambda: [Image.open(io.BytesIO(s.data)).load() for s in sources], "PIL open + load of the same bytes")
+    stage(
+        "image_decode",
+        "ms per kept image",
+        len(kept),
+        lambda: [decode_image(s, **opts) for s in sources],
+        lambda: [Image.open(io.BytesIO(s.data)).load() for s in sources],
+        "PIL open + load of the same bytes",
+    )
     pils = [decode_image(s, **opts) for s in sources]
     views = [torch.from_numpy(np.asarray(p).copy()).permute(2, 0, 1) for p in pils]
     shapes = [im.pixels.shape[:2] for im in kept]
 
     def resize_all():
         with torch.no_grad():
-            return [np.ascontiguousarray(_resize(proc, family, _processed(proc.image_processor, p), *p.size)
-                                         .permute(1, 2, 0).numpy()) for p in pils]
+            return [
+                np.ascontiguousarray(
+                    _resize(proc, family, _processed(proc.image_processor, p), *p.size).permute(1, 2, 0).numpy()
+                )
+                for p in pils
+            ]
 
     def kernel_only():
         with torch.no_grad():
-            return [torch.nn.functional.interpolate(v[None], size=hw, mode="bicubic", antialias=True)
-                    for v, hw in zip(views, shapes)]
+            return [
+                torch.nn.functional.interpolate(v[None], size=hw, mode="bicubic", antialias=True)
+                for v, hw in zip(views, shapes)
+            ]
 
-    stage("resize", "ms per kept image", len(kept), resize_all, kernel_only,
-          "torch bicubic antialias kernel alone on the decoded pixels (channels last)")
+    stage(
+        "resize",
+        "ms per kept image",
+        len(kept),
+        resize_all,
+        kernel_only,
+        "torch bicubic antialias kernel alone on the decoded pixels (channels last)",
+    )
     pixels = [PreparedImage(pixels=im.pixels, grid_thw=im.grid_thw, source=im.source) for im in kept]
     level = cfg.zstd_level
     # The floor compresses at the level the format itself uses (zstd-pdelta raises it to PDELTA_MIN_LEVEL for its
     # smaller shards): what the chosen output costs, not a cheaper output's.
     floor_level = max(level, PDELTA_MIN_LEVEL) if cfg.image_format == "zstd-pdelta" else level
-    stage("encode", "ms per kept image", len(kept),
-          lambda: [encode_image(p, cfg.image_format, zstd_level=level) for p in pixels],
-          lambda: [zstandard.ZstdCompressor(level=floor_level).compress(p.pixels) for p in pixels],
-          f"zstandard compress (level {floor_level}, the {cfg.image_format} format's) of the pixel buffer alone")
+    stage(
+        "encode",
+        "ms per kept image",
+        len(kept),
+        lambda: [encode_image(p, cfg.image_format, zstd_level=level) for p in pixels],
+        lambda: [zstandard.ZstdCompressor(level=floor_level).compress(p.pixels) for p in pixels],
+        f"zstandard compress (level {floor_level}, the {cfg.image_format} format's) of the pixel buffer alone",
+    )
 
     steps = []  # (step conversation, its images, pixels made) of every sample written, as Renderer.render plans them
     for conv in convs:
@@ -135,15 +184,26 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     shorts = [shorten_runs(t, ctx.text.run_re, ctx.text.run_tokens)[0] for t in expanded]
     backend = ctx.tokenizer.backend_tokenizer
     whole = _best(lambda: [ctx.tokenizer(t, return_offsets_mapping=True) for t in expanded], reps)
-    stage("tokenize", "ms per 1k tokens", tokens / 1e3, lambda: [ctx.text.encode(t) for t in expanded],
-          lambda: [backend.encode(t, add_special_tokens=False) for t in shorts],
-          "the tokenizer's Rust encode of the text less each placeholder run's repeats",
-          whole_text_ms=round(whole * 1e6 / tokens, 3))
-    stage("render_mask", "ms per 1k tokens", tokens / 1e3,
-          lambda: [render_conversation(sc, ctx, imgs) for sc, imgs in steps],
-          lambda: ([ctx.render_text(ctx.messages(sc), sc.tools) for sc, _ in steps]
-                   + [backend.encode(t, add_special_tokens=False) for t in shorts]),
-          "one template render + the tokenize floor (tokenize included in both)")
+    stage(
+        "tokenize",
+        "ms per 1k tokens",
+        tokens / 1e3,
+        lambda: [ctx.text.encode(t) for t in expanded],
+        lambda: [backend.encode(t, add_special_tokens=False) for t in shorts],
+        "the tokenizer's Rust encode of the text less each placeholder run's repeats",
+        whole_text_ms=round(whole * 1e6 / tokens, 3),
+    )
+    stage(
+        "render_mask",
+        "ms per 1k tokens",
+        tokens / 1e3,
+        lambda: [render_conversation(sc, ctx, imgs) for sc, imgs in steps],
+        lambda: (
+            [ctx.render_text(ctx.messages(sc), sc.tools) for sc, _ in steps]
+            + [backend.encode(t, add_special_tokens=False) for t in shorts]
+        ),
+        "one template render + the tokenize floor (tokenize included in both)",
+    )
 
     calls = [0]
     count = process_module.count_tokens
@@ -163,9 +223,17 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
     try:
         search()
         n_calls = calls[0]
-        stage("split_search", "ms per sample", len(samples), search,
-              lambda: [count(sc, ctx, imgs) for sc, imgs in steps], "one count_tokens per sample written",
-              count_tokens_calls=n_calls, samples=len(samples), records=len(raws))
+        stage(
+            "split_search",
+            "ms per sample",
+            len(samples),
+            search,
+            lambda: [count(sc, ctx, imgs) for sc, imgs in steps],
+            "one count_tokens per sample written",
+            count_tokens_calls=n_calls,
+            samples=len(samples),
+            records=len(raws),
+        )
     finally:
         process_module.count_tokens = count
 
@@ -190,12 +258,22 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
             os.fsync(f.fileno())
         return h.hexdigest()
 
-    stage("tar_write", "ms per MB", total_bytes / 1e6, tar_write, plain_write,
-          "the same member bytes written to one file, hashed (sha256) and fsynced; no tar headers")
-    stage("hashing", "ms per MB", sum(len(im.source.data) for im in kept) / 1e6,
-          lambda: [PreparedImage(pixels=im.pixels, grid_thw=im.grid_thw, source=im.source).digest for im in kept],
-          lambda: [hashlib.sha256(im.source.data).hexdigest() for im in kept],
-          "hashlib.sha256 of the kept sources' bytes, once each (the shard's own sha256: tar_write)")
+    stage(
+        "tar_write",
+        "ms per MB",
+        total_bytes / 1e6,
+        tar_write,
+        plain_write,
+        "the same member bytes written to one file, hashed (sha256) and fsynced; no tar headers",
+    )
+    stage(
+        "hashing",
+        "ms per MB",
+        sum(len(im.source.data) for im in kept) / 1e6,
+        lambda: [PreparedImage(pixels=im.pixels, grid_thw=im.grid_thw, source=im.source).digest for im in kept],
+        lambda: [hashlib.sha256(im.source.data).hexdigest() for im in kept],
+        "hashlib.sha256 of the kept sources' bytes, once each (the shard's own sha256: tar_write)",
+    )
 
     def record_path():
         w = ShardWriter(tmp, samples_per_shard=10**9, shard_size_bytes=1 << 40)
@@ -206,20 +284,39 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
         w.close()
 
     # Interleaved, so that a neighbour's load falls on both sides of the ratio.
-    in_sum = ("json_parse", "normalize_base64", "image_header", "image_decode", "resize", "encode", "render_mask",
-              "split_search", "tar_write", "hashing")
+    in_sum = (
+        "json_parse",
+        "normalize_base64",
+        "image_header",
+        "image_decode",
+        "resize",
+        "encode",
+        "render_mask",
+        "split_search",
+        "tar_write",
+        "hashing",
+    )
     paths, sums = [], []
     for _ in range(reps):
         paths.append(_best(record_path, 1))
         sums.append(sum(_best(floor_fns[k], 1) for k in in_sum))
     path_s, floor_sum = statistics.median(paths), statistics.median(sums)
-    rows.append(emit("stages", metric="record_path", records=len(raws), images=len(images), kept_images=len(kept),
-                     samples=len(samples), tokens=tokens, ms_per_record=round(path_s * 1e3 / len(raws), 2),
-                     ms_per_kept_image=round(path_s * 1e3 / max(1, len(kept)), 2),
-                     floor_sum_ms_per_record=round(floor_sum * 1e3 / len(raws), 2),
-                     ratio=round(statistics.median(p / f for p, f in zip(paths, sums)), 2), goal=GOAL_RECORD_PATH,
-                     floors_in_sum=list(in_sum),
-                     settings=f"--long-traces split --seq-len {seq_len}, {size[0]}x{size[1]} screenshots"))
+    rows.append(
+        emit(
+            "stages",
+            metric="record_path",
+            records=len(raws),
+            images=len(images),
+            kept_images=len(kept),
+            samples=len(samples),
+            tokens=tokens,
+            ms_per_record=round(path_s * 1e3 / len(raws), 2),
+            ms_per_kept_image=round(path_s * 1e3 / max(1, len(kept)), 2),
+            floor_sum_ms_per_record=round(floor_sum * 1e3 / len(raws), 2),
+            ratio=round(statistics.median(p / f for p, f in zip(paths, sums)), 2),
+            goal=GOAL_RECORD_PATH,
+            floors_in_sum=list(in_sum),
+            settings=f"--long-traces split --seq-len {seq_len}, {size[0]}x{size[1]} screenshots",
+        )
+    )
     return rows
-
-

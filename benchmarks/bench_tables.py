@@ -4,6 +4,7 @@ the JSONL). Two record shapes: short VQA records (LLaMA-Factory's demo, in the T
 the demo agent traces (OpenAI layout, `messages` as a JSON string column). Then the same inputs read from an S3 store
 (moto's server on loopback, where installed) beside the local files, and with --out in the bucket too (goal:
 >= 0.9x)."""
+
 from __future__ import annotations
 
 import base64
@@ -50,9 +51,21 @@ def run(quick: bool) -> list[dict]:
     if vqa:
         shapes.append(("vqa_trl", vqa, [_trl(r) for r in vqa], {}))
     agent = records(traces(4 if quick else 64, width=640, height=400))
-    shapes.append(("agent_oai_json", agent, [{"id": r["id"], "messages": json.dumps(r["messages"]),
-                                               "tools": json.dumps(r["tools"]) if "tools" in r else None}
-                                              for r in agent], {}))
+    shapes.append(
+        (
+            "agent_oai_json",
+            agent,
+            [
+                {
+                    "id": r["id"],
+                    "messages": json.dumps(r["messages"]),
+                    "tools": json.dumps(r["tools"]) if "tools" in r else None,
+                }
+                for r in agent
+            ],
+            {},
+        )
+    )
     rows = []
     for shape, recs, table_rows, kw in shapes:
         jsonl = jsonl_zst(recs, d / f"{shape}.jsonl.zst")
@@ -62,12 +75,22 @@ def run(quick: bool) -> list[dict]:
             seconds[name], m = timed_build(inp, d / f"out-{shape}-{name}", workers=1, **kw)
             assert m["totals"]["records"] == len(recs)
         rate = {k: len(recs) / v for k, v in seconds.items()}
-        rows.append(emit("tables", metric="ingest", shape=shape, records=len(recs),
-                         jsonl_zst_records_per_s=round(rate["jsonl_zst"], 1),
-                         parquet_records_per_s=round(rate["parquet"], 1),
-                         ratio=round(rate["parquet"] / rate["jsonl_zst"], 3), goal=GOAL,
-                         input_mb={"jsonl_zst": round(jsonl.stat().st_size / 1e6, 1),
-                                   "parquet": round(table.stat().st_size / 1e6, 1)}))
+        rows.append(
+            emit(
+                "tables",
+                metric="ingest",
+                shape=shape,
+                records=len(recs),
+                jsonl_zst_records_per_s=round(rate["jsonl_zst"], 1),
+                parquet_records_per_s=round(rate["parquet"], 1),
+                ratio=round(rate["parquet"] / rate["jsonl_zst"], 3),
+                goal=GOAL,
+                input_mb={
+                    "jsonl_zst": round(jsonl.stat().st_size / 1e6, 1),
+                    "parquet": round(table.stat().st_size / 1e6, 1),
+                },
+            )
+        )
         rows += _from_s3(shape, [jsonl, table], len(recs), d)
     return rows
 
@@ -87,8 +110,12 @@ def _from_s3(shape: str, files: list[Path], n: int, d: Path) -> list[dict]:
     srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     srv.start()
     host, port = srv.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps one per endpoint-less key: a new server, a new client
@@ -112,9 +139,20 @@ def _from_s3(shape: str, files: list[Path], n: int, d: Path) -> list[dict]:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         s3fs.S3FileSystem.clear_instance_cache()
         srv.stop()
-    return [emit("tables", metric="s3_vs_local", shape=shape, records=2 * n, local_seconds=round(local, 2),
-                 s3_seconds=round(remote, 2), ratio=round(local / remote, 3), goal=GOAL_S3,
-                 s3_in_and_out_seconds=round(both, 2), ratio_in_and_out=round(local / both, 3))]
+    return [
+        emit(
+            "tables",
+            metric="s3_vs_local",
+            shape=shape,
+            records=2 * n,
+            local_seconds=round(local, 2),
+            s3_seconds=round(remote, 2),
+            ratio=round(local / remote, 3),
+            goal=GOAL_S3,
+            s3_in_and_out_seconds=round(both, 2),
+            ratio_in_and_out=round(local / both, 3),
+        )
+    ]
 
 
 if __name__ == "__main__":

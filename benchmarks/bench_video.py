@@ -1,6 +1,7 @@
 """Video benchmark: `vlmprep build` seconds and shard bytes per second of source video, per Qwen family, on H.264
 clips made here with PyAV (a moving pattern: every frame differs), sampled at the processor's default rate; and the
 peak resident memory of each process of a `vlmprep build --workers 2` of the same clips (main, workers)."""
+
 from __future__ import annotations
 
 import json
@@ -28,23 +29,51 @@ def run(quick: bool) -> list[dict]:
     with open(d / "in.jsonl", "w") as f:
         for i in range(n):
             (d / f"clip{i}.mp4").write_bytes(encode(frames(seconds * fps, w, h, seed=i), fps, codec="libx264"))
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": [{"type": "video", "video": f"clip{i}.mp4"},
-                                             {"type": "text", "text": "?"}]},
-                {"role": "assistant", "content": f"clip {i}"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [{"type": "video", "video": f"clip{i}.mp4"}, {"type": "text", "text": "?"}],
+                            },
+                            {"role": "assistant", "content": f"clip {i}"},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     rows = []
     for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl"):
         out = d / f"out-{family}"
         t0 = time.perf_counter()
-        res = build(BuildConfig(inputs=(str(d / "in.jsonl"),), out=str(out), processor=f"builtin:{family}",
-                                seq_len=32768, progress=False))
+        res = build(
+            BuildConfig(
+                inputs=(str(d / "in.jsonl"),),
+                out=str(out),
+                processor=f"builtin:{family}",
+                seq_len=32768,
+                progress=False,
+            )
+        )
         t = time.perf_counter() - t0
         video_s = n * seconds
         shard_bytes = sum(s.bytes for s in res.manifest.shards)
-        rows.append(emit("video", family=family, clips=n, clip_seconds=seconds, fps=fps, width=w, height=h,
-                         build_s=round(t, 2), build_s_per_video_s=round(t / video_s, 3),
-                         shard_bytes_per_video_s=round(shard_bytes / video_s),
-                         video_tokens=res.manifest.totals["video_tokens"]))
+        rows.append(
+            emit(
+                "video",
+                family=family,
+                clips=n,
+                clip_seconds=seconds,
+                fps=fps,
+                width=w,
+                height=h,
+                build_s=round(t, 2),
+                build_s_per_video_s=round(t / video_s, 3),
+                shard_bytes_per_video_s=round(shard_bytes / video_s),
+                video_tokens=res.manifest.totals["video_tokens"],
+            )
+        )
     rows += peak_rss_rows(d, ("qwen2-vl",) if quick else ("qwen2-vl", "qwen2.5-vl", "qwen3-vl"))
     return rows
 
@@ -57,9 +86,26 @@ def peak_rss_rows(d: Path, families) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     rows = []
     for family in families:
-        rc, err, peaks = peak_rss([sys.executable, "-m", "vlmprep", "build", "--in", str(d / "in.jsonl"), "--out",
-                                   str(d / f"rss-{family}"), "--processor", f"builtin:{family}", "--workers", "2",
-                                   "--seq-len", "32768", "--no-progress"], env=env)
+        rc, err, peaks = peak_rss(
+            [
+                sys.executable,
+                "-m",
+                "vlmprep",
+                "build",
+                "--in",
+                str(d / "in.jsonl"),
+                "--out",
+                str(d / f"rss-{family}"),
+                "--processor",
+                f"builtin:{family}",
+                "--workers",
+                "2",
+                "--seq-len",
+                "32768",
+                "--no-progress",
+            ],
+            env=env,
+        )
         assert rc == 0, err[-2000:]
         fields = {}
         for role in ("main", "forkserver", "worker"):

@@ -1,4 +1,5 @@
 """One JSON line per measurement on stdout, so `make bench` output can be grepped, diffed and plotted."""
+
 from __future__ import annotations
 
 import json
@@ -16,5 +17,10 @@ def emit(bench: str, **fields) -> dict:
 def machine() -> dict:
     import torch
 
-    return {"cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "argv": " ".join(sys.argv)}
+    return {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "argv": " ".join(sys.argv),
+    }

@@ -1,5 +1,6 @@
 """Benchmark inputs: seeded demo agent traces cached under bench-out/, so every benchmark measures the same
 records and reruns skip the (PNG-bound) generation."""
+
 from __future__ import annotations
 
 import base64
@@ -17,15 +18,35 @@ DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "real_traces" /
 _DATA_URI = re.compile(rb'"data:image/[a-z]+;base64,([A-Za-z0-9+/=]+)"')
 
 
-def traces(n: int, *, width: int = 1280, height: int = 720, min_images: int = 2, max_images: int = 25,
-           seed: int = 0, overlong_fraction: float = 0.03, text_only_fraction: float = 0.05) -> Path:
-    name = (f"traces-n{n}-{width}x{height}-i{min_images}-{max_images}-s{seed}-o{overlong_fraction}"
-            f"-t{text_only_fraction}.jsonl.zst")
+def traces(
+    n: int,
+    *,
+    width: int = 1280,
+    height: int = 720,
+    min_images: int = 2,
+    max_images: int = 25,
+    seed: int = 0,
+    overlong_fraction: float = 0.03,
+    text_only_fraction: float = 0.05,
+) -> Path:
+    name = (
+        f"traces-n{n}-{width}x{height}-i{min_images}-{max_images}-s{seed}-o{overlong_fraction}"
+        f"-t{text_only_fraction}.jsonl.zst"
+    )
     path = OUT / "inputs" / name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_traces(path, n=n, seed=seed, width=width, height=height, min_images=min_images, max_images=max_images,
-                     overlong_fraction=overlong_fraction, text_only_fraction=text_only_fraction)
+        write_traces(
+            path,
+            n=n,
+            seed=seed,
+            width=width,
+            height=height,
+            min_images=min_images,
+            max_images=max_images,
+            overlong_fraction=overlong_fraction,
+            text_only_fraction=text_only_fraction,
+        )
     return path
 
 

@@ -10,6 +10,7 @@ agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-ta
 shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
 with growth exponents: 10k / 100k samples, 1M from the index). `--quick` is a seconds-long smoke run (tiny inputs;
 figures meaningless, shape real)."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,36 @@ from benchmarks import (
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
 
-BENCHES = ("build", "tables", "stages", "startup", "limits", "codec", "loader", "families", "collate", "clients",
-           "balance", "pack", "order", "traces", "scale", "video", "growth")
+BENCHES = (
+    "build",
+    "tables",
+    "stages",
+    "startup",
+    "limits",
+    "codec",
+    "loader",
+    "families",
+    "collate",
+    "clients",
+    "balance",
+    "pack",
+    "order",
+    "traces",
+    "scale",
+    "video",
+    "growth",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run")
     ap.add_argument("--quick", action="store_true", help="tiny inputs: checks that everything runs")
-    ap.add_argument("--records", type=int, default=None,
-                    help="records for build and loader (default: build 200, loader 1000; quick 6)")
+    ap.add_argument(
+        "--records",
+        type=int,
+        default=None,
+        help="records for build and loader (default: build 200, loader 1000; quick 6)",
+    )
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
     a = ap.parse_args(argv)
     only = [b.strip() for b in a.only.split(",") if b.strip()]

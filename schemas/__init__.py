@@ -1,6 +1,7 @@
 """The shard-format contract shared by vlmprep and the trainer (which never import each other): JSON Schemas for
 the input record, the sample meta, the manifest and the member-name rule. Installed as the `vlmprep_schemas` package.
 """
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 A dataset dir or base URL and its manifest -> the checked shard and processor locations (inside it, or under its
 URL); a saved processor dir -> its own files (inside it, no custom code). vlmprep and the trainer both call it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,22 +22,55 @@ PROCESSOR_DIR = "processor"  # where a manifest without processor.dir keeps its 
 _PART = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 # A processor's own files, as transformers saves and reads them (tokenizer vocabularies of every backend, chat
 # templates): all that is read from a processor dir, and all that `trainer export` copies. Anything else is ignored.
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-                   "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model", "tekken.json", "chat_template.jinja", "chat_template.json")
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 CHAT_TEMPLATES_DIR = "additional_chat_templates"  # its *.jinja files are the processor's named chat templates
 # Where transformers looks for `auto_map` (the custom code it would import, after a "run custom code? [y/N]" prompt
 # when trust_remote_code is unset): config.json too, which AutoProcessor falls back to.
-CODE_CONFIGS = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-                "tokenizer_config.json", "config.json")
+CODE_CONFIGS = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "tokenizer_config.json",
+    "config.json",
+)
 MAX_CONFIG_BYTES = 64 << 20  # a processor config this large is not one (tokenizer_config.json is KBs to a few MB)
 MAX_VOCAB_BYTES = 512 << 20  # tokenizer.json, vocab.json, tekken.json: tens of MB for the largest vocabularies
 MAX_JSON_DEPTH = 64  # a processor's JSON nests under 12 levels; 10^5 levels crash the parsers that read it
 # Sizes a processor's pixel math divides by or allocates from: positive integers, or dicts of them ("size").
-POSITIVE_SIZES = frozenset({"patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size", "size",
-                            "min_pixels", "max_pixels", "image_seq_length", "tile_size", "max_image_tiles",
-                            "crop_size", "max_patches", "image_size"})
+POSITIVE_SIZES = frozenset(
+    {
+        "patch_size",
+        "merge_size",
+        "temporal_patch_size",
+        "spatial_merge_size",
+        "size",
+        "min_pixels",
+        "max_pixels",
+        "image_seq_length",
+        "tile_size",
+        "max_image_tiles",
+        "crop_size",
+        "max_patches",
+        "image_size",
+    }
+)
 
 
 class UnsafeDataset(ValueError):
@@ -69,15 +103,19 @@ def dataset_file(base: str, name, *, where: str, what: str) -> str:
     it is a relative path of plain parts (no absolute path, '..', '%' escape or URL) and, for a local
     dataset, its real path (every symlink followed) lies inside the dataset's real path."""
     if not is_plain_path(name):
-        raise UnsafeDataset(f"{where}: {what} {name!r} is not a relative path inside the dataset (plain names only: "
-                            "no absolute path, '..' or URL); refusing to read it")
+        raise UnsafeDataset(
+            f"{where}: {what} {name!r} is not a relative path inside the dataset (plain names only: "
+            "no absolute path, '..' or URL); refusing to read it"
+        )
     if base.startswith(REMOTE):
         refuse_credentials(base, where=where)
         return base.rstrip("/") + "/" + name
     path = os.path.join(base, *name.split("/"))
     if not _inside(path, base):
-        raise UnsafeDataset(f"{where}: {what} {name!r} resolves to {os.path.realpath(path)}, outside the dataset "
-                            f"{os.path.realpath(base)} (a symlink); refusing to read it: copy the file in instead")
+        raise UnsafeDataset(
+            f"{where}: {what} {name!r} resolves to {os.path.realpath(path)}, outside the dataset "
+            f"{os.path.realpath(base)} (a symlink); refusing to read it: copy the file in instead"
+        )
     return path
 
 
@@ -88,9 +126,11 @@ def refuse_credentials(url: str, *, where: str) -> None:
     authority = url.split("://", 1)[-1].split("/", 1)[0]
     if "@" in authority:
         scheme = url.split("://", 1)[0]
-        raise UnsafeDataset(f"{where}: a {scheme}:// URL with credentials in it (user@ or user:password@); "
-                            "refusing it: put them in the storage library's environment or config instead, "
-                            "never in a URL")
+        raise UnsafeDataset(
+            f"{where}: a {scheme}:// URL with credentials in it (user@ or user:password@); "
+            "refusing it: put them in the storage library's environment or config instead, "
+            "never in a URL"
+        )
 
 
 class _Names:
@@ -108,8 +148,13 @@ class _Names:
                 self.links = None  # checked one by one below, as dataset_file does
 
     def __call__(self, name, what: str) -> str:
-        if self.links is None or not isinstance(name, str) or "/" in name or name in self.links \
-                or not is_plain_path(name):
+        if (
+            self.links is None
+            or not isinstance(name, str)
+            or "/" in name
+            or name in self.links
+            or not is_plain_path(name)
+        ):
             return dataset_file(self.base, name, where=self.where, what=what)
         return os.path.join(self.base, name)
 
@@ -130,8 +175,9 @@ def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
     for s in shards:
         name = s.get("name")
         if not isinstance(name, str) or "/" in name or not name.endswith(".tar"):
-            raise UnsafeDataset(f"{where}: shard name {name!r} is not a plain .tar file name in the dataset; "
-                                "refusing to read it")
+            raise UnsafeDataset(
+                f"{where}: shard name {name!r} is not a plain .tar file name in the dataset; refusing to read it"
+            )
         names.append(joined(name, "shard name"))
         index = s.get("index")
         if index is None:
@@ -139,20 +185,28 @@ def dataset_paths(base: str, manifest: dict, *, where: str) -> DatasetPaths:
             continue
         iname = index.get("name") if isinstance(index, dict) else None
         if not isinstance(iname, str) or "/" in iname or not iname.endswith(".index.npy"):
-            raise UnsafeDataset(f"{where}: sample index {iname!r} of shard {name!r} is not a plain .index.npy file "
-                                "name in the dataset; refusing to read it")
+            raise UnsafeDataset(
+                f"{where}: sample index {iname!r} of shard {name!r} is not a plain .index.npy file "
+                "name in the dataset; refusing to read it"
+            )
         indexes.append(joined(iname, "sample index"))
     whole = manifest.get("sample_index")
     sample_index = None
     if whole is not None:
         wname = whole.get("name") if isinstance(whole, dict) else None
         if not isinstance(wname, str) or "/" in wname or not wname.endswith(".index.npy"):
-            raise UnsafeDataset(f"{where}: the dataset's sample index {wname!r} is not a plain .index.npy file name "
-                                "in the dataset; refusing to read it")
+            raise UnsafeDataset(
+                f"{where}: the dataset's sample index {wname!r} is not a plain .index.npy file name "
+                "in the dataset; refusing to read it"
+            )
         sample_index = joined(wname, "sample index")
     proc = manifest.get("processor")
-    processor = dataset_file(base, proc.get("dir", PROCESSOR_DIR) if isinstance(proc, dict) else PROCESSOR_DIR,
-                             where=where, what="processor dir")
+    processor = dataset_file(
+        base,
+        proc.get("dir", PROCESSOR_DIR) if isinstance(proc, dict) else PROCESSOR_DIR,
+        where=where,
+        what="processor dir",
+    )
     if not base.startswith(REMOTE) and os.path.isdir(processor):
         processor_files(processor, vocab=False)  # its loaders (and verify) check the vocabulary
     return DatasetPaths(tuple(names), processor, tuple(indexes), sample_index)
@@ -167,9 +221,11 @@ def refuse_custom_code(config, where: str) -> None:
         if isinstance(node, dict):
             if node.get("auto_map"):
                 shown = json.dumps(node["auto_map"])
-                raise UnsafeDataset(f"{where}: asks to run custom code (auto_map {shown[:120]}"
-                                    f"{'...' if len(shown) > 120 else ''}); vlmprep and the trainer never run code "
-                                    "from a dataset or processor dir: use a processor built into transformers")
+                raise UnsafeDataset(
+                    f"{where}: asks to run custom code (auto_map {shown[:120]}"
+                    f"{'...' if len(shown) > 120 else ''}); vlmprep and the trainer never run code "
+                    "from a dataset or processor dir: use a processor built into transformers"
+                )
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
@@ -187,10 +243,13 @@ def refuse_bad_sizes(config, where: str) -> None:
             continue
         for key, value in node.items():
             values = value.values() if isinstance(value, dict) and key in POSITIVE_SIZES else [value]
-            if key in POSITIVE_SIZES and any(v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                                                                or v <= 0) for v in values):
-                raise UnsafeDataset(f"{where}: {key} {json.dumps(value)[:80]} is not a positive integer; refusing to "
-                                    "load the processor (save it again from the model's own processor)")
+            if key in POSITIVE_SIZES and any(
+                v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0) for v in values
+            ):
+                raise UnsafeDataset(
+                    f"{where}: {key} {json.dumps(value)[:80]} is not a positive integer; refusing to "
+                    "load the processor (save it again from the model's own processor)"
+                )
             if isinstance(value, (dict, list)):
                 stack.append(value)
 
@@ -202,15 +261,19 @@ def _read_json(path: Path, max_bytes: int, *, parse: bool = True):
 
     size = path.stat().st_size
     if size > max_bytes:
-        raise UnsafeDataset(f"{path}: {size} bytes, more than a processor file holds (at most {max_bytes >> 20} MiB); "
-                            "refusing to read it")
+        raise UnsafeDataset(
+            f"{path}: {size} bytes, more than a processor file holds (at most {max_bytes >> 20} MiB); "
+            "refusing to read it"
+        )
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
         depth = json_depth(text)
         if depth > MAX_JSON_DEPTH:
-            raise UnsafeDataset(f"{path}: JSON nested {depth} levels deep (a processor file nests under "
-                                f"{MAX_JSON_DEPTH}); refusing to load the processor")
+            raise UnsafeDataset(
+                f"{path}: JSON nested {depth} levels deep (a processor file nests under "
+                f"{MAX_JSON_DEPTH}); refusing to load the processor"
+            )
         return json.loads(text) if parse else None
     except (ValueError, RecursionError) as e:
         if isinstance(e, UnsafeDataset):
@@ -231,8 +294,10 @@ def processor_files(d: str | Path, *, links_out: bool = False, vocab: bool = Tru
     configs = [d / n for n in CODE_CONFIGS if os.path.lexists(d / n)]
     for f in dict.fromkeys(files + configs):
         if not links_out and not _inside(str(f), str(d)):
-            raise UnsafeDataset(f"{f}: resolves to {os.path.realpath(f)}, outside the processor dir "
-                                f"{os.path.realpath(d)} (a symlink); refusing to read it: copy the file in")
+            raise UnsafeDataset(
+                f"{f}: resolves to {os.path.realpath(f)}, outside the processor dir "
+                f"{os.path.realpath(d)} (a symlink); refusing to read it: copy the file in"
+            )
         if not f.is_file():
             raise UnsafeDataset(f"{f}: not a regular file; refusing to read the processor")
     for f in configs:
@@ -253,9 +318,14 @@ class UnsafeWrite(OSError):
     a file of the user's), a FIFO or a device. One line naming the path; nothing is written through it."""
 
 
-_WRITE_FLAGS = {"wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                "a+b": os.O_RDWR | os.O_CREAT | os.O_APPEND, "lock": os.O_RDWR | os.O_CREAT}
+_WRITE_FLAGS = {
+    "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+    "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "a+b": os.O_RDWR | os.O_CREAT | os.O_APPEND,
+    "lock": os.O_RDWR | os.O_CREAT,
+}
 
 
 def open_fd_no_follow(path: str | Path, mode: str = "wb") -> int:
@@ -267,13 +337,17 @@ def open_fd_no_follow(path: str | Path, mode: str = "wb") -> int:
         fd = os.open(path, flags, 0o644)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENXIO) or os.path.islink(path):  # a symlink; a FIFO without a reader
-            raise UnsafeWrite(f"{path} is a symlink or special file where a plain file is written: refusing "
-                              "to write through it (someone may have planted it); remove it and run again") from None
+            raise UnsafeWrite(
+                f"{path} is a symlink or special file where a plain file is written: refusing "
+                "to write through it (someone may have planted it); remove it and run again"
+            ) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafeWrite(f"{path} is not a plain file where one is written (a FIFO, device or dir): "
-                          "refusing it; remove it and run again")
+        raise UnsafeWrite(
+            f"{path} is not a plain file where one is written (a FIFO, device or dir): "
+            "refusing it; remove it and run again"
+        )
     os.set_blocking(fd, True)
     return fd
 

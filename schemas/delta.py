@@ -2,6 +2,7 @@
 trainer): uint8 H x W x 3 pixels <-> filtered rows, lossless. Screenshots compress about a third better after it.
 `zstd-pdelta` (format v4) compresses the same payload with the sample's previous image's payload as a zstd dictionary.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,8 +55,9 @@ def compress_pdelta(payload: bytes, prefix: bytes | None, level: int) -> bytes:
     level = max(level, PDELTA_MIN_LEVEL)
     window = zstandard.ZstdCompressionParameters.from_level(level, source_size=len(payload)).window_log
     window = min(_MAX_WINDOW_LOG, max(window, (len(payload) + len(prefix or b"") - 1).bit_length()))
-    params = zstandard.ZstdCompressionParameters.from_level(level, source_size=len(payload), window_log=window,
-                                                           write_content_size=True)
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, source_size=len(payload), window_log=window, write_content_size=True
+    )
     return zstandard.ZstdCompressor(compression_params=params, dict_data=_dictionary(prefix)).compress(payload)
 
 
@@ -80,11 +82,15 @@ def pdelta_prefixes(images: list[dict], members) -> dict[str, str]:
             continue
         want = f"img{int(member[3:6]) - 1:03d}{PDELTA}" if member.endswith(PDELTA) and member[3:6].isdigit() else None
         if prefix != want:
-            raise ValueError(f"meta gives {member} the prefix {prefix}: only a .pdelta.zst member has one, and it is "
-                             f"the previous image's ({want or 'none'})")
+            raise ValueError(
+                f"meta gives {member} the prefix {prefix}: only a .pdelta.zst member has one, and it is "
+                f"the previous image's ({want or 'none'})"
+            )
         if prefix not in members or prefix not in sizes:
             raise ValueError(f"{member}'s prefix {prefix} is not an image of the sample")
         if sizes[prefix] != sizes[member]:
-            raise ValueError(f"{member} is {sizes[member][1]}x{sizes[member][0]}, its prefix {prefix} "
-                             f"{sizes[prefix][1]}x{sizes[prefix][0]}: a prefix has the same size")
+            raise ValueError(
+                f"{member} is {sizes[member][1]}x{sizes[member][0]}, its prefix {prefix} "
+                f"{sizes[prefix][1]}x{sizes[prefix][0]}: a prefix has the same size"
+            )
     return {m: p for m, p in out.items() if p is not None}

@@ -2,6 +2,7 @@
 and JSON text from a dataset -> its value within them. vlmprep and the trainer both use it: a dataset from
 someone else is untrusted input, and json.loads alone recurses (200,000 nested brackets are a RecursionError).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,9 @@ class ReaderLimits:
     patch_pixels: int
 
 
-LIMITS = ReaderLimits(**{k: v for k, v in load("shard_format.schema.json")["reader_limits"].items()
-                         if k != "description"})
+LIMITS = ReaderLimits(
+    **{k: v for k, v in load("shard_format.schema.json")["reader_limits"].items() if k != "description"}
+)
 _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')  # deleted before brackets are counted
 
 
@@ -42,8 +44,9 @@ def json_depth(text: str) -> int:
     opened = text.count("[") + text.count("{")
     if opened <= LIMITS.json_depth:  # the common case, a small meta: no deeper than its brackets
         return opened
-    kept = text.encode("utf-8", "surrogatepass").replace(b"\\\\", b"").replace(b'\\"', b"").translate(
-        None, _NOT_STRUCTURE)
+    kept = (
+        text.encode("utf-8", "surrogatepass").replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    )
     chars = np.frombuffer(kept, np.uint8)
     quote = chars == ord('"')
     brackets = chars[~quote & (np.cumsum(quote, dtype=np.int64) % 2 == 0)]  # outside strings
@@ -77,11 +80,15 @@ def grid_problem(height: int, width: int, row, patch: int, *, frames: bool = Fal
     An image's t is 1; a video's frames (`frames`) have any t (checked against their count elsewhere)."""
     t, gh, gw = (int(x) for x in row)
     if not 0 < patch <= LIMITS.patch_pixels:
-        return (f"is {width}x{height} on grid {[t, gh, gw]}: patches of {patch} pixels, not 1 to "
-                f"{LIMITS.patch_pixels} as a reader accepts")
+        return (
+            f"is {width}x{height} on grid {[t, gh, gw]}: patches of {patch} pixels, not 1 to "
+            f"{LIMITS.patch_pixels} as a reader accepts"
+        )
     if (t != 1 and not frames) or (height, width) != (gh * patch, gw * patch):
-        return (f"is {width}x{height}, but the sample stores grid {[t, gh, gw]} ({gw * patch}x{gh * patch} in "
-                f"{patch}-pixel patches)")
+        return (
+            f"is {width}x{height}, but the sample stores grid {[t, gh, gw]} ({gw * patch}x{gh * patch} in "
+            f"{patch}-pixel patches)"
+        )
     return None
 
 
@@ -102,8 +109,10 @@ def check_grid_sizes(sizes, rows, *, patch: int | None = None, frames: bool = Fa
 # The header np.save writes (keys sorted, shape as a tuple repr), matched instead of running numpy's own parser
 # (tokenize + literal_eval) on bytes from a dataset: it raises more than ValueError on a damaged header.
 _NPY_MAGIC = b"\x93NUMPY"
-_NPY_HEADER = re.compile(r"\{'descr': '([^']{1,32})', 'fortran_order': (False|True), "
-                         r"'shape': \(((?:[0-9]{1,20}, )*[0-9]{0,20},?)\), \} *\n")
+_NPY_HEADER = re.compile(
+    r"\{'descr': '([^']{1,32})', 'fortran_order': (False|True), "
+    r"'shape': \(((?:[0-9]{1,20}, )*[0-9]{0,20},?)\), \} *\n"
+)
 
 
 def npy_header(data: bytes, name: str) -> tuple[str, bool, tuple[int, ...], int]:
@@ -113,9 +122,9 @@ def npy_header(data: bytes, name: str) -> tuple[str, bool, tuple[int, ...], int]
         raise ValueError(f"{name} is not a .npy version 1 or 2 (it starts {data[:8]!r})")
     start = 10 if data[6] == 1 else 12
     end = start + int.from_bytes(data[8:start], "little")
-    match = _NPY_HEADER.fullmatch(data[start:min(end, start + 65536)].decode("latin-1"))
+    match = _NPY_HEADER.fullmatch(data[start : min(end, start + 65536)].decode("latin-1"))
     if end > len(data) or match is None:
-        raise ValueError(f"{name} has no .npy header as np.save writes it ({data[start:start + 80].rstrip()!r})")
+        raise ValueError(f"{name} has no .npy header as np.save writes it ({data[start : start + 80].rstrip()!r})")
     shape = tuple(int(d) for d in match.group(3).split(",") if d.strip())
     return match.group(1), match.group(2) == "True", shape, end
 
@@ -134,18 +143,22 @@ def load_npy(data: bytes, name: str, dtype, shape: tuple[int, ...]) -> np.ndarra
     is refused unread. ValueError (one line naming `name`) on any fault."""
     descr, fortran, dims, offset = npy_header(data, name)
     if "O" in descr:
-        raise ValueError(f"{name} is not a plain numeric .npy (its dtype {descr} holds Python objects, which need "
-                         "allow_pickle); refusing to unpickle it")
+        raise ValueError(
+            f"{name} is not a plain numeric .npy (its dtype {descr} holds Python objects, which need "
+            "allow_pickle); refusing to unpickle it"
+        )
     want = np.dtype(dtype)
     if descr != want.str or len(dims) != len(shape):
         raise ValueError(f"{name} is {dtype_name(descr)} with {len(dims)} dims, expected {want} with {len(shape)}")
     if dims != tuple(shape) or fortran:
-        raise ValueError(f"{name} declares shape {dims}{' in Fortran order' if fortran else ''}, but its meta needs "
-                         f"{tuple(shape)}")
+        raise ValueError(
+            f"{name} declares shape {dims}{' in Fortran order' if fortran else ''}, but its meta needs {tuple(shape)}"
+        )
     count = math.prod(dims)
     if len(data) - offset != count * want.itemsize:
-        raise ValueError(f"{name} holds {len(data) - offset} bytes of data, its header declares "
-                         f"{count * want.itemsize}")
+        raise ValueError(
+            f"{name} holds {len(data) - offset} bytes of data, its header declares {count * want.itemsize}"
+        )
     return np.frombuffer(data, want, count=count, offset=offset).reshape(dims).copy()
 
 
@@ -163,8 +176,9 @@ def index_head(rows: int, dtype) -> bytes:
     """The .npy header np.save writes before `rows` rows of the structured `dtype`: what a sample index file (a
     shard's sidecar, or the dataset's) starts with."""
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                                               "fortran_order": False, "shape": (rows,)})
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (rows,)}
+    )
     return buf.getvalue()
 
 
@@ -182,8 +196,10 @@ def index_header(head: bytes, size: int, name: str, dtype) -> tuple[int, int]:
     rows, extra = divmod(size - end, dtype.itemsize)
     want = f"{{'descr': {np.lib.format.dtype_to_descr(dtype)!r}, 'fortran_order': False, 'shape': ({rows},), }}"
     if extra or head[start:end].decode("latin-1").rstrip(" \n") != want:
-        raise ValueError(f"{name} is not a sample index .npy as np.save writes it: its header is not the one of "
-                         f"{rows} rows of the index's dtype ({size - end} bytes of data after it)")
+        raise ValueError(
+            f"{name} is not a sample index .npy as np.save writes it: its header is not the one of "
+            f"{rows} rows of the index's dtype ({size - end} bytes of data after it)"
+        )
     return end, rows
 
 
@@ -193,8 +209,15 @@ def index_rows(data: bytes, name: str, dtype) -> np.ndarray:
     return np.frombuffer(data, np.dtype(dtype), count=rows, offset=end)
 
 
-_JSON_TYPES = {"integer": (int,), "number": (int, float), "string": (str,), "boolean": (bool,), "array": (list,),
-               "object": (dict,), "null": (type(None),)}
+_JSON_TYPES = {
+    "integer": (int,),
+    "number": (int, float),
+    "string": (str,),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
 
 
 def schema_problem(value, schema: str) -> str | None:
@@ -235,6 +258,7 @@ def _compile(node: dict):
         def any_of(value):
             problems = [b(value) for b in branches]
             return None if None in problems else problems[0]
+
         return any_of
     kinds = node.get("type")
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
@@ -265,4 +289,5 @@ def _compile(node: dict):
                     problem[0].append(k)
                     return problem
         return None
+
     return check

@@ -3,6 +3,7 @@
 (the stored pixels are the source images, or the processor's own resize: then it runs with do_resize=False).
 Keyed by processor class; Qwen's families make theirs from grids instead (the trainer patchifies on the device).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +36,17 @@ RULES: dict[str, PixelRule] = {
 }
 
 
-def pixel_inputs(image_processor, rule: PixelRule, per_sample: list[list[np.ndarray]], *, resize: bool,
-                 ids: np.ndarray | None = None, mm: np.ndarray | None = None, image_token_id: int = -1,
-                 max_tiles: int = 0) -> dict:
+def pixel_inputs(
+    image_processor,
+    rule: PixelRule,
+    per_sample: list[list[np.ndarray]],
+    *,
+    resize: bool,
+    ids: np.ndarray | None = None,
+    mm: np.ndarray | None = None,
+    image_token_id: int = -1,
+    max_tiles: int = 0,
+) -> dict:
     """Each sample's images in token order (uint8 H x W x 3) -> the batch's pixel inputs as torch tensors: what the
     processor gives for these images (resize: whether it resizes them), with the family's extras from the token ids
     `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's cross-attention mask, LLaVA-OneVision's images
@@ -67,8 +76,9 @@ def pixel_inputs(image_processor, rule: PixelRule, per_sample: list[list[np.ndar
     return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
 
-def _mllama(image_processor, pils: list[list], ids: np.ndarray, kwargs: dict, image_token_id: int,
-            max_tiles: int) -> dict:
+def _mllama(
+    image_processor, pils: list[list], ids: np.ndarray, kwargs: dict, image_token_id: int, max_tiles: int
+) -> dict:
     """Mllama: images padded per sample to the batch's most (pixels 0, aspect ratio id 0, mask [1, 0, ...]), as its
     processor pads them, samples without images included; and the dense cross-attention mask."""
     import torch
@@ -92,8 +102,12 @@ def _mllama(image_processor, pils: list[list], ids: np.ndarray, kwargs: dict, im
         pixel_values[k, :m], ratio_ids[k, :m], ratio_mask[k, :m] = pv[j, :m], ar[j, :m], am[j, :m]
     tiles = [got["num_tiles"][rows.index(k)] if k in rows else [] for k in range(B)]
     masks = [get_cross_attention_token_mask(np.asarray(row).tolist(), image_token_id) for row in ids]
-    dense = convert_sparse_cross_attention_mask_to_dense(masks, num_tiles=tiles,
-                                                         max_num_tiles=max_tiles or image_processor.max_image_tiles,
-                                                         length=ids.shape[1])
-    return {"pixel_values": pixel_values, "aspect_ratio_ids": ratio_ids, "aspect_ratio_mask": ratio_mask,
-            "cross_attention_mask": torch.from_numpy(dense)}
+    dense = convert_sparse_cross_attention_mask_to_dense(
+        masks, num_tiles=tiles, max_num_tiles=max_tiles or image_processor.max_image_tiles, length=ids.shape[1]
+    )
+    return {
+        "pixel_values": pixel_values,
+        "aspect_ratio_ids": ratio_ids,
+        "aspect_ratio_mask": ratio_mask,
+        "cross_attention_mask": torch.from_numpy(dense),
+    }

@@ -1,6 +1,7 @@
 """Deterministic synthetic browser-agent chat traces (OpenAI chat format, PNG screenshots) as .jsonl.zst.
 Same arguments give a byte-identical file; used by the demo, the tests and the benchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,24 +25,53 @@ BARE_IMAGE_URL_P = 0.15
 OBJECT_ARGS_P = 0.20
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "click", "description": "Left-click at a pixel position of the current screenshot.",
-        "parameters": {"type": "object", "properties": {
-            "x": {"type": "integer", "description": "Horizontal pixel, 0 at the left edge."},
-            "y": {"type": "integer", "description": "Vertical pixel, 0 at the top edge."}},
-            "required": ["x", "y"]}}},
-    {"type": "function", "function": {
-        "name": "type", "description": "Type text into the focused input field.",
-        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}},
-    {"type": "function", "function": {
-        "name": "scroll", "description": "Scroll the page vertically; positive dy scrolls down.",
-        "parameters": {"type": "object", "properties": {"dy": {"type": "integer"}}, "required": ["dy"]}}},
-    {"type": "function", "function": {
-        "name": "navigate", "description": "Load a URL in the current tab.",
-        "parameters": {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}}},
-    {"type": "function", "function": {
-        "name": "done", "description": "Finish the task with a final answer.",
-        "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "click",
+            "description": "Left-click at a pixel position of the current screenshot.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "description": "Horizontal pixel, 0 at the left edge."},
+                    "y": {"type": "integer", "description": "Vertical pixel, 0 at the top edge."},
+                },
+                "required": ["x", "y"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "type",
+            "description": "Type text into the focused input field.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "scroll",
+            "description": "Scroll the page vertically; positive dy scrolls down.",
+            "parameters": {"type": "object", "properties": {"dy": {"type": "integer"}}, "required": ["dy"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "navigate",
+            "description": "Load a URL in the current tab.",
+            "parameters": {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "done",
+            "description": "Finish the task with a final answer.",
+            "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+        },
+    },
 ]
 
 SYSTEM_PROMPTS = [
@@ -65,36 +95,104 @@ SITES = [
     ("tickets.venuebox.example", "VenueBox", (200, 150, 20), ("table", "product", "form")),
 ]
 
-WORDS = ("the a of and to in for with on by from at as is are was be this that it new all more your our "
-         "price order account search result item details page form table update report review total "
-         "shipping delivery return policy support contact service data file project team customer "
-         "flight hotel ticket event date time city room guest payment card balance transfer statement "
-         "recipe minutes oven salt butter garlic fresh simple quick easy best top latest popular "
-         "available stock color size model brand rating reviews compare filter sort apply save cancel "
-         "settings profile security password email phone address country region language help guide "
-         "install configure release version module function example error warning note section "
-         "market growth quarter revenue energy policy local global research study health travel").split()
-PRODUCTS = ["wireless mouse", "standing desk", "espresso grinder", "trail backpack", "4K monitor",
-            "noise-cancelling headphones", "cast iron skillet", "mechanical keyboard", "yoga mat",
-            "LED desk lamp", "rain jacket", "water bottle", "USB-C hub", "office chair", "air purifier"]
+WORDS = (
+    "the a of and to in for with on by from at as is are was be this that it new all more your our "
+    "price order account search result item details page form table update report review total "
+    "shipping delivery return policy support contact service data file project team customer "
+    "flight hotel ticket event date time city room guest payment card balance transfer statement "
+    "recipe minutes oven salt butter garlic fresh simple quick easy best top latest popular "
+    "available stock color size model brand rating reviews compare filter sort apply save cancel "
+    "settings profile security password email phone address country region language help guide "
+    "install configure release version module function example error warning note section "
+    "market growth quarter revenue energy policy local global research study health travel"
+).split()
+PRODUCTS = [
+    "wireless mouse",
+    "standing desk",
+    "espresso grinder",
+    "trail backpack",
+    "4K monitor",
+    "noise-cancelling headphones",
+    "cast iron skillet",
+    "mechanical keyboard",
+    "yoga mat",
+    "LED desk lamp",
+    "rain jacket",
+    "water bottle",
+    "USB-C hub",
+    "office chair",
+    "air purifier",
+]
 CITIES = ["Lisbon", "Denver", "Osaka", "Nairobi", "Toronto", "Berlin", "Santiago", "Austin", "Hanoi", "Oslo"]
 MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"]
-FIELDS = ["Full name", "Email", "Phone", "Street address", "City", "Postal code", "Departure", "Arrival",
-          "Date", "Passengers", "Company", "Message", "Card number", "Promo code"]
+FIELDS = [
+    "Full name",
+    "Email",
+    "Phone",
+    "Street address",
+    "City",
+    "Postal code",
+    "Departure",
+    "Arrival",
+    "Date",
+    "Passengers",
+    "Company",
+    "Message",
+    "Card number",
+    "Promo code",
+]
 FIELD_VALUES = {
-    "Full name": "Dana Lee", "Email": "dana.lee@example.com", "Phone": "+1 555 01{day:02d}",
-    "Street address": "{day} Harbor Street", "City": "{city}", "Postal code": "9{minute:02d}{day:02d}",
-    "Departure": "{city}", "Arrival": "{city2}", "Date": "{month} {day}, 2024", "Passengers": "2",
-    "Company": "{word} labs", "Message": "Hello, I have a question about {word} {word2}.",
-    "Card number": "4111 1111 1111 1111", "Promo code": "SAVE{day}", "Search": "{product}", "Quantity": "{day}",
+    "Full name": "Dana Lee",
+    "Email": "dana.lee@example.com",
+    "Phone": "+1 555 01{day:02d}",
+    "Street address": "{day} Harbor Street",
+    "City": "{city}",
+    "Postal code": "9{minute:02d}{day:02d}",
+    "Departure": "{city}",
+    "Arrival": "{city2}",
+    "Date": "{month} {day}, 2024",
+    "Passengers": "2",
+    "Company": "{word} labs",
+    "Message": "Hello, I have a question about {word} {word2}.",
+    "Card number": "4111 1111 1111 1111",
+    "Promo code": "SAVE{day}",
+    "Search": "{product}",
+    "Quantity": "{day}",
 }
-FORM_TITLES = ["Contact us", "Checkout", "Create account", "Search flights", "Transfer funds",
-               "Apply now", "Shipping details", "Book tickets"]
-TABLE_TITLES = ["Recent orders", "Available flights", "Transactions", "API reference", "Open positions",
-                "Upcoming events", "Price history"]
+FORM_TITLES = [
+    "Contact us",
+    "Checkout",
+    "Create account",
+    "Search flights",
+    "Transfer funds",
+    "Apply now",
+    "Shipping details",
+    "Book tickets",
+]
+TABLE_TITLES = [
+    "Recent orders",
+    "Available flights",
+    "Transactions",
+    "API reference",
+    "Open positions",
+    "Upcoming events",
+    "Price history",
+]
 NAV = ["Home", "Deals", "Account", "Help", "Orders", "Sign in", "Docs", "About", "Cart", "Search"]
-BUTTONS = ["Apply", "Continue", "Submit", "Next", "Show more", "Filter", "Sort by price", "Details",
-           "Save", "Compare", "Select", "Add to list"]
+BUTTONS = [
+    "Apply",
+    "Continue",
+    "Submit",
+    "Next",
+    "Show more",
+    "Filter",
+    "Sort by price",
+    "Details",
+    "Save",
+    "Compare",
+    "Select",
+    "Add to list",
+]
 
 TASKS = [
     "Find the cheapest {product} on {site} and tell me its price.",
@@ -109,64 +207,98 @@ TASKS = [
     "How many tickets are left for the {month} {day} event on {site}?",
 ]
 OBSERVE = [
-    "The page shows {title}.", "I can see the {title} page on {site}.", "The screenshot now shows {title}.",
-    "We are on {site}, currently at {title}.", "The page loaded: {title}.", "I'm looking at {title}.",
+    "The page shows {title}.",
+    "I can see the {title} page on {site}.",
+    "The screenshot now shows {title}.",
+    "We are on {site}, currently at {title}.",
+    "The page loaded: {title}.",
+    "I'm looking at {title}.",
 ]
 INTEND_CLICK = [
-    "I'll click '{label}' to continue.", "The '{label}' element looks like the right next step, so I'll click it.",
-    "Clicking '{label}' should get me closer to the goal.", "Next I'll open '{label}'.",
+    "I'll click '{label}' to continue.",
+    "The '{label}' element looks like the right next step, so I'll click it.",
+    "Clicking '{label}' should get me closer to the goal.",
+    "Next I'll open '{label}'.",
     "I need to press '{label}'.",
 ]
 INTEND_TYPE = [
-    "The {label} field is focused, so I'll type the value now.", "I'll enter '{text}' into {label}.",
+    "The {label} field is focused, so I'll type the value now.",
+    "I'll enter '{text}' into {label}.",
     "Typing the {label} value.",
 ]
 INTEND_FOCUS = [
-    "I need to fill in {label} first, so I'll click into that field.", "I'll click the {label} input.",
+    "I need to fill in {label} first, so I'll click into that field.",
+    "I'll click the {label} input.",
 ]
 INTEND_SCROLL = [
-    "The information I need is probably further down, so I'll scroll.", "I'll scroll to see more of the page.",
-    "Nothing relevant is visible yet; scrolling down.", "The rest of the list is below the fold.",
+    "The information I need is probably further down, so I'll scroll.",
+    "I'll scroll to see more of the page.",
+    "Nothing relevant is visible yet; scrolling down.",
+    "The rest of the list is below the fold.",
 ]
 INTEND_SCROLL_UP = [
-    "Let me scroll back up to check the top of the page.", "I scrolled past it; going back up.",
+    "Let me scroll back up to check the top of the page.",
+    "I scrolled past it; going back up.",
     "The field I need is above the visible area, so I'll scroll up.",
 ]
 INTEND_NAV = [
-    "It will be faster to go directly to {url}.", "I'll navigate straight to {url}.",
+    "It will be faster to go directly to {url}.",
+    "I'll navigate straight to {url}.",
     "This page is not useful; I'll open {url} instead.",
 ]
 INTEND_REPEAT = [
     "The page did not seem to react, so I'll click the same spot again.",
-    "Nothing changed after the last click; trying once more.", "Let me click again; the page may still be loading.",
+    "Nothing changed after the last click; trying once more.",
+    "Let me click again; the page may still be loading.",
 ]
 PLAN = [
-    "After that I should check the result.", "Then I'll verify the values before finishing.",
-    "This should reveal the details I need.", "", "", "",
+    "After that I should check the result.",
+    "Then I'll verify the values before finishing.",
+    "This should reveal the details I need.",
+    "",
+    "",
+    "",
 ]
 ANSWERS = [
-    "Done. The {product} costs ${price}.", "The task is complete: the total shown is ${price}.",
-    "I found it: '{title}' on {site}.", "The form was submitted successfully; the confirmation number is {code}.",
+    "Done. The {product} costs ${price}.",
+    "The task is complete: the total shown is ${price}.",
+    "I found it: '{title}' on {site}.",
+    "The form was submitted successfully; the confirmation number is {code}.",
     "The earliest option departs at {hour}:{minute:02d} and costs ${price}.",
-    "The largest item is {code}, for ${price}.", "There are {day} left according to {site}.",
+    "The largest item is {code}, for ${price}.",
+    "There are {day} left according to {site}.",
 ]
 CHAT_Q = [
     "What is the difference between a cookie and local storage in a browser?",
-    "Can you explain what an HTTP 302 redirect does?", "Give me three tips for writing a good bug report.",
-    "How do I convert {day} degrees Celsius to Fahrenheit?", "Summarize what a CSS flexbox container does.",
+    "Can you explain what an HTTP 302 redirect does?",
+    "Give me three tips for writing a good bug report.",
+    "How do I convert {day} degrees Celsius to Fahrenheit?",
+    "Summarize what a CSS flexbox container does.",
     "Why would a form submit button be disabled on a web page?",
     "What does the {word} {word2} setting usually control?",
 ]
 CHAT_A = [
     "Cookies are sent to the server with every request and can expire, while local storage stays in the browser "
-    "and is only read by scripts.", "A 302 tells the browser the resource is temporarily at another URL, which it "
-    "then requests.", "Describe the exact steps, the expected result and the actual result, and attach a screenshot.",
-    "Multiply by 9/5 and add 32.", "A flex container lays out its children along one axis and distributes spare space.",
+    "and is only read by scripts.",
+    "A 302 tells the browser the resource is temporarily at another URL, which it then requests.",
+    "Describe the exact steps, the expected result and the actual result, and attach a screenshot.",
+    "Multiply by 9/5 and add 32.",
+    "A flex container lays out its children along one axis and distributes spare space.",
     "Usually because required fields are empty or invalid, or a request is still pending.",
     "It depends on the product, but it usually controls how {word} data is stored and shared.",
 ]
-PALETTE = [(66, 133, 244), (52, 168, 83), (251, 188, 5), (234, 67, 53), (103, 58, 183), (0, 150, 136),
-           (255, 112, 67), (96, 125, 139), (233, 30, 99), (121, 85, 72)]
+PALETTE = [
+    (66, 133, 244),
+    (52, 168, 83),
+    (251, 188, 5),
+    (234, 67, 53),
+    (103, 58, 183),
+    (0, 150, 136),
+    (255, 112, 67),
+    (96, 125, 139),
+    (233, 30, 99),
+    (121, 85, 72),
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,8 +329,9 @@ class _Glyphs:
 
     def mask(self, text: str) -> Image.Image:
         cells = self.cells
-        return Image.fromarray(np.concatenate([cells.get(ch) if ch in cells else self._cell(ch) for ch in text],
-                                              axis=1))
+        return Image.fromarray(
+            np.concatenate([cells.get(ch) if ch in cells else self._cell(ch) for ch in text], axis=1)
+        )
 
     def width(self, text: str) -> int:
         return sum((self.cells[ch] if ch in self.cells else self._cell(ch)).shape[1] for ch in text)
@@ -215,8 +348,9 @@ def _textw(text: str, size: int) -> int:
     return g.width(text) if g is not None else int(_font(size).getlength(text))
 
 
-def _text(im: Image.Image, d: ImageDraw.ImageDraw, xy: tuple[int, int], text: str, size: int, fill,
-          anchor: str = "la") -> None:
+def _text(
+    im: Image.Image, d: ImageDraw.ImageDraw, xy: tuple[int, int], text: str, size: int, fill, anchor: str = "la"
+) -> None:
     g = _glyphs(size)
     if g is None or not text:
         d.text(xy, text, font=_font(size), fill=fill, anchor=anchor)
@@ -304,8 +438,16 @@ class _Page:
 
     def _button(self, x, y, label, color, w=None):
         w = w or _textw(label, 14) + 28
-        self._add("button", (x, y, x + w, y + 34), fill=color, text=label, size=14, tfill=(255, 255, 255),
-                  label=label, ck="button")
+        self._add(
+            "button",
+            (x, y, x + w, y + 34),
+            fill=color,
+            text=label,
+            size=14,
+            tfill=(255, 255, 255),
+            label=label,
+            ck="button",
+        )
         return w
 
     def _layout(self, rng: random.Random) -> int:
@@ -326,8 +468,15 @@ class _Page:
         y += 44
         k = self.kind
         if k == "results":
-            self._add("input", (mx, y, mx + int(mw * 0.7), y + 34), fill=(255, 255, 255), outline=(150, 150, 150),
-                      text=self.query, label="Search", ck="input")
+            self._add(
+                "input",
+                (mx, y, mx + int(mw * 0.7), y + 34),
+                fill=(255, 255, 255),
+                outline=(150, 150, 150),
+                text=self.query,
+                label="Search",
+                ck="input",
+            )
             self._button(mx + int(mw * 0.7) + 10, y, "Search", (66, 133, 244))
             y += 54
             for _ in range(rng.randint(6, 11)):
@@ -336,13 +485,26 @@ class _Page:
                 if thumb:
                     self._add("rect", (mx, y, mx + 96, y + 72), fill=rng.choice(PALETTE))
                 lab = _sentence(rng, 3, 7)[:-1].title()
-                self._add("link", (tx, y, tx + min(mw - 110, _textw(lab, 17)), y + 22), text=lab, size=17,
-                          tfill=(26, 13, 171), label=lab, ck="link")
-                self._add("text", (tx, y + 24, tx + mw, y + 40), text=f"{self.site[0]}/{rng.choice(WORDS)}/"
-                          f"{rng.randint(100, 99999)}", size=12, tfill=(0, 110, 40))
+                self._add(
+                    "link",
+                    (tx, y, tx + min(mw - 110, _textw(lab, 17)), y + 22),
+                    text=lab,
+                    size=17,
+                    tfill=(26, 13, 171),
+                    label=lab,
+                    ck="link",
+                )
+                self._add(
+                    "text",
+                    (tx, y + 24, tx + mw, y + 40),
+                    text=f"{self.site[0]}/{rng.choice(WORDS)}/{rng.randint(100, 99999)}",
+                    size=12,
+                    tfill=(0, 110, 40),
+                )
                 for j, ln in enumerate(_lines(rng, mw - (tx - mx), 13, 2)):
-                    self._add("text", (tx, y + 42 + 17 * j, tx + mw, y + 58 + 17 * j), text=ln, size=13,
-                              tfill=(80, 80, 80))
+                    self._add(
+                        "text", (tx, y + 42 + 17 * j, tx + mw, y + 58 + 17 * j), text=ln, size=13, tfill=(80, 80, 80)
+                    )
                 y += 96
         elif k == "product":
             iw = min(360, mw // 2)
@@ -350,14 +512,31 @@ class _Page:
             c = rng.choice(PALETTE)
             self._add("ellipse", (mx + iw // 5, y + iw // 5, mx + 4 * iw // 5, y + 4 * iw // 5), fill=c)
             rx = mx + iw + 24
-            self._add("text", (rx, y, rx + 300, y + 20), text="*" * rng.randint(3, 5) + f"  {rng.randint(3, 2400)} "
-                      "reviews", size=14, tfill=(200, 130, 0))
+            self._add(
+                "text",
+                (rx, y, rx + 300, y + 20),
+                text="*" * rng.randint(3, 5) + f"  {rng.randint(3, 2400)} reviews",
+                size=14,
+                tfill=(200, 130, 0),
+            )
             price = f"${rng.randint(9, 899)}.{rng.randint(0, 99):02d}"
             self._add("text", (rx, y + 30, rx + 200, y + 64), text=price, size=30, tfill=(180, 30, 30))
-            self._add("text", (rx, y + 76, rx + 300, y + 92), text="In stock - ships in "
-                      f"{rng.randint(1, 9)} days", size=13, tfill=(0, 120, 0))
-            self._add("input", (rx, y + 104, rx + 80, y + 138), fill=(255, 255, 255), outline=(150, 150, 150),
-                      text="1", label="Quantity", ck="input")
+            self._add(
+                "text",
+                (rx, y + 76, rx + 300, y + 92),
+                text=f"In stock - ships in {rng.randint(1, 9)} days",
+                size=13,
+                tfill=(0, 120, 0),
+            )
+            self._add(
+                "input",
+                (rx, y + 104, rx + 80, y + 138),
+                fill=(255, 255, 255),
+                outline=(150, 150, 150),
+                text="1",
+                label="Quantity",
+                ck="input",
+            )
             bw = self._button(rx, y + 152, "Add to cart", (240, 150, 20))
             self._button(rx + bw + 12, y + 152, "Buy now", (230, 90, 20))
             y += iw + 24
@@ -372,8 +551,15 @@ class _Page:
             fw = min(520, mw)
             for lab in rng.sample(FIELDS, rng.randint(3, 6)):
                 self._add("text", (mx, y, mx + fw, y + 18), text=lab, size=14, tfill=(60, 60, 60))
-                self._add("input", (mx, y + 20, mx + fw, y + 54), fill=(255, 255, 255), outline=(150, 150, 150),
-                          text="", label=lab, ck="input")
+                self._add(
+                    "input",
+                    (mx, y + 20, mx + fw, y + 54),
+                    fill=(255, 255, 255),
+                    outline=(150, 150, 150),
+                    text="",
+                    label=lab,
+                    ck="input",
+                )
                 y += 70
             self._add("rect", (mx, y + 4, mx + 16, y + 20), fill=(255, 255, 255), outline=(100, 100, 100))
             self._add("text", (mx + 26, y + 4, mx + fw, y + 20), text="I agree to the terms and conditions", size=13)
@@ -391,8 +577,9 @@ class _Page:
             heads = rng.sample(sorted(_COLUMNS), cols)
             self._add("rect", (mx, y, mx + mw, y + 30), fill=(235, 238, 242))
             for c, hname in enumerate(heads):
-                self._add("text", (mx + c * cw + 8, y + 7, mx + (c + 1) * cw, y + 25), text=hname, size=14,
-                          tfill=(40, 40, 40))
+                self._add(
+                    "text", (mx + c * cw + 8, y + 7, mx + (c + 1) * cw, y + 25), text=hname, size=14, tfill=(40, 40, 40)
+                )
             y += 30
             for r in range(rng.randint(8, 16)):
                 if r % 2:
@@ -401,8 +588,15 @@ class _Page:
                     v = _COLUMNS[heads[c]](rng)
                     ck = "link" if c == 0 else None
                     x0 = mx + c * cw + 8
-                    self._add("link" if ck else "text", (x0, y + 6, x0 + _textw(v, 13), y + 24), text=v,
-                              size=13, tfill=(26, 13, 171) if ck else (50, 50, 50), label=v, ck=ck)
+                    self._add(
+                        "link" if ck else "text",
+                        (x0, y + 6, x0 + _textw(v, 13), y + 24),
+                        text=v,
+                        size=13,
+                        tfill=(26, 13, 171) if ck else (50, 50, 50),
+                        label=v,
+                        ck=ck,
+                    )
                 y += 28
             y += 16
             bx = mx
@@ -410,8 +604,14 @@ class _Page:
                 bx += self._button(bx, y, lab, (120, 120, 130), w=max(34, _textw(lab, 14) + 16)) + 6
             y += 54
         else:
-            self._add("text", (mx, y, mx + mw, y + 16), text=f"By {rng.choice(['A. Rivera', 'K. Osei', 'M. Tanaka'])}"
-                      f" - {rng.choice(MONTHS)} {rng.randint(1, 28)}, 2024", size=12, tfill=(110, 110, 110))
+            self._add(
+                "text",
+                (mx, y, mx + mw, y + 16),
+                text=f"By {rng.choice(['A. Rivera', 'K. Osei', 'M. Tanaka'])}"
+                f" - {rng.choice(MONTHS)} {rng.randint(1, 28)}, 2024",
+                size=12,
+                tfill=(110, 110, 110),
+            )
             y += 28
             for p in range(rng.randint(4, 8)):
                 if p == 2 and rng.random() < 0.6:
@@ -422,24 +622,41 @@ class _Page:
                     y += 22
                 y += 14
             lab = rng.choice(["Read more", "Related articles", "Next page", "Comments"])
-            self._add("link", (mx, y, mx + _textw(lab, 15), y + 20), text=lab, size=15, tfill=(26, 13, 171),
-                      label=lab, ck="link")
+            self._add(
+                "link",
+                (mx, y, mx + _textw(lab, 15), y + 20),
+                text=lab,
+                size=15,
+                tfill=(26, 13, 171),
+                label=lab,
+                ck="link",
+            )
             y += 40
         if side:
             sx, sy = mx + mw + 24, 114
             sw = W - mx - sx
             for _ in range(rng.randint(2, 3)):
                 self._add("rect", (sx, sy, sx + sw, sy + 150), fill=(246, 247, 249), outline=(220, 220, 225))
-                self._add("text", (sx + 12, sy + 10, sx + sw, sy + 28), text=_sentence(rng, 2, 3)[:-1].title(),
-                          size=16)
+                self._add("text", (sx + 12, sy + 10, sx + sw, sy + 28), text=_sentence(rng, 2, 3)[:-1].title(), size=16)
                 for j, ln in enumerate(_lines(rng, sw - 24, 13, 2)):
-                    self._add("text", (sx + 12, sy + 36 + 18 * j, sx + sw, sy + 52 + 18 * j), text=ln, size=13,
-                              tfill=(90, 90, 90))
+                    self._add(
+                        "text",
+                        (sx + 12, sy + 36 + 18 * j, sx + sw, sy + 52 + 18 * j),
+                        text=ln,
+                        size=13,
+                        tfill=(90, 90, 90),
+                    )
                 self._button(sx + 12, sy + 100, rng.choice(BUTTONS), rng.choice(PALETTE))
                 sy += 166
             y = max(y, sy)
-        self._add("rect", (0, y, W, y + 80), fill=(40, 42, 48), text=f"(c) 2024 {self.site[1]} - Privacy - Terms",
-                  size=12, tfill=(200, 200, 200))
+        self._add(
+            "rect",
+            (0, y, W, y + 80),
+            fill=(40, 42, 48),
+            text=f"(c) 2024 {self.site[1]} - Privacy - Terms",
+            size=12,
+            tfill=(200, 200, 200),
+        )
         return y + 80
 
     @property
@@ -475,8 +692,12 @@ class _Page:
                 _text(im, d, ((x0 + x1) // 2, (y0s + y1s) // 2), text, size, tfill, "mm")
             elif op == "input":
                 focused = self.focus == label
-                d.rectangle((x0, y0s, x1, y1s), fill=fill, outline=(66, 133, 244) if focused else outline,
-                            width=2 if focused else 1)
+                d.rectangle(
+                    (x0, y0s, x1, y1s),
+                    fill=fill,
+                    outline=(66, 133, 244) if focused else outline,
+                    width=2 if focused else 1,
+                )
                 val = self.fields.get(label, text)
                 if val:
                     _text(im, d, (x0 + 8, (y0s + y1s) // 2), val, 14, (20, 20, 20), "lm")
@@ -510,8 +731,19 @@ class _Page:
             d.rectangle((W - 8, ty, W - 2, ty + th), fill=(180, 180, 185))
         if cursor is not None:
             x, y = cursor
-            d.polygon([(x, y), (x, y + 18), (x + 5, y + 14), (x + 9, y + 21), (x + 12, y + 19), (x + 8, y + 12),
-                       (x + 14, y + 12)], fill=(0, 0, 0), outline=(255, 255, 255))
+            d.polygon(
+                [
+                    (x, y),
+                    (x, y + 18),
+                    (x + 5, y + 14),
+                    (x + 9, y + 21),
+                    (x + 12, y + 19),
+                    (x + 8, y + 12),
+                    (x + 14, y + 12),
+                ],
+                fill=(0, 0, 0),
+                outline=(255, 255, 255),
+            )
         buf = io.BytesIO()
         im.save(buf, "PNG", optimize=False, compress_level=6)
         return buf.getvalue()
@@ -541,8 +773,10 @@ def _page_dump(rng: random.Random, page: _Page, target_chars: int) -> str:
     while n < target_chars:
         r = rng.random()
         if r < 0.45:
-            s = (f"<tr><td>#{rng.randint(10000, 99999)}</td><td>{rng.choice(MONTHS)} {rng.randint(1, 28)}</td>"
-                 f"<td>{rng.choice(CITIES)}</td><td>${rng.randint(5, 4000)}.{rng.randint(0, 99):02d}</td></tr>")
+            s = (
+                f"<tr><td>#{rng.randint(10000, 99999)}</td><td>{rng.choice(MONTHS)} {rng.randint(1, 28)}</td>"
+                f"<td>{rng.choice(CITIES)}</td><td>${rng.randint(5, 4000)}.{rng.randint(0, 99):02d}</td></tr>"
+            )
         elif r < 0.8:
             s = f"<p>{_sentence(rng, 10, 30)} {_sentence(rng, 6, 20)}</p>"
         else:
@@ -553,10 +787,19 @@ def _page_dump(rng: random.Random, page: _Page, target_chars: int) -> str:
 
 
 def _fill(rng: random.Random, template: str, **extra) -> str:
-    vals = dict(product=rng.choice(PRODUCTS), city=rng.choice(CITIES), city2=rng.choice(CITIES),
-                month=rng.choice(MONTHS), day=rng.randint(2, 40), word=rng.choice(WORDS), word2=rng.choice(WORDS),
-                price=f"{rng.randint(9, 899)}.{rng.randint(0, 99):02d}", code=f"#{rng.randint(10000, 99999)}",
-                hour=rng.randint(5, 22), minute=rng.randint(0, 59))
+    vals = dict(
+        product=rng.choice(PRODUCTS),
+        city=rng.choice(CITIES),
+        city2=rng.choice(CITIES),
+        month=rng.choice(MONTHS),
+        day=rng.randint(2, 40),
+        word=rng.choice(WORDS),
+        word2=rng.choice(WORDS),
+        price=f"{rng.randint(9, 899)}.{rng.randint(0, 99):02d}",
+        code=f"#{rng.randint(10000, 99999)}",
+        hour=rng.randint(5, 22),
+        minute=rng.randint(0, 59),
+    )
     vals.update(extra)
     return template.format(**vals)
 
@@ -578,8 +821,9 @@ def _text_only_record(rng: random.Random, overlong: bool) -> list[dict]:
     return msgs
 
 
-def _trace(i: int, seed: int, *, text_only: bool, overlong: bool, min_images: int, max_images: int,
-           W: int, H: int) -> tuple[dict, int]:
+def _trace(
+    i: int, seed: int, *, text_only: bool, overlong: bool, min_images: int, max_images: int, W: int, H: int
+) -> tuple[dict, int]:
     rng = random.Random(f"vlmprep-demo:{seed}:{i}")
     rid = f"trace-{i + 1:06d}"
     if text_only:
@@ -667,15 +911,21 @@ def _trace(i: int, seed: int, *, text_only: bool, overlong: bool, min_images: in
             reasoning += "\n\nNotes on the page so far:\n" + _page_dump(rng, page, rng.randint(36000, 60000))
         cid = _call_id(rng)
         arguments = args if obj_args else json.dumps(args)
-        messages.append({"role": "assistant", "content": reasoning, "tool_calls": [
-            {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}]})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": reasoning,
+                "tool_calls": [{"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}],
+            }
+        )
         if changed:
             uri = _data_uri(page.render(cursor))
         text = result + f" ({page.url})"
         if step == long_step and not long_in_assistant:
             text += "\n" + _page_dump(rng, page, rng.randint(36000, 60000))
-        messages.append({"role": "tool", "tool_call_id": cid,
-                         "content": [{"type": "text", "text": text}, _image_part(uri, bare)]})
+        messages.append(
+            {"role": "tool", "tool_call_id": cid, "content": [{"type": "text", "text": text}, _image_part(uri, bare)]}
+        )
     answer = _fill(rng, rng.choice(ANSWERS), title=page.title, site=page.site[0])
     if long_step < 0 and overlong:
         answer += "\n\n" + _page_dump(rng, page, rng.randint(36000, 60000))
@@ -700,18 +950,40 @@ def _generate(*, n, seed, min_images, max_images, text_only_fraction, overlong_f
     phases = random.Random(f"vlmprep-demo-phase:{seed}")
     p_text, p_long = phases.random(), phases.random()
     for i in range(n):
-        yield _trace(i, seed, text_only=_hit(i, text_only_fraction, p_text),
-                     overlong=_hit(i, overlong_fraction, p_long), min_images=min_images,
-                     max_images=max_images, W=width, H=height)
+        yield _trace(
+            i,
+            seed,
+            text_only=_hit(i, text_only_fraction, p_text),
+            overlong=_hit(i, overlong_fraction, p_long),
+            min_images=min_images,
+            max_images=max_images,
+            W=width,
+            H=height,
+        )
 
 
-def generate_traces(*, n: int, seed: int = 0, min_images: int = 2, max_images: int = 25,
-                    text_only_fraction: float = 0.05, overlong_fraction: float = 0.03,
-                    width: int = 1280, height: int = 720) -> Iterator[dict]:
+def generate_traces(
+    *,
+    n: int,
+    seed: int = 0,
+    min_images: int = 2,
+    max_images: int = 25,
+    text_only_fraction: float = 0.05,
+    overlong_fraction: float = 0.03,
+    width: int = 1280,
+    height: int = 720,
+) -> Iterator[dict]:
     """Yield n browser-agent trace records; record i depends only on (seed, i) and the other arguments."""
-    for rec, _ in _generate(n=n, seed=seed, min_images=min_images, max_images=max_images,
-                            text_only_fraction=text_only_fraction, overlong_fraction=overlong_fraction, width=width,
-                            height=height):
+    for rec, _ in _generate(
+        n=n,
+        seed=seed,
+        min_images=min_images,
+        max_images=max_images,
+        text_only_fraction=text_only_fraction,
+        overlong_fraction=overlong_fraction,
+        width=width,
+        height=height,
+    ):
         yield rec
 
 
@@ -750,8 +1022,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--height", type=int, default=720)
     ap.add_argument("--id-prefix", default="trace", help="ids are PREFIX-000001 ... (distinct per part of a corpus)")
     a = ap.parse_args(argv)
-    stats = write_traces(a.out, n=a.n, seed=a.seed, min_images=a.min_images, max_images=a.max_images,
-                         width=a.width, height=a.height, id_prefix=a.id_prefix)
+    stats = write_traces(
+        a.out,
+        n=a.n,
+        seed=a.seed,
+        min_images=a.min_images,
+        max_images=a.max_images,
+        width=a.width,
+        height=a.height,
+        id_prefix=a.id_prefix,
+    )
     print(json.dumps({"out": str(a.out), **stats}))
 
 

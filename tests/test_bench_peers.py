@@ -1,6 +1,7 @@
 """`make bench-peers` harness, the parts that run without the peers' venvs: the records in each peer's format carry
 the same turns, text and images as the trace they came from, and each tool is asked for the same length and pixels;
 in `make test-all`, the harness's own quick run measures vlmprep (no peer installed)."""
+
 import base64
 import json
 import os
@@ -20,8 +21,17 @@ def _traces(tmp_path, n=4):
     import zstandard
 
     src = tmp_path / "t.jsonl.zst"
-    write_traces(src, n=n, seed=3, width=160, height=64, min_images=2, max_images=4, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    write_traces(
+        src,
+        n=n,
+        seed=3,
+        width=160,
+        height=64,
+        min_images=2,
+        max_images=4,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
     data = zstandard.ZstdDecompressor().stream_reader(open(src, "rb")).read()
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 
@@ -55,7 +65,9 @@ def test_traces_in_both_peer_formats_keep_images_turns_and_tool_calls(tmp_path):
         assert all(r in ("user", "observation") for r in roles[1::2])
         assert all(r in ("assistant", "function_call") for r in roles[2::2])
         calls = [c for m in rec["messages"] for c in m.get("tool_calls") or []]
-        lf_calls = [json.loads(m["content"].split("</think>")[-1]) for m in a["messages"] if m["role"] == "function_call"]
+        lf_calls = [
+            json.loads(m["content"].split("</think>")[-1]) for m in a["messages"] if m["role"] == "function_call"
+        ]
         assert [c["function"]["name"] for c in calls] == [c["name"] for c in lf_calls]
         sw_calls = [c for m in b["messages"] for c in m.get("tool_calls") or []]
         assert [json.loads(c["function"]["arguments"]) for c in sw_calls] == [c["arguments"] for c in lf_calls]
@@ -92,8 +104,14 @@ def test_each_tool_gets_the_same_length_and_pixel_bounds(tmp_path):
 def test_quick_harness_measures_vlmprep_on_both_inputs(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--quick", "--tools", "vlmprep"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peers", "--quick", "--tools", "vlmprep"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert rows[0]["bench"] == "machine" and rows[-1]["bench"] == "done"

@@ -1,5 +1,6 @@
 """`make bench` smoke test: `python -m benchmarks.run --quick` runs every benchmark end to end on tiny inputs and
 prints well-formed JSON lines with the fields docs/performance.md's table is built from (figures unchecked)."""
+
 import json
 import os
 import subprocess
@@ -20,15 +21,34 @@ REQUIRED = {
     ("tables", "ingest"): {"shape", "records", "jsonl_zst_records_per_s", "parquet_records_per_s", "ratio", "goal"},
     ("tables", "s3_vs_local"): {"shape", "records", "local_seconds", "s3_seconds", "ratio", "goal"},
     ("build", "peak_rss"): {"workers", "main_rss_mb_small", "main_rss_mb_big", "worker_rss_mb_big", "ratio"},
-    ("startup", "worker_ready"): {"imports_seconds", "ready_beyond_imports_seconds", "first_render_seconds", "goal_seconds",
-                                  "forked_pool_workers_ready_seconds"},
+    ("startup", "worker_ready"): {
+        "imports_seconds",
+        "ready_beyond_imports_seconds",
+        "first_render_seconds",
+        "goal_seconds",
+        "forked_pool_workers_ready_seconds",
+    },
     ("startup", "first_record"): {"workers", "seconds"},
     ("startup", "build_wall_clock"): {"workers", "records", "seconds"},
     ("startup", "speedup_2_workers_wall_clock"): {"ratio", "goal"},
-    ("limits", None): {"tar_read_mb_s", "decode_ms_zstd_stored", "decode_ms_png_source", "decode_ms_jpeg_q90",
-                       "processor_normalize_patchify_ms", "processor_full_ms"},
-    ("codec", "bytes_and_decode"): {"images", "image_format", "zstd_level", "ratio_vs_source", "encode_ms_per_image",
-                                    "decode_per_s_one_core", "bytes_vs_zstd3", "decode_vs_zstd3"},
+    ("limits", None): {
+        "tar_read_mb_s",
+        "decode_ms_zstd_stored",
+        "decode_ms_png_source",
+        "decode_ms_jpeg_q90",
+        "processor_normalize_patchify_ms",
+        "processor_full_ms",
+    },
+    ("codec", "bytes_and_decode"): {
+        "images",
+        "image_format",
+        "zstd_level",
+        "ratio_vs_source",
+        "encode_ms_per_image",
+        "decode_per_s_one_core",
+        "bytes_vs_zstd3",
+        "decode_vs_zstd3",
+    },
     ("loader", None): {"path", "workers", "samples_per_s", "tokens_per_s"},
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("integrity", None): {"sha256_mb_s", "loader_mb_s", "check_over_loader_pass"},
@@ -40,29 +60,68 @@ REQUIRED = {
     ("stages", "record_path"): {"ms_per_record", "floor_sum_ms_per_record", "ratio", "goal"},
     ("traces", "keep_images_cost"): {"keep_images", "images_decoded", "dropped_images_decoded", "seconds"},
     ("balance", None): {"plan", "ranks", "step_max_over_mean_micro1", "epoch_tokens_max_over_mean"},
-    ("pack", "pack"): {"pack_to", "pack_window", "ranks", "fill", "step_max_over_mean_tokens",
-                       "step_max_over_mean_attention", "pack_ms_per_1000_samples"},
-    ("pack", "token_budget"): {"max_tokens_per_batch", "fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
+    ("pack", "pack"): {
+        "pack_to",
+        "pack_window",
+        "ranks",
+        "fill",
+        "step_max_over_mean_tokens",
+        "step_max_over_mean_attention",
+        "pack_ms_per_1000_samples",
+    },
+    ("pack", "token_budget"): {
+        "max_tokens_per_batch",
+        "fill",
+        "step_max_over_mean_tokens",
+        "step_max_over_mean_attention",
+    },
     ("pack", "micro_batch_1"): {"fill", "step_max_over_mean_tokens", "step_max_over_mean_attention"},
     ("pack", "loader_cost"): {"pack_ms_per_sample", "collate_ms_per_sample", "added_ms_per_sample", "goal_ms"},
-    ("order", "batch_correlation"): {"data", "batching", "ranks", "samples", "share_no_shuffle", "share_shuffle",
-                                     "share_uniform", "ratio_shuffle_vs_uniform", "ratio_no_shuffle_vs_uniform"},
+    ("order", "batch_correlation"): {
+        "data",
+        "batching",
+        "ranks",
+        "samples",
+        "share_no_shuffle",
+        "share_shuffle",
+        "share_uniform",
+        "ratio_shuffle_vs_uniform",
+        "ratio_no_shuffle_vs_uniform",
+    },
     ("order", "sorted_input_correlation"): {"batching", "ratio_no_shuffle_vs_uniform", "ratio_shuffle_vs_uniform"},
     ("order", "mixture"): {"names", "requested", "realized", "schedule_level", "max_abs_error", "steps"},
     ("order", "loader_throughput"): {"samples_per_s_no_shuffle", "samples_per_s_shuffle", "ratio", "cpu_ratio"},
-    ("order", "loader_rss"): {"peak_rss_mb_no_shuffle", "peak_rss_mb_span_1", "peak_rss_mb_span_4",
-                              "peak_rss_mb_span_all", "rss_max_over_min_spans"},
+    ("order", "loader_rss"): {
+        "peak_rss_mb_no_shuffle",
+        "peak_rss_mb_span_1",
+        "peak_rss_mb_span_4",
+        "peak_rss_mb_span_all",
+        "rss_max_over_min_spans",
+    },
     ("video", None): {"family", "build_s_per_video_s", "shard_bytes_per_video_s", "video_tokens"},
-    ("families", None): {"family", "pixels", "loader_samples_per_s", "floor_samples_per_s", "online_samples_per_s",
-                         "speedup_vs_online", "share_of_floor"},
+    ("families", None): {
+        "family",
+        "pixels",
+        "loader_samples_per_s",
+        "floor_samples_per_s",
+        "online_samples_per_s",
+        "speedup_vs_online",
+        "share_of_floor",
+    },
 }
 
 
 @pytest.mark.slow  # ~2 min on 2 cores: builds and trains on tiny inputs for every benchmark
 def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]  # every stdout line is one JSON object
     assert rows[0]["bench"] == "machine" and rows[-1]["bench"] == "done"
@@ -78,8 +137,18 @@ def test_quick_benchmarks_print_the_documented_json_lines(tmp_path):
     assert {r["plan"] for r in rows if r["bench"] == "balance"} == {"sample_count_split", "token_balanced_shards"}
     assert {r["pack_to"] for r in rows if r.get("metric") == "pack"} == {16384, 32768}
     assert {r["stage"] for r in rows if r.get("metric") == "stage"} == {
-        "json_parse", "normalize_base64", "image_header", "image_decode", "resize", "encode", "tokenize", "render_mask",
-        "split_search", "tar_write", "hashing"}
+        "json_parse",
+        "normalize_base64",
+        "image_header",
+        "image_decode",
+        "resize",
+        "encode",
+        "tokenize",
+        "render_mask",
+        "split_search",
+        "tar_write",
+        "hashing",
+    }
     keep = [r for r in rows if r.get("metric") == "keep_images_cost"]
     assert [r["dropped_images_decoded"] for r in keep] == [0, 0] and "ratio_vs_keep_all" in keep[1]
 
@@ -99,7 +168,7 @@ def test_order_pair_share_and_its_uniform_expectation():
     draws = []
     for _ in range(20000):
         rng.shuffle(ids)
-        cuts = [ids[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(len(sizes))]
+        cuts = [ids[sum(sizes[:k]) : sum(sizes[: k + 1])] for k in range(len(sizes))]
         draws.append(pair_share(cuts, traj)[0])
     assert abs(sum(draws) / len(draws) - uniform_share(traj)) < 0.01
 

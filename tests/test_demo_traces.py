@@ -1,4 +1,5 @@
 """Tests for the synthetic browser-agent trace generator (scripts/demo_traces.py)."""
+
 from __future__ import annotations
 
 import base64
@@ -49,8 +50,11 @@ def _text_len(rec: dict) -> int:
 
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
-    return list(generate_traces(n=60, seed=3, min_images=2, max_images=12, text_only_fraction=0.1,
-                                overlong_fraction=0.1, **SMALL))
+    return list(
+        generate_traces(
+            n=60, seed=3, min_images=2, max_images=12, text_only_fraction=0.1, overlong_fraction=0.1, **SMALL
+        )
+    )
 
 
 def test_write_is_deterministic_and_streams(tmp_path):
@@ -128,8 +132,9 @@ def test_image_counts_and_fractions(records):
 def test_both_forms_occur(records):
     forms = {bare for r in records for _, bare in _image_urls(r)}
     assert forms == {True, False}
-    arg_types = {type(tc["function"]["arguments"]) for r in records for m in r["messages"]
-                 for tc in m.get("tool_calls", [])}
+    arg_types = {
+        type(tc["function"]["arguments"]) for r in records for m in r["messages"] for tc in m.get("tool_calls", [])
+    }
     assert arg_types == {str, dict}
 
 

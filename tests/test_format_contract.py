@@ -1,6 +1,7 @@
 """The shard-format contract between vlmprep and the trainer (which never import each other): one member-name rule
 in schemas/, everything vlmprep can write the trainer accepts, v1 datasets still read, the package reads as the flow
 (no import cycle, only shards/reader.py opens shard tars), and a normal wheel install carries the schemas."""
+
 import ast
 import base64
 import io
@@ -29,12 +30,29 @@ def test_vlmprep_and_trainer_read_the_same_rule():
     for version in vf.READABLE_VERSIONS:
         assert vf._IMAGE[version].pattern == td.IMAGE_MEMBER[version].pattern
         assert td.arrays_of(version) == list(vf.arrays_of(version))
-    names = ["img000.delta.zst", "img001.pdelta.zst", "img000.npy.zst", "img000.delta.npy", "img007.png", "img123.webp", "img000.orig.jpg", "img001.orig.png", "img002.orig.webp",
-             "img000.orig.ppm", "img000.orig.tiff", "image_index.npy", "input_ids.npy", "json", "state.pyd",
-             "x.pth", "img0000.png", "img000.npy"]
+    names = [
+        "img000.delta.zst",
+        "img001.pdelta.zst",
+        "img000.npy.zst",
+        "img000.delta.npy",
+        "img007.png",
+        "img123.webp",
+        "img000.orig.jpg",
+        "img001.orig.png",
+        "img002.orig.webp",
+        "img000.orig.ppm",
+        "img000.orig.tiff",
+        "image_index.npy",
+        "input_ids.npy",
+        "json",
+        "state.pyd",
+        "x.pth",
+        "img0000.png",
+        "img000.npy",
+    ]
     for version in vf.READABLE_VERSIONS:
         for n in names:
-            trainer_ok = (n in td.arrays_of(version) or n == td.META_MEMBER or bool(td.IMAGE_MEMBER[version].match(n)))
+            trainer_ok = n in td.arrays_of(version) or n == td.META_MEMBER or bool(td.IMAGE_MEMBER[version].match(n))
             assert vf.is_member(n, version) == trainer_ok, (n, version)
     assert not vf.is_member("img000.orig.ppm", 2) and vf.is_member("img000.orig.ppm", 1)
     assert vf.is_member("img000.delta.zst", 3) and vf.is_video_member("vid000.0000.delta.zst", 3)
@@ -46,8 +64,15 @@ def test_vlmprep_and_trainer_read_the_same_rule():
 
 
 def _img(mode, fmt, size=(70, 50), **kw):
-    color = {"RGB": (200, 40, 90), "RGBA": (10, 120, 200, 90), "CMYK": (10, 20, 30, 40), "P": 3, "L": 90,
-             "I;16": 40000, "LA": (90, 128)}[mode]
+    color = {
+        "RGB": (200, 40, 90),
+        "RGBA": (10, 120, 200, 90),
+        "CMYK": (10, 20, 30, 40),
+        "P": 3,
+        "L": 90,
+        "I;16": 40000,
+        "LA": (90, 128),
+    }[mode]
     im = Image.new(mode, size, color)
     if mode == "RGB":
         im.putpixel((3, 4), (0, 255, 0))
@@ -57,10 +82,19 @@ def _img(mode, fmt, size=(70, 50), **kw):
 
 
 SOURCES = {  # every source kind vlmprep accepts as an image
-    "png_rgb": _img("RGB", "PNG"), "jpeg": _img("RGB", "JPEG", quality=90), "webp": _img("RGB", "WEBP", lossless=True),
-    "gif": _img("P", "GIF"), "bmp": _img("RGB", "BMP"), "tiff": _img("RGB", "TIFF"), "ppm": _img("RGB", "PPM"),
-    "palette_png": _img("P", "PNG"), "rgba_png": _img("RGBA", "PNG"), "gray_png": _img("L", "PNG"),
-    "gray16_png": _img("I;16", "PNG"), "cmyk_jpeg": _img("CMYK", "JPEG"), "la_png": _img("LA", "PNG"),
+    "png_rgb": _img("RGB", "PNG"),
+    "jpeg": _img("RGB", "JPEG", quality=90),
+    "webp": _img("RGB", "WEBP", lossless=True),
+    "gif": _img("P", "GIF"),
+    "bmp": _img("RGB", "BMP"),
+    "tiff": _img("RGB", "TIFF"),
+    "ppm": _img("RGB", "PPM"),
+    "palette_png": _img("P", "PNG"),
+    "rgba_png": _img("RGBA", "PNG"),
+    "gray_png": _img("L", "PNG"),
+    "gray16_png": _img("I;16", "PNG"),
+    "cmyk_jpeg": _img("CMYK", "JPEG"),
+    "la_png": _img("LA", "PNG"),
 }
 
 
@@ -71,8 +105,14 @@ def _records(path: Path) -> Path:
         parts = [{"type": "text", "text": f"look {name}"}, {"type": "image_url", "image_url": {"url": uri}}]
         if i % 3 == 0:  # a repeated image: stored once, two occurrences
             parts.append({"type": "image_url", "image_url": {"url": uri}})
-        lines.append(json.dumps({"id": name, "messages": [{"role": "user", "content": parts},
-                                                          {"role": "assistant", "content": f"seen {name}"}]}))
+        lines.append(
+            json.dumps(
+                {
+                    "id": name,
+                    "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": f"seen {name}"}],
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -136,8 +176,11 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     raw = next(iter_records([recs]))
     writer = ShardWriter(tmp_path, samples_per_shard=10, shard_size_bytes=1 << 30)
     for split in range(2):
-        writer.write(encode_sample(renderer.render(raw)[0], key=sample_key(raw.position, split), image_format="zstd",
-                                   zstd_level=3))
+        writer.write(
+            encode_sample(
+                renderer.render(raw)[0], key=sample_key(raw.position, split), image_format="zstd", zstd_level=3
+            )
+        )
     writer.close()
     save_processor(qwen2vl_processor, tmp_path / "processor")
     spec = ImageSpec.from_config(load_image_processor_config(str(tmp_path / "processor")))
@@ -239,7 +282,7 @@ def test_the_package_has_no_import_cycle_and_only_the_reader_opens_shard_tars():
 
     def visit(m, path):
         if state.get(m) == 1:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
         if state.get(m) == 2:
             return
         state[m] = 1
@@ -249,8 +292,11 @@ def test_the_package_has_no_import_cycle_and_only_the_reader_opens_shard_tars():
 
     for m in sorted(graph):
         visit(m, [])
-    openers = sorted(f.relative_to(ROOT).as_posix() for f in (ROOT / "vlmprep").rglob("*.py")
-                     if re.search(r"^\s*(import tarfile|from tarfile)", f.read_text(), re.M))
+    openers = sorted(
+        f.relative_to(ROOT).as_posix()
+        for f in (ROOT / "vlmprep").rglob("*.py")
+        if re.search(r"^\s*(import tarfile|from tarfile)", f.read_text(), re.M)
+    )
     assert openers == ["vlmprep/shards/reader.py", "vlmprep/shards/writer.py"], openers
 
 
@@ -261,52 +307,110 @@ def test_a_normal_wheel_install_verifies_a_dataset(tmp_path, qwen2vl_processor):
     from vlmprep.config import BuildConfig
 
     rec = tmp_path / "r.jsonl"
-    rec.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    rec.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n"
+    )
     build(BuildConfig(inputs=(str(rec),), out=str(tmp_path / "ds"), progress=False))
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)], check=True,
-                   cwd=tmp_path, capture_output=True)
+    subprocess.run(
+        pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+    )
     (wheel,) = wheels.glob("vlmprep-*.whl")
     subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
     assert (site / "vlmprep_schemas" / "shard_format.schema.json").is_file()
     assert (site / "vlmprep" / "templates" / "qwen2_vl_tools.jinja").is_file()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    probe = subprocess.run([sys.executable, "-c", "import vlmprep, vlmprep_schemas, trainer.data.decode; "
-                            "print(vlmprep.__file__, vlmprep_schemas.__file__)"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import vlmprep, vlmprep_schemas, trainer.data.decode; print(vlmprep.__file__, vlmprep_schemas.__file__)",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert probe.stdout.count(str(site)) == 2, probe.stdout  # the wheel's copy, not the source tree
-    res = subprocess.run([sys.executable, "-c", "from vlmprep.cli import main; main()", "verify", str(tmp_path / "ds")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", "from vlmprep.cli import main; main()", "verify", str(tmp_path / "ds")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0 and res.stdout.startswith("OK"), res.stdout + res.stderr
 
 
 # The package's roles and which roles each may import: the folders are the data flow (see docs/development.md).
-_ROLES = {"base": ("vlmprep", "vlmprep_schemas", "vlmprep.types", "vlmprep.config", "vlmprep.rejects",
-                   "vlmprep.processors", "vlmprep.jobs"),
-          "stage": tuple(f"vlmprep.{m}" for m in ("records", "normalize", "media", "images", "videos", "traces",
-                                                  "chat_template", "render", "tokens", "mask", "positions",
-                                                  "truncate", "families")),
-          "process": ("vlmprep.process",), "shards": ("vlmprep.shards",), "build": ("vlmprep.builder",),
-          "tools": ("vlmprep.tools",), "clients": ("vlmprep.clients",), "cli": ("vlmprep.cli", "vlmprep.__main__")}
-_MAY_IMPORT = {"base": {"base"}, "stage": {"base", "stage"},
-               "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples
-               "shards": {"base", "stage", "shards"}, "clients": {"base", "stage", "shards", "clients"},
-               "tools": {"base", "stage", "process", "shards", "tools"},  # tools never import the build
-               "build": {"base", "stage", "process", "shards", "clients", "build"},
-               "cli": set(_ROLES)}
+_ROLES = {
+    "base": (
+        "vlmprep",
+        "vlmprep_schemas",
+        "vlmprep.types",
+        "vlmprep.config",
+        "vlmprep.rejects",
+        "vlmprep.processors",
+        "vlmprep.jobs",
+    ),
+    "stage": tuple(
+        f"vlmprep.{m}"
+        for m in (
+            "records",
+            "normalize",
+            "media",
+            "images",
+            "videos",
+            "traces",
+            "chat_template",
+            "render",
+            "tokens",
+            "mask",
+            "positions",
+            "truncate",
+            "families",
+        )
+    ),
+    "process": ("vlmprep.process",),
+    "shards": ("vlmprep.shards",),
+    "build": ("vlmprep.builder",),
+    "tools": ("vlmprep.tools",),
+    "clients": ("vlmprep.clients",),
+    "cli": ("vlmprep.cli", "vlmprep.__main__"),
+}
+_MAY_IMPORT = {
+    "base": {"base"},
+    "stage": {"base", "stage"},
+    "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples
+    "shards": {"base", "stage", "shards"},
+    "clients": {"base", "stage", "shards", "clients"},
+    "tools": {"base", "stage", "process", "shards", "tools"},  # tools never import the build
+    "build": {"base", "stage", "process", "shards", "clients", "build"},
+    "cli": set(_ROLES),
+}
 
 
 def _role(module: str) -> str:
-    best = max(((p, r) for r, ps in _ROLES.items() for p in ps if module == p or module.startswith(p + ".")),
-               key=lambda pr: len(pr[0]), default=None)
+    best = max(
+        ((p, r) for r, ps in _ROLES.items() for p in ps if module == p or module.startswith(p + ".")),
+        key=lambda pr: len(pr[0]),
+        default=None,
+    )
     assert best is not None, f"{module} has no role in the layering: add it to _ROLES (and docs/development.md's map)"
     return best[1]
 
 
 def test_each_role_imports_only_the_layers_below_it():
     """types/config <- stages <- shards <- process <- build <- cli; shards <- tools <- cli; tools never import build."""
-    bad = sorted(f"{m} ({_role(m)}) imports {d} ({_role(d)})" for m, deps in _vlmprep_imports().items()
-                 for d in deps if _role(d) not in _MAY_IMPORT[_role(m)])
+    bad = sorted(
+        f"{m} ({_role(m)}) imports {d} ({_role(d)})"
+        for m, deps in _vlmprep_imports().items()
+        for d in deps
+        if _role(d) not in _MAY_IMPORT[_role(m)]
+    )
     assert not bad, "\n".join(bad)

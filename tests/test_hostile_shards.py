@@ -10,6 +10,7 @@ end in a one-line refusal (verify: one line per violation) or a full read, never
 file outside the dataset. `make test` runs 30 generated cases, `make test-all` (the thorough profile) 1,000. Names a
 manifest gives (shard names, the processor dir) are left to the dataset boundary's own tests.
 """
+
 import hashlib
 import io
 import json
@@ -125,6 +126,7 @@ def _meta_edit(key, edit):
         meta = json.loads(dict(members)[f"{key}.json"])
         edit(meta)
         return replace_member(members, key, "json", json.dumps(meta).encode())
+
     return apply
 
 
@@ -133,12 +135,14 @@ def _chain(*edits):
         for edit in edits:
             members = edit(members)
         return members
+
     return apply
 
 
 def _rename_image(key, new_ext):
     def edit(meta):
         meta["images"][0]["member"] = f"img000.{new_ext}"
+
     return _meta_edit(key, edit)
 
 
@@ -148,19 +152,23 @@ CASES = {
     # The same as the default's zstd-delta member (.delta.zst, its meta renamed with it).
     "inflating_delta_image": lambda key: _chain(
         lambda ms: replace_member(ms, key, "img000.npy.zst", zstd_claiming(8 << 30), rename="img000.delta.zst"),
-        _rename_image(key, "delta.zst")),
+        _rename_image(key, "delta.zst"),
+    ),
     # A PNG header claiming 40000x40000 (4.8 GB decoded) for a 16x12-patch grid, the meta unchanged but its member.
     "inflating_png_image": lambda key: _chain(
         lambda ms: replace_member(ms, key, "img000.npy.zst", png_claiming(40000, 40000), rename="img000.png"),
-        _rename_image(key, "png")),
+        _rename_image(key, "png"),
+    ),
     # The same PNG with the meta agreeing on 40000x40000: over the readers' image limit.
     "inflating_png_image_and_meta": lambda key: _chain(
         lambda ms: replace_member(ms, key, "img000.npy.zst", png_claiming(40000, 40000), rename="img000.png"),
         _rename_image(key, "png"),
-        _meta_edit(key, lambda m: m["images"][0].update(height=40000, width=40000))),
+        _meta_edit(key, lambda m: m["images"][0].update(height=40000, width=40000)),
+    ),
     # A video frame whose zstd frame declares 8 GiB.
-    "inflating_video_frame": lambda key: lambda ms: replace_member(ms, key, "vid000.0000.npy.zst",
-                                                                   zstd_claiming(8 << 30)),
+    "inflating_video_frame": lambda key: (
+        lambda ms: replace_member(ms, key, "vid000.0000.npy.zst", zstd_claiming(8 << 30))
+    ),
     # loss_mask.npy (read by every reader, stats included) declaring 10**12 entries: a terabyte.
     "huge_npy_shape": lambda key: lambda ms: replace_member(ms, key, "loss_mask.npy", npy_claiming((10**12,), "|u1")),
     # The meta json nested 200,000 deep.
@@ -195,16 +203,19 @@ def _set_prefix(key, prefix):
             del meta["images"][1]["prefix"]
         else:
             meta["images"][1]["prefix"] = prefix
+
     return _meta_edit(key, edit)
 
 
 PDELTA_CASES = {
     # The dependent member's frame declares 8 GiB.
-    "inflating_pdelta_image": lambda key: lambda ms: replace_member(ms, key, "img001.pdelta.zst",
-                                                                    zstd_claiming(8 << 30)),
+    "inflating_pdelta_image": lambda key: (
+        lambda ms: replace_member(ms, key, "img001.pdelta.zst", zstd_claiming(8 << 30))
+    ),
     # Its prefix inflating: refused before the member that needs it is decompressed.
-    "inflating_prefix_image": lambda key: lambda ms: replace_member(ms, key, "img000.pdelta.zst",
-                                                                    zstd_claiming(8 << 30)),
+    "inflating_prefix_image": lambda key: (
+        lambda ms: replace_member(ms, key, "img000.pdelta.zst", zstd_claiming(8 << 30))
+    ),
     # A prefix that is not the previous image (a member the sample does not hold).
     "prefix_not_the_previous_image": lambda key: _set_prefix(key, "img007.pdelta.zst"),
     # The prefix taken away: the member decompressed without its dictionary is corrupt data.
@@ -215,9 +226,14 @@ PDELTA_CASES = {
     # under the sample's 16x12 grid: refused from the meta and the grid, unread (issue 44.7: the clients and the
     # Collator decoded them, a MemoryError).
     "oversized_prefixes": lambda key: _chain(
-        lambda ms: replace_member(replace_member(ms, key, "img000.pdelta.zst", black_pdelta(16000, 16000)),
-                                  key, "img001.pdelta.zst", black_pdelta(16000, 16000)),
-        _meta_edit(key, lambda m: [im.update(height=16000, width=16000) for im in m["images"]])),
+        lambda ms: replace_member(
+            replace_member(ms, key, "img000.pdelta.zst", black_pdelta(16000, 16000)),
+            key,
+            "img001.pdelta.zst",
+            black_pdelta(16000, 16000),
+        ),
+        _meta_edit(key, lambda m: [im.update(height=16000, width=16000) for im in m["images"]]),
+    ),
 }
 
 
@@ -253,28 +269,52 @@ def reversed_chain(tmp_path_factory):
     for _ in range(CHAIN):
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(buf, format="PNG")
-        parts.append({"type": "image_url", "image_url": {
-            "url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}})
-    record = {"id": "chain", "messages": [{"role": "user", "content": [{"type": "text", "text": "which?"}, *parts]},
-                                          {"role": "assistant", "content": "the last."}]}
+        parts.append(
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+            }
+        )
+    record = {
+        "id": "chain",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "which?"}, *parts]},
+            {"role": "assistant", "content": "the last."},
+        ],
+    }
     (tmp / "r.jsonl").write_text(json.dumps(record) + "\n")
     d = tmp / "ds"
-    build(BuildConfig(inputs=(str(tmp / "r.jsonl"),), out=str(d), processor="builtin:qwen2-vl", seq_len=8192,
-                      image_format="zstd-pdelta", max_images_per_record=CHAIN, progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(tmp / "r.jsonl"),),
+            out=str(d),
+            processor="builtin:qwen2-vl",
+            seq_len=8192,
+            image_format="zstd-pdelta",
+            max_images_per_record=CHAIN,
+            progress=False,
+        )
+    )
     (s,) = iter_dataset(d)
     forward, meta = s.images(), s.meta()
     moved = [{k: im[k] for k in ("member", "prefix") if k in im} for im in meta["images"]]
     for im, m in zip(meta["images"], reversed(moved)):
         im.pop("prefix", None)
         im.update(m)
-    patch_members(d / SHARD, {f"{s.key}.json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode(),
-                              f"{s.key}.image_index.npy": npy(np.arange(CHAIN, dtype=np.int32)[::-1].copy())})
+    patch_members(
+        d / SHARD,
+        {
+            f"{s.key}.json": json.dumps(meta, ensure_ascii=False, sort_keys=True).encode(),
+            f"{s.key}.image_index.npy": npy(np.arange(CHAIN, dtype=np.int32)[::-1].copy()),
+        },
+    )
     reseal(d)
     return d, forward
 
 
-def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reader(reversed_chain, spec, collator,
-                                                                                  monkeypatch):
+def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reader(
+    reversed_chain, spec, collator, monkeypatch
+):
     """Issue 44.7: occurrences listing a legal pdelta chain last to first made vlmprep's reader decompress
     999 * 1000 / 2 times (verify 296 s on real screenshots, the webdataset client > 300 s). Every reader now reads it
     with one decompression a member (counted in vlmprep's and the trainer's decoders), inspect's lazy views in
@@ -288,8 +328,9 @@ def test_a_reversed_999_deep_pdelta_chain_decodes_once_per_member_in_every_reade
     d, forward = reversed_chain
     calls = []
     for module in (trainer.data.decode, vlmprep.shards.decode):
-        monkeypatch.setattr(module, "decompressor", lambda prefix, real=module.decompressor: (calls.append(prefix),
-                                                                                            real(prefix))[1])
+        monkeypatch.setattr(
+            module, "decompressor", lambda prefix, real=module.decompressor: (calls.append(prefix), real(prefix))[1]
+        )
     for reader in ("verify", "trainer-stream", "trainer-indexed", INDEX_READER, "wds", "hf", "energon", "collator"):
         calls.clear()
         o = run_reader(reader, d, spec=spec, collator=collator)
@@ -333,8 +374,9 @@ def test_the_collator_checks_sizes_against_the_grid_before_its_processor(dataset
     sample["images"] = [np.broadcast_to(np.zeros(3, np.uint8), (16000, 16000, 3))]  # no memory behind it
     with address_space(1 << 30), pytest.raises(ValueError) as e:
         collator([sample])
-    assert "\n" not in str(e.value) and all(w in str(e.value) for w in ("sample iv", "image 0 is 16000x16000",
-                                                                        "grid [1, 12, 16]")), str(e.value)
+    assert "\n" not in str(e.value) and all(
+        w in str(e.value) for w in ("sample iv", "image 0 is 16000x16000", "grid [1, 12, 16]")
+    ), str(e.value)
 
 
 def test_a_sparse_tar_member_is_refused_unread(dataset, spec, collator, key, tmp_path):
@@ -367,24 +409,80 @@ K, T = "0000000000", "0000000001"  # the sample with an image and a video, the t
 
 # --- what a case may do to the shard and the manifest
 
-NAMES = [f"{K}.json", f"{K}.img000.npy.zst", f"{K}.img000.pdelta.zst", f"{K}.img001.pdelta.zst", f"{K}.img000.png", f"{K}.img001.webp", f"{K}.img000.orig.ppm",
-         f"{K}.vid000.0000.npy.zst", f"{K}.vid000.0009.png", f"{K}.vid999.0000.png", f"{K}.input_ids.npy",
-         f"{K}.evil.pyd", f"{K}.x.pth", K, f"{K}.", f"../outside/{K}.json", f"/etc/{K}.json", f"{K}/x.json",
-         f"x/{K}.json", f"{T}.json", f"{T}.img000.npy.zst", "0000000009.json", "a.b.json", "0000000000_0001.json",
-         "__key__.json", f"{K}.json/..", "", "."]
+NAMES = [
+    f"{K}.json",
+    f"{K}.img000.npy.zst",
+    f"{K}.img000.pdelta.zst",
+    f"{K}.img001.pdelta.zst",
+    f"{K}.img000.png",
+    f"{K}.img001.webp",
+    f"{K}.img000.orig.ppm",
+    f"{K}.vid000.0000.npy.zst",
+    f"{K}.vid000.0009.png",
+    f"{K}.vid999.0000.png",
+    f"{K}.input_ids.npy",
+    f"{K}.evil.pyd",
+    f"{K}.x.pth",
+    K,
+    f"{K}.",
+    f"../outside/{K}.json",
+    f"/etc/{K}.json",
+    f"{K}/x.json",
+    f"x/{K}.json",
+    f"{T}.json",
+    f"{T}.img000.npy.zst",
+    "0000000009.json",
+    "a.b.json",
+    "0000000000_0001.json",
+    "__key__.json",
+    f"{K}.json/..",
+    "",
+    ".",
+]
 names = st.sampled_from(NAMES) | st.text(st.sampled_from("0123456789._/-aimgjsonpyz~"), max_size=24)
-json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, -1, 1, 10**9, 2**63])
-                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
-META_PATHS = [("num_tokens",), ("num_images",), ("id",), ("images",), ("images", 0), ("images", 0, "height"),
-              ("images", 0, "width"), ("images", 0, "member"), ("images", 0, "grid_thw"), ("images", 0, "prefix"),
-              ("images", 1, "prefix"), ("images", 1, "member"), ("images", 1, "height"), ("videos",), ("videos", 0),
-              ("videos", 0, "frames"), ("videos", 0, "height"), ("videos", 0, "width"), ("videos", 0, "member"),
-              ("source",), ("source", "line"), ("num_videos",), ("image_format",), ("messages",)]
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([0, -1, 1, 10**9, 2**63])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+META_PATHS = [
+    ("num_tokens",),
+    ("num_images",),
+    ("id",),
+    ("images",),
+    ("images", 0),
+    ("images", 0, "height"),
+    ("images", 0, "width"),
+    ("images", 0, "member"),
+    ("images", 0, "grid_thw"),
+    ("images", 0, "prefix"),
+    ("images", 1, "prefix"),
+    ("images", 1, "member"),
+    ("images", 1, "height"),
+    ("videos",),
+    ("videos", 0),
+    ("videos", 0, "frames"),
+    ("videos", 0, "height"),
+    ("videos", 0, "width"),
+    ("videos", 0, "member"),
+    ("source",),
+    ("source", "line"),
+    ("num_videos",),
+    ("image_format",),
+    ("messages",),
+]
 # Values near the real ones (a 224x168 image of 16x12 patches, 4 frames of 392x280), and past every limit.
-near_values = st.integers(-3, 5) | st.sampled_from([12, 14, 16, 20, 28, 48, 84, 168, 169, 224, 280, 392, 999, 40000,
-                                                    2**31, 10**12, 2**63])
+near_values = st.integers(-3, 5) | st.sampled_from(
+    [12, 14, 16, 20, 28, 48, 84, 168, 169, 224, 280, 392, 999, 40000, 2**31, 10**12, 2**63]
+)
 NPY_DESCR = ["<i4", "|u1", "<i8", "<f4", ">i4", "|O", "<U4", "|V8", "|b1"]
 npy_shapes = st.lists(st.integers(0, 3) | st.sampled_from([7, 10**6, 10**12, 2**62, 2**64]), max_size=3)
 member_bytes = st.one_of(
@@ -415,16 +513,33 @@ ops = st.one_of(
     st.tuples(st.just("array"), st.integers(0, 99), st.integers(0, 10**6), near_values),
     st.tuples(st.just("type"), st.integers(0, 99), st.sampled_from(TAR_TYPES)),
     st.tuples(st.just("sparse"), st.integers(0, 99), st.sampled_from([8 << 30, 1 << 20, 0])),
-    st.tuples(st.just("manifest"), st.sampled_from([("format_version",), ("shards", 0, "num_samples"),
-                                                    ("shards", 0, "num_tokens"), ("shards",), ("totals",),
-                                                    ("image_format",), ("shards", 0, "index", "bytes"),
-                                                    ("sample_index", "bytes"), ("sample_index",), ()]),
-              json_values | near_values | st.builds(lambda n: json.loads(deep_json(min(n, 500))), st.integers(1, 500))),
+    st.tuples(
+        st.just("manifest"),
+        st.sampled_from(
+            [
+                ("format_version",),
+                ("shards", 0, "num_samples"),
+                ("shards", 0, "num_tokens"),
+                ("shards",),
+                ("totals",),
+                ("image_format",),
+                ("shards", 0, "index", "bytes"),
+                ("sample_index", "bytes"),
+                ("sample_index",),
+                (),
+            ]
+        ),
+        json_values | near_values | st.builds(lambda n: json.loads(deep_json(min(n, 500))), st.integers(1, 500)),
+    ),
     st.tuples(st.just("index"), st.sampled_from(INDEX_FILES), st.just("flip"), st.integers(0, 10**4)),
     st.tuples(st.just("index"), st.sampled_from(INDEX_FILES), st.just("truncate"), st.integers(0, 400)),
     st.tuples(st.just("index"), st.sampled_from(INDEX_FILES), st.just("bytes"), member_bytes),
-    st.tuples(st.just("index"), st.sampled_from(INDEX_FILES), st.just("row"),
-              st.tuples(st.sampled_from(INDEX_FIELDS), st.integers(0, 3), near_values)),
+    st.tuples(
+        st.just("index"),
+        st.sampled_from(INDEX_FILES),
+        st.just("row"),
+        st.tuples(st.sampled_from(INDEX_FIELDS), st.integers(0, 3), near_values),
+    ),
     st.tuples(st.just("deep_manifest"), st.integers(1, 300_000)),
     st.tuples(st.just("unsealed")),
 )
@@ -440,7 +555,7 @@ def _index_edit(data: bytes, kind: str, arg) -> bytes:
     """A sample index file's bytes after one "index" op: a byte flipped, cut short, replaced, or one row's field set."""
     if kind == "flip" and data:
         at = arg % len(data)
-        return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+        return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
     if kind == "truncate":
         return data[:arg]
     if kind == "bytes":
@@ -471,7 +586,7 @@ def apply(members, manifest: dict, case, indexes: dict[str, bytes]) -> tuple[lis
         elif op == "bytes" and members:
             members[i] = (members[i][0], args[1])
         elif op == "truncate" and members:
-            members[i] = (members[i][0], members[i][1][:args[1]])
+            members[i] = (members[i][0], members[i][1][: args[1]])
         elif op == "flip" and members and members[i][1]:
             data = bytearray(members[i][1])
             data[args[1] % len(data)] ^= 0xFF
@@ -531,8 +646,11 @@ class OpenWatch:
     def hook(cls, event, args):
         if cls.on and event == "open" and isinstance(args[0], (str, bytes, Path)):
             path = os.path.abspath(os.fsdecode(args[0]))
-            if not path.endswith((".py", ".pyc", ".so")) and not path.startswith("/proc/self/") \
-                    and not os.path.realpath(path).startswith(_OWN_SCHEMAS):
+            if (
+                not path.endswith((".py", ".pyc", ".so"))
+                and not path.startswith("/proc/self/")
+                and not os.path.realpath(path).startswith(_OWN_SCHEMAS)
+            ):
                 cls.opened.append(path)
 
 
@@ -548,15 +666,18 @@ def _check(o, d: Path) -> None:
     if o.reader != "verify":  # verify lists its violations, one line each
         assert len(lines) == 1, f"{o.reader} said more than one line:\n{o.message[-3000:]}"
     if o.reader != "collator":  # it is handed decoded samples: it names its processor and what they store
-        assert any(SHARD in ln or "manifest" in ln or str(d) in ln for ln in lines), \
+        assert any(SHARD in ln or "manifest" in ln or str(d) in ln for ln in lines), (
             f"{o.reader} names neither the shard nor the manifest: {o.message[-2000:]}"
+        )
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                        HealthCheck.data_too_large])
+@settings(
+    max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(case=st.lists(ops, min_size=1, max_size=4), source=st.sampled_from(["zstd", "zstd-pdelta"]))
-def test_fuzz_every_reader_refuses_a_hostile_shard_in_one_line_or_reads_it(dataset, pdelta_dataset, spec, collator,
-                                                                          clean, clean_pdelta, source, case):
+def test_fuzz_every_reader_refuses_a_hostile_shard_in_one_line_or_reads_it(
+    dataset, pdelta_dataset, spec, collator, clean, clean_pdelta, source, case
+):
     """Generated hostile shards, sample index files and manifests, of a zstd and a zstd-pdelta dataset (format v4:
     a sample whose second image is compressed against its first), through every reader but inspect (its tokenizer
     load per case is slow; the cases above run it): the clients and the Collator, and the trainer from the build's
@@ -568,13 +689,19 @@ def test_fuzz_every_reader_refuses_a_hostile_shard_in_one_line_or_reads_it(datas
         (root / "outside" / "secret.json").write_text("{}")
         d = copy_dataset(src, root / "ds", processor=False, indexes=True)
         indexes = {name: (d / name).read_bytes() for name in INDEX_FILES}
-        members, manifest, sparse, types, seal = apply(members, json.loads((d / "manifest.json").read_text()), case,
-                                                       indexes)
+        members, manifest, sparse, types, seal = apply(
+            members, json.loads((d / "manifest.json").read_text()), case, indexes
+        )
         for name, b in indexes.items():
             (d / name).write_bytes(b)
         data = write_tar(d / SHARD, members, sparse=sparse, types=types)
-        if seal and isinstance(manifest, dict) and isinstance(manifest.get("shards"), list) and manifest["shards"] \
-                and isinstance(manifest["shards"][0], dict):
+        if (
+            seal
+            and isinstance(manifest, dict)
+            and isinstance(manifest.get("shards"), list)
+            and manifest["shards"]
+            and isinstance(manifest["shards"][0], dict)
+        ):
             manifest["shards"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
             seal_indexes(d, manifest)
         (d / "manifest.json").write_bytes(manifest if isinstance(manifest, bytes) else json.dumps(manifest).encode())

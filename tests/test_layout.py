@@ -1,5 +1,6 @@
 """docs/development.md's map of the packages matches the tree: every module and folder of vlmprep/ and trainer/ is
 named in it, and every file or folder it names exists (a move or a rename needs the map updated, nothing here)."""
+
 import re
 from pathlib import Path
 
@@ -50,13 +51,26 @@ def tree_paths() -> set[str]:
 
 
 def test_the_parser_reads_each_kind_of_row():
-    rows = ["pkg/                 what it is",
-            "  a.py, b.py -> c.py  stages",
-            "  sub/               x.py: y.py (z.py) -> other/w.py",
-            "                     v.py on a continuation line",
-            "tool/t.py            a file at the top"]
-    assert named_paths(rows) == {"pkg", "pkg/a.py", "pkg/b.py", "pkg/c.py", "pkg/sub", "pkg/sub/x.py", "pkg/sub/y.py",
-                                 "pkg/sub/z.py", "other/w.py", "pkg/sub/v.py", "tool/t.py"}
+    rows = [
+        "pkg/                 what it is",
+        "  a.py, b.py -> c.py  stages",
+        "  sub/               x.py: y.py (z.py) -> other/w.py",
+        "                     v.py on a continuation line",
+        "tool/t.py            a file at the top",
+    ]
+    assert named_paths(rows) == {
+        "pkg",
+        "pkg/a.py",
+        "pkg/b.py",
+        "pkg/c.py",
+        "pkg/sub",
+        "pkg/sub/x.py",
+        "pkg/sub/y.py",
+        "pkg/sub/z.py",
+        "other/w.py",
+        "pkg/sub/v.py",
+        "tool/t.py",
+    }
 
 
 def test_the_development_map_names_every_module_and_nothing_else():

@@ -16,6 +16,7 @@ a page's inputs are made by commands the reader sees. Alone, each block runs in 
 tier); `test_the_docs_walk_in_document_order_in_one_directory` (slow) runs them all in ONE empty directory in
 document order, as a newcomer would, and fails on a refusal or a command that silently did nothing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,6 +48,8 @@ def doc_pages() -> list[Path]:
     text = README.read_text()
     linked = list(dict.fromkeys(DOC_LIST.findall(text) + DOC_LINK.findall(text)))
     return [README] + [REPO / rel for rel in linked]
+
+
 MARKER = re.compile(r"^<!-- readme-test: (.*?) -->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 KINDS = ("run", "output", "python", "skip")
@@ -84,7 +87,7 @@ def parse_readme(text: str, doc: str = "README.md") -> list[Example]:
             i += 1
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        ex = Example(line=i + 1, doc=doc, lang=m.group(1), body="\n".join(lines[i + 1:end]) + "\n")
+        ex = Example(line=i + 1, doc=doc, lang=m.group(1), body="\n".join(lines[i + 1 : end]) + "\n")
         marker = MARKER.match(lines[i - 1]) if i else None
         if marker:
             _apply_marker(ex, marker.group(1))
@@ -95,7 +98,7 @@ def parse_readme(text: str, doc: str = "README.md") -> list[Example]:
 
 def _apply_marker(ex: Example, spec: str) -> None:
     if spec.split()[0] == "skip":  # free text: the reason, read by people
-        ex.kind, ex.reason = "skip", spec[len("skip"):].strip()
+        ex.kind, ex.reason = "skip", spec[len("skip") :].strip()
         return
     words = shlex.split(spec)
     ex.kind = words[0]
@@ -103,11 +106,11 @@ def _apply_marker(ex: Example, spec: str) -> None:
         if w == "slow":
             ex.slow = True
         elif w.startswith("setup="):
-            ex.setup = w[len("setup="):]
+            ex.setup = w[len("setup=") :]
         elif w.startswith("defines="):
-            ex.defines = w[len("defines="):]
+            ex.defines = w[len("defines=") :]
         elif w.startswith("sub="):
-            old, sep, new = w[len("sub="):].partition("=>")
+            old, sep, new = w[len("sub=") :].partition("=>")
             assert sep, f"{ex.where}: sub needs OLD=>NEW, got {w!r}"
             ex.subs.append((old, new))
         else:
@@ -138,8 +141,10 @@ def test_every_example_is_marked_and_markers_are_valid():
 
 
 def test_the_parser_reads_markers_substitutions_and_transcripts():
-    text = ("<!-- readme-test: run setup=traces slow sub=\"--workers 8=>--workers 2\" -->\n```bash\n"
-            "vlmprep build --workers 8\n```\n\n```python\nprint(1)\n```\n")
+    text = (
+        '<!-- readme-test: run setup=traces slow sub="--workers 8=>--workers 2" -->\n```bash\n'
+        "vlmprep build --workers 8\n```\n\n```python\nprint(1)\n```\n"
+    )
     run, py = parse_readme(text)
     assert (run.kind, run.setup, run.slow, run.subs) == ("run", "traces", True, [("--workers 8", "--workers 2")])
     assert substitute(run, run.body) == "vlmprep build --workers 2\n"
@@ -155,6 +160,7 @@ def test_the_parser_reads_markers_substitutions_and_transcripts():
 
 # --- workspaces -------------------------------------------------------------------------------------------------
 
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -165,8 +171,15 @@ def _env() -> dict[str, str]:
 
 
 def _sh(cmd: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", cmd], cwd=cwd, env=_env(), text=True,
-                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", cmd],
+        cwd=cwd,
+        env=_env(),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 # Each setup is a list of shell lines run once per session in an empty dir; tests get a copy of it. Every other setup
@@ -200,6 +213,7 @@ def workspace(workspaces, tmp_path, request):
 
 
 # --- transcripts ------------------------------------------------------------------------------------------------
+
 
 def split_transcript(body: str) -> list[tuple[str, list[str]]]:
     """`$ cmd` (with backslash continuations) followed by its expected output lines."""
@@ -248,7 +262,8 @@ def _commands(ex: Example) -> str:
 for _ex in RUNNABLE:  # setups made by the docs' own blocks, in document order
     if _ex.defines:
         assert _ex.kind in ("run", "output") and _ex.defines not in SETUPS, (
-            f"{_ex.where}: defines={_ex.defines} taken, or not a run or output block")
+            f"{_ex.where}: defines={_ex.defines} taken, or not a run or output block"
+        )
         SETUPS[_ex.defines] = [*SETUPS[_ex.setup], _commands(_ex)]
 
 
@@ -266,8 +281,9 @@ def run_example(ex: Example, cwd: Path) -> list[subprocess.CompletedProcess]:
     if ex.kind == "python":
         script = cwd / "example.py"
         script.write_text(substitute(ex, ex.body))
-        r = subprocess.run([sys.executable, str(script)], cwd=cwd, env=_env(), text=True,
-                           capture_output=True, timeout=900)
+        r = subprocess.run(
+            [sys.executable, str(script)], cwd=cwd, env=_env(), text=True, capture_output=True, timeout=900
+        )
         script.unlink()
         assert r.returncode == 0, f"{ex.where} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         return [r]
@@ -278,8 +294,10 @@ def run_example(ex: Example, cwd: Path) -> list[subprocess.CompletedProcess]:
         got = [line.rstrip() for line in got]
         excerpt = "# excerpt" in cmd
         assert matches([line.rstrip() for line in expected], got, excerpt=excerpt), (
-            f"{ex.where}: `{cmd}` printed (exit {r.returncode}):\n" + "\n".join(got)
-            + f"\n--- stderr ---\n{r.stderr[-2000:]}")
+            f"{ex.where}: `{cmd}` printed (exit {r.returncode}):\n"
+            + "\n".join(got)
+            + f"\n--- stderr ---\n{r.stderr[-2000:]}"
+        )
         done.append(r)
     return done
 
@@ -304,7 +322,8 @@ def test_the_docs_walk_in_document_order_in_one_directory(tmp_path):
         for r in run_example(ex, tmp_path):
             said = NO_OP.search(r.stdout + r.stderr)
             assert not said or said.group(0) in ex.body, (
-                f"{ex.where}: a silent no-op in the walk ({said.group(0)!r}):\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
+                f"{ex.where}: a silent no-op in the walk ({said.group(0)!r}):\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
+            )
 
 
 def test_the_walk_runs_every_page_and_refuses_a_stale_define():
@@ -320,9 +339,17 @@ def test_the_walk_runs_every_page_and_refuses_a_stale_define():
 
 # Every way vlmprep/ names a reject reason: RecordError("x", ...), reject_entry(raw, "x", ...), "reason": "x",
 # `reason = "x" if ... else "y"` / `reason, message = "x", ...` and rejects["x"] += 1.
-REASON_IN_CODE = [re.compile(p) for p in (
-    r'RecordError\(\s*"([a-z_0-9]+)"', r'reject_entry\([^,()]+,\s*"([a-z_0-9]+)"', r'"reason":\s*"([a-z_0-9]+)"',
-    r'\breason(?:, message)?\s*=\s*"([a-z_0-9]+)"', r'\belse\s+"([a-z_0-9]+)"\s*$', r'\brejects\["([a-z_0-9]+)"\]')]
+REASON_IN_CODE = [
+    re.compile(p)
+    for p in (
+        r'RecordError\(\s*"([a-z_0-9]+)"',
+        r'reject_entry\([^,()]+,\s*"([a-z_0-9]+)"',
+        r'"reason":\s*"([a-z_0-9]+)"',
+        r'\breason(?:, message)?\s*=\s*"([a-z_0-9]+)"',
+        r'\belse\s+"([a-z_0-9]+)"\s*$',
+        r'\brejects\["([a-z_0-9]+)"\]',
+    )
+]
 
 
 def _code_reasons() -> set[str]:
@@ -353,7 +380,7 @@ def test_the_readme_rejects_table_is_the_registry():
     text = (REPO / "docs" / "rejects.md").read_text()
     marker = "<!-- reasons-table: generated from vlmprep/rejects.py REASONS (tests/test_readme.py compares) -->\n"
     start = text.index(marker) + len(marker)
-    shown = text[start:text.index("\n\n", start) + 1]
+    shown = text[start : text.index("\n\n", start) + 1]
     assert shown == reasons_table(), "docs/rejects.md's table differs from vlmprep/rejects.py: paste reasons_table()"
 
 

@@ -2,6 +2,7 @@
 issue 32 through every reader, with nothing outside the dataset opened (a Python audit hook watches every open()) and
 nothing from it run; plus the boundary's rule on literal names. `trainer export` has its cases in
 tests/trainer/test_export.py (they reuse its trained run)."""
+
 import json
 import shutil
 import sys
@@ -44,10 +45,28 @@ def dataset(tmp_path_factory) -> Path:
     from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp("untrusted")
-    write_traces(tmp / "t.jsonl.zst", n=4, seed=5, min_images=1, max_images=1, width=160, height=96,
-                 overlong_fraction=0.0, text_only_fraction=0.0)
-    build(BuildConfig(inputs=(str(tmp / "t.jsonl.zst"),), out=str(tmp / "ds"), processor="builtin:qwen2-vl",
-                      seq_len=2048, samples_per_shard=2, progress=False, tool_calls="train-content"))
+    write_traces(
+        tmp / "t.jsonl.zst",
+        n=4,
+        seed=5,
+        min_images=1,
+        max_images=1,
+        width=160,
+        height=96,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
+    build(
+        BuildConfig(
+            inputs=(str(tmp / "t.jsonl.zst"),),
+            out=str(tmp / "ds"),
+            processor="builtin:qwen2-vl",
+            seq_len=2048,
+            samples_per_shard=2,
+            progress=False,
+            tool_calls="train-content",
+        )
+    )
     return tmp / "ds"
 
 
@@ -77,13 +96,32 @@ def _verify_fails(ds: Path, *must: str) -> None:
 def _trainer_refuses(ds: Path, tmp_path: Path, capsys, *must: str) -> None:
     from trainer.train import main
 
-    assert main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1",
-                 "--num-workers", "0", "--no-progress", "--device", "cpu"]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(ds),
+                "--out",
+                str(tmp_path / "run"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--max-steps",
+                "1",
+                "--num-workers",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 1
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("trainer: error: ") and all(m in err[0] for m in must), err
 
 
 # --- 1. A manifest that names its processor by an absolute path anywhere on the machine ---
+
 
 @pytest.fixture
 def absolute_processor(dataset, tmp_path):
@@ -132,8 +170,10 @@ def _plant_custom_code(proc: Path, marker: Path, where: str) -> None:
     path = proc / name
     cfg = json.loads(path.read_text()) if path.is_file() else {}
     cfg.pop("processor_class", None)
-    (cfg.setdefault(nested, {}) if nested else cfg)["auto_map"] = {"AutoProcessor": "evil.EvilProcessor",
-                                                                   "AutoImageProcessor": "evil.EvilProcessor"}
+    (cfg.setdefault(nested, {}) if nested else cfg)["auto_map"] = {
+        "AutoProcessor": "evil.EvilProcessor",
+        "AutoImageProcessor": "evil.EvilProcessor",
+    }
     path.write_text(json.dumps(cfg))
     tok = json.loads((proc / "tokenizer_config.json").read_text())
     tok.pop("processor_class", None)
@@ -153,8 +193,15 @@ def no_prompt(monkeypatch):
     return prompts
 
 
-@pytest.mark.parametrize("where", ["processor_config.json", "processor_config.json:image_processor",
-                                   "tokenizer_config.json", "preprocessor_config.json"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "processor_config.json",
+        "processor_config.json:image_processor",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+    ],
+)
 def test_custom_code_in_a_saved_processor_is_refused_before_transformers_sees_it(dataset, tmp_path, where, no_prompt):
     from vlmprep.clients.collate import Collator
     from vlmprep.processors.load import load_saved_processor
@@ -175,8 +222,7 @@ def test_custom_code_in_a_saved_processor_is_refused_before_transformers_sees_it
     assert no_prompt == [] and not marker.exists()
 
 
-def test_custom_code_in_a_datasets_processor_is_refused_by_the_trainer_and_verify(dataset, tmp_path, capsys,
-                                                                                   no_prompt):
+def test_custom_code_in_a_datasets_processor_is_refused_by_the_trainer_and_verify(dataset, tmp_path, capsys, no_prompt):
     from trainer.data.errors import DataError
     from trainer.data.sources import resolve_data
 
@@ -197,8 +243,28 @@ def test_the_trainer_refuses_custom_code_in_a_processor_the_user_names(dataset, 
     proc, marker = tmp_path / "proc", tmp_path / "ran"
     shutil.copytree(dataset / "processor", proc)
     _plant_custom_code(proc, marker, "processor_config.json:image_processor")
-    assert main(["--data", str(dataset), "--processor", str(proc), "--out", str(tmp_path / "run"), "--tiny-random",
-                 "qwen2-vl", "--max-steps", "1", "--num-workers", "0", "--no-progress", "--device", "cpu"]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(dataset),
+                "--processor",
+                str(proc),
+                "--out",
+                str(tmp_path / "run"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--max-steps",
+                "1",
+                "--num-workers",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "custom code" in err[0] and str(proc / "processor_config.json") in err[0], err
     assert no_prompt == [] and not marker.exists()
@@ -206,18 +272,23 @@ def test_the_trainer_refuses_custom_code_in_a_processor_the_user_names(dataset, 
 
 # --- 3. A manifest shard name that leads out of the dataset ---
 
+
 def _shard_outside(kind: str):
     def plant(dataset: Path, tmp_path: Path) -> tuple[Path, Path]:
         outside = tmp_path / "elsewhere"
         outside.mkdir()
         shutil.copy(dataset / "shard-000000.tar", outside / "shard-000000.tar")
-        name = {"dotdot": "../elsewhere/shard-000000.tar", "absolute": str(outside / "shard-000000.tar"),
-                "symlink": "shard-000000.tar"}[kind]
+        name = {
+            "dotdot": "../elsewhere/shard-000000.tar",
+            "absolute": str(outside / "shard-000000.tar"),
+            "symlink": "shard-000000.tar",
+        }[kind]
         ds = _copy(dataset, tmp_path, lambda m: m["shards"][0].update(name=name))
         if kind == "symlink":  # a plain name in the manifest, a symlink out on disk
             (ds / "shard-000000.tar").unlink()
             (ds / "shard-000000.tar").symlink_to(outside / "shard-000000.tar")
         return ds, outside
+
     return plant
 
 
@@ -233,8 +304,11 @@ def test_a_shard_outside_the_dataset_is_refused_by_every_client(dataset, tmp_pat
     ds, outside = _shard_outside(kind)(dataset, tmp_path)
     must = (str(ds / "manifest.json"), "shard name")
     with watch(outside) as opened:
-        for read in (lambda: vlmprep.clients.wds.shard_urls(ds), lambda: vlmprep.clients.hf.iterable_dataset(ds),
-                     lambda: Collator(ds)):
+        for read in (
+            lambda: vlmprep.clients.wds.shard_urls(ds),
+            lambda: vlmprep.clients.hf.iterable_dataset(ds),
+            lambda: Collator(ds),
+        ):
             with pytest.raises(ShardFormatError) as e:
                 read()
             _one_line(e.value, *must)
@@ -297,10 +371,16 @@ def test_energon_refuses_a_shard_outside_the_dataset(dataset, tmp_path):
     (clean / ".nv-meta" / ".info.json").write_text(json.dumps(info))
     (clean / ".nv-meta" / "split.yaml").write_text(
         "split_parts:\n  train:\n  - ../elsewhere/shard-000000.tar\n  - shard-000001.tar\n  val: []\n  test: []\n"
-        "exclude: []\n")
+        "exclude: []\n"
+    )
     with watch(outside) as opened, pytest.raises(ShardFormatError) as e:
-        get_train_dataset(str(clean), batch_size=1, shuffle_buffer_size=None, max_samples_per_sequence=None,
-                          worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+        get_train_dataset(
+            str(clean),
+            batch_size=1,
+            shuffle_buffer_size=None,
+            max_samples_per_sequence=None,
+            worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        )
     _one_line(e.value, ".nv-meta", "'../elsewhere/shard-000000.tar'", str(clean / "manifest.json"), "prepare")
     assert opened == []
 
@@ -334,8 +414,27 @@ def test_plain_relative_names_are_joined_to_the_base(tmp_path, name):
     assert dataset_file("https://h/d/", name, where="m", what="x") == f"https://h/d/{name}"
 
 
-@pytest.mark.parametrize("name", ["/etc", "../x", "a/../../x", "..", ".", "", "a//b", "a/", "https://evil/x",
-                                  "%2e%2e/x", "a\\..\\b", "~/x", "a b", None, 3, ["x"]])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "/etc",
+        "../x",
+        "a/../../x",
+        "..",
+        ".",
+        "",
+        "a//b",
+        "a/",
+        "https://evil/x",
+        "%2e%2e/x",
+        "a\\..\\b",
+        "~/x",
+        "a b",
+        None,
+        3,
+        ["x"],
+    ],
+)
 def test_names_that_could_leave_the_dataset_are_refused(tmp_path, name):
     for base in (str(tmp_path), "https://h/d"):
         with pytest.raises(UnsafeDataset, match=r"^m: x .* is not a relative path inside the dataset"):
@@ -358,8 +457,15 @@ def test_a_symlink_out_is_refused_and_one_inside_is_not(tmp_path):
 
 
 def test_manifest_shapes_that_are_not_lists_of_names_are_refused(tmp_path):
-    for manifest in ({}, {"shards": "x.tar"}, {"shards": ["x.tar"]}, {"shards": [{"name": "sub/x.tar"}]},
-                     {"shards": [{"name": "x.json"}]}, {"shards": [{}]}, {"shards": [], "processor": {"dir": "/p"}}):
+    for manifest in (
+        {},
+        {"shards": "x.tar"},
+        {"shards": ["x.tar"]},
+        {"shards": [{"name": "sub/x.tar"}]},
+        {"shards": [{"name": "x.json"}]},
+        {"shards": [{}]},
+        {"shards": [], "processor": {"dir": "/p"}},
+    ):
         with pytest.raises(UnsafeDataset):
             dataset_paths(str(tmp_path), manifest, where="m")
     paths = dataset_paths("https://h/d", {"shards": [{"name": "a.tar"}], "processor": {"dir": "proc"}}, where="m")
@@ -373,8 +479,12 @@ def test_processor_files_are_the_processors_own_and_stay_inside(dataset, tmp_pat
     (proc / "additional_chat_templates").mkdir()
     (proc / "additional_chat_templates" / "tools.jinja").write_text("{{ messages }}")
     assert sorted(str(f.relative_to(proc)) for f in processor_files(proc)) == [
-        "additional_chat_templates/tools.jinja", "chat_template.jinja", "processor_config.json", "tokenizer.json",
-        "tokenizer_config.json"]
+        "additional_chat_templates/tools.jinja",
+        "chat_template.jinja",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     (proc / "vocab.json").symlink_to(proc / "id_rsa")  # inside: fine
     assert proc / "vocab.json" in processor_files(proc)
     (proc / "merges.txt").symlink_to(tmp_path / "elsewhere")
@@ -384,8 +494,11 @@ def test_processor_files_are_the_processors_own_and_stay_inside(dataset, tmp_pat
 
 def test_refuse_custom_code_finds_auto_map_anywhere():
     refuse_custom_code({"auto_map": {}, "image_processor": {"auto_map": None}, "x": [1, {"y": 2}]}, "f")
-    for cfg in ({"auto_map": {"AutoProcessor": "m.C"}}, {"image_processor": {"auto_map": {"A": "m.C"}}},
-                {"a": [{"b": [{"auto_map": ["m.C", None]}]}]}):
+    for cfg in (
+        {"auto_map": {"AutoProcessor": "m.C"}},
+        {"image_processor": {"auto_map": {"A": "m.C"}}},
+        {"a": [{"b": [{"auto_map": ["m.C", None]}]}]},
+    ):
         with pytest.raises(UnsafeDataset, match=r"^f: asks to run custom code \(auto_map "):
             refuse_custom_code(cfg, "f")
 
@@ -402,10 +515,13 @@ def test_dataset_paths_refuses_a_shard_or_sample_index_linking_out(tmp_path):
     paths = dataset_paths(str(ds), {"shards": entries}, where="m")
     assert paths.shards == (str(ds / "shard-000000.tar"), str(ds / "shard-000001.tar")) and paths.sample_index is None
     for link, manifest in (
-            ("shard-000002.tar", {"shards": [*entries, {"name": "shard-000002.tar"}]}),
-            ("shard-000000.tar.index.npy", {"shards": [{"name": "shard-000000.tar",
-                                                        "index": {"name": "shard-000000.tar.index.npy"}}]}),
-            ("samples.index.npy", {"shards": entries, "sample_index": {"name": "samples.index.npy"}})):
+        ("shard-000002.tar", {"shards": [*entries, {"name": "shard-000002.tar"}]}),
+        (
+            "shard-000000.tar.index.npy",
+            {"shards": [{"name": "shard-000000.tar", "index": {"name": "shard-000000.tar.index.npy"}}]},
+        ),
+        ("samples.index.npy", {"shards": entries, "sample_index": {"name": "samples.index.npy"}}),
+    ):
         (ds / link).symlink_to(tmp_path / "secret")
         with pytest.raises(UnsafeDataset, match=f"{link}' resolves to .*secret, outside the dataset"):
             dataset_paths(str(ds), manifest, where="m")
@@ -415,6 +531,7 @@ def test_dataset_paths_refuses_a_shard_or_sample_index_linking_out(tmp_path):
 
 
 # --- A sample index file that claims more bytes than its samples take: refused before a byte of it is read ---
+
 
 @pytest.mark.parametrize("which", ["sidecar", "sidecar grown", "dataset index"])
 def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_path, which):
@@ -453,8 +570,14 @@ def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_pa
     try:
         data = resolve_data(str(ds))
         with pytest.raises(DataError) as e:
-            rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
-                         cache=tmp_path / "cache")
+            rank_sources(
+                (DataSpec(path=str(ds)),),
+                [data],
+                [plan_shards(data.shards, 1)],
+                rank=0,
+                world=1,
+                cache=tmp_path / "cache",
+            )
         _one_line(e.value, entry["name"], f"{big} bytes", "refusing to read it")
         with pytest.raises(ShardFormatError) as e:
             if which == "dataset index":
@@ -470,6 +593,7 @@ def test_an_index_file_larger_than_its_samples_is_refused_unread(dataset, tmp_pa
 
 
 # --- A manifest claiming more samples than its index files hold: refused before anything is sized by the claim ---
+
 
 @pytest.mark.parametrize("claim", [10**12, 10**8])
 @pytest.mark.parametrize("which", ["dataset index", "sidecar"])
@@ -494,8 +618,9 @@ def test_a_sample_count_the_index_does_not_hold_is_refused_before_allocating(dat
     rows = sum(s["num_samples"] for s in m["shards"])
     data = resolve_data(str(ds))
     with address_space(256 << 20), pytest.raises(DataError) as e:
-        rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
-                     cache=tmp_path / "cache")
+        rank_sources(
+            (DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1, cache=tmp_path / "cache"
+        )
     if which == "dataset index":
         _one_line(e.value, "samples.index.npy", f"but the manifest's shards hold {rows} samples")
     else:
@@ -516,8 +641,9 @@ def test_a_count_past_int64_in_the_manifest_is_one_line(dataset, tmp_path, field
     ds = _copy(dataset, tmp_path, lambda m: m["shards"][0].update({field: value}))
     data = resolve_data(str(ds))
     with pytest.raises(DataError) as e:
-        rank_sources((DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
-                     cache=tmp_path / "cache")
+        rank_sources(
+            (DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1, cache=tmp_path / "cache"
+        )
     _one_line(e.value, "samples.index.npy")
 
 
@@ -533,8 +659,28 @@ def test_a_dir_or_fifo_in_a_shards_place_is_named_as_such_not_missing_or_truncat
     _verify_fails(ds, "shard-000001.tar: not a plain file (a directory, FIFO or device)")
     from trainer.train import main
 
-    assert main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1",
-                 "--num-workers", "0", "--no-progress", "--device", "cpu"]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(ds),
+                "--out",
+                str(tmp_path / "run"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--max-steps",
+                "1",
+                "--num-workers",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 1
+    )
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trainer: error")]
-    assert len(err) == 1 and "shard-000001.tar: listed in its manifest as a shard, but it is not a plain file " \
-        f"(a {kind})" in err[0], err
+    assert (
+        len(err) == 1
+        and f"shard-000001.tar: listed in its manifest as a shard, but it is not a plain file (a {kind})" in err[0]
+    ), err

@@ -1,6 +1,7 @@
 """A dataset's saved processor is untrusted JSON too (issue 44, round 4): every processor JSON file is bounded in size
 and nesting before a parser sees it, its sizes are checked positive, and a tokenizer that does not load is one line
 naming the dir; through vlmprep's loader, the Collator, verify and the trainer."""
+
 import json
 
 import pytest

@@ -1,6 +1,7 @@
 """`python -m trainer` / `torchrun -m trainer` (or the installed `vlmprep-train`): parse options and train;
 `... plot RUN`: plot a run; `... export RUN ...`: write a run's checkpoint as a transformers model dir
 (trainer/export.py)."""
+
 import sys
 
 

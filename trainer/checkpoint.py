@@ -3,6 +3,7 @@ state when packing) and RNG -> a torch.distributed.checkpoint dir RUN/checkpoint
 last and the dir renamed into place only then; a resume takes the newest one still complete. RUN/run.json holds what
 those mean (data, model, options): a run resumes only its own; RUN/trainer.lock keeps a second run out.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -120,12 +121,13 @@ def _gather_ragged(values: list[int], device: torch.device) -> torch.Tensor:
     """Every rank's int list as rows of one [world, longest] tensor, padded with -1 (no state value is negative)."""
     longest = int(max(_gather(torch.tensor(len(values)), device)))
     row = torch.full((longest,), -1, dtype=torch.int64)
-    row[:len(values)] = torch.tensor(values, dtype=torch.int64)
+    row[: len(values)] = torch.tensor(values, dtype=torch.int64)
     return _gather(row, device)
 
 
-def save_checkpoint(run_dir: str | Path, state: TrainState, *, net, optimizer, device: torch.device,
-                    keep_checkpoints: int) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, state: TrainState, *, net, optimizer, device: torch.device, keep_checkpoints: int
+) -> Path:
     """Every rank's training state at `state.step` -> RUN/checkpoints/step-NNNNNNNN (returned), collectively: all
     ranks call it. Writes the model and optimizer state (torch.distributed.checkpoint, each rank its own shards), the
     step, every rank's data position (`state.epoch`, `state.position`) and packer state (`state.pack_state`), and
@@ -142,8 +144,11 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, net, optimizer, d
         tmp.mkdir(parents=True)
     _barrier()
     model_sd, optim_sd = get_state_dict(net, optimizer)
-    train = {"step": torch.tensor(step), "world": torch.tensor(world),
-             "data": _gather(torch.tensor([epoch, position], dtype=torch.int64), device)}
+    train = {
+        "step": torch.tensor(step),
+        "world": torch.tensor(world),
+        "data": _gather(torch.tensor([epoch, position], dtype=torch.int64), device),
+    }
     train.update({f"rng_{k}": _gather(v, device) for k, v in _rng_state(device).items()})
     pack = _gather_ragged(pack_state or [], device)
     train["pack_len"] = torch.tensor(pack.shape[1])
@@ -183,9 +188,11 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
             run_dir.mkdir(parents=True, exist_ok=True)
             fd, holder = locks.take(run_dir / RUN_LOCK)
             if holder:
-                refusal = (f"{run_dir} is in use by another trainer ({holder}): wait for it to end (or stop it), or "
-                           "pass another --out; two runs in one dir would overwrite each other's checkpoints and "
-                           "metrics")
+                refusal = (
+                    f"{run_dir} is in use by another trainer ({holder}): wait for it to end (or stop it), or "
+                    "pass another --out; two runs in one dir would overwrite each other's checkpoints and "
+                    "metrics"
+                )
         except UnsafeWrite as e:
             refusal = str(e)
         except OSError as e:  # every rank must hear of it, or the others would wait for rank 0 forever
@@ -254,8 +261,11 @@ def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
     """Read-only: refuse a run dir holding another run's state, before anything in it is touched."""
     run_dir = Path(run_dir)
     # Only steps taken are worth protecting: a run that failed before its first step left just run.json/config.toml.
-    held = [n for n, p in ((n, run_dir / n) for n in ("checkpoints", "metrics.jsonl"))
-            if p.is_file() and p.stat().st_size or p.is_dir() and any(p.iterdir())]
+    held = [
+        n
+        for n, p in ((n, run_dir / n) for n in ("checkpoints", "metrics.jsonl"))
+        if p.is_file() and p.stat().st_size or p.is_dir() and any(p.iterdir())
+    ]
     if not held:
         return
     ways_out = f"pass --no-resume to start over in {run_dir} (its run state is deleted), or another --out"
@@ -263,12 +273,15 @@ def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
         saved = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
         old, old_data = saved["identity"], saved["data_source"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"{run_dir} holds {', '.join(held)} but no readable {RUN_FILE} saying which data, model "
-                          f"and options it belongs to, so it cannot be resumed safely: {ways_out}") from None
+        raise ConfigError(
+            f"{run_dir} holds {', '.join(held)} but no readable {RUN_FILE} saying which data, model "
+            f"and options it belongs to, so it cannot be resumed safely: {ways_out}"
+        ) from None
     diff = _differences(old, identity, old_data, data)
     if diff:
-        raise ConfigError(f"{run_dir} holds another run, which a resume would continue with other settings: "
-                          f"{diff}; {ways_out}")
+        raise ConfigError(
+            f"{run_dir} holds another run, which a resume would continue with other settings: {diff}; {ways_out}"
+        )
 
 
 def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: bool) -> None:
@@ -289,8 +302,9 @@ def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: boo
     os.replace(tmp, run_dir / RUN_FILE)
 
 
-def load_latest(run_dir: str | Path, *, net, optimizer, device: torch.device, packing: bool = False
-                ) -> tuple[Path, TrainState] | None:
+def load_latest(
+    run_dir: str | Path, *, net, optimizer, device: torch.device, packing: bool = False
+) -> tuple[Path, TrainState] | None:
     """The newest checkpoint that is complete and loads, and its state (None: there is none). Each one skipped is
     named in one line on rank 0's stderr, with why (DCP's errors are raised on every rank alike, so all ranks skip
     it); where none is left, ConfigError (a failed load may have changed the model: never train on from there)."""
@@ -313,8 +327,10 @@ def load_latest(run_dir: str | Path, *, net, optimizer, device: torch.device, pa
         if _world()[0] == 0:
             print(f"trainer: skipped checkpoint {path}: {why}; resuming from the one before it", file=sys.stderr)
     if skipped:
-        raise ConfigError(f"{checkpoint_dir(run_dir)} holds no complete checkpoint ({'; '.join(skipped[:3])}): pass "
-                          "--no-resume to start over (its run state is deleted), or another --out")
+        raise ConfigError(
+            f"{checkpoint_dir(run_dir)} holds no complete checkpoint ({'; '.join(skipped[:3])}): pass "
+            "--no-resume to start over (its run state is deleted), or another --out"
+        )
     return None
 
 
@@ -335,12 +351,16 @@ def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing
         dcp.load(head, checkpoint_id=str(path))
     pack_len = int(head["train"].get("pack_len", 0))
     if packing != (pack_len > 0):
-        raise ConfigError(f"{path} was written {'with' if pack_len else 'without'} --pack-to: resume with the same "
-                          "batching options (or start a fresh run dir)")
+        raise ConfigError(
+            f"{path} was written {'with' if pack_len else 'without'} --pack-to: resume with the same "
+            "batching options (or start a fresh run dir)"
+        )
     saved_world = int(head["train"]["world"])
     if saved_world != world:
-        raise ConfigError(f"{path} was written by {saved_world} ranks, this run has {world}: exact data resume "
-                         f"needs the same number of ranks (or start a fresh run dir)")
+        raise ConfigError(
+            f"{path} was written by {saved_world} ranks, this run has {world}: exact data resume "
+            f"needs the same number of ranks (or start a fresh run dir)"
+        )
     model_sd, optim_sd = get_state_dict(net, optimizer)
     rng = _rng_state(device)
     train = {"step": torch.tensor(0), "world": torch.tensor(0), "data": torch.zeros(world, 2, dtype=torch.int64)}

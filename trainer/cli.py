@@ -2,6 +2,7 @@
 unknown key or flag is one line naming the closest); --help and docs/trainer.md's options table are generated from
 the fields' declarations; run_tool gives the subcommands their exit codes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,19 @@ def load_toml(path: str) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m trainer", description="Train a VLM on vlmprep shards (FSDP2). "
-                                 "Every option is also a key of the --config TOML (flag without --, _ for -).",
-                                 epilog="Other commands: python -m trainer plot RUN (--help)", allow_abbrev=False)
-    ap.add_argument("--config", metavar="TOML", default="",
-                    help="TOML file of these options; command-line flags override it (default: none)")
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="Train a VLM on vlmprep shards (FSDP2). "
+        "Every option is also a key of the --config TOML (flag without --, _ for -).",
+        epilog="Other commands: python -m trainer plot RUN (--help)",
+        allow_abbrev=False,
+    )
+    ap.add_argument(
+        "--config",
+        metavar="TOML",
+        default="",
+        help="TOML file of these options; command-line flags override it (default: none)",
+    )
     groups = {g: ap.add_argument_group(g, about) for g, about in GROUPS.items()}
     for name, f in FIELDS.items():
         flag, meta = "--" + name.replace("_", "-"), f.metadata
@@ -65,8 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         elif f.type == "bool":
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(flag, dest=name, type={"str": str, "int": int, "float": float}[f.type], default=None,
-                               metavar=f.type.upper(), help=text)
+            group.add_argument(
+                flag,
+                dest=name,
+                type={"str": str, "int": int, "float": float}[f.type],
+                default=None,
+                metavar=f.type.upper(),
+                help=text,
+            )
     return ap
 
 
@@ -104,14 +119,23 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ns, extra = _parser().parse_known_args(argv)
     if extra:
         flags = ["--" + name.replace("_", "-") for name in FIELDS]
-        raise ConfigError(unknown_argument(extra, ["--config", "--help"] + flags + [
-            "--no-" + f[2:] for f, field in zip(flags, FIELDS.values()) if field.type == "bool"]))
+        raise ConfigError(
+            unknown_argument(
+                extra,
+                ["--config", "--help"]
+                + flags
+                + ["--no-" + f[2:] for f, field in zip(flags, FIELDS.values()) if field.type == "bool"],
+            )
+        )
     values = load_toml(ns.config) if ns.config else {}
     values.update({k: v for k, v in vars(ns).items() if k != "config" and v is not None})
     for key in ("data", "eval_data"):
         if isinstance(values.get(key), list):  # given on the CLI (repeatable)
-            values[key] = values[key][0] if len(values[key]) == 1 and "path=" not in values[key][0] \
+            values[key] = (
+                values[key][0]
+                if len(values[key]) == 1 and "path=" not in values[key][0]
                 else tuple(DataSpec.parse(v) for v in values[key])
+            )
     if "data" not in values:
         raise ConfigError("data is missing: pass --data DIR|PATTERN|URL or set data in the TOML")
     return TrainConfig(**values)
@@ -129,4 +153,3 @@ def run_tool(prog: str, work: Callable[[], object]) -> int:
         return 1
     print(f"{prog}: wrote {out}")
     return 0
-

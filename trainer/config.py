@@ -2,6 +2,7 @@
 optional TOML file plus CLI overrides (cli.py) and written into the run dir as `config.toml`. Components take the
 option groups of options.py, not the whole config.
 """
+
 from __future__ import annotations
 
 import collections
@@ -59,24 +60,31 @@ class DataSpec:
             raise ConfigError(f"data entry {value!r}: expected a path or a table with name, path, weight, on_end")
         unknown = sorted(set(value) - {"path", "name", "weight", "on_end"})
         if unknown or "path" not in value:
-            raise ConfigError(f"data entry {value!r}: {'unknown keys ' + ', '.join(unknown) if unknown else 'no path'}"
-                              "; keys: name, path, weight, on_end")
+            raise ConfigError(
+                f"data entry {value!r}: {'unknown keys ' + ', '.join(unknown) if unknown else 'no path'}"
+                "; keys: name, path, weight, on_end"
+            )
         if isinstance(value.get("weight"), int) and not isinstance(value.get("weight"), bool):
             value = {**value, "weight": float(value["weight"])}
         spec = cls(**value)
         if not isinstance(spec.path, str) or not spec.path or not isinstance(spec.name, str):
             raise ConfigError(f"data entry {value!r}: path and name must be non-empty strings")
         if "name" in value and not spec.name.strip():
-            raise ConfigError(f"data entry path={spec.path}: its name is empty: name it (name=N: letters, digits, "
-                              "'_', '-', '.'), or leave name out for a single dataset")
+            raise ConfigError(
+                f"data entry path={spec.path}: its name is empty: name it (name=N: letters, digits, "
+                "'_', '-', '.'), or leave name out for a single dataset"
+            )
         w = spec.weight
         # Subnormal weights lose their precision and overflow the order's token / weight clocks to inf.
         if not isinstance(w, float) or not math.isfinite(w) or w < sys.float_info.min:
-            raise ConfigError(f"data entry {spec.name or spec.path}: weight={w!r} must be a finite number > 0 (not "
-                              f"below {sys.float_info.min:.3g}), e.g. weight=0.3: its share of the trained tokens")
+            raise ConfigError(
+                f"data entry {spec.name or spec.path}: weight={w!r} must be a finite number > 0 (not "
+                f"below {sys.float_info.min:.3g}), e.g. weight=0.3: its share of the trained tokens"
+            )
         if spec.on_end not in ON_END:
-            raise ConfigError(f"data entry {spec.name or spec.path}: on_end={spec.on_end!r}: choose "
-                              f"{' or '.join(ON_END)}")
+            raise ConfigError(
+                f"data entry {spec.name or spec.path}: on_end={spec.on_end!r}: choose {' or '.join(ON_END)}"
+            )
         return spec
 
     def to_toml(self, table: str = "data") -> str:
@@ -104,8 +112,22 @@ class DataSources:
         return _specs(self.eval_data)
 
 
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
-          "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -148,54 +170,78 @@ class TrainConfig(DataSources):
     `_check_*` checks (a bad value is a one-line ConfigError naming the fix); `to_toml()` is what the run dir keeps as
     config.toml, so a resume or an export reads the same options back."""
 
-    data: str | tuple[DataSpec, ...] = opt(REQUIRED, "data", "shard dir (its manifest.json), brace pattern, file:, "
-                                           "http(s):// or pipe: URL; or name=N,path=P[,weight=W][,on_end=repeat|stop] "
-                                           "once per dataset of a mixture ([[data]] tables in the TOML)")
+    data: str | tuple[DataSpec, ...] = opt(
+        REQUIRED,
+        "data",
+        "shard dir (its manifest.json), brace pattern, file:, "
+        "http(s):// or pipe: URL; or name=N,path=P[,weight=W][,on_end=repeat|stop] "
+        "once per dataset of a mixture ([[data]] tables in the TOML)",
+    )
     out: str = opt("runs/run", "checkpointing", "run dir: checkpoints, metrics.jsonl, config.toml, tb/")
     processor: str = opt("", "data", "processor dir for the pixel math; '' = the dataset's own DATA/processor/")
     model: str = opt("", "model", "HF checkpoint dir (AutoModelForImageTextToText); or pass tiny_random")
-    tiny_random: str = opt("", "model", "random-init tiny model instead of --model, sized to the dataset's processor: "
-                           + ", ".join(TINY_MODELS))
+    tiny_random: str = opt(
+        "",
+        "model",
+        "random-init tiny model instead of --model, sized to the dataset's processor: " + ", ".join(TINY_MODELS),
+    )
     max_steps: int = opt(0, "optimization", "optimizer steps to run; 0 = `epochs` full epochs")
     epochs: int = opt(1, "optimization", "full passes over the data (when max_steps is 0)")
     schedule_steps: int = opt(0, "optimization", "warmup + cosine length in steps; 0 = the run's total steps")
-    micro_batch_size: int = opt(1, "packing", "samples per micro-batch (padded), or packed rows per micro-batch "
-                                              "with pack_to")
-    max_tokens_per_batch: int = opt(0, "packing", "> 0: micro-batches up to this many tokens, counted as rows x "
-                                                  "padded length")
+    micro_batch_size: int = opt(
+        1, "packing", "samples per micro-batch (padded), or packed rows per micro-batch with pack_to"
+    )
+    max_tokens_per_batch: int = opt(
+        0, "packing", "> 0: micro-batches up to this many tokens, counted as rows x padded length"
+    )
     pack_to: int = opt(0, "packing", "> 0: pack whole samples into rows of at most this many tokens")
     pack_window: int = opt(64, "packing", "samples of look-ahead the packer chooses rows from (held in memory)")
     grad_accum: int = opt(1, "optimization", "micro-batches per optimizer step on each rank")
-    lr: float = opt(2e-5, "optimization", "peak learning rate (after warmup; the cosine ends at "
-                                          "lr x min_lr_ratio)")
+    lr: float = opt(2e-5, "optimization", "peak learning rate (after warmup; the cosine ends at lr x min_lr_ratio)")
     min_lr_ratio: float = opt(0.1, "optimization", "final learning rate as a fraction of lr")
     warmup_steps: int = opt(0, "optimization", "steps of linear warmup from lr/warmup_steps to lr")
-    weight_decay: float = opt(0.0, "optimization", "AdamW weight decay (matrices only; biases and norms "
-                                                   "get none)")
+    weight_decay: float = opt(0.0, "optimization", "AdamW weight decay (matrices only; biases and norms get none)")
     adam_beta1: float = opt(0.9, "optimization", "AdamW beta1")
     adam_beta2: float = opt(0.95, "optimization", "AdamW beta2")
     adam_eps: float = opt(1e-8, "optimization", "AdamW epsilon")
-    max_grad_norm: float = opt(1.0, "optimization", "clip the global gradient norm to this; "
-                                                    "0 = no clipping")
+    max_grad_norm: float = opt(1.0, "optimization", "clip the global gradient norm to this; 0 = no clipping")
     seed: int = opt(0, "optimization", "seed of the model init, dropout and the data order")
     num_workers: int = opt(2, "data", "DataLoader worker processes per rank that decode samples")
     prefetch_factor: int = opt(4, "data", "samples each DataLoader worker decodes ahead")
-    shuffle: bool = opt(True, "data", "sample-level shuffle: a new seeded permutation each epoch (off: shards are "
-                                      "read in sequence)")
+    shuffle: bool = opt(
+        True, "data", "sample-level shuffle: a new seeded permutation each epoch (off: shards are read in sequence)"
+    )
     shuffle_span: int = opt(0, "data", "shards whose samples one permutation block mixes; 0 = all of a rank's shards")
     shuffle_shards: bool = opt(True, "data", "shuffle each rank's shard order every epoch (seeded)")
-    shard_cache: str = opt("", "data", "where remote (s3://, gs://, hf://, http(s)://, pipe:) shards are cached for "
-                                       "random access, one dir per rank; '' = OUT/shard-cache")
-    shard_cache_limit: str = opt("", "data", "most bytes the shard cache holds per node, e.g. 50GB (split over the "
-                                             "node's ranks; shards no reader needs are evicted); '' = no limit")
+    shard_cache: str = opt(
+        "",
+        "data",
+        "where remote (s3://, gs://, hf://, http(s)://, pipe:) shards are cached for "
+        "random access, one dir per rank; '' = OUT/shard-cache",
+    )
+    shard_cache_limit: str = opt(
+        "",
+        "data",
+        "most bytes the shard cache holds per node, e.g. 50GB (split over the "
+        "node's ranks; shards no reader needs are evicted); '' = no limit",
+    )
     shard_prefetch: int = opt(4, "data", "remote shards fetched ahead of those being read (within the cache limit)")
-    read_timeout: float = opt(60.0, "data", "seconds a remote read may go without a byte before it fails (and after "
-                                            "which a read averaging under 64 KiB/s is stopped)")
-    verify_shards: bool = opt(True, "data", "check each shard's sha256 against its manifest when this run first "
-                              "reads it (remembered in the shard cache: a resume does not hash again); off: sizes, "
-                              "sample counts and changes while training only")
-    activation_checkpointing: bool = opt(False, "model", "recompute each block's activations in backward to save "
-                                                         "memory")
+    read_timeout: float = opt(
+        60.0,
+        "data",
+        "seconds a remote read may go without a byte before it fails (and after "
+        "which a read averaging under 64 KiB/s is stopped)",
+    )
+    verify_shards: bool = opt(
+        True,
+        "data",
+        "check each shard's sha256 against its manifest when this run first "
+        "reads it (remembered in the shard cache: a resume does not hash again); off: sizes, "
+        "sample counts and changes while training only",
+    )
+    activation_checkpointing: bool = opt(
+        False, "model", "recompute each block's activations in backward to save memory"
+    )
     precision: str = opt("auto", "model", "auto (bf16 on CUDA, fp32 on CPU), " + ", ".join(PRECISIONS[1:]))
     device: str = opt("auto", "model", "auto (CUDA when visible), " + ", ".join(DEVICES[1:]))
     attn_implementation: str = opt("sdpa", "model", "transformers attention: sdpa, eager, flash_attention_2")
@@ -205,25 +251,54 @@ class TrainConfig(DataSources):
     freeze_vision: bool = opt(False, "model", "freeze the vision tower (model.visual, merger included)")
     save_every: int = opt(0, "checkpointing", "steps between checkpoints; 0 = only at the end")
     keep_checkpoints: int = opt(2, "checkpointing", "newest checkpoints kept in RUN/checkpoints/")
-    resume: bool = opt(True, "checkpointing", "continue the run in out (same data, model, options); --no-resume "
-                                              "deletes its state and starts over")
+    resume: bool = opt(
+        True,
+        "checkpointing",
+        "continue the run in out (same data, model, options); --no-resume deletes its state and starts over",
+    )
     progress: bool = opt(True, "logging", "progress bar on rank 0's terminal")
-    log_every: int = opt(10, "logging", "a plain-text line at step 1 and every N steps (step/total, loss, lr, grad "
-                                        "norm, tokens/s, data wait, ETA) in RUN/train.log, and on stdout unless a "
-                                        "progress bar shows it there; 0 = none")
-    eval_data: str | tuple[DataSpec, ...] = opt("", "eval", "held-out data, the forms of data; name=N,path=P once per "
-                                                "eval set ([[eval_data]] in the TOML) for a loss per set; '' = no eval")
-    eval_every: int = opt(0, "eval", "steps between evals of the whole eval_data; 0 = only at the end (an eval "
-                                     "always ends a run that has eval_data)")
-    tensorboard: bool = opt(TENSORBOARD_INSTALLED, "logging", "TensorBoard scalars in RUN/tb/ (rank 0)",
-                            shown="on when the tensorboard package is installed")
-    save_hf: bool = opt(False, "checkpointing", "at the end, export RUN/hf/: a transformers model dir with the "
-                                                "dataset's processor (python -m trainer export)")
+    log_every: int = opt(
+        10,
+        "logging",
+        "a plain-text line at step 1 and every N steps (step/total, loss, lr, grad "
+        "norm, tokens/s, data wait, ETA) in RUN/train.log, and on stdout unless a "
+        "progress bar shows it there; 0 = none",
+    )
+    eval_data: str | tuple[DataSpec, ...] = opt(
+        "",
+        "eval",
+        "held-out data, the forms of data; name=N,path=P once per "
+        "eval set ([[eval_data]] in the TOML) for a loss per set; '' = no eval",
+    )
+    eval_every: int = opt(
+        0,
+        "eval",
+        "steps between evals of the whole eval_data; 0 = only at the end (an eval "
+        "always ends a run that has eval_data)",
+    )
+    tensorboard: bool = opt(
+        TENSORBOARD_INSTALLED,
+        "logging",
+        "TensorBoard scalars in RUN/tb/ (rank 0)",
+        shown="on when the tensorboard package is installed",
+    )
+    save_hf: bool = opt(
+        False,
+        "checkpointing",
+        "at the end, export RUN/hf/: a transformers model dir with the dataset's processor (python -m trainer export)",
+    )
     export_dtype: str = opt("bf16", "checkpointing", "weight dtype of the --save-hf export: bf16, fp32")
 
     def __post_init__(self):
-        for check in (self._check_data, self._check_eval, self._check_model, self._check_counts,
-                      self._check_optimization, self._check_choices, self._check_batching):
+        for check in (
+            self._check_data,
+            self._check_eval,
+            self._check_model,
+            self._check_counts,
+            self._check_optimization,
+            self._check_choices,
+            self._check_batching,
+        ):
             check()
 
     def _check_data(self) -> None:
@@ -242,29 +317,33 @@ class TrainConfig(DataSources):
     @staticmethod
     def _check_mixture(key: str, specs: tuple[DataSpec, ...]) -> None:
         names = [d.name for d in specs]
-        how = (f"--{key.replace('_', '-')} name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in "
-               "the TOML")
+        how = f"--{key.replace('_', '-')} name=N,path=P[,weight=W] for each, or [[{key}]] name = ... in the TOML"
         unnamed = [d.path for d in specs if not d.name]
         if unnamed:
-            raise ConfigError(f"{key} entry path={unnamed[0]} has no name: several datasets need a name each: "
-                              + how)
+            raise ConfigError(f"{key} entry path={unnamed[0]} has no name: several datasets need a name each: " + how)
         twice = sorted(n for n, c in collections.Counter(names).items() if c > 1)
         if twice:
-            raise ConfigError(f"dataset name {twice[0]!r} is given {names.count(twice[0])} times: several "
-                              f"datasets need distinct names: {how}")
+            raise ConfigError(
+                f"dataset name {twice[0]!r} is given {names.count(twice[0])} times: several "
+                f"datasets need distinct names: {how}"
+            )
         bad = [n for n in names if not _NAME.match(n)]
         if bad:
             raise ConfigError(f"dataset name {bad[0]!r}: letters, digits, '_', '-', '.' only")
         total = sum(d.weight for d in specs)
         light = min(specs, key=lambda d: d.weight)
         if not math.isfinite(total) or light.weight / total < sys.float_info.min:
-            raise ConfigError(f"{key} weights span too wide a range ({light.name} {light.weight:g} of a sum "
-                              f"of {total:g}): give them on one scale, e.g. shares that add up to 1")
+            raise ConfigError(
+                f"{key} weights span too wide a range ({light.name} {light.weight:g} of a sum "
+                f"of {total:g}): give them on one scale, e.g. shares that add up to 1"
+            )
 
     def _check_eval(self) -> None:
         if any(d.weight != 1.0 or d.on_end != "repeat" for d in self.eval_sources):
-            raise ConfigError("eval_data entries take name and path only: every eval sample is read once, so weight "
-                              "and on_end do not apply")
+            raise ConfigError(
+                "eval_data entries take name and path only: every eval sample is read once, so weight "
+                "and on_end do not apply"
+            )
         if self.eval_every < 0:
             raise ConfigError(f"eval_every={self.eval_every}: must be >= 0")
         if self.eval_every and not self.eval_data:
@@ -272,14 +351,23 @@ class TrainConfig(DataSources):
 
     def _check_model(self) -> None:
         if bool(self.model) == bool(self.tiny_random):
-            raise ConfigError("pass exactly one of --model CHECKPOINT_DIR or --tiny-random "
-                              + "|".join(TINY_MODELS))
+            raise ConfigError("pass exactly one of --model CHECKPOINT_DIR or --tiny-random " + "|".join(TINY_MODELS))
         if self.tiny_random and self.tiny_random not in TINY_MODELS:
             raise ConfigError(f"tiny_random={self.tiny_random!r}: choose one of {', '.join(TINY_MODELS)}")
 
     def _check_counts(self) -> None:
-        for name in ("max_steps", "schedule_steps", "max_tokens_per_batch", "pack_to", "warmup_steps", "num_workers",
-                     "save_every", "lora_rank", "shuffle_span", "log_every"):
+        for name in (
+            "max_steps",
+            "schedule_steps",
+            "max_tokens_per_batch",
+            "pack_to",
+            "warmup_steps",
+            "num_workers",
+            "save_every",
+            "lora_rank",
+            "shuffle_span",
+            "log_every",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         for name in ("epochs", "micro_batch_size", "grad_accum", "prefetch_factor", "keep_checkpoints", "pack_window"):
@@ -287,8 +375,9 @@ class TrainConfig(DataSources):
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("max_tokens_per_batch", "pack_to"):  # token counts live in int64 arrays: refused, not overflowed
             if getattr(self, name) > MAX_BATCH_TOKENS:
-                raise ConfigError(f"{name}={getattr(self, name)}: more tokens than any batch holds (at most "
-                                  f"{MAX_BATCH_TOKENS})")
+                raise ConfigError(
+                    f"{name}={getattr(self, name)}: more tokens than any batch holds (at most {MAX_BATCH_TOKENS})"
+                )
         cache_limit_bytes(self.shard_cache_limit)
         if self.shard_prefetch < 1:
             raise ConfigError(f"shard_prefetch={self.shard_prefetch}: must be >= 1")
@@ -311,13 +400,17 @@ class TrainConfig(DataSources):
         if self.device not in DEVICES:
             raise ConfigError(f"device={self.device!r}: choose one of {', '.join(DEVICES)}")
         if self.tensorboard and not TENSORBOARD_INSTALLED:
-            raise ConfigError("tensorboard=true but the tensorboard package is not installed: "
-                              "pip install 'vlmprep[tb]', or pass --no-tensorboard")
+            raise ConfigError(
+                "tensorboard=true but the tensorboard package is not installed: "
+                "pip install 'vlmprep[tb]', or pass --no-tensorboard"
+            )
 
     def _check_batching(self) -> None:
         if self.pack_to and self.max_tokens_per_batch:
-            raise ConfigError(f"pack_to={self.pack_to} and max_tokens_per_batch={self.max_tokens_per_batch}: pick one "
-                              "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)")
+            raise ConfigError(
+                f"pack_to={self.pack_to} and max_tokens_per_batch={self.max_tokens_per_batch}: pick one "
+                "(packing fills rows to --pack-to; --micro-batch-size is then rows per micro-batch)"
+            )
 
     def resume_identity(self) -> dict:
         """The options a resume must keep (every one outside RESUME_MAY_CHANGE), as run.json's identity holds them."""
@@ -347,9 +440,35 @@ def default(name: str):
 # Eval may change too: it reads its own data with its own loaders and leaves the RNG and the training stream as they
 # were (tests/trainer/test_eval.py). Every other option shapes the data order or the optimization, so a resume
 # requires it unchanged (docs/trainer.md).
-RESUME_MAY_CHANGE = frozenset({"data", "out", "processor", "model", "tiny_random", "resume", "max_steps", "epochs",
-                               "schedule_steps", "num_workers", "prefetch_factor", "activation_checkpointing",
-                               "attn_implementation", "device", "save_every", "keep_checkpoints", "progress",
-                               "log_every", "tensorboard", "shard_cache", "shard_cache_limit", "shard_prefetch",
-                               "read_timeout", "save_hf",
-                               "export_dtype", "eval_data", "eval_every", "verify_shards"})
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "data",
+        "out",
+        "processor",
+        "model",
+        "tiny_random",
+        "resume",
+        "max_steps",
+        "epochs",
+        "schedule_steps",
+        "num_workers",
+        "prefetch_factor",
+        "activation_checkpointing",
+        "attn_implementation",
+        "device",
+        "save_every",
+        "keep_checkpoints",
+        "progress",
+        "log_every",
+        "tensorboard",
+        "shard_cache",
+        "shard_cache_limit",
+        "shard_prefetch",
+        "read_timeout",
+        "save_hf",
+        "export_dtype",
+        "eval_data",
+        "eval_every",
+        "verify_shards",
+    }
+)

@@ -1,6 +1,7 @@
 """The run's process group: torchrun's ranks (or one process as a group of one), each rank's device, the rank's
 death with its launcher, and the all-reduce the step loop sums its counts with.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,4 +52,3 @@ def all_sum(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> 
     if dist.is_initialized():
         dist.all_reduce(t, op=op)
     return t.tolist()
-

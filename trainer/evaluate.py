@@ -3,6 +3,7 @@ disjoint, no shuffle, the training collate or packing) -> forwards without gradi
 over the whole set and all ranks, a metrics.jsonl row. The training stream is left as it was: own loaders, torch's
 RNG and every module's mode restored.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,8 +16,9 @@ from trainer.data import EvalSet, Patchifier
 from trainer.model import forward_loss
 
 
-def evaluate(net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: torch.device, patchifier: Patchifier,
-             log=None) -> dict:
+def evaluate(
+    net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: torch.device, patchifier: Patchifier, log=None
+) -> dict:
     """Every rank runs the same number of forwards (a rank that runs out takes empty micro-batches, or FSDP's
     all-gathers would hang); returns the metrics row (rank 0 also logs it when given `log`)."""
     t0 = time.perf_counter()
@@ -34,15 +36,22 @@ def evaluate(net: torch.nn.Module, sets: list[EvalSet], *, step: int, device: to
     dist.all_reduce(t)
     totals = t.view(len(sets), 3).tolist()  # [loss sum, trained tokens, samples] per set
     loss, tokens, samples = (sum(row[k] for row in totals) for k in range(3))
-    record = {"step": step, "eval_loss": loss / tokens if tokens else None, "eval_tokens": int(tokens),
-              "eval_samples": int(samples), "eval_time_s": time.perf_counter() - t0}
+    record = {
+        "step": step,
+        "eval_loss": loss / tokens if tokens else None,
+        "eval_tokens": int(tokens),
+        "eval_samples": int(samples),
+        "eval_time_s": time.perf_counter() - t0,
+    }
     if len(sets) > 1:
         record["eval_loss_by_source"] = {s.name: (x / c if c else None) for s, (x, c, _) in zip(sets, totals)}
         record["eval_tokens_by_source"] = {s.name: int(c) for s, (_, c, _) in zip(sets, totals)}
     if log is not None:
         shown = f"{record['eval_loss']:.4f}" if tokens else "n/a (no trained tokens)"
-        line = (f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
-                f"samples ({record['eval_time_s']:.1f}s)")
+        line = (
+            f"trainer: eval at step {step}: loss {shown} over {int(tokens)} trained tokens of {int(samples)} "
+            f"samples ({record['eval_time_s']:.1f}s)"
+        )
         log.eval(record, line)
         print(line, file=sys.stderr)
     return record
@@ -63,8 +72,9 @@ def _eval_set(net, s: EvalSet, *, device: torch.device, patchifier: Patchifier) 
             for mb in micro_batches:
                 tokens, samples = tokens + mb.num_trained, samples + mb.num_samples
                 mb = mb.to(device)
-                pixels, videos = (None, None) if mb.vision else (patchifier(mb.images, mb.image_index),
-                                                                 patchifier.videos(mb.videos))
+                pixels, videos = (
+                    (None, None) if mb.vision else (patchifier(mb.images, mb.image_index), patchifier.videos(mb.videos))
+                )
                 loss += forward_loss(net, mb, pixels, pixel_values_videos=videos).double()
     finally:
         s.loader.close()

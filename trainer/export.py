@@ -2,6 +2,7 @@
 the run's model -> a `save_pretrained` dir (safetensors + config; LoRA merged, or the adapter alone) with the
 dataset's processor copied beside it, so transformers loads model and processor offline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,11 @@ def find_checkpoint(run_dir: Path, step: int) -> Path:
         return path
     path = checkpoint_dir(run_dir) / f"step-{step:08d}"
     if not (path / ".metadata").is_file():
-        kept = sorted(p.name for p in checkpoint_dir(run_dir).glob("step-*") if (p / ".metadata").is_file()) \
-            if checkpoint_dir(run_dir).is_dir() else []
+        kept = (
+            sorted(p.name for p in checkpoint_dir(run_dir).glob("step-*") if (p / ".metadata").is_file())
+            if checkpoint_dir(run_dir).is_dir()
+            else []
+        )
         raise ConfigError(f"{run_dir}: no checkpoint for step {step} (kept: {', '.join(kept) or 'none'})")
     return path
 
@@ -106,8 +110,9 @@ def load_trained_model(run_dir: str | Path, *, step: int = 0) -> tuple[torch.nn.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP's CheckpointException wraps the per-key errors
-        raise ConfigError(f"{path}: cannot load the model weights into the run's model: "
-                          f"{str(e).strip().splitlines()[-1][:300]}") from None
+        raise ConfigError(
+            f"{path}: cannot load the model weights into the run's model: {str(e).strip().splitlines()[-1][:300]}"
+        ) from None
     net.eval()
     return net, options, path
 
@@ -126,8 +131,9 @@ def _base_use_cache(options: ModelOptions, run_dir: str) -> bool:
     if options.tiny_random:
         return bool(getattr(tiny_config(options.tiny_random, _vocab(read_run(Path(run_dir))[1])), "use_cache", True))
     model = _base_model_dir(options, read_run(Path(run_dir))[1])
-    return bool(getattr(AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False), "use_cache",
-                        True))
+    return bool(
+        getattr(AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=False), "use_cache", True)
+    )
 
 
 def _processor_files(options: DataOptions, processor: str) -> tuple[Path, list[Path]]:
@@ -145,8 +151,10 @@ def _processor_files(options: DataOptions, processor: str) -> tuple[Path, list[P
         if not location:
             raise ConfigError(f"--data {data} has no manifest naming its processor: pass --processor DIR")
     if location.startswith(REMOTE) or not Path(location, "tokenizer_config.json").is_file():
-        raise ConfigError(f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
-                          "--processor DIR with the processor the shards were built with")
+        raise ConfigError(
+            f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
+            "--processor DIR with the processor the shards were built with"
+        )
     try:
         return Path(location), processor_files(location, links_out=bool(processor or options.processor))
     except UnsafeDataset as e:
@@ -158,8 +166,10 @@ def _prepare_out(out: Path, overwrite: bool) -> Path:
         if not overwrite:
             raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it, or another --out")
         if not out.is_dir() or not any((out / m).is_file() for m in _MARKS):
-            raise ConfigError(f"--out {out} is not an earlier export (no {' or '.join(_MARKS)}): refusing to "
-                              "replace it; pick another --out")
+            raise ConfigError(
+                f"--out {out} is not an earlier export (no {' or '.join(_MARKS)}): refusing to "
+                "replace it; pick another --out"
+            )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -205,25 +215,48 @@ def _write_export(ecfg: ExportConfig, tmp: Path, processor: tuple[Path, list[Pat
             raise ConfigError(f"processor file {f} would overwrite the model's own {dest.name}")
         dest.parent.mkdir(exist_ok=True)
         shutil.copy2(f, dest)
-    (tmp / "export.json").write_text(json.dumps({"run": str(Path(ecfg.run).resolve()), "checkpoint": path.name,
-                                                 "dtype": ecfg.dtype, "adapter_only": ecfg.adapter_only,
-                                                 "processor": str(where.resolve())}, indent=1) + "\n")
+    (tmp / "export.json").write_text(
+        json.dumps(
+            {
+                "run": str(Path(ecfg.run).resolve()),
+                "checkpoint": path.name,
+                "dtype": ecfg.dtype,
+                "adapter_only": ecfg.adapter_only,
+                "processor": str(where.resolve()),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m trainer export", allow_abbrev=False,
-                                 description="Write a run's checkpoint as a save_pretrained model dir with the "
-                                             "dataset's processor (loads with AutoModelForImageTextToText and "
-                                             "AutoProcessor).")
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer export",
+        allow_abbrev=False,
+        description="Write a run's checkpoint as a save_pretrained model dir with the "
+        "dataset's processor (loads with AutoModelForImageTextToText and "
+        "AutoProcessor).",
+    )
     ap.add_argument("run", help="run dir (the trainer's --out)")
     ap.add_argument("--out", required=True, help="export dir (must be empty or absent, unless --overwrite)")
     ap.add_argument("--step", type=int, default=0, help="checkpoint step to export (default: the latest)")
-    ap.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=default("export_dtype"),
-                    help=f"weight dtype (default: {default('export_dtype')})")
-    ap.add_argument("--adapter-only", action="store_true",
-                    help="LoRA runs: write the adapter alone in peft's layout instead of merged weights")
-    ap.add_argument("--processor", default="",
-                    help="processor dir to ship (default: the run's --processor, else the dataset's processor/)")
+    ap.add_argument(
+        "--dtype",
+        choices=tuple(EXPORT_DTYPES),
+        default=default("export_dtype"),
+        help=f"weight dtype (default: {default('export_dtype')})",
+    )
+    ap.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA runs: write the adapter alone in peft's layout instead of merged weights",
+    )
+    ap.add_argument(
+        "--processor",
+        default="",
+        help="processor dir to ship (default: the run's --processor, else the dataset's processor/)",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     return ap
 
@@ -232,6 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m trainer export RUN --out DIR ...` -> exit status: a run's checkpoint written as a transformers
     model dir (or a LoRA adapter); a bad option is one line and exit 1."""
     ns = _parser().parse_args(argv)
-    return run_tool("trainer export", lambda: export_run(ExportConfig(
-        run=ns.run, out=ns.out, step=ns.step, dtype=ns.dtype, adapter_only=ns.adapter_only, processor=ns.processor,
-        overwrite=ns.overwrite)))
+    return run_tool(
+        "trainer export",
+        lambda: export_run(
+            ExportConfig(
+                run=ns.run,
+                out=ns.out,
+                step=ns.step,
+                dtype=ns.dtype,
+                adapter_only=ns.adapter_only,
+                processor=ns.processor,
+                overwrite=ns.overwrite,
+            )
+        ),
+    )

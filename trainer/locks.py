@@ -2,6 +2,7 @@
 host, start time and command written in it, so whoever finds it held can say who holds it (the run dir's, a rank's
 shard cache dir's, a shared sample index's while one rank fetches it).
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,8 +56,12 @@ def take(path: Path) -> tuple[int, str]:
         except FileNotFoundError:
             mine = False
         if mine:
-            note = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
+            note = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300],
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(note).encode(), 0)
             _HELD.add(fd)
@@ -89,8 +94,13 @@ def release(path: Path, fd: int) -> None:
         os.close(fd)
 
 
-def wait_for(path: Path, what: str, *, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-             wait_s: float | None = None) -> int:
+def wait_for(
+    path: Path,
+    what: str,
+    *,
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    wait_s: float | None = None,
+) -> int:
     """Take the lock at `path`, waiting while another process holds it: after NOTE_AFTER_S one line says who, and
     after WAIT_S (or `wait_s`) a TimeoutError names the holder and `what` it guards (a stuck rank of another job, a
     stuck network file system lock). -1 where the file system has no locks."""
@@ -102,8 +112,10 @@ def wait_for(path: Path, what: str, *, say: Callable[[str], None] = lambda line:
             return fd
         waited = time.monotonic() - t0
         if waited >= limit:
-            raise TimeoutError(f"{path} ({what}) has been held for {waited:.0f} s by {who}: if that process is stuck, "
-                               "stop it or remove the lock file, or pass another --shard-cache")
+            raise TimeoutError(
+                f"{path} ({what}) has been held for {waited:.0f} s by {who}: if that process is stuck, "
+                "stop it or remove the lock file, or pass another --shard-cache"
+            )
         if not said and waited >= min(NOTE_AFTER_S, limit / 2):
             say(f"trainer: waiting for {path} ({what}), held by {who}")
             said = True

@@ -1,5 +1,6 @@
 """Run log on rank 0: one JSON line per step in RUN/metrics.jsonl, TensorBoard scalars in RUN/tb/, a progress
 bar on the terminal, and every --log-every steps a plain-text line in RUN/train.log (and on stdout off a terminal)."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         return
     with open_no_follow(path, "a+b") as f:  # a link planted in the run dir is neither read nor written through
         f.seek(0)
-        keep = [ln for ln in f.read().decode("utf-8").splitlines()
-                if ln.strip() and json.loads(ln)["step"] <= last_step]
+        keep = [
+            ln for ln in f.read().decode("utf-8").splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step
+        ]
         f.truncate(0)
         f.write("".join(ln + "\n" for ln in keep).encode("utf-8"))
 
@@ -45,8 +47,15 @@ def eval_logged(run_dir: Path, step: int, names: list[str] | None) -> bool:
 
 
 # metrics.jsonl key -> TensorBoard tag; every numeric `eval_*` key (or a dict of them, per source) goes to eval/.
-TB_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
-           "pack_fill": "perf/pack_fill", "data_wait_s": "perf/data_wait_s", "mfu": "perf/mfu"}
+TB_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "pack_fill": "perf/pack_fill",
+    "data_wait_s": "perf/data_wait_s",
+    "mfu": "perf/mfu",
+}
 
 
 def tb_scalars(record: dict) -> dict[str, float]:
@@ -55,7 +64,7 @@ def tb_scalars(record: dict) -> dict[str, float]:
     for k, v in record.items():
         if not k.startswith("eval_"):
             continue
-        tag = "eval/" + k[len("eval_"):]
+        tag = "eval/" + k[len("eval_") :]
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[tag] = float(v)
         elif isinstance(v, dict):
@@ -70,17 +79,28 @@ def _clock(seconds: float) -> str:
 
 def step_line(record: dict, *, total: int | None, eta_s: float | None) -> str:
     """The plain-text line of one step, for a log a person reads (RUN/train.log, a Slurm job's stdout)."""
-    return (f"trainer: step {record['step']}{f'/{total}' if total else ''} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.3g} | grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
-            f"data wait {record['data_wait_frac']:.0%} | ETA {_clock(eta_s) if eta_s is not None else 'unknown'}")
+    return (
+        f"trainer: step {record['step']}{f'/{total}' if total else ''} | loss {record['loss']:.4f} | "
+        f"lr {record['lr']:.3g} | grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+        f"data wait {record['data_wait_frac']:.0%} | ETA {_clock(eta_s) if eta_s is not None else 'unknown'}"
+    )
 
 
 class RunLog:
     """Rank 0's record of a run: metrics.jsonl (one JSON row per step and eval; rows past a resume's step are cut),
     train.log's step lines, the progress bar and, where installed and asked for, TensorBoard scalars."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int | None, start_step: int, progress: bool,
-                 tensorboard: bool, log_every: int, echo: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int | None,
+        start_step: int,
+        progress: bool,
+        tensorboard: bool,
+        log_every: int,
+        echo: bool = False,
+    ):
         """log_every: a step_line at step 1 and every N steps into RUN/train.log (0: none); echo: also on stdout."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -96,11 +116,18 @@ class RunLog:
 
             # A resume redoes the steps after its checkpoint: purge_step hides the killed run's events from there
             # on, so TensorBoard shows each step once, as metrics.jsonl does.
-            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"),
-                                    purge_step=start_step + 1 if start_step else None)
-        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
-                            TimeRemainingColumn(), disable=not progress)
+            self.tb = SummaryWriter(
+                log_dir=str(Path(run_dir) / "tb"), purge_step=start_step + 1 if start_step else None
+            )
+        self.bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"),
+            TextColumn("{task.fields[tps]:.0f} tok/s"),
+            TimeRemainingColumn(),
+            disable=not progress,
+        )
         self.bar.start()
         self.task = self.bar.add_task("train", total=total_steps, completed=start_step, loss=float("nan"), tps=0.0)
 
@@ -148,8 +175,17 @@ class RunLog:
 
 
 # Dense bf16 peak FLOP/s by device name (no sparsity), for `mfu`; unknown devices get no mfu.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-             "L4": 121e12, "A10": 125e12, "4090": 165e12}
+PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "4090": 165e12,
+}
 
 
 def peak_flops(device) -> float | None:
@@ -195,8 +231,11 @@ class FlopCounter:
             flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
             # Qwen's grids count patches; the host families' pixel_values hold them (tiles, crops: an estimate)
             pixels = b.vision.get("pixel_values")
-            patches = float(b.image_grid_thw.prod(-1).sum()) if pixels is None else pixels.numel() / (
-                3 * self.patch * self.patch)
+            patches = (
+                float(b.image_grid_thw.prod(-1).sum())
+                if pixels is None
+                else pixels.numel() / (3 * self.patch * self.patch)
+            )
             flops += 6 * self.vision * patches
         return flops
 

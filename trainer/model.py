@@ -1,6 +1,7 @@
 """The model: an HF AutoModelForImageTextToText (checkpoint dir or a tiny random config) -> optional LoRA and
 activation checkpointing -> FSDP2 (each vision block and decoder layer, then the root) -> summed token loss.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,18 @@ from trainer.options import ModelOptions
 
 # --tiny-random qwen2-vl without a processor to size it (tests, the docs' quick checks): Qwen2-VL's own vocabulary
 # (the checkpoint's 151936 rows) and token ids.
-QWEN2_VL_VOCAB = Vocab(size=151936, ids={"<|image_pad|>": 151655, "<|video_pad|>": 151656, "<|vision_start|>": 151652,
-                                         "<|vision_end|>": 151653, "<|endoftext|>": 151643, "<|im_end|>": 151645},
-                       pad_id=0)
+QWEN2_VL_VOCAB = Vocab(
+    size=151936,
+    ids={
+        "<|image_pad|>": 151655,
+        "<|video_pad|>": 151656,
+        "<|vision_start|>": 151652,
+        "<|vision_end|>": 151653,
+        "<|endoftext|>": 151643,
+        "<|im_end|>": 151645,
+    },
+    pad_id=0,
+)
 
 
 def tiny_config(name: str, vocab: Vocab | None = None):
@@ -43,10 +53,15 @@ def tiny_vocab(name: str, processor_dir: str | None) -> Vocab | None:
     try:
         vocab = Vocab.of(processor, BY_NAME[name].tokens)
     except ValueError as e:
-        raise ConfigError(f"--tiny-random {name}: {e} (the dataset was built for another family: pass the "
-                          f"--tiny-random of its family)") from None
-    if name == "qwen2-vl" and vocab.size <= QWEN2_VL_VOCAB.size and all(
-            vocab.ids.get(t) == i for t, i in QWEN2_VL_VOCAB.ids.items()):
+        raise ConfigError(
+            f"--tiny-random {name}: {e} (the dataset was built for another family: pass the "
+            f"--tiny-random of its family)"
+        ) from None
+    if (
+        name == "qwen2-vl"
+        and vocab.size <= QWEN2_VL_VOCAB.size
+        and all(vocab.ids.get(t) == i for t, i in QWEN2_VL_VOCAB.ids.items())
+    ):
         # The real Qwen vocabulary: the published config's padded embedding (151936 rows), as Qwen2-VL checkpoints
         # have it and as every Qwen2-VL run and test before the other families has been sized.
         return QWEN2_VL_VOCAB
@@ -57,13 +72,18 @@ def model_identity(*, model: str, tiny_random: str, vocab: Vocab | None = None) 
     """What a checkpoint's weights started from: the tiny config's name and vocabulary, or the checkpoint dir and its
     config.json hash (checked here, so a missing --model fails in one line before the run dir is touched)."""
     if tiny_random:  # the vocabulary it was sized to, which `trainer export` rebuilds it with
-        sized = {} if vocab is None else {"tiny_vocab": {"size": vocab.size, "ids": dict(sorted(vocab.ids.items())),
-                                                         "pad_id": vocab.pad_id}}
+        sized = (
+            {}
+            if vocab is None
+            else {"tiny_vocab": {"size": vocab.size, "ids": dict(sorted(vocab.ids.items())), "pad_id": vocab.pad_id}}
+        )
         return {"model": f"tiny-random {tiny_random}", "model_config": "", **sized}
     config = Path(model) / "config.json"
     if not config.is_file():
-        raise ConfigError(f"--model {model}: no checkpoint dir with a config.json there (the trainer loads local "
-                          "checkpoints only, never from a hub)")
+        raise ConfigError(
+            f"--model {model}: no checkpoint dir with a config.json there (the trainer loads local "
+            "checkpoints only, never from a hub)"
+        )
     return {"model": str(Path(model).resolve()), "model_config": hashlib.sha256(config.read_bytes()).hexdigest()}
 
 
@@ -76,14 +96,19 @@ def build_model(options: ModelOptions, vocab: Vocab | None = None) -> torch.nn.M
     o = options
     torch.manual_seed(o.seed)
     if o.tiny_random:
-        net = AutoModelForImageTextToText.from_config(tiny_config(o.tiny_random, vocab), dtype=torch.float32,
-                                                      attn_implementation=o.attn_implementation)
+        net = AutoModelForImageTextToText.from_config(
+            tiny_config(o.tiny_random, vocab), dtype=torch.float32, attn_implementation=o.attn_implementation
+        )
     else:
         try:
             # trust_remote_code=False: a model dir's custom code is refused by transformers, never prompted for
-            net = AutoModelForImageTextToText.from_pretrained(o.model, local_files_only=True, dtype=torch.float32,
-                                                              attn_implementation=o.attn_implementation,
-                                                              trust_remote_code=False)
+            net = AutoModelForImageTextToText.from_pretrained(
+                o.model,
+                local_files_only=True,
+                dtype=torch.float32,
+                attn_implementation=o.attn_implementation,
+                trust_remote_code=False,
+            )
         except (OSError, ValueError) as e:  # no weights, an unknown model_type, unreadable files
             raise ConfigError(f"--model {o.model}: cannot load the checkpoint: {str(e).splitlines()[0]}") from None
     net.config.use_cache = False
@@ -94,8 +119,12 @@ def build_model(options: ModelOptions, vocab: Vocab | None = None) -> torch.nn.M
     if o.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        net = get_peft_model(net, LoraConfig(r=o.lora_rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
-                                             target_modules=family.lora_targets))
+        net = get_peft_model(
+            net,
+            LoraConfig(
+                r=o.lora_rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout, target_modules=family.lora_targets
+            ),
+        )
         freeze_vision = True
     if freeze_vision:
         for name, p in net.named_parameters():
@@ -118,8 +147,11 @@ def model_family(net: torch.nn.Module) -> Family:
 def image_token_id(net: torch.nn.Module) -> int:
     """The model's image placeholder token id (the token its image features replace)."""
     cfg = net.config
-    return int(getattr(cfg, "image_token_id", None) if getattr(cfg, "image_token_id", None) is not None
-               else cfg.image_token_index)
+    return int(
+        getattr(cfg, "image_token_id", None)
+        if getattr(cfg, "image_token_id", None) is not None
+        else cfg.image_token_index
+    )
 
 
 def pad_token_id(net: torch.nn.Module) -> int:
@@ -156,8 +188,9 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
     Gradients are summed, not averaged: the loss is already divided by the global trained-token count."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-          else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     base = net.get_base_model() if hasattr(net, "get_base_model") else net
     block_names = set(getattr(base, "_no_split_modules", None) or ())
     blocks = [m for m in net.modules() if type(m).__name__ in block_names]
@@ -172,20 +205,29 @@ def apply_fsdp(net: torch.nn.Module, mesh, *, bf16: bool) -> torch.nn.Module:
     return net
 
 
-def model_inputs(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor | None,
-                 pixel_values_videos: torch.Tensor | None = None) -> dict:
+def model_inputs(
+    net: torch.nn.Module,
+    batch: Batch,
+    pixel_values: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None = None,
+) -> dict:
     """The forward's keyword arguments for `batch` as its family takes them: positions (the stored 3-D MRoPE rows, or
     the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's patchified on the
     device, `pixel_values`; every other family's made on the host, `batch.vision`) and the family's extras."""
     family = model_family(net)
-    kw = dict(input_ids=batch.input_ids, attention_mask=None if batch.packed else batch.attention_mask,
-              position_ids=batch.position_ids if family.mrope else batch.position_ids[0], use_cache=False)
+    kw = dict(
+        input_ids=batch.input_ids,
+        attention_mask=None if batch.packed else batch.attention_mask,
+        position_ids=batch.position_ids if family.mrope else batch.position_ids[0],
+        use_cache=False,
+    )
     if family.mm_token_type_ids:
         kw["mm_token_type_ids"] = batch.mm_token_type_ids
     if family.pixels == "processor":  # Gemma's token_type_ids, Mllama's cross-attention mask come with them
         return {**kw, **batch.vision}
-    assert (pixel_values_videos is None) == (len(batch.videos) == 0), \
+    assert (pixel_values_videos is None) == (len(batch.videos) == 0), (
         f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"
+    )
     kw.update(pixel_values=pixel_values, image_grid_thw=batch.image_grid_thw)
     if pixel_values_videos is not None:
         kw.update(pixel_values_videos=pixel_values_videos, video_grid_thw=batch.video_grid_thw)
@@ -217,8 +259,13 @@ def balance_loss(net: torch.nn.Module, router_logits, real: torch.Tensor) -> tor
     return fn(router_logits, experts, text.num_experts_per_tok, real.long())
 
 
-def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor | None,
-                 sources: tuple[torch.Tensor, int] | None = None, pixel_values_videos: torch.Tensor | None = None):
+def forward_loss(
+    net: torch.nn.Module,
+    batch: Batch,
+    pixel_values: torch.Tensor | None,
+    sources: tuple[torch.Tensor, int] | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+):
     """Sum (not mean) of the cross-entropy over trained tokens; the caller divides by the global count. Where the
     model's config trains its router's balance loss (output_router_logits), router_aux_loss_coef x that loss x this
     micro-batch's trained tokens is added, so a single micro-batch's mean is the model's own loss; padding and
@@ -243,17 +290,25 @@ def forward_loss(net: torch.nn.Module, batch: Batch, pixel_values: torch.Tensor 
     # A mixture also reports loss and trained tokens per dataset: (sum, [S] loss sums, [S] token counts).
     token_source, n = sources
     src = token_source.to(losses.device)[:, 1:][keep[:, :-1]]
-    return (total, torch.zeros(n, dtype=torch.float64, device=losses.device).index_add_(0, src, losses.double()),
-            torch.bincount(src, minlength=n).double())
+    return (
+        total,
+        torch.zeros(n, dtype=torch.float64, device=losses.device).index_add_(0, src, losses.double()),
+        torch.bincount(src, minlength=n).double(),
+    )
 
 
 def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) -> CollateSpec:
     """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
     the run trains video, and for a family whose pixels the host makes, its pixel maker and placeholder tokens."""
     spec, family = data.image, model_family(net)
-    base = CollateSpec(pad_id=pad_token_id(net), image_token_id=image_token_id(net),
-                       patch_size=spec.patch_size, merge_size=spec.merge_size, video_token_id=video_token_id(net),
-                       videos=trains_videos(data.datasets, str(net.config.model_type)))
+    base = CollateSpec(
+        pad_id=pad_token_id(net),
+        image_token_id=image_token_id(net),
+        patch_size=spec.patch_size,
+        merge_size=spec.merge_size,
+        video_token_id=video_token_id(net),
+        videos=trains_videos(data.datasets, str(net.config.model_type)),
+    )
     if family.pixels != "processor":
         return base
     if processor is None:

@@ -3,6 +3,7 @@ sections): frozen keyword-only views of TrainConfig fields under their config na
 defaults. The run (train.py) makes each from its TrainConfig with `Group.of(cfg)`; nothing past it takes the whole
 config.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,7 +58,6 @@ class ModelOptions(OptionGroup):
     lora_alpha: float
     lora_dropout: float
     freeze_vision: bool
-
 
 
 @option_group

@@ -1,5 +1,6 @@
 """`python -m trainer plot RUN`: one PNG of a run's curves (loss with eval loss and, for a mixture, each source's loss;
 lr; grad norm; tokens/s; data wait; pack fill) from RUN/metrics.jsonl, for people without TensorBoard."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,9 +13,14 @@ from trainer.config import ConfigError
 
 # (metrics.jsonl key, panel title, colour): one panel per entry, in a 2 x 3 grid; eval_loss and loss_by_source join
 # the loss panel. A run without packing has no pack_fill: its panel says so.
-PANELS = (("loss", "loss", "tab:blue"), ("lr", "learning rate", "tab:green"),
-          ("grad_norm", "grad norm (before clipping)", "tab:brown"), ("tokens_per_s", "tokens/s", "tab:purple"),
-          ("data_wait_s", "data wait (s)", "tab:red"), ("pack_fill", "pack fill (real / row tokens)", "tab:olive"))
+PANELS = (
+    ("loss", "loss", "tab:blue"),
+    ("lr", "learning rate", "tab:green"),
+    ("grad_norm", "grad norm (before clipping)", "tab:brown"),
+    ("tokens_per_s", "tokens/s", "tab:purple"),
+    ("data_wait_s", "data wait (s)", "tab:red"),
+    ("pack_fill", "pack fill (real / row tokens)", "tab:olive"),
+)
 EVAL_COLOUR = "tab:orange"
 SOURCE_COLOURS = ("tab:cyan", "tab:pink", "tab:gray", "gold", "navy", "lime")  # loss_by_source, cycled
 
@@ -70,15 +76,23 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.plot(steps, values, color=colour, marker="." if len(steps) < 50 else None, label=key)
         if key == "loss":
             for i, (name, (s_steps, s_values)) in enumerate(sorted(source_series(records).items())):
-                ax.plot(s_steps, s_values, color=SOURCE_COLOURS[i % len(SOURCE_COLOURS)], linewidth=1,
-                        label=f"loss {name}")
+                ax.plot(
+                    s_steps, s_values, color=SOURCE_COLOURS[i % len(SOURCE_COLOURS)], linewidth=1, label=f"loss {name}"
+                )
             eval_steps, eval_values = series(records, "eval_loss")
             if eval_steps:
                 ax.plot(eval_steps, eval_values, color=EVAL_COLOUR, marker="o", label="eval_loss")
             ax.legend(fontsize="small")
         if not steps:
-            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl" + (" (no --pack-to)" if key == "pack_fill" else ""),
-                    ha="center", va="center", transform=ax.transAxes, color="0.4")
+            ax.text(
+                0.5,
+                0.5,
+                f"no {key} in metrics.jsonl" + (" (no --pack-to)" if key == "pack_fill" else ""),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="0.4",
+            )
             ax.set_xticks([])
             ax.set_yticks([])
         ax.set_title(title)
@@ -93,8 +107,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m trainer plot", allow_abbrev=False,
-                                 description="Plot a run's curves (RUN/metrics.jsonl) into one PNG.")
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer plot",
+        allow_abbrev=False,
+        description="Plot a run's curves (RUN/metrics.jsonl) into one PNG.",
+    )
     ap.add_argument("run", metavar="RUN", help="the run dir (--out of the training run)")
     ap.add_argument("--out", metavar="PNG", default="", help="where to write the PNG (default: RUN/curves.png)")
     return ap

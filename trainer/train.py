@@ -2,6 +2,7 @@
 -> FSDP2 -> optimizer -> the rank's step loader -> checkpoint load -> loop of train_step (loss = summed token losses /
 global trained-token count) -> metrics, checkpoints -> cleanup.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,15 +77,25 @@ def build_optimizer(optim: Optimization, net: torch.nn.Module) -> torch.optim.Ad
     """AdamW over the trainable parameters: weight decay on matrices, none on biases and norms (the options' lr,
     betas, eps)."""
     params = [p for p in net.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr,
-                             betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps
+    )
 
 
-def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
-               patchifier: Patchifier, global_trained: float, max_grad_norm: float,
-               by_source: torch.Tensor | None = None) -> tuple[float, float]:
+def train_step(
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[Batch],
+    *,
+    patchifier: Patchifier,
+    global_trained: float,
+    max_grad_norm: float,
+    by_source: torch.Tensor | None = None,
+) -> tuple[float, float]:
     """Forward/backward every micro-batch on the patchifier's device, clip, step. Returns (this rank's summed token
     loss, global grad norm). Dividing each micro-batch's sum by the global count makes the summed gradient the exact
     token mean. `by_source` ([2, S] zeros, a mixture of S datasets) receives this rank's loss sums and trained tokens
@@ -94,13 +105,15 @@ def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_bat
     for mb in micro_batches:
         mb = mb.to(device)
         # Qwen's families: pixels patchified here, on the device; the others' came made by the host (mb.vision).
-        pixels, videos = (None, None) if mb.vision else (patchifier(mb.images, mb.image_index),
-                                                         patchifier.videos(mb.videos))
+        pixels, videos = (
+            (None, None) if mb.vision else (patchifier(mb.images, mb.image_index), patchifier.videos(mb.videos))
+        )
         if by_source is None:
             loss_sum = forward_loss(net, mb, pixels, pixel_values_videos=videos)
         else:
-            loss_sum, losses, counts = forward_loss(net, mb, pixels, sources=(token_sources(mb), by_source.shape[1]),
-                                                    pixel_values_videos=videos)
+            loss_sum, losses, counts = forward_loss(
+                net, mb, pixels, sources=(token_sources(mb), by_source.shape[1]), pixel_values_videos=videos
+            )
             by_source[0] += losses.detach().to(by_source.device)
             by_source[1] += counts.to(by_source.device)
         (loss_sum / max(global_trained, 1.0)).backward()
@@ -128,22 +141,39 @@ def start_run(identity: dict, data: RunData, *, rank: int, ckpt: Checkpointing, 
         log_plans(data)
 
 
-def make_model(options: ModelOptions, batching: Batching, data: RunData, *, rank: int,
-               vocab: Vocab | None) -> torch.nn.Module:
+def make_model(
+    options: ModelOptions, batching: Batching, data: RunData, *, rank: int, vocab: Vocab | None
+) -> torch.nn.Module:
     """The model before FSDP (a tiny one sized to `vocab`); with packing, every dataset's seq_len checked against a
     row."""
     net = build_model(options, vocab)
     if batching.pack_to:
         # Every dataset's seq_len must fit a row; the log line speaks of the first.
-        line = [check_packing(pack_to=batching.pack_to, pack_window=batching.pack_window, manifest=ds.manifest,
-                              model_type=str(net.config.model_type), world=data.world) for ds in data.datasets][0]
+        line = [
+            check_packing(
+                pack_to=batching.pack_to,
+                pack_window=batching.pack_window,
+                manifest=ds.manifest,
+                model_type=str(net.config.model_type),
+                world=data.world,
+            )
+            for ds in data.datasets
+        ][0]
         if rank == 0:
             print(line, file=sys.stderr)
     return net
 
 
-def resume_state(checkpointing: Checkpointing, *, seed: int, packing: bool, net: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, device: torch.device, rank: int) -> TrainState:
+def resume_state(
+    checkpointing: Checkpointing,
+    *,
+    seed: int,
+    packing: bool,
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    rank: int,
+) -> TrainState:
     """The step, epoch, stream position and packer state to start from: with --resume and a checkpoint, the
     checkpoint's (model, optimizer and RNG states loaded too; `packing`: its packer state too); else zeros, and
     dropout seeded from `seed`."""
@@ -208,8 +238,14 @@ class Session:
                 self.data.watch.check()  # a build replacing the dataset stops the run here (trainer/data/integrity.py)
             micro_batches = self.loader.next_step()
             wait = time.perf_counter() - t0
-            totals = all_sum([sum(b.num_trained for b in micro_batches), sum(b.num_samples for b in micro_batches),
-                              sum(b.num_tokens for b in micro_batches)], self.device)
+            totals = all_sum(
+                [
+                    sum(b.num_trained for b in micro_batches),
+                    sum(b.num_samples for b in micro_batches),
+                    sum(b.num_tokens for b in micro_batches),
+                ],
+                self.device,
+            )
             if totals[1] == 0:  # every rank is exhausted: the epoch is over everywhere at once
                 if steps_in_epoch == 0 and self.position == 0:
                     raise DataError(f"--data {self.data.label} yielded no samples")
@@ -222,44 +258,82 @@ class Session:
             steps_in_epoch += 1
             # eval before the checkpoint: a resume keeps its row
             if self.evals and eval_every and self.step % eval_every == 0:
-                evaluate(self.net, self.evals, step=self.step, device=self.device, patchifier=self.patchifier,
-                         log=self.log)
+                evaluate(
+                    self.net, self.evals, step=self.step, device=self.device, patchifier=self.patchifier, log=self.log
+                )
             if ckpt.save_every and self.step % ckpt.save_every == 0:
-                state = TrainState(step=self.step, epoch=self.epoch, position=self.loader.position,
-                                   pack_state=self.loader.pack_state)
-                save_checkpoint(self.out, state, net=self.net, optimizer=self.optimizer, device=self.device,
-                                keep_checkpoints=ckpt.keep_checkpoints)
+                state = TrainState(
+                    step=self.step, epoch=self.epoch, position=self.loader.position, pack_state=self.loader.pack_state
+                )
+                save_checkpoint(
+                    self.out,
+                    state,
+                    net=self.net,
+                    optimizer=self.optimizer,
+                    device=self.device,
+                    keep_checkpoints=ckpt.keep_checkpoints,
+                )
                 self.saved_at = self.step
 
     def train_one(self, micro_batches: list[Batch], totals: list[float], *, t0: float, wait: float) -> None:
         """One optimizer step over the global (trained, samples, tokens) `totals`, and its metrics row."""
         optim, names, world = self.optim, self.names, self.world
         trained, samples, tokens = totals
-        lr = lr_at(self.step, lr=optim.lr, warmup_steps=optim.warmup_steps, total=self.schedule_len,
-                   min_lr_ratio=optim.min_lr_ratio)
+        lr = lr_at(
+            self.step,
+            lr=optim.lr,
+            warmup_steps=optim.warmup_steps,
+            total=self.schedule_len,
+            min_lr_ratio=optim.min_lr_ratio,
+        )
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         by_source = torch.zeros(2, len(names), dtype=torch.float64) if len(names) > 1 else None
-        local_loss, grad_norm = train_step(self.net, self.optimizer, micro_batches, patchifier=self.patchifier,
-                                           global_trained=trained, max_grad_norm=optim.max_grad_norm,
-                                           by_source=by_source)
+        local_loss, grad_norm = train_step(
+            self.net,
+            self.optimizer,
+            micro_batches,
+            patchifier=self.patchifier,
+            global_trained=trained,
+            max_grad_norm=optim.max_grad_norm,
+            by_source=by_source,
+        )
         self.step += 1
-        (loss_sum, *per_source) = all_sum([local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []),
-                                          self.device)
-        mine = ([i for b in micro_batches for i in b.sample_ids], wait, sum(b.num_tokens for b in micro_batches),
-                sum(b.rows for b in micro_batches), self.flop_counter.step(micro_batches) if self.peak else 0.0)
+        (loss_sum, *per_source) = all_sum(
+            [local_loss] + (by_source.flatten().tolist() if len(names) > 1 else []), self.device
+        )
+        mine = (
+            [i for b in micro_batches for i in b.sample_ids],
+            wait,
+            sum(b.num_tokens for b in micro_batches),
+            sum(b.rows for b in micro_batches),
+            self.flop_counter.step(micro_batches) if self.peak else 0.0,
+        )
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         dt = time.perf_counter() - t0
-        last = {"step": self.step, "epoch": self.epoch, "loss": loss_sum / trained, "lr": lr, "grad_norm": grad_norm,
-                "num_samples": int(samples), "num_tokens": int(tokens), "num_trained_tokens": int(trained),
-                "tokens_per_s": tokens / dt, "samples_per_s": samples / dt, "step_time_s": dt,
-                "data_wait_s": max(g[1] for g in gathered), "data_wait_frac": max(g[1] for g in gathered) / dt,
-                "sample_ids": [i for g in gathered for i in g[0]], "samples_per_rank": [len(g[0]) for g in gathered],
-                "segments": int(samples), "tokens_per_rank": [g[2] for g in gathered],
-                "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1)}
+        last = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": loss_sum / trained,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "num_samples": int(samples),
+            "num_tokens": int(tokens),
+            "num_trained_tokens": int(trained),
+            "tokens_per_s": tokens / dt,
+            "samples_per_s": samples / dt,
+            "step_time_s": dt,
+            "data_wait_s": max(g[1] for g in gathered),
+            "data_wait_frac": max(g[1] for g in gathered) / dt,
+            "sample_ids": [i for g in gathered for i in g[0]],
+            "samples_per_rank": [len(g[0]) for g in gathered],
+            "segments": int(samples),
+            "tokens_per_rank": [g[2] for g in gathered],
+            "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1),
+        }
         if len(names) > 1:
-            losses, counts = per_source[:len(names)], per_source[len(names):]
+            losses, counts = per_source[: len(names)], per_source[len(names) :]
             last["tokens_by_source"] = {n: int(c) for n, c in zip(names, counts)}
             last["loss_by_source"] = {n: (x / c if c else None) for n, x, c in zip(names, losses, counts)}
             self.mixed_so_far = [a + c for a, c in zip(self.mixed_so_far, counts)]
@@ -280,19 +354,32 @@ class Session:
         step, loader, out, last = self.step, self.loader, self.out, self.last
         if last is None and self.rank == 0:  # resumed from its final checkpoint: say so, then do what is left
             until = f"--max-steps {length.max_steps}" if length.max_steps else f"--epochs {length.epochs}"
-            self._say(f"trainer: nothing left to train: {out} finished at step {step} ({until}); raise --max-steps "
-                      "or --epochs to train further")
-        if self.evals and (not (self.eval_every and step % self.eval_every == 0) if last is not None
-                           else not self._eval_logged()):
+            self._say(
+                f"trainer: nothing left to train: {out} finished at step {step} ({until}); raise --max-steps "
+                "or --epochs to train further"
+            )
+        if self.evals and (
+            not (self.eval_every and step % self.eval_every == 0) if last is not None else not self._eval_logged()
+        ):
             evaluate(self.net, self.evals, step=step, device=self.device, patchifier=self.patchifier, log=self.log)
         if step != self.saved_at:
             same = loader.epoch == self.epoch
-            state = TrainState(step=step, epoch=self.epoch, position=loader.position if same else 0,
-                               pack_state=(loader.pack_state if same else empty_state(batching.pack_to,
-                                                                                      batching.pack_window))
-                               if batching.pack_to else [])
-            save_checkpoint(out, state, net=self.net, optimizer=self.optimizer, device=self.device,
-                            keep_checkpoints=ckpt.keep_checkpoints)
+            state = TrainState(
+                step=step,
+                epoch=self.epoch,
+                position=loader.position if same else 0,
+                pack_state=(loader.pack_state if same else empty_state(batching.pack_to, batching.pack_window))
+                if batching.pack_to
+                else [],
+            )
+            save_checkpoint(
+                out,
+                state,
+                net=self.net,
+                optimizer=self.optimizer,
+                device=self.device,
+                keep_checkpoints=ckpt.keep_checkpoints,
+            )
         if ckpt.save_hf and self.rank == 0:
             from trainer.export import ExportConfig, export_run
 
@@ -302,11 +389,15 @@ class Session:
             names, specs, mixed_so_far = self.names, self.data.specs, self.mixed_so_far
             if len(names) > 1 and sum(mixed_so_far):
                 weights = sum(x.weight for x in specs)
-                shares = ", ".join(f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / weights:.3f})"
-                                   for n, c, d in zip(names, mixed_so_far, specs))
+                shares = ", ".join(
+                    f"{n} {c / sum(mixed_so_far):.3f} (weight {d.weight / weights:.3f})"
+                    for n, c, d in zip(names, mixed_so_far, specs)
+                )
                 print(f"trainer: realized trained-token shares this session: {shares}", file=sys.stderr)
-            self._say(f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
-                      f"grad_norm {last['grad_norm']:.3f}, run dir {out}")
+            self._say(
+                f"trainer: done at step {step}: loss {last['loss']:.4f}, lr {last['lr']:.3g}, "
+                f"grad_norm {last['grad_norm']:.3f}, run dir {out}"
+            )
 
     def _say(self, line: str) -> None:
         """A closing line: on stdout and in RUN/train.log (rank 0)."""
@@ -343,35 +434,92 @@ def run(cfg: TrainConfig) -> dict | None:
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
         processor = processor_dir(data, owner, model_type=model_type, tiny=bool(cfg.tiny_random))
         vocab = tiny_vocab(cfg.tiny_random, processor)
-        identity = run_identity(cfg.resume_identity(), datasets=list(zip(data.specs, data.datasets)), world=world,
-                                model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab),
-                                image_config=data.image.config)
+        identity = run_identity(
+            cfg.resume_identity(),
+            datasets=list(zip(data.specs, data.datasets)),
+            world=world,
+            model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab),
+            image_config=data.image.config,
+        )
         start_run(identity, data, rank=rank, ckpt=Checkpointing.of(cfg), config_toml=cfg.to_toml())
         net = make_model(ModelOptions.of(cfg), batching, data, rank=rank, vocab=vocab)
         flop_counter, peak = FlopCounter(net), peak_flops(device)
         collate_spec = collate_spec_of(net, data, processor)
-        evals = eval_loaders(DataOptions.of(cfg), plan, data, batching=batching, collate_spec=collate_spec,
-                             model_type=str(net.config.model_type), eval_every=cfg.eval_every)
+        evals = eval_loaders(
+            DataOptions.of(cfg),
+            plan,
+            data,
+            batching=batching,
+            collate_spec=collate_spec,
+            model_type=str(net.config.model_type),
+            eval_every=cfg.eval_every,
+        )
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         from torch.distributed.device_mesh import init_device_mesh
 
         apply_fsdp(net, init_device_mesh(device.type, (world,)), bf16=bf16)
         optimizer = build_optimizer(Optimization.of(cfg), net)
-        loader, total, schedule_len = make_loader(DataOptions.of(cfg), plan, data, batching=batching,
-                                                  length=RunLength.of(cfg), device=device, collate_spec=collate_spec)
-        resumed = resume_state(Checkpointing.of(cfg), seed=cfg.seed, packing=bool(cfg.pack_to), net=net,
-                               optimizer=optimizer, device=device, rank=rank)
+        loader, total, schedule_len = make_loader(
+            DataOptions.of(cfg),
+            plan,
+            data,
+            batching=batching,
+            length=RunLength.of(cfg),
+            device=device,
+            collate_spec=collate_spec,
+        )
+        resumed = resume_state(
+            Checkpointing.of(cfg),
+            seed=cfg.seed,
+            packing=bool(cfg.pack_to),
+            net=net,
+            optimizer=optimizer,
+            device=device,
+            rank=rank,
+        )
         step, epoch, position = resumed.step, resumed.epoch, resumed.position
         loader.start(epoch, position, resumed.pack_state)
         # Step lines on stdout unless a progress bar shows the run there (a terminal): Slurm and nohup logs read them.
-        log = RunLog(out, total_steps=total, start_step=step, progress=cfg.progress, tensorboard=cfg.tensorboard,
-                     log_every=cfg.log_every, echo=not (cfg.progress and sys.stdout.isatty())) if rank == 0 else None
-        session = Session(length=RunLength.of(cfg), optim=Optimization.of(cfg), ckpt=Checkpointing.of(cfg),
-                          batching=batching, eval_every=cfg.eval_every, data=data, net=net, optimizer=optimizer,
-                          loader=loader, patchifier=Patchifier(data.image, device), evals=evals, log=log,
-                          flop_counter=flop_counter, peak=peak, total=total, schedule_len=schedule_len, rank=rank,
-                          world=world, device=device, out=out, step=step, epoch=epoch, position=position,
-                          saved_at=step, mixed_so_far=[0.0] * len(data.specs))
+        log = (
+            RunLog(
+                out,
+                total_steps=total,
+                start_step=step,
+                progress=cfg.progress,
+                tensorboard=cfg.tensorboard,
+                log_every=cfg.log_every,
+                echo=not (cfg.progress and sys.stdout.isatty()),
+            )
+            if rank == 0
+            else None
+        )
+        session = Session(
+            length=RunLength.of(cfg),
+            optim=Optimization.of(cfg),
+            ckpt=Checkpointing.of(cfg),
+            batching=batching,
+            eval_every=cfg.eval_every,
+            data=data,
+            net=net,
+            optimizer=optimizer,
+            loader=loader,
+            patchifier=Patchifier(data.image, device),
+            evals=evals,
+            log=log,
+            flop_counter=flop_counter,
+            peak=peak,
+            total=total,
+            schedule_len=schedule_len,
+            rank=rank,
+            world=world,
+            device=device,
+            out=out,
+            step=step,
+            epoch=epoch,
+            position=position,
+            saved_at=step,
+            mixed_so_far=[0.0] * len(data.specs),
+        )
         session.loop()
         session.finish()
         return session.last

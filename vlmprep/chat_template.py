@@ -2,6 +2,7 @@
 the order the template prints it, reasoning split off or dropped, tool-call arguments as the template wants them),
 and probes of what a template prints. Input: a Conversation; output: template messages and their text slots.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,14 @@ def prints_string_arguments(processor, chat_template: str) -> bool:
     walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string, and templates that serialize them
     (`tojson`: the Llama / Mistral vendor templates) would print it escaped, as a JSON string inside the JSON; both
     expect the object, so they get the parsed one."""
-    probe = [{"role": "user", "content": "q"},
-             {"role": "assistant", "content": "", "tool_calls": [
-                 {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}]}]
+    probe = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}],
+        },
+    ]
     try:
         rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
     except Exception:  # noqa: BLE001 - any template error on a string means it needs the object
@@ -38,8 +44,10 @@ def prints_string_arguments(processor, chat_template: str) -> bool:
 def renders_reasoning(processor, chat_template: str) -> bool:
     """Whether the template prints an assistant's reasoning_content at all (probed on a last turn, where reasoning
     templates keep it)."""
-    probe = [{"role": "user", "content": "q"},
-             {"role": "assistant", "reasoning_content": SENTINEL.format(0), "content": "a"}]
+    probe = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "reasoning_content": SENTINEL.format(0), "content": "a"},
+    ]
     try:
         rendered = processor.apply_chat_template(probe, chat_template=chat_template, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that cannot render the probe renders no reasoning we could prove
@@ -55,8 +63,7 @@ def _split_think(text: str) -> tuple[str, str]:
 
 def _reasoning_split_applies(m, reasoning: bool) -> bool:
     texts = [p for p in m.parts if p.type == "text"]
-    return (reasoning and m.role == "assistant" and len(texts) == 1 and len(m.parts) == 1
-            and "</think>" in texts[0].text)
+    return reasoning and m.role == "assistant" and len(texts) == 1 and len(m.parts) == 1 and "</think>" in texts[0].text
 
 
 def reasoning_of(m, reasoning: bool) -> tuple[str | None, str | None]:
@@ -69,8 +76,9 @@ def reasoning_of(m, reasoning: bool) -> tuple[str | None, str | None]:
     return None, None
 
 
-def message_slots(conv: Conversation, *, reasoning: bool = False, string_content: bool = False,
-                  drop_reasoning: bool = False) -> list[Slot]:
+def message_slots(
+    conv: Conversation, *, reasoning: bool = False, string_content: bool = False, drop_reasoning: bool = False
+) -> list[Slot]:
     """Every text the template receives, in template_messages order; each message has at least one slot."""
     slots = []
     for i, m in enumerate(conv.messages):
@@ -87,9 +95,16 @@ def message_slots(conv: Conversation, *, reasoning: bool = False, string_content
     return slots
 
 
-def template_messages(conv: Conversation, texts: list[str] | None = None, *, reasoning: bool = False,
-                      string_content: bool = False, empty_as_string: bool = False,
-                      parse_arguments: bool = False, drop_reasoning: bool = False) -> list[dict]:
+def template_messages(
+    conv: Conversation,
+    texts: list[str] | None = None,
+    *,
+    reasoning: bool = False,
+    string_content: bool = False,
+    empty_as_string: bool = False,
+    parse_arguments: bool = False,
+    drop_reasoning: bool = False,
+) -> list[dict]:
     """Conversation -> HF chat-template messages. With `texts`, the slots take those strings instead (sentinels).
     `reasoning`: an assistant "<think>R</think>A" goes in as reasoning_content=R, content=A, as reasoning templates
     split it themselves; `string_content`: text-only messages go in as one string (templates that print content);
@@ -122,11 +137,21 @@ def template_messages(conv: Conversation, texts: list[str] | None = None, *, rea
                 content.append({"type": "text", "text": next(vals)})
             msg["content"] = content
         if m.tool_calls:
-            msg["tool_calls"] = [{"id": tc.id, "type": "function", "function": {
-                "name": tc.name,
-                "arguments": (json.loads(tc.arguments) if parse_arguments and isinstance(tc.arguments, str)
-                              else tc.arguments)}}
-                for tc in m.tool_calls]
+            msg["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {
+                        "name": tc.name,
+                        "arguments": (
+                            json.loads(tc.arguments)
+                            if parse_arguments and isinstance(tc.arguments, str)
+                            else tc.arguments
+                        ),
+                    },
+                }
+                for tc in m.tool_calls
+            ]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:

@@ -1,5 +1,6 @@
 """Thin CLI: parse options, build a config, call the pipeline, print a summary. No logic lives here: the build
 options are generated from BuildConfig's field declarations (vlmprep/config.py)."""
+
 from __future__ import annotations
 
 import enum
@@ -15,8 +16,12 @@ from vlmprep.config import FIELDS, INSPECT_FIELDS, RAW_OPTIONS, REQUIRED, Inspec
 from vlmprep.shards.summary import plural
 from vlmprep.types import UserError, printable
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Offline VLM SFT data: render, mask, truncate and shard chat traces; inspect the result.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Offline VLM SFT data: render, mask, truncate and shard chat traces; inspect the result.",
+)
 
 
 @app.callback()
@@ -43,14 +48,19 @@ def _local_dir(value: str, command: str, shards: list[str] | None = None) -> tup
 
     try:
         with shard_progress("fetch", "files") as progress:
-            return fetch_dataset(value, shards=shards, on_file=progress,
-                                 say=lambda line: typer.echo(f"vlmprep {command}: {line}", err=True)), value
+            return fetch_dataset(
+                value,
+                shards=shards,
+                on_file=progress,
+                say=lambda line: typer.echo(f"vlmprep {command}: {line}", err=True),
+            ), value
     except UserError as e:
         _fail(e)
 
 
 def _parsed_ok(parse):
     """A callback that checks a spelled option (e.g. last:N) at parse time, with the config's own message."""
+
     def check(value: str | None) -> str | None:
         if value is not None:
             try:
@@ -58,6 +68,7 @@ def _parsed_ok(parse):
             except ValueError as e:
                 raise typer.BadParameter(str(e)) from None
         return value
+
     return check
 
 
@@ -70,16 +81,26 @@ def _option(name: str, f, *, given_only: bool) -> Parameter:
     else:
         typ = m["cli_type"] or (str if m["parse"] else _TYPES[f.type.removesuffix(" | None")])
     low, high = m["bounds"] or (None, None)
-    info = typer.Option(*[m["flag"]] if m["flag"] else [], rich_help_panel=m["group"] or None, help=m["help"],
-                        min=low, max=high, callback=_parsed_ok(m["parse"]) if m["parse"] else None)
+    info = typer.Option(
+        *[m["flag"]] if m["flag"] else [],
+        rich_help_panel=m["group"] or None,
+        help=m["help"],
+        min=low,
+        max=high,
+        callback=_parsed_ok(m["parse"]) if m["parse"] else None,
+    )
     if given_only:
         default = None
     elif f.default is REQUIRED:  # a repeatable --in may be missing: the command says when it is needed
         default = None if m["cli_type"] == list[str] else Parameter.empty
     else:
         default = m["spelled"] or f.default
-    return Parameter(name, Parameter.KEYWORD_ONLY, default=default,
-                     annotation=Annotated[Optional[typ] if default is None else typ, info])
+    return Parameter(
+        name,
+        Parameter.KEYWORD_ONLY,
+        default=default,
+        annotation=Annotated[Optional[typ] if default is None else typ, info],
+    )
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
@@ -88,12 +109,14 @@ _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 def _with_options(names, *, fields=FIELDS, given_only: bool = False):
     """Append the generated options of these config fields (BuildConfig's unless `fields` says) to a command's own
     parameters."""
+
     def add(fn):
         own = [p for p in signature(fn, eval_str=True).parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
         params = own + [_option(n, fields[n], given_only=given_only) for n in names]
         fn.__signature__ = Signature(params)
         fn.__annotations__ = {p.name: p.annotation for p in params}
         return fn
+
     return add
 
 
@@ -120,8 +143,11 @@ def build(**opts) -> None:
 
             files = expand_inputs(inputs)
             size = sum(map(size_of, files))
-            typer.echo(f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
-                       f"{opts['processor']} into {out} ...", err=True)
+            typer.echo(
+                f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
+                f"{opts['processor']} into {out} ...",
+                err=True,
+            )
         from vlmprep.builder.pipeline import build as run_build
         from vlmprep.builder.pipeline import build_task
         from vlmprep.builder.plan import format_plan_summary
@@ -130,14 +156,16 @@ def build(**opts) -> None:
 
         if not inputs:
             if task_index is None:
-                raise typer.BadParameter("--in is required (only a --task-index run may take its inputs from "
-                                         "DIR/plan.json)")
+                raise typer.BadParameter(
+                    "--in is required (only a --task-index run may take its inputs from DIR/plan.json)"
+                )
             result = build_task(out, task_index, workers=opts["workers"], progress=show_progress)
             typer.echo(format_task_summary(result.task, out))
             return
         values = _config_values(opts, FIELDS.keys() & opts.keys())
-        result = run_build(BuildConfig(**{**values, "inputs": tuple(inputs), "out": str(out),
-                                          "progress": show_progress}))
+        result = run_build(
+            BuildConfig(**{**values, "inputs": tuple(inputs), "out": str(out), "progress": show_progress})
+        )
     except (UserError, ValueError, OSError) as e:
         if getattr(e, "manifest", None) is not None:  # RejectsError: complete but rejected too much
             from vlmprep.shards.summary import format_build_summary
@@ -156,14 +184,27 @@ def build(**opts) -> None:
 @app.command()
 def merge(
     root: Annotated[str, typer.Argument(help="A dataset dir (or store prefix) whose plan's tasks have all finished.")],
-    max_reject_fraction: Annotated[float, typer.Option(
-        min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when more than this share of the "
-                               "records is rejected; 1 = never.")] = default("max_reject_fraction"),
-    min_turn_coverage: Annotated[float, typer.Option(
-        min=0.0, max=1.0, help="As for build: exit 1 (after writing everything) when fewer than this share of the "
-                               "assistant turns to train land in a sample; 0 = never.")] = default("min_turn_coverage"),
-    allow_empty: Annotated[bool, typer.Option(
-        help="As for build: exit 0 even when every record is rejected.")] = default("allow_empty"),
+    max_reject_fraction: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="As for build: exit 1 (after writing everything) when more than this share of the "
+            "records is rejected; 1 = never.",
+        ),
+    ] = default("max_reject_fraction"),
+    min_turn_coverage: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="As for build: exit 1 (after writing everything) when fewer than this share of the "
+            "assistant turns to train land in a sample; 0 = never.",
+        ),
+    ] = default("min_turn_coverage"),
+    allow_empty: Annotated[
+        bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")
+    ] = default("allow_empty"),
 ) -> None:
     """Write DIR/manifest.json and rejects.jsonl over all finished tasks of DIR/plan.json (after --task-index runs).
 
@@ -174,8 +215,9 @@ def merge(
     from vlmprep.shards.summary import format_build_summary
 
     try:
-        manifest = merge_dir(root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction,
-                             min_turn_coverage=min_turn_coverage)
+        manifest = merge_dir(
+            root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction, min_turn_coverage=min_turn_coverage
+        )
     except RejectsError as e:
         typer.echo(format_build_summary(e.manifest, root))
         _fail(e)
@@ -186,13 +228,23 @@ def merge(
 
 @app.command()
 def verify(
-    root: Annotated[str, typer.Argument(help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: "
-                                             "copied into the cache first).")],
-    quick: Annotated[bool, typer.Option(
-        help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")] = False,
-    workers: Annotated[Optional[int], typer.Option(
-        min=1, show_default="the CPUs this process may use",
-        help="Processes that check shards at once; the report is the same for any value.")] = None,
+    root: Annotated[
+        str,
+        typer.Argument(
+            help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: copied into the cache first)."
+        ),
+    ],
+    quick: Annotated[
+        bool, typer.Option(help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")
+    ] = False,
+    workers: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            show_default="the CPUs this process may use",
+            help="Processes that check shards at once; the report is the same for any value.",
+        ),
+    ] = None,
 ) -> None:
     """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation.
 
@@ -205,8 +257,9 @@ def verify(
 
     try:
         with shard_progress("verify") as progress:
-            violations = verify_dataset(root, deep=not quick, workers=workers or len(os.sched_getaffinity(0)),
-                                        on_shard=progress)
+            violations = verify_dataset(
+                root, deep=not quick, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress
+            )
     except UserError as e:
         _fail(e)
     for v in violations:
@@ -221,9 +274,13 @@ def verify(
 @_with_options(RAW_OPTIONS, given_only=True)
 @_with_options(INSPECT_FIELDS, fields=INSPECT_FIELDS)  # inspect's own options first, from InspectConfig
 def inspect(
-    path: Annotated[str, typer.Argument(
-        help="A built dataset dir or its URL, or raw input (.jsonl / .jsonl.zst / .json, a dir of them; or a URL of "
-             "one).")],
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A built dataset dir or its URL, or raw input (.jsonl / .jsonl.zst / .json, a dir of them; "
+            "or a URL of one)."
+        ),
+    ],
     **opts,
 ) -> None:
     """Show exactly what is trained: decoded samples with trained spans marked, images collapsed, facts.
@@ -252,20 +309,37 @@ def inspect(
 
 @app.command()
 def stats(
-    root: Annotated[str, typer.Argument(help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: "
-                                             "copied into the cache first).")],
+    root: Annotated[
+        str,
+        typer.Argument(
+            help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: copied into the cache first)."
+        ),
+    ],
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
-    html: Annotated[Optional[str], typer.Option(
-        help="Also write a self-contained HTML report with histograms to this file.")] = None,
-    samples: Annotated[Optional[str], typer.Option(
-        help="Also write one Parquet row per sample to this file (id, source, shard, tokens, trained tokens, images, "
-             "image tokens, truncated, split part): for pandas, DuckDB, Polars.")] = None,
-    rejects: Annotated[Optional[str], typer.Option(
-        help="Also write one Parquet row per line of rejects.jsonl to this file (id, source, reason, message).")]
-    = None,
-    workers: Annotated[Optional[int], typer.Option(
-        min=1, show_default="the CPUs this process may use",
-        help="Processes that read shards at once; the numbers are the same for any value.")] = None,
+    html: Annotated[
+        Optional[str], typer.Option(help="Also write a self-contained HTML report with histograms to this file.")
+    ] = None,
+    samples: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also write one Parquet row per sample to this file (id, source, shard, tokens, trained tokens, "
+            "images, image tokens, truncated, split part): for pandas, DuckDB, Polars."
+        ),
+    ] = None,
+    rejects: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also write one Parquet row per line of rejects.jsonl to this file (id, source, reason, message)."
+        ),
+    ] = None,
+    workers: Annotated[
+        Optional[int],
+        typer.Option(
+            min=1,
+            show_default="the CPUs this process may use",
+            help="Processes that read shards at once; the numbers are the same for any value.",
+        ),
+    ] = None,
 ) -> None:
     """Dataset summary from the manifest and the shards: tokens, trained ratio, images, lengths, truncation, rejects,
     each input file's turn coverage, distributions, and warnings with their fixes.
@@ -283,8 +357,9 @@ def stats(
     written = []
     try:
         with shard_progress("stats") as progress:
-            st = compute_stats(root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress,
-                               sample_rows=rows)
+            st = compute_stats(
+                root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress, sample_rows=rows
+            )
         st["dir"] = shown  # a URL's copy by the URL
         if html:
             from vlmprep.tools.stats_report import write_stats_report

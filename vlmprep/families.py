@@ -2,6 +2,7 @@
 must know about a processor beyond its own code (turn tokens, image wrapper tokens, position scheme, image
 storage), keyed by processor class.
 """
+
 from __future__ import annotations
 
 import tomllib
@@ -40,41 +41,83 @@ class FamilySpec:
 
 
 _IM_START = {"<|im_start|>": "next"}
-_QWEN = dict(end_of_turn=("<|im_end|>",), wrapper_open=("<|vision_start|>",), wrapper_close=("<|vision_end|>",),
-             positions="mrope", image_mode="smart_resize", turn_starts=_IM_START)
+_QWEN = dict(
+    end_of_turn=("<|im_end|>",),
+    wrapper_open=("<|vision_start|>",),
+    wrapper_close=("<|vision_end|>",),
+    positions="mrope",
+    image_mode="smart_resize",
+    turn_starts=_IM_START,
+)
 
-FAMILIES: dict[str, FamilySpec] = {s.processor_class: s for s in (
-    FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", video="qwen2", **_QWEN),
-    FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN),
-    # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
-    FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", video="qwen3", **_QWEN),
-    FamilySpec(name="glm-4.1v", processor_class="Glm4vProcessor",
-               end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
-               wrapper_open=("<|begin_of_image|>",), wrapper_close=("<|end_of_image|>",), positions="mrope",
-               image_mode="smart_resize_temporal", string_content=True,
-               turn_starts={"<|system|>": "system", "<|user|>": "user", "<|assistant|>": "assistant",
-                            "<|observation|>": "tool"}),
-    FamilySpec(name="gemma3", processor_class="Gemma3Processor", end_of_turn=("<end_of_turn>",),
-               image_mode="fixed_resize",
-               turn_starts={"<start_of_turn>": "next"}),
-    # Gemma 4: `<|turn>role ... <turn|>` turns; images resized by its processor at train time (aspect kept, a patch
-    # budget), so they are stored as the source.
-    FamilySpec(name="gemma4", processor_class="Gemma4Processor", end_of_turn=("<turn|>",),
-               turn_starts={"<|turn>": "next"}),
-    FamilySpec(name="llama3.2-vision", processor_class="MllamaProcessor", end_of_turn=("<|eot_id|>",),
-               turn_starts={"<|start_header_id|>": "next"}),
-    # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.
-    FamilySpec(name="llama4", processor_class="Llama4Processor", end_of_turn=("<|eot|>", "<|eom|>"),
-               turn_starts={"<|header_start|>": "next"}),
-    FamilySpec(name="mistral3-pixtral", processor_class="PixtralProcessor", end_of_turn=("</s>",),
-               image_mode="longest_edge_patch", turn_starts={"[INST]": "user", "[/INST]": "assistant"},
-               tool_call_tokens=("[TOOL_CALLS]",)),
-    FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
-    FamilySpec(name="llava-onevision", processor_class="LlavaOnevisionProcessor", end_of_turn=("<|im_end|>",),
-               turn_starts=_IM_START),
-    FamilySpec(name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",),
-               turn_starts=_IM_START),
-)}
+FAMILIES: dict[str, FamilySpec] = {
+    s.processor_class: s
+    for s in (
+        FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", video="qwen2", **_QWEN),
+        FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN),
+        # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
+        FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", video="qwen3", **_QWEN),
+        FamilySpec(
+            name="glm-4.1v",
+            processor_class="Glm4vProcessor",
+            end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
+            wrapper_open=("<|begin_of_image|>",),
+            wrapper_close=("<|end_of_image|>",),
+            positions="mrope",
+            image_mode="smart_resize_temporal",
+            string_content=True,
+            turn_starts={
+                "<|system|>": "system",
+                "<|user|>": "user",
+                "<|assistant|>": "assistant",
+                "<|observation|>": "tool",
+            },
+        ),
+        FamilySpec(
+            name="gemma3",
+            processor_class="Gemma3Processor",
+            end_of_turn=("<end_of_turn>",),
+            image_mode="fixed_resize",
+            turn_starts={"<start_of_turn>": "next"},
+        ),
+        # Gemma 4: `<|turn>role ... <turn|>` turns; images resized by its processor at train time (aspect kept, a patch
+        # budget), so they are stored as the source.
+        FamilySpec(
+            name="gemma4", processor_class="Gemma4Processor", end_of_turn=("<turn|>",), turn_starts={"<|turn>": "next"}
+        ),
+        FamilySpec(
+            name="llama3.2-vision",
+            processor_class="MllamaProcessor",
+            end_of_turn=("<|eot_id|>",),
+            turn_starts={"<|start_header_id|>": "next"},
+        ),
+        # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.
+        FamilySpec(
+            name="llama4",
+            processor_class="Llama4Processor",
+            end_of_turn=("<|eot|>", "<|eom|>"),
+            turn_starts={"<|header_start|>": "next"},
+        ),
+        FamilySpec(
+            name="mistral3-pixtral",
+            processor_class="PixtralProcessor",
+            end_of_turn=("</s>",),
+            image_mode="longest_edge_patch",
+            turn_starts={"[INST]": "user", "[/INST]": "assistant"},
+            tool_call_tokens=("[TOOL_CALLS]",),
+        ),
+        FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
+        FamilySpec(
+            name="llava-onevision",
+            processor_class="LlavaOnevisionProcessor",
+            end_of_turn=("<|im_end|>",),
+            turn_starts=_IM_START,
+        ),
+        FamilySpec(
+            name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",), turn_starts=_IM_START
+        ),
+    )
+}
 # A view of a dataset whose family is not registered (--role-boundaries) recognises any known turn token.
 ANY_TURN_STARTS = {t: how for spec in FAMILIES.values() for t, how in spec.turn_starts.items()}
 
@@ -94,7 +137,8 @@ def resolve_family(processor, role_boundaries: str | None = None) -> FamilySpec:
         raise ValueError(
             f"processor class {cls} is not a known family ({', '.join(sorted(FAMILIES))}); vlmprep will not guess "
             "which tokens to train: pass --role-boundaries FILE declaring each role's start/end markers "
-            "(docs/families-and-masking.md)")
+            "(docs/families-and-masking.md)"
+        )
     return known
 
 
@@ -114,14 +158,21 @@ def load_role_boundaries(path: str, *, processor_class: str, base: FamilySpec | 
     for role, spec in roles.items():
         if role not in ROLES:
             raise ValueError(f"--role-boundaries {path}: unknown role {role!r}; use one of {', '.join(ROLES)}")
-        if not isinstance(spec, dict) or set(spec) != {"start", "end"} or not all(
-                isinstance(spec[k], str) and spec[k] for k in ("start", "end")):
+        if (
+            not isinstance(spec, dict)
+            or set(spec) != {"start", "end"}
+            or not all(isinstance(spec[k], str) and spec[k] for k in ("start", "end"))
+        ):
             raise ValueError(f"--role-boundaries {path}: [roles.{role}] needs exactly non-empty strings start and end")
         markers[role] = (spec["start"], spec["end"])
     eot = data.get("end_of_turn", sorted({end for _, end in markers.values()}))
     if not isinstance(eot, list) or not eot or not all(isinstance(t, str) and t for t in eot):
         raise ValueError(f"--role-boundaries {path}: end_of_turn must be a non-empty list of token strings")
     if base is None:
-        return FamilySpec(name=f"custom:{processor_class}", processor_class=processor_class, end_of_turn=tuple(eot),
-                          role_markers=markers)
+        return FamilySpec(
+            name=f"custom:{processor_class}",
+            processor_class=processor_class,
+            end_of_turn=tuple(eot),
+            role_markers=markers,
+        )
     return replace(base, end_of_turn=tuple(eot), role_markers=markers)

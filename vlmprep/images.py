@@ -1,6 +1,7 @@
 """Images: source bytes -> PIL (guarded decode, upright, 8-bit) -> the processor's own resize (uint8) -> stored
 bytes, and back. Stored pixels are exactly those the processor would patchify, so the loader never resizes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,8 +63,9 @@ def _image_faults(img: ImageData):
     except RecordError:
         raise
     except UnidentifiedImageError:
-        raise RecordError("corrupt_image", f"cannot decode image ({img.origin[:60]}): not an image format "
-                                           "PIL can identify") from None
+        raise RecordError(
+            "corrupt_image", f"cannot decode image ({img.origin[:60]}): not an image format PIL can identify"
+        ) from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise RecordError("corrupt_image", f"cannot decode image ({img.origin[:60]}): {str(e)[:120]}") from None
 
@@ -75,8 +77,7 @@ def _open_checked(img: ImageData, *, max_pixels: int, min_side: int) -> Image.Im
     if min(w, h) < min_side:
         raise RecordError("image_too_small", f"image is {w}x{h}, below min_image_side={min_side}")
     if w * h > max_pixels:
-        raise RecordError("image_too_large",
-                          f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
+        raise RecordError("image_too_large", f"image declares {w}x{h} = {w * h} pixels > max_image_pixels={max_pixels}")
     # MPO: a phone JPEG carrying extra pictures (depth map, preview); the first is the photo load_image gives.
     if getattr(im, "n_frames", 1) > 1 and im.format != "MPO":
         raise RecordError("animated_image", f"animated {im.format} with {im.n_frames} frames is not supported")
@@ -133,13 +134,16 @@ def _to_8bit(im: Image.Image) -> Image.Image:
         return Image.fromarray(np.round(a.astype(np.float64) * 255).astype(np.uint8), "L")
     a = a.astype(np.int64)
     if im.mode == "I" and a.size and (a.min() < 0 or a.max() > 65535):
-        raise RecordError("unsupported_image_mode", "32-bit integer image with values outside 0..65535 has no "
-                                                    "8-bit scale; save it as 8- or 16-bit")
+        raise RecordError(
+            "unsupported_image_mode",
+            "32-bit integer image with values outside 0..65535 has no 8-bit scale; save it as 8- or 16-bit",
+        )
     return Image.fromarray(((a * 255 + 32767) // 65535).astype(np.uint8), "L")  # round(v / 257): 65535 -> 255
 
 
-def open_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1,
-               shapes: dict | None = None) -> PreparedImage:
+def open_image(
+    img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1, shapes: dict | None = None
+) -> PreparedImage:
     """The image as the processor will store it, from its header alone: the grid comes from the processor's own
     resize run on a meta tensor of the upright size (shape, no data), and the pixels are decoded and resized on first
     use (PreparedImage.pixels), once, so an image that no sample keeps is never decoded. Header faults (not an image,
@@ -160,24 +164,29 @@ def open_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int
 
     def load() -> np.ndarray:
         pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
-        assert pixels.shape[:2] == shape and decoded == size, \
+        assert pixels.shape[:2] == shape and decoded == size, (
             f"image {size}: header predicted {shape}, decoding gave {decoded} -> {pixels.shape[:2]}"
+        )
         return pixels
 
-    return PreparedImage(grid_thw=_grid(processor.image_processor, family, shape), source=img, load=load,
-                         source_size=size)
+    return PreparedImage(
+        grid_thw=_grid(processor.image_processor, family, shape), source=img, load=load, source_size=size
+    )
 
 
-def prepare_image(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
-                  min_side: int = 1) -> PreparedImage:
+def prepare_image(
+    img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1
+) -> PreparedImage:
     """Decode and resize now, with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
     pixels, size = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
-    return PreparedImage(pixels=pixels, grid_thw=_grid(processor.image_processor, family, pixels.shape[:2]),
-                         source=img, source_size=size)
+    return PreparedImage(
+        pixels=pixels, grid_thw=_grid(processor.image_processor, family, pixels.shape[:2]), source=img, source_size=size
+    )
 
 
-def _resized_pixels(img: ImageData, processor, family: FamilySpec, *, max_pixels: int,
-                    min_side: int) -> tuple[np.ndarray, tuple[int, int]]:
+def _resized_pixels(
+    img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int
+) -> tuple[np.ndarray, tuple[int, int]]:
     """The stored pixels and the upright (width, height) they were resized from."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
@@ -242,8 +251,13 @@ def _smart_resize(processor, ip, t):
 
 def _smart_resize_temporal(processor, ip, t):
     # GLM-4.1V: the same, with the temporal factor its smart_resize also takes.
-    return ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size,
-                     temporal_factor=ip.temporal_patch_size)[0]
+    return ip.resize(
+        t[None],
+        size=ip.size,
+        resample=ip.resample,
+        factor=ip.patch_size * ip.merge_size,
+        temporal_factor=ip.temporal_patch_size,
+    )[0]
 
 
 def _longest_edge_patch(processor, ip, t):
@@ -266,8 +280,13 @@ def _source(processor, ip, t):
     return t
 
 
-_FAMILY_RESIZE = {"smart_resize": _smart_resize, "smart_resize_temporal": _smart_resize_temporal,
-                  "longest_edge_patch": _longest_edge_patch, "fixed_resize": _fixed_resize, "source": _source}
+_FAMILY_RESIZE = {
+    "smart_resize": _smart_resize,
+    "smart_resize_temporal": _smart_resize_temporal,
+    "longest_edge_patch": _longest_edge_patch,
+    "fixed_resize": _fixed_resize,
+    "source": _source,
+}
 
 
 def stored_ext(image_format: str, image: PreparedImage) -> str:
@@ -312,15 +331,21 @@ def delta_payload(pixels: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_image(image: PreparedImage, image_format: str, *, zstd_level: int = default("zstd_level"),
-                 prefix: PreparedImage | None = None) -> bytes:
+def encode_image(
+    image: PreparedImage,
+    image_format: str,
+    *,
+    zstd_level: int = default("zstd_level"),
+    prefix: PreparedImage | None = None,
+) -> bytes:
     """Lossless and deterministic: same pixels and options give the same bytes. prefix: zstd-pdelta's previous image
     of the sample (same size), whose payload the image is compressed against; None for the first image."""
     if image_format == "zstd-delta":
         return zstandard.ZstdCompressor(level=zstd_level).compress(delta_payload(image.pixels))
     if image_format == "zstd-pdelta":
-        return compress_pdelta(delta_payload(image.pixels), None if prefix is None else delta_payload(prefix.pixels),
-                               zstd_level)
+        return compress_pdelta(
+            delta_payload(image.pixels), None if prefix is None else delta_payload(prefix.pixels), zstd_level
+        )
     if image_format == "zstd":
         # np.save's bytes, with one copy of the pixels instead of its three (tobytes, write, getvalue)
         pixels = np.ascontiguousarray(image.pixels)

@@ -1,6 +1,7 @@
 """What the long commands share (the build, and verify / stats): a process pool that stops its workers when left
 early, and the progress bar's look.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,5 +39,14 @@ def progress_bar(title: str, *counts: str, disable: bool, **kw):
         TimeRemainingColumn,
     )
 
-    return Progress(TextColumn(title), BarColumn(), MofNCompleteColumn(), *map(TextColumn, counts),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), disable=disable, **kw)
+    return Progress(
+        TextColumn(title),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *map(TextColumn, counts),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        disable=disable,
+        **kw,
+    )

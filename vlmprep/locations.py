@@ -3,6 +3,7 @@ http(s)://), each library taking credentials from its own environment and config
 refused, so none is ever printed or written into a plan or manifest. A remote input is read as a stream of range
 reads (never fetched whole first) and stamped by its size and ETag / version, so a plan notices it changed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -100,8 +101,12 @@ def expand_url(pattern: str, suffixes: tuple[str, ...]) -> list[RemoteFile]:
         raise
     except Exception as e:  # noqa: BLE001 - each backend raises its own kinds
         raise LocationError(f"cannot list {pattern}: {why(e)}") from None
-    return [RemoteFile(fs.unstrip_protocol(p) if "://" not in p else p) if scheme != "memory"
-            else RemoteFile(f"memory://{p.lstrip('/')}") for p in sorted(found)]
+    return [
+        RemoteFile(fs.unstrip_protocol(p) if "://" not in p else p)
+        if scheme != "memory"
+        else RemoteFile(f"memory://{p.lstrip('/')}")
+        for p in sorted(found)
+    ]
 
 
 class _Guarded(io.RawIOBase):
@@ -125,7 +130,7 @@ class _Guarded(io.RawIOBase):
 
     def readinto(self, b) -> int:
         data = self._call(self._f.read, len(b))
-        b[:len(data)] = data
+        b[: len(data)] = data
         return len(data)
 
     def seek(self, offset: int, whence: int = 0) -> int:
@@ -164,10 +169,13 @@ def stamp(p: Input) -> dict:
         info = fs.info(path)
     except Exception as e:  # noqa: BLE001
         raise LocationError(f"cannot read {p.url}: {why(e)}") from None
-    tag = next((str(info[k]) for k in ("ETag", "etag", "VersionId", "version_id", "md5Hash", "blob_id", "lfs")
-                if info.get(k)), None)
-    when = next((info[k] for k in ("LastModified", "last_modified", "mtime", "updated", "created") if info.get(k)),
-                None)
+    tag = next(
+        (str(info[k]) for k in ("ETag", "etag", "VersionId", "version_id", "md5Hash", "blob_id", "lfs") if info.get(k)),
+        None,
+    )
+    when = next(
+        (info[k] for k in ("LastModified", "last_modified", "mtime", "updated", "created") if info.get(k)), None
+    )
     mtime_ns = int(when.timestamp() * 1e9) if hasattr(when, "timestamp") else 0
     if tag is None:
         tag = hashlib.sha256(repr(sorted((k, str(v)) for k, v in info.items())).encode()).hexdigest()[:16]

@@ -2,6 +2,7 @@
 fallback for templates that trim or rewrite turns), trained spans are mapped to tokens by offsets, and every trained
 span is decoded back as proof. Input: MaskInputs from render_conversation; output: the 0/1 mask and turn spans.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ class MaskPolicy:
     def __post_init__(self):
         bad = set(self.train_on_roles) - set(ROLES)
         if bad or not self.train_on_roles:
-            raise ValueError(f"train_on_roles={sorted(self.train_on_roles)}: "
-                             f"use a non-empty subset of {', '.join(ROLES)}")
+            raise ValueError(
+                f"train_on_roles={sorted(self.train_on_roles)}: use a non-empty subset of {', '.join(ROLES)}"
+            )
         check_mask_policy(self.train_on_eos, self.tool_calls, self.reasoning)
 
 
@@ -49,8 +51,11 @@ class Located:
 
 def trained_messages(conv: Conversation, policy: MaskPolicy) -> list[int]:
     """Indices of messages whose text is trained: the role rule, overridden by per-message weight, then last-turn."""
-    idx = [i for i, m in enumerate(conv.messages)
-           if m.weight == 1 or (m.weight is None and m.role in policy.train_on_roles)]
+    idx = [
+        i
+        for i, m in enumerate(conv.messages)
+        if m.weight == 1 or (m.weight is None and m.role in policy.train_on_roles)
+    ]
     return idx[-1:] if policy.last_turn_only else idx
 
 
@@ -58,8 +63,16 @@ def _candidates(text: str) -> list[str]:
     # The rewrites templates apply to message text (jinja trim, Qwen's strip('\n'), mistral-common's rstrip(' ')),
     # most faithful first.
     out = []
-    for c in (text, text.strip(), text.strip("\n"), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.rstrip("\n"),
-              text.rstrip(" ")):
+    for c in (
+        text,
+        text.strip(),
+        text.strip("\n"),
+        text.lstrip(),
+        text.rstrip(),
+        text.lstrip("\n"),
+        text.rstrip("\n"),
+        text.rstrip(" "),
+    ):
         if c not in out:
             out.append(c)
     return out
@@ -77,8 +90,9 @@ def locate_slots(ctx, conv: Conversation, slots: list, rendered: str) -> list[Lo
         raise RecordError("template_not_verbatim", "the chat template repeats or reorders message text")
     for k in sorted(set(range(len(slots))) - set(order)):
         if slots[k].kind != "reasoning" and slots[k].text:
-            raise RecordError("template_not_verbatim",
-                              f"messages[{slots[k].msg}]: the chat template drops this message's text")
+            raise RecordError(
+                "template_not_verbatim", f"messages[{slots[k].msg}]: the chat template drops this message's text"
+            )
     located, pos, rebuilt = [], 0, []
     for k, scaffold in zip(order, pieces[0::2]):
         pos += len(scaffold)
@@ -119,8 +133,10 @@ def _locate_by_segments(ctx, conv, slots, sentinel_text: str, rendered: str) -> 
                     found = cand
                     break
             if found is None:
-                raise RecordError("template_not_verbatim",
-                                  f"messages[{slot.msg}]: rendered text is not a known rewrite of the message text")
+                raise RecordError(
+                    "template_not_verbatim",
+                    f"messages[{slot.msg}]: rendered text is not a known rewrite of the message text",
+                )
             located.append(Located(k, base + cur, base + cur + len(found)))
             cur += len(found) + len(nxt)
         if not ks and zseg != rseg:
@@ -133,8 +149,9 @@ def check_role_markers(ctx, conv: Conversation, slots, located, rendered: str) -
     """--role-boundaries: each located slot must lie inside its role's region, from the nearest start marker of that
     role (with no other role's start after it) to that role's next end marker."""
     markers = ctx.family.role_markers
-    starts = sorted((m.start(), m.end(), role) for role, (st, _) in markers.items()
-                    for m in re.finditer(re.escape(st), rendered))
+    starts = sorted(
+        (m.start(), m.end(), role) for role, (st, _) in markers.items() for m in re.finditer(re.escape(st), rendered)
+    )
     for loc in located:
         role = conv.messages[slots[loc.slot].msg].role
         if role not in markers:
@@ -142,9 +159,11 @@ def check_role_markers(ctx, conv: Conversation, slots, located, rendered: str) -
         before = [(a, b, r) for a, b, r in starts if b <= loc.start]
         end = rendered.find(markers[role][1], before[-1][1]) if before else -1
         if not before or before[-1][2] != role or end < loc.end:
-            raise RecordError("role_boundary_mismatch",
-                              f"messages[{slots[loc.slot].msg}] ({role}) text is not inside its declared "
-                              f"{markers[role][0]!r}...{markers[role][1]!r} markers")
+            raise RecordError(
+                "role_boundary_mismatch",
+                f"messages[{slots[loc.slot].msg}] ({role}) text is not inside its declared "
+                f"{markers[role][0]!r}...{markers[role][1]!r} markers",
+            )
 
 
 def _tool_calls_rendered(gap: str, tool_calls) -> bool:
@@ -243,7 +262,7 @@ def _body_ends(inp: MaskInputs, by_msg: dict[int, list[Located]]) -> tuple[dict[
     for i, locs in by_msg.items():
         e = locs[-1].end
         m = inp.conv.messages[i]
-        gap = inp.rendered[e:_next_special(inp, e, inp.ctx.family.tool_call_tokens if m.tool_calls else ())]
+        gap = inp.rendered[e : _next_special(inp, e, inp.ctx.family.tool_call_tokens if m.tool_calls else ())]
         if m.tool_calls:
             if _tool_calls_rendered(gap, m.tool_calls):
                 e += len(gap)
@@ -264,9 +283,11 @@ def _trained(inp: MaskInputs, by_msg: dict[int, list[Located]], unrendered_msgs:
     for i in trained_messages(inp.conv, policy):
         if i in unrendered_msgs:
             if policy.tool_calls == "reject":
-                raise RecordError("tool_calls_not_rendered",
-                                  f"messages[{i}]: the chat template does not render this turn's tool_calls; pass a "
-                                  "tool-aware --chat-template, or --tool-calls drop-from-loss")
+                raise RecordError(
+                    "tool_calls_not_rendered",
+                    f"messages[{i}]: the chat template does not render this turn's tool_calls; pass a "
+                    "tool-aware --chat-template, or --tool-calls drop-from-loss",
+                )
             if policy.tool_calls == "drop-from-loss":
                 continue
         if i in by_msg:
@@ -274,8 +295,9 @@ def _trained(inp: MaskInputs, by_msg: dict[int, list[Located]], unrendered_msgs:
     return trained
 
 
-def _intervals(inp: MaskInputs, by_msg: dict[int, list[Located]], trained: list[int],
-               body_end: dict[int, int]) -> list[_Interval]:
+def _intervals(
+    inp: MaskInputs, by_msg: dict[int, list[Located]], trained: list[int], body_end: dict[int, int]
+) -> list[_Interval]:
     special = inp.ctx._special_re
     intervals: list[_Interval] = []
     for i in trained:
@@ -285,7 +307,7 @@ def _intervals(inp: MaskInputs, by_msg: dict[int, list[Located]], trained: list[
             locs = kept or [Located(-1, locs[-1].end, locs[-1].end)]
         run = _Interval(locs[0].start, locs[0].end, msg=i)
         for loc in locs[1:]:
-            between = inp.rendered[run.end:loc.start]
+            between = inp.rendered[run.end : loc.start]
             if special is not None and special.search(between):
                 intervals.append(run)  # an image or other control token splits the turn: never train it
                 run = _Interval(loc.start, loc.end, msg=i)
@@ -314,12 +336,14 @@ def _mark_intervals(inp: MaskInputs, intervals: list[_Interval], marks: _Marks) 
         if len(straddle):
             t0 = int(starts[straddle[0]])
             if expanded[t0:s].strip():
-                raise RecordError("mask_boundary_misaligned",
-                                  f"messages[{iv.msg}]: a token crosses the start of the message text")
+                raise RecordError(
+                    "mask_boundary_misaligned", f"messages[{iv.msg}]: a token crosses the start of the message text"
+                )
             s = t0  # a header's trailing space merged into the first token: generated by the model, so trained
         if ((starts < e) & (ends > e)).any():
-            raise RecordError("mask_boundary_misaligned",
-                              f"messages[{iv.msg}]: a token crosses the end of the message text")
+            raise RecordError(
+                "mask_boundary_misaligned", f"messages[{iv.msg}]: a token crosses the end of the message text"
+            )
         sel = (starts >= s) & (ends <= e) & (ends > starts)
         marks.mask |= sel
         marks.proofs.append((sel, expanded[s:e].replace(ctx.token_break, "") if ctx.token_break else expanded[s:e]))
@@ -328,8 +352,14 @@ def _mark_intervals(inp: MaskInputs, intervals: list[_Interval], marks: _Marks) 
             marks.turn_tokens.setdefault(iv.msg, []).extend([int(hit[0]), int(hit[-1]) + 1])
 
 
-def _mark_end_of_turns(inp: MaskInputs, eos_for: set[int], by_msg: dict[int, list[Located]],
-                       intervals: list[_Interval], body_end: dict[int, int], marks: _Marks) -> None:
+def _mark_end_of_turns(
+    inp: MaskInputs,
+    eos_for: set[int],
+    by_msg: dict[int, list[Located]],
+    intervals: list[_Interval],
+    body_end: dict[int, int],
+    marks: _Marks,
+) -> None:
     """End-of-turn tokens: for a trained turn the one starting exactly where its body ends; with "all", for any
     other message the first one before the next message's text."""
     ids, starts, ctx, conv = inp.ids, inp.starts, inp.ctx, inp.conv
@@ -351,16 +381,20 @@ def _mark_end_of_turns(inp: MaskInputs, eos_for: set[int], by_msg: dict[int, lis
             one[k] = True
             marks.proofs.append((one, ctx.eot_ids[int(ids[k])]))
         elif i in last_interval_of and conv.messages[i].role == "assistant" and inp.expanded[e:].strip():
-            raise RecordError("end_of_turn_not_found",
-                              f"messages[{i}]: no {'/'.join(ctx.family.end_of_turn)} right after the turn, so the "
-                              "model could not learn to stop; check the template or --role-boundaries")
+            raise RecordError(
+                "end_of_turn_not_found",
+                f"messages[{i}]: no {'/'.join(ctx.family.end_of_turn)} right after the turn, so the "
+                "model could not learn to stop; check the template or --role-boundaries",
+            )
 
 
 def _prove(inp: MaskInputs, proofs: list[tuple[np.ndarray, str]]) -> None:
     """Every trained span decodes back to exactly the rendered text it covers."""
     for sel, want in proofs:
-        got = inp.ctx.tokenizer.decode(inp.ids[sel].tolist(), skip_special_tokens=False,
-                                       clean_up_tokenization_spaces=False)
+        got = inp.ctx.tokenizer.decode(
+            inp.ids[sel].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
         if got != want:
-            raise RecordError("mask_verification_failed",
-                              f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}")
+            raise RecordError(
+                "mask_verification_failed", f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}"
+            )

@@ -2,6 +2,7 @@
 resolves inside --image-root (a regular file, its size bounded before and while it is read), or an http(s) URL with
 --allow-remote (images only, bounded). Every fault is a RecordError naming the reference.
 """
+
 from __future__ import annotations
 
 import base64
@@ -33,8 +34,10 @@ class MediaFetcher:
         remotely, whatever --allow-remote says (a video is too large to fetch per record)."""
         if isinstance(ref, (bytes, bytearray)):  # a table's image cell (tables.py): the bytes themselves
             if len(ref) > self.max_bytes[kind]:
-                raise RecordError(f"{kind}_file_too_large", f"{where}: {kind} of {len(ref)} bytes > "
-                                                            f"--max-{kind}-bytes {self.max_bytes[kind]}")
+                raise RecordError(
+                    f"{kind}_file_too_large",
+                    f"{where}: {kind} of {len(ref)} bytes > --max-{kind}-bytes {self.max_bytes[kind]}",
+                )
             return ImageData(data=bytes(ref), origin="table cell")
         if not isinstance(ref, str) or not ref.strip():
             raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} reference must be a non-empty string")
@@ -43,31 +46,39 @@ class MediaFetcher:
         if m:
             if not m.group("b64"):
                 raise RecordError("invalid_data_uri", f"{where}: only base64 data URIs are supported")
-            return ImageData(data=decode_base64(ref[m.end():], f"{where}: data URI"), origin="data-uri")
+            return ImageData(data=decode_base64(ref[m.end() :], f"{where}: data URI"), origin="data-uri")
         low = ref.lower()
         if low.startswith(("http://", "https://")):
             if kind == "video":
-                raise RecordError("remote_video_refused", f"{where}: remote video {ref[:80]} refused: videos are "
-                                                          "read from local paths or data URIs; download it first")
+                raise RecordError(
+                    "remote_video_refused",
+                    f"{where}: remote video {ref[:80]} refused: videos are "
+                    "read from local paths or data URIs; download it first",
+                )
             if not self.allow_remote:
-                raise RecordError("remote_image_refused",
-                                  f"{where}: remote image {ref[:80]} refused (pass --allow-remote)")
+                raise RecordError(
+                    "remote_image_refused", f"{where}: remote image {ref[:80]} refused (pass --allow-remote)"
+                )
             return ImageData(data=_fetch_remote(ref, where, self.max_bytes["image"]), origin=ref)
         if low.startswith("file://"):
-            ref = urllib.parse.unquote(ref[len("file://"):])  # a URL: with%20space.png; the root check still follows
+            ref = urllib.parse.unquote(ref[len("file://") :])  # a URL: with%20space.png; the root check still follows
         elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
             raise RecordError(f"unsupported_{kind}_url", f"{where}: unsupported URL scheme in {ref[:80]}")
         if "\x00" in ref:
             raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} path holds a NUL character")
         if self.root is None or (self.base_dir is None and not os.path.isabs(ref)):
-            raise RecordError("path_outside_root", f"{where}: {kind} path {ref[:120]} in an input read from a store: "
-                                                   "a store's input names local files only by absolute paths under "
-                                                   "--image-root (or carries them inline)")
+            raise RecordError(
+                "path_outside_root",
+                f"{where}: {kind} path {ref[:120]} in an input read from a store: "
+                "a store's input names local files only by absolute paths under "
+                "--image-root (or carries them inline)",
+            )
         path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
         real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
         if os.path.commonpath([real, self.root]) != self.root:
-            raise RecordError("path_outside_root",
-                              f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}")
+            raise RecordError(
+                "path_outside_root", f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}"
+            )
         return ImageData(data=_read_local(real, kind, self.max_bytes[kind], f"{where}: {kind} {ref[:120]}"), origin=ref)
 
 
@@ -83,8 +94,10 @@ def _read_local(path: str, kind: str, limit: int, what: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise RecordError(f"{kind}_unreadable", f"{what}: not a regular file (a directory, device, FIFO or "
-                                                    "socket); name the file itself")
+            raise RecordError(
+                f"{kind}_unreadable",
+                f"{what}: not a regular file (a directory, device, FIFO or socket); name the file itself",
+            )
         if st.st_size > limit:
             raise RecordError(f"{kind}_file_too_large", f"{what}: {st.st_size} bytes > --max-{kind}-bytes {limit}")
         f = open(fd, "rb")
@@ -108,8 +121,9 @@ def _fetch_remote(url: str, where: str, limit: int) -> bytes:
     except Exception as e:  # noqa: BLE001 - any network fault is this record's fault, not the build's
         raise RecordError("remote_fetch_failed", f"{where}: cannot fetch {url[:80]}: {e}") from None
     if len(data) > limit:
-        raise RecordError("image_file_too_large", f"{where}: remote image {url[:80]}: more than --max-image-bytes "
-                                                  f"{limit} bytes")
+        raise RecordError(
+            "image_file_too_large", f"{where}: remote image {url[:80]}: more than --max-image-bytes {limit} bytes"
+        )
     return data
 
 

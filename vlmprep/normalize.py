@@ -2,6 +2,7 @@
 Image and video references are fetched to bytes here (media.py: data URI, local path under an allowed root, opt-in
 http for images; videos are local paths and data URIs only).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,17 @@ from vlmprep.locations import is_url
 from vlmprep.media import MediaFetcher, decode_base64
 from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
-         "assistant": "assistant", "gpt": "assistant", "tool": "tool", "observation": "tool", "function": "tool"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function": "tool",
+}
 IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
 _MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
@@ -67,15 +77,22 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     # <image> / <video> markers are the ShareGPT / LLaMA-Factory layout's own convention (an 'images' or 'videos'
     # list, even empty, or the 'conversations' key); in an OpenAI-layout record they are ordinary text.
     markers = marker_images is not None or marker_videos is not None or "conversations" in data
-    ctx = _ImageContext(base_dir=base_dir, root=root, allow_remote=opts.allow_remote, markers=markers,
-                        max_bytes={"image": opts.max_image_bytes, "video": opts.max_video_bytes},
-                        videos=opts.videos)
+    ctx = _ImageContext(
+        base_dir=base_dir,
+        root=root,
+        allow_remote=opts.allow_remote,
+        markers=markers,
+        max_bytes={"image": opts.max_image_bytes, "video": opts.max_video_bytes},
+        videos=opts.videos,
+    )
     messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
     for marker, given, kind in ((IMAGE_MARKER, marker_images, "image"), (VIDEO_MARKER, marker_videos, "video")):
         if pending[marker]:
-            raise RecordError(f"{kind}_count_mismatch",
-                              f"'{kind}s' lists {len(given)} {kind}s but the text has only "
-                              f"{len(given) - len(pending[marker])} {marker} markers")
+            raise RecordError(
+                f"{kind}_count_mismatch",
+                f"'{kind}s' lists {len(given)} {kind}s but the text has only "
+                f"{len(given) - len(pending[marker])} {marker} markers",
+            )
     if not any(m.role == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", "record has no assistant message to train on")
     n_images = sum(len(m.images) for m in messages)
@@ -172,20 +189,28 @@ def _normalize_message(m, idx: int, pending: dict[str, list], ctx: "_ImageContex
     else:
         raise RecordError("invalid_content", f"{where}: content must be a string or a list of parts")
 
-    tool_calls = [_normalize_tool_call(tc, f"{where}.tool_calls[{k}]")
-                  for k, tc in enumerate(m.get("tool_calls") or [])]
+    tool_calls = [
+        _normalize_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m.get("tool_calls") or [])
+    ]
     if role == "assistant" and not parts and not tool_calls:
-        raise RecordError("empty_assistant_turn", f"{where}: assistant message has no content, tool_calls, "
-                                                  "function_call or refusal to train on")
+        raise RecordError(
+            "empty_assistant_turn",
+            f"{where}: assistant message has no content, tool_calls, function_call or refusal to train on",
+        )
     weight = m.get("weight")
     if weight is not None and weight not in (0, 1):
         raise RecordError("invalid_weight", f"{where}: weight must be 0 or 1, got {weight!r}")
     tool_call_id = m.get("tool_call_id")
     name = m.get("name")
-    return Message(role=role, parts=parts, tool_calls=tool_calls,
-                   tool_call_id=tool_call_id if isinstance(tool_call_id, str) else None,
-                   name=name if isinstance(name, str) else None, weight=weight,
-                   reasoning=_normalize_reasoning(m, role, where))
+    return Message(
+        role=role,
+        parts=parts,
+        tool_calls=tool_calls,
+        tool_call_id=tool_call_id if isinstance(tool_call_id, str) else None,
+        name=name if isinstance(name, str) else None,
+        weight=weight,
+        reasoning=_normalize_reasoning(m, role, where),
+    )
 
 
 _REASONING_KEYS = ("reasoning_content", "reasoning")  # vLLM / DeepSeek / Qwen exports; `reasoning`: OpenRouter, others
@@ -196,8 +221,11 @@ def _normalize_reasoning(m: dict, role: str, where: str) -> str | None:
     given = {k: m[k] for k in _REASONING_KEYS if k in m}
     for k, v in given.items():
         if not isinstance(v, str):
-            raise RecordError("invalid_reasoning", f"{where}.{k}: reasoning must be a string, got {type(v).__name__} "
-                                                   "(structured reasoning parts are not read)")
+            raise RecordError(
+                "invalid_reasoning",
+                f"{where}.{k}: reasoning must be a string, got {type(v).__name__} "
+                "(structured reasoning parts are not read)",
+            )
         _check_text(v, f"{where}.{k}")
     texts = {v for v in given.values() if v.strip()}  # "" is what exporters write for a turn without thinking
     if not texts:
@@ -205,8 +233,9 @@ def _normalize_reasoning(m: dict, role: str, where: str) -> str | None:
     if len(texts) > 1:
         raise RecordError("invalid_reasoning", f"{where}: reasoning_content and reasoning differ; keep one")
     if role != "assistant":
-        raise RecordError("invalid_reasoning", f"{where}: a {role} message carries reasoning; only assistant turns "
-                                               "think")
+        raise RecordError(
+            "invalid_reasoning", f"{where}: a {role} message carries reasoning; only assistant turns think"
+        )
     return texts.pop()
 
 
@@ -251,8 +280,10 @@ def _normalize_part(p, where: str, pending: dict[str, list], ctx: "_ImageContext
         if isinstance(ref, dict):
             ref = ref.get("url")
         if ref is None and "file_id" in p:
-            raise RecordError("unsupported_file_id", f"{where}: image given by file_id (OpenAI Files API); inline it "
-                                                     "as a data URI or path")
+            raise RecordError(
+                "unsupported_file_id",
+                f"{where}: image given by file_id (OpenAI Files API); inline it as a data URI or path",
+            )
         return [Part("image", image=ctx.fetch(ref, where))]
     if ptype == "image":
         if isinstance(p.get("source"), dict):
@@ -268,9 +299,12 @@ def _normalize_part(p, where: str, pending: dict[str, list], ctx: "_ImageContext
 
 def _video(p: dict, ptype: str, where: str, ctx: "_ImageContext") -> Part:
     if not ctx.videos:
-        raise RecordError("unsupported_video", f"{where}: this processor's family has no video support in "
-                                               "vlmprep (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have); drop the "
-                                               "video part or build with one of those processors")
+        raise RecordError(
+            "unsupported_video",
+            f"{where}: this processor's family has no video support in "
+            "vlmprep (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have); drop the "
+            "video part or build with one of those processors",
+        )
     return Part("video", video=_video_part(p, ptype, where, ctx))
 
 
@@ -290,10 +324,18 @@ def _video_part(p: dict, ptype: str, where: str, ctx: "_ImageContext") -> VideoD
         v = opts.get(k)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or (kind is int and v != int(v)) \
-                or v != v or v == float("inf"):
-            raise RecordError("invalid_video_option", f"{where}: {k}={v!r} must be a positive "
-                                                      f"{'number' if kind is float else 'integer'}")
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not v > 0
+            or (kind is int and v != int(v))
+            or v != v
+            or v == float("inf")
+        ):
+            raise RecordError(
+                "invalid_video_option",
+                f"{where}: {k}={v!r} must be a positive {'number' if kind is float else 'integer'}",
+            )
         options[k] = kind(v)
     if isinstance(ref, list):
         if not ref:
@@ -313,10 +355,13 @@ def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:
     if kind == "url":
         return ctx.fetch(src.get("url"), where)
     if kind == "file" or "file_id" in src:
-        raise RecordError("unsupported_file_id", f"{where}: image given by file_id (Anthropic Files API); inline it "
-                                                 "as base64 data or a path")
-    raise RecordError("unsupported_image_source", f"{where}: Anthropic image source type {kind!r} is not supported "
-                                                  "(base64 or url)")
+        raise RecordError(
+            "unsupported_file_id",
+            f"{where}: image given by file_id (Anthropic Files API); inline it as base64 data or a path",
+        )
+    raise RecordError(
+        "unsupported_image_source", f"{where}: Anthropic image source type {kind!r} is not supported (base64 or url)"
+    )
 
 
 def _normalize_tool_call(tc, where: str) -> ToolCall:

@@ -2,13 +2,15 @@
 Text runs advance all three axes together; an image or video run spans (t, h/merge, w/merge) on its own axes, its
 temporal ids spaced by the run's interval (Qwen2.5-VL video), and the text after it starts max(h, w)/merge later.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
-def mrope_position_ids(length: int, image_runs: list[tuple[int, int]], grids: np.ndarray, merge_size: int,
-                       intervals: list | None = None) -> np.ndarray:
+def mrope_position_ids(
+    length: int, image_runs: list[tuple[int, int]], grids: np.ndarray, merge_size: int, intervals: list | None = None
+) -> np.ndarray:
     """image_runs: [start, end) token ranges of each image's (or video's) placeholder run, in order; grids: N x 3
     (t, h, w); intervals: the temporal step of each run (1, or a float32 as Qwen2.5-VL's time_interval)."""
     pos = np.empty((3, length), dtype=np.int64)

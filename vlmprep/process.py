@@ -5,6 +5,7 @@
               --encode_sample--> ShardSample
 An image's grid (so its tokens) comes from its header; only the images some sample keeps are decoded and resized.
 """
+
 from __future__ import annotations
 
 import collections
@@ -55,19 +56,34 @@ class Renderer:
         warned = getattr(processor.tokenizer, "deprecation_warnings", None)
         if isinstance(warned, dict):
             warned["sequence-length-is-longer-than-the-specified-maximum"] = True
-        policy = MaskPolicy(train_on_roles=frozenset(cfg.train_on_roles), train_on_eos=cfg.train_on_eos,
-                            last_turn_only=cfg.last_turn_only, tool_calls=cfg.tool_calls, reasoning=cfg.reasoning)
+        policy = MaskPolicy(
+            train_on_roles=frozenset(cfg.train_on_roles),
+            train_on_eos=cfg.train_on_eos,
+            last_turn_only=cfg.last_turn_only,
+            tool_calls=cfg.tool_calls,
+            reasoning=cfg.reasoning,
+        )
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
-        self.norm = NormalizeOptions(image_root=cfg.image_root, allow_remote=cfg.allow_remote,
-                                     max_images_per_record=cfg.max_images_per_record,
-                                     max_image_bytes=cfg.max_image_bytes, max_video_bytes=cfg.max_video_bytes,
-                                     videos=self.ctx.family.video is not None)
+        self.norm = NormalizeOptions(
+            image_root=cfg.image_root,
+            allow_remote=cfg.allow_remote,
+            max_images_per_record=cfg.max_images_per_record,
+            max_image_bytes=cfg.max_image_bytes,
+            max_video_bytes=cfg.max_video_bytes,
+            videos=self.ctx.family.video is not None,
+        )
         if not saved:
             apply_pixel_budget(processor, self.ctx.family, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-            apply_video_budget(processor, self.ctx.family, fps=cfg.video_fps, max_frames=cfg.video_max_frames,
-                               default_fps=DEFAULT_VIDEO_FPS)
-        self.steps = StepPolicy(long_traces=cfg.long_traces, keep_images=cfg.keep_images,
-                                dropped_image_text=cfg.dropped_image_text)
+            apply_video_budget(
+                processor,
+                self.ctx.family,
+                fps=cfg.video_fps,
+                max_frames=cfg.video_max_frames,
+                default_fps=DEFAULT_VIDEO_FPS,
+            )
+        self.steps = StepPolicy(
+            long_traces=cfg.long_traces, keep_images=cfg.keep_images, dropped_image_text=cfg.dropped_image_text
+        )
         self.turns: collections.Counter = collections.Counter()
         self.lost: list[int] = []
         self._shapes: dict = {}  # an image's stored shape by its upright size (images.open_image)
@@ -100,19 +116,32 @@ class Renderer:
             opened: dict[bytes, PreparedImage] = {}
             for im in conv.images:
                 if im.data not in opened:
-                    opened[im.data] = open_image(im, self.processor, self.ctx.family,
-                                                 max_pixels=self.cfg.max_image_pixels,
-                                                 min_side=self.cfg.min_image_side, shapes=self._shapes)
+                    opened[im.data] = open_image(
+                        im,
+                        self.processor,
+                        self.ctx.family,
+                        max_pixels=self.cfg.max_image_pixels,
+                        min_side=self.cfg.min_image_side,
+                        shapes=self._shapes,
+                    )
                 images.append(opened[im.data])
             self.largest_image = max(map(self._image_tokens, images), default=0)
             # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
             # One longer than --seq-len rejects the record only where every trained turn follows it; a later one is
             # cut or its turns are lost, as an image there would be.
             first = min(assistant, default=len(conv.messages))
-            videos = {id(v): prepare_video(v, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
-                                           min_side=self.cfg.min_image_side,
-                                           max_tokens=self.cfg.seq_len if i < first else None)
-                      for i, m in enumerate(conv.messages) for v in m.videos}
+            videos = {
+                id(v): prepare_video(
+                    v,
+                    self.processor,
+                    self.ctx.family,
+                    max_pixels=self.cfg.max_image_pixels,
+                    min_side=self.cfg.min_image_side,
+                    max_tokens=self.cfg.seq_len if i < first else None,
+                )
+                for i, m in enumerate(conv.messages)
+                for v in m.videos
+            }
 
             steps, self.lost = self.plan(conv, images, videos)
             samples = []
@@ -126,10 +155,16 @@ class Renderer:
                 self.turns["images_removed_by_history"] += len(sc.removed_images)
                 if sc.split is not None and sc.split > 0 and sample.turn_spans:
                     self.turns["context_tokens_repeated"] += sample.turn_spans[0][1]
-                samples.append(dataclasses.replace(
-                    sample, id=conv.id if sc.split is None else f"{conv.id}#{sc.split}",
-                    source_messages=sc.source_messages, trains=sorted(after), removed_images=sc.removed_images,
-                    split=sc.split))
+                samples.append(
+                    dataclasses.replace(
+                        sample,
+                        id=conv.id if sc.split is None else f"{conv.id}#{sc.split}",
+                        source_messages=sc.source_messages,
+                        trains=sorted(after),
+                        removed_images=sc.removed_images,
+                        split=sc.split,
+                    )
+                )
             for s in samples:  # history, split and cut are done: decode and resize what the samples keep, once each
                 for im in s.images:
                     _ = im.pixels  # made here, so a fault in them rejects the record
@@ -148,13 +183,18 @@ class Renderer:
         key = "reasoning_turns_dropped" if self.ctx.policy.reasoning == "drop" else "reasoning_turns_not_rendered"
         self.turns[key] = len(reasoning - shown)
         self.turns["turns_lost_too_long"] = len(set(self.lost) & assistant)
-        self.turns["turns_lost_policy"] = (len(assistant) - self.turns["trained_assistant_turns"]
-                                           - self.turns["turns_lost_truncated"] - self.turns["turns_lost_too_long"])
+        self.turns["turns_lost_policy"] = (
+            len(assistant)
+            - self.turns["trained_assistant_turns"]
+            - self.turns["turns_lost_truncated"]
+            - self.turns["turns_lost_too_long"]
+        )
         self._count_large_image_loss(self.turns["turns_lost_truncated"] + self.turns["turns_lost_too_long"])
         return samples
 
-    def plan(self, conv: Conversation, images: list[PreparedImage],
-             videos: dict[int, PreparedVideo]) -> tuple[list[StepConversation], list[int]]:
+    def plan(
+        self, conv: Conversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]
+    ) -> tuple[list[StepConversation], list[int]]:
         """The conversations to render, one per sample: the whole record with the history policy applied, or, with
         --long-traces split and a trace longer than --seq-len, the step samples split_trace cuts it into; and the
         trained turns that fit no sample. Lengths come from the images' grids: no pixel is made here."""
@@ -177,8 +217,13 @@ class Renderer:
                 if k < len(opened):
                     _ = opened[k].pixels  # decodes it (once)
                 else:
-                    prepare_image(im, self.processor, self.ctx.family, max_pixels=self.cfg.max_image_pixels,
-                                  min_side=self.cfg.min_image_side)
+                    prepare_image(
+                        im,
+                        self.processor,
+                        self.ctx.family,
+                        max_pixels=self.cfg.max_image_pixels,
+                        min_side=self.cfg.min_image_side,
+                    )
             except RecordError as e:
                 return e
         return None
@@ -200,11 +245,18 @@ class Renderer:
 
     def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
         """The turn_too_long reject entry for a turn that does not fit --seq-len even with the least context."""
-        big = f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)" if self._large_image \
+        big = (
+            f" (the record holds an image of {self.largest_image} tokens: lower --max-pixels)"
+            if self._large_image
             else ""
-        return reject_entry(raw, "turn_too_long", f"messages[{message}]: this turn does not fit --seq-len "
-                            f"{self.cfg.seq_len} even with only the system message, the task and what the turn acts "
-                            f"on (the messages since the assistant turn before it) as context{big}")
+        )
+        return reject_entry(
+            raw,
+            "turn_too_long",
+            f"messages[{message}]: this turn does not fit --seq-len "
+            f"{self.cfg.seq_len} even with only the system message, the task and what the turn acts "
+            f"on (the messages since the assistant turn before it) as context{big}",
+        )
 
     def process(self, raw: RawRecord):
         """Returns (outcomes, turn accounting): outcomes are ("ok", ShardSample) per sample and ("reject", entry) per
@@ -214,9 +266,18 @@ class Renderer:
             samples = self.render(raw)
             outcomes, encoded = [], {}
             for sample in samples:
-                outcomes.append(("ok", encode_sample(sample, key=sample_key(raw.position, sample.split),
-                                                     image_format=self.cfg.image_format,
-                                                     zstd_level=self.cfg.zstd_level, encoded=encoded)))
+                outcomes.append(
+                    (
+                        "ok",
+                        encode_sample(
+                            sample,
+                            key=sample_key(raw.position, sample.split),
+                            image_format=self.cfg.image_format,
+                            zstd_level=self.cfg.zstd_level,
+                            encoded=encoded,
+                        ),
+                    )
+                )
             outcomes += [("reject", self.lost_turn_entry(raw, i)) for i in self.lost]
             return outcomes, dict(self.turns)
         except RecordError as e:
@@ -240,8 +301,9 @@ def rejected_turns(raw: RawRecord, conv: Conversation | None, counted: collectio
         messages = messages if isinstance(messages, list) else []
         n = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
     keep = ("reasoning_turns", "turns_lost_large_image")
-    return collections.Counter({"input_assistant_turns": n, "turns_lost_rejected": n,
-                                **{k: counted[k] for k in keep if counted[k]}})
+    return collections.Counter(
+        {"input_assistant_turns": n, "turns_lost_rejected": n, **{k: counted[k] for k in keep if counted[k]}}
+    )
 
 
 def _pick(sc: StepConversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]) -> tuple[list, list]:
@@ -258,8 +320,12 @@ def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
             rid = v if isinstance(v, (str, int)) else None
         except Exception:  # noqa: BLE001 - the record is being rejected already; its id is only a nicety
             pass
-    entry = {"source": {"file": printable(raw.source.file), "line": raw.source.line}, "id": rid, "reason": reason,
-             "message": printable(message)}
+    entry = {
+        "source": {"file": printable(raw.source.file), "line": raw.source.line},
+        "id": rid,
+        "reason": reason,
+        "message": printable(message),
+    }
     if raw.unread_bytes:  # a file-level fault: counted in the manifest's totals.unread_bytes
         entry["unread_bytes"] = raw.unread_bytes
     return entry

@@ -2,6 +2,7 @@
 Streams .jsonl and .jsonl.zst in constant memory (never decompresses to disk); .json arrays load whole; Parquet and
 Arrow tables by row group (tables.py).
 """
+
 from __future__ import annotations
 
 import glob
@@ -40,8 +41,9 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Input]:
             except LocationError as e:
                 raise InputError(str(e)) from None
         elif p.is_dir():
-            matched = sorted(q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES)
-                             and not _hf_metadata(q))
+            matched = sorted(
+                q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES) and not _hf_metadata(q)
+            )
         elif any(ch in pat for ch in "*?["):
             matched = sorted(Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file())
         elif p.is_file():
@@ -52,8 +54,9 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Input]:
             raise InputError(f"no input files matched: {pat}")
         for m in matched:
             if not m.name.endswith(SUFFIXES):
-                raise InputError(f"unsupported input file type: {m} (expected .jsonl, .jsonl.zst, .json, .parquet or "
-                                 ".arrow)")
+                raise InputError(
+                    f"unsupported input file type: {m} (expected .jsonl, .jsonl.zst, .json, .parquet or .arrow)"
+                )
             if m not in seen:
                 seen.add(m)
                 files.append(m)
@@ -103,8 +106,11 @@ class _ZstdStream(io.RawIOBase):
             chunk = self._raw.read(_CHUNK - self._cin % _CHUNK)
             if not chunk:
                 if self._in_frame:
-                    self.fault = (zstandard.ZstdError("the file ends inside a zstd frame (cut off)"), self._cin,
-                                  self._frame_start)
+                    self.fault = (
+                        zstandard.ZstdError("the file ends inside a zstd frame (cut off)"),
+                        self._cin,
+                        self._frame_start,
+                    )
                 return 0
             while chunk:
                 if not self._in_frame:
@@ -130,7 +136,7 @@ class _ZstdStream(io.RawIOBase):
 
     def _hand_out(self, b):
         n = min(len(b), len(self._buf) - self._off)
-        b[:n] = self._buf[self._off:self._off + n]
+        b[:n] = self._buf[self._off : self._off + n]
         self._off += n
         return n
 
@@ -151,14 +157,16 @@ class Seek:
     frame_offset: int = 0
 
 
-def _open_lines(path: Input, max_window_size: int, seek: Seek = Seek(),
-                frames: list | None = None) -> io.BufferedReader:
+def _open_lines(
+    path: Input, max_window_size: int, seek: Seek = Seek(), frames: list | None = None
+) -> io.BufferedReader:
     raw = open_input(path)
     if path.name.endswith((".zst", ".zstd")):
         raw.seek(seek.frame)
         # max_window_size bounds decoder memory against a hostile frame header.
-        f = io.BufferedReader(_ZstdStream(raw, max_window_size, frames, (seek.frame, seek.frame_offset)),
-                              buffer_size=1 << 20)
+        f = io.BufferedReader(
+            _ZstdStream(raw, max_window_size, frames, (seek.frame, seek.frame_offset)), buffer_size=1 << 20
+        )
         skip = seek.offset - seek.frame_offset
         while skip > 0:  # from the frame start to the task's first line
             n = len(f.read(min(skip, 1 << 20)))
@@ -170,9 +178,17 @@ def _open_lines(path: Input, max_window_size: int, seek: Seek = Seek(),
     return io.BufferedReader(raw, buffer_size=1 << 20)
 
 
-def iter_file_records(path: Input, *, start_position: int = 0, max_line_bytes: int = default("max_line_bytes"),
-                      max_zstd_window: int = default("max_zstd_window"), seek: Seek = Seek(),
-                      frames: list | None = None, input_name: str = "", scan: bool = False) -> Iterator[RawRecord]:
+def iter_file_records(
+    path: Input,
+    *,
+    start_position: int = 0,
+    max_line_bytes: int = default("max_line_bytes"),
+    max_zstd_window: int = default("max_zstd_window"),
+    seek: Seek = Seek(),
+    frames: list | None = None,
+    input_name: str = "",
+    scan: bool = False,
+) -> Iterator[RawRecord]:
     """Yield one RawRecord per non-blank line (table row), from `seek` on; a file-level fault becomes a final record
     carrying the error, after every line read before it. `frames`, when given, collects the zstd frame starts seen
     (the plan's seek points); `input_name` is the input's name for generated ids (see input_names); `scan`: the
@@ -180,8 +196,7 @@ def iter_file_records(path: Input, *, start_position: int = 0, max_line_bytes: i
     name = str(path)
     pos = start_position
     if is_table(path):
-        yield from iter_table_records(path, start_position=pos, first_row=seek.offset, input_name=input_name,
-                                      scan=scan)
+        yield from iter_table_records(path, start_position=pos, first_row=seek.offset, input_name=input_name, scan=scan)
         return
     if path.name.endswith(".json"):
         try:
@@ -189,23 +204,37 @@ def iter_file_records(path: Input, *, start_position: int = 0, max_line_bytes: i
                 data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else e
-            yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("invalid_json_file", f"{name}: {why}"),
-                            unread_bytes=size_of(path))
+            yield RawRecord(
+                Source(name, 0, input_name),
+                pos,
+                error=RecordError("invalid_json_file", f"{name}: {why}"),
+                unread_bytes=size_of(path),
+            )
             return
         if isinstance(data, dict) and ("messages" in data or "conversations" in data):
             data = [data]
         if not isinstance(data, list):
-            shape = (f"an object with keys {', '.join(sorted(data)[:8])}" if isinstance(data, dict)
-                     else f"a JSON {type(data).__name__}")
-            yield RawRecord(Source(name, 0, input_name), pos, error=RecordError(
-                "invalid_json_file", f"{name}: a .json input must be an array of records or one record (an object "
-                                     f"with 'messages'), not {shape}; use .jsonl for one record per line"))
+            shape = (
+                f"an object with keys {', '.join(sorted(data)[:8])}"
+                if isinstance(data, dict)
+                else f"a JSON {type(data).__name__}"
+            )
+            yield RawRecord(
+                Source(name, 0, input_name),
+                pos,
+                error=RecordError(
+                    "invalid_json_file",
+                    f"{name}: a .json input must be an array of records or one record (an object "
+                    f"with 'messages'), not {shape}; use .jsonl for one record per line",
+                ),
+            )
             return
         if not data:
-            yield RawRecord(Source(name, 0, input_name), pos,
-                            error=RecordError("empty_file", f"{name} holds no records"))
+            yield RawRecord(
+                Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records")
+            )
             return
-        for i, item in enumerate(data[seek.offset:], start=seek.offset + 1):
+        for i, item in enumerate(data[seek.offset :], start=seek.offset + 1):
             yield RawRecord(Source(name, i, input_name), pos, data=item, offset=i - 1, size=len(json.dumps(item)))
             pos += 1
         return
@@ -227,11 +256,16 @@ def iter_file_records(path: Input, *, start_position: int = 0, max_line_bytes: i
                         offset += len(chunk)
                         if not chunk or chunk.endswith(b"\n"):
                             break
-                    yield RawRecord(Source(name, lineno, input_name), pos, offset=start, size=offset - start,
-                                    error=RecordError("line_too_long", f"line exceeds max_line_bytes={max_line_bytes}"))
+                    yield RawRecord(
+                        Source(name, lineno, input_name),
+                        pos,
+                        offset=start,
+                        size=offset - start,
+                        error=RecordError("line_too_long", f"line exceeds max_line_bytes={max_line_bytes}"),
+                    )
                     pos += 1
                     continue
-                text = line[len(_BOM):] if start == 0 and line.startswith(_BOM) else line  # as .json reads it
+                text = line[len(_BOM) :] if start == 0 and line.startswith(_BOM) else line  # as .json reads it
                 if not text.strip():
                     continue
                 yield RawRecord(Source(name, lineno, input_name), pos, text=text, offset=start, size=len(line))
@@ -239,9 +273,13 @@ def iter_file_records(path: Input, *, start_position: int = 0, max_line_bytes: i
             fault = getattr(f.raw, "fault", None)
     except OSError as e:
         plain = not path.name.endswith((".zst", ".zstd"))  # a .zst's offsets are decompressed: not file bytes
-        yield RawRecord(Source(name, lineno + 1, input_name), pos, offset=offset,
-                        error=RecordError("read_error", f"{name}: {e}"),
-                        unread_bytes=_size(path) - offset if plain else 0)
+        yield RawRecord(
+            Source(name, lineno + 1, input_name),
+            pos,
+            offset=offset,
+            error=RecordError("read_error", f"{name}: {e}"),
+            unread_bytes=_size(path) - offset if plain else 0,
+        )
         return
     if fault is not None:
         yield _zstd_fault(path, fault, Source(name, lineno + 1, input_name), pos, offset)
@@ -263,17 +301,22 @@ def _zstd_fault(path: Path, fault: tuple, source: Source, position: int, offset:
     e, at, frame = fault
     size = _size(path)
     if at >= size:
-        message = (f"{path}: the file ends inside the zstd frame that starts at byte {frame} (cut off); the lines "
-                   "before the cut were kept")
+        message = (
+            f"{path}: the file ends inside the zstd frame that starts at byte {frame} (cut off); the lines "
+            "before the cut were kept"
+        )
     else:
-        message = (f"{path}: {e} at byte {at} of {size} (zstd frame from byte {frame}); the lines before it were "
-                   f"kept, the {size - at} bytes from there on were not read")
+        message = (
+            f"{path}: {e} at byte {at} of {size} (zstd frame from byte {frame}); the lines before it were "
+            f"kept, the {size - at} bytes from there on were not read"
+        )
     low = str(e).lower()
     reason = "zstd_window_too_large" if ("window" in low or "too much memory" in low) else "corrupt_zstd_stream"
     if reason == "zstd_window_too_large":
         message += " (raise --max-zstd-window if the file is trusted)"
-    return RawRecord(source, position, offset=offset, error=RecordError(reason, message),
-                     unread_bytes=max(size - at, 0))
+    return RawRecord(
+        source, position, offset=offset, error=RecordError(reason, message), unread_bytes=max(size - at, 0)
+    )
 
 
 def input_names(files: list[Input]) -> list[str]:
@@ -291,15 +334,20 @@ def input_names(files: list[Input]) -> list[str]:
     return [names[i] for i in range(len(files))]
 
 
-def iter_records(files: list[Input], *, max_line_bytes: int = default("max_line_bytes"),
-                 max_zstd_window: int = default("max_zstd_window")) -> Iterator[RawRecord]:
+def iter_records(
+    files: list[Input],
+    *,
+    max_line_bytes: int = default("max_line_bytes"),
+    max_zstd_window: int = default("max_zstd_window"),
+) -> Iterator[RawRecord]:
     """Input files in order -> their raw records (RawRecord: each line's bytes unparsed, a .json array's items, or a
     file-level fault in a record's place), numbered by one position across all files; each file read in a stream
     (zstd, line-size and window limits), so no input is ever held whole in memory."""
     pos = 0
     for path, name in zip(files, input_names(files)):
-        for rec in iter_file_records(path, start_position=pos, max_line_bytes=max_line_bytes,
-                                     max_zstd_window=max_zstd_window, input_name=name):
+        for rec in iter_file_records(
+            path, start_position=pos, max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window, input_name=name
+        ):
             pos = rec.position + 1
             yield rec
 
@@ -346,8 +394,9 @@ def _check_unicode(data) -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise RecordError("invalid_unicode", f"{path or 'record'}: holds a lone surrogate: "
-                                                     f"{json.dumps(v[:60])}") from None
+                raise RecordError(
+                    "invalid_unicode", f"{path or 'record'}: holds a lone surrogate: {json.dumps(v[:60])}"
+                ) from None
         elif isinstance(v, dict):
             for k, x in reversed(list(v.items())):  # reversed: the stack pops the first field first
                 stack.append((f"{path}.{k}" if path else k, x))

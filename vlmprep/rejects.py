@@ -1,5 +1,6 @@
 """The registry of reject reasons: every reason code a bad record can get, with its stage and what it means.
 RecordError refuses a reason not listed here; docs/rejects.md's table is generated from it (reasons_table)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ REASONS: dict[str, Reason] = {
         unsupported_audio="",
         invalid_text="",
         invalid_unicode="a lone surrogate, valid JSON as `\\udc00`, in any string or key of the record; names the first"
-                        " such field, e.g. `id` or `messages[2].tool_calls[0].function.name`",
+        " such field, e.g. `id` or `messages[2].tool_calls[0].function.name`",
         invalid_id="an `id` neither a string nor an integer",
         invalid_weight="",
         invalid_reasoning="not a string, two differing fields, on a non-assistant message",
@@ -70,8 +71,8 @@ REASONS: dict[str, Reason] = {
         remote_fetch_failed="",
         image_file_too_large="`--max-image-bytes`, local files and `--allow-remote` fetches alike",
         image_count_mismatch="ShareGPT / LLaMA-Factory layout: `<image>` markers and images differ in number; or"
-                             " the template drops a message's images, e.g. Qwen3-VL's in assistant turns: names the"
-                             " message",
+        " the template drops a message's images, e.g. Qwen3-VL's in assistant turns: names the"
+        " message",
         too_many_images="`--max-images-per-record`",
     ),
     **_stage(
@@ -93,11 +94,11 @@ REASONS: dict[str, Reason] = {
         video_too_large="frames over `--max-image-pixels`",
         video_too_small="frames with a side under `--min-image-side`, as images",
         raw_video_stream="an elementary stream with no container, e.g. `.h264`: no frame times, its rate unknown; wrap"
-                         " it in MP4 at its real rate",
+        " it in MP4 at its real rate",
         video_too_long="its tokens alone exceed `--seq-len` even at the sampled frames, before the first answer: lower"
-                       " fps / max_frames / max_pixels; a later one costs only its turn, as an image",
+        " fps / max_frames / max_pixels; a later one costs only its turn, as an image",
         video_count_mismatch="ShareGPT / LLaMA-Factory layout: `<video>` markers and `videos` differ in number; or"
-                             " the template drops a video, e.g. in an assistant turn",
+        " the template drops a video, e.g. in an assistant turn",
     ),
     **_stage(
         "image content",
@@ -112,7 +113,7 @@ REASONS: dict[str, Reason] = {
     **_stage(
         "render and mask",
         template_refused="the chat template raised on the conversation, e.g. Gemma 3's roles that do not alternate"
-                         " (a tool turn) or Llama 3.2 Vision's system message beside an image",
+        " (a tool turn) or Llama 3.2 Vision's system message beside an image",
         special_token_in_text="",
         sentinel_in_text="",
         template_not_verbatim="",
@@ -134,7 +135,7 @@ REASONS: dict[str, Reason] = {
     **_stage(
         "anything else",
         internal_error="an unexpected exception while handling this one record, a vlmprep bug: please report it with"
-                       " the record; the record is rejected and the build goes on",
+        " the record; the record is rejected and the build goes on",
     ),
 }
 

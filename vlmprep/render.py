@@ -2,6 +2,7 @@
 the rendered text, each image and video expanded as the processor does, token ids, mm token types and positions;
 the loss mask comes from the mask stage (mask.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,14 @@ from vlmprep.processors.llama import TOKEN_BREAK
 from vlmprep.tokens import TextEncoder, alternation, shorten_runs
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
 
-__all__ = ["MaskPolicy", "RenderContext", "count_tokens", "render_conversation", "template_messages",
-           "trained_messages"]  # re-exported for callers of render: MaskPolicy, trained_messages from mask.py,
+__all__ = [
+    "MaskPolicy",
+    "RenderContext",
+    "count_tokens",
+    "render_conversation",
+    "template_messages",
+    "trained_messages",
+]  # re-exported for callers of render: MaskPolicy, trained_messages from mask.py,
 # template_messages from chat_template.py
 
 
@@ -44,26 +51,35 @@ class RenderContext:
     """A loaded processor plus its family, template, policy and the ids render needs, computed once per process.
     Without a policy it renders as `vlmprep build` does by default (MaskPolicy(): --tool-calls reject included)."""
 
-    def __init__(self, processor, *, chat_template: str | None = None, policy: MaskPolicy | None = None,
-                 role_boundaries: str | None = None):
+    def __init__(
+        self,
+        processor,
+        *,
+        chat_template: str | None = None,
+        policy: MaskPolicy | None = None,
+        role_boundaries: str | None = None,
+    ):
         self.processor = processor
         self.family: FamilySpec = resolve_family(processor, role_boundaries)
         self.policy = policy or MaskPolicy()  # no policy: `vlmprep build`'s default one
         self.tokenizer = tok = processor.tokenizer
         self.chat_template = chat_template or processor.chat_template
         if not self.chat_template or not isinstance(self.chat_template, str):
-            raise ValueError(f"processor {type(processor).__name__} has no single chat template: "
-                             "pass --chat-template FILE")
+            raise ValueError(
+                f"processor {type(processor).__name__} has no single chat template: pass --chat-template FILE"
+            )
         self.image_token = getattr(processor, "image_token", None)
         if self.image_token is None:
-            raise ValueError(f"processor {type(processor).__name__} declares no image_token; "
-                             "vlmprep cannot place images")
+            raise ValueError(
+                f"processor {type(processor).__name__} declares no image_token; vlmprep cannot place images"
+            )
         self.eot_ids = {}
         for t in self.family.end_of_turn:
             i = tok.convert_tokens_to_ids(t)
             if i is None or i == tok.unk_token_id or tok.convert_ids_to_tokens(i) != t:
-                raise ValueError(f"end-of-turn token {t!r} of family {self.family.name} "
-                                 "is not one token of this tokenizer")
+                raise ValueError(
+                    f"end-of-turn token {t!r} of family {self.family.name} is not one token of this tokenizer"
+                )
             self.eot_ids[i] = t
         self.wrap_open = {tok.convert_tokens_to_ids(t) for t in self.family.wrapper_open}
         self.wrap_close = {tok.convert_tokens_to_ids(t) for t in self.family.wrapper_close}
@@ -85,10 +101,12 @@ class RenderContext:
         # pieces its vendor encodes apart. It never decodes back, so the mask proof compares without it.
         self.token_break = TOKEN_BREAK if not tok(TOKEN_BREAK, add_special_tokens=False)["input_ids"] else None
         # Text must not contain any control or placeholder string, special-flagged or not.
-        placeholders = {getattr(processor, a, None)
-                        for a in ("image_token", "video_token", "boi_token", "fake_image_token")}
-        self._forbidden_re = alternation(specials | {p for p in placeholders if isinstance(p, str) and p}
-                                          | {self.token_break})
+        placeholders = {
+            getattr(processor, a, None) for a in ("image_token", "video_token", "boi_token", "fake_image_token")
+        }
+        self._forbidden_re = alternation(
+            specials | {p for p in placeholders if isinstance(p, str) and p} | {self.token_break}
+        )
         merged = processor._merge_kwargs(tokenizer_init_kwargs=getattr(tok, "init_kwargs", {}))
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
         mm_params = inspect.signature(processor.create_mm_token_type_ids).parameters
@@ -96,14 +114,24 @@ class RenderContext:
 
     def slots(self, conv: Conversation) -> list[Slot]:
         """The conversation's text slots (message text, tool calls, reasoning) in the order the template prints them."""
-        return message_slots(conv, reasoning=self.reasoning, string_content=self.family.string_content,
-                             drop_reasoning=self.policy.reasoning == "drop")
+        return message_slots(
+            conv,
+            reasoning=self.reasoning,
+            string_content=self.family.string_content,
+            drop_reasoning=self.policy.reasoning == "drop",
+        )
 
     def messages(self, conv: Conversation, texts: list[str] | None = None) -> list[dict]:
         """HF chat-template messages for `conv`, exactly as render passes them (texts: replacement slot strings)."""
-        return template_messages(conv, texts, reasoning=self.reasoning, string_content=self.family.string_content,
-                                 empty_as_string=self.empty_as_string, parse_arguments=self.parse_arguments,
-                                 drop_reasoning=self.policy.reasoning == "drop")
+        return template_messages(
+            conv,
+            texts,
+            reasoning=self.reasoning,
+            string_content=self.family.string_content,
+            empty_as_string=self.empty_as_string,
+            parse_arguments=self.parse_arguments,
+            drop_reasoning=self.policy.reasoning == "drop",
+        )
 
     def reasoning_messages(self, conv: Conversation) -> list[int]:
         """Messages that carry reasoning: a reasoning_content, or a <think> block the template splits off itself."""
@@ -116,11 +144,15 @@ class RenderContext:
 
         kwargs = {"tools": tools} if tools else {}
         try:
-            return self.processor.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      **kwargs)
+            return self.processor.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, **kwargs
+            )
         except TemplateError as e:  # the template's own raise_exception: this conversation is not one it takes
-            raise RecordError("template_refused", f"the chat template refuses this conversation: {str(e)[:200]}; "
-                              "pass a --chat-template that takes it (roles, tools, images)") from None
+            raise RecordError(
+                "template_refused",
+                f"the chat template refuses this conversation: {str(e)[:200]}; "
+                "pass a --chat-template that takes it (roles, tools, images)",
+            ) from None
 
     def image_replacements(self, images: list[PreparedImage], rendered: str) -> list[str]:
         """The processor's own expansion of each image placeholder (replace_image_token), from the stored pixels."""
@@ -147,8 +179,10 @@ class RenderContext:
 
         if not videos:
             return []
-        inputs = {"video_grid_thw": np.array([v.grid_thw for v in videos], dtype=np.int64),
-                  "video_metadata": [video_metadata(v) for v in videos]}
+        inputs = {
+            "video_grid_thw": np.array([v.grid_thw for v in videos], dtype=np.int64),
+            "video_metadata": [video_metadata(v) for v in videos],
+        }
         return [self.processor.replace_video_token(inputs, video_idx=i) for i in range(len(videos))]
 
     def mm_token_types(self, ids: np.ndarray, image_token_lengths: list[int]) -> np.ndarray:
@@ -169,12 +203,15 @@ def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:
         for s in [m.text, m.reasoning or ""] + calls:
             hit = ctx._forbidden_re.search(s)
             if hit:
-                raise RecordError("special_token_in_text",
-                                  f"messages[{i}] ({m.role}) contains the control token {hit.group(0)!r} as text")
+                raise RecordError(
+                    "special_token_in_text",
+                    f"messages[{i}] ({m.role}) contains the control token {hit.group(0)!r} as text",
+                )
 
 
-def render_conversation(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
-                        videos: list[PreparedVideo] = ()) -> RenderedSample:
+def render_conversation(
+    conv: Conversation, ctx: RenderContext, images: list[PreparedImage], videos: list[PreparedVideo] = ()
+) -> RenderedSample:
     """A Conversation and its prepared images and videos -> one RenderedSample: token ids from the processor's own
     chat template with each image or video expanded to its placeholder tokens, the 0/1 loss mask (which turns and
     parts train, per --train-on-roles, --tool-calls, --reasoning), the multimodal token types and MRoPE position ids.
@@ -186,8 +223,11 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     _check_no_special_tokens(conv, ctx)
     if ctx.policy.reasoning == "reject":
         for i in ctx.reasoning_messages(conv):
-            raise RecordError("reasoning_refused", f"messages[{i}]: this assistant turn carries reasoning and "
-                                                   "--reasoning reject refuses it; pass --reasoning train|context|drop")
+            raise RecordError(
+                "reasoning_refused",
+                f"messages[{i}]: this assistant turn carries reasoning and "
+                "--reasoning reject refuses it; pass --reasoning train|context|drop",
+            )
     slots = ctx.slots(conv)
     rendered = ctx.render_text(ctx.messages(conv), conv.tools)
     located = locate_slots(ctx, conv, slots, rendered)
@@ -200,9 +240,20 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
     starts, ends = offsets[:, 0], offsets[:, 1]
     image_spans, video_spans, mm_types, in_image = _expansion_spans(ctx, offs, ids, starts, ends)
 
-    loss_mask, unrendered, turn_spans = compute_mask(MaskInputs(
-        conv=conv, ctx=ctx, slots=slots, located=located, rendered=rendered, expanded=expanded,
-        at=_char_map(offs), ids=ids, starts=starts, ends=ends))
+    loss_mask, unrendered, turn_spans = compute_mask(
+        MaskInputs(
+            conv=conv,
+            ctx=ctx,
+            slots=slots,
+            located=located,
+            rendered=rendered,
+            expanded=expanded,
+            at=_char_map(offs),
+            ids=ids,
+            starts=starts,
+            ends=ends,
+        )
+    )
     if (loss_mask.astype(bool) & in_image).any():
         raise RecordError("mask_verification_failed", "a trained token lies inside an image wrapper")
 
@@ -216,33 +267,51 @@ def render_conversation(conv: Conversation, ctx: RenderContext, images: list[Pre
             runs.append((a + int(run[0]), a + int(run[-1]) + 1, tuple(grids[len(runs)]), 1))
         for k, (a, b) in enumerate(video_spans):
             runs += _video_runs(ctx, a, mm_types[a:b], video_grids[k], sgt[k])
-        positions = mrope_position_ids(len(ids), [r[:2] for r in sorted(runs)],
-                                       np.array([r[2] for r in sorted(runs)], dtype=np.int64).reshape(-1, 3),
-                                       ctx.processor.image_processor.merge_size,
-                                       intervals=[r[3] for r in sorted(runs)])
+        positions = mrope_position_ids(
+            len(ids),
+            [r[:2] for r in sorted(runs)],
+            np.array([r[2] for r in sorted(runs)], dtype=np.int64).reshape(-1, 3),
+            ctx.processor.image_processor.merge_size,
+            intervals=[r[3] for r in sorted(runs)],
+        )
     else:
         positions = np.broadcast_to(np.arange(len(ids), dtype=np.int32), (3, len(ids))).copy()
 
     return RenderedSample(
-        id=conv.id, source=conv.source, input_ids=ids.astype(np.int32), loss_mask=loss_mask,
-        mm_token_type_ids=mm_types, position_ids=positions, image_grid_thw=grids, images=list(images),
-        image_spans=image_spans, video_grid_thw=video_grids, second_per_grid_ts=sgt, videos=list(videos),
-        video_spans=video_spans, num_tokens_before_truncation=len(ids), unrendered_tool_calls=unrendered,
-        turn_spans=turn_spans, reasoning_rendered=reasoning_rendered,
+        id=conv.id,
+        source=conv.source,
+        input_ids=ids.astype(np.int32),
+        loss_mask=loss_mask,
+        mm_token_type_ids=mm_types,
+        position_ids=positions,
+        image_grid_thw=grids,
+        images=list(images),
+        image_spans=image_spans,
+        video_grid_thw=video_grids,
+        second_per_grid_ts=sgt,
+        videos=list(videos),
+        video_spans=video_spans,
+        num_tokens_before_truncation=len(ids),
+        unrendered_tool_calls=unrendered,
+        turn_spans=turn_spans,
+        reasoning_rendered=reasoning_rendered,
     )
 
 
 def _reasoning_rendered(ctx: RenderContext, slots: list[Slot], located: list[Located]) -> list[int]:
     """Messages whose reasoning the template printed; reasoning it cannot print is a reject, never a silent loss."""
-    printed = sorted({slots[loc.slot].msg for loc in located
-                      if slots[loc.slot].kind == "reasoning" and slots[loc.slot].text.strip()})
+    printed = sorted(
+        {slots[loc.slot].msg for loc in located if slots[loc.slot].kind == "reasoning" and slots[loc.slot].text.strip()}
+    )
     if not ctx.renders_reasoning:
         for slot in slots:
             if slot.kind == "reasoning" and slot.text.strip() and slot.msg not in printed:
-                raise RecordError("reasoning_not_rendered",
-                                  f"messages[{slot.msg}]: the chat template does not render reasoning_content; pass "
-                                  "--reasoning drop to train without it (counted), or a --chat-template that "
-                                  "renders it")
+                raise RecordError(
+                    "reasoning_not_rendered",
+                    f"messages[{slot.msg}]: the chat template does not render reasoning_content; pass "
+                    "--reasoning drop to train without it (counted), or a --chat-template that "
+                    "renders it",
+                )
     return printed
 
 
@@ -302,8 +371,9 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
     family = ctx.family
     if family.video == "qwen3":
         if len(bounds) != t:
-            raise RecordError("image_wrapper_missing",
-                              f"a video of {t} temporal patches expanded to {len(bounds)} runs")
+            raise RecordError(
+                "image_wrapper_missing", f"a video of {t} temporal patches expanded to {len(bounds)} runs"
+            )
         return [(start + int(a), start + int(b), (1, h, w), 1) for a, b in bounds]
     if len(bounds) != 1:
         raise RecordError("image_wrapper_missing", f"a video expanded to {len(bounds)} placeholder runs, expected 1")
@@ -311,8 +381,13 @@ def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) ->
     return [(start + int(bounds[0][0]), start + int(bounds[0][1]), (t, h, w), interval)]
 
 
-def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedImage],
-                 videos: list[PreparedVideo] = (), pieces: dict[str, int] | None = None) -> int:
+def count_tokens(
+    conv: Conversation,
+    ctx: RenderContext,
+    images: list[PreparedImage],
+    videos: list[PreparedVideo] = (),
+    pieces: dict[str, int] | None = None,
+) -> int:
     """The length render_conversation would give, without locating text or proving masks (for planning splits).
     Each expansion goes in with its placeholder runs cut to one copy, counted back (see tokens.TextEncoder): the
     long runs are never built, scanned or tokenized. `pieces`: TextEncoder.count's per-record counts of the text
@@ -321,23 +396,36 @@ def count_tokens(conv: Conversation, ctx: RenderContext, images: list[PreparedIm
     image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
     short = [shorten_runs(r, ctx.text.run_re, ctx.text.run_tokens) for r in image_reps + video_reps]
     expanded, _ = ctx.processor.get_text_with_replacements(
-        [rendered], images_replacements=[t for t, _ in short[:len(image_reps)]],
-        videos_replacements=[t for t, _ in short[len(image_reps):]])
+        [rendered],
+        images_replacements=[t for t, _ in short[: len(image_reps)]],
+        videos_replacements=[t for t, _ in short[len(image_reps) :]],
+    )
     return ctx.text.count(expanded[0], pieces) + sum(k - 1 for _, runs in short for _, k, _ in runs)
 
 
-def _expand_images(ctx: RenderContext, rendered: str, images: list[PreparedImage],
-                   conv: Conversation | None = None, videos: list[PreparedVideo] = ()) -> tuple[str, list[dict]]:
+def _expand_images(
+    ctx: RenderContext,
+    rendered: str,
+    images: list[PreparedImage],
+    conv: Conversation | None = None,
+    videos: list[PreparedVideo] = (),
+) -> tuple[str, list[dict]]:
     """The rendered text with each image and video placeholder replaced by the processor's own expansion, and the
     offsets."""
     image_reps, video_reps = _replacements(ctx, rendered, images, conv, videos)
-    expanded, offs = ctx.processor.get_text_with_replacements([rendered], images_replacements=image_reps,
-                                                              videos_replacements=video_reps)
+    expanded, offs = ctx.processor.get_text_with_replacements(
+        [rendered], images_replacements=image_reps, videos_replacements=video_reps
+    )
     return expanded[0], (offs[0] if offs else [])
 
 
-def _replacements(ctx: RenderContext, rendered: str, images: list[PreparedImage], conv: Conversation | None,
-                  videos: list[PreparedVideo]) -> tuple[list[str], list[str]]:
+def _replacements(
+    ctx: RenderContext,
+    rendered: str,
+    images: list[PreparedImage],
+    conv: Conversation | None,
+    videos: list[PreparedVideo],
+) -> tuple[list[str], list[str]]:
     """The processor's own expansion of each image and video placeholder of the rendered text, once their counts
     are checked."""
     n_placeholders = len(re.findall(re.escape(ctx.image_token), rendered))
@@ -347,8 +435,11 @@ def _replacements(ctx: RenderContext, rendered: str, images: list[PreparedImage]
     video_token = getattr(ctx.processor, "video_token", None)
     n_videos = len(re.findall(re.escape(video_token), rendered)) if video_token and videos else 0
     if n_videos != len(videos):
-        raise RecordError("video_count_mismatch", f"template emitted {n_videos} video placeholders for {len(videos)} "
-                                                  "videos; move each video to a user message")
+        raise RecordError(
+            "video_count_mismatch",
+            f"template emitted {n_videos} video placeholders for {len(videos)} "
+            "videos; move each video to a user message",
+        )
     return ctx.image_replacements(images, rendered), ctx.video_replacements(list(videos))
 
 
@@ -359,13 +450,16 @@ def _dropped_images(ctx: RenderContext, conv: Conversation | None, n_placeholder
         if not m.images:
             continue
         parts = [p for p in m.parts if p.type != "image"] or [Part(type="text", text="")]
-        probe = dataclasses.replace(conv, messages=[*conv.messages[:i], dataclasses.replace(m, parts=parts),
-                                                    *conv.messages[i + 1:]])
+        probe = dataclasses.replace(
+            conv, messages=[*conv.messages[:i], dataclasses.replace(m, parts=parts), *conv.messages[i + 1 :]]
+        )
         try:
             n = len(re.findall(re.escape(ctx.image_token), ctx.render_text(ctx.messages(probe), conv.tools)))
         except Exception:  # noqa: BLE001 - a diagnosis only; the mismatch is reported either way
             continue
         if n_placeholders - n < len(m.images):
-            return (f"messages[{i}] ({m.role}): the chat template drops images in {m.role} messages ({what}); "
-                    f"move the image to a user message, or pass a --chat-template that renders it")
+            return (
+                f"messages[{i}] ({m.role}): the chat template drops images in {m.role} messages ({what}); "
+                f"move the image to a user message, or pass a --chat-template that renders it"
+            )
     return None

@@ -5,6 +5,7 @@ with `{"type": "image"}` placeholders + an `images` column, ShareGPT / LLaMA-Fac
 with `<image>` markers + `images` or `image`) and the_cauldron's `images` + `texts`. Image cells: the HF `Image`
 feature's `{bytes, path}` struct, raw bytes, or a path (read under --image-root like any path).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def _batches(path: Input, first_row: int):
 
     if path.name.endswith(".parquet"):
         # A store's object through its range reads (locations.py); a local file by path.
-        pf = pq.ParquetFile(path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER,
-                            pre_buffer=False)
+        pf = pq.ParquetFile(
+            path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False
+        )
         meta = [pf.metadata.row_group(g) for g in range(pf.metadata.num_row_groups)]
         widest = max((m.total_byte_size / max(m.num_rows, 1) for m in meta), default=1.0)  # bytes a row, decoded
         rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(widest, 1.0))))
@@ -71,8 +73,9 @@ def _sliced(start: int, batches) -> Iterator:
         start += batch.num_rows
 
 
-def iter_table_records(path: Input, *, start_position: int = 0, first_row: int = 0, input_name: str = "",
-                       scan: bool = False) -> Iterator[RawRecord]:
+def iter_table_records(
+    path: Input, *, start_position: int = 0, first_row: int = 0, input_name: str = "", scan: bool = False
+) -> Iterator[RawRecord]:
     """One RawRecord per row from `first_row` on (its data the row as a dict, `row` set: table_record converts it in
     the worker); a file that cannot be read, or fails mid-way, ends in a record carrying the error, after every row
     read before it. `scan`: rows without their data (the task plan's pass: positions and sizes only)."""
@@ -86,20 +89,28 @@ def iter_table_records(path: Input, *, start_position: int = 0, first_row: int =
             rows = [None] * (batch.num_rows - skip) if scan else batch.slice(skip).to_pylist()
             for data in rows:
                 row += 1
-                yield RawRecord(Source(name, row, input_name), pos, data=data, offset=row - 1, size=per_row,
-                                row=True)
+                yield RawRecord(Source(name, row, input_name), pos, data=data, offset=row - 1, size=per_row, row=True)
                 pos += 1
     except (OSError, pa.ArrowException) as e:
-        what = f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'Arrow IPC'} file ({e})" \
-            if row == first_row == 0 else f"{name}: {e} after row {row}; the rows before it were kept"
-        yield RawRecord(Source(name, row + 1, input_name), pos, error=RecordError("unreadable_table", what[:600]),
-                        offset=row, unread_bytes=size_of(path) if row == 0 else 0)
+        what = (
+            f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'Arrow IPC'} file ({e})"
+            if row == first_row == 0
+            else f"{name}: {e} after row {row}; the rows before it were kept"
+        )
+        yield RawRecord(
+            Source(name, row + 1, input_name),
+            pos,
+            error=RecordError("unreadable_table", what[:600]),
+            offset=row,
+            unread_bytes=size_of(path) if row == 0 else 0,
+        )
         return
     if pos == start_position and first_row == 0:
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no rows"))
 
 
 # --- a row's layout -> the record normalize reads ---
+
 
 def table_record(row: dict) -> dict:
     """A table row -> an OpenAI or ShareGPT record (normalize_record's input), image cells as bytes or paths. A row
@@ -116,8 +127,7 @@ def table_record(row: dict) -> dict:
             try:
                 row[key] = json.loads(row[key])
             except ValueError as e:
-                raise RecordError("invalid_tools", f"{key}: a JSON string column that is not valid JSON: {e}") \
-                    from None
+                raise RecordError("invalid_tools", f"{key}: a JSON string column that is not valid JSON: {e}") from None
     if "image" in row and "images" not in row:  # LLaVA-style: one image per row
         row["images"] = [row.pop("image")]
     if isinstance(row.get("images"), list):
@@ -130,10 +140,13 @@ def table_record(row: dict) -> dict:
         return _cauldron(row)
     nulls = [c for c in columns if c not in row]
     found = ", ".join(sorted(row)[:12]) or "none"
-    raise RecordError("unknown_layout", f"a row with columns {found}" + (f" (null: {', '.join(nulls[:12])})" if nulls
-                                                                          else "")
-                      + ": none of the layouts vlmprep reads (messages; conversations; messages + images; texts + "
-                        "images)")
+    raise RecordError(
+        "unknown_layout",
+        f"a row with columns {found}"
+        + (f" (null: {', '.join(nulls[:12])})" if nulls else "")
+        + ": none of the layouts vlmprep reads (messages; conversations; messages + images; texts + "
+        "images)",
+    )
 
 
 def _image_cell(cell, where: str):
@@ -148,13 +161,20 @@ def _image_cell(cell, where: str):
 
 
 def _is_placeholder(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image" and all(
-        part.get(k) is None for k in ("image", "url", "path", "source", "image_url"))
+    return (
+        isinstance(part, dict)
+        and part.get("type") == "image"
+        and all(part.get(k) is None for k in ("image", "url", "path", "source", "image_url"))
+    )
 
 
 def _placeholders(row: dict) -> bool:
-    return any(_is_placeholder(p) for m in row["messages"] if isinstance(m, dict)
-               for p in (m.get("content") if isinstance(m.get("content"), list) else []))
+    return any(
+        _is_placeholder(p)
+        for m in row["messages"]
+        if isinstance(m, dict)
+        for p in (m.get("content") if isinstance(m.get("content"), list) else [])
+    )
 
 
 def _trl(row: dict) -> dict:
@@ -168,15 +188,18 @@ def _trl(row: dict) -> dict:
             for p in m["content"]:
                 if _is_placeholder(p):
                     if not images:
-                        raise RecordError("image_count_mismatch", f"more image placeholders than the {n} images of "
-                                                                  "the row's 'images'")
+                        raise RecordError(
+                            "image_count_mismatch", f"more image placeholders than the {n} images of the row's 'images'"
+                        )
                     p = {"type": "image", "image": images.pop(0)}
                 content.append(p)
             m = {**m, "content": content}
         messages.append(m)
     if images:
-        raise RecordError("image_count_mismatch", f"'images' holds {n} images but the messages have only "
-                                                  f"{n - len(images)} image placeholders")
+        raise RecordError(
+            "image_count_mismatch",
+            f"'images' holds {n} images but the messages have only {n - len(images)} image placeholders",
+        )
     return {**row, "messages": messages}
 
 

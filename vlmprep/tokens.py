@@ -2,6 +2,7 @@
 count, exactly as the tokenizer gives them. A run of N repeated placeholders (an image's <|image_pad|> x N, most of an
 agent trace's tokens) is tokenized as one copy and repeated, never N times.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,9 @@ class TextEncoder:
         self.run_tokens = sorted(repeated, key=len, reverse=True)
         self.run_re = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in self.run_tokens)) if repeated else None
         probe = "".join(f"a{t * 3} b{t}{t}\n{t}" for t in self.run_tokens)
-        if repeated and not all(np.array_equal(x, y) for x, y in zip(self.encode(probe),
-                                                                    self._tokenize(probe, offsets=True))):
+        if repeated and not all(
+            np.array_equal(x, y) for x, y in zip(self.encode(probe), self._tokenize(probe, offsets=True))
+        ):
             self.run_tokens, self.run_re = [], None  # this tokenizer does not split them off: tokenize runs whole
         self.boundary_re, self.post_specials = _segment_boundaries(tok, specials)
 
@@ -61,10 +63,13 @@ class TextEncoder:
 
     def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
         bos = self.tokenizer.bos_token
-        enc = self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)),
-                             return_offsets_mapping=offsets)
-        return (np.asarray(enc["input_ids"], dtype=np.int64),
-                np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) if offsets else None)
+        enc = self.tokenizer(
+            text, add_special_tokens=not (bos and text.startswith(bos)), return_offsets_mapping=offsets
+        )
+        return (
+            np.asarray(enc["input_ids"], dtype=np.int64),
+            np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) if offsets else None,
+        )
 
 
 def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tuple[str, list[tuple[int, int, int]]]:
@@ -75,7 +80,7 @@ def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tup
     pieces, runs, cut, length = [], [], 0, 0
     for m in run_re.finditer(text):
         unit = next(len(t) for t in tokens if m.group().startswith(t))
-        pieces.append(text[cut:m.start() + unit])
+        pieces.append(text[cut : m.start() + unit])
         length += len(pieces[-1])
         runs.append((length - unit, (m.end() - m.start()) // unit, unit))
         cut = m.end()
@@ -105,8 +110,8 @@ def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.
     where = np.cumsum(reps) - reps
     for (_start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
         p = where[i]
-        out[p:p + k, 0] = moved[i, 0] + unit * np.arange(k)
-        out[p:p + k, 1] = out[p:p + k, 0] + unit
+        out[p : p + k, 0] = moved[i, 0] + unit * np.arange(k)
+        out[p : p + k, 1] = out[p : p + k, 0] + unit
     return out
 
 
@@ -120,8 +125,11 @@ def _segment_boundaries(tok, specials: set[str]) -> tuple[re.Pattern | None, int
     post = len(tok("", add_special_tokens=True)["input_ids"]) - len(tok("", add_special_tokens=False)["input_ids"])
     if getattr(tok, "split_special_tokens", False):
         return None, post
-    clean = {t.content for t in tok.added_tokens_decoder.values()
-             if not (t.normalized or t.lstrip or t.rstrip or t.single_word)}
+    clean = {
+        t.content
+        for t in tok.added_tokens_decoder.values()
+        if not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+    }
     pattern = alternation(clean)
     if pattern is None:
         return None, post
@@ -129,8 +137,9 @@ def _segment_boundaries(tok, specials: set[str]) -> tuple[re.Pattern | None, int
     probe = "".join(f"{t}\u0301 a{t}  b\n{t}{t}c{t} \n" for t in sorted(clean & specials)[:8]) + " x\u00e9\n"
     whole = len(tok(probe, add_special_tokens=True)["input_ids"])
     split = boundary.split(probe)
-    parts = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch([p for p in split[::2] if p],
-                                                                          add_special_tokens=False))
+    parts = sum(
+        len(e.ids) for e in tok.backend_tokenizer.encode_batch([p for p in split[::2] if p], add_special_tokens=False)
+    )
     return (boundary if parts + len(split) // 2 + post == whole else None), post
 
 

@@ -2,6 +2,7 @@
 conversation (the screenshot-history policy applied, a trace too long for --seq-len cut into samples that each
 train a run of its turns with the task and the most recent history as untrained context).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,9 @@ def image_occurrences(conv: Conversation) -> list[tuple[int, int]]:
     return [(i, j) for i, m in enumerate(conv.messages) for j, p in enumerate(m.parts) if p.type == "image"]
 
 
-def keep_last_images(conv: Conversation, keep: int | None, text: str | None,
-                     numbering: list[int] | None = None) -> tuple[Conversation, list[int]]:
+def keep_last_images(
+    conv: Conversation, keep: int | None, text: str | None, numbering: list[int] | None = None
+) -> tuple[Conversation, list[int]]:
     """Only the last `keep` images stay; each earlier image part is dropped or replaced by `text`. Returns the new
     conversation and the removed occurrences (numbered by `numbering`: the input occurrence of each image)."""
     occ = image_occurrences(conv)
@@ -63,8 +65,9 @@ def keep_last_images(conv: Conversation, keep: int | None, text: str | None,
 
 def _subset(conv: Conversation, keep: list[int], trains: set[int]) -> Conversation:
     """The messages `keep` (input order), weighted 1 if in `trains` else 0: context is never trained."""
-    return dataclasses.replace(conv, messages=[dataclasses.replace(conv.messages[i], weight=int(i in trains))
-                                               for i in keep])
+    return dataclasses.replace(
+        conv, messages=[dataclasses.replace(conv.messages[i], weight=int(i in trains)) for i in keep]
+    )
 
 
 def _image_numbering(conv: Conversation, keep: list[int]) -> list[int]:
@@ -81,8 +84,13 @@ def whole_trace(conv: Conversation, policy: StepPolicy) -> StepConversation:
     """The record as one sample (truncate mode, or a trace that fits), with the image history policy applied."""
     keep = list(range(len(conv.messages)))
     c, removed = keep_last_images(conv, policy.keep_images, policy.dropped_image_text)
-    return StepConversation(conv=c, source_messages=keep, trains=[], removed_images=removed,
-                            images=[k for k in range(len(conv.images)) if k not in removed])
+    return StepConversation(
+        conv=c,
+        source_messages=keep,
+        trains=[],
+        removed_images=removed,
+        images=[k for k in range(len(conv.images)) if k not in removed],
+    )
 
 
 @dataclass(frozen=True)
@@ -109,9 +117,15 @@ class _Trace:
             if conv.messages[i].role == "tool" and i > first_user + 1:
                 unit_start[i] = unit_start[i - 1]
         starts = sorted({unit_start[i] for i in range(first_user + 1, n)})
-        return cls(conv=conv, trained=trained, policy=policy, first_user=first_user,
-                   head=list(range(first_user + 1)), unit_start=unit_start,
-                   units=[list(range(s, e)) for s, e in zip(starts, starts[1:] + [n])])
+        return cls(
+            conv=conv,
+            trained=trained,
+            policy=policy,
+            first_user=first_user,
+            head=list(range(first_user + 1)),
+            unit_start=unit_start,
+            units=[list(range(s, e)) for s, e in zip(starts, starts[1:] + [n])],
+        )
 
     def observed_from(self, a: int) -> int:
         """The first message trained turn `a` acts on: what came since the assistant turn before it (tool results
@@ -128,15 +142,25 @@ class _Trace:
         keep = self.head + [i for u in ctx_units for i in u] + list(range(self.observed_from(a), b + 1))
         trains = {t for t in self.trained if a <= t <= b} | set(head_trained)
         numbering = _image_numbering(self.conv, keep)
-        c, removed = keep_last_images(_subset(self.conv, keep, trains), self.policy.keep_images,
-                                      self.policy.dropped_image_text, numbering)
-        return StepConversation(conv=c, source_messages=keep, trains=sorted(trains), removed_images=removed,
-                                images=[k for k in numbering if k not in removed])
+        c, removed = keep_last_images(
+            _subset(self.conv, keep, trains), self.policy.keep_images, self.policy.dropped_image_text, numbering
+        )
+        return StepConversation(
+            conv=c,
+            source_messages=keep,
+            trains=sorted(trains),
+            removed_images=removed,
+            images=[k for k in numbering if k not in removed],
+        )
 
 
-def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
-                count_tokens: Callable[[StepConversation], int],
-                seq_len: int) -> tuple[list[StepConversation], list[int]]:
+def split_trace(
+    conv: Conversation,
+    trained: list[int],
+    policy: StepPolicy,
+    count_tokens: Callable[[StepConversation], int],
+    seq_len: int,
+) -> tuple[list[StepConversation], list[int]]:
     """Cut a trace into samples that each fit `seq_len`: every message in `trained` is trained in exactly one sample.
     Each sample = the head (system messages and the first user message: the task) + as many of the most recent
     earlier units as fit (untrained context) + a run of trained turns, each with what it acts on: every message since
@@ -181,11 +205,11 @@ def split_trace(conv: Conversation, trained: list[int], policy: StepPolicy,
         lo, hi = 0, len(before)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(build(before[len(before) - mid:], todo[i], todo[j], first)):
+            if fits(build(before[len(before) - mid :], todo[i], todo[j], first)):
                 lo = mid
             else:
                 hi = mid - 1
-        sc = build(before[len(before) - lo:] if lo else [], todo[i], todo[j], first)
+        sc = build(before[len(before) - lo :] if lo else [], todo[i], todo[j], first)
         samples.append(sc)
         i = j + 1
     if head_trained and not samples:

@@ -1,6 +1,7 @@
 """Truncate a RenderedSample to seq_len without ever cutting inside an image wrapper or a video's expansion.
 Images and videos past the cut are dropped with their grid rows and bytes; a sample left untrainable is rejected.
 """
+
 from __future__ import annotations
 
 import dataclasses

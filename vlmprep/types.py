@@ -1,6 +1,7 @@
 """Data types named by their place in the flow:
 RawRecord -> Conversation -> RenderedSample -> ShardSample, plus RecordError for rejects.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -175,9 +176,16 @@ class PreparedImage:
     and so the image's tokens, is known from the source's header alone (images.open_image); the pixels are made on
     first use, once, so an image that no sample keeps is never decoded."""
 
-    def __init__(self, *, grid_thw: tuple[int, int, int], source: ImageData | None, pixels: np.ndarray | None = None,
-                 load: Callable[[], np.ndarray] | None = None, digest: str | None = None,
-                 source_size: tuple[int, int] = (0, 0)):
+    def __init__(
+        self,
+        *,
+        grid_thw: tuple[int, int, int],
+        source: ImageData | None,
+        pixels: np.ndarray | None = None,
+        load: Callable[[], np.ndarray] | None = None,
+        digest: str | None = None,
+        source_size: tuple[int, int] = (0, 0),
+    ):
         assert (pixels is None) != (load is None), "a PreparedImage holds its pixels or the way to make them"
         self.grid_thw = grid_thw
         self.source = source

@@ -2,6 +2,7 @@
 processor samples -> its own resize (uint8) -> PreparedVideo, and the stored frame members. Like images, the stored
 frames are exactly what the processor would patchify, so the loader never samples or resizes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,14 @@ from vlmprep.types import PreparedImage, PreparedVideo, RecordError, VideoData
 # qwen-vl-utils' FPS, the rate the Qwen-VL models were trained at.
 DEFAULT_VIDEO_FPS = 2.0
 # "original": no source image, so PNG; zstd-pdelta: each frame zstd-delta on its own
-FRAME_EXT = {"zstd-pdelta": "delta.zst", "zstd-delta": "delta.zst", "zstd": "npy.zst", "png": "png", "webp": "webp",
-             "original": "png"}
+FRAME_EXT = {
+    "zstd-pdelta": "delta.zst",
+    "zstd-delta": "delta.zst",
+    "zstd": "npy.zst",
+    "png": "png",
+    "webp": "webp",
+    "original": "png",
+}
 
 
 def sampling_fps(video: VideoData, vp) -> float:
@@ -39,11 +46,12 @@ def video_size(video: VideoData, vp, family: FamilySpec, num_frames: int):
         if family.video == "qwen3":
             longest = min(longest, video.total_pixels)
         else:
-            longest = max(min(longest, video.total_pixels * vp.temporal_patch_size // num_frames),
-                          int(shortest * 1.05))
+            longest = max(min(longest, video.total_pixels * vp.temporal_patch_size // num_frames), int(shortest * 1.05))
     if shortest > longest:
-        raise RecordError("invalid_video_option", f"video min_pixels {shortest} > max_pixels {longest}: lower "
-                                                  "min_pixels or raise max_pixels / total_pixels")
+        raise RecordError(
+            "invalid_video_option",
+            f"video min_pixels {shortest} > max_pixels {longest}: lower min_pixels or raise max_pixels / total_pixels",
+        )
     return SizeDict(shortest_edge=shortest, longest_edge=longest)
 
 
@@ -62,29 +70,41 @@ def _decode_container(video: VideoData, *, max_pixels: int, min_side: int, fps: 
     try:
         container = av.open(io.BytesIO(video.data), mode="r")
     except av.error.FFmpegError as e:
-        raise RecordError("corrupt_video", f"cannot open video ({where}): {_av_reason(e)}; re-encode it (e.g. "
-                                           "ffmpeg -i IN -c:v libx264 OUT.mp4) or drop the part") from None
+        raise RecordError(
+            "corrupt_video",
+            f"cannot open video ({where}): {_av_reason(e)}; re-encode it (e.g. "
+            "ffmpeg -i IN -c:v libx264 OUT.mp4) or drop the part",
+        ) from None
     with container:
         if int(container.format.flags) & _NO_TIMESTAMPS:
-            raise RecordError("raw_video_stream", f"video ({where}) is a {container.format.long_name} stream with no "
-                                                  "container, so it stores no frame times and its frame rate is "
-                                                  "unknown; wrap it in one at its real rate, e.g. ffmpeg -framerate "
-                                                  "FPS -i IN -c copy OUT.mp4")
+            raise RecordError(
+                "raw_video_stream",
+                f"video ({where}) is a {container.format.long_name} stream with no "
+                "container, so it stores no frame times and its frame rate is "
+                "unknown; wrap it in one at its real rate, e.g. ffmpeg -framerate "
+                "FPS -i IN -c copy OUT.mp4",
+            )
         if not container.streams.video:
             raise RecordError("video_no_frames", f"video ({where}) holds no video stream; drop the part")
         stream = container.streams.video[0]
         codec = stream.codec_context
         if codec is None or codec.codec is None or not codec.codec.is_decoder:
-            raise RecordError("unsupported_video_codec", f"video ({where}): no decoder for its codec "
-                                                         f"{getattr(stream, 'codec_tag', '?')!r}; re-encode it to "
-                                                         "H.264, VP9 or AV1")
+            raise RecordError(
+                "unsupported_video_codec",
+                f"video ({where}): no decoder for its codec "
+                f"{getattr(stream, 'codec_tag', '?')!r}; re-encode it to "
+                "H.264, VP9 or AV1",
+            )
         w, h = stream.width, stream.height
         if min(w, h) < min_side:
             raise RecordError("video_too_small", f"video frames are {w}x{h}, below min_image_side={min_side}")
         if w * h > max_pixels:
-            raise RecordError("video_too_large", f"video frames are {w}x{h} = {w * h} pixels > "
-                                                 f"max_image_pixels={max_pixels}; downscale it or raise "
-                                                 "--max-image-pixels")
+            raise RecordError(
+                "video_too_large",
+                f"video frames are {w}x{h} = {w * h} pixels > "
+                f"max_image_pixels={max_pixels}; downscale it or raise "
+                "--max-image-pixels",
+            )
         rate = stream.average_rate or stream.guessed_rate
         if not rate:
             raise RecordError("corrupt_video", f"video ({where}) declares no frame rate; re-encode it with one")
@@ -95,8 +115,14 @@ def _decode_container(video: VideoData, *, max_pixels: int, min_side: int, fps: 
             raise RecordError("video_no_frames", f"video ({where}) has no frames; drop the part")
         if declared < vp.temporal_patch_size:
             raise RecordError("video_too_short", _too_short(declared, vp))
-        meta = VideoMetadata(total_num_frames=declared, fps=float(rate), width=w, height=h,
-                             duration=declared / float(rate), video_backend="pyav")
+        meta = VideoMetadata(
+            total_num_frames=declared,
+            fps=float(rate),
+            width=w,
+            height=h,
+            duration=declared / float(rate),
+            video_backend="pyav",
+        )
         indices = [int(i) for i in _sampler(vp, fps, video.max_frames).sample_frames(meta)]
         wanted, frames, n = set(indices), {}, 0
         try:
@@ -107,13 +133,18 @@ def _decode_container(video: VideoData, *, max_pixels: int, min_side: int, fps: 
                 if n > indices[-1]:
                     break
         except av.error.FFmpegError as e:
-            raise RecordError("corrupt_video", f"cannot decode video ({where}) at frame {n}: {_av_reason(e)}; "
-                                               "re-encode it or drop the part") from None
+            raise RecordError(
+                "corrupt_video",
+                f"cannot decode video ({where}) at frame {n}: {_av_reason(e)}; re-encode it or drop the part",
+            ) from None
     if n == 0:
         raise RecordError("video_no_frames", f"video ({where}) has no decodable frames; drop the part")
     if n <= indices[-1]:
-        raise RecordError("corrupt_video", f"video ({where}) is truncated: it declares {declared} frames but only "
-                                           f"{n} decode; re-encode or re-download it")
+        raise RecordError(
+            "corrupt_video",
+            f"video ({where}) is truncated: it declares {declared} frames but only "
+            f"{n} decode; re-encode or re-download it",
+        )
     return np.stack([frames[i] for i in indices]), {"fps": float(rate), "total": declared, "indices": indices}
 
 
@@ -126,8 +157,9 @@ def _count_packets(data: bytes, where: str) -> int:
         with av.open(io.BytesIO(data), mode="r") as c:
             return sum(1 for p in c.demux(c.streams.video[0]) if p.size)
     except av.error.FFmpegError as e:
-        raise RecordError("corrupt_video", f"cannot read video ({where}): {_av_reason(e)}; re-encode it or drop "
-                                           "the part") from None
+        raise RecordError(
+            "corrupt_video", f"cannot read video ({where}): {_av_reason(e)}; re-encode it or drop the part"
+        ) from None
 
 
 def _av_reason(e: Exception) -> str:
@@ -135,8 +167,10 @@ def _av_reason(e: Exception) -> str:
 
 
 def _too_short(n: int, vp) -> str:
-    return (f"video has {n} frame{'s' if n != 1 else ''}, fewer than the model's temporal patch of "
-            f"{vp.temporal_patch_size}; give at least {vp.temporal_patch_size} frames or send it as an image")
+    return (
+        f"video has {n} frame{'s' if n != 1 else ''}, fewer than the model's temporal patch of "
+        f"{vp.temporal_patch_size}; give at least {vp.temporal_patch_size} frames or send it as an image"
+    )
 
 
 def _sampler(vp, fps: float, max_frames: int | None):
@@ -171,13 +205,23 @@ def _frames_list(video: VideoData, *, max_pixels: int, min_side: int, vp) -> np.
             out.append(vp.process_image(pil, do_convert_rgb=True))
     shapes = {tuple(t.shape) for t in out}
     if len(shapes) > 1:
-        raise RecordError("video_frame_size_mismatch", f"the video's frames differ in size ({len(shapes)} sizes: "
-                                                       f"{sorted(shapes)[:2]} ...); resize them to one size")
+        raise RecordError(
+            "video_frame_size_mismatch",
+            f"the video's frames differ in size ({len(shapes)} sizes: "
+            f"{sorted(shapes)[:2]} ...); resize them to one size",
+        )
     return torch.stack(out).permute(0, 2, 3, 1).numpy()
 
 
-def prepare_video(video: VideoData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1,
-                  max_tokens: int | None = None) -> PreparedVideo:
+def prepare_video(
+    video: VideoData,
+    processor,
+    family: FamilySpec,
+    *,
+    max_pixels: int,
+    min_side: int = 1,
+    max_tokens: int | None = None,
+) -> PreparedVideo:
     """Sample and resize with the processor's own code (sample_frames, resize with its video budget); uint8."""
     import torch
 
@@ -192,31 +236,49 @@ def prepare_video(video: VideoData, processor, family: FamilySpec, *, max_pixels
     size = video_size(video, vp, family, len(frames))
     with torch.no_grad():
         try:
-            resized = vp.resize(t[None], size=size, resample=vp.resample, factor=vp.patch_size * vp.merge_size,
-                                temporal_factor=vp.temporal_patch_size,
-                                cap_pixels_per_frame=bool(getattr(vp, "cap_pixels_per_frame", None)))[0]
+            resized = vp.resize(
+                t[None],
+                size=size,
+                resample=vp.resample,
+                factor=vp.patch_size * vp.merge_size,
+                temporal_factor=vp.temporal_patch_size,
+                cap_pixels_per_frame=bool(getattr(vp, "cap_pixels_per_frame", None)),
+            )[0]
         except ValueError as e:  # smart_resize refuses aspect ratios over 200
             raise RecordError("bad_aspect_ratio", f"video {frames.shape[2]}x{frames.shape[1]}: {e}") from None
     assert resized.dtype == torch.uint8, "processor resize must keep uint8 so stored frames are exact"
     stored = np.ascontiguousarray(resized.permute(0, 2, 3, 1).numpy())
     tp = vp.temporal_patch_size
     grid = (-(-len(stored) // tp), stored.shape[1] // vp.patch_size, stored.shape[2] // vp.patch_size)
-    tokens = grid[0] * grid[1] * grid[2] // vp.merge_size ** 2
+    tokens = grid[0] * grid[1] * grid[2] // vp.merge_size**2
     if max_tokens is not None and tokens > max_tokens:
-        raise RecordError("video_too_long", f"video of {len(stored)} sampled frames takes {tokens} tokens > --seq-len "
-                                            f"{max_tokens} even alone; lower its fps / max_frames / max_pixels "
-                                            "(or --video-fps / --video-max-frames), or raise --seq-len")
-    return PreparedVideo(frames=stored, grid_thw=grid, fps=timing["fps"], total_num_frames=timing["total"],
-                         frame_indices=timing["indices"], source=video)
+        raise RecordError(
+            "video_too_long",
+            f"video of {len(stored)} sampled frames takes {tokens} tokens > --seq-len "
+            f"{max_tokens} even alone; lower its fps / max_frames / max_pixels "
+            "(or --video-fps / --video-max-frames), or raise --seq-len",
+        )
+    return PreparedVideo(
+        frames=stored,
+        grid_thw=grid,
+        fps=timing["fps"],
+        total_num_frames=timing["total"],
+        frame_indices=timing["indices"],
+        source=video,
+    )
 
 
 def video_metadata(video: PreparedVideo):
     """The processor's VideoMetadata of a prepared video: what its replace_video_token and fps math read."""
     from transformers.video_utils import VideoMetadata
 
-    return VideoMetadata(total_num_frames=video.total_num_frames, fps=video.fps,
-                         height=int(video.frames.shape[1]), width=int(video.frames.shape[2]),
-                         frames_indices=list(video.frame_indices))
+    return VideoMetadata(
+        total_num_frames=video.total_num_frames,
+        fps=video.fps,
+        height=int(video.frames.shape[1]),
+        width=int(video.frames.shape[2]),
+        frames_indices=list(video.frame_indices),
+    )
 
 
 def second_per_grid_t(video: PreparedVideo, vp) -> float:
@@ -228,5 +290,6 @@ def encode_frame(frame: np.ndarray, image_format: str, *, zstd_level: int = defa
     """One stored frame, lossless as an image of the same format ("original" has no source image: PNG; zstd-pdelta's
     frames are zstd-delta, each on its own)."""
     fmt = {"original": "png", "zstd-pdelta": "zstd-delta"}.get(image_format, image_format)
-    return encode_image(PreparedImage(pixels=frame, grid_thw=(1, 1, 1), source=None, digest=""), fmt,
-                        zstd_level=zstd_level)
+    return encode_image(
+        PreparedImage(pixels=frame, grid_thw=(1, 1, 1), source=None, digest=""), fmt, zstd_level=zstd_level
+    )

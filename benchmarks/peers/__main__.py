@@ -5,6 +5,7 @@ pinned to one core. One JSON line per measurement on stdout (benchmarks/emit.py)
     python -m benchmarks.peers [--traces 64] [--demo-repeat 500] [--tools vlmprep,llamafactory,ms-swift] [--quick]
 
 The peers live in their own venvs under bench-out/peers/ (benchmarks/peers/venvs.py), never in the project's."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,9 @@ TOOLS = ("vlmprep", "llamafactory", "ms-swift")
 TRAIN_TIME = {
     "vlmprep": "no tokenizing, no image decode or resize: zstd-decompress the resized pixels, normalize + patchify",
     "llamafactory": "no tokenizing; every image decoded, resized and normalized again by the processor "
-                    "(the output stores image paths: the source images must ship with it)",
+    "(the output stores image paths: the source images must ship with it)",
     "ms-swift": "everything again: template + tokenizing and image decode + resize + normalize "
-                "(the output stores the raw messages, image paths and a length)",
+    "(the output stores the raw messages, image paths and a length)",
 }
 
 
@@ -60,11 +61,16 @@ def save_model_dir(dest: Path) -> dict:
         load_processor("builtin:qwen2-vl").save_pretrained(str(dest))
         Qwen2VLConfig(architectures=["Qwen2VLForConditionalGeneration"]).to_json_file(str(dest / "config.json"))
     legacy = dest / "preprocessor_config.json"  # transformers before the nested processor_config.json
-    ip = json.loads(legacy.read_text()) if legacy.exists() else \
-        json.loads((dest / "processor_config.json").read_text())["image_processor"]
+    ip = (
+        json.loads(legacy.read_text())
+        if legacy.exists()
+        else json.loads((dest / "processor_config.json").read_text())["image_processor"]
+    )
     size = ip.get("size") or {}
-    return {"min_pixels": ip.get("min_pixels") or size["shortest_edge"],
-            "max_pixels": ip.get("max_pixels") or size["longest_edge"]}
+    return {
+        "min_pixels": ip.get("min_pixels") or size["shortest_edge"],
+        "max_pixels": ip.get("max_pixels") or size["longest_edge"],
+    }
 
 
 def _bytes(path: Path) -> int:
@@ -90,40 +96,102 @@ def _arrow_summary(path: Path) -> dict:
 
 def _env(run_dir: Path, pixels: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(run_dir / "hf-datasets"),
-               MODELSCOPE_CACHE=str(run_dir / "modelscope"), HF_HOME=str(run_dir / "hf-home"),
-               DISABLE_VERSION_CHECK="1", USE_MODELSCOPE_HUB="0", MAX_PIXELS=str(pixels["max_pixels"]),
-               MIN_PIXELS=str(pixels["min_pixels"]), VLMPREP_CACHE=str(run_dir / "vlmprep-cache"))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_DATASETS_CACHE=str(run_dir / "hf-datasets"),
+        MODELSCOPE_CACHE=str(run_dir / "modelscope"),
+        HF_HOME=str(run_dir / "hf-home"),
+        DISABLE_VERSION_CHECK="1",
+        USE_MODELSCOPE_HUB="0",
+        MAX_PIXELS=str(pixels["max_pixels"]),
+        MIN_PIXELS=str(pixels["min_pixels"]),
+        VLMPREP_CACHE=str(run_dir / "vlmprep-cache"),
+    )
     return env
 
 
-def command(tool: str, py: Path, data: dict, model: Path, out: Path, run_dir: Path, workers: int,
-            pixels: dict) -> list[str]:
+def command(
+    tool: str, py: Path, data: dict, model: Path, out: Path, run_dir: Path, workers: int, pixels: dict
+) -> list[str]:
     """Each tool's own CLI, as its docs give it, writing its preprocessed dataset to `out` (at the input set's
     seq_len)."""
     seq_len = data["seq_len"]
     if tool == "vlmprep":
         inp = data["llamafactory"] / "data.json" if data["kind"] == "demo" else data["vlmprep"]
-        return [str(py), "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out), "--processor", str(model),
-                "--seq-len", str(seq_len), "--workers", str(workers), "--no-progress", "--max-reject-fraction", "1",
-                *(["--chat-template", "qwen2_vl_tools"] if data["kind"] == "traces" else [])]
+        return [
+            str(py),
+            "-m",
+            "vlmprep",
+            "build",
+            "--in",
+            str(inp),
+            "--out",
+            str(out),
+            "--processor",
+            str(model),
+            "--seq-len",
+            str(seq_len),
+            "--workers",
+            str(workers),
+            "--no-progress",
+            "--max-reject-fraction",
+            "1",
+            *(["--chat-template", "qwen2_vl_tools"] if data["kind"] == "traces" else []),
+        ]
     if tool == "llamafactory":
-        cfg = {"model_name_or_path": str(model.resolve()), "trust_remote_code": False, "stage": "sft",
-               "do_train": True, "finetuning_type": "full", "dataset": "bench",
-               "dataset_dir": str(data["llamafactory"].resolve()), "template": "qwen2_vl", "cutoff_len": seq_len,
-               "overwrite_cache": True, "preprocessing_num_workers": workers,
-               "tokenized_path": str(out.resolve()), "output_dir": str((run_dir / "lf-train").resolve()),
-               "image_max_pixels": pixels["max_pixels"], "image_min_pixels": pixels["min_pixels"],
-               "report_to": "none"}
+        cfg = {
+            "model_name_or_path": str(model.resolve()),
+            "trust_remote_code": False,
+            "stage": "sft",
+            "do_train": True,
+            "finetuning_type": "full",
+            "dataset": "bench",
+            "dataset_dir": str(data["llamafactory"].resolve()),
+            "template": "qwen2_vl",
+            "cutoff_len": seq_len,
+            "overwrite_cache": True,
+            "preprocessing_num_workers": workers,
+            "tokenized_path": str(out.resolve()),
+            "output_dir": str((run_dir / "lf-train").resolve()),
+            "image_max_pixels": pixels["max_pixels"],
+            "image_min_pixels": pixels["min_pixels"],
+            "report_to": "none",
+        }
         path = run_dir / "llamafactory.yaml"  # JSON is YAML; its .json branch passes json.load a Path
         path.write_text(json.dumps(cfg, indent=1))
         return [str(py), "-c", LF_PREPROCESS, str(path.resolve())]
     assert tool == "ms-swift", tool
-    return [str(py.parent / "swift"), "export", "--model", str(model.resolve()), "--model_type", "qwen2_vl",
-            "--template", "qwen2_vl", "--dataset", str(data["swift"].resolve()), "--to_cached_dataset", "true",
-            "--max_length", str(seq_len), "--dataset_num_proc", str(workers), "--load_from_cache_file", "false",
-            "--split_dataset_ratio", "0", "--output_dir", str(out.resolve()), "--exist_ok", "true"]
+    return [
+        str(py.parent / "swift"),
+        "export",
+        "--model",
+        str(model.resolve()),
+        "--model_type",
+        "qwen2_vl",
+        "--template",
+        "qwen2_vl",
+        "--dataset",
+        str(data["swift"].resolve()),
+        "--to_cached_dataset",
+        "true",
+        "--max_length",
+        str(seq_len),
+        "--dataset_num_proc",
+        str(workers),
+        "--load_from_cache_file",
+        "false",
+        "--split_dataset_ratio",
+        "0",
+        "--output_dir",
+        str(out.resolve()),
+        "--exist_ok",
+        "true",
+    ]
 
 
 def _children_cpu() -> float:
@@ -145,18 +213,27 @@ def run_tool(tool: str, py: Path, data: dict, model: Path, workers: int, pixels:
     cpu0 = _children_cpu()
     t0 = time.perf_counter()
     with open(run_dir / "log.txt", "w") as log:
-        res = subprocess.run(["taskset", "-c", cores, *cmd], env=_env(run_dir, pixels), stdout=log,
-                             stderr=subprocess.STDOUT)
+        res = subprocess.run(
+            ["taskset", "-c", cores, *cmd], env=_env(run_dir, pixels), stdout=log, stderr=subprocess.STDOUT
+        )
     seconds = time.perf_counter() - t0
-    row = {"seconds": round(seconds, 2), "cpu_seconds": round(_children_cpu() - cpu0, 2),
-           "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "command": " ".join(cmd)}
+    row = {
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(_children_cpu() - cpu0, 2),
+        "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "command": " ".join(cmd),
+    }
     if res.returncode or not out.exists():
         tail = (run_dir / "log.txt").read_text(errors="replace").strip().splitlines()[-6:]
         return {**row, "error": f"exit {res.returncode}: " + " | ".join(tail)}
     if tool == "vlmprep":
         m = json.loads((out / "manifest.json").read_text())
-        row.update(samples=m["totals"]["samples"], tokens=m["totals"]["tokens"], rejected=m["totals"]["rejected"],
-                   output_bytes=sum(s["bytes"] for s in m["shards"]))
+        row.update(
+            samples=m["totals"]["samples"],
+            tokens=m["totals"]["tokens"],
+            rejected=m["totals"]["rejected"],
+            output_bytes=sum(s["bytes"] for s in m["shards"]),
+        )
     else:
         row.update(_arrow_summary(out), output_bytes=_bytes(out))
     return row
@@ -173,8 +250,14 @@ def inputs(quick: bool, n_traces: int, demo_repeat: int) -> list[dict]:
     size = (320, 200) if quick else (1280, 720)
     for n, name in ((1, "traces-1"), (n_traces, "traces")):
         # No overlong trace: every tool then does the same work on every record (no tool-specific truncation).
-        src = traces(n, width=size[0], height=size[1], max_images=4 if quick else 20, overlong_fraction=0.0,
-                     text_only_fraction=0.0)
+        src = traces(
+            n,
+            width=size[0],
+            height=size[1],
+            max_images=4 if quick else 20,
+            overlong_fraction=0.0,
+            text_only_fraction=0.0,
+        )
         d = convert.write_traces(records(src), ROOT / "inputs" / name)
         sets.append({**d, "vlmprep": src, "kind": "traces", "name": name, "seq_len": 32768})
     return sets
@@ -211,8 +294,12 @@ def main(argv: list[str] | None = None) -> None:
             emit("peers", metric="versions", tool=peer, **versions(pys[peer], pkgs))
         except Exception as e:  # noqa: BLE001 - a peer that cannot install is a result to report, not a crash
             emit("peers", metric="install", tool=peer, error=str(e)[-2000:])
-    emit("peers", metric="versions", tool="vlmprep",
-         **versions(Path(sys.executable), ["vlmprep", "transformers", "torch"]))
+    emit(
+        "peers",
+        metric="versions",
+        tool="vlmprep",
+        **versions(Path(sys.executable), ["vlmprep", "transformers", "torch"]),
+    )
     sets = {d["name"]: d for d in inputs(a.quick, a.traces, a.demo_repeat)}
     results: dict[tuple[str, str], dict] = {}
     for name in [n.strip() for n in a.inputs.split(",") if n.strip()]:
@@ -220,8 +307,14 @@ def main(argv: list[str] | None = None) -> None:
         for tool in [t for t in TOOLS if t in pys]:
             r1 = run_tool(tool, pys[tool], one, model, a.workers, pixels)
             rn = run_tool(tool, pys[tool], full, model, a.workers, pixels)
-            row = {"input": name, "tool": tool, "workers": a.workers, "records": full["records"],
-                   "images": full["images"], "seq_len": full["seq_len"]}
+            row = {
+                "input": name,
+                "tool": tool,
+                "workers": a.workers,
+                "records": full["records"],
+                "images": full["images"],
+                "seq_len": full["seq_len"],
+            }
             if "error" in r1 or "error" in rn:
                 emit("peers", metric="run", **row, error=rn.get("error") or r1.get("error"), command=rn["command"])
                 continue
@@ -230,20 +323,31 @@ def main(argv: list[str] | None = None) -> None:
             cpu = rn["cpu_seconds"] - r1["cpu_seconds"]
             wall = (rn["seconds"] - r1["seconds"]) * a.workers
             recs, imgs = full["records"] - one["records"], full["images"] - one["images"]
-            result = emit("peers", metric="run", **row, seconds=rn["seconds"], cpu_seconds=rn["cpu_seconds"],
-                          startup_seconds=r1["seconds"], startup_cpu_seconds=r1["cpu_seconds"],
-                          records_per_s_per_core=round(recs / cpu, 3) if cpu > 0 else None,
-                          images_per_s_per_core=round(imgs / cpu, 2) if cpu > 0 else None,
-                          records_per_s_per_core_wall=round(recs / wall, 3) if wall > 0 else None,
-                          **{k: rn[k] for k in ("samples", "tokens", "rejected", "output_bytes") if k in rn},
-                          source_image_bytes=full["source_image_bytes"], columns=rn.get("columns"),
-                          train_time=TRAIN_TIME[tool], load_avg_1m=rn["load_avg_1m"],
-                          command=rn["command"])
+            result = emit(
+                "peers",
+                metric="run",
+                **row,
+                seconds=rn["seconds"],
+                cpu_seconds=rn["cpu_seconds"],
+                startup_seconds=r1["seconds"],
+                startup_cpu_seconds=r1["cpu_seconds"],
+                records_per_s_per_core=round(recs / cpu, 3) if cpu > 0 else None,
+                images_per_s_per_core=round(imgs / cpu, 2) if cpu > 0 else None,
+                records_per_s_per_core_wall=round(recs / wall, 3) if wall > 0 else None,
+                **{k: rn[k] for k in ("samples", "tokens", "rejected", "output_bytes") if k in rn},
+                source_image_bytes=full["source_image_bytes"],
+                columns=rn.get("columns"),
+                train_time=TRAIN_TIME[tool],
+                load_avg_1m=rn["load_avg_1m"],
+                command=rn["command"],
+            )
             results[name, tool] = result
         base = results.get((name, "vlmprep"))
         for peer in [t for t in TOOLS[1:] if (name, t) in results and base]:
-            ratio = {k: round(base[k] / results[name, peer][k], 2) if base[k] and results[name, peer][k] else None
-                     for k in ("records_per_s_per_core", "records_per_s_per_core_wall")}
+            ratio = {
+                k: round(base[k] / results[name, peer][k], 2) if base[k] and results[name, peer][k] else None
+                for k in ("records_per_s_per_core", "records_per_s_per_core_wall")
+            }
             emit("peers", metric="ratio", input=name, vs=peer, **ratio, goal=3.0)
     emit("done")
 

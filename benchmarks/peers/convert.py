@@ -1,6 +1,7 @@
 """The benchmark's records in each peer's own input format: OpenAI-format agent traces (base64 screenshots, tool
 calls) -> image files + a LLaMA-Factory ShareGPT json (with its dataset_info.json) and an ms-swift jsonl; the
 LLaMA-Factory demo (already ShareGPT, image paths) repeated to a measurable size, for all three tools."""
+
 from __future__ import annotations
 
 import base64
@@ -9,8 +10,15 @@ import shutil
 from pathlib import Path
 
 LF_COLUMNS = {"messages": "messages", "images": "images", "tools": "tools"}
-LF_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-           "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+LF_TAGS = {
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
 
 
 def _image_bytes(part: dict) -> bytes:
@@ -51,8 +59,16 @@ def trace_to_peers(rec: dict, img_dir: Path) -> tuple[dict, dict]:
         text = _flatten(m.get("content") or "", images, img_dir, rec["id"])
         sm = {"role": m["role"], "content": text}
         if m.get("tool_calls"):
-            sm["tool_calls"] = [{"type": "function", "function": {"name": c["function"]["name"], "arguments":
-                                 json.dumps(_arguments(c), ensure_ascii=False)}} for c in m["tool_calls"]]
+            sm["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.dumps(_arguments(c), ensure_ascii=False),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
             calls = [{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m["tool_calls"]]
             body = json.dumps(calls if len(calls) > 1 else calls[0], ensure_ascii=False)
             thought = f"<think>\n{text}\n</think>\n\n" if text else ""
@@ -61,8 +77,10 @@ def trace_to_peers(rec: dict, img_dir: Path) -> tuple[dict, dict]:
             lf_msgs.append({"role": {"tool": "observation"}.get(m["role"], m["role"]), "content": text})
         swift_msgs.append(sm)
     tools = json.dumps(rec.get("tools") or [], ensure_ascii=False)
-    return ({"messages": lf_msgs, "images": images, "tools": tools},
-            {"messages": swift_msgs, "images": images, "tools": tools})
+    return (
+        {"messages": lf_msgs, "images": images, "tools": tools},
+        {"messages": swift_msgs, "images": images, "tools": tools},
+    )
 
 
 def write_traces(recs: list[dict], out: Path) -> dict:
@@ -88,8 +106,10 @@ def write_demo(src: Path, out: Path, repeat: int) -> dict:
     recs = []
     for k in range(repeat):
         shutil.copytree(src / "mllm_demo_data", base / f"mllm_demo_data_{k:05d}")
-        recs += [{**r, "images": [p.replace("mllm_demo_data/", f"mllm_demo_data_{k:05d}/", 1) for p in r["images"]]}
-                 for r in json.loads((src / "mllm_demo.json").read_text())]
+        recs += [
+            {**r, "images": [p.replace("mllm_demo_data/", f"mllm_demo_data_{k:05d}/", 1) for p in r["images"]]}
+            for r in json.loads((src / "mllm_demo.json").read_text())
+        ]
     absolute = [{**r, "images": [str((base / p).resolve()) for p in r.get("images", [])]} for r in recs]
     return _write(out, recs, absolute, tools=False)
 
@@ -106,6 +126,10 @@ def _write(out: Path, lf: list[dict], sw: list[dict], *, tools: bool) -> dict:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     base = out / "llamafactory"
     files = {(base / p).resolve() for r in lf for p in r.get("images", [])}  # what a path-keeping output needs
-    return {"llamafactory": base, "swift": out / "swift" / "data.jsonl", "records": len(lf),
-            "images": sum(len(r.get("images", [])) for r in lf),
-            "source_image_bytes": sum(f.stat().st_size for f in files)}
+    return {
+        "llamafactory": base,
+        "swift": out / "swift" / "data.jsonl",
+        "records": len(lf),
+        "images": sum(len(r.get("images", [])) for r in lf),
+        "source_image_bytes": sum(f.stat().st_size for f in files),
+    }

@@ -1,5 +1,6 @@
 """One virtual environment per peer under bench-out/peers/: the project venv's torch linked in (hard links: no copy,
 no download), then the peer's pinned release from PyPI with its own dependency pins."""
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,10 @@ def pip(py: Path, *args: str, log: Path) -> None:
 
 def requirements(pin: str, skip: set[str], py: Path) -> list[str]:
     """The peer's own Requires-Dist (no extras), less the skipped ones; read from its wheel's metadata in the venv."""
-    code = ("import json, importlib.metadata as m; print(json.dumps(m.distribution(%r).requires or []))"
-            % pin.split("==")[0])
+    code = (
+        "import json, importlib.metadata as m; print(json.dumps(m.distribution(%r).requires or []))"
+        % pin.split("==")[0]
+    )
     import json
 
     out = subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True).stdout
@@ -110,14 +113,23 @@ def ensure(peer: str, root: Path) -> Path:
         return py
     shutil.rmtree(d, ignore_errors=True)
     venv.EnvBuilder(with_pip=True, symlinks=True).create(d)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     linked = link_torch(site)
     log = d / "install.log"
     cons = d / "constraints.txt"
     cons.write_text("".join(f"{p}\n" for p in linked if p.split("==")[0] in ("torch", "torchvision")))
-    print(f"[peers] {peer}: venv {d}, torch linked ({len(linked)} dists); pip install {want} (log {log})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[peers] {peer}: venv {d}, torch linked ({len(linked)} dists); pip install {want} (log {log})",
+        file=sys.stderr,
+        flush=True,
+    )
     pip(py, "install", "-c", str(cons), "--no-deps", spec["pin"], log=log)
     pip(py, "install", "-c", str(cons), *requirements(spec["pin"], spec["skip"], py), *spec["extra"], log=log)
     for extra in NO_DEPS.get(peer, []):

@@ -2,6 +2,7 @@
 declaring gigabytes, a .npy header declaring terabytes, json nested 200,000 deep, a sparse tar member), forged into a
 copy of a built dataset whose manifest is resealed; every reader run over it under an address-space limit, each
 outcome reduced to what a user sees."""
+
 from __future__ import annotations
 
 import contextlib
@@ -89,16 +90,41 @@ def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd") -> Pa
     for k in range(images):
         buf = io.BytesIO()
         Image.fromarray(frames(1, 224, 160, seed=3 + k)[0]).save(buf, format="PNG")
-        parts.append({"type": "image_url", "image_url": {"url": "data:image/png;base64,"
-                                                         + base64.b64encode(buf.getvalue()).decode()}})
-    records = [{"id": "iv", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "what happens?"}, *parts,
-                                     {"type": "video", "video": "clip.mp4"}]},
-        {"role": "assistant", "content": "a square moves."}]},
-        {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+        parts.append(
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+            }
+        )
+    records = [
+        {
+            "id": "iv",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what happens?"},
+                        *parts,
+                        {"type": "video", "video": "clip.mp4"},
+                    ],
+                },
+                {"role": "assistant", "content": "a square moves."},
+            ],
+        },
+        {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    ]
     (d / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / "ds"), processor="builtin:qwen2-vl", seq_len=4096,
-                      samples_per_shard=10, image_format=image_format, progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(d / "r.jsonl"),),
+            out=str(d / "ds"),
+            processor="builtin:qwen2-vl",
+            seq_len=4096,
+            samples_per_shard=10,
+            image_format=image_format,
+            progress=False,
+        )
+    )
     return d / "ds"
 
 
@@ -131,8 +157,14 @@ def _sparse_header(name: str, data: bytes, claimed: int) -> bytes:
     return bytes(buf)
 
 
-def write_tar(path: Path, members: list[tuple[str, bytes]], *, sparse: dict[str, int] | None = None,
-              types: dict[str, bytes] | None = None, fmt: int = tarfile.GNU_FORMAT) -> bytes:
+def write_tar(
+    path: Path,
+    members: list[tuple[str, bytes]],
+    *,
+    sparse: dict[str, int] | None = None,
+    types: dict[str, bytes] | None = None,
+    fmt: int = tarfile.GNU_FORMAT,
+) -> bytes:
     """The members as a tar: a member named in `sparse` as a GNU sparse member claiming that size, one named in
     `types` as that tar type (a symlink, hard link, directory, FIFO or device, linking to ../outside)."""
     out = io.BytesIO()
@@ -217,8 +249,10 @@ def forge(src: Path, dst: Path, edit, *, sparse: dict[str, int] | None = None, p
 
 def replace_member(members, key: str, ext: str, data: bytes, *, rename: str | None = None):
     """members with KEY.EXT's bytes replaced (and the member renamed to KEY.RENAME)."""
-    return [(f"{key}.{rename}" if rename and n == f"{key}.{ext}" else n, data if n == f"{key}.{ext}" else d)
-            for n, d in members]
+    return [
+        (f"{key}.{rename}" if rename and n == f"{key}.{ext}" else n, data if n == f"{key}.{ext}" else d)
+        for n, d in members
+    ]
 
 
 # --- memory
@@ -272,8 +306,11 @@ def cli(args: list[str]) -> tuple[bool, str, str]:
     from vlmprep.cli import app
 
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200", "TERM": "dumb"})
-    crash = "" if res.exception is None or isinstance(res.exception, SystemExit) else "".join(
-        traceback.format_exception(res.exception))
+    crash = (
+        ""
+        if res.exception is None or isinstance(res.exception, SystemExit)
+        else "".join(traceback.format_exception(res.exception))
+    )
     return res.exit_code == 0, res.output, crash
 
 
@@ -285,8 +322,11 @@ def run_reader(reader: str, d: Path, *, spec=None, collator=None) -> Outcome:
 
     try:
         if reader in ("verify", "inspect", "stats"):
-            args = {"verify": ["verify", str(d)], "inspect": ["inspect", str(d), "--limit", "100"],
-                    "stats": ["stats", str(d)]}[reader]
+            args = {
+                "verify": ["verify", str(d)],
+                "inspect": ["inspect", str(d), "--limit", "100"],
+                "stats": ["stats", str(d)],
+            }[reader]
             ok, output, crash = cli(args)
             return Outcome(reader, ok, "" if ok else output.strip(), crash=crash)
         ids = [s["id"] if isinstance(s, dict) else s.id for s in _read(reader, d, spec, collator)]
@@ -323,14 +363,16 @@ def _read(reader: str, d: Path, spec, collator) -> list:
         from trainer.data.sources import plan_shards
 
         data = resolve_data(str(d))
-        (source,), _ = rank_sources((DataSpec(path=str(d)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1,
-                                    cache=d / "shard-cache")
+        (source,), _ = rank_sources(
+            (DataSpec(path=str(d)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1, cache=d / "shard-cache"
+        )
         out = []
         for shard, index in zip(source.shards, source.indexes):
             for i in range(index.num_samples):
                 key, members = read_indexed(index, i)
-                out.append(decode_sample(members, key=key, url=shard.url, spec=spec,
-                                         resize_original=OriginalResizer(spec)))
+                out.append(
+                    decode_sample(members, key=key, url=shard.url, spec=spec, resize_original=OriginalResizer(spec))
+                )
         return out
     if reader == "trainer-indexed":
         from trainer.data.index import index_shard, read_indexed
@@ -340,14 +382,18 @@ def _read(reader: str, d: Path, spec, collator) -> list:
             index = index_shard(shard.url, expect=shard.num_samples)
             for i in range(index.num_samples):
                 key, members = read_indexed(index, i)
-                out.append(decode_sample(members, key=key, url=shard.url, spec=spec,
-                                         resize_original=OriginalResizer(spec)))
+                out.append(
+                    decode_sample(members, key=key, url=shard.url, spec=spec, resize_original=OriginalResizer(spec))
+                )
         return out
     if reader in ("wds", "collator"):
         import webdataset
 
-        samples = list(webdataset.WebDataset(wds_client.shard_urls(d), shardshuffle=False, empty_check=False)
-                       .map(wds_client.decode))
+        samples = list(
+            webdataset.WebDataset(wds_client.shard_urls(d), shardshuffle=False, empty_check=False).map(
+                wds_client.decode
+            )
+        )
         if reader == "collator" and samples:
             collator(samples)
         return samples

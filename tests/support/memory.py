@@ -1,6 +1,7 @@
 """Peak resident memory of a command and of every process it starts (the main process, pool workers, a forkserver),
 each one's own VmHWM polled while it lives. Not ru_maxrss: Linux carries that across fork+exec, so a child started
 by a big process (pytest, a benchmark runner) would report its parent's peak."""
+
 from __future__ import annotations
 
 import subprocess
@@ -20,8 +21,11 @@ class ProcessPeak:
 def _status(pid: int) -> dict[str, float]:
     try:
         with open(f"/proc/{pid}/status") as f:
-            return {k: int(v.split()[0]) / 1024 for k, _, v in (line.partition(":") for line in f)
-                    if k in ("VmHWM", "RssFile")}
+            return {
+                k: int(v.split()[0]) / 1024
+                for k, _, v in (line.partition(":") for line in f)
+                if k in ("VmHWM", "RssFile")
+            }
     except (OSError, ValueError):
         return {}
 
@@ -45,8 +49,9 @@ def _role(proc, main_pid: int, main_cmd: str, roles: dict[int, str]) -> str:
     return "child"
 
 
-def peak_rss(cmd: list[str], *, env: dict | None = None, cwd=None, timeout: float = 900,
-             interval: float = 0.05) -> tuple[int, str, list[ProcessPeak]]:
+def peak_rss(
+    cmd: list[str], *, env: dict | None = None, cwd=None, timeout: float = 900, interval: float = 0.05
+) -> tuple[int, str, list[ProcessPeak]]:
     """Run cmd to its end; returns (exit status, stderr, each process's peak in start order)."""
     import psutil
 

@@ -2,6 +2,7 @@
 requests (206), logs every request (method, path, range, time) for the tests to count, and can corrupt a file's bytes
 on the wire, or misbehave as a hostile server does: ignore Range, send an endless body, a gzip body that decodes to
 far more than it sends, or drip one byte at a time. Runs in a thread of the test process: `with RangeServer(root) as srv: srv.url`."""
+
 from __future__ import annotations
 
 import re
@@ -58,7 +59,6 @@ class _Handler(SimpleHTTPRequestHandler):
                 self.wfile.write(data[a:z])
             except (BrokenPipeError, ConnectionResetError):
                 pass
-
 
     def _hostile(self, name: str) -> bool:
         srv = self.server
@@ -139,4 +139,3 @@ class RangeServer:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
-

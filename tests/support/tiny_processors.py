@@ -1,14 +1,23 @@
 """The tests' processors by family name: the real-vocabulary builtins (qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, ...)
 or vlmprep's own `tiny:NAME` processors (vlmprep/processors/tiny.py), built once into the test run's cache and loaded
 back from disk, the path every real processor takes."""
+
 from __future__ import annotations
 
 import functools
 
 # The families' registry names (vlmprep/families.py) -> their tiny:NAME.
-TINY = {"gemma3": "gemma-3", "gemma4": "gemma-4", "llama3.2-vision": "llama-3.2-vision", "llama4": "llama-4",
-        "mistral3-pixtral": "mistral-3", "idefics3-smolvlm": "smolvlm", "llava-onevision": "llava-onevision",
-        "internvl": "internvl", "glm-4.1v": "glm-4.1v"}
+TINY = {
+    "gemma3": "gemma-3",
+    "gemma4": "gemma-4",
+    "llama3.2-vision": "llama-3.2-vision",
+    "llama4": "llama-4",
+    "mistral3-pixtral": "mistral-3",
+    "idefics3-smolvlm": "smolvlm",
+    "llava-onevision": "llava-onevision",
+    "internvl": "internvl",
+    "glm-4.1v": "glm-4.1v",
+}
 
 
 def tiny_names() -> list[str]:

@@ -1,4 +1,5 @@
 """Small test videos made with PyAV: moving colour patterns, so every frame differs and a wrong frame shows."""
+
 from __future__ import annotations
 
 import io
@@ -18,7 +19,7 @@ def frames(n: int, width: int, height: int, seed: int = 0) -> np.ndarray:
         out[i, ..., 2] = (base[2] + 17 * i) % 256
         s = max(2, min(width, height) // 4)
         ox, oy = (3 * i) % max(width - s, 1), (2 * i) % max(height - s, 1)
-        out[i, oy:oy + s, ox:ox + s] = 255 - out[i, oy:oy + s, ox:ox + s]
+        out[i, oy : oy + s, ox : ox + s] = 255 - out[i, oy : oy + s, ox : ox + s]
     return out
 
 

@@ -1,5 +1,6 @@
 """Trainer fixtures: small vlmprep datasets built once per session (18 records -> 5 shards of 4,4,4,4,2
 samples), and a runner for the trainer CLI (plain python or torchrun) that returns the metrics."""
+
 import json
 import os
 import subprocess
@@ -10,12 +11,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-TRACES = dict(n=18, seed=1, min_images=1, max_images=3, width=224, height=160, overlong_fraction=0.0,
-              text_only_fraction=0.2)
+TRACES = dict(
+    n=18, seed=1, min_images=1, max_images=3, width=224, height=160, overlong_fraction=0.0, text_only_fraction=0.2
+)
 
 
-def build_dataset(traces: Path, out: Path, *, image_format: str = "zstd", samples_per_shard: int = 4,
-                  seq_len: int = 2048, truncate: bool = False) -> Path:
+def build_dataset(
+    traces: Path,
+    out: Path,
+    *,
+    image_format: str = "zstd",
+    samples_per_shard: int = 4,
+    seq_len: int = 2048,
+    truncate: bool = False,
+) -> Path:
     """truncate: one sample per trace, cut at seq_len (its lost turns accepted), as a short-sequence dataset."""
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
@@ -24,8 +33,18 @@ def build_dataset(traces: Path, out: Path, *, image_format: str = "zstd", sample
     policy = {"tool_calls": "train-content"} if "tool_calls" in BuildConfig.__dataclass_fields__ else {}
     if truncate:
         policy.update(long_traces="truncate", min_turn_coverage=0.0)
-    build(BuildConfig(inputs=(str(traces),), out=str(out), processor="builtin:qwen2-vl", seq_len=seq_len,
-                      samples_per_shard=samples_per_shard, image_format=image_format, progress=False, **policy))
+    build(
+        BuildConfig(
+            inputs=(str(traces),),
+            out=str(out),
+            processor="builtin:qwen2-vl",
+            seq_len=seq_len,
+            samples_per_shard=samples_per_shard,
+            image_format=image_format,
+            progress=False,
+            **policy,
+        )
+    )
     return out
 
 
@@ -53,20 +72,29 @@ def image_spec(dataset):
 
 def trainer_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
 def trainer_cmd(args: list[str], nproc: int) -> list[str]:
-    launch = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer"] if nproc > 1 \
+    launch = (
+        [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer"]
+        if nproc > 1
         else [sys.executable, "-m", "trainer"]
+    )
     return launch + ["--tiny-random", "qwen2-vl", "--no-progress"] + [str(a) for a in args]
 
 
 def run_trainer(args: list, *, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run(trainer_cmd(args, nproc), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        trainer_cmd(args, nproc), cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -78,8 +106,14 @@ def kill_at_step(args: list, out: Path, steps: int, log: Path, *, nproc: int = 1
     import time
 
     with open(log, "w") as f:
-        proc = subprocess.Popen(trainer_cmd([*args, "--out", out], nproc), cwd=ROOT, env=trainer_env(), stdout=f,
-                                stderr=f, start_new_session=True)
+        proc = subprocess.Popen(
+            trainer_cmd([*args, "--out", out], nproc),
+            cwd=ROOT,
+            env=trainer_env(),
+            stdout=f,
+            stderr=f,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + timeout
             while not (Path(out) / "metrics.jsonl").is_file() or len(read_metrics(out)) < steps:
@@ -108,8 +142,12 @@ def open_data_of(cfg, world: int = 1):
     from trainer.model import model_type_of
     from trainer.options import DataOptions
 
-    return open_data(DataOptions.of(cfg), model_type=model_type_of(model=cfg.model, tiny_random=cfg.tiny_random),
-                     packing=bool(cfg.pack_to), world=world)
+    return open_data(
+        DataOptions.of(cfg),
+        model_type=model_type_of(model=cfg.model, tiny_random=cfg.tiny_random),
+        packing=bool(cfg.pack_to),
+        world=world,
+    )
 
 
 def make_loader_of(cfg, data, *, collate_spec, check=None, rank: int = 0):
@@ -126,5 +164,12 @@ def make_loader_of(cfg, data, *, collate_spec, check=None, rank: int = 0):
     if check is not None:
         plan = dataclasses.replace(plan, check=check)
     options = DataOptions.of(dataclasses.replace(cfg, shuffle_span=plan.shuffle_span))
-    return make_loader(options, plan, data, batching=Batching.of(cfg), length=RunLength.of(cfg),
-                       device=torch.device("cpu"), collate_spec=collate_spec)
+    return make_loader(
+        options,
+        plan,
+        data,
+        batching=Batching.of(cfg),
+        length=RunLength.of(cfg),
+        device=torch.device("cpu"),
+        collate_spec=collate_spec,
+    )

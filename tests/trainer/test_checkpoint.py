@@ -2,6 +2,7 @@
 its marker, written last, whose file sizes still hold; a resume takes the newest complete one, naming each one it
 skips, and refuses in one line when none is left; pruning keeps complete ones. The run dir lock: one holder, a file
 left by a killed run never blocks. A whole run resuming past a cut checkpoint: test_run_safety.py."""
+
 import json
 import warnings
 
@@ -43,8 +44,14 @@ def _train_and_save(run, steps, keep=3):
         net(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-        save_checkpoint(run, TrainState(step=step, epoch=0, position=10 * step, pack_state=[]), net=net, optimizer=opt,
-                        device=CPU, keep_checkpoints=keep)
+        save_checkpoint(
+            run,
+            TrainState(step=step, epoch=0, position=10 * step, pack_state=[]),
+            net=net,
+            optimizer=opt,
+            device=CPU,
+            keep_checkpoints=keep,
+        )
         weights[step] = net.weight.detach().clone()
     return weights
 
@@ -56,7 +63,7 @@ def _ckpt(run, step):
 def _cut(path):
     f = max((p for p in path.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
     size = f.stat().st_size
-    f.write_bytes(f.read_bytes()[:size // 2])
+    f.write_bytes(f.read_bytes()[: size // 2])
     return f.name, size
 
 
@@ -80,10 +87,12 @@ def test_a_resume_falls_back_past_cut_and_unfinished_checkpoints_naming_each(tmp
     assert path == _ckpt(tmp_path, 1) and resumed.step == 1 and resumed.position == 10
     assert torch.equal(net.weight, weights[1])
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"trainer: skipped checkpoint {_ckpt(tmp_path, 3)}: {name} has {size // 2} bytes, {size} when saved "
-                   "(cut short); resuming from the one before it",
-                   f"trainer: skipped checkpoint {_ckpt(tmp_path, 2)}: no {MARKER} (the save did not finish); resuming "
-                   "from the one before it"]
+    assert err == [
+        f"trainer: skipped checkpoint {_ckpt(tmp_path, 3)}: {name} has {size // 2} bytes, {size} when saved "
+        "(cut short); resuming from the one before it",
+        f"trainer: skipped checkpoint {_ckpt(tmp_path, 2)}: no {MARKER} (the save did not finish); resuming "
+        "from the one before it",
+    ]
 
 
 def test_a_checkpoint_that_passes_its_sizes_but_does_not_load_is_skipped_too(tmp_path, capsys):
@@ -94,8 +103,11 @@ def test_a_checkpoint_that_passes_its_sizes_but_does_not_load_is_skipped_too(tmp
         meta = _ckpt(tmp_path, step) / ".metadata"
         meta.write_bytes(b"\0" * meta.stat().st_size)
     net, opt = _model()
-    with pytest.raises(ConfigError, match=r"holds no complete checkpoint \(step-00000002: unreadable \(.*"
-                                          r"step-00000001: unreadable .*--no-resume"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds no complete checkpoint \(step-00000002: unreadable \(.*"
+        r"step-00000001: unreadable .*--no-resume",
+    ):
         load_latest(tmp_path, net=net, optimizer=opt, device=CPU)
     assert capsys.readouterr().err.count("trainer: skipped checkpoint") == 2
 
@@ -112,8 +124,14 @@ def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
     _train_and_save(tmp_path, [1, 2], keep=2)
     _cut(_ckpt(tmp_path, 2))
     net, opt = _model()
-    save_checkpoint(tmp_path, TrainState(step=3, epoch=0, position=0, pack_state=[]), net=net, optimizer=opt, device=CPU,
-                    keep_checkpoints=2)
+    save_checkpoint(
+        tmp_path,
+        TrainState(step=3, epoch=0, position=0, pack_state=[]),
+        net=net,
+        optimizer=opt,
+        device=CPU,
+        keep_checkpoints=2,
+    )
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000003"]
 
 
@@ -132,6 +150,8 @@ def test_the_run_dir_has_one_owner_and_a_killed_ones_file_does_not_block(tmp_pat
 
 def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=r"^--out .*/file/run: cannot create it or its trainer.lock \(Not a directory"):
+    with pytest.raises(
+        ConfigError, match=r"^--out .*/file/run: cannot create it or its trainer.lock \(Not a directory"
+    ):
         with own_run_dir(tmp_path / "file" / "run"):
             pass

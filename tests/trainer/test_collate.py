@@ -14,11 +14,18 @@ SPEC = CollateSpec(pad_id=0, image_token_id=9, patch_size=14, merge_size=2)
 def sample(sid, ids, mask, mm=None, images=(), grids=(), position=0):
     n = len(ids)
     mm = np.array(mm if mm is not None else [0] * n, dtype=np.uint8)
-    return DecodedSample(key=sid, id=sid, input_ids=np.array(ids, dtype=np.int32),
-                         loss_mask=np.array(mask, dtype=np.uint8), mm_token_type_ids=mm,
-                         position_ids=np.stack([np.arange(n) + 10 * k for k in range(3)]).astype(np.int32),
-                         image_grid_thw=np.array(grids, dtype=np.int32).reshape(-1, 3), images=list(images),
-                         image_index=list(range(len(images))), position=position)
+    return DecodedSample(
+        key=sid,
+        id=sid,
+        input_ids=np.array(ids, dtype=np.int32),
+        loss_mask=np.array(mask, dtype=np.uint8),
+        mm_token_type_ids=mm,
+        position_ids=np.stack([np.arange(n) + 10 * k for k in range(3)]).astype(np.int32),
+        image_grid_thw=np.array(grids, dtype=np.int32).reshape(-1, 3),
+        images=list(images),
+        image_index=list(range(len(images))),
+        position=position,
+    )
 
 
 def test_pad_labels_and_mixed_text_and_image_samples():
@@ -32,12 +39,18 @@ def test_pad_labels_and_mixed_text_and_image_samples():
     assert b.mm_token_type_ids.tolist() == [[0, 0, 0, 0, 0], [0, 1, 0, 0, 0]]
     assert b.position_ids.shape == (3, 2, 5) and b.position_ids[2, 1].tolist() == [20, 21, 22, 23, 24]
     assert b.position_ids[:, 0, :3].tolist() == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
-    assert b.image_grid_thw.tolist() == [[1, 2, 2]] and b.image_index == [0] and torch.equal(b.images[0], torch.from_numpy(img))
+    assert (
+        b.image_grid_thw.tolist() == [[1, 2, 2]]
+        and b.image_index == [0]
+        and torch.equal(b.images[0], torch.from_numpy(img))
+    )
     assert (b.num_tokens, b.num_trained, b.sample_ids) == (8, 4, ["t", "i"])
     assert (b.input_ids.dtype, b.position_ids.dtype, b.loss_mask.dtype) == (torch.int32, torch.int32, torch.uint8)
     d = b.to("cpu")  # what the model gets: widened to int64, same values
-    assert all(t.dtype == torch.int64 for t in (d.input_ids, d.labels, d.attention_mask, d.position_ids,
-                                                 d.mm_token_type_ids, d.image_grid_thw))
+    assert all(
+        t.dtype == torch.int64
+        for t in (d.input_ids, d.labels, d.attention_mask, d.position_ids, d.mm_token_type_ids, d.image_grid_thw)
+    )
     assert d.labels.tolist() == b.labels.tolist() and d.attention_mask.tolist() == b.attention_mask.tolist()
 
 

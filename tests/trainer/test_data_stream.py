@@ -57,9 +57,16 @@ def test_pad_policy_gives_every_rank_the_same_steps_and_drops_nothing(shards, im
     plan = plan_shards(tuple(shards), 2)
     assert plan.rank_samples == (8, 10)  # 5 uneven shards, balanced by tokens, not samples
     batching = Batching(micro_batch_size=2, grad_accum=2)
-    loaders = [StepLoader(ShardSequence([shards[i] for i in plan.per_rank[r]], spec=image_spec, seed=0,
-                                        shuffle_shards=False),
-                          collate_spec=SPEC, batching=batching, num_workers=0, prefetch_factor=2) for r in range(2)]
+    loaders = [
+        StepLoader(
+            ShardSequence([shards[i] for i in plan.per_rank[r]], spec=image_spec, seed=0, shuffle_shards=False),
+            collate_spec=SPEC,
+            batching=batching,
+            num_workers=0,
+            prefetch_factor=2,
+        )
+        for r in range(2)
+    ]
     for ld in loaders:
         ld.start(0, 0)
     n_steps = steps_per_epoch(list(plan.rank_samples), batching)
@@ -77,8 +84,9 @@ def test_stride_mode_splits_samples_across_ranks_for_any_workers(shards, image_s
     ref = [i for _, i, _ in _read(shards[:2], image_spec)]
     per_rank = []
     for r in range(3):
-        loader = sample_loader(RankStream(shards[:2], start=start, spec=image_spec, stride=(r, 3)),
-                               num_workers=workers, prefetch_factor=2)
+        loader = sample_loader(
+            RankStream(shards[:2], start=start, spec=image_spec, stride=(r, 3)), num_workers=workers, prefetch_factor=2
+        )
         got = [(s.position, s.id) for s in loader]
         assert [p for p, _ in got] == list(range(start, start + len(got)))
         per_rank.append([i for _, i in got])
@@ -86,8 +94,10 @@ def test_stride_mode_splits_samples_across_ranks_for_any_workers(shards, image_s
 
 
 def _pixels(samples):
-    return [(s.position, [bytes(memoryview(im.numpy() if hasattr(im, "numpy") else im)) for im in s.images])
-            for s in samples]
+    return [
+        (s.position, [bytes(memoryview(im.numpy() if hasattr(im, "numpy") else im)) for im in s.images])
+        for s in samples
+    ]
 
 
 @pytest.mark.parametrize("hold", [0, 5, 99])
@@ -138,8 +148,9 @@ def test_the_shard_plan_is_longest_first_to_the_least_loaded_rank():
     rnd = random.Random(7)
     for _ in range(300):
         world = rnd.randint(1, 12)
-        shards = tuple(ShardRef(f"s{i}.tar", f"s{i}.tar", rnd.randint(1, 5), rnd.choice([None, 0, 5, rnd.randint(0, 999)]))
-                       for i in range(rnd.randint(world, 80)))
+        shards = tuple(
+            ShardRef(f"s{i}.tar", f"s{i}.tar", rnd.randint(1, 5), rnd.choice([None, 0, 5, rnd.randint(0, 999)]))
+            for i in range(rnd.randint(world, 80))
+        )
         plan = plan_shards(shards, world)
         assert (plan.per_rank, plan.rank_tokens) == scan(shards, world)
-

@@ -93,17 +93,22 @@ def _zst(raw: bytes) -> bytes:
     return zstandard.ZstdCompressor().compress(raw)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda a: _zst(_npy(np.ascontiguousarray(a.transpose(1, 0, 2)))),
-     r"holds uint8 \(\d+, \d+, 3\), expected uint8 \(\d+, \d+, 3\) as its meta says"),
-    (lambda a: _zst(_npy(a[:-2])), "declares .* decompressed bytes, not a"),
-    (lambda a: _zst(_npy(a.astype(np.int16))), "declares"),
-    (lambda a: _zst(_npy(np.array([object()] * 3, dtype=object), allow_pickle=True)), "declares"),
-    (lambda a: _zst(_npy(a.view(np.int8))), "holds int8"),
-    (lambda a: (lambda z: z[:len(z) // 2])(_zst(_npy(a))), "stream ends|EOF"),
-    (lambda a: _zst(_npy(a) + b"junk"), "data after the array|header and pixels disagree|holds"),
-    (lambda a: _zst(b"\x93NUMPY\x09\x00" + b"x" * 100), "npy|declares"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda a: _zst(_npy(np.ascontiguousarray(a.transpose(1, 0, 2)))),
+            r"holds uint8 \(\d+, \d+, 3\), expected uint8 \(\d+, \d+, 3\) as its meta says",
+        ),
+        (lambda a: _zst(_npy(a[:-2])), "declares .* decompressed bytes, not a"),
+        (lambda a: _zst(_npy(a.astype(np.int16))), "declares"),
+        (lambda a: _zst(_npy(np.array([object()] * 3, dtype=object), allow_pickle=True)), "declares"),
+        (lambda a: _zst(_npy(a.view(np.int8))), "holds int8"),
+        (lambda a: (lambda z: z[: len(z) // 2])(_zst(_npy(a))), "stream ends|EOF"),
+        (lambda a: _zst(_npy(a) + b"junk"), "data after the array|header and pixels disagree|holds"),
+        (lambda a: _zst(b"\x93NUMPY\x09\x00" + b"x" * 100), "npy|declares"),
+    ],
+)
 def test_stored_image_must_match_its_meta_and_is_never_unpickled(dataset, image_spec, make, message):
     """Images are decoded straight into a buffer sized from the meta: a member whose header disagrees, that is
     cut short, carries trailing data or an object array is refused with the shard and sample named."""
@@ -133,8 +138,13 @@ def test_original_member_of_a_transformed_source_decodes_to_the_stored_pixels(qw
     rgba = np.dstack([rgb, np.linspace(0, 255, 92).astype(np.uint8)[None, :].repeat(60, 0)])
     gray16 = np.linspace(0, 65535, 60 * 92).reshape(60, 92).astype(np.uint16)
     sources = []
-    for arr, fmt, orientation in ((rgb, "JPEG", 6), (rgba, "PNG", 8), (gray16, "PNG", None), (rgb, "JPEG", None),
-                                  (rgba, "PNG", None)):
+    for arr, fmt, orientation in (
+        (rgb, "JPEG", 6),
+        (rgba, "PNG", 8),
+        (gray16, "PNG", None),
+        (rgb, "JPEG", None),
+        (rgba, "PNG", None),
+    ):
         im = Image.fromarray(arr)
         exif = im.getexif()
         if orientation:
@@ -168,12 +178,15 @@ def test_zstd_delta_dataset_decodes_to_the_zstd_datasets_pixels(traces, dataset,
             np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda a: _delta(a)[:-1], "stream ends|EOF|frame"),
-    (lambda a: _delta(a[:-2]), "declares .* decompressed bytes, not a"),
-    (lambda a: _delta(np.ascontiguousarray(a.transpose(1, 0, 2))), r"holds uint8 \(\d+, \d+, 3\), expected uint8"),
-    (lambda a: _zst(_npy(np.array([object()] * 3, dtype=object), allow_pickle=True)), "declares"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda a: _delta(a)[:-1], "stream ends|EOF|frame"),
+        (lambda a: _delta(a[:-2]), "declares .* decompressed bytes, not a"),
+        (lambda a: _delta(np.ascontiguousarray(a.transpose(1, 0, 2))), r"holds uint8 \(\d+, \d+, 3\), expected uint8"),
+        (lambda a: _zst(_npy(np.array([object()] * 3, dtype=object), allow_pickle=True)), "declares"),
+    ],
+)
 def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, message):
     """A .delta.zst member is bounded as a .npy.zst is: its zstd frame's declared size and its .npy header are checked
     against the meta before its rows are unfiltered."""
@@ -187,7 +200,9 @@ def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, messag
     for name in good:
         if name.endswith(".delta.zst"):
             u = int(name[3:6])
-            good[name] = encode_image(PreparedImage(pixels=s.images[u], grid_thw=(1, 1, 1), source=None, digest=""), "zstd-delta")
+            good[name] = encode_image(
+                PreparedImage(pixels=s.images[u], grid_thw=(1, 1, 1), source=None, digest=""), "zstd-delta"
+            )
     ok = decode_sample(good, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
     assert all(np.array_equal(x, y) for x, y in zip(ok.images, s.images))
     bad = {**good, "img000.delta.zst": make(s.images[0])}

@@ -1,5 +1,6 @@
 """End to end through the CLI: torchrun with 2 ranks x 2 DataLoader workers over 5 uneven shards, checked
 against a single-process replay, a killed-and-resumed run and a run over HTTP."""
+
 import os
 import signal
 import socket
@@ -34,8 +35,16 @@ def test_two_ranks_two_workers_read_every_sample_once_and_run_the_same_steps(run
     assert [m["samples_per_rank"] for m in metrics][-1] == [0, 2]
     assert all(len(m["samples_per_rank"]) == 2 for m in metrics)
     assert "max/mean imbalance 1.136" in stderr and "remainder policy 'pad'" in stderr
-    for key in ("loss", "lr", "grad_norm", "num_tokens", "num_trained_tokens", "tokens_per_s", "samples_per_s",
-                "data_wait_s"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "num_tokens",
+        "num_trained_tokens",
+        "tokens_per_s",
+        "samples_per_s",
+        "data_wait_s",
+    ):
         assert all(isinstance(m[key], (int, float)) for m in metrics), key
     assert (out / "config.toml").is_file() and (out / "checkpoints" / "step-00000005" / ".metadata").is_file()
 
@@ -58,19 +67,30 @@ def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a,
     worst = [0.0, 0.0]
     for m in metrics:
         batch = collate([by_id[i] for i in m["sample_ids"]], spec)  # the whole global batch, one micro-batch
-        lr = lr_at(m["step"] - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total=len(metrics),
-                   min_lr_ratio=cfg.min_lr_ratio)
+        lr = lr_at(
+            m["step"] - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total=len(metrics), min_lr_ratio=cfg.min_lr_ratio
+        )
         for g in opt.param_groups:
             g["lr"] = lr
-        loss_sum, grad_norm = train_step(net, opt, [batch], patchifier=Patchifier(image_spec, "cpu"),
-                                         global_trained=batch.num_trained, max_grad_norm=cfg.max_grad_norm)
+        loss_sum, grad_norm = train_step(
+            net,
+            opt,
+            [batch],
+            patchifier=Patchifier(image_spec, "cpu"),
+            global_trained=batch.num_trained,
+            max_grad_norm=cfg.max_grad_norm,
+        )
         assert lr == m["lr"] and batch.num_trained == m["num_trained_tokens"]
-        worst = [max(worst[0], abs(loss_sum / batch.num_trained / m["loss"] - 1)),
-                 max(worst[1], abs(grad_norm / m["grad_norm"] - 1))]
+        worst = [
+            max(worst[0], abs(loss_sum / batch.num_trained / m["loss"] - 1)),
+            max(worst[1], abs(grad_norm / m["grad_norm"] - 1)),
+        ]
         assert loss_sum / batch.num_trained == pytest.approx(m["loss"], rel=1e-6, abs=0), m["step"]
         assert grad_norm == pytest.approx(m["grad_norm"], rel=1e-4, abs=0), m["step"]
-    print(f"fsdp vs single process over {len(metrics)} steps: loss rel diff <= {worst[0]:.1e}, "
-          f"grad norm rel diff <= {worst[1]:.1e}")
+    print(
+        f"fsdp vs single process over {len(metrics)} steps: loss rel diff <= {worst[0]:.1e}, "
+        f"grad norm rel diff <= {worst[1]:.1e}"
+    )
 
 
 def _wait_for_step(run_dir, step, proc, deadline):
@@ -88,8 +108,14 @@ def test_kill_then_resume_with_another_worker_count_replays_the_uninterrupted_ru
     _, ref, _ = run_a
     out = tmp_path / "run_b"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(trainer_cmd(["--data", dataset, "--out", out, "--num-workers", 2, *COMMON], 2),
-                                cwd=ROOT, env=trainer_env(), stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            trainer_cmd(["--data", dataset, "--out", out, "--num-workers", 2, *COMMON], 2),
+            cwd=ROOT,
+            env=trainer_env(),
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         try:
             _wait_for_step(out, 3, proc, time.monotonic() + 240)
         finally:
@@ -114,8 +140,11 @@ def _free_port() -> int:
 def test_shards_over_http_train_like_from_disk(run_a, dataset, tmp_path):
     _, ref, _ = run_a
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                               "--directory", str(dataset)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(dataset)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -126,11 +155,27 @@ def test_shards_over_http_train_like_from_disk(run_a, dataset, tmp_path):
                 assert time.monotonic() < deadline, "http.server did not start"
                 time.sleep(0.1)
         out = tmp_path / "run_http"
-        run_trainer(["--data", f"http://127.0.0.1:{port}/", "--out", out, "--num-workers", 2, *COMMON,
-                     "--max-steps", 2, "--schedule-steps", len(ref)], nproc=2, timeout=300)
+        run_trainer(
+            [
+                "--data",
+                f"http://127.0.0.1:{port}/",
+                "--out",
+                out,
+                "--num-workers",
+                2,
+                *COMMON,
+                "--max-steps",
+                2,
+                "--schedule-steps",
+                len(ref),
+            ],
+            nproc=2,
+            timeout=300,
+        )
     finally:
         server.kill()
         server.wait()
     got = read_metrics(out)
-    assert [(m["sample_ids"], m["loss"], m["grad_norm"]) for m in got] == \
-        [(m["sample_ids"], m["loss"], m["grad_norm"]) for m in ref[:2]]
+    assert [(m["sample_ids"], m["loss"], m["grad_norm"]) for m in got] == [
+        (m["sample_ids"], m["loss"], m["grad_norm"]) for m in ref[:2]
+    ]

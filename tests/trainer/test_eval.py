@@ -2,6 +2,7 @@
 checkpoint loaded into a plain model, one sample per forward, full logits; padded and packed), training is
 bit-identical with and without --eval-every (2 ranks, LoRA dropout, so an eval that moved the RNG or left a
 module's mode changed would show), an eval set of one sample on 2 ranks does not hang; the options parse."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,9 +53,15 @@ def reference_eval(net, pattern: str, image_spec) -> tuple[float, int, int]:
     with torch.no_grad():
         for s in RankStream(list(resolve_data(pattern).shards), start=0, spec=image_spec):
             b = collate([s], spec)
-            out = net(input_ids=b.input_ids.long(), attention_mask=b.attention_mask, position_ids=b.position_ids.long(),
-                      mm_token_type_ids=b.mm_token_type_ids.long(), pixel_values=patchify(b.images, b.image_index),
-                      image_grid_thw=b.image_grid_thw, use_cache=False)
+            out = net(
+                input_ids=b.input_ids.long(),
+                attention_mask=b.attention_mask,
+                position_ids=b.position_ids.long(),
+                mm_token_type_ids=b.mm_token_type_ids.long(),
+                pixel_values=patchify(b.images, b.image_index),
+                image_grid_thw=b.image_grid_thw,
+                use_cache=False,
+            )
             labels = b.labels[0, 1:]
             trained = labels != -100
             total += F.cross_entropy(out.logits[0, :-1].float()[trained], labels[trained], reduction="sum").double()
@@ -62,16 +69,35 @@ def reference_eval(net, pattern: str, image_spec) -> tuple[float, int, int]:
     return float(total) / tokens, tokens, n
 
 
-@pytest.mark.parametrize("batching", [
-    pytest.param(["--micro-batch-size", 2], id="padded", marks=pytest.mark.slow),  # make-test budget (~23 s)
-    pytest.param(["--pack-to", 4096, "--pack-window", 4], id="packed", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "batching",
+    [
+        pytest.param(["--micro-batch-size", 2], id="padded", marks=pytest.mark.slow),  # make-test budget (~23 s)
+        pytest.param(["--pack-to", 4096, "--pack-window", 4], id="packed", marks=pytest.mark.slow),
+    ],
+)
 def test_eval_loss_equals_a_single_process_computation(dataset, image_spec, tmp_path, batching):
     """Eval only at the end (no --eval-every): one row after the last step, over the whole eval set (2 shards,
     6 samples: padded micro-batches of 2, or packed rows), equal to the reference on the trained weights."""
     out, eval_set = tmp_path / "run", str(dataset / "shard-{000003..000004}.tar")
-    proc = run_trainer(["--data", dataset, "--out", out, "--eval-data", eval_set, "--max-steps", 1,
-                        "--num-workers", 0, "--lr", 1e-3, "--no-tensorboard", *batching])
+    proc = run_trainer(
+        [
+            "--data",
+            dataset,
+            "--out",
+            out,
+            "--eval-data",
+            eval_set,
+            "--max-steps",
+            1,
+            "--num-workers",
+            0,
+            "--lr",
+            1e-3,
+            "--no-tensorboard",
+            *batching,
+        ]
+    )
     rows = read_metrics(out)
     assert [("eval_loss" in r, r["step"]) for r in rows] == [(False, 1), (True, 1)]
     row = rows[-1]
@@ -109,14 +135,16 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     pattern = str(dataset / "shard-000004.tar")
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
     streams = ShardSequence(list(resolve_data(pattern).shards), spec=image_spec, seed=0, shuffle_shards=False)
-    loader = StepLoader(streams, collate_spec=spec, batching=Batching(micro_batch_size=2), num_workers=0,
-                        prefetch_factor=2)
+    loader = StepLoader(
+        streams, collate_spec=spec, batching=Batching(micro_batch_size=2), num_workers=0, prefetch_factor=2
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(5)
         before = torch.get_rng_state()
-        row = evaluate(net, [EvalSet("", loader)], step=7, device=torch.device("cpu"),
-                       patchifier=Patchifier(image_spec, "cpu"))
+        row = evaluate(
+            net, [EvalSet("", loader)], step=7, device=torch.device("cpu"), patchifier=Patchifier(image_spec, "cpu")
+        )
         assert torch.equal(torch.get_rng_state(), before)
     finally:
         dist.destroy_process_group()
@@ -129,21 +157,51 @@ def test_evaluate_restores_the_rng_and_each_module_mode_and_runs_in_eval_mode(da
     assert row["eval_loss"] == pytest.approx(loss, rel=1e-6, abs=0)
 
 
-COMMON = ["--micro-batch-size", 2, "--max-steps", 3, "--lora-rank", 4, "--lora-dropout", 0.3, "--lr", 1e-3,
-          "--num-workers", 2, "--save-every", 2, "--no-tensorboard"]
+COMMON = [
+    "--micro-batch-size",
+    2,
+    "--max-steps",
+    3,
+    "--lora-rank",
+    4,
+    "--lora-dropout",
+    0.3,
+    "--lr",
+    1e-3,
+    "--num-workers",
+    2,
+    "--save-every",
+    2,
+    "--no-tensorboard",
+]
 
 
 @pytest.mark.slow  # two torchrun runs of 3 steps: ~1-2 min on 2 shared cores
 def test_two_ranks_eval_every_step_leaves_training_bit_identical_and_one_sample_does_not_hang(
-        dataset, one_sample, image_spec, tmp_path):
+    dataset, one_sample, image_spec, tmp_path
+):
     """2 ranks, eval after every step over two named sets: `one` (1 sample: rank 1 reads none and runs empty
     micro-batches) and `tail` (2 samples, one per rank). Training rows equal the run without eval bit for bit;
     the final eval equals the reference per set and overall."""
     tail = str(dataset / "shard-000004.tar")
     base = run_trainer(["--data", dataset, "--out", tmp_path / "plain", *COMMON], nproc=2, timeout=400)
-    run_trainer(["--data", dataset, "--out", tmp_path / "eval", *COMMON, "--eval-every", 1,
-                 "--eval-data", f"name=one,path={one_sample}", "--eval-data", f"name=tail,path={tail}"],
-                nproc=2, timeout=400)
+    run_trainer(
+        [
+            "--data",
+            dataset,
+            "--out",
+            tmp_path / "eval",
+            *COMMON,
+            "--eval-every",
+            1,
+            "--eval-data",
+            f"name=one,path={one_sample}",
+            "--eval-data",
+            f"name=tail,path={tail}",
+        ],
+        nproc=2,
+        timeout=400,
+    )
     assert "trainer: eval" not in base.stderr
     plain, rows = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "eval")
     train = [r for r in rows if "loss" in r]
@@ -163,8 +221,20 @@ def test_two_ranks_eval_every_step_leaves_training_bit_identical_and_one_sample_
 
 
 def test_eval_options_parse_round_trip_and_may_change_on_resume(tmp_path):
-    cfg = parse_args(["--data", "d", "--tiny-random", "qwen2-vl", "--eval-data", "name=a,path=x",
-                      "--eval-data", "name=b,path=y/shard-{0..1}.tar", "--eval-every", "5"])
+    cfg = parse_args(
+        [
+            "--data",
+            "d",
+            "--tiny-random",
+            "qwen2-vl",
+            "--eval-data",
+            "name=a,path=x",
+            "--eval-data",
+            "name=b,path=y/shard-{0..1}.tar",
+            "--eval-every",
+            "5",
+        ]
+    )
     assert [(d.name, d.path) for d in cfg.eval_sources] == [("a", "x"), ("b", "y/shard-{0..1}.tar")]
     p = tmp_path / "config.toml"
     p.write_text(cfg.to_toml())
@@ -176,17 +246,26 @@ def test_eval_options_parse_round_trip_and_may_change_on_resume(tmp_path):
     from trainer.data.sources import DataSource
 
     def identity(c):
-        return run_identity(c.resume_identity(), datasets=[(c.sources[0], DataSource((), None, None))], model={},
-                            image_config={}, world=1)
+        return run_identity(
+            c.resume_identity(),
+            datasets=[(c.sources[0], DataSource((), None, None))],
+            model={},
+            image_config={},
+            world=1,
+        )
+
     assert identity(cfg) == identity(TrainConfig(data="d", tiny_random="qwen2-vl"))  # eval never blocks a resume
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(eval_every=3), "eval_every=3 without eval_data"),
-    (dict(eval_data="e", eval_every=-1), "eval_every=-1"),
-    (dict(eval_data=("name=a,path=x,weight=2",)), "name and path only"),
-    (dict(eval_data=("name=a,path=x", "name=a,path=y")), "distinct names"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(eval_every=3), "eval_every=3 without eval_data"),
+        (dict(eval_data="e", eval_every=-1), "eval_every=-1"),
+        (dict(eval_data=("name=a,path=x,weight=2",)), "name and path only"),
+        (dict(eval_data=("name=a,path=x", "name=a,path=y")), "distinct names"),
+    ],
+)
 def test_eval_option_errors(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         TrainConfig(data="d", tiny_random="qwen2-vl", **kw)
@@ -195,8 +274,24 @@ def test_eval_option_errors(kw, msg):
 def test_bad_eval_data_is_one_line(dataset, tmp_path, capsys):
     from trainer.train import main
 
-    assert main(["--data", str(dataset), "--out", str(tmp_path / "r"), "--tiny-random", "qwen2-vl", "--no-progress",
-                 "--max-steps", "1", "--eval-data", str(tmp_path / "missing")]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(dataset),
+                "--out",
+                str(tmp_path / "r"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--no-progress",
+                "--max-steps",
+                "1",
+                "--eval-data",
+                str(tmp_path / "missing"),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("trainer: error: ") and "no such dataset dir" in err[-1], err
 
@@ -214,19 +309,23 @@ def test_the_training_data_as_eval_data_is_warned_not_refused(dataset, tmp_path,
     shutil.copytree(dataset, copy)
     for held in (str(dataset), str(copy)):
         data = open_data_of(TrainConfig(data=str(dataset), eval_data=held, tiny_random="qwen2-vl"))
-        assert data.warnings == (f"--eval-data {held} shares 5 of its 5 shards with the training data ({dataset}): "
-                                 "its eval loss is measured on trained samples, not held out; build the eval set "
-                                 "from records kept out of the training data",)
+        assert data.warnings == (
+            f"--eval-data {held} shares 5 of its 5 shards with the training data ({dataset}): "
+            "its eval loss is measured on trained samples, not held out; build the eval set "
+            "from records kept out of the training data",
+        )
         log_plans(data)
         assert capsys.readouterr().err.count("trainer: warning: --eval-data") == 1
     # One shard of the copy as a pattern, against a mixture: named by the datasets that hold it.
     one = f"{copy}/shard-000001.tar"
-    cfg = TrainConfig(data=(f"name=a,path={dataset}", "name=b,path=elsewhere"), eval_data=one,
-                      tiny_random="qwen2-vl")
-    warned = eval_overlap(cfg.eval_sources[0], resolve_data(one), cfg.sources,
-                          [resolve_data(str(dataset)), DataSource((), None, None)])
-    assert warned == [f"--eval-data {one} shares 1 of its 1 shards with the training data ({dataset}): its eval loss "
-                      "is measured on trained samples, not held out; build the eval set from records kept out of the "
-                      "training data"]
+    cfg = TrainConfig(data=(f"name=a,path={dataset}", "name=b,path=elsewhere"), eval_data=one, tiny_random="qwen2-vl")
+    warned = eval_overlap(
+        cfg.eval_sources[0], resolve_data(one), cfg.sources, [resolve_data(str(dataset)), DataSource((), None, None)]
+    )
+    assert warned == [
+        f"--eval-data {one} shares 1 of its 1 shards with the training data ({dataset}): its eval loss "
+        "is measured on trained samples, not held out; build the eval set from records kept out of the "
+        "training data"
+    ]
     other = DataSource((ShardRef(str(tmp_path / "held.tar"), "held.tar", 1, 1, 1),), None, None)
     assert eval_overlap(cfg.eval_sources[0], other, cfg.sources, [resolve_data(str(dataset))]) == []

@@ -2,6 +2,7 @@
 `from_pretrained` gives the trained model's logits on a shard sample, and the exported processor renders that
 sample's messages to its stored input_ids. The reference model is rebuilt from the checkpoint independently
 (DCP's own dcp_to_torch_save, then load_state_dict)."""
+
 import io
 import json
 import shutil
@@ -26,17 +27,37 @@ TWO_STEPS = ["--max-steps", 2, "--micro-batch-size", 2, "--num-workers", 0, "--n
 
 
 def _train(dataset, out, *extra, model=None):
-    argv = ["--data", dataset, "--out", out, *(["--model", model] if model else ["--tiny-random", "qwen2-vl"]),
-            *TWO_STEPS, *extra]
+    argv = [
+        "--data",
+        dataset,
+        "--out",
+        out,
+        *(["--model", model] if model else ["--tiny-random", "qwen2-vl"]),
+        *TWO_STEPS,
+        *extra,
+    ]
     assert main([str(a) for a in argv]) == 0
 
 
 def _torchrun(dataset, out, *extra, model=None):
     """The training CLI on 2 ranks (FSDP2 shards every block across them), with --model or --tiny-random."""
-    argv = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "trainer", "--data", dataset, "--out", out,
-            *(["--model", model] if model else ["--tiny-random", "qwen2-vl"]), *TWO_STEPS, *extra]
-    proc = subprocess.run([str(a) for a in argv], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=300)
+    argv = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "trainer",
+        "--data",
+        dataset,
+        "--out",
+        out,
+        *(["--model", model] if model else ["--tiny-random", "qwen2-vl"]),
+        *TWO_STEPS,
+        *extra,
+    ]
+    proc = subprocess.run(
+        [str(a) for a in argv], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
 
 
@@ -61,8 +82,9 @@ def _reference(run, tmp_path, *, model: str = "", lora_rank: int = 0):
 
     path = tmp_path / "reference.pt"
     dcp_to_torch_save(str(latest_checkpoint(run)), str(path))
-    net = build_model(ModelOptions(model=model, tiny_random="" if model else "qwen2-vl", lora_rank=lora_rank),
-                      run_vocab(run))
+    net = build_model(
+        ModelOptions(model=model, tiny_random="" if model else "qwen2-vl", lora_rank=lora_rank), run_vocab(run)
+    )
     net.load_state_dict(torch.load(path, weights_only=True)["model"], strict=True)
     return net.eval()
 
@@ -93,9 +115,19 @@ def _trained_logits(net, sample, image_spec) -> torch.Tensor:
     s, _ = sample
     b = collate([s], CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2)).to("cpu")
     with torch.no_grad():
-        return net(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                   mm_token_type_ids=b.mm_token_type_ids, pixel_values=Patchifier(image_spec, "cpu")(b.images,
-                   b.image_index), image_grid_thw=b.image_grid_thw, use_cache=False).logits[0].float()
+        return (
+            net(
+                input_ids=b.input_ids,
+                attention_mask=b.attention_mask,
+                position_ids=b.position_ids,
+                mm_token_type_ids=b.mm_token_type_ids,
+                pixel_values=Patchifier(image_spec, "cpu")(b.images, b.image_index),
+                image_grid_thw=b.image_grid_thw,
+                use_cache=False,
+            )
+            .logits[0]
+            .float()
+        )
 
 
 def _render(export_dir, sample) -> dict:
@@ -113,8 +145,9 @@ def _served_logits(export_dir, inputs, *, dtype=torch.float32) -> torch.Tensor:
     """The export's model on the processor's output; it computes its own MRoPE positions."""
     from transformers import AutoModelForImageTextToText
 
-    net = AutoModelForImageTextToText.from_pretrained(str(export_dir), local_files_only=True, dtype=dtype,
-                                                      attn_implementation="sdpa").eval()
+    net = AutoModelForImageTextToText.from_pretrained(
+        str(export_dir), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+    ).eval()
     with torch.no_grad():
         return net(**inputs).logits[0].float()
 
@@ -139,14 +172,16 @@ def run1_ref(run1, sample, image_spec, tmp_path_factory) -> torch.Tensor:
 
 def test_save_hf_export_loads_with_transformers_and_gives_the_trained_logits(run1, run1_ref, sample, image_spec):
     hf = run1 / "hf"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
-            "processor_config.json"} <= {p.name for p in hf.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "processor_config.json"} <= {
+        p.name for p in hf.iterdir()
+    }
     config = json.loads((hf / "config.json").read_text())
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"] and config["use_cache"] is True
     assert float((_served_logits(hf, _render(hf, sample)) - run1_ref).abs().max()) <= 1e-6
     # The weights did train: an untrained model is far from them.
-    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run1)).eval(), sample,
-                                image_spec)
+    untrained = _trained_logits(
+        build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run1)).eval(), sample, image_spec
+    )
     assert float((untrained - run1_ref).abs().max()) > 1e-3
 
 
@@ -155,8 +190,10 @@ def test_bf16_export_is_the_fp32_weights_rounded(run1, run1_ref, sample, tmp_pat
     assert _export(run1, tmp_path / "bf16") == 0  # bf16 is the default
     fp32, bf16 = _keys(run1 / "hf" / "model.safetensors"), _keys(tmp_path / "bf16" / "model.safetensors")
     assert fp32.keys() == bf16.keys() and {v[1] for v in bf16.values()} == {"BF16"}
-    with safe_open(str(run1 / "hf" / "model.safetensors"), "pt") as a, \
-            safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as b:
+    with (
+        safe_open(str(run1 / "hf" / "model.safetensors"), "pt") as a,
+        safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as b,
+    ):
         assert all(torch.equal(a.get_tensor(k).to(torch.bfloat16), b.get_tensor(k)) for k in fp32)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     got = _served_logits(tmp_path / "bf16", _render(tmp_path / "bf16", sample), dtype=torch.bfloat16)
@@ -188,10 +225,17 @@ def test_export_user_errors_are_one_line(run1, tmp_path, capsys):
 
 
 def test_python_m_trainer_export_is_the_export_cli(run1, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer", "export", str(run1), "--out", str(tmp_path / "x"),
-                           "--step", "9"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "export", str(run1), "--out", str(tmp_path / "x"), "--step", "9"],
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        f"trainer export: error: {run1}: no checkpoint for step 9 (kept: step-00000002)"]
+        f"trainer export: error: {run1}: no checkpoint for step 9 (kept: step-00000002)"
+    ]
 
 
 def test_export_copies_only_the_processors_own_files(run1, tmp_path, capsys):
@@ -199,8 +243,13 @@ def test_export_copies_only_the_processors_own_files(run1, tmp_path, capsys):
     user names may link out, as a Hugging Face cache snapshot links every file into blobs/: the export holds the
     files' contents; a dataset's own processor may not (tests/test_untrusted_datasets.py)."""
     proc = tmp_path / "proc"
-    shutil.copytree(run1 / "hf", proc, ignore=lambda d, names: [n for n in names if n != "export.json" and
-                                                                 n.startswith(("model", "config", "generation"))])
+    shutil.copytree(
+        run1 / "hf",
+        proc,
+        ignore=lambda d, names: [
+            n for n in names if n != "export.json" and n.startswith(("model", "config", "generation"))
+        ],
+    )
     own = {p.name for p in proc.iterdir()} - {"export.json"}
     for stray in ("id_ed25519", "notes.txt", "evil.py", "export.json"):
         (proc / stray).write_text("not the processor's")
@@ -234,8 +283,9 @@ def test_export_refuses_a_manifest_processor_outside_the_dataset(run1, dataset, 
     run = tmp_path / "run"
     shutil.copytree(run1, run, ignore=shutil.ignore_patterns("hf"))
     config = (run / "config.toml").read_text()
-    (run / "config.toml").write_text(config.replace(f"data = {json.dumps(str(dataset))}\n",
-                                                    f"data = {json.dumps(str(data))}\n"))
+    (run / "config.toml").write_text(
+        config.replace(f"data = {json.dumps(str(dataset))}\n", f"data = {json.dumps(str(data))}\n")
+    )
     assert str(data) in (run / "config.toml").read_text()
     err = _error(capsys, run, tmp_path / "x")
     assert str(data / "manifest.json") in err and repr(str(keys)) in err and "processor dir" in err, err
@@ -246,9 +296,14 @@ def test_export_refuses_a_manifest_processor_outside_the_dataset(run1, dataset, 
 def test_two_rank_fsdp_checkpoint_exports_offline(dataset, sample, image_spec, tmp_path):
     run = tmp_path / "run"
     _torchrun(dataset, run, "--save-hf", "--export-dtype", "fp32")  # rank 0 exports RUN/hf at the end
-    proc = subprocess.run([sys.executable, "-m", "trainer", "export", str(run), "--out", str(tmp_path / "hf"),
-                           "--dtype", "fp32"], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "export", str(run), "--out", str(tmp_path / "hf"), "--dtype", "fp32"],
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Same bytes from the training process (in a process group) and the offline CLI.
     assert (run / "hf" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
@@ -267,8 +322,9 @@ def test_lora_run_exports_merged_weights_and_the_adapter_alone(dataset, sample, 
     ref = _trained_logits(_reference(run, tmp_path, lora_rank=4), sample, image_spec)
     assert not any("lora" in k for k in _keys(tmp_path / "merged" / "model.safetensors"))
     assert float((_served_logits(tmp_path / "merged", _render(tmp_path / "merged", sample)) - ref).abs().max()) <= 1e-6
-    untrained = _trained_logits(build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run)).eval(), sample,
-                                image_spec)
+    untrained = _trained_logits(
+        build_model(ModelOptions(tiny_random="qwen2-vl"), run_vocab(run)).eval(), sample, image_spec
+    )
     assert float((untrained - ref).abs().max()) > 1e-3  # the adapters moved the logits
 
     assert _export(run, tmp_path / "adapter", "--dtype", "fp32", "--adapter-only") == 0

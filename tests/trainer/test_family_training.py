@@ -3,6 +3,7 @@ question/answer turns) built with `tiny:NAME` (or `builtin:NAME`), one step of `
 changes nothing, --save-hf: the step-1 loss in metrics.jsonl equals the exported model's own loss on the processor's
 own apply_chat_template of the raw record (AutoModelForImageTextToText + AutoProcessor from RUN/hf), labels = the
 shard's input_ids where loss_mask is 1, and the token ids are the shard's."""
+
 import base64
 import io
 import json
@@ -34,12 +35,21 @@ def _png(w: int, h: int, seed: int) -> tuple[str, Image.Image]:
 def one_record(tmp_path, *, width=120, height=90):
     """The record (an image, then two question/answer turns) and its messages as a processor takes them."""
     uri, image = _png(width, height, 0)
-    record = {"id": "r", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                     {"type": "text", "text": "What is in this picture?"}]},
-        {"role": "assistant", "content": "A red square."},
-        {"role": "user", "content": "And the page?"},
-        {"role": "assistant", "content": "The page shows a green banner."}]}
+    record = {
+        "id": "r",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": uri}},
+                    {"type": "text", "text": "What is in this picture?"},
+                ],
+            },
+            {"role": "assistant", "content": "A red square."},
+            {"role": "user", "content": "And the page?"},
+            {"role": "assistant", "content": "The page shows a green banner."},
+        ],
+    }
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps(record) + "\n")
     return path, record, image
@@ -54,8 +64,12 @@ def processor_messages(record: dict, image: Image.Image, string_content: bool) -
         if isinstance(c, str):
             out.append({"role": m["role"], "content": c if string_content else [{"type": "text", "text": c}]})
         else:
-            out.append({"role": m["role"], "content": [{"type": "image", "image": image} if p["type"] == "image_url"
-                                                       else p for p in c]})
+            out.append(
+                {
+                    "role": m["role"],
+                    "content": [{"type": "image", "image": image} if p["type"] == "image_url" else p for p in c],
+                }
+            )
     return out
 
 
@@ -78,9 +92,32 @@ def shard_sample(ds):
 def train_one_step(ds, out, name: str, *extra: str) -> dict:
     from trainer.train import main
 
-    assert main(["--data", str(ds), "--out", str(out), "--tiny-random", name, "--lr", "1e-30", "--max-steps", "1",
-                 "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0", "--save-hf", "--export-dtype", "fp32",
-                 "--no-progress", *extra]) == 0
+    assert (
+        main(
+            [
+                "--data",
+                str(ds),
+                "--out",
+                str(out),
+                "--tiny-random",
+                name,
+                "--lr",
+                "1e-30",
+                "--max-steps",
+                "1",
+                "--no-shuffle",
+                "--no-shuffle-shards",
+                "--num-workers",
+                "0",
+                "--save-hf",
+                "--export-dtype",
+                "fp32",
+                "--no-progress",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
@@ -92,16 +129,22 @@ def own_loss(hf, record, image, sample, string_content: bool) -> tuple[float, to
     model = AutoModelForImageTextToText.from_pretrained(hf, local_files_only=True, dtype=torch.float32).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        inputs = processor.apply_chat_template(processor_messages(record, image, string_content), tokenize=True,
-                                               return_dict=True, return_tensors="pt")
+        inputs = processor.apply_chat_template(
+            processor_messages(record, image, string_content), tokenize=True, return_dict=True, return_tensors="pt"
+        )
     inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # Llama 4's come as bf16
     ids = torch.as_tensor(sample.array("input_ids")).long()[None]
     labels = torch.where(torch.as_tensor(sample.array("loss_mask")).bool()[None], ids, -100)
     with torch.no_grad():
         loss = model(**inputs, labels=labels).loss
         # And it serves: generate from the first question, as docs/export-and-serving.md does.
-        prompt = processor.apply_chat_template(processor_messages(record, image, string_content)[:1], tokenize=True,
-                                               add_generation_prompt=True, return_dict=True, return_tensors="pt")
+        prompt = processor.apply_chat_template(
+            processor_messages(record, image, string_content)[:1],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
         prompt = {k: v.float() if v.is_floating_point() else v for k, v in prompt.items()}
         out = model.generate(**prompt, max_new_tokens=2, do_sample=False)
     assert out.shape[1] > prompt["input_ids"].shape[1]
@@ -132,7 +175,8 @@ def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
     assert config["model_type"] in family.model_types
     tokenizer = json.loads((run / "hf" / "tokenizer.json").read_text())
     assert config.get("text_config", config)["vocab_size"] == len(tokenizer["model"]["vocab"]) + len(
-        tokenizer["added_tokens"])
+        tokenizer["added_tokens"]
+    )
 
 
 def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(trained, tmp_path):
@@ -147,14 +191,24 @@ def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(tr
 
     name, ds, _, _, row, _ = trained
     model = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, str(ds / "processor")))
-    args = TrainingArguments(output_dir=str(tmp_path / "hf-run"), max_steps=1, per_device_train_batch_size=1,
-                             learning_rate=1e-30, logging_steps=1, report_to="none", use_cpu=True,
-                             remove_unused_columns=False, save_strategy="no", dataloader_num_workers=0,
-                             accelerator_config={"dispatch_batches": False})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf-run"),
+        max_steps=1,
+        per_device_train_batch_size=1,
+        learning_rate=1e-30,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        remove_unused_columns=False,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        accelerator_config={"dispatch_batches": False},
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Trainer(model=model, args=args, train_dataset=vlmprep.clients.hf.iterable_dataset(ds),
-                          data_collator=Collator(ds))
+        trainer = Trainer(
+            model=model, args=args, train_dataset=vlmprep.clients.hf.iterable_dataset(ds), data_collator=Collator(ds)
+        )
         trainer.train()
     [step] = [e for e in trainer.state.log_history if "loss" in e]
     assert step["loss"] == pytest.approx(row["loss"], rel=1e-5), (name, step["loss"], row["loss"])
@@ -164,8 +218,9 @@ def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):
     from trainer.train import main
 
     ds, _, _ = build_one(tmp_path, "tiny:gemma-3")
-    assert main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", "smolvlm", "--max-steps",
-                 "1"]) == 1
+    assert (
+        main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", "smolvlm", "--max-steps", "1"]) == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was rendered with Gemma3Processor (gemma-3), but the model is smolvlm" in err[0]
 
@@ -175,19 +230,38 @@ def three_records(tmp_path) -> Path:
     records = []
     for k, (w, h) in enumerate([(120, 90), (64, 96)]):
         uri, _ = _png(w, h, k + 1)
-        records.append({"id": f"i{k}", "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                         {"type": "text", "text": "Describe the image."}]},
-            {"role": "assistant", "content": f"The page shows a red square and {k + 2} banners."}]})
-    records.append({"id": "t", "messages": [{"role": "user", "content": "Open the page, then type the query."},
-                                            {"role": "assistant", "content": "Done: the page is open."}]})
+        records.append(
+            {
+                "id": f"i{k}",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": uri}},
+                            {"type": "text", "text": "Describe the image."},
+                        ],
+                    },
+                    {"role": "assistant", "content": f"The page shows a red square and {k + 2} banners."},
+                ],
+            }
+        )
+    records.append(
+        {
+            "id": "t",
+            "messages": [
+                {"role": "user", "content": "Open the page, then type the query."},
+                {"role": "assistant", "content": "Done: the page is open."},
+            ],
+        }
+    )
     path = tmp_path / "three.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-PACKABLE = [pytest.param(f.name, marks=() if f.name == "mistral-3" else pytest.mark.slow) for f in FAMILIES
-            if not f.pack]
+PACKABLE = [
+    pytest.param(f.name, marks=() if f.name == "mistral-3" else pytest.mark.slow) for f in FAMILIES if not f.pack
+]
 
 
 @pytest.mark.parametrize("name", PACKABLE)
@@ -197,12 +271,21 @@ def test_packing_is_exact_where_the_family_allows_it(name, tmp_path):
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
-    build(BuildConfig(inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}",
-                      progress=False, seq_len=4096))
+    build(
+        BuildConfig(
+            inputs=(str(three_records(tmp_path)),),
+            out=str(tmp_path / "ds"),
+            processor=f"tiny:{name}",
+            progress=False,
+            seq_len=4096,
+        )
+    )
     padded = train_one_step(tmp_path / "ds", tmp_path / "padded", name, "--micro-batch-size", "3")
     packed = train_one_step(tmp_path / "ds", tmp_path / "packed", name, "--pack-to", "12000", "--pack-window", "3")
-    assert padded["num_samples"] == packed["num_samples"] == 3 and packed["num_trained_tokens"] == \
-        padded["num_trained_tokens"]
+    assert (
+        padded["num_samples"] == packed["num_samples"] == 3
+        and packed["num_trained_tokens"] == padded["num_trained_tokens"]
+    )
     assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5), (name, packed["loss"], padded["loss"])
 
 
@@ -211,8 +294,24 @@ def test_packing_is_refused_in_one_line_where_the_attention_cannot_express_it(na
     from trainer.train import main
 
     ds, _, _ = build_one(tmp_path, f"tiny:{name}")
-    assert main(["--data", str(ds), "--out", str(tmp_path / "run"), "--tiny-random", name, "--pack-to", "8192",
-                 "--max-steps", "1", "--no-progress"]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(ds),
+                "--out",
+                str(tmp_path / "run"),
+                "--tiny-random",
+                name,
+                "--pack-to",
+                "8192",
+                "--max-steps",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--pack-to: {name} (" in err[0] and BY_NAME[name].pack in err[0], err
 
@@ -242,8 +341,11 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
-    build(BuildConfig(inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}",
-                      progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}", progress=False
+        )
+    )
     samples, spec = _decoded(tmp_path / "ds")
     a, b = samples[0], samples[2]  # an image sample and the text-only one: different lengths
     net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, str(tmp_path / "ds" / "processor")))
@@ -253,22 +355,28 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
 
     def more_padding(batch, n=16):
         grow = lambda t, v: torch.nn.functional.pad(t, (0, n), value=v)  # noqa: E731
-        return dataclasses.replace(batch, input_ids=grow(batch.input_ids, cspec.pad_id),
-                                   loss_mask=grow(batch.loss_mask, 0), mm_token_type_ids=grow(batch.mm_token_type_ids, 0),
-                                   position_ids=grow(batch.position_ids, 0),
-                                   vision={k: (grow(v, 0) if k in ("token_type_ids",) else v)
-                                           for k, v in batch.vision.items()})
+        return dataclasses.replace(
+            batch,
+            input_ids=grow(batch.input_ids, cspec.pad_id),
+            loss_mask=grow(batch.loss_mask, 0),
+            mm_token_type_ids=grow(batch.mm_token_type_ids, 0),
+            position_ids=grow(batch.position_ids, 0),
+            vision={k: (grow(v, 0) if k in ("token_type_ids",) else v) for k, v in batch.vision.items()},
+        )
 
     def run(batch):
         net.zero_grad()
         loss = forward_loss(net, batch, None if batch.vision else _patchify(spec, batch))
         loss.backward()
         with torch.no_grad():
-            out = net(**model_inputs(net, batch, None if batch.vision else _patchify(spec, batch)),
-                      output_router_logits=True)
+            out = net(
+                **model_inputs(net, batch, None if batch.vision else _patchify(spec, batch)), output_router_logits=True
+            )
         real = batch.real.reshape(-1)
-        counts = [torch.bincount(r.topk(_top_k(net), dim=-1).indices[real].reshape(-1), minlength=r.shape[-1])
-                  for r in out.router_logits]
+        counts = [
+            torch.bincount(r.topk(_top_k(net), dim=-1).indices[real].reshape(-1), minlength=r.shape[-1])
+            for r in out.router_logits
+        ]
         grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
         return float(loss), counts, grads, out.router_logits
 
@@ -287,8 +395,9 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
         own = net(**model_inputs(net, x, None if x.vision else _patchify(spec, x)), labels=x.labels).loss
     assert lx / x.num_trained == pytest.approx(float(own), rel=1e-5)
     if _balance_loss_of(net) is not None:  # the balance loss over the padding as well would differ
-        assert float(balance_loss(net, router, torch.ones_like(y.real[:, :x.real.shape[1]]))) != pytest.approx(
-            float(balance_loss(net, router, x.real)), rel=1e-6)
+        assert float(balance_loss(net, router, torch.ones_like(y.real[:, : x.real.shape[1]]))) != pytest.approx(
+            float(balance_loss(net, router, x.real)), rel=1e-6
+        )
 
 
 def _top_k(net) -> int:
@@ -311,16 +420,18 @@ def test_lora_adapts_the_language_model_only_and_freezes_the_vision_tower(name):
     from vlmprep.processors.builtin import builtin_dir
 
     family = BY_NAME[name]
-    net = build_model(ModelOptions(tiny_random=name, seed=0, lora_rank=4),
-                      tiny_vocab(name, str(builtin_dir(f"tiny:{name}"))))
+    net = build_model(
+        ModelOptions(tiny_random=name, seed=0, lora_rank=4), tiny_vocab(name, str(builtin_dir(f"tiny:{name}")))
+    )
     trainable = [n for n, p in net.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n and f".{family.text}." in n for n in trainable), trainable[:5]
     vision = [n for n, _ in net.named_parameters() if any(f".{v}." in f".{n}" for v in family.vision)]
     assert vision and not any(p.requires_grad for n, p in net.named_parameters() if n in vision)
 
 
-HOSTS = [pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow) for f in FAMILIES
-         if f.pixels == "processor"]
+HOSTS = [
+    pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow) for f in FAMILIES if f.pixels == "processor"
+]
 
 
 @pytest.mark.parametrize("name", HOSTS)
@@ -335,8 +446,11 @@ def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_sa
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
-    build(BuildConfig(inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}",
-                      progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(three_records(tmp_path)),), out=str(tmp_path / "ds"), processor=f"tiny:{name}", progress=False
+        )
+    )
     samples, spec = _decoded(tmp_path / "ds")
     text = [s for s in samples if not s.image_index]
     processor = str(tmp_path / "ds" / "processor")
@@ -344,7 +458,9 @@ def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_sa
     cspec = collate_spec_of(net, RunData((), [], [], spec, "", processor), processor)
     batch = collate(text, cspec)
     assert batch.filler == len(cspec.placeholder) > 0 and batch.vision
-    assert int(batch.lengths[0]) == text[0].num_tokens + batch.filler and batch.num_trained == text[0].loss_mask[1:].sum()
+    assert (
+        int(batch.lengths[0]) == text[0].num_tokens + batch.filler and batch.num_trained == text[0].loss_mask[1:].sum()
+    )
     with torch.no_grad():
         ours = float(forward_loss(net, batch, None))
         ids = torch.as_tensor(text[0].input_ids).long()[None]
@@ -368,12 +484,38 @@ def test_two_ranks_one_with_only_text_train_without_hanging(name, tmp_path):
     path = three_records(tmp_path)
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[2], lines[0], lines[1]]) + "\n")  # text first: shard 0, which rank 1 reads
-    build(BuildConfig(inputs=(str(path),), out=str(tmp_path / "ds"), processor=f"tiny:{name}", progress=False,
-                      samples_per_shard=1))
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "trainer", "--data",
-                           str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--tiny-random", name, "--max-steps",
-                           "2", "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0", "--no-progress"],
-                          cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    build(
+        BuildConfig(
+            inputs=(str(path),), out=str(tmp_path / "ds"), processor=f"tiny:{name}", progress=False, samples_per_shard=1
+        )
+    )
+    proc = subprocess.run(
+        [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer",
+            "--data",
+            str(tmp_path / "ds"),
+            "--out",
+            str(tmp_path / "run"),
+            "--tiny-random",
+            name,
+            "--max-steps",
+            "2",
+            "--no-shuffle",
+            "--no-shuffle-shards",
+            "--num-workers",
+            "0",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["samples_per_rank"] for r in rows][0] == [1, 1] and all(np.isfinite(r["loss"]) for r in rows)

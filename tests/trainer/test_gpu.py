@@ -1,5 +1,6 @@
 """CUDA checks (`make test-gpu`): on-device pixel math, a bf16 FSDP2 run with activation checkpointing, and the
 packed path in bf16 (flash_attention_2 where installed, else sdpa)."""
+
 import pytest
 import torch
 
@@ -19,8 +20,25 @@ def test_pixel_values_on_gpu_equal_cpu(dataset, image_spec):
 
 def test_bf16_fsdp_run_with_activation_checkpointing(dataset, tmp_path):
     out = tmp_path / "run"
-    run_trainer(["--data", dataset, "--out", out, "--max-steps", 6, "--micro-batch-size", 2, "--num-workers", 2,
-                 "--activation-checkpointing", "--lr", 1e-3], nproc=1, timeout=600)
+    run_trainer(
+        [
+            "--data",
+            dataset,
+            "--out",
+            out,
+            "--max-steps",
+            6,
+            "--micro-batch-size",
+            2,
+            "--num-workers",
+            2,
+            "--activation-checkpointing",
+            "--lr",
+            1e-3,
+        ],
+        nproc=1,
+        timeout=600,
+    )
     m = read_metrics(out)
     assert len(m) == 6 and all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
     assert m[-1]["loss"] < m[0]["loss"]
@@ -55,12 +73,30 @@ def test_packed_row_per_segment_parity_in_bf16_with_flash_attention_or_sdpa(imag
 
 def test_bf16_packed_run(dataset, tmp_path):
     out = tmp_path / "run"
-    run_trainer(["--data", dataset, "--out", out, "--pack-to", 2048, "--max-steps", 2, "--schedule-steps", 2,
-                 "--num-workers", 2], nproc=1, timeout=600)
+    run_trainer(
+        [
+            "--data",
+            dataset,
+            "--out",
+            out,
+            "--pack-to",
+            2048,
+            "--max-steps",
+            2,
+            "--schedule-steps",
+            2,
+            "--num-workers",
+            2,
+        ],
+        nproc=1,
+        timeout=600,
+    )
     m = read_metrics(out)
     assert len(m) == 2 and all(0 < r["pack_fill"] <= 1 for r in m)
-    print(f"gpu packed: {m[-1]['step_time_s'] * 1000:.0f} ms/step, {m[-1]['tokens_per_s']:.0f} tokens/s, "
-          f"mfu {m[-1].get('mfu', 'n/a (device not in metrics.PEAK_BF16)')}, data wait {m[-1]['data_wait_frac']:.1%}")
+    print(
+        f"gpu packed: {m[-1]['step_time_s'] * 1000:.0f} ms/step, {m[-1]['tokens_per_s']:.0f} tokens/s, "
+        f"mfu {m[-1].get('mfu', 'n/a (device not in metrics.PEAK_BF16)')}, data wait {m[-1]['data_wait_frac']:.1%}"
+    )
 
 
 def _attn_implementations() -> list[str]:
@@ -70,8 +106,24 @@ def _attn_implementations() -> list[str]:
 
 
 @pytest.mark.parametrize("attn", _attn_implementations())
-@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "llama-3.2-vision", "llama-4",
-                                  "mistral-3", "gemma-3", "gemma-4", "glm-4.1v", "internvl", "llava-onevision", "smolvlm"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2-vl",
+        "qwen2.5-vl",
+        "qwen3-vl",
+        "qwen3.5",
+        "llama-3.2-vision",
+        "llama-4",
+        "mistral-3",
+        "gemma-3",
+        "gemma-4",
+        "glm-4.1v",
+        "internvl",
+        "llava-onevision",
+        "smolvlm",
+    ],
+)
 def test_every_family_trains_in_bf16_on_the_gpu(name, attn, tmp_path):
     """Each family's tiny model, bf16 on the device (sdpa, and flash_attention_2 where installed): 3 steps on its
     one-record dataset train finitely, and the step-1 loss is the fp32 CPU run's within bf16 noise."""
@@ -82,10 +134,31 @@ def test_every_family_trains_in_bf16_on_the_gpu(name, attn, tmp_path):
 
     ds, _, _ = build_one(tmp_path, f"tiny:{name}")
     losses = {}
-    for run, extra in (("gpu", ["--device", "cuda", "--precision", "bf16", "--attn-implementation", attn]),
-                       ("cpu", ["--device", "cpu", "--precision", "fp32"])):
-        assert main(["--data", str(ds), "--out", str(tmp_path / run), "--tiny-random", name, "--max-steps", "3",
-                     "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0", "--no-progress", *extra]) == 0
+    for run, extra in (
+        ("gpu", ["--device", "cuda", "--precision", "bf16", "--attn-implementation", attn]),
+        ("cpu", ["--device", "cpu", "--precision", "fp32"]),
+    ):
+        assert (
+            main(
+                [
+                    "--data",
+                    str(ds),
+                    "--out",
+                    str(tmp_path / run),
+                    "--tiny-random",
+                    name,
+                    "--max-steps",
+                    "3",
+                    "--no-shuffle",
+                    "--no-shuffle-shards",
+                    "--num-workers",
+                    "0",
+                    "--no-progress",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
         losses[run] = rows[0]["loss"]

@@ -1,6 +1,7 @@
 """A URL dataset's server is untrusted (docs/scale.md): small files are read as a stream that stops at their limit
 whatever the server sends, a .part is refetched where the server answers no range read, and a silent or dripping
 server ends in one line naming --read-timeout, never a hang."""
+
 import json
 import os
 import subprocess
@@ -65,8 +66,14 @@ def test_an_endless_manifest_is_one_line_in_bounded_memory(served):
     (256 MiB), the process's peak memory about that, not the gigabytes the server would go on sending."""
     with RangeServer(served) as srv:
         srv.server.endless.add("manifest.json")
-        r = subprocess.run([sys.executable, "-c", _CHILD, srv.url + "/"], capture_output=True, text=True,
-                           timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        r = subprocess.run(
+            [sys.executable, "-c", _CHILD, srv.url + "/"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     line, peak_mb = r.stdout.strip().splitlines()
     assert line.endswith("manifest.json is more than 268435456 bytes, more than a reader accepts"), r.stdout + r.stderr
     assert int(peak_mb) < 900, peak_mb
@@ -104,7 +111,12 @@ def test_read_timeout_is_an_option_the_run_uses(tmp_path):
     from trainer.cli import parse_args
     from trainer.config import ConfigError
 
-    assert parse_args(["--data", "d", "--out", str(tmp_path), "--tiny-random", "qwen2-vl", "--read-timeout", "5"]).read_timeout == 5.0
+    assert (
+        parse_args(
+            ["--data", "d", "--out", str(tmp_path), "--tiny-random", "qwen2-vl", "--read-timeout", "5"]
+        ).read_timeout
+        == 5.0
+    )
     with pytest.raises(ConfigError, match="read_timeout=0.0: seconds, > 0"):
         parse_args(["--data", "d", "--out", str(tmp_path), "--tiny-random", "qwen2-vl", "--read-timeout", "0"])
 
@@ -127,16 +139,37 @@ def test_a_redirect_out_of_http_or_in_a_loop_says_so(served):
             resolve_data(srv.url + "/")
         with pytest.raises(StorageError) as loop:
             read_url(f"{srv.url}/loop.json", LIMIT)
-    assert str(e.value) == (f"cannot open {srv.url}/manifest.json: the server redirects it to file:///etc/passwd, "
-                            "which is not an http(s) URL; refusing to follow it")
+    assert str(e.value) == (
+        f"cannot open {srv.url}/manifest.json: the server redirects it to file:///etc/passwd, "
+        "which is not an http(s) URL; refusing to follow it"
+    )
     assert str(loop.value).endswith("the server redirects it in a loop (or more than 10 times)")
 
 
 def test_credentials_in_eval_data_are_named_as_eval_data(dataset, tmp_path, capsys):
     from trainer.train import main
 
-    assert main(["--data", str(dataset), "--eval-data", "http://user:hunter2@127.0.0.1:9/ds/", "--out",
-                 str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1", "--num-workers", "0",
-                 "--no-progress", "--device", "cpu"]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(dataset),
+                "--eval-data",
+                "http://user:hunter2@127.0.0.1:9/ds/",
+                "--out",
+                str(tmp_path / "run"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--max-steps",
+                "1",
+                "--num-workers",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "trainer: error: --eval-data: a http:// URL with credentials in it" in err and "hunter2" not in err, err

@@ -2,6 +2,7 @@
 spares a resume the hashing; any rewrite makes it hash again), a mismatch names the shard; the per-step manifest
 watch lets a byte-identical rewrite pass and stops on another shard list or a removed manifest. Live runs:
 test_run_safety.py."""
+
 import hashlib
 import json
 import os
@@ -57,8 +58,11 @@ def test_a_shard_is_hashed_once_per_version_of_the_file(tmp_path, counted):
 def test_a_shard_whose_bytes_differ_from_the_manifest_is_named(tmp_path):
     shard = tmp_path / "shard-000000.tar"
     shard.write_bytes(b"x" * 5000)
-    with pytest.raises(DataError, match=rf"^{shard}: sha256 [0-9a-f]{{16}}\.\.\., but its manifest lists 0{{16}}\.\.\.: "
-                                        r"the shard changed after it was built .*vlmprep verify"):
+    with pytest.raises(
+        DataError,
+        match=rf"^{shard}: sha256 [0-9a-f]{{16}}\.\.\., but its manifest lists 0{{16}}\.\.\.: "
+        r"the shard changed after it was built .*vlmprep verify",
+    ):
         ShardCheck(None).verify(str(shard), url=str(shard), want="0" * 64)
 
 
@@ -85,8 +89,9 @@ def test_the_manifest_watch_passes_the_same_dataset_rewritten_and_stops_on_anoth
         watch.check()
 
 
-def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before_step_1(dataset, tmp_path,
-                                                                                         monkeypatch, capsys):
+def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before_step_1(
+    dataset, tmp_path, monkeypatch, capsys
+):
     """With the sample shuffle, a run dir's first start only stats its local shards; the shard cache's gate hashes
     each, in read order, ahead of the readers. Step 1 waits for its own shards' hashes, not the rank's whole share;
     no sample is read from a shard before its hash matched; each is hashed once per run dir (the record, written as
@@ -120,11 +125,18 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
     monkeypatch.setattr(trainer.data.streams, "read_indexed", read)
 
     def run(data_dir, out, steps=None):
-        cfg = TrainConfig(data=str(data_dir), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2,
-                          out=str(out), shard_prefetch=1)
+        cfg = TrainConfig(
+            data=str(data_dir),
+            tiny_random="qwen2-vl",
+            num_workers=0,
+            micro_batch_size=2,
+            out=str(out),
+            shard_prefetch=1,
+        )
         data = open_data_of(cfg)
-        spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
-                           merge_size=data.image.merge_size)
+        spec = CollateSpec(
+            pad_id=0, image_token_id=151655, patch_size=data.image.patch_size, merge_size=data.image.merge_size
+        )
         check = ShardCheck(out / "shard-cache" / "rank-00000" / RECORD)
         loader, total, _ = make_loader_of(cfg, data, collate_spec=spec, check=check)
         at_start, at_first = len(hashed), None
@@ -176,13 +188,21 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
         return real_hash(self, path, url=url, want=want)
 
     monkeypatch.setattr(ShardCheck, "_hash", slow_hash)
-    cfg = TrainConfig(data=(DataSpec(name="a", path=str(dataset), weight=0.5),
-                            DataSpec(name="b", path=str(dataset), weight=0.5, on_end="stop")),
-                      tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"),
-                      shard_prefetch=64)  # the gate runs through the whole schedule, no reader needed
+    cfg = TrainConfig(
+        data=(
+            DataSpec(name="a", path=str(dataset), weight=0.5),
+            DataSpec(name="b", path=str(dataset), weight=0.5, on_end="stop"),
+        ),
+        tiny_random="qwen2-vl",
+        num_workers=0,
+        micro_batch_size=2,
+        out=str(tmp_path / "r"),
+        shard_prefetch=64,
+    )  # the gate runs through the whole schedule, no reader needed
     data = open_data_of(cfg)
-    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
-                       merge_size=data.image.merge_size)
+    spec = CollateSpec(
+        pad_id=0, image_token_id=151655, patch_size=data.image.patch_size, merge_size=data.image.merge_size
+    )
     check = ShardCheck(tmp_path / "r" / "shard-cache" / "rank-00000" / RECORD)
     loader, _, _ = make_loader_of(cfg, data, collate_spec=spec, check=check)
     n = len(resolve_data(str(dataset)).shards)
@@ -198,8 +218,9 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
     assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == n, hashed  # ...each file hashed once
 
 
-def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_start_up(dataset, tmp_path,
-                                                                                          monkeypatch):
+def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_start_up(
+    dataset, tmp_path, monkeypatch
+):
     """Opening a dataset stats none of its shards (every rank stat-ing every shard is 10^5 files x 512 ranks of
     metadata calls on a shared filesystem); each rank's start-up stats its own, and a missing or cut copy of one of
     them stops that rank's start-up with one line naming it, before a step."""
@@ -224,8 +245,16 @@ def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_
         stats.clear()
         d = open_data_of(cfg, world)
         assert stats == []  # no shard stat-ed by opening the dataset
-        rank_sources(d.specs, d.datasets, d.plans, rank=rank, world=world, cache=tmp_path / "c",
-                     check=ShardCheck(None), defer=True)
+        rank_sources(
+            d.specs,
+            d.datasets,
+            d.plans,
+            rank=rank,
+            world=world,
+            cache=tmp_path / "c",
+            check=ShardCheck(None),
+            defer=True,
+        )
         return d
 
     d = start(0)
@@ -244,6 +273,9 @@ def test_each_rank_checks_only_its_own_shards_and_a_missing_or_cut_one_fails_at_
     size = cut.stat().st_size
     with open(cut, "r+b") as f:
         f.truncate(size - 512)
-    with pytest.raises(DataError, match=rf"^{cut}: {size - 512} bytes but its manifest says {size}; the shard is "
-                                        "truncated or was modified"):
+    with pytest.raises(
+        DataError,
+        match=rf"^{cut}: {size - 512} bytes but its manifest says {size}; the shard is "
+        "truncated or was modified",
+    ):
         start(0)

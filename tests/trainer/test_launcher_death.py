@@ -1,5 +1,6 @@
 """Ranks end when torchrun does (issue 44): a `kill -9` of the launcher alone (as an OOM killer does) used to leave
 both ranks training to the end and writing checkpoints into a run dir a restart is then refused."""
+
 import contextlib
 import os
 import signal
@@ -28,8 +29,9 @@ def test_ranks_exit_when_torchrun_is_killed(dataset, tmp_path):
     out = tmp_path / "run"
     args = ["--data", dataset, "--out", out, "--micro-batch-size", 1, "--epochs", 20, "--save-every", 1]
     with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(trainer_cmd(args, 2), cwd=ROOT, env=trainer_env(), stdout=log, stderr=log,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            trainer_cmd(args, 2), cwd=ROOT, env=trainer_env(), stdout=log, stderr=log, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 300
         while not (out / "metrics.jsonl").is_file() or not read_metrics(out):

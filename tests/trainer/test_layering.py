@@ -2,6 +2,7 @@
 the config it takes option groups and the few names a component needs, never TrainConfig; the run reaches the data
 path through its face (`trainer.data`) only; the trainer never imports vlmprep (their contract is schemas/); and no
 function past the run's entry takes the whole TrainConfig."""
+
 import ast
 from pathlib import Path
 
@@ -12,10 +13,22 @@ TRAINER = ROOT / "trainer"
 
 # The trainer's roles and which roles each may import. base: the options and what everything shares (the family
 # registry, file locks); data: trainer/data/, the data path; run: the entry points and what only the run uses.
-_ROLES = {"base": ("trainer", "trainer.config", "trainer.options", "trainer.families", "trainer.locks"),
-          "data": ("trainer.data",),
-          "run": ("trainer.train", "trainer.checkpoint", "trainer.export", "trainer.evaluate", "trainer.metrics",
-                  "trainer.model", "trainer.plot", "trainer.cli", "trainer.distributed", "trainer.__main__")}
+_ROLES = {
+    "base": ("trainer", "trainer.config", "trainer.options", "trainer.families", "trainer.locks"),
+    "data": ("trainer.data",),
+    "run": (
+        "trainer.train",
+        "trainer.checkpoint",
+        "trainer.export",
+        "trainer.evaluate",
+        "trainer.metrics",
+        "trainer.model",
+        "trainer.plot",
+        "trainer.cli",
+        "trainer.distributed",
+        "trainer.__main__",
+    ),
+}
 _MAY_IMPORT = {"base": {"base"}, "data": {"base", "data"}, "run": {"base", "data", "run"}}
 # What the data path takes from trainer.config besides the option groups (trainer.options): never TrainConfig.
 DATA_FROM_CONFIG = {"ConfigError", "DataSpec", "cache_limit_bytes", "default"}
@@ -45,8 +58,11 @@ def _imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _role(module: str) -> str:
-    best = max(((p, r) for r, ps in _ROLES.items() for p in ps if module == p or module.startswith(p + ".")),
-               key=lambda pr: len(pr[0]), default=None)
+    best = max(
+        ((p, r) for r, ps in _ROLES.items() for p in ps if module == p or module.startswith(p + ".")),
+        key=lambda pr: len(pr[0]),
+        default=None,
+    )
     assert best is not None, f"{module} has no role in the trainer's layering: add it to _ROLES"
     return best[1]
 
@@ -58,27 +74,46 @@ def _trainer_imports() -> dict[str, list[tuple[str, tuple[str, ...]]]]:
 def test_each_role_imports_only_the_layers_below_it():
     """base <- data <- run: the data path never imports the run (train, checkpoint, export, evaluate, metrics,
     model, plot, cli), and the options import neither."""
-    bad = sorted(f"{m} ({_role(m)}) imports {d} ({_role(d)})" for m, deps in _trainer_imports().items()
-                 for d, _ in deps if d.split(".")[0] == "trainer" and _role(d) not in _MAY_IMPORT[_role(m)])
+    bad = sorted(
+        f"{m} ({_role(m)}) imports {d} ({_role(d)})"
+        for m, deps in _trainer_imports().items()
+        for d, _ in deps
+        if d.split(".")[0] == "trainer" and _role(d) not in _MAY_IMPORT[_role(m)]
+    )
     assert not bad, "\n".join(bad)
 
 
 def test_the_data_path_takes_no_whole_config_from_trainer_config():
-    bad = sorted(f"{m} imports {n} from trainer.config" for m, deps in _trainer_imports().items()
-                 if _role(m) == "data" for d, names in deps if d == "trainer.config"
-                 for n in names if n not in DATA_FROM_CONFIG)
+    bad = sorted(
+        f"{m} imports {n} from trainer.config"
+        for m, deps in _trainer_imports().items()
+        if _role(m) == "data"
+        for d, names in deps
+        if d == "trainer.config"
+        for n in names
+        if n not in DATA_FROM_CONFIG
+    )
     assert not bad, "\n".join(bad) + f"\nthe data path takes option groups (trainer.options), and {DATA_FROM_CONFIG}"
 
 
 def test_the_run_reaches_the_data_path_through_its_face():
-    bad = sorted(f"{m} imports {d}" for m, deps in _trainer_imports().items() if _role(m) != "data"
-                 for d, _ in deps if d.startswith("trainer.data."))
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, deps in _trainer_imports().items()
+        if _role(m) != "data"
+        for d, _ in deps
+        if d.startswith("trainer.data.")
+    )
     assert not bad, "\n".join(bad) + "\nimport it from trainer.data (trainer/data/__init__.py exports it)"
 
 
 def test_the_trainer_never_imports_vlmprep():
-    bad = sorted(f"{m} imports {d}" for m, deps in _trainer_imports().items() for d, _ in deps
-                 if d == "vlmprep" or d.startswith("vlmprep."))
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, deps in _trainer_imports().items()
+        for d, _ in deps
+        if d == "vlmprep" or d.startswith("vlmprep.")
+    )
     assert not bad, "\n".join(bad) + "\ntheir contract is the shard format and schemas/ (vlmprep_schemas)"
 
 
@@ -97,17 +132,27 @@ def test_no_function_but_the_runs_entry_takes_the_whole_config():
     assert takers == TAKE_THE_CONFIG, "pass option groups (trainer/options.py) instead of the whole TrainConfig"
 
 
-@pytest.mark.parametrize("source, ok", [("from trainer.train import run", False), ("from trainer import locks", True),
-                                        ("from trainer.config import TrainConfig", False),
-                                        ("from trainer.config import ConfigError, default", True),
-                                        ("import vlmprep.shards", False), ("from vlmprep_schemas import load", True)])
+@pytest.mark.parametrize(
+    "source, ok",
+    [
+        ("from trainer.train import run", False),
+        ("from trainer import locks", True),
+        ("from trainer.config import TrainConfig", False),
+        ("from trainer.config import ConfigError, default", True),
+        ("import vlmprep.shards", False),
+        ("from vlmprep_schemas import load", True),
+    ],
+)
 def test_the_checks_see_what_a_data_module_imports(tmp_path, monkeypatch, source, ok):
     path = tmp_path / "planted.py"
     path.write_text(source + "\n")
     monkeypatch.setattr(f"{__name__}._trainer_imports", lambda: {"trainer.data.planted": _imports(path)})
     failed = []
-    for check in (test_each_role_imports_only_the_layers_below_it,
-                  test_the_data_path_takes_no_whole_config_from_trainer_config, test_the_trainer_never_imports_vlmprep):
+    for check in (
+        test_each_role_imports_only_the_layers_below_it,
+        test_the_data_path_takes_no_whole_config_from_trainer_config,
+        test_the_trainer_never_imports_vlmprep,
+    ):
         try:
             check()
         except AssertionError:

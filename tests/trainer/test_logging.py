@@ -1,5 +1,6 @@
 """Run curves: TensorBoard scalars in RUN/tb/ (read back with tensorboard's own event reader, also after a resume)
 and `python -m trainer plot RUN` (the PNG opened and its curves found by colour)."""
+
 import json
 import subprocess
 import sys
@@ -12,8 +13,14 @@ from tests.trainer.conftest import ROOT, read_metrics, run_trainer, trainer_env
 from trainer.metrics import RunLog, tb_scalars
 from trainer.plot import EVAL_COLOUR, PANELS, SOURCE_COLOURS, plot_run
 
-TRAIN_TAGS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
-              "perf/tokens_per_s": "tokens_per_s", "perf/pack_fill": "pack_fill", "perf/data_wait_s": "data_wait_s"}
+TRAIN_TAGS = {
+    "train/loss": "loss",
+    "train/lr": "lr",
+    "train/grad_norm": "grad_norm",
+    "perf/tokens_per_s": "tokens_per_s",
+    "perf/pack_fill": "pack_fill",
+    "perf/data_wait_s": "data_wait_s",
+}
 
 
 def _scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -62,12 +69,17 @@ def test_off_a_terminal_log_every_1_prints_one_line_per_step_and_the_start_up_ag
 def test_log_every_writes_the_log_file_and_echoes_only_where_asked(tmp_path, capsys):
     run = RunLog(tmp_path, total_steps=30, start_step=0, progress=False, tensorboard=False, log_every=10, echo=False)
     for step in range(1, 31):
-        run.step({"step": step, "loss": 1.0, "lr": 1e-5, "grad_norm": 0.5, "tokens_per_s": 100.0,
-                  "data_wait_frac": 0.25})
+        run.step(
+            {"step": step, "loss": 1.0, "lr": 1e-5, "grad_norm": 0.5, "tokens_per_s": 100.0, "data_wait_frac": 0.25}
+        )
     run.close()
     lines = (tmp_path / "train.log").read_text().splitlines()
-    assert [ln.split(" | ")[0] for ln in lines] == ["trainer: step 1/30", "trainer: step 10/30", "trainer: step 20/30",
-                                                    "trainer: step 30/30"]
+    assert [ln.split(" | ")[0] for ln in lines] == [
+        "trainer: step 1/30",
+        "trainer: step 10/30",
+        "trainer: step 20/30",
+        "trainer: step 30/30",
+    ]
     assert "| loss 1.0000 | lr 1e-05 | grad_norm 0.500 | 100 tok/s | data wait 25% | ETA 0:00:" in lines[0]
     assert capsys.readouterr().out == ""
 
@@ -86,15 +98,31 @@ def test_packing_start_up_line_expects_the_fill_a_rank_can_reach():
 
 
 def test_eval_metrics_become_eval_scalars():
-    record = {"step": 7, "loss": 1.5, "lr": 1e-5, "sample_ids": ["a"], "epoch": 0, "eval_loss": 2.25,
-              "eval_tokens": 400, "eval_loss_per_source": {"web": 2.0, "docs": 2.5}, "eval_flag": True}
-    assert tb_scalars(record) == {"train/loss": 1.5, "train/lr": 1e-5, "eval/loss": 2.25, "eval/tokens": 400.0,
-                                  "eval/loss_per_source/web": 2.0, "eval/loss_per_source/docs": 2.5}
+    record = {
+        "step": 7,
+        "loss": 1.5,
+        "lr": 1e-5,
+        "sample_ids": ["a"],
+        "epoch": 0,
+        "eval_loss": 2.25,
+        "eval_tokens": 400,
+        "eval_loss_per_source": {"web": 2.0, "docs": 2.5},
+        "eval_flag": True,
+    }
+    assert tb_scalars(record) == {
+        "train/loss": 1.5,
+        "train/lr": 1e-5,
+        "eval/loss": 2.25,
+        "eval/tokens": 400.0,
+        "eval/loss_per_source/web": 2.0,
+        "eval/loss_per_source/docs": 2.5,
+    }
 
 
 def test_resumed_run_shows_each_step_once(tmp_path):
     """A run killed after step 3 resumes from its step-2 checkpoint and redoes step 3: TensorBoard shows steps
     1, 2, 3 once, step 3 with the resumed run's value (as metrics.jsonl does)."""
+
     def log(start, steps):
         run = RunLog(tmp_path, total_steps=3, start_step=start, progress=False, tensorboard=True, log_every=0)
         for step, loss in steps:
@@ -123,11 +151,19 @@ def _write_metrics(run_dir, n=40, eval_every=10, sources=()):
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "w") as f:
         for s in range(1, n + 1):
-            row = {"step": s, "loss": 3.0 / s + 1, "lr": 1e-5 * min(1.0, s / 5), "grad_norm": 2.0 / s + 0.5 * (s % 3),
-                   "tokens_per_s": 900 + s, "data_wait_s": 0.01 * (s % 4), "pack_fill": 0.9 + 0.002 * (s % 5)}
+            row = {
+                "step": s,
+                "loss": 3.0 / s + 1,
+                "lr": 1e-5 * min(1.0, s / 5),
+                "grad_norm": 2.0 / s + 0.5 * (s % 3),
+                "tokens_per_s": 900 + s,
+                "data_wait_s": 0.01 * (s % 4),
+                "pack_fill": 0.9 + 0.002 * (s % 5),
+            }
             if sources:
-                row["loss_by_source"] = {name: (None if (s + i) % 7 == 0 else 3.0 / s + 0.5 * i)
-                                         for i, name in enumerate(sources)}
+                row["loss_by_source"] = {
+                    name: (None if (s + i) % 7 == 0 else 3.0 / s + 0.5 * i) for i, name in enumerate(sources)
+                }
             f.write(json.dumps(row) + "\n")
             if s % eval_every == 0:
                 f.write(json.dumps({"step": s, "eval_loss": 3.0 / s + 1.2, "eval_tokens": 100}) + "\n")
@@ -155,8 +191,14 @@ def test_plot_draws_every_curve(tmp_path):
 @pytest.mark.slow  # a CLI training run (make-test budget); in process: test_resumed_run_shows_each_step_once, test_plot_draws_every_curve
 def test_plot_command_on_a_training_run(trained, tmp_path):
     out = tmp_path / "sub" / "curves.png"
-    r = subprocess.run([sys.executable, "-m", "trainer", "plot", str(trained), "--out", str(out)], cwd=ROOT,
-                       env=trainer_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "trainer", "plot", str(trained), "--out", str(out)],
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"trainer plot: wrote {out}"
     for key, _, colour in PANELS:
@@ -169,10 +211,12 @@ def test_plot_errors_are_one_line(tmp_path, monkeypatch, capsys):
     assert main([str(tmp_path / "missing")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"trainer plot: error: cannot read {tmp_path / 'missing' / 'metrics.jsonl'}: No such file or directory "
-        f"(is {tmp_path / 'missing'} a trainer run dir?)"]
+        f"(is {tmp_path / 'missing'} a trainer run dir?)"
+    ]
     _write_metrics(tmp_path / "run")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert main([str(tmp_path / "run")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "trainer plot: error: plot needs matplotlib: pip install 'vlmprep[tb]'"]
+        "trainer plot: error: plot needs matplotlib: pip install 'vlmprep[tb]'"
+    ]

@@ -1,4 +1,5 @@
 """The trainer's command line: `python -m trainer` and the installed `vlmprep-train` run the same dispatch."""
+
 import importlib
 import subprocess
 import sys
@@ -22,6 +23,7 @@ def test_vlmprep_train_script_is_the_module_main_and_dispatches_its_tools(capsys
 
 
 def test_python_m_trainer_runs_the_same_main():
-    res = subprocess.run([sys.executable, "-m", "trainer", "plot", "--help"], capture_output=True, text=True,
-                         cwd=REPO, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "trainer", "plot", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert res.returncode == 0 and "usage: python -m trainer plot" in res.stdout, res.stderr

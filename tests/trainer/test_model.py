@@ -32,12 +32,17 @@ def test_tiny_model_shape():
     net = build_model(ModelOptions(tiny_random="qwen2-vl"))
     text = net.config.text_config
     assert (text.vocab_size, text.hidden_size, text.num_hidden_layers) == (151936, 128, 2)
-    assert net.config.use_cache is False and sorted(net._no_split_modules) == ["Qwen2VLDecoderLayer", "Qwen2VLVisionBlock"]
+    assert net.config.use_cache is False and sorted(net._no_split_modules) == [
+        "Qwen2VLDecoderLayer",
+        "Qwen2VLVisionBlock",
+    ]
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(batch):
     loss, grads = _grads(build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)), batch)
-    loss_ac, grads_ac = _grads(build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, activation_checkpointing=True)), batch)
+    loss_ac, grads_ac = _grads(
+        build_model(ModelOptions(tiny_random="qwen2-vl", seed=0, activation_checkpointing=True)), batch
+    )
     assert loss == loss_ac and grads.keys() == grads_ac.keys()
     assert all(torch.equal(grads[n], grads_ac[n]) for n in grads)
 
@@ -59,19 +64,60 @@ def test_user_errors_are_one_line_and_exit_1(tmp_path, capsys):
 
 
 FAMILIES = {
-    "qwen2_5_vl": (14, dict(
-        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           fullatt_block_indexes=[1], window_size=56, patch_size=14))),
-    "qwen3_vl": (16, dict(
-        text_config=dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6,
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           num_position_embeddings=64, deepstack_visual_indexes=[1], patch_size=16))),
+    "qwen2_5_vl": (
+        14,
+        dict(
+            text_config=dict(
+                vocab_size=151936,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                fullatt_block_indexes=[1],
+                window_size=56,
+                patch_size=14,
+            ),
+        ),
+    ),
+    "qwen3_vl": (
+        16,
+        dict(
+            text_config=dict(
+                vocab_size=151936,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_parameters={
+                    "rope_type": "default",
+                    "mrope_section": [2, 3, 3],
+                    "rope_theta": 1e6,
+                    "mrope_interleaved": True,
+                },
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[1],
+                patch_size=16,
+            ),
+        ),
+    ),
 }
 
 
@@ -86,9 +132,17 @@ def _one_image_sample(patch: int):
     for p in pos:
         p += list(range(6, 11))
     img = np.random.default_rng(0).integers(0, 256, (4 * patch, 4 * patch, 3), dtype=np.uint8)
-    return DecodedSample(key="k", id="k", input_ids=np.array(ids, np.int32), loss_mask=np.array([0] * 9 + [1] * 4, np.uint8),
-                         mm_token_type_ids=np.array(mm, np.uint8), position_ids=np.array(pos, np.int32),
-                         image_grid_thw=np.array([[1, 4, 4]], np.int32), images=[img], image_index=[0])
+    return DecodedSample(
+        key="k",
+        id="k",
+        input_ids=np.array(ids, np.int32),
+        loss_mask=np.array([0] * 9 + [1] * 4, np.uint8),
+        mm_token_type_ids=np.array(mm, np.uint8),
+        position_ids=np.array(pos, np.int32),
+        image_grid_thw=np.array([[1, 4, 4]], np.int32),
+        images=[img],
+        image_index=[0],
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -102,8 +156,14 @@ def test_checkpoint_dirs_of_other_families_load_shard_and_train(family, image_sp
 
     patch, kw = FAMILIES[family]
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                               vision_end_token_id=151653, **kw)
+    cfg = AutoConfig.for_model(
+        family,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        **kw,
+    )
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
     net = build_model(ModelOptions(model=str(tmp_path / "ckpt")))
     # from_pretrained gives eval mode; training needs train mode (dropout, and activation checkpointing only runs then)
@@ -113,8 +173,14 @@ def test_checkpoint_dirs_of_other_families_load_shard_and_train(family, image_sp
     pixels = Patchifier(spec, "cpu")(batch.images, batch.image_index)
     with torch.no_grad():
         ours = forward_loss(net, batch, pixels)
-        own = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, mm_token_type_ids=batch.mm_token_type_ids,
-                  pixel_values=pixels, image_grid_thw=batch.image_grid_thw, use_cache=False).logits
+        own = net(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            mm_token_type_ids=batch.mm_token_type_ids,
+            pixel_values=pixels,
+            image_grid_thw=batch.image_grid_thw,
+            use_cache=False,
+        ).logits
         ref = torch.nn.functional.cross_entropy(own[0, 8:12].float(), batch.input_ids[0, 9:13], reduction="sum")
     assert float(ours) == pytest.approx(float(ref), rel=1e-5)  # so the stored-position layout is the model's
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

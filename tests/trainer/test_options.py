@@ -1,6 +1,7 @@
 """Options in the trainer's code: each default is declared once, on its TrainConfig field (every library default that
 stands for an option equals that declaration), and options travel as groups, so no function takes more than 8
 parameters."""
+
 import ast
 import dataclasses
 import importlib
@@ -27,8 +28,11 @@ MAX_PARAMETERS = 8  # self and cls not counted
 
 
 def _defaults(where: str, fn) -> list[tuple[str, str, object]]:
-    return [(where, p.name, p.default) for p in inspect.signature(fn).parameters.values()
-            if p.default is not inspect.Parameter.empty]
+    return [
+        (where, p.name, p.default)
+        for p in inspect.signature(fn).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    ]
 
 
 def library_defaults(module) -> list[tuple[str, str, object]]:
@@ -42,8 +46,9 @@ def library_defaults(module) -> list[tuple[str, str, object]]:
             out += _defaults(name, obj)
         elif inspect.isclass(obj):
             if dataclasses.is_dataclass(obj):
-                out += [(name, f.name, f.default) for f in dataclasses.fields(obj)
-                        if f.default is not dataclasses.MISSING]
+                out += [
+                    (name, f.name, f.default) for f in dataclasses.fields(obj) if f.default is not dataclasses.MISSING
+                ]
             for attr, value in vars(obj).items():
                 fn = getattr(value, "__func__", value)
                 if inspect.isfunction(fn) and not (dataclasses.is_dataclass(obj) and attr == "__init__"):
@@ -92,8 +97,9 @@ def test_option_groups_are_config_fields_under_their_config_names():
     cfg = TrainConfig(data="d", tiny_random="qwen2-vl", max_tokens_per_batch=512, grad_accum=3, lora_rank=4, seed=7)
     assert Batching.of(cfg) == Batching(max_tokens_per_batch=512, grad_accum=3)
     assert ModelOptions.of(cfg) == ModelOptions(tiny_random="qwen2-vl", lora_rank=4, seed=7)
-    groups = [g for g in vars(options).values() if isinstance(g, type) and issubclass(g, OptionGroup) and g is not
-              OptionGroup]
+    groups = [
+        g for g in vars(options).values() if isinstance(g, type) and issubclass(g, OptionGroup) and g is not OptionGroup
+    ]
     assert {Batching, ModelOptions, DataOptions, RunLength, Optimization, Checkpointing} <= set(groups)
     for group in groups:
         for f in dataclasses.fields(group):

@@ -1,5 +1,6 @@
 """The data order (trainer/data/order.py) and its reader (ScheduledStream): sample-level shuffle, weighted mixing, and
 the step predictor, in process; the CLI runs (mixture + packing, incompatible mixtures) are at the end."""
+
 import collections
 import contextlib
 import itertools
@@ -24,8 +25,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
 def _source(shards, *, name="", weight=1.0, on_end="repeat", stride=(0, 1), owner=-1) -> RankSource:
-    return RankSource(name, weight, on_end, tuple(shards), tuple(index_shard(s.url, expect=s.num_samples)
-                                                                  for s in shards), stride, owner)
+    return RankSource(
+        name,
+        weight,
+        on_end,
+        tuple(shards),
+        tuple(index_shard(s.url, expect=s.num_samples) for s in shards),
+        stride,
+        owner,
+    )
 
 
 def _fake(name, tokens_per_shard, *, weight=1.0, on_end="repeat", trained=None) -> RankSource:
@@ -34,8 +42,9 @@ def _fake(name, tokens_per_shard, *, weight=1.0, on_end="repeat", trained=None) 
     for k, toks in enumerate(tokens_per_shard):
         t = np.asarray(toks, dtype=np.int64)
         tr = t // 2 if trained is None else np.asarray(trained[k], dtype=np.int64)
-        idx.append(ShardIndex(f"/nonexistent/{name}-{k}.tar", np.zeros(len(t), np.int64), np.zeros(len(t), np.int64),
-                              t, tr))
+        idx.append(
+            ShardIndex(f"/nonexistent/{name}-{k}.tar", np.zeros(len(t), np.int64), np.zeros(len(t), np.int64), t, tr)
+        )
     return RankSource(name, weight, on_end, tuple(range(len(idx))), tuple(idx))
 
 
@@ -85,11 +94,13 @@ def test_the_schedule_is_the_one_earlier_versions_made():
 
     h = hashlib.sha256()
     on = dict(shuffle=True, shuffle_shards=True)
-    for sources, kw in (([fake("a", a, owner=2)], dict(on, shuffle_span=0)),
-                        ([fake("a", a, owner=2)], dict(on, shuffle_span=2)),
-                        ([fake("a", a)], dict(shuffle=False, shuffle_shards=True, shuffle_span=0)),
-                        ([fake("", a, stride=(1, 3))], dict(on, shuffle_span=0)),
-                        ([fake("a", a, weight=0.7), fake("b", b, weight=0.3, on_end="stop")], dict(on, shuffle_span=0))):
+    for sources, kw in (
+        ([fake("a", a, owner=2)], dict(on, shuffle_span=0)),
+        ([fake("a", a, owner=2)], dict(on, shuffle_span=2)),
+        ([fake("a", a)], dict(shuffle=False, shuffle_shards=True, shuffle_span=0)),
+        ([fake("", a, stride=(1, 3))], dict(on, shuffle_span=0)),
+        ([fake("a", a, weight=0.7), fake("b", b, weight=0.3, on_end="stop")], dict(on, shuffle_span=0)),
+    ):
         for epoch in (0, 1):
             s = schedule(sources, seed=5, epoch=epoch, **kw)
             for arr in (s.source, s.shard, s.sample):
@@ -116,11 +127,14 @@ def test_stride_ranks_take_disjoint_slices_of_one_permutation(shards):
 def test_scheduled_stream_is_the_schedule_for_any_worker_count_and_start(shards, image_spec, start, workers):
     src = [_source(shards)]
     order = schedule(src, seed=1, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=2)
-    loader = sample_loader(ScheduledStream(src, order, start=start, spec=image_spec), num_workers=workers,
-                           prefetch_factor=2)
+    loader = sample_loader(
+        ScheduledStream(src, order, start=start, spec=image_spec), num_workers=workers, prefetch_factor=2
+    )
     got = [(s.position, s.key, s.worker) for s in loader]
-    want = [(p, read_indexed(src[0].indexes[int(order.shard[p])], int(order.sample[p]))[0])
-            for p in range(start, len(order))]
+    want = [
+        (p, read_indexed(src[0].indexes[int(order.shard[p])], int(order.sample[p]))[0])
+        for p in range(start, len(order))
+    ]
     assert [(p, k) for p, k, _ in got] == want
     assert all(w == (p - start) % max(workers, 1) for p, _, w in got)
 
@@ -130,8 +144,9 @@ def test_a_mixture_keeps_each_source_at_its_share_of_trained_tokens():
     big = _fake("agent", [rng.integers(50, 3000, 40) for _ in range(6)], weight=0.7)
     small = _fake("vqa", [rng.integers(20, 400, 30) for _ in range(2)], weight=0.3)
     order = schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0)
-    trained = np.array([[big, small][s].indexes[k].trained[i] for s, k, i in
-                        zip(order.source, order.shard, order.sample)])
+    trained = np.array(
+        [[big, small][s].indexes[k].trained[i] for s, k, i in zip(order.source, order.shard, order.sample)]
+    )
     mine, total = np.cumsum(trained * (order.source == 0)), np.cumsum(trained)
     # Off by at most one sample's trained tokens at every position, so within 0.02 once 50 samples in.
     assert np.all(np.abs(mine - 0.7 * total) <= trained.max()), np.abs(mine - 0.7 * total).max()
@@ -140,8 +155,10 @@ def test_a_mixture_keeps_each_source_at_its_share_of_trained_tokens():
     seen = collections.Counter(zip(order.source.tolist(), order.shard.tolist(), order.sample.tolist()))
     assert {v for (s, _, _), v in seen.items() if s == 0} == {1} and len([k for k in seen if k[0] == 0]) == 240
     assert len([k for k in seen if k[0] == 1]) == 60 and max(v for (s, _, _), v in seen.items() if s == 1) > 1
-    assert schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0).source.tolist() == \
-        order.source.tolist()
+    assert (
+        schedule([big, small], seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=0).source.tolist()
+        == order.source.tolist()
+    )
 
 
 def test_a_stop_source_leaves_the_mixture_once_read_through():
@@ -168,8 +185,9 @@ def _mixture_loop(sources, **kw):
     unfinished = {s for s in range(n) if active[s]}
     out = []
     while unfinished:
-        s = min((s for s in range(n) if active[s]),
-                key=lambda s: ((total[s] + trained[s][at[s]]) / sources[s].weight, s))
+        s = min(
+            (s for s in range(n) if active[s]), key=lambda s: ((total[s] + trained[s][at[s]]) / sources[s].weight, s)
+        )
         i = at[s]
         out.append((s, int(cur[s][0][i]), int(cur[s][1][i])))
         total[s] += float(trained[s][i])
@@ -199,14 +217,22 @@ def test_the_mixture_schedule_equals_the_one_position_at_a_time_loop():
             trained = [(np.asarray(t) * rng.choice([0, 1, 2, 3]) // 3).tolist() for t in shards]
             if case % 7 == 0:  # all the same: end times tie across sources
                 shards, trained = [[100] * 5], [[10] * 5]
-            sources.append(_fake(f"s{k}", shards, trained=trained, weight=float(rng.choice([1, 2, 3, 7])),
-                                 on_end=str(rng.choice(["repeat", "stop"]))))
+            sources.append(
+                _fake(
+                    f"s{k}",
+                    shards,
+                    trained=trained,
+                    weight=float(rng.choice([1, 2, 3, 7])),
+                    on_end=str(rng.choice(["repeat", "stop"])),
+                )
+            )
         total = sum(src.weight for src in sources)
         sources = [RankSource(s.name, s.weight / total, s.on_end, s.shards, s.indexes) for s in sources]
         kw = dict(seed=case, epoch=case % 3, shuffle=bool(case % 2), shuffle_shards=True, shuffle_span=0)
         order = schedule(sources, **kw)
-        assert list(zip(order.source.tolist(), order.shard.tolist(), order.sample.tolist())) == \
-            _mixture_loop(sources, **kw), case
+        assert list(zip(order.source.tolist(), order.shard.tolist(), order.sample.tolist())) == _mixture_loop(
+            sources, **kw
+        ), case
         assert order.source.dtype == np.int16 and order.shard.dtype == order.sample.dtype == np.int32
 
 
@@ -244,12 +270,23 @@ def test_predicted_steps_equal_the_steps_the_loader_gives(shards, image_spec, ba
     sources = [[_source([shards[i] for i in plan.per_rank[r]])] for r in range(2)]
     batching = Batching(micro_batch_size=2, grad_accum=2, **batching)
     for epoch in range(2):
-        predicted = max(rank_steps(schedule(src, seed=5, epoch=epoch, shuffle=True, shuffle_shards=True, shuffle_span=0)
-                                   .tokens(src), batching) for src in sources)
-        loaders = [StepLoader(EpochSchedule(src, spec=image_spec, seed=5, shuffle=True, shuffle_shards=True,
-                                            shuffle_span=0),
-                              collate_spec=SPEC, batching=batching, num_workers=0, prefetch_factor=2)
-                   for src in sources]
+        predicted = max(
+            rank_steps(
+                schedule(src, seed=5, epoch=epoch, shuffle=True, shuffle_shards=True, shuffle_span=0).tokens(src),
+                batching,
+            )
+            for src in sources
+        )
+        loaders = [
+            StepLoader(
+                EpochSchedule(src, spec=image_spec, seed=5, shuffle=True, shuffle_shards=True, shuffle_span=0),
+                collate_spec=SPEC,
+                batching=batching,
+                num_workers=0,
+                prefetch_factor=2,
+            )
+            for src in sources
+        ]
         for ld in loaders:
             ld.start(epoch, 0)
         steps, seen = 0, []
@@ -268,9 +305,24 @@ def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(datas
     --max-steps: the run takes exactly the predicted steps and reports tokens and loss per source."""
     other = build_dataset(traces, tmp_path / "seq1024", seq_len=1024, samples_per_shard=3, truncate=True)
     out = tmp_path / "run"
-    proc = run_trainer(["--data", f"name=agent,path={dataset},weight=0.7", "--data",
-                        f"name=short,path={other},weight=0.3", "--out", out, "--pack-to", 2048, "--pack-window", 8,
-                        "--num-workers", 2, "--micro-batch-size", 2])
+    proc = run_trainer(
+        [
+            "--data",
+            f"name=agent,path={dataset},weight=0.7",
+            "--data",
+            f"name=short,path={other},weight=0.3",
+            "--out",
+            out,
+            "--pack-to",
+            2048,
+            "--pack-window",
+            8,
+            "--num-workers",
+            2,
+            "--micro-batch-size",
+            2,
+        ]
+    )
     metrics = read_metrics(out)
     line = next(ln for ln in proc.stderr.splitlines() if "predicted steps per epoch" in ln)
     assert line.endswith(f"(total {len(metrics)})"), (line, len(metrics))
@@ -290,8 +342,9 @@ def test_mixture_with_packing_runs_its_predicted_steps_and_logs_per_source(datas
 @pytest.mark.slow  # a CLI training run (make-test budget); in process: test_predicted_steps_equal_the_steps_the_loader_gives
 def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, tmp_path):
     out = tmp_path / "run"
-    proc = run_trainer(["--data", dataset, "--out", out, "--pack-to", 2048, "--pack-window", 6, "--epochs", 1,
-                        "--num-workers", 2])
+    proc = run_trainer(
+        ["--data", dataset, "--out", out, "--pack-to", 2048, "--pack-window", 6, "--epochs", 1, "--num-workers", 2]
+    )
     metrics = read_metrics(out)
     assert f"predicted steps per epoch: {len(metrics)} (total {len(metrics)})" in proc.stderr
     seen = [i for m in metrics for i in m["sample_ids"]]
@@ -299,8 +352,9 @@ def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, 
     from trainer.train import lr_at
 
     # The cosine was given exactly the steps run as its length.
-    assert [m["lr"] for m in metrics] == [lr_at(k, lr=2e-5, warmup_steps=0, total=len(metrics), min_lr_ratio=0.1)
-                                          for k in range(len(metrics))]
+    assert [m["lr"] for m in metrics] == [
+        lr_at(k, lr=2e-5, warmup_steps=0, total=len(metrics), min_lr_ratio=0.1) for k in range(len(metrics))
+    ]
 
 
 @pytest.mark.slow  # make-test budget: builds a qwen3-vl dataset (~12 s)
@@ -309,15 +363,39 @@ def test_an_incompatible_mixture_is_refused_before_any_step(dataset, traces, tmp
     from vlmprep.config import BuildConfig
 
     qwen3 = tmp_path / "qwen3"
-    build(BuildConfig(inputs=(str(traces),), out=str(qwen3), processor="builtin:qwen3-vl", seq_len=2048,
-                      progress=False, max_reject_fraction=1.0, min_turn_coverage=0.0))
+    build(
+        BuildConfig(
+            inputs=(str(traces),),
+            out=str(qwen3),
+            processor="builtin:qwen3-vl",
+            seq_len=2048,
+            progress=False,
+            max_reject_fraction=1.0,
+            min_turn_coverage=0.0,
+        )
+    )
     import subprocess
 
     from tests.trainer.conftest import ROOT
 
-    proc = subprocess.run(trainer_cmd(["--data", f"name=agent,path={dataset},weight=0.5", "--data",
-                                       f"name=docs,path={qwen3},weight=0.5", "--out", tmp_path / "run"], 1),
-                          cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        trainer_cmd(
+            [
+                "--data",
+                f"name=agent,path={dataset},weight=0.5",
+                "--data",
+                f"name=docs,path={qwen3},weight=0.5",
+                "--out",
+                tmp_path / "run",
+            ],
+            1,
+        ),
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("trainer: error")]
     assert len(err) == 1 and "'agent'" in err[0] and "'docs'" in err[0] and "incompatible processors" in err[0], err
@@ -358,11 +436,32 @@ def test_a_mixture_over_200_steps_holds_its_shares_and_resumes_bit_exactly(datas
     from scripts.demo_traces import write_traces
 
     traces = tmp_path / "other.jsonl.zst"
-    write_traces(traces, n=12, seed=7, min_images=1, max_images=2, width=192, height=160, overlong_fraction=0.0,
-                 text_only_fraction=0.5)
+    write_traces(
+        traces,
+        n=12,
+        seed=7,
+        min_images=1,
+        max_images=2,
+        width=192,
+        height=160,
+        overlong_fraction=0.0,
+        text_only_fraction=0.5,
+    )
     other = build_dataset(traces, tmp_path / "other", samples_per_shard=5)
-    args = ["--data", f"name=agent,path={dataset},weight=0.7", "--data", f"name=chat,path={other},weight=0.3",
-            "--max-steps", 200, "--save-every", 50, "--micro-batch-size", 1, "--seed", 3]
+    args = [
+        "--data",
+        f"name=agent,path={dataset},weight=0.7",
+        "--data",
+        f"name=chat,path={other},weight=0.3",
+        "--max-steps",
+        200,
+        "--save-every",
+        50,
+        "--micro-batch-size",
+        1,
+        "--seed",
+        3,
+    ]
     ref_dir = tmp_path / "ref"
     run_trainer([*args, "--out", ref_dir, "--num-workers", 1], timeout=900)
     ref = read_metrics(ref_dir)
@@ -391,8 +490,12 @@ def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset,
     local = resolve_data(str(dataset))
     piped = resolve_data(f"pipe:cat {dataset}/shard-{{000000..000004}}.tar")
     cache = tmp_path / "cache"
-    srcs, derived = zip(*[rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1,
-                                       cache=cache) for d in (local, piped)])
+    srcs, derived = zip(
+        *[
+            rank_sources((DataSpec(path="x"),), [d], [plan_shards(d.shards, 1)], rank=0, world=1, cache=cache)
+            for d in (local, piped)
+        ]
+    )
     assert derived == (0, 5) and not cache.exists()  # the local shards' sidecars; nothing copied yet
     orders = [schedule(s, seed=2, epoch=1, shuffle=True, shuffle_shards=True, shuffle_span=0) for s in srcs]
     shard_cache = ShardCache(srcs[1], cache)
@@ -416,6 +519,7 @@ def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset,
 @contextlib.contextmanager
 def _deadline(seconds: float):
     """Fail instead of hanging: what a stuck epoch prediction did before it was bounded."""
+
     def stop(*_):
         raise TimeoutError(f"still running after {seconds} s")
 
@@ -457,19 +561,27 @@ def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
     from trainer.options import Batching, DataOptions
 
     def predict_steps(cfg, sources, device):  # as make_loader calls it
-        return predict(sources, DataOptions.of(cfg), Batching.of(cfg), specs=cfg.sources, epochs=cfg.epochs,
-                       device=device)
+        return predict(
+            sources, DataOptions.of(cfg), Batching.of(cfg), specs=cfg.sources, epochs=cfg.epochs, device=device
+        )
 
     cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=1e-12"), tiny_random="qwen2-vl", max_steps=1)
     a, b = _fake("a", [[500] * 20], weight=1 / (1 + 1e-12)), _fake("b", [[500] * 20], weight=1e-12 / (1 + 1e-12))
-    with _deadline(30), pytest.raises(ConfigError, match=r"one epoch would read about 2e\+13 samples on this rank \("
-                                                         r"its datasets hold 40 there\).*'b' \(weight 1e-12\) is read "
-                                                         r"through only after a 1e\+12 times: raise b's weight"):
+    with (
+        _deadline(30),
+        pytest.raises(
+            ConfigError,
+            match=r"one epoch would read about 2e\+13 samples on this rank \("
+            r"its datasets hold 40 there\).*'b' \(weight 1e-12\) is read "
+            r"through only after a 1e\+12 times: raise b's weight",
+        ),
+    ):
         predict_steps(cfg, [a, b], torch.device("cpu"))
     # Weights apart but the epoch bounded: predicted as before.
     cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=0.05"), tiny_random="qwen2-vl")
-    steps, first = predict_steps(cfg, [_fake("a", [[500] * 20], weight=0.95), _fake("b", [[500] * 20], weight=0.05)],
-                                 torch.device("cpu"))
+    steps, first = predict_steps(
+        cfg, [_fake("a", [[500] * 20], weight=0.95), _fake("b", [[500] * 20], weight=0.05)], torch.device("cpu")
+    )
     assert steps == [len(first)] and 20 * 19 <= len(first) <= 20 * 19 + 21
 
 
@@ -478,9 +590,27 @@ def test_a_tiny_mixture_weight_stops_the_trainer_with_one_line(dataset, tmp_path
     from trainer.train import main
 
     with _deadline(300):
-        assert main(["--data", f"name=a,path={dataset}", "--data", f"name=b,path={dataset},weight=1e-12", "--out",
-                     str(tmp_path / "run"), "--tiny-random", "qwen2-vl", "--no-progress", "--max-steps", "1",
-                     "--num-workers", "0", "--no-tensorboard"]) == 1
+        assert (
+            main(
+                [
+                    "--data",
+                    f"name=a,path={dataset}",
+                    "--data",
+                    f"name=b,path={dataset},weight=1e-12",
+                    "--out",
+                    str(tmp_path / "run"),
+                    "--tiny-random",
+                    "qwen2-vl",
+                    "--no-progress",
+                    "--max-steps",
+                    "1",
+                    "--num-workers",
+                    "0",
+                    "--no-tensorboard",
+                ]
+            )
+            == 1
+        )
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trainer: error")]
     assert len(err) == 1 and "raise b's weight" in err[0], err
 
@@ -501,7 +631,10 @@ def test_a_dataset_with_0_samples_in_a_mixture_is_refused(dataset, tmp_path):
     manifest.update(shards=[], totals={**manifest["totals"], "samples": 0})
     (empty / "manifest.json").write_text(json.dumps(manifest))
     cfg = TrainConfig(data=(f"name=full,path={dataset},weight=3", f"name=none,path={empty}"), tiny_random="qwen2-vl")
-    with pytest.raises(ConfigError, match=rf"dataset 'none' \({empty}\) holds 0 samples, so the mixture cannot give "
-                                          r"it its weight 0.25 of the trained tokens: drop it from --data"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"dataset 'none' \({empty}\) holds 0 samples, so the mixture cannot give "
+        r"it its weight 0.25 of the trained tokens: drop it from --data",
+    ):
         open_data_of(cfg)
     assert open_data_of(TrainConfig(data=str(empty), tiny_random="qwen2-vl")).datasets[0].shards == ()

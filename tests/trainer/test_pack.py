@@ -3,6 +3,7 @@ isolation proof: each sample of a packed row gives the logits it gives alone, an
 gradient norm of the same samples unpacked (tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL; sdpa and eager). Two broken
 packings (text positions not reset, so segments attend to each other; MRoPE rows flattened to 1-D) are shown to
 fail the same check."""
+
 import dataclasses
 
 import numpy as np
@@ -33,9 +34,18 @@ def test_best_fit_decreasing_literal():
 
 def _fake(position: int, n: int) -> DecodedSample:
     z = np.zeros(n, np.int32)
-    return DecodedSample(key=str(position), id=f"s{position}", input_ids=z, loss_mask=z.astype(np.uint8),
-                         mm_token_type_ids=z.astype(np.uint8), position_ids=np.zeros((3, n), np.int32),
-                         image_grid_thw=np.zeros((0, 3), np.int32), images=[], image_index=[], position=position)
+    return DecodedSample(
+        key=str(position),
+        id=f"s{position}",
+        input_ids=z,
+        loss_mask=z.astype(np.uint8),
+        mm_token_type_ids=z.astype(np.uint8),
+        position_ids=np.zeros((3, n), np.int32),
+        image_grid_thw=np.zeros((0, 3), np.int32),
+        images=[],
+        image_index=[],
+        position=position,
+    )
 
 
 def _lengths(n=200, seed=0):
@@ -82,8 +92,9 @@ def test_packer_state_resumes_with_exactly_the_rows_of_an_uninterrupted_run(wind
         head = [[s.position for s in a.next_row()] for _ in range(cut)]
         state = a.state()
         start = Packer.resume_start(state)
-        b = Packer(iter(_fake(i, lengths[i]) for i in range(start, len(lengths))), capacity=2048, window=window,
-                   state=state)
+        b = Packer(
+            iter(_fake(i, lengths[i]) for i in range(start, len(lengths))), capacity=2048, window=window, state=state
+        )
         assert head + _rows(b) == ref, cut
 
 
@@ -95,6 +106,7 @@ def test_packer_state_must_match_the_pack_options():
 
 
 # --- isolation -------------------------------------------------------------------------------------------------
+
 
 def _synthetic(key: str, parts: list, *, patch: int, seed: int) -> DecodedSample:
     """A sample from text runs (int: that many tokens) and images ((h, w) merged tokens), MRoPE positions laid
@@ -123,18 +135,27 @@ def _synthetic(key: str, parts: list, *, patch: int, seed: int) -> DecodedSample
     loss = (rng.random(n) < 0.6).astype(np.uint8)
     loss[np.array(mm) == 1] = 0
     loss[0] = 1  # a trained first token: packing must still never predict it from the previous sample
-    return DecodedSample(key=key, id=key, input_ids=np.array(ids, np.int32), loss_mask=loss,
-                         mm_token_type_ids=np.array(mm, np.uint8), position_ids=np.array(pos, np.int32),
-                         image_grid_thw=np.array(grids, np.int32).reshape(-1, 3), images=images,
-                         image_index=list(range(len(images))))
+    return DecodedSample(
+        key=key,
+        id=key,
+        input_ids=np.array(ids, np.int32),
+        loss_mask=loss,
+        mm_token_type_ids=np.array(mm, np.uint8),
+        position_ids=np.array(pos, np.int32),
+        image_grid_thw=np.array(grids, np.int32).reshape(-1, 3),
+        images=images,
+        image_index=list(range(len(images))),
+    )
 
 
 def _segments(patch: int) -> list[DecodedSample]:
-    return [_synthetic("two_images", [5, (2, 2), 6, (2, 3), 9], patch=patch, seed=1),
-            _synthetic("text_only", [23], patch=patch, seed=2),
-            _synthetic("one_image", [4, (2, 2), 12], patch=patch, seed=3),
-            _synthetic("text_only_2", [17], patch=patch, seed=4),
-            _synthetic("one_image_2", [7, (3, 2), 5], patch=patch, seed=5)]
+    return [
+        _synthetic("two_images", [5, (2, 2), 6, (2, 3), 9], patch=patch, seed=1),
+        _synthetic("text_only", [23], patch=patch, seed=2),
+        _synthetic("one_image", [4, (2, 2), 12], patch=patch, seed=3),
+        _synthetic("text_only_2", [17], patch=patch, seed=4),
+        _synthetic("one_image_2", [7, (3, 2), 5], patch=patch, seed=5),
+    ]
 
 
 def _net(family: str, attn: str):
@@ -144,8 +165,14 @@ def _net(family: str, attn: str):
     if family == "qwen2_vl":
         cfg = tiny_config("qwen2-vl")
     else:
-        cfg = AutoConfig.for_model(family, image_token_id=IMG, video_token_id=151656, vision_start_token_id=151652,
-                                   vision_end_token_id=151653, **FAMILIES[family][1])
+        cfg = AutoConfig.for_model(
+            family,
+            image_token_id=IMG,
+            video_token_id=151656,
+            vision_start_token_id=151652,
+            vision_end_token_id=151653,
+            **FAMILIES[family][1],
+        )
     net = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation=attn).eval()
     net.config.use_cache = False
     return net
@@ -157,9 +184,15 @@ def _patch(family):
 
 def _logits(net, batch, pixels):
     with torch.no_grad():
-        return net(input_ids=batch.input_ids, attention_mask=None if batch.packed else batch.attention_mask,
-                   position_ids=batch.position_ids, mm_token_type_ids=batch.mm_token_type_ids, pixel_values=pixels,
-                   image_grid_thw=batch.image_grid_thw, use_cache=False).logits[0]
+        return net(
+            input_ids=batch.input_ids,
+            attention_mask=None if batch.packed else batch.attention_mask,
+            position_ids=batch.position_ids,
+            mm_token_type_ids=batch.mm_token_type_ids,
+            pixel_values=pixels,
+            image_grid_thw=batch.image_grid_thw,
+            use_cache=False,
+        ).logits[0]
 
 
 def _worst_segment_diff(net, samples, packed, patchify, spec, device="cpu") -> float:
@@ -170,7 +203,7 @@ def _worst_segment_diff(net, samples, packed, patchify, spec, device="cpu") -> f
     for s in samples:
         alone = collate([s], spec).to(device)
         ref = _logits(net, alone, patchify(alone.images, alone.image_index)).float()
-        worst = max(worst, float((got[start:start + s.num_tokens] - ref[:s.num_tokens]).abs().max()))
+        worst = max(worst, float((got[start : start + s.num_tokens] - ref[: s.num_tokens]).abs().max()))
         start += s.num_tokens
     return worst
 
@@ -213,8 +246,10 @@ def test_packed_layout_literal():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
-                                    pytest.param("qwen3_vl", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow), pytest.param("qwen3_vl", marks=pytest.mark.slow)],
+)
 def test_packed_row_gives_each_sample_its_own_logits_and_broken_packing_does_not(family, attn, spec_for):
     patch = _patch(family)
     net = _net(family, attn)
@@ -242,8 +277,14 @@ def test_packed_step_equals_unpacked_loss_and_grad_norm(family, spec_for):
     for batch in (collate_packed([samples], spec), collate(samples, spec)):
         net = _net(family, "sdpa").train()
         opt = build_optimizer(Optimization.of(TrainConfig(data="-", tiny_random="qwen2-vl")), net)
-        out.append((batch.num_trained, *train_step(net, opt, [batch], patchifier=patchify,
-                                                    global_trained=batch.num_trained, max_grad_norm=1.0)))
+        out.append(
+            (
+                batch.num_trained,
+                *train_step(
+                    net, opt, [batch], patchifier=patchify, global_trained=batch.num_trained, max_grad_norm=1.0
+                ),
+            )
+        )
     (n_p, loss_p, norm_p), (n_u, loss_u, norm_u) = out
     assert n_p == n_u
     assert loss_p == pytest.approx(loss_u, rel=1e-6, abs=0) and norm_p == pytest.approx(norm_u, rel=1e-4, abs=0)
@@ -272,14 +313,18 @@ def test_packed_real_samples_equal_unpacked(dataset, image_spec):
 
 # --- the rank's step loader with packing -------------------------------------------------------------------------
 
+
 def _pack_loader(shards, image_spec, workers):
     from trainer.data.batches import StepLoader
     from trainer.data.streams import ShardSequence
 
-    return StepLoader(ShardSequence(shards, spec=image_spec, seed=0, shuffle_shards=True),
-                      collate_spec=CollateSpec(0, IMG, 14, 2),
-                      batching=Batching(micro_batch_size=1, grad_accum=2, pack_to=400, pack_window=5),
-                      num_workers=workers, prefetch_factor=2)
+    return StepLoader(
+        ShardSequence(shards, spec=image_spec, seed=0, shuffle_shards=True),
+        collate_spec=CollateSpec(0, IMG, 14, 2),
+        batching=Batching(micro_batch_size=1, grad_accum=2, pack_to=400, pack_window=5),
+        num_workers=workers,
+        prefetch_factor=2,
+    )
 
 
 def _steps(loader, n=None):

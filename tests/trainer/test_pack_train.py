@@ -1,6 +1,7 @@
 """Packing end to end through the CLI: torchrun 2 ranks x 2 workers with --pack-to over 5 uneven shards (every
 sample once, same steps on both ranks, no hang), SIGKILL and resume with 3 workers (the same packs, losses and
 grad norms), and the start-up refusals."""
+
 import os
 import signal
 import subprocess
@@ -20,8 +21,20 @@ from tests.trainer.conftest import (
 from trainer.train import main
 
 T = 512
-PACK = ["--pack-to", T, "--pack-window", 4, "--micro-batch-size", 1, "--save-every", 2, "--seed", 0,
-        "--schedule-steps", 10]
+PACK = [
+    "--pack-to",
+    T,
+    "--pack-window",
+    4,
+    "--micro-batch-size",
+    1,
+    "--save-every",
+    2,
+    "--seed",
+    0,
+    "--schedule-steps",
+    10,
+]
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
@@ -50,8 +63,10 @@ def test_packed_two_ranks_two_workers_see_every_sample_once_in_full_rows(run_p, 
     assert all(m["segments"] == len(m["sample_ids"]) for m in metrics)
     fill = [m["pack_fill"] for m in metrics]
     assert all(0 < f <= 1 for f in fill) and sum(fill[:-1]) / len(fill[:-1]) >= 0.8, fill
-    assert all(m["max_over_mean_tokens"] == pytest.approx(max(m["tokens_per_rank"]) * 2 / sum(m["tokens_per_rank"]))
-               for m in metrics)
+    assert all(
+        m["max_over_mean_tokens"] == pytest.approx(max(m["tokens_per_rank"]) * 2 / sum(m["tokens_per_rank"]))
+        for m in metrics
+    )
     assert f"rows of <= {T} tokens" in stderr and "window of 4 samples" in stderr and "remainder policy 'pad'" in stderr
     assert "mfu" not in metrics[0]  # CUDA only
 
@@ -70,8 +85,14 @@ def test_packed_kill_then_resume_with_another_worker_count_makes_the_same_packs(
     _, ref, _ = run_p
     out = tmp_path / "run_q"
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(trainer_cmd(["--data", short_dataset, "--out", out, "--num-workers", 2, *PACK], 2),
-                                cwd=ROOT, env=trainer_env(), stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            trainer_cmd(["--data", short_dataset, "--out", out, "--num-workers", 2, *PACK], 2),
+            cwd=ROOT,
+            env=trainer_env(),
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         try:
             _wait_for_checkpoint(out / "checkpoints" / "step-00000002", proc, time.monotonic() + 240)
         finally:
@@ -90,18 +111,52 @@ def test_packed_kill_then_resume_with_another_worker_count_makes_the_same_packs(
 @pytest.mark.slow
 def test_resume_without_pack_to_is_refused(run_p, short_dataset, capsys):
     out, _, _ = run_p
-    assert main(["--data", str(short_dataset), "--out", str(out), "--tiny-random", "qwen2-vl", "--no-progress",
-                 "--num-workers", "0", "--max-steps", "99"]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(short_dataset),
+                "--out",
+                str(out),
+                "--tiny-random",
+                "qwen2-vl",
+                "--no-progress",
+                "--num-workers",
+                "0",
+                "--max-steps",
+                "99",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err  # the run dir's run.json names the differing options before anything loads
     assert f"pack_to {T} -> 0" in err and "pass --no-resume to start over" in err, err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--pack-to", "1024"], "--pack-to 1024 is shorter than the dataset's seq_len 2048"),
-    (["--pack-to", "1024", "--max-tokens-per-batch", "4096"], "pick one"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pack-to", "1024"], "--pack-to 1024 is shorter than the dataset's seq_len 2048"),
+        (["--pack-to", "1024", "--max-tokens-per-batch", "4096"], "pick one"),
+    ],
+)
 def test_start_up_refusals(dataset, tmp_path, capsys, args, message):
-    assert main(["--data", str(dataset), "--out", str(tmp_path / "r"), "--tiny-random", "qwen2-vl",
-                 "--no-progress", "--max-steps", "1", *args]) == 1
+    assert (
+        main(
+            [
+                "--data",
+                str(dataset),
+                "--out",
+                str(tmp_path / "r"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--no-progress",
+                "--max-steps",
+                "1",
+                *args,
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("trainer: error: ") and message in err[-1], err

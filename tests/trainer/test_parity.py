@@ -1,5 +1,6 @@
 """Shards vs online rendering: the same records through the processor's own apply_chat_template (which resizes
 the source images itself) must give the same batch and the same tiny-model loss."""
+
 import io
 
 import pytest
@@ -42,7 +43,7 @@ def _independent_labels(ids: torch.Tensor, tokenizer) -> torch.Tensor:
     ids = ids.tolist()
     labels = [IGNORE_INDEX] * len(ids)
     for k in range(len(ids) - len(header) + 1):
-        if ids[k:k + len(header)] == header:
+        if ids[k : k + len(header)] == header:
             j = k + len(header)
             while ids[j] != im_end:
                 labels[j] = ids[j]
@@ -70,7 +71,7 @@ def test_shard_batches_equal_online_rendering_and_give_the_same_loss(dataset, im
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0)).eval()
     spec = CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2)
     patchify = Patchifier(image_spec, "cpu")
-    groups = [samples[k:k + 4] for k in range(0, len(samples), 4)]
+    groups = [samples[k : k + 4] for k in range(0, len(samples), 4)]
     mixed = [g for g in groups if any(s.image_index for s in g) and any(not s.image_index for s in g)]
     assert mixed, "fixture must put text-only and image samples in one batch"
     worst = 0.0
@@ -103,10 +104,23 @@ def test_shard_batches_equal_online_rendering_and_give_the_same_loss(dataset, im
         with torch.no_grad():
             ours = forward_loss(net, batch, pixel_values) / batch.num_trained
             # Online side: the model computes its own MRoPE positions and full logits.
-            logits = net(input_ids=on_ids, attention_mask=on_mask, mm_token_type_ids=on_mm, pixel_values=on_pixels,
-                         image_grid_thw=on_grid, use_cache=False).logits
-            ref = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), on_labels[:, 1:].flatten(),
-                                  ignore_index=IGNORE_INDEX, reduction="sum") / (on_labels[:, 1:] != IGNORE_INDEX).sum()
+            logits = net(
+                input_ids=on_ids,
+                attention_mask=on_mask,
+                mm_token_type_ids=on_mm,
+                pixel_values=on_pixels,
+                image_grid_thw=on_grid,
+                use_cache=False,
+            ).logits
+            ref = (
+                F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(),
+                    on_labels[:, 1:].flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                / (on_labels[:, 1:] != IGNORE_INDEX).sum()
+            )
         rel = abs(float(ours) - float(ref)) / abs(float(ref))
         worst = max(worst, rel)
         assert rel <= 1e-6, (float(ours), float(ref))

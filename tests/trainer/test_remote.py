@@ -2,6 +2,7 @@
 shards through fsspec (memory://, a registered hf://, a local S3 server, loopback HTTP with Range support) and the
 bounded shard cache (fetch order, eviction under the limit, sha256 refusal), in process; the trainer CLI runs over
 HTTP (10x the cache limit, shuffled and mixed, kill + resume) and S3 (no credential printed) are slow."""
+
 import json
 import os
 import shutil
@@ -89,8 +90,9 @@ def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys)
     old = _older(dataset, tmp_path / "old")
     cfg = TrainConfig(data=str(old), tiny_random="qwen2-vl", num_workers=0, micro_batch_size=2, out=str(tmp_path / "r"))
     data = open_data_of(cfg)
-    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=data.image.patch_size,
-                       merge_size=data.image.merge_size)
+    spec = CollateSpec(
+        pad_id=0, image_token_id=151655, patch_size=data.image.patch_size, merge_size=data.image.merge_size
+    )
     loader, total, _ = make_loader_of(cfg, data, collate_spec=spec, check=ShardCheck(None))
     try:
         loader.start(0, 0)
@@ -98,9 +100,11 @@ def test_an_older_dataset_trains_with_a_one_line_note(dataset, tmp_path, capsys)
     finally:
         loader.close()
     notes = [ln for ln in capsys.readouterr().err.splitlines() if "no sample index" in ln]
-    assert notes == ["trainer: note: 5 shard(s) on rank 0 have no sample index (an older vlmprep built them): indexed "
-                     "from every tar header and sample meta, as before; rebuild with this vlmprep for a start-up that "
-                     "does not grow with the sample count"]
+    assert notes == [
+        "trainer: note: 5 shard(s) on rank 0 have no sample index (an older vlmprep built them): indexed "
+        "from every tar header and sample meta, as before; rebuild with this vlmprep for a start-up that "
+        "does not grow with the sample count"
+    ]
 
 
 def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatch):
@@ -115,8 +119,9 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
 
     manifest = json.loads((dataset / "manifest.json").read_text())
     whole = np.load(dataset / manifest["sample_index"]["name"], allow_pickle=False)
-    np.testing.assert_array_equal(whole, np.concatenate([load_sample_index(dataset, ShardEntry.from_json(s))
-                                                            for s in manifest["shards"]]))
+    np.testing.assert_array_equal(
+        whole, np.concatenate([load_sample_index(dataset, ShardEntry.from_json(s)) for s in manifest["shards"]])
+    )
     ds = resolve_data(str(dataset))
     want = {s.name: load_index(s, Path(s.index.url).read_bytes(), path=s.url) for s in ds.shards}
 
@@ -132,10 +137,12 @@ def test_start_up_reads_the_one_dataset_index_file(dataset, tmp_path, monkeypatc
     for world in (1, 3, 8):
         plan = plan_shards(ds.shards, world)
         for rank in range(world):
-            sources, derived = rank_sources((DataSpec(path=str(dataset)),), [ds], [plan], rank=rank, world=world,
-                                            cache=tmp_path / "c")
+            sources, derived = rank_sources(
+                (DataSpec(path=str(dataset)),), [ds], [plan], rank=rank, world=world, cache=tmp_path / "c"
+            )
             assert derived == 0 and [s.name for s in sources[0].shards] == [
-                ds.shards[i].name for i in (range(len(ds.shards)) if plan.stride else plan.per_rank[rank])]
+                ds.shards[i].name for i in (range(len(ds.shards)) if plan.stride else plan.per_rank[rank])
+            ]
             for s, ix in zip(sources[0].shards, sources[0].indexes):
                 assert ix.path == s.url and ix.signature  # local shards: stat-checked on every read
                 for field in ("starts", "ends", "tokens", "trained"):
@@ -173,7 +180,9 @@ def test_a_dataset_index_that_is_not_the_manifests_or_not_the_shards_is_refused(
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["sample_index"]["bytes"] = path.stat().st_size
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match=r"samples\.index\.npy: not a sample index \.npy .*header is not the one of 17 rows"):
+    with pytest.raises(
+        DataError, match=r"samples\.index\.npy: not a sample index \.npy .*header is not the one of 17 rows"
+    ):
         _sources(str(bad), tmp_path / "c")
     shutil.copy(dataset / "manifest.json", bad / "manifest.json")
     # bytes the manifest vouches for, but a byte range outside its shard: refused, naming the shard, before any seek
@@ -183,9 +192,14 @@ def test_a_dataset_index_that_is_not_the_manifests_or_not_the_shards_is_refused(
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["sample_index"].update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    shard = next(s["name"] for s, a in zip(manifest["shards"], np.cumsum([s["num_samples"] for s in manifest["shards"]]))
-                 if a > 7)
-    with pytest.raises(DataError, match=f"rows of {shard}\\): the sample index does not describe {shard} .*byte ranges"):
+    shard = next(
+        s["name"]
+        for s, a in zip(manifest["shards"], np.cumsum([s["num_samples"] for s in manifest["shards"]]))
+        if a > 7
+    )
+    with pytest.raises(
+        DataError, match=f"rows of {shard}\\): the sample index does not describe {shard} .*byte ranges"
+    ):
         _sources(str(bad), tmp_path / "c")
 
 
@@ -225,8 +239,9 @@ def test_cache_limit_sizes_and_the_span_that_fits(tmp_path):
     from trainer.data.sources import DataSource, ShardRef
 
     shards = tuple(ShardRef(f"https://h/d/s{i}.tar", f"s{i}.tar", 10, 100, 1000) for i in range(40))
-    data = RunData((DataSpec(path="https://h/d"),), [DataSource(shards, None, None)], [plan_shards(shards, 1)],
-                   None, "x")
+    data = RunData(
+        (DataSpec(path="https://h/d"),), [DataSource(shards, None, None)], [plan_shards(shards, 1)], None, "x"
+    )
     cfg = TrainConfig(data="https://h/d", tiny_random="qwen2-vl", shard_cache_limit="8000", out=str(tmp_path))
     assert fit_span(cfg, data) == 4  # the block read and the next one fetched: 2 x 4 x 1000 bytes
     with pytest.raises(ConfigError, match="--shuffle-span 9 .* pass --shuffle-span 4"):
@@ -362,8 +377,12 @@ def s3_server():
 
     s3fs.S3FileSystem.clear_instance_cache()
     host, port = srv.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "scale-test-key",
-           "AWS_SECRET_ACCESS_KEY": "scale-secret-0123456789", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "scale-test-key",
+        "AWS_SECRET_ACCESS_KEY": "scale-secret-0123456789",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -442,8 +461,9 @@ def test_a_nodes_ranks_fetch_the_remote_dataset_index_once(dataset, tmp_path):
 
         def rank(r: int) -> None:
             try:
-                got[r] = rank_sources((DataSpec(path=srv.url),), [ds], [plan], rank=r, world=8,
-                                      cache=root / f"rank-{r:05d}")[0][0]
+                got[r] = rank_sources(
+                    (DataSpec(path=srv.url),), [ds], [plan], rank=r, world=8, cache=root / f"rank-{r:05d}"
+                )[0][0]
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -504,21 +524,34 @@ def test_a_store_that_sends_more_than_the_manifests_size_is_cut_off_past_it(tmp_
 
     monkeypatch.setattr(trainer.data.storage, "open_url", lambda url: io.BufferedReader(Endless()))
     dest = tmp_path / "copy.tar"
-    with pytest.raises(StorageError, match=r"https://example\.invalid/shard-000000\.tar: fetched 10001 bytes but the "
-                                           r"manifest says 10000"):
+    with pytest.raises(
+        StorageError,
+        match=r"https://example\.invalid/shard-000000\.tar: fetched 10001 bytes but the "
+        r"manifest says 10000",
+    ):
         fetch("https://example.invalid/shard-000000.tar", dest, size=10_000, sha256="0" * 64)
     assert Endless.sent <= 10_001 + io.DEFAULT_BUFFER_SIZE and list(tmp_path.iterdir()) == []
 
 
 # --- the trainer CLI over loopback servers (slow)
 
+
 def _small_shards(tmp_path: Path) -> Path:
     """24 one-sample shards of near-equal size (one image each): a dataset many times a small cache."""
     from scripts.demo_traces import write_traces
 
     traces = tmp_path / "one-image.jsonl.zst"
-    write_traces(traces, n=24, seed=5, min_images=1, max_images=1, width=224, height=160, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    write_traces(
+        traces,
+        n=24,
+        seed=5,
+        min_images=1,
+        max_images=1,
+        width=224,
+        height=160,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
     return build_dataset(traces, tmp_path / "small", samples_per_shard=1)
 
 
@@ -526,14 +559,22 @@ def _train_polling(args: list, out: Path, cache_dir: Path, server) -> tuple[subp
     """Run the trainer; poll its shard cache's size (every file in it) and count the shard GETs the server had
     answered when the first step's metrics row appeared. Returns (process, peak cache bytes, GETs by step 1)."""
     peak, by_first = 0, None
-    proc = subprocess.Popen(trainer_cmd([*args, "--out", out], 1), cwd=ROOT, env=trainer_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        trainer_cmd([*args, "--out", out], 1),
+        cwd=ROOT,
+        env=trainer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 900
     while proc.poll() is None:
         assert time.monotonic() < deadline, "trainer did not finish"
         if cache_dir.is_dir():
-            peak = max(peak, sum(p.stat().st_size for p in cache_dir.glob("*") if p.is_file()
-                                 and not p.name.endswith(".index.npy")))
+            peak = max(
+                peak,
+                sum(p.stat().st_size for p in cache_dir.glob("*") if p.is_file() and not p.name.endswith(".index.npy")),
+            )
         if by_first is None and (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
             by_first = sum(1 for m, p, *_ in server.log if m == "GET" and p.endswith(".tar"))
         time.sleep(0.02)
@@ -558,18 +599,24 @@ def test_a_dataset_10x_the_cache_limit_trains_shuffled_and_mixed_every_sample_on
     ids = {s["id"] for s in map(json.loads, (small / "tasks" / "task-00000.samples.jsonl").read_text().splitlines())}
     with RangeServer(served) as srv:
         common = ["--shard-cache-limit", str(limit), "--num-workers", 2, "--micro-batch-size", 2, "--seed", 4]
-        proc, peak, by_first = _train_polling(["--data", f"{srv.url}/a/", *common], tmp_path / "one",
-                                              tmp_path / "one" / "shard-cache" / "rank-00000", srv)
+        proc, peak, by_first = _train_polling(
+            ["--data", f"{srv.url}/a/", *common], tmp_path / "one", tmp_path / "one" / "shard-cache" / "rank-00000", srv
+        )
         got = [i for m in read_metrics(tmp_path / "one") for i in m["sample_ids"]]
         assert sorted(got) == sorted(ids) and len(got) == 24 and got != sorted(got)  # once each, shuffled
         assert peak <= limit + biggest, (peak, limit)
         assert by_first is not None and by_first < len(shards) // 2, by_first  # step 1 long before the last shard
         assert "remote shards stream through" in proc.stderr
         srv.log.clear()
-        mix = ["--data", f"name=a,path={srv.url}/a/,weight=0.7,on_end=stop",
-               "--data", f"name=b,path={srv.url}/b/,weight=0.3,on_end=stop"]
-        proc, peak, _ = _train_polling([*mix, *common], tmp_path / "mix", tmp_path / "mix" / "shard-cache" /
-                                       "rank-00000", srv)
+        mix = [
+            "--data",
+            f"name=a,path={srv.url}/a/,weight=0.7,on_end=stop",
+            "--data",
+            f"name=b,path={srv.url}/b/,weight=0.3,on_end=stop",
+        ]
+        proc, peak, _ = _train_polling(
+            [*mix, *common], tmp_path / "mix", tmp_path / "mix" / "shard-cache" / "rank-00000", srv
+        )
         got = [i for m in read_metrics(tmp_path / "mix") for i in m["sample_ids"]]
         for name in ("a", "b"):
             mine = [i.split("/", 1)[1] for i in got if i.startswith(f"{name}/")]
@@ -585,8 +632,18 @@ def test_killed_and_resumed_over_http_with_a_small_cache_replays_bit_exactly(tmp
     shards = json.loads((small / "manifest.json").read_text())["shards"]
     limit = max(sum(s["bytes"] for s in shards) // 10, 2 * max(s["bytes"] for s in shards))
     with RangeServer(small) as srv:
-        args = ["--data", f"{srv.url}/", "--shard-cache-limit", str(limit), "--micro-batch-size", 2,
-                "--save-every", 2, "--seed", 9]
+        args = [
+            "--data",
+            f"{srv.url}/",
+            "--shard-cache-limit",
+            str(limit),
+            "--micro-batch-size",
+            2,
+            "--save-every",
+            2,
+            "--seed",
+            9,
+        ]
         run_trainer([*args, "--out", tmp_path / "ref", "--num-workers", 1], timeout=600)
         ref = read_metrics(tmp_path / "ref")
         out = tmp_path / "killed"
@@ -604,9 +661,14 @@ def test_the_trainer_refuses_a_corrupted_remote_shard_with_one_line(dataset, tmp
 
     with RangeServer(dataset) as srv:
         srv.server.corrupt.add("shard-000001.tar")
-        proc = subprocess.run(trainer_cmd(["--data", f"{srv.url}/", "--out", tmp_path / "run", "--num-workers", 2],
-                                          1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            trainer_cmd(["--data", f"{srv.url}/", "--out", tmp_path / "run", "--num-workers", 2], 1),
+            cwd=ROOT,
+            env=trainer_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"trainer: error: {srv.url}/shard-000001.tar: its bytes do not match the manifest's sha256")
@@ -618,8 +680,11 @@ def test_training_from_s3_never_prints_or_stores_the_credentials(s3_server, data
     out = tmp_path / "run"
     proc = run_trainer(["--data", url, "--out", out, "--max-steps", 2, "--num-workers", 1], timeout=600)
     secret, key = s3_server["AWS_SECRET_ACCESS_KEY"], s3_server["AWS_ACCESS_KEY_ID"]
-    written = [p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix in
-               (".json", ".toml", ".jsonl", ".txt")]
+    written = [
+        p.read_text(errors="replace")
+        for p in out.rglob("*")
+        if p.is_file() and p.suffix in (".json", ".toml", ".jsonl", ".txt")
+    ]
     for text in (proc.stdout, proc.stderr, *written):
         assert secret not in text and key not in text
     assert len(read_metrics(out)) == 2 and json.loads((out / "run.json").read_text())["data_source"] == url

@@ -1,6 +1,7 @@
 """The run dir belongs to one run: another --data, model or option that shapes the run is refused before anything
 in it changes (every file's hash compared); the same command resumes; --no-resume starts over in place; user
 errors (a missing --model or --data) are one line and exit code 1."""
+
 import hashlib
 import json
 import shutil
@@ -21,8 +22,9 @@ def _args(data, out, *extra, model=None) -> list[str]:
 
 
 def _hashes(d) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +52,27 @@ def _subset(dataset) -> str:
     return str(dataset / "shard-{000002..000003}.tar")  # 2 of the 5 shards: other data
 
 
-@pytest.mark.parametrize("change, named", [
-    ("data", "data (--data"),
-    ("model", "model 'tiny-random qwen2-vl' -> "),
-    ("packing", "pack_to 0 -> 4096"),
-    ("batch", "micro_batch_size 2 -> 3"),
-    ("lr", "lr 2e-05 -> 0.001"),
-])
-def test_another_run_into_the_same_out_is_refused_and_changes_nothing(run_dir, dataset, tmp_path, capsys, change,
-                                                                      named):
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ("data", "data (--data"),
+        ("model", "model 'tiny-random qwen2-vl' -> "),
+        ("packing", "pack_to 0 -> 4096"),
+        ("batch", "micro_batch_size 2 -> 3"),
+        ("lr", "lr 2e-05 -> 0.001"),
+    ],
+)
+def test_another_run_into_the_same_out_is_refused_and_changes_nothing(
+    run_dir, dataset, tmp_path, capsys, change, named
+):
     before = _hashes(run_dir)
-    args = {"data": _args(_subset(dataset), run_dir, "--max-steps", 2),
-            "model": _args(dataset, run_dir, "--max-steps", 2, model=_config_only_model(tmp_path)),
-            "packing": _args(dataset, run_dir, "--max-steps", 2, "--pack-to", 4096),
-            "batch": _args(dataset, run_dir, "--max-steps", 2, "--micro-batch-size", 3),
-            "lr": _args(dataset, run_dir, "--max-steps", 2, "--lr", 1e-3)}[change]
+    args = {
+        "data": _args(_subset(dataset), run_dir, "--max-steps", 2),
+        "model": _args(dataset, run_dir, "--max-steps", 2, model=_config_only_model(tmp_path)),
+        "packing": _args(dataset, run_dir, "--max-steps", 2, "--pack-to", 4096),
+        "batch": _args(dataset, run_dir, "--max-steps", 2, "--micro-batch-size", 3),
+        "lr": _args(dataset, run_dir, "--max-steps", 2, "--lr", 1e-3),
+    }[change]
     assert main(args) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
@@ -102,8 +110,10 @@ def test_a_finished_run_resumed_says_so_and_still_runs_the_asked_eval_and_export
     args = _args(dataset, out, "--max-steps", 1, "--eval-data", _subset(dataset), "--save-hf")
     assert main(args) == 0
     said = capsys.readouterr()
-    assert said.out.splitlines() == [f"trainer: nothing left to train: {out} finished at step 1 (--max-steps 1); "
-                                     "raise --max-steps or --epochs to train further"]
+    assert said.out.splitlines() == [
+        f"trainer: nothing left to train: {out} finished at step 1 (--max-steps 1); "
+        "raise --max-steps or --epochs to train further"
+    ]
     assert "trainer: eval at step 1: loss" in said.err and f"trainer: exported {out / 'hf'}" in said.err
     evals = [m for m in read_metrics(out) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [1] and (out / "hf" / "config.json").is_file()
@@ -129,12 +139,29 @@ def test_no_resume_starts_over_in_place(run_dir, dataset, tmp_path, capsys):
 
 def test_a_missing_model_path_is_one_line_and_exit_1(dataset, tmp_path):
     model = tmp_path / "no-such-model"
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--model", str(model), "--data", str(dataset), "--out",
-                           str(tmp_path / "run")], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--model",
+            str(model),
+            "--data",
+            str(dataset),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.splitlines() == [f"trainer: error: --model {model}: no checkpoint dir with a config.json there "
-                                        "(the trainer loads local checkpoints only, never from a hub)"]
+    assert proc.stderr.splitlines() == [
+        f"trainer: error: --model {model}: no checkpoint dir with a config.json there "
+        "(the trainer loads local checkpoints only, never from a hub)"
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -147,8 +174,10 @@ def test_raw_input_says_build_it_first(tmp_path, capsys, raw):
     else:
         path.write_text("{}\n")
     assert main(_args(path, tmp_path / "run", "--max-steps", 1)) == 1
-    assert capsys.readouterr().err == (f"trainer: error: --data {path} is raw input (records), not a built dataset: "
-                                       f"run `vlmprep build --in {path} --out DIR` first, then pass --data DIR\n")
+    assert capsys.readouterr().err == (
+        f"trainer: error: --data {path} is raw input (records), not a built dataset: "
+        f"run `vlmprep build --in {path} --out DIR` first, then pass --data DIR\n"
+    )
     assert not (tmp_path / "run").exists()
 
 

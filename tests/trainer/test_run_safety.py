@@ -3,6 +3,7 @@ runs; the parts alone: test_integrity.py, test_checkpoint.py): a shard whose byt
 is refused at start-up; a dataset rebuilt or a shard modified under a running trainer stops it with one line naming
 the file; a second trainer on the same --out refuses, naming the first, which goes on unaffected; a resume skips
 (and names) a newest checkpoint that was cut short."""
+
 import hashlib
 import json
 import shutil
@@ -82,8 +83,9 @@ def test_a_shard_modified_under_a_running_trainer_stops_it_naming_the_shard(data
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
 
 
-def test_a_build_over_the_dataset_a_trainer_reads_stops_the_trainer(data, traces, tmp_path, capsys, monkeypatch,
-                                                                  qwen2vl_processor):
+def test_a_build_over_the_dataset_a_trainer_reads_stops_the_trainer(
+    data, traces, tmp_path, capsys, monkeypatch, qwen2vl_processor
+):
     from vlmprep.builder import pipeline
     from vlmprep.config import BuildConfig
 
@@ -91,9 +93,21 @@ def test_a_build_over_the_dataset_a_trainer_reads_stops_the_trainer(data, traces
 
     def rebuild():
         monkeypatch.setattr(pipeline, "load_processor", lambda spec: qwen2vl_processor)
-        pipeline.build(BuildConfig(inputs=(str(traces),), out=str(data), processor="builtin:qwen2-vl", seq_len=1024,
-                                   samples_per_shard=6, image_format="zstd", progress=False, overwrite=True,
-                                   max_reject_fraction=1.0, min_turn_coverage=0.0, **policy))
+        pipeline.build(
+            BuildConfig(
+                inputs=(str(traces),),
+                out=str(data),
+                processor="builtin:qwen2-vl",
+                seq_len=1024,
+                samples_per_shard=6,
+                image_format="zstd",
+                progress=False,
+                overwrite=True,
+                max_reject_fraction=1.0,
+                min_turn_coverage=0.0,
+                **policy,
+            )
+        )
 
     _after_step(monkeypatch, 1, rebuild)
     assert main(_args(data, tmp_path / "run", "--max-steps", 50, "--num-workers", 0, "--no-shuffle")) == 1
@@ -107,8 +121,16 @@ def test_a_second_trainer_on_the_same_out_refuses_and_the_first_goes_on(dataset,
     out, second = tmp_path / "run", []
 
     def start_another():
-        second.append(subprocess.run([sys.executable, "-m", "trainer", *_args(dataset, out, "--max-steps", 5)],
-                                     cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300))
+        second.append(
+            subprocess.run(
+                [sys.executable, "-m", "trainer", *_args(dataset, out, "--max-steps", 5)],
+                cwd=ROOT,
+                env=trainer_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        )
 
     _after_step(monkeypatch, 1, start_another)
     assert main(_args(dataset, out, "--max-steps", 3, "--num-workers", 0)) == 0
@@ -140,7 +162,7 @@ def test_a_resume_skips_a_newest_checkpoint_cut_short_naming_it(dataset, tmp_pat
     newest = out / "checkpoints" / "step-00000002"
     cut = _largest_file(newest)
     size = cut.stat().st_size
-    cut.write_bytes(cut.read_bytes()[:size // 3])
+    cut.write_bytes(cut.read_bytes()[: size // 3])
     capsys.readouterr()
     assert main(_args(dataset, out, "--max-steps", 3, "--save-every", 1, "--num-workers", 0)) == 0
     err = capsys.readouterr().err

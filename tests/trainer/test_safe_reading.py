@@ -1,5 +1,6 @@
 """Hostile or damaged shards at training time, through the real `python -m trainer` entry point: planted pickle
 members are refused before anything is deserialized, and every damaged shard is named in a one-line error."""
+
 import hashlib
 import io
 import json
@@ -63,8 +64,9 @@ def _rewrite_shard(dataset, dst, edit, *, fix_manifest=True):
 
 def _train(data, out, workers=1) -> subprocess.CompletedProcess:
     args = ["--data", data, "--out", out, "--max-steps", 2, "--micro-batch-size", 2, "--num-workers", workers]
-    return subprocess.run(trainer_cmd(args, 1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        trainer_cmd(args, 1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def _one_line_error(proc) -> str:
@@ -74,12 +76,15 @@ def _one_line_error(proc) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("member,forge", [
-    ("0000000000.state.pyd", _pickle_bytes),     # webdataset's default decoders would unpickle this
-    # The same refusal end to end for the other kinds (test_decode.py checks each kind cheaply in make test):
-    pytest.param("0000000000.weights.pth", _pickle_bytes, marks=pytest.mark.slow),  # torch.load would run this
-    pytest.param("0000000000.input_ids.npy", _object_npy, marks=pytest.mark.slow),  # np.load(allow_pickle=True)
-])
+@pytest.mark.parametrize(
+    "member,forge",
+    [
+        ("0000000000.state.pyd", _pickle_bytes),  # webdataset's default decoders would unpickle this
+        # The same refusal end to end for the other kinds (test_decode.py checks each kind cheaply in make test):
+        pytest.param("0000000000.weights.pth", _pickle_bytes, marks=pytest.mark.slow),  # torch.load would run this
+        pytest.param("0000000000.input_ids.npy", _object_npy, marks=pytest.mark.slow),  # np.load(allow_pickle=True)
+    ],
+)
 def test_planted_pickle_members_are_refused_and_never_run(dataset, tmp_path, member, forge):
     marker = tmp_path / "unpickled"
     evil = forge(marker)
@@ -106,6 +111,7 @@ def test_truncated_shard_is_caught_at_start_up(dataset, tmp_path):
 @pytest.mark.slow  # ~20 s: a trainer process (the start-up refusals stay in make test)
 def test_corrupted_shard_at_training_time_names_the_shard(dataset, tmp_path):
     """Same size, garbage inside (a bit-rotted copy): found when the tar is read, with the shard in the error."""
+
     def corrupt(members):
         return [(n, b"\x00garbage" * (len(d) // 8 + 1) if n.endswith("input_ids.npy") else d) for n, d in members]
 
@@ -126,14 +132,21 @@ def _hostile(kind):
         key = _first_image_sample(members)
         meta = json.loads(dict(members)[f"{key}.json"])
         if kind == "png":  # a PNG header claiming 40000x40000 in place of the stored image (its meta updated)
-            meta["images"] = [{**im, "member": "img000.png"} if im["member"] == "img000.npy.zst" else im
-                              for im in meta["images"]]
-            new = {f"{key}.img000.npy.zst": (f"{key}.img000.png", png_claiming(40000, 40000)),
-                   f"{key}.json": (f"{key}.json", json.dumps(meta).encode())}
+            meta["images"] = [
+                {**im, "member": "img000.png"} if im["member"] == "img000.npy.zst" else im for im in meta["images"]
+            ]
+            new = {
+                f"{key}.img000.npy.zst": (f"{key}.img000.png", png_claiming(40000, 40000)),
+                f"{key}.json": (f"{key}.json", json.dumps(meta).encode()),
+            }
         else:
-            new = {f"{key}.json": (f"{key}.json", deep_json(200_000))} if kind == "deep_json" else \
-                {f"{key}.loss_mask.npy": (f"{key}.loss_mask.npy", npy_claiming((10**12,), "|u1"))}
+            new = (
+                {f"{key}.json": (f"{key}.json", deep_json(200_000))}
+                if kind == "deep_json"
+                else {f"{key}.loss_mask.npy": (f"{key}.loss_mask.npy", npy_claiming((10**12,), "|u1"))}
+            )
         return [new.get(n, (n, d)) for n, d in members]
+
     return edit
 
 
@@ -144,17 +157,27 @@ def _address_space(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
 
 
-@pytest.mark.parametrize("kind", [
-    "deep_json",  # json.loads recursed: a RecursionError traceback
-    pytest.param("npy_shape", marks=pytest.mark.slow),  # np.load allocated a terabyte: MemoryError
-    pytest.param("png", marks=pytest.mark.slow),  # PIL's DecompressionBombError, or 4.8 GB decoded
-])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "deep_json",  # json.loads recursed: a RecursionError traceback
+        pytest.param("npy_shape", marks=pytest.mark.slow),  # np.load allocated a terabyte: MemoryError
+        pytest.param("png", marks=pytest.mark.slow),  # PIL's DecompressionBombError, or 4.8 GB decoded
+    ],
+)
 def test_a_member_that_claims_more_than_it_holds_is_one_line_from_the_trainer(dataset, tmp_path, kind):
     """The trainer CLI (2 DataLoader workers), its address space capped at 6 GiB (torch maps about 3.3 GiB), names
     the shard in one line."""
     data = _rewrite_shard(dataset, tmp_path / "d", _hostile(kind))
     args = ["--data", data, "--out", tmp_path / "run", "--max-steps", 2, "--micro-batch-size", 2, "--num-workers", 2]
-    proc = subprocess.run(trainer_cmd(args, 1), cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=300, preexec_fn=_address_space(6 << 30))
+    proc = subprocess.run(
+        trainer_cmd(args, 1),
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_address_space(6 << 30),
+    )
     err = _one_line_error(proc)
     assert "shard-000000.tar" in err, err

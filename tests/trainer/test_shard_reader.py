@@ -49,8 +49,10 @@ def test_missing_dir_is_a_clear_error(tmp_path):
 
 
 def test_token_balanced_plan():
-    shards = tuple(ShardRef(f"s{i}", f"s{i}", n, t) for i, (n, t) in enumerate(
-        [(4, 100), (4, 90), (2, 30), (1, 20), (3, 10), (1, 10)]))
+    shards = tuple(
+        ShardRef(f"s{i}", f"s{i}", n, t)
+        for i, (n, t) in enumerate([(4, 100), (4, 90), (2, 30), (1, 20), (3, 10), (1, 10)])
+    )
     plan = plan_shards(shards, 2)
     assert plan.per_rank == ((0, 3, 4), (1, 2, 5))  # 100+20+10 vs 90+30+10 tokens
     assert plan.rank_tokens == (130, 130) and plan.rank_samples == (8, 7) and plan.imbalance == 1.0

@@ -10,8 +10,9 @@ from trainer.config import ConfigError, TrainConfig
 def test_toml_then_cli_overrides(tmp_path):
     p = tmp_path / "run.toml"
     p.write_text('data = "shards"\ntiny_random = "qwen2-vl"\nlr = 1\nmicro_batch_size = 4\nshuffle_shards = false\n')
-    cfg = parse_args(["--config", str(p), "--micro-batch-size", "2", "--max-steps", "7", "--pack-to", "8192",
-                      "--pack-window", "32"])
+    cfg = parse_args(
+        ["--config", str(p), "--micro-batch-size", "2", "--max-steps", "7", "--pack-to", "8192", "--pack-window", "32"]
+    )
     assert (cfg.data, cfg.lr, cfg.micro_batch_size, cfg.max_steps, cfg.shuffle_shards) == ("shards", 1.0, 2, 7, False)
     assert (cfg.pack_to, cfg.pack_window) == (8192, 32)
     assert isinstance(cfg.lr, float)
@@ -46,18 +47,24 @@ def test_unknown_cli_flag_is_one_line_naming_the_close_match(capsys):
     assert capsys.readouterr().err == "trainer: error: unknown option --max-step: did you mean --max-steps?\n"
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(), "exactly one of --model"),
-    (dict(tiny_random="llama"), "tiny_random='llama'"),
-    (dict(tiny_random="qwen2-vl", micro_batch_size=0), "micro_batch_size=0"),
-    (dict(tiny_random="qwen2-vl", precision="fp16"), "precision='fp16'"),
-    (dict(tiny_random="qwen2-vl", max_steps=-1), "max_steps=-1"),
-    (dict(tiny_random="qwen2-vl", pack_to=-5), "pack_to=-5"),
-    (dict(tiny_random="qwen2-vl", pack_to=4096, pack_window=0), "pack_window=0"),
-    (dict(tiny_random="qwen2-vl", pack_to=4096, max_tokens_per_batch=8192), "pick one"),
-    (dict(tiny_random="qwen2-vl", max_tokens_per_batch=10**20), "max_tokens_per_batch=10{20}: more tokens than any"),
-    (dict(tiny_random="qwen2-vl", pack_to=1 << 41), "pack_to=2199023255552: more tokens than any batch"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(), "exactly one of --model"),
+        (dict(tiny_random="llama"), "tiny_random='llama'"),
+        (dict(tiny_random="qwen2-vl", micro_batch_size=0), "micro_batch_size=0"),
+        (dict(tiny_random="qwen2-vl", precision="fp16"), "precision='fp16'"),
+        (dict(tiny_random="qwen2-vl", max_steps=-1), "max_steps=-1"),
+        (dict(tiny_random="qwen2-vl", pack_to=-5), "pack_to=-5"),
+        (dict(tiny_random="qwen2-vl", pack_to=4096, pack_window=0), "pack_window=0"),
+        (dict(tiny_random="qwen2-vl", pack_to=4096, max_tokens_per_batch=8192), "pick one"),
+        (
+            dict(tiny_random="qwen2-vl", max_tokens_per_batch=10**20),
+            "max_tokens_per_batch=10{20}: more tokens than any",
+        ),
+        (dict(tiny_random="qwen2-vl", pack_to=1 << 41), "pack_to=2199023255552: more tokens than any batch"),
+    ],
+)
 def test_validation_names_the_bad_value(kw, msg):
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
         TrainConfig(data="x", **kw)
@@ -121,24 +128,36 @@ def test_tensorboard_default_follows_the_installed_package():
     from tests.trainer.conftest import ROOT, trainer_env
 
     hide = "import sys; sys.modules['tensorboard'] = None; "
-    probe = hide + ("from trainer.config import TrainConfig; "
-                    "print(TrainConfig(data='x', tiny_random='qwen2-vl').tensorboard)")
+    probe = hide + (
+        "from trainer.config import TrainConfig; print(TrainConfig(data='x', tiny_random='qwen2-vl').tensorboard)"
+    )
     r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=trainer_env(), capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
-    ask = hide + ("from trainer.train import main; "
-                  "sys.exit(main(['--data', 'x', '--tiny-random', 'qwen2-vl', '--tensorboard']))")
+    ask = hide + (
+        "from trainer.train import main; sys.exit(main(['--data', 'x', '--tiny-random', 'qwen2-vl', '--tensorboard']))"
+    )
     r = subprocess.run([sys.executable, "-c", ask], cwd=ROOT, env=trainer_env(), capture_output=True, text=True)
     assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().splitlines() == ["trainer: error: tensorboard=true but the tensorboard package is not "
-                                             "installed: pip install 'vlmprep[tb]', or pass --no-tensorboard"]
+    assert r.stderr.strip().splitlines() == [
+        "trainer: error: tensorboard=true but the tensorboard package is not "
+        "installed: pip install 'vlmprep[tb]', or pass --no-tensorboard"
+    ]
     assert TrainConfig(data="x", tiny_random="qwen2-vl").tensorboard  # installed here (the dev extra)
 
 
-@pytest.mark.parametrize("weight, msg", [
-    (0.0, "weight=0.0 must be a finite number > 0"), (-1.0, "weight=-1.0"), (float("nan"), "weight=nan"),
-    (float("inf"), "weight=inf"), (1e-310, "weight=1e-310 must be a finite number > 0 (not below 2.23e-308)"),
-    (5e-324, "weight=5e-324"), ("0.5", "weight='0.5'"), (True, "weight=True"),
-])
+@pytest.mark.parametrize(
+    "weight, msg",
+    [
+        (0.0, "weight=0.0 must be a finite number > 0"),
+        (-1.0, "weight=-1.0"),
+        (float("nan"), "weight=nan"),
+        (float("inf"), "weight=inf"),
+        (1e-310, "weight=1e-310 must be a finite number > 0 (not below 2.23e-308)"),
+        (5e-324, "weight=5e-324"),
+        ("0.5", "weight='0.5'"),
+        (True, "weight=True"),
+    ],
+)
 def test_a_mixture_weight_must_be_a_finite_normal_positive_number(weight, msg):
     """A subnormal weight (1e-310) is refused like 0 and nan: the order's token / weight clocks would overflow."""
     with pytest.raises(ConfigError, match=re.escape(msg)):
@@ -157,20 +176,25 @@ def test_mixture_weights_on_scales_apart_are_refused():
     assert cfg.sources[0].weight == 1e-9  # valid here; trainer/data/steps.check_epoch_size judges the epoch it makes
 
 
-@pytest.mark.parametrize("data, msg", [
-    (("name=,path=a", "name=b,path=b"), "data entry path=a: its name is empty"),
-    (("name= ,path=a", "name=b,path=b"), "data entry path=a: its name is empty"),
-    (("name=,path=a",), "data entry path=a: its name is empty"),
-    (({"name": "", "path": "a"}, {"name": "b", "path": "b"}), "data entry path=a: its name is empty"),
-    (("name=a,path=a", "path=b"), "data entry path=b has no name: several datasets need a name each"),
-    (({"path": "a"}, {"name": "b", "path": "b"}), "data entry path=a has no name"),
-    (("name=a,path=a", "name=a,path=b"), "dataset name 'a' is given 2 times: several datasets need distinct names"),
-    (("name=a b,path=a", "name=b,path=b"), "dataset name 'a b': letters, digits"),
-])
+@pytest.mark.parametrize(
+    "data, msg",
+    [
+        (("name=,path=a", "name=b,path=b"), "data entry path=a: its name is empty"),
+        (("name= ,path=a", "name=b,path=b"), "data entry path=a: its name is empty"),
+        (("name=,path=a",), "data entry path=a: its name is empty"),
+        (({"name": "", "path": "a"}, {"name": "b", "path": "b"}), "data entry path=a: its name is empty"),
+        (("name=a,path=a", "path=b"), "data entry path=b has no name: several datasets need a name each"),
+        (({"path": "a"}, {"name": "b", "path": "b"}), "data entry path=a has no name"),
+        (("name=a,path=a", "name=a,path=b"), "dataset name 'a' is given 2 times: several datasets need distinct names"),
+        (("name=a b,path=a", "name=b,path=b"), "dataset name 'a b': letters, digits"),
+    ],
+)
 def test_dataset_names_that_are_empty_missing_or_repeated_get_their_own_reason(data, msg):
     with pytest.raises(ConfigError, match=re.escape(msg)):
         TrainConfig(data=data, tiny_random="qwen2-vl")
     if len(data) > 1:
         # The same for eval sets (a missing name is found by the config, which names the option).
-        with pytest.raises(ConfigError, match=re.escape(re.sub(r"^data entry (\S+) has", r"eval_data entry \1 has", msg))):
+        with pytest.raises(
+            ConfigError, match=re.escape(re.sub(r"^data entry (\S+) has", r"eval_data entry \1 has", msg))
+        ):
             TrainConfig(data="d", eval_data=data, tiny_random="qwen2-vl")

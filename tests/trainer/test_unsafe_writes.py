@@ -1,6 +1,7 @@
 """Where the trainer and the build write (run dir, rank cache dirs, shared index dir, build output), nothing planted
 there is written through, a lock another process holds is waited for with a limit that names it, and a full disk is
 one line the readers see (docs/untrusted-datasets.md, "Where vlmprep writes")."""
+
 import errno
 import json
 import os
@@ -80,8 +81,14 @@ def test_the_trainer_reports_a_planted_link_in_its_run_dir_in_one_line(dataset, 
     out = tmp_path / "run"
     out.mkdir()
     (out / "train.log").symlink_to(victim)
-    r = subprocess.run(trainer_cmd(["--data", dataset, "--out", out, "--max-steps", 1], 1), cwd=ROOT,
-                       env=trainer_env(), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        trainer_cmd(["--data", dataset, "--out", out, "--max-steps", 1], 1),
+        cwd=ROOT,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 1, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("trainer: error")]
     assert len(lines) == 1 and "train.log is a symlink or special file" in lines[0], r.stderr
@@ -106,8 +113,12 @@ def test_a_lock_held_by_another_process_is_waited_for_then_refused_naming_it(tmp
 
     lock = tmp_path / "indexes" / "x.npy.lock"
     lock.parent.mkdir()
-    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock)], stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(lock)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert p.stdout.readline().strip() == "held"
         said = []
@@ -151,8 +162,9 @@ def test_two_runs_on_one_shard_cache_dir_are_refused(dataset, tmp_path):
     from trainer.data.pipeline import rank_sources
 
     ds = resolve_data(str(dataset))
-    sources = rank_sources((DataSpec(path=str(dataset)),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1,
-                           cache=tmp_path / "c")[0]
+    sources = rank_sources(
+        (DataSpec(path=str(dataset)),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=tmp_path / "c"
+    )[0]
     order = schedule(sources, seed=1, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1)
     first, second = ShardCache(sources, tmp_path / "c"), ShardCache(sources, tmp_path / "c")
     first.begin(order, 0, 0)
@@ -182,8 +194,9 @@ def test_a_full_disk_fails_the_fetch_in_one_line_that_the_readers_see(dataset, i
         if p.is_file() and "tasks" not in p.parts:
             fs.pipe(f"memory://full/{p.relative_to(dataset)}", p.read_bytes())
     ds = resolve_data("memory://full")
-    sources = rank_sources((DataSpec(path="memory://full"),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1,
-                           cache=tmp_path / "c")[0]
+    sources = rank_sources(
+        (DataSpec(path="memory://full"),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=tmp_path / "c"
+    )[0]
     real = storage.open_no_follow
 
     class Full:
@@ -225,8 +238,20 @@ def test_a_build_never_writes_through_a_link_planted_in_its_output(tmp_path, vic
     out = tmp_path / "ds"
     out.mkdir()
     (out / ".vlmprep.lock").symlink_to(victim)
-    args = ["build", "--in", str(traces), "--out", str(out), "--processor", "builtin:qwen2-vl", "--seq-len", "2048",
-            "--tool-calls", "train-content", "--no-progress"]
+    args = [
+        "build",
+        "--in",
+        str(traces),
+        "--out",
+        str(out),
+        "--processor",
+        "builtin:qwen2-vl",
+        "--seq-len",
+        "2048",
+        "--tool-calls",
+        "train-content",
+        "--no-progress",
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code != 0 and ".vlmprep.lock is a symlink or special file" in r.output, r.output
     (out / ".vlmprep.lock").unlink()

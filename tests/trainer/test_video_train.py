@@ -2,6 +2,7 @@
 rows with video segments isolate each sample, the CLI trains a mixed video/image/text dataset (with and
 without --pack-to; its step-1 loss equals online processing for Qwen2.5-VL and Qwen3-VL-MoE checkpoints), and a video
 eval set's loss equals a single-process computation (one rank and two)."""
+
 from __future__ import annotations
 
 import functools
@@ -32,13 +33,30 @@ def _records() -> list[dict]:
     user = lambda *parts: {"role": "user", "content": list(parts)}  # noqa: E731
     video = lambda k: {"type": "video", "video": f"c{k}.mp4"}  # noqa: E731
     image = {"type": "image_url", "image_url": {"url": "s.png"}}
-    return [{"id": "v", "messages": [user(video(0), {"type": "text", "text": "what moves"}),
-                                     {"role": "assistant", "content": "a square"}]},
-            {"id": "i", "messages": [user(image, {"type": "text", "text": "what is it"}),
-                                     {"role": "assistant", "content": "a picture"}]},
-            {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-            {"id": "vi", "messages": [user(video(1), image, {"type": "text", "text": "both"}),
-                                      {"role": "assistant", "content": "a clip and a picture"}]}]
+    return [
+        {
+            "id": "v",
+            "messages": [
+                user(video(0), {"type": "text", "text": "what moves"}),
+                {"role": "assistant", "content": "a square"},
+            ],
+        },
+        {
+            "id": "i",
+            "messages": [
+                user(image, {"type": "text", "text": "what is it"}),
+                {"role": "assistant", "content": "a picture"},
+            ],
+        },
+        {"id": "t", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {
+            "id": "vi",
+            "messages": [
+                user(video(1), image, {"type": "text", "text": "both"}),
+                {"role": "assistant", "content": "a clip and a picture"},
+            ],
+        },
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +69,16 @@ def video_data(tmp_path_factory):
         (d / f"c{k}.mp4").write_bytes(encode(frames(n, w, h, seed=k), fps))
     Image.fromarray(frames(1, 60, 40, seed=7)[0]).save(d / "s.png")
     (d / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
-    build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / "out"), processor="builtin:qwen2-vl", seq_len=4096,
-                      progress=False, overwrite=True))
+    build(
+        BuildConfig(
+            inputs=(str(d / "r.jsonl"),),
+            out=str(d / "out"),
+            processor="builtin:qwen2-vl",
+            seq_len=4096,
+            progress=False,
+            overwrite=True,
+        )
+    )
     return d
 
 
@@ -73,8 +99,11 @@ def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
     from vlmprep.types import Source
 
     processor = load_processor(str(d / out / "processor"))
-    r = Renderer(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / out), processor=f"builtin:{family}"),
-                 processor, saved=True)
+    r = Renderer(
+        BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(d / out), processor=f"builtin:{family}"),
+        processor,
+        saved=True,
+    )
     conv = normalize_record(record, Source(str(d / "r.jsonl"), 1), r.norm)
     decoded, msgs = [], []
     for m in r.ctx.messages(conv):
@@ -94,14 +123,27 @@ def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
     meta = [VideoMetadata(total_num_frames=len(f), fps=fps) for f, fps in decoded]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt",
-                                            do_sample_frames=True, fps=2.0, video_metadata=meta or None)
+        out = processor.apply_chat_template(
+            msgs,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            do_sample_frames=True,
+            fps=2.0,
+            video_metadata=meta or None,
+        )
     return out, processor
 
 
 def _spec(net) -> CollateSpec:
-    return CollateSpec(pad_id=0, image_token_id=int(net.config.image_token_id), patch_size=14, merge_size=2,
-                       video_token_id=int(net.config.video_token_id), videos=True)
+    return CollateSpec(
+        pad_id=0,
+        image_token_id=int(net.config.image_token_id),
+        patch_size=14,
+        merge_size=2,
+        video_token_id=int(net.config.video_token_id),
+        videos=True,
+    )
 
 
 @pytest.mark.parametrize("sample_id", ["v", pytest.param("vi", marks=pytest.mark.slow)])  # make-test budget
@@ -130,16 +172,26 @@ def test_video_sample_batch_and_loss_equal_online_processing(video_data, video_s
     if sample_id == "vi":
         assert torch.equal(batch.image_grid_thw, on["image_grid_thw"]) and torch.equal(pixels, on["pixel_values"])
     # The stored MRoPE positions are the model's own get_rope_index with the video.
-    rope, _ = net.model.get_rope_index(on["input_ids"], mm_token_type_ids=on["mm_token_type_ids"],
-                                       image_grid_thw=on.get("image_grid_thw"), video_grid_thw=on["video_grid_thw"],
-                                       attention_mask=on["attention_mask"])
+    rope, _ = net.model.get_rope_index(
+        on["input_ids"],
+        mm_token_type_ids=on["mm_token_type_ids"],
+        image_grid_thw=on.get("image_grid_thw"),
+        video_grid_thw=on["video_grid_thw"],
+        attention_mask=on["attention_mask"],
+    )
     assert torch.equal(batch.position_ids[..., :n], rope)
     with torch.no_grad():
         ours = forward_loss(net, batch, pixels, pixel_values_videos=videos) / batch.num_trained
-        logits = net(input_ids=on["input_ids"], attention_mask=on["attention_mask"],
-                     mm_token_type_ids=on["mm_token_type_ids"], pixel_values=on.get("pixel_values"),
-                     image_grid_thw=on.get("image_grid_thw"), pixel_values_videos=on["pixel_values_videos"],
-                     video_grid_thw=on["video_grid_thw"], use_cache=False).logits
+        logits = net(
+            input_ids=on["input_ids"],
+            attention_mask=on["attention_mask"],
+            mm_token_type_ids=on["mm_token_type_ids"],
+            pixel_values=on.get("pixel_values"),
+            image_grid_thw=on.get("image_grid_thw"),
+            pixel_values_videos=on["pixel_values_videos"],
+            video_grid_thw=on["video_grid_thw"],
+            use_cache=False,
+        ).logits
         ref = F.cross_entropy(logits[0, :-1].float(), on_labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
         ref = ref / (on_labels[0, 1:] != IGNORE_INDEX).sum()
     assert abs(float(ours) - float(ref)) / abs(float(ref)) <= 1e-6, (float(ours), float(ref))
@@ -147,11 +199,21 @@ def test_video_sample_batch_and_loss_equal_online_processing(video_data, video_s
 
 def _logits(net, batch, patchify):
     with torch.no_grad():
-        return net(input_ids=batch.input_ids, attention_mask=None if batch.packed else batch.attention_mask,
-                   position_ids=batch.position_ids, mm_token_type_ids=batch.mm_token_type_ids,
-                   pixel_values=patchify(batch.images, batch.image_index), image_grid_thw=batch.image_grid_thw,
-                   pixel_values_videos=patchify.videos(batch.videos), video_grid_thw=batch.video_grid_thw,
-                   use_cache=False).logits[0].float()
+        return (
+            net(
+                input_ids=batch.input_ids,
+                attention_mask=None if batch.packed else batch.attention_mask,
+                position_ids=batch.position_ids,
+                mm_token_type_ids=batch.mm_token_type_ids,
+                pixel_values=patchify(batch.images, batch.image_index),
+                image_grid_thw=batch.image_grid_thw,
+                pixel_values_videos=patchify.videos(batch.videos),
+                video_grid_thw=batch.video_grid_thw,
+                use_cache=False,
+            )
+            .logits[0]
+            .float()
+        )
 
 
 @pytest.mark.slow  # make-test budget (~13 s); the placeholder and parity cases stay
@@ -165,9 +227,9 @@ def test_packed_row_with_video_image_and_text_gives_each_sample_its_own_logits(v
     packed = collate_packed([row], spec)
     assert packed.video_grid_thw.tolist() == [s.video_grid_thw.tolist()[0] for s in row if s.videos]
     broken = collate_packed([row], spec, isolate=False)
-    alone = torch.cat([_logits(net, collate([s], spec), patchify)[:s.num_tokens] for s in row])
+    alone = torch.cat([_logits(net, collate([s], spec), patchify)[: s.num_tokens] for s in row])
     for batch, ok in ((packed, True), (broken, False)):
-        diff = (_logits(net, batch, patchify)[:len(alone)] - alone).abs().amax(dim=1)
+        diff = (_logits(net, batch, patchify)[: len(alone)] - alone).abs().amax(dim=1)
         worst = [float(d.max()) for d in diff.split([s.num_tokens for s in row])]
         # Broken: the first sample sees nothing before it either way; every later one attends to its predecessors.
         assert (max(worst) <= 1e-5) if ok else min(worst[1:]) > 1e-3, (ok, worst)
@@ -186,15 +248,16 @@ def test_placeholder_video_runs_the_video_pass_and_touches_no_real_token(video_d
     t, i = samples["t"], samples["i"]
     b = collate([t, i], spec)
     n = t.num_tokens if t.num_tokens >= i.num_tokens else i.num_tokens
-    row0 = b.input_ids[0, t.num_tokens:t.num_tokens + 1].tolist()
+    row0 = b.input_ids[0, t.num_tokens : t.num_tokens + 1].tolist()
     assert row0 == [int(net.config.video_token_id)] and b.mm_token_type_ids[0, t.num_tokens] == 2
     assert b.input_ids.shape[1] == max(n, t.num_tokens + 1) and len(b.videos) == 1 and len(b.images) == 1
-    assert b.video_grid_thw.tolist() == [[1, 2, 2]] and (b.labels[0, t.num_tokens:] == IGNORE_INDEX).all()
+    assert b.video_grid_thw.tolist() == [[1, 2, 2]] and (b.labels[0, t.num_tokens :] == IGNORE_INDEX).all()
     text = collate([t], spec)  # neither: the placeholder image, then the placeholder video
     assert text.input_ids[0, -2:].tolist() == [int(net.config.image_token_id), int(net.config.video_token_id)]
     assert text.mm_token_type_ids[0, -2:].tolist() == [1, 2]
-    assert torch.equal(_logits(net, text, patchify)[:t.num_tokens],
-                       _logits(net, collate([t], plain), patchify)[:t.num_tokens])
+    assert torch.equal(
+        _logits(net, text, patchify)[: t.num_tokens], _logits(net, collate([t], plain), patchify)[: t.num_tokens]
+    )
     packed = collate_packed([[t, i]], spec)
     assert packed.input_ids[0, -1] == int(net.config.video_token_id) and packed.loss_mask[0, -1] == 0
     assert collate([samples["v"]], spec).input_ids.shape[1] == samples["v"].num_tokens + 1  # its own video: no extra
@@ -245,8 +308,14 @@ def test_worker_frames_equal_in_process_decode(video_data, video_spec):
 
     def pixels(workers):
         loader = sample_loader(RankStream(shards, start=0, spec=video_spec), num_workers=workers, prefetch_factor=2)
-        return [(s.id, [[bytes(memoryview(np.ascontiguousarray(f))) for f in v] for v in s.videos],
-                 [bytes(memoryview(np.ascontiguousarray(im))) for im in s.images]) for s in loader]
+        return [
+            (
+                s.id,
+                [[bytes(memoryview(np.ascontiguousarray(f))) for f in v] for v in s.videos],
+                [bytes(memoryview(np.ascontiguousarray(im))) for im in s.images],
+            )
+            for s in loader
+        ]
 
     ref = pixels(0)
     assert sum(len(v) for _, v, _ in ref) == 2
@@ -259,15 +328,34 @@ def test_cli_trains_a_video_image_text_dataset(video_data, tmp_path, nproc, pack
     """Two optimizer steps of `python -m trainer` on videos, images and text, padded and packed, one rank and two
     (FSDP2 on gloo: a rank whose micro-batch has no video runs the placeholder video, or the ranks would hang)."""
     out = tmp_path / "run"
-    args = ["--data", video_data / "out", "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
-            "--no-shuffle"] + (["--pack-to", 4096] if pack else [])
+    args = [
+        "--data",
+        video_data / "out",
+        "--out",
+        out,
+        "--device",
+        "cpu",
+        "--num-workers",
+        1,
+        "--max-steps",
+        2,
+        "--no-shuffle",
+    ] + (["--pack-to", 4096] if pack else [])
     if nproc == 1 and not pack:  # an image-only held-out set beside video training: eval runs no video pass
         from vlmprep.builder.pipeline import build
         from vlmprep.config import BuildConfig
 
         (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
-        build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(tmp_path / "held"),
-                          processor="builtin:qwen2-vl", seq_len=4096, progress=False, overwrite=True))
+        build(
+            BuildConfig(
+                inputs=(str(video_data / "h.jsonl"),),
+                out=str(tmp_path / "held"),
+                processor="builtin:qwen2-vl",
+                seq_len=4096,
+                progress=False,
+                overwrite=True,
+            )
+        )
         args += ["--eval-data", tmp_path / "held"]
     run_trainer(args, nproc=nproc, timeout=300)
     metrics = [m for m in read_metrics(out) if "sample_ids" in m]  # train steps; the eval line has none
@@ -332,18 +420,33 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
     family = family.removesuffix("-moe")  # Qwen3-VL-MoE reads Qwen3-VL's processor
     out = f"out-{family}"
     if not (video_data / out / "manifest.json").exists():
-        build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
-                          processor=f"builtin:{family}", seq_len=8192, progress=False, overwrite=True))
+        build(
+            BuildConfig(
+                inputs=(str(video_data / "r.jsonl"),),
+                out=str(video_data / out),
+                processor=f"builtin:{family}",
+                seq_len=8192,
+                progress=False,
+                overwrite=True,
+            )
+        )
     location = str(video_data / out / "processor")
     vspec = ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
     samples = {s.id: s for s in read_all_samples(video_data / out, vspec)}
     kw = _tiny_kwargs(model_type)
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                               vision_end_token_id=151653, **kw)
+    cfg = AutoConfig.for_model(
+        model_type,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        **kw,
+    )
     net = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
-    spec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=vspec.patch_size, merge_size=2,
-                       video_token_id=151656, videos=True)
+    spec = CollateSpec(
+        pad_id=0, image_token_id=151655, patch_size=vspec.patch_size, merge_size=2, video_token_id=151656, videos=True
+    )
     patchify = Patchifier(vspec, "cpu")
     batch = collate([samples["vi"]], spec).to("cpu")
     on, processor = _online(video_data, _records()[3], out, family)
@@ -358,17 +461,24 @@ def test_other_families_video_loss_and_packed_logits(video_data, family):
     with torch.no_grad():
         ours = forward_loss(net, batch, patchify(batch.images, batch.image_index), pixel_values_videos=videos)
         ours = ours / batch.num_trained
-        logits = net(input_ids=on["input_ids"], attention_mask=on["attention_mask"],
-                     mm_token_type_ids=on["mm_token_type_ids"], pixel_values=on["pixel_values"],
-                     image_grid_thw=on["image_grid_thw"], pixel_values_videos=on["pixel_values_videos"],
-                     video_grid_thw=on["video_grid_thw"], use_cache=False, **extra).logits
+        logits = net(
+            input_ids=on["input_ids"],
+            attention_mask=on["attention_mask"],
+            mm_token_type_ids=on["mm_token_type_ids"],
+            pixel_values=on["pixel_values"],
+            image_grid_thw=on["image_grid_thw"],
+            pixel_values_videos=on["pixel_values_videos"],
+            video_grid_thw=on["video_grid_thw"],
+            use_cache=False,
+            **extra,
+        ).logits
         ref = F.cross_entropy(logits[0, :-1].float(), on_labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
         ref = ref / (on_labels[0, 1:] != IGNORE_INDEX).sum()
     assert abs(float(ours) - float(ref)) / abs(float(ref)) <= 1e-6, (float(ours), float(ref))
     row = [samples[k] for k in ("v", "i", "t", "vi")]
     packed = _logits(net, collate_packed([row], spec), patchify)
-    alone = torch.cat([_logits(net, collate([s], spec), patchify)[:s.num_tokens] for s in row])
-    assert float((packed[:len(alone)] - alone).abs().max()) <= 1e-5
+    alone = torch.cat([_logits(net, collate([s], spec), patchify)[: s.num_tokens] for s in row])
+    assert float((packed[: len(alone)] - alone).abs().max()) <= 1e-5
 
 
 @pytest.mark.slow
@@ -386,18 +496,52 @@ def test_cli_trains_video_with_a_qwen3_vl_checkpoint_on_two_ranks(video_data, tm
 
     out = "out-qwen3-vl"
     if not (video_data / out / "manifest.json").exists():
-        build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
-                          processor="builtin:qwen3-vl", seq_len=8192, progress=False, overwrite=True))
-    cfg = AutoConfig.for_model("qwen3_vl", image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                               vision_end_token_id=151653, **FAMILIES["qwen3_vl"][1])
+        build(
+            BuildConfig(
+                inputs=(str(video_data / "r.jsonl"),),
+                out=str(video_data / out),
+                processor="builtin:qwen3-vl",
+                seq_len=8192,
+                progress=False,
+                overwrite=True,
+            )
+        )
+    cfg = AutoConfig.for_model(
+        "qwen3_vl",
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        **FAMILIES["qwen3_vl"][1],
+    )
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
     for pack in ([], ["--pack-to", 8192]):
         run = tmp_path / f"run{len(pack)}"
-        cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "trainer", "--model", tmp_path / "ckpt",
-               "--no-progress", "--data", video_data / out, "--out", run, "--device", "cpu", "--num-workers", 1,
-               "--max-steps", 2, "--no-shuffle", *pack]
-        proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                              timeout=300)
+        cmd = [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer",
+            "--model",
+            tmp_path / "ckpt",
+            "--no-progress",
+            "--data",
+            video_data / out,
+            "--out",
+            run,
+            "--device",
+            "cpu",
+            "--num-workers",
+            1,
+            "--max-steps",
+            2,
+            "--no-shuffle",
+            *pack,
+        ]
+        proc = subprocess.run(
+            [str(c) for c in cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         metrics = read_metrics(run)
         assert metrics and all(np.isfinite(m["loss"]) for m in metrics)
@@ -410,8 +554,16 @@ def held(video_data):
     from vlmprep.config import BuildConfig
 
     (video_data / "h.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["id"] in ("i", "t")))
-    build(BuildConfig(inputs=(str(video_data / "h.jsonl"),), out=str(video_data / "held"),
-                      processor="builtin:qwen2-vl", seq_len=4096, progress=False, overwrite=True))
+    build(
+        BuildConfig(
+            inputs=(str(video_data / "h.jsonl"),),
+            out=str(video_data / "held"),
+            processor="builtin:qwen2-vl",
+            seq_len=4096,
+            progress=False,
+            overwrite=True,
+        )
+    )
     return video_data / "held"
 
 
@@ -422,13 +574,30 @@ def _reference_eval(net, dataset, vspec) -> tuple[float, int, int]:
     total, tokens, n = torch.zeros((), dtype=torch.float64), 0, 0
     with torch.no_grad():
         for s in read_all_samples(dataset, vspec):
-            b = collate([s], CollateSpec(pad_id=0, image_token_id=151655, patch_size=14, merge_size=2,
-                                         video_token_id=151656, videos=bool(s.videos)))
-            video = dict(pixel_values_videos=patchify.videos(b.videos), video_grid_thw=b.video_grid_thw) \
-                if s.videos else {}
-            out = net(input_ids=b.input_ids.long(), attention_mask=b.attention_mask, position_ids=b.position_ids.long(),
-                      mm_token_type_ids=b.mm_token_type_ids.long(), pixel_values=patchify(b.images, b.image_index),
-                      image_grid_thw=b.image_grid_thw, use_cache=False, **video)
+            b = collate(
+                [s],
+                CollateSpec(
+                    pad_id=0,
+                    image_token_id=151655,
+                    patch_size=14,
+                    merge_size=2,
+                    video_token_id=151656,
+                    videos=bool(s.videos),
+                ),
+            )
+            video = (
+                dict(pixel_values_videos=patchify.videos(b.videos), video_grid_thw=b.video_grid_thw) if s.videos else {}
+            )
+            out = net(
+                input_ids=b.input_ids.long(),
+                attention_mask=b.attention_mask,
+                position_ids=b.position_ids.long(),
+                mm_token_type_ids=b.mm_token_type_ids.long(),
+                pixel_values=patchify(b.images, b.image_index),
+                image_grid_thw=b.image_grid_thw,
+                use_cache=False,
+                **video,
+            )
             labels = b.labels[0, 1:]
             trained = labels != IGNORE_INDEX
             total += F.cross_entropy(out.logits[0, :-1].float()[trained], labels[trained], reduction="sum").double()
@@ -454,16 +623,28 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
     from trainer.options import Batching, DataOptions
 
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
-    cfg = TrainConfig(data=str(held), tiny_random="qwen2-vl", num_workers=0, grad_accum=2,
-                      eval_data=(f"name=vid,path={video_data / 'out'}", f"name=img,path={held}"))
+    cfg = TrainConfig(
+        data=str(held),
+        tiny_random="qwen2-vl",
+        num_workers=0,
+        grad_accum=2,
+        eval_data=(f"name=vid,path={video_data / 'out'}", f"name=img,path={held}"),
+    )
     train_spec = dataclasses.replace(_spec(net), videos=False)
     train_data = dataclasses.replace(resolve_data(str(held)), processor=None)  # skip the (slow) processor check
     plan = ReadPlan(0, False, False, held / "no-cache", 0, 0, ShardCheck(None, enabled=False))
 
     def eval_sets(spec, collate_spec):  # the run's, over training data whose processor is `spec`
         data = RunData(cfg.sources, [train_data], [], spec, str(held))
-        return eval_loaders(DataOptions.of(cfg), plan, data, batching=Batching.of(cfg), collate_spec=collate_spec,
-                            model_type="qwen2_vl", eval_every=0)
+        return eval_loaders(
+            DataOptions.of(cfg),
+            plan,
+            data,
+            batching=Batching.of(cfg),
+            collate_spec=collate_spec,
+            model_type="qwen2_vl",
+            eval_every=0,
+        )
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -483,8 +664,9 @@ def test_eval_of_a_video_set_equals_a_single_process_computation(video_data, vid
 
 @pytest.mark.slow  # two torchrun runs of 2 steps with an eval after each: ~1 min on 2 shared cores
 @pytest.mark.parametrize("train", ["held", "out"])
-def test_two_ranks_eval_a_video_set_beside_training_with_and_without_videos(video_data, video_spec, held, tmp_path,
-                                                                              train):
+def test_two_ranks_eval_a_video_set_beside_training_with_and_without_videos(
+    video_data, video_spec, held, tmp_path, train
+):
     """2 ranks (FSDP2 on gloo), micro-batches of 1, eval after every step over a video set (one shard: rank 0 reads v
     and t, rank 1 i and vi, so one rank's micro-batch holds a video while the other's does not) and an image-only
     set, training on image-only data (no video pass in training) or on the video data. The run completes (no
@@ -492,9 +674,32 @@ def test_two_ranks_eval_a_video_set_beside_training_with_and_without_videos(vide
     from tests.trainer.test_eval import final_model
 
     out = tmp_path / "run"
-    run_trainer(["--data", video_data / train, "--out", out, "--device", "cpu", "--num-workers", 1, "--max-steps", 2,
-                 "--no-shuffle", "--lr", 1e-3, "--eval-every", 1, "--eval-data", f"name=vid,path={video_data / 'out'}",
-                 "--eval-data", f"name=img,path={held}", "--no-tensorboard"], nproc=2, timeout=400)
+    run_trainer(
+        [
+            "--data",
+            video_data / train,
+            "--out",
+            out,
+            "--device",
+            "cpu",
+            "--num-workers",
+            1,
+            "--max-steps",
+            2,
+            "--no-shuffle",
+            "--lr",
+            1e-3,
+            "--eval-every",
+            1,
+            "--eval-data",
+            f"name=vid,path={video_data / 'out'}",
+            "--eval-data",
+            f"name=img,path={held}",
+            "--no-tensorboard",
+        ],
+        nproc=2,
+        timeout=400,
+    )
     evals = [r for r in read_metrics(out) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [1, 2] and all(r["eval_samples"] == 6 for r in evals)
     net = final_model(out)
@@ -524,24 +729,59 @@ def test_cli_step_one_loss_of_a_checkpoint_equals_online_processing(video_data, 
         from vlmprep.builder.pipeline import build
         from vlmprep.config import BuildConfig
 
-        build(BuildConfig(inputs=(str(video_data / "r.jsonl"),), out=str(video_data / out),
-                          processor=f"builtin:{family}", seq_len=8192, progress=False, overwrite=True))
+        build(
+            BuildConfig(
+                inputs=(str(video_data / "r.jsonl"),),
+                out=str(video_data / out),
+                processor=f"builtin:{family}",
+                seq_len=8192,
+                progress=False,
+                overwrite=True,
+            )
+        )
     kw = _tiny_kwargs(model_type)
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                               vision_end_token_id=151653, **kw)
+    cfg = AutoConfig.for_model(
+        model_type,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        **kw,
+    )
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "ckpt")
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", "--model", tmp_path / "ckpt", "--no-progress", "--data", video_data / out,
-           "--out", run, "--device", "cpu", "--num-workers", 0, "--max-steps", 1, "--no-shuffle", "--grad-accum", 4,
-           "--no-tensorboard"]
-    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True,
-                          timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--model",
+        tmp_path / "ckpt",
+        "--no-progress",
+        "--data",
+        video_data / out,
+        "--out",
+        run,
+        "--device",
+        "cpu",
+        "--num-workers",
+        0,
+        "--max-steps",
+        1,
+        "--no-shuffle",
+        "--grad-accum",
+        4,
+        "--no-tensorboard",
+    ]
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (step,) = read_metrics(run)
     assert sorted(step["sample_ids"]) == ["i", "t", "v", "vi"]
-    net = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt", dtype=torch.float32,
-                                                      attn_implementation="sdpa").eval()
+    net = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "ckpt", dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     total, tokens = 0.0, 0
     for record in _records():
         on, processor = _online(video_data, record, out, family)

@@ -1,5 +1,6 @@
 """Bad-input corpus: 40+ classes of malformed or hostile records, each written by a generator here, built
 in one run between good records. Each gets its documented reason code; every good record lands."""
+
 import base64
 import dataclasses
 import io
@@ -24,8 +25,15 @@ from vlmprep.types import RecordError
 
 def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
     buf = io.BytesIO()
-    color = {"RGB": (10, 120, 200), "RGBA": (10, 120, 200, 90), "CMYK": (10, 20, 30, 40), "P": 3, "L": 90,
-             "I;16": 40000, "LA": (90, 128)}[mode]
+    color = {
+        "RGB": (10, 120, 200),
+        "RGBA": (10, 120, 200, 90),
+        "CMYK": (10, 20, 30, 40),
+        "P": 3,
+        "L": 90,
+        "I;16": 40000,
+        "LA": (90, 128),
+    }[mode]
     Image.new(mode, size, color).save(buf, format=fmt, **kw)
     return buf.getvalue()
 
@@ -57,8 +65,9 @@ def int32_tiff():
 
 def mpo_jpeg():
     buf = io.BytesIO()
-    Image.new("RGB", (64, 40), (10, 120, 200)).save(buf, format="MPO", save_all=True,
-                                                     append_images=[Image.new("RGB", (32, 20))])
+    Image.new("RGB", (64, 40), (10, 120, 200)).save(
+        buf, format="MPO", save_all=True, append_images=[Image.new("RGB", (32, 20))]
+    )
     return buf.getvalue()
 
 
@@ -122,7 +131,10 @@ def with_video(ref, **opts):
 
 
 def chat(user_content, assistant="fine.", **extra):
-    return {"messages": [{"role": "user", "content": user_content}, {"role": "assistant", "content": assistant}], **extra}
+    return {
+        "messages": [{"role": "user", "content": user_content}, {"role": "assistant", "content": assistant}],
+        **extra,
+    }
 
 
 def with_image(ref):
@@ -130,6 +142,7 @@ def with_image(ref):
 
 
 GOOD = uri(img_bytes())
+
 
 # (class name, record or raw line, expected reason or "ok")
 def corpus(tmp):
@@ -165,11 +178,17 @@ def corpus(tmp):
         ("empty_messages", {"messages": []}, "missing_messages"),
         ("messages_not_list", {"messages": "hello"}, "missing_messages"),
         ("message_not_object", {"messages": ["hi", {"role": "assistant", "content": "a"}]}, "invalid_message"),
-        ("unknown_role", {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "a"}]},
-         "unknown_role"),
+        (
+            "unknown_role",
+            {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "a"}]},
+            "unknown_role",
+        ),
         ("no_assistant_turn", {"messages": [{"role": "user", "content": "q"}]}, "no_assistant_turn"),
-        ("empty_assistant_turn", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]},
-         "empty_assistant_turn"),
+        (
+            "empty_assistant_turn",
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]},
+            "empty_assistant_turn",
+        ),
         ("content_wrong_type", chat(42), "invalid_content"),
         ("text_not_string", chat([{"type": "text", "text": 5}]), "invalid_text"),
         ("unknown_part_type", chat([{"type": "hologram", "hologram": "x"}]), "unknown_content_type"),
@@ -180,7 +199,11 @@ def corpus(tmp):
         ("data_uri_not_base64", with_image("data:image/png,rawbytes"), "invalid_data_uri"),
         ("base64_of_non_image", with_image(uri(b"just some text, not an image")), "corrupt_image"),
         ("truncated_png", with_image(uri(img_bytes(size=(300, 200))[:150])), "corrupt_image"),
-        ("truncated_jpeg", with_image(uri(img_bytes(size=(300, 200), fmt="JPEG")[:300], "image/jpeg")), "corrupt_image"),
+        (
+            "truncated_jpeg",
+            with_image(uri(img_bytes(size=(300, 200), fmt="JPEG")[:300], "image/jpeg")),
+            "corrupt_image",
+        ),
         ("image_1x1", with_image(uri(img_bytes(size=(1, 1)))), "image_too_small"),
         ("image_100000x1", with_image(uri(img_bytes(size=(100000, 1)))), "image_too_small"),
         ("aspect_ratio_400", with_image(uri(img_bytes(size=(20000, 50)))), "bad_aspect_ratio"),
@@ -201,27 +224,77 @@ def corpus(tmp):
         ("image_pad_token_in_answer", chat("q", "<|vision_start|>"), "special_token_in_text"),
         ("sentinel_in_text", chat("\ue000VLMPREP0\ue001"), "sentinel_in_text"),
         ("non_utf8_bytes", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n', "invalid_utf8"),
-        ("lone_surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}\n',
-         "invalid_unicode"),
-        ("tool_args_invalid_json", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
-                                    "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
-         "invalid_tool_arguments"),
-        ("tool_call_without_name", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
-                                    "tool_calls": [{"function": {"arguments": "{}"}}]}]}, "invalid_tool_call"),
-        ("null_fields_everywhere", {"id": None, "tools": None, "images": None, "messages": [
-            {"role": "system", "content": "s", "name": None, "tool_calls": None, "tool_call_id": None, "weight": None},
-            {"role": "user", "content": [{"type": "text", "text": "q", "image_url": None},
-                                         {"type": "image_url", "text": None, "image_url": {"url": GOOD, "detail": None}}]},
-            {"role": "assistant", "content": "a", "tool_calls": None, "weight": None}]}, "ok"),
+        (
+            "lone_surrogate",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}\n',
+            "invalid_unicode",
+        ),
+        (
+            "tool_args_invalid_json",
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {
+                        "role": "assistant",
+                        "content": "a",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}],
+                    },
+                ]
+            },
+            "invalid_tool_arguments",
+        ),
+        (
+            "tool_call_without_name",
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "tool_calls": [{"function": {"arguments": "{}"}}]},
+                ]
+            },
+            "invalid_tool_call",
+        ),
+        (
+            "null_fields_everywhere",
+            {
+                "id": None,
+                "tools": None,
+                "images": None,
+                "messages": [
+                    {
+                        "role": "system",
+                        "content": "s",
+                        "name": None,
+                        "tool_calls": None,
+                        "tool_call_id": None,
+                        "weight": None,
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "q", "image_url": None},
+                            {"type": "image_url", "text": None, "image_url": {"url": GOOD, "detail": None}},
+                        ],
+                    },
+                    {"role": "assistant", "content": "a", "tool_calls": None, "weight": None},
+                ],
+            },
+            "ok",
+        ),
         ("duplicated_id", {**chat("q"), "id": "good-0"}, "duplicate_id"),
         # Issue 26: video parts (a 2-frame clip is 1 temporal patch, 121 tokens: it fits --seq-len 256).
         ("video_part", chat([{"type": "video", "video": "clip.mp4"}]), "ok"),
-        ("audio_part", chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]),
-         "unsupported_audio"),
+        (
+            "audio_part",
+            chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]),
+            "unsupported_audio",
+        ),
         ("too_many_images", chat([{"type": "image_url", "image_url": GOOD}] * 9), "too_many_images"),
         ("marker_count_mismatch", chat("<image><image>", images=[GOOD]), "image_count_mismatch"),
-        ("invalid_weight", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
-                                                                           "weight": 5}]}, "invalid_weight"),
+        (
+            "invalid_weight",
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 5}]},
+            "invalid_weight",
+        ),
         ("tools_not_list", chat("q", tools="click"), "invalid_tools"),
         ("longer_than_seq_len_trainable_prefix", chat("short question", long_text), "ok"),
         ("longer_than_seq_len_untrainable", chat(long_text, "answer"), "no_trainable_tokens_after_truncation"),
@@ -232,24 +305,57 @@ def corpus(tmp):
         ("mpo_phone_jpeg", with_image(uri(mpo_jpeg(), "image/jpeg")), "ok"),
         ("svg_image", with_image(uri(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")), "corrupt_image"),
         ("image_marker_in_openai_text", chat("What does <image> do in HTML?"), "ok"),
-        ("legacy_function_call", {"messages": [
-            {"role": "user", "content": "q"},
-            {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"a":1e5}'}},
-            {"role": "function", "name": "f", "content": "r"}, {"role": "assistant", "content": "done"}]},
-         "tool_calls_not_rendered"),  # converted to tool_calls, which the stock Qwen2-VL template does not print
-        ("legacy_function_call_not_object", {"messages": [
-            {"role": "user", "content": "q"}, {"role": "assistant", "function_call": "f()"}]}, "invalid_tool_call"),
-        ("refusal_only_assistant", {"messages": [
-            {"role": "user", "content": "q"}, {"role": "assistant", "content": None, "refusal": "I can't."}]}, "ok"),
+        (
+            "legacy_function_call",
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": '{"a":1e5}'}},
+                    {"role": "function", "name": "f", "content": "r"},
+                    {"role": "assistant", "content": "done"},
+                ]
+            },
+            "tool_calls_not_rendered",
+        ),  # converted to tool_calls, which the stock Qwen2-VL template does not print
+        (
+            "legacy_function_call_not_object",
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "function_call": "f()"}]},
+            "invalid_tool_call",
+        ),
+        (
+            "refusal_only_assistant",
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": None, "refusal": "I can't."},
+                ]
+            },
+            "ok",
+        ),
         # Issue 22: a lone surrogate (valid JSON as an escape) anywhere is invalid_unicode naming the field, never an
         # internal_error or a failed write; ids are strings or integers; nothing in one record stops the build.
         ("surrogate_in_id", {**chat("q"), "id": "\udc00"}, "invalid_unicode"),
-        ("surrogate_in_tool_call_name", {"messages": [{"role": "user", "content": "q"}, {
-            "role": "assistant", "content": "a", "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "cl\udc00ick", "arguments": "{}"}}]}]},
-         "invalid_unicode"),
-        ("surrogate_in_tools", chat("q", tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
-         "invalid_unicode"),
+        (
+            "surrogate_in_tool_call_name",
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {
+                        "role": "assistant",
+                        "content": "a",
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "cl\udc00ick", "arguments": "{}"}}
+                        ],
+                    },
+                ]
+            },
+            "invalid_unicode",
+        ),
+        (
+            "surrogate_in_tools",
+            chat("q", tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
+            "invalid_unicode",
+        ),
         ("surrogate_in_image_path", with_image({"url": "shot\udc00.png"}), "invalid_unicode"),
         ("surrogate_in_key", chat("q", **{"meta\udfff": 1}), "invalid_unicode"),
         ("id_true", {**chat("q"), "id": True}, "invalid_id"),
@@ -258,26 +364,58 @@ def corpus(tmp):
         ("id_integer", {**chat("q"), "id": 424242}, "ok"),  # documented: an integer id is its decimal string
         ("deeply_nested_json", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", "invalid_json"),
         # Issue 22: base64 and file:// as load_image / a URL reader take them; Responses and Anthropic parts.
-        ("mime_line_broken_base64", with_image("data:image/png;base64," + base64.encodebytes(img_bytes()).decode()),
-         "ok"),
+        (
+            "mime_line_broken_base64",
+            with_image("data:image/png;base64," + base64.encodebytes(img_bytes()).decode()),
+            "ok",
+        ),
         ("base64_with_spaces", with_image(GOOD.replace("A", " A ")), "ok"),
-        ("percent_encoded_file_url", with_image("file://" + str((tmp or Path("/x")) / "with space.png").replace(" ", "%20")),
-         "ok"),
+        (
+            "percent_encoded_file_url",
+            with_image("file://" + str((tmp or Path("/x")) / "with space.png").replace(" ", "%20")),
+            "ok",
+        ),
         ("percent_encoded_traversal", with_image("file://%2e%2e/outside/secret.png"), "path_outside_root"),
         ("nul_in_image_path", with_image("a\x00b.png"), "invalid_image_ref"),
-        ("responses_output_text", {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]},
-                                                {"role": "assistant", "content": [
-                                                    {"type": "output_text", "text": "a", "annotations": []}]}]}, "ok"),
+        (
+            "responses_output_text",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+                    {"role": "assistant", "content": [{"type": "output_text", "text": "a", "annotations": []}]},
+                ]
+            },
+            "ok",
+        ),
         ("responses_refusal_part", chat("q", [{"type": "refusal", "refusal": "I can't."}]), "ok"),
-        ("responses_file_id_image", chat([{"type": "input_image", "file_id": "file-abc", "detail": "auto"}]),
-         "unsupported_file_id"),
-        ("anthropic_base64_image", chat([{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                     "data": GOOD.split(",", 1)[1]}}]), "ok"),
+        (
+            "responses_file_id_image",
+            chat([{"type": "input_image", "file_id": "file-abc", "detail": "auto"}]),
+            "unsupported_file_id",
+        ),
+        (
+            "anthropic_base64_image",
+            chat(
+                [
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": GOOD.split(",", 1)[1]},
+                    }
+                ]
+            ),
+            "ok",
+        ),
         ("anthropic_url_image", chat([{"type": "image", "source": {"type": "url", "url": GOOD}}]), "ok"),
-        ("anthropic_file_image", chat([{"type": "image", "source": {"type": "file", "file_id": "file_01"}}]),
-         "unsupported_file_id"),
-        ("anthropic_unknown_image_source", chat([{"type": "image", "source": {"type": "s3", "uri": "s3://b/k"}}]),
-         "unsupported_image_source"),
+        (
+            "anthropic_file_image",
+            chat([{"type": "image", "source": {"type": "file", "file_id": "file_01"}}]),
+            "unsupported_file_id",
+        ),
+        (
+            "anthropic_unknown_image_source",
+            chat([{"type": "image", "source": {"type": "s3", "uri": "s3://b/k"}}]),
+            "unsupported_image_source",
+        ),
         ("video_frame_list", chat([{"type": "video", "video": [GOOD, GOOD], "fps": 1}]), "ok"),
         ("video_missing_file", with_video("nope/missing.mp4"), "video_not_found"),
         ("video_directory", with_video("viddir"), "video_unreadable"),
@@ -290,23 +428,40 @@ def corpus(tmp):
         ("video_unknown_codec", with_video("zzzz.avi"), "unsupported_video_codec"),
         ("video_one_frame", with_video(uri(encode(frames(1, 64, 48), 2), "video/mp4")), "video_too_short"),
         ("video_empty_frame_list", chat([{"type": "video", "video": []}]), "video_no_frames"),
-        ("video_frames_differ_in_size", chat([{"type": "video", "video": [GOOD, uri(img_bytes(size=(48, 64)))]}]),
-         "video_frame_size_mismatch"),
+        (
+            "video_frames_differ_in_size",
+            chat([{"type": "video", "video": [GOOD, uri(img_bytes(size=(48, 64)))]}]),
+            "video_frame_size_mismatch",
+        ),
         ("video_over_seq_len", with_video(uri(encode(frames(12, 64, 48), 2), "video/mp4")), "video_too_long"),
         ("video_negative_fps", with_video("clip.mp4", fps=-2), "invalid_video_option"),
         # Issue 32: edges of video input. Frames of other modes are made RGB as the processor does, frame by frame.
-        ("video_frames_rgba_and_palette", chat([{"type": "video", "video": [uri(img_bytes("RGBA")), uri(img_bytes("P"))]}]),
-         "ok"),
-        ("video_frames_gray_alpha_and_cmyk", chat([{"type": "video", "video": [
-            uri(img_bytes("LA")), uri(img_bytes("CMYK", fmt="JPEG"), "image/jpeg")]}]), "ok"),
+        (
+            "video_frames_rgba_and_palette",
+            chat([{"type": "video", "video": [uri(img_bytes("RGBA")), uri(img_bytes("P"))]}]),
+            "ok",
+        ),
+        (
+            "video_frames_gray_alpha_and_cmyk",
+            chat(
+                [{"type": "video", "video": [uri(img_bytes("LA")), uri(img_bytes("CMYK", fmt="JPEG"), "image/jpeg")]}]
+            ),
+            "ok",
+        ),
         ("video_frames_rgb_and_gray", chat([{"type": "video", "video": [GOOD, uri(img_bytes("L"))]}]), "ok"),
         ("video_raw_h264_stream", with_video(uri(raw_h264(), "video/h264")), "raw_video_stream"),
         ("video_1x1", with_video(uri(encode(frames(2, 1, 1), 2), "video/mp4")), "video_too_small"),
-        ("video_1x1_frame_list", chat([{"type": "video", "video": [uri(img_bytes(size=(1, 1)))] * 2}]),
-         "video_too_small"),
+        (
+            "video_1x1_frame_list",
+            chat([{"type": "video", "video": [uri(img_bytes(size=(1, 1)))] * 2}]),
+            "video_too_small",
+        ),
         ("llamafactory_video_layout", {**chat("<video>What moves?"), "videos": ["clip.mp4"]}, "ok"),
-        ("llamafactory_video_marker_without_video", {**chat("<video>What moves?"), "videos": []},
-         "video_count_mismatch"),
+        (
+            "llamafactory_video_marker_without_video",
+            {**chat("<video>What moves?"), "videos": []},
+            "video_count_mismatch",
+        ),
         ("video_fifo", with_video("pipe.mp4"), "video_unreadable"),
         ("image_fifo", with_image("pipe.png"), "image_unreadable"),
         ("video_file_over_max_video_bytes", with_video("huge.mp4"), "video_file_too_large"),
@@ -329,7 +484,7 @@ MESSAGE_HAS = {
     "lone_surrogate": "messages[0].content: holds a lone surrogate",
     "id_true": "got true",
     "video_raw_h264_stream": "no container, so it stores no frame times and its frame rate is unknown; wrap it in one "
-                             "at its real rate, e.g. ffmpeg -framerate FPS -i IN -c copy OUT.mp4",
+    "at its real rate, e.g. ffmpeg -framerate FPS -i IN -c copy OUT.mp4",
     "video_1x1": "video frames are 1x1, below min_image_side=4",
     "video_1x1_frame_list": "video frame 0: image is 1x1, below min_image_side=4",
     "llamafactory_video_marker_without_video": "more <video> markers than 'videos' entries",
@@ -340,9 +495,16 @@ MESSAGE_HAS = {
 
 
 def good(i):
-    return {"id": f"good-{i}", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": f"task {i}"}, {"type": "image_url", "image_url": {"url": GOOD}}]},
-        {"role": "assistant", "content": f"answer {i}"}]}
+    return {
+        "id": f"good-{i}",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": f"task {i}"}, {"type": "image_url", "image_url": {"url": GOOD}}],
+            },
+            {"role": "assistant", "content": f"answer {i}"},
+        ],
+    }
 
 
 def encode_line(x):
@@ -380,11 +542,25 @@ def corpus_build(tmp_path_factory, qwen2vl_processor):
     (tmp_path / "empty.jsonl").write_bytes(b"")
 
     out = tmp_path / "out"
-    res = build(BuildConfig(inputs=(str(main), str(huge), str(tmp_path / "trunc.jsonl.zst"),
-                                    str(tmp_path / "window.jsonl.zst"), str(tmp_path / "empty.jsonl")),
-                            out=str(out), seq_len=256, max_line_bytes=64 << 20, max_images_per_record=8,
-                            progress=False, max_reject_fraction=1.0,  # bad on purpose; the longer_than_seq_len cases
-                            long_traces="truncate", min_turn_coverage=0.0))  # are truncation's
+    res = build(
+        BuildConfig(
+            inputs=(
+                str(main),
+                str(huge),
+                str(tmp_path / "trunc.jsonl.zst"),
+                str(tmp_path / "window.jsonl.zst"),
+                str(tmp_path / "empty.jsonl"),
+            ),
+            out=str(out),
+            seq_len=256,
+            max_line_bytes=64 << 20,
+            max_images_per_record=8,
+            progress=False,
+            max_reject_fraction=1.0,  # bad on purpose; the longer_than_seq_len cases
+            long_traces="truncate",
+            min_turn_coverage=0.0,
+        )
+    )  # are truncation's
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     by_line = {(os.path.basename(r["source"]["file"]), r["source"]["line"]): r for r in rejects}
     landed = {s.meta()["id"] for s in iter_dataset(out)}
@@ -403,7 +579,9 @@ def test_bad_input_case(name, corpus_build):
         assert got is not None and got["reason"] == want, f"{name}: expected {want}, got {got}"
         assert got["message"] and "\n" not in got["message"]
         assert MESSAGE_HAS.get(name, "") in got["message"], got["message"]
-        json.dumps(got, ensure_ascii=False).encode("utf-8")  # every string in the reject line can be written and printed
+        json.dumps(got, ensure_ascii=False).encode(
+            "utf-8"
+        )  # every string in the reject line can be written and printed
     assert f"good-{k + 1}" in landed and f"good-{k}" in landed  # the good records around it landed
 
 
@@ -429,16 +607,22 @@ def test_local_inputs_are_read_with_a_size_cap_under_a_memory_limit(tmp_path):
         rec = chat([{"type": "text", "text": "see"}, part])
         root = "/dev" if ref.startswith("/dev") else None
         with address_space(256 << 20), pytest.raises(RecordError) as e:
-            normalize_record(rec, Source(str(tmp_path / "r.jsonl"), 1),
-                             dataclasses.replace(opts, image_root=root) if root else opts)
+            normalize_record(
+                rec, Source(str(tmp_path / "r.jsonl"), 1), dataclasses.replace(opts, image_root=root) if root else opts
+            )
         assert e.value.reason == reason and "\n" not in str(e.value), (ref, e.value.reason, str(e.value))
 
 
 def test_file_level_faults_and_every_good_record_lands(corpus_build):
     cases, res, rejects, by_line, landed = corpus_build
-    assert all(r["reason"] != "internal_error" for r in rejects), [r for r in rejects if r["reason"] == "internal_error"]
+    assert all(r["reason"] != "internal_error" for r in rejects), [
+        r for r in rejects if r["reason"] == "internal_error"
+    ]
     assert by_line[("huge.jsonl", 1)]["reason"] == "line_too_long"
-    assert by_line[("trunc.jsonl.zst", max(n for f, n in by_line if f == "trunc.jsonl.zst"))]["reason"] == "corrupt_zstd_stream"
+    assert (
+        by_line[("trunc.jsonl.zst", max(n for f, n in by_line if f == "trunc.jsonl.zst"))]["reason"]
+        == "corrupt_zstd_stream"
+    )
     assert by_line[("window.jsonl.zst", 1)]["reason"] == "zstd_window_too_large"
     assert by_line[("empty.jsonl", 0)]["reason"] == "empty_file"
     goods = {f"good-{k}" for k in range(len(cases) + 1)} | {"good-1000"}
@@ -452,8 +636,13 @@ def test_file_level_faults_and_every_good_record_lands(corpus_build):
 
 
 # File-level cases (issue 22): each is its own input file(s); built as one task and as --tasks 2, which must agree.
-FILE_CASES = ["zst_garbage_after_last_frame", "bom_jsonl", "bom_jsonl_zst", "idless_records_in_same_named_files",
-              "real_ids_equal_to_generated_forms"]
+FILE_CASES = [
+    "zst_garbage_after_last_frame",
+    "bom_jsonl",
+    "bom_jsonl_zst",
+    "idless_records_in_same_named_files",
+    "real_ids_equal_to_generated_forms",
+]
 ZST_GARBAGE = b"\x00 not a zstd frame " * 4
 
 
@@ -474,12 +663,23 @@ def file_faults(tmp_path_factory, qwen2vl_processor):
     for sub in ("a", "b"):
         (d / sub).mkdir()
         (d / sub / "traces.jsonl").write_bytes(encode_line(with_id(0, None)) + encode_line(with_id(1, None)))
-    (d / "ids.jsonl").write_bytes(b"".join(encode_line(with_id(0, rid)) for rid in ("traces.jsonl:1", "a/traces.jsonl:1")))
+    (d / "ids.jsonl").write_bytes(
+        b"".join(encode_line(with_id(0, rid)) for rid in ("traces.jsonl:1", "a/traces.jsonl:1"))
+    )
     builds = {}
     for tasks in (1, 2):
         out = d.parent / f"out{tasks}"
-        res = build(BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, tasks=tasks, progress=False,
-                                max_reject_fraction=1.0, min_turn_coverage=0.0))  # bad on purpose
+        res = build(
+            BuildConfig(
+                inputs=(str(d),),
+                out=str(out),
+                seq_len=256,
+                tasks=tasks,
+                progress=False,
+                max_reject_fraction=1.0,
+                min_turn_coverage=0.0,
+            )
+        )  # bad on purpose
         rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
         samples = {s.key: {n: s.read(n) for n in s.names} for s in iter_dataset(out)}
         builds[tasks] = (d, res, rejects, {s.meta()["id"] for s in iter_dataset(out)}, samples)
@@ -527,10 +727,17 @@ def test_an_image_in_an_assistant_turn_names_the_message_the_template_drops():
     from vlmprep.types import RecordError, Source
 
     processor = load_processor("builtin:qwen3-vl")  # its template prints only the text of assistant messages
-    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                        {"role": "user", "content": "and now?"},
-                        {"role": "assistant", "content": [{"type": "text", "text": "see"}, {"type": "image_url",
-                                                                                         "image_url": GOOD}]}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "and now?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": GOOD}],
+            },
+        ]
+    }
     conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
     images = [prepare_image(im, processor, resolve_family(processor), max_pixels=10**8) for im in conv.images]
     with pytest.raises(RecordError) as e:
@@ -540,6 +747,7 @@ def test_an_image_in_an_assistant_turn_names_the_message_the_template_drops():
 
 
 # --- Worker pools (issue 22): a file-level fault, a dead worker or an unreadable result never hangs a build. ---
+
 
 @pytest.fixture
 def deadline():
@@ -568,11 +776,22 @@ def faulty_inputs(tmp_path_factory):
 
 
 def _faulty_build(d, out, **kw):
-    cfg = BuildConfig(inputs=(str(d),), out=str(out), seq_len=256, max_line_bytes=8192, samples_per_shard=3,
-                      progress=False, max_reject_fraction=1.0, min_turn_coverage=0.0, **kw)  # bad on purpose
+    cfg = BuildConfig(
+        inputs=(str(d),),
+        out=str(out),
+        seq_len=256,
+        max_line_bytes=8192,
+        samples_per_shard=3,
+        progress=False,
+        max_reject_fraction=1.0,
+        min_turn_coverage=0.0,
+        **kw,
+    )  # bad on purpose
     build(cfg)
-    rejects = sorted((os.path.basename(r["source"]["file"]), r["source"]["line"], r["reason"])
-                     for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines()))
+    rejects = sorted(
+        (os.path.basename(r["source"]["file"]), r["source"]["line"], r["reason"])
+        for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())
+    )
     samples = [(s.meta()["id"], s.meta()["num_tokens"], s.meta()["num_trainable_tokens"]) for s in iter_dataset(out)]
     return rejects, samples
 
@@ -581,16 +800,23 @@ def _faulty_build(d, out, **kw):
 def faulty_reference(faulty_inputs, tmp_path_factory, qwen2vl_processor):
     out = tmp_path_factory.mktemp("faulty-ref") / "ds"
     rejects, samples = _faulty_build(faulty_inputs, out, workers=1)
-    assert rejects == [("b.jsonl", 0, "empty_file"), ("c.jsonl.zst", 1, "corrupt_zstd_stream"),
-                       ("d.jsonl", 1, "line_too_long")]
+    assert rejects == [
+        ("b.jsonl", 0, "empty_file"),
+        ("c.jsonl.zst", 1, "corrupt_zstd_stream"),
+        ("d.jsonl", 1, "line_too_long"),
+    ]
     assert [s[0] for s in samples] == [f"good-{i}" for i in range(6)]
     return out, rejects, samples
 
 
-@pytest.mark.parametrize("mode", [dict(workers=2), pytest.param(dict(tasks=2, workers=2), marks=pytest.mark.slow)],
-                         ids=["workers2", "tasks2_workers2"])
-def test_file_level_faults_through_a_worker_pool_finish_as_with_one_worker(mode, faulty_inputs, faulty_reference,
-                                                                          tmp_path, deadline):
+@pytest.mark.parametrize(
+    "mode",
+    [dict(workers=2), pytest.param(dict(tasks=2, workers=2), marks=pytest.mark.slow)],
+    ids=["workers2", "tasks2_workers2"],
+)
+def test_file_level_faults_through_a_worker_pool_finish_as_with_one_worker(
+    mode, faulty_inputs, faulty_reference, tmp_path, deadline
+):
     ref, ref_rejects, ref_samples = faulty_reference
     deadline(150)
     rejects, samples = _faulty_build(faulty_inputs, tmp_path / "ds", **mode)
@@ -611,9 +837,29 @@ def test_a_worker_killed_mid_build_fails_the_build_with_one_line(tmp_path, qwen2
     inp.write_bytes(b"".join(encode_line({**chat(f"question {i} " * 20), "id": f"r{i}"}) for i in range(4000)))
     out = tmp_path / "ds"
     # A subprocess, so that a build that hangs (the bug) is killed here instead of hanging the test run.
-    proc = subprocess.Popen([sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out),
-                             "--seq-len", "512", "--samples-per-shard", "50", "--workers", "2", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vlmprep",
+            "build",
+            "--in",
+            str(inp),
+            "--out",
+            str(out),
+            "--seq-len",
+            "512",
+            "--samples-per-shard",
+            "50",
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         killed, deadline_at = None, time.monotonic() + 180
         while killed is None and proc.poll() is None and time.monotonic() < deadline_at:
@@ -664,8 +910,10 @@ def test_a_result_the_parent_cannot_read_breaks_the_pool_with_its_cause(deadline
         with worker_pool(1) as pool:
             pool.submit(_make_unreadable).result()
     msg = pool_failure(e.value, "rendering the records from x.jsonl:3 on")
-    assert msg.startswith("a worker's result could not be read (ValueError: this result cannot be read back) while "
-                          "rendering the records from x.jsonl:3 on"), msg
+    assert msg.startswith(
+        "a worker's result could not be read (ValueError: this result cannot be read back) while "
+        "rendering the records from x.jsonl:3 on"
+    ), msg
 
 
 def _vlmprep_exceptions():
@@ -691,8 +939,10 @@ def _vlmprep_exceptions():
 def test_every_vlmprep_exception_survives_a_process_boundary(cls):
     import pickle
 
-    args = {"RecordError": ("invalid_json", "what went wrong \udc00"),
-            "RejectsError": ("too many rejects", {"totals": {"samples": 1}})}  # constructors with more than a message
+    args = {
+        "RecordError": ("invalid_json", "what went wrong \udc00"),
+        "RejectsError": ("too many rejects", {"totals": {"samples": 1}}),
+    }  # constructors with more than a message
     e = cls(*args.get(cls.__name__, ("what went wrong",)))
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is cls and str(back) == str(e)
@@ -708,8 +958,11 @@ def test_inspect_on_raw_input_shows_the_other_records_and_names_the_bad_one(tmp_
 
     p = tmp_path / "sur.jsonl"
     p.write_bytes(encode_line(good(0)) + encode_line({**chat("q"), "id": "\udc00"}) + encode_line(good(1)))
-    res = CliRunner().invoke(app, ["inspect", str(p), "--limit", "5"],
-                             env={"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None})
+    res = CliRunner().invoke(
+        app,
+        ["inspect", str(p), "--limit", "5"],
+        env={"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None},
+    )
     assert res.exit_code == 0, res.output
     assert "id good-0" in res.output and "id good-1" in res.output
     assert f"{p}:2  invalid_unicode: id: holds a lone surrogate" in res.output

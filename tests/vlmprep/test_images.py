@@ -1,5 +1,6 @@
 """Image decode fidelity: what vlmprep stores equals what transformers' load_image + the saved processor give the
 model at inference (EXIF orientation, bit depth), and alpha / palette follow the processor's own PIL path."""
+
 import io
 import os
 from pathlib import Path
@@ -26,7 +27,7 @@ def asymmetric_rgb(w=92, h=60):
     """Left half red, right half blue, a green top row: any rotation or flip changes the pixels."""
     a = np.zeros((h, w, 3), np.uint8)
     a[:, : w // 2] = (220, 30, 30)
-    a[:, w // 2:] = (30, 30, 220)
+    a[:, w // 2 :] = (30, 30, 220)
     a[:6] = (30, 200, 30)
     return Image.fromarray(a)
 
@@ -113,8 +114,9 @@ def test_32bit_int_gray_in_16bit_range_is_scaled_and_wider_is_refused():
     assert e.value.reason == "unsupported_image_mode"
 
 
-@pytest.mark.parametrize("make", [half_transparent_rgba, palette_with_transparency,
-                                  lambda: half_transparent_rgba().convert("LA")])
+@pytest.mark.parametrize(
+    "make", [half_transparent_rgba, palette_with_transparency, lambda: half_transparent_rgba().convert("LA")]
+)
 def test_alpha_and_palette_follow_the_processors_own_path(make, qwen2vl_processor):
     # Decision (docs/shard-format.md): a PIL image goes through the processor's process_image, whose
     # convert_to_rgb composites alpha onto white, i.e. exactly `processor(images=Image.open(path))`.
@@ -138,34 +140,44 @@ def test_rgba_differs_from_load_image_which_drops_alpha(tmp_path, qwen2vl_proces
     assert np.abs(dropped - ours).max() > 1
 
 
-@pytest.mark.parametrize("data, ext", [
-    (save(asymmetric_rgb(), "JPEG"), "orig.jpg"),
-    (save(asymmetric_rgb()), "orig.png"),
-    (save(asymmetric_rgb(), "WEBP", lossless=True), "orig.webp"),
-    (save(half_transparent_rgba()), "orig.png"),
-], ids=["jpeg", "png", "webp", "rgba-png"])
+@pytest.mark.parametrize(
+    "data, ext",
+    [
+        (save(asymmetric_rgb(), "JPEG"), "orig.jpg"),
+        (save(asymmetric_rgb()), "orig.png"),
+        (save(asymmetric_rgb(), "WEBP", lossless=True), "orig.webp"),
+        (save(half_transparent_rgba()), "orig.png"),
+    ],
+    ids=["jpeg", "png", "webp", "rgba-png"],
+)
 def test_original_keeps_source_bytes_when_no_transform_applies(data, ext, qwen2vl_processor):
     prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
     assert stored_ext("original", prepared) == ext
     assert encode_image(prepared, "original") == data
 
 
-@pytest.mark.parametrize("data", [
-    with_orientation(asymmetric_rgb(), 6),
-    with_orientation(half_transparent_rgba(), 8, "PNG"),
-    save(gray16_gradient()[0]),
-    save(asymmetric_rgb(), "BMP"),
-    save(asymmetric_rgb(), "TIFF"),
-    save(asymmetric_rgb(), "GIF"),
-    save(palette_with_transparency(), "GIF"),
-], ids=["exif6-jpeg", "exif8-rgba-png", "gray16-png", "bmp", "tiff", "gif", "transparent-gif"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        with_orientation(asymmetric_rgb(), 6),
+        with_orientation(half_transparent_rgba(), 8, "PNG"),
+        save(gray16_gradient()[0]),
+        save(asymmetric_rgb(), "BMP"),
+        save(asymmetric_rgb(), "TIFF"),
+        save(asymmetric_rgb(), "GIF"),
+        save(palette_with_transparency(), "GIF"),
+    ],
+    ids=["exif6-jpeg", "exif8-rgba-png", "gray16-png", "bmp", "tiff", "gif", "transparent-gif"],
+)
 def test_original_stores_a_normalized_png_when_a_transform_applies(data, qwen2vl_processor):
     prepared = prepare_image(ImageData(data, "src"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
     assert stored_ext("original", prepared) == "orig.png"
     stored = encode_image(prepared, "original")
     assert encode_image(prepared, "original") == stored  # deterministic
     with Image.open(io.BytesIO(stored)) as im:
-        assert im.format == "PNG" and im.getexif().get(0x0112) is None and im.mode in ("1", "L", "LA", "P", "RGB", "RGBA")
+        assert (
+            im.format == "PNG" and im.getexif().get(0x0112) is None and im.mode in ("1", "L", "LA", "P", "RGB", "RGBA")
+        )
         again = prepare_image(ImageData(stored, "png"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
     np.testing.assert_array_equal(again.pixels, prepared.pixels)
 
@@ -220,8 +232,11 @@ def _read_back(name, data, shape):
 def test_zstd_delta_is_lossless_at_odd_sizes_and_extreme_values(shape):
     """Random pixels and the values where mod-256 arithmetic wraps (0 and 255 side by side, down and across)."""
     rng = np.random.default_rng(0)
-    cases = [rng.integers(0, 256, (*shape, 3), dtype=np.uint8), np.zeros((*shape, 3), np.uint8),
-             np.indices((*shape, 3)).sum(axis=0).astype(np.uint8) % 2 * 255]
+    cases = [
+        rng.integers(0, 256, (*shape, 3), dtype=np.uint8),
+        np.zeros((*shape, 3), np.uint8),
+        np.indices((*shape, 3)).sum(axis=0).astype(np.uint8) % 2 * 255,
+    ]
     for pixels in cases:
         data = encode_image(_stored(pixels), "zstd-delta")
         assert data == encode_image(_stored(pixels.copy()), "zstd-delta")  # deterministic
@@ -229,9 +244,17 @@ def test_zstd_delta_is_lossless_at_odd_sizes_and_extreme_values(shape):
             np.testing.assert_array_equal(got, pixels)
 
 
-@pytest.mark.parametrize("make", [lambda: asymmetric_rgb(), half_transparent_rgba, palette_with_transparency,
-                                  lambda: gray16_gradient()[0], lambda: asymmetric_rgb().convert("L"),
-                                  lambda: asymmetric_rgb(91, 57)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: asymmetric_rgb(),
+        half_transparent_rgba,
+        palette_with_transparency,
+        lambda: gray16_gradient()[0],
+        lambda: asymmetric_rgb().convert("L"),
+        lambda: asymmetric_rgb(91, 57),
+    ],
+)
 def test_zstd_delta_decodes_to_the_pixels_zstd_stores(make, qwen2vl_processor):
     """RGB, RGBA, palette, 16-bit and 8-bit gray, odd source sizes: after the processor's resize the default codec
     reads back bit-identical to the zstd codec before it, in both readers; its zstd frame holds the very .npy header
@@ -246,11 +269,14 @@ def test_zstd_delta_decodes_to_the_pixels_zstd_stores(make, qwen2vl_processor):
     for got in (*reference, *_read_back("img000.delta.zst", new, prepared.pixels.shape)):
         np.testing.assert_array_equal(got, prepared.pixels)
     header = len(zstandard.ZstdDecompressor().decompress(old)) - prepared.pixels.nbytes
-    assert zstandard.ZstdDecompressor().decompress(new)[:header] == zstandard.ZstdDecompressor().decompress(old)[:header]
+    assert (
+        zstandard.ZstdDecompressor().decompress(new)[:header] == zstandard.ZstdDecompressor().decompress(old)[:header]
+    )
 
 
-REAL_TRACES = Path(os.environ.get("VLMPREP_REAL_TRACES",
-                                  Path(__file__).resolve().parents[3] / "shared" / "data" / "real_traces"))
+REAL_TRACES = Path(
+    os.environ.get("VLMPREP_REAL_TRACES", Path(__file__).resolve().parents[3] / "shared" / "data" / "real_traces")
+)
 # One desktop (OpenCUA, PNG RGB) and one browser screenshot (WebVoyager, PNG RGBA).
 REAL_SCREENSHOTS = ("opencua/task_example_0/0.png", "webvoyager/taskGitHub--0/screenshot3.png")
 
@@ -278,7 +304,7 @@ def png_chunks(data):
     out, pos = [], 8
     while pos < len(data):
         n, kind = struct.unpack_from(">I4s", data, pos)
-        out.append((kind, data[pos + 8: pos + 8 + n]))
+        out.append((kind, data[pos + 8 : pos + 8 + n]))
         pos += 12 + n
     return out
 
@@ -287,8 +313,9 @@ def png_from_chunks(chunks):
     import struct
     import zlib
 
-    return b"\x89PNG\r\n\x1a\n" + b"".join(struct.pack(">I", len(body)) + kind + body
-                                           + struct.pack(">I", zlib.crc32(kind + body)) for kind, body in chunks)
+    return b"\x89PNG\r\n\x1a\n" + b"".join(
+        struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body)) for kind, body in chunks
+    )
 
 
 def png_with_metadata_after_pixels(kind):
@@ -299,7 +326,7 @@ def png_with_metadata_after_pixels(kind):
         rest = [c for c in chunks if c[0] != b"eXIf"]
         return png_from_chunks(rest[:-1] + exif + rest[-1:])
     chunks = png_chunks(save(asymmetric_rgb()))
-    xmp = b'XML:com.adobe.xmp\x00\x00\x00\x00\x00<x:xmpmeta><tiff:Orientation>6</tiff:Orientation></x:xmpmeta>'
+    xmp = b"XML:com.adobe.xmp\x00\x00\x00\x00\x00<x:xmpmeta><tiff:Orientation>6</tiff:Orientation></x:xmpmeta>"
     return png_from_chunks(chunks[:-1] + [(b"iTXt", xmp)] + chunks[-1:])
 
 
@@ -364,8 +391,9 @@ def test_the_header_grid_is_the_processors_own_resize_in_every_image_mode(name):
         assert not opened.loaded and opened.grid_thw == prepared.grid_thw, family.image_mode
         np.testing.assert_array_equal(opened.pixels, prepared.pixels)
         # The channels-last view resizes to the values of the processor's own process_image (contiguous C x H x W).
-        own = _FAMILY_RESIZE[family.image_mode](processor, ip, ip.process_image(decode_image(img, max_pixels=10**8),
-                                                                               do_convert_rgb=True))
+        own = _FAMILY_RESIZE[family.image_mode](
+            processor, ip, ip.process_image(decode_image(img, max_pixels=10**8), do_convert_rgb=True)
+        )
         np.testing.assert_array_equal(prepared.pixels, own.permute(1, 2, 0).numpy())
 
 
@@ -404,8 +432,10 @@ def test_zstd_pdelta_stores_a_screenshot_against_the_one_before():
     assert len(data) < len(alone) / 10, (len(data), len(alone))
     prefix, name = delta_payload(first), "img001.pdelta.zst"
     buf = np.empty(_decoded_size(name, data, 96, 128), np.uint8)
-    for got in (decode_stored_image(name, data, (96, 128), prefix),
-                decode_image_into(name, data, buf, second.shape, None, prefix)):
+    for got in (
+        decode_stored_image(name, data, (96, 128), prefix),
+        decode_image_into(name, data, buf, second.shape, None, prefix),
+    ):
         np.testing.assert_array_equal(got, second)
     np.testing.assert_array_equal(decode_stored_image("img000.pdelta.zst", alone, (96, 128)), second)
     with pytest.raises(zstandard.ZstdError):

@@ -1,5 +1,6 @@
 """Property tests: any JSON-shaped record either normalizes into a well-formed Conversation or is rejected
 with a RecordError reason; never another exception. Size per `HYPOTHESIS_PROFILE` (see tests/conftest.py)."""
+
 import base64
 import io
 import json
@@ -20,8 +21,16 @@ def _png():
 
 PNG = _png()
 texts = st.text(max_size=40)
-image_refs = st.one_of(st.just(PNG), st.just({"url": PNG}), st.none(), st.just(""), st.integers(),
-                       st.just("data:image/png;base64,%%%"), st.just("../../etc/passwd"), st.just("http://x.test/a.png"))
+image_refs = st.one_of(
+    st.just(PNG),
+    st.just({"url": PNG}),
+    st.none(),
+    st.just(""),
+    st.integers(),
+    st.just("data:image/png;base64,%%%"),
+    st.just("../../etc/passwd"),
+    st.just("http://x.test/a.png"),
+)
 parts = st.one_of(
     st.builds(lambda t: {"type": "text", "text": t}, texts),
     st.builds(lambda r: {"type": "image_url", "image_url": r}, image_refs),
@@ -30,20 +39,42 @@ parts = st.one_of(
     st.none(),
     st.integers(),
 )
-tool_calls = st.lists(st.fixed_dictionaries({"id": st.one_of(st.none(), texts), "function": st.fixed_dictionaries({
-    "name": st.one_of(st.just("click"), st.just(""), st.none()),
-    "arguments": st.one_of(st.just('{"x": 1}'), st.just("{bad"), st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
-                           st.integers())})}), max_size=2)
+tool_calls = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.one_of(st.none(), texts),
+            "function": st.fixed_dictionaries(
+                {
+                    "name": st.one_of(st.just("click"), st.just(""), st.none()),
+                    "arguments": st.one_of(
+                        st.just('{"x": 1}'),
+                        st.just("{bad"),
+                        st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+                        st.integers(),
+                    ),
+                }
+            ),
+        }
+    ),
+    max_size=2,
+)
 messages = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "gpt", "human", "wizard", None])},
-    optional={"content": st.one_of(texts, st.none(), st.lists(parts, max_size=4), st.integers()),
-              "tool_calls": st.one_of(st.none(), tool_calls),
-              "tool_call_id": st.one_of(st.none(), texts),
-              "weight": st.sampled_from([None, 0, 1, 2])})
+    optional={
+        "content": st.one_of(texts, st.none(), st.lists(parts, max_size=4), st.integers()),
+        "tool_calls": st.one_of(st.none(), tool_calls),
+        "tool_call_id": st.one_of(st.none(), texts),
+        "weight": st.sampled_from([None, 0, 1, 2]),
+    },
+)
 records = st.one_of(
-    st.fixed_dictionaries({"messages": st.lists(messages, max_size=6)},
-                          optional={"id": st.one_of(st.none(), texts, st.integers()),
-                                    "images": st.one_of(st.none(), st.lists(st.just(PNG), max_size=2))}),
+    st.fixed_dictionaries(
+        {"messages": st.lists(messages, max_size=6)},
+        optional={
+            "id": st.one_of(st.none(), texts, st.integers()),
+            "images": st.one_of(st.none(), st.lists(st.just(PNG), max_size=2)),
+        },
+    ),
     st.dictionaries(st.text(max_size=8), st.integers(), max_size=3),
 )
 
@@ -61,8 +92,9 @@ def test_normalize_total_and_well_formed(rec):
         assert m.role in ("system", "user", "assistant", "tool")
         assert m.weight in (None, 0, 1)
         for p in m.parts:
-            assert (p.type == "text" and isinstance(p.text, str) and p.text.encode("utf-8")) or \
-                   (p.type == "image" and p.image.data)
+            assert (p.type == "text" and isinstance(p.text, str) and p.text.encode("utf-8")) or (
+                p.type == "image" and p.image.data
+            )
         for tc in m.tool_calls:
             json.loads(tc.arguments_json)
             assert tc.name

@@ -1,6 +1,7 @@
 """Masking policies on two families with different templates (Qwen2-VL chatml with a tool role; Gemma 3 with its
 system turn folded into the first user turn): every --train-on-eos value, --train-on-roles, weight, --last-turn-only;
 plus config validation, the CLI flags and the manifest record."""
+
 import json
 import tarfile
 
@@ -16,19 +17,31 @@ from vlmprep.render import MaskPolicy
 
 def record(name, *, weight_first_answer=None, weight_first_question=None):
     mid = "tool" if name == "qwen2-vl" else "user"  # Gemma 3's template only alternates user/model
-    first_q = {"role": "user", "content": [{"type": "text", "text": "Look."},
-                                           {"type": "image_url", "image_url": png(56, 56, (200, 10, 10))}]}
+    first_q = {
+        "role": "user",
+        "content": [{"type": "text", "text": "Look."}, {"type": "image_url", "image_url": png(56, 56, (200, 10, 10))}],
+    }
     first_a = {"role": "assistant", "content": "Red."}
     if weight_first_question is not None:
         first_q["weight"] = weight_first_question
     if weight_first_answer is not None:
         first_a["weight"] = weight_first_answer
-    second = {"role": mid, "content": [{"type": "text", "text": "Next."},
-                                       {"type": "image_url", "image_url": png(56, 28, (0, 90, 0))}]}
+    second = {
+        "role": mid,
+        "content": [{"type": "text", "text": "Next."}, {"type": "image_url", "image_url": png(56, 28, (0, 90, 0))}],
+    }
     if mid == "tool":
         second["tool_call_id"] = "call_0001"
-    return {"id": "p", "messages": [{"role": "system", "content": "Be brief."}, first_q, first_a, second,
-                                    {"role": "assistant", "content": "Green."}]}
+    return {
+        "id": "p",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            first_q,
+            first_a,
+            second,
+            {"role": "assistant", "content": "Green."},
+        ],
+    }
 
 
 MID = {"qwen2-vl": "tool", "gemma3": "user"}
@@ -48,30 +61,59 @@ EXPECTED = {
     "qwen2-vl": {
         "default": [(24, 27, "Red.<|im_end|>"), (46, 49, "Green.<|im_end|>")],
         # every turn's end: system, user (after its image), assistant, tool (after its image), assistant
-        "eos-all": [(6, 7, "<|im_end|>"), (19, 20, "<|im_end|>"), (24, 27, "Red.<|im_end|>"), (41, 42, "<|im_end|>"),
-                    (46, 49, "Green.<|im_end|>")],
+        "eos-all": [
+            (6, 7, "<|im_end|>"),
+            (19, 20, "<|im_end|>"),
+            (24, 27, "Red.<|im_end|>"),
+            (41, 42, "<|im_end|>"),
+            (46, 49, "Green.<|im_end|>"),
+        ],
         "eos-turn": [(24, 27, "Red.<|im_end|>"), (46, 49, "Green.<|im_end|>")],
         "eos-last": [(24, 26, "Red."), (46, 49, "Green.<|im_end|>")],
         "eos-none": [(24, 26, "Red."), (46, 48, "Green.")],
-        "roles+mid": [(24, 27, "Red.<|im_end|>"), (31, 33, "Next."), (41, 42, "<|im_end|>"), (46, 49, "Green.<|im_end|>")],
+        "roles+mid": [
+            (24, 27, "Red.<|im_end|>"),
+            (31, 33, "Next."),
+            (41, 42, "<|im_end|>"),
+            (46, 49, "Green.<|im_end|>"),
+        ],
         "weight0": [(46, 49, "Green.<|im_end|>")],
-        "weight1-user": [(11, 13, "Look."), (19, 20, "<|im_end|>"), (24, 27, "Red.<|im_end|>"), (46, 49, "Green.<|im_end|>")],
+        "weight1-user": [
+            (11, 13, "Look."),
+            (19, 20, "<|im_end|>"),
+            (24, 27, "Red.<|im_end|>"),
+            (46, 49, "Green.<|im_end|>"),
+        ],
         "last-turn": [(46, 49, "Green.<|im_end|>")],
         "last-turn+weight0+no-eos": [(46, 48, "Green.")],
     },
     "gemma3": {
         "default": [(289, 293, "Red.<end_of_turn>"), (572, 576, "Green.<end_of_turn>")],
         # the system text is folded into the first user turn: it has no end token of its own
-        "eos-all": [(281, 282, "<end_of_turn>"), (289, 293, "Red.<end_of_turn>"), (564, 565, "<end_of_turn>"),
-                    (572, 576, "Green.<end_of_turn>")],
+        "eos-all": [
+            (281, 282, "<end_of_turn>"),
+            (289, 293, "Red.<end_of_turn>"),
+            (564, 565, "<end_of_turn>"),
+            (572, 576, "Green.<end_of_turn>"),
+        ],
         "eos-turn": [(289, 293, "Red.<end_of_turn>"), (572, 576, "Green.<end_of_turn>")],
         "eos-last": [(289, 292, "Red."), (572, 576, "Green.<end_of_turn>")],
         "eos-none": [(289, 292, "Red."), (572, 575, "Green.")],
-        "roles+mid": [(16, 21, "Look."), (281, 282, "<end_of_turn>"), (289, 293, "Red.<end_of_turn>"), (299, 304, "Next."),
-                      (564, 565, "<end_of_turn>"), (572, 576, "Green.<end_of_turn>")],
+        "roles+mid": [
+            (16, 21, "Look."),
+            (281, 282, "<end_of_turn>"),
+            (289, 293, "Red.<end_of_turn>"),
+            (299, 304, "Next."),
+            (564, 565, "<end_of_turn>"),
+            (572, 576, "Green.<end_of_turn>"),
+        ],
         "weight0": [(572, 576, "Green.<end_of_turn>")],
-        "weight1-user": [(16, 21, "Look."), (281, 282, "<end_of_turn>"), (289, 293, "Red.<end_of_turn>"),
-                         (572, 576, "Green.<end_of_turn>")],
+        "weight1-user": [
+            (16, 21, "Look."),
+            (281, 282, "<end_of_turn>"),
+            (289, 293, "Red.<end_of_turn>"),
+            (572, 576, "Green.<end_of_turn>"),
+        ],
         "last-turn": [(572, 576, "Green.<end_of_turn>")],
         "last-turn+weight0+no-eos": [(572, 575, "Green.")],
     },
@@ -120,12 +162,30 @@ def test_cli_flags_reach_the_shards_and_the_manifest(tmp_path, qwen2vl_processor
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps(record("qwen2-vl")) + "\n")
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["build", "--in", str(inp), "--out", str(out), "--no-progress",
-                                   "--train-on-roles", "assistant,tool", "--train-on-eos", "last", "--last-turn-only"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "build",
+            "--in",
+            str(inp),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--train-on-roles",
+            "assistant,tool",
+            "--train-on-eos",
+            "last",
+            "--last-turn-only",
+        ],
+    )
     assert res.exit_code == 0, res.output
     cfg = json.loads((out / "manifest.json").read_text())["config"]
     assert (cfg["train_on_roles"], cfg["train_on_eos"], cfg["last_turn_only"], cfg["tool_calls"]) == (
-        ["assistant", "tool"], "last", True, "reject")
+        ["assistant", "tool"],
+        "last",
+        True,
+        "reject",
+    )
     with tarfile.open(out / "shard-000000.tar") as tf:
         arrays = {m.name.split(".", 1)[1]: tf.extractfile(m).read() for m in tf.getmembers()}
     import io

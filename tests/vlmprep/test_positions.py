@@ -25,8 +25,10 @@ def test_positions_equal_model_get_rope_index():
     model = Qwen2VLModel(tiny_qwen2vl_config()).eval()
     rng = np.random.default_rng(0)
     cases = [[], [(1, 4, 6)], [(1, 2, 2), (1, 8, 4), (1, 6, 10)], [(1, 36, 64)]]
-    cases += [[(1, 2 * int(rng.integers(1, 8)), 2 * int(rng.integers(1, 8))) for _ in range(int(rng.integers(1, 5)))]
-              for _ in range(8)]
+    cases += [
+        [(1, 2 * int(rng.integers(1, 8)), 2 * int(rng.integers(1, 8))) for _ in range(int(rng.integers(1, 5)))]
+        for _ in range(8)
+    ]
     for grids in cases:
         ids, runs = _sequence(rng, grids)
         grid_arr = np.array(grids, dtype=np.int64).reshape(-1, 3)

@@ -1,6 +1,7 @@
 """Renderer (process.py): an image's grid comes from its header, and only the images some sample keeps (after the
 history policy, the split and the cut) are decoded, resized and encoded, each once per record; the samples are those
 of preparing every image first, byte for byte, and a record that fails is rejected for the same reason."""
+
 import base64
 import collections
 import io
@@ -34,8 +35,9 @@ def traces(tmp_path_factory):
     from scripts.demo_traces import write_traces
 
     p = tmp_path_factory.mktemp("process") / "t.jsonl.zst"
-    write_traces(p, n=4, seed=3, min_images=4, max_images=9, width=320, height=200, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    write_traces(
+        p, n=4, seed=3, min_images=4, max_images=9, width=320, height=200, overlong_fraction=0.0, text_only_fraction=0.0
+    )
     return [line for line in zstandard.ZstdDecompressor().stream_reader(open(p, "rb")).read().splitlines()]
 
 
@@ -63,28 +65,37 @@ class Counts:
 
 
 def renderer(processor, **cfg):
-    return Renderer(BuildConfig(inputs=("t.jsonl",), out="", progress=False, chat_template=TOOLS_TEMPLATE, **cfg),
-                    processor)
+    return Renderer(
+        BuildConfig(inputs=("t.jsonl",), out="", progress=False, chat_template=TOOLS_TEMPLATE, **cfg), processor
+    )
 
 
 def outputs(processor, lines, **cfg):
     r = renderer(processor, **cfg)
-    return [[(kind, x.key, x.members) if kind == "ok" else (kind, x) for kind, x in r.process(raw)[0]]
-            for raw in raws(lines)]
+    return [
+        [(kind, x.key, x.members) if kind == "ok" else (kind, x) for kind, x in r.process(raw)[0]]
+        for raw in raws(lines)
+    ]
 
 
 def eager(monkeypatch):
     """Every image decoded and resized up front, as before images were opened by their header."""
-    monkeypatch.setattr(process_module, "open_image",
-                        lambda img, processor, family, shapes=None, **kw: images_module.prepare_image(
-                            img, processor, family, **kw))
+    monkeypatch.setattr(
+        process_module,
+        "open_image",
+        lambda img, processor, family, shapes=None, **kw: images_module.prepare_image(img, processor, family, **kw),
+    )
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(keep_images=2, seq_len=32768),  # the history policy drops the earlier screenshots
-    dict(seq_len=1200, long_traces="truncate"),  # the cut drops the later ones
-    dict(seq_len=900, long_traces="split", keep_images=3),  # step samples share screenshots, each drops some
-], ids=["keep-images", "cut", "split"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(keep_images=2, seq_len=32768),  # the history policy drops the earlier screenshots
+        dict(seq_len=1200, long_traces="truncate"),  # the cut drops the later ones
+        dict(seq_len=900, long_traces="split", keep_images=3),  # step samples share screenshots, each drops some
+    ],
+    ids=["keep-images", "cut", "split"],
+)
 def test_only_the_images_some_sample_keeps_are_decoded_and_each_once(cfg, processor, traces, monkeypatch):
     r = renderer(processor, **cfg)
     kept, pairs = collections.Counter(), collections.Counter()
@@ -96,8 +107,12 @@ def test_only_the_images_some_sample_keeps_are_decoded_and_each_once(cfg, proces
         # share a size): encoded once per record for each image it follows.
         pairs.update(data for data, _ in {(im.source.data, prev) for s in samples for prev, im in _after(s.images)})
         n_images += len(json.loads(raw.text)["messages"][1]["content"]) and sum(
-            1 for m in json.loads(raw.text)["messages"] if isinstance(m["content"], list)
-            for p in m["content"] if p.get("type") == "image_url")
+            1
+            for m in json.loads(raw.text)["messages"]
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p.get("type") == "image_url"
+        )
         kept.update({im.source.data: 1 for s in samples for im in s.images})
     assert sum(kept.values()) < n_images  # the setting does drop images
     if cfg.get("long_traces") == "split":
@@ -133,24 +148,31 @@ def record(*images, text="look"):
     """One user turn per image, each answered."""
     msgs = []
     for k, url in enumerate(images):
-        msgs += [{"role": "user", "content": [{"type": "text", "text": text if k == 0 else "next"},
-                                              {"type": "image_url", "image_url": {"url": url}}]},
-                 {"role": "assistant", "content": f"seen {k}"}]
+        msgs += [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": text if k == 0 else "next"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            },
+            {"role": "assistant", "content": f"seen {k}"},
+        ]
     return json.dumps({"id": "r", "messages": msgs}).encode()
 
 
 def reasons(processor, lines, **cfg):
     r = renderer(processor, **cfg)
-    return [[kind if kind == "ok" else (x["reason"], x["message"]) for kind, x in r.process(raw)[0]]
-            for raw in raws(lines)]
+    return [
+        [kind if kind == "ok" else (x["reason"], x["message"]) for kind, x in r.process(raw)[0]] for raw in raws(lines)
+    ]
 
 
 CORRUPT = png_uri(300, 200, cut=300)  # the header reads; the pixel data is cut off
 WIDE = png_uri(2000, 8)  # bad_aspect_ratio from the header alone
 
 
-def test_a_failing_record_is_rejected_for_the_reason_it_had_when_every_image_was_decoded_first(processor,
-                                                                                               monkeypatch):
+def test_a_failing_record_is_rejected_for_the_reason_it_had_when_every_image_was_decoded_first(processor, monkeypatch):
     lines = [
         record(png_uri(), CORRUPT),  # the corrupt image is kept: corrupt_image
         record(CORRUPT, png_uri(), text="<|im_start|> text holds a control token"),  # a render fault too
@@ -167,8 +189,9 @@ def test_a_failing_record_is_rejected_for_the_reason_it_had_when_every_image_was
         assert got[4] == ["ok"]
 
 
-@pytest.mark.parametrize("cfg", [dict(keep_images=2), dict(seq_len=60, long_traces="truncate")],
-                         ids=["keep-images", "cut"])
+@pytest.mark.parametrize(
+    "cfg", [dict(keep_images=2), dict(seq_len=60, long_traces="truncate")], ids=["keep-images", "cut"]
+)
 def test_a_corrupt_image_that_no_sample_keeps_is_never_decoded_and_the_record_lands(cfg, processor, monkeypatch):
     """The one change from decoding every image first: a fault in the pixel data of an image that the history policy
     or the cut drops (its header reads) no longer rejects a record that is fine otherwise."""
@@ -178,5 +201,6 @@ def test_a_corrupt_image_that_no_sample_keeps_is_never_decoded_and_the_record_la
     assert reasons(processor, [line], **cfg) == [["ok"]]
     assert CORRUPT.split(",")[1] not in {base64.b64encode(d).decode() for d in counts.decoded}
     eager(monkeypatch)
-    assert reasons(processor, [line], **cfg) == [[("corrupt_image", "cannot decode image (data-uri): image file is "
-                                                                     "truncated")]]
+    assert reasons(processor, [line], **cfg) == [
+        [("corrupt_image", "cannot decode image (data-uri): image file is truncated")]
+    ]

@@ -1,6 +1,7 @@
 """An assistant's reasoning_content (or `reasoning`): passed to the template as the model's own template reads it,
 token parity with the processor's apply_chat_template, masks under --reasoning train|context, counted drops, rejects,
 and templates that ignore reasoning (a reject or a counted drop, never silent)."""
+
 import base64
 import collections
 import io
@@ -35,10 +36,21 @@ def record(reasoning=REASONING, key="reasoning_content", earlier=None):
     last = {"role": "assistant", "content": "Yes, red."}
     if reasoning is not None:
         last[key] = reasoning
-    return {"id": "r", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}},
-                                     {"type": "text", "text": "What colour is it?"}]},
-        first, {"role": "user", "content": "Are you sure?"}, last]}
+    return {
+        "id": "r",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": png_url()}},
+                    {"type": "text", "text": "What colour is it?"},
+                ],
+            },
+            first,
+            {"role": "user", "content": "Are you sure?"},
+            last,
+        ],
+    }
 
 
 def reference_ids(processor, rec, drop=False):
@@ -93,15 +105,18 @@ def test_qwen35_reasoning_context_renders_it_untrained(qwen35):
     # Every token of the reasoning is in the sample and has loss 0 (under train: loss 1).
     r_ids = qwen35.tokenizer(REASONING, add_special_tokens=False)["input_ids"]
     ids = s.input_ids.tolist()
-    at = next(k for k in range(len(ids)) if ids[k:k + len(r_ids)] == r_ids)
-    assert not s.loss_mask[at:at + len(r_ids)].any() and train.loss_mask[at:at + len(r_ids)].all()
+    at = next(k for k in range(len(ids)) if ids[k : k + len(r_ids)] == r_ids)
+    assert not s.loss_mask[at : at + len(r_ids)].any() and train.loss_mask[at : at + len(r_ids)].all()
 
 
 def test_qwen35_reasoning_drop_renders_the_turn_without_it(qwen35):
     rec = record()
     _, _, _, s = render(rec, qwen35, policy=MaskPolicy(reasoning="drop"))
-    assert s.input_ids.tolist() == reference_ids(qwen35, rec, drop=True) == \
-        render(record(reasoning=None), qwen35)[3].input_ids.tolist()
+    assert (
+        s.input_ids.tolist()
+        == reference_ids(qwen35, rec, drop=True)
+        == render(record(reasoning=None), qwen35)[3].input_ids.tolist()
+    )
     assert REASONING not in qwen35.tokenizer.decode(s.input_ids.tolist())
     assert s.reasoning_rendered == []
 
@@ -148,20 +163,33 @@ def process(processor, rec, **cfg):
 
 def test_turn_counts_per_policy(qwen35, qwen2vl_processor):
     rec = record(earlier="First look: a red square.")
-    want = {"train": (["ok"], 2, 0, 1), "context": (["ok"], 2, 0, 1), "drop": (["ok"], 2, 2, 0),
-            "reject": (["reasoning_refused"], 2, 0, 0)}
+    want = {
+        "train": (["ok"], 2, 0, 1),
+        "context": (["ok"], 2, 0, 1),
+        "drop": (["ok"], 2, 2, 0),
+        "reject": (["reasoning_refused"], 2, 0, 0),
+    }
     for policy, (outcome, n, dropped, not_rendered) in want.items():
         got, turns = process(qwen35, rec, reasoning=policy)
         turns = collections.Counter(turns)
-        assert (got, turns["reasoning_turns"], turns["reasoning_turns_dropped"],
-                turns["reasoning_turns_not_rendered"]) == (outcome, n, dropped, not_rendered), policy
+        assert (
+            got,
+            turns["reasoning_turns"],
+            turns["reasoning_turns_dropped"],
+            turns["reasoning_turns_not_rendered"],
+        ) == (outcome, n, dropped, not_rendered), policy
     got, turns = process(qwen2vl_processor, rec, reasoning="drop")
     assert got == ["ok"] and turns["reasoning_turns_dropped"] == 2
 
 
-@pytest.mark.parametrize("value,reason", [
-    (["thinking..."], "invalid_reasoning"), ({"summary": [{"type": "summary_text", "text": "x"}]}, "invalid_reasoning"),
-    ("\ud800", "invalid_unicode")])
+@pytest.mark.parametrize(
+    "value,reason",
+    [
+        (["thinking..."], "invalid_reasoning"),
+        ({"summary": [{"type": "summary_text", "text": "x"}]}, "invalid_reasoning"),
+        ("\ud800", "invalid_unicode"),
+    ],
+)
 def test_reasoning_must_be_a_string(value, reason):
     rec = record(reasoning=value)
     with pytest.raises(RecordError) as e:
@@ -198,17 +226,36 @@ def test_build_counts_dropped_reasoning_in_manifest_and_summary(tmp_path, qwen2v
     from vlmprep.shards.summary import format_build_summary
 
     inp = tmp_path / "r.jsonl"
-    recs = [dict(record(earlier="First look."), id="a"), dict(record(reasoning=None), id="b"),
-            dict(record(reasoning=[1]), id="c")]
+    recs = [
+        dict(record(earlier="First look."), id="a"),
+        dict(record(reasoning=None), id="b"),
+        dict(record(reasoning=[1]), id="c"),
+    ]
     inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "ds"
-    build(BuildConfig(inputs=(str(inp),), out=str(out), progress=False, reasoning="drop", max_reject_fraction=1.0, min_turn_coverage=0.0))
+    build(
+        BuildConfig(
+            inputs=(str(inp),),
+            out=str(out),
+            progress=False,
+            reasoning="drop",
+            max_reject_fraction=1.0,
+            min_turn_coverage=0.0,
+        )
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     t = manifest["totals"]
     assert manifest["config"]["reasoning"] == "drop" and manifest["rejects"] == {"invalid_reasoning": 1}
-    assert (t["samples"], t["reasoning_turns"], t["reasoning_turns_dropped"], t["reasoning_turns_not_rendered"]) == (2, 2, 2, 0)
-    assert "reasoning turns   2 (--reasoning drop; 2 dropped by it, 0 left out by the template)" in \
-        format_build_summary(Manifest.from_json(manifest), out)
+    assert (t["samples"], t["reasoning_turns"], t["reasoning_turns_dropped"], t["reasoning_turns_not_rendered"]) == (
+        2,
+        2,
+        2,
+        0,
+    )
+    assert (
+        "reasoning turns   2 (--reasoning drop; 2 dropped by it, 0 left out by the template)"
+        in format_build_summary(Manifest.from_json(manifest), out)
+    )
 
 
 @pytest.mark.slow  # make test-all: keeps make test within its budget
@@ -228,18 +275,29 @@ def test_inspect_marks_trained_reasoning(tmp_path, qwen35):
 def test_qwen35_reasoning_before_a_tool_call(qwen35):
     """An agent step: reasoning, then only a tool call (no content). Same tokens as the processor; under context the
     call and <|im_end|> are trained, under train the reasoning too."""
-    rec = {"id": "t", "messages": [
-        {"role": "user", "content": "Open the cart."},
-        {"role": "assistant", "reasoning_content": "The cart icon is top right.", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 1, \"y\": 2}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "opened"},
-        {"role": "assistant", "reasoning_content": "It opened.", "content": "Done."}]}
+    rec = {
+        "id": "t",
+        "messages": [
+            {"role": "user", "content": "Open the cart."},
+            {
+                "role": "assistant",
+                "reasoning_content": "The cart icon is top right.",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "click", "arguments": '{"x": 1, "y": 2}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "opened"},
+            {"role": "assistant", "reasoning_content": "It opened.", "content": "Done."},
+        ],
+    }
     msgs = json.loads(json.dumps(rec["messages"]))
     msgs[1]["tool_calls"][0]["function"]["arguments"] = {"x": 1, "y": 2}
     ref = qwen35.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np")["input_ids"][0]
     call = "<tool_call>\n<function=click>\n<parameter=x>\n1\n</parameter>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>"
-    want = {"train": ["The cart icon is top right.\n</think>\n\n" + call, "It opened.\n</think>\n\nDone.<|im_end|>"],
-            "context": [call, "Done.<|im_end|>"]}
+    want = {
+        "train": ["The cart icon is top right.\n</think>\n\n" + call, "It opened.\n</think>\n\nDone.<|im_end|>"],
+        "context": [call, "Done.<|im_end|>"],
+    }
     for policy, trained in want.items():
         _, _, _, s = render(rec, qwen35, policy=MaskPolicy(reasoning=policy))
         assert s.input_ids.tolist() == ref.tolist() and runs(s, qwen35) == trained, policy

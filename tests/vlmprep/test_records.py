@@ -21,7 +21,12 @@ def test_jsonl_zst_json_and_globs_in_stable_order(tmp_path):
     assert [parse_record(r)["id"] for r in recs] == ["a1", "b1", "b2", "c1", "c2"]
     assert [r.position for r in recs] == [0, 1, 2, 3, 4]
     assert [(r.source.file.rsplit("/", 1)[1], r.source.line) for r in recs] == [
-        ("a.jsonl.zst", 1), ("b.jsonl", 1), ("b.jsonl", 2), ("c.json", 1), ("c.json", 2)]
+        ("a.jsonl.zst", 1),
+        ("b.jsonl", 1),
+        ("b.jsonl", 2),
+        ("c.json", 1),
+        ("c.json", 2),
+    ]
 
 
 def test_zst_is_streamed_not_buffered(tmp_path):
@@ -43,8 +48,14 @@ def test_bad_lines_become_record_errors(tmp_path):
             out.append(("ok", parse_record(r)["id"]))
         except RecordError as e:
             out.append(("bad", e.reason, r.source.line))
-    assert out == [("ok", 1), ("bad", "invalid_json", 2), ("bad", "not_an_object", 3), ("bad", "invalid_utf8", 4),
-                   ("bad", "line_too_long", 5), ("ok", 2)]
+    assert out == [
+        ("ok", 1),
+        ("bad", "invalid_json", 2),
+        ("bad", "not_an_object", 3),
+        ("bad", "invalid_utf8", 4),
+        ("bad", "line_too_long", 5),
+        ("ok", 2),
+    ]
 
 
 def test_truncated_zst_stream_keeps_earlier_lines(tmp_path):
@@ -93,7 +104,7 @@ def test_garbage_after_a_large_zst_keeps_the_records_of_its_last_mib(tmp_path):
     p = tmp_path / "big.jsonl.zst"
     with open(p, "wb") as f:
         for i in range(0, 3000, 500):  # several frames, as zstd -T or a concatenation writes
-            f.write(zstandard.ZstdCompressor().compress(_lines(recs[i:i + 500])))
+            f.write(zstandard.ZstdCompressor().compress(_lines(recs[i : i + 500])))
         f.write(b"\x00garbage")
     got = list(iter_records([p]))
     assert [parse_record(r)["id"] for r in got[:-1]] == [str(i) for i in range(3000)]

@@ -1,4 +1,5 @@
 """The reject-reason registry (vlmprep/rejects.py) and the tables keyed by its reasons."""
+
 from vlmprep.rejects import REASONS
 from vlmprep.shards.summary import REJECT_FIXES
 

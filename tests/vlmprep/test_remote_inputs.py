@@ -1,6 +1,7 @@
 """Inputs where they live (issue 46.2): `--in` takes URLs of a store (s3://, gs://, hf://, http(s)://; memory:// here)
 read through fsspec as streams of range reads; the samples equal a local build of the same files, a plan notices an
 input changed in the store, and no credential reaches any output."""
+
 import json
 import shutil
 from pathlib import Path
@@ -26,19 +27,28 @@ def inputs(tmp_path_factory) -> Path:
     half = len(records) // 2
     lines = "".join(json.dumps({"messages": json.loads(oai_json(r)["messages"])}) + "\n" for r in records[:half])
     (d / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    _write([{k: v for k, v in trl(r).items() if k != "id"} for r in records[half:]], d / "b.parquet",
-           row_group_size=2)
+    _write([{k: v for k, v in trl(r).items() if k != "id"} for r in records[half:]], d / "b.parquet", row_group_size=2)
     return d
 
 
 def _build(inp, out: Path, **kw):
-    return build(BuildConfig(inputs=tuple(inp), out=str(out), progress=False, chat_template="qwen2_vl_tools",
-                             seq_len=16384, **kw))
+    return build(
+        BuildConfig(
+            inputs=tuple(inp), out=str(out), progress=False, chat_template="qwen2_vl_tools", seq_len=16384, **kw
+        )
+    )
 
 
 def _samples(out: Path) -> list:
-    return [(s.meta()["id"], s.array("input_ids").tolist(), s.array("loss_mask").tolist(),
-             [im.tobytes() for im in s.images()]) for s in iter_dataset(out)]
+    return [
+        (
+            s.meta()["id"],
+            s.array("input_ids").tolist(),
+            s.array("loss_mask").tolist(),
+            [im.tobytes() for im in s.images()],
+        )
+        for s in iter_dataset(out)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +66,7 @@ def test_a_store_prefix_and_a_glob_build_what_the_local_files_build(inputs, loca
         fs.pipe(f"/bkt/data/{p.name}", p.read_bytes())
     res = _build(["memory://bkt/data/"], tmp_path / "prefix", tasks=2)
     assert _samples(tmp_path / "prefix") == local and local[0][0] == "~a.jsonl.zst:1"
-    assert [i.path for i in res.manifest.inputs] == ["memory://bkt/data/a.jsonl.zst",
-                                                           "memory://bkt/data/b.parquet"]
+    assert [i.path for i in res.manifest.inputs] == ["memory://bkt/data/a.jsonl.zst", "memory://bkt/data/b.parquet"]
     _build(["memory://bkt/data/*.parquet", "memory://bkt/data/a.jsonl.zst"], tmp_path / "glob")
     assert sorted(_samples(tmp_path / "glob")) == sorted(local)
 
@@ -73,7 +82,7 @@ def test_an_http_input_is_read_in_range_requests_never_whole(inputs, local, tmp_
         gets = [(p, r) for m, p, r, _ in srv.log if m == "GET"]
     assert _samples(tmp_path / "o") == local
     assert gets and all(r and r.startswith("bytes=") for _, r in gets), gets
-    spans = [int(b) - int(a) + 1 for a, b in (r[len("bytes="):].split("-") for _, r in gets)]
+    spans = [int(b) - int(a) + 1 for a, b in (r[len("bytes=") :].split("-") for _, r in gets)]
     assert max(spans) <= READ_BLOCK + (1 << 20)
 
 
@@ -82,8 +91,10 @@ def test_an_input_url_that_does_not_exist_or_carries_credentials_is_one_line(tmp
 
     from vlmprep.cli import app
 
-    for url, says in (("memory://bkt/none/x.jsonl", "input not found: memory://bkt/none/x.jsonl"),
-                      ("s3://user:hunter2@bkt/x.jsonl", "--in: a s3:// URL with credentials in it")):
+    for url, says in (
+        ("memory://bkt/none/x.jsonl", "input not found: memory://bkt/none/x.jsonl"),
+        ("s3://user:hunter2@bkt/x.jsonl", "--in: a s3:// URL with credentials in it"),
+    ):
         res = CliRunner().invoke(app, ["build", "--in", url, "--out", str(tmp_path / "o"), "--no-progress"])
         lines = [ln for ln in res.output.splitlines() if ln.strip()]
         assert res.exit_code == 1 and len(lines) == 1 and says in lines[0] and "hunter2" not in res.output, lines
@@ -103,14 +114,27 @@ def test_a_build_from_s3_equals_the_local_one_and_a_changed_input_is_refused(s3_
 
     from vlmprep.cli import app
 
-    args = ["build", "--in", "s3://in-bucket/in/", "--out", str(tmp_path / "o"), "--chat-template", "qwen2_vl_tools",
-            "--seq-len", "16384", "--tasks", "2", "--no-progress"]
+    args = [
+        "build",
+        "--in",
+        "s3://in-bucket/in/",
+        "--out",
+        str(tmp_path / "o"),
+        "--chat-template",
+        "qwen2_vl_tools",
+        "--seq-len",
+        "16384",
+        "--tasks",
+        "2",
+        "--no-progress",
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert _samples(tmp_path / "o") == local
     secret = s3_server["AWS_SECRET_ACCESS_KEY"]
-    assert secret not in res.output and not [p for p in (tmp_path / "o").rglob("*") if p.is_file()
-                                             and secret.encode() in p.read_bytes()]
+    assert secret not in res.output and not [
+        p for p in (tmp_path / "o").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()
+    ]
     plan = json.loads((tmp_path / "o" / "plan.json").read_text())
     assert all(i["etag"] for i in plan["inputs"])
     shutil.rmtree(tmp_path / "o" / "tasks")  # the tasks run again, after the input changed in the bucket
@@ -118,8 +142,9 @@ def test_a_build_from_s3_equals_the_local_one_and_a_changed_input_is_refused(s3_
     fs.pipe("in-bucket/in/a.jsonl.zst", data + zstandard.ZstdCompressor().compress(b"\n"))
     fs.invalidate_cache()
     res = CliRunner().invoke(app, ["build", "--out", str(tmp_path / "o"), "--task-index", "0", "--no-progress"])
-    assert res.exit_code == 1 and "s3://in-bucket/in/a.jsonl.zst changed after the plan was made" in res.output, \
+    assert res.exit_code == 1 and "s3://in-bucket/in/a.jsonl.zst changed after the plan was made" in res.output, (
         res.output
+    )
 
 
 def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_path):
@@ -148,11 +173,30 @@ def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_pat
                 w.write((json.dumps(line) + "\n").encode())
     assert (served / "big.jsonl.zst").stat().st_size > 150 << 20
     with RangeServer(served) as srv:
-        r = subprocess.run([sys.executable, "-c", _PEAK, f"{srv.url}/small.jsonl.zst", f"{srv.url}/big.jsonl.zst",
-                            str(tmp_path / "o1"), str(tmp_path / "o")],
-                           capture_output=True, text=True, timeout=300, cwd=ROOT)
-        longest = max((int(b) - int(a) + 1 for _, p, rng, _ in srv.server.log if rng and p.endswith("big.jsonl.zst")
-                       for a, b in [rng[len("bytes="):].split("-")]), default=0)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _PEAK,
+                f"{srv.url}/small.jsonl.zst",
+                f"{srv.url}/big.jsonl.zst",
+                str(tmp_path / "o1"),
+                str(tmp_path / "o"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        longest = max(
+            (
+                int(b) - int(a) + 1
+                for _, p, rng, _ in srv.server.log
+                if rng and p.endswith("big.jsonl.zst")
+                for a, b in [rng[len("bytes=") :].split("-")]
+            ),
+            default=0,
+        )
     before, peak = map(int, r.stdout.split()[-2:])
     assert peak - before < 150, (before, peak, r.stderr[-2000:])
     assert 0 < longest <= READ_BLOCK + (1 << 20)  # range reads of a block and the read past it, never the object

@@ -33,44 +33,63 @@ def render_record(rec, processor, source=SOURCE, policy=None):
 def trained_runs(sample, tokenizer):
     m = sample.loss_mask.astype(bool)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], m.astype(np.int8), [0]])))
-    return [(int(s), int(e), tokenizer.decode(sample.input_ids[s:e].tolist(), skip_special_tokens=False))
-            for s, e in zip(edges[::2], edges[1::2])]
+    return [
+        (int(s), int(e), tokenizer.decode(sample.input_ids[s:e].tolist(), skip_special_tokens=False))
+        for s, e in zip(edges[::2], edges[1::2])
+    ]
 
 
-THREE_TURNS = {"id": "t3", "messages": [
-    {"role": "system", "content": "You are a browser agent."},
-    {"role": "user", "content": [{"type": "text", "text": "Open the page"},
-                                 {"type": "image_url", "image_url": {"url": png(56, 56, (200, 10, 10))}}]},
-    {"role": "assistant", "content": "I will click the button."},
-    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Clicked."},
-                                                      {"type": "image_url", "image_url": png(112, 56, (0, 90, 0))}]},
-    {"role": "assistant", "content": "Done: the page is open."},
-]}
+THREE_TURNS = {
+    "id": "t3",
+    "messages": [
+        {"role": "system", "content": "You are a browser agent."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Open the page"},
+                {"type": "image_url", "image_url": {"url": png(56, 56, (200, 10, 10))}},
+            ],
+        },
+        {"role": "assistant", "content": "I will click the button."},
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [
+                {"type": "text", "text": "Clicked."},
+                {"type": "image_url", "image_url": png(112, 56, (0, 90, 0))},
+            ],
+        },
+        {"role": "assistant", "content": "Done: the page is open."},
+    ],
+}
 
 
 def test_mask_literal_spans_three_turns_with_tool_image(qwen2vl_processor):
     tok = qwen2vl_processor.tokenizer
     conv, s = render_record(THREE_TURNS, qwen2vl_processor)
     text = tok.decode(s.input_ids.tolist(), skip_special_tokens=False)
-    pads1 = "<|image_pad|>" * 4   # 56x56 -> grid 1x4x4 -> 4 tokens after 2x2 merge
-    pads2 = "<|image_pad|>" * 8   # 112x56 -> grid 1x4x8 -> 8 tokens
+    pads1 = "<|image_pad|>" * 4  # 56x56 -> grid 1x4x4 -> 4 tokens after 2x2 merge
+    pads2 = "<|image_pad|>" * 8  # 112x56 -> grid 1x4x8 -> 8 tokens
     assert text == (
         "<|im_start|>system\nYou are a browser agent.<|im_end|>\n"
         f"<|im_start|>user\nOpen the page<|vision_start|>{pads1}<|vision_end|><|im_end|>\n"
         "<|im_start|>assistant\nI will click the button.<|im_end|>\n"
         f"<|im_start|>tool\nClicked.<|vision_start|>{pads2}<|vision_end|><|im_end|>\n"
-        "<|im_start|>assistant\nDone: the page is open.<|im_end|>\n")
+        "<|im_start|>assistant\nDone: the page is open.<|im_end|>\n"
+    )
     runs = trained_runs(s, tok)
     assert [r[2] for r in runs] == ["I will click the button.<|im_end|>", "Done: the page is open.<|im_end|>"]
     header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     for start, end, _ in runs:
-        assert s.input_ids[start - len(header):start].tolist() == header  # header itself never trained
+        assert s.input_ids[start - len(header) : start].tolist() == header  # header itself never trained
         assert s.input_ids[end - 1] == 151645 and s.input_ids[end] == tok.encode("\n")[0]  # <|im_end|> then "\n"
     assert s.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 8]]
     assert s.mm_token_type_ids.sum() == 12 and (s.input_ids[s.mm_token_type_ids == 1] == 151655).all()
     assert s.loss_mask[s.mm_token_type_ids == 1].sum() == 0
-    assert s.image_spans == [(int(np.flatnonzero(s.input_ids == 151652)[k]), int(np.flatnonzero(s.input_ids == 151653)[k]) + 1)
-                             for k in range(2)]
+    assert s.image_spans == [
+        (int(np.flatnonzero(s.input_ids == 151652)[k]), int(np.flatnonzero(s.input_ids == 151653)[k]) + 1)
+        for k in range(2)
+    ]
 
 
 def _online_ids(processor, conv, images):
@@ -93,9 +112,12 @@ def _llamafactory_records():
 def _demo_records(n):
     from scripts.demo_traces import generate_traces
 
-    return [(r, Source("/tmp/demo.jsonl", i + 1))
-            for i, r in enumerate(generate_traces(n=n, seed=3, min_images=1, max_images=4, width=320, height=200,
-                                                  overlong_fraction=0.0))]
+    return [
+        (r, Source("/tmp/demo.jsonl", i + 1))
+        for i, r in enumerate(
+            generate_traces(n=n, seed=3, min_images=1, max_images=4, width=320, height=200, overlong_fraction=0.0)
+        )
+    ]
 
 
 @pytest.mark.parametrize("proc_fixture", ["qwen2vl_processor", "qwen25vl_processor"])
@@ -132,20 +154,32 @@ def test_special_token_text_is_rejected(qwen2vl_processor):
 
 
 def test_tool_call_turns_are_counted_as_unrendered(qwen2vl_processor):
-    rec = {"messages": [
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "clicking", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 3}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-        {"role": "assistant", "content": "done"}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": "clicking",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "click", "arguments": '{"x": 3}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            {"role": "assistant", "content": "done"},
+        ]
+    }
     _, s = render_record(rec, qwen2vl_processor, policy=TRAIN_CONTENT)
     assert s.unrendered_tool_calls == 1
     assert [r[2] for r in trained_runs(s, qwen2vl_processor.tokenizer)] == ["clicking<|im_end|>", "done<|im_end|>"]
 
 
-@pytest.mark.parametrize("content", ["What does <image> mean in HTML?",
-                                     [{"type": "text", "text": "Render <image> here"},
-                                      {"type": "image_url", "image_url": png(56, 56, (1, 2, 3))}]])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "What does <image> mean in HTML?",
+        [{"type": "text", "text": "Render <image> here"}, {"type": "image_url", "image_url": png(56, 56, (1, 2, 3))}],
+    ],
+)
 def test_image_marker_is_text_in_openai_layout(content, qwen2vl_processor):
     rec = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "An <image> tag."}]}
     conv, s = render_record(rec, qwen2vl_processor)
@@ -157,8 +191,10 @@ def test_image_marker_is_text_in_openai_layout(content, qwen2vl_processor):
 
 def test_image_marker_takes_an_image_only_in_the_sharegpt_layout(qwen2vl_processor):
     img = png(56, 56, (1, 2, 3))
-    sharegpt = {"conversations": [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A square."}],
-                "images": [img]}
+    sharegpt = {
+        "conversations": [{"from": "human", "value": "<image>What is it?"}, {"from": "gpt", "value": "A square."}],
+        "images": [img],
+    }
     conv, s = render_record(sharegpt, qwen2vl_processor)
     assert len(conv.images) == 1 and conv.messages[0].text == "What is it?"
     no_images = {"conversations": sharegpt["conversations"]}
@@ -173,20 +209,31 @@ def test_responses_and_anthropic_parts_render_as_the_processor_renders_plain_par
     tok = qwen2vl_processor.tokenizer
     uri = png(84, 56, (30, 60, 90))
     b64 = uri.split(",", 1)[1]
-    dialect = {"messages": [
-        {"role": "user", "content": [{"type": "input_text", "text": "What is on screen?"},
-                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                  "data": b64}}]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "A blue square.", "annotations": []}]},
-        {"role": "user", "content": [{"type": "input_text", "text": "Delete it."},
-                                     {"type": "input_image", "image_url": uri}]},
-        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't delete files."}]}]}
+    dialect = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is on screen?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "output_text", "text": "A blue square.", "annotations": []}]},
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Delete it."}, {"type": "input_image", "image_url": uri}],
+            },
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't delete files."}]},
+        ]
+    }
     conv, s = render_record(dialect, qwen2vl_processor)
     pil = Image.open(io.BytesIO(__import__("base64").b64decode(b64)))
-    plain = [{"role": "user", "content": [{"type": "text", "text": "What is on screen?"}, {"type": "image", "image": pil}]},
-             {"role": "assistant", "content": [{"type": "text", "text": "A blue square."}]},
-             {"role": "user", "content": [{"type": "text", "text": "Delete it."}, {"type": "image", "image": pil}]},
-             {"role": "assistant", "content": [{"type": "text", "text": "I can't delete files."}]}]
+    plain = [
+        {"role": "user", "content": [{"type": "text", "text": "What is on screen?"}, {"type": "image", "image": pil}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A blue square."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Delete it."}, {"type": "image", "image": pil}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "I can't delete files."}]},
+    ]
     ref = qwen2vl_processor.apply_chat_template(plain, tokenize=True, return_dict=True, return_tensors="np")
     np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0])
     np.testing.assert_array_equal(s.image_grid_thw, ref["image_grid_thw"])
@@ -207,10 +254,12 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
     ctx = RenderContext(processor)
     tok = processor.tokenizer
     pads = [t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t]
-    text = st.lists(st.sampled_from(list("ab \n\u00e9\u4e2d<|>") + ["<|im_end|>", "[IMG]", "<|patch|>"]),
-                    max_size=12).map("".join)
-    pieces = st.lists(st.one_of(text, st.builds(lambda t, k: t * k, st.sampled_from(pads), st.integers(1, 40))),
-                      max_size=8)
+    text = st.lists(
+        st.sampled_from(list("ab \n\u00e9\u4e2d<|>") + ["<|im_end|>", "[IMG]", "<|patch|>"]), max_size=12
+    ).map("".join)
+    pieces = st.lists(
+        st.one_of(text, st.builds(lambda t, k: t * k, st.sampled_from(pads), st.integers(1, 40))), max_size=8
+    )
 
     counts: dict[str, int] = {}  # kept over every example, as over the candidates of one split search
 
@@ -236,10 +285,19 @@ def test_count_tokens_is_the_rendered_length(name):
     from vlmprep.render import count_tokens
 
     processor = load_family_processor(name)
-    rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"},
-                                                     {"type": "image_url", "image_url": {"url": png(56, 84, (1, 2, 3))}},
-                                                     {"type": "image_url", "image_url": {"url": png(140, 28, (9, 2, 3))}}]},
-                        {"role": "assistant", "content": "Two pictures."}]}
+    rec = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look"},
+                    {"type": "image_url", "image_url": {"url": png(56, 84, (1, 2, 3))}},
+                    {"type": "image_url", "image_url": {"url": png(140, 28, (9, 2, 3))}},
+                ],
+            },
+            {"role": "assistant", "content": "Two pictures."},
+        ]
+    }
     conv = normalize_record(rec, Source("/tmp/x.jsonl", 1), NormalizeOptions())
     ctx = RenderContext(processor)
     images = [prepare_image(im, processor, ctx.family, max_pixels=10**8) for im in conv.images]

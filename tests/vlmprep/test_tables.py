@@ -1,6 +1,7 @@
 """Parquet and Arrow inputs (issue 46): the real records of ../shared/data/real_traces written as tables in each layout
 the Hub's VLM data comes in build into the samples their JSONL builds into: token ids, loss masks, grids and image
 pixels equal, ids too where the table carries them."""
+
 import base64
 import json
 import os
@@ -39,10 +40,13 @@ def _parts(content) -> list[dict]:
 
 # --- each layout, from an OpenAI record (None: the layout cannot say this record) ---
 
+
 def oai_json(r: dict) -> dict:
     """OpenAI records with `messages` (and `tools`) as JSON string columns, images inlined as data URIs."""
-    msgs = [{**m, "content": [_inline(p) for p in m["content"]] if isinstance(m.get("content"), list)
-             else m.get("content")} for m in r["messages"]]
+    msgs = [
+        {**m, "content": [_inline(p) for p in m["content"]] if isinstance(m.get("content"), list) else m.get("content")}
+        for m in r["messages"]
+    ]
     return {"id": r["id"], "messages": json.dumps(msgs), "tools": json.dumps(r["tools"]) if "tools" in r else None}
 
 
@@ -58,8 +62,12 @@ def oai_struct(r: dict) -> dict:
     schema unification filling each absent field with null; tools as a JSON string (their schemas differ)."""
     msgs = []
     for m in r["messages"]:
-        msgs.append({**{k: v for k, v in m.items() if k != "content"},
-                     "content": [_inline(p) for p in _parts(m.get("content"))]})
+        msgs.append(
+            {
+                **{k: v for k, v in m.items() if k != "content"},
+                "content": [_inline(p) for p in _parts(m.get("content"))],
+            }
+        )
     return {"id": r["id"], "messages": msgs, "tools": json.dumps(r["tools"]) if "tools" in r else None}
 
 
@@ -76,8 +84,12 @@ def trl(r: dict) -> dict:
             else:
                 parts.append(p)
         msgs.append({**{k: v for k, v in m.items() if k != "content"}, "content": parts})
-    return {"id": r["id"], "messages": msgs, "images": images,
-            "tools": json.dumps(r["tools"]) if "tools" in r else None}
+    return {
+        "id": r["id"],
+        "messages": msgs,
+        "images": images,
+        "tools": json.dumps(r["tools"]) if "tools" in r else None,
+    }
 
 
 def sharegpt(r: dict) -> dict | None:
@@ -106,8 +118,9 @@ def cauldron(r: dict) -> dict | None:
     for i in range(0, len(msgs), 2):
         parts = _parts(msgs[i]["content"])
         kinds = [p["type"] for p in parts]
-        if kinds != (["image_url"] * (len(parts) - 1) if i == 0 else []) + ["text"] or \
-                not isinstance(msgs[i + 1]["content"], str):
+        if kinds != (["image_url"] * (len(parts) - 1) if i == 0 else []) + ["text"] or not isinstance(
+            msgs[i + 1]["content"], str
+        ):
             return None
         images += [_image_bytes(p["image_url"]["url"]) for p in parts if p["type"] == "image_url"]
         texts.append({"user": parts[-1]["text"], "assistant": msgs[i + 1]["content"], "source": "real_traces"})
@@ -119,12 +132,18 @@ LAYOUTS = {"oai_json": oai_json, "oai_struct": oai_struct, "trl": trl, "sharegpt
 
 def _absolute(r: dict) -> dict:
     """The record as it is, its image paths made absolute (under --image-root REAL) for a copy written elsewhere."""
+
     def part(p):
         url = p.get("image_url", {}).get("url", "") if p.get("type") == "image_url" else ""
         return {**p, "image_url": {"url": str(REAL / url)}} if url and not DATA_URI.match(url) else p
 
-    return {**r, "messages": [{**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list)
-                              else m for m in r["messages"]]}
+    return {
+        **r,
+        "messages": [
+            {**m, "content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in r["messages"]
+        ],
+    }
 
 
 def _write(rows: list[dict], path: Path, *, row_group_size: int = 4) -> Path:
@@ -136,14 +155,15 @@ def _write(rows: list[dict], path: Path, *, row_group_size: int = 4) -> Path:
 
 
 def _build(inp: Path, out: Path, **kw):
-    cfg = dict(chat_template="qwen2_vl_tools", progress=False, image_root=str(REAL), seq_len=16384,
-               long_traces="split")
+    cfg = dict(chat_template="qwen2_vl_tools", progress=False, image_root=str(REAL), seq_len=16384, long_traces="split")
     return build(BuildConfig(inputs=(str(inp),), out=str(out), **{**cfg, **kw}))
 
 
 def _samples(out: Path) -> list[tuple]:
-    return [(s.meta()["id"], s.array("input_ids"), s.array("loss_mask"), s.array("image_grid_thw"), s.images())
-            for s in iter_dataset(out)]
+    return [
+        (s.meta()["id"], s.array("input_ids"), s.array("loss_mask"), s.array("image_grid_thw"), s.images())
+        for s in iter_dataset(out)
+    ]
 
 
 def _assert_same(got: list[tuple], want: list[tuple], *, ids: bool = True) -> None:
@@ -223,8 +243,9 @@ def test_rows_without_ids_get_file_and_row_ids_and_a_row_of_no_layout_is_one_rej
     assert res.manifest.rejects == {"unknown_layout": 1}
     reject = json.loads((tmp_path / "o" / "rejects.jsonl").read_text())
     assert reject["source"] == {"file": str(tmp_path / "t.parquet"), "line": 3}
-    assert reject["message"].startswith("a row with columns answer, question (null: images, messages, tools): none "
-                                        "of the layouts vlmprep reads")
+    assert reject["message"].startswith(
+        "a row with columns answer, question (null: images, messages, tools): none of the layouts vlmprep reads"
+    )
 
 
 def test_a_file_that_is_not_a_table_is_one_reject_and_the_other_inputs_land(tmp_path):
@@ -279,16 +300,33 @@ def test_a_row_group_larger_than_memory_allows_is_read_in_bounded_slices(tmp_pat
     import pyarrow.parquet as pq
 
     cell = os.urandom(8 << 20)
-    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]},
-                                         {"role": "assistant", "content": [{"type": "text", "text": "!"}]}],
-             "images": [{"bytes": cell[i:] + cell[:i], "path": None}]} for i in range(48)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "!"}]},
+            ],
+            "images": [{"bytes": cell[i:] + cell[:i], "path": None}],
+        }
+        for i in range(48)
+    ]
     for name, n in (("one", 1), ("big", 48)):
-        pq.write_table(pa.Table.from_pylist(rows[:n]), tmp_path / f"{name}.parquet", row_group_size=48,
-                       compression="none", write_batch_size=1)
+        pq.write_table(
+            pa.Table.from_pylist(rows[:n]),
+            tmp_path / f"{name}.parquet",
+            row_group_size=48,
+            compression="none",
+            write_batch_size=1,
+        )
     del rows, cell
-    r = subprocess.run([sys.executable, "-c", _PEAK, *(str(tmp_path / n) for n in ("one.parquet", "big.parquet",
-                                                                                   "o1", "o"))],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK, *(str(tmp_path / n) for n in ("one.parquet", "big.parquet", "o1", "o"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     before, peak = map(int, r.stdout.split()[-2:])
     # ~90 MB alone, ~180 MB beside a loaded make test; the row group read whole costs 2x its 384 MB
     assert peak - before < 250, (before, peak, r.stderr[-2000:])

@@ -1,6 +1,7 @@
 """Agent traces whose assistant turns act through tool_calls: rejected by default where the template cannot render
 them (Qwen2-VL), trained with the call JSON under a tool-aware --chat-template, dropped from the loss on request,
 and trained natively where the template renders tool calls (Qwen3-VL)."""
+
 import io
 import json
 from pathlib import Path
@@ -17,21 +18,56 @@ from vlmprep.render import MaskPolicy
 from vlmprep.types import RecordError
 
 TOOLS_TEMPLATE = Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"
-TRACE = {"id": "agent", "tools": [{"type": "function", "function": {
-    "name": "click", "description": "Click at a point.",
-    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}],
+TRACE = {
+    "id": "agent",
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "click",
+                "description": "Click at a point.",
+                "parameters": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}},
+            },
+        }
+    ],
     "messages": [
         {"role": "system", "content": "You are a browser agent."},
-        {"role": "user", "content": [{"type": "text", "text": "Find the price."},
-                                     {"type": "image_url", "image_url": png(56, 56, (200, 10, 10))}]},
-        {"role": "assistant", "content": "I will search.", "tool_calls": [{"id": "call_0001", "type": "function", "function": {
-            "name": "search", "arguments": "{\"query\": \"espresso grinder\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_0001", "content": [
-            {"type": "text", "text": "Results shown."}, {"type": "image_url", "image_url": png(112, 56, (0, 90, 0))}]},
-        {"role": "assistant", "tool_calls": [{"id": "call_0002", "type": "function", "function": {
-            "name": "click", "arguments": {"x": 12, "y": 30}}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Find the price."},
+                {"type": "image_url", "image_url": png(56, 56, (200, 10, 10))},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": "I will search.",
+            "tool_calls": [
+                {
+                    "id": "call_0001",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"query": "espresso grinder"}'},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_0001",
+            "content": [
+                {"type": "text", "text": "Results shown."},
+                {"type": "image_url", "image_url": png(112, 56, (0, 90, 0))},
+            ],
+        },
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "call_0002", "type": "function", "function": {"name": "click", "arguments": {"x": 12, "y": 30}}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_0002", "content": "Clicked."},
-        {"role": "assistant", "content": "The grinder costs $500."}]}
+        {"role": "assistant", "content": "The grinder costs $500."},
+    ],
+}
 
 SEARCH = 'I will search.\n<tool_call>\n{"name": "search", "arguments": {"query": "espresso grinder"}}\n</tool_call><|im_end|>'
 CLICK = '<tool_call>\n{"name": "click", "arguments": {"x": 12, "y": 30}}\n</tool_call><|im_end|>'
@@ -46,8 +82,9 @@ def online_ids(processor, ctx, conv, images):
             for part in m["content"]:
                 if part["type"] == "image":
                     part["image"] = next(pil)
-    out = processor.apply_chat_template(msgs, chat_template=ctx.chat_template, tools=conv.tools, tokenize=True,
-                                        return_dict=True, return_tensors="np")
+    out = processor.apply_chat_template(
+        msgs, chat_template=ctx.chat_template, tools=conv.tools, tokenize=True, return_dict=True, return_tensors="np"
+    )
     return out["input_ids"][0]
 
 
@@ -87,7 +124,8 @@ def test_qwen3_vl_renders_tool_calls_natively():
 def test_a_template_that_drops_the_arguments_is_not_trusted():
     lossy = TOOLS_TEMPLATE.read_text().replace(
         "{% if tool_call['arguments'] is string %}{{ tool_call['arguments'] }}{% else %}{{ tool_call['arguments'] | tojson }}{% endif %}",
-        "{}")
+        "{}",
+    )
     assert lossy != TOOLS_TEMPLATE.read_text()
     with pytest.raises(RecordError) as e:
         render(TRACE, load_family_processor("qwen2-vl"), chat_template=lossy)
@@ -112,23 +150,38 @@ def test_build_rejects_then_trains_with_the_chat_template_flag(tmp_path):
 
 
 # Arguments as the user wrote them: number forms, duplicate keys, escapes and spacing a re-serialization would change.
-RAW_ARGS = ['{"q":"cats","n":1e5}', '{"a": 1, "a": 2, "s": "caf\\u00e9\\n\\"x\\""}', '{ "nested" : {"k" : [1.50, true]} }']
+RAW_ARGS = [
+    '{"q":"cats","n":1e5}',
+    '{"a": 1, "a": 2, "s": "caf\\u00e9\\n\\"x\\""}',
+    '{ "nested" : {"k" : [1.50, true]} }',
+]
 
 
 def verbatim_record(arguments):
-    return {"id": "verbatim", "messages": [
-        {"role": "user", "content": "Search for cats."},
-        {"role": "assistant", "content": "Searching.", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": a}} for a in arguments]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "3 results."},
-        {"role": "assistant", "content": "Found them."}]}
+    return {
+        "id": "verbatim",
+        "messages": [
+            {"role": "user", "content": "Search for cats."},
+            {
+                "role": "assistant",
+                "content": "Searching.",
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": a}}
+                    for a in arguments
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "3 results."},
+            {"role": "assistant", "content": "Found them."},
+        ],
+    }
 
 
 def record_ids(processor, rec, chat_template=None):
     """apply_chat_template on the user's own record (its messages as given: no vlmprep conversion)."""
     kw = {"chat_template": chat_template} if chat_template else {}
-    return np.asarray(processor.apply_chat_template(rec["messages"], tokenize=True, return_dict=True,
-                                                    **kw)["input_ids"]).reshape(-1)
+    return np.asarray(
+        processor.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, **kw)["input_ids"]
+    ).reshape(-1)
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +235,12 @@ def test_legacy_function_call_and_refusal_match_the_template_on_todays_format(qw
     conv, _, ctx, s = render(LEGACY, qwen3vl)
     np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, MODERN))
     assert '"arguments": {"city":"Paris"}}' in "".join(r[2] for r in trained_runs(s, qwen3vl.tokenizer))
-    refusal = {"messages": [{"role": "user", "content": "Do a bad thing."},
-                            {"role": "assistant", "content": None, "refusal": "I can't help with that."}]}
+    refusal = {
+        "messages": [
+            {"role": "user", "content": "Do a bad thing."},
+            {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+        ]
+    }
     conv, _, ctx, s = render(refusal, qwen3vl)
     as_content = {"messages": [refusal["messages"][0], {"role": "assistant", "content": "I can't help with that."}]}
     np.testing.assert_array_equal(s.input_ids, record_ids(qwen3vl, as_content))
@@ -194,8 +251,16 @@ def test_nulls_inside_arguments_and_tools_are_values(qwen3vl):
     # Null fields of the record are absent (Arrow schema unification), but inside an arguments object or a tool
     # spec the template prints them: kept, so the ids equal apply_chat_template on the record.
     rec = verbatim_record([{"q": "cats", "page": None}])
-    rec["tools"] = [{"type": "function", "function": {"name": "search", "description": None, "parameters": {
-        "type": "object", "properties": {"q": {"type": "string", "default": None}}}}}]
+    rec["tools"] = [
+        {
+            "type": "function",
+            "function": {
+                "name": "search",
+                "description": None,
+                "parameters": {"type": "object", "properties": {"q": {"type": "string", "default": None}}},
+            },
+        }
+    ]
     conv, _, ctx, s = render(rec, qwen3vl)
     kw = {"tools": rec["tools"]}
     ref = qwen3vl.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, **kw)["input_ids"]

@@ -1,5 +1,6 @@
 """Long agent traces: --long-traces split (every trained turn in exactly one sample, each sample the exact render of
 its own message list), --keep-images last:N, --min/--max-pixels, determinism, and the per-record turn accounting."""
+
 import base64
 import hashlib
 import io
@@ -162,20 +163,32 @@ def test_keep_last_images_drops_or_replaces_earlier_ones():
 
 # ---- end to end on demo agent traces -------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     from scripts.demo_traces import write_traces
 
     p = tmp_path_factory.mktemp("steps") / "t.jsonl.zst"
-    write_traces(p, n=6, seed=1, min_images=3, max_images=10, width=320, height=200, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    write_traces(
+        p,
+        n=6,
+        seed=1,
+        min_images=3,
+        max_images=10,
+        width=320,
+        height=200,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
     return p
 
 
 def raw_records(path):
     import zstandard
 
-    return [json.loads(line) for line in zstandard.ZstdDecompressor().stream_reader(open(path, "rb")).read().splitlines()]
+    return [
+        json.loads(line) for line in zstandard.ZstdDecompressor().stream_reader(open(path, "rb")).read().splitlines()
+    ]
 
 
 def build_steps(traces, out, **kw):
@@ -243,7 +256,9 @@ def reference_messages(record, meta, dropped_text=None, parse_arguments=False):
                 removed = k in meta["removed_images"]
                 if i in held and not removed:
                     url = p["image_url"]["url"] if isinstance(p["image_url"], dict) else p["image_url"]
-                    new.append({"type": "image", "image": Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))})
+                    new.append(
+                        {"type": "image", "image": Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))}
+                    )
                 elif i in held and dropped_text is not None:
                     new.append({"type": "text", "text": dropped_text})
                 k += 1
@@ -252,15 +267,29 @@ def reference_messages(record, meta, dropped_text=None, parse_arguments=False):
         if i in held:
             m = {**m, "content": new}
             if parse_arguments and m.get("tool_calls"):
-                m["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments": json.loads(a) if isinstance(
-                    a := tc["function"]["arguments"], str) else a}} for tc in m["tool_calls"]]
+                m["tool_calls"] = [
+                    {
+                        **tc,
+                        "function": {
+                            **tc["function"],
+                            "arguments": json.loads(a) if isinstance(a := tc["function"]["arguments"], str) else a,
+                        },
+                    }
+                    for tc in m["tool_calls"]
+                ]
             out.append(m)
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen2-vl", pytest.param("qwen2.5-vl", marks=pytest.mark.slow),
-                                  pytest.param("qwen3-vl", marks=pytest.mark.slow),
-                                  pytest.param("qwen3.5", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2-vl",
+        pytest.param("qwen2.5-vl", marks=pytest.mark.slow),
+        pytest.param("qwen3-vl", marks=pytest.mark.slow),
+        pytest.param("qwen3.5", marks=pytest.mark.slow),
+    ],
+)
 def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces, tmp_path):
     """Qwen3.5's template rewrites earlier turns (think-stripping before the last user query): split samples are
     still exactly what it renders from their own message lists."""
@@ -268,8 +297,15 @@ def test_each_split_sample_is_the_exact_render_of_its_own_messages(name, traces,
 
     kw = {"chat_template": TOOLS_TEMPLATE} if name in ("qwen2-vl", "qwen2.5-vl") else {"chat_template": None}
     out = tmp_path / name
-    res = build_steps(traces, out, processor=f"builtin:{name}", long_traces="split", keep_images=3,
-                      dropped_image_text="[earlier screenshot]", **kw)
+    res = build_steps(
+        traces,
+        out,
+        processor=f"builtin:{name}",
+        long_traces="split",
+        keep_images=3,
+        dropped_image_text="[earlier screenshot]",
+        **kw,
+    )
     assert res.manifest.totals["split_samples"] > 0
     proc = AutoProcessor.from_pretrained(str(out / "processor"), local_files_only=True)
     records = raw_records(traces)
@@ -314,10 +350,15 @@ def test_max_pixels_is_saved_and_gives_the_processors_own_grid(traces, tmp_path)
     from trainer.data.vision import ImageSpec, Patchifier
 
     spec = ImageSpec.from_config(load_image_processor_config(str(out / "processor")))
-    decoded = [decode_sample(m, key=k, url=str(p), spec=spec, resize_original=OriginalResizer(spec))
-               for p in sorted(out.glob("shard-*.tar")) for _, k, m in iter_tar_samples(str(p), lambda i: True)]
-    batch = collate(decoded[:2], CollateSpec(pad_id=151643, image_token_id=151655, patch_size=spec.patch_size,
-                                             merge_size=spec.merge_size))
+    decoded = [
+        decode_sample(m, key=k, url=str(p), spec=spec, resize_original=OriginalResizer(spec))
+        for p in sorted(out.glob("shard-*.tar"))
+        for _, k, m in iter_tar_samples(str(p), lambda i: True)
+    ]
+    batch = collate(
+        decoded[:2],
+        CollateSpec(pad_id=151643, image_token_id=151655, patch_size=spec.patch_size, merge_size=spec.merge_size),
+    )
     pixels = Patchifier(spec, "cpu")(batch.images, batch.image_index)
     assert pixels.shape[0] == int(batch.image_grid_thw.prod(dim=1).sum())
 
@@ -334,16 +375,34 @@ def test_split_build_is_byte_identical_for_any_worker_count(traces, tmp_path, qw
 
 def test_a_step_that_cannot_fit_is_rejected_with_its_reason_and_the_rest_lands(tmp_path, qwen2vl_processor):
     long = " ".join(f"w{i}" for i in range(600))
-    rec = {"id": "r", "messages": [{"role": "user", "content": "task"}, {"role": "assistant", "content": "step one"},
-                                   {"role": "user", "content": "go on"}, {"role": "assistant", "content": long},
-                                   {"role": "user", "content": "and"}, {"role": "assistant", "content": "step three"}]}
+    rec = {
+        "id": "r",
+        "messages": [
+            {"role": "user", "content": "task"},
+            {"role": "assistant", "content": "step one"},
+            {"role": "user", "content": "go on"},
+            {"role": "assistant", "content": long},
+            {"role": "user", "content": "and"},
+            {"role": "assistant", "content": "step three"},
+        ],
+    }
     ok = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     p = tmp_path / "r.jsonl"
     p.write_text(json.dumps(rec) + "\n" + json.dumps(ok) + "\n")
-    res = build(BuildConfig(inputs=(str(p),), out=str(tmp_path / "o"), seq_len=128, long_traces="split",
-                            progress=False, min_turn_coverage=0.0))  # a lost turn on purpose
+    res = build(
+        BuildConfig(
+            inputs=(str(p),),
+            out=str(tmp_path / "o"),
+            seq_len=128,
+            long_traces="split",
+            progress=False,
+            min_turn_coverage=0.0,
+        )
+    )  # a lost turn on purpose
     rejects = [json.loads(line) for line in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
-    assert [(r["reason"], r["id"]) for r in rejects] == [("turn_too_long", "r")] and "messages[3]" in rejects[0]["message"]
+    assert [(r["reason"], r["id"]) for r in rejects] == [("turn_too_long", "r")] and "messages[3]" in rejects[0][
+        "message"
+    ]
     ids = sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o"))
     assert "ok" in ids and any(i.startswith("r#") for i in ids)
     assert res.manifest.turns["lost"]["turn_too_long"] == 1
@@ -363,8 +422,15 @@ def test_demo_traces_coverage_split_is_complete_and_truncate_reports_todays(seq_
     records = raw_records(inp)
     tok = qwen2vl_processor.tokenizer
     for mode in ("truncate", "split"):
-        res = build_steps(inp, tmp_path / mode, seq_len=seq_len, long_traces=mode, workers=2, samples_per_shard=16,
-                          min_turn_coverage=0.0 if mode == "truncate" else 0.95)
+        res = build_steps(
+            inp,
+            tmp_path / mode,
+            seq_len=seq_len,
+            long_traces=mode,
+            workers=2,
+            samples_per_shard=16,
+            min_turn_coverage=0.0 if mode == "truncate" else 0.95,
+        )
         n, trained = coverage_from_shards(tmp_path / mode, records, tok)
         assert n == 888 and res.manifest.turns["trained_assistant_turns"] == trained
         if mode == "split":
@@ -386,10 +452,20 @@ def test_real_agent_trajectories_train_no_step_without_the_screen_it_acts_on(tmp
     files = [REAL_TRACES / "opencua.jsonl", REAL_TRACES / "webvoyager.jsonl"]
     if not all(f.is_file() for f in files):
         pytest.skip(f"real trajectories not found under {REAL_TRACES} (VLMPREP_REAL_TRACES names another place)")
-    res = build(BuildConfig(inputs=tuple(map(str, files)), out=str(tmp_path / "o"), chat_template="qwen2_vl_tools",
-                            progress=False, workers=2))
-    roles = {(str(f), i + 1): [m["role"] for m in json.loads(line)["messages"]]
-             for f in files for i, line in enumerate(f.read_text(encoding="utf-8").splitlines())}
+    res = build(
+        BuildConfig(
+            inputs=tuple(map(str, files)),
+            out=str(tmp_path / "o"),
+            chat_template="qwen2_vl_tools",
+            progress=False,
+            workers=2,
+        )
+    )
+    roles = {
+        (str(f), i + 1): [m["role"] for m in json.loads(line)["messages"]]
+        for f in files
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines())
+    }
     checked, split = 0, 0
     for s in iter_dataset(tmp_path / "o"):
         meta = s.meta()

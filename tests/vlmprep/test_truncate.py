@@ -30,12 +30,25 @@ def make_sample(texts, grids, trained):
     mask += [int(trained[-1])] * texts[-1]
     ids = np.array(ids, dtype=np.int32)
     grid_arr = np.array(grids, dtype=np.int32).reshape(-1, 3)
-    images = [PreparedImage(pixels=np.zeros((h * 14, w * 14, 3), np.uint8), grid_thw=g, source=ImageData(b"", "x"),
-                            digest=str(k)) for k, g in enumerate(grids) for (_, h, w) in [g]]
-    return RenderedSample(id="s", source=Source("f", 1), input_ids=ids, loss_mask=np.array(mask, np.uint8),
-                          mm_token_type_ids=(ids == IMG).astype(np.uint8),
-                          position_ids=mrope_position_ids(len(ids), runs, grid_arr, 2), image_grid_thw=grid_arr,
-                          images=images, image_spans=spans, num_tokens_before_truncation=len(ids))
+    images = [
+        PreparedImage(
+            pixels=np.zeros((h * 14, w * 14, 3), np.uint8), grid_thw=g, source=ImageData(b"", "x"), digest=str(k)
+        )
+        for k, g in enumerate(grids)
+        for (_, h, w) in [g]
+    ]
+    return RenderedSample(
+        id="s",
+        source=Source("f", 1),
+        input_ids=ids,
+        loss_mask=np.array(mask, np.uint8),
+        mm_token_type_ids=(ids == IMG).astype(np.uint8),
+        position_ids=mrope_position_ids(len(ids), runs, grid_arr, 2),
+        image_grid_thw=grid_arr,
+        images=images,
+        image_spans=spans,
+        num_tokens_before_truncation=len(ids),
+    )
 
 
 def check_invariants(out, full):
@@ -95,8 +108,10 @@ def test_an_image_that_alone_fills_most_of_seq_len_names_the_pixel_budget():
     full.images[0].source_size = (1280, 5808)
     with pytest.raises(RecordError) as e:
         truncate_sample(full, 10)
-    assert e.value.message == ("25 tokens cut to 2 (seq_len=10) leaves no trained token; image 1 (1280x5808) alone "
-                               "takes 18 tokens: lower --max-pixels, or raise --seq-len")
+    assert e.value.message == (
+        "25 tokens cut to 2 (seq_len=10) leaves no trained token; image 1 (1280x5808) alone "
+        "takes 18 tokens: lower --max-pixels, or raise --seq-len"
+    )
     with pytest.raises(RecordError) as e:  # an image of under half of seq_len: no hint
         truncate_sample(make_sample([30, 5], [(1, 8, 8)], [False, True]), 40)
     assert e.value.message == "53 tokens cut to 30 (seq_len=40) leaves no trained token"

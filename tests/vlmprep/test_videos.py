@@ -2,6 +2,7 @@
 ids, grids, second_per_grid_ts, mm types, pixel values of the stored frames, MRoPE positions = get_rope_index),
 with videos made here by PyAV: different sizes, rates and lengths, an odd sampled frame count, one below the
 processor's minimum frames; a frame list equals the same frames in a lossless file."""
+
 import base64
 import hashlib
 import io
@@ -51,20 +52,37 @@ def clips(tmp_path_factory):
 
 def _record(with_paths: bool, clips_data) -> dict:
     """Videos as a path, a video_url data URI and a `video` path; an image; a tool call and its result."""
+
     def video(k):
         if k % 2 or not with_paths:
             return {"type": "video_url", "video_url": {"url": _uri(clips_data[k], "video/mp4")}}
         return {"type": "video", "video": f"clip{k}.mp4"}
 
-    return {"id": "v", "messages": [
-        {"role": "system", "content": "You watch videos."},
-        {"role": "user", "content": [video(0), {"type": "text", "text": "What moves here"},
-                                     {"type": "image_url", "image_url": {"url": "shot.png"}}, video(1)]},
-        {"role": "assistant", "content": "Let me look closer.", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "seek", "arguments": '{"t": 1.5}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "seeked"},
-        {"role": "user", "content": [video(2), video(3), {"type": "text", "text": "And these?"}, video(4)]},
-        {"role": "assistant", "content": "A square crosses each clip."}]}
+    return {
+        "id": "v",
+        "messages": [
+            {"role": "system", "content": "You watch videos."},
+            {
+                "role": "user",
+                "content": [
+                    video(0),
+                    {"type": "text", "text": "What moves here"},
+                    {"type": "image_url", "image_url": {"url": "shot.png"}},
+                    video(1),
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": "Let me look closer.",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "seek", "arguments": '{"t": 1.5}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "seeked"},
+            {"role": "user", "content": [video(2), video(3), {"type": "text", "text": "And these?"}, video(4)]},
+            {"role": "assistant", "content": "A square crosses each clip."},
+        ],
+    }
 
 
 def _reference(processor, conv_messages, clips_data, image, **kw):
@@ -78,14 +96,28 @@ def _reference(processor, conv_messages, clips_data, image, **kw):
     for m in conv_messages:
         m = dict(m)
         if isinstance(m.get("content"), list):
-            m["content"] = [{**c, "video": next(vids)[0]} if c["type"] == "video" else
-                            {**c, "image": image} if c["type"] == "image" else c for c in m["content"]]
+            m["content"] = [
+                {**c, "video": next(vids)[0]}
+                if c["type"] == "video"
+                else {**c, "image": image}
+                if c["type"] == "image"
+                else c
+                for c in m["content"]
+            ]
         msgs.append(m)
     meta = [VideoMetadata(total_num_frames=len(f), fps=fps) for f, fps in decoded]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt",
-                                             do_sample_frames=True, fps=2.0, video_metadata=meta, **kw)
+        return processor.apply_chat_template(
+            msgs,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            do_sample_frames=True,
+            fps=2.0,
+            video_metadata=meta,
+            **kw,
+        )
 
 
 def _read_one(out):
@@ -95,8 +127,10 @@ def _read_one(out):
         members = {m.name.split(".", 1)[1]: tf.extractfile(m).read() for m in tf}
     arrays = {k[:-4]: np.load(io.BytesIO(v), allow_pickle=False) for k, v in members.items() if k.endswith(".npy")}
     meta = json.loads(members["json"])
-    videos = [np.stack([decode_stored_image(n, members[n]) for n in sorted(members) if n.startswith(v["member"] + ".")])
-              for v in meta["videos"]]
+    videos = [
+        np.stack([decode_stored_image(n, members[n]) for n in sorted(members) if n.startswith(v["member"] + ".")])
+        for v in meta["videos"]
+    ]
     return arrays, meta, videos
 
 
@@ -108,8 +142,11 @@ def _assert_pixels_equal(processor, videos, want) -> None:
     for v in videos:
         t = torch.from_numpy(v).permute(0, 3, 1, 2)[None].contiguous()
         t = vp.rescale_and_normalize(t, True, vp.rescale_factor, True, vp.image_mean, vp.image_std)
-        mine.append(vp.patchify(t, patch_size=vp.patch_size, merge_size=vp.merge_size,
-                                temporal_patch_size=vp.temporal_patch_size)[0][0])
+        mine.append(
+            vp.patchify(
+                t, patch_size=vp.patch_size, merge_size=vp.merge_size, temporal_patch_size=vp.temporal_patch_size
+            )[0][0]
+        )
     got = torch.cat(mine)
     want = torch.as_tensor(want)
     assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
@@ -120,10 +157,14 @@ def _rope_model(family: str):
     """The model class's get_rope_index with a config, no weights: what the model computes positions with."""
     import transformers as tf
 
-    cls, cfg = {"qwen2-vl": (tf.Qwen2VLModel, tf.Qwen2VLConfig(vision_config={"spatial_merge_size": 2})),
-                "qwen2.5-vl": (tf.Qwen2_5_VLModel, tf.Qwen2_5_VLConfig(
-                    vision_config={"spatial_merge_size": 2, "tokens_per_second": 2})),
-                "qwen3-vl": (tf.Qwen3VLModel, tf.Qwen3VLConfig(vision_config={"spatial_merge_size": 2}))}[family]
+    cls, cfg = {
+        "qwen2-vl": (tf.Qwen2VLModel, tf.Qwen2VLConfig(vision_config={"spatial_merge_size": 2})),
+        "qwen2.5-vl": (
+            tf.Qwen2_5_VLModel,
+            tf.Qwen2_5_VLConfig(vision_config={"spatial_merge_size": 2, "tokens_per_second": 2}),
+        ),
+        "qwen3-vl": (tf.Qwen3VLModel, tf.Qwen3VLConfig(vision_config={"spatial_merge_size": 2})),
+    }[family]
     m = cls.__new__(cls)
     torch.nn.Module.__init__(m)
     m.config = cfg
@@ -138,15 +179,29 @@ def built(clips, tmp_path_factory):
     res = {}
     for fam in FAMILIES:
         out = tmp_path_factory.mktemp(fam)
-        build(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}", seq_len=32768,
-                          tool_calls="train-content", progress=False, overwrite=True))
+        build(
+            BuildConfig(
+                inputs=(str(d / "r.jsonl"),),
+                out=str(out),
+                processor=f"builtin:{fam}",
+                seq_len=32768,
+                tool_calls="train-content",
+                progress=False,
+                overwrite=True,
+            )
+        )
         processor = load_processor(str(out / "processor"))
         from vlmprep.normalize import normalize_record
         from vlmprep.process import Renderer
         from vlmprep.types import Source
 
-        r = Renderer(BuildConfig(inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}",
-                                 tool_calls="train-content"), processor, saved=True)
+        r = Renderer(
+            BuildConfig(
+                inputs=(str(d / "r.jsonl"),), out=str(out), processor=f"builtin:{fam}", tool_calls="train-content"
+            ),
+            processor,
+            saved=True,
+        )
         conv = normalize_record(_record(True, data), Source(str(d / "r.jsonl"), 1), r.norm)
         image = Image.open(d / "shot.png")
         res[fam] = (out, processor, _reference(processor, r.ctx.messages(conv), data, image))
@@ -173,9 +228,13 @@ def test_video_sample_equals_the_processors_output(family, built):
     _assert_pixels_equal(processor, videos, ref["pixel_values_videos"])
     # Positions: the model's own get_rope_index with the videos.
     kw = {"second_per_grid_ts": ref["second_per_grid_ts"]} if family == "qwen2.5-vl" else {}
-    pos, _ = _rope_model(family).get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
-                                               image_grid_thw=ref["image_grid_thw"],
-                                               video_grid_thw=ref["video_grid_thw"], **kw)
+    pos, _ = _rope_model(family).get_rope_index(
+        ref["input_ids"],
+        ref["mm_token_type_ids"],
+        image_grid_thw=ref["image_grid_thw"],
+        video_grid_thw=ref["video_grid_thw"],
+        **kw,
+    )
     np.testing.assert_array_equal(arrays["position_ids"], pos[:, 0].numpy())
     # Masks: only assistant text is trained, never a video or image token.
     mask = arrays["loss_mask"].astype(bool)
@@ -200,12 +259,26 @@ def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
     for fam in ("qwen3-vl",):  # timestamps from the frame rate; Qwen2-VL's frame-list path is the same code
         samples = []
         for k, part in enumerate((as_list, as_file)):
-            (tmp_path / f"{fam}{k}.jsonl").write_text(json.dumps(
-                {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "q"}]},
-                              {"role": "assistant", "content": "a"}]}) + "\n")
+            (tmp_path / f"{fam}{k}.jsonl").write_text(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": [part, {"type": "text", "text": "q"}]},
+                            {"role": "assistant", "content": "a"},
+                        ]
+                    }
+                )
+                + "\n"
+            )
             out = tmp_path / f"{fam}-{k}"
-            build(BuildConfig(inputs=(str(tmp_path / f"{fam}{k}.jsonl"),), out=str(out), processor=f"builtin:{fam}",
-                              progress=False))
+            build(
+                BuildConfig(
+                    inputs=(str(tmp_path / f"{fam}{k}.jsonl"),),
+                    out=str(out),
+                    processor=f"builtin:{fam}",
+                    progress=False,
+                )
+            )
             samples.append(_read_one(out))
         (a1, m1, v1), (a2, m2, v2) = samples
         for name in a1:
@@ -214,14 +287,20 @@ def test_a_frame_list_equals_the_same_frames_in_a_lossless_file(tmp_path):
         assert m1["videos"][0]["frame_indices"] == list(range(7)) == m2["videos"][0]["frame_indices"]
         assert a1["video_grid_thw"][0][0] == 4
         processor = load_processor(str(tmp_path / f"{fam}-0" / "processor"))
-        msgs = [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "q"}]},
-                {"role": "assistant", "content": "a"}]
+        msgs = [
+            {"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "q"}]},
+            {"role": "assistant", "content": "a"},
+        ]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np",
-                                                do_sample_frames=False,
-                                                video_metadata=[VideoMetadata(total_num_frames=7, fps=4.0,
-                                                                              frames_indices=list(range(7)))])
+            ref = processor.apply_chat_template(
+                msgs,
+                tokenize=True,
+                return_dict=True,
+                return_tensors="np",
+                do_sample_frames=False,
+                video_metadata=[VideoMetadata(total_num_frames=7, fps=4.0, frames_indices=list(range(7)))],
+            )
         np.testing.assert_array_equal(a1["input_ids"], ref["input_ids"][0])
         np.testing.assert_array_equal(a1["video_grid_thw"], ref["video_grid_thw"])
         _assert_pixels_equal(processor, v1, ref["pixel_values_videos"])
@@ -232,14 +311,30 @@ def test_video_options_reach_the_processor_and_are_saved(clips, tmp_path):
     """--video-fps / --video-max-frames are set on the saved processor (Qwen3-VL's sample_frames reads max_frames
     only from itself); a part's own fps / max_frames win over them; the sample equals the processor so configured."""
     d, data = clips
-    rec = {"messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}},
-        {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}, "fps": 1, "max_frames": 4}]},
-        {"role": "assistant", "content": "a"}]}
+    rec = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}},
+                    {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}, "fps": 1, "max_frames": 4},
+                ],
+            },
+            {"role": "assistant", "content": "a"},
+        ]
+    }
     (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
     out = tmp_path / "out"
-    build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(out), processor="builtin:qwen3-vl",
-                      video_fps=4.0, video_max_frames=8, progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(tmp_path / "r.jsonl"),),
+            out=str(out),
+            processor="builtin:qwen3-vl",
+            video_fps=4.0,
+            video_max_frames=8,
+            progress=False,
+        )
+    )
     saved = json.loads((out / "processor" / "processor_config.json").read_text())["video_processor"]
     assert saved["fps"] == 4.0 and saved["max_frames"] == 8
     arrays, meta, videos = _read_one(out)
@@ -251,8 +346,12 @@ def test_video_options_reach_the_processor_and_are_saved(clips, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = processor.video_processor(videos=[f], video_metadata=[VideoMetadata(total_num_frames=len(f), fps=fps)],
-                                        do_sample_frames=True, return_tensors="pt")
+        ref = processor.video_processor(
+            videos=[f],
+            video_metadata=[VideoMetadata(total_num_frames=len(f), fps=fps)],
+            do_sample_frames=True,
+            return_tensors="pt",
+        )
     np.testing.assert_array_equal(arrays["video_grid_thw"][0], ref["video_grid_thw"][0].numpy())
 
 
@@ -261,25 +360,43 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     """A --seq-len that ends inside the second video's tokens drops that video whole (tokens, grid row, frames),
     counted in the sample and the manifest; the first video and the text before the cut stay."""
     d, data = clips
-    rec = {"id": "t", "messages": [
-        {"role": "user", "content": "more"}, {"role": "assistant", "content": "trained first"},
-        {"role": "user", "content": [{"type": "text", "text": "first"},
-                                     {"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}},
-                                     {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}}]},
-        {"role": "assistant", "content": "a"}]}
+    rec = {
+        "id": "t",
+        "messages": [
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "trained first"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "first"},
+                    {"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}},
+                    {"type": "video_url", "video_url": {"url": _uri(data[2], "video/mp4")}},
+                ],
+            },
+            {"role": "assistant", "content": "a"},
+        ],
+    }
     (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
     full = tmp_path / "full"
     build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(full), progress=False))
     a, m, _ = _read_one(full)
     inside = int(np.flatnonzero(a["mm_token_type_ids"] == 2)[-1])  # the last token of the second video
     cut = tmp_path / "cut"
-    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(cut), seq_len=inside, progress=False,
-                            long_traces="truncate", min_turn_coverage=0.0))  # the cut and its lost turn on purpose
+    res = build(
+        BuildConfig(
+            inputs=(str(tmp_path / "r.jsonl"),),
+            out=str(cut),
+            seq_len=inside,
+            progress=False,
+            long_traces="truncate",
+            min_turn_coverage=0.0,
+        )
+    )  # the cut and its lost turn on purpose
     b, mb, vids = _read_one(cut)
     assert mb["num_videos"] == 1 and mb["dropped_videos"] == 1 and len(vids) == 1
     np.testing.assert_array_equal(b["video_grid_thw"], a["video_grid_thw"][:1])
     assert len(b["input_ids"]) < inside and (b["mm_token_type_ids"] == 2).sum() == a["video_grid_thw"][0].prod() // 4
-    np.testing.assert_array_equal(b["input_ids"], a["input_ids"][:len(b["input_ids"])])
+    np.testing.assert_array_equal(b["input_ids"], a["input_ids"][: len(b["input_ids"])])
     assert res.manifest.totals["videos"] == 1 and res.manifest.totals["dropped_videos"] == 1
     assert res.manifest.format_version == 4
     from vlmprep.shards.summary import format_build_summary
@@ -298,8 +415,12 @@ def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
     from vlmprep.videos import prepare_video
 
     assert sorted(f.name for f in FAMILIES.values() if f.video) == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
-    rec = {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip0.mp4"}]},
-                        {"role": "assistant", "content": "a"}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": [{"type": "video", "video": "clip0.mp4"}]},
+            {"role": "assistant", "content": "a"},
+        ]
+    }
     with pytest.raises(RecordError) as e:
         normalize_record(rec, Source(str(clips[0] / "r.jsonl"), 1), NormalizeOptions())
     assert e.value.reason == "unsupported_video" and "Qwen2-VL, Qwen2.5-VL and Qwen3-VL" in e.value.message
@@ -307,8 +428,9 @@ def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
     assert conv.videos[0].data == clips[1][0]
     processor = load_processor("builtin:qwen2-vl")
     with pytest.raises(RecordError) as e:
-        prepare_video(VideoData(data=clips[1][0], origin="clip0.mp4"), processor, resolve_family(processor),
-                      max_pixels=79 * 60)
+        prepare_video(
+            VideoData(data=clips[1][0], origin="clip0.mp4"), processor, resolve_family(processor), max_pixels=79 * 60
+        )
     assert e.value.reason == "video_too_large" and "--max-image-pixels" in e.value.message
 
     from trainer.data.decode import refuse_videos
@@ -335,24 +457,31 @@ def test_verify_stats_and_inspect_read_a_video_dataset(built):
     assert st["video_tokens"] > 0 and st["image_tokens"] > 0
     import tarfile
 
-    stored = sum(1 for p in sorted(out.glob("shard-*.tar")) for m in tarfile.open(p).getnames()
-                 if re.search(r"\.vid\d{3}\.\d{4}\.", m))  # the frame members themselves
+    stored = sum(
+        1
+        for p in sorted(out.glob("shard-*.tar"))
+        for m in tarfile.open(p).getnames()
+        if re.search(r"\.vid\d{3}\.\d{4}\.", m)
+    )  # the frame members themselves
     assert st["video_frames"] == stored > len(CLIPS)
     from vlmprep.tools.stats import format_stats
 
     text = format_stats(st)
     assert f"videos             {len(CLIPS)} | frames {stored} | video tokens {st['video_tokens']} (" in text, text
     assert "unread input" not in text
-    res = CliRunner().invoke(app, ["inspect", str(out), "--html", str(out.parent / "v.html")],
-                             env={"COLUMNS": "200", "TERM": "dumb"})
+    res = CliRunner().invoke(
+        app, ["inspect", str(out), "--html", str(out.parent / "v.html")], env={"COLUMNS": "200", "TERM": "dumb"}
+    )
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["inspect", str(out)], env={"COLUMNS": "200", "TERM": "dumb"})
     assert res.exit_code == 0 and "[video 1: " in res.stdout and "WARNING" not in res.stdout, res.stdout
 
 
 PLAIN_ENV = {"FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None, "NO_COLOR": None}
-VIDEO_MARKER = re.compile(r"\[video (\d+): (\d+) of (\d+) frames at ([\d.]+) fps, t = ([^|\]]+) s \| (\d+)x(\d+)x(\d+) "
-                          r"patches -> (\d+) tokens(?: in (\d+) runs)?\]")
+VIDEO_MARKER = re.compile(
+    r"\[video (\d+): (\d+) of (\d+) frames at ([\d.]+) fps, t = ([^|\]]+) s \| (\d+)x(\d+)x(\d+) "
+    r"patches -> (\d+) tokens(?: in (\d+) runs)?\]"
+)
 
 
 def _inspect(*args):
@@ -397,8 +526,11 @@ def test_inspect_shows_each_video_as_one_block_with_frame_times(family, built):
     types = arrays["mm_token_type_ids"]
     video_runs, image_runs = _runs(types == 2), _runs(types == 1)
     assert len(video_runs) == (int(arrays["video_grid_thw"][:, 0].sum()) if family == "qwen3-vl" else len(CLIPS))
-    rows = [line.split(None, 4) for line in _inspect(out, "--tokens").splitlines()
-            if re.match(r"^\s*\d+(-\d+)?\s+\d+\s+[01]\s+[012]\s", line)]
+    rows = [
+        line.split(None, 4)
+        for line in _inspect(out, "--tokens").splitlines()
+        if re.match(r"^\s*\d+(-\d+)?\s+\d+\s+[01]\s+[012]\s", line)
+    ]
     assert [r[0] for r in rows if r[3] == "2"] == [f"{a}-{b - 1}" for a, b in video_runs]
     # an image's row is its whole unit: its placeholders and the two wrappers around them
     assert len(rows) == len(types) - int((types != 0).sum()) - 2 * len(image_runs) + len(video_runs) + len(image_runs)
@@ -441,18 +573,44 @@ def test_inspect_html_shows_each_videos_stored_frames_with_their_times(family, b
 
     c = Collect()
     c.feed(page.read_text(encoding="utf-8"))
-    assert c.tags <= {"html", "head", "meta", "title", "style", "body", "h1", "h2", "small", "div", "span", "table",
-                      "tr", "th", "td", "a", "img", "ul", "li", "section", "details", "summary"}
+    assert c.tags <= {
+        "html",
+        "head",
+        "meta",
+        "title",
+        "style",
+        "body",
+        "h1",
+        "h2",
+        "small",
+        "div",
+        "span",
+        "table",
+        "tr",
+        "th",
+        "td",
+        "a",
+        "img",
+        "ul",
+        "li",
+        "section",
+        "details",
+        "summary",
+    }
     frames = [a for a in c.imgs if a["alt"].startswith("video ")]
-    want = [f"video {k + 1} frame {f + 1} at {i / v['fps']:.2f} s" for k, v in enumerate(meta["videos"])
-            for f, i in enumerate(v["frame_indices"])]
+    want = [
+        f"video {k + 1} frame {f + 1} at {i / v['fps']:.2f} s"
+        for k, v in enumerate(meta["videos"])
+        for f, i in enumerate(v["frame_indices"])
+    ]
     assert [a["alt"] for a in frames] == want and len(want) == sum(len(v) for v in videos)
     assert c.labels == [w.rsplit(" at ", 1)[1] for w in want]
     for a, pixels in zip(frames, [f for v in videos for f in v]):
         assert a["src"].startswith("data:image/png;base64,")
         im = Image.open(io.BytesIO(base64.b64decode(a["src"].split(",", 1)[1])))
-        assert max(im.size) <= 128 and im.size[0] / im.size[1] == pytest.approx(pixels.shape[1] / pixels.shape[0],
-                                                                                  rel=0.05)
+        assert max(im.size) <= 128 and im.size[0] / im.size[1] == pytest.approx(
+            pixels.shape[1] / pixels.shape[0], rel=0.05
+        )
     assert [a["alt"] for a in c.imgs if not a["alt"].startswith("video ")] == ["image 1"]
     assert len(c.titles) == len(CLIPS)
     if family == "qwen3-vl":
@@ -479,8 +637,17 @@ def test_video_builds_are_byte_identical_for_any_worker_count(clips, tmp_path):
     shas = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        res = build(BuildConfig(inputs=(str(d / "two.jsonl"),), out=str(out), processor="builtin:qwen2.5-vl",
-                                seq_len=32768, tool_calls="train-content", workers=workers, progress=False))
+        res = build(
+            BuildConfig(
+                inputs=(str(d / "two.jsonl"),),
+                out=str(out),
+                processor="builtin:qwen2.5-vl",
+                seq_len=32768,
+                tool_calls="train-content",
+                workers=workers,
+                progress=False,
+            )
+        )
         shas.append([(s.name, s.sha256) for s in res.manifest.shards])
     assert shas[0] == shas[1] and res.manifest.totals["videos"] == 2 * len(CLIPS)
 
@@ -534,17 +701,34 @@ def test_the_trainer_refuses_a_video_dataset_at_start_up(built, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llava_onevision"}')
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--data", str(built["qwen3-vl"][0]), "--out",
-                           str(tmp_path / "run"), "--model", str(tmp_path / "ckpt"), "--device", "cpu"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--data",
+            str(built["qwen3-vl"][0]),
+            "--out",
+            str(tmp_path / "run"),
+            "--model",
+            str(tmp_path / "ckpt"),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"holds {len(CLIPS)} videos; this trainer trains video samples only" in lines[0], lines
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen2-vl" else pytest.mark.slow)
-                                    for f in FAMILIES])  # make-test budget: Qwen2-VL's was the broken one
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=() if f == "qwen2-vl" else pytest.mark.slow) for f in FAMILIES]
+)  # make-test budget: Qwen2-VL's was the broken one
 @pytest.mark.parametrize("video_fps", [None, pytest.param(5.0, marks=pytest.mark.slow)])
 def test_the_saved_processor_samples_a_source_video_as_the_build_did(family, video_fps, tmp_path):
     """A 2.3 s clip is stored sampled at --video-fps (else the processor's fps, else 2): the dataset's saved
@@ -554,11 +738,20 @@ def test_the_saved_processor_samples_a_source_video_as_the_build_did(family, vid
 
     (tmp_path / "clip.mp4").write_bytes(encode(frames(23, 64, 48, seed=5), 10))
     content = [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "What moves?"}]
-    (tmp_path / "r.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": content},
-                                                               {"role": "assistant", "content": "A square."}]}) + "\n")
+    (tmp_path / "r.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "A square."}]})
+        + "\n"
+    )
     out = tmp_path / "out"
-    build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(out), processor=f"builtin:{family}",
-                      video_fps=video_fps, progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(tmp_path / "r.jsonl"),),
+            out=str(out),
+            processor=f"builtin:{family}",
+            video_fps=video_fps,
+            progress=False,
+        )
+    )
     arrays, meta, _ = _read_one(out)
     # Sampled, not every frame kept: 2.3 s at 2 fps is 4 frames (the processor's min_frames), at 5 fps 10 or 11.
     assert meta["videos"][0]["frames"] in ({4} if video_fps is None else {10, 11})
@@ -566,12 +759,15 @@ def test_the_saved_processor_samples_a_source_video_as_the_build_did(family, vid
     assert saved["do_sample_frames"] is True and saved["fps"] == (video_fps or 2.0)
     processor = load_processor(str(out / "processor"))
     clip, metadata = load_video(str(tmp_path / "clip.mp4"), backend="pyav")
-    msgs = [{"role": "user", "content": [{"type": "video", "video": clip}, content[1]]},
-            {"role": "assistant", "content": "A square."}]
+    msgs = [
+        {"role": "user", "content": [{"type": "video", "video": clip}, content[1]]},
+        {"role": "assistant", "content": "A square."},
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="np",
-                                            video_metadata=[metadata])
+        ref = processor.apply_chat_template(
+            msgs, tokenize=True, return_dict=True, return_tensors="np", video_metadata=[metadata]
+        )
     np.testing.assert_array_equal(arrays["input_ids"], ref["input_ids"][0])
     np.testing.assert_array_equal(arrays["video_grid_thw"], ref["video_grid_thw"])
 
@@ -589,16 +785,32 @@ def test_a_frame_list_mixing_image_modes_is_made_rgb_frame_by_frame():
     on_white = rgb[1].copy()
     on_white[alpha == 0] = 255
     palette = Image.fromarray(rgb[3]).quantize(16)
-    as_modes = [Image.fromarray(rgb[0]), Image.fromarray(np.dstack([rgb[1], alpha]), "RGBA"),
-                Image.fromarray(rgb[2]).convert("L"), palette, Image.fromarray(rgb[4]).convert("LA"),
-                Image.fromarray(rgb[5])]
-    as_rgb = [rgb[0], on_white, np.asarray(as_modes[2].convert("RGB")), np.asarray(palette.convert("RGB")),
-              np.asarray(as_modes[4].convert("RGB")), rgb[5]]
+    as_modes = [
+        Image.fromarray(rgb[0]),
+        Image.fromarray(np.dstack([rgb[1], alpha]), "RGBA"),
+        Image.fromarray(rgb[2]).convert("L"),
+        palette,
+        Image.fromarray(rgb[4]).convert("LA"),
+        Image.fromarray(rgb[5]),
+    ]
+    as_rgb = [
+        rgb[0],
+        on_white,
+        np.asarray(as_modes[2].convert("RGB")),
+        np.asarray(palette.convert("RGB")),
+        np.asarray(as_modes[4].convert("RGB")),
+        rgb[5],
+    ]
     processor = load_processor("builtin:qwen2-vl")
 
     def prepared(images):
-        video = VideoData(frames=tuple(ImageData(data=_png(im) if isinstance(im, np.ndarray) else _png_of(im),
-                                                 origin=f"f{k}") for k, im in enumerate(images)), origin="frames")
+        video = VideoData(
+            frames=tuple(
+                ImageData(data=_png(im) if isinstance(im, np.ndarray) else _png_of(im), origin=f"f{k}")
+                for k, im in enumerate(images)
+            ),
+            origin="frames",
+        )
         return prepare_video(video, processor, resolve_family(processor), max_pixels=1 << 24, min_side=4).frames
 
     np.testing.assert_array_equal(prepared(as_modes), prepared(as_rgb))
@@ -617,17 +829,35 @@ def test_llamafactory_video_records_build_as_the_same_videos(clips, tmp_path):
     the video is read, never dropped with `<video>` trained as text."""
     d, _ = clips
     question = "Why is this video funny?"
-    layouts = {"llamafactory": {"messages": [{"role": "user", "content": f"<video>{question}"},
-                                             {"role": "assistant", "content": "A square crosses it."}],
-                                "videos": ["clip0.mp4"]},
-               "openai": {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip0.mp4"},
-                                                                    {"type": "text", "text": question}]},
-                                       {"role": "assistant", "content": "A square crosses it."}]}}
+    layouts = {
+        "llamafactory": {
+            "messages": [
+                {"role": "user", "content": f"<video>{question}"},
+                {"role": "assistant", "content": "A square crosses it."},
+            ],
+            "videos": ["clip0.mp4"],
+        },
+        "openai": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "video", "video": "clip0.mp4"}, {"type": "text", "text": question}],
+                },
+                {"role": "assistant", "content": "A square crosses it."},
+            ]
+        },
+    }
     samples = {}
     for name, rec in layouts.items():
         (d / f"{name}.jsonl").write_text(json.dumps({"id": "v", **rec}) + "\n")
-        build(BuildConfig(inputs=(str(d / f"{name}.jsonl"),), out=str(tmp_path / name), processor="builtin:qwen2-vl",
-                          progress=False))
+        build(
+            BuildConfig(
+                inputs=(str(d / f"{name}.jsonl"),),
+                out=str(tmp_path / name),
+                processor="builtin:qwen2-vl",
+                progress=False,
+            )
+        )
         samples[name] = _read_one(tmp_path / name)
     (a, ma, va), (b, mb, vb) = samples["llamafactory"], samples["openai"]
     assert ma["num_videos"] == 1 and set(a) == set(b) and {**ma, "source": None} == {**mb, "source": None}
@@ -657,13 +887,39 @@ def test_every_process_of_a_small_video_build_stays_under_the_documented_peak(fa
     with open(tmp_path / "in.jsonl", "w") as f:
         for i in range(4):
             (tmp_path / f"clip{i}.mp4").write_bytes(encode(frames(23, 160, 90, seed=i), 10))
-            f.write(json.dumps({"messages": [{"role": "user", "content": [{"type": "video", "video": f"clip{i}.mp4"},
-                                                                         {"type": "text", "text": "?"}]},
-                                             {"role": "assistant", "content": f"clip {i}"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [{"type": "video", "video": f"clip{i}.mp4"}, {"type": "text", "text": "?"}],
+                            },
+                            {"role": "assistant", "content": f"clip {i}"},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    rc, err, peaks = peak_rss([sys.executable, "-m", "vlmprep", "build", "--in", str(tmp_path / "in.jsonl"), "--out",
-                               str(tmp_path / "out"), "--processor", f"builtin:{family}", "--workers", "2",
-                               "--no-progress"], env=env)
+    rc, err, peaks = peak_rss(
+        [
+            sys.executable,
+            "-m",
+            "vlmprep",
+            "build",
+            "--in",
+            str(tmp_path / "in.jsonl"),
+            "--out",
+            str(tmp_path / "out"),
+            "--processor",
+            f"builtin:{family}",
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        env=env,
+    )
     assert rc == 0, err
     roles = sorted(p.role for p in peaks)
     assert roles.count("main") == 1 and roles.count("worker") == 2, peaks
@@ -678,17 +934,28 @@ def test_a_split_step_keeps_the_video_and_image_it_answers(clips, tmp_path):
 
     d, data = clips
     image = {"type": "image_url", "image_url": {"url": _uri((d / "shot.png").read_bytes(), "image/png")}}
-    rec = {"id": "s", "messages": [
-        {"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]},
-        {"role": "assistant", "content": "A square on a gradient, moving slowly to the right."},
-        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}}, image,
-                                     {"type": "text", "text": "and now?"}]},
-        {"role": "assistant", "content": "A video and a picture."}]}
+    rec = {
+        "id": "s",
+        "messages": [
+            {"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]},
+            {"role": "assistant", "content": "A square on a gradient, moving slowly to the right."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}},
+                    image,
+                    {"type": "text", "text": "and now?"},
+                ],
+            },
+            {"role": "assistant", "content": "A video and a picture."},
+        ],
+    }
     (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
     whole = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "whole"), progress=False))
     total = whole.manifest.totals["tokens"]
-    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "split"), seq_len=total - 4,
-                            progress=False))
+    res = build(
+        BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "split"), seq_len=total - 4, progress=False)
+    )
     assert res.manifest.totals["split_samples"] == 2 and res.manifest.turns["coverage"] == 1.0
     last = [s for s in iter_dataset(tmp_path / "split") if 3 in s.meta()["trains"]]
     [sample] = last
@@ -696,8 +963,15 @@ def test_a_split_step_keeps_the_video_and_image_it_answers(clips, tmp_path):
     assert sample.meta()["num_videos"] == 1 and sample.meta()["num_images"] == 2
     assert (sample.array("mm_token_type_ids") == 2).any()
     # One token less and the answer cannot fit with what it answers: it is lost loudly, never trained on the task alone.
-    res = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "lost"),
-                            seq_len=sample.meta()["num_tokens"] - 1, progress=False, min_turn_coverage=0.0))
+    res = build(
+        BuildConfig(
+            inputs=(str(tmp_path / "r.jsonl"),),
+            out=str(tmp_path / "lost"),
+            seq_len=sample.meta()["num_tokens"] - 1,
+            progress=False,
+            min_turn_coverage=0.0,
+        )
+    )
     assert [s.meta()["trains"] for s in iter_dataset(tmp_path / "lost")] == [[1]]
     assert res.manifest.turns["lost"]["turn_too_long"] == 1 and res.manifest.turns["coverage"] == 0.5
     [reject] = [json.loads(line) for line in (tmp_path / "lost" / "rejects.jsonl").read_text().splitlines()]
@@ -715,25 +989,59 @@ def test_a_video_longer_than_seq_len_in_a_later_turn_costs_that_turn_not_the_rec
     d, data = clips
     image = {"type": "image_url", "image_url": {"url": _uri((d / "shot.png").read_bytes(), "image/png")}}
     video = {"type": "video_url", "video_url": {"url": _uri(data[0], "video/mp4")}}
-    turn1 = [{"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]},
-             {"role": "assistant", "content": "A square on a gradient."}]
-    rec = {"id": "v", "messages": turn1 + [{"role": "user", "content": [video, {"type": "text", "text": "and now?"}]},
-                                           {"role": "assistant", "content": "A video."}]}
+    turn1 = [
+        {"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]},
+        {"role": "assistant", "content": "A square on a gradient."},
+    ]
+    rec = {
+        "id": "v",
+        "messages": turn1
+        + [
+            {"role": "user", "content": [video, {"type": "text", "text": "and now?"}]},
+            {"role": "assistant", "content": "A video."},
+        ],
+    }
     (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
     whole = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "whole"), progress=False))
     [s] = iter_dataset(tmp_path / "whole")
     video_tokens = int((s.array("mm_token_type_ids") == 2).sum())
-    first = build(BuildConfig(inputs=(str(tmp_path / "r.jsonl"),), out=str(tmp_path / "first"), progress=False,
-                              seq_len=video_tokens - 1, long_traces=mode, min_turn_coverage=0.0))
+    first = build(
+        BuildConfig(
+            inputs=(str(tmp_path / "r.jsonl"),),
+            out=str(tmp_path / "first"),
+            progress=False,
+            seq_len=video_tokens - 1,
+            long_traces=mode,
+            min_turn_coverage=0.0,
+        )
+    )
     samples = list(iter_dataset(tmp_path / "first"))
     assert whole.manifest.rejects == {} and first.manifest.totals["records"] == 1
     assert [x.meta()["trains"] for x in samples] == [[1]] and not (samples[0].array("mm_token_type_ids") == 2).any()
     assert first.manifest.rejects == ({"turn_too_long": 1} if mode == "split" else {})
     assert first.manifest.turns["trained_assistant_turns"] == 1
-    (tmp_path / "early.jsonl").write_text(json.dumps({"id": "e", "messages": [
-        {"role": "user", "content": [video, {"type": "text", "text": "?"}]},
-        {"role": "assistant", "content": "A video."}]}) + "\n")
-    early = build(BuildConfig(inputs=(str(tmp_path / "early.jsonl"),), out=str(tmp_path / "early"), progress=False,
-                              seq_len=video_tokens - 1, long_traces=mode, min_turn_coverage=0.0,
-                              max_reject_fraction=1.0, allow_empty=True))
+    (tmp_path / "early.jsonl").write_text(
+        json.dumps(
+            {
+                "id": "e",
+                "messages": [
+                    {"role": "user", "content": [video, {"type": "text", "text": "?"}]},
+                    {"role": "assistant", "content": "A video."},
+                ],
+            }
+        )
+        + "\n"
+    )
+    early = build(
+        BuildConfig(
+            inputs=(str(tmp_path / "early.jsonl"),),
+            out=str(tmp_path / "early"),
+            progress=False,
+            seq_len=video_tokens - 1,
+            long_traces=mode,
+            min_turn_coverage=0.0,
+            max_reject_fraction=1.0,
+            allow_empty=True,
+        )
+    )
     assert early.manifest.rejects == {"video_too_long": 1}

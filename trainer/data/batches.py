@@ -2,6 +2,7 @@
 (sample_loader) -> micro-batches of micro_batch_size samples or a token budget (MicroBatcher), or packed rows
 (pack.py) -> the grad_accum micro-batches of each optimizer step (StepLoader), empty ones past the end of the data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,14 +23,16 @@ def _identity(x):
     return x
 
 
-def sample_loader(stream: RankStream | ScheduledStream, *, num_workers: int, prefetch_factor: int,
-                  held: int = 0) -> "SampleLoader":
+def sample_loader(
+    stream: RankStream | ScheduledStream, *, num_workers: int, prefetch_factor: int, held: int = 0
+) -> "SampleLoader":
     """`held`: samples the consumer keeps alive (a packing window); each worker gets slabs for its share of them."""
     kw = dict(prefetch_factor=prefetch_factor) if num_workers else {}
     slabs = SLABS_PER_WORKER + -(-held // max(num_workers, 1))
     stream.pool = SlabPool(num_workers, slabs) if num_workers else None  # made before the workers start: they share it
-    return SampleLoader(DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_identity, **kw),
-                        stream.pool)
+    return SampleLoader(
+        DataLoader(stream, batch_size=None, num_workers=num_workers, collate_fn=_identity, **kw), stream.pool
+    )
 
 
 @dataclass
@@ -77,11 +80,13 @@ class MicroBatcher:
             if s is None:
                 break
             if s.position != self.consumed + len(group):
-                raise DataError(f"sample stream out of order: got position {s.position}, "
-                                f"expected {self.consumed + len(group)}")
+                raise DataError(
+                    f"sample stream out of order: got position {s.position}, expected {self.consumed + len(group)}"
+                )
             longest_if = max(longest, s.num_tokens)
-            if group and ((max_tokens and longest_if * (len(group) + 1) > max_tokens)
-                          or (not max_tokens and len(group) >= size)):
+            if group and (
+                (max_tokens and longest_if * (len(group) + 1) > max_tokens) or (not max_tokens and len(group) >= size)
+            ):
                 self._pending = s
                 break
             group.append(s)
@@ -99,8 +104,9 @@ class StepLoader:
     'pad' remainder policy) so every rank runs the same forwards until all ranks are exhausted. With pack_to,
     a micro-batch is micro_batch_size packed rows (trainer/data/pack.py) instead of micro_batch_size samples."""
 
-    def __init__(self, streams: Streams, *, collate_spec: CollateSpec, batching: Batching,
-                 num_workers: int, prefetch_factor: int):
+    def __init__(
+        self, streams: Streams, *, collate_spec: CollateSpec, batching: Batching, num_workers: int, prefetch_factor: int
+    ):
         """`streams`: where each epoch's samples come from (the shards in sequence, or the epoch schedule)."""
         self.streams, self.collate_spec, self.batching = streams, collate_spec, batching
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
@@ -118,8 +124,9 @@ class StepLoader:
             position = Packer.resume_start(pack_state)
         stream = self.streams.open(epoch, position, self.num_workers)
         pack_to, window = self.batching.pack_to, self.batching.pack_window
-        self._loader = sample_loader(stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                     held=window if pack_to else 0)
+        self._loader = sample_loader(
+            stream, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor, held=window if pack_to else 0
+        )
         if pack_to:
             self._packer = Packer(iter(self._loader), capacity=pack_to, window=window, state=pack_state or None)
             self._packer.next_pos = max(self._packer.next_pos, position)
@@ -157,4 +164,3 @@ class StepLoader:
         """Drops the DataLoader iterator (its worker processes stop now) and ends the streams (the run is over)."""
         self._drop()
         self.streams.close()
-

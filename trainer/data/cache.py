@@ -6,6 +6,7 @@ Local shards that this run dir has not hashed yet go through the same gate, in p
 the readers, never copied, evicted or counted against the limit.
 DataLoader workers wait for a shard's file and report their positions through shared memory (CacheView).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -73,8 +74,9 @@ class CacheView:
         return int(self.state[j]) != READY
 
 
-def intervals(sources: list[RankSource], order: Schedule, start: int, gated: np.ndarray,
-              offsets: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def intervals(
+    sources: list[RankSource], order: Schedule, start: int, gated: np.ndarray, offsets: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(flat shard, first, last position) of each gated shard's reads (remote, or local and not hashed yet) at or after
     `start`, one interval per pass of its source (a source that repeats reads a shard again in its next pass), sorted
     by first position."""
@@ -125,9 +127,16 @@ class ShardCache:
     position; close() stops it. Files that stay valid are kept across epochs and runs (re-checked by sha256 once).
     `check`: the rank's ShardCheck, whose deferred local shards are hashed here before a reader opens them."""
 
-    def __init__(self, sources: list[RankSource], root: Path, *,
-                 limit: int = cache_limit_bytes(default("shard_cache_limit")),
-                 prefetch: int = default("shard_prefetch"), threads: int = 4, check: ShardCheck | None = None):
+    def __init__(
+        self,
+        sources: list[RankSource],
+        root: Path,
+        *,
+        limit: int = cache_limit_bytes(default("shard_cache_limit")),
+        prefetch: int = default("shard_prefetch"),
+        threads: int = 4,
+        check: ShardCheck | None = None,
+    ):
         self.sources, self.root, self.limit = sources, Path(root), limit
         self.prefetch, self.threads = max(prefetch, 1), max(threads, 1)
         self.shards = [sh for src in sources for sh in src.shards]
@@ -138,10 +147,14 @@ class ShardCache:
         # what readers wait for: remote shards (fetched) and local ones this run dir has not hashed yet
         self.gated = self.remote | np.array([sh.url in deferred for sh in self.shards], dtype=bool)
         files = [ix.path for src in sources for ix in src.indexes]
-        self.view = CacheView(files, torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
-                              torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(), self.offsets,
-                              torch.zeros(MESSAGE_BYTES, dtype=torch.uint8).share_memory_(),
-                              evicts=bool(self.remote.any()))
+        self.view = CacheView(
+            files,
+            torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
+            torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(),
+            self.offsets,
+            torch.zeros(MESSAGE_BYTES, dtype=torch.uint8).share_memory_(),
+            evicts=bool(self.remote.any()),
+        )
         self._lock = -1  # the rank's cache dir lock (root/LOCK_NAME), held from the first begin() to end()
         self.verified: set[int] = set()  # gated shards this process has fetched or hashed and checked
         self._thread: threading.Thread | None = None
@@ -170,11 +183,12 @@ class ShardCache:
             ok = not self.gated[j] or (j in self.verified and (not self.remote[j] or os.path.isfile(path)))
             v.state[j] = READY if ok else MISSING
         v.progress.fill_(len(order))
-        v.progress[:max(num_workers, 1)] = start
+        v.progress[: max(num_workers, 1)] = start
         self._stop.clear()
         plan = intervals(self.sources, order, start, self.gated, self.offsets)
-        self._thread = threading.Thread(target=self._run, args=(plan, max(num_workers, 1)), daemon=True,
-                                        name="shard-cache")
+        self._thread = threading.Thread(
+            target=self._run, args=(plan, max(num_workers, 1)), daemon=True, name="shard-cache"
+        )
         self._thread.start()
 
     def _own(self) -> None:
@@ -184,8 +198,10 @@ class ShardCache:
         except UnsafeWrite as e:
             raise DataError(str(e)) from None
         if who:
-            raise DataError(f"{self.root} is in use by another trainer ({who}): two runs on one shard cache dir would "
-                            "continue each other's partial fetches; wait for it to end, or pass another --shard-cache")
+            raise DataError(
+                f"{self.root} is in use by another trainer ({who}): two runs on one shard cache dir would "
+                "continue each other's partial fetches; wait for it to end, or pass another --shard-cache"
+            )
 
     def end(self) -> None:
         """close(), and let the cache dir go (the run is over)."""
@@ -211,8 +227,12 @@ class ShardCache:
             self.check.verify_deferred(self.shards[j].url)
             return
         sh, path = self.shards[j], Path(self.view.files[j])
-        if path.is_file() and (sh.sha256 is None and sh.num_bytes in (None, path.stat().st_size)
-                               or sh.sha256 is not None and sha256_file(path) == sh.sha256):
+        if path.is_file() and (
+            sh.sha256 is None
+            and sh.num_bytes in (None, path.stat().st_size)
+            or sh.sha256 is not None
+            and sha256_file(path) == sh.sha256
+        ):
             return  # left by an earlier run (a resume): checked, not fetched again
         path.unlink(missing_ok=True)
         fetch(sh.url, path, size=sh.num_bytes, sha256=sh.sha256, stopped=self._stop.is_set)
@@ -222,7 +242,7 @@ class ShardCache:
         stopped; the first reader to reach one raises it. Nothing is written to disk (it may be the full one)."""
         data = message.encode("utf-8")[:MESSAGE_BYTES]
         self.view.message.zero_()
-        self.view.message[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.view.message[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.error = DataError(message)
         for k in range(len(self.view.files)):
             if int(self.view.state[k]) != READY:
@@ -254,8 +274,11 @@ class ShardCache:
         shard, first, last = (a.tolist() for a in plan)
         # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
         # evicted first.
-        leftover = {j: self._size(j) for j, path in enumerate(self.view.files)
-                    if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))}
+        leftover = {
+            j: self._size(j)
+            for j, path in enumerate(self.view.files)
+            if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))
+        }
         return _Pass(shard, first, last, t0=time.perf_counter(), leftover=leftover, used=sum(leftover.values()))
 
     # --- landing: fetches (and hashes) that finished
@@ -266,8 +289,12 @@ class ShardCache:
             j = p.inflight.pop(f)
             e = f.exception()
             if e is not None:
-                self._fail(j, str(e) if isinstance(e, (StorageError, DataError))
-                           else f"{self.shards[j].url}: fetch failed: {type(e).__name__}: {e}")
+                self._fail(
+                    j,
+                    str(e)
+                    if isinstance(e, (StorageError, DataError))
+                    else f"{self.shards[j].url}: fetch failed: {type(e).__name__}: {e}",
+                )
                 return False
             if self._stop.is_set():
                 return False
@@ -299,9 +326,12 @@ class ShardCache:
                 p.held[j] = max(p.held[j], p.last[p.i])
             elif not self._hold(p, j, pos, pool):
                 if p.first[p.i] <= pos and not p.inflight and all(z >= pos for z in p.held.values()):
-                    self._fail(j, f"{self.shards[j].url}: needed now, but --shard-cache-limit ({self.limit} bytes "
-                                  f"for this rank) is full of {len(p.held)} shards still being read: raise the limit "
-                                  "or lower --shuffle-span")
+                    self._fail(
+                        j,
+                        f"{self.shards[j].url}: needed now, but --shard-cache-limit ({self.limit} bytes "
+                        f"for this rank) is full of {len(p.held)} shards still being read: raise the limit "
+                        "or lower --shuffle-span",
+                    )
                     return False
                 return True  # no room yet: readers move on, and evictable shards with them
             ahead += p.first[p.i] > pos

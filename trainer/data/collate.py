@@ -2,6 +2,7 @@
 B x L layout in compact dtypes; labels (input_ids with IGNORE_INDEX where loss_mask == 0) and the attention mask
 are made on the device.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -69,7 +70,7 @@ class Batch:
         real = torch.arange(L, device=self.lengths.device) < self.lengths[:, None]
         if self.filler:
             end = int(self.lengths[0])
-            real[0, end - self.filler:end] = False
+            real[0, end - self.filler : end] = False
         return real
 
     @property
@@ -80,15 +81,22 @@ class Batch:
     def to(self, device) -> "Batch":
         """This batch on `device`, the token fields widened to int64 there (copied compact, non-blocking); pixels and
         other float fields move as they are."""
+
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True).long()  # copy compact, widen on the device
 
-        return replace(self, input_ids=move(self.input_ids), loss_mask=self.loss_mask.to(device, non_blocking=True),
-                       lengths=move(self.lengths), position_ids=move(self.position_ids),
-                       mm_token_type_ids=move(self.mm_token_type_ids), image_grid_thw=move(self.image_grid_thw),
-                       video_grid_thw=move(self.video_grid_thw),
-                       second_per_grid_ts=self.second_per_grid_ts.to(device, non_blocking=True),
-                       vision={k: v.to(device, non_blocking=True) for k, v in self.vision.items()})
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            loss_mask=self.loss_mask.to(device, non_blocking=True),
+            lengths=move(self.lengths),
+            position_ids=move(self.position_ids),
+            mm_token_type_ids=move(self.mm_token_type_ids),
+            image_grid_thw=move(self.image_grid_thw),
+            video_grid_thw=move(self.video_grid_thw),
+            second_per_grid_ts=self.second_per_grid_ts.to(device, non_blocking=True),
+            vision={k: v.to(device, non_blocking=True) for k, v in self.vision.items()},
+        )
 
 
 def keep_freed_buffers() -> None:
@@ -127,14 +135,18 @@ def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], 
     """Refuses (DataError) a micro-batch the model cannot take: image or video tokens (by mm_token_type_ids) that are
     not the model's placeholder id (shards built for another family), or videos in a run that does not train them."""
     if not spec.videos and any(s.videos for s in samples):
-        raise DataError(f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "
-                        "video (its manifest counts none, or the model's video path is not verified)")
+        raise DataError(
+            f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "
+            "video (its manifest counts none, or the model's video path is not verified)"
+        )
     # A host family's processor marks its own image tokens (wrappers, breaks): the family is checked at start-up.
-    for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id))[1 if spec.host is not None else 0:]:
+    for kind, want in ((1, spec.image_token_id), (2, spec.video_token_id))[1 if spec.host is not None else 0 :]:
         if (ids[mm == kind] != want).any():
             name = ("image", "video")[kind - 1]
-            raise DataError(f"samples {[s.id for s in samples]} mark {name} tokens that are not the model's {name} "
-                            f"token {want}: the shards were built for another model family")
+            raise DataError(
+                f"samples {[s.id for s in samples]} mark {name} tokens that are not the model's {name} "
+                f"token {want}: the shards were built for another model family"
+            )
 
 
 def media(samples: list[DecodedSample]) -> tuple[list, list[int], list, list, list, list]:
@@ -162,13 +174,18 @@ def placeholders(spec: CollateSpec, *, image: bool, video: bool) -> tuple[list[t
         out.update(images=[np.zeros((h, w, 3), dtype=np.uint8)], index=[0], grids=[np.array([[1, h, w]], np.int64)])
     elif image:
         tokens.append((spec.image_token_id, 1))
-        out.update(images=[np.zeros((side, side, 3), dtype=np.uint8)], index=[0],
-                   grids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)])
+        out.update(
+            images=[np.zeros((side, side, 3), dtype=np.uint8)],
+            index=[0],
+            grids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)],
+        )
     if video:
         tokens.append((spec.video_token_id, 2))
-        out.update(videos=[[np.zeros((side, side, 3), dtype=np.uint8)] * 2],
-                   vgrids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)],
-                   seconds=[np.ones(1, dtype=np.float32)])
+        out.update(
+            videos=[[np.zeros((side, side, 3), dtype=np.uint8)] * 2],
+            vgrids=[np.array([[1, spec.merge_size, spec.merge_size]], dtype=np.int64)],
+            seconds=[np.ones(1, dtype=np.float32)],
+        )
     return tokens, out
 
 
@@ -180,8 +197,9 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     a placeholder video: images and videos go through the same vision blocks in two calls, so a rank that made
     only one of them would all-gather a different number of times than the others."""
     lens = np.array([s.num_tokens for s in samples] or [1], dtype=np.int64)
-    extra, fill = placeholders(spec, image=not any(s.image_index for s in samples),
-                               video=spec.videos and not any(s.videos for s in samples))
+    extra, fill = placeholders(
+        spec, image=not any(s.image_index for s in samples), video=spec.videos and not any(s.videos for s in samples)
+    )
     B, L = len(lens), max(int(lens.max()), int(lens[0]) + len(extra))
     # Right padding: the real tokens are exactly `valid`, and a boolean-mask assignment fills it in row-major
     # order, i.e. in the order of the concatenated samples (several times faster than row/col fancy indexing).
@@ -216,17 +234,25 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
 
-    return Batch(vision=host_inputs(spec, samples, fill, ids, mm), filler=len(extra),
-                 input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(loss), lengths=torch.from_numpy(lens),
-                 position_ids=torch.from_numpy(pos),
-                 mm_token_type_ids=torch.from_numpy(mm),
-                 image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
-                 images=[torch.as_tensor(im) for im in images], image_index=index,
-                 **video_fields(videos, vgrids, seconds),
-                 sample_ids=[s.id for s in samples], positions=[s.position for s in samples],
-                 num_tokens=int(sum(s.num_tokens for s in samples)),
-                 num_trained=num_trained, sources=tuple(s.source for s in samples),
-                 sample_tokens=tuple(s.num_tokens for s in samples))
+    return Batch(
+        vision=host_inputs(spec, samples, fill, ids, mm),
+        filler=len(extra),
+        input_ids=torch.from_numpy(ids),
+        loss_mask=torch.from_numpy(loss),
+        lengths=torch.from_numpy(lens),
+        position_ids=torch.from_numpy(pos),
+        mm_token_type_ids=torch.from_numpy(mm),
+        image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
+        images=[torch.as_tensor(im) for im in images],
+        image_index=index,
+        **video_fields(videos, vgrids, seconds),
+        sample_ids=[s.id for s in samples],
+        positions=[s.position for s in samples],
+        num_tokens=int(sum(s.num_tokens for s in samples)),
+        num_trained=num_trained,
+        sources=tuple(s.source for s in samples),
+        sample_tokens=tuple(s.num_tokens for s in samples),
+    )
 
 
 def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray) -> dict:
@@ -243,11 +269,13 @@ def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:
     """The video part of a batch: each sample's frames as tensors, the video grids (int64 [N, 3]) and seconds per
     temporal grid (float32 [N]), empty tensors when there are none."""
-    return dict(videos=[[torch.as_tensor(f) for f in v] for v in videos],
-                video_grid_thw=torch.from_numpy(np.concatenate(vgrids).astype(np.int64)) if vgrids else
-                torch.zeros(0, 3, dtype=torch.int64),
-                second_per_grid_ts=torch.from_numpy(np.concatenate(seconds).astype(np.float32)) if seconds else
-                torch.zeros(0))
+    return dict(
+        videos=[[torch.as_tensor(f) for f in v] for v in videos],
+        video_grid_thw=torch.from_numpy(np.concatenate(vgrids).astype(np.int64))
+        if vgrids
+        else torch.zeros(0, 3, dtype=torch.int64),
+        second_per_grid_ts=torch.from_numpy(np.concatenate(seconds).astype(np.float32)) if seconds else torch.zeros(0),
+    )
 
 
 def token_sources(batch: Batch) -> torch.Tensor:

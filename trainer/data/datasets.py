@@ -3,6 +3,7 @@ loaded: videos the model can train, the model's family, one processor for a mixt
 eval sets that overlap training (a warning) -> RunData: the datasets, their shard plans over the ranks, the image
 spec of their processor and the watch that stops the run if one changes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,9 @@ def load_image_spec(options: DataOptions, processor: str | None) -> ImageSpec:
     """The pixel math of --processor, else of the first dataset's own processor (`processor`), checked first."""
     location = options.processor or processor
     if not location:
-        raise ConfigError(f"--data {options.sources[0].path} has no manifest to find the processor: pass --processor "
-                          "DIR")
+        raise ConfigError(
+            f"--data {options.sources[0].path} has no manifest to find the processor: pass --processor DIR"
+        )
     # No file linking out of a dataset's processor, no custom code in any (docs/untrusted-datasets.md).
     check_processor(location, user_named=bool(options.processor))
     try:
@@ -53,10 +55,12 @@ def check_compatible(specs: tuple[DataSpec, ...], datasets: list[DataSource], pr
     for spec, ds in zip(specs[1:], datasets[1:]):
         diff = processor_difference(datasets[0], ds, processor)
         if diff:
-            raise ConfigError(f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
-                              f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
-                              "tokenizer vocabulary, model family and image processor; rebuild one of them with the "
-                              "other's --processor")
+            raise ConfigError(
+                f"datasets {specs[0].name!r} ({specs[0].path}) and {spec.name!r} ({spec.path}) were "
+                f"built with incompatible processors ({'; '.join(diff)}): a mixture needs one "
+                "tokenizer vocabulary, model family and image processor; rebuild one of them with the "
+                "other's --processor"
+            )
 
 
 def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> None:
@@ -64,9 +68,11 @@ def refuse_empty(specs: tuple[DataSpec, ...], datasets: list[DataSource]) -> Non
     total = sum(d.weight for d in specs)
     for spec, ds in zip(specs, datasets):
         if ds.counted and sum(s.num_samples for s in ds.shards) == 0:
-            raise ConfigError(f"dataset {spec.name!r} ({spec.path}) holds 0 samples, so the mixture cannot give it "
-                              f"its weight {spec.weight / total:.3g} of the trained tokens: drop it from --data, or "
-                              "rebuild it (`vlmprep stats` shows why its records were rejected)")
+            raise ConfigError(
+                f"dataset {spec.name!r} ({spec.path}) holds 0 samples, so the mixture cannot give it "
+                f"its weight {spec.weight / total:.3g} of the trained tokens: drop it from --data, or "
+                "rebuild it (`vlmprep stats` shows why its records were rejected)"
+            )
 
 
 @dataclass(frozen=True)
@@ -109,8 +115,17 @@ def open_data(options: DataOptions, *, model_type: str, packing: bool, world: in
     if len(specs) > 1:
         refuse_empty(specs, datasets)
     label = options.data if isinstance(options.data, str) else ",".join(f"{d.name}={d.path}" for d in specs)
-    return RunData(specs, datasets, [plan_shards(d.shards, world) for d in datasets], image, label,
-                   options.processor or datasets[0].processor or "", tuple(warnings), DatasetWatch(datasets), world)
+    return RunData(
+        specs,
+        datasets,
+        [plan_shards(d.shards, world) for d in datasets],
+        image,
+        label,
+        options.processor or datasets[0].processor or "",
+        tuple(warnings),
+        DatasetWatch(datasets),
+        world,
+    )
 
 
 def refuse_other_family(manifest: dict | None, where: str, model_type: str) -> None:
@@ -124,22 +139,28 @@ def refuse_other_family(manifest: dict | None, where: str, model_type: str) -> N
     rendered = str(((manifest or {}).get("processor") or {}).get("class") or "")
     if rendered and rendered not in family.processor_classes:
         other = family_of_processor(rendered)
-        raise ConfigError(f"--data {where} was rendered with {rendered} ({other.name if other else 'another family'}), "
-                          f"but the model is {family.name} ({model_type}, trained from "
-                          f"{' or '.join(family.processor_classes)} datasets): rebuild the data with this model's "
-                          "processor, or train the model of its family")
+        raise ConfigError(
+            f"--data {where} was rendered with {rendered} ({other.name if other else 'another family'}), "
+            f"but the model is {family.name} ({model_type}, trained from "
+            f"{' or '.join(family.processor_classes)} datasets): rebuild the data with this model's "
+            "processor, or train the model of its family"
+        )
 
 
 def _shard_keys(ds: DataSource) -> dict[str, str]:
     """Each shard's identity -> its URL: the manifest's sha256 (a copy of a dataset is the same data), else the
     resolved path or URL."""
     sha = {s.get("name"): s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
-    return {sha.get(s.name) or (os.path.realpath(s.url) if "://" not in s.url and not s.url.startswith("pipe:")
-                                else s.url): s.url for s in ds.shards}
+    return {
+        sha.get(s.name)
+        or (os.path.realpath(s.url) if "://" not in s.url and not s.url.startswith("pipe:") else s.url): s.url
+        for s in ds.shards
+    }
 
 
-def eval_overlap(spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...],
-                 datasets: list[DataSource]) -> list[str]:
+def eval_overlap(
+    spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...], datasets: list[DataSource]
+) -> list[str]:
     """A warning when an eval set shares shards with the training data: its loss is then no held-out loss. Not
     refused: the training data as eval data is a fair check of fit (docs/trainer.md)."""
     trained = {k for ds in datasets for k in _shard_keys(ds)}
@@ -148,9 +169,11 @@ def eval_overlap(spec: DataSpec, held: DataSource, specs: tuple[DataSpec, ...],
     if not shared:
         return []
     which = ", ".join(d.path for d, ds in zip(specs, datasets) if set(_shard_keys(ds)) & set(shared))
-    return [f"--eval-data {spec.path} shares {len(shared)} of its {len(mine)} shards with the training data ({which}): "
-            "its eval loss is measured on trained samples, not held out; build the eval set from records kept out "
-            "of the training data"]
+    return [
+        f"--eval-data {spec.path} shares {len(shared)} of its {len(mine)} shards with the training data ({which}): "
+        "its eval loss is measured on trained samples, not held out; build the eval set from records kept out "
+        "of the training data"
+    ]
 
 
 def log_plans(data: RunData) -> None:
@@ -159,14 +182,19 @@ def log_plans(data: RunData) -> None:
     for w in data.warnings:
         print(f"trainer: warning: {w}", file=sys.stderr)
     for d, ds, p in zip(data.specs, data.datasets, data.plans):
-        counts = ", ".join(f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")
-                           for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens)))
+        counts = ", ".join(
+            f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")
+            for r, (s, t) in enumerate(zip(p.per_rank, p.rank_tokens))
+        )
         if p.stride:
             counts = f"fewer shards than ranks: every rank reads all shards and decodes one sample in {world}"
-        print(f"trainer: {f'{d.name}: ' if d.name else ''}{plural(len(ds.shards), 'shard')} over "
-              f"{plural(world, 'rank')} ({counts}); "
-              f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
-              "micro-batches until all ranks are done, so no sample is dropped", file=sys.stderr)
+        print(
+            f"trainer: {f'{d.name}: ' if d.name else ''}{plural(len(ds.shards), 'shard')} over "
+            f"{plural(world, 'rank')} ({counts}); "
+            f"max/mean imbalance {p.imbalance:.3f}; remainder policy 'pad': ranks that run out first take empty "
+            "micro-batches until all ranks are done, so no sample is dropped",
+            file=sys.stderr,
+        )
 
 
 def processor_dir(data: RunData, owner: contextlib.ExitStack, *, model_type: str, tiny: bool) -> str | None:
@@ -178,4 +206,3 @@ def processor_dir(data: RunData, owner: contextlib.ExitStack, *, model_type: str
         return None
     tmp = Path(owner.enter_context(tempfile.TemporaryDirectory(prefix="vlmprep-processor-")))
     return local_processor(data.processor, tmp)
-

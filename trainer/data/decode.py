@@ -4,6 +4,7 @@ json and image bytes; members are checked against the shard format's one member-
 each member against the meta and the format's reader limits before it is decoded or memory is allocated for it (json
 size and depth, .npy header shape and length, zstd content size, image header size, grids against the image sizes).
 """
+
 from __future__ import annotations
 
 import io
@@ -37,19 +38,26 @@ META_MEMBER = _FORMAT["meta_member"]
 NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a in _FORMAT["arrays"].items()}
 # Each array's shape in the meta's terms: L = num_tokens, N = image occurrences, V = videos.
 NPY_SHAPES = {name: tuple(a["shape"]) for name, a in _FORMAT["arrays"].items()}
-IMAGE_MEMBER = {4: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
-                3: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
-                2: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
-                1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"])}
+IMAGE_MEMBER = {
+    4: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
+    3: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
+    2: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
+    1: re.compile(_FORMAT["$defs"]["image_member_v1"]["pattern"]),
+}
 VIDEO_MEMBER = re.compile(_FORMAT["$defs"]["video_member"]["pattern"])  # format v3
 # Model types whose video path (pixel_values_videos, packed video segments) matches online processing in tests.
 VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-NO_VIDEO = ("this trainer trains video samples only for model types {} (loss parity verified); train this model on "
-            "a dataset without video parts").format(", ".join(VIDEO_MODELS))
+NO_VIDEO = (
+    "this trainer trains video samples only for model types {} (loss parity verified); train this model on "
+    "a dataset without video parts"
+).format(", ".join(VIDEO_MODELS))
 MAX_IMAGE_BYTES = LIMITS.image_bytes  # a decoded image or frame larger than this is corrupt, not a screenshot
 # The .npy header vlmprep writes for an image, matched instead of running numpy's literal_eval header parser.
-_NPY_RGB_HEADER = re.compile(rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
-                             rb"'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z", re.DOTALL)
+_NPY_RGB_HEADER = re.compile(
+    rb"\x93NUMPY\x01\x00..\{'descr': '\|u1', 'fortran_order': False, "
+    rb"'shape': \((\d{1,6}), (\d{1,6}), 3\), \} *\n\Z",
+    re.DOTALL,
+)
 
 
 @dataclass
@@ -99,8 +107,9 @@ def trains_videos(datasets, model_type: str) -> bool:
     """Whether a run (or an eval set) over `datasets` (DataSources) runs the video pass: a verified model type and a
     dataset whose manifest counts videos, or one without a manifest (a pipe: source may hold them). Then every
     micro-batch runs it (a placeholder video where it holds none), on every rank alike."""
-    return model_type in VIDEO_MODELS and any(ds.manifest is None or (ds.manifest.get("totals") or {}).get("videos")
-                                              for ds in datasets)
+    return model_type in VIDEO_MODELS and any(
+        ds.manifest is None or (ds.manifest.get("totals") or {}).get("videos") for ds in datasets
+    )
 
 
 def arrays_of(version: int) -> list[str]:
@@ -115,9 +124,11 @@ def check_member_names(names, *, url: str, key: str, version: int) -> None:
         if version >= 3 and VIDEO_MEMBER.match(name):
             continue
         if name not in arrays_of(version) and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
-            raise DataError(f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format "
-                            f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "
-                            "are never loaded)")
+            raise DataError(
+                f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format "
+                f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "
+                "are never loaded)"
+            )
     missing = [n for n in (*arrays_of(version), META_MEMBER) if n not in names]
     if missing:
         raise DataError(f"{url}: sample {key}: missing members {', '.join(missing)}")
@@ -179,8 +190,9 @@ def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np
     return arr
 
 
-def _image_layout(meta: dict, members: dict[str, bytes],
-                  image_index: np.ndarray | None) -> tuple[list[tuple[str, int, int]], list[int]]:
+def _image_layout(
+    meta: dict, members: dict[str, bytes], image_index: np.ndarray | None
+) -> tuple[list[tuple[str, int, int]], list[int]]:
     """Unique image members in first-use order with their stored (height, width), and occurrence -> unique.
     v2 samples carry the occurrence -> member map (image_index.npy); it must agree with the meta's."""
     if image_index is not None:
@@ -229,8 +241,9 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
             frames.append((found[0], h, w))
         out.append(frames)
     if by_frame:
-        raise ValueError(f"frame members {sorted(m for ms in by_frame.values() for m in ms)[:3]} belong to no video "
-                         "in the meta")
+        raise ValueError(
+            f"frame members {sorted(m for ms in by_frame.values() for m in ms)[:3]} belong to no video in the meta"
+        )
     return out
 
 
@@ -252,8 +265,9 @@ def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
     return size
 
 
-def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int], name: str,
-                       prefix: bytes | None = None) -> np.ndarray:
+def _read_npy_zst_into(
+    data: bytes, buf: np.ndarray, shape: tuple[int, int, int], name: str, prefix: bytes | None = None
+) -> np.ndarray:
     """A zstd-compressed uint8 .npy decompressed in one pass into `buf` (header + pixels); returns the pixel view.
     The header is checked before the pixels are used, and nothing is ever unpickled. prefix: a `.pdelta.zst`
     member's dictionary (the payload of the member its meta names)."""
@@ -266,7 +280,7 @@ def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int]
         got += n
     if reader.read(1):
         raise ValueError(f"{name}: data after the array")
-    header = buf[:buf.size - shape[0] * shape[1] * 3].tobytes()
+    header = buf[: buf.size - shape[0] * shape[1] * 3].tobytes()
     fast = _NPY_RGB_HEADER.match(header)
     if fast and int.from_bytes(header[8:10], "little") == len(header) - 10:
         descr, fortran, dims = "|u1", False, (int(fast.group(1)), int(fast.group(2)), 3)
@@ -276,12 +290,18 @@ def _read_npy_zst_into(data: bytes, buf: np.ndarray, shape: tuple[int, int, int]
             raise ValueError(f"{name}: header and pixels disagree in length")
     if descr != "|u1" or fortran or dims != shape:
         raise ValueError(f"{name} holds {dtype_name(descr)} {dims}, expected uint8 {shape} as its meta says")
-    return buf[len(header):].reshape(shape)
+    return buf[len(header) :].reshape(shape)
 
 
-def decode_image_into(name: str, data: bytes, buf: np.ndarray, shape: tuple[int, int, int],
-                      resize_original: OriginalResizer, prefix: bytes | None = None,
-                      keep: dict[str, bytes] | None = None) -> np.ndarray:
+def decode_image_into(
+    name: str,
+    data: bytes,
+    buf: np.ndarray,
+    shape: tuple[int, int, int],
+    resize_original: OriginalResizer,
+    prefix: bytes | None = None,
+    keep: dict[str, bytes] | None = None,
+) -> np.ndarray:
     """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view. prefix: a
     `.pdelta.zst` member's dictionary; keep: where its payload goes when a later member names it as prefix."""
     if name.endswith(".npy.zst"):
@@ -299,8 +319,9 @@ def decode_image_into(name: str, data: bytes, buf: np.ndarray, shape: tuple[int,
     return out
 
 
-def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageSpec,
-                  resize_original: OriginalResizer, alloc=None) -> DecodedSample:
+def decode_sample(
+    members: dict[str, bytes], *, key: str, url: str, spec: ImageSpec, resize_original: OriginalResizer, alloc=None
+) -> DecodedSample:
     """`alloc(sizes) -> uint8 arrays` gives the buffers the sample's images are decoded into: by default one array
     each (freed heap is reused); a DataLoader worker passes views of one shared-memory slab."""
     version = sample_version(members)
@@ -316,8 +337,10 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
         _validate(arrays, layout, index, video_layout, spec)
         sizes = [_decoded_size(m, members[m], h, w) for m, h, w in layout + frames]
         if sum(sizes) > LIMITS.sample_bytes:
-            raise ValueError(f"its images and frames decode to {sum(sizes)} bytes, more than a reader accepts "
-                             f"({LIMITS.sample_bytes})")
+            raise ValueError(
+                f"its images and frames decode to {sum(sizes)} bytes, more than a reader accepts "
+                f"({LIMITS.sample_bytes})"
+            )
         # One alloc for images and frames: a DataLoader worker's slab holds all of the sample's pixels.
         prefixes = pdelta_prefixes(meta["images"], members) if version >= 4 else {}
         buffers = (alloc or _alloc)(sizes)
@@ -328,24 +351,44 @@ def decode_sample(members: dict[str, bytes], *, key: str, url: str, spec: ImageS
         for i in sorted(range(len(layout)), key=lambda u: layout[u][0]) + list(range(len(layout), len(items))):
             (m, h, w), buf = items[i]
             if m in prefixes and prefixes[m] not in payloads:
-                raise ValueError(f"{m}'s prefix {prefixes[m]} is not decoded before it (images decode in member "
-                                 "order)")
+                raise ValueError(f"{m}'s prefix {prefixes[m]} is not decoded before it (images decode in member order)")
             try:
-                decoded[i] = decode_image_into(m, members[m], buf, (h, w, 3), resize_original,
-                                               payloads.pop(prefixes.get(m), None),
-                                               payloads if m in prefixes.values() else None)
+                decoded[i] = decode_image_into(
+                    m,
+                    members[m],
+                    buf,
+                    (h, w, 3),
+                    resize_original,
+                    payloads.pop(prefixes.get(m), None),
+                    payloads if m in prefixes.values() else None,
+                )
             except zstandard.ZstdError as e:  # named: a .pdelta.zst member decodes only with its own prefix
                 raise ValueError(f"{m} does not decode ({e})") from None
-        images, rest = decoded[:len(layout)], iter(decoded[len(layout):])
+        images, rest = decoded[: len(layout)], iter(decoded[len(layout) :])
         videos = [[next(rest) for _ in v] for v in video_layout]
-        sample = DecodedSample(key=key, id=str(meta["id"]), input_ids=arrays["input_ids.npy"],
-                               loss_mask=arrays["loss_mask.npy"], mm_token_type_ids=arrays["mm_token_type_ids.npy"],
-                               position_ids=arrays["position_ids.npy"], image_grid_thw=arrays["image_grid_thw.npy"],
-                               images=images, image_index=index, video_grid_thw=grids,
-                               second_per_grid_ts=arrays.get("second_per_grid_ts.npy", np.zeros(0, np.float32)),
-                               videos=videos)
-    except (ValueError, KeyError, TypeError, OSError, ArithmeticError, zstandard.ZstdError,
-            Image.DecompressionBombError) as e:
+        sample = DecodedSample(
+            key=key,
+            id=str(meta["id"]),
+            input_ids=arrays["input_ids.npy"],
+            loss_mask=arrays["loss_mask.npy"],
+            mm_token_type_ids=arrays["mm_token_type_ids.npy"],
+            position_ids=arrays["position_ids.npy"],
+            image_grid_thw=arrays["image_grid_thw.npy"],
+            images=images,
+            image_index=index,
+            video_grid_thw=grids,
+            second_per_grid_ts=arrays.get("second_per_grid_ts.npy", np.zeros(0, np.float32)),
+            videos=videos,
+        )
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        OSError,
+        ArithmeticError,
+        zstandard.ZstdError,
+        Image.DecompressionBombError,
+    ) as e:
         raise DataError(f"{url}: sample {key}: {type(e).__name__}: {e}") from None
     return sample
 
@@ -354,14 +397,19 @@ def _alloc(sizes: list[int]) -> list[np.ndarray]:
     return [np.empty(n, dtype=np.uint8) for n in sizes]
 
 
-def _validate(arrays: dict[str, np.ndarray], layout: list[tuple[str, int, int]], index: list[int],
-              video_layout: list[list[tuple[str, int, int]]], spec: ImageSpec) -> None:
+def _validate(
+    arrays: dict[str, np.ndarray],
+    layout: list[tuple[str, int, int]],
+    index: list[int],
+    video_layout: list[list[tuple[str, int, int]]],
+    spec: ImageSpec,
+) -> None:
     """Before anything is allocated: each image's and video's size (the meta's; every member is checked to decode to
     exactly that) makes the stored grid, and the grids make the placeholder counts. Array lengths already agree (each
     array's shape was checked against the meta)."""
     grids, types = arrays["image_grid_thw.npy"], arrays["mm_token_type_ids.npy"]
     check_grid_sizes([layout[u][1:] for u in index], grids, patch=spec.patch_size)
-    n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size ** 2 if len(grids) else 0
+    n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size**2 if len(grids) else 0
     if spec.grid_images and int((types == 1).sum()) != n_image_tokens:  # other families: their processor's count
         raise ValueError(f"{int((types == 1).sum())} image tokens but the grids need {n_image_tokens}")
     vgrids = arrays.get("video_grid_thw.npy", np.zeros((0, 3), np.int32))
@@ -370,8 +418,10 @@ def _validate(arrays: dict[str, np.ndarray], layout: list[tuple[str, int, int]],
         _, h, w = frames[0]
         t = -(-len(frames) // vspec.temporal_patch_size)
         if (t, *vspec.grid(h, w)[1:]) != tuple(int(x) for x in vgrids[v]):
-            raise ValueError(f"video {v} is {len(frames)} frames of {h}x{w} (grid {(t, *vspec.grid(h, w)[1:])}), "
-                             f"but the sample stores grid {vgrids[v].tolist()}")
-    n_video_tokens = int(vgrids.prod(axis=1).sum()) // vspec.merge_size ** 2 if len(vgrids) else 0
+            raise ValueError(
+                f"video {v} is {len(frames)} frames of {h}x{w} (grid {(t, *vspec.grid(h, w)[1:])}), "
+                f"but the sample stores grid {vgrids[v].tolist()}"
+            )
+    n_video_tokens = int(vgrids.prod(axis=1).sum()) // vspec.merge_size**2 if len(vgrids) else 0
     if int((types == 2).sum()) != n_video_tokens:
         raise ValueError(f"{int((types == 2).sum())} video tokens but the grids need {n_video_tokens}")

@@ -3,6 +3,7 @@ manifest's sha256; for an older build's shard, derived from its tar headers and 
 sample's byte range and token counts -> one read per sample. Used by the epoch schedule (trainer/data/order.py) for
 sample shuffling and mixtures; remote shards are read from the rank's shard cache (trainer/data/cache.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,8 +74,10 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
     key = None
     remote = url != path and url.startswith(REMOTE_OR_PIPE)
     try:
-        with (open_shard(url) if remote else open(path, "rb")) as f, \
-                tarfile.open(fileobj=f, mode="r|" if remote else "r:") as tar:
+        with (
+            open_shard(url) if remote else open(path, "rb") as f,
+            tarfile.open(fileobj=f, mode="r|" if remote else "r:") as tar,
+        ):
             signature = () if remote else file_signature(os.fstat(f.fileno()))
             for ti in tar:
                 if not ti.isfile():
@@ -95,15 +98,18 @@ def index_shard(path: str, *, url: str | None = None, expect: int | None = None)
                     meta = load_json(tar.extractfile(ti).read(), f"sample {k}'s meta", LIMITS.meta_bytes)
                     tokens[-1], trained[-1] = _count(meta["num_tokens"]), _count(meta["num_trainable_tokens"])
     except (tarfile.TarError, OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{url}: cannot index the shard (unreadable, corrupt or truncated tar, or a sample meta "
-                        f"without token counts): {e}") from None
+        raise DataError(
+            f"{url}: cannot index the shard (unreadable, corrupt or truncated tar, or a sample meta "
+            f"without token counts): {e}"
+        ) from None
     for k, exts in zip(keys, names):  # refused here, before any member of the shard is decoded
         check_member_names(exts, url=url, key=k, version=sample_version(exts))
     if -1 in tokens:
         raise DataError(f"{url}: sample {len(tokens) - tokens[::-1].index(-1) - 1} has no .json meta")
     if expect is not None and len(starts) != expect:
-        raise DataError(f"{url} holds {len(starts)} samples but the manifest says {expect}: truncated or replaced "
-                        "shard")
+        raise DataError(
+            f"{url} holds {len(starts)} samples but the manifest says {expect}: truncated or replaced shard"
+        )
     as64 = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
     return ShardIndex(path, as64(starts), as64(ends), as64(tokens), as64(trained), signature)
 
@@ -121,8 +127,10 @@ def load_index(shard: ShardRef, data: bytes, *, path: str) -> ShardIndex:
     ix, where = shard.index, shard.index.url
     digest = hashlib.sha256(data).hexdigest()
     if len(data) != ix.num_bytes or digest != ix.sha256:
-        raise DataError(f"{where}: the sample index is not the one the manifest lists ({len(data)} bytes, sha256 "
-                        f"{digest[:12]}... vs {ix.num_bytes}, {ix.sha256[:12]}...): copy the dataset again")
+        raise DataError(
+            f"{where}: the sample index is not the one the manifest lists ({len(data)} bytes, sha256 "
+            f"{digest[:12]}... vs {ix.num_bytes}, {ix.sha256[:12]}...): copy the dataset again"
+        )
     try:
         rows = index_rows(data, where, INDEX_DTYPE)
     except ValueError as e:
@@ -142,16 +150,22 @@ def check_rows(shard: ShardRef, index: ShardIndex, where: str) -> None:
     bad = []
     if shard.num_samples is not None and len(starts) != shard.num_samples:
         bad.append(f"{len(starts)} rows for {shard.num_samples} samples")
-    if len(starts) and (starts[0] < 0 or (ends <= starts).any() or (starts[1:] < ends[:-1]).any()
-                        or (shard.num_bytes is not None and ends[-1] > shard.num_bytes)):
+    if len(starts) and (
+        starts[0] < 0
+        or (ends <= starts).any()
+        or (starts[1:] < ends[:-1]).any()
+        or (shard.num_bytes is not None and ends[-1] > shard.num_bytes)
+    ):
         bad.append("byte ranges out of order or outside the shard")
     if (tokens < 0).any() or (trained < 0).any() or (trained > tokens).any():
         bad.append("negative or inconsistent token counts")
     if shard.num_tokens is not None and int(tokens.sum()) != shard.num_tokens:
         bad.append(f"{int(tokens.sum())} tokens, the manifest says {shard.num_tokens}")
     if bad:
-        raise DataError(f"{where}: the sample index does not describe {shard.name} ({'; '.join(bad)}): a corrupt "
-                        "or foreign dataset; run `vlmprep verify`")
+        raise DataError(
+            f"{where}: the sample index does not describe {shard.name} ({'; '.join(bad)}): a corrupt "
+            "or foreign dataset; run `vlmprep verify`"
+        )
 
 
 @contextmanager
@@ -163,12 +177,15 @@ def _open_listed(path: Path, ref: IndexRef, rows: int | None, where: str):
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size != ref.num_bytes or (rows is not None and size > limit):
-                raise DataError(f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (a sample index of "
-                                f"{rows} samples is at most {limit}); refusing to read it: copy the dataset again")
+                raise DataError(
+                    f"{where}: {size} bytes, but the manifest lists {ref.num_bytes} (a sample index of "
+                    f"{rows} samples is at most {limit}); refusing to read it: copy the dataset again"
+                )
             yield f, size
     except OSError as e:
-        raise DataError(f"{where}: listed in the manifest but cannot be read ({e.strerror}); copy the dataset "
-                        "again") from None
+        raise DataError(
+            f"{where}: listed in the manifest but cannot be read ({e.strerror}); copy the dataset again"
+        ) from None
 
 
 def read_listed(path: Path, ref: IndexRef, rows: int | None, where: str) -> bytes:
@@ -264,8 +281,14 @@ def _vouched(s: ShardRef, rows: memoryview) -> bool:
     return h.hexdigest() == s.index.sha256
 
 
-def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, cache: Path,
-                    signature: Callable[[ShardRef], tuple[int, ...]] = lambda s: ()) -> tuple[ShardIndex, ...]:
+def dataset_indexes(
+    ref: IndexRef,
+    shards: tuple[ShardRef, ...],
+    *,
+    rows: int,
+    cache: Path,
+    signature: Callable[[ShardRef], tuple[int, ...]] = lambda s: (),
+) -> tuple[ShardIndex, ...]:
     """The sample indexes of `shards` from the dataset's one sample index file (`rows` rows, every shard's in manifest
     order; ShardRef.row is where a shard's start): its size checked against the manifest's listing (and the most
     `rows` rows take) before a byte is read, its header against np.save's; then only the given shards' rows are read
@@ -295,8 +318,10 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
         except ValueError as e:
             raise DataError(f"{where}: not a sample index .npy ({e})") from None
         if count != rows or (stops and stops[-1] // width > count):
-            raise DataError(f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
-                            "foreign dataset; run `vlmprep verify`")
+            raise DataError(
+                f"{where}: {count} rows, but the manifest's shards hold {rows} samples: a corrupt or "
+                "foreign dataset; run `vlmprep verify`"
+            )
         # Sized by the rows the file holds (its size gave `count`), never by the manifest's claim alone: a count of
         # 10^12 samples would otherwise reserve 44 TiB before the 448-byte file is looked at.
         keep = np.empty(stops[-1] // width if stops else 0, dtype=INDEX_DTYPE)
@@ -305,9 +330,10 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
         for z in range(1, len(firsts) + 1):  # runs of adjacent shards in one read each, straight into `keep`
             if z < len(firsts) and firsts[z].row == firsts[z - 1].row + firsts[z - 1].num_samples:
                 continue
-            if os.preadv(fd, [raw[a:stops[z - 1]]], offset + firsts[k].row * width) != stops[z - 1] - a:
-                raise DataError(f"{where}: ends before the rows of its shards (a file cut short): copy the dataset "
-                                "again")
+            if os.preadv(fd, [raw[a : stops[z - 1]]], offset + firsts[k].row * width) != stops[z - 1] - a:
+                raise DataError(
+                    f"{where}: ends before the rows of its shards (a file cut short): copy the dataset again"
+                )
             a, k = stops[z - 1], z
         a = 0
         for s, z in zip(firsts, stops):
@@ -323,9 +349,17 @@ def dataset_indexes(ref: IndexRef, shards: tuple[ShardRef, ...], *, rows: int, c
     if firsts is not ordered:  # rows read in another order, or once for a shard named twice: each takes its span's
         at = {(s.row, s.num_samples): z for s, z in zip(firsts, ends_at)}
         ends_at = [at[s.row, s.num_samples] for s in shards]
-    return tuple(ShardIndex(_local_path(s, cache), starts[z - s.num_samples:z], ends[z - s.num_samples:z],
-                            tokens[z - s.num_samples:z], trained[z - s.num_samples:z], signature(s))
-                 for s, z in zip(shards, ends_at))
+    return tuple(
+        ShardIndex(
+            _local_path(s, cache),
+            starts[z - s.num_samples : z],
+            ends[z - s.num_samples : z],
+            tokens[z - s.num_samples : z],
+            trained[z - s.num_samples : z],
+            signature(s),
+        )
+        for s, z in zip(shards, ends_at)
+    )
 
 
 def _check_whole(f, head: bytes, ref: IndexRef, where: str) -> None:
@@ -337,8 +371,10 @@ def _check_whole(f, head: bytes, ref: IndexRef, where: str) -> None:
     while n := f.readinto(buf):
         h.update(view[:n])
     if h.hexdigest() != ref.sha256:
-        raise DataError(f"{where}: the sample index is not the one the manifest lists (sha256 {h.hexdigest()[:12]}... "
-                        f"vs {ref.sha256[:12]}...): copy the dataset again")
+        raise DataError(
+            f"{where}: the sample index is not the one the manifest lists (sha256 {h.hexdigest()[:12]}... "
+            f"vs {ref.sha256[:12]}...): copy the dataset again"
+        )
 
 
 def _check_all(shards: list[ShardRef], columns: list[np.ndarray], where: str) -> None:
@@ -354,22 +390,30 @@ def _check_all(shards: list[ShardRef], columns: list[np.ndarray], where: str) ->
     if ok:
         full = counts > 0
         lasts = (firsts + counts - 1)[full]
-        num_bytes = np.fromiter((s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards),
-                                dtype=np.int64, count=len(shards))
-        want = np.fromiter((s.num_tokens if s.num_tokens is not None else -1 for s in shards), dtype=np.int64,
-                           count=len(shards))
+        num_bytes = np.fromiter(
+            (s.num_bytes if s.num_bytes is not None else 1 << 62 for s in shards), dtype=np.int64, count=len(shards)
+        )
+        want = np.fromiter(
+            (s.num_tokens if s.num_tokens is not None else -1 for s in shards), dtype=np.int64, count=len(shards)
+        )
         sums = np.zeros(len(counts), dtype=np.int64)
         sums[full] = np.add.reduceat(tokens, firsts[full])
         ordered = starts[1:] >= ends[:-1]  # each row starts after the one before it ends...
         inner = firsts[full]
         ordered[inner[inner > 0] - 1] = True  # ...within its shard (a shard's first row is not compared)
         # trained >= 0 and trained <= tokens imply tokens >= 0
-        ok = ((ends > starts).all() and ordered.all() and (starts[firsts[full]] >= 0).all()
-              and (ends[lasts] <= num_bytes[full]).all() and (trained >= 0).all() and (trained <= tokens).all()
-              and ((want < 0) | (sums == want)).all())
+        ok = (
+            (ends > starts).all()
+            and ordered.all()
+            and (starts[firsts[full]] >= 0).all()
+            and (ends[lasts] <= num_bytes[full]).all()
+            and (trained >= 0).all()
+            and (trained <= tokens).all()
+            and ((want < 0) | (sums == want)).all()
+        )
     if not ok:
         for s, a, n in zip(shards, firsts.tolist(), counts.tolist()):
-            check_rows(s, ShardIndex("", *(c[a:a + n] for c in columns)), f"{where} (rows of {s.name})")
+            check_rows(s, ShardIndex("", *(c[a : a + n] for c in columns)), f"{where} (rows of {s.name})")
         raise DataError(f"{where}: the sample index does not describe the dataset's shards: run `vlmprep verify`")
 
 
@@ -407,8 +451,9 @@ def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, byte
                 k, _, ext = os.path.basename(ti.name).partition(".")
                 key = key or k
                 if k != key or ext in members:
-                    raise DataError(f"{index.path}: sample {i} is not one run of members (the shard changed since "
-                                    "it was indexed)")
+                    raise DataError(
+                        f"{index.path}: sample {i} is not one run of members (the shard changed since it was indexed)"
+                    )
                 check_member_size(ti, ext, index.path)
                 members[ext] = tar.extractfile(ti).read()
     except (tarfile.TarError, OSError) as e:

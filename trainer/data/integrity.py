@@ -3,6 +3,7 @@ time a run reads it (a record in the rank's cache dir, keyed by the file's stat,
 read after that checks the file is still the one checked, and every step that the dataset's manifest still lists the
 same shards. A change stops the run with one line naming the file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +27,11 @@ RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank h
 
 def changed(where: str) -> DataError:
     """The one-line DataError for a dataset file (`where`) that changed or vanished while the run reads it."""
-    return DataError(f"{where} changed or was removed while this run reads it (e.g. by a `vlmprep build --overwrite` "
-                     "of its dataset): the run stops rather than train on data other than it started with; start it "
-                     "again once the dataset is final")
+    return DataError(
+        f"{where} changed or was removed while this run reads it (e.g. by a `vlmprep build --overwrite` "
+        "of its dataset): the run stops rather than train on data other than it started with; start it "
+        "again once the dataset is final"
+    )
 
 
 def check_unchanged(st: os.stat_result, signature: tuple[int, ...], where: str) -> None:
@@ -57,22 +60,29 @@ class ShardCheck:
             except (OSError, ValueError):
                 self.known = {}
 
-    def verify(self, path: str, *, url: str, want: str | None, size: int | None = None,
-               defer: bool = False) -> tuple[int, ...]:
+    def verify(
+        self, path: str, *, url: str, want: str | None, size: int | None = None, defer: bool = False
+    ) -> tuple[int, ...]:
         """The file's signature, once it is there with the manifest's `size` (None: not checked) and its content is
         checked to hash to `want` (None: not checked; `defer`: left to verify_deferred). Each rank checks its own
         shards, so a missing or cut copy fails at start-up without every rank stat-ing the whole dataset."""
         try:
             st = os.stat(path)  # a stat, not an open, where nothing is to be hashed: one per shard of the rank
         except OSError as e:
-            raise DataError(f"{url}: listed in its manifest but cannot be read ({e.strerror}); copy the dataset "
-                            "again or run `vlmprep verify`") from None
+            raise DataError(
+                f"{url}: listed in its manifest but cannot be read ({e.strerror}); copy the dataset "
+                "again or run `vlmprep verify`"
+            ) from None
         if not stat.S_ISREG(st.st_mode):  # a dir's or a FIFO's size says nothing of a shard (nor "truncated")
-            raise DataError(f"{url}: listed in its manifest as a shard, but it is not a plain file (a "
-                            f"{_kind(st.st_mode)}); copy the dataset again or run `vlmprep verify`")
+            raise DataError(
+                f"{url}: listed in its manifest as a shard, but it is not a plain file (a "
+                f"{_kind(st.st_mode)}); copy the dataset again or run `vlmprep verify`"
+            )
         if size is not None and st.st_size != size:
-            raise DataError(f"{url}: {st.st_size} bytes but its manifest says {size}; the shard is truncated or was "
-                            "modified: copy it again and run `vlmprep verify DIR`")
+            raise DataError(
+                f"{url}: {st.st_size} bytes but its manifest says {size}; the shard is truncated or was "
+                "modified: copy it again and run `vlmprep verify DIR`"
+            )
         signature = file_signature(st)
         # (a first start's record is empty: no abspath, a getcwd for a relative path, per shard)
         if not (self.enabled and want) or self.known and self.known.get(os.path.abspath(path)) == self._key(st, want):
@@ -107,9 +117,11 @@ class ShardCheck:
             raise DataError(f"cannot read shard {url}: {e}") from None
         got = h.hexdigest()
         if got != want:
-            raise DataError(f"{url}: sha256 {got[:16]}..., but its manifest lists {want[:16]}...: the shard changed "
-                            "after it was built (modified, damaged, or a copy cut short); copy it again (or rebuild "
-                            "the dataset) and run `vlmprep verify DIR`")
+            raise DataError(
+                f"{url}: sha256 {got[:16]}..., but its manifest lists {want[:16]}...: the shard changed "
+                "after it was built (modified, damaged, or a copy cut short); copy it again (or rebuild "
+                "the dataset) and run `vlmprep verify DIR`"
+            )
         with self._lock:
             self.known[os.path.abspath(path)] = key
             self.dirty = True
@@ -134,8 +146,14 @@ class ShardCheck:
 
 
 def _kind(mode: int) -> str:
-    return {stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "device",
-            stat.S_IFBLK: "device", stat.S_IFLNK: "symlink"}.get(stat.S_IFMT(mode), "special file")
+    return {
+        stat.S_IFDIR: "directory",
+        stat.S_IFIFO: "FIFO",
+        stat.S_IFSOCK: "socket",
+        stat.S_IFCHR: "device",
+        stat.S_IFBLK: "device",
+        stat.S_IFLNK: "symlink",
+    }.get(stat.S_IFMT(mode), "special file")
 
 
 def expected_sha256(ds: DataSource) -> dict[str, str]:
@@ -143,8 +161,9 @@ def expected_sha256(ds: DataSource) -> dict[str, str]:
     return {s["name"]: s.get("sha256") for s in (ds.manifest or {}).get("shards", []) if isinstance(s, dict)}
 
 
-def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None,
-                  defer: bool = False) -> ShardIndex:
+def checked_index(
+    shard: ShardRef, *, cache: Path, check: ShardCheck, want: str | None, defer: bool = False
+) -> ShardIndex:
     """The shard's index (index.py); a local shard's content is checked first (`defer`: by the shard cache, later)
     and the signature it had then goes into the index (every read checks the file is still that one). A remote
     shard's bytes are checked by the shard cache as it fetches them (cache.py)."""
@@ -159,24 +178,42 @@ def checked_index(shard: ShardRef, *, cache: Path, check: ShardCheck, want: str 
     return index
 
 
-def checked_indexes(shards: tuple[ShardRef, ...], ds: DataSource, *, cache: Path, check: ShardCheck,
-                    want: Callable[[ShardRef], str | None], defer: bool = False) -> tuple[ShardIndex, ...]:
+def checked_indexes(
+    shards: tuple[ShardRef, ...],
+    ds: DataSource,
+    *,
+    cache: Path,
+    check: ShardCheck,
+    want: Callable[[ShardRef], str | None],
+    defer: bool = False,
+) -> tuple[ShardIndex, ...]:
     """checked_index of each of a dataset's shards (`want(shard)`: the sha256 to check it against, None: not
     hashed). Where the manifest lists the dataset's sample index, all their rows come from that one file
     (trainer/data/index.py dataset_indexes), so start-up opens one index file, not one per shard."""
     if ds.index is None or any(s.row is None for s in shards):
         return index_shards(shards, lambda s: checked_index(s, cache=cache, check=check, want=want(s), defer=defer))
-    return dataset_indexes(ds.index, shards, rows=ds.index_rows, cache=cache, signature=lambda s: () if
-                           s.url.startswith(REMOTE_OR_PIPE) else check.verify(s.url, url=s.url, want=want(s),
-                                                                               size=s.num_bytes, defer=defer))
+    return dataset_indexes(
+        ds.index,
+        shards,
+        rows=ds.index_rows,
+        cache=cache,
+        signature=lambda s: (
+            ()
+            if s.url.startswith(REMOTE_OR_PIPE)
+            else check.verify(s.url, url=s.url, want=want(s), size=s.num_bytes, defer=defer)
+        ),
+    )
 
 
 def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck) -> dict[str, tuple[int, ...]]:
     """Streamed local shards (eval sets): each checked, url -> signature; remote ones are left to their size and
     sample counts."""
     want = expected_sha256(ds)
-    return {s.url: check.verify(s.url, url=s.url, want=want.get(s.name), size=s.num_bytes) for s in shards
-            if not s.url.startswith(REMOTE_OR_PIPE)}
+    return {
+        s.url: check.verify(s.url, url=s.url, want=want.get(s.name), size=s.num_bytes)
+        for s in shards
+        if not s.url.startswith(REMOTE_OR_PIPE)
+    }
 
 
 @dataclass

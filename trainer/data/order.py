@@ -3,6 +3,7 @@ sample once) -> several sources interleaved by trained-token weight -> the rank'
 (source, shard, sample) per stream position. Pure functions of metadata (the shards' sample indexes), so every
 DataLoader worker, a resumed run and the step predictor compute the same order without reading a sample.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,8 +80,9 @@ def _rng(*parts) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
 
 
-def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle: bool, shuffle_shards: bool,
-               shuffle_span: int) -> tuple[np.ndarray, np.ndarray]:
+def pass_order(
+    src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle: bool, shuffle_shards: bool, shuffle_span: int
+) -> tuple[np.ndarray, np.ndarray]:
     """One pass over a source on this rank: (shard, sample) arrays. With shuffle, the shard order is permuted and
     the samples of each block of `shuffle_span` consecutive shards (0: all of them) are permuted together, so a shard's
     samples spread over its block; seeded by (seed, epoch, source name, pass, owning rank)."""
@@ -89,8 +91,9 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
     if shuffle:
         random.Random(f"vlmprep-order:{seed}:{epoch}:{src.name}:{pass_no}:{src.owner}").shuffle(order)
     elif shuffle_shards:  # the sequential reader's own shard order (data.epoch_shards)
-        random.Random(f"vlmprep-trainer:{seed}:{epoch}" + (f":{src.name}:{pass_no}" if src.name or pass_no else "")
-                      ).shuffle(order)
+        random.Random(
+            f"vlmprep-trainer:{seed}:{epoch}" + (f":{src.name}:{pass_no}" if src.name or pass_no else "")
+        ).shuffle(order)
     order = np.asarray(order, dtype=np.int64)
     sizes = counts[order]
     shard = np.repeat(order.astype(np.int32), sizes)
@@ -102,8 +105,9 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
             perm = rng.permutation(len(shard))
             shard, sample = shard[perm], sample[perm]
         else:
-            bounds = np.concatenate([[0], np.cumsum([sizes[i:i + block].sum()
-                                                     for i in range(0, len(order), block)])]).astype(np.int64)
+            bounds = np.concatenate(
+                [[0], np.cumsum([sizes[i : i + block].sum() for i in range(0, len(order), block)])]
+            ).astype(np.int64)
             for a, z in zip(bounds[:-1], bounds[1:]):
                 perm = a + rng.permutation(z - a)
                 shard[a:z], sample[a:z] = shard[perm], sample[perm]
@@ -111,17 +115,26 @@ def pass_order(src: RankSource, *, seed: int, epoch: int, pass_no: int, shuffle:
     return shard[r::world], sample[r::world]
 
 
-def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool, shuffle_shards: bool,
-             shuffle_span: int) -> Schedule:
+def schedule(
+    sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool, shuffle_shards: bool, shuffle_span: int
+) -> Schedule:
     """The rank's epoch. One source: its pass. Several: weighted fair queuing on trained tokens: at every position
     the source whose next sample would end earliest in its own time ((trained so far + that sample's) / weight; a
     sample with no trained token counts as one) gives it, so each source's share of trained tokens tracks its
     weight to within about one sample. A source that runs out
     starts a fresh pass ('repeat') or leaves the mixture ('stop'); the epoch ends once every source has been read
     through once."""
+
     def one_pass(s: int, k: int):
-        return pass_order(sources[s], seed=seed, epoch=epoch, pass_no=k, shuffle=shuffle,
-                          shuffle_shards=shuffle_shards, shuffle_span=shuffle_span)
+        return pass_order(
+            sources[s],
+            seed=seed,
+            epoch=epoch,
+            pass_no=k,
+            shuffle=shuffle,
+            shuffle_shards=shuffle_shards,
+            shuffle_span=shuffle_span,
+        )
 
     if len(sources) == 1:
         shard, sample = one_pass(0, 0)
@@ -136,6 +149,7 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     live = [s for s in range(n) if len(cur[s][0])]
     if not live:
         return Schedule(np.zeros(0, np.int16), np.zeros(0, np.int32), np.zeros(0, np.int32))
+
     def clock(s: int, part: tuple[np.ndarray, np.ndarray], start: int = 0) -> np.ndarray:
         """A source's trained tokens once each sample of `part` is read (one for a sample with none), from `start`."""
         return start + np.cumsum(np.maximum(_counts_of(sources[s], "trained", *part), 1))
@@ -157,9 +171,10 @@ def schedule(sources: list[RankSource], *, seed: int, epoch: int, shuffle: bool,
     within = np.concatenate([np.arange(len(k)) for k in keys])  # a source's own order where end times tie
     order = np.lexsort((within, src, key))
     end_at = sum(len(k) for k in keys[:last]) + len(clocks[last]) - 1  # the item that completes the last first pass
-    order = order[:int(np.flatnonzero(order == end_at)[0]) + 1]
-    return Schedule(src[order], np.concatenate(shards)[order].astype(np.int32),
-                    np.concatenate(samples)[order].astype(np.int32))
+    order = order[: int(np.flatnonzero(order == end_at)[0]) + 1]
+    return Schedule(
+        src[order], np.concatenate(shards)[order].astype(np.int32), np.concatenate(samples)[order].astype(np.int32)
+    )
 
 
 # An epoch of a mixture ends when every source has been read through once, so weights far from the sources' own
@@ -193,8 +208,14 @@ def epoch_size(sources: list[RankSource]) -> EpochSize:
     clocks = [t / src.weight if src.weight > 0 else float("inf") for t, src in zip(tokens, sources)]
     last = max(live, key=lambda s: (clocks[s], -s))
     end = clocks[last]
-    passes = tuple(0.0 if not samples[s] else 1.0 if sources[s].on_end == "stop" or s == last
-                   else max(1.0, end * sources[s].weight / tokens[s]) for s in range(len(sources)))
+    passes = tuple(
+        0.0
+        if not samples[s]
+        else 1.0
+        if sources[s].on_end == "stop" or s == last
+        else max(1.0, end * sources[s].weight / tokens[s])
+        for s in range(len(sources))
+    )
     return EpochSize(sum(p * n for p, n in zip(passes, samples)), limit, last, passes)
 
 

@@ -2,6 +2,7 @@
 look-ahead window) -> one packed Batch per micro-batch, each sample isolated by its own positions restarting at 0.
 The packer's state (stream position, window, rows formed but not yet taken) is a short int list for checkpoints.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -63,8 +64,14 @@ class Packer:
     def state(self) -> list[int]:
         """The packer's resumable state as flat ints: capacity, window, the next stream position, the samples read
         but not yet placed and the rows made but not yet taken (by stream position); `Packer(state=...)` restores it."""
-        out = [self.capacity, self.window, self.next_pos, len(self._pending), *(s.position for s in self._pending),
-               len(self._ready)]
+        out = [
+            self.capacity,
+            self.window,
+            self.next_pos,
+            len(self._pending),
+            *(s.position for s in self._pending),
+            len(self._ready),
+        ]
         for row in self._ready:
             out += [len(row), *(s.position for s in row)]
         return out
@@ -79,24 +86,28 @@ class Packer:
         if (capacity, window) != (self.capacity, self.window):
             from trainer.config import ConfigError
 
-            raise ConfigError(f"the checkpoint was packed with --pack-to {capacity} --pack-window {window}; "
-                              f"resume with the same values (got {self.capacity}, {self.window}) or use --no-resume")
+            raise ConfigError(
+                f"the checkpoint was packed with --pack-to {capacity} --pack-window {window}; "
+                f"resume with the same values (got {self.capacity}, {self.window}) or use --no-resume"
+            )
         wanted = set(_state_positions(state))
         self.next_pos = self.resume_start(state)
         got = {}
         while self.next_pos < next_pos:  # re-read from the oldest held sample; samples already taken are skipped
             s = self._read()
             if s is None:
-                raise DataError(f"stream ended at position {self.next_pos} while restoring packing state up to "
-                                f"{next_pos}: the shards changed since the checkpoint")
+                raise DataError(
+                    f"stream ended at position {self.next_pos} while restoring packing state up to "
+                    f"{next_pos}: the shards changed since the checkpoint"
+                )
             if s.position in wanted:
                 got[s.position] = s
         n = state[3]
-        self._pending = [got[p] for p in state[4:4 + n]]
+        self._pending = [got[p] for p in state[4 : 4 + n]]
         k = 4 + n
         for _ in range(state[k]):
             m = state[k + 1]
-            self._ready.append([got[p] for p in state[k + 2:k + 2 + m]])
+            self._ready.append([got[p] for p in state[k + 2 : k + 2 + m]])
             k += 1 + m
 
     # --- rows
@@ -110,8 +121,10 @@ class Packer:
         if s.position != self.next_pos:
             raise DataError(f"sample stream out of order: got position {s.position}, expected {self.next_pos}")
         if s.num_tokens > self.capacity:
-            raise DataError(f"sample {s.id} has {s.num_tokens} tokens, more than --pack-to {self.capacity}: "
-                            "rebuild the shards with --seq-len <= the pack size or raise --pack-to")
+            raise DataError(
+                f"sample {s.id} has {s.num_tokens} tokens, more than --pack-to {self.capacity}: "
+                "rebuild the shards with --seq-len <= the pack size or raise --pack-to"
+            )
         self.next_pos += 1
         return s
 
@@ -153,11 +166,11 @@ def _mix(position: int) -> int:
 
 def _state_positions(state: list[int]) -> list[int]:
     n = state[3]
-    out = list(state[4:4 + n])
+    out = list(state[4 : 4 + n])
     k = 4 + n
     for _ in range(state[k]):
         m = state[k + 1]
-        out += state[k + 2:k + 2 + m]
+        out += state[k + 2 : k + 2 + m]
         k += 1 + m
     return out
 
@@ -188,16 +201,26 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
     for token, kind in extra:
         ids, mm, loss = np.append(ids, token), np.append(mm, kind), np.append(loss, 0)
         pos = np.concatenate([pos, pos[:, -1:] + 1], axis=1)  # continues the last sample, which never sees it
-    return Batch(vision=host_inputs(spec, samples, fill, ids[None], mm[None]), filler=len(extra),
-                 input_ids=torch.from_numpy(ids[None]), loss_mask=torch.from_numpy(loss[None]),
-                 lengths=torch.tensor([len(ids)]), position_ids=torch.from_numpy(pos[:, None]),
-                 mm_token_type_ids=torch.from_numpy(mm[None]),
-                 image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
-                 images=[torch.as_tensor(im) for im in images], image_index=index,
-                 **video_fields(videos, vgrids, seconds),
-                 sample_ids=[s.id for s in samples], positions=[s.position for s in samples], num_tokens=n,
-                 num_trained=int(np.count_nonzero(loss)), rows=len(rows), sources=tuple(s.source for s in samples),
-                 sample_tokens=tuple(s.num_tokens for s in samples))
+    return Batch(
+        vision=host_inputs(spec, samples, fill, ids[None], mm[None]),
+        filler=len(extra),
+        input_ids=torch.from_numpy(ids[None]),
+        loss_mask=torch.from_numpy(loss[None]),
+        lengths=torch.tensor([len(ids)]),
+        position_ids=torch.from_numpy(pos[:, None]),
+        mm_token_type_ids=torch.from_numpy(mm[None]),
+        image_grid_thw=torch.from_numpy(np.concatenate(grids).astype(np.int64)),
+        images=[torch.as_tensor(im) for im in images],
+        image_index=index,
+        **video_fields(videos, vgrids, seconds),
+        sample_ids=[s.id for s in samples],
+        positions=[s.position for s in samples],
+        num_tokens=n,
+        num_trained=int(np.count_nonzero(loss)),
+        rows=len(rows),
+        sources=tuple(s.source for s in samples),
+        sample_tokens=tuple(s.num_tokens for s in samples),
+    )
 
 
 def empty_state(capacity: int, window: int) -> list[int]:
@@ -214,12 +237,16 @@ def check_packing(*, pack_to: int, pack_window: int, manifest: dict | None, mode
     if refusal:
         raise ConfigError(refusal)
     if model_type not in PACKABLE_MODELS:
-        raise ConfigError(f"--pack-to: model type {model_type!r} has no packed-sequence path this trainer has "
-                          f"verified (supported: {', '.join(PACKABLE_MODELS)}); train it without --pack-to")
+        raise ConfigError(
+            f"--pack-to: model type {model_type!r} has no packed-sequence path this trainer has "
+            f"verified (supported: {', '.join(PACKABLE_MODELS)}); train it without --pack-to"
+        )
     seq_len = ((manifest or {}).get("config") or {}).get("seq_len")
     if seq_len is not None and int(seq_len) > pack_to:
-        raise ConfigError(f"--pack-to {pack_to} is shorter than the dataset's seq_len {seq_len}: a sample could not "
-                          f"fit a row; use --pack-to >= {seq_len} or rebuild with --seq-len <= {pack_to}")
+        raise ConfigError(
+            f"--pack-to {pack_to} is shorter than the dataset's seq_len {seq_len}: a sample could not "
+            f"fit a row; use --pack-to >= {seq_len} or rebuild with --seq-len <= {pack_to}"
+        )
     shards = (manifest or {}).get("shards") or []
     samples, tokens = sum(s["num_samples"] for s in shards), sum(s["num_tokens"] for s in shards)
     expect = "expected fill unknown without a manifest"
@@ -229,12 +256,16 @@ def check_packing(*, pack_to: int, pack_window: int, manifest: dict | None, mode
         rows = min(pack_window, per_rank) * tokens / samples / pack_to
         expect = f"mean sample {tokens / samples:.0f} tokens, so a window holds {rows:.1f} rows' worth: "
         if epoch < 4:  # the whole epoch is its own last rows: only a bigger dataset (or fewer ranks) fills them
-            expect += (f"expected a low fill (a rank's whole epoch is {epoch:.1f} rows' worth, all of them the "
-                       "epoch's last rows)")
+            expect += (
+                f"expected a low fill (a rank's whole epoch is {epoch:.1f} rows' worth, all of them the "
+                "epoch's last rows)"
+            )
         elif rows >= 4:
             expect += f"expected fill >= {CARRY_BELOW:.2f} (except the epoch's last rows)"
         else:
             expect += f"expected a lower fill (raise --pack-window to {4 * pack_to * samples / tokens:.0f} or more)"
-    return (f"trainer: packing whole samples into rows of <= {pack_to} tokens, best-fit decreasing over a window of "
-            f"{pack_window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
-            "(pack_fill per step in metrics.jsonl)")
+    return (
+        f"trainer: packing whole samples into rows of <= {pack_to} tokens, best-fit decreasing over a window of "
+        f"{pack_window} samples; rows under {CARRY_BELOW:.0%} full wait for the next window; {expect} "
+        "(pack_fill per step in metrics.jsonl)"
+    )

@@ -2,6 +2,7 @@
 custom code), its image and video processor settings (for vision.py's pixel math), a URL's files copied for loading,
 and what must agree between mixed datasets (family, vocabulary, pixel settings).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,10 @@ def load_processor(processor_dir: str):
         return AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise anything
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{processor_dir}: cannot load the processor there ({type(e).__name__}: {text[:200]}); "
-                        "pass --processor DIR with the processor the shards were built with") from None
+        raise DataError(
+            f"{processor_dir}: cannot load the processor there ({type(e).__name__}: {text[:200]}); "
+            "pass --processor DIR with the processor the shards were built with"
+        ) from None
 
 
 def _no_custom_code(cfg, url: str):
@@ -62,8 +65,10 @@ def load_image_processor_config(location: str) -> dict:
     """The image processor's saved settings: `processor_config.json` (transformers 5) or the older
     `preprocessor_config.json`, from a local dir or a URL."""
     errors = []
-    for name, pick in (("processor_config.json", lambda d: d.get("image_processor")),
-                       ("preprocessor_config.json", lambda d: d)):
+    for name, pick in (
+        ("processor_config.json", lambda d: d.get("image_processor")),
+        ("preprocessor_config.json", lambda d: d),
+    ):
         url = join_url(location, name)
         if not url.startswith(REMOTE) and not Path(url).is_file():
             errors.append(f"{url}: no such file")
@@ -77,15 +82,19 @@ def load_image_processor_config(location: str) -> dict:
         if isinstance(cfg, dict):
             return cfg
         errors.append(f"{url}: no image processor settings")
-    raise DataError(f"cannot load the image processor from {location} ({'; '.join(errors)}); "
-                    "pass --processor DIR pointing at the processor the shards were built with")
+    raise DataError(
+        f"cannot load the image processor from {location} ({'; '.join(errors)}); "
+        "pass --processor DIR pointing at the processor the shards were built with"
+    )
 
 
 def load_video_processor_config(location: str) -> dict | None:
     """The video processor's saved settings (`processor_config.json`'s video_processor, or the older
     `video_preprocessor_config.json`), or None where the processor saved none (an image-only model)."""
-    for name, pick in (("processor_config.json", lambda d: d.get("video_processor")),
-                       ("video_preprocessor_config.json", lambda d: d)):
+    for name, pick in (
+        ("processor_config.json", lambda d: d.get("video_processor")),
+        ("video_preprocessor_config.json", lambda d: d),
+    ):
         url = join_url(location, name)
         if not url.startswith(REMOTE) and not Path(url).is_file():
             continue
@@ -131,6 +140,7 @@ def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
     (tokens, merges and added tokens; not the chat template or truncation settings) and the image and video
     processors' settings that the trainer's pixel math uses (not frame sampling or resize budgets: the frames
     are stored already sampled and resized). Digests, so the message can say which part differs."""
+
     def digest(value) -> str:
         return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -141,12 +151,19 @@ def processor_identity(location: str, manifest: dict | None) -> dict[str, str]:
         out["vocabulary"] = digest([tok.get("model"), tok.get("added_tokens")])
     except (OSError, ValueError, DataError):
         out["vocabulary"] = "?"  # a slow tokenizer only: compared by family and image settings
-    keep = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
-            "do_rescale", "do_normalize")
+    keep = (
+        "patch_size",
+        "temporal_patch_size",
+        "merge_size",
+        "image_mean",
+        "image_std",
+        "rescale_factor",
+        "do_rescale",
+        "do_normalize",
+    )
     image = load_image_processor_config(location)
     out["image processor"] = digest({k: image.get(k) for k in ("image_processor_type", *keep)})
     # One run normalizes every dataset's videos with the first dataset's video processor.
     video = load_video_processor_config(location)
     out["video processor"] = "none" if video is None else digest({k: video.get(k) for k in keep})
     return out
-

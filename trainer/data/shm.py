@@ -2,6 +2,7 @@
 a worker decodes a sample's images and frames, sent as one fd and offsets (SlabRef); the training process hands the
 slab back once no tensor view of it is left.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -81,8 +82,10 @@ class SlabPool:
         elif slab.numel():
             self.fresh += 1
         sample = item.sample
-        sample.images = [slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in item.layout]
-        sample.videos = [[slab[offset:offset + h * w * c].view(h, w, c) for offset, h, w, c in v] for v in item.frames]
+        sample.images = [slab[offset : offset + h * w * c].view(h, w, c) for offset, h, w, c in item.layout]
+        sample.videos = [
+            [slab[offset : offset + h * w * c].view(h, w, c) for offset, h, w, c in v] for v in item.frames
+        ]
         return sample
 
 
@@ -102,4 +105,3 @@ class SlabRef:
     k: int
     layout: list[tuple[int, int, int, int]]  # (byte offset, H, W, 3) per unique image
     frames: list[list[tuple[int, int, int, int]]]  # per video, (byte offset, H, W, 3) per frame
-

@@ -2,6 +2,7 @@
 shard list, with its manifest's counts, sha256 and sample indexes where it has one (checked against the schema and
 its format_version) -> a token-balanced shard-to-rank plan.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -100,9 +101,11 @@ def _load_manifest(base: str) -> dict:
         raise DataError(f"cannot read {url}: {e}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
-        raise DataError(f"{url}: format_version {version!r} is not supported by this trainer (it reads "
-                        f"format_version {', '.join(map(str, READABLE_VERSIONS))}); rebuild the shards or upgrade "
-                        "the trainer")
+        raise DataError(
+            f"{url}: format_version {version!r} is not supported by this trainer (it reads "
+            f"format_version {', '.join(map(str, READABLE_VERSIONS))}); rebuild the shards or upgrade "
+            "the trainer"
+        )
     problem = schema_problem(manifest, "manifest.schema.json")
     if problem:
         raise DataError(f"{url} does not match the manifest schema: {problem}")
@@ -133,10 +136,18 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
         if name not in by_name:
             raise DataError(f"{join_url(base, name)} is not listed in {where}")
         s, url, ix = by_name[name]
-        shards.append(ShardRef(url, name, int(s["num_samples"]), int(s["num_tokens"]), int(s["bytes"]),
-                               str(s["sha256"]) if "sha256" in s else None,
-                               IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None,
-                               rows[name] if index else None))
+        shards.append(
+            ShardRef(
+                url,
+                name,
+                int(s["num_samples"]),
+                int(s["num_tokens"]),
+                int(s["bytes"]),
+                str(s["sha256"]) if "sha256" in s else None,
+                IndexRef(ix, int(s["index"]["bytes"]), str(s["index"]["sha256"])) if ix else None,
+                rows[name] if index else None,
+            )
+        )
     # A local shard's presence and size are checked by the rank that reads it, as it starts (trainer/data/integrity.py
     # ShardCheck.verify): not here, where every rank would stat every shard of the dataset (10^5 files x 512 ranks
     # of metadata calls on a shared filesystem).
@@ -149,18 +160,25 @@ RAW_SUFFIXES = (".jsonl", ".jsonl.zst", ".json")  # what `vlmprep build --in` re
 def _refuse_raw_input(path: str) -> None:
     """A records file (or a dir of them, no manifest.json) is what `vlmprep build` reads, not shards: say so."""
     p = Path(path)
-    raw = p.is_file() and p.name.endswith(RAW_SUFFIXES) or p.is_dir() and not (p / "manifest.json").exists() and any(
-        c.name.endswith(RAW_SUFFIXES) for c in p.iterdir())
+    raw = (
+        p.is_file()
+        and p.name.endswith(RAW_SUFFIXES)
+        or p.is_dir()
+        and not (p / "manifest.json").exists()
+        and any(c.name.endswith(RAW_SUFFIXES) for c in p.iterdir())
+    )
     if raw:
-        raise DataError(f"--data {path} is raw input (records), not a built dataset: run `vlmprep build --in {path} "
-                        "--out DIR` first, then pass --data DIR")
+        raise DataError(
+            f"--data {path} is raw input (records), not a built dataset: run `vlmprep build --in {path} "
+            "--out DIR` first, then pass --data DIR"
+        )
 
 
 def resolve_data(url: str, *, option: str = "--data") -> DataSource:
     """Dataset dir or base URL (manifest required), shard path/pattern/URL (manifest used when beside it),
     or `pipe:` commands (no manifest). `option`: the option that named it, for the messages (--eval-data)."""
     if url.startswith("file:"):
-        url = url[len("file:"):]
+        url = url[len("file:") :]
         if url.startswith("//"):
             url = url[2:]
     if url.startswith("pipe:"):
@@ -177,8 +195,9 @@ def resolve_data(url: str, *, option: str = "--data") -> DataSource:
         if not remote:
             _refuse_raw_input(url)
         if not remote and not Path(url).is_dir():
-            raise DataError(f"--data {url}: no such dataset dir (or pass a shard pattern like "
-                            "DIR/shard-{000000..000009}.tar)")
+            raise DataError(
+                f"--data {url}: no such dataset dir (or pass a shard pattern like DIR/shard-{{000000..000009}}.tar)"
+            )
         return _from_manifest(url, _load_manifest(url))
     urls = list(braceexpand.braceexpand(url))
     base = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."

@@ -1,6 +1,7 @@
 """Step prediction: a rank's epoch schedule and the stored token counts -> how many micro-batches the batcher or the
 packer makes of it (run on the lengths alone, in numpy) -> optimizer steps per epoch, the busiest rank's on every rank.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,16 +13,29 @@ from trainer.data.order import RankSource, Schedule, epoch_size, schedule
 from trainer.options import Batching, DataOptions
 
 
-def predict_steps(sources: list[RankSource], options: DataOptions, batching: Batching, *, specs: tuple[DataSpec, ...],
-                  epochs: int, device: torch.device) -> tuple[list[int], Schedule]:
+def predict_steps(
+    sources: list[RankSource],
+    options: DataOptions,
+    batching: Batching,
+    *,
+    specs: tuple[DataSpec, ...],
+    epochs: int,
+    device: torch.device,
+) -> tuple[list[int], Schedule]:
     """Steps of each of `epochs` epochs, by running the batcher / packer over the stored token counts in the order's
     schedule (`options`: its seed and shuffles); the busiest rank sets an epoch's length (the others pad). Also returns
     epoch 0's schedule, for the loader. `specs`: the mixture's datasets, named in a refusal (check_epoch_size)."""
     check_epoch_size(sources, specs, device)
     mine, first = [], None
     for epoch in range(epochs):
-        order = schedule(sources, seed=options.seed, epoch=epoch, shuffle=options.shuffle,
-                         shuffle_shards=options.shuffle_shards, shuffle_span=options.shuffle_span)
+        order = schedule(
+            sources,
+            seed=options.seed,
+            epoch=epoch,
+            shuffle=options.shuffle,
+            shuffle_shards=options.shuffle_shards,
+            shuffle_span=options.shuffle_span,
+        )
         first = order if epoch == 0 else first
         lengths = order.tokens(sources)
         mine.append(rank_steps(lengths, batching))
@@ -41,15 +55,17 @@ def check_epoch_size(sources: list[RankSource], specs: tuple[DataSpec, ...], dev
     if worst.item() <= 1.0:
         return
     slow = specs[size.last]
-    again = [f"{d.name} {p:.3g} times" for d, p, src in zip(specs, size.passes, sources)
-             if p > 1 and src.on_end == "repeat"]
+    again = [
+        f"{d.name} {p:.3g} times" for d, p, src in zip(specs, size.passes, sources) if p > 1 and src.on_end == "repeat"
+    ]
     held = sum(ix.num_samples for s in sources for ix in s.indexes)
-    raise ConfigError(f"mixture weights: one epoch would read about {size.positions:.3g} samples on this rank (its "
-                      f"datasets hold {held} there), since an epoch ends when every dataset has been read through "
-                      f"once and {slow.name!r} (weight {slow.weight:g}) is read through only after "
-                      f"{', '.join(again) or 'the others repeat'}: raise {slow.name}'s weight (a weight is a share of "
-                      "the trained tokens), or drop it from --data")
-
+    raise ConfigError(
+        f"mixture weights: one epoch would read about {size.positions:.3g} samples on this rank (its "
+        f"datasets hold {held} there), since an epoch ends when every dataset has been read through "
+        f"once and {slow.name!r} (weight {slow.weight:g}) is read through only after "
+        f"{', '.join(again) or 'the others repeat'}: raise {slow.name}'s weight (a weight is a share of "
+        "the trained tokens), or drop it from --data"
+    )
 
 
 def steps_per_epoch(rank_samples: list[int | None], batching: Batching) -> int | None:
@@ -58,7 +74,6 @@ def steps_per_epoch(rank_samples: list[int | None], batching: Batching) -> int |
         return None
     micro_batches = [-(-n // batching.micro_batch_size) for n in rank_samples]
     return max(-(-m // batching.grad_accum) for m in micro_batches)
-
 
 
 def packed_rows(lengths: np.ndarray, *, capacity: int, window: int) -> int:
@@ -141,7 +156,7 @@ def _short_batch_sizes(lengths: np.ndarray, budget: int, most: int) -> np.ndarra
     fits = np.empty(n, dtype=bool)
     size = np.ones(n, dtype=np.int16)  # most <= SHORT_BATCHES
     for m in range(2, most + 1):
-        np.maximum(run, padded[m - 1:m - 1 + n], out=run)
+        np.maximum(run, padded[m - 1 : m - 1 + n], out=run)
         np.less_equal(run, budget // m, out=fits)
         np.logical_and(growing, fits, out=growing)
         np.add(size, growing, out=size)
@@ -154,7 +169,7 @@ def _walk_batches(lengths: np.ndarray, budget: int) -> int:
     """The batches, one search per batch over a window that doubles until the batch ends inside it."""
     n, batches, i, window = len(lengths), 0, 0, 64
     while i < n:
-        part = lengths[i:i + window]
+        part = lengths[i : i + window]
         cost = np.maximum.accumulate(part) * np.arange(1, len(part) + 1)  # non-decreasing
         k = int(np.searchsorted(cost, budget, side="right"))
         if k == len(part) and i + window < n:  # the batch may run past the window
@@ -175,4 +190,3 @@ def rank_steps(lengths: np.ndarray, batching: Batching) -> int:
     else:
         micro = -(-len(lengths) // b.micro_batch_size)
     return -(-micro // b.grad_accum)
-

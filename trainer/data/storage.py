@@ -2,6 +2,7 @@
 local copy checked against the manifest's size and sha256. Read through fsspec (s3fs, gcsfs, huggingface_hub), each
 library taking credentials from its own environment and config; this module never sees, prints or stores them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,14 @@ CHUNK = 4 << 20
 READ_TIMEOUT_S = 60.0  # --read-timeout: no byte for this long fails a read; see Pace for a server that drips
 MIN_RATE = 64 << 10  # bytes/s a read must average once READ_TIMEOUT_S has passed
 # The package each URL scheme needs beyond fsspec, and the extra that installs it.
-_EXTRAS = {"s3": ("s3fs", "vlmprep[s3]"), "gs": ("gcsfs", "vlmprep[gcs]"), "gcs": ("gcsfs", "vlmprep[gcs]"),
-           "hf": ("huggingface_hub", "huggingface_hub"), "http": ("aiohttp", "aiohttp"),
-           "https": ("aiohttp", "aiohttp")}
+_EXTRAS = {
+    "s3": ("s3fs", "vlmprep[s3]"),
+    "gs": ("gcsfs", "vlmprep[gcs]"),
+    "gcs": ("gcsfs", "vlmprep[gcs]"),
+    "hf": ("huggingface_hub", "huggingface_hub"),
+    "http": ("aiohttp", "aiohttp"),
+    "https": ("aiohttp", "aiohttp"),
+}
 
 
 class StorageError(RuntimeError):
@@ -76,9 +82,11 @@ class Pace:
         """Raise StorageError where `got` bytes so far are too few for the time taken."""
         elapsed = time.monotonic() - self.t0
         if elapsed > READ_TIMEOUT_S and got < MIN_RATE * elapsed:
-            raise StorageError(f"cannot {self.what} {self.url}: {got} bytes in {elapsed:.0f} s, under "
-                               f"{MIN_RATE >> 10} KiB/s after --read-timeout {READ_TIMEOUT_S:g} s: the server is too "
-                               "slow or stalled; try again, or raise --read-timeout")
+            raise StorageError(
+                f"cannot {self.what} {self.url}: {got} bytes in {elapsed:.0f} s, under "
+                f"{MIN_RATE >> 10} KiB/s after --read-timeout {READ_TIMEOUT_S:g} s: the server is too "
+                "slow or stalled; try again, or raise --read-timeout"
+            )
 
 
 def _fail(url: str, what: str, e: BaseException) -> StorageError:
@@ -86,13 +94,17 @@ def _fail(url: str, what: str, e: BaseException) -> StorageError:
     if cause == "TooManyRedirects":  # fsspec's HTTP calls every failed request "not found"
         return StorageError(f"cannot {what} {url}: the server redirects it in a loop (or more than 10 times)")
     if "RedirectClientError" in cause:  # aiohttp's NonHttpUrl..., InvalidUrl...
-        return StorageError(f"cannot {what} {url}: the server redirects it to {str(e.__cause__)[:200]}, which is not "
-                            "an http(s) URL; refusing to follow it")
+        return StorageError(
+            f"cannot {what} {url}: the server redirects it to {str(e.__cause__)[:200]}, which is not "
+            "an http(s) URL; refusing to follow it"
+        )
     if isinstance(e, FileNotFoundError):
         return StorageError(f"cannot {what} {url}: no such file or object")
     if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:  # asyncio's, fsspec's FSTimeoutError, botocore's
-        return StorageError(f"cannot {what} {url}: no answer for --read-timeout {READ_TIMEOUT_S:g} s; try again, or "
-                            "raise --read-timeout")
+        return StorageError(
+            f"cannot {what} {url}: no answer for --read-timeout {READ_TIMEOUT_S:g} s; try again, or "
+            "raise --read-timeout"
+        )
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return StorageError(f"cannot {what} {url}: {text[:300]}")
 
@@ -152,8 +164,9 @@ def _continued(url: str, have: int, n: int):
         return None, b""
 
 
-def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
-          stopped: Callable[[], bool] = lambda: False) -> None:
+def fetch(
+    url: str, dest: Path, *, size: int | None, sha256: str | None, stopped: Callable[[], bool] = lambda: False
+) -> None:
     """Copy `url` to `dest`: streamed to DEST.part with the sha256 computed on the way, renamed only when its size and
     sha256 are the manifest's. A .part left by a killed run is continued with a range read where the store supports
     them (else fetched again from the start). Raises StorageError; `stopped()` True abandons the copy (part kept)."""
@@ -161,8 +174,10 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
     part = dest.with_name(dest.name + ".part")
     h = hashlib.sha256()
     if os.path.lexists(part) and not stat.S_ISREG(os.lstat(part).st_mode):  # a planted link: never read or written
-        raise StorageError(f"{part} is a symlink or special file where the cache writes a shard: refusing to write "
-                           "through it (someone may have planted it in the cache dir); remove it and run again")
+        raise StorageError(
+            f"{part} is a symlink or special file where the cache writes a shard: refusing to write "
+            "through it (someone may have planted it in the cache dir); remove it and run again"
+        )
     have = part.stat().st_size if part.is_file() else 0
     if size is not None and have > size:
         have = 0
@@ -172,8 +187,9 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
                 h.update(chunk)
     pace = Pace(url, "fetch")
     try:
-        stream, first = _continued(url, have, CHUNK if size is None else min(CHUNK, size + 1 - have)) if have else \
-            (None, b"")
+        stream, first = (
+            _continued(url, have, CHUNK if size is None else min(CHUNK, size + 1 - have)) if have else (None, b"")
+        )
         if stream is None:  # nothing to continue, or the store answers no range read: from the start
             have, h, first = 0, hashlib.sha256(), b""
             stream = open_url(url)
@@ -200,20 +216,26 @@ def fetch(url: str, dest: Path, *, size: int | None, sha256: str | None,
         raise StorageError(str(e)) from None
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the cache's disk, not the store: say which
-            raise StorageError(f"cannot fetch {url} into {part.parent}: no space left there ({e.strerror}); free "
-                               "space, lower --shard-cache-limit, or pass a --shard-cache on a larger disk") from None
+            raise StorageError(
+                f"cannot fetch {url} into {part.parent}: no space left there ({e.strerror}); free "
+                "space, lower --shard-cache-limit, or pass a --shard-cache on a larger disk"
+            ) from None
         raise _fail(url, "fetch", e) from None
     except Exception as e:  # noqa: BLE001
         raise _fail(url, "fetch", e) from None
     got = part.stat().st_size
     if size is not None and got != size:
         part.unlink()
-        raise StorageError(f"{url}: fetched {got} bytes but the manifest says {size}: the shard was replaced or cut "
-                           "short in storage; refusing it")
+        raise StorageError(
+            f"{url}: fetched {got} bytes but the manifest says {size}: the shard was replaced or cut "
+            "short in storage; refusing it"
+        )
     if sha256 is not None and h.hexdigest() != sha256:
         part.unlink()
-        raise StorageError(f"{url}: its bytes do not match the manifest's sha256 ({h.hexdigest()[:12]}... vs "
-                           f"{sha256[:12]}...): the shard was modified or corrupted in storage; refusing it")
+        raise StorageError(
+            f"{url}: its bytes do not match the manifest's sha256 ({h.hexdigest()[:12]}... vs "
+            f"{sha256[:12]}...): the shard was modified or corrupted in storage; refusing it"
+        )
     os.replace(part, dest)
 
 

@@ -4,6 +4,7 @@ protocol (Streams): the shards read in sequence (ShardSequence -> RankStream: no
 URL) or the epoch schedule of order.py read by random access from indexed shards (EpochSchedule -> ScheduledStream:
 sample shuffle, mixtures). Position = samples consumed in the epoch; it is all a checkpoint needs to resume exactly.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,15 @@ class RankStream(IterableDataset):
     `start` on. Worker w of W decodes only positions start + w, start + w + W, ...; the DataLoader's in-order
     round robin then restores the sequential order."""
 
-    def __init__(self, shards: list[ShardRef], *, start: int, spec: ImageSpec, stride: tuple[int, int] = (0, 1),
-                 signatures: dict[str, tuple[int, ...]] | None = None):
+    def __init__(
+        self,
+        shards: list[ShardRef],
+        *,
+        start: int,
+        spec: ImageSpec,
+        stride: tuple[int, int] = (0, 1),
+        signatures: dict[str, tuple[int, ...]] | None = None,
+    ):
         self.shards, self.start, self.spec, self.stride = shards, start, spec, stride
         self.signatures = signatures or {}  # url -> file_signature when the run checked it: it must stay that file
         self.pool: SlabPool | None = None  # set by sample_loader when workers decode
@@ -82,15 +90,23 @@ class RankStream(IterableDataset):
             for i, key, members in iter_tar_samples(shard.url, want):
                 count += 1
                 if members is not None:
-                    sample = decode_sample(members, key=key, url=shard.url, spec=self.spec, resize_original=resize,
-                                           alloc=pool.views if pool else None)
+                    sample = decode_sample(
+                        members,
+                        key=key,
+                        url=shard.url,
+                        spec=self.spec,
+                        resize_original=resize,
+                        alloc=pool.views if pool else None,
+                    )
                     sample.position, sample.worker = (offset + i) // R, w
                     yield pool.put(sample) if pool else sample
             if signature:
                 check_unchanged(os.stat(shard.url), signature, shard.url)
             if shard.num_samples is not None and count != shard.num_samples:
-                raise DataError(f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
-                                "truncated or replaced shard")
+                raise DataError(
+                    f"{shard.url} holds {count} samples but the manifest says {shard.num_samples}: "
+                    "truncated or replaced shard"
+                )
             offset += count
 
 
@@ -101,8 +117,9 @@ class ScheduledStream(IterableDataset):
 
     MAX_OPEN = 64  # file handles a worker keeps open
 
-    def __init__(self, sources: list[RankSource], order: Schedule, *, start: int, spec: ImageSpec,
-                 cache: CacheView | None = None):
+    def __init__(
+        self, sources: list[RankSource], order: Schedule, *, start: int, spec: ImageSpec, cache: CacheView | None = None
+    ):
         """`cache`: remote shards are read from the rank's shard cache (trainer/data/cache.py), each once it is local;
         the reader's position goes back to the cache, which evicts what no reader needs any more."""
         self.sources, self.order, self.start, self.spec, self.cache = sources, order, start, spec, cache
@@ -137,8 +154,14 @@ class ScheduledStream(IterableDataset):
                     entry = files[index.path] = (open(index.path, "rb"), cache.flat(s, k) if cache else -1)
                 check_unchanged(os.fstat(entry[0].fileno()), index.signature, src.shards[k].url)  # one fstat a sample
                 key, members = read_indexed(index, i, entry[0])
-                sample = decode_sample(members, key=key, url=src.shards[k].url, spec=self.spec,
-                                       resize_original=resize, alloc=pool.views if pool else None)
+                sample = decode_sample(
+                    members,
+                    key=key,
+                    url=src.shards[k].url,
+                    spec=self.spec,
+                    resize_original=resize,
+                    alloc=pool.views if pool else None,
+                )
                 sample.position, sample.worker, sample.source = p, w, int(self.order.source[p])
                 if named:
                     sample.id = f"{src.name}/{sample.id}"
@@ -178,16 +201,32 @@ class EpochSchedule:
     `first`: epoch 0's schedule, when already made. `cache`: the rank's shard cache for the sources' remote shards
     (started per epoch, closed with the loader)."""
 
-    def __init__(self, sources: list[RankSource], *, spec: ImageSpec, seed: int, shuffle: bool, shuffle_shards: bool,
-                 shuffle_span: int, first: Schedule | None = None, cache: ShardCache | None = None):
+    def __init__(
+        self,
+        sources: list[RankSource],
+        *,
+        spec: ImageSpec,
+        seed: int,
+        shuffle: bool,
+        shuffle_shards: bool,
+        shuffle_span: int,
+        first: Schedule | None = None,
+        cache: ShardCache | None = None,
+    ):
         self.sources, self.spec, self.seed, self.cache = sources, spec, seed, cache
         self.shuffle, self.shuffle_shards, self.shuffle_span = shuffle, shuffle_shards, shuffle_span
         self._first = first
 
     def schedule(self, epoch: int) -> Schedule:
         """The shard and sample order of `epoch` over these datasets (the same on every rank)."""
-        return schedule(self.sources, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                        shuffle_shards=self.shuffle_shards, shuffle_span=self.shuffle_span)
+        return schedule(
+            self.sources,
+            seed=self.seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            shuffle_shards=self.shuffle_shards,
+            shuffle_span=self.shuffle_span,
+        )
 
     def open(self, epoch: int, position: int, num_workers: int) -> ScheduledStream:
         """The epoch's stream from `position` on (the shard cache, if any, restarted at it)."""
@@ -195,8 +234,9 @@ class EpochSchedule:
         order = first if first is not None and epoch == 0 else self.schedule(epoch)
         if self.cache is not None:
             self.cache.begin(order, position, num_workers)
-        return ScheduledStream(self.sources, order, start=position, spec=self.spec,
-                               cache=self.cache.view if self.cache else None)
+        return ScheduledStream(
+            self.sources, order, start=position, spec=self.spec, cache=self.cache.view if self.cache else None
+        )
 
     def close(self) -> None:
         """Stops the shard cache's fetches and lets its dir go."""

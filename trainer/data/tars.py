@@ -2,6 +2,7 @@
 skipped members are never read; remote ones streamed through storage.py, pipe: commands through webdataset's
 opener). Random access by sample is index.py's.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ def check_member_size(ti: tarfile.TarInfo, ext: str, url: str) -> None:
     limit (the meta's, for the json member)."""
     limit = LIMITS.meta_bytes if ext == "json" else LIMITS.member_bytes
     if ti.issparse() or ti.size > limit:
-        raise DataError(f"{url}: member {ti.name!r} is {'sparse' if ti.issparse() else f'{ti.size} bytes'}: a reader "
-                        f"accepts plain members of at most {limit} bytes; refusing to read it")
+        raise DataError(
+            f"{url}: member {ti.name!r} is {'sparse' if ti.issparse() else f'{ti.size} bytes'}: a reader "
+            f"accepts plain members of at most {limit} bytes; refusing to read it"
+        )
 
 
 def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
@@ -83,4 +86,3 @@ def iter_tar_samples(url: str, want: Callable[[int], bool]) -> Iterator[tuple[in
         except Exception as e:  # noqa: BLE001 - a reader stopped early kills curl/pipe; only a full read must succeed
             if finished:
                 raise DataError(f"{url}: reader failed: {e}") from None
-

@@ -3,6 +3,7 @@ training device (Patchifier: rescale + normalize + patchify, the exact arithmeti
 saved image and video processors); every other family on the host (HostPixels: the dataset's own saved image
 processor on the stored pixels, in the DataLoader workers).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,17 +45,35 @@ class ImageSpec:
         """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos. A processor
         of a family that is not on a patch grid is read for its name only (its own class makes the pixels)."""
         kind = cfg.get("image_processor_type") or cfg.get("video_processor_type")
-        if not isinstance(kind, str) or not kind.endswith(("ImageProcessor", "ImageProcessorFast",
-                                                           "ImageProcessorPil", "VideoProcessor")):
+        if not isinstance(kind, str) or not kind.endswith(
+            ("ImageProcessor", "ImageProcessorFast", "ImageProcessorPil", "VideoProcessor")
+        ):
             raise ValueError(f"processor type {kind!r} is not an image processor")
         if kind not in GRID + VIDEO_SUPPORTED:
-            return cls(patch_size=1, temporal_patch_size=1, merge_size=1, image_mean=(), image_std=(),
-                       rescale_factor=1.0, do_rescale=False, do_normalize=False, config=dict(cfg), grid_images=False)
-        return cls(video=cls.from_config(video) if video else None,
-                   patch_size=int(cfg["patch_size"]), temporal_patch_size=int(cfg["temporal_patch_size"]),
-                   merge_size=int(cfg["merge_size"]), image_mean=tuple(cfg["image_mean"]),
-                   image_std=tuple(cfg["image_std"]), rescale_factor=float(cfg["rescale_factor"]),
-                   do_rescale=bool(cfg["do_rescale"]), do_normalize=bool(cfg["do_normalize"]), config=dict(cfg))
+            return cls(
+                patch_size=1,
+                temporal_patch_size=1,
+                merge_size=1,
+                image_mean=(),
+                image_std=(),
+                rescale_factor=1.0,
+                do_rescale=False,
+                do_normalize=False,
+                config=dict(cfg),
+                grid_images=False,
+            )
+        return cls(
+            video=cls.from_config(video) if video else None,
+            patch_size=int(cfg["patch_size"]),
+            temporal_patch_size=int(cfg["temporal_patch_size"]),
+            merge_size=int(cfg["merge_size"]),
+            image_mean=tuple(cfg["image_mean"]),
+            image_std=tuple(cfg["image_std"]),
+            rescale_factor=float(cfg["rescale_factor"]),
+            do_rescale=bool(cfg["do_rescale"]),
+            do_normalize=bool(cfg["do_normalize"]),
+            config=dict(cfg),
+        )
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """The (t, h, w) patch grid of one resized image of `height` x `width` pixels (the size itself where the
@@ -96,8 +115,9 @@ class Patchifier:
         p, m, t = s.patch_size, s.merge_size, s.temporal_patch_size
         c, h, w = x.shape
         gh, gw = h // p, w // p
-        assert gh * p == h and gw * p == w and gh % m == 0 and gw % m == 0, \
+        assert gh * p == h and gw * p == w and gh % m == 0 and gw % m == 0, (
             f"image {h}x{w} is not a multiple of patch {p} x merge {m}: was it resized by the processor?"
+        )
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
         return x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
 
@@ -118,7 +138,7 @@ class Patchifier:
         first: dict[int, tuple[int, int]] = {}
         row = 0
         for u, n in zip(index, sizes):
-            rows = out[row:row + n]
+            rows = out[row : row + n]
             if u in first:  # a repeated image: copy its rows instead of recomputing them
                 a, b = first[u]
                 rows.copy_(out[a:b])
@@ -148,8 +168,9 @@ class Patchifier:
                 x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
             t, c, h, w = x.shape
             gh, gw = h // p, w // p
-            assert gh * p == h and gw * p == w and gh % m == 0 and gw % m == 0, \
+            assert gh * p == h and gw * p == w and gh % m == 0 and gw % m == 0, (
                 f"frames {h}x{w} are not a multiple of patch {p} x merge {m}: were they resized by the processor?"
+            )
             x = x.reshape(t // tp, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
             out.append(x.reshape(-1, c * tp * p * p))
         return torch.cat(out)
@@ -167,8 +188,9 @@ class Patchifier:
 PLACEHOLDER_SIDE = 64  # the black image a host family's micro-batch without images gets (its processor resizes it)
 
 
-def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> tuple[HostPixels, tuple[int, ...],
-                                                                                     tuple[int, int]]:
+def host_pixels(
+    family, processor_dir: str, spec: ImageSpec, token_id: int
+) -> tuple[HostPixels, tuple[int, ...], tuple[int, int]]:
     """A host family's pixel maker, and its placeholder image: `token_id` (the model's image token) as many times as
     the processor's own render of one user message holding a PLACEHOLDER_SIDE black image has it, and the size that
     black image is stored at (the processor's resize of it where the family stores resized pixels), so that the
@@ -178,8 +200,12 @@ def host_pixels(family, processor_dir: str, spec: ImageSpec, token_id: int) -> t
     from trainer.data.processors import load_processor
 
     processor = load_processor(processor_dir)
-    host = HostPixels(family, spec.config, image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
-                      max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0))
+    host = HostPixels(
+        family,
+        spec.config,
+        image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
+        max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0),
+    )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     message = [{"role": "user", "content": [{"type": "image", "image": black}, {"type": "text", "text": "x"}]}]
     out = processor.apply_chat_template(message, tokenize=True, return_dict=True, return_tensors="pt")
@@ -232,5 +258,13 @@ class HostPixels:
     def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
         """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the
         model's pixel inputs for the micro-batch."""
-        return pixel_inputs(self.processor, self.rule, per_sample, resize=not self.family.resized, ids=ids, mm=mm,
-                            image_token_id=self.image_token_id, max_tiles=self.max_tiles)
+        return pixel_inputs(
+            self.processor,
+            self.rule,
+            per_sample,
+            resize=not self.family.resized,
+            ids=ids,
+            mm=mm,
+            image_token_id=self.image_token_id,
+            max_tiles=self.max_tiles,
+        )

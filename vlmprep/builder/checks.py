@@ -2,6 +2,7 @@
 (--max-reject-fraction, --allow-empty) and the turn coverage (--min-turn-coverage). A failure is a RejectsError (the
 dataset is complete: its summary is printed, then exit 1) and leaves DIR/build-failed.txt holding its line.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,14 +37,20 @@ def check_rejects(manifest: Manifest, out: Path, *, allow_empty: bool, max_rejec
         if allow_empty:
             return
         why = ", ".join(f"{r} {n}" for r, n in ranked) or "no records"
-        raise RejectsError(f"{out}: 0 samples written from {t['records']} records ({why}); see "
-                           f"{out / REJECTS_NAME}, or pass --allow-empty{fix}", manifest)
+        raise RejectsError(
+            f"{out}: 0 samples written from {t['records']} records ({why}); see "
+            f"{out / REJECTS_NAME}, or pass --allow-empty{fix}",
+            manifest,
+        )
     if reject_share(manifest) > max_reject_fraction:
         why = ", ".join(f"{r} {n}" for r, n in ranked[:3]) + (", ..." if len(ranked) > 3 else "")
-        raise RejectsError(f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
-                           f"({reject_share(manifest):.1%} > "
-                           f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
-                           f"{_ACCEPT_REJECTS}", manifest)
+        raise RejectsError(
+            f"{out}: rejected {rejected_records(manifest)} of {t['records']} records "
+            f"({reject_share(manifest):.1%} > "
+            f"--max-reject-fraction {max_reject_fraction:g}: {why}){fix}; the dataset is written: "
+            f"{_ACCEPT_REJECTS}",
+            manifest,
+        )
 
 
 def check_coverage(manifest: Manifest, out: Path, *, min_turn_coverage: float) -> None:
@@ -51,12 +58,14 @@ def check_coverage(manifest: Manifest, out: Path, *, min_turn_coverage: float) -
     to --seq-len) is an error naming the share, the loss by reason and the fix. The files stay, as for rejects."""
     problem = coverage_problem(manifest, min_turn_coverage)
     if problem is not None:
-        raise RejectsError(f"{Path(out)}: {problem}; the dataset is written: --min-turn-coverage 0 accepts it",
-                           manifest)
+        raise RejectsError(
+            f"{Path(out)}: {problem}; the dataset is written: --min-turn-coverage 0 accepts it", manifest
+        )
 
 
-def check_dataset(manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float,
-                  min_turn_coverage: float) -> None:
+def check_dataset(
+    manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float, min_turn_coverage: float
+) -> None:
     """Both checks of a merged dataset (build and `vlmprep merge`); a failure leaves DIR/build-failed.txt holding its
     line, so that the build's own fix line rebuilds the dir without --overwrite (check_out); a pass removes it."""
     out = Path(out)
@@ -67,8 +76,9 @@ def check_dataset(manifest: Manifest, out: Path, *, allow_empty: bool, max_rejec
             if coverage_problem(manifest, min_turn_coverage) is None or not str(e).endswith(_ACCEPT_REJECTS):
                 raise
             # The rejected records' turns fail the turn coverage too: accepting the rejects takes both options.
-            raise RejectsError(f"{str(e)[:-len(_ACCEPT_REJECTS)]}--max-reject-fraction 1 --min-turn-coverage 0 "
-                               "accepts it", manifest) from None
+            raise RejectsError(
+                f"{str(e)[: -len(_ACCEPT_REJECTS)]}--max-reject-fraction 1 --min-turn-coverage 0 accepts it", manifest
+            ) from None
         if manifest.totals["samples"] or not allow_empty:  # --allow-empty accepts a build that rejected all
             check_coverage(manifest, out, min_turn_coverage=min_turn_coverage)
     except RejectsError as e:

@@ -1,6 +1,7 @@
 """Task journal: what an interrupted task has durably finished (completed shards, input position, rejects
 so far), so a rerun of the task resumes and still ends byte-identical to an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ shard missing or changed (size, sha256): the manifest never names a missing, cha
 repeated across tasks (no task can see another's ids) are rejected here as the one-task build rejects them, by
 rewriting the few shards that hold them.
 """
+
 from __future__ import annotations
 
 import collections
@@ -68,18 +69,27 @@ def _task_manifests(out: Path, plan: Plan) -> list[TaskManifest]:
             missing.append(i)
         elif m.plan != digest:
             changed = config_changes(m.config, plan.config)
-            why = (f"another config ({', '.join(changed)} differ)" if changed else
-                   "another processor" if m.fingerprint != plan.processor.fingerprint else "another plan")
+            why = (
+                f"another config ({', '.join(changed)} differ)"
+                if changed
+                else "another processor"
+                if m.fingerprint != plan.processor.fingerprint
+                else "another plan"
+            )
             foreign.append(f"task {i} was built with {why}")
         manifests.append(m)
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-        raise MergeError(f"{out}: {len(missing)} of {plan.tasks} tasks have not finished (no "
-                         f"{task_file(missing[0], '.json')}): tasks {shown}; run `vlmprep build --out {out} "
-                         f"--task-index {missing[0]}` for each, then merge again")
+        raise MergeError(
+            f"{out}: {len(missing)} of {plan.tasks} tasks have not finished (no "
+            f"{task_file(missing[0], '.json')}): tasks {shown}; run `vlmprep build --out {out} "
+            f"--task-index {missing[0]}` for each, then merge again"
+        )
     if foreign:
-        raise MergeError(f"{out}: {'; '.join(foreign[:5])} than {PLAN_NAME}; remove such a task's files "
-                         f"({task_file(0, '.*')} and its shards, e.g. for task 0) and run it again with this plan")
+        raise MergeError(
+            f"{out}: {'; '.join(foreign[:5])} than {PLAN_NAME}; remove such a task's files "
+            f"({task_file(0, '.*')} and its shards, e.g. for task 0) and run it again with this plan"
+        )
     return manifests
 
 
@@ -87,16 +97,23 @@ def _check_strays(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
     claimed = {s.name for m in manifests for s in m.shards}
     # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx or the
     # user's own tars beside an --overwrite build, are not dataset content and are left alone).
-    stray = sorted(p.name for p in out.iterdir()
-                   if fnmatch.fnmatch(p.name, SHARD_GLOB) and p.name not in claimed
-                   or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX))
-    ours = {task_file(i, suffix).split("/", 1)[1] for i in range(plan.tasks)
-            for suffix in TASK_SUFFIXES + (".lock",)}  # a task run's lock, left by a killed one
+    stray = sorted(
+        p.name
+        for p in out.iterdir()
+        if fnmatch.fnmatch(p.name, SHARD_GLOB)
+        and p.name not in claimed
+        or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX)
+    )
+    ours = {
+        task_file(i, suffix).split("/", 1)[1] for i in range(plan.tasks) for suffix in TASK_SUFFIXES + (".lock",)
+    }  # a task run's lock, left by a killed one
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)
     if stray:
         shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
-        raise MergeError(f"{out}: files that no task of this plan wrote: {shown}; they are left from another "
-                         "plan or build: remove them, or build into a fresh --out dir")
+        raise MergeError(
+            f"{out}: files that no task of this plan wrote: {shown}; they are left from another "
+            "plan or build: remove them, or build into a fresh --out dir"
+        )
 
 
 def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> ShardEntry | None:
@@ -106,15 +123,22 @@ def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> ShardEnt
     if not path.exists():  # emptied by an earlier run of this merge
         return None
     writer = ShardWriter(out, samples_per_shard=1 << 62, shard_size_bytes=1 << 62, prefix=prefix)
-    writer.index = int(name[len(prefix):-len(".tar")])
+    writer.index = int(name[len(prefix) : -len(".tar")])
     for s in iter_shard(path, version=FORMAT_VERSION):
         meta = s.meta()
         if meta["id"] in drop:
             continue
         members = {n: s.read(n) for n in s.names}
-        writer.write(ShardSample(key=s.key, members=members, num_tokens=meta["num_tokens"],
-                                 num_trainable_tokens=meta["num_trainable_tokens"], num_images=meta["num_images"],
-                                 meta=meta))
+        writer.write(
+            ShardSample(
+                key=s.key,
+                members=members,
+                num_tokens=meta["num_tokens"],
+                num_trainable_tokens=meta["num_trainable_tokens"],
+                num_images=meta["num_images"],
+                meta=meta,
+            )
+        )
     writer.close()
     if not writer.shards:
         path.unlink()
@@ -125,8 +149,10 @@ def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> ShardEnt
 
 def _rerun(out: Path, i: int) -> str:
     """How to make task i's output whole again: its manifest gone, a run clears and rewrites all the task wrote."""
-    return (f"remove {out / task_file(i, '.json')} and run the task again (`vlmprep build --out {out} --task-index "
-            f"{i}`, then `vlmprep merge {out}`)")
+    return (
+        f"remove {out / task_file(i, '.json')} and run the task again (`vlmprep build --out {out} --task-index "
+        f"{i}`, then `vlmprep merge {out}`)"
+    )
 
 
 def _check_claims(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
@@ -136,13 +162,17 @@ def _check_claims(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
     for i, m in enumerate(manifests):
         prefix = shard_prefix(plan, i)
         if m.task != i:
-            raise MergeError(f"{out / task_file(i, '.json')} is the manifest of task {m.task!r}, not of task "
-                             f"{i} (copied or moved there?): {_rerun(out, i)}")
+            raise MergeError(
+                f"{out / task_file(i, '.json')} is the manifest of task {m.task!r}, not of task "
+                f"{i} (copied or moved there?): {_rerun(out, i)}"
+            )
         for s in m.shards:
             name = s.name
             if not name.startswith(prefix) or "/" in name or not fnmatch.fnmatch(name, SHARD_GLOB):
-                raise MergeError(f"{out / task_file(i, '.json')} lists {name!r}, not a shard of task {i} (its shards "
-                                 f"are {prefix}NNNNNN.tar): {_rerun(out, i)}")
+                raise MergeError(
+                    f"{out / task_file(i, '.json')} lists {name!r}, not a shard of task {i} (its shards "
+                    f"are {prefix}NNNNNN.tar): {_rerun(out, i)}"
+                )
             if name in owner:
                 raise MergeError(f"{out / task_file(i, '.json')} lists {name} twice: {_rerun(out, i)}")
             owner[name] = i
@@ -184,8 +214,7 @@ def _verify_shards(out: Path, manifests: list[TaskManifest], rewritten: dict[str
         except FileNotFoundError:
             return None if kept == [] else f"listed in {listed} but missing"
         if size != s.bytes:
-            return None if kept is not None and _same_ids(path, kept) else \
-                f"{size} bytes, but {listed} lists {s.bytes}"
+            return None if kept is not None and _same_ids(path, kept) else f"{size} bytes, but {listed} lists {s.bytes}"
         digest = sha256_file(path)
         if kept is not None and (digest == s.sha256 or _same_ids(path, kept)):
             return None  # rewritten here, with its sample index
@@ -196,8 +225,9 @@ def _verify_shards(out: Path, manifests: list[TaskManifest], rewritten: dict[str
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for (i, s), why in zip(jobs, pool.map(problem, jobs)):
             if why:
-                raise MergeError(f"{out / s.name}: {why} (changed, cut short or removed after task {i} wrote "
-                                 f"it): {_rerun(out, i)}")
+                raise MergeError(
+                    f"{out / s.name}: {why} (changed, cut short or removed after task {i} wrote it): {_rerun(out, i)}"
+                )
 
 
 def _records(lines: list[str]):
@@ -212,8 +242,9 @@ def _records(lines: list[str]):
         yield group
 
 
-def _repeated_ids(out: Path, plan: Plan,
-                  manifests: list[TaskManifest]) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
+def _repeated_ids(
+    out: Path, plan: Plan, manifests: list[TaskManifest]
+) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
     """Per task, its records (each: its sample rows) whose id an earlier task already has (no task can see another's
     ids): rejected whole, as the one-task build rejects them; and the shards holding them -> the ids each keeps."""
     seen: set[bytes] = set()
@@ -281,8 +312,10 @@ def _dataset_index(out: Path, shards: list[ShardEntry]) -> FileEntry | None:
         for s in shards:
             rows = load_sample_index(out, s)
             if len(rows) != s.num_samples:
-                raise MergeError(f"{out / s.index.name}: {len(rows)} rows for the {s.num_samples} samples "
-                                 f"of {s.name}: remove the task's files and run it again")
+                raise MergeError(
+                    f"{out / s.index.name}: {len(rows)} rows for the {s.num_samples} samples "
+                    f"of {s.name}: remove the task's files and run it again"
+                )
             yield rows
 
     return FileEntry.from_json(write_dataset_index(out, parts(), sum(s.num_samples for s in shards)))
@@ -338,8 +371,10 @@ def merge_tasks(out: Path) -> Manifest:
         processor=plan.processor,
         config=plan.config,
         image_format=plan.config["image_format"],
-        inputs=tuple(InputEntry(path=inp.path, bytes=inp.bytes, totals=input_totals(counts))
-                     for inp, counts in zip(plan.inputs, by_input)),
+        inputs=tuple(
+            InputEntry(path=inp.path, bytes=inp.bytes, totals=input_totals(counts))
+            for inp, counts in zip(plan.inputs, by_input)
+        ),
         plan=PlanRef(tasks=plan.tasks, sha256=plan_digest(plan)),
         shards=tuple(shards),
         totals={k: int(totals[k]) for k in TOTAL_KEYS},

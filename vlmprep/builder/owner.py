@@ -3,6 +3,7 @@ written in it. A whole build and `vlmprep merge` hold it exclusively; `--task-in
 them on one --out is the normal case) and each holds tasks/task-NNNNN.lock alone, so no task runs twice at once. The
 kernel drops a lock when its process dies: a lock file left behind by a killed process never blocks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,14 @@ _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 def _holder_note() -> bytes:
     command = " ".join([Path(sys.argv[0]).name or "python", *sys.argv[1:]])[:300]
-    return json.dumps({"command": command, "pid": os.getpid(), "host": socket.gethostname(),
-                       "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+    return json.dumps(
+        {
+            "command": command,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+    ).encode()
 
 
 def _describe(path: Path) -> str:
@@ -120,10 +127,15 @@ def own_out(out: Path) -> Iterator[None]:
 
     def refuse() -> str:
         tasks = _running_tasks(out)
-        who = f"--task-index runs ({'; '.join(tasks[:3])}{' ...' if len(tasks) > 3 else ''})" if tasks \
+        who = (
+            f"--task-index runs ({'; '.join(tasks[:3])}{' ...' if len(tasks) > 3 else ''})"
+            if tasks
             else _describe(out / LOCK_NAME)
-        return (f"--out {out} is in use by {who}; wait for it to end (or stop it), or build into another --out; "
-                "two builds writing one dir would corrupt each other's files")
+        )
+        return (
+            f"--out {out} is in use by {who}; wait for it to end (or stop it), or build into another --out; "
+            "two builds writing one dir would corrupt each other's files"
+        )
 
     with _held(out / LOCK_NAME, shared=False, refuse=refuse):
         yield
@@ -135,8 +147,10 @@ def share_out(out: Path) -> Iterator[None]:
     out = Path(out)
 
     def refuse() -> str:
-        return (f"--out {out} is in use by {_describe(out / LOCK_NAME)}, which owns the whole dir; wait for it to "
-                "end (or stop it) before running tasks there")
+        return (
+            f"--out {out} is in use by {_describe(out / LOCK_NAME)}, which owns the whole dir; wait for it to "
+            "end (or stop it) before running tasks there"
+        )
 
     with _held(out / LOCK_NAME, shared=True, refuse=refuse):
         yield
@@ -149,8 +163,10 @@ def own_task(out: Path, index: int) -> Iterator[None]:
     path = out / task_file(index, ".lock")
 
     def refuse() -> str:
-        return (f"{out}: task {index} is already running in {_describe(path)}; two runs of one task would write the "
-                "same shards: wait for it to end (or stop it)")
+        return (
+            f"{out}: task {index} is already running in {_describe(path)}; two runs of one task would write the "
+            "same shards: wait for it to end (or stop it)"
+        )
 
     with _held(path, shared=False, refuse=refuse):
         yield

@@ -9,6 +9,7 @@
 T = 1 is the single-machine build: one task whose records are spread over --workers processes. The plan never
 depends on the executor, so for a fixed T every executor writes the same bytes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -73,8 +74,18 @@ from vlmprep.shards.dataset import (
 from vlmprep.shards.manifest import Manifest, SavedProcessor, TaskManifest, load_task_manifest
 from vlmprep.types import UserError
 
-__all__ = ["BuildError", "BuildResult", "RejectsError", "build", "build_task", "check_coverage", "check_dataset",
-           "check_rejects", "merge", "plan_build"]
+__all__ = [
+    "BuildError",
+    "BuildResult",
+    "RejectsError",
+    "build",
+    "build_task",
+    "check_coverage",
+    "check_dataset",
+    "check_rejects",
+    "merge",
+    "plan_build",
+]
 
 
 @dataclass
@@ -91,8 +102,11 @@ class BuildResult:
 
 
 def _plan_options(plan: Plan) -> dict:
-    return {"config": plan.config, "tasks": plan.tasks,
-            "inputs": [(i.path, i.bytes, i.mtime_ns, i.etag) for i in plan.inputs]}
+    return {
+        "config": plan.config,
+        "tasks": plan.tasks,
+        "inputs": [(i.path, i.bytes, i.mtime_ns, i.etag) for i in plan.inputs],
+    }
 
 
 def _clear_dataset(out: Path) -> None:
@@ -114,8 +128,10 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
     foreign = sorted(p.name for p in out.iterdir() if not is_ours(p.name, BUILD_FILES))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise BuildError(f"--out {out} holds files no vlmprep build wrote ({shown}); build into an empty or new dir, "
-                         "or pass --overwrite to build beside them")
+        raise BuildError(
+            f"--out {out} holds files no vlmprep build wrote ({shown}); build into an empty or new dir, "
+            "or pass --overwrite to build beside them"
+        )
     try:
         old = load_plan(out)
     except PlanError as e:
@@ -127,15 +143,21 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
     differ = config_changes(asked, old_config)
     if differ and (out / FAILED_NAME).is_file() and (out / MANIFEST_NAME).is_file():
         # A dataset that failed its checks is there to be looked at, not kept: its own fix line must just work.
-        print(f"vlmprep build: replacing the dataset in {out}, which failed its checks ({FAILED_NAME}), with one "
-              f"built with {', '.join(spelled_flag(k, asked.get(k)) for k in differ[:3])}", file=sys.stderr)
+        print(
+            f"vlmprep build: replacing the dataset in {out}, which failed its checks ({FAILED_NAME}), with one "
+            f"built with {', '.join(spelled_flag(k, asked.get(k)) for k in differ[:3])}",
+            file=sys.stderr,
+        )
         return
     if differ:
         now = {k: spelled_flag(k, v) if isinstance(v, bool) else spelled(k, v) for k, v in asked.items()}
-        shown = ", ".join(f"{spelled_flag(k, old_config.get(k))} there, {now.get(k, 'not set')} asked"
-                          for k in differ[:3]) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
-        raise BuildError(f"--out {out} holds a dataset built with other options ({shown}); pass --overwrite to "
-                         "replace it, or build into another --out")
+        shown = ", ".join(
+            f"{spelled_flag(k, old_config.get(k))} there, {now.get(k, 'not set')} asked" for k in differ[:3]
+        ) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
+        raise BuildError(
+            f"--out {out} holds a dataset built with other options ({shown}); pass --overwrite to "
+            "replace it, or build into another --out"
+        )
 
 
 def _manifest_config(out: Path) -> dict | None:
@@ -162,16 +184,25 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]
         if not fresh:
             raise
         old = None
-    asked = {"config": cfg.to_json(), "tasks": cfg.tasks,
-             "inputs": [(str(f), st["bytes"], st["mtime_ns"], st.get("etag")) for f, st in
-                        ((f, stamp(f)) for f in files)]}
+    asked = {
+        "config": cfg.to_json(),
+        "tasks": cfg.tasks,
+        "inputs": [(str(f), st["bytes"], st["mtime_ns"], st.get("etag")) for f, st in ((f, stamp(f)) for f in files)],
+    }
     if old is not None and not fresh:
         if _plan_options(old) != asked:  # a task never re-plans over a plan other tasks are running from
             differ = config_changes(asked["config"], old.config)
-            why = (f"options {', '.join(differ)} differ" if differ else
-                   "--tasks differs" if asked["tasks"] != old.tasks else "the inputs changed")
-            raise PlanError(f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "
-                            f"options (or just `--out {out} --task-index N`), or plan into a fresh --out dir")
+            why = (
+                f"options {', '.join(differ)} differ"
+                if differ
+                else "--tasks differs"
+                if asked["tasks"] != old.tasks
+                else "the inputs changed"
+            )
+            raise PlanError(
+                f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "
+                f"options (or just `--out {out} --task-index N`), or plan into a fresh --out dir"
+            )
         return old, None
     if cfg.executor == "local" and cfg.tasks > 1:  # a single task's workers fork from this process instead
         start_worker_server(cfg.workers)  # task processes' imports overlap the processor load and the input scan
@@ -182,10 +213,16 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]
         for p in list(out.glob(f"{PROCESSOR_DIR}.*{TMP_SUFFIX}")) + list(out.glob(f"{PROCESSOR_DIR}.*.old")):
             shutil.rmtree(p, ignore_errors=True)
     fingerprint = save_processor(processor, out / PROCESSOR_DIR)
-    plan = make_plan(config=cfg.to_json(), files=files, tasks=cfg.tasks, max_line_bytes=cfg.max_line_bytes,
-                     max_zstd_window=cfg.max_zstd_window,
-                     processor=SavedProcessor(spec=cfg.processor, class_name=type(processor).__name__,
-                                              fingerprint=fingerprint, dir=PROCESSOR_DIR))
+    plan = make_plan(
+        config=cfg.to_json(),
+        files=files,
+        tasks=cfg.tasks,
+        max_line_bytes=cfg.max_line_bytes,
+        max_zstd_window=cfg.max_zstd_window,
+        processor=SavedProcessor(
+            spec=cfg.processor, class_name=type(processor).__name__, fingerprint=fingerprint, dir=PROCESSOR_DIR
+        ),
+    )
     if plan != old:
         if old is not None or fresh:
             _clear_dataset(out)
@@ -193,8 +230,14 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]
     return plan, renderer
 
 
-def build_task(out: Path, index: int, *, workers: int = default("workers"), progress: bool = default("progress"),
-               cfg: BuildConfig | None = None) -> BuildResult:
+def build_task(
+    out: Path,
+    index: int,
+    *,
+    workers: int = default("workers"),
+    progress: bool = default("progress"),
+    cfg: BuildConfig | None = None,
+) -> BuildResult:
     """`vlmprep build --out DIR --task-index i`: one task of DIR/plan.json, anywhere DIR is visible. With cfg (the
     build options given again) a missing plan is made first, identical to the one any other task would make."""
     if is_store(str(out)):
@@ -220,8 +263,9 @@ def _task_in_store(url: str, index: int, *, workers: int, progress: bool, cfg: B
             plan = load_plan(stage)
             done = bucket.finished_task(have, index, plan_digest(plan)) if plan is not None else None
             if done is not None:  # a rerun of a finished array job: nothing to do
-                return BuildResult(out=url, manifest=None, plan=plan, task=done,
-                                   rejects=collections.Counter(done.rejects))
+                return BuildResult(
+                    out=url, manifest=None, plan=plan, task=done, rejects=collections.Counter(done.rejects)
+                )
             result = _build_task_shared(stage, index, workers=workers, progress=progress, cfg=None, upload_to=url)
         except UserError as e:
             e.args = (str(e).replace(str(stage), url),)
@@ -229,23 +273,32 @@ def _task_in_store(url: str, index: int, *, workers: int, progress: bool, cfg: B
     return dataclasses.replace(result, out=url)
 
 
-def _build_task_shared(out: Path, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None,
-                       upload_to: str | None = None) -> BuildResult:
+def _build_task_shared(
+    out: Path, index: int, *, workers: int, progress: bool, cfg: BuildConfig | None, upload_to: str | None = None
+) -> BuildResult:
     """build_task() under --out's shared lock: any number of tasks at once, never beside a whole build or a merge."""
     if cfg is not None:
         plan, _ = plan_build(cfg, fresh=False)
     else:
         plan = load_plan(out)
         if plan is None:
-            raise PlanError(f"{out / PLAN_NAME}: no plan; make one with `vlmprep build --in ... --out {out} --tasks T "
-                            "--plan-only`, or pass the build options with --task-index")
+            raise PlanError(
+                f"{out / PLAN_NAME}: no plan; make one with `vlmprep build --in ... --out {out} --tasks T "
+                "--plan-only`, or pass the build options with --task-index"
+            )
     if not 0 <= index < plan.tasks:
         raise PlanError(f"--task-index {index}: the plan in {out} has tasks 0..{plan.tasks - 1}")
     run = BuildConfig.from_plan(plan.config, out=str(out), workers=workers, progress=progress)
     t0 = time.perf_counter()
     task = run_task(out, plan, index, cfg=run, upload_to=upload_to)
-    return BuildResult(out=out, manifest=None, plan=plan, task=task, rejects=collections.Counter(task.rejects),
-                       task_seconds={index: time.perf_counter() - t0})
+    return BuildResult(
+        out=out,
+        manifest=None,
+        plan=plan,
+        task=task,
+        rejects=collections.Counter(task.rejects),
+        task_seconds={index: time.perf_counter() - t0},
+    )
 
 
 def build(cfg: BuildConfig) -> BuildResult:
@@ -305,8 +358,9 @@ def _build_to_store(cfg: BuildConfig) -> BuildResult:
     return dataclasses.replace(result, out=url)
 
 
-def _build_planned(cfg: BuildConfig, out: Path, plan: Plan, renderer: Renderer | None,
-                   upload_to: str | None = None) -> BuildResult:
+def _build_planned(
+    cfg: BuildConfig, out: Path, plan: Plan, renderer: Renderer | None, upload_to: str | None = None
+) -> BuildResult:
     """The rest of build() once the plan is made, under --out's lock: the tasks, then the merge."""
     if cfg.plan_only:
         return BuildResult(out=out, manifest=None, plan=plan)
@@ -320,10 +374,16 @@ def _build_planned(cfg: BuildConfig, out: Path, plan: Plan, renderer: Renderer |
         seconds = {0: time.perf_counter() - t0}
     else:
         seconds = _run_tasks_locally(out, plan, cfg, renderer, upload_to)
-    manifest = _merge_and_check(out, upload_to, allow_empty=cfg.allow_empty,
-                                max_reject_fraction=cfg.max_reject_fraction, min_turn_coverage=cfg.min_turn_coverage)
-    return BuildResult(out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest.rejects),
-                       task_seconds=seconds)
+    manifest = _merge_and_check(
+        out,
+        upload_to,
+        allow_empty=cfg.allow_empty,
+        max_reject_fraction=cfg.max_reject_fraction,
+        min_turn_coverage=cfg.min_turn_coverage,
+    )
+    return BuildResult(
+        out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest.rejects), task_seconds=seconds
+    )
 
 
 def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
@@ -346,21 +406,30 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
     return manifest
 
 
-def merge(out: str | Path, *, allow_empty: bool = default("allow_empty"),
-          max_reject_fraction: float = default("max_reject_fraction"),
-          min_turn_coverage: float = default("min_turn_coverage")) -> Manifest:
+def merge(
+    out: str | Path,
+    *,
+    allow_empty: bool = default("allow_empty"),
+    max_reject_fraction: float = default("max_reject_fraction"),
+    min_turn_coverage: float = default("min_turn_coverage"),
+) -> Manifest:
     """`vlmprep merge DIR` (or URL): merge_tasks and check_dataset with DIR this process's alone, so no task or build
     writes there meanwhile; a URL's finished tasks are fetched into its stage, merged there and uploaded."""
-    checks = {"allow_empty": allow_empty, "max_reject_fraction": max_reject_fraction,
-              "min_turn_coverage": min_turn_coverage}
+    checks = {
+        "allow_empty": allow_empty,
+        "max_reject_fraction": max_reject_fraction,
+        "min_turn_coverage": min_turn_coverage,
+    }
     if is_store(str(out)):
         url = str(out).rstrip("/")
         stage = stage_for(url)
         stage.mkdir(parents=True, exist_ok=True)
         with own_out(stage):
             if not pull_plan(Bucket(url), stage, Bucket(url).names()):
-                raise PlanError(f"{url}/{PLAN_NAME}: no plan; make one with `vlmprep build --in ... --out {url} "
-                                "--tasks T --plan-only`")
+                raise PlanError(
+                    f"{url}/{PLAN_NAME}: no plan; make one with `vlmprep build --in ... --out {url} "
+                    "--tasks T --plan-only`"
+                )
             try:
                 manifest = _merge_and_check(stage, url, **checks)
             except UserError as e:
@@ -386,8 +455,9 @@ def _run_one(args: tuple) -> tuple[int, float, dict]:
     return index, time.perf_counter() - t0, task.totals
 
 
-def _run_tasks_locally(out: Path, plan: Plan, cfg: BuildConfig, renderer: Renderer | None,
-                       upload_to: str | None) -> dict[int, float]:
+def _run_tasks_locally(
+    out: Path, plan: Plan, cfg: BuildConfig, renderer: Renderer | None, upload_to: str | None
+) -> dict[int, float]:
     """T > 1 on this machine: --workers processes, each running whole tasks (its processor loaded once)."""
     one = BuildConfig.from_plan(plan.config, out=str(out), workers=1, progress=False)
     env = {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)}
@@ -410,6 +480,11 @@ def _run_tasks_locally(out: Path, plan: Plan, cfg: BuildConfig, renderer: Render
                         tick(totals)
                 except BrokenProcessPool as e:
                     left = [i for i in range(plan.tasks) if i not in seconds]
-                    raise BuildError(pool_failure(e, f"running tasks {', '.join(map(str, left))} (task {left[0]} "
-                                                     f"starts at {task_start(plan, left[0])})")) from None
+                    raise BuildError(
+                        pool_failure(
+                            e,
+                            f"running tasks {', '.join(map(str, left))} (task {left[0]} "
+                            f"starts at {task_start(plan, left[0])})",
+                        )
+                    ) from None
     return seconds

@@ -2,6 +2,7 @@
 The plan depends on the inputs and options only, never on how many machines run it, so any executor (a local
 pool, Ray, a Slurm array running `--task-index i`) produces the same task outputs, and merge.py the same manifest.
 """
+
 from __future__ import annotations
 
 import array
@@ -94,8 +95,9 @@ def shard_prefix(plan: Plan, index: int) -> str:
     return "shard-" if plan.tasks == 1 else f"shard-{index:05d}-"
 
 
-def make_plan(*, config: dict, files: list[Path], processor: SavedProcessor, tasks: int, max_line_bytes: int,
-              max_zstd_window: int) -> Plan:
+def make_plan(
+    *, config: dict, files: list[Path], processor: SavedProcessor, tasks: int, max_line_bytes: int, max_zstd_window: int
+) -> Plan:
     """Scan every input once (lines, not JSON: cheap beside rendering) and cut it into `tasks` runs of records of
     about equal bytes; a trace's bytes (screenshots inline) track its render time far better than a count."""
     sizes = array.array("q")
@@ -105,13 +107,21 @@ def make_plan(*, config: dict, files: list[Path], processor: SavedProcessor, tas
     for fi, (path, name) in enumerate(zip(files, input_names(files))):
         frames: list[tuple[int, int]] = []
         first = position
-        for raw in iter_file_records(path, start_position=position, max_line_bytes=max_line_bytes,
-                                     max_zstd_window=max_zstd_window, frames=frames, input_name=name, scan=True):
+        for raw in iter_file_records(
+            path,
+            start_position=position,
+            max_line_bytes=max_line_bytes,
+            max_zstd_window=max_zstd_window,
+            frames=frames,
+            input_name=name,
+            scan=True,
+        ):
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1
-        inputs.append(PlanInput(path=str(path), name=name, **stamp(path), first_position=first,
-                                records=position - first))
+        inputs.append(
+            PlanInput(path=str(path), name=name, **stamp(path), first_position=first, records=position - first)
+        )
         frames_of.append(frames or [(0, 0)])
     cum = array.array("q", [0])
     for s in sizes:
@@ -133,10 +143,20 @@ def make_plan(*, config: dict, files: list[Path], processor: SavedProcessor, tas
         else:
             fi, line, offset, frame, frame_offset = len(files), 0, 0, 0, 0
         seek = Seek(offset=offset, line=line, frame=frame, frame_offset=frame_offset)
-        cuts.append(Cut(task=i, position=start, records=end - start, bytes=int(sum(sizes[start:end])), file=fi,
-                        seek=seek))
-    return Plan(plan_version=PLAN_VERSION, format_version=FORMAT_VERSION, vlmprep_version=__version__, tasks=tasks,
-                records=len(sizes), config=config, processor=processor, inputs=tuple(inputs), cuts=tuple(cuts))
+        cuts.append(
+            Cut(task=i, position=start, records=end - start, bytes=int(sum(sizes[start:end])), file=fi, seek=seek)
+        )
+    return Plan(
+        plan_version=PLAN_VERSION,
+        format_version=FORMAT_VERSION,
+        vlmprep_version=__version__,
+        tasks=tasks,
+        records=len(sizes),
+        config=config,
+        processor=processor,
+        inputs=tuple(inputs),
+        cuts=tuple(cuts),
+    )
 
 
 def plan_bytes(plan: Plan) -> bytes:
@@ -179,11 +199,14 @@ def check_inputs_unchanged(plan: Plan) -> None:
             now = stamp(as_input(inp.path))
         except (OSError, LocationError) as e:
             why = getattr(e, "strerror", None) or e
-            raise PlanError(f"{inp.path}: listed in the plan but not readable here ({why}); tasks must run where "
-                            "the inputs are visible under the same path") from None
+            raise PlanError(
+                f"{inp.path}: listed in the plan but not readable here ({why}); tasks must run where "
+                "the inputs are visible under the same path"
+            ) from None
         if any(getattr(inp, k) != v for k, v in now.items()):  # size and time (and a store's ETag)
-            raise PlanError(f"{inp.path} changed after the plan was made (size or mtime); plan again into a "
-                            "fresh --out dir")
+            raise PlanError(
+                f"{inp.path} changed after the plan was made (size or mtime); plan again into a fresh --out dir"
+            )
 
 
 def task_records(plan: Plan, index: int, *, max_line_bytes: int, max_zstd_window: int) -> Iterator[RawRecord]:
@@ -197,8 +220,14 @@ def task_records(plan: Plan, index: int, *, max_line_bytes: int, max_zstd_window
         first = fi == cut.file
         seek = cut.seek if first else Seek()
         start = cut.position if first else inp.first_position
-        for raw in iter_file_records(as_input(inp.path), start_position=start, seek=seek, input_name=inp.name,
-                                     max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window):
+        for raw in iter_file_records(
+            as_input(inp.path),
+            start_position=start,
+            seek=seek,
+            input_name=inp.name,
+            max_line_bytes=max_line_bytes,
+            max_zstd_window=max_zstd_window,
+        ):
             if raw.position >= end:
                 return
             yield raw
@@ -210,7 +239,9 @@ def format_plan_summary(plan: Plan, out: Path) -> str:
     """A plan -> the lines `vlmprep build --plan-only` prints: the task count and how to run and merge them."""
     sizes = [c.bytes for c in plan.cuts]
     mean = sum(sizes) / max(len(sizes), 1)
-    return (f"planned {out}: {plural(plan.records, 'record')} in {plural(plan.tasks, 'task')} "
-            f"(largest task {max(sizes, default=0) / max(mean, 1):.2f}x the mean input bytes)\n"
-            f"  run each: vlmprep build --out {out} --task-index I   (I = 0..{plan.tasks - 1})\n"
-            f"  then:     vlmprep merge {out}")
+    return (
+        f"planned {out}: {plural(plan.records, 'record')} in {plural(plan.tasks, 'task')} "
+        f"(largest task {max(sizes, default=0) / max(mean, 1):.2f}x the mean input bytes)\n"
+        f"  run each: vlmprep build --out {out} --task-index I   (I = 0..{plan.tasks - 1})\n"
+        f"  then:     vlmprep merge {out}"
+    )

@@ -1,6 +1,7 @@
 """Ray executor: each task of the plan -> one Ray task (1 CPU) on any node that sees the dataset dir -> task manifest.
 Only a task index and the plan travel through Ray; samples go from the worker straight to the shared filesystem.
 Imported only for `--executor ray` (`pip install 'vlmprep[ray]'`)."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ from vlmprep.types import UserError, printable
 MAX_RETRIES = 3
 
 
-def _run_task_on_worker(out: str, plan: Plan, config: dict, index: int, cwd: str,
-                        upload_to: str | None = None) -> tuple[int, float, dict]:
+def _run_task_on_worker(
+    out: str, plan: Plan, config: dict, index: int, cwd: str, upload_to: str | None = None
+) -> tuple[int, float, dict]:
     import torch
 
     torch.set_num_threads(1)  # one CPU per Ray task, as requested from the scheduler
@@ -72,15 +74,19 @@ def run_tasks_on_ray(out: Path, plan: Plan, cfg: BuildConfig, upload_to: str | N
         address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
         # No address: a new local cluster with --workers CPUs, the same resources `--executor local` would use
         # ("local", since ray.init() alone would join a `ray start` cluster on this machine and refuse num_cpus).
-        ray.init(address=address or "local", num_cpus=None if address else cfg.workers, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(
+            address=address or "local",
+            num_cpus=None if address else cfg.workers,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         started = True
     try:
         remote = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False)(_run_task_on_worker)
         out_abs = str(Path(out).resolve())
         plan_ref = ray.put(plan)
-        refs = {remote.remote(out_abs, plan_ref, plan.config, i, os.getcwd(), upload_to): i
-                for i in range(plan.tasks)}
+        refs = {remote.remote(out_abs, plan_ref, plan.config, i, os.getcwd(), upload_to): i for i in range(plan.tasks)}
         pending = list(refs)
         seconds: dict[int, float] = {}
         with TaskProgress(cfg, plan.tasks) as tick:

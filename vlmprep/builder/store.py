@@ -11,6 +11,7 @@ dataset until the manifest is uploaded, then is removed.
 No shared filesystem: a task run anywhere (a Ray worker, `--task-index`) fetches the plan and processor into its own
 scratch stage, runs, uploads, and leaves nothing behind; the merge fetches the finished tasks into the driver's stage.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,11 @@ class Bucket:
         except Exception as e:  # noqa: BLE001 - each store raises its own kinds
             raise LocationError(f"--out {self.url}: cannot list it: {why(e)}") from None
         cut = len(self.root) + 1
-        return {k[cut:]: int(v.get("size") or 0) for k, v in found.items()
-                if k.startswith(self.root + "/") and v.get("type", "file") == "file"}
+        return {
+            k[cut:]: int(v.get("size") or 0)
+            for k, v in found.items()
+            if k.startswith(self.root + "/") and v.get("type", "file") == "file"
+        }
 
     def put(self, local: Path, name: str) -> None:
         """Upload one file as the object `name` (a PUT: the object appears whole or not at all)."""
@@ -104,8 +108,9 @@ class Bucket:
             got = self._stream(name, size, f.write)
         if got != size:
             part.unlink()
-            raise LocationError(f"--out {self.url}: {name} is {got}{'+' if got > size else ''} bytes fetched, "
-                                f"{size} listed")
+            raise LocationError(
+                f"--out {self.url}: {name} is {got}{'+' if got > size else ''} bytes fetched, {size} listed"
+            )
         os.replace(part, local)
 
     def _stream(self, name: str, size: int, sink) -> int:
@@ -204,8 +209,10 @@ def check_bucket(bucket: Bucket, *, overwrite: bool) -> dict[str, int]:
     foreign = sorted(n for n in have if not is_ours(n))  # the same names a local --out is judged by
     if foreign and not overwrite:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise BuildError(f"--out {bucket.url} holds files no vlmprep build wrote ({shown}); build into an empty or "
-                         "new prefix, or pass --overwrite to build beside them")
+        raise BuildError(
+            f"--out {bucket.url} holds files no vlmprep build wrote ({shown}); build into an empty or "
+            "new prefix, or pass --overwrite to build beside them"
+        )
     return have
 
 
@@ -266,13 +273,19 @@ def push_dataset(bucket: Bucket, stage: Path, manifest: Manifest, tasks: list[Ta
     manifest.json last."""
     have = bucket.names()
     sent = {s.name: s.sha256 for m in tasks for s in m.shards}
-    local = {p.relative_to(stage).as_posix(): p for p in sorted(stage.rglob("*"))
-             if p.is_file() and not _local_only(p.name) and p.name != MANIFEST_NAME}
+    local = {
+        p.relative_to(stage).as_posix(): p
+        for p in sorted(stage.rglob("*"))
+        if p.is_file() and not _local_only(p.name) and p.name != MANIFEST_NAME
+    }
     for name, p in local.items():
         shard = next((s for s in manifest.shards if s.name == name), None)
         changed = shard is not None and sent.get(name) != shard.sha256
-        if changed or have.get(name) != p.stat().st_size or not (name.endswith(".tar") or
-                                                                 name.endswith(index_name(".tar"))):
+        if (
+            changed
+            or have.get(name) != p.stat().st_size
+            or not (name.endswith(".tar") or name.endswith(index_name(".tar")))
+        ):
             bucket.put(p, name)
     bucket.remove([n for n in have if n not in local and n != MANIFEST_NAME and is_ours(n)])
     bucket.put(stage / MANIFEST_NAME, MANIFEST_NAME)

@@ -6,6 +6,7 @@
 Records are processed by N worker processes but written strictly in input order, so the output is
 byte-identical whatever N is. Every bad record becomes a counted reject, never a crash.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -74,7 +75,8 @@ def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
 def _clean_up(files: TaskFiles) -> None:
     """What a finished task leaves no longer: its journal, partial rejects and temp files."""
     for p in [files.journal, files.partial_rejects, files.partial_samples] + list(
-            files.out.glob(task_file(files.index, f".*{TMP_SUFFIX}"))):
+        files.out.glob(task_file(files.index, f".*{TMP_SUFFIX}"))
+    ):
         p.unlink(missing_ok=True)
 
 
@@ -119,8 +121,10 @@ class _TaskState:
             if status == "ok":
                 self.seen_ids.add(payload.meta["id"])
                 count_sample(counts, payload.meta)
-                row = {"shard": self.writer.shard_name, **{k: payload.meta[k] for k in SAMPLE_FIELDS
-                                                           if k in payload.meta}}
+                row = {
+                    "shard": self.writer.shard_name,
+                    **{k: payload.meta[k] for k in SAMPLE_FIELDS if k in payload.meta},
+                }
                 if payload.meta is landed[0]:
                     row["turns"] = {k: v for k, v in sorted(turns.items()) if v}
                 rows.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
@@ -131,44 +135,75 @@ class _TaskState:
                 counts["unread_bytes"] += payload.get("unread_bytes", 0)
                 rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
                 if strict:
-                    raise BuildError(f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
-                                     f"{payload['reason']}: {payload['message']}")
+                    raise BuildError(
+                        f"--strict: {payload['source']['file']}:{payload['source']['line']}: "
+                        f"{payload['reason']}: {payload['message']}"
+                    )
         self.totals.update(counts)
         self.inputs[bisect.bisect_right(self.input_starts, position) - 1].update(counts)
         return completed
 
 
 def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig, plan: Plan) -> _TaskState:
-    writer = ShardWriter(files.out, samples_per_shard=cfg.samples_per_shard,
-                         shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024), prefix=files.prefix,
-                         done=[ShardInfo(**s) for s in journal.shards])
+    writer = ShardWriter(
+        files.out,
+        samples_per_shard=cfg.samples_per_shard,
+        shard_size_bytes=int(cfg.shard_size_mb * 1024 * 1024),
+        prefix=files.prefix,
+        done=[ShardInfo(**s) for s in journal.shards],
+    )
     inputs: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     inputs.update((int(i), collections.Counter(c)) for i, c in journal.inputs.items())
-    return _TaskState(files=files, journal=journal, writer=writer, rejects=collections.Counter(journal.rejects),
-                      totals=collections.Counter(journal.totals), seen_ids=landed_ids(files.out, journal.shards),
-                      input_starts=[inp.first_position for inp in plan.inputs], inputs=inputs)
+    return _TaskState(
+        files=files,
+        journal=journal,
+        writer=writer,
+        rejects=collections.Counter(journal.rejects),
+        totals=collections.Counter(journal.totals),
+        seen_ids=landed_ids(files.out, journal.shards),
+        input_starts=[inp.first_position for inp in plan.inputs],
+        inputs=inputs,
+    )
 
 
 def _task_records(plan: Plan, index: int, cfg: BuildConfig, journal: Journal) -> Iterator[RawRecord]:
     """The task's records the journal has not yet made durable."""
     cut = plan.cuts[index]
-    return (r for r in task_records(plan, index, max_line_bytes=cfg.max_line_bytes,
-                                    max_zstd_window=cfg.max_zstd_window)
-            if r.position >= max(journal.next_position, cut.position))
+    return (
+        r
+        for r in task_records(plan, index, max_line_bytes=cfg.max_line_bytes, max_zstd_window=cfg.max_zstd_window)
+        if r.position >= max(journal.next_position, cut.position)
+    )
 
 
-def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, cfg: BuildConfig,
-                   renderer: Renderer, uploader: Uploader | None) -> None:
+def _write_records(
+    state: _TaskState,
+    records: Iterator[RawRecord],
+    n: int,
+    *,
+    cfg: BuildConfig,
+    renderer: Renderer,
+    uploader: Uploader | None,
+) -> None:
     """Records -> shards and partial rejects, checkpointing the journal whenever a shard closes (and then, for an
     --out in a store, uploading the shard)."""
     totals = state.totals
     t0 = time.monotonic()
     # The workers fork first: before the progress bar's thread starts (record_workers).
-    with (record_workers(cfg, renderer) as pool,
-          open_no_follow(state.files.partial_rejects, "a", encoding="utf-8") as rej,
-          open_no_follow(state.files.partial_samples, "a", encoding="utf-8") as rows, record_progress(cfg) as progress):
-        bar = progress.add_task("build", total=n, rate=0.0, samples=totals["samples"],
-                                rejects=totals["rejected"], completed=totals["records"])
+    with (
+        record_workers(cfg, renderer) as pool,
+        open_no_follow(state.files.partial_rejects, "a", encoding="utf-8") as rej,
+        open_no_follow(state.files.partial_samples, "a", encoding="utf-8") as rows,
+        record_progress(cfg) as progress,
+    ):
+        bar = progress.add_task(
+            "build",
+            total=n,
+            rate=0.0,
+            samples=totals["samples"],
+            rejects=totals["rejected"],
+            completed=totals["records"],
+        )
         for pos, (outcomes, turns) in ordered_results(cfg, records, renderer, pool):
             if state.land(pos, outcomes, turns, rej, rows, strict=cfg.strict):
                 # a shard closed inside this record: the journal's durable point is the record's end
@@ -177,8 +212,9 @@ def _write_records(state: _TaskState, records: Iterator[RawRecord], n: int, *, c
                 if uploader is not None:
                     uploader.shards(state.writer.shards)
             elapsed = max(time.monotonic() - t0, 1e-9)
-            progress.update(bar, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"],
-                            rejects=totals["rejected"])
+            progress.update(
+                bar, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"], rejects=totals["rejected"]
+            )
         state.writer.close()
         state.checkpoint(rej, rows, 1 << 62)  # all consumed: a kill from here on resumes straight to the task manifest
 
@@ -191,19 +227,32 @@ def _finish_task(state: _TaskState, plan: Plan, digest: str) -> TaskManifest:
     os.replace(files.partial_samples, files.samples)
     os.replace(files.partial_rejects, files.rejects)
     cut = plan.cuts[files.index]
-    manifest = TaskManifest(plan=digest, task=files.index, config=plan.config, fingerprint=plan.processor.fingerprint,
-                            records={"first_position": cut.position, "count": cut.records},
-                            shards=tuple(s.entry() for s in writer.shards),
-                            totals={k: int(totals[k]) for k in TOTAL_KEYS},
-                            inputs={str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
-                            rejects=dict(sorted(state.rejects.items())))
+    manifest = TaskManifest(
+        plan=digest,
+        task=files.index,
+        config=plan.config,
+        fingerprint=plan.processor.fingerprint,
+        records={"first_position": cut.position, "count": cut.records},
+        shards=tuple(s.entry() for s in writer.shards),
+        totals={k: int(totals[k]) for k in TOTAL_KEYS},
+        inputs={str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
+        rejects=dict(sorted(state.rejects.items())),
+    )
     write_json_atomic(files.manifest, manifest.to_json())
     files.journal.unlink()
     return manifest
 
 
-def run_task(out: Path, plan: Plan, index: int, *, cfg: BuildConfig, renderer: Renderer | None = None,
-             processor_dir: Path | None = None, upload_to: str | None = None) -> TaskManifest:
+def run_task(
+    out: Path,
+    plan: Plan,
+    index: int,
+    *,
+    cfg: BuildConfig,
+    renderer: Renderer | None = None,
+    processor_dir: Path | None = None,
+    upload_to: str | None = None,
+) -> TaskManifest:
     """One task of the plan: its records -> its shards (final names), tasks/task-NNNNN.rejects.jsonl and .samples.jsonl,
     then the task manifest, last and atomically. A task whose manifest exists is skipped; a killed one resumes
     from its journal and ends byte-identical. upload_to: the --out URL the task's files go to as they land (out is
@@ -213,16 +262,25 @@ def run_task(out: Path, plan: Plan, index: int, *, cfg: BuildConfig, renderer: R
     with own_task(out, index):  # one run of a task at a time, whatever executor started it
         uploader = Uploader(upload_to, out) if upload_to else None
         try:
-            return _run_owned_task(out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir,
-                                   uploader=uploader)
+            return _run_owned_task(
+                out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir, uploader=uploader
+            )
         finally:
             if uploader is not None:
                 with contextlib.suppress(Exception):  # the task's own error, if any, is the one to raise
                     uploader.close()
 
 
-def _run_owned_task(out: Path, plan: Plan, index: int, *, cfg: BuildConfig, renderer: Renderer | None,
-                    processor_dir: Path | None, uploader: Uploader | None) -> TaskManifest:
+def _run_owned_task(
+    out: Path,
+    plan: Plan,
+    index: int,
+    *,
+    cfg: BuildConfig,
+    renderer: Renderer | None,
+    processor_dir: Path | None,
+    uploader: Uploader | None,
+) -> TaskManifest:
     digest = plan_digest(plan)
     files = TaskFiles(out, index, shard_prefix(plan, index))
     done = load_task_manifest(files)
@@ -237,8 +295,14 @@ def _run_owned_task(out: Path, plan: Plan, index: int, *, cfg: BuildConfig, rend
         renderer = cached_renderer(cfg, processor_dir)
     journal = _start_or_resume(files, {"plan": digest, "task": index})
     state = _resume_state(files, journal, cfg, plan)
-    _write_records(state, _task_records(plan, index, cfg, journal), plan.cuts[index].records, cfg=cfg,
-                   renderer=renderer, uploader=uploader)
+    _write_records(
+        state,
+        _task_records(plan, index, cfg, journal),
+        plan.cuts[index].records,
+        cfg=cfg,
+        renderer=renderer,
+        uploader=uploader,
+    )
     manifest = _finish_task(state, plan, digest)
     if uploader is not None:
         uploader.task_done(files, manifest)

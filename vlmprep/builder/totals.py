@@ -1,31 +1,75 @@
 """A build's counts: the totals a task and the merged manifest carry, what one landed sample adds to them, and the
 turn coverage derived from them.
 """
+
 from __future__ import annotations
 
 import collections
 
-TOTAL_KEYS = ("records", "samples", "rejected", "tokens", "trainable_tokens", "image_tokens", "images",
-              "truncated_samples", "dropped_images", "unrendered_tool_call_turns", "split_samples",
-              "input_assistant_turns", "trained_assistant_turns", "turns_lost_truncated", "turns_lost_too_long",
-              "turns_lost_policy", "turns_lost_rejected", "images_removed_by_history", "context_tokens_repeated",
-              "unread_bytes", "reasoning_turns", "reasoning_turns_dropped", "reasoning_turns_not_rendered",
-              "videos", "video_tokens", "dropped_videos", "turns_lost_large_image")
+TOTAL_KEYS = (
+    "records",
+    "samples",
+    "rejected",
+    "tokens",
+    "trainable_tokens",
+    "image_tokens",
+    "images",
+    "truncated_samples",
+    "dropped_images",
+    "unrendered_tool_call_turns",
+    "split_samples",
+    "input_assistant_turns",
+    "trained_assistant_turns",
+    "turns_lost_truncated",
+    "turns_lost_too_long",
+    "turns_lost_policy",
+    "turns_lost_rejected",
+    "images_removed_by_history",
+    "context_tokens_repeated",
+    "unread_bytes",
+    "reasoning_turns",
+    "reasoning_turns_dropped",
+    "reasoning_turns_not_rendered",
+    "videos",
+    "video_tokens",
+    "dropped_videos",
+    "turns_lost_large_image",
+)
 
 
-SAMPLE_FIELDS = ("id", "source", "num_tokens", "num_trainable_tokens", "num_image_tokens", "num_images", "truncated",
-                 "dropped_images", "unrendered_tool_calls", "split", "num_videos", "num_video_tokens",
-                 "dropped_videos")
+SAMPLE_FIELDS = (
+    "id",
+    "source",
+    "num_tokens",
+    "num_trainable_tokens",
+    "num_image_tokens",
+    "num_images",
+    "truncated",
+    "dropped_images",
+    "unrendered_tool_calls",
+    "split",
+    "num_videos",
+    "num_video_tokens",
+    "dropped_videos",
+)
 
 
 def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
     """Add a landed sample's counts to the totals (sign=-1: take back one that merge removes)."""
-    for key, field in (("tokens", "num_tokens"), ("trainable_tokens", "num_trainable_tokens"),
-                       ("image_tokens", "num_image_tokens"), ("images", "num_images"),
-                       ("dropped_images", "dropped_images"), ("unrendered_tool_call_turns", "unrendered_tool_calls")):
+    for key, field in (
+        ("tokens", "num_tokens"),
+        ("trainable_tokens", "num_trainable_tokens"),
+        ("image_tokens", "num_image_tokens"),
+        ("images", "num_images"),
+        ("dropped_images", "dropped_images"),
+        ("unrendered_tool_call_turns", "unrendered_tool_calls"),
+    ):
         totals[key] += sign * m[field]
-    for key, field in (("videos", "num_videos"), ("video_tokens", "num_video_tokens"),
-                       ("dropped_videos", "dropped_videos")):
+    for key, field in (
+        ("videos", "num_videos"),
+        ("video_tokens", "num_video_tokens"),
+        ("dropped_videos", "dropped_videos"),
+    ):
         totals[key] += sign * m.get(field, 0)  # absent from image-only samples
     totals["samples"] += sign
     totals["truncated_samples"] += sign * int(m["truncated"])
@@ -47,8 +91,12 @@ def duplicate_reject(meta: dict) -> dict:
     """The one reject entry of a record whose id an earlier record already used (reason duplicate_id); `meta`: any
     landed sample of it."""
     rid = record_id(meta)
-    return {"source": dict(meta["source"]), "id": rid, "reason": "duplicate_id",
-            "message": f"id {rid!r} already used by an earlier record"}
+    return {
+        "source": dict(meta["source"]),
+        "id": rid,
+        "reason": "duplicate_id",
+        "message": f"id {rid!r} already used by an earlier record",
+    }
 
 
 def duplicate_turns(turns: dict) -> dict:
@@ -63,11 +111,16 @@ def duplicate_turns(turns: dict) -> dict:
 def turn_coverage(totals) -> dict:
     """Assistant turns of the input that the shards train, and where the others went."""
     n = int(totals["input_assistant_turns"])
-    return {"input_assistant_turns": n, "trained_assistant_turns": int(totals["trained_assistant_turns"]),
-            "coverage": round(totals["trained_assistant_turns"] / n, 6) if n else 1.0,
-            "lost": {"truncated": int(totals["turns_lost_truncated"]),
-                     "turn_too_long": int(totals["turns_lost_too_long"]),
-                     "not_trained_by_policy": int(totals["turns_lost_policy"]),
-                     "record_rejected": int(totals["turns_lost_rejected"])},
-            "images_removed_by_history": int(totals["images_removed_by_history"]),
-            "context_tokens_repeated": int(totals["context_tokens_repeated"])}
+    return {
+        "input_assistant_turns": n,
+        "trained_assistant_turns": int(totals["trained_assistant_turns"]),
+        "coverage": round(totals["trained_assistant_turns"] / n, 6) if n else 1.0,
+        "lost": {
+            "truncated": int(totals["turns_lost_truncated"]),
+            "turn_too_long": int(totals["turns_lost_too_long"]),
+            "not_trained_by_policy": int(totals["turns_lost_policy"]),
+            "record_rejected": int(totals["turns_lost_rejected"]),
+        },
+        "images_removed_by_history": int(totals["images_removed_by_history"]),
+        "context_tokens_repeated": int(totals["context_tokens_repeated"]),
+    }

@@ -2,6 +2,7 @@
 process once its Renderer is loaded, results handed back in input order (so the output never depends on --workers);
 and the tasks of a local plan in forkserver processes, each loading the dataset's saved processor.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,8 +30,14 @@ _RENDERER: Renderer | None = None
 _CACHED: tuple[tuple, Renderer] | None = None
 # Most of a task process's start-up is importing these (torch + torchvision + transformers: ~7 s of CPU). Task
 # processes fork from a forkserver that imported them once, instead of each spawned one importing them again.
-_WORKER_PRELOAD = ["vlmprep.builder.workers", "vlmprep.images", "torch", "torchvision",
-                   "transformers.models.auto.processing_auto", "transformers.tokenization_mistral_common"]
+_WORKER_PRELOAD = [
+    "vlmprep.builder.workers",
+    "vlmprep.images",
+    "torch",
+    "torchvision",
+    "transformers.models.auto.processing_auto",
+    "transformers.tokenization_mistral_common",
+]
 
 
 def worker_context():
@@ -115,10 +122,15 @@ def worker_pool(workers: int, *, fork: bool = False, **kw):
 def pool_failure(e: BrokenProcessPool, where: str) -> str:
     """One line for a broken worker pool: what broke, where in the input it was, what to do."""
     cause = [line.strip() for line in str(e.__cause__ or "").splitlines() if line.strip("'\" ")]  # a quoted traceback
-    what = (f"a worker's result could not be read ({cause[-1]})" if cause else
-            "a worker process stopped abruptly (killed, out of memory, or crashed)")
-    return (f"{what} while {where}; finished work is kept: run the same command again to resume, "
-            "or with --workers 1 to see the record in this process")
+    what = (
+        f"a worker's result could not be read ({cause[-1]})"
+        if cause
+        else "a worker process stopped abruptly (killed, out of memory, or crashed)"
+    )
+    return (
+        f"{what} while {where}; finished work is kept: run the same command again to resume, "
+        "or with --workers 1 to see the record in this process"
+    )
 
 
 BATCH_RECORDS = 8  # records handed to a worker at once: a short record's own work is a few ms, as is a hand-off,
@@ -159,4 +171,3 @@ def ordered_results(cfg: BuildConfig, records, renderer: Renderer, pool: Process
         src = window[0][1] if window else None
         where = f"rendering the records from {src.file}:{src.line} on" if src else "rendering records"
         raise BuildError(pool_failure(e, where)) from None
-

@@ -10,6 +10,7 @@ Pixels come from the dataset's saved processor (DIR/processor) itself: stored im
 stored already resized), `--image-format original` source pixels with its own resize, as the trainer does; video
 frames with its video processor, neither sampled nor resized again (they are stored so).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -84,18 +85,28 @@ class Collator:
         are the size), the trainer's check, before the processor sees a pixel; source pixels (the processor resizes
         them) are bounded by the reader's limits instead. ValueError, one line naming the sample and image."""
         family = family_of(type(self.processor).__name__)
-        patch = 1 if family is not None and not family.grid_images else (
-            getattr(self.processor.image_processor, "patch_size", None))
+        patch = (
+            1
+            if family is not None and not family.grid_images
+            else (getattr(self.processor.image_processor, "patch_size", None))
+        )
         if not isinstance(patch, int):  # a processor that names no patch size: its own grids are compared below
             return
         for s in samples:
             grids = np.asarray(s["image_grid_thw"]).reshape(-1, 3)
             for k, (image, resize) in enumerate(zip(s["images"], self._resizes(s))):
-                problem = "has no grid row" if k >= len(grids) else None if resize else grid_problem(
-                    *np.shape(image)[:2], grids[k], patch)
+                problem = (
+                    "has no grid row"
+                    if k >= len(grids)
+                    else None
+                    if resize
+                    else grid_problem(*np.shape(image)[:2], grids[k], patch)
+                )
                 if problem:
-                    raise ValueError(f"{self.processor_dir}: sample {s.get('id', '?')}: image {k} {problem}: not the "
-                                     "processor these samples were built with, or a corrupt sample")
+                    raise ValueError(
+                        f"{self.processor_dir}: sample {s.get('id', '?')}: image {k} {problem}: not the "
+                        "processor these samples were built with, or a corrupt sample"
+                    )
 
     def _family_pixels(self, samples: list[dict], rule, ids, mm) -> dict:
         """A family whose pixel inputs are not a grid's (Llama, Gemma, Mistral, InternVL, LLaVA-OneVision, SmolVLM,
@@ -104,10 +115,16 @@ class Collator:
         resize = {r for s in samples for r in self._resizes(s)}
         assert len(resize) <= 1, "a batch mixes stored and source images"
         proc = self.processor
-        return pixel_inputs(proc.image_processor, rule, [list(s["images"]) for s in samples],
-                            resize=resize == {True}, ids=ids, mm=mm,
-                            image_token_id=int(getattr(proc, "image_token_id", -1) or -1),
-                            max_tiles=int(getattr(proc.image_processor, "max_image_tiles", 0) or 0))
+        return pixel_inputs(
+            proc.image_processor,
+            rule,
+            [list(s["images"]) for s in samples],
+            resize=resize == {True},
+            ids=ids,
+            mm=mm,
+            image_token_id=int(getattr(proc, "image_token_id", -1) or -1),
+            max_tiles=int(getattr(proc.image_processor, "max_image_tiles", 0) or 0),
+        )
 
     def _pixels(self, samples: list[dict]) -> dict:
         """The image processor's outputs for every occurrence in token order, concatenated (one call per unique
@@ -127,11 +144,14 @@ class Collator:
             return {}
         out = {k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()}
         if "image_grid_thw" in out:
-            stored = torch.from_numpy(np.concatenate([np.asarray(s["image_grid_thw"]).reshape(-1, 3)
-                                                      for s in samples]).astype(np.int64))
+            stored = torch.from_numpy(
+                np.concatenate([np.asarray(s["image_grid_thw"]).reshape(-1, 3) for s in samples]).astype(np.int64)
+            )
             if not torch.equal(out["image_grid_thw"], stored):
-                raise ValueError(f"{self.processor_dir} makes image grids {out['image_grid_thw'].tolist()}, the "
-                                 f"samples store {stored.tolist()}: not the processor these samples were built with")
+                raise ValueError(
+                    f"{self.processor_dir} makes image grids {out['image_grid_thw'].tolist()}, the "
+                    f"samples store {stored.tolist()}: not the processor these samples were built with"
+                )
         return out
 
     def _video_pixels(self, samples: list[dict]) -> dict:
@@ -150,14 +170,18 @@ class Collator:
         made = vp(videos=videos, do_resize=False, do_sample_frames=False, return_tensors="pt", **cap)
         out = {"pixel_values_videos": made["pixel_values_videos"], "video_grid_thw": made["video_grid_thw"]}
         with_videos = [s for s in samples if s.get("videos")]
-        stored = torch.from_numpy(np.concatenate([np.asarray(s["video_grid_thw"]).reshape(-1, 3)
-                                                  for s in with_videos]).astype(np.int64))
+        stored = torch.from_numpy(
+            np.concatenate([np.asarray(s["video_grid_thw"]).reshape(-1, 3) for s in with_videos]).astype(np.int64)
+        )
         if not torch.equal(out["video_grid_thw"], stored):
-            raise ValueError(f"{self.processor_dir} makes video grids {out['video_grid_thw'].tolist()}, the samples "
-                             f"store {stored.tolist()}: not the processor these samples were built with")
+            raise ValueError(
+                f"{self.processor_dir} makes video grids {out['video_grid_thw'].tolist()}, the samples "
+                f"store {stored.tolist()}: not the processor these samples were built with"
+            )
         if "second_per_grid_ts" in getattr(self.processor, "model_input_names", ()):
-            out["second_per_grid_ts"] = torch.from_numpy(np.concatenate(
-                [np.asarray(s["second_per_grid_ts"], dtype=np.float32).reshape(-1) for s in with_videos]))
+            out["second_per_grid_ts"] = torch.from_numpy(
+                np.concatenate([np.asarray(s["second_per_grid_ts"], dtype=np.float32).reshape(-1) for s in with_videos])
+            )
         return out
 
     def __call__(self, samples: list[dict]) -> dict:
@@ -172,10 +196,12 @@ class Collator:
             pad = getattr(getattr(proc, "tokenizer", None), "pad_token_id", None) or 0
         ids = [np.asarray(s["input_ids"]).astype(np.int64) for s in samples]
         B, L = len(ids), max(len(x) for x in ids)
-        batch = {"input_ids": torch.full((B, L), pad, dtype=torch.long),
-                 "labels": torch.full((B, L), IGNORE_INDEX, dtype=torch.long),
-                 "attention_mask": torch.zeros((B, L), dtype=torch.long),
-                 "mm_token_type_ids": torch.zeros((B, L), dtype=torch.long)}
+        batch = {
+            "input_ids": torch.full((B, L), pad, dtype=torch.long),
+            "labels": torch.full((B, L), IGNORE_INDEX, dtype=torch.long),
+            "attention_mask": torch.zeros((B, L), dtype=torch.long),
+            "mm_token_type_ids": torch.zeros((B, L), dtype=torch.long),
+        }
         positions = torch.zeros((3, B, L), dtype=torch.long)
         for b, (s, x) in enumerate(zip(samples, ids)):
             n, t = len(x), torch.from_numpy(x)
@@ -190,8 +216,9 @@ class Collator:
         batch["position_ids"] = positions if family is not None and family.positions == "mrope" else positions[0]
         rule = RULES.get(type(proc).__name__)
         if rule is not None:
-            batch.update(self._family_pixels(samples, rule, batch["input_ids"].numpy(),
-                                             batch["mm_token_type_ids"].numpy()))
+            batch.update(
+                self._family_pixels(samples, rule, batch["input_ids"].numpy(), batch["mm_token_type_ids"].numpy())
+            )
         if "mm_token_type_ids" not in getattr(proc, "model_input_names", ()):
             del batch["mm_token_type_ids"]
         if self.trained_logits:  # the trainer's own selection (trainer/model.py forward_loss)

@@ -3,6 +3,7 @@ vlmprep/clients/energon_meta.py) names. Raw tar members -> vlmprep's reader -> V
 decoder is never applied, so nothing is unpickled, and a member outside the format is refused. VlmprepTaskEncoder
 batches VlmprepSamples with vlmprep's Collator: the dict an HF model takes.
 """
+
 import dataclasses
 import json
 from pathlib import Path
@@ -40,15 +41,17 @@ class VlmprepSample(Sample):
     meta: dict
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(VlmprepSample) if f.name not in
-                {f.name for f in dataclasses.fields(Sample)})
+_FIELDS = tuple(
+    f.name for f in dataclasses.fields(VlmprepSample) if f.name not in {f.name for f in dataclasses.fields(Sample)}
+)
 
 
 def sample_loader(raw: dict) -> dict:
     """energon's raw sample (member name -> bytes, plus `__key__`, `__shard__`, ...) -> VlmprepSample fields."""
     members = {k: v for k, v in raw.items() if not k.startswith("__")}
-    d = sample_from_members(members, key=raw["__key__"], where=str(raw.get("__shard__", "?")),
-                            version=sample_version(members)).to_dict()
+    d = sample_from_members(
+        members, key=raw["__key__"], where=str(raw.get("__shard__", "?")), version=sample_version(members)
+    ).to_dict()
     d.setdefault("video_grid_thw", np.zeros((0, 3), np.int32))  # format v1/v2 store no video arrays
     d.setdefault("second_per_grid_ts", np.zeros(0, np.float32))
     return {name: d[name] for name in _FIELDS}
@@ -65,8 +68,9 @@ class VlmprepWebdataset(StandardWebdatasetFactory):
     # No `from __future__ import annotations` here: energon reads this signature's annotations as objects.
     def __init__(self, path, *, sample_type: type[VlmprepSample] = VlmprepSample, **kwargs):
         kwargs.pop("decoder", None)  # the task encoder's decoder (webdataset-style, may unpickle): never used here
-        super().__init__(path, sample_type=sample_type, sample_loader=sample_loader, part_filter=part_filter,
-                         decoder=None, **kwargs)
+        super().__init__(
+            path, sample_type=sample_type, sample_loader=sample_loader, part_filter=part_filter, decoder=None, **kwargs
+        )
         check_indexed_shards(self.path, [s.name for s in self.shards])
 
 
@@ -81,10 +85,12 @@ def check_indexed_shards(path, names: list[str]) -> None:
     listed = {s.name for s in load_manifest(d).shards} if d is not None else None
     stray = [n for n in names if (n not in listed if listed is not None else not is_plain_path(n))]
     if stray:
-        raise ShardFormatError(f"{path}/{NV_META}: the energon index names shard {stray[0]!r}, which "
-                               + (f"{d / MANIFEST_NAME} does not list" if d is not None else "is not a plain name")
-                               + "; refusing to read it: index the dataset again with "
-                               "vlmprep.clients.energon.prepare(DIR)")
+        raise ShardFormatError(
+            f"{path}/{NV_META}: the energon index names shard {stray[0]!r}, which "
+            + (f"{d / MANIFEST_NAME} does not list" if d is not None else "is not a plain name")
+            + "; refusing to read it: index the dataset again with "
+            "vlmprep.clients.energon.prepare(DIR)"
+        )
 
 
 class VlmprepTaskEncoder(DefaultTaskEncoder):
@@ -114,6 +120,7 @@ def prepare(d: str | Path, *, workers: int = 1) -> int:
     dataset_path(d, NV_META)  # energon writes its index there: not through a symlink out of the dataset
     write_energon_meta(d)
     names = [s.name for s in manifest.shards]
-    BaseWebdatasetFactory.prepare_dataset(d, names, split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
-                                          shuffle_seed=None, workers=workers)
+    BaseWebdatasetFactory.prepare_dataset(
+        d, names, split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)], shuffle_seed=None, workers=workers
+    )
     return sum(json.loads((d / NV_META / ".info.json").read_text())["shard_counts"].values())

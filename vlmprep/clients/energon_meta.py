@@ -2,6 +2,7 @@
 DIR/.nv-meta/dataset.yaml naming the sample type and loader of the installed vlmprep package
 (vlmprep/clients/energon.py), so nothing is ever executed from the dataset dir.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

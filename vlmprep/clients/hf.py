@@ -6,6 +6,7 @@ Examples hold numpy arrays, `images` (uint8 HxWx3, one per occurrence, in token 
 frames x H x W x 3, one per video, in token order); shards are the generator's shard list, so
 `split_dataset_by_node` and DataLoader workers split by shard.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,4 +29,5 @@ def iterable_dataset(d: str | Path):
     manifest = load_manifest(Path(d))
     shards = [str(p) for p in shard_paths(Path(d), manifest)]
     return datasets.IterableDataset.from_generator(
-        generate_samples, gen_kwargs={"shards": shards, "version": manifest.format_version})
+        generate_samples, gen_kwargs={"shards": shards, "version": manifest.format_version}
+    )

@@ -4,6 +4,7 @@
 
 Only vlmprep's own reader decodes (webdataset's default decoders would unpickle `.pyd` and torch.load `.pth`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +26,6 @@ def decode(sample: dict) -> dict:
     token order) and `meta`. Member names are checked first; an unknown member is refused, never decoded."""
     members = {k: v for k, v in sample.items() if not k.startswith("__")}
     where = str(sample.get("__url__", "?"))
-    out = sample_from_members(members, key=sample["__key__"], where=where,
-                              version=sample_version(members)).to_dict()
+    out = sample_from_members(members, key=sample["__key__"], where=where, version=sample_version(members)).to_dict()
     out["__url__"] = where
     return out

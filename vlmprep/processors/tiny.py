@@ -3,6 +3,7 @@ processor settings of the published checkpoint and exact special-token strings, 
 vocabulary built here. For trying a family end to end (`--tiny-random NAME` sizes its model to it) and for tests,
 never for training a real checkpoint: token ids are not the official ones (the manifest says `tiny`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -61,65 +62,188 @@ _QWEN_ROLES = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 SPECS: dict[str, TinySpec] = {
     "qwen2-vl": TinySpec("Qwen2VLProcessor", "qwen2_vl.jinja", QWEN2_VL_SPECIAL_TOKENS, roles=_QWEN_ROLES),
-    "qwen2.5-vl": TinySpec("Qwen2_5_VLProcessor", "qwen2_vl.jinja", QWEN2_VL_SPECIAL_TOKENS, QWEN25_VL_PLAIN_TOKENS,
-                           roles=_QWEN_ROLES),
-    "qwen3-vl": TinySpec("Qwen3VLProcessor", "qwen3_vl.jinja", QWEN2_VL_SPECIAL_TOKENS, QWEN3_PLAIN_TOKENS,
-                         roles=_QWEN_ROLES),
-    "qwen3.5": TinySpec("Qwen3VLProcessor", "qwen3_5.jinja", (), roles=_QWEN_ROLES, mixed=QWEN35_TOKENS,
-                        tokenizer_class="Qwen3_5Tokenizer", pattern=QWEN35_PRETOKENIZE_REGEX),
+    "qwen2.5-vl": TinySpec(
+        "Qwen2_5_VLProcessor", "qwen2_vl.jinja", QWEN2_VL_SPECIAL_TOKENS, QWEN25_VL_PLAIN_TOKENS, roles=_QWEN_ROLES
+    ),
+    "qwen3-vl": TinySpec(
+        "Qwen3VLProcessor", "qwen3_vl.jinja", QWEN2_VL_SPECIAL_TOKENS, QWEN3_PLAIN_TOKENS, roles=_QWEN_ROLES
+    ),
+    "qwen3.5": TinySpec(
+        "Qwen3VLProcessor",
+        "qwen3_5.jinja",
+        (),
+        roles=_QWEN_ROLES,
+        mixed=QWEN35_TOKENS,
+        tokenizer_class="Qwen3_5Tokenizer",
+        pattern=QWEN35_PRETOKENIZE_REGEX,
+    ),
     "llama-3.2-vision": TinySpec(
-        "MllamaProcessor", "llama3_2_vision.jinja",
-        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-         "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>", "<|image|>"),
-        roles=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>")),
+        "MllamaProcessor",
+        "llama3_2_vision.jinja",
+        (
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+            "<|finetune_right_pad_id|>",
+            "<|image|>",
+        ),
+        roles=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>"),
+    ),
     "llama-4": TinySpec(
-        "Llama4Processor", "llama4.jinja",
-        ("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>",
-         "<|python_start|>", "<|python_end|>", "<|finetune_right_pad|>", "<|image_start|>", "<|image_end|>",
-         "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>"),
-        roles=dict(bos_token="<|begin_of_text|>", eos_token="<|eot|>", pad_token="<|finetune_right_pad|>")),
+        "Llama4Processor",
+        "llama4.jinja",
+        (
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|header_start|>",
+            "<|header_end|>",
+            "<|eot|>",
+            "<|eom|>",
+            "<|python_start|>",
+            "<|python_end|>",
+            "<|finetune_right_pad|>",
+            "<|image_start|>",
+            "<|image_end|>",
+            "<|image|>",
+            "<|patch|>",
+            "<|tile_x_separator|>",
+            "<|tile_y_separator|>",
+        ),
+        roles=dict(bos_token="<|begin_of_text|>", eos_token="<|eot|>", pad_token="<|finetune_right_pad|>"),
+    ),
     "mistral-3": TinySpec(
-        "PixtralProcessor", "mistral3.jinja",
-        ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-         "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[SYSTEM_PROMPT]",
-         "[/SYSTEM_PROMPT]"),
-        roles=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>")),
+        "PixtralProcessor",
+        "mistral3.jinja",
+        (
+            "<unk>",
+            "<s>",
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+            "[TOOL_CALLS]",
+            "[IMG]",
+            "<pad>",
+            "[IMG_BREAK]",
+            "[IMG_END]",
+            "[SYSTEM_PROMPT]",
+            "[/SYSTEM_PROMPT]",
+        ),
+        roles=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),
+    ),
     "gemma-3": TinySpec(
-        "Gemma3Processor", "gemma3.jinja",
-        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
-         "<image_soft_token>"),
+        "Gemma3Processor",
+        "gemma3.jinja",
+        (
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<unk>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        ),
         roles=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
-        extra=dict(image_token="<image_soft_token>", boi_token="<start_of_image>", eoi_token="<end_of_image>")),
+        extra=dict(image_token="<image_soft_token>", boi_token="<start_of_image>", eoi_token="<end_of_image>"),
+    ),
     "gemma-4": TinySpec(
-        "Gemma4Processor", "gemma4.jinja",
-        ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|video|>",
-         "<|audio>", "<audio|>", "<|audio|>", "<|channel>", "<channel|>", "<|think|>"),
+        "Gemma4Processor",
+        "gemma4.jinja",
+        (
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<unk>",
+            "<|turn>",
+            "<turn|>",
+            "<|image>",
+            "<image|>",
+            "<|image|>",
+            "<|video|>",
+            "<|audio>",
+            "<audio|>",
+            "<|audio|>",
+            "<|channel>",
+            "<channel|>",
+            "<|think|>",
+        ),
         roles=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"),
-        extra=dict(image_token="<|image|>", boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>",
-                   audio_token="<|audio|>", boa_token="<|audio>", eoa_token="<audio|>")),
+        extra=dict(
+            image_token="<|image|>",
+            boi_token="<|image>",
+            eoi_token="<image|>",
+            video_token="<|video|>",
+            audio_token="<|audio|>",
+            boa_token="<|audio>",
+            eoa_token="<audio|>",
+        ),
+    ),
     "glm-4.1v": TinySpec(
-        "Glm4vProcessor", "glm4v.jinja",
-        ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-         "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"),
+        "Glm4vProcessor",
+        "glm4v.jinja",
+        (
+            "<|endoftext|>",
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<|begin_of_image|>",
+            "<|end_of_image|>",
+            "<|image|>",
+            "<|begin_of_video|>",
+            "<|end_of_video|>",
+            "<|video|>",
+        ),
         plain=("<think>", "</think>", "<answer>", "</answer>"),
-        roles=dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")),
+        roles=dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>"),
+    ),
     "internvl": TinySpec(
-        "InternVLProcessor", "internvl.jinja",
+        "InternVLProcessor",
+        "internvl.jinja",
         ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"),
         roles=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
-        extra=dict(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>",
-                   video_token="<video>")),
+        extra=dict(
+            start_image_token="<img>",
+            end_image_token="</img>",
+            context_image_token="<IMG_CONTEXT>",
+            video_token="<video>",
+        ),
+    ),
     "llava-onevision": TinySpec(
-        "LlavaOnevisionProcessor", "llava_onevision.jinja",
+        "LlavaOnevisionProcessor",
+        "llava_onevision.jinja",
         ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"),
         roles=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
-        extra=dict(image_token="<image>", video_token="<video>")),
+        extra=dict(image_token="<image>", video_token="<video>"),
+    ),
     "smolvlm": TinySpec(
-        "Idefics3Processor", "smolvlm.jinja",
-        ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
-         "<global-img>") + _ROWCOL,
-        roles=dict(bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>",
-                   unk_token="<|endoftext|>")),
+        "Idefics3Processor",
+        "smolvlm.jinja",
+        (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<fake_token_around_image>",
+            "<image>",
+            "<end_of_utterance>",
+            "<global-img>",
+        )
+        + _ROWCOL,
+        roles=dict(
+            bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>", unk_token="<|endoftext|>"
+        ),
+    ),
 }
 
 
@@ -172,16 +296,24 @@ def _tokenizer(spec: TinySpec, template: str):
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:  # the pipeline its class builds: a save and load leaves it as it is
         backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(spec.pattern), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     added = spec.mixed or tuple((t, True) for t in spec.specials) + tuple((t, False) for t in spec.plain)
     for token, special in added:  # one at a time: each gets the next id, in the listed order
-        (backend.add_special_tokens if special else backend.add_tokens)([AddedToken(token, special=special,
-                                                                                   normalized=False)])
-    tok = getattr(transformers, spec.tokenizer_class)(tokenizer_object=backend, extra_special_tokens=dict(spec.extra),
-                                                      clean_up_tokenization_spaces=False, **spec.roles)
+        (backend.add_special_tokens if special else backend.add_tokens)(
+            [AddedToken(token, special=special, normalized=False)]
+        )
+    tok = getattr(transformers, spec.tokenizer_class)(
+        tokenizer_object=backend,
+        extra_special_tokens=dict(spec.extra),
+        clean_up_tokenization_spaces=False,
+        **spec.roles,
+    )
     tok.chat_template = template
     return tok
 
@@ -193,8 +325,11 @@ def _image_processors(name: str):
     if name in ("qwen2-vl", "qwen2.5-vl"):  # Qwen2-VL-7B / Qwen2.5-VL-7B-Instruct
         return T.Qwen2VLImageProcessor(**QWEN2_VL_IMAGE), T.Qwen2VLVideoProcessor(), {}
     if name in ("qwen3-vl", "qwen3.5"):  # Qwen3-VL-8B-Instruct, Qwen3.5-35B-A3B
-        return (T.Qwen2VLImageProcessor(**QWEN3_VL_IMAGE),
-                T.Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2), {})
+        return (
+            T.Qwen2VLImageProcessor(**QWEN3_VL_IMAGE),
+            T.Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+            {},
+        )
     if name == "llama-3.2-vision":  # Llama-3.2-11B-Vision-Instruct: 560 px tiles, up to 4
         return T.MllamaImageProcessor(size={"height": 560, "width": 560}, max_image_tiles=4), None, {}
     if name == "llama-4":  # Llama-4-Scout-17B-16E-Instruct: 336 px tiles, up to 16
@@ -203,23 +338,41 @@ def _image_processors(name: str):
         ip = T.PixtralImageProcessor(size={"longest_edge": 1540}, patch_size={"height": 14, "width": 14})
         return ip, None, dict(patch_size=14, spatial_merge_size=2)
     if name == "gemma-3":  # google/gemma-3-4b-it: SigLIP 896, 256 soft tokens per image
-        ip = T.Gemma3ImageProcessor(size={"height": 896, "width": 896}, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                                    resample=2, do_pan_and_scan=False)
+        ip = T.Gemma3ImageProcessor(
+            size={"height": 896, "width": 896},
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+            resample=2,
+            do_pan_and_scan=False,
+        )
         return ip, None, dict(image_seq_length=256)
     if name == "gemma-4":  # google/gemma-4-E4B-it: 16 px patches, 280 soft tokens (3 x 3 pooling), aspect kept
-        return (T.Gemma4ImageProcessor(patch_size=16, max_soft_tokens=280, pooling_kernel_size=3),
-                T.Gemma4VideoProcessor(), dict(feature_extractor=T.Gemma4AudioFeatureExtractor()))
+        return (
+            T.Gemma4ImageProcessor(patch_size=16, max_soft_tokens=280, pooling_kernel_size=3),
+            T.Gemma4VideoProcessor(),
+            dict(feature_extractor=T.Gemma4AudioFeatureExtractor()),
+        )
     if name == "glm-4.1v":  # GLM-4.1V-9B-Thinking: patch 14, merge 2, temporal 2
-        ip = T.Glm4vImageProcessor(size={"shortest_edge": 12544, "longest_edge": 9633792}, patch_size=14,
-                                   merge_size=2, temporal_patch_size=2)
+        ip = T.Glm4vImageProcessor(
+            size={"shortest_edge": 12544, "longest_edge": 9633792}, patch_size=14, merge_size=2, temporal_patch_size=2
+        )
         return ip, T.Glm4vVideoProcessor(), {}
     if name == "internvl":  # InternVL3-1B-hf: 448 px tiles, 256 tokens each, up to 12 tiles + thumbnail
-        ip = T.GotOcr2ImageProcessor(size={"height": 448, "width": 448}, crop_to_patches=True, min_patches=1,
-                                     max_patches=12, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+        ip = T.GotOcr2ImageProcessor(
+            size={"height": 448, "width": 448},
+            crop_to_patches=True,
+            min_patches=1,
+            max_patches=12,
+            image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.229, 0.224, 0.225],
+        )
         return ip, T.InternVLVideoProcessor(), dict(image_seq_length=256)
     if name == "llava-onevision":  # llava-onevision-qwen2-0.5b-ov-hf: SigLIP 384, 729 tokens per crop
-        return (T.LlavaOnevisionImageProcessor(), T.LlavaOnevisionVideoProcessor(),
-                dict(num_image_tokens=729, vision_feature_select_strategy="full"))
+        return (
+            T.LlavaOnevisionImageProcessor(),
+            T.LlavaOnevisionVideoProcessor(),
+            dict(num_image_tokens=729, vision_feature_select_strategy="full"),
+        )
     if name == "smolvlm":  # SmolVLM-256M-Instruct: 512 px tiles, 64 tokens each
         ip = T.Idefics3ImageProcessor(size={"longest_edge": 2048}, max_image_size={"longest_edge": 512})
         return ip, None, dict(image_seq_len=64)

@@ -1,6 +1,7 @@
 """The dataset dir (--out): the names vlmprep gives its files, each task's state under tasks/, writes that land whole
 or not at all (temp file, fsync, rename), and the sha256 that vouches for a finished file.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -33,8 +34,11 @@ TASK_SUFFIXES = (".json", ".rejects.jsonl", ".samples.jsonl")
 # The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
 # files, manifest, rejects, plan and journal with their temp copies, the dataset's sample index): what a new plan
 # clears, and nothing else.
-DATASET_FILES = tuple(g for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME,
-                                     DATASET_INDEX_NAME) for g in (name, f"{name}.*"))
+DATASET_FILES = tuple(
+    g
+    for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME, DATASET_INDEX_NAME)
+    for g in (name, f"{name}.*")
+)
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
 BUILD_FILES = DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
 
@@ -70,12 +74,16 @@ class TaskFiles:
     manifest = _task_file(".json", "The task manifest, written last: its presence means the task is complete.")
     journal = _task_file(".journal.json", "The task's resume journal.")
     rejects = _task_file(".rejects.jsonl", "The task's rejects, once the task ends.")
-    partial_rejects = _task_file(".rejects.jsonl.partial", "The task's rejects while it runs (renamed to `rejects` "
-                                 "when it ends).")
-    samples = _task_file(".samples.jsonl", "The task's per-sample rows (a record's first also carries its turn "
-                         "accounting), which merge reads.")
-    partial_samples = _task_file(".samples.jsonl.partial", "The task's per-sample rows while it runs (renamed to "
-                                 "`samples` when it ends).")
+    partial_rejects = _task_file(
+        ".rejects.jsonl.partial", "The task's rejects while it runs (renamed to `rejects` when it ends)."
+    )
+    samples = _task_file(
+        ".samples.jsonl",
+        "The task's per-sample rows (a record's first also carries its turn accounting), which merge reads.",
+    )
+    partial_samples = _task_file(
+        ".samples.jsonl.partial", "The task's per-sample rows while it runs (renamed to `samples` when it ends)."
+    )
 
     def shards(self) -> list[Path]:
         """The task's shard files on disk, in name order."""

@@ -3,6 +3,7 @@ size, the .npy header, the image header) checked against the meta's and the read
 decompressed or allocated; a `.pdelta.zst` chain's payloads cached by member (PayloadCache) so any decode order is
 linear. Never unpickles.
 """
+
 from __future__ import annotations
 
 import io
@@ -23,8 +24,9 @@ def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | No
     if size is not None and (height, width) != tuple(size):
         raise ValueError(f"{name} declares {width}x{height}, but the meta gives {size[1]}x{size[0]}")
     if width * height * channels > LIMITS.image_bytes:
-        raise ValueError(f"{name} declares {width}x{height}, more pixels than a reader decodes "
-                         f"({LIMITS.image_bytes} bytes)")
+        raise ValueError(
+            f"{name} declares {width}x{height}, more pixels than a reader decodes ({LIMITS.image_bytes} bytes)"
+        )
 
 
 def zstd_payload(name: str, data: bytes, size: tuple[int, int] | None = None, prefix: bytes | None = None) -> bytes:
@@ -36,13 +38,16 @@ def zstd_payload(name: str, data: bytes, size: tuple[int, int] | None = None, pr
     floor = 3 * (size[0] * size[1] if size is not None else 1)
     ceiling = 4096 + (3 * size[0] * size[1] if size is not None else LIMITS.image_bytes)  # + the .npy header
     if not floor < declared <= ceiling:
-        raise ValueError(f"{name} declares {declared} decompressed bytes, not a uint8 "
-                         f"{'x'.join(map(str, size or ('H', 'W')))}x3 .npy")
+        raise ValueError(
+            f"{name} declares {declared} decompressed bytes, not a uint8 "
+            f"{'x'.join(map(str, size or ('H', 'W')))}x3 .npy"
+        )
     return decompressor(prefix).decompress(data)
 
 
-def decode_stored_image(name: str, data: bytes, size: tuple[int, int] | None = None,
-                        prefix: bytes | None = None) -> np.ndarray:
+def decode_stored_image(
+    name: str, data: bytes, size: tuple[int, int] | None = None, prefix: bytes | None = None
+) -> np.ndarray:
     """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). `size`: the
     (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
     image header) is checked against it, or against the image limit, before anything is decompressed or

@@ -1,6 +1,7 @@
 """The member-name rule and versions of the shard format, read from schemas/shard_format.schema.json (the trainer
 reads the same file), so the writer, every reader in vlmprep and the trainer cannot disagree.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,14 +38,22 @@ class ArraySpec:
         return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
 
 
-ARRAYS: dict[str, ArraySpec] = {name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"], tuple(a["shape"]))
-                                for name, a in _SPEC["arrays"].items()}
-_KEY = {4: re.compile(_SPEC["$defs"]["key"]["pattern"]), 3: re.compile(_SPEC["$defs"]["key"]["pattern"]),
-        2: re.compile(_SPEC["$defs"]["key"]["pattern"]), 1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"])}
-_IMAGE = {4: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
-          3: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
-          2: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
-          1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"])}
+ARRAYS: dict[str, ArraySpec] = {
+    name: ArraySpec(np.dtype(a["dtype"]), a["ndim"], a["since"], tuple(a["shape"]))
+    for name, a in _SPEC["arrays"].items()
+}
+_KEY = {
+    4: re.compile(_SPEC["$defs"]["key"]["pattern"]),
+    3: re.compile(_SPEC["$defs"]["key"]["pattern"]),
+    2: re.compile(_SPEC["$defs"]["key"]["pattern"]),
+    1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"]),
+}
+_IMAGE = {
+    4: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
+    3: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
+    2: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
+    1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"]),
+}
 _VIDEO = re.compile(_SPEC["$defs"]["video_member"]["pattern"])  # format v3 on
 
 
@@ -70,8 +79,12 @@ def is_video_member(name: str, version: int = FORMAT_VERSION) -> bool:
 
 def is_member(name: str, version: int = FORMAT_VERSION) -> bool:
     """True for every member a sample of this version may hold; anything else is refused unread."""
-    return (name == META_MEMBER or name in arrays_of(version) or is_image_member(name, version)
-            or is_video_member(name, version))
+    return (
+        name == META_MEMBER
+        or name in arrays_of(version)
+        or is_image_member(name, version)
+        or is_video_member(name, version)
+    )
 
 
 def sample_key(position: int, split: int | None = None) -> str:

@@ -3,6 +3,7 @@ tasks/task-NNNNN.json (TaskManifest). JSON -> object at the boundary (Manifest.f
 the schema's types once, as every reader needs them), object -> the same JSON with to_json (keys it does not know
 kept). load_manifest: DIR -> Manifest, every path it names checked to stay inside DIR.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -145,8 +146,13 @@ class Manifest(JsonObject):
     plan: PlanRef | None = None
     sample_index: FileEntry | None = None
 
-    NESTED = {"processor": SavedProcessor, "inputs": [InputEntry], "shards": [ShardEntry], "plan": PlanRef,
-              "sample_index": FileEntry}
+    NESTED = {
+        "processor": SavedProcessor,
+        "inputs": [InputEntry],
+        "shards": [ShardEntry],
+        "plan": PlanRef,
+        "sample_index": FileEntry,
+    }
 
     @classmethod
     def from_json(cls, obj, *, where: str = MANIFEST_NAME) -> Manifest:
@@ -159,8 +165,10 @@ class Manifest(JsonObject):
 def _check_manifest(manifest, where: str) -> None:
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
-        raise ShardFormatError(f"{where}: format_version {version!r} is not supported (this vlmprep reads "
-                               f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset")
+        raise ShardFormatError(
+            f"{where}: format_version {version!r} is not supported (this vlmprep reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade vlmprep or rebuild the dataset"
+        )
     problem = schema_problem(manifest, "manifest.schema.json")
     if problem:
         raise ShardFormatError(f"{where} does not match the manifest schema: {problem}")
@@ -237,8 +245,11 @@ def shard_paths(d: Path, manifest: Manifest, shard: str | None = None) -> list[P
     if shard is not None:
         want = shard if shard.endswith(".tar") else shard + ".tar"
         if want not in names:
-            raise ShardFormatError(f"--shard {shard}: no such shard in {d} (have {', '.join(names[:5]) or 'none'}"
-                                   + (", ..." if len(names) > 5 else "") + ")")
+            raise ShardFormatError(
+                f"--shard {shard}: no such shard in {d} (have {', '.join(names[:5]) or 'none'}"
+                + (", ..." if len(names) > 5 else "")
+                + ")"
+            )
         names = [want]
     for n in names:
         if not (d / n).is_file():

@@ -5,6 +5,7 @@ iterator (member names checked against shards/format.py before anything is read;
 A dataset is untrusted input: every member is checked against the meta and the format's reader limits before it is
 decoded or memory is allocated for it (json size and depth, .npy header shape and length, image header and grid).
 """
+
 from __future__ import annotations
 
 import io
@@ -138,13 +139,17 @@ class StoredSample:
             out.update(dict.fromkeys(frames, size))
             total += 3 * size[0] * size[1] * len(frames)
         if total > LIMITS.sample_bytes:
-            raise self._fail(f"its images and frames decode to {total} bytes, more than a reader accepts "
-                             f"({LIMITS.sample_bytes})")
+            raise self._fail(
+                f"its images and frames decode to {total} bytes, more than a reader accepts ({LIMITS.sample_bytes})"
+            )
         try:
             check_grid_sizes([(im["height"], im["width"]) for im in meta["images"]], self.array("image_grid_thw"))
             if self.version >= 3:
-                check_grid_sizes([(v["height"], v["width"]) for v in meta.get("videos", ())],
-                                 self.array("video_grid_thw"), frames=True)
+                check_grid_sizes(
+                    [(v["height"], v["width"]) for v in meta.get("videos", ())],
+                    self.array("video_grid_thw"),
+                    frames=True,
+                )
         except ValueError as e:
             raise self._fail(str(e)) from None
         return {n: None if ".orig." in n else size for n, size in out.items()}
@@ -159,8 +164,9 @@ class StoredSample:
                 return decode_stored_image(name, data, size)
             return pixels_of_payload(name, self._payload(name, size, data), size)
         except DECODE_ERRORS as e:  # the checks' own messages name the member; a decoder's do not
-            raise self._fail(str(e) if str(e).startswith(name) else f"{name} does not decode: {type(e).__name__}: {e}"
-                             ) from None
+            raise self._fail(
+                str(e) if str(e).startswith(name) else f"{name} does not decode: {type(e).__name__}: {e}"
+            ) from None
 
     def _payload(self, name: str, size: tuple[int, int] | None, data: bytes) -> bytes:
         """A `.pdelta.zst` member's decompressed payload: the chain of prefixes it depends on (each the previous
@@ -213,15 +219,19 @@ class StoredSample:
         rows = len(self.array("video_grid_thw"))
         listed = self.meta().get("videos") or []
         if sorted(by_video) != list(range(rows)) or len(listed) != rows:
-            raise self._fail(f"video_grid_thw has {rows} rows, the meta lists {len(listed)} videos, the frame members "
-                             f"are of videos {sorted(by_video)}")
+            raise self._fail(
+                f"video_grid_thw has {rows} rows, the meta lists {len(listed)} videos, the frame members "
+                f"are of videos {sorted(by_video)}"
+            )
         out = []
         for v in range(rows):
             frames, n = by_video[v], listed[v]["frames"]
             if len(frames) != n or sorted(frames) != list(range(n)) or any(len(m) > 1 for m in frames.values()):
                 names = sorted(m for ms in frames.values() for m in ms)
-                raise self._fail(f"video {v}: frame members {names[:4]}{' ...' if len(names) > 4 else ''} are not "
-                                 f"frames 0..{n}-1 (the meta's count), one member each")
+                raise self._fail(
+                    f"video {v}: frame members {names[:4]}{' ...' if len(names) > 4 else ''} are not "
+                    f"frames 0..{n}-1 (the meta's count), one member each"
+                )
             out.append([frames[f][0] for f in range(n)])
         return out
 
@@ -249,16 +259,24 @@ def _check_names(names, *, key: str, where: str, version: int, on_unknown: str) 
     bad = [n for n in names if not is_member(n, version)]
     if bad and on_unknown == "raise":
         # Never decoded: .pyd / .pth / .pickle members are exactly what unpickling readers would execute.
-        raise ShardFormatError(f"{where}: sample {key}: unexpected member(s) {sorted(f'{key}.{n}' for n in bad)} "
-                               "(not part of the vlmprep shard format); refusing to read them")
+        raise ShardFormatError(
+            f"{where}: sample {key}: unexpected member(s) {sorted(f'{key}.{n}' for n in bad)} "
+            "(not part of the vlmprep shard format); refusing to read them"
+        )
     return ok, bad
 
 
 def sample_from_members(members: dict[str, bytes], *, key: str, where: str, version: int) -> StoredSample:
     """A sample whose raw members a client already holds (webdataset, HF datasets, energon): names checked first."""
     ok, _ = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
-    return StoredSample(key=key, where=where, version=version, names=tuple(ok), reader=members.__getitem__,
-                        sizes={n: len(members[n]) for n in ok})
+    return StoredSample(
+        key=key,
+        where=where,
+        version=version,
+        names=tuple(ok),
+        reader=members.__getitem__,
+        sizes={n: len(members[n]) for n in ok},
+    )
 
 
 def _read_range(path: Path, offset: int, size: int) -> bytes:
@@ -279,8 +297,15 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
 
     def emit(key, spans):
         ok, bad = _check_names(list(spans), key=key, where=where, version=version, on_unknown=on_unknown)
-        return StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
-                            reader=lambda n: _read_range(path, *spans[n]), sizes={n: spans[n][1] for n in ok})
+        return StoredSample(
+            key=key,
+            where=where,
+            version=version,
+            names=tuple(ok),
+            unknown=tuple(bad),
+            reader=lambda n: _read_range(path, *spans[n]),
+            sizes={n: spans[n][1] for n in ok},
+        )
 
     try:
         with tarfile.open(path, mode="r:") as tar:
@@ -288,11 +313,13 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
             for ti in tar:
                 k, dot, ext = ti.name.partition(".")
                 if ti.issparse():  # its holes would read as zeros: a member that claims more than it holds
-                    raise ShardFormatError(f"{where}: member {ti.name!r} is sparse (it claims {ti.size} bytes); "
-                                           "refusing to read it")
+                    raise ShardFormatError(
+                        f"{where}: member {ti.name!r} is sparse (it claims {ti.size} bytes); refusing to read it"
+                    )
                 if not ti.isreg() or not dot or "/" in ti.name:
                     raise ShardFormatError(
-                        f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it")
+                        f"{where}: member {ti.name!r} is not a plain KEY.EXT file; refusing to read it"
+                    )
                 if k != key and key is not None:
                     yield emit(key, spans)
                     spans = {}
@@ -346,8 +373,10 @@ def read_index_file(path: Path, listed: FileEntry, *, rows: int | None) -> np.nd
             return index_rows(data, path.name, INDEX_DTYPE)
     except (ValueError, OSError) as e:
         raise ShardFormatError(f"{path.name}: not a readable sample index ({type(e).__name__}: {e})") from None
-    raise ShardFormatError(f"{path.name}: {size} bytes, but the manifest lists {listed.bytes} (at most {limit} "
-                           f"for {rows} samples); refusing to read it")
+    raise ShardFormatError(
+        f"{path.name}: {size} bytes, but the manifest lists {listed.bytes} (at most {limit} "
+        f"for {rows} samples); refusing to read it"
+    )
 
 
 def sample_ranges(path: Path) -> list[tuple[str, int, int]]:
@@ -376,13 +405,16 @@ def sample_at(path: Path, start: int, end: int, *, version: int, position: int) 
     """The one sample whose members lie in bytes [start, end) of a shard (a sample index row, with the input
     `position` its key starts with): read without scanning the shard."""
     try:
-        samples = list(iter_shard_bytes(_read_range(Path(path), start, end - start), where=Path(path).name,
-                                        version=version))
+        samples = list(
+            iter_shard_bytes(_read_range(Path(path), start, end - start), where=Path(path).name, version=version)
+        )
     except ShardFormatError as e:
         raise StaleIndex(str(e)) from None
     if len(samples) != 1 or not samples[0].key.startswith(f"{position:010d}"):
-        raise StaleIndex(f"{Path(path).name}: bytes {start}..{end} are not the sample at input position {position}: "
-                         "the sample index does not match the shard (run `vlmprep verify`)")
+        raise StaleIndex(
+            f"{Path(path).name}: bytes {start}..{end} are not the sample at input position {position}: "
+            "the sample index does not match the shard (run `vlmprep verify`)"
+        )
     return samples[0]
 
 
@@ -402,8 +434,14 @@ def iter_shard_bytes(data: bytes, *, where: str, version: int) -> Iterator[Store
         raise ShardFormatError(f"{where}: unreadable tar bytes: {e}") from None
     for key, members in spans.items():
         ok, bad = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
-        yield StoredSample(key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad),
-                           reader=lambda n, m=members: data[m[n][0]:m[n][0] + m[n][1]])
+        yield StoredSample(
+            key=key,
+            where=where,
+            version=version,
+            names=tuple(ok),
+            unknown=tuple(bad),
+            reader=lambda n, m=members: data[m[n][0] : m[n][0] + m[n][1]],
+        )
 
 
 def iter_dataset(d: Path, *, shard: str | None = None) -> Iterator[StoredSample]:

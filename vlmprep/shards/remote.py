@@ -2,6 +2,7 @@
 and inspect then read as any dataset dir: manifest.json first (bounded, its names checked), then exactly the files it
 names, each bounded and checked against the manifest's size and sha256 where it gives them; manifest.json lands last.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,8 +66,13 @@ def cache_dir(url: str) -> Path:
     return default_cache_dir() / CACHE_SUBDIR / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-def fetch_dataset(url: str, *, shards: Sequence[str] | None = None, say: Callable[[str], None] | None = None,
-                  on_file: Callable[[int, int], None] | None = None) -> Path:
+def fetch_dataset(
+    url: str,
+    *,
+    shards: Sequence[str] | None = None,
+    say: Callable[[str], None] | None = None,
+    on_file: Callable[[int, int], None] | None = None,
+) -> Path:
     """Dataset `url` -> its local copy (cache_dir), ready for any reader of a dataset dir. Fetched: manifest.json
     (at most LIMITS.manifest_bytes, its names checked as every reader checks them: plain names inside the dataset),
     the shards and their sample indexes, the dataset's sample index, rejects.jsonl and the processor's own files
@@ -78,16 +84,22 @@ def fetch_dataset(url: str, *, shards: Sequence[str] | None = None, say: Callabl
     written last. `say(line)`: one line when the copy starts; `on_file(done, total)`: after each file.
     Raises FetchError (a UserError): one line."""
     if not url.startswith(REMOTE):
-        raise FetchError(f"{url}: not a dataset location this vlmprep reads: a local dir, or a URL of "
-                         f"{', '.join(s for s in REMOTE if s != 'memory://')}")
+        raise FetchError(
+            f"{url}: not a dataset location this vlmprep reads: a local dir, or a URL of "
+            f"{', '.join(s for s in REMOTE if s != 'memory://')}"
+        )
     base = url.rstrip("/")
     try:
         fs, root = url_fs(base, where="the dataset URL")  # a URL with credentials in it: refused, never echoed
     except LocationError as e:
         raise FetchError(str(e)) from None
     store = _Store(fs, root.rstrip("/"), base)
-    data = store.read(MANIFEST_NAME, LIMITS.manifest_bytes, missing=f"{url}: no {MANIFEST_NAME} there: not a vlmprep "
-                      "dataset, or not a finished one (a build writes its manifest last), or not at this URL")
+    data = store.read(
+        MANIFEST_NAME,
+        LIMITS.manifest_bytes,
+        missing=f"{url}: no {MANIFEST_NAME} there: not a vlmprep "
+        "dataset, or not a finished one (a build writes its manifest last), or not at this URL",
+    )
     manifest, named, processor = _manifest(data, base)
     files = _files(manifest, processor, shards)
     dest = cache_dir(url)
@@ -122,8 +134,14 @@ def _manifest(data: bytes, base: str) -> tuple[Manifest, set[str], str]:
 def _files(manifest: Manifest, processor: str, shards: Sequence[str] | None) -> list[_File]:
     """What to copy, in the order a reader wants it: the processor's files, rejects.jsonl, the shards (each with its
     sample index), the dataset's sample index."""
-    out = [_File(f"{processor}/{n}", MAX_VOCAB_BYTES if n in _VOCABULARIES or not n.endswith(".json")
-                 else MAX_CONFIG_BYTES, optional=True) for n in PROCESSOR_FILES]
+    out = [
+        _File(
+            f"{processor}/{n}",
+            MAX_VOCAB_BYTES if n in _VOCABULARIES or not n.endswith(".json") else MAX_CONFIG_BYTES,
+            optional=True,
+        )
+        for n in PROCESSOR_FILES
+    ]
     out.append(_File(REJECTS_NAME, REJECTS_BYTES, optional=True))
     wanted = None if shards is None else {s if s.endswith(".tar") else s + ".tar" for s in shards}
     for s in manifest.shards:
@@ -197,8 +215,13 @@ class _Store:
             dest = Path(dataset_file(str(root), f.name, where=str(root), what="file"))
         except UnsafeDataset as e:
             raise FetchError(str(e)) from None
-        if f.sha256 and dest.is_file() and not dest.is_symlink() and dest.stat().st_size == f.size \
-                and sha256_file(dest) == f.sha256:
+        if (
+            f.sha256
+            and dest.is_file()
+            and not dest.is_symlink()
+            and dest.stat().st_size == f.size
+            and sha256_file(dest) == f.sha256
+        ):
             return
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
@@ -221,9 +244,15 @@ class _Store:
         except BaseException:
             part.unlink(missing_ok=True)
             raise
-        problem = (f"more than {f.limit} bytes, more than a reader accepts" if got > f.limit
-                   else f"{got} bytes, but the manifest lists {f.size}" if f.size is not None and got != f.size
-                   else "its sha256 differs from the manifest's" if f.sha256 and h.hexdigest() != f.sha256 else None)
+        problem = (
+            f"more than {f.limit} bytes, more than a reader accepts"
+            if got > f.limit
+            else f"{got} bytes, but the manifest lists {f.size}"
+            if f.size is not None and got != f.size
+            else "its sha256 differs from the manifest's"
+            if f.sha256 and h.hexdigest() != f.sha256
+            else None
+        )
         if problem:
             part.unlink()
             raise FetchError(f"{url}: {problem}: changed or damaged in storage; refusing it")

@@ -1,4 +1,5 @@
 """Human summaries of a built dataset, from its manifest: used by `build` and `stats`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,9 +35,9 @@ def reject_share(manifest: Manifest) -> float:
 # The one-line fix for the most common reject reasons (the rest: docs/rejects.md and rejects.jsonl).
 REJECT_FIXES = {
     "template_refused": "the chat template takes no such conversation (see rejects.jsonl): pass one that does with "
-                        "--chat-template, or reshape the records",
+    "--chat-template, or reshape the records",
     "tool_calls_not_rendered": "pass a tool-aware --chat-template (bundled for Qwen2-VL / Qwen2.5-VL: "
-                               "--chat-template qwen2_vl_tools), or --tool-calls drop-from-loss",
+    "--chat-template qwen2_vl_tools), or --tool-calls drop-from-loss",
     "no_trainable_tokens_after_truncation": "raise --seq-len, or pass --long-traces split (and --keep-images last:N)",
     "turn_too_long": "raise --seq-len, or pass --keep-images last:N to drop older screenshots",
     "image_not_found": "image paths resolve against each input file's dir: pass --image-root DIR",
@@ -49,12 +50,12 @@ REJECT_FIXES = {
     "image_too_small": "lower --min-image-side",
     "video_too_small": "lower --min-image-side",
     "raw_video_stream": "wrap each raw stream in a container at its real rate: ffmpeg -framerate FPS -i IN -c copy "
-                        "OUT.mp4",
+    "OUT.mp4",
     "line_too_long": "raise --max-line-bytes",
     "no_assistant_turn": "records need an assistant turn to train (or --train-on-roles naming a role they have)",
     "no_trainable_tokens": "check --train-on-roles against the roles your records have",
     "duplicate_id": "give every record a unique id (or leave id out: one is derived from file and line)",
-    "missing_messages": "records must be OpenAI chat format {\"messages\": [...]}: see schemas/record.schema.json",
+    "missing_messages": 'records must be OpenAI chat format {"messages": [...]}: see schemas/record.schema.json',
     "invalid_json": "each input line must be one JSON record: see the first line rejects.jsonl names",
 }
 
@@ -74,8 +75,10 @@ def _max_pixels_fix(manifest: Manifest) -> str:
     helps: the pixel budget that makes any image at most a quarter of --seq-len (28 x 28 pixels a token: Qwen2-VL and
     Qwen2.5-VL; fewer tokens for Qwen3-VL's 32 x 32)."""
     seq_len = int(manifest.config["seq_len"])
-    return (f"pass --max-pixels {seq_len // 4 * 28 * 28} (images over half of --seq-len {seq_len} cost these turns; "
-            "this caps one at a quarter of it), or raise --seq-len")
+    return (
+        f"pass --max-pixels {seq_len // 4 * 28 * 28} (images over half of --seq-len {seq_len} cost these turns; "
+        "this caps one at a quarter of it), or raise --seq-len"
+    )
 
 
 def _large_images_cost(manifest: Manifest) -> bool:
@@ -106,24 +109,35 @@ def coverage_problem(manifest: Manifest, minimum: float) -> str | None:
     rejected = lost.pop("record_rejected")
     why = ", ".join(f"{k} {v}" for k, v in lost.items() if v)
     losses = ([f"lost to --seq-len {config.get('seq_len')}: {why}"] if why else []) + (
-        [f"lost with rejected records: {rejected}"] if rejected else [])
+        [f"lost with rejected records: {rejected}"] if rejected else []
+    )
     if rejected > sum(lost.values()):
-        ranked = sorted(((r, n) for r, n in manifest.rejects.items() if r != "turn_too_long"),
-                        key=lambda x: (-x[1], x[0]))
-        fix = (f"{ranked[0][0]} is the most common reject ({ranked[0][1]}): {reject_fix(ranked[0][0], manifest)}"
-               if ranked else "see rejects.jsonl")
+        ranked = sorted(
+            ((r, n) for r, n in manifest.rejects.items() if r != "turn_too_long"), key=lambda x: (-x[1], x[0])
+        )
+        fix = (
+            f"{ranked[0][0]} is the most common reject ({ranked[0][1]}): {reject_fix(ranked[0][0], manifest)}"
+            if ranked
+            else "see rejects.jsonl"
+        )
     elif _large_images_cost(manifest):
         fix = _max_pixels_fix(manifest)
     elif lost["truncated"] and config.get("long_traces") == "truncate":
-        fix = ("drop --long-traces truncate (split, the default, trains every turn in step samples), or pass "
-               "--keep-images last:3 so that traces fit")
+        fix = (
+            "drop --long-traces truncate (split, the default, trains every turn in step samples), or pass "
+            "--keep-images last:3 so that traces fit"
+        )
     elif config.get("keep_images") is not None:  # older screenshots are dropped already: what is left is too long
-        fix = (f"raise --seq-len (these turns, with what they act on, do not fit {config.get('seq_len')} tokens even "
-               f"with --keep-images last:{config['keep_images']}; rejects.jsonl names each)")
+        fix = (
+            f"raise --seq-len (these turns, with what they act on, do not fit {config.get('seq_len')} tokens even "
+            f"with --keep-images last:{config['keep_images']}; rejects.jsonl names each)"
+        )
     else:
         fix = "pass --keep-images last:3 to drop older screenshots, or raise --seq-len"
-    return (f"turn coverage {share:.1%} < --min-turn-coverage {minimum:g} ({trained} of {total} assistant turns "
-            f"trained; {'; '.join(losses)}); fix: {fix}")
+    return (
+        f"turn coverage {share:.1%} < --min-turn-coverage {minimum:g} ({trained} of {total} assistant turns "
+        f"trained; {'; '.join(losses)}); fix: {fix}"
+    )
 
 
 def format_build_summary(manifest: Manifest, out: Path) -> str:
@@ -133,17 +147,28 @@ def format_build_summary(manifest: Manifest, out: Path) -> str:
     lines = [
         f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest.shards), 'shard')} "
         f"({manifest.image_format} images, format v{manifest.format_version})",
-        *([f"  processor         {manifest.processor.spec}: a small vocabulary for trying the family and "
-           "for tests, never for training a real model"]
-          if str(manifest.processor.spec).startswith("tiny:") else []),
+        *(
+            [
+                f"  processor         {manifest.processor.spec}: a small vocabulary for trying the family and "
+                "for tests, never for training a real model"
+            ]
+            if str(manifest.processor.spec).startswith("tiny:")
+            else []
+        ),
         f"  records read      {t['records']}",
-        *([f"  unread input      {t['unread_bytes']} bytes after file faults (see rejects.jsonl)"]
-          if t.get("unread_bytes") else []),
+        *(
+            [f"  unread input      {t['unread_bytes']} bytes after file faults (see rejects.jsonl)"]
+            if t.get("unread_bytes")
+            else []
+        ),
         f"  tokens            {t['tokens']} ({t['trainable_tokens']} trained, "
         f"{t['trainable_tokens'] / max(t['tokens'], 1):.1%})",
         f"  images            {t['images']} ({t['image_tokens']} image tokens)",
-        *([f"  videos            {t['videos']} ({t['video_tokens']} video tokens)"]
-          if t.get("videos") or t.get("dropped_videos") else []),
+        *(
+            [f"  videos            {t['videos']} ({t['video_tokens']} video tokens)"]
+            if t.get("videos") or t.get("dropped_videos")
+            else []
+        ),
         f"  truncated samples {t['truncated_samples']} "
         f"({dropped_by_cut(t['dropped_images'], t.get('dropped_videos', 0))})",
         f"  unrendered tool-call turns {t['unrendered_tool_call_turns']}",
@@ -161,22 +186,28 @@ def _turn_lines(turns: dict | None) -> list[str]:
     if not turns:
         return []
     lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v) or "none"
-    return [f"  assistant turns   {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
-            f"(coverage {turns['coverage']:.1%}; lost: {lost})",
-            f"  history policy    {turns['images_removed_by_history']} images removed; split context "
-            f"{turns['context_tokens_repeated']} tokens repeated"]
+    return [
+        f"  assistant turns   {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
+        f"(coverage {turns['coverage']:.1%}; lost: {lost})",
+        f"  history policy    {turns['images_removed_by_history']} images removed; split context "
+        f"{turns['context_tokens_repeated']} tokens repeated",
+    ]
 
 
 def _reasoning_lines(t: dict, config: dict) -> list[str]:
     if not t.get("reasoning_turns"):
         return []
-    return [f"  reasoning turns   {t['reasoning_turns']} (--reasoning {config.get('reasoning', 'train')}; "
-            f"{t.get('reasoning_turns_dropped', 0)} dropped by it, {t.get('reasoning_turns_not_rendered', 0)} "
-            "left out by the template)"]
+    return [
+        f"  reasoning turns   {t['reasoning_turns']} (--reasoning {config.get('reasoning', 'train')}; "
+        f"{t.get('reasoning_turns_dropped', 0)} dropped by it, {t.get('reasoning_turns_not_rendered', 0)} "
+        "left out by the template)"
+    ]
 
 
 def format_task_summary(task: TaskManifest, out: Path) -> str:
     """A task manifest -> the line `vlmprep build --task-index I` prints."""
     t = task.totals
-    return (f"task {task.task} of {out}: {plural(t['records'], 'record')} -> {plural(t['samples'], 'sample')} in "
-            f"{plural(len(task.shards), 'shard')}, {t['rejected']} rejected")
+    return (
+        f"task {task.task} of {out}: {plural(t['records'], 'record')} -> {plural(t['samples'], 'sample')} in "
+        f"{plural(len(task.shards), 'shard')}, {t['rejected']} rejected"
+    )

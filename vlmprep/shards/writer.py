@@ -2,6 +2,7 @@
 Each tar is written under a temp name and renamed when complete; the manifest is written last. Member names
 follow shards/format.py; shards/reader.py is the matching reader.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,9 @@ def _npy(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_level: int,
-                  encoded: dict[str, bytes] | None = None) -> ShardSample:
+def encode_sample(
+    sample: RenderedSample, *, key: str, image_format: str, zstd_level: int, encoded: dict[str, bytes] | None = None
+) -> ShardSample:
     """A RenderedSample -> its shard members (ShardSample): the token arrays as .npy, each distinct image once
     (encoded per --image-format: zstd-pdelta, zstd-delta or zstd of the resized pixels, png, webp, or the source bytes
     for original) with an index from occurrence to stored image, video frames, and the meta JSON. `encoded`: stored
@@ -48,20 +50,28 @@ def encode_sample(sample: RenderedSample, *, key: str, image_format: str, zstd_l
     image that several step samples hold after the same image is encoded once. Trade-off: storing processor-resized
     pixels makes shards about the source bytes in size (zstd-pdelta: 0.69x on real screenshots) but leaves the
     trainer no image decode or resize to repeat."""
-    image_members, image_index, images_meta = _image_members(sample, image_format, zstd_level,
-                                                             {} if encoded is None else encoded)
+    image_members, image_index, images_meta = _image_members(
+        sample, image_format, zstd_level, {} if encoded is None else encoded
+    )
     members = _array_members(sample, image_index)
     members.update(image_members)
     frame_members, videos_meta = _video_members(sample, image_format, zstd_level)
     members.update(frame_members)
     meta = _meta(sample, image_format, images_meta, videos_meta)
     members[META_MEMBER] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode("utf-8")
-    return ShardSample(key=key, members=members, num_tokens=meta["num_tokens"],
-                       num_trainable_tokens=meta["num_trainable_tokens"], num_images=len(sample.images), meta=meta)
+    return ShardSample(
+        key=key,
+        members=members,
+        num_tokens=meta["num_tokens"],
+        num_trainable_tokens=meta["num_trainable_tokens"],
+        num_images=len(sample.images),
+        meta=meta,
+    )
 
 
-def _image_members(sample: RenderedSample, image_format: str, zstd_level: int,
-                   encoded: dict[str, bytes]) -> tuple[dict[str, bytes], list[int], list[dict]]:
+def _image_members(
+    sample: RenderedSample, image_format: str, zstd_level: int, encoded: dict[str, bytes]
+) -> tuple[dict[str, bytes], list[int], list[dict]]:
     """Each distinct image of the sample stored once (member name -> bytes), the stored image of each occurrence,
     and each occurrence's meta (member, size, grid, span; zstd-pdelta: the member it is compressed against)."""
     images_meta, image_index, image_members = [], [], {}
@@ -74,8 +84,11 @@ def _image_members(sample: RenderedSample, image_format: str, zstd_level: int,
         if name is None:  # identical images within a sample are stored once
             name = unique[im.digest] = image_member_name(len(unique), stored_ext(image_format, im))
             # The sample's previous stored image, never another sample's: each sample decodes on its own.
-            prefix = previous if image_format == "zstd-pdelta" and previous is not None \
-                and previous.pixels.shape == im.pixels.shape else None
+            prefix = (
+                previous
+                if image_format == "zstd-pdelta" and previous is not None and previous.pixels.shape == im.pixels.shape
+                else None
+            )
             cached = im.digest if prefix is None else f"{im.digest}<{prefix.digest}"
             if cached not in encoded:
                 encoded[cached] = encode_image(im, image_format, zstd_level=zstd_level, prefix=prefix)
@@ -84,8 +97,15 @@ def _image_members(sample: RenderedSample, image_format: str, zstd_level: int,
                 prefixes[name] = unique[prefix.digest]
             previous = im
         image_index.append(list(unique).index(im.digest))
-        images_meta.append({"member": name, "height": int(im.pixels.shape[0]), "width": int(im.pixels.shape[1]),
-                            "grid_thw": [int(x) for x in im.grid_thw], "span": [int(x) for x in span]})
+        images_meta.append(
+            {
+                "member": name,
+                "height": int(im.pixels.shape[0]),
+                "width": int(im.pixels.shape[1]),
+                "grid_thw": [int(x) for x in im.grid_thw],
+                "span": [int(x) for x in span],
+            }
+        )
         if name in prefixes:
             images_meta[-1]["prefix"] = prefixes[name]
         if im.source_size[0]:  # the size before the processor's resize: what `stats` shows and --max-pixels acts on
@@ -118,11 +138,18 @@ def _video_members(sample: RenderedSample, image_format: str, zstd_level: int) -
         ext = FRAME_EXT[image_format]
         for f, frame in enumerate(video.frames):
             members[video_frame_member_name(v, f, ext)] = encode_frame(frame, image_format, zstd_level=zstd_level)
-        videos_meta.append({"member": f"vid{v:03d}", "frames": int(len(video.frames)),
-                            "height": int(video.frames.shape[1]), "width": int(video.frames.shape[2]),
-                            "grid_thw": [int(x) for x in video.grid_thw], "fps": float(video.fps),
-                            "total_num_frames": int(video.total_num_frames),
-                            "frame_indices": [int(i) for i in video.frame_indices]})
+        videos_meta.append(
+            {
+                "member": f"vid{v:03d}",
+                "frames": int(len(video.frames)),
+                "height": int(video.frames.shape[1]),
+                "width": int(video.frames.shape[2]),
+                "grid_thw": [int(x) for x in video.grid_thw],
+                "fps": float(video.fps),
+                "total_num_frames": int(video.total_num_frames),
+                "frame_indices": [int(i) for i in video.frame_indices],
+            }
+        )
     return members, videos_meta
 
 
@@ -149,9 +176,14 @@ def _meta(sample: RenderedSample, image_format: str, images_meta: list[dict], vi
         "split": sample.split,
     }
     if sample.videos or sample.dropped_videos:  # absent from image-only samples: their meta stays as in format v2
-        meta.update({"videos": videos_meta, "num_videos": len(sample.videos),
-                     "num_video_tokens": int((sample.mm_token_type_ids == 2).sum()),
-                     "dropped_videos": int(sample.dropped_videos)})
+        meta.update(
+            {
+                "videos": videos_meta,
+                "num_videos": len(sample.videos),
+                "num_video_tokens": int((sample.mm_token_type_ids == 2).sum()),
+                "dropped_videos": int(sample.dropped_videos),
+            }
+        )
     return meta
 
 
@@ -210,8 +242,15 @@ class ShardWriter:
     shard's sample index (SHARD.tar.index.npy: each sample's byte range and token counts, from what it wrote), so
     a reader finds any sample without reading the tar's headers or metas."""
 
-    def __init__(self, out_dir: Path, *, samples_per_shard: int, shard_size_bytes: int, prefix: str = "shard-",
-                 done: list[ShardInfo] | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        samples_per_shard: int,
+        shard_size_bytes: int,
+        prefix: str = "shard-",
+        done: list[ShardInfo] | None = None,
+    ):
         self.out_dir = Path(out_dir)
         self.prefix = prefix  # a plan task's shards carry its index (plan.shard_prefix)
         self.samples_per_shard = samples_per_shard
@@ -245,8 +284,16 @@ class ShardWriter:
             self._hf.write(data)
             if len(data) % tarfile.BLOCKSIZE:
                 self._hf.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
-        self._rows.append((int(sample.key[:10]), id_hash(sample.meta["id"]), start, self._hf.n, sample.num_tokens,
-                           sample.num_trainable_tokens))
+        self._rows.append(
+            (
+                int(sample.key[:10]),
+                id_hash(sample.meta["id"]),
+                start,
+                self._hf.n,
+                sample.num_tokens,
+                sample.num_trainable_tokens,
+            )
+        )
         info = self._info
         info.num_samples += 1
         info.num_tokens += sample.num_tokens
@@ -309,4 +356,3 @@ def write_dataset_index(out_dir: Path, parts, rows: int) -> dict:
     assert n == len(head) + rows * INDEX_DTYPE.itemsize, f"{path}: {n} bytes for {rows} rows"
     os.replace(tmp, path)
     return {"name": DATASET_INDEX_NAME, "bytes": n, "sha256": h.hexdigest()}
-

@@ -2,6 +2,7 @@
 only when a view shows them) or a rendered one (inspect's raw mode) -> InspectedSample, the one input of the views
 (view.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -68,17 +69,36 @@ def image_token_count(sample: InspectedSample) -> int:
 def sample_from_rendered(s, key: str) -> InspectedSample:
     """A RenderedSample (inspect's raw mode) -> the InspectedSample the views show, under shard key `key`."""
     return InspectedSample(
-        key=key, id=s.id, source=(s.source.file, s.source.line), where="rendered from input",
-        input_ids=s.input_ids, loss_mask=s.loss_mask, mm_token_type_ids=s.mm_token_type_ids,
+        key=key,
+        id=s.id,
+        source=(s.source.file, s.source.line),
+        where="rendered from input",
+        input_ids=s.input_ids,
+        loss_mask=s.loss_mask,
+        mm_token_type_ids=s.mm_token_type_ids,
         image_grid_thw=np.asarray(s.image_grid_thw).reshape(-1, 3),
         images=[(lambda px=im.pixels: px) for im in s.images],
-        num_tokens_before_truncation=s.num_tokens_before_truncation, truncated=s.truncated,
-        dropped_images=s.dropped_images, unrendered_tool_calls=s.unrendered_tool_calls, split=s.split,
-        messages=list(s.source_messages), trains=list(s.trains), removed_images=list(s.removed_images),
-        videos=[InspectedVideo(grid_thw=tuple(int(x) for x in v.grid_thw), fps=float(v.fps),
-                               total_num_frames=int(v.total_num_frames), frame_indices=list(v.frame_indices),
-                               frames=[(lambda px=px: px) for px in v.frames]) for v in s.videos],
-        dropped_videos=s.dropped_videos, image_spans=[(int(a), int(b)) for a, b in s.image_spans])
+        num_tokens_before_truncation=s.num_tokens_before_truncation,
+        truncated=s.truncated,
+        dropped_images=s.dropped_images,
+        unrendered_tool_calls=s.unrendered_tool_calls,
+        split=s.split,
+        messages=list(s.source_messages),
+        trains=list(s.trains),
+        removed_images=list(s.removed_images),
+        videos=[
+            InspectedVideo(
+                grid_thw=tuple(int(x) for x in v.grid_thw),
+                fps=float(v.fps),
+                total_num_frames=int(v.total_num_frames),
+                frame_indices=list(v.frame_indices),
+                frames=[(lambda px=px: px) for px in v.frames],
+            )
+            for v in s.videos
+        ],
+        dropped_videos=s.dropped_videos,
+        image_spans=[(int(a), int(b)) for a, b in s.image_spans],
+    )
 
 
 def sample_from_stored(s: StoredSample) -> InspectedSample:
@@ -94,18 +114,36 @@ def sample_from_stored(s: StoredSample) -> InspectedSample:
     videos = _stored_videos(s, meta, sizes)
     src = meta.get("source") or {}
     sample = InspectedSample(
-        key=s.key, id=str(meta.get("id")), source=(str(src.get("file")), int(src.get("line", 0))), where=s.where,
-        input_ids=ids, loss_mask=mask, mm_token_type_ids=types, image_grid_thw=grid, images=loaders,
+        key=s.key,
+        id=str(meta.get("id")),
+        source=(str(src.get("file")), int(src.get("line", 0))),
+        where=s.where,
+        input_ids=ids,
+        loss_mask=mask,
+        mm_token_type_ids=types,
+        image_grid_thw=grid,
+        images=loaders,
         num_tokens_before_truncation=int(meta.get("num_tokens_before_truncation", len(ids))),
-        truncated=bool(meta.get("truncated", False)), dropped_images=int(meta.get("dropped_images", 0)),
-        unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)), split=meta.get("split"),
-        messages=list(meta.get("messages", [])), trains=list(meta.get("trains", [])),
-        removed_images=list(meta.get("removed_images", [])), videos=videos,
-        dropped_videos=int(meta.get("dropped_videos", 0)), image_spans=_spans(meta, len(ids)))
+        truncated=bool(meta.get("truncated", False)),
+        dropped_images=int(meta.get("dropped_images", 0)),
+        unrendered_tool_calls=int(meta.get("unrendered_tool_calls", 0)),
+        split=meta.get("split"),
+        messages=list(meta.get("messages", [])),
+        trains=list(meta.get("trains", [])),
+        removed_images=list(meta.get("removed_images", [])),
+        videos=videos,
+        dropped_videos=int(meta.get("dropped_videos", 0)),
+        image_spans=_spans(meta, len(ids)),
+    )
     # The view is computed from the arrays; a meta that disagrees with them is a corrupt dataset worth seeing.
-    for k, v in (("num_tokens", len(ids)), ("num_trainable_tokens", int(mask.sum())),
-                 ("num_image_tokens", image_token_count(sample)), ("num_images", len(grid)),
-                 ("num_video_tokens", int((types == 2).sum())), ("num_videos", len(videos))):
+    for k, v in (
+        ("num_tokens", len(ids)),
+        ("num_trainable_tokens", int(mask.sum())),
+        ("num_image_tokens", image_token_count(sample)),
+        ("num_images", len(grid)),
+        ("num_video_tokens", int((types == 2).sum())),
+        ("num_videos", len(videos)),
+    ):
         if k in meta and meta[k] != v:
             sample.warnings.append(f"meta {k}={meta[k]} but the arrays give {v}")
     return sample
@@ -125,12 +163,20 @@ def _stored_videos(s: StoredSample, meta: dict, sizes: dict) -> list[InspectedVi
         except (KeyError, TypeError, ValueError) as e:
             raise ShardFormatError(f"{s.where}: sample {s.key}: meta videos[{k}] is malformed ({e!r})") from None
         if fps <= 0 or len(indices) != len(names):
-            raise ShardFormatError(f"{s.where}: sample {s.key}: meta videos[{k}] has fps {fps} and {len(indices)} "
-                                   f"frame_indices for {len(names)} frames (fps must be > 0, one index per frame)")
+            raise ShardFormatError(
+                f"{s.where}: sample {s.key}: meta videos[{k}] has fps {fps} and {len(indices)} "
+                f"frame_indices for {len(names)} frames (fps must be > 0, one index per frame)"
+            )
         blobs = {n: s.read(n) for n in names}
-        out.append(InspectedVideo(grid_thw=tuple(int(x) for x in grid[k]), fps=fps, total_num_frames=total,
-                                  frame_indices=indices,
-                                  frames=[(lambda n=n, b=b: s.decode(n, sizes[n], b)) for n, b in blobs.items()]))
+        out.append(
+            InspectedVideo(
+                grid_thw=tuple(int(x) for x in grid[k]),
+                fps=fps,
+                total_num_frames=total,
+                frame_indices=indices,
+                frames=[(lambda n=n, b=b: s.decode(n, sizes[n], b)) for n, b in blobs.items()],
+            )
+        )
     return out
 
 

@@ -1,6 +1,7 @@
 """`vlmprep inspect`: a built dataset dir (read through shards/reader.py) or raw input (rendered exactly as build
 would) -> the selected samples or rejects -> views printed by show.py or written as HTML by report.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,23 @@ from vlmprep.types import RecordError, UserError
 
 # Build options `--like DIR` does not take from a dataset's manifest: where inputs are, what they may read (local
 # image dirs, remote URLs, a role-boundaries file) and how the build runs. The user passes them for their own input.
-LIKE_SKIPS = frozenset({"inputs", "out", "progress", "workers", "image_root", "allow_remote", "role_boundaries",
-                        "executor", "ray_address", "tasks", "task_index", "plan_only", "overwrite"})
+LIKE_SKIPS = frozenset(
+    {
+        "inputs",
+        "out",
+        "progress",
+        "workers",
+        "image_root",
+        "allow_remote",
+        "role_boundaries",
+        "executor",
+        "ray_address",
+        "tasks",
+        "task_index",
+        "plan_only",
+        "overwrite",
+    }
+)
 
 
 class InspectError(UserError):
@@ -34,8 +50,10 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
     manifest = load_manifest(d)
     if cfg.only == "rejected":
         if cfg.index is not None or cfg.shard is not None:
-            raise InspectError("--only rejected on a built dir lists rejects.jsonl, which has no shard or input "
-                               "position: select with --id, or inspect the raw input with --index")
+            raise InspectError(
+                "--only rejected on a built dir lists rejects.jsonl, which has no shard or input "
+                "position: select with --id, or inspect the raw input with --index"
+            )
         yield from _iter_rejects_file(d, cfg)
         return
     if (cfg.id is not None or cfg.index is not None) and all(e.index for e in manifest.shards):
@@ -71,8 +89,13 @@ def _iter_indexed(cfg: InspectConfig, d: Path, manifest: Manifest) -> Iterator[I
         if cfg.index is not None:
             hit &= rows["position"] == cfg.index
         for i in np.flatnonzero(hit).tolist():
-            ts = sample_at(path, int(rows["start"][i]), int(rows["end"][i]), version=manifest.format_version,
-                           position=int(rows["position"][i]))
+            ts = sample_at(
+                path,
+                int(rows["start"][i]),
+                int(rows["end"][i]),
+                version=manifest.format_version,
+                position=int(rows["position"][i]),
+            )
             if cfg.id is not None and str(ts.meta().get("id")) != cfg.id:
                 continue  # a hash collision
             if cfg.only == "truncated" and not ts.meta().get("truncated"):
@@ -98,9 +121,6 @@ def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
             yield r
 
 
-
-
-
 def _raw_build_config(cfg: InspectConfig):
     from vlmprep.config import BuildConfig
 
@@ -110,8 +130,7 @@ def _raw_build_config(cfg: InspectConfig):
         manifest = load_manifest(like)
         # Not taken from a dataset: where things are and what may be read (LIKE_SKIPS); pass them yourself.
         fields = {f.name for f in dataclasses.fields(BuildConfig)} - LIKE_SKIPS
-        kw = {k: tuple(v) if isinstance(v, list) else v
-              for k, v in (manifest.config or {}).items() if k in fields}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in (manifest.config or {}).items() if k in fields}
         # The saved processor is the one that rendered the dataset, chat template included.
         kw.update(processor=str(processor_dir(like, manifest)), chat_template=None)
     kw.update(cfg.build_options)
@@ -136,9 +155,11 @@ def _refuse_foreign_template(processor, like: Path) -> None:
                 return
         except ValueError:  # not a builtin of this vlmprep: foreign
             pass
-    raise InspectError(f"--like {like}: its saved chat template is not one vlmprep ships, and inspect does not render "
-                       "a dataset's own template (untrusted Jinja, docs/untrusted-datasets.md): pass --chat-template "
-                       "with the template it was built with, or --processor with its processor")
+    raise InspectError(
+        f"--like {like}: its saved chat template is not one vlmprep ships, and inspect does not render "
+        "a dataset's own template (untrusted Jinja, docs/untrusted-datasets.md): pass --chat-template "
+        "with the template it was built with, or --processor with its processor"
+    )
 
 
 def _raw_id_candidate(raw, want: str) -> bool:
@@ -182,8 +203,16 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
         # here, so exact for a full scan.
         if any(sample.id in seen_ids for sample in samples):
             rid = samples[0].id if samples[0].split is None else samples[0].id.rsplit("#", 1)[0]
-            samples, rejects = [], [{**reject_entry(raw, "duplicate_id", ""), "id": rid,
-                                     "message": f"id {rid!r} already used by an earlier record"}]
+            samples, rejects = (
+                [],
+                [
+                    {
+                        **reject_entry(raw, "duplicate_id", ""),
+                        "id": rid,
+                        "message": f"id {rid!r} already used by an earlier record",
+                    }
+                ],
+            )
         seen_ids.update(sample.id for sample in samples)
         for sample in samples:
             if cfg.id is not None and sample.id != cfg.id and sample.id.rsplit("#", 1)[0] != cfg.id:
@@ -203,8 +232,10 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
         given = (["like"] if cfg.like is not None else []) + [k for k in RAW_OPTIONS if k in cfg.build_options]
         passed = ["--" + k.replace("_", "-") for k in given]
         if passed:
-            raise InspectError(f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
-                               "the processor and options it was built with")
+            raise InspectError(
+                f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
+                "the processor and options it was built with"
+            )
         manifest = load_manifest(p)
         tv = TokenizerView.from_dir(processor_dir(p, manifest), manifest.processor.class_name)
         items = _iter_dir(cfg, p)
@@ -228,7 +259,6 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
     return out, tv
 
 
-
 @dataclass
 class InspectResult:
     """What inspect found: the samples' views, the rejects, and the HTML report's path when one was written."""
@@ -249,8 +279,11 @@ def run_inspect(cfg: InspectConfig, console=None) -> InspectResult:
         console.print(f"no truncated sample in {cfg.path}" + (f" {cfg.shard}" if cfg.shard else ""), soft_wrap=True)
         return InspectResult([], [])
     if not items and cfg.only != "rejected":
-        what = [f"{k} {v}" for k, v in (("--index", cfg.index), ("--id", cfg.id), ("--shard", cfg.shard),
-                                         ("--only", cfg.only)) if v is not None]
+        what = [
+            f"{k} {v}"
+            for k, v in (("--index", cfg.index), ("--id", cfg.id), ("--shard", cfg.shard), ("--only", cfg.only))
+            if v is not None
+        ]
         raise InspectError(f"no sample in {cfg.path} matches {' '.join(what) or 'the selection'}")
     views = [view_sample(x, tv) if isinstance(x, InspectedSample) else x for x in items]
     result = InspectResult([v for v in views if isinstance(v, SampleView)], [v for v in views if isinstance(v, dict)])
@@ -259,8 +292,12 @@ def run_inspect(cfg: InspectConfig, console=None) -> InspectResult:
 
         write_report(Path(cfg.html), result.samples, result.rejects, title=f"vlmprep inspect {cfg.path}")
         result.html = cfg.html
-        console.print(f"wrote {cfg.html}: {len(result.samples)} samples, {len(result.rejects)} rejects",
-                      markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"wrote {cfg.html}: {len(result.samples)} samples, {len(result.rejects)} rejects",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return result
     if not views:
         console.print(f"no rejected records in {cfg.path}", markup=False, highlight=False, soft_wrap=True)

@@ -2,6 +2,7 @@
 command's own: each shard's result comes back in manifest order, so the output is the same for any count; a progress
 bar over shards on a terminal.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,15 @@ def _run(k: int) -> Any:
     return fn(job, k)
 
 
-def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int, command: str,
-               on_shard: Callable[[int, int], None] | None = None) -> Iterator[Any]:
+def map_shards(
+    fn: Callable[[Any, int], Any],
+    job: Any,
+    n: int,
+    *,
+    workers: int,
+    command: str,
+    on_shard: Callable[[int, int], None] | None = None,
+) -> Iterator[Any]:
     """fn(job, k) for k in range(n) (shards in manifest order), in order. workers > 1: in that many processes forked
     from this one (vlmprep/jobs.py process_pool), which inherit fn and job (nothing crosses but k and the results; fn's
     result must pickle: plain lists, counters, dataclasses). on_shard(done, n) after each. A worker that dies is one
@@ -45,8 +53,10 @@ def map_shards(fn: Callable[[Any, int], Any], job: Any, n: int, *, workers: int,
                 if on_shard:
                     on_shard(k + 1, n)
     except BrokenProcessPool:
-        raise UserError(f"a {command} worker process stopped abruptly (killed, out of memory, or crashed): run it "
-                        f"again with --workers 1 to read the shards in this process") from None
+        raise UserError(
+            f"a {command} worker process stopped abruptly (killed, out of memory, or crashed): run it "
+            f"again with --workers 1 to read the shards in this process"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -56,8 +66,9 @@ def shard_progress(title: str, unit: str = "shards") -> Iterator[Callable[[int, 
     has one thread."""
     from rich.console import Console
 
-    bar = progress_bar(f"[bold]{title}", unit, disable=not sys.stderr.isatty(), console=Console(stderr=True),
-                       auto_refresh=False)
+    bar = progress_bar(
+        f"[bold]{title}", unit, disable=not sys.stderr.isatty(), console=Console(stderr=True), auto_refresh=False
+    )
     with bar:
         task = bar.add_task(title, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total, refresh=True)

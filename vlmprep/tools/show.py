@@ -1,6 +1,7 @@
 """Terminal printers of a SampleView: plain text with [T]...[/T] around trained runs (piped output), rich colours
 in a terminal, and the per-token table (--tokens).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,15 +58,29 @@ def token_rows(v: SampleView) -> list[tuple[str, str, str, str, str]]:
     for m in v.messages:
         for seg in m.segments:
             if seg.kind == "image":
-                rows.append((f"{seg.start}-{seg.end - 1}", str(int(s.input_ids[seg.start])), str(int(seg.trained)),
-                             "1", seg.text))  # the image's whole unit, wrappers included
+                rows.append(
+                    (
+                        f"{seg.start}-{seg.end - 1}",
+                        str(int(s.input_ids[seg.start])),
+                        str(int(seg.trained)),
+                        "1",
+                        seg.text,
+                    )
+                )  # the image's whole unit, wrappers included
                 continue
             if seg.kind == "video":
                 rows += _video_rows(v, seg, pieces)
                 continue
             for i in range(seg.start, seg.end):
-                rows.append((str(i), str(int(s.input_ids[i])), str(int(s.loss_mask[i])),
-                             str(int(s.mm_token_type_ids[i])), repr(pieces[i])))
+                rows.append(
+                    (
+                        str(i),
+                        str(int(s.input_ids[i])),
+                        str(int(s.loss_mask[i])),
+                        str(int(s.mm_token_type_ids[i])),
+                        repr(pieces[i]),
+                    )
+                )
     return rows
 
 
@@ -75,8 +90,16 @@ def _video_rows(v: SampleView, seg, pieces: dict[int, str]) -> list[tuple[str, s
     for j, (a, b) in enumerate(seg.runs):
         if j:  # the text between two runs
             prev = seg.runs[j - 1][1]
-            rows += [(str(i), str(int(s.input_ids[i])), str(int(s.loss_mask[i])), str(int(s.mm_token_type_ids[i])),
-                      repr(pieces[i])) for i in range(prev, a)]
+            rows += [
+                (
+                    str(i),
+                    str(int(s.input_ids[i])),
+                    str(int(s.loss_mask[i])),
+                    str(int(s.mm_token_type_ids[i])),
+                    repr(pieces[i]),
+                )
+                for i in range(prev, a)
+            ]
         text = seg.text if j == 0 else run_marker(seg.video, j, len(seg.runs), b - a)  # runs > 1: a matched video
         rows.append((f"{a}-{b - 1}", str(int(s.input_ids[a])), str(int(s.loss_mask[a])), "2", text))
     return rows

@@ -3,6 +3,7 @@ reject counts by reason, each input file's share (records, samples, rejects, tur
 distributions of tokens, trained tokens and images per sample and of image sizes and tokens per image, and the
 warnings they call for; formatted as plain text (or JSON by the CLI, or an HTML page by stats_report.py).
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,12 @@ IMAGE_TOKENS_WARN = 4096  # the limit where the manifest names no seq_len
 MAX_INPUT_ROWS = 40  # the terminal lists at most this many input files (the lowest coverage first); --json has all
 MAX_IMAGE_SIZES = 8  # the most common image sizes listed
 COVERAGE_FIX = REJECT_FIXES["no_trainable_tokens_after_truncation"]
-DISTRIBUTIONS = {"tokens_per_sample": "tokens per sample", "trained_tokens_per_sample": "trained tokens per sample",
-                 "images_per_sample": "images per sample", "tokens_per_image": "tokens per image"}
+DISTRIBUTIONS = {
+    "tokens_per_sample": "tokens per sample",
+    "trained_tokens_per_sample": "trained tokens per sample",
+    "images_per_sample": "images per sample",
+    "tokens_per_image": "tokens per image",
+}
 
 
 def _pct(x: np.ndarray, q: float) -> int:
@@ -59,9 +64,14 @@ def _distribution(values: list[int]) -> dict:
     """Mean, min, nearest-rank percentiles, max and the histogram of one per-sample (or per-image) count."""
     x = np.asarray(values, dtype=np.int64)
     n = len(x)
-    return {"count": n, "mean": float(x.mean()) if n else 0.0, "min": int(x.min()) if n else 0,
-            **{f"p{q}": _pct(x, q) for q in PERCENTILES}, "max": int(x.max()) if n else 0,
-            "histogram": _histogram(x)}
+    return {
+        "count": n,
+        "mean": float(x.mean()) if n else 0.0,
+        "min": int(x.min()) if n else 0,
+        **{f"p{q}": _pct(x, q) for q in PERCENTILES},
+        "max": int(x.max()) if n else 0,
+        "histogram": _histogram(x),
+    }
 
 
 def _image_runs(types: np.ndarray) -> list[int]:
@@ -75,8 +85,21 @@ def _image_runs(types: np.ndarray) -> list[int]:
 
 
 # `vlmprep stats --samples FILE`: one row per sample (tools/tables_out.py writes them as Parquet).
-SAMPLE_COLUMNS = ("id", "source_file", "source_line", "shard", "shard_index", "tokens", "trained_tokens", "images",
-                  "image_tokens", "videos", "truncated", "split_part", "dropped_images")
+SAMPLE_COLUMNS = (
+    "id",
+    "source_file",
+    "source_line",
+    "shard",
+    "shard_index",
+    "tokens",
+    "trained_tokens",
+    "images",
+    "image_tokens",
+    "videos",
+    "truncated",
+    "split_part",
+    "dropped_images",
+)
 
 
 class _Scan:
@@ -128,12 +151,21 @@ class _Scan:
         if self.rows is not None:
             r, src = self.rows, meta.get("source") or {}
             first = not r["shard"] or r["shard"][-1] != ts.where  # a scan's samples come shard by shard, in tar order
-            values = {"id": meta.get("id"), "source_file": source, "source_line": src.get("line"), "shard": ts.where,
-                      "shard_index": 0 if first else r["shard_index"][-1] + 1, "tokens": len(mask),
-                      "trained_tokens": self.trained[-1], "images": self.images[-1],
-                      "image_tokens": self.image_tokens[-1], "videos": int(meta.get("num_videos", 0)),
-                      "truncated": bool(meta.get("truncated")), "split_part": meta.get("split"),
-                      "dropped_images": int(meta.get("dropped_images", 0))}
+            values = {
+                "id": meta.get("id"),
+                "source_file": source,
+                "source_line": src.get("line"),
+                "shard": ts.where,
+                "shard_index": 0 if first else r["shard_index"][-1] + 1,
+                "tokens": len(mask),
+                "trained_tokens": self.trained[-1],
+                "images": self.images[-1],
+                "image_tokens": self.image_tokens[-1],
+                "videos": int(meta.get("num_videos", 0)),
+                "truncated": bool(meta.get("truncated")),
+                "split_part": meta.get("split"),
+                "dropped_images": int(meta.get("dropped_images", 0)),
+            }
             for c in SAMPLE_COLUMNS:
                 r[c].append(values[c])
         entries = meta.get("images") or []
@@ -147,8 +179,14 @@ class _Scan:
                 size, self.sizes_are_source = (int(im["width"]), int(im["height"])), False
             self.sizes[size] += 1
             if len(runs) == len(entries) and runs[k] > self.image_limit:
-                self.large.append({"tokens": runs[k], "size": f"{size[0]}x{size[1]}", "file": source,
-                                   "pixels_per_token": int(im["width"]) * int(im["height"]) / runs[k]})
+                self.large.append(
+                    {
+                        "tokens": runs[k],
+                        "size": f"{size[0]}x{size[1]}",
+                        "file": source,
+                        "pixels_per_token": int(im["width"]) * int(im["height"]) / runs[k],
+                    }
+                )
 
 
 def _scan_shard(job: tuple[list[Path], int, int, bool], k: int) -> _Scan:
@@ -160,8 +198,13 @@ def _scan_shard(job: tuple[list[Path], int, int, bool], k: int) -> _Scan:
     return scan
 
 
-def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int], None] | None = None,
-                  sample_rows: dict[str, list] | None = None) -> dict:
+def compute_stats(
+    root: Path,
+    *,
+    workers: int = 1,
+    on_shard: Callable[[int, int], None] | None = None,
+    sample_rows: dict[str, list] | None = None,
+) -> dict:
     """A built dataset dir -> its statistics as a dict (what `vlmprep stats` prints and --json writes): counts of
     records, samples, tokens, trained tokens, images and videos, their distributions and histograms, image sizes,
     truncation and what it dropped, rejects, turn coverage, and warnings where the manifest and the shards disagree
@@ -178,9 +221,14 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
     floor = float(floor) if isinstance(floor, (int, float)) and 0 <= floor <= 1 else MIN_TURN_COVERAGE
     scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN, sample_rows is not None)
     paths = shard_paths(root, manifest)
-    for part in map_shards(_scan_shard, (paths, manifest.format_version, scan.image_limit, scan.rows is not None),
-                           len(paths),
-                           workers=workers, command="stats", on_shard=on_shard):
+    for part in map_shards(
+        _scan_shard,
+        (paths, manifest.format_version, scan.image_limit, scan.rows is not None),
+        len(paths),
+        workers=workers,
+        command="stats",
+        on_shard=on_shard,
+    ):
         scan.merge(part)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)
@@ -205,9 +253,14 @@ def compute_stats(root: Path, *, workers: int = 1, on_shard: Callable[[int, int]
         "trained_tokens_per_sample": _distribution(scan.trained),
         "images_per_sample": _distribution(scan.images),
         "tokens_per_image": _distribution(scan.image_token_runs),
-        "image_sizes": {"kind": "source" if scan.sizes_are_source else "stored", "distinct": len(scan.sizes),
-                        "top": [{"size": f"{w}x{h}", "count": c} for (w, h), c in
-                                sorted(scan.sizes.items(), key=lambda x: (-x[1], x[0]))[:MAX_IMAGE_SIZES]]},
+        "image_sizes": {
+            "kind": "source" if scan.sizes_are_source else "stored",
+            "distinct": len(scan.sizes),
+            "top": [
+                {"size": f"{w}x{h}", "count": c}
+                for (w, h), c in sorted(scan.sizes.items(), key=lambda x: (-x[1], x[0]))[:MAX_IMAGE_SIZES]
+            ],
+        },
         "large_images": _large_images(scan, manifest),
         "truncated_samples": scan.truncated,
         "dropped_images": scan.dropped,
@@ -252,19 +305,35 @@ def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] |
     for inp, name in zip(inputs, input_names([as_input(inp.path) for inp in inputs])):
         t = collections.Counter(inp.totals)
         n_turns = t["input_assistant_turns"]
-        out.append({"path": inp.path, "name": name, "records": t["records"], "samples": t["samples"],
-                    "rejected": t["rejected"] - by_file[inp.path].get("turn_too_long", 0) if reject_lines
-                    is not None else t["rejected"] - t["turns_lost_too_long"],  # records, not lost-turn lines
-                    "rejects": dict(sorted(by_file[inp.path].items())),
-                    "tokens": t["tokens"], "trainable_tokens": t["trainable_tokens"], "images": t["images"],
-                    "image_tokens": t["image_tokens"], "truncated_samples": t["truncated_samples"],
-                    "dropped_images": t["dropped_images"], "split_samples": t["split_samples"],
-                    "input_assistant_turns": n_turns, "trained_assistant_turns": t["trained_assistant_turns"],
-                    "coverage": t["trained_assistant_turns"] / n_turns if n_turns else 1.0,
-                    "kept_share": _kept_share(t),
-                    "turns_lost": {"truncated": t["turns_lost_truncated"], "turn_too_long": t["turns_lost_too_long"],
-                                   "not_trained_by_policy": t["turns_lost_policy"],
-                                   "record_rejected": t["turns_lost_rejected"]}})
+        out.append(
+            {
+                "path": inp.path,
+                "name": name,
+                "records": t["records"],
+                "samples": t["samples"],
+                "rejected": t["rejected"] - by_file[inp.path].get("turn_too_long", 0)
+                if reject_lines is not None
+                else t["rejected"] - t["turns_lost_too_long"],  # records, not lost-turn lines
+                "rejects": dict(sorted(by_file[inp.path].items())),
+                "tokens": t["tokens"],
+                "trainable_tokens": t["trainable_tokens"],
+                "images": t["images"],
+                "image_tokens": t["image_tokens"],
+                "truncated_samples": t["truncated_samples"],
+                "dropped_images": t["dropped_images"],
+                "split_samples": t["split_samples"],
+                "input_assistant_turns": n_turns,
+                "trained_assistant_turns": t["trained_assistant_turns"],
+                "coverage": t["trained_assistant_turns"] / n_turns if n_turns else 1.0,
+                "kept_share": _kept_share(t),
+                "turns_lost": {
+                    "truncated": t["turns_lost_truncated"],
+                    "turn_too_long": t["turns_lost_too_long"],
+                    "not_trained_by_policy": t["turns_lost_policy"],
+                    "record_rejected": t["turns_lost_rejected"],
+                },
+            }
+        )
     return out
 
 
@@ -291,11 +360,24 @@ def _mismatches(manifest: Manifest, st: dict, reject_lines: list[dict] | None, b
     """Where the manifest disagrees with what the shards (or rejects.jsonl) actually hold."""
     out = []
     totals = manifest.totals
-    for key in ("samples", "tokens", "trainable_tokens", "image_tokens", "images", "truncated_samples",
-                "dropped_images", "rejected", "videos", "video_tokens", "dropped_videos"):
+    for key in (
+        "samples",
+        "tokens",
+        "trainable_tokens",
+        "image_tokens",
+        "images",
+        "truncated_samples",
+        "dropped_images",
+        "rejected",
+        "videos",
+        "video_tokens",
+        "dropped_videos",
+    ):
         if key in totals and totals[key] != st[key]:
-            out.append(f"manifest totals.{key}={totals[key]} but the {'rejects' if key == 'rejected' else 'shards'} "
-                       f"give {st[key]}")
+            out.append(
+                f"manifest totals.{key}={totals[key]} but the {'rejects' if key == 'rejected' else 'shards'} "
+                f"give {st[key]}"
+            )
     if reject_lines is not None:
         counted = collections.Counter(r.get("reason") for r in reject_lines)
         if dict(sorted(counted.items())) != st["rejects"]:
@@ -314,44 +396,61 @@ def data_warnings(st: dict) -> list[str]:
     TRUNCATED_SHARE_WARN, images over a quarter of --seq-len."""
     out = [st["coverage_warning"]] if st.get("coverage_warning") else []
     if str(st.get("processor", "")).startswith("tiny:"):
-        out.append(f"built with {st['processor']}: the family's classes over a small vocabulary, for trying it and "
-                   "for tests; its token ids are not the checkpoint's, never train a real model on it: rebuild with "
-                   "the checkpoint's processor (--processor DIR, or builtin:NAME where one exists)")
+        out.append(
+            f"built with {st['processor']}: the family's classes over a small vocabulary, for trying it and "
+            "for tests; its token ids are not the checkpoint's, never train a real model on it: rebuild with "
+            "the checkpoint's processor (--processor DIR, or builtin:NAME where one exists)"
+        )
     floor, inputs = st["min_turn_coverage"], st.get("inputs") or []
     # Per file where there are several (one file's line would repeat the dataset's), by the build's rule: the turns to
     # train that --seq-len lost (truncated, turn_too_long).
     low = sorted((i for i in inputs if i["kept_share"] < floor), key=lambda i: (i["kept_share"], i["name"]))
     low = low if sum(1 for i in inputs if i["input_assistant_turns"]) > 1 else []
     for i in low[:MAX_INPUT_ROWS]:
-        out.append(f"{i['name']}: {i['trained_assistant_turns']} of {i['input_assistant_turns']} assistant turns "
-                   f"trained ({i['kept_share']:.1%} of those to train < {floor:g}; {i['truncated_samples']} of "
-                   f"{plural(i['samples'], 'sample')} truncated, {i['rejected']} rejected"
-                   + (": " + ", ".join(f"{r} {c}" for r, c in i["rejects"].items()) if i["rejects"] else "") + ")")
+        out.append(
+            f"{i['name']}: {i['trained_assistant_turns']} of {i['input_assistant_turns']} assistant turns "
+            f"trained ({i['kept_share']:.1%} of those to train < {floor:g}; {i['truncated_samples']} of "
+            f"{plural(i['samples'], 'sample')} truncated, {i['rejected']} rejected"
+            + (": " + ", ".join(f"{r} {c}" for r, c in i["rejects"].items()) if i["rejects"] else "")
+            + ")"
+        )
     if len(low) > MAX_INPUT_ROWS:
-        out.append(f"... and {len(low) - MAX_INPUT_ROWS} more input files under {floor:.0%} coverage "
-                   "(--json lists all)")
+        out.append(
+            f"... and {len(low) - MAX_INPUT_ROWS} more input files under {floor:.0%} coverage (--json lists all)"
+        )
     n, cut = st["samples"], st["truncated_samples"]
     if n and cut / n > TRUNCATED_SHARE_WARN:
         worst = sorted((i for i in inputs if i["truncated_samples"]), key=lambda i: -i["truncated_samples"])[:3]
         where = ", ".join(f"{i['name']} {i['truncated_samples']} of {i['samples']}" for i in worst)
-        out.append(f"{cut} of {plural(n, 'sample')} truncated ({cut / n:.1%} > {TRUNCATED_SHARE_WARN:.0%}"
-                   + (f"; {where}" if where else "") + f"), {dropped_by_cut(st['dropped_images'], 0)}; "
-                   f"fix: {COVERAGE_FIX}")
+        out.append(
+            f"{cut} of {plural(n, 'sample')} truncated ({cut / n:.1%} > {TRUNCATED_SHARE_WARN:.0%}"
+            + (f"; {where}" if where else "")
+            + f"), {dropped_by_cut(st['dropped_images'], 0)}; "
+            f"fix: {COVERAGE_FIX}"
+        )
     large = st["large_images"]
     if large["count"]:
         big = large["largest"]
-        fix = (f"--max-pixels {large['max_pixels']} caps an image at {large['limit']} tokens" if large["max_pixels"]
-               else "lower --max-pixels (or the images' resolution)")
-        out.append(f"{plural(large['count'], 'image')} over {large['limit']} tokens (largest {big['tokens']}: "
-                   f"{big['size']} in {Path(big['file']).name}); fix: {fix}")
+        fix = (
+            f"--max-pixels {large['max_pixels']} caps an image at {large['limit']} tokens"
+            if large["max_pixels"]
+            else "lower --max-pixels (or the images' resolution)"
+        )
+        out.append(
+            f"{plural(large['count'], 'image')} over {large['limit']} tokens (largest {big['tokens']}: "
+            f"{big['size']} in {Path(big['file']).name}); fix: {fix}"
+        )
     return out
 
 
 def _table(rows: list[list[str]], *, left: int = 1) -> list[str]:
     """Columns padded to their widest cell; the first `left` columns left-aligned, the rest right-aligned."""
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return ["  " + "  ".join(cell.ljust(w) if c < left else cell.rjust(w) for c, (cell, w) in
-                             enumerate(zip(r, widths))).rstrip() for r in rows]
+    return [
+        "  "
+        + "  ".join(cell.ljust(w) if c < left else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    ]
 
 
 def shown_inputs(inputs: list[dict], limit: int) -> tuple[list[dict], str]:
@@ -359,24 +458,50 @@ def shown_inputs(inputs: list[dict], limit: int) -> tuple[list[dict], str]:
     so (a build may read thousands of files)."""
     if len(inputs) <= limit:
         return inputs, ""
-    return (sorted(inputs, key=lambda i: (i["coverage"], i["name"]))[:limit],
-            f"{limit} of {len(inputs)}, lowest turn coverage first; --json lists all")
+    return (
+        sorted(inputs, key=lambda i: (i["coverage"], i["name"]))[:limit],
+        f"{limit} of {len(inputs)}, lowest turn coverage first; --json lists all",
+    )
 
 
 def _input_lines(st: dict) -> list[str]:
     inputs = st["inputs"]
     if inputs is None:
-        return ["per input file     unavailable: this dataset was built before vlmprep recorded per-input counts "
-                "(rebuild to see them)"]
+        return [
+            "per input file     unavailable: this dataset was built before vlmprep recorded per-input counts "
+            "(rebuild to see them)"
+        ]
     shown, note = shown_inputs(inputs, MAX_INPUT_ROWS)
     head = f"per input file{f' ({note})' if note else ''}:"
-    rows = [["file", "records", "samples", "rejected", "turns trained", "coverage", "truncated", "images", "tokens",
-             "trained"]]
+    rows = [
+        [
+            "file",
+            "records",
+            "samples",
+            "rejected",
+            "turns trained",
+            "coverage",
+            "truncated",
+            "images",
+            "tokens",
+            "trained",
+        ]
+    ]
     for i in shown:
-        rows.append([i["name"], str(i["records"]), str(i["samples"]), str(i["rejected"]),
-                     f"{i['trained_assistant_turns']} of {i['input_assistant_turns']}",
-                     f"{i['coverage']:.1%}" if i["input_assistant_turns"] else "-",
-                     str(i["truncated_samples"]), str(i["images"]), str(i["tokens"]), str(i["trainable_tokens"])])
+        rows.append(
+            [
+                i["name"],
+                str(i["records"]),
+                str(i["samples"]),
+                str(i["rejected"]),
+                f"{i['trained_assistant_turns']} of {i['input_assistant_turns']}",
+                f"{i['coverage']:.1%}" if i["input_assistant_turns"] else "-",
+                str(i["truncated_samples"]),
+                str(i["images"]),
+                str(i["tokens"]),
+                str(i["trainable_tokens"]),
+            ]
+        )
     return [head] + _table(rows)
 
 
@@ -419,8 +544,14 @@ def summary_lines(st: dict) -> list[str]:
         f"image {st['image_tokens']} ({st['image_tokens'] / max(t, 1):.1%})",
         f"images             {st['images']} | per sample mean {ips['mean']:.2f}, p50 {ips['p50']}, p90 {ips['p90']}, "
         f"max {ips['max']} | text-only samples {st['text_only_samples']}",
-        *([f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "
-           f"({st['video_tokens'] / max(t, 1):.1%})"] if st["videos"] or st["dropped_videos"] else []),
+        *(
+            [
+                f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "
+                f"({st['video_tokens'] / max(t, 1):.1%})"
+            ]
+            if st["videos"] or st["dropped_videos"]
+            else []
+        ),
         f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
         + dropped_by_cut(st["dropped_images"], st["dropped_videos"]),
         f"rejected           {st['rejected_records']} of {plural(st['records'], 'record')}"
@@ -430,10 +561,12 @@ def summary_lines(st: dict) -> list[str]:
     turns = st.get("turns")
     if turns:
         lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v) or "none"
-        lines += [f"assistant turns    {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
-                  f"(coverage {turns['coverage']:.1%}) | lost: {lost}",
-                  f"agent traces       {st['split_samples']} split samples | {turns['images_removed_by_history']} "
-                  f"images removed by --keep-images | {turns['context_tokens_repeated']} context tokens repeated"]
+        lines += [
+            f"assistant turns    {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
+            f"(coverage {turns['coverage']:.1%}) | lost: {lost}",
+            f"agent traces       {st['split_samples']} split samples | {turns['images_removed_by_history']} "
+            f"images removed by --keep-images | {turns['context_tokens_repeated']} context tokens repeated",
+        ]
     return lines
 
 

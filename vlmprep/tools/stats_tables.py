@@ -1,6 +1,7 @@
 """`vlmprep stats DIR --samples FILE --rejects FILE`: the dataset as tables for pandas, DuckDB or Polars. One Parquet
 row per sample (stats.py collects them in its one pass over the shards, SAMPLE_COLUMNS) and one per line of
 rejects.jsonl (a rejected record or a lost turn), written atomically; no file in the dataset is changed."""
+
 from __future__ import annotations
 
 import io
@@ -16,11 +17,24 @@ REJECT_COLUMNS = ("id", "source_file", "source_line", "reason", "message", "unre
 def _types():
     import pyarrow as pa
 
-    return {"id": pa.string(), "source_file": pa.string(), "source_line": pa.int64(), "shard": pa.string(),
-            "shard_index": pa.int64(), "tokens": pa.int64(), "trained_tokens": pa.int64(), "images": pa.int64(),
-            "image_tokens": pa.int64(), "videos": pa.int64(), "truncated": pa.bool_(), "split_part": pa.int64(),
-            "dropped_images": pa.int64(), "reason": pa.string(), "message": pa.string(),
-            "unread_bytes": pa.int64()}
+    return {
+        "id": pa.string(),
+        "source_file": pa.string(),
+        "source_line": pa.int64(),
+        "shard": pa.string(),
+        "shard_index": pa.int64(),
+        "tokens": pa.int64(),
+        "trained_tokens": pa.int64(),
+        "images": pa.int64(),
+        "image_tokens": pa.int64(),
+        "videos": pa.int64(),
+        "truncated": pa.bool_(),
+        "split_part": pa.int64(),
+        "dropped_images": pa.int64(),
+        "reason": pa.string(),
+        "message": pa.string(),
+        "unread_bytes": pa.int64(),
+    }
 
 
 def _write(columns: dict[str, list], path: Path) -> int:
@@ -39,8 +53,9 @@ def _write(columns: dict[str, list], path: Path) -> int:
 def write_sample_table(rows: dict[str, list], path: Path) -> int:
     """stats' sample rows (compute_stats(sample_rows=...)) -> FILE; returns the rows written. An id that is an
     integer in the input is its string here, as in the meta."""
-    return _write({c: [None if v is None else str(v) for v in vals] if c == "id" else vals
-                   for c, vals in rows.items()}, path)
+    return _write(
+        {c: [None if v is None else str(v) for v in vals] if c == "id" else vals for c, vals in rows.items()}, path
+    )
 
 
 def write_reject_table(root: Path, path: Path) -> int:
@@ -49,11 +64,20 @@ def write_reject_table(root: Path, path: Path) -> int:
     rejects = dataset_path(root, REJECTS_NAME)
     for r in iter_rejects(rejects) if rejects.is_file() else ():
         src = r.get("source") if isinstance(r.get("source"), dict) else {}
-        text = {k: None if v is None else str(v) for k, v in (("id", r.get("id")), ("source_file", src.get("file")),
-                                                               ("reason", r.get("reason")),
-                                                               ("message", r.get("message")))}
-        values = {**text, "source_line": src.get("line") if isinstance(src.get("line"), int) else None,
-                  "unread_bytes": r.get("unread_bytes") if isinstance(r.get("unread_bytes"), int) else None}
+        text = {
+            k: None if v is None else str(v)
+            for k, v in (
+                ("id", r.get("id")),
+                ("source_file", src.get("file")),
+                ("reason", r.get("reason")),
+                ("message", r.get("message")),
+            )
+        }
+        values = {
+            **text,
+            "source_line": src.get("line") if isinstance(src.get("line"), int) else None,
+            "unread_bytes": r.get("unread_bytes") if isinstance(r.get("unread_bytes"), int) else None,
+        }
         for c in REJECT_COLUMNS:
             cols[c].append(values[c])
     return _write(cols, path)

@@ -3,6 +3,7 @@ invariants (aligned lengths, occurrence -> image mapping, placeholders = grid ro
 decodable at grid size; format v3: video placeholders = video grid rows, frame members = the meta's frames, each at
 grid size). Reads through shards/reader.py: refused members are reported, never decoded.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,7 @@ class Violation:
 
 def schema_validator(name: str) -> jsonschema.Draft202012Validator:
     """A validator for one of schemas/, with the others registered so cross-file $refs resolve offline."""
-    registry = Registry().with_resources(
-        (load(n)["$id"], Resource.from_contents(load(n))) for n in NAMES)
+    registry = Registry().with_resources((load(n)["$id"], Resource.from_contents(load(n))) for n in NAMES)
     return jsonschema.Draft202012Validator(load(name), registry=registry)
 
 
@@ -49,8 +49,9 @@ def _schema_error(validator, obj) -> str | None:
     return None if err is None else f"{err.message} at {'/'.join(map(str, err.absolute_path)) or '(root)'}"
 
 
-def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
-                   on_shard: Callable[[int, int], None] | None = None) -> list[Violation]:
+def verify_dataset(
+    root: Path, *, deep: bool = True, workers: int = 1, on_shard: Callable[[int, int], None] | None = None
+) -> list[Violation]:
     """A dataset dir -> every violation found ([] for a valid dataset): the manifest against its schema, each listed
     shard present with its size and sha256, no unlisted shards, and with `deep` every sample decoded and checked
     (member names, array dtypes and shapes, meta schema, token counts against image and video grids, mask and types).
@@ -76,8 +77,9 @@ def verify_dataset(root: Path, *, deep: bool = True, workers: int = 1,
     for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
         out.append(Violation(extra, "shard file not listed in the manifest"))
     job = _ShardJob(root, manifest, _SampleCheck(manifest, root), deep)
-    for found in map_shards(_check_shard, job, len(manifest.shards), workers=workers, command="verify",
-                            on_shard=on_shard):
+    for found in map_shards(
+        _check_shard, job, len(manifest.shards), workers=workers, command="verify", on_shard=on_shard
+    ):
         out.extend(found)
     out.extend(_verify_dataset_index(root, manifest, deep=deep))
     return out
@@ -137,7 +139,7 @@ def _verify_dataset_index(root: Path, manifest: Manifest, *, deep: bool) -> list
             part = load_sample_index(root, s)
             if part is None:
                 return [Violation(name, f"listed, but shard {s.name} has no sample index of its own")]
-            if not np.array_equal(rows[at:at + len(part)], part):
+            if not np.array_equal(rows[at : at + len(part)], part):
                 return [Violation(name, f"rows {at}..{at + len(part) - 1} are not {s.name}'s sample index")]
             at += len(part)
     except ShardFormatError as e:
@@ -160,8 +162,9 @@ def _index_file(root: Path, s: ShardEntry) -> Violation | None:
     return None
 
 
-def _verify_index(root: Path, s: ShardEntry, path: Path,
-                  seen: list[tuple[str, str | None, int, int]]) -> list[Violation]:
+def _verify_index(
+    root: Path, s: ShardEntry, path: Path, seen: list[tuple[str, str | None, int, int]]
+) -> list[Violation]:
     """The sidecar's rows are the shard's samples: their byte ranges (from the tar headers), input positions, id
     hashes and token counts (from the metas read by the sample checks)."""
     name = s.index.name
@@ -179,8 +182,13 @@ def _verify_index(root: Path, s: ShardEntry, path: Path,
         else:
             want = (int(key[:10]), id_hash(sid), a, z, t, tr)
         if got != want:
-            return [Violation(name, f"row {i} {row.tolist()} does not describe sample {key} {list(want)}: the index "
-                                    "is wrong, not the sample")]
+            return [
+                Violation(
+                    name,
+                    f"row {i} {row.tolist()} does not describe sample {key} {list(want)}: the index "
+                    "is wrong, not the sample",
+                )
+            ]
     return []
 
 
@@ -224,13 +232,18 @@ class _SampleCheck:
         except ShardFormatError as e:
             return [Violation(where, str(e).split(": ", 2)[-1])], (0, 0)
         out: list[Violation] = []
-        ids, mask, mm, pos, grid = (arr[k] for k in ("input_ids", "loss_mask", "mm_token_type_ids", "position_ids",
-                                                      "image_grid_thw"))
+        ids, mask, mm, pos, grid = (
+            arr[k] for k in ("input_ids", "loss_mask", "mm_token_type_ids", "position_ids", "image_grid_thw")
+        )
         L = len(ids)
         counts = (L, int(mask.sum()))
         if not (mask.shape == mm.shape == (L,) and pos.shape == (3, L)):
-            out.append(Violation(where, f"misaligned arrays: ids {ids.shape}, mask {mask.shape}, types {mm.shape}, "
-                                        f"positions {pos.shape}"))
+            out.append(
+                Violation(
+                    where,
+                    f"misaligned arrays: ids {ids.shape}, mask {mask.shape}, types {mm.shape}, positions {pos.shape}",
+                )
+            )
             return out, counts
         n_images = meta["num_images"]
         if grid.shape != (n_images, 3) or len(meta["images"]) != n_images:
@@ -245,8 +258,13 @@ class _SampleCheck:
         except ShardFormatError as e:
             return out + [Violation(where, str(e).split(": ", 2)[-1])], counts
         if members != [im["member"] for im in meta["images"]]:
-            out.append(Violation(where, f"image_index maps occurrences to {members}, the meta says "
-                                        f"{[im['member'] for im in meta['images']]}"))
+            out.append(
+                Violation(
+                    where,
+                    f"image_index maps occurrences to {members}, the meta says "
+                    f"{[im['member'] for im in meta['images']]}",
+                )
+            )
         unused = sorted(set(n for n in s.names if n.startswith("img")) - set(members))
         if unused:
             out.append(Violation(where, f"image member(s) {unused} belong to no occurrence"))
@@ -259,10 +277,14 @@ class _SampleCheck:
     def _video_checks(self, where, s: StoredSample, meta, vgrid: np.ndarray, sgt: np.ndarray, mm: np.ndarray):
         videos = meta.get("videos", [])
         if vgrid.shape != (len(videos), 3) or sgt.shape != (len(videos),):
-            return [Violation(where, f"video_grid_thw {vgrid.shape} / second_per_grid_ts {sgt.shape} vs {len(videos)} "
-                                     "videos in meta")]
+            return [
+                Violation(
+                    where,
+                    f"video_grid_thw {vgrid.shape} / second_per_grid_ts {sgt.shape} vs {len(videos)} videos in meta",
+                )
+            ]
         out = []
-        want = int((vgrid.prod(axis=1) // self.merge ** 2).sum()) if len(videos) else 0
+        want = int((vgrid.prod(axis=1) // self.merge**2).sum()) if len(videos) else 0
         if int((mm == 2).sum()) != want:
             out.append(Violation(where, f"{int((mm == 2).sum())} video placeholders, video_grid_thw rows need {want}"))
         stored = sorted(n for n in s.names if is_video_member(n, self.version))
@@ -271,11 +293,20 @@ class _SampleCheck:
             frames = [n for n in stored if n.startswith(v["member"] + ".")]
             claimed += frames
             if len(frames) != v["frames"] or -(-v["frames"] // self.temporal) != g[0]:
-                out.append(Violation(where, f"video {k}: {len(frames)} frame members, meta says {v['frames']} "
-                                            f"frames, grid t {int(g[0])}"))
+                out.append(
+                    Violation(
+                        where,
+                        f"video {k}: {len(frames)} frame members, meta says {v['frames']} frames, grid t {int(g[0])}",
+                    )
+                )
             if (v["height"], v["width"]) != (g[1] * self.patch, g[2] * self.patch):
-                out.append(Violation(where, f"video {k}: frames of {v['width']}x{v['height']}, grid {g.tolist()} "
-                                            f"needs {g[2] * self.patch}x{g[1] * self.patch}"))
+                out.append(
+                    Violation(
+                        where,
+                        f"video {k}: frames of {v['width']}x{v['height']}, grid {g.tolist()} "
+                        f"needs {g[2] * self.patch}x{g[1] * self.patch}",
+                    )
+                )
                 continue  # not decoded: the meta's size is what bounds the decode
             for name in frames:
                 try:
@@ -289,7 +320,7 @@ class _SampleCheck:
 
     def _grid_checks(self, where, s: StoredSample, meta, grid: np.ndarray, mm: np.ndarray, members) -> list[Violation]:
         out = []
-        want = int((grid.prod(axis=1) // self.merge ** 2).sum())
+        want = int((grid.prod(axis=1) // self.merge**2).sum())
         if int((mm == 1).sum()) != want:
             out.append(Violation(where, f"{int((mm == 1).sum())} image placeholders, grid rows need {want}"))
         try:
@@ -312,8 +343,9 @@ class _SampleCheck:
         return out + [Violation(where, found[k]) for k in sorted(found)]
 
 
-def _verify_shard(path: Path, info: ShardEntry, check: _SampleCheck,
-                  seen: list[tuple[str, str | None, int, int]]) -> list[Violation]:
+def _verify_shard(
+    path: Path, info: ShardEntry, check: _SampleCheck, seen: list[tuple[str, str | None, int, int]]
+) -> list[Violation]:
     """Every sample's checks and the shard's counts; `seen` gets each sample's (key, id (None: it failed its checks),
     tokens, trained)."""
     out: list[Violation] = []
@@ -341,19 +373,28 @@ def _span_checks(where: str, meta: dict, mm: np.ndarray, mask: np.ndarray) -> li
     spans = [im.get("span") for im in meta["images"]]
     if not spans or any(sp is None for sp in spans):
         want = int((mm == 1).sum())
-        return [] if meta["num_image_tokens"] == want or spans else [
-            Violation(where, f"meta num_image_tokens={meta['num_image_tokens']}, the arrays mark {want}")]
+        return (
+            []
+            if meta["num_image_tokens"] == want or spans
+            else [Violation(where, f"meta num_image_tokens={meta['num_image_tokens']}, the arrays mark {want}")]
+        )
     out, inside, end = [], np.zeros(len(mm), dtype=bool), 0
     for k, (a, b) in enumerate(spans):
         if not end <= a < b <= len(mm):
-            return [Violation(where, f"image {k}: span [{a}, {b}) is not after the previous one inside the "
-                                     f"{len(mm)} tokens")]
+            return [
+                Violation(
+                    where, f"image {k}: span [{a}, {b}) is not after the previous one inside the {len(mm)} tokens"
+                )
+            ]
         inside[a:b], end = True, b
     if mask[inside].any():
         out.append(Violation(where, "loss_mask trains tokens of an image's span"))
     if ((mm == 1) & ~inside).any():
         out.append(Violation(where, "tokens marked image outside every image's span"))
     if meta["num_image_tokens"] != int(inside.sum()):
-        out.append(Violation(where, f"meta num_image_tokens={meta['num_image_tokens']}, the images' spans hold "
-                                    f"{int(inside.sum())}"))
+        out.append(
+            Violation(
+                where, f"meta num_image_tokens={meta['num_image_tokens']}, the images' spans hold {int(inside.sum())}"
+            )
+        )
     return out

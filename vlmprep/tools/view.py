@@ -2,6 +2,7 @@
 InspectedSample (inspected.py: a stored or rendered sample) -> segments (text runs, special tokens, collapsed image
 and video runs) grouped by message -> text and facts.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,9 +100,16 @@ class SampleView:
 class TokenizerView:
     """What the views need from a processor: decode, special tokens, turn starts and the image merge size."""
 
-    def __init__(self, *, decode: Callable[[list[int]], str], decode_batch: Callable[[list[list[int]]], list[str]],
-                 special: dict[int, str], merge_size: int | None, turn_starts: dict[str, str] = ANY_TURN_STARTS,
-                 grid: bool = True):
+    def __init__(
+        self,
+        *,
+        decode: Callable[[list[int]], str],
+        decode_batch: Callable[[list[list[int]]], list[str]],
+        special: dict[int, str],
+        merge_size: int | None,
+        turn_starts: dict[str, str] = ANY_TURN_STARTS,
+        grid: bool = True,
+    ):
         self._decode = decode
         self._decode_batch = decode_batch
         self.special = special
@@ -115,10 +123,14 @@ class TokenizerView:
         """The view of a loaded processor's tokenizer."""
         tok = processor.tokenizer
         kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
-        return cls(decode=lambda ids: tok.decode(ids, **kw), decode_batch=lambda b: tok.batch_decode(b, **kw),
-                   special={int(i): t.content for i, t in tok.added_tokens_decoder.items() if t.special},
-                   merge_size=getattr(getattr(processor, "image_processor", None), "merge_size", None),
-                   turn_starts=_turn_starts(type(processor).__name__), grid=_grid(type(processor).__name__))
+        return cls(
+            decode=lambda ids: tok.decode(ids, **kw),
+            decode_batch=lambda b: tok.batch_decode(b, **kw),
+            special={int(i): t.content for i, t in tok.added_tokens_decoder.items() if t.special},
+            merge_size=getattr(getattr(processor, "image_processor", None), "merge_size", None),
+            turn_starts=_turn_starts(type(processor).__name__),
+            grid=_grid(type(processor).__name__),
+        )
 
     @classmethod
     def from_dir(cls, d: Path, processor_class: str | None = None) -> "TokenizerView":
@@ -140,11 +152,14 @@ class TokenizerView:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        return cls(decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-                   decode_batch=lambda b: tok.decode_batch(b, skip_special_tokens=False),
-                   special={int(i): t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
-                   merge_size=int(merge) if merge else None, turn_starts=_turn_starts(processor_class),
-                   grid=_grid(processor_class))
+        return cls(
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+            decode_batch=lambda b: tok.decode_batch(b, skip_special_tokens=False),
+            special={int(i): t.content for i, t in tok.get_added_tokens_decoder().items() if t.special},
+            merge_size=int(merge) if merge else None,
+            turn_starts=_turn_starts(processor_class),
+            grid=_grid(processor_class),
+        )
 
     def decode(self, ids) -> str:
         """Token ids -> their text, special tokens kept."""
@@ -153,7 +168,6 @@ class TokenizerView:
     def pieces(self, ids: np.ndarray) -> list[str]:
         """Each token's own text, in one batched call."""
         return self._decode_batch([[int(i)] for i in ids])
-
 
 
 def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageView]:
@@ -187,8 +201,7 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
             video_end = videos[s].end
         elif marked[s] != 0:
             placeholders = int((types[s:e] == 1).sum())
-            segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv, placeholders),
-                                    image=k))
+            segments.append(Segment(s, e, "image", trained, image_marker(sample, k, e - s, tv, placeholders), image=k))
             k += 1
         elif special[s]:
             segments.append(Segment(s, e, "special", trained, tv.special[int(ids[s])]))
@@ -214,10 +227,11 @@ def _video_segments(sample: InspectedSample, types: np.ndarray, mask: np.ndarray
     out, i, matched = [], 0, 0
     for k, video in enumerate(sample.videos):
         t, h, w = video.grid_thw
-        want = t * h * w // tv.merge_size ** 2 if tv.merge_size else None
+        want = t * h * w // tv.merge_size**2 if tv.merge_size else None
         runs = []
-        while i < len(bounds) and (sum(b - a for a, b in runs) < want if want is not None
-                                   else len(runs) < (t if per_patch else 1)):
+        while i < len(bounds) and (
+            sum(b - a for a, b in runs) < want if want is not None else len(runs) < (t if per_patch else 1)
+        ):
             runs.append(bounds[i])
             i += 1
         if not runs:
@@ -229,13 +243,24 @@ def _video_segments(sample: InspectedSample, types: np.ndarray, mask: np.ndarray
         if len(set(mask[a:b].tolist())) == 1:
             out.append(Segment(a, b, "video", bool(mask[a]), text, video=k, runs=tuple(runs)))
         else:
-            out += [Segment(ra, rb, "video", bool(mask[ra]), text if j == 0 else run_marker(k, j, len(runs), rb - ra),
-                            video=k, runs=((ra, rb),)) for j, (ra, rb) in enumerate(runs)]
+            out += [
+                Segment(
+                    ra,
+                    rb,
+                    "video",
+                    bool(mask[ra]),
+                    text if j == 0 else run_marker(k, j, len(runs), rb - ra),
+                    video=k,
+                    runs=((ra, rb),),
+                )
+                for j, (ra, rb) in enumerate(runs)
+            ]
     for a, b in bounds[i:]:
         out.append(Segment(a, b, "video", bool(mask[a]), f"[video: no grid row -> {b - a} tokens]", runs=((a, b),)))
     if i < len(bounds) or matched < len(sample.videos):
-        sample.warnings.append(f"{len(bounds)} video placeholder runs do not match the {len(sample.videos)} videos' "
-                               "grid rows")
+        sample.warnings.append(
+            f"{len(bounds)} video placeholder runs do not match the {len(sample.videos)} videos' grid rows"
+        )
     return out
 
 
@@ -247,8 +272,10 @@ def video_marker(video: InspectedVideo, k: int, n_tokens: int, n_runs: int, expe
         ts = ts[:8] + ["..."] + ts[-4:]
     runs = f" in {n_runs} runs" if n_runs > 1 else ""
     bad = "" if expected in (None, n_tokens) else f", grid implies {expected}!"
-    return (f"[video {k + 1}: {len(video.frame_indices)} of {video.total_num_frames} frames at {video.fps:g} fps, "
-            f"t = {', '.join(ts)} s | {t}x{h}x{w} patches -> {n_tokens} tokens{runs}{bad}]")
+    return (
+        f"[video {k + 1}: {len(video.frame_indices)} of {video.total_num_frames} frames at {video.fps:g} fps, "
+        f"t = {', '.join(ts)} s | {t}x{h}x{w} patches -> {n_tokens} tokens{runs}{bad}]"
+    )
 
 
 def run_marker(k: int, j: int, n_runs: int, n_tokens: int) -> str:
@@ -256,8 +283,9 @@ def run_marker(k: int, j: int, n_runs: int, n_tokens: int) -> str:
     return f"[video {k + 1}, run {j + 1}/{n_runs}: {n_tokens} tokens]"
 
 
-def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView,
-                 placeholders: int | None = None) -> str:
+def image_marker(
+    sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerView, placeholders: int | None = None
+) -> str:
     """The marker that stands for image k's whole unit: its patch grid (or, for a family without one, its stored size)
     and token count, flagged where the grid implies another count of placeholders (`placeholders`: those the unit
     holds; default all its tokens)."""
@@ -268,7 +296,7 @@ def image_marker(sample: InspectedSample, k: int, n_tokens: int, tv: TokenizerVi
     if not tv.grid:  # the grid row is the stored size
         return f"[image {k + 1}: {w}x{h} px -> {n_tokens} tokens]"
     patches = f"{h}x{w}" if t == 1 else f"{t}x{h}x{w}"
-    expected = None if tv.merge_size is None else t * h * w // (tv.merge_size ** 2)
+    expected = None if tv.merge_size is None else t * h * w // (tv.merge_size**2)
     got = n_tokens if placeholders is None else placeholders
     bad = "" if expected in (None, got) else f", grid implies {expected}!"
     return f"[image {k + 1}: {patches} patches -> {n_tokens} tokens{bad}]"
@@ -325,20 +353,27 @@ def fact_lines(v: SampleView) -> list[str]:
         trunc = f"truncated: yes, {s.num_tokens_before_truncation} -> {v.num_tokens} tokens, {dropped}"
     else:
         trunc = "truncated: no"
-    lines = [f"tokens {v.num_tokens} | trained {v.num_trained} ({ratio:.1%}) | image tokens {v.num_image_tokens}"
-             f" | images {v.num_images}" + (f" | video tokens {v.num_video_tokens} | videos {len(s.videos)}"
-                                             if s.videos or v.num_video_tokens else ""),
-             f"{trunc} | source {s.source[0]}:{s.source[1]}"]
+    lines = [
+        f"tokens {v.num_tokens} | trained {v.num_trained} ({ratio:.1%}) | image tokens {v.num_image_tokens}"
+        f" | images {v.num_images}"
+        + (f" | video tokens {v.num_video_tokens} | videos {len(s.videos)}" if s.videos or v.num_video_tokens else ""),
+        f"{trunc} | source {s.source[0]}:{s.source[1]}",
+    ]
     if s.split is not None or s.removed_images:
         context = [i for i in s.messages if i not in s.trains]
-        parts = [f"split: sample {s.split} of its record" if s.split is not None else "not split",
-                 f"trains messages {_ranges(s.trains)}", f"context messages {_ranges(context)}"]
+        parts = [
+            f"split: sample {s.split} of its record" if s.split is not None else "not split",
+            f"trains messages {_ranges(s.trains)}",
+            f"context messages {_ranges(context)}",
+        ]
         if s.removed_images:
             parts.append(f"images removed by --keep-images {_ranges(s.removed_images)}")
         lines.append(" | ".join(parts))
     if s.unrendered_tool_calls:
-        lines.append(f"note: {s.unrendered_tool_calls} turn(s) with tool_calls that the chat template does not "
-                     "render, so the model never sees them (build --tool-calls)")
+        lines.append(
+            f"note: {s.unrendered_tool_calls} turn(s) with tool_calls that the chat template does not "
+            "render, so the model never sees them (build --tool-calls)"
+        )
     lines += [f"WARNING: {w}" for w in s.warnings]
     return lines
 

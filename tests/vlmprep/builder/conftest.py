@@ -1,5 +1,6 @@
 """Fixtures of the CLI build tests (test_build_safety.py, test_coverage.py): the session's processor reused, 8
 small demo traces, the CLI runner and a dir's state."""
+
 import copy
 
 import pytest
@@ -13,7 +14,10 @@ from vlmprep.cli import app
 def fresh_processor(monkeypatch, qwen2vl_processor):
     """Builds reuse a copy of the session's builtin:qwen2-vl (a load is ~15 s on 2 cores); a copy, because a
     --chat-template is set on the processor object itself."""
-    for where in ("vlmprep.builder.pipeline.load_processor", "vlmprep.processors.load.load_processor"):  # build; inspect
+    for where in (
+        "vlmprep.builder.pipeline.load_processor",
+        "vlmprep.processors.load.load_processor",
+    ):  # build; inspect
         monkeypatch.setattr(where, lambda spec: copy.deepcopy(qwen2vl_processor))
 
 

@@ -37,14 +37,24 @@ def demo_traces(tmp_path_factory):
     from scripts.demo_traces import write_traces
 
     p = tmp_path_factory.mktemp("demo") / "traces.jsonl.zst"
-    write_traces(p, n=12, seed=1, min_images=1, max_images=5, width=480, height=270, overlong_fraction=0.1,
-                 text_only_fraction=0.1)
+    write_traces(
+        p,
+        n=12,
+        seed=1,
+        min_images=1,
+        max_images=5,
+        width=480,
+        height=270,
+        overlong_fraction=0.1,
+        text_only_fraction=0.1,
+    )
     return p
 
 
 # Truncated samples on purpose (the generator's over-long traces), their lost turns accepted.
-DEMO = dict(seq_len=4096, samples_per_shard=5, chat_template=TOOLS_TEMPLATE, long_traces="truncate",
-            min_turn_coverage=0.0)
+DEMO = dict(
+    seq_len=4096, samples_per_shard=5, chat_template=TOOLS_TEMPLATE, long_traces="truncate", min_turn_coverage=0.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +124,13 @@ def test_webdataset_and_tarfile_read_the_same_arrays(demo_build):
     seen = 0
     for s in ds:
         ref = by_tar[s["__key__"]]
-        for ext in ("input_ids.npy", "loss_mask.npy", "mm_token_type_ids.npy", "position_ids.npy", "image_grid_thw.npy"):
+        for ext in (
+            "input_ids.npy",
+            "loss_mask.npy",
+            "mm_token_type_ids.npy",
+            "position_ids.npy",
+            "image_grid_thw.npy",
+        ):
             np.testing.assert_array_equal(npy(s[ext]), npy(ref[ext]))
         assert json.loads(s["json"]) == json.loads(ref["json"])
         seen += 1
@@ -165,7 +181,10 @@ def test_llamafactory_demo_builds_with_deduped_images(tmp_path):
     assert res.manifest.totals["images"] == 8
     first = read_tar(out / "shard-000000.tar")[min(read_tar(out / "shard-000000.tar"))]
     meta = json.loads(first["json"])
-    assert [i["member"] for i in meta["images"]] == ["img000.pdelta.zst", "img000.pdelta.zst"]  # 1.jpg twice, stored once
+    assert [i["member"] for i in meta["images"]] == [
+        "img000.pdelta.zst",
+        "img000.pdelta.zst",
+    ]  # 1.jpg twice, stored once
     assert sum(1 for k in first if k.startswith("img")) == 1
 
 
@@ -175,32 +194,72 @@ def test_mixed_good_and_bad_records(tmp_path):
     uri = "data:image/png;base64," + base64.b64encode(good_png.getvalue()).decode()
 
     def good(i):
-        return {"id": f"good{i}", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": f"q{i}"}, {"type": "image_url", "image_url": {"url": uri}}]},
-            {"role": "assistant", "content": f"a{i}"}]}
+        return {
+            "id": f"good{i}",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": f"q{i}"}, {"type": "image_url", "image_url": {"url": uri}}],
+                },
+                {"role": "assistant", "content": f"a{i}"},
+            ],
+        }
 
-    lines = [json.dumps(good(0)), "{oops not json", json.dumps(good(1)),
-             json.dumps({"id": "b64", "messages": [
-                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]},
-                 {"role": "assistant", "content": "x"}]}),
-             json.dumps({"id": "missing", "messages": [
-                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "nope/missing.png"}}]},
-                 {"role": "assistant", "content": "x"}]}),
-             json.dumps(good(2)),
-             json.dumps({"id": "weird", "messages": [
-                 {"role": "user", "content": [{"type": "sticker", "sticker": "x"}]}, {"role": "assistant", "content": "x"}]}),
-             json.dumps(good(3))]
+    lines = [
+        json.dumps(good(0)),
+        "{oops not json",
+        json.dumps(good(1)),
+        json.dumps(
+            {
+                "id": "b64",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}],
+                    },
+                    {"role": "assistant", "content": "x"},
+                ],
+            }
+        ),
+        json.dumps(
+            {
+                "id": "missing",
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "nope/missing.png"}}]},
+                    {"role": "assistant", "content": "x"},
+                ],
+            }
+        ),
+        json.dumps(good(2)),
+        json.dumps(
+            {
+                "id": "weird",
+                "messages": [
+                    {"role": "user", "content": [{"type": "sticker", "sticker": "x"}]},
+                    {"role": "assistant", "content": "x"},
+                ],
+            }
+        ),
+        json.dumps(good(3)),
+    ]
     inp = tmp_path / "mixed.jsonl.zst"
     inp.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
     out = tmp_path / "out"
     res = build(cfg([inp], out, max_reject_fraction=1.0, min_turn_coverage=0.0))
     assert res.manifest.totals["samples"] == 4
-    assert res.manifest.rejects == {"invalid_json": 1, "invalid_base64": 1, "image_not_found": 1,
-                                       "unknown_content_type": 1}
+    assert res.manifest.rejects == {
+        "invalid_json": 1,
+        "invalid_base64": 1,
+        "image_not_found": 1,
+        "unknown_content_type": 1,
+    }
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["source"]["line"], r["reason"], r["id"]) for r in rejects] == [
-        (2, "invalid_json", None), (4, "invalid_base64", "b64"), (5, "image_not_found", "missing"),
-        (7, "unknown_content_type", "weird")]
+        (2, "invalid_json", None),
+        (4, "invalid_base64", "b64"),
+        (5, "image_not_found", "missing"),
+        (7, "unknown_content_type", "weird"),
+    ]
     assert all(r["message"] and "\n" not in r["message"] for r in rejects)
     ids = [json.loads(s["json"])["id"] for sh in sorted(out.glob("shard-*.tar")) for s in read_tar(sh).values()]
     assert sorted(ids) == ["good0", "good1", "good2", "good3"]
@@ -237,15 +296,43 @@ def test_rejects_are_byte_identical_across_builds(tmp_path, loaded_once):
     from tests.vlmprep.test_bad_input import corpus, encode_line
 
     # The corpus classes whose messages quote a library error (JSON, UTF-8, PIL, file system).
-    quoting = {"invalid_json_line", "non_utf8_bytes", "base64_of_non_image", "truncated_png", "truncated_jpeg",
-               "svg_image", "int32_gray_out_of_16bit_range", "missing_file", "directory_as_image", "path_traversal",
-               "decompression_bomb", "aspect_ratio_400", "animated_gif", "tool_args_invalid_json"}
+    quoting = {
+        "invalid_json_line",
+        "non_utf8_bytes",
+        "base64_of_non_image",
+        "truncated_png",
+        "truncated_jpeg",
+        "svg_image",
+        "int32_gray_out_of_16bit_range",
+        "missing_file",
+        "directory_as_image",
+        "path_traversal",
+        "decompression_bomb",
+        "aspect_ratio_400",
+        "animated_gif",
+        "tool_args_invalid_json",
+    }
     lines = [encode_line(rec) for name, rec, want in corpus(tmp_path) if name in quoting]
     assert len(lines) == len(quoting)
     svg = b"<svg xmlns='http://www.w3.org/2000/svg' width='8' height='8'/>"
-    lines.append(encode_line({"messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": "data:image/svg+xml;base64,"
-                                      + base64.b64encode(svg).decode()}]}, {"role": "assistant", "content": "a"}]}))
+    lines.append(
+        encode_line(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": "data:image/svg+xml;base64," + base64.b64encode(svg).decode(),
+                            }
+                        ],
+                    },
+                    {"role": "assistant", "content": "a"},
+                ]
+            }
+        )
+    )
     inp = tmp_path / "bad.jsonl"
     inp.write_bytes(b"".join(lines))
     a, b = tmp_path / "a", tmp_path / "b"
@@ -262,8 +349,14 @@ def test_json_file_shapes(tmp_path, loaded_once):
     (tmp_path / "one.json").write_text(json.dumps(rec))
     (tmp_path / "wrapped.json").write_text(json.dumps({"data": [rec]}))
     (tmp_path / "empty.json").write_text("[]")
-    res = build(cfg([tmp_path / "one.json", tmp_path / "wrapped.json", tmp_path / "empty.json"], tmp_path / "o",
-                    max_reject_fraction=1.0, min_turn_coverage=0.0))
+    res = build(
+        cfg(
+            [tmp_path / "one.json", tmp_path / "wrapped.json", tmp_path / "empty.json"],
+            tmp_path / "o",
+            max_reject_fraction=1.0,
+            min_turn_coverage=0.0,
+        )
+    )
     assert res.manifest.totals["samples"] == 1
     rejects = {Path(r["source"]["file"]).name: r for r in map(json.loads, (tmp_path / "o" / "rejects.jsonl").open())}
     assert rejects["wrapped.json"]["reason"] == "invalid_json_file"
@@ -283,7 +376,10 @@ def test_zero_samples_exits_non_zero_unless_allow_empty(tmp_path, loaded_once):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 1
     start, err = res.stderr.strip().splitlines()  # the start-up line, then the one-line error
-    assert start.startswith("vlmprep build: reading 1 input file") and "0 samples written from 3 records (missing_messages 2, invalid_json 1)" in err
+    assert (
+        start.startswith("vlmprep build: reading 1 input file")
+        and "0 samples written from 3 records (missing_messages 2, invalid_json 1)" in err
+    )
     assert "--allow-empty" in err and (tmp_path / "o" / "manifest.json").is_file()
     res = CliRunner().invoke(app, args + ["--allow-empty"])
     assert res.exit_code == 0 and "0 samples" in res.stdout

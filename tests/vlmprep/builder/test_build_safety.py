@@ -1,6 +1,7 @@
 """A newcomer's build is safe by default: too many rejects fail loudly (with the fix), an --out holding another
 build or unrelated files is refused unchanged, a failed start leaves no dir, missing paths are one line, and the help
 lists what there is to choose."""
+
 import json
 import re
 
@@ -14,20 +15,40 @@ from vlmprep.shards.manifest import Manifest, ShardEntry
 from vlmprep.shards.summary import format_build_summary, rejected_records
 
 # docs/build.md: the recommended setting for browser-agent traces, with the tool-aware template.
-AGENT = ["--seq-len", "16384", "--long-traces", "split", "--keep-images", "last:3",
-         "--dropped-image-text", "[earlier screenshot]", "--max-pixels", "1003520"]
+AGENT = [
+    "--seq-len",
+    "16384",
+    "--long-traces",
+    "split",
+    "--keep-images",
+    "last:3",
+    "--dropped-image-text",
+    "[earlier screenshot]",
+    "--max-pixels",
+    "1003520",
+]
 
 
 def text_records(path, n=3):
-    path.write_text("".join(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"},
-                                                                   {"role": "assistant", "content": f"a{i}"}]}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"r{i}",
+                    "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
 @pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
-def test_readme_agent_example_trains_every_turn_and_without_the_template_fails_with_the_fix(demo8, tmp_path,
-                                                                                            fresh_processor):
+def test_readme_agent_example_trains_every_turn_and_without_the_template_fails_with_the_fix(
+    demo8, tmp_path, fresh_processor
+):
     out = tmp_path / "agent"
     res = invoke("build", "--in", demo8, "--out", out, "--no-progress", *AGENT, "--chat-template", "qwen2_vl_tools")
     assert res.exit_code == 0, res.output
@@ -52,20 +73,36 @@ def test_readme_agent_example_trains_every_turn_and_without_the_template_fails_w
     # Both options: exit 0, the same dataset (the options change no byte); only the failed build's note goes.
     before = tree_hashes(bare)
     assert before.pop("build-failed.txt")
-    res = invoke("build", "--in", demo8, "--out", bare, "--no-progress", *AGENT, "--max-reject-fraction", "1",
-                 "--min-turn-coverage", "0")
+    res = invoke(
+        "build",
+        "--in",
+        demo8,
+        "--out",
+        bare,
+        "--no-progress",
+        *AGENT,
+        "--max-reject-fraction",
+        "1",
+        "--min-turn-coverage",
+        "0",
+    )
     assert res.exit_code == 0, res.output
     assert tree_hashes(bare) == before
 
 
 def test_check_rejects_threshold_and_allow_empty():
     def manifest(records, rejected, samples, reason="image_not_found"):
-        return a_manifest(totals={"records": records, "rejected": rejected, "samples": samples},
-                          rejects={reason: rejected} if rejected else {})
+        return a_manifest(
+            totals={"records": records, "rejected": rejected, "samples": samples},
+            rejects={reason: rejected} if rejected else {},
+        )
 
     check_rejects(manifest(100, 5, 95), "d", allow_empty=False, max_reject_fraction=0.05)  # 5% is not > 5%
-    with pytest.raises(RejectsError, match=r"rejected 6 of 100 records \(6.0% > --max-reject-fraction 0.05: "
-                                           r"image_not_found 6\); fix: .*--image-root"):
+    with pytest.raises(
+        RejectsError,
+        match=r"rejected 6 of 100 records \(6.0% > --max-reject-fraction 0.05: "
+        r"image_not_found 6\); fix: .*--image-root",
+    ):
         check_rejects(manifest(100, 6, 94), "d", allow_empty=False, max_reject_fraction=0.05)
     check_rejects(manifest(100, 99, 1), "d", allow_empty=False, max_reject_fraction=1.0)
     # 0 samples: its own message (and --allow-empty, which also waives the share: nothing landed on purpose)
@@ -108,14 +145,26 @@ def test_out_of_another_build_or_unrelated_files_is_refused_unchanged(tmp_path, 
     assert (mine / "notes.txt").read_text() == "not a dataset"
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--in", "{tmp}/nope.jsonl"], "input not found: {tmp}/nope.jsonl"),
-    (["--in", "{inp}", "--processor", "{tmp}/no/such/processor"], "--processor {tmp}/no/such/processor: no such directory"),
-    (["--in", "{inp}", "--chat-template", "{tmp}/none.jinja"], "--chat-template {tmp}/none.jinja: no such file or bundled template"),
-    (["--in", "{inp}", "--chat-template", "qwen9_tools"], "no such file or bundled template; pass a .jinja file or one of"),
-    (["--in", "{inp}", "--role-boundaries", "{tmp}/none.toml"], "--role-boundaries {tmp}/none.toml: no such file"),
-    (["--in", "{inp}", "--image-root", "{tmp}/imgs"], "--image-root {tmp}/imgs: no such directory"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--in", "{tmp}/nope.jsonl"], "input not found: {tmp}/nope.jsonl"),
+        (
+            ["--in", "{inp}", "--processor", "{tmp}/no/such/processor"],
+            "--processor {tmp}/no/such/processor: no such directory",
+        ),
+        (
+            ["--in", "{inp}", "--chat-template", "{tmp}/none.jinja"],
+            "--chat-template {tmp}/none.jinja: no such file or bundled template",
+        ),
+        (
+            ["--in", "{inp}", "--chat-template", "qwen9_tools"],
+            "no such file or bundled template; pass a .jinja file or one of",
+        ),
+        (["--in", "{inp}", "--role-boundaries", "{tmp}/none.toml"], "--role-boundaries {tmp}/none.toml: no such file"),
+        (["--in", "{inp}", "--image-root", "{tmp}/imgs"], "--image-root {tmp}/imgs: no such directory"),
+    ],
+)
 def test_missing_paths_are_one_line_and_leave_no_out(args, msg, tmp_path, monkeypatch):
     monkeypatch.delenv("VLMPREP_DEBUG", raising=False)
     inp = text_records(tmp_path / "in.jsonl")
@@ -163,18 +212,56 @@ def test_build_help_lists_every_builtin_in_panels_and_choices_are_checked_at_par
 
 
 def test_inspect_raw_input_takes_the_agent_trace_options(demo8, fresh_processor):
-    res = invoke("inspect", demo8, "--index", 1, "--chat-template", "qwen2_vl_tools", "--long-traces", "split",
-                 "--keep-images", "last:1", "--dropped-image-text", "[earlier]", "--seq-len", 4096)
+    res = invoke(
+        "inspect",
+        demo8,
+        "--index",
+        1,
+        "--chat-template",
+        "qwen2_vl_tools",
+        "--long-traces",
+        "split",
+        "--keep-images",
+        "last:1",
+        "--dropped-image-text",
+        "[earlier]",
+        "--seq-len",
+        4096,
+    )
     assert res.exit_code == 0, res.output
     assert "[earlier]" in res.stdout
 
 
 def test_summary_plurals():
-    shard = ShardEntry(name="shard-000000.tar", num_samples=1, num_tokens=1, num_trainable_tokens=1, num_images=1,
-                       bytes=1, sha256="0" * 64)
-    m = a_manifest(totals={k: 1 for k in ("samples", "records", "tokens", "trainable_tokens", "images", "image_tokens",
-                                          "truncated_samples", "dropped_images", "unrendered_tool_call_turns")}
-                   | {"rejected": 0}, shards=(shard,), image_format="zstd", format_version=2)
+    shard = ShardEntry(
+        name="shard-000000.tar",
+        num_samples=1,
+        num_tokens=1,
+        num_trainable_tokens=1,
+        num_images=1,
+        bytes=1,
+        sha256="0" * 64,
+    )
+    m = a_manifest(
+        totals={
+            k: 1
+            for k in (
+                "samples",
+                "records",
+                "tokens",
+                "trainable_tokens",
+                "images",
+                "image_tokens",
+                "truncated_samples",
+                "dropped_images",
+                "unrendered_tool_call_turns",
+            )
+        }
+        | {"rejected": 0},
+        shards=(shard,),
+        image_format="zstd",
+        format_version=2,
+    )
     s = format_build_summary(m, "d")
     assert s.startswith("built d: 1 sample in 1 shard (") and "rejected          0 of 1 record (0.0%)" in s
 

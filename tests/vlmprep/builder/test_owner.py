@@ -2,6 +2,7 @@
 and changes nothing; --task-index runs share --out but never run one task twice; a lock left by a killed process
 never blocks. Merge vouches for every shard it lists: a missing, cut, modified or twice-claimed task shard is refused
 naming the task file, and following the advice gives the right dataset."""
+
 import json
 import os
 import shutil
@@ -31,8 +32,13 @@ def _fast(mp, processor) -> None:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     """Seven text records; the last repeats the first's id (only merge sees it: another task)."""
-    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"},
-                                         {"role": "assistant", "content": f"answer {i}"}]} for i in range(6)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}],
+        }
+        for i in range(6)
+    ]
     rows.append({**rows[0], "messages": [{"role": "user", "content": "again"}, {"role": "assistant", "content": "x"}]})
     p = tmp_path_factory.mktemp("owner") / "records.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -40,8 +46,15 @@ def records(tmp_path_factory):
 
 
 def cfg(records, out, **kw) -> BuildConfig:
-    return BuildConfig(inputs=(str(records),), out=str(out), progress=False, samples_per_shard=1,
-                       max_reject_fraction=1.0, min_turn_coverage=0.0, **kw)
+    return BuildConfig(
+        inputs=(str(records),),
+        out=str(out),
+        progress=False,
+        samples_per_shard=1,
+        max_reject_fraction=1.0,
+        min_turn_coverage=0.0,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -58,8 +71,6 @@ def ref3(records, tmp_path_factory, qwen2vl_processor):
         res = build(cfg(records, out, tasks=3))
     assert res.manifest.rejects == {"duplicate_id": 1}
     return out
-
-
 
 
 def _nested(monkeypatch, module, name, inner):
@@ -84,8 +95,11 @@ def test_a_second_build_or_merge_on_an_out_in_use_refuses_naming_the_first(recor
 
     def inner():
         before = tree_hashes(out)
-        for run in (lambda: build(cfg(records, out, overwrite=True)), lambda: pipeline.merge(out),
-                    lambda: build_task(out, 0)):
+        for run in (
+            lambda: build(cfg(records, out, overwrite=True)),
+            lambda: pipeline.merge(out),
+            lambda: build_task(out, 0),
+        ):
             with pytest.raises(BusyError) as e:
                 run()
             second.append(str(e.value))
@@ -110,8 +124,7 @@ def test_task_index_runs_share_the_out_but_one_task_runs_once(records, tmp_path,
             return
         started.append(True)
         ran.append(build_task(out, 2).task.task)
-        for run in (lambda: build_task(out, 0), lambda: build(cfg(records, out, tasks=3)),
-                    lambda: pipeline.merge(out)):
+        for run in (lambda: build_task(out, 0), lambda: build(cfg(records, out, tasks=3)), lambda: pipeline.merge(out)):
             with pytest.raises(BusyError) as e:
                 run()
             refused.append(str(e.value))
@@ -128,10 +141,19 @@ def test_task_index_runs_share_the_out_but_one_task_runs_once(records, tmp_path,
 def test_a_lock_left_by_a_killed_process_does_not_block(records, tmp_path, fast):
     out = tmp_path / "ds"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vlmprep.builder.owner import own_out\n"
-                               f"with own_out(Path({str(out)!r})):\n print('held', flush=True); time.sleep(60)"],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from vlmprep.builder.owner import own_out\n"
+            f"with own_out(Path({str(out)!r})):\n print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(BusyError, match=rf"is in use by `.* \(pid {holder.pid} on "):
         with own_out(out):
@@ -159,18 +181,24 @@ def _flip_byte(path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("fault, said", [
-    ("missing", r"shard-00001-000000.tar: listed in tasks/task-00001.json but missing \(changed, cut short or "),
-    ("cut", r"shard-00001-000000.tar: \d+ bytes, but tasks/task-00001.json lists \d+ \("),
-    ("modified", r"shard-00001-000000.tar: sha256 [0-9a-f]{16}\.\.\., but tasks/task-00001.json lists [0-9a-f]{16}"),
-])
+@pytest.mark.parametrize(
+    "fault, said",
+    [
+        ("missing", r"shard-00001-000000.tar: listed in tasks/task-00001.json but missing \(changed, cut short or "),
+        ("cut", r"shard-00001-000000.tar: \d+ bytes, but tasks/task-00001.json lists \d+ \("),
+        (
+            "modified",
+            r"shard-00001-000000.tar: sha256 [0-9a-f]{16}\.\.\., but tasks/task-00001.json lists [0-9a-f]{16}",
+        ),
+    ],
+)
 def test_merge_refuses_a_missing_cut_or_modified_task_shard_naming_the_task(merged3, ref3, fault, said):
     out, shard = merged3, merged3 / "shard-00001-000000.tar"
     manifest = (out / "manifest.json").read_bytes()
     if fault == "missing":
         shard.unlink()
     elif fault == "cut":
-        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     else:
         _flip_byte(shard)
     with pytest.raises(MergeError, match=said) as e:

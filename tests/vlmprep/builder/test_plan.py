@@ -1,6 +1,7 @@
 """Task plan (vlmprep/builder/plan.py): every task reads exactly its cut of the input, and the cuts together are the input in
 order, for each input kind (plain, single- and multi-frame .zst, .json arrays, blank lines, oversized lines, an
 empty file); cuts fall on the record boundary nearest each k/T of the bytes."""
+
 import json
 from pathlib import Path
 
@@ -37,7 +38,9 @@ def _inputs(d: Path) -> list[Path]:
     one.write_bytes(zstandard.ZstdCompressor().compress(b"".join(_lines(7, 2))))
     frames = d / "c.jsonl.zst"  # several frames, one cut by a frame edge inside a line
     data = b"".join(_lines(11, 3))
-    frames.write_bytes(b"".join(zstandard.ZstdCompressor().compress(data[i:i + 300]) for i in range(0, len(data), 300)))
+    frames.write_bytes(
+        b"".join(zstandard.ZstdCompressor().compress(data[i : i + 300]) for i in range(0, len(data), 300))
+    )
     arr = d / "d.json"
     arr.write_text(json.dumps([{"id": f"j{i}", "messages": []} for i in range(4)]))
     empty = d / "e.jsonl"
@@ -84,13 +87,15 @@ def test_cuts_take_the_record_boundary_nearest_each_share_of_the_bytes(tmp_path)
     p = tmp_path / "w.jsonl"
     sizes = [100, 100, 100, 700, 100, 100, 100, 100]
     p.write_bytes(b"".join(b"{" + b" " * (s - 3) + b"}\n" for s in sizes))
-    plan = make_plan(config={}, files=[p], processor=_processor(), tasks=2, max_line_bytes=1 << 20,
-                     max_zstd_window=1 << 27)
+    plan = make_plan(
+        config={}, files=[p], processor=_processor(), tasks=2, max_line_bytes=1 << 20, max_zstd_window=1 << 27
+    )
     # 1400 bytes: the half (700) falls inside the big record (300..1000); the boundary after it is nearer.
     assert [c.records for c in plan.cuts] == [4, 4]
     assert [c.bytes for c in plan.cuts] == [1000, 400]
-    many = make_plan(config={}, files=[p], processor=_processor(), tasks=20, max_line_bytes=1 << 20,
-                     max_zstd_window=1 << 27)
+    many = make_plan(
+        config={}, files=[p], processor=_processor(), tasks=20, max_line_bytes=1 << 20, max_zstd_window=1 << 27
+    )
     assert sum(c.records for c in many.cuts) == 8 and sum(c.records == 0 for c in many.cuts) == 12
 
 

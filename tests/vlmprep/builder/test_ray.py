@@ -2,6 +2,7 @@
 plan, also when a Ray worker is killed mid-task (retried; the task resumes from its journal); ray is never imported
 by a local build. The 2-node cluster (`ray start --head` + `ray start --address`) is in test_ray_cluster.py. All but
 the import check are `slow` (make-test budget: the cluster's start alone is ~12 s on 2 cores)."""
+
 import os
 import signal
 import subprocess
@@ -39,8 +40,11 @@ def _busy_ray_workers() -> list:
     import psutil
 
     # A Ray worker names its process after the function it is running.
-    return [p for p in psutil.process_iter(["cmdline"]) if any("ray::_run_task_on_worker" in c
-                                                                 for c in (p.info["cmdline"] or []))]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any("ray::_run_task_on_worker" in c for c in (p.info["cmdline"] or []))
+    ]
 
 
 @pytest.mark.slow  # ~20 s
@@ -49,8 +53,9 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(ta
     ref, _ = local3
     out = tmp_path / "ds"
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(res=build(planned_cfg(task_traces, out, tasks=3,
-                                                                          executor="ray"))))
+    t = threading.Thread(
+        target=lambda: result.update(res=build(planned_cfg(task_traces, out, tasks=3, executor="ray")))
+    )
     t.start()
     killed = None
     deadline = time.monotonic() + 180
@@ -70,9 +75,11 @@ def test_a_ray_worker_killed_mid_task_is_retried_and_the_dataset_is_identical(ta
 
 
 def test_a_local_build_never_imports_ray():
-    code = ("import sys, vlmprep.cli, vlmprep.builder.pipeline, vlmprep.builder.task, vlmprep.builder.workers, "
-            "vlmprep.builder.merge, vlmprep.builder.plan; "
-            "assert 'ray' not in sys.modules, 'ray imported'")
+    code = (
+        "import sys, vlmprep.cli, vlmprep.builder.pipeline, vlmprep.builder.task, vlmprep.builder.workers, "
+        "vlmprep.builder.merge, vlmprep.builder.plan; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
     code = "import sys, vlmprep.builder.ray_executor; assert 'ray' not in sys.modules"  # imported only when the executor runs
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
@@ -92,6 +99,9 @@ def test_a_fault_inside_a_ray_task_comes_back_as_one_line(task_traces, local3, t
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("Ray task "), msg
     rejects = [json.loads(line) for line in (local3[0] / "rejects.jsonl").read_text().splitlines()]
-    said = [f"failed: --strict: {r['source']['file']}:{r['source']['line']}: {r['reason']}: " for r in rejects
-            if r["reason"] != "duplicate_id"]  # found by the merge, never inside a task
+    said = [
+        f"failed: --strict: {r['source']['file']}:{r['source']['line']}: {r['reason']}: "
+        for r in rejects
+        if r["reason"] != "duplicate_id"
+    ]  # found by the merge, never inside a task
     assert any(s in msg for s in said), (msg, said)

@@ -1,6 +1,7 @@
 """A 2-node Ray cluster on this machine (`ray start --head` plus a second `ray start --address`), joined by the real
 CLI through --ray-address: the dataset equals the local pool's for the same plan, byte for byte. Slow (~1 min: two
 Ray nodes start), and it stops every Ray process on the machine at the end, so it has a module of its own."""
+
 import os
 import socket
 import subprocess
@@ -32,19 +33,56 @@ def test_a_two_node_ray_cluster_writes_the_local_pool_bytes(task_traces, local3,
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc.stdout
 
-    ray("start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=1", "--include-dashboard=false",
-        "--disable-usage-stats")
+    ray(
+        "start",
+        "--head",
+        f"--port={address.split(':')[1]}",
+        "--num-cpus=1",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    )
     try:
         ray("start", f"--address={address}", "--num-cpus=1")
-        nodes = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={address!r}); "
-                                "print(sum(n['Alive'] for n in ray.nodes()))"],
-                               env=env, capture_output=True, text=True, timeout=120)
+        nodes = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import ray; ray.init(address={address!r}); print(sum(n['Alive'] for n in ray.nodes()))",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert nodes.stdout.strip().splitlines()[-1] == "2", nodes.stderr[-2000:]
         out = tmp_path / "ds"
-        cmd = [sys.executable, "-m", "vlmprep", "build", "--in", task_traces, "--out", out, "--tasks", "3",
-               "--executor", "ray", "--ray-address", address, "--seq-len", "2048", "--samples-per-shard", "2",
-               "--chat-template", TOOLS, "--no-progress", "--max-reject-fraction", "1",
-               "--min-turn-coverage", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vlmprep",
+            "build",
+            "--in",
+            task_traces,
+            "--out",
+            out,
+            "--tasks",
+            "3",
+            "--executor",
+            "ray",
+            "--ray-address",
+            address,
+            "--seq-len",
+            "2048",
+            "--samples-per-shard",
+            "2",
+            "--chat-template",
+            TOOLS,
+            "--no-progress",
+            "--max-reject-fraction",
+            "1",
+            "--min-turn-coverage",
+            "0",
+        ]
         built = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=600)
         assert built.returncode == 0, built.stderr[-3000:]
         assert tree_hashes(out) == tree_hashes(ref)

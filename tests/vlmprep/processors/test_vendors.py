@@ -3,6 +3,7 @@ mistral-common's encode_chat_completion and Tekkenizer, builtin:llama-3.2-vision
 llama-models' ChatFormat and tiktoken Tokenizer: tokens of a fixed conversation set (images expanded the same way),
 tokenizer parity on >= 1M characters of mixed scripts, official ids, masks on the real vocabularies, every
 difference from the Hugging Face templates pinned, and `vlmprep build --processor builtin:NAME` end to end."""
+
 import base64
 import functools
 import importlib
@@ -21,27 +22,50 @@ from tests.vlmprep.test_families import render, trained_runs
 from vlmprep.processors.builtin import build_builtin_processor
 from vlmprep.shards.reader import iter_dataset
 
-IMAGES = {"red": (56, 56, (200, 10, 10)), "wide": (300, 90, (0, 90, 0)), "big": (3000, 1000, (10, 10, 200)),
-          "tall": (90, 400, (120, 120, 0))}
+IMAGES = {
+    "red": (56, 56, (200, 10, 10)),
+    "wide": (300, 90, (0, 90, 0)),
+    "big": (3000, 1000, (10, 10, 200)),
+    "tall": (90, 400, (120, 120, 0)),
+}
 
 
 def png(name):
     w, h, color = IMAGES[name]
     buf = io.BytesIO()
     Image.new("RGB", (w, h), color).save(buf, format="PNG")
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
 
 
 def text(t):
     return {"type": "text", "text": t}
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "click", "description": "Click at a point on the screen.",
-    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                   "required": ["x", "y"]}}},
-    {"type": "function", "function": {"name": "search", "description": "Search the web \u2014 in any language.",
-                                      "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "click",
+            "description": "Click at a point on the screen.",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web \u2014 in any language.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    },
+]
 
 # Each conversation is an OpenAI-format record; the same messages go to mistral-common via from_openai.
 CONVERSATIONS = {
@@ -56,44 +80,98 @@ CONVERSATIONS = {
         {"role": "user", "content": [text("  leading spaces,\ttabs\t\tand\n\n\n newlines   "), png("big")]},
         {"role": "assistant", "content": "def f(x):\n    return x  # indented\n\n\tdone \t  "},
         {"role": "user", "content": [png("red")]},
-        {"role": "assistant", "content": "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 \U0001f468\u200d\U0001f469\u200d\U0001f467"},
+        {
+            "role": "assistant",
+            "content": "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 \U0001f468\u200d\U0001f469\u200d\U0001f467",
+        },
     ],
     "tool_calls": [
         {"role": "system", "content": "You are a browser agent."},
         {"role": "user", "content": [text("Find the price of the grinder."), png("wide")]},
-        {"role": "assistant", "content": "I will search.", "tool_calls": [{"id": "a1b2c3d4e", "type": "function",
-            "function": {"name": "search", "arguments": "{\"q\": \"espresso grinder \u00e9\u00e8\"}"}}]},
+        {
+            "role": "assistant",
+            "content": "I will search.",
+            "tool_calls": [
+                {
+                    "id": "a1b2c3d4e",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"q": "espresso grinder \u00e9\u00e8"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "Results: 3 shops."},
-        {"role": "assistant", "tool_calls": [{"id": "Zz9Yy8Xx7", "type": "function",
-            "function": {"name": "click", "arguments": "{\"x\": 12, \"y\": 30}"}}]},
-        {"role": "tool", "tool_call_id": "Zz9Yy8Xx7", "content": "{\"clicked\": true}"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "Zz9Yy8Xx7",
+                    "type": "function",
+                    "function": {"name": "click", "arguments": '{"x": 12, "y": 30}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "Zz9Yy8Xx7", "content": '{"clicked": true}'},
         {"role": "assistant", "content": "The grinder costs $500."},
         {"role": "user", "content": "Thanks! Now open the cart."},
-        {"role": "assistant", "content": "Opening it.", "tool_calls": [{"id": "q1w2e3r4t", "type": "function",
-            "function": {"name": "click", "arguments": "{\"x\": 1, \"y\": 2}"}}]},
+        {
+            "role": "assistant",
+            "content": "Opening it.",
+            "tool_calls": [
+                {"id": "q1w2e3r4t", "type": "function", "function": {"name": "click", "arguments": '{"x": 1, "y": 2}'}}
+            ],
+        },
     ],
     # A browser-agent step: the screenshot comes back in the tool result (llama-models takes images in any role;
     # mistral-common takes only text there, so its template refuses this record).
     "tool_screenshot": [
         {"role": "user", "content": "Open example.com and tell me the headline."},
-        {"role": "assistant", "tool_calls": [{"id": "n4v1g4t3x", "type": "function",
-            "function": {"name": "navigate", "arguments": "{\"url\": \"https://example.com\"}"}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "n4v1g4t3x",
+                    "type": "function",
+                    "function": {"name": "navigate", "arguments": '{"url": "https://example.com"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "n4v1g4t3x", "content": [text("Page loaded."), png("wide")]},
-        {"role": "assistant", "content": "The headline is \"Example Domain\"."},
+        {"role": "assistant", "content": 'The headline is "Example Domain".'},
     ],
     # Parallel tool calls: ChatFormat encodes each call on its own (`}}` then `{"`, never `}}{`), mistral-common all
     # calls as one JSON array.
     "parallel_tool_calls": [
         {"role": "user", "content": [text("Search both grinders, then click the results."), png("red")]},
-        {"role": "assistant", "content": "Searching both.", "tool_calls": [
-            {"id": "p1a2r3a4l", "type": "function", "function": {"name": "search", "arguments": "{\"q\": \"grinder A\"}"}},
-            {"id": "l5e6l7c8a", "type": "function", "function": {"name": "search", "arguments": "{\"q\": \"grinder B\"}"}}]},
+        {
+            "role": "assistant",
+            "content": "Searching both.",
+            "tool_calls": [
+                {
+                    "id": "p1a2r3a4l",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"q": "grinder A"}'},
+                },
+                {
+                    "id": "l5e6l7c8a",
+                    "type": "function",
+                    "function": {"name": "search", "arguments": '{"q": "grinder B"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "p1a2r3a4l", "content": "A: $500."},
         {"role": "tool", "tool_call_id": "l5e6l7c8a", "content": "B: $300."},
-        {"role": "assistant", "tool_calls": [
-            {"id": "c1l2i3c4k", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 1, \"y\": 2}"}},
-            {"id": "c5l6i7c8k", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 3, \"y\": {\"z\": 4}}"}},
-            {"id": "c9l0i1c2k", "type": "function", "function": {"name": "click", "arguments": "{\"x\": 5, \"y\": 6}"}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1l2i3c4k", "type": "function", "function": {"name": "click", "arguments": '{"x": 1, "y": 2}'}},
+                {
+                    "id": "c5l6i7c8k",
+                    "type": "function",
+                    "function": {"name": "click", "arguments": '{"x": 3, "y": {"z": 4}}'},
+                },
+                {"id": "c9l0i1c2k", "type": "function", "function": {"name": "click", "arguments": '{"x": 5, "y": 6}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1l2i3c4k", "content": "ok"},
         {"role": "tool", "tool_call_id": "c5l6i7c8k", "content": "ok"},
         {"role": "tool", "tool_call_id": "c9l0i1c2k", "content": "ok"},
@@ -101,7 +179,10 @@ CONVERSATIONS = {
     ],
     "multi_text_parts": [
         {"role": "system", "content": [text("Rule one."), text("Rule two.")]},
-        {"role": "user", "content": [text("First part."), text("Second part."), png("red"), text("After."), png("tall")]},
+        {
+            "role": "user",
+            "content": [text("First part."), text("Second part."), png("red"), text("After."), png("tall")],
+        },
         {"role": "assistant", "content": "OK."},
     ],
 }
@@ -116,7 +197,9 @@ def parity_corpus(min_chars=1_000_000, seed=18):
     pool = PARITY_TEXTS + random_texts(6000, seed=seed)
     docs, total = list(PARITY_TEXTS), sum(map(len, PARITY_TEXTS))
     while total < min_chars:
-        doc = "".join(rng.choice(pool) + rng.choice(["", " ", "\n", "\n\n", "  ", "\t"]) for _ in range(rng.randint(10, 40)))
+        doc = "".join(
+            rng.choice(pool) + rng.choice(["", " ", "\n", "\n\n", "  ", "\t"]) for _ in range(rng.randint(10, 40))
+        )
         docs.append(doc)
         total += len(doc)
     return tuple(docs)
@@ -190,11 +273,14 @@ MISTRAL_RUNS = {
         'I will search.[TOOL_CALLS][{"name": "search", "arguments": {"q": "espresso grinder \u00e9\u00e8"}, "id": "a1b2c3d4e"}]</s>',
         '[TOOL_CALLS][{"name": "click", "arguments": {"x": 12, "y": 30}, "id": "Zz9Yy8Xx7"}]</s>',
         "The grinder costs $500.</s>",
-        'Opening it.[TOOL_CALLS][{"name": "click", "arguments": {"x": 1, "y": 2}, "id": "q1w2e3r4t"}]</s>'],
+        'Opening it.[TOOL_CALLS][{"name": "click", "arguments": {"x": 1, "y": 2}, "id": "q1w2e3r4t"}]</s>',
+    ],
     # mistral-common strips trailing spaces (only spaces) from assistant text; the mask follows the rendered text.
-    "no_system_whitespace_big_image": ["def f(x):\n    return x  # indented\n\n\tdone \t</s>",
-                                       "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 "
-                                       "\U0001f468\u200d\U0001f469\u200d\U0001f467</s>"],
+    "no_system_whitespace_big_image": [
+        "def f(x):\n    return x  # indented\n\n\tdone \t</s>",
+        "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 "
+        "\U0001f468\u200d\U0001f469\u200d\U0001f467</s>",
+    ],
 }
 
 
@@ -234,7 +320,11 @@ def test_mistral3_special_tokens_at_official_ids(mistral3, mistral_reference):
     assert tok.convert_ids_to_tokens(999) == "<SPECIAL_999>" and tekken.id_to_piece(999) == "<SPECIAL_999>"
     assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (1, 2, 0, 11)
     assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # the template writes <s> itself
-    assert (mistral3.image_token, mistral3.image_break_token, mistral3.image_end_token) == ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+    assert (mistral3.image_token, mistral3.image_break_token, mistral3.image_end_token) == (
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+    )
 
 
 def test_mistral3_hf_template_differs_from_mistral_common(mistral3, mistral_reference):
@@ -264,7 +354,9 @@ def test_mistral3_hf_template_differs_from_mistral_common(mistral3, mistral_refe
     # part of a system message (vlmprep refuses the record: the template drops text).
     with pytest.raises(RecordError, match="drops this message's text"):
         render(record("multi_text_parts"), mistral3, chat_template=hf)
-    assert "[SYSTEM_PROMPT]Rule one.\n\nRule two.[/SYSTEM_PROMPT]" in dec(mistral_tokens(mistral_reference, record("multi_text_parts")))
+    assert "[SYSTEM_PROMPT]Rule one.\n\nRule two.[/SYSTEM_PROMPT]" in dec(
+        mistral_tokens(mistral_reference, record("multi_text_parts"))
+    )
     # 5. Tool calls: the Hub template drops the text of a turn that calls tools (refused) and prints other formats:
     # a space after [AVAILABLE_TOOLS] and [TOOL_CALLS], v3-style tool results (content printed with |string, so a
     # list of parts comes out as its Python repr: vlmprep's parts never render right there).
@@ -291,10 +383,13 @@ def test_mistral3_image_downscale_rounding_differs_from_mistral_common(mistral3,
     PixtralImageProcessor floors it. They disagree only when the scaled side lands in [28k + 0.5, 28k + 1): here
     3000x1092 -> 1540 x 560.56, 21 rows for mistral-common (561 px), 20 for transformers (560 px). Pinned, not
     papered over: the stored pixels must be what the processor makes, so vlmprep follows transformers here."""
+
     def rec_of(w, h):
         IMAGES["rounding"] = (w, h, (0, 0, 0))
-        return {"id": "rounding", "messages": [{"role": "user", "content": [png("rounding")]},
-                                               {"role": "assistant", "content": "Black."}]}
+        return {
+            "id": "rounding",
+            "messages": [{"role": "user", "content": [png("rounding")]}, {"role": "assistant", "content": "Black."}],
+        }
 
     rec = rec_of(3000, 1092)
     *_, s = render(rec, mistral3)
@@ -330,10 +425,19 @@ def raw_messages(messages):
     out = []
     for m in messages:
         content = m.get("content") or ""
-        calls = [ToolCall(call_id=tc["id"], tool_name=tc["function"]["name"],
-                          arguments=json.loads(tc["function"]["arguments"])) for tc in m.get("tool_calls", [])]
-        out.append(RawMessage(role=m["role"], content=content if isinstance(content, str) else [item(p) for p in content],
-                              tool_calls=calls))
+        calls = [
+            ToolCall(
+                call_id=tc["id"], tool_name=tc["function"]["name"], arguments=json.loads(tc["function"]["arguments"])
+            )
+            for tc in m.get("tool_calls", [])
+        ]
+        out.append(
+            RawMessage(
+                role=m["role"],
+                content=content if isinstance(content, str) else [item(p) for p in content],
+                tool_calls=calls,
+            )
+        )
     return out
 
 
@@ -350,12 +454,17 @@ def chat_format_tokens(fmt, rec):
     """ChatFormat.encode_dialog_prompt (Llama 3 or 4) without the assistant header it appends for generation."""
     tokens = fmt.encode_dialog_prompt(raw_messages(rec["messages"])).tokens
     header = fmt._encode_header("assistant")
-    assert tokens[-len(header):] == header
-    return tokens[:-len(header)]
+    assert tokens[-len(header) :] == header
+    return tokens[: -len(header)]
 
 
-LLAMA_PARITY = ["system_images_cjk_emoji", "no_system_whitespace_big_image", "tool_calls", "tool_screenshot",
-                "parallel_tool_calls"]
+LLAMA_PARITY = [
+    "system_images_cjk_emoji",
+    "no_system_whitespace_big_image",
+    "tool_calls",
+    "tool_screenshot",
+    "parallel_tool_calls",
+]
 
 
 def test_llama32_special_tokens_at_official_ids(llama32):
@@ -363,14 +472,30 @@ def test_llama32_special_tokens_at_official_ids(llama32):
 
     ref, tok = Tokenizer.get_instance(), llama32.tokenizer
     assert len(tok) == ref.n_words + 1 == 128257  # + <|image|> at 128256
-    same = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    same = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|finetune_right_pad_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
+    ]
     for t in same:
-        assert tok.convert_tokens_to_ids(t) == ref.special_tokens[t] and tok.encode(t, add_special_tokens=False) == [ref.special_tokens[t]]
+        assert tok.convert_tokens_to_ids(t) == ref.special_tokens[t] and tok.encode(t, add_special_tokens=False) == [
+            ref.special_tokens[t]
+        ]
     # llama-models keeps <|image|> at 128011 internally and emits 128256 (the HF id) in ChatFormat's tokens.
-    assert llama32.image_token_id == tok.convert_tokens_to_ids("<|image|>") == 128256 and ref.special_tokens["<|image|>"] == 128011
+    assert (
+        llama32.image_token_id == tok.convert_tokens_to_ids("<|image|>") == 128256
+        and ref.special_tokens["<|image|>"] == 128011
+    )
     assert tok.convert_ids_to_tokens([128005, 128011, 128255]) == [
-        "<|reserved_special_token_2|>", "<|reserved_special_token_3|>", "<|reserved_special_token_247|>"]
+        "<|reserved_special_token_2|>",
+        "<|reserved_special_token_3|>",
+        "<|reserved_special_token_247|>",
+    ]
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (128000, 128009, 128004)
     assert tok.encode("hi") == [128000, 6151]  # as the official tokenizer.json: encode() adds <|begin_of_text|>
 
@@ -390,11 +515,14 @@ def test_llama32_hf_template_and_text_part_boundaries_differ_from_chat_format(ll
     rec = {"id": "t", "messages": [{"role": "user", "content": "Hi  "}, {"role": "assistant", "content": "Hello"}]}
     *_, s = render(rec, llama32, chat_template=hf)
     assert dec(s.input_ids.tolist()).startswith(
-        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: ")
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: "
+    )
     *_, s = render(rec, llama32)
     assert s.input_ids.tolist() == chat_format_tokens(llama32_format, rec)
-    assert dec(s.input_ids.tolist()) == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi  <|eot_id|>"
-                                         "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>")
+    assert dec(s.input_ids.tolist()) == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi  <|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>"
+    )
     # 3. Tool calls: the Hub template replaces the turn by {"name", "parameters"} (its text is dropped: refused);
     # ChatFormat prints the text, then {"type": "function", "name", "parameters"} with json.dumps' ASCII escapes.
     rec = {"id": "calls", "messages": [m for m in CONVERSATIONS["tool_calls"] if m["role"] != "system"]}
@@ -428,8 +556,16 @@ def llama4_format():
     from llama_models.llama4.chat_format import ChatFormat
     from llama_models.llama4.tokenizer import Tokenizer
 
-    args = VisionArgs(image_size=Size(height=336, width=336), patch_size=Size(height=14, width=14), dim=1408,
-                      n_layers=34, n_heads=16, mlp_ratio=4.0, output_dim=4096, pixel_shuffle_ratio=0.5)
+    args = VisionArgs(
+        image_size=Size(height=336, width=336),
+        patch_size=Size(height=14, width=14),
+        dim=1408,
+        n_layers=34,
+        n_heads=16,
+        mlp_ratio=4.0,
+        output_dim=4096,
+        pixel_shuffle_ratio=0.5,
+    )
     return ChatFormat(Tokenizer.get_instance(), vision_args=args)
 
 
@@ -457,10 +593,12 @@ def test_llama_masks_train_assistant_text_calls_and_turn_ends(request, builtin):
     processor, call_end, text_end = request.getfixturevalue(LLAMAS[builtin][0]), *LLAMAS[builtin][3:]
     *_, sample = render(record("tool_calls"), processor)
     assert [t for _, _, t in trained_runs(sample, processor.tokenizer)] == [
-        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}' + call_end,
+        'I will search.{"type": "function", "name": "search", "parameters": {"q": "espresso grinder \\u00e9\\u00e8"}}'
+        + call_end,
         '{"type": "function", "name": "click", "parameters": {"x": 12, "y": 30}}' + call_end,
         "The grinder costs $500." + text_end,
-        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}' + call_end]
+        'Opening it.{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}' + call_end,
+    ]
 
 
 @pytest.mark.parametrize("builtin", list(LLAMAS))
@@ -489,7 +627,8 @@ def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_f
         'Searching both.{"type": "function", "name": "search", "parameters": {"q": "grinder A"}}'
         '{"type": "function", "name": "search", "parameters": {"q": "grinder B"}}<|eom|>',
         '{"type": "function", "name": "click", "parameters": {"x": 1, "y": 2}}{"type": "function", "name": "click", '
-        '"parameters": {"x": 3, "y": {"z": 4}}}{"type": "function", "name": "click", "parameters": {"x": 5, "y": 6}}<|eom|>']
+        '"parameters": {"x": 3, "y": {"z": 4}}}{"type": "function", "name": "click", "parameters": {"x": 5, "y": 6}}<|eom|>',
+    ]
     # Text holding the break would be dropped by the tokenizer: refused, in message text and in call arguments.
     from vlmprep.types import RecordError
 
@@ -498,7 +637,9 @@ def test_llama4_parallel_tool_calls_are_encoded_each_on_its_own(llama4, llama4_f
         if where == "content":
             bad["messages"][-1]["content"] = "A" + TOKEN_BREAK + "B"
         else:
-            bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"q": TOKEN_BREAK}, ensure_ascii=False)
+            bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = json.dumps(
+                {"q": TOKEN_BREAK}, ensure_ascii=False
+            )
         with pytest.raises(RecordError) as e:
             render(bad, llama4)
         assert e.value.reason in ("sentinel_in_text", "special_token_in_text"), where
@@ -518,7 +659,10 @@ def test_llama_patterns_and_special_ids_are_llama_models(llama4, llama32):
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (200000, 200008, 200018)
     assert tok.encode("hi") == [200000, 5703]  # as the official tokenizer.json: encode() adds <|begin_of_text|>
     assert (llama4.image_token, llama4.start_of_img_token, llama4.end_of_img_token) == (
-        "<|image|>", "<|image_start|>", "<|image_end|>")
+        "<|image|>",
+        "<|image_start|>",
+        "<|image_end|>",
+    )
 
 
 def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_parts(llama4, llama4_format):
@@ -538,18 +682,25 @@ def test_llama4_hf_template_differs_from_chat_format_only_in_tools_and_system_pa
     # without "type", the result as a JSON string, and closes both with <|eot|>; ChatFormat uses <|eom|>.
     with pytest.raises(RecordError, match="drops this message's text"):
         render(record("tool_calls"), llama4, chat_template=hf)
-    msgs = [{"role": "user", "content": "Find it."},
-            {"role": "assistant", "tool_calls": [{"id": "x", "type": "function",
-                                                  "function": {"name": "click", "arguments": {"x": 1}}}]},
-            {"role": "tool", "tool_call_id": "x", "content": "ok"}, {"role": "assistant", "content": "Done."}]
+    msgs = [
+        {"role": "user", "content": "Find it."},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "x", "type": "function", "function": {"name": "click", "arguments": {"x": 1}}}],
+        },
+        {"role": "tool", "tool_call_id": "x", "content": "ok"},
+        {"role": "assistant", "content": "Done."},
+    ]
     assert llama4.apply_chat_template(msgs, chat_template=hf, tokenize=False).endswith(
         '<|python_start|><|python_end|>{"name": "click", "parameters": {"x": 1}}<|eot|>'
-        '<|header_start|>ipython<|header_end|>\n\n"ok"<|eot|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>')
+        '<|header_start|>ipython<|header_end|>\n\n"ok"<|eot|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>'
+    )
     for m in msgs[1:2]:
         m["tool_calls"][0]["function"]["arguments"] = json.dumps(m["tool_calls"][0]["function"]["arguments"])
     assert llama4.tokenizer.decode(chat_format_tokens(llama4_format, {"messages": msgs})).endswith(
         '<|header_end|>\n\n{"type": "function", "name": "click", "parameters": {"x": 1}}<|eom|>'
-        '<|header_start|>ipython<|header_end|>\n\nok<|eom|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>')
+        "<|header_start|>ipython<|header_end|>\n\nok<|eom|><|header_start|>assistant<|header_end|>\n\nDone.<|eot|>"
+    )
 
 
 # ---- every vendor builtin: `vlmprep build --processor builtin:NAME` end to end ---------------------------------------
@@ -582,8 +733,21 @@ def test_cli_build_end_to_end_matches_the_vendor(request, name, tmp_path):
     inp = tmp_path / "records.jsonl"
     inp.write_text("".join(json.dumps(record(n)) + "\n" for n in convs))
     out = tmp_path / "shards"
-    res = CliRunner().invoke(app, ["build", "--in", str(inp), "--out", str(out), "--processor", f"builtin:{name}",
-                                   "--seq-len", "4096", "--no-progress"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "build",
+            "--in",
+            str(inp),
+            "--out",
+            str(out),
+            "--processor",
+            f"builtin:{name}",
+            "--seq-len",
+            "4096",
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["totals"]["samples"] == len(convs) and not manifest["rejects"]
@@ -595,7 +759,6 @@ def test_cli_build_end_to_end_matches_the_vendor(request, name, tmp_path):
     for conv in convs:
         assert stored[conv].array("input_ids").tolist() == vendor_tokens(request, name, record(conv)), conv
     assert verify_dataset(out) == []
-
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
@@ -610,8 +773,14 @@ def test_builtin_matches_its_own_apply_chat_template(request, name):
             for part in m["content"] if isinstance(m["content"], list) else []:
                 if part["type"] == "image":
                     part["image"] = next(pil)
-        ref = processor.apply_chat_template(msgs, tools=conv.tools, tokenize=True, return_dict=True, return_tensors="pt",
-                                            processor_kwargs={"return_mm_token_type_ids": True})
+        ref = processor.apply_chat_template(
+            msgs,
+            tools=conv.tools,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            processor_kwargs={"return_mm_token_type_ids": True},
+        )
         np.testing.assert_array_equal(s.input_ids, ref["input_ids"][0].numpy(), err_msg=conv_name)
         mm = ref.get("mm_token_type_ids")
         if mm is not None:

@@ -1,4 +1,5 @@
 """The HTML report opened in a real browser: headless Chromium takes a screenshot and dumps the DOM."""
+
 import io
 import json
 import os
@@ -17,8 +18,17 @@ from vlmprep.cli import app
 from vlmprep.config import BuildConfig
 from vlmprep.tools.report import TRAINED_BG
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-                  "--disable-component-update", "--disable-sync", "--disable-extensions", "--hide-scrollbars"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--hide-scrollbars",
+]
 WINDOW = (1280, 2000)
 
 
@@ -56,11 +66,19 @@ def report(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("html")
     inp = d / "traces.jsonl.zst"
-    write_traces(inp, n=3, seed=1, min_images=1, max_images=2, width=320, height=200, overlong_fraction=0.0,
-                 text_only_fraction=0.0)
+    write_traces(
+        inp,
+        n=3,
+        seed=1,
+        min_images=1,
+        max_images=2,
+        width=320,
+        height=200,
+        overlong_fraction=0.0,
+        text_only_fraction=0.0,
+    )
     out = d / "shards"
-    build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=1024, tool_calls="train-content",
-                      progress=False))
+    build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=1024, tool_calls="train-content", progress=False))
     page = d / "report.html"
     res = CliRunner().invoke(app, ["inspect", str(out), "--limit", "3", "--html", str(page)])
     assert res.exit_code == 0, res.output
@@ -133,7 +151,7 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     assert img.shape[:2] == (WINDOW[1], WINDOW[0])
     colours = np.unique(img.reshape(-1, 3), axis=0)
     assert len(colours) > 50, f"screenshot looks blank: {len(colours)} colours"
-    green = np.array([int(TRAINED_BG[i:i + 2], 16) for i in (1, 3, 5)])
+    green = np.array([int(TRAINED_BG[i : i + 2], 16) for i in (1, 3, 5)])
     n_green = int((np.abs(img.astype(int) - green).max(axis=2) <= 3).sum())
     assert n_green > 5000, f"only {n_green} trained-green pixels"
 
@@ -154,7 +172,7 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
         in_image = s["mm_token_type_ids"] != 0
         for im in s["meta"].get("images") or []:
             if im.get("span"):
-                in_image[im["span"][0]:im["span"][1]] = True
+                in_image[im["span"][0] : im["span"][1]] = True
         assert c["tok"] == int((~in_image).sum())
         assert all(t.startswith("#") and " id " in t and " mask " in t and " type " in t for t in c["titles"])
     assert "[image 1: " in dom and "patches -&gt; " in dom

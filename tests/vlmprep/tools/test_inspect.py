@@ -23,11 +23,30 @@ def write_inputs(path):
     """6 demo traces (one overlong: truncated at SEQ_LEN, dropping an image), a multi-byte record and 3 rejects."""
     from scripts.demo_traces import generate_traces
 
-    recs = list(generate_traces(n=6, seed=1, min_images=1, max_images=3, width=320, height=200,
-                                overlong_fraction=0.2, text_only_fraction=0.1))
+    recs = list(
+        generate_traces(
+            n=6,
+            seed=1,
+            min_images=1,
+            max_images=3,
+            width=320,
+            height=200,
+            overlong_fraction=0.2,
+            text_only_fraction=0.1,
+        )
+    )
     lines = [json.dumps(r) for r in recs]
-    lines.append(json.dumps({"id": JP_ID, "messages": [{"role": "user", "content": "Greet me in Japanese."},
-                                                       {"role": "assistant", "content": JP_ANSWER}]}))
+    lines.append(
+        json.dumps(
+            {
+                "id": JP_ID,
+                "messages": [
+                    {"role": "user", "content": "Greet me in Japanese."},
+                    {"role": "assistant", "content": JP_ANSWER},
+                ],
+            }
+        )
+    )
     lines.append("{not json")
     lines.append(json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "hello?"}]}))
     lines.append(lines[0])  # same id again: build rejects it as duplicate_id
@@ -41,9 +60,19 @@ def built(tmp_path_factory):
     inp = write_inputs(d / "traces.jsonl")
     out = d / "shards"
     # The demo's tool calls are not rendered by the Qwen2-VL template: train their text content anyway.
-    build(BuildConfig(inputs=(str(inp),), out=str(out), seq_len=SEQ_LEN, samples_per_shard=3,
-                      tool_calls="train-content", progress=False, max_reject_fraction=1.0,  # rejects on purpose,
-                      long_traces="truncate", min_turn_coverage=0.0))  # and truncated samples
+    build(
+        BuildConfig(
+            inputs=(str(inp),),
+            out=str(out),
+            seq_len=SEQ_LEN,
+            samples_per_shard=3,
+            tool_calls="train-content",
+            progress=False,
+            max_reject_fraction=1.0,  # rejects on purpose,
+            long_traces="truncate",
+            min_turn_coverage=0.0,
+        )
+    )  # and truncated samples
     return inp, out
 
 
@@ -146,8 +175,10 @@ def test_truncated_sample_shows_dropped_images(built):
     for key, s in ref.items():
         m = s["meta"]
         n = m["dropped_images"]
-        assert (f"truncated: yes, {m['num_tokens_before_truncation']} -> {SEQ_LEN} tokens, "
-                f"{n} image{'s' if n != 1 else ''} dropped by the cut") in got[key]
+        assert (
+            f"truncated: yes, {m['num_tokens_before_truncation']} -> {SEQ_LEN} tokens, "
+            f"{n} image{'s' if n != 1 else ''} dropped by the cut"
+        ) in got[key]
 
 
 def strip_where(output):
@@ -166,8 +197,18 @@ def test_raw_input_gives_the_same_view_as_the_built_shard(built):
     # Without --only, raw mode says inline which records build would reject.
     assert sum(line.startswith("rejected  ") for line in raw_lines) == 3
     # One record alone, selected by the position that is also its shard key.
-    one_raw = invoke(inp, "--seq-len", SEQ_LEN, "--tool-calls", "train-content", "--long-traces", "truncate",
-                     "--index", 4, "--tokens")
+    one_raw = invoke(
+        inp,
+        "--seq-len",
+        SEQ_LEN,
+        "--tool-calls",
+        "train-content",
+        "--long-traces",
+        "truncate",
+        "--index",
+        4,
+        "--tokens",
+    )
     one_dir = invoke(out, "--index", 4, "--tokens")
     assert strip_where(one_raw.stdout) == strip_where(one_dir.stdout)
 
@@ -180,9 +221,12 @@ def test_only_rejected_raw_input_matches_build_rejects(built):
     raw = invoke(inp, "--like", out, "--only", "rejected", "--limit", 100)
     from_dir = invoke(out, "--only", "rejected", "--limit", 100)
     assert raw.exit_code == 0 and from_dir.exit_code == 0, raw.output
-    expected = [f"rejected  {r['source']['file']}:{r['source']['line']}"
-                + (f"  id {r['id']}" if r["id"] is not None else "") + f"  {r['reason']}: {r['message']}"
-                for r in built_rejects]
+    expected = [
+        f"rejected  {r['source']['file']}:{r['source']['line']}"
+        + (f"  id {r['id']}" if r["id"] is not None else "")
+        + f"  {r['reason']}: {r['message']}"
+        for r in built_rejects
+    ]
     assert raw.stdout.splitlines() == expected
     assert from_dir.stdout.splitlines() == expected
 
@@ -214,12 +258,15 @@ def test_selection_by_id_and_shard(built):
     assert len(blocks(invoke(out).stdout)) == 3  # default limit
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--index", 999], "no sample in"),
-    (["--shard", "shard-000099"], "no such shard"),
-    (["--processor", "builtin:qwen2-vl"], "only for raw input"),
-    (["--only", "everything"], "choose one of truncated, rejected"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--index", 999], "no sample in"),
+        (["--shard", "shard-000099"], "no such shard"),
+        (["--processor", "builtin:qwen2-vl"], "only for raw input"),
+        (["--only", "everything"], "choose one of truncated, rejected"),
+    ],
+)
 def test_user_errors_are_one_line(built, args, msg):
     _, out = built
     res = invoke(out, *args)
@@ -275,8 +322,10 @@ def test_rich_terminal_view_colours_trained_tokens(built):
 
     _, out = built
     buf = io.StringIO()
-    run_inspect(InspectConfig(path=str(out), id=JP_ID), console=Console(file=buf, force_terminal=True, width=200,
-                                                                       color_system="standard"))
+    run_inspect(
+        InspectConfig(path=str(out), id=JP_ID),
+        console=Console(file=buf, force_terminal=True, width=200, color_system="standard"),
+    )
     text = buf.getvalue()
     assert "[T]" not in text
     assert re.search(r"\x1b\[30;42m" + re.escape(JP_ANSWER), text)  # trained: black on green
@@ -299,9 +348,20 @@ def test_segmentation_decodes_runs_not_tokens(qwen2vl_processor):
     types = np.zeros(n, np.uint8)
     ids[12000:12576] = 151655
     types[12000:12576] = 1
-    sample = InspectedSample(key="0", id="x", source=("f", 1), where="t", input_ids=ids, loss_mask=mask,
-                             mm_token_type_ids=types, image_grid_thw=np.array([[1, 36, 64]]), images=[],
-                             num_tokens_before_truncation=n, truncated=False, dropped_images=0)
+    sample = InspectedSample(
+        key="0",
+        id="x",
+        source=("f", 1),
+        where="t",
+        input_ids=ids,
+        loss_mask=mask,
+        mm_token_type_ids=types,
+        image_grid_thw=np.array([[1, 36, 64]]),
+        images=[],
+        num_tokens_before_truncation=n,
+        truncated=False,
+        dropped_images=0,
+    )
     messages = segment_sample(sample, tv)
     segs = [seg for m in messages for seg in m.segments]
     assert len(calls) == 6 and sum(calls) == n - 576  # 6 text runs around 2 trained runs and 1 image
@@ -348,9 +408,9 @@ def test_html_collapses_the_system_prompt_and_tool_list(built, tmp_path):
     for s in sections:
         assert s.count("<details") == s.count('data-role="system"') == 1
         assert '<details class="msg" data-role="system"><summary class="role">--- system --- <small>' in s
-        folded = s[s.index("<details"):s.index("</details>")]
+        folded = s[s.index("<details") : s.index("</details>")]
         assert "&lt;tools&gt;" in re.sub(r"<[^>]+>", "", folded) and "click to show" in folded  # the tool list
-        assert " open" not in s[s.index("<details"):s.index("<summary")]  # closed by default
+        assert " open" not in s[s.index("<details") : s.index("<summary")]  # closed by default
         assert s.index("</details>") < s.index('data-role="user"')  # the conversation follows, open
 
 

@@ -2,6 +2,7 @@
 there, with the same output as on the local dir; a damaged file, a manifest naming a path outside the dataset, a URL
 with credentials and a missing dataset are each one line. No network: fsspec's memory:// store and a loopback server.
 """
+
 import json
 import os
 import shutil
@@ -31,12 +32,30 @@ def built(tmp_path_factory, qwen2vl_processor):
     from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("remote")
-    write_traces(d / "t.jsonl.zst", n=4, seed=2, min_images=1, max_images=2, width=160, height=100,
-                 overlong_fraction=0.0, text_only_fraction=0.25)
+    write_traces(
+        d / "t.jsonl.zst",
+        n=4,
+        seed=2,
+        min_images=1,
+        max_images=2,
+        width=160,
+        height=100,
+        overlong_fraction=0.0,
+        text_only_fraction=0.25,
+    )
     raw = zstandard.ZstdDecompressor().decompress((d / "t.jsonl.zst").read_bytes(), max_output_size=1 << 30)
     (d / "t.jsonl").write_bytes(raw + b"{broken json\n")
-    build(BuildConfig(inputs=(str(d / "t.jsonl"),), out=str(d / "ds"), samples_per_shard=2, seq_len=4096,
-                      progress=False, chat_template=TOOLS, max_reject_fraction=1.0))
+    build(
+        BuildConfig(
+            inputs=(str(d / "t.jsonl"),),
+            out=str(d / "ds"),
+            samples_per_shard=2,
+            seq_len=4096,
+            progress=False,
+            chat_template=TOOLS,
+            max_reject_fraction=1.0,
+        )
+    )
     assert (d / "ds" / "rejects.jsonl").read_text().strip() and (d / "ds" / "samples.index.npy").is_file()
     return d / "ds"
 
@@ -69,8 +88,15 @@ def one_error(res) -> str:
     return lines[0]
 
 
-COMMANDS = [("verify",), ("verify", "--quick"), ("stats",), ("stats", "--json"), ("inspect", "--limit", "1"),
-            ("inspect", "--only", "rejected"), ("inspect", "--index", "2", "--tokens")]
+COMMANDS = [
+    ("verify",),
+    ("verify", "--quick"),
+    ("stats",),
+    ("stats", "--json"),
+    ("inspect", "--limit", "1"),
+    ("inspect", "--only", "rejected"),
+    ("inspect", "--index", "2", "--tokens"),
+]
 
 
 @pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
@@ -79,8 +105,10 @@ def test_a_url_reads_as_the_local_dir(built, store, args):
     local, there = run(args[0], str(built), *args[1:]), run(args[0], url, *args[1:])
     assert local.exit_code == 0 and there.exit_code == 0, there.output
     assert there.stdout.replace(url, str(built)) == local.stdout
-    assert there.stderr.splitlines() == [f"vlmprep {args[0]}: copying {url} into {cache_dir(url)} (files already "
-                                         "there with the manifest's sha256 are kept)"]
+    assert there.stderr.splitlines() == [
+        f"vlmprep {args[0]}: copying {url} into {cache_dir(url)} (files already "
+        "there with the manifest's sha256 are kept)"
+    ]
 
 
 def test_a_url_over_http_reads_as_the_local_dir(built, tmp_path, monkeypatch):
@@ -95,7 +123,8 @@ def test_a_url_over_http_reads_as_the_local_dir(built, tmp_path, monkeypatch):
     copy = cache_dir(f"{srv.url}/ds")
     assert copy.parent == tmp_path / "cache" / "datasets"
     assert sorted(p.name for p in copy.iterdir() if p.is_file()) == sorted(
-        [p.name for p in built.iterdir() if p.is_file() and p.name != "plan.json"] + [".fetch.lock"])
+        [p.name for p in built.iterdir() if p.is_file() and p.name != "plan.json"] + [".fetch.lock"]
+    )
 
 
 def test_the_cache_is_under_vlmprep_cache_one_dir_per_url(monkeypatch, tmp_path):
@@ -117,7 +146,8 @@ def test_a_file_the_copy_has_is_not_fetched_again(store):
     copy.write_bytes(b"\0" + copy.read_bytes()[1:])  # the copy damaged: fetched again, and now missing
     res = run("verify", url)
     assert res.exit_code == 1 and res.output.splitlines()[-1] == (
-        f"error: cannot read {url}/shard-000001.tar: no such file or object, but the manifest lists it"), res.output
+        f"error: cannot read {url}/shard-000001.tar: no such file or object, but the manifest lists it"
+    ), res.output
 
 
 @pytest.mark.parametrize("damage", ["flip", "cut"])
@@ -127,10 +157,13 @@ def test_a_damaged_shard_in_the_store_fails_naming_it(store, damage):
     data = fs.cat_file(f"{path}/shard-000001.tar")
     fs.pipe_file(f"{path}/shard-000001.tar", b"\xff" + data[1:] if damage == "flip" else data[:-512])
     res = run("verify", url)
-    says = {"flip": "its sha256 differs from the manifest's",
-            "cut": f"{len(data) - 512} bytes, but the manifest lists {len(data)}"}[damage]
+    says = {
+        "flip": "its sha256 differs from the manifest's",
+        "cut": f"{len(data) - 512} bytes, but the manifest lists {len(data)}",
+    }[damage]
     assert res.exit_code == 1 and res.output.splitlines()[-1] == (
-        f"error: {url}/shard-000001.tar: {says}: changed or damaged in storage; refusing it"), res.output
+        f"error: {url}/shard-000001.tar: {says}: changed or damaged in storage; refusing it"
+    ), res.output
     assert not any(p.name.startswith("shard-000001.tar") for p in cache_dir(url).iterdir())  # nor its .part
 
 
@@ -162,8 +195,9 @@ def test_a_manifest_past_the_reader_limit_is_refused_unread(store, monkeypatch, 
 
     url, _ = store
     monkeypatch.setattr(remote, "LIMITS", dataclasses.replace(remote.LIMITS, manifest_bytes=1000))
-    assert one_error(run("stats", url)) == (f"error: {url}/manifest.json is more than 1000 bytes, more than a reader "
-                                            "accepts; refusing it")
+    assert one_error(run("stats", url)) == (
+        f"error: {url}/manifest.json is more than 1000 bytes, more than a reader accepts; refusing it"
+    )
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "manifest.json").write_text("{}")
     with RangeServer(tmp_path / "www") as srv:  # a GET whose body never ends: read no further than the limit
@@ -173,8 +207,9 @@ def test_a_manifest_past_the_reader_limit_is_refused_unread(store, monkeypatch, 
     assert srv.server.sent < 64 << 20
 
 
-@pytest.mark.parametrize("url", ["memory://user:hunter2@bkt/ds", "s3://AKIAEXAMPLE:hunter2@bucket/ds",
-                                 "https://me:hunter2@example.com/ds"])
+@pytest.mark.parametrize(
+    "url", ["memory://user:hunter2@bkt/ds", "s3://AKIAEXAMPLE:hunter2@bucket/ds", "https://me:hunter2@example.com/ds"]
+)
 @pytest.mark.parametrize("command", ["verify", "stats", "inspect"])
 def test_a_url_with_credentials_is_refused_without_them(command, url):
     line = one_error(run(command, url))
@@ -185,10 +220,13 @@ def test_a_url_with_credentials_is_refused_without_them(command, url):
 def test_a_missing_dataset_is_one_line_naming_the_url(command):
     """Before, `vlmprep verify http://host/ds` looked for the local path `http:/host/ds`; then URLs were refused."""
     url = f"memory://none-{uuid.uuid4().hex[:8]}/ds"
-    assert one_error(run(command, url)) == (f"error: {url}: no manifest.json there: not a vlmprep dataset, or not a "
-                                            "finished one (a build writes its manifest last), or not at this URL")
+    assert one_error(run(command, url)) == (
+        f"error: {url}: no manifest.json there: not a vlmprep dataset, or not a "
+        "finished one (a build writes its manifest last), or not at this URL"
+    )
     assert one_error(run(command, "ftp://host/ds")).startswith(
-        "error: ftp://host/ds: not a dataset location this vlmprep reads")
+        "error: ftp://host/ds: not a dataset location this vlmprep reads"
+    )
 
 
 def test_a_refused_connection_is_one_line_not_a_missing_dataset():

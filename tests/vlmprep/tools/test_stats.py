@@ -22,16 +22,36 @@ def built(tmp_path_factory):
     from scripts.demo_traces import generate_traces
 
     d = tmp_path_factory.mktemp("stats")
-    recs = list(generate_traces(n=6, seed=1, min_images=1, max_images=3, width=320, height=200,
-                                overlong_fraction=0.2, text_only_fraction=0.1))
+    recs = list(
+        generate_traces(
+            n=6,
+            seed=1,
+            min_images=1,
+            max_images=3,
+            width=320,
+            height=200,
+            overlong_fraction=0.2,
+            text_only_fraction=0.1,
+        )
+    )
     no_answer = {"messages": [{"role": "user", "content": "hi"}]}
     inp, bad = d / "traces.jsonl", d / "bad.jsonl"
     inp.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     bad.write_text("\n".join(["[1, 2]", "{broken", json.dumps(no_answer)]) + "\n")
     out = d / "shards"
-    build(BuildConfig(inputs=(str(inp), str(bad)), out=str(out), seq_len=1024, samples_per_shard=3,
-                      tool_calls="train-content", progress=False, max_reject_fraction=1.0,  # bad lines on purpose,
-                      long_traces="truncate", min_turn_coverage=0.0))  # and truncated samples
+    build(
+        BuildConfig(
+            inputs=(str(inp), str(bad)),
+            out=str(out),
+            seq_len=1024,
+            samples_per_shard=3,
+            tool_calls="train-content",
+            progress=False,
+            max_reject_fraction=1.0,  # bad lines on purpose,
+            long_traces="truncate",
+            min_turn_coverage=0.0,
+        )
+    )  # and truncated samples
     return out
 
 
@@ -113,7 +133,9 @@ def test_stats_equal_totals_recomputed_from_shards(built):
     # The truncated turns' warning (the build accepted them with --min-turn-coverage 0), by the build's own rule.
     st = json.loads(CliRunner().invoke(app, ["stats", str(built), "--json"]).stdout)
     assert f"WARNING: {st['coverage_warning']}" in text.splitlines()
-    assert st["coverage_warning"].startswith("turn coverage ") and "< --min-turn-coverage 0.95" in st["coverage_warning"]
+    assert (
+        st["coverage_warning"].startswith("turn coverage ") and "< --min-turn-coverage 0.95" in st["coverage_warning"]
+    )
 
 
 def test_stats_distributions_of_tokens_trained_tokens_images_and_image_sizes(built):
@@ -121,17 +143,25 @@ def test_stats_distributions_of_tokens_trained_tokens_images_and_image_sizes(bui
     percentiles and a histogram, in --json and in the terminal."""
     per, _, _, _ = recompute(built)
     st = json.loads(CliRunner().invoke(app, ["stats", str(built), "--json"]).stdout)
-    for key, values in (("tokens_per_sample", per["tokens"]), ("trained_tokens_per_sample", per["trained"]),
-                        ("images_per_sample", per["images"]), ("tokens_per_image", per["tokens_per_image"])):
+    for key, values in (
+        ("tokens_per_sample", per["tokens"]),
+        ("trained_tokens_per_sample", per["trained"]),
+        ("images_per_sample", per["images"]),
+        ("tokens_per_image", per["tokens_per_image"]),
+    ):
         d = st[key]
         assert d["count"] == len(values) and d["min"] == values.min() and d["max"] == values.max(), key
         assert d["mean"] == pytest.approx(values.mean()), key
         assert [d[f"p{q}"] for q in (10, 50, 90, 99)] == [nearest_rank(values, q) for q in (10, 50, 90, 99)], key
         assert [sum(b["lo"] <= v < b["hi"] for v in values) for b in d["histogram"]] == [
-            b["count"] for b in d["histogram"]], key
+            b["count"] for b in d["histogram"]
+        ], key
         assert sum(b["count"] for b in d["histogram"]) == len(values), key
-    assert st["image_sizes"] == {"kind": "source", "distinct": 1, "top": [{"size": "320x200",
-                                                                           "count": len(per["sizes"])}]}
+    assert st["image_sizes"] == {
+        "kind": "source",
+        "distinct": 1,
+        "top": [{"size": "320x200", "count": len(per["sizes"])}],
+    }
     assert set(per["sizes"]) == {"320x200"}
 
     text = CliRunner().invoke(app, ["stats", str(built)]).stdout.splitlines()
@@ -150,7 +180,12 @@ def test_stats_per_input_file(built):
     assert list(inputs) == ["traces.jsonl", "bad.jsonl"]
     traces, bad = inputs["traces.jsonl"], inputs["bad.jsonl"]
     per, truncated, _, rejects = recompute(built)
-    assert (traces["records"], traces["samples"], traces["rejected"], traces["rejects"]) == (6, len(per["tokens"]), 0, {})
+    assert (traces["records"], traces["samples"], traces["rejected"], traces["rejects"]) == (
+        6,
+        len(per["tokens"]),
+        0,
+        {},
+    )
     assert (bad["records"], bad["samples"], bad["rejected"]) == (3, 0, 3) and bad["rejects"] == rejects
     assert traces["tokens"] == per["tokens"].sum() and traces["trainable_tokens"] == per["trained"].sum()
     assert traces["images"] == per["images"].sum() and traces["truncated_samples"] == truncated
@@ -165,12 +200,33 @@ def test_stats_per_input_file(built):
 
     text = CliRunner().invoke(app, ["stats", str(built)]).stdout.splitlines()
     head = text.index("per input file:")
-    assert text[head + 1].split() == ["file", "records", "samples", "rejected", "turns", "trained", "coverage",
-                                      "truncated", "images", "tokens", "trained"]
+    assert text[head + 1].split() == [
+        "file",
+        "records",
+        "samples",
+        "rejected",
+        "turns",
+        "trained",
+        "coverage",
+        "truncated",
+        "images",
+        "tokens",
+        "trained",
+    ]
     assert text[head + 2].split() == [
-        "traces.jsonl", "6", str(traces["samples"]), "0", str(traces["trained_assistant_turns"]), "of",
-        str(traces["input_assistant_turns"]), f"{traces['coverage']:.1%}", str(truncated), str(traces["images"]),
-        str(traces["tokens"]), str(traces["trainable_tokens"])]
+        "traces.jsonl",
+        "6",
+        str(traces["samples"]),
+        "0",
+        str(traces["trained_assistant_turns"]),
+        "of",
+        str(traces["input_assistant_turns"]),
+        f"{traces['coverage']:.1%}",
+        str(truncated),
+        str(traces["images"]),
+        str(traces["tokens"]),
+        str(traces["trainable_tokens"]),
+    ]
     assert text[head + 3].split()[:4] == ["bad.jsonl", "3", "0", "3"]
 
 
@@ -186,8 +242,10 @@ def test_stats_of_a_dataset_without_per_input_counts_says_so_in_one_line(built, 
     res = CliRunner().invoke(app, ["stats", str(old)])
     assert res.exit_code == 0, res.output
     lines = [line for line in res.stdout.splitlines() if line.startswith("per input file")]
-    assert lines == ["per input file     unavailable: this dataset was built before vlmprep recorded per-input "
-                     "counts (rebuild to see them)"]
+    assert lines == [
+        "per input file     unavailable: this dataset was built before vlmprep recorded per-input "
+        "counts (rebuild to see them)"
+    ]
     st = json.loads(CliRunner().invoke(app, ["stats", str(old), "--json"]).stdout)
     assert st["inputs"] is None and st["mismatches"] == [] and st["samples"] > 0
 
@@ -213,15 +271,30 @@ def _input(name, trained, of, *, samples=2, truncated=0, rejects=None, cut=None)
     """An input file's counts; `cut` turns lost to --seq-len (default: every untrained turn)."""
     rejects = rejects or {}
     cut = of - trained if cut is None else cut
-    return {"name": name, "path": f"/d/{name}", "trained_assistant_turns": trained, "input_assistant_turns": of,
-            "coverage": trained / of if of else 1.0, "kept_share": trained / (trained + cut) if trained + cut else 1.0,
-            "samples": samples, "truncated_samples": truncated, "rejected": sum(rejects.values()), "rejects": rejects}
+    return {
+        "name": name,
+        "path": f"/d/{name}",
+        "trained_assistant_turns": trained,
+        "input_assistant_turns": of,
+        "coverage": trained / of if of else 1.0,
+        "kept_share": trained / (trained + cut) if trained + cut else 1.0,
+        "samples": samples,
+        "truncated_samples": truncated,
+        "rejected": sum(rejects.values()),
+        "rejects": rejects,
+    }
 
 
 def _stats(inputs, *, floor=0.95, samples=10, truncated=0, large=None, dataset_line=None):
-    return {"min_turn_coverage": floor, "inputs": inputs, "samples": samples, "truncated_samples": truncated,
-            "dropped_images": 3 * truncated, "coverage_warning": dataset_line,
-            "large_images": large or {"limit": 4096, "count": 0, "largest": None, "max_pixels": None}}
+    return {
+        "min_turn_coverage": floor,
+        "inputs": inputs,
+        "samples": samples,
+        "truncated_samples": truncated,
+        "dropped_images": 3 * truncated,
+        "coverage_warning": dataset_line,
+        "large_images": large or {"limit": 4096, "count": 0, "largest": None, "max_pixels": None},
+    }
 
 
 def test_warnings_name_the_low_coverage_files_the_truncated_share_and_large_images():
@@ -229,11 +302,17 @@ def test_warnings_name_the_low_coverage_files_the_truncated_share_and_large_imag
     (trained of the turns to train: those --seq-len lost count, a rejected record's do not), lowest first."""
     from vlmprep.tools.stats import COVERAGE_FIX, data_warnings
 
-    inputs = [_input("opencua.jsonl", 24, 69, samples=6, truncated=6), _input("webvoyager.jsonl", 88, 90, samples=15,
-                                                                              truncated=2),
-              _input("seeact.jsonl", 4, 6, rejects={"no_trainable_tokens_after_truncation": 1}, cut=1)]
-    large = {"limit": 4096, "count": 5, "max_pixels": 3211264,
-             "largest": {"tokens": 9524, "size": "1280x5808", "file": "/d/seeact.jsonl"}}
+    inputs = [
+        _input("opencua.jsonl", 24, 69, samples=6, truncated=6),
+        _input("webvoyager.jsonl", 88, 90, samples=15, truncated=2),
+        _input("seeact.jsonl", 4, 6, rejects={"no_trainable_tokens_after_truncation": 1}, cut=1),
+    ]
+    large = {
+        "limit": 4096,
+        "count": 5,
+        "max_pixels": 3211264,
+        "largest": {"tokens": 9524, "size": "1280x5808", "file": "/d/seeact.jsonl"},
+    }
     assert data_warnings(_stats(inputs, samples=23, truncated=8, large=large, dataset_line="DATASET")) == [
         "DATASET",
         "opencua.jsonl: 24 of 69 assistant turns trained (34.8% of those to train < 0.95; 6 of 6 samples truncated, "
@@ -243,7 +322,8 @@ def test_warnings_name_the_low_coverage_files_the_truncated_share_and_large_imag
         "8 of 23 samples truncated (34.8% > 10%; opencua.jsonl 6 of 6, webvoyager.jsonl 2 of 15), 24 images dropped "
         f"by the cut; fix: {COVERAGE_FIX}",
         "5 images over 4096 tokens (largest 9524: 1280x5808 in seeact.jsonl); fix: --max-pixels 3211264 caps an image "
-        "at 4096 tokens"]
+        "at 4096 tokens",
+    ]
     # A rejected record's turns are the reject threshold's business, not coverage's.
     assert not any(w.startswith("seeact") for w in data_warnings(_stats([inputs[0], {**inputs[2], "kept_share": 1.0}])))
     # The threshold is the dataset's own (the build's --min-turn-coverage, in the manifest config).
@@ -285,8 +365,11 @@ class _FakeStored:
         return self._meta
 
     def array(self, name):
-        return {"loss_mask": np.ones(len(self._types), np.uint8), "mm_token_type_ids": self._types,
-                "image_grid_thw": np.ones((len(self._meta["images"]), 3), np.int32)}[name]
+        return {
+            "loss_mask": np.ones(len(self._types), np.uint8),
+            "mm_token_type_ids": self._types,
+            "image_grid_thw": np.ones((len(self._meta["images"]), 3), np.int32),
+        }[name]
 
 
 def test_image_sizes_and_tokens_per_image_from_one_sample():
@@ -295,8 +378,10 @@ def test_image_sizes_and_tokens_per_image_from_one_sample():
     from vlmprep.tools.stats import _Scan
 
     big = 2048 + 1
-    images = [{"width": 56, "height": 28, "source_width": 100, "source_height": 50},
-              {"width": 28 * big, "height": 28, "source_width": 5000, "source_height": 30}]
+    images = [
+        {"width": 56, "height": 28, "source_width": 100, "source_height": 50},
+        {"width": 28 * big, "height": 28, "source_width": 5000, "source_height": 30},
+    ]
     scan = _Scan(2048)
     scan.add(_FakeStored({"source": {"file": "a.jsonl"}, "images": images}, [0, 1, 1, 0] + [1] * big + [0]))
     assert scan.image_token_runs == [2, big] and scan.sizes_are_source
@@ -307,10 +392,16 @@ def test_image_sizes_and_tokens_per_image_from_one_sample():
     # A dataset that records each image's unit (its span): those are the image's tokens, wrappers and all (Llama 4
     # marks one token of its ~150 as the image).
     scan = _Scan(2048)
-    scan.add(_FakeStored({"source": {"file": "a.jsonl"}, "num_image_tokens": 7,
-                          "images": [{"width": 56, "height": 28, "span": [1, 6]}, {"width": 8, "height": 8,
-                                                                                    "span": [7, 9]}]},
-                         [0, 0, 0, 1, 0, 0, 0, 0, 1, 0]))
+    scan.add(
+        _FakeStored(
+            {
+                "source": {"file": "a.jsonl"},
+                "num_image_tokens": 7,
+                "images": [{"width": 56, "height": 28, "span": [1, 6]}, {"width": 8, "height": 8, "span": [7, 9]}],
+            },
+            [0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+        )
+    )
     assert scan.image_token_runs == [5, 2] and scan.image_tokens == [7]
 
 
@@ -331,7 +422,8 @@ def test_stats_html_report_is_self_contained_with_a_chart_per_distribution(built
         def handle_starttag(self, tag, attrs):
             a = dict(attrs)
             if tag in ("script", "link", "iframe", "object", "img") or any(
-                    (a.get(k) or "").startswith(("http", "//")) for k in ("src", "href")):
+                (a.get(k) or "").startswith(("http", "//")) for k in ("src", "href")
+            ):
                 self.external.append(tag)
             if tag == "svg" and a.get("class") == "hist":
                 self.charts.append((a["aria-label"], int(a["data-bins"])))
@@ -344,8 +436,12 @@ def test_stats_html_report_is_self_contained_with_a_chart_per_distribution(built
     html = page.read_text(encoding="utf-8")
     p.feed(html)
     assert p.external == [] and "Content-Security-Policy" in html
-    labels = {"tokens_per_sample": "tokens per sample", "trained_tokens_per_sample": "trained tokens per sample",
-              "images_per_sample": "images per sample", "tokens_per_image": "tokens per image"}
+    labels = {
+        "tokens_per_sample": "tokens per sample",
+        "trained_tokens_per_sample": "trained tokens per sample",
+        "images_per_sample": "images per sample",
+        "tokens_per_image": "tokens per image",
+    }
     assert p.charts == [(label, len(st[key]["histogram"])) for key, label in labels.items()]
     assert p.bars == sum(len(st[key]["histogram"]) for key in labels)
     assert "traces.jsonl" in p.rows and "bad.jsonl" in p.rows
@@ -370,13 +466,14 @@ def test_stats_html_renders_in_headless_chromium(built, tmp_path):
     run_chromium(binary, tmp_path, f"--screenshot={shot}", page.as_uri())
     img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
     assert len(np.unique(img.reshape(-1, 3), axis=0)) > 50, "the screenshot looks blank"
-    bar = np.array([int(BAR[i:i + 2], 16) for i in (1, 3, 5)])
+    bar = np.array([int(BAR[i : i + 2], 16) for i in (1, 3, 5)])
     assert int((np.abs(img - bar).max(axis=2) <= 3).sum()) > 5000, "no histogram bars in the screenshot"
 
 
 # Beside the checkout in CI (as in tests/vlmprep/processors/test_vendors.py); VLMPREP_REAL_TRACES names another place.
-REAL_TRACES = Path(os.environ.get("VLMPREP_REAL_TRACES",
-                                  Path(__file__).resolve().parents[4] / "shared" / "data" / "real_traces"))
+REAL_TRACES = Path(
+    os.environ.get("VLMPREP_REAL_TRACES", Path(__file__).resolve().parents[4] / "shared" / "data" / "real_traces")
+)
 
 
 @pytest.mark.slow  # a build of the 42 real records (~1 min on 2 cores) and two browser runs
@@ -396,16 +493,37 @@ def test_stats_on_the_real_traces_shows_what_each_file_loses(tmp_path):
         pytest.skip(f"{REAL_TRACES} is not here")
     out = tmp_path / "real"
     # Whatever the build's exit code (a coverage threshold may fail it), the dataset is written and stats reads it.
-    subprocess.run([sys.executable, "-m", "vlmprep", "build", "--in", str(REAL_TRACES), "--out", str(out),
-                    "--chat-template", TOOLS, "--long-traces", "truncate", "--no-progress"], capture_output=True,
-                   timeout=1200)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlmprep",
+            "build",
+            "--in",
+            str(REAL_TRACES),
+            "--out",
+            str(out),
+            "--chat-template",
+            TOOLS,
+            "--long-traces",
+            "truncate",
+            "--no-progress",
+        ],
+        capture_output=True,
+        timeout=1200,
+    )
     res = CliRunner().invoke(app, ["stats", str(out), "--html", str(tmp_path / "stats.html")])
     assert res.exit_code == 0, res.output
     text = res.stdout.splitlines()
     st = json.loads(CliRunner().invoke(app, ["stats", str(out), "--json"]).stdout)
     files = {i["name"]: i for i in st["inputs"]}
-    assert set(files) == {"llamafactory_mllm_demo.jsonl", "opencua.jsonl", "qwen25vl_cookbooks.jsonl",
-                          "seeact.jsonl", "webvoyager.jsonl"}
+    assert set(files) == {
+        "llamafactory_mllm_demo.jsonl",
+        "opencua.jsonl",
+        "qwen25vl_cookbooks.jsonl",
+        "seeact.jsonl",
+        "webvoyager.jsonl",
+    }
     opencua, webvoyager = files["opencua.jsonl"], files["webvoyager.jsonl"]
     assert opencua["coverage"] < 0.5 and opencua["truncated_samples"] == opencua["samples"] == 6
     assert webvoyager["coverage"] >= 0.95
@@ -420,8 +538,7 @@ def test_stats_on_the_real_traces_shows_what_each_file_loses(tmp_path):
     assert not any(w.startswith("WARNING: webvoyager.jsonl: ") for w in warnings)
     assert any("samples truncated" in w and "fix: " in w for w in warnings)
     assert any(" over 2048 tokens " in w and "--max-pixels 1605632" in w for w in warnings)
-    seeact = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()
-              if "seeact" in line]
+    seeact = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines() if "seeact" in line]
     assert any("1280x5808" in r["message"] and "--max-pixels" in r["message"] for r in seeact)
 
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -430,30 +547,41 @@ def test_stats_on_the_real_traces_shows_what_each_file_loses(tmp_path):
     shot = tmp_path / "stats.png"
     run_chromium(binary, tmp_path, f"--screenshot={shot}", (tmp_path / "stats.html").as_uri())
     img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
-    bar = np.array([int(BAR[i:i + 2], 16) for i in (1, 3, 5)])
+    bar = np.array([int(BAR[i : i + 2], 16) for i in (1, 3, 5)])
     assert len(np.unique(img.reshape(-1, 3), axis=0)) > 50 and (np.abs(img - bar).max(axis=2) <= 3).sum() > 5000
     # The first screen (1280x1000) of an OpenCUA sample shows trained text, not its system prompt.
     sample = tmp_path / "sample.html"
     first = next(line for line in (REAL_TRACES / "opencua.jsonl").read_text().splitlines() if line.strip())
-    assert CliRunner().invoke(app, ["inspect", str(out), "--id", json.loads(first)["id"], "--html",
-                                    str(sample)]).exit_code == 0
+    assert (
+        CliRunner().invoke(app, ["inspect", str(out), "--id", json.loads(first)["id"], "--html", str(sample)]).exit_code
+        == 0
+    )
     shot = tmp_path / "sample.png"
     run_chromium(binary, tmp_path, "--window-size=1280,1000", f"--screenshot={shot}", sample.as_uri())
     img = np.asarray(Image.open(shot).convert("RGB")).astype(int)[:1000]
-    green = np.array([int(TRAINED_BG[i:i + 2], 16) for i in (1, 3, 5)])
+    green = np.array([int(TRAINED_BG[i : i + 2], 16) for i in (1, 3, 5)])
     assert (np.abs(img - green).max(axis=2) <= 3).sum() > 5000, "no trained text on the sample's first screen"
 
 
 def test_many_input_files_list_the_lowest_coverage_first():
     from vlmprep.tools.stats import MAX_INPUT_ROWS, _input_lines
 
-    inputs = [{**_input(f"part-{k:03d}.jsonl", 100 - k, 100), "path": f"/d/part-{k:03d}.jsonl", "records": 1,
-               "images": 0, "tokens": 10, "trainable_tokens": 1} for k in range(MAX_INPUT_ROWS + 5)]
+    inputs = [
+        {
+            **_input(f"part-{k:03d}.jsonl", 100 - k, 100),
+            "path": f"/d/part-{k:03d}.jsonl",
+            "records": 1,
+            "images": 0,
+            "tokens": 10,
+            "trainable_tokens": 1,
+        }
+        for k in range(MAX_INPUT_ROWS + 5)
+    ]
     lines = _input_lines({"inputs": inputs})
-    assert lines[0] == (f"per input file ({MAX_INPUT_ROWS} of {MAX_INPUT_ROWS + 5}, lowest turn coverage first; "
-                        "--json lists all):")
-    assert [line.split()[0] for line in lines[2:]] == [f"part-{k:03d}.jsonl" for k in range(MAX_INPUT_ROWS + 4,
-                                                                                              4, -1)]
+    assert lines[0] == (
+        f"per input file ({MAX_INPUT_ROWS} of {MAX_INPUT_ROWS + 5}, lowest turn coverage first; --json lists all):"
+    )
+    assert [line.split()[0] for line in lines[2:]] == [f"part-{k:03d}.jsonl" for k in range(MAX_INPUT_ROWS + 4, 4, -1)]
 
 
 def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
@@ -468,8 +596,9 @@ def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
     runs = {}
     for workers in (1, 2, 3):
         seen = []
-        runs[workers] = compute_stats(built, workers=workers, on_shard=lambda done, total, seen=seen:
-                                      seen.append((done, total)))
+        runs[workers] = compute_stats(
+            built, workers=workers, on_shard=lambda done, total, seen=seen: seen.append((done, total))
+        )
         assert seen == [(k, n) for k in range(1, n + 1)]
     assert runs[1] == runs[2] == runs[3] and format_stats(runs[1]) == format_stats(runs[3])
     assert runs[1]["samples"] > n and runs[1]["truncated_samples"] and runs[1]["dropped_images"]
@@ -497,8 +626,9 @@ def test_samples_and_rejects_tables_load_in_pandas_and_add_up_to_the_manifest(bu
     tables = {}
     for w in (1, 2):
         s, r = tmp_path / f"samples-{w}.parquet", tmp_path / f"rejects-{w}.parquet"
-        res = CliRunner().invoke(app, ["stats", str(built), "--samples", str(s), "--rejects", str(r),
-                                       "--workers", str(w)])
+        res = CliRunner().invoke(
+            app, ["stats", str(built), "--samples", str(s), "--rejects", str(r), "--workers", str(w)]
+        )
         assert res.exit_code == 0, res.output
         assert f"wrote {s} ({manifest['totals']['samples']} samples)" in res.output
         tables[w] = s.read_bytes(), r.read_bytes()
@@ -510,12 +640,19 @@ def test_samples_and_rejects_tables_load_in_pandas_and_add_up_to_the_manifest(bu
     assert int(samples["trained_tokens"].sum()) == t["trainable_tokens"]
     assert int(samples["images"].sum()) == t["images"] and int(samples["truncated"].sum()) == t["truncated_samples"]
     per, truncated, _, by_reason = recompute(built)
-    assert samples["tokens"].tolist() == per["tokens"].tolist() and samples["trained_tokens"].tolist() == per[
-        "trained"].tolist() and int(samples["truncated"].sum()) == truncated
+    assert (
+        samples["tokens"].tolist() == per["tokens"].tolist()
+        and samples["trained_tokens"].tolist() == per["trained"].tolist()
+        and int(samples["truncated"].sum()) == truncated
+    )
     shards = [s["name"] for s in manifest["shards"]]
     assert samples["shard"].tolist() == [n for n, s in zip(shards, manifest["shards"]) for _ in range(s["num_samples"])]
     assert samples.groupby("shard")["shard_index"].apply(list).tolist() == [
-        list(range(s["num_samples"])) for s in manifest["shards"]]
+        list(range(s["num_samples"])) for s in manifest["shards"]
+    ]
     assert rejects["reason"].value_counts().to_dict() == manifest["rejects"] == by_reason
     assert set(rejects["source_file"]) == {str(built.parent / "bad.jsonl")} and rejects["source_line"].tolist() == [
-        1, 2, 3]
+        1,
+        2,
+        3,
+    ]

@@ -20,12 +20,29 @@ def built(tmp_path_factory, qwen2vl_processor):
     from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("verify")
-    write_traces(d / "t.jsonl.zst", n=6, seed=2, min_images=1, max_images=3, width=320, height=200,
-                 overlong_fraction=0.0, text_only_fraction=0.2)
+    write_traces(
+        d / "t.jsonl.zst",
+        n=6,
+        seed=2,
+        min_images=1,
+        max_images=3,
+        width=320,
+        height=200,
+        overlong_fraction=0.0,
+        text_only_fraction=0.2,
+    )
     # The demo's agent turns are tool calls: the tool-aware template renders them (the default would reject).
     template = Path(__file__).resolve().parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"
-    build(BuildConfig(inputs=(str(d / "t.jsonl.zst"),), out=str(d / "ds"), samples_per_shard=3, seq_len=4096,
-                      progress=False, chat_template=str(template)))
+    build(
+        BuildConfig(
+            inputs=(str(d / "t.jsonl.zst"),),
+            out=str(d / "ds"),
+            samples_per_shard=3,
+            seq_len=4096,
+            progress=False,
+            chat_template=str(template),
+        )
+    )
     assert len(list((d / "ds").glob("shard-*.tar"))) >= 2
     return d / "ds"
 
@@ -86,8 +103,11 @@ def test_shard_level_faults(ds):
     (ds / "shard-000009.tar").write_bytes(b"stray")
     (ds / "shard-000001.tar").unlink()
     got = sorted(str(v) for v in verify_dataset(ds))
-    assert got == ["shard-000000.tar: sha256 differs from the manifest", "shard-000001.tar: missing",
-                   "shard-000009.tar: shard file not listed in the manifest"]
+    assert got == [
+        "shard-000000.tar: sha256 differs from the manifest",
+        "shard-000001.tar: missing",
+        "shard-000009.tar: shard file not listed in the manifest",
+    ]
     res = CliRunner().invoke(app, ["verify", str(ds)])
     assert res.exit_code == 1 and "FAIL shard-000001.tar: missing" in res.output
 
@@ -106,21 +126,31 @@ def test_manifest_faults(ds):
 def _set_array(ext, fn):
     def mutate(members):
         members[ext] = npy(fn(np.load(io.BytesIO(members[ext]))))
+
     return mutate
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (_set_array("loss_mask.npy", lambda m: np.ones_like(m)), "loss_mask trains image placeholder tokens"),
-    (_set_array("loss_mask.npy", lambda m: m[:-1]), "loss_mask.npy declares shape"),
-    (_set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)), "image placeholders, grid rows need"),
-    (_set_array("input_ids.npy", lambda a: a.astype(np.int64)), "input_ids.npy is int64"),
-    (_set_array("image_index.npy", lambda a: a + 1), "image_index"),
-    (lambda m: m.update({"json": b"{\"id\": 1}"}), "meta:"),
-    (lambda m: m.update({"evil.pyd": b"cos\nsystem\n(S'touch /tmp/pwned'\ntR."}), "refused, not decoded"),
-    (lambda m: m.update({"model.pth": b"PK\x03\x04"}), "refused, not decoded"),
-    (lambda m: m.update({"input_ids.npy": npy(np.array([object()], dtype=object))}), "input_ids.npy is not a plain numeric .npy"),
-    (lambda m: m.update({k: b"garbage" for k in m if k.startswith("img")}), "undecodable"),
-])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (_set_array("loss_mask.npy", lambda m: np.ones_like(m)), "loss_mask trains image placeholder tokens"),
+        (_set_array("loss_mask.npy", lambda m: m[:-1]), "loss_mask.npy declares shape"),
+        (
+            _set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)),
+            "image placeholders, grid rows need",
+        ),
+        (_set_array("input_ids.npy", lambda a: a.astype(np.int64)), "input_ids.npy is int64"),
+        (_set_array("image_index.npy", lambda a: a + 1), "image_index"),
+        (lambda m: m.update({"json": b'{"id": 1}'}), "meta:"),
+        (lambda m: m.update({"evil.pyd": b"cos\nsystem\n(S'touch /tmp/pwned'\ntR."}), "refused, not decoded"),
+        (lambda m: m.update({"model.pth": b"PK\x03\x04"}), "refused, not decoded"),
+        (
+            lambda m: m.update({"input_ids.npy": npy(np.array([object()], dtype=object))}),
+            "input_ids.npy is not a plain numeric .npy",
+        ),
+        (lambda m: m.update({k: b"garbage" for k in m if k.startswith("img")}), "undecodable"),
+    ],
+)
 def test_per_sample_faults(ds, mutate, expect):
     rewrite_first_image_sample(ds, mutate)
     assert verify_dataset(ds, deep=False) == []  # re-sealed: only the deep checks can see it
@@ -128,8 +158,9 @@ def test_per_sample_faults(ds, mutate, expect):
     assert any(expect in g for g in got), got
 
 
-@pytest.mark.parametrize("name", ["qwen2-vl"] + [pytest.param(n, marks=pytest.mark.slow)
-                                                  for n in ("qwen2.5-vl", "qwen3-vl", "qwen3.5")])  # make-test budget
+@pytest.mark.parametrize(
+    "name", ["qwen2-vl"] + [pytest.param(n, marks=pytest.mark.slow) for n in ("qwen2.5-vl", "qwen3-vl", "qwen3.5")]
+)  # make-test budget
 def test_every_builtin_family_gets_the_per_sample_grid_checks(name, tmp_path):
     """The family registry tells verify which datasets have patch grids: a planted grid fault is caught for each
     builtin (Qwen3-VL / Qwen3.5 share Qwen2-VL's checks, with their own 16 px patch from the saved processor)."""
@@ -140,8 +171,15 @@ def test_every_builtin_family_gets_the_per_sample_grid_checks(name, tmp_path):
     rec["images"] = [str(LLAMAFACTORY / p) for p in rec["images"]]
     (tmp_path / "one.json").write_text(json.dumps([rec]))
     out = tmp_path / "ds"
-    build(BuildConfig(inputs=(str(tmp_path / "one.json"),), out=str(out), processor=f"builtin:{name}",
-                      image_root=str(LLAMAFACTORY), progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(tmp_path / "one.json"),),
+            out=str(out),
+            processor=f"builtin:{name}",
+            image_root=str(LLAMAFACTORY),
+            progress=False,
+        )
+    )
     assert verify_dataset(out) == []
     rewrite_first_image_sample(out, _set_array("image_grid_thw.npy", lambda g: g * np.array([1, 2, 1], np.int32)))
     assert any("grid rows need" in str(v) for v in verify_dataset(out)), verify_dataset(out)
@@ -152,7 +190,8 @@ def test_a_sample_index_that_is_not_the_manifests_or_not_the_shards_is_a_violati
     good = side.read_bytes()
     side.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     assert [str(v) for v in verify_dataset(ds, deep=False)] == [
-        "shard-000000.tar.index.npy: size or sha256 differs from the manifest"]
+        "shard-000000.tar.index.npy: size or sha256 differs from the manifest"
+    ]
     rows = np.load(io.BytesIO(good))
     rows["num_tokens"][0] += 1  # re-sealed in the manifest: only the deep check sees the row is wrong
     buf = io.BytesIO()
@@ -179,19 +218,23 @@ def test_the_dataset_index_is_every_sidecar_and_verify_checks_it(ds):
     assert listed["name"] == "samples.index.npy" and listed["bytes"] == path.stat().st_size
     assert listed["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     rows = np.load(path, allow_pickle=False)
-    np.testing.assert_array_equal(rows, np.concatenate([load_sample_index(ds, ShardEntry.from_json(s)) for s in manifest["shards"]]))
+    np.testing.assert_array_equal(
+        rows, np.concatenate([load_sample_index(ds, ShardEntry.from_json(s)) for s in manifest["shards"]])
+    )
     rows["start"][1] += 512  # re-sealed: only the deep check sees the rows are not the sidecars'
     buf = io.BytesIO()
     np.save(buf, rows, allow_pickle=False)
     path.write_bytes(buf.getvalue())
     assert [str(v) for v in verify_dataset(ds, deep=False)] == [
-        "samples.index.npy: size or sha256 differs from the manifest"]
+        "samples.index.npy: size or sha256 differs from the manifest"
+    ]
     listed.update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
     (ds / "manifest.json").write_text(json.dumps(manifest))
     assert verify_dataset(ds, deep=False) == []
     got = [str(v) for v in verify_dataset(ds)]
-    assert got == [f"samples.index.npy: rows 0..{manifest['shards'][0]['num_samples'] - 1} are not shard-000000.tar's "
-                   "sample index"]
+    assert got == [
+        f"samples.index.npy: rows 0..{manifest['shards'][0]['num_samples'] - 1} are not shard-000000.tar's sample index"
+    ]
 
 
 def test_the_commands_that_read_every_sample_say_so_in_their_help():
@@ -237,7 +280,8 @@ def test_workers_check_shards_in_processes_and_report_the_same_in_manifest_order
     res = CliRunner().invoke(app, ["verify", str(ds), "--workers", "2"])
     assert res.exit_code == 1 and res.output.strip().splitlines() == [
         "error: a verify worker process stopped abruptly (killed, out of memory, or crashed): run it again with "
-        "--workers 1 to read the shards in this process"]
+        "--workers 1 to read the shards in this process"
+    ]
     assert verify_dataset(ds, workers=1) != []  # in this process the patch never dies
 
 
@@ -250,8 +294,14 @@ def test_an_undecodable_sample_is_reported_and_its_correct_index_row_is_not(tmp_
     src = small_dataset(tmp_path / "src")
     ds = copy_dataset(src, tmp_path / "ds", indexes=True)
     with tarfile.open(ds / "shard-000000.tar") as tf:
-        image = next(m for m in tf.getmembers() if ".img" in m.name or m.name.endswith((".png", ".zst")) and
-                     ".npy" not in m.name and not m.name.endswith(".json"))
+        image = next(
+            m
+            for m in tf.getmembers()
+            if ".img" in m.name
+            or m.name.endswith((".png", ".zst"))
+            and ".npy" not in m.name
+            and not m.name.endswith(".json")
+        )
     patch_members(ds / "shard-000000.tar", {image.name: b"\x00" * image.size})
     reseal(ds)
     found = [str(v) for v in verify_dataset(ds)]
