@@ -605,7 +605,9 @@ def test_a_dataset_10x_the_cache_limit_trains_shuffled_and_mixed_every_sample_on
         got = [i for m in read_metrics(tmp_path / "one") for i in m["sample_ids"]]
         assert sorted(got) == sorted(ids) and len(got) == 24 and got != sorted(got)  # once each, shuffled
         assert peak <= limit + biggest, (peak, limit)
-        assert by_first is not None and by_first < len(shards) // 2, by_first  # step 1 long before the last shard
+        # Step 1 before the last shard is fetched: streaming, not fetch-all-first. (The prefetcher runs on while step 1
+        # computes, as far as the cache limit lets it, so how far it got by then depends on the box's load.)
+        assert by_first is not None and by_first < len(shards), by_first
         assert "remote shards stream through" in proc.stderr
         srv.log.clear()
         mix = [

@@ -228,6 +228,43 @@ def test_a_full_disk_fails_the_fetch_in_one_line_that_the_readers_see(dataset, i
     assert not list((tmp_path / "c").glob("errors")), "nothing is written to the full disk to report it"
 
 
+def _in_a_tmpfs(cache: Path, size: int) -> list[str] | None:
+    """A command prefix that runs its command with a real tmpfs of `size` bytes mounted at `cache`, in a private
+    mount namespace (as an unprivileged user where user namespaces are allowed; as root otherwise); None where
+    this machine allows neither."""
+    import shutil
+
+    if not shutil.which("unshare"):
+        return None
+    prefix = ["unshare", "-Urm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"', str(cache)]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else None
+
+
+@pytest.mark.slow  # a trainer start-up over loopback HTTP in its own mount namespace: ~50 s on 2 cores
+def test_a_real_full_tmpfs_cache_ends_the_run_in_one_line(dataset, tmp_path):
+    """The shard cache on a real tmpfs smaller than a shard (the kernel's ENOSPC, not a patched write): the run
+    exits 1 within a minute, its last line names the cache dir and the way out, and no traceback is printed;
+    before, the cache thread died with a traceback and the readers waited forever."""
+    from tests.support.range_server import RangeServer
+    from tests.trainer.conftest import trainer_cmd, trainer_env
+
+    shards = json.loads((dataset / "manifest.json").read_text())["shards"]
+    size = min(s["bytes"] for s in shards) // 2 // 4096 * 4096  # the indexes fit; no shard does
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    prefix = _in_a_tmpfs(cache, size)
+    if prefix is None:
+        pytest.skip("this machine lets no process mount a tmpfs (neither user namespaces nor root)")
+    with RangeServer(dataset) as srv:
+        cmd = trainer_cmd(["--data", f"{srv.url}/", "--out", tmp_path / "run", "--shard-cache", cache], 1)
+        r = subprocess.run([*prefix, *cmd], cwd=ROOT, env=trainer_env(), capture_output=True, text=True, timeout=240)
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"into {cache}" in last and "no space left there" in last and "--shard-cache-limit" in last, last
+
+
 def test_a_build_never_writes_through_a_link_planted_in_its_output(tmp_path, victim, traces):
     """A planted DIR/.vlmprep.lock or shard temp file: the build refuses in one line (the lock) or removes the
     link before writing its own file (a stale temp file); the target keeps its bytes either way."""
