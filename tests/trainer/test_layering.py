@@ -14,7 +14,14 @@ TRAINER = ROOT / "trainer"
 # The trainer's roles and which roles each may import. base: the options and what everything shares (the family
 # registry, file locks); data: trainer/data/, the data path; run: the entry points and what only the run uses.
 _ROLES = {
-    "base": ("trainer", "trainer.config", "trainer.options", "trainer.families", "trainer.locks"),
+    "base": (
+        "trainer",
+        "trainer.config",
+        "trainer.options",
+        "trainer.families",
+        "trainer.tiny_configs",
+        "trainer.locks",
+    ),
     "data": ("trainer.data",),
     "run": (
         "trainer.train",
