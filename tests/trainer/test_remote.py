@@ -720,3 +720,40 @@ def test_opening_a_manifest_costs_no_path_resolution_per_shard(dataset, tmp_path
     (big / "shard-000001.tar.index.npy").unlink()
     calls.clear()
     assert len(resolve_data(str(big)).shards) == 2000 and len(calls) <= 16  # the processor dir's own files
+
+
+@pytest.mark.parametrize("shift", ["into_its_data", "to_its_second_member"])
+def test_an_index_row_that_starts_inside_its_sample_blames_the_index_not_the_sample(
+    dataset, image_spec, tmp_path, shift
+):
+    """Rows the manifest vouches for (a dataset edited, or built by a foreign tool), one starting inside its sample:
+    the line says the index row and the shard disagree and names the row, where it used to call the intact sample
+    unreadable."""
+    import hashlib
+    import tarfile
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dataset, bad)
+    path = bad / "samples.index.npy"
+    rows = np.load(path)
+    i = 4
+    manifest = json.loads((bad / "manifest.json").read_text())
+    k = int(np.searchsorted(np.cumsum([s["num_samples"] for s in manifest["shards"]]), i, side="right"))
+    shard = manifest["shards"][k]["name"]
+    k_first = sum(s["num_samples"] for s in manifest["shards"][:k])
+    with tarfile.open(bad / shard) as tar:
+        offsets = [t.offset for t in tar]
+    start = int(rows["start"][i])
+    rows["start"][i] = start + 512 if shift == "into_its_data" else min(o for o in offsets if o > start)
+    np.save(path, rows, allow_pickle=False)
+    manifest["sample_index"].update(bytes=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    sources, _ = _sources(str(bad), tmp_path / "c")
+    order = schedule(sources, seed=1, epoch=0, shuffle=False, shuffle_shards=False, shuffle_span=1)
+    with pytest.raises(DataError) as e:
+        list(ScheduledStream(sources, order, start=0, spec=image_spec))
+    line = str(e.value)
+    assert "\n" not in line and "index row" in line and "run `vlmprep verify`" in line, line
+    assert (
+        f"{shard}: index row {i - k_first} " in line and "unreadable" not in line and "missing members" not in line
+    ), line

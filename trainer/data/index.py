@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer import locks
-from trainer.data.decode import check_member_names, sample_version
+from trainer.data.decode import META_MEMBER, arrays_of, check_member_names, sample_version
 from trainer.data.errors import DataError
 from trainer.data.sources import REMOTE, REMOTE_OR_PIPE, IndexRef, ShardRef
 from trainer.data.storage import StorageError, fetch
@@ -431,7 +431,8 @@ def index_shards(shards: tuple[ShardRef, ...], index: Callable[[ShardRef], Shard
 
 
 def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, bytes]]:
-    """Sample i of an indexed shard: (key, members), one read of its byte range."""
+    """Sample i of an indexed shard: (key, members), one read of its byte range. Bytes that are not one whole
+    sample are the index row's fault as much as the shard's: the line names the row, not "the sample"."""
     a, z = int(index.starts[i]), int(index.ends[i])
     own = f is None
     f = f or open(index.path, "rb")
@@ -443,6 +444,7 @@ def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, byte
             f.close()
     members: dict[str, bytes] = {}
     key = None
+    why = None
     try:
         with tarfile.open(fileobj=io.BytesIO(chunk), mode="r:") as tar:
             for ti in tar:
@@ -451,13 +453,21 @@ def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, byte
                 k, _, ext = os.path.basename(ti.name).partition(".")
                 key = key or k
                 if k != key or ext in members:
-                    raise DataError(
-                        f"{index.path}: sample {i} is not one run of members (the shard changed since it was indexed)"
-                    )
+                    why = f"members of samples {key} and {k}"
+                    break
                 check_member_size(ti, ext, index.path)
                 members[ext] = tar.extractfile(ti).read()
     except (tarfile.TarError, OSError) as e:
-        raise DataError(f"{index.path}: sample {i} unreadable: {e}") from None
-    if key is None:
-        raise DataError(f"{index.path}: sample {i} holds no members (the shard changed since it was indexed)")
+        why = f"no tar header there: {e}"
+    if why is None and key is None:
+        why = "no members"
+    if why is None:
+        missing = [n for n in (*arrays_of(sample_version(members)), META_MEMBER) if n not in members]
+        why = f"sample {key} without its {', '.join(missing)}" if missing else None
+    if why is not None:
+        raise DataError(
+            f"{index.path}: index row {i} (bytes {a}..{z}) is not one whole sample of the shard ({why}): the sample "
+            "index and the shard disagree (a corrupt or foreign dataset, or a shard changed since it was indexed); "
+            "run `vlmprep verify`"
+        )
     return key, members
