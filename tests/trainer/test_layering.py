@@ -25,6 +25,7 @@ _ROLES = {
     "data": ("trainer.data",),
     "run": (
         "trainer.train",
+        "trainer.loop",
         "trainer.checkpoint",
         "trainer.export",
         "trainer.evaluate",
