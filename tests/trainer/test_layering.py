@@ -17,6 +17,7 @@ _ROLES = {
     "base": (
         "trainer",
         "trainer.config",
+        "trainer.option_values",
         "trainer.options",
         "trainer.families",
         "trainer.tiny_configs",
