@@ -349,7 +349,8 @@ def stats(
     import json
 
     from vlmprep.tools.per_shard import shard_progress
-    from vlmprep.tools.stats import compute_stats, format_stats
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.stats_text import format_stats
 
     root, shown = _local_dir(root, "stats")
 

@@ -700,7 +700,8 @@ def test_file_level_case(name, file_faults):
             from vlmprep.shards.summary import format_build_summary
 
             assert f"unread input      {len(ZST_GARBAGE)} bytes" in format_build_summary(res.manifest, d)
-            from vlmprep.tools.stats import compute_stats, format_stats
+            from vlmprep.tools.stats import compute_stats
+            from vlmprep.tools.stats_text import format_stats
 
             st = compute_stats(d.parent / f"out{tasks}")
             assert st["unread_bytes"] == len(ZST_GARBAGE) and st["mismatches"] == [], st["mismatches"]

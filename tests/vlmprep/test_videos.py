@@ -400,7 +400,8 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     assert res.manifest.totals["videos"] == 1 and res.manifest.totals["dropped_videos"] == 1
     assert res.manifest.format_version == 4
     from vlmprep.shards.summary import format_build_summary
-    from vlmprep.tools.stats import compute_stats, format_stats
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.stats_text import format_stats
 
     assert "(0 images and 1 video dropped by the cut)" in format_build_summary(res.manifest, cut)
     assert "0 images and 1 video dropped by the cut" in format_stats(compute_stats(cut))
@@ -464,7 +465,7 @@ def test_verify_stats_and_inspect_read_a_video_dataset(built):
         if re.search(r"\.vid\d{3}\.\d{4}\.", m)
     )  # the frame members themselves
     assert st["video_frames"] == stored > len(CLIPS)
-    from vlmprep.tools.stats import format_stats
+    from vlmprep.tools.stats_text import format_stats
 
     text = format_stats(st)
     assert f"videos             {len(CLIPS)} | frames {stored} | video tokens {st['video_tokens']} (" in text, text

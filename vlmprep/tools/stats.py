@@ -1,7 +1,7 @@
 """Stats: a built dataset dir -> counts recomputed from the shards' arrays and meta, checked against the manifest, with
 reject counts by reason, each input file's share (records, samples, rejects, turn coverage, truncation), the
 distributions of tokens, trained tokens and images per sample and of image sizes and tokens per image, and the
-warnings they call for; formatted as plain text (or JSON by the CLI, or an HTML page by stats_report.py).
+warnings they call for; stats_text.py formats it as plain text (the CLI as JSON, stats_report.py as an HTML page).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.manifest import Manifest, dataset_path, load_manifest, shard_paths
 from vlmprep.shards.reader import iter_rejects, iter_shard
-from vlmprep.shards.summary import LOST_TURNS_NOTE, REJECT_FIXES, coverage_problem, dropped_by_cut, plural
+from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 from vlmprep.tools.per_shard import map_shards
 
 HIST_BINS = 10
-HIST_WIDTH = 40
 PERCENTILES = (10, 50, 90, 99)
 # Warning thresholds. The build's --min-turn-coverage default, and its rule (shards/summary.coverage_problem): a dataset
 # built with --min-turn-coverage 0 still says what it lost.
@@ -253,14 +252,7 @@ def compute_stats(
         "trained_tokens_per_sample": _distribution(scan.trained),
         "images_per_sample": _distribution(scan.images),
         "tokens_per_image": _distribution(scan.image_token_runs),
-        "image_sizes": {
-            "kind": "source" if scan.sizes_are_source else "stored",
-            "distinct": len(scan.sizes),
-            "top": [
-                {"size": f"{w}x{h}", "count": c}
-                for (w, h), c in sorted(scan.sizes.items(), key=lambda x: (-x[1], x[0]))[:MAX_IMAGE_SIZES]
-            ],
-        },
+        "image_sizes": _image_sizes(scan),
         "large_images": _large_images(scan, manifest),
         "truncated_samples": scan.truncated,
         "dropped_images": scan.dropped,
@@ -283,6 +275,18 @@ def compute_stats(
     if sample_rows is not None:
         sample_rows.update(scan.rows)
     return st
+
+
+def _image_sizes(scan: _Scan) -> dict:
+    """The distinct image sizes and the most common ones (source sizes where the build recorded them)."""
+    return {
+        "kind": "source" if scan.sizes_are_source else "stored",
+        "distinct": len(scan.sizes),
+        "top": [
+            {"size": f"{w}x{h}", "count": c}
+            for (w, h), c in sorted(scan.sizes.items(), key=lambda x: (-x[1], x[0]))[:MAX_IMAGE_SIZES]
+        ],
+    }
 
 
 def _reject_lines(root: Path) -> list[dict] | None:
@@ -441,141 +445,3 @@ def data_warnings(st: dict) -> list[str]:
             f"{big['size']} in {Path(big['file']).name}); fix: {fix}"
         )
     return out
-
-
-def _table(rows: list[list[str]], *, left: int = 1) -> list[str]:
-    """Columns padded to their widest cell; the first `left` columns left-aligned, the rest right-aligned."""
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return [
-        "  "
-        + "  ".join(cell.ljust(w) if c < left else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))).rstrip()
-        for r in rows
-    ]
-
-
-def shown_inputs(inputs: list[dict], limit: int) -> tuple[list[dict], str]:
-    """All input files in input order, or past `limit` the `limit` with the lowest turn coverage, and a note saying
-    so (a build may read thousands of files)."""
-    if len(inputs) <= limit:
-        return inputs, ""
-    return (
-        sorted(inputs, key=lambda i: (i["coverage"], i["name"]))[:limit],
-        f"{limit} of {len(inputs)}, lowest turn coverage first; --json lists all",
-    )
-
-
-def _input_lines(st: dict) -> list[str]:
-    inputs = st["inputs"]
-    if inputs is None:
-        return [
-            "per input file     unavailable: this dataset was built before vlmprep recorded per-input counts "
-            "(rebuild to see them)"
-        ]
-    shown, note = shown_inputs(inputs, MAX_INPUT_ROWS)
-    head = f"per input file{f' ({note})' if note else ''}:"
-    rows = [
-        [
-            "file",
-            "records",
-            "samples",
-            "rejected",
-            "turns trained",
-            "coverage",
-            "truncated",
-            "images",
-            "tokens",
-            "trained",
-        ]
-    ]
-    for i in shown:
-        rows.append(
-            [
-                i["name"],
-                str(i["records"]),
-                str(i["samples"]),
-                str(i["rejected"]),
-                f"{i['trained_assistant_turns']} of {i['input_assistant_turns']}",
-                f"{i['coverage']:.1%}" if i["input_assistant_turns"] else "-",
-                str(i["truncated_samples"]),
-                str(i["images"]),
-                str(i["tokens"]),
-                str(i["trainable_tokens"]),
-            ]
-        )
-    return [head] + _table(rows)
-
-
-def _distribution_lines(st: dict) -> list[str]:
-    rows = [["distribution", "min", *(f"p{q}" for q in PERCENTILES), "max", "mean"]]
-    for key, label in DISTRIBUTIONS.items():
-        d = st[key]
-        rows.append([label, str(d["min"]), *(str(d[f"p{q}"]) for q in PERCENTILES), str(d["max"]), f"{d['mean']:.1f}"])
-    lines = ["distributions:"] + _table(rows)
-    sizes = st["image_sizes"]
-    if sizes["top"]:
-        shown = ", ".join(f"{s['size']} {s['count']}" for s in sizes["top"])
-        more = sizes["distinct"] - len(sizes["top"])
-        lines.append(f"image sizes ({sizes['kind']} WxH, images): {shown}" + (f", {more} other sizes" if more else ""))
-    return lines
-
-
-def _histogram_lines(title: str, hist: list[dict]) -> list[str]:
-    if not hist:
-        return []
-    lines = [f"{title} histogram:"]
-    top = max(b["count"] for b in hist)
-    w = len(str(hist[-1]["hi"]))
-    for b in hist:
-        bar = "#" * (round(HIST_WIDTH * b["count"] / top) if b["count"] else 0)
-        lines.append(f"  [{b['lo']:>{w}}, {b['hi']:>{w}})  {bar:<{HIST_WIDTH}}  {b['count']}")
-    return lines
-
-
-def summary_lines(st: dict) -> list[str]:
-    """The dataset's totals: the head of format_stats (and of the HTML report)."""
-    n, t = st["samples"], st["tokens"]
-    ips = st["images_per_sample"]
-    lines = [
-        f"dataset {st['dir']}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
-        f"(format v{st['format_version']}, {st['image_format']} images, {st['processor']}, seq_len {st['seq_len']})",
-        f"records            {st['records']} read, {n} samples, {st['rejected_records']} rejected"
-        + (f" | unread input {st['unread_bytes']} bytes after file faults" if st["unread_bytes"] else ""),
-        f"tokens             {t} | trained {st['trainable_tokens']} ({st['trainable_ratio']:.1%}) | "
-        f"image {st['image_tokens']} ({st['image_tokens'] / max(t, 1):.1%})",
-        f"images             {st['images']} | per sample mean {ips['mean']:.2f}, p50 {ips['p50']}, p90 {ips['p90']}, "
-        f"max {ips['max']} | text-only samples {st['text_only_samples']}",
-        *(
-            [
-                f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "
-                f"({st['video_tokens'] / max(t, 1):.1%})"
-            ]
-            if st["videos"] or st["dropped_videos"]
-            else []
-        ),
-        f"truncated          {plural(st['truncated_samples'], 'sample')} ({st['truncated_samples'] / max(n, 1):.1%}), "
-        + dropped_by_cut(st["dropped_images"], st["dropped_videos"]),
-        f"rejected           {st['rejected_records']} of {plural(st['records'], 'record')}"
-        + (" by reason:" if st["rejects"] else ""),
-    ]
-    lines += [f"  {reason:<40} {count}" + LOST_TURNS_NOTE.get(reason, "") for reason, count in st["rejects"].items()]
-    turns = st.get("turns")
-    if turns:
-        lost = ", ".join(f"{k} {v}" for k, v in turns["lost"].items() if v) or "none"
-        lines += [
-            f"assistant turns    {turns['trained_assistant_turns']} of {turns['input_assistant_turns']} trained "
-            f"(coverage {turns['coverage']:.1%}) | lost: {lost}",
-            f"agent traces       {st['split_samples']} split samples | {turns['images_removed_by_history']} "
-            f"images removed by --keep-images | {turns['context_tokens_repeated']} context tokens repeated",
-        ]
-    return lines
-
-
-def format_stats(st: dict) -> str:
-    """The statistics dict -> the text `vlmprep stats` prints (summary, distributions, histograms, warnings)."""
-    lines = summary_lines(st)
-    lines += _input_lines(st)
-    lines += _distribution_lines(st)
-    lines += _histogram_lines("tokens per sample", st["tokens_per_sample"]["histogram"])
-    lines += _histogram_lines("tokens per image", st["tokens_per_image"]["histogram"])
-    lines += [f"WARNING: {m}" for m in st["mismatches"] + st["warnings"]]
-    return "\n".join(lines)

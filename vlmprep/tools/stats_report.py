@@ -9,7 +9,8 @@ from pathlib import Path
 
 from vlmprep.shards.dataset import write_text_atomic
 from vlmprep.tools.report import page
-from vlmprep.tools.stats import DISTRIBUTIONS, PERCENTILES, shown_inputs, summary_lines
+from vlmprep.tools.stats import DISTRIBUTIONS, PERCENTILES
+from vlmprep.tools.stats_text import INPUT_COLUMNS, shown_inputs, summary_lines
 
 BAR = "#3b6fd4"  # histogram bars: tests look for this colour in the screenshot
 LOW = "#d9534f"  # a coverage under the dataset's --min-turn-coverage
@@ -89,18 +90,7 @@ def _inputs_table(st: dict) -> str:
             "<p>Per input file: unavailable (this dataset was built before vlmprep recorded per-input counts; "
             "rebuild to see them).</p>"
         )
-    head = (
-        "file",
-        "records",
-        "samples",
-        "rejected",
-        "turns trained",
-        "coverage",
-        "truncated",
-        "images",
-        "tokens",
-        "trained tokens",
-    )
+    head = (*INPUT_COLUMNS, "trained tokens")
     shown, note = shown_inputs(inputs, MAX_INPUT_ROWS)
     rows = ([f"<p>{_e(note)}</p>"] if note else []) + [f'<table class="inputs">{_head(head)}']
     for i in shown:

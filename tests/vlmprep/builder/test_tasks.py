@@ -224,7 +224,8 @@ def test_a_record_is_rejected_once_and_duplicates_lose_their_turns_loudly(tmp_pa
     across tasks) count alike."""
     from vlmprep.builder.pipeline import RejectsError
     from vlmprep.shards.summary import format_build_summary, rejected_records
-    from vlmprep.tools.stats import compute_stats, format_stats
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.stats_text import format_stats
 
     inp = _copied_records(tmp_path)
     with pytest.raises(

@@ -564,7 +564,8 @@ def test_stats_on_the_real_traces_shows_what_each_file_loses(tmp_path):
 
 
 def test_many_input_files_list_the_lowest_coverage_first():
-    from vlmprep.tools.stats import MAX_INPUT_ROWS, _input_lines
+    from vlmprep.tools.stats import MAX_INPUT_ROWS
+    from vlmprep.tools.stats_text import _input_lines
 
     inputs = [
         {
@@ -589,7 +590,8 @@ def test_workers_read_shards_in_processes_and_give_the_same_stats(built):
     lists (large images, per-input rows, warnings) and the same terminal text as one process."""
     from vlmprep.shards.manifest import load_manifest, shard_paths
     from vlmprep.shards.reader import iter_shard
-    from vlmprep.tools.stats import _Scan, _scan_shard, compute_stats, format_stats
+    from vlmprep.tools.stats import _Scan, _scan_shard, compute_stats
+    from vlmprep.tools.stats_text import format_stats
 
     n = len(list(built.glob("shard-*.tar")))
     assert n >= 2
