@@ -76,3 +76,30 @@ def test_a_tokenizer_that_does_not_load_is_one_line_naming_the_dir(dataset, tmp_
     with pytest.raises(DataError) as e:
         trainer_load(str(ds / "processor"))
     _one_line(e.value, str(ds / "processor"), "cannot load the processor there")
+
+
+@pytest.mark.parametrize("name", ["mistral-3", "gemma-4"])
+def test_the_trainers_placeholder_image_never_renders_the_datasets_chat_template(tmp_path, name):
+    """A host family's placeholder image (trainer/data/vision.py host_pixels) comes from the processor's own call:
+    a dataset whose saved chat template would loop or raise is never rendered by the trainer."""
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.vision import ImageSpec, host_pixels
+    from trainer.families import BY_NAME
+    from vlmprep.processors.tiny import make_processor, source_files
+
+    hostile = "{{ raise_exception('the dataset template was rendered') }}"
+    make_processor(name, hostile).save_pretrained(tmp_path / "p")
+    trusted = make_processor(name, source_files(name)[1])
+    spec = ImageSpec.from_config(load_image_processor_config(str(tmp_path / "p")))
+    _, placeholder, size = host_pixels(BY_NAME[name], str(tmp_path / "p"), spec, trusted.image_token_id)
+    black = [{"role": "user", "content": [{"type": "image", "image": _black()}, {"type": "text", "text": "x"}]}]
+    want = trusted.apply_chat_template(black, tokenize=True, return_dict=True)["input_ids"]
+    assert len(placeholder) == sum(i == trusted.image_token_id for i in want[0]) > 0
+
+
+def _black():
+    from PIL import Image
+
+    from trainer.data.vision import PLACEHOLDER_SIDE
+
+    return Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))

@@ -192,7 +192,7 @@ def host_pixels(
     family, processor_dir: str, spec: ImageSpec, token_id: int
 ) -> tuple[HostPixels, tuple[int, ...], tuple[int, int]]:
     """A host family's pixel maker, and its placeholder image: `token_id` (the model's image token) as many times as
-    the processor's own render of one user message holding a PLACEHOLDER_SIDE black image has it, and the size that
+    the processor's own expansion of one PLACEHOLDER_SIDE black image has it, and the size that
     black image is stored at (the processor's resize of it where the family stores resized pixels), so that the
     placeholder goes through the same call as every stored image (collate.placeholders)."""
     from PIL import Image
@@ -207,8 +207,9 @@ def host_pixels(
         max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0),
     )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
-    message = [{"role": "user", "content": [{"type": "image", "image": black}, {"type": "text", "text": "x"}]}]
-    out = processor.apply_chat_template(message, tokenize=True, return_dict=True, return_tensors="pt")
+    # The processor's own expansion of its image token, never the dataset's chat template (untrusted Jinja: a
+    # looping one would stall the start-up; docs/untrusted-datasets.md). Same ids and pixels for every family.
+    out = processor(text=processor.image_token, images=[black], return_tensors="pt")
     ids = np.asarray(out["input_ids"]).reshape(-1)
     n = int((ids == token_id).sum())
     assert n, f"the processor in {processor_dir} renders an image with no token {token_id} (the model's image token)"
