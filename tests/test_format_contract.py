@@ -354,6 +354,7 @@ _ROLES = {
         "vlmprep_schemas",
         "vlmprep.types",
         "vlmprep.config",
+        "vlmprep.options",
         "vlmprep.rejects",
         "vlmprep.processors",
         "vlmprep.jobs",

@@ -1,5 +1,5 @@
-"""BuildConfig: every `vlmprep build` option declared once (default, help, --help group), validated once; the CLI's
-options are generated from it and it is written into the manifest as resolved. InspectConfig: the same for
+"""BuildConfig: every `vlmprep build` option declared once (default, help, --help group: options.py), validated once;
+the CLI's options are generated from it and it is written into the manifest as resolved. InspectConfig: the same for
 `vlmprep inspect`'s own options."""
 
 from __future__ import annotations
@@ -7,89 +7,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from vlmprep.options import AGENT, IMAGES, INPUT, KEEP_IMAGES, LIMITS, OUTPUT, OWN, RENDER, ROLE_LIST, ROLES, SCALE, opt
 from vlmprep.processors.builtin import builtin_names
 from vlmprep.processors.load import bundled_templates, resolve_chat_template
 
 IMAGE_FORMATS = ("zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")
-ROLES = ("system", "user", "assistant", "tool")
 EOS_POLICIES = ("all", "turn", "last", "none")
 TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
 REASONING_POLICIES = ("train", "context", "drop", "reject")
 LONG_TRACES = ("truncate", "split")
 EXECUTORS = ("local", "ray")
-# The --help panels, in this order (a panel first shows where its first option is declared).
-INPUT, RENDER, IMAGES, AGENT = "Input", "Rendering and masks", "Images", "Agent traces"
-LIMITS, OUTPUT, SCALE = "Limits", "Output", "Scale-out"
-GROUPS = (OUTPUT, INPUT, RENDER, IMAGES, AGENT, LIMITS, SCALE)
-OWN = ""  # typer's own "Options" panel: inspect's options, before the build options it takes
 REQUIRED = dataclasses.MISSING
-
-
-def parse_roles(value: str) -> tuple[str, ...]:
-    """--train-on-roles text -> roles; a ValueError names the fix."""
-    roles = tuple(r.strip() for r in value.split(",") if r.strip())
-    if not roles or set(roles) - set(ROLES):
-        raise ValueError(f"{value!r}: use a comma list of {', '.join(ROLES)}, e.g. assistant,tool")
-    return roles
-
-
-def parse_keep_images(value: str) -> int | None:
-    """--keep-images text -> N (last:N) or None (all)."""
-    if value == "all":
-        return None
-    head, _, n = value.partition(":")
-    if head != "last" or not n.isdigit():
-        raise ValueError(f"--keep-images {value!r}: use all or last:N, e.g. last:3")
-    return int(n)
-
-
-def show_keep_images(value: int | None) -> str:
-    """--keep-images as typed: the inverse of parse_keep_images."""
-    return "all" if value is None else f"last:{value}"
-
-
-@dataclass(frozen=True)
-class Spelled:
-    """How an option is typed when its value is not the text itself: `parse` turns the flag's text into the value,
-    `show` the value back into that text (default str), `default` is the default as typed (`all`, `assistant`)."""
-
-    parse: Callable[[str], Any]
-    default: str
-    show: Callable[[Any], str] | None = None
-
-
-def opt(
-    default,
-    group: str | None,
-    text: str,
-    *,
-    flag: str = "",
-    choices: tuple[str, ...] = (),
-    spelled: Spelled | None = None,
-    cli_type=None,
-    bounds: tuple[float, float] | None = None,
-):
-    """A BuildConfig (or InspectConfig) field with its one declaration of docs: `text` and `group` feed the command's
-    --help (group None: a library-only field, no flag; OWN: a command's own options, in --help's first panel). `flag`
-    overrides --field-name; `choices` are checked at parse time; `spelled` says how the flag's text becomes the value
-    and back; `cli_type` overrides the flag's type; `bounds` is a checked range."""
-    assert group in GROUPS + (OWN, None) and text, f"option needs a group from {GROUPS} and a help text"
-    return dataclasses.field(
-        default=default,
-        metadata={
-            "group": group,
-            "help": text,
-            "flag": flag,
-            "choices": choices,
-            "parse": spelled and spelled.parse,
-            "spelled": spelled and spelled.default,
-            "show": spelled and spelled.show,
-            "cli_type": cli_type,
-            "bounds": bounds,
-        },
-    )
 
 
 def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> None:
@@ -147,7 +77,7 @@ class BuildConfig:
         ("assistant",),
         RENDER,
         f"Comma list of roles whose text is trained: {', '.join(ROLES)}.",
-        spelled=Spelled(parse_roles, "assistant"),
+        spelled=ROLE_LIST,
     )
     train_on_eos: str = opt("turn", RENDER, "End-of-turn tokens trained.", choices=EOS_POLICIES)
     last_turn_only: bool = opt(False, RENDER, "Train only the last trained turn of each record.")
@@ -205,7 +135,7 @@ class BuildConfig:
         None,
         AGENT,
         "Screenshot history per sample: all | last:N (earlier images removed).",
-        spelled=Spelled(parse_keep_images, "all", show_keep_images),
+        spelled=KEEP_IMAGES,
     )
     dropped_image_text: str | None = opt(
         None, AGENT, "Text that replaces each image --keep-images removes (default: dropped)."

@@ -8,7 +8,8 @@ import pytest
 import typer
 
 from vlmprep.cli import app
-from vlmprep.config import FIELDS, GROUPS, RAW_OPTIONS, REQUIRED, BuildConfig
+from vlmprep.config import FIELDS, RAW_OPTIONS, REQUIRED, BuildConfig
+from vlmprep.options import GROUPS
 from vlmprep.render import MaskPolicy
 
 LIBRARY_ONLY = {"zstd_level"}  # fields with no flag: adding one is a conscious choice
