@@ -31,7 +31,7 @@ from vlmprep.mask import (
     locate_slots,
     trained_messages,
 )
-from vlmprep.positions import mrope_position_ids
+from vlmprep.positions import sample_position_ids
 from vlmprep.processors.llama import TOKEN_BREAK
 from vlmprep.tokens import TextEncoder, alternation, shorten_runs
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
@@ -260,22 +260,8 @@ def render_conversation(
     grids = np.array([im.grid_thw for im in images], dtype=np.int32).reshape(-1, 3)
     video_grids = np.array([v.grid_thw for v in videos], dtype=np.int32).reshape(-1, 3)
     sgt = _second_per_grid_ts(ctx, videos)
-    if ctx.family.positions == "mrope":
-        runs = []
-        for a, b in image_spans:
-            run = np.flatnonzero(mm_types[a:b])
-            runs.append((a + int(run[0]), a + int(run[-1]) + 1, tuple(grids[len(runs)]), 1))
-        for k, (a, b) in enumerate(video_spans):
-            runs += _video_runs(ctx, a, mm_types[a:b], video_grids[k], sgt[k])
-        positions = mrope_position_ids(
-            len(ids),
-            [r[:2] for r in sorted(runs)],
-            np.array([r[2] for r in sorted(runs)], dtype=np.int64).reshape(-1, 3),
-            ctx.processor.image_processor.merge_size,
-            intervals=[r[3] for r in sorted(runs)],
-        )
-    else:
-        positions = np.broadcast_to(np.arange(len(ids), dtype=np.int32), (3, len(ids))).copy()
+    pixels = ctx.processor.image_processor
+    positions = sample_position_ids(ctx.family, mm_types, image_spans, video_spans, grids, video_grids, sgt, pixels)
 
     return RenderedSample(
         id=conv.id,
@@ -358,27 +344,6 @@ def _second_per_grid_ts(ctx: RenderContext, videos: list[PreparedVideo]) -> np.n
 
     # float32: what the processor's list becomes as a tensor, and what Qwen2.5-VL's get_rope_index multiplies
     return np.array([second_per_grid_t(v, ctx.processor.video_processor) for v in videos], dtype=np.float32)
-
-
-def _video_runs(ctx: RenderContext, start: int, types: np.ndarray, grid, sgt) -> list[tuple]:
-    """(start, end, grid, temporal interval) of each placeholder run of one video, as get_rope_index groups them:
-    Qwen2/2.5-VL one run of t x h x w (2.5: temporal ids spaced tokens_per_second * second_per_grid_t); Qwen3-VL
-    one run per temporal patch, split by its timestamp text."""
-    idx = np.flatnonzero(types == 2)
-    breaks = np.flatnonzero(np.diff(idx) > 1)
-    bounds = list(zip(np.r_[idx[:1], idx[breaks + 1]], np.r_[idx[breaks], idx[-1:]] + 1))
-    t, h, w = (int(x) for x in grid)
-    family = ctx.family
-    if family.video == "qwen3":
-        if len(bounds) != t:
-            raise RecordError(
-                "image_wrapper_missing", f"a video of {t} temporal patches expanded to {len(bounds)} runs"
-            )
-        return [(start + int(a), start + int(b), (1, h, w), 1) for a, b in bounds]
-    if len(bounds) != 1:
-        raise RecordError("image_wrapper_missing", f"a video expanded to {len(bounds)} placeholder runs, expected 1")
-    interval = np.float32(family.tokens_per_second) * np.float32(sgt) if family.video == "qwen2.5" else 1
-    return [(start + int(bounds[0][0]), start + int(bounds[0][1]), (t, h, w), interval)]
 
 
 def count_tokens(
