@@ -90,6 +90,21 @@ class Bucket:
             if k.startswith(self.root + "/") and v.get("type", "file") == "file"
         }
 
+    def sizes(self, names: list[str]) -> dict[str, int]:
+        """The size of each of these objects that exists (one request each): a task asks after its own few files,
+        not a listing of the whole prefix (tasks x objects on a big build)."""
+        out = {}
+        for name in names:
+            key = self._key(name)
+            try:
+                self.fs.invalidate_cache(key)
+                out[name] = int(self.fs.info(key).get("size") or 0)
+            except FileNotFoundError:
+                continue
+            except Exception as e:  # noqa: BLE001 - each store raises its own kinds
+                raise LocationError(f"--out {self.url}: cannot look up {name}: {why(e)}") from None
+        return out
+
     def put(self, local: Path, name: str) -> None:
         """Upload one file as the object `name` (a PUT: the object appears whole or not at all)."""
         try:
@@ -182,13 +197,13 @@ class Uploader:
     def task_done(self, files: TaskFiles, manifest: TaskManifest) -> None:
         """A finished task: its shards (those sent before a kill may be missing: sent again where the bucket lacks
         them), its lists, then its manifest once all else is up."""
-        have = self.bucket.names()
-        for s in manifest.shards:
-            for n, size in [(s.name, s.bytes)] + ([(s.index.name, s.index.bytes)] if s.index else []):
-                if have.get(n) == size:  # up already (this run, or a run before the kill)
-                    self.sent.add(n)
-                else:
-                    self.sent.discard(n)
+        want = {n: size for s in manifest.shards for n, size in [(s.name, s.bytes)] + _index_of(s)}
+        have = self.bucket.sizes(list(want))
+        for n, size in want.items():
+            if have.get(n) == size:  # up already (this run, or a run before the kill)
+                self.sent.add(n)
+            else:
+                self.sent.discard(n)
         self.shards(manifest.shards)
         self.send(task_file(files.index, ".rejects.jsonl"), task_file(files.index, ".samples.jsonl"))
         self.close()
@@ -201,6 +216,10 @@ class Uploader:
             self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _index_of(s: ShardEntry) -> list[tuple[str, int]]:
+    return [(s.index.name, s.index.bytes)] if s.index else []
 
 
 def check_bucket(bucket: Bucket, *, overwrite: bool) -> dict[str, int]:

@@ -204,3 +204,30 @@ def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(
         ray.shutdown()
     assert _objects(fs, f"{name}/ds") == _local(ref)
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_a_finished_task_asks_after_its_own_objects_not_a_listing_of_the_prefix(bucket, local3, monkeypatch):
+    """Uploader.task_done looks up the task's own shards one by one: listing the whole prefix per task costs tasks x
+    objects on a big build. Sent once; a second call (a retry) finds them up and sends none again."""
+    from vlmprep.builder.plan import load_plan, shard_prefix
+    from vlmprep.builder.store import Bucket, Uploader
+    from vlmprep.shards.dataset import TaskFiles
+    from vlmprep.shards.manifest import load_task_manifest
+
+    fs, name = bucket
+    ref, _ = local3
+    plan = load_plan(ref)
+    files = TaskFiles(ref, 1, shard_prefix(plan, 1))
+    manifest = load_task_manifest(files)
+    listed = []
+    monkeypatch.setattr(Bucket, "names", lambda self: listed.append(self.url) or {})
+    up = Uploader(f"s3://{name}/ds", ref)
+    up.task_done(files, manifest)
+    got = _objects(fs, f"{name}/ds")
+    want = {s.name for s in manifest.shards} | {s.index.name for s in manifest.shards if s.index}
+    assert want <= set(got) and "tasks/task-00001.json" in got and not listed
+    put = []
+    monkeypatch.setattr(Bucket, "put", lambda self, local, n: put.append(n))
+    again = Uploader(f"s3://{name}/ds", ref)
+    again.task_done(files, manifest)
+    assert not (want & set(put)), put  # the shards are up already: only the lists and the manifest again
