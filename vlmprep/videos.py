@@ -76,35 +76,8 @@ def _decode_container(video: VideoData, *, max_pixels: int, min_side: int, fps: 
             "ffmpeg -i IN -c:v libx264 OUT.mp4) or drop the part",
         ) from None
     with container:
-        if int(container.format.flags) & _NO_TIMESTAMPS:
-            raise RecordError(
-                "raw_video_stream",
-                f"video ({where}) is a {container.format.long_name} stream with no "
-                "container, so it stores no frame times and its frame rate is "
-                "unknown; wrap it in one at its real rate, e.g. ffmpeg -framerate "
-                "FPS -i IN -c copy OUT.mp4",
-            )
-        if not container.streams.video:
-            raise RecordError("video_no_frames", f"video ({where}) holds no video stream; drop the part")
-        stream = container.streams.video[0]
-        codec = stream.codec_context
-        if codec is None or codec.codec is None or not codec.codec.is_decoder:
-            raise RecordError(
-                "unsupported_video_codec",
-                f"video ({where}): no decoder for its codec "
-                f"{getattr(stream, 'codec_tag', '?')!r}; re-encode it to "
-                "H.264, VP9 or AV1",
-            )
+        stream = _video_stream(container, where, max_pixels=max_pixels, min_side=min_side)
         w, h = stream.width, stream.height
-        if min(w, h) < min_side:
-            raise RecordError("video_too_small", f"video frames are {w}x{h}, below min_image_side={min_side}")
-        if w * h > max_pixels:
-            raise RecordError(
-                "video_too_large",
-                f"video frames are {w}x{h} = {w * h} pixels > "
-                f"max_image_pixels={max_pixels}; downscale it or raise "
-                "--max-image-pixels",
-            )
         rate = stream.average_rate or stream.guessed_rate
         if not rate:
             raise RecordError("corrupt_video", f"video ({where}) declares no frame rate; re-encode it with one")
@@ -146,6 +119,41 @@ def _decode_container(video: VideoData, *, max_pixels: int, min_side: int, fps: 
             f"{n} decode; re-encode or re-download it",
         )
     return np.stack([frames[i] for i in indices]), {"fps": float(rate), "total": declared, "indices": indices}
+
+
+def _video_stream(container, where: str, *, max_pixels: int, min_side: int):
+    """The container's first video stream, once it is known to carry frame times, to have a decoder and frames of an
+    allowed size; else the RecordError that says which and the fix."""
+    if int(container.format.flags) & _NO_TIMESTAMPS:
+        raise RecordError(
+            "raw_video_stream",
+            f"video ({where}) is a {container.format.long_name} stream with no "
+            "container, so it stores no frame times and its frame rate is "
+            "unknown; wrap it in one at its real rate, e.g. ffmpeg -framerate "
+            "FPS -i IN -c copy OUT.mp4",
+        )
+    if not container.streams.video:
+        raise RecordError("video_no_frames", f"video ({where}) holds no video stream; drop the part")
+    stream = container.streams.video[0]
+    codec = stream.codec_context
+    if codec is None or codec.codec is None or not codec.codec.is_decoder:
+        raise RecordError(
+            "unsupported_video_codec",
+            f"video ({where}): no decoder for its codec "
+            f"{getattr(stream, 'codec_tag', '?')!r}; re-encode it to "
+            "H.264, VP9 or AV1",
+        )
+    w, h = stream.width, stream.height
+    if min(w, h) < min_side:
+        raise RecordError("video_too_small", f"video frames are {w}x{h}, below min_image_side={min_side}")
+    if w * h > max_pixels:
+        raise RecordError(
+            "video_too_large",
+            f"video frames are {w}x{h} = {w * h} pixels > "
+            f"max_image_pixels={max_pixels}; downscale it or raise "
+            "--max-image-pixels",
+        )
+    return stream
 
 
 def _count_packets(data: bytes, where: str) -> int:
