@@ -199,44 +199,7 @@ def iter_file_records(
         yield from iter_table_records(path, start_position=pos, first_row=seek.offset, input_name=input_name, scan=scan)
         return
     if path.name.endswith(".json"):
-        try:
-            with open_input(path) as f:
-                data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            why = "nested too deeply" if isinstance(e, RecursionError) else e
-            yield RawRecord(
-                Source(name, 0, input_name),
-                pos,
-                error=RecordError("invalid_json_file", f"{name}: {why}"),
-                unread_bytes=size_of(path),
-            )
-            return
-        if isinstance(data, dict) and ("messages" in data or "conversations" in data):
-            data = [data]
-        if not isinstance(data, list):
-            shape = (
-                f"an object with keys {', '.join(sorted(data)[:8])}"
-                if isinstance(data, dict)
-                else f"a JSON {type(data).__name__}"
-            )
-            yield RawRecord(
-                Source(name, 0, input_name),
-                pos,
-                error=RecordError(
-                    "invalid_json_file",
-                    f"{name}: a .json input must be an array of records or one record (an object "
-                    f"with 'messages'), not {shape}; use .jsonl for one record per line",
-                ),
-            )
-            return
-        if not data:
-            yield RawRecord(
-                Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records")
-            )
-            return
-        for i, item in enumerate(data[seek.offset :], start=seek.offset + 1):
-            yield RawRecord(Source(name, i, input_name), pos, data=item, offset=i - 1, size=len(json.dumps(item)))
-            pos += 1
+        yield from _json_file_records(path, pos, seek.offset, input_name)
         return
     lineno = seek.line
     offset = seek.offset
@@ -286,6 +249,48 @@ def iter_file_records(
         return
     if pos == start_position and seek.offset == 0:
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records"))
+
+
+def _json_file_records(path: Input, pos: int, first: int, input_name: str) -> Iterator[RawRecord]:
+    """A .json input (an array of records, or one record) read whole -> a RawRecord per record from the `first`-th
+    (0-based) on, numbered from `pos`; a file that is not one is a single record carrying the error."""
+    name = str(path)
+    try:
+        with open_input(path) as f:
+            data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        yield RawRecord(
+            Source(name, 0, input_name),
+            pos,
+            error=RecordError("invalid_json_file", f"{name}: {why}"),
+            unread_bytes=size_of(path),
+        )
+        return
+    if isinstance(data, dict) and ("messages" in data or "conversations" in data):
+        data = [data]
+    if not isinstance(data, list):
+        shape = (
+            f"an object with keys {', '.join(sorted(data)[:8])}"
+            if isinstance(data, dict)
+            else f"a JSON {type(data).__name__}"
+        )
+        yield RawRecord(
+            Source(name, 0, input_name),
+            pos,
+            error=RecordError(
+                "invalid_json_file",
+                f"{name}: a .json input must be an array of records or one record (an object "
+                f"with 'messages'), not {shape}; use .jsonl for one record per line",
+            ),
+        )
+        return
+    if not data:
+        yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records"))
+        return
+    for i, item in enumerate(data[first:], start=first + 1):
+        yield RawRecord(Source(name, i, input_name), pos, data=item, offset=i - 1, size=len(json.dumps(item)))
+        pos += 1
 
 
 _BOM = b"\xef\xbb\xbf"
