@@ -111,37 +111,9 @@ class Renderer:
         self.turns["reasoning_turns"] = len(reasoning)
         images: list[PreparedImage] = []
         try:
-            # Each image's grid from its header (an image repeated in the record, once); its pixels are made below,
-            # only where a sample keeps it.
-            opened: dict[bytes, PreparedImage] = {}
-            for im in conv.images:
-                if im.data not in opened:
-                    opened[im.data] = open_image(
-                        im,
-                        self.processor,
-                        self.ctx.family,
-                        max_pixels=self.cfg.max_image_pixels,
-                        min_side=self.cfg.min_image_side,
-                        shapes=self._shapes,
-                    )
-                images.append(opened[im.data])
+            self._open_images(conv, images)
             self.largest_image = max(map(self._image_tokens, images), default=0)
-            # Videos go with their message (--keep-images counts images only); keyed by part, as steps keep parts.
-            # One longer than --seq-len rejects the record only where every trained turn follows it; a later one is
-            # cut or its turns are lost, as an image there would be.
-            first = min(assistant, default=len(conv.messages))
-            videos = {
-                id(v): prepare_video(
-                    v,
-                    self.processor,
-                    self.ctx.family,
-                    max_pixels=self.cfg.max_image_pixels,
-                    min_side=self.cfg.min_image_side,
-                    max_tokens=self.cfg.seq_len if i < first else None,
-                )
-                for i, m in enumerate(conv.messages)
-                for v in m.videos
-            }
+            videos = self._prepare_videos(conv, first=min(assistant, default=len(conv.messages)))
 
             steps, self.lost = self.plan(conv, images, videos)
             samples = []
@@ -191,6 +163,41 @@ class Renderer:
         )
         self._count_large_image_loss(self.turns["turns_lost_truncated"] + self.turns["turns_lost_too_long"])
         return samples
+
+    def _open_images(self, conv: Conversation, images: list[PreparedImage]) -> None:
+        """Appends each image of the record to `images` as it opens (so a fault check sees those opened before a
+        failure): its grid from its header (an image repeated in the record, once); its pixels are made later, only
+        where a sample keeps it."""
+        opened: dict[bytes, PreparedImage] = {}
+        for im in conv.images:
+            if im.data not in opened:
+                opened[im.data] = open_image(
+                    im,
+                    self.processor,
+                    self.ctx.family,
+                    max_pixels=self.cfg.max_image_pixels,
+                    min_side=self.cfg.min_image_side,
+                    shapes=self._shapes,
+                )
+            images.append(opened[im.data])
+
+    def _prepare_videos(self, conv: Conversation, *, first: int) -> dict[int, PreparedVideo]:
+        """The record's videos keyed by part (as steps keep parts); they go with their message (--keep-images counts
+        images only). One longer than --seq-len rejects the record only where every trained turn follows it (it sits
+        before message `first`, the first assistant turn); a later one is cut or its turns are lost, as an image there
+        would be."""
+        return {
+            id(v): prepare_video(
+                v,
+                self.processor,
+                self.ctx.family,
+                max_pixels=self.cfg.max_image_pixels,
+                min_side=self.cfg.min_image_side,
+                max_tokens=self.cfg.seq_len if i < first else None,
+            )
+            for i, m in enumerate(conv.messages)
+            for v in m.videos
+        }
 
     def plan(
         self, conv: Conversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]
