@@ -288,8 +288,8 @@ def inspect(
     --id and --index find their samples through the shards' sample index (reading the index files, not the samples);
     a dataset built without one, and --only truncated, read every sample's meta until --limit is reached.
 
-    A dataset URL is copied into the cache first (docs/inspect-and-stats.md): every shard, however small --limit,
-    unless --shard names one (--only rejected: none)."""
+    A dataset URL is copied into the cache first (docs/inspect-and-stats.md): the shards that hold the first --limit
+    samples, --shard's alone (--only rejected: none), or, for --id, --index and --only truncated, every shard."""
     import dataclasses
 
     from vlmprep.records import SUFFIXES

@@ -238,8 +238,9 @@ def processor_dir(d: Path, manifest: Manifest) -> Path:
         raise ShardFormatError(str(e)) from None
 
 
-def shard_paths(d: Path, manifest: Manifest, shard: str | None = None) -> list[Path]:
-    """The manifest's shards in order (or just `shard`, with or without .tar); each must exist."""
+def shard_paths(d: Path, manifest: Manifest, shard: str | None = None, *, present: bool = True) -> list[Path]:
+    """The manifest's shards in order (or just `shard`, with or without .tar); each must exist (`present=False`:
+    the caller checks each with shard_present as it reaches it, e.g. inspect's first samples from a partial copy)."""
     d = Path(d)
     names = [s.name for s in manifest.shards]
     if shard is not None:
@@ -251,7 +252,13 @@ def shard_paths(d: Path, manifest: Manifest, shard: str | None = None) -> list[P
                 + ")"
             )
         names = [want]
-    for n in names:
-        if not (d / n).is_file():
-            raise ShardFormatError(f"{d / n} is listed in the manifest but missing")
+    for n in names if present else ():
+        shard_present(d / n)
     return [d / n for n in names]
+
+
+def shard_present(path: Path) -> Path:
+    """`path`, a shard the manifest lists; ShardFormatError where it is missing."""
+    if not path.is_file():
+        raise ShardFormatError(f"{path} is listed in the manifest but missing")
+    return path

@@ -69,7 +69,7 @@ def cache_dir(url: str) -> Path:
 def fetch_dataset(
     url: str,
     *,
-    shards: Sequence[str] | None = None,
+    shards: Sequence[str] | Callable[[Manifest], Sequence[str] | None] | None = None,
     say: Callable[[str], None] | None = None,
     on_file: Callable[[int, int], None] | None = None,
 ) -> Path:
@@ -78,7 +78,8 @@ def fetch_dataset(
     the shards and their sample indexes, the dataset's sample index, rejects.jsonl and the processor's own files
     (vlmprep_schemas.boundary.PROCESSOR_FILES; not additional_chat_templates/, which no reader of shards needs).
     `shards`: only these of the manifest's shards (names with or without .tar; unknown names are left to the reader
-    to refuse) and their indexes; None: all, with the dataset's index. Trade-off: a file the manifest gives a sha256
+    to refuse) and their indexes, or a function of the manifest that names them; None: all, with the dataset's
+    index. Trade-off: a file the manifest gives a sha256
     for is kept when the copy already has it (read once to hash it); rejects.jsonl and the processor files are
     fetched on every call. Files of an older copy that the manifest no longer names are removed; manifest.json is
     written last. `say(line)`: one line when the copy starts; `on_file(done, total)`: after each file.
@@ -101,7 +102,7 @@ def fetch_dataset(
         "dataset, or not a finished one (a build writes its manifest last), or not at this URL",
     )
     manifest, named, processor = _manifest(data, base)
-    files = _files(manifest, processor, shards)
+    files = _files(manifest, processor, shards(manifest) if callable(shards) else shards)
     dest = cache_dir(url)
     dest.mkdir(parents=True, exist_ok=True)
     if say:

@@ -7,14 +7,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from vlmprep.config import RAW_OPTIONS, InspectConfig
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
-from vlmprep.shards.manifest import Manifest, dataset_path, load_manifest, processor_dir, shard_paths
+from vlmprep.shards.manifest import (
+    Manifest,
+    dataset_path,
+    load_manifest,
+    processor_dir,
+    shard_paths,
+    shard_present,
+)
 from vlmprep.shards.reader import StaleIndex, iter_rejects, iter_shard, load_sample_index, sample_at
 from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sample_from_stored
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
@@ -64,8 +71,8 @@ def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
         if hits is not None:
             yield from hits
             return
-    for path in shard_paths(d, manifest, cfg.shard):
-        for ts in iter_shard(path, version=manifest.format_version):
+    for path in shard_paths(d, manifest, cfg.shard, present=False):  # a URL's copy may hold the first shards only
+        for ts in iter_shard(shard_present(path), version=manifest.format_version):
             if cfg.index is not None and int(ts.key[:10]) != cfg.index:
                 continue
             if cfg.id is not None or cfg.only == "truncated":
@@ -103,13 +110,28 @@ def _iter_indexed(cfg: InspectConfig, d: Path, manifest: Manifest) -> Iterator[I
             yield sample_from_stored(ts)
 
 
-def shards_read(cfg: InspectConfig) -> list[str] | None:
+def shards_read(cfg: InspectConfig) -> list[str] | Callable[[Manifest], list[str]] | None:
     """The shards of a built dataset that inspect may read for `cfg`: --shard's alone, none for --only rejected
-    (rejects.jsonl), else None: any (which shard holds the --limit-th match is known only by reading them in order).
-    What the copy of a dataset URL fetches (shards/remote.py)."""
+    (rejects.jsonl); the first shards that hold --limit samples when every sample shows (no --only, --id, --index:
+    the manifest's counts say which); else None: any (which shard holds the --limit-th match is known only by
+    reading them in order). What the copy of a dataset URL fetches (shards/remote.py)."""
     if cfg.only == "rejected":
         return []
-    return None if cfg.shard is None else [cfg.shard]
+    if cfg.shard is not None:
+        return [cfg.shard]
+    if cfg.only is None and cfg.id is None and cfg.index is None:
+        return lambda manifest: _first_shards(manifest, cfg.limit)
+    return None
+
+
+def _first_shards(manifest: Manifest, samples: int) -> list[str]:
+    out, held = [], 0
+    for s in manifest.shards:
+        if held >= samples:
+            break
+        out.append(s.name)
+        held += s.num_samples
+    return out
 
 
 def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
