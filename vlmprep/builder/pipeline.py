@@ -16,16 +16,14 @@ import collections
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import time
-from concurrent.futures import as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmprep.builder.checks import RejectsError, check_coverage, check_dataset, check_rejects
+from vlmprep.builder.local_executor import run_tasks_locally
 from vlmprep.builder.merge import merge_tasks
 from vlmprep.builder.owner import own_out, share_out
 from vlmprep.builder.plan import (
@@ -38,7 +36,6 @@ from vlmprep.builder.plan import (
     shard_prefix,
     write_plan,
 )
-from vlmprep.builder.progress import TaskProgress
 from vlmprep.builder.store import (
     Bucket,
     check_bucket,
@@ -52,8 +49,8 @@ from vlmprep.builder.store import (
     scratch_stage,
     stage_for,
 )
-from vlmprep.builder.task import run_task, task_start
-from vlmprep.builder.workers import BuildError, pool_failure, start_worker_server, worker_pool
+from vlmprep.builder.task import run_task
+from vlmprep.builder.workers import BuildError, start_worker_server
 from vlmprep.config import BuildConfig, default, spelled, spelled_flag
 from vlmprep.locations import stamp
 from vlmprep.process import Renderer
@@ -373,7 +370,7 @@ def _build_planned(
         run_task(out, plan, 0, cfg=cfg, renderer=renderer, upload_to=upload_to)
         seconds = {0: time.perf_counter() - t0}
     else:
-        seconds = _run_tasks_locally(out, plan, cfg, renderer, upload_to)
+        seconds = run_tasks_locally(out, plan, cfg, renderer, upload_to)
     manifest = _merge_and_check(
         out,
         upload_to,
@@ -440,51 +437,3 @@ def merge(
     out = Path(out)
     with own_out(out) if out.is_dir() else contextlib.nullcontext():
         return _merge_and_check(out, None, **checks)
-
-
-# Where the stores' libraries take credentials and endpoints from: handed to a task process as this process sees them
-# now, since the forkserver it forks from may predate them (a notebook that sets AWS_* after an earlier build).
-_STORE_ENV = ("AWS_", "GOOGLE_", "GCS_", "HF_", "FSSPEC_")
-
-
-def _run_one(args: tuple) -> tuple[int, float, dict]:
-    out, plan, cfg, index, upload_to, env = args
-    os.environ.update(env)
-    t0 = time.perf_counter()
-    task = run_task(Path(out), plan, index, cfg=cfg, upload_to=upload_to)
-    return index, time.perf_counter() - t0, task.totals
-
-
-def _run_tasks_locally(
-    out: Path, plan: Plan, cfg: BuildConfig, renderer: Renderer | None, upload_to: str | None
-) -> dict[int, float]:
-    """T > 1 on this machine: --workers processes, each running whole tasks (its processor loaded once)."""
-    one = BuildConfig.from_plan(plan.config, out=str(out), workers=1, progress=False)
-    env = {k: v for k, v in os.environ.items() if k.startswith(_STORE_ENV)}
-    jobs = [(str(out), plan, one, i, upload_to, env) for i in range(plan.tasks)]
-    seconds: dict[int, float] = {}
-    with TaskProgress(cfg, plan.tasks) as tick:
-        if cfg.workers == 1:  # in this process, with the processor plan_build already loaded
-            for i in range(plan.tasks):
-                t0 = time.perf_counter()
-                totals = run_task(out, plan, i, cfg=one, renderer=renderer, upload_to=upload_to).totals
-                seconds[i] = time.perf_counter() - t0
-                tick(totals)
-        else:
-            with worker_pool(min(cfg.workers, len(jobs))) as pool:
-                futures = [pool.submit(_run_one, job) for job in jobs]
-                try:
-                    for future in as_completed(futures):
-                        i, s, totals = future.result()
-                        seconds[i] = s
-                        tick(totals)
-                except BrokenProcessPool as e:
-                    left = [i for i in range(plan.tasks) if i not in seconds]
-                    raise BuildError(
-                        pool_failure(
-                            e,
-                            f"running tasks {', '.join(map(str, left))} (task {left[0]} "
-                            f"starts at {task_start(plan, left[0])})",
-                        )
-                    ) from None
-    return seconds
