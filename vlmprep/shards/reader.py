@@ -31,14 +31,7 @@ from vlmprep.shards.format import (
 )
 from vlmprep.shards.manifest import FileEntry, ShardEntry, ShardFormatError, dataset_path, load_manifest, shard_paths
 from vlmprep_schemas.delta import PDELTA, pdelta_prefixes
-from vlmprep_schemas.limits import (
-    check_grid_sizes,
-    index_bytes_limit,
-    index_rows,
-    load_json,
-    load_npy,
-    schema_problem,
-)
+from vlmprep_schemas.limits import check_grid_sizes, index_bytes_limit, index_rows, load_json, load_npy, schema_problem
 
 
 @dataclass
