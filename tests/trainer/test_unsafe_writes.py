@@ -137,7 +137,7 @@ def test_a_lock_held_by_another_process_is_waited_for_then_refused_naming_it(tmp
 def test_the_shared_index_lock_wait_is_a_data_error(dataset, tmp_path, monkeypatch):
     """The same through the trainer's path: the rank that waits past the limit stops with a DataError."""
     from trainer import locks
-    from trainer.data.index import SHARED_INDEXES, _fetched_shared, cache_name
+    from trainer.data.remote_index import SHARED_INDEXES, cache_name, fetched_shared
     from trainer.data.sources import IndexRef
 
     ref = IndexRef(url="memory://held/samples.index.npy", num_bytes=10, sha256="0" * 64)
@@ -149,7 +149,7 @@ def test_the_shared_index_lock_wait_is_a_data_error(dataset, tmp_path, monkeypat
     monkeypatch.setattr(locks, "WAIT_S", 0.3)
     try:
         with pytest.raises(DataError, match=r"has been held for \d+ s by pid"):
-            _fetched_shared(ref, cache)
+            fetched_shared(ref, cache)
     finally:
         locks.release(lock, fd)
 

@@ -20,14 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer import locks
 from trainer.data.decode import META_MEMBER, arrays_of, check_member_names, sample_version
 from trainer.data.errors import DataError
+from trainer.data.remote_index import cache_name, fetched, fetched_shared
 from trainer.data.sources import REMOTE, REMOTE_OR_PIPE, IndexRef, ShardRef
-from trainer.data.storage import StorageError, fetch
 from trainer.data.tars import check_member_size, member_key, open_shard
 from vlmprep_schemas import load
-from vlmprep_schemas.boundary import UnsafeWrite
 from vlmprep_schemas.limits import (
     INDEX_HEADER_BYTES,
     LIMITS,
@@ -194,11 +192,6 @@ def read_listed(path: Path, ref: IndexRef, rows: int | None, where: str) -> byte
         return f.read(size + 1)
 
 
-def cache_name(url: str, name: str) -> str:
-    """A remote file's name in the rank's shard cache: unique per URL, readable by its shard name."""
-    return f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name.rsplit('/', 1)[-1][:80]}"
-
-
 def shard_index(s: ShardRef, cache: Path) -> ShardIndex:
     """A shard's index: its sidecar (a local one read in place; a remote one fetched into `cache`, sha256-checked and
     kept for a resume), or for an older build's shard derived from its tar. A remote shard's own bytes are left to
@@ -208,53 +201,8 @@ def shard_index(s: ShardRef, cache: Path) -> ShardIndex:
         return index_shard(path, url=s.url, expect=s.num_samples)
     if not s.index.url.startswith(REMOTE):
         return load_index(s, read_listed(Path(s.index.url), s.index, s.num_samples, s.index.url), path=path)
-    local = _fetched(s.index, cache)
+    local = fetched(s.index, cache)
     return load_index(s, read_listed(local, s.index, s.num_samples, s.index.url), path=path)
-
-
-def _fetched(ref: IndexRef, cache: Path) -> Path:
-    """A remote index file's copy in the rank's cache dir (fetched, size and sha256 checked once; kept for a
-    resume)."""
-    local = Path(cache) / cache_name(ref.url, ref.url)
-    if not local.is_file():
-        _fetch_index(ref, local)
-    return local
-
-
-SHARED_INDEXES = "indexes"  # beside the ranks' cache dirs: the remote dataset indexes a node's ranks share
-
-
-def _fetched_shared(ref: IndexRef, cache: Path) -> Path:
-    """A remote dataset's one sample index, which every rank reads: one copy per shard-cache dir (a node's ranks
-    share it, or all ranks where that dir is on a shared filesystem), not one per rank: 48 bytes a sample of the
-    dataset, fetched once under a file lock while the others wait, then kept for a resume. Named by the URL and the
-    manifest's sha256 of it, so a dataset rebuilt at the same URL gets a copy of its own. Where the filesystem has no
-    file locks, each rank fetches its own copy as before."""
-    local = Path(cache).parent / SHARED_INDEXES / cache_name(f"{ref.url}#{ref.sha256}", ref.url)
-    lock = local.with_name(local.name + ".lock")
-    try:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        fd = locks.wait_for(lock, "the dataset's sample index, which one rank of a node fetches while the others wait")
-    except (UnsafeWrite, TimeoutError) as e:
-        raise DataError(str(e)) from None
-    except OSError:  # no lock here (a read-only or lock-less file system): this rank fetches its own copy
-        return _fetched(ref, cache)
-    if fd < 0:
-        return _fetched(ref, cache)
-    try:
-        if not local.is_file():
-            _fetch_index(ref, local)  # to LOCAL.part, renamed once its size and sha256 are the manifest's
-    finally:
-        locks.unlock(fd)  # the lock file stays: a rank waiting on it must find the one it locks
-    return local
-
-
-def _fetch_index(ref: IndexRef, local: Path) -> None:
-    local.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fetch(ref.url, local, size=ref.num_bytes, sha256=ref.sha256)
-    except StorageError as e:
-        raise DataError(str(e)) from None
 
 
 DATASET_CHUNK_ROWS = 1 << 15  # rows of the dataset's sample index hashed at a time (1.5 MiB), where it is hashed whole
@@ -296,11 +244,11 @@ def dataset_indexes(
     rows under np.save's header), so a rank's start-up reads and hashes its own rows, not the dataset's. Where one is
     not vouched for that way, the whole file is hashed against the manifest's sha256 instead. Each shard's rows are
     then checked as a sidecar's are. A remote one is fetched first, one copy beside the ranks' cache dirs
-    (_fetched_shared; kept for a resume). Paths: as shard_index gives; each index's signature is
+    (fetched_shared; kept for a resume). Paths: as shard_index gives; each index's signature is
     `signature(shard)`'s. Per shard: one read (one per run of adjacent shards), one sha256 of its rows, no more
     (start-up grows with the rank's shards)."""
     where = ref.url
-    local = Path(ref.url) if not ref.url.startswith(REMOTE) else _fetched_shared(ref, cache)
+    local = Path(ref.url) if not ref.url.startswith(REMOTE) else fetched_shared(ref, cache)
     rows_of, ordered = [s.row for s in shards], None
     if all(a < b for a, b in zip(rows_of, rows_of[1:])):  # manifest order, each shard once: the usual rank's list
         firsts = ordered = list(shards)
