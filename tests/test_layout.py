@@ -1,6 +1,8 @@
 """docs/development.md's map of the packages matches the tree: every module and folder of vlmprep/ and trainer/ is
-named in it, and every file or folder it names exists (a move or a rename needs the map updated, nothing here)."""
+named in it, and every file or folder it names exists (a move or a rename needs the map updated, nothing here); and
+no module or function of vlmprep/, trainer/ or schemas/ outgrows the size limits."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -8,6 +10,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("vlmprep", "trainer")  # each of their modules and folders must be on the map
 SPLIT = re.compile(r"\s{2,}")  # the gap between a row's names and its description
 PY = re.compile(r"[\w./]*\w\.py\b")
+SIZED = ("vlmprep", "trainer", "schemas")  # the packages held to the size limits
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80  # the def through its last line, docstring included
 
 
 def map_rows() -> list[str]:
@@ -79,3 +84,37 @@ def test_the_development_map_names_every_module_and_nothing_else():
     assert not missing, f"modules or folders not on the map in docs/development.md: {missing}"
     gone = sorted(n for n in named if not (REPO / n).exists())
     assert not gone, f"docs/development.md's map names paths that do not exist: {gone}"
+
+
+def oversized(path: Path) -> list[str]:
+    """The module at `path` where it is over MAX_MODULE_LINES lines, and each function or method in it over
+    MAX_FUNCTION_LINES, as `path: what (N lines)`."""
+    text = path.read_text(encoding="utf-8")
+    name = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else path.name
+    lines = text.count("\n")
+    out = [f"{name}: module ({lines} lines)"] if lines > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            span = node.end_lineno - node.lineno + 1
+            if span > MAX_FUNCTION_LINES:
+                out.append(f"{name}:{node.lineno} {node.name} ({span} lines)")
+    return out
+
+
+def test_the_size_check_names_a_long_function_and_a_long_module(tmp_path):
+    body = "".join(f"        x = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "big.py"
+    path.write_text("def short():\n    return 1\n\n\nclass C:\n    def long(self):\n" + body)
+    assert oversized(path) == ["big.py:6 long (81 lines)"]
+    path.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(path) == [f"big.py: module ({MAX_MODULE_LINES + 1} lines)"]
+    path.write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert oversized(path) == []
+
+
+def test_no_module_or_function_is_over_the_size_limits():
+    found = [o for package in SIZED for path in sorted((REPO / package).rglob("*.py")) for o in oversized(path)]
+    assert not found, (
+        f"over the limits ({MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a function): split by job "
+        "(a coherent part into a module of its own, a stage of a function into a named helper): " + "; ".join(found)
+    )
