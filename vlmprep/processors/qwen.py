@@ -146,19 +146,8 @@ QWEN3_PLAIN_TOKENS = QWEN25_VL_PLAIN_TOKENS + ("<tool_response>", "</tool_respon
 QWEN35_TOKENS = tuple(
     (t, t not in QWEN3_PLAIN_TOKENS)
     for t in QWEN2_VL_SPECIAL_TOKENS
+    + QWEN3_PLAIN_TOKENS
     + (
-        "<tool_call>",
-        "</tool_call>",
-        "<|fim_prefix|>",
-        "<|fim_middle|>",
-        "<|fim_suffix|>",
-        "<|fim_pad|>",
-        "<|repo_name|>",
-        "<|file_sep|>",
-        "<tool_response>",
-        "</tool_response>",
-        "<think>",
-        "</think>",
         "<|audio_start|>",
         "<|audio_end|>",
         "<tts_pad>",
