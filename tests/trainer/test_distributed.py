@@ -54,10 +54,10 @@ def test_fsdp_two_ranks_equal_a_single_process_on_the_same_global_batches(run_a,
     from trainer.config import TrainConfig
     from trainer.data.collate import CollateSpec, collate
     from trainer.data.vision import Patchifier
-    from trainer.loop import lr_at, train_step
     from trainer.model import build_model
     from trainer.options import ModelOptions, Optimization
-    from trainer.train import build_optimizer
+    from trainer.startup import build_optimizer
+    from trainer.train import lr_at, train_step
 
     _, metrics, _ = run_a
     by_id = {s.id: s for s in read_all_samples(dataset, image_spec)}

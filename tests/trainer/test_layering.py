@@ -26,7 +26,7 @@ _ROLES = {
     "data": ("trainer.data",),
     "run": (
         "trainer.train",
-        "trainer.loop",
+        "trainer.startup",
         "trainer.checkpoint",
         "trainer.export",
         "trainer.evaluate",

@@ -349,7 +349,7 @@ def test_one_packed_dataset_runs_its_predicted_steps_without_max_steps(dataset, 
     assert f"predicted steps per epoch: {len(metrics)} (total {len(metrics)})" in proc.stderr
     seen = [i for m in metrics for i in m["sample_ids"]]
     assert len(seen) == len(set(seen)) == 18 and len(metrics) >= 2  # exactly one epoch
-    from trainer.loop import lr_at
+    from trainer.train import lr_at
 
     # The cosine was given exactly the steps run as its length.
     assert [m["lr"] for m in metrics] == [

@@ -266,9 +266,9 @@ def test_packed_row_gives_each_sample_its_own_logits_and_broken_packing_does_not
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_packed_step_equals_unpacked_loss_and_grad_norm(family, spec_for):
     from trainer.config import TrainConfig
-    from trainer.loop import train_step
     from trainer.options import Optimization
-    from trainer.train import build_optimizer
+    from trainer.startup import build_optimizer
+    from trainer.train import train_step
 
     patch = _patch(family)
     spec = CollateSpec(0, IMG, patch, 2)

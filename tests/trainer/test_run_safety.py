@@ -15,8 +15,7 @@ import pytest
 
 from tests.trainer.conftest import ROOT, read_metrics, trainer_env
 from trainer.data import integrity
-from trainer.loop import Session
-from trainer.train import main
+from trainer.train import Session, main
 
 COMMON = ["--tiny-random", "qwen2-vl", "--no-progress", "--micro-batch-size", "2"]
 
