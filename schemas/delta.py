@@ -11,7 +11,10 @@ import zstandard
 PDELTA = ".pdelta.zst"
 ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)  # image members that are one zstd frame of a uint8 .npy payload
 # Below level 5 zstd's match finders find little in the previous image (docs/performance.md: 1.50x the demo source
-# bytes at level 3, 1.10x at 5); a window over 2^27 bytes is more than zstd decoders accept by default.
+# bytes at level 3, 1.10x at 5), so a member with a prefix is compressed at level 5 at least; one without (a sample's
+# first image) has nothing to find there and keeps the level asked for (~2x faster at 3, ~2% more bytes on photos).
+# A window over 2^27 bytes is more than zstd decoders accept by default. The level is no part of the format: a
+# reader decompresses any.
 PDELTA_MIN_LEVEL = 5
 _MAX_WINDOW_LOG = 27
 
@@ -50,9 +53,10 @@ def _dictionary(prefix: bytes | None) -> zstandard.ZstdCompressionDict | None:
 
 def compress_pdelta(payload: bytes, prefix: bytes | None, level: int) -> bytes:
     """A `.pdelta.zst` member: `payload` (a `.delta.zst` member's content: the .npy header and the filtered rows) in
-    one zstd frame, compressed at level max(level, PDELTA_MIN_LEVEL) with `prefix` (the previous image's payload, or
-    None) as a raw-content dictionary and a window that reaches over both. Deterministic: same bytes, same output."""
-    level = max(level, PDELTA_MIN_LEVEL)
+    one zstd frame, compressed with `prefix` (the previous image's payload, or None) as a raw-content dictionary and a
+    window that reaches over both, at level max(level, PDELTA_MIN_LEVEL) with a prefix and `level` without one.
+    Deterministic: same bytes, same output."""
+    level = max(level, PDELTA_MIN_LEVEL) if prefix else level
     window = zstandard.ZstdCompressionParameters.from_level(level, source_size=len(payload)).window_log
     window = min(_MAX_WINDOW_LOG, max(window, (len(payload) + len(prefix or b"") - 1).bit_length()))
     params = zstandard.ZstdCompressionParameters.from_level(

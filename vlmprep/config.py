@@ -172,7 +172,7 @@ class BuildConfig:
         3,
         None,
         "zstd level of images and video frames stored as zstd-delta or zstd, at least 5 "
-        "for zstd-pdelta images (library only, no flag).",
+        "for zstd-pdelta images stored against the one before (library only, no flag).",
     )
     samples_per_shard: int = opt(1000, OUTPUT, "Max samples per shard.")
     shard_size_mb: float = opt(512.0, OUTPUT, "Max shard size in MiB.")
