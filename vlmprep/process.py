@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 
 from vlmprep.config import BuildConfig
@@ -115,10 +116,10 @@ class Renderer:
             self.largest_image = max(map(self._image_tokens, images), default=0)
             videos = self._prepare_videos(conv, first=min(assistant, default=len(conv.messages)))
 
-            steps, self.lost = self.plan(conv, images, videos)
+            steps, self.lost, rendered = self.plan(conv, images, videos)
             samples = []
             for sc in steps:
-                full = render_conversation(sc.conv, self.ctx, *_pick(sc, images, videos))
+                full = rendered.pop(id(sc), None) or render_conversation(sc.conv, self.ctx, *_pick(sc, images, videos))
                 sample = truncate_sample(full, self.cfg.seq_len)
                 before = {sc.source_messages[m] for m, _, _ in full.turn_spans}
                 after = {sc.source_messages[m] for m, _, _ in sample.turn_spans}
@@ -201,19 +202,50 @@ class Renderer:
 
     def plan(
         self, conv: Conversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]
-    ) -> tuple[list[StepConversation], list[int]]:
+    ) -> tuple[list[StepConversation], list[int], dict[int, RenderedSample]]:
         """The conversations to render, one per sample: the whole record with the history policy applied, or, with
-        --long-traces split and a trace longer than --seq-len, the step samples split_trace cuts it into; and the
-        trained turns that fit no sample. Lengths come from the images' grids: no pixel is made here."""
+        --long-traces split and a trace longer than --seq-len, the step samples split_trace cuts it into; the
+        trained turns that fit no sample; and the renders already made, by id of their step conversation. Lengths
+        come from the images' grids: no pixel is made here, except where a record that looks short is rendered
+        whole at once (its own length then tells that it fits: no separate count)."""
         pieces: dict[str, int] = {}  # the candidates share most of their text: each piece is tokenized once
 
         def length(sc: StepConversation) -> int:
             return count_tokens(sc.conv, self.ctx, *_pick(sc, images, videos), pieces=pieces)
 
         whole = whole_trace(conv, self.steps)
-        if self.cfg.long_traces == "split" and length(whole) > self.cfg.seq_len:
-            return split_trace(conv, trained_messages(conv, self.ctx.policy), self.steps, length, self.cfg.seq_len)
-        return [whole], []
+        if self.cfg.long_traces != "split":
+            return [whole], [], {}
+        full = self._render_if_short(whole, images, videos)
+        if full is not None:
+            return [whole], [], {id(whole): full}
+        if length(whole) > self.cfg.seq_len:
+            steps, lost = split_trace(
+                conv, trained_messages(conv, self.ctx.policy), self.steps, length, self.cfg.seq_len
+            )
+            return steps, lost, {}
+        return [whole], [], {}
+
+    def _render_if_short(
+        self, sc: StepConversation, images: list[PreparedImage], videos: dict[int, PreparedVideo]
+    ) -> RenderedSample | None:
+        """The render of `sc` where a rough size (its image and video tokens, a token per char of its text, some per
+        message) is within --seq-len and the render's own length is too: it is then the sample, and counting its
+        tokens first would tokenize it twice. None otherwise, or where the render fails: the record then goes the
+        counted way (count_tokens, then split or render), exactly as if this had not run."""
+        kept, kept_videos = _pick(sc, images, videos)
+        merge = getattr(self.processor.image_processor, "merge_size", 1)
+        size = sum(map(self._image_tokens, kept)) + sum(math.prod(v.grid_thw) // (merge * merge) for v in kept_videos)
+        for m in sc.conv.messages:
+            size += 16 + len(m.text) + len(m.reasoning or "")
+            size += sum(len(tc.name) + len(tc.arguments_json) for tc in m.tool_calls)
+        if size + (len(json.dumps(sc.conv.tools)) if sc.conv.tools else 0) > self.cfg.seq_len:
+            return None
+        try:
+            full = render_conversation(sc.conv, self.ctx, kept, kept_videos)
+        except RecordError:
+            return None
+        return full if len(full.input_ids) <= self.cfg.seq_len else None
 
     def _first_image_fault(self, conv: Conversation, opened: list[PreparedImage]) -> RecordError | None:
         """The fault of the record's first faulty image, every image decoded up to it: a record that fails is
