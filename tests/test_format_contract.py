@@ -415,3 +415,20 @@ def test_each_role_imports_only_the_layers_below_it():
         if _role(d) not in _MAY_IMPORT[_role(m)]
     )
     assert not bad, "\n".join(bad)
+
+
+def test_the_writers_tar_headers_are_tarfiles_own():
+    """The writer's fast tar header (the blank header with name, size and checksum written in) is tarfile's, byte for
+    byte, and a name it does not take goes to tarfile, faults included."""
+    from vlmprep.shards.writer import _member_header, _tar_header
+
+    def header(f, name, size):
+        try:
+            return f(name, size)
+        except ValueError as e:
+            return repr(e)
+
+    names = ["0000000000.img000.pdelta.zst", "0000000001_0003.input_ids.npy", "", "x", "a" * 100, "a" * 101]
+    for name in [*names, "d/" + "a" * 99, "\u00e9.json", "a\udcff.npy"]:
+        for size in (0, 1, 511, 512, 513, 10**6, 123456789, 8**11 - 1, 8**11):
+            assert header(_member_header, name, size) == header(_tar_header, name, size), (name, size)

@@ -187,7 +187,7 @@ def _meta(sample: RenderedSample, image_format: str, images_meta: list[dict], vi
     return meta
 
 
-def _member_header(name: str, size: int) -> bytes:
+def _tar_header(name: str, size: int) -> bytes:
     """The tar header block of one member, fixed metadata: same input + config gives byte-identical tars."""
     ti = tarfile.TarInfo(name)
     ti.size = size
@@ -196,6 +196,24 @@ def _member_header(name: str, size: int) -> bytes:
     ti.uid = ti.gid = 0
     ti.uname = ti.gname = ""
     return ti.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")  # tarfile.open's own defaults
+
+
+_BLANK_HEADER = bytearray(_tar_header("", 0))
+_BLANK_HEADER[148:156] = b" " * 8  # the checksum field, as the checksum sums it
+
+
+def _member_header(name: str, size: int) -> bytes:
+    """_tar_header's bytes: for a short ASCII name (every member name of the format) the blank header with the name,
+    size and checksum written in as tarfile writes them (a tenth of its time, ~10 headers a sample); tarfile's own
+    header otherwise (tests/test_format_contract.py compares the two)."""
+    raw = name.encode("ascii", "replace")
+    if len(raw) > 100 or not name.isascii() or size >= 8**11:
+        return _tar_header(name, size)
+    buf = bytearray(_BLANK_HEADER)
+    buf[: len(raw)] = raw
+    buf[124:136] = b"%011o\0" % size
+    buf[148:155] = b"%06o\0" % sum(buf)  # tarfile's checksum: the byte sum, its own field as spaces
+    return bytes(buf)
 
 
 class _HashingFile:
@@ -277,13 +295,14 @@ class ShardWriter:
         if self._hf is None:
             self._open()
         start = self._hf.n
+        blocks = []
         for ext, data in sample.members.items():
             # What tarfile's addfile writes (header block, data, zeros to a whole block), without its copy of the data
-            # through a file object in 16 KiB pieces.
-            self._hf.write(_member_header(f"{sample.key}.{ext}", len(data)))
-            self._hf.write(data)
+            # through a file object in 16 KiB pieces; the sample's blocks written (and hashed) at once.
+            blocks += (_member_header(f"{sample.key}.{ext}", len(data)), data)
             if len(data) % tarfile.BLOCKSIZE:
-                self._hf.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
+                blocks.append(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
+        self._hf.write(b"".join(blocks))
         self._rows.append(
             (
                 int(sample.key[:10]),
