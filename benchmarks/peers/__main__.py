@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                 k: round(base[k] / results[name, peer][k], 2) if base[k] and results[name, peer][k] else None
                 for k in ("records_per_s_per_core", "records_per_s_per_core_wall")
             }
-            emit("peers", metric="ratio", input=name, vs=peer, **ratio, goal=3.0)
+            emit("peers", metric="ratio", input=name, vs=peer, **ratio, goal=1.5)
     emit("done")
 
 
