@@ -113,7 +113,7 @@ class Renderer:
         images: list[PreparedImage] = []
         try:
             self._open_images(conv, images)
-            self.largest_image = max(map(self._image_tokens, images), default=0)
+            self.largest_image = max(map(self._grid_tokens, images), default=0)
             videos = self._prepare_videos(conv, first=min(assistant, default=len(conv.messages)))
 
             steps, self.lost, rendered = self.plan(conv, images, videos)
@@ -234,8 +234,7 @@ class Renderer:
         tokens first would tokenize it twice. None otherwise, or where the render fails: the record then goes the
         counted way (count_tokens, then split or render), exactly as if this had not run."""
         kept, kept_videos = _pick(sc, images, videos)
-        merge = getattr(self.processor.image_processor, "merge_size", 1)
-        size = sum(map(self._image_tokens, kept)) + sum(math.prod(v.grid_thw) // (merge * merge) for v in kept_videos)
+        size = sum(map(self._grid_tokens, (*kept, *kept_videos)))
         for m in sc.conv.messages:
             size += 16 + len(m.text) + len(m.reasoning or "")
             size += sum(len(tc.name) + len(tc.arguments_json) for tc in m.tool_calls)
@@ -267,10 +266,10 @@ class Renderer:
                 return e
         return None
 
-    def _image_tokens(self, image) -> int:
-        """Placeholder tokens of one prepared image (0 for families whose count the grid does not give)."""
+    def _grid_tokens(self, item) -> int:
+        """Placeholder tokens of one prepared image or video (0 for families whose count the grid does not give)."""
         merge = getattr(self.processor.image_processor, "merge_size", 1)
-        return math.prod(image.grid_thw) // (merge * merge) if self.ctx.family.grid_images else 0
+        return math.prod(item.grid_thw) // (merge * merge) if self.ctx.family.grid_images else 0
 
     @property
     def _large_image(self) -> bool:

@@ -129,9 +129,14 @@ def check_member_names(names, *, url: str, key: str, version: int) -> None:
                 f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "
                 "are never loaded)"
             )
-    missing = [n for n in (*arrays_of(version), META_MEMBER) if n not in names]
+    missing = missing_members(names, version)
     if missing:
         raise DataError(f"{url}: sample {key}: missing members {', '.join(missing)}")
+
+
+def missing_members(names, version: int) -> list[str]:
+    """The members every sample of format `version` holds that `names` lacks."""
+    return [n for n in (*arrays_of(version), META_MEMBER) if n not in names]
 
 
 def _npy(data: bytes, name: str, dims: dict[str, int]) -> np.ndarray:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.decode import META_MEMBER, arrays_of, check_member_names, sample_version
+from trainer.data.decode import check_member_names, missing_members, sample_version
 from trainer.data.errors import DataError
 from trainer.data.remote_index import cache_name, fetched, fetched_shared
 from trainer.data.sources import REMOTE, REMOTE_OR_PIPE, IndexRef, ShardRef
@@ -410,7 +410,7 @@ def read_indexed(index: ShardIndex, i: int, f=None) -> tuple[str, dict[str, byte
     if why is None and key is None:
         why = "no members"
     if why is None:
-        missing = [n for n in (*arrays_of(sample_version(members)), META_MEMBER) if n not in members]
+        missing = missing_members(members, sample_version(members))
         why = f"sample {key} without its {', '.join(missing)}" if missing else None
     if why is not None:
         raise DataError(
