@@ -12,7 +12,7 @@ PDELTA = ".pdelta.zst"
 ZSTD_IMAGE = (".npy.zst", ".delta.zst", PDELTA)  # image members that are one zstd frame of a uint8 .npy payload
 # Below level 5 zstd's match finders find little in the previous image (docs/performance.md: 1.50x the demo source
 # bytes at level 3, 1.10x at 5), so a member with a prefix is compressed at level 5 at least; one without (a sample's
-# first image) has nothing to find there and keeps the level asked for (~2x faster at 3, ~2% more bytes on photos).
+# first image) has nothing to find there and keeps the level asked for (the default 1: ~3x faster than 5, as small).
 # A window over 2^27 bytes is more than zstd decoders accept by default. The level is no part of the format: a
 # reader decompresses any.
 PDELTA_MIN_LEVEL = 5
