@@ -28,7 +28,8 @@ def filter_pixels(pixels: np.ndarray) -> np.ndarray:
     planes[:, 1] = pixels[..., 1]
     np.subtract(pixels[..., 0], pixels[..., 1], out=planes[:, 0])
     np.subtract(pixels[..., 2], pixels[..., 1], out=planes[:, 2])
-    out = planes.copy()
+    out = np.empty_like(planes)
+    out[0] = planes[0]
     np.subtract(planes[1:], planes[:-1], out=out[1:])
     return out
 

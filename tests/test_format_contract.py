@@ -432,3 +432,24 @@ def test_the_writers_tar_headers_are_tarfiles_own():
     for name in [*names, "d/" + "a" * 99, "\u00e9.json", "a\udcff.npy"]:
         for size in (0, 1, 511, 512, 513, 10**6, 123456789, 8**11 - 1, 8**11):
             assert header(_member_header, name, size) == header(_tar_header, name, size), (name, size)
+
+
+def test_the_writers_npy_bytes_are_np_saves():
+    """npy_bytes builds a header once per dtype and shape: its bytes must stay np.save's, for every layout."""
+    from vlmprep.shards.writer import npy_bytes
+
+    arrays = [
+        np.arange(5, dtype=np.int32),
+        np.arange(5, dtype=np.int32),  # the cached header
+        np.zeros((0, 3), np.int64),
+        np.ones((3, 7), np.uint8),
+        np.zeros((3, 0), np.float32),
+        np.arange(12, dtype=np.int64).reshape(3, 4).T,  # Fortran order: np.save's own header and byte order
+        np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],  # neither order
+        np.array(5, dtype=np.int16),
+        np.arange(6, dtype=">i4"),
+    ]
+    for a in arrays:
+        buf = io.BytesIO()
+        np.save(buf, a, allow_pickle=False)
+        assert npy_bytes(a) == buf.getvalue(), (a.dtype, a.shape, a.strides)

@@ -43,11 +43,14 @@ def _strict_load():
         ImageFile.LOAD_TRUNCATED_IMAGES = was
 
 
-def decode_image(img: ImageData, *, max_pixels: int, min_side: int = 1) -> Image.Image:
+def decode_image(
+    img: ImageData, *, max_pixels: int, min_side: int = 1, opened: Image.Image | None = None
+) -> Image.Image:
     """Open and fully load one image, rejecting bombs, corrupt data and animations with reason codes; the result
-    is upright (EXIF orientation applied, tag dropped) and 8 bits per channel, in its own mode (alpha, palette)."""
+    is upright (EXIF orientation applied, tag dropped) and 8 bits per channel, in its own mode (alpha, palette).
+    opened: `img` as _header opened it (checked, nothing decoded yet), so its header is not parsed twice."""
     with _image_faults(img):
-        im = _open_checked(img, max_pixels=max_pixels, min_side=min_side)
+        im = opened if opened is not None else _open_checked(img, max_pixels=max_pixels, min_side=min_side)
         with _strict_load():
             im.load()
         return _to_8bit(_upright(im))
@@ -88,13 +91,18 @@ def upright_size(img: ImageData, *, max_pixels: int, min_side: int = 1) -> tuple
     """(width, height) of decode_image's result, read from the header alone (EXIF orientation included), with the
     header checks of decode_image; None where only decoding tells: formats whose metadata PIL completes on load,
     and a PNG with chunks after its pixel data (text or eXIf there can carry an orientation)."""
+    return _header(img, max_pixels=max_pixels, min_side=min_side)[1]
+
+
+def _header(img: ImageData, *, max_pixels: int, min_side: int) -> tuple[Image.Image, tuple[int, int] | None]:
+    """The image opened and header-checked (nothing decoded), and upright_size's answer."""
     with _image_faults(img):
         im = _open_checked(img, max_pixels=max_pixels, min_side=min_side)
         if im.format not in _HEADER_FORMATS or (im.format == "PNG" and not _png_metadata_first(img.data)):
-            return None
+            return im, None
         # Image.getexif itself: PngImageFile's decodes first, to find chunks after the pixels (checked above).
         w, h = im.size
-        return (h, w) if Image.Image.getexif(im).get(_ORIENTATION) in _TRANSPOSING else (w, h)
+        return im, (h, w) if Image.Image.getexif(im).get(_ORIENTATION) in _TRANSPOSING else (w, h)
 
 
 def _png_metadata_first(data: bytes) -> bool:
@@ -150,7 +158,7 @@ def open_image(
     too small or large, animated, aspect ratio) raise here; faults in the pixel data when the pixels are made. Where
     the header cannot tell the size (upright_size), the pixels are made now. shapes: the stored shape by upright
     size, kept by a caller whose processor and pixel budget stay as they are (a Renderer: screenshots share a size)."""
-    size = upright_size(img, max_pixels=max_pixels, min_side=min_side)
+    opened, size = _header(img, max_pixels=max_pixels, min_side=min_side)
     if size is None:
         shape = None
     elif shapes is not None and size in shapes:
@@ -162,8 +170,11 @@ def open_image(
     if shape is None:
         return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side)
 
+    held = [opened]  # the header's open image serves the first decode only: a retry after a fault opens afresh
+
     def load() -> np.ndarray:
-        pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+        im, held[0] = held[0], None
+        pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=im)
         assert pixels.shape[:2] == shape and decoded == size, (
             f"image {size}: header predicted {shape}, decoding gave {decoded} -> {pixels.shape[:2]}"
         )
@@ -185,12 +196,12 @@ def prepare_image(
 
 
 def _resized_pixels(
-    img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int
+    img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int, opened: Image.Image | None = None
 ) -> tuple[np.ndarray, tuple[int, int]]:
     """The stored pixels and the upright (width, height) they were resized from."""
     import torch  # lazy: keeps CLI start-up fast for commands that never touch images
 
-    pil = decode_image(img, max_pixels=max_pixels, min_side=min_side)
+    pil = decode_image(img, max_pixels=max_pixels, min_side=min_side, opened=opened)
     with torch.no_grad():
         resized = _resize(processor, family, _processed(processor.image_processor, pil), *pil.size)
     assert resized.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
@@ -327,8 +338,7 @@ def delta_payload(pixels: np.ndarray) -> bytes:
     rows (vlmprep_schemas.delta)."""
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(pixels))
-    buf.write(filter_pixels(pixels).data)
-    return buf.getvalue()
+    return b"".join((buf.getbuffer(), filter_pixels(pixels).data))  # one copy of the rows, not two
 
 
 def encode_image(

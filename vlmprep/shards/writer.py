@@ -34,10 +34,25 @@ from vlmprep_schemas.boundary import open_no_follow
 from vlmprep_schemas.limits import index_head
 
 
-def _npy(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return buf.getvalue()
+_NPY_HEADERS: dict[tuple, bytes] = {}  # (dtype, shape) -> np.save's header: most samples repeat a few shapes
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    """np.save's bytes of `arr` (format 1.0), its header built once per dtype and shape: np.save builds it anew
+    for each of a sample's eight arrays, which cost more than writing them."""
+    if not arr.flags.c_contiguous or arr.dtype.hasobject:  # a Fortran-order header, or np.save's refusal
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=False)
+        return buf.getvalue()
+    key = (arr.dtype.str, arr.shape)
+    head = _NPY_HEADERS.get(key)
+    if head is None:
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(arr))
+        head = buf.getvalue()
+        if len(_NPY_HEADERS) < 4096:
+            _NPY_HEADERS[key] = head
+    return head + arr.tobytes()
 
 
 def encode_sample(
@@ -128,7 +143,7 @@ def _array_members(sample: RenderedSample, image_index: list[int]) -> dict[str, 
         "second_per_grid_ts.npy": np.asarray(sample.second_per_grid_ts, dtype=np.float32).reshape(-1),
     }
     assert set(arrays) == set(ARRAYS), "writer and shards/format.py disagree on the array members"
-    return {name: _npy(a.astype(ARRAYS[name].dtype)) for name, a in arrays.items()}
+    return {name: npy_bytes(a.astype(ARRAYS[name].dtype, copy=False)) for name, a in arrays.items()}
 
 
 def _video_members(sample: RenderedSample, image_format: str, zstd_level: int) -> tuple[dict[str, bytes], list[dict]]:
