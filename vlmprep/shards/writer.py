@@ -33,7 +33,6 @@ from vlmprep.videos import FRAME_EXT, encode_frame
 from vlmprep_schemas.boundary import open_no_follow
 from vlmprep_schemas.limits import index_head
 
-
 _NPY_HEADERS: dict[tuple, bytes] = {}  # (dtype, shape) -> np.save's header: most samples repeat a few shapes
 
 
