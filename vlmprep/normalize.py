@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vlmprep.config import default
 from vlmprep.locations import is_url
@@ -42,6 +42,15 @@ class NormalizeOptions:
     max_image_bytes: int = default("max_image_bytes")  # an image file (local or remote) is read whole: no more
     max_video_bytes: int = default("max_video_bytes")  # likewise a video file
     videos: bool = False  # the processor's family renders video parts (vlmprep/families: FamilySpec.video)
+    # Each root resolved once per set of options (one build's): a root swapped for a link while the build runs does
+    # not move it, and every image path is still resolved in full when it is read.
+    _roots: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def real_dir(self, path: str) -> str:
+        """The directory a record's local paths must resolve inside."""
+        if path not in self._roots:
+            self._roots[path] = os.path.realpath(path)
+        return self._roots[path]
 
 
 def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conversation:
@@ -66,7 +75,7 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
     # paths under an --image-root given for them.
     remote = is_url(source.file)
     base_dir = None if remote else os.path.dirname(os.path.abspath(source.file))
-    root = os.path.realpath(opts.image_root) if opts.image_root else None if remote else os.path.realpath(base_dir)
+    root = opts.real_dir(opts.image_root) if opts.image_root else None if remote else opts.real_dir(base_dir)
     marker_images, marker_videos = data.get("images"), data.get("videos")
     if marker_images is not None and not isinstance(marker_images, list):
         raise RecordError("invalid_images_field", "'images' must be a list of paths or URLs")

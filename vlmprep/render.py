@@ -111,6 +111,7 @@ class RenderContext:
         self._images_kwargs = {**merged.get("images_kwargs", {}), "return_tensors": "pt"}
         mm_params = inspect.signature(processor.create_mm_token_type_ids).parameters
         self._mm_needs_lengths = "batch_image_seq_lengths" in mm_params
+        self._mm_ids = _mm_type_ids(processor)
 
     def slots(self, conv: Conversation) -> list[Slot]:
         """The conversation's text slots (message text, tool calls, reasoning) in the order the template prints them."""
@@ -188,11 +189,28 @@ class RenderContext:
     def mm_token_types(self, ids: np.ndarray, image_token_lengths: list[int]) -> np.ndarray:
         """Token ids -> the per-token multimodal type ids (0 text, 1 image, 2 video) the processor itself makes."""
         p = self.processor
+        if self._mm_ids is not None:  # ProcessorMixin's own method, without its list round trip
+            out = np.zeros(len(ids), dtype=np.uint8)
+            for kind, tokens in self._mm_ids:
+                for t in tokens:
+                    out[ids == t] = kind
+            return out
         if self._mm_needs_lengths:
             out = p.create_mm_token_type_ids([ids.tolist()], [image_token_lengths])[0]
         else:
             out = p.create_mm_token_type_ids([ids.tolist()])[0]
         return np.asarray(out, dtype=np.uint8)
+
+
+def _mm_type_ids(processor) -> list[tuple[int, list[int]]] | None:
+    """(type, token ids) in the order ProcessorMixin.create_mm_token_type_ids marks them (a later type wins), where
+    the processor keeps that method; None where it has its own (Idefics3, GLM-4.1V: spans, not ids)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    if type(processor).create_mm_token_type_ids is not ProcessorMixin.create_mm_token_type_ids:
+        return None
+    kinds = ((1, processor.image_token_ids), (2, processor.video_token_ids), (3, processor.audio_token_ids))
+    return [(kind, [int(t) for t in tokens if t is not None]) for kind, tokens in kinds]
 
 
 def _check_no_special_tokens(conv: Conversation, ctx: RenderContext) -> None:

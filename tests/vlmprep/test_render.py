@@ -252,6 +252,7 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
 
     processor = load_family_processor(name)
     ctx = RenderContext(processor)
+    ctx.text.whole_below = 0  # every text takes the shortcut, however short
     tok = processor.tokenizer
     pads = [t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None)) if t]
     text = st.lists(
@@ -304,3 +305,24 @@ def test_count_tokens_is_the_rendered_length(name):
     n = len(render_conversation(conv, ctx, images).input_ids)
     assert count_tokens(conv, ctx, images) == n
     assert count_tokens(conv, ctx, images, pieces={}) == n
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2-vl", "qwen3.5", "llama4", "mistral3-pixtral", "gemma3", "glm-4.1v", "internvl", "smolvlm"]
+)
+def test_mm_token_types_equal_the_processors_own(name):
+    """RenderContext.mm_token_types marks ids itself where the processor keeps ProcessorMixin's method (no list round
+    trip): the types must equal the processor's own create_mm_token_type_ids, ids of every modality mixed in."""
+    from tests.support.tiny_processors import load_family_processor
+
+    processor = load_family_processor(name)
+    ctx = RenderContext(processor)
+    special = [t for a in ("image_token_ids", "video_token_ids", "audio_token_ids") for t in getattr(processor, a) if t]
+    ids = np.random.default_rng(0).choice(special + list(range(10, 60)), 400).astype(np.int64)
+    got = ctx.mm_token_types(ids, [len(ids)])
+    if ctx._mm_needs_lengths:
+        want = processor.create_mm_token_type_ids([ids.tolist()], [[len(ids)]])[0]
+    else:
+        want = processor.create_mm_token_type_ids([ids.tolist()])[0]
+    assert got.dtype == np.uint8 and got.tolist() == list(want)
+    assert got.any() or ctx._mm_ids is None  # Idefics3 / SmolVLM mark spans by image lengths, not random ids
