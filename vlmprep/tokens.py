@@ -16,8 +16,6 @@ class TextEncoder:
     it tokenizes the text around it, so a run of N is N copies of one id whatever surrounds it: encode() tokenizes
     each run as one copy and repeats it (where a probe shows this tokenizer splits them off; else runs go whole)."""
 
-    whole_below = 4096  # chars: encode() tokenizes a shorter text whole (tests set 0 to exercise the shortcut)
-
     def __init__(self, tokenizer, *, specials: set[str], repeated: set[str]):
         self.tokenizer = tok = tokenizer
         if getattr(tok, "split_special_tokens", False):
@@ -26,7 +24,7 @@ class TextEncoder:
         self.run_re = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in self.run_tokens)) if repeated else None
         probe = "".join(f"a{t * 3} b{t}{t}\n{t}" for t in self.run_tokens)
         if repeated and not all(
-            np.array_equal(x, y) for x, y in zip(self._encode_runs(probe), self._tokenize(probe, offsets=True))
+            np.array_equal(x, y) for x, y in zip(self.encode(probe), self._tokenize(probe, offsets=True))
         ):
             self.run_tokens, self.run_re = [], None  # this tokenizer does not split them off: tokenize runs whole
         self.boundary_re, self.post_specials = _segment_boundaries(tok, specials)
@@ -35,11 +33,6 @@ class TextEncoder:
         """The token ids of `text` and each token's [start, end) chars (N x 2), exactly as the tokenizer gives them,
         with its BOS unless the text starts with it. Each run of a repeated placeholder is tokenized as one copy, then
         repeated (see run_re)."""
-        if len(text) < self.whole_below:  # a short text: the shortcut's own bookkeeping would cost more
-            return self._tokenize(text, offsets=True)
-        return self._encode_runs(text)
-
-    def _encode_runs(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         short, runs = shorten_runs(text, self.run_re, self.run_tokens)
         ids, spans = self._tokenize(short, offsets=True)
         reps = _copies(runs, spans) if runs else None
