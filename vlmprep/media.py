@@ -74,12 +74,49 @@ class MediaFetcher:
                 "--image-root (or carries them inline)",
             )
         path = ref if os.path.isabs(ref) else os.path.join(self.base_dir, ref)
+        what = f"{where}: {kind} {ref[:120]}"
+        pinned = _pin(path)
+        if pinned is not None:  # the kernel resolved it once: the file checked is the file read
+            fd, real = pinned
+            try:
+                self._check_inside(real, ref, where, kind)
+                return ImageData(data=_read_local(f"/proc/self/fd/{fd}", kind, self.max_bytes[kind], what), origin=ref)
+            finally:
+                os.close(fd)
         real = os.path.realpath(path)  # resolves symlinks, so a link cannot escape the root
+        self._check_inside(real, ref, where, kind)
+        return ImageData(data=_read_local(real, kind, self.max_bytes[kind], what), origin=ref)
+
+    def _check_inside(self, real: str, ref: str, where: str, kind: str) -> None:
         if os.path.commonpath([real, self.root]) != self.root:
             raise RecordError(
                 "path_outside_root", f"{where}: {kind} path {ref[:120]} resolves outside the allowed root {self.root}"
             )
-        return ImageData(data=_read_local(real, kind, self.max_bytes[kind], f"{where}: {kind} {ref[:120]}"), origin=ref)
+
+
+_O_PATH = getattr(os, "O_PATH", None)
+
+
+def _pin(path: str) -> tuple[int, str] | None:
+    """`path` opened with O_PATH (Linux: resolved by the kernel, no device or FIFO opened, nothing read) and the real
+    path of what it names, read back from /proc/self/fd; reading through that fd then reads that same file, so a link
+    swapped in after the root check cannot redirect the read. None where the system cannot (no O_PATH or /proc) or the
+    path does not open (missing, a loop): the realpath route then gives the same reject as ever."""
+    if _O_PATH is None:
+        return None
+    try:
+        fd = os.open(path, _O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        os.close(fd)
+        return None
+    if not real.startswith("/") or real.endswith(" (deleted)"):  # not a path (or gone): decide the old way
+        os.close(fd)
+        return None
+    return fd, real
 
 
 def _read_local(path: str, kind: str, limit: int, what: str) -> bytes:

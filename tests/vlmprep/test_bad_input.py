@@ -967,3 +967,37 @@ def test_inspect_on_raw_input_shows_the_other_records_and_names_the_bad_one(tmp_
     assert res.exit_code == 0, res.output
     assert "id good-0" in res.output and "id good-1" in res.output
     assert f"{p}:2  invalid_unicode: id: holds a lone surrogate" in res.output
+
+
+@pytest.mark.skipif(not hasattr(os, "O_PATH") or not os.path.isdir("/proc/self/fd"), reason="Linux O_PATH and /proc")
+def test_an_image_path_is_resolved_once_so_the_file_checked_is_the_file_read(tmp_path):
+    """media.fetch pins a local image path (O_PATH: resolved by the kernel, nothing opened for reading), checks the
+    pinned file's real path against the root and reads through the pin: a link swapped for one out of the root after
+    the check still reads the file that was checked, and the swapped link itself is refused."""
+    from vlmprep import media
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.png").write_bytes(b"inside")
+    (tmp_path / "secret.png").write_bytes(b"outside")
+    (root / "link.png").symlink_to(root / "a.png")
+    fd, real = media._pin(str(root / "link.png"))
+    try:
+        assert real == str((root / "a.png").resolve())
+        (root / "link.png").unlink()
+        (root / "link.png").symlink_to(tmp_path / "secret.png")  # swapped after the check
+        assert media._read_local(f"/proc/self/fd/{fd}", "image", 100, "x") == b"inside"
+    finally:
+        os.close(fd)
+    fetcher = media.MediaFetcher(
+        base_dir=str(root), root=str(root.resolve()), allow_remote=False, max_bytes={"image": 100, "video": 100}
+    )
+    assert fetcher.fetch("a.png", "messages[0]").data == b"inside"
+    with pytest.raises(RecordError, match="outside the allowed root"):
+        fetcher.fetch("link.png", "messages[0]")
+    with pytest.raises(RecordError) as e:
+        fetcher.fetch("missing.png", "messages[0]")
+    assert e.value.reason == "image_not_found"
+    os.mkfifo(root / "pipe.png")  # pinned, never opened for reading: refused at once, not hung
+    with pytest.raises(RecordError, match="not a regular file"):
+        fetcher.fetch("pipe.png", "messages[0]")
