@@ -21,6 +21,36 @@ class Slot:
     text: str
 
 
+class StructureRenders:
+    """Renders of template messages that carry no record text (mask.locate_slots' sentinel rendering), kept by their
+    JSON: the records of one shape (most of a VQA set) render their sentinels once. Exact, since a render is a
+    function of the messages and tools alone, unless the template reads the clock or draws at random: then none is
+    kept. At most 1,024 are kept, the oldest dropped first."""
+
+    _MAX = 1024
+
+    def __init__(self, render, chat_template: str):
+        self._render = render
+        self._on = not any(w in chat_template for w in ("strftime_now", "random", "now("))
+        self._kept: dict[str, str] = {}
+
+    def render(self, messages: list[dict], tools: list | None) -> str:
+        """The template's render of `messages` and `tools`, kept or made now."""
+        if not self._on:
+            return self._render(messages, tools)
+        try:  # key order kept: a template may walk a dict's keys in order
+            key = json.dumps([messages, tools], ensure_ascii=False)
+        except (TypeError, ValueError):
+            return self._render(messages, tools)
+        out = self._kept.get(key)
+        if out is None:
+            out = self._render(messages, tools)
+            if len(self._kept) >= self._MAX:
+                del self._kept[next(iter(self._kept))]
+            self._kept[key] = out
+        return out
+
+
 def prints_string_arguments(processor, chat_template: str) -> bool:
     """Whether the template prints tool-call arguments given as a JSON string verbatim (Qwen2/3-VL). Templates that
     walk the arguments' keys (Qwen3.5: `arguments|items`) fail on a string, and templates that serialize them

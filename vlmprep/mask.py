@@ -83,7 +83,8 @@ def locate_slots(ctx, conv: Conversation, slots: list, rendered: str) -> list[Lo
     or, for templates that rewrite text (trim, think-stripping), slot by slot between identical scaffolding."""
     if any("\ue000VLMPREP" in s.text for s in slots):
         raise RecordError("sentinel_in_text", "text contains vlmprep's reserved sentinel marker")
-    sentinel_text = ctx.render_text(ctx.messages(conv, [SENTINEL.format(k) for k in range(len(slots))]), conv.tools)
+    sentinels = ctx.messages(conv, [SENTINEL.format(k) for k in range(len(slots))])
+    sentinel_text = ctx.sentinel_renders.render(sentinels, conv.tools)
     pieces = _SENTINEL_RE.split(sentinel_text)  # scaffold, id, scaffold, id, ..., scaffold
     order = [int(x) for x in pieces[1::2]]
     if order != sorted(set(order)):

@@ -15,6 +15,7 @@ import numpy as np
 
 from vlmprep.chat_template import (
     Slot,
+    StructureRenders,
     message_slots,
     prints_string_arguments,
     reasoning_of,
@@ -91,6 +92,7 @@ class RenderContext:
         # content-truthiness branches render it as the model's own template would for content=None.
         self.empty_as_string = " is string" in self.chat_template
         self.parse_arguments = not prints_string_arguments(processor, self.chat_template)
+        self.sentinel_renders = StructureRenders(self.render_text, self.chat_template)
         specials = {t.content for t in tok.added_tokens_decoder.values() if t.special}
         self._special_re = alternation(specials)
         # Placeholders the processor repeats (an image's <|image_pad|> x N, most of an agent trace's tokens): encoded

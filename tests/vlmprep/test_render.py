@@ -325,3 +325,40 @@ def test_mm_token_types_equal_the_processors_own(name):
         want = processor.create_mm_token_type_ids([ids.tolist()])[0]
     assert got.dtype == np.uint8 and got.tolist() == list(want)
     assert got.any() or ctx._mm_ids is None  # Idefics3 / SmolVLM mark spans by image lengths, not random ids
+
+
+def test_the_sentinel_rendering_is_kept_per_shape_and_equals_a_fresh_one(qwen2vl_processor):
+    """StructureRenders keeps mask.locate_slots' sentinel rendering by the messages' JSON: records of one shape render
+    it once, each sample equals one rendered with nothing kept, another shape renders anew, and a template that reads
+    the clock keeps nothing."""
+    from vlmprep.chat_template import StructureRenders
+
+    calls = []
+    ctx = RenderContext(qwen2vl_processor)
+    render = ctx.render_text
+    ctx.sentinel_renders = StructureRenders(lambda m, t: calls.append(1) or render(m, t), ctx.chat_template)
+    fresh = RenderContext(qwen2vl_processor)
+    fresh.sentinel_renders._on = False
+
+    def record(i, turns=1):
+        msgs = []
+        for k in range(turns):
+            msgs += [
+                {"role": "user", "content": [{"type": "text", "text": f"q{i}-{k} " * (i + 1)}]},
+                {"role": "assistant", "content": f"a{i}-{k}  \n" * (k + 1)},
+            ]
+        return {"id": f"r{i}", "messages": msgs}
+
+    for i in range(5):
+        conv = normalize_record(record(i), SOURCE, NormalizeOptions())
+        got, want = render_conversation(conv, ctx, []), render_conversation(conv, fresh, [])
+        np.testing.assert_array_equal(got.input_ids, want.input_ids)
+        np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
+        assert got.turn_spans == want.turn_spans
+    assert len(calls) == 1  # five records of one shape: one sentinel rendering
+    render_conversation(normalize_record(record(0, turns=2), SOURCE, NormalizeOptions()), ctx, [])
+    assert len(calls) == 2  # another shape
+    dated = StructureRenders(lambda m, t: calls.append(1) or "x", "{{ strftime_now('%Y') }}")
+    dated.render([{"role": "user", "content": "\ue000VLMPREP0\ue001"}], None)
+    dated.render([{"role": "user", "content": "\ue000VLMPREP0\ue001"}], None)
+    assert len(calls) == 4
