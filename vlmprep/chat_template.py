@@ -5,6 +5,7 @@ and probes of what a template prints. Input: a Conversation; output: template me
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -25,21 +26,22 @@ class StructureRenders:
     """Renders of template messages that carry no record text (mask.locate_slots' sentinel rendering), kept by their
     JSON: the records of one shape (most of a VQA set) render their sentinels once. Exact, since a render is a
     function of the messages and tools alone, unless the template reads the clock or draws at random: then none is
-    kept. At most 1,024 are kept, the oldest dropped first."""
+    kept. At most 256 are kept, by a 256-bit digest of that JSON (a trace's tool specs make it long), the oldest
+    dropped first."""
 
-    _MAX = 1024
+    _MAX = 256
 
     def __init__(self, render, chat_template: str):
         self._render = render
         self._on = not any(w in chat_template for w in ("strftime_now", "random", "now("))
-        self._kept: dict[str, str] = {}
+        self._kept: dict[bytes, str] = {}
 
     def render(self, messages: list[dict], tools: list | None) -> str:
         """The template's render of `messages` and `tools`, kept or made now."""
         if not self._on:
             return self._render(messages, tools)
         try:  # key order kept: a template may walk a dict's keys in order
-            key = json.dumps([messages, tools], ensure_ascii=False)
+            key = hashlib.blake2b(json.dumps([messages, tools]).encode(), digest_size=32).digest()
         except (TypeError, ValueError):
             return self._render(messages, tools)
         out = self._kept.get(key)
