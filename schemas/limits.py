@@ -171,15 +171,21 @@ def index_bytes_limit(rows: int, dtype) -> int:
     return INDEX_HEADER_BYTES + rows * np.dtype(dtype).itemsize
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)
+def npy_head(shape: tuple[int, ...], dtype) -> bytes:
+    """The .npy header (format 1.0) np.save writes before a C-order array of `shape` and `dtype`, built once per
+    shape and dtype: a sample's array members and stored pixels (the writer) and a sample index (index_head)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    )
+    return buf.getvalue()
+
+
 def index_head(rows: int, dtype) -> bytes:
     """The .npy header np.save writes before `rows` rows of the structured `dtype`: what a sample index file (a
     shard's sidecar, or the dataset's) starts with."""
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (rows,)}
-    )
-    return buf.getvalue()
+    return npy_head((rows,), dtype)
 
 
 def index_header(head: bytes, size: int, name: str, dtype) -> tuple[int, int]:

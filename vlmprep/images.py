@@ -17,6 +17,7 @@ from vlmprep.config import default
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
 from vlmprep_schemas.delta import compress_pdelta, filter_pixels
+from vlmprep_schemas.limits import npy_head
 
 # Our own declared-size check replaces PIL's global bomb limit, so the limit is configurable per build.
 Image.MAX_IMAGE_PIXELS = None
@@ -336,9 +337,7 @@ def _normalized_png(data: bytes) -> bytes:
 def delta_payload(pixels: np.ndarray) -> bytes:
     """What a zstd-delta or zstd-pdelta member decompresses to: the .npy header of the pixels, then their filtered
     rows (vlmprep_schemas.delta)."""
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(pixels))
-    return b"".join((buf.getbuffer(), filter_pixels(pixels).data))  # one copy of the rows, not two
+    return b"".join((npy_head(pixels.shape, pixels.dtype), filter_pixels(pixels).data))  # one copy of the rows
 
 
 def encode_image(
@@ -359,10 +358,9 @@ def encode_image(
     if image_format == "zstd":
         # np.save's bytes, with one copy of the pixels instead of its three (tobytes, write, getvalue)
         pixels = np.ascontiguousarray(image.pixels)
-        buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(pixels))
-        buf.write(pixels.data)
-        return zstandard.ZstdCompressor(level=zstd_level).compress(buf.getbuffer())
+        return zstandard.ZstdCompressor(level=zstd_level).compress(
+            b"".join((npy_head(pixels.shape, pixels.dtype), pixels.data))
+        )
     if image_format == "png":
         buf = io.BytesIO()
         Image.fromarray(image.pixels, "RGB").save(buf, format="PNG", compress_level=6)

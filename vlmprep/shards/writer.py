@@ -31,27 +31,17 @@ from vlmprep.shards.manifest import ShardEntry
 from vlmprep.types import RenderedSample, ShardSample
 from vlmprep.videos import FRAME_EXT, encode_frame
 from vlmprep_schemas.boundary import open_no_follow
-from vlmprep_schemas.limits import index_head
-
-_NPY_HEADERS: dict[tuple, bytes] = {}  # (dtype, shape) -> np.save's header: most samples repeat a few shapes
+from vlmprep_schemas.limits import index_head, npy_head
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
-    """np.save's bytes of `arr` (format 1.0), its header built once per dtype and shape: np.save builds it anew
-    for each of a sample's eight arrays, which cost more than writing them."""
+    """np.save's bytes of `arr` (format 1.0), its header built once per dtype and shape (npy_head): np.save builds it
+    anew for each of a sample's eight arrays, which cost more than writing them."""
     if not arr.flags.c_contiguous or arr.dtype.hasobject:  # a Fortran-order header, or np.save's refusal
         buf = io.BytesIO()
         np.save(buf, arr, allow_pickle=False)
         return buf.getvalue()
-    key = (arr.dtype.str, arr.shape)
-    head = _NPY_HEADERS.get(key)
-    if head is None:
-        buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(arr))
-        head = buf.getvalue()
-        if len(_NPY_HEADERS) < 4096:
-            _NPY_HEADERS[key] = head
-    return head + arr.tobytes()
+    return npy_head(arr.shape, arr.dtype) + arr.tobytes()
 
 
 def encode_sample(
