@@ -169,12 +169,11 @@ def open_image(
         if shapes is not None:
             shapes[size] = shape
     if shape is None:
-        return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side)
-
-    held = [opened]  # the header's open image serves the first decode only: a retry after a fault opens afresh
+        return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=opened)
 
     def load() -> np.ndarray:
-        im, held[0] = held[0], None
+        nonlocal opened  # the header's open image serves the first decode only: a retry after a fault opens afresh
+        im, opened = opened, None
         pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=im)
         assert pixels.shape[:2] == shape and decoded == size, (
             f"image {size}: header predicted {shape}, decoding gave {decoded} -> {pixels.shape[:2]}"
@@ -187,10 +186,17 @@ def open_image(
 
 
 def prepare_image(
-    img: ImageData, processor, family: FamilySpec, *, max_pixels: int, min_side: int = 1
+    img: ImageData,
+    processor,
+    family: FamilySpec,
+    *,
+    max_pixels: int,
+    min_side: int = 1,
+    opened: Image.Image | None = None,
 ) -> PreparedImage:
-    """Decode and resize now, with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout."""
-    pixels, size = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)
+    """Decode and resize now, with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout.
+    opened: `img` as _header opened it, so its header is not parsed twice."""
+    pixels, size = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=opened)
     return PreparedImage(
         pixels=pixels, grid_thw=_grid(processor.image_processor, family, pixels.shape[:2]), source=img, source_size=size
     )
