@@ -302,25 +302,10 @@ def _run_shape(quick: bool, n: int | None, shape: str, inp: Path | None = None) 
                     w.write(s)
         w.close()
 
-    # Interleaved, so that a neighbour's load falls on both sides of the ratio. Where the plan counted nothing
-    # (records that look short are rendered once, that render kept as the sample), the split search's floor would
-    # count the render's floor twice: it is left out of the sum.
-    in_sum = tuple(
-        k
-        for k in (
-            "json_parse",
-            "normalize_base64",
-            "image_header",
-            "image_decode",
-            "resize",
-            "encode",
-            "render_mask",
-            "split_search",
-            "tar_write",
-            "hashing",
-        )
-        if k != "split_search" or n_calls
-    )
+    # Interleaved, so that a neighbour's load falls on both sides of the ratio. Every stage's floor but tokenize's
+    # (inside render + mask's); where the plan counted nothing (records that look short are rendered once, that
+    # render kept as the sample), the split search's floor would count the render's floor twice: it is left out too.
+    in_sum = tuple(k for k in floor_fns if k != "tokenize" and (k != "split_search" or n_calls))
     paths, sums = [], []
     for _ in range(reps):
         paths.append(_best(record_path, 1))
