@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, plan_digest, shard_prefix
+from vlmprep.builder.store import StoredShards
 from vlmprep.builder.totals import (
     TOTAL_KEYS,
     count_sample,
@@ -199,11 +200,14 @@ def _index_problem(out: Path, s: ShardEntry, listed: str) -> str | None:
     return None
 
 
-def _verify_shards(out: Path, manifests: list[TaskManifest], rewritten: dict[str, list[str]]) -> None:
+def _verify_shards(
+    out: Path, manifests: list[TaskManifest], rewritten: dict[str, list[str]], stored: StoredShards | None
+) -> None:
     """Every listed shard exists with the size and sha256 its task manifest gives, or refuse naming the task file.
     `rewritten`: the shards merge rewrites without ids repeated across tasks -> the ids they keep; one an interrupted
-    earlier merge already rewrote holds exactly those (and is gone where it kept none). Hashed on threads (hashlib
-    and file reads release the GIL)."""
+    earlier merge already rewrote holds exactly those (and is gone where it kept none). `stored`: an --out in a store,
+    whose shards are in the bucket and not in `out`: checked there by size (its task hashed the file it uploaded
+    whole; `vlmprep verify URL` hashes every shard). Hashed on threads (hashlib and file reads release the GIL)."""
     jobs = [(i, s) for i, m in enumerate(manifests) for s in m.shards]
 
     def problem(job) -> str | None:
@@ -212,7 +216,14 @@ def _verify_shards(out: Path, manifests: list[TaskManifest], rewritten: dict[str
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            return None if kept == [] else f"listed in {listed} but missing"
+            if kept == []:
+                return None
+            if stored is not None and s.name in stored.sizes:
+                got = stored.sizes[s.name]
+                if got != s.bytes:
+                    return f"{got} bytes in the bucket, but {listed} lists {s.bytes}"
+                return _index_problem(out, s, listed)
+            return f"listed in {listed} but missing"
         if size != s.bytes:
             return None if kept is not None and _same_ids(path, kept) else f"{size} bytes, but {listed} lists {s.bytes}"
         digest = sha256_file(path)
@@ -321,9 +332,10 @@ def _dataset_index(out: Path, shards: list[ShardEntry]) -> FileEntry | None:
     return FileEntry.from_json(write_dataset_index(out, parts(), sum(s.num_samples for s in shards)))
 
 
-def merge_tasks(out: Path) -> Manifest:
+def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
-    and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py)."""
+    and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py). stored: for an --out
+    in a store, where the shards `out` (the stage) lacks are; those the merge rewrites are fetched into `out`."""
     out = Path(out)
     plan = load_plan(out)
     if plan is None:
@@ -335,7 +347,11 @@ def merge_tasks(out: Path) -> Manifest:
     if not proc.is_dir() or fingerprint_dir(proc) != plan.processor.fingerprint:
         raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
     dups_per_task, rewritten = _repeated_ids(out, plan, manifests)
-    _verify_shards(out, manifests, rewritten)
+    if stored is not None:
+        for name in rewritten:
+            if not (out / name).exists():
+                stored.fetch(name, out / name)
+    _verify_shards(out, manifests, rewritten, stored)
 
     totals, rejects = collections.Counter(), collections.Counter()
     by_input = [collections.Counter() for _ in plan.inputs]

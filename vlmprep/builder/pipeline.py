@@ -38,6 +38,7 @@ from vlmprep.builder.plan import (
 )
 from vlmprep.builder.store import (
     Bucket,
+    StoredShards,
     check_bucket,
     is_store,
     pull,
@@ -387,13 +388,15 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
     """merge_tasks and check_dataset; for a store's --out the dataset is uploaded either way (a dataset that failed
     its checks is complete, with its build-failed.txt), manifest.json last."""
     plan = load_plan(out) if upload_to else None
+    stored = None
     if upload_to and plan is not None:
         bucket = Bucket(upload_to)
         have = bucket.names()
-        for i in range(plan.tasks):  # tasks that ran elsewhere (Ray workers, --task-index): fetched back
+        for i in range(plan.tasks):  # tasks that ran elsewhere (Ray workers, --task-index): their lists fetched back
             if load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) is None:
                 pull_task(bucket, out, have, i)
-    manifest = merge_tasks(out)
+        stored = StoredShards(bucket, have)
+    manifest = merge_tasks(out, stored)
     try:
         check_dataset(manifest, out, **checks)
     finally:

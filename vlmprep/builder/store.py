@@ -4,12 +4,16 @@ holds it, a task's rejects and sample list and then its manifest when it ends, t
 merge and manifest.json last. A PUT lands whole or not at all, so the bucket never holds part of a file.
 
 Resume: a killed build resumes from its stage (the same machine); without it (another machine, a lost disk), from the
-bucket: the plan, the processor and every finished task (manifest, lists, shards) are fetched back and only the
-unfinished tasks run again, so the unit of resume from a bucket is the task (`--tasks N`). The stage holds the
-dataset until the manifest is uploaded, then is removed.
+bucket: the plan, the processor and every finished task (manifest, lists, sample indexes) are fetched back and only
+the unfinished tasks run again, so the unit of resume from a bucket is the task (`--tasks N`).
+
+The stage never holds a finished task's shards: a task removes them once they and its manifest are up, and the merge
+works from the bucket (StoredShards: a shard there is checked by its listed size, and fetched only where the merge
+rewrites it), so the stage holds the running tasks' shards, the lists and the sample indexes, not the dataset.
 
 No shared filesystem: a task run anywhere (a Ray worker, `--task-index`) fetches the plan and processor into its own
-scratch stage, runs, uploads, and leaves nothing behind; the merge fetches the finished tasks into the driver's stage.
+scratch stage, runs, uploads, and leaves nothing behind; the merge fetches the finished tasks' lists into the
+driver's stage.
 """
 
 from __future__ import annotations
@@ -144,13 +148,16 @@ class Bucket:
         """Task `index`'s manifest where the bucket holds one of this plan (`digest`), read alone (its lists and
         shards are not fetched): a task finished there is not run again."""
         name = task_file(index, ".json")
-        if name not in have:
+        data = self.read(name, have[name]) if name in have else None
+        if data is None:
             return None
-        parts: list[bytes] = []
-        if self._stream(name, have[name], parts.append) != have[name]:
-            return None
-        done = TaskManifest.from_json(json.loads(b"".join(parts)))
+        done = TaskManifest.from_json(json.loads(data))
         return done if done.plan == digest else None
+
+    def read(self, name: str, size: int) -> bytes | None:
+        """A small object of listed `size`, whole; None where it holds another number of bytes."""
+        parts: list[bytes] = []
+        return b"".join(parts) if self._stream(name, size, parts.append) == size else None
 
     def remove(self, names: list[str]) -> None:
         """Delete these objects (one already gone is fine)."""
@@ -196,18 +203,30 @@ class Uploader:
 
     def task_done(self, files: TaskFiles, manifest: TaskManifest) -> None:
         """A finished task: its shards (those sent before a kill may be missing: sent again where the bucket lacks
-        them), its lists, then its manifest once all else is up."""
+        them), its lists, then its manifest once all else is up. Nothing where the bucket holds this manifest already:
+        the task's files went up before it (a merge may since have removed a shard it emptied)."""
+        name = task_file(files.index, ".json")
+        if self._holds(name, files.manifest.read_bytes()):
+            return
         want = {n: size for s in manifest.shards for n, size in [(s.name, s.bytes)] + _index_of(s)}
         have = self.bucket.sizes(list(want))
         for n, size in want.items():
             if have.get(n) == size:  # up already (this run, or a run before the kill)
                 self.sent.add(n)
+            elif not (self.stage / n).is_file():  # removed from the stage once up: the bucket lost it since
+                raise LocationError(
+                    f"--out {self.bucket.url}: {n} of finished task {files.index} is in neither the bucket nor the "
+                    f"stage; remove {self.bucket.url}/{task_file(files.index, '.json')} and build again to rerun it"
+                )
             else:
                 self.sent.discard(n)
         self.shards(manifest.shards)
         self.send(task_file(files.index, ".rejects.jsonl"), task_file(files.index, ".samples.jsonl"))
         self.close()
         self.bucket.put(files.manifest, task_file(files.index, ".json"))
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        return self.bucket.sizes([name]).get(name) == len(data) and self.bucket.read(name, len(data)) == data
 
     def close(self) -> None:
         """Wait for every queued upload; raise the first that failed."""
@@ -220,6 +239,28 @@ class Uploader:
 
 def _index_of(s: ShardEntry) -> list[tuple[str, int]]:
     return [(s.index.name, s.index.bytes)] if s.index else []
+
+
+def drop_shards(stage: Path, manifest: TaskManifest) -> None:
+    """A task's shards out of the stage once they and its manifest are up (the bucket holds them; the merge reads
+    them there). Their small sample indexes stay: the merge joins them into the dataset's index."""
+    for s in manifest.shards:
+        (Path(stage) / s.name).unlink(missing_ok=True)
+
+
+class StoredShards:
+    """The shards a merge finds in the bucket rather than in its stage: their sizes from one listing, and a fetch for
+    the few the merge rewrites (ids repeated across tasks)."""
+
+    def __init__(self, bucket: Bucket, have: dict[str, int]):
+        self.bucket, self.sizes = bucket, have
+
+    def fetch(self, name: str, local: Path) -> bool:
+        """The shard into the stage; False where the bucket does not hold it."""
+        if name not in self.sizes:
+            return False
+        self.bucket.get(name, local, self.sizes[name])
+        return True
 
 
 def check_bucket(bucket: Bucket, *, overwrite: bool) -> dict[str, int]:
@@ -247,8 +288,10 @@ def pull_plan(bucket: Bucket, stage: Path, have: dict[str, int]) -> bool:
 
 
 def pull_task(bucket: Bucket, stage: Path, have: dict[str, int], index: int) -> bool:
-    """A finished task as the bucket holds it (lists and shards, its manifest last), into a stage; False where the
-    task is not finished there (no manifest, or one without its files: the task runs again)."""
+    """A finished task as the bucket holds it, into a stage: its lists and the sample indexes there, its manifest
+    last (its shards stay in the bucket: drop_shards, StoredShards); False where the task is not finished there (no
+    manifest, or one without its lists: the task runs again). Its files went up before its manifest, so one missing
+    now was removed since (a shard a merge emptied, or a loss the merge's checks name with the fix)."""
     name = task_file(index, ".json")
     if name not in have:
         return False
@@ -256,11 +299,10 @@ def pull_task(bucket: Bucket, stage: Path, have: dict[str, int], index: int) -> 
     bucket.get(name, fetched, have[name])
     done = json.loads(fetched.read_text(encoding="utf-8"))
     wanted = [task_file(index, ".rejects.jsonl"), task_file(index, ".samples.jsonl")]
-    for s in done.get("shards", []):
-        wanted += [s["name"]] + ([s["index"]["name"]] if s.get("index") else [])
     if not all(n in have for n in wanted):
         fetched.unlink()
         return False
+    wanted += [s["index"]["name"] for s in done.get("shards", []) if s.get("index") and s["index"]["name"] in have]
     for n in wanted:
         bucket.get(n, stage / n, have[n])
     os.replace(fetched, stage / name)
@@ -287,9 +329,9 @@ def push_plan(bucket: Bucket, stage: Path) -> None:
 
 
 def push_dataset(bucket: Bucket, stage: Path, manifest: Manifest, tasks: list[TaskManifest]) -> None:
-    """After the merge: every file of the dataset the bucket lacks or holds otherwise (the merge rewrites the shards
-    that held ids repeated across tasks), objects of an older build that the dataset no longer has removed, and
-    manifest.json last."""
+    """After the merge: every file of the stage the bucket lacks or holds otherwise (the merge rewrites the shards
+    that held ids repeated across tasks), objects of an older build that the dataset no longer has removed (the
+    shards the manifest names stay, in the stage or not), and manifest.json last."""
     have = bucket.names()
     sent = {s.name: s.sha256 for m in tasks for s in m.shards}
     local = {
@@ -306,7 +348,8 @@ def push_dataset(bucket: Bucket, stage: Path, manifest: Manifest, tasks: list[Ta
             or not (name.endswith(".tar") or name.endswith(index_name(".tar")))
         ):
             bucket.put(p, name)
-    bucket.remove([n for n in have if n not in local and n != MANIFEST_NAME and is_ours(n)])
+    named = {n for s in manifest.shards for n, _ in [(s.name, s.bytes)] + _index_of(s)}
+    bucket.remove([n for n in have if n not in local and n not in named and n != MANIFEST_NAME and is_ours(n)])
     bucket.put(stage / MANIFEST_NAME, MANIFEST_NAME)
 
 

@@ -23,7 +23,7 @@ from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_jour
 from vlmprep.builder.owner import own_task
 from vlmprep.builder.plan import Plan, check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.builder.progress import record_progress
-from vlmprep.builder.store import Uploader
+from vlmprep.builder.store import Uploader, drop_shards
 from vlmprep.builder.totals import (
     SAMPLE_FIELDS,
     TOTAL_KEYS,
@@ -288,6 +288,7 @@ def _run_owned_task(
         _clean_up(files)  # killed between its manifest and its clean-up: only the clean-up is left to do
         if uploader is not None:  # killed before its files were all up: those missing in the bucket go now
             uploader.task_done(files, done)
+            drop_shards(out, done)
         return done
     check_inputs_unchanged(plan)
     processor_dir = Path(processor_dir or out / plan.processor.dir)
@@ -306,4 +307,5 @@ def _run_owned_task(
     manifest = _finish_task(state, plan, digest)
     if uploader is not None:
         uploader.task_done(files, manifest)
+        drop_shards(out, manifest)  # up, and named by the task's manifest there: the merge reads them in the bucket
     return manifest

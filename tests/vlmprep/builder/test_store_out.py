@@ -179,6 +179,62 @@ def test_plan_tasks_and_merge_share_nothing_but_the_bucket(bucket, task_traces, 
     assert {k: fs.info(k)["LastModified"] for k in shards} == before and _objects(fs, f"{name}/ds") == _local(ref)
 
 
+def test_the_stage_never_holds_a_finished_tasks_shards(bucket, task_traces, local3, monkeypatch):
+    """Each task removes its shards from the stage once they and its manifest are up: at the merge the stage holds
+    none, and the merge fetches back only the shards it rewrites (ids repeated across tasks). The bucket still ends
+    holding the local build."""
+    import json
+
+    from vlmprep.builder import pipeline, store
+
+    fs, name = bucket
+    ref, _ = local3
+    url = f"s3://{name}/ds"
+    seen, fetched = {}, []
+    merge_tasks, fetch = pipeline.merge_tasks, store.StoredShards.fetch
+
+    def spy(out, stored=None):
+        seen["before"] = sorted(p.name for p in Path(out).glob("shard-*.tar"))
+        manifest = merge_tasks(out, stored)
+        seen["after"] = sorted(p.name for p in Path(out).glob("shard-*.tar"))
+        return manifest
+
+    monkeypatch.setattr(pipeline, "merge_tasks", spy)
+    monkeypatch.setattr(store.StoredShards, "fetch", lambda self, n, local: fetched.append(n) or fetch(self, n, local))
+    build(planned_cfg(task_traces, url, tasks=3, workers=1))
+    tasks = sorted((ref / "tasks").glob("task-*[0-9].json"))
+    listed = {s["name"]: s["sha256"] for t in tasks for s in json.loads(t.read_text())["shards"]}
+    final = {s["name"]: s["sha256"] for s in json.loads((ref / "manifest.json").read_text())["shards"]}
+    rewritten = sorted(n for n in listed if final.get(n) != listed[n])  # emptied (gone) or rewritten
+    assert seen["before"] == [] and rewritten and fetched == rewritten, (seen, fetched, rewritten)
+    assert seen["after"] == [n for n in rewritten if n in final] and len(listed) > len(rewritten)
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+
+
+def test_a_shard_cut_short_in_the_bucket_is_refused_by_the_merge(bucket, task_traces, local3):
+    """`vlmprep merge URL` of a finished dataset again gives the same bytes (the shard the first merge emptied is gone
+    from the bucket, as it should be). The merge checks each shard in the bucket by the size its task manifest lists:
+    one cut short there after its task uploaded it is refused, naming the task and the rerun; no manifest is written."""
+    from vlmprep.builder.merge import MergeError
+    from vlmprep.builder.pipeline import merge
+
+    fs, name = bucket
+    ref, _ = local3
+    url = f"s3://{name}/ds"
+    build(planned_cfg(task_traces, url, tasks=3, workers=1))
+    merge(url, max_reject_fraction=1.0, min_turn_coverage=0.0)
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+    shard = sorted(k for k in fs.find(f"{name}/ds") if Path(k).name.startswith("shard-00000-") and k.endswith(".tar"))[
+        0
+    ]
+    fs.pipe(shard, fs.cat_file(shard)[:-512])
+    fs.rm(f"{name}/ds/manifest.json")
+    with pytest.raises(MergeError, match=r"bytes in the bucket, but tasks/task-00000.json lists \d+ .*--task-index 0"):
+        merge(url, max_reject_fraction=1.0, min_turn_coverage=0.0)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{name}/ds/manifest.json")
+
+
 @pytest.mark.slow  # make-test budget: a Ray cluster's start (~12 s on 2 cores) and two 3-task builds
 def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(
     bucket, task_traces, tmp_path, monkeypatch
@@ -208,7 +264,7 @@ def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(
 
 def test_a_finished_task_asks_after_its_own_objects_not_a_listing_of_the_prefix(bucket, local3, monkeypatch):
     """Uploader.task_done looks up the task's own shards one by one: listing the whole prefix per task costs tasks x
-    objects on a big build. Sent once; a second call (a retry) finds them up and sends none again."""
+    objects on a big build. Sent once; a second call (a retry) finds the task's manifest up and sends nothing."""
     from vlmprep.builder.plan import load_plan, shard_prefix
     from vlmprep.builder.store import Bucket, Uploader
     from vlmprep.shards.dataset import TaskFiles
@@ -230,4 +286,4 @@ def test_a_finished_task_asks_after_its_own_objects_not_a_listing_of_the_prefix(
     monkeypatch.setattr(Bucket, "put", lambda self, local, n: put.append(n))
     again = Uploader(f"s3://{name}/ds", ref)
     again.task_done(files, manifest)
-    assert not (want & set(put)), put  # the shards are up already: only the lists and the manifest again
+    assert put == [], put  # the bucket holds this task's manifest: its files went up before it, nothing is sent
