@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from vlmprep.shards.dataset import sha256_file, write_json_atomic
-from vlmprep.shards.format import FORMAT_VERSION
-from vlmprep.shards.reader import iter_shard
 
 
 @dataclass
@@ -28,17 +27,27 @@ class Journal:
     inputs: dict = field(default_factory=dict)  # input file index -> its share of the totals
 
 
-def load_journal(out: Path, path: Path, partials: dict[Path, Path], identity: dict) -> Journal | None:
+def load_journal(
+    out: Path,
+    path: Path,
+    partials: dict[Path, Path],
+    identity: dict,
+    stored: Callable[[list[str]], dict[str, int]] | None = None,
+) -> Journal | None:
     """The journal at `path` if it belongs to this exact task and its shards are intact; else None (start over).
-    `partials`: the task's partial rejects and sample rows files -> their completed names."""
+    `partials`: the task's partial rejects and sample rows files -> their completed names. `stored`: for an --out in
+    a store, the sizes of the named objects in the bucket, where a shard that left the stage once up is checked."""
     try:
         j = Journal(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
     if j.identity != identity or (j.totals.get("records") and not j.inputs) or j.samples_bytes is None:
         return None  # another task's, or counts it never kept
+    gone = [s["name"] for s in j.shards if not (out / s["name"]).exists()]
+    held = stored(gone) if stored is not None and gone else {}
     for s in j.shards:
-        if not _intact(out / s["name"], s) or (s.get("index") and not _intact(out / s["index"]["name"], s["index"])):
+        whole = held.get(s["name"]) == s["bytes"] if s["name"] in held else _intact(out / s["name"], s)
+        if not whole or (s.get("index") and not _intact(out / s["index"]["name"], s["index"])):
             return None
     for (partial, final), size in zip(partials.items(), (j.rejects_bytes, j.samples_bytes)):
         if not partial.exists() and final.exists():
@@ -57,9 +66,9 @@ def save_journal(path: Path, journal: Journal) -> None:
     write_json_atomic(path, asdict(journal))
 
 
-def landed_ids(out: Path, shards: list[dict]) -> set[str]:
-    """Ids already written, read back from completed shards (the duplicate-id check must survive a resume)."""
-    ids: set[str] = set()
-    for s in shards:
-        ids.update(sample.meta()["id"] for sample in iter_shard(out / s["name"], version=FORMAT_VERSION))
-    return ids
+def landed_ids(rows: Path) -> set[str]:
+    """Ids already written (the duplicate-id check must survive a resume): the task's sample rows, one per landed
+    sample, which a resume has cut back to the journal's durable point. Not the shards: in a store's stage they
+    leave once up."""
+    with open(rows, encoding="utf-8") as f:
+        return {json.loads(line)["id"] for line in f}

@@ -7,9 +7,9 @@ Resume: a killed build resumes from its stage (the same machine); without it (an
 bucket: the plan, the processor and every finished task (manifest, lists, sample indexes) are fetched back and only
 the unfinished tasks run again, so the unit of resume from a bucket is the task (`--tasks N`).
 
-The stage never holds a finished task's shards: a task removes them once they and its manifest are up, and the merge
-works from the bucket (StoredShards: a shard there is checked by its listed size, and fetched only where the merge
-rewrites it), so the stage holds the running tasks' shards, the lists and the sample indexes, not the dataset.
+The stage holds no shard once it is up (Uploader drop_shards): a resumed task checks its journaled shards in the
+bucket, and the merge works from there (StoredShards: a shard is checked by its listed size, and fetched only where
+the merge rewrites it), so the stage holds the shards in flight, the lists and the sample indexes, not the dataset.
 
 No shared filesystem: a task run anywhere (a Ray worker, `--task-index`) fetches the plan and processor into its own
 scratch stage, runs, uploads, and leaves nothing behind; the merge fetches the finished tasks' lists into the
@@ -37,6 +37,7 @@ from vlmprep.shards.dataset import (
     MANIFEST_NAME,
     PLAN_NAME,
     PROCESSOR_DIR,
+    SHARD_GLOB,
     TASKS_DIR,
     TMP_SUFFIX,
     TaskFiles,
@@ -168,10 +169,12 @@ class Bucket:
 
 class Uploader:
     """Uploads a task's files from the stage as they become final, on one background thread (a bounded queue of
-    names, so a slow store slows the task instead of piling up). close() waits and raises the first failure."""
+    names, so a slow store slows the task instead of piling up). close() waits and raises the first failure.
+    drop_shards: each shard leaves the stage once up (the journal checks it in the bucket on a resume, the merge
+    reads it there); its small sample index stays, for the merge's dataset index."""
 
-    def __init__(self, url: str, stage: Path):
-        self.bucket, self.stage = Bucket(url), Path(stage)
+    def __init__(self, url: str, stage: Path, *, drop_shards: bool = False):
+        self.bucket, self.stage, self.drop_shards = Bucket(url), Path(stage), drop_shards
         self.sent: set[str] = set()
         self._queue: queue.Queue = queue.Queue(maxsize=8)
         self._error: BaseException | None = None
@@ -183,8 +186,11 @@ class Uploader:
             if self._error is None:
                 try:
                     self.bucket.put(self.stage / name, name)
+                    if self.drop_shards and fnmatch.fnmatch(name, SHARD_GLOB):
+                        (self.stage / name).unlink()
                 except BaseException as e:  # noqa: BLE001 - raised on the task's thread by send() / close()
                     self._error = e
+            self._queue.task_done()
 
     def send(self, *names: str) -> None:
         """Queue files of the stage for upload (each once); a failed upload before is raised here."""
@@ -208,6 +214,8 @@ class Uploader:
         name = task_file(files.index, ".json")
         if self._holds(name, files.manifest.read_bytes()):
             return
+        if self._thread.is_alive():
+            self._queue.join()  # the shards queued are up (and out of the stage) before the bucket is asked
         want = {n: size for s in manifest.shards for n, size in [(s.name, s.bytes)] + _index_of(s)}
         have = self.bucket.sizes(list(want))
         for n, size in want.items():
@@ -239,13 +247,6 @@ class Uploader:
 
 def _index_of(s: ShardEntry) -> list[tuple[str, int]]:
     return [(s.index.name, s.index.bytes)] if s.index else []
-
-
-def drop_shards(stage: Path, manifest: TaskManifest) -> None:
-    """A task's shards out of the stage once they and its manifest are up (the bucket holds them; the merge reads
-    them there). Their small sample indexes stay: the merge joins them into the dataset's index."""
-    for s in manifest.shards:
-        (Path(stage) / s.name).unlink(missing_ok=True)
 
 
 class StoredShards:
@@ -289,7 +290,7 @@ def pull_plan(bucket: Bucket, stage: Path, have: dict[str, int]) -> bool:
 
 def pull_task(bucket: Bucket, stage: Path, have: dict[str, int], index: int) -> bool:
     """A finished task as the bucket holds it, into a stage: its lists and the sample indexes there, its manifest
-    last (its shards stay in the bucket: drop_shards, StoredShards); False where the task is not finished there (no
+    last (its shards stay in the bucket: StoredShards); False where the task is not finished there (no
     manifest, or one without its lists: the task runs again). Its files went up before its manifest, so one missing
     now was removed since (a shard a merge emptied, or a loss the merge's checks name with the fix)."""
     name = task_file(index, ".json")

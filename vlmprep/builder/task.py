@@ -23,7 +23,7 @@ from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_jour
 from vlmprep.builder.owner import own_task
 from vlmprep.builder.plan import Plan, check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.builder.progress import record_progress
-from vlmprep.builder.store import Uploader, drop_shards
+from vlmprep.builder.store import Uploader
 from vlmprep.builder.totals import (
     SAMPLE_FIELDS,
     TOTAL_KEYS,
@@ -51,10 +51,14 @@ def task_start(plan: Plan, index: int) -> str:
     return f"{plan.inputs[cut.file].path}:{cut.seek.line + 1}"
 
 
-def _start_or_resume(files: TaskFiles, identity: dict) -> Journal:
-    """Resume this task's matching interrupted run, or clear every trace of an older one and start fresh."""
+def _start_or_resume(files: TaskFiles, identity: dict, uploader: Uploader | None) -> Journal:
+    """Resume this task's matching interrupted run, or clear every trace of an older one and start fresh. For an
+    --out in a store, a journaled shard that left the stage is checked in the bucket, and not sent again."""
     partials = {files.partial_rejects: files.rejects, files.partial_samples: files.samples}
-    journal = load_journal(files.out, files.journal, partials, identity)
+    stored = uploader.bucket.sizes if uploader is not None else None
+    journal = load_journal(files.out, files.journal, partials, identity, stored)
+    if journal is not None and uploader is not None:
+        uploader.sent.update(s["name"] for s in journal.shards if not (files.out / s["name"]).exists())
     stale = [p for p in files.out.glob(f"{files.prefix}*.tar{TMP_SUFFIX}")]
     if journal is None:
         journal = Journal(identity=identity, samples_bytes=0)
@@ -160,7 +164,7 @@ def _resume_state(files: TaskFiles, journal: Journal, cfg: BuildConfig, plan: Pl
         writer=writer,
         rejects=collections.Counter(journal.rejects),
         totals=collections.Counter(journal.totals),
-        seen_ids=landed_ids(files.out, journal.shards),
+        seen_ids=landed_ids(files.partial_samples),
         input_starts=[inp.first_position for inp in plan.inputs],
         inputs=inputs,
     )
@@ -260,7 +264,7 @@ def run_task(
     out = Path(out)
     (out / TASKS_DIR).mkdir(exist_ok=True)
     with own_task(out, index):  # one run of a task at a time, whatever executor started it
-        uploader = Uploader(upload_to, out) if upload_to else None
+        uploader = Uploader(upload_to, out, drop_shards=True) if upload_to else None
         try:
             return _run_owned_task(
                 out, plan, index, cfg=cfg, renderer=renderer, processor_dir=processor_dir, uploader=uploader
@@ -288,13 +292,12 @@ def _run_owned_task(
         _clean_up(files)  # killed between its manifest and its clean-up: only the clean-up is left to do
         if uploader is not None:  # killed before its files were all up: those missing in the bucket go now
             uploader.task_done(files, done)
-            drop_shards(out, done)
         return done
     check_inputs_unchanged(plan)
     processor_dir = Path(processor_dir or out / plan.processor.dir)
     if renderer is None:
         renderer = cached_renderer(cfg, processor_dir)
-    journal = _start_or_resume(files, {"plan": digest, "task": index})
+    journal = _start_or_resume(files, {"plan": digest, "task": index}, uploader)
     state = _resume_state(files, journal, cfg, plan)
     _write_records(
         state,
@@ -307,5 +310,4 @@ def _run_owned_task(
     manifest = _finish_task(state, plan, digest)
     if uploader is not None:
         uploader.task_done(files, manifest)
-        drop_shards(out, manifest)  # up, and named by the task's manifest there: the merge reads them in the bucket
     return manifest

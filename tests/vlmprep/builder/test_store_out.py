@@ -60,6 +60,37 @@ def _local(d: Path) -> dict:
     return {k: v for k, v in tree_hashes(d).items() if not k.endswith(".lock")}
 
 
+def _kill_once(fs, args: list[str], ready) -> None:
+    """`vlmprep ARGS` in a subprocess, SIGKILLed as soon as ready() holds (or it ends)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmprep", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        fs.invalidate_cache()
+        if ready():
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    fs.invalidate_cache()
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vlmprep", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
 def test_a_build_into_s3_holds_the_local_build_byte_for_byte(bucket, task_traces, local3, tmp_path):
     """The bucket holds the local 3-task build's files (the merge's rewritten shard included); `vlmprep verify URL`
     passes; the trainer trains a step from the URL; the secret key is in no output, run file or object."""
@@ -109,22 +140,7 @@ def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_t
     ref, _ = local3
     url = f"s3://{name}/ds"
     args = ["build", "--in", str(task_traces), "--out", url, "--tasks", "3", "--workers", "1", "--no-progress", *FLAGS]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vlmprep", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        fs.invalidate_cache()
-        if fs.exists(f"{name}/ds/tasks/task-00000.json"):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    fs.invalidate_cache()
+    _kill_once(fs, args, lambda: fs.exists(f"{name}/ds/tasks/task-00000.json"))
     assert not fs.exists(f"{name}/ds/manifest.json"), "the build ended before it could be killed"
     first = sorted(k for k in fs.find(f"{name}/ds") if Path(k).name.startswith("shard-00000-"))
     assert first, "task 0 finished without shards"
@@ -132,20 +148,34 @@ def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_t
     import shutil
 
     shutil.rmtree(stage_for(url))
-    r = subprocess.run(
-        [sys.executable, "-m", "vlmprep", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    r = _run(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resuming from {url}" in r.stderr
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in r.stdout + r.stderr
     assert _objects(fs, f"{name}/ds") == _local(ref)
     fs.invalidate_cache()
     assert {k: fs.info(k)["LastModified"] for k in first} == before
+
+
+def test_a_build_killed_mid_task_resumes_from_its_stage_with_its_shards_in_the_bucket(bucket, task_traces, tmp_path):
+    """--tasks 1: each shard leaves the stage once it is up. SIGKILL once the first shard is in the bucket and gone
+    from the stage; the rerun on the same machine (stage kept) resumes from the task's journal, checking that shard
+    in the bucket: it is not sent again, and the bucket ends holding the local build."""
+    fs, name = bucket
+    ref = tmp_path / "ref"
+    build(planned_cfg(task_traces, ref, tasks=1, workers=1))
+    url = f"s3://{name}/ds"
+    args = ["build", "--in", str(task_traces), "--out", url, "--workers", "1", "--no-progress", *FLAGS]
+    first, stage = f"{name}/ds/shard-000000.tar", stage_for(url)
+    _kill_once(fs, args, lambda: fs.exists(first) and not (stage / "shard-000000.tar").exists())
+    assert not fs.exists(f"{name}/ds/manifest.json"), "the build ended before it could be killed"
+    assert fs.exists(first) and not (stage / "shard-000000.tar").exists() and list(stage.rglob("*.journal.json"))
+    before = fs.info(first)["LastModified"]
+    r = _run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _objects(fs, f"{name}/ds") == _local(ref)
+    fs.invalidate_cache()
+    assert fs.info(first)["LastModified"] == before  # resumed from the journal, not started over
 
 
 def test_plan_tasks_and_merge_share_nothing_but_the_bucket(bucket, task_traces, local3, tmp_path, monkeypatch):
@@ -180,9 +210,8 @@ def test_plan_tasks_and_merge_share_nothing_but_the_bucket(bucket, task_traces, 
 
 
 def test_the_stage_never_holds_a_finished_tasks_shards(bucket, task_traces, local3, monkeypatch):
-    """Each task removes its shards from the stage once they and its manifest are up: at the merge the stage holds
-    none, and the merge fetches back only the shards it rewrites (ids repeated across tasks). The bucket still ends
-    holding the local build."""
+    """Each shard leaves the stage once it is up: at the merge the stage holds none, and the merge fetches back only
+    the shards it rewrites (ids repeated across tasks). The bucket still ends holding the local build."""
     import json
 
     from vlmprep.builder import pipeline, store
