@@ -43,13 +43,12 @@ def _batches(path: Input, first_row: int):
         meta = [pf.metadata.row_group(g) for g in range(pf.metadata.num_row_groups)]
         widest = max((m.total_byte_size / max(m.num_rows, 1) for m in meta), default=1.0)  # bytes a row, decoded
         rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(widest, 1.0))))
-        start, groups = 0, []
+        start, groups, at = 0, [], 0
         for g, m in enumerate(meta):
-            n = m.num_rows
-            if start + n > first_row:
+            if at + m.num_rows > first_row:  # the group holding first_row, and every one after it
+                start = start if groups else at
                 groups.append(g)
-            if not groups:
-                start += n
+            at += m.num_rows
         if groups:
             yield from _sliced(start, pf.iter_batches(batch_size=rows, row_groups=groups, use_threads=False))
         return

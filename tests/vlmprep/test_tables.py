@@ -271,6 +271,34 @@ def test_a_planned_build_cuts_tables_by_rows_and_builds_the_same_samples(tmp_pat
     _assert_same(_samples(tmp_path / "three"), _samples(tmp_path / "one"))
 
 
+def test_a_read_from_any_row_holds_every_row_after_it_whatever_the_row_group_sizes(tmp_path):
+    """A task's cut may fall on any row: reading from row k gives rows k.. to the end, each once, with their own row
+    numbers, over row groups of uneven sizes (a small last group, a 1-row one). Before the fix a read from row 3 of groups [2, 2, 1] lost row 5 (the later groups
+    were compared against the first group's start)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlmprep.records import expand_inputs
+    from vlmprep.tables import iter_table_records
+
+    path = tmp_path / "t.parquet"
+    groups = [2, 3, 1, 2, 1]
+    rows = [{"id": f"r{i}", "messages": json.dumps([{"role": "user", "content": "x" * i}])} for i in range(sum(groups))]
+    with pq.ParquetWriter(path, pa.Table.from_pylist(rows[:1]).schema) as w:
+        at = 0
+        for n in groups:
+            w.write_table(pa.Table.from_pylist(rows[at : at + n]))
+            at += n
+    assert [pq.ParquetFile(path).metadata.row_group(g).num_rows for g in range(len(groups))] == groups
+    (inp,) = expand_inputs([str(path)])
+    for k in range(len(rows)):
+        got = list(iter_table_records(inp, start_position=100 + k, first_row=k))
+        assert [r.data["id"] for r in got] == [r["id"] for r in rows[k:]], k
+        assert [(r.position, r.source.line, r.offset) for r in got] == [
+            (100 + j, j + 1, j) for j in range(k, len(rows))
+        ]
+
+
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork+exec, so the child would start at the pytest worker's peak.
 # The baseline is a build of a one-row file in the same process: torch, transformers and the processor loaded.
 _PEAK = """
