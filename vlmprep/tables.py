@@ -63,6 +63,21 @@ def _batches(path: Input, first_row: int):
     yield from _sliced(0, (reader.get_batch(i) for i in range(reader.num_record_batches)))
 
 
+def _row_groups(path: Input, first_row: int):
+    """(row index of its first row, its rows, bytes a row decoded) per Parquet row group from the one holding
+    `first_row` on, from the file's footer alone: the plan's scan reads no rows (a bucket's dataset is not
+    downloaded once more to count them)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False)
+    start = 0
+    for g in range(pf.metadata.num_row_groups):
+        m = pf.metadata.row_group(g)
+        if start + m.num_rows > first_row:
+            yield start, m.num_rows, max(m.total_byte_size // max(m.num_rows, 1), 1)
+        start += m.num_rows
+
+
 def _sliced(start: int, batches) -> Iterator:
     """Each batch in slices of BATCH_ROWS rows, fewer where that many would pass BATCH_BYTES."""
     for batch in batches:
@@ -77,15 +92,19 @@ def iter_table_records(
 ) -> Iterator[RawRecord]:
     """One RawRecord per row from `first_row` on (its data the row as a dict, `row` set: table_record converts it in
     the worker); a file that cannot be read, or fails mid-way, ends in a record carrying the error, after every row
-    read before it. `scan`: rows without their data (the task plan's pass: positions and sizes only)."""
+    read before it. `scan`: rows without their data (the task plan's pass: positions and sizes only; a Parquet file's
+    from its footer)."""
     import pyarrow as pa
 
     name, pos, row = str(path), start_position, first_row
+    if scan and name.endswith(".parquet"):
+        chunks = ((at, n, per_row, None) for at, n, per_row in _row_groups(path, first_row))
+    else:
+        chunks = ((at, b.num_rows, max(b.nbytes // max(b.num_rows, 1), 1), b) for at, b in _batches(path, first_row))
     try:
-        for at, batch in _batches(path, first_row):
-            per_row = max(batch.nbytes // max(batch.num_rows, 1), 1)
+        for at, n, per_row, batch in chunks:
             skip = max(first_row - at, 0)
-            rows = [None] * (batch.num_rows - skip) if scan else batch.slice(skip).to_pylist()
+            rows = [None] * (n - skip) if scan else batch.slice(skip).to_pylist()
             for data in rows:
                 row += 1
                 yield RawRecord(Source(name, row, input_name), pos, data=data, offset=row - 1, size=per_row, row=True)

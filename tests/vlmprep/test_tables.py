@@ -273,7 +273,8 @@ def test_a_planned_build_cuts_tables_by_rows_and_builds_the_same_samples(tmp_pat
 
 def test_a_read_from_any_row_holds_every_row_after_it_whatever_the_row_group_sizes(tmp_path):
     """A task's cut may fall on any row: reading from row k gives rows k.. to the end, each once, with their own row
-    numbers, over row groups of uneven sizes (a small last group, a 1-row one). Before the fix a read from row 3 of groups [2, 2, 1] lost row 5 (the later groups
+    numbers, over row groups of uneven sizes (a small last group, a 1-row one). The plan's scan, from the file's
+    footer, gives the same rows. Before the fix a read from row 3 of groups [2, 2, 1] lost row 5 (the later groups
     were compared against the first group's start)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -296,6 +297,10 @@ def test_a_read_from_any_row_holds_every_row_after_it_whatever_the_row_group_siz
         assert [r.data["id"] for r in got] == [r["id"] for r in rows[k:]], k
         assert [(r.position, r.source.line, r.offset) for r in got] == [
             (100 + j, j + 1, j) for j in range(k, len(rows))
+        ]
+        scanned = list(iter_table_records(inp, start_position=100 + k, first_row=k, scan=True))
+        assert [(r.position, r.source.line, r.offset) for r in scanned] == [
+            (r.position, r.source.line, r.offset) for r in got
         ]
 
 
