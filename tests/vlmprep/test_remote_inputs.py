@@ -87,10 +87,11 @@ def test_an_http_input_is_read_in_range_requests_never_whole(inputs, local, tmp_
     assert max(spans) <= READ_BLOCK + (1 << 20)
 
 
-def test_the_plan_of_a_remote_parquet_input_reads_its_footer_not_its_rows(tmp_path):
+def test_a_remote_parquet_input_is_fetched_once_and_its_plan_reads_only_its_footer(tmp_path):
     """The plan's scan of a Parquet input counts its rows from the footer: planning 4 tasks over a 32 MB file on a
-    loopback HTTP server reads under a quarter of it (the footer's block; before, every row group was fetched and
-    decoded only to count its rows), and each task then reads its own cut."""
+    loopback HTTP server reads under a quarter of it (before, every row group was fetched and decoded only to count
+    its rows). The build then fetches the file about once: row groups are read one at a time (a batch across two
+    read their column chunks interleaved, and the one-range read-ahead fetched 2.6x the file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -101,16 +102,26 @@ def test_the_plan_of_a_remote_parquet_input_reads_its_footer_not_its_rows(tmp_pa
     rows = [{"id": f"r{i}", "messages": "[]", "pad": os.urandom(1 << 20)} for i in range(32)]
     pq.write_table(pa.Table.from_pylist(rows), served / "t.parquet", row_group_size=4, compression="none")
     size = (served / "t.parquet").stat().st_size
-    with RangeServer(served) as srv:
-        res = _build([f"{srv.url}/t.parquet"], tmp_path / "o", tasks=4, plan_only=True)
-        got = sum(
+
+    def fetched(log) -> int:
+        return sum(
             int(b) - int(a) + 1
-            for m, p, rng, _ in srv.server.log
+            for m, p, rng, _ in log
             if m == "GET" and rng and p.endswith("t.parquet")
             for a, b in [rng[len("bytes=") :].split("-")]
         )
+
+    with RangeServer(served) as srv:
+        res = _build([f"{srv.url}/t.parquet"], tmp_path / "o", tasks=4, plan_only=True)
+        planned = fetched(srv.server.log)
+        srv.server.log.clear()
+        built = _build(
+            [f"{srv.url}/t.parquet"], tmp_path / "b", max_reject_fraction=1.0, min_turn_coverage=0.0, allow_empty=True
+        )
+        read = fetched(srv.server.log)
     assert res.plan.records == 32 and [c.position for c in res.plan.cuts] == [0, 8, 16, 24]
-    assert 0 < got < size // 4, (got, size)
+    assert 0 < planned < size // 4, (planned, size)
+    assert built.manifest.totals["records"] == 32 and size <= read < 1.2 * size, (read, size)
 
 
 def test_an_input_url_that_does_not_exist_or_carries_credentials_is_one_line(tmp_path):
