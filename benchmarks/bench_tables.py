@@ -18,6 +18,7 @@ from benchmarks.inputs import OUT, jsonl_zst, records, traces, vqa_demo
 
 GOAL = 1.0
 GOAL_S3 = 0.9
+REPS = 3  # passes per input and location, alternated; the best of each is reported
 
 
 def _trl(r: dict) -> dict:
@@ -71,9 +72,11 @@ def run(quick: bool) -> list[dict]:
         jsonl = jsonl_zst(recs, d / f"{shape}.jsonl.zst")
         table = _parquet(table_rows, d / f"{shape}.parquet")
         seconds = {}
-        for name, inp in (("jsonl_zst", jsonl), ("parquet", table)):
-            seconds[name], m = timed_build(inp, d / f"out-{shape}-{name}", workers=1, **kw)
-            assert m["totals"]["records"] == len(recs)
+        for _ in range(1 if quick else REPS):  # alternated, best of each: one pass moves ~5-10% on a busy box
+            for name, inp in (("jsonl_zst", jsonl), ("parquet", table)):
+                t, m = timed_build(inp, d / f"out-{shape}-{name}", workers=1, **kw)
+                assert m["totals"]["records"] == len(recs)
+                seconds[name] = min(t, seconds.get(name, t))
         rate = {k: len(recs) / v for k, v in seconds.items()}
         rows.append(
             emit(
@@ -85,17 +88,18 @@ def run(quick: bool) -> list[dict]:
                 parquet_records_per_s=round(rate["parquet"], 1),
                 ratio=round(rate["parquet"] / rate["jsonl_zst"], 3),
                 goal=GOAL,
+                passes=1 if quick else REPS,
                 input_mb={
                     "jsonl_zst": round(jsonl.stat().st_size / 1e6, 1),
                     "parquet": round(table.stat().st_size / 1e6, 1),
                 },
             )
         )
-        rows += _from_s3(shape, [jsonl, table], len(recs), d)
+        rows += _from_s3(shape, [jsonl, table], len(recs), d, 1 if quick else REPS)
     return rows
 
 
-def _from_s3(shape: str, files: list[Path], n: int, d: Path) -> list[dict]:
+def _from_s3(shape: str, files: list[Path], n: int, d: Path, passes: int) -> list[dict]:
     """The shape's inputs built from moto's S3 server on loopback and from the local files, back to back."""
     import os
 
@@ -129,10 +133,17 @@ def _from_s3(shape: str, files: list[Path], n: int, d: Path) -> list[dict]:
         for f in files:
             fs.pipe(f"bench/{shape}/{f.name}", f.read_bytes())
             shutil.copyfile(f, here / f.name)
-        local, _ = timed_build(here, d / f"out-{shape}-local", workers=1)
-        remote, _ = timed_build(f"s3://bench/{shape}/", d / f"out-{shape}-s3", workers=1)
         os.environ["VLMPREP_STAGE"] = str(d / "stage")  # --out in the bucket too: built in a stage, uploaded
-        both, _ = timed_build(f"s3://bench/{shape}/", f"s3://bench/out-{shape}", workers=1)
+        best: dict[str, float] = {}
+        for i in range(passes):  # alternated, best of each
+            for key, inp, out in (
+                ("local", here, d / f"out-{shape}-local"),
+                ("s3", f"s3://bench/{shape}/", d / f"out-{shape}-s3"),
+                ("both", f"s3://bench/{shape}/", f"s3://bench/out-{shape}-{i}"),  # a new prefix: a new build
+            ):
+                t, _ = timed_build(inp, out, workers=1)
+                best[key] = min(t, best.get(key, t))
+        local, remote, both = best["local"], best["s3"], best["both"]
     finally:
         os.environ.pop("VLMPREP_STAGE", None)
         for k, v in old.items():
@@ -151,6 +162,7 @@ def _from_s3(shape: str, files: list[Path], n: int, d: Path) -> list[dict]:
             goal=GOAL_S3,
             s3_in_and_out_seconds=round(both, 2),
             ratio_in_and_out=round(local / both, 3),
+            passes=passes,
         )
     ]
 
