@@ -33,23 +33,16 @@ def _batches(path: Input, first_row: int):
     on. Parquet: from its row group; Arrow IPC file format by batch index, stream format (what `save_to_disk` writes)
     read through from the start."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if path.name.endswith(".parquet"):
-        # A store's object through its range reads (locations.py); a local file by path.
-        pf = pq.ParquetFile(
-            path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False
-        )
+        pf = _parquet_file(path)
         meta = [pf.metadata.row_group(g) for g in range(pf.metadata.num_row_groups)]
         widest = max((m.total_byte_size / max(m.num_rows, 1) for m in meta), default=1.0)  # bytes a row, decoded
         rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(widest, 1.0))))
-        at = 0
-        for g, m in enumerate(meta):
-            if at + m.num_rows > first_row:  # the group holding first_row, and every one after it
-                # One group at a time: a batch across two reads their column chunks interleaved, which a store's
-                # read-ahead (one range) fetched again and again (2.6x the file's bytes, measured).
-                yield from _sliced(at, pf.iter_batches(batch_size=rows, row_groups=[g], use_threads=False))
-            at += m.num_rows
+        for g, at, _, _ in _row_groups(pf, first_row):
+            # One group at a time: a batch across two reads their column chunks interleaved, which a store's
+            # read-ahead (one range) fetched again and again (2.6x the file's bytes, measured).
+            yield from _sliced(at, pf.iter_batches(batch_size=rows, row_groups=[g], use_threads=False))
         return
     # mapped: a batch's pages are read as its rows are converted (a store's object: through its range reads)
     source = pa.memory_map(str(path), "r") if isinstance(path, Path) else pa.PythonFile(open_input(path), mode="r")
@@ -62,18 +55,24 @@ def _batches(path: Input, first_row: int):
     yield from _sliced(0, (reader.get_batch(i) for i in range(reader.num_record_batches)))
 
 
-def _row_groups(path: Input, first_row: int):
-    """(row index of its first row, its rows, bytes a row decoded) per Parquet row group from the one holding
-    `first_row` on, from the file's footer alone: the plan's scan reads no rows (a bucket's dataset is not
-    downloaded once more to count them)."""
+def _parquet_file(path: Input):
+    """A store's object through its range reads (locations.py); a local file by path."""
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False)
+    return pq.ParquetFile(
+        path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False
+    )
+
+
+def _row_groups(pf, first_row: int):
+    """(group, row index of its first row, its rows, bytes a row decoded) of each row group from the one holding
+    `first_row` on, from the file's footer alone: the plan's scan reads no rows this way (a bucket's dataset is not
+    downloaded once more to count them)."""
     start = 0
     for g in range(pf.metadata.num_row_groups):
         m = pf.metadata.row_group(g)
         if start + m.num_rows > first_row:
-            yield start, m.num_rows, max(m.total_byte_size // max(m.num_rows, 1), 1)
+            yield g, start, m.num_rows, max(m.total_byte_size // max(m.num_rows, 1), 1)
         start += m.num_rows
 
 
@@ -96,11 +95,13 @@ def iter_table_records(
     import pyarrow as pa
 
     name, pos, row = str(path), start_position, first_row
-    if scan and name.endswith(".parquet"):
-        chunks = ((at, n, per_row, None) for at, n, per_row in _row_groups(path, first_row))
-    else:
-        chunks = ((at, b.num_rows, max(b.nbytes // max(b.num_rows, 1), 1), b) for at, b in _batches(path, first_row))
     try:
+        if scan and name.endswith(".parquet"):
+            chunks = ((at, n, per_row, None) for _, at, n, per_row in _row_groups(_parquet_file(path), first_row))
+        else:
+            chunks = (
+                (at, b.num_rows, max(b.nbytes // max(b.num_rows, 1), 1), b) for at, b in _batches(path, first_row)
+            )
         for at, n, per_row, batch in chunks:
             skip = max(first_row - at, 0)
             rows = [None] * (n - skip) if scan else batch.slice(skip).to_pylist()
