@@ -256,12 +256,10 @@ class StoredShards:
     def __init__(self, bucket: Bucket, have: dict[str, int]):
         self.bucket, self.sizes = bucket, have
 
-    def fetch(self, name: str, local: Path) -> bool:
-        """The shard into the stage; False where the bucket does not hold it."""
-        if name not in self.sizes:
-            return False
-        self.bucket.get(name, local, self.sizes[name])
-        return True
+    def fetch(self, name: str, local: Path) -> None:
+        """The shard into the stage, where the bucket holds it (one it lacks: the merge's checks name it)."""
+        if name in self.sizes:
+            self.bucket.get(name, local, self.sizes[name])
 
 
 def check_bucket(bucket: Bucket, *, overwrite: bool) -> dict[str, int]:
