@@ -347,9 +347,10 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     if not proc.is_dir() or fingerprint_dir(proc) != plan.processor.fingerprint:
         raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
     dups_per_task, rewritten = _repeated_ids(out, plan, manifests)
-    if stored is not None:
+    if stored is not None:  # only shards a task manifest lists: a sample row's shard name is not trusted alone
+        listed = {s.name for m in manifests for s in m.shards}
         for name in rewritten:
-            if not (out / name).exists():
+            if name in listed and not (out / name).exists():
                 stored.fetch(name, out / name)
     _verify_shards(out, manifests, rewritten, stored)
 

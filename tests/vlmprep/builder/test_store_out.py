@@ -264,6 +264,35 @@ def test_a_shard_cut_short_in_the_bucket_is_refused_by_the_merge(bucket, task_tr
     assert not fs.exists(f"{name}/ds/manifest.json")
 
 
+def test_the_merge_fetches_only_shards_a_task_manifest_lists(bucket, task_traces, monkeypatch):
+    """A task's sample rows name the shard each sample landed in; a row naming another object of the dataset (here
+    rejects.jsonl) for a repeated id does not make the merge fetch that object into its stage: only shards the task
+    manifests list are fetched. The merge then refuses (the shard the rows no longer name is missing)."""
+    import json
+
+    from vlmprep.builder import store
+    from vlmprep.builder.merge import MergeError
+    from vlmprep.builder.pipeline import merge
+
+    fs, name = bucket
+    url = f"s3://{name}/ds"
+    build(planned_cfg(task_traces, url, tasks=3, workers=1))
+    rows_key = f"{name}/ds/tasks/task-00002.samples.jsonl"
+    final = {s["name"] for s in json.loads(fs.cat_file(f"{name}/ds/manifest.json"))["shards"]}
+    rows = [json.loads(line) for line in fs.cat_file(rows_key).decode().splitlines()]
+    moved = [r for r in rows if r["shard"] not in final]  # the rows of the shard the first merge emptied
+    assert moved
+    for r in moved:
+        r["shard"] = "rejects.jsonl"
+    fs.pipe(rows_key, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+    fs.rm(f"{name}/ds/manifest.json")
+    fetched, fetch = [], store.StoredShards.fetch
+    monkeypatch.setattr(store.StoredShards, "fetch", lambda self, n, local: fetched.append(n) or fetch(self, n, local))
+    with pytest.raises(MergeError, match="listed in tasks/task-00002.json but missing"):
+        merge(url, max_reject_fraction=1.0, min_turn_coverage=0.0)
+    assert fetched == []
+
+
 @pytest.mark.slow  # make-test budget: a Ray cluster's start (~12 s on 2 cores) and two 3-task builds
 def test_a_ray_build_with_nothing_shared_but_the_bucket_equals_a_local_build(
     bucket, task_traces, tmp_path, monkeypatch
