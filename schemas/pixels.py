@@ -15,11 +15,12 @@ import numpy as np
 class PixelRule:
     """How one family's image processor is called for a batch, and what else its forward takes."""
 
-    nested: bool = False  # the processor takes each sample's images as a list (Mllama, Idefics3)
+    # The processor takes each sample's images as a list, as apply_chat_template passes them (Mllama, Idefics3, and
+    # LLaVA-OneVision, which tiles a sample's one image but pads each of several to a square).
+    nested: bool = False
     drop: tuple[str, ...] = ()  # processor outputs the forward does not take
     token_type_ids: bool = False  # Gemma: the image tokens (mm type 1) attend to each other both ways
     cross_attention: bool = False  # Mllama: the cross-attention mask, from the image tokens' positions
-    images_per_sample: bool = False  # LLaVA-OneVision: batch_num_images (one image and several take other paths)
 
 
 RULES: dict[str, PixelRule] = {
@@ -30,7 +31,7 @@ RULES: dict[str, PixelRule] = {
     "Gemma4Processor": PixelRule(drop=("num_soft_tokens_per_image",)),
     "Glm4vProcessor": PixelRule(),
     "InternVLProcessor": PixelRule(drop=("num_patches",)),
-    "LlavaOnevisionProcessor": PixelRule(images_per_sample=True),
+    "LlavaOnevisionProcessor": PixelRule(nested=True),
     "Idefics3Processor": PixelRule(nested=True),
     "SmolVLMProcessor": PixelRule(nested=True),
 }
@@ -49,8 +50,8 @@ def pixel_inputs(
 ) -> dict:
     """Each sample's images in token order (uint8 H x W x 3) -> the batch's pixel inputs as torch tensors: what the
     processor gives for these images (resize: whether it resizes them), with the family's extras from the token ids
-    `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's cross-attention mask, LLaVA-OneVision's images
-    per sample. Float inputs in fp32 (Llama 4's processor gives bf16): a model casts them to its own dtype."""
+    `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's cross-attention mask. Float inputs in fp32
+    (Llama 4's processor gives bf16): a model casts them to its own dtype."""
     from PIL import Image
 
     kwargs = {"return_tensors": "pt"} if resize else {"return_tensors": "pt", "do_resize": False}
@@ -63,10 +64,6 @@ def pixel_inputs(
         out = dict(image_processor(pils, **kwargs))
     else:
         out = dict(image_processor([im for images in pils for im in images], **kwargs))
-    if rule.images_per_sample and out:
-        import torch
-
-        out["batch_num_images"] = torch.tensor([len(images) for images in pils])
     for k in rule.drop:
         out.pop(k, None)
     if rule.token_type_ids and mm is not None:

@@ -1,8 +1,10 @@
-"""Every family vlmprep renders, the trainer trains: for each --tiny-random NAME, a one-record dataset (an image and two
-question/answer turns) built with `tiny:NAME` (or `builtin:NAME`), one step of `python -m trainer` with an lr that
-changes nothing, --save-hf: the step-1 loss in metrics.jsonl equals the exported model's own loss on the processor's
-own apply_chat_template of the raw record (AutoModelForImageTextToText + AutoProcessor from RUN/hf), labels = the
-shard's input_ids where loss_mask is 1, and the token ids are the shard's."""
+"""Every family vlmprep renders, the trainer trains: for each --tiny-random NAME, a dataset built with `tiny:NAME` (or
+`builtin:NAME`) of three records trained as one micro-batch (two images of different sizes in one sample, a text-only
+sample beside it, a one-image sample), one step of `python -m trainer` with an lr that changes nothing, --save-hf: the
+step-1 loss in metrics.jsonl equals the exported model's own loss on the processor's own apply_chat_template of the
+raw records (AutoModelForImageTextToText + AutoProcessor from RUN/hf, right padding), labels = the shard's
+input_ids where loss_mask is 1, and the token ids are the shard's; the trainer's and the Collator's forward inputs
+are that processor call's, bit for bit."""
 
 import base64
 import io
@@ -19,9 +21,9 @@ from PIL import Image
 from trainer.families import BY_NAME, FAMILIES
 
 # make test: one family per pixel path and attention kind (Qwen's patchify on the device; a fixed-size SigLIP with
-# bidirectional image tokens; tiles with cross-attention; a mixture of experts; a packable host family). The rest
-# run in make test-all.
-FAST = ("qwen2.5-vl", "gemma-3", "llama-3.2-vision", "llama-4", "mistral-3")
+# bidirectional image tokens; tiles with cross-attention; a mixture of experts; a packable host family; a processor
+# that takes a sample's one image and several by different paths). The rest run in make test-all.
+FAST = ("qwen2.5-vl", "gemma-3", "llama-3.2-vision", "llama-4", "mistral-3", "llava-onevision")
 NAMES = [pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow) for f in FAMILIES]
 
 
@@ -55,10 +57,49 @@ def one_record(tmp_path, *, width=120, height=90):
     return path, record, image
 
 
-def processor_messages(record: dict, image: Image.Image, string_content: bool) -> list[dict]:
-    """The raw record as apply_chat_template takes it: image parts as {"type": "image"}; text-only messages as a
-    string where the family's template prints content as one (GLM), else as text parts."""
-    out = []
+def batch_records(tmp_path) -> tuple[Path, list[dict], list[list[Image.Image]]]:
+    """The records a parity step trains as one micro-batch, and each one's images in order: "two" holds two images of
+    different sizes (one per user turn), "text" none, "one" a single image (LLaVA-OneVision tiles a sample's one
+    image but pads each of several to a square: both paths in one batch)."""
+    (u1, i1), (u2, i2), (u3, i3) = _png(120, 90, 0), _png(64, 96, 1), _png(100, 60, 2)
+
+    def user(uri, text):
+        return {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}],
+        }
+
+    records = [
+        {
+            "id": "two",
+            "messages": [
+                user(u1, "What is in this picture?"),
+                {"role": "assistant", "content": "A red square."},
+                user(u2, "And on this page?"),
+                {"role": "assistant", "content": "The page shows a green banner."},
+            ],
+        },
+        {
+            "id": "text",
+            "messages": [
+                {"role": "user", "content": "Open the page, then type the query."},
+                {"role": "assistant", "content": "Done: the page is open."},
+            ],
+        },
+        {
+            "id": "one",
+            "messages": [user(u3, "Describe the image."), {"role": "assistant", "content": "Three banners."}],
+        },
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, records, [[i1, i2], [], [i3]]
+
+
+def processor_messages(record: dict, images: list[Image.Image], string_content: bool) -> list[dict]:
+    """The raw record as apply_chat_template takes it: image parts as {"type": "image"} with `images` in order;
+    text-only messages as a string where the family's template prints content as one (GLM), else as text parts."""
+    out, left = [], iter(images)
     for m in record["messages"]:
         c = m["content"]
         if isinstance(c, str):
@@ -67,10 +108,25 @@ def processor_messages(record: dict, image: Image.Image, string_content: bool) -
             out.append(
                 {
                     "role": m["role"],
-                    "content": [{"type": "image", "image": image} if p["type"] == "image_url" else p for p in c],
+                    "content": [{"type": "image", "image": next(left)} if p["type"] == "image_url" else p for p in c],
                 }
             )
     return out
+
+
+def processor_inputs(processor, records: list[dict], images: list[list], string_content: bool) -> dict:
+    """What the processor gives at inference for these records as one batch (right padding), floats in fp32 (Llama
+    4's come as bf16)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = processor.apply_chat_template(
+            [processor_messages(r, i, string_content) for r, i in zip(records, images)],
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            processor_kwargs={"padding": True, "padding_side": "right"},
+        )
+    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
 
 
 def build_one(tmp_path, processor: str) -> tuple:
@@ -83,10 +139,24 @@ def build_one(tmp_path, processor: str) -> tuple:
 
 
 def shard_sample(ds):
+    [s] = shard_samples(ds)
+    return s
+
+
+def shard_samples(ds) -> list:
     from vlmprep.shards.reader import iter_dataset
 
-    [s] = list(iter_dataset(ds))
-    return s
+    return list(iter_dataset(ds))
+
+
+def build_batch(tmp_path, processor: str) -> tuple:
+    """batch_records built with `processor`: (dataset dir, records, images per record)."""
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    path, records, images = batch_records(tmp_path)
+    build(BuildConfig(inputs=(str(path),), out=str(tmp_path / "ds"), processor=processor, progress=False))
+    return tmp_path / "ds", records, images
 
 
 def train_one_step(ds, out, name: str, *extra: str) -> dict:
@@ -121,25 +191,23 @@ def train_one_step(ds, out, name: str, *extra: str) -> dict:
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def own_loss(hf, record, image, sample, string_content: bool) -> tuple[float, torch.Tensor]:
-    """The exported model's loss on the processor's own rendering of the raw record, labels from the shard."""
+def own_loss(hf, records, images, samples, string_content: bool) -> tuple[float, torch.Tensor]:
+    """The exported model's loss on the processor's own rendering of the raw records as one batch (right padding),
+    labels from the shard; and the processor's token ids (B x L)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(hf, local_files_only=True)
     model = AutoModelForImageTextToText.from_pretrained(hf, local_files_only=True, dtype=torch.float32).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        inputs = processor.apply_chat_template(
-            processor_messages(record, image, string_content), tokenize=True, return_dict=True, return_tensors="pt"
-        )
-    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}  # Llama 4's come as bf16
-    ids = torch.as_tensor(sample.array("input_ids")).long()[None]
-    labels = torch.where(torch.as_tensor(sample.array("loss_mask")).bool()[None], ids, -100)
+    inputs = processor_inputs(processor, records, images, string_content)
+    labels = torch.full_like(inputs["input_ids"], -100)
+    for b, sample in enumerate(samples):
+        ids = torch.as_tensor(sample.array("input_ids")).long()
+        labels[b, : len(ids)] = torch.where(torch.as_tensor(sample.array("loss_mask")).bool(), ids, -100)
     with torch.no_grad():
         loss = model(**inputs, labels=labels).loss
         # And it serves: generate from the first question, as docs/export-and-serving.md does.
         prompt = processor.apply_chat_template(
-            processor_messages(record, image, string_content)[:1],
+            processor_messages(records[0], images[0], string_content)[:1],
             tokenize=True,
             add_generation_prompt=True,
             return_dict=True,
@@ -151,24 +219,49 @@ def own_loss(hf, record, image, sample, string_content: bool) -> tuple[float, to
     return float(loss), inputs["input_ids"]
 
 
+def assert_same_tokens(ids: torch.Tensor, samples: list) -> None:
+    """The processor's rows (B x L, right-padded) are the shard samples' token ids."""
+    assert ids.shape[0] == len(samples)
+    for row, sample in zip(ids, samples):
+        want = sample.array("input_ids").tolist()
+        assert row[: len(want)].tolist() == want, sample.meta()["id"]
+
+
+@pytest.fixture(scope="module")
+def batch_datasets(tmp_path_factory):
+    """family -> batch_records built with tiny:NAME, made once per module (the pixel and the training tests share it)."""
+    made: dict = {}
+
+    def get(name: str) -> tuple:
+        if name not in made:
+            made[name] = build_batch(tmp_path_factory.mktemp(f"batch-{name}"), f"tiny:{name}")
+        return made[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=NAMES)
-def trained(request, tmp_path_factory):
-    """Per family: the one-record dataset built with tiny:NAME, and one trainer step on it (--save-hf)."""
+def trained(request, tmp_path_factory, batch_datasets):
+    """Per family: batch_records built with tiny:NAME, and one trainer step on its three samples as one micro-batch
+    (--save-hf)."""
     name = request.param
-    tmp = tmp_path_factory.mktemp(name)
-    ds, record, image = build_one(tmp, f"tiny:{name}")
-    return name, ds, record, image, train_one_step(ds, tmp / "run", name), tmp / "run"
+    ds, records, images = batch_datasets(name)
+    run = tmp_path_factory.mktemp(name) / "run"
+    return name, ds, records, images, train_one_step(ds, run, name, "--micro-batch-size", "3"), run
 
 
 def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
+    """Two images of different sizes in one sample, a text-only sample beside it and a one-image sample, one
+    micro-batch: the step-1 loss is the exported model's own on the processor's batch of the raw records."""
     from vlmprep.families import FAMILIES as RENDER_FAMILIES
 
-    name, ds, record, image, row, run = trained
+    name, ds, records, images, row, run = trained
     family = BY_NAME[name]
-    sample = shard_sample(ds)
+    samples = shard_samples(ds)
+    assert [s.meta()["id"] for s in samples] == [r["id"] for r in records] and row["num_samples"] == 3
     string_content = RENDER_FAMILIES[family.processor_classes[0]].string_content
-    loss, ids = own_loss(run / "hf", record, image, sample, string_content)
-    assert ids[0].tolist() == sample.array("input_ids").tolist()
+    loss, ids = own_loss(run / "hf", records, images, samples, string_content)
+    assert_same_tokens(ids, samples)
     assert row["loss"] == pytest.approx(loss, rel=1e-5), (name, row["loss"], loss)
     # The model is the family's real class, its vocabulary the processor's.
     config = json.loads((run / "hf" / "config.json").read_text())
@@ -181,7 +274,7 @@ def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
 
 def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(trained, tmp_path):
     """The Collator (vlmprep/clients/collate.py) as HF Trainer's data_collator over the HF datasets reader, the same
-    tiny model (same seed, vocabulary): its step-1 loss is the trainer's."""
+    tiny model (same seed, vocabulary), the same micro-batch of three: its step-1 loss is the trainer's."""
     from transformers import Trainer, TrainingArguments
 
     import vlmprep.clients.hf
@@ -194,7 +287,7 @@ def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(tr
     args = TrainingArguments(
         output_dir=str(tmp_path / "hf-run"),
         max_steps=1,
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=3,
         learning_rate=1e-30,
         logging_steps=1,
         report_to="none",
@@ -212,6 +305,49 @@ def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(tr
         trainer.train()
     [step] = [e for e in trainer.state.log_history if "loss" in e]
     assert step["loss"] == pytest.approx(row["loss"], rel=1e-5), (name, step["loss"], row["loss"])
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES])
+def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_records(name, batch_datasets):
+    """batch_records as one micro-batch (two images of different sizes in one sample, a text-only sample beside it,
+    a one-image sample), and the two-image sample alone: the trainer's forward inputs (collate + model_inputs: the
+    dataset's image processor on the host, or Qwen's patchify) and the Collator's hold, bit for bit, every tensor the
+    dataset's processor gives on apply_chat_template of the raw records, and no other pixel input."""
+    from transformers import AutoProcessor
+
+    import vlmprep.clients.hf
+    from trainer.data.collate import collate
+    from trainer.data.datasets import RunData
+    from trainer.model import build_model, collate_spec_of, model_inputs, tiny_vocab
+    from trainer.options import ModelOptions
+    from vlmprep.clients.collate import Collator
+    from vlmprep.families import FAMILIES as RENDER_FAMILIES
+
+    ds, records, images = batch_datasets(name)
+    samples, spec = _decoded(ds)
+    processor_dir = str(ds / "processor")
+    net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, processor_dir)).eval()
+    cspec = collate_spec_of(net, RunData((), [], [], spec, "", processor_dir), processor_dir)
+    clients, collator = list(vlmprep.clients.hf.iterable_dataset(ds)), Collator(ds)
+    processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)
+    string_content = RENDER_FAMILIES[BY_NAME[name].processor_classes[0]].string_content
+    assert [s.id for s in samples] == [r["id"] for r in records]
+    for rows in ([0, 1, 2], [0]):
+        want = processor_inputs(processor, [records[k] for k in rows], [images[k] for k in rows], string_content)
+        batch = collate([samples[k] for k in rows], cspec)
+        trainer = model_inputs(net, batch, None if batch.vision else _patchify(spec, batch))
+        client = collator([clients[k] for k in rows])
+        for who, got in (("trainer", trainer), ("collator", client)):
+            # Positions and labels are the shard's (the processor makes neither); every other key is the processor's.
+            assert got.keys() - {"position_ids", "use_cache", "labels"} <= want.keys(), (who, got.keys() - want.keys())
+            for k, v in want.items():
+                assert k in got and got[k].shape == v.shape, (name, rows, who, k)
+                same = (
+                    torch.equal(got[k].float(), v.float())
+                    if v.is_floating_point()
+                    else torch.equal(got[k].long(), v.long())
+                )
+                assert same, (name, rows, who, k, float((got[k].float() - v.float()).abs().max()))
 
 
 def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):
@@ -575,10 +711,10 @@ def test_builtin_processors_train_each_family_with_its_real_vocabulary(name, tmp
     from vlmprep.families import FAMILIES as RENDER_FAMILIES
 
     family = BY_NAME[name]
-    ds, record, image = build_one(tmp_path, f"builtin:{name}")
-    sample = shard_sample(ds)
-    row = train_one_step(ds, tmp_path / "run", name)
+    ds, records, images = build_batch(tmp_path, f"builtin:{name}")
+    samples = shard_samples(ds)
+    row = train_one_step(ds, tmp_path / "run", name, "--micro-batch-size", "3")
     string_content = RENDER_FAMILIES[family.processor_classes[0]].string_content
-    loss, ids = own_loss(tmp_path / "run" / "hf", record, image, sample, string_content)
-    assert ids[0].tolist() == sample.array("input_ids").tolist()
+    loss, ids = own_loss(tmp_path / "run" / "hf", records, images, samples, string_content)
+    assert_same_tokens(ids, samples)
     assert row["loss"] == pytest.approx(loss, rel=1e-5), (name, row["loss"], loss)
