@@ -246,9 +246,43 @@ def _balance_loss_of(net: torch.nn.Module):
     text = getattr(cfg, "text_config", None) or cfg
     if not getattr(text, "output_router_logits", False):
         return None
+    from torch.distributed.fsdp import FSDPModule
+
     base = net.get_base_model() if hasattr(net, "get_base_model") else net
-    fn = getattr(importlib.import_module(type(base).__module__), "load_balancing_loss_func", None)
+    # fully_shard swaps the root's class for a subclass defined in torch's FSDP module: the model's own class is
+    # the first one in the MRO that FSDP did not make (looked up on the wrapper, the loss was silently never added).
+    cls = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
+    fn = getattr(importlib.import_module(cls.__module__), "load_balancing_loss_func", None)
     return (text, fn) if fn is not None else None
+
+
+def routes_experts(net: torch.nn.Module) -> bool:
+    """Whether the model routes tokens to experts: it holds a module of a class that transformers records as a
+    router (a `router_logits` output), in whatever family or text backbone (a Gemma 4 without its MoE block has
+    none)."""
+    routers = set()
+    for m in net.modules():
+        rec = (getattr(type(m), "_can_record_outputs", None) or {}).get("router_logits")
+        if rec is not None:
+            routers.add(getattr(rec, "target_class", rec))
+    return any(isinstance(m, tuple(routers)) for m in net.modules()) if routers else False
+
+
+def routed_line(positions: int, real: float, net: torch.nn.Module) -> str | None:
+    """Step 1's line for a model that routes tokens to experts (None for one that does not): how many of the token
+    positions its routers saw (all ranks, each MoE layer) hold no sample token (padding, a placeholder image) and
+    what lowers that."""
+    if not routes_experts(net):
+        return None
+    waste = positions - int(real)
+    fix = "a smaller --micro-batch-size lowers it" + (
+        "" if model_family(net).pack else ", --pack-to removes most of it"
+    )
+    return (
+        f"trainer: step 1 routed {positions} token positions through each MoE layer's experts, {waste} "
+        f"({waste / max(positions, 1):.1%}) of them padding or a placeholder image: expert compute that trains "
+        f"nothing (the balance loss leaves them out); {fix}"
+    )
 
 
 def balance_loss(net: torch.nn.Module, router_logits, real: torch.Tensor) -> torch.Tensor:

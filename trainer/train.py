@@ -42,7 +42,7 @@ from trainer.data import (
 from trainer.distributed import all_sum, die_with_launcher, init_distributed
 from trainer.evaluate import evaluate
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
-from trainer.model import collate_spec_of, forward_loss, model_identity, model_type_of, tiny_vocab
+from trainer.model import collate_spec_of, forward_loss, model_identity, model_type_of, routed_line, tiny_vocab
 from trainer.options import Batching, Checkpointing, DataOptions, ModelOptions, Optimization, RunLength
 from trainer.startup import build_optimizer, make_model, resume_state, run_log, shard_model, start_run
 from vlmprep_schemas.boundary import UnsafeWrite
@@ -226,6 +226,7 @@ class Session:
             sum(b.num_tokens for b in micro_batches),
             sum(b.rows for b in micro_batches),
             self.flop_counter.step(micro_batches) if self.peak else 0.0,
+            sum(b.input_ids.numel() for b in micro_batches),  # token positions, padding included
         )
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
@@ -249,6 +250,7 @@ class Session:
             "segments": int(samples),
             "tokens_per_rank": [g[2] for g in gathered],
             "max_over_mean_tokens": max(g[2] for g in gathered) * world / max(tokens, 1),
+            "padding_frac": 1.0 - tokens / max(sum(g[5] for g in gathered), 1),
         }
         if len(names) > 1:
             losses, counts = per_source[: len(names)], per_source[len(names) :]
@@ -259,6 +261,8 @@ class Session:
             last["pack_fill"] = tokens / max(sum(g[3] for g in gathered) * self.batching.pack_to, 1)
             if self.rank == 0 and self.step == 1:
                 print(f"trainer: first step's rows are {last['pack_fill']:.1%} full", file=sys.stderr)
+        if self.rank == 0 and self.step == 1 and (line := routed_line(sum(g[5] for g in gathered), tokens, self.net)):
+            print(line, file=sys.stderr)
         if self.peak:
             last["mfu"] = sum(g[4] for g in gathered) / (dt * self.peak * world)
         self.last = last
