@@ -217,7 +217,8 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
 
 RUN_FILE = "run.json"
 # Everything the trainer writes into RUN, run.json first (hf/: the --save-hf export).
-RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", LOG_NAME, "config.toml", "tb", "hf")
+RUN_PROCESSOR = "processor"  # RUN/processor/: the run's copy of a processor in a bucket, which its export ships
+RUN_STATE = (RUN_FILE, "checkpoints", "metrics.jsonl", LOG_NAME, "config.toml", "tb", "hf", RUN_PROCESSOR)
 
 
 def _sha(value) -> str:

@@ -10,20 +10,21 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import RUN_FILE, checkpoint_dir, latest_checkpoint
+from trainer.checkpoint import RUN_FILE, RUN_PROCESSOR, checkpoint_dir, latest_checkpoint
 from trainer.cli import load_toml, run_tool
 from trainer.config import EXPORT_DTYPES as DTYPE_NAMES
 from trainer.config import ConfigError, TrainConfig, default
-from trainer.data import DataError, resolve_data
+from trainer.data import DataError, local_processor, resolve_data
 from trainer.families import Vocab
-from trainer.options import DataOptions, ModelOptions
-from vlmprep_schemas.boundary import REMOTE, UnsafeDataset, processor_files
+from trainer.options import Checkpointing, DataOptions, ModelOptions
+from vlmprep_schemas.boundary import REMOTE, UnsafeDataset, UnsafeWrite, processor_files
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
 _MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only non-empty dir --overwrite replaces
@@ -136,13 +137,22 @@ def _base_use_cache(options: ModelOptions, run_dir: str) -> bool:
     )
 
 
-def _processor_files(options: DataOptions, processor: str) -> tuple[Path, list[Path]]:
+def _processor_files(options: DataOptions, processor: str, run_dir: Path) -> tuple[Path, list[Path]]:
     """The processor the shards were rendered with: --processor, the run's --processor, or the dataset's copy (a
-    mixture's first dataset: mixed datasets share vocabulary, family and image settings, checked at start-up); with
-    the files the export copies: the processor's own (processor_files), each inside its dir (a dataset's inside the
-    dataset), never a stray file beside them."""
+    mixture's first dataset: mixed datasets share vocabulary, family and image settings, checked at start-up); for a
+    run's processor in a bucket, the copy the run kept in RUN/processor (keep_processor); with the files the export
+    copies (_ship)."""
     location = processor or options.processor
     data = options.sources[0].path
+    if not processor and (location or data).startswith(REMOTE):  # read at start-up, not from the bucket now
+        kept = run_dir / RUN_PROCESSOR
+        if kept.is_symlink() or not kept.is_dir():
+            raise ConfigError(
+                f"processor of {location or data}: the run dir {run_dir} holds no copy of it in {RUN_PROCESSOR}/ "
+                "(runs keep one since the trainer fetches it at start-up): pass --processor DIR with the processor "
+                "the shards were built with"
+            )
+        return _ship(str(kept), named=False)
     if not location:
         try:
             location = resolve_data(data).processor  # its manifest's paths checked to stay inside the dataset
@@ -150,18 +160,94 @@ def _processor_files(options: DataOptions, processor: str) -> tuple[Path, list[P
             raise ConfigError(f"cannot find the dataset's processor ({e}): pass --processor DIR") from None
         if not location:
             raise ConfigError(f"--data {data} has no manifest naming its processor: pass --processor DIR")
+    return _ship(location, named=bool(processor or options.processor))
+
+
+def _ship(location: str, *, named: bool) -> tuple[Path, list[Path]]:
+    """A local processor dir the export can ship, and its files: the processor's own (processor_files), each inside
+    its dir (`named`: a dir the user named may link out, a dataset's stays inside it), never a stray file beside
+    them."""
     if location.startswith(REMOTE) or not Path(location, "tokenizer_config.json").is_file():
         raise ConfigError(
             f"processor {location}: not a local processor dir (no tokenizer_config.json): pass "
             "--processor DIR with the processor the shards were built with"
         )
     try:
-        return Path(location), processor_files(location, links_out=bool(processor or options.processor))
+        return Path(location), processor_files(location, links_out=named)
     except UnsafeDataset as e:
         raise ConfigError(str(e)) from None
 
 
-def _prepare_out(out: Path, overwrite: bool) -> Path:
+def export_ready(location: str, ckpt: Checkpointing, options: DataOptions, *, rank: int, world: int) -> None:
+    """Start-up, before the run dir is written: with --save-hf, what the export at the end needs is checked now, as
+    it will be then (RUN/hf absent or an earlier export; the processor `location` a dir it can ship, unless it is
+    in a bucket: keep_processor copies and checks that one), so nothing known at start-up fails a run after its
+    training. Rank 0 checks; a refusal is one line on every rank."""
+
+    def check() -> None:
+        if ckpt.save_hf:
+            _check_out(Path(ckpt.out) / "hf", overwrite=True)
+            if not location.startswith(REMOTE):
+                _processor_files(options, "", Path(ckpt.out))
+
+    _on_rank_0(check, rank=rank, world=world)
+
+
+def keep_processor(location: str, ckpt: Checkpointing, *, rank: int, world: int) -> None:
+    """Start-up, once the run dir is set up: where the run's processor (`location`) is not a local dir (a bucket's
+    dataset, a --processor URL), rank 0 copies its files (checked as any processor) into RUN/processor, where the
+    export finds it however long the run takes (credentials that expire, a bucket that changes); with --save-hf it
+    must be one the export can ship. A refusal is one line on every rank."""
+
+    def copy() -> None:
+        if location.startswith(REMOTE):
+            _copy_processor(location, Path(ckpt.out) / RUN_PROCESSOR)
+            if ckpt.save_hf:
+                _ship(str(Path(ckpt.out) / RUN_PROCESSOR), named=False)
+
+    _on_rank_0(copy, rank=rank, world=world)
+
+
+def _on_rank_0(check, *, rank: int, world: int) -> None:
+    """`check()` on rank 0; what it refuses (an export's ConfigError, a fetch's DataError, a planted link) is raised
+    as one ConfigError on every rank, so none waits for a rank that has stopped."""
+    refusal = ""
+    if rank == 0:
+        try:
+            check()
+        except ConfigError as e:
+            refusal = f"--save-hf: {e}"
+        except (DataError, UnsafeWrite) as e:
+            refusal = str(e)
+    if world > 1:
+        shared = [refusal]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        refusal = shared[0]
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def _copy_processor(location: str, dest: Path) -> None:
+    """The processor's files at `location` (a URL) -> `dest`, assembled in a fresh dir beside it and renamed into
+    place; what is at `dest` is replaced only if it is a plain dir (a link planted there is refused, never followed)."""
+    if os.path.islink(dest) or (os.path.lexists(dest) and not dest.is_dir()):
+        raise UnsafeWrite(
+            f"{dest} is a symlink or not a dir where the run keeps its processor: remove it and run again"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))  # new, so nothing planted is in the way
+    try:
+        local_processor(location, tmp)
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """--out may be written: absent, empty, or (with `overwrite`) an earlier export; a link is never written through."""
+    if os.path.islink(out):
+        raise UnsafeWrite(f"{out} is a symlink where the export is written: remove it and run again")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise ConfigError(f"--out {out} exists and is not empty: pass --overwrite to replace it, or another --out")
@@ -170,6 +256,10 @@ def _prepare_out(out: Path, overwrite: bool) -> Path:
                 f"--out {out} is not an earlier export (no {' or '.join(_MARKS)}): refusing to "
                 "replace it; pick another --out"
             )
+
+
+def _prepare_out(out: Path, overwrite: bool) -> Path:
+    _check_out(out, overwrite)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -183,7 +273,7 @@ def export_run(ecfg: ExportConfig) -> Path:
     if ecfg.adapter_only and not cfg.lora_rank:
         raise ConfigError(f"--adapter-only: {ecfg.run} is not a LoRA run (lora_rank = 0)")
     find_checkpoint(Path(ecfg.run), ecfg.step)  # fail before touching --out
-    processor = _processor_files(DataOptions.of(cfg), ecfg.processor)
+    processor = _processor_files(DataOptions.of(cfg), ecfg.processor, Path(ecfg.run))
     tmp = _prepare_out(out, ecfg.overwrite)
     try:
         _write_export(ecfg, tmp, processor)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import TrainState, check_resumable, load_latest, start_run_dir
 from trainer.data import RunData, check_packing, log_plans
+from trainer.export import keep_processor
 from trainer.families import Vocab
 from trainer.metrics import RunLog
 from trainer.model import apply_fsdp, build_model
@@ -34,7 +35,8 @@ def build_optimizer(optim: Optimization, net: torch.nn.Module) -> torch.optim.Ad
 
 def start_run(identity: dict, data: RunData, *, rank: int, ckpt: Checkpointing, config_toml: str) -> None:
     """Every rank refuses a resume of another run (`identity`: what the run's checkpoints mean, run_identity); then
-    rank 0 creates the run dir (or reopens it to resume) and writes the resolved config into it."""
+    rank 0 creates the run dir (or reopens it to resume), writes the resolved config into it and keeps a copy of a
+    processor in a bucket there (keep_processor)."""
     out = Path(ckpt.out)
     if ckpt.resume:
         check_resumable(out, identity, data.label)
@@ -44,6 +46,7 @@ def start_run(identity: dict, data: RunData, *, rank: int, ckpt: Checkpointing, 
         with open_no_follow(out / "config.toml", "w", encoding="utf-8") as f:
             f.write(config_toml)
         log_plans(data)
+    keep_processor(data.processor, ckpt, rank=rank, world=data.world)
 
 
 def make_model(

@@ -41,6 +41,7 @@ from trainer.data import (
 )
 from trainer.distributed import all_sum, die_with_launcher, init_distributed
 from trainer.evaluate import evaluate
+from trainer.export import ExportConfig, export_ready, export_run
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
 from trainer.model import collate_spec_of, forward_loss, model_identity, model_type_of, routed_line, tiny_vocab
 from trainer.options import Batching, Checkpointing, DataOptions, ModelOptions, Optimization, RunLength
@@ -303,8 +304,6 @@ class Session:
                 keep_checkpoints=ckpt.keep_checkpoints,
             )
         if ckpt.save_hf and self.rank == 0:
-            from trainer.export import ExportConfig, export_run
-
             hf = export_run(ExportConfig(run=str(out), out=str(out / "hf"), dtype=ckpt.export_dtype, overwrite=True))
             print(f"trainer: exported {hf} ({ckpt.export_dtype})", file=sys.stderr)
         if self.rank == 0 and last is not None:
@@ -354,6 +353,7 @@ def run(cfg: TrainConfig) -> dict | None:
         # under --shard-cache-limit: shuffle blocks that fit the cache, written to config.toml and compared on resume
         cfg = dataclasses.replace(cfg, shuffle_span=plan.shuffle_span)
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
+        export_ready(data.processor, ckpt, DataOptions.of(cfg), rank=rank, world=world)  # --save-hf's needs, now
         processor = processor_dir(data, owner, model_type=model_type, tiny=bool(cfg.tiny_random))
         vocab = tiny_vocab(cfg.tiny_random, processor)
         identity = run_identity(

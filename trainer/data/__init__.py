@@ -28,6 +28,7 @@ _FACE = {
     "make_loader": "pipeline",
     "read_plan": "pipeline",
     "load_processor": "processors",
+    "local_processor": "processors",
     "resolve_data": "sources",
     "set_read_timeout": "storage",
     "Patchifier": "vision",
@@ -62,6 +63,7 @@ __all__ = [
     "trains_videos",
     "host_pixels",
     "load_processor",
+    "local_processor",
     "Patchifier",
     # packing's checks and its empty carry-over
     "check_packing",
