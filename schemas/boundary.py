@@ -133,6 +133,15 @@ def refuse_credentials(url: str, *, where: str) -> None:
         )
 
 
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """`text` with the user and password of every URL in it (scheme://user:secret@host) replaced by `***`: what
+    vlmprep writes or prints of a URL it did not choose (an image URL of a record, a redirect's target)."""
+    return _USERINFO.sub(r"\1***@", text) if "@" in text else text
+
+
 class _Names:
     """dataset_file for the many one-part names of one manifest (shards, sample indexes) in O(1) syscalls each: a
     plain one-part name joined to the dataset dir leaves it only when that entry is a symlink (no '..', no

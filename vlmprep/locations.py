@@ -1,7 +1,9 @@
 """Where an input may be: a local path, or an object in a store read through fsspec (s3://, gs://, hf:// datasets,
 http(s)://), each library taking credentials from its own environment and config; a URL with credentials in it is
 refused, so none is ever printed or written into a plan or manifest. A remote input is read as a stream of range
-reads (never fetched whole first) and stamped by its size and ETag / version, so a plan notices it changed.
+reads (never fetched whole first) and stamped by its size and ETag / version, so a plan notices it changed; the plan's
+stamp travels with it (RemoteFile.expect) and every read is checked against it. http(s) goes through web.py (bounded
+waits, no length, one wording per failure), the other stores through fsspec.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import hashlib
 import io
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlmprep import web
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, refuse_credentials
 
@@ -28,9 +31,11 @@ class LocationError(UserError):
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """An input object in a store, by its URL (what the plan and manifest record)."""
+    """An input object in a store, by its URL (what the plan and manifest record), and the stamp (stamp()) a read of
+    it must find, where one was taken: the plan's."""
 
     url: str
+    expect: dict | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -49,9 +54,13 @@ def is_url(value: str) -> bool:
     return bool(URL.match(value))
 
 
-def as_input(value: str) -> Input:
-    """A plan's recorded input path back to an input."""
-    return RemoteFile(value) if is_url(value) else Path(value)
+def as_input(value: str, expect: dict | None = None) -> Input:
+    """A plan's recorded input path back to an input (a remote one to be read as `expect`, its plan's stamp)."""
+    return RemoteFile(value, expect) if is_url(value) else Path(value)
+
+
+def _web(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in ("http", "https")
 
 
 def url_fs(url: str, where: str = "--in"):
@@ -75,21 +84,20 @@ def why(e: BaseException) -> str:
     """A store library's exception as a short reason (its first line)."""
     if isinstance(e, FileNotFoundError):
         return "no such object"
+    if isinstance(e, PermissionError):
+        return "access denied"
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def expand_url(pattern: str, suffixes: tuple[str, ...]) -> list[RemoteFile]:
     """A URL -> the input objects it names, sorted: a glob, a prefix ("dir") listed recursively for `suffixes`, or
     one object."""
+    if _web(pattern):
+        return [RemoteFile(u) for u in _expand_web(pattern, suffixes)]
     fs, path = url_fs(pattern)
     scheme = pattern.split("://", 1)[0]
-    web = scheme.lower() in ("http", "https")
     try:
-        if web and not pattern.endswith("/") and not any(ch in path for ch in "*?["):
-            # A web server lists no dirs: asking would GET the object whole to look for links in it.
-            fs.info(path)
-            found = [path]
-        elif any(ch in path for ch in "*?["):
+        if any(ch in path for ch in "*?["):
             found = [p for p in fs.glob(path) if fs.isfile(p)]
         elif fs.isdir(path):
             found = [p for p in fs.find(path) if p.endswith(suffixes)]
@@ -107,6 +115,23 @@ def expand_url(pattern: str, suffixes: tuple[str, ...]) -> list[RemoteFile]:
         else RemoteFile(f"memory://{p.lstrip('/')}")
         for p in sorted(found)
     ]
+
+
+def _expand_web(pattern: str, suffixes: tuple[str, ...]) -> list[str]:
+    """A web URL's objects: one (its stamp read: it exists), a listing of an index page (ending in /), or a glob."""
+    try:
+        refuse_credentials(pattern, where="--in")
+    except UnsafeDataset as e:
+        raise LocationError(str(e)) from None
+    try:
+        if any(ch in pattern.split("://", 1)[1].split("/", 1)[-1] for ch in "*["):
+            return web.glob(pattern)
+        if pattern.endswith("/"):
+            return web.listing(pattern, lambda url: url.endswith(suffixes))
+        web.head(pattern)  # a web server lists no dirs: asking would GET the object whole to look for links in it
+        return [pattern]
+    except web.WebError as e:
+        raise LocationError(str(e)) from None
 
 
 class _Guarded(io.RawIOBase):
@@ -134,7 +159,8 @@ class _Guarded(io.RawIOBase):
         return len(data)
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        return self._call(self._f.seek, offset, whence)
+        pos = self._call(self._f.seek, offset, whence)
+        return self._f.tell() if pos is None else pos  # some of fsspec's files return None
 
     def tell(self) -> int:
         return self._f.tell()
@@ -150,11 +176,23 @@ def open_input(p: Input):
     (an OSError naming the URL on any fault)."""
     if isinstance(p, Path):
         return open(p, "rb")
+    if _web(p.url):
+        return io.BufferedReader(web.WebFile(p.url, block=READ_BLOCK, expect=p.expect), buffer_size=1 << 20)
     fs, path = url_fs(p.url)
     try:
         f = fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
     except Exception as e:  # noqa: BLE001
         raise OSError(f"cannot read {p.url}: {why(e)}") from None
+    # The object opened must be the one planned; s3fs then sends If-Match its ETag with every range read it makes.
+    details = getattr(f, "details", None)
+    if p.expect and isinstance(details, dict) and details:
+        now = stamp_of_info(details)  # by size and tag: the time some stores give only in a listing
+        differ = [
+            f"{k} {p.expect.get(k)} when planned, {now[k]} now" for k in ("bytes", "etag") if p.expect.get(k) != now[k]
+        ]
+        if differ:
+            f.close()
+            raise OSError(f"cannot read {p.url}: it changed after the plan was made ({'; '.join(differ)})")
     return io.BufferedReader(_Guarded(f, p.url), buffer_size=1 << 20)
 
 
@@ -164,11 +202,23 @@ def stamp(p: Input) -> dict:
     if isinstance(p, Path):
         st = p.stat()
         return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if _web(p.url):
+        try:
+            refuse_credentials(p.url, where="--in")
+            return web.head(p.url).as_dict()
+        except (web.WebError, UnsafeDataset) as e:
+            raise LocationError(str(e)) from None
     fs, path = url_fs(p.url)
     try:
         info = fs.info(path)
     except Exception as e:  # noqa: BLE001
         raise LocationError(f"cannot read {p.url}: {why(e)}") from None
+    return stamp_of_info(info)
+
+
+def stamp_of_info(info: dict) -> dict:
+    """A store's listing fields (fsspec's info) -> the stamp: size, time, and a tag (ETag, version, checksum; else a
+    hash of them)."""
     tag = next(
         (str(info[k]) for k in ("ETag", "etag", "VersionId", "version_id", "md5Hash", "blob_id", "lfs") if info.get(k)),
         None,

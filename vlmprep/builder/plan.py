@@ -107,8 +107,9 @@ def make_plan(
     for fi, (path, name) in enumerate(zip(files, input_names(files))):
         frames: list[tuple[int, int]] = []
         first = position
+        stamped = stamp(path)  # before the scan, which reads what it says (a remote one is checked on every read)
         for raw in iter_file_records(
-            path,
+            as_input(str(path), stamped),
             start_position=position,
             max_line_bytes=max_line_bytes,
             max_zstd_window=max_zstd_window,
@@ -119,9 +120,7 @@ def make_plan(
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1
-        inputs.append(
-            PlanInput(path=str(path), name=name, **stamp(path), first_position=first, records=position - first)
-        )
+        inputs.append(PlanInput(path=str(path), name=name, **stamped, first_position=first, records=position - first))
         frames_of.append(frames or [(0, 0)])
     cum = array.array("q", [0])
     for s in sizes:
@@ -221,7 +220,7 @@ def task_records(plan: Plan, index: int, *, max_line_bytes: int, max_zstd_window
         seek = cut.seek if first else Seek()
         start = cut.position if first else inp.first_position
         for raw in iter_file_records(
-            as_input(inp.path),
+            as_input(inp.path, {"bytes": inp.bytes, "mtime_ns": inp.mtime_ns, "etag": inp.etag}),
             start_position=start,
             seek=seek,
             input_name=inp.name,
