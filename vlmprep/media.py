@@ -11,9 +11,9 @@ import os
 import re
 import stat
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 
+from vlmprep import web
 from vlmprep.types import ImageData, RecordError
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
@@ -52,18 +52,18 @@ class MediaFetcher:
             if kind == "video":
                 raise RecordError(
                     "remote_video_refused",
-                    f"{where}: remote video {ref[:80]} refused: videos are "
+                    f"{where}: remote video {web.show(ref)[:80]} refused: videos are "
                     "read from local paths or data URIs; download it first",
                 )
             if not self.allow_remote:
                 raise RecordError(
-                    "remote_image_refused", f"{where}: remote image {ref[:80]} refused (pass --allow-remote)"
+                    "remote_image_refused", f"{where}: remote image {web.show(ref)[:80]} refused (pass --allow-remote)"
                 )
             return ImageData(data=_fetch_remote(ref, where, self.max_bytes["image"]), origin=ref)
         if low.startswith("file://"):
             ref = urllib.parse.unquote(ref[len("file://") :])  # a URL: with%20space.png; the root check still follows
         elif re.match(r"^[a-z][a-z0-9+.-]*://", low):
-            raise RecordError(f"unsupported_{kind}_url", f"{where}: unsupported URL scheme in {ref[:80]}")
+            raise RecordError(f"unsupported_{kind}_url", f"{where}: unsupported URL scheme in {web.show(ref)[:80]}")
         if "\x00" in ref:
             raise RecordError(f"invalid_{kind}_ref", f"{where}: {kind} path holds a NUL character")
         if self.root is None or (self.base_dir is None and not os.path.isabs(ref)):
@@ -152,16 +152,13 @@ def _read_local(path: str, kind: str, limit: int, what: str) -> bytes:
 
 
 def _fetch_remote(url: str, where: str, limit: int) -> bytes:
+    """An http(s) image, through web.py: bounded in bytes and time, redirects to http(s) only, no URL credential."""
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            data = r.read(limit + 1)
-    except Exception as e:  # noqa: BLE001 - any network fault is this record's fault, not the build's
-        raise RecordError("remote_fetch_failed", f"{where}: cannot fetch {url[:80]}: {e}") from None
-    if len(data) > limit:
-        raise RecordError(
-            "image_file_too_large", f"{where}: remote image {url[:80]}: more than --max-image-bytes {limit} bytes"
-        )
-    return data
+        return web.fetch(url, limit)
+    except web.TooLarge as e:
+        raise RecordError("image_file_too_large", f"{where}: remote image: {e} (--max-image-bytes)") from None
+    except web.WebError as e:  # any network fault is this record's fault, not the build's
+        raise RecordError("remote_fetch_failed", f"{where}: {e}") from None
 
 
 def decode_base64(payload, where: str) -> bytes:

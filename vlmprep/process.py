@@ -34,6 +34,7 @@ from vlmprep.types import (
     printable,
 )
 from vlmprep.videos import DEFAULT_VIDEO_FPS, prepare_video
+from vlmprep_schemas.boundary import redact_credentials
 
 
 class Renderer:
@@ -362,7 +363,7 @@ def reject_entry(raw: RawRecord, reason: str, message: str) -> dict:
         "source": {"file": printable(raw.source.file), "line": raw.source.line},
         "id": rid,
         "reason": reason,
-        "message": printable(message),
+        "message": printable(redact_credentials(message)),  # an image URL's user:password@ is never written
     }
     if raw.unread_bytes:  # a file-level fault: counted in the manifest's totals.unread_bytes
         entry["unread_bytes"] = raw.unread_bytes

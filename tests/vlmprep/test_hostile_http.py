@@ -1,9 +1,10 @@
 """Hostile and dynamic http(s) servers behind `--in URL` and `--allow-remote` images (issue 53.6, round 5): a body
 with no length builds as a stream, every wait ends in one line naming the URL, an object replaced while it is read is
-refused naming both stamps, a listing cannot lead outside its prefix, and each failure kind has its own wording.
-Against the loopback server of tests/support/range_server.py."""
+refused naming both stamps, a listing cannot lead outside its prefix, each failure kind has its own wording, and no
+credential of an image URL is written anywhere. Against the loopback server of tests/support/range_server.py."""
 
 import contextlib
+import io
 import json
 import threading
 from pathlib import Path
@@ -197,6 +198,41 @@ def test_each_http_failure_kind_says_what_happened_in_one_line(served, tmp_path)
     )
     assert said["c.jsonl"] == f"error: cannot read {url}/c.jsonl: too many redirects (302)"
     assert said["none.jsonl"] == f"error: cannot read {url}/none.jsonl: not found (404)"
+
+
+def test_an_image_urls_credentials_are_written_nowhere(served, tmp_path, capsys):
+    """A record's image at http://user:hunter2@host/... with --allow-remote: the record is rejected (a URL's
+    credentials are never sent), and neither rejects.jsonl nor the manifest nor anything printed holds the password
+    (before: the whole URL was in rejects.jsonl). A 403 image says so."""
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(buf, "PNG")
+    (served / "x.png").write_bytes(buf.getvalue())
+    (served / "no.png").write_bytes(buf.getvalue())
+    with RangeServer(served) as srv:
+        srv.server.forbidden.add("no.png")
+        host = srv.url.split("://", 1)[1]
+        records = [
+            {
+                "id": f"r{i}",
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+                    {"role": "assistant", "content": "ok"},
+                ],
+            }
+            for i, url in enumerate([f"http://user:hunter2@{host}/x.png", f"{srv.url}/no.png", f"{srv.url}/x.png"])
+        ]
+        (tmp_path / "in.jsonl").write_bytes(_jsonl(records))
+        res = _build([str(tmp_path / "in.jsonl")], tmp_path / "o", allow_remote=True)
+    rejects = {r["id"]: r for r in _rejects(tmp_path / "o")}
+    assert res.manifest.totals["samples"] == 1 and set(rejects) == {"r0", "r1"}, rejects
+    assert "http://***@" in rejects["r0"]["message"] and "credentials" in rejects["r0"]["message"], rejects
+    assert f"cannot read {srv.url}/no.png: access denied (403)" in rejects["r1"]["message"], rejects
+    written = [p for p in (tmp_path / "o").rglob("*") if p.is_file() and b"hunter2" in p.read_bytes()]
+    printed = capsys.readouterr()
+    assert not written and "hunter2" not in printed.out + printed.err
 
 
 def test_an_s3_object_replaced_between_the_tasks_check_and_its_read_is_refused(tmp_path, monkeypatch):
