@@ -3,7 +3,9 @@ DIR/manifest.json and DIR/rejects.jsonl in plan order. Refuses a dir it cannot v
 another plan or processor, a task manifest that is not its own task's, files no task of this plan wrote, a listed
 shard missing or changed (size, sha256): the manifest never names a missing, changed or duplicated shard. Ids
 repeated across tasks (no task can see another's ids) are rejected here as the one-task build rejects them, by
-rewriting the few shards that hold them.
+rewriting the few shards that hold them; each is checked against the sha256 its task manifest lists before it is read,
+and tasks/merge.rewrites.json records what each rewrite made of it (a merge run again, here or from the bucket,
+accepts exactly that, never a shard that merely holds the same ids).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,11 +57,25 @@ from vlmprep.shards.manifest import (
 )
 from vlmprep.shards.reader import iter_shard, load_sample_index
 from vlmprep.shards.writer import ShardWriter, write_dataset_index
-from vlmprep.types import ShardSample, UserError
+from vlmprep.types import ShardSample
+
+REWRITES_NAME = f"{TASKS_DIR}/merge.rewrites.json"  # shard -> [sha256 its task listed, sha256 the merge made of it]
+_SCRATCH = f"{TASKS_DIR}/merge.tmp"  # where a rewrite is made and hashed before it replaces the shard
 
 
 class MergeError(PlanError):
     """The dataset dir cannot be merged as it is: one clear line naming the task or file and the fix."""
+
+
+def _load_rewrites(out: Path) -> dict[str, list[str]]:
+    """tasks/merge.rewrites.json as far as it is well formed ({} where it is missing or not)."""
+    try:
+        got = json.loads((out / REWRITES_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    return {k: v for k, v in got.items() if isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)}
 
 
 def _task_manifests(out: Path, plan: Plan) -> list[TaskManifest]:
@@ -107,7 +124,7 @@ def _check_strays(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
     )
     ours = {
         task_file(i, suffix).split("/", 1)[1] for i in range(plan.tasks) for suffix in TASK_SUFFIXES + (".lock",)
-    }  # a task run's lock, left by a killed one
+    } | {Path(REWRITES_NAME).name, Path(_SCRATCH).name}  # a task run's lock, left by a killed one; a merge's own
     stray += sorted(f"{TASKS_DIR}/{p.name}" for p in (out / TASKS_DIR).iterdir() if p.name not in ours)
     if stray:
         shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
@@ -117,13 +134,18 @@ def _check_strays(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
         )
 
 
-def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> ShardEntry | None:
-    """Rewrite one shard without the samples whose ids `drop` names (None: nothing left, file removed). The writer is
-    deterministic and filtering twice changes nothing, so a merge run again after a crash ends the same."""
+def _filter_shard(out: Path, entry: ShardEntry, drop: set[str], prefix: str, rewrites: dict) -> ShardEntry | None:
+    """Rewrite one shard without the samples whose ids `drop` names (None: nothing left, file removed): made in the
+    scratch dir, hashed and recorded in `rewrites` (and its file) before it replaces the shard, so a merge run again
+    after a crash (the writer is deterministic, filtering twice changes nothing) knows it and ends the same."""
+    name = entry.name
     path = out / name
     if not path.exists():  # emptied by an earlier run of this merge
         return None
-    writer = ShardWriter(out, samples_per_shard=1 << 62, shard_size_bytes=1 << 62, prefix=prefix)
+    scratch = out / _SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    writer = ShardWriter(scratch, samples_per_shard=1 << 62, shard_size_bytes=1 << 62, prefix=prefix)
     writer.index = int(name[len(prefix) : -len(".tar")])
     for s in iter_shard(path, version=FORMAT_VERSION):
         meta = s.meta()
@@ -145,7 +167,12 @@ def _filter_shard(out: Path, name: str, drop: set[str], prefix: str) -> ShardEnt
         path.unlink()
         path.with_name(index_name(name)).unlink(missing_ok=True)
         return None
-    return writer.shards[0].entry()
+    made = writer.shards[0].entry()
+    rewrites[name] = [entry.sha256, made.sha256]
+    write_json_atomic(out / REWRITES_NAME, dict(sorted(rewrites.items())))
+    for n in [name] + ([made.index.name] if made.index else []):
+        os.replace(scratch / n, out / n)
+    return made
 
 
 def _rerun(out: Path, i: int) -> str:
@@ -179,13 +206,6 @@ def _check_claims(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
             owner[name] = i
 
 
-def _same_ids(path: Path, want: list[str]) -> bool:
-    try:
-        return [s.meta()["id"] for s in iter_shard(path, version=FORMAT_VERSION)] == want
-    except (OSError, ValueError, KeyError, UserError):
-        return False
-
-
 def _index_problem(out: Path, s: ShardEntry, listed: str) -> str | None:
     """The shard's sample index sidecar, where its task manifest lists one, as listed (size, sha256)."""
     ix = s.index
@@ -201,12 +221,17 @@ def _index_problem(out: Path, s: ShardEntry, listed: str) -> str | None:
 
 
 def _verify_shards(
-    out: Path, manifests: list[TaskManifest], rewritten: dict[str, list[str]], stored: StoredShards | None
+    out: Path,
+    manifests: list[TaskManifest],
+    rewritten: dict[str, list[str]],
+    stored: StoredShards | None,
+    rewrites: dict[str, list[str]],
 ) -> None:
     """Every listed shard exists with the size and sha256 its task manifest gives, or refuse naming the task file.
-    `rewritten`: the shards merge rewrites without ids repeated across tasks -> the ids they keep; one an interrupted
-    earlier merge already rewrote holds exactly those (and is gone where it kept none). `stored`: an --out in a store,
-    whose shards are in the bucket and not in `out`: checked there by size (its task hashed the file it uploaded
+    `rewritten`: the shards merge rewrites without ids repeated across tasks -> the ids they keep; one an earlier
+    merge already rewrote is the one `rewrites` records it made of this task's shard (and is gone where it kept
+    none); one holding the ids it keeps but other bytes is refused like any changed shard. `stored`: an --out in a
+    store, whose shards are in the bucket and not in `out`: checked there by size (its task hashed the file it uploaded
     whole; `vlmprep verify URL` hashes every shard). Hashed on threads (hashlib and file reads release the GIL)."""
     jobs = [(i, s) for i, m in enumerate(manifests) for s in m.shards]
 
@@ -224,11 +249,14 @@ def _verify_shards(
                     return f"{got} bytes in the bucket, but {listed} lists {s.bytes}"
                 return _index_problem(out, s, listed)
             return f"listed in {listed} but missing"
-        if size != s.bytes:
-            return None if kept is not None and _same_ids(path, kept) else f"{size} bytes, but {listed} lists {s.bytes}"
+        made = (
+            rewrites.get(s.name, [None])[-1] if kept is not None and rewrites.get(s.name, [""])[0] == s.sha256 else None
+        )
+        if size != s.bytes and made is None:
+            return f"{size} bytes, but {listed} lists {s.bytes}"
         digest = sha256_file(path)
-        if kept is not None and (digest == s.sha256 or _same_ids(path, kept)):
-            return None  # rewritten here, with its sample index
+        if kept is not None and digest in (s.sha256, made):
+            return None  # to be rewritten here (or rewritten by an earlier run), with its sample index
         if digest != s.sha256:
             return f"sha256 {digest[:16]}..., but {listed} lists {s.sha256[:16]}..."
         return _index_problem(out, s, listed)
@@ -349,10 +377,11 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     dups_per_task, rewritten = _repeated_ids(out, plan, manifests)
     if stored is not None:  # only shards a task manifest lists: a sample row's shard name is not trusted alone
         listed = {s.name for m in manifests for s in m.shards}
-        for name in rewritten:
-            if name in listed and not (out / name).exists():
+        for name in [n for n in rewritten if n in listed] + [n for n in [REWRITES_NAME] if n in stored.sizes]:
+            if not (out / name).exists():
                 stored.fetch(name, out / name)
-    _verify_shards(out, manifests, rewritten, stored)
+    rewrites = _load_rewrites(out)
+    _verify_shards(out, manifests, rewritten, stored, rewrites)
 
     totals, rejects = collections.Counter(), collections.Counter()
     by_input = [collections.Counter() for _ in plan.inputs]
@@ -373,13 +402,14 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
         drop = {s["id"] for record in dups for s in record}
         for info in m.shards:
             if info.name in rewritten:
-                info = _filter_shard(out, info.name, drop, files.prefix)
+                info = _filter_shard(out, info, drop, files.prefix, rewrites)
             if info is not None:
                 shards.append(info)
         for record in dups:
             _reject_duplicate(record, [totals, by_input[input_of[record[0]["source"]["file"]]]])
             rejects["duplicate_id"] += 1
             reject_lines.append(json.dumps(duplicate_reject(record[0]), ensure_ascii=False, sort_keys=True) + "\n")
+    shutil.rmtree(out / _SCRATCH, ignore_errors=True)
     write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
     index = _dataset_index(out, shards)
     manifest = Manifest(

@@ -264,6 +264,67 @@ def test_a_shard_cut_short_in_the_bucket_is_refused_by_the_merge(bucket, task_tr
     assert not fs.exists(f"{name}/ds/manifest.json")
 
 
+def _same_ids_other_text(data: bytes) -> bytes:
+    """A shard's bytes with its first sample's trained tokens changed and nothing else: the same ids, members, sizes
+    and meta, a valid shard."""
+    import io
+    import tarfile
+
+    import numpy as np
+
+    src, out = tarfile.open(fileobj=io.BytesIO(data)), io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as dst:
+        done = False
+        for m in src.getmembers():
+            body = src.extractfile(m).read()
+            if not done and m.name.endswith(".input_ids.npy"):
+                ids = np.load(io.BytesIO(body))
+                ids[-2:] = ids[-2:][::-1] + 1
+                buf = io.BytesIO()
+                np.save(buf, ids)
+                body, done = buf.getvalue(), True
+            info = tarfile.TarInfo(m.name)
+            info.size, info.mtime, info.mode = len(body), m.mtime, m.mode
+            dst.addfile(info, io.BytesIO(body))
+    assert done
+    return out.getvalue()
+
+
+def test_the_merge_refuses_a_rewritten_shard_changed_in_the_bucket_that_keeps_its_ids(bucket, task_traces):
+    """A finished build into the bucket; the shard its merge rewrote (without an id repeated across tasks) is replaced
+    there by one holding exactly the ids it keeps but other trained tokens, and the manifest removed: `vlmprep merge
+    URL` refuses it naming the shard and its task, and writes no manifest (before: it took it for its own earlier
+    rewrite by its ids, and certified it; `verify` then said OK). A merge run again on the untouched bucket gives
+    the same bytes (it knows its own rewrite by the sha256 it recorded, tasks/merge.rewrites.json)."""
+    import json
+
+    from vlmprep.builder.merge import MergeError
+    from vlmprep.builder.pipeline import merge
+
+    fs, name = bucket
+    url = f"s3://{name}/ds"
+    build(planned_cfg(task_traces, url, tasks=3, workers=1, samples_per_shard=64))  # a task's samples in one shard
+    merged = _objects(fs, f"{name}/ds")
+    tasks = [json.loads(fs.cat_file(f"{name}/ds/tasks/task-{i:05d}.json")) for i in range(3)]
+    listed = {s["name"]: s["sha256"] for t in tasks for s in t["shards"]}
+    final = {s["name"]: s["sha256"] for s in json.loads(fs.cat_file(f"{name}/ds/manifest.json"))["shards"]}
+    [shard] = [n for n in final if final[n] != listed[n]]  # rewritten, not emptied
+    merge(url, max_reject_fraction=1.0, min_turn_coverage=0.0)
+    assert _objects(fs, f"{name}/ds") == merged
+    key = f"{name}/ds/{shard}"
+    fs.pipe(key, _same_ids_other_text(fs.cat_file(key)))
+    fs.rm(f"{name}/ds/manifest.json")
+    task = int(shard.split("-")[1])
+    with pytest.raises(
+        MergeError, match=rf"{shard}: sha256 [0-9a-f]{{16}}\.\.\., but tasks/task-{task:05d}.json lists"
+    ):
+        merge(url, max_reject_fraction=1.0, min_turn_coverage=0.0)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{name}/ds/manifest.json")
+    rewrites = json.loads(fs.cat_file(f"{name}/ds/tasks/merge.rewrites.json"))  # what the merge made of it
+    assert rewrites == {shard: [listed[shard], final[shard]]}, rewrites
+
+
 def test_the_merge_fetches_only_shards_a_task_manifest_lists(bucket, task_traces, monkeypatch):
     """A task's sample rows name the shard each sample landed in; a row naming another object of the dataset (here
     rejects.jsonl) for a repeated id does not make the merge fetch that object into its stage: only shards the task
