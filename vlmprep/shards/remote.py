@@ -1,6 +1,8 @@
 """A dataset URL (s3://, gs://, hf://, http(s)://; memory:// in tests) -> a local copy in the cache, which verify, stats
 and inspect then read as any dataset dir: manifest.json first (bounded, its names checked), then exactly the files it
 names, each bounded and checked against the manifest's size and sha256 where it gives them; manifest.json lands last.
+A file the copy holds already is kept only while its object in the store still has the stamp (size, ETag / version,
+time) it had when it was fetched (.stamps.json): one changed or gone in the store since is fetched again and checked.
 """
 
 from __future__ import annotations
@@ -8,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from vlmprep.locations import READ_BLOCK, LocationError, url_fs
+from vlmprep.locations import READ_BLOCK, LocationError, stamp_of_info, url_fs
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, sha256_file, write_bytes_atomic
 from vlmprep.shards.manifest import Manifest, ShardFormatError
 from vlmprep.types import UserError
@@ -31,6 +34,7 @@ from vlmprep_schemas.limits import LIMITS, load_json
 
 CACHE_SUBDIR = "datasets"  # under $VLMPREP_CACHE (default ~/.cache/vlmprep): one dir per dataset URL
 LOCK_NAME = ".fetch.lock"  # held while a copy is fetched: two commands on one URL take turns, never mix .part files
+STAMPS_NAME = ".stamps.json"  # each kept file -> its object's stamp when it was fetched (locations.stamp_of_info)
 # rejects.jsonl has no size in the manifest: a bound all the same (stats holds every line in memory anyway).
 REJECTS_BYTES = 4 << 30
 _VOCABULARIES = ("tokenizer.json", "vocab.json", "tekken.json")  # tens of MB, where a config is KBs
@@ -108,13 +112,24 @@ def fetch_dataset(
     if say:
         say(f"copying {url} into {dest} (files already there with the manifest's sha256 are kept)")
     with _locked(dest / LOCK_NAME):
+        was, now = _load_stamps(dest), {}
         for k, f in enumerate(files):
-            store.fetch(f, dest)
+            now[f.name] = store.fetch(f, dest, was.get(f.name))
             if on_file:
                 on_file(k + 1, len(files))
         _prune(dest, keep=named | {f.name for f in files})
+        write_bytes_atomic(dest / STAMPS_NAME, json.dumps({k: v for k, v in now.items() if v}, sort_keys=True).encode())
         write_bytes_atomic(dest / MANIFEST_NAME, data)
     return dest
+
+
+def _load_stamps(dest: Path) -> dict:
+    """The copy's .stamps.json as far as it is well formed ({} where not: every file is then checked by a fetch)."""
+    try:
+        got = load_json((dest / STAMPS_NAME).read_bytes(), str(dest / STAMPS_NAME), LIMITS.manifest_bytes)
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def _manifest(data: bytes, base: str) -> tuple[Manifest, set[str], str]:
@@ -207,23 +222,38 @@ class _Store:
             raise FetchError(f"{self.base}/{name} is more than {limit} bytes, more than a reader accepts; refusing it")
         return data
 
-    def fetch(self, f: _File, root: Path) -> None:
+    def stamp(self, name: str) -> dict | None:
+        """The object's stamp in the store now (asked, never from a listing cached earlier); None where it is gone."""
+        path = f"{self.root}/{name}"
+        try:
+            self.fs.invalidate_cache(path)
+            return stamp_of_info(self.fs.info(path))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - botocore, aiohttp, huggingface_hub each raise their own
+            raise FetchError(f"cannot read {self.base}/{name}: {_reason(e)}") from None
+
+    def fetch(self, f: _File, root: Path, was: dict | None = None) -> dict | None:
         """One file into the copy at `root` (NAME.part, opened without following a link, then renamed over NAME),
-        unless the copy has it with the manifest's size and sha256 already. A size or sha256 other than the
-        manifest's is one FetchError naming its URL, and nothing is kept of it."""
+        unless the copy has it with the manifest's size and sha256 already and its object in the store still has
+        stamp `was` (what it had when the copy was fetched). A size or sha256 other than the manifest's is one
+        FetchError naming its URL, and nothing is kept of it. Returns the object's stamp (files with a sha256)."""
         url = f"{self.base}/{f.name}"
         try:  # a link planted in the cache is not followed out of it
             dest = Path(dataset_file(str(root), f.name, where=str(root), what="file"))
         except UnsafeDataset as e:
             raise FetchError(str(e)) from None
+        now = self.stamp(f.name) if f.sha256 else None  # taken before the read: a change after it shows next time
         if (
             f.sha256
+            and now is not None
+            and now == was
             and dest.is_file()
             and not dest.is_symlink()
             and dest.stat().st_size == f.size
             and sha256_file(dest) == f.sha256
         ):
-            return
+            return now
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
         h, got = hashlib.sha256(), 0
@@ -238,7 +268,7 @@ class _Store:
             if not f.optional:
                 raise FetchError(f"cannot read {url}: no such file or object, but the manifest lists it") from None
             dest.unlink(missing_ok=True)  # an older copy's file this dataset no longer has
-            return
+            return None
         except OSError as e:  # the cache's disk (full, read-only), or a link planted at NAME.part
             part.unlink(missing_ok=True)
             raise FetchError(f"cannot copy {url} into {root}: {_reason(e)}") from None
@@ -258,6 +288,7 @@ class _Store:
             part.unlink()
             raise FetchError(f"{url}: {problem}: changed or damaged in storage; refusing it")
         os.replace(part, dest)
+        return now
 
 
 def _prune(root: Path, keep: set[str]) -> None:
@@ -266,7 +297,7 @@ def _prune(root: Path, keep: set[str]) -> None:
     for top, _, names in os.walk(root):
         for n in names:
             rel = os.path.relpath(os.path.join(top, n), root).replace(os.sep, "/")
-            if rel not in keep and rel not in (LOCK_NAME, MANIFEST_NAME):
+            if rel not in keep and rel not in (LOCK_NAME, MANIFEST_NAME, STAMPS_NAME):
                 os.unlink(os.path.join(top, n))
 
 

@@ -123,7 +123,7 @@ def test_a_url_over_http_reads_as_the_local_dir(built, tmp_path, monkeypatch):
     copy = cache_dir(f"{srv.url}/ds")
     assert copy.parent == tmp_path / "cache" / "datasets"
     assert sorted(p.name for p in copy.iterdir() if p.is_file()) == sorted(
-        [p.name for p in built.iterdir() if p.is_file() and p.name != "plan.json"] + [".fetch.lock"]
+        [p.name for p in built.iterdir() if p.is_file() and p.name != "plan.json"] + [".fetch.lock", ".stamps.json"]
     )
 
 
@@ -135,19 +135,55 @@ def test_the_cache_is_under_vlmprep_cache_one_dir_per_url(monkeypatch, tmp_path)
     assert cache_dir("s3://b/ds").parent == Path.home() / ".cache" / "vlmprep" / "datasets"
 
 
-def test_a_file_the_copy_has_is_not_fetched_again(store):
+def test_a_file_the_copy_has_is_not_fetched_again_while_its_object_is_unchanged(store, monkeypatch):
+    """A second verify reads the shards the copy holds (their objects' stamps unchanged in the store) without fetching
+    them; a shard damaged in the copy is fetched again; one removed from the store since is refused, never read from
+    the copy (before: verify said OK from the copy of a shard the store no longer had)."""
     url, path = store
     assert run("verify", url).exit_code == 0
-    fs = fsspec.filesystem("memory")
-    for name in ("shard-000000.tar", "shard-000001.tar", "samples.index.npy"):
-        fs.rm(f"{path}/{name}")  # gone from the store: the copy's, equal to the manifest's, is read
+    fetched, chunks = [], remote._Store.chunks
+    monkeypatch.setattr(
+        remote._Store, "chunks", lambda self, name, limit: fetched.append(name) or chunks(self, name, limit)
+    )
     assert run("verify", url).exit_code == 0
+    assert not [n for n in fetched if n.endswith((".tar", ".npy"))], fetched
     copy = cache_dir(url) / "shard-000001.tar"
-    copy.write_bytes(b"\0" + copy.read_bytes()[1:])  # the copy damaged: fetched again, and now missing
+    copy.write_bytes(b"\0" + copy.read_bytes()[1:])  # the copy damaged: fetched again
+    assert run("verify", url).exit_code == 0 and fetched.count("shard-000001.tar") == 1, fetched
+    fsspec.filesystem("memory").rm(f"{path}/shard-000000.tar")  # gone from the store: the copy's is not read
     res = run("verify", url)
     assert res.exit_code == 1 and res.output.splitlines()[-1] == (
-        f"error: cannot read {url}/shard-000001.tar: no such file or object, but the manifest lists it"
+        f"error: cannot read {url}/shard-000000.tar: no such file or object, but the manifest lists it"
     ), res.output
+
+
+def test_verify_of_a_bucket_whose_shard_changed_since_the_copy_was_fetched_refuses_it(built, tmp_path, monkeypatch):
+    """moto's S3 server: `vlmprep verify s3://...` passes and leaves its copy in the cache; then one shard is changed
+    in the bucket (same size): verify fetches it again, since its ETag is not the one the copy was fetched at, and
+    refuses it naming it (before: OK, from the cached copy)."""
+    import contextlib
+
+    import s3fs
+
+    from tests.trainer.test_remote import s3_server
+
+    monkeypatch.setenv("VLMPREP_CACHE", str(tmp_path / "cache"))
+    with contextlib.contextmanager(s3_server.__wrapped__)():
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("verify-stale")
+        for p in sorted(built.rglob("*")):
+            if p.is_file():
+                fs.pipe(f"verify-stale/ds/{p.relative_to(built).as_posix()}", p.read_bytes())
+        url = "s3://verify-stale/ds"
+        first = run("verify", url)
+        data = fs.cat_file("verify-stale/ds/shard-000001.tar")
+        fs.pipe("verify-stale/ds/shard-000001.tar", data[:-1] + bytes([data[-1] ^ 1]))
+        again = run("verify", url)
+    assert first.exit_code == 0 and "OK" in first.output, first.output
+    assert again.exit_code == 1 and again.output.splitlines()[-1] == (
+        f"error: {url}/shard-000001.tar: its sha256 differs from the manifest's: changed or damaged in storage; "
+        "refusing it"
+    ), again.output
 
 
 @pytest.mark.parametrize("damage", ["flip", "cut"])
