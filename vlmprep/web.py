@@ -439,7 +439,7 @@ def listing(prefix: str, match) -> list[str]:
 
 def glob(pattern: str) -> list[str]:
     """The objects a glob URL names (`*` within a path part, `**` across parts), from the listing of its dir."""
-    magic = min(i for i in (pattern.find(c) for c in "*?[") if i >= 0)
+    magic = min(i for i in (pattern.find(c) for c in "*[") if i >= 0)  # "?" starts a URL's query, not a glob
     prefix = pattern[: pattern.rfind("/", 0, magic) + 1]
     rx = re.compile(
         fnmatch.translate(pattern).replace(".*", "[^/]*").replace("[^/]*[^/]*", ".*")  # * in a part; ** across

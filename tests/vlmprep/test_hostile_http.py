@@ -155,8 +155,8 @@ def test_an_object_replaced_between_the_tasks_check_and_its_read_is_refused_nami
 
 def test_a_listing_link_that_leaves_the_prefix_is_never_followed(served, tmp_path):
     """An index page of --in URL/in/ links ../secret.jsonl, an absolute /secret.jsonl, another server's file, a
-    query and itself: only the file under the prefix is built and nothing outside it is even asked for (before:
-    ../secret.jsonl was read into the dataset)."""
+    query and itself: only the file under the prefix is built (or planned, from the glob URL/in/*.jsonl) and nothing
+    outside it is even asked for (before: ../secret.jsonl was read into the dataset)."""
     (served / "secret.jsonl").write_bytes(_jsonl([{**RECORDS[0], "id": "secret"}]))
     with RangeServer(served) as srv:
         srv.server.pages["/in/"] = (
@@ -165,8 +165,10 @@ def test_a_listing_link_that_leaves_the_prefix_is_never_followed(served, tmp_pat
             '<a href="?C=N;O=D">sort</a> <a href="./">here</a> <a href="%2e%2e/secret.jsonl">s</a>'
         )
         res = _build([f"{srv.url}/in/"], tmp_path / "o")
+        globbed = _build([f"{srv.url}/in/*.jsonl"], tmp_path / "g", plan_only=True)
         asked = {p for _, p, _, _ in srv.log}
     assert [i.path for i in res.manifest.inputs] == [f"{srv.url}/in/a.jsonl"]
+    assert [i.path for i in globbed.plan.inputs] == [f"{srv.url}/in/a.jsonl"]
     assert sorted(i for i, _ in _ids_and_text(tmp_path / "o")) == [r["id"] for r in RECORDS]
     assert not [p for p in asked if "secret" in p], asked
 
