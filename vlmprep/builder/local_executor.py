@@ -17,9 +17,10 @@ from vlmprep.builder.workers import BuildError, pool_failure, worker_pool
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
 
-# Where the stores' libraries take credentials and endpoints from: handed to a task process as this process sees them
-# now, since the forkserver it forks from may predate them (a notebook that sets AWS_* after an earlier build).
-_STORE_ENV = ("AWS_", "GOOGLE_", "GCS_", "HF_", "FSSPEC_")
+# Where the stores' libraries take credentials and endpoints from (and web.py its timeout): handed to a task process
+# as this process sees them now, since the forkserver it forks from may predate them (a notebook that sets AWS_* after
+# an earlier build).
+_STORE_ENV = ("AWS_", "GOOGLE_", "GCS_", "HF_", "FSSPEC_", "VLMPREP_HTTP_")
 
 
 def _run_one(args: tuple) -> tuple[int, float, dict]:
