@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from vlmprep.config import FIELDS, INSPECT_FIELDS, RAW_OPTIONS, REQUIRED, InspectConfig, default
+from vlmprep.config import FIELDS, INSPECT_FIELDS, PER_VERSION, RAW_OPTIONS, REQUIRED, InspectConfig, default
 from vlmprep.shards.summary import plural
 from vlmprep.types import UserError, printable
 
@@ -76,6 +76,7 @@ def _option(name: str, f, *, given_only: bool) -> Parameter:
     """The typer option of one config field, from its declaration (config.opt). given_only: every default is None,
     meaning "not given" (inspect: the value of --like's dataset, else build's default)."""
     m = f.metadata
+    per_version = name in PER_VERSION and not given_only  # build's own options (inspect takes a few of them too)
     if m["choices"]:  # an Enum over the config's tuple, so typer lists and checks the choices at parse time
         typ = enum.Enum(name, {v: v for v in m["choices"]}, type=str)
     else:
@@ -84,7 +85,7 @@ def _option(name: str, f, *, given_only: bool) -> Parameter:
     info = typer.Option(
         *[m["flag"]] if m["flag"] else [],
         rich_help_panel=m["group"] or None,
-        help=m["help"],
+        help=m["help"] + (PER_VERSION_HELP if per_version else ""),
         min=low,
         max=high,
         callback=_parsed_ok(m["parse"]) if m["parse"] else None,
@@ -104,6 +105,7 @@ def _option(name: str, f, *, given_only: bool) -> Parameter:
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+PER_VERSION_HELP = " Per version: may differ between --append versions."  # config.PER_VERSION's mark in --help
 
 
 def _with_options(names, *, fields=FIELDS, given_only: bool = False):
@@ -170,9 +172,14 @@ def build(**opts) -> None:
         if getattr(e, "manifest", None) is not None:  # RejectsError: complete but rejected too much
             from vlmprep.shards.summary import format_build_summary
 
-            typer.echo(format_build_summary(e.manifest, out))
+            version = e.version if opts["append"] and getattr(e, "version", None) else None
+            typer.echo(format_build_summary(e.manifest, out, version=version))
         _fail(e)
-    if result.manifest is not None:
+    if result.added is not None:  # --append: what the new version added
+        typer.echo(format_build_summary(result.added, out, version=result.manifest.version["number"]))
+    elif result.manifest is not None and opts["append"]:
+        return  # nothing new: said on stderr, the dataset unchanged
+    elif result.manifest is not None:
         typer.echo(format_build_summary(result.manifest, out))
     elif result.task is not None:
         typer.echo(format_task_summary(result.task, out))

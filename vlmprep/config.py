@@ -183,6 +183,13 @@ class BuildConfig:
         "Replace a dataset built with other options in --out, or build beside files that are not a dataset's.",
     )
     progress: bool = opt(True, OUTPUT, "Show a progress bar.")
+    append: bool = opt(  # docs/datasets-that-grow.md: the new inputs alone, committed as DIR's next version
+        False,
+        OUTPUT,
+        "Add the --in inputs to the dataset in --out as its next version (DIR/versions/vN.json; manifest.json "
+        "names the latest): only they are built, with the dataset's processor and options (those marked per "
+        "version may differ); an id already in the dataset is a duplicate_id reject.",
+    )
     # Scale out (docs/scale-out.md): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
     # at a time with task_index (a Slurm array / indexed job), then merged.
     workers: int = opt(1, SCALE, "Worker processes; output is identical for any value.")
@@ -304,6 +311,8 @@ class BuildConfig:
             raise ValueError(f"executor={self.executor!r}: choose one of {', '.join(EXECUTORS)}")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError("--ray-address is for --executor ray: pass both")
+        if self.append and self.overwrite:
+            raise ValueError("--append adds a version to the dataset, --overwrite replaces it: pass one of them")
 
     def _check_paths(self) -> None:
         if self.chat_template is not None:
@@ -348,12 +357,20 @@ class BuildConfig:
             "plan_only",
             "executor",
             "ray_address",
+            "append",
         ):
             d.pop(k)
         return d
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(BuildConfig)}
+# What may differ between the versions of one dataset (`build --append`; --help marks them): never what a record
+# renders to. Any other option is the dataset's own: an append that sets it otherwise is refused (builder/append.py).
+PER_VERSION = frozenset(
+    ("out", "inputs", "image_root", "strict", "max_reject_fraction", "min_turn_coverage", "allow_empty")
+    + ("samples_per_shard", "shard_size_mb", "overwrite", "progress", "append", "workers", "tasks", "task_index")
+    + ("plan_only", "executor", "ray_address")
+)
 
 
 def default(name: str):
@@ -386,22 +403,9 @@ def spelled_flag(name: str, value) -> str:
 # The build options `vlmprep inspect` takes on raw input (in its --help order): those that change what a record
 # renders to.
 RAW_OPTIONS = (
-    "processor",
-    "seq_len",
-    "train_on_roles",
-    "train_on_eos",
-    "last_turn_only",
-    "tool_calls",
-    "reasoning",
-    "chat_template",
-    "role_boundaries",
-    "image_root",
-    "allow_remote",
-    "long_traces",
-    "keep_images",
-    "dropped_image_text",
-    "min_pixels",
-    "max_pixels",
+    ("processor", "seq_len", "train_on_roles", "train_on_eos", "last_turn_only", "tool_calls", "reasoning")
+    + ("chat_template", "role_boundaries", "image_root", "allow_remote", "long_traces", "keep_images")
+    + ("dropped_image_text", "min_pixels", "max_pixels")
 )
 ONLY = ("truncated", "rejected")  # inspect --only
 

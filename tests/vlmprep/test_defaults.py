@@ -22,6 +22,8 @@ NOT_OPTIONS = {
     "vlmprep.chat_template.template_messages.reasoning": "whether the template reads reasoning_content (a bool)",
     "vlmprep.types.Message.tool_calls": "a message's tool calls (record data)",
     "vlmprep.types.Message.reasoning": "a message's reasoning text (record data)",
+    "vlmprep.builder.plan.Plan.append": "what an append's plan builds on (an AppendRef), not the --append flag",
+    "vlmprep.builder.plan.make_plan.append": "what an append's plan builds on (an AppendRef), not the --append flag",
 }
 # Sites known to take an option: the scan must keep finding them (a scan that finds nothing proves nothing).
 KNOWN = {

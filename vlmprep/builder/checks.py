@@ -27,9 +27,12 @@ class RejectsError(BuildError):
 _ACCEPT_REJECTS = "--max-reject-fraction 1 accepts it"
 
 
-def check_rejects(manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float) -> None:
+def check_rejects(
+    manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float, rejects_file: str = REJECTS_NAME
+) -> None:
     """After the whole dataset is merged: 0 samples (unless allow_empty) or a reject share over max_reject_fraction
-    is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at."""
+    is an error naming the top reasons and the fix for the first. Complete either way: the files stay to look at.
+    `rejects_file`: where the rejects are (an append's version has its own)."""
     out, t, rejects = Path(out), manifest.totals, manifest.rejects
     ranked = sorted(rejects.items(), key=lambda x: (-x[1], x[0]))
     fix = f"; fix: {reject_fix(ranked[0][0], manifest)}" if ranked else ""
@@ -39,7 +42,7 @@ def check_rejects(manifest: Manifest, out: Path, *, allow_empty: bool, max_rejec
         why = ", ".join(f"{r} {n}" for r, n in ranked) or "no records"
         raise RejectsError(
             f"{out}: 0 samples written from {t['records']} records ({why}); see "
-            f"{out / REJECTS_NAME}, or pass --allow-empty{fix}",
+            f"{out / rejects_file}, or pass --allow-empty{fix}",
             manifest,
         )
     if reject_share(manifest) > max_reject_fraction:
@@ -64,14 +67,27 @@ def check_coverage(manifest: Manifest, out: Path, *, min_turn_coverage: float) -
 
 
 def check_dataset(
-    manifest: Manifest, out: Path, *, allow_empty: bool, max_reject_fraction: float, min_turn_coverage: float
+    manifest: Manifest,
+    out: Path,
+    *,
+    allow_empty: bool,
+    max_reject_fraction: float,
+    min_turn_coverage: float,
+    rejects_file: str = REJECTS_NAME,
 ) -> None:
-    """Both checks of a merged dataset (build and `vlmprep merge`); a failure leaves DIR/build-failed.txt holding its
-    line, so that the build's own fix line rebuilds the dir without --overwrite (check_out); a pass removes it."""
+    """Both checks of a merged dataset (build and `vlmprep merge`; an append's: of its new inputs, `rejects_file`
+    naming their rejects); a failure leaves DIR/build-failed.txt holding its line, so that the build's own fix line
+    rebuilds the dir without --overwrite (check_out) or commits the append; a pass removes it."""
     out = Path(out)
     try:
         try:
-            check_rejects(manifest, out, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction)
+            check_rejects(
+                manifest,
+                out,
+                allow_empty=allow_empty,
+                max_reject_fraction=max_reject_fraction,
+                rejects_file=rejects_file,
+            )
         except RejectsError as e:
             if coverage_problem(manifest, min_turn_coverage) is None or not str(e).endswith(_ACCEPT_REJECTS):
                 raise

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import collections
 import fnmatch
-import hashlib
 import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from vlmprep.builder.append import dataset_index, earlier_ids
 from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, plan_digest, shard_prefix
 from vlmprep.builder.store import StoredShards
 from vlmprep.builder.totals import (
@@ -34,7 +34,6 @@ from vlmprep.processors.load import fingerprint_dir
 from vlmprep.shards.dataset import (
     MANIFEST_NAME,
     PLAN_NAME,
-    REJECTS_NAME,
     SHARD_GLOB,
     TASK_SUFFIXES,
     TASKS_DIR,
@@ -42,12 +41,12 @@ from vlmprep.shards.dataset import (
     TaskFiles,
     sha256_file,
     task_file,
+    write_bytes_atomic,
     write_json_atomic,
     write_text_atomic,
 )
 from vlmprep.shards.format import DATASET_INDEX_NAME, FORMAT_VERSION, index_name
 from vlmprep.shards.manifest import (
-    FileEntry,
     InputEntry,
     Manifest,
     PlanRef,
@@ -55,9 +54,11 @@ from vlmprep.shards.manifest import (
     TaskManifest,
     load_task_manifest,
 )
-from vlmprep.shards.reader import iter_shard, load_sample_index
-from vlmprep.shards.writer import ShardWriter, write_dataset_index
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.versions import id_digest, ids_bytes, rejects_file, seen_before, shard_version, versions_dir
+from vlmprep.shards.writer import ShardWriter
 from vlmprep.types import ShardSample
+from vlmprep_schemas.versions import ids_name
 
 REWRITES_NAME = f"{TASKS_DIR}/merge.rewrites.json"  # shard -> [sha256 its task listed, sha256 the merge made of it]
 _SCRATCH = f"{TASKS_DIR}/merge.tmp"  # where a rewrite is made and hashed before it replaces the shard
@@ -114,13 +115,17 @@ def _task_manifests(out: Path, plan: Plan) -> list[TaskManifest]:
 def _check_strays(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
     claimed = {s.name for m in manifests for s in m.shards}
     # Only what a vlmprep build writes: shards and their temp files (other files, e.g. energon's *.tar.idx or the
-    # user's own tars beside an --overwrite build, are not dataset content and are left alone).
+    # user's own tars beside an --overwrite build, are not dataset content and are left alone), of the version this
+    # plan builds (an append's dir holds every earlier version's shards).
     stray = sorted(
         p.name
         for p in out.iterdir()
-        if fnmatch.fnmatch(p.name, SHARD_GLOB)
-        and p.name not in claimed
-        or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX)
+        if shard_version(p.name) == plan.version
+        and (
+            fnmatch.fnmatch(p.name, SHARD_GLOB)
+            and p.name not in claimed
+            or fnmatch.fnmatch(p.name, SHARD_GLOB + TMP_SUFFIX)
+        )
     )
     ours = {
         task_file(i, suffix).split("/", 1)[1] for i in range(plan.tasks) for suffix in TASK_SUFFIXES + (".lock",)
@@ -282,20 +287,25 @@ def _records(lines: list[str]):
 
 
 def _repeated_ids(
-    out: Path, plan: Plan, manifests: list[TaskManifest]
-) -> tuple[list[list[list[dict]]], dict[str, list[str]]]:
-    """Per task, its records (each: its sample rows) whose id an earlier task already has (no task can see another's
-    ids): rejected whole, as the one-task build rejects them; and the shards holding them -> the ids each keeps."""
+    out: Path, plan: Plan, manifests: list[TaskManifest], earlier: list
+) -> tuple[list[list[list[dict]]], dict[str, list[str]], set[bytes]]:
+    """Per task, its records (each: its sample rows) whose id an earlier task (no task can see another's ids) or an
+    earlier version of the dataset (`earlier`: their id arrays) already has: rejected whole, as the one-task build
+    rejects them; the shards holding them -> the ids each keeps; and the id digests of the samples that stay."""
     seen: set[bytes] = set()
     dups_per_task, rewritten = [], {}
-    for i in range(len(manifests)):
-        files = TaskFiles(out, i, shard_prefix(plan, i))
-        lines = files.samples.read_text(encoding="utf-8").splitlines()
+    task_lines = [
+        TaskFiles(out, i, shard_prefix(plan, i)).samples.read_text(encoding="utf-8").splitlines()
+        for i in range(len(manifests))
+    ]
+    new = [id_digest(json.loads(line)["id"]) for lines in task_lines for line in lines] if earlier else []
+    before = seen_before(earlier, new)
+    for lines in task_lines:
         dups = []
         for record in _records(lines):
             # bounded memory per id
-            keys = [hashlib.blake2b(s["id"].encode("utf-8"), digest_size=16).digest() for s in record]
-            if any(k in seen for k in keys):
+            keys = [id_digest(s["id"]) for s in record]
+            if any(k in seen or k in before for k in keys):
                 dups.append(record)
             else:
                 seen.update(keys)
@@ -308,7 +318,7 @@ def _repeated_ids(
             for sample in map(json.loads, lines):
                 if sample["shard"] in affected and sample["id"] not in drop:
                     rewritten[sample["shard"]].append(sample["id"])
-    return dups_per_task, rewritten
+    return dups_per_task, rewritten, seen
 
 
 def _reject_duplicate(record: list[dict], counters: list[collections.Counter]) -> None:
@@ -339,27 +349,6 @@ def _task_rejects(text: str, dups: list[list[dict]]) -> tuple[str, list[dict]]:
     return "".join(kept), removed
 
 
-def _dataset_index(out: Path, shards: list[ShardEntry]) -> FileEntry | None:
-    """Every shard's sidecar rows in one file (DATASET_INDEX_NAME), so a reader opens one file for the whole
-    dataset's index; None (and no file) where a shard has no sidecar. The sidecars were checked against their task
-    manifests (size, sha256) or written here."""
-    (out / DATASET_INDEX_NAME).unlink(missing_ok=True)
-    if not shards or not all(s.index for s in shards):
-        return None
-
-    def parts():
-        for s in shards:
-            rows = load_sample_index(out, s)
-            if len(rows) != s.num_samples:
-                raise MergeError(
-                    f"{out / s.index.name}: {len(rows)} rows for the {s.num_samples} samples "
-                    f"of {s.name}: remove the task's files and run it again"
-                )
-            yield rows
-
-    return FileEntry.from_json(write_dataset_index(out, parts(), sum(s.num_samples for s in shards)))
-
-
 def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
     and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py). stored: for an --out
@@ -374,7 +363,9 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     proc = out / plan.processor.dir
     if not proc.is_dir() or fingerprint_dir(proc) != plan.processor.fingerprint:
         raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
-    dups_per_task, rewritten = _repeated_ids(out, plan, manifests)
+    n = plan.version
+    earlier = earlier_ids(out, plan)  # an append: every earlier version's ids, each a duplicate_id here
+    dups_per_task, rewritten, kept_ids = _repeated_ids(out, plan, manifests, earlier)
     if stored is not None:  # only shards a task manifest lists: a sample row's shard name is not trusted alone
         listed = {s.name for m in manifests for s in m.shards}
         for name in [n for n in rewritten if n in listed] + [n for n in [REWRITES_NAME] if n in stored.sizes]:
@@ -410,8 +401,12 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
             rejects["duplicate_id"] += 1
             reject_lines.append(json.dumps(duplicate_reject(record[0]), ensure_ascii=False, sort_keys=True) + "\n")
     shutil.rmtree(out / _SCRATCH, ignore_errors=True)
-    write_text_atomic(out / REJECTS_NAME, "".join(reject_lines))
-    index = _dataset_index(out, shards)
+    write_text_atomic(out / rejects_file(n), "".join(reject_lines))
+    versions_dir(out)
+    write_bytes_atomic(out / ids_name(n), ids_bytes(kept_ids), tmp_suffix=f".{os.getpid()}{TMP_SUFFIX}")
+    index = (
+        dataset_index(out, shards, DATASET_INDEX_NAME) if n == 1 else None
+    )  # an append's index holds its parent's rows (append.py)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         vlmprep_version=plan.vlmprep_version,
@@ -430,5 +425,6 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
         sample_index=index,
     )
     write_energon_meta(out)  # .nv-meta/dataset.yaml: Megatron-Energon reads DIR through vlmprep/clients/energon.py
-    write_json_atomic(out / MANIFEST_NAME, manifest.to_json())  # last: its presence means complete
+    if n == 1:  # an append's version is committed once it passed its checks (append.commit_version)
+        write_json_atomic(out / MANIFEST_NAME, manifest.to_json())  # last: its presence means complete
     return manifest

@@ -6,6 +6,9 @@
            --merge.merge_tasks--> DIR/manifest.json + rejects.jsonl  (manifest last)
            --checks.check_dataset--> the reject share and turn coverage judged (build-failed.txt on a failure)
 
+--append (append.py) plans the new inputs alone on top of the latest version and, once the merge passed its checks,
+commits them as the next version: DIR/versions/v00000N.json created exclusively, then manifest.json.
+
 T = 1 is the single-machine build: one task whose records are spread over --workers processes. The plan never
 depends on the executor, so for a fixed T every executor writes the same bytes.
 """
@@ -15,16 +18,27 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlmprep.builder.append import (
+    NothingToAppend,
+    Parent,
+    append_ref,
+    check_options,
+    check_processor,
+    commit_local,
+    local_parent,
+    new_inputs,
+    new_names,
+    version_record,
+)
 from vlmprep.builder.checks import RejectsError, check_coverage, check_dataset, check_rejects
 from vlmprep.builder.local_executor import run_tasks_locally
 from vlmprep.builder.merge import merge_tasks
+from vlmprep.builder.out_dir import check_out, clear_attempt, clear_dataset, plan_options
 from vlmprep.builder.owner import own_out, share_out
 from vlmprep.builder.plan import (
     Plan,
@@ -50,27 +64,30 @@ from vlmprep.builder.store import (
     scratch_stage,
     stage_for,
 )
+from vlmprep.builder.store_versions import (
+    attempt_in_bucket,
+    check_conditional_writes,
+    claim_version,
+    pull_parent,
+    store_parent,
+)
 from vlmprep.builder.task import run_task
 from vlmprep.builder.workers import BuildError, start_worker_server
-from vlmprep.config import BuildConfig, default, spelled, spelled_flag
+from vlmprep.config import BuildConfig, default
 from vlmprep.locations import stamp
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import expand_inputs
 from vlmprep.shards.dataset import (
-    BUILD_FILES,
-    DATASET_FILES,
-    FAILED_NAME,
-    MANIFEST_NAME,
     PLAN_NAME,
     PROCESSOR_DIR,
-    TASKS_DIR,
     TMP_SUFFIX,
     TaskFiles,
-    is_ours,
 )
 from vlmprep.shards.manifest import Manifest, SavedProcessor, TaskManifest, load_task_manifest
+from vlmprep.shards.versions import parse_record, rejects_file
 from vlmprep.types import UserError
+from vlmprep_schemas.versions import version_name
 
 __all__ = [
     "BuildError",
@@ -97,98 +114,41 @@ class BuildResult:
     task: TaskManifest | None = None  # the task manifest of a --task-index run
     rejects: collections.Counter = field(default_factory=collections.Counter)
     task_seconds: dict[int, float] = field(default_factory=dict)  # wall time of each task this run executed
+    added: Manifest | None = None  # --append: the new version's own inputs, shards and totals (manifest: the record)
 
 
-def _plan_options(plan: Plan) -> dict:
-    return {
-        "config": plan.config,
-        "tasks": plan.tasks,
-        "inputs": [(i.path, i.bytes, i.mtime_ns, i.etag) for i in plan.inputs],
-    }
-
-
-def _clear_dataset(out: Path) -> None:
-    """Remove every trace of an older dataset or plan in `out` (files vlmprep writes; never a file of the user's)."""
-    for p in out.iterdir():
-        if p.is_file() and is_ours(p.name, DATASET_FILES):
-            p.unlink()
-    shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
-
-
-def check_out(cfg: BuildConfig, out: Path) -> None:
-    """Refuse (changing nothing) an --out holding another build's dataset or plan with other options, or files no
-    build wrote, unless --overwrite; a dataset that failed its checks (build-failed.txt) is replaced, saying so. The
-    same build again passes: it resumes, or finds the dataset complete."""
-    if cfg.overwrite or not out.exists():
-        return
-    if not out.is_dir():
-        raise BuildError(f"--out {out} is a file: pass a directory")
-    foreign = sorted(p.name for p in out.iterdir() if not is_ours(p.name, BUILD_FILES))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise BuildError(
-            f"--out {out} holds files no vlmprep build wrote ({shown}); build into an empty or new dir, "
-            "or pass --overwrite to build beside them"
-        )
-    try:
-        old = load_plan(out)
-    except PlanError as e:
-        raise BuildError(f"{e}; or pass --overwrite to replace it") from None
-    old_config = old.config if old is not None else _manifest_config(out)
-    if old_config is None:
-        return
-    asked = cfg.to_json()
-    differ = config_changes(asked, old_config)
-    if differ and (out / FAILED_NAME).is_file() and (out / MANIFEST_NAME).is_file():
-        # A dataset that failed its checks is there to be looked at, not kept: its own fix line must just work.
-        print(
-            f"vlmprep build: replacing the dataset in {out}, which failed its checks ({FAILED_NAME}), with one "
-            f"built with {', '.join(spelled_flag(k, asked.get(k)) for k in differ[:3])}",
-            file=sys.stderr,
-        )
-        return
-    if differ:
-        now = {k: spelled_flag(k, v) if isinstance(v, bool) else spelled(k, v) for k, v in asked.items()}
-        shown = ", ".join(
-            f"{spelled_flag(k, old_config.get(k))} there, {now.get(k, 'not set')} asked" for k in differ[:3]
-        ) + (f" (and {len(differ) - 3} more)" if len(differ) > 3 else "")
-        raise BuildError(
-            f"--out {out} holds a dataset built with other options ({shown}); pass --overwrite to "
-            "replace it, or build into another --out"
-        )
-
-
-def _manifest_config(out: Path) -> dict | None:
-    try:
-        return json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8")).get("config")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError):
-        return {"manifest": "unreadable"}
-
-
-def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]:
+def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -> tuple[Plan, Renderer | None]:
     """Make DIR/plan.json (and DIR/processor) for cfg, or reuse the one there. fresh=True (a whole build) replaces a
     plan made with other options only with --overwrite (check_out), clearing its outputs; fresh=False (one task of
     many) refuses it, since other tasks may be using it. Returns the plan and, when the processor was loaded here, a
-    Renderer over it. Nothing is created in --out before the inputs, processor and options proved good."""
+    Renderer over it. Nothing is created in --out before the inputs, processor and options proved good. With
+    --append the plan covers the inputs not in the dataset yet, on top of `parent` (the latest version; for a
+    local --out read here, builder/append.py), with the dataset's own options and processor."""
     out = Path(cfg.out)
     if fresh:
         check_out(cfg, out)
     files = expand_inputs(cfg.inputs)
+    append = None
+    if cfg.append:
+        parent = parent or local_parent(out, say)
+        check_options(cfg, parent, out)
+        files = new_inputs(files, parent, out, say)
+        append = append_ref(parent)
     try:
         old = load_plan(out)
     except PlanError:
         if not fresh:
             raise
         old = None
+    if old is not None and append is not None and old.version <= append.parent:
+        old = None  # the plan of a version committed already: done with
     asked = {
         "config": cfg.to_json(),
         "tasks": cfg.tasks,
         "inputs": [(str(f), st["bytes"], st["mtime_ns"], st.get("etag")) for f, st in ((f, stamp(f)) for f in files)],
     }
     if old is not None and not fresh:
-        if _plan_options(old) != asked:  # a task never re-plans over a plan other tasks are running from
+        if plan_options(old) != asked or old.append != append:  # a task never re-plans over one others run from
             differ = config_changes(asked["config"], old.config)
             why = (
                 f"options {', '.join(differ)} differ"
@@ -196,6 +156,8 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]
                 else "--tasks differs"
                 if asked["tasks"] != old.tasks
                 else "the inputs changed"
+                if plan_options(old) != asked
+                else "it appends to another version"
             )
             raise PlanError(
                 f"{out / PLAN_NAME} was made for another build ({why}); run the task with the plan's "
@@ -210,7 +172,10 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]
     if fresh:  # a whole build owns the dir: drop processor copies a killed earlier run left half-saved
         for p in list(out.glob(f"{PROCESSOR_DIR}.*{TMP_SUFFIX}")) + list(out.glob(f"{PROCESSOR_DIR}.*.old")):
             shutil.rmtree(p, ignore_errors=True)
-    fingerprint = save_processor(processor, out / PROCESSOR_DIR)
+    expect = parent.manifest.processor.fingerprint if append is not None else None
+    fingerprint = save_processor(processor, out / PROCESSOR_DIR, expect=expect)
+    if append is not None:
+        check_processor(fingerprint, parent, cfg.processor, out)
     plan = make_plan(
         config=cfg.to_json(),
         files=files,
@@ -220,10 +185,14 @@ def plan_build(cfg: BuildConfig, *, fresh: bool) -> tuple[Plan, Renderer | None]
         processor=SavedProcessor(
             spec=cfg.processor, class_name=type(processor).__name__, fingerprint=fingerprint, dir=PROCESSOR_DIR
         ),
+        append=append,
+        names=new_names(files, parent) if append is not None else None,
     )
     if plan != old:
-        if old is not None or fresh:
-            _clear_dataset(out)
+        if append is not None:
+            clear_attempt(out, plan.version, keep_tasks=0 if fresh else plan.tasks)
+        elif old is not None or fresh:
+            clear_dataset(out)
         write_plan(out, plan)
     return plan, renderer
 
@@ -255,8 +224,12 @@ def _task_in_store(url: str, index: int, *, workers: int, progress: bool, cfg: B
     have = bucket.names()
     with scratch_stage(url, index) as stage:
         try:
-            if not pull_plan(bucket, stage, have) and cfg is not None:
-                plan_build(dataclasses.replace(cfg, out=str(stage)), fresh=False)
+            parent = _store_parent(bucket) if cfg is not None and cfg.append else None
+            ours = parent is None or attempt_in_bucket(bucket, have, parent)  # not the plan of an earlier version
+            if not (ours and pull_plan(bucket, stage, have)) and cfg is not None:
+                plan_build(dataclasses.replace(cfg, out=str(stage)), fresh=False, parent=parent)
+                if parent is not None:
+                    claim_version(bucket, load_plan(stage))
                 push_plan(bucket, stage)
             plan = load_plan(stage)
             done = bucket.finished_task(have, index, plan_digest(plan)) if plan is not None else None
@@ -307,15 +280,20 @@ def build(cfg: BuildConfig) -> BuildResult:
     option or input is a one-line BuildError; a bad record is a counted reject, never a stop. Trade-off: each
     completed shard is journaled, so a killed build resumes where it stopped at the cost of an fsync per shard; the
     output is byte-identical for the same inputs, config and task count, whatever the worker count or executor."""
-    if cfg.task_index is not None:
-        return build_task(cfg.out, cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
-    if is_store(cfg.out):
-        return _build_to_store(cfg)
-    return _build_local(cfg)
+    try:
+        if cfg.task_index is not None:
+            return build_task(cfg.out, cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
+        if is_store(cfg.out):
+            return _build_to_store(cfg)
+        return _build_local(cfg)
+    except NothingToAppend as e:  # every input is in the dataset: it stays as it is, and that is no error
+        say(str(e))
+        return BuildResult(out=cfg.out, manifest=e.manifest)
 
 
-def _build_local(cfg: BuildConfig, upload_to: str | None = None) -> BuildResult:
-    """build() into a local dir: the --out dir, or the stage of an --out in a store (upload_to, its URL)."""
+def _build_local(cfg: BuildConfig, upload_to: str | None = None, parent: Parent | None = None) -> BuildResult:
+    """build() into a local dir: the --out dir, or the stage of an --out in a store (upload_to, its URL; `parent`:
+    the version an append builds on, as the bucket holds it)."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise BuildError(f"--out {out} is a file: pass a directory")
@@ -323,12 +301,14 @@ def _build_local(cfg: BuildConfig, upload_to: str | None = None) -> BuildResult:
     out.mkdir(parents=True, exist_ok=True)  # the lock lives inside --out: a second build into a new dir refuses too
     with own_out(out):
         try:
-            plan, renderer = plan_build(cfg, fresh=True)
+            plan, renderer = plan_build(cfg, fresh=True, parent=parent)
         except BaseException:
             if top is not None and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
                 shutil.rmtree(top, ignore_errors=True)
             raise
         if upload_to:
+            if plan.append is not None:  # before any shard of it goes up: two machines would write the same names
+                claim_version(Bucket(upload_to), plan)
             push_plan(Bucket(upload_to), out)
         return _build_planned(cfg, out, plan, renderer, upload_to)
 
@@ -341,11 +321,13 @@ def _build_to_store(cfg: BuildConfig) -> BuildResult:
     bucket, stage = Bucket(url), stage_for(url)
     have = check_bucket(bucket, overwrite=cfg.overwrite)
     try:
-        if not (stage / PLAN_NAME).is_file() and PLAN_NAME in have:
+        parent = _store_parent(bucket) if cfg.append else None
+        resumable = parent is None or attempt_in_bucket(bucket, have, parent)  # an append's own unfinished build
+        if not (stage / PLAN_NAME).is_file() and PLAN_NAME in have and resumable:
             say(f"resuming from {url}: fetching its plan and finished tasks into {stage}")
             stage.mkdir(parents=True, exist_ok=True)
             pull(bucket, stage, have)
-        result = _build_local(dataclasses.replace(cfg, out=str(stage)), upload_to=url)
+        result = _build_local(dataclasses.replace(cfg, out=str(stage)), upload_to=url, parent=parent)
     except UserError as e:
         e.args = (str(e).replace(str(stage), url),)
         if isinstance(e, RejectsError):  # complete, and uploaded: the stage has done its job
@@ -354,6 +336,12 @@ def _build_to_store(cfg: BuildConfig) -> BuildResult:
     if result.manifest is not None:
         shutil.rmtree(stage, ignore_errors=True)
     return dataclasses.replace(result, out=url)
+
+
+def _store_parent(bucket: Bucket) -> Parent:
+    """The version an append into a store builds on, once the store proved its creates exclusive."""
+    check_conditional_writes(bucket)
+    return store_parent(bucket, say)
 
 
 def _build_planned(
@@ -372,22 +360,23 @@ def _build_planned(
         seconds = {0: time.perf_counter() - t0}
     else:
         seconds = run_tasks_locally(out, plan, cfg, renderer, upload_to)
-    manifest = _merge_and_check(
+    manifest, added = _merge_and_check(
         out,
         upload_to,
         allow_empty=cfg.allow_empty,
         max_reject_fraction=cfg.max_reject_fraction,
         min_turn_coverage=cfg.min_turn_coverage,
     )
-    return BuildResult(
-        out=out, manifest=manifest, plan=plan, rejects=collections.Counter(manifest.rejects), task_seconds=seconds
-    )
+    rejects = collections.Counter((added or manifest).rejects)
+    return BuildResult(out=out, manifest=manifest, plan=plan, rejects=rejects, task_seconds=seconds, added=added)
 
 
-def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
+def _merge_and_check(out: Path, upload_to: str | None, **checks) -> tuple[Manifest, Manifest | None]:
     """merge_tasks and check_dataset; for a store's --out the dataset is uploaded either way (a dataset that failed
-    its checks is complete, with its build-failed.txt), manifest.json last."""
-    plan = load_plan(out) if upload_to else None
+    its checks is complete, with its build-failed.txt), manifest.json last. An append's version is committed once it
+    passed its checks (one that failed is not: its fix line, run, commits it). -> (the dataset's manifest, an
+    append's own manifest of the new inputs or None)."""
+    plan = load_plan(out)
     stored = None
     if upload_to and plan is not None:
         bucket = Bucket(upload_to)
@@ -395,15 +384,33 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> Manifest:
         for i in range(plan.tasks):  # tasks that ran elsewhere (Ray workers, --task-index): their lists fetched back
             if load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) is None:
                 pull_task(bucket, out, have, i)
+        if plan.append is not None:
+            pull_parent(bucket, out, have, plan)
         stored = StoredShards(bucket, have)
     manifest = merge_tasks(out, stored)
+    record = None
     try:
-        check_dataset(manifest, out, **checks)
+        try:
+            check_dataset(manifest, out, **checks, rejects_file=rejects_file(plan.version if plan else 1))
+        except RejectsError as e:
+            e.version = plan.version if plan is not None and plan.append is not None else None  # for its summary
+            raise
+        if plan is not None and plan.append is not None:
+            record = version_record(out, plan, manifest)
+            if not upload_to:
+                return commit_local(out, plan.version, record), manifest
     finally:
         if upload_to and plan is not None:
             tasks = [load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) for i in range(plan.tasks)]
-            push_dataset(Bucket(upload_to), out, manifest, tasks)
-    return manifest
+            push_dataset(Bucket(upload_to), out, manifest, tasks, version=_commit_of(plan, record))
+    if record is not None:
+        return parse_record(record, f"{upload_to}/{version_name(plan.version)}"), manifest
+    return manifest, None
+
+
+def _commit_of(plan: Plan, record: bytes | None) -> tuple[int, bytes | None] | None:
+    """What push_dataset commits: None for a whole build, (N, the record or None where it failed its checks)."""
+    return None if plan.append is None else (plan.version, record)
 
 
 def merge(
@@ -431,7 +438,7 @@ def merge(
                     "--tasks T --plan-only`"
                 )
             try:
-                manifest = _merge_and_check(stage, url, **checks)
+                manifest, _ = _merge_and_check(stage, url, **checks)
             except UserError as e:
                 e.args = (str(e).replace(str(stage), url),)
                 raise
@@ -439,4 +446,4 @@ def merge(
         return manifest
     out = Path(out)
     with own_out(out) if out.is_dir() else contextlib.nullcontext():
-        return _merge_and_check(out, None, **checks)
+        return _merge_and_check(out, None, **checks)[0]

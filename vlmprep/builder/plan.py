@@ -22,6 +22,7 @@ from vlmprep.shards.dataset import PLAN_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import JsonObject, SavedProcessor
 from vlmprep.shards.summary import plural
+from vlmprep.shards.versions import shard_prefix as version_shard_prefix
 from vlmprep.types import RawRecord, UserError
 
 PLAN_VERSION = 2  # 2: inputs carry their id name
@@ -61,8 +62,21 @@ class Cut(JsonObject):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AppendRef(JsonObject):
+    """What an append's plan builds on (docs/datasets-that-grow.md): the version it makes, its parent version and the
+    sha256 of the parent's record bytes (the merge commits only on top of that very record), and the input position
+    its first record takes (the parent's records are positions 0 .. first_position - 1)."""
+
+    version: int
+    parent: int
+    parent_sha256: str
+    first_position: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan(JsonObject):
-    """DIR/plan.json: the resolved config, the saved processor, the inputs and each task's cut."""
+    """DIR/plan.json: the resolved config, the saved processor, the inputs and each task's cut; an append's plan
+    also what it appends to (`append`; None: a whole build, version 1)."""
 
     plan_version: int
     format_version: int
@@ -73,8 +87,14 @@ class Plan(JsonObject):
     processor: SavedProcessor
     inputs: tuple[PlanInput, ...]
     cuts: tuple[Cut, ...]
+    append: AppendRef | None = None
 
-    NESTED = {"processor": SavedProcessor, "inputs": [PlanInput], "cuts": [Cut]}
+    NESTED = {"processor": SavedProcessor, "inputs": [PlanInput], "cuts": [Cut], "append": AppendRef}
+
+    @property
+    def version(self) -> int:
+        """The version this plan builds: 1 for a whole build."""
+        return self.append.version if self.append is not None else 1
 
     @classmethod
     def from_json(cls, obj, *, where: str = PLAN_NAME) -> Plan:
@@ -91,22 +111,32 @@ class Plan(JsonObject):
 
 def shard_prefix(plan: Plan, index: int) -> str:
     """One task: today's shard names. Several: the task index leads, so names sort in plan order and two tasks
-    never write the same file."""
-    return "shard-" if plan.tasks == 1 else f"shard-{index:05d}-"
+    never write the same file. A version after the first carries its number first (shards/versions.py)."""
+    return version_shard_prefix(plan.version, None if plan.tasks == 1 else index)
 
 
 def make_plan(
-    *, config: dict, files: list[Path], processor: SavedProcessor, tasks: int, max_line_bytes: int, max_zstd_window: int
+    *,
+    config: dict,
+    files: list[Path],
+    processor: SavedProcessor,
+    tasks: int,
+    max_line_bytes: int,
+    max_zstd_window: int,
+    append: AppendRef | None = None,
+    names: list[str] | None = None,
 ) -> Plan:
     """Scan every input once (lines, not JSON: cheap beside rendering) and cut it into `tasks` runs of records of
-    about equal bytes; a trace's bytes (screenshots inline) track its render time far better than a count."""
+    about equal bytes; a trace's bytes (screenshots inline) track its render time far better than a count. An
+    append's records take the positions after its parent's (`append.first_position` on) and its inputs' id names
+    (`names`) are given, taken among every input of the dataset (builder/append.py)."""
     sizes = array.array("q")
     where: list[tuple[int, int, int]] = []  # per record: (file, line before it, offset)
     inputs, frames_of = [], []
-    position = 0
-    for fi, (path, name) in enumerate(zip(files, input_names(files))):
+    position = start = append.first_position if append is not None else 0
+    for fi, (path, name) in enumerate(zip(files, names or input_names(files))):
         frames: list[tuple[int, int]] = []
-        first = position
+        file_first = position
         stamped = stamp(path)  # before the scan, which reads what it says (a remote one is checked on every read)
         for raw in iter_file_records(
             as_input(str(path), stamped),
@@ -120,7 +150,9 @@ def make_plan(
             sizes.append(max(raw.size, 1))
             where.append((fi, raw.source.line - 1, raw.offset))
             position = raw.position + 1
-        inputs.append(PlanInput(path=str(path), name=name, **stamped, first_position=first, records=position - first))
+        inputs.append(
+            PlanInput(path=str(path), name=name, **stamped, first_position=file_first, records=position - file_first)
+        )
         frames_of.append(frames or [(0, 0)])
     cum = array.array("q", [0])
     for s in sizes:
@@ -133,18 +165,17 @@ def make_plan(
             j -= 1
         cut_at.append(max(j, cut_at[-1]))
     cuts = []
-    for i, start in enumerate(cut_at):
+    for i, first in enumerate(cut_at):  # `first`: the task's first record, counted from the plan's first
         end = cut_at[i + 1] if i + 1 < tasks else len(sizes)
-        if start < len(sizes):
-            fi, line, offset = where[start]
+        if first < len(sizes):
+            fi, line, offset = where[first]
             frames = frames_of[fi]
             frame, frame_offset = frames[bisect.bisect_right([d for _, d in frames], offset) - 1]
         else:
             fi, line, offset, frame, frame_offset = len(files), 0, 0, 0, 0
         seek = Seek(offset=offset, line=line, frame=frame, frame_offset=frame_offset)
-        cuts.append(
-            Cut(task=i, position=start, records=end - start, bytes=int(sum(sizes[start:end])), file=fi, seek=seek)
-        )
+        cut_bytes = int(sum(sizes[first:end]))
+        cuts.append(Cut(task=i, position=start + first, records=end - first, bytes=cut_bytes, file=fi, seek=seek))
     return Plan(
         plan_version=PLAN_VERSION,
         format_version=FORMAT_VERSION,
@@ -155,6 +186,7 @@ def make_plan(
         processor=processor,
         inputs=tuple(inputs),
         cuts=tuple(cuts),
+        append=append,
     )
 
 

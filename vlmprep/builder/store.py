@@ -33,8 +33,10 @@ from pathlib import Path
 from vlmprep.builder.workers import BuildError
 from vlmprep.locations import READ_BLOCK, LocationError, is_url, url_fs, why
 from vlmprep.shards.dataset import (
+    FAILED_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
+    NV_META,
     PLAN_NAME,
     PROCESSOR_DIR,
     SHARD_GLOB,
@@ -44,9 +46,11 @@ from vlmprep.shards.dataset import (
     is_ours,
     task_file,
 )
-from vlmprep.shards.format import index_name
+from vlmprep.shards.format import INDEX_SUFFIX, index_name
 from vlmprep.shards.manifest import Manifest, ShardEntry, TaskManifest
+from vlmprep.shards.versions import CommitConflict, index_file, rejects_file, shard_version
 from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.versions import ids_name, version_name
 
 STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
 # A stage's files that are the local run's own state, never uploaded: locks, journals, partial lists, temp files.
@@ -159,6 +163,25 @@ class Bucket:
         """A small object of listed `size`, whole; None where it holds another number of bytes."""
         parts: list[bytes] = []
         return b"".join(parts) if self._stream(name, size, parts.append) == size else None
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        """Upload `data` as the object `name` (a PUT: whole or not at all)."""
+        try:
+            self.fs.pipe_file(self._key(name), data)
+        except Exception as e:  # noqa: BLE001
+            raise LocationError(f"--out {self.url}: uploading {name} failed: {why(e)}") from None
+
+    def create(self, name: str, data: bytes) -> None:
+        """Create the object `name` holding `data` only where no such object exists: a conditional PUT (fsspec's
+        mode="create": S3 If-None-Match: *; gcsfs a generation precondition; memory:// exclusive), the one
+        exclusive step a bucket offers. FileExistsError where it exists; a store that cannot be asked for it is a
+        LocationError (store_versions.check_conditional_writes finds one that ignores it)."""
+        try:
+            self.fs.pipe_file(self._key(name), data, mode="create")
+        except FileExistsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each store raises its own kinds
+            raise LocationError(f"--out {self.url}: creating {name} failed: {why(e)}") from None
 
     def remove(self, names: list[str]) -> None:
         """Delete these objects (one already gone is fine)."""
@@ -327,17 +350,29 @@ def push_plan(bucket: Bucket, stage: Path) -> None:
     bucket.put(stage / PLAN_NAME, PLAN_NAME)
 
 
-def push_dataset(bucket: Bucket, stage: Path, manifest: Manifest, tasks: list[TaskManifest]) -> None:
+def push_dataset(
+    bucket: Bucket,
+    stage: Path,
+    manifest: Manifest,
+    tasks: list[TaskManifest],
+    version: tuple[int, bytes | None] | None = None,
+) -> None:
     """After the merge: every file of the stage the bucket lacks or holds otherwise (the merge rewrites the shards
     that held ids repeated across tasks), objects of an older build that the dataset no longer has removed (the
-    shards the manifest names stay, in the stage or not), and manifest.json last."""
+    shards the manifest names stay, in the stage or not), and manifest.json last. An append's (`version`: its number
+    and record, None where it failed its checks): only the files of that version go up and only its own stale
+    shards are removed (every earlier version's files stay); then its record is created exclusively
+    (CommitConflict where another build did first) and manifest.json copied from it."""
     have = bucket.names()
     sent = {s.name: s.sha256 for m in tasks for s in m.shards}
+    n = version[0] if version is not None else None
     local = {
         p.relative_to(stage).as_posix(): p
         for p in sorted(stage.rglob("*"))
         if p.is_file() and not _local_only(p.name) and p.name != MANIFEST_NAME
     }
+    if n is not None:
+        local = {name: p for name, p in local.items() if of_version(name, n)}
     for name, p in local.items():
         shard = next((s for s in manifest.shards if s.name == name), None)
         changed = shard is not None and sent.get(name) != shard.sha256
@@ -347,9 +382,31 @@ def push_dataset(bucket: Bucket, stage: Path, manifest: Manifest, tasks: list[Ta
             or not (name.endswith(".tar") or name.endswith(index_name(".tar")))
         ):
             bucket.put(p, name)
-    named = {n for s in manifest.shards for n, _ in [(s.name, s.bytes)] + _index_of(s)}
-    bucket.remove([n for n in have if n not in local and n not in named and n != MANIFEST_NAME and is_ours(n)])
-    bucket.put(stage / MANIFEST_NAME, MANIFEST_NAME)
+    named = {k for s in manifest.shards for k, _ in [(s.name, s.bytes)] + _index_of(s)}
+    gone = [k for k in have if k not in local and k not in named and k != MANIFEST_NAME and is_ours(k)]
+    if n is None:
+        bucket.remove(gone)
+        bucket.put(stage / MANIFEST_NAME, MANIFEST_NAME)
+        return
+    bucket.remove([k for k in gone if of_version(k, n)])  # this version's stale files, an older plan's tasks
+    if version[1] is not None:
+        try:
+            bucket.create(version_name(n), version[1])
+        except FileExistsError:
+            raise CommitConflict(
+                f"--out {bucket.url}: version {n} was committed by another build meanwhile ({version_name(n)} "
+                "exists); nothing of this build was committed: run the command again to append on top of it"
+            ) from None
+        bucket.put_bytes(MANIFEST_NAME, version[1])
+
+
+def of_version(name: str, n: int) -> bool:
+    """Whether object `name` of a dataset is the build of version `n`'s own (an append uploads and replaces only
+    those): its shards and their indexes, its rejects, index and id file, the tasks of its plan, energon's meta and
+    a failed check's note."""
+    if name.startswith((TASKS_DIR + "/", NV_META + "/")) or name in (rejects_file(n), index_file(n), ids_name(n)):
+        return True
+    return name == FAILED_NAME or fnmatch.fnmatch(name.split(INDEX_SUFFIX)[0], SHARD_GLOB) and shard_version(name) == n
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprep.shards.manifest import load_manifest, shard_paths
+from vlmprep.shards.manifest import open_dataset, shard_paths
 from vlmprep.shards.reader import iter_shard
 
 
@@ -26,8 +26,8 @@ def iterable_dataset(d: str | Path):
     """Every sample of a built dataset dir as a streaming `datasets.IterableDataset` (manifest version checked)."""
     import datasets
 
-    manifest = load_manifest(Path(d))
-    shards = [str(p) for p in shard_paths(Path(d), manifest)]
+    d, manifest = open_dataset(d)  # DIR, DIR@vN or DIR@TAG
+    shards = [str(p) for p in shard_paths(d, manifest)]
     return datasets.IterableDataset.from_generator(
         generate_samples, gen_kwargs={"shards": shards, "version": manifest.format_version}
     )

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmprep.clients import sample_version
-from vlmprep.shards.manifest import load_manifest, shard_paths
+from vlmprep.shards.manifest import open_dataset, shard_paths
 from vlmprep.shards.reader import sample_from_members
 
 
 def shard_urls(d: str | Path) -> list[str]:
     """A built dataset's shards in manifest order (the manifest's format_version checked)."""
-    return [str(p) for p in shard_paths(Path(d), load_manifest(Path(d)))]
+    return [str(p) for p in shard_paths(*open_dataset(d))]  # DIR, DIR@vN or DIR@TAG
 
 
 def decode(sample: dict) -> dict:

@@ -97,16 +97,17 @@ def fingerprint_dir(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_processor(processor, dest: Path) -> str:
+def save_processor(processor, dest: Path, *, expect: str | None = None) -> str:
     """Save atomically into dest, replacing a different older copy; returns the content fingerprint. Safe when
     several task processes save the same processor at once: each writes its own temp dir, and an identical copy
-    already in place is kept."""
+    already in place is kept. `expect`: the fingerprint dest must keep (an append's dataset): a processor that saves
+    to another is not put in place, and its fingerprint is returned for the caller to refuse."""
     dest = Path(dest)
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     processor.save_pretrained(str(tmp))
     fingerprint = fingerprint_dir(tmp)
-    if dest.exists() and fingerprint_dir(dest) == fingerprint:
+    if (dest.exists() and fingerprint_dir(dest) == fingerprint) or (expect is not None and fingerprint != expect):
         shutil.rmtree(tmp)
         return fingerprint
     if dest.exists():

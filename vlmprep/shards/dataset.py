@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vlmprep.shards.format import DATASET_INDEX_NAME
 from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.versions import VERSIONS_DIR  # the version records, their id files and tags
 
 MANIFEST_NAME = "manifest.json"  # written last: its presence means the dataset is complete
 REJECTS_NAME = "rejects.jsonl"
@@ -31,16 +32,29 @@ TMP_SUFFIX = ".tmp"
 TASK_SUFFIXES = (".json", ".rejects.jsonl", ".samples.jsonl")
 
 
+# A later version's own rejects and sample index (shards/versions.py names them).
+VERSION_FILES = ("rejects.v[0-9]*.jsonl", "samples.v[0-9]*.index.npy")
+
+
 # The files of a dataset or plan in --out, by the names vlmprep gives them (shards and their temp and energon index
-# files, manifest, rejects, plan and journal with their temp copies, the dataset's sample index): what a new plan
-# clears, and nothing else.
+# files, manifest, rejects, plan and journal with their temp copies, the dataset's sample index, a later version's
+# rejects and index): what a new plan clears, and nothing else.
 DATASET_FILES = tuple(
     g
-    for name in (SHARD_GLOB, MANIFEST_NAME, REJECTS_NAME, PLAN_NAME, JOURNAL_NAME, FAILED_NAME, DATASET_INDEX_NAME)
+    for name in (
+        SHARD_GLOB,
+        MANIFEST_NAME,
+        REJECTS_NAME,
+        PLAN_NAME,
+        JOURNAL_NAME,
+        FAILED_NAME,
+        DATASET_INDEX_NAME,
+        *VERSION_FILES,
+    )
     for g in (name, f"{name}.*")
 )
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
-BUILD_FILES = DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME)
+BUILD_FILES = DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME, VERSIONS_DIR)
 
 
 def is_ours(name: str, patterns: tuple[str, ...] = BUILD_FILES) -> bool:

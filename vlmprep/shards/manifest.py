@@ -17,6 +17,7 @@ from vlmprep.shards.format import LIMITS, READABLE_VERSIONS
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
 from vlmprep_schemas.limits import load_json, schema_problem
+from vlmprep_schemas.versions import local_reader, resolve_ref, split_ref
 
 
 class ShardFormatError(UserError):
@@ -119,6 +120,8 @@ class InputEntry(JsonObject):
     path: str
     bytes: int
     totals: dict | None = None
+    mtime_ns: int | None = None  # the stamp it was built at: inputs an append added (a build before versions: none)
+    etag: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +148,7 @@ class Manifest(JsonObject):
     turns: dict | None = None  # the assistant-turn accounting (builder/totals.turn_coverage); None before it was kept
     plan: PlanRef | None = None
     sample_index: FileEntry | None = None
+    version: dict | None = None  # a version record's own facts (number, parent, created, command, added); None: v1
 
     NESTED = {
         "processor": SavedProcessor,
@@ -209,6 +213,28 @@ def dataset_path(d: Path, name: str) -> Path:
         return Path(dataset_file(str(d), name, where=str(d), what="file"))
     except UnsafeDataset as e:
         raise ShardFormatError(str(e)) from None
+
+
+def open_dataset(value: str | Path) -> tuple[Path, Manifest]:
+    """`DIR`, `DIR@vN` or `DIR@TAG` (vlmprep_schemas.versions.split_ref) -> (DIR, the manifest of that version; plain
+    DIR: manifest.json, the latest), checked as load_manifest checks it: the one loader of every reader that takes a
+    version. A missing version or tag, or a record that is not what its name says, is one ShardFormatError."""
+    try:
+        base, ref = split_ref(str(value))
+        if ref is None:
+            return Path(base), load_manifest(Path(base))
+        d = Path(base)
+        if not d.is_dir():
+            raise ShardFormatError(f"{base}: no such dataset dir")
+        found = resolve_ref(ref, local_reader(base), where=base)
+        if found is None:
+            raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build")
+        where = str(d / found.name)
+        manifest = Manifest.from_json(load_json(found.data, where, LIMITS.manifest_bytes), where=where)
+        dataset_paths(base, manifest.to_json(), where=where)  # every name it gives stays inside DIR
+    except ValueError as e:  # VersionError, UnsafeDataset, load_json's one line
+        raise ShardFormatError(str(e)) from None
+    return d, manifest
 
 
 def load_manifest(d: Path) -> Manifest:

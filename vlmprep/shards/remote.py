@@ -31,6 +31,7 @@ from vlmprep_schemas.boundary import (
     open_no_follow,
 )
 from vlmprep_schemas.limits import LIMITS, load_json
+from vlmprep_schemas.versions import resolve_ref, split_ref
 
 CACHE_SUBDIR = "datasets"  # under $VLMPREP_CACHE (default ~/.cache/vlmprep): one dir per dataset URL
 LOCK_NAME = ".fetch.lock"  # held while a copy is fetched: two commands on one URL take turns, never mix .part files
@@ -64,7 +65,8 @@ def is_dataset_url(value: str) -> bool:
 
 def cache_dir(url: str) -> Path:
     """Where the copy of dataset `url` lives: $VLMPREP_CACHE/datasets/<sha256(url)[:16]> (~/.cache/vlmprep without
-    $VLMPREP_CACHE), one dir per URL (a trailing / ignored) so a second run finds what the first fetched."""
+    $VLMPREP_CACHE), one dir per URL (a trailing / ignored; URL@v3 is another URL) so a second run finds what the
+    first fetched."""
     from vlmprep.processors.builtin import default_cache_dir  # the one place the cache root is decided
 
     return default_cache_dir() / CACHE_SUBDIR / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
@@ -93,19 +95,28 @@ def fetch_dataset(
             f"{url}: not a dataset location this vlmprep reads: a local dir, or a URL of "
             f"{', '.join(s for s in REMOTE if s != 'memory://')}"
         )
-    base = url.rstrip("/")
     try:
+        base, ref = split_ref(url)  # URL@vN, URL@TAG: that version's record is the copy's manifest.json
+        base = base.rstrip("/")
         fs, root = url_fs(base, where="the dataset URL")  # a URL with credentials in it: refused, never echoed
-    except LocationError as e:
+    except (LocationError, ValueError) as e:
         raise FetchError(str(e)) from None
     store = _Store(fs, root.rstrip("/"), base)
-    data = store.read(
-        MANIFEST_NAME,
-        LIMITS.manifest_bytes,
-        missing=f"{url}: no {MANIFEST_NAME} there: not a vlmprep "
-        "dataset, or not a finished one (a build writes its manifest last), or not at this URL",
-    )
-    manifest, named, processor = _manifest(data, base)
+    name, data = MANIFEST_NAME, None
+    try:
+        if ref is None:
+            data = store.read_or_none(MANIFEST_NAME, LIMITS.manifest_bytes)
+        else:
+            found = resolve_ref(ref, store.read_or_none, where=base)
+            name, data = found.name, found.data
+    except ValueError as e:  # VersionError, a record over its bound
+        raise FetchError(str(e)) from None
+    if data is None:
+        raise FetchError(
+            f"{url}: no {MANIFEST_NAME} there: not a vlmprep dataset, or not a finished one (a build writes its "
+            "manifest last), or not at this URL"
+        )
+    manifest, named, processor = _manifest(data, base, name)
     files = _files(manifest, processor, shards(manifest) if callable(shards) else shards)
     dest = cache_dir(url)
     dest.mkdir(parents=True, exist_ok=True)
@@ -132,11 +143,11 @@ def _load_stamps(dest: Path) -> dict:
     return got if isinstance(got, dict) else {}
 
 
-def _manifest(data: bytes, base: str) -> tuple[Manifest, set[str], str]:
+def _manifest(data: bytes, base: str, name: str = MANIFEST_NAME) -> tuple[Manifest, set[str], str]:
     """The manifest's bytes -> (the manifest, every file name it gives inside the dataset: shards and sample indexes,
     its processor dir's name), checked as every reader of a dataset checks them (Manifest.from_json,
     boundary.dataset_paths: plain names inside the dataset, no '..', absolute path or URL), before any is fetched."""
-    where = f"{base}/{MANIFEST_NAME}"
+    where = f"{base}/{name}"
     try:
         manifest = Manifest.from_json(load_json(data, where, LIMITS.manifest_bytes), where=where)
         paths = dataset_paths(base, manifest.to_json(), where=where)
@@ -212,12 +223,12 @@ class _Store:
                 got += len(chunk)
                 yield chunk
 
-    def read(self, name: str, limit: int, *, missing: str) -> bytes:
-        """A whole small file (the manifest), at most `limit` bytes; FetchError `missing` where it is absent."""
+    def read_or_none(self, name: str, limit: int) -> bytes | None:
+        """A whole small file of at most `limit` bytes, None where it is absent (vlmprep_schemas.versions.Read)."""
         try:
             data = b"".join(self.chunks(name, limit))
         except FileNotFoundError:
-            raise FetchError(missing) from None
+            return None
         if len(data) > limit:
             raise FetchError(f"{self.base}/{name} is more than {limit} bytes, more than a reader accepts; refusing it")
         return data

@@ -140,12 +140,14 @@ def coverage_problem(manifest: Manifest, minimum: float) -> str | None:
     )
 
 
-def format_build_summary(manifest: Manifest, out: Path) -> str:
+def format_build_summary(manifest: Manifest, out: Path, version: int | None = None) -> str:
     """A built dataset's manifest -> the summary `vlmprep build` prints (totals, token counts, rejects and their
-    fixes)."""
+    fixes); `version`: what `build --append` added as that version (`manifest`: the merge's of the new inputs)."""
     t = manifest.totals
+    done = f"built {out}" if version is None else f"appended version v{version} to {out}"
+    rejects = "rejects.jsonl" if version in (None, 1) else f"rejects.v{version:06d}.jsonl"
     lines = [
-        f"built {out}: {plural(t['samples'], 'sample')} in {plural(len(manifest.shards), 'shard')} "
+        f"{done}: {plural(t['samples'], 'sample')} in {plural(len(manifest.shards), 'shard')} "
         f"({manifest.image_format} images, format v{manifest.format_version})",
         *(
             [
@@ -175,7 +177,7 @@ def format_build_summary(manifest: Manifest, out: Path) -> str:
         *_turn_lines(manifest.turns),
         *_reasoning_lines(t, manifest.config),
         f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "
-        f"({reject_share(manifest):.1%})" + (" -> rejects.jsonl" if t["rejected"] else ""),
+        f"({reject_share(manifest):.1%})" + (f" -> {rejects}" if t["rejected"] else ""),
     ]
     for reason, n in manifest.rejects.items():
         lines.append(f"    {reason:<36} {n}" + LOST_TURNS_NOTE.get(reason, ""))

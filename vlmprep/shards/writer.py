@@ -361,11 +361,11 @@ class ShardWriter:
         return self.shards
 
 
-def write_dataset_index(out_dir: Path, parts, rows: int) -> dict:
-    """The dataset's sample index (DATASET_INDEX_NAME): `parts`, each shard's sidecar rows in manifest order, `rows`
-    in all, streamed into one .npy (the bytes np.save writes for their concatenation), written atomically. Returns
-    its manifest entry: name, bytes, sha256."""
-    path = Path(out_dir) / DATASET_INDEX_NAME
+def write_dataset_index(out_dir: Path, parts, rows: int, name: str = DATASET_INDEX_NAME) -> dict:
+    """The dataset's sample index (DATASET_INDEX_NAME; a later version's: `name`): `parts`, each shard's sidecar rows
+    in manifest order, `rows` in all, streamed into one .npy (the bytes np.save writes for their concatenation),
+    written atomically. Returns its manifest entry: name, bytes, sha256."""
+    path = Path(out_dir) / name
     tmp = path.with_name(path.name + TMP_SUFFIX)
     h, n = hashlib.sha256(), 0
     with open_no_follow(tmp, "wb") as f:
@@ -378,4 +378,4 @@ def write_dataset_index(out_dir: Path, parts, rows: int) -> dict:
         os.fsync(f.fileno())
     assert n == len(head) + rows * INDEX_DTYPE.itemsize, f"{path}: {n} bytes for {rows} rows"
     os.replace(tmp, path)
-    return {"name": DATASET_INDEX_NAME, "bytes": n, "sha256": h.hexdigest()}
+    return {"name": name, "bytes": n, "sha256": h.hexdigest()}

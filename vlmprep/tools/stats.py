@@ -17,7 +17,7 @@ from vlmprep.families import family_of
 from vlmprep.locations import as_input
 from vlmprep.records import input_names
 from vlmprep.shards.dataset import REJECTS_NAME
-from vlmprep.shards.manifest import Manifest, dataset_path, load_manifest, shard_paths
+from vlmprep.shards.manifest import Manifest, dataset_path, open_dataset, shard_paths
 from vlmprep.shards.reader import iter_rejects, iter_shard
 from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
 from vlmprep.tools.per_shard import map_shards
@@ -211,8 +211,7 @@ def compute_stats(
     distributed); `workers` > 1: in that many processes (tools/per_shard.py), each shard's scan merged in manifest
     order, so the result is the same for any value. `on_shard(done, total)`: called as each shard is done.
     `sample_rows`: a dict filled with each sample's row, column by column (SAMPLE_COLUMNS), in manifest order."""
-    root = Path(root)
-    manifest = load_manifest(root)
+    root, manifest = open_dataset(root)  # DIR, DIR@vN or DIR@TAG
     config = manifest.config or {}
     seq_len = config.get("seq_len")
     # The dataset's own threshold (the build's --min-turn-coverage); a value that is not a share gives the default.

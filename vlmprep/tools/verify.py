@@ -19,8 +19,9 @@ from referencing import Registry, Resource
 from vlmprep.families import FamilySpec, family_of
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, id_hash, is_video_member
-from vlmprep.shards.manifest import Manifest, ShardEntry, ShardFormatError, load_manifest, processor_dir
+from vlmprep.shards.manifest import Manifest, ShardEntry, ShardFormatError, open_dataset, processor_dir
 from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
+from vlmprep.shards.versions import manifest_number, shard_version
 from vlmprep.tools.per_shard import map_shards
 from vlmprep_schemas import NAMES, load
 from vlmprep_schemas.boundary import UnsafeDataset, processor_files
@@ -59,9 +60,8 @@ def verify_dataset(
     the time. `workers` > 1: shards are checked in that many processes (tools/per_shard.py), the violations listed in
     manifest order all the same (the same list for any value). `on_shard(done, total)`: called as each shard is
     done."""
-    root = Path(root)
     try:
-        manifest = load_manifest(root)
+        root, manifest = open_dataset(root)  # DIR, DIR@vN or DIR@TAG
     except ShardFormatError as e:
         return [Violation(MANIFEST_NAME, str(e))]
     problem = _schema_error(schema_validator("manifest.schema.json"), manifest.to_json())
@@ -72,10 +72,11 @@ def verify_dataset(
     except (ShardFormatError, UnsafeDataset) as e:
         return [Violation(MANIFEST_NAME, str(e))]
 
-    out: list[Violation] = []
-    listed = {s.name for s in manifest.shards}
+    out: list[Violation] = _version_problems(manifest)
+    listed, number = {s.name for s in manifest.shards}, manifest_number(manifest)
     for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
-        out.append(Violation(extra, "shard file not listed in the manifest"))
+        if shard_version(extra) <= number:  # a later version's shards (or an append under way) are not this one's
+            out.append(Violation(extra, "shard file not listed in the manifest"))
     job = _ShardJob(root, manifest, _SampleCheck(manifest, root), deep)
     for found in map_shards(
         _check_shard, job, len(manifest.shards), workers=workers, command="verify", on_shard=on_shard
@@ -83,6 +84,23 @@ def verify_dataset(
         out.extend(found)
     out.extend(_verify_dataset_index(root, manifest, deep=deep))
     return out
+
+
+def _version_problems(manifest: Manifest) -> list[Violation]:
+    """A version record's own facts agree with the dataset it describes: its parent is the version before it, the
+    shards it added are the last of its list, and its shards of each version carry that version's names."""
+    version, number = manifest.version, manifest_number(manifest)
+    where = MANIFEST_NAME if version is None else f"version {number}"
+    if version is not None and version.get("parent") != (number - 1 if number > 1 else None):
+        return [Violation(where, f"parent {version.get('parent')!r} is not version {number - 1}")]
+    names = [s.name for s in manifest.shards]
+    added = list((version or {}).get("added", {}).get("shards", []))
+    if added and names[-len(added) :] != added:
+        return [Violation(where, "the shards it added are not the last of its shard list")]
+    late = [n for n in names if shard_version(n) > number]
+    if late:
+        return [Violation(where, f"lists {late[0]}, a shard of a later version than {number}")]
+    return []
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,229 @@
+"""A versioned dataset dir on disk (docs/datasets-that-grow.md): each version's file names (its record, shards,
+rejects, sample index, id file), the highest version record, manifest.json repaired where a kill left it behind, and
+the exclusive local commit of a new record (os.link: the second of two writers fails). The names and the reference
+parser are vlmprep_schemas.versions', shared with the trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, TMP_SUFFIX, write_bytes_atomic
+from vlmprep.shards.format import DATASET_INDEX_NAME
+from vlmprep.shards.manifest import Manifest, ShardFormatError
+from vlmprep.types import UserError
+from vlmprep_schemas.boundary import UnsafeDataset, UnsafeWrite, open_no_follow
+from vlmprep_schemas.limits import LIMITS, load_json
+from vlmprep_schemas.versions import (
+    VERSIONS_DIR,
+    ids_name,
+    local_reader,
+    record_number,
+    version_name,
+)
+
+_RECORD = re.compile(r"^v([0-9]{6,})\.json$")
+_SHARD_VERSION = re.compile(r"^shard-v([0-9]{6})-")
+ID_BYTES = 16  # a blake2b digest of a sample id: what the duplicate check keeps of each id
+
+
+class CommitConflict(UserError):
+    """The version record this build was to create exists: another build committed that version first."""
+
+
+def rejects_file(n: int) -> str:
+    """Version `n`'s own rejects: rejects.jsonl (version 1), rejects.v00000N.jsonl."""
+    return REJECTS_NAME if n == 1 else f"rejects.v{n:06d}.jsonl"
+
+
+def index_file(n: int) -> str:
+    """Version `n`'s dataset sample index (all its rows): samples.index.npy (version 1), samples.v00000N.index.npy."""
+    return DATASET_INDEX_NAME if n == 1 else f"samples.v{n:06d}.index.npy"
+
+
+def shard_prefix(n: int, task: int | None) -> str:
+    """The shard names of version `n` (task `task` of several, or None for one task): version 1 keeps the names of a
+    build before versions; a later version's carry its number, so no version ever overwrites another's."""
+    version = "" if n == 1 else f"v{n:06d}-"
+    return f"shard-{version}" + ("" if task is None else f"{task:05d}-")
+
+
+def shard_version(name: str) -> int:
+    """The version whose build wrote shard `name` (1 for the names without a version)."""
+    m = _SHARD_VERSION.match(name)
+    return int(m.group(1)) if m else 1
+
+
+def id_digest(sample_id: str) -> bytes:
+    """The 16-byte blake2b of a sample id, as merge's repeated-id check keeps it."""
+    return hashlib.blake2b(sample_id.encode("utf-8"), digest_size=ID_BYTES).digest()
+
+
+def highest_version(d: Path) -> int | None:
+    """The highest version record in DIR/versions (None where there is none); a versions/ that is not a plain dir
+    of DIR's (a planted symlink, a file) is refused."""
+    vdir = Path(d) / VERSIONS_DIR
+    if not os.path.lexists(vdir):
+        return None
+    if vdir.is_symlink() or not vdir.is_dir():
+        raise UnsafeDataset(f"{vdir}: not a plain directory (a symlink or a file); refusing to read versions from it")
+    found = [int(m.group(1)) for p in os.scandir(vdir) if (m := _RECORD.match(p.name))]
+    return max(found, default=None)
+
+
+def read_record(d: Path, n: int) -> bytes | None:
+    """Version `n`'s record bytes (None where absent), read inside DIR and bounded."""
+    try:
+        return local_reader(str(d))(version_name(n), LIMITS.manifest_bytes)
+    except ValueError as e:  # UnsafeDataset and VersionError are ValueErrors
+        raise ShardFormatError(str(e)) from None
+
+
+def parse_record(data: bytes, where: str) -> Manifest:
+    """A version record's (or manifest.json's) bytes -> Manifest, bounded and schema-checked."""
+    try:
+        return Manifest.from_json(load_json(data, where, LIMITS.manifest_bytes), where=where)
+    except ValueError as e:
+        raise ShardFormatError(str(e)) from None
+
+
+def manifest_number(m: Manifest) -> int:
+    """The version a manifest describes (1 for a dataset built before versions)."""
+    return record_number(m.to_json())
+
+
+def repair_manifest(d: Path, say: Callable[[str], None]) -> None:
+    """manifest.json is the byte copy of the highest version record, written after it: where a kill came between
+    the two, copy it again (saying so). A manifest.json ahead of the records, or one that differs from the record of
+    its own version, is not ours to fix: ShardFormatError naming both files."""
+    d = Path(d)
+    top = highest_version(d)
+    if top is None:
+        return
+    record = read_record(d, top)
+    try:
+        current = local_reader(str(d))(MANIFEST_NAME, LIMITS.manifest_bytes)
+    except ValueError as e:
+        raise ShardFormatError(str(e)) from None
+    if current == record:
+        return
+    try:
+        number = None if current is None else record_number(load_json(current, MANIFEST_NAME, LIMITS.manifest_bytes))
+    except ValueError:
+        number = None  # unreadable: cut short or damaged; the records are the truth
+    if number is not None and number >= top:
+        raise ShardFormatError(
+            f"{d / MANIFEST_NAME} (version {number}) is not the byte copy of {d / version_name(top)}; a version "
+            f"record is never rewritten: restore it with `cp {d / version_name(top)} {d / MANIFEST_NAME}`"
+        )
+    write_bytes_atomic(d / MANIFEST_NAME, record)
+    said = "missing or unreadable" if number is None else f"at version {number}"
+    say(f"{d / MANIFEST_NAME} was {said}, behind {version_name(top)} (a commit cut short): repaired")
+
+
+def versions_dir(d: Path) -> Path:
+    """DIR/versions, made where absent; refused where a symlink or a file is planted there (nothing is written
+    through it)."""
+    vdir = Path(d) / VERSIONS_DIR
+    if os.path.lexists(vdir) and (vdir.is_symlink() or not vdir.is_dir()):
+        raise UnsafeWrite(
+            f"{vdir} is a symlink or a file where vlmprep keeps version records: refusing to write through it "
+            "(someone may have planted it); remove it and run again"
+        )
+    vdir.mkdir(exist_ok=True)
+    return vdir
+
+
+def commit_record(d: Path, n: int, data: bytes) -> None:
+    """Create DIR/versions/v00000N.json with `data`, exclusively: written whole to a temp file, then hard-linked to
+    its name (os.link fails where the name exists, so of two builds committing version N exactly one wins; the other
+    gets CommitConflict). Where the file system has no hard links, an O_EXCL create is the exclusive step."""
+    vdir = versions_dir(d)
+    final = Path(d) / version_name(n)
+    tmp = vdir / f"{final.name}.{os.getpid()}{TMP_SUFFIX}"
+    with open_no_follow(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, final, follow_symlinks=False)
+    except FileExistsError:
+        raise CommitConflict(_conflict(d, n)) from None
+    except OSError:  # no hard links here (some network and FUSE file systems)
+        _create_exclusive(final, data, d, n)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(vdir, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the new name is durable before manifest.json points at it
+    finally:
+        os.close(fd)
+
+
+def _create_exclusive(final: Path, data: bytes, d: Path, n: int) -> None:
+    try:
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise CommitConflict(_conflict(d, n)) from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _conflict(d, n: int) -> str:
+    return (
+        f"{d}: version {n} was committed by another build meanwhile ({version_name(n)} exists); nothing of this "
+        "build was committed: run the command again to append on top of it"
+    )
+
+
+def ids_bytes(digests: Iterable[bytes]) -> bytes:
+    """A version's id file: its samples' id digests, sorted and unique, back to back."""
+    return b"".join(sorted(set(digests)))
+
+
+def load_ids(d: Path, n: int, most: int) -> np.ndarray:
+    """Version `n`'s id file as a sorted array of 16-byte strings, at most `most` ids read (its dataset's sample
+    count): one that is longer, not whole digests or not sorted is refused, naming it. FileNotFoundError where
+    absent."""
+    path = Path(d) / ids_name(n)
+    try:
+        data = local_reader(str(d))(ids_name(n), most * ID_BYTES)
+    except ValueError as e:
+        raise ShardFormatError(f"{e}; remove it and the append derives it again from the shards") from None
+    if data is None:
+        raise FileNotFoundError(path)
+    ids = np.frombuffer(data, dtype=f"S{ID_BYTES}") if len(data) % ID_BYTES == 0 else None
+    if ids is None or (len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
+        raise ShardFormatError(
+            f"{path}: not sorted whole {ID_BYTES}-byte digests; remove it and the append derives it again from the "
+            "shards"
+        )
+    return ids
+
+
+def seen_before(earlier: list[np.ndarray], digests: list[bytes]) -> set[bytes]:
+    """The digests among `digests` that some earlier version's id array holds (a binary search each: O(new x log
+    old), reading no shard)."""
+    if not digests:
+        return set()
+    want = np.array(sorted(set(digests)), dtype=f"S{ID_BYTES}")
+    hit = np.zeros(len(want), dtype=bool)
+    for ids in earlier:
+        if len(ids):
+            at = np.minimum(np.searchsorted(ids, want), len(ids) - 1)
+            hit |= ids[at] == want
+    return {bytes(w).ljust(ID_BYTES, b"\0") for w in want[hit]}
+
+
+def record_bytes(obj: dict) -> bytes:
+    """A version record's bytes, as manifest.json is written (indented, sorted keys)."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
