@@ -123,7 +123,7 @@ def repair_manifest(d: Path, say: Callable[[str], None]) -> None:
             f"{d / MANIFEST_NAME} (version {number}) is not the byte copy of {d / version_name(top)}; a version "
             f"record is never rewritten: restore it with `cp {d / version_name(top)} {d / MANIFEST_NAME}`"
         )
-    write_bytes_atomic(d / MANIFEST_NAME, record)
+    write_bytes_atomic(d / MANIFEST_NAME, record, tmp_suffix=f".{os.getpid()}{TMP_SUFFIX}")  # --task-index runs
     said = "missing or unreadable" if number is None else f"at version {number}"
     say(f"{d / MANIFEST_NAME} was {said}, behind {version_name(top)} (a commit cut short): repaired")
 

@@ -16,10 +16,10 @@ from vlmprep.config import FIELDS
 from vlmprep.families import family_of
 from vlmprep.locations import as_input
 from vlmprep.records import input_names
-from vlmprep.shards.dataset import REJECTS_NAME
 from vlmprep.shards.manifest import Manifest, dataset_path, open_dataset, shard_paths
 from vlmprep.shards.reader import iter_rejects, iter_shard
 from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
+from vlmprep.shards.versions import manifest_number, rejects_file
 from vlmprep.tools.per_shard import map_shards
 
 HIST_BINS = 10
@@ -267,7 +267,7 @@ def compute_stats(
         "min_turn_coverage": floor,
         "coverage_warning": coverage_problem(manifest, floor) if manifest.turns is not None else None,
     }
-    reject_lines = _reject_lines(root)
+    reject_lines = _reject_lines(root, manifest)
     st["inputs"] = _inputs(manifest, reject_lines)
     st["mismatches"] = _mismatches(manifest, st, reject_lines, scan.by_file)
     st["warnings"] = data_warnings(st)
@@ -288,11 +288,14 @@ def _image_sizes(scan: _Scan) -> dict:
     }
 
 
-def _reject_lines(root: Path) -> list[dict] | None:
-    p = dataset_path(root, REJECTS_NAME)  # not through a symlink out of the dataset
-    if not p.is_file():
-        return None
-    return list(iter_rejects(p))  # bounded per line (vlmprep_schemas.limits)
+def _reject_lines(root: Path, manifest: Manifest) -> list[dict] | None:
+    """The reject lines of every version up to the manifest's (rejects.jsonl, then rejects.v00000N.jsonl ...)."""
+    lines = None
+    for n in range(1, manifest_number(manifest) + 1):
+        p = dataset_path(root, rejects_file(n))  # not through a symlink out of the dataset
+        if p.is_file():
+            lines = (lines or []) + list(iter_rejects(p))  # bounded per line (vlmprep_schemas.limits)
+    return lines
 
 
 def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] | None:

@@ -22,6 +22,7 @@ from vlmprep.config import BuildConfig
 from vlmprep.shards.manifest import open_dataset, shard_paths
 from vlmprep.shards.reader import iter_rejects, iter_shard
 from vlmprep.shards.versions import CommitConflict, commit_record
+from vlmprep.tools.stats import compute_stats
 from vlmprep.tools.verify import verify_dataset
 from vlmprep_schemas.versions import version_name
 
@@ -179,6 +180,8 @@ def test_duplicate_ids_of_earlier_versions_are_rejects_of_the_new_version(grown,
     ids = [s[1]["id"] for s in samples(out)]
     assert len(ids) == len(set(ids)) == 10 and "fresh-1" in ids
     assert not verify_dataset(out)
+    st = compute_stats(out)  # every version's rejects file read: they add up to the record's counts
+    assert st["rejects"] == {"duplicate_id": 1} and not st["mismatches"], st["mismatches"]
 
 
 def test_an_input_in_a_version_is_skipped_and_a_changed_one_refused(grown, batches, tmp_path):
