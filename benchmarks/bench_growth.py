@@ -153,10 +153,12 @@ def _replica(samples, q: int):
     )
 
 
-def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: int = SAMPLES_PER_SHARD) -> Path:
-    """A dataset dir as `vlmprep build --tasks T` leaves it before merge: the real plan (over records_dir) and, per
-    task, shards of `per_shard` replicated samples written by the real writer, its sample list, rejects and task
-    manifest."""
+def planned_dataset(
+    n: int, tasks: int, samples, records_dir: Path, per_shard: int = SAMPLES_PER_SHARD, **options
+) -> Path:
+    """A dataset dir as `vlmprep build --tasks T` leaves it before merge: the real plan (over records_dir; `options`:
+    build options of the plan, e.g. a chat template) and, per task, shards of `per_shard` replicated samples written
+    by the real writer, its sample list, rejects and task manifest."""
     import collections
 
     from vlmprep.builder.pipeline import plan_build
@@ -173,6 +175,7 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: i
         / (
             f"ds-{n}-t{tasks}"
             + (f"-s{per_shard}" if per_shard != SAMPLES_PER_SHARD else "")
+            + "".join(f"-{k}" for k in sorted(options))
             + f"-over-{records_dir.name}"
         )
     )
@@ -187,6 +190,7 @@ def planned_dataset(n: int, tasks: int, samples, records_dir: Path, per_shard: i
             plan_only=True,
             progress=False,
             samples_per_shard=per_shard,
+            **options,
         ),
         fresh=True,
     )

@@ -8,7 +8,8 @@ floor) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the
 balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images cost,
 agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and
 shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
-with growth exponents: 10k / 100k samples, 1M from the index). `--quick` is a seconds-long smoke run (tiny inputs;
+with growth exponents: 10k / 100k samples, 1M from the index); append (`build --append` of 1,000 records to datasets
+of 10k and 100k samples vs building them alone). `--quick` is a seconds-long smoke run (tiny inputs;
 figures meaningless, shape real)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import time
 
 from benchmarks import (
+    bench_append,
     bench_balance,
     bench_build,
     bench_clients,
@@ -56,6 +58,7 @@ BENCHES = (
     "scale",
     "video",
     "growth",
+    "append",
 )
 
 
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_video.run(a.quick)
     if "growth" in only:
         bench_growth.run(a.quick)
+    if "append" in only:
+        bench_append.run(a.quick)
     emit("done", seconds=round(time.perf_counter() - t0, 1))
 
 

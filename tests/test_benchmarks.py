@@ -99,6 +99,9 @@ REQUIRED = {
         "rss_max_over_min_spans",
     },
     ("video", None): {"family", "build_s_per_video_s", "shard_bytes_per_video_s", "video_tokens"},
+    ("append", "build_alone"): {"records", "seconds", "peak_rss_mb"},
+    ("append", "append"): {"records", "base_samples", "seconds", "vs_alone", "goal", "within_goal"},
+    ("append", "size_independence"): {"base_samples", "ratio", "goal", "within_goal"},
     ("video", "peak_rss"): {"family", "workers", "main_rss_mb", "worker_rss_mb", "goal_mb"},
     ("families", None): {
         "family",
