@@ -5,10 +5,12 @@ URL); a saved processor dir -> its own files (inside it, no custom code). vlmpre
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,12 +324,14 @@ def processor_files(d: str | Path, *, links_out: bool = False, vocab: bool = Tru
 
 
 class UnsafeWrite(OSError):
-    """Where vlmprep or the trainer writes (a cache, a lock, a run dir, a build output), something that is not a
-    plain file of its own is in the way: a symlink planted there (in a shared cache dir, anyone could make it point at
-    a file of the user's), a FIFO or a device. One line naming the path; nothing is written through it."""
+    """Where vlmprep or the trainer writes or keeps state (a cache, a stage, a lock, a run dir, a build output),
+    something that is not a plain file or dir of its own is in the way: a symlink planted there (in a shared cache
+    dir, anyone could make it point at a file or dir of the user's), a FIFO or a device. One line naming the path;
+    nothing is read, written or removed through it."""
 
 
 _WRITE_FLAGS = {
+    "rb": os.O_RDONLY,
     "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
     "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
     "ab": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
@@ -338,30 +342,97 @@ _WRITE_FLAGS = {
 
 
 def open_fd_no_follow(path: str | Path, mode: str = "wb") -> int:
-    """A file descriptor on `path` opened for writing (`mode` as open()'s, or "lock": read-write, created if absent)
-    without following a symlink at it (O_NOFOLLOW) and only if it is a regular file (a FIFO is not waited on).
-    Raises UnsafeWrite naming the path otherwise."""
-    flags = _WRITE_FLAGS[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    """A file descriptor on `path` opened for writing (`mode` as open()'s, or "lock": read-write, created if absent;
+    "rb": a state file read back) without following a symlink at it (O_NOFOLLOW) and only if it is a regular file
+    (a FIFO is not waited on, a device not opened). Raises UnsafeWrite naming the path otherwise."""
+    flags = _WRITE_FLAGS[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | os.O_NOCTTY
+    verb, done = ("read", "read") if mode == "rb" else ("write", "written")
+    refused = UnsafeWrite(
+        f"{path} is a symlink or special file (a FIFO, device or dir) where a plain file is {done}: refusing to "
+        f"{verb} through it (someone may have planted it); remove it and run again"
+    )
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO) or os.path.islink(path):  # a symlink; a FIFO without a reader
-            raise UnsafeWrite(
-                f"{path} is a symlink or special file where a plain file is written: refusing "
-                "to write through it (someone may have planted it); remove it and run again"
-            ) from None
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR) or os.path.islink(path):  # ENXIO: a FIFO, no reader
+            raise refused from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsafeWrite(
-            f"{path} is not a plain file where one is written (a FIFO, device or dir): "
-            "refusing it; remove it and run again"
-        )
+        raise refused
     os.set_blocking(fd, True)
     return fd
 
 
 def open_no_follow(path: str | Path, mode: str = "wb", **kwargs):
-    """open(path, mode) for writing without following a symlink at `path` (open_fd_no_follow); text modes take
-    open()'s keywords (encoding)."""
+    """open(path, mode) for writing (or "rb", reading a state file) without following a symlink at `path`
+    (open_fd_no_follow); text modes take open()'s keywords (encoding)."""
     return os.fdopen(open_fd_no_follow(path, mode), mode, **kwargs)
+
+
+STATE_BYTES = 256 << 20  # a plan, journal, task manifest, run.json or checkpoint marker: KBs to a few MB
+
+
+def read_state(path: str | Path, limit: int = STATE_BYTES) -> bytes:
+    """A file vlmprep or the trainer keeps state in (plan.json, a journal, a task manifest, manifest.json of
+    --out, run.json, a checkpoint marker, a lock's note), read whole through open_fd_no_follow: a symlink or FIFO
+    planted at its name is refused (UnsafeWrite), never followed or waited on, and at most `limit` bytes are
+    read (more: UnsafeWrite). FileNotFoundError where it is absent."""
+    with open_no_follow(path, "rb") as f:
+        # read(n) allocates n first: ask for what the file holds (and a byte more, to see it grow past the limit)
+        data = f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
+    if len(data) > limit:
+        raise UnsafeWrite(f"{path} is more than {limit} bytes, more than this file ever holds: refusing it")
+    return data
+
+
+def state_dir(path: str | Path, *, root: str | Path | None = None) -> Path:
+    """A dir vlmprep or the trainer writes or keeps state in (a cache entry, a stage, --out, a run dir, a task or
+    checkpoint dir), made where absent, and refused (UnsafeWrite, one line) unless it is a real dir: a symlink at
+    its name is never followed (the dir itself included, so nothing is written into or pruned from the link's
+    target), a file, FIFO or device never used. `root`: the user's own dir above it ($VLMPREP_CACHE, --shard-cache,
+    --out): every dir made below it is checked too; the root and its parents are made as they are."""
+    path = Path(path)
+    top = Path(root) if root is not None else path.parent
+    if root is not None:
+        top.mkdir(parents=True, exist_ok=True)
+    below = path.relative_to(top).parts if root is not None else (path.name,)
+    d = top
+    for part in below:
+        d = d / part
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # its parents first (above the root: the user's own, made as they are)
+            d.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):  # lstat: a link to a dir is a link here
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            real = f" to {os.path.realpath(d)}" if stat.S_ISLNK(st.st_mode) else ""
+            raise UnsafeWrite(
+                f"{d} is {kind}{real} where vlmprep keeps a dir of its own: refusing to write into, or remove "
+                "files from, anything through it (someone may have planted it); remove it and run again, or "
+                "name the real dir yourself"
+            )
+    return path
+
+
+def remove_state(path: str | Path) -> None:
+    """Remove what is at `path`, a name vlmprep or the trainer owns (a temp or replaced dir, an old checkpoint): a
+    symlink planted there is unlinked, never followed (rmtree refuses a link, and ignore_errors would keep it);
+    a dir's tree goes (rmtree removes its inner links without following them); nothing there is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def fresh_state_dir(path: str | Path) -> Path:
+    """An empty dir at `path` for vlmprep or the trainer to fill and rename into place (a checkpoint's or an
+    export's temp dir, a processor copy's): what is at its name removed first (remove_state), then made
+    (state_dir)."""
+    remove_state(path)
+    return state_dir(path)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer import locks
 from trainer.config import ConfigError
 from trainer.metrics import LOG_NAME
-from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow
+from vlmprep_schemas.boundary import UnsafeWrite, fresh_state_dir, open_no_follow, read_state, remove_state, state_dir
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -89,7 +89,7 @@ def checkpoint_problem(path: Path) -> str | None:
     if not marker.is_file():
         return None if (path / ".metadata").is_file() else f"no {MARKER} (the save did not finish)"
     try:
-        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
+        files = json.loads(read_state(marker))["files"]  # a link or FIFO there: unreadable, never followed
         for name, size in files.items():
             got = (path / name).stat().st_size
             if got != size:
@@ -139,9 +139,9 @@ def save_checkpoint(
     rank, world = _world()
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step-{step:08d}", root / f"step-{step:08d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    if rank == 0:  # RUN/checkpoints and step-N.tmp: real dirs of the run's own, a link planted there removed
+        state_dir(root, root=run_dir)
+        fresh_state_dir(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(net, optimizer)
     train = {
@@ -158,7 +158,7 @@ def save_checkpoint(
     _barrier()
     if rank == 0:
         _write_marker(tmp, step)  # last: every rank's files are written
-        shutil.rmtree(final, ignore_errors=True)
+        remove_state(final)
         tmp.rename(final)
         # The newest `keep_checkpoints` complete ones stay; newer ones (cut short, and skipped by the resume that led
         # here) are left for this run to replace when it reaches their step.
@@ -185,7 +185,7 @@ def own_run_dir(run_dir: str | Path) -> Iterator[None]:
     fd, refusal, created = -1, "", not run_dir.exists()
     if rank == 0:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            state_dir(run_dir)  # --out itself a link (planted where the run is to be): refused, never followed
             fd, holder = locks.take(run_dir / RUN_LOCK)
             if holder:
                 refusal = (
@@ -271,8 +271,10 @@ def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
         return
     ways_out = f"pass --no-resume to start over in {run_dir} (its run state is deleted), or another --out"
     try:
-        saved = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+        saved = json.loads(read_state(run_dir / RUN_FILE))
         old, old_data = saved["identity"], saved["data_source"]
+    except UnsafeWrite as e:
+        raise ConfigError(str(e)) from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(
             f"{run_dir} holds {', '.join(held)} but no readable {RUN_FILE} saying which data, model "
@@ -296,7 +298,7 @@ def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: boo
                 shutil.rmtree(p)
             elif p.exists() or p.is_symlink():
                 p.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    state_dir(run_dir)
     tmp = run_dir / (RUN_FILE + ".tmp")
     with open_no_follow(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps({"data_source": data, "identity": identity}, indent=1, sort_keys=True) + "\n")

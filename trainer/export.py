@@ -24,7 +24,15 @@ from trainer.config import ConfigError, TrainConfig, default
 from trainer.data import DataError, local_processor, resolve_data
 from trainer.families import Vocab
 from trainer.options import Checkpointing, DataOptions, ModelOptions
-from vlmprep_schemas.boundary import REMOTE, UnsafeDataset, UnsafeWrite, processor_files
+from vlmprep_schemas.boundary import (
+    REMOTE,
+    UnsafeDataset,
+    UnsafeWrite,
+    fresh_state_dir,
+    processor_files,
+    read_state,
+    remove_state,
+)
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
 _MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only non-empty dir --overwrite replaces
@@ -55,7 +63,7 @@ def read_run(run_dir: Path) -> tuple[TrainConfig, dict]:
         raise ConfigError(f"{run_dir}: not a trainer run dir (it needs config.toml and {RUN_FILE})")
     cfg = TrainConfig(**load_toml(str(run_dir / "config.toml")))
     try:
-        identity = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))["identity"]
+        identity = json.loads(read_state(run_dir / RUN_FILE))["identity"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{run_dir / RUN_FILE}: unreadable ({e})") from None
     return cfg, identity
@@ -260,10 +268,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 def _prepare_out(out: Path, overwrite: bool) -> Path:
     _check_out(out, overwrite)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    try:
+        return fresh_state_dir(out.with_name(out.name + ".tmp"))
+    except UnsafeWrite as e:
+        raise ConfigError(str(e)) from None
 
 
 def export_run(ecfg: ExportConfig) -> Path:
@@ -280,8 +288,7 @@ def export_run(ecfg: ExportConfig) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    remove_state(out)  # the earlier export (or a link at its name: unlinked, its target kept)
     os.replace(tmp, out)
     return out
 

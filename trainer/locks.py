@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from vlmprep_schemas.boundary import open_fd_no_follow
+from vlmprep_schemas.boundary import open_fd_no_follow, read_state
 
 WAIT_S = 600.0  # how long a lock another process holds is waited for before the run stops naming the holder
 NOTE_AFTER_S = 10.0  # how long before the wait is said, once
@@ -72,8 +72,7 @@ def take(path: Path) -> tuple[int, str]:
 def holder(path: Path) -> str:
     """Who holds the lock at `path`, as its note says (or 'another process')."""
     try:
-        with open(path, "rb") as f:  # a plain read: the note is small, and a lock file is the holder's
-            note = json.loads(f.read(4096) or b"{}")
+        note = json.loads(read_state(path, 4096) or b"{}")  # no link or FIFO at it followed
         return f"pid {note['pid']} on {note['host']}, since {note['since']}: `{note['command']}`"
     except (OSError, ValueError, KeyError, TypeError):
         return "another process"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from trainer.families import family_of_model
-from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.boundary import open_no_follow, read_state, state_dir
 
 LOG_NAME = "train.log"
 
@@ -37,7 +37,7 @@ def eval_logged(run_dir: Path, step: int, names: list[str] | None) -> bool:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return False
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_state(path, 1 << 40).decode("utf-8").splitlines():
         row = json.loads(line) if line.strip() else {}
         if row.get("step") == step and "eval_loss" in row:
             by_set = row.get("eval_loss_by_source")
@@ -116,8 +116,8 @@ class RunLog:
 
             # A resume redoes the steps after its checkpoint: purge_step hides the killed run's events from there
             # on, so TensorBoard shows each step once, as metrics.jsonl does.
-            self.tb = SummaryWriter(
-                log_dir=str(Path(run_dir) / "tb"), purge_step=start_step + 1 if start_step else None
+            self.tb = SummaryWriter(  # RUN/tb a real dir of the run's (a link planted there: refused)
+                log_dir=str(state_dir(Path(run_dir) / "tb")), purge_step=start_step + 1 if start_step else None
             )
         self.bar = Progress(
             TextColumn("[bold]train"),

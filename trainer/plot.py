@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trainer.cli import run_tool
 from trainer.config import ConfigError
+from vlmprep_schemas.boundary import open_no_follow
 
 # (metrics.jsonl key, panel title, colour): one panel per entry, in a 2 x 3 grid; eval_loss and loss_by_source join
 # the loss panel. A run without packing has no pack_fill: its panel says so.
@@ -101,7 +102,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, format="png")
+    with open_no_follow(tmp, "wb") as f:  # a link planted at the temp name is refused, not written through
+        fig.savefig(f, format="png")
     os.replace(tmp, out)
     return out
 

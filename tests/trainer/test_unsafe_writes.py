@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainer.conftest import ROOT
 from trainer.config import ConfigError, DataSpec
@@ -314,3 +315,98 @@ def test_every_atomic_write_of_the_build_refuses_a_link_at_its_temp_name(tmp_pat
     with pytest.raises(UnsafeWrite, match=r"shard-000000\.tar\.tmp is a symlink"):
         ShardWriter(tmp_path, samples_per_shard=2, shard_size_bytes=1 << 20)._open()
     assert victim.read_text() == "the user's own file\n" and not (tmp_path / "manifest.json").exists()
+
+
+# --- round 5 (issue 53.6): the dirs themselves, and the state files read back, never through a link or a FIFO
+
+
+def test_a_linked_run_dir_is_refused_and_its_target_kept(tmp_path):
+    """--out itself a link (planted at the name before the run made it): refused in one line, nothing written in
+    the target. Before: the lock, run.json and the checkpoints went into the link's target."""
+    from tests.support.planted import plant, untouched, victim_dir
+    from trainer.checkpoint import own_run_dir
+
+    victim = victim_dir(tmp_path)
+    plant(tmp_path / "run", "symlink", victim)
+    with pytest.raises(ConfigError, match=r"run is a symlink to .*victim where vlmprep keeps a dir of its own"):
+        with own_run_dir(tmp_path / "run"):
+            pass
+    assert untouched(victim)
+
+
+def test_a_linked_checkpoint_temp_dir_is_removed_not_written_through(tmp_path):
+    """RUN/checkpoints/step-N.tmp planted as a link to a dir of the user's: the link goes, the checkpoint is written
+    in a dir of its own. Before: rmtree refused the link silently and the save failed with a FileExistsError."""
+    import warnings
+
+    from tests.support.planted import plant, untouched, victim_dir
+    from trainer.checkpoint import TrainState, checkpoint_problem, save_checkpoint
+
+    victim = victim_dir(tmp_path)
+    plant(tmp_path / "run" / "checkpoints" / "step-00000001.tmp", "symlink", victim)
+    net = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        final = save_checkpoint(
+            tmp_path / "run",
+            TrainState(step=1, epoch=0, position=0, pack_state=[]),
+            net=net,
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+            device=torch.device("cpu"),
+            keep_checkpoints=1,
+        )
+    assert checkpoint_problem(final) is None and not final.is_symlink() and untouched(victim)
+
+
+@pytest.mark.parametrize("name", ["run.json", "lock note", "shard record"])
+def test_a_fifo_at_a_state_file_the_trainer_reads_back_is_not_waited_on(tmp_path, name):
+    """A FIFO at run.json (read to check a resume), a lock's note or the rank's record of hashed shards: refused or
+    skipped at once, never waited on (before: each read hung)."""
+    from tests.support.planted import finishes, plant
+    from trainer import locks
+    from trainer.checkpoint import check_resumable
+    from trainer.data.integrity import RECORD, ShardCheck
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001" / "x.distcp").write_bytes(b"x")
+    if name == "run.json":
+        plant(run / "run.json", "FIFO")
+        with pytest.raises(ConfigError, match=r"run\.json is a symlink or special file"):
+            finishes(lambda: check_resumable(run, {}, "data"), timeout_s=20)
+    elif name == "lock note":
+        plant(run / "trainer.lock", "FIFO")
+        assert finishes(lambda: locks.holder(run / "trainer.lock"), timeout_s=20) == "another process"
+    else:
+        plant(run / "shard-cache" / "rank-00000" / RECORD, "FIFO")
+        assert finishes(lambda: ShardCheck(run / "shard-cache" / "rank-00000" / RECORD).known, timeout_s=20) == {}
+
+
+@pytest.mark.parametrize("where", ["rank dir", "indexes dir"])
+def test_a_linked_shard_cache_dir_is_refused(dataset, tmp_path, where):
+    """--shard-cache/rank-NNNNN or the node's shared indexes/ planted as a link: a DataError naming it, nothing
+    fetched into or evicted from the target."""
+    from tests.support.planted import plant, untouched, victim_dir
+    from trainer.data.cache import ShardCache
+    from trainer.data.order import schedule
+    from trainer.data.pipeline import rank_sources
+    from trainer.data.remote_index import SHARED_INDEXES, fetched_shared
+    from trainer.data.sources import IndexRef
+
+    victim = victim_dir(tmp_path)
+    cache = tmp_path / "c" / "rank-00000"
+    if where == "rank dir":
+        plant(cache, "symlink", victim)
+        ds = resolve_data(str(dataset))
+        sources = rank_sources(
+            (DataSpec(path=str(dataset)),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=cache.parent
+        )[0]
+        order = schedule(sources, seed=1, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1)
+        with pytest.raises(DataError, match=r"rank-00000 is a symlink to .*victim"):
+            ShardCache(sources, cache).begin(order, 0, 0)
+    else:
+        plant(cache.parent / SHARED_INDEXES, "symlink", victim)
+        ref = IndexRef(url="memory://linked/samples.index.npy", num_bytes=10, sha256="0" * 64)
+        with pytest.raises(DataError, match=r"indexes is a symlink to .*victim"):
+            fetched_shared(ref, cache)
+    assert untouched(victim)

@@ -27,7 +27,7 @@ from trainer.data.integrity import ShardCheck
 from trainer.data.order import RankSource, Schedule
 from trainer.data.sources import REMOTE_OR_PIPE
 from trainer.data.storage import StorageError, fetch, sha256_file
-from vlmprep_schemas.boundary import UnsafeWrite
+from vlmprep_schemas.boundary import UnsafeWrite, state_dir
 
 MISSING, READY, FAILED = 0, 1, 2
 MESSAGE_BYTES = 2048  # the failed fetch's line, shared with the readers
@@ -174,7 +174,10 @@ class ShardCache:
         """Start fetching for the reads of `order` from position `start` on, by `num_workers` readers (stops a
         previous fetcher first; shards still verified in the cache dir are kept)."""
         self.close()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:  # the rank's dir: a link planted at its name is refused, never fetched into or evicted from
+            state_dir(self.root)
+        except UnsafeWrite as e:
+            raise DataError(str(e)) from None
         if self._lock < 0:
             self._own()
         v = self.view

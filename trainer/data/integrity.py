@@ -20,7 +20,7 @@ from trainer.config import default
 from trainer.data.errors import DataError
 from trainer.data.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
 from trainer.data.sources import REMOTE_OR_PIPE, DataSource, ShardRef
-from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.boundary import open_no_follow, read_state, state_dir
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
 
@@ -56,7 +56,7 @@ class ShardCheck:
         self._done: set[str] = set()  # deferred paths hashed and matched
         if record is not None and enabled:
             try:
-                self.known = json.loads(record.read_text(encoding="utf-8"))
+                self.known = json.loads(read_state(record))
             except (OSError, ValueError):
                 self.known = {}
 
@@ -137,7 +137,7 @@ class ShardCheck:
         with self._lock:
             if not (self.dirty and self.record is not None):
                 return
-            self.record.parent.mkdir(parents=True, exist_ok=True)
+            state_dir(self.record.parent)
             tmp = self.record.with_name(f"{self.record.name}.{os.getpid()}.tmp")
             with open_no_follow(tmp, "w", encoding="utf-8") as f:
                 f.write(json.dumps(self.known, sort_keys=True))

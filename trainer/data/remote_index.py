@@ -12,7 +12,7 @@ from trainer import locks
 from trainer.data.errors import DataError
 from trainer.data.sources import IndexRef
 from trainer.data.storage import StorageError, fetch
-from vlmprep_schemas.boundary import UnsafeWrite
+from vlmprep_schemas.boundary import UnsafeWrite, state_dir
 
 
 def cache_name(url: str, name: str) -> str:
@@ -41,7 +41,7 @@ def fetched_shared(ref: IndexRef, cache: Path) -> Path:
     local = Path(cache).parent / SHARED_INDEXES / cache_name(f"{ref.url}#{ref.sha256}", ref.url)
     lock = local.with_name(local.name + ".lock")
     try:
-        local.parent.mkdir(parents=True, exist_ok=True)
+        state_dir(local.parent)
         fd = locks.wait_for(lock, "the dataset's sample index, which one rank of a node fetches while the others wait")
     except (UnsafeWrite, TimeoutError) as e:
         raise DataError(str(e)) from None
@@ -59,8 +59,8 @@ def fetched_shared(ref: IndexRef, cache: Path) -> Path:
 
 def _fetch(ref: IndexRef, local: Path) -> None:
     """The index file at `ref` -> `local` (through LOCAL.part), its size and sha256 the manifest's, or a DataError."""
-    local.parent.mkdir(parents=True, exist_ok=True)
     try:
+        state_dir(local.parent)
         fetch(ref.url, local, size=ref.num_bytes, sha256=ref.sha256)
-    except StorageError as e:
+    except (StorageError, UnsafeWrite) as e:
         raise DataError(str(e)) from None

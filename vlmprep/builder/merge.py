@@ -58,10 +58,12 @@ from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.versions import id_digest, ids_bytes, rejects_file, seen_before, shard_version, versions_dir
 from vlmprep.shards.writer import ShardWriter
 from vlmprep.types import ShardSample
+from vlmprep_schemas.boundary import read_state, state_dir
 from vlmprep_schemas.versions import ids_name
 
 REWRITES_NAME = f"{TASKS_DIR}/merge.rewrites.json"  # shard -> [sha256 its task listed, sha256 the merge made of it]
 _SCRATCH = f"{TASKS_DIR}/merge.tmp"  # where a rewrite is made and hashed before it replaces the shard
+LIST_BYTES = 1 << 40  # a task's sample and reject lists: read whole as before; a FIFO or link there is refused
 
 
 class MergeError(PlanError):
@@ -71,8 +73,8 @@ class MergeError(PlanError):
 def _load_rewrites(out: Path) -> dict[str, list[str]]:
     """tasks/merge.rewrites.json as far as it is well formed ({} where it is missing or not)."""
     try:
-        got = json.loads((out / REWRITES_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        got = json.loads(read_state(out / REWRITES_NAME))
+    except (OSError, ValueError):  # UnsafeWrite (a link or FIFO planted there) is an OSError: checked by hashing
         return {}
     if not isinstance(got, dict):
         return {}
@@ -295,7 +297,7 @@ def _repeated_ids(
     seen: set[bytes] = set()
     dups_per_task, rewritten = [], {}
     task_lines = [
-        TaskFiles(out, i, shard_prefix(plan, i)).samples.read_text(encoding="utf-8").splitlines()
+        read_state(TaskFiles(out, i, shard_prefix(plan, i)).samples, LIST_BYTES).decode("utf-8").splitlines()
         for i in range(len(manifests))
     ]
     new = [id_digest(json.loads(line)["id"]) for lines in task_lines for line in lines] if earlier else []
@@ -357,6 +359,7 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     plan = load_plan(out)
     if plan is None:
         raise MergeError(f"{out}: no {PLAN_NAME}: not a planned build dir (run `vlmprep build --plan-only` first)")
+    state_dir(out / TASKS_DIR)  # the task manifests and lists are read from a real dir of its own, never a link
     manifests = _task_manifests(out, plan)
     _check_claims(out, plan, manifests)
     _check_strays(out, plan, manifests)
@@ -384,7 +387,7 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
         for k, counts in m.inputs.items():
             by_input[int(k)].update(counts)
         rejects.update(m.rejects)
-        text, removed = _task_rejects(files.rejects.read_text(encoding="utf-8"), dups)
+        text, removed = _task_rejects(read_state(files.rejects, LIST_BYTES).decode("utf-8"), dups)
         reject_lines.append(text)
         for entry in removed:
             rejects[entry["reason"]] -= 1

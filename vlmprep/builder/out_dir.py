@@ -15,6 +15,7 @@ from vlmprep.builder.workers import BuildError
 from vlmprep.config import BuildConfig, spelled, spelled_flag
 from vlmprep.shards.dataset import BUILD_FILES, DATASET_FILES, FAILED_NAME, MANIFEST_NAME, TASKS_DIR, is_ours
 from vlmprep.shards.versions import highest_version, index_file, rejects_file, shard_prefix
+from vlmprep_schemas.boundary import UnsafeWrite, read_state
 from vlmprep_schemas.versions import VERSIONS_DIR, ids_name
 
 
@@ -114,8 +115,10 @@ def check_out(cfg: BuildConfig, out: Path) -> None:
 def manifest_config(out: Path) -> dict | None:
     """The config in DIR/manifest.json (None: no manifest; a marker dict where it is unreadable)."""
     try:
-        return json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8")).get("config")
+        return json.loads(read_state(out / MANIFEST_NAME)).get("config")
     except FileNotFoundError:
         return None
+    except UnsafeWrite:
+        raise  # a link or FIFO planted there: named as such, not as another build's dataset
     except (OSError, ValueError, AttributeError):
         return {"manifest": "unreadable"}

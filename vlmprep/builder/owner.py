@@ -19,7 +19,7 @@ from typing import Iterator
 
 from vlmprep.shards.dataset import LOCK_NAME, TASKS_DIR, task_file
 from vlmprep.types import UserError
-from vlmprep_schemas.boundary import UnsafeWrite, open_fd_no_follow
+from vlmprep_schemas.boundary import UnsafeWrite, open_fd_no_follow, read_state, state_dir
 
 
 class BusyError(UserError):
@@ -44,7 +44,7 @@ def _holder_note() -> bytes:
 def _describe(path: Path) -> str:
     """Who holds `path`, as its holder wrote it (the file may be empty for a moment after the holder took it)."""
     try:
-        note = json.loads(path.read_bytes() or b"{}")
+        note = json.loads(read_state(path, 4096) or b"{}")
     except (OSError, ValueError):
         note = {}
     if not isinstance(note, dict) or "pid" not in note:
@@ -55,9 +55,10 @@ def _describe(path: Path) -> str:
 def _lock(path: Path, *, shared: bool) -> int | None:
     """The fd holding `path` locked, None when another process holds it, -1 where the file system has no locks.
     A holder removes the file on release while it still holds it, so the lock taken here must be on the file that
-    is at `path` now, not on one unlinked meanwhile."""
+    is at `path` now, not on one unlinked meanwhile. The dir it is in must be a real one (no link followed)."""
     while True:
         try:
+            state_dir(path.parent)
             fd = open_fd_no_follow(path, "lock")
         except UnsafeWrite as e:
             raise UserError(str(e)) from None

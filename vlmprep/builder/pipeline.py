@@ -87,6 +87,7 @@ from vlmprep.shards.dataset import (
 from vlmprep.shards.manifest import Manifest, SavedProcessor, TaskManifest, load_task_manifest
 from vlmprep.shards.versions import parse_record, rejects_file
 from vlmprep.types import UserError
+from vlmprep_schemas.boundary import state_dir
 from vlmprep_schemas.versions import version_name
 
 __all__ = [
@@ -168,7 +169,7 @@ def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -
         start_worker_server(cfg.workers)  # task processes' imports overlap the processor load and the input scan
     processor = load_processor(cfg.processor)
     renderer = Renderer(cfg, processor)  # fail fast on an unsupported processor or policy, before any task starts
-    out.mkdir(parents=True, exist_ok=True)
+    state_dir(out)
     if fresh:  # a whole build owns the dir: drop processor copies a killed earlier run left half-saved
         for p in list(out.glob(f"{PROCESSOR_DIR}.*{TMP_SUFFIX}")) + list(out.glob(f"{PROCESSOR_DIR}.*.old")):
             shutil.rmtree(p, ignore_errors=True)
@@ -211,7 +212,7 @@ def build_task(
         return _task_in_store(str(out).rstrip("/"), index, workers=workers, progress=progress, cfg=cfg)
     out = Path(out)
     if cfg is not None:
-        out.mkdir(parents=True, exist_ok=True)  # every task of a new --out makes it: the same dir
+        state_dir(out)  # every task of a new --out makes it: the same dir
     with share_out(out) if out.is_dir() else contextlib.nullcontext():
         return _build_task_shared(out, index, workers=workers, progress=progress, cfg=cfg)
 
@@ -298,7 +299,7 @@ def _build_local(cfg: BuildConfig, upload_to: str | None = None, parent: Parent 
     if out.exists() and not out.is_dir():
         raise BuildError(f"--out {out} is a file: pass a directory")
     top = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the first dir made here
-    out.mkdir(parents=True, exist_ok=True)  # the lock lives inside --out: a second build into a new dir refuses too
+    state_dir(out)  # the lock lives inside --out: a second build into a new dir refuses too (a link there: refused)
     with own_out(out):
         try:
             plan, renderer = plan_build(cfg, fresh=True, parent=parent)
@@ -325,7 +326,7 @@ def _build_to_store(cfg: BuildConfig) -> BuildResult:
         resumable = parent is None or attempt_in_bucket(bucket, have, parent)  # an append's own unfinished build
         if not (stage / PLAN_NAME).is_file() and PLAN_NAME in have and resumable:
             say(f"resuming from {url}: fetching its plan and finished tasks into {stage}")
-            stage.mkdir(parents=True, exist_ok=True)
+            state_dir(stage)
             pull(bucket, stage, have)
         result = _build_local(dataclasses.replace(cfg, out=str(stage)), upload_to=url, parent=parent)
     except UserError as e:
@@ -429,8 +430,7 @@ def merge(
     }
     if is_store(str(out)):
         url = str(out).rstrip("/")
-        stage = stage_for(url)
-        stage.mkdir(parents=True, exist_ok=True)
+        stage = state_dir(stage_for(url))
         with own_out(stage):
             if not pull_plan(Bucket(url), stage, Bucket(url).names()):
                 raise PlanError(

@@ -24,6 +24,7 @@ from vlmprep.shards.manifest import JsonObject, SavedProcessor
 from vlmprep.shards.summary import plural
 from vlmprep.shards.versions import shard_prefix as version_shard_prefix
 from vlmprep.types import RawRecord, UserError
+from vlmprep_schemas.boundary import UnsafeWrite, read_state
 
 PLAN_VERSION = 2  # 2: inputs carry their id name
 
@@ -210,9 +211,11 @@ def write_plan(out: Path, plan: Plan) -> None:
 def load_plan(out: Path) -> Plan | None:
     """DIR/plan.json -> the plan, or None where there is none; an unreadable one is a PlanError saying to plan again."""
     try:
-        raw = json.loads((Path(out) / PLAN_NAME).read_text(encoding="utf-8"))
+        raw = json.loads(read_state(Path(out) / PLAN_NAME))  # a link or FIFO planted there: refused, not read
     except FileNotFoundError:
         return None
+    except UnsafeWrite:
+        raise  # a link or FIFO planted there: named as such
     except (OSError, ValueError) as e:
         raise PlanError(f"{Path(out) / PLAN_NAME}: unreadable ({e}); remove it and plan again") from None
     return Plan.from_json(raw, where=str(Path(out) / PLAN_NAME))

@@ -49,7 +49,7 @@ from vlmprep.shards.dataset import (
 from vlmprep.shards.format import INDEX_SUFFIX, index_name
 from vlmprep.shards.manifest import Manifest, ShardEntry, TaskManifest
 from vlmprep.shards.versions import CommitConflict, index_file, rejects_file, shard_version
-from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.boundary import open_no_follow, read_state, state_dir
 from vlmprep_schemas.versions import ids_name, version_name
 
 STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
@@ -126,7 +126,7 @@ class Bucket:
         renamed): a kill never leaves part of one under its name, and a body past its size is refused unread."""
         if ".." in Path(name).parts or Path(name).is_absolute():
             raise LocationError(f"--out {self.url}: {name!r} is outside the dataset; refusing it")
-        local.parent.mkdir(parents=True, exist_ok=True)
+        state_dir(local.parent)
         part = local.with_name(local.name + ".part")
         with open_no_follow(part, "wb") as f:
             got = self._stream(name, size, f.write)
@@ -235,7 +235,7 @@ class Uploader:
         them), its lists, then its manifest once all else is up. Nothing where the bucket holds this manifest already:
         the task's files went up before it (a merge may since have removed a shard it emptied)."""
         name = task_file(files.index, ".json")
-        if self._holds(name, files.manifest.read_bytes()):
+        if self._holds(name, read_state(files.manifest)):
             return
         if self._thread.is_alive():
             self._queue.join()  # the shards queued are up (and out of the stage) before the bucket is asked
@@ -319,7 +319,7 @@ def pull_task(bucket: Bucket, stage: Path, have: dict[str, int], index: int) -> 
         return False
     fetched = stage / (name + ".part")
     bucket.get(name, fetched, have[name])
-    done = json.loads(fetched.read_text(encoding="utf-8"))
+    done = json.loads(read_state(fetched))
     wanted = [task_file(index, ".rejects.jsonl"), task_file(index, ".samples.jsonl")]
     if not all(n in have for n in wanted):
         fetched.unlink()
@@ -336,7 +336,7 @@ def pull(bucket: Bucket, stage: Path, have: dict[str, int]) -> None:
     unfinished task's shards are left in the bucket: the task runs again and overwrites them."""
     if not any(n == PLAN_NAME for n in have):
         return
-    (stage / TASKS_DIR).mkdir(parents=True, exist_ok=True)
+    state_dir(stage / TASKS_DIR)
     for name in sorted(n for n in have if fnmatch.fnmatch(n, f"{TASKS_DIR}/task-[0-9]*.json")):
         pull_task(bucket, stage, have, int(Path(name).name[5:10]))
     pull_plan(bucket, stage, have)

@@ -40,7 +40,7 @@ from vlmprep.shards.format import index_name
 from vlmprep.shards.manifest import TaskManifest, load_task_manifest
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
-from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.boundary import open_no_follow, state_dir
 
 
 def task_start(plan: Plan, index: int) -> str:
@@ -262,7 +262,7 @@ def run_task(
     from its journal and ends byte-identical. upload_to: the --out URL the task's files go to as they land (out is
     then the local stage). Returns the task manifest."""
     out = Path(out)
-    (out / TASKS_DIR).mkdir(exist_ok=True)
+    state_dir(out / TASKS_DIR)
     with own_task(out, index):  # one run of a task at a time, whatever executor started it
         uploader = Uploader(upload_to, out, drop_shards=True) if upload_to else None
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlmprep.shards.dataset import NV_META, write_bytes_atomic
+from vlmprep_schemas.boundary import state_dir
 
 PREPARE_COMMAND = "energon prepare DIR --non-interactive --split-ratio 1,0,0 --skip-dataset-yaml --no-progress"
 DATASET_YAML = f"""\
@@ -27,8 +28,7 @@ STALE_INDEX = (".info.yaml", ".info.json", "split.yaml", "index.sqlite", "index.
 
 def write_energon_meta(out: Path) -> None:
     """Write DIR/.nv-meta/dataset.yaml atomically (same bytes every build) and drop a stale energon index."""
-    meta = Path(out) / NV_META
-    meta.mkdir(exist_ok=True)
+    meta = state_dir(Path(out) / NV_META)  # a link planted there: refused, nothing removed or written through it
     for p in [meta / n for n in STALE_INDEX] + list(Path(out).glob("*.tar.idx")):
         p.unlink(missing_ok=True)
     write_bytes_atomic(meta / "dataset.yaml", DATASET_YAML.encode("ascii"))

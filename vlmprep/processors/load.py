@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vlmprep_schemas.boundary import UnsafeDataset, processor_files
+from vlmprep_schemas.boundary import UnsafeDataset, fresh_state_dir, processor_files
 
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
@@ -103,8 +103,7 @@ def save_processor(processor, dest: Path, *, expect: str | None = None) -> str:
     already in place is kept. `expect`: the fingerprint dest must keep (an append's dataset): a processor that saves
     to another is not put in place, and its fingerprint is returned for the caller to refuse."""
     dest = Path(dest)
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = fresh_state_dir(dest.with_name(f"{dest.name}.{os.getpid()}.tmp"))  # a link planted there: removed
     processor.save_pretrained(str(tmp))
     fingerprint = fingerprint_dir(tmp)
     if (dest.exists() and fingerprint_dir(dest) == fingerprint) or (expect is not None and fingerprint != expect):

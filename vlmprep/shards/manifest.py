@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from vlmprep.shards.dataset import MANIFEST_NAME, TaskFiles
 from vlmprep.shards.format import LIMITS, READABLE_VERSIONS
 from vlmprep.types import UserError
-from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths
+from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths, read_state
 from vlmprep_schemas.limits import load_json, schema_problem
 from vlmprep_schemas.versions import local_reader, resolve_ref, split_ref
 
@@ -201,7 +201,7 @@ class TaskManifest(JsonObject):
 def load_task_manifest(files: TaskFiles) -> TaskManifest | None:
     """A task's manifest, or None while the task is not complete."""
     try:
-        return TaskManifest.from_json(json.loads(files.manifest.read_text(encoding="utf-8")))
+        return TaskManifest.from_json(json.loads(read_state(files.manifest)))
     except FileNotFoundError:
         return None
 

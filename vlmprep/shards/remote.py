@@ -26,9 +26,14 @@ from vlmprep_schemas.boundary import (
     PROCESSOR_FILES,
     REMOTE,
     UnsafeDataset,
+    UnsafeWrite,
     dataset_file,
     dataset_paths,
+    is_plain_path,
+    open_fd_no_follow,
     open_no_follow,
+    read_state,
+    state_dir,
 )
 from vlmprep_schemas.limits import LIMITS, load_json
 from vlmprep_schemas.versions import resolve_ref, split_ref
@@ -119,26 +124,32 @@ def fetch_dataset(
     manifest, named, processor = _manifest(data, base, name)
     files = _files(manifest, processor, shards(manifest) if callable(shards) else shards)
     dest = cache_dir(url)
-    dest.mkdir(parents=True, exist_ok=True)
-    if say:
-        say(f"copying {url} into {dest} (files already there with the manifest's sha256 are kept)")
-    with _locked(dest / LOCK_NAME):
-        was, now = _load_stamps(dest), {}
-        for k, f in enumerate(files):
-            now[f.name] = store.fetch(f, dest, was.get(f.name))
-            if on_file:
-                on_file(k + 1, len(files))
-        _prune(dest, keep=named | {f.name for f in files})
-        write_bytes_atomic(dest / STAMPS_NAME, json.dumps({k: v for k, v in now.items() if v}, sort_keys=True).encode())
-        write_bytes_atomic(dest / MANIFEST_NAME, data)
+    try:  # the copy's dir and every dir in it: no link planted there is written through or pruned
+        state_dir(dest, root=dest.parent.parent)
+        if say:
+            say(f"copying {url} into {dest} (files already there with the manifest's sha256 are kept)")
+        with _locked(dest / LOCK_NAME):
+            was, now = _load_stamps(dest), {}
+            for k, f in enumerate(files):
+                now[f.name] = store.fetch(f, dest, was.get(f.name))
+                if on_file:
+                    on_file(k + 1, len(files))
+            _prune(dest, keep=named | {f.name for f in files})
+            stamps = json.dumps({k: v for k, v in now.items() if v}, sort_keys=True).encode()
+            write_bytes_atomic(dest / STAMPS_NAME, stamps)
+            write_bytes_atomic(dest / MANIFEST_NAME, data)
+    except UnsafeWrite as e:
+        raise FetchError(str(e)) from None
     return dest
 
 
 def _load_stamps(dest: Path) -> dict:
     """The copy's .stamps.json as far as it is well formed ({} where not: every file is then checked by a fetch)."""
     try:
-        got = load_json((dest / STAMPS_NAME).read_bytes(), str(dest / STAMPS_NAME), LIMITS.manifest_bytes)
-    except (OSError, ValueError):
+        got = load_json(
+            read_state(dest / STAMPS_NAME, LIMITS.manifest_bytes), str(dest / STAMPS_NAME), LIMITS.manifest_bytes
+        )
+    except (OSError, ValueError, UnsafeWrite):  # a link or FIFO planted there: every file checked by a fetch
         return {}
     return got if isinstance(got, dict) else {}
 
@@ -250,7 +261,9 @@ class _Store:
         stamp `was` (what it had when the copy was fetched). A size or sha256 other than the manifest's is one
         FetchError naming its URL, and nothing is kept of it. Returns the object's stamp (files with a sha256)."""
         url = f"{self.base}/{f.name}"
-        try:  # a link planted in the cache is not followed out of it
+        if is_plain_path(f.name):  # the copy's dirs are real ones of its own: a link planted there is refused
+            state_dir(Path(root, f.name).parent, root=root)
+        try:  # and no link at a file's name is followed out of the copy
             dest = Path(dataset_file(str(root), f.name, where=str(root), what="file"))
         except UnsafeDataset as e:
             raise FetchError(str(e)) from None
@@ -265,7 +278,6 @@ class _Store:
             and sha256_file(dest) == f.sha256
         ):
             return now
-        dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
         h, got = hashlib.sha256(), 0
         try:
@@ -315,8 +327,6 @@ def _prune(root: Path, keep: set[str]) -> None:
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` (created; never through a planted link), released on exit."""
-    from vlmprep_schemas.boundary import open_fd_no_follow
-
     fd = open_fd_no_follow(path, "lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
