@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Callable
 
 from vlmprep.shards.dataset import sha256_file, write_json_atomic
+from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow, read_state
+
+DONE = 1 << 62  # the resume point once every record of the task landed: the rerun goes straight to its manifest
 
 
 @dataclass
@@ -32,17 +35,21 @@ def load_journal(
     path: Path,
     partials: dict[Path, Path],
     identity: dict,
+    span: tuple[int, int],
     stored: Callable[[list[str]], dict[str, int]] | None = None,
 ) -> Journal | None:
     """The journal at `path` if it belongs to this exact task and its shards are intact; else None (start over).
-    `partials`: the task's partial rejects and sample rows files -> their completed names. `stored`: for an --out in
+    `partials`: the task's partial rejects and sample rows files -> their completed names. `span`: the task's
+    (first input position, record count), which the resume point is checked against. `stored`: for an --out in
     a store, the sizes of the named objects in the bucket, where a shard that left the stage once up is checked."""
     try:
-        j = Journal(**json.loads(path.read_text()))
+        j = Journal(**json.loads(read_state(path)))
+    except UnsafeWrite:
+        raise  # a link or FIFO planted at the journal's name: one line, nothing read through it
     except (OSError, ValueError, TypeError):
         return None
-    if j.identity != identity or (j.totals.get("records") and not j.inputs) or j.samples_bytes is None:
-        return None  # another task's, or counts it never kept
+    if j.identity != identity or not _consistent(j, span):
+        return None  # another task's, counts it never kept, or a resume point its own counts do not reach
     gone = [s["name"] for s in j.shards if not (out / s["name"]).exists()]
     held = stored(gone) if stored is not None and gone else {}
     for s in j.shards:
@@ -55,6 +62,25 @@ def load_journal(
         if (partial.stat().st_size if partial.exists() else 0) < size:
             return None
     return j
+
+
+def _consistent(j: Journal, span: tuple[int, int]) -> bool:
+    """The resume point against the task's input span and the journal's own counts: a task's records are the
+    contiguous positions first..first+count, each counted once in totals.records when it lands, so the point is
+    first + records (or DONE once all count of them landed), and the journaled shards hold every sample counted.
+    A point moved past the end (or anywhere else) would skip records that never landed, with exit 0."""
+    first, count = span
+    try:
+        records, samples = j.totals.get("records", 0), j.totals.get("samples", 0)
+        in_shards = sum(s["num_samples"] for s in j.shards)
+    except (AttributeError, KeyError, TypeError):
+        return False
+    if not all(type(v) is int for v in (j.next_position, records, samples, in_shards)):
+        return False
+    if j.samples_bytes is None or (records and not j.inputs):
+        return False  # counts it never kept
+    point = first + records if records < count else DONE
+    return j.next_position in (point, first + records) and 0 <= records <= count and in_shards == samples
 
 
 def _intact(p: Path, entry: dict) -> bool:
@@ -70,5 +96,5 @@ def landed_ids(rows: Path) -> set[str]:
     """Ids already written (the duplicate-id check must survive a resume): the task's sample rows, one per landed
     sample, which a resume has cut back to the journal's durable point. Not the shards: in a store's stage they
     leave once up."""
-    with open(rows, encoding="utf-8") as f:
+    with open_no_follow(rows, "rb") as f:
         return {json.loads(line)["id"] for line in f}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
-from vlmprep.builder.journal import Journal, landed_ids, load_journal, save_journal
+from vlmprep.builder.journal import DONE, Journal, landed_ids, load_journal, save_journal
 from vlmprep.builder.owner import own_task
 from vlmprep.builder.plan import Plan, check_inputs_unchanged, plan_digest, shard_prefix, task_records
 from vlmprep.builder.progress import record_progress
@@ -51,12 +51,12 @@ def task_start(plan: Plan, index: int) -> str:
     return f"{plan.inputs[cut.file].path}:{cut.seek.line + 1}"
 
 
-def _start_or_resume(files: TaskFiles, identity: dict, uploader: Uploader | None) -> Journal:
+def _start_or_resume(files: TaskFiles, identity: dict, span: tuple[int, int], uploader: Uploader | None) -> Journal:
     """Resume this task's matching interrupted run, or clear every trace of an older one and start fresh. For an
     --out in a store, a journaled shard that left the stage is checked in the bucket, and not sent again."""
     partials = {files.partial_rejects: files.rejects, files.partial_samples: files.samples}
     stored = uploader.bucket.sizes if uploader is not None else None
-    journal = load_journal(files.out, files.journal, partials, identity, stored)
+    journal = load_journal(files.out, files.journal, partials, identity, span, stored)
     if journal is not None and uploader is not None:
         uploader.sent.update(s["name"] for s in journal.shards if not (files.out / s["name"]).exists())
     stale = [p for p in files.out.glob(f"{files.prefix}*.tar{TMP_SUFFIX}")]
@@ -220,7 +220,7 @@ def _write_records(
                 bar, advance=1, rate=totals["records"] / elapsed, samples=totals["samples"], rejects=totals["rejected"]
             )
         state.writer.close()
-        state.checkpoint(rej, rows, 1 << 62)  # all consumed: a kill from here on resumes straight to the task manifest
+        state.checkpoint(rej, rows, DONE)  # all consumed: a kill from here on resumes straight to the task manifest
 
 
 def _finish_task(state: _TaskState, plan: Plan, digest: str) -> TaskManifest:
@@ -297,7 +297,8 @@ def _run_owned_task(
     processor_dir = Path(processor_dir or out / plan.processor.dir)
     if renderer is None:
         renderer = cached_renderer(cfg, processor_dir)
-    journal = _start_or_resume(files, {"plan": digest, "task": index}, uploader)
+    cut = plan.cuts[index]
+    journal = _start_or_resume(files, {"plan": digest, "task": index}, (cut.position, cut.records), uploader)
     state = _resume_state(files, journal, cfg, plan)
     _write_records(
         state,
