@@ -227,10 +227,12 @@ _JSON_TYPES = {
 
 
 def schema_problem(value, schema: str) -> str | None:
-    """The first place where a sample meta or manifest (`schema`: its file in schemas/) has a value of another JSON
-    type than the schema gives, or lacks a required key; None when there is none. Types and required keys only,
-    which is what readers index and convert (`vlmprep verify` checks the whole schema, at a hundred times the cost):
-    the schema is compiled once into a checker."""
+    """The first place where a sample meta or manifest (`schema`: its file in schemas/, or FILE#/POINTER for a part of
+    one, e.g. a task manifest's shard list) has a value of another JSON
+    type than the schema gives, a number outside the schema's minimum / maximum (and int64), or lacks a required
+    key; None when there is none. Types, bounds and required keys only, which is what readers index and convert
+    (`vlmprep verify` checks the whole schema, at a hundred times the cost): the schema is compiled once into a
+    checker."""
     problem = _checker(schema)(value)
     if problem is None:
         return None
@@ -241,7 +243,7 @@ def schema_problem(value, schema: str) -> str | None:
 
 @functools.cache
 def _checker(schema: str):
-    return _compile(load(schema))
+    return _compile({"$ref": schema} if "#" in schema else load(schema))  # FILE#/POINTER: one part of a schema
 
 
 def _node(node: dict) -> dict:
@@ -270,6 +272,10 @@ def _compile(node: dict):
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or ())
     types = tuple(t for k in kinds for t in _JSON_TYPES[k] if k != "boolean")
     boolean = "boolean" in kinds
+    # A count below the schema's minimum (a shard of -1 bytes) or past int64 (no reader's column holds it): refused
+    # at load, naming the field, rather than met later as a storage fault or an OverflowError.
+    low = node.get("minimum", -(1 << 63)) if "integer" in kinds or "number" in kinds else None
+    high = min(node.get("maximum", (1 << 63) - 1), (1 << 63) - 1) if low is not None else None
     required = tuple(node.get("required", ()))
     props = {k: _compile(sub) for k, sub in node.get("properties", {}).items()}
     other = _compile(node["additionalProperties"]) if isinstance(node.get("additionalProperties"), dict) else None
@@ -278,6 +284,11 @@ def _compile(node: dict):
     def check(value):  # -> None, or (the path to the fault, innermost first; what is wrong there)
         if kinds and not (boolean if isinstance(value, bool) else isinstance(value, types)):  # true is no integer
             return [], f"is {type(value).__name__}, not {' or '.join(kinds)}"
+        if low is not None and not isinstance(value, bool) and isinstance(value, (int, float)):
+            if value < low:
+                return [], f"is {value}, below its minimum {low}"
+            if value > high:
+                return [], f"is {value}, past its maximum {high}"
         if isinstance(value, dict):
             missing = next((k for k in required if k not in value), None)
             if missing is not None:
@@ -297,3 +308,16 @@ def _compile(node: dict):
         return None
 
     return check
+
+
+def past_int64(value, where: str = "") -> str | None:
+    """The first field of a parsed JSON value (its dotted path; "it" for the value itself) holding an integer outside
+    int64, which no count or table column holds (JSON has no bound: a reject numbered 10^30); None where none is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return where or "it" if not -(1 << 63) <= value < 1 << 63 else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = past_int64(v, f"{where}.{k}" if where else str(k))
+        if found is not None:
+            return found
+    return None

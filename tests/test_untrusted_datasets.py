@@ -628,23 +628,91 @@ def test_a_sample_count_the_index_does_not_hold_is_refused_before_allocating(dat
     _verify_fails(ds, "shard-000000.tar", f"manifest says {claim}")
 
 
-@pytest.mark.parametrize("field,value", [("num_tokens", 2**63), ("num_tokens", -1), ("bytes", 2**64)])
-def test_a_count_past_int64_in_the_manifest_is_one_line(dataset, tmp_path, field, value):
+@pytest.mark.parametrize(
+    "field,value,said",
+    [("num_tokens", 2**63, "past its maximum"), ("num_tokens", -1, "below its minimum 0"), ("bytes", 2**64, "past")],
+)
+def test_a_count_past_int64_in_the_manifest_is_one_line(dataset, tmp_path, field, value, said):
     """A shard entry's token or byte count that no column holds (past int64, or negative: JSON has no bound; the
     readers' fuzz found 2^63 tokens an OverflowError in the trainer's vectorized row check): one line naming the
-    dataset's sample index."""
-    from trainer.config import DataSpec
+    field, when the manifest is loaded (issue 53.6: the schema's bounds are checked with its types)."""
     from trainer.data.errors import DataError
-    from trainer.data.pipeline import rank_sources
-    from trainer.data.sources import plan_shards, resolve_data
+    from trainer.data.sources import resolve_data
+    from vlmprep.shards.manifest import ShardFormatError, load_manifest
 
     ds = _copy(dataset, tmp_path, lambda m: m["shards"][0].update({field: value}))
-    data = resolve_data(str(ds))
     with pytest.raises(DataError) as e:
-        rank_sources(
-            (DataSpec(path=str(ds)),), [data], [plan_shards(data.shards, 1)], rank=0, world=1, cache=tmp_path / "cache"
-        )
-    _one_line(e.value, "samples.index.npy")
+        resolve_data(str(ds))
+    _one_line(e.value, f"manifest.json does not match the manifest schema: shards[0].{field} is {value}", said)
+    with pytest.raises(ShardFormatError) as e:
+        load_manifest(ds)
+    _one_line(e.value, f"shards[0].{field} is {value}", said)
+
+
+def test_a_shard_size_of_minus_one_is_named_not_blamed_on_storage(dataset, tmp_path):
+    """Before: `vlmprep verify URL` over a manifest listing a shard of -1 bytes said the shard was "more than -1
+    bytes ... changed or damaged in storage"; the trainer's fetch would have said the same. Now every reader names
+    the manifest's field, before anything is fetched."""
+    import uuid
+
+    import fsspec
+
+    from vlmprep.cli import app
+
+    ds = _copy(dataset, tmp_path, lambda m: m["shards"][0].update(bytes=-1))
+    url = f"memory://minus-{uuid.uuid4().hex[:8]}/ds"
+    for p in sorted(ds.rglob("*")):
+        if p.is_file():
+            fsspec.filesystem("memory").pipe_file(f"{url}/{p.relative_to(ds).as_posix()}", p.read_bytes())
+    for target in (url, str(ds)):
+        for command in ("verify", "stats", "inspect"):
+            res = CliRunner().invoke(app, [command, target])
+            assert res.exit_code == 1 and "storage" not in res.output, res.output
+            assert (
+                "shards[0].bytes is -1, below its minimum 0"
+                in res.output.splitlines()[-1 if command != "verify" else 0]
+            )
+
+
+def test_a_task_manifest_listing_a_shard_of_minus_one_bytes_is_named(dataset, tmp_path):
+    """The same in a task manifest (which merge reads): the field is named, not the shard called changed since."""
+    from vlmprep.builder.pipeline import merge
+    from vlmprep.shards.manifest import ShardFormatError
+
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset, ds)
+    task = ds / "tasks" / "task-00000.json"
+    m = json.loads(task.read_text())
+    m["shards"][0]["bytes"] = -1
+    task.write_text(json.dumps(m))
+    with pytest.raises(ShardFormatError) as e:
+        merge(ds)
+    _one_line(e.value, "task-00000.json: shards[0].bytes is -1, below its minimum 0")
+    assert "changed" not in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["line", "unread_bytes"])
+def test_a_reject_numbered_past_int64_is_one_line(dataset, tmp_path, field):
+    """Before: `stats --rejects FILE` over a reject of line 10^30 ended in an OverflowError traceback."""
+    from vlmprep.cli import app
+
+    ds = _copy(dataset, tmp_path)
+    line = {"id": "x", "reason": "invalid_json", "message": "m", "source": {"file": "t.jsonl", "line": 3}}
+    if field == "line":
+        line["source"]["line"] = 10**30
+    else:
+        line["unread_bytes"] = 10**30
+    (ds / "rejects.jsonl").write_text(json.dumps(line) + "\n")
+    for args in (
+        ["stats", str(ds), "--rejects", str(tmp_path / "r.parquet")],
+        ["inspect", str(ds), "--only", "rejected"],
+    ):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 1 and not isinstance(res.exception, OverflowError), res.output
+        where = "source.line" if field == "line" else "unread_bytes"
+        assert res.output.splitlines()[-1] == (
+            f"error: rejects.jsonl line 1: {where} is past int64: not a reject vlmprep wrote"
+        ), res.output
 
 
 @pytest.mark.parametrize("kind", ["directory", "FIFO"])

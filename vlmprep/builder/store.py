@@ -156,7 +156,7 @@ class Bucket:
         data = self.read(name, have[name]) if name in have else None
         if data is None:
             return None
-        done = TaskManifest.from_json(json.loads(data))
+        done = TaskManifest.from_json(json.loads(data), where=f"{self.url}/{name}")
         return done if done.plan == digest else None
 
     def read(self, name: str, size: int) -> bytes | None:

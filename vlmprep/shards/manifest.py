@@ -197,11 +197,23 @@ class TaskManifest(JsonObject):
     KEYS = {"fingerprint": "processor"}
     NESTED = {"shards": [ShardEntry]}
 
+    @classmethod
+    def from_json(cls, obj, *, where: str = "the task manifest") -> TaskManifest:
+        """A parsed task manifest (read from `where`), refused in one line naming the field unless its shards, totals
+        and rejects have the dataset manifest's types and bounds (a shard of -1 bytes would be blamed on storage)."""
+        if not isinstance(obj, dict):
+            raise ShardFormatError(f"{where} is not a JSON object; not a task manifest")
+        for key in ("shards", "totals", "rejects"):
+            problem = schema_problem(obj.get(key), f"manifest.schema.json#/properties/{key}")
+            if problem:
+                raise ShardFormatError(f"{where}: {key}{problem.removeprefix('it')}; remove it and run the task again")
+        return super().from_json(obj)
+
 
 def load_task_manifest(files: TaskFiles) -> TaskManifest | None:
     """A task's manifest, or None while the task is not complete."""
     try:
-        return TaskManifest.from_json(json.loads(read_state(files.manifest)))
+        return TaskManifest.from_json(json.loads(read_state(files.manifest)), where=str(files.manifest))
     except FileNotFoundError:
         return None
 
