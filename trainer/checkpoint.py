@@ -28,6 +28,7 @@ from trainer import locks
 from trainer.config import ConfigError
 from trainer.metrics import LOG_NAME
 from vlmprep_schemas.boundary import UnsafeWrite, fresh_state_dir, open_no_follow, read_state, remove_state, state_dir
+from vlmprep_schemas.terminal import for_terminal
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -328,7 +329,10 @@ def load_latest(
                 logging.disable(quiet)
         skipped.append(f"{path.name}: {why}")
         if _world()[0] == 0:
-            print(f"trainer: skipped checkpoint {path}: {why}; resuming from the one before it", file=sys.stderr)
+            print(
+                for_terminal(f"trainer: skipped checkpoint {path}: {why}; resuming from the one before it"),
+                file=sys.stderr,
+            )
     if skipped:
         raise ConfigError(
             f"{checkpoint_dir(run_dir)} holds no complete checkpoint ({'; '.join(skipped[:3])}): pass "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainer.config import FIELDS, GROUPS, REQUIRED, ConfigError, DataSpec, TrainConfig
+from vlmprep_schemas.terminal import for_terminal
 
 
 def _coerce(name: str, value):
@@ -149,7 +150,7 @@ def run_tool(prog: str, work: Callable[[], object]) -> int:
     except ConfigError as e:
         if os.environ.get("TRAINER_DEBUG"):
             raise
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(for_terminal(f"{prog}: error: {e}"), file=sys.stderr)
         return 1
     print(f"{prog}: wrote {out}")
     return 0

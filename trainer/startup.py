@@ -18,6 +18,7 @@ from trainer.metrics import RunLog
 from trainer.model import apply_fsdp, build_model
 from trainer.options import Batching, Checkpointing, ModelOptions, Optimization
 from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.terminal import for_terminal
 
 
 def build_optimizer(optim: Optimization, net: torch.nn.Module) -> torch.optim.AdamW:
@@ -68,7 +69,7 @@ def make_model(
             for ds in data.datasets
         ][0]
         if rank == 0:
-            print(line, file=sys.stderr)
+            print(for_terminal(line), file=sys.stderr)
     return net
 
 

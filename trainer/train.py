@@ -47,6 +47,7 @@ from trainer.model import collate_spec_of, forward_loss, model_identity, model_t
 from trainer.options import Batching, Checkpointing, DataOptions, ModelOptions, Optimization, RunLength
 from trainer.startup import build_optimizer, make_model, resume_state, run_log, shard_model, start_run
 from vlmprep_schemas.boundary import UnsafeWrite
+from vlmprep_schemas.terminal import for_terminal
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
@@ -435,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         rank = os.environ.get("RANK")
         hint = " (free space there, or write the run or --shard-cache elsewhere)" if disk_full else ""
-        print(f"trainer: error{f' (rank {rank})' if rank else ''}: {_one_line(e)}{hint}", file=sys.stderr)
+        line = f"trainer: error{f' (rank {rank})' if rank else ''}: {_one_line(e)}{hint}"
+        print(for_terminal(line), file=sys.stderr)  # it may quote a dataset's text or a server's: escaped
         return 1
     return 0

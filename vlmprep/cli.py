@@ -14,7 +14,8 @@ import typer
 
 from vlmprep.config import FIELDS, INSPECT_FIELDS, PER_VERSION, RAW_OPTIONS, REQUIRED, InspectConfig, default
 from vlmprep.shards.summary import plural
-from vlmprep.types import UserError, printable
+from vlmprep.types import UserError
+from vlmprep_schemas.terminal import for_terminal
 
 app = typer.Typer(
     add_completion=False,
@@ -29,10 +30,16 @@ def _root() -> None:
     """vlmprep: offline VLM SFT data preparation."""
 
 
+def _echo(text: str, *, err: bool = False, lines: bool = False) -> None:
+    """Print what a command says, its text from a dataset, bucket or server escaped for the terminal (no control
+    sequence acts; `lines`: a multi-line report keeps its newlines, else the line stays one line)."""
+    typer.echo(for_terminal(text, lines=lines), err=err)
+
+
 def _fail(e: BaseException) -> None:
     if os.environ.get("VLMPREP_DEBUG"):
         raise e
-    typer.echo(f"error: {printable(str(e))}", err=True)  # a path or record text may hold a lone surrogate
+    _echo(f"error: {e}", err=True)  # record text, a name or a lone surrogate in it: escaped, one line
     raise typer.Exit(1)
 
 
@@ -52,7 +59,7 @@ def _local_dir(value: str, command: str, shards: list[str] | None = None) -> tup
                 value,
                 shards=shards,
                 on_file=progress,
-                say=lambda line: typer.echo(f"vlmprep {command}: {line}", err=True),
+                say=lambda line: _echo(f"vlmprep {command}: {line}", err=True),
             ), value
     except UserError as e:
         _fail(e)
@@ -145,7 +152,7 @@ def build(**opts) -> None:
 
             files = expand_inputs(inputs)
             size = sum(map(size_of, files))
-            typer.echo(
+            _echo(
                 f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
                 f"{opts['processor']} into {out} ...",
                 err=True,
@@ -162,7 +169,7 @@ def build(**opts) -> None:
                     "--in is required (only a --task-index run may take its inputs from DIR/plan.json)"
                 )
             result = build_task(out, task_index, workers=opts["workers"], progress=show_progress)
-            typer.echo(format_task_summary(result.task, out))
+            _echo(format_task_summary(result.task, out), lines=True)
             return
         values = _config_values(opts, FIELDS.keys() & opts.keys())
         result = run_build(
@@ -173,18 +180,18 @@ def build(**opts) -> None:
             from vlmprep.shards.summary import format_build_summary
 
             version = e.version if opts["append"] and getattr(e, "version", None) else None
-            typer.echo(format_build_summary(e.manifest, out, version=version))
+            _echo(format_build_summary(e.manifest, out, version=version), lines=True)
         _fail(e)
     if result.added is not None:  # --append: what the new version added
-        typer.echo(format_build_summary(result.added, out, version=result.manifest.version["number"]))
+        _echo(format_build_summary(result.added, out, version=result.manifest.version["number"]), lines=True)
     elif result.manifest is not None and opts["append"]:
         return  # nothing new: said on stderr, the dataset unchanged
     elif result.manifest is not None:
-        typer.echo(format_build_summary(result.manifest, out))
+        _echo(format_build_summary(result.manifest, out), lines=True)
     elif result.task is not None:
-        typer.echo(format_task_summary(result.task, out))
+        _echo(format_task_summary(result.task, out), lines=True)
     else:
-        typer.echo(format_plan_summary(result.plan, out))
+        _echo(format_plan_summary(result.plan, out), lines=True)
 
 
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
@@ -226,11 +233,11 @@ def merge(
             root, allow_empty=allow_empty, max_reject_fraction=max_reject_fraction, min_turn_coverage=min_turn_coverage
         )
     except RejectsError as e:
-        typer.echo(format_build_summary(e.manifest, root))
+        _echo(format_build_summary(e.manifest, root), lines=True)
         _fail(e)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
-    typer.echo(format_build_summary(manifest, root))
+    _echo(format_build_summary(manifest, root), lines=True)
 
 
 @app.command()
@@ -270,11 +277,11 @@ def verify(
     except UserError as e:
         _fail(e)
     for v in violations:
-        typer.echo(f"FAIL {v}")
+        _echo(f"FAIL {v}")
     if violations:
-        typer.echo(f"{len(violations)} violation(s) in {shown}", err=True)
+        _echo(f"{len(violations)} violation(s) in {shown}", err=True)
         raise typer.Exit(1)
-    typer.echo(f"OK {shown}: manifest, shards" + ("" if quick else " and every sample") + " verified")
+    _echo(f"OK {shown}: manifest, shards" + ("" if quick else " and every sample") + " verified")
 
 
 @app.command()
@@ -383,9 +390,9 @@ def stats(
                 written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects))} rejects)")
     except (UserError, ValueError, OSError) as e:
         _fail(e)
-    typer.echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st))
+    _echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st), lines=True)
     for line in written:
-        typer.echo(line, err=json_out)
+        _echo(line, err=json_out)
 
 
 def main() -> None:

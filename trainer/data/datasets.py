@@ -28,6 +28,7 @@ from trainer.data.sources import DataSource, ShardPlan, plan_shards, resolve_dat
 from trainer.data.vision import ImageSpec
 from trainer.families import family_of_model, family_of_processor, packing_refusal, supported_models
 from trainer.options import DataOptions
+from vlmprep_schemas.terminal import for_terminal
 
 
 def plural(n: int, word: str) -> str:
@@ -180,7 +181,7 @@ def log_plans(data: RunData) -> None:
     """Prints the run's warnings and each dataset's per-rank shard split to stderr (rank 0, at start)."""
     world = data.world
     for w in data.warnings:
-        print(f"trainer: warning: {w}", file=sys.stderr)
+        print(for_terminal(f"trainer: warning: {w}"), file=sys.stderr)  # a manifest's values in it: escaped
     for d, ds, p in zip(data.specs, data.datasets, data.plans):
         counts = ", ".join(
             f"rank {r}: {plural(len(s), 'shard')}" + (f" {plural(t, 'token')}" if ds.counted else "")

@@ -50,6 +50,7 @@ from vlmprep.shards.format import INDEX_SUFFIX, index_name
 from vlmprep.shards.manifest import Manifest, ShardEntry, TaskManifest
 from vlmprep.shards.versions import CommitConflict, index_file, rejects_file, shard_version
 from vlmprep_schemas.boundary import open_no_follow, read_state, state_dir
+from vlmprep_schemas.terminal import for_terminal
 from vlmprep_schemas.versions import ids_name, version_name
 
 STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
@@ -421,4 +422,4 @@ def scratch_stage(url: str, index: int):
 
 def say(line: str) -> None:
     """One progress line of a store build, on stderr."""
-    print(f"vlmprep build: {line}", file=sys.stderr)
+    print(for_terminal(f"vlmprep build: {line}"), file=sys.stderr)  # it names the bucket's keys

@@ -27,6 +27,7 @@ from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sampl
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import SampleView, TokenizerView, reject_line, view_sample
 from vlmprep.types import RecordError, UserError
+from vlmprep_schemas.terminal import for_terminal
 
 # Build options `--like DIR` does not take from a dataset's manifest: where inputs are, what they may read (local
 # image dirs, remote URLs, a role-boundaries file) and how the build runs. The user passes them for their own input.
@@ -326,7 +327,7 @@ def run_inspect(cfg: InspectConfig, console=None) -> InspectResult:
     plain = not console.is_terminal
     for v in views:
         if isinstance(v, dict):
-            console.print(reject_line(v), markup=False, highlight=False, soft_wrap=True)
+            console.print(for_terminal(reject_line(v)), markup=False, highlight=False, soft_wrap=True)
         elif plain:
             console.out(format_tokens_plain(v) if cfg.tokens else format_plain(v), end="", highlight=False)
         else:

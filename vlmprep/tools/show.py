@@ -1,5 +1,6 @@
 """Terminal printers of a SampleView: plain text with [T]...[/T] around trained runs (piped output), rich colours
-in a terminal, and the per-token table (--tokens).
+in a terminal, and the per-token table (--tokens). Everything from the dataset is escaped for the terminal
+(vlmprep_schemas.terminal): a sample's text keeps its newlines, a header, fact or table line stays one line.
 """
 
 from __future__ import annotations
@@ -7,19 +8,32 @@ from __future__ import annotations
 import numpy as np
 
 from vlmprep.tools.view import SampleView, fact_lines, header_line, message_line, run_marker
+from vlmprep_schemas.terminal import for_terminal
+
+
+def _text(text: str) -> str:
+    """A sample's own text as the terminal shows it: its newlines kept, every control sequence spelled out."""
+    return for_terminal(text, lines=True)
+
+
+def _heads(v: SampleView) -> tuple[str, list[str]]:
+    """The sample's header and fact lines, each one line with no control sequence (ids and file names come from the
+    dataset)."""
+    return for_terminal(header_line(v)), [for_terminal(line) for line in fact_lines(v)]
 
 
 def format_plain(v: SampleView) -> str:
     """Plain text: the conversation with [T]...[/T] around each trained run, then the facts."""
-    out = [header_line(v)]
+    head, facts = _heads(v)
+    out = [head]
     for m in v.messages:
         body = []
         for trained, segs in m.runs:
-            text = "".join(seg.text for seg in segs)
+            text = _text("".join(seg.text for seg in segs))
             body.append(f"[T]{text}[/T]" if trained else text)
-        out.append(message_line(m))
+        out.append(for_terminal(message_line(m)))
         out.append("".join(body).removesuffix("\n"))
-    out += fact_lines(v)
+    out += facts
     return "\n".join(out) + "\n"
 
 
@@ -31,18 +45,19 @@ def format_rich(v: SampleView):
     """The same view as rich Text: trained tokens on green, masked text dim, special tokens and images bold."""
     from rich.text import Text
 
+    head, facts = _heads(v)
     t = Text()
-    t.append(header_line(v) + "\n", style="bold")
+    t.append(head + "\n", style="bold")
     for m in v.messages:
-        t.append(message_line(m) + "\n", style="bold blue")
+        t.append(for_terminal(message_line(m)) + "\n", style="bold blue")
         for seg in m.segments:
             style = _STYLE[seg.kind]
             if seg.trained:
                 style = _TRAINED if seg.kind == "text" else f"{style} {_TRAINED}"
-            t.append(seg.text, style=style)
+            t.append(_text(seg.text), style=style)
         if m.segments and not m.segments[-1].text.endswith("\n"):
             t.append("\n")
-    for line in fact_lines(v):
+    for line in facts:
         t.append(line + "\n", style="yellow" if line.startswith(("WARNING", "note")) else "")
     return t
 
@@ -111,12 +126,13 @@ _TOKEN_COLUMNS = ("index", "id", "mask", "type", "piece")
 def _token_table(rows: list[tuple[str, ...]]) -> list[str]:
     w = [max([len(c)] + [len(r[j]) for r in rows]) for j, c in enumerate(_TOKEN_COLUMNS[:4])]
     head = "  ".join(c.rjust(w[j]) for j, c in enumerate(_TOKEN_COLUMNS[:4])) + "  piece"
-    return [head] + ["  ".join(r[j].rjust(w[j]) for j in range(4)) + "  " + r[4] for r in rows]
+    return [head] + ["  ".join(r[j].rjust(w[j]) for j in range(4)) + "  " + for_terminal(r[4]) for r in rows]
 
 
 def format_tokens_plain(v: SampleView) -> str:
     """One sample's token table as plain text (index, id, mask, type, piece), with its header and facts."""
-    return "\n".join([header_line(v)] + _token_table(token_rows(v)) + fact_lines(v)) + "\n"
+    head, facts = _heads(v)
+    return "\n".join([head, *_token_table(token_rows(v)), *facts]) + "\n"
 
 
 def format_tokens_rich(v: SampleView):
@@ -126,10 +142,11 @@ def format_tokens_rich(v: SampleView):
 
     rows = token_rows(v)
     lines = _token_table(rows)
+    head, facts = _heads(v)
     t = Text()
-    t.append(header_line(v) + "\n", style="bold")
+    t.append(head + "\n", style="bold")
     t.append(lines[0] + "\n", style="bold")
     for r, line in zip(rows, lines[1:]):
         t.append(line + "\n", style=_TRAINED if r[2] == "1" else ("bold cyan" if r[3] != "0" else "dim"))
-    t.append("\n".join(fact_lines(v)) + "\n")
+    t.append("\n".join(facts) + "\n")
     return t

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from vlmprep.shards.summary import LOST_TURNS_NOTE, dropped_by_cut, plural
 from vlmprep.tools.stats import DISTRIBUTIONS, MAX_INPUT_ROWS, PERCENTILES
+from vlmprep_schemas.terminal import for_terminal
 
 HIST_WIDTH = 40
 # a row per input file: the text and HTML tables' columns, but the last (trained tokens)
@@ -46,7 +47,7 @@ def _input_lines(st: dict) -> list[str]:
     for i in shown:
         rows.append(
             [
-                i["name"],
+                for_terminal(i["name"]),  # escaped before the columns are measured
                 str(i["records"]),
                 str(i["samples"]),
                 str(i["rejected"]),
@@ -134,4 +135,4 @@ def format_stats(st: dict) -> str:
     lines += _histogram_lines("tokens per sample", st["tokens_per_sample"]["histogram"])
     lines += _histogram_lines("tokens per image", st["tokens_per_image"]["histogram"])
     lines += [f"WARNING: {m}" for m in st["mismatches"] + st["warnings"]]
-    return "\n".join(lines)
+    return "\n".join(map(for_terminal, lines))  # each line one line, whatever a name or reason in it holds
