@@ -10,11 +10,14 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+
+from vlmprep_schemas.boundary import open_no_follow, read_state, remove_state
 
 if TYPE_CHECKING:
     from transformers import ProcessorMixin
@@ -63,7 +66,7 @@ def builtin_dir(name: str, cache_dir: Path | None = None) -> Path:
         key = _cache_key(f"tiny:{name}", data, template)
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         final = root / f"tiny-{name}-{key[:16]}"
-        if not (final / MARKER_FILE).is_file():
+        if cache_problem(final, key) is not None:
             _build_into(final, f"tiny:{name}", key, lambda: vendor.make_processor(name, template))
         return final
     if name in QWEN_BUILTINS:
@@ -78,9 +81,51 @@ def builtin_dir(name: str, cache_dir: Path | None = None) -> Path:
     key = _cache_key(name, data, template)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"{name}-{key[:16]}"
-    if not (final / MARKER_FILE).is_file():
+    if cache_problem(final, key) is not None:
         _build_into(final, name, key, lambda: vendor.make_processor(name, template))
     return final
+
+
+def _digests(d: Path) -> dict[str, str]:
+    """Every entry under dir `d` but the marker -> the sha256 of its bytes ("not a file" for a link, a FIFO or any
+    other non-file), walked without following a link."""
+    out = {}
+    for top, dirs, names in os.walk(d):
+        for n in [*names, *(x for x in dirs if os.path.islink(os.path.join(top, x)))]:
+            p = Path(top, n)
+            rel = p.relative_to(d).as_posix()
+            if rel != MARKER_FILE:
+                out[rel] = _sha256(p) if p.is_file() and not p.is_symlink() else "not a file"
+    return out
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open_no_follow(p, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_problem(d: Path, key: str) -> str | None:
+    """Why cached processor dir `d` is not the one vlmprep built for `key` (None: it is): it must be a real dir (no
+    link), its marker must name `key` and list each file with the sha256 it was written with, and the dir must hold
+    exactly those files with those bytes. A shared cache (~/.cache of a team, $VLMPREP_CACHE) is writable by
+    others: a tokenizer or chat template edited there would change every build's tokens without a word."""
+    try:
+        if not stat.S_ISDIR(os.lstat(d).st_mode):
+            return "not a directory of its own (a symlink or file)"
+        marker = json.loads(read_state(d / MARKER_FILE, 1 << 20))
+        files = marker.get("files")
+        if marker.get("key") != key or not isinstance(files, dict):
+            return f"its {MARKER_FILE} is not one this vlmprep wrote for it"
+        now = _digests(d)
+    except FileNotFoundError:
+        return "missing, or not finished"
+    except (OSError, ValueError, AttributeError) as e:
+        return f"unreadable ({e})"
+    changed = sorted(n for n in files.keys() | now.keys() if files.get(n) != now.get(n))
+    return f"{', '.join(changed[:3])} changed since it was built" if changed else None
 
 
 def from_local_dir(path: str | Path):
@@ -163,28 +208,36 @@ def _build_into(final: Path, name: str, key: str, make: Callable[[], ProcessorMi
     """Build with `make()` into a temp dir and publish it with one rename, so the cache never holds a partial dir."""
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not (final / MARKER_FILE).is_file():
-        # No marker means the dir was not written by this builder (all our writes are one rename); set it aside.
+    problem = cache_problem(final, key) if os.path.lexists(final) else None
+    if problem is not None:
+        # Not the dir this builder wrote (all our writes are one rename of a dir whose marker lists its files), or
+        # changed since: set it aside (a link: the link itself) and build it again.
+        log.warning("rebuilding the cached processor %s: %s", final, problem)
         trash = root / f".{final.name}.stale-{uuid.uuid4().hex}"
         try:
             os.replace(final, trash)
         except FileNotFoundError:
             pass
-        shutil.rmtree(trash, ignore_errors=True)
+        except OSError as e:  # another user's dir in a shared cache: not ours to move
+            raise ValueError(
+                f"{final}: the cached processor {name} is {problem}, and cannot be replaced here ({e.strerror}); "
+                "remove it, or set VLMPREP_CACHE to a dir of your own"
+            ) from None
+        remove_state(trash)
 
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.tmp-"))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
         make().save_pretrained(str(tmp))
-        # Written last, so a dir that has it is complete.
-        marker = {"name": name, "key": key, "builder_version": BUILDER_VERSION}
+        # Written last, so a dir that has it is complete; it lists every file's sha256, checked on each use.
+        marker = {"name": name, "key": key, "builder_version": BUILDER_VERSION, "files": _digests(tmp)}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         try:
             os.replace(tmp, final)
         except OSError:
             # A concurrent build renamed its complete copy first (rename onto a non-empty dir fails): use that.
-            if not (final / MARKER_FILE).is_file():
+            if cache_problem(final, key) is not None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -448,3 +448,94 @@ def test_full_hd_screenshot_gets_the_checkpoints_token_count(processors, name, t
     ip = processors[name].image_processor
     grid = ip(images=[Image.new("RGB", (1920, 1080))], return_tensors="np")["image_grid_thw"][0]
     assert grid.prod() // ip.merge_size**2 == tokens
+
+
+# --- a shared cache is not trusted blindly (issue 53.6): each use checks the entry against what made it
+
+
+@pytest.fixture
+def cached_tiny(tmp_path):
+    """A copy of the session's cached tiny:qwen2-vl dir in a cache of this test's own: (cache root, entry dir)."""
+    from vlmprep.processors.builtin import builtin_dir
+
+    entry = builtin_dir("tiny:qwen2-vl")
+    shutil.copytree(entry, tmp_path / "cache" / entry.name, symlinks=True)
+    return tmp_path / "cache", tmp_path / "cache" / entry.name
+
+
+@pytest.mark.parametrize("edit", ["chat template", "tokenizer", "added file", "removed file", "marker's list"])
+def test_a_cached_processor_edited_by_someone_else_is_rebuilt(cached_tiny, edit, caplog):
+    """Before: a cached tiny: / builtin: dir whose chat template another user of the cache rewrote (here: a template
+    that trains nothing) was loaded as it was, with no word; now the entry is checked against the sha256 of every
+    file its marker lists, and rebuilt."""
+    from vlmprep.processors.builtin import builtin_dir, from_local_dir
+
+    root, entry = cached_tiny
+    before = {p.name: p.read_bytes() for p in entry.iterdir()}
+    template = entry / "chat_template.jinja"
+    if edit == "chat template":
+        template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    elif edit == "tokenizer":
+        (entry / "tokenizer.json").write_bytes(
+            (entry / "tokenizer.json").read_bytes().replace(b"<|im_end|>", b"<|im_xnd|>")
+        )
+    elif edit == "added file":
+        (entry / "added_tokens.json").write_text('{"<evil>": 5}')
+    elif edit == "removed file":
+        template.unlink()
+    else:
+        marker = json.loads((entry / builtin.MARKER_FILE).read_text())
+        marker["files"]["chat_template.jinja"] = "0" * 64
+        (entry / builtin.MARKER_FILE).write_text(json.dumps(marker))
+    assert builtin_dir("tiny:qwen2-vl", root) == entry
+    assert {p.name: p.read_bytes() for p in entry.iterdir() if p.name != builtin.MARKER_FILE} == {
+        n: b for n, b in before.items() if n != builtin.MARKER_FILE
+    }
+    assert "rebuilding the cached processor" in caplog.text
+    assert from_local_dir(entry).chat_template == before["chat_template.jinja"].decode()
+
+
+def test_a_cached_processor_untouched_is_used_as_it_is(cached_tiny, monkeypatch):
+    from vlmprep.processors import tiny
+    from vlmprep.processors.builtin import builtin_dir
+
+    root, entry = cached_tiny
+    monkeypatch.setattr(tiny, "make_processor", lambda *a: pytest.fail("rebuilt an intact cache entry"))
+    assert builtin_dir("tiny:qwen2-vl", root) == entry
+
+
+def test_a_linked_cache_entry_is_replaced_and_its_target_kept(cached_tiny, tmp_path):
+    """An entry that is a link (to a dir another user controls, holding a copy of the real files): not used; the
+    link is set aside and the entry built as a dir of its own, the target left as it was."""
+    from vlmprep.processors.builtin import builtin_dir
+
+    root, entry = cached_tiny
+    theirs = tmp_path / "theirs"
+    shutil.move(entry, theirs)
+    entry.symlink_to(theirs)
+    listing = sorted(p.name for p in theirs.iterdir())
+    assert builtin_dir("tiny:qwen2-vl", root) == entry
+    assert entry.is_dir() and not entry.is_symlink() and sorted(p.name for p in theirs.iterdir()) == listing
+
+
+def test_an_edited_entry_that_cannot_be_replaced_is_one_line(cached_tiny, monkeypatch):
+    """Another user's entry in a shared cache, not ours to move: refused in one line naming it and the way out."""
+    import os
+
+    from vlmprep.processors.builtin import builtin_dir
+
+    root, entry = cached_tiny
+    (entry / "chat_template.jinja").write_text("{{ messages }}")
+    real = os.replace
+
+    def denied(src, dst):
+        if str(src) == str(entry):
+            raise PermissionError(1, "Operation not permitted")
+        return real(src, dst)
+
+    monkeypatch.setattr(builtin.os, "replace", denied)
+    with pytest.raises(ValueError) as e:
+        builtin_dir("tiny:qwen2-vl", root)
+    line = str(e.value)
+    assert "\n" not in line and str(entry) in line and "chat_template.jinja changed since it was built" in line
+    assert "set VLMPREP_CACHE to a dir of your own" in line
