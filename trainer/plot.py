@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainer.cli import run_tool
 from trainer.config import ConfigError
-from vlmprep_schemas.boundary import open_no_follow
+from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow, read_state
 
 # (metrics.jsonl key, panel title, colour): one panel per entry, in a 2 x 3 grid; eval_loss and loss_by_source join
 # the loss panel. A run without packing has no pack_fill: its panel says so.
@@ -31,7 +31,9 @@ def read_records(run_dir: Path) -> list[dict]:
     should be."""
     path = run_dir / "metrics.jsonl"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_state(path, 1 << 40).decode("utf-8").splitlines()  # a link or FIFO there: refused, not waited on
+    except UnsafeWrite as e:
+        raise ConfigError(str(e)) from None
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror} (is {run_dir} a trainer run dir?)") from None
     try:

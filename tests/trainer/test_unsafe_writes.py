@@ -358,10 +358,10 @@ def test_a_linked_checkpoint_temp_dir_is_removed_not_written_through(tmp_path):
     assert checkpoint_problem(final) is None and not final.is_symlink() and untouched(victim)
 
 
-@pytest.mark.parametrize("name", ["run.json", "lock note", "shard record"])
+@pytest.mark.parametrize("name", ["run.json", "lock note", "shard record", "metrics for plot"])
 def test_a_fifo_at_a_state_file_the_trainer_reads_back_is_not_waited_on(tmp_path, name):
-    """A FIFO at run.json (read to check a resume), a lock's note or the rank's record of hashed shards: refused or
-    skipped at once, never waited on (before: each read hung)."""
+    """A FIFO at run.json (read to check a resume), a lock's note, the rank's record of hashed shards or the
+    metrics `trainer plot` reads: refused or skipped at once, never waited on (before: each read hung)."""
     from tests.support.planted import finishes, plant
     from trainer import locks
     from trainer.checkpoint import check_resumable
@@ -377,6 +377,12 @@ def test_a_fifo_at_a_state_file_the_trainer_reads_back_is_not_waited_on(tmp_path
     elif name == "lock note":
         plant(run / "trainer.lock", "FIFO")
         assert finishes(lambda: locks.holder(run / "trainer.lock"), timeout_s=20) == "another process"
+    elif name == "metrics for plot":
+        from trainer.plot import read_records
+
+        plant(run / "metrics.jsonl", "FIFO")
+        with pytest.raises(ConfigError, match=r"metrics\.jsonl is a symlink or special file"):
+            finishes(lambda: read_records(run), timeout_s=20)
     else:
         plant(run / "shard-cache" / "rank-00000" / RECORD, "FIFO")
         assert finishes(lambda: ShardCheck(run / "shard-cache" / "rank-00000" / RECORD).known, timeout_s=20) == {}
