@@ -19,7 +19,7 @@ from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, TMP_SUFFIX, writ
 from vlmprep.shards.format import DATASET_INDEX_NAME
 from vlmprep.shards.manifest import Manifest, ShardFormatError
 from vlmprep.types import UserError
-from vlmprep_schemas.boundary import UnsafeDataset, UnsafeWrite, open_no_follow
+from vlmprep_schemas.boundary import UnsafeDataset, open_no_follow, state_dir
 from vlmprep_schemas.limits import LIMITS, load_json
 from vlmprep_schemas.versions import (
     VERSIONS_DIR,
@@ -129,16 +129,9 @@ def repair_manifest(d: Path, say: Callable[[str], None]) -> None:
 
 
 def versions_dir(d: Path) -> Path:
-    """DIR/versions, made where absent; refused where a symlink or a file is planted there (nothing is written
-    through it)."""
-    vdir = Path(d) / VERSIONS_DIR
-    if os.path.lexists(vdir) and (vdir.is_symlink() or not vdir.is_dir()):
-        raise UnsafeWrite(
-            f"{vdir} is a symlink or a file where vlmprep keeps version records: refusing to write through it "
-            "(someone may have planted it); remove it and run again"
-        )
-    vdir.mkdir(exist_ok=True)
-    return vdir
+    """DIR/versions, made where absent; refused where a symlink or a file is planted there (boundary.state_dir:
+    nothing is written through it)."""
+    return state_dir(Path(d) / VERSIONS_DIR)
 
 
 def commit_record(d: Path, n: int, data: bytes) -> None:
