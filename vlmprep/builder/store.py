@@ -1,7 +1,8 @@
 """--out in a store (s3://, gs://, hf://; memory:// in tests): the build runs in a local stage dir exactly as a local
 build does, and what lands there is uploaded as it lands: each shard (and its sample index) once the task's journal
 holds it, a task's rejects and sample list and then its manifest when it ends, the merged dataset's files after the
-merge and manifest.json last. A PUT lands whole or not at all, so the bucket never holds part of a file.
+merge and manifest.json last. An upload lands whole or not at all (one PUT, or a multipart upload completed last), so
+the bucket never holds part of a file; it reads the file in bounded parts (Bucket._parts), not whole.
 
 Resume: a killed build resumes from its stage (the same machine); without it (another machine, a lost disk), from the
 bucket: the plan, the processor and every finished task (manifest, lists, sample indexes) are fetched back and only
@@ -54,8 +55,16 @@ from vlmprep_schemas.terminal import for_terminal
 from vlmprep_schemas.versions import ids_name, version_name
 
 STAGE_ENV = "VLMPREP_STAGE"  # where stage dirs live (default ~/.cache/vlmprep/stage)
+# An upload to S3 holds at most PARTS_IN_FLIGHT parts (and botocore's copy of each): ~64 MiB whatever the shard size.
+PART_BYTES = 8 << 20  # S3's smallest part but the last is 5 MiB
+PARTS_IN_FLIGHT = 4
+MAX_PARTS = 10_000
 # A stage's files that are the local run's own state, never uploaded: locks, journals, partial lists, temp files.
 _LOCAL_ONLY = (LOCK_NAME, "*.lock", "*.journal.json", "*.partial", f"*{TMP_SUFFIX}", "*.part", "*.old")
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
 def is_store(out: str) -> bool:
@@ -116,11 +125,22 @@ class Bucket:
         return out
 
     def put(self, local: Path, name: str) -> None:
-        """Upload one file as the object `name` (a PUT: the object appears whole or not at all)."""
+        """Upload one file as the object `name`, read from the file in bounded parts (_parts): the object appears
+        whole or not at all (one PUT, or a multipart upload completed last and aborted on a failure)."""
         try:
-            self.fs.put_file(str(local), self._key(name))
+            self.fs.put_file(str(local), self._key(name), **self._parts(local))
         except Exception as e:  # noqa: BLE001
             raise LocationError(f"--out {self.url}: uploading {name} failed: {why(e)}") from None
+
+    def _parts(self, local: Path) -> dict:
+        """How s3fs uploads a file: it reads `max_concurrency` parts of `chunksize` bytes at a time (a file under two
+        parts in one read), and botocore holds a copy of each part it sends; its defaults (10 parts of 50 MiB) held a
+        512 MiB shard twice. Other stores already stream: gcsfs sends 50 MiB chunks one at a time, hf:// and memory://
+        write through fsspec's buffered file."""
+        if not {"s3", "s3a"} & set(_protocols(self.fs)):
+            return {}
+        part = max(PART_BYTES, -(-local.stat().st_size // MAX_PARTS))  # S3 takes at most 10,000 parts an object
+        return {"chunksize": part, "max_concurrency": PARTS_IN_FLIGHT}
 
     def get(self, name: str, local: Path, size: int) -> None:
         """Fetch one object of its listed `size` to `local` (NAME.part, opened without following a link, then
