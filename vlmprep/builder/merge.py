@@ -23,6 +23,7 @@ from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, pla
 from vlmprep.builder.store import StoredShards
 from vlmprep.builder.totals import (
     TOTAL_KEYS,
+    count_reject,
     count_sample,
     duplicate_reject,
     duplicate_turns,
@@ -332,7 +333,7 @@ def _reject_duplicate(record: list[dict], counters: list[collections.Counter]) -
             count_sample(counts, sample, sign=-1)
         counts.subtract(turns)
         counts.update(duplicate_turns(turns))
-        counts["rejected"] += 1
+        count_reject(counts, {"reason": "duplicate_id"})
 
 
 def _task_rejects(text: str, dups: list[list[dict]]) -> tuple[str, list[dict]]:
@@ -392,7 +393,7 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
         for entry in removed:
             rejects[entry["reason"]] -= 1
             for counts in (totals, by_input[input_of[entry["source"]["file"]]]):
-                counts["rejected"] -= 1
+                count_reject(counts, entry, sign=-1)
         drop = {s["id"] for record in dups for s in record}
         for info in m.shards:
             if info.name in rewritten:

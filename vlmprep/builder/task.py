@@ -27,6 +27,7 @@ from vlmprep.builder.store import Uploader
 from vlmprep.builder.totals import (
     SAMPLE_FIELDS,
     TOTAL_KEYS,
+    count_reject,
     count_sample,
     duplicate_reject,
     duplicate_turns,
@@ -135,7 +136,7 @@ class _TaskState:
                 completed |= self.writer.write(payload)
             else:
                 self.rejects[payload["reason"]] += 1
-                counts["rejected"] += 1
+                count_reject(counts, payload)
                 counts["unread_bytes"] += payload.get("unread_bytes", 0)
                 rej.write(json.dumps(payload, ensure_ascii=False, sort_keys=True) + "\n")
                 if strict:

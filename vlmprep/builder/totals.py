@@ -9,7 +9,8 @@ import collections
 TOTAL_KEYS = (
     "records",
     "samples",
-    "rejected",
+    "rejected",  # records rejected whole (each once, under one reason)
+    "reject_lines",  # lines of rejects.jsonl: the rejected records and the turn_too_long lines of records that landed
     "tokens",
     "trainable_tokens",
     "image_tokens",
@@ -74,6 +75,13 @@ def count_sample(totals: collections.Counter, m: dict, sign: int = 1) -> None:
     totals["samples"] += sign
     totals["truncated_samples"] += sign * int(m["truncated"])
     totals["split_samples"] += sign * int(m["split"] is not None)
+
+
+def count_reject(totals: collections.Counter, entry: dict, sign: int = 1) -> None:
+    """Add one rejects.jsonl line to the totals (sign=-1: take back one that merge removes): a line, and a rejected
+    record unless it is a turn_too_long line (a lost turn of a record whose other turns are written)."""
+    totals["reject_lines"] += sign
+    totals["rejected"] += sign * (entry["reason"] != "turn_too_long")
 
 
 def input_totals(counts) -> dict:

@@ -21,9 +21,31 @@ def dropped_by_cut(images: int, videos: int) -> str:
 LOST_TURNS_NOTE = {"turn_too_long": " (turns; their records landed)"}
 
 
-def rejected_records(manifest: Manifest) -> int:
-    """Rejected records: reject lines less turn_too_long ones (a lost turn of a record whose other turns landed)."""
-    return manifest.totals["rejected"] - manifest.rejects.get("turn_too_long", 0)
+def counts_records(manifest: Manifest) -> bool:
+    """Whether totals.rejected (and each input's) counts rejected records: every dataset that also counts its
+    reject_lines. Before, it counted the lines of rejects.jsonl, turn_too_long ones (lost turns) included."""
+    return "reject_lines" in manifest.totals
+
+
+def rejected_records(manifest: Manifest, totals: dict | None = None, lost_turns: int | None = None) -> int:
+    """Rejected records, of the dataset or of one input (`totals`, its share, and `lost_turns`, its turn_too_long
+    lines; None: its turns_lost_too_long): totals.rejected, or, in a dataset built before it counted them, its reject
+    lines less the turn_too_long ones (a lost turn of a record whose other turns landed)."""
+    if totals is None:
+        totals, lost_turns = manifest.totals, manifest.rejects.get("turn_too_long", 0)
+    if counts_records(manifest):
+        return int(totals.get("rejected", 0))
+    return int(totals.get("rejected", 0)) - int(
+        totals.get("turns_lost_too_long", 0) if lost_turns is None else lost_turns
+    )
+
+
+def reject_mismatches(manifest: Manifest, *, lines: int, records: int) -> list[str]:
+    """Where totals.rejected and totals.reject_lines differ from the rejects counted: the `lines` of rejects.jsonl and
+    the `records` they reject (totals.rejected: the lines, in a dataset built before it counted records)."""
+    t = manifest.totals
+    want = {"rejected": records if counts_records(manifest) else lines, "reject_lines": lines}
+    return [f"manifest totals.{k}={t[k]} but the rejects give {v}" for k, v in want.items() if k in t and t[k] != v]
 
 
 def reject_share(manifest: Manifest) -> float:
@@ -177,7 +199,7 @@ def format_build_summary(manifest: Manifest, out: Path, version: int | None = No
         *_turn_lines(manifest.turns),
         *_reasoning_lines(t, manifest.config),
         f"  rejected          {rejected_records(manifest)} of {plural(t['records'], 'record')} "
-        f"({reject_share(manifest):.1%})" + (f" -> {rejects}" if t["rejected"] else ""),
+        f"({reject_share(manifest):.1%})" + (f" -> {rejects}" if manifest.rejects else ""),
     ]
     for reason, n in manifest.rejects.items():
         lines.append(f"    {reason:<36} {n}" + LOST_TURNS_NOTE.get(reason, ""))

@@ -1,8 +1,7 @@
 """Stats: a built dataset dir -> counts recomputed from the shards' arrays and meta, checked against the manifest, with
 reject counts by reason, each input file's share (records, samples, rejects, turn coverage, truncation), the
 distributions of tokens, trained tokens and images per sample and of image sizes and tokens per image, and the
-warnings they call for; stats_text.py formats it as plain text (the CLI as JSON, stats_report.py as an HTML page).
-"""
+warnings they call for; stats_text.py formats it as plain text (the CLI as JSON, stats_report.py as an HTML page)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,14 @@ from vlmprep.locations import as_input
 from vlmprep.records import input_names
 from vlmprep.shards.manifest import Manifest, dataset_path, open_dataset, shard_paths
 from vlmprep.shards.reader import iter_rejects, iter_shard
-from vlmprep.shards.summary import REJECT_FIXES, coverage_problem, dropped_by_cut, plural
+from vlmprep.shards.summary import (
+    REJECT_FIXES,
+    coverage_problem,
+    dropped_by_cut,
+    plural,
+    reject_mismatches,
+    rejected_records,
+)
 from vlmprep.shards.versions import manifest_number, rejects_file
 from vlmprep.tools.per_shard import map_shards
 
@@ -317,9 +323,7 @@ def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] |
                 "name": name,
                 "records": t["records"],
                 "samples": t["samples"],
-                "rejected": t["rejected"] - by_file[inp.path].get("turn_too_long", 0)
-                if reject_lines is not None
-                else t["rejected"] - t["turns_lost_too_long"],  # records, not lost-turn lines
+                "rejected": rejected_records(manifest, t, by_file[inp.path]["turn_too_long"] if reject_lines else None),
                 "rejects": dict(sorted(by_file[inp.path].items())),
                 "tokens": t["tokens"],
                 "trainable_tokens": t["trainable_tokens"],
@@ -374,16 +378,13 @@ def _mismatches(manifest: Manifest, st: dict, reject_lines: list[dict] | None, b
         "images",
         "truncated_samples",
         "dropped_images",
-        "rejected",
         "videos",
         "video_tokens",
         "dropped_videos",
     ):
         if key in totals and totals[key] != st[key]:
-            out.append(
-                f"manifest totals.{key}={totals[key]} but the {'rejects' if key == 'rejected' else 'shards'} "
-                f"give {st[key]}"
-            )
+            out.append(f"manifest totals.{key}={totals[key]} but the shards give {st[key]}")
+    out += reject_mismatches(manifest, lines=st["rejected"], records=st["rejected_records"])
     if reject_lines is not None:
         counted = collections.Counter(r.get("reason") for r in reject_lines)
         if dict(sorted(counted.items())) != st["rejects"]:
