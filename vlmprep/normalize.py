@@ -129,6 +129,20 @@ def generated_id(source: Source) -> str:
 _VERBATIM = ("arguments", "tools")  # data the template prints as given: a null inside them is a value
 
 
+def assistant_turns(data) -> int:
+    """The assistant messages of a parsed record as normalize_record reads them (`messages`, else ShareGPT's
+    `conversations`; `role` or `from`, any case, `gpt` included), for a record rejected before it normalized: its
+    turns are lost with it, whatever the layout. 0 where there is no such list."""
+    data = _drop_nulls(data) if isinstance(data, dict) else {}
+    messages = data.get("messages", data.get("conversations"))
+    return sum(
+        isinstance(m, dict)
+        and isinstance(role := m.get("role", m.get("from")), str)
+        and ROLES.get(role.lower()) == "assistant"
+        for m in (messages if isinstance(messages, list) else ())
+    )
+
+
 def _drop_nulls(obj):
     """Arrow-style schema unification fills absent fields with null: treat null as absent, recursively."""
     if isinstance(obj, dict):

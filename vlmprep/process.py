@@ -15,9 +15,9 @@ import math
 
 from vlmprep.config import BuildConfig
 from vlmprep.images import open_image, prepare_image
-from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.normalize import NormalizeOptions, assistant_turns, normalize_record
 from vlmprep.processors.load import apply_pixel_budget, apply_video_budget, resolve_chat_template
-from vlmprep.records import parse_record
+from vlmprep.records import parse_record, readable_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import sample_key
 from vlmprep.shards.writer import encode_sample
@@ -328,17 +328,16 @@ class Renderer:
 
 def rejected_turns(raw: RawRecord, conv: Conversation | None, counted: collections.Counter) -> collections.Counter:
     """The turn accounting of a rejected record: its assistant turns (from the normalized conversation, else the
-    raw `messages` where they parse) all lost with it; of what was counted before the fault, only the facts about
-    the input stay (reasoning turns, and turns an oversized image cost, which build's fix line reads)."""
+    raw record as far as it parses, in any layout normalize reads) all lost with it, whatever the stage rejecting it;
+    of what was counted before the fault, only the facts about the input stay (reasoning turns, and turns an oversized
+    image cost, which build's fix line reads)."""
     if conv is not None:
         n = sum(m.role == "assistant" for m in conv.messages)
     else:
         try:
-            messages = parse_record(raw).get("messages")
+            n = assistant_turns(readable_record(raw))
         except Exception:  # noqa: BLE001 - the record is being rejected already; its turn count is best effort
-            messages = None
-        messages = messages if isinstance(messages, list) else []
-        n = sum(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+            n = 0
     keep = ("reasoning_turns", "turns_lost_large_image")
     return collections.Counter(
         {"input_assistant_turns": n, "turns_lost_rejected": n, **{k: counted[k] for k in keep if counted[k]}}

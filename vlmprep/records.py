@@ -357,6 +357,19 @@ def iter_records(
             yield rec
 
 
+def readable_record(raw: RawRecord):
+    """The record as far as it parses, without parse_record's checks (its UTF-8, unicode, type and id), for the turn
+    count of a record being rejected; None where it does not parse (a reader fault, not JSON)."""
+    if raw.error is not None:
+        return None
+    if raw.text is None:
+        return table_record(raw.data) if raw.row else raw.data
+    try:
+        return json.loads(raw.text.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
+
+
 def parse_record(raw: RawRecord) -> dict:
     """Bytes -> dict; raises RecordError for anything that is not one JSON object."""
     if raw.error is not None:

@@ -1,6 +1,7 @@
 """What a build counts (issue 53.5): the manifest's totals.rejected counts rejected records, not the lines of
 rejects.jsonl (a turn_too_long line is a lost turn of a record that landed), as the summary and `stats` say, and a
-dataset built before (whose totals.rejected counted lines) still reads the same."""
+dataset built before (whose totals.rejected counted lines) still reads the same; every rejected record's turns count
+as lost, whatever the stage that rejected it and whatever the record's layout."""
 
 import json
 import os
@@ -85,5 +86,60 @@ def test_a_duplicate_across_tasks_is_one_rejected_record_and_its_lost_turn_lines
         "turn_too_long": 1,
     }
     assert "rejected          1 of 3 records (33.3%) -> rejects.jsonl" in format_build_summary(
+        res.manifest, tmp_path / "ds"
+    )
+
+
+SHAREGPT = {"conversations": [{"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "red"}]}
+OPENAI = {
+    "messages": [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "IMG"}}, {"type": "text", "text": "?"}],
+        },
+        {"role": "ASSISTANT", "content": "red"},
+    ]
+}
+
+
+@pytest.mark.parametrize("layout", ["sharegpt", "openai"])
+def test_every_rejected_records_turns_count_as_lost_whatever_the_stage(layout, tmp_path):
+    """Records rejected while their images are fetched (normalize: image_not_found), at render (an image too small
+    for the processor), for their id (invalid_id, before normalize), and for a line that is not UTF-8: each one's
+    assistant turn is lost, in ShareGPT's layout (`from: gpt`) as in OpenAI's (any case of role). Before, a record
+    rejected before it normalized counted only `messages` with role exactly "assistant": a ShareGPT build with 2 of 4
+    records rejected for missing images said "2 of 2 trained, 100%"."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(tmp_path / "ok.png")
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(tmp_path / "tiny.png")
+
+    def record(i, image, **extra):
+        if layout == "sharegpt":
+            return {"id": f"r{i}", **SHAREGPT, "images": [image], **extra}
+        rec = json.loads(json.dumps(OPENAI).replace("IMG", image))
+        return {"id": f"r{i}", **rec, **extra}
+
+    lines = [json.dumps(record(0, "ok.png")), json.dumps(record(1, "missing.png"))]
+    lines += [json.dumps(record(2, "ok.png")), json.dumps(record(3, "tiny.png"))]
+    lines += [json.dumps({**record(4, "ok.png"), "id": True})]  # invalid_id
+    lines += [json.dumps(record(5, "ok.png")).replace("what?", "what\xff?").replace('"?"', '"\xff?"')]
+    (tmp_path / "in.jsonl").write_bytes("\n".join(lines).encode("latin-1") + b"\n")
+    res = build(
+        _cfg(
+            tmp_path / "in.jsonl",
+            tmp_path / "ds",
+            processor="tiny:qwen2-vl",
+            min_image_side=8,
+            max_reject_fraction=1,
+            min_turn_coverage=0,
+        )
+    )
+    reasons = sorted(json.loads(x)["reason"] for x in (tmp_path / "ds" / "rejects.jsonl").read_text().splitlines())
+    assert reasons == ["image_not_found", "image_too_small", "invalid_id", "invalid_utf8"], reasons
+    turns = res.manifest.turns
+    assert (turns["input_assistant_turns"], turns["trained_assistant_turns"]) == (6, 2), turns
+    assert turns["lost"]["record_rejected"] == 4 and res.manifest.totals["rejected"] == 4
+    assert "2 of 6 trained (coverage 33.3%; lost: record_rejected 4)" in format_build_summary(
         res.manifest, tmp_path / "ds"
     )
