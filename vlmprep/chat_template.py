@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from vlmprep.mask import SENTINEL
+from vlmprep.processors.load import TEMPLATES_DIR
 from vlmprep.types import Conversation
 
 
@@ -85,6 +86,47 @@ def renders_reasoning(processor, chat_template: str) -> bool:
     except Exception:  # noqa: BLE001 - a template that cannot render the probe renders no reasoning we could prove
         return False
     return SENTINEL.format(0) in rendered
+
+
+def image_drop_fix(ctx, conv: Conversation, message: int, what: str) -> str:
+    """What would help where the chat template drops the images of conv.messages[message] (ctx: render's
+    RenderContext; `what`: the counts): a bundled template of the family that prints every image of the record, named
+    where one does (probed); and, by where the image is, moving it to a user message (it is in another role's), or
+    giving it in a later user message where the template drops it only beside tools (Llama 4's Hub template prints
+    the first user message of a record with tools as text next to the tool list)."""
+    m, messages, n = conv.messages[message], ctx.messages(conv), len(conv.images)
+    named = [t for t in ctx.family.templates if _placeholders(ctx, _bundled(t), messages, conv.tools) == n]
+    use = (
+        f"pass --chat-template {named[0]} (bundled; it renders them)"
+        if named
+        else "pass a --chat-template that renders them"
+    )
+    if m.role != "user":
+        return (
+            f"the chat template drops images in {m.role} messages ({what}); move the image to a user message, or {use}"
+        )
+    beside_tools = [_placeholders(ctx, ctx.chat_template, messages, t) or 0 for t in (None, conv.tools)]
+    if conv.tools and beside_tools[0] - beside_tools[1] >= len(m.images):
+        return (
+            f"the chat template prints this message as text beside the tool list when the record has tools, so its "
+            f"images are dropped ({what}); {use}, or give the images in a later user message"
+        )
+    return f"the chat template drops this user message's images ({what}); {use}"
+
+
+def _bundled(name: str) -> str:
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def _placeholders(ctx, template: str, messages: list[dict], tools: list | None) -> int | None:
+    """The image placeholders `template` prints for the messages (and tools); None where it cannot render them."""
+    try:
+        text = ctx.processor.apply_chat_template(
+            messages, chat_template=template, tokenize=False, **({"tools": tools} if tools else {})
+        )
+    except Exception:  # noqa: BLE001 - a diagnosis only: a template that cannot render the record renders no image
+        return None
+    return text.count(ctx.image_token)
 
 
 def _split_think(text: str) -> tuple[str, str]:

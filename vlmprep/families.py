@@ -33,6 +33,8 @@ class FamilySpec:
     # temporal patch, each its own run.
     video: str | None = None
     tokens_per_second: int = 2  # Qwen2.5-VL vision_config.tokens_per_second of every published checkpoint
+    # The chat templates bundled for the family (vlmprep/templates/NAME.jinja): where a reject can name another.
+    templates: tuple[str, ...] = ()
 
     @property
     def grid_images(self) -> bool:
@@ -49,14 +51,21 @@ _QWEN = dict(
     image_mode="smart_resize",
     turn_starts=_IM_START,
 )
+_QWEN2 = dict(_QWEN, templates=("qwen2_vl", "qwen2_vl_tools"))
 
 FAMILIES: dict[str, FamilySpec] = {
     s.processor_class: s
     for s in (
-        FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", video="qwen2", **_QWEN),
-        FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN),
+        FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", video="qwen2", **_QWEN2),
+        FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN2),
         # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
-        FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", video="qwen3", **_QWEN),
+        FamilySpec(
+            name="qwen3-vl",
+            processor_class="Qwen3VLProcessor",
+            video="qwen3",
+            templates=("qwen3_vl", "qwen3_5"),
+            **_QWEN,
+        ),
         FamilySpec(
             name="glm-4.1v",
             processor_class="Glm4vProcessor",
@@ -66,6 +75,7 @@ FAMILIES: dict[str, FamilySpec] = {
             positions="mrope",
             image_mode="smart_resize_temporal",
             string_content=True,
+            templates=("glm4v",),
             turn_starts={
                 "<|system|>": "system",
                 "<|user|>": "user",
@@ -79,17 +89,23 @@ FAMILIES: dict[str, FamilySpec] = {
             end_of_turn=("<end_of_turn>",),
             image_mode="fixed_resize",
             turn_starts={"<start_of_turn>": "next"},
+            templates=("gemma3",),
         ),
         # Gemma 4: `<|turn>role ... <turn|>` turns; images resized by its processor at train time (aspect kept, a patch
         # budget), so they are stored as the source.
         FamilySpec(
-            name="gemma4", processor_class="Gemma4Processor", end_of_turn=("<turn|>",), turn_starts={"<|turn>": "next"}
+            name="gemma4",
+            processor_class="Gemma4Processor",
+            end_of_turn=("<turn|>",),
+            turn_starts={"<|turn>": "next"},
+            templates=("gemma4",),
         ),
         FamilySpec(
             name="llama3.2-vision",
             processor_class="MllamaProcessor",
             end_of_turn=("<|eot_id|>",),
             turn_starts={"<|start_header_id|>": "next"},
+            templates=("llama3_2_vision", "llama3_2_vision_llama_models"),
         ),
         # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.
         FamilySpec(
@@ -97,6 +113,7 @@ FAMILIES: dict[str, FamilySpec] = {
             processor_class="Llama4Processor",
             end_of_turn=("<|eot|>", "<|eom|>"),
             turn_starts={"<|header_start|>": "next"},
+            templates=("llama4", "llama4_llama_models"),
         ),
         FamilySpec(
             name="mistral3-pixtral",
@@ -105,16 +122,27 @@ FAMILIES: dict[str, FamilySpec] = {
             image_mode="longest_edge_patch",
             turn_starts={"[INST]": "user", "[/INST]": "assistant"},
             tool_call_tokens=("[TOOL_CALLS]",),
+            templates=("mistral3", "mistral3_mistral_common"),
         ),
-        FamilySpec(name="idefics3-smolvlm", processor_class="Idefics3Processor", end_of_turn=("<end_of_utterance>",)),
+        FamilySpec(
+            name="idefics3-smolvlm",
+            processor_class="Idefics3Processor",
+            end_of_turn=("<end_of_utterance>",),
+            templates=("smolvlm",),
+        ),
         FamilySpec(
             name="llava-onevision",
             processor_class="LlavaOnevisionProcessor",
             end_of_turn=("<|im_end|>",),
             turn_starts=_IM_START,
+            templates=("llava_onevision",),
         ),
         FamilySpec(
-            name="internvl", processor_class="InternVLProcessor", end_of_turn=("<|im_end|>",), turn_starts=_IM_START
+            name="internvl",
+            processor_class="InternVLProcessor",
+            end_of_turn=("<|im_end|>",),
+            turn_starts=_IM_START,
+            templates=("internvl",),
         ),
     )
 }

@@ -71,8 +71,9 @@ REASONS: dict[str, Reason] = {
         remote_fetch_failed="",
         image_file_too_large="`--max-image-bytes`, local files and `--allow-remote` fetches alike",
         image_count_mismatch="ShareGPT / LLaMA-Factory layout: `<image>` markers and images differ in number; or"
-        " the template drops a message's images, e.g. Qwen3-VL's in assistant turns: names the"
-        " message",
+        " the template drops a message's images, e.g. Qwen3-VL's in assistant turns, or Llama 4's Hub"
+        " template a user message's beside tools: names the message and a bundled template of the family"
+        " that renders them, where one does",
         too_many_images="`--max-images-per-record`",
     ),
     **_stage(

@@ -16,6 +16,7 @@ import numpy as np
 from vlmprep.chat_template import (
     Slot,
     StructureRenders,
+    image_drop_fix,
     message_slots,
     prints_string_arguments,
     reasoning_of,
@@ -443,8 +444,5 @@ def _dropped_images(ctx: RenderContext, conv: Conversation | None, n_placeholder
         except Exception:  # noqa: BLE001 - a diagnosis only; the mismatch is reported either way
             continue
         if n_placeholders - n < len(m.images):
-            return (
-                f"messages[{i}] ({m.role}): the chat template drops images in {m.role} messages ({what}); "
-                f"move the image to a user message, or pass a --chat-template that renders it"
-            )
+            return f"messages[{i}] ({m.role}): {image_drop_fix(ctx, conv, i, what)}"
     return None
