@@ -95,7 +95,7 @@ class Renderer:
         truncate -> the pixels of the images the samples keep; raises RecordError. One sample per record, or several
         when --long-traces split cuts a long trace; `self.turns` then holds the record's turn accounting and
         `self.lost` the trained turns that could not fit."""
-        self.turns, self.lost, self.largest_image = collections.Counter(), [], 0
+        self.turns, self.lost, self.largest_image, self.record_images = collections.Counter(), [], 0, 0
         conv = None
         try:
             conv = normalize_record(parse_record(raw), raw.source, self.norm)
@@ -107,6 +107,7 @@ class Renderer:
             raise
 
     def _render(self, conv: Conversation) -> list[RenderedSample]:
+        self.record_images = len(conv.images)
         assistant = {i for i, m in enumerate(conv.messages) if m.role == "assistant"}
         self.turns["input_assistant_turns"] = len(assistant)
         reasoning = set(self.ctx.reasoning_messages(conv))
@@ -149,7 +150,7 @@ class Renderer:
             if fault is not None:
                 raise fault from None
             if e.reason == "no_trainable_tokens_after_truncation":
-                self._count_large_image_loss(len(assistant))
+                self._count_lost_turn_causes(len(assistant))
             raise
         # Reasoning left out: by --reasoning drop, or by the template itself (Qwen3.5 prints it only after the last
         # user query), counted per input turn that no sample rendered it for.
@@ -163,7 +164,7 @@ class Renderer:
             - self.turns["turns_lost_truncated"]
             - self.turns["turns_lost_too_long"]
         )
-        self._count_large_image_loss(self.turns["turns_lost_truncated"] + self.turns["turns_lost_too_long"])
+        self._count_lost_turn_causes(self.turns["turns_lost_truncated"] + self.turns["turns_lost_too_long"])
         return samples
 
     def _open_images(self, conv: Conversation, images: list[PreparedImage]) -> None:
@@ -278,9 +279,13 @@ class Renderer:
         neither splitting nor dropping older screenshots can replace."""
         return 2 * self.largest_image > self.cfg.seq_len
 
-    def _count_large_image_loss(self, lost: int) -> None:
-        if lost and self._large_image:  # build's fix line reads this count
+    def _count_lost_turn_causes(self, lost: int) -> None:
+        """What build's fix line reads of turns --seq-len cost: those of a record with an image over half of it
+        (--max-pixels' to fix), and those of a record with at most one image (--keep-images cannot shorten it)."""
+        if lost and self._large_image:
             self.turns["turns_lost_large_image"] = lost
+        if lost and self.record_images <= 1:
+            self.turns["turns_lost_single_image"] = lost
 
     def lost_turn_entry(self, raw: RawRecord, message: int) -> dict:
         """The turn_too_long reject entry for a turn that does not fit --seq-len even with the least context."""
@@ -330,7 +335,7 @@ def rejected_turns(raw: RawRecord, conv: Conversation | None, counted: collectio
     """The turn accounting of a rejected record: its assistant turns (from the normalized conversation, else the
     raw record as far as it parses, in any layout normalize reads) all lost with it, whatever the stage rejecting it;
     of what was counted before the fault, only the facts about the input stay (reasoning turns, and turns an oversized
-    image cost, which build's fix line reads)."""
+    image cost or that --keep-images cannot save, which build's fix line reads)."""
     if conv is not None:
         n = sum(m.role == "assistant" for m in conv.messages)
     else:
@@ -338,7 +343,7 @@ def rejected_turns(raw: RawRecord, conv: Conversation | None, counted: collectio
             n = assistant_turns(readable_record(raw))
         except Exception:  # noqa: BLE001 - the record is being rejected already; its turn count is best effort
             n = 0
-    keep = ("reasoning_turns", "turns_lost_large_image")
+    keep = ("reasoning_turns", "turns_lost_large_image", "turns_lost_single_image")
     return collections.Counter(
         {"input_assistant_turns": n, "turns_lost_rejected": n, **{k: counted[k] for k in keep if counted[k]}}
     )

@@ -35,6 +35,7 @@ TOTAL_KEYS = (
     "video_tokens",
     "dropped_videos",
     "turns_lost_large_image",
+    "turns_lost_single_image",  # lost turns of records with at most one image: --keep-images cannot shorten them
 )
 
 

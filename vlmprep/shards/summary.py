@@ -89,6 +89,8 @@ def reject_fix(reason: str, manifest: Manifest) -> str:
         fix = "pass --chat-template qwen2_vl_tools (the bundled tool-aware template), or --tool-calls drop-from-loss"
     if reason in ("no_trainable_tokens_after_truncation", "turn_too_long") and _large_images_cost(manifest):
         fix = _max_pixels_fix(manifest)
+    elif reason in ("no_trainable_tokens_after_truncation", "turn_too_long") and _single_images_cost(manifest):
+        fix = _seq_len_fix(manifest)
     return fix
 
 
@@ -104,9 +106,31 @@ def _max_pixels_fix(manifest: Manifest) -> str:
 
 
 def _large_images_cost(manifest: Manifest) -> bool:
+    return _most_lost(manifest, "turns_lost_large_image")
+
+
+def _single_images_cost(manifest: Manifest) -> bool:
+    return _most_lost(manifest, "turns_lost_single_image")
+
+
+def _most_lost(manifest: Manifest, key: str) -> bool:
+    """Whether the turns counted under `key` are at least half of those --seq-len cost (or, none cut, any: records
+    rejected)."""
     t = manifest.totals
-    cut, large = t.get("turns_lost_truncated", 0) + t.get("turns_lost_too_long", 0), t.get("turns_lost_large_image", 0)
-    return 2 * large >= cut if cut else large > 0  # at least half the turns --seq-len cost, or records rejected
+    cut, these = t.get("turns_lost_truncated", 0) + t.get("turns_lost_too_long", 0), t.get(key, 0)
+    return 2 * these >= cut if cut else these > 0
+
+
+def _seq_len_fix(manifest: Manifest) -> str:
+    """Turns --seq-len cost in records of at most one image: --keep-images, which drops older images, cannot
+    shorten them (a one-image LLaVA-OneVision build was told to pass it); --seq-len can."""
+    t = manifest.totals
+    cut = t.get("turns_lost_truncated", 0) + t.get("turns_lost_too_long", 0)
+    share = f"{t['turns_lost_single_image']} of the {cut}" if cut else "the"
+    return (
+        f"raise --seq-len ({share} turns lost are in records holding at most one image, which --keep-images "
+        "cannot shorten)"
+    )
 
 
 def turns_to_train(manifest: Manifest) -> tuple[int, int, dict[str, int]]:
@@ -145,10 +169,11 @@ def coverage_problem(manifest: Manifest, minimum: float) -> str | None:
     elif _large_images_cost(manifest):
         fix = _max_pixels_fix(manifest)
     elif lost["truncated"] and config.get("long_traces") == "truncate":
-        fix = (
-            "drop --long-traces truncate (split, the default, trains every turn in step samples), or pass "
-            "--keep-images last:3 so that traces fit"
+        fix = "drop --long-traces truncate (split, the default, trains every turn in step samples)" + (
+            "" if _single_images_cost(manifest) else ", or pass --keep-images last:3 so that traces fit"
         )
+    elif _single_images_cost(manifest):
+        fix = _seq_len_fix(manifest)
     elif config.get("keep_images") is not None:  # older screenshots are dropped already: what is left is too long
         fix = (
             f"raise --seq-len (these turns, with what they act on, do not fit {config.get('seq_len')} tokens even "
