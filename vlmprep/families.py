@@ -27,6 +27,9 @@ class FamilySpec:
     role_markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # --role-boundaries: role -> (start, end)
     # Tokens that open a turn, for views: "next" = the role is the first word after the token, else the role itself.
     turn_starts: dict[str, str] = field(default_factory=dict)
+    # Tokens that end a turn where the next opens with no token of its own (SmolVLM: `<end_of_utterance>`, then
+    # `\nAssistant:`): a view starts a message after each, its role the first word of the text that follows.
+    turn_ends: tuple[str, ...] = ()
     tool_call_tokens: tuple[str, ...] = ()  # control tokens that open a turn's tool calls (trained with the calls)
     # Video parts (vlmprep/videos.py), None: rejected as unsupported_video. "qwen2": one run per video, temporal
     # rope ids step 1; "qwen2.5": step tokens_per_second * second_per_grid_t; "qwen3": timestamp text before each
@@ -120,7 +123,7 @@ FAMILIES: dict[str, FamilySpec] = {
             processor_class="PixtralProcessor",
             end_of_turn=("</s>",),
             image_mode="longest_edge_patch",
-            turn_starts={"[INST]": "user", "[/INST]": "assistant"},
+            turn_starts={"[SYSTEM_PROMPT]": "system", "[INST]": "user", "[/INST]": "assistant"},
             tool_call_tokens=("[TOOL_CALLS]",),
             templates=("mistral3", "mistral3_mistral_common"),
         ),
@@ -128,6 +131,8 @@ FAMILIES: dict[str, FamilySpec] = {
             name="idefics3-smolvlm",
             processor_class="Idefics3Processor",
             end_of_turn=("<end_of_utterance>",),
+            turn_starts=_IM_START,  # once, before the first turn
+            turn_ends=("<end_of_utterance>",),
             templates=("smolvlm",),
         ),
         FamilySpec(

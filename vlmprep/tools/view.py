@@ -109,12 +109,14 @@ class TokenizerView:
         merge_size: int | None,
         turn_starts: dict[str, str] = ANY_TURN_STARTS,
         grid: bool = True,
+        turn_ends: tuple[str, ...] = (),
     ):
         self._decode = decode
         self._decode_batch = decode_batch
         self.special = special
         self.special_ids = np.array(sorted(special), dtype=np.int64)
         self.turn_starts = {i: turn_starts[c] for i, c in special.items() if c in turn_starts}
+        self.turn_ends = {i for i, c in special.items() if c in turn_ends}  # a message starts after each
         self.merge_size = merge_size  # None: the family has no patch grid to check placeholder counts against
         self.grid = grid  # False: the family's grid rows are image sizes (no patch grid)
 
@@ -130,6 +132,7 @@ class TokenizerView:
             merge_size=getattr(getattr(processor, "image_processor", None), "merge_size", None),
             turn_starts=_turn_starts(type(processor).__name__),
             grid=_grid(type(processor).__name__),
+            turn_ends=_turn_ends(type(processor).__name__),
         )
 
     @classmethod
@@ -159,6 +162,7 @@ class TokenizerView:
             merge_size=int(merge) if merge else None,
             turn_starts=_turn_starts(processor_class),
             grid=_grid(processor_class),
+            turn_ends=_turn_ends(processor_class),
         )
 
     def decode(self, ids) -> str:
@@ -186,6 +190,8 @@ def segment_sample(sample: InspectedSample, tv: TokenizerView) -> list[MessageVi
     special = np.isin(ids, tv.special_ids) & (marked == 0)
     change = np.ones(n, dtype=bool)
     change[1:] = (mask[1:] != mask[:-1]) | (marked[1:] != marked[:-1]) | special[1:] | special[:-1]
+    for p in np.flatnonzero(np.isin(ids[:-2], list(tv.turn_ends))) + 1:  # the newline after a turn end: its own run
+        change[p + 1] |= not tv.decode(ids[p : p + 1]).strip()
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], n)
     videos = {seg.start: seg for seg in _video_segments(sample, types, mask, tv)}
@@ -303,20 +309,29 @@ def image_marker(
 
 
 def _split_messages(segments: list[Segment], ids: np.ndarray, tv: TokenizerView) -> list[MessageView]:
+    """A message starts at each turn-start token, and after each turn-end token (SmolVLM) and the blank text after
+    it (the newline between turns stays with the turn it ends)."""
     messages: list[MessageView] = []
     cur: list[Segment] = []
+    ended = opened_after_end = False
     for seg in segments:
-        if seg.kind == "special" and int(ids[seg.start]) in tv.turn_starts and cur:
-            messages.append(MessageView(_role(cur, ids, tv), cur))
-            cur = []
+        token = int(ids[seg.start]) if seg.kind == "special" else -1
+        blank = seg.kind == "text" and not seg.text.strip()
+        if cur and (token in tv.turn_starts or (ended and not blank)):
+            messages.append(MessageView(_role(cur, ids, tv, opened_after_end), cur))
+            cur, opened_after_end = [], ended
         cur.append(seg)
+        ended = token in tv.turn_ends or (ended and blank)
     if cur:
-        messages.append(MessageView(_role(cur, ids, tv), cur))
+        messages.append(MessageView(_role(cur, ids, tv, opened_after_end), cur))
     return messages
 
 
-def _role(segs: list[Segment], ids: np.ndarray, tv: TokenizerView) -> str:
+def _role(segs: list[Segment], ids: np.ndarray, tv: TokenizerView, after_end: bool = False) -> str:
     first = segs[0]
+    if after_end and first.kind == "text":  # SmolVLM: `User:` / `Assistant:` after the turn end
+        words = first.text.split()
+        return words[0].rstrip(":") if words else "?"
     how = tv.turn_starts.get(int(ids[first.start])) if first.kind == "special" else None
     if how == "next":
         words = segs[1].text.split("\n", 1)[0].split() if len(segs) > 1 and segs[1].kind == "text" else []
@@ -403,6 +418,11 @@ def _ranges(xs: list[int]) -> str:
 def _turn_starts(processor_class: str | None) -> dict[str, str]:
     family = family_of(processor_class)
     return family.turn_starts if family is not None and family.turn_starts else ANY_TURN_STARTS
+
+
+def _turn_ends(processor_class: str | None) -> tuple[str, ...]:
+    family = family_of(processor_class)
+    return family.turn_ends if family is not None else ()
 
 
 def _grid(processor_class: str | None) -> bool:

@@ -431,3 +431,45 @@ def test_like_never_renders_a_datasets_own_template(built, tmp_path):
     assert named.exit_code == 0, named.output
     mine = invoke(inp, "--like", out, "--index", 0)  # vlmprep's own template: rendered as before
     assert mine.exit_code == 0 and strip_where(mine.stdout) == strip_where(named.stdout)
+
+
+def _family_names():
+    from vlmprep.processors.tiny import tiny_names
+
+    return tiny_names()
+
+
+@pytest.mark.parametrize("name", _family_names())
+def test_every_familys_turns_each_get_their_own_header(name, tmp_path):
+    """A record (an image and a question, an answer, a question, an answer) inspected with each family's tiny
+    processor: one `--- role ---` header per turn, in order (a leading header-less run of special tokens, the BOS, and
+    a system message the template adds aside), each turn's text under its own header, the trained tokens under the
+    assistant's (Gemma's `model`). SmolVLM's turns open with no token of their own (`User:` after the previous turn's
+    `<end_of_utterance>`): all four were under one header before."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(tmp_path / "red.png")
+    image = {"type": "image_url", "image_url": {"url": "red.png"}}
+    msgs = [
+        {"role": "user", "content": [image, {"type": "text", "text": "What colour?"}]},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
+    ]
+    (tmp_path / "r.jsonl").write_text(json.dumps({"id": "r", "messages": msgs}) + "\n")
+    res = invoke(tmp_path / "r.jsonl", "--processor", f"tiny:{name}")
+    assert res.exit_code == 0 and "rejected" not in res.stdout, res.output
+    parts = re.split(r"^--- (.+?)(?: \((\d+)/\d+ tokens trained\))? ---$", res.stdout, flags=re.M)
+    turns = [(role, int(trained or 0), body) for role, trained, body in zip(parts[1::3], parts[2::3], parts[3::3])]
+    if turns[0][0] == "(no turn header)":
+        assert not re.sub(r"<[^<>]*>|\[[^\[\]]*\]|\s", "", turns[0][2]), turns[0]  # special tokens only
+        turns = turns[1:]
+    turns = [t for t in turns if t[0].lower() != "system"]
+    roles = [{"model": "assistant"}.get(r.lower(), r.lower()) for r, _, _ in turns]
+    assert roles == ["user", "assistant", "user", "assistant"], res.stdout
+    for (role, trained, body), text, other in zip(
+        turns, ["What colour?", "Red.", "Sure?", "Yes."], ["Red.", "Sure?", "Yes.", "What"]
+    ):
+        assert text in body and other not in body, (role, body)
+        # the assistant's turn trains; a user turn at most the one token that also closes the answer before it (GLM)
+        assert trained > 0 if roles[turns.index((role, trained, body))] == "assistant" else trained <= 1, (role, body)
