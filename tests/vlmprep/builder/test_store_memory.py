@@ -109,7 +109,7 @@ def test_a_build_of_multipart_objects_resumes_from_the_bucket_and_verifies(bucke
     fs.invalidate_cache()
     assert fs.info(f"{name}/in/in.jsonl")["ETag"].strip('"').endswith(f"-{-(-src.stat().st_size // MIN_PART)}")
     src, url = f"s3://{name}/in/in.jsonl", f"s3://{name}/ds"
-    cfg = planned_cfg(src, url, tasks=2, workers=1, samples_per_shard=1000)
+    cfg = planned_cfg(src, url, tasks=2, workers=1, samples_per_shard=1000, processor="tiny:qwen2-vl")
     build(cfg)
     built = _objects(fs, f"{name}/ds")
     shards = [k for k in fs.find(f"{name}/ds") if k.endswith(".tar")]
