@@ -8,6 +8,7 @@ feature's `{bytes, path}` struct, raw bytes, or a path (read under --image-root 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Iterator
@@ -30,8 +31,8 @@ def is_table(path: Input) -> bool:
 
 def _batches(path: Input, first_row: int):
     """(row index of the batch's first row, record batch of <= BATCH_ROWS rows), from the batch holding `first_row`
-    on. Parquet: from its row group; Arrow IPC file format by batch index, stream format (what `save_to_disk` writes)
-    read through from the start."""
+    on, each batch validated before a row of it is converted. Parquet: from its row group; Arrow IPC file format by
+    batch index, stream format (what `save_to_disk` writes) read through from the start."""
     import pyarrow as pa
 
     if path.name.endswith(".parquet"):
@@ -44,24 +45,80 @@ def _batches(path: Input, first_row: int):
             # read-ahead (one range) fetched again and again (2.6x the file's bytes, measured).
             yield from _sliced(at, pf.iter_batches(batch_size=rows, row_groups=[g], use_threads=False))
         return
-    # mapped: a batch's pages are read as its rows are converted (a store's object: through its range reads)
-    source = pa.memory_map(str(path), "r") if isinstance(path, Path) else pa.PythonFile(open_input(path), mode="r")
-    try:
-        reader = pa.ipc.open_file(source)
-    except pa.ArrowInvalid:  # not the file format: the stream format
-        source.seek(0)
-        yield from _sliced(0, pa.ipc.open_stream(source))
-        return
-    yield from _sliced(0, (reader.get_batch(i) for i in range(reader.num_record_batches)))
+    # Read, never mapped: a mapped file cut short while it is read (or a batch whose buffers lie past its end) is a
+    # SIGBUS that kills the build; a read is an error. Each read is capped at the file's size, so a message that
+    # claims a terabyte body allocates none of it.
+    size = size_of(path)
+    with pa.PythonFile(_Capped(open_input(path), size), mode="r") as source:
+        try:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:  # not the file format: the stream format
+            source.seek(0)
+            batches = pa.ipc.open_stream(source)
+        yield from _sliced(0, _claimed(batches, size))
+
+
+class _Capped:
+    """A binary file whose reads stop at `size` (the file's bytes when it was opened): what pyarrow reads an Arrow IPC
+    input through (a plain file object would allocate the whole of a message body a hostile header claims)."""
+
+    def __init__(self, f, size: int):
+        self._f, self._size, self.closed = f, size, False
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(self._size - self._f.tell(), 0)
+        return self._f.read(left if n is None or n < 0 else min(n, left))
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._f.close()
+
+
+class TableLie(ValueError):
+    """A table's own bookkeeping (a Parquet footer, an Arrow batch header) claims what its bytes cannot hold."""
+
+
+def _check_rows(rows: int, size: int, what: str) -> None:
+    """Refuses more rows than the file has bytes: a row of a layout vlmprep reads takes bytes (its messages at
+    least), and every row claimed costs the plan and the reader time and memory."""
+    if rows > max(size, 0):
+        raise TableLie(f"{what} claims {rows} rows in {size} bytes, more rows than the file has bytes")
+
+
+def _claimed(batches, size: int) -> Iterator:
+    """Arrow IPC record batches, refused once they claim more rows, in all, than the file has bytes."""
+    rows = 0
+    for batch in batches:
+        rows += batch.num_rows
+        _check_rows(rows, size, "its record batches")
+        yield batch
 
 
 def _parquet_file(path: Input):
-    """A store's object through its range reads (locations.py); a local file by path."""
+    """A store's object through its range reads (locations.py); a local file by path. Its footer's row counts are
+    checked against the file's bytes before any is used (a 2.8 KB file claiming 10^12 rows)."""
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(
-        path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False
-    )
+    pf = pq.ParquetFile(path if isinstance(path, Path) else open_input(path), buffer_size=READ_BUFFER, pre_buffer=False)
+    meta = pf.metadata
+    groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    if min(groups, default=0) < 0 or sum(groups) != meta.num_rows:
+        raise TableLie(f"its footer claims {meta.num_rows} rows but its row groups {sum(groups)}")
+    _check_rows(meta.num_rows, size_of(path), "its footer")
+    return pf
 
 
 def _row_groups(pf, first_row: int):
@@ -77,8 +134,11 @@ def _row_groups(pf, first_row: int):
 
 
 def _sliced(start: int, batches) -> Iterator:
-    """Each batch in slices of BATCH_ROWS rows, fewer where that many would pass BATCH_BYTES."""
+    """Each batch, validated in full (offsets, lengths, UTF-8: a batch whose string offsets point past its buffers
+    would make the conversion read outside them), in slices of BATCH_ROWS rows, fewer where that many would pass
+    BATCH_BYTES."""
     for batch in batches:
+        batch.validate(full=True)
         rows = max(1, min(BATCH_ROWS, int(BATCH_BYTES * batch.num_rows // max(batch.nbytes, 1))))
         for i in range(0, batch.num_rows, rows):
             yield start + i, batch.slice(i, rows)
@@ -104,12 +164,12 @@ def iter_table_records(
             )
         for at, n, per_row, batch in chunks:
             skip = max(first_row - at, 0)
-            rows = [None] * (n - skip) if scan else batch.slice(skip).to_pylist()
+            rows = itertools.repeat(None, n - skip) if scan else batch.slice(skip).to_pylist()
             for data in rows:
                 row += 1
                 yield RawRecord(Source(name, row, input_name), pos, data=data, offset=row - 1, size=per_row, row=True)
                 pos += 1
-    except (OSError, pa.ArrowException) as e:
+    except (OSError, pa.ArrowException, TableLie) as e:
         what = (
             f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'Arrow IPC'} file ({e})"
             if row == first_row == 0

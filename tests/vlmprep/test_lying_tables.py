@@ -1,0 +1,202 @@
+"""Inputs that lie (issue 53.6, round 5): Arrow batches whose offsets point past their buffers, a file cut short while
+it is read, a message or footer claiming far more than the file holds, JSON nested 200,000 deep, a row of a million
+messages, a save_to_disk data file linked out of its dir. Each is refused where it is read, with a reason code, and
+the good input beside it still lands (docs/untrusted-datasets.md, Round 5)."""
+
+import json
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from vlmprep.builder.pipeline import build
+from vlmprep.config import BuildConfig
+from vlmprep.shards.reader import iter_dataset
+from vlmprep.tables import iter_table_records
+
+ROOT = Path(__file__).resolve().parents[2]
+TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def _rows(prefix: str, n: int = 3) -> list[dict]:
+    return [{"id": f"{prefix}{i}", "messages": json.dumps(TURNS)} for i in range(n)]
+
+
+def _arrow(path: Path, rows: list[dict], *, stream: bool) -> None:
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(path), "wb") as f, (pa.ipc.new_stream if stream else pa.ipc.new_file)(f, table.schema) as w:
+        w.write_table(table)
+
+
+def _lying_offsets(path: Path, last: int, *, stream: bool) -> None:
+    """Three rows whose ids' string offsets are 0, 2, 4, `last`: the last row's string ends `last` bytes in, past
+    the 6-byte data buffer (2*10^9: far outside the file, which a mapped read turned into SIGBUS)."""
+    _arrow(path, [{"id": f"x{i}", "messages": json.dumps(TURNS)} for i in range(3)], stream=stream)
+    data = bytearray(path.read_bytes())
+    at = data.find(struct.pack("<4i", 0, 2, 4, 6))
+    assert at > 0
+    data[at : at + 16] = struct.pack("<4i", 0, 2, 4, last)
+    path.write_bytes(bytes(data))
+
+
+def _huge_body(path: Path) -> None:
+    """A stream whose record batch message claims a body of 10^12 bytes (the file holds a few hundred)."""
+    _arrow(path, _rows("h"), stream=True)
+    data = bytearray(path.read_bytes())
+    at = 8 + struct.unpack_from("<i", data, 4)[0]  # past the schema message: the batch message
+    meta = pa.ipc.read_message(pa.py_buffer(bytes(data[at:])))
+    body = struct.pack("<q", meta.body.size)
+    start = at + 8
+    i = data.find(body, start, start + meta.metadata.size)
+    assert i > 0
+    data[i : i + 8] = struct.pack("<q", 10**12)
+    path.write_bytes(bytes(data))
+
+
+def _null_rows(path: Path, rows: int) -> None:
+    """A stream of one batch of `rows` null rows: no buffers at all, so any row count is a valid batch."""
+    table = pa.table({"id": pa.nulls(rows), "messages": pa.nulls(rows)})
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+
+
+_BUILD = """
+import json, sys
+from vlmprep.builder.pipeline import build
+from vlmprep.config import BuildConfig
+res = build(BuildConfig(inputs=(sys.argv[1],), out=sys.argv[2], processor="tiny:qwen2-vl", progress=False,
+                        max_reject_fraction=1.0, min_turn_coverage=0.0))
+print(json.dumps(res.manifest.rejects))
+"""
+
+
+def test_arrow_batches_that_lie_are_one_reject_each_and_the_good_file_beside_them_lands(tmp_path):
+    """Offsets far past the end (a SIGBUS that killed the build, good file and all, before), negative (a
+    SystemError traceback), one past (a read of padding), a terabyte body and 10^9 null rows in ~600 bytes: each file
+    one unreadable_table naming what lies. In a subprocess, so a signal fails the test instead of killing pytest."""
+    d = tmp_path / "in"
+    d.mkdir()
+    _arrow(d / "good.arrow", _rows("g"), stream=False)
+    _lying_offsets(d / "far.arrow", 2_000_000_000, stream=False)
+    _lying_offsets(d / "far-stream.arrow", 2_000_000_000, stream=True)
+    _lying_offsets(d / "negative.arrow", -2_000_000_000, stream=True)
+    _lying_offsets(d / "one-past.arrow", 7, stream=False)
+    _huge_body(d / "body.arrow")
+    _null_rows(d / "nulls.arrow", 10**9)
+    r = subprocess.run(
+        [sys.executable, "-c", _BUILD, str(d), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert json.loads(r.stdout.splitlines()[-1]) == {"unreadable_table": 6}
+    assert [s.meta()["id"] for s in iter_dataset(tmp_path / "o")] == ["g0", "g1", "g2"]
+    why = {
+        Path(e["source"]["file"]).name: e["message"]
+        for e in map(json.loads, (tmp_path / "o" / "rejects.jsonl").read_text().splitlines())
+    }
+    assert "offset for slot 3 out of bounds: 2000000000 > 6" in why["far.arrow"]
+    assert "offset for slot 3 out of bounds: 2000000000 > 6" in why["far-stream.arrow"]
+    assert "non-monotonic offset" in why["negative.arrow"]
+    assert "out of bounds: 7 > 6" in why["one-past.arrow"]
+    assert "Expected to be able to read 1000000000000 bytes" in why["body.arrow"]
+    assert "claims 1000000000 rows in" in why["nulls.arrow"]
+
+
+_CUT = """
+import sys
+from pathlib import Path
+from vlmprep.tables import iter_table_records
+path = Path(sys.argv[1])
+records = iter_table_records(path)
+first = next(records)
+with open(path, "r+b") as f:  # another process cuts the file short while the build reads it
+    f.truncate(path.stat().st_size // 3)
+rest = list(records)
+print(first.data["id"], len(rest), rest[-1].error.reason, rest[-1].error.message)
+"""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_arrow_file_cut_short_while_it_is_read_ends_in_a_reject_not_a_sigbus(tmp_path, stream):
+    """A mapped file cut short under the reader is a SIGBUS (the process dies, nothing is written); read, it is an
+    unreadable_table after the rows read before the cut."""
+    path = tmp_path / "t.arrow"
+    rows = [{"id": f"r{i}", "messages": json.dumps(TURNS) + " " * 100_000} for i in range(40)]
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(path), "wb") as f, (pa.ipc.new_stream if stream else pa.ipc.new_file)(f, table.schema) as w:
+        w.write_table(table, max_chunksize=4)
+    r = subprocess.run([sys.executable, "-c", _CUT, str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    first, n, reason, message = r.stdout.split(" ", 3)
+    assert first == "r0" and reason == "unreadable_table", r.stdout
+    assert 0 < int(n) < 40 and "the rows before it were kept" in message
+
+
+def test_an_arrow_input_in_a_store_claiming_a_terabyte_body_allocates_none_of_it(tmp_path):
+    """Read through a store's range reads, a message's claimed body was one read of that size (a MemoryError
+    traceback before); each read is now capped at the object's size: one unreadable_table."""
+    import fsspec
+
+    from vlmprep.locations import RemoteFile
+
+    _huge_body(tmp_path / "body.arrow")
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/lying/body.arrow", (tmp_path / "body.arrow").read_bytes())
+    try:
+        got = list(iter_table_records(RemoteFile("memory://lying/body.arrow")))
+    finally:
+        fs.rm("/lying", recursive=True)
+    assert len(got) == 1 and got[0].error.reason == "unreadable_table"
+    assert "Expected to be able to read 1000000000000 bytes" in got[0].error.message
+
+
+def _claim_rows(path: Path, rows: int) -> None:
+    """Rewrites a Parquet footer so that it, its row group and its column chunk claim `rows` rows (thrift compact:
+    each i64 field holding the real count, 300, as the zigzag varint d8 04)."""
+
+    def varint(n: int) -> bytes:
+        out = b""
+        while n >= 0x80:
+            out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+        return out + bytes([n])
+
+    data = path.read_bytes()
+    n = struct.unpack("<i", data[-8:-4])[0]
+    footer = re.sub(rb"([\x16\x26\x36\x46\x56])\xd8\x04", lambda m: m.group(1) + varint(2 * rows), data[-8 - n : -8])
+    path.write_bytes(data[: -8 - n] + footer + struct.pack("<i", len(footer)) + b"PAR1")
+    assert pq.ParquetFile(path).metadata.num_rows == rows
+
+
+def test_a_parquet_footer_claiming_more_rows_than_its_bytes_is_one_reject_at_planning(tmp_path):
+    """A 2.6 KB file whose footer claims 10^12 rows failed planning with MemoryError (a list per claimed row): the
+    claim is checked against the file's bytes when it is opened, for the plan's scan and for the read."""
+    d = tmp_path / "in"
+    d.mkdir()
+    pq.write_table(pa.Table.from_pylist(_rows("g")), d / "good.parquet")
+    pq.write_table(pa.Table.from_pylist(_rows("x", 300)), d / "lie.parquet")
+    _claim_rows(d / "lie.parquet", 10**12)
+    assert (d / "lie.parquet").stat().st_size < 4000
+    res = build(
+        BuildConfig(
+            inputs=(str(d),),
+            out=str(tmp_path / "o"),
+            processor="tiny:qwen2-vl",
+            progress=False,
+            tasks=2,
+            workers=1,
+            max_reject_fraction=1.0,
+            min_turn_coverage=0.0,
+        )
+    )
+    assert res.manifest.rejects == {"unreadable_table": 1}
+    assert [s.meta()["id"] for s in iter_dataset(tmp_path / "o")] == ["g0", "g1", "g2"]
+    reject = json.loads((tmp_path / "o" / "rejects.jsonl").read_text())
+    assert "its footer claims 1000000000000 rows in" in reject["message"], reject
