@@ -36,17 +36,18 @@ LIMITS = ReaderLimits(
 _NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')  # deleted before brackets are counted
 
 
-def json_depth(text: str) -> int:
+def json_depth(text: str | bytes, limit: int = LIMITS.json_depth) -> int:
     """How deep [ and { nest in JSON text (strings skipped), counted without parsing it: escaped backslashes and
     quotes dropped, then everything but quotes and brackets, then what lies between quotes (strings); in
     C-speed passes over the text (a 10^4-shard manifest), where a parser would see the same strings up to its first
-    syntax error."""
-    opened = text.count("[") + text.count("{")
-    if opened <= LIMITS.json_depth:  # the common case, a small meta: no deeper than its brackets
+    syntax error. Text with no more brackets than `limit` is not scanned: its bracket count, an upper bound, is
+    returned (exact above `limit`)."""
+    data = text if isinstance(text, bytes) else None
+    opened = data.count(b"[") + data.count(b"{") if data is not None else text.count("[") + text.count("{")
+    if opened <= limit:  # the common case, a small meta: no deeper than its brackets
         return opened
-    kept = (
-        text.encode("utf-8", "surrogatepass").replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
-    )
+    data = data if data is not None else text.encode("utf-8", "surrogatepass")
+    kept = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
     chars = np.frombuffer(kept, np.uint8)
     quote = chars == ord('"')
     brackets = chars[~quote & (np.cumsum(quote, dtype=np.int64) % 2 == 0)]  # outside strings

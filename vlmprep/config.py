@@ -154,9 +154,8 @@ class BuildConfig:
     min_turn_coverage: float = opt(
         0.95,
         LIMITS,
-        "Exit 1 (after writing everything) when fewer than this share of "
-        "the assistant turns to train land in a sample (lost to --seq-len), naming the "
-        "fix; 0 = never.",
+        "Exit 1 (after writing everything) when fewer than this share of the assistant turns to train land in a "
+        "sample (lost to --seq-len), naming the fix; 0 = never.",
         bounds=(0.0, 1.0),
     )
     allow_empty: bool = opt(False, LIMITS, "Exit 0 even when every record is rejected (0 samples).")
@@ -165,6 +164,8 @@ class BuildConfig:
     max_image_bytes: int = opt(64 << 20, LIMITS, "Reject image files (local or --allow-remote) larger than this.")
     max_video_bytes: int = opt(512 << 20, LIMITS, "Reject video files larger than this.")
     max_images_per_record: int = opt(64, LIMITS, "Reject records with more images.")
+    # Counted before the text is parsed (a line, a JSON string cell): parsing, and stages after it, recurse per level.
+    max_json_depth: int = opt(64, LIMITS, "Reject records whose JSON (and JSON strings in it) nests deeper ([ and {).")
     max_line_bytes: int = opt(256 * 1024 * 1024, LIMITS, "Reject input lines longer than this.")
     max_zstd_window: int = opt(1 << 27, LIMITS, "Max zstd window (bytes) an input may demand.")  # zstd's own cap
     min_image_side: int = opt(4, LIMITS, "Reject images with a side shorter than this (pixels).")  # upsampled noise
@@ -251,6 +252,8 @@ class BuildConfig:
             raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")
         if not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level={self.zstd_level}: must be in -7..22")
+        if not 8 <= self.max_json_depth <= 256:  # parsing recurses once per level; Python's stack holds ~1000
+            raise ValueError(f"max_json_depth={self.max_json_depth}: must be in 8..256, e.g. --max-json-depth 64")
         if self.max_images_per_record > 999:
             raise ValueError(
                 f"max_images_per_record={self.max_images_per_record}: at most 999 images per record "

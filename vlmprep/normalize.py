@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from vlmprep.config import default
 from vlmprep.locations import is_url
 from vlmprep.media import MediaFetcher, decode_base64
-from vlmprep.types import Conversation, ImageData, Message, Part, RecordError, Source, ToolCall, VideoData
+from vlmprep.types import (
+    Conversation,
+    ImageData,
+    Message,
+    Part,
+    RecordError,
+    Source,
+    ToolCall,
+    VideoData,
+    json_value,
+)
 
 ROLES = {
     "system": "system",
@@ -39,6 +49,7 @@ class NormalizeOptions:
     image_root: str | None = default("image_root")  # None: the input file's own directory
     allow_remote: bool = default("allow_remote")
     max_images_per_record: int = default("max_images_per_record")
+    max_json_depth: int = default("max_json_depth")  # tool-call arguments given as a JSON string
     max_image_bytes: int = default("max_image_bytes")  # an image file (local or remote) is read whole: no more
     max_video_bytes: int = default("max_video_bytes")  # likewise a video file
     videos: bool = False  # the processor's family renders video parts (vlmprep/families: FamilySpec.video)
@@ -93,6 +104,7 @@ def normalize_record(data: dict, source: Source, opts: NormalizeOptions) -> Conv
         markers=markers,
         max_bytes={"image": opts.max_image_bytes, "video": opts.max_video_bytes},
         videos=opts.videos,
+        max_json_depth=opts.max_json_depth,
     )
     messages = [_normalize_message(m, i, pending, ctx) for i, m in enumerate(_upgrade_legacy(raw_messages))]
     for marker, given, kind in ((IMAGE_MARKER, marker_images, "image"), (VIDEO_MARKER, marker_videos, "video")):
@@ -213,7 +225,8 @@ def _normalize_message(m, idx: int, pending: dict[str, list], ctx: "_ImageContex
         raise RecordError("invalid_content", f"{where}: content must be a string or a list of parts")
 
     tool_calls = [
-        _normalize_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(m.get("tool_calls") or [])
+        _normalize_tool_call(tc, f"{where}.tool_calls[{k}]", ctx.max_json_depth)
+        for k, tc in enumerate(m.get("tool_calls") or [])
     ]
     if role == "assistant" and not parts and not tool_calls:
         raise RecordError(
@@ -387,7 +400,7 @@ def _anthropic_image(src: dict, where: str, ctx: "_ImageContext") -> ImageData:
     )
 
 
-def _normalize_tool_call(tc, where: str) -> ToolCall:
+def _normalize_tool_call(tc, where: str, max_json_depth: int) -> ToolCall:
     if not isinstance(tc, dict):
         raise RecordError("invalid_tool_call", f"{where}: tool call must be an object")
     fn = tc.get("function", tc)
@@ -396,8 +409,8 @@ def _normalize_tool_call(tc, where: str) -> ToolCall:
         raise RecordError("invalid_tool_call", f"{where}: tool call has no function name")
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
-            json.loads(args)
+        try:  # parsed again by the template and the mask check: its depth is bounded here
+            json_value(args, max_depth=max_json_depth, what=f"{where}: arguments")
         except ValueError:
             raise RecordError("invalid_tool_arguments", f"{where}: arguments is not valid JSON") from None
         _check_text(args, where)  # kept as the exact string: templates print it verbatim
@@ -415,3 +428,4 @@ class _ImageContext(MediaFetcher):
 
     markers: bool = False  # the record is in the ShareGPT / LLaMA-Factory layout
     videos: bool = False  # video parts are rendered (else rejected as unsupported_video)
+    max_json_depth: int = default("max_json_depth")  # tool-call arguments given as a JSON string

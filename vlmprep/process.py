@@ -17,7 +17,7 @@ from vlmprep.config import BuildConfig
 from vlmprep.images import open_image, prepare_image
 from vlmprep.normalize import NormalizeOptions, assistant_turns, normalize_record
 from vlmprep.processors.load import apply_pixel_budget, apply_video_budget, resolve_chat_template
-from vlmprep.records import parse_record, readable_record
+from vlmprep.records import ReadLimits, parse_record, readable_record
 from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
 from vlmprep.shards.format import sample_key
 from vlmprep.shards.writer import encode_sample
@@ -66,7 +66,9 @@ class Renderer:
             reasoning=cfg.reasoning,
         )
         self.ctx = RenderContext(processor, policy=policy, role_boundaries=cfg.role_boundaries)
+        self.limits = ReadLimits.of(cfg)
         self.norm = NormalizeOptions(
+            max_json_depth=cfg.max_json_depth,
             image_root=cfg.image_root,
             allow_remote=cfg.allow_remote,
             max_images_per_record=cfg.max_images_per_record,
@@ -98,7 +100,7 @@ class Renderer:
         self.turns, self.lost, self.largest_image, self.record_images = collections.Counter(), [], 0, 0
         conv = None
         try:
-            conv = normalize_record(parse_record(raw), raw.source, self.norm)
+            conv = normalize_record(parse_record(raw, self.limits), raw.source, self.norm)
             return self._render(conv)
         except Exception:
             # A rejected record trains nothing: every assistant turn it holds is lost with it, whatever was counted

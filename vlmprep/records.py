@@ -5,6 +5,7 @@ Arrow tables by row group (tables.py).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import json
@@ -19,13 +20,29 @@ import zstandard
 from vlmprep.config import default
 from vlmprep.locations import Input, LocationError, RemoteFile, expand_url, is_url, open_input, size_of
 from vlmprep.tables import TABLE_SUFFIXES, is_table, iter_table_records, table_record
-from vlmprep.types import RawRecord, RecordError, Source, UserError
+from vlmprep.types import RawRecord, RecordError, Source, UserError, json_value
+from vlmprep_schemas.limits import json_depth
 
 SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd") + TABLE_SUFFIXES
 
 
 class InputError(UserError):
     """A user-level fault with the inputs themselves (missing file, nothing matched): one clear line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadLimits:
+    """What the readers refuse in a record before it is parsed (the build's options of the same names): a line's
+    bytes, a zstd frame's window, JSON nesting."""
+
+    max_line_bytes: int = default("max_line_bytes")
+    max_zstd_window: int = default("max_zstd_window")
+    max_json_depth: int = default("max_json_depth")
+
+    @classmethod
+    def of(cls, cfg) -> ReadLimits:
+        """The limits of a BuildConfig (its fields of the same names)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
 def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Input]:
@@ -182,8 +199,7 @@ def iter_file_records(
     path: Input,
     *,
     start_position: int = 0,
-    max_line_bytes: int = default("max_line_bytes"),
-    max_zstd_window: int = default("max_zstd_window"),
+    limits: ReadLimits = ReadLimits(),
     seek: Seek = Seek(),
     frames: list | None = None,
     input_name: str = "",
@@ -199,20 +215,20 @@ def iter_file_records(
         yield from iter_table_records(path, start_position=pos, first_row=seek.offset, input_name=input_name, scan=scan)
         return
     if path.name.endswith(".json"):
-        yield from _json_file_records(path, pos, seek.offset, input_name)
+        yield from _json_file_records(path, pos, seek.offset, input_name, limits.max_json_depth)
         return
     lineno = seek.line
     offset = seek.offset
     fault = None
     try:
-        with _open_lines(path, max_zstd_window, seek, frames) as f:
+        with _open_lines(path, limits.max_zstd_window, seek, frames) as f:
             while True:
-                line = f.readline(max_line_bytes + 1)
+                line = f.readline(limits.max_line_bytes + 1)
                 if not line:
                     break
                 lineno += 1
                 start, offset = offset, offset + len(line)
-                if len(line) > max_line_bytes and not line.endswith(b"\n"):
+                if len(line) > limits.max_line_bytes and not line.endswith(b"\n"):
                     # Skip the rest of the oversized line without holding it in memory.
                     while True:
                         chunk = f.readline(1 << 20)
@@ -224,7 +240,7 @@ def iter_file_records(
                         pos,
                         offset=start,
                         size=offset - start,
-                        error=RecordError("line_too_long", f"line exceeds max_line_bytes={max_line_bytes}"),
+                        error=RecordError("line_too_long", f"line exceeds max_line_bytes={limits.max_line_bytes}"),
                     )
                     pos += 1
                     continue
@@ -241,7 +257,7 @@ def iter_file_records(
             pos,
             offset=offset,
             error=RecordError("read_error", f"{name}: {e}"),
-            unread_bytes=_size(path) - offset if plain else 0,
+            unread_bytes=size_of(path) - offset if plain else 0,
         )
         return
     if fault is not None:
@@ -251,19 +267,23 @@ def iter_file_records(
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records"))
 
 
-def _json_file_records(path: Input, pos: int, first: int, input_name: str) -> Iterator[RawRecord]:
+def _json_file_records(path: Input, pos: int, first: int, input_name: str, max_depth: int) -> Iterator[RawRecord]:
     """A .json input (an array of records, or one record) read whole -> a RawRecord per record from the `first`-th
-    (0-based) on, numbered from `pos`; a file that is not one is a single record carrying the error."""
+    (0-based) on, numbered from `pos`; a file that is not one, or whose records nest deeper than `max_depth`
+    (checked before it is parsed), is a single record carrying the error."""
     name = str(path)
     try:
         with open_input(path) as f:
-            data = json.load(f)  # a UTF-8 BOM is fine here: json detects it
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else e
+            text = f.read()
+        depth = json_depth(text, max_depth + 1)
+        if depth > max_depth + 1:  # + 1: the array around the records
+            raise RecordError("json_too_deep", f"{name}: nests {depth} levels deep > max_json_depth={max_depth}")
+        data = json.loads(text)  # a UTF-8 BOM is fine here: json detects it
+    except (ValueError, UnicodeDecodeError, RecordError) as e:
         yield RawRecord(
             Source(name, 0, input_name),
             pos,
-            error=RecordError("invalid_json_file", f"{name}: {why}"),
+            error=e if isinstance(e, RecordError) else RecordError("invalid_json_file", f"{name}: {e}"),
             unread_bytes=size_of(path),
         )
         return
@@ -296,15 +316,11 @@ def _json_file_records(path: Input, pos: int, first: int, input_name: str) -> It
 _BOM = b"\xef\xbb\xbf"
 
 
-def _size(path: Input) -> int:
-    return size_of(path)
-
-
 def _zstd_fault(path: Path, fault: tuple, source: Source, position: int, offset: int) -> RawRecord:
     """The record after the last line a .zst gave before its fault: names the byte (and frame) where decoding
     stopped and counts the bytes from there on as unread."""
     e, at, frame = fault
-    size = _size(path)
+    size = size_of(path)
     if at >= size:
         message = (
             f"{path}: the file ends inside the zstd frame that starts at byte {frame} (cut off); the lines "
@@ -339,20 +355,13 @@ def input_names(files: list[Input]) -> list[str]:
     return [names[i] for i in range(len(files))]
 
 
-def iter_records(
-    files: list[Input],
-    *,
-    max_line_bytes: int = default("max_line_bytes"),
-    max_zstd_window: int = default("max_zstd_window"),
-) -> Iterator[RawRecord]:
+def iter_records(files: list[Input], *, limits: ReadLimits = ReadLimits()) -> Iterator[RawRecord]:
     """Input files in order -> their raw records (RawRecord: each line's bytes unparsed, a .json array's items, or a
     file-level fault in a record's place), numbered by one position across all files; each file read in a stream
     (zstd, line-size and window limits), so no input is ever held whole in memory."""
     pos = 0
     for path, name in zip(files, input_names(files)):
-        for rec in iter_file_records(
-            path, start_position=pos, max_line_bytes=max_line_bytes, max_zstd_window=max_zstd_window, input_name=name
-        ):
+        for rec in iter_file_records(path, start_position=pos, limits=limits, input_name=name):
             pos = rec.position + 1
             yield rec
 
@@ -370,8 +379,9 @@ def readable_record(raw: RawRecord):
         return None
 
 
-def parse_record(raw: RawRecord) -> dict:
-    """Bytes -> dict; raises RecordError for anything that is not one JSON object."""
+def parse_record(raw: RawRecord, limits: ReadLimits = ReadLimits()) -> dict:
+    """Bytes -> dict; raises RecordError for anything that is not one JSON object or nests deeper than
+    limits.max_json_depth (counted before it is parsed)."""
     if raw.error is not None:
         raise raw.error
     if raw.text is not None:
@@ -380,16 +390,14 @@ def parse_record(raw: RawRecord) -> dict:
         except UnicodeDecodeError as e:
             raise RecordError("invalid_utf8", f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from None
         try:
-            data = json.loads(text)
+            data = json_value(text, max_depth=limits.max_json_depth, what="line")
         except ValueError as e:
             raise RecordError("invalid_json", f"line is not valid JSON: {e}") from None
-        except RecursionError:
-            raise RecordError("invalid_json", "line is not valid JSON: nested too deeply") from None
         # Decoded UTF-8 holds no lone surrogate; only a JSON escape (\udc00) can make one.
         if _SURROGATE_ESCAPE.search(raw.text):
             _check_unicode(data)
     else:
-        data = table_record(raw.data) if raw.row else raw.data
+        data = table_record(raw.data, max_json_depth=limits.max_json_depth) if raw.row else raw.data
         _check_unicode(data)
     if not isinstance(data, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(data).__name__}, expected an object")

@@ -22,7 +22,9 @@ def _stage(stage: str, **reasons: str) -> dict[str, Reason]:
 REASONS: dict[str, Reason] = {
     **_stage(
         "reading",
-        invalid_json="also nested too deeply",
+        invalid_json="",
+        json_too_deep="`--max-json-depth`, default 64: [ and { nesting of a line, a `.json` file's records, a JSON"
+        " string column or tool-call arguments, counted before the text is parsed",
         invalid_json_file="unparsable, or not an array of records / one record",
         invalid_utf8="",
         not_an_object="",

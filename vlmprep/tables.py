@@ -9,12 +9,12 @@ feature's `{bytes, path}` struct, raw bytes, or a path (read under --image-root 
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Iterator
 
+from vlmprep.config import default
 from vlmprep.locations import Input, open_input, size_of
-from vlmprep.types import RawRecord, RecordError, Source
+from vlmprep.types import RawRecord, RecordError, Source, json_value
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 BATCH_ROWS = 64  # at most this many rows are decoded and converted to Python at once,
@@ -190,22 +190,19 @@ def iter_table_records(
 # --- a row's layout -> the record normalize reads ---
 
 
-def table_record(row: dict) -> dict:
+def table_record(row: dict, *, max_json_depth: int = default("max_json_depth")) -> dict:
     """A table row -> an OpenAI or ShareGPT record (normalize_record's input), image cells as bytes or paths. A row
-    that fits no layout is a RecordError (unknown_layout) naming the columns found."""
+    that fits no layout is a RecordError (unknown_layout) naming the columns found; a JSON string column nesting
+    deeper than `max_json_depth` is one too (json_too_deep), found before it is parsed."""
     columns = sorted(row)
     row = {k: v for k, v in row.items() if v is not None}  # a null cell: the column is absent from this row
-    if isinstance(row.get("messages"), str):
-        try:
-            row["messages"] = json.loads(row["messages"])
-        except ValueError as e:
-            raise RecordError("invalid_json", f"messages: a JSON string column that is not valid JSON: {e}") from None
-    for key in ("tools",):  # tool specs are often stored as a JSON string column: their schemas differ per row
+    # tool specs are often stored as a JSON string column too: their schemas differ per row
+    for key, invalid in (("messages", "invalid_json"), ("tools", "invalid_tools")):
         if isinstance(row.get(key), str):
             try:
-                row[key] = json.loads(row[key])
+                row[key] = json_value(row[key], max_depth=max_json_depth, what=f"{key} (a JSON string column)")
             except ValueError as e:
-                raise RecordError("invalid_tools", f"{key}: a JSON string column that is not valid JSON: {e}") from None
+                raise RecordError(invalid, f"{key}: a JSON string column that is not valid JSON: {e}") from None
     if "image" in row and "images" not in row:  # LLaVA-style: one image per row
         row["images"] = [row.pop("image")]
     if isinstance(row.get("images"), list):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from vlmprep.rejects import REASONS
+from vlmprep_schemas.limits import json_depth
 
 
 class UserError(Exception):
@@ -49,6 +50,19 @@ class RecordError(Exception):
         # Crosses process boundaries (pool workers, Ray): Exception's default pickles self.args, the one joined
         # string, which __init__ cannot be called with.
         return type(self), (self.reason, self.message)
+
+
+def json_value(text: str, *, max_depth: int, what: str):
+    """JSON text from a record (a line, a JSON string column, tool-call arguments) -> its value; a RecordError
+    (json_too_deep) naming `what` when [ and { nest deeper than `max_depth`, counted before it is parsed: the parser,
+    and every stage after it, recurses once per level. Text that is not JSON raises the parser's ValueError."""
+    depth = json_depth(text, max_depth)
+    if depth > max_depth:
+        raise RecordError("json_too_deep", f"{what} nests {depth} levels deep > max_json_depth={max_depth}")
+    try:
+        return json.loads(text)
+    except RecursionError:  # a max_depth near Python's stack, called deep in a render
+        raise RecordError("json_too_deep", f"{what} nests {depth} levels deep, too deep to parse here") from None
 
 
 @dataclass(frozen=True)

@@ -362,7 +362,7 @@ def corpus(tmp):
         ("id_object", {**chat("q"), "id": {"run": 1}}, "invalid_id"),
         ("id_float", {**chat("q"), "id": 1.5}, "invalid_id"),
         ("id_integer", {**chat("q"), "id": 424242}, "ok"),  # documented: an integer id is its decimal string
-        ("deeply_nested_json", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", "invalid_json"),
+        ("deeply_nested_json", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", "json_too_deep"),
         # Issue 22: base64 and file:// as load_image / a URL reader take them; Responses and Anthropic parts.
         (
             "mime_line_broken_base64",

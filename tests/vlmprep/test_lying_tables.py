@@ -27,6 +27,11 @@ def _rows(prefix: str, n: int = 3) -> list[dict]:
     return [{"id": f"{prefix}{i}", "messages": json.dumps(TURNS)} for i in range(n)]
 
 
+def _build(inp: Path, out: Path, **kw):
+    opts = dict(processor="tiny:qwen2-vl", progress=False, max_reject_fraction=1.0, min_turn_coverage=0.0)
+    return build(BuildConfig(inputs=(str(inp),), out=str(out), **{**opts, **kw}))
+
+
 def _arrow(path: Path, rows: list[dict], *, stream: bool) -> None:
     table = pa.Table.from_pylist(rows)
     with pa.OSFile(str(path), "wb") as f, (pa.ipc.new_stream if stream else pa.ipc.new_file)(f, table.schema) as w:
@@ -184,19 +189,50 @@ def test_a_parquet_footer_claiming_more_rows_than_its_bytes_is_one_reject_at_pla
     pq.write_table(pa.Table.from_pylist(_rows("x", 300)), d / "lie.parquet")
     _claim_rows(d / "lie.parquet", 10**12)
     assert (d / "lie.parquet").stat().st_size < 4000
-    res = build(
-        BuildConfig(
-            inputs=(str(d),),
-            out=str(tmp_path / "o"),
-            processor="tiny:qwen2-vl",
-            progress=False,
-            tasks=2,
-            workers=1,
-            max_reject_fraction=1.0,
-            min_turn_coverage=0.0,
-        )
-    )
+    res = _build(d, tmp_path / "o", tasks=2, workers=1)
     assert res.manifest.rejects == {"unreadable_table": 1}
     assert [s.meta()["id"] for s in iter_dataset(tmp_path / "o")] == ["g0", "g1", "g2"]
     reject = json.loads((tmp_path / "o" / "rejects.jsonl").read_text())
     assert "its footer claims 1000000000000 rows in" in reject["message"], reject
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def test_json_nested_deeper_than_the_limit_is_one_reject_found_before_it_is_parsed(tmp_path):
+    """200,000 levels were an internal_error RecursionError where a JSON string was parsed (a table's messages
+    column, tool-call arguments), 900 levels one wherever a stage recursed after the parse: every JSON text of a
+    record is now measured before it is parsed, against --max-json-depth (64)."""
+    d = tmp_path / "in"
+    d.mkdir()
+    ok = {"id": "ok", "messages": TURNS}
+    lines = [json.dumps(ok)]
+    for n in (900, 200_000):
+        lines.append(json.dumps({"id": f"line{n}", "messages": TURNS})[:-1] + ', "extra": ' + _deep(n) + "}")
+        call = {"type": "function", "function": {"name": "f", "arguments": '{"a": ' + _deep(n) + "}"}}
+        tc = {"role": "assistant", "content": "yo", "tool_calls": [call]}
+        lines.append(json.dumps({"id": f"args{n}", "messages": [TURNS[0], tc]}))
+    (d / "a.jsonl").write_text("\n".join(lines) + "\n")
+    cells = [{"id": "t-ok", "messages": json.dumps(TURNS)}]
+    cells += [{"id": f"t{n}", "messages": json.dumps(TURNS)[:-1] + ", " + _deep(n) + "]"} for n in (900, 200_000)]
+    pq.write_table(pa.Table.from_pylist(cells), d / "b.parquet")
+    (d / "c.json").write_text("[" + json.dumps({"id": "j", "messages": TURNS}).replace('"j"', _deep(900)) + "]")
+    (d / "d.json").write_text(json.dumps([{"id": "d-ok", "messages": TURNS}]))
+    res = _build(d, tmp_path / "o")
+    assert res.manifest.rejects == {"json_too_deep": 7}, res.manifest.rejects
+    assert sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o")) == ["d-ok", "ok", "t-ok"]
+    messages = [json.loads(x)["message"] for x in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
+    assert all(re.search(r"nests \d+ levels deep > max_json_depth=64", m) for m in messages), messages
+    assert "messages[1].tool_calls[0]: arguments nests 200001 levels deep > max_json_depth=64" in messages
+
+
+def test_the_json_depth_limit_is_an_option_and_refuses_what_it_cannot_hold(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text(json.dumps({"id": "x", "messages": TURNS, "meta": json.loads(_deep(10))}) + "\n")
+    cfg = dict(inputs=(str(p),), processor="tiny:qwen2-vl", progress=False, max_reject_fraction=1.0)
+    assert build(BuildConfig(out=str(tmp_path / "a"), **cfg)).manifest.rejects == {}
+    res = build(BuildConfig(out=str(tmp_path / "b"), max_json_depth=8, allow_empty=True, min_turn_coverage=0, **cfg))
+    assert res.manifest.rejects == {"json_too_deep": 1}
+    with pytest.raises(ValueError, match="max_json_depth=1000: must be in 8..256"):
+        BuildConfig(out=str(tmp_path / "c"), max_json_depth=1000, **cfg)

@@ -3,7 +3,7 @@ import json
 import pytest
 import zstandard
 
-from vlmprep.records import InputError, expand_inputs, iter_records, parse_record
+from vlmprep.records import InputError, ReadLimits, expand_inputs, iter_records, parse_record
 from vlmprep.types import RecordError
 
 
@@ -43,7 +43,7 @@ def test_bad_lines_become_record_errors(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_bytes(b'{"id": 1}\n{not json\n[1, 2]\n\xff\xfe\n' + b'{"id": "' + b"y" * 5000 + b'"}\n{"id": 2}\n')
     out = []
-    for r in iter_records([p], max_line_bytes=1000):
+    for r in iter_records([p], limits=ReadLimits(max_line_bytes=1000)):
         try:
             out.append(("ok", parse_record(r)["id"]))
         except RecordError as e:
@@ -146,6 +146,6 @@ def test_a_json_file_nested_too_deeply_is_one_reject_not_a_crash(tmp_path):
     (tmp_path / "a.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
     (tmp_path / "b.jsonl").write_bytes(_lines([{"id": "b1"}]))
     recs = list(iter_records(expand_inputs([str(tmp_path)])))
-    assert recs[0].error.reason == "invalid_json_file" and "nested too deeply" in recs[0].error.message
+    assert recs[0].error.reason == "json_too_deep" and "nests 100000 levels deep" in recs[0].error.message
     assert recs[0].unread_bytes == 200_000
     assert [parse_record(r)["id"] for r in recs[1:]] == ["b1"]

@@ -77,7 +77,7 @@ from vlmprep.config import BuildConfig, default
 from vlmprep.locations import stamp
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
-from vlmprep.records import expand_inputs
+from vlmprep.records import ReadLimits, expand_inputs
 from vlmprep.shards.dataset import (
     PLAN_NAME,
     PROCESSOR_DIR,
@@ -181,8 +181,7 @@ def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -
         config=cfg.to_json(),
         files=files,
         tasks=cfg.tasks,
-        max_line_bytes=cfg.max_line_bytes,
-        max_zstd_window=cfg.max_zstd_window,
+        limits=ReadLimits.of(cfg),
         processor=SavedProcessor(
             spec=cfg.processor, class_name=type(processor).__name__, fingerprint=fingerprint, dir=PROCESSOR_DIR
         ),

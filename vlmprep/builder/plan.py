@@ -17,7 +17,7 @@ from typing import Iterator
 
 from vlmprep import __version__
 from vlmprep.locations import LocationError, as_input, stamp
-from vlmprep.records import Seek, input_names, iter_file_records
+from vlmprep.records import ReadLimits, Seek, input_names, iter_file_records
 from vlmprep.shards.dataset import PLAN_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import JsonObject, SavedProcessor
@@ -122,8 +122,7 @@ def make_plan(
     files: list[Path],
     processor: SavedProcessor,
     tasks: int,
-    max_line_bytes: int,
-    max_zstd_window: int,
+    limits: ReadLimits,
     append: AppendRef | None = None,
     names: list[str] | None = None,
 ) -> Plan:
@@ -142,8 +141,7 @@ def make_plan(
         for raw in iter_file_records(
             as_input(str(path), stamped),
             start_position=position,
-            max_line_bytes=max_line_bytes,
-            max_zstd_window=max_zstd_window,
+            limits=limits,
             frames=frames,
             input_name=name,
             scan=True,
@@ -243,7 +241,7 @@ def check_inputs_unchanged(plan: Plan) -> None:
             )
 
 
-def task_records(plan: Plan, index: int, *, max_line_bytes: int, max_zstd_window: int) -> Iterator[RawRecord]:
+def task_records(plan: Plan, index: int, *, limits: ReadLimits) -> Iterator[RawRecord]:
     """The records of one task, read from its cut point on (a seek, or a frame start for .zst) to the next cut."""
     cut = plan.cuts[index]
     end = cut.position + cut.records
@@ -259,8 +257,7 @@ def task_records(plan: Plan, index: int, *, max_line_bytes: int, max_zstd_window
             start_position=start,
             seek=seek,
             input_name=inp.name,
-            max_line_bytes=max_line_bytes,
-            max_zstd_window=max_zstd_window,
+            limits=limits,
         ):
             if raw.position >= end:
                 return

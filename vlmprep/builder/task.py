@@ -36,6 +36,7 @@ from vlmprep.builder.totals import (
 from vlmprep.builder.workers import BuildError, cached_renderer, ordered_results, record_workers
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer
+from vlmprep.records import ReadLimits
 from vlmprep.shards.dataset import TASKS_DIR, TMP_SUFFIX, TaskFiles, task_file, write_json_atomic
 from vlmprep.shards.format import index_name
 from vlmprep.shards.manifest import TaskManifest, load_task_manifest
@@ -176,7 +177,7 @@ def _task_records(plan: Plan, index: int, cfg: BuildConfig, journal: Journal) ->
     cut = plan.cuts[index]
     return (
         r
-        for r in task_records(plan, index, max_line_bytes=cfg.max_line_bytes, max_zstd_window=cfg.max_zstd_window)
+        for r in task_records(plan, index, limits=ReadLimits.of(cfg))
         if r.position >= max(journal.next_position, cut.position)
     )
 

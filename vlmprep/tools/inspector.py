@@ -202,12 +202,12 @@ def _raw_id_candidate(raw, want: str) -> bool:
 
 def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
     from vlmprep.process import reject_entry
-    from vlmprep.records import expand_inputs, iter_records
+    from vlmprep.records import ReadLimits, expand_inputs, iter_records
     from vlmprep.shards.format import sample_key
 
     bcfg = renderer.cfg
     seen_ids: set[str] = set()
-    for raw in iter_records(expand_inputs(bcfg.inputs), max_line_bytes=bcfg.max_line_bytes):
+    for raw in iter_records(expand_inputs(bcfg.inputs), limits=ReadLimits.of(bcfg)):
         if cfg.index is not None and raw.position != cfg.index:
             if raw.position > cfg.index:
                 return

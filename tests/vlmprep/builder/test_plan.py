@@ -9,10 +9,10 @@ import pytest
 import zstandard
 
 from vlmprep.builder.plan import make_plan, plan_digest, task_records
-from vlmprep.records import Seek, iter_records
+from vlmprep.records import ReadLimits, Seek, iter_records
 from vlmprep.shards.manifest import SavedProcessor
 
-LIMITS = dict(max_line_bytes=400, max_zstd_window=1 << 27)
+LIMITS = dict(limits=ReadLimits(max_line_bytes=400, max_zstd_window=1 << 27))
 
 
 def _processor(fingerprint: str = "") -> SavedProcessor:
@@ -87,15 +87,11 @@ def test_cuts_take_the_record_boundary_nearest_each_share_of_the_bytes(tmp_path)
     p = tmp_path / "w.jsonl"
     sizes = [100, 100, 100, 700, 100, 100, 100, 100]
     p.write_bytes(b"".join(b"{" + b" " * (s - 3) + b"}\n" for s in sizes))
-    plan = make_plan(
-        config={}, files=[p], processor=_processor(), tasks=2, max_line_bytes=1 << 20, max_zstd_window=1 << 27
-    )
+    plan = make_plan(config={}, files=[p], processor=_processor(), tasks=2, limits=ReadLimits(max_line_bytes=1 << 20))
     # 1400 bytes: the half (700) falls inside the big record (300..1000); the boundary after it is nearer.
     assert [c.records for c in plan.cuts] == [4, 4]
     assert [c.bytes for c in plan.cuts] == [1000, 400]
-    many = make_plan(
-        config={}, files=[p], processor=_processor(), tasks=20, max_line_bytes=1 << 20, max_zstd_window=1 << 27
-    )
+    many = make_plan(config={}, files=[p], processor=_processor(), tasks=20, limits=ReadLimits(max_line_bytes=1 << 20))
     assert sum(c.records for c in many.cuts) == 8 and sum(c.records == 0 for c in many.cuts) == 12
 
 
