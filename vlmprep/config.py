@@ -164,6 +164,8 @@ class BuildConfig:
     max_image_bytes: int = opt(64 << 20, LIMITS, "Reject image files (local or --allow-remote) larger than this.")
     max_video_bytes: int = opt(512 << 20, LIMITS, "Reject video files larger than this.")
     max_images_per_record: int = opt(64, LIMITS, "Reject records with more images.")
+    # Counted before rendering (a table's lists before a row is converted): 10^6 messages fit a few KB of a table.
+    max_messages_per_record: int = opt(10_000, LIMITS, "Reject records with more messages.")
     # Counted before the text is parsed (a line, a JSON string cell): parsing, and stages after it, recurse per level.
     max_json_depth: int = opt(64, LIMITS, "Reject records whose JSON (and JSON strings in it) nests deeper ([ and {).")
     max_line_bytes: int = opt(256 * 1024 * 1024, LIMITS, "Reject input lines longer than this.")
@@ -236,17 +238,11 @@ class BuildConfig:
             raise ValueError(f"workers={self.workers}: must be >= 1")
 
     def _check_limits(self) -> None:
-        if (
-            self.max_images_per_record < 0
-            or self.max_image_pixels < 1
-            or self.max_line_bytes < 1
-            or self.min_image_side < 1
-            or self.max_image_bytes < 1
-            or self.max_video_bytes < 1
-        ):
+        sizes = (self.max_image_pixels, self.max_line_bytes, self.min_image_side, self.max_image_bytes)
+        if self.max_images_per_record < 0 or min(*sizes, self.max_video_bytes, self.max_messages_per_record) < 1:
             raise ValueError(
-                "limits must be positive: check --max-images-per-record, --max-image-pixels, "
-                "--max-line-bytes, --min-image-side, --max-image-bytes, --max-video-bytes"
+                "limits must be positive: check --max-images-per-record, --max-image-pixels, --max-line-bytes, "
+                "--min-image-side, --max-image-bytes, --max-video-bytes, --max-messages-per-record"
             )
         if not (1 << 10) <= self.max_zstd_window <= (1 << 31):
             raise ValueError(f"max_zstd_window={self.max_zstd_window}: must be between 1 KiB and 2 GiB")

@@ -32,12 +32,13 @@ class InputError(UserError):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadLimits:
-    """What the readers refuse in a record before it is parsed (the build's options of the same names): a line's
-    bytes, a zstd frame's window, JSON nesting."""
+    """What the readers refuse in a record before it is parsed or converted (the build's options of the same
+    names): a line's bytes, a zstd frame's window, JSON nesting, messages per record."""
 
     max_line_bytes: int = default("max_line_bytes")
     max_zstd_window: int = default("max_zstd_window")
     max_json_depth: int = default("max_json_depth")
+    max_messages_per_record: int = default("max_messages_per_record")
 
     @classmethod
     def of(cls, cfg) -> ReadLimits:
@@ -212,7 +213,10 @@ def iter_file_records(
     name = str(path)
     pos = start_position
     if is_table(path):
-        yield from iter_table_records(path, start_position=pos, first_row=seek.offset, input_name=input_name, scan=scan)
+        most = limits.max_messages_per_record
+        yield from iter_table_records(
+            path, start_position=pos, first_row=seek.offset, input_name=input_name, scan=scan, max_messages=most
+        )
         return
     if path.name.endswith(".json"):
         yield from _json_file_records(path, pos, seek.offset, input_name, limits.max_json_depth)
@@ -380,8 +384,8 @@ def readable_record(raw: RawRecord):
 
 
 def parse_record(raw: RawRecord, limits: ReadLimits = ReadLimits()) -> dict:
-    """Bytes -> dict; raises RecordError for anything that is not one JSON object or nests deeper than
-    limits.max_json_depth (counted before it is parsed)."""
+    """Bytes -> dict; raises RecordError for anything that is not one JSON object, nests deeper than
+    limits.max_json_depth (counted before it is parsed) or holds more messages than limits.max_messages_per_record."""
     if raw.error is not None:
         raise raw.error
     if raw.text is not None:
@@ -404,6 +408,12 @@ def parse_record(raw: RawRecord, limits: ReadLimits = ReadLimits()) -> dict:
     rid = data.get("id")
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
         raise RecordError("invalid_id", f"id must be a string (or an integer), got {json.dumps(rid)[:80]}")
+    for key in ("messages", "conversations"):
+        if isinstance(data.get(key), list) and len(data[key]) > limits.max_messages_per_record:
+            raise RecordError(
+                "too_many_messages",
+                f"{key}: {len(data[key])} messages > max_messages_per_record={limits.max_messages_per_record}",
+            )
     return data
 
 

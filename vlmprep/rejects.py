@@ -39,6 +39,8 @@ REASONS: dict[str, Reason] = {
     **_stage(
         "record shape",
         missing_messages="",
+        too_many_messages="`--max-messages-per-record`, default 10000; a table's message lists are counted before"
+        " the row is converted",
         unknown_layout="a table row with none of the columns of a layout vlmprep reads: names the columns found",
         invalid_message="",
         unknown_role="",

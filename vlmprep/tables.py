@@ -146,12 +146,19 @@ def _sliced(start: int, batches) -> Iterator:
 
 
 def iter_table_records(
-    path: Input, *, start_position: int = 0, first_row: int = 0, input_name: str = "", scan: bool = False
+    path: Input,
+    *,
+    start_position: int = 0,
+    first_row: int = 0,
+    input_name: str = "",
+    scan: bool = False,
+    max_messages: int = default("max_messages_per_record"),
 ) -> Iterator[RawRecord]:
     """One RawRecord per row from `first_row` on (its data the row as a dict, `row` set: table_record converts it in
     the worker); a file that cannot be read, or fails mid-way, ends in a record carrying the error, after every row
     read before it. `scan`: rows without their data (the task plan's pass: positions and sizes only; a Parquet file's
-    from its footer)."""
+    from its footer). A row whose message list is longer than `max_messages` is a record carrying the error
+    (too_many_messages), found from the list's length before the row is converted."""
     import pyarrow as pa
 
     name, pos, row = str(path), start_position, first_row
@@ -164,10 +171,14 @@ def iter_table_records(
             )
         for at, n, per_row, batch in chunks:
             skip = max(first_row - at, 0)
-            rows = itertools.repeat(None, n - skip) if scan else batch.slice(skip).to_pylist()
+            rows = itertools.repeat(None, n - skip) if scan else _rows(batch.slice(skip), max_messages)
             for data in rows:
                 row += 1
-                yield RawRecord(Source(name, row, input_name), pos, data=data, offset=row - 1, size=per_row, row=True)
+                source = Source(name, row, input_name)
+                if isinstance(data, RecordError):
+                    yield RawRecord(source, pos, error=data, offset=row - 1, size=per_row)
+                else:
+                    yield RawRecord(source, pos, data=data, offset=row - 1, size=per_row, row=True)
                 pos += 1
     except (OSError, pa.ArrowException, TableLie) as e:
         what = (
@@ -185,6 +196,34 @@ def iter_table_records(
         return
     if pos == start_position and first_row == 0:
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no rows"))
+
+
+_MESSAGE_LISTS = {"messages": 1, "conversations": 1, "texts": 2}  # a list column -> messages per entry
+
+
+def _rows(batch, limit: int) -> list:
+    """A batch's rows as dicts; in the place of a row whose message list (messages, conversations, the_cauldron's
+    texts) is longer than `limit`, a RecordError: that row is never converted (a few KB of a table can hold 10^6
+    messages)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    counts = np.zeros(batch.num_rows, np.int64)
+    for name, per in _MESSAGE_LISTS.items():
+        i = batch.schema.get_field_index(name)
+        kind = batch.schema.types[i] if i >= 0 else None
+        if kind is not None and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            n = pc.list_value_length(batch.column(i)).fill_null(0).to_numpy(zero_copy_only=False)
+            counts = np.maximum(counts, n * per)
+    over = counts > limit
+    if not over.any():
+        return batch.to_pylist()
+    kept = iter(batch.filter(pa.array(~over)).to_pylist())
+    return [
+        RecordError("too_many_messages", f"{n} messages > max_messages_per_record={limit}") if o else next(kept)
+        for o, n in zip(over.tolist(), counts.tolist())
+    ]
 
 
 # --- a row's layout -> the record normalize reads ---

@@ -31,7 +31,7 @@ KNOWN = {
     "vlmprep.traces.StepPolicy.long_traces",
     "vlmprep.normalize.NormalizeOptions.max_image_bytes",
     "vlmprep.records.ReadLimits.max_line_bytes",
-    "vlmprep.records.ReadLimits.max_json_depth",
+    "vlmprep.records.ReadLimits.max_messages_per_record",
     "vlmprep.images.encode_image.zstd_level",
     "vlmprep.builder.pipeline.build_task.progress",
     "vlmprep.cli.merge.allow_empty",

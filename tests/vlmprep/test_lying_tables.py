@@ -236,3 +236,51 @@ def test_the_json_depth_limit_is_an_option_and_refuses_what_it_cannot_hold(tmp_p
     assert res.manifest.rejects == {"json_too_deep": 1}
     with pytest.raises(ValueError, match="max_json_depth=1000: must be in 8..256"):
         BuildConfig(out=str(tmp_path / "c"), max_json_depth=1000, **cfg)
+
+
+def test_a_row_of_a_million_messages_is_refused_before_it_is_converted(tmp_path):
+    """An ~8 KB Parquet row of 10^6 messages spent 52 s and ended internal_error: MemoryError. Its list's length is
+    read from the column, so the row is never converted: too_many_messages (--max-messages-per-record, 10000); the
+    row beside it in the same batch is read as ever."""
+    path = tmp_path / "many.parquet"
+    many = {"id": "many", "messages": TURNS * 500_000}
+    pq.write_table(pa.Table.from_pylist([{"id": "ok", "messages": TURNS}, many]), path, compression="zstd")
+    assert path.stat().st_size < 10_000
+    got = list(iter_table_records(path))
+    assert got[0].data["id"] == "ok" and got[0].error is None
+    assert got[1].data is None and got[1].error.reason == "too_many_messages"
+    assert got[1].error.message == "1000000 messages > max_messages_per_record=10000"
+
+
+def test_the_messages_limit_holds_for_every_layout(tmp_path):
+    """Over --max-messages-per-record: a JSONL record, a ShareGPT one, a table's messages as a list column and as a
+    JSON string, the_cauldron's texts (two messages each); at the limit, each builds."""
+    d = tmp_path / "in"
+    d.mkdir()
+    over, at = TURNS * 3, TURNS * 2  # 6 and 4 messages against a limit of 4
+    sharegpt = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}] * 3
+    records = [
+        {"id": "j-over", "messages": over},
+        {"id": "j-at", "messages": at},
+        {"id": "s", "conversations": sharegpt},
+    ]
+    (d / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(
+        pa.Table.from_pylist([{"id": "l-over", "messages": over}, {"id": "l-at", "messages": at}]), d / "b.parquet"
+    )
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"id": "s-over", "messages": json.dumps(over)}, {"id": "s-at", "messages": json.dumps(at)}]
+        ),
+        d / "c.parquet",
+    )
+    texts = [{"user": "hi", "assistant": "yo"}]
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"id": "c-over", "texts": texts * 3, "images": []}, {"id": "c-at", "texts": texts * 2, "images": []}]
+        ),
+        d / "d.parquet",
+    )
+    res = _build(d, tmp_path / "o", max_messages_per_record=4)
+    assert res.manifest.rejects == {"too_many_messages": 5}, res.manifest.rejects
+    assert sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o")) == ["c-at", "j-at", "l-at", "s-at"]
