@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import io
+import itertools
 import json
 import os
 import re
@@ -62,8 +63,10 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Input]:
             matched = sorted(
                 q for q in p.rglob("*") if q.is_file() and q.name.endswith(SUFFIXES) and not _hf_metadata(q)
             )
+            _refuse_links_out(matched, p, pat)
         elif any(ch in pat for ch in "*?["):
             matched = sorted(Path(m) for m in glob.glob(pat, recursive=True) if Path(m).is_file())
+            _refuse_links_out(matched, _glob_root(pat), pat)
         elif p.is_file():
             matched = [p]
         else:
@@ -79,6 +82,25 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[Input]:
                 seen.add(m)
                 files.append(m)
     return files
+
+
+def _glob_root(pattern: str) -> Path:
+    """The dir a glob's matches stay in: its path up to the first part with a wildcard."""
+    fixed = list(itertools.takewhile(lambda part: not any(ch in part for ch in "*?["), Path(pattern).parts))
+    return Path(*fixed) if fixed else Path(".")
+
+
+def _refuse_links_out(files: list[Path], root: Path, given: str) -> None:
+    """The files found in an --in dir (or glob) resolve inside it: a downloaded dataset's data file (a `save_to_disk`
+    .arrow) linking out would build what it points at into the shards. A file given as an --in is the user's own."""
+    real_root = os.path.realpath(root)
+    for f in files:
+        real = os.path.realpath(f)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise InputError(
+                f"{f}: a symlink to {real}, outside --in {given}; not read. Copy the file in or give it as an --in of "
+                "its own (a Hugging Face cache snapshot links every file into blobs/: download with --local-dir DIR)"
+            )
 
 
 # The JSON beside the Arrow files of a `datasets` save_to_disk dir (a Dataset's, or each split's of a DatasetDict).

@@ -4,6 +4,7 @@ messages, a save_to_disk data file linked out of its dir. Each is refused where 
 the good input beside it still lands (docs/untrusted-datasets.md, Round 5)."""
 
 import json
+import os
 import re
 import struct
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
+from vlmprep.records import InputError, expand_inputs
 from vlmprep.shards.reader import iter_dataset
 from vlmprep.tables import iter_table_records
 
@@ -284,3 +286,52 @@ def test_the_messages_limit_holds_for_every_layout(tmp_path):
     res = _build(d, tmp_path / "o", max_messages_per_record=4)
     assert res.manifest.rejects == {"too_many_messages": 5}, res.manifest.rejects
     assert sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o")) == ["c-at", "j-at", "l-at", "s-at"]
+
+
+def test_a_save_to_disk_file_linked_outside_its_dir_is_not_read(tmp_path):
+    """A downloaded `save_to_disk` dir whose data file is a symlink to a table elsewhere (someone's private one) was
+    built into the shards; found in a dir or a glob, a file must resolve inside it: one line naming the link, before
+    anything is read. A link that stays inside, and a file named with its own --in, are read."""
+    import datasets
+
+    datasets.Dataset.from_list(_rows("pub", 1)).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(_rows("SECRET", 1)).save_to_disk(str(tmp_path / "private"))
+    (data,) = (tmp_path / "saved").glob("*.arrow")
+    data.unlink()
+    data.symlink_to(next((tmp_path / "private").glob("*.arrow")))
+    for given in (tmp_path / "saved", tmp_path / "saved" / "*.arrow"):
+        with pytest.raises(InputError, match=rf"^{re.escape(str(data))}: a symlink to .*private.*, outside --in"):
+            expand_inputs([str(given)])
+    assert expand_inputs([str(data)]) == [data]  # named itself: the user's choice
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.arrow").symlink_to(os.path.relpath(tmp_path / "mine" / "b.arrow", tmp_path / "mine"))
+    _arrow(tmp_path / "mine" / "b.arrow", _rows("m", 1), stream=True)
+    assert [p.name for p in expand_inputs([str(tmp_path / "mine")])] == ["a.arrow", "b.arrow"]
+
+
+def test_a_build_refuses_a_linked_save_to_disk_dir_in_one_line(tmp_path):
+    import datasets
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    datasets.Dataset.from_list(_rows("pub", 1)).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(_rows("SECRET", 1)).save_to_disk(str(tmp_path / "private"))
+    (data,) = (tmp_path / "saved").glob("*.arrow")
+    data.unlink()
+    data.symlink_to(next((tmp_path / "private").glob("*.arrow")))
+    r = CliRunner().invoke(
+        app,
+        [
+            "build",
+            "--in",
+            str(tmp_path / "saved"),
+            "--out",
+            str(tmp_path / "o"),
+            "--processor",
+            "tiny:qwen2-vl",
+            "--no-progress",
+        ],
+    )
+    assert r.exit_code == 1 and "outside --in" in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "o" / "manifest.json").exists()
