@@ -151,6 +151,38 @@ FAMILIES: dict[str, FamilySpec] = {
         ),
     )
 }
+# The model family a processor renders for, as `tiny:NAME` (and the trainer's --tiny-random NAME) names it: the manifest
+# records it, so that only a model of that family trains the data. The class says it, but for Qwen3VLProcessor, which
+# Qwen3-VL and Qwen3.5 share: there the tokenizer does.
+MODEL_FAMILIES = {
+    "Qwen2VLProcessor": "qwen2-vl",
+    "Qwen2_5_VLProcessor": "qwen2.5-vl",
+    "Qwen3VLProcessor": "qwen3-vl",
+    "MllamaProcessor": "llama-3.2-vision",
+    "Llama4Processor": "llama-4",
+    "PixtralProcessor": "mistral-3",
+    "Gemma3Processor": "gemma-3",
+    "Gemma4Processor": "gemma-4",
+    "Glm4vProcessor": "glm-4.1v",
+    "InternVLProcessor": "internvl",
+    "LlavaOnevisionProcessor": "llava-onevision",
+    "Idefics3Processor": "smolvlm",
+    "SmolVLMProcessor": "smolvlm",
+}
+QWEN35_MARKS = ("<|audio_start|>", "<tts_pad>")  # tokens of Qwen3.5's vocabulary that Qwen3-VL's lacks
+
+
+def model_family(processor) -> str | None:
+    """The model family `processor` renders for (MODEL_FAMILIES' names), None for a class no family has."""
+    name = MODEL_FAMILIES.get(type(processor).__name__)
+    tok = getattr(processor, "tokenizer", None)
+    if name == "qwen3-vl" and tok is not None:
+        vocab = tok.get_vocab()
+        if type(tok).__name__ == "Qwen3_5Tokenizer" or all(t in vocab for t in QWEN35_MARKS):
+            return "qwen3.5"
+    return name
+
+
 # A view of a dataset whose family is not registered (--role-boundaries) recognises any known turn token.
 ANY_TURN_STARTS = {t: how for spec in FAMILIES.values() for t, how in spec.turn_starts.items()}
 

@@ -105,12 +105,13 @@ def open_data(options: DataOptions, *, model_type: str, packing: bool, world: in
     for d in options.eval_sources:
         held = resolve_data(d.path, option="--eval-data")
         refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
+        refuse_other_family(held.manifest, f"--eval-data {d.path}", model_type)
         warnings += eval_overlap(d, held, specs, datasets)
     image = load_image_spec(options, datasets[0].processor)
     if len(specs) > 1:  # first: a mixture at odds with itself is the fault, whatever the model
         check_compatible(specs, datasets, options.processor)
     for d, ds in zip(specs, datasets):
-        refuse_other_family(ds.manifest, str(d.path), model_type)
+        refuse_other_family(ds.manifest, f"--data {d.path}", model_type)
     if packing and packing_refusal(model_type):  # before the run dir is touched
         raise ConfigError(packing_refusal(model_type))
     if len(specs) > 1:
@@ -130,21 +131,26 @@ def open_data(options: DataOptions, *, model_type: str, packing: bool, world: in
 
 
 def refuse_other_family(manifest: dict | None, where: str, model_type: str) -> None:
-    """A model of a family the trainer does not train, or a dataset rendered with another family's processor, is one
-    line naming both, before anything is loaded."""
+    """A model of a family the trainer does not train, or a dataset rendered for another family, is one line naming
+    both, before anything is loaded. The family the manifest records (vlmprep's processor.family) decides where it
+    is there: Qwen3-VL and Qwen3.5 data share a processor class; a dataset built before it was recorded is judged by
+    its processor class."""
     family = family_of_model(model_type)
     if not model_type:  # no readable config.json: the model's own check says so (model_identity)
         return
     if family is None:
         raise ConfigError(f"model type {model_type!r} is not one this trainer trains (it trains {supported_models()})")
-    rendered = str(((manifest or {}).get("processor") or {}).get("class") or "")
-    if rendered and rendered not in family.processor_classes:
+    saved = (manifest or {}).get("processor") or {}
+    rendered, recorded = str(saved.get("class") or ""), saved.get("family")
+    if isinstance(recorded, str) and recorded:
+        name, mismatch = recorded, recorded != family.name
+    else:
         other = family_of_processor(rendered)
+        name, mismatch = other.name if other else "another family", rendered not in ("", *family.processor_classes)
+    if mismatch:
         raise ConfigError(
-            f"--data {where} was rendered with {rendered} ({other.name if other else 'another family'}), "
-            f"but the model is {family.name} ({model_type}, trained from "
-            f"{' or '.join(family.processor_classes)} datasets): rebuild the data with this model's "
-            "processor, or train the model of its family"
+            f"{where} was rendered with {rendered} ({name}), but the model is {family.name} ({model_type}): "
+            "rebuild the data with this model's processor, or train the model of its family"
         )
 
 

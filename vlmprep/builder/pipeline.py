@@ -74,6 +74,7 @@ from vlmprep.builder.store_versions import (
 from vlmprep.builder.task import run_task
 from vlmprep.builder.workers import BuildError, start_worker_server
 from vlmprep.config import BuildConfig, default
+from vlmprep.families import model_family
 from vlmprep.locations import stamp
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
@@ -183,7 +184,11 @@ def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -
         tasks=cfg.tasks,
         limits=ReadLimits.of(cfg),
         processor=SavedProcessor(
-            spec=cfg.processor, class_name=type(processor).__name__, fingerprint=fingerprint, dir=PROCESSOR_DIR
+            spec=cfg.processor,
+            class_name=type(processor).__name__,
+            fingerprint=fingerprint,
+            dir=PROCESSOR_DIR,
+            family=model_family(processor),
         ),
         append=append,
         names=new_names(files, parent) if append is not None else None,

@@ -103,12 +103,14 @@ class ShardEntry(JsonObject):
 @dataclass(frozen=True, kw_only=True)
 class SavedProcessor(JsonObject):
     """The processor saved beside the dataset: the --processor spec it came from, its class, the fingerprint of the
-    saved files and the dir (inside the dataset) that holds them."""
+    saved files and the dir (inside the dataset) that holds them; the model family it renders for (None: a dataset
+    built before it was recorded)."""
 
     spec: str
     class_name: str
     fingerprint: str
     dir: str
+    family: str | None = None
 
     KEYS = {"class_name": "class"}
 
