@@ -342,6 +342,7 @@ def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) 
         merge_size=spec.merge_size,
         video_token_id=video_token_id(net),
         videos=trains_videos(data.datasets, str(net.config.model_type)),
+        vocab_size=int(getattr(net.get_input_embeddings(), "num_embeddings", 0)),
     )
     if family.pixels != "processor":
         return base

@@ -4,6 +4,7 @@ another family's data in one line, verify and the trainer refuse token ids outsi
 for a smaller one ended the trainer in an IndexError traceback)."""
 
 import json
+import re
 
 import pytest
 
@@ -39,10 +40,13 @@ def qwen3(tmp_path_factory):
     return out
 
 
-def test_the_manifest_records_the_family(qwen3):
+def test_the_manifest_records_the_family_and_the_vocabulary(qwen3):
+    from vlmprep.processors.load import load_saved_processor
+
     for name, ds in qwen3.items():
         saved = json.loads((ds / "manifest.json").read_text())["processor"]
         assert saved["class"] == "Qwen3VLProcessor" and saved["family"] == name
+        assert saved["vocab_size"] == len(load_saved_processor(ds / "processor").tokenizer)
 
 
 @pytest.mark.parametrize(("data", "model"), [("qwen3-vl", "qwen3.5"), ("qwen3.5", "qwen3-vl")])
@@ -54,3 +58,53 @@ def test_qwen3_vl_data_does_not_train_a_qwen3_5_model_nor_the_reverse(qwen3, tmp
     assert len(err) == 1, err
     assert f"was rendered with Qwen3VLProcessor ({data}), but the model is {model}" in err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _smaller_vocabulary(proc) -> int:
+    """Rewrites the processor dir's tokenizer without its BPE merges: the byte alphabet, then the same added tokens
+    renumbered right after it (what a processor of a smaller vocabulary swapped into the dataset looks like)."""
+    tok = json.loads((proc / "tokenizer.json").read_text())
+    base = {t: i for t, i in tok["model"]["vocab"].items() if i < 256}
+    tok["model"]["vocab"], tok["model"]["merges"] = base, []
+    renumber = {a["id"]: len(base) + k for k, a in enumerate(sorted(tok["added_tokens"], key=lambda a: a["id"]))}
+    for a in tok["added_tokens"]:
+        a["id"] = renumber[a["id"]]
+    (proc / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((proc / "tokenizer_config.json").read_text())
+    decoder = cfg.get("added_tokens_decoder") or {}
+    cfg["added_tokens_decoder"] = {str(renumber[int(k)]): v for k, v in decoder.items()}
+    (proc / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return len(base) + len(renumber)
+
+
+def test_a_processor_swapped_for_a_smaller_vocabulary_fails_verify_and_the_trainer_in_one_line(tmp_path, capsys):
+    """The shards' ids reach past the swapped tokenizer: `verify` said OK and the trainer's tiny model (sized to that
+    tokenizer) ended in an IndexError traceback. verify now loads the saved processor and checks every id against it
+    (and the manifest's recorded size against it); the trainer checks each micro-batch's ids against the model's
+    embedding rows: one DataError line naming the sample."""
+    from typer.testing import CliRunner
+
+    from vlmprep.cli import app
+
+    ds, _, _ = build_one(tmp_path, "tiny:qwen2.5-vl")
+    size = _smaller_vocabulary(ds / "processor")
+    res = CliRunner().invoke(app, ["verify", str(ds)])
+    assert res.exit_code == 1 and "tokens, the manifest records" in res.output, res.output
+    manifest = json.loads((ds / "manifest.json").read_text())
+    del manifest["processor"]["vocab_size"]  # a dataset built before it was recorded, or a manifest edited to match
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(app, ["verify", str(ds)])
+    assert res.exit_code == 1 and f"outside the saved processor's {size} tokens" in res.output, res.output
+    assert _train(ds, tmp_path / "run", "qwen2.5-vl") == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the start-up lines: the first micro-batch is where ids are seen
+    assert "Traceback" not in err and last.startswith("trainer: error:") and "sample r (key " in last, err
+    assert re.search(rf"holds token id \d+, outside the model's {size} embeddings", last), last
+
+
+def test_a_dataset_of_the_models_own_vocabulary_passes_both_checks(tmp_path):
+    from vlmprep.tools.verify import verify_dataset
+
+    ds, _, _ = build_one(tmp_path, "tiny:qwen2.5-vl")
+    assert verify_dataset(ds) == []
+    assert _train(ds, tmp_path / "run", "qwen2.5-vl") == 0

@@ -129,11 +129,24 @@ class CollateSpec:
     # 1 x 2 x 2 grid).
     placeholder: tuple[int, ...] = ()
     placeholder_size: tuple[int, int] = (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)
+    vocab_size: int = 0  # the model's input embedding rows: every token id is below it (0: not checked)
 
 
 def check_tokens(ids: np.ndarray, mm: np.ndarray, samples: list[DecodedSample], spec: CollateSpec) -> None:
-    """Refuses (DataError) a micro-batch the model cannot take: image or video tokens (by mm_token_type_ids) that are
-    not the model's placeholder id (shards built for another family), or videos in a run that does not train them."""
+    """Refuses (DataError) a micro-batch the model cannot take: a token id outside the model's embeddings (the shards'
+    tokenizer is not the model's: an IndexError deep in the forward otherwise, a device assert on a GPU), image or
+    video tokens (by mm_token_type_ids) that are not the model's placeholder id (shards built for another family), or
+    videos in a run that does not train them."""
+    if spec.vocab_size and len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < spec.vocab_size:
+        s = next(
+            s for s in samples if len(s.input_ids) and not 0 <= s.input_ids.min() <= s.input_ids.max() < spec.vocab_size
+        )
+        bad = int(s.input_ids.max() if s.input_ids.max() >= spec.vocab_size else s.input_ids.min())
+        raise DataError(
+            f"sample {s.id} (key {s.key}) holds token id {bad}, outside the model's {spec.vocab_size} embeddings: the "
+            "dataset was tokenized for another vocabulary (its processor swapped, or built for another model); "
+            "rebuild it with this model's processor"
+        )
     if not spec.videos and any(s.videos for s in samples):
         raise DataError(
             f"samples {[s.id for s in samples if s.videos]} hold videos, but this run does not train "

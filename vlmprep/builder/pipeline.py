@@ -77,7 +77,7 @@ from vlmprep.config import BuildConfig, default
 from vlmprep.families import model_family
 from vlmprep.locations import stamp
 from vlmprep.process import Renderer
-from vlmprep.processors.load import load_processor, save_processor
+from vlmprep.processors.load import load_processor, save_processor, vocab_size
 from vlmprep.records import ReadLimits, expand_inputs
 from vlmprep.shards.dataset import (
     PLAN_NAME,
@@ -189,6 +189,7 @@ def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -
             fingerprint=fingerprint,
             dir=PROCESSOR_DIR,
             family=model_family(processor),
+            vocab_size=vocab_size(processor),
         ),
         append=append,
         names=new_names(files, parent) if append is not None else None,

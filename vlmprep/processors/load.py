@@ -88,6 +88,13 @@ def load_saved_processor(path: str | Path):
         ) from None
 
 
+def vocab_size(processor) -> int:
+    """Every token id the processor's tokenizer gives is below this (its length, or one past its highest id where
+    the ids have holes): the manifest records it, and verify checks each sample's ids against the saved copy's."""
+    tok = processor.tokenizer
+    return max(len(tok), 1 + max(tok.get_vocab().values(), default=-1))
+
+
 def fingerprint_dir(path: Path) -> str:
     """A processor dir -> the sha256 over its files' relative names and contents (what the plan records)."""
     h = hashlib.sha256()

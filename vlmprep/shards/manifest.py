@@ -103,14 +103,15 @@ class ShardEntry(JsonObject):
 @dataclass(frozen=True, kw_only=True)
 class SavedProcessor(JsonObject):
     """The processor saved beside the dataset: the --processor spec it came from, its class, the fingerprint of the
-    saved files and the dir (inside the dataset) that holds them; the model family it renders for (None: a dataset
-    built before it was recorded)."""
+    saved files and the dir (inside the dataset) that holds them; the model family it renders for and its tokenizer's
+    size, every token id below it (None: a dataset built before they were recorded)."""
 
     spec: str
     class_name: str
     fingerprint: str
     dir: str
     family: str | None = None
+    vocab_size: int | None = None
 
     KEYS = {"class_name": "class"}
 

@@ -17,6 +17,7 @@ import numpy as np
 from referencing import Registry, Resource
 
 from vlmprep.families import FamilySpec, family_of
+from vlmprep.processors.load import load_saved_processor, vocab_size
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, id_hash, is_video_member
 from vlmprep.shards.manifest import Manifest, ShardEntry, ShardFormatError, open_dataset, processor_dir
@@ -72,12 +73,16 @@ def verify_dataset(
     except (ShardFormatError, UnsafeDataset) as e:
         return [Violation(MANIFEST_NAME, str(e))]
 
+    try:  # deep: loaded as every reader loads it, and every token id checked against it
+        vocab = _vocabulary(root, manifest) if deep else 0
+    except (ShardFormatError, UnsafeDataset) as e:
+        return [Violation(f"{manifest.processor.dir}/", str(e))]
     out: list[Violation] = _version_problems(manifest)
     listed, number = {s.name for s in manifest.shards}, manifest_number(manifest)
     for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
         if shard_version(extra) <= number:  # a later version's shards (or an append under way) are not this one's
             out.append(Violation(extra, "shard file not listed in the manifest"))
-    job = _ShardJob(root, manifest, _SampleCheck(manifest, root), deep)
+    job = _ShardJob(root, manifest, _SampleCheck(manifest, root, vocab), deep)
     for found in map_shards(
         _check_shard, job, len(manifest.shards), workers=workers, command="verify", on_shard=on_shard
     ):
@@ -210,6 +215,19 @@ def _verify_index(
     return []
 
 
+def _vocabulary(root: Path, manifest: Manifest) -> int:
+    """The saved processor's vocabulary size (load.vocab_size), the processor loaded as the Collator and inspect load
+    it (a dir that does not load is not a valid dataset); the size the manifest records must be it."""
+    size = vocab_size(load_saved_processor(processor_dir(root, manifest)))
+    recorded = manifest.processor.vocab_size
+    if recorded is not None and recorded != size:
+        raise ShardFormatError(
+            f"the saved processor's tokenizer has {size} tokens, the manifest records {recorded}: it is not the "
+            "processor the shards were tokenized with"
+        )
+    return size
+
+
 def _processor_config(d: Path) -> dict:
     for name in ("preprocessor_config.json", "processor_config.json"):
         p = d / name
@@ -222,7 +240,8 @@ def _processor_config(d: Path) -> dict:
 class _SampleCheck:
     """Per-sample invariants of one dataset; family facts come from the registry by the manifest's processor class."""
 
-    def __init__(self, manifest: Manifest, root: Path):
+    def __init__(self, manifest: Manifest, root: Path, vocab: int = 0):
+        self.vocab = vocab  # every token id is below it (0: not checked)
         self.version = manifest.format_version
         self.image_format = manifest.image_format
         self.meta_validator = schema_validator("sample_meta.schema.json")
@@ -263,6 +282,9 @@ class _SampleCheck:
                 )
             )
             return out, counts
+        if self.vocab and L and not 0 <= int(ids.min()) <= int(ids.max()) < self.vocab:
+            bad = int(ids.max()) if ids.max() >= self.vocab else int(ids.min())
+            out.append(Violation(where, f"token id {bad} outside the saved processor's {self.vocab} tokens"))
         n_images = meta["num_images"]
         if grid.shape != (n_images, 3) or len(meta["images"]) != n_images:
             out.append(Violation(where, f"image_grid_thw {grid.shape} vs {n_images} images in meta"))
