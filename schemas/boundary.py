@@ -265,6 +265,53 @@ def refuse_bad_sizes(config, where: str) -> None:
                 stack.append(value)
 
 
+# The config keys that name a transformers class: what AutoProcessor and its parts resolve the dir's classes by.
+CLASS_KEYS = (
+    "processor_class",
+    "tokenizer_class",
+    "image_processor_type",
+    "video_processor_type",
+    "feature_extractor_type",
+)
+
+
+def refuse_unknown_classes(config, where: str) -> None:
+    """Refuse a processor config (as read from `where`) that names a class (CLASS_KEYS, at any depth) transformers
+    does not have: one line naming the class and the file, where transformers would fail deep inside or quietly load
+    another class (a bare tokenizer in a processor's place: an AttributeError far from here). Imports transformers."""
+    import transformers
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    def known(key: str, name) -> bool:
+        if not isinstance(name, str):
+            return False
+        if key == "tokenizer_class":
+            return tokenizer_class_from_name(name) is not None
+        try:  # image and video processors are saved with a "Fast" suffix transformers 5 dropped
+            return isinstance(getattr(transformers, name.removesuffix("Fast"), None), type)
+        except ImportError:  # a class whose module needs a package this environment lacks: it exists
+            return True
+
+    stack = [config]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (dict, list)):
+            stack.extend(node.values() if isinstance(node, dict) else node)
+        for key in CLASS_KEYS if isinstance(node, dict) else ():
+            if node.get(key) is not None and not known(key, node[key]):
+                raise UnsafeDataset(
+                    f"{where}: {key} {json.dumps(node[key])[:80]} is not a class transformers has; refusing to load "
+                    "the processor (save it again from the model's own processor)"
+                )
+
+
+def check_processor_classes(d: str | Path) -> None:
+    """refuse_unknown_classes over each config of processor dir `d` (what its loaders call before transformers)."""
+    for f in (Path(d) / n for n in CODE_CONFIGS):
+        if f.is_file():
+            refuse_unknown_classes(_read_json(f, MAX_CONFIG_BYTES), str(f))
+
+
 def _read_json(path: Path, max_bytes: int, *, parse: bool = True):
     """A processor's JSON file, bounded in size and nesting before it is parsed (transformers parses it again);
     `parse` False: checked only (a vocabulary's tens of MB are parsed once, by the tokenizer's loader)."""

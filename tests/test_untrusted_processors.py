@@ -47,10 +47,8 @@ def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_f
 
     ds = _copy(dataset, tmp_path)
     path = ds / "processor" / "processor_config.json"
-    cfg = json.loads(path.read_text())
     key = "size" if isinstance(value, dict) else "patch_size"
-    cfg["image_processor"][key] = value
-    path.write_text(json.dumps(cfg))
+    _edit(path, lambda cfg: cfg["image_processor"].update({key: value}))
     must = (str(path), f"{key} {json.dumps(value)} is not a positive integer")
     with pytest.raises(ValueError) as e:
         load_saved_processor(ds / "processor")
@@ -64,18 +62,84 @@ def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_f
 def test_a_tokenizer_that_does_not_load_is_one_line_naming_the_dir(dataset, tmp_path):
     """Valid, shallow JSON that is not a tokenizer: the tokenizers library raises a bare Exception; here it is one
     line naming the processor dir, in vlmprep and in the trainer."""
+    ds = _copy(dataset, tmp_path)
+    (ds / "processor" / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "Nope"}}))
+    _loaders_refuse(ds / "processor", "cannot load the processor saved there", "cannot load the processor there")
+
+
+def _loaders_refuse(proc, vlmprep_says: str, trainer_says: str) -> None:
+    """vlmprep's loader (a ValueError) and the trainer's (a DataError) each refuse processor dir `proc` in one line
+    naming it."""
     from trainer.data.errors import DataError
     from trainer.data.processors import load_processor as trainer_load
     from vlmprep.processors.load import load_saved_processor
 
+    with pytest.raises(ValueError) as e:
+        load_saved_processor(proc)
+    _one_line(e.value, str(proc), vlmprep_says)
+    with pytest.raises(DataError) as e:
+        trainer_load(str(proc))
+    _one_line(e.value, str(proc), trainer_says)
+
+
+def _edit(path, change) -> None:
+    """The JSON file `path` rewritten with `change` applied to its value."""
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+def _rename_classes(cfg, key: str, to: str) -> None:
+    stack = [cfg]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            node.update({key: to} if key in node else {})
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("processor_config.json", "processor_class"),
+        ("tokenizer_config.json", "tokenizer_class"),
+        ("processor_config.json", "image_processor_type"),
+        ("processor_config.json", "video_processor_type"),
+    ],
+)
+def test_a_processor_config_naming_a_class_transformers_lacks_is_one_line_naming_it(
+    dataset, tmp_path, capsys, name, key
+):
+    """Issue 53.6 (round 5): a processor_class transformers does not have made AutoProcessor fall back to the bare
+    tokenizer, and the trainer ended in an AttributeError traceback (verify said OK); an unknown tokenizer_class was
+    quietly replaced. Each class a config names is looked up first: one line naming the class and the file, through
+    vlmprep's loader, the Collator, verify and the trainer."""
+    from vlmprep.clients.collate import Collator
+    from vlmprep.processors.load import load_saved_processor
+
     ds = _copy(dataset, tmp_path)
-    (ds / "processor" / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "Nope"}}))
+    path = ds / "processor" / name
+    _edit(path, lambda cfg: _rename_classes(cfg, key, "NoSuchClass"))
+    must = (str(path), f'{key} "NoSuchClass" is not a class transformers has')
     with pytest.raises(ValueError) as e:
         load_saved_processor(ds / "processor")
-    _one_line(e.value, str(ds / "processor"), "cannot load the processor saved there")
-    with pytest.raises(DataError) as e:
-        trainer_load(str(ds / "processor"))
-    _one_line(e.value, str(ds / "processor"), "cannot load the processor there")
+    _one_line(e.value, *must)
+    with pytest.raises(ValueError) as e:
+        _ = Collator(ds).processor
+    _one_line(e.value, *must)
+    _verify_fails(ds, *must)
+    _trainer_refuses(ds, tmp_path, capsys, *must)
+
+
+def test_a_processor_dir_that_loads_as_a_bare_tokenizer_is_one_line(dataset, tmp_path):
+    """No processor_config.json (nor a processor_class anywhere): transformers loads the tokenizer alone, which the
+    readers took for a processor."""
+    ds = _copy(dataset, tmp_path)
+    (ds / "processor" / "processor_config.json").unlink()
+    _edit(ds / "processor" / "tokenizer_config.json", lambda cfg: cfg.pop("processor_class", None))
+    _loaders_refuse(ds / "processor", "not a processor", "not a processor")
 
 
 @pytest.mark.parametrize("name", ["mistral-3", "gemma-4"])

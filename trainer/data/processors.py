@@ -17,20 +17,24 @@ from vlmprep_schemas.boundary import (
     PROCESSOR_FILES,
     REMOTE,
     UnsafeDataset,
+    check_processor_classes,
     processor_files,
     refuse_bad_sizes,
     refuse_custom_code,
+    refuse_unknown_classes,
 )
 from vlmprep_schemas.limits import load_json
 
 
 def check_processor(location: str, *, user_named: bool = False) -> None:
     """A processor dir the trainer reads settings from (the dataset's, or --processor): each file it would read
-    inside it and no custom code (vlmprep_schemas.boundary.processor_files); a URL's configs are checked as read.
+    inside it, no custom code (vlmprep_schemas.boundary.processor_files) and no class transformers lacks; a URL's
+    configs are checked as read.
     A dir the user named (`user_named`) may link out (a Hugging Face cache snapshot); a dataset's may not."""
     if not location.startswith(REMOTE):
         try:
             processor_files(location, links_out=user_named)
+            check_processor_classes(location)
         except UnsafeDataset as e:
             raise DataError(str(e)) from None
 
@@ -41,21 +45,31 @@ def load_processor(processor_dir: str):
     from transformers import AutoProcessor
 
     try:
-        return AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+        check_processor_classes(processor_dir)
+        processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True, trust_remote_code=False)
+    except UnsafeDataset as e:
+        raise DataError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise anything
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(
             f"{processor_dir}: cannot load the processor there ({type(e).__name__}: {text[:200]}); "
             "pass --processor DIR with the processor the shards were built with"
         ) from None
+    if getattr(processor, "tokenizer", None) is None:  # transformers falls back to a bare tokenizer
+        raise DataError(
+            f"{processor_dir}: loads as a {type(processor).__name__}, not a processor (no processor_config.json "
+            "naming its class?); pass --processor DIR with the processor the shards were built with"
+        )
+    return processor
 
 
 def _no_custom_code(cfg, url: str):
-    """A processor config as read from `url`, refused (one line) when it asks for custom code or its sizes are not
-    positive integers."""
+    """A processor config as read from `url`, refused (one line) when it asks for custom code, its sizes are not
+    positive integers or it names a class transformers lacks."""
     try:
         refuse_custom_code(cfg, url)
         refuse_bad_sizes(cfg, url)
+        refuse_unknown_classes(cfg, url)
     except UnsafeDataset as e:
         raise DataError(str(e)) from None
     return cfg if isinstance(cfg, dict) else {}

@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vlmprep_schemas.boundary import UnsafeDataset, fresh_state_dir, processor_files
+from vlmprep_schemas.boundary import UnsafeDataset, check_processor_classes, fresh_state_dir, processor_files
 
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 
@@ -78,14 +78,21 @@ def load_saved_processor(path: str | Path):
     from vlmprep.processors.builtin import from_local_dir
 
     processor_files(path)
+    check_processor_classes(path)
     try:
-        return from_local_dir(path)
+        processor = from_local_dir(path)
     except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise anything (their Rust: plain Exception)
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UnsafeDataset(
             f"{path}: cannot load the processor saved there ({type(e).__name__}: {text[:200]}); "
             "save it again from the model's own processor"
         ) from None
+    if getattr(processor, "tokenizer", None) is None:  # transformers falls back to a bare tokenizer
+        raise UnsafeDataset(
+            f"{path}: loads as a {type(processor).__name__}, not a processor (no processor_config.json naming its "
+            "class?); save it again from the model's own processor"
+        )
+    return processor
 
 
 def vocab_size(processor) -> int:
