@@ -166,7 +166,7 @@ class BuildConfig:
     max_images_per_record: int = opt(64, LIMITS, "Reject records with more images.")
     # Counted before rendering (a table's lists before a row is converted): 10^6 messages fit a few KB of a table.
     max_messages_per_record: int = opt(10_000, LIMITS, "Reject records with more messages.")
-    # Counted before the text is parsed (a line, a JSON string cell): parsing, and stages after it, recurse per level.
+    # Found as a record's JSON is parsed (a line, a JSON string cell): parsing, and stages after it, recurse per level.
     max_json_depth: int = opt(64, LIMITS, "Reject records whose JSON (and JSON strings in it) nests deeper ([ and {).")
     max_line_bytes: int = opt(256 * 1024 * 1024, LIMITS, "Reject input lines longer than this.")
     max_zstd_window: int = opt(1 << 27, LIMITS, "Max zstd window (bytes) an input may demand.")  # zstd's own cap

@@ -21,7 +21,7 @@ import zstandard
 from vlmprep.config import default
 from vlmprep.locations import Input, LocationError, RemoteFile, expand_url, is_url, open_input, size_of
 from vlmprep.tables import TABLE_SUFFIXES, is_table, iter_table_records, table_record
-from vlmprep.types import RawRecord, RecordError, Source, UserError, json_value
+from vlmprep.types import RawRecord, RecordError, Source, UserError, json_nesting, json_value
 from vlmprep_schemas.limits import json_depth
 
 SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd") + TABLE_SUFFIXES
@@ -33,7 +33,7 @@ class InputError(UserError):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadLimits:
-    """What the readers refuse in a record before it is parsed or converted (the build's options of the same
+    """What the readers refuse in a record before a stage works on it (the build's options of the same
     names): a line's bytes, a zstd frame's window, JSON nesting, messages per record."""
 
     max_line_bytes: int = default("max_line_bytes")
@@ -241,7 +241,7 @@ def iter_file_records(
         )
         return
     if path.name.endswith(".json"):
-        yield from _json_file_records(path, pos, seek.offset, input_name, limits.max_json_depth)
+        yield from _json_file_records(path, pos, seek.offset, input_name)
         return
     lineno = seek.line
     offset = seek.offset
@@ -293,25 +293,20 @@ def iter_file_records(
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records"))
 
 
-def _json_file_records(path: Input, pos: int, first: int, input_name: str, max_depth: int) -> Iterator[RawRecord]:
+def _json_file_records(path: Input, pos: int, first: int, input_name: str) -> Iterator[RawRecord]:
     """A .json input (an array of records, or one record) read whole -> a RawRecord per record from the `first`-th
-    (0-based) on, numbered from `pos`; a file that is not one, or whose records nest deeper than `max_depth`
-    (checked before it is parsed), is a single record carrying the error."""
+    (0-based) on, numbered from `pos`; a file that is not one, or nests too deep to parse at all, is a single record
+    carrying the error (a record nesting deeper than --max-json-depth is rejected alone, by parse_record)."""
     name = str(path)
     try:
         with open_input(path) as f:
             text = f.read()
-        depth = json_depth(text, max_depth + 1)
-        if depth > max_depth + 1:  # + 1: the array around the records
-            raise RecordError("json_too_deep", f"{name}: nests {depth} levels deep > max_json_depth={max_depth}")
         data = json.loads(text)  # a UTF-8 BOM is fine here: json detects it
-    except (ValueError, UnicodeDecodeError, RecordError) as e:
-        yield RawRecord(
-            Source(name, 0, input_name),
-            pos,
-            error=e if isinstance(e, RecordError) else RecordError("invalid_json_file", f"{name}: {e}"),
-            unread_bytes=size_of(path),
-        )
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        error = RecordError("invalid_json_file", f"{name}: {e}")
+        if isinstance(e, RecursionError):
+            error = RecordError("json_too_deep", f"{name}: nests {json_depth(text, 0)} levels deep, too deep to parse")
+        yield RawRecord(Source(name, 0, input_name), pos, error=error, unread_bytes=size_of(path))
         return
     if isinstance(data, dict) and ("messages" in data or "conversations" in data):
         data = [data]
@@ -335,7 +330,11 @@ def _json_file_records(path: Input, pos: int, first: int, input_name: str, max_d
         yield RawRecord(Source(name, 0, input_name), pos, error=RecordError("empty_file", f"{name} holds no records"))
         return
     for i, item in enumerate(data[first:], start=first + 1):
-        yield RawRecord(Source(name, i, input_name), pos, data=item, offset=i - 1, size=len(json.dumps(item)))
+        try:  # the plan's weight of the record; one nested past Python's stack is rejected by parse_record anyway
+            size = len(json.dumps(item))
+        except RecursionError:
+            size = 1
+        yield RawRecord(Source(name, i, input_name), pos, data=item, offset=i - 1, size=size)
         pos += 1
 
 
@@ -407,23 +406,27 @@ def readable_record(raw: RawRecord):
 
 def parse_record(raw: RawRecord, limits: ReadLimits = ReadLimits()) -> dict:
     """Bytes -> dict; raises RecordError for anything that is not one JSON object, nests deeper than
-    limits.max_json_depth (counted before it is parsed) or holds more messages than limits.max_messages_per_record."""
+    limits.max_json_depth or holds more messages than limits.max_messages_per_record, before a stage works on it."""
     if raw.error is not None:
         raise raw.error
+    deepest, most = limits.max_json_depth, limits.max_messages_per_record
     if raw.text is not None:
         try:
             text = raw.text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise RecordError("invalid_utf8", f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from None
         try:
-            data = json_value(text, max_depth=limits.max_json_depth, what="line")
+            data = json_value(text, max_depth=deepest, what="line")
         except ValueError as e:
             raise RecordError("invalid_json", f"line is not valid JSON: {e}") from None
         # Decoded UTF-8 holds no lone surrogate; only a JSON escape (\udc00) can make one.
         if _SURROGATE_ESCAPE.search(raw.text):
             _check_unicode(data)
-    else:
-        data = table_record(raw.data, max_json_depth=limits.max_json_depth) if raw.row else raw.data
+    else:  # a table's row (its JSON string columns parsed by json_value), a .json file's record
+        data = table_record(raw.data, max_json_depth=deepest) if raw.row else raw.data
+        depth = json_nesting(data)
+        if depth > deepest:
+            raise RecordError("json_too_deep", f"record nests {depth} levels deep > max_json_depth={deepest}")
         _check_unicode(data)
     if not isinstance(data, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(data).__name__}, expected an object")
@@ -431,11 +434,8 @@ def parse_record(raw: RawRecord, limits: ReadLimits = ReadLimits()) -> dict:
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
         raise RecordError("invalid_id", f"id must be a string (or an integer), got {json.dumps(rid)[:80]}")
     for key in ("messages", "conversations"):
-        if isinstance(data.get(key), list) and len(data[key]) > limits.max_messages_per_record:
-            raise RecordError(
-                "too_many_messages",
-                f"{key}: {len(data[key])} messages > max_messages_per_record={limits.max_messages_per_record}",
-            )
+        if isinstance(data.get(key), list) and len(data[key]) > most:
+            raise RecordError("too_many_messages", f"{key}: {len(data[key])} messages > max_messages_per_record={most}")
     return data
 
 

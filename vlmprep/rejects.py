@@ -24,7 +24,7 @@ REASONS: dict[str, Reason] = {
         "reading",
         invalid_json="",
         json_too_deep="`--max-json-depth`, default 64: [ and { nesting of a line, a `.json` file's records, a JSON"
-        " string column or tool-call arguments, counted before the text is parsed",
+        " string column or tool-call arguments, found as it is parsed, before any stage recurses over it",
         invalid_json_file="unparsable, or not an array of records / one record",
         invalid_utf8="",
         not_an_object="",

@@ -232,7 +232,7 @@ def _rows(batch, limit: int) -> list:
 def table_record(row: dict, *, max_json_depth: int = default("max_json_depth")) -> dict:
     """A table row -> an OpenAI or ShareGPT record (normalize_record's input), image cells as bytes or paths. A row
     that fits no layout is a RecordError (unknown_layout) naming the columns found; a JSON string column nesting
-    deeper than `max_json_depth` is one too (json_too_deep), found before it is parsed."""
+    deeper than `max_json_depth` is one too (json_too_deep), found as it is parsed."""
     columns = sorted(row)
     row = {k: v for k, v in row.items() if v is not None}  # a null cell: the column is absent from this row
     # tool specs are often stored as a JSON string column too: their schemas differ per row

@@ -202,10 +202,11 @@ def _deep(n: int) -> str:
     return "[" * n + "]" * n
 
 
-def test_json_nested_deeper_than_the_limit_is_one_reject_found_before_it_is_parsed(tmp_path):
+def test_json_nested_deeper_than_the_limit_is_one_reject_before_any_stage_recurses(tmp_path):
     """200,000 levels were an internal_error RecursionError where a JSON string was parsed (a table's messages
     column, tool-call arguments), 900 levels one wherever a stage recursed after the parse: every JSON text of a
-    record is now measured before it is parsed, against --max-json-depth (64)."""
+    record is now measured as it is parsed (then walked without recursion), against --max-json-depth (64): a .json
+    file's record alone is rejected."""
     d = tmp_path / "in"
     d.mkdir()
     ok = {"id": "ok", "messages": TURNS}
