@@ -220,11 +220,13 @@ def test_json_nested_deeper_than_the_limit_is_one_reject_before_any_stage_recurs
     cells = [{"id": "t-ok", "messages": json.dumps(TURNS)}]
     cells += [{"id": f"t{n}", "messages": json.dumps(TURNS)[:-1] + ", " + _deep(n) + "]"} for n in (900, 200_000)]
     pq.write_table(pa.Table.from_pylist(cells), d / "b.parquet")
-    (d / "c.json").write_text("[" + json.dumps({"id": "j", "messages": TURNS}).replace('"j"', _deep(900)) + "]")
+    deep = json.dumps({"id": "j", "messages": TURNS}).replace('"j"', _deep(900))
+    (d / "c.json").write_text("[" + json.dumps({"id": "j-ok", "messages": TURNS}) + ", " + deep + "]")
     (d / "d.json").write_text(json.dumps([{"id": "d-ok", "messages": TURNS}]))
     res = _build(d, tmp_path / "o")
     assert res.manifest.rejects == {"json_too_deep": 7}, res.manifest.rejects
-    assert sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o")) == ["d-ok", "ok", "t-ok"]
+    # the .json file's good record lands beside its deep one
+    assert sorted(s.meta()["id"] for s in iter_dataset(tmp_path / "o")) == ["d-ok", "j-ok", "ok", "t-ok"]
     messages = [json.loads(x)["message"] for x in (tmp_path / "o" / "rejects.jsonl").read_text().splitlines()]
     assert all(re.search(r"nests \d+ levels deep > max_json_depth=64", m) for m in messages), messages
     assert "messages[1].tool_calls[0]: arguments nests 200001 levels deep > max_json_depth=64" in messages
