@@ -403,9 +403,8 @@ from vlmprep_schemas.boundary import (  # noqa: E402 - imported here so the read
     UnsafeDataset,
     dataset_file,
     dataset_paths,
-    processor_files,
-    refuse_custom_code,
 )
+from vlmprep_schemas.processor_dir import processor_files, refuse_custom_code  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["processor", "sub/processor", "shard-000000.tar", ".nv-meta", "a..b"])

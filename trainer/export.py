@@ -24,15 +24,8 @@ from trainer.config import ConfigError, TrainConfig, default
 from trainer.data import DataError, local_processor, resolve_data
 from trainer.families import Vocab
 from trainer.options import Checkpointing, DataOptions, ModelOptions
-from vlmprep_schemas.boundary import (
-    REMOTE,
-    UnsafeDataset,
-    UnsafeWrite,
-    fresh_state_dir,
-    processor_files,
-    read_state,
-    remove_state,
-)
+from vlmprep_schemas.boundary import REMOTE, UnsafeDataset, UnsafeWrite, fresh_state_dir, read_state, remove_state
+from vlmprep_schemas.processor_dir import processor_files
 
 EXPORT_DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32)))
 _MARKS = ("config.json", "adapter_config.json")  # an earlier export: the only non-empty dir --overwrite replaces

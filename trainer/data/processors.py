@@ -11,24 +11,23 @@ from pathlib import Path
 
 from trainer.data.errors import DataError
 from trainer.data.sources import DataSource, join_url, read_dataset_file
-from vlmprep_schemas.boundary import (
+from vlmprep_schemas.boundary import REMOTE, UnsafeDataset
+from vlmprep_schemas.limits import load_json
+from vlmprep_schemas.processor_dir import (
     MAX_CONFIG_BYTES,
     MAX_VOCAB_BYTES,
     PROCESSOR_FILES,
-    REMOTE,
-    UnsafeDataset,
     check_processor_classes,
     processor_files,
     refuse_bad_sizes,
     refuse_custom_code,
     refuse_unknown_classes,
 )
-from vlmprep_schemas.limits import load_json
 
 
 def check_processor(location: str, *, user_named: bool = False) -> None:
     """A processor dir the trainer reads settings from (the dataset's, or --processor): each file it would read
-    inside it, no custom code (vlmprep_schemas.boundary.processor_files) and no class transformers lacks; a URL's
+    inside it, no custom code (vlmprep_schemas.processor_dir.processor_files) and no class transformers lacks; a URL's
     configs are checked as read.
     A dir the user named (`user_named`) may link out (a Hugging Face cache snapshot); a dataset's may not."""
     if not location.startswith(REMOTE):

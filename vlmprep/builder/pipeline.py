@@ -47,6 +47,7 @@ from vlmprep.builder.plan import (
     load_plan,
     make_plan,
     plan_digest,
+    saved_processor,
     shard_prefix,
     write_plan,
 )
@@ -74,10 +75,9 @@ from vlmprep.builder.store_versions import (
 from vlmprep.builder.task import run_task
 from vlmprep.builder.workers import BuildError, start_worker_server
 from vlmprep.config import BuildConfig, default
-from vlmprep.families import model_family
 from vlmprep.locations import stamp
 from vlmprep.process import Renderer
-from vlmprep.processors.load import load_processor, save_processor, vocab_size
+from vlmprep.processors.load import load_processor, save_processor
 from vlmprep.records import ReadLimits, expand_inputs
 from vlmprep.shards.dataset import (
     PLAN_NAME,
@@ -85,7 +85,7 @@ from vlmprep.shards.dataset import (
     TMP_SUFFIX,
     TaskFiles,
 )
-from vlmprep.shards.manifest import Manifest, SavedProcessor, TaskManifest, load_task_manifest
+from vlmprep.shards.manifest import Manifest, TaskManifest, load_task_manifest
 from vlmprep.shards.versions import parse_record, rejects_file
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import state_dir
@@ -183,14 +183,7 @@ def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -
         files=files,
         tasks=cfg.tasks,
         limits=ReadLimits.of(cfg),
-        processor=SavedProcessor(
-            spec=cfg.processor,
-            class_name=type(processor).__name__,
-            fingerprint=fingerprint,
-            dir=PROCESSOR_DIR,
-            family=model_family(processor),
-            vocab_size=vocab_size(processor),
-        ),
+        processor=saved_processor(cfg.processor, processor, fingerprint),
         append=append,
         names=new_names(files, parent) if append is not None else None,
     )

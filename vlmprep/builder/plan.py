@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep import __version__
+from vlmprep.families import model_family
 from vlmprep.locations import LocationError, as_input, stamp
+from vlmprep.processors.load import vocab_size
 from vlmprep.records import ReadLimits, Seek, input_names, iter_file_records
-from vlmprep.shards.dataset import PLAN_NAME, TMP_SUFFIX, write_bytes_atomic
+from vlmprep.shards.dataset import PLAN_NAME, PROCESSOR_DIR, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import JsonObject, SavedProcessor
 from vlmprep.shards.summary import plural
@@ -114,6 +116,19 @@ def shard_prefix(plan: Plan, index: int) -> str:
     """One task: today's shard names. Several: the task index leads, so names sort in plan order and two tasks
     never write the same file. A version after the first carries its number first (shards/versions.py)."""
     return version_shard_prefix(plan.version, None if plan.tasks == 1 else index)
+
+
+def saved_processor(spec: str, processor, fingerprint: str) -> SavedProcessor:
+    """What the plan (and so the manifest) records of the processor a build renders with, saved as DIR/processor:
+    its spec, class, the fingerprint of its saved files, and the model family and vocabulary it renders for."""
+    return SavedProcessor(
+        spec=spec,
+        class_name=type(processor).__name__,
+        fingerprint=fingerprint,
+        dir=PROCESSOR_DIR,
+        family=model_family(processor),
+        vocab_size=vocab_size(processor),
+    )
 
 
 def make_plan(

@@ -9,7 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from vlmprep_schemas.boundary import UnsafeDataset, check_processor_classes, fresh_state_dir, processor_files
+from vlmprep_schemas.boundary import UnsafeDataset, fresh_state_dir
+from vlmprep_schemas.processor_dir import check_processor_classes, processor_files
 
 TEMPLATES_DIR = Path(__file__).parent.parent / "templates"
 

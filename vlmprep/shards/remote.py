@@ -21,9 +21,6 @@ from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, sha256_file, wri
 from vlmprep.shards.manifest import Manifest, ShardFormatError
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import (
-    MAX_CONFIG_BYTES,
-    MAX_VOCAB_BYTES,
-    PROCESSOR_FILES,
     REMOTE,
     UnsafeDataset,
     UnsafeWrite,
@@ -36,6 +33,7 @@ from vlmprep_schemas.boundary import (
     state_dir,
 )
 from vlmprep_schemas.limits import LIMITS, load_json
+from vlmprep_schemas.processor_dir import MAX_CONFIG_BYTES, MAX_VOCAB_BYTES, PROCESSOR_FILES
 from vlmprep_schemas.versions import resolve_ref, split_ref
 
 CACHE_SUBDIR = "datasets"  # under $VLMPREP_CACHE (default ~/.cache/vlmprep): one dir per dataset URL
@@ -87,7 +85,7 @@ def fetch_dataset(
     """Dataset `url` -> its local copy (cache_dir), ready for any reader of a dataset dir. Fetched: manifest.json
     (at most LIMITS.manifest_bytes, its names checked as every reader checks them: plain names inside the dataset),
     the shards and their sample indexes, the dataset's sample index, rejects.jsonl and the processor's own files
-    (vlmprep_schemas.boundary.PROCESSOR_FILES; not additional_chat_templates/, which no reader of shards needs).
+    (vlmprep_schemas.processor_dir.PROCESSOR_FILES; not additional_chat_templates/, which no reader of shards needs).
     `shards`: only these of the manifest's shards (names with or without .tar; unknown names are left to the reader
     to refuse) and their indexes, or a function of the manifest that names them; None: all, with the dataset's
     index. Trade-off: a file the manifest gives a sha256

@@ -25,8 +25,9 @@ from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, r
 from vlmprep.shards.versions import manifest_number, shard_version
 from vlmprep.tools.per_shard import map_shards
 from vlmprep_schemas import NAMES, load
-from vlmprep_schemas.boundary import UnsafeDataset, processor_files
+from vlmprep_schemas.boundary import UnsafeDataset
 from vlmprep_schemas.limits import grid_problem
+from vlmprep_schemas.processor_dir import processor_files
 
 
 @dataclass(frozen=True)

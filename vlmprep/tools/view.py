@@ -14,7 +14,7 @@ import numpy as np
 
 from vlmprep.families import ANY_TURN_STARTS, family_of
 from vlmprep.tools.inspected import InspectedSample, InspectedVideo, image_token_count
-from vlmprep_schemas.boundary import processor_files
+from vlmprep_schemas.processor_dir import processor_files
 
 MAX_LISTED_TIMESTAMPS = 16  # a longer video lists its first 8 and last 4 frame times in the terminal marker
 
