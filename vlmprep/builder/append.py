@@ -63,6 +63,9 @@ class NothingToAppend(UserError):
         super().__init__(message)
         self.manifest = manifest
 
+    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
+        return type(self), (str(self), self.manifest)
+
 
 @dataclass(frozen=True)
 class Parent:
