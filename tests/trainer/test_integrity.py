@@ -108,9 +108,9 @@ def test_a_scheduled_run_hashes_its_local_shards_ahead_of_the_readers_not_before
     hashed, reads, lock = [], [], threading.Lock()
     real_hash, real_read = ShardCheck._hash, trainer.data.streams.read_indexed
 
-    def slow_hash(self, path, *, url, want):  # 0.1 s a shard: what a large shard's hash costs, in small
+    def slow_hash(self, path, *, url, want, **kw):  # 0.1 s a shard: what a large shard's hash costs, in small
         time.sleep(0.1)
-        sig = real_hash(self, path, url=url, want=want)
+        sig = real_hash(self, path, url=url, want=want, **kw)
         with lock:
             hashed.append(path)
         return sig
@@ -181,11 +181,11 @@ def test_a_shard_in_two_sources_of_a_mixture_is_hashed_once(dataset, tmp_path, m
 
     hashed, lock, real_hash = [], threading.Lock(), ShardCheck._hash
 
-    def slow_hash(self, path, *, url, want):  # slow enough that both sources' gates reach a shard while it hashes
+    def slow_hash(self, path, *, url, want, **kw):  # slow enough that both sources' gates reach a shard while it hashes
         time.sleep(0.05)
         with lock:
             hashed.append(path)
-        return real_hash(self, path, url=url, want=want)
+        return real_hash(self, path, url=url, want=want, **kw)
 
     monkeypatch.setattr(ShardCheck, "_hash", slow_hash)
     cfg = TrainConfig(

@@ -4,7 +4,8 @@ up to `prefetch` shards ahead of the read position, into --shard-cache, checked 
 under --shard-cache-limit evicts a shard once no fetched interval of it reaches the slowest reader's position.
 Local shards that this run dir has not hashed yet go through the same gate, in place: hashed in read order, ahead of
 the readers, never copied, evicted or counted against the limit.
-DataLoader workers wait for a shard's file and report their positions through shared memory (CacheView).
+DataLoader workers wait for a shard's file and report their positions through shared memory (CacheView); the
+fetcher's threads step through a ForkGate (forks.py), so that forking those workers never copies a lock they hold.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from trainer import locks
 from trainer.config import cache_limit_bytes, default
 from trainer.data.errors import DataError
+from trainer.data.forks import ForkGate
 from trainer.data.integrity import ShardCheck
 from trainer.data.order import RankSource, Schedule
 from trainer.data.sources import REMOTE_OR_PIPE
@@ -73,6 +75,12 @@ class CacheView:
         """Whether shard j's local file is not there to read (evicted, not fetched yet, or failed)."""
         return int(self.state[j]) != READY
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(state, progress, message) as numpy views of the shared memory: what the fetcher thread reads and writes,
+        so that it runs no torch op (a torch op's first call in a thread initializes statics under locks that a
+        fork must not copy held)."""
+        return self.state.numpy(), self.progress.numpy(), self.message.numpy()
+
 
 def intervals(
     sources: list[RankSource], order: Schedule, start: int, gated: np.ndarray, offsets: list[int]
@@ -108,12 +116,13 @@ def intervals(
 
 @dataclass
 class _Pass:
-    """One fetcher pass over an epoch's plan from a start position: its intervals (flat shard, first and last position,
-    in order of first), the next one to admit, and what the cache holds meanwhile."""
+    """One fetcher pass over an epoch's plan from a start position, by `readers` readers: its intervals (flat shard,
+    first and last position, in order of first), the next one to admit, and what the cache holds meanwhile."""
 
     shard: list[int]
     first: list[int]
     last: list[int]
+    readers: int
     t0: float  # when the pass began (first_ready_s counts from it)
     leftover: dict[int, int]  # shard left by an earlier epoch or run -> its bytes, until needed or evicted
     used: int  # bytes counted against the limit
@@ -155,6 +164,9 @@ class ShardCache:
             torch.zeros(MESSAGE_BYTES, dtype=torch.uint8).share_memory_(),
             evicts=bool(self.remote.any()),
         )
+        # the fetcher's side of the shared memory, as numpy views (its thread runs no torch op)
+        self._state, self._progress, self._message = self.view.arrays()
+        self._gate = ForkGate()  # the fetcher's threads step through it: a fork never copies them mid-step
         self._lock = -1  # the rank's cache dir lock (root/LOCK_NAME), held from the first begin() to end()
         self.verified: set[int] = set()  # gated shards this process has fetched or hashed and checked
         self._thread: threading.Thread | None = None
@@ -173,6 +185,13 @@ class ShardCache:
     def begin(self, order: Schedule, start: int, num_workers: int) -> None:
         """Start fetching for the reads of `order` from position `start` on, by `num_workers` readers (stops a
         previous fetcher first; shards still verified in the cache dir are kept)."""
+        p = self.plan(order, start, num_workers)
+        self._thread = threading.Thread(target=self._run, args=(p,), daemon=True, name="shard-cache")
+        self._thread.start()
+
+    def plan(self, order: Schedule, start: int, num_workers: int) -> _Pass:
+        """What begin() starts its fetcher thread on (the thread steps it: step()): the readers' shared state
+        reset for `order` from `start` on, and the pass over its intervals. Stops a previous fetcher first."""
         self.close()
         try:  # the rank's dir: a link planted at its name is refused, never fetched into or evicted from
             state_dir(self.root)
@@ -180,19 +199,24 @@ class ShardCache:
             raise DataError(str(e)) from None
         if self._lock < 0:
             self._own()
-        v = self.view
-        v.message.zero_()
+        v, readers = self.view, max(num_workers, 1)
+        self._message[:] = 0
         for j, path in enumerate(v.files):
             ok = not self.gated[j] or (j in self.verified and (not self.remote[j] or os.path.isfile(path)))
-            v.state[j] = READY if ok else MISSING
-        v.progress.fill_(len(order))
-        v.progress[: max(num_workers, 1)] = start
+            self._state[j] = READY if ok else MISSING
+        self._progress.fill(len(order))
+        self._progress[:readers] = start
         self._stop.clear()
-        plan = intervals(self.sources, order, start, self.gated, self.offsets)
-        self._thread = threading.Thread(
-            target=self._run, args=(plan, max(num_workers, 1)), daemon=True, name="shard-cache"
-        )
-        self._thread.start()
+        shard, first, last = (a.tolist() for a in intervals(self.sources, order, start, self.gated, self.offsets))
+        # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
+        # evicted first.
+        leftover = {
+            j: self._size(j)
+            for j, path in enumerate(v.files)
+            if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))
+        }
+        t0 = time.perf_counter()
+        return _Pass(shard, first, last, readers, t0=t0, leftover=leftover, used=sum(leftover.values()))
 
     def _own(self) -> None:
         """One run per rank cache dir: two would continue each other's .part files and evict each other's shards."""
@@ -225,67 +249,73 @@ class ShardCache:
     def _size(self, j: int) -> int:
         return self.shards[j].num_bytes or 0
 
+    def _task(self, j: int) -> None:
+        with self._gate.step():  # a pool thread: its fetch or hash, parked between chunks while the process forks
+            self._fetch(j)
+
+    def _breathe(self) -> None:
+        """Between two chunks of a fetch or a hash: a fork waiting for this thread happens now."""
+        self._gate.breathe()
+
     def _fetch(self, j: int) -> None:
         if not self.remote[j]:  # a local shard: hashed in place
-            self.check.verify_deferred(self.shards[j].url)
+            self.check.verify_deferred(self.shards[j].url, between=self._breathe)
             return
         sh, path = self.shards[j], Path(self.view.files[j])
         if path.is_file() and (
             sh.sha256 is None
             and sh.num_bytes in (None, path.stat().st_size)
             or sh.sha256 is not None
-            and sha256_file(path) == sh.sha256
+            and sha256_file(path, between=self._breathe) == sh.sha256
         ):
             return  # left by an earlier run (a resume): checked, not fetched again
         path.unlink(missing_ok=True)
-        fetch(sh.url, path, size=sh.num_bytes, sha256=sh.sha256, stopped=self._stop.is_set)
+        fetch(
+            sh.url,
+            path,
+            size=sh.num_bytes,
+            sha256=sh.sha256,
+            stopped=lambda: self._breathe() or self._stop.is_set(),
+        )
 
     def _fail(self, j: int, message: str) -> None:
         """Shard j failed: every shard not yet local fails with its line, so no reader waits for a fetcher that
         stopped; the first reader to reach one raises it. Nothing is written to disk (it may be the full one)."""
         data = message.encode("utf-8")[:MESSAGE_BYTES]
-        self.view.message.zero_()
-        self.view.message[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._message[:] = 0
+        self._message[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.error = DataError(message)
-        for k in range(len(self.view.files)):
-            if int(self.view.state[k]) != READY:
-                self.view.state[k] = FAILED
+        self._state[self._state != READY] = FAILED
 
-    def _run(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray], readers: int) -> None:
+    def _run(self, p: _Pass) -> None:
         try:
-            self._loop(plan, readers)
+            self._loop(p)
         except Exception as e:  # noqa: BLE001 - never leave a reader waiting on a dead thread
             self._fail(-1, f"the shard cache stopped: {type(e).__name__}: {e}")
 
-    def _loop(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray], readers: int) -> None:
-        """The fetcher: until the plan is done (or the cache stops), land the finished fetches, then admit the
-        next intervals the readers' position allows, evicting by the policy where the limit asks for room."""
-        p = self._start_pass(plan)
+    def _loop(self, p: _Pass) -> None:
+        """The fetcher thread: steps the pass until it is done (or the cache stops), each step inside the fork gate,
+        waiting between steps outside it."""
         with ThreadPoolExecutor(self.threads, thread_name_prefix="shard-fetch") as pool:
             while not self._stop.is_set():
-                if not self._land(p) or (p.i == len(p.shard) and not p.inflight):
-                    return
-                pos = int(self.view.progress[:readers].min())
-                if not self._admit(p, pos, pool):
-                    return
+                with self._gate.step():
+                    if not self.step(p, pool):
+                        return
                 if p.inflight:
                     wait(list(p.inflight), timeout=0.05, return_when=FIRST_COMPLETED)
                 else:
                     time.sleep(POLL_S)
 
-    def _start_pass(self, plan: tuple[np.ndarray, np.ndarray, np.ndarray]) -> "_Pass":
-        shard, first, last = (a.tolist() for a in plan)
-        # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
-        # evicted first.
-        leftover = {
-            j: self._size(j)
-            for j, path in enumerate(self.view.files)
-            if self.remote[j] and (os.path.isfile(path) or os.path.isfile(path + ".part"))
-        }
-        return _Pass(shard, first, last, t0=time.perf_counter(), leftover=leftover, used=sum(leftover.values()))
+    def step(self, p: _Pass, pool) -> bool:
+        """One step of the fetcher: land the finished fetches, then admit the next intervals the readers' position
+        allows, evicting by the policy where the limit asks for room. False once the pass is done, or the cache
+        failed. `pool`: what runs the fetches (submit(fn, j) -> Future)."""
+        if not self._land(p) or (p.i == len(p.shard) and not p.inflight):
+            return False
+        return self._admit(p, int(self._progress[: p.readers].min()), pool)
 
     # --- landing: fetches (and hashes) that finished
-    def _land(self, p: "_Pass") -> bool:
+    def _land(self, p: _Pass) -> bool:
         """Marks each finished fetch READY for the readers; False where one failed (every waiting reader is told) or
         the cache is stopping."""
         for f in [f for f in p.inflight if f.done()]:
@@ -302,7 +332,7 @@ class ShardCache:
             if self._stop.is_set():
                 return False
             self.verified.add(j)
-            self.view.state[j] = READY
+            self._state[j] = READY
             if self.remote[j]:
                 self.fetched += 1
                 if self.first_ready_s is None:
@@ -315,7 +345,7 @@ class ShardCache:
         return True
 
     # --- admission: which intervals start fetching now
-    def _admit(self, p: "_Pass", pos: int, pool: ThreadPoolExecutor) -> bool:
+    def _admit(self, p: _Pass, pos: int, pool) -> bool:
         """Starts the fetches of the next intervals while a fetch thread is free and each is due (a reader is at it)
         or within `prefetch` intervals of the readers; a remote shard only where the limit holds it. False where a
         shard needed now cannot fit (the cache fails, naming it)."""
@@ -323,7 +353,7 @@ class ShardCache:
         while p.i < len(p.shard) and len(p.inflight) < self.threads and (p.first[p.i] <= pos or ahead < self.prefetch):
             j = p.shard[p.i]
             if not self.remote[j]:  # a local shard to hash: no copy, no limit, never evicted
-                if int(self.view.state[j]) != READY and j not in p.inflight.values():
+                if self._state[j] != READY and j not in p.inflight.values():
                     self._submit(p, j, pool)
             elif j in p.held:
                 p.held[j] = max(p.held[j], p.last[p.i])
@@ -341,7 +371,7 @@ class ShardCache:
             p.i += 1
         return True
 
-    def _hold(self, p: "_Pass", j: int, pos: int, pool: ThreadPoolExecutor) -> bool:
+    def _hold(self, p: _Pass, j: int, pos: int, pool) -> bool:
         """Counts remote shard j against the limit for the interval at p.i (room made by the eviction policy first)
         and fetches it unless it is still local; False where it does not fit."""
         p.used -= p.leftover.pop(j, 0)
@@ -352,16 +382,16 @@ class ShardCache:
             return False
         p.used += need
         p.held[j] = p.last[p.i]
-        if int(self.view.state[j]) != READY:
+        if self._state[j] != READY:
             self._submit(p, j, pool)
         return True
 
-    def _submit(self, p: "_Pass", j: int, pool: ThreadPoolExecutor) -> None:
-        p.inflight[pool.submit(self._fetch, j)] = j
+    def _submit(self, p: _Pass, j: int, pool) -> None:
+        p.inflight[pool.submit(self._task, j)] = j
         self.fetch_order.append(j)
 
     # --- the eviction policy
-    def _make_room(self, p: "_Pass", need: int, pos: int) -> None:
+    def _make_room(self, p: _Pass, need: int, pos: int) -> None:
         """Frees room for `need` more bytes: what an earlier epoch or run left first, then the shards no reader needs
         any more (every fetched interval of theirs ends before the slowest reader's position, and none is being
         fetched), the one whose last read lies furthest back first."""
@@ -374,7 +404,7 @@ class ShardCache:
             p.used -= self._evict(k, p.held)
 
     def _evict(self, j: int, table: dict) -> int:
-        self.view.state[j] = MISSING
+        self._state[j] = MISSING
         Path(self.view.files[j]).unlink(missing_ok=True)
         Path(self.view.files[j] + ".part").unlink(missing_ok=True)
         self.verified.discard(j)

@@ -92,20 +92,24 @@ class ShardCheck:
             return signature
         return self._hash(path, url=url, want=want)
 
-    def verify_deferred(self, path: str) -> None:
+    def verify_deferred(self, path: str, *, between: Callable[[], None] = lambda: None) -> None:
         """Hash a deferred shard now; refuses it (one line) unless it is still the file start-up saw and hashes to
-        its manifest's sha256."""
+        its manifest's sha256. `between`: called between chunks, and while another thread hashes the same file."""
         url, want, signature = self.deferred[path]
         with self._lock:
             hashing = self._hashing.setdefault(path, threading.Lock())
-        with hashing:  # a shard in two sources of a mixture is gated twice, and hashed once
+        while not hashing.acquire(timeout=0.05):  # a shard in two sources of a mixture is gated twice, hashed once
+            between()
+        try:
             if path in self._done:
                 return
-            if self._hash(path, url=url, want=want) != signature:
+            if self._hash(path, url=url, want=want, between=between) != signature:
                 raise changed(url)
             self._done.add(path)
+        finally:
+            hashing.release()
 
-    def _hash(self, path: str, *, url: str, want: str) -> tuple[int, ...]:
+    def _hash(self, path: str, *, url: str, want: str, between: Callable[[], None] = lambda: None) -> tuple[int, ...]:
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -113,6 +117,7 @@ class ShardCheck:
                 h = hashlib.sha256()
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
+                    between()
         except OSError as e:
             raise DataError(f"cannot read shard {url}: {e}") from None
         got = h.hexdigest()

@@ -239,10 +239,11 @@ def fetch(
     os.replace(part, dest)
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a local file, read in CHUNK pieces (bounded memory)."""
+def sha256_file(path: Path, *, between: Callable[[], None] = lambda: None) -> str:
+    """The hex sha256 of a local file, read in CHUNK pieces (bounded memory); `between` is called after each."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
+            between()
     return h.hexdigest()
