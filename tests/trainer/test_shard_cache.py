@@ -1,8 +1,181 @@
-"""The shard cache's promises to its readers (trainer/data/cache.py, forks.py): DataLoader workers are never forked
-while one of the cache's threads is mid-step (a lock it holds would stay held in the worker forever)."""
+"""The shard cache's promises to its readers (trainer/data/cache.py, cacheview.py, forks.py): no reader waits on a
+shard that nothing will fetch, whatever the worker count, the positions and the cache limit; and DataLoader workers
+are never forked while one of the cache's threads is mid-step (a lock it holds would stay held in the worker
+forever)."""
 
 import threading
 import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainer.config import DataSpec
+from trainer.data.errors import DataError
+from trainer.data.order import schedule
+from trainer.data.sources import plan_shards, resolve_data
+
+
+@pytest.fixture(scope="module")
+def memory_sources(dataset, tmp_path_factory):
+    """The fixture dataset as a remote one (fsspec's memory://): the rank's sources, their cache dir, and the
+    biggest shard's size."""
+    import fsspec
+
+    from trainer.data.pipeline import rank_sources
+
+    fs = fsspec.filesystem("memory")
+    for p in Path(dataset).rglob("*"):
+        if p.is_file() and "tasks" not in p.parts:
+            fs.pipe(f"memory://cache-props/{p.relative_to(dataset)}", p.read_bytes())
+    root = tmp_path_factory.mktemp("cache-props")
+    ds = resolve_data("memory://cache-props")
+    sources, _ = rank_sources(
+        (DataSpec(path="memory://cache-props"),), [ds], [plan_shards(ds.shards, 1)], rank=0, world=1, cache=root
+    )
+    return sources, root, max(s.num_bytes for s in sources[0].shards)
+
+
+class _ManualPool:
+    """The fetcher's pool, run by hand: a fetch starts when the test says (in-process, no threads)."""
+
+    def __init__(self):
+        self.jobs: list = []
+
+    def submit(self, fn, *args):
+        f = Future()
+        self.jobs.append((f, fn, args))
+        return f
+
+    def run(self, k: int) -> None:
+        f, fn, args = self.jobs.pop(k % len(self.jobs))
+        try:
+            fn(*args)
+            f.set_result(None)
+        except Exception as e:  # noqa: BLE001 - the fetcher lands it as a failed fetch
+            f.set_exception(e)
+
+
+class _Readers:
+    """`workers` readers of a schedule from `start` as ScheduledStream splits it (reader w reads start + w,
+    start + w + W, ...), each through the cache's view: at() then try_path(), reading on only once the shard is
+    local. A reader in `stuck` stops for good at the position given (a worker that hangs, or that the DataLoader
+    never asks for more): it keeps its position, and what it has not read yet stays needed."""
+
+    def __init__(self, view, order, start: int, workers: int, stuck: dict[int, int]):
+        self.view, self.order, self.n, self.W = view, order, len(order), workers
+        self.pos = [start + w for w in range(workers)]
+        self.stuck = stuck
+        self.failed: set[int] = set()
+        for w in range(workers):
+            self._done_if_past(w)
+
+    def _done_if_past(self, w: int) -> None:
+        if self.pos[w] >= self.n:
+            self.view.at(w, self.n)  # done: this reader holds no shard back
+
+    def live(self, w: int) -> bool:
+        return self.pos[w] < self.n and self.pos[w] < self.stuck.get(w, self.n) and w not in self.failed
+
+    def shard(self, w: int) -> int:
+        p = self.pos[w]
+        return self.view.flat(int(self.order.source[p]), int(self.order.shard[p]))
+
+    def act(self, w: int) -> bool:
+        """Reader w reads on while its shards are local; whether it moved."""
+        moved = False
+        while self.live(w):
+            self.view.at(w, self.pos[w])
+            try:
+                if self.view.try_path(self.shard(w)) is None:
+                    break
+            except DataError:  # the cache failed: the reader raises its line (the run stops)
+                self.failed.add(w)
+                break
+            self.pos[w] += self.W
+            self._done_if_past(w)
+            moved = True
+        return moved
+
+
+def _settle(cache, p, pool, readers: _Readers, fetching: list[bool]) -> None:
+    """Runs everything that can run until nothing moves: readers read, the fetcher steps, fetches finish."""
+    for _ in range(10_000):
+        moved = any([readers.act(w) for w in range(readers.W)])
+        if fetching[0]:
+            before = (p.i, len(pool.jobs), len(p.inflight), p.used, len(p.held))
+            fetching[0] = cache.step(p, pool)
+            moved |= (p.i, len(pool.jobs), len(p.inflight), p.used, len(p.held)) != before or not fetching[0]
+        while pool.jobs:
+            pool.run(0)
+            moved = True
+        if not moved:
+            return
+    raise AssertionError("the simulation did not settle")
+
+
+CASES = st.fixed_dictionaries(
+    {
+        "workers": st.integers(1, 4),
+        "start": st.integers(0, 17),
+        "limit_shards": st.sampled_from([0, 1, 2, 3]),  # 0: no limit
+        "prefetch": st.integers(1, 4),
+        "span": st.sampled_from([0, 1, 2]),
+        "seed": st.integers(0, 3),
+        "stuck": st.dictionaries(st.integers(0, 3), st.integers(0, 17), max_size=3),  # reader -> where it stops
+        "script": st.lists(st.integers(0, 63), max_size=60),
+    }
+)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None)
+@given(case=CASES)
+def test_no_reader_waits_on_a_shard_that_nothing_will_fetch(memory_sources, case):
+    """Readers at any positions, in any interleaving with the fetcher and its fetches, some of them stopping for
+    good (a hung worker, or one the DataLoader holds back): once nothing else can move, every reader still going
+    has read to its end, or the cache failed with one line naming a shard (the limit cannot hold what is read at
+    once). Only under a limit can a stopped reader keep what others need waiting (it still needs the shards it is
+    in)."""
+    from trainer.data.cache import ShardCache
+
+    workers, start, limit_shards, stuck = case["workers"], case["start"], case["limit_shards"], case["stuck"]
+    sources, root, biggest = memory_sources
+    for f in [*root.glob("*.tar"), *root.glob("*.part")]:
+        f.unlink()
+    order = schedule(sources, seed=case["seed"], epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=case["span"])
+    cache = ShardCache(sources, root, limit=limit_shards * biggest, prefetch=case["prefetch"])
+    pool = _ManualPool()
+    p = cache.plan(order, start, workers)
+    stuck = {w: at for w, at in stuck.items() if w < workers}
+    readers = _Readers(cache.view, order, start, workers, stuck)
+    fetching = [True]
+    try:
+        for a in case[
+            "script"
+        ]:  # an interleaving: a reader reads on, the fetcher steps, or one of its fetches finishes
+            kind, who = a % 3, a // 3
+            if kind == 0:
+                readers.act(who % workers)
+            elif kind == 1 and fetching[0]:
+                fetching[0] = cache.step(p, pool)
+            elif kind == 2 and pool.jobs:
+                pool.run(who)
+        _settle(cache, p, pool, readers, fetching)
+        going = [w for w in range(workers) if readers.live(w)]
+        if cache.error is not None:  # only a limit can fail: it cannot hold what the readers need at once
+            assert limit_shards and "\n" not in str(cache.error) and "memory://cache-props/shard-" in str(cache.error)
+            return
+        if not going:
+            return
+        waits = {w: readers.shard(w) for w in going}
+        assert limit_shards and stuck, (
+            f"readers {going} wait on shards {waits} that nothing will fetch (positions {readers.pos}, "
+            f"stuck {stuck}, limit {limit_shards} shards)"
+        )
+    finally:
+        cache.end()
 
 
 def test_dataloader_workers_are_never_forked_while_a_cache_thread_is_mid_step(dataset, tmp_path, monkeypatch):

@@ -1,10 +1,10 @@
 """The rank's shard cache: its epoch schedule over remote shards -> each shard's reads, grouped per pass of its
 source into intervals [first, last position] -> a fetcher thread that copies shards in the order of their intervals,
-up to `prefetch` shards ahead of the read position, into --shard-cache, checked against the manifest's sha256, and
-under --shard-cache-limit evicts a shard once no fetched interval of it reaches the slowest reader's position.
-Local shards that this run dir has not hashed yet go through the same gate, in place: hashed in read order, ahead of
-the readers, never copied, evicted or counted against the limit.
-DataLoader workers wait for a shard's file and report their positions through shared memory (CacheView); the
+up to `prefetch` shards ahead of the read position and every one a reader waits on, into --shard-cache, checked
+against the manifest's sha256, and under --shard-cache-limit evicts a shard once no fetched interval of it reaches the
+slowest reader's position. Local shards that this run dir has not hashed yet go through the same gate, in place:
+hashed in read order, ahead of the readers, never copied, evicted or counted against the limit.
+DataLoader workers wait for a shard's file and report their positions through shared memory (cacheview.py); the
 fetcher's threads step through a ForkGate (forks.py), so that forking those workers never copies a lock they hold.
 """
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from trainer import locks
 from trainer.config import cache_limit_bytes, default
+from trainer.data.cacheview import FAILED, MESSAGE_BYTES, MISSING, POLL_S, READY, CacheView
 from trainer.data.errors import DataError
 from trainer.data.forks import ForkGate
 from trainer.data.integrity import ShardCheck
@@ -31,55 +31,8 @@ from trainer.data.sources import REMOTE_OR_PIPE
 from trainer.data.storage import StorageError, fetch, sha256_file
 from vlmprep_schemas.boundary import UnsafeWrite, state_dir
 
-MISSING, READY, FAILED = 0, 1, 2
-MESSAGE_BYTES = 2048  # the failed fetch's line, shared with the readers
 LOCK_NAME = "cache.lock"  # in the rank's cache dir, held by the run that uses it
 SAVE_S = 30  # the record of hashed local shards is written at most this often while the cache hashes them
-MAX_WORKERS = 256
-POLL_S = 0.005
-
-
-@dataclass
-class CacheView:
-    """What the readers (the training process or its DataLoader workers) share with the fetcher: per shard (flat
-    id over the sources) its file and state, per worker the position it reads next."""
-
-    files: list[str]  # flat id -> local path (a local shard's own path)
-    state: torch.Tensor  # uint8 [shards], shared: MISSING / READY / FAILED
-    progress: torch.Tensor  # int64 [MAX_WORKERS], shared: each reader's next position (the end once done)
-    offsets: list[int]  # source s, shard k -> flat id offsets[s] + k
-    message: torch.Tensor  # uint8 [MESSAGE_BYTES], shared: the one-line error of the FAILED shards (UTF-8, 0-padded),
-    # in memory, so that a fetcher that failed on a full disk can still tell the readers why
-    evicts: bool = True  # False where every shard is local (hashed in place, never evicted): readers skip that check
-
-    def flat(self, source: int, shard: int) -> int:
-        """Source `source`'s shard `shard` -> its flat id."""
-        return self.offsets[source] + shard
-
-    def at(self, worker: int, position: int) -> None:
-        """Reader `worker` reads `position` next (what the fetcher evicts behind and fetches ahead of)."""
-        self.progress[worker] = position
-
-    def path(self, j: int) -> str:
-        """Shard j's local file, once the fetcher has it (waits); a failed fetch is raised here, as its one line."""
-        while True:
-            s = int(self.state[j])
-            if s == READY:
-                return self.files[j]
-            if s == FAILED:
-                message = bytes(self.message.numpy()).rstrip(b"\0").decode("utf-8", "replace")
-                raise DataError(message or f"{self.files[j]}: the shard cache failed to fetch it")
-            time.sleep(POLL_S)
-
-    def gone(self, j: int) -> bool:
-        """Whether shard j's local file is not there to read (evicted, not fetched yet, or failed)."""
-        return int(self.state[j]) != READY
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """(state, progress, message) as numpy views of the shared memory: what the fetcher thread reads and writes,
-        so that it runs no torch op (a torch op's first call in a thread initializes statics under locks that a
-        fork must not copy held)."""
-        return self.state.numpy(), self.progress.numpy(), self.message.numpy()
 
 
 def intervals(
@@ -156,16 +109,9 @@ class ShardCache:
         # what readers wait for: remote shards (fetched) and local ones this run dir has not hashed yet
         self.gated = self.remote | np.array([sh.url in deferred for sh in self.shards], dtype=bool)
         files = [ix.path for src in sources for ix in src.indexes]
-        self.view = CacheView(
-            files,
-            torch.zeros(len(files), dtype=torch.uint8).share_memory_(),
-            torch.zeros(MAX_WORKERS, dtype=torch.int64).share_memory_(),
-            self.offsets,
-            torch.zeros(MESSAGE_BYTES, dtype=torch.uint8).share_memory_(),
-            evicts=bool(self.remote.any()),
-        )
+        self.view = CacheView.make(files, self.offsets, evicts=bool(self.remote.any()))
         # the fetcher's side of the shared memory, as numpy views (its thread runs no torch op)
-        self._state, self._progress, self._message = self.view.arrays()
+        self._state, self._progress, self._waiting, self._message = self.view.arrays()
         self._gate = ForkGate()  # the fetcher's threads step through it: a fork never copies them mid-step
         self._lock = -1  # the rank's cache dir lock (root/LOCK_NAME), held from the first begin() to end()
         self.verified: set[int] = set()  # gated shards this process has fetched or hashed and checked
@@ -206,6 +152,7 @@ class ShardCache:
             self._state[j] = READY if ok else MISSING
         self._progress.fill(len(order))
         self._progress[:readers] = start
+        self._waiting.fill(-1)
         self._stop.clear()
         shard, first, last = (a.tolist() for a in intervals(self.sources, order, start, self.gated, self.offsets))
         # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
@@ -307,12 +254,15 @@ class ShardCache:
                     time.sleep(POLL_S)
 
     def step(self, p: _Pass, pool) -> bool:
-        """One step of the fetcher: land the finished fetches, then admit the next intervals the readers' position
-        allows, evicting by the policy where the limit asks for room. False once the pass is done, or the cache
-        failed. `pool`: what runs the fetches (submit(fn, j) -> Future)."""
+        """One step of the fetcher: land the finished fetches, then admit the intervals due (a reader is at or past
+        their first position, or waits at one) and those within `prefetch` of the slowest reader, evicting by the
+        policy where the limit asks for room. False once the pass is done, or the cache failed. `pool`: what runs
+        the fetches (submit(fn, j) -> Future)."""
         if not self._land(p) or (p.i == len(p.shard) and not p.inflight):
             return False
-        return self._admit(p, int(self._progress[: p.readers].min()), pool)
+        pos = int(self._progress[: p.readers].min())
+        due = max(pos, int(self._waiting[: p.readers].max()))  # a reader waits there: nothing else may fetch it
+        return self._admit(p, pos, due, pool)
 
     # --- landing: fetches (and hashes) that finished
     def _land(self, p: _Pass) -> bool:
@@ -345,12 +295,13 @@ class ShardCache:
         return True
 
     # --- admission: which intervals start fetching now
-    def _admit(self, p: _Pass, pos: int, pool) -> bool:
-        """Starts the fetches of the next intervals while a fetch thread is free and each is due (a reader is at it)
-        or within `prefetch` intervals of the readers; a remote shard only where the limit holds it. False where a
-        shard needed now cannot fit (the cache fails, naming it)."""
+    def _admit(self, p: _Pass, pos: int, due: int, pool) -> bool:
+        """Starts the fetches of the next intervals while a fetch thread is free and each is due (starts at or before
+        `due`: the slowest reader's position `pos`, or where a reader waits) or within `prefetch` intervals of the
+        readers; a remote shard only where the limit holds it. False where a shard the slowest reader needs now
+        cannot fit (the cache fails, naming it)."""
         ahead = p.i - bisect.bisect_right(p.first, pos)  # fetched intervals that no reader has reached yet
-        while p.i < len(p.shard) and len(p.inflight) < self.threads and (p.first[p.i] <= pos or ahead < self.prefetch):
+        while p.i < len(p.shard) and len(p.inflight) < self.threads and (p.first[p.i] <= due or ahead < self.prefetch):
             j = p.shard[p.i]
             if not self.remote[j]:  # a local shard to hash: no copy, no limit, never evicted
                 if self._state[j] != READY and j not in p.inflight.values():

@@ -14,7 +14,8 @@ from typing import Iterator, Protocol
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer.data.cache import CacheView, ShardCache
+from trainer.data.cache import ShardCache
+from trainer.data.cacheview import CacheView
 from trainer.data.decode import DecodedSample, OriginalResizer, decode_sample
 from trainer.data.errors import DataError
 from trainer.data.index import read_indexed
