@@ -1,8 +1,10 @@
 """Trainer fixtures: small vlmprep datasets built once per session (18 records -> 5 shards of 4,4,4,4,2
 samples), and a runner for the trainer CLI (plain python or torchrun) that returns the metrics."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +124,22 @@ def kill_at_step(args: list, out: Path, steps: int, log: Path, *, nproc: int = 1
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging: a TimeoutError in the main thread once `seconds` have passed (SIGALRM)."""
+
+    def stop(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -2,14 +2,20 @@
 the step predictor, in process; the CLI runs (mixture + packing, incompatible mixtures) are at the end."""
 
 import collections
-import contextlib
 import itertools
-import signal
 
 import numpy as np
 import pytest
 
-from tests.trainer.conftest import build_dataset, kill_at_step, read_metrics, run_trainer, trainer_cmd, trainer_env
+from tests.trainer.conftest import (
+    build_dataset,
+    deadline,
+    kill_at_step,
+    read_metrics,
+    run_trainer,
+    trainer_cmd,
+    trainer_env,
+)
 from trainer.data import steps as steps_mod
 from trainer.data.batches import StepLoader, sample_loader
 from trainer.data.collate import CollateSpec
@@ -516,22 +522,6 @@ def test_pipe_shards_are_indexed_by_streaming_and_cached_once_when_read(dataset,
         shard_cache.close()
 
 
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    """Fail instead of hanging: what a stuck epoch prediction did before it was bounded."""
-
-    def stop(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def test_the_epoch_size_estimate_is_the_schedules_length():
     """order.epoch_size, from counts alone, gives the length schedule() builds (within a sample per source), for a
     repeating source, a 'stop' one and one with no samples on this rank."""
@@ -568,7 +558,7 @@ def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
     cfg = TrainConfig(data=("name=a,path=x", "name=b,path=y,weight=1e-12"), tiny_random="qwen2-vl", max_steps=1)
     a, b = _fake("a", [[500] * 20], weight=1 / (1 + 1e-12)), _fake("b", [[500] * 20], weight=1e-12 / (1 + 1e-12))
     with (
-        _deadline(30),
+        deadline(30),
         pytest.raises(
             ConfigError,
             match=r"one epoch would read about 2e\+13 samples on this rank \("
@@ -589,7 +579,7 @@ def test_a_tiny_mixture_weight_is_refused_at_once_not_predicted_forever():
 def test_a_tiny_mixture_weight_stops_the_trainer_with_one_line(dataset, tmp_path, capsys):
     from trainer.train import main
 
-    with _deadline(300):
+    with deadline(300):
         assert (
             main(
                 [

@@ -1,7 +1,7 @@
 """The shard cache's promises to its readers (trainer/data/cache.py, cacheview.py, forks.py): no reader waits on a
-shard that nothing will fetch, whatever the worker count, the positions and the cache limit; and DataLoader workers
-are never forked while one of the cache's threads is mid-step (a lock it holds would stay held in the worker
-forever)."""
+shard that nothing will fetch, whatever the worker count, the positions and the cache limit; a wait in which
+nothing moves ends in one line naming the shard and the readers' positions; and DataLoader workers are never forked
+while one of the cache's threads is mid-step (a lock it holds would stay held in the worker forever)."""
 
 import threading
 import time
@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.trainer.conftest import deadline
 from trainer.config import DataSpec
 from trainer.data.errors import DataError
 from trainer.data.order import schedule
@@ -137,7 +138,7 @@ def test_no_reader_waits_on_a_shard_that_nothing_will_fetch(memory_sources, case
     good (a hung worker, or one the DataLoader holds back): once nothing else can move, every reader still going
     has read to its end, or the cache failed with one line naming a shard (the limit cannot hold what is read at
     once). Only under a limit can a stopped reader keep what others need waiting (it still needs the shards it is
-    in)."""
+    in); such a wait ends in the reader's stall line, naming the shard and the positions."""
     from trainer.data.cache import ShardCache
 
     workers, start, limit_shards, stuck = case["workers"], case["start"], case["limit_shards"], case["stuck"]
@@ -145,7 +146,7 @@ def test_no_reader_waits_on_a_shard_that_nothing_will_fetch(memory_sources, case
     for f in [*root.glob("*.tar"), *root.glob("*.part")]:
         f.unlink()
     order = schedule(sources, seed=case["seed"], epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=case["span"])
-    cache = ShardCache(sources, root, limit=limit_shards * biggest, prefetch=case["prefetch"])
+    cache = ShardCache(sources, root, limit=limit_shards * biggest, prefetch=case["prefetch"], stall_s=0.01)
     pool = _ManualPool()
     p = cache.plan(order, start, workers)
     stuck = {w: at for w, at in stuck.items() if w < workers}
@@ -174,8 +175,84 @@ def test_no_reader_waits_on_a_shard_that_nothing_will_fetch(memory_sources, case
             f"readers {going} wait on shards {waits} that nothing will fetch (positions {readers.pos}, "
             f"stuck {stuck}, limit {limit_shards} shards)"
         )
+        w = going[0]
+        cache.view.at(w, readers.pos[w])
+        with pytest.raises(DataError) as e:
+            cache.view.path(waits[w])
+        line = str(e.value)
+        assert line.startswith(f"{cache.shards[waits[w]].url}: the shard cache has not made this shard ready")
+        assert f"readers' next positions {cache.view.progress[:workers].tolist()}" in line and "\n" not in line
     finally:
         cache.end()
+
+
+def test_a_wait_in_which_nothing_moves_ends_in_one_line_naming_the_shard_and_the_positions(memory_sources):
+    """Two readers, room for one shard: reader 0 stops inside the first shard, which it still needs, so reader 1
+    waits for another one that cannot fit. The fetcher thread idles, nothing moves, and after the bound reader 1's
+    wait ends in one line; a wait that sees the fetcher work is not cut short."""
+    from trainer.data.cache import ShardCache
+
+    sources, root, biggest = memory_sources
+    for f in [*root.glob("*.tar"), *root.glob("*.part")]:
+        f.unlink()
+    order = schedule(sources, seed=0, epoch=0, shuffle=True, shuffle_shards=True, shuffle_span=1)
+    flat = [int(k) for k in order.shard]  # one source: flat id = shard
+    # reader 1's first position in another shard than reader 0's first
+    q = next(p for p in range(1, len(order), 2) if flat[p] != flat[0])
+    cache = ShardCache(sources, root, limit=biggest, prefetch=1, stall_s=0.5)
+    view = cache.view
+    try:
+        cache.begin(order, 0, 2)
+        view.at(0, 0)
+        view.path(flat[0])  # reader 0 holds its shard (and reads no further)
+        view.at(1, q)
+        t0 = time.monotonic()
+        with deadline(60), pytest.raises(DataError) as e:
+            view.path(flat[q])
+        waited = time.monotonic() - t0
+    finally:
+        cache.end()
+    line = str(e.value)
+    assert line == (
+        f"{cache.shards[flat[q]].url}: the shard cache has not made this shard ready in 0.5 s and nothing moved "
+        f"meanwhile (readers' next positions [0, {q}], waiting (reader@position) 1@{q}); a reader stopped or the "
+        "cache is stuck: the run stops rather than wait forever, and a rerun resumes from the last checkpoint"
+    )
+    assert 0.5 <= waited < 5
+
+
+def test_a_stall_in_a_dataloader_worker_stops_the_run_with_its_line(dataset, tmp_path, monkeypatch):
+    """Through the run's loader (2 DataLoader workers, local shards not hashed yet): a fetcher that never admits
+    anything leaves the workers waiting; after the bound the worker's line is what the run prints (train.py's
+    one-line error), not a hang."""
+    from tests.trainer.conftest import make_loader_of, open_data_of
+    from trainer.config import TrainConfig
+    from trainer.data import cache as cache_module
+    from trainer.data.collate import CollateSpec
+    from trainer.data.integrity import RECORD, ShardCheck
+    from trainer.train import _one_line
+
+    monkeypatch.setattr(cache_module.ShardCache, "_admit", lambda self, p, pos, due, pool: True)
+    cfg = TrainConfig(data=str(dataset), tiny_random="qwen2-vl", num_workers=2, micro_batch_size=1, out=str(tmp_path))
+    data = open_data_of(cfg)
+    spec = CollateSpec(
+        pad_id=0, image_token_id=151655, patch_size=data.image.patch_size, merge_size=data.image.merge_size
+    )
+    check = ShardCheck(tmp_path / "shard-cache" / "rank-00000" / RECORD)
+    loader, _, _ = make_loader_of(cfg, data, collate_spec=spec, check=check)
+    cache = loader.streams.cache
+    cache.view.stall_s = 1.0  # the workers are forked after start(): they read it from the view
+    order = loader.streams.schedule(0)
+    first = cache.shards[cache.view.flat(int(order.source[0]), int(order.shard[0]))].url
+    try:
+        loader.start(0, 0)
+        with deadline(120), pytest.raises(DataError) as e:
+            loader.next_step()
+    finally:
+        loader.close()
+    line = _one_line(e.value)
+    assert line.startswith(f"{first}: the shard cache has not made this shard ready in 1 s and nothing moved")
+    assert "readers' next positions [0, 1]" in line and "\n" not in line
 
 
 def test_dataloader_workers_are_never_forked_while_a_cache_thread_is_mid_step(dataset, tmp_path, monkeypatch):

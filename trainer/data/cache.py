@@ -22,7 +22,7 @@ import numpy as np
 
 from trainer import locks
 from trainer.config import cache_limit_bytes, default
-from trainer.data.cacheview import FAILED, MESSAGE_BYTES, MISSING, POLL_S, READY, CacheView
+from trainer.data.cacheview import FAILED, MESSAGE_BYTES, MISSING, POLL_S, READY, STALL_S, CacheView
 from trainer.data.errors import DataError
 from trainer.data.forks import ForkGate
 from trainer.data.integrity import ShardCheck
@@ -87,7 +87,8 @@ class _Pass:
 class ShardCache:
     """Owns --shard-cache/rank-NNNNN for one rank: begin(schedule, start) starts a fetcher for that epoch from that
     position; close() stops it. Files that stay valid are kept across epochs and runs (re-checked by sha256 once).
-    `check`: the rank's ShardCheck, whose deferred local shards are hashed here before a reader opens them."""
+    `check`: the rank's ShardCheck, whose deferred local shards are hashed here before a reader opens them.
+    `stall_s`: how long a reader waits while nothing moves before it stops the run naming its shard."""
 
     def __init__(
         self,
@@ -98,6 +99,7 @@ class ShardCache:
         prefetch: int = default("shard_prefetch"),
         threads: int = 4,
         check: ShardCheck | None = None,
+        stall_s: float = STALL_S,
     ):
         self.sources, self.root, self.limit = sources, Path(root), limit
         self.prefetch, self.threads = max(prefetch, 1), max(threads, 1)
@@ -109,9 +111,11 @@ class ShardCache:
         # what readers wait for: remote shards (fetched) and local ones this run dir has not hashed yet
         self.gated = self.remote | np.array([sh.url in deferred for sh in self.shards], dtype=bool)
         files = [ix.path for src in sources for ix in src.indexes]
-        self.view = CacheView.make(files, self.offsets, evicts=bool(self.remote.any()))
+        self.view = CacheView.make(
+            files, [sh.url for sh in self.shards], self.offsets, evicts=bool(self.remote.any()), stall_s=stall_s
+        )
         # the fetcher's side of the shared memory, as numpy views (its thread runs no torch op)
-        self._state, self._progress, self._waiting, self._message = self.view.arrays()
+        self._state, self._progress, self._waiting, self._beat, self._message = self.view.arrays()
         self._gate = ForkGate()  # the fetcher's threads step through it: a fork never copies them mid-step
         self._lock = -1  # the rank's cache dir lock (root/LOCK_NAME), held from the first begin() to end()
         self.verified: set[int] = set()  # gated shards this process has fetched or hashed and checked
@@ -153,6 +157,7 @@ class ShardCache:
         self._progress.fill(len(order))
         self._progress[:readers] = start
         self._waiting.fill(-1)
+        v.readers = readers
         self._stop.clear()
         shard, first, last = (a.tolist() for a in intervals(self.sources, order, start, self.gated, self.offsets))
         # What an earlier epoch or run left here counts against the limit until it is needed (checked then) or
@@ -201,7 +206,8 @@ class ShardCache:
             self._fetch(j)
 
     def _breathe(self) -> None:
-        """Between two chunks of a fetch or a hash: a fork waiting for this thread happens now."""
+        """Between two chunks of a fetch or a hash: readers see the fetcher move; a fork waiting for it happens."""
+        self._beat[0] += 1
         self._gate.breathe()
 
     def _fetch(self, j: int) -> None:
@@ -283,6 +289,7 @@ class ShardCache:
                 return False
             self.verified.add(j)
             self._state[j] = READY
+            self._beat[0] += 1
             if self.remote[j]:
                 self.fetched += 1
                 if self.first_ready_s is None:
@@ -340,6 +347,7 @@ class ShardCache:
     def _submit(self, p: _Pass, j: int, pool) -> None:
         p.inflight[pool.submit(self._task, j)] = j
         self.fetch_order.append(j)
+        self._beat[0] += 1
 
     # --- the eviction policy
     def _make_room(self, p: _Pass, need: int, pos: int) -> None:
