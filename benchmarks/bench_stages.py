@@ -68,7 +68,7 @@ def _run_shape(quick: bool, n: int | None, shape: str, inp: Path | None = None) 
     from PIL import Image
 
     from vlmprep import process as process_module
-    from vlmprep.images import _processed, _resize, decode_image, encode_image, open_image
+    from vlmprep.images import _resize, decode_image, encode_image, open_image
     from vlmprep.normalize import normalize_record
     from vlmprep.process import Renderer
     from vlmprep.processors.load import load_processor
@@ -78,6 +78,7 @@ def _run_shape(quick: bool, n: int | None, shape: str, inp: Path | None = None) 
     from vlmprep.tokens import shorten_runs
     from vlmprep.types import PreparedImage
     from vlmprep_schemas.delta import PDELTA_MIN_LEVEL
+    from vlmprep_schemas.resize import processed
 
     torch.set_num_threads(1)  # one worker's core
     n = n or (3 if quick else 16)
@@ -152,7 +153,7 @@ def _run_shape(quick: bool, n: int | None, shape: str, inp: Path | None = None) 
         with torch.no_grad():
             return [
                 np.ascontiguousarray(
-                    _resize(proc, family, _processed(proc.image_processor, p), *p.size).permute(1, 2, 0).numpy()
+                    _resize(proc, family, processed(proc.image_processor, p), *p.size).permute(1, 2, 0).numpy()
                 )
                 for p in pils
             ]

@@ -13,7 +13,7 @@ from vlmprep.options import AGENT, IMAGES, INPUT, KEEP_IMAGES, LIMITS, OUTPUT, O
 from vlmprep.processors.builtin import builtin_names
 from vlmprep.processors.load import bundled_templates, resolve_chat_template
 
-IMAGE_FORMATS = ("zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")
+IMAGE_FORMATS = ("auto", "zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original")
 EOS_POLICIES = ("all", "turn", "last", "none")
 TOOL_CALL_POLICIES = ("reject", "drop-from-loss", "train-content")
 REASONING_POLICIES = ("train", "context", "drop", "reject")
@@ -102,11 +102,12 @@ class BuildConfig:
         None, RENDER, "TOML of per-role start/end markers, for processors vlmprep does not know."
     )
     image_format: str = opt(
-        "zstd-pdelta",
+        "auto",
         IMAGES,
-        "How images are stored: zstd-pdelta (lossless, each image "
-        "compressed against the sample's previous one: smallest that decodes fast), zstd-delta, "
-        "zstd, png, webp or original (see docs/shard-format.md).",
+        "How images are stored: auto (per image: a lossy photo as its source bytes where "
+        "its pixels would be much larger, every other image zstd-pdelta), zstd-pdelta (lossless, each image "
+        "compressed against the sample's previous one), zstd-delta, zstd, png, webp or original "
+        "(see docs/shard-format.md).",
         choices=IMAGE_FORMATS,
     )
     # The image processor's resize budget and the video sampling (docs/video.md), saved into DIR/processor; a video

@@ -18,6 +18,7 @@ from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
 from vlmprep_schemas.delta import compress_pdelta, filter_pixels
 from vlmprep_schemas.limits import npy_head
+from vlmprep_schemas.resize import processed, resize, resize_mode
 
 # Our own declared-size check replaces PIL's global bomb limit, so the limit is configurable per build.
 Image.MAX_IMAGE_PIXELS = None
@@ -95,15 +96,45 @@ def upright_size(img: ImageData, *, max_pixels: int, min_side: int = 1) -> tuple
     return _header(img, max_pixels=max_pixels, min_side=min_side)[1]
 
 
-def _header(img: ImageData, *, max_pixels: int, min_side: int) -> tuple[Image.Image, tuple[int, int] | None]:
-    """The image opened and header-checked (nothing decoded), and upright_size's answer."""
+def _header(
+    img: ImageData, *, max_pixels: int, min_side: int
+) -> tuple[Image.Image, tuple[int, int] | None, str | None]:
+    """The image opened and header-checked (nothing decoded), upright_size's answer, and the extension a lossy source
+    is stored under as it is (_lossy_ext)."""
     with _image_faults(img):
         im = _open_checked(img, max_pixels=max_pixels, min_side=min_side)
         if im.format not in _HEADER_FORMATS or (im.format == "PNG" and not _png_metadata_first(img.data)):
-            return im, None
+            return im, None, None
         # Image.getexif itself: PngImageFile's decodes first, to find chunks after the pixels (checked above).
         w, h = im.size
-        return im, (h, w) if Image.Image.getexif(im).get(_ORIENTATION) in _TRANSPOSING else (w, h)
+        orientation = Image.Image.getexif(im).get(_ORIENTATION)
+        keep = _lossy_ext(im, img.data) if orientation in (None, 1) else None
+        return im, (h, w) if orientation in _TRANSPOSING else (w, h), keep
+
+
+def _lossy_ext(im: Image.Image, data: bytes) -> str | None:
+    """The extension a lossy source (a JPEG, baseline or progressive, any colour space; a lossy WebP) is stored under
+    as it is, where the trainer's plain PIL decode of its bytes gives decode_image's pixels (8 bits, upright: the
+    caller checked the orientation); None for any other source."""
+    if im.mode in _HIGH_BIT:
+        return None
+    if im.format == "JPEG":
+        return "jpg"
+    return "webp" if im.format == "WEBP" and _webp_lossy(data) else None
+
+
+def _webp_lossy(data: bytes) -> bool:
+    """Whether a WebP's image chunk is VP8 (lossy), not VP8L (lossless): RIFF chunks read from the header on (an
+    extended file's VP8X, ICCP, ALPH ... come first), at most 64 of them."""
+    pos = 12
+    for _ in range(64):
+        if pos + 8 > len(data):
+            return False
+        kind, length = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+        if kind in (b"VP8 ", b"VP8L"):
+            return kind == b"VP8 "
+        pos += 8 + length + (length & 1)
+    return False
 
 
 def _png_metadata_first(data: bytes) -> bool:
@@ -155,11 +186,12 @@ def open_image(
 ) -> PreparedImage:
     """The image as the processor will store it, from its header alone: the grid comes from the processor's own
     resize run on a meta tensor of the upright size (shape, no data), and the pixels are decoded and resized on first
-    use (PreparedImage.pixels), once, so an image that no sample keeps is never decoded. Header faults (not an image,
-    too small or large, animated, aspect ratio) raise here; faults in the pixel data when the pixels are made. Where
+    use (PreparedImage.pixels), once, so an image that no sample keeps is never decoded (nor one stored as its source
+    bytes: PreparedImage.check_source decodes only what a fault check needs). Header faults (not an image, too small
+    or large, animated, aspect ratio) raise here; faults in the pixel data when the pixels are made or checked. Where
     the header cannot tell the size (upright_size), the pixels are made now. shapes: the stored shape by upright
     size, kept by a caller whose processor and pixel budget stay as they are (a Renderer: screenshots share a size)."""
-    opened, size = _header(img, max_pixels=max_pixels, min_side=min_side)
+    opened, size, keep = _header(img, max_pixels=max_pixels, min_side=min_side)
     if size is None:
         shape = None
     elif shapes is not None and size in shapes:
@@ -169,11 +201,17 @@ def open_image(
         if shapes is not None:
             shapes[size] = shape
     if shape is None:
-        return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=opened)
+        return prepare_image(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=opened).keep_as(
+            keep
+        )
 
-    def load() -> np.ndarray:
+    def first_open() -> Image.Image | None:
         nonlocal opened  # the header's open image serves the first decode only: a retry after a fault opens afresh
         im, opened = opened, None
+        return im
+
+    def load() -> np.ndarray:
+        im = first_open()
         pixels, decoded = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=im)
         assert pixels.shape[:2] == shape and decoded == size, (
             f"image {size}: header predicted {shape}, decoding gave {decoded} -> {pixels.shape[:2]}"
@@ -181,8 +219,25 @@ def open_image(
         return pixels
 
     return PreparedImage(
-        grid_thw=_grid(processor.image_processor, family, shape), source=img, load=load, source_size=size
-    )
+        grid_thw=_grid(processor.image_processor, family, shape),
+        source=img,
+        load=load,
+        source_size=size,
+        shape=shape,
+    ).keep_as(keep, lambda: check_decode(img, max_pixels=max_pixels, min_side=min_side, opened=first_open()))
+
+
+def check_decode(img: ImageData, *, max_pixels: int, min_side: int = 1, opened: Image.Image | None = None) -> None:
+    """Raise the RecordError decode_image would on a lossy source kept as it is (_lossy_ext: upright, 8 bits),
+    making none of the pixels its store needs: a JPEG is entropy-decoded whole at 1/8 scale (libjpeg's DCT scaling:
+    every coefficient is read, so a cut-off or broken stream fails as in a full decode, at a third to a half of its
+    CPU), a WebP decoded."""
+    with _image_faults(img):
+        im = opened if opened is not None else _open_checked(img, max_pixels=max_pixels, min_side=min_side)
+        if im.format == "JPEG":
+            im.draft(None, (1, 1))
+        with _strict_load():
+            im.load()
 
 
 def prepare_image(
@@ -194,7 +249,7 @@ def prepare_image(
     min_side: int = 1,
     opened: Image.Image | None = None,
 ) -> PreparedImage:
-    """Decode and resize now, with the processor's own code path, per family (see _FAMILY_RESIZE); uint8 throughout.
+    """Decode and resize now, with the processor's own code path, per family (vlmprep_schemas.resize); uint8 throughout.
     opened: `img` as _header opened it, so its header is not parsed twice."""
     pixels, size = _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side, opened=opened)
     return PreparedImage(
@@ -210,27 +265,9 @@ def _resized_pixels(
 
     pil = decode_image(img, max_pixels=max_pixels, min_side=min_side, opened=opened)
     with torch.no_grad():
-        resized = _resize(processor, family, _processed(processor.image_processor, pil), *pil.size)
+        resized = _resize(processor, family, processed(processor.image_processor, pil), *pil.size)
     assert resized.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
     return np.ascontiguousarray(resized.permute(1, 2, 0).numpy()), pil.size  # a view where the resize kept HWC
-
-
-def _processed(ip, pil: Image.Image):
-    """The processor's process_image of a PIL image (uint8 C x H x W), as a channels-last view: process_image's own
-    last step, .contiguous(), transposes every pixel, and the resize after it then runs several times slower than on
-    the view, for the same values (tests/vlmprep/test_images.py checks both ways agree)."""
-    import torch
-    from transformers.image_processing_backends import TorchvisionBackend
-    from transformers.image_transforms import convert_to_rgb
-
-    convert = getattr(ip, "do_convert_rgb", None) is not False
-    if not convert or type(ip).process_image is not TorchvisionBackend.process_image:
-        return ip.process_image(pil, do_convert_rgb=convert)
-    if pil.mode == "RGB" and pil.info.get("transparency") is None:
-        with warnings.catch_warnings():  # read-only: the resize only reads it
-            warnings.simplefilter("ignore")
-            return torch.from_numpy(np.asarray(pil)).permute(2, 0, 1)  # what convert_to_rgb gives, less two copies
-    return torch.from_numpy(convert_to_rgb(pil, return_numpy=True)).permute(2, 0, 1)  # process_image's PIL branch
 
 
 def _stored_shape(processor, family: FamilySpec, w: int, h: int) -> tuple[int, int] | None:
@@ -250,10 +287,18 @@ def _stored_shape(processor, family: FamilySpec, w: int, h: int) -> tuple[int, i
 
 
 def _resize(processor, family: FamilySpec, t, w: int, h: int):
+    """The processor's resize of one image (vlmprep_schemas.resize, the rule every load-time reader runs too)."""
+    ip = processor.image_processor
     try:
-        return _FAMILY_RESIZE[family.image_mode](processor, processor.image_processor, t)
+        return resize(resize_mode(type(ip).__name__), ip, t, merged_patch(processor))
     except ValueError as e:  # smart_resize refuses aspect ratios over 200
         raise RecordError("bad_aspect_ratio", f"image {w}x{h}: {e}") from None
+
+
+def merged_patch(processor) -> int:
+    """Pixtral / Mistral 3's patch that both sides of a resized image are multiples of: the processor's patch size
+    times its spatial merge (0 where the processor names none)."""
+    return int(getattr(processor, "patch_size", 0) or 0) * int(getattr(processor, "spatial_merge_size", 1) or 1)
 
 
 def _grid(ip, family: FamilySpec, shape: tuple[int, int]) -> tuple[int, int, int]:
@@ -262,56 +307,47 @@ def _grid(ip, family: FamilySpec, shape: tuple[int, int]) -> tuple[int, int, int
     return 1, shape[0], shape[1]  # no grid in these processors: the stored size, as image_sizes
 
 
-def _smart_resize(processor, ip, t):
-    # Qwen2-VL / 2.5-VL / 3-VL / 3.5: smart_resize to multiples of patch * merge, within min/max pixels.
-    return ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size)[0]
+# --image-format auto (docs/shard-format.md, "Storage per image"): a lossy source is kept as its bytes where its stored
+# pixels would take over AUTO_MIN_RATIO times them, estimated at AUTO_BYTES_PER_PIXEL a stored pixel (zstd-pdelta of
+# decoded photos measured 0.4-1.6, of JPEG screenshots 0.1-0.3) and where the loader's decode stays within
+# AUTO_MAX_DECODE source pixels a stored one (a 12 MP photo resized to a 1 MP budget keeps its pixels: decoding it
+# at every epoch costs ~4x the 45k tokens/s a core must give, docs/performance.md).
+AUTO_BYTES_PER_PIXEL = 1.0
+AUTO_MIN_RATIO = 1.5
+AUTO_MAX_DECODE = 4
 
 
-def _smart_resize_temporal(processor, ip, t):
-    # GLM-4.1V: the same, with the temporal factor its smart_resize also takes.
-    return ip.resize(
-        t[None],
-        size=ip.size,
-        resample=ip.resample,
-        factor=ip.patch_size * ip.merge_size,
-        temporal_factor=ip.temporal_patch_size,
-    )[0]
+def image_storage(image_format: str, image: PreparedImage) -> str:
+    """The format one image is stored in: --image-format itself, or for auto, `original` (its source bytes, decoded
+    and resized by the loader) for a lossy source that the rule above keeps, `zstd-pdelta` for every other image
+    (lossless sources: screenshots, PNG, lossless WebP; an EXIF-rotated or 16-bit photo; one resized far down).
+    Decided from the header alone: no pixel is made for it."""
+    if image_format != "auto":
+        return image_format
+    if image.keep is None:
+        return "zstd-pdelta"
+    h, w = image.shape
+    source = image.source_size[0] * image.source_size[1]
+    if source > AUTO_MAX_DECODE * h * w:
+        return "zstd-pdelta"
+    return "original" if h * w * AUTO_BYTES_PER_PIXEL > AUTO_MIN_RATIO * len(image.source.data) else "zstd-pdelta"
 
 
-def _longest_edge_patch(processor, ip, t):
-    # Pixtral / Mistral 3: longest edge to size, both sides to multiples of the (merged) patch the processor passes.
-    from transformers.image_utils import SizeDict
-
-    p = processor.patch_size * processor.spatial_merge_size
-    return ip.resize(t[None], size=ip.size, patch_size=SizeDict(height=p, width=p), resample=ip.resample)[0]
-
-
-def _fixed_resize(processor, ip, t):
-    # Gemma 3 without pan-and-scan: one fixed-size resize.
-    return ip.resize(t[None], size=ip.size, resample=ip.resample)[0]
-
-
-def _source(processor, ip, t):
-    # Tiling processors (Mllama, Llama 4, Idefics3/SmolVLM, LLaVA-OneVision, InternVL) crop and resize into
-    # several tiles plus a thumbnail; no single resized image reproduces that, so the decoded RGB source is stored
-    # and the loader runs the saved processor on it with its defaults (pixel_values then equal the online path).
-    return t
-
-
-_FAMILY_RESIZE = {
-    "smart_resize": _smart_resize,
-    "smart_resize_temporal": _smart_resize_temporal,
-    "longest_edge_patch": _longest_edge_patch,
-    "fixed_resize": _fixed_resize,
-    "source": _source,
-}
+def make_ready(image: PreparedImage, image_format: str) -> None:
+    """Make now what storing `image` needs, so that a fault in it rejects its record: its pixels, or for a lossy
+    source stored as its bytes only the check a decode of it would fail (check_source), no pixel made."""
+    if image.keep is not None and image_storage(image_format, image) == "original":
+        image.check_source()
+    else:
+        _ = image.pixels
 
 
 def stored_ext(image_format: str, image: PreparedImage) -> str:
     """The member extension one image gets under --image-format (`orig.<source format>` for original)."""
-    if image_format == "original":
-        return "orig." + (_kept_source_ext(image.source.data) or "png")
-    return STORED_EXT[image_format]
+    storage = image_storage(image_format, image)
+    if storage == "original":
+        return "orig." + (image.keep or _kept_source_ext(image.source.data) or "png")
+    return STORED_EXT[storage]
 
 
 def _kept_source_ext(data: bytes) -> str | None:
@@ -354,7 +390,9 @@ def encode_image(
     prefix: PreparedImage | None = None,
 ) -> bytes:
     """Lossless and deterministic: same pixels and options give the same bytes. prefix: zstd-pdelta's previous image
-    of the sample (same size), whose payload the image is compressed against; None for the first image."""
+    of the sample (same size), whose payload the image is compressed against; None for the first image. auto: the
+    format image_storage picks for the image."""
+    image_format = image_storage(image_format, image)
     if image_format == "zstd-delta":
         return zstandard.ZstdCompressor(level=zstd_level).compress(delta_payload(image.pixels))
     if image_format == "zstd-pdelta":
@@ -376,5 +414,6 @@ def encode_image(
         Image.fromarray(image.pixels, "RGB").save(buf, format="WEBP", lossless=True, quality=80, method=4, exact=True)
         return buf.getvalue()
     if image_format == "original":
-        return image.source.data if _kept_source_ext(image.source.data) else _normalized_png(image.source.data)
+        kept = image.keep or _kept_source_ext(image.source.data)
+        return image.source.data if kept else _normalized_png(image.source.data)
     raise ValueError(f"unknown image_format {image_format!r}")

@@ -14,7 +14,7 @@ import json
 import math
 
 from vlmprep.config import BuildConfig
-from vlmprep.images import open_image, prepare_image
+from vlmprep.images import make_ready, open_image, prepare_image
 from vlmprep.normalize import NormalizeOptions, assistant_turns, normalize_record
 from vlmprep.processors.load import apply_pixel_budget, apply_video_budget, resolve_chat_template
 from vlmprep.records import ReadLimits, parse_record, readable_record
@@ -143,8 +143,8 @@ class Renderer:
                     )
                 )
             for s in samples:  # history, split and cut are done: decode and resize what the samples keep, once each
-                for im in s.images:
-                    _ = im.pixels  # made here, so a fault in them rejects the record
+                for im in s.images:  # (a source stored as its bytes: checked only), so a fault rejects the record
+                    make_ready(im, self.cfg.image_format)
         except Exception as e:
             fault = self._first_image_fault(conv, images)
             if fault is None and not isinstance(e, RecordError):

@@ -204,7 +204,8 @@ class Conversation:
 class PreparedImage:
     """An image as the processor's own resize stores it: these exact pixels (uint8 H x W x 3) fix its grid. The grid,
     and so the image's tokens, is known from the source's header alone (images.open_image); the pixels are made on
-    first use, once, so an image that no sample keeps is never decoded."""
+    first use, once, so an image that no sample keeps is never decoded, nor one stored as its source bytes (its
+    source is only checked: check_source)."""
 
     def __init__(
         self,
@@ -215,14 +216,24 @@ class PreparedImage:
         load: Callable[[], np.ndarray] | None = None,
         digest: str | None = None,
         source_size: tuple[int, int] = (0, 0),
+        shape: tuple[int, int] | None = None,
     ):
         assert (pixels is None) != (load is None), "a PreparedImage holds its pixels or the way to make them"
         self.grid_thw = grid_thw
         self.source = source
         self.source_size = source_size  # (width, height) upright, before the processor's resize; (0, 0): unknown
+        self.keep: str | None = None  # the extension a lossy source is stored under as it is (jpg, webp)
         self._pixels = pixels
         self._load = load
         self._digest = digest
+        self._shape = shape
+        self._check: Callable[[], None] | None = None
+
+    def keep_as(self, ext: str | None, check: Callable[[], None] | None = None) -> "PreparedImage":
+        """Mark the source as one whose bytes can be stored as they are (a lossy source: images._lossy_ext), under
+        extension `ext` (None: not), with `check`, what check_source runs (None: the pixels are made)."""
+        self.keep, self._check = ext, check
+        return self
 
     @property
     def pixels(self) -> np.ndarray:
@@ -231,6 +242,24 @@ class PreparedImage:
             self._pixels = self._load()  # a fault raises here, and again on the next access
             self._load = None
         return self._pixels
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(height, width) of the resized pixels, as the header predicted them: nothing is decoded for it."""
+        if self._pixels is not None or self._shape is None:
+            return tuple(self.pixels.shape[:2])
+        return self._shape
+
+    def check_source(self) -> None:
+        """Raise the RecordError a decode of the source would (a check that makes no pixels, images.check_decode,
+        where the image has one; else its pixels are made): what a store of the source bytes needs, once."""
+        if self._pixels is not None:
+            return
+        if self._check is None:
+            _ = self.pixels
+            return
+        self._check()  # a fault raises here, and again on the next call
+        self._check = lambda: None
 
     @property
     def loaded(self) -> bool:

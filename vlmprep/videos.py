@@ -18,8 +18,9 @@ from vlmprep.types import PreparedImage, PreparedVideo, RecordError, VideoData
 # Frames per second sampled when neither the part, --video-fps nor the video processor's own config names a rate:
 # qwen-vl-utils' FPS, the rate the Qwen-VL models were trained at.
 DEFAULT_VIDEO_FPS = 2.0
-# "original": no source image, so PNG; zstd-pdelta: each frame zstd-delta on its own
+# "original": no source image, so PNG; zstd-pdelta (and auto): each frame zstd-delta on its own
 FRAME_EXT = {
+    "auto": "delta.zst",
     "zstd-pdelta": "delta.zst",
     "zstd-delta": "delta.zst",
     "zstd": "npy.zst",
@@ -296,8 +297,8 @@ def second_per_grid_t(video: PreparedVideo, vp) -> float:
 
 def encode_frame(frame: np.ndarray, image_format: str, *, zstd_level: int = default("zstd_level")) -> bytes:
     """One stored frame, lossless as an image of the same format ("original" has no source image: PNG; zstd-pdelta's
-    frames are zstd-delta, each on its own)."""
-    fmt = {"original": "png", "zstd-pdelta": "zstd-delta"}.get(image_format, image_format)
+    frames, and auto's, are zstd-delta, each on its own)."""
+    fmt = {"original": "png", "zstd-pdelta": "zstd-delta", "auto": "zstd-delta"}.get(image_format, image_format)
     return encode_image(
         PreparedImage(pixels=frame, grid_thw=(1, 1, 1), source=None, digest=""), fmt, zstd_level=zstd_level
     )

@@ -42,6 +42,19 @@ def png_claiming(width: int, height: int) -> bytes:
     return bytes(b)
 
 
+def jpeg_claiming(width: int, height: int, data: bytes | None = None) -> bytes:
+    """A JPEG (`data`, else a valid 64x48 one) whose SOF header claims width x height pixels: the scan after it holds
+    the few pixels it had, so a decoder runs out of data long before the size it was told to allocate."""
+    if data is None:
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 48), (10, 120, 200)).save(buf, format="JPEG", quality=90)
+        data = buf.getvalue()
+    b = bytearray(data)
+    at = next(i for i in range(2, len(b) - 9) if b[i] == 0xFF and b[i + 1] in (0xC0, 0xC1, 0xC2))
+    b[at + 5 : at + 9] = struct.pack(">HH", height, width)  # marker, length, precision, then height and width
+    return bytes(b)
+
+
 def npy_claiming(shape: tuple, descr: str = "<i4", data: bytes = b"\0" * 16) -> bytes:
     """A .npy whose header declares `shape` of `descr`, followed by only `data`."""
     header = repr({"descr": descr, "fortran_order": False, "shape": tuple(shape)}).encode() + b" "
@@ -76,9 +89,10 @@ def npy(a: np.ndarray) -> bytes:
 # --- shards
 
 
-def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd") -> Path:
+def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd", photo: bool = False) -> Path:
     """d/ds: one shard of a sample with an image (or `images` of one size: zstd-pdelta then stores each later one
-    against the one before) and a 4-frame video (Qwen2-VL, zstd members) and a text-only one."""
+    against the one before; `photo`: JPEGs, which --image-format auto stores as their bytes, `orig.jpg`) and a
+    4-frame video (Qwen2-VL, zstd members) and a text-only one."""
     import base64
 
     from tests.support.videos import encode, frames
@@ -89,11 +103,12 @@ def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd") -> Pa
     parts = []
     for k in range(images):
         buf = io.BytesIO()
-        Image.fromarray(frames(1, 224, 160, seed=3 + k)[0]).save(buf, format="PNG")
+        Image.fromarray(frames(1, 224, 160, seed=3 + k)[0]).save(buf, format="JPEG" if photo else "PNG", quality=90)
+        kind = "jpeg" if photo else "png"
         parts.append(
             {
                 "type": "image_url",
-                "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+                "image_url": {"url": f"data:image/{kind};base64," + base64.b64encode(buf.getvalue()).decode()},
             }
         )
     records = [

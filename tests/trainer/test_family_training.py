@@ -34,6 +34,21 @@ def _png(w: int, h: int, seed: int) -> tuple[str, Image.Image]:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode(), Image.fromarray(a)
 
 
+def _jpeg(w: int, h: int, seed: int) -> tuple[str, Image.Image]:
+    """A JPEG photo as a data URI, and the image the processor gets from the raw record (its decode): stored as its
+    source bytes by the default --image-format auto, decoded and resized by the loader."""
+    from tests.vlmprep.test_images import photo
+
+    buf = io.BytesIO()
+    photo(w, h, seed).save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode(), Image.open(io.BytesIO(buf.getvalue()))
+
+
+def storages(ds) -> set[str]:
+    """The image member kinds a dataset holds (`orig.jpg`, `pdelta.zst`, ...)."""
+    return {m["member"].split(".", 1)[1] for s in shard_samples(ds) for m in s.meta()["images"]}
+
+
 def one_record(tmp_path, *, width=120, height=90):
     """The record (an image, then two question/answer turns) and its messages as a processor takes them."""
     uri, image = _png(width, height, 0)
@@ -60,8 +75,10 @@ def one_record(tmp_path, *, width=120, height=90):
 def batch_records(tmp_path) -> tuple[Path, list[dict], list[list[Image.Image]]]:
     """The records a parity step trains as one micro-batch, and each one's images in order: "two" holds two images of
     different sizes (one per user turn), "text" none, "one" a single image (LLaVA-OneVision tiles a sample's one
-    image but pads each of several to a square: both paths in one batch)."""
-    (u1, i1), (u2, i2), (u3, i3) = _png(120, 90, 0), _png(64, 96, 1), _png(100, 60, 2)
+    image but pads each of several to a square: both paths in one batch). The photos are JPEGs, the other a PNG:
+    the default --image-format auto stores the photos as their source bytes and the PNG as pixels, so "two" mixes
+    both storages in one sample."""
+    (u1, i1), (u2, i2), (u3, i3) = _jpeg(120, 90, 0), _png(64, 96, 1), _jpeg(100, 60, 2)
 
     def user(uri, text):
         return {
@@ -258,6 +275,7 @@ def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
     name, ds, records, images, row, run = trained
     family = BY_NAME[name]
     samples = shard_samples(ds)
+    assert storages(ds) == {"orig.jpg", "pdelta.zst"}  # both storages of the default, in one micro-batch
     assert [s.meta()["id"] for s in samples] == [r["id"] for r in records] and row["num_samples"] == 3
     string_content = RENDER_FAMILIES[family.processor_classes[0]].string_content
     loss, ids = own_loss(run / "hf", records, images, samples, string_content)
@@ -324,6 +342,7 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
     from vlmprep.families import FAMILIES as RENDER_FAMILIES
 
     ds, records, images = batch_datasets(name)
+    assert storages(ds) == {"orig.jpg", "pdelta.zst"}  # both storages of the default, "two" mixing them
     samples, spec = _decoded(ds)
     processor_dir = str(ds / "processor")
     net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, processor_dir)).eval()
@@ -361,11 +380,12 @@ def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "was rendered with Gemma3Processor (gemma-3), but the model is smolvlm" in err[0]
 
 
-def three_records(tmp_path) -> Path:
-    """Two records with an image each (different sizes) and a text-only one: what one packed row holds."""
+def three_records(tmp_path, photo: bool = False) -> Path:
+    """Two records with an image each (different sizes; with `photo` the first a JPEG photo, stored as its bytes, the
+    other a PNG) and a text-only one: what one packed row holds."""
     records = []
     for k, (w, h) in enumerate([(120, 90), (64, 96)]):
-        uri, _ = _png(w, h, k + 1)
+        uri, _ = (_jpeg if photo and k == 0 else _png)(w, h, k + 1)
         records.append(
             {
                 "id": f"i{k}",
@@ -409,13 +429,14 @@ def test_packing_is_exact_where_the_family_allows_it(name, tmp_path):
 
     build(
         BuildConfig(
-            inputs=(str(three_records(tmp_path)),),
+            inputs=(str(three_records(tmp_path, photo=True)),),
             out=str(tmp_path / "ds"),
             processor=f"tiny:{name}",
             progress=False,
             seq_len=4096,
         )
     )
+    assert storages(tmp_path / "ds") == {"orig.jpg", "pdelta.zst"}
     padded = train_one_step(tmp_path / "ds", tmp_path / "padded", name, "--micro-batch-size", "3")
     packed = train_one_step(tmp_path / "ds", tmp_path / "packed", name, "--pack-to", "12000", "--pack-window", "3")
     assert (

@@ -11,8 +11,9 @@ from PIL import Image, ImageFile
 from transformers.image_utils import load_image
 
 from vlmprep.families import FAMILIES
-from vlmprep.images import _FAMILY_RESIZE, decode_image, encode_image, prepare_image, stored_ext
+from vlmprep.images import decode_image, encode_image, merged_patch, prepare_image, stored_ext
 from vlmprep.types import ImageData, RecordError
+from vlmprep_schemas.resize import resize, resize_mode
 
 QWEN2VL = FAMILIES["Qwen2VLProcessor"]
 
@@ -391,8 +392,11 @@ def test_the_header_grid_is_the_processors_own_resize_in_every_image_mode(name):
         assert not opened.loaded and opened.grid_thw == prepared.grid_thw, family.image_mode
         np.testing.assert_array_equal(opened.pixels, prepared.pixels)
         # The channels-last view resizes to the values of the processor's own process_image (contiguous C x H x W).
-        own = _FAMILY_RESIZE[family.image_mode](
-            processor, ip, ip.process_image(decode_image(img, max_pixels=10**8), do_convert_rgb=True)
+        own = resize(
+            resize_mode(type(ip).__name__),
+            ip,
+            ip.process_image(decode_image(img, max_pixels=10**8), do_convert_rgb=True),
+            merged_patch(processor),
         )
         np.testing.assert_array_equal(prepared.pixels, own.permute(1, 2, 0).numpy())
 
@@ -440,3 +444,139 @@ def test_zstd_pdelta_stores_a_screenshot_against_the_one_before():
     np.testing.assert_array_equal(decode_stored_image("img000.pdelta.zst", alone, (96, 128)), second)
     with pytest.raises(zstandard.ZstdError):
         decode_stored_image(name, data, (96, 128))
+
+
+def photo(w=320, h=200, seed=0) -> Image.Image:
+    """A photo-like image: smooth colour gradients under fine noise (JPEG stores it in a fraction of its pixels)."""
+    y, x = np.mgrid[0:h, 0:w]
+    a = np.stack([x * 255 // w, y * 255 // h, (x + y) * 255 // (w + h)], axis=-1).astype(np.int16)
+    a += np.random.default_rng(seed).integers(-4, 5, a.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))
+
+
+def _auto(data, processor=None, family=QWEN2VL, max_pixels=None):
+    from vlmprep.images import image_storage, open_image
+    from vlmprep.processors.load import apply_pixel_budget, load_processor
+
+    if processor is None:
+        processor = load_processor("builtin:qwen2-vl")
+        apply_pixel_budget(processor, family, min_pixels=None, max_pixels=max_pixels)
+    opened = open_image(ImageData(data, "src"), processor, family, max_pixels=10**8)
+    return image_storage("auto", opened), opened
+
+
+@pytest.mark.parametrize(
+    "name, make, want",
+    [
+        ("JPEG photo", lambda: save(photo(), "JPEG", quality=90), "original"),
+        ("progressive JPEG", lambda: save(photo(), "JPEG", quality=90, progressive=True), "original"),
+        ("CMYK JPEG", lambda: save(photo().convert("CMYK"), "JPEG", quality=90), "original"),
+        ("grayscale JPEG", lambda: save(photo().convert("L"), "JPEG", quality=90), "original"),
+        ("lossy WebP", lambda: save(photo(), "WEBP", quality=80), "original"),
+        ("lossless WebP", lambda: save(photo(), "WEBP", lossless=True), "zstd-pdelta"),
+        ("PNG photo", lambda: save(photo()), "zstd-pdelta"),
+        ("PNG screenshot", lambda: save(asymmetric_rgb(320, 200)), "zstd-pdelta"),
+        ("EXIF-rotated JPEG", lambda: with_orientation(photo(), 6), "zstd-pdelta"),
+        ("16-bit PNG", lambda: save(gray16_gradient()[0]), "zstd-pdelta"),
+        ("JPEG at quality 100 of noise", lambda: save(noise_rgb(), "JPEG", quality=100), "zstd-pdelta"),
+    ],
+)
+def test_auto_keeps_a_lossy_photo_as_its_bytes_and_stores_every_other_image_as_pixels(name, make, want):
+    """--image-format auto (the default): a lossy source (JPEG of any kind, lossy WebP) whose stored pixels would be
+    well over its bytes is stored as it is; a lossless source, an EXIF-rotated or 16-bit image (which the loader's
+    plain decode would not give upright and 8-bit) and a JPEG as large as its pixels are stored as zstd-pdelta."""
+    from vlmprep.images import make_ready
+
+    data = make()
+    storage, opened = _auto(data)
+    assert storage == want, name
+    make_ready(opened, "auto")
+    # A source stored as it is is checked, never decoded to pixels nor resized; every other image is.
+    assert opened.loaded == (want != "original"), name
+    assert stored_ext("auto", opened) == ("orig." + opened.keep if want == "original" else "pdelta.zst")
+    if want == "original":
+        assert encode_image(opened, "auto") == data
+
+
+def noise_rgb(w=320, h=200):
+    return Image.fromarray(np.random.default_rng(3).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def test_auto_keeps_the_pixels_of_a_large_photo_resized_far_down():
+    """A 12 MP photo under a 1 MP pixel budget: decoding its source at every epoch would cost ~12x the stored pixels,
+    so auto stores the resized pixels; the same photo under the processor's own budget (no resize) keeps its bytes."""
+    big = save(photo(4000, 3000), "JPEG", quality=90)
+    storage, opened = _auto(big, max_pixels=1_003_520)
+    assert storage == "zstd-pdelta" and opened.shape == (840, 1148)
+    assert _auto(big)[0] == "original"
+
+
+def test_a_cut_off_jpeg_kept_as_its_bytes_is_rejected_as_a_full_decode_rejects_it():
+    """The check that replaces the decode of a source stored as it is (a JPEG entropy-decoded at 1/8 scale) fails
+    where a full decode fails, on every call, and a whole one passes without making pixels."""
+    from vlmprep.images import make_ready
+
+    data = save(photo(), "JPEG", quality=90)
+    for cut in (len(data) // 2, len(data) - 3):
+        storage, opened = _auto(data[:cut])
+        assert storage == "original"
+        for _ in range(2):
+            with pytest.raises(RecordError) as e:
+                make_ready(opened, "auto")
+            assert e.value.reason == "corrupt_image" and "truncated" in e.value.message
+        with pytest.raises(RecordError):
+            decode_image(ImageData(data[:cut], "x"), max_pixels=10**8)
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "glm-4.1v", "gemma3", "mistral3-pixtral", "llava-onevision", "llama4"])
+def test_each_familys_resize_mode_is_the_one_its_image_processor_class_names(name):
+    """The trainer finds an `original` member's resize by the saved image processor's class (vlmprep_schemas.resize);
+    the build by the family registry: they agree for every family."""
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep.families import resolve_family
+
+    processor = load_family_processor(name)
+    assert resize_mode(type(processor.image_processor).__name__) == resolve_family(processor).image_mode
+
+
+_CHECK_UNDER_A_CAP = """
+import sys
+from tests.support.hostile import address_space, jpeg_claiming
+from vlmprep.images import check_decode, decode_image
+from vlmprep.types import ImageData
+
+img = ImageData(jpeg_claiming(8000, 6000), "x")
+with address_space(64 << 20):
+    check_decode(img, max_pixels=10**8)
+    print("check ok")
+    try:
+        decode_image(img, max_pixels=10**8)
+    except MemoryError:
+        print("full decode: MemoryError")
+"""
+
+
+def test_a_jpeg_whose_header_claims_more_pixels_than_it_holds_costs_the_build_an_eighth_of_them():
+    """A JPEG whose header claims 8000x6000 over a 64x48 scan (libjpeg fills the rest, as it does for the processor
+    online: not a fault) is stored as its bytes without a pixel made, and the check the build runs on it allocates an
+    eighth of each side, not the 144 MB of a full decode: in a fresh process capped at 64 MB more than it holds, the
+    check passes and the full decode runs out of memory. One claiming more than --max-image-pixels is refused from
+    its header, nothing decoded."""
+    import subprocess
+    import sys
+
+    from tests.support.hostile import jpeg_claiming
+    from vlmprep.images import make_ready
+
+    storage, opened = _auto(jpeg_claiming(8000, 6000))
+    assert storage == "original" and opened.source_size == (8000, 6000)
+    make_ready(opened, "auto")
+    assert not opened.loaded
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _CHECK_UNDER_A_CAP], cwd=root, capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split("\n")[:2] == ["check ok", "full decode: MemoryError"], out.stdout + out.stderr
+    with pytest.raises(RecordError) as e:
+        _auto(jpeg_claiming(65_000, 65_000))
+    assert e.value.reason == "image_too_large"

@@ -20,6 +20,7 @@ from trainer.data.integrity import DatasetWatch
 from trainer.data.processors import (
     check_processor,
     load_image_processor_config,
+    load_processor_settings,
     load_video_processor_config,
     local_processor,
     processor_difference,
@@ -46,7 +47,11 @@ def load_image_spec(options: DataOptions, processor: str | None) -> ImageSpec:
     # No file linking out of a dataset's processor, no custom code in any (docs/untrusted-datasets.md).
     check_processor(location, user_named=bool(options.processor))
     try:
-        return ImageSpec.from_config(load_image_processor_config(location), load_video_processor_config(location))
+        return ImageSpec.from_config(
+            load_image_processor_config(location),
+            load_video_processor_config(location),
+            load_processor_settings(location),
+        )
     except ValueError as e:
         raise DataError(f"{location}: {e}") from None
 

@@ -31,6 +31,7 @@ from vlmprep_schemas.limits import (
     npy_header,
     schema_problem,
 )
+from vlmprep_schemas.resize import resize_mode, stored_pixels
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -156,30 +157,26 @@ def _meta_dims(meta) -> dict[str, int]:
 
 
 class OriginalResizer:
-    """`img*.orig.*` members hold source bytes: resize them at load time with the saved processor's own
-    resize, exactly as vlmprep did when it counted the tokens."""
+    """`img*.orig.*` members hold source bytes: decoded and resized at load time by the saved image processor, with the
+    very code vlmprep ran when it counted the tokens (vlmprep_schemas.resize: its RGB conversion, then its family's
+    resize), so they become exactly the pixels a stored member of the image would hold."""
 
     def __init__(self, spec: ImageSpec):
         self.spec = spec
+        self.mode = resize_mode(spec.kind)
         self._ip = None
 
     def __call__(self, data: bytes) -> np.ndarray:
         """One stored source image (encoded bytes) -> uint8 H x W x 3, resized as the saved processor resizes it."""
-        import torch
-
         if self._ip is None:
             from transformers import AutoImageProcessor
 
             with tempfile.TemporaryDirectory() as tmp:
                 Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.spec.config))
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
-        ip = self._ip
         with Image.open(io.BytesIO(data)) as pil:
             pil.load()
-            with torch.no_grad():
-                t = ip.process_image(pil, do_convert_rgb=ip.do_convert_rgb)
-                t = ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size)[0]
-        return np.ascontiguousarray(t.permute(1, 2, 0).numpy())
+            return stored_pixels(self._ip, self.mode, pil, self.spec.resize_patch)
 
 
 def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:

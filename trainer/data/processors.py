@@ -101,6 +101,20 @@ def load_image_processor_config(location: str) -> dict:
     )
 
 
+def load_processor_settings(location: str) -> dict:
+    """The processor's own settings (`processor_config.json`'s top level, its image and video processors left out:
+    Mistral 3's patch_size and spatial_merge_size), or {} where it saved none (an older save)."""
+    url = join_url(location, "processor_config.json")
+    if not url.startswith(REMOTE) and not Path(url).is_file():
+        return {}
+    try:
+        raw = load_json(read_dataset_file(url, MAX_CONFIG_BYTES), url, MAX_CONFIG_BYTES)
+    except (OSError, ValueError, RecursionError, DataError):
+        return {}
+    cfg = _no_custom_code(raw, url)
+    return {k: v for k, v in cfg.items() if k not in ("image_processor", "video_processor", "tokenizer")}
+
+
 def load_video_processor_config(location: str) -> dict | None:
     """The video processor's saved settings (`processor_config.json`'s video_processor, or the older
     `video_preprocessor_config.json`), or None where the processor saved none (an image-only model)."""

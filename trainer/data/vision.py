@@ -39,16 +39,23 @@ class ImageSpec:
     config: dict = field(compare=False, repr=False)  # the processor's own dict, for load-time resizing
     video: "ImageSpec | None" = field(default=None, compare=False, repr=False)  # the saved video processor's
     grid_images: bool = True  # False: a family whose images are not on a patch grid (grid rows are the size)
+    # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
+    # member needs (vlmprep_schemas.resize); 0 where the processor names none.
+    resize_patch: int = field(default=0, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: dict, video: dict | None = None) -> "ImageSpec":
-        """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos. A processor
-        of a family that is not on a patch grid is read for its name only (its own class makes the pixels)."""
+    def from_config(cls, cfg: dict, video: dict | None = None, processor: dict | None = None) -> "ImageSpec":
+        """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos; `processor`:
+        the processor's own settings (processor_config.json's top level). A processor of a family that is not on a
+        patch grid is read for its name only (its own class makes the pixels)."""
         kind = cfg.get("image_processor_type") or cfg.get("video_processor_type")
         if not isinstance(kind, str) or not kind.endswith(
             ("ImageProcessor", "ImageProcessorFast", "ImageProcessorPil", "VideoProcessor")
         ):
             raise ValueError(f"processor type {kind!r} is not an image processor")
+        top = processor or {}
+        patch, merge = top.get("patch_size"), top.get("spatial_merge_size", 1)  # untrusted: checked before use
+        resize_patch = patch * merge if all(type(v) is int and 0 < v <= 1024 for v in (patch, merge)) else 0
         if kind not in GRID + VIDEO_SUPPORTED:
             return cls(
                 patch_size=1,
@@ -61,6 +68,7 @@ class ImageSpec:
                 do_normalize=False,
                 config=dict(cfg),
                 grid_images=False,
+                resize_patch=resize_patch,
             )
         return cls(
             video=cls.from_config(video) if video else None,
@@ -73,6 +81,7 @@ class ImageSpec:
             do_rescale=bool(cfg["do_rescale"]),
             do_normalize=bool(cfg["do_normalize"]),
             config=dict(cfg),
+            resize_patch=resize_patch,
         )
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:

@@ -7,8 +7,9 @@ also logits_to_keep and shift_labels, so the model computes logits only where th
     batch = collator([sample, ...])
 
 Pixels come from the dataset's saved processor (DIR/processor) itself: stored images with resizing off (they are
-stored already resized), `--image-format original` source pixels with its own resize, as the trainer does; video
-frames with its video processor, neither sampled nor resized again (they are stored so).
+stored already resized), source pixels (`img*.orig.*`: photos the default `auto` keeps, or `--image-format original`)
+first resized by the build's own rule (vlmprep_schemas.resize), as the trainer does; video frames with its video
+processor, neither sampled nor resized again (they are stored so).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.families import family_of
+from vlmprep.images import merged_patch
 from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.manifest import load_manifest, processor_dir
 from vlmprep_schemas.limits import grid_problem
 from vlmprep_schemas.pixels import RULES, pixel_inputs
+from vlmprep_schemas.resize import resize_mode, stored_pixels
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
 
@@ -70,15 +73,39 @@ class Collator:
         return self._processor
 
     def _resizes(self, sample: dict) -> list[bool]:
-        """Per occurrence: does the processor still resize it? Source pixels (`img*.orig.*`) and families stored as
-        source (tiling processors) yes; every other stored image holds exactly the resized pixels already."""
+        """Per occurrence: does the processor still resize it? Families stored as source (tiling processors) yes;
+        every other stored image holds exactly the resized pixels already (source pixels too, once _resized)."""
         family = family_of(type(self.processor).__name__)
-        if family is not None and family.image_mode == "source":
-            return [True] * len(sample["images"])
+        return [family is not None and family.image_mode == "source"] * len(sample["images"])
+
+    def _sources(self, sample: dict) -> list[bool]:
+        """Per occurrence: does the sample hold its source pixels (an `img*.orig.*` member) rather than stored ones?"""
         members = [im.get("member", "") for im in (sample.get("meta") or {}).get("images", [])]
-        if len(members) != len(sample["images"]):  # no meta: the manifest's format says
-            return [self.image_format == "original"] * len(sample["images"])
-        return [".orig." in m for m in members]
+        if len(members) == len(sample["images"]):
+            return [".orig." in m for m in members]
+        if self.image_format == "auto":
+            raise ValueError(
+                f"{self.processor_dir}: sample {sample.get('id', '?')} has no meta: an auto dataset's images are "
+                "stored per image, so the collator needs each sample's meta (the client readers give it)"
+            )
+        return [self.image_format == "original"] * len(sample["images"])  # no meta: the manifest's format says
+
+    def _resized(self, sample: dict) -> dict:
+        """The sample with each source image (`img*.orig.*`) made into the pixels the build stored for it: the
+        processor's own RGB conversion and resize, by the rule the build and the trainer run
+        (vlmprep_schemas.resize), so a batch's images are all stored pixels whatever their storage."""
+        sources = self._sources(sample)
+        if not any(sources):
+            return sample
+        from PIL import Image
+
+        ip = self.processor.image_processor
+        mode, patch = resize_mode(type(ip).__name__), merged_patch(self.processor)
+        made: dict[int, np.ndarray] = {}  # a repeated image (one array) resized once
+        for im, source in zip(sample["images"], sources):
+            if source and id(im) not in made:
+                made[id(im)] = stored_pixels(ip, mode, Image.fromarray(np.asarray(im), "RGB"), patch)
+        return {**sample, "images": [made.get(id(im), im) for im in sample["images"]]}
 
     def _check_sizes(self, samples: list[dict]) -> None:
         """Each stored image's size against its grid row on the processor's patches (1 where the family's grid rows
@@ -210,6 +237,7 @@ class Collator:
             batch["attention_mask"][b, :n] = 1
             batch["mm_token_type_ids"][b, :n] = torch.from_numpy(np.asarray(s["mm_token_type_ids"]).astype(np.int64))
             positions[:, b, :n] = torch.from_numpy(np.asarray(s["position_ids"]).astype(np.int64))
+        samples = [self._resized(s) for s in samples]
         self._check_sizes(samples)
         family = family_of(type(proc).__name__)
         # MRoPE models take the stored [3, B, L] ids (their get_rope_index); 1-D rope models the text row.

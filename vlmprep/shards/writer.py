@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmprep.images import encode_image, stored_ext
+from vlmprep.images import encode_image, image_storage, stored_ext
 from vlmprep.shards.dataset import TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import (
     ARRAYS,
@@ -77,43 +77,45 @@ def _image_members(
     sample: RenderedSample, image_format: str, zstd_level: int, encoded: dict[str, bytes]
 ) -> tuple[dict[str, bytes], list[int], list[dict]]:
     """Each distinct image of the sample stored once (member name -> bytes), the stored image of each occurrence,
-    and each occurrence's meta (member, size, grid, span; zstd-pdelta: the member it is compressed against)."""
+    and each occurrence's meta (member, size, grid, span, source size and bytes; zstd-pdelta: the member it is
+    compressed against; a source stored as it is: its sha256)."""
     images_meta, image_index, image_members = [], [], {}
     unique: dict[str, str] = {}  # source digest -> member name
-    prefixes: dict[str, str] = {}  # zstd-pdelta: member -> the previous image's member it is compressed against
-    previous = None
+    extra: dict[str, dict] = {}  # member -> what its meta entries add: prefix (zstd-pdelta), sha256 (original)
+    previous, previous_storage = None, None
     assert len(sample.image_spans) == len(sample.images), "an image without its span in the tokens"
     for im, span in zip(sample.images, sample.image_spans):
         name = unique.get(im.digest)
         if name is None:  # identical images within a sample are stored once
-            name = unique[im.digest] = image_member_name(len(unique), stored_ext(image_format, im))
-            # The sample's previous stored image, never another sample's: each sample decodes on its own.
-            prefix = (
-                previous
-                if image_format == "zstd-pdelta" and previous is not None and previous.pixels.shape == im.pixels.shape
-                else None
-            )
+            storage = image_storage(image_format, im)  # per image under auto
+            name = unique[im.digest] = image_member_name(len(unique), stored_ext(storage, im))
+            # The sample's previous stored image, never another sample's (each sample decodes on its own), and only
+            # one stored as zstd-pdelta too: a prefix is the member numbered one less (pdelta_prefixes).
+            prefix = previous if storage == previous_storage == "zstd-pdelta" and previous.shape == im.shape else None
             cached = im.digest if prefix is None else f"{im.digest}<{prefix.digest}"
             if cached not in encoded:
-                encoded[cached] = encode_image(im, image_format, zstd_level=zstd_level, prefix=prefix)
-            image_members[name] = encoded[cached]
-            if prefix is not None:
-                prefixes[name] = unique[prefix.digest]
-            previous = im
+                encoded[cached] = encode_image(im, storage, zstd_level=zstd_level, prefix=prefix)
+            data = image_members[name] = encoded[cached]
+            extra[name] = {} if prefix is None else {"prefix": unique[prefix.digest]}
+            if storage == "original":  # verify checks the source bytes a loader decodes against it
+                extra[name]["sha256"] = im.digest if data is im.source.data else hashlib.sha256(data).hexdigest()
+            previous, previous_storage = im, storage
         image_index.append(list(unique).index(im.digest))
+        height, width = im.shape
         images_meta.append(
             {
                 "member": name,
-                "height": int(im.pixels.shape[0]),
-                "width": int(im.pixels.shape[1]),
+                "height": int(height),
+                "width": int(width),
                 "grid_thw": [int(x) for x in im.grid_thw],
                 "span": [int(x) for x in span],
+                **extra[name],
             }
         )
-        if name in prefixes:
-            images_meta[-1]["prefix"] = prefixes[name]
         if im.source_size[0]:  # the size before the processor's resize: what `stats` shows and --max-pixels acts on
             images_meta[-1].update(source_width=int(im.source_size[0]), source_height=int(im.source_size[1]))
+        if im.source is not None:  # what `stats` holds the stored bytes against
+            images_meta[-1]["source_bytes"] = len(im.source.data)
     return image_members, image_index, images_meta
 
 

@@ -181,10 +181,8 @@ def test_llamafactory_demo_builds_with_deduped_images(tmp_path):
     assert res.manifest.totals["images"] == 8
     first = read_tar(out / "shard-000000.tar")[min(read_tar(out / "shard-000000.tar"))]
     meta = json.loads(first["json"])
-    assert [i["member"] for i in meta["images"]] == [
-        "img000.pdelta.zst",
-        "img000.pdelta.zst",
-    ]  # 1.jpg twice, stored once
+    # 1.jpg twice, stored once: as its bytes (a JPEG photo under the default --image-format auto)
+    assert [i["member"] for i in meta["images"]] == ["img000.orig.jpg", "img000.orig.jpg"]
     assert sum(1 for k in first if k.startswith("img")) == 1
 
 

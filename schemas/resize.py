@@ -1,0 +1,82 @@
+"""A source image -> the pixels vlmprep stores for it: the image processor's own RGB conversion and resize, per family
+(keyed by image processor class). vlmprep's build (vlmprep/images.py) and every reader that resizes an `original`
+member at load time (the trainer's decode, vlmprep's Collator) run this one code, so all of them make the same uint8
+pixels, the ones the tokens were counted for.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+# How each image processor resizes one image (the class name without Fast / Pil); any other stores the source:
+# tiling processors (Mllama, Llama 4, Idefics3 / SmolVLM, LLaVA-OneVision, InternVL, Gemma 4) crop and resize into
+# several tiles plus a thumbnail, which no single resized image reproduces, so the loader runs the saved processor
+# on the decoded RGB source.
+MODES = {
+    "Qwen2VLImageProcessor": "smart_resize",  # Qwen2-VL, 2.5-VL, 3-VL, 3.5
+    "Glm4vImageProcessor": "smart_resize_temporal",
+    "PixtralImageProcessor": "longest_edge_patch",  # Mistral 3
+    "Gemma3ImageProcessor": "fixed_resize",  # without pan-and-scan
+}
+
+
+def resize_mode(image_processor_type: str) -> str:
+    """The resize of an image processor class (its name, as a saved config's image_processor_type): a MODES value,
+    or "source" (no resize: the RGB source is stored)."""
+    return MODES.get(image_processor_type.removesuffix("Fast").removesuffix("Pil"), "source")
+
+
+def processed(ip, pil):
+    """The image processor's process_image of a PIL image (uint8 C x H x W), as a channels-last view: process_image's
+    own last step, .contiguous(), transposes every pixel, and the resize after it then runs several times slower than
+    on the view, for the same values (tests/vlmprep/test_images.py checks both ways agree)."""
+    import torch
+    from transformers.image_processing_backends import TorchvisionBackend
+    from transformers.image_transforms import convert_to_rgb
+
+    convert = getattr(ip, "do_convert_rgb", None) is not False
+    if not convert or type(ip).process_image is not TorchvisionBackend.process_image:
+        return ip.process_image(pil, do_convert_rgb=convert)
+    if pil.mode == "RGB" and pil.info.get("transparency") is None:
+        with warnings.catch_warnings():  # read-only: the resize only reads it
+            warnings.simplefilter("ignore")
+            return torch.from_numpy(np.asarray(pil)).permute(2, 0, 1)  # what convert_to_rgb gives, less two copies
+    return torch.from_numpy(convert_to_rgb(pil, return_numpy=True)).permute(2, 0, 1)  # process_image's PIL branch
+
+
+def resize(mode: str, ip, t, patch: int = 0):
+    """`t` (C x H x W, uint8 or a meta tensor) resized as the image processor `ip` resizes one image (`mode`,
+    resize_mode's); `patch`: longest_edge_patch's merged patch, the processor's patch_size x spatial_merge_size.
+    smart_resize's ValueError (an aspect ratio over 200) propagates."""
+    if mode == "smart_resize":
+        return ip.resize(t[None], size=ip.size, resample=ip.resample, factor=ip.patch_size * ip.merge_size)[0]
+    if mode == "smart_resize_temporal":  # GLM-4.1V: the temporal factor its smart_resize also takes
+        return ip.resize(
+            t[None],
+            size=ip.size,
+            resample=ip.resample,
+            factor=ip.patch_size * ip.merge_size,
+            temporal_factor=ip.temporal_patch_size,
+        )[0]
+    if mode == "longest_edge_patch":  # longest edge to size, both sides to multiples of the merged patch
+        from transformers.image_utils import SizeDict
+
+        assert patch > 0, "longest_edge_patch needs the processor's merged patch"
+        return ip.resize(t[None], size=ip.size, patch_size=SizeDict(height=patch, width=patch), resample=ip.resample)[0]
+    if mode == "fixed_resize":
+        return ip.resize(t[None], size=ip.size, resample=ip.resample)[0]
+    assert mode == "source", f"unknown resize mode {mode!r}"
+    return t
+
+
+def stored_pixels(ip, mode: str, pil, patch: int = 0) -> np.ndarray:
+    """A decoded PIL image (upright, 8-bit) -> the uint8 H x W x 3 pixels vlmprep stores for it: processed, then
+    resized (resize's `mode` and `patch`)."""
+    import torch
+
+    with torch.no_grad():
+        t = resize(mode, ip, processed(ip, pil), patch)
+    assert t.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
+    return np.ascontiguousarray(t.permute(1, 2, 0).numpy())  # a view where the resize kept HWC
