@@ -307,3 +307,30 @@ def test_an_undecodable_sample_is_reported_and_its_correct_index_row_is_not(tmp_
     found = [str(v) for v in verify_dataset(ds)]
     assert found and all("index" not in v for v in found), found
     assert any(image.name.split(".")[0] in v for v in found), found
+
+
+def test_a_source_image_whose_bytes_are_not_the_metas_sha256_is_refused_in_one_line(tmp_path, qwen2vl_processor):
+    """The default --image-format auto stores the LLaMA-Factory demo's JPEG photos as their bytes (`orig.jpg`), each
+    with its sha256 in the meta: a byte changed in one (the shard re-sealed, so only the member check can see it)
+    is one line naming the member, and the sample's other checks do not decode it."""
+    from tests.conftest import LLAMAFACTORY
+
+    build(BuildConfig(inputs=(str(LLAMAFACTORY / "mllm_demo.json"),), out=str(tmp_path / "ds"), progress=False))
+    ds = tmp_path / "ds"
+    assert verify_dataset(ds) == []
+    [(key, members)] = read_samples(ds / "shard-000000.tar")[:1]
+    assert "img000.orig.jpg" in members and "sha256" in json.loads(members["json"])["images"][0]
+
+    def flip(m):
+        data = bytearray(m["img000.orig.jpg"])
+        data[len(data) // 2] ^= 0x01  # same length: the JPEG may even still decode
+        m["img000.orig.jpg"] = bytes(data)
+
+    rewrite_first_image_sample(ds, flip)
+    assert verify_dataset(ds, deep=False) == []
+    got = [str(v) for v in verify_dataset(ds)]
+    assert len(got) == 1 and got[0].startswith(f"shard-000000.tar:{key}: img000.orig.jpg: its bytes' sha256 "), got
+    assert "a corrupt or replaced source image" in got[0]
+    res = CliRunner().invoke(app, ["verify", str(ds)])
+    fails = [line for line in res.output.splitlines() if line.startswith("FAIL")]
+    assert res.exit_code == 1 and fails == [f"FAIL {got[0]}"]
