@@ -111,6 +111,23 @@ def image_member_name(unique_index: int, ext: str) -> str:
     return name
 
 
+_STORAGE = {
+    ".pdelta.zst": "zstd-pdelta",
+    ".delta.zst": "zstd-delta",
+    ".npy.zst": "zstd",
+    ".png": "png",
+    ".webp": "webp",
+}
+
+
+def storage_of(member: str) -> str:
+    """How an image member is stored, from its name alone (the --image-format that writes it): `img000.orig.jpg` ->
+    original, `img001.pdelta.zst` -> zstd-pdelta, ... (an auto build's images are each one of these two)."""
+    if ".orig." in member:
+        return "original"
+    return next((fmt for ext, fmt in _STORAGE.items() if member.endswith(ext)), "unknown")
+
+
 def video_frame_member_name(video: int, frame: int, ext: str) -> str:
     """The member name of frame `frame` of the sample's video `video`, with extension `ext`."""
     name = f"vid{video:03d}.{frame:04d}.{ext}"

@@ -15,6 +15,7 @@ from vlmprep.config import FIELDS
 from vlmprep.families import family_of
 from vlmprep.locations import as_input
 from vlmprep.records import input_names
+from vlmprep.shards.format import storage_of
 from vlmprep.shards.manifest import Manifest, dataset_path, open_dataset, shard_paths
 from vlmprep.shards.reader import iter_rejects, iter_shard
 from vlmprep.shards.summary import (
@@ -26,10 +27,9 @@ from vlmprep.shards.summary import (
     rejected_records,
 )
 from vlmprep.shards.versions import manifest_number, rejects_file
+from vlmprep.tools.distributions import distribution
 from vlmprep.tools.per_shard import map_shards
 
-HIST_BINS = 10
-PERCENTILES = (10, 50, 90, 99)
 # Warning thresholds. The build's --min-turn-coverage default, and its rule (shards/summary.coverage_problem): a dataset
 # built with --min-turn-coverage 0 still says what it lost.
 MIN_TURN_COVERAGE = FIELDS["min_turn_coverage"].default
@@ -41,42 +41,6 @@ IMAGE_TOKENS_WARN = 4096  # the limit where the manifest names no seq_len
 MAX_INPUT_ROWS = 40  # the terminal lists at most this many input files (the lowest coverage first); --json has all
 MAX_IMAGE_SIZES = 8  # the most common image sizes listed
 COVERAGE_FIX = REJECT_FIXES["no_trainable_tokens_after_truncation"]
-DISTRIBUTIONS = {
-    "tokens_per_sample": "tokens per sample",
-    "trained_tokens_per_sample": "trained tokens per sample",
-    "images_per_sample": "images per sample",
-    "tokens_per_image": "tokens per image",
-}
-
-
-def _pct(x: np.ndarray, q: float) -> int:
-    # Nearest rank: always a value that some sample really has.
-    return int(np.percentile(x, q, method="inverted_cdf")) if len(x) else 0
-
-
-def _histogram(x: np.ndarray, bins: int = HIST_BINS) -> list[dict]:
-    """Equal-width integer bins [lo, hi) over min..max."""
-    if not len(x):
-        return []
-    lo, hi = int(x.min()), int(x.max())
-    width = max(1, -(-(hi - lo + 1) // bins))
-    counts = np.bincount((x - lo) // width, minlength=bins)
-    n = int(np.flatnonzero(counts).max()) + 1
-    return [{"lo": lo + i * width, "hi": lo + (i + 1) * width, "count": int(counts[i])} for i in range(n)]
-
-
-def _distribution(values: list[int]) -> dict:
-    """Mean, min, nearest-rank percentiles, max and the histogram of one per-sample (or per-image) count."""
-    x = np.asarray(values, dtype=np.int64)
-    n = len(x)
-    return {
-        "count": n,
-        "mean": float(x.mean()) if n else 0.0,
-        "min": int(x.min()) if n else 0,
-        **{f"p{q}": _pct(x, q) for q in PERCENTILES},
-        "max": int(x.max()) if n else 0,
-        "histogram": _histogram(x),
-    }
 
 
 def _image_runs(types: np.ndarray) -> list[int]:
@@ -90,20 +54,9 @@ def _image_runs(types: np.ndarray) -> list[int]:
 
 
 # `vlmprep stats --samples FILE`: one row per sample (tools/tables_out.py writes them as Parquet).
-SAMPLE_COLUMNS = (
-    "id",
-    "source_file",
-    "source_line",
-    "shard",
-    "shard_index",
-    "tokens",
-    "trained_tokens",
-    "images",
-    "image_tokens",
-    "videos",
-    "truncated",
-    "split_part",
-    "dropped_images",
+SAMPLE_COLUMNS = tuple(
+    "id source_file source_line shard shard_index tokens trained_tokens images image_tokens videos truncated "
+    "split_part dropped_images".split()
 )
 
 
@@ -121,6 +74,8 @@ class _Scan:
         self.sizes: collections.Counter = collections.Counter()  # (w, h) -> images
         self.sizes_are_source = True  # False once an image without a recorded source size is met (older datasets)
         self.large: list[dict] = []  # images over image_limit tokens
+        # storage (shards/format.storage_of) -> stored images (each once a sample), their bytes, their sources' bytes
+        self.storage: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def merge(self, other: "_Scan") -> None:
@@ -136,6 +91,8 @@ class _Scan:
                 self.rows[c].extend(other.rows[c])
         for source, counts in other.by_file.items():
             self.by_file[source].update(counts)
+        for storage, counts in other.storage.items():
+            self.storage[storage].update(counts)
 
     def add(self, ts) -> None:
         meta = ts.meta()
@@ -177,6 +134,11 @@ class _Scan:
         spans = [im.get("span") for im in entries]
         runs = [b - a for a, b in spans] if spans and None not in spans else _image_runs(types)  # older: marked runs
         self.image_token_runs += runs
+        for member, im in {im["member"]: im for im in entries}.items():  # an image stored once a sample
+            given = im.get("source_bytes", 0)  # 0: a build that did not record it
+            self.storage[storage_of(member)].update(
+                images=1, bytes=ts.sizes[member], source_bytes=given, unknown=not given
+            )
         for k, im in enumerate(entries):
             if "source_width" in im:
                 size = (int(im["source_width"]), int(im["source_height"]))
@@ -253,11 +215,12 @@ def compute_stats(
         "image_tokens": int(sum(scan.image_tokens)),
         "images": int(img.sum()),
         "text_only_samples": int((img == 0).sum()),
-        "tokens_per_sample": _distribution(scan.tokens),
-        "trained_tokens_per_sample": _distribution(scan.trained),
-        "images_per_sample": _distribution(scan.images),
-        "tokens_per_image": _distribution(scan.image_token_runs),
+        "tokens_per_sample": distribution(scan.tokens),
+        "trained_tokens_per_sample": distribution(scan.trained),
+        "images_per_sample": distribution(scan.images),
+        "tokens_per_image": distribution(scan.image_token_runs),
         "image_sizes": _image_sizes(scan),
+        "image_storage": _image_storage(scan),
         "large_images": _large_images(scan, manifest),
         "truncated_samples": scan.truncated,
         "dropped_images": scan.dropped,
@@ -280,6 +243,13 @@ def compute_stats(
     if sample_rows is not None:
         sample_rows.update(scan.rows)
     return st
+
+
+def _image_storage(scan: _Scan) -> dict:
+    """Per storage (shards/format.storage_of): stored images, their bytes, their sources' bytes, and how many of them
+    have no source bytes recorded (`unknown`: older builds)."""
+    keys = ("images", "bytes", "source_bytes", "unknown")
+    return {k: {n: int(c[n]) for n in keys} for k, c in sorted(scan.storage.items())}
 
 
 def _image_sizes(scan: _Scan) -> dict:
@@ -366,22 +336,18 @@ def _large_images(scan: _Scan, manifest: Manifest) -> dict:
     return out
 
 
+# The manifest totals the shards (rejected: rejects.jsonl) are recounted for.
+_RECOUNTED = (
+    "samples tokens trainable_tokens image_tokens images truncated_samples dropped_images videos "
+    "video_tokens dropped_videos"
+).split()
+
+
 def _mismatches(manifest: Manifest, st: dict, reject_lines: list[dict] | None, by_file: dict) -> list[str]:
     """Where the manifest disagrees with what the shards (or rejects.jsonl) actually hold."""
     out = []
     totals = manifest.totals
-    for key in (
-        "samples",
-        "tokens",
-        "trainable_tokens",
-        "image_tokens",
-        "images",
-        "truncated_samples",
-        "dropped_images",
-        "videos",
-        "video_tokens",
-        "dropped_videos",
-    ):
+    for key in _RECOUNTED:
         if key in totals and totals[key] != st[key]:
             out.append(f"manifest totals.{key}={totals[key]} but the shards give {st[key]}")
     out += reject_mismatches(manifest, lines=st["rejected"], records=st["rejected_records"])

@@ -8,8 +8,8 @@ import html
 from pathlib import Path
 
 from vlmprep.shards.dataset import write_text_atomic
+from vlmprep.tools.distributions import DISTRIBUTIONS, PERCENTILES
 from vlmprep.tools.report import page
-from vlmprep.tools.stats import DISTRIBUTIONS, PERCENTILES
 from vlmprep.tools.stats_text import INPUT_COLUMNS, shown_inputs, summary_lines
 
 BAR = "#3b6fd4"  # histogram bars: tests look for this colour in the screenshot

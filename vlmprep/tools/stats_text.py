@@ -5,7 +5,8 @@ input file, the distributions, histograms and warnings (stats_report.py lays out
 from __future__ import annotations
 
 from vlmprep.shards.summary import LOST_TURNS_NOTE, dropped_by_cut, plural
-from vlmprep.tools.stats import DISTRIBUTIONS, MAX_INPUT_ROWS, PERCENTILES
+from vlmprep.tools.distributions import DISTRIBUTIONS, PERCENTILES
+from vlmprep.tools.stats import MAX_INPUT_ROWS
 from vlmprep_schemas.terminal import for_terminal
 
 HIST_WIDTH = 40
@@ -88,6 +89,22 @@ def _histogram_lines(title: str, hist: list[dict]) -> list[str]:
     return lines
 
 
+def _storage_lines(st: dict) -> list[str]:
+    """How the images are stored: per storage the stored images (each once a sample), their bytes, and those bytes
+    over their sources' where the build recorded the source bytes of every one."""
+    parts = []
+    for storage, c in st.get("image_storage", {}).items():
+        ratio = (
+            f", {c['bytes'] / c['source_bytes']:.2f}x their source" if c["source_bytes"] and not c["unknown"] else ""
+        )
+        parts.append(f"{storage} {c['images']} ({_mb(c['bytes'])}{ratio})")
+    return [f"image storage      {' | '.join(parts)}"] if parts else []
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
 def summary_lines(st: dict) -> list[str]:
     """The dataset's totals: the head of format_stats (and of the HTML report)."""
     n, t = st["samples"], st["tokens"]
@@ -101,6 +118,7 @@ def summary_lines(st: dict) -> list[str]:
         f"image {st['image_tokens']} ({st['image_tokens'] / max(t, 1):.1%})",
         f"images             {st['images']} | per sample mean {ips['mean']:.2f}, p50 {ips['p50']}, p90 {ips['p90']}, "
         f"max {ips['max']} | text-only samples {st['text_only_samples']}",
+        *_storage_lines(st),
         *(
             [
                 f"videos             {st['videos']} | frames {st['video_frames']} | video tokens {st['video_tokens']} "

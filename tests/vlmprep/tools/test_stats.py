@@ -356,10 +356,13 @@ def test_the_coverage_threshold_comes_from_the_manifest(built, tmp_path):
 
 
 class _FakeStored:
-    """What stats reads of a stored sample: its meta and arrays."""
+    """What stats reads of a stored sample: its meta, arrays and member sizes (each image member's, 1000 bytes)."""
 
     def __init__(self, meta, types):
+        for k, im in enumerate(meta["images"]):
+            im.setdefault("member", f"img{k:03d}.pdelta.zst")
         self._meta, self._types = meta, np.asarray(types, dtype=np.uint8)
+        self.sizes = {im["member"]: 1000 for im in meta["images"]}
 
     def meta(self):
         return self._meta
@@ -658,3 +661,49 @@ def test_samples_and_rejects_tables_load_in_pandas_and_add_up_to_the_manifest(bu
         2,
         3,
     ]
+
+
+def test_stats_show_images_per_storage_and_their_bytes_against_the_sources(tmp_path, qwen2vl_processor):
+    """The default --image-format auto stores a JPEG photo as its bytes and a PNG screenshot as zstd-pdelta pixels:
+    stats counts the stored images of each storage (an image repeated in a sample once), their bytes (the tar
+    members') and those over their sources' bytes (the meta's source_bytes), in JSON and as one line of text."""
+    import base64
+
+    from tests.vlmprep.test_images import asymmetric_rgb, photo, save
+
+    jpeg, png = save(photo(300, 200), "JPEG", quality=90), save(asymmetric_rgb(320, 200))
+
+    def part(data, kind):
+        return {
+            "type": "image_url",
+            "image_url": {"url": f"data:image/{kind};base64," + base64.b64encode(data).decode()},
+        }
+
+    record = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    part(jpeg, "jpeg"),
+                    part(png, "png"),
+                    part(jpeg, "jpeg"),
+                    {"type": "text", "text": "Same?"},
+                ],
+            },
+            {"role": "assistant", "content": "The first and the last are one photo."},
+        ]
+    }
+    (tmp_path / "in.jsonl").write_text(json.dumps(record) + "\n")
+    build(BuildConfig(inputs=(str(tmp_path / "in.jsonl"),), out=str(tmp_path / "ds"), progress=False))
+    with tarfile.open(tmp_path / "ds" / "shard-000000.tar") as tf:
+        sizes = {m.name.split(".", 1)[1]: m.size for m in tf}
+    res = CliRunner().invoke(app, ["stats", str(tmp_path / "ds"), "--json"])
+    st = json.loads(res.output)
+    assert st["image_storage"] == {
+        "original": {"images": 1, "bytes": len(jpeg), "source_bytes": len(jpeg), "unknown": 0},
+        "zstd-pdelta": {"images": 1, "bytes": sizes["img001.pdelta.zst"], "source_bytes": len(png), "unknown": 0},
+    }
+    text = CliRunner().invoke(app, ["stats", str(tmp_path / "ds")]).output
+    ratio = sizes["img001.pdelta.zst"] / len(png)
+    line = f"image storage      original 1 ({len(jpeg) / 1e3:.1f} kB, 1.00x their source) | zstd-pdelta 1 ("
+    assert line in text and f"{ratio:.2f}x their source)" in text, text
