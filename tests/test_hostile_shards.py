@@ -40,6 +40,7 @@ from tests.support.hostile import (
     every_reader,
     forge,
     image_spec,
+    jpeg_claiming,
     npy,
     npy_claiming,
     one_line_refusal,
@@ -247,6 +248,57 @@ def test_a_hostile_pdelta_member_ends_in_one_line_in_every_reader(case, pdelta_d
             assert not o.crash, o.crash
             continue
         one_line_refusal(o, SHARD, K)
+
+
+@pytest.fixture(scope="module")
+def photo_dataset(tmp_path_factory):
+    """The small dataset with a JPEG photo in its first sample, stored as its bytes (`orig.jpg`) by the default
+    --image-format auto, its sha256 and source size in the meta."""
+    d = small_dataset(tmp_path_factory.mktemp("hostile-photo"), image_format="auto", photo=True)
+    [image] = json.loads(dict(read_members(d / SHARD))[f"{K}.json"])["images"]
+    assert image["member"] == "img000.orig.jpg" and "sha256" in image
+    return d
+
+
+def _other_jpeg(members) -> bytes:
+    """A valid JPEG of another size (64x48) than the sample's source, in its place."""
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+ORIGINAL_CASES = {
+    # A decompression bomb: the JPEG's header claims 40000x40000 (6.4 GB decoded), a few hundred bytes of scan.
+    "jpeg_claiming_40000x40000": lambda ms: replace_member(ms, K, "img000.orig.jpg", jpeg_claiming(40000, 40000)),
+    # The source cut in half: its decode runs out of data.
+    "truncated_jpeg": lambda ms: replace_member(ms, K, "img000.orig.jpg", dict(ms)[f"{K}.img000.orig.jpg"][:600]),
+    # Another, valid JPEG of another size in the source's place (its sha256 is not the meta's either).
+    "another_jpeg": lambda ms: replace_member(ms, K, "img000.orig.jpg", _other_jpeg(ms)),
+}
+
+
+def test_the_photo_dataset_reads_in_every_reader(photo_dataset, spec, collator):
+    """The default storage of a photo (its bytes) reads in every reader, the Collator resizing it as the trainer."""
+    for o in every_reader(photo_dataset, spec=spec, collator=collator):
+        assert o.ok and not o.crash, (o.reader, o.message, o.crash[-2000:])
+
+
+@pytest.mark.parametrize("case", list(ORIGINAL_CASES))
+def test_a_hostile_source_image_member_ends_in_one_line_in_every_reader(case, photo_dataset, spec, collator, tmp_path):
+    """An `orig.jpg` member (a source stored as its bytes, decoded and resized by the loader): a header claiming a
+    decompression bomb, a cut-off file or another, valid image in its place end in one line naming the sample in
+    every reader that decodes images (verify: its sha256 against the meta's, in one line), before anything is
+    allocated for a size over the reader's image limit; the readers that hand source pixels on (webdataset, HF
+    datasets, energon) check its header against the meta's source size."""
+    d = forge(photo_dataset, tmp_path / "d", ORIGINAL_CASES[case])
+    for o in every_reader(d, spec=spec, collator=collator):
+        passes = NO_IMAGE_DECODE
+        if o.reader in passes and o.ok:
+            assert not o.crash, o.crash
+            continue
+        one_line_refusal(o, SHARD, K)
+        if o.reader == "verify":  # one line for the member, whatever else the forged copy lacks
+            assert [ln for ln in o.message.splitlines() if "img000.orig.jpg" in ln and "sha256" in ln], o.message
 
 
 CHAIN = 999  # the most images a record may hold (img000..img998): the deepest pdelta chain a build writes

@@ -16,6 +16,7 @@ import pytest
 import zstandard
 from PIL import Image
 
+from tests.support.hostile import jpeg_claiming
 from tests.support.videos import encode, frames
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
@@ -35,6 +36,15 @@ def img_bytes(mode="RGB", size=(64, 48), fmt="PNG", **kw):
         "LA": (90, 128),
     }[mode]
     Image.new(mode, size, color).save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def photo_jpeg() -> bytes:
+    """A 300x200 JPEG photo (about 8 KB, its scan from byte ~600 on)."""
+    from tests.vlmprep.test_images import photo
+
+    buf = io.BytesIO()
+    photo(300, 200).save(buf, format="JPEG", quality=90)
     return buf.getvalue()
 
 
@@ -204,6 +214,16 @@ def corpus(tmp):
             with_image(uri(img_bytes(size=(300, 200), fmt="JPEG")[:300], "image/jpeg")),
             "corrupt_image",
         ),
+        # The default --image-format auto stores a JPEG as its bytes, checked (not decoded to pixels) at build time:
+        # a cut-off one is rejected as a decode would reject it; one whose header claims more than its scan holds
+        # decodes (libjpeg fills the rest, online too); one claiming more than --max-image-pixels is refused unread.
+        (
+            "truncated_jpeg_photo",
+            with_image(uri(photo_jpeg()[:4000], "image/jpeg")),
+            "corrupt_image",
+        ),
+        ("jpeg_claiming_more_than_its_scan", with_image(uri(jpeg_claiming(240, 180), "image/jpeg")), "ok"),
+        ("jpeg_claiming_a_bomb", with_image(uri(jpeg_claiming(65000, 65000), "image/jpeg")), "image_too_large"),
         ("image_1x1", with_image(uri(img_bytes(size=(1, 1)))), "image_too_small"),
         ("image_100000x1", with_image(uri(img_bytes(size=(100000, 1)))), "image_too_small"),
         ("aspect_ratio_400", with_image(uri(img_bytes(size=(20000, 50)))), "bad_aspect_ratio"),

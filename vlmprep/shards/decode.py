@@ -19,8 +19,8 @@ from vlmprep_schemas.limits import load_npy, npy_header
 
 
 def _check_pixels(name: str, width: int, height: int, size: tuple[int, int] | None, channels: int = 3) -> None:
-    """A stored image's declared size (header) against the meta's `size` (height, width), or against the image
-    limit where the meta gives none (orig.* members hold the source, at its own size)."""
+    """A stored image's declared size (header) against the meta's `size` (height, width) where it gives one (orig.*
+    members hold the source, at its own size), and against the image limit."""
     if size is not None and (height, width) != tuple(size):
         raise ValueError(f"{name} declares {width}x{height}, but the meta gives {size[1]}x{size[0]}")
     if width * height * channels > LIMITS.image_bytes:
@@ -49,13 +49,14 @@ def decode_stored_image(
     name: str, data: bytes, size: tuple[int, int] | None = None, prefix: bytes | None = None
 ) -> np.ndarray:
     """A stored image member -> uint8 H x W x 3 (`orig.*`: the source pixels, not yet resized). `size`: the
-    (height, width) the meta gives it; its own declared size (the zstd frame's content size and .npy header, the
-    image header) is checked against it, or against the image limit, before anything is decompressed or
-    allocated. prefix: as zstd_payload's. Never unpickles; ValueError / OSError / zstandard.ZstdError on any fault."""
+    (height, width) the meta gives it (`orig.*`: the source's, None where the meta has none); its own declared size
+    (the zstd frame's content size and .npy header, the image header) is checked against it, and against the image
+    limit, before anything is decompressed or allocated. prefix: as zstd_payload's. Never unpickles; ValueError /
+    OSError / zstandard.ZstdError on any fault."""
     if name.endswith(ZSTD_IMAGE):
         return pixels_of_payload(name, zstd_payload(name, data, size, prefix), size)
     with Image.open(io.BytesIO(data)) as im:  # reads the header only
-        _check_pixels(name, *im.size, None if ".orig." in name else size, 4)
+        _check_pixels(name, *im.size, size, 4)
         if ".orig." in name:  # the source (or a normalized PNG of it) with alpha/palette: the processor's own
             from transformers.image_transforms import convert_to_rgb  # RGB conversion, alpha onto white
 

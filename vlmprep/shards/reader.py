@@ -113,8 +113,9 @@ class StoredSample:
         return out
 
     def stored_sizes(self) -> dict[str, tuple[int, int] | None]:
-        """Each image and frame member's (height, width) as the meta gives it (None for `orig.*`: the source, at its
-        own size), checked before anything is decoded: every occurrence of a member agrees, no image exceeds the
+        """Each image and frame member's (height, width) as the meta gives it (for `orig.*`, the source's own size:
+        the meta's source_height x source_width, None in a build that did not record it), checked before anything is
+        decoded: every occurrence of a member agrees, no image exceeds the
         image limit and all of them together stay within the sample limit, and each is its grid row times one patch
         size (vlmprep_schemas.limits.check_grid_sizes: a reader here has no processor to say which)."""
         meta, out = self.meta(), {}
@@ -145,7 +146,10 @@ class StoredSample:
                 )
         except ValueError as e:
             raise self._fail(str(e)) from None
-        return {n: None if ".orig." in n else size for n, size in out.items()}
+        source = {
+            im["member"]: (im["source_height"], im["source_width"]) for im in meta["images"] if "source_width" in im
+        }
+        return {n: source.get(n) if ".orig." in n else size for n, size in out.items()}
 
     def decode(self, name: str, size: tuple[int, int] | None, data: bytes | None = None) -> np.ndarray:
         """One image or frame member (its bytes `data` when already read), its declared size checked against `size`
