@@ -146,7 +146,7 @@ def rss_child(n: int, workers: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _short_records_scaling(quick: bool) -> list[dict]:
+def short_records_scaling(quick: bool) -> list[dict]:
     """--workers 2 against 1 on short records (the demo's 6 chats, 96 times: 576 records of 1-2 small JPEGs), start-up
     measured on one record and taken out as above: what stays serial shows most where each record is little work."""
     recs = vqa_demo(1 if quick else 96)
@@ -244,7 +244,7 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
             goal=1.8,
         )
     )
-    rows += _short_records_scaling(quick)
+    rows += short_records_scaling(quick)
 
     fmt_n = 6 if quick else 30
     fmt_inp = traces(fmt_n, width=size[0], height=size[1], max_images=4 if quick else 25)

@@ -67,9 +67,9 @@ def _spec(ds: Path, name: str):
     return image, collate_spec_of(net, RunData((), [], [], image, "", processor), processor)
 
 
-def loader_pass(ds: Path, name: str, pixels: bool) -> tuple[float, int]:
-    """One pass of the trainer's data path (micro-batch 1, in this process): seconds, samples. pixels=False: the
-    floor, samples read and decoded, no pixel inputs made."""
+def loader_pass(ds: Path, name: str, pixels: bool, clock=time.perf_counter) -> tuple[float, int]:
+    """One pass of the trainer's data path (micro-batch 1, in this process): seconds (of `clock`), samples.
+    pixels=False: the floor, samples read and decoded, no pixel inputs made."""
     from trainer.data.collate import collate
     from trainer.data.sources import resolve_data
     from trainer.data.streams import RankStream
@@ -78,7 +78,7 @@ def loader_pass(ds: Path, name: str, pixels: bool) -> tuple[float, int]:
     image, cspec = _spec(ds, name)
     patchify = Patchifier(image, "cpu") if cspec.host is None else None
     shards = list(resolve_data(str(ds)).shards)
-    t0 = time.perf_counter()
+    t0 = clock()
     n = 0
     for sample in RankStream(shards, start=0, spec=image):
         n += 1
@@ -87,7 +87,7 @@ def loader_pass(ds: Path, name: str, pixels: bool) -> tuple[float, int]:
         batch = collate([sample], cspec)
         if patchify is not None:
             patchify(batch.images, batch.image_index)
-    return time.perf_counter() - t0, n
+    return clock() - t0, n
 
 
 def online_pass(lines: list[dict], processor_dir: Path) -> tuple[float, int]:

@@ -4,7 +4,8 @@ stages (the record path's stages, each beside its floor) -> startup (worker read
 workers) -> limits (floors, incl. tar read speed of a real shard) -> codec (stored image bytes vs source and one
 core's decode rate, per image format) -> loader (vs online, as a multiple of the floor; integrity: the start-up
 sha256 check vs a loader pass) -> families (the loader of each family vs its processor's online path, and the
-floor) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) ->
+floor) -> photos (the default per-image storage on photos: bytes, build CPU), photo_loader (the loader per family on
+photos) -> collate -> clients (peak RSS of HF Trainer through the Collator vs the trainer) ->
 balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); traces (what dropped images cost,
 agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and
 shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
@@ -30,6 +31,7 @@ from benchmarks import (
     bench_loader,
     bench_order,
     bench_pack,
+    bench_photos,
     bench_scale,
     bench_stages,
     bench_startup,
@@ -49,6 +51,8 @@ BENCHES = (
     "codec",
     "loader",
     "families",
+    "photos",
+    "photo_loader",
     "collate",
     "clients",
     "balance",
@@ -97,6 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         bench_loader.run(a.quick, a.records, floors)
     if "families" in only:
         bench_families.run(a.quick)
+    if "photos" in only:
+        bench_photos.run(a.quick)
+    if "photo_loader" in only:
+        bench_photos.run_loader(a.quick)
     if "collate" in only:
         bench_collate.run(a.quick)
     if "clients" in only:

@@ -103,6 +103,17 @@ REQUIRED = {
     ("append", "append"): {"records", "base_samples", "seconds", "vs_alone", "goal", "within_goal"},
     ("append", "size_independence"): {"base_samples", "ratio", "goal", "within_goal"},
     ("video", "peak_rss"): {"family", "workers", "main_rss_mb", "worker_rss_mb", "goal_mb"},
+    ("photos", "image_bytes_vs_source"): {"input", "image_format", "by_storage", "ratio"},
+    ("photos", "build_cpu_per_record"): {"ms_per_record", "ratio", "goal_ratio"},
+    ("photos", "loader"): {
+        "shape",
+        "family",
+        "storage",
+        "loader_samples_per_s",
+        "floor_samples_per_s",
+        "online_samples_per_s",
+        "covers_need",
+    },
     ("families", None): {
         "family",
         "pixels",
