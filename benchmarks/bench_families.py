@@ -33,25 +33,26 @@ def records(n: int, path: Path) -> list[dict]:
         buf = io.BytesIO()
         Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
         uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        out.append(
-            {
-                "id": f"q{k}",
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image_url", "image_url": {"url": uri}},
-                            {"type": "text", "text": f"What is in picture {k}?"},
-                        ],
-                    },
-                    {"role": "assistant", "content": "A red square and a green banner."},
-                    {"role": "user", "content": "And the page?"},
-                    {"role": "assistant", "content": f"The page shows {k % 7 + 2} search results."},
-                ],
-            }
-        )
+        out.append(vqa_record(f"q{k}", uri, k))
     path.write_text("".join(json.dumps(r) + "\n" for r in out))
     return out
+
+
+def vqa_record(rid: str, uri: str, k: int, *, turns: int = 2) -> dict:
+    """One VQA record: an image (a data URI) and a question about it, answered; turns=2: a second question/answer."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": f"What is in picture {k}?"},
+            ],
+        },
+        {"role": "assistant", "content": "A red square and a green banner."},
+        {"role": "user", "content": "And the page?"},
+        {"role": "assistant", "content": f"The page shows {k % 7 + 2} search results."},
+    ]
+    return {"id": rid, "messages": messages[: 2 * turns]}
 
 
 def _spec(ds: Path, name: str):

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_build import build_config, short_records_scaling
+from benchmarks.bench_families import vqa_record
 from benchmarks.emit import emit
 from benchmarks.inputs import OUT, jsonl_zst, vqa_demo
 
@@ -156,25 +157,10 @@ def photo_records(shape: str, n: int, root: Path) -> list[dict]:
         photos = [p.read_bytes() for p in demo] or _large_photos(1, root)
     else:
         photos = _large_photos(min(n, 4), root)
-    out = []
-    for k in range(n):
-        uri = "data:image/jpeg;base64," + base64.b64encode(photos[k % len(photos)]).decode()
-        out.append(
-            {
-                "id": f"p{k}",
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image_url", "image_url": {"url": uri}},
-                            {"type": "text", "text": f"What is in photo {k}?"},
-                        ],
-                    },
-                    {"role": "assistant", "content": f"A landmark and {k % 7 + 2} people in front of it."},
-                ],
-            }
-        )
-    return out
+    return [
+        vqa_record(f"p{k}", "data:image/jpeg;base64," + base64.b64encode(photos[k % len(photos)]).decode(), k, turns=1)
+        for k in range(n)
+    ]
 
 
 def _online(lines: list[dict], processor_dir: Path) -> tuple[float, str]:
