@@ -136,7 +136,7 @@ def records(tmp_path_factory):
     return _records(tmp_path_factory.mktemp("contract") / "all_sources.jsonl")
 
 
-@pytest.mark.parametrize("fmt", ["zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original"])
+@pytest.mark.parametrize("fmt", ["auto", "zstd-pdelta", "zstd-delta", "zstd", "png", "webp", "original"])
 def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, qwen2vl_processor):
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
@@ -154,9 +154,73 @@ def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, q
         t = trained[s.key]
         np.testing.assert_array_equal(t.input_ids, s.array("input_ids"))
         assert t.image_index == s.image_index().tolist()
-        if fmt != "original":  # original members hold the source; the trainer resizes it at load time
-            for k, pixels in enumerate(s.images()):
+        members = s.image_members()
+        for k, pixels in enumerate(s.images()):
+            if ".orig." not in members[k]:  # orig members hold the source; the trainer resizes it at load time
                 np.testing.assert_array_equal(np.asarray(t.images[t.image_index[k]]), pixels)
+    if fmt == "auto":  # the JPEGs kept as their bytes, the rest as pixels: the trainer's pixels are zstd-pdelta's
+        kinds = {m["member"].split(".", 1)[1] for s in iter_dataset(out) for m in s.meta()["images"]}
+        assert kinds == {"orig.jpg", "pdelta.zst"}, kinds
+        build(BuildConfig(inputs=(str(records),), out=str(tmp_path / "p"), image_format="zstd-pdelta", progress=False))
+        stored = _trainer_samples(tmp_path / "p")
+        for key, t in trained.items():
+            for a, b in zip(t.images, stored[key].images, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def _without_new_meta_fields(src: Path, dst: Path) -> Path:
+    """A copy of a v4 dataset as a build before per-image storage wrote it: no image entry has source_bytes or
+    sha256, the shards resealed (their sample index files dropped, as older builds had none)."""
+    import hashlib
+    import shutil
+    import tarfile
+
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        path = dst / entry["name"]
+        with tarfile.open(path) as tf:
+            members = [(m, tf.extractfile(m).read()) for m in tf]
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for m, data in members:
+                if m.name.endswith(".json"):
+                    meta = json.loads(data)
+                    for im in meta["images"]:
+                        im.pop("source_bytes", None), im.pop("sha256", None)
+                    data = json.dumps(meta, sort_keys=True).encode()
+                    m.size = len(data)
+                tf.addfile(m, io.BytesIO(data))
+        data = path.read_bytes()
+        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        if "index" in entry:
+            (dst / entry.pop("index")["name"]).unlink()
+    if "sample_index" in manifest:
+        (dst / manifest.pop("sample_index")["name"]).unlink()
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_a_v4_dataset_built_before_per_image_storage_still_reads(records, tmp_path, qwen2vl_processor):
+    """The meta's source_bytes and sha256 are additive within format 4: a dataset without them (a zstd-pdelta build
+    of before, and an `original` one) verifies, its stats show each storage's bytes without a ratio, and the trainer
+    reads the pixels it read before."""
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+    from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.verify import verify_dataset
+
+    for fmt in ("zstd-pdelta", "original"):
+        new = tmp_path / fmt
+        build(BuildConfig(inputs=(str(records),), out=str(new), image_format=fmt, progress=False))
+        old = _without_new_meta_fields(new, tmp_path / f"{fmt}-old")
+        assert verify_dataset(old) == []
+        storage = compute_stats(old)["image_storage"]
+        assert storage and all(c["source_bytes"] == 0 and c["unknown"] == c["images"] for c in storage.values())
+        a, b = _trainer_samples(new), _trainer_samples(old)
+        assert a.keys() == b.keys()
+        for key in a:
+            for x, y in zip(a[key].images, b[key].images, strict=True):
+                np.testing.assert_array_equal(x, y)
 
 
 def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):

@@ -381,3 +381,56 @@ def test_zero_samples_exits_non_zero_unless_allow_empty(tmp_path, loaded_once):
     assert "--allow-empty" in err and (tmp_path / "o" / "manifest.json").is_file()
     res = CliRunner().invoke(app, args + ["--allow-empty"])
     assert res.exit_code == 0 and "0 samples" in res.stdout
+
+
+def test_a_kept_photo_between_screenshots_ends_the_pdelta_chain_there(tmp_path, qwen2vl_processor):
+    """Three screenshots around a JPEG photo, all of one size, in one sample, stored the default way: the photo keeps its
+    bytes (img001.orig.jpg), the screenshot after it is compressed alone (its previous member is no .pdelta.zst:
+    no prefix) and the next one against it; the chain passes every reader's prefix check and every image decodes,
+    in the trainer, to the pixels a zstd-pdelta build of the same record holds."""
+    from tests.trainer.conftest import read_all_samples
+    from tests.vlmprep.test_images import photo, save
+    from trainer.data.datasets import load_image_spec
+    from trainer.options import DataOptions
+    from vlmprep.shards.reader import iter_dataset
+    from vlmprep.tools.verify import verify_dataset
+    from vlmprep_schemas.delta import pdelta_prefixes
+
+    screen = np.zeros((200, 320, 3), np.uint8)
+    screen[:, :160] = (230, 230, 240)
+    shots = []
+    for k in range(3):
+        shot = screen.copy()
+        shot[40 + 20 * k : 60 + 20 * k, 100:140] = (10, 10, 200)  # a cursor that moves
+        shots.append(save(Image.fromarray(shot)))
+    sources = [(shots[0], "png"), (save(photo(320, 200), "JPEG", quality=90), "jpeg"), (shots[1], "png")]
+    sources.append((shots[2], "png"))
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"data:image/{kind};base64," + base64.b64encode(data).decode()}}
+        for data, kind in sources
+    ]
+    record = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Four views."}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(record) + "\n")
+    build(cfg([tmp_path / "r.jsonl"], tmp_path / "auto"))
+    build(cfg([tmp_path / "r.jsonl"], tmp_path / "pdelta", image_format="zstd-pdelta"))
+    [s] = iter_dataset(tmp_path / "auto")
+    images = s.meta()["images"]
+    assert [im["member"] for im in images] == [
+        "img000.pdelta.zst",
+        "img001.orig.jpg",
+        "img002.pdelta.zst",
+        "img003.pdelta.zst",
+    ]
+    assert pdelta_prefixes(images, s.names) == {"img003.pdelta.zst": "img002.pdelta.zst"}
+    assert verify_dataset(tmp_path / "auto") == []
+    spec = load_image_spec(DataOptions.of(_train_config(tmp_path / "auto")), str(tmp_path / "auto" / "processor"))
+    [got], [want] = read_all_samples(tmp_path / "auto", spec), read_all_samples(tmp_path / "pdelta", spec)
+    assert len(got.images) == len(want.images) == 4
+    for a, b in zip(got.images, want.images):
+        np.testing.assert_array_equal(a, b)
+
+
+def _train_config(ds):
+    from trainer.config import TrainConfig
+
+    return TrainConfig(data=str(ds), tiny_random="qwen2-vl")
