@@ -26,9 +26,11 @@ ROOT = OUT / "peers"
 TOOLS = ("vlmprep", "llamafactory", "ms-swift")
 # What each output still needs before a training step (read from the tools' own trainers: LLaMA-Factory's collator
 # runs the processor on the stored image paths; ms-swift's cached dataset keeps the raw row plus its length and
-# encodes it again in its LazyLLMDataset; vlmprep's loader decompresses the stored resized pixels and patchifies).
+# encodes it again in its LazyLLMDataset; vlmprep's loader decompresses the stored resized pixels, or decodes and
+# resizes the photos the default stores as their bytes, and patchifies).
 TRAIN_TIME = {
-    "vlmprep": "no tokenizing, no image decode or resize: zstd-decompress the resized pixels, normalize + patchify",
+    "vlmprep": "no tokenizing; zstd-decompress the stored resized pixels (screenshots), or decode and resize the "
+    "photos kept as their JPEG bytes; normalize + patchify",
     "llamafactory": "no tokenizing; every image decoded, resized and normalized again by the processor "
     "(the output stores image paths: the source images must ship with it)",
     "ms-swift": "everything again: template + tokenizing and image decode + resize + normalize "
