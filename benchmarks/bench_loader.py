@@ -245,10 +245,11 @@ def as_format_v1(src: Path, dst: Path) -> Path:
     return as_format(src, dst, 1)
 
 
-def as_format(src: Path, dst: Path, version: int) -> Path:
+def as_format(src: Path, dst: Path, version: int, edit_meta=None) -> Path:
     """A copy of an image-only dataset as a build of format `version` wrote it: without the members later versions
     added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy; v4 changed no member a zstd-delta
-    build writes) and without the sample index files (later builds added them)."""
+    build writes) and without the sample index files (later builds added them); `edit_meta`: each sample's meta
+    made into what that build wrote (meta -> meta)."""
     import hashlib
     import shutil
     import tarfile
@@ -262,6 +263,9 @@ def as_format(src: Path, dst: Path, version: int) -> Path:
             members = [(m, tf.extractfile(m).read()) for m in tf if not m.name.endswith(_LATER_MEMBERS[version])]
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
             for m, data in members:
+                if edit_meta is not None and m.name.endswith(".json"):
+                    data = json.dumps(edit_meta(json.loads(data)), sort_keys=True).encode()
+                    m.size = len(data)
                 tf.addfile(m, io.BytesIO(data))
         data = path.read_bytes()
         s.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
@@ -275,7 +279,7 @@ def as_format(src: Path, dst: Path, version: int) -> Path:
 
 
 _V3 = (".video_grid_thw.npy", ".second_per_grid_ts.npy")
-_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3, 3: ()}
+_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3, 3: (), 4: ()}
 
 
 def format_version_row(ds: Path) -> dict:

@@ -170,34 +170,15 @@ def test_everything_vlmprep_writes_the_trainer_accepts(fmt, records, tmp_path, q
 
 def _without_new_meta_fields(src: Path, dst: Path) -> Path:
     """A copy of a v4 dataset as a build before per-image storage wrote it: no image entry has source_bytes or
-    sha256, the shards resealed (their sample index files dropped, as older builds had none)."""
-    import hashlib
-    import shutil
-    import tarfile
+    sha256 (the shards resealed, their sample index files dropped)."""
+    from benchmarks.bench_loader import as_format
 
-    shutil.copytree(src, dst)
-    manifest = json.loads((dst / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        path = dst / entry["name"]
-        with tarfile.open(path) as tf:
-            members = [(m, tf.extractfile(m).read()) for m in tf]
-        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
-            for m, data in members:
-                if m.name.endswith(".json"):
-                    meta = json.loads(data)
-                    for im in meta["images"]:
-                        im.pop("source_bytes", None), im.pop("sha256", None)
-                    data = json.dumps(meta, sort_keys=True).encode()
-                    m.size = len(data)
-                tf.addfile(m, io.BytesIO(data))
-        data = path.read_bytes()
-        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-        if "index" in entry:
-            (dst / entry.pop("index")["name"]).unlink()
-    if "sample_index" in manifest:
-        (dst / manifest.pop("sample_index")["name"]).unlink()
-    (dst / "manifest.json").write_text(json.dumps(manifest))
-    return dst
+    def strip(meta: dict) -> dict:
+        for im in meta["images"]:
+            im.pop("source_bytes", None), im.pop("sha256", None)
+        return meta
+
+    return as_format(src, dst, 4, edit_meta=strip)
 
 
 def test_a_v4_dataset_built_before_per_image_storage_still_reads(records, tmp_path, qwen2vl_processor):
