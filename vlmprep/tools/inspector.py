@@ -22,7 +22,8 @@ from vlmprep.shards.manifest import (
     shard_paths,
     shard_present,
 )
-from vlmprep.shards.reader import StaleIndex, iter_rejects, iter_shard, load_sample_index, sample_at
+from vlmprep.shards.reader import StaleIndex, iter_shard, load_sample_index, sample_at
+from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sample_from_stored
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import SampleView, TokenizerView, reject_line, view_sample

@@ -17,7 +17,8 @@ from vlmprep.locations import as_input
 from vlmprep.records import input_names
 from vlmprep.shards.format import storage_of
 from vlmprep.shards.manifest import Manifest, dataset_path, open_dataset, shard_paths
-from vlmprep.shards.reader import iter_rejects, iter_shard
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.summary import (
     REJECT_FIXES,
     coverage_problem,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vlmprep.shards.dataset import REJECTS_NAME, write_bytes_atomic
 from vlmprep.shards.manifest import dataset_path
-from vlmprep.shards.reader import iter_rejects
+from vlmprep.shards.rejects_file import iter_rejects
 
 REJECT_COLUMNS = ("id", "source_file", "source_line", "reason", "message", "unread_bytes")
 

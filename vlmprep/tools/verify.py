@@ -6,7 +6,6 @@ grid size). Reads through shards/reader.py: refused members are reported, never 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from vlmprep.shards.manifest import Manifest, ShardEntry, ShardFormatError, open
 from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
 from vlmprep.shards.versions import manifest_number, shard_version
 from vlmprep.tools.per_shard import map_shards
+from vlmprep.tools.verify_sources import source_problems
 from vlmprep_schemas import NAMES, load
 from vlmprep_schemas.boundary import UnsafeDataset
 from vlmprep_schemas.limits import grid_problem
@@ -310,7 +310,7 @@ class _SampleCheck:
         unused = sorted(set(n for n in s.names if n.startswith("img")) - set(members))
         if unused:
             out.append(Violation(where, f"image member(s) {unused} belong to no occurrence"))
-        corrupt = _source_checks(s, meta)
+        corrupt = source_problems(s, meta)
         out.extend(Violation(where, what) for what in corrupt.values())
         if self.family is not None and self.family.grid_images and grid.shape[1:] == (3,):
             out.extend(self._grid_checks(where, s, meta, grid, mm, [m for m in members if m not in corrupt]))
@@ -385,33 +385,6 @@ class _SampleCheck:
             except ShardFormatError as e:
                 found.update({k: f"image {k}: undecodable ({str(e).split(': ', 2)[-1]})" for k in occurrences[name]})
         return out + [Violation(where, found[k]) for k in sorted(found)]
-
-
-def _source_checks(s: StoredSample, meta: dict) -> dict[str, str]:
-    """Each source stored as it is (an `orig.*` member) whose meta gives its sha256: its bytes hash to it, else
-    {member: the one-line fault} (a corrupt or replaced source, never decoded)."""
-    want: dict[str, set[str]] = {}
-    for im in meta["images"]:
-        if "sha256" in im:
-            want.setdefault(im["member"], set()).add(im["sha256"])
-    out = {}
-    for name, digests in sorted(want.items()):
-        if ".orig." not in name or len(digests) > 1:
-            out[name] = (
-                f"{name}: the meta gives it sha256 {' and '.join(sorted(digests))} (only one, of an orig.* member)"
-            )
-            continue
-        try:
-            got = hashlib.sha256(s.read(name)).hexdigest()
-        except ShardFormatError as e:
-            out[name] = str(e).split(": ", 2)[-1]
-            continue
-        if got != next(iter(digests)):
-            out[name] = (
-                f"{name}: its bytes' sha256 {got[:16]}... is not the meta's {next(iter(digests))[:16]}...: "
-                "a corrupt or replaced source image"
-            )
-    return out
 
 
 def _verify_shard(

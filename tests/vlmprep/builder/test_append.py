@@ -20,7 +20,8 @@ from vlmprep.builder.pipeline import build, build_task, merge
 from vlmprep.cli import app
 from vlmprep.config import BuildConfig
 from vlmprep.shards.manifest import open_dataset, shard_paths
-from vlmprep.shards.reader import iter_rejects, iter_shard
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.versions import CommitConflict, commit_record
 from vlmprep.tools.stats import compute_stats
 from vlmprep.tools.verify import verify_dataset
