@@ -38,6 +38,7 @@ from vlmprep.shards.versions import (
     commit_record,
     highest_version,
     id_digest,
+    id_keys,
     ids_bytes,
     index_file,
     load_ids,
@@ -139,13 +140,13 @@ def local_parent(out: Path, say: Callable[[str], None]) -> Parent:
 
 
 def _shard_ids(out: Path, record: Manifest):
-    """The id digests of the samples a version added (read from its shards' metas)."""
+    """The id digests of the samples a version added (their id_keys, read from its shards' metas)."""
     added = (record.version or {}).get("added", {}).get("shards")
     names = set(added) if added is not None else None
     for s in record.shards:
         if names is None or s.name in names:
             for sample in iter_shard(dataset_path(out, s.name), version=record.format_version):
-                yield id_digest(str(sample.meta()["id"]))
+                yield from map(id_digest, id_keys(sample.meta()))
 
 
 def check_options(cfg: BuildConfig, parent: Parent, out) -> None:
@@ -247,21 +248,23 @@ def built_parent(out: Path, plan: Plan) -> Manifest:
 
 
 def earlier_ids(out: Path, plan: Plan) -> list[np.ndarray]:
-    """The id arrays of every version before the one `plan` builds ([] for a whole build): their total must be the
-    parent's sample count, so an id file cut short or of another dataset is refused, naming the fix."""
+    """The id arrays of every version before the one `plan` builds ([] for a whole build). Each sample holds one
+    digest and a split record one more (shards/versions.id_keys), so their total is between the parent's sample
+    count and twice it (exactly it in id files written before record ids were kept): an id file cut short or of
+    another dataset is refused, naming the fix."""
     if plan.append is None:
         return []
     parent = built_parent(out, plan)
-    ids = []
+    want, ids = int(parent.totals["samples"]), []
     for k in range(1, plan.append.parent + 1):
         try:
-            ids.append(load_ids(out, k, int(parent.totals["samples"])))
+            ids.append(load_ids(out, k, 2 * want))
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{out / ids_name(k)} is missing; run the `build --append` command again: it derives it"
             ) from None
-    total, want = sum(map(len, ids)), int(parent.totals["samples"])
-    if total != want:
+    total = sum(map(len, ids))
+    if not want <= total <= 2 * want:
         raise ShardFormatError(
             f"{out}: the id files of versions 1..{plan.append.parent} hold {total} ids, but the dataset has {want} "
             f"samples; remove {out / 'versions'}/*.ids and run the `build --append` command again to derive them"

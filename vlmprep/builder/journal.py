@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from vlmprep.shards.dataset import sha256_file, write_json_atomic
+from vlmprep.shards.versions import id_keys
 from vlmprep_schemas.boundary import UnsafeWrite, open_no_follow, read_state
 
 DONE = 1 << 62  # the resume point once every record of the task landed: the rerun goes straight to its manifest
@@ -93,8 +94,8 @@ def save_journal(path: Path, journal: Journal) -> None:
 
 
 def landed_ids(rows: Path) -> set[str]:
-    """Ids already written (the duplicate-id check must survive a resume): the task's sample rows, one per landed
-    sample, which a resume has cut back to the journal's durable point. Not the shards: in a store's stage they
-    leave once up."""
+    """Ids already written, each sample's id_keys (the duplicate-id check must survive a resume): the task's sample
+    rows, one per landed sample, which a resume has cut back to the journal's durable point. Not the shards: in a
+    store's stage they leave once up."""
     with open_no_follow(rows, "rb") as f:
-        return {json.loads(line)["id"] for line in f}
+        return {key for line in f for key in id_keys(json.loads(line))}

@@ -56,7 +56,15 @@ from vlmprep.shards.manifest import (
     load_task_manifest,
 )
 from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.versions import id_digest, ids_bytes, rejects_file, seen_before, shard_version, versions_dir
+from vlmprep.shards.versions import (
+    id_digest,
+    id_keys,
+    ids_bytes,
+    rejects_file,
+    seen_before,
+    shard_version,
+    versions_dir,
+)
 from vlmprep.shards.writer import ShardWriter
 from vlmprep.types import ShardSample
 from vlmprep_schemas.boundary import read_state, state_dir
@@ -301,13 +309,13 @@ def _repeated_ids(
         read_state(TaskFiles(out, i, shard_prefix(plan, i)).samples, LIST_BYTES).decode("utf-8").splitlines()
         for i in range(len(manifests))
     ]
-    new = [id_digest(json.loads(line)["id"]) for lines in task_lines for line in lines] if earlier else []
+    new = [id_digest(k) for lines in task_lines for line in lines for k in id_keys(json.loads(line))] if earlier else []
     before = seen_before(earlier, new)
     for lines in task_lines:
         dups = []
         for record in _records(lines):
-            # bounded memory per id
-            keys = [id_digest(s["id"]) for s in record]
+            # bounded memory per id; a record's own id and its samples' (id_keys), so a split `a` meets a whole `a`
+            keys = [id_digest(k) for s in record for k in id_keys(s)]
             if any(k in seen or k in before for k in keys):
                 dups.append(record)
             else:

@@ -25,7 +25,7 @@ from vlmprep.builder.workers import BuildError
 from vlmprep.shards.dataset import MANIFEST_NAME, PLAN_NAME
 from vlmprep.shards.manifest import ShardFormatError
 from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.versions import id_digest, ids_bytes, parse_record
+from vlmprep.shards.versions import id_digest, id_keys, ids_bytes, parse_record
 from vlmprep.types import UserError
 from vlmprep_schemas.limits import LIMITS, load_json
 from vlmprep_schemas.versions import VERSIONS_DIR, ids_name, record_number, version_name
@@ -118,7 +118,8 @@ def _stored_ids(bucket: Bucket, have: dict[str, int], record):
             if added is None or s.name in added:
                 local = Path(tmp) / s.name
                 bucket.get(s.name, local, s.bytes)
-                yield from (id_digest(str(x.meta()["id"])) for x in iter_shard(local, version=record.format_version))
+                for x in iter_shard(local, version=record.format_version):
+                    yield from map(id_digest, id_keys(x.meta()))
                 local.unlink()
 
 

@@ -40,6 +40,7 @@ from vlmprep.records import ReadLimits
 from vlmprep.shards.dataset import TASKS_DIR, TMP_SUFFIX, TaskFiles, task_file, write_json_atomic
 from vlmprep.shards.format import index_name
 from vlmprep.shards.manifest import TaskManifest, load_task_manifest
+from vlmprep.shards.versions import id_keys
 from vlmprep.shards.writer import ShardInfo, ShardWriter
 from vlmprep.types import RawRecord
 from vlmprep_schemas.boundary import open_no_follow, state_dir
@@ -118,14 +119,15 @@ class _TaskState:
         True when a shard closed inside it."""
         completed = False
         landed = [payload.meta for status, payload in outcomes if status == "ok"]
-        if any(meta["id"] in self.seen_ids for meta in landed):
-            # A record whose id an earlier record used is rejected once, whole: none of its samples land, its
-            # other rejects (lost turns) are not written, and its turns count as lost with it.
+        if any(key in self.seen_ids for meta in landed for key in id_keys(meta)):
+            # A record whose id an earlier record used (split into step samples or not: id_keys) is rejected once,
+            # whole: none of its samples land, its other rejects (lost turns) are not written, and its turns count
+            # as lost with it.
             outcomes, turns = [("reject", duplicate_reject(landed[0]))], duplicate_turns(turns)
         counts = collections.Counter(records=1, **turns)
         for status, payload in outcomes:
             if status == "ok":
-                self.seen_ids.add(payload.meta["id"])
+                self.seen_ids.update(id_keys(payload.meta))
                 count_sample(counts, payload.meta)
                 row = {
                     "shard": self.writer.shard_name,

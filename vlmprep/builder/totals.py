@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 
+from vlmprep.shards.versions import record_id
+
 TOTAL_KEYS = (
     "records",
     "samples",
@@ -89,11 +91,6 @@ def input_totals(counts) -> dict:
     """One input file's share of the totals: the same keys, those that are 0 left out (a build may read thousands of
     files; the manifest lists each)."""
     return {k: int(counts[k]) for k in TOTAL_KEYS if counts[k]}
-
-
-def record_id(meta: dict) -> str:
-    """The id of the record a landed sample came from (a split sample's id is `<id>#<S>`)."""
-    return meta["id"] if meta.get("split") is None else meta["id"].rsplit("#", 1)[0]
 
 
 def duplicate_reject(meta: dict) -> dict:

@@ -62,8 +62,22 @@ def shard_version(name: str) -> int:
 
 
 def id_digest(sample_id: str) -> bytes:
-    """The 16-byte blake2b of a sample id, as merge's repeated-id check keeps it."""
+    """The 16-byte blake2b of an id (a sample's or a record's), as the repeated-id checks keep it."""
     return hashlib.blake2b(sample_id.encode("utf-8"), digest_size=ID_BYTES).digest()
+
+
+def record_id(meta: dict) -> str:
+    """The id of the record a landed sample came from (a split sample's id is `<id>#<S>`)."""
+    return str(meta["id"]) if meta.get("split") is None else str(meta["id"]).rsplit("#", 1)[0]
+
+
+def id_keys(meta: dict) -> tuple[str, ...]:
+    """What a landed sample (its meta, or its row in a task's sample list) claims of the id space: its own id and,
+    for a step sample of a split record, its record's. A record is a duplicate where any key of any of its samples
+    was claimed before, so `a` split into a#0, a#1 and a whole record `a` (either first) are one id, and sample ids
+    stay unique. A version's id file holds the digests of its samples' keys."""
+    own = str(meta["id"])
+    return (own,) if meta.get("split") is None else (own, record_id(meta))
 
 
 def highest_version(d: Path) -> int | None:
@@ -179,14 +193,14 @@ def _conflict(d, n: int) -> str:
 
 
 def ids_bytes(digests: Iterable[bytes]) -> bytes:
-    """A version's id file: its samples' id digests, sorted and unique, back to back."""
+    """A version's id file: the digests of its samples' id_keys, sorted and unique, back to back."""
     return b"".join(sorted(set(digests)))
 
 
 def load_ids(d: Path, n: int, most: int) -> np.ndarray:
-    """Version `n`'s id file as a sorted array of 16-byte strings, at most `most` ids read (its dataset's sample
-    count): one that is longer, not whole digests or not sorted is refused, naming it. FileNotFoundError where
-    absent."""
+    """Version `n`'s id file as a sorted array of 16-byte strings, at most `most` ids read (twice its dataset's
+    sample count: a split record adds its own id): one that is longer, not whole digests or not sorted is refused,
+    naming it. FileNotFoundError where absent."""
     path = Path(d) / ids_name(n)
     try:
         data = local_reader(str(d))(ids_name(n), most * ID_BYTES)

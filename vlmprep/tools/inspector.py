@@ -24,6 +24,7 @@ from vlmprep.shards.manifest import (
 )
 from vlmprep.shards.reader import StaleIndex, iter_shard, load_sample_index, sample_at
 from vlmprep.shards.rejects_file import iter_rejects
+from vlmprep.shards.versions import id_keys, record_id
 from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sample_from_stored
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import SampleView, TokenizerView, reject_line, view_sample
@@ -225,8 +226,9 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
             rejects = [renderer.lost_turn_entry(raw, i) for i in renderer.lost]
         # Build rejects a record whose id an earlier one used, once and whole; seen only among records rendered
         # here, so exact for a full scan.
-        if any(sample.id in seen_ids for sample in samples):
-            rid = samples[0].id if samples[0].split is None else samples[0].id.rsplit("#", 1)[0]
+        keys = {k for sample in samples for k in id_keys({"id": sample.id, "split": sample.split})}
+        if keys & seen_ids:  # a split `a` and a whole `a` are one id, as build has it
+            rid = record_id({"id": samples[0].id, "split": samples[0].split})
             samples, rejects = (
                 [],
                 [
@@ -237,7 +239,7 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
                     }
                 ],
             )
-        seen_ids.update(sample.id for sample in samples)
+        seen_ids.update(keys if samples else ())
         for sample in samples:
             if cfg.id is not None and sample.id != cfg.id and sample.id.rsplit("#", 1)[0] != cfg.id:
                 continue
