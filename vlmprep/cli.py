@@ -141,11 +141,16 @@ def _config_values(opts: dict, names) -> dict:
 
 @app.command()
 @_with_options([name for name, f in FIELDS.items() if f.metadata["group"]])
-def build(**opts) -> None:
+def build(ctx: typer.Context, **opts) -> None:
     """Render, mask, truncate and write chat traces as WebDataset shards."""
     out, inputs, task_index = opts["out"], opts["inputs"], opts["task_index"]
     show_progress = opts["progress"] and sys.stderr.isatty()
     try:
+        values = _config_values(opts, FIELDS.keys() & opts.keys())
+        if opts["append"] and inputs:  # the sample options not given are the dataset's own
+            from vlmprep.builder.append import inherit_options
+
+            values = inherit_options(values, str(out), given=_given(ctx, values))
         if inputs:  # before the heavy imports (torch, transformers): the first second says what is happening
             from vlmprep.locations import size_of
             from vlmprep.records import expand_inputs
@@ -154,7 +159,7 @@ def build(**opts) -> None:
             size = sum(map(size_of, files))
             _echo(
                 f"vlmprep build: reading {plural(len(files), 'input file')} ({size / 1e6:.1f} MB) with "
-                f"{opts['processor']} into {out} ...",
+                f"{values['processor']} into {out} ...",
                 err=True,
             )
         from vlmprep.builder.pipeline import build as run_build
@@ -171,7 +176,6 @@ def build(**opts) -> None:
             result = build_task(out, task_index, workers=opts["workers"], progress=show_progress)
             _echo(format_task_summary(result.task, out), lines=True)
             return
-        values = _config_values(opts, FIELDS.keys() & opts.keys())
         result = run_build(
             BuildConfig(**{**values, "inputs": tuple(inputs), "out": str(out), "progress": show_progress})
         )
@@ -192,6 +196,13 @@ def build(**opts) -> None:
         _echo(format_task_summary(result.task, out), lines=True)
     else:
         _echo(format_plan_summary(result.plan, out), lines=True)
+
+
+def _given(ctx: typer.Context, names) -> set[str]:
+    """The options of `names` given on the command line (or by an environment variable), not left at a default."""
+    return {
+        n for n in names if getattr(ctx.get_parameter_source(n), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+    }
 
 
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).

@@ -191,8 +191,8 @@ class BuildConfig:
         False,
         OUTPUT,
         "Add the --in inputs to the dataset in --out as its next version (DIR/versions/vN.json; manifest.json "
-        "names the latest): only they are built, with the dataset's processor and options (those marked per "
-        "version may differ); an id already in the dataset is a duplicate_id reject.",
+        "names the latest): only they are built, with the dataset's processor and options (not given: taken from "
+        "it; given: must equal it, unless marked per version); an id already in it is a duplicate_id reject.",
     )
     # Scale out (docs/scale-out.md): the input cut into `tasks` fixed tasks (plan.json), run by an executor or one
     # at a time with task_index (a Slurm array / indexed job), then merged.

@@ -172,6 +172,56 @@ def check_options(cfg: BuildConfig, parent: Parent, out) -> None:
         )
 
 
+# Sample options an append does not take from the dataset when they are not given: what the build may read (a file
+# the dataset names, remote URLs). They must still equal the dataset's: check_options names them.
+NOT_INHERITED = frozenset(("role_boundaries", "allow_remote"))
+
+
+def inherit_options(values: dict, out: str, given) -> dict:
+    """`build --append` on the command line: each sample-defining option (not per version) the user did not give
+    (`given`: the option names they did) takes the value the dataset in `out` was built with, so an append need not
+    repeat them; one they gave is kept and check_options judges it. Not taken: NOT_INHERITED and a chat template
+    that is a file rather than a bundled name (vlmprep reads no file a dataset names for it). The library's
+    BuildConfig is whole as given: no option is inherited there."""
+    from vlmprep.processors.load import bundled_templates
+
+    config = dataset_config(out)
+    out_values = dict(values)
+    for k, v in config.items():
+        if k not in values or k in given or k in PER_VERSION or k in NOT_INHERITED:
+            continue
+        if k == "chat_template" and v is not None and v not in bundled_templates():
+            continue
+        out_values[k] = tuple(v) if isinstance(v, list) else v
+    return out_values
+
+
+def dataset_config(out: str) -> dict:
+    """The build options of the dataset in --out: its manifest.json's config (a local dir whose manifest.json a kill
+    left behind: its highest record's), bounded; {} where there is none to read (the append then refuses in its own
+    words)."""
+    from vlmprep.builder.store import Bucket, is_store
+    from vlmprep_schemas.limits import load_json
+
+    try:
+        if is_store(out):
+            bucket = Bucket(out)
+            size = bucket.sizes([MANIFEST_NAME]).get(MANIFEST_NAME, LIMITS.manifest_bytes + 1)
+            data = bucket.read(MANIFEST_NAME, size) if size <= LIMITS.manifest_bytes else None
+        elif Path(out).is_dir():
+            read, top = local_reader(str(out)), highest_version(Path(out))
+            data = read(MANIFEST_NAME, LIMITS.manifest_bytes)
+            if data is None and top is not None:
+                data = read(version_name(top), LIMITS.manifest_bytes)
+        else:
+            data = None
+        obj = load_json(data, f"{out}/{MANIFEST_NAME}", LIMITS.manifest_bytes) if data else None
+    except (UserError, ValueError, OSError):  # said again, in one line, where the append reads the dataset
+        return {}
+    config = obj.get("config") if isinstance(obj, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
 def check_processor(fingerprint: str, parent: Parent, spec: str, out) -> None:
     """The processor (with its chat template and pixel budget) renders as the dataset's saved one: same fingerprint."""
     if fingerprint != parent.manifest.processor.fingerprint:

@@ -18,7 +18,7 @@ from vlmprep.builder.checks import RejectsError
 from vlmprep.builder.owner import own_out
 from vlmprep.builder.pipeline import build, build_task, merge
 from vlmprep.cli import app
-from vlmprep.config import BuildConfig
+from vlmprep.config import PER_VERSION, BuildConfig
 from vlmprep.shards.manifest import open_dataset, shard_paths
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.rejects_file import iter_rejects
@@ -158,6 +158,47 @@ def test_an_option_that_changes_samples_is_refused_in_one_line(grown, batches, t
         lines = r.output.strip().splitlines()
         assert len(lines[-1:]) == 1 and f"{flag} {value} asked, but {out} was built with {there}" in lines[-1], r.output
     assert files_of(out) == before
+
+
+def test_an_append_takes_the_dataset_options_it_is_not_given(grown, batches, tmp_path):
+    """`build --append --in NEW --out DIR` alone: every sample option not given is the dataset's own (processor, chat
+    template, --seq-len ...); one given that differs is still refused, naming it; one given equal passes."""
+    out = tmp_path / "ds"
+    shutil.copytree(grown[0], out)
+    before = files_of(out)
+    r = invoke("build", "--append", "--in", one_record(tmp_path / "new.jsonl"), "--out", out, "--seq-len", "4096")
+    assert r.exit_code == 1 and "--seq-len 4096 asked, but" in r.output.strip().splitlines()[-1], r.output
+    assert files_of(out) == before
+    r = invoke("build", "--append", "--in", one_record(tmp_path / "new.jsonl"), "--out", out, "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "appended version v4" in r.output and "with tiny:qwen2-vl into" in r.output
+    config = json.loads((out / version_name(4)).read_text())["config"]
+    v3 = json.loads((out / version_name(3)).read_text())["config"]
+    assert {k: v for k, v in config.items() if k not in PER_VERSION} == {
+        k: v for k, v in v3.items() if k not in PER_VERSION
+    }
+    r = invoke("build", "--append", "--in", one_record(tmp_path / "b5.jsonl", "x5"), "--out", out, "--seq-len", "2048")
+    assert r.exit_code == 0 and "appended version v5" in r.output, r.output
+
+
+def test_what_an_append_does_not_inherit(tmp_path):
+    """A chat template given as a file, --role-boundaries and --allow-remote are not taken from the dataset (vlmprep
+    reads no file a dataset names, grants it no remote reads): left out, the append refuses naming them; a bundled
+    template and every other sample option are taken; per-version options and given ones are kept."""
+    from vlmprep.builder.append import inherit_options
+
+    (tmp_path / "ds").mkdir()
+    config = dict(chat_template="/tmp/t.jinja", role_boundaries="/tmp/r.json", allow_remote=True, seq_len=999)
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps({"config": {**config, "workers": 7, "max_pixels": 5}}))
+    values = dict(chat_template=None, role_boundaries=None, allow_remote=False, seq_len=8, workers=1, max_pixels=6)
+    got = inherit_options(values, str(tmp_path / "ds"), given={"max_pixels"})
+    assert got == {**values, "seq_len": 999}
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps({"config": {"chat_template": "qwen2_vl_tools"}}))
+    assert inherit_options(values, str(tmp_path / "ds"), given=set())["chat_template"] == "qwen2_vl_tools"
+    for bad in (b"[1]", b"{", b"x" * 10):  # not a manifest: nothing taken (the append then says why in one line)
+        (tmp_path / "ds" / "manifest.json").write_bytes(bad)
+        assert inherit_options(values, str(tmp_path / "ds"), given=set()) == values
+    assert inherit_options(values, str(tmp_path / "nothing"), given=set()) == values
 
 
 def test_duplicate_ids_of_earlier_versions_are_rejects_of_the_new_version(grown, batches, tmp_path):
