@@ -43,10 +43,10 @@ def _fail(e: BaseException) -> None:
     raise typer.Exit(1)
 
 
-def _local_dir(value: str, command: str, shards: list[str] | None = None) -> tuple[Path, str]:
+def _local_dir(value: str, command: str, shards: list[str] | None = None, since: str | None = None) -> tuple[Path, str]:
     """verify, stats and inspect read a local dir: a dataset URL is copied into the cache first (shards/remote.py;
-    `shards`: only these of its shards) and the copy read. -> (the dir to read, what to call it: the URL for a copy).
-    A URL as a Path (`http:/host/...`) would be called missing."""
+    `shards`: only these of its shards; `since`: that version's record too) and the copy read. -> (the dir to read,
+    what to call it: the URL for a copy). A URL as a Path (`http:/host/...`) would be called missing."""
     from vlmprep.shards.remote import fetch_dataset, is_dataset_url
 
     if not is_dataset_url(value):
@@ -60,6 +60,7 @@ def _local_dir(value: str, command: str, shards: list[str] | None = None) -> tup
                 shards=shards,
                 on_file=progress,
                 say=lambda line: _echo(f"vlmprep {command}: {line}", err=True),
+                since=since,
             ), value
     except UserError as e:
         _fail(e)
@@ -347,14 +348,15 @@ def stats(
     samples: Annotated[
         Optional[str],
         typer.Option(
-            help="Also write one Parquet row per sample to this file (id, source, shard, tokens, trained tokens, "
-            "images, image tokens, truncated, split part): for pandas, DuckDB, Polars."
+            help="Also write one Parquet row per sample to this file (id, version, source, shard, tokens, trained "
+            "tokens, images, image tokens, truncated, split part): for pandas, DuckDB, Polars."
         ),
     ] = None,
     rejects: Annotated[
         Optional[str],
         typer.Option(
-            help="Also write one Parquet row per line of rejects.jsonl to this file (id, source, reason, message)."
+            help="Also write one Parquet row per reject line of the version (rejects.jsonl and each later "
+            "version's) to this file (id, version, source, reason, message)."
         ),
     ] = None,
     workers: Annotated[
@@ -363,6 +365,13 @@ def stats(
             min=1,
             show_default="the CPUs this process may use",
             help="Processes that read shards at once; the numbers are the same for any value.",
+        ),
+    ] = None,
+    since: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Only what the versions after this one (vM or a tag) added: their inputs, samples and rejects "
+            "(--samples and --rejects tables too)."
         ),
     ] = None,
 ) -> None:
@@ -377,14 +386,14 @@ def stats(
     from vlmprep.tools.stats import compute_stats
     from vlmprep.tools.stats_text import format_stats
 
-    root, shown = _local_dir(root, "stats")
+    root, shown = _local_dir(root, "stats", since=since)
 
     rows: dict[str, list] | None = {} if samples else None
     written = []
     try:
         with shard_progress("stats") as progress:
             st = compute_stats(
-                root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress, sample_rows=rows
+                root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress, sample_rows=rows, since=since
             )
         st["dir"] = shown  # a URL's copy by the URL
         if html:
@@ -398,7 +407,7 @@ def stats(
             if samples:
                 written.append(f"wrote {samples} ({write_sample_table(rows, Path(samples))} samples)")
             if rejects:
-                written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects))} rejects)")
+                written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects), since)} rejects)")
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     _echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st), lines=True)

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from vlmprep.builder.plan import AppendRef, Plan, PlanError
-from vlmprep.builder.totals import TOTAL_KEYS, turn_coverage
+from vlmprep.builder.totals import TOTAL_KEYS
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import FIELDS, PER_VERSION, REQUIRED, BuildConfig, spelled_flag
 from vlmprep.locations import as_input, stamp
@@ -33,6 +33,7 @@ from vlmprep.shards.dataset import MANIFEST_NAME, TMP_SUFFIX, sha256_file, write
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import FileEntry, InputEntry, Manifest, ShardEntry, ShardFormatError, dataset_path
 from vlmprep.shards.reader import iter_shard, load_sample_index, read_index_file
+from vlmprep.shards.summary import turn_coverage
 from vlmprep.shards.versions import (
     CommitConflict,
     commit_record,

@@ -28,7 +28,6 @@ from vlmprep.builder.totals import (
     duplicate_reject,
     duplicate_turns,
     input_totals,
-    turn_coverage,
 )
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.processors.load import fingerprint_dir
@@ -56,6 +55,7 @@ from vlmprep.shards.manifest import (
     load_task_manifest,
 )
 from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.summary import turn_coverage
 from vlmprep.shards.versions import (
     id_digest,
     id_keys,

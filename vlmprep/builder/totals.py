@@ -1,5 +1,5 @@
-"""A build's counts: the totals a task and the merged manifest carry, what one landed sample adds to them, and the
-turn coverage derived from them.
+"""A build's counts: the totals a task and the merged manifest carry and what one landed sample adds to them (the
+turn coverage derived from them: shards/summary.turn_coverage).
 """
 
 from __future__ import annotations
@@ -112,21 +112,3 @@ def duplicate_turns(turns: dict) -> dict:
     if turns.get("reasoning_turns"):
         out["reasoning_turns"] = turns["reasoning_turns"]
     return out
-
-
-def turn_coverage(totals) -> dict:
-    """Assistant turns of the input that the shards train, and where the others went."""
-    n = int(totals["input_assistant_turns"])
-    return {
-        "input_assistant_turns": n,
-        "trained_assistant_turns": int(totals["trained_assistant_turns"]),
-        "coverage": round(totals["trained_assistant_turns"] / n, 6) if n else 1.0,
-        "lost": {
-            "truncated": int(totals["turns_lost_truncated"]),
-            "turn_too_long": int(totals["turns_lost_too_long"]),
-            "not_trained_by_policy": int(totals["turns_lost_policy"]),
-            "record_rejected": int(totals["turns_lost_rejected"]),
-        },
-        "images_removed_by_history": int(totals["images_removed_by_history"]),
-        "context_tokens_repeated": int(totals["context_tokens_repeated"]),
-    }

@@ -21,10 +21,11 @@ import numpy as np
 from vlmprep.families import family_of
 from vlmprep.images import merged_patch
 from vlmprep.shards.dataset import MANIFEST_NAME
-from vlmprep.shards.manifest import load_manifest, processor_dir
+from vlmprep.shards.manifest import open_dataset, processor_dir
 from vlmprep_schemas.limits import grid_problem
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 from vlmprep_schemas.resize import resize_mode, stored_pixels
+from vlmprep_schemas.versions import split_ref
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
 
@@ -34,7 +35,7 @@ class Collator:
     `data_collator` of HF `Trainer` / TRL `SFTTrainer` (settings: docs/other-libraries.md).
 
     Args:
-        path: a vlmprep dataset dir, or its saved processor dir.
+        path: a vlmprep dataset dir (DIR, or a version of it: DIR@vN, DIR@TAG), or its saved processor dir.
         pad_token_id: the id padding gets (default: the tokenizer's pad id, else 0); padding is never trained.
         trained_logits: also give `logits_to_keep` (bool [B, L]: True where the next token is trained) and
             `shift_labels` (those next tokens, int64 [N]). An HF model then projects only those N positions through
@@ -46,10 +47,12 @@ class Collator:
     """
 
     def __init__(self, path: str | Path, *, pad_token_id: int | None = None, trained_logits: bool = False):
-        path = Path(path)
+        value = str(path)
+        base, ref = split_ref(value)
+        path = Path(base)
         self.image_format = None
-        if (path / MANIFEST_NAME).is_file():
-            manifest = load_manifest(path)  # every path it names checked to stay inside the dataset
+        if ref is not None or (path / MANIFEST_NAME).is_file():  # DIR, DIR@vN or DIR@TAG
+            path, manifest = open_dataset(value)  # every path it names checked to stay inside the dataset
             self.image_format = manifest.image_format
             path = processor_dir(path, manifest)
         if not any((path / n).is_file() for n in ("processor_config.json", "preprocessor_config.json")):

@@ -6,6 +6,7 @@ batches VlmprepSamples with vlmprep's Collator: the dict an HF model takes.
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,14 @@ from megatron.energon.flavors import BaseWebdatasetFactory
 from vlmprep.clients import sample_version
 from vlmprep.clients.collate import Collator
 from vlmprep.clients.energon_meta import write_energon_meta
-from vlmprep.shards.dataset import MANIFEST_NAME, NV_META
-from vlmprep.shards.manifest import ShardFormatError, dataset_path, load_manifest
+from vlmprep.shards.dataset import MANIFEST_NAME, NV_META, write_bytes_atomic
+from vlmprep.shards.manifest import ShardFormatError, dataset_path, load_manifest, open_dataset
 from vlmprep.shards.reader import sample_from_members
+from vlmprep.shards.versions import manifest_number
 from vlmprep_schemas.boundary import is_plain_path
+from vlmprep_schemas.versions import split_ref
+
+_SPLIT = re.compile(r"^split\.v([0-9]{6,})\.json$")  # a version's split config, written by prepare(DIR@vN)
 
 
 @edataclass
@@ -71,18 +76,22 @@ class VlmprepWebdataset(StandardWebdatasetFactory):
         super().__init__(
             path, sample_type=sample_type, sample_loader=sample_loader, part_filter=part_filter, decoder=None, **kwargs
         )
-        check_indexed_shards(self.path, [s.name for s in self.shards])
+        check_indexed_shards(self.path, [s.name for s in self.shards], kwargs.get("split_config"))
 
 
-def check_indexed_shards(path, names: list[str]) -> None:
+def check_indexed_shards(path, names: list[str], split: str | None = None) -> None:
     """energon reads the shards its index (.nv-meta/) names, and joins an absolute or `../` name as given. A local
-    dataset: each must be a shard its manifest lists (load_manifest checks those stay inside it); a remote one (no
+    dataset: each must be a shard its manifest lists (load_manifest checks those stay inside it), or, read through a
+    version's split config (`split.v000003.json`, written by prepare), that version's record; a remote one (no
     manifest read here): each a plain relative name. Else one line."""
     try:
         d = path.local_path() if hasattr(path, "local_path") else Path(path)
     except ValueError:  # an msc:// dataset
         d = None
     listed = {s.name for s in load_manifest(d).shards} if d is not None else None
+    version = _SPLIT.match(split or "")
+    if listed is not None and version:
+        listed |= {s.name for s in open_dataset(f"{d}@v{int(version.group(1))}")[1].shards}
     stray = [n for n in names if (n not in listed if listed is not None else not is_plain_path(n))]
     if stray:
         raise ShardFormatError(
@@ -110,17 +119,43 @@ class VlmprepTaskEncoder(DefaultTaskEncoder):
         return self.collator([{name: getattr(s, name) for name in _FIELDS} for s in samples])
 
 
+def split_config(d: str | Path) -> str:
+    """The energon split config that reads version `d` (DIR@vN or DIR@TAG) of a dataset: `split.v00000N.json`
+    (written by prepare(d)); plain DIR: `split.yaml`, the latest. Pass it as get_train_dataset's `split_config`."""
+    _, ref = split_ref(str(d))
+    return "split.yaml" if ref is None else f"split.v{manifest_number(open_dataset(d)[1]):06d}.json"
+
+
 def prepare(d: str | Path, *, workers: int = 1) -> int:
     """What `energon prepare DIR --split-ratio 1,0,0 --skip-dataset-yaml` does: index the manifest's shards, all in
-    the train split, after writing vlmprep's own DIR/.nv-meta/dataset.yaml (energon imports the class that file
-    names: a dataset from elsewhere may name any). Returns the sample count energon indexed (the manifest's, when
-    the shards are intact)."""
-    d = Path(d)
-    manifest = load_manifest(d)  # every shard name checked to stay inside the dataset
-    dataset_path(d, NV_META)  # energon writes its index there: not through a symlink out of the dataset
-    write_energon_meta(d)
-    names = [s.name for s in manifest.shards]
+    the train split (split.yaml), after writing vlmprep's own DIR/.nv-meta/dataset.yaml (energon imports the class
+    that file names: a dataset from elsewhere may name any). A version, `DIR@vN` or `DIR@TAG`: its shards are indexed
+    with the latest's, and its own split config, split_config(d), lists them (split.yaml still the latest's). Returns
+    the sample count of what `d` names (the manifest's, when the shards are intact)."""
+    base, ref = split_ref(str(d))
+    base = Path(base)
+    latest = load_manifest(base)  # every shard name checked to stay inside the dataset
+    manifest = open_dataset(d)[1] if ref is not None else latest
+    dataset_path(base, NV_META)  # energon writes its index there: not through a symlink out of the dataset
+    write_energon_meta(base)
+    names = [s.name for s in latest.shards]
+    extra = [s.name for s in manifest.shards if s.name not in set(names)]
     BaseWebdatasetFactory.prepare_dataset(
-        d, names, split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)], shuffle_seed=None, workers=workers
+        base,
+        names + extra,
+        split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
+        shuffle_seed=None,
+        workers=workers,
     )
-    return sum(json.loads((d / NV_META / ".info.json").read_text())["shard_counts"].values())
+    counts = json.loads((base / NV_META / ".info.json").read_text())["shard_counts"]
+    if ref is not None:
+        _write_split(base, f"split.v{manifest_number(manifest):06d}.json", [s.name for s in manifest.shards])
+        if extra:  # energon's split.yaml lists every shard indexed: the latest's alone, as plain DIR reads it
+            _write_split(base, "split.yaml", names)
+    return sum(counts[s.name] for s in manifest.shards)
+
+
+def _write_split(d: Path, name: str, shards: list[str]) -> None:
+    """An energon split config (.nv-meta/NAME): these shards, all in the train split."""
+    split = {"split_parts": {"train": shards, "val": [], "test": []}, "exclude": []}
+    write_bytes_atomic(d / NV_META / name, json.dumps(split, indent=1).encode())  # JSON reads as YAML too

@@ -22,13 +22,14 @@ sample_type:
   __module__: vlmprep.clients.energon
   __class__: VlmprepSample
 """
-# Index files of an earlier `energon prepare`: they describe the old tars, so a rebuild drops them.
+# Index files of an earlier `energon prepare` (and a version's split.v00000N.json): they describe the old tars, so a
+# rebuild or an append drops them.
 STALE_INDEX = (".info.yaml", ".info.json", "split.yaml", "index.sqlite", "index.uuid")
 
 
 def write_energon_meta(out: Path) -> None:
     """Write DIR/.nv-meta/dataset.yaml atomically (same bytes every build) and drop a stale energon index."""
     meta = state_dir(Path(out) / NV_META)  # a link planted there: refused, nothing removed or written through it
-    for p in [meta / n for n in STALE_INDEX] + list(Path(out).glob("*.tar.idx")):
+    for p in [meta / n for n in STALE_INDEX] + list(meta.glob("split.v*.json")) + list(Path(out).glob("*.tar.idx")):
         p.unlink(missing_ok=True)
     write_bytes_atomic(meta / "dataset.yaml", DATASET_YAML.encode("ascii"))

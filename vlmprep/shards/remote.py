@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from vlmprep.locations import READ_BLOCK, LocationError, stamp_of_info, url_fs
-from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, sha256_file, write_bytes_atomic
+from vlmprep.shards.dataset import MANIFEST_NAME, sha256_file, write_bytes_atomic
 from vlmprep.shards.manifest import Manifest, ShardFormatError
+from vlmprep.shards.versions import manifest_number, rejects_file
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import (
     REMOTE,
@@ -34,7 +35,7 @@ from vlmprep_schemas.boundary import (
 )
 from vlmprep_schemas.limits import LIMITS, load_json
 from vlmprep_schemas.processor_dir import MAX_CONFIG_BYTES, MAX_VOCAB_BYTES, PROCESSOR_FILES
-from vlmprep_schemas.versions import resolve_ref, split_ref
+from vlmprep_schemas.versions import MAX_TAG_BYTES, resolve_ref, split_ref, tag_file, version_name, version_number
 
 CACHE_SUBDIR = "datasets"  # under $VLMPREP_CACHE (default ~/.cache/vlmprep): one dir per dataset URL
 LOCK_NAME = ".fetch.lock"  # held while a copy is fetched: two commands on one URL take turns, never mix .part files
@@ -81,6 +82,7 @@ def fetch_dataset(
     shards: Sequence[str] | Callable[[Manifest], Sequence[str] | None] | None = None,
     say: Callable[[str], None] | None = None,
     on_file: Callable[[int, int], None] | None = None,
+    since: str | None = None,
 ) -> Path:
     """Dataset `url` -> its local copy (cache_dir), ready for any reader of a dataset dir. Fetched: manifest.json
     (at most LIMITS.manifest_bytes, its names checked as every reader checks them: plain names inside the dataset),
@@ -91,7 +93,8 @@ def fetch_dataset(
     index. Trade-off: a file the manifest gives a sha256
     for is kept when the copy already has it (read once to hash it); rejects.jsonl and the processor files are
     fetched on every call. Files of an older copy that the manifest no longer names are removed; manifest.json is
-    written last. `say(line)`: one line when the copy starts; `on_file(done, total)`: after each file.
+    written last. `say(line)`: one line when the copy starts; `on_file(done, total)`: after each file. `since` (vM
+    or a tag, for `stats --since`): that version's record (and tag file) copied too, resolved and checked here.
     Raises FetchError (a UserError): one line."""
     if not url.startswith(REMOTE):
         raise FetchError(
@@ -120,6 +123,7 @@ def fetch_dataset(
             "manifest last), or not at this URL"
         )
     manifest, named, processor = _manifest(data, base, name)
+    extra = _since_files(store, base, since) if since is not None else {}
     files = _files(manifest, processor, shards(manifest) if callable(shards) else shards)
     dest = cache_dir(url)
     try:  # the copy's dir and every dir in it: no link planted there is written through or pruned
@@ -132,13 +136,29 @@ def fetch_dataset(
                 now[f.name] = store.fetch(f, dest, was.get(f.name))
                 if on_file:
                     on_file(k + 1, len(files))
-            _prune(dest, keep=named | {f.name for f in files})
+            for extra_name, extra_data in extra.items():
+                state_dir((dest / extra_name).parent, root=dest)
+                write_bytes_atomic(dest / extra_name, extra_data)
+            _prune(dest, keep=named | {f.name for f in files} | set(extra))
             stamps = json.dumps({k: v for k, v in now.items() if v}, sort_keys=True).encode()
             write_bytes_atomic(dest / STAMPS_NAME, stamps)
             write_bytes_atomic(dest / MANIFEST_NAME, data)
     except UnsafeWrite as e:
         raise FetchError(str(e)) from None
     return dest
+
+
+def _since_files(store: _Store, base: str, since: str) -> dict[str, bytes]:
+    """The record `since` names (and its tag file, for a tag), read and checked as resolve_ref checks them: what a
+    copy needs to resolve DIR@since as the store does."""
+    try:
+        found = resolve_ref(since, store.read_or_none, where=base)
+        out = {version_name(found.number): found.data}
+        if version_number(since) is None:
+            out[tag_file(since)] = store.read_or_none(tag_file(since), MAX_TAG_BYTES) or b""
+    except ValueError as e:  # VersionError, a record over its bound
+        raise FetchError(f"--since: {e}") from None
+    return out
 
 
 def _load_stamps(dest: Path) -> dict:
@@ -178,7 +198,8 @@ def _files(manifest: Manifest, processor: str, shards: Sequence[str] | None) -> 
         )
         for n in PROCESSOR_FILES
     ]
-    out.append(_File(REJECTS_NAME, REJECTS_BYTES, optional=True))
+    # every version's own rejects up to this one (rejects.jsonl, rejects.v000002.jsonl, ...)
+    out += [_File(rejects_file(n), REJECTS_BYTES, optional=True) for n in range(1, manifest_number(manifest) + 1)]
     wanted = None if shards is None else {s if s.endswith(".tar") else s + ".tar" for s in shards}
     for s in manifest.shards:
         if wanted is None or s.name in wanted:

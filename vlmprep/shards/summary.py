@@ -17,6 +17,24 @@ def dropped_by_cut(images: int, videos: int) -> str:
     return plural(images, "image") + (f" and {plural(videos, 'video')}" if videos else "") + " dropped by the cut"
 
 
+def turn_coverage(totals) -> dict:
+    """Assistant turns of the input that the shards train, and where the others went."""
+    n = int(totals["input_assistant_turns"])
+    return {
+        "input_assistant_turns": n,
+        "trained_assistant_turns": int(totals["trained_assistant_turns"]),
+        "coverage": round(totals["trained_assistant_turns"] / n, 6) if n else 1.0,
+        "lost": {
+            "truncated": int(totals["turns_lost_truncated"]),
+            "turn_too_long": int(totals["turns_lost_too_long"]),
+            "not_trained_by_policy": int(totals["turns_lost_policy"]),
+            "record_rejected": int(totals["turns_lost_rejected"]),
+        },
+        "images_removed_by_history": int(totals["images_removed_by_history"]),
+        "context_tokens_repeated": int(totals["context_tokens_repeated"]),
+    }
+
+
 # A reject line that is a lost turn of a record whose other turns landed, not a rejected record.
 LOST_TURNS_NOTE = {"turn_too_long": " (turns; their records landed)"}
 

@@ -6,6 +6,8 @@ parser are vlmprep_schemas.versions', shared with the trainer.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,16 +19,20 @@ import numpy as np
 
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import DATASET_INDEX_NAME
-from vlmprep.shards.manifest import Manifest, ShardFormatError
+from vlmprep.shards.manifest import Manifest, ShardFormatError, dataset_path, open_dataset
+from vlmprep.shards.summary import turn_coverage
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, open_no_follow, state_dir
 from vlmprep_schemas.limits import LIMITS, load_json
 from vlmprep_schemas.versions import (
     VERSIONS_DIR,
+    VersionError,
     ids_name,
     local_reader,
+    printable,
     record_number,
     version_name,
+    version_number,
 )
 
 _RECORD = re.compile(r"^v([0-9]{6,})\.json$")
@@ -41,6 +47,50 @@ class CommitConflict(UserError):
 def rejects_file(n: int) -> str:
     """Version `n`'s own rejects: rejects.jsonl (version 1), rejects.v00000N.jsonl."""
     return REJECTS_NAME if n == 1 else f"rejects.v{n:06d}.jsonl"
+
+
+def rejects_paths(d: Path, manifest: Manifest, *, since: int = 0) -> list[tuple[int, Path]]:
+    """The rejects files of versions since+1 .. the manifest's that DIR holds, in version order, each with its
+    version: what a version's rejects are (stats, inspect --only rejected, the reject table). None is read through a
+    link out of DIR."""
+    found = []
+    for n in range(since + 1, manifest_number(manifest) + 1):
+        p = dataset_path(d, rejects_file(n))
+        if p.is_file():
+            found.append((n, p))
+    return found
+
+
+def added_since(d: Path, manifest: Manifest, since: str) -> tuple[int, Manifest]:
+    """What the versions after `since` (vM or a tag, resolved as DIR@vM) up to `manifest`'s (vN) added: (M, a manifest
+    of its own: the shards N lists that M does not, the inputs after M's, the totals, rejects and turns N has beyond
+    M's; no sample index), for `stats DIR@vN --since vM`. ShardFormatError, one line, where M is not a version of DIR
+    before N (a version gc removed among them)."""
+    n = manifest_number(manifest)
+    try:
+        version_number(since)  # vM (M >= 1) or a tag name
+    except VersionError:
+        raise ShardFormatError(
+            f"--since {printable(since)}: pass an earlier version of {d} (v1, v2, ...) or a tag"
+        ) from None
+    _, old = open_dataset(f"{d}@{since}")
+    m = manifest_number(old)
+    if m >= n or [i.path for i in manifest.inputs[: len(old.inputs)]] != [i.path for i in old.inputs]:
+        raise ShardFormatError(
+            f"--since {since}: v{m} is not a version before v{n} of {d}; pass an earlier one (`vlmprep versions {d}`)"
+        )
+    before = {s.name for s in old.shards}
+    totals = {k: int(v) - int(old.totals.get(k, 0)) for k, v in manifest.totals.items()}
+    rejects = {k: int(v) - int(old.rejects.get(k, 0)) for k, v in manifest.rejects.items()}
+    return m, dataclasses.replace(
+        manifest,
+        inputs=manifest.inputs[len(old.inputs) :],
+        shards=tuple(s for s in manifest.shards if s.name not in before),
+        totals=totals,
+        rejects={k: v for k, v in rejects.items() if v},
+        turns=turn_coverage(collections.Counter(totals)) if manifest.turns is not None else None,
+        sample_index=None,
+    )
 
 
 def index_file(n: int) -> str:

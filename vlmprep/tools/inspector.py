@@ -12,24 +12,19 @@ from typing import Callable, Iterator
 import numpy as np
 
 from vlmprep.config import RAW_OPTIONS, InspectConfig
-from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, SHARD_GLOB
+from vlmprep.records import SUFFIXES
+from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
-from vlmprep.shards.manifest import (
-    Manifest,
-    dataset_path,
-    load_manifest,
-    processor_dir,
-    shard_paths,
-    shard_present,
-)
+from vlmprep.shards.manifest import Manifest, open_dataset, processor_dir, shard_paths, shard_present
 from vlmprep.shards.reader import StaleIndex, iter_shard, load_sample_index, sample_at
 from vlmprep.shards.rejects_file import iter_rejects
-from vlmprep.shards.versions import id_keys, record_id
+from vlmprep.shards.versions import id_keys, record_id, rejects_paths
 from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sample_from_stored
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import SampleView, TokenizerView, reject_line, view_sample
 from vlmprep.types import RecordError, UserError
 from vlmprep_schemas.terminal import for_terminal
+from vlmprep_schemas.versions import VersionError, split_ref
 
 # Build options `--like DIR` does not take from a dataset's manifest: where inputs are, what they may read (local
 # image dirs, remote URLs, a role-boundaries file) and how the build runs. The user passes them for their own input.
@@ -56,15 +51,14 @@ class InspectError(UserError):
     """A user-facing inspect fault (bad selection, unsafe or malformed shard member): one line."""
 
 
-def _iter_dir(cfg: InspectConfig, d: Path) -> Iterator[InspectedSample | dict]:
-    manifest = load_manifest(d)
+def _iter_dir(cfg: InspectConfig, d: Path, manifest: Manifest) -> Iterator[InspectedSample | dict]:
     if cfg.only == "rejected":
         if cfg.index is not None or cfg.shard is not None:
             raise InspectError(
                 "--only rejected on a built dir lists rejects.jsonl, which has no shard or input "
                 "position: select with --id, or inspect the raw input with --index"
             )
-        yield from _iter_rejects_file(d, cfg)
+        yield from _iter_rejects_file(d, manifest, cfg)
         return
     if (cfg.id is not None or cfg.index is not None) and all(e.index for e in manifest.shards):
         try:
@@ -137,13 +131,12 @@ def _first_shards(manifest: Manifest, samples: int) -> list[str]:
     return out
 
 
-def _iter_rejects_file(d: Path, cfg: InspectConfig) -> Iterator[dict]:
-    p = dataset_path(d, REJECTS_NAME)
-    if not p.is_file():
-        return
-    for r in iter_rejects(p):
-        if cfg.id is None or str(r.get("id")) == cfg.id:
-            yield r
+def _iter_rejects_file(d: Path, manifest: Manifest, cfg: InspectConfig) -> Iterator[dict]:
+    """The version's rejects: rejects.jsonl, then each later version's own up to it."""
+    for _, p in rejects_paths(d, manifest):
+        for r in iter_rejects(p):
+            if cfg.id is None or str(r.get("id")) == cfg.id:
+                yield r
 
 
 def _raw_build_config(cfg: InspectConfig):
@@ -151,8 +144,7 @@ def _raw_build_config(cfg: InspectConfig):
 
     kw = {}
     if cfg.like is not None:
-        like = Path(cfg.like)
-        manifest = load_manifest(like)
+        like, manifest = open_dataset(cfg.like)  # DIR, DIR@vN or DIR@TAG
         # Not taken from a dataset: where things are and what may be read (LIKE_SKIPS); pass them yourself.
         fields = {f.name for f in dataclasses.fields(BuildConfig)} - LIKE_SKIPS
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in (manifest.config or {}).items() if k in fields}
@@ -164,7 +156,7 @@ def _raw_build_config(cfg: InspectConfig):
     return BuildConfig(inputs=(cfg.path,), out="", progress=False, **kw)  # out: inspect writes no dataset
 
 
-def _refuse_foreign_template(processor, like: Path) -> None:
+def _refuse_foreign_template(processor, like: str) -> None:
     """--like DIR renders with DIR's saved processor, but not with a chat template that came with the dataset: that
     is Jinja from elsewhere (a loop nested to 10^16 steps hangs any renderer, sandbox or not). A template vlmprep
     ships, or the one its builtin/tiny processor carries, is vlmprep's own; any other the user names themselves."""
@@ -173,7 +165,7 @@ def _refuse_foreign_template(processor, like: Path) -> None:
     saved = processor.chat_template
     if saved is None or any(saved == p.read_text(encoding="utf-8") for p in TEMPLATES_DIR.glob("*.jinja")):
         return
-    spec = str(load_manifest(like).processor.spec or "")
+    spec = str(open_dataset(like)[1].processor.spec or "")
     if spec.startswith(("builtin:", "tiny:")):
         try:
             if load_processor(spec).chat_template == saved:
@@ -250,11 +242,23 @@ def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
             yield from rejects
 
 
+def _built_dir(path: str) -> Path | None:
+    """The dataset dir that `path` (DIR, DIR@vN or DIR@TAG) names, or None for raw input. A raw input's name with an
+    '@' in it that names no version (`a@1.jsonl`) is raw input; one after a dataset dir is refused by open_dataset."""
+    try:
+        base = split_ref(path)[0]
+    except VersionError:
+        if path.endswith(SUFFIXES):
+            return None
+        raise
+    p = Path(base)
+    return p if p.is_dir() and ((p / MANIFEST_NAME).exists() or any(p.glob(SHARD_GLOB))) else None
+
+
 def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerView]:
     """The first `limit` matching items in input order: samples, or reject entries (dicts)."""
-    p = Path(cfg.path)
-    is_dataset = p.is_dir() and ((p / MANIFEST_NAME).exists() or any(p.glob(SHARD_GLOB)))
-    if is_dataset:
+    p = _built_dir(cfg.path)
+    if p is not None:
         given = (["like"] if cfg.like is not None else []) + [k for k in RAW_OPTIONS if k in cfg.build_options]
         passed = ["--" + k.replace("_", "-") for k in given]
         if passed:
@@ -262,9 +266,9 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
                 f"{', '.join(passed)}: only for raw input; {p} is a built dataset that carries "
                 "the processor and options it was built with"
             )
-        manifest = load_manifest(p)
+        p, manifest = open_dataset(cfg.path)  # DIR, DIR@vN or DIR@TAG
         tv = TokenizerView.from_dir(processor_dir(p, manifest), manifest.processor.class_name)
-        items = _iter_dir(cfg, p)
+        items = _iter_dir(cfg, p, manifest)
     else:
         if cfg.shard is not None:
             raise InspectError(f"--shard selects a shard of a built dir; {p} is raw input")
@@ -274,7 +278,7 @@ def select(cfg: InspectConfig) -> tuple[list[InspectedSample | dict], TokenizerV
         bcfg = _raw_build_config(cfg)
         processor = load_processor(bcfg.processor)
         if cfg.like is not None and bcfg.chat_template is None and "processor" not in cfg.build_options:
-            _refuse_foreign_template(processor, Path(cfg.like))
+            _refuse_foreign_template(processor, cfg.like)
         tv = TokenizerView.from_processor(processor)
         items = _iter_raw(cfg, Renderer(bcfg, processor))
     out = []

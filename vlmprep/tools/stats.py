@@ -16,7 +16,7 @@ from vlmprep.families import family_of
 from vlmprep.locations import as_input
 from vlmprep.records import input_names
 from vlmprep.shards.format import storage_of
-from vlmprep.shards.manifest import Manifest, dataset_path, open_dataset, shard_paths
+from vlmprep.shards.manifest import Manifest, open_dataset, shard_paths
 from vlmprep.shards.reader import iter_shard
 from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.summary import (
@@ -27,9 +27,10 @@ from vlmprep.shards.summary import (
     reject_mismatches,
     rejected_records,
 )
-from vlmprep.shards.versions import manifest_number, rejects_file
+from vlmprep.shards.versions import added_since, manifest_number, rejects_paths, shard_version
 from vlmprep.tools.distributions import distribution
 from vlmprep.tools.per_shard import map_shards
+from vlmprep.tools.stats_tables import SAMPLE_COLUMNS
 
 # Warning thresholds. The build's --min-turn-coverage default, and its rule (shards/summary.coverage_problem): a dataset
 # built with --min-turn-coverage 0 still says what it lost.
@@ -52,13 +53,6 @@ def _image_runs(types: np.ndarray) -> list[int]:
     breaks = np.flatnonzero(np.diff(idx) > 1)
     starts, ends = idx[np.r_[0, breaks + 1]], idx[np.r_[breaks, len(idx) - 1]] + 1
     return (ends - starts).tolist()
-
-
-# `vlmprep stats --samples FILE`: one row per sample (tools/tables_out.py writes them as Parquet).
-SAMPLE_COLUMNS = tuple(
-    "id source_file source_line shard shard_index tokens trained_tokens images image_tokens videos truncated "
-    "split_part dropped_images".split()
-)
 
 
 class _Scan:
@@ -116,6 +110,7 @@ class _Scan:
             first = not r["shard"] or r["shard"][-1] != ts.where  # a scan's samples come shard by shard, in tar order
             values = {
                 "id": meta.get("id"),
+                "version": shard_version(ts.where),  # the version that added the sample: its shard's
                 "source_file": source,
                 "source_line": src.get("line"),
                 "shard": ts.where,
@@ -166,12 +161,20 @@ def _scan_shard(job: tuple[list[Path], int, int, bool], k: int) -> _Scan:
     return scan
 
 
+def _scan_shards(scan: _Scan, paths: list[Path], version: int, *, workers: int, on_shard) -> None:
+    """Every shard's scan merged into `scan` in manifest order, over `workers` processes."""
+    job = (paths, version, scan.image_limit, scan.rows is not None)
+    for part in map_shards(_scan_shard, job, len(paths), workers=workers, command="stats", on_shard=on_shard):
+        scan.merge(part)
+
+
 def compute_stats(
     root: Path,
     *,
     workers: int = 1,
     on_shard: Callable[[int, int], None] | None = None,
     sample_rows: dict[str, list] | None = None,
+    since: str | None = None,
 ) -> dict:
     """A built dataset dir -> its statistics as a dict (what `vlmprep stats` prints and --json writes): counts of
     records, samples, tokens, trained tokens, images and videos, their distributions and histograms, image sizes,
@@ -179,24 +182,19 @@ def compute_stats(
     or images take most of the sequence. Reads every shard once (the manifest alone cannot say how tokens are
     distributed); `workers` > 1: in that many processes (tools/per_shard.py), each shard's scan merged in manifest
     order, so the result is the same for any value. `on_shard(done, total)`: called as each shard is done.
-    `sample_rows`: a dict filled with each sample's row, column by column (SAMPLE_COLUMNS), in manifest order."""
+    `sample_rows`: a dict filled with each sample's row, column by column (SAMPLE_COLUMNS), in manifest order.
+    `since` (vM or a tag): only what the versions after it added (shards/versions.added_since)."""
     root, manifest = open_dataset(root)  # DIR, DIR@vN or DIR@TAG
+    number, before = manifest_number(manifest), 0
+    if since is not None:
+        before, manifest = added_since(root, manifest, since)
     config = manifest.config or {}
     seq_len = config.get("seq_len")
     # The dataset's own threshold (the build's --min-turn-coverage); a value that is not a share gives the default.
     floor = config.get("min_turn_coverage")
     floor = float(floor) if isinstance(floor, (int, float)) and 0 <= floor <= 1 else MIN_TURN_COVERAGE
     scan = _Scan(int(seq_len) // IMAGE_SHARE_WARN if seq_len else IMAGE_TOKENS_WARN, sample_rows is not None)
-    paths = shard_paths(root, manifest)
-    for part in map_shards(
-        _scan_shard,
-        (paths, manifest.format_version, scan.image_limit, scan.rows is not None),
-        len(paths),
-        workers=workers,
-        command="stats",
-        on_shard=on_shard,
-    ):
-        scan.merge(part)
+    _scan_shards(scan, shard_paths(root, manifest), manifest.format_version, workers=workers, on_shard=on_shard)
     tok, img = np.array(scan.tokens, dtype=np.int64), np.array(scan.images, dtype=np.int64)
     n = len(tok)
     rejects = {k: int(v) for k, v in sorted(manifest.rejects.items())}
@@ -237,7 +235,8 @@ def compute_stats(
         "min_turn_coverage": floor,
         "coverage_warning": coverage_problem(manifest, floor) if manifest.turns is not None else None,
     }
-    reject_lines = _reject_lines(root, manifest)
+    st["version"], st["since"] = number, before or None
+    reject_lines = _reject_lines(root, manifest, before)
     st["inputs"] = _inputs(manifest, reject_lines)
     st["mismatches"] = _mismatches(manifest, st, reject_lines, scan.by_file)
     st["warnings"] = data_warnings(st)
@@ -265,14 +264,10 @@ def _image_sizes(scan: _Scan) -> dict:
     }
 
 
-def _reject_lines(root: Path, manifest: Manifest) -> list[dict] | None:
-    """The reject lines of every version up to the manifest's (rejects.jsonl, then rejects.v00000N.jsonl ...)."""
-    lines = None
-    for n in range(1, manifest_number(manifest) + 1):
-        p = dataset_path(root, rejects_file(n))  # not through a symlink out of the dataset
-        if p.is_file():
-            lines = (lines or []) + list(iter_rejects(p))  # bounded per line (vlmprep_schemas.limits)
-    return lines
+def _reject_lines(root: Path, manifest: Manifest, since: int = 0) -> list[dict] | None:
+    """The reject lines of versions since+1 .. the manifest's (rejects.jsonl, then rejects.v00000N.jsonl ...)."""
+    found = rejects_paths(root, manifest, since=since)
+    return [r for _, p in found for r in iter_rejects(p)] if found else None  # bounded per line
 
 
 def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] | None:

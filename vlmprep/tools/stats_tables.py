@@ -1,17 +1,36 @@
 """`vlmprep stats DIR --samples FILE --rejects FILE`: the dataset as tables for pandas, DuckDB or Polars. One Parquet
-row per sample (stats.py collects them in its one pass over the shards, SAMPLE_COLUMNS) and one per line of
-rejects.jsonl (a rejected record or a lost turn), written atomically; no file in the dataset is changed."""
+row per sample (stats.py collects them in its one pass over the shards, SAMPLE_COLUMNS) and one per line of the
+version's rejects files (a rejected record or a lost turn), each with the version that added it, written atomically;
+no file in the dataset is changed."""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
 
-from vlmprep.shards.dataset import REJECTS_NAME, write_bytes_atomic
-from vlmprep.shards.manifest import dataset_path
+from vlmprep.shards.dataset import write_bytes_atomic
+from vlmprep.shards.manifest import open_dataset
 from vlmprep.shards.rejects_file import iter_rejects
+from vlmprep.shards.versions import added_since, rejects_paths
 
-REJECT_COLUMNS = ("id", "source_file", "source_line", "reason", "message", "unread_bytes")
+# `vlmprep stats --samples FILE`: one row per sample (stats.py collects them, write_sample_table writes them).
+SAMPLE_COLUMNS = (
+    "id",
+    "version",
+    "source_file",
+    "source_line",
+    "shard",
+    "shard_index",
+    "tokens",
+    "trained_tokens",
+    "images",
+    "image_tokens",
+    "videos",
+    "truncated",
+    "split_part",
+    "dropped_images",
+)
+REJECT_COLUMNS = ("id", "version", "source_file", "source_line", "reason", "message", "unread_bytes")
 
 
 def _types():
@@ -19,6 +38,7 @@ def _types():
 
     return {
         "id": pa.string(),
+        "version": pa.int64(),
         "source_file": pa.string(),
         "source_line": pa.int64(),
         "shard": pa.string(),
@@ -58,11 +78,14 @@ def write_sample_table(rows: dict[str, list], path: Path) -> int:
     )
 
 
-def write_reject_table(root: Path, path: Path) -> int:
-    """DIR/rejects.jsonl -> FILE, one row per reject line; returns the rows written."""
+def write_reject_table(root: Path | str, path: Path, since: str | None = None) -> int:
+    """The rejects of a dataset version (DIR, DIR@vN or DIR@TAG: rejects.jsonl and each later version's
+    rejects.v00000N.jsonl up to it; `since` vM: those of the versions after M alone) -> FILE, one row per reject line
+    with the version it belongs to; returns the rows written."""
     cols: dict[str, list] = {c: [] for c in REJECT_COLUMNS}
-    rejects = dataset_path(root, REJECTS_NAME)
-    for r in iter_rejects(rejects) if rejects.is_file() else ():
+    d, manifest = open_dataset(root)
+    before = added_since(d, manifest, since)[0] if since is not None else 0
+    for version, r in ((n, r) for n, p in rejects_paths(d, manifest, since=before) for r in iter_rejects(p)):
         src = r.get("source") if isinstance(r.get("source"), dict) else {}
         text = {
             k: None if v is None else str(v)
@@ -75,6 +98,7 @@ def write_reject_table(root: Path, path: Path) -> int:
         }
         values = {
             **text,
+            "version": version,
             "source_line": src.get("line") if isinstance(src.get("line"), int) else None,
             "unread_bytes": r.get("unread_bytes") if isinstance(r.get("unread_bytes"), int) else None,
         }

@@ -105,12 +105,18 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
+def _since(st: dict) -> str:
+    """` (what v3..v5 added since v2)` for `stats --since`; empty otherwise."""
+    m, n = st.get("since"), st.get("version")
+    return "" if not m else f" (what v{m + 1}{'' if m + 1 == n else f'..v{n}'} added since v{m})"
+
+
 def summary_lines(st: dict) -> list[str]:
     """The dataset's totals: the head of format_stats (and of the HTML report)."""
     n, t = st["samples"], st["tokens"]
     ips = st["images_per_sample"]
     lines = [
-        f"dataset {st['dir']}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
+        f"dataset {st['dir']}{_since(st)}: {plural(n, 'sample')} in {plural(st['shards'], 'shard')} "
         f"(format v{st['format_version']}, {st['image_format']} images, {st['processor']}, seq_len {st['seq_len']})",
         f"records            {st['records']} read, {n} samples, {st['rejected_records']} rejected"
         + (f" | unread input {st['unread_bytes']} bytes after file faults" if st["unread_bytes"] else ""),

@@ -1,5 +1,6 @@
 """Readers of a version (`DIR@vN`, `DIR@TAG`, a URL's too: issue 55.2's parser, docs/datasets-that-grow.md): verify,
-stats, the webdataset and HF clients and the URL copy read the version named, and refuse in one line a hostile
+stats (its per-input rejects and reject table: every version's rejects file up to it), inspect, the webdataset, HF
+and energon clients, the Collator and the URL copy read the version named, and refuse in one line a hostile
 versioned dataset: a symlink planted at versions/ or at a record, a FIFO as a record (never waited on), a record whose
 shard sizes lie or that names a file outside the dataset; `build --append` refuses the same without changing a
 thing."""
@@ -28,19 +29,21 @@ from vlmprep_schemas.versions import Tag, tag_file, version_name
 OPTS = dict(processor="tiny:qwen2-vl", seq_len=512, max_reject_fraction=1.0, min_turn_coverage=0.0, progress=False)
 
 
-def _records(path: Path, ids: list[str]) -> Path:
+def _records(path: Path, ids: list[str], bad: str = "") -> Path:
+    """Records of these ids; `bad`: a line that is no JSON record after them (an invalid_json reject)."""
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
-    path.write_text("".join(json.dumps({"id": i, "messages": chat}) + "\n" for i in ids))
+    path.write_text("".join(json.dumps({"id": i, "messages": chat}) + "\n" for i in ids) + bad)
     return path
 
 
 @pytest.fixture(scope="module")
 def versioned(tmp_path_factory):
-    """A text-only dataset of 2 versions (2 samples, then 1 more), with a tag `first` on version 1."""
+    """A text-only dataset of 2 versions (2 samples and an invalid_json reject, then 1 more and a duplicate_id
+    reject of `a`), with a tag `first` on version 1."""
     d = tmp_path_factory.mktemp("versioned")
     out = d / "ds"
-    build(BuildConfig(inputs=(str(_records(d / "a.jsonl", ["a", "b"])),), out=str(out), **OPTS))
-    build(BuildConfig(inputs=(str(_records(d / "c.jsonl", ["c"])),), out=str(out), append=True, **OPTS))
+    build(BuildConfig(inputs=(str(_records(d / "a.jsonl", ["a", "b"], "{not json\n")),), out=str(out), **OPTS))
+    build(BuildConfig(inputs=(str(_records(d / "c.jsonl", ["c", "a"])),), out=str(out), append=True, **OPTS))
     import hashlib
 
     sha = hashlib.sha256((out / version_name(1)).read_bytes()).hexdigest()
@@ -161,5 +164,159 @@ def test_a_hostile_record_at_a_url_is_refused_before_any_shard_is_fetched(versio
         fs.pipe_file(f"/{bucket}/ds/{tag_file('first')}", b"{" * 10000)
         with pytest.raises(FetchError, match="first.json"):
             fetch_dataset(f"{url}@first")
+    finally:
+        fs.rm(f"/{bucket}", recursive=True)
+
+
+def test_inspect_and_the_collator_read_the_version_named(versioned):
+    """inspect (samples, --id, --only rejected: that version's rejects files) and the Collator take DIR@vN / DIR@TAG
+    through the one resolver; a missing version is one line."""
+    from vlmprep.clients.collate import Collator
+    from vlmprep.config import InspectConfig
+    from vlmprep.tools.inspector import select
+
+    def seen(ref, **kw):
+        return [
+            (r["reason"], r["id"]) if isinstance(r, dict) else r.id
+            for r in select(InspectConfig(path=ref, limit=10, **kw))[0]
+        ]
+
+    assert seen(f"{versioned}@v1") == seen(f"{versioned}@first") == ["a", "b"]
+    assert seen(str(versioned)) == seen(f"{versioned}@v2") == ["a", "b", "c"]
+    assert seen(f"{versioned}@v1", id="c") == [] and seen(f"{versioned}@v2", id="c") == ["c"]
+    assert seen(f"{versioned}@v1", only="rejected") == [("invalid_json", None)]
+    assert seen(str(versioned), only="rejected") == [("invalid_json", None), ("duplicate_id", "a")]
+    r = CliRunner().invoke(app, ["inspect", f"{versioned}@v1", "--limit", "5"])
+    assert r.exit_code == 0 and "hello there" in r.output, r.output
+    for bad in ("@v9", "@nope", "@1x"):
+        r = CliRunner().invoke(app, ["inspect", f"{versioned}{bad}"])
+        assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+        assert "no such version" in r.output or "no version or tag" in r.output or "neither a version" in r.output
+    assert (
+        Collator(f"{versioned}@v1").processor_dir == str(versioned / "processor") == Collator(versioned).processor_dir
+    )
+    assert Collator(f"{versioned}@first").image_format == Collator(versioned).image_format
+    with pytest.raises(ShardFormatError, match=r"@v9: no such version"):
+        Collator(f"{versioned}@v9")
+
+
+def test_the_rejects_of_a_version_are_every_earlier_versions_files_and_its_own(versioned, tmp_path, monkeypatch):
+    """stats' per-input rejects and its reject table read rejects.jsonl and each later version's file up to the
+    version named (the table: a version column); a URL's copy holds them too."""
+    import pyarrow.parquet as pq
+
+    for ref, want in ((f"{versioned}@v1", {"invalid_json": 1}), (versioned, {"invalid_json": 1, "duplicate_id": 1})):
+        st = compute_stats(Path(str(ref)))
+        assert st["rejects"] == want and not st["mismatches"], st["mismatches"]
+        r = CliRunner().invoke(app, ["stats", str(ref), "--rejects", str(tmp_path / "r.parquet")])
+        assert r.exit_code == 0, r.output
+        rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
+        assert [(x["version"], x["reason"]) for x in rows] == [(1, "invalid_json"), (2, "duplicate_id")][: len(want)]
+    fs, bucket, url = _in_memory(versioned, tmp_path, monkeypatch)
+    try:
+        st = compute_stats(fetch_dataset(url))
+        assert st["rejects"] == {"invalid_json": 1, "duplicate_id": 1} and not st["mismatches"], st["mismatches"]
+    finally:
+        fs.rm(f"/{bucket}", recursive=True)
+
+
+@pytest.mark.slow  # energon's index and loader set-up (~10 s), as the other energon loader tests
+def test_energon_reads_a_version_through_its_split_config(versioned, tmp_path):
+    """prepare(DIR@v1) indexes the shards with the latest's and writes split.v000001.json (split.yaml stays the
+    latest's): energon's loader given split_config(DIR@v1) yields version 1's samples, plain DIR the latest's; an
+    append drops the version's split config with energon's other index files."""
+    pytest.importorskip("megatron.energon")
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+    from megatron.energon.errors import reraise_exception
+
+    from vlmprep.clients.energon import prepare, split_config
+    from vlmprep.clients.energon_meta import write_energon_meta
+
+    d = tmp_path / "ds"
+    shutil.copytree(versioned, d)
+    assert prepare(f"{d}@first") == 2 and split_config(f"{d}@first") == split_config(f"{d}@v1") == "split.v000001.json"
+    assert split_config(d) == "split.yaml"
+
+    def ids(split):
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+        ds = get_train_dataset(
+            d,
+            split_config=split,
+            worker_config=wc,
+            batch_size=None,
+            shuffle_buffer_size=None,
+            max_samples_per_sequence=None,
+            repeat=False,
+        )
+        return sorted(s.id for s in get_savable_loader(ds))
+
+    assert ids("split.v000001.json") == ["a", "b"] and ids("split.yaml") == ["a", "b", "c"]
+    write_energon_meta(d)  # what an append's merge does
+    assert sorted(p.name for p in (d / ".nv-meta").iterdir()) == ["dataset.yaml"]
+
+
+def test_stats_since_a_version_says_what_the_later_versions_added(versioned, tmp_path, monkeypatch):
+    """`stats DIR@vN --since vM` (or a tag): per input file, records, samples, rejects, coverage and tokens of what
+    versions M+1..N added, the totals N has beyond M (= the sum of their `added`), the sample and reject tables
+    restricted to them with a version column; a URL reads the same; a bad --since is one line, nothing written."""
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "ds"
+    shutil.copytree(versioned, d)
+    build(
+        BuildConfig(inputs=(str(_records(tmp_path / "e.jsonl", ["e", "f"], "[]\n")),), out=str(d), append=True, **OPTS)
+    )
+    records = [json.loads((d / version_name(n)).read_text()) for n in (1, 2, 3)]
+    for since, first in (("v1", 2), ("first", 2), ("v2", 3)):
+        st = compute_stats(Path(f"{d}@v3"), since=since)
+        added = [r["version"]["added"]["totals"] for r in records[first - 1 :]]
+        assert not st["mismatches"], st["mismatches"]
+        assert st["samples"] == sum(a["samples"] for a in added) and st["records"] == sum(a["records"] for a in added)
+        assert st["tokens"] == sum(a["tokens"] for a in added) and (st["since"], st["version"]) == (first - 1, 3)
+        assert [i["path"] for i in st["inputs"]] == [
+            i["path"] for r in records[first - 1 :] for i in r["version"]["added"]["inputs"]
+        ]
+    st = compute_stats(Path(f"{d}@v3"), since="v1")
+    assert [(Path(i["path"]).name, i["records"], i["samples"], i["rejects"]) for i in st["inputs"]] == [
+        ("c.jsonl", 2, 1, {"duplicate_id": 1}),
+        ("e.jsonl", 3, 2, {"not_an_object": 1}),
+    ]
+    assert st["rejects"] == {"duplicate_id": 1, "not_an_object": 1}
+    assert (
+        st["inputs"][0]["coverage"] == 0.5 and st["turns"]["input_assistant_turns"] == 4
+    )  # the duplicate lost its turn
+    r = CliRunner().invoke(
+        app,
+        [
+            "stats",
+            f"{d}@v3",
+            "--since",
+            "v1",
+            "--samples",
+            str(tmp_path / "s.parquet"),
+            "--rejects",
+            str(tmp_path / "r.parquet"),
+        ],
+    )
+    assert r.exit_code == 0 and f"dataset {d}@v3 (what v2..v3 added since v1): 3 samples" in r.output, r.output
+    samples = pq.read_table(tmp_path / "s.parquet").to_pylist()
+    assert [(x["id"], x["version"]) for x in samples] == [("c", 2), ("e", 3), ("f", 3)]
+    rejects = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert [x["version"] for x in rejects] == [2, 3] and rejects[0]["reason"] == "duplicate_id"
+    for bad, says in (
+        ("v3", "is not a version before v3"),
+        ("v9", "no such version"),
+        ("v0", "pass an earlier version"),
+        ("", "pass an earlier version"),
+    ):
+        r = CliRunner().invoke(app, ["stats", f"{d}@v3", "--since", bad, "--samples", str(tmp_path / "x.parquet")])
+        assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1 and says in r.output, (bad, r.output)
+        assert not (tmp_path / "x.parquet").exists()
+    fs, bucket, url = _in_memory(d, tmp_path, monkeypatch)
+    try:
+        r = CliRunner().invoke(app, ["stats", f"{url}@v3", "--since", "first", "--json"])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.output[r.output.index("{") :])
+        assert (got["samples"], got["since"], got["rejects"]) == (3, 1, st["rejects"])
     finally:
         fs.rm(f"/{bucket}", recursive=True)
