@@ -208,8 +208,10 @@ def _version(n: int, read: Read, where: str) -> Resolved:
         if latest is not None and _number_of(latest, f"{where}/{MANIFEST_NAME}") == 1:
             return Resolved(MANIFEST_NAME, latest, 1)
     if data is None:
+        top = _latest_number(read, where)
+        gone = "no longer kept there: `vlmprep gc` removes old versions; " if isinstance(top, int) and n < top else ""
         raise VersionError(
-            f"{where}@v{n}: no such version ({_latest(read, where)}; `vlmprep versions {where}` lists them)"
+            f"{where}@v{n}: no such version ({gone}{_latest(read, where)}; `vlmprep versions {where}` lists them)"
         )
     number = _number_of(data, f"{where}/{name}")
     if number != n:
@@ -224,13 +226,19 @@ def _number_of(data: bytes, where: str) -> int:
         raise VersionError(f"{where}: {e}") from None
 
 
-def _latest(read: Read, where: str) -> str:
-    """`the latest is vN`, from manifest.json, for messages that list what exists."""
+def _latest_number(read: Read, where: str) -> int | str:
+    """The latest version's number, from manifest.json; what is wrong with it where there is none to read."""
     try:
         data = read(MANIFEST_NAME, LIMITS.manifest_bytes)
-        return "no manifest.json there" if data is None else f"the latest is v{_number_of(data, where)}"
+        return "no manifest.json there" if data is None else _number_of(data, where)
     except ValueError:
         return "its manifest.json is unreadable"
+
+
+def _latest(read: Read, where: str) -> str:
+    """`the latest is vN`, from manifest.json, for messages that list what exists."""
+    top = _latest_number(read, where)
+    return f"the latest is v{top}" if isinstance(top, int) else top
 
 
 def local_reader(base: str) -> Read:

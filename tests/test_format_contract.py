@@ -427,7 +427,7 @@ _ROLES = {
     "build": ("vlmprep.builder",),
     "tools": ("vlmprep.tools",),
     "clients": ("vlmprep.clients",),
-    "cli": ("vlmprep.cli", "vlmprep.__main__"),
+    "cli": ("vlmprep.cli", "vlmprep.cli_versions", "vlmprep.__main__"),
 }
 _MAY_IMPORT = {
     "base": {"base"},

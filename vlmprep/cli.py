@@ -4,6 +4,7 @@ options are generated from BuildConfig's field declarations (vlmprep/config.py).
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import sys
 from inspect import Parameter, Signature, signature
@@ -12,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from vlmprep import cli_versions
 from vlmprep.config import FIELDS, INSPECT_FIELDS, PER_VERSION, RAW_OPTIONS, REQUIRED, InspectConfig, default
 from vlmprep.shards.summary import plural
 from vlmprep.types import UserError
@@ -413,6 +415,23 @@ def stats(
     _echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st), lines=True)
     for line in written:
         _echo(line, err=json_out)
+
+
+def _one_line_errors(command):
+    """A command whose user errors print as one line (exit 1), as every command's do."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (UserError, ValueError, OSError) as e:
+            _fail(e)
+
+    return run
+
+
+for _command in cli_versions.COMMANDS:  # versions, tag, gc: docs/datasets-that-grow.md
+    app.command()(_one_line_errors(_command))
 
 
 def main() -> None:

@@ -68,24 +68,7 @@ def store_parent(bucket: Bucket, say: Callable[[str], None]) -> Parent:
     manifest.json repaired where it is behind the highest record, version 1 of a dataset built before versions
     created as versions/v000001.json (its byte copy), and each version's id file derived where it has none."""
     have = bucket.names()
-    records = [int(m.group(1)) for k in have if (m := _RECORD.match(k))]
-    data = _read(bucket, have, MANIFEST_NAME, LIMITS.manifest_bytes)
-    if records:
-        top = max(records)
-        record = _read(bucket, have, version_name(top), LIMITS.manifest_bytes)
-        if data != record:
-            try:
-                number = record_number(load_json(data, MANIFEST_NAME, LIMITS.manifest_bytes)) if data else None
-            except ValueError:
-                number = None
-            if number is not None and number >= top:
-                raise ShardFormatError(
-                    f"{bucket.url}/{MANIFEST_NAME} (version {number}) is not the byte copy of {version_name(top)}; a "
-                    "version record is never rewritten: copy it over manifest.json"
-                )
-            bucket.put_bytes(MANIFEST_NAME, record)
-            say(f"{bucket.url}/{MANIFEST_NAME} was behind {version_name(top)} (a commit cut short): repaired")
-            data = record
+    data = repair_bucket_manifest(bucket, have, say)
     if data is None:
         raise no_dataset(bucket.url)
     parent = parent_of(data, bucket.url)
@@ -101,6 +84,32 @@ def store_parent(bucket: Bucket, say: Callable[[str], None]) -> Parent:
             record = parent.manifest if k == parent.number else _record(bucket, have, k)
             bucket.put_bytes(ids_name(k), ids_bytes(_stored_ids(bucket, have, record)))
     return parent
+
+
+def repair_bucket_manifest(bucket: Bucket, have: dict[str, int], say: Callable[[str], None]) -> bytes | None:
+    """manifest.json of the bucket's dataset, copied again from the highest record where a kill left it behind (saying
+    so), as repair_manifest does it for a dir; its bytes (None where there is none). One that is ahead of the records,
+    or differs from the record of its own version, is not ours to fix: ShardFormatError naming both."""
+    records = [int(m.group(1)) for k in have if (m := _RECORD.match(k))]
+    data = _read(bucket, have, MANIFEST_NAME, LIMITS.manifest_bytes)
+    if not records:
+        return data
+    top = max(records)
+    record = _read(bucket, have, version_name(top), LIMITS.manifest_bytes)
+    if data == record:
+        return data
+    try:
+        number = record_number(load_json(data, MANIFEST_NAME, LIMITS.manifest_bytes)) if data else None
+    except ValueError:
+        number = None
+    if number is not None and number >= top:
+        raise ShardFormatError(
+            f"{bucket.url}/{MANIFEST_NAME} (version {number}) is not the byte copy of {version_name(top)}; a "
+            "version record is never rewritten: copy it over manifest.json"
+        )
+    bucket.put_bytes(MANIFEST_NAME, record)
+    say(f"{bucket.url}/{MANIFEST_NAME} was behind {version_name(top)} (a commit cut short): repaired")
+    return record
 
 
 def _record(bucket: Bucket, have: dict[str, int], k: int):

@@ -17,11 +17,17 @@ from vlmprep.shards.format import LIMITS, READABLE_VERSIONS
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_file, dataset_paths, read_state
 from vlmprep_schemas.limits import load_json, schema_problem
-from vlmprep_schemas.versions import local_reader, resolve_ref, split_ref
+from vlmprep_schemas.versions import VersionError, local_reader, resolve_ref, split_ref
 
 
 class ShardFormatError(UserError):
     """A dataset that is not a readable vlmprep dataset, or a member that breaks the format: one line naming it."""
+
+
+class VersionRefError(ShardFormatError):
+    """A version reference (DIR@vN, DIR@TAG) that is malformed, names no version the dataset keeps (gc removes old
+    ones) or a tag whose record changed: the reference fails, not the dataset (verify says so in one line, not as a
+    violation)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,13 +241,19 @@ def open_dataset(value: str | Path) -> tuple[Path, Manifest]:
     DIR: manifest.json, the latest), checked as load_manifest checks it: the one loader of every reader that takes a
     version. A missing version or tag, or a record that is not what its name says, is one ShardFormatError."""
     try:
-        base, ref = split_ref(str(value))
+        try:
+            base, ref = split_ref(str(value))
+        except VersionError as e:
+            raise VersionRefError(str(e)) from None
         if ref is None:
             return Path(base), load_manifest(Path(base))
         d = Path(base)
         if not d.is_dir():
             raise ShardFormatError(f"{base}: no such dataset dir")
-        found = resolve_ref(ref, local_reader(base), where=base)
+        try:
+            found = resolve_ref(ref, local_reader(base), where=base)
+        except VersionError as e:
+            raise VersionRefError(str(e)) from None
         if found is None:
             raise ShardFormatError(f"{d}: manifest.json is missing: not a finished vlmprep build")
         where = str(d / found.name)

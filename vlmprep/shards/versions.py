@@ -199,12 +199,21 @@ def versions_dir(d: Path) -> Path:
 
 
 def commit_record(d: Path, n: int, data: bytes) -> None:
-    """Create DIR/versions/v00000N.json with `data`, exclusively: written whole to a temp file, then hard-linked to
-    its name (os.link fails where the name exists, so of two builds committing version N exactly one wins; the other
-    gets CommitConflict). Where the file system has no hard links, an O_EXCL create is the exclusive step."""
-    vdir = versions_dir(d)
-    final = Path(d) / version_name(n)
-    tmp = vdir / f"{final.name}.{os.getpid()}{TMP_SUFFIX}"
+    """Create DIR/versions/v00000N.json with `data`, exclusively (create_file: of two builds committing version N
+    exactly one wins; the other gets CommitConflict)."""
+    versions_dir(d)
+    try:
+        create_file(Path(d) / version_name(n), data)
+    except FileExistsError:
+        raise CommitConflict(_conflict(d, n)) from None
+
+
+def create_file(final: Path, data: bytes) -> None:
+    """Create `final` with `data`, exclusively and durably: written whole to a temp file beside it, then hard-linked
+    to its name (os.link fails where the name exists: FileExistsError); where the file system has no hard links, an
+    O_EXCL create is the exclusive step. The dir is synced, so the new name is durable before anything points at it.
+    Nothing is followed through a link at either name."""
+    tmp = final.with_name(f"{final.name}.{os.getpid()}{TMP_SUFFIX}")
     with open_no_follow(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -212,23 +221,20 @@ def commit_record(d: Path, n: int, data: bytes) -> None:
     try:
         os.link(tmp, final, follow_symlinks=False)
     except FileExistsError:
-        raise CommitConflict(_conflict(d, n)) from None
+        raise
     except OSError:  # no hard links here (some network and FUSE file systems)
-        _create_exclusive(final, data, d, n)
+        _create_exclusive(final, data)
     finally:
         tmp.unlink(missing_ok=True)
-    fd = os.open(vdir, os.O_RDONLY)
+    fd = os.open(final.parent, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the new name is durable before manifest.json points at it
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _create_exclusive(final: Path, data: bytes, d: Path, n: int) -> None:
-    try:
-        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    except FileExistsError:
-        raise CommitConflict(_conflict(d, n)) from None
+def _create_exclusive(final: Path, data: bytes) -> None:
+    fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)  # FileExistsError where it is
     with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()

@@ -20,7 +20,14 @@ from vlmprep.families import FamilySpec, family_of
 from vlmprep.processors.load import load_saved_processor, vocab_size
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB, sha256_file
 from vlmprep.shards.format import META_MEMBER, arrays_of, id_hash, is_video_member
-from vlmprep.shards.manifest import Manifest, ShardEntry, ShardFormatError, open_dataset, processor_dir
+from vlmprep.shards.manifest import (
+    Manifest,
+    ShardEntry,
+    ShardFormatError,
+    VersionRefError,
+    open_dataset,
+    processor_dir,
+)
 from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
 from vlmprep.shards.versions import manifest_number, shard_version
 from vlmprep.tools.per_shard import map_shards
@@ -65,6 +72,8 @@ def verify_dataset(
     done."""
     try:
         root, manifest = open_dataset(root)  # DIR, DIR@vN or DIR@TAG
+    except VersionRefError:
+        raise  # not a fault of the dataset: the version asked for is not there (one line)
     except ShardFormatError as e:
         return [Violation(MANIFEST_NAME, str(e))]
     problem = _schema_error(schema_validator("manifest.schema.json"), manifest.to_json())
