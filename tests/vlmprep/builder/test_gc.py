@@ -411,3 +411,20 @@ def test_random_sequences_of_real_gc_keep_the_dataset_consistent(full, tmp_path)
         r = invoke("gc", work, "--keep", str(rng.randint(1, 3)))
         assert r.exit_code == 0 and f"v{n} (latest)" in r.output, r.output
     assert not verify_dataset(work)
+
+
+def test_an_append_after_gc_still_rejects_the_ids_of_removed_versions(ds, tmp_path):
+    """gc keeps every version's id file and rejects file: an append after v1..v4 were removed rejects v1's ids as
+    duplicates, and stats of the latest still adds up."""
+    from vlmprep.tools.stats import compute_stats
+
+    collect(str(ds), 1, say=lambda line: None)
+    assert not (ds / version_name(1)).exists() and (ds / "versions" / "v000001.ids").is_file()
+    again = _batch(tmp_path / "again.jsonl", 1).read_text().splitlines()  # v1's ids r1-0 .. r1-2
+    fresh = _batch(tmp_path / "fresh.jsonl", 9).read_text().splitlines()
+    (tmp_path / "mixed.jsonl").write_text("\n".join([again[0], *fresh[:2]]) + "\n")
+    res = build(cfg([tmp_path / "mixed.jsonl"], ds, append=True))
+    added = res.manifest.version["added"]
+    assert res.manifest.version["number"] == VERSIONS + 1 and added["rejects"] == {"duplicate_id": 1}
+    assert added["totals"]["samples"] == 2
+    assert not verify_dataset(ds) and not compute_stats(ds)["mismatches"]
