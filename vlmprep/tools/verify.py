@@ -31,7 +31,7 @@ from vlmprep.shards.manifest import (
 from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
 from vlmprep.shards.versions import manifest_number, shard_version
 from vlmprep.tools.per_shard import map_shards
-from vlmprep.tools.verify_sources import source_problems
+from vlmprep.tools.sample_checks import source_problems, span_problems
 from vlmprep_schemas import NAMES, load
 from vlmprep_schemas.boundary import UnsafeDataset
 from vlmprep_schemas.limits import grid_problem
@@ -303,7 +303,7 @@ class _SampleCheck:
             out.append(Violation(where, "loss_mask trains image placeholder tokens"))
         if meta["num_tokens"] != L or meta["num_trainable_tokens"] != int(mask.sum()):
             out.append(Violation(where, "meta token counts differ from the arrays"))
-        out.extend(_span_checks(where, meta, mm, mask))
+        out.extend(Violation(where, p) for p in span_problems(meta, mm, mask))
         try:
             members = s.image_members()
         except ShardFormatError as e:
@@ -417,37 +417,4 @@ def _verify_shard(
         out.append(Violation(path.name, f"{n} samples, manifest says {info.num_samples}"))
     if (tokens, trainable) != (info.num_tokens, info.num_trainable_tokens):
         out.append(Violation(path.name, f"token counts ({tokens}, {trainable}) differ from the manifest"))
-    return out
-
-
-def _span_checks(where: str, meta: dict, mm: np.ndarray, mask: np.ndarray) -> list[Violation]:
-    """Each image's span (its whole unit in the tokens, where the meta records it): in order, inside the sample, never
-    trained, holding every token marked image; num_image_tokens their sum (older datasets: the marked tokens)."""
-    spans = [im.get("span") for im in meta["images"]]
-    if not spans or any(sp is None for sp in spans):
-        want = int((mm == 1).sum())
-        return (
-            []
-            if meta["num_image_tokens"] == want or spans
-            else [Violation(where, f"meta num_image_tokens={meta['num_image_tokens']}, the arrays mark {want}")]
-        )
-    out, inside, end = [], np.zeros(len(mm), dtype=bool), 0
-    for k, (a, b) in enumerate(spans):
-        if not end <= a < b <= len(mm):
-            return [
-                Violation(
-                    where, f"image {k}: span [{a}, {b}) is not after the previous one inside the {len(mm)} tokens"
-                )
-            ]
-        inside[a:b], end = True, b
-    if mask[inside].any():
-        out.append(Violation(where, "loss_mask trains tokens of an image's span"))
-    if ((mm == 1) & ~inside).any():
-        out.append(Violation(where, "tokens marked image outside every image's span"))
-    if meta["num_image_tokens"] != int(inside.sum()):
-        out.append(
-            Violation(
-                where, f"meta num_image_tokens={meta['num_image_tokens']}, the images' spans hold {int(inside.sum())}"
-            )
-        )
     return out

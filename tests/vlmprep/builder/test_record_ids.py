@@ -10,7 +10,8 @@ import pytest
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig, InspectConfig
 from vlmprep.shards.manifest import open_dataset, shard_paths
-from vlmprep.shards.reader import iter_rejects, iter_shard
+from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.tools.verify import verify_dataset
 
 # seq_len 400 splits a 4-turn record of these into 3 step samples and keeps a 1-turn one whole
