@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from vlmprep import cli_versions
+from vlmprep.builder.watch_config import NOT_WATCH_OPTIONS, WATCH_FIELDS, WatchConfig
 from vlmprep.config import FIELDS, INSPECT_FIELDS, PER_VERSION, RAW_OPTIONS, REQUIRED, InspectConfig, default
 from vlmprep.shards.summary import plural
 from vlmprep.types import UserError
@@ -208,6 +209,31 @@ def _given(ctx: typer.Context, names) -> set[str]:
     }
 
 
+@app.command()
+@_with_options([n for n, f in FIELDS.items() if f.metadata["group"] and n not in NOT_WATCH_OPTIONS])
+@_with_options(WATCH_FIELDS, fields=WATCH_FIELDS)  # watch's own options first, from WatchConfig
+def watch(**opts) -> None:
+    """Watch an input location (--in: a dir, a glob, an s3:// gs:// hf:// prefix) and build the objects that land
+    there into --out, each cycle's as ONE new version, exactly once (docs/datasets-that-grow.md, Watch).
+
+    The first cycle builds the dataset where --out holds none (with these build options; otherwise they must be the
+    dataset's). Exit 0 after --once or SIGTERM (the version in progress commits or is abandoned whole), 1 on a fault
+    it cannot retry, 75 when --once met a transient one."""
+    from vlmprep.builder.watch import run_watch
+    from vlmprep.config import BuildConfig
+
+    try:
+        if not opts["inputs"]:
+            raise typer.BadParameter("--in is required: the location to watch (a dir, a glob or a store's prefix)")
+        values = _config_values(opts, FIELDS.keys() & opts.keys())
+        own = {n: (v.value if isinstance(v, enum.Enum) else v) for n, v in opts.items() if n in WATCH_FIELDS}
+        build_cfg = BuildConfig(**{**values, "inputs": tuple(opts["inputs"]), "out": str(opts["out"])})
+        code = run_watch(WatchConfig(build=build_cfg, **own), echo=_echo)
+    except (UserError, ValueError, OSError) as e:
+        _fail(e)
+    raise typer.Exit(code)
+
+
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
 @app.command()
 def merge(
@@ -254,25 +280,33 @@ def merge(
     _echo(format_build_summary(manifest, root), lines=True)
 
 
-@app.command()
-def verify(
-    root: Annotated[
-        str,
-        typer.Argument(
-            help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: copied into the cache first)."
-        ),
-    ],
-    quick: Annotated[
-        bool, typer.Option(help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")
-    ] = False,
-    workers: Annotated[
+DatasetArg = Annotated[
+    str,
+    typer.Argument(
+        help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: copied into the cache first)."
+    ),
+]
+
+
+def _workers(work: str, result: str):
+    """The --workers option of a command that reads every shard: `work` done at once, `result` the same for any."""
+    return Annotated[
         Optional[int],
         typer.Option(
             min=1,
             show_default="the CPUs this process may use",
-            help="Processes that check shards at once; the report is the same for any value.",
+            help=f"Processes that {work} at once; {result} the same for any value.",
         ),
-    ] = None,
+    ]
+
+
+@app.command()
+def verify(
+    root: DatasetArg,
+    quick: Annotated[
+        bool, typer.Option(help="Only the manifest, schemas, shard sizes and sha256s; skip per-sample checks.")
+    ] = False,
+    workers: _workers("check shards", "the report is") = None,
 ) -> None:
     """Check shards against the manifest and schemas, and every sample's invariants. Exit 1 on any violation.
 
@@ -337,12 +371,7 @@ def inspect(
 
 @app.command()
 def stats(
-    root: Annotated[
-        str,
-        typer.Argument(
-            help="A built dataset dir, or its URL (s3://, gs://, hf://, http(s)://: copied into the cache first)."
-        ),
-    ],
+    root: DatasetArg,
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
     html: Annotated[
         Optional[str], typer.Option(help="Also write a self-contained HTML report with histograms to this file.")
@@ -361,14 +390,7 @@ def stats(
             "version's) to this file (id, version, source, reason, message)."
         ),
     ] = None,
-    workers: Annotated[
-        Optional[int],
-        typer.Option(
-            min=1,
-            show_default="the CPUs this process may use",
-            help="Processes that read shards at once; the numbers are the same for any value.",
-        ),
-    ] = None,
+    workers: _workers("read shards", "the numbers are") = None,
     since: Annotated[
         Optional[str],
         typer.Option(
@@ -386,30 +408,19 @@ def stats(
 
     from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.stats import compute_stats
+    from vlmprep.tools.stats_tables import write_outputs
     from vlmprep.tools.stats_text import format_stats
 
     root, shown = _local_dir(root, "stats", since=since)
 
     rows: dict[str, list] | None = {} if samples else None
-    written = []
     try:
         with shard_progress("stats") as progress:
             st = compute_stats(
                 root, workers=workers or len(os.sched_getaffinity(0)), on_shard=progress, sample_rows=rows, since=since
             )
         st["dir"] = shown  # a URL's copy by the URL
-        if html:
-            from vlmprep.tools.stats_report import write_stats_report
-
-            write_stats_report(Path(html), st)
-            written.append(f"wrote {html}")
-        if samples or rejects:
-            from vlmprep.tools.stats_tables import write_reject_table, write_sample_table
-
-            if samples:
-                written.append(f"wrote {samples} ({write_sample_table(rows, Path(samples))} samples)")
-            if rejects:
-                written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects), since)} rejects)")
+        written = write_outputs(root, st, rows, html=html, samples=samples, rejects=rejects, since=since)
     except (UserError, ValueError, OSError) as e:
         _fail(e)
     _echo(json.dumps(st, indent=2, sort_keys=True) if json_out else format_stats(st), lines=True)

@@ -1,5 +1,6 @@
 """One owner per dataset dir: an advisory fcntl.flock on DIR/.vlmprep.lock, the holder (command, pid, host, since)
-written in it. A whole build and `vlmprep merge` hold it exclusively; `--task-index` runs share it (a Slurm array of
+written in it. A whole build and `vlmprep merge` hold it exclusively (a `vlmprep watch` holds DIR/.vlmprep.watch.lock
+for its whole run, and the build lock for each cycle's build); `--task-index` runs share it (a Slurm array of
 them on one --out is the normal case) and each holds tasks/task-NNNNN.lock alone, so no task runs twice at once. The
 kernel drops a lock when its process dies: a lock file left behind by a killed process never blocks.
 """
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from vlmprep.shards.dataset import LOCK_NAME, TASKS_DIR, task_file
+from vlmprep.shards.dataset import LOCK_NAME, TASKS_DIR, WATCH_LOCK, task_file
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeWrite, open_fd_no_follow, read_state, state_dir
 
@@ -167,6 +168,23 @@ def own_task(out: Path, index: int) -> Iterator[None]:
         return (
             f"{out}: task {index} is already running in {_describe(path)}; two runs of one task would write the "
             "same shards: wait for it to end (or stop it)"
+        )
+
+    with _held(path, shared=False, refuse=refuse):
+        yield
+
+
+@contextlib.contextmanager
+def own_watch(out: Path) -> Iterator[None]:
+    """A `vlmprep watch` on a local --out: one watcher at a time (its builds take --out's own lock each cycle, so a
+    `build --append` runs between cycles, never beside one), or BusyError naming the watcher that has it."""
+    out = Path(out)
+    path = out / WATCH_LOCK
+
+    def refuse() -> str:
+        return (
+            f"--out {out} is watched already by {_describe(path)}; one watcher per dataset: stop that one first, "
+            "or watch into another --out"
         )
 
     with _held(path, shared=False, refuse=refuse):

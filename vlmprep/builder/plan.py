@@ -35,6 +35,11 @@ class PlanError(UserError):
     """The dataset dir's plan does not fit what was asked (other options, a missing plan, changed inputs)."""
 
 
+class InputChanged(PlanError):
+    """An input of the plan changed (size, time, ETag) after the plan scanned it: the plan is void (`vlmprep watch`
+    abandons the attempt and builds the object's new content on its next cycle)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanInput(JsonObject):
     """One input file as the plan scanned it: its path, its id name, its stamp (bytes, mtime, a store's ETag) and
@@ -251,7 +256,7 @@ def check_inputs_unchanged(plan: Plan) -> None:
                 "the inputs are visible under the same path"
             ) from None
         if any(getattr(inp, k) != v for k, v in now.items()):  # size and time (and a store's ETag)
-            raise PlanError(
+            raise InputChanged(
                 f"{inp.path} changed after the plan was made (size or mtime); plan again into a fresh --out dir"
             )
 

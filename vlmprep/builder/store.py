@@ -43,6 +43,7 @@ from vlmprep.shards.dataset import (
     SHARD_GLOB,
     TASKS_DIR,
     TMP_SUFFIX,
+    WATCH_LEASE,
     TaskFiles,
     is_ours,
     task_file,
@@ -405,6 +406,7 @@ def push_dataset(
             bucket.put(p, name)
     named = {k for s in manifest.shards for k, _ in [(s.name, s.bytes)] + _index_of(s)}
     gone = [k for k in have if k not in local and k not in named and k != MANIFEST_NAME and is_ours(k)]
+    gone = [k for k in gone if not k.startswith(WATCH_LEASE)]  # a running watcher's lease is no build's file
     if n is None:
         bucket.remove(gone)
         bucket.put(stage / MANIFEST_NAME, MANIFEST_NAME)

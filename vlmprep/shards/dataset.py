@@ -26,6 +26,10 @@ JOURNAL_NAME = "build-journal.json"  # an older build's journal: cleared with th
 NV_META = ".nv-meta"  # energon's MAIN_FOLDER_NAME
 TASKS_DIR = "tasks"
 LOCK_NAME = ".vlmprep.lock"  # held while a build or merge writes into the dir (builder/owner.py); removed after
+# `vlmprep watch`'s own state in --out: WATCH_LOCK (a local --out: held while a watcher runs) and the leases of an --out
+# in a bucket (WATCH_LEASE-000001 ...); never cleared by a build, never a dataset file (builder/watch_lease.py).
+WATCH_LOCK = ".vlmprep.watch.lock"
+WATCH_LEASE = ".vlmprep.watch.lease"
 SHARD_GLOB = "shard-*.tar"  # every shard name plan.shard_prefix makes; a .tar of another name is never ours
 TMP_SUFFIX = ".tmp"
 # What a finished task leaves under tasks/: its manifest (written last), rejects and sample list.
@@ -55,6 +59,7 @@ DATASET_FILES = tuple(
 )
 # Everything a build writes into --out; anything else there is the user's, and a whole build refuses to mix in unasked.
 BUILD_FILES = DATASET_FILES + (PROCESSOR_DIR, f"{PROCESSOR_DIR}.*", TASKS_DIR, NV_META, LOCK_NAME, VERSIONS_DIR)
+BUILD_FILES += (WATCH_LOCK, f"{WATCH_LEASE}-*")
 
 
 def is_ours(name: str, patterns: tuple[str, ...] = BUILD_FILES) -> bool:
