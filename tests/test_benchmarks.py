@@ -102,6 +102,8 @@ REQUIRED = {
     ("append", "build_alone"): {"records", "seconds", "peak_rss_mb"},
     ("append", "append"): {"records", "base_samples", "seconds", "vs_alone", "goal", "within_goal"},
     ("append", "size_independence"): {"base_samples", "ratio", "goal", "within_goal"},
+    ("watch", "latency"): {"records", "every", "latency_seconds", "build_seconds", "goal", "within_goal"},
+    ("watch", "latency_worst"): {"objects", "every", "max_latency_seconds", "max_over_build_and_every_seconds"},
     ("video", "peak_rss"): {"family", "workers", "main_rss_mb", "worker_rss_mb", "goal_mb"},
     ("photos", "image_bytes_vs_source"): {"input", "image_format", "by_storage", "ratio"},
     ("photos", "build_cpu_per_record"): {"ms_per_record", "ratio", "goal_ratio"},

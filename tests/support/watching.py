@@ -135,3 +135,36 @@ def check_exactly_once(read, objects: list[str], verify: Callable[[int], list]) 
         assert sum(a.get(key, 0) for a in added) == value, f"totals.{key} does not add up across versions"
     assert json.loads(read("manifest.json")) == recs[-1]
     return recs
+
+
+def two_watchers(location, out, drop: Callable[[int], str], read, verify, tmp_path: Path) -> None:
+    """Two watchers started at once on one dataset: exactly one runs (the other exits 1 in one line naming --out and
+    never writes a status), a third is refused while it runs, the one commits each version, SIGTERM ends it with 0,
+    and every object is in exactly one version."""
+    landed = [drop(0)]
+    logs, sts = [tmp_path / f"w{i}.log" for i in (0, 1)], [tmp_path / f"w{i}.json" for i in (0, 1)]
+    procs = [
+        start(location, out, "--every", "0.2", "--poll", "0.2", "--status-file", sts[i], log=logs[i]) for i in (0, 1)
+    ]
+    try:
+        wait_for(lambda: any(p.poll() is not None for p in procs))
+        loser = next(i for i, p in enumerate(procs) if p.poll() is not None)
+        winner = 1 - loser
+        assert procs[loser].returncode == 1
+        lines = logs[loser].read_text().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}"), lines
+        assert "is watched already by" in lines[0] or "another watcher took its lease" in lines[0]
+        wait_for(lambda: (status(sts[winner]) or {}).get("latest_version") == 1, proc=procs[winner], log=logs[winner])
+        res = invoke(*watch_args(location, out, "--once"))  # a bucket's lease outlived the first (whole) build
+        assert res.exit_code == 1 and "is watched already by" in res.output, res.output
+        landed.append(drop(1))
+        wait_for(lambda: status(sts[winner])["latest_version"] == 2, proc=procs[winner], log=logs[winner])
+        assert stop(procs[winner], timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = logs[winner].read_text()
+    assert "v1 committed" in text and "v2 committed" in text, text
+    assert status(sts[loser]) is None  # the loser never ran a cycle
+    check_exactly_once(read, landed, verify)

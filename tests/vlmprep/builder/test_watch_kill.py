@@ -1,0 +1,141 @@
+"""`vlmprep watch` killed with SIGKILL at random points (issue 55.4's acceptance), its own process each time, new
+objects landing between the kills, then restarted: every object lands in exactly one version, no version is ever
+half-visible (after each kill, the latest record's shards are all there with their sha256s), every version verifies
+and the versions' added totals sum to the latest's. A local dir into a local --out (3 kills in `make test`, 20 in
+`make test-all`) and, slow, moto's S3 server for both the location and --out (20 kills)."""
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.support.watching import (
+    check_exactly_once,
+    invoke,
+    land,
+    local_reader,
+    records,
+    start,
+    status,
+    traces,
+    watch_args,
+)
+from tests.trainer import test_remote
+from tests.vlmprep.builder.test_watch import verifier
+
+s3_server = test_remote.s3_server  # moto's S3 server on loopback, module-scoped
+
+
+def _cycling(st: dict | None, proc) -> bool:
+    """Whether the status file is this process's, past its start-up (the processor loaded, cycles running)."""
+    return st is not None and st["pid"] == proc.pid and st["state"] != "starting"
+
+
+@dataclass
+class Case:
+    """A watched location and dataset: `drop(k)` lands object k (its path back), `whole()` checks the latest committed
+    version is whole, `window` s after a watcher's loop began its cycle lists, builds and commits."""
+
+    location: str
+    out: str
+    drop: Callable[[int], str]
+    whole: Callable[[], None]
+    window: float
+    env: dict | None = None
+
+
+def kill_at_random_points(case: Case, n_kills: int, seed: int, tmp_path: Path) -> list[str]:
+    """Start the watcher, SIGKILL it at a random point (most within its window after its loop began; some during its
+    start-up), land 0-2 new objects, again, `n_kills` times; after each kill the latest version must be whole.
+    Returns the objects landed."""
+    rng = random.Random(seed)
+    st, log = tmp_path / "status.json", tmp_path / "watch.log"
+    landed = [case.drop(0)]
+    for i in range(n_kills):
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            landed.append(case.drop(len(landed)))
+        proc = start(
+            case.location, case.out, "--every", "0.1", "--poll", "0.1", "--status-file", st, log=log, env=case.env
+        )
+        if rng.random() < 0.2:
+            time.sleep(rng.uniform(0.5, 4.0))  # during the start-up: imports, the lock or lease
+        else:
+            end = time.monotonic() + 120
+            while time.monotonic() < end and proc.poll() is None and not _cycling(status(st), proc):
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, case.window))
+        assert proc.poll() is None, f"kill {i}: the watcher ended by itself: {log.read_text()[-3000:]}"
+        proc.kill()
+        proc.wait()
+        case.whole()
+    return landed
+
+
+def finish(location, out) -> str:
+    """Run `--once` until it finds nothing new (the restart after the last kill)."""
+    for _ in range(4):
+        res = invoke(*watch_args(location, out, "--once"))
+        assert res.exit_code == 0, res.output
+        if "nothing new" in res.output:
+            return res.output
+    raise AssertionError(res.output)
+
+
+def local_case(n_kills: int, seed: int, tmp_path: Path) -> None:
+    inbox, out = tmp_path / "inbox", tmp_path / "ds"
+    inbox.mkdir()
+
+    def drop(k):
+        return str(land(inbox, k, n=4))
+
+    def whole():
+        n = len(records(local_reader(out)))
+        assert n == 0 or verifier(out, quick=True)(n) == [], f"version {n} is not whole after a kill"
+
+    landed = kill_at_random_points(Case(str(inbox), str(out), drop, whole, 1.0), n_kills, seed, tmp_path)
+    finish(inbox, out)
+    check_exactly_once(local_reader(out), landed, verifier(out))
+
+
+def test_sigkill_at_random_points_then_restart_builds_every_object_exactly_once(tmp_path):
+    local_case(3, 55, tmp_path)
+
+
+@pytest.mark.slow  # 20 watcher processes, each started, cycling and killed (~4 min on 2 cores)
+def test_sigkill_at_20_random_points_local(tmp_path):
+    local_case(20, 2055, tmp_path)
+
+
+@pytest.mark.slow  # 20 watcher processes against moto's S3 server (~6 min on 2 cores)
+def test_sigkill_at_20_random_points_in_a_bucket(s3_server, tmp_path, monkeypatch):
+    import s3fs
+
+    from vlmprep.shards.remote import fetch_dataset
+    from vlmprep.tools.verify import verify_dataset
+
+    monkeypatch.setenv("VLMPREP_STAGE", str(tmp_path / "stage"))
+    monkeypatch.setenv("VLMPREP_CACHE", str(tmp_path / "cache"))
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("watched")
+    location, url = "s3://watched/in/", "s3://watched/ds"
+
+    def drop(k):
+        fs.pipe(f"watched/in/obj-{k:03d}.jsonl.zst", traces(k, n=4))
+        return f"s3://watched/in/obj-{k:03d}.jsonl.zst"
+
+    def read(name):
+        fs.invalidate_cache()
+        return fs.cat_file(f"watched/ds/{name}") if fs.exists(f"watched/ds/{name}") else None
+
+    def whole():
+        n = len(records(read))
+        assert n == 0 or verify_dataset(fetch_dataset(f"{url}@v{n}"), deep=False) == [], f"version {n} is not whole"
+
+    env = {k: os.environ[k] for k in ("VLMPREP_STAGE", "VLMPREP_CACHE")}
+    landed = kill_at_random_points(Case(location, url, drop, whole, 3.0, env), 20, 4055, tmp_path)
+    finish(location, url)
+    check_exactly_once(read, landed, lambda n: verify_dataset(fetch_dataset(f"{url}@v{n}")))
