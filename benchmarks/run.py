@@ -10,7 +10,8 @@ balance -> pack -> order (sample shuffle, mixture shares, shuffled loader); trac
 agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-task balance); video (build seconds and
 shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
 with growth exponents: 10k / 100k samples, 1M from the index); append (`build --append` of 1,000 records to datasets
-of 10k and 100k samples vs building them alone). `--quick` is a seconds-long smoke run (tiny inputs;
+of 10k and 100k samples vs building them alone); watch (a running `vlmprep watch`: an object landing to a readable
+version, against its build time + --every + 10 s). `--quick` is a seconds-long smoke run (tiny inputs;
 figures meaningless, shape real)."""
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from benchmarks import (
     bench_tables,
     bench_traces,
     bench_video,
+    bench_watch,
 )
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT
@@ -63,6 +65,7 @@ BENCHES = (
     "video",
     "growth",
     "append",
+    "watch",
 )
 
 
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_growth.run(a.quick)
     if "append" in only:
         bench_append.run(a.quick)
+    if "watch" in only:
+        bench_watch.run(a.quick)
     emit("done", seconds=round(time.perf_counter() - t0, 1))
 
 
