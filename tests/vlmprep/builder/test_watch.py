@@ -234,3 +234,17 @@ def test_metrics_are_prometheus_text_and_label_text_is_escaped():
     assert 'vlmprep_watch_rejects_total{reason="duplicate_id"} 2' in lines
     assert 'vlmprep_watch_last_error_info{error="cannot list s3://b/\\"x\\"\\\\n\\\\x1b[2J"} 1' in lines
     assert "\x1b" not in text and all(line.startswith(("# HELP ", "# TYPE ", "vlmprep_watch_")) for line in lines)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "FIFO"])
+def test_a_watch_lock_that_is_a_planted_link_or_fifo_is_refused(kind, tmp_path):
+    inbox, out = tmp_path / "inbox", tmp_path / "ds"
+    inbox.mkdir()
+    land(inbox, 0)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    plant(out / ".vlmprep.watch.lock", kind, victim)
+    res = finishes(lambda: once(inbox, out))
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1, res.output
+    assert ".vlmprep.watch.lock" in res.output and not (out / "manifest.json").exists()
+    assert victim.read_text() == "the user's own file\n"
