@@ -408,7 +408,7 @@ def stats(
 
     from vlmprep.tools.per_shard import shard_progress
     from vlmprep.tools.stats import compute_stats
-    from vlmprep.tools.stats_tables import write_outputs
+    from vlmprep.tools.stats_report import write_outputs
     from vlmprep.tools.stats_text import format_stats
 
     root, shown = _local_dir(root, "stats", since=since)

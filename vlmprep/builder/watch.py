@@ -44,7 +44,7 @@ from vlmprep.builder.watch_status import SHOWN, Status, check_status_file, serve
 from vlmprep.locations import LocationError, is_url, url_fs
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor
-from vlmprep.records import InputError
+from vlmprep.records import InputError, ReadLimits
 from vlmprep.shards.summary import plural
 from vlmprep.shards.versions import CommitConflict, manifest_number
 from vlmprep.types import UserError
@@ -119,9 +119,7 @@ class Watcher:
         resume = interrupted(b.out, parent, listed)
         records = None
         if self.cfg.min_records is not None:
-            records = count_records(
-                pending, max_line_bytes=b.max_line_bytes, max_zstd_window=b.max_zstd_window, cache=self.counts
-            )
+            records = count_records(pending, limits=ReadLimits.of(b), cache=self.counts)
         self.status.update(
             latest_version=parent.number if parent else None,
             dataset={k: parent.manifest.totals.get(k, 0) for k in ("records", "samples", "tokens")} if parent else None,

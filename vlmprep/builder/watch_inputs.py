@@ -19,7 +19,7 @@ from vlmprep.builder.plan import Plan, PlanError, PlanInput, load_plan
 from vlmprep.builder.store import Bucket, is_store, stage_for
 from vlmprep.builder.store_versions import store_parent
 from vlmprep.locations import Input, LocationError, RemoteFile, is_url, stamp, stamp_of_info, url_fs, why
-from vlmprep.records import SUFFIXES, InputError, expand_inputs, iter_file_records
+from vlmprep.records import SUFFIXES, InputError, ReadLimits, expand_inputs, iter_file_records
 from vlmprep.shards.dataset import MANIFEST_NAME, PLAN_NAME
 from vlmprep.shards.manifest import InputEntry, ShardFormatError
 from vlmprep.shards.versions import highest_version, read_record, repair_manifest
@@ -249,7 +249,7 @@ def forget_attempt(out: str) -> None:
             (Path(out) / PLAN_NAME).unlink(missing_ok=True)
 
 
-def count_records(items: list[Listed], *, max_line_bytes: int, max_zstd_window: int, cache: dict) -> int:
+def count_records(items: list[Listed], *, limits: ReadLimits, cache: dict) -> int:
     """The records the objects hold (a line, a table row, a .json array item; a file-level fault counts one), each
     object read once per stamp (`cache` keeps its count), as the plan's scan reads it: lines, not JSON."""
     total = 0
@@ -259,8 +259,7 @@ def count_records(items: list[Listed], *, max_line_bytes: int, max_zstd_window: 
             try:
                 records = iter_file_records(
                     RemoteFile(item.path) if isinstance(item.input, RemoteFile) else item.input,
-                    max_line_bytes=max_line_bytes,
-                    max_zstd_window=max_zstd_window,
+                    limits=limits,
                     scan=True,
                 )
                 cache[key] = sum(1 for _ in records)

@@ -10,6 +10,7 @@ from pathlib import Path
 from vlmprep.shards.dataset import write_text_atomic
 from vlmprep.tools.distributions import DISTRIBUTIONS, PERCENTILES
 from vlmprep.tools.report import page
+from vlmprep.tools.stats_tables import write_reject_table, write_sample_table
 from vlmprep.tools.stats_text import INPUT_COLUMNS, shown_inputs, summary_lines
 
 BAR = "#3b6fd4"  # histogram bars: tests look for this colour in the screenshot
@@ -162,3 +163,19 @@ def write_stats_report(path: Path, st: dict) -> None:
     """Writes the stats HTML report to `path` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, render_stats_report(st))
+
+
+def write_outputs(
+    root: Path, st: dict, rows: dict | None, *, html: str | None, samples: str | None, rejects: str | None, since
+) -> list[str]:
+    """`vlmprep stats`' files besides its report: the HTML report (--html), the per-sample (--samples, from `rows`)
+    and per-reject (--rejects) Parquet tables; -> a 'wrote FILE' line for each."""
+    written = []
+    if html:
+        write_stats_report(Path(html), st)
+        written.append(f"wrote {html}")
+    if samples:
+        written.append(f"wrote {samples} ({write_sample_table(rows, Path(samples))} samples)")
+    if rejects:
+        written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects), since)} rejects)")
+    return written

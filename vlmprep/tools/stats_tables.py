@@ -105,21 +105,3 @@ def write_reject_table(root: Path | str, path: Path, since: str | None = None) -
         for c in REJECT_COLUMNS:
             cols[c].append(values[c])
     return _write(cols, path)
-
-
-def write_outputs(
-    root: Path, st: dict, rows: dict | None, *, html: str | None, samples: str | None, rejects: str | None, since
-) -> list[str]:
-    """`vlmprep stats`' files besides its report: the HTML report (--html), the per-sample (--samples, from `rows`)
-    and per-reject (--rejects) Parquet tables; -> a 'wrote FILE' line for each."""
-    written = []
-    if html:
-        from vlmprep.tools.stats_report import write_stats_report
-
-        write_stats_report(Path(html), st)
-        written.append(f"wrote {html}")
-    if samples:
-        written.append(f"wrote {samples} ({write_sample_table(rows, Path(samples))} samples)")
-    if rejects:
-        written.append(f"wrote {rejects} ({write_reject_table(root, Path(rejects), since)} rejects)")
-    return written
