@@ -1,6 +1,8 @@
 """`make bench-peers` harness, the parts that run without the peers' venvs: the records in each peer's format carry
 the same turns, text and images as the trace they came from, and each tool is asked for the same length and pixels;
-in `make test-all`, the harness's own quick run measures vlmprep (no peer installed)."""
+the end-to-end mode's train-time drivers read what each tool's preprocessing wrote, vlmprep's reads every record
+each epoch, and its ratios meet their goals only where the CPU seconds do; in `make test-all`, the harness's own
+quick run measures vlmprep end to end (no peer installed)."""
 
 import base64
 import json
@@ -11,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import convert
-from benchmarks.peers.__main__ import command
+from benchmarks.peers import convert, endtoend
+from benchmarks.peers.__main__ import command, save_model_dir
 from scripts.demo_traces import write_traces
 from tests.conftest import LLAMAFACTORY
 
@@ -100,12 +102,89 @@ def test_each_tool_gets_the_same_length_and_pixel_bounds(tmp_path):
     assert sw[sw.index("--max_length") + 1] == "4096" and sw[sw.index("--to_cached_dataset") + 1] == "true"
 
 
-@pytest.mark.slow  # ~2 min on 2 cores: four small vlmprep builds (the peers are not installed by this test)
-def test_quick_harness_measures_vlmprep_on_both_inputs(tmp_path):
+def test_train_time_drivers_read_each_tools_own_output(tmp_path):
+    data = {"kind": "demo", "name": "demo", "llamafactory": tmp_path, "swift": tmp_path / "d.jsonl", "seq_len": 4096}
+    pixels = {"min_pixels": 3136, "max_pixels": 12845056}
+    out, model = tmp_path / "o", tmp_path / "model"
+    result = {"run_dir": str(tmp_path), "out": str(out), "seq_len": 4096}
+    # LLaMA-Factory's driver loads the config its preprocessing ran with: tokenized_path is where that saved.
+    command("llamafactory", tmp_path / "bin" / "python", data, model, out, tmp_path, 1, pixels)
+    code, args = endtoend.driver("llamafactory", result, model, epochs=3, batch=2)
+    assert "SFTDataCollatorWith4DAttentionMask" in code and (args["epochs"], args["batch"]) == (3, 2)
+    assert json.loads(Path(args["config"]).read_text())["tokenized_path"] == str(out.resolve())
+    # ms-swift's: `swift export --to_cached_dataset` writes OUTPUT_DIR/train; sft reads it at the same length.
+    sw = command("ms-swift", tmp_path / "bin" / "python", data, model, out, tmp_path, 1, pixels)
+    code, args = endtoend.driver("ms-swift", result, model, epochs=3, batch=2)
+    argv = args["argv"]
+    assert "LazyLLMDataset" in code and "template.data_collator" in code
+    assert argv[argv.index("--cached_dataset") + 1] == str(Path(sw[sw.index("--output_dir") + 1]) / "train")
+    assert argv[argv.index("--max_length") + 1] == sw[sw.index("--max_length") + 1] == "4096"
+    assert argv[argv.index("--template") + 1] == sw[sw.index("--template") + 1]
+    assert argv[argv.index("--per_device_train_batch_size") + 1] == "2"
+    code, args = endtoend.driver("vlmprep", result, model, epochs=3, batch=2)
+    assert args["dataset"] == str(out) and args["processor"] == str(model)
+    for tool in ("vlmprep", "llamafactory", "ms-swift"):  # each driver is valid Python that prints its E2E line
+        code = endtoend.driver(tool, result, model, epochs=1, batch=1)[0]
+        compile(code, tool, "exec")
+        assert 'print("E2E " + json.dumps(' in code
+
+
+def test_vlmprep_train_time_reads_every_record_every_epoch(tmp_path, qwen2vl_processor):
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    model = tmp_path / "model"
+    save_model_dir(model, qwen2vl_processor)
+    d = convert.write_demo(LLAMAFACTORY, tmp_path / "demo", repeat=1)
+    out = tmp_path / "ds"
+    cfg = BuildConfig(
+        inputs=(str(d["llamafactory"] / "data.json"),), out=str(out), processor=str(model), seq_len=4096, progress=False
+    )
+    build(cfg)
+    totals = json.loads((out / "manifest.json").read_text())["totals"]
+    r = endtoend.vlmprep_epochs(str(out), str(model), str(tmp_path / "run"), epochs=3, batch=2)
+    assert [e["samples"] for e in r["epochs"]] == [d["records"]] * 3
+    assert [e["tokens"] for e in r["epochs"]] == [totals["tokens"]] * 3
+    assert [e["images"] for e in r["epochs"]] == [totals["images"]] * 3 and totals["images"] == d["images"]
+    assert all(e["cpu_s"] > 0 and e["patchify_cpu_s"] > 0 for e in r["epochs"]) and r["setup_cpu_s"] > 0
+
+
+def _e2e(pre: float, load: float, **extra) -> dict:
+    return {"e2e": {"preprocess_cpu_s": pre, "load_cpu_s_per_epoch": load, "total_cpu_s": pre + 3 * load, **extra}}
+
+
+def test_ratios_meet_a_goal_only_where_the_cpu_seconds_do(capsys):
+    results = {
+        ("demo", "vlmprep"): _e2e(10.0, 1.0, patchify_cpu_s_epochs=[1.0, 1.0, 1.0]),  # the GPU's step, apart
+        ("demo", "llamafactory"): _e2e(15.0, 10.0),  # preprocess 1.5x: met; total 45 / 13: met
+        ("demo", "ms-swift"): _e2e(14.0, 8.0),  # preprocess 1.4x: not met; total 38 / 13 = 2.92x: not met
+        ("traces", "vlmprep"): _e2e(10.0, 1.0),
+        ("traces", "llamafactory"): _e2e(29.0, 5.0),  # 2.9x against a goal of 3: not met
+        ("traces", "ms-swift"): _e2e(25.0, 5.0),  # 2.5x: met; total 40 / 13 = 3.08x: met
+    }
+    rows = {(r["input"], r["vs"]): r for r in endtoend.ratios(results)}
+    got = {k: (r["preprocess"], r["preprocess_met"], r["end_to_end"], r["end_to_end_met"]) for k, r in rows.items()}
+    assert got == {
+        ("demo", "llamafactory"): (1.5, True, 3.46, True),
+        ("demo", "ms-swift"): (1.4, False, 2.92, False),
+        ("traces", "llamafactory"): (2.9, False, 3.38, True),
+        ("traces", "ms-swift"): (2.5, True, 3.08, True),
+    }
+    # With the GPU's patchify on the CPU too: 45 / (13 + 3); none measured on the traces, so no change there.
+    assert rows["demo", "llamafactory"]["end_to_end_patchify_on_cpu"] == 2.81
+    assert rows["traces", "ms-swift"]["end_to_end_patchify_on_cpu"] == 3.08
+    assert (
+        rows["traces", "llamafactory"]["preprocess_goal"] == 3.0 and rows["demo", "ms-swift"]["load_per_epoch"] == 8.0
+    )
+    assert len([json.loads(x) for x in capsys.readouterr().out.splitlines()]) == 4  # one JSON line each
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: four small vlmprep builds and two train-time runs (no peer installed)
+def test_quick_harness_measures_vlmprep_end_to_end_on_both_inputs(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.peers", "--quick", "--tools", "vlmprep"],
+        [sys.executable, "-m", "benchmarks.peers", "--quick", "--tools", "vlmprep", "--end-to-end"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -122,4 +201,12 @@ def test_quick_harness_measures_vlmprep_on_both_inputs(tmp_path):
         # Rates are None where --quick's few records cost less CPU than the noise between two start-ups.
         assert {"records_per_s_per_core", "images_per_s_per_core"} <= set(r) and r["cpu_seconds"] > 0
         assert r["train_time"] and r["startup_cpu_seconds"] > 0
+    e2e = {r["input"]: r for r in rows if r.get("metric") == "e2e"}
+    assert set(e2e) == {"demo", "traces"} and not any("error" in r for r in e2e.values()), e2e
+    for name, r in e2e.items():
+        assert r["samples_per_epoch"] == [runs[name]["records"]] * 3 and r["tokens_per_epoch"] == runs[name]["tokens"]
+        assert r["images_per_epoch"] == [runs[name]["images"]] * 3 and r["load_startup_cpu_s"] > 0
+        assert r["total_cpu_s"] == pytest.approx(r["preprocess_cpu_s"] + sum(r["load_cpu_s_epochs"]), abs=0.02)
+    assert "| demo | vlmprep | 12 |" in proc.stderr  # the summary table
+    assert (tmp_path / "bench-out" / "peers" / "end-to-end.md").read_text().strip() in proc.stderr
     assert not (tmp_path / "bench-out" / "peers" / "venv-llamafactory").exists()  # nothing installed

@@ -3,6 +3,11 @@ same Qwen2-VL processor (saved to a local dir, loaded offline) and the same leng
 pinned to one core. One JSON line per measurement on stdout (benchmarks/emit.py).
 
     python -m benchmarks.peers [--traces 64] [--demo-repeat 500] [--tools vlmprep,llamafactory,ms-swift] [--quick]
+        [--end-to-end [--epochs 3] [--batch 1]]
+
+With --end-to-end each tool's train-time data path then runs --epochs times over what its preprocessing wrote
+(benchmarks/peers/endtoend.py): a row per tool with what each step cost in CPU seconds on one core, vlmprep's ratios
+to each peer beside the goals, and the table on stderr (and in bench-out/peers/end-to-end.md).
 
 The peers live in their own venvs under bench-out/peers/ (benchmarks/peers/venvs.py), never in the project's."""
 
@@ -20,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.emit import emit, machine
 from benchmarks.inputs import OUT, records, traces
-from benchmarks.peers import convert, venvs
+from benchmarks.peers import convert, endtoend, venvs
 
 ROOT = OUT / "peers"
 TOOLS = ("vlmprep", "llamafactory", "ms-swift")
@@ -51,16 +56,16 @@ get_dataset(template, model_args, data_args, training_args, stage="sft", **token
 """
 
 
-def save_model_dir(dest: Path) -> dict:
-    """vlmprep's builtin:qwen2-vl processor saved as an AutoProcessor dir, plus a Qwen2-VL config.json (no weights):
-    ms-swift reads the model type and dtype from it before building its template."""
+def save_model_dir(dest: Path, processor=None) -> dict:
+    """vlmprep's builtin:qwen2-vl processor (or `processor`, already loaded) saved as an AutoProcessor dir, plus a
+    Qwen2-VL config.json (no weights): ms-swift reads the model type and dtype from it before building its template."""
     from transformers import Qwen2VLConfig
 
     from vlmprep.processors.load import load_processor
 
     if not (dest / "config.json").exists():
         shutil.rmtree(dest, ignore_errors=True)
-        load_processor("builtin:qwen2-vl").save_pretrained(str(dest))
+        (processor or load_processor("builtin:qwen2-vl")).save_pretrained(str(dest))
         Qwen2VLConfig(architectures=["Qwen2VLForConditionalGeneration"]).to_json_file(str(dest / "config.json"))
     legacy = dest / "preprocessor_config.json"  # transformers before the nested processor_config.json
     ip = (
@@ -224,6 +229,8 @@ def run_tool(tool: str, py: Path, data: dict, model: Path, workers: int, pixels:
         "cpu_seconds": round(_children_cpu() - cpu0, 2),
         "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "command": " ".join(cmd),
+        "out": str(out),
+        "run_dir": str(run_dir),
     }
     if res.returncode or not out.exists():
         tail = (run_dir / "log.txt").read_text(errors="replace").strip().splitlines()[-6:]
@@ -270,6 +277,48 @@ def versions(py: Path, names: list[str]) -> dict:
     return json.loads(subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
+def preprocess(tool: str, py: Path, one: dict, full: dict, model: Path, workers: int, pixels: dict) -> dict | None:
+    """The tool's preprocessing of `full`, its start-up set apart by a run on `one` (the 1-record input): its row,
+    emitted (None where either run failed, emitted with its error)."""
+    r1 = run_tool(tool, py, one, model, workers, pixels)
+    rn = run_tool(tool, py, full, model, workers, pixels)
+    row = {
+        "input": full["name"],
+        "tool": tool,
+        "workers": workers,
+        "records": full["records"],
+        "images": full["images"],
+        "seq_len": full["seq_len"],
+    }
+    if "error" in r1 or "error" in rn:
+        emit("peers", metric="run", **row, error=rn.get("error") or r1.get("error"), command=rn["command"])
+        return None
+    # The 1-record run's start-up (imports, processor load) set apart; per core from the CPU seconds the run used
+    # (its processes pinned to `workers` cores), and from the wall clock, which neighbours inflate.
+    cpu = rn["cpu_seconds"] - r1["cpu_seconds"]
+    wall = (rn["seconds"] - r1["seconds"]) * workers
+    recs, imgs = full["records"] - one["records"], full["images"] - one["images"]
+    result = emit(
+        "peers",
+        metric="run",
+        **row,
+        seconds=rn["seconds"],
+        cpu_seconds=rn["cpu_seconds"],
+        startup_seconds=r1["seconds"],
+        startup_cpu_seconds=r1["cpu_seconds"],
+        records_per_s_per_core=round(recs / cpu, 3) if cpu > 0 else None,
+        images_per_s_per_core=round(imgs / cpu, 2) if cpu > 0 else None,
+        records_per_s_per_core_wall=round(recs / wall, 3) if wall > 0 else None,
+        **{k: rn[k] for k in ("samples", "tokens", "rejected", "output_bytes") if k in rn},
+        source_image_bytes=full["source_image_bytes"],
+        columns=rn.get("columns"),
+        train_time=TRAIN_TIME[tool],
+        load_avg_1m=rn["load_avg_1m"],
+        command=rn["command"],
+    )
+    return {**result, "out": rn["out"], "run_dir": rn["run_dir"], "one_records": one["records"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.peers")
     ap.add_argument("--quick", action="store_true", help="tiny inputs: checks that everything runs")
@@ -278,10 +327,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     ap.add_argument("--workers", type=int, default=1, help="processes (and cores) per tool")
     ap.add_argument("--inputs", default="demo,traces", help="comma list of demo, traces")
+    ap.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="also each tool's train-time data path over its output, --epochs times (benchmarks/peers/endtoend.py)",
+    )
+    ap.add_argument("--epochs", type=int, default=3, help="train-time passes with --end-to-end")
+    ap.add_argument("--batch", type=int, default=1, help="samples per batch of each train-time pass")
     a = ap.parse_args(argv)
     tools = [t.strip() for t in a.tools.split(",") if t.strip()]
     if set(tools) - set(TOOLS):
         ap.error(f"--tools: choose from {', '.join(TOOLS)}")
+    if a.end_to_end and a.workers != 1:
+        ap.error("--end-to-end measures one core per tool: drop --workers")
     if a.quick:
         a.traces, a.demo_repeat = min(a.traces, 3), min(a.demo_repeat, 2)
     emit("machine", quick=a.quick, cpu=_cpu_model(), load_avg=[round(x, 2) for x in os.getloadavg()], **machine())
@@ -305,52 +363,22 @@ def main(argv: list[str] | None = None) -> None:
     sets = {d["name"]: d for d in inputs(a.quick, a.traces, a.demo_repeat)}
     results: dict[tuple[str, str], dict] = {}
     for name in [n.strip() for n in a.inputs.split(",") if n.strip()]:
-        one, full = sets[f"{name}-1"], sets[name]
         for tool in [t for t in TOOLS if t in pys]:
-            r1 = run_tool(tool, pys[tool], one, model, a.workers, pixels)
-            rn = run_tool(tool, pys[tool], full, model, a.workers, pixels)
-            row = {
-                "input": name,
-                "tool": tool,
-                "workers": a.workers,
-                "records": full["records"],
-                "images": full["images"],
-                "seq_len": full["seq_len"],
-            }
-            if "error" in r1 or "error" in rn:
-                emit("peers", metric="run", **row, error=rn.get("error") or r1.get("error"), command=rn["command"])
-                continue
-            # The 1-record run's start-up (imports, processor load) set apart; per core from the CPU seconds the
-            # run used (its processes pinned to `workers` cores), and from the wall clock, which neighbours inflate.
-            cpu = rn["cpu_seconds"] - r1["cpu_seconds"]
-            wall = (rn["seconds"] - r1["seconds"]) * a.workers
-            recs, imgs = full["records"] - one["records"], full["images"] - one["images"]
-            result = emit(
-                "peers",
-                metric="run",
-                **row,
-                seconds=rn["seconds"],
-                cpu_seconds=rn["cpu_seconds"],
-                startup_seconds=r1["seconds"],
-                startup_cpu_seconds=r1["cpu_seconds"],
-                records_per_s_per_core=round(recs / cpu, 3) if cpu > 0 else None,
-                images_per_s_per_core=round(imgs / cpu, 2) if cpu > 0 else None,
-                records_per_s_per_core_wall=round(recs / wall, 3) if wall > 0 else None,
-                **{k: rn[k] for k in ("samples", "tokens", "rejected", "output_bytes") if k in rn},
-                source_image_bytes=full["source_image_bytes"],
-                columns=rn.get("columns"),
-                train_time=TRAIN_TIME[tool],
-                load_avg_1m=rn["load_avg_1m"],
-                command=rn["command"],
-            )
-            results[name, tool] = result
+            result = preprocess(tool, pys[tool], sets[f"{name}-1"], sets[name], model, a.workers, pixels)
+            if result is not None:
+                results[name, tool] = result
+                if a.end_to_end:
+                    env = _env(Path(result["run_dir"]), pixels)
+                    results[name, tool] = endtoend.train_time(result, tool, pys[tool], model, env, a.epochs, a.batch)
         base = results.get((name, "vlmprep"))
         for peer in [t for t in TOOLS[1:] if (name, t) in results and base]:
             ratio = {
                 k: round(base[k] / results[name, peer][k], 2) if base[k] and results[name, peer][k] else None
                 for k in ("records_per_s_per_core", "records_per_s_per_core_wall")
             }
-            emit("peers", metric="ratio", input=name, vs=peer, **ratio, goal=1.5)
+            emit("peers", metric="ratio", input=name, vs=peer, **ratio, goal=endtoend.PREPROCESS_GOALS[name, peer])
+    if a.end_to_end:
+        (ROOT / "end-to-end.md").write_text(endtoend.summary(results) + "\n")
     emit("done")
 
 
