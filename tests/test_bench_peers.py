@@ -149,6 +149,44 @@ def test_vlmprep_train_time_reads_every_record_every_epoch(tmp_path, qwen2vl_pro
     assert all(e["cpu_s"] > 0 and e["patchify_cpu_s"] > 0 for e in r["epochs"]) and r["setup_cpu_s"] > 0
 
 
+# A stand-in train-time driver (the real ones need the peers' venvs or a built dataset): it burns the CPU seconds it
+# reports, 0.2 s of set-up, then per epoch 0.1 s of loading and 0.2 s of vlmprep's patchify (the GPU's share).
+BURNER = (
+    endtoend.PRELUDE
+    + """
+def burn(s):
+    t = time.process_time()
+    while time.process_time() - t < s:
+        pass
+burn(0.2)
+eps = []
+for _ in range(3):
+    c0 = _cpu()
+    burn(0.1)
+    cpu = _cpu() - c0
+    p0 = time.process_time()
+    burn(0.2)
+    eps.append({"cpu_s": cpu, "patchify_cpu_s": time.process_time() - p0, "seconds": 0.3, "samples": 4, "tokens": 9,
+                "images": 2})
+print("E2E " + json.dumps({"setup_cpu_s": 0.2, "epochs": eps}), flush=True)
+"""
+)
+
+
+def test_train_time_counts_each_step_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(endtoend, "driver", lambda *a: (BURNER, {}))
+    result = {"input": "demo", "records": 4, "images": 2, "one_records": 1, "run_dir": str(tmp_path)}
+    result.update(cpu_seconds=7.0, startup_cpu_seconds=4.0)  # 3 s for 3 of the 4 records: 4 s for all
+    row = endtoend.train_time(result, "vlmprep", Path(sys.executable), tmp_path, dict(os.environ), 3, 1)["e2e"]
+    assert row["preprocess_cpu_s"] == 4.0 and row["samples_per_epoch"] == [4, 4, 4]
+    assert row["total_cpu_s"] == pytest.approx(4.0 + sum(row["load_cpu_s_epochs"]), abs=0.02)
+    assert sum(row["load_cpu_s_epochs"]) == pytest.approx(0.3, abs=0.06)
+    assert sum(row["patchify_cpu_s_epochs"]) == pytest.approx(0.6, abs=0.03)
+    # The load's start-up is the process's CPU less its epochs and the patchify: the interpreter and 0.2 s of set-up.
+    assert 0.15 < row["load_startup_cpu_s"] < 0.5
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["metric"] == "e2e"
+
+
 def _e2e(pre: float, load: float, **extra) -> dict:
     return {"e2e": {"preprocess_cpu_s": pre, "load_cpu_s_per_epoch": load, "total_cpu_s": pre + 3 * load, **extra}}
 

@@ -290,7 +290,8 @@ def train_time(result: dict, tool: str, py: Path, model: Path, env: dict, epochs
     n, one = result["records"], result["one_records"]
     pre = (result["cpu_seconds"] - result["startup_cpu_seconds"]) * n / max(n - one, 1)
     load = sum(e["cpu_s"] for e in eps)
-    load_startup = r["process_cpu_s"] - load
+    # The process's CPU less its epochs' (and vlmprep's patchify, the GPU's share): imports, processor, dataset open.
+    load_startup = r["process_cpu_s"] - load - sum(e.get("patchify_cpu_s", 0.0) for e in eps)
     e2e = emit(
         "peers",
         metric="e2e",
