@@ -58,7 +58,8 @@ bench: $(STAMP)
 
 # vlmprep beside LLaMA-Factory's and ms-swift's preprocessing on the same records (docs/performance.md). Each peer
 # gets its own venv under bench-out/peers/ (the project's torch hard-linked in, the peer's pinned release from PyPI:
-# minutes and ~2 GB on the first run). Not in CI, `make test` or `make bench`.
+# minutes and ~2 GB on the first run). BENCH_ARGS=--end-to-end adds 3 epochs of each tool's train-time data path.
+# Not in CI, `make test` or `make bench`.
 bench-peers: $(STAMP)
 	$(PY) -m benchmarks.peers $(BENCH_ARGS)
 
