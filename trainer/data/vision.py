@@ -44,16 +44,16 @@ class ImageSpec:
     resize_patch: int = field(default=0, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: dict, video: dict | None = None, processor: dict | None = None) -> "ImageSpec":
-        """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos; `processor`:
-        the processor's own settings (processor_config.json's top level). A processor of a family that is not on a
+    def from_config(cls, cfg: dict, video: dict | None = None, settings: dict | None = None) -> "ImageSpec":
+        """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos; `settings`:
+        the processor's own (processor_config.json's top level). A processor of a family that is not on a
         patch grid is read for its name only (its own class makes the pixels)."""
         kind = cfg.get("image_processor_type") or cfg.get("video_processor_type")
         if not isinstance(kind, str) or not kind.endswith(
             ("ImageProcessor", "ImageProcessorFast", "ImageProcessorPil", "VideoProcessor")
         ):
             raise ValueError(f"processor type {kind!r} is not an image processor")
-        top = processor or {}
+        top = settings or {}
         patch, merge = top.get("patch_size"), top.get("spatial_merge_size", 1)  # untrusted: checked before use
         resize_patch = patch * merge if all(type(v) is int and 0 < v <= 1024 for v in (patch, merge)) else 0
         if kind not in GRID + VIDEO_SUPPORTED:

@@ -4,6 +4,7 @@ machine without its stage from what the bucket holds, re-running only unfinished
 scratch dirs of their own and `vlmprep merge URL` work with nothing shared but the bucket; a prefix holding files no
 build wrote is refused."""
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -29,7 +30,10 @@ def bucket(s3_server, tmp_path, monkeypatch, request):
 
     monkeypatch.setenv(STAGE_ENV, str(tmp_path / "stages"))
     fs = s3fs.S3FileSystem()
-    name = f"out-{request.node.name.lower().replace('_', '-')[:40].strip('-')}"
+    # the test's name cut to fit a bucket name, and a digest of its whole id: parametrized cases (and two tests whose
+    # names share their first 40 characters) each get their own bucket on the module's server
+    digest = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8]
+    name = f"out-{request.node.name.lower().replace('_', '-')[:40].strip('-')}-{digest}"
     fs.mkdir(name)
     return fs, name
 
