@@ -174,15 +174,21 @@ class Collator:
             return {}
         out = {k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()}
         if "image_grid_thw" in out:
-            stored = torch.from_numpy(
-                np.concatenate([np.asarray(s["image_grid_thw"]).reshape(-1, 3) for s in samples]).astype(np.int64)
-            )
-            if not torch.equal(out["image_grid_thw"], stored):
-                raise ValueError(
-                    f"{self.processor_dir} makes image grids {out['image_grid_thw'].tolist()}, the "
-                    f"samples store {stored.tolist()}: not the processor these samples were built with"
-                )
+            self._check_grids("image", out["image_grid_thw"], samples)
         return out
+
+    def _check_grids(self, kind: str, made, samples: list[dict]) -> None:
+        """Refuse a processor whose `kind` grids differ from the ones the samples store (built with another)."""
+        import torch
+
+        stored = torch.from_numpy(
+            np.concatenate([np.asarray(s[f"{kind}_grid_thw"]).reshape(-1, 3) for s in samples]).astype(np.int64)
+        )
+        if not torch.equal(made, stored):
+            raise ValueError(
+                f"{self.processor_dir} makes {kind} grids {made.tolist()}, the samples "
+                f"store {stored.tolist()}: not the processor these samples were built with"
+            )
 
     def _video_pixels(self, samples: list[dict]) -> dict:
         """The video processor's pixel_values_videos and video_grid_thw of every video in token order, from the stored
@@ -200,14 +206,7 @@ class Collator:
         made = vp(videos=videos, do_resize=False, do_sample_frames=False, return_tensors="pt", **cap)
         out = {"pixel_values_videos": made["pixel_values_videos"], "video_grid_thw": made["video_grid_thw"]}
         with_videos = [s for s in samples if s.get("videos")]
-        stored = torch.from_numpy(
-            np.concatenate([np.asarray(s["video_grid_thw"]).reshape(-1, 3) for s in with_videos]).astype(np.int64)
-        )
-        if not torch.equal(out["video_grid_thw"], stored):
-            raise ValueError(
-                f"{self.processor_dir} makes video grids {out['video_grid_thw'].tolist()}, the samples "
-                f"store {stored.tolist()}: not the processor these samples were built with"
-            )
+        self._check_grids("video", out["video_grid_thw"], with_videos)
         if "second_per_grid_ts" in getattr(self.processor, "model_input_names", ()):
             out["second_per_grid_ts"] = torch.from_numpy(
                 np.concatenate([np.asarray(s["second_per_grid_ts"], dtype=np.float32).reshape(-1) for s in with_videos])
