@@ -265,14 +265,17 @@ def _check_names(names, *, key: str, where: str, version: int, on_unknown: str) 
 
 def sample_from_members(members: dict[str, bytes], *, key: str, where: str, version: int) -> StoredSample:
     """A sample whose raw members a client already holds (webdataset, HF datasets, energon): names checked first."""
-    ok, _ = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
+    return _checked_sample(
+        members, key=key, where=where, version=version, reader=members.__getitem__, size=lambda n: len(members[n])
+    )
+
+
+def _checked_sample(names, *, key, where, version, reader, size=None, on_unknown: str = "raise") -> StoredSample:
+    """A sample of these member names, the names checked first; `size(name)`, where given, is known before a read."""
+    ok, bad = _check_names(list(names), key=key, where=where, version=version, on_unknown=on_unknown)
+    sizes = {n: size(n) for n in ok} if size else {}
     return StoredSample(
-        key=key,
-        where=where,
-        version=version,
-        names=tuple(ok),
-        reader=members.__getitem__,
-        sizes={n: len(members[n]) for n in ok},
+        key=key, where=where, version=version, names=tuple(ok), unknown=tuple(bad), reader=reader, sizes=sizes
     )
 
 
@@ -293,15 +296,14 @@ def iter_shard(path: Path, *, version: int, on_unknown: str = "raise") -> Iterat
     where = path.name
 
     def emit(key, spans):
-        ok, bad = _check_names(list(spans), key=key, where=where, version=version, on_unknown=on_unknown)
-        return StoredSample(
+        return _checked_sample(
+            spans,
             key=key,
             where=where,
             version=version,
-            names=tuple(ok),
-            unknown=tuple(bad),
             reader=lambda n: _read_range(path, *spans[n]),
-            sizes={n: spans[n][1] for n in ok},
+            size=lambda n: spans[n][1],
+            on_unknown=on_unknown,
         )
 
     try:
@@ -414,13 +416,11 @@ def iter_shard_bytes(data: bytes, *, where: str, version: int) -> Iterator[Store
     except tarfile.TarError as e:
         raise ShardFormatError(f"{where}: unreadable tar bytes: {e}") from None
     for key, members in spans.items():
-        ok, bad = _check_names(list(members), key=key, where=where, version=version, on_unknown="raise")
-        yield StoredSample(
+        yield _checked_sample(
+            members,
             key=key,
             where=where,
             version=version,
-            names=tuple(ok),
-            unknown=tuple(bad),
             reader=lambda n, m=members: data[m[n][0] : m[n][0] + m[n][1]],
         )
 
