@@ -15,8 +15,9 @@ import os
 import socket
 import sys
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from vlmprep.shards.dataset import LOCK_NAME, TASKS_DIR, WATCH_LOCK, task_file
 from vlmprep.types import UserError
@@ -96,10 +97,11 @@ def _release(path: Path, fd: int) -> None:
 
 
 @contextlib.contextmanager
-def _held(path: Path, *, shared: bool, refuse) -> Iterator[None]:
+def _held(path: Path, *, shared: bool, refuse: Callable[[str], str]) -> Iterator[None]:
+    """`path` locked (shared or alone) while the block runs; BusyError(refuse(the holder described)) if it is taken."""
     fd = _lock(path, shared=shared)
     if fd is None:
-        raise BusyError(refuse())
+        raise BusyError(refuse(_describe(path)))
     if fd >= 0:  # a shared holder only clears the note: no one holds the lock alone while it is shared
         os.ftruncate(fd, 0)
         if not shared:
@@ -122,70 +124,40 @@ def _running_tasks(out: Path) -> list[str]:
     return held
 
 
-@contextlib.contextmanager
-def own_out(out: Path) -> Iterator[None]:
+def own_out(out: Path) -> AbstractContextManager[None]:
     """A whole build or a merge: --out is this process's alone, or BusyError naming who has it."""
     out = Path(out)
 
-    def refuse() -> str:
-        tasks = _running_tasks(out)
-        who = (
-            f"--task-index runs ({'; '.join(tasks[:3])}{' ...' if len(tasks) > 3 else ''})"
-            if tasks
-            else _describe(out / LOCK_NAME)
-        )
+    def refuse(who: str) -> str:
+        if tasks := _running_tasks(out):
+            who = f"--task-index runs ({'; '.join(tasks[:3])}{' ...' if len(tasks) > 3 else ''})"
         return (
             f"--out {out} is in use by {who}; wait for it to end (or stop it), or build into another --out; "
             "two builds writing one dir would corrupt each other's files"
         )
 
-    with _held(out / LOCK_NAME, shared=False, refuse=refuse):
-        yield
+    return _held(out / LOCK_NAME, shared=False, refuse=refuse)
 
 
-@contextlib.contextmanager
-def share_out(out: Path) -> Iterator[None]:
+def share_out(out: Path) -> AbstractContextManager[None]:
     """A --task-index run: any number of them share --out, never with a whole build or a merge."""
     out = Path(out)
-
-    def refuse() -> str:
-        return (
-            f"--out {out} is in use by {_describe(out / LOCK_NAME)}, which owns the whole dir; wait for it to "
-            "end (or stop it) before running tasks there"
-        )
-
-    with _held(out / LOCK_NAME, shared=True, refuse=refuse):
-        yield
+    end = "which owns the whole dir; wait for it to end (or stop it) before running tasks there"
+    return _held(out / LOCK_NAME, shared=True, refuse=lambda who: f"--out {out} is in use by {who}, {end}")
 
 
-@contextlib.contextmanager
-def own_task(out: Path, index: int) -> Iterator[None]:
+def own_task(out: Path, index: int) -> AbstractContextManager[None]:
     """Task `index` of --out runs in one process at a time (any executor: a pool or Ray worker, a --task-index run)."""
-    out = Path(out)
-    path = out / task_file(index, ".lock")
-
-    def refuse() -> str:
-        return (
-            f"{out}: task {index} is already running in {_describe(path)}; two runs of one task would write the "
-            "same shards: wait for it to end (or stop it)"
-        )
-
-    with _held(path, shared=False, refuse=refuse):
-        yield
+    out, why = Path(out), "two runs of one task would write the same shards: wait for it to end (or stop it)"
+    return _held(
+        out / task_file(index, ".lock"),
+        shared=False,
+        refuse=lambda who: f"{out}: task {index} is already running in {who}; {why}",
+    )
 
 
-@contextlib.contextmanager
-def own_watch(out: Path) -> Iterator[None]:
+def own_watch(out: Path) -> AbstractContextManager[None]:
     """A `vlmprep watch` on a local --out: one watcher at a time (its builds take --out's own lock each cycle, so a
     `build --append` runs between cycles, never beside one), or BusyError naming the watcher that has it."""
-    out = Path(out)
-    path = out / WATCH_LOCK
-
-    def refuse() -> str:
-        return (
-            f"--out {out} is watched already by {_describe(path)}; one watcher per dataset: stop that one first, "
-            "or watch into another --out"
-        )
-
-    with _held(path, shared=False, refuse=refuse):
-        yield
+    out, why = Path(out), "one watcher per dataset: stop that one first, or watch into another --out"
+    return _held(out / WATCH_LOCK, shared=False, refuse=lambda who: f"--out {out} is watched already by {who}; {why}")
