@@ -22,7 +22,6 @@ from vlmprep.builder.append import dataset_index, earlier_ids
 from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan, plan_digest, shard_prefix
 from vlmprep.builder.store import StoredShards
 from vlmprep.builder.totals import (
-    TOTAL_KEYS,
     count_reject,
     count_sample,
     duplicate_reject,
@@ -431,7 +430,7 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
         ),
         plan=PlanRef(tasks=plan.tasks, sha256=plan_digest(plan)),
         shards=tuple(shards),
-        totals={k: int(totals[k]) for k in TOTAL_KEYS},
+        totals=input_totals(totals, zeros=True),
         turns=turn_coverage(totals),
         rejects=dict(sorted((k, v) for k, v in rejects.items() if v)),
         sample_index=index,

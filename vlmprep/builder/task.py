@@ -26,7 +26,6 @@ from vlmprep.builder.progress import record_progress
 from vlmprep.builder.store import Uploader
 from vlmprep.builder.totals import (
     SAMPLE_FIELDS,
-    TOTAL_KEYS,
     count_reject,
     count_sample,
     duplicate_reject,
@@ -242,7 +241,7 @@ def _finish_task(state: _TaskState, plan: Plan, digest: str) -> TaskManifest:
         fingerprint=plan.processor.fingerprint,
         records={"first_position": cut.position, "count": cut.records},
         shards=tuple(s.entry() for s in writer.shards),
-        totals={k: int(totals[k]) for k in TOTAL_KEYS},
+        totals=input_totals(totals, zeros=True),
         inputs={str(i): input_totals(c) for i, c in sorted(state.inputs.items())},
         rejects=dict(sorted(state.rejects.items())),
     )

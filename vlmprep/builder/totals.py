@@ -87,10 +87,10 @@ def count_reject(totals: collections.Counter, entry: dict, sign: int = 1) -> Non
     totals["rejected"] += sign * (entry["reason"] != "turn_too_long")
 
 
-def input_totals(counts) -> dict:
+def input_totals(counts, *, zeros: bool = False) -> dict:
     """One input file's share of the totals: the same keys, those that are 0 left out (a build may read thousands of
-    files; the manifest lists each)."""
-    return {k: int(counts[k]) for k in TOTAL_KEYS if counts[k]}
+    files; the manifest lists each). zeros=True: every key, the totals of a whole task or dataset."""
+    return {k: int(counts[k]) for k in TOTAL_KEYS if zeros or counts[k]}
 
 
 def duplicate_reject(meta: dict) -> dict:
