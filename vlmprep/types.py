@@ -20,6 +20,17 @@ class UserError(Exception):
     """A fault the user can fix (bad option, missing input, --strict stop): printed as one line, exit 1."""
 
 
+class ManifestError(UserError):
+    """A UserError that carries the dataset's manifest (the command prints its summary before the line)."""
+
+    def __init__(self, message: str, manifest):
+        super().__init__(message)
+        self.manifest = manifest
+
+    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
+        return type(self), (str(self), self.manifest)
+
+
 _ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+")
 
 

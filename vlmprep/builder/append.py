@@ -52,21 +52,14 @@ from vlmprep.shards.versions import (
     versions_dir,
 )
 from vlmprep.shards.writer import write_dataset_index
-from vlmprep.types import UserError
+from vlmprep.types import ManifestError, UserError
 from vlmprep_schemas.boundary import UnsafeDataset, dataset_paths
 from vlmprep_schemas.limits import LIMITS
 from vlmprep_schemas.versions import ids_name, local_reader, version_name
 
 
-class NothingToAppend(UserError):
+class NothingToAppend(ManifestError):
     """Every --in input of an append is in the dataset already: nothing is built, the dataset stays as it is."""
-
-    def __init__(self, message: str, manifest: Manifest):
-        super().__init__(message)
-        self.manifest = manifest
-
-    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
-        return type(self), (str(self), self.manifest)
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,11 @@ from vlmprep.builder.workers import BuildError
 from vlmprep.shards.dataset import FAILED_NAME, REJECTS_NAME, write_text_atomic
 from vlmprep.shards.manifest import Manifest
 from vlmprep.shards.summary import coverage_problem, reject_fix, reject_share, rejected_records
+from vlmprep.types import ManifestError
 
 
-class RejectsError(BuildError):
+class RejectsError(BuildError, ManifestError):
     """A complete dataset (manifest and rejects.jsonl written) that rejected too much: exit 1 after its summary."""
-
-    def __init__(self, message: str, manifest: Manifest):
-        super().__init__(message)
-        self.manifest = manifest
-
-    def __reduce__(self):  # pickles (a pool or Ray worker may raise it): Exception's default would drop `manifest`
-        return type(self), (str(self), self.manifest)
 
 
 _ACCEPT_REJECTS = "--max-reject-fraction 1 accepts it"
