@@ -235,26 +235,21 @@ def watch(**opts) -> None:
 
 
 # merge judges a dataset as build does, by build's defaults (declared once, on BuildConfig).
+def _share(when: str, never: int):
+    """A merge check's 0..1 share option, as build's."""
+    return typer.Option(
+        min=0.0, max=1.0, help=f"As for build: exit 1 (after writing everything) when {when}; {never} = never."
+    )
+
+
 @app.command()
 def merge(
     root: Annotated[str, typer.Argument(help="A dataset dir (or store prefix) whose plan's tasks have all finished.")],
-    max_reject_fraction: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="As for build: exit 1 (after writing everything) when more than this share of the "
-            "records is rejected; 1 = never.",
-        ),
-    ] = default("max_reject_fraction"),
+    max_reject_fraction: Annotated[float, _share("more than this share of the records is rejected", 1)] = default(
+        "max_reject_fraction"
+    ),
     min_turn_coverage: Annotated[
-        float,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="As for build: exit 1 (after writing everything) when fewer than this share of the "
-            "assistant turns to train land in a sample; 0 = never.",
-        ),
+        float, _share("fewer than this share of the assistant turns to train land in a sample", 0)
     ] = default("min_turn_coverage"),
     allow_empty: Annotated[
         bool, typer.Option(help="As for build: exit 0 even when every record is rejected.")
