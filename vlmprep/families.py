@@ -45,16 +45,21 @@ class FamilySpec:
         return self.image_mode.startswith("smart_resize")
 
 
-_IM_START = {"<|im_start|>": "next"}
+def _turns(start: str, *ends: str) -> dict:
+    """A family whose turns open with `start` then the role's name, and close with one of `ends`."""
+    return dict(turn_starts={start: "next"}, end_of_turn=ends)
+
+
+_CHATML = _turns("<|im_start|>", "<|im_end|>")
 _QWEN = dict(
-    end_of_turn=("<|im_end|>",),
+    _CHATML,
     wrapper_open=("<|vision_start|>",),
     wrapper_close=("<|vision_end|>",),
     positions="mrope",
     image_mode="smart_resize",
-    turn_starts=_IM_START,
 )
 _QWEN2 = dict(_QWEN, templates=("qwen2_vl", "qwen2_vl_tools"))
+_QWEN3 = dict(_QWEN, templates=("qwen3_vl", "qwen3_5"))
 
 FAMILIES: dict[str, FamilySpec] = {
     s.processor_class: s
@@ -62,13 +67,7 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(name="qwen2-vl", processor_class="Qwen2VLProcessor", video="qwen2", **_QWEN2),
         FamilySpec(name="qwen2.5-vl", processor_class="Qwen2_5_VLProcessor", video="qwen2.5", **_QWEN2),
         # Qwen3.5 / 3.6 load through the same processor class; only the tokenizer and template differ.
-        FamilySpec(
-            name="qwen3-vl",
-            processor_class="Qwen3VLProcessor",
-            video="qwen3",
-            templates=("qwen3_vl", "qwen3_5"),
-            **_QWEN,
-        ),
+        FamilySpec(name="qwen3-vl", processor_class="Qwen3VLProcessor", video="qwen3", **_QWEN3),
         FamilySpec(
             name="glm-4.1v",
             processor_class="Glm4vProcessor",
@@ -89,34 +88,27 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             name="gemma3",
             processor_class="Gemma3Processor",
-            end_of_turn=("<end_of_turn>",),
             image_mode="fixed_resize",
-            turn_starts={"<start_of_turn>": "next"},
             templates=("gemma3",),
+            **_turns("<start_of_turn>", "<end_of_turn>"),
         ),
         # Gemma 4: `<|turn>role ... <turn|>` turns; images resized by its processor at train time (aspect kept, a patch
         # budget), so they are stored as the source.
         FamilySpec(
-            name="gemma4",
-            processor_class="Gemma4Processor",
-            end_of_turn=("<turn|>",),
-            turn_starts={"<|turn>": "next"},
-            templates=("gemma4",),
+            name="gemma4", processor_class="Gemma4Processor", templates=("gemma4",), **_turns("<|turn>", "<turn|>")
         ),
         FamilySpec(
             name="llama3.2-vision",
             processor_class="MllamaProcessor",
-            end_of_turn=("<|eot_id|>",),
-            turn_starts={"<|start_header_id|>": "next"},
             templates=("llama3_2_vision", "llama3_2_vision_llama_models"),
+            **_turns("<|start_header_id|>", "<|eot_id|>"),
         ),
         # llama-models' ChatFormat ends a turn that calls tools, and a tool result, with <|eom|>.
         FamilySpec(
             name="llama4",
             processor_class="Llama4Processor",
-            end_of_turn=("<|eot|>", "<|eom|>"),
-            turn_starts={"<|header_start|>": "next"},
             templates=("llama4", "llama4_llama_models"),
+            **_turns("<|header_start|>", "<|eot|>", "<|eom|>"),
         ),
         FamilySpec(
             name="mistral3-pixtral",
@@ -130,25 +122,14 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec(
             name="idefics3-smolvlm",
             processor_class="Idefics3Processor",
-            end_of_turn=("<end_of_utterance>",),
-            turn_starts=_IM_START,  # once, before the first turn
             turn_ends=("<end_of_utterance>",),
             templates=("smolvlm",),
+            **_turns("<|im_start|>", "<end_of_utterance>"),  # <|im_start|> once, before the first turn
         ),
         FamilySpec(
-            name="llava-onevision",
-            processor_class="LlavaOnevisionProcessor",
-            end_of_turn=("<|im_end|>",),
-            turn_starts=_IM_START,
-            templates=("llava_onevision",),
+            name="llava-onevision", processor_class="LlavaOnevisionProcessor", templates=("llava_onevision",), **_CHATML
         ),
-        FamilySpec(
-            name="internvl",
-            processor_class="InternVLProcessor",
-            end_of_turn=("<|im_end|>",),
-            turn_starts=_IM_START,
-            templates=("internvl",),
-        ),
+        FamilySpec(name="internvl", processor_class="InternVLProcessor", templates=("internvl",), **_CHATML),
     )
 }
 # The model family a processor renders for, as `tiny:NAME` (and the trainer's --tiny-random NAME) names it: the manifest
