@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.tiny_configs import CONFIGS as TINY_CONFIGS
-from trainer.tiny_configs import Vocab
+from trainer.tiny_configs import TOKENS, Vocab
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,17 +19,26 @@ class Family:
     name: str  # --tiny-random NAME, as the builtin and tiny processors name it
     model_types: tuple[str, ...]  # checkpoints' config.json model_type
     processor_classes: tuple[str, ...]  # the datasets' processor class (manifest processor.class)
-    tokens: tuple[str, ...]  # the named tokens the tiny config takes ids of
     # "patchify": on the device, Qwen2-VL's patch layout (trainer/data/vision.py Patchifier); "processor": the dataset's
     # own image processor on the host (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
     resized: bool = False  # the stored pixels are the processor's resize: it runs with do_resize=False
     mm_token_type_ids: bool = False  # the forward takes mm_token_type_ids (Qwen, GLM)
-    pack: str = ""  # "": --pack-to is exact (each packed sample's logits equal it alone); else why it is refused
     moe: bool = False  # routes tokens to experts: padding is kept out of the router's balance loss
-    vision: tuple[str, ...] = ()  # parameter-name parts of the vision tower and projector (--freeze-vision, LoRA)
+    # parameter-name parts of the vision tower and projector (--freeze-vision, LoRA)
+    vision: tuple[str, ...] = ("vision_tower", "multi_modal_projector")
     text: str = "language_model"  # the language model's module name (LoRA's targets are its linear layers)
+
+    @property
+    def pack(self) -> str:
+        """Why --pack-to is refused for this family (_NOT_PACKED), or "" where it is exact (a packed sample alone)."""
+        return _NOT_PACKED.get(self.name, "")
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The named tokens the tiny config takes ids of (trainer/tiny_configs.py TOKENS)."""
+        return TOKENS[self.name]
 
     def tiny(self, vocab: Vocab) -> dict:
         """The tiny random config's keywords (model_type included), sized to the dataset's processor's `vocab`."""
@@ -42,111 +51,59 @@ class Family:
         return rf".*{self.text}.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-_QWEN_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|endoftext|>", "<|im_end|>")
-_TOWER_AND_PROJECTOR = ("vision_tower", "multi_modal_projector")
-_QWEN = dict(pixels="patchify", mrope=True, mm_token_type_ids=True, tokens=_QWEN_TOKENS, vision=("visual",))
+_VISION_MODEL = ("vision_model", "multi_modal_projector")
+_QWEN = dict(pixels="patchify", mrope=True, mm_token_type_ids=True, vision=("visual",))
 
+# Why --pack-to is refused for a family: its packed samples would see each other or share state.
+_NOT_PACKED = {
+    "qwen3.5": "its linear-attention layers carry state from one packed sample into the next",
+    "llama-3.2-vision": "its cross-attention mask is per row, so a packed sample would see another sample's images",
+    "llama-4": "its chunked attention is not reset at packed sample boundaries",
+    "gemma-3": "its image tokens attend to each other both ways through a mask that packing cannot express",
+    "gemma-4": "its vision tokens and per-layer inputs are not verified under packed positions",
+}
+# A family's fields that differ from Family's defaults.
 FAMILIES: tuple[Family, ...] = (
     Family(name="qwen2-vl", model_types=("qwen2_vl",), processor_classes=("Qwen2VLProcessor",), **_QWEN),
-    Family(
-        name="qwen2.5-vl",
-        model_types=("qwen2_5_vl",),
-        processor_classes=("Qwen2_5_VLProcessor",),
-        **_QWEN,
-    ),
-    Family(
-        name="qwen3-vl",
-        model_types=("qwen3_vl", "qwen3_vl_moe"),
-        processor_classes=("Qwen3VLProcessor",),
-        **_QWEN,
-    ),
+    Family(name="qwen2.5-vl", model_types=("qwen2_5_vl",), processor_classes=("Qwen2_5_VLProcessor",), **_QWEN),
+    Family(name="qwen3-vl", model_types=("qwen3_vl", "qwen3_vl_moe"), processor_classes=("Qwen3VLProcessor",), **_QWEN),
     Family(
         name="qwen3.5",
         model_types=("qwen3_5_moe", "qwen3_5"),
         processor_classes=("Qwen3VLProcessor",),
         moe=True,
-        pack="its linear-attention layers carry state from one packed sample into the next",
         **_QWEN,
     ),
     Family(
-        name="llama-3.2-vision",
-        model_types=("mllama",),
-        processor_classes=("MllamaProcessor",),
-        tokens=("<|image|>", "<|begin_of_text|>", "<|eot_id|>"),
-        vision=("vision_model", "multi_modal_projector"),
-        pack="its cross-attention mask is per row, so a packed sample would see another sample's images",
+        name="llama-3.2-vision", model_types=("mllama",), processor_classes=("MllamaProcessor",), vision=_VISION_MODEL
     ),
     Family(
-        name="llama-4",
-        model_types=("llama4",),
-        processor_classes=("Llama4Processor",),
-        tokens=("<|patch|>", "<|begin_of_text|>", "<|eot|>"),
-        moe=True,
-        vision=("vision_model", "multi_modal_projector"),
-        pack="its chunked attention is not reset at packed sample boundaries",
+        name="llama-4", model_types=("llama4",), processor_classes=("Llama4Processor",), moe=True, vision=_VISION_MODEL
     ),
-    Family(
-        name="mistral-3",
-        model_types=("mistral3",),
-        processor_classes=("PixtralProcessor",),
-        tokens=("[IMG]",),
-        resized=True,
-        vision=_TOWER_AND_PROJECTOR,
-    ),
-    Family(
-        name="gemma-3",
-        model_types=("gemma3",),
-        processor_classes=("Gemma3Processor",),
-        tokens=("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
-        resized=True,
-        vision=_TOWER_AND_PROJECTOR,
-        pack="its image tokens attend to each other both ways through a mask that packing cannot express",
-    ),
+    Family(name="mistral-3", model_types=("mistral3",), processor_classes=("PixtralProcessor",), resized=True),
+    Family(name="gemma-3", model_types=("gemma3",), processor_classes=("Gemma3Processor",), resized=True),
     Family(
         name="gemma-4",
         model_types=("gemma4",),
         processor_classes=("Gemma4Processor",),
-        tokens=("<|image|>", "<|image>", "<image|>", "<|video|>", "<|audio|>", "<|audio>", "<audio|>"),
         mm_token_type_ids=True,
         vision=("vision_tower", "embed_vision"),
-        pack="its vision tokens and per-layer inputs are not verified under packed positions",
     ),
     Family(
         name="glm-4.1v",
         model_types=("glm4v",),
         processor_classes=("Glm4vProcessor",),
-        tokens=(
-            "<|image|>",
-            "<|video|>",
-            "<|begin_of_image|>",
-            "<|end_of_image|>",
-            "<|begin_of_video|>",
-            "<|end_of_video|>",
-        ),
         mrope=True,
         resized=True,
         mm_token_type_ids=True,
         vision=("visual",),
     ),
-    Family(
-        name="internvl",
-        model_types=("internvl",),
-        processor_classes=("InternVLProcessor",),
-        tokens=("<IMG_CONTEXT>",),
-        vision=_TOWER_AND_PROJECTOR,
-    ),
-    Family(
-        name="llava-onevision",
-        model_types=("llava_onevision",),
-        processor_classes=("LlavaOnevisionProcessor",),
-        tokens=("<image>", "<video>"),
-        vision=_TOWER_AND_PROJECTOR,
-    ),
+    Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",)),
+    Family(name="llava-onevision", model_types=("llava_onevision",), processor_classes=("LlavaOnevisionProcessor",)),
     Family(
         name="smolvlm",
         model_types=("idefics3", "smolvlm"),
         processor_classes=("Idefics3Processor", "SmolVLMProcessor"),
-        tokens=("<image>",),
         vision=("vision_model", "connector"),
         text="text_model",
     ),
