@@ -1,7 +1,8 @@
 """The model families the trainer trains, one entry each (the place to add the next): which checkpoints (config
 model_type) and datasets (processor class) it takes, how its pixel inputs are made from the stored images, what else
-its forward takes, whether packing is exact for it, whether it routes tokens to experts, its vision tower's
-parameters; its tiny random config (`--tiny-random NAME`) is in tiny_configs.py.
+its forward takes, whether it routes tokens to experts, its vision tower's parameters; why packing is refused for it
+(_NOT_PACKED, where it is); its tiny random config (`--tiny-random NAME`) and the named tokens that takes are in
+tiny_configs.py.
 """
 
 from __future__ import annotations
