@@ -964,6 +964,7 @@ def test_every_vlmprep_exception_survives_a_process_boundary(cls):
         "RecordError": ("invalid_json", "what went wrong \udc00"),
         "RejectsError": ("too many rejects", {"totals": {"samples": 1}}),
         "NothingToAppend": ("every input is in the dataset", {"totals": {"samples": 1}}),
+        "ManifestError": ("a complete dataset, and a failure", {"totals": {"samples": 1}}),
     }  # constructors with more than a message
     e = cls(*args.get(cls.__name__, ("what went wrong",)))
     back = pickle.loads(pickle.dumps(e))
