@@ -36,6 +36,13 @@ def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> Non
 _BUILTINS = " | ".join(f"builtin:{n}" for n in builtin_names())
 
 
+IMAGE_FORMAT_HELP = (
+    "How images are stored: auto (per image: a lossy photo as its source bytes where its pixels would be much larger, "
+    "every other image zstd-pdelta), zstd-pdelta (lossless, each image compressed against the sample's previous one), "
+    "zstd-delta, zstd, png, webp or original (see docs/shard-format.md)."
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
     """Every `vlmprep build` option, each declared once here with its default, group and help (`opt(...)`): the CLI
@@ -101,15 +108,7 @@ class BuildConfig:
     role_boundaries: str | None = opt(
         None, RENDER, "TOML of per-role start/end markers, for processors vlmprep does not know."
     )
-    image_format: str = opt(
-        "auto",
-        IMAGES,
-        "How images are stored: auto (per image: a lossy photo as its source bytes where "
-        "its pixels would be much larger, every other image zstd-pdelta), zstd-pdelta (lossless, each image "
-        "compressed against the sample's previous one), zstd-delta, zstd, png, webp or original "
-        "(see docs/shard-format.md).",
-        choices=IMAGE_FORMATS,
-    )
+    image_format: str = opt("auto", IMAGES, IMAGE_FORMAT_HELP, choices=IMAGE_FORMATS)
     # The image processor's resize budget and the video sampling (docs/video.md), saved into DIR/processor; a video
     # part's own fps / max_frames win. None: the processor's own.
     min_pixels: int | None = opt(None, IMAGES, "Image resize budget: min pixels per image (saved into DIR/processor).")

@@ -261,20 +261,9 @@ def render_conversation(
     starts, ends = offsets[:, 0], offsets[:, 1]
     image_spans, video_spans, mm_types, in_image = _expansion_spans(ctx, offs, ids, starts, ends)
 
-    loss_mask, unrendered, turn_spans = compute_mask(
-        MaskInputs(
-            conv=conv,
-            ctx=ctx,
-            slots=slots,
-            located=located,
-            rendered=rendered,
-            expanded=expanded,
-            at=_char_map(offs),
-            ids=ids,
-            starts=starts,
-            ends=ends,
-        )
-    )
+    # MaskInputs' fields in order: the same names as these locals (at: the rendered -> expanded char map)
+    inputs = MaskInputs(conv, ctx, slots, located, rendered, expanded, _char_map(offs), ids, starts, ends)
+    loss_mask, unrendered, turn_spans = compute_mask(inputs)
     if (loss_mask.astype(bool) & in_image).any():
         raise RecordError("mask_verification_failed", "a trained token lies inside an image wrapper")
 
