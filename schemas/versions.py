@@ -241,32 +241,41 @@ def _latest(read: Read, where: str) -> str:
     return f"the latest is v{top}" if isinstance(top, int) else top
 
 
+def read_plain_file(path: str | os.PathLike, limit: int) -> bytes:
+    """A dataset's small file (a manifest, a version record, a tag, a processor config) read whole: opened without
+    waiting on a FIFO, refused unless a regular file (UnsafeDataset, one line), and at most `limit` bytes read
+    (ValueError for more, or a file that grows past it while read). FileNotFoundError where it is absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise  # the caller's to say (a Read: None)
+    except OSError as e:
+        raise UnsafeDataset(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeDataset(f"{path}: not a plain file (a FIFO, device or dir); refusing to read it")
+        if st.st_size > limit:
+            raise ValueError(f"{path} is {st.st_size} bytes, more than a reader accepts ({limit})")
+        chunks, got = [], 0
+        while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    if got > limit:  # grew while read
+        raise ValueError(f"{path} is more than {limit} bytes, more than a reader accepts")
+    return b"".join(chunks)
+
+
 def local_reader(base: str) -> Read:
     """A Read over a local dataset dir: each name resolved inside it (boundary.dataset_file: plain names, no symlink
     out), opened without waiting on a FIFO, refused unless a regular file, and read to at most `limit` bytes."""
 
     def read(name: str, limit: int) -> bytes | None:
-        path = dataset_file(str(base), name, where=str(base), what="file")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            return read_plain_file(dataset_file(str(base), name, where=str(base), what="file"), limit)
         except FileNotFoundError:
             return None
-        except OSError as e:
-            raise UnsafeDataset(f"{path}: cannot read it ({e.strerror})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeDataset(f"{path}: not a plain file (a FIFO, device or dir); refusing to read it")
-            if st.st_size > limit:
-                raise ValueError(f"{path} is {st.st_size} bytes, more than a reader accepts ({limit})")
-            chunks, got = [], 0
-            while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
-                chunks.append(chunk)
-                got += len(chunk)
-        finally:
-            os.close(fd)
-        if got > limit:  # grew while read
-            raise ValueError(f"{path} is more than {limit} bytes, more than a reader accepts")
-        return b"".join(chunks)
 
     return read

@@ -181,3 +181,51 @@ def test_a_member_that_claims_more_than_it_holds_is_one_line_from_the_trainer(da
     )
     err = _one_line_error(proc)
     assert "shard-000000.tar" in err, err
+
+
+def _within(fn, seconds: float = 10.0):
+    """fn's exception (None if it returned), or a failure where it still waits after `seconds` (a FIFO read)."""
+    import threading
+
+    done: list = []
+
+    def call():
+        try:
+            fn()
+            done.append(None)
+        except Exception as e:  # noqa: BLE001 - the test reads the kind
+            done.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert done, f"still waiting after {seconds} s: a read waited on a FIFO"
+    return done[0]
+
+
+def test_a_fifo_planted_as_a_manifest_or_processor_file_is_one_line_never_waited_on(tmp_path):
+    """The trainer's reads of a dataset's small files (manifest.json, a version record, a processor's config or
+    tokenizer) open without waiting on a writer and refuse what is not a plain file; an oversized one too."""
+    import os
+
+    from trainer.data import DataError
+    from trainer.data.processors import load_image_processor_config
+    from trainer.data.sources import read_dataset_file, resolve_data
+
+    d = tmp_path / "ds"
+    (d / "processor").mkdir(parents=True)
+    os.mkfifo(d / "manifest.json")
+    os.mkfifo(d / "processor" / "tokenizer.json")
+    os.symlink("tokenizer.json", d / "processor" / "preprocessor_config.json")  # a link to the FIFO
+    for fn, named in (
+        (lambda: resolve_data(str(d)), "not a plain file"),
+        (lambda: read_dataset_file(str(d / "processor" / "tokenizer.json")), "not a plain file"),
+        (lambda: read_dataset_file(str(d / "processor" / "preprocessor_config.json")), "not a plain file"),
+    ):
+        e = _within(fn)
+        assert isinstance(e, DataError) and named in str(e) and "\n" not in str(e), e
+    e = _within(lambda: load_image_processor_config(str(d / "processor")))
+    assert isinstance(e, DataError) and "\n" not in str(e), e
+    (d / "processor" / "big.json").write_bytes(b" " * 101)
+    e = _within(lambda: read_dataset_file(str(d / "processor" / "big.json"), 100))
+    assert isinstance(e, DataError) and "more than a reader accepts" in str(e), e

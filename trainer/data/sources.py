@@ -6,7 +6,6 @@ its format_version) -> a token-balanced shard-to-rank plan.
 from __future__ import annotations
 
 import heapq
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from vlmprep_schemas.boundary import (
     refuse_credentials,
 )
 from vlmprep_schemas.limits import LIMITS, load_json, schema_problem
+from vlmprep_schemas.versions import read_plain_file
 
 READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
 # Shard URLs that are not local files: streamed once, or read from the rank's shard cache
@@ -70,18 +70,20 @@ class DataSource:
 
 
 def read_dataset_file(url: str, limit: int = LIMITS.manifest_bytes) -> bytes:
-    """A small file of a dataset (its manifest, a processor config), refused when over `limit` bytes."""
+    """A small file of a dataset (its manifest, a processor config), refused when over `limit` bytes or (local) when
+    not a plain file; OSError (FileNotFoundError) where a local one cannot be opened."""
     if url.startswith(REMOTE):
         try:
             data = read_url(url, limit)
         except StorageError as e:
             raise DataError(str(e)) from None
-    else:
-        with open(url, "rb") as f:  # read() of n bytes allocates n first: ask for no more than the file holds
-            data = f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
-    if len(data) > limit:
-        raise DataError(f"{url} is more than {limit} bytes, more than a reader accepts")
-    return data
+        if len(data) > limit:
+            raise DataError(f"{url} is more than {limit} bytes, more than a reader accepts")
+        return data
+    try:  # a FIFO planted at its name is refused, never waited on
+        return read_plain_file(url, limit)
+    except (UnsafeDataset, ValueError) as e:
+        raise DataError(str(e)) from None
 
 
 def _load_manifest(base: str) -> dict:
