@@ -7,6 +7,7 @@ those mean (data, model, options): a run resumes only its own; RUN/trainer.lock 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,6 +43,7 @@ class TrainState:
     epoch: int
     position: int  # this rank's samples consumed in `epoch`
     pack_state: list[int]  # this rank's Packer.state() ([] when the run does not pack)
+    versions: tuple = ()  # the version of each dataset `epoch` reads (None: a source without versions); in the marker
 
 
 def _world() -> tuple[int, int]:
@@ -108,11 +110,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _write_marker(path: Path, step: int) -> None:
+def _write_marker(path: Path, state: TrainState) -> None:
     files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
     tmp = path / f"{MARKER}.tmp"
+    # the epoch and the dataset versions it reads: which data the checkpoint's position counts in
+    marker = {"step": state.step, "files": files, "epoch": state.epoch, "versions": list(state.versions)}
     with open_no_follow(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, "files": files}, indent=1, sort_keys=True) + "\n")
+        f.write(json.dumps(marker, indent=1, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / MARKER)
@@ -158,7 +162,7 @@ def save_checkpoint(
     dcp.save({"model": model_sd, "optim": optim_sd, "train": train}, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
-        _write_marker(tmp, step)  # last: every rank's files are written
+        _write_marker(tmp, state)  # last: every rank's files are written
         remove_state(final)
         tmp.rename(final)
         # The newest `keep_checkpoints` complete ones stay; newer ones (cut short, and skipped by the resume that led
@@ -259,15 +263,39 @@ def _differences(old: dict, new: dict, old_data: str, new_data: str) -> str:
     return "; ".join(out)
 
 
-def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
-    """Read-only: refuse a run dir holding another run's state, before anything in it is touched."""
-    run_dir = Path(run_dir)
-    # Only steps taken are worth protecting: a run that failed before its first step left just run.json/config.toml.
-    held = [
+def _held(run_dir: Path) -> list[str]:
+    """What of a run's state RUN holds: only steps taken are worth protecting (a run that failed before its first
+    step left just run.json/config.toml)."""
+    return [
         n
         for n, p in ((n, run_dir / n) for n in ("checkpoints", "metrics.jsonl"))
         if p.is_file() and p.stat().st_size or p.is_dir() and any(p.iterdir())
     ]
+
+
+def recorded_versions(run_dir: str | Path) -> dict | None:
+    """The dataset versions a run that holds steps in `run_dir` recorded in RUN/run.json (pins.run_versions), which a
+    resume reads again; None for a run dir without steps, without run.json (check_resumable says so) or from before
+    versions were recorded. A malformed record is one ConfigError line."""
+    from trainer.data import check_pins  # the data path's face: imports pins.py alone
+
+    run_dir = Path(run_dir)
+    if not _held(run_dir):
+        return None
+    try:
+        saved = json.loads(read_state(run_dir / RUN_FILE))
+    except (OSError, ValueError):
+        return None
+    try:
+        return check_pins(saved.get("versions") if isinstance(saved, dict) else None, str(run_dir / RUN_FILE))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
+    """Read-only: refuse a run dir holding another run's state, before anything in it is touched."""
+    run_dir = Path(run_dir)
+    held = _held(run_dir)
     if not held:
         return
     ways_out = f"pass --no-resume to start over in {run_dir} (its run state is deleted), or another --out"
@@ -288,9 +316,12 @@ def check_resumable(run_dir: str | Path, identity: dict, data: str) -> None:
         )
 
 
-def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: bool) -> None:
+def start_run_dir(
+    run_dir: str | Path, identity: dict, data: str, *, resume: bool, versions: dict | None = None
+) -> None:
     """Rank 0, after check_resumable passed on every rank: --no-resume deletes exactly the trainer's own files
-    (run.json first, so an interrupted delete is never mistaken for a resumable run); then run.json is written."""
+    (run.json first, so an interrupted delete is never mistaken for a resumable run); then run.json is written, with
+    the dataset `versions` the run reads (pins.run_versions)."""
     run_dir = Path(run_dir)
     if not resume:
         for name in RUN_STATE:
@@ -300,10 +331,26 @@ def start_run_dir(run_dir: str | Path, identity: dict, data: str, *, resume: boo
             elif p.exists() or p.is_symlink():
                 p.unlink()
     state_dir(run_dir)
+    record = {"data_source": data, "identity": identity}
+    if versions is not None:
+        record["versions"] = versions
+    _write_run_file(run_dir, record)
+
+
+def _write_run_file(run_dir: Path, record: dict) -> None:
     tmp = run_dir / (RUN_FILE + ".tmp")
     with open_no_follow(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"data_source": data, "identity": identity}, indent=1, sort_keys=True) + "\n")
+        f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)
+
+
+def record_versions(run_dir: str | Path, versions: dict) -> None:
+    """Rank 0: RUN/run.json's `versions` replaced (atomically) where a --follow run moved to newer versions, the rest
+    of it kept."""
+    run_dir = Path(run_dir)
+    record = json.loads(read_state(run_dir / RUN_FILE))
+    record["versions"] = versions
+    _write_run_file(run_dir, record)
 
 
 def load_latest(
@@ -319,7 +366,8 @@ def load_latest(
             quiet = logging.root.manager.disable
             logging.disable(logging.WARNING)  # DCP logs each failed read with its traceback before it raises
             try:
-                return path, load_checkpoint(path, net=net, optimizer=optimizer, device=device, packing=packing)
+                state = load_checkpoint(path, net=net, optimizer=optimizer, device=device, packing=packing)
+                return path, dataclasses.replace(state, versions=_marker_versions(path))
             except ConfigError:
                 raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException), EOF, pickle
@@ -339,6 +387,16 @@ def load_latest(
             "--no-resume to start over (its run state is deleted), or another --out"
         )
     return None
+
+
+def _marker_versions(path: Path) -> tuple:
+    """The dataset versions a checkpoint's marker names (() for one from before versions or markers were recorded)."""
+    if not (path / MARKER).is_file():
+        return ()
+    versions = json.loads(read_state(path / MARKER)).get("versions", [])
+    if not isinstance(versions, list) or not all(v is None or type(v) is int for v in versions):
+        raise ConfigError(f"{path / MARKER}: its versions {versions!r} are not dataset version numbers")
+    return tuple(versions)
 
 
 def load_checkpoint(path: Path, *, net, optimizer, device: torch.device, packing: bool = False) -> TrainState:

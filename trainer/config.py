@@ -52,11 +52,17 @@ class TrainConfig(DataSources):
     data: str | tuple[DataSpec, ...] = opt(
         REQUIRED,
         "data",
-        "shard dir (its manifest.json), brace pattern, file:, "
+        "shard dir (its manifest.json; DIR@vN or DIR@TAG: that version), brace pattern, file:, "
         "http(s):// or pipe: URL; or name=N,path=P[,weight=W][,on_end=repeat|stop] "
         "once per dataset of a mixture ([[data]] tables in the TOML)",
     )
     out: str = opt("runs/run", "checkpointing", "run dir: checkpoints, metrics.jsonl, config.toml, tb/")
+    follow: bool = opt(
+        False,
+        "data",
+        "take each newer version of a dataset dir (plain DIR; DIR@vN stays pinned) at the next epoch boundary "
+        "(docs/datasets-that-grow.md); off: the version resolved at the start, for the whole run",
+    )
     processor: str = opt("", "data", "processor dir for the pixel math; '' = the dataset's own DATA/processor/")
     model: str = opt("", "model", "HF checkpoint dir (AutoModelForImageTextToText); or pass tiny_random")
     tiny_random: str = opt(

@@ -62,12 +62,13 @@ class ModelOptions(OptionGroup):
 
 @option_group
 class DataOptions(OptionGroup, DataSources):
-    """Where samples come from and how they are read (trainer/data/pipeline.py): the datasets, eval sets and
-    processor, the data order's seed and shuffles, the DataLoader workers, the shard cache (under `out` unless
-    --shard-cache names another dir) and the sha256 checks."""
+    """Where samples come from and how they are read (trainer/data/pipeline.py): the datasets (and whether a run
+    follows their newer versions), eval sets and processor, the data order's seed and shuffles, the DataLoader
+    workers, the shard cache (under `out` unless --shard-cache names another dir) and the sha256 checks."""
 
     data: str | tuple[DataSpec, ...]
     eval_data: str | tuple[DataSpec, ...]
+    follow: bool
     processor: str
     seed: int
     shuffle: bool

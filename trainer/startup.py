@@ -1,9 +1,11 @@
-"""How a run starts, before its first step: the optimizer, the model (packing checked against every dataset), the
-run dir and its config, FSDP2, rank 0's RunLog and the state a resume starts from. train.py calls these in order.
+"""How a run starts, before its first step: the optimizer and its LR schedule, the model (packing checked against
+every dataset), the run dir and its config, FSDP2, rank 0's RunLog and the state a resume starts from. train.py calls
+these in order.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -34,16 +36,26 @@ def build_optimizer(optim: Optimization, net: torch.nn.Module) -> torch.optim.Ad
     )
 
 
-def start_run(identity: dict, data: RunData, *, rank: int, ckpt: Checkpointing, config_toml: str) -> None:
+def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
+    """Linear warmup, then cosine to lr * min_lr_ratio at `total`; `step` counts from 0."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min((step - warmup_steps) / max(total - warmup_steps, 1), 1.0)
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def start_run(
+    identity: dict, data: RunData, *, rank: int, ckpt: Checkpointing, config_toml: str, versions: dict
+) -> None:
     """Every rank refuses a resume of another run (`identity`: what the run's checkpoints mean, run_identity); then
-    rank 0 creates the run dir (or reopens it to resume), writes the resolved config into it and keeps a copy of a
-    processor in a bucket there (keep_processor)."""
+    rank 0 creates the run dir (or reopens it to resume), writes the resolved config and the dataset `versions` the
+    run reads into it and keeps a copy of a processor in a bucket there (keep_processor)."""
     out = Path(ckpt.out)
     if ckpt.resume:
         check_resumable(out, identity, data.label)
     dist.barrier()  # every rank checked before rank 0 changes the run dir
     if rank == 0:
-        start_run_dir(out, identity, data.label, resume=ckpt.resume)
+        start_run_dir(out, identity, data.label, resume=ckpt.resume, versions=versions)
         with open_no_follow(out / "config.toml", "w", encoding="utf-8") as f:
             f.write(config_toml)
         log_plans(data)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import TrainState, own_run_dir, run_identity, save_checkpoint
+from trainer.checkpoint import TrainState, own_run_dir, recorded_versions, save_checkpoint
 from trainer.cli import parse_args
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import (
@@ -42,20 +42,13 @@ from trainer.data import (
 from trainer.distributed import all_sum, die_with_launcher, init_distributed
 from trainer.evaluate import evaluate
 from trainer.export import ExportConfig, export_ready, export_run
+from trainer.follow import RunVersions
 from trainer.metrics import FlopCounter, RunLog, eval_logged, peak_flops
 from trainer.model import collate_spec_of, forward_loss, model_identity, model_type_of, routed_line, tiny_vocab
 from trainer.options import Batching, Checkpointing, DataOptions, ModelOptions, Optimization, RunLength
-from trainer.startup import build_optimizer, make_model, resume_state, run_log, shard_model, start_run
+from trainer.startup import build_optimizer, lr_at, make_model, resume_state, run_log, shard_model, start_run
 from vlmprep_schemas.boundary import UnsafeWrite
 from vlmprep_schemas.terminal import for_terminal
-
-
-def lr_at(step: int, *, lr: float, warmup_steps: int, total: int, min_lr_ratio: float) -> float:
-    """Linear warmup, then cosine to lr * min_lr_ratio at `total`; `step` counts from 0."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min((step - warmup_steps) / max(total - warmup_steps, 1), 1.0)
-    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def train_step(
@@ -121,6 +114,7 @@ class Session:
     rank: int
     device: torch.device
     resumed: InitVar[TrainState]  # where this session starts (resume_state): its step, epoch and stream position
+    versions: RunVersions | None = None  # the datasets' versions epoch by epoch (a --follow run moves them)
     # made from the above by __post_init__
     world: int = field(init=False)
     out: Path = field(init=False)
@@ -172,6 +166,8 @@ class Session:
                 self.epoch, self.position, steps_in_epoch = self.epoch + 1, 0, 0
                 if not length.max_steps and self.epoch >= length.epochs:
                     break
+                if self.versions is not None and self.versions.options.follow:  # newer versions from this epoch on
+                    self.data = self.versions.at_epoch(self.epoch, self.step, self.data, self.loader, self.log)
                 self.loader.start(self.epoch, 0)
                 continue
             self.train_one(micro_batches, totals, t0=t0, wait=wait)
@@ -183,7 +179,11 @@ class Session:
                 )
             if ckpt.save_every and self.step % ckpt.save_every == 0:
                 state = TrainState(
-                    step=self.step, epoch=self.epoch, position=self.loader.position, pack_state=self.loader.pack_state
+                    step=self.step,
+                    epoch=self.epoch,
+                    position=self.loader.position,
+                    pack_state=self.loader.pack_state,
+                    versions=self.data.versions(),
                 )
                 save_checkpoint(
                     self.out,
@@ -295,6 +295,7 @@ class Session:
                 pack_state=(loader.pack_state if same else empty_state(batching.pack_to, batching.pack_window))
                 if batching.pack_to
                 else [],
+                versions=self.data.versions(),
             )
             save_checkpoint(
                 out,
@@ -349,25 +350,23 @@ def run(cfg: TrainConfig) -> dict | None:
     owner = contextlib.ExitStack()  # what the run holds, released in reverse: the log, loader, processor, RUN's lock
     try:
         model_type = model_type_of(model=cfg.model, tiny_random=cfg.tiny_random)
-        data = open_data(DataOptions.of(cfg), model_type=model_type, packing=bool(cfg.pack_to), world=world)
+        pins = recorded_versions(out) if ckpt.resume else None  # a resumed run reads the versions it read
+        data = open_data(DataOptions.of(cfg), model_type=model_type, packing=bool(cfg.pack_to), world=world, pins=pins)
         plan = read_plan(DataOptions.of(cfg), data, rank=rank)
         # under --shard-cache-limit: shuffle blocks that fit the cache, written to config.toml and compared on resume
-        cfg = dataclasses.replace(cfg, shuffle_span=plan.shuffle_span)
+        data_options = DataOptions.of(cfg := dataclasses.replace(cfg, shuffle_span=plan.shuffle_span))
         owner.enter_context(own_run_dir(out))  # before anything in RUN is read or written
-        export_ready(data.processor, ckpt, DataOptions.of(cfg), rank=rank, world=world)  # --save-hf's needs, now
+        export_ready(data.processor, ckpt, data_options, rank=rank, world=world)  # --save-hf's needs, now
         processor = processor_dir(data, owner, model_type=model_type, tiny=bool(cfg.tiny_random))
         vocab = tiny_vocab(cfg.tiny_random, processor)
-        identity = run_identity(
-            cfg.resume_identity(),
-            datasets=list(zip(data.specs, data.datasets)),
-            world=world,
-            model=model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab),
-            image_config=data.image.config,
+        model = model_identity(model=cfg.model, tiny_random=cfg.tiny_random, vocab=vocab)
+        versions = RunVersions.of(
+            data, pins, data_options, plan, batching=batching, length=length, device=device, model_type=model_type
         )
-        start_run(identity, data, rank=rank, ckpt=ckpt, config_toml=cfg.to_toml())
+        identity = versions.identity(cfg.resume_identity(), data, model=model, world=world)
+        start_run(identity, data, rank=rank, ckpt=ckpt, config_toml=cfg.to_toml(), versions=versions.record)
         net = make_model(ModelOptions.of(cfg), batching, data, rank=rank, vocab=vocab)
         flop_counter, collate_spec = FlopCounter(net), collate_spec_of(net, data, processor)
-        data_options = DataOptions.of(cfg)
         evals = eval_loaders(
             data_options,
             plan,
@@ -383,7 +382,9 @@ def run(cfg: TrainConfig) -> dict | None:
             data_options, plan, data, batching=batching, length=length, device=device, collate_spec=collate_spec
         )
         owner.callback(loader.close)
+        total, schedule_len = versions.lengths(total, schedule_len)
         resumed = resume_state(ckpt, net, optimizer, seed=cfg.seed, packing=bool(cfg.pack_to), device=device, rank=rank)
+        data = versions.resume(resumed, data, loader)  # a --follow run back at its checkpoint's versions
         loader.start(resumed.epoch, resumed.position, resumed.pack_state)
         log = run_log(cfg.progress, cfg.tensorboard, cfg.log_every, out=out, total=total, step=resumed.step, rank=rank)
         if log is not None:
@@ -406,6 +407,7 @@ def run(cfg: TrainConfig) -> dict | None:
             rank=rank,
             device=device,
             resumed=resumed,
+            versions=versions,
         )
         session.loop()
         session.finish()

@@ -29,6 +29,7 @@ _ROLES = {
         "trainer.startup",
         "trainer.checkpoint",
         "trainer.export",
+        "trainer.follow",
         "trainer.evaluate",
         "trainer.metrics",
         "trainer.model",

@@ -32,6 +32,12 @@ _FACE = {
     "resolve_data": "sources",
     "set_read_timeout": "storage",
     "Patchifier": "vision",
+    "check_pins": "pins",
+    "epoch_entry": "pins",
+    "newer_version": "pins",
+    "run_versions": "pins",
+    "reopen": "datasets",
+    "data_streams": "pipeline",
     "host_pixels": "vision",
 }
 
@@ -71,5 +77,12 @@ __all__ = [
     # reading: a dataset by its URL, the remote read timeout, the one error
     "resolve_data",
     "set_read_timeout",
+    # the dataset versions a run reads, as RUN/run.json records them (pins.py)
+    "check_pins",
+    "epoch_entry",
+    "newer_version",
+    "run_versions",
+    "reopen",
+    "data_streams",
     "DataError",
 ]

@@ -156,6 +156,13 @@ class StepLoader:
             out.append(mb if mb is not None else collate([], self.collate_spec))
         return out
 
+    def swap(self, streams: Streams) -> None:
+        """Read from `streams` from the next start() on (a --follow run's epoch at a newer version); the streams read
+        so far are closed."""
+        self._drop()
+        self.streams.close()
+        self.streams = streams
+
     def _drop(self) -> None:
         # The last reference to the DataLoader iterator goes here, which stops its worker processes now.
         self._batcher = self._packer = self._loader = None

@@ -7,6 +7,7 @@ spec of their processor and the watch that stops the run if one changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -17,6 +18,8 @@ from trainer.config import ConfigError, DataSpec
 from trainer.data.decode import refuse_videos
 from trainer.data.errors import DataError
 from trainer.data.integrity import DatasetWatch
+from trainer.data.pack import check_packing
+from trainer.data.pins import data_pin, eval_pin
 from trainer.data.processors import (
     check_processor,
     load_image_processor_config,
@@ -94,24 +97,32 @@ class RunData:
     warnings: tuple[str, ...] = ()  # printed by rank 0 with the start-up lines
     watch: DatasetWatch | None = None  # the local datasets' manifests, checked every step
     world: int = 1  # the ranks the shards are planned over
+    eval_datasets: tuple[DataSource, ...] = ()  # the eval sets, resolved once with the training data
+
+    def versions(self) -> tuple[int | None, ...]:
+        """The version each dataset is read at (None: shards named without a dataset, a pattern or pipe:)."""
+        return tuple(ds.version.number if ds.version else None for ds in self.datasets)
 
 
-def open_data(options: DataOptions, *, model_type: str, packing: bool, world: int) -> RunData:
-    """The options' datasets (train, mixture and eval) -> RunData: each resolved (local dir, pattern, URL), its
-    shards planned over `world` ranks, the image spec of the processor, and the watch that stops the run if a dataset
-    changes. Refuses (DataError / ConfigError) videos a model of `model_type` cannot train, data of another family,
-    packing (`packing`) for a model that cannot pack, a mixture whose datasets do not fit together or are empty; eval
-    sets that overlap training become warnings."""
+def open_data(options: DataOptions, *, model_type: str, packing: bool, world: int, pins: dict | None = None) -> RunData:
+    """The options' datasets (train, mixture and eval) -> RunData: each resolved once (local dir, pattern, URL; a
+    dataset's version: `DIR@vN`, `DIR@TAG`, plain DIR the latest), its shards planned over `world` ranks, the image
+    spec of the processor, and the watch that stops the run if a dataset changes. `pins`: RUN/run.json's record of the
+    versions a resumed run read (pins.recorded_pins): those are read again, checked unchanged. Refuses (DataError /
+    ConfigError) videos a model of `model_type` cannot train, data of another family, packing (`packing`) for a model
+    that cannot pack, a mixture whose datasets do not fit together or are empty; eval sets that overlap training
+    become warnings."""
     specs = options.sources
-    datasets = [resolve_data(d.path) for d in specs]
+    datasets = [resolve_data(d.path, pinned=data_pin(pins, i, d)) for i, d in enumerate(specs)]
     for d, ds in zip(specs, datasets):
         refuse_videos(ds.manifest, str(d.path), model_type)
-    warnings = []
-    for d in options.eval_sources:
-        held = resolve_data(d.path, option="--eval-data")
+    warnings, held_sets = [], []
+    for i, d in enumerate(options.eval_sources):
+        held = resolve_data(d.path, option="--eval-data", pinned=eval_pin(pins, i, d))
         refuse_videos(held.manifest, f"--eval-data {d.path}", model_type)
         refuse_other_family(held.manifest, f"--eval-data {d.path}", model_type)
         warnings += eval_overlap(d, held, specs, datasets)
+        held_sets.append(held)
     image = load_image_spec(options, datasets[0].processor)
     if len(specs) > 1:  # first: a mixture at odds with itself is the fault, whatever the model
         check_compatible(specs, datasets, options.processor)
@@ -132,6 +143,7 @@ def open_data(options: DataOptions, *, model_type: str, packing: bool, world: in
         tuple(warnings),
         DatasetWatch(datasets),
         world,
+        tuple(held_sets),
     )
 
 
@@ -218,3 +230,62 @@ def processor_dir(data: RunData, owner: contextlib.ExitStack, *, model_type: str
         return None
     tmp = Path(owner.enter_context(tempfile.TemporaryDirectory(prefix="vlmprep-processor-")))
     return local_processor(data.processor, tmp)
+
+
+def reopen(data: RunData, pins: list[dict | None], *, model_type: str, pack_to: int) -> RunData:
+    """`data` with each dataset that `pins` names a version of (pins.DatasetVersion.entry, or {version, sha256}) read
+    at that version instead: a --follow run's newer version at an epoch boundary, or the version a resumed epoch was
+    read at. Each is checked as a start-up checks it, and to be the same data as the version it replaces (one shard
+    list extends the other, the same processor, no videos that were not there); its shards are planned over the
+    ranks anew and the watch moves to its record."""
+    datasets = list(data.datasets)
+    for i, (spec, pin) in enumerate(zip(data.specs, pins)):
+        old = datasets[i]
+        if pin is None or old.version is None or pin["version"] == old.version.number:
+            continue
+        new = resolve_data(old.base, pinned={**pin, "name": spec.name}, option=_option(spec))
+        refuse_other_family(new.manifest, str(spec.path), model_type)
+        if pack_to:  # every version's seq_len must fit a row
+            check_packing(pack_to=pack_to, pack_window=1, manifest=new.manifest, model_type=model_type)
+        _refuse_other_data(spec, old, new)
+        datasets[i] = new
+    return dataclasses.replace(
+        data,
+        datasets=datasets,
+        plans=[plan_shards(d.shards, data.world) for d in datasets],
+        watch=DatasetWatch(datasets),
+    )
+
+
+def _option(spec: DataSpec) -> str:
+    return f"--data {spec.name}:" if spec.name else "--data"
+
+
+def _listing(ds: DataSource) -> list:
+    return [[s.name, s.num_bytes, s.sha256] for s in ds.shards]
+
+
+def _refuse_other_data(spec: DataSpec, old: DataSource, new: DataSource) -> None:
+    """Two versions of one dataset: the shard list of the earlier one is the start of the later one's (an append only
+    adds shards), with the same processor and, where the run reads no videos, none added."""
+    a, b = sorted((old, new), key=lambda d: d.version.number)
+    where = f"{_option(spec)} {old.base}"
+    if _listing(b)[: len(a.shards)] != _listing(a):
+        raise DataError(
+            f"{where}: version {b.version.number} ({b.version.record}) does not start with the shards of version "
+            f"{a.version.number} (an append only adds shards): it is another dataset's record, or one that lies; "
+            "the run stops rather than switch to other data"
+        )
+    fingerprint = [((d.manifest or {}).get("processor") or {}).get("fingerprint") for d in (a, b)]
+    if fingerprint[0] != fingerprint[1]:
+        raise DataError(
+            f"{where}: version {b.version.number} was rendered with another processor than version "
+            f"{a.version.number} (fingerprint {str(fingerprint[0])[:12]} vs {str(fingerprint[1])[:12]}); the run "
+            "stops rather than train on samples of another tokenizer or pixel math"
+        )
+    videos = [((d.manifest or {}).get("totals") or {}).get("videos", 0) for d in (old, new)]
+    if videos[1] and not videos[0]:
+        raise DataError(
+            f"{where}: version {new.version.number} holds {videos[1]} videos, version {old.version.number} none: "
+            "the run was set up without a video pass; start a run on the new version"
+        )

@@ -20,7 +20,9 @@ from trainer.config import default
 from trainer.data.errors import DataError
 from trainer.data.index import ShardIndex, dataset_indexes, file_signature, index_shards, shard_index
 from trainer.data.sources import REMOTE_OR_PIPE, DataSource, ShardRef
-from vlmprep_schemas.boundary import open_no_follow, read_state, state_dir
+from vlmprep_schemas.boundary import MANIFEST_NAME, open_no_follow, read_state, state_dir
+from vlmprep_schemas.limits import LIMITS
+from vlmprep_schemas.versions import version_name
 
 RECORD = "verified.json"  # in the rank's shard cache dir: the files this rank has hashed, by stat
 
@@ -223,9 +225,10 @@ def check_local_shards(shards: list[ShardRef], ds: DataSource, check: ShardCheck
 
 @dataclass
 class _Watched:
-    path: Path
+    path: Path  # the version's record, or manifest.json of a dataset that has no version records yet
     signature: tuple[int, ...]
     listing: list
+    sha256: str | None  # of the record's bytes, where the run read a version record
 
 
 def _listing(manifest: dict) -> list:
@@ -233,32 +236,63 @@ def _listing(manifest: dict) -> list:
 
 
 class DatasetWatch:
-    """The local datasets' manifests, checked every step (one stat each): one removed, or rewritten with another
-    shard list, means a build is replacing the dataset under the run. Rewritten with the same list (the same build
-    run again) changes nothing."""
+    """The local datasets' version records, checked every step (one stat each): the record of the version the run
+    reads (versions/v00000N.json) removed, or rewritten with other bytes, means the version is being removed or
+    replaced under the run. An append (a new version: a new record and manifest.json) changes neither. A dataset
+    without version records is watched by its manifest.json: one removed or rewritten with another shard list means a
+    build is replacing the dataset under the run; rewritten with the same list (the same build run again) changes
+    nothing, and so does its first append (which records the same bytes as versions/v000001.json)."""
 
     def __init__(self, datasets: list[DataSource]):
         self.watched = []
         for ds in datasets:
             if ds.manifest is None or not ds.shards or ds.shards[0].url.startswith(REMOTE_OR_PIPE):
                 continue
-            path = Path(ds.shards[0].url).parent / "manifest.json"
+            base = Path(ds.base) if ds.base else Path(ds.shards[0].url).parent
+            path = base / (ds.version.record if ds.version else MANIFEST_NAME)
+            sha = ds.version.sha256 if ds.version else None
             try:
-                self.watched.append(_Watched(path, file_signature(os.stat(path)), _listing(ds.manifest)))
+                self.watched.append(_Watched(path, file_signature(os.stat(path)), _listing(ds.manifest), sha))
             except OSError:
                 raise changed(str(path)) from None
 
     def check(self) -> None:
-        """Raises the `changed` DataError when a watched dataset's manifest.json is gone or lists other shards than
-        at the start; a stat that still matches spares the read."""
+        """Raises the `changed` DataError when a watched record is gone or holds other bytes, or a watched
+        manifest.json lists other shards than at the start; a stat that still matches spares the read."""
         for w in self.watched:
             try:
                 st = os.stat(w.path)
                 if file_signature(st) == w.signature:
                     continue
-                same = _listing(json.loads(w.path.read_text(encoding="utf-8"))) == w.listing
-            except (OSError, ValueError, AttributeError):
-                same = False
-            if not same:
+            except OSError:
+                st = None
+            if w.path.name == MANIFEST_NAME and self._recorded(w):
+                continue
+            if st is None or not self._same(w):
                 raise changed(str(w.path))
             w.signature = file_signature(st)
+
+    @staticmethod
+    def _same(w: _Watched) -> bool:
+        try:
+            data = read_state(w.path, LIMITS.manifest_bytes)
+            if w.path.name != MANIFEST_NAME:
+                return hashlib.sha256(data).hexdigest() == w.sha256
+            return _listing(json.loads(data)) == w.listing
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    @staticmethod
+    def _recorded(w: _Watched) -> bool:
+        """A dataset without records appended to: its version 1 recorded as versions/v000001.json, the bytes the run
+        read (the watch moves to it); False where there is no such record."""
+        record = w.path.parent / version_name(1)
+        try:
+            data = read_state(record, LIMITS.manifest_bytes)
+            st = os.stat(record)
+        except (OSError, ValueError):
+            return False
+        if w.sha256 is None or hashlib.sha256(data).hexdigest() != w.sha256:
+            return False
+        w.path, w.signature = record, file_signature(st)
+        return True

@@ -170,19 +170,7 @@ def make_loader(
     The epoch schedule (order.py) reads samples by random access: sample shuffle, mixtures. Without them the
     shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
     token budget or packing run is known up front. `options` as fitted: its shuffle_span is the plan's."""
-    assert options.shuffle_span == plan.shuffle_span, "make_loader reads the options read_plan fitted"
-    part = _index_rank(plan, data)
-    if plan.scheduled and (remote_shards(part.sources) or plan.check.deferred):
-        part.cache = ShardCache(
-            part.sources, plan.cache_dir, limit=plan.cache_limit, prefetch=options.shard_prefetch, check=plan.check
-        )
-    if part.sources is not None:
-        predicted, first = predict_steps(
-            part.sources, options, batching, specs=data.specs, epochs=length.epochs, device=device
-        )
-    else:
-        per_epoch = steps_per_epoch(list(data.plans[0].rank_samples), batching)
-        predicted, first = ([per_epoch] * length.epochs if per_epoch is not None else None), None
+    streams, predicted = data_streams(options, plan, data, batching=batching, length=length, device=device)
     total = length.max_steps or (sum(predicted) if predicted is not None else None)
     schedule_len = length.schedule_steps or total
     if schedule_len is None:
@@ -190,16 +178,47 @@ def make_loader(
             "the number of steps is not known up front (token budget or packing over streamed "
             "http(s)/pipe: shards without the sample shuffle): pass --max-steps or --schedule-steps"
         )
-    if plan.rank == 0:
-        _log_start(options, plan, data.specs, part, predicted, max_steps=length.max_steps)
     loader = StepLoader(
-        _streams(options, plan, data, part, first),
+        streams,
         collate_spec=collate_spec,
         batching=batching,
         num_workers=options.num_workers,
         prefetch_factor=options.prefetch_factor,
     )
     return loader, total, schedule_len
+
+
+def data_streams(
+    options: DataOptions,
+    plan: ReadPlan,
+    data: RunData,
+    *,
+    batching: Batching,
+    length: RunLength,
+    device: torch.device,
+    epoch: int = 0,
+    announce: bool = True,
+) -> tuple[Streams, list[int] | None]:
+    """The rank's streams over `data` from `epoch` on, and the predicted steps of epochs `epoch` .. --epochs - 1 (at
+    least `epoch`'s; None where not known up front). Rank 0 says how it reads (`announce`: at the run's start); a
+    --follow run calls it again for each epoch read at another version."""
+    assert options.shuffle_span == plan.shuffle_span, "data_streams reads the options read_plan fitted"
+    part = _index_rank(plan, data)
+    if plan.scheduled and (remote_shards(part.sources) or plan.check.deferred):
+        part.cache = ShardCache(
+            part.sources, plan.cache_dir, limit=plan.cache_limit, prefetch=options.shard_prefetch, check=plan.check
+        )
+    epochs = range(epoch, max(length.epochs, epoch + 1))
+    if part.sources is not None:
+        predicted, first = predict_steps(
+            part.sources, options, batching, specs=data.specs, epochs=epochs, device=device
+        )
+    else:
+        per_epoch = steps_per_epoch(list(data.plans[0].rank_samples), batching)
+        predicted, first = ([per_epoch] * len(epochs) if per_epoch is not None else None), None
+    if plan.rank == 0 and announce:
+        _log_start(options, plan, data.specs, part, predicted, max_steps=length.max_steps)
+    return _streams(options, plan, data, part, first, epoch), predicted
 
 
 def _index_rank(plan: ReadPlan, data: RunData) -> _RankPart:
@@ -225,8 +244,10 @@ def _index_rank(plan: ReadPlan, data: RunData) -> _RankPart:
     return part
 
 
-def _streams(options: DataOptions, plan: ReadPlan, data: RunData, part: _RankPart, first: Schedule | None) -> Streams:
-    """The rank's read path: the epoch schedule over its indexed sources (epoch 0's schedule `first`, when the step
+def _streams(
+    options: DataOptions, plan: ReadPlan, data: RunData, part: _RankPart, first: Schedule | None, epoch: int
+) -> Streams:
+    """The rank's read path: the epoch schedule over its indexed sources (`epoch`'s schedule `first`, when the step
     prediction made it), or its shards of the one dataset in sequence."""
     if plan.scheduled:
         return EpochSchedule(
@@ -236,7 +257,7 @@ def _streams(options: DataOptions, plan: ReadPlan, data: RunData, part: _RankPar
             shuffle=options.shuffle,
             shuffle_shards=options.shuffle_shards,
             shuffle_span=options.shuffle_span,
-            first=first,
+            first=(epoch, first) if first is not None else None,
             cache=part.cache,
         )
     shards = data.plans[0]
@@ -351,8 +372,9 @@ def eval_loaders(
     that holds videos runs the video pass in every micro-batch (the placeholder video where it has none), whether
     or not training does: the ranks' vision all-gathers then pair up in eval as in training."""
     out, spec, train_data, rank, world = [], data.image, data.datasets[0], plan.rank, data.world
-    for d in options.eval_sources:
-        ds = resolve_data(d.path, option="--eval-data")
+    for i, d in enumerate(options.eval_sources):
+        # the version open_data resolved, once for the run (a RunData made without them: resolved here)
+        ds = data.eval_datasets[i] if i < len(data.eval_datasets) else resolve_data(d.path, option="--eval-data")
         if ds.processor and train_data.processor:  # a loss under another tokenizer or pixel math means nothing
             diff = processor_difference(train_data, ds, options.processor)
             if diff:

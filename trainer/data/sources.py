@@ -12,18 +12,18 @@ from pathlib import Path
 import braceexpand
 
 from trainer.data.errors import DataError
+from trainer.data.pins import DatasetVersion, read_version
 from trainer.data.storage import StorageError, read_url
 from vlmprep_schemas import load
 from vlmprep_schemas.boundary import (
     MANIFEST_NAME,
     REMOTE,
     UnsafeDataset,
-    dataset_file,
     dataset_paths,
     refuse_credentials,
 )
 from vlmprep_schemas.limits import LIMITS, load_json, schema_problem
-from vlmprep_schemas.versions import read_plain_file
+from vlmprep_schemas.versions import VersionError, read_plain_file, split_ref
 
 READABLE_VERSIONS = tuple(load("shard_format.schema.json")["readable_versions"])
 # Shard URLs that are not local files: streamed once, or read from the rank's shard cache
@@ -62,6 +62,8 @@ class DataSource:
     manifest: dict | None
     index: IndexRef | None = None  # the dataset's sample index: every shard's rows in one file (manifest order)
     index_rows: int = 0  # the rows it holds: the samples of every shard the manifest lists
+    base: str = ""  # the dataset dir or base URL ('' for shards named without one)
+    version: DatasetVersion | None = None  # the version of a dataset dir or URL read (its record and sha256)
 
     @property
     def counted(self) -> bool:
@@ -70,7 +72,7 @@ class DataSource:
 
 
 def read_dataset_file(url: str, limit: int = LIMITS.manifest_bytes) -> bytes:
-    """A small file of a dataset (its manifest, a processor config), refused when over `limit` bytes or (local) when
+    """A small file of a dataset (a processor config, its tokenizer), refused when over `limit` bytes or (local) when
     not a plain file; OSError (FileNotFoundError) where a local one cannot be opened."""
     if url.startswith(REMOTE):
         try:
@@ -86,32 +88,33 @@ def read_dataset_file(url: str, limit: int = LIMITS.manifest_bytes) -> bytes:
         raise DataError(str(e)) from None
 
 
-def _load_manifest(base: str) -> dict:
+def _load_manifest(base: str, *, option: str = "--data", ref: str | None = None, pinned: dict | None = None):
+    """The manifest of the version `ref` names (None: the latest) of the dataset at `base`, checked (its
+    format_version, the schema), and that version (pins.read_version: `pinned`, a resumed run's record of it)."""
+    url = join_url(base, MANIFEST_NAME)
     try:
-        url = dataset_file(base, MANIFEST_NAME, where=base, what="file")  # not a symlink out of the dataset
-    except UnsafeDataset as e:
-        raise DataError(str(e)) from None
-    try:
-        data = read_dataset_file(url)
+        found = read_version(base, ref, option=option, pinned=pinned)
     except DataError as e:  # its own line names the URL
-        raise DataError(str(e) if str(e).startswith("cannot ") else f"cannot read {url}: {e}") from None
-    except OSError as e:
-        raise DataError(f"cannot read {url}: {e}") from None
+        raise DataError(str(e) if str(e).startswith(("cannot ", option)) else f"cannot read {url}: {e}") from None
+    if found is None:
+        raise DataError(f"cannot read {url}: no such file (not a finished vlmprep build: run `vlmprep build` first)")
+    version, data = found
+    url = join_url(base, version.record)
     try:
         manifest = load_json(data, "it", LIMITS.manifest_bytes)
     except ValueError as e:
         raise DataError(f"cannot read {url}: {e}") from None
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version not in READABLE_VERSIONS:
+    fmt = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if fmt not in READABLE_VERSIONS:
         raise DataError(
-            f"{url}: format_version {version!r} is not supported by this trainer (it reads "
+            f"{url}: format_version {fmt!r} is not supported by this trainer (it reads "
             f"format_version {', '.join(map(str, READABLE_VERSIONS))}); rebuild the shards or upgrade "
             "the trainer"
         )
     problem = schema_problem(manifest, "manifest.schema.json")
     if problem:
         raise DataError(f"{url} does not match the manifest schema: {problem}")
-    return manifest
+    return manifest, version
 
 
 def join_url(base: str, name: str) -> str:
@@ -119,8 +122,10 @@ def join_url(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name if base.startswith(REMOTE) else str(Path(base) / name)
 
 
-def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> DataSource:
-    where = join_url(base, MANIFEST_NAME)
+def _from_manifest(
+    base: str, manifest: dict, only: list[str] | None = None, version: DatasetVersion | None = None
+) -> DataSource:
+    where = join_url(base, version.record if version else MANIFEST_NAME)
     try:  # every path the manifest names stays inside the dataset, its processor asks for no custom code
         paths = dataset_paths(base, manifest, where=where)
     except UnsafeDataset as e:
@@ -153,7 +158,7 @@ def _from_manifest(base: str, manifest: dict, only: list[str] | None = None) -> 
     # A local shard's presence and size are checked by the rank that reads it, as it starts (trainer/data/integrity.py
     # ShardCheck.verify): not here, where every rank would stat every shard of the dataset (10^5 files x 512 ranks
     # of metadata calls on a shared filesystem).
-    return DataSource(tuple(shards), paths.processor, manifest, index, row)
+    return DataSource(tuple(shards), paths.processor, manifest, index, row, base, version)
 
 
 RAW_SUFFIXES = (".jsonl", ".jsonl.zst", ".json")  # what `vlmprep build --in` reads
@@ -176,9 +181,11 @@ def _refuse_raw_input(path: str) -> None:
         )
 
 
-def resolve_data(url: str, *, option: str = "--data") -> DataSource:
-    """Dataset dir or base URL (manifest required), shard path/pattern/URL (manifest used when beside it),
-    or `pipe:` commands (no manifest). `option`: the option that named it, for the messages (--eval-data)."""
+def resolve_data(url: str, *, option: str = "--data", pinned: dict | None = None) -> DataSource:
+    """Dataset dir or base URL (manifest required; `DIR@vN` / `DIR@TAG` read that version's record, plain `DIR` the
+    latest, once: docs/datasets-that-grow.md), shard path/pattern/URL (manifest used when beside it), or `pipe:`
+    commands (no manifest). `option`: the option that named it, for the messages (--eval-data). `pinned`: a resumed
+    run's record of the version it read (pins.DatasetVersion.entry): that version is read again and checked."""
     if url.startswith("file:"):
         url = url[len("file:") :]
         if url.startswith("//"):
@@ -192,7 +199,16 @@ def resolve_data(url: str, *, option: str = "--data") -> DataSource:
             refuse_credentials(url, where=option)
         except UnsafeDataset as e:
             raise DataError(str(e)) from None
+    try:
+        url, ref = split_ref(url)
+    except VersionError as e:
+        raise DataError(f"{option} {e}") from None
     is_pattern = "{" in url or url.endswith(".tar")
+    if ref is not None and is_pattern:
+        raise DataError(
+            f"{option} {url}@{ref}: a version names a dataset dir or URL, not shards: pass DIR@{ref} (every shard of "
+            "that version)"
+        )
     if not is_pattern:
         if not remote:
             _refuse_raw_input(url)
@@ -200,7 +216,8 @@ def resolve_data(url: str, *, option: str = "--data") -> DataSource:
             raise DataError(
                 f"--data {url}: no such dataset dir (or pass a shard pattern like DIR/shard-{{000000..000009}}.tar)"
             )
-        return _from_manifest(url, _load_manifest(url))
+        manifest, version = _load_manifest(url, option=option, ref=ref, pinned=pinned)
+        return _from_manifest(url, manifest, version=version)
     urls = list(braceexpand.braceexpand(url))
     base = urls[0].rsplit("/", 1)[0] if "/" in urls[0] else "."
     if any(u.rsplit("/", 1)[0] != base for u in urls):
@@ -213,7 +230,8 @@ def resolve_data(url: str, *, option: str = "--data") -> DataSource:
     has_manifest = Path(base, "manifest.json").is_file() if not remote else True
     if has_manifest:
         try:
-            return _from_manifest(base, _load_manifest(base), names)
+            manifest, version = _load_manifest(base, option=option)
+            return _from_manifest(base, manifest, names, version=version)
         except DataError:
             if not remote:
                 raise

@@ -19,15 +19,17 @@ def predict_steps(
     batching: Batching,
     *,
     specs: tuple[DataSpec, ...],
-    epochs: int,
+    epochs: int | range,
     device: torch.device,
 ) -> tuple[list[int], Schedule]:
-    """Steps of each of `epochs` epochs, by running the batcher / packer over the stored token counts in the order's
-    schedule (`options`: its seed and shuffles); the busiest rank sets an epoch's length (the others pad). Also returns
-    epoch 0's schedule, for the loader. `specs`: the mixture's datasets, named in a refusal (check_epoch_size)."""
+    """Steps of each of `epochs` epochs (a count from epoch 0, or a range), by running the batcher / packer over the
+    stored token counts in the order's schedule (`options`: its seed and shuffles); the busiest rank sets an epoch's
+    length (the others pad). Also returns the first epoch's schedule, for the loader. `specs`: the mixture's datasets,
+    named in a refusal (check_epoch_size)."""
     check_epoch_size(sources, specs, device)
     mine, first = [], None
-    for epoch in range(epochs):
+    epochs = range(epochs) if isinstance(epochs, int) else epochs
+    for epoch in epochs:
         order = schedule(
             sources,
             seed=options.seed,
@@ -36,7 +38,7 @@ def predict_steps(
             shuffle_shards=options.shuffle_shards,
             shuffle_span=options.shuffle_span,
         )
-        first = order if epoch == 0 else first
+        first = order if first is None else first
         lengths = order.tokens(sources)
         mine.append(rank_steps(lengths, batching))
     steps = torch.tensor(mine, dtype=torch.float64, device=device)

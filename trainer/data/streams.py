@@ -199,7 +199,7 @@ class ShardSequence:
 class EpochSchedule:
     """The stream of the other mode: the epoch schedule of trainer/data/order.py over the rank's indexed sources
     (ScheduledStream: sample shuffle in blocks of `shuffle_span` shards, mixtures), read by random access.
-    `first`: epoch 0's schedule, when already made. `cache`: the rank's shard cache for the sources' remote shards
+    `first`: (epoch, its schedule), when already made. `cache`: the rank's shard cache for the sources' remote shards
     (started per epoch, closed with the loader)."""
 
     def __init__(
@@ -211,7 +211,7 @@ class EpochSchedule:
         shuffle: bool,
         shuffle_shards: bool,
         shuffle_span: int,
-        first: Schedule | None = None,
+        first: tuple[int, Schedule] | None = None,
         cache: ShardCache | None = None,
     ):
         self.sources, self.spec, self.seed, self.cache = sources, spec, seed, cache
@@ -232,7 +232,7 @@ class EpochSchedule:
     def open(self, epoch: int, position: int, num_workers: int) -> ScheduledStream:
         """The epoch's stream from `position` on (the shard cache, if any, restarted at it)."""
         first, self._first = self._first, None  # used once, then freed
-        order = first if first is not None and epoch == 0 else self.schedule(epoch)
+        order = first[1] if first is not None and first[0] == epoch else self.schedule(epoch)
         if self.cache is not None:
             self.cache.begin(order, position, num_workers)
         return ScheduledStream(
