@@ -9,6 +9,7 @@ measured at the default (1,000 per shard: a real 10k dataset replicated index-on
 of 8 and 64 simulated ranks (open the data, the sample index, the step predictor under a token budget, the sha256
 of the rank's shards that a run dir's first start checks (a resume skips it), the first step's batches), and over
 loopback HTTP with the cache limit at 10% of the dataset against fetching two shards.
+And the start-up on 10k samples as 100 versions against one (issue 55.8; `--versions-only`: that row alone).
 `--quick`: 1k / 10k samples (100k index-only), 10 / 100 files, 1 / 10 tasks."""
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ def startup_child(data: str, world: int, rank: int, first_step: bool, limit: str
             shuffle=True,
             shuffle_shards=True,
             shuffle_span=cfg.shuffle_span,
-            first=first,
+            first=(0, first),
             cache=shard_cache,
         )
         loader = StepLoader(streams, collate_spec=spec, batching=Batching.of(cfg), num_workers=0, prefetch_factor=2)
@@ -529,6 +530,9 @@ def run(quick: bool) -> list[dict]:
                 )
             )
 
+    # the same 10k samples as one version and as 100 (issue 55.8: <= 1.2x)
+    rows.append(versions_startup(merged[10_000][0]))
+
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer
     from trainer.data.storage import fetch
@@ -595,3 +599,117 @@ def run(quick: bool) -> list[dict]:
         )
 
     return rows
+
+
+# --- the trainer's start-up on a dataset of many versions (issue 55.8)
+
+VERSIONS = 100
+VERSIONS_GOAL = 1.2  # start-up on VERSIONS versions over start-up on one version of the same samples
+
+
+def versioned(src: Path, versions: int = VERSIONS) -> Path:
+    """src's samples as a dataset of `versions` versions, laid out as `build --append` leaves one
+    (docs/datasets-that-grow.md): version k adds the k-th of `versions` runs of src's shards (hard links under the
+    version's shard names, sidecars too), its record versions/v00000k.json names every shard of versions 1..k with
+    its cumulative sample index, and manifest.json is the last record's byte copy. The same samples in the same
+    order as src, so the trainer's start-up on each compares the versions alone."""
+    from vlmprep.shards.manifest import ShardEntry
+    from vlmprep.shards.reader import load_sample_index
+    from vlmprep.shards.writer import write_dataset_index
+    from vlmprep_schemas.versions import version_name
+
+    d = OUT / "growth" / f"versions-{versions}-of-{src.name}"
+    if (d / "manifest.json").exists():
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "versions").mkdir(parents=True)
+    manifest = json.loads((src / "manifest.json").read_text())
+    shutil.copytree(src / manifest["processor"]["dir"], d / manifest["processor"]["dir"])
+    shards, per = manifest["shards"], -(-len(manifest["shards"]) // versions)
+    assert len(shards) >= versions, f"{src}: {len(shards)} shards cannot make {versions} versions"
+    have, parts, record = [], [], b""
+    for k in range(1, versions + 1):
+        added = []
+        for j, s in enumerate(shards[(k - 1) * per : k * per]):
+            name = s["name"] if k == 1 else f"shard-v{k:06d}-{j:06d}.tar"
+            index = {**s["index"], "name": name + ".index.npy"}
+            os.link(src / s["name"], d / name)
+            os.link(src / s["index"]["name"], d / index["name"])
+            have.append({**s, "name": name, "index": index})
+            parts.append(load_sample_index(src, ShardEntry.from_json(s)))
+            added.append(name)
+        if not added:
+            break
+        samples = sum(s["num_samples"] for s in have)
+        index = "samples.index.npy" if k == 1 else f"samples.v{k:06d}.index.npy"
+        totals = {**manifest["totals"], "samples": samples}
+        rec = {**manifest, "shards": have, "totals": totals}
+        rec["sample_index"] = write_dataset_index(d, iter(parts), samples, name=index)
+        if k > 1:
+            rejects = {"inputs": [], "totals": {"samples": sum(s["num_samples"] for s in have[-len(added) :])}}
+            rec["version"] = {
+                "number": k,
+                "parent": k - 1,
+                "created": "2026-12-01T00:00:00Z",
+                "command": ["vlmprep", "build", "--append"],
+                "added": {**rejects, "shards": added, "rejects": {}, "rejects_file": f"rejects.v{k:06d}.jsonl"},
+            }
+        record = json.dumps(rec, indent=1, sort_keys=True).encode()
+        (d / version_name(k)).write_bytes(record)
+    (d / "manifest.json").write_bytes(record)
+    return d
+
+
+def versions_startup(src: Path, versions: int = VERSIONS, rounds: int = ROUNDS) -> dict:
+    """The trainer's start-up (open the data, index, predict, the first step's batches; rank 0 of 8) on `src` and on
+    its samples as `versions` versions (versioned), alternated in fresh processes, `rounds` each: the medians and
+    their ratio against VERSIONS_GOAL."""
+    many = versioned(src, versions)
+    n = json.loads((src / "manifest.json").read_text())["totals"]["samples"]
+    times: dict[str, list[float]] = {"one": [], "many": []}
+    parts: dict[str, list[float]] = {"one": [], "many": []}
+    for _ in range(rounds):
+        for key, path in (("one", src), ("many", many)):
+            shutil.rmtree(OUT / "growth" / "run", ignore_errors=True)
+            _, r = _startup(str(path), 8, first_step=True)
+            times[key].append(r["total_s"])
+            parts[key].append(r["open_s"] + r["index_s"] + r["predict_s"])
+    one, many_s = statistics.median(times["one"]), statistics.median(times["many"])
+    return emit(
+        "growth",
+        command="trainer start-up over versions",
+        samples=n,
+        versions=versions,
+        ranks=8,
+        rounds=rounds,
+        one_version_seconds=round(one, 4),
+        versions_seconds=round(many_s, 4),
+        ratio=round(many_s / max(one, 1e-9), 3),
+        data_part_one_version_seconds=round(statistics.median(parts["one"]), 4),
+        data_part_versions_seconds=round(statistics.median(parts["many"]), 4),
+        goal=f"<= {VERSIONS_GOAL}x",
+        met=many_s <= VERSIONS_GOAL * one,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m benchmarks.bench_growth [--quick] [--versions-only]`: every row, or the versions row alone (a
+    dataset of 10k samples, 100 per shard)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_growth")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--versions-only", action="store_true")
+    a = ap.parse_args(argv)
+    if not a.versions_only:
+        run(a.quick)
+        return
+    n = 10_000  # 100 shards: one a version
+    src = planned_dataset(n, 1, real_samples(), plan_inputs(10, n))
+    if not (src / "manifest.json").exists():
+        _vlmprep("merge", src, "--max-reject-fraction", 1)
+    versions_startup(src)
+
+
+if __name__ == "__main__":
+    main()
