@@ -531,7 +531,7 @@ def run(quick: bool) -> list[dict]:
             )
 
     # the same 10k samples as one version and as 100 (issue 55.8: <= 1.2x)
-    rows.append(versions_startup(merged[10_000][0]))
+    rows.append(versions_startup(merged[10_000][0], rounds=3 if quick else ROUNDS))
 
     # remote: first step with the cache at 10% of the dataset, against fetching the first two shards
     from tests.support.range_server import RangeServer
