@@ -465,3 +465,25 @@ def test_a_follow_run_of_epochs_resumed_after_a_switch_keeps_the_lr_schedule_it_
     assert main(_args(other, run, *common)) == 0
     keys = ("step", "epoch", "sample_ids", "loss", "lr")
     assert _rows(run, keys) == _rows(ref, keys) and len(_rows(ref)) == 9
+
+
+@pytest.mark.slow  # two torchrun launches of 2 ranks: ~1-2 min on 2 cores
+def test_two_ranks_take_a_new_version_together_at_the_epoch_boundary(grown, tmp_path):
+    """Rank 0 reads manifest.json at the boundary and tells rank 1 (broadcast); both read the new version's shards,
+    planned over the ranks anew: each epoch from then on reads every sample of version 2 once, across the ranks."""
+    from tests.trainer.conftest import run_trainer
+
+    d, grow = grown
+    run = tmp_path / "run"
+    args = ["--data", d, "--out", run, *COMMON, "--follow", "--save-every", 1]
+    run_trainer([*args, "--max-steps", 2], nproc=2, timeout=300)  # epoch 0 at version 1: 4 + 2 samples a rank
+    assert {r[1] for r in _rows(run)} == {0}
+    grow(1)
+    proc = run_trainer([*args, "--max-steps", 12], nproc=2, timeout=300)
+    assert "trainer: epoch 1: version v2 (+6 samples)" in proc.stderr, proc.stderr[-3000:]
+    rows = _rows(run)
+    v1, v2 = sorted(_ids([r for r in rows if r[1] == 0])), sorted(_ids([r for r in rows if r[1] == 1]))
+    assert len(v1) == len(set(v1)) == 6 and len(v2) == len(set(v2)) == 12 and set(v1) < set(v2)
+    assert sorted(_ids([r for r in rows if r[1] == 2])) == v2
+    history = [(h["epoch"], h["datasets"][0]["version"]) for h in _versions(run)["data"]]  # an entry an epoch
+    assert history[:2] == [(0, 1), (1, 2)] and {v for _, v in history[1:]} == {2}
