@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from trainer.data.errors import DataError
 from trainer.data.storage import StorageError, read_url
 from vlmprep_schemas.boundary import MANIFEST_NAME, REMOTE, UnsafeDataset, dataset_file
+from vlmprep_schemas.limits import LIMITS
 from vlmprep_schemas.versions import Read, VersionError, local_reader, resolve_ref, version_name
 
 
@@ -80,21 +81,25 @@ def _latest(base: str, read: Read, option: str) -> tuple[DatasetVersion, bytes] 
     latest = resolve_ref(None, read, where=base)
     if latest is None:
         return None
-    try:  # the record manifest.json copies: what the run pins, and what a resume reads back
-        found = resolve_ref(f"v{latest.number}", read, where=base)
-    except VersionError:
+    # the record manifest.json copies (what the run pins, and what a resume reads back), compared by bytes: one
+    # read and one parse of manifest.json at start-up, whatever the number of versions
+    name = version_name(latest.number)
+    data = read(name, LIMITS.manifest_bytes)
+    if data is None and latest.number == 1:  # no version records yet: manifest.json is version 1
+        return _version(MANIFEST_NAME, latest.data, 1, None), latest.data
+    if data is None:
         raise DataError(
             f"{option} {base}: its {MANIFEST_NAME} says version {latest.number}, but "
             f"{version_name(latest.number)} is not there: the dataset is damaged or half copied; copy it again "
             "(or pass DIR@vN of a version it holds)"
-        ) from None
-    if found.data != latest.data:
+        )
+    if data != latest.data:
         raise DataError(
-            f"{option} {base}: its {MANIFEST_NAME} is not the byte copy of {found.name} (version "
+            f"{option} {base}: its {MANIFEST_NAME} is not the byte copy of {name} (version "
             f"{latest.number}) that a build writes: it was edited or replaced; copy the dataset again, or pass "
             f"DIR@v{latest.number}"
         )
-    return _version(found.name, found.data, found.number, None), found.data
+    return _version(name, data, latest.number, None), data
 
 
 def _pinned(base: str, ref: str | None, read: Read, pinned: dict, option: str) -> tuple[DatasetVersion, bytes]:
