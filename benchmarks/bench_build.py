@@ -50,8 +50,8 @@ def processor_floor(inp: Path, processor, chat_template: str | None) -> tuple[fl
     """The processor's own render of every record (apply_chat_template with images), one process, one thread."""
     from PIL import Image
 
-    from vlmprep.normalize import NormalizeOptions, normalize_record
-    from vlmprep.render import template_messages
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+    from vlmprep.render.sample import template_messages
     from vlmprep.types import Source
 
     convs = []

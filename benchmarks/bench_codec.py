@@ -73,7 +73,7 @@ def demo_screenshots(quick: bool) -> list[bytes]:
 def measure(name: str, sources: list[bytes], processor, reps: int) -> list[dict]:
     """The sources prepared as a build does (the processor's resize), then measured."""
     from vlmprep.families import resolve_family
-    from vlmprep.images import prepare_image
+    from vlmprep.pixels.images import prepare_image
     from vlmprep.types import ImageData
 
     family = resolve_family(processor)
@@ -86,7 +86,7 @@ def measure(name: str, sources: list[bytes], processor, reps: int) -> list[dict]
 def measure_pixels(name: str, source_bytes: int, pixels: list[np.ndarray], reps: int) -> list[dict]:
     """One row per candidate: stored bytes over source bytes, encode ms per image, decode screenshots/s (CPU time
     of this one-threaded process through the loader's own decode, so a busy neighbour does not count)."""
-    from vlmprep.images import STORED_EXT, encode_image
+    from vlmprep.pixels.images import STORED_EXT, encode_image
     from vlmprep.types import PreparedImage
 
     prepared = [PreparedImage(pixels=p, grid_thw=(1, 1, 1), source=None, digest="") for p in pixels]

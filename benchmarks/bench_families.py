@@ -97,9 +97,9 @@ def online_pass(lines: list[dict], processor_dir: Path) -> tuple[float, int]:
     from PIL import Image
     from transformers import AutoProcessor
 
-    from vlmprep.chat_template import template_messages
     from vlmprep.families import family_of
-    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+    from vlmprep.render.chat_template import template_messages
     from vlmprep.types import Source
 
     processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)

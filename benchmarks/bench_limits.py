@@ -54,7 +54,7 @@ def run(quick: bool, shard: Path | None = None) -> dict:
     from PIL import Image
 
     from vlmprep.families import resolve_family
-    from vlmprep.images import encode_image, prepare_image
+    from vlmprep.pixels.images import encode_image, prepare_image
     from vlmprep.processors.load import load_processor
     from vlmprep.types import ImageData
 

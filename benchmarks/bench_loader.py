@@ -114,8 +114,8 @@ class OnlineRecords(Dataset):
     def __getitem__(self, i):
         from PIL import Image
 
-        from vlmprep.normalize import NormalizeOptions, normalize_record
-        from vlmprep.render import template_messages
+        from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+        from vlmprep.render.sample import template_messages
         from vlmprep.types import Source
 
         conv = normalize_record(json.loads(self.lines[i]), Source("/bench/x.jsonl", i + 1), NormalizeOptions())

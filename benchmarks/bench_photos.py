@@ -173,8 +173,8 @@ def _online(lines: list[dict], processor_dir: Path) -> tuple[float, str]:
         from transformers import AutoProcessor
         from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-        from vlmprep.chat_template import template_messages
-        from vlmprep.normalize import NormalizeOptions, normalize_record
+        from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+        from vlmprep.render.chat_template import template_messages
         from vlmprep.types import Source
 
         collate = DataCollatorForVisionLanguageModeling(AutoProcessor.from_pretrained(processor_dir))

@@ -68,14 +68,14 @@ def _run_shape(quick: bool, n: int | None, shape: str, inp: Path | None = None) 
     from PIL import Image
 
     from vlmprep import process as process_module
-    from vlmprep.images import _resize, decode_image, encode_image, open_image
-    from vlmprep.normalize import normalize_record
+    from vlmprep.ingest.normalize import normalize_record
+    from vlmprep.ingest.records import iter_records, parse_record
+    from vlmprep.pixels.images import _resize, decode_image, encode_image, open_image
     from vlmprep.process import Renderer
     from vlmprep.processors.load import load_processor
-    from vlmprep.records import iter_records, parse_record
-    from vlmprep.render import _expand_images, render_conversation
+    from vlmprep.render.sample import _expand_images, render_conversation
+    from vlmprep.render.tokens import shorten_runs
     from vlmprep.shards.writer import ShardWriter
-    from vlmprep.tokens import shorten_runs
     from vlmprep.types import PreparedImage
     from vlmprep_schemas.delta import PDELTA_MIN_LEVEL
     from vlmprep_schemas.resize import processed

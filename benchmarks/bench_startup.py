@@ -34,8 +34,8 @@ def worker_child(processor_dir: str, inp: str) -> dict:
     from transformers import AutoProcessor
 
     from vlmprep.builder.workers import record_workers, renderer_from_saved
+    from vlmprep.ingest.records import iter_records
     from vlmprep.process import Renderer
-    from vlmprep.records import iter_records
 
     cfg = build_config(Path(inp), Path(processor_dir).parent, seq_len=16384)
     t0 = time.perf_counter()  # the load before from_local_dir: transformers' own, in the same process

@@ -62,7 +62,7 @@ def run(quick: bool, n: int | None = None) -> list[dict]:
 def keep_images_cost(inp, *, seq_len: int) -> list[dict]:
     """Keep-all vs --keep-images last:3, one worker in this process (so every decode and encode is counted here), same
     input, back to back: build seconds, their ratio, and the images decoded that no sample holds (goal: 0)."""
-    from vlmprep import images
+    import vlmprep.pixels.images as images
     from vlmprep.shards import writer
 
     decode, encode = images.decode_image, writer.encode_image

@@ -1,5 +1,5 @@
 """A source image -> the pixels vlmprep stores for it: the image processor's own RGB conversion and resize, per family
-(keyed by image processor class). vlmprep's build (vlmprep/images.py) and every reader that resizes an `original`
+(keyed by image processor class). vlmprep's build (vlmprep/pixels/images.py) and every reader that resizes an `original`
 member at load time (the trainer's decode, vlmprep's Collator) run this one code, so all of them make the same uint8
 pixels, the ones the tokens were counted for.
 """

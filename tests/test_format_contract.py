@@ -210,9 +210,9 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     from trainer.data.tars import iter_tar_samples
     from trainer.data.vision import ImageSpec
     from vlmprep.config import BuildConfig
+    from vlmprep.ingest.records import iter_records
     from vlmprep.process import Renderer
     from vlmprep.processors.load import save_processor
-    from vlmprep.records import iter_records
     from vlmprep.shards.format import sample_key
     from vlmprep.shards.writer import ShardWriter, encode_sample
 
@@ -403,25 +403,11 @@ _ROLES = {
         "vlmprep.rejects",
         "vlmprep.processors",
         "vlmprep.jobs",
+        "vlmprep.families",
     ),
-    "stage": tuple(
-        f"vlmprep.{m}"
-        for m in (
-            "records",
-            "normalize",
-            "media",
-            "images",
-            "videos",
-            "traces",
-            "chat_template",
-            "render",
-            "tokens",
-            "mask",
-            "positions",
-            "truncate",
-            "families",
-        )
-    ),
+    "ingest": ("vlmprep.ingest",),
+    "pixels": ("vlmprep.pixels",),
+    "render": ("vlmprep.render",),
     "process": ("vlmprep.process",),
     "shards": ("vlmprep.shards",),
     "build": ("vlmprep.builder",),
@@ -431,12 +417,14 @@ _ROLES = {
 }
 _MAY_IMPORT = {
     "base": {"base"},
-    "stage": {"base", "stage"},
-    "process": {"base", "stage", "shards", "process"},  # a record -> encoded shard samples
-    "shards": {"base", "stage", "shards"},
-    "clients": {"base", "stage", "shards", "clients"},
-    "tools": {"base", "stage", "process", "shards", "tools"},  # tools never import the build
-    "build": {"base", "stage", "process", "shards", "clients", "build"},
+    "ingest": {"base", "ingest"},  # files, tables and stores -> one Conversation
+    "pixels": {"base", "pixels"},  # image and video bytes -> the processor's pixels
+    "render": {"base", "pixels", "render"},  # a Conversation + pixels -> tokens and the loss mask
+    "process": {"base", "ingest", "pixels", "render", "shards", "process"},  # a record -> encoded shard samples
+    "shards": {"base", "ingest", "pixels", "shards"},
+    "clients": {"base", "ingest", "pixels", "shards", "clients"},
+    "tools": {"base", "ingest", "pixels", "render", "process", "shards", "tools"},  # tools never import the build
+    "build": {"base", "ingest", "pixels", "render", "process", "shards", "clients", "build"},
     "cli": set(_ROLES),
 }
 

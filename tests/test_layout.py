@@ -118,3 +118,58 @@ def test_no_module_or_function_is_over_the_size_limits():
         f"over the limits ({MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a function): split by job "
         "(a coherent part into a module of its own, a stage of a function into a named helper): " + "; ".join(found)
     )
+
+
+MAX_ROOT_MODULES = 12  # vlmprep's root: the shared types, config and registries; the stages live in packages
+
+
+def test_vlmprep_root_shows_the_flow_and_each_package_has_a_face_and_a_readme():
+    root = REPO / "vlmprep"
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert len(modules) <= MAX_ROOT_MODULES, (
+        f"{len(modules)} modules at vlmprep's root (at most {MAX_ROOT_MODULES}): {modules}"
+    )
+    for package in ("ingest", "pixels", "render"):
+        face = root / package / "__init__.py"
+        tree = ast.parse(face.read_text())
+        exported = next(
+            (n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__"),
+            None,
+        )
+        assert ast.get_docstring(tree) and exported is not None, f"{face}: a face needs its docstring and __all__"
+        readme = (root / package / "README.md").read_text()
+        for module in sorted((root / package).glob("*.py")):
+            if module.name != "__init__.py":
+                assert f"`{module.name}`" in readme, f"{package}/README.md does not name {module.name}"
+
+
+def test_the_rest_of_vlmprep_and_the_trainer_import_the_stage_packages_by_their_faces():
+    """Outside ingest/, pixels/ and render/, a public name is imported from the package, not its module."""
+    bad = []
+    for f in sorted((REPO / "vlmprep").rglob("*.py")) + sorted((REPO / "trainer").rglob("*.py")):
+        rel = f.relative_to(REPO).parts
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if len(parts) == 3 and parts[:2] in (
+                    ["vlmprep", "ingest"],
+                    ["vlmprep", "pixels"],
+                    ["vlmprep", "render"],
+                ):
+                    if rel[:2] != ("vlmprep", parts[1]) and not all(a.name.startswith("_") for a in node.names):
+                        bad.append(f"{'/'.join(rel)}:{node.lineno} from {node.module}")
+    assert not bad, "import these names from the package's face:\n" + "\n".join(bad)
+
+
+def test_every_package_with_an_init_is_in_the_wheel():
+    """pyproject.toml lists its packages by name: a new package missing there installs from the source tree (editable)
+    and is absent from the wheel, where every import of it fails."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for package in PACKAGES
+        for p in (REPO / package).rglob("__init__.py")
+    }
+    assert found <= listed, f"packages not in pyproject.toml's [tool.setuptools] packages: {sorted(found - listed)}"

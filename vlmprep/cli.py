@@ -156,8 +156,7 @@ def build(ctx: typer.Context, **opts) -> None:
 
             values = inherit_options(values, str(out), given=_given(ctx, values))
         if inputs:  # before the heavy imports (torch, transformers): the first second says what is happening
-            from vlmprep.locations import size_of
-            from vlmprep.records import expand_inputs
+            from vlmprep.ingest import expand_inputs, size_of
 
             files = expand_inputs(inputs)
             size = sum(map(size_of, files))
@@ -349,7 +348,7 @@ def inspect(
     samples, --shard's alone (--only rejected: none), or, for --id, --index and --only truncated, every shard."""
     import dataclasses
 
-    from vlmprep.records import SUFFIXES
+    from vlmprep.ingest import SUFFIXES
     from vlmprep.tools.inspector import run_inspect, shards_read
 
     try:

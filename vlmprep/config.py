@@ -36,6 +36,7 @@ def check_mask_policy(train_on_eos: str, tool_calls: str, reasoning: str) -> Non
 _BUILTINS = " | ".join(f"builtin:{n}" for n in builtin_names())
 
 
+EXECUTOR_HELP = "Who runs the tasks: local (--workers processes) | ray (pip install 'vlmprep\\[ray]')."
 IMAGE_FORMAT_HELP = (
     "How images are stored: auto (per image: a lossy photo as its source bytes where its pixels would be much larger, "
     "every other image zstd-pdelta), zstd-pdelta (lossless, each image compressed against the sample's previous one), "
@@ -201,12 +202,7 @@ class BuildConfig:
         None, SCALE, "Run only this task of DIR/plan.json (a Slurm array / indexed job); then `vlmprep merge DIR`."
     )
     plan_only: bool = opt(False, SCALE, "Write DIR/plan.json (and DIR/processor) and stop.")
-    executor: str = opt(
-        "local",
-        SCALE,
-        "Who runs the tasks: local (--workers processes) | ray (pip install 'vlmprep\\[ray]').",
-        choices=EXECUTORS,
-    )
+    executor: str = opt("local", SCALE, EXECUTOR_HELP, choices=EXECUTORS)
     ray_address: str | None = opt(
         None, SCALE, "Ray cluster to join (default: $RAY_ADDRESS, else a local cluster of --workers CPUs)."
     )

@@ -31,7 +31,7 @@ class FamilySpec:
     # `\nAssistant:`): a view starts a message after each, its role the first word of the text that follows.
     turn_ends: tuple[str, ...] = ()
     tool_call_tokens: tuple[str, ...] = ()  # control tokens that open a turn's tool calls (trained with the calls)
-    # Video parts (vlmprep/videos.py), None: rejected as unsupported_video. "qwen2": one run per video, temporal
+    # Video parts (vlmprep/pixels/videos.py), None: rejected as unsupported_video. "qwen2": one run per video, temporal
     # rope ids step 1; "qwen2.5": step tokens_per_second * second_per_grid_t; "qwen3": timestamp text before each
     # temporal patch, each its own run.
     video: str | None = None

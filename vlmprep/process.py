@@ -14,15 +14,30 @@ import json
 import math
 
 from vlmprep.config import BuildConfig
-from vlmprep.images import make_ready, open_image, prepare_image
-from vlmprep.normalize import NormalizeOptions, assistant_turns, normalize_record
+from vlmprep.ingest import (
+    NormalizeOptions,
+    ReadLimits,
+    assistant_turns,
+    normalize_record,
+    parse_record,
+    readable_record,
+)
+from vlmprep.pixels import DEFAULT_VIDEO_FPS, make_ready, open_image, prepare_image, prepare_video
 from vlmprep.processors.load import apply_pixel_budget, apply_video_budget, resolve_chat_template
-from vlmprep.records import ReadLimits, parse_record, readable_record
-from vlmprep.render import MaskPolicy, RenderContext, count_tokens, render_conversation, trained_messages
+from vlmprep.render import (
+    MaskPolicy,
+    RenderContext,
+    StepConversation,
+    StepPolicy,
+    count_tokens,
+    render_conversation,
+    split_trace,
+    trained_messages,
+    truncate_sample,
+    whole_trace,
+)
 from vlmprep.shards.format import sample_key
 from vlmprep.shards.writer import encode_sample
-from vlmprep.traces import StepConversation, StepPolicy, split_trace, whole_trace
-from vlmprep.truncate import truncate_sample
 from vlmprep.types import (
     Conversation,
     PreparedImage,
@@ -33,7 +48,6 @@ from vlmprep.types import (
     deterministic_message,
     printable,
 )
-from vlmprep.videos import DEFAULT_VIDEO_FPS, prepare_video
 from vlmprep_schemas.boundary import redact_credentials
 
 

@@ -125,7 +125,7 @@ def test_original_member_of_a_transformed_source_decodes_to_the_stored_pixels(qw
     from trainer.data.processors import load_image_processor_config
     from trainer.data.vision import ImageSpec
     from vlmprep.families import FAMILIES
-    from vlmprep.images import encode_image, prepare_image, stored_ext
+    from vlmprep.pixels.images import encode_image, prepare_image, stored_ext
     from vlmprep.types import ImageData
 
     qwen2vl = FAMILIES["Qwen2VLProcessor"]
@@ -190,7 +190,7 @@ def test_zstd_delta_dataset_decodes_to_the_zstd_datasets_pixels(traces, dataset,
 def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, message):
     """A .delta.zst member is bounded as a .npy.zst is: its zstd frame's declared size and its .npy header are checked
     against the meta before its rows are unfiltered."""
-    from vlmprep.images import encode_image
+    from vlmprep.pixels.images import encode_image
 
     key, members = _first_members(dataset)
     s = decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=OriginalResizer(image_spec))
@@ -211,7 +211,7 @@ def test_zstd_delta_member_must_match_its_meta(dataset, image_spec, make, messag
 
 
 def _delta(a: np.ndarray) -> bytes:
-    from vlmprep.images import encode_image
+    from vlmprep.pixels.images import encode_image
 
     return encode_image(PreparedImage(pixels=a, grid_thw=(1, 1, 1), source=None, digest=""), "zstd-delta")
 
@@ -226,7 +226,7 @@ def test_an_original_member_decodes_to_the_pixels_the_build_counted_in_every_res
     from trainer.data.processors import load_image_processor_config, load_processor_settings
     from trainer.data.vision import ImageSpec
     from vlmprep.families import resolve_family
-    from vlmprep.images import encode_image, open_image, stored_ext
+    from vlmprep.pixels.images import encode_image, open_image, stored_ext
     from vlmprep.processors.load import load_processor
     from vlmprep.types import ImageData
 

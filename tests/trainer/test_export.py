@@ -93,9 +93,9 @@ def _reference(run, tmp_path, *, model: str = "", lora_rank: int = 0):
 def sample(dataset, image_spec):
     """A shard sample with images, and its record's messages as the processor's apply_chat_template takes them."""
     from scripts.demo_traces import generate_traces
-    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
     from vlmprep.processors.load import load_saved_processor
-    from vlmprep.render import RenderContext
+    from vlmprep.render.sample import RenderContext
     from vlmprep.types import Source
 
     s = next(s for s in read_all_samples(dataset, image_spec) if len(s.image_index) >= 2)

@@ -16,14 +16,14 @@ from trainer.options import ModelOptions
 
 
 def _messages(processor, conv):
-    from vlmprep.render import RenderContext, template_messages
+    from vlmprep.render.sample import RenderContext, template_messages
 
     ctx = RenderContext(processor)
     return ctx.messages(conv) if hasattr(ctx, "messages") else template_messages(conv)
 
 
 def _online(processor, record) -> dict:
-    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
     from vlmprep.types import Source
 
     conv = normalize_record(record, Source("/tmp/traces.jsonl", 1), NormalizeOptions())

@@ -93,7 +93,7 @@ def _online(d, record, out: str = "out", family: str = "qwen2-vl") -> dict:
     from transformers.video_utils import VideoMetadata
 
     from vlmprep.config import BuildConfig
-    from vlmprep.normalize import normalize_record
+    from vlmprep.ingest.normalize import normalize_record
     from vlmprep.process import Renderer
     from vlmprep.processors.load import load_processor
     from vlmprep.types import Source

@@ -610,7 +610,7 @@ def test_local_inputs_are_read_with_a_size_cap_under_a_memory_limit(tmp_path):
     FIFO or device named as one, is a reject with its reason before a byte is read: under an address-space limit of
     256 MiB above this process, with nothing to write into the FIFO (reading it would wait forever)."""
     from tests.support.hostile import address_space
-    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
     from vlmprep.types import Source
 
     for name, size in (("big.mp4", 8 << 30), ("big.png", 8 << 30), ("small.mp4", 3000)):
@@ -741,10 +741,10 @@ def test_file_level_case(name, file_faults):
 @pytest.mark.slow  # make test-all; long in make test (issue 33's 8-minute budget)
 def test_an_image_in_an_assistant_turn_names_the_message_the_template_drops():
     from vlmprep.families import resolve_family
-    from vlmprep.images import prepare_image
-    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+    from vlmprep.pixels.images import prepare_image
     from vlmprep.processors.load import load_processor
-    from vlmprep.render import RenderContext, render_conversation
+    from vlmprep.render.sample import RenderContext, render_conversation
     from vlmprep.types import RecordError, Source
 
     processor = load_processor("builtin:qwen3-vl")  # its template prints only the text of assistant messages
@@ -996,7 +996,7 @@ def test_an_image_path_is_resolved_once_so_the_file_checked_is_the_file_read(tmp
     """media.fetch pins a local image path (O_PATH: resolved by the kernel, nothing opened for reading), checks the
     pinned file's real path against the root and reads through the pin: a link swapped for one out of the root after
     the check still reads the file that was checked, and the swapped link itself is refused."""
-    from vlmprep import media
+    import vlmprep.ingest.media as media
 
     root = tmp_path / "root"
     root.mkdir()

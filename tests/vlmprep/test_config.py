@@ -10,7 +10,7 @@ import typer
 from vlmprep.cli import PER_VERSION_HELP, app
 from vlmprep.config import FIELDS, PER_VERSION, RAW_OPTIONS, REQUIRED, BuildConfig
 from vlmprep.options import GROUPS
-from vlmprep.render import MaskPolicy
+from vlmprep.render.sample import MaskPolicy
 
 LIBRARY_ONLY = {"zstd_level"}  # fields with no flag: adding one is a conscious choice
 

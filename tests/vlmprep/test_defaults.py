@@ -18,8 +18,8 @@ NOT_OPTIONS = {
     "vlmprep.clients.energon.prepare.workers": "energon's own indexing processes, not build's --workers",
     "vlmprep.cli.verify.workers": "verify's shard processes (default: every CPU), not build's --workers",
     "vlmprep.cli.stats.workers": "stats' shard processes (default: every CPU), not build's --workers",
-    "vlmprep.chat_template.message_slots.reasoning": "whether the template reads reasoning_content (a bool)",
-    "vlmprep.chat_template.template_messages.reasoning": "whether the template reads reasoning_content (a bool)",
+    "vlmprep.render.chat_template.message_slots.reasoning": "whether the template reads reasoning_content (a bool)",
+    "vlmprep.render.chat_template.template_messages.reasoning": "whether the template reads reasoning_content (a bool)",
     "vlmprep.types.Message.tool_calls": "a message's tool calls (record data)",
     "vlmprep.types.Message.reasoning": "a message's reasoning text (record data)",
     "vlmprep.builder.plan.Plan.append": "what an append's plan builds on (an AppendRef), not the --append flag",
@@ -27,12 +27,12 @@ NOT_OPTIONS = {
 }
 # Sites known to take an option: the scan must keep finding them (a scan that finds nothing proves nothing).
 KNOWN = {
-    "vlmprep.mask.MaskPolicy.tool_calls",
-    "vlmprep.traces.StepPolicy.long_traces",
-    "vlmprep.normalize.NormalizeOptions.max_image_bytes",
-    "vlmprep.records.ReadLimits.max_line_bytes",
-    "vlmprep.records.ReadLimits.max_messages_per_record",
-    "vlmprep.images.encode_image.zstd_level",
+    "vlmprep.render.mask.MaskPolicy.tool_calls",
+    "vlmprep.render.traces.StepPolicy.long_traces",
+    "vlmprep.ingest.normalize.NormalizeOptions.max_image_bytes",
+    "vlmprep.ingest.records.ReadLimits.max_line_bytes",
+    "vlmprep.ingest.records.ReadLimits.max_messages_per_record",
+    "vlmprep.pixels.images.encode_image.zstd_level",
     "vlmprep.builder.pipeline.build_task.progress",
     "vlmprep.cli.merge.allow_empty",
 }
@@ -118,9 +118,9 @@ def test_a_render_without_a_policy_refuses_what_build_refuses():
     print is refused (a library default of its own once trained that turn's text instead)."""
     from tests.support.tiny_processors import load_family_processor
     from tests.vlmprep.test_toolcalls import TRACE
-    from vlmprep.images import prepare_image
-    from vlmprep.normalize import NormalizeOptions, normalize_record
-    from vlmprep.render import MaskPolicy, RenderContext, render_conversation
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+    from vlmprep.pixels.images import prepare_image
+    from vlmprep.render.sample import MaskPolicy, RenderContext, render_conversation
     from vlmprep.types import RecordError, Source
 
     processor = load_family_processor("qwen2-vl")  # its template prints no tool_calls

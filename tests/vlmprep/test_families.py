@@ -13,10 +13,10 @@ from PIL import Image
 
 from tests.support.tiny_processors import load_family_processor
 from vlmprep.families import FAMILIES
-from vlmprep.images import prepare_image
-from vlmprep.normalize import NormalizeOptions, normalize_record
-from vlmprep.render import MaskPolicy, RenderContext, render_conversation
-from vlmprep.truncate import truncate_sample
+from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+from vlmprep.pixels.images import prepare_image
+from vlmprep.render.sample import MaskPolicy, RenderContext, render_conversation
+from vlmprep.render.truncate import truncate_sample
 from vlmprep.types import RecordError, Source
 
 NAMES = [

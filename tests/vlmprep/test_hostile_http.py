@@ -268,7 +268,7 @@ def test_an_s3_object_replaced_between_the_tasks_check_and_its_read_is_refused(t
 def test_the_timeout_reaches_task_processes_started_before_it_was_set():
     """VLMPREP_HTTP_TIMEOUT is handed to each task process as the builder sees it now, as the stores' credentials
     are (a forkserver started by an earlier build would not have it)."""
-    from vlmprep import web
+    import vlmprep.ingest.web as web
     from vlmprep.builder import local_executor
 
     assert web.TIMEOUT_ENV.startswith(local_executor._STORE_ENV)

@@ -11,7 +11,7 @@ from PIL import Image, ImageFile
 from transformers.image_utils import load_image
 
 from vlmprep.families import FAMILIES
-from vlmprep.images import decode_image, encode_image, merged_patch, prepare_image, stored_ext
+from vlmprep.pixels.images import decode_image, encode_image, merged_patch, prepare_image, stored_ext
 from vlmprep.types import ImageData, RecordError
 from vlmprep_schemas.resize import resize, resize_mode
 
@@ -359,7 +359,7 @@ DECODE_CASES = {  # the header cannot tell: decoded to know
 
 @pytest.mark.parametrize("name", list(HEADER_CASES) + list(DECODE_CASES))
 def test_the_header_gives_the_upright_size_decoding_gives_or_says_it_cannot(name, qwen2vl_processor):
-    from vlmprep.images import open_image, upright_size
+    from vlmprep.pixels.images import open_image, upright_size
 
     data = HEADER_CASES.get(name) or DECODE_CASES[name]
     img = ImageData(data, name)
@@ -379,7 +379,7 @@ def test_the_header_gives_the_upright_size_decoding_gives_or_says_it_cannot(name
 def test_the_header_grid_is_the_processors_own_resize_in_every_image_mode(name):
     from tests.support.tiny_processors import load_family_processor
     from vlmprep.families import resolve_family
-    from vlmprep.images import open_image
+    from vlmprep.pixels.images import open_image
 
     processor = load_family_processor(name)
     family = resolve_family(processor)
@@ -402,7 +402,7 @@ def test_the_header_grid_is_the_processors_own_resize_in_every_image_mode(name):
 
 
 def test_header_faults_raise_on_open_and_pixel_faults_on_first_use(qwen2vl_processor):
-    from vlmprep.images import open_image
+    from vlmprep.pixels.images import open_image
 
     with pytest.raises(RecordError) as e:
         open_image(ImageData(save(asymmetric_rgb(2000, 8)), "thin"), qwen2vl_processor, QWEN2VL, max_pixels=10**8)
@@ -423,7 +423,7 @@ def test_zstd_pdelta_stores_a_screenshot_against_the_one_before():
     import zstandard
 
     from trainer.data.decode import _decoded_size, decode_image_into
-    from vlmprep.images import delta_payload
+    from vlmprep.pixels.images import delta_payload
     from vlmprep.shards.decode import decode_stored_image
 
     rng = np.random.default_rng(1)
@@ -455,7 +455,7 @@ def photo(w=320, h=200, seed=0) -> Image.Image:
 
 
 def _auto(data, processor=None, family=QWEN2VL, max_pixels=None):
-    from vlmprep.images import image_storage, open_image
+    from vlmprep.pixels.images import image_storage, open_image
     from vlmprep.processors.load import apply_pixel_budget, load_processor
 
     if processor is None:
@@ -485,7 +485,7 @@ def test_auto_keeps_a_lossy_photo_as_its_bytes_and_stores_every_other_image_as_p
     """--image-format auto (the default): a lossy source (JPEG of any kind, lossy WebP) whose stored pixels would be
     well over its bytes is stored as it is; a lossless source, an EXIF-rotated or 16-bit image (which the loader's
     plain decode would not give upright and 8-bit) and a JPEG as large as its pixels are stored as zstd-pdelta."""
-    from vlmprep.images import make_ready
+    from vlmprep.pixels.images import make_ready
 
     data = make()
     storage, opened = _auto(data)
@@ -514,7 +514,7 @@ def test_auto_keeps_the_pixels_of_a_large_photo_resized_far_down():
 def test_a_cut_off_jpeg_kept_as_its_bytes_is_rejected_as_a_full_decode_rejects_it():
     """The check that replaces the decode of a source stored as it is (a JPEG entropy-decoded at 1/8 scale) fails
     where a full decode fails, on every call, and a whole one passes without making pixels."""
-    from vlmprep.images import make_ready
+    from vlmprep.pixels.images import make_ready
 
     data = save(photo(), "JPEG", quality=90)
     for cut in (len(data) // 2, len(data) - 3):
@@ -542,7 +542,7 @@ def test_each_familys_resize_mode_is_the_one_its_image_processor_class_names(nam
 _CHECK_UNDER_A_CAP = """
 import sys
 from tests.support.hostile import address_space, jpeg_claiming
-from vlmprep.images import check_decode, decode_image
+from vlmprep.pixels.images import check_decode, decode_image
 from vlmprep.types import ImageData
 
 img = ImageData(jpeg_claiming(8000, 6000), "x")
@@ -566,7 +566,7 @@ def test_a_jpeg_whose_header_claims_more_pixels_than_it_holds_costs_the_build_an
     import sys
 
     from tests.support.hostile import jpeg_claiming
-    from vlmprep.images import make_ready
+    from vlmprep.pixels.images import make_ready
 
     storage, opened = _auto(jpeg_claiming(8000, 6000))
     assert storage == "original" and opened.source_size == (8000, 6000)

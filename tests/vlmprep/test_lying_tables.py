@@ -17,9 +17,9 @@ import pytest
 
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
-from vlmprep.records import InputError, expand_inputs
+from vlmprep.ingest.records import InputError, expand_inputs
+from vlmprep.ingest.tables import iter_table_records
 from vlmprep.shards.reader import iter_dataset
-from vlmprep.tables import iter_table_records
 
 ROOT = Path(__file__).resolve().parents[2]
 TURNS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -120,7 +120,7 @@ def test_arrow_batches_that_lie_are_one_reject_each_and_the_good_file_beside_the
 _CUT = """
 import sys
 from pathlib import Path
-from vlmprep.tables import iter_table_records
+from vlmprep.ingest.tables import iter_table_records
 path = Path(sys.argv[1])
 records = iter_table_records(path)
 first = next(records)
@@ -152,7 +152,7 @@ def test_an_arrow_input_in_a_store_claiming_a_terabyte_body_allocates_none_of_it
     traceback before); each read is now capped at the object's size: one unreadable_table."""
     import fsspec
 
-    from vlmprep.locations import RemoteFile
+    from vlmprep.ingest.locations import RemoteFile
 
     _huge_body(tmp_path / "body.arrow")
     fs = fsspec.filesystem("memory")

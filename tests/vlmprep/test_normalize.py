@@ -5,7 +5,7 @@ import os
 import pytest
 from PIL import Image
 
-from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
 from vlmprep.types import RecordError, Source
 
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
 from vlmprep.types import Conversation, RecordError, Source
 
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from tests.support.tiny_processors import load_family_processor
 from tests.vlmprep.test_families import png, render, trained_runs
 from vlmprep.config import BuildConfig
-from vlmprep.render import MaskPolicy
+from vlmprep.render.sample import MaskPolicy
 
 
 def record(name, *, weight_first_answer=None, weight_first_question=None):

@@ -2,7 +2,7 @@ import numpy as np
 import torch
 
 from tests.conftest import tiny_qwen2vl_config
-from vlmprep.positions import mrope_position_ids
+from vlmprep.render.positions import mrope_position_ids
 
 IMG, VS, VE = 151655, 151652, 151653
 

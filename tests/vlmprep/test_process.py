@@ -12,7 +12,7 @@ import pytest
 import zstandard
 from PIL import Image
 
-from vlmprep import images as images_module
+import vlmprep.pixels.images as images_module
 from vlmprep import process as process_module
 from vlmprep.config import BuildConfig
 from vlmprep.process import Renderer

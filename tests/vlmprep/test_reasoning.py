@@ -13,9 +13,9 @@ from PIL import Image
 from tests.support.tiny_processors import load_family_processor
 from tests.vlmprep.test_families import render, trained_runs
 from vlmprep.config import BuildConfig
-from vlmprep.normalize import NormalizeOptions, normalize_record
+from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
 from vlmprep.process import Renderer
-from vlmprep.render import MaskPolicy
+from vlmprep.render.sample import MaskPolicy
 from vlmprep.types import RawRecord, RecordError, Source
 
 RED = Image.new("RGB", (56, 56), (200, 10, 10))

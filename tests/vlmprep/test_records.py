@@ -3,7 +3,7 @@ import json
 import pytest
 import zstandard
 
-from vlmprep.records import InputError, ReadLimits, expand_inputs, iter_records, parse_record
+from vlmprep.ingest.records import InputError, ReadLimits, expand_inputs, iter_records, parse_record
 from vlmprep.types import RecordError
 
 
@@ -131,7 +131,7 @@ def test_a_utf8_bom_starts_a_jsonl_or_zst_file_as_it_starts_a_json_file(tmp_path
 
 
 def test_input_names_are_paths_below_the_common_parent(tmp_path):
-    from vlmprep.records import input_names
+    from vlmprep.ingest.records import input_names
 
     for d in ("a", "b"):
         (tmp_path / d).mkdir()

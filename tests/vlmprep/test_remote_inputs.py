@@ -76,7 +76,7 @@ def test_an_http_input_is_read_in_range_requests_never_whole(inputs, local, tmp_
     """The store is read as a stream: every GET of the input asks for a range of at most 4 MiB, so a file larger
     than memory streams through (locations.READ_BLOCK)."""
     from tests.support.range_server import RangeServer
-    from vlmprep.locations import READ_BLOCK
+    from vlmprep.ingest.locations import READ_BLOCK
 
     with RangeServer(inputs) as srv:
         _build([f"{srv.url}/a.jsonl.zst", f"{srv.url}/b.parquet"], tmp_path / "o")
@@ -198,7 +198,7 @@ def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_pat
     from tests.support.range_server import RangeServer
     from tests.trainer.conftest import ROOT
     from tests.vlmprep.test_tables import _PEAK
-    from vlmprep.locations import READ_BLOCK
+    from vlmprep.ingest.locations import READ_BLOCK
 
     served = tmp_path / "served"
     served.mkdir()

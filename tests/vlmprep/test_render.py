@@ -7,9 +7,9 @@ from PIL import Image
 
 from tests.conftest import LLAMAFACTORY
 from vlmprep.families import resolve_family
-from vlmprep.images import prepare_image
-from vlmprep.normalize import NormalizeOptions, normalize_record
-from vlmprep.render import MaskPolicy, RenderContext, render_conversation, template_messages
+from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+from vlmprep.pixels.images import prepare_image
+from vlmprep.render.sample import MaskPolicy, RenderContext, render_conversation, template_messages
 from vlmprep.types import RecordError, Source
 
 
@@ -282,7 +282,7 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
 @pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v"])
 def test_count_tokens_is_the_rendered_length(name):
     from tests.support.tiny_processors import load_family_processor
-    from vlmprep.render import count_tokens
+    from vlmprep.render.sample import count_tokens
 
     processor = load_family_processor(name)
     rec = {
@@ -331,7 +331,7 @@ def test_the_sentinel_rendering_is_kept_per_shape_and_equals_a_fresh_one(qwen2vl
     """StructureRenders keeps mask.locate_slots' sentinel rendering by the messages' JSON: records of one shape render
     it once, each sample equals one rendered with nothing kept, another shape renders anew, and a template that reads
     the clock keeps nothing."""
-    from vlmprep.chat_template import StructureRenders
+    from vlmprep.render.chat_template import StructureRenders
 
     calls = []
     ctx = RenderContext(qwen2vl_processor)

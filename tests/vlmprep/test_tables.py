@@ -279,8 +279,8 @@ def test_a_read_from_any_row_holds_every_row_after_it_whatever_the_row_group_siz
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vlmprep.records import expand_inputs
-    from vlmprep.tables import iter_table_records
+    from vlmprep.ingest.records import expand_inputs
+    from vlmprep.ingest.tables import iter_table_records
 
     path = tmp_path / "t.parquet"
     groups = [2, 3, 1, 2, 1]

@@ -14,7 +14,7 @@ from tests.support.tiny_processors import load_family_processor
 from tests.vlmprep.test_families import png, render, trained_runs
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
-from vlmprep.render import MaskPolicy
+from vlmprep.render.sample import MaskPolicy
 from vlmprep.types import RecordError
 
 TOOLS_TEMPLATE = Path(__file__).parents[2] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"

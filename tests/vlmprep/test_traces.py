@@ -16,8 +16,8 @@ from PIL import Image
 
 from vlmprep.builder.pipeline import build
 from vlmprep.config import BuildConfig
+from vlmprep.render.traces import StepConversation, StepPolicy, keep_last_images, split_trace
 from vlmprep.shards.reader import iter_dataset
-from vlmprep.traces import StepConversation, StepPolicy, keep_last_images, split_trace
 from vlmprep.types import Conversation, ImageData, Message, Part, Source
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from vlmprep.positions import mrope_position_ids
-from vlmprep.truncate import truncate_sample
+from vlmprep.render.positions import mrope_position_ids
+from vlmprep.render.truncate import truncate_sample
 from vlmprep.types import ImageData, PreparedImage, RecordError, RenderedSample, Source
 
 IMG, VS, VE = 151655, 151652, 151653

@@ -191,7 +191,7 @@ def built(clips, tmp_path_factory):
             )
         )
         processor = load_processor(str(out / "processor"))
-        from vlmprep.normalize import normalize_record
+        from vlmprep.ingest.normalize import normalize_record
         from vlmprep.process import Renderer
         from vlmprep.types import Source
 
@@ -411,9 +411,9 @@ def test_video_support_is_per_family_and_bad_frames_are_rejects(clips):
     """Families without video support keep the unsupported_video reject (naming those that have it); frames over
     --max-image-pixels are video_too_large; and the trainer refuses a dataset with videos at start-up."""
     from vlmprep.families import FAMILIES, resolve_family
-    from vlmprep.normalize import NormalizeOptions, normalize_record
+    from vlmprep.ingest.normalize import NormalizeOptions, normalize_record
+    from vlmprep.pixels.videos import prepare_video
     from vlmprep.types import RecordError, Source, VideoData
-    from vlmprep.videos import prepare_video
 
     assert sorted(f.name for f in FAMILIES.values() if f.video) == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
     rec = {
@@ -778,8 +778,8 @@ def test_a_frame_list_mixing_image_modes_is_made_rgb_frame_by_frame():
     one list: stored exactly as the same frames given as RGB; before, a gray+alpha frame (and any partly clear one)
     was an internal error and a palette frame's indices were read as gray levels."""
     from vlmprep.families import resolve_family
+    from vlmprep.pixels.videos import prepare_video
     from vlmprep.types import ImageData, VideoData
-    from vlmprep.videos import prepare_video
 
     rgb = frames(6, 40, 30, seed=2)
     alpha = np.where(np.arange(40)[None, :] < 20, 0, 255).astype(np.uint8).repeat(30, 0)  # clear / opaque halves

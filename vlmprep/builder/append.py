@@ -27,8 +27,7 @@ from vlmprep.builder.plan import AppendRef, Plan, PlanError
 from vlmprep.builder.totals import TOTAL_KEYS
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import FIELDS, PER_VERSION, REQUIRED, BuildConfig, spelled_flag
-from vlmprep.locations import as_input, stamp
-from vlmprep.records import input_names
+from vlmprep.ingest import as_input, input_names, stamp
 from vlmprep.shards.dataset import MANIFEST_NAME, TMP_SUFFIX, sha256_file, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import FileEntry, InputEntry, Manifest, ShardEntry, ShardFormatError, dataset_path

@@ -75,10 +75,9 @@ from vlmprep.builder.store_versions import (
 from vlmprep.builder.task import run_task
 from vlmprep.builder.workers import BuildError, start_worker_server
 from vlmprep.config import BuildConfig, default
-from vlmprep.locations import stamp
+from vlmprep.ingest import ReadLimits, expand_inputs, stamp
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
-from vlmprep.records import ReadLimits, expand_inputs
 from vlmprep.shards.dataset import (
     PLAN_NAME,
     PROCESSOR_DIR,

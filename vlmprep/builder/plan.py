@@ -17,9 +17,8 @@ from typing import Iterator
 
 from vlmprep import __version__
 from vlmprep.families import model_family
-from vlmprep.locations import LocationError, as_input, stamp
+from vlmprep.ingest import LocationError, ReadLimits, Seek, as_input, input_names, iter_file_records, stamp
 from vlmprep.processors.load import vocab_size
-from vlmprep.records import ReadLimits, Seek, input_names, iter_file_records
 from vlmprep.shards.dataset import PLAN_NAME, PROCESSOR_DIR, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import JsonObject, SavedProcessor
@@ -195,18 +194,9 @@ def make_plan(
         seek = Seek(offset=offset, line=line, frame=frame, frame_offset=frame_offset)
         cut_bytes = int(sum(sizes[first:end]))
         cuts.append(Cut(task=i, position=start + first, records=end - first, bytes=cut_bytes, file=fi, seek=seek))
-    return Plan(
-        plan_version=PLAN_VERSION,
-        format_version=FORMAT_VERSION,
-        vlmprep_version=__version__,
-        tasks=tasks,
-        records=len(sizes),
-        config=config,
-        processor=processor,
-        inputs=tuple(inputs),
-        cuts=tuple(cuts),
-        append=append,
-    )
+    made_by = {"plan_version": PLAN_VERSION, "format_version": FORMAT_VERSION, "vlmprep_version": __version__}
+    covers = {"tasks": tasks, "records": len(sizes), "inputs": tuple(inputs), "cuts": tuple(cuts)}
+    return Plan(**made_by, **covers, config=config, processor=processor, append=append)
 
 
 def plan_bytes(plan: Plan) -> bytes:

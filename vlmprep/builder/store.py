@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 
 from vlmprep.builder.workers import BuildError
-from vlmprep.locations import READ_BLOCK, LocationError, is_url, url_fs, why
+from vlmprep.ingest import READ_BLOCK, LocationError, is_url, url_fs, why
 from vlmprep.shards.dataset import (
     FAILED_NAME,
     LOCK_NAME,

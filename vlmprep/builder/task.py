@@ -34,8 +34,8 @@ from vlmprep.builder.totals import (
 )
 from vlmprep.builder.workers import BuildError, cached_renderer, ordered_results, record_workers
 from vlmprep.config import BuildConfig
+from vlmprep.ingest import ReadLimits
 from vlmprep.process import Renderer
-from vlmprep.records import ReadLimits
 from vlmprep.shards.dataset import TASKS_DIR, TMP_SUFFIX, TaskFiles, task_file, write_json_atomic
 from vlmprep.shards.format import index_name
 from vlmprep.shards.manifest import TaskManifest, load_task_manifest

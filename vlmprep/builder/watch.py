@@ -41,10 +41,9 @@ from vlmprep.builder.watch_inputs import (
 )
 from vlmprep.builder.watch_lease import Lease, watching
 from vlmprep.builder.watch_status import SHOWN, Status, check_status_file, serve
-from vlmprep.locations import LocationError, is_url, url_fs
+from vlmprep.ingest import InputError, LocationError, ReadLimits, is_url, url_fs
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor
-from vlmprep.records import InputError, ReadLimits
 from vlmprep.shards.summary import plural
 from vlmprep.shards.versions import CommitConflict, manifest_number
 from vlmprep.types import UserError

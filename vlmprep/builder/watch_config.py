@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from vlmprep.config import BuildConfig
-from vlmprep.locations import is_url
+from vlmprep.ingest import is_url
 from vlmprep.options import OWN, opt
 
 ON_CHANGE = ("report", "stop", "rebuild")

@@ -18,8 +18,21 @@ from vlmprep.builder.owner import own_out
 from vlmprep.builder.plan import Plan, PlanError, PlanInput, load_plan
 from vlmprep.builder.store import Bucket, is_store, stage_for
 from vlmprep.builder.store_versions import store_parent
-from vlmprep.locations import Input, LocationError, RemoteFile, is_url, stamp, stamp_of_info, url_fs, why
-from vlmprep.records import SUFFIXES, InputError, ReadLimits, expand_inputs, iter_file_records
+from vlmprep.ingest import (
+    SUFFIXES,
+    Input,
+    InputError,
+    LocationError,
+    ReadLimits,
+    RemoteFile,
+    expand_inputs,
+    is_url,
+    iter_file_records,
+    stamp,
+    stamp_of_info,
+    url_fs,
+    why,
+)
 from vlmprep.shards.dataset import MANIFEST_NAME, PLAN_NAME
 from vlmprep.shards.manifest import InputEntry, ShardFormatError
 from vlmprep.shards.versions import highest_version, read_record, repair_manifest

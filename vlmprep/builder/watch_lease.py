@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 from vlmprep.builder.owner import BusyError, own_watch
 from vlmprep.builder.store import Bucket, is_store
 from vlmprep.builder.store_versions import check_conditional_writes
-from vlmprep.locations import LocationError
+from vlmprep.ingest import LocationError
 from vlmprep.shards.dataset import WATCH_LEASE
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import state_dir

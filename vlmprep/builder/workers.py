@@ -32,7 +32,7 @@ _CACHED: tuple[tuple, Renderer] | None = None
 # processes fork from a forkserver that imported them once, instead of each spawned one importing them again.
 _WORKER_PRELOAD = [
     "vlmprep.builder.workers",
-    "vlmprep.images",
+    "vlmprep.pixels.images",
     "torch",
     "torchvision",
     "transformers.models.auto.processing_auto",

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmprep.families import family_of
-from vlmprep.images import merged_patch
+from vlmprep.pixels import merged_patch
 from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.manifest import open_dataset, processor_dir
 from vlmprep_schemas.limits import grid_problem

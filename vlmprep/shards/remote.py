@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from vlmprep.locations import READ_BLOCK, LocationError, stamp_of_info, url_fs
+from vlmprep.ingest import READ_BLOCK, LocationError, stamp_of_info, url_fs
 from vlmprep.shards.dataset import MANIFEST_NAME, sha256_file, write_bytes_atomic
 from vlmprep.shards.manifest import Manifest, ShardFormatError
 from vlmprep.shards.versions import manifest_number, rejects_file

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmprep.images import encode_image, image_storage, stored_ext
+from vlmprep.pixels import FRAME_EXT, encode_frame, encode_image, image_storage, stored_ext
 from vlmprep.shards.dataset import TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import (
     ARRAYS,
@@ -29,7 +29,6 @@ from vlmprep.shards.format import (
 )
 from vlmprep.shards.manifest import ShardEntry
 from vlmprep.types import RenderedSample, ShardSample
-from vlmprep.videos import FRAME_EXT, encode_frame
 from vlmprep_schemas.boundary import open_no_follow
 from vlmprep_schemas.limits import index_head, npy_head
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from vlmprep.config import RAW_OPTIONS, InspectConfig
-from vlmprep.records import SUFFIXES
+from vlmprep.ingest import SUFFIXES
 from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
 from vlmprep.shards.manifest import Manifest, open_dataset, processor_dir, shard_paths, shard_present
@@ -181,8 +181,7 @@ def _refuse_foreign_template(processor, like: str) -> None:
 
 def _raw_id_candidate(raw, want: str) -> bool:
     """Cheap pre-filter for --id, mirroring normalize_record's id rule; the rendered id is checked after."""
-    from vlmprep.normalize import generated_id
-    from vlmprep.records import parse_record
+    from vlmprep.ingest import generated_id, parse_record
 
     wants = {want, want.rsplit("#", 1)[0]}  # "ID#S" is the S-th sample split from record ID
     if generated_id(raw.source) in wants:
@@ -195,8 +194,8 @@ def _raw_id_candidate(raw, want: str) -> bool:
 
 
 def _iter_raw(cfg: InspectConfig, renderer) -> Iterator[InspectedSample | dict]:
+    from vlmprep.ingest import ReadLimits, expand_inputs, iter_records
     from vlmprep.process import reject_entry
-    from vlmprep.records import ReadLimits, expand_inputs, iter_records
     from vlmprep.shards.format import sample_key
 
     bcfg = renderer.cfg

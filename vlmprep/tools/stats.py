@@ -13,8 +13,7 @@ import numpy as np
 
 from vlmprep.config import FIELDS
 from vlmprep.families import family_of
-from vlmprep.locations import as_input
-from vlmprep.records import input_names
+from vlmprep.ingest import as_input, input_names
 from vlmprep.shards.format import storage_of
 from vlmprep.shards.manifest import Manifest, open_dataset, shard_paths
 from vlmprep.shards.reader import iter_shard

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 
 from vlmprep.builder.plan import make_plan, plan_digest, task_records
-from vlmprep.records import ReadLimits, Seek, iter_records
+from vlmprep.ingest.records import ReadLimits, Seek, iter_records
 from vlmprep.shards.manifest import SavedProcessor
 
 LIMITS = dict(limits=ReadLimits(max_line_bytes=400, max_zstd_window=1 << 27))

@@ -11,9 +11,9 @@ import pytest
 
 from vlmprep.builder.workers import renderer_from_saved
 from vlmprep.config import BuildConfig
+from vlmprep.ingest.records import iter_records
 from vlmprep.process import Renderer
 from vlmprep.processors.load import load_processor, save_processor
-from vlmprep.records import iter_records
 
 TOOLS_TEMPLATE = Path(__file__).parents[3] / "vlmprep" / "templates" / "qwen2_vl_tools.jinja"
 MAX_PIXELS = 128 * 28 * 28  # well under the demo images' 480x270, so the budget changes every image's grid

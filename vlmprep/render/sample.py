@@ -13,7 +13,9 @@ from typing import Callable
 
 import numpy as np
 
-from vlmprep.chat_template import (
+from vlmprep.families import FamilySpec, resolve_family
+from vlmprep.processors.llama import TOKEN_BREAK
+from vlmprep.render.chat_template import (
     Slot,
     StructureRenders,
     image_drop_fix,
@@ -23,8 +25,7 @@ from vlmprep.chat_template import (
     renders_reasoning,
     template_messages,
 )
-from vlmprep.families import FamilySpec, resolve_family
-from vlmprep.mask import (
+from vlmprep.render.mask import (
     Located,
     MaskInputs,
     MaskPolicy,
@@ -33,9 +34,8 @@ from vlmprep.mask import (
     locate_slots,
     trained_messages,
 )
-from vlmprep.positions import sample_position_ids
-from vlmprep.processors.llama import TOKEN_BREAK
-from vlmprep.tokens import TextEncoder, alternation, shorten_runs
+from vlmprep.render.positions import sample_position_ids
+from vlmprep.render.tokens import TextEncoder, alternation, shorten_runs
 from vlmprep.types import Conversation, Part, PreparedImage, PreparedVideo, RecordError, RenderedSample
 
 __all__ = [
@@ -179,7 +179,7 @@ class RenderContext:
     def video_replacements(self, videos: list[PreparedVideo]) -> list[str]:
         """The processor's own expansion of each video placeholder (replace_video_token: Qwen3-VL's timestamp text
         included), from the stored frames' grid and timing."""
-        from vlmprep.videos import video_metadata
+        from vlmprep.pixels import video_metadata
 
         if not videos:
             return []
@@ -350,7 +350,7 @@ def _expansion_spans(ctx: RenderContext, offs: list[dict], ids: np.ndarray, star
 
 
 def _second_per_grid_ts(ctx: RenderContext, videos: list[PreparedVideo]) -> np.ndarray:
-    from vlmprep.videos import second_per_grid_t
+    from vlmprep.pixels import second_per_grid_t
 
     # float32: what the processor's list becomes as a tensor, and what Qwen2.5-VL's get_rope_index multiplies
     return np.array([second_per_grid_t(v, ctx.processor.video_processor) for v in videos], dtype=np.float32)

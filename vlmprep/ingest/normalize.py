@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 from vlmprep.config import default
-from vlmprep.locations import is_url
-from vlmprep.media import MediaFetcher, decode_base64
+from vlmprep.ingest.locations import is_url
+from vlmprep.ingest.media import MediaFetcher, decode_base64
 from vlmprep.types import (
     Conversation,
     ImageData,

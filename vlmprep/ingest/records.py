@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep.config import default
-from vlmprep.locations import Input, LocationError, RemoteFile, expand_url, is_url, open_input, size_of
-from vlmprep.tables import TABLE_SUFFIXES, is_table, iter_table_records, table_record
+from vlmprep.ingest.locations import Input, LocationError, RemoteFile, expand_url, is_url, open_input, size_of
+from vlmprep.ingest.tables import TABLE_SUFFIXES, is_table, iter_table_records, table_record
+from vlmprep.ingest.zstd_stream import ZstdStream
 from vlmprep.types import RawRecord, RecordError, Source, UserError, json_nesting, json_value
-from vlmprep.zstd_stream import ZstdStream
 from vlmprep_schemas.limits import json_depth
 
 SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".jsonl.zstd") + TABLE_SUFFIXES

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmprep import web
+import vlmprep.ingest.web as web
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, refuse_credentials
 

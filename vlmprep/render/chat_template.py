@@ -9,8 +9,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from vlmprep.mask import SENTINEL
 from vlmprep.processors.load import TEMPLATES_DIR
+from vlmprep.render.mask import SENTINEL
 from vlmprep.types import Conversation
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from vlmprep.config import default
 from vlmprep.families import FamilySpec
-from vlmprep.images import decode_image, encode_image
+from vlmprep.pixels.images import decode_image, encode_image
 from vlmprep.types import PreparedImage, PreparedVideo, RecordError, VideoData
 
 # Frames per second sampled when neither the part, --video-fps nor the video processor's own config names a rate:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from vlmprep.config import default
-from vlmprep.locations import Input, open_input, size_of
+from vlmprep.ingest.locations import Input, open_input, size_of
 from vlmprep.types import RawRecord, RecordError, Source, json_value
 
 TABLE_SUFFIXES = (".parquet", ".arrow")

@@ -13,7 +13,7 @@ import stat
 import urllib.parse
 from dataclasses import dataclass
 
-from vlmprep import web
+import vlmprep.ingest.web as web
 from vlmprep.types import ImageData, RecordError
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
