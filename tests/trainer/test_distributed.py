@@ -24,6 +24,7 @@ def run_a(dataset, tmp_path_factory):
     return out, read_metrics(out), proc.stderr
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_two_ranks_two_workers_read_every_sample_once_and_run_the_same_steps(run_a, dataset, image_spec):
     out, metrics, stderr = run_a
     everything = sorted(s.id for s in read_all_samples(dataset, image_spec))

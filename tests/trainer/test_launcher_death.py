@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.trainer.conftest import ROOT, read_metrics, trainer_cmd, trainer_env
 
 
@@ -25,6 +27,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_ranks_exit_when_torchrun_is_killed(dataset, tmp_path):
     out = tmp_path / "run"
     args = ["--data", dataset, "--out", out, "--micro-batch-size", 1, "--epochs", 20, "--save-every", 1]

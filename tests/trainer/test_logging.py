@@ -49,6 +49,7 @@ def test_training_writes_tensorboard_scalars(trained):
         np.testing.assert_allclose([v for _, v in scalars[tag]], [m[key] for m in metrics], rtol=1e-6, err_msg=tag)
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_off_a_terminal_log_every_1_prints_one_line_per_step_and_the_start_up_agrees_with_the_run(dataset, tmp_path):
     """A Slurm / nohup job: stdout is a pipe, so each step is a plain line there and in RUN/train.log; under
     --max-steps the start-up names the run's length, not the epoch's; counts take their plurals."""

@@ -146,6 +146,7 @@ def _largest_file(ckpt):
     return max((p for p in ckpt.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_a_resume_skips_a_newest_checkpoint_cut_short_naming_it(dataset, tmp_path, capsys, monkeypatch):
     """Also: the shards were hashed by the first run only (its record in the shard cache spares the resume)."""
     hashed = []

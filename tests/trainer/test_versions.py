@@ -437,6 +437,7 @@ def test_versions_of_a_dataset_in_s3_and_over_http_are_read_and_followed(grown, 
         assert moved.datasets[0].shards[-1].url == f"{srv.url}/ds/shard-v000003-000001.tar"
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_a_follow_run_of_epochs_resumed_after_a_switch_keeps_the_lr_schedule_it_started_with(
     grown, day1, batches, tmp_path, monkeypatch
 ):

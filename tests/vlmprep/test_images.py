@@ -502,6 +502,7 @@ def noise_rgb(w=320, h=200):
     return Image.fromarray(np.random.default_rng(3).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_auto_keeps_the_pixels_of_a_large_photo_resized_far_down():
     """A 12 MP photo under a 1 MP pixel budget: decoding its source at every epoch would cost ~12x the stored pixels,
     so auto stores the resized pixels; the same photo under the processor's own budget (no resize) keeps its bytes."""

@@ -185,6 +185,7 @@ def test_a_build_from_s3_equals_the_local_one_and_a_changed_input_is_refused(s3_
     )
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_a_remote_jsonl_zst_larger_than_the_memory_limit_builds_under_it(tmp_path):
     """A 190 MB .jsonl.zst (256 MB of 1 MB lines) on a loopback HTTP server: the build streams it in range reads;
     its peak memory grows by under 150 MB (the limit: ~12 MB measured alone, ~105 MB beside a loaded test run) over a

@@ -207,6 +207,7 @@ def test_every_real_record_builds_the_same_from_every_table_layout_that_can_hold
     assert counts["oai_json"] == counts["oai_struct"] == counts["trl"] == 42 and counts["sharegpt"] == 19
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_hf_datasets_parquet_and_save_to_disk_dirs_build_the_same(tmp_path):
     """What the datasets library writes itself: an `Image` feature column, to_parquet and save_to_disk (Arrow IPC
     stream files in a dir); and an Arrow IPC file-format table. All build the JSONL's samples."""
@@ -322,6 +323,7 @@ print(before // 1024, hwm() // 1024)
 """
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_a_row_group_larger_than_memory_allows_is_read_in_bounded_slices(tmp_path):
     """One 384 MB row group (48 rows of 8 MB cells, a page per row): the build reads it a few rows at a time; its
     peak memory grows by far less than the row group over a build of one such row (each cell is an undecodable image:

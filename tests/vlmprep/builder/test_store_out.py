@@ -136,6 +136,7 @@ def test_a_prefix_holding_files_no_build_wrote_is_refused(bucket, task_traces, t
     assert fs.find(f"{name}/ds") == [f"{name}/ds/notes.txt"]
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_traces, local3, tmp_path):
     """SIGKILL once task 0's manifest is in the bucket; the stage is then deleted (another machine): the rerun fetches
     the plan and the finished tasks, runs the rest, and the bucket holds the local build; task 0's shards were not
@@ -161,6 +162,7 @@ def test_a_killed_build_resumes_from_the_bucket_without_its_stage(bucket, task_t
     assert {k: fs.info(k)["LastModified"] for k in first} == before
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_a_build_killed_mid_task_resumes_from_its_stage_with_its_shards_in_the_bucket(bucket, task_traces, tmp_path):
     """--tasks 1: each shard leaves the stage once it is up. SIGKILL once the first shard is in the bucket and gone
     from the stage; the rerun on the same machine (stage kept) resumes from the task's journal, checking that shard

@@ -120,6 +120,7 @@ def tiny_model(d):
     return build_model(ModelOptions(tiny_random="qwen2-vl", seed=0), tiny_vocab("qwen2-vl", str(Path(d) / "processor")))
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_collator_batches_equal_the_trainers_through_a_dataloader(built):
     fmt, d, step1 = built
     import vlmprep.clients.hf

@@ -245,6 +245,7 @@ def test_the_commands_that_read_every_sample_say_so_in_their_help():
         assert res.exit_code == 0 and "Reads every sample" in text and "time grows with" in text, (command, text)
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_workers_check_shards_in_processes_and_report_the_same_in_manifest_order(ds, monkeypatch):
     """--workers N checks shards in N forked processes: the same violations, in manifest order, as one process, the
     progress counting every shard; a worker that dies is one line, not a hang or a traceback."""
