@@ -22,7 +22,7 @@ class FamilySpec:
     wrapper_open: tuple[str, ...] = ()  # template tokens right before the expansion that belong to the image unit
     wrapper_close: tuple[str, ...] = ()
     positions: str = "1d"  # "mrope": 3-D rope ids as the model's get_rope_index; "1d": arange on all 3 rows
-    image_mode: str = "source"  # how images.prepare_image stores pixels, see images.py
+    image_mode: str = "source"  # how images.prepare_image stores pixels, see pixels/images.py
     string_content: bool = False  # template prints content as a string: text-only messages are passed as one
     role_markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # --role-boundaries: role -> (start, end)
     # Tokens that open a turn, for views: "next" = the role is the first word after the token, else the role itself.

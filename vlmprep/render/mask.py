@@ -201,7 +201,7 @@ class _Interval:
     msg: int = -1
 
 
-@dataclass(frozen=True, eq=False)  # built positionally in render.py: its locals carry these names
+@dataclass(frozen=True, eq=False)  # built positionally in sample.py: its locals carry these names
 class MaskInputs:
     """What the mask is computed from: the located slots in `rendered`, and the tokens of `expanded` (the rendered
     text with each image and video expanded; `at` maps a char of `rendered` to its char in `expanded`)."""

@@ -1,7 +1,7 @@
 """MRoPE position ids (3 x L) for Qwen2-VL-style models, equal to the model's own get_rope_index.
 Text runs advance all three axes together; an image or video run spans (t, h/merge, w/merge) on its own axes, its
 temporal ids spaced by the run's interval (Qwen2.5-VL video), and the text after it starts max(h, w)/merge later.
-sample_position_ids finds a rendered sample's runs (render.py) and gives its ids, MRoPE or 1-D by the family.
+sample_position_ids finds a rendered sample's runs (sample.py) and gives its ids, MRoPE or 1-D by the family.
 """
 
 from __future__ import annotations
