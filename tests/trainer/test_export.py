@@ -170,6 +170,7 @@ def run1_ref(run1, sample, image_spec, tmp_path_factory) -> torch.Tensor:
     return _trained_logits(_reference(run1, tmp_path_factory.mktemp("ref")), sample, image_spec)
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_save_hf_export_loads_with_transformers_and_gives_the_trained_logits(run1, run1_ref, sample, image_spec):
     hf = run1 / "hf"
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "processor_config.json"} <= {

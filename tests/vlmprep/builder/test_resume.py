@@ -158,6 +158,7 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(n_kills, mode, k
         assert json.loads((out / "manifest.json").read_text())["totals"]["split_samples"] > 0
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_resume_keeps_completed_shards(kill_input, tmp_path, qwen2vl_processor):
     """A journal that matches is honoured: completed shards are not rewritten (their inode survives)."""
     out = tmp_path / "o"

@@ -1,8 +1,9 @@
 """`vlmprep watch` killed with SIGKILL at random points (issue 55.4's acceptance), its own process each time, new
 objects landing between the kills, then restarted: every object lands in exactly one version, no version is ever
 half-visible (after each kill, the latest record's shards are all there with their sha256s), every version verifies
-and the versions' added totals sum to the latest's. A local dir into a local --out (3 kills in `make test`, 20 in
-`make test-all`) and, slow, moto's S3 server for both the location and --out (20 kills)."""
+and the versions' added totals sum to the latest's. A local dir into a local --out (3 kills, and 20) and moto's
+S3 server for both the location and --out (20 kills); all in `make test-all`, the default suite keeps the watcher's
+other process tests (test_watch_service.py, test_watch_store.py)."""
 
 import os
 import random
@@ -101,6 +102,7 @@ def local_case(n_kills: int, seed: int, tmp_path: Path) -> None:
     check_exactly_once(local_reader(out), landed, verifier(out))
 
 
+@pytest.mark.slow  # 10-30 s on 2 cores: make test stays under ~8 min; make test-all runs it
 def test_sigkill_at_random_points_then_restart_builds_every_object_exactly_once(tmp_path):
     local_case(3, 55, tmp_path)
 
