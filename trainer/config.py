@@ -87,10 +87,19 @@ class TrainConfig(DataSources):
     warmup_steps: int = opt(0, "optimization", "steps of linear warmup from lr/warmup_steps to lr")
     weight_decay: float = opt(0.0, "optimization", "AdamW weight decay (matrices only; biases and norms get none)")
     adam_beta1: float = opt(0.9, "optimization", "AdamW beta1")
-    adam_beta2: float = opt(0.95, "optimization", "AdamW beta2")
+    adam_beta2: float = opt(
+        0.95, "optimization", "AdamW beta2 (torch's default is 0.999; 0.95 is the usual choice for LLM fine-tuning)"
+    )
     adam_eps: float = opt(1e-8, "optimization", "AdamW epsilon")
-    max_grad_norm: float = opt(1.0, "optimization", "clip the global gradient norm to this; 0 = no clipping")
-    seed: int = opt(0, "optimization", "seed of the model init, dropout and the data order")
+    max_grad_norm: float = opt(
+        1.0,
+        "optimization",
+        "clip the global gradient norm (all ranks' shards together) to this; 0 = no clipping; "
+        "the logged grad_norm is the norm before clipping",
+    )
+    seed: int = opt(
+        0, "optimization", "seed of the model init, dropout and the data order (a function of seed, epoch and version)"
+    )
     num_workers: int = opt(2, "data", "DataLoader worker processes per rank that decode samples")
     prefetch_factor: int = opt(4, "data", "samples each DataLoader worker decodes ahead")
     shuffle: bool = opt(

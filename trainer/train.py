@@ -29,6 +29,7 @@ from trainer.data import (
     Patchifier,
     RunData,
     StepLoader,
+    data_streams,
     empty_state,
     eval_loaders,
     keep_freed_buffers,
@@ -378,9 +379,8 @@ def run(cfg: TrainConfig) -> dict | None:
         )
         shard_model(net, precision=cfg.precision, device=device, world=world)
         optimizer = build_optimizer(optim, net)
-        loader, total, schedule_len = make_loader(
-            data_options, plan, data, batching=batching, length=length, device=device, collate_spec=collate_spec
-        )
+        read = data_streams(data_options, plan, data, batching=batching, length=length, device=device)
+        loader, total, schedule_len = make_loader(read, data_options, collate_spec, batching=batching, length=length)
         owner.callback(loader.close)
         total, schedule_len = versions.lengths(total, schedule_len)
         resumed = resume_state(ckpt, net, optimizer, seed=cfg.seed, packing=bool(cfg.pack_to), device=device, rank=rank)

@@ -150,7 +150,15 @@ def vlmprep_epochs(dataset: str, processor: str, run_dir: str, epochs: int, batc
     import torch
 
     from trainer.config import TrainConfig
-    from trainer.data import CollateSpec, Patchifier, keep_freed_buffers, make_loader, open_data, read_plan
+    from trainer.data import (
+        CollateSpec,
+        Patchifier,
+        data_streams,
+        keep_freed_buffers,
+        make_loader,
+        open_data,
+        read_plan,
+    )
     from trainer.model import model_type_of
     from trainer.options import Batching, DataOptions, RunLength
     from vlmprep.processors.load import load_processor
@@ -170,15 +178,9 @@ def vlmprep_epochs(dataset: str, processor: str, run_dir: str, epochs: int, batc
         patch_size=data.image.patch_size,
         merge_size=data.image.merge_size,
     )
-    loader, _, _ = make_loader(
-        DataOptions.of(cfg),
-        plan,
-        data,
-        batching=Batching.of(cfg),
-        length=RunLength.of(cfg),
-        device=torch.device("cpu"),
-        collate_spec=spec,
-    )
+    options, batching, length = DataOptions.of(cfg), Batching.of(cfg), RunLength.of(cfg)
+    read = data_streams(options, plan, data, batching=batching, length=length, device=torch.device("cpu"))
+    loader, _, _ = make_loader(read, options, spec, batching=batching, length=length)
     patchify = Patchifier(data.image, "cpu")
     out = {"setup_cpu_s": _cpu() - cpu0, "epochs": []}
     for epoch in range(epochs):

@@ -175,19 +175,13 @@ def make_loader_of(cfg, data, *, collate_spec, check=None, rank: int = 0):
 
     import torch
 
-    from trainer.data import make_loader, read_plan
+    from trainer.data import data_streams, make_loader, read_plan
     from trainer.options import Batching, DataOptions, RunLength
 
     plan = read_plan(DataOptions.of(cfg), data, rank=rank)
     if check is not None:
         plan = dataclasses.replace(plan, check=check)
     options = DataOptions.of(dataclasses.replace(cfg, shuffle_span=plan.shuffle_span))
-    return make_loader(
-        options,
-        plan,
-        data,
-        batching=Batching.of(cfg),
-        length=RunLength.of(cfg),
-        device=torch.device("cpu"),
-        collate_spec=collate_spec,
-    )
+    batching, length = Batching.of(cfg), RunLength.of(cfg)
+    read = data_streams(options, plan, data, batching=batching, length=length, device=torch.device("cpu"))
+    return make_loader(read, options, collate_spec, batching=batching, length=length)

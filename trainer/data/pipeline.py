@@ -157,20 +157,18 @@ class _RankPart:
 
 
 def make_loader(
+    read: tuple[Streams, list[int] | None],
     options: DataOptions,
-    plan: ReadPlan,
-    data: RunData,
+    collate_spec: CollateSpec,
     *,
     batching: Batching,
     length: RunLength,
-    device: torch.device,
-    collate_spec: CollateSpec,
 ) -> tuple[StepLoader, int | None, int]:
-    """The rank's step loader, the run's total steps (None: until the data ends) and the LR schedule's length.
-    The epoch schedule (order.py) reads samples by random access: sample shuffle, mixtures. Without them the
-    shards stream in sequence as before (any URL, no copy); local shards are indexed anyway so the step count of a
-    token budget or packing run is known up front. `options` as fitted: its shuffle_span is the plan's."""
-    streams, predicted = data_streams(options, plan, data, batching=batching, length=length, device=device)
+    """The rank's step loader over `read` (data_streams' streams and predicted steps), the run's total steps (None:
+    until the data ends) and the LR schedule's length. The epoch schedule (order.py) reads samples by random access:
+    sample shuffle, mixtures. Without them the shards stream in sequence as before (any URL, no copy); local shards
+    are indexed anyway so the step count of a token budget or packing run is known up front."""
+    streams, predicted = read
     total = length.max_steps or (sum(predicted) if predicted is not None else None)
     schedule_len = length.schedule_steps or total
     if schedule_len is None:
@@ -249,13 +247,12 @@ def _streams(
 ) -> Streams:
     """The rank's read path: the epoch schedule over its indexed sources (`epoch`'s schedule `first`, when the step
     prediction made it), or its shards of the one dataset in sequence."""
+    order = dict(spec=data.image, seed=options.seed, shuffle_shards=options.shuffle_shards)  # both read paths'
     if plan.scheduled:
         return EpochSchedule(
             part.sources,
-            spec=data.image,
-            seed=options.seed,
+            **order,
             shuffle=options.shuffle,
-            shuffle_shards=options.shuffle_shards,
             shuffle_span=options.shuffle_span,
             first=(epoch, first) if first is not None else None,
             cache=part.cache,
@@ -264,9 +261,7 @@ def _streams(
     signatures = {s.url: ix.signature for src in part.sources or [] for s, ix in zip(src.shards, src.indexes)}
     return ShardSequence(
         [data.datasets[0].shards[i] for i in shards.per_rank[plan.rank]],
-        spec=data.image,
-        seed=options.seed,
-        shuffle_shards=options.shuffle_shards,
+        **order,
         stride=(plan.rank, data.world) if shards.stride else (0, 1),
         signatures=signatures,
     )
