@@ -133,7 +133,7 @@ def small_dataset(d: Path, *, images: int = 1, image_format: str = "zstd", photo
         BuildConfig(
             inputs=(str(d / "r.jsonl"),),
             out=str(d / "ds"),
-            processor="builtin:qwen2-vl",
+            processor="tiny:qwen2-vl",  # Qwen2-VL's classes over a small vocabulary: every reader loads it fast
             seq_len=4096,
             samples_per_shard=10,
             image_format=image_format,

@@ -16,7 +16,7 @@ from vlmprep.tools.verify import verify_dataset
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, qwen2vl_processor):
+def built(tmp_path_factory):
     from scripts.demo_traces import write_traces
 
     d = tmp_path_factory.mktemp("verify")
@@ -41,6 +41,7 @@ def built(tmp_path_factory, qwen2vl_processor):
             seq_len=4096,
             progress=False,
             chat_template=str(template),
+            processor="tiny:qwen2-vl",  # Qwen2-VL's classes over a small vocabulary: each verify loads it fast
         )
     )
     assert len(list((d / "ds").glob("shard-*.tar"))) >= 2
@@ -310,13 +311,14 @@ def test_an_undecodable_sample_is_reported_and_its_correct_index_row_is_not(tmp_
     assert any(image.name.split(".")[0] in v for v in found), found
 
 
-def test_a_source_image_whose_bytes_are_not_the_metas_sha256_is_refused_in_one_line(tmp_path, qwen2vl_processor):
+def test_a_source_image_whose_bytes_are_not_the_metas_sha256_is_refused_in_one_line(tmp_path):
     """The default --image-format auto stores the LLaMA-Factory demo's JPEG photos as their bytes (`orig.jpg`), each
     with its sha256 in the meta: a byte changed in one (the shard re-sealed, so only the member check can see it)
     is one line naming the member, and the sample's other checks do not decode it."""
     from tests.conftest import LLAMAFACTORY
 
-    build(BuildConfig(inputs=(str(LLAMAFACTORY / "mllm_demo.json"),), out=str(tmp_path / "ds"), progress=False))
+    demo = (str(LLAMAFACTORY / "mllm_demo.json"),)
+    build(BuildConfig(inputs=demo, out=str(tmp_path / "ds"), processor="tiny:qwen2-vl", progress=False))
     ds = tmp_path / "ds"
     assert verify_dataset(ds) == []
     [(key, members)] = read_samples(ds / "shard-000000.tar")[:1]
