@@ -131,6 +131,10 @@ def _trainer_samples(ds: Path):
     return out
 
 
+# The format tests of older datasets read what a build wrote, not the vocabulary: Qwen2-VL's classes over a small one.
+TINY = "tiny:qwen2-vl"
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     return _records(tmp_path_factory.mktemp("contract") / "all_sources.jsonl")
@@ -181,7 +185,7 @@ def _without_new_meta_fields(src: Path, dst: Path) -> Path:
     return as_format(src, dst, 4, edit_meta=strip)
 
 
-def test_a_v4_dataset_built_before_per_image_storage_still_reads(records, tmp_path, qwen2vl_processor):
+def test_a_v4_dataset_built_before_per_image_storage_still_reads(records, tmp_path):
     """The meta's source_bytes and sha256 are additive within format 4: a dataset without them (a zstd-pdelta build
     of before, and an `original` one) verifies, its stats show each storage's bytes without a ratio, and the trainer
     reads the pixels it read before."""
@@ -192,7 +196,7 @@ def test_a_v4_dataset_built_before_per_image_storage_still_reads(records, tmp_pa
 
     for fmt in ("zstd-pdelta", "original"):
         new = tmp_path / fmt
-        build(BuildConfig(inputs=(str(records),), out=str(new), image_format=fmt, progress=False))
+        build(BuildConfig(inputs=(str(records),), out=str(new), image_format=fmt, progress=False, processor=TINY))
         old = _without_new_meta_fields(new, tmp_path / f"{fmt}-old")
         assert verify_dataset(old) == []
         storage = compute_stats(old)["image_storage"]
@@ -236,7 +240,7 @@ def test_a_split_sample_key_is_read_by_the_trainer(tmp_path, qwen2vl_processor):
     assert keys == ["0000000000_0000", "0000000000_0001"]
 
 
-def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(records, tmp_path, qwen2vl_processor):
+def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(records, tmp_path):
     from typer.testing import CliRunner
 
     from benchmarks.bench_loader import as_format_v1
@@ -248,7 +252,7 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     from vlmprep.tools.verify import verify_dataset
 
     v2 = tmp_path / "v2"  # zstd: what builds wrote in the days of format v1 (its member rule has no .delta.zst)
-    build(BuildConfig(inputs=(str(records),), out=str(v2), image_format="zstd", progress=False))
+    build(BuildConfig(inputs=(str(records),), out=str(v2), image_format="zstd", progress=False, processor=TINY))
     v1 = as_format_v1(v2, tmp_path / "v1")
     assert verify_dataset(v1) == []
     assert compute_stats(v1)["samples"] == compute_stats(v2)["samples"] and not compute_stats(v1)["mismatches"]
@@ -267,7 +271,7 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     assert res.exit_code == 0 and res.stdout.count("=== sample") == len(SOURCES)
 
 
-def test_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path, qwen2vl_processor):
+def test_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path):
     """Format v4 added .pdelta.zst images, v3 the video members; a v3 dataset (zstd-delta images) and an image-only
     v2 one (no video_grid_thw / second_per_grid_ts) read as before, everywhere, with the pixels a v4 build stores;
     a .pdelta.zst member in a v3 dataset is refused unread, as any member its version does not name."""
@@ -279,8 +283,10 @@ def test_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(recor
     from vlmprep.tools.verify import verify_dataset
 
     v4, delta = tmp_path / "v4", tmp_path / "delta"
-    build(BuildConfig(inputs=(str(records),), out=str(v4), progress=False))
-    build(BuildConfig(inputs=(str(records),), out=str(delta), image_format="zstd-delta", progress=False))
+    build(BuildConfig(inputs=(str(records),), out=str(v4), progress=False, processor=TINY))
+    build(
+        BuildConfig(inputs=(str(records),), out=str(delta), image_format="zstd-delta", progress=False, processor=TINY)
+    )
     assert json.loads((v4 / "manifest.json").read_text())["format_version"] == 4
     assert any(n.endswith(".pdelta.zst") for s in iter_dataset(v4) for n in s.names)
     t4 = _trainer_samples(v4)

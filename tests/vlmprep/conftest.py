@@ -13,9 +13,16 @@ from vlmprep.shards.manifest import Manifest, SavedProcessor
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = str(ROOT / "vlmprep" / "templates" / "qwen2_vl_tools.jinja")
+# Bad lines (and their lost turns) on purpose; Qwen2-VL's classes over a small vocabulary (tiny:): these builds test
+# the plan, tasks, merge and stores, and each task's process loads its processor fast.
 OPTS = dict(
-    seq_len=2048, samples_per_shard=2, chat_template=TOOLS, max_reject_fraction=1.0, min_turn_coverage=0.0
-)  # bad lines (and their lost turns) on purpose
+    processor="tiny:qwen2-vl",
+    seq_len=2048,
+    samples_per_shard=2,
+    chat_template=TOOLS,
+    max_reject_fraction=1.0,
+    min_turn_coverage=0.0,
+)
 
 
 def planned_cfg(inp, out, **kw):

@@ -47,6 +47,8 @@ def _objects(fs, prefix: str) -> dict:
 
 # OPTS on the command line
 FLAGS = [
+    "--processor",
+    OPTS["processor"],
     "--seq-len",
     str(OPTS["seq_len"]),
     "--samples-per-shard",

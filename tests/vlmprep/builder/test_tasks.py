@@ -140,7 +140,7 @@ def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(t
     with pytest.raises(MergeError, match=r"1 of 3 tasks have not finished .*--task-index 1"):
         merge_tasks(out)
     other = tmp_path / "other"  # task 1 of a plan with another --seq-len
-    build(cfg(task_traces, other, tasks=3, seq_len=1024, plan_only=True))
+    build(cfg(task_traces, other, tasks=3, seq_len=1536, plan_only=True))
     build_task(other, 1)
     _copy_task(other, out, 1)
     with pytest.raises(MergeError, match=r"task 1 was built with another config \(seq_len differ"):
@@ -160,7 +160,7 @@ def test_merge_refuses_a_missing_task_a_task_of_another_config_and_stray_files(t
     assert hashes(out) == hashes(ref)
     # A task run with other options than the plan's is refused before it writes anything.
     with pytest.raises(PlanError, match="options seq_len differ"):
-        build(cfg(task_traces, out, tasks=3, task_index=0, seq_len=1024))
+        build(cfg(task_traces, out, tasks=3, task_index=0, seq_len=1536))
 
 
 @pytest.mark.slow  # ~20 s: a trainer process
