@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.vlmprep.conftest import TOOLS, planned_cfg, tree_hashes
+from tests.vlmprep.conftest import OPTS, TOOLS, planned_cfg, tree_hashes
 from vlmprep.builder.merge import MergeError, merge_tasks
 from vlmprep.builder.pipeline import build, build_task
 from vlmprep.builder.plan import PlanError
 from vlmprep.shards.reader import iter_dataset
 
 CLI_OPTS = [
+    "--processor",
+    OPTS["processor"],
     "--seq-len",
     "2048",
     "--samples-per-shard",
