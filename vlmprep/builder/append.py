@@ -23,7 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from vlmprep.builder.plan import AppendRef, Plan, PlanError
+from vlmprep.builder.plan import AppendRef, Plan
+from vlmprep.builder.rewrite import Removal, built_parent, less, replaced_inputs, replaced_rows, replaced_shards
 from vlmprep.builder.totals import TOTAL_KEYS
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import FIELDS, PER_VERSION, REQUIRED, BuildConfig, spelled_flag
@@ -42,6 +43,7 @@ from vlmprep.shards.versions import (
     ids_bytes,
     index_file,
     load_ids,
+    load_removed,
     manifest_number,
     parse_record,
     read_record,
@@ -225,10 +227,12 @@ def check_processor(fingerprint: str, parent: Parent, spec: str, out) -> None:
         )
 
 
-def new_inputs(files: list, parent: Parent, out, say: Callable[[str], None]) -> list:
+def new_inputs(files: list, parent: Parent, out, say: Callable[[str], None], replaced: list | None = None) -> list:
     """The inputs of `files` not in the dataset yet. One that is, unchanged (path, bytes, and the mtime / ETag where
     recorded), is skipped with a line; one that is there but changed since is refused (a built input is never
-    rebuilt in place). NothingToAppend where none is new."""
+    rebuilt in place), unless `replaced` is a list (a watcher's --on-change rebuild): it is then new, and its entry's
+    old stamp goes into `replaced` (the version replaces its samples: builder/rewrite.py). NothingToAppend where
+    none is new."""
     built = {e.path: e for e in parent.manifest.inputs}
     fresh = []
     for f in files:
@@ -238,6 +242,10 @@ def new_inputs(files: list, parent: Parent, out, say: Callable[[str], None]) -> 
             continue
         now = stamp(f)
         was = {"bytes": e.bytes, "mtime_ns": e.mtime_ns, "etag": e.etag}
+        if replaced is not None and any(v is not None and now.get(k) != v for k, v in was.items()):
+            fresh.append(f)
+            replaced.append({"path": e.path, **was})
+            continue
         if any(v is not None and now.get(k) != v for k, v in was.items()):
             shown = ", ".join(f"{k} {v}" for k, v in was.items() if v is not None)
             raise BuildError(
@@ -255,13 +263,15 @@ def new_inputs(files: list, parent: Parent, out, say: Callable[[str], None]) -> 
     return fresh
 
 
-def append_ref(parent: Parent) -> AppendRef:
-    """What the plan of an append on `parent` records: the version it makes and the one it builds on."""
+def append_ref(parent: Parent, replaces: list | None = None) -> AppendRef:
+    """What the plan of an append on `parent` records: the version it makes, the one it builds on (and the inputs
+    whose samples it replaces, if any)."""
     return AppendRef(
         version=parent.number + 1,
         parent=parent.number,
         parent_sha256=parent.sha256,
         first_position=parent.next_position,
+        replaces=replaces or None,
     )
 
 
@@ -272,42 +282,31 @@ def new_names(files: list, parent: Parent) -> list[str]:
     return input_names(earlier + list(files))[len(earlier) :]
 
 
-def built_parent(out: Path, plan: Plan) -> Manifest:
-    """The parent record an append's plan was made on, as `out` holds it now (versions/v00000P.json): refused where it
-    changed since (the dataset moved on) or where version N is committed already (another build did)."""
-    ref = plan.append
-    if read_record(out, ref.version) is not None:
-        raise CommitConflict(
-            f"{out}: version {ref.version} was committed by another build meanwhile ({version_name(ref.version)} "
-            "exists); nothing of this build was committed: run the command again to append on top of it"
-        )
-    data = read_record(out, ref.parent)
-    if data is None or hashlib.sha256(data).hexdigest() != ref.parent_sha256:
-        raise PlanError(
-            f"{out}: {version_name(ref.parent)} is not the version {ref.parent} the plan was made on; run the "
-            "`build --append` command again to plan the append anew"
-        )
-    return parse_record(data, str(out / version_name(ref.parent)))
-
-
-def earlier_ids(out: Path, plan: Plan) -> list[np.ndarray]:
-    """The id arrays of every version before the one `plan` builds ([] for a whole build). Each sample holds one
-    digest and a split record one more (shards/versions.id_keys), so their total is between the parent's sample
+def earlier_ids(out: Path, plan: Plan, removed: np.ndarray | None = None) -> list[np.ndarray]:
+    """The id arrays of every version before the one `plan` builds ([] for a whole build), less the ids a later
+    version removed (versions/v00000N.removed.ids; `removed`: those `plan`'s own version removes). Each sample holds
+    one digest and a split record one more (shards/versions.id_keys), so their total is between the parent's sample
     count and twice it (exactly it in id files written before record ids were kept): an id file cut short or of
     another dataset is refused, naming the fix."""
     if plan.append is None:
         return []
     parent = built_parent(out, plan)
     want, ids = int(parent.totals["samples"]), []
+    gone = load_removed(out, plan.append.parent, 2 * (want + plan.append.first_position))  # samples ever removed
+    if removed is not None:
+        gone[plan.version] = removed
     for k in range(1, plan.append.parent + 1):
         try:
-            ids.append(load_ids(out, k, 2 * want))
+            ids.append(load_ids(out, k, 2 * want + sum(map(len, gone.values()))))
+            later = [r for j, r in gone.items() if j > k and len(r)]
+            if later:
+                ids[-1] = ids[-1][~np.isin(ids[-1], np.concatenate(later))]
         except FileNotFoundError:
             raise ShardFormatError(
                 f"{out / ids_name(k)} is missing; run the `build --append` command again: it derives it"
             ) from None
     total = sum(map(len, ids))
-    if not want <= total <= 2 * want:
+    if not want - (len(removed) if removed is not None else 0) <= total <= 2 * want:  # a sample removed: 1-2 ids
         raise ShardFormatError(
             f"{out}: the id files of versions 1..{plan.append.parent} hold {total} ids, but the dataset has {want} "
             f"samples; remove {out / 'versions'}/*.ids and run the `build --append` command again to derive them"
@@ -358,27 +357,32 @@ def _command() -> list[str]:
     return [re.sub(r"(://)[^/@\s]*@", r"\1***@", a) for a in [Path(sys.argv[0]).name or "python", *sys.argv[1:]]]
 
 
-def version_record(out: Path, plan: Plan, added: Manifest) -> bytes:
+def version_record(out: Path, plan: Plan, added: Manifest, removal: Removal | None = None) -> bytes:
     """The record of the version `plan` builds, from its merged files (`added`: the merge's manifest of the new
     inputs alone) and its parent: every version's shards (the parent's first), inputs, totals and rejects, the
-    cumulative sample index (written here), and the version's own facts. Returns its bytes; nothing is committed."""
+    cumulative sample index (written here), and the version's own facts; `removal`: the samples it replaces
+    (builder/rewrite.py: the parent's shards, rows, inputs and counts as of it). Returns its bytes; nothing is
+    committed."""
     parent, n = built_parent(out, plan), plan.version
     head = _parent_rows(out, parent)
+    head = replaced_rows(out, parent, head[0], removal) if head is not None else None
     index = dataset_index(out, list(added.shards), index_file(n), head) if head is not None else None
-    totals, rejects = collections.Counter(parent.totals), collections.Counter(parent.rejects)
+    totals = less(collections.Counter(parent.totals), removal, "totals")
+    rejects = less(collections.Counter(parent.rejects), removal, "rejects")
     totals.update(added.totals)
     rejects.update(added.rejects)
     stamps = [{"path": i.path, "bytes": i.bytes, "mtime_ns": i.mtime_ns, "etag": i.etag} for i in plan.inputs]
     inputs = tuple(InputEntry(**s, totals=e.totals) for s, e in zip(stamps, added.inputs))
+    removed = {"removed": removal.record()} if removal is not None else {}
     record = Manifest(
         format_version=FORMAT_VERSION,
         vlmprep_version=added.vlmprep_version,
         processor=added.processor,
         config={**added.config, "inputs": [*parent.config.get("inputs", []), *added.config["inputs"]]},
         image_format=added.image_format,
-        inputs=parent.inputs + inputs,
+        inputs=replaced_inputs(parent, inputs),
         plan=added.plan,
-        shards=parent.shards + added.shards,
+        shards=replaced_shards(parent, removal) + added.shards,
         totals={k: int(totals[k]) for k in dict.fromkeys([*TOTAL_KEYS, *totals])},
         turns=turn_coverage(totals),
         rejects=dict(sorted((k, int(v)) for k, v in rejects.items() if v)),
@@ -398,6 +402,7 @@ def version_record(out: Path, plan: Plan, added: Manifest) -> bytes:
                 "first_position": plan.append.first_position,
                 "records": plan.records,
             },
+            **removed,
         },
     )
     return record_bytes(record.to_json())

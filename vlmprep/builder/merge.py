@@ -60,12 +60,12 @@ from vlmprep.shards.versions import (
     id_keys,
     ids_bytes,
     rejects_file,
+    rewrite_prefix,
     seen_before,
     shard_version,
     versions_dir,
 )
-from vlmprep.shards.writer import ShardWriter
-from vlmprep.types import ShardSample
+from vlmprep.shards.writer import ShardWriter, copied
 from vlmprep_schemas.boundary import read_state, state_dir
 from vlmprep_schemas.versions import ids_name
 
@@ -131,6 +131,7 @@ def _check_strays(out: Path, plan: Plan, manifests: list[TaskManifest]) -> None:
         p.name
         for p in out.iterdir()
         if shard_version(p.name) == plan.version
+        and not p.name.startswith(rewrite_prefix(plan.version))  # the rewrites of a rebuild (builder/rewrite.py)
         and (
             fnmatch.fnmatch(p.name, SHARD_GLOB)
             and p.name not in claimed
@@ -164,19 +165,8 @@ def _filter_shard(out: Path, entry: ShardEntry, drop: set[str], prefix: str, rew
     writer.index = int(name[len(prefix) : -len(".tar")])
     for s in iter_shard(path, version=FORMAT_VERSION):
         meta = s.meta()
-        if meta["id"] in drop:
-            continue
-        members = {n: s.read(n) for n in s.names}
-        writer.write(
-            ShardSample(
-                key=s.key,
-                members=members,
-                num_tokens=meta["num_tokens"],
-                num_trainable_tokens=meta["num_trainable_tokens"],
-                num_images=meta["num_images"],
-                meta=meta,
-            )
-        )
+        if meta["id"] not in drop:
+            writer.write(copied(s, meta))
     writer.close()
     if not writer.shards:
         path.unlink()
@@ -359,13 +349,13 @@ def _task_rejects(text: str, dups: list[list[dict]]) -> tuple[str, list[dict]]:
     return "".join(kept), removed
 
 
-def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
+def merge_tasks(out: Path, stored: StoredShards | None = None, removed=None) -> Manifest:
     """Check every task (its manifest is its own, its shards are there as it wrote them), then write rejects.jsonl
-    and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py). stored: for an --out
-    in a store, where the shards `out` (the stage) lacks are; those the merge rewrites are fetched into `out`."""
+    and manifest.json (last). Returns the manifest. The caller owns the dir (builder/owner.py). stored: an --out in a
+    store's shards `out` (the stage) lacks (those the merge rewrites are fetched); `removed`: the id digests of the
+    samples this version replaces (builder/rewrite.py), no duplicate_id here."""
     out = Path(out)
-    plan = load_plan(out)
-    if plan is None:
+    if (plan := load_plan(out)) is None:
         raise MergeError(f"{out}: no {PLAN_NAME}: not a planned build dir (run `vlmprep build --plan-only` first)")
     state_dir(out / TASKS_DIR)  # the task manifests and lists are read from a real dir of its own, never a link
     manifests = _task_manifests(out, plan)
@@ -375,7 +365,7 @@ def merge_tasks(out: Path, stored: StoredShards | None = None) -> Manifest:
     if not proc.is_dir() or fingerprint_dir(proc) != plan.processor.fingerprint:
         raise MergeError(f"{proc}: missing or not the processor the plan was made with; plan again into a fresh dir")
     n = plan.version
-    earlier = earlier_ids(out, plan)  # an append: every earlier version's ids, each a duplicate_id here
+    earlier = earlier_ids(out, plan, removed)  # an append: every earlier version's ids, each a duplicate_id here
     dups_per_task, rewritten, kept_ids = _repeated_ids(out, plan, manifests, earlier)
     if stored is not None:  # only shards a task manifest lists: a sample row's shard name is not trusted alone
         listed = {s.name for m in manifests for s in m.shards}

@@ -14,7 +14,7 @@ from vlmprep.builder.plan import Plan, PlanError, config_changes, load_plan
 from vlmprep.builder.workers import BuildError
 from vlmprep.config import BuildConfig, spelled, spelled_flag
 from vlmprep.shards.dataset import BUILD_FILES, DATASET_FILES, FAILED_NAME, MANIFEST_NAME, TASKS_DIR, is_ours
-from vlmprep.shards.versions import highest_version, index_file, rejects_file, shard_prefix
+from vlmprep.shards.versions import highest_version, index_file, rejects_file, removed_ids_name, shard_prefix
 from vlmprep_schemas.boundary import UnsafeWrite, read_state
 from vlmprep_schemas.versions import VERSIONS_DIR, ids_name
 
@@ -56,6 +56,7 @@ def clear_attempt(out: Path, n: int, *, keep_tasks: int = 0) -> None:
         if p.is_file() and (own or p.name in (rejects_file(n), index_file(n), FAILED_NAME)):
             p.unlink()
     (out / ids_name(n)).unlink(missing_ok=True)
+    (out / removed_ids_name(n)).unlink(missing_ok=True)
     shutil.rmtree(out / TASKS_DIR, ignore_errors=True)
 
 

@@ -51,6 +51,7 @@ from vlmprep.builder.plan import (
     shard_prefix,
     write_plan,
 )
+from vlmprep.builder.rewrite import remove_replaced
 from vlmprep.builder.store import (
     Bucket,
     StoredShards,
@@ -118,13 +119,16 @@ class BuildResult:
     added: Manifest | None = None  # --append: the new version's own inputs, shards and totals (manifest: the record)
 
 
-def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -> tuple[Plan, Renderer | None]:
+def plan_build(
+    cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None, replace: bool = False
+) -> tuple[Plan, Renderer | None]:
     """Make DIR/plan.json (and DIR/processor) for cfg, or reuse the one there. fresh=True (a whole build) replaces a
     plan made with other options only with --overwrite (check_out), clearing its outputs; fresh=False (one task of
     many) refuses it, since other tasks may be using it. Returns the plan and, when the processor was loaded here, a
     Renderer over it. Nothing is created in --out before the inputs, processor and options proved good. With
     --append the plan covers the inputs not in the dataset yet, on top of `parent` (the latest version; for a
-    local --out read here, builder/append.py), with the dataset's own options and processor."""
+    local --out read here, builder/append.py), with the dataset's own options and processor; `replace` (a watcher's
+    --on-change rebuild): an input built before that changed since is planned again, its old samples replaced."""
     out = Path(cfg.out)
     if fresh:
         check_out(cfg, out)
@@ -133,8 +137,8 @@ def plan_build(cfg: BuildConfig, *, fresh: bool, parent: Parent | None = None) -
     if cfg.append:
         parent = parent or local_parent(out, say)
         check_options(cfg, parent, out)
-        files = new_inputs(files, parent, out, say)
-        append = append_ref(parent)
+        files = new_inputs(files, parent, out, say, replaced := [] if replace else None)
+        append = append_ref(parent, replaced)
     try:
         old = load_plan(out)
     except PlanError:
@@ -270,28 +274,31 @@ def _build_task_shared(
     )
 
 
-def build(cfg: BuildConfig) -> BuildResult:
+def build(cfg: BuildConfig, *, replace: bool = False) -> BuildResult:
     """A checked BuildConfig -> the dataset in cfg.out (shards, manifest.json, rejects.jsonl, the processor), and a
     BuildResult with the manifest and the reject counts. Chains the whole build under --out's lock: plan (inputs cut
     into tasks, plan.json), the tasks (one in this process's worker pool, several over the pool or Ray, or only
     `--task-index i`), then the merge and the dataset checks (--max-reject-fraction, --min-turn-coverage). A bad
     option or input is a one-line BuildError; a bad record is a counted reject, never a stop. Trade-off: each
     completed shard is journaled, so a killed build resumes where it stopped at the cost of an fsync per shard; the
-    output is byte-identical for the same inputs, config and task count, whatever the worker count or executor."""
+    output is byte-identical for the same inputs, config and task count, whatever the worker count or executor
+    (`replace`: a watcher's --on-change rebuild, a changed input's samples replaced)."""
     try:
         if cfg.task_index is not None:
             return build_task(cfg.out, cfg.task_index, workers=cfg.workers, progress=cfg.progress, cfg=cfg)
         if is_store(cfg.out):
-            return _build_to_store(cfg)
-        return _build_local(cfg)
+            return _build_to_store(cfg, replace)
+        return _build_local(cfg, replace=replace)
     except NothingToAppend as e:  # every input is in the dataset: it stays as it is, and that is no error
         say(str(e))
         return BuildResult(out=cfg.out, manifest=e.manifest)
 
 
-def _build_local(cfg: BuildConfig, upload_to: str | None = None, parent: Parent | None = None) -> BuildResult:
+def _build_local(
+    cfg: BuildConfig, upload_to: str | None = None, parent: Parent | None = None, replace: bool = False
+) -> BuildResult:
     """build() into a local dir: the --out dir, or the stage of an --out in a store (upload_to, its URL; `parent`:
-    the version an append builds on, as the bucket holds it)."""
+    the version an append builds on, as the bucket holds it; `replace`: build())."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise BuildError(f"--out {out} is a file: pass a directory")
@@ -299,7 +306,7 @@ def _build_local(cfg: BuildConfig, upload_to: str | None = None, parent: Parent 
     state_dir(out)  # the lock lives inside --out: a second build into a new dir refuses too (a link there: refused)
     with own_out(out):
         try:
-            plan, renderer = plan_build(cfg, fresh=True, parent=parent)
+            plan, renderer = plan_build(cfg, fresh=True, parent=parent, replace=replace)
         except BaseException:
             if top is not None and not (out / PLAN_NAME).exists():  # a failed start leaves no half-made dir
                 shutil.rmtree(top, ignore_errors=True)
@@ -311,7 +318,7 @@ def _build_local(cfg: BuildConfig, upload_to: str | None = None, parent: Parent 
         return _build_planned(cfg, out, plan, renderer, upload_to)
 
 
-def _build_to_store(cfg: BuildConfig) -> BuildResult:
+def _build_to_store(cfg: BuildConfig, replace: bool = False) -> BuildResult:
     """build() with --out in a store (builder/store.py): in this machine's stage of the URL (fetched back from the
     bucket where the stage is gone), every file uploaded as it lands; the stage removed once the manifest is up.
     Messages name the URL, not the stage."""
@@ -325,7 +332,7 @@ def _build_to_store(cfg: BuildConfig) -> BuildResult:
             say(f"resuming from {url}: fetching its plan and finished tasks into {stage}")
             state_dir(stage)
             pull(bucket, stage, have)
-        result = _build_local(dataclasses.replace(cfg, out=str(stage)), upload_to=url, parent=parent)
+        result = _build_local(dataclasses.replace(cfg, out=str(stage)), upload_to=url, parent=parent, replace=replace)
     except UserError as e:
         e.args = (str(e).replace(str(stage), url),)
         if isinstance(e, RejectsError):  # complete, and uploaded: the stage has done its job
@@ -385,7 +392,8 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> tuple[Manife
         if plan.append is not None:
             pull_parent(bucket, out, have, plan)
         stored = StoredShards(bucket, have)
-    manifest = merge_tasks(out, stored)
+    removal = remove_replaced(out, plan, stored) if plan is not None else None
+    manifest = merge_tasks(out, stored, removal.ids if removal is not None else None)
     record = None
     try:
         try:
@@ -394,21 +402,17 @@ def _merge_and_check(out: Path, upload_to: str | None, **checks) -> tuple[Manife
             e.version = plan.version if plan is not None and plan.append is not None else None  # for its summary
             raise
         if plan is not None and plan.append is not None:
-            record = version_record(out, plan, manifest)
+            record = version_record(out, plan, manifest, removal)
             if not upload_to:
                 return commit_local(out, plan.version, record), manifest
     finally:
         if upload_to and plan is not None:
             tasks = [load_task_manifest(TaskFiles(out, i, shard_prefix(plan, i))) for i in range(plan.tasks)]
-            push_dataset(Bucket(upload_to), out, manifest, tasks, version=_commit_of(plan, record))
+            commit = None if plan.append is None else (plan.version, record)
+            push_dataset(Bucket(upload_to), out, manifest, tasks, version=commit)
     if record is not None:
         return parse_record(record, f"{upload_to}/{version_name(plan.version)}"), manifest
     return manifest, None
-
-
-def _commit_of(plan: Plan, record: bytes | None) -> tuple[int, bytes | None] | None:
-    """What push_dataset commits: None for a whole build, (N, the record or None where it failed its checks)."""
-    return None if plan.append is None else (plan.version, record)
 
 
 def merge(

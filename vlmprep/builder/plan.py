@@ -72,12 +72,15 @@ class Cut(JsonObject):
 class AppendRef(JsonObject):
     """What an append's plan builds on (docs/datasets-that-grow.md): the version it makes, its parent version and the
     sha256 of the parent's record bytes (the merge commits only on top of that very record), and the input position
-    its first record takes (the parent's records are positions 0 .. first_position - 1)."""
+    its first record takes (the parent's records are positions 0 .. first_position - 1); a watcher's
+    --on-change rebuild also the built inputs it replaces (`replaces`: each one's entry as the parent records it,
+    its path and old stamp; builder/rewrite.py removes their samples)."""
 
     version: int
     parent: int
     parent_sha256: str
     first_position: int
+    replaces: list | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

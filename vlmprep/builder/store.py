@@ -50,7 +50,7 @@ from vlmprep.shards.dataset import (
 )
 from vlmprep.shards.format import INDEX_SUFFIX, index_name
 from vlmprep.shards.manifest import Manifest, ShardEntry, TaskManifest
-from vlmprep.shards.versions import CommitConflict, index_file, rejects_file, shard_version
+from vlmprep.shards.versions import CommitConflict, index_file, rejects_file, removed_ids_name, shard_version
 from vlmprep_schemas.boundary import open_no_follow, read_state, state_dir
 from vlmprep_schemas.terminal import for_terminal
 from vlmprep_schemas.versions import ids_name, version_name
@@ -427,7 +427,8 @@ def of_version(name: str, n: int) -> bool:
     """Whether object `name` of a dataset is the build of version `n`'s own (an append uploads and replaces only
     those): its shards and their indexes, its rejects, index and id file, the tasks of its plan, energon's meta and
     a failed check's note."""
-    if name.startswith((TASKS_DIR + "/", NV_META + "/")) or name in (rejects_file(n), index_file(n), ids_name(n)):
+    own = (rejects_file(n), index_file(n), ids_name(n), removed_ids_name(n))  # a rebuild's rewrites: shards of n
+    if name.startswith((TASKS_DIR + "/", NV_META + "/")) or name in own:
         return True
     return name == FAILED_NAME or fnmatch.fnmatch(name.split(INDEX_SUFFIX)[0], SHARD_GLOB) and shard_version(name) == n
 

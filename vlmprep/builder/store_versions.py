@@ -15,6 +15,7 @@ import socket
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +26,7 @@ from vlmprep.builder.workers import BuildError
 from vlmprep.shards.dataset import MANIFEST_NAME, PLAN_NAME
 from vlmprep.shards.manifest import ShardFormatError
 from vlmprep.shards.reader import iter_shard
-from vlmprep.shards.versions import id_digest, id_keys, ids_bytes, parse_record
+from vlmprep.shards.versions import id_digest, id_keys, ids_bytes, parse_record, removed_ids_name
 from vlmprep.types import UserError
 from vlmprep_schemas.limits import LIMITS, load_json
 from vlmprep_schemas.versions import VERSIONS_DIR, ids_name, record_number, version_name
@@ -139,7 +140,7 @@ def attempt_in_bucket(bucket: Bucket, have: dict[str, int], parent: Parent) -> b
         plan = Plan.from_json(json.loads(data)) if data else None
     except (ValueError, UserError):
         return False
-    return plan is not None and plan.append == append_ref(parent)
+    return plan is not None and plan.append is not None and replace(plan.append, replaces=None) == append_ref(parent)
 
 
 def claim_version(bucket: Bucket, plan: Plan) -> None:
@@ -179,6 +180,7 @@ def pull_parent(bucket: Bucket, stage: Path, have: dict[str, int], plan: Plan) -
     """What the merge of an append reads of the versions before it, into the stage: the parent's record, every earlier
     version's id file and the parent's sample index."""
     names = [version_name(plan.append.parent), *(ids_name(k) for k in range(1, plan.append.parent + 1))]
+    names += [removed_ids_name(k) for k in range(2, plan.append.parent + 1)]  # those a rebuild wrote
     record = _read(bucket, have, names[0], LIMITS.manifest_bytes)
     if record is not None:
         index = parse_record(record, names[0]).sample_index

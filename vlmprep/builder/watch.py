@@ -98,7 +98,10 @@ class Watcher:
             text = f"{c.path} changed after it was built ({stamp_text(c.was)} then; {stamp_text(c.now)} now)"
             if self.cfg.on_change == "stop":
                 raise UserError(f"{text}; --on-change stop: a built object is never rebuilt in place")
-            self.say(f"{text}: its samples stay as built, not rebuilt (--on-change report)")
+            if self.cfg.on_change == "rebuild":
+                self.say(f"{text}: rebuilt into the next version, which replaces its samples (--on-change rebuild)")
+            else:
+                self.say(f"{text}: its samples stay as built, not rebuilt (--on-change report)")
 
     def cycle(self, *, due: bool) -> Outcome:
         """List, compare with the latest version and, when due, build what waits as the next version."""
@@ -129,7 +132,8 @@ class Watcher:
             },
         )
         where = f"latest v{parent.number}" if parent else "no dataset yet"
-        if not pending:
+        rebuild = [c.path for c in changed] if self.cfg.on_change == "rebuild" else []
+        if not pending and not rebuild:
             return Outcome(f"nothing new; {where}")
         wanted = self.cfg.min_records is not None and records is not None and records >= self.cfg.min_records
         if resume is None and not (due or wanted):
@@ -137,12 +141,14 @@ class Watcher:
             return Outcome(f"{plural(len(pending), 'object')} waiting{shown}, not due yet; {where}")
         if resume is None and parent is None:
             forget_attempt(b.out)  # a first build whose inputs changed since: planned anew
-        return self._build(resume or [p.path for p in pending], parent is not None, len(pending), resume is not None)
+        batch = resume or sorted([p.path for p in pending] + rebuild)
+        return self._build(batch, parent is not None, len(pending) + len(rebuild), resume is not None)
 
     def _build(self, batch: list[str], append: bool, pending: int, resumed: bool) -> Outcome:
         """One build of `batch` into --out: its version committed whole, or nothing of it."""
         self.status.update(state="building")
-        result = build(dataclasses.replace(self.cfg.build, inputs=tuple(batch), append=append))
+        rebuild = self.cfg.on_change == "rebuild"
+        result = build(dataclasses.replace(self.cfg.build, inputs=tuple(batch), append=append), replace=rebuild)
         added = result.added if append else result.manifest
         if added is None:  # every object of the batch was added by another build meanwhile
             return Outcome(
@@ -157,8 +163,13 @@ class Watcher:
             pending={**self.status.data["pending"], "objects": left, "records": None if left else 0},
         )
         t = added.totals
+        gone = (result.manifest.version or {}).get("removed") if append else None
+        replaced = (
+            f" ({len(gone['inputs'])} rebuilt, {gone['totals'].get('samples', 0)} samples replaced)" if gone else ""
+        )
         return Outcome(
-            f"v{version} {'resumed and committed' if resumed else 'committed'}: {plural(len(batch), 'object')}, "
+            f"v{version} {'resumed and committed' if resumed else 'committed'}: {plural(len(batch), 'object')}"
+            f"{replaced}, "
             f"{plural(t.get('records', 0), 'record')}, {plural(t.get('samples', 0), 'sample')}, "
             f"{t.get('rejected', 0)} rejected; {plural(left, 'object')} waiting",
             committed=True,

@@ -16,12 +16,6 @@ DEFAULT_EVERY = 60.0  # seconds, where neither --every nor --min-records is give
 # Build options a watcher sets itself, never taken from its command line: each cycle decides --append, and a watcher
 # never replaces a dataset, runs one task of a plan or stops after planning.
 NOT_WATCH_OPTIONS = ("append", "overwrite", "task_index", "plan_only", "progress")
-REBUILD_REFUSED = (
-    "--on-change rebuild: a version never removes the samples of an earlier one (runs pinned to it rely on that), "
-    "and a built object's samples share shards with other objects', so its samples cannot be replaced; keep "
-    "--on-change report (or stop) and put changed records in a new object (ids already in the dataset are then "
-    "duplicate_id rejects, new ids land), or rebuild the dataset whole with `vlmprep build --overwrite`"
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +43,8 @@ class WatchConfig:
         "report",
         OWN,
         "A built object whose size or ETag (locally: mtime) changed since: report (say so once, keep its samples) | "
-        "stop (exit 1 naming it) | rebuild (refused: docs/datasets-that-grow.md says why).",
+        "stop (exit 1 naming it) | rebuild (build its content now into the next version, which replaces its "
+        "samples; earlier versions stay as they are: docs/datasets-that-grow.md, Rebuild).",
         choices=ON_CHANGE,
     )
     status_file: str | None = opt(None, OWN, "Write the status as JSON to this file after every change (atomic).")
@@ -73,8 +68,6 @@ class WatchConfig:
             raise ValueError(f"--poll {self.poll}: must be a positive number of seconds, e.g. --poll 10")
         if self.on_change not in ON_CHANGE:
             raise ValueError(f"--on-change {self.on_change}: choose one of {', '.join(ON_CHANGE)}")
-        if self.on_change == "rebuild":
-            raise ValueError(REBUILD_REFUSED)
         if not self.lease_seconds > 0:
             raise ValueError(f"lease_seconds={self.lease_seconds}: must be > 0")
         given = [n for n in NOT_WATCH_OPTIONS[:4] if getattr(b, n) not in (False, None)]

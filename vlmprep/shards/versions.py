@@ -37,6 +37,7 @@ from vlmprep_schemas.versions import (
 
 _RECORD = re.compile(r"^v([0-9]{6,})\.json$")
 _SHARD_VERSION = re.compile(r"^shard-v([0-9]{6})-")
+_REWRITE = re.compile(r"^shard-v[0-9]{6}-r-")  # a rebuild's rewrite of an earlier shard (rewrite_prefix)
 ID_BYTES = 16  # a blake2b digest of a sample id: what the duplicate check keeps of each id
 
 
@@ -80,15 +81,20 @@ def added_since(d: Path, manifest: Manifest, since: str) -> tuple[int, Manifest]
             f"--since {since}: v{m} is not a version before v{n} of {d}; pass an earlier one (`vlmprep versions {d}`)"
         )
     before = {s.name for s in old.shards}
-    totals = {k: int(v) - int(old.totals.get(k, 0)) for k, v in manifest.totals.items()}
-    rejects = {k: int(v) - int(old.rejects.get(k, 0)) for k, v in manifest.rejects.items()}
+    removed = [r for k, r in rebuilds(d, manifest).items() if k > m]  # a rebuild's removals count back in: added
+    totals = collections.Counter({k: int(v) - int(old.totals.get(k, 0)) for k, v in manifest.totals.items()})
+    rejects = collections.Counter({k: int(v) - int(old.rejects.get(k, 0)) for k, v in manifest.rejects.items()})
+    for r in removed:
+        totals.update(r["totals"])
+        rejects.update(r["rejects"])
+    was = {i.path: i for i in old.inputs}
     return m, dataclasses.replace(
         manifest,
-        inputs=manifest.inputs[len(old.inputs) :],
-        shards=tuple(s for s in manifest.shards if s.name not in before),
-        totals=totals,
+        inputs=tuple(i for i in manifest.inputs if was.get(i.path) != i),  # new, and rebuilt (another stamp)
+        shards=tuple(s for s in manifest.shards if s.name not in before and not _REWRITE.match(s.name)),
+        totals=dict(totals),
         rejects={k: v for k, v in rejects.items() if v},
-        turns=turn_coverage(collections.Counter(totals)) if manifest.turns is not None else None,
+        turns=turn_coverage(totals) if manifest.turns is not None else None,
         sample_index=None,
     )
 
@@ -103,6 +109,56 @@ def shard_prefix(n: int, task: int | None) -> str:
     build before versions; a later version's carry its number, so no version ever overwrites another's."""
     version = "" if n == 1 else f"v{n:06d}-"
     return f"shard-{version}" + ("" if task is None else f"{task:05d}-")
+
+
+def rewrite_prefix(n: int) -> str:
+    """The names of version `n`'s rewrites of earlier shards without the samples it replaces (builder/rewrite.py):
+    `shard-v00000N-r-000000.tar`, a name of version n's that no task's (digits) takes."""
+    return f"{shard_prefix(n, None)}r-"
+
+
+def removed_ids_name(n: int) -> str:
+    """Version `n`'s removed-id file: the digests of the samples it replaced (absent where it replaced none)."""
+    return ids_name(n)[: -len(".ids")] + ".removed.ids"
+
+
+def load_removed(d: Path, parent: int, most: int) -> dict[int, np.ndarray]:
+    """The removed-id files of versions 2..parent that DIR holds (version -> its sorted digests), `most` ids read
+    in all at most: the ids an earlier version added that a later one removed are no longer in the dataset."""
+    found = {}
+    for k in range(2, parent + 1):
+        data = local_reader(str(d))(removed_ids_name(k), most * ID_BYTES)
+        if data is not None:
+            found[k] = np.frombuffer(data, dtype=f"S{ID_BYTES}")
+            most -= len(found[k])
+    return found
+
+
+def rebuilds(d: Path, manifest: Manifest) -> dict[int, dict]:
+    """What versions 2..N (N: `manifest`'s) removed, by version (their records' version.removed, where present:
+    `vlmprep watch --on-change rebuild`). Each record read bounded."""
+    out: dict[int, dict] = {}
+    top = manifest_number(manifest)
+    for k in range(2, top + 1):
+        record = manifest if k == top else None
+        if record is None and (data := read_record(Path(d), k)) is not None:
+            record = parse_record(data, str(Path(d) / version_name(k)))
+        removed = ((record.version if record is not None else None) or {}).get("removed")
+        if removed:
+            out[k] = removed
+    return out
+
+
+def replaced_by_rebuilds(d: Path, manifest: Manifest) -> set[str]:
+    """The shards that versions 2..N replaced by rewrites: files of earlier versions that N no longer lists."""
+    return {name for removed in rebuilds(d, manifest).values() for name in removed["shards"]}
+
+
+def stale_rejects(d: Path, manifest: Manifest) -> Callable[[int, dict], bool]:
+    """Whether a reject line of version k is of an input a later version (up to `manifest`'s) rebuilt: no longer the
+    dataset's, as that input's old samples are not."""
+    gone = {k: {i["path"] for i in r["inputs"]} for k, r in rebuilds(d, manifest).items()}
+    return lambda k, line: any(j > k and (line.get("source") or {}).get("file") in paths for j, paths in gone.items())
 
 
 def shard_version(name: str) -> int:

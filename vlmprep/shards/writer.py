@@ -260,6 +260,19 @@ class ShardInfo:
         return ShardEntry.from_json(self.to_json())
 
 
+def copied(stored, meta: dict) -> ShardSample:
+    """A stored sample (reader.StoredSample) as it is, to write into another shard: its key, every member's bytes
+    unchanged (nothing rendered or encoded again) and its meta's counts."""
+    return ShardSample(
+        key=stored.key,
+        members={n: stored.read(n) for n in stored.names},
+        num_tokens=meta["num_tokens"],
+        num_trainable_tokens=meta["num_trainable_tokens"],
+        num_images=meta["num_images"],
+        meta=meta,
+    )
+
+
 class ShardWriter:
     """Rolls tars at samples_per_shard or shard_size_bytes, whichever comes first. Beside each tar it writes the
     shard's sample index (SHARD.tar.index.npy: each sample's byte range and token counts, from what it wrote), so

@@ -26,7 +26,7 @@ from vlmprep.shards.summary import (
     reject_mismatches,
     rejected_records,
 )
-from vlmprep.shards.versions import added_since, manifest_number, rejects_paths, shard_version
+from vlmprep.shards.versions import added_since, manifest_number, rejects_paths, shard_version, stale_rejects
 from vlmprep.tools.distributions import distribution
 from vlmprep.tools.per_shard import map_shards
 from vlmprep.tools.stats_tables import SAMPLE_COLUMNS
@@ -265,8 +265,8 @@ def _image_sizes(scan: _Scan) -> dict:
 
 def _reject_lines(root: Path, manifest: Manifest, since: int = 0) -> list[dict] | None:
     """The reject lines of versions since+1 .. the manifest's (rejects.jsonl, then rejects.v00000N.jsonl ...)."""
-    found = rejects_paths(root, manifest, since=since)
-    return [r for _, p in found for r in iter_rejects(p)] if found else None  # bounded per line
+    found, stale = rejects_paths(root, manifest, since=since), stale_rejects(root, manifest)  # a rebuilt input's
+    return [r for n, p in found for r in iter_rejects(p) if not stale(n, r)] if found else None  # bounded per line
 
 
 def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] | None:

@@ -29,7 +29,7 @@ from vlmprep.shards.manifest import (
     processor_dir,
 )
 from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
-from vlmprep.shards.versions import manifest_number, shard_version
+from vlmprep.shards.versions import manifest_number, replaced_by_rebuilds, shard_version
 from vlmprep.tools.per_shard import map_shards
 from vlmprep.tools.sample_checks import source_problems, span_problems
 from vlmprep_schemas import NAMES, load
@@ -90,6 +90,7 @@ def verify_dataset(
         return [Violation(f"{manifest.processor.dir}/", str(e))]
     out: list[Violation] = _version_problems(manifest)
     listed, number = {s.name for s in manifest.shards}, manifest_number(manifest)
+    listed |= replaced_by_rebuilds(root, manifest) if number > 1 else set()  # kept for the versions before
     for extra in sorted(p.name for p in root.glob(SHARD_GLOB) if p.name not in listed):
         if shard_version(extra) <= number:  # a later version's shards (or an append under way) are not this one's
             out.append(Violation(extra, "shard file not listed in the manifest"))

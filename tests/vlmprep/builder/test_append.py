@@ -285,8 +285,8 @@ def test_two_appends_cannot_both_commit_one_version(grown, batches, tmp_path):
 
     real = pipeline.version_record
 
-    def racing(out_dir, plan, added):  # another build commits version 4 just before this one does
-        data = real(out_dir, plan, added)
+    def racing(out_dir, plan, added, *removal):  # another build commits version 4 just before this one does
+        data = real(out_dir, plan, added, *removal)
         commit_record(out_dir, plan.version, winner)
         return data
 
