@@ -119,20 +119,34 @@ def added_inputs(rec: dict) -> list[str]:
     return [i["path"] for i in (rec["version"]["added"]["inputs"] if rec.get("version") else rec["inputs"])]
 
 
+def removed_of(rec: dict) -> dict:
+    """What a version removed (--on-change rebuild): its inputs (old stamps), shards and totals; {} where nothing."""
+    return (rec.get("version") or {}).get("removed") or {}
+
+
 def check_exactly_once(read, objects: list[str], verify: Callable[[int], list]) -> list[dict]:
-    """Every object in exactly one version; every version verifies (`verify(n)`: its violations); the versions'
-    added totals sum to the latest totals; manifest.json is the latest record. Returns the records."""
+    """Every object in exactly one version (a rebuilt one: in the version that last built it, which removed it from
+    the version before); every version verifies (`verify(n)`: its violations); the versions' added totals less
+    their removed totals sum to the latest totals; manifest.json is the latest record. Returns the records."""
     recs = records(read)
     assert recs, "no version committed"
-    ledger = [p for rec in recs for p in added_inputs(rec)]
-    assert sorted(ledger) == sorted(set(ledger)), f"an object is in two versions: {ledger}"
-    assert sorted(ledger) == sorted(objects), f"versions hold {sorted(ledger)}, landed {sorted(objects)}"
+    live: dict[str, int] = {}
+    for n, rec in enumerate(recs, 1):
+        for p in [i["path"] for i in removed_of(rec).get("inputs", ())]:
+            assert live.pop(p, None) is not None, f"version {n} removed {p}, which no version before it holds"
+        for p in added_inputs(rec):
+            assert p not in live, f"{p} is in versions {live[p]} and {n}"
+            live[p] = n
+    assert sorted(live) == sorted(objects), f"versions hold {sorted(live)}, landed {sorted(objects)}"
+    assert sorted(i["path"] for i in recs[-1]["inputs"]) == sorted(objects)
     for n in range(1, len(recs) + 1):
         assert verify(n) == [], f"version {n} does not verify"
     latest = recs[-1]["totals"]
     added = [rec["version"]["added"]["totals"] if rec.get("version") else rec["totals"] for rec in recs]
+    removed = [removed_of(rec).get("totals", {}) for rec in recs]
     for key, value in latest.items():
-        assert sum(a.get(key, 0) for a in added) == value, f"totals.{key} does not add up across versions"
+        total = sum(a.get(key, 0) for a in added) - sum(r.get(key, 0) for r in removed)
+        assert total == value, f"totals.{key} does not add up across versions"
     assert json.loads(read("manifest.json")) == recs[-1]
     return recs
 

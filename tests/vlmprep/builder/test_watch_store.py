@@ -121,3 +121,33 @@ def test_a_bucket_that_ignores_conditional_writes_is_refused_before_anything_is_
     assert "this store ignores conditional writes" in res.output
     fs.invalidate_cache()
     assert not fs.exists(f"{name}/ds")
+
+
+def test_a_changed_object_in_the_bucket_is_rebuilt_into_a_version_that_replaces_its_samples(bucket, tmp_path):  # noqa: F811
+    from tests.vlmprep.builder.test_rebuild import samples
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    fs, name = bucket
+    location, url = f"s3://{name}/in/", f"s3://{name}/ds"
+    landed = [_drop(fs, name, 0), _drop(fs, name, 1)]
+    assert "v1 committed" in invoke(*watch_args(location, url, "--once")).output
+    mine = lambda k: k.startswith("shard-0") or k in ("samples.index.npy", "rejects.jsonl")  # noqa: E731 - v1's files
+    v1 = {k: fs.cat_file(f"{name}/ds/{k}") for k in _objects(fs, f"{name}/ds") if mine(k)}
+    assert len(v1) == 8
+    fs.pipe(f"{name}/in/obj-000.jsonl.zst", traces(0, n=4, seed=9))  # another ETag, size and content
+    landed.append(_drop(fs, name, 2))
+    res = invoke(*watch_args(location, url, "--once", "--on-change", "rebuild"))
+    assert res.exit_code == 0, res.output
+    assert f"{landed[0]} changed after it was built" in res.output and "(--on-change rebuild)" in res.output
+    assert "v2 committed: 2 objects (1 rebuilt, 3 samples replaced)" in res.output, res.output
+    recs = check_exactly_once(_reader(fs, f"{name}/ds"), landed, _verify(url))
+    assert [i["path"] for i in recs[1]["version"]["removed"]["inputs"]] == [landed[0]]
+    for k, data in v1.items():  # every object of version 1 as it was
+        assert fs.cat_file(f"{name}/ds/{k}") == data, k
+    fresh = tmp_path / "fresh"
+    opts = dict(processor="tiny:qwen2-vl", seq_len=2048, samples_per_shard=2, chat_template="qwen2_vl_tools")
+    build(BuildConfig(inputs=tuple(landed), out=str(fresh), max_reject_fraction=1.0, min_turn_coverage=0.0, **opts))
+    assert samples(fetch_dataset(f"{url}@v2")) == samples(fresh)
+    res = invoke(*watch_args(location, url, "--once", "--on-change", "rebuild"))
+    assert "nothing new; latest v2" in res.output, res.output
