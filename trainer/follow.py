@@ -28,6 +28,7 @@ from trainer.data import (
     epoch_entry,
     newer_version,
     reopen,
+    replaced_samples,
     run_versions,
 )
 from trainer.options import Batching, DataOptions, RunLength
@@ -138,10 +139,12 @@ class RunVersions:
                 record_versions(self.out, self.record)
         for spec, old, ds in zip(new.specs, data.datasets, new.datasets):
             if ds is not old and self.rank == 0:
-                line = (
-                    f"trainer: epoch {epoch}: {f'{spec.name} ' if spec.name else ''}version v{ds.version.number} "
-                    f"({_samples(ds) - _samples(old):+,} samples)"
+                added, gone = replaced_samples(old, ds)
+                said = (
+                    f"+{added:,} samples, -{gone:,} replaced" if gone else f"{_samples(ds) - _samples(old):+,} samples"
                 )
+                name = f"{spec.name} " if spec.name else ""
+                line = f"trainer: epoch {epoch}: {name}version v{ds.version.number} ({said})"
                 self.moved.append(line)
                 print(line, file=sys.stderr)
                 if log is not None:

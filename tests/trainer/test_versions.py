@@ -488,3 +488,66 @@ def test_two_ranks_take_a_new_version_together_at_the_epoch_boundary(grown, tmp_
     assert sorted(_ids([r for r in rows if r[1] == 2])) == v2
     history = [(h["epoch"], h["datasets"][0]["version"]) for h in _versions(run)["data"]]  # an entry an epoch
     assert history[:2] == [(0, 1), (1, 2)] and {v for _, v in history[1:]} == {2}
+
+
+def _rebuilding(batches, tmp_path):
+    """A dataset of a copy of batch 0 (v1), and a function that rebuilds it (3 records now, ids b0-...1..3 again,
+    other content) with batch 1 added, as `vlmprep watch --on-change rebuild` does: v2."""
+    from scripts.demo_traces import write_traces
+    from vlmprep.builder.pipeline import build as vlmprep_build
+    from vlmprep.config import BuildConfig
+
+    src, d = tmp_path / "b0.jsonl.zst", tmp_path / "ds"
+    shutil.copyfile(batches[0], src)
+    build([src], d)
+
+    def rebuild():
+        write_traces(src, n=3, seed=77, id_prefix="b0", **TRACES)
+        cfg = BuildConfig(inputs=(str(src), str(batches[1])), out=str(d), append=True, **BUILD)
+        res = vlmprep_build(cfg, replace=True)
+        assert res.manifest.version["removed"]["totals"]["samples"] == 6
+
+    return d, rebuild
+
+
+def test_a_follow_poll_takes_a_version_that_replaced_samples(batches, tmp_path):
+    from trainer.data import replaced_samples
+
+    d, rebuild = _rebuilding(batches, tmp_path)
+    data = _opened(d)
+    rebuild()
+    moved = _reopen(data, _newer(data))
+    assert moved.versions() == (2,)
+    assert replaced_samples(data.datasets[0], moved.datasets[0]) == (9, 6)
+    names = [s.name for s in moved.datasets[0].shards]  # v1's two shards held only b0's samples: emptied, dropped
+    assert len(names) == 3 and all(n.startswith("shard-v000002-") and "-r-" not in n for n in names), names
+
+
+@pytest.mark.slow  # ~27 s on 2 cores: four runs
+def test_a_rebuild_leaves_a_pinned_run_unchanged_and_a_follow_run_takes_the_rebuilt_samples(
+    batches, tmp_path, capsys, monkeypatch
+):
+    """Version 2 rebuilds input b0 (its content changed: 3 records now, ids b0-...1..3 again, other content) and adds
+    b1: a run on plain DIR started at v1 resumes on v1 with the ids and losses of an uninterrupted run of DIR@v1; a
+    --follow run takes v2 at the epoch boundary, says what it replaced, and from then on trains on v2's samples alone
+    (b0's removed ids 4..6 never again)."""
+    d, rebuild = _rebuilding(batches, tmp_path)
+    schedule = ("--schedule-steps", 8, "--save-every", 2)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert main(_args(f"{d}@v1", ref, "--max-steps", 5, *schedule)) == 0
+    assert main(_args(d, run, "--max-steps", 2, *schedule)) == 0
+    _after_step(monkeypatch, 1, rebuild)  # during the follow run's epoch 0
+    follow = tmp_path / "follow"
+    assert main(_args(d, follow, "--follow", "--epochs", 2)) == 0
+    assert main(_args(d, run, "--max-steps", 5, *schedule)) == 0  # resumed after the rebuild: still v1
+    assert _rows(run) == _rows(ref) and _versions(run)["data"][0]["datasets"][0]["version"] == 1
+    err = capsys.readouterr().err
+    moved = [line for line in err.splitlines() if ": version v" in line]
+    assert moved == ["trainer: epoch 1: version v2 (+9 samples, -6 replaced)"], err[-3000:]
+    rows = _rows(follow)
+    v1_ids = sorted(_ids([r for r in rows if r[1] == 0]))
+    v2_ids = sorted(_ids([r for r in rows if r[1] == 1]))
+    assert len(v1_ids) == 6 and {i.split("-")[0] for i in v1_ids} == {"b0"}
+    assert len(v2_ids) == len(set(v2_ids)) == 9
+    assert sorted(i for i in v2_ids if i.startswith("b0")) == sorted(v1_ids)[:3]  # the rebuilt ones, not 4..6
+    assert not set(v2_ids) & set(sorted(v1_ids)[3:])

@@ -37,6 +37,7 @@ _FACE = {
     "newer_version": "pins",
     "run_versions": "pins",
     "reopen": "datasets",
+    "replaced_samples": "datasets",
     "data_streams": "pipeline",
     "host_pixels": "vision",
 }
@@ -83,6 +84,7 @@ __all__ = [
     "newer_version",
     "run_versions",
     "reopen",
+    "replaced_samples",
     "data_streams",
     "DataError",
 ]

@@ -261,16 +261,38 @@ def _option(spec: DataSpec) -> str:
     return f"--data {spec.name}:" if spec.name else "--data"
 
 
+def rebuilt(a: DataSource, b: DataSource) -> bool:
+    """Whether version b (later than a) may have replaced shards of a: b's record removed samples (vlmprep watch
+    --on-change rebuild), or versions between them could have."""
+    removed = ((b.manifest or {}).get("version") or {}).get("removed")
+    return bool(removed) or b.version.number > a.version.number + 1
+
+
+def replaced_samples(old: DataSource, new: DataSource) -> tuple[int, int]:
+    """(samples new adds, samples of old it no longer holds): a rebuild's rewrites (shard-vN-r-*) hold kept samples."""
+    before = {s.name for s in old.shards}
+    added = sum(s.num_samples or 0 for s in new.shards if s.name not in before and "-r-" not in s.name)
+    held = sum(s.num_samples or 0 for s in old.shards)
+    return added, held + added - sum(s.num_samples or 0 for s in new.shards)
+
+
 def _listing(ds: DataSource) -> list:
     return [[s.name, s.num_bytes, s.sha256] for s in ds.shards]
 
 
 def _refuse_other_data(spec: DataSpec, old: DataSource, new: DataSource) -> None:
     """Two versions of one dataset: the shard list of the earlier one is the start of the later one's (an append only
-    adds shards), with the same processor and, where the run reads no videos, none added."""
+    adds shards), with the same processor and, where the run reads no videos, none added. A later version that
+    replaced the samples of rebuilt inputs (its record's version.removed; or versions between the two, which the run
+    did not read) lists the earlier one's shards it keeps in their order, each rewritten one at its place."""
     a, b = sorted((old, new), key=lambda d: d.version.number)
     where = f"{_option(spec)} {old.base}"
-    if _listing(b)[: len(a.shards)] != _listing(a):
+    la, lb = _listing(a), _listing(b)
+    if rebuilt(a, b):
+        names = {x[0] for x in lb}
+        la = [x for x in la if x[0] in names]
+        lb = [y for y in lb if y[0] in {x[0] for x in la}]
+    if lb[: len(la)] != la:
         raise DataError(
             f"{where}: version {b.version.number} ({b.version.record}) does not start with the shards of version "
             f"{a.version.number} (an append only adds shards): it is another dataset's record, or one that lies; "
