@@ -150,8 +150,17 @@ def rebuilds(d: Path, manifest: Manifest) -> dict[int, dict]:
 
 
 def replaced_by_rebuilds(d: Path, manifest: Manifest) -> set[str]:
-    """The shards that versions 2..N replaced by rewrites: files of earlier versions that N no longer lists."""
-    return {name for removed in rebuilds(d, manifest).values() for name in removed["shards"]}
+    """The shards of earlier versions that version N (`manifest`'s) may rightly no longer list, as the records DIR
+    holds tell it: those versions 2..N replaced by rewrites, and, where a record among them is gone (gc), every
+    shard an earlier record names (gc keeps a shard while a kept version names it)."""
+    top = manifest_number(manifest)
+    out = {name for removed in rebuilds(d, manifest).values() for name in removed["shards"]}
+    if any(read_record(Path(d), k) is None for k in range(2, top)):
+        for k in range(1, top):
+            data = read_record(Path(d), k)
+            if data is not None:
+                out.update(s.name for s in parse_record(data, str(Path(d) / version_name(k))).shards)
+    return out
 
 
 def stale_rejects(d: Path, manifest: Manifest) -> Callable[[int, dict], bool]:

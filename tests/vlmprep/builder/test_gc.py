@@ -53,6 +53,25 @@ def full(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def rebuilt(tmp_path_factory) -> Path:
+    """As `full`, but version 1 holds b0 and b1, and version 3 rebuilds b1 (`vlmprep watch --on-change rebuild`: its
+    content changed to 2 records) beside b3: it replaces version 1's shards holding b1's samples by its rewrites (the
+    one shared with b0 rewritten, the other dropped), while versions 1-2 still name them."""
+    d = tmp_path_factory.mktemp("rebuilt")
+    out = d / "ds"
+    build(cfg([_batch(d / "b0.jsonl", 0), _batch(d / "b1.jsonl", 1)], out))
+    for k in range(2, VERSIONS + 1):
+        if k == 3:
+            b1 = _batch(d / "b1.jsonl", 1)
+            b1.write_text("".join(b1.read_text().splitlines(keepends=True)[:2]).replace("hi", "hello"))
+        inputs = [d / "b1.jsonl", _batch(d / f"b{k}.jsonl", k)] if k == 3 else [_batch(d / f"b{k}.jsonl", k)]
+        build(cfg(inputs, out, append=True), replace=k == 3)
+    replaced = json.loads((out / version_name(3)).read_text())["version"]["removed"]["shards"]
+    assert sorted(replaced.items()) == [("shard-000001.tar", "shard-v000003-r-000000.tar"), ("shard-000002.tar", None)]
+    return out
+
+
 def _version_of(rel: str) -> int:
     m = _OF_VERSION.search(rel)
     return int(m.group(1)) if m else 1
@@ -121,9 +140,11 @@ _OPS = st.lists(
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_OPS)
-def test_gc_never_removes_what_a_kept_version_or_a_tag_names(full, tmp_path_factory, ops):
-    """Random append / tag / gc sequences: after each gc the versions kept are exactly the --keep newest, the latest
-    and (with --keep-tag) each tagged one; none lost a file; tags name kept versions; at the end each verifies."""
+def test_gc_never_removes_what_a_kept_version_or_a_tag_names(rebuilt, tmp_path_factory, ops):
+    """Random append / tag / gc sequences (version 3 a rebuild that replaced shards of version 1): after each gc the
+    versions kept are exactly the --keep newest, the latest and (with --keep-tag) each tagged one; none lost a file;
+    tags name kept versions; at the end each verifies."""
+    full = rebuilt
     work = tmp_path_factory.mktemp("work") / "ds"
     work.mkdir()
     grow(work, full, 1)
