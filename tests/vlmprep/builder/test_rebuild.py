@@ -48,15 +48,16 @@ def v1_files(out: Path) -> list[str]:
 
 @pytest.fixture
 def rebuilt(tmp_path):
-    """v1 from objects a, b; then a's content changed (4 records, other content, the same ids and one more), c new,
-    and d a copy of b's bytes under another name; one --on-change rebuild cycle -> v2."""
+    """v1 from objects a (4 records, one with a turn_too_long reject line) and b; then a's content changed (3 records,
+    other content, ids o0--000001..3 again), c new, and d a copy of b's bytes under another name; one --on-change
+    rebuild cycle -> v2."""
     inbox, out = tmp_path / "inbox", tmp_path / "ds"
-    a, b = land(inbox, 0), land(inbox, 1)
+    a, b = land(inbox, 0, n=4, seed=9), land(inbox, 1)
     res = once(inbox, out)
     assert res.exit_code == 0 and "v1 committed" in res.output, res.output
     v1 = (out / "manifest.json").read_bytes()
     before = digests(out, v1_files(out))
-    land(inbox, 0, n=4, seed=9)  # a': the ids o0--000001..3 again, and o0--000004
+    land(inbox, 0)  # a': 3 records, ids o0--000001..3 again
     c = land(inbox, 2)
     d = inbox / "copy-of-b.jsonl.zst"
     shutil.copyfile(b, d)
@@ -68,7 +69,7 @@ def rebuilt(tmp_path):
 def test_a_changed_object_is_rebuilt_into_a_version_that_replaces_its_samples(rebuilt, tmp_path):
     inbox, out, (a, b, c, d), v1, before, output = rebuilt
     assert f"{a} changed after it was built" in output and "--on-change rebuild" in output, output
-    assert "v2 committed: 3 objects (1 rebuilt, 3 samples replaced)" in output, output
+    assert "v2 committed: 3 objects (1 rebuilt, 4 samples replaced)" in output, output
     # v2's samples are a fresh build's of a', b, c (d's records are all b's ids: duplicate_id rejects)
     fresh = tmp_path / "fresh"
     opts = dict(zip(FLAGS[::2], FLAGS[1::2]))
@@ -86,10 +87,10 @@ def test_a_changed_object_is_rebuilt_into_a_version_that_replaces_its_samples(re
         )
     )
     want, got = samples(fresh), samples(f"{out}@v2")
-    assert sorted(got) == sorted(want) and len(got) == 10
+    assert sorted(got) == sorted(want) and len(got) == 9
     for k in want:
         assert got[k] == want[k], k
-    assert len(samples(f"{out}@v1")) == 6  # v1 as it was: a's old samples and b's
+    assert len(samples(f"{out}@v1")) == 7  # v1 as it was: a's old samples and b's
     # v1 byte-identical, both versions verify
     assert (out / version_name(1)).read_bytes() == v1
     assert digests(out, before) == before
@@ -111,7 +112,7 @@ def test_a_changed_object_is_rebuilt_into_a_version_that_replaces_its_samples(re
     for key, value in v2["totals"].items():
         want_v = recs[0]["totals"].get(key, 0) + v2["version"]["added"]["totals"].get(key, 0)
         assert value == want_v - removed["totals"].get(key, 0), key
-    assert v2["totals"]["samples"] == 10 and v2["totals"]["records"] == 3 + 4 + 3 + 3
+    assert v2["totals"]["samples"] == 9 and v2["totals"]["records"] == 4 * 3
     # a rebuilt id is no duplicate_id; d's copies of b's ids are
     dups = [json.loads(line) for line in (out / "rejects.v000002.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in dups if r["reason"] == "duplicate_id") == [f"o1--{i:06d}" for i in (1, 2, 3)]
@@ -124,8 +125,19 @@ def test_a_changed_object_is_rebuilt_into_a_version_that_replaces_its_samples(re
     res = invoke("stats", f"{out}@v2", "--since", "v1", "--json")
     assert res.exit_code == 0, res.output
     st = json.loads(res.output)
-    assert st["samples"] == 7 and st["version"] == 2 and st["since"] == 1
+    assert st["samples"] == 6 and st["version"] == 2 and st["since"] == 1
     assert {i["path"] for i in st["inputs"]} == {str(a), str(c), str(d)}
+    # stats of v2 (and its reject table) hold a's rejects as a fresh build has them: v1's lines of a are not v2's
+    assert any(
+        json.loads(line)["source"]["file"] == str(a) for line in (out / "rejects.jsonl").read_text().splitlines()
+    )
+    res, fresh_st = invoke("stats", f"{out}@v2", "--json"), invoke("stats", fresh, "--json")
+    by_path = {i["path"]: i for i in json.loads(res.output)["inputs"]}
+    for i in json.loads(fresh_st.output)["inputs"]:
+        assert {k: v for k, v in by_path[i["path"]].items() if k != "name"} == {
+            k: v for k, v in i.items() if k != "name"
+        }
+    assert json.loads(res.output)["rejects"] == {"duplicate_id": 3, **json.loads(fresh_st.output)["rejects"]}
     # nothing left to do: the next cycle builds nothing
     res = once(inbox, out, "--on-change", "rebuild")
     assert res.exit_code == 0 and "nothing new; latest v2" in res.output, res.output
