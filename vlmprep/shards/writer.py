@@ -31,6 +31,8 @@ from vlmprep.shards.manifest import ShardEntry
 from vlmprep.types import RenderedSample, ShardSample
 from vlmprep_schemas.boundary import open_no_follow
 from vlmprep_schemas.limits import index_head, npy_head
+from vlmprep_schemas.tar_members import member_header as _member_header
+from vlmprep_schemas.tar_members import tar_header as _tar_header  # noqa: F401 - the format contract test's reference
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
@@ -190,35 +192,6 @@ def _meta(sample: RenderedSample, image_format: str, images_meta: list[dict], vi
             }
         )
     return meta
-
-
-def _tar_header(name: str, size: int) -> bytes:
-    """The tar header block of one member, fixed metadata: same input + config gives byte-identical tars."""
-    ti = tarfile.TarInfo(name)
-    ti.size = size
-    ti.mtime = 0
-    ti.mode = 0o644
-    ti.uid = ti.gid = 0
-    ti.uname = ti.gname = ""
-    return ti.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")  # tarfile.open's own defaults
-
-
-_BLANK_HEADER = bytearray(_tar_header("", 0))
-_BLANK_HEADER[148:156] = b" " * 8  # the checksum field, as the checksum sums it
-
-
-def _member_header(name: str, size: int) -> bytes:
-    """_tar_header's bytes: for a short ASCII name (every member name of the format) the blank header with the name,
-    size and checksum written in as tarfile writes them (a tenth of its time, ~10 headers a sample); tarfile's own
-    header otherwise (tests/test_format_contract.py compares the two)."""
-    raw = name.encode("ascii", "replace")
-    if len(raw) > 100 or not name.isascii() or size >= 8**11:
-        return _tar_header(name, size)
-    buf = bytearray(_BLANK_HEADER)
-    buf[: len(raw)] = raw
-    buf[124:136] = b"%011o\0" % size
-    buf[148:155] = b"%06o\0" % sum(buf)  # tarfile's checksum: the byte sum, its own field as spaces
-    return bytes(buf)
 
 
 class _HashingFile:
