@@ -633,6 +633,35 @@ def test_local_inputs_are_read_with_a_size_cap_under_a_memory_limit(tmp_path):
         assert e.value.reason == reason and "\n" not in str(e.value), (ref, e.value.reason, str(e.value))
 
 
+def test_a_local_image_is_read_at_its_size_and_one_that_grows_is_still_capped(tmp_path, monkeypatch):
+    """A local image is read with one allocation of its own size, not of --max-image-bytes (64 MB an image, which
+    cost ~50 us of a short record's build); a file that grew after its size was taken is read on, to the cap."""
+    import tracemalloc
+
+    from vlmprep.ingest import media
+
+    path = tmp_path / "a.png"
+    path.write_bytes(b"p" * 5000)
+    tracemalloc.start()
+    try:
+        assert media._read_local(str(path), "image", 64 << 20, "a.png") == b"p" * 5000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    real = os.fstat
+
+    def stale(fd):  # the size as it was before the file grew
+        st = real(fd)
+        return os.stat_result((st.st_mode, *st[1:6], 100, *st[7:]))
+
+    monkeypatch.setattr(media.os, "fstat", stale)
+    assert media._read_local(str(path), "image", 6000, "a.png") == b"p" * 5000
+    with pytest.raises(RecordError) as e:
+        media._read_local(str(path), "image", 4000, "a.png")
+    assert e.value.reason == "image_file_too_large"
+
+
 def test_file_level_faults_and_every_good_record_lands(corpus_build):
     cases, res, rejects, by_line, landed = corpus_build
     assert all(r["reason"] != "internal_error" for r in rejects), [
