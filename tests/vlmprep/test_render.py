@@ -279,6 +279,42 @@ def test_encode_tokenizes_a_placeholder_run_once_and_gives_the_tokenizers_own_id
     check()
 
 
+def test_encode_calls_the_tokenizers_backend_only_where_its_call_adds_nothing(qwen2vl_processor):
+    """TextEncoder tokenizes through the tokenizers backend directly (the tokenizer's own call is a fifth of a short
+    record's tokenize) where the tokenizer's call is the plain TokenizersBackend path, and goes through the call
+    whenever the backend holds a truncation, padding or split-special-tokens state the call would change; the ids and
+    offsets are the call's either way (the test above checks them on any text)."""
+    from vlmprep.render.tokens import TextEncoder, _plain_backend
+
+    tok = qwen2vl_processor.tokenizer
+    enc = TextEncoder(tok, specials=set(tok.all_special_tokens), repeated=set())
+    assert enc._backend is tok.backend_tokenizer
+    text = "<|im_start|>user\nhello there, a longer line of text<|im_end|>\n"
+    want = tok(text, return_offsets_mapping=True)
+    backend = tok.backend_tokenizer
+    calls = []
+    real_call = type(tok).__call__
+    try:
+        type(tok).__call__ = lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k)
+        ids, spans = enc.encode(text)
+        assert not calls  # the backend directly
+        backend.enable_truncation(4)
+        ids_t, spans_t = enc.encode(text)
+        assert calls  # through the call, which lifts the truncation as it always did
+    finally:
+        type(tok).__call__ = real_call
+        backend.no_truncation()
+    for got_ids, got_spans in ((ids, spans), (ids_t, spans_t)):
+        assert got_ids.tolist() == want["input_ids"]
+        assert got_spans.tolist() == [list(o) for o in want["offset_mapping"]]
+
+    class Overriding(type(tok)):
+        def _encode_plus(self, *a, **k):
+            return super()._encode_plus(*a, **k)
+
+    assert _plain_backend(tok) is tok.backend_tokenizer and _plain_backend(Overriding.__new__(Overriding)) is None
+
+
 @pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v"])
 def test_count_tokens_is_the_rendered_length(name):
     from tests.support.tiny_processors import load_family_processor

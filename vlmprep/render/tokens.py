@@ -18,6 +18,7 @@ class TextEncoder:
 
     def __init__(self, tokenizer, *, specials: set[str], repeated: set[str]):
         self.tokenizer = tok = tokenizer
+        self._backend = _plain_backend(tok)
         if getattr(tok, "split_special_tokens", False):
             repeated = set()
         self.run_tokens = sorted(repeated, key=len, reverse=True)
@@ -63,13 +64,43 @@ class TextEncoder:
 
     def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
         bos = self.tokenizer.bos_token
-        enc = self.tokenizer(
-            text, add_special_tokens=not (bos and text.startswith(bos)), return_offsets_mapping=offsets
-        )
+        add = not (bos and text.startswith(bos))
+        backend = self._backend
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            if backend.encode_special_tokens == self.tokenizer.split_special_tokens:
+                enc = backend.encode_batch([text], add_special_tokens=add)[0]
+                return (
+                    np.asarray(enc.ids, dtype=np.int64),
+                    np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2) if offsets else None,
+                )
+        enc = self.tokenizer(text, add_special_tokens=add, return_offsets_mapping=offsets)
         return (
             np.asarray(enc["input_ids"], dtype=np.int64),
             np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) if offsets else None,
         )
+
+
+def _plain_backend(tok):
+    """The tokenizers backend that `tok(text, ...)` runs where it adds nothing to it (the plain TokenizersBackend
+    path: its encode_batch of the one text, no truncation, padding or mode switch), so _tokenize calls it directly
+    (a fifth of a short record's tokenize is the wrapper); None for any tokenizer that overrides that path."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: always through the tokenizer itself
+        return None
+    cls = type(tok)
+    plain = (
+        isinstance(tok, TokenizersBackend)
+        and cls.__call__ is PreTrainedTokenizerBase.__call__
+        and cls._get_padding_truncation_strategies is PreTrainedTokenizerBase._get_padding_truncation_strategies
+        and cls._encode_plus is TokenizersBackend._encode_plus
+        and cls._convert_encoding is TokenizersBackend._convert_encoding
+        and cls.set_truncation_and_padding is TokenizersBackend.set_truncation_and_padding
+        and not hasattr(tok, "_switch_to_input_mode")
+    )
+    return tok.backend_tokenizer if plain else None
 
 
 def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tuple[str, list[tuple[int, int, int]]]:
