@@ -26,7 +26,7 @@ def mrope_position_ids(
         gt, gh, gw = int(t), int(h) // merge_size, int(w) // merge_size
         assert end - start == gt * gh * gw, "image run length must equal its merged grid size"
         base = next_pos + n_text
-        ti, hi, wi = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
+        ti, hi, wi = np.indices((gt, gh, gw))  # meshgrid(arange(gt), arange(gh), arange(gw), "ij"), 3x cheaper
         step = 1 if intervals is None else intervals[k]
         if step != 1:  # float32 product truncated toward zero, as the model's (arange(t) * interval).long()
             ti = (ti.astype(np.float32) * np.float32(step)).astype(np.int64)
