@@ -76,6 +76,32 @@ def test_png_member_decodes_to_the_same_pixels(dataset, image_spec):
     np.testing.assert_array_equal(decode_image("img000.png", buf.getvalue(), None), s.images[0])
 
 
+def test_an_encoded_image_member_is_opened_once(dataset, image_spec, monkeypatch):
+    """An encoded image member's header, read to check its size before anything is allocated, is the one its decode
+    goes on from: Image.open runs once a member (twice before: a JPEG's header parse is a tenth of its decode)."""
+    key, members = _first_members(dataset)
+    resize = OriginalResizer(image_spec)
+    want = decode_sample(members, key=key, url="u.tar", spec=image_spec, resize_original=resize)
+    meta = json.loads(members["json"])
+    unique = list(dict.fromkeys(im["member"] for im in meta["images"]))
+    png = {m: m.split(".", 1)[0] + ".png" for m in unique}
+    pngs = {k: v for k, v in members.items() if k not in png}
+    for m, arr in zip(unique, want.images):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        pngs[png[m]] = buf.getvalue()
+    for im in meta["images"]:
+        im["member"] = png[im["member"]]
+    pngs["json"] = json.dumps(meta).encode()
+    opens = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opens.append(1) or real_open(*a, **k))
+    got = decode_sample(pngs, key=key, url="u.tar", spec=image_spec, resize_original=resize)
+    assert len(opens) == len(unique) > 0
+    for a, b in zip(got.images, want.images):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow  # make test-all: keeps make test within its budget
 def test_original_format_is_resized_at_load_time_like_the_build(traces, dataset, image_spec, tmp_path):
     orig = build_dataset(traces, tmp_path / "orig", image_format="original")

@@ -121,10 +121,11 @@ def arrays_of(version: int) -> list[str]:
 def check_member_names(names, *, url: str, key: str, version: int) -> None:
     """Refuses (DataError naming `url` and `key`) any member name outside the shard format `version`: nothing else in
     a shard is ever decoded (no pickle, no code); a required member that is missing is refused too."""
+    arrays = arrays_of(version)
     for name in names:
         if version >= 3 and VIDEO_MEMBER.match(name):
             continue
-        if name not in arrays_of(version) and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
+        if name not in arrays and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
             raise DataError(
                 f"{url}: sample {key}: member {name!r} is not part of the vlmprep shard format "
                 f"v{version}; refusing to decode it (this reader never unpickles: .pyd, .pth, .pickle "
@@ -166,26 +167,29 @@ class OriginalResizer:
         self.mode = resize_mode(spec.kind)
         self._ip = None
 
-    def __call__(self, data: bytes) -> np.ndarray:
-        """One stored source image (encoded bytes) -> uint8 H x W x 3, resized as the saved processor resizes it."""
+    def __call__(self, data: bytes, opened: Image.Image | None = None) -> np.ndarray:
+        """One stored source image (encoded bytes; `opened`: those bytes as Image.open gave them, header read) ->
+        uint8 H x W x 3, resized as the saved processor resizes it."""
         if self._ip is None:
             from transformers import AutoImageProcessor
 
             with tempfile.TemporaryDirectory() as tmp:
                 Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.spec.config))
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
-        with Image.open(io.BytesIO(data)) as pil:
+        with opened or Image.open(io.BytesIO(data)) as pil:
             pil.load()
             return stored_pixels(self._ip, self.mode, pil, self.spec.resize_patch)
 
 
-def decode_image(name: str, data: bytes, resize_original: OriginalResizer) -> np.ndarray:
+def decode_image(
+    name: str, data: bytes, resize_original: OriginalResizer, opened: Image.Image | None = None
+) -> np.ndarray:
     """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst`, `.delta.zst` and `.pdelta.zst` members go
-    through _read_npy_zst_into)."""
+    through _read_npy_zst_into). opened: `data` as Image.open gave it (_decoded_size read its header)."""
     if ".orig." in name:
-        arr = resize_original(data)
+        arr = resize_original(data, opened) if opened is not None else resize_original(data)
     else:
-        with Image.open(io.BytesIO(data)) as im:
+        with opened or Image.open(io.BytesIO(data)) as im:
             arr = np.array(im.convert("RGB"))
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise ValueError(f"{name} decodes to {arr.dtype} {arr.shape}, expected uint8 H x W x 3")
@@ -249,13 +253,18 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
     return out
 
 
-def _decoded_size(name: str, data: bytes, h: int, w: int) -> int:
+def _decoded_size(name: str, data: bytes, h: int, w: int, opened: dict[str, Image.Image] | None = None) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels; its
     declared size (frame content size, image header) checked against the meta's h x w before anything is decoded
-    (an `orig.*` source, resized at load time, against the image limit)."""
+    (an `orig.*` source, resized at load time, against the image limit). An image's header read is kept in `opened`
+    for its decode (a JPEG's header parse is a tenth of its decode at the demo's 300x170)."""
     if not name.endswith(ZSTD_IMAGE):
-        with Image.open(io.BytesIO(data)) as im:  # the header only
-            width, height = im.size
+        im = Image.open(io.BytesIO(data))  # the header only
+        width, height = im.size
+        if opened is None:
+            im.close()
+        else:
+            opened[name] = im
         if ".orig." in name and width * height * 4 > MAX_IMAGE_BYTES:
             raise ValueError(f"{name} declares {width}x{height}, more pixels than a reader decodes")
         if ".orig." not in name and (height, width) != (h, w):
@@ -303,9 +312,11 @@ def decode_image_into(
     resize_original: OriginalResizer,
     prefix: bytes | None = None,
     keep: dict[str, bytes] | None = None,
+    opened: Image.Image | None = None,
 ) -> np.ndarray:
     """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view. prefix: a
-    `.pdelta.zst` member's dictionary; keep: where its payload goes when a later member names it as prefix."""
+    `.pdelta.zst` member's dictionary; keep: where its payload goes when a later member names it as prefix; opened:
+    the member as _decoded_size opened it."""
     if name.endswith(".npy.zst"):
         return _read_npy_zst_into(data, buf, shape, name)
     if name.endswith((".delta.zst", PDELTA)):  # a .npy.zst whose rows are filtered: undone from a copy into the view
@@ -313,7 +324,7 @@ def decode_image_into(
         if keep is not None:
             keep[name] = buf.tobytes()
         return unfilter_into(view.reshape(shape[0], 3, shape[1]).copy(), view)
-    arr = decode_image(name, data, resize_original)
+    arr = decode_image(name, data, resize_original, opened)
     if arr.shape != shape:
         raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {shape}")
     out = buf.reshape(shape)
@@ -337,7 +348,8 @@ def decode_sample(
         video_layout = _video_layout(meta, members, len(grids)) if version >= 3 else []
         frames = [f for v in video_layout for f in v]
         _validate(arrays, layout, index, video_layout, spec)
-        sizes = [_decoded_size(m, members[m], h, w) for m, h, w in layout + frames]
+        opened: dict[str, Image.Image] = {}
+        sizes = [_decoded_size(m, members[m], h, w, opened) for m, h, w in layout + frames]
         if sum(sizes) > LIMITS.sample_bytes:
             raise ValueError(
                 f"its images and frames decode to {sum(sizes)} bytes, more than a reader accepts "
@@ -363,6 +375,7 @@ def decode_sample(
                     resize_original,
                     payloads.pop(prefixes.get(m), None),
                     payloads if m in prefixes.values() else None,
+                    opened.pop(m, None),
                 )
             except zstandard.ZstdError as e:  # named: a .pdelta.zst member decodes only with its own prefix
                 raise ValueError(f"{m} does not decode ({e})") from None
