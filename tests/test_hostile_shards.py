@@ -174,6 +174,8 @@ CASES = {
     "huge_npy_shape": lambda key: lambda ms: replace_member(ms, key, "loss_mask.npy", npy_claiming((10**12,), "|u1")),
     # The meta json nested 200,000 deep.
     "deep_meta_json": lambda key: lambda ms: replace_member(ms, key, "json", deep_json(200_000)),
+    # An image member dropped, its meta still naming it (stats once took its size unchecked: a KeyError).
+    "missing_image_member": lambda key: lambda ms: [(n, d) for n, d in ms if n != f"{key}.img000.npy.zst"],
 }
 
 

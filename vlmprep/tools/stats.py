@@ -16,7 +16,7 @@ from vlmprep.families import family_of
 from vlmprep.ingest import as_input, input_names
 from vlmprep.shards.format import storage_of
 from vlmprep.shards.manifest import Manifest, open_dataset, shard_paths
-from vlmprep.shards.reader import iter_shard
+from vlmprep.shards.reader import ShardFormatError, iter_shard
 from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.summary import (
     REJECT_FIXES,
@@ -130,6 +130,10 @@ class _Scan:
         runs = [b - a for a, b in spans] if spans and None not in spans else _image_runs(types)  # older: marked runs
         self.image_token_runs += runs
         for member, im in {im["member"]: im for im in entries}.items():  # an image stored once a sample
+            if member not in ts.sizes:  # a meta naming a member the sample lacks: refused as reading it would be
+                raise ShardFormatError(
+                    f"{ts.where}: sample {ts.key}: its meta names image member {member!r}, which it lacks"
+                )
             given = im.get("source_bytes", 0)  # 0: a build that did not record it
             self.storage[storage_of(member)].update(
                 images=1, bytes=ts.sizes[member], source_bytes=given, unknown=not given

@@ -107,8 +107,8 @@ def test_two_appends_of_one_version_in_a_bucket_commit_once(bucket, batches, mon
 
     real = pipeline.version_record
 
-    def racing(out, plan, added):
-        data = real(out, plan, added)
+    def racing(out, plan, *rest):
+        data = real(out, plan, *rest)
         fs.pipe(f"{name}/ds/{version_name(plan.version)}", b"{}")
         return data
 

@@ -230,9 +230,9 @@ def test_the_stage_never_holds_a_finished_tasks_shards(bucket, task_traces, loca
     seen, fetched = {}, []
     merge_tasks, fetch = pipeline.merge_tasks, store.StoredShards.fetch
 
-    def spy(out, stored=None):
+    def spy(out, stored=None, *rest):
         seen["before"] = sorted(p.name for p in Path(out).glob("shard-*.tar"))
-        manifest = merge_tasks(out, stored)
+        manifest = merge_tasks(out, stored, *rest)
         seen["after"] = sorted(p.name for p in Path(out).glob("shard-*.tar"))
         return manifest
 
