@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from vlmprep.shards.dataset import TMP_SUFFIX, sha256_file, write_bytes_atomic
 from vlmprep.shards.format import FORMAT_VERSION
 from vlmprep.shards.manifest import InputEntry, Manifest, ShardEntry, ShardFormatError, dataset_path
 from vlmprep.shards.reader import iter_shard, load_sample_index, read_index_file
+from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.versions import (
     ID_BYTES,
     CommitConflict,
@@ -42,11 +42,7 @@ from vlmprep.shards.versions import (
     versions_dir,
 )
 from vlmprep.shards.writer import ShardWriter, copied
-from vlmprep_schemas.boundary import read_state
-from vlmprep_schemas.limits import LIMITS
-from vlmprep_schemas.versions import local_reader, version_name
-
-LIST_BYTES = 1 << 40  # a rejects file: read whole, as the merge reads a task's (a FIFO or link there is refused)
+from vlmprep_schemas.versions import version_name
 
 
 @dataclass
@@ -99,7 +95,7 @@ def _local(out: Path, name: str, stored: StoredShards | None) -> Path:
 def _record(out: Path, k: int, stored: StoredShards | None) -> Manifest:
     name = version_name(k)
     _local(out, name, stored)
-    data = local_reader(str(out))(name, LIMITS.manifest_bytes)
+    data = read_record(out, k)
     if data is None:
         raise ShardFormatError(f"{out}/{name} is missing: the dataset's versions are not whole; restore it")
     return parse_record(data, f"{out}/{name}")
@@ -173,16 +169,16 @@ def _rewrite(out: Path, s: ShardEntry, paths: set[str], j: int, n: int, stored) 
 
 
 def _rejects(out: Path, origins: dict[str, tuple[int, int, int]], stored) -> collections.Counter:
-    """The replaced inputs' rejects by reason: their lines in the rejects file of the version that built them."""
+    """The replaced inputs' rejects by reason: their lines in the rejects file of the version that built them, read
+    as stats reads them (iter_rejects: bounded a line, one ShardFormatError line for a bad one; no FIFO waited on)."""
     counts = collections.Counter()
     for k in sorted({v[0] for v in origins.values()}):
         path = _local(out, rejects_file(k), stored)
-        if not path.exists():
+        if not path.is_file():
             continue
-        for line in read_state(path, LIST_BYTES).decode("utf-8").splitlines():
-            entry = json.loads(line)
-            if origins.get(entry["source"]["file"], (None,))[0] == k:
-                counts[entry["reason"]] += 1
+        for entry in iter_rejects(path):
+            if origins.get((entry.get("source") or {}).get("file"), (None,))[0] == k:
+                counts[str(entry.get("reason"))] += 1
     return counts
 
 

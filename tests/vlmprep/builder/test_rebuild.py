@@ -166,3 +166,17 @@ def test_a_changed_object_whose_old_shard_is_missing_or_corrupt_is_one_line_and_
     res = once(inbox, out, "--on-change", "rebuild")
     assert res.exit_code == 0 and "v2 resumed and committed" in res.output, res.output
     assert invoke("verify", f"{out}@v2").exit_code == 0
+
+
+def test_a_hostile_rejects_line_of_a_changed_object_is_one_line_and_nothing_committed(tmp_path):
+    """The replaced input's rejects are read as stats reads them: a line nested 100,000 deep is one line naming the
+    file and line, never a RecursionError, and nothing is committed."""
+    inbox, out = tmp_path / "inbox", tmp_path / "ds"
+    land(inbox, 0)
+    assert once(inbox, out).exit_code == 0
+    land(inbox, 0, n=4, seed=9)
+    (out / "rejects.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    res = once(inbox, out, "--on-change", "rebuild")
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "rejects.jsonl line 1" in res.output.strip().splitlines()[-1], res.output
+    assert not (out / version_name(2)).exists()
