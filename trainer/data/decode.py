@@ -187,7 +187,7 @@ def decode_image(
     """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst`, `.delta.zst` and `.pdelta.zst` members go
     through _read_npy_zst_into). opened: `data` as Image.open gave it (_decoded_size read its header)."""
     if ".orig." in name:
-        arr = resize_original(data, opened) if opened is not None else resize_original(data)
+        arr = resize_original(data, opened)
     else:
         with opened or Image.open(io.BytesIO(data)) as im:
             arr = np.array(im.convert("RGB"))

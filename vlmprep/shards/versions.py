@@ -13,13 +13,14 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from vlmprep.shards.dataset import MANIFEST_NAME, REJECTS_NAME, TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import DATASET_INDEX_NAME
 from vlmprep.shards.manifest import Manifest, ShardFormatError, dataset_path, open_dataset
+from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.summary import turn_coverage
 from vlmprep.types import UserError
 from vlmprep_schemas.boundary import UnsafeDataset, open_no_follow, state_dir
@@ -168,6 +169,18 @@ def stale_rejects(d: Path, manifest: Manifest) -> Callable[[int, dict], bool]:
     dataset's, as that input's old samples are not."""
     gone = {k: {i["path"] for i in r["inputs"]} for k, r in rebuilds(d, manifest).items()}
     return lambda k, line: any(j > k and (line.get("source") or {}).get("file") in paths for j, paths in gone.items())
+
+
+def dataset_rejects(d: Path, manifest: Manifest, *, since: int = 0) -> Iterator[tuple[int, dict]]:
+    """The reject lines of versions since+1 .. the manifest's (rejects_paths), each with its version, read bounded a
+    line (iter_rejects), less those of an input a later version rebuilt (stale_rejects: its records read only where
+    a rejects file is there to filter)."""
+    found = rejects_paths(d, manifest, since=since)
+    stale = stale_rejects(d, manifest) if found else None
+    for n, p in found:
+        for r in iter_rejects(p):
+            if not stale(n, r):
+                yield n, r
 
 
 def shard_version(name: str) -> int:

@@ -17,8 +17,7 @@ from vlmprep.shards.dataset import MANIFEST_NAME, SHARD_GLOB
 from vlmprep.shards.format import id_hash
 from vlmprep.shards.manifest import Manifest, open_dataset, processor_dir, shard_paths, shard_present
 from vlmprep.shards.reader import StaleIndex, iter_shard, load_sample_index, sample_at
-from vlmprep.shards.rejects_file import iter_rejects
-from vlmprep.shards.versions import id_keys, record_id, rejects_paths, stale_rejects
+from vlmprep.shards.versions import dataset_rejects, id_keys, record_id
 from vlmprep.tools.inspected import InspectedSample, sample_from_rendered, sample_from_stored
 from vlmprep.tools.show import format_plain, format_rich, format_tokens_plain, format_tokens_rich
 from vlmprep.tools.view import SampleView, TokenizerView, reject_line, view_sample
@@ -134,11 +133,9 @@ def _first_shards(manifest: Manifest, samples: int) -> list[str]:
 def _iter_rejects_file(d: Path, manifest: Manifest, cfg: InspectConfig) -> Iterator[dict]:
     """The version's rejects: rejects.jsonl, then each later version's own up to it (an input's that a later
     version rebuilt left out: shards/versions.stale_rejects)."""
-    stale = stale_rejects(d, manifest)
-    for n, p in rejects_paths(d, manifest):
-        for r in iter_rejects(p):
-            if (cfg.id is None or str(r.get("id")) == cfg.id) and not stale(n, r):
-                yield r
+    for _, r in dataset_rejects(d, manifest):
+        if cfg.id is None or str(r.get("id")) == cfg.id:
+            yield r
 
 
 def _raw_build_config(cfg: InspectConfig):

@@ -17,7 +17,6 @@ from vlmprep.ingest import as_input, input_names
 from vlmprep.shards.format import storage_of
 from vlmprep.shards.manifest import Manifest, open_dataset, shard_paths
 from vlmprep.shards.reader import ShardFormatError, iter_shard
-from vlmprep.shards.rejects_file import iter_rejects
 from vlmprep.shards.summary import (
     REJECT_FIXES,
     coverage_problem,
@@ -26,7 +25,7 @@ from vlmprep.shards.summary import (
     reject_mismatches,
     rejected_records,
 )
-from vlmprep.shards.versions import added_since, manifest_number, rejects_paths, shard_version, stale_rejects
+from vlmprep.shards.versions import added_since, dataset_rejects, manifest_number, rejects_paths, shard_version
 from vlmprep.tools.distributions import distribution
 from vlmprep.tools.per_shard import map_shards
 from vlmprep.tools.stats_tables import SAMPLE_COLUMNS
@@ -269,8 +268,9 @@ def _image_sizes(scan: _Scan) -> dict:
 
 def _reject_lines(root: Path, manifest: Manifest, since: int = 0) -> list[dict] | None:
     """The reject lines of versions since+1 .. the manifest's (rejects.jsonl, then rejects.v00000N.jsonl ...)."""
-    found, stale = rejects_paths(root, manifest, since=since), stale_rejects(root, manifest)  # a rebuilt input's
-    return [r for n, p in found for r in iter_rejects(p) if not stale(n, r)] if found else None  # bounded per line
+    if not rejects_paths(root, manifest, since=since):
+        return None
+    return [r for _, r in dataset_rejects(root, manifest, since=since)]  # a rebuilt input's old lines left out
 
 
 def _inputs(manifest: Manifest, reject_lines: list[dict] | None) -> list[dict] | None:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from vlmprep.shards.dataset import write_bytes_atomic
 from vlmprep.shards.manifest import open_dataset
-from vlmprep.shards.rejects_file import iter_rejects
-from vlmprep.shards.versions import added_since, rejects_paths, stale_rejects
+from vlmprep.shards.versions import added_since, dataset_rejects
 
 # `vlmprep stats --samples FILE`: one row per sample (stats.py collects them, write_sample_table writes them).
 SAMPLE_COLUMNS = (
@@ -85,10 +84,7 @@ def write_reject_table(root: Path | str, path: Path, since: str | None = None) -
     cols: dict[str, list] = {c: [] for c in REJECT_COLUMNS}
     d, manifest = open_dataset(root)
     before = added_since(d, manifest, since)[0] if since is not None else 0
-    stale = stale_rejects(d, manifest)  # the lines of an input a later version rebuilt are no longer the dataset's
-    for version, r in ((n, r) for n, p in rejects_paths(d, manifest, since=before) for r in iter_rejects(p)):
-        if stale(version, r):
-            continue
+    for version, r in dataset_rejects(d, manifest, since=before):  # less a rebuilt input's old lines
         src = r.get("source") if isinstance(r.get("source"), dict) else {}
         text = {
             k: None if v is None else str(v)
