@@ -128,10 +128,11 @@ def load_removed(d: Path, parent: int, most: int) -> dict[int, np.ndarray]:
     in all at most: the ids an earlier version added that a later one removed are no longer in the dataset."""
     found = {}
     for k in range(2, parent + 1):
-        data = local_reader(str(d))(removed_ids_name(k), most * ID_BYTES)
-        if data is not None:
-            found[k] = np.frombuffer(data, dtype=f"S{ID_BYTES}")
-            most -= len(found[k])
+        try:
+            found[k] = _load_digests(d, removed_ids_name(k), most, "restore it from a copy of the dataset")
+        except FileNotFoundError:
+            continue
+        most -= len(found[k])
     return found
 
 
@@ -335,19 +336,22 @@ def load_ids(d: Path, n: int, most: int) -> np.ndarray:
     """Version `n`'s id file as a sorted array of 16-byte strings, at most `most` ids read (twice its dataset's
     sample count: a split record adds its own id): one that is longer, not whole digests or not sorted is refused,
     naming it. FileNotFoundError where absent."""
-    path = Path(d) / ids_name(n)
+    return _load_digests(d, ids_name(n), most, "remove it and the append derives it again from the shards")
+
+
+def _load_digests(d: Path, name: str, most: int, fix: str) -> np.ndarray:
+    """An id file of DIR (a version's, or its removed ids) as a sorted array of 16-byte strings, read bounded to
+    `most` ids; one that is longer, not whole digests or not sorted is one ShardFormatError naming it and `fix`."""
+    path = Path(d) / name
     try:
-        data = local_reader(str(d))(ids_name(n), most * ID_BYTES)
+        data = local_reader(str(d))(name, most * ID_BYTES)
     except ValueError as e:
-        raise ShardFormatError(f"{e}; remove it and the append derives it again from the shards") from None
+        raise ShardFormatError(f"{e}; {fix}") from None
     if data is None:
         raise FileNotFoundError(path)
     ids = np.frombuffer(data, dtype=f"S{ID_BYTES}") if len(data) % ID_BYTES == 0 else None
     if ids is None or (len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1]))):
-        raise ShardFormatError(
-            f"{path}: not sorted whole {ID_BYTES}-byte digests; remove it and the append derives it again from the "
-            "shards"
-        )
+        raise ShardFormatError(f"{path}: not sorted whole {ID_BYTES}-byte digests; {fix}")
     return ids
 
 

@@ -180,3 +180,24 @@ def test_a_hostile_rejects_line_of_a_changed_object_is_one_line_and_nothing_comm
     assert res.exit_code == 1 and "Traceback" not in res.output, res.output
     assert "rejects.jsonl line 1" in res.output.strip().splitlines()[-1], res.output
     assert not (out / version_name(2)).exists()
+
+
+@pytest.mark.parametrize("harm", ["cut", "unsorted"])
+def test_a_damaged_removed_ids_file_is_one_line_naming_it(tmp_path, harm):
+    """A version's removed ids are read as its ids are (whole sorted digests, bounded): one cut short or out of order
+    stops the next cycle in one line naming it, never a numpy error, and nothing is committed."""
+    inbox, out = tmp_path / "inbox", tmp_path / "ds"
+    land(inbox, 0)
+    land(inbox, 1)
+    assert once(inbox, out).exit_code == 0
+    land(inbox, 0, n=4, seed=9)
+    assert once(inbox, out, "--on-change", "rebuild").exit_code == 0
+    removed = out / "versions" / "v000002.removed.ids"
+    data = removed.read_bytes()
+    assert len(data) >= 32
+    removed.write_bytes(data[:-1] if harm == "cut" else data[16:32] + data[:16] + data[32:])
+    land(inbox, 2)
+    res = once(inbox, out)
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert f"{removed}: not sorted whole 16-byte digests" in res.output.strip().splitlines()[-1], res.output
+    assert not (out / version_name(3)).exists()
