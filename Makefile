@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(VENV)/bin/vlmprep stats demo/shards
 	$(VENV)/bin/vlmprep inspect demo/shards --limit 1
 	$(VENV)/bin/vlmprep verify demo/shards
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m trainer --data demo/shards --out demo/run --tiny-random qwen2-vl --max-steps 4 --num-workers 1 --no-progress
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m trainer --data demo/shards --out demo/run --tiny-random qwen2-vl --max-steps 4 --num-workers 1 --no-progress --no-resume
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
