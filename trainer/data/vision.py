@@ -1,7 +1,7 @@
-"""Pixels: the stored uint8 H x W x 3 images (and video frames) -> the model's pixel inputs. Qwen's families on the
-training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch layout of the
-saved image and video processors); every other family on the host (HostPixels: the dataset's own saved image
-processor on the stored pixels, in the DataLoader workers).
+"""Pixels: the stored uint8 H x W x 3 images (and video frames) -> the model's pixel inputs. Qwen's families and
+GLM-4.1V on the training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch
+layout of the saved image and video processors, which GLM-4.1V's image processor repeats); every other family on the
+host (HostPixels: the dataset's own saved image processor on the stored pixels, in the DataLoader workers).
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import torch
 
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 
-SUPPORTED = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
-# Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens); the other
-# families' grid rows are the stored size (1, h, w), as vlmprep writes them.
-GRID = SUPPORTED + ("Glm4vImageProcessor", "Glm4vImageProcessorFast", "Glm4vImageProcessorPil")
+# Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens), whose
+# pixel_values Patchifier makes: Qwen2-VL's image processor (Qwen2.5-VL, 3-VL and 3.5 save it too) and GLM-4.1V's, the
+# same rescale_and_normalize and patchify. The other families' grid rows are the stored size (1, h, w), as vlmprep
+# writes them.
+GRID = tuple(
+    f"{kind}{backend}" for kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor") for backend in ("", "Fast", "Pil")
+)
 
 
 @dataclass(frozen=True)
