@@ -130,3 +130,21 @@ def test_glm_pixel_values_made_on_the_device_equal_its_image_processors_on_the_r
     assert torch.equal(ours, ref["pixel_values"]), float((ours - ref["pixel_values"]).abs().max())
     grids = np.concatenate([s.image_grid_thw for s in samples if len(s.image_grid_thw)])
     assert grids.tolist() == ref["image_grid_thw"].tolist() == [list(spec.grid(*images[u].shape[:2])) for u in index]
+
+
+@pytest.mark.parametrize("kind", ["Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"])
+def test_pixel_values_equal_the_pil_backends_own_arithmetic(kind):
+    """A saved processor of the PIL backend (`*Pil`: numpy's rescale in float64 then its normalize in float32, not
+    torchvision's fused mean/std, 1 ulp apart on some pixels) gets its own arithmetic on the device: pixel_values
+    equal that processor's bit for bit, with rescale and normalize, and with each alone."""
+    import transformers
+
+    ip = getattr(transformers, kind)()
+    rng = np.random.default_rng(2)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(56, 56), (84, 140), (140, 84)]]
+    for flags in ({}, dict(do_rescale=False, do_normalize=True), dict(do_rescale=True, do_normalize=False)):
+        spec = ImageSpec.from_config({**ip.to_dict(), "image_processor_type": kind, **flags})
+        ref = ip(images=[Image.fromarray(im) for im in images], do_resize=False, return_tensors="pt", **flags)
+        ours = Patchifier(spec, "cpu")([torch.from_numpy(im) for im in images], [0, 1, 2])
+        assert ours.dtype == ref["pixel_values"].dtype == torch.float32
+        assert torch.equal(ours, ref["pixel_values"]), (flags, float((ours - ref["pixel_values"]).abs().max()))
