@@ -207,7 +207,7 @@ def loader_rows(quick: bool) -> list[dict]:
         (root / f"{shape}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         for family in FAMILIES[:2] if quick else FAMILIES:
             ds = root / f"{shape}-{family.name}"
-            grid = family.pixels == "patchify" or family.name == "glm-4.1v"
+            grid = family.pixels == "patchify"
             build(
                 BuildConfig(
                     inputs=(str(root / f"{shape}.jsonl"),),
@@ -237,7 +237,7 @@ def loader_rows(quick: bool) -> list[dict]:
                 pdelta = loader_pass(
                     Path(str(ds) + "-pdelta"), family.name, family.pixels != "patchify", time.process_time
                 )[0]
-            # Qwen's pixel math runs on the training device: its worker path is the decode alone.
+            # Qwen's and GLM's pixel math runs on the training device: their worker path is the decode alone.
             worker = passes[False] if family.pixels == "patchify" else passes[True]
             floor = decode_floor_seconds(sorted(ds.glob("shard-*.tar")), time.process_time)
             online, path = _online(recs, ds / "processor")

@@ -20,8 +20,9 @@ class Family:
     name: str  # --tiny-random NAME, as the builtin and tiny processors name it
     model_types: tuple[str, ...]  # checkpoints' config.json model_type
     processor_classes: tuple[str, ...]  # the datasets' processor class (manifest processor.class)
-    # "patchify": on the device, Qwen2-VL's patch layout (trainer/data/vision.py Patchifier); "processor": the dataset's
-    # own image processor on the host (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
+    # "patchify": on the device, Qwen2-VL's pixel math and patch layout (trainer/data/vision.py Patchifier; GLM-4.1V's
+    # image processor repeats them); "processor": the dataset's own image processor on the host
+    # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
     resized: bool = False  # the stored pixels are the processor's resize: it runs with do_resize=False
@@ -90,15 +91,9 @@ FAMILIES: tuple[Family, ...] = (
         mm_token_type_ids=True,
         vision=("vision_tower", "embed_vision"),
     ),
-    Family(
-        name="glm-4.1v",
-        model_types=("glm4v",),
-        processor_classes=("Glm4vProcessor",),
-        mrope=True,
-        resized=True,
-        mm_token_type_ids=True,
-        vision=("visual",),
-    ),
+    # GLM-4.1V's image processor makes pixel_values with Qwen2-VL's math and patch layout, its forward takes Qwen's
+    # inputs (pixel_values, image_grid_thw, mm_token_type_ids, MRoPE positions): it patchifies on the device too.
+    Family(name="glm-4.1v", model_types=("glm4v",), processor_classes=("Glm4vProcessor",), **_QWEN),
     Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",)),
     Family(name="llava-onevision", model_types=("llava_onevision",), processor_classes=("LlavaOnevisionProcessor",)),
     Family(

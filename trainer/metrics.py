@@ -229,7 +229,8 @@ class FlopCounter:
                 continue
             lens = [len(p) for p in _segments(b)]
             flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
-            # Qwen's grids count patches; the host families' pixel_values hold them (tiles, crops: an estimate)
+            # The patchify families' grids count patches; the host families' pixel_values hold them (tiles, crops: an
+            # estimate)
             pixels = b.vision.get("pixel_values")
             patches = (
                 float(b.image_grid_thw.prod(-1).sum())

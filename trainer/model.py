@@ -212,8 +212,8 @@ def model_inputs(
     pixel_values_videos: torch.Tensor | None = None,
 ) -> dict:
     """The forward's keyword arguments for `batch` as its family takes them: positions (the stored 3-D MRoPE rows, or
-    the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's patchified on the
-    device, `pixel_values`; every other family's made on the host, `batch.vision`) and the family's extras."""
+    the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's and GLM's patchified
+    on the device, `pixel_values`; every other family's made on the host, `batch.vision`) and the family's extras."""
     family = model_family(net)
     kw = dict(
         input_ids=batch.input_ids,

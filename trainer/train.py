@@ -70,7 +70,7 @@ def train_step(
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = mb.to(device)
-        # Qwen's families: pixels patchified here, on the device; the others' came made by the host (mb.vision).
+        # Qwen's families and GLM: pixels patchified here, on the device; the others' came made by the host (mb.vision).
         pixels, videos = (
             (None, None) if mb.vision else (patchifier(mb.images, mb.image_index), patchifier.videos(mb.videos))
         )

@@ -586,16 +586,16 @@ def test_lora_adapts_the_language_model_only_and_freezes_the_vision_tower(name):
     assert vision and not any(p.requires_grad for n, p in net.named_parameters() if n in vision)
 
 
-HOSTS = [
-    pytest.param(f.name, marks=() if f.name in FAST else pytest.mark.slow) for f in FAMILIES if f.pixels == "processor"
-]
+# GLM-4.1V too in make test: the one family that patchifies on the device with a vision tower other than Qwen's.
+PLACEHOLDERS = [pytest.param(f.name, marks=() if f.name in (*FAST, "glm-4.1v") else pytest.mark.slow) for f in FAMILIES]
 
 
-@pytest.mark.parametrize("name", HOSTS)
-def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_same_loss(name, tmp_path):
+@pytest.mark.parametrize("name", PLACEHOLDERS)
+def test_a_micro_batch_without_images_gets_a_placeholder_image_and_the_same_loss(name, tmp_path):
     """Every rank runs the vision tower in every forward (FSDP's all-gathers pair up across ranks): a text-only
-    micro-batch of a family whose host makes the pixels gets a black image the processor expands, after row 0's last
-    token, untrained; the loss equals the model's on the text alone, without any image."""
+    micro-batch gets a black image after row 0's last token, untrained (a family whose host makes the pixels: one its
+    processor expands; a family that patchifies on the device: one image token of a 1 x merge x merge grid); the loss
+    equals the model's on the text alone, without any image."""
     from trainer.data.collate import collate
     from trainer.data.datasets import RunData
     from trainer.model import build_model, collate_spec_of, forward_loss, tiny_vocab
@@ -614,12 +614,15 @@ def test_a_micro_batch_without_images_gets_the_processors_placeholder_and_the_sa
     net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, processor)).eval()
     cspec = collate_spec_of(net, RunData((), [], [], spec, "", processor), processor)
     batch = collate(text, cspec)
-    assert batch.filler == len(cspec.placeholder) > 0 and batch.vision
+    if BY_NAME[name].pixels == "patchify":
+        assert batch.filler == 1 and not batch.vision and batch.image_grid_thw.tolist() == [[1, 2, 2]]
+    else:
+        assert batch.filler == len(cspec.placeholder) > 0 and batch.vision
     assert (
         int(batch.lengths[0]) == text[0].num_tokens + batch.filler and batch.num_trained == text[0].loss_mask[1:].sum()
     )
     with torch.no_grad():
-        ours = float(forward_loss(net, batch, None))
+        ours = float(forward_loss(net, batch, None if batch.vision else _patchify(spec, batch)))
         ids = torch.as_tensor(text[0].input_ids).long()[None]
         labels = torch.where(torch.as_tensor(text[0].loss_mask).bool()[None], ids, -100)
         alone = float(net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss)

@@ -56,3 +56,95 @@ def test_normalize_only_and_rescale_only_follow_transformers(image_spec, saved_i
         spec = ImageSpec.from_config({**image_spec.config, **flags})
         ref = saved_image_processor(images=[Image.fromarray(im)], do_resize=False, return_tensors="pt", **flags)
         assert torch.equal(Patchifier(spec, "cpu")([torch.from_numpy(im)], [0]), ref["pixel_values"]), flags
+
+
+def _photo_records(path) -> list:
+    """Three records of JPEG photos (one of two, of different sizes; one below GLM's minimum, which its processor
+    scales up) -> the raw images in token order, as the processor decodes them."""
+    import base64
+    import io
+    import json
+
+    from tests.vlmprep.test_images import photo, save
+
+    raw, records = [], []
+    for k, sizes in enumerate([[(333, 210), (80, 60)], [(700, 455)], [(210, 500)]]):
+        content = []
+        for j, (w, h) in enumerate(sizes):
+            data = save(photo(w, h, seed=10 * k + j), "JPEG", quality=90)
+            raw.append(Image.open(io.BytesIO(data)))
+            uri = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+            content.append({"type": "image_url", "image_url": {"url": uri}})
+        content.append({"type": "text", "text": "What is in the photo?"})
+        records.append({"id": f"r{k}", "messages": [{"role": "user", "content": content}]})
+        records[-1]["messages"].append({"role": "assistant", "content": "A gradient."})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return raw
+
+
+@pytest.mark.parametrize("image_format", ["auto", "zstd-pdelta"])
+def test_glm_pixel_values_made_on_the_device_equal_its_image_processors_on_the_raw_photos(image_format, tmp_path):
+    """GLM-4.1V trains with Qwen's device Patchifier: for a dataset built with tiny:glm-4.1v (photos stored as their
+    JPEG bytes by the default, resized at load time; or as zstd-pdelta pixels resized at build time), the decoded
+    samples patchified on the device give bit for bit the pixel_values and grids that Glm4vImageProcessor itself
+    makes from the raw photos (its own resize, rescale, normalize and patch layout)."""
+    from transformers import AutoImageProcessor
+
+    from trainer.data.processors import (
+        load_image_processor_config,
+        load_processor_settings,
+        load_video_processor_config,
+    )
+    from trainer.families import BY_NAME
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+    from vlmprep.shards.reader import iter_dataset
+
+    assert BY_NAME["glm-4.1v"].pixels == "patchify"
+    raw = _photo_records(tmp_path / "photos.jsonl")
+    ds = tmp_path / "ds"
+    cfg = BuildConfig(
+        inputs=(str(tmp_path / "photos.jsonl"),),
+        out=str(ds),
+        processor="tiny:glm-4.1v",
+        image_format=image_format,
+        progress=False,
+    )
+    build(cfg)
+    stored = {m["member"].split(".", 1)[1] for s in iter_dataset(ds) for m in s.meta()["images"]}
+    assert stored == ({"orig.jpg"} if image_format == "auto" else {"pdelta.zst"})
+    where = str(ds / "processor")
+    spec = ImageSpec.from_config(
+        load_image_processor_config(where), load_video_processor_config(where), load_processor_settings(where)
+    )
+    processor = AutoImageProcessor.from_pretrained(where, local_files_only=True)
+    assert type(processor).__name__ == spec.kind == "Glm4vImageProcessor"
+    samples = read_all_samples(ds, spec)
+    images, index = [], []
+    for s in samples:
+        index += [len(images) + u for u in s.image_index]
+        images += [torch.as_tensor(im) for im in s.images]
+    ref = processor(images=raw, return_tensors="pt")
+    ours = Patchifier(spec, "cpu")(images, index)
+    assert ours.dtype == ref["pixel_values"].dtype == torch.float32 and ours.shape == ref["pixel_values"].shape
+    assert torch.equal(ours, ref["pixel_values"]), float((ours - ref["pixel_values"]).abs().max())
+    grids = np.concatenate([s.image_grid_thw for s in samples if len(s.image_grid_thw)])
+    assert grids.tolist() == ref["image_grid_thw"].tolist() == [list(spec.grid(*images[u].shape[:2])) for u in index]
+
+
+@pytest.mark.parametrize("kind", ["Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"])
+def test_pixel_values_equal_the_pil_backends_own_arithmetic(kind):
+    """A saved processor of the PIL backend (`*Pil`: numpy's rescale in float64 then its normalize in float32, not
+    torchvision's fused mean/std, 1 ulp apart on some pixels) gets its own arithmetic on the device: pixel_values
+    equal that processor's bit for bit, with rescale and normalize, and with each alone."""
+    import transformers
+
+    ip = getattr(transformers, kind)()
+    rng = np.random.default_rng(2)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(56, 56), (84, 140), (140, 84)]]
+    for flags in ({}, dict(do_rescale=False, do_normalize=True), dict(do_rescale=True, do_normalize=False)):
+        spec = ImageSpec.from_config({**ip.to_dict(), "image_processor_type": kind, **flags})
+        ref = ip(images=[Image.fromarray(im) for im in images], do_resize=False, return_tensors="pt", **flags)
+        ours = Patchifier(spec, "cpu")([torch.from_numpy(im) for im in images], [0, 1, 2])
+        assert ours.dtype == ref["pixel_values"].dtype == torch.float32
+        assert torch.equal(ours, ref["pixel_values"]), (flags, float((ours - ref["pixel_values"]).abs().max()))

@@ -118,15 +118,15 @@ class CollateSpec:
     merge size; `videos` when the run trains video, so every micro-batch runs the same vision passes on every rank."""
 
     pad_id: int
-    image_token_id: int  # the model's image token (Qwen's families: the one mm_token_type_ids marks as image)
+    image_token_id: int  # the model's image token (patchify families: the one mm_token_type_ids marks as image)
     patch_size: int
     merge_size: int
     video_token_id: int = -1
     videos: bool = False  # the run's data holds videos: every micro-batch runs the video pass (see collate)
     host: HostPixels | None = None  # families whose pixel inputs the host makes (trainer/data/vision.py)
     # The tokens a placeholder image adds (host families: the model's image token, as many as the processor expands
-    # a small black image to; see vision.host_pixels) and the size it is stored at. Empty: one image_token_id (Qwen's
-    # 1 x 2 x 2 grid).
+    # a small black image to; see vision.host_pixels) and the size it is stored at. Empty: one image_token_id (the
+    # patchify families' 1 x 2 x 2 grid).
     placeholder: tuple[int, ...] = ()
     placeholder_size: tuple[int, int] = (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE)
     vocab_size: int = 0  # the model's input embedding rows: every token id is below it (0: not checked)
@@ -270,7 +270,7 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
 
 def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray) -> dict:
     """A host family's pixel inputs for the micro-batch: each sample's images in token order through the dataset's
-    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for Qwen's families)."""
+    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for the patchify families)."""
     if spec.host is None:
         return {}
     per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]

@@ -1,7 +1,7 @@
-"""Pixels: the stored uint8 H x W x 3 images (and video frames) -> the model's pixel inputs. Qwen's families on the
-training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch layout of the
-saved image and video processors); every other family on the host (HostPixels: the dataset's own saved image
-processor on the stored pixels, in the DataLoader workers).
+"""Pixels: the stored uint8 H x W x 3 images (and video frames) -> the model's pixel inputs. Qwen's families and
+GLM-4.1V on the training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch
+layout of the saved image and video processors, which GLM-4.1V's image processor repeats); every other family on the
+host (HostPixels: the dataset's own saved image processor on the stored pixels, in the DataLoader workers).
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import torch
 
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 
-SUPPORTED = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
-# Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens); the other
-# families' grid rows are the stored size (1, h, w), as vlmprep writes them.
-GRID = SUPPORTED + ("Glm4vImageProcessor", "Glm4vImageProcessorFast", "Glm4vImageProcessorPil")
+# Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens), whose
+# pixel_values Patchifier makes: Qwen2-VL's image processor (Qwen2.5-VL, 3-VL and 3.5 save it too) and GLM-4.1V's, the
+# same rescale_and_normalize and patchify. The other families' grid rows are the stored size (1, h, w), as vlmprep
+# writes them.
+GRID = tuple(
+    f"{kind}{backend}" for kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor") for backend in ("", "Fast", "Pil")
+)
 
 
 @dataclass(frozen=True)
@@ -97,23 +100,31 @@ class ImageSpec:
 
 class Patchifier:
     """Same ops, same order, same dtypes as transformers' rescale_and_normalize + patchify, so pixel_values
-    match the processor's bit for bit on the same device; elementwise ops commute with the reshapes."""
+    match the processor's bit for bit on the same device; elementwise ops commute with the reshapes. A saved `*Pil`
+    processor (the PIL backend) gets that backend's own order: numpy's rescale, then its normalize."""
 
     def __init__(self, spec: ImageSpec, device: torch.device | str):
         self.spec = spec
         self.device = torch.device(device)
         self._video = Patchifier(spec.video, device) if spec.video else None
-        if spec.do_rescale and spec.do_normalize:  # transformers fuses the two into one mean/std
+        # The PIL backend rescales in float64 (to float32) and normalizes after, unfused: 1 ulp off the fused way.
+        self.pil = spec.kind.endswith("Pil")
+        if spec.do_rescale and spec.do_normalize and not self.pil:  # torchvision's: one fused mean/std
             self.mean = torch.tensor(spec.image_mean, device=self.device) * (1.0 / spec.rescale_factor)
             self.std = torch.tensor(spec.image_std, device=self.device) * (1.0 / spec.rescale_factor)
         else:
             self.mean = torch.as_tensor(spec.image_mean, dtype=torch.float32, device=self.device)
             self.std = torch.as_tensor(spec.image_std, dtype=torch.float32, device=self.device)
 
-    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+    def _scale(self, x: torch.Tensor, channels: tuple[int, ...] = (-1, 1, 1)) -> torch.Tensor:
+        """uint8 C x H x W (`channels`: the view mean and std broadcast as, (1, -1, 1, 1) for T x C x H x W frames) ->
+        scaled float32, as the processor's backend computes it."""
         s = self.spec
+        if self.pil:
+            x = x.to(torch.float64).mul_(s.rescale_factor).to(torch.float32) if s.do_rescale else x.to(torch.float32)
+            return x.sub_(self.mean.view(channels)).div_(self.std.view(channels)) if s.do_normalize else x
         if s.do_normalize:
-            return x.to(torch.float32).sub(self.mean.view(-1, 1, 1)).div_(self.std.view(-1, 1, 1))
+            return x.to(torch.float32).sub(self.mean.view(channels)).div_(self.std.view(channels))
         if s.do_rescale:
             return x * s.rescale_factor
         return x.to(torch.float32)
@@ -172,7 +183,7 @@ class Patchifier:
         out = []
         for frames in videos:
             x = torch.stack([f.to(self.device, non_blocking=True) for f in frames]).permute(0, 3, 1, 2)
-            x = v._scale_frames(x.contiguous())
+            x = v._scale(x.contiguous(), (1, -1, 1, 1))
             if pad := -len(frames) % tp:
                 x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
             t, c, h, w = x.shape
@@ -183,15 +194,6 @@ class Patchifier:
             x = x.reshape(t // tp, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
             out.append(x.reshape(-1, c * tp * p * p))
         return torch.cat(out)
-
-    def _scale_frames(self, x: torch.Tensor) -> torch.Tensor:
-        """T x C x H x W uint8 -> scaled float32, elementwise exactly as _scale."""
-        s = self.spec
-        if s.do_normalize:
-            return x.to(torch.float32).sub(self.mean.view(1, -1, 1, 1)).div_(self.std.view(1, -1, 1, 1))
-        if s.do_rescale:
-            return x * s.rescale_factor
-        return x.to(torch.float32)
 
 
 PLACEHOLDER_SIDE = 64  # the black image a host family's micro-batch without images gets (its processor resizes it)
