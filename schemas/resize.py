@@ -28,22 +28,25 @@ def resize_mode(image_processor_type: str) -> str:
     return MODES.get(image_processor_type.removesuffix("Fast").removesuffix("Pil"), "source")
 
 
-def processed(ip, pil, rgb=None):
-    """The image processor's process_image of a PIL image (uint8 C x H x W), as a channels-last view: process_image's
-    own last step, .contiguous(), transposes every pixel, and the resize after it then runs several times slower than
-    on the view, for the same values (tests/vlmprep/test_images.py checks both ways agree). `rgb() -> H x W x 3 uint8
-    tensor or None`: the pixels PIL would decode `pil` to, from a faster decoder, asked only where they are read as
-    they are (an RGB image without transparency); None: PIL decodes them."""
-    import torch
+def rgb_as_is(ip) -> bool:
+    """Whether processed() takes an RGB image without transparency as its pixels are (the torchvision backend,
+    converting to RGB): then any exact decode of those pixels may stand in for PIL's (the trainer's JPEG path)."""
     from transformers.image_processing_backends import TorchvisionBackend
-    from transformers.image_transforms import convert_to_rgb
 
     convert = getattr(ip, "do_convert_rgb", None) is not False
-    if not convert or type(ip).process_image is not TorchvisionBackend.process_image:
-        return ip.process_image(pil, do_convert_rgb=convert)
+    return convert and type(ip).process_image is TorchvisionBackend.process_image
+
+
+def processed(ip, pil):
+    """The image processor's process_image of a PIL image (uint8 C x H x W), as a channels-last view: process_image's
+    own last step, .contiguous(), transposes every pixel, and the resize after it then runs several times slower than
+    on the view, for the same values (tests/vlmprep/test_images.py checks both ways agree)."""
+    import torch
+    from transformers.image_transforms import convert_to_rgb
+
+    if not rgb_as_is(ip):
+        return ip.process_image(pil, do_convert_rgb=getattr(ip, "do_convert_rgb", None) is not False)
     if pil.mode == "RGB" and pil.info.get("transparency") is None:
-        if rgb is not None and (pixels := rgb()) is not None:
-            return pixels.permute(2, 0, 1)
         with warnings.catch_warnings():  # read-only: the resize only reads it
             warnings.simplefilter("ignore")
             return torch.from_numpy(np.asarray(pil)).permute(2, 0, 1)  # what convert_to_rgb gives, less two copies
@@ -75,12 +78,18 @@ def resize(mode: str, ip, t, patch: int = 0):
     return t
 
 
-def stored_pixels(ip, mode: str, pil, patch: int = 0, rgb=None) -> np.ndarray:
-    """A PIL image (upright, 8-bit) -> the uint8 H x W x 3 pixels vlmprep stores for it: processed (with `rgb`, its
-    faster decode), then resized (resize's `mode` and `patch`)."""
+def stored_pixels(ip, mode: str, pil, patch: int = 0) -> np.ndarray:
+    """A decoded PIL image (upright, 8-bit) -> the uint8 H x W x 3 pixels vlmprep stores for it: processed, then
+    resized (resize's `mode` and `patch`)."""
+    return resized_pixels(ip, mode, processed(ip, pil), patch)
+
+
+def resized_pixels(ip, mode: str, t, patch: int = 0) -> np.ndarray:
+    """processed()'s uint8 C x H x W -> the uint8 H x W x 3 pixels vlmprep stores: resized (resize's `mode` and
+    `patch`)."""
     import torch
 
     with torch.no_grad():
-        t = resize(mode, ip, processed(ip, pil, rgb), patch)
+        t = resize(mode, ip, t, patch)
     assert t.dtype == torch.uint8, "processor resize must keep uint8 so stored pixels are exact"
     return np.ascontiguousarray(t.permute(1, 2, 0).numpy())  # a view where the resize kept HWC

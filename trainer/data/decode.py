@@ -11,7 +11,6 @@ import io
 import json
 import re
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import zstandard
 from PIL import Image
 
 from trainer.data.errors import DataError
+from trainer.data.jpeg import JpegHeader, jpeg_header, jpeg_rgb
 from trainer.data.vision import ImageSpec
 from vlmprep_schemas import load
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
@@ -32,7 +32,7 @@ from vlmprep_schemas.limits import (
     npy_header,
     schema_problem,
 )
-from vlmprep_schemas.resize import resize_mode, stored_pixels
+from vlmprep_schemas.resize import resize_mode, resized_pixels, rgb_as_is, stored_pixels
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -168,43 +168,27 @@ class OriginalResizer:
         self.mode = resize_mode(spec.kind)
         self._ip = None
 
-    def __call__(self, data: bytes, opened: Image.Image | None = None) -> np.ndarray:
-        """One stored source image (encoded bytes; `opened`: those bytes as Image.open gave them, header read) ->
-        uint8 H x W x 3, resized as the saved processor resizes it."""
+    def __call__(self, data: bytes, opened: Image.Image | JpegHeader | None = None) -> np.ndarray:
+        """One stored source image (encoded bytes; `opened`: its header as _decoded_size read it, a PIL image or a
+        JpegHeader) -> uint8 H x W x 3, resized as the saved processor resizes it."""
         if self._ip is None:
             from transformers import AutoImageProcessor
 
             with tempfile.TemporaryDirectory() as tmp:
                 Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.spec.config))
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+        patch = self.spec.resize_patch
+        if isinstance(opened, JpegHeader):  # PIL would open it as RGB: libjpeg-turbo's exact pixels, no PIL
+            rgb = jpeg_rgb(data, opened.width, opened.height) if rgb_as_is(self._ip) else None
+            if rgb is not None:
+                return resized_pixels(self._ip, self.mode, rgb.permute(2, 0, 1), patch)
+            opened = None
         with opened or Image.open(io.BytesIO(data)) as pil:
-            return stored_pixels(self._ip, self.mode, pil, self.spec.resize_patch, lambda: jpeg_rgb(data, pil))
-
-
-def jpeg_rgb(data: bytes, pil: Image.Image):
-    """A 3-channel JPEG's pixels (H x W x 3 uint8 tensor) by torchvision's libjpeg-turbo decode, the values PIL's
-    decode gives (the same library and settings: tests/trainer/test_jpeg.py compares them over sampling factors,
-    progressive scans, odd sizes and corrupt data) in ~60% of its CPU and without PIL's copy out of its own buffer
-    (a demo photo: 0.23 against 0.41 ms). None where PIL decodes it: any other image, or bytes torchvision refuses
-    (truncated: PIL's decode then raises its own error, as it did)."""
-    if pil.format != "JPEG" or pil.mode != "RGB":
-        return None
-    import torch
-    from torchvision.io import ImageReadMode, decode_jpeg  # imported with the image processor already
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 points to TorchCodec; pinned here
-        try:
-            t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError:
-            return None
-    if tuple(t.shape) != (3, pil.height, pil.width):
-        return None
-    return t.permute(1, 2, 0).contiguous()  # channels last, as PIL holds it: the resize runs fastest on that
+            return stored_pixels(self._ip, self.mode, pil, patch)
 
 
 def decode_image(
-    name: str, data: bytes, resize_original: OriginalResizer, opened: Image.Image | None = None
+    name: str, data: bytes, resize_original: OriginalResizer, opened: Image.Image | JpegHeader | None = None
 ) -> np.ndarray:
     """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst`, `.delta.zst` and `.pdelta.zst` members go
     through _read_npy_zst_into). opened: `data` as Image.open gave it (_decoded_size read its header)."""
@@ -275,18 +259,20 @@ def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[l
     return out
 
 
-def _decoded_size(name: str, data: bytes, h: int, w: int, opened: dict[str, Image.Image] | None = None) -> int:
+def _decoded_size(
+    name: str, data: bytes, h: int, w: int, opened: dict[str, Image.Image | JpegHeader] | None = None
+) -> int:
     """Bytes an image member decodes to: a zstd frame's declared size (npy header + pixels), else the pixels; its
     declared size (frame content size, image header) checked against the meta's h x w before anything is decoded
-    (an `orig.*` source, resized at load time, against the image limit). An image's header read is kept in `opened`
-    for its decode (a JPEG's header parse is a tenth of its decode at the demo's 300x170)."""
+    (an `orig.*` source, resized at load time, against the image limit). Its header read is kept in `opened`."""
     if not name.endswith(ZSTD_IMAGE):
-        im = Image.open(io.BytesIO(data))  # the header only
-        width, height = im.size
-        if opened is None:
-            im.close()
-        else:
+        head = jpeg_header(data) if ".orig." in name else None  # a kept photo: its frame header, without PIL
+        im = head or Image.open(io.BytesIO(data))  # the header only
+        width, height = (head.width, head.height) if head else im.size
+        if opened is not None:
             opened[name] = im
+        elif not head:
+            im.close()
         if ".orig." in name and width * height * 4 > MAX_IMAGE_BYTES:
             raise ValueError(f"{name} declares {width}x{height}, more pixels than a reader decodes")
         if ".orig." not in name and (height, width) != (h, w):
@@ -334,7 +320,7 @@ def decode_image_into(
     resize_original: OriginalResizer,
     prefix: bytes | None = None,
     keep: dict[str, bytes] | None = None,
-    opened: Image.Image | None = None,
+    opened: Image.Image | JpegHeader | None = None,
 ) -> np.ndarray:
     """Decode one stored image into `buf` (sized by _decoded_size); returns the uint8 H x W x 3 view. prefix: a
     `.pdelta.zst` member's dictionary; keep: where its payload goes when a later member names it as prefix; opened:
@@ -370,7 +356,7 @@ def decode_sample(
         video_layout = _video_layout(meta, members, len(grids)) if version >= 3 else []
         frames = [f for v in video_layout for f in v]
         _validate(arrays, layout, index, video_layout, spec)
-        opened: dict[str, Image.Image] = {}
+        opened: dict[str, Image.Image | JpegHeader] = {}
         sizes = [_decoded_size(m, members[m], h, w, opened) for m, h, w in layout + frames]
         if sum(sizes) > LIMITS.sample_bytes:
             raise ValueError(
