@@ -6,6 +6,7 @@ pixels, the ones the tokens were counted for.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -26,6 +27,21 @@ def resize_mode(image_processor_type: str) -> str:
     """The resize of an image processor class (its name, as a saved config's image_processor_type): a MODES value,
     or "source" (no resize: the RGB source is stored)."""
     return MODES.get(image_processor_type.removesuffix("Fast").removesuffix("Pil"), "source")
+
+
+@contextlib.contextmanager
+def strict_load():
+    """PIL's LOAD_TRUNCATED_IMAGES is process-wide and other libraries turn it on (llama_models.llama4.preprocess
+    does, on import): within this, a cut-off image stays an error whatever was imported before (the build's decode,
+    the trainer's)."""
+    from PIL import ImageFile
+
+    was = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = was
 
 
 def rgb_as_is(ip) -> bool:

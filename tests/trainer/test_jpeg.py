@@ -168,3 +168,17 @@ def test_a_kept_jpeg_declaring_too_many_pixels_is_refused_before_any_decode():
     data = _jpeg(_photo())
     assert decode._decoded_size("img000.orig.jpg", data, 196, 308, opened) == 196 * 308 * 3
     assert opened == {"img000.orig.jpg": JpegHeader(300, 199)}
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_a_cut_off_image_is_an_error_whatever_set_pils_process_wide_flag(image_spec, monkeypatch, fmt):
+    """llama_models' llama4 module turns PIL's LOAD_TRUNCATED_IMAGES on at import: the loader's decode still refuses a
+    cut-off member (a stored PNG, a kept JPEG that torchvision refuses and PIL then decodes) instead of filling it."""
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    buf = io.BytesIO()
+    _photo().save(buf, format=fmt)
+    cut = buf.getvalue()[: len(buf.getvalue()) * 2 // 3]
+    name = "img000.png" if fmt == "PNG" else "img000.orig.jpg"
+    with pytest.raises(OSError, match="truncated"):
+        decode.decode_image(name, cut, decode.OriginalResizer(image_spec))
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # left as it was found

@@ -32,7 +32,7 @@ from vlmprep_schemas.limits import (
     npy_header,
     schema_problem,
 )
-from vlmprep_schemas.resize import resize_mode, resized_pixels, rgb_as_is, stored_pixels
+from vlmprep_schemas.resize import resize_mode, resized_pixels, rgb_as_is, stored_pixels, strict_load
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -190,13 +190,13 @@ class OriginalResizer:
 def decode_image(
     name: str, data: bytes, resize_original: OriginalResizer, opened: Image.Image | JpegHeader | None = None
 ) -> np.ndarray:
-    """A PNG / WebP / `orig.*` member -> uint8 H x W x 3 (`.npy.zst`, `.delta.zst` and `.pdelta.zst` members go
-    through _read_npy_zst_into). opened: `data` as Image.open gave it (_decoded_size read its header)."""
-    if ".orig." in name:
-        arr = resize_original(data, opened)
-    else:
-        with opened or Image.open(io.BytesIO(data)) as im:
-            arr = np.array(im.convert("RGB"))
+    """A PNG / WebP / `orig.*` member (not a zstd one) -> uint8 H x W x 3; opened: its header, _decoded_size's."""
+    with strict_load():  # a cut-off image is an error here, whatever set PIL's process-wide flag
+        if ".orig." not in name:
+            with opened or Image.open(io.BytesIO(data)) as im:
+                arr = np.array(im.convert("RGB"))
+        else:
+            arr = resize_original(data, opened)
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise ValueError(f"{name} decodes to {arr.dtype} {arr.shape}, expected uint8 H x W x 3")
     return arr

@@ -11,14 +11,14 @@ import warnings
 
 import numpy as np
 import zstandard
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlmprep.config import default
 from vlmprep.families import FamilySpec
 from vlmprep.types import ImageData, PreparedImage, RecordError
 from vlmprep_schemas.delta import compress_pdelta, filter_pixels
 from vlmprep_schemas.limits import npy_head
-from vlmprep_schemas.resize import processed, resize, resize_mode
+from vlmprep_schemas.resize import processed, resize, resize_mode, strict_load
 
 # Our own declared-size check replaces PIL's global bomb limit, so the limit is configurable per build.
 Image.MAX_IMAGE_PIXELS = None
@@ -33,18 +33,6 @@ _TRANSPOSING = (5, 6, 7, 8)  # orientations that swap width and height
 _HEADER_FORMATS = ("JPEG", "MPO", "PNG", "WEBP")  # PIL reads all their metadata on open (PNG: see upright_size)
 
 
-@contextlib.contextmanager
-def _strict_load():
-    """PIL's LOAD_TRUNCATED_IMAGES is process-wide and other libraries turn it on (llama_models.llama4.preprocess
-    does, on import): a cut-off file must stay corrupt_image here whatever was imported before."""
-    was = ImageFile.LOAD_TRUNCATED_IMAGES
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
-    try:
-        yield
-    finally:
-        ImageFile.LOAD_TRUNCATED_IMAGES = was
-
-
 def decode_image(
     img: ImageData, *, max_pixels: int, min_side: int = 1, opened: Image.Image | None = None
 ) -> Image.Image:
@@ -53,7 +41,7 @@ def decode_image(
     opened: `img` as _header opened it (checked, nothing decoded yet), so its header is not parsed twice."""
     with _image_faults(img):
         im = opened if opened is not None else _open_checked(img, max_pixels=max_pixels, min_side=min_side)
-        with _strict_load():
+        with strict_load():
             im.load()
         return _to_8bit(_upright(im))
 
@@ -236,7 +224,7 @@ def check_decode(img: ImageData, *, max_pixels: int, min_side: int = 1, opened: 
         im = opened if opened is not None else _open_checked(img, max_pixels=max_pixels, min_side=min_side)
         if im.format == "JPEG":
             im.draft(None, (1, 1))
-        with _strict_load():
+        with strict_load():
             im.load()
 
 
