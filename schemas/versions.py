@@ -24,6 +24,7 @@ _TAG = re.compile(f"^{TAG_PATTERN}$")
 _VERSION = re.compile(r"^v([0-9]+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_REWRITE = re.compile(r"^shard-v[0-9]{6}-r-")  # a rebuild's rewrite of an earlier shard: shard-v00000N-r-000000.tar
 
 # A reader of one dataset: a file name inside it and the most bytes accepted -> its bytes, or None where it is absent
 # (ValueError, one line, for more than the limit or a file that is not a plain one).
@@ -45,6 +46,12 @@ def version_name(n: int) -> str:
 def ids_name(n: int) -> str:
     """Version `n`'s id file: the 16-byte blake2b digests of its samples' ids, sorted (versions/v000001.ids)."""
     return version_name(n)[: -len(".json")] + ".ids"
+
+
+def is_rewrite(shard: str) -> bool:
+    """Whether shard `shard` is a rebuild's rewrite of an earlier shard (`vlmprep watch --on-change rebuild`: the
+    samples it kept, not new ones), by its name."""
+    return _REWRITE.match(shard) is not None
 
 
 def check_tag_name(name) -> str:

@@ -33,6 +33,7 @@ from trainer.data.vision import ImageSpec
 from trainer.families import family_of_model, family_of_processor, packing_refusal, supported_models
 from trainer.options import DataOptions
 from vlmprep_schemas.terminal import for_terminal
+from vlmprep_schemas.versions import is_rewrite
 
 
 def plural(n: int, word: str) -> str:
@@ -271,7 +272,7 @@ def rebuilt(a: DataSource, b: DataSource) -> bool:
 def replaced_samples(old: DataSource, new: DataSource) -> tuple[int, int]:
     """(samples new adds, samples of old it no longer holds): a rebuild's rewrites (shard-vN-r-*) hold kept samples."""
     before = {s.name for s in old.shards}
-    added = sum(s.num_samples or 0 for s in new.shards if s.name not in before and "-r-" not in s.name)
+    added = sum(s.num_samples or 0 for s in new.shards if s.name not in before and not is_rewrite(s.name))
     held = sum(s.num_samples or 0 for s in old.shards)
     return added, held + added - sum(s.num_samples or 0 for s in new.shards)
 
@@ -291,7 +292,8 @@ def _refuse_other_data(spec: DataSpec, old: DataSource, new: DataSource) -> None
     if rebuilt(a, b):
         names = {x[0] for x in lb}
         la = [x for x in la if x[0] in names]
-        lb = [y for y in lb if y[0] in {x[0] for x in la}]
+        kept = {x[0] for x in la}
+        lb = [y for y in lb if y[0] in kept]
     if lb[: len(la)] != la:
         raise DataError(
             f"{where}: version {b.version.number} ({b.version.record}) does not start with the shards of version "

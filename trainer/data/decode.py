@@ -164,9 +164,8 @@ class OriginalResizer:
     resize), so they become exactly the pixels a stored member of the image would hold."""
 
     def __init__(self, spec: ImageSpec):
-        self.spec = spec
-        self.mode = resize_mode(spec.kind)
-        self._ip = None
+        self.spec, self.mode = spec, resize_mode(spec.kind)
+        self._ip, self._as_is = None, False  # the saved processor, once loaded; rgb_as_is of it
 
     def __call__(self, data: bytes, opened: Image.Image | JpegHeader | None = None) -> np.ndarray:
         """One stored source image (encoded bytes; `opened`: its header as _decoded_size read it, a PIL image or a
@@ -177,9 +176,10 @@ class OriginalResizer:
             with tempfile.TemporaryDirectory() as tmp:
                 Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.spec.config))
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+            self._as_is = rgb_as_is(self._ip)
         patch = self.spec.resize_patch
         if isinstance(opened, JpegHeader):  # PIL would open it as RGB: libjpeg-turbo's exact pixels, no PIL
-            rgb = jpeg_rgb(data, opened.width, opened.height) if rgb_as_is(self._ip) else None
+            rgb = jpeg_rgb(data, opened.width, opened.height) if self._as_is else None
             if rgb is not None:
                 return resized_pixels(self._ip, self.mode, rgb.permute(2, 0, 1), patch)
             opened = None

@@ -29,6 +29,7 @@ from vlmprep_schemas.versions import (
     VERSIONS_DIR,
     VersionError,
     ids_name,
+    is_rewrite,
     local_reader,
     printable,
     record_number,
@@ -38,7 +39,6 @@ from vlmprep_schemas.versions import (
 
 _RECORD = re.compile(r"^v([0-9]{6,})\.json$")
 _SHARD_VERSION = re.compile(r"^shard-v([0-9]{6})-")
-_REWRITE = re.compile(r"^shard-v[0-9]{6}-r-")  # a rebuild's rewrite of an earlier shard (rewrite_prefix)
 ID_BYTES = 16  # a blake2b digest of a sample id: what the duplicate check keeps of each id
 
 
@@ -92,7 +92,7 @@ def added_since(d: Path, manifest: Manifest, since: str) -> tuple[int, Manifest]
     return m, dataclasses.replace(
         manifest,
         inputs=tuple(i for i in manifest.inputs if was.get(i.path) != i),  # new, and rebuilt (another stamp)
-        shards=tuple(s for s in manifest.shards if s.name not in before and not _REWRITE.match(s.name)),
+        shards=tuple(s for s in manifest.shards if s.name not in before and not is_rewrite(s.name)),
         totals=dict(totals),
         rejects={k: v for k, v in rejects.items() if v},
         turns=turn_coverage(totals) if manifest.turns is not None else None,
@@ -157,9 +157,9 @@ def replaced_by_rebuilds(d: Path, manifest: Manifest) -> set[str]:
     shard an earlier record names (gc keeps a shard while a kept version names it)."""
     top = manifest_number(manifest)
     out = {name for removed in rebuilds(d, manifest).values() for name in removed["shards"]}
-    if any(read_record(Path(d), k) is None for k in range(2, top)):
-        for k in range(1, top):
-            data = read_record(Path(d), k)
+    records = {k: read_record(Path(d), k) for k in range(1, top)}  # each read once
+    if any(records[k] is None for k in range(2, top)):
+        for k, data in records.items():
             if data is not None:
                 out.update(s.name for s in parse_record(data, str(Path(d) / version_name(k))).shards)
     return out
