@@ -54,6 +54,32 @@ def test_pad_labels_and_mixed_text_and_image_samples():
     assert d.labels.tolist() == b.labels.tolist() and d.attention_mask.tolist() == b.attention_mask.tolist()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_row_copies_and_the_mask_fill_make_the_same_batch(monkeypatch, rows):
+    """collate fills a few rows slice by row and many through one B x L mask: both ways give the same tensors."""
+    import trainer.data.collate as C
+
+    rng = np.random.default_rng(rows)
+    img = np.full((28, 28, 3), 7, dtype=np.uint8)
+    samples = []
+    for r in range(rows):
+        n = int(rng.integers(1, 30))
+        mm = [0] * n
+        if r % 2:
+            mm[n // 2] = 1
+        ids = [9 if t else int(x) for t, x in zip(mm, rng.integers(10, 99, n))]
+        mask = rng.integers(0, 2, n).tolist()
+        samples.append(sample(f"s{r}", ids, mask, mm, [img] if r % 2 else [], [[1, 2, 2]] if r % 2 else [], r))
+    monkeypatch.setattr(C, "_ROW_COPY_MAX", 10**6)
+    by_rows = collate(samples, SPEC)
+    monkeypatch.setattr(C, "_ROW_COPY_MAX", 0)
+    by_mask = collate(samples, SPEC)
+    for f in ("input_ids", "loss_mask", "mm_token_type_ids", "position_ids", "lengths", "labels", "image_grid_thw"):
+        assert torch.equal(getattr(by_rows, f), getattr(by_mask, f)), f
+    assert by_rows.num_trained == by_mask.num_trained == sum(int(np.count_nonzero(s.loss_mask[1:])) for s in samples)
+    assert by_rows.input_ids[rows - 1, : len(samples[-1].input_ids)].tolist() == samples[-1].input_ids.tolist()
+
+
 def test_no_image_batch_gets_one_unlabelled_placeholder_after_row_zero():
     b = collate([sample("a", [1, 2], [0, 1]), sample("b", [3, 4, 5], [0, 1, 1])], SPEC)
     assert b.input_ids.tolist() == [[1, 2, 9], [3, 4, 5]]

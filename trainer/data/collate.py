@@ -202,6 +202,14 @@ def placeholders(spec: CollateSpec, *, image: bool, video: bool) -> tuple[list[t
     return tokens, out
 
 
+_ROW_FIELDS = ("input_ids", "mm_token_type_ids", "loss_mask")
+_ROW_COPY_MAX = 32  # rows up to which collate copies row by row: faster than the mask up to ~32 short rows
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # one row: no copy
+
+
 def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     """A micro-batch without images (or without samples) gets one placeholder image after row 0's last
     token: every rank must run the vision tower in every forward, or FSDP's per-block all-gathers would
@@ -214,27 +222,30 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         spec, image=not any(s.image_index for s in samples), video=spec.videos and not any(s.videos for s in samples)
     )
     B, L = len(lens), max(int(lens.max()), int(lens[0]) + len(extra))
-    # Right padding: the real tokens are exactly `valid`, and a boolean-mask assignment fills it in row-major
-    # order, i.e. in the order of the concatenated samples (several times faster than row/col fancy indexing).
-    valid = np.arange(L) < lens[:, None]
 
     ids = np.full((B, L), spec.pad_id, dtype=np.int32)
     loss = np.zeros((B, L), dtype=np.uint8)
     mm = np.zeros((B, L), dtype=np.uint8)
     pos = np.zeros((3, B, L), dtype=np.int32)
     if samples:
-        flat_ids = np.concatenate([s.input_ids for s in samples])
-        flat_mm = np.concatenate([s.mm_token_type_ids for s in samples])
+        flat_ids, flat_mm, flat_mask = (_flat([getattr(s, f) for s in samples]) for f in _ROW_FIELDS)
         check_tokens(flat_ids, flat_mm, samples, spec)
-        ids[valid] = flat_ids
-        flat_mask = np.concatenate([s.loss_mask for s in samples])
-        loss[valid] = flat_mask
         # labels[:, 1:] != IGNORE_INDEX, counted without a pass over B x L: all trained tokens but each row's first
-        num_trained = int(np.count_nonzero(flat_mask)) - int(np.count_nonzero(flat_mask[np.cumsum(lens) - lens]))
-        mm[valid] = flat_mm
-        flat_pos = np.concatenate([s.position_ids for s in samples], axis=1)
-        for k in range(3):  # per row: a leading slice makes numpy's mask assignment ~8x slower
-            pos[k][valid] = flat_pos[k]
+        firsts = np.cumsum(lens) - lens
+        num_trained = int(np.count_nonzero(flat_mask)) - int(np.count_nonzero(flat_mask[firsts]))
+        if B <= _ROW_COPY_MAX:  # a few rows: a slice per row beats building and applying the B x L mask
+            for b, s in enumerate(samples):
+                n = int(lens[b])
+                ids[b, :n], loss[b, :n], mm[b, :n] = s.input_ids, s.loss_mask, s.mm_token_type_ids
+                pos[:, b, :n] = s.position_ids
+        else:
+            # Right padding: the real tokens are exactly `valid`, and a boolean-mask assignment fills it in row-major
+            # order, i.e. in the order of the concatenated samples (several times faster than row/col fancy indexing).
+            valid = np.arange(L) < lens[:, None]
+            ids[valid], loss[valid], mm[valid] = flat_ids, flat_mask, flat_mm
+            flat_pos = np.concatenate([s.position_ids for s in samples], axis=1)
+            for k in range(3):  # per row: a leading slice makes numpy's mask assignment ~8x slower
+                pos[k][valid] = flat_pos[k]
     else:
         num_trained = 0
 
