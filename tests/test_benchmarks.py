@@ -53,6 +53,7 @@ REQUIRED = {
     ("loader", "format_v2_vs_v1"): {"seconds_v1", "seconds_v2", "ratio"},
     ("integrity", None): {"sha256_mb_s", "loader_mb_s", "check_over_loader_pass"},
     ("collate", None): {"samples", "median_ms", "goal_ms"},
+    ("collate", "small_batches"): {"batch", "rows_us", "mask_us", "speedup"},
     ("clients", "peak_rss"): {"run", "batch", "first_batch"},
     ("clients", "ratio"): {"ratio", "goal", "step1_loss_rel_diff", "all_logits_over_trainer_peak_rss"},
     ("traces", None): {"long_traces", "seq_len", "keep_images", "coverage", "samples", "tokens", "shard_bytes"},
