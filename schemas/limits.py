@@ -239,14 +239,15 @@ _JSON_TYPES = {
 }
 
 
-def schema_problem(value, schema: str) -> str | None:
+def schema_problem(value, schema: str, read: tuple = ()) -> str | None:
     """The first place where a sample meta or manifest (`schema`: its file in schemas/, or FILE#/POINTER for a part of
     one, e.g. a task manifest's shard list) has a value of another JSON
     type than the schema gives, a number outside the schema's minimum / maximum (and int64), or lacks a required
     key; None when there is none. Types, bounds and required keys only, which is what readers index and convert
     (`vlmprep verify` checks the whole schema, at a hundred times the cost): the schema is compiled once into a
-    checker."""
-    problem = _checker(schema)(value)
+    checker. `read`: only the fields a reader reads are checked, e.g. ("id", ("images", ("member", "height"))) (a
+    nested tuple: a key and the fields read in its object, or in each object of its array); () checks all."""
+    problem = _checker(schema, read)(value)
     if problem is None:
         return None
     path, text = problem
@@ -255,8 +256,9 @@ def schema_problem(value, schema: str) -> str | None:
 
 
 @functools.cache
-def _checker(schema: str):
-    return _compile({"$ref": schema} if "#" in schema else load(schema))  # FILE#/POINTER: one part of a schema
+def _checker(schema: str, read: tuple = ()):
+    node = {"$ref": schema} if "#" in schema else load(schema)  # FILE#/POINTER: one part of a schema
+    return _compile(node, read or None)
 
 
 def _node(node: dict) -> dict:
@@ -270,11 +272,12 @@ def _node(node: dict) -> dict:
     return node
 
 
-def _compile(node: dict):
-    """A schema node -> check(value) -> the first problem or None."""
+def _compile(node: dict, read: tuple | None = None):
+    """A schema node -> check(value) -> the first problem or None; `read` (schema_problem's): an object node checks
+    those of its properties only (required where the schema requires them), and no others."""
     node = _node(node)
     if "anyOf" in node:
-        branches = [_compile(n) for n in node["anyOf"]]
+        branches = [_compile(n, read) for n in node["anyOf"]]
 
         def any_of(value):
             problems = [b(value) for b in branches]
@@ -290,9 +293,14 @@ def _compile(node: dict):
     low = node.get("minimum", -(1 << 63)) if "integer" in kinds or "number" in kinds else None
     high = min(node.get("maximum", (1 << 63) - 1), (1 << 63) - 1) if low is not None else None
     required = tuple(node.get("required", ()))
-    props = {k: _compile(sub) for k, sub in node.get("properties", {}).items()}
+    props = {k: _compile(sub) for k, sub in node.get("properties", {}).items()} if read is None else {}
     other = _compile(node["additionalProperties"]) if isinstance(node.get("additionalProperties"), dict) else None
-    items = _compile(node["items"]) if "items" in node else None
+    if read is not None and "properties" in node:  # a reader's part: the fields it reads, nothing else
+        fields = dict(f if isinstance(f, tuple) else (f, None) for f in read)
+        assert set(fields) <= set(node["properties"]), f"not in the schema: {set(fields) - set(node['properties'])}"
+        props = {k: _compile(sub, fields[k]) for k, sub in node["properties"].items() if k in fields}
+        required, other = tuple(k for k in required if k in fields), None
+    items = _compile(node["items"], read) if "items" in node else None
 
     def check(value):  # -> None, or (the path to the fault, innermost first; what is wrong there)
         if kinds and not (boolean if isinstance(value, bool) else isinstance(value, types)):  # true is no integer

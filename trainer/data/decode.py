@@ -150,9 +150,16 @@ def _npy(data: bytes, name: str, dims: dict[str, int]) -> np.ndarray:
     return load_npy(data, name, dtype, tuple(dims[d] if isinstance(d, str) else d for d in NPY_SHAPES[name]))
 
 
+# The meta fields decode_sample reads (their types and bounds are checked; `vlmprep verify` checks the rest).
+_DIMS = ("member", "height", "width")
+META_READ = ("id", "num_tokens", ("images", (*_DIMS, "prefix")), ("videos", (*_DIMS, "frames")))
+_SAMPLE_FAULTS = (ValueError, KeyError, TypeError, OSError, ArithmeticError)  # a sample's bytes at fault
+_SAMPLE_FAULTS += (zstandard.ZstdError, Image.DecompressionBombError)
+
+
 def _meta_dims(meta) -> dict[str, int]:
     """The meta's sizes that array shapes are given in, once its types are checked against the meta schema."""
-    problem = schema_problem(meta, "sample_meta.schema.json")
+    problem = schema_problem(meta, "sample_meta.schema.json", META_READ)
     if problem:
         raise ValueError(f"meta: {problem}")
     return {"L": meta["num_tokens"], "N": len(meta["images"]), "V": len(meta.get("videos", ()))}
@@ -403,15 +410,7 @@ def decode_sample(
             second_per_grid_ts=arrays.get("second_per_grid_ts.npy", np.zeros(0, np.float32)),
             videos=videos,
         )
-    except (
-        ValueError,
-        KeyError,
-        TypeError,
-        OSError,
-        ArithmeticError,
-        zstandard.ZstdError,
-        Image.DecompressionBombError,
-    ) as e:
+    except _SAMPLE_FAULTS as e:
         raise DataError(f"{url}: sample {key}: {type(e).__name__}: {e}") from None
     return sample
 
