@@ -366,7 +366,7 @@ def _mark_end_of_turns(
     ids, starts, ctx, conv = inp.ids, inp.starts, inp.ctx, inp.conv
     last_interval_of = {iv.msg: iv for iv in intervals}
     msg_starts = sorted((inp.at(locs[0].start), i) for i, locs in by_msg.items())
-    is_eot = np.isin(ids, list(ctx.eot_ids))
+    is_eot = np.logical_or.reduce([ids == t for t in ctx.eot_ids])  # np.isin's answer, without its set-up
     for i in sorted(eos_for):
         e = inp.at(last_interval_of[i].end if i in last_interval_of else body_end[i])
         limit = next((s for s, j in msg_starts if j > i), len(inp.expanded))
@@ -392,9 +392,7 @@ def _mark_end_of_turns(
 def _prove(inp: MaskInputs, proofs: list[tuple[np.ndarray, str]]) -> None:
     """Every trained span decodes back to exactly the rendered text it covers."""
     for sel, want in proofs:
-        got = inp.ctx.tokenizer.decode(
-            inp.ids[sel].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+        got = inp.ctx.text.decode(inp.ids[sel])
         if got != want:
             raise RecordError(
                 "mask_verification_failed", f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}"

@@ -19,6 +19,7 @@ class TextEncoder:
     def __init__(self, tokenizer, *, specials: set[str], repeated: set[str]):
         self.tokenizer = tok = tokenizer
         self._backend = _plain_backend(tok)
+        self._decoder = _plain_decoder(tok)
         if getattr(tok, "split_special_tokens", False):
             repeated = set()
         self.run_tokens = sorted(repeated, key=len, reverse=True)
@@ -62,6 +63,12 @@ class TextEncoder:
         added = 0 if bos and text.startswith(bos) else self.post_specials
         return added + len(split) // 2 + sum(pieces[p] for p in split[::2] if p)
 
+    def decode(self, ids: np.ndarray) -> str:
+        """The tokenizer's decode of `ids`, special tokens kept, no clean-up of spaces (the mask proof's)."""
+        if self._decoder is not None:
+            return self._decoder.decode(ids.tolist(), skip_special_tokens=False)
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
         bos = self.tokenizer.bos_token
         add = not (bos and text.startswith(bos))
@@ -84,23 +91,39 @@ def _plain_backend(tok):
     """The tokenizers backend that `tok(text, ...)` runs where it adds nothing to it (the plain TokenizersBackend
     path: its encode_batch of the one text, no truncation, padding or mode switch), so _tokenize calls it directly
     (a fifth of a short record's tokenize is the wrapper); None for any tokenizer that overrides that path."""
+    return _backend_if(
+        tok,
+        lambda cls, base, backend: (
+            cls.__call__ is base.__call__
+            and cls._get_padding_truncation_strategies is base._get_padding_truncation_strategies
+            and cls._encode_plus is backend._encode_plus
+            and cls._convert_encoding is backend._convert_encoding
+            and cls.set_truncation_and_padding is backend.set_truncation_and_padding
+            and not hasattr(tok, "_switch_to_input_mode")
+        ),
+    )
+
+
+def _plain_decoder(tok):
+    """The tokenizers backend whose decode `tok.decode(ids, skip_special_tokens=False,
+    clean_up_tokenization_spaces=False)` returns as it is (the plain TokenizersBackend path), so decode calls it
+    directly (the wrapper costs twice the backend's decode of a short span); None for any tokenizer that overrides
+    that path."""
+    return _backend_if(tok, lambda cls, base, backend: cls.decode is base.decode and cls._decode is backend._decode)
+
+
+def _backend_if(tok, plain) -> object | None:
+    """tok's tokenizers backend where tok is a TokenizersBackend and plain(its class, PreTrainedTokenizerBase,
+    TokenizersBackend) holds; None otherwise."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: always through the tokenizer itself
         return None
-    cls = type(tok)
-    plain = (
-        isinstance(tok, TokenizersBackend)
-        and cls.__call__ is PreTrainedTokenizerBase.__call__
-        and cls._get_padding_truncation_strategies is PreTrainedTokenizerBase._get_padding_truncation_strategies
-        and cls._encode_plus is TokenizersBackend._encode_plus
-        and cls._convert_encoding is TokenizersBackend._convert_encoding
-        and cls.set_truncation_and_padding is TokenizersBackend.set_truncation_and_padding
-        and not hasattr(tok, "_switch_to_input_mode")
-    )
-    return tok.backend_tokenizer if plain else None
+    if isinstance(tok, TokenizersBackend) and plain(type(tok), PreTrainedTokenizerBase, TokenizersBackend):
+        return tok.backend_tokenizer
+    return None
 
 
 def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tuple[str, list[tuple[int, int, int]]]:
