@@ -1,5 +1,6 @@
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -313,6 +314,26 @@ def test_encode_calls_the_tokenizers_backend_only_where_its_call_adds_nothing(qw
             return super()._encode_plus(*a, **k)
 
     assert _plain_backend(tok) is tok.backend_tokenizer and _plain_backend(Overriding.__new__(Overriding)) is None
+
+
+def test_runs_are_found_as_the_regex_scan_finds_them():
+    """shorten_runs finds each placeholder run by str.find (tokens.py: _runs), not by a regex scan of every char: its
+    runs are finditer's, for any text and any placeholder set (tokens that are prefixes of each other included)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from vlmprep.render.tokens import _runs
+
+    token_sets = [["<a>"], ["<a>", "<b>"], ["<a><a>", "<a>"], ["<a>x", "<a>"], ["aa", "a"]]
+
+    @given(st.sampled_from(token_sets), st.lists(st.sampled_from(["<a>", "<b>", "x", "a", "<", ">"]), max_size=30))
+    def check(tokens, parts):
+        tokens = sorted(tokens, key=len, reverse=True)  # as TextEncoder orders them
+        run_re = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in tokens))
+        text = "".join(parts)
+        assert [m.span() for m in _runs(text, run_re, tokens)] == [m.span() for m in run_re.finditer(text)]
+
+    check()
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v", "llama4"])
