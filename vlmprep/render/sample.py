@@ -250,7 +250,7 @@ def render_conversation(
                 "--reasoning reject refuses it; pass --reasoning train|context|drop",
             )
     slots = ctx.slots(conv)
-    rendered = ctx.render_text(ctx.messages(conv), conv.tools)
+    rendered = ctx.render_text(ctx.messages(conv, [s.text for s in slots]), conv.tools)  # the slots made once
     located = locate_slots(ctx, conv, slots, rendered)
     reasoning_rendered = _reasoning_rendered(ctx, slots, located)
     if ctx.family.role_markers:
