@@ -38,10 +38,14 @@ class TextEncoder:
         repeated (see run_re)."""
         short, runs = shorten_runs(text, self.run_re, self.run_tokens)
         ids, spans = self._tokenize(short, offsets=True)
-        reps = _copies(runs, spans) if runs else None
-        if reps is None:
-            return (ids, spans) if not runs else self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
-        return np.repeat(ids, reps), _repeat_spans(spans, runs, reps)
+        if not runs:
+            return ids, spans
+        first = _run_tokens(runs, spans)
+        if first is None:
+            return self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
+        reps = np.ones(len(spans), dtype=np.int64)
+        reps[first] = [k for _, k, _ in runs]
+        return np.repeat(ids, reps), _repeat_spans(spans, runs, first, reps)
 
     def count(self, text: str, pieces: dict[str, int] | None = None) -> int:
         """len(encode(text)[0]), without offsets. With `pieces` (a dict kept over the candidate samples of one record,
@@ -160,31 +164,31 @@ def _runs(text: str, run_re: re.Pattern, tokens: list[str]) -> Iterator[re.Match
         cut = m.end()
 
 
-def _copies(runs: list[tuple[int, int, int]], spans: np.ndarray) -> np.ndarray | None:
-    """How many times each token of the short text stands in the text: a run's token its copies, others once; None
-    where a run's copy is not one token of its own (then the shortcut does not apply)."""
-    at = np.array([r[0] for r in runs], dtype=np.int64)
-    first = np.searchsorted(spans[:, 0], at)
-    unit = np.array([r[2] for r in runs], dtype=np.int64)
-    if (first >= len(spans)).any() or not ((spans[first, 0] == at) & (spans[first, 1] == at + unit)).all():
-        return None
-    reps = np.ones(len(spans), dtype=np.int64)
-    reps[first] = [r[1] for r in runs]
-    return reps
+def _run_tokens(runs: list[tuple[int, int, int]], spans: np.ndarray) -> list[int] | None:
+    """The short text's token that stands for each run (its copies are repeated); None where a run's copy is not one
+    token of its own (then the shortcut does not apply)."""
+    first = np.searchsorted(spans[:, 0], [r[0] for r in runs]).tolist()
+    for (at, _, unit), i in zip(runs, first):  # a few runs a sample: scalar checks beat array set-up
+        if i >= len(spans) or spans[i, 0] != at or spans[i, 1] != at + unit:
+            return None
+    return first
 
 
-def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.ndarray) -> np.ndarray:
+def _repeat_spans(
+    spans: np.ndarray, runs: list[tuple[int, int, int]], first: list[int], reps: np.ndarray
+) -> np.ndarray:
     """The short text's token spans -> the text's: each run's copies side by side, every later span moved by the
     chars the runs add."""
     at = np.array([r[0] for r in runs], dtype=np.int64)
     added = np.concatenate([[0], np.cumsum([(k - 1) * u for _, k, u in runs])])
     moved = spans + added[np.searchsorted(at, spans, side="left")]  # runs that start before each char
     out = np.repeat(moved, reps, axis=0)
-    where = np.cumsum(reps) - reps
-    for (_start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
-        p = where[i]
+    extra = 0  # copies the runs before this one added ahead of its token
+    for (_start, k, unit), i in zip(runs, first):
+        p = i + extra
         out[p : p + k, 0] = moved[i, 0] + unit * np.arange(k)
         out[p : p + k, 1] = out[p : p + k, 0] + unit
+        extra += k - 1
     return out
 
 
