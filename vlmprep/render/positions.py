@@ -54,7 +54,7 @@ def sample_position_ids(
         return np.broadcast_to(np.arange(n, dtype=np.int32), (3, n)).copy()
     runs = []
     for a, b in image_spans:
-        run = np.flatnonzero(mm_types[a:b])
+        run = mm_types[a:b].nonzero()[0]
         runs.append((a + int(run[0]), a + int(run[-1]) + 1, tuple(grids[len(runs)]), 1))
     for k, (a, b) in enumerate(video_spans):
         runs += _video_runs(family, a, mm_types[a:b], video_grids[k], sgt[k])

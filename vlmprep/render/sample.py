@@ -329,7 +329,7 @@ def _expansion_spans(ctx: RenderContext, offs: list[dict], ids: np.ndarray, star
     image_spans, video_spans, lengths = [], [], []
     for o in offs:
         s, e = o["new_span"]
-        covered = np.flatnonzero((ends > s) & (starts < e))
+        covered = ((ends > s) & (starts < e)).nonzero()[0]
         if not len(covered):
             raise RecordError("image_wrapper_missing", f"an {o.get('type', 'image')} expansion produced no tokens")
         a, b = int(covered[0]), int(covered[-1]) + 1
