@@ -147,8 +147,9 @@ def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tup
 
 
 def _runs(text: str, run_re: re.Pattern, tokens: list[str]) -> Iterator[re.Match]:
-    """run_re.finditer(text)'s matches, each found by str.find of two copies of each token (the regex's scan tries
-    the alternation at every char: 40 times the finds on a short record), then matched where the first one starts."""
+    """run_re.finditer(text)'s matches, for run_re as TextEncoder builds it (two or more copies of each of `tokens`, in
+    their order): each found by str.find of two copies of each token (the regex's scan tries the alternation at every
+    char: 40 times the finds on a short record), then matched where the first one starts."""
     doubles = [t + t for t in tokens]
     at = [text.find(d) for d in doubles]  # each token's first run at or after the last match's end (-1: none)
     cut = 0
