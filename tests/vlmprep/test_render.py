@@ -1,5 +1,6 @@
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -313,6 +314,56 @@ def test_encode_calls_the_tokenizers_backend_only_where_its_call_adds_nothing(qw
             return super()._encode_plus(*a, **k)
 
     assert _plain_backend(tok) is tok.backend_tokenizer and _plain_backend(Overriding.__new__(Overriding)) is None
+
+
+def test_runs_are_found_as_the_regex_scan_finds_them():
+    """shorten_runs finds each placeholder run by str.find (tokens.py: _runs), not by a regex scan of every char: its
+    runs are finditer's, for any text and any placeholder set (tokens that are prefixes of each other included)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from vlmprep.render.tokens import _runs
+
+    token_sets = [["<a>"], ["<a>", "<b>"], ["<a><a>", "<a>"], ["<a>x", "<a>"], ["aa", "a"]]
+
+    @given(st.sampled_from(token_sets), st.lists(st.sampled_from(["<a>", "<b>", "x", "a", "<", ">"]), max_size=30))
+    def check(tokens, parts):
+        tokens = sorted(tokens, key=len, reverse=True)  # as TextEncoder orders them
+        run_re = re.compile("|".join(f"(?:{re.escape(t)}){{2,}}" for t in tokens))
+        text = "".join(parts)
+        assert [m.span() for m in _runs(text, run_re, tokens)] == [m.span() for m in run_re.finditer(text)]
+
+    check()
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v", "llama4"])
+def test_the_mask_proofs_decode_is_the_tokenizers_own(name):
+    """TextEncoder.decode (the mask proof's decode of each trained span) calls the tokenizers backend directly where
+    the tokenizer's decode is the plain TokenizersBackend path, and gives the tokenizer's own decode (special tokens
+    kept, no clean-up) for any ids; a tokenizer that overrides its decode goes through it."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep.render.tokens import _plain_decoder
+
+    processor = load_family_processor(name)
+    tok, ctx_text = processor.tokenizer, RenderContext(processor).text
+    specials = sorted(tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens)
+
+    @given(st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(specials)), max_size=30))
+    def check(ids):
+        want = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert ctx_text.decode(np.array(ids, dtype=np.int64)) == want
+
+    check()
+
+    class Overriding(type(tok)):
+        def _decode(self, *a, **k):
+            return super()._decode(*a, **k)
+
+    assert ctx_text._decoder is tok.backend_tokenizer  # the shortcut is on for these tokenizers
+    assert _plain_decoder(Overriding.__new__(Overriding)) is None
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl", "mistral3-pixtral", "glm-4.1v"])

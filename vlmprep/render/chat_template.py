@@ -186,8 +186,10 @@ def template_messages(
     tool-call arguments go in as the record gave them (a string stays the exact string), or parsed where
     `parse_arguments` (templates that cannot take a string). A message's own reasoning goes in as reasoning_content
     (how reasoning templates read it); `drop_reasoning` leaves it out (and a split-off <think> block with it)."""
-    slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
-    vals = iter(texts if texts is not None else [s.text for s in slots])
+    if texts is None:
+        slots = message_slots(conv, reasoning=reasoning, string_content=string_content, drop_reasoning=drop_reasoning)
+        texts = [s.text for s in slots]
+    vals = iter(texts)
     out = []
     for m in conv.messages:
         msg: dict = {"role": m.role}

@@ -331,9 +331,10 @@ def _eos_for(policy: MaskPolicy, trained: list[int], by_msg: dict[int, list[Loca
 
 def _mark_intervals(inp: MaskInputs, intervals: list[_Interval], marks: _Marks) -> None:
     starts, ends, expanded, ctx = inp.starts, inp.ends, inp.expanded, inp.ctx
+    nonempty = ends > starts  # tokens that cover chars (once, not per interval)
     for iv in intervals:
         s, e = inp.at(iv.start), inp.at(iv.end)
-        straddle = np.flatnonzero((starts < s) & (ends > s))
+        straddle = ((starts < s) & (ends > s)).nonzero()[0]
         if len(straddle):
             t0 = int(starts[straddle[0]])
             if expanded[t0:s].strip():
@@ -345,10 +346,10 @@ def _mark_intervals(inp: MaskInputs, intervals: list[_Interval], marks: _Marks) 
             raise RecordError(
                 "mask_boundary_misaligned", f"messages[{iv.msg}]: a token crosses the end of the message text"
             )
-        sel = (starts >= s) & (ends <= e) & (ends > starts)
+        sel = (starts >= s) & (ends <= e) & nonempty
         marks.mask |= sel
         marks.proofs.append((sel, expanded[s:e].replace(ctx.token_break, "") if ctx.token_break else expanded[s:e]))
-        hit = np.flatnonzero(sel)
+        hit = sel.nonzero()[0]
         if len(hit):
             marks.turn_tokens.setdefault(iv.msg, []).extend([int(hit[0]), int(hit[-1]) + 1])
 
@@ -366,13 +367,13 @@ def _mark_end_of_turns(
     ids, starts, ctx, conv = inp.ids, inp.starts, inp.ctx, inp.conv
     last_interval_of = {iv.msg: iv for iv in intervals}
     msg_starts = sorted((inp.at(locs[0].start), i) for i, locs in by_msg.items())
-    is_eot = np.isin(ids, list(ctx.eot_ids))
+    is_eot = np.logical_or.reduce([ids == t for t in ctx.eot_ids])  # np.isin's answer, without its set-up
     for i in sorted(eos_for):
         e = inp.at(last_interval_of[i].end if i in last_interval_of else body_end[i])
         limit = next((s for s, j in msg_starts if j > i), len(inp.expanded))
-        hit = np.flatnonzero((starts == e) & is_eot) if i in last_interval_of else []
+        hit = ((starts == e) & is_eot).nonzero()[0] if i in last_interval_of else []
         if not len(hit) and (i not in last_interval_of or conv.messages[i].role != "assistant"):
-            hit = np.flatnonzero((starts >= e) & (starts < limit) & is_eot)  # e.g. after a trailing image
+            hit = ((starts >= e) & (starts < limit) & is_eot).nonzero()[0]  # e.g. after a trailing image
         if len(hit):
             k = int(hit[0])
             marks.mask[k] = True
@@ -392,9 +393,7 @@ def _mark_end_of_turns(
 def _prove(inp: MaskInputs, proofs: list[tuple[np.ndarray, str]]) -> None:
     """Every trained span decodes back to exactly the rendered text it covers."""
     for sel, want in proofs:
-        got = inp.ctx.tokenizer.decode(
-            inp.ids[sel].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+        got = inp.ctx.text.decode(inp.ids[sel])
         if got != want:
             raise RecordError(
                 "mask_verification_failed", f"trained span decodes to {got[:60]!r}, expected {want[:60]!r}"

@@ -26,13 +26,16 @@ def mrope_position_ids(
         gt, gh, gw = int(t), int(h) // merge_size, int(w) // merge_size
         assert end - start == gt * gh * gw, "image run length must equal its merged grid size"
         base = next_pos + n_text
-        ti, hi, wi = np.indices((gt, gh, gw))  # meshgrid(arange(gt), arange(gh), arange(gw), "ij"), 3x cheaper
+        ti = np.arange(base, base + gt)
         step = 1 if intervals is None else intervals[k]
         if step != 1:  # float32 product truncated toward zero, as the model's (arange(t) * interval).long()
-            ti = (ti.astype(np.float32) * np.float32(step)).astype(np.int64)
-        pos[0, start:end] = ti.ravel() + base
-        pos[1, start:end] = hi.ravel() + base
-        pos[2, start:end] = wi.ravel() + base
+            ti = (np.arange(gt, dtype=np.float32) * np.float32(step)).astype(np.int64) + base
+        # meshgrid(arange(gt), arange(gh), arange(gw), "ij") + base, each axis broadcast (np.indices: 3x the cost)
+        run = np.empty((3, gt, gh, gw), dtype=np.int64)
+        run[0] = ti[:, None, None]
+        run[1] = np.arange(base, base + gh)[None, :, None]
+        run[2] = np.arange(base, base + gw)[None, None, :]
+        pos[:, start:end] = run.reshape(3, -1)
         next_pos = base + max(gh, gw)
         cursor = end
     pos[:, cursor:] = np.arange(next_pos, next_pos + (length - cursor))
@@ -51,7 +54,7 @@ def sample_position_ids(
         return np.broadcast_to(np.arange(n, dtype=np.int32), (3, n)).copy()
     runs = []
     for a, b in image_spans:
-        run = np.flatnonzero(mm_types[a:b])
+        run = mm_types[a:b].nonzero()[0]
         runs.append((a + int(run[0]), a + int(run[-1]) + 1, tuple(grids[len(runs)]), 1))
     for k, (a, b) in enumerate(video_spans):
         runs += _video_runs(family, a, mm_types[a:b], video_grids[k], sgt[k])

@@ -250,7 +250,7 @@ def render_conversation(
                 "--reasoning reject refuses it; pass --reasoning train|context|drop",
             )
     slots = ctx.slots(conv)
-    rendered = ctx.render_text(ctx.messages(conv), conv.tools)
+    rendered = ctx.render_text(ctx.messages(conv, [s.text for s in slots]), conv.tools)  # the slots made once
     located = locate_slots(ctx, conv, slots, rendered)
     reasoning_rendered = _reasoning_rendered(ctx, slots, located)
     if ctx.family.role_markers:
@@ -329,7 +329,7 @@ def _expansion_spans(ctx: RenderContext, offs: list[dict], ids: np.ndarray, star
     image_spans, video_spans, lengths = [], [], []
     for o in offs:
         s, e = o["new_span"]
-        covered = np.flatnonzero((ends > s) & (starts < e))
+        covered = ((ends > s) & (starts < e)).nonzero()[0]
         if not len(covered):
             raise RecordError("image_wrapper_missing", f"an {o.get('type', 'image')} expansion produced no tokens")
         a, b = int(covered[0]), int(covered[-1]) + 1

@@ -6,6 +6,7 @@ agent trace's tokens) is tokenized as one copy and repeated, never N times.
 from __future__ import annotations
 
 import re
+from typing import Iterator
 
 import numpy as np
 
@@ -19,6 +20,7 @@ class TextEncoder:
     def __init__(self, tokenizer, *, specials: set[str], repeated: set[str]):
         self.tokenizer = tok = tokenizer
         self._backend = _plain_backend(tok)
+        self._decoder = _plain_decoder(tok)
         if getattr(tok, "split_special_tokens", False):
             repeated = set()
         self.run_tokens = sorted(repeated, key=len, reverse=True)
@@ -36,10 +38,14 @@ class TextEncoder:
         repeated (see run_re)."""
         short, runs = shorten_runs(text, self.run_re, self.run_tokens)
         ids, spans = self._tokenize(short, offsets=True)
-        reps = _copies(runs, spans) if runs else None
-        if reps is None:
-            return (ids, spans) if not runs else self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
-        return np.repeat(ids, reps), _repeat_spans(spans, runs, reps)
+        if not runs:
+            return ids, spans
+        first = _run_tokens(runs, spans)
+        if first is None:
+            return self._tokenize(text, offsets=True)  # no shortcut: tokenize it all
+        reps = np.ones(len(spans), dtype=np.int64)
+        reps[first] = [k for _, k, _ in runs]
+        return np.repeat(ids, reps), _repeat_spans(spans, runs, first, reps)
 
     def count(self, text: str, pieces: dict[str, int] | None = None) -> int:
         """len(encode(text)[0]), without offsets. With `pieces` (a dict kept over the candidate samples of one record,
@@ -61,6 +67,12 @@ class TextEncoder:
         bos = self.tokenizer.bos_token
         added = 0 if bos and text.startswith(bos) else self.post_specials
         return added + len(split) // 2 + sum(pieces[p] for p in split[::2] if p)
+
+    def decode(self, ids: np.ndarray) -> str:
+        """The tokenizer's decode of `ids`, special tokens kept, no clean-up of spaces (the mask proof's)."""
+        if self._decoder is not None:
+            return self._decoder.decode(ids.tolist(), skip_special_tokens=False)
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _tokenize(self, text: str, *, offsets: bool) -> tuple[np.ndarray, np.ndarray | None]:
         bos = self.tokenizer.bos_token
@@ -84,23 +96,39 @@ def _plain_backend(tok):
     """The tokenizers backend that `tok(text, ...)` runs where it adds nothing to it (the plain TokenizersBackend
     path: its encode_batch of the one text, no truncation, padding or mode switch), so _tokenize calls it directly
     (a fifth of a short record's tokenize is the wrapper); None for any tokenizer that overrides that path."""
+    return _backend_if(
+        tok,
+        lambda cls, base, backend: (
+            cls.__call__ is base.__call__
+            and cls._get_padding_truncation_strategies is base._get_padding_truncation_strategies
+            and cls._encode_plus is backend._encode_plus
+            and cls._convert_encoding is backend._convert_encoding
+            and cls.set_truncation_and_padding is backend.set_truncation_and_padding
+            and not hasattr(tok, "_switch_to_input_mode")
+        ),
+    )
+
+
+def _plain_decoder(tok):
+    """The tokenizers backend whose decode `tok.decode(ids, skip_special_tokens=False,
+    clean_up_tokenization_spaces=False)` returns as it is (the plain TokenizersBackend path), so decode calls it
+    directly (the wrapper costs twice the backend's decode of a short span); None for any tokenizer that overrides
+    that path."""
+    return _backend_if(tok, lambda cls, base, backend: cls.decode is base.decode and cls._decode is backend._decode)
+
+
+def _backend_if(tok, plain) -> object | None:
+    """tok's tokenizers backend where tok is a TokenizersBackend and plain(its class, PreTrainedTokenizerBase,
+    TokenizersBackend) holds; None otherwise."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: always through the tokenizer itself
         return None
-    cls = type(tok)
-    plain = (
-        isinstance(tok, TokenizersBackend)
-        and cls.__call__ is PreTrainedTokenizerBase.__call__
-        and cls._get_padding_truncation_strategies is PreTrainedTokenizerBase._get_padding_truncation_strategies
-        and cls._encode_plus is TokenizersBackend._encode_plus
-        and cls._convert_encoding is TokenizersBackend._convert_encoding
-        and cls.set_truncation_and_padding is TokenizersBackend.set_truncation_and_padding
-        and not hasattr(tok, "_switch_to_input_mode")
-    )
-    return tok.backend_tokenizer if plain else None
+    if isinstance(tok, TokenizersBackend) and plain(type(tok), PreTrainedTokenizerBase, TokenizersBackend):
+        return tok.backend_tokenizer
+    return None
 
 
 def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tuple[str, list[tuple[int, int, int]]]:
@@ -109,8 +137,8 @@ def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tup
     if run_re is None:
         return text, []
     pieces, runs, cut, length = [], [], 0, 0
-    for m in run_re.finditer(text):
-        unit = next(len(t) for t in tokens if m.group().startswith(t))
+    for m in _runs(text, run_re, tokens):
+        unit = next(len(t) for t in tokens if text.startswith(t, m.start(), m.end()))
         pieces.append(text[cut : m.start() + unit])
         length += len(pieces[-1])
         runs.append((length - unit, (m.end() - m.start()) // unit, unit))
@@ -118,31 +146,50 @@ def shorten_runs(text: str, run_re: re.Pattern | None, tokens: list[str]) -> tup
     return ("".join(pieces) + text[cut:], runs) if runs else (text, [])
 
 
-def _copies(runs: list[tuple[int, int, int]], spans: np.ndarray) -> np.ndarray | None:
-    """How many times each token of the short text stands in the text: a run's token its copies, others once; None
-    where a run's copy is not one token of its own (then the shortcut does not apply)."""
-    at = np.array([r[0] for r in runs], dtype=np.int64)
-    first = np.searchsorted(spans[:, 0], at)
-    unit = np.array([r[2] for r in runs], dtype=np.int64)
-    if (first >= len(spans)).any() or not ((spans[first, 0] == at) & (spans[first, 1] == at + unit)).all():
-        return None
-    reps = np.ones(len(spans), dtype=np.int64)
-    reps[first] = [r[1] for r in runs]
-    return reps
+def _runs(text: str, run_re: re.Pattern, tokens: list[str]) -> Iterator[re.Match]:
+    """run_re.finditer(text)'s matches, for run_re as TextEncoder builds it (two or more copies of each of `tokens`, in
+    their order): each found by str.find of two copies of each token (the regex's scan tries the alternation at every
+    char: 40 times the finds on a short record), then matched where the first one starts."""
+    doubles = [t + t for t in tokens]
+    at = [text.find(d) for d in doubles]  # each token's first run at or after the last match's end (-1: none)
+    cut = 0
+    while True:
+        for k, d in enumerate(doubles):
+            if 0 <= at[k] < cut:
+                at[k] = text.find(d, cut)
+        start = min((a for a in at if a >= 0), default=-1)
+        if start < 0:
+            return
+        m = run_re.match(text, start)  # the leftmost run starts here; the alternation picks as finditer's does
+        yield m
+        cut = m.end()
 
 
-def _repeat_spans(spans: np.ndarray, runs: list[tuple[int, int, int]], reps: np.ndarray) -> np.ndarray:
+def _run_tokens(runs: list[tuple[int, int, int]], spans: np.ndarray) -> list[int] | None:
+    """The short text's token that stands for each run (its copies are repeated); None where a run's copy is not one
+    token of its own (then the shortcut does not apply)."""
+    first = np.searchsorted(spans[:, 0], [r[0] for r in runs]).tolist()
+    for (at, _, unit), i in zip(runs, first):  # a few runs a sample: scalar checks beat array set-up
+        if i >= len(spans) or spans[i, 0] != at or spans[i, 1] != at + unit:
+            return None
+    return first
+
+
+def _repeat_spans(
+    spans: np.ndarray, runs: list[tuple[int, int, int]], first: list[int], reps: np.ndarray
+) -> np.ndarray:
     """The short text's token spans -> the text's: each run's copies side by side, every later span moved by the
     chars the runs add."""
     at = np.array([r[0] for r in runs], dtype=np.int64)
     added = np.concatenate([[0], np.cumsum([(k - 1) * u for _, k, u in runs])])
     moved = spans + added[np.searchsorted(at, spans, side="left")]  # runs that start before each char
     out = np.repeat(moved, reps, axis=0)
-    where = np.cumsum(reps) - reps
-    for (_start, k, unit), i in zip(runs, np.searchsorted(spans[:, 0], at)):
-        p = where[i]
+    extra = 0  # copies the runs before this one added ahead of its token
+    for (_start, k, unit), i in zip(runs, first):
+        p = i + extra
         out[p : p + k, 0] = moved[i, 0] + unit * np.arange(k)
         out[p : p + k, 1] = out[p : p + k, 0] + unit
+        extra += k - 1
     return out
 
 
