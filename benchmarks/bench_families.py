@@ -68,16 +68,17 @@ def _spec(ds: Path, name: str):
     return image, collate_spec_of(net, RunData((), [], [], image, "", processor), processor)
 
 
-def loader_pass(ds: Path, name: str, pixels: bool, clock=time.perf_counter) -> tuple[float, int]:
+def loader_pass(ds: Path, name: str, pixels: bool, clock=time.perf_counter, device: bool = True) -> tuple[float, int]:
     """One pass of the trainer's data path (micro-batch 1, in this process): seconds (of `clock`), samples.
-    pixels=False: the floor, samples read and decoded, no pixel inputs made."""
+    pixels=False: the floor, samples read and decoded, no pixel inputs made; device=False: the DataLoader workers'
+    part alone (collate and the host's pixel inputs), not the pixel math the training device runs (Patchifier)."""
     from trainer.data.collate import collate
     from trainer.data.sources import resolve_data
     from trainer.data.streams import RankStream
     from trainer.data.vision import Patchifier
 
     image, cspec = _spec(ds, name)
-    patchify = Patchifier(image, "cpu") if cspec.host is None else None
+    patchify = Patchifier(image, "cpu") if device else None
     shards = list(resolve_data(str(ds)).shards)
     t0 = clock()
     n = 0
@@ -86,8 +87,8 @@ def loader_pass(ds: Path, name: str, pixels: bool, clock=time.perf_counter) -> t
         if not pixels:
             continue
         batch = collate([sample], cspec)
-        if patchify is not None:
-            patchify(batch.images, batch.image_index)
+        if patchify is not None:  # a host family's batch holds its pixel_values: nothing made here
+            patchify.inputs(batch)
     return clock() - t0, n
 
 

@@ -221,6 +221,8 @@ def loader_rows(quick: bool) -> list[dict]:
             manifest = load_manifest(ds)
             storage = _storage(ds)
             passes = {pixels: loader_pass(ds, family.name, pixels, time.process_time)[0] for pixels in (True, False)}
+            if family.pixels == "normalize":  # the workers' part: collate and the token types, no pixel math
+                passes["workers"] = loader_pass(ds, family.name, True, time.process_time, device=False)[0]
             pdelta = None
             if "original" in storage:  # the same records with their pixels stored, for comparison
                 build(
@@ -235,10 +237,11 @@ def loader_rows(quick: bool) -> list[dict]:
                     )
                 )
                 pdelta = loader_pass(
-                    Path(str(ds) + "-pdelta"), family.name, family.pixels != "patchify", time.process_time
+                    Path(str(ds) + "-pdelta"), family.name, family.pixels != "patchify", time.process_time, device=False
                 )[0]
-            # Qwen's and GLM's pixel math runs on the training device: their worker path is the decode alone.
-            worker = passes[False] if family.pixels == "patchify" else passes[True]
+            # Qwen's and GLM's pixel math runs on the training device: their worker path is the decode alone; Gemma 3's
+            # normalize runs there too: its worker path is the decode and collate (its token types).
+            worker = {"patchify": passes[False], "normalize": passes.get("workers")}.get(family.pixels, passes[True])
             floor = decode_floor_seconds(sorted(ds.glob("shard-*.tar")), time.process_time)
             online, path = _online(recs, ds / "processor")
             tokens = manifest.totals["tokens"] / n
@@ -252,7 +255,10 @@ def loader_rows(quick: bool) -> list[dict]:
                     samples=n,
                     storage={k: c["images"] for k, c in storage.items()},
                     tokens_per_sample=round(tokens, 1),
-                    worker_path="decode only (patchify on the device)" if family.pixels == "patchify" else "host",
+                    worker_path={
+                        "patchify": "decode only (patchify on the device)",
+                        "normalize": "decode and collate (normalize on the device)",
+                    }.get(family.pixels, "host"),
                     loader_samples_per_s=round(n / worker, 1),
                     pdelta_loader_samples_per_s=round(n / pdelta, 1) if pdelta else None,
                     with_pixels_on_this_cpu_samples_per_s=round(n / passes[True], 1),

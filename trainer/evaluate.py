@@ -72,9 +72,7 @@ def _eval_set(net, s: EvalSet, *, device: torch.device, patchifier: Patchifier) 
             for mb in micro_batches:
                 tokens, samples = tokens + mb.num_trained, samples + mb.num_samples
                 mb = mb.to(device)
-                pixels, videos = (
-                    (None, None) if mb.vision else (patchifier(mb.images, mb.image_index), patchifier.videos(mb.videos))
-                )
+                pixels, videos = patchifier.inputs(mb)
                 loss += forward_loss(net, mb, pixels, pixel_values_videos=videos).double()
     finally:
         s.loader.close()

@@ -21,7 +21,9 @@ class Family:
     model_types: tuple[str, ...]  # checkpoints' config.json model_type
     processor_classes: tuple[str, ...]  # the datasets' processor class (manifest processor.class)
     # "patchify": on the device, Qwen2-VL's pixel math and patch layout (trainer/data/vision.py Patchifier; GLM-4.1V's
-    # image processor repeats them); "processor": the dataset's own image processor on the host
+    # image processor repeats them); "normalize": on the device, the image processor's rescale + normalize of the
+    # stored (resized) images, no patches (Patchifier.normalize; Gemma 3 without pan-and-scan, else as "processor"),
+    # the token types on the host; "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
@@ -83,7 +85,13 @@ FAMILIES: tuple[Family, ...] = (
         name="llama-4", model_types=("llama4",), processor_classes=("Llama4Processor",), moe=True, vision=_VISION_MODEL
     ),
     Family(name="mistral-3", model_types=("mistral3",), processor_classes=("PixtralProcessor",), resized=True),
-    Family(name="gemma-3", model_types=("gemma3",), processor_classes=("Gemma3Processor",), resized=True),
+    Family(
+        name="gemma-3",
+        model_types=("gemma3",),
+        processor_classes=("Gemma3Processor",),
+        resized=True,
+        pixels="normalize",
+    ),
     Family(
         name="gemma-4",
         model_types=("gemma4",),

@@ -208,6 +208,7 @@ class FlopCounter:
         self.layers, self.hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
         family = family_of_model(str(net.config.model_type))
         parts = family.vision if family else ("visual",)
+        self.sized = family is not None and family.pixels == "normalize"  # its grid rows are image sizes
         patch = getattr(getattr(net.config, "vision_config", None), "patch_size", 14)
         self.patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         self.vision = self.text = 0
@@ -230,13 +231,14 @@ class FlopCounter:
             lens = [len(p) for p in _segments(b)]
             flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
             # The patchify families' grids count patches; the host families' pixel_values hold them (tiles, crops: an
-            # estimate)
+            # estimate); the grid rows of images normalized on the device (Gemma 3) are their sizes, 1 x H x W
             pixels = b.vision.get("pixel_values")
-            patches = (
-                float(b.image_grid_thw.prod(-1).sum())
-                if pixels is None
-                else pixels.numel() / (3 * self.patch * self.patch)
-            )
+            if pixels is not None:
+                patches = pixels.numel() / (3 * self.patch * self.patch)
+            elif self.sized:
+                patches = float(b.image_grid_thw.prod(-1).sum()) / (self.patch * self.patch)
+            else:
+                patches = float(b.image_grid_thw.prod(-1).sum())
             flops += 6 * self.vision * patches
         return flops
 

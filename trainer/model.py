@@ -213,7 +213,8 @@ def model_inputs(
 ) -> dict:
     """The forward's keyword arguments for `batch` as its family takes them: positions (the stored 3-D MRoPE rows, or
     the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's and GLM's patchified
-    on the device, `pixel_values`; every other family's made on the host, `batch.vision`) and the family's extras."""
+    and Gemma 3's normalized on the device, `pixel_values`; every other family's made on the host, `batch.vision`)
+    and the family's extras (`batch.vision` too: Gemma's token_type_ids, Mllama's cross-attention mask)."""
     family = model_family(net)
     kw = dict(
         input_ids=batch.input_ids,
@@ -223,8 +224,8 @@ def model_inputs(
     )
     if family.mm_token_type_ids:
         kw["mm_token_type_ids"] = batch.mm_token_type_ids
-    if family.pixels == "processor":  # Gemma's token_type_ids, Mllama's cross-attention mask come with them
-        return {**kw, **batch.vision}
+    if family.pixels != "patchify":  # the host's inputs, and pixel_values where the device normalized them
+        return {**kw, **batch.vision, **({} if pixel_values is None else {"pixel_values": pixel_values})}
     assert (pixel_values_videos is None) == (len(batch.videos) == 0), (
         f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"
     )
@@ -333,7 +334,8 @@ def forward_loss(
 
 def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) -> CollateSpec:
     """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
-    the run trains video, and for a family whose pixels the host makes, its pixel maker and placeholder tokens."""
+    the run trains video, and for a family whose pixel inputs the host makes (Gemma 3's normalized on the device:
+    its token types), its pixel maker and placeholder tokens."""
     spec, family = data.image, model_family(net)
     base = CollateSpec(
         pad_id=pad_token_id(net),
@@ -344,7 +346,7 @@ def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) 
         videos=trains_videos(data.datasets, str(net.config.model_type)),
         vocab_size=int(getattr(net.get_input_embeddings(), "num_embeddings", 0)),
     )
-    if family.pixels != "processor":
+    if family.pixels == "patchify":
         return base
     if processor is None:
         raise ConfigError(f"{family.name} needs its processor to make pixel inputs: pass --processor DIR")

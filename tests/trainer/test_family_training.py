@@ -7,6 +7,7 @@ input_ids where loss_mask is 1, and the token ids are the shard's; the trainer's
 are that processor call's, bit for bit."""
 
 import base64
+import dataclasses
 import io
 import json
 import re
@@ -336,6 +337,7 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
     import vlmprep.clients.hf
     from trainer.data.collate import collate
     from trainer.data.datasets import RunData
+    from trainer.metrics import FlopCounter
     from trainer.model import build_model, collate_spec_of, model_inputs, tiny_vocab
     from trainer.options import ModelOptions
     from vlmprep.clients.collate import Collator
@@ -354,7 +356,7 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
     for rows in ([0, 1, 2], [0]):
         want = processor_inputs(processor, [records[k] for k in rows], [images[k] for k in rows], string_content)
         batch = collate([samples[k] for k in rows], cspec)
-        trainer = model_inputs(net, batch, None if batch.vision else _patchify(spec, batch))
+        trainer = model_inputs(net, batch, _patchify(spec, batch))
         client = collator([clients[k] for k in rows])
         for who, got in (("trainer", trainer), ("collator", client)):
             # Positions and labels are the shard's (the processor makes neither); every other key is the processor's.
@@ -367,6 +369,9 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
                     else torch.equal(got[k].long(), v.long())
                 )
                 assert same, (name, rows, who, k, float((got[k].float() - v.float()).abs().max()))
+        if BY_NAME[name].pixels == "normalize":  # FLOPs count the same patches as of the processor's pixel_values
+            host = dataclasses.replace(batch, vision={**batch.vision, "pixel_values": want["pixel_values"]})
+            assert FlopCounter(net).step([batch]) == FlopCounter(net).step([host]) > FlopCounter(net).step([])
 
 
 def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):
@@ -523,12 +528,10 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
 
     def run(batch):
         net.zero_grad()
-        loss = forward_loss(net, batch, None if batch.vision else _patchify(spec, batch))
+        loss = forward_loss(net, batch, _patchify(spec, batch))
         loss.backward()
         with torch.no_grad():
-            out = net(
-                **model_inputs(net, batch, None if batch.vision else _patchify(spec, batch)), output_router_logits=True
-            )
+            out = net(**model_inputs(net, batch, _patchify(spec, batch)), output_router_logits=True)
         real = batch.real.reshape(-1)
         counts = [
             torch.bincount(r.topk(_top_k(net), dim=-1).indices[real].reshape(-1), minlength=r.shape[-1])
@@ -549,7 +552,7 @@ def test_moe_padding_never_reaches_the_router_loss_counts_or_grads(name, tmp_pat
     from trainer.model import _balance_loss_of
 
     with torch.no_grad():  # the loss is the model's own with its config: mean cross-entropy + coef x balance loss
-        own = net(**model_inputs(net, x, None if x.vision else _patchify(spec, x)), labels=x.labels).loss
+        own = net(**model_inputs(net, x, _patchify(spec, x)), labels=x.labels).loss
     assert lx / x.num_trained == pytest.approx(float(own), rel=1e-5)
     if _balance_loss_of(net) is not None:  # the balance loss over the padding as well would differ
         assert float(balance_loss(net, router, torch.ones_like(y.real[:, : x.real.shape[1]]))) != pytest.approx(
@@ -563,9 +566,10 @@ def _top_k(net) -> int:
 
 
 def _patchify(spec, batch):
+    """The pixel_values the training step makes on the device (Patchifier.inputs): None where the host made them."""
     from trainer.data.vision import Patchifier
 
-    return Patchifier(spec, "cpu")(batch.images, batch.image_index)
+    return Patchifier(spec, "cpu").inputs(batch)[0]
 
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES])
@@ -598,7 +602,7 @@ def test_a_micro_batch_without_images_gets_a_placeholder_image_and_the_same_loss
     equals the model's on the text alone, without any image."""
     from trainer.data.collate import collate
     from trainer.data.datasets import RunData
-    from trainer.model import build_model, collate_spec_of, forward_loss, tiny_vocab
+    from trainer.model import build_model, collate_spec_of, forward_loss, model_inputs, tiny_vocab
     from trainer.options import ModelOptions
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
@@ -621,8 +625,13 @@ def test_a_micro_batch_without_images_gets_a_placeholder_image_and_the_same_loss
     assert (
         int(batch.lengths[0]) == text[0].num_tokens + batch.filler and batch.num_trained == text[0].loss_mask[1:].sum()
     )
+    pixels = _patchify(spec, batch)
+    # the vision tower gets the placeholder's pixels (Gemma 3's normalized here: one image of its stored size)
+    assert model_inputs(net, batch, pixels)["pixel_values"] is not None
+    if BY_NAME[name].pixels == "normalize":
+        assert "pixel_values" not in batch.vision and pixels.shape == (1, 3, *cspec.placeholder_size)
     with torch.no_grad():
-        ours = float(forward_loss(net, batch, None if batch.vision else _patchify(spec, batch)))
+        ours = float(forward_loss(net, batch, pixels))
         ids = torch.as_tensor(text[0].input_ids).long()[None]
         labels = torch.where(torch.as_tensor(text[0].loss_mask).bool()[None], ids, -100)
         alone = float(net(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss)

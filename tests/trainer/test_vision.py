@@ -82,12 +82,9 @@ def _photo_records(path) -> list:
     return raw
 
 
-@pytest.mark.parametrize("image_format", ["auto", "zstd-pdelta"])
-def test_glm_pixel_values_made_on_the_device_equal_its_image_processors_on_the_raw_photos(image_format, tmp_path):
-    """GLM-4.1V trains with Qwen's device Patchifier: for a dataset built with tiny:glm-4.1v (photos stored as their
-    JPEG bytes by the default, resized at load time; or as zstd-pdelta pixels resized at build time), the decoded
-    samples patchified on the device give bit for bit the pixel_values and grids that Glm4vImageProcessor itself
-    makes from the raw photos (its own resize, rescale, normalize and patch layout)."""
+def _built_photos(tmp_path, name: str, image_format: str):
+    """The photo records built with tiny:`name` in `image_format` -> the raw photos, the trainer's ImageSpec of the
+    dataset, its saved image processor, the decoded samples' unique images and their per-occurrence index."""
     from transformers import AutoImageProcessor
 
     from trainer.data.processors import (
@@ -95,18 +92,16 @@ def test_glm_pixel_values_made_on_the_device_equal_its_image_processors_on_the_r
         load_processor_settings,
         load_video_processor_config,
     )
-    from trainer.families import BY_NAME
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
     from vlmprep.shards.reader import iter_dataset
 
-    assert BY_NAME["glm-4.1v"].pixels == "patchify"
     raw = _photo_records(tmp_path / "photos.jsonl")
     ds = tmp_path / "ds"
     cfg = BuildConfig(
         inputs=(str(tmp_path / "photos.jsonl"),),
         out=str(ds),
-        processor="tiny:glm-4.1v",
+        processor=f"tiny:{name}",
         image_format=image_format,
         progress=False,
     )
@@ -118,18 +113,78 @@ def test_glm_pixel_values_made_on_the_device_equal_its_image_processors_on_the_r
         load_image_processor_config(where), load_video_processor_config(where), load_processor_settings(where)
     )
     processor = AutoImageProcessor.from_pretrained(where, local_files_only=True)
-    assert type(processor).__name__ == spec.kind == "Glm4vImageProcessor"
     samples = read_all_samples(ds, spec)
     images, index = [], []
     for s in samples:
         index += [len(images) + u for u in s.image_index]
         images += [torch.as_tensor(im) for im in s.images]
+    return raw, spec, processor, samples, images, index
+
+
+@pytest.mark.parametrize("image_format", ["auto", "zstd-pdelta"])
+def test_glm_pixel_values_made_on_the_device_equal_its_image_processors_on_the_raw_photos(image_format, tmp_path):
+    """GLM-4.1V trains with Qwen's device Patchifier: for a dataset built with tiny:glm-4.1v (photos stored as their
+    JPEG bytes by the default, resized at load time; or as zstd-pdelta pixels resized at build time), the decoded
+    samples patchified on the device give bit for bit the pixel_values and grids that Glm4vImageProcessor itself
+    makes from the raw photos (its own resize, rescale, normalize and patch layout)."""
+    from trainer.families import BY_NAME
+
+    assert BY_NAME["glm-4.1v"].pixels == "patchify"
+    raw, spec, processor, samples, images, index = _built_photos(tmp_path, "glm-4.1v", image_format)
+    assert type(processor).__name__ == spec.kind == "Glm4vImageProcessor"
     ref = processor(images=raw, return_tensors="pt")
     ours = Patchifier(spec, "cpu")(images, index)
     assert ours.dtype == ref["pixel_values"].dtype == torch.float32 and ours.shape == ref["pixel_values"].shape
     assert torch.equal(ours, ref["pixel_values"]), float((ours - ref["pixel_values"]).abs().max())
     grids = np.concatenate([s.image_grid_thw for s in samples if len(s.image_grid_thw)])
     assert grids.tolist() == ref["image_grid_thw"].tolist() == [list(spec.grid(*images[u].shape[:2])) for u in index]
+
+
+@pytest.mark.parametrize("image_format", ["auto", "zstd-pdelta"])
+def test_gemma3_pixel_values_normalized_on_the_device_equal_its_image_processors_on_the_raw_photos(
+    image_format, tmp_path
+):
+    """Gemma 3 normalizes on the device: for a dataset built with tiny:gemma-3 (photos kept as JPEG bytes, resized
+    to 896x896 at load time; or stored resized as zstd-pdelta), the decoded samples' pixel_values made by Patchifier
+    (N x 3 x 896 x 896) equal bit for bit what Gemma3ImageProcessor itself makes from the raw photos (its resize,
+    its fused rescale + normalize); and with the PIL backend's class (Gemma3ImageProcessorPil: rescale in float64,
+    then normalize) saved instead, what that class makes of the same stored pixels."""
+    import transformers
+
+    from trainer.families import BY_NAME
+
+    assert BY_NAME["gemma-3"].pixels == "normalize"
+    raw, spec, processor, _, images, index = _built_photos(tmp_path, "gemma-3", image_format)
+    assert type(processor).__name__ == spec.kind == "Gemma3ImageProcessor" and spec.normalized
+    ref = processor(images=raw, return_tensors="pt")
+    ours = Patchifier(spec, "cpu")(images, index)
+    assert ours.dtype == ref["pixel_values"].dtype == torch.float32 and ours.shape == (4, 3, 896, 896)
+    assert ours.shape == ref["pixel_values"].shape
+    assert torch.equal(ours, ref["pixel_values"]), float((ours - ref["pixel_values"]).abs().max())
+
+    pil_spec = ImageSpec.from_config({**spec.config, "image_processor_type": "Gemma3ImageProcessorPil"})
+    pil = transformers.Gemma3ImageProcessorPil(**processor.to_dict())
+    stored = [Image.fromarray(images[u].numpy()) for u in index]
+    pil_ref = pil(images=stored, do_resize=False, return_tensors="pt")["pixel_values"]
+    pil_ours = Patchifier(pil_spec, "cpu")(images, index)
+    assert torch.equal(pil_ours, pil_ref), float((pil_ours - pil_ref).abs().max())
+    assert not torch.equal(pil_ref, ref["pixel_values"])  # the two backends differ: each got its own arithmetic
+
+
+def test_gemma3_repeated_images_are_normalized_once_and_indexed_and_pan_and_scan_stays_on_the_host():
+    """A repeated image's occurrences get the same rows (token order); a saved Gemma 3 processor with pan-and-scan on
+    (its crops) is not normalized on the device: its host processor makes its pixel_values."""
+    import transformers
+
+    ip = transformers.Gemma3ImageProcessor(size={"height": 56, "width": 56}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    spec = ImageSpec.from_config({**ip.to_dict(), "image_processor_type": "Gemma3ImageProcessor"})
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(0, 256, (56, 56, 3), dtype=np.uint8) for _ in range(2))
+    ours = Patchifier(spec, "cpu")([torch.from_numpy(a), torch.from_numpy(b)], [1, 0, 1])
+    ref = ip(images=[Image.fromarray(x) for x in (b, a, b)], do_resize=False, return_tensors="pt")["pixel_values"]
+    assert torch.equal(ours, ref)
+    panned = ImageSpec.from_config({**spec.config, "do_pan_and_scan": True})
+    assert spec.normalized and not panned.normalized and not panned.do_normalize
 
 
 @pytest.mark.parametrize("kind", ["Qwen2VLImageProcessorPil", "Glm4vImageProcessorPil"])

@@ -1,7 +1,9 @@
 """Pixels: the stored uint8 H x W x 3 images (and video frames) -> the model's pixel inputs. Qwen's families and
 GLM-4.1V on the training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch
-layout of the saved image and video processors, which GLM-4.1V's image processor repeats); every other family on the
-host (HostPixels: the dataset's own saved image processor on the stored pixels, in the DataLoader workers).
+layout of the saved image and video processors, which GLM-4.1V's image processor repeats); Gemma 3's on the device too
+(Patchifier: the same rescale + normalize of its stored, already resized images, stacked N x 3 x H x W; without
+pan-and-scan); every other family on the host (HostPixels: the dataset's own saved image processor on the stored
+pixels, in the DataLoader workers).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
 GRID = tuple(
     f"{kind}{backend}" for kind in ("Qwen2VLImageProcessor", "Glm4vImageProcessor") for backend in ("", "Fast", "Pil")
 )
+# Images whose pixel_values are the stored (already resized) image itself, rescaled and normalized, N x 3 x H x W,
+# which Patchifier makes on the device: Gemma 3's image processor without pan-and-scan (its crops stay on the host).
+NORMALIZED = tuple(f"Gemma3ImageProcessor{backend}" for backend in ("", "Fast", "Pil"))
+_MATH = ("image_mean", "image_std", "rescale_factor", "do_rescale", "do_normalize")
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class ImageSpec:
     config: dict = field(compare=False, repr=False)  # the processor's own dict, for load-time resizing
     video: "ImageSpec | None" = field(default=None, compare=False, repr=False)  # the saved video processor's
     grid_images: bool = True  # False: a family whose images are not on a patch grid (grid rows are the size)
+    normalized: bool = False  # pixel_values are the rescaled + normalized images, N x 3 x H x W, made on the device
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
     resize_patch: int = field(default=0, compare=False, repr=False)
@@ -60,17 +67,20 @@ class ImageSpec:
         patch, merge = top.get("patch_size"), top.get("spatial_merge_size", 1)  # untrusted: checked before use
         resize_patch = patch * merge if all(type(v) is int and 0 < v <= 1024 for v in (patch, merge)) else 0
         if kind not in GRID + VIDEO_SUPPORTED:
+            # Gemma 3 normalizes on the device where its saved settings name the whole math and no pan-and-scan
+            normalized = kind in NORMALIZED and not cfg.get("do_pan_and_scan") and all(k in cfg for k in _MATH)
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
                 merge_size=1,
-                image_mean=(),
-                image_std=(),
-                rescale_factor=1.0,
-                do_rescale=False,
-                do_normalize=False,
+                image_mean=tuple(cfg["image_mean"]) if normalized else (),
+                image_std=tuple(cfg["image_std"]) if normalized else (),
+                rescale_factor=float(cfg["rescale_factor"]) if normalized else 1.0,
+                do_rescale=bool(cfg["do_rescale"]) if normalized else False,
+                do_normalize=bool(cfg["do_normalize"]) if normalized else False,
                 config=dict(cfg),
                 grid_images=False,
+                normalized=normalized,
                 resize_patch=resize_patch,
             )
         return cls(
@@ -101,7 +111,8 @@ class ImageSpec:
 class Patchifier:
     """Same ops, same order, same dtypes as transformers' rescale_and_normalize + patchify, so pixel_values
     match the processor's bit for bit on the same device; elementwise ops commute with the reshapes. A saved `*Pil`
-    processor (the PIL backend) gets that backend's own order: numpy's rescale, then its normalize."""
+    processor (the PIL backend) gets that backend's own order: numpy's rescale, then its normalize. A `normalized`
+    spec (Gemma 3) gets the same rescale + normalize and no patches: the images stacked N x 3 x H x W."""
 
     def __init__(self, spec: ImageSpec, device: torch.device | str):
         self.spec = spec
@@ -146,12 +157,31 @@ class Patchifier:
         h, w = image.shape[0], image.shape[1]
         return (h // self.spec.patch_size) * (w // self.spec.patch_size)
 
+    def inputs(self, batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A micro-batch's (pixel_values, pixel_values_videos) made here, on the device; (None, None) where the host
+        made its pixel_values (in `batch.vision`, with the family's extras: what the forward takes, model_inputs)."""
+        if "pixel_values" in batch.vision:
+            return None, None
+        return self(batch.images, batch.image_index), self.videos(batch.videos)
+
+    def normalize(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
+        """Unique uint8 H x W x 3 images (all of one size: the processor's resize) + per-occurrence index -> float32
+        pixel_values of all occurrences in token order, N x 3 x H x W: the image processor's rescale + normalize of
+        each, no patches (Gemma 3's)."""
+        assert len({tuple(im.shape) for im in images}) == 1, "images of different sizes: were they resized?"
+        x = torch.stack([im.to(self.device, non_blocking=True) for im in images]).permute(0, 3, 1, 2)
+        x = self._scale(x.contiguous(), (1, -1, 1, 1))
+        return x if list(index) == list(range(len(images))) else x[torch.as_tensor(index, device=self.device)]
+
     def __call__(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
         """Unique uint8 H x W x 3 images + per-occurrence index -> float32 pixel_values of all occurrences in token
-        order, (sum of patches) x (3 * t * p * p). Each image is scaled on a contiguous C x H x W copy and
-        gathered straight into its rows of the output: pixel_values are large (a 1288x728 screenshot is 22 MB),
-        so every extra pass over them (a stack, a reshape copy, a cat) costs more than the arithmetic."""
+        order, (sum of patches) x (3 * t * p * p) (a `normalized` spec: N x 3 x H x W, `normalize`). Each image is
+        scaled on a contiguous C x H x W copy and gathered straight into its rows of the output: pixel_values are
+        large (a 1288x728 screenshot is 22 MB), so every extra pass over them (a stack, a reshape copy, a cat) costs
+        more than the arithmetic."""
         s = self.spec
+        if s.normalized:
+            return self.normalize(images, index)
         dim = 3 * s.temporal_patch_size * s.patch_size * s.patch_size
         sizes = [self.num_patches(images[u]) for u in index]
         out = torch.empty((sum(sizes), dim), dtype=torch.float32, device=self.device)
@@ -216,6 +246,7 @@ def host_pixels(
         spec.config,
         image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
         max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0),
+        images=not spec.normalized,
     )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     # The processor's own expansion of its image token, never the dataset's chat template (untrusted Jinja: a
@@ -240,13 +271,16 @@ class HostPixels:
     """The dataset's own image processor, on the host (in the DataLoader workers): each micro-batch's stored images ->
     the model's pixel inputs (pixel_values and whatever else the family's forward takes: aspect ratios, image
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
-    the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares). Picklable: each process loads the
-    processor (its saved config only, no code) once, on first use."""
+    the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
+    its token types alone. Picklable: each process loads the processor (its saved config only, no code) once, on
+    first use."""
 
-    def __init__(self, family, config: dict, *, image_token_id: int = -1, max_tiles: int = 0):
+    def __init__(self, family, config: dict, *, image_token_id: int = -1, max_tiles: int = 0, images: bool = True):
         """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
-        made from (Mllama); `max_tiles`: its tiles per image."""
+        made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
+        (Patchifier.normalize), this only the family's extras from the tokens (Gemma 3's token_type_ids)."""
         self.family = family
+        self.images = images
         self.rule = RULES[family.processor_classes[0]]
         self.config = dict(config)
         self.image_token_id = image_token_id
@@ -270,8 +304,10 @@ class HostPixels:
     def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
         """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the
         model's pixel inputs for the micro-batch."""
+        if not self.images:  # no image for the processor: it is never loaded, and only the extras are made
+            per_sample = [[] for _ in per_sample]
         return pixel_inputs(
-            self.processor,
+            self.processor if self.images else None,
             self.rule,
             per_sample,
             resize=not self.family.resized,
