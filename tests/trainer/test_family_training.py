@@ -291,6 +291,23 @@ def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
     )
 
 
+@pytest.mark.slow  # two trainer runs with an export (~20 s of CPU): make test is at its budget
+@pytest.mark.parametrize("name", ["gemma-3", "qwen2-vl"])  # pixels normalized on the device; patchified there
+def test_eval_with_the_devices_pixel_values_is_the_exported_models_own_loss(name, tmp_path, batch_datasets):
+    """--eval-data makes its pixel inputs as training does (trainer/evaluate.py: Patchifier.inputs): the eval row over
+    the three samples equals the exported model's own loss on the processor's batch of the raw records (lr 1e-30:
+    the step leaves the weights as they were)."""
+    from tests.trainer.conftest import read_metrics
+    from vlmprep.families import FAMILIES as RENDER_FAMILIES
+
+    ds, records, images = batch_datasets(name)
+    train_one_step(ds, tmp_path / "run", name, "--micro-batch-size", "3", "--eval-data", str(ds))
+    [row] = [r for r in read_metrics(tmp_path / "run") if "eval_loss" in r]
+    string_content = RENDER_FAMILIES[BY_NAME[name].processor_classes[0]].string_content
+    loss, _ = own_loss(tmp_path / "run" / "hf", records, images, shard_samples(ds), string_content)
+    assert row["eval_samples"] == 3 and row["eval_loss"] == pytest.approx(loss, rel=1e-5), (row, loss)
+
+
 def test_each_familys_collator_with_hf_trainer_gives_the_trainers_step_1_loss(trained, tmp_path):
     """The Collator (vlmprep/clients/collate.py) as HF Trainer's data_collator over the HF datasets reader, the same
     tiny model (same seed, vocabulary), the same micro-batch of three: its step-1 loss is the trainer's."""
