@@ -29,7 +29,19 @@ GRID = tuple(
 # Images whose pixel_values are the stored (already resized) image itself, rescaled and normalized, N x 3 x H x W,
 # which Patchifier makes on the device: Gemma 3's image processor without pan-and-scan (its crops stay on the host).
 NORMALIZED = tuple(f"Gemma3ImageProcessor{backend}" for backend in ("", "Fast", "Pil"))
-_MATH = ("image_mean", "image_std", "rescale_factor", "do_rescale", "do_normalize")
+_NO_MATH = dict(image_mean=(), image_std=(), rescale_factor=1.0, do_rescale=False, do_normalize=False)
+_MATH = tuple(_NO_MATH)  # the saved processor's settings that make its rescale and normalization
+
+
+def _math(cfg: dict) -> dict:
+    """The saved processor's rescale and normalization (_MATH), as ImageSpec holds them."""
+    return dict(
+        image_mean=tuple(cfg["image_mean"]),
+        image_std=tuple(cfg["image_std"]),
+        rescale_factor=float(cfg["rescale_factor"]),
+        do_rescale=bool(cfg["do_rescale"]),
+        do_normalize=bool(cfg["do_normalize"]),
+    )
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,7 @@ class ImageSpec:
     def from_config(cls, cfg: dict, video: dict | None = None, settings: dict | None = None) -> "ImageSpec":
         """`video`: the saved video processor's dict, whose mean/std/rescale make pixel_values_videos; `settings`:
         the processor's own (processor_config.json's top level). A processor of a family that is not on a
-        patch grid is read for its name only (its own class makes the pixels)."""
+        patch grid is read for its name only (its own class makes the pixels), and Gemma 3's for its math too."""
         kind = cfg.get("image_processor_type") or cfg.get("video_processor_type")
         if not isinstance(kind, str) or not kind.endswith(
             ("ImageProcessor", "ImageProcessorFast", "ImageProcessorPil", "VideoProcessor")
@@ -73,11 +85,7 @@ class ImageSpec:
                 patch_size=1,
                 temporal_patch_size=1,
                 merge_size=1,
-                image_mean=tuple(cfg["image_mean"]) if normalized else (),
-                image_std=tuple(cfg["image_std"]) if normalized else (),
-                rescale_factor=float(cfg["rescale_factor"]) if normalized else 1.0,
-                do_rescale=bool(cfg["do_rescale"]) if normalized else False,
-                do_normalize=bool(cfg["do_normalize"]) if normalized else False,
+                **(_math(cfg) if normalized else _NO_MATH),
                 config=dict(cfg),
                 grid_images=False,
                 normalized=normalized,
@@ -88,11 +96,7 @@ class ImageSpec:
             patch_size=int(cfg["patch_size"]),
             temporal_patch_size=int(cfg["temporal_patch_size"]),
             merge_size=int(cfg["merge_size"]),
-            image_mean=tuple(cfg["image_mean"]),
-            image_std=tuple(cfg["image_std"]),
-            rescale_factor=float(cfg["rescale_factor"]),
-            do_rescale=bool(cfg["do_rescale"]),
-            do_normalize=bool(cfg["do_normalize"]),
+            **_math(cfg),
             config=dict(cfg),
             resize_patch=resize_patch,
         )
