@@ -27,12 +27,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Shared by every driver: the process's CPU seconds so far (user + system, finished children included).
+# Shared by every driver: the process's CPU seconds so far (user + system, finished children included). The process's
+# own by process_time (ns), not os.times (10 ms ticks): an epoch of a few samples is a few ticks, and vlmprep's epoch
+# less its patchify (timed by process_time) must not mix the two resolutions.
 PRELUDE = """
 import json, os, sys, time
 def _cpu():
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return time.process_time() + t.children_user + t.children_system
 """
 
 VLMPREP_EPOCHS = (
@@ -201,9 +203,9 @@ def vlmprep_epochs(dataset: str, processor: str, run_dir: str, epochs: int, batc
     return out
 
 
-def _cpu() -> float:
+def _cpu() -> float:  # PRELUDE's
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return time.process_time() + t.children_user + t.children_system
 
 
 def _epoch(c0: float, t0: float, samples: int, tokens: int, images: int) -> dict:
