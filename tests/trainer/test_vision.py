@@ -3,6 +3,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import LLAMAFACTORY
 from tests.trainer.conftest import read_all_samples
 from trainer.data.vision import ImageSpec, Patchifier
 
@@ -203,3 +204,34 @@ def test_pixel_values_equal_the_pil_backends_own_arithmetic(kind):
         ours = Patchifier(spec, "cpu")([torch.from_numpy(im) for im in images], [0, 1, 2])
         assert ours.dtype == ref["pixel_values"].dtype == torch.float32
         assert torch.equal(ours, ref["pixel_values"]), (flags, float((ours - ref["pixel_values"]).abs().max()))
+
+
+@pytest.mark.parametrize(
+    "name", ["llama-3.2-vision", "llama-4", "mistral-3", "gemma-4", "internvl", "llava-onevision", "smolvlm"]
+)
+def test_host_pixel_inputs_from_channels_first_views_equal_the_processors_on_pil_images(name, monkeypatch):
+    """The host path hands a torchvision-backend processor channels-first views of the stored pixels, not PIL images:
+    every output equals the processor's own on PIL images of the same pixels, bit for bit, for a demo photo, a
+    larger one, two images of one sample and images 3 pixels tall or wide (channels-last pixels, or a layout read
+    from the shape alone, would take their rows for channels)."""
+    from trainer.families import BY_NAME
+    from vlmprep.processors.load import load_processor
+    from vlmprep_schemas import pixels
+
+    processor = load_processor(f"tiny:{name}")
+    ip, rule = processor.image_processor, pixels.RULES[type(processor).__name__]
+    assert pixels._input_maker(ip) is pixels._channels_first, type(ip).__mro__
+    resize = not BY_NAME[name].resized
+    rng = np.random.default_rng(5)
+    photo = np.asarray(Image.open(LLAMAFACTORY / "mllm_demo_data" / "2.jpg").convert("RGB"))
+    big = np.asarray(Image.fromarray(photo).resize((1200, 700)))
+    thin = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in [(3, 40, 3), (40, 3, 3)]]
+    ids = np.zeros((1, 4), np.int64)
+    for per_sample in ([[photo]], [[big, photo]], [[thin[0]]], [[thin[1]]]):
+        ours = pixels.pixel_inputs(ip, rule, per_sample, resize=resize, ids=ids, mm=ids)
+        with monkeypatch.context() as m:
+            m.setattr(pixels, "_input_maker", lambda _ip: pixels._pil)
+            ref = pixels.pixel_inputs(ip, rule, per_sample, resize=resize, ids=ids, mm=ids)
+        assert ours.keys() == ref.keys() and ours
+        for k in ref:
+            assert torch.equal(ours[k], ref[k]), (name, k, [im.shape for im in per_sample[0]])
