@@ -9,7 +9,7 @@ much larger, every other image zstd-pdelta) against `zstd-pdelta` everywhere.
   demo's; 12 MP JPEGs resized to the pixel budget), samples/s per core beside the online path (TRL's collator where
   it takes the family's processor, else the processor's apply_chat_template) and the floor (shard read + the bare
   decode of every stored member), and how many times one core covers a GPU's need (NEED_TOKENS_PER_S,
-  docs/performance.md).
+  docs/performance.md), counting the language model's tokens alone and with the vision tower's patches too.
 `--workers 2` on short records is bench_build's `speedup_2_workers` row (shape short_vqa), which `--only photos` runs
 too. Each stored-photo loader row also runs the same records stored as zstd-pdelta (`pdelta_*`).
 """
@@ -36,6 +36,13 @@ REAL_TRACES = Path(
 # one loader core should cover it NEED_TIMES over.
 NEED_TOKENS_PER_S = 9000
 NEED_TIMES = 5
+# The vision tower's share of that GPU time, as the trainer's FlopCounter counts a step (6 x parameters per text token
+# and per vision patch): a patch costs VISION_PARAMS / TEXT_PARAMS of a text token. 300M is the smallest tower of
+# these families' 7B-class checkpoints (InternViT-300M; SigLIP-so400m, Pixtral's, Qwen's and Mllama's are 0.4-0.9B),
+# so the need counted with it is not understated.
+TEXT_PARAMS, VISION_PARAMS = 7e9, 3e8
+# The released checkpoints' patch sides (the tiny models patchify coarser): pixels the tower sees -> patches.
+REAL_PATCH = {"qwen3-vl": 16, "qwen3.5": 16, "gemma-4": 16, "smolvlm": 16}  # the others: 14
 LARGE = (4000, 3000)  # a 12 MP photo
 GRID_BUDGET = 1_003_520  # --max-pixels of the grid families' large rows: ~1,280 tokens an image
 
@@ -190,6 +197,30 @@ def _online(lines: list[dict], processor_dir: Path) -> tuple[float, str]:
         return cpu() - t0, "apply_chat_template"
 
 
+def vision_patches(ds: Path, name: str) -> float:
+    """Vision patches a sample of the dataset gives the tower, on average, from the pixel_values its micro-batches make
+    (the host's or the device's; padded tiles included: the tower runs on them): their rows where they are patch rows,
+    else their pixels over the released checkpoint's patch area."""
+    from benchmarks.bench_families import _spec
+    from trainer.data.collate import collate
+    from trainer.data.sources import resolve_data
+    from trainer.data.streams import RankStream
+    from trainer.data.vision import Patchifier
+
+    image, cspec = _spec(ds, name)
+    patchify = Patchifier(image, "cpu")
+    area = REAL_PATCH.get(name, 14) ** 2
+    patches = n = 0
+    for sample in RankStream(list(resolve_data(str(ds)).shards), start=0, spec=image):
+        batch = collate([sample], cspec)
+        made = patchify.inputs(batch)[0]
+        pv = made if made is not None else batch.vision.get("pixel_values")
+        if pv is not None:  # 2-D: one row a patch (Qwen's rows hold a patch twice, its temporal pair); else images
+            patches += pv.shape[0] if pv.dim() == 2 else pv.numel() / 3 / area
+        n += 1
+    return patches / max(n, 1)
+
+
 def loader_rows(quick: bool) -> list[dict]:
     """Per family and photo shape: the trainer's data path, the online path and the floor, samples/s per core."""
     from benchmarks.bench_families import loader_pass
@@ -245,7 +276,9 @@ def loader_rows(quick: bool) -> list[dict]:
             floor = decode_floor_seconds(sorted(ds.glob("shard-*.tar")), time.process_time)
             online, path = _online(recs, ds / "processor")
             tokens = manifest.totals["tokens"] / n
-            need = NEED_TOKENS_PER_S / tokens  # samples a second one GPU takes
+            need = NEED_TOKENS_PER_S / tokens  # samples a second one GPU takes, counting its text tokens alone
+            patches = vision_patches(ds, family.name)
+            need_vision = NEED_TOKENS_PER_S / (tokens + patches * VISION_PARAMS / TEXT_PARAMS)  # and its tower
             rows.append(
                 emit(
                     "photos",
@@ -268,6 +301,9 @@ def loader_rows(quick: bool) -> list[dict]:
                     speedup_vs_online=round(online / worker, 2),
                     need_samples_per_s=round(need, 1),
                     covers_need=round(n / worker / need, 1),
+                    vision_patches_per_sample=round(patches, 1),
+                    need_with_vision_samples_per_s=round(need_vision, 1),
+                    covers_need_with_vision=round(n / worker / need_vision, 1),
                     goal_covers_need=NEED_TIMES,
                 )
             )

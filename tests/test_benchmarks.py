@@ -116,6 +116,7 @@ REQUIRED = {
         "floor_samples_per_s",
         "online_samples_per_s",
         "covers_need",
+        "covers_need_with_vision",
     },
     ("families", None): {
         "family",
