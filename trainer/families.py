@@ -23,7 +23,10 @@ class Family:
     # "patchify": on the device, Qwen2-VL's pixel math and patch layout (trainer/data/vision.py Patchifier; GLM-4.1V's
     # image processor repeats them); "normalize": on the device, the image processor's rescale + normalize of the
     # stored (resized) images, no patches (Patchifier.normalize; Gemma 3 without pan-and-scan, else as "processor"),
-    # the token types on the host; "processor": the dataset's own image processor on the host
+    # the token types on the host; "patches": on the device, the image processor's rescale + normalize, patchify and
+    # zero padding of the images the DataLoader workers resized with it, their position ids from the workers
+    # (trainer/data/tiles.py; Gemma 4's torchvision backend, else as "processor");
+    # "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
@@ -96,6 +99,7 @@ FAMILIES: tuple[Family, ...] = (
         name="gemma-4",
         model_types=("gemma4",),
         processor_classes=("Gemma4Processor",),
+        pixels="patches",
         mm_token_type_ids=True,
         vision=("vision_tower", "embed_vision"),
     ),

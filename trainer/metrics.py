@@ -231,10 +231,14 @@ class FlopCounter:
             lens = [len(p) for p in _segments(b)]
             flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
             # The patchify families' grids count patches; the host families' pixel_values hold them (tiles, crops: an
-            # estimate); the grid rows of images normalized on the device (Gemma 3) are their sizes, 1 x H x W
+            # estimate); the grid rows of images normalized on the device (Gemma 3) are their sizes, 1 x H x W;
+            # Gemma 4's position ids on the device path have a row per patch of its pixel_values, padding included
             pixels = b.vision.get("pixel_values")
+            placed = b.vision.get("image_position_ids")
             if pixels is not None:
                 patches = pixels.numel() / (3 * self.patch * self.patch)
+            elif placed is not None:
+                patches = float(placed.shape[0] * placed.shape[1])
             elif self.sized:
                 patches = float(b.image_grid_thw.prod(-1).sum()) / (self.patch * self.patch)
             else:

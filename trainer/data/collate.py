@@ -258,8 +258,9 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
 
+    vision, images = host_inputs(spec, samples, fill, ids, mm, images, index)
     return Batch(
-        vision=host_inputs(spec, samples, fill, ids, mm),
+        vision=vision,
         filler=len(extra),
         input_ids=torch.from_numpy(ids),
         loss_mask=torch.from_numpy(loss),
@@ -279,15 +280,21 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
     )
 
 
-def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray) -> dict:
+def host_inputs(
+    spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray, images: list, index
+) -> tuple[dict, list]:
     """A host family's pixel inputs for the micro-batch: each sample's images in token order through the dataset's
-    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for the patchify families)."""
+    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for the patchify families);
+    and its unique `images` (per-occurrence `index`) as the device takes them (Gemma 4's resized here, with their
+    position ids among the inputs: HostPixels.device_images)."""
     if spec.host is None:
-        return {}
+        return {}, images
     per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
     if "images" in fill:
         per_sample[0] = fill["images"]
-    return spec.host(per_sample, ids, mm)
+    vision = spec.host(per_sample, ids, mm)
+    images, extra = spec.host.device_images(images, index)
+    return {**vision, **extra}, images
 
 
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:

@@ -2,7 +2,8 @@
 GLM-4.1V on the training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch
 layout of the saved image and video processors, which GLM-4.1V's image processor repeats); Gemma 3's on the device too
 (Patchifier: the same rescale + normalize of its stored, already resized images, stacked N x 3 x H x W; without
-pan-and-scan); every other family on the host (HostPixels: the dataset's own saved image processor on the stored
+pan-and-scan); Gemma 4's on the device from the images the workers resized (trainer/data/tiles.py); every other family
+on the host (HostPixels: the dataset's own saved image processor on the stored
 pixels, in the DataLoader workers).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.data import tiles
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
@@ -61,6 +63,9 @@ class ImageSpec:
     video: "ImageSpec | None" = field(default=None, compare=False, repr=False)  # the saved video processor's
     grid_images: bool = True  # False: a family whose images are not on a patch grid (grid rows are the size)
     normalized: bool = False  # pixel_values are the rescaled + normalized images, N x 3 x H x W, made on the device
+    # Gemma 4: pixel_values are the workers' resized images rescaled + normalized, patchified and zero-padded to this
+    # budget on the device (trainer/data/tiles.py); None: another family
+    budget: tiles.PatchBudget | None = None
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
     resize_patch: int = field(default=0, compare=False, repr=False)
@@ -79,16 +84,20 @@ class ImageSpec:
         patch, merge = top.get("patch_size"), top.get("spatial_merge_size", 1)  # untrusted: checked before use
         resize_patch = patch * merge if all(type(v) is int and 0 < v <= 1024 for v in (patch, merge)) else 0
         if kind not in GRID + VIDEO_SUPPORTED:
-            # Gemma 3 normalizes on the device where its saved settings name the whole math and no pan-and-scan
-            normalized = kind in NORMALIZED and not cfg.get("do_pan_and_scan") and all(k in cfg for k in _MATH)
+            # Gemma 3 normalizes on the device where its saved settings name the whole math and no pan-and-scan, Gemma 4
+            # patchifies there where they name the math and its patch budget
+            math = all(k in cfg for k in _MATH)
+            normalized = math and kind in NORMALIZED and not cfg.get("do_pan_and_scan")
+            budget = tiles.PatchBudget.of(cfg) if math else None
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
                 merge_size=1,
-                **(_math(cfg) if normalized else _NO_MATH),
+                **(_math(cfg) if normalized or budget else _NO_MATH),
                 config=dict(cfg),
                 grid_images=False,
                 normalized=normalized,
+                budget=budget,
                 resize_patch=resize_patch,
             )
         return cls(
@@ -186,6 +195,8 @@ class Patchifier:
         s = self.spec
         if s.normalized:
             return self.normalize(images, index)
+        if s.budget is not None:
+            return tiles.patches(self._scale, images, index, s.budget, self.device)
         dim = 3 * s.temporal_patch_size * s.patch_size * s.patch_size
         sizes = [self.num_patches(images[u]) for u in index]
         out = torch.empty((sum(sizes), dim), dtype=torch.float32, device=self.device)
@@ -250,7 +261,8 @@ def host_pixels(
         spec.config,
         image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
         max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0),
-        images=not spec.normalized,
+        images=not (spec.normalized or spec.budget),
+        budget=spec.budget,
     )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     # The processor's own expansion of its image token, never the dataset's chat template (untrusted Jinja: a
@@ -276,15 +288,27 @@ class HostPixels:
     the model's pixel inputs (pixel_values and whatever else the family's forward takes: aspect ratios, image
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
     the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
-    its token types alone. Picklable: each process loads the processor (its saved config only, no code) once, on
+    its token types alone; for Gemma 4 patchified on the device, the resized images and their position ids
+    (device_images). Picklable: each process loads the processor (its saved config only, no code) once, on
     first use."""
 
-    def __init__(self, family, config: dict, *, image_token_id: int = -1, max_tiles: int = 0, images: bool = True):
+    def __init__(
+        self,
+        family,
+        config: dict,
+        *,
+        image_token_id: int = -1,
+        max_tiles: int = 0,
+        images: bool = True,
+        budget: tiles.PatchBudget | None = None,
+    ):
         """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
         made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
-        (Patchifier.normalize), this only the family's extras from the tokens (Gemma 3's token_type_ids)."""
+        (Patchifier), this only the family's extras from the tokens (Gemma 3's token_type_ids); `budget`: Gemma 4's
+        patch budget, whose images this resizes for the device (device_images)."""
         self.family = family
         self.images = images
+        self.budget = budget
         self.rule = RULES[family.processor_classes[0]]
         self.config = dict(config)
         self.image_token_id = image_token_id
@@ -304,6 +328,15 @@ class HostPixels:
                 Path(tmp, "preprocessor_config.json").write_text(json.dumps(self.config))
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         return self._ip
+
+    def device_images(self, images: list, index: list[int]) -> tuple[list, dict[str, torch.Tensor]]:
+        """The micro-batch's unique stored images (uint8 H x W x 3) + per-occurrence index -> the images the device
+        makes pixel_values of, and the inputs made here from them: for Gemma 4 each resized once by the processor's
+        own resize, and their image_position_ids; else the images as they are, and nothing."""
+        if self.budget is None:
+            return images, {}
+        resized = [tiles.resize(self.processor, im) for im in images]
+        return resized, {"image_position_ids": tiles.positions([im.shape[:2] for im in resized], index, self.budget)}
 
     def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
         """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the

@@ -1,0 +1,145 @@
+"""Gemma 4's pixel inputs made on the device (trainer/data/tiles.py) against its image processor on the raw photos."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import LLAMAFACTORY
+from tests.trainer.test_vision import _built_photos
+from tests.vlmprep.test_images import photo
+from trainer.data import tiles
+from trainer.data.vision import HostPixels, ImageSpec, Patchifier
+from trainer.families import BY_NAME
+
+
+def _gemma4(**settings):
+    """A Gemma 4 image processor (google/gemma-4-E4B-it's settings, as tiny:gemma-4 saves them) and its ImageSpec."""
+    import transformers
+
+    ip = transformers.Gemma4ImageProcessor(**{"patch_size": 16, "max_soft_tokens": 280, "pooling_kernel_size": 3})
+    for k, v in settings.items():
+        setattr(ip, k, v)
+    return ip, ImageSpec.from_config(ip.to_dict())
+
+
+def _device_inputs(spec: ImageSpec, images: list, index: list[int]) -> dict:
+    """What the trainer gives the forward: the workers' resize and position ids (HostPixels.device_images), the
+    device's pixel_values (Patchifier) of the unique stored images."""
+    host = HostPixels(BY_NAME["gemma-4"], spec.config, images=False, budget=spec.budget)
+    resized, extra = host.device_images(images, index)
+    return {"pixel_values": Patchifier(spec, "cpu")(resized, index), **extra}
+
+
+def _assert_equal(ours: dict, ref) -> None:
+    assert set(ours) == {"pixel_values", "image_position_ids"}
+    for k, v in ours.items():
+        assert v.dtype == ref[k].dtype and v.shape == ref[k].shape, (k, v.dtype, v.shape, ref[k].dtype, ref[k].shape)
+        assert torch.equal(v, ref[k]), (k, float((v.double() - ref[k].double()).abs().max()))
+
+
+def test_gemma4_is_patchified_on_the_device_from_its_saved_settings_only():
+    """The device path needs the torchvision backend's resize and the whole saved math; the PIL backend, a saved
+    do_resize=False or settings out of bounds keep the host path."""
+    ip, spec = _gemma4()
+    assert BY_NAME["gemma-4"].pixels == "patches"
+    assert spec.budget == tiles.PatchBudget(patch_size=16, max_patches=280 * 9) and not spec.normalized
+    assert spec.do_rescale and not spec.do_normalize and spec.rescale_factor == ip.rescale_factor
+    cfg = spec.config
+    for other in (
+        {**cfg, "image_processor_type": "Gemma4ImageProcessorPil"},
+        {**cfg, "do_resize": False},
+        {**cfg, "patch_size": 0},
+        {**cfg, "max_soft_tokens": "280"},
+        {k: v for k, v in cfg.items() if k != "rescale_factor"},
+    ):
+        assert ImageSpec.from_config(other).budget is None, other
+
+
+@pytest.mark.parametrize("image_format", ["auto", "zstd-pdelta"])
+def test_gemma4_pixel_values_made_on_the_device_equal_its_image_processors_on_the_raw_photos(image_format, tmp_path):
+    """For a dataset built with tiny:gemma-4 (photos stored as their JPEG bytes, or as zstd-pdelta pixels; both the
+    source: Gemma 4 resizes in the loader), the decoded samples' unique images resized by the workers and
+    patchified + padded on the device give bit for bit the pixel_values and image_position_ids that
+    Gemma4ImageProcessor makes from the raw photos; a sample with two photos of different sizes included."""
+    raw, spec, processor, samples, images, index = _built_photos(tmp_path, "gemma-4", image_format)
+    assert type(processor).__name__ == spec.kind == "Gemma4ImageProcessor" and spec.budget is not None
+    assert any(len(s.image_index) == 2 for s in samples)
+    ref = processor(images=raw, return_tensors="pt")
+    _assert_equal(_device_inputs(spec, images, index), ref)
+
+
+def test_gemma4_demo_photos_a_large_photo_and_a_repeated_one_equal_the_processors():
+    """The demo's JPEGs (about 300 x 170, scaled up to the budget), a 12 MP photo (scaled down) and a repeated image
+    (resized and patchified once, its rows copied): pixel_values, image_position_ids and the soft-token counts equal
+    the processor's; a micro-batch of one image equals it too."""
+    ip, spec = _gemma4()
+    demo = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))]
+    large = np.asarray(photo(4000, 3000, seed=5))
+    images = [*demo, large]
+    index = [0, 3, 1, 0, 2, 3]
+    ref = ip(images=[Image.fromarray(images[u]) for u in index], return_tensors="pt")
+    ours = _device_inputs(spec, [torch.from_numpy(im) for im in images], index)
+    _assert_equal(ours, ref)
+    real = (ours["image_position_ids"][..., 0] >= 0).sum(-1)
+    assert (real // 9).tolist() == ref["num_soft_tokens_per_image"].tolist()
+    assert real.tolist() != [spec.budget.max_patches] * len(index)  # padding rows were compared too
+    _assert_equal(_device_inputs(spec, [images[1]], [0]), ip(images=[Image.fromarray(images[1])], return_tensors="pt"))
+
+
+def test_gemma4_with_a_normalize_gets_the_fused_arithmetic_and_a_wrong_one_fails():
+    """A saved Gemma 4 processor that normalizes too (rescale and normalize fused, as torchvision's backend does)
+    equals the processor bit for bit; the unfused rescale-then-normalize and padding with anything but 0 do not."""
+    ip, spec = _gemma4(do_normalize=True, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.25])
+    assert spec.do_normalize and spec.budget is not None
+    rng = np.random.default_rng(4)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(170, 300), (500, 210)]]
+    ref = ip(images=[Image.fromarray(im) for im in images], return_tensors="pt")
+    ours = _device_inputs(spec, images, [0, 1])
+    _assert_equal(ours, ref)
+
+    host = HostPixels(BY_NAME["gemma-4"], spec.config, images=False, budget=spec.budget)
+    resized, _ = host.device_images(images, [0, 1])
+    pf = Patchifier(spec, "cpu")
+    mean, std = torch.tensor(spec.image_mean), torch.tensor(spec.image_std)
+
+    def unfused(x, channels):
+        return (x * spec.rescale_factor - mean.view(channels)) / std.view(channels)
+
+    wrong = tiles.patches(unfused, resized, [0, 1], spec.budget, pf.device)
+    assert not torch.equal(wrong, ref["pixel_values"])
+    padded = pf(resized, [0, 1])
+    padded[ours["image_position_ids"][..., 0] < 0] = pf._scale(torch.zeros(3, dtype=torch.uint8), (-1,))[0]
+    assert not torch.equal(padded, ref["pixel_values"])  # the processor pads after its math: zeros, not a black pixel
+
+
+def test_gemma4_resize_of_the_channels_last_view_equals_the_processors_contiguous_one():
+    """tiles.resize hands the processor a channels-last view (faster); the processor's own resize of its contiguous
+    C x H x W copy gives the same uint8 pixels, up and down."""
+    ip, _ = _gemma4()
+    for w, h in [(300, 170), (4000, 3000), (37, 900)]:
+        im = np.asarray(photo(w, h, seed=w))
+        ours = tiles.resize(ip, im)
+        ref = ip.aspect_ratio_preserving_resize(
+            image=torch.from_numpy(im).permute(2, 0, 1).contiguous(),
+            patch_size=16,
+            max_patches=280 * 9,
+            pooling_kernel_size=3,
+            resample=ip.resample,
+        )
+        assert ours.is_contiguous() and torch.equal(ours, ref.permute(1, 2, 0)), (w, h)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma4", "mllama"])
+def test_a_real_checkpoint_of_a_family_with_host_inputs_gets_its_processor(model_type, tmp_path):
+    """Gemma 3 (token types) and Gemma 4 (resize, position ids) make inputs on the host as the host families do: a
+    run of a real checkpoint (not --tiny-random) loads the dataset's processor for them; Qwen's needs none."""
+    import contextlib
+
+    from trainer.data.datasets import RunData, processor_dir
+
+    _, spec = _gemma4()
+    data = RunData((), [], [], spec, "", str(tmp_path))
+    with contextlib.ExitStack() as owner:
+        assert processor_dir(data, owner, model_type=model_type, tiny=False) == str(tmp_path)
+        assert processor_dir(data, owner, model_type="qwen2_vl", tiny=False) is None
