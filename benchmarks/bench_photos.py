@@ -221,7 +221,7 @@ def loader_rows(quick: bool) -> list[dict]:
             manifest = load_manifest(ds)
             storage = _storage(ds)
             passes = {pixels: loader_pass(ds, family.name, pixels, time.process_time)[0] for pixels in (True, False)}
-            if family.pixels in ("normalize", "patches"):  # the workers' part: collate, token types or the resize
+            if family.pixels in ("normalize", "patches", "tiles"):  # the workers' part: collate, token types, resize
                 passes["workers"] = loader_pass(ds, family.name, True, time.process_time, device=False)[0]
             pdelta = None
             if "original" in storage:  # the same records with their pixels stored, for comparison
@@ -241,7 +241,8 @@ def loader_rows(quick: bool) -> list[dict]:
                 )[0]
             # Qwen's and GLM's pixel math runs on the training device: their worker path is the decode alone; Gemma 3's
             # normalize runs there too: its worker path is the decode and collate (its token types); Gemma 4's patchify
-            # too: its worker path is the decode and collate (its processor's resize and the patches' position ids).
+            # too, and Mllama's tiles: their worker path is the decode and collate (the processor's resize, and the
+            # patches' position ids or the tiles' aspect ratios and cross-attention mask).
             worker = {"patchify": passes[False]}.get(family.pixels, passes.get("workers", passes[True]))
             floor = decode_floor_seconds(sorted(ds.glob("shard-*.tar")), time.process_time)
             online, path = _online(recs, ds / "processor")
@@ -260,6 +261,7 @@ def loader_rows(quick: bool) -> list[dict]:
                         "patchify": "decode only (patchify on the device)",
                         "normalize": "decode and collate (normalize on the device)",
                         "patches": "decode, collate and resize (patchify on the device)",
+                        "tiles": "decode, collate and resize (tiles on the device)",
                     }.get(family.pixels, "host"),
                     loader_samples_per_s=round(n / worker, 1),
                     pdelta_loader_samples_per_s=round(n / pdelta, 1) if pdelta else None,

@@ -25,7 +25,9 @@ class Family:
     # stored (resized) images, no patches (Patchifier.normalize; Gemma 3 without pan-and-scan, else as "processor"),
     # the token types on the host; "patches": on the device, the image processor's rescale + normalize, patchify and
     # zero padding of the images the DataLoader workers resized with it, their position ids from the workers
-    # (trainer/data/tiles.py; Gemma 4's torchvision backend, else as "processor");
+    # (trainer/data/tiles.py; Gemma 4's torchvision backend, else as "processor"); "tiles": likewise Mllama's resize
+    # on its canvas of tiles in the workers, with its aspect ratios and cross-attention mask, rescale + normalize and
+    # the split into tiles on the device (its torchvision backend, else as "processor");
     # "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
@@ -82,7 +84,11 @@ FAMILIES: tuple[Family, ...] = (
         **_QWEN,
     ),
     Family(
-        name="llama-3.2-vision", model_types=("mllama",), processor_classes=("MllamaProcessor",), vision=_VISION_MODEL
+        name="llama-3.2-vision",
+        model_types=("mllama",),
+        processor_classes=("MllamaProcessor",),
+        pixels="tiles",
+        vision=_VISION_MODEL,
     ),
     Family(
         name="llama-4", model_types=("llama4",), processor_classes=("Llama4Processor",), moe=True, vision=_VISION_MODEL

@@ -1,18 +1,23 @@
 """Pixels of the families whose image processor pads each image to a fixed size after its resize, made on the training
 device from the uint8 images the DataLoader workers resized: Gemma 4's patches (rescale + normalize, 16 x 16 patches,
-zero rows up to the patch budget) and their position ids (made in the workers), as Gemma4ImageProcessor makes them.
+zero rows up to the patch budget) and their position ids (made in the workers), as Gemma4ImageProcessor makes them;
+Mllama's tiles (the workers' resize padded with pixel 0 to its canvas of tiles; on the device rescale + normalize, the
+split into tiles and the zero tiles and images up to the batch's shape), its aspect ratios and cross-attention mask
+made in the workers, as MllamaImageProcessor and vlmprep_schemas.pixels make them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
-# Gemma 4's torchvision-backend image processor (the PIL backend resizes with PIL: it stays on the host).
+# Gemma 4's and Mllama's torchvision-backend image processors (the PIL backends resize with PIL: they stay on the host).
 PADDED = ("Gemma4ImageProcessor", "Gemma4ImageProcessorFast")
+TILED = ("MllamaImageProcessor", "MllamaImageProcessorFast")
 _SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
 
 
@@ -94,4 +99,99 @@ def patches(
         first[u] = k
         x = scale(images[u].to(device, non_blocking=True), (-1,))
         out[k, : gh * gw].view(gh, gw, p, p, 3).copy_(x.reshape(gh, p, gw, p, 3).permute(0, 2, 1, 3, 4))
+    return out
+
+
+@dataclass(frozen=True)
+class TileCanvas:
+    """Mllama's square tile side and its tiles per image: every image's pixel_values are max_tiles tiles, its own
+    (its canvas split row by row) first, then zeros."""
+
+    tile_size: int
+    max_tiles: int
+
+    @classmethod
+    def of(cls, cfg: dict) -> "TileCanvas | None":
+        """The canvas of a saved image processor's settings where the device makes its pixel_values (Mllama's
+        torchvision backend, a square tile), else None."""
+        size = cfg.get("size")
+        if cfg.get("image_processor_type") not in TILED or not isinstance(size, dict):
+            return None
+        side, tiles = size.get("height"), cfg.get("max_image_tiles")
+        if size.get("width") != side or not all(type(v) is int and 0 < v <= 4096 for v in (side, tiles)):
+            return None
+        return cls(tile_size=side, max_tiles=tiles)
+
+
+def fit(ip, image: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """One stored uint8 H x W x 3 image -> MllamaImageProcessor `ip`'s own resize of it (its resize, as its
+    _preprocess calls it), padded with pixel 0 at the bottom and right to its canvas as its pad does: uint8
+    (tiles high x tile) x (tiles wide x tile) x 3; and (tiles high, tiles wide), its aspect ratio."""
+    with torch.no_grad():
+        out, (th, tw) = ip.resize(
+            image=torch.as_tensor(image).permute(2, 0, 1)[None],
+            size=ip.size,
+            max_image_tiles=ip.max_image_tiles,
+            resample=ip.resample,
+        )
+    assert out.dtype == torch.uint8, "the processor's resize must keep uint8 so the device's pixels are exact"
+    side = ip.size.height
+    canvas = torch.zeros((th * side, tw * side, 3), dtype=torch.uint8)
+    canvas[: out.shape[-2], : out.shape[-1]] = out[0].permute(1, 2, 0)
+    return canvas, (th, tw)
+
+
+def mllama_inputs(
+    ratios: list[tuple[int, int]], index: list[int], rows: list[int], ids: np.ndarray, token: int, max_tiles: int
+) -> dict[str, torch.Tensor]:
+    """Unique images' aspect ratios (fit's) + per-occurrence index and row, the token ids (B x L) -> Mllama's
+    aspect_ratio_ids, aspect_ratio_mask (rows without images: id 0, mask [1, 0, ...]) and cross-attention mask."""
+    from transformers.models.mllama.image_processing_mllama import (
+        build_aspect_ratio_mask,
+        convert_aspect_ratios_to_ids,
+    )
+
+    from vlmprep_schemas.pixels import mllama_cross_attention
+
+    per_row: list[list[tuple[int, int]]] = [[] for _ in range(len(ids))]
+    for u, b in zip(index, rows):
+        per_row[b].append(ratios[u])
+    return {
+        "aspect_ratio_ids": convert_aspect_ratios_to_ids(per_row, max_image_tiles=max_tiles),
+        "aspect_ratio_mask": build_aspect_ratio_mask(per_row, max_image_tiles=max_tiles),
+        "cross_attention_mask": mllama_cross_attention(ids, token, [[h * w for h, w in r] for r in per_row], max_tiles),
+    }
+
+
+def tiled(
+    scale: Callable[..., torch.Tensor],
+    images: list[torch.Tensor],
+    index: list[int],
+    rows: list[int],
+    batch_rows: int,
+    canvas: TileCanvas,
+    device: torch.device,
+) -> torch.Tensor:
+    """Unique uint8 canvases (fit's) + per-occurrence index and row -> pixel_values, float32 batch_rows x (the most
+    images of a row) x max_tiles x 3 x tile x tile: each canvas rescaled + normalized by `scale` (its pixel-0 padding
+    too, as the processor normalizes it; channels last here, the same values), split into tiles row by row as
+    split_to_tiles does; the tiles and images no image fills stay 0 (the processor pads them after its math)."""
+    side = canvas.tile_size
+    most = max(Counter(rows).values())
+    out = torch.zeros((batch_rows, most, canvas.max_tiles, 3, side, side), dtype=torch.float32, device=device)
+    slots = [0] * batch_rows
+    first: dict[int, tuple[int, int]] = {}
+    for u, b in zip(index, rows):
+        j, slots[b] = slots[b], slots[b] + 1
+        h, w, _ = images[u].shape
+        th, tw = h // side, w // side
+        assert th * side == h and tw * side == w and th * tw <= canvas.max_tiles, (
+            f"image {h}x{w} is not a canvas of {side} px tiles, at most {canvas.max_tiles}: was it fitted?"
+        )
+        if u in first:  # a repeated image: copy its tiles instead of recomputing them
+            out[b, j].copy_(out[first[u]])
+            continue
+        first[u] = (b, j)
+        x = scale(images[u].to(device, non_blocking=True), (-1,))
+        out[b, j, : th * tw].view(th, tw, 3, side, side).copy_(x.reshape(th, side, tw, side, 3).permute(0, 2, 4, 1, 3))
     return out

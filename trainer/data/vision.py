@@ -2,9 +2,9 @@
 GLM-4.1V on the training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch
 layout of the saved image and video processors, which GLM-4.1V's image processor repeats); Gemma 3's on the device too
 (Patchifier: the same rescale + normalize of its stored, already resized images, stacked N x 3 x H x W; without
-pan-and-scan); Gemma 4's on the device from the images the workers resized (trainer/data/tiles.py); every other family
-on the host (HostPixels: the dataset's own saved image processor on the stored
-pixels, in the DataLoader workers).
+pan-and-scan); Gemma 4's and Llama 3.2 Vision's on the device from the images the workers resized
+(trainer/data/tiles.py); every other family on the host (HostPixels: the dataset's own saved image processor on the
+stored pixels, in the DataLoader workers).
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class ImageSpec:
     # Gemma 4: pixel_values are the workers' resized images rescaled + normalized, patchified and zero-padded to this
     # budget on the device (trainer/data/tiles.py); None: another family
     budget: tiles.PatchBudget | None = None
+    # Mllama: pixel_values are the workers' resized images on their canvas of tiles, rescaled + normalized and split
+    # into tiles on the device (trainer/data/tiles.py); None: another family
+    canvas: tiles.TileCanvas | None = None
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
     resize_patch: int = field(default=0, compare=False, repr=False)
@@ -85,19 +88,21 @@ class ImageSpec:
         resize_patch = patch * merge if all(type(v) is int and 0 < v <= 1024 for v in (patch, merge)) else 0
         if kind not in GRID + VIDEO_SUPPORTED:
             # Gemma 3 normalizes on the device where its saved settings name the whole math and no pan-and-scan, Gemma 4
-            # patchifies there where they name the math and its patch budget
+            # patchifies there where they name the math and its patch budget, Mllama tiles there (the math and a tile)
             math = all(k in cfg for k in _MATH)
             normalized = math and kind in NORMALIZED and not cfg.get("do_pan_and_scan")
             budget = tiles.PatchBudget.of(cfg) if math else None
+            canvas = tiles.TileCanvas.of(cfg) if math else None
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
                 merge_size=1,
-                **(_math(cfg) if normalized or budget else _NO_MATH),
+                **(_math(cfg) if normalized or budget or canvas else _NO_MATH),
                 config=dict(cfg),
                 grid_images=False,
                 normalized=normalized,
                 budget=budget,
+                canvas=canvas,
                 resize_patch=resize_patch,
             )
         return cls(
@@ -175,6 +180,11 @@ class Patchifier:
         made its pixel_values (in `batch.vision`, with the family's extras: what the forward takes, model_inputs)."""
         if "pixel_values" in batch.vision:
             return None, None
+        if self.spec.canvas is not None:  # Mllama's tiles: each image in its sample's row
+            rows, n = list(batch.image_rows), len(batch.input_ids)
+            return tiles.tiled(
+                self._scale, batch.images, batch.image_index, rows, n, self.spec.canvas, self.device
+            ), None
         return self(batch.images, batch.image_index), self.videos(batch.videos)
 
     def normalize(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
@@ -261,8 +271,9 @@ def host_pixels(
         spec.config,
         image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
         max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0),
-        images=not (spec.normalized or spec.budget),
+        images=not (spec.normalized or spec.budget or spec.canvas),
         budget=spec.budget,
+        canvas=spec.canvas,
     )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     # The processor's own expansion of its image token, never the dataset's chat template (untrusted Jinja: a
@@ -288,8 +299,8 @@ class HostPixels:
     the model's pixel inputs (pixel_values and whatever else the family's forward takes: aspect ratios, image
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
     the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
-    its token types alone; for Gemma 4 patchified on the device, the resized images and their position ids
-    (device_images). Picklable: each process loads the processor (its saved config only, no code) once, on
+    its token types alone; for Gemma 4 and Mllama, whose pixel_values the device makes, the resized images and the
+    inputs made from them (device_images). Picklable: each process loads the processor (its saved config only, no code) once, on
     first use."""
 
     def __init__(
@@ -301,14 +312,15 @@ class HostPixels:
         max_tiles: int = 0,
         images: bool = True,
         budget: tiles.PatchBudget | None = None,
+        canvas: tiles.TileCanvas | None = None,
     ):
         """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
         made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
         (Patchifier), this only the family's extras from the tokens (Gemma 3's token_type_ids); `budget`: Gemma 4's
-        patch budget, whose images this resizes for the device (device_images)."""
+        patch budget, `canvas` Mllama's tiles: whose images this resizes for the device (device_images)."""
         self.family = family
         self.images = images
-        self.budget = budget
+        self.budget, self.canvas = budget, canvas
         self.rule = RULES[family.processor_classes[0]]
         self.config = dict(config)
         self.image_token_id = image_token_id
@@ -329,14 +341,23 @@ class HostPixels:
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         return self._ip
 
-    def device_images(self, images: list, index: list[int]) -> tuple[list, dict[str, torch.Tensor]]:
-        """The micro-batch's unique stored images (uint8 H x W x 3) + per-occurrence index -> the images the device
-        makes pixel_values of, and the inputs made here from them: for Gemma 4 each resized once by the processor's
-        own resize, and their image_position_ids; else the images as they are, and nothing."""
-        if self.budget is None:
-            return images, {}
-        resized = [tiles.resize(self.processor, im) for im in images]
-        return resized, {"image_position_ids": tiles.positions([im.shape[:2] for im in resized], index, self.budget)}
+    def device_images(
+        self, images: list, index: list[int], rows: list[int], ids: np.ndarray
+    ) -> tuple[list, dict[str, torch.Tensor]]:
+        """The micro-batch's unique stored images (uint8 H x W x 3) + per-occurrence index and row, its token ids
+        (B x L) -> the images the device makes pixel_values of, and the inputs made here: for Gemma 4 each image
+        resized once by the processor's own resize, and their image_position_ids; for Mllama each resized and
+        padded to its canvas of tiles, and the aspect ratios and cross-attention mask; else the images, and nothing."""
+        if self.budget is not None:
+            resized = [tiles.resize(self.processor, im) for im in images]
+            sizes = [im.shape[:2] for im in resized]
+            return resized, {"image_position_ids": tiles.positions(sizes, index, self.budget)}
+        if self.canvas is not None:
+            fitted = [tiles.fit(self.processor, im) for im in images]
+            tokens, most = self.image_token_id, self.max_tiles or self.canvas.max_tiles
+            extra = tiles.mllama_inputs([r for _, r in fitted], index, rows, ids, tokens, most)
+            return [c for c, _ in fitted], extra
+        return images, {}
 
     def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
         """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the
