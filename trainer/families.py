@@ -28,7 +28,9 @@ class Family:
     # (trainer/data/tiles.py; Gemma 4's torchvision backend, else as "processor"); "tiles": likewise Mllama's resize
     # on its canvas of tiles in the workers, with its aspect ratios and cross-attention mask, rescale + normalize and
     # the split into tiles on the device (its torchvision backend, else as "processor");
-    # "processor": the dataset's own image processor on the host
+    # "uint8": the dataset's own image processor on the host with its rescale and normalize off (uint8 pixel_values, a
+    # quarter of the bytes), those two on the device (Patchifier.host_math; Llama 4's and InternVL's torchvision
+    # backend, else as "processor"); "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
@@ -91,7 +93,12 @@ FAMILIES: tuple[Family, ...] = (
         vision=_VISION_MODEL,
     ),
     Family(
-        name="llama-4", model_types=("llama4",), processor_classes=("Llama4Processor",), moe=True, vision=_VISION_MODEL
+        name="llama-4",
+        model_types=("llama4",),
+        processor_classes=("Llama4Processor",),
+        pixels="uint8",
+        moe=True,
+        vision=_VISION_MODEL,
     ),
     Family(name="mistral-3", model_types=("mistral3",), processor_classes=("PixtralProcessor",), resized=True),
     Family(
@@ -112,7 +119,7 @@ FAMILIES: tuple[Family, ...] = (
     # GLM-4.1V's image processor makes pixel_values with Qwen2-VL's math and patch layout, its forward takes Qwen's
     # inputs (pixel_values, image_grid_thw, mm_token_type_ids, MRoPE positions): it patchifies on the device too.
     Family(name="glm-4.1v", model_types=("glm4v",), processor_classes=("Glm4vProcessor",), **_QWEN),
-    Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",)),
+    Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",), pixels="uint8"),
     Family(name="llava-onevision", model_types=("llava_onevision",), processor_classes=("LlavaOnevisionProcessor",)),
     Family(
         name="smolvlm",

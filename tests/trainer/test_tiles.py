@@ -282,3 +282,59 @@ def test_mllama_wrong_arithmetic_or_padding_fails():
     black = ours["pixel_values"].clone()
     black[ours["aspect_ratio_mask"] == 0] = pf._scale(torch.zeros(3, dtype=torch.uint8), (-1,)).view(3, 1, 1)
     assert not torch.equal(black, ref["pixel_values"])  # padding tiles are 0.0, not a black pixel normalized
+
+
+def _uint8_processor(name: str):
+    """tiny:NAME's image processor (Llama 4's or InternVL's GotOcr2, their checkpoints' settings) and its ImageSpec."""
+    from vlmprep.processors.tiny import _image_processors
+
+    ip = _image_processors(name)[0]
+    return ip, ImageSpec.from_config(ip.to_dict())
+
+
+@pytest.mark.parametrize("name", ["llama-4", "internvl"])
+def test_uint8_pixel_values_rescaled_and_normalized_on_the_device_equal_the_processors(name):
+    """Llama 4 and InternVL: the workers' pixel_values are the processor's with its rescale and normalize off (uint8,
+    a quarter of the bytes), and the device's rescale + normalize of them (Llama 4's in bfloat16, its override;
+    InternVL's fused, torchvision's) equal bit for bit what the processor makes of the raw photos (the demo's, a 12 MP
+    one, a repeat; the host rule's float32 of Llama 4's bfloat16); the other arithmetic fails it."""
+    from types import SimpleNamespace
+
+    from vlmprep_schemas.pixels import RULES, pixel_inputs
+
+    ip, spec = _uint8_processor(name)
+    family = BY_NAME[name]
+    assert family.pixels == "uint8" and spec.host_uint8 and spec.do_rescale and spec.do_normalize
+    demo = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))]
+    per_sample = [[demo[0], np.asarray(photo(4000, 3000, seed=5))], [demo[1], demo[0]]]
+    rule = RULES[family.processor_classes[0]]
+    ref = pixel_inputs(ip, rule, per_sample, resize=True)
+    host = HostPixels(family, spec.config, math=False)
+    ours = host(per_sample, np.zeros((2, 4), np.int64), np.zeros((2, 4), np.uint8))
+    assert ours.keys() == ref.keys() and ours["pixel_values"].dtype == torch.uint8
+    assert all(torch.equal(ours[k], ref[k]) for k in ref if k != "pixel_values")
+    pf = Patchifier(spec, "cpu")
+    pixels, videos = pf.inputs(SimpleNamespace(vision=ours))
+    assert videos is None and pixels.dtype == torch.float32 and pixels.shape == ref["pixel_values"].shape
+    assert torch.equal(pixels, ref["pixel_values"]), float((pixels - ref["pixel_values"]).abs().max())
+    own = ip(images=[Image.fromarray(im) for row in per_sample for im in row], return_tensors="pt")["pixel_values"]
+    assert torch.equal(pixels, own.float())
+    other = ImageSpec.from_config({**spec.config, "image_processor_type": "GotOcr2ImageProcessor"})
+    wrong = Patchifier(other, "cpu").host_math(ours["pixel_values"]) if name == "llama-4" else None
+    if wrong is None:  # InternVL: the unfused rescale then normalize
+        mean, std = torch.tensor(spec.image_mean).view(1, -1, 1, 1), torch.tensor(spec.image_std).view(1, -1, 1, 1)
+        wrong = (ours["pixel_values"] * spec.rescale_factor - mean) / std
+    assert not torch.equal(wrong, ref["pixel_values"])
+
+
+def test_uint8_host_pixels_need_the_torchvision_backend_and_the_whole_math():
+    """A saved PIL backend, or a processor that rescales without normalizing, keeps the host's float pixel_values."""
+    for name in ("llama-4", "internvl"):
+        _, spec = _uint8_processor(name)
+        cfg = spec.config
+        for other in (
+            {**cfg, "image_processor_type": cfg["image_processor_type"] + "Pil"},
+            {**cfg, "do_normalize": False},
+            {k: v for k, v in cfg.items() if k != "image_mean"},
+        ):
+            assert not ImageSpec.from_config(other).host_uint8, other

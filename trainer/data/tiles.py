@@ -18,6 +18,10 @@ import torch
 # Gemma 4's and Mllama's torchvision-backend image processors (the PIL backends resize with PIL: they stay on the host).
 PADDED = ("Gemma4ImageProcessor", "Gemma4ImageProcessorFast")
 TILED = ("MllamaImageProcessor", "MllamaImageProcessorFast")
+# Processors that do nothing after their rescale + normalize but stack the results: with both off they give uint8
+# pixel_values, which the device rescales and normalizes (Llama 4 in bfloat16, its own override; InternVL's
+# GotOcr2 as torchvision's backend does, fused).
+UINT8 = tuple(f"{k}{b}" for k in ("Llama4ImageProcessor", "GotOcr2ImageProcessor") for b in ("", "Fast"))
 _SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
 
 
@@ -195,3 +199,12 @@ def tiled(
         x = scale(images[u].to(device, non_blocking=True), (-1,))
         out[b, j, : th * tw].view(th, tw, 3, side, side).copy_(x.reshape(th, side, tw, side, 3).permute(0, 2, 4, 1, 3))
     return out
+
+
+def llama4_scale(pixels: torch.Tensor, rescale_factor: float, mean, std) -> torch.Tensor:
+    """Llama 4's uint8 pixel_values (N x 3 x H x W) -> its processor's rescale + normalize, in bfloat16 as its
+    rescale_and_normalize override computes them (then float32, as vlmprep_schemas.pixels gives the host's)."""
+    x = pixels.to(torch.bfloat16) * rescale_factor
+    mean = torch.as_tensor(mean, dtype=torch.bfloat16, device=x.device).view(1, -1, 1, 1)
+    std = torch.as_tensor(std, dtype=torch.bfloat16, device=x.device).view(1, -1, 1, 1)
+    return x.sub_(mean).div_(std).float()

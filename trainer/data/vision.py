@@ -9,6 +9,7 @@ stored pixels, in the DataLoader workers).
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class ImageSpec:
     # Mllama: pixel_values are the workers' resized images on their canvas of tiles, rescaled + normalized and split
     # into tiles on the device (trainer/data/tiles.py); None: another family
     canvas: tiles.TileCanvas | None = None
+    # Llama 4, InternVL: the host's pixel_values are uint8 (its processor with rescale and normalize off), which the
+    # device rescales and normalizes (Patchifier.inputs)
+    host_uint8: bool = False
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
     resize_patch: int = field(default=0, compare=False, repr=False)
@@ -93,16 +97,18 @@ class ImageSpec:
             normalized = math and kind in NORMALIZED and not cfg.get("do_pan_and_scan")
             budget = tiles.PatchBudget.of(cfg) if math else None
             canvas = tiles.TileCanvas.of(cfg) if math else None
+            host_uint8 = math and kind in tiles.UINT8 and cfg["do_rescale"] is True and cfg["do_normalize"] is True
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
                 merge_size=1,
-                **(_math(cfg) if normalized or budget or canvas else _NO_MATH),
+                **(_math(cfg) if normalized or budget or canvas or host_uint8 else _NO_MATH),
                 config=dict(cfg),
                 grid_images=False,
                 normalized=normalized,
                 budget=budget,
                 canvas=canvas,
+                host_uint8=host_uint8,
                 resize_patch=resize_patch,
             )
         return cls(
@@ -178,14 +184,23 @@ class Patchifier:
     def inputs(self, batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A micro-batch's (pixel_values, pixel_values_videos) made here, on the device; (None, None) where the host
         made its pixel_values (in `batch.vision`, with the family's extras: what the forward takes, model_inputs)."""
-        if "pixel_values" in batch.vision:
-            return None, None
+        host = batch.vision.get("pixel_values")
+        if host is not None:  # the host's: as they are, or its uint8 rescaled + normalized here (host_uint8)
+            return (self.host_math(host) if host.dtype == torch.uint8 else None), None
         if self.spec.canvas is not None:  # Mllama's tiles: each image in its sample's row
             rows, n = list(batch.image_rows), len(batch.input_ids)
             return tiles.tiled(
                 self._scale, batch.images, batch.image_index, rows, n, self.spec.canvas, self.device
             ), None
         return self(batch.images, batch.image_index), self.videos(batch.videos)
+
+    def host_math(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The host's uint8 pixel_values (N x 3 x H x W, its processor's with rescale and normalize off) -> float32,
+        rescaled + normalized as that processor does: Llama 4's in bfloat16, others' as torchvision's backend."""
+        s = self.spec
+        if s.kind.startswith("Llama4"):
+            return tiles.llama4_scale(pixels, s.rescale_factor, s.image_mean, s.image_std)
+        return self._scale(pixels, (1, -1, 1, 1))
 
     def normalize(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
         """Unique uint8 H x W x 3 images (all of one size: the processor's resize) + per-occurrence index -> float32
@@ -274,6 +289,7 @@ def host_pixels(
         images=not (spec.normalized or spec.budget or spec.canvas),
         budget=spec.budget,
         canvas=spec.canvas,
+        math=not spec.host_uint8,
     )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     # The processor's own expansion of its image token, never the dataset's chat template (untrusted Jinja: a
@@ -300,8 +316,9 @@ class HostPixels:
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
     the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
     its token types alone; for Gemma 4 and Mllama, whose pixel_values the device makes, the resized images and the
-    inputs made from them (device_images). Picklable: each process loads the processor (its saved config only, no code) once, on
-    first use."""
+    inputs made from them (device_images); for Llama 4 and InternVL uint8 pixel_values (rescale and normalize off: the
+    device's, Patchifier.host_math). Picklable: each process loads the processor (its saved config only, no code)
+    once, on first use."""
 
     def __init__(
         self,
@@ -313,14 +330,16 @@ class HostPixels:
         images: bool = True,
         budget: tiles.PatchBudget | None = None,
         canvas: tiles.TileCanvas | None = None,
+        math: bool = True,
     ):
         """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
         made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
         (Patchifier), this only the family's extras from the tokens (Gemma 3's token_type_ids); `budget`: Gemma 4's
-        patch budget, `canvas` Mllama's tiles: whose images this resizes for the device (device_images)."""
+        patch budget, `canvas` Mllama's tiles: whose images this resizes for the device (device_images); `math=False`:
+        the processor's rescale and normalize off (Llama 4, InternVL: the device's)."""
         self.family = family
         self.images = images
-        self.budget, self.canvas = budget, canvas
+        self.budget, self.canvas, self.math = budget, canvas, math
         self.rule = RULES[family.processor_classes[0]]
         self.config = dict(config)
         self.image_token_id = image_token_id
@@ -364,8 +383,11 @@ class HostPixels:
         model's pixel inputs for the micro-batch."""
         if not self.images:  # no image for the processor: it is never loaded, and only the extras are made
             per_sample = [[] for _ in per_sample]
+        ip = self.processor if self.images else None
+        if ip is not None and not self.math:  # uint8 pixel_values: the device rescales and normalizes them
+            ip = functools.partial(ip, do_rescale=False, do_normalize=False)
         return pixel_inputs(
-            self.processor if self.images else None,
+            ip,
             self.rule,
             per_sample,
             resize=not self.family.resized,
