@@ -388,11 +388,8 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
                     else torch.equal(got[k].long(), v.long())
                 )
                 assert same, (name, rows, who, k, float((got[k].float() - v.float()).abs().max()))
-        if BY_NAME[name].pixels in (
-            "normalize",
-            "patches",
-            "tiles",
-        ):  # FLOPs count the processor's pixel_values' patches
+        # FLOPs count the patches of the processor's pixel_values where the device makes them
+        if BY_NAME[name].pixels in ("normalize", "patches", "tiles", "uint8"):
             host = dataclasses.replace(batch, vision={**batch.vision, "pixel_values": want["pixel_values"]})
             assert FlopCounter(net).step([batch]) == FlopCounter(net).step([host]) > FlopCounter(net).step([])
 
