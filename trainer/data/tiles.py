@@ -1,10 +1,6 @@
-"""Pixels of the families whose image processor pads each image to a fixed size after its resize, made on the training
-device from the uint8 images the DataLoader workers resized: Gemma 4's patches (rescale + normalize, 16 x 16 patches,
-zero rows up to the patch budget) and their position ids (made in the workers), as Gemma4ImageProcessor makes them;
-Mllama's tiles (the workers' resize padded with pixel 0 to its canvas of tiles; on the device rescale + normalize, the
-split into tiles and the zero tiles and images up to the batch's shape), its aspect ratios and cross-attention mask
-made in the workers, as MllamaImageProcessor and vlmprep_schemas.pixels make them.
-"""
+"""The workers' resized uint8 images -> Gemma 4's padded patches and Llama 3.2 Vision's tiles on the training device,
+bit for bit their image processor's (and the inputs the workers make beside them: position ids, aspect ratios, the
+cross-attention mask); Llama 4's bfloat16 rescale + normalize of the uint8 pixel_values its processor makes."""
 
 from __future__ import annotations
 
