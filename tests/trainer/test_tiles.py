@@ -70,12 +70,12 @@ def test_gemma4_pixel_values_made_on_the_device_equal_its_image_processors_on_th
 
 
 def test_gemma4_demo_photos_a_large_photo_and_a_repeated_one_equal_the_processors():
-    """The demo's JPEGs (about 300 x 170, scaled up to the budget), a 12 MP photo (scaled down) and a repeated image
+    """The demo's JPEGs (about 300 x 170, scaled up to the budget), a 4 MP photo (scaled down) and a repeated image
     (resized and patchified once, its rows copied): pixel_values, image_position_ids and the soft-token counts equal
     the processor's; a micro-batch of one image equals it too."""
     ip, spec = _gemma4()
     demo = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))]
-    large = np.asarray(photo(4000, 3000, seed=5))
+    large = np.asarray(photo(2400, 1800, seed=5))
     images = [*demo, large]
     index = [0, 3, 1, 0, 2, 3]
     ref = ip(images=[Image.fromarray(images[u]) for u in index], return_tensors="pt")
@@ -117,7 +117,7 @@ def test_gemma4_resize_of_the_channels_last_view_equals_the_processors_contiguou
     """tiles.resize hands the processor a channels-last view (faster); the processor's own resize of its contiguous
     C x H x W copy gives the same uint8 pixels, up and down."""
     ip, _ = _gemma4()
-    for w, h in [(300, 170), (4000, 3000), (37, 900)]:
+    for w, h in [(300, 170), (2400, 1800), (37, 900)]:
         im = np.asarray(photo(w, h, seed=w))
         ours = tiles.resize(ip, im)
         ref = ip.aspect_ratio_preserving_resize(
@@ -238,11 +238,11 @@ def test_mllama_inputs_made_on_the_device_equal_its_image_processors_on_the_raw_
 
 
 def test_mllama_demo_photos_a_large_photo_and_a_repeated_one_equal_the_processors():
-    """The demo's JPEGs (one tile each), a 12 MP photo (several tiles) and a repeated image (fitted and tiled once,
+    """The demo's JPEGs (one tile each), a 4 MP photo (several tiles) and a repeated image (fitted and tiled once,
     its tiles copied), rows of different image counts: every input equals the processor's; one image alone too."""
     ip, spec = _mllama()
     demo = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))]
-    images = [*demo, np.asarray(photo(4000, 3000, seed=5)), np.asarray(photo(300, 1400, seed=6))]
+    images = [*demo, np.asarray(photo(2400, 1800, seed=5)), np.asarray(photo(300, 1400, seed=6))]
     index, rows = [0, 3, 1, 0, 2, 4, 3], [0, 0, 1, 1, 1, 2, 2]
     ids = _ids(rows, 3)
     ours = _mllama_device(spec, [torch.from_numpy(im) for im in images], index, rows, ids)
@@ -296,7 +296,7 @@ def _uint8_processor(name: str):
 def test_uint8_pixel_values_rescaled_and_normalized_on_the_device_equal_the_processors(name):
     """Llama 4 and InternVL: the workers' pixel_values are the processor's with its rescale and normalize off (uint8,
     a quarter of the bytes), and the device's rescale + normalize of them (Llama 4's in bfloat16, its override;
-    InternVL's fused, torchvision's) equal bit for bit what the processor makes of the raw photos (the demo's, a 12 MP
+    InternVL's fused, torchvision's) equal bit for bit what the processor makes of the raw photos (the demo's, a 4 MP
     one, a repeat; the host rule's float32 of Llama 4's bfloat16); the other arithmetic fails it."""
     from types import SimpleNamespace
 
@@ -306,7 +306,7 @@ def test_uint8_pixel_values_rescaled_and_normalized_on_the_device_equal_the_proc
     family = BY_NAME[name]
     assert family.pixels == "uint8" and spec.host_uint8 and spec.do_rescale and spec.do_normalize
     demo = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))]
-    per_sample = [[demo[0], np.asarray(photo(4000, 3000, seed=5))], [demo[1], demo[0]]]
+    per_sample = [[demo[0], np.asarray(photo(2400, 1800, seed=5))], [demo[1], demo[0]]]
     rule = RULES[family.processor_classes[0]]
     ref = pixel_inputs(ip, rule, per_sample, resize=True)
     host = HostPixels(family, spec.config, math=False)
