@@ -252,7 +252,7 @@ def loader_rows(quick: bool) -> list[dict]:
             manifest = load_manifest(ds)
             storage = _storage(ds)
             passes = {pixels: loader_pass(ds, family.name, pixels, time.process_time)[0] for pixels in (True, False)}
-            if family.pixels == "normalize":  # the workers' part: collate and the token types, no pixel math
+            if family.pixels != "patchify":  # the workers' part (collate: the host's inputs), not the device's math
                 passes["workers"] = loader_pass(ds, family.name, True, time.process_time, device=False)[0]
             pdelta = None
             if "original" in storage:  # the same records with their pixels stored, for comparison
@@ -271,8 +271,11 @@ def loader_rows(quick: bool) -> list[dict]:
                     Path(str(ds) + "-pdelta"), family.name, family.pixels != "patchify", time.process_time, device=False
                 )[0]
             # Qwen's and GLM's pixel math runs on the training device: their worker path is the decode alone; Gemma 3's
-            # normalize runs there too: its worker path is the decode and collate (its token types).
-            worker = {"patchify": passes[False], "normalize": passes.get("workers")}.get(family.pixels, passes[True])
+            # normalize runs there too: its worker path is the decode and collate (its token types); Gemma 4's patchify
+            # too, and Mllama's tiles: their worker path is the decode and collate (the processor's resize, and the
+            # patches' position ids or the tiles' aspect ratios and cross-attention mask); Llama 4's and InternVL's
+            # processor runs there with its rescale and normalize off (uint8 pixel_values, those two on the device).
+            worker = {"patchify": passes[False]}.get(family.pixels, passes.get("workers", passes[True]))
             floor = decode_floor_seconds(sorted(ds.glob("shard-*.tar")), time.process_time)
             online, path = _online(recs, ds / "processor")
             tokens = manifest.totals["tokens"] / n
@@ -291,6 +294,9 @@ def loader_rows(quick: bool) -> list[dict]:
                     worker_path={
                         "patchify": "decode only (patchify on the device)",
                         "normalize": "decode and collate (normalize on the device)",
+                        "patches": "decode, collate and resize (patchify on the device)",
+                        "tiles": "decode, collate and resize (tiles on the device)",
+                        "uint8": "host, uint8 (rescale + normalize on the device)",
                     }.get(family.pixels, "host"),
                     loader_samples_per_s=round(n / worker, 1),
                     pdelta_loader_samples_per_s=round(n / pdelta, 1) if pdelta else None,

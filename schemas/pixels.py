@@ -95,7 +95,8 @@ def _input_maker(image_processor):
     its RGB conversion and two more copies, ~40% of a 12 MP photo's processing); any other backend gets PIL's."""
     from transformers.image_processing_backends import TorchvisionBackend
 
-    tv = image_processor is not None and type(image_processor).process_image is TorchvisionBackend.process_image
+    ip = getattr(image_processor, "func", image_processor)  # a functools.partial of it (Llama 4's uint8 call)
+    tv = ip is not None and getattr(type(ip), "process_image", None) is TorchvisionBackend.process_image
     return _channels_first if tv else _pil
 
 
@@ -105,10 +106,6 @@ def _mllama(
     """Mllama: images padded per sample to the batch's most (pixels 0, aspect ratio id 0, mask [1, 0, ...]), as its
     processor pads them, samples without images included; and the dense cross-attention mask."""
     import torch
-    from transformers.models.mllama.processing_mllama import (
-        convert_sparse_cross_attention_mask_to_dense,
-        get_cross_attention_token_mask,
-    )
 
     rows = [k for k, images in enumerate(inputs) if images]
     if not rows:
@@ -116,21 +113,36 @@ def _mllama(
     got = image_processor([inputs[k] for k in rows], **kwargs)
     B, n = len(inputs), max(len(images) for images in inputs)
     pv, ar, am = got["pixel_values"], got["aspect_ratio_ids"], got["aspect_ratio_mask"]
-    pixel_values = torch.zeros((B, n, *pv.shape[2:]), dtype=pv.dtype)
-    ratio_ids = torch.zeros((B, n), dtype=ar.dtype)
-    ratio_mask = torch.zeros((B, n, am.shape[2]), dtype=am.dtype)
-    ratio_mask[:, :, 0] = 1
-    for j, k in enumerate(rows):
-        m = len(inputs[k])
-        pixel_values[k, :m], ratio_ids[k, :m], ratio_mask[k, :m] = pv[j, :m], ar[j, :m], am[j, :m]
+    if len(rows) < B:  # samples without images: their rows padded as the processor pads a sample's missing images
+        pixel_values = torch.zeros((B, n, *pv.shape[2:]), dtype=pv.dtype)
+        ratio_ids = torch.zeros((B, n), dtype=ar.dtype)
+        ratio_mask = torch.zeros((B, n, am.shape[2]), dtype=am.dtype)
+        ratio_mask[:, :, 0] = 1
+        for j, k in enumerate(rows):
+            m = len(inputs[k])
+            pixel_values[k, :m], ratio_ids[k, :m], ratio_mask[k, :m] = pv[j, :m], ar[j, :m], am[j, :m]
+        pv, ar, am = pixel_values, ratio_ids, ratio_mask
     tiles = [got["num_tiles"][rows.index(k)] if k in rows else [] for k in range(B)]
+    max_tiles = max_tiles or image_processor.max_image_tiles
+    return {
+        "pixel_values": pv,
+        "aspect_ratio_ids": ar,
+        "aspect_ratio_mask": am,
+        "cross_attention_mask": mllama_cross_attention(ids, image_token_id, tiles, max_tiles),
+    }
+
+
+def mllama_cross_attention(ids: np.ndarray, image_token_id: int, tiles: list[list[int]], max_tiles: int):
+    """Mllama's dense cross-attention mask (B x L x images x max_tiles, int64) from the token ids (B x L) and each
+    sample's images' tile counts, as its processor makes it."""
+    import torch
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
     masks = [get_cross_attention_token_mask(np.asarray(row).tolist(), image_token_id) for row in ids]
     dense = convert_sparse_cross_attention_mask_to_dense(
-        masks, num_tiles=tiles, max_num_tiles=max_tiles or image_processor.max_image_tiles, length=ids.shape[1]
+        masks, num_tiles=tiles, max_num_tiles=max_tiles, length=ids.shape[1]
     )
-    return {
-        "pixel_values": pixel_values,
-        "aspect_ratio_ids": ratio_ids,
-        "aspect_ratio_mask": ratio_mask,
-        "cross_attention_mask": torch.from_numpy(dense),
-    }
+    return torch.from_numpy(dense)

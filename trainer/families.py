@@ -23,7 +23,14 @@ class Family:
     # "patchify": on the device, Qwen2-VL's pixel math and patch layout (trainer/data/vision.py Patchifier; GLM-4.1V's
     # image processor repeats them); "normalize": on the device, the image processor's rescale + normalize of the
     # stored (resized) images, no patches (Patchifier.normalize; Gemma 3 without pan-and-scan, else as "processor"),
-    # the token types on the host; "processor": the dataset's own image processor on the host
+    # the token types on the host; "patches": on the device, the image processor's rescale + normalize, patchify and
+    # zero padding of the images the DataLoader workers resized with it, their position ids from the workers
+    # (trainer/data/tiles.py; Gemma 4's torchvision backend, else as "processor"); "tiles": likewise Mllama's resize
+    # on its canvas of tiles in the workers, with its aspect ratios and cross-attention mask, rescale + normalize and
+    # the split into tiles on the device (its torchvision backend, else as "processor");
+    # "uint8": the dataset's own image processor on the host with its rescale and normalize off (uint8 pixel_values, a
+    # quarter of the bytes), those two on the device (Patchifier.host_math; Llama 4's and InternVL's torchvision
+    # backend, else as "processor"); "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
@@ -79,10 +86,19 @@ FAMILIES: tuple[Family, ...] = (
         **_QWEN,
     ),
     Family(
-        name="llama-3.2-vision", model_types=("mllama",), processor_classes=("MllamaProcessor",), vision=_VISION_MODEL
+        name="llama-3.2-vision",
+        model_types=("mllama",),
+        processor_classes=("MllamaProcessor",),
+        pixels="tiles",
+        vision=_VISION_MODEL,
     ),
     Family(
-        name="llama-4", model_types=("llama4",), processor_classes=("Llama4Processor",), moe=True, vision=_VISION_MODEL
+        name="llama-4",
+        model_types=("llama4",),
+        processor_classes=("Llama4Processor",),
+        pixels="uint8",
+        moe=True,
+        vision=_VISION_MODEL,
     ),
     Family(name="mistral-3", model_types=("mistral3",), processor_classes=("PixtralProcessor",), resized=True),
     Family(
@@ -96,13 +112,14 @@ FAMILIES: tuple[Family, ...] = (
         name="gemma-4",
         model_types=("gemma4",),
         processor_classes=("Gemma4Processor",),
+        pixels="patches",
         mm_token_type_ids=True,
         vision=("vision_tower", "embed_vision"),
     ),
     # GLM-4.1V's image processor makes pixel_values with Qwen2-VL's math and patch layout, its forward takes Qwen's
     # inputs (pixel_values, image_grid_thw, mm_token_type_ids, MRoPE positions): it patchifies on the device too.
     Family(name="glm-4.1v", model_types=("glm4v",), processor_classes=("Glm4vProcessor",), **_QWEN),
-    Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",)),
+    Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",), pixels="uint8"),
     Family(name="llava-onevision", model_types=("llava_onevision",), processor_classes=("LlavaOnevisionProcessor",)),
     Family(
         name="smolvlm",

@@ -209,8 +209,11 @@ class FlopCounter:
         family = family_of_model(str(net.config.model_type))
         parts = family.vision if family else ("visual",)
         self.sized = family is not None and family.pixels == "normalize"  # its grid rows are image sizes
-        patch = getattr(getattr(net.config, "vision_config", None), "patch_size", 14)
+        vision = getattr(net.config, "vision_config", None)
+        patch = getattr(vision, "patch_size", 14)
         self.patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
+        side = getattr(vision, "image_size", 0)  # Mllama's tile
+        self.tile = int(side[0] if isinstance(side, (list, tuple)) else side or 0)
         self.vision = self.text = 0
         seen = set()
         for name, p in net.named_parameters(remove_duplicate=False):
@@ -231,10 +234,17 @@ class FlopCounter:
             lens = [len(p) for p in _segments(b)]
             flops += 6 * (self.text * sum(lens) + self.layers * self.hidden * sum(n * n for n in lens))
             # The patchify families' grids count patches; the host families' pixel_values hold them (tiles, crops: an
-            # estimate); the grid rows of images normalized on the device (Gemma 3) are their sizes, 1 x H x W
+            # estimate); the grid rows of images normalized on the device (Gemma 3) are their sizes, 1 x H x W;
+            # Gemma 4's position ids on the device path have a row per patch of its pixel_values, padding included, and
+            # Mllama's aspect-ratio mask an entry per tile of its pixel_values
             pixels = b.vision.get("pixel_values")
+            placed, tiled = b.vision.get("image_position_ids"), b.vision.get("aspect_ratio_mask")
             if pixels is not None:
                 patches = pixels.numel() / (3 * self.patch * self.patch)
+            elif placed is not None:
+                patches = float(placed.shape[0] * placed.shape[1])
+            elif tiled is not None:
+                patches = tiled.numel() * self.tile * self.tile / (self.patch * self.patch)
             elif self.sized:
                 patches = float(b.image_grid_thw.prod(-1).sum()) / (self.patch * self.patch)
             else:

@@ -212,9 +212,10 @@ def model_inputs(
     pixel_values_videos: torch.Tensor | None = None,
 ) -> dict:
     """The forward's keyword arguments for `batch` as its family takes them: positions (the stored 3-D MRoPE rows, or
-    the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's and GLM's patchified
-    and Gemma 3's normalized on the device, `pixel_values`; every other family's made on the host, `batch.vision`)
-    and the family's extras (`batch.vision` too: Gemma's token_type_ids, Mllama's cross-attention mask)."""
+    the 1-D text positions of row 0, which restart per packed sample), the image inputs (Qwen's and GLM's patchified,
+    Gemma 3's normalized, Gemma 4's patchified and padded and Mllama's tiled on the device, `pixel_values`; every
+    other family's made on the host, `batch.vision`) and the family's extras (`batch.vision` too: Gemma's
+    token_type_ids and Gemma 4's image_position_ids, Mllama's aspect ratios and cross-attention mask)."""
     family = model_family(net)
     kw = dict(
         input_ids=batch.input_ids,
@@ -335,7 +336,8 @@ def forward_loss(
 def collate_spec_of(net: torch.nn.Module, data: RunData, processor: str | None) -> CollateSpec:
     """What collate needs from the model and the processor: pad and placeholder ids, patch and merge size, whether
     the run trains video, and for a family whose pixel inputs the host makes (Gemma 3's normalized on the device:
-    its token types), its pixel maker and placeholder tokens."""
+    its token types; Gemma 4's patchified there: its resize and position ids; Mllama's tiled there: its resize,
+    aspect ratios and cross-attention mask), its pixel maker and placeholder tokens."""
     spec, family = data.image, model_family(net)
     base = CollateSpec(
         pad_id=pad_token_id(net),

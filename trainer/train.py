@@ -70,8 +70,9 @@ def train_step(
     local_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = mb.to(device)
-        # Qwen's families and GLM: pixels patchified here, on the device (Gemma 3's normalized); the others' came made
-        # by the host (mb.vision).
+        # Qwen's families and GLM: pixels patchified here, on the device (Gemma 3's normalized, Gemma 4's patchified
+        # and padded, Mllama's tiled, Llama 4's and InternVL's uint8 from the host rescaled + normalized); the others'
+        # came made by the host (mb.vision).
         pixels, videos = patchifier.inputs(mb)
         if by_source is None:
             loss_sum = forward_loss(net, mb, pixels, pixel_values_videos=videos)

@@ -292,7 +292,9 @@ def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
 
 
 @pytest.mark.slow  # two trainer runs with an export (~20 s of CPU): make test is at its budget
-@pytest.mark.parametrize("name", ["gemma-3", "qwen2-vl"])  # pixels normalized on the device; patchified there
+# pixels normalized on the device; patchified there; resized in the workers, then patchified or tiled on the device;
+# uint8 from the workers, rescaled and normalized on the device
+@pytest.mark.parametrize("name", ["gemma-3", "qwen2-vl", "gemma-4", "llama-3.2-vision", "llama-4", "internvl"])
 def test_eval_with_the_devices_pixel_values_is_the_exported_models_own_loss(name, tmp_path, batch_datasets):
     """--eval-data makes its pixel inputs as training does (trainer/evaluate.py: Patchifier.inputs): the eval row over
     the three samples equals the exported model's own loss on the processor's batch of the raw records (lr 1e-30:
@@ -386,7 +388,8 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
                     else torch.equal(got[k].long(), v.long())
                 )
                 assert same, (name, rows, who, k, float((got[k].float() - v.float()).abs().max()))
-        if BY_NAME[name].pixels == "normalize":  # FLOPs count the same patches as of the processor's pixel_values
+        # FLOPs count the patches of the processor's pixel_values where the device makes them
+        if BY_NAME[name].pixels in ("normalize", "patches", "tiles", "uint8"):
             host = dataclasses.replace(batch, vision={**batch.vision, "pixel_values": want["pixel_values"]})
             assert FlopCounter(net).step([batch]) == FlopCounter(net).step([host]) > FlopCounter(net).step([])
 
@@ -643,10 +646,15 @@ def test_a_micro_batch_without_images_gets_a_placeholder_image_and_the_same_loss
         int(batch.lengths[0]) == text[0].num_tokens + batch.filler and batch.num_trained == text[0].loss_mask[1:].sum()
     )
     pixels = _patchify(spec, batch)
-    # the vision tower gets the placeholder's pixels (Gemma 3's normalized here: one image of its stored size)
+    # the vision tower gets the placeholder's pixels (Gemma 3's normalized here: one image of its stored size; Gemma
+    # 4's patchified here: one image of the patch budget)
     assert model_inputs(net, batch, pixels)["pixel_values"] is not None
     if BY_NAME[name].pixels == "normalize":
         assert "pixel_values" not in batch.vision and pixels.shape == (1, 3, *cspec.placeholder_size)
+    if BY_NAME[name].pixels == "patches":
+        assert "pixel_values" not in batch.vision and pixels.shape == (1, spec.budget.max_patches, 3 * 16 * 16)
+    if BY_NAME[name].pixels == "tiles":  # Mllama's: one image of one tile (the black image fits one)
+        assert "pixel_values" not in batch.vision and pixels.shape == (1, 1, 4, 3, 560, 560)
     with torch.no_grad():
         ours = float(forward_loss(net, batch, pixels))
         ids = torch.as_tensor(text[0].input_ids).long()[None]

@@ -18,6 +18,39 @@ def test_pixel_values_on_gpu_equal_cpu(dataset, image_spec):
     assert float((cpu - gpu).abs().max()) <= 1e-6
 
 
+def test_device_pixel_math_of_the_padded_and_uint8_families_on_gpu_equal_cpu(device="cuda"):
+    """Gemma 4's patches, Llama 3.2 Vision's tiles (trainer/data/tiles.py) and Llama 4's and InternVL's normalize of the
+    workers' uint8 made on the GPU equal the CPU's (test_tiles.py holds the CPU's equal to the processors')."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tests.trainer.test_tiles import _gemma4, _mllama, _uint8_processor
+    from trainer.data.vision import HostPixels
+    from trainer.families import BY_NAME
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in [(170, 300), (900, 400)]]
+    index, rows, ids = [0, 1, 0], [0, 0, 1], np.full((2, 8), 5, dtype=np.int64)
+    ids[:, 1], ids[0, 3] = 9, 9
+    _, spec = _gemma4()
+    host = HostPixels(BY_NAME["gemma-4"], spec.config, images=False, budget=spec.budget)
+    resized, _ = host.device_images(images, index, rows, ids)
+    cpu, gpu = (Patchifier(spec, d)(resized, index).cpu() for d in ("cpu", device))
+    assert float((cpu - gpu).abs().max()) <= 1e-6
+    _, spec = _mllama()
+    host = HostPixels(BY_NAME["llama-3.2-vision"], spec.config, image_token_id=9, images=False, canvas=spec.canvas)
+    fitted, _ = host.device_images(images, index, rows, ids)
+    batch = SimpleNamespace(vision={}, images=fitted, image_index=index, image_rows=rows, input_ids=ids)
+    cpu, gpu = (Patchifier(spec, d).inputs(batch)[0].cpu() for d in ("cpu", device))
+    assert cpu.shape == (2, 2, 4, 3, 560, 560) and float((cpu - gpu).abs().max()) <= 1e-6
+    for name in ("llama-4", "internvl"):
+        _, spec = _uint8_processor(name)
+        pixels = HostPixels(BY_NAME[name], spec.config, math=False)([images], ids[:1], ids[:1])["pixel_values"]
+        cpu, gpu = (Patchifier(spec, d).host_math(pixels.to(d)).cpu() for d in ("cpu", device))
+        assert pixels.dtype == torch.uint8 and float((cpu - gpu).abs().max()) <= 1e-6, name
+
+
 def test_bf16_fsdp_run_with_activation_checkpointing(dataset, tmp_path):
     out = tmp_path / "run"
     run_trainer(

@@ -1,3 +1,5 @@
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -221,6 +223,7 @@ def test_host_pixel_inputs_from_channels_first_views_equal_the_processors_on_pil
     processor = load_processor(f"tiny:{name}")
     ip, rule = processor.image_processor, pixels.RULES[type(processor).__name__]
     assert pixels._input_maker(ip) is pixels._channels_first, type(ip).__mro__
+    assert pixels._input_maker(functools.partial(ip, do_normalize=False)) is pixels._channels_first  # the uint8 call
     resize = not BY_NAME[name].resized
     rng = np.random.default_rng(5)
     photo = np.asarray(Image.open(LLAMAFACTORY / "mllm_demo_data" / "2.jpg").convert("RGB"))

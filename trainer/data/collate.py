@@ -44,6 +44,7 @@ class Batch:
     rows: int = 0  # packed rows laid end to end in this one flat row (trainer/data/pack.py); 0 = not packed
     sources: tuple[int, ...] = ()  # per sample: its dataset's index in a mixture
     sample_tokens: tuple[int, ...] = ()  # per sample: its tokens (where a packed row's segments end)
+    image_rows: tuple[int, ...] = ()  # per image occurrence (token order): its row of input_ids
 
     @property
     def packed(self) -> bool:
@@ -258,8 +259,10 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         lens[0] = n + 1
         pos[:, 0, n] = pos[:, 0, n - 1] + 1 if n else 0
 
+    rows = [0] if "index" in fill else [b for b, s in enumerate(samples) for _ in s.image_index]
+    vision, images = host_inputs(spec, samples, fill, ids, mm, (images, index, rows))
     return Batch(
-        vision=host_inputs(spec, samples, fill, ids, mm),
+        vision=vision,
         filler=len(extra),
         input_ids=torch.from_numpy(ids),
         loss_mask=torch.from_numpy(loss),
@@ -276,18 +279,26 @@ def collate(samples: list[DecodedSample], spec: CollateSpec) -> Batch:
         num_trained=num_trained,
         sources=tuple(s.source for s in samples),
         sample_tokens=tuple(s.num_tokens for s in samples),
+        image_rows=tuple(rows),
     )
 
 
-def host_inputs(spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray) -> dict:
+def host_inputs(
+    spec: CollateSpec, samples: list[DecodedSample], fill: dict, ids: np.ndarray, mm: np.ndarray, media: tuple
+) -> tuple[dict, list]:
     """A host family's pixel inputs for the micro-batch: each sample's images in token order through the dataset's
-    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for the patchify families)."""
+    image processor, or the placeholder image in row 0 where the micro-batch has none ({} for the patchify families);
+    and its unique images (`media`: them, the per-occurrence index and row of ids) as the device takes them (Gemma 4's
+    and Mllama's resized here, with the inputs made from them: HostPixels.device_images)."""
+    images, index, rows = media
     if spec.host is None:
-        return {}
+        return {}, images
     per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
     if "images" in fill:
         per_sample[0] = fill["images"]
-    return spec.host(per_sample, ids, mm)
+    vision = spec.host(per_sample, ids, mm)
+    images, extra = spec.host.device_images(images, index, rows, ids)
+    return {**vision, **extra}, images
 
 
 def video_fields(videos: list, vgrids: list, seconds: list) -> dict:

@@ -226,7 +226,7 @@ def processor_dir(data: RunData, owner: contextlib.ExitStack, *, model_type: str
     """The processor as a local dir, where the run loads it (a tiny model's vocabulary, `tiny`; a host family's
     placeholder image): the dataset's own or --processor, a URL's copied into a temp dir that `owner` removes at the
     end of the run; None where not needed."""
-    needed = tiny or getattr(family_of_model(model_type), "pixels", "") == "processor"
+    needed = tiny or getattr(family_of_model(model_type), "pixels", "patchify") != "patchify"
     if not needed or not data.processor:
         return None
     tmp = Path(owner.enter_context(tempfile.TemporaryDirectory(prefix="vlmprep-processor-")))

@@ -201,8 +201,10 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
     for token, kind in extra:
         ids, mm, loss = np.append(ids, token), np.append(mm, kind), np.append(loss, 0)
         pos = np.concatenate([pos, pos[:, -1:] + 1], axis=1)  # continues the last sample, which never sees it
+    image_rows = (0,) * len(index)  # one flat row
+    vision, images = host_inputs(spec, samples, fill, ids[None], mm[None], (images, index, image_rows))
     return Batch(
-        vision=host_inputs(spec, samples, fill, ids[None], mm[None]),
+        vision=vision,
         filler=len(extra),
         input_ids=torch.from_numpy(ids[None]),
         loss_mask=torch.from_numpy(loss[None]),
@@ -220,6 +222,7 @@ def collate_packed(rows: list[list[DecodedSample]], spec: CollateSpec, *, isolat
         rows=len(rows),
         sources=tuple(s.source for s in samples),
         sample_tokens=tuple(s.num_tokens for s in samples),
+        image_rows=image_rows,
     )
 
 

@@ -2,12 +2,14 @@
 GLM-4.1V on the training device (Patchifier: rescale + normalize + patchify, the exact arithmetic and Qwen2-VL patch
 layout of the saved image and video processors, which GLM-4.1V's image processor repeats); Gemma 3's on the device too
 (Patchifier: the same rescale + normalize of its stored, already resized images, stacked N x 3 x H x W; without
-pan-and-scan); every other family on the host (HostPixels: the dataset's own saved image processor on the stored
-pixels, in the DataLoader workers).
+pan-and-scan); Gemma 4's and Llama 3.2 Vision's on the device from the images the workers resized
+(trainer/data/tiles.py); every other family on the host (HostPixels: the dataset's own saved image processor on the
+stored pixels, in the DataLoader workers).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.data import tiles
 from vlmprep_schemas.pixels import RULES, pixel_inputs
 
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
@@ -61,6 +64,15 @@ class ImageSpec:
     video: "ImageSpec | None" = field(default=None, compare=False, repr=False)  # the saved video processor's
     grid_images: bool = True  # False: a family whose images are not on a patch grid (grid rows are the size)
     normalized: bool = False  # pixel_values are the rescaled + normalized images, N x 3 x H x W, made on the device
+    # Gemma 4: pixel_values are the workers' resized images rescaled + normalized, patchified and zero-padded to this
+    # budget on the device (trainer/data/tiles.py); None: another family
+    budget: tiles.PatchBudget | None = None
+    # Mllama: pixel_values are the workers' resized images on their canvas of tiles, rescaled + normalized and split
+    # into tiles on the device (trainer/data/tiles.py); None: another family
+    canvas: tiles.TileCanvas | None = None
+    # Llama 4, InternVL: the host's pixel_values are uint8 (its processor with rescale and normalize off), which the
+    # device rescales and normalizes (Patchifier.inputs)
+    host_uint8: bool = False
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
     resize_patch: int = field(default=0, compare=False, repr=False)
@@ -79,16 +91,24 @@ class ImageSpec:
         patch, merge = top.get("patch_size"), top.get("spatial_merge_size", 1)  # untrusted: checked before use
         resize_patch = patch * merge if all(type(v) is int and 0 < v <= 1024 for v in (patch, merge)) else 0
         if kind not in GRID + VIDEO_SUPPORTED:
-            # Gemma 3 normalizes on the device where its saved settings name the whole math and no pan-and-scan
-            normalized = kind in NORMALIZED and not cfg.get("do_pan_and_scan") and all(k in cfg for k in _MATH)
+            # Gemma 3 normalizes on the device where its saved settings name the whole math and no pan-and-scan, Gemma 4
+            # patchifies there where they name the math and its patch budget, Mllama tiles there (the math and a tile)
+            math = all(k in cfg for k in _MATH)
+            normalized = math and kind in NORMALIZED and not cfg.get("do_pan_and_scan")
+            budget = tiles.PatchBudget.of(cfg) if math else None
+            canvas = tiles.TileCanvas.of(cfg) if math else None
+            host_uint8 = math and kind in tiles.UINT8 and cfg["do_rescale"] is True and cfg["do_normalize"] is True
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
                 merge_size=1,
-                **(_math(cfg) if normalized else _NO_MATH),
+                **(_math(cfg) if normalized or budget or canvas or host_uint8 else _NO_MATH),
                 config=dict(cfg),
                 grid_images=False,
                 normalized=normalized,
+                budget=budget,
+                canvas=canvas,
+                host_uint8=host_uint8,
                 resize_patch=resize_patch,
             )
         return cls(
@@ -164,9 +184,23 @@ class Patchifier:
     def inputs(self, batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A micro-batch's (pixel_values, pixel_values_videos) made here, on the device; (None, None) where the host
         made its pixel_values (in `batch.vision`, with the family's extras: what the forward takes, model_inputs)."""
-        if "pixel_values" in batch.vision:
-            return None, None
+        host = batch.vision.get("pixel_values")
+        if host is not None:  # the host's: as they are, or its uint8 rescaled + normalized here (host_uint8)
+            return (self.host_math(host) if host.dtype == torch.uint8 else None), None
+        if self.spec.canvas is not None:  # Mllama's tiles: each image in its sample's row
+            rows, n = list(batch.image_rows), len(batch.input_ids)
+            return tiles.tiled(
+                self._scale, batch.images, batch.image_index, rows, n, self.spec.canvas, self.device
+            ), None
         return self(batch.images, batch.image_index), self.videos(batch.videos)
+
+    def host_math(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The host's uint8 pixel_values (N x 3 x H x W, its processor's with rescale and normalize off) -> float32,
+        rescaled + normalized as that processor does: Llama 4's in bfloat16, others' as torchvision's backend."""
+        s = self.spec
+        if s.kind.startswith("Llama4"):
+            return tiles.llama4_scale(pixels, s.rescale_factor, s.image_mean, s.image_std)
+        return self._scale(pixels, (1, -1, 1, 1))
 
     def normalize(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
         """Unique uint8 H x W x 3 images (all of one size: the processor's resize) + per-occurrence index -> float32
@@ -186,6 +220,8 @@ class Patchifier:
         s = self.spec
         if s.normalized:
             return self.normalize(images, index)
+        if s.budget is not None:
+            return tiles.patches(self._scale, images, index, s.budget, self.device)
         dim = 3 * s.temporal_patch_size * s.patch_size * s.patch_size
         sizes = [self.num_patches(images[u]) for u in index]
         out = torch.empty((sum(sizes), dim), dtype=torch.float32, device=self.device)
@@ -250,7 +286,10 @@ def host_pixels(
         spec.config,
         image_token_id=int(getattr(processor, "image_token_id", -1) or -1),
         max_tiles=int(getattr(processor.image_processor, "max_image_tiles", 0) or 0),
-        images=not spec.normalized,
+        images=not (spec.normalized or spec.budget or spec.canvas),
+        budget=spec.budget,
+        canvas=spec.canvas,
+        math=not spec.host_uint8,
     )
     black = Image.new("RGB", (PLACEHOLDER_SIDE, PLACEHOLDER_SIDE))
     # The processor's own expansion of its image token, never the dataset's chat template (untrusted Jinja: a
@@ -276,15 +315,31 @@ class HostPixels:
     the model's pixel inputs (pixel_values and whatever else the family's forward takes: aspect ratios, image
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
     the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
-    its token types alone. Picklable: each process loads the processor (its saved config only, no code) once, on
-    first use."""
+    its token types alone; for Gemma 4 and Mllama, whose pixel_values the device makes, the resized images and the
+    inputs made from them (device_images); for Llama 4 and InternVL uint8 pixel_values (rescale and normalize off: the
+    device's, Patchifier.host_math). Picklable: each process loads the processor (its saved config only, no code)
+    once, on first use."""
 
-    def __init__(self, family, config: dict, *, image_token_id: int = -1, max_tiles: int = 0, images: bool = True):
+    def __init__(
+        self,
+        family,
+        config: dict,
+        *,
+        image_token_id: int = -1,
+        max_tiles: int = 0,
+        images: bool = True,
+        budget: tiles.PatchBudget | None = None,
+        canvas: tiles.TileCanvas | None = None,
+        math: bool = True,
+    ):
         """`config`: the saved image processor's settings; `image_token_id`: the token the cross-attention mask is
         made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
-        (Patchifier.normalize), this only the family's extras from the tokens (Gemma 3's token_type_ids)."""
+        (Patchifier), this only the family's extras from the tokens (Gemma 3's token_type_ids); `budget`: Gemma 4's
+        patch budget, `canvas` Mllama's tiles: whose images this resizes for the device (device_images); `math=False`:
+        the processor's rescale and normalize off (Llama 4, InternVL: the device's)."""
         self.family = family
         self.images = images
+        self.budget, self.canvas, self.math = budget, canvas, math
         self.rule = RULES[family.processor_classes[0]]
         self.config = dict(config)
         self.image_token_id = image_token_id
@@ -305,13 +360,34 @@ class HostPixels:
                 self._ip = AutoImageProcessor.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         return self._ip
 
+    def device_images(
+        self, images: list, index: list[int], rows: list[int], ids: np.ndarray
+    ) -> tuple[list, dict[str, torch.Tensor]]:
+        """The micro-batch's unique stored images (uint8 H x W x 3) + per-occurrence index and row, its token ids
+        (B x L) -> the images the device makes pixel_values of, and the inputs made here: for Gemma 4 each image
+        resized once by the processor's own resize, and their image_position_ids; for Mllama each resized and
+        padded to its canvas of tiles, and the aspect ratios and cross-attention mask; else the images, and nothing."""
+        if self.budget is not None:
+            resized = [tiles.resize(self.processor, im) for im in images]
+            sizes = [im.shape[:2] for im in resized]
+            return resized, {"image_position_ids": tiles.positions(sizes, index, self.budget)}
+        if self.canvas is not None:
+            fitted = [tiles.fit(self.processor, im) for im in images]
+            tokens, most = self.image_token_id, self.max_tiles or self.canvas.max_tiles
+            extra = tiles.mllama_inputs([r for _, r in fitted], index, rows, ids, tokens, most)
+            return [c for c, _ in fitted], extra
+        return images, {}
+
     def __call__(self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
         """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the
         model's pixel inputs for the micro-batch."""
         if not self.images:  # no image for the processor: it is never loaded, and only the extras are made
             per_sample = [[] for _ in per_sample]
+        ip = self.processor if self.images else None
+        if ip is not None and not self.math:  # uint8 pixel_values: the device rescales and normalizes them
+            ip = functools.partial(ip, do_rescale=False, do_normalize=False)
         return pixel_inputs(
-            self.processor if self.images else None,
+            ip,
             self.rule,
             per_sample,
             resize=not self.family.resized,

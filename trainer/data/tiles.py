@@ -1,0 +1,206 @@
+"""The workers' resized uint8 images -> Gemma 4's padded patches and Llama 3.2 Vision's tiles on the training device,
+bit for bit their image processor's (and the inputs the workers make beside them: position ids, aspect ratios, the
+cross-attention mask); Llama 4's bfloat16 rescale + normalize of the uint8 pixel_values its processor makes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+# Gemma 4's and Mllama's torchvision-backend image processors (the PIL backends resize with PIL: they stay on the host).
+PADDED = ("Gemma4ImageProcessor", "Gemma4ImageProcessorFast")
+TILED = ("MllamaImageProcessor", "MllamaImageProcessorFast")
+# Processors that do nothing after their rescale + normalize but stack the results: with both off they give uint8
+# pixel_values, which the device rescales and normalizes (Llama 4 in bfloat16, its own override; InternVL's
+# GotOcr2 as torchvision's backend does, fused).
+UINT8 = tuple(f"{k}{b}" for k in ("Llama4ImageProcessor", "GotOcr2ImageProcessor") for b in ("", "Fast"))
+_SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
+
+
+@dataclass(frozen=True)
+class PatchBudget:
+    """Gemma 4's patch side and its patches per image (max_soft_tokens x pooling_kernel_size^2): every image's
+    pixel_values rows, real patches first, then zeros (position ids -1)."""
+
+    patch_size: int
+    max_patches: int
+
+    @classmethod
+    def of(cls, cfg: dict) -> "PatchBudget | None":
+        """The budget of a saved image processor's settings where the device makes its pixel_values (Gemma 4's
+        torchvision backend, resizing, with its rescale and normalization named), else None."""
+        if cfg.get("image_processor_type") not in PADDED or cfg.get("do_resize") is False:
+            return None
+        values = [cfg.get(k) for k in _SETTINGS]
+        if not all(type(v) is int and 0 < v <= 4096 for v in values):  # untrusted: checked before use
+            return None
+        patch, kernel, tokens = values
+        return cls(patch_size=patch, max_patches=tokens * kernel * kernel)
+
+
+def resize(ip, image: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """One stored uint8 H x W x 3 image -> Gemma4ImageProcessor `ip`'s own resize of it (its
+    aspect_ratio_preserving_resize, called with the arguments its _preprocess passes), uint8 H' x W' x 3. It resizes
+    a channels-last view, not process_image's contiguous copy: the same values (tests/trainer/test_tiles.py), faster."""
+    t = torch.as_tensor(image).permute(2, 0, 1)
+    kernel = ip.pooling_kernel_size
+    with torch.no_grad():
+        out = ip.aspect_ratio_preserving_resize(
+            image=t,
+            patch_size=ip.patch_size,
+            max_patches=ip.max_soft_tokens * kernel * kernel,
+            pooling_kernel_size=kernel,
+            resample=ip.resample,
+        )
+    assert out.dtype == torch.uint8, "the processor's resize must keep uint8 so the device's pixels are exact"
+    return out.permute(1, 2, 0).contiguous()  # a no-op where the resize kept the layout
+
+
+def positions(sizes: list[tuple[int, int]], index: list[int], budget: PatchBudget) -> torch.Tensor:
+    """Unique resized images' (height, width) + per-occurrence index -> image_position_ids, int64 N x max_patches x 2:
+    each patch's (column, row) in row-major patch order, -1 on the padding rows (the processor's meshgrid "xy" and
+    pad_along_first_dim)."""
+    p = budget.patch_size
+    out = np.full((len(index), budget.max_patches, 2), -1, dtype=np.int64)
+    for k, u in enumerate(index):
+        gh, gw = sizes[u][0] // p, sizes[u][1] // p
+        out[k, : gh * gw, 0] = np.tile(np.arange(gw), gh)
+        out[k, : gh * gw, 1] = np.repeat(np.arange(gh), gw)
+    return torch.from_numpy(out)
+
+
+def patches(
+    scale: Callable[..., torch.Tensor],
+    images: list[torch.Tensor],
+    index: list[int],
+    budget: PatchBudget,
+    device: torch.device,
+) -> torch.Tensor:
+    """Unique resized uint8 H x W x 3 images + per-occurrence index -> pixel_values, float32 N x max_patches x
+    (p * p * 3): each image rescaled + normalized by `scale` (Patchifier's, the processor's backend arithmetic; channels
+    last here: elementwise, the same values), its patches in row-major order laid out (row, column, channel) as
+    convert_image_to_patches does, then zero rows (the processor pads after its rescale and normalize)."""
+    p = budget.patch_size
+    out = torch.zeros((len(index), budget.max_patches, p * p * 3), dtype=torch.float32, device=device)
+    first: dict[int, int] = {}
+    for k, u in enumerate(index):
+        h, w, _ = images[u].shape
+        gh, gw = h // p, w // p
+        assert gh * p == h and gw * p == w and gh * gw <= budget.max_patches, (
+            f"image {h}x{w} is not the processor's resize to {p} px patches within {budget.max_patches}"
+        )
+        if u in first:  # a repeated image: copy its rows instead of recomputing them
+            out[k].copy_(out[first[u]])
+            continue
+        first[u] = k
+        x = scale(images[u].to(device, non_blocking=True), (-1,))
+        out[k, : gh * gw].view(gh, gw, p, p, 3).copy_(x.reshape(gh, p, gw, p, 3).permute(0, 2, 1, 3, 4))
+    return out
+
+
+@dataclass(frozen=True)
+class TileCanvas:
+    """Mllama's square tile side and its tiles per image: every image's pixel_values are max_tiles tiles, its own
+    (its canvas split row by row) first, then zeros."""
+
+    tile_size: int
+    max_tiles: int
+
+    @classmethod
+    def of(cls, cfg: dict) -> "TileCanvas | None":
+        """The canvas of a saved image processor's settings where the device makes its pixel_values (Mllama's
+        torchvision backend, a square tile), else None."""
+        size = cfg.get("size")
+        if cfg.get("image_processor_type") not in TILED or not isinstance(size, dict):
+            return None
+        side, tiles = size.get("height"), cfg.get("max_image_tiles")
+        if size.get("width") != side or not all(type(v) is int and 0 < v <= 4096 for v in (side, tiles)):
+            return None
+        return cls(tile_size=side, max_tiles=tiles)
+
+
+def fit(ip, image: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """One stored uint8 H x W x 3 image -> MllamaImageProcessor `ip`'s own resize of it (its resize, as its
+    _preprocess calls it), padded with pixel 0 at the bottom and right to its canvas as its pad does: uint8
+    (tiles high x tile) x (tiles wide x tile) x 3; and (tiles high, tiles wide), its aspect ratio."""
+    with torch.no_grad():
+        out, (th, tw) = ip.resize(
+            image=torch.as_tensor(image).permute(2, 0, 1)[None],
+            size=ip.size,
+            max_image_tiles=ip.max_image_tiles,
+            resample=ip.resample,
+        )
+    assert out.dtype == torch.uint8, "the processor's resize must keep uint8 so the device's pixels are exact"
+    side = ip.size.height
+    canvas = torch.zeros((th * side, tw * side, 3), dtype=torch.uint8)
+    canvas[: out.shape[-2], : out.shape[-1]] = out[0].permute(1, 2, 0)
+    return canvas, (th, tw)
+
+
+def mllama_inputs(
+    ratios: list[tuple[int, int]], index: list[int], rows: list[int], ids: np.ndarray, token: int, max_tiles: int
+) -> dict[str, torch.Tensor]:
+    """Unique images' aspect ratios (fit's) + per-occurrence index and row, the token ids (B x L) -> Mllama's
+    aspect_ratio_ids, aspect_ratio_mask (rows without images: id 0, mask [1, 0, ...]) and cross-attention mask."""
+    from transformers.models.mllama.image_processing_mllama import (
+        build_aspect_ratio_mask,
+        convert_aspect_ratios_to_ids,
+    )
+
+    from vlmprep_schemas.pixels import mllama_cross_attention
+
+    per_row: list[list[tuple[int, int]]] = [[] for _ in range(len(ids))]
+    for u, b in zip(index, rows):
+        per_row[b].append(ratios[u])
+    return {
+        "aspect_ratio_ids": convert_aspect_ratios_to_ids(per_row, max_image_tiles=max_tiles),
+        "aspect_ratio_mask": build_aspect_ratio_mask(per_row, max_image_tiles=max_tiles),
+        "cross_attention_mask": mllama_cross_attention(ids, token, [[h * w for h, w in r] for r in per_row], max_tiles),
+    }
+
+
+def tiled(
+    scale: Callable[..., torch.Tensor],
+    images: list[torch.Tensor],
+    index: list[int],
+    rows: list[int],
+    batch_rows: int,
+    canvas: TileCanvas,
+    device: torch.device,
+) -> torch.Tensor:
+    """Unique uint8 canvases (fit's) + per-occurrence index and row -> pixel_values, float32 batch_rows x (the most
+    images of a row) x max_tiles x 3 x tile x tile: each canvas rescaled + normalized by `scale` (its pixel-0 padding
+    too, as the processor normalizes it; channels last here, the same values), split into tiles row by row as
+    split_to_tiles does; the tiles and images no image fills stay 0 (the processor pads them after its math)."""
+    side = canvas.tile_size
+    most = max(Counter(rows).values())
+    out = torch.zeros((batch_rows, most, canvas.max_tiles, 3, side, side), dtype=torch.float32, device=device)
+    slots = [0] * batch_rows
+    first: dict[int, tuple[int, int]] = {}
+    for u, b in zip(index, rows):
+        j, slots[b] = slots[b], slots[b] + 1
+        h, w, _ = images[u].shape
+        th, tw = h // side, w // side
+        assert th * side == h and tw * side == w and th * tw <= canvas.max_tiles, (
+            f"image {h}x{w} is not a canvas of {side} px tiles, at most {canvas.max_tiles}: was it fitted?"
+        )
+        if u in first:  # a repeated image: copy its tiles instead of recomputing them
+            out[b, j].copy_(out[first[u]])
+            continue
+        first[u] = (b, j)
+        x = scale(images[u].to(device, non_blocking=True), (-1,))
+        out[b, j, : th * tw].view(th, tw, 3, side, side).copy_(x.reshape(th, side, tw, side, 3).permute(0, 2, 4, 1, 3))
+    return out
+
+
+def llama4_scale(pixels: torch.Tensor, rescale_factor: float, mean, std) -> torch.Tensor:
+    """Llama 4's uint8 pixel_values (N x 3 x H x W) -> its processor's rescale + normalize, in bfloat16 as its
+    rescale_and_normalize override computes them (then float32, as vlmprep_schemas.pixels gives the host's)."""
+    x = pixels.to(torch.bfloat16) * rescale_factor
+    mean = torch.as_tensor(mean, dtype=torch.bfloat16, device=x.device).view(1, -1, 1, 1)
+    std = torch.as_tensor(std, dtype=torch.bfloat16, device=x.device).view(1, -1, 1, 1)
+    return x.sub_(mean).div_(std).float()
