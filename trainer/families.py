@@ -30,7 +30,8 @@ class Family:
     # the split into tiles on the device (its torchvision backend, else as "processor");
     # "uint8": the dataset's own image processor on the host with its rescale and normalize off (uint8 pixel_values, a
     # quarter of the bytes), those two on the device (Patchifier.host_math; Llama 4's and InternVL's torchvision
-    # backend, else as "processor"); "processor": the dataset's own image processor on the host
+    # backend; Idefics3's / SmolVLM's with its pad off too, padded in uint8 by the workers and normalized on the device
+    # under its pixel mask; else as "processor"); "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
@@ -125,6 +126,7 @@ FAMILIES: tuple[Family, ...] = (
         name="smolvlm",
         model_types=("idefics3", "smolvlm"),
         processor_classes=("Idefics3Processor", "SmolVLMProcessor"),
+        pixels="uint8",
         vision=("vision_model", "connector"),
         text="text_model",
     ),

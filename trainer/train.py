@@ -71,8 +71,8 @@ def train_step(
     for mb in micro_batches:
         mb = mb.to(device)
         # Qwen's families and GLM: pixels patchified here, on the device (Gemma 3's normalized, Gemma 4's patchified
-        # and padded, Mllama's tiled, Llama 4's and InternVL's uint8 from the host rescaled + normalized); the others'
-        # came made by the host (mb.vision).
+        # and padded, Mllama's tiled, Llama 4's, InternVL's and SmolVLM's uint8 from the host rescaled + normalized);
+        # the others' came made by the host (mb.vision).
         pixels, videos = patchifier.inputs(mb)
         if by_source is None:
             loss_sum = forward_loss(net, mb, pixels, pixel_values_videos=videos)

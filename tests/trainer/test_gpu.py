@@ -19,8 +19,8 @@ def test_pixel_values_on_gpu_equal_cpu(dataset, image_spec):
 
 
 def test_device_pixel_math_of_the_padded_and_uint8_families_on_gpu_equal_cpu(device="cuda"):
-    """Gemma 4's patches, Llama 3.2 Vision's tiles (trainer/data/tiles.py) and Llama 4's and InternVL's normalize of the
-    workers' uint8 made on the GPU equal the CPU's (test_tiles.py holds the CPU's equal to the processors')."""
+    """Gemma 4's patches, Llama 3.2 Vision's tiles (trainer/data/tiles.py) and Llama 4's, InternVL's and SmolVLM's
+    normalize of the workers' uint8 made on the GPU equal the CPU's (test_tiles.py holds the CPU's equal to the processors')."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -49,6 +49,11 @@ def test_device_pixel_math_of_the_padded_and_uint8_families_on_gpu_equal_cpu(dev
         pixels = HostPixels(BY_NAME[name], spec.config, math=False)([images], ids[:1], ids[:1])["pixel_values"]
         cpu, gpu = (Patchifier(spec, d).host_math(pixels.to(d)).cpu() for d in ("cpu", device))
         assert pixels.dtype == torch.uint8 and float((cpu - gpu).abs().max()) <= 1e-6, name
+    _, spec = _uint8_processor("smolvlm")  # padded in uint8 by the workers, normalized under the mask
+    out = HostPixels(BY_NAME["smolvlm"], spec.config, math=False)([images[:1], images[1:]], ids, ids)
+    pixels, mask = out["pixel_values"], out["pixel_attention_mask"]
+    cpu, gpu = (Patchifier(spec, d).host_math(pixels.to(d), mask.to(d)).cpu() for d in ("cpu", device))
+    assert pixels.dtype == torch.uint8 and float((cpu - gpu).abs().max()) <= 1e-6
 
 
 def test_bf16_fsdp_run_with_activation_checkpointing(dataset, tmp_path):

@@ -338,3 +338,41 @@ def test_uint8_host_pixels_need_the_torchvision_backend_and_the_whole_math():
             {k: v for k, v in cfg.items() if k != "image_mean"},
         ):
             assert not ImageSpec.from_config(other).host_uint8, other
+
+
+@pytest.mark.parametrize("kind", ["Idefics3ImageProcessor", "SmolVLMImageProcessor"])
+def test_smolvlm_tiles_padded_in_uint8_and_normalized_under_the_mask_equal_the_processors(kind):
+    """Idefics3 / SmolVLM: the workers' pixel_values are the processor's tiles with rescale, normalize and pad off,
+    padded in uint8 (Uint8Tiles), and the device's rescale + normalize under the pixel mask equal bit for bit the
+    processor's own inputs for a micro-batch whose samples have different tile counts (a demo photo and a 4 MP one
+    in one sample, a wide strip alone), the mask's values included; padding left as a normalized black fails it. A saved
+    processor that does not pad keeps the host's float path."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from vlmprep_schemas.pixels import RULES, pixel_inputs
+
+    tiny, _ = _uint8_processor("smolvlm")
+    ip = getattr(transformers, kind)(**{k: v for k, v in tiny.to_dict().items() if k != "image_processor_type"})
+    spec = ImageSpec.from_config({**ip.to_dict(), "image_processor_type": kind})
+    family = BY_NAME["smolvlm"]
+    assert family.pixels == "uint8" and spec.host_uint8
+    demo = np.asarray(Image.open(sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))[0]).convert("RGB"))
+    strip = np.asarray(photo(900, 120, seed=3))
+    per_sample = [[demo, np.asarray(photo(2400, 1800, seed=5))], [strip]]
+    ref = pixel_inputs(ip, RULES[family.processor_classes[0]], per_sample, resize=True)
+    host = HostPixels(family, spec.config, math=False)
+    host._ip = ip
+    ours = host(per_sample, np.zeros((2, 4), np.int64), np.zeros((2, 4), np.uint8))
+    assert ours.keys() == ref.keys() == {"pixel_values", "pixel_attention_mask"}
+    mask = ours["pixel_attention_mask"]  # bool, as the model makes it where none is given
+    assert ours["pixel_values"].dtype == torch.uint8 and mask.dtype == torch.bool
+    assert torch.equal(mask.long(), ref["pixel_attention_mask"])
+    assert int(ref["pixel_attention_mask"][1].amax(dim=(-1, -2)).sum()) < ref["pixel_values"].shape[1]  # padded tiles
+    pf = Patchifier(spec, "cpu")
+    pixels, _ = pf.inputs(SimpleNamespace(vision=ours))
+    assert pixels.dtype == torch.float32 and torch.equal(pixels, ref["pixel_values"])
+    black = pf._scale(ours["pixel_values"].flatten(0, 1), (1, -1, 1, 1)).view(ours["pixel_values"].shape)
+    assert not torch.equal(black, ref["pixel_values"])
+    assert not ImageSpec.from_config({**spec.config, "do_pad": False}).host_uint8

@@ -18,6 +18,9 @@ TILED = ("MllamaImageProcessor", "MllamaImageProcessorFast")
 # pixel_values, which the device rescales and normalizes (Llama 4 in bfloat16, its own override; InternVL's
 # GotOcr2 as torchvision's backend does, fused).
 UINT8 = tuple(f"{k}{b}" for k in ("Llama4ImageProcessor", "GotOcr2ImageProcessor") for b in ("", "Fast"))
+# Idefics3's and SmolVLM's pad their normalized tiles with zeros and a pixel mask: with rescale, normalize and the pad
+# off they give uint8 tiles, which the workers pad the same way (Uint8Tiles) and the device normalizes under the mask.
+PADDED_TILES = tuple(f"{k}{b}" for k in ("Idefics3ImageProcessor", "SmolVLMImageProcessor") for b in ("", "Fast"))
 _SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
 
 
@@ -204,3 +207,38 @@ def llama4_scale(pixels: torch.Tensor, rescale_factor: float, mean, std) -> torc
     mean = torch.as_tensor(mean, dtype=torch.bfloat16, device=x.device).view(1, -1, 1, 1)
     std = torch.as_tensor(std, dtype=torch.bfloat16, device=x.device).view(1, -1, 1, 1)
     return x.sub_(mean).div_(std).float()
+
+
+class Uint8Tiles:
+    """An Idefics3 / SmolVLM image processor with its rescale, normalize and pad off: each sample's uint8 tiles (its
+    resizes and split, unchanged), padded here as its pad() pads the normalized ones: zeros below and right of each
+    tile up to the batch's largest, zero tiles up to its most a sample, and the pixel mask (1 on each tile), bool as
+    the model makes it where none is given (the processor's int64 would be 8 bytes a pixel, more than the tile)."""
+
+    def __init__(self, processor):
+        self.processor = processor  # vlmprep_schemas.pixels hands it channels-first views, as the processor itself
+
+    def __call__(self, images: list[list], **kwargs) -> dict[str, torch.Tensor]:
+        """Each sample's images -> {"pixel_values": uint8 B x N x 3 x H x W, "pixel_attention_mask": bool B x N x
+        H x W}."""
+        kwargs.update(do_rescale=False, do_normalize=False, do_pad=False, return_tensors=None)
+        per_sample = self.processor(images, **kwargs)["pixel_values"]
+        n = max(len(t) for t in per_sample)
+        h = max(x.shape[-2] for t in per_sample for x in t)
+        w = max(x.shape[-1] for t in per_sample for x in t)
+        pixels = torch.empty((len(per_sample), n, 3, h, w), dtype=torch.uint8)  # zeroed where not a tile, below
+        mask = torch.zeros((len(per_sample), n, h, w), dtype=torch.bool)
+        for i, tiles in enumerate(per_sample):
+            for j, x in enumerate(tiles):
+                th, tw = x.shape[-2:]
+                pixels[i, j, :, :th, :tw] = x
+                pixels[i, j, :, th:], pixels[i, j, :, :th, tw:] = 0, 0
+                mask[i, j, :th, :tw] = True
+            pixels[i, len(tiles) :] = 0
+        return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def masked(scaled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rescaled + normalized tiles (B x N x 3 x H x W) -> 0.0 outside the pixel mask (B x N x H x W), as the
+    processor's pad after its normalize leaves them."""
+    return torch.where(mask.unsqueeze(2), scaled, 0.0)

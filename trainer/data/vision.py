@@ -70,8 +70,8 @@ class ImageSpec:
     # Mllama: pixel_values are the workers' resized images on their canvas of tiles, rescaled + normalized and split
     # into tiles on the device (trainer/data/tiles.py); None: another family
     canvas: tiles.TileCanvas | None = None
-    # Llama 4, InternVL: the host's pixel_values are uint8 (its processor with rescale and normalize off), which the
-    # device rescales and normalizes (Patchifier.inputs)
+    # Llama 4, InternVL, SmolVLM: the host's pixel_values are uint8 (its processor with rescale and normalize off),
+    # which the device rescales and normalizes (Patchifier.inputs)
     host_uint8: bool = False
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
@@ -97,7 +97,10 @@ class ImageSpec:
             normalized = math and kind in NORMALIZED and not cfg.get("do_pan_and_scan")
             budget = tiles.PatchBudget.of(cfg) if math else None
             canvas = tiles.TileCanvas.of(cfg) if math else None
-            host_uint8 = math and kind in tiles.UINT8 and cfg["do_rescale"] is True and cfg["do_normalize"] is True
+            host_uint8 = math and kind in tiles.UINT8 + tiles.PADDED_TILES and cfg["do_rescale"] is True
+            host_uint8 = (
+                host_uint8 and cfg["do_normalize"] is True and (kind in tiles.UINT8 or cfg.get("do_pad") is True)
+            )
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
@@ -186,7 +189,8 @@ class Patchifier:
         made its pixel_values (in `batch.vision`, with the family's extras: what the forward takes, model_inputs)."""
         host = batch.vision.get("pixel_values")
         if host is not None:  # the host's: as they are, or its uint8 rescaled + normalized here (host_uint8)
-            return (self.host_math(host) if host.dtype == torch.uint8 else None), None
+            mask = batch.vision.get("pixel_attention_mask")
+            return (self.host_math(host, mask) if host.dtype == torch.uint8 else None), None
         if self.spec.canvas is not None:  # Mllama's tiles: each image in its sample's row
             rows, n = list(batch.image_rows), len(batch.input_ids)
             return tiles.tiled(
@@ -194,12 +198,15 @@ class Patchifier:
             ), None
         return self(batch.images, batch.image_index), self.videos(batch.videos)
 
-    def host_math(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The host's uint8 pixel_values (N x 3 x H x W, its processor's with rescale and normalize off) -> float32,
-        rescaled + normalized as that processor does: Llama 4's in bfloat16, others' as torchvision's backend."""
+    def host_math(self, pixels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The host's uint8 pixel_values (N x 3 x H x W, its processor's with rescale and normalize off; Idefics3's
+        B x N x 3 x H x W, padded under the pixel `mask`) -> float32, rescaled + normalized as that processor does:
+        Llama 4's in bfloat16, others' as torchvision's backend, Idefics3's padding 0.0."""
         s = self.spec
         if s.kind.startswith("Llama4"):
             return tiles.llama4_scale(pixels, s.rescale_factor, s.image_mean, s.image_std)
+        if mask is not None:
+            return tiles.masked(self._scale(pixels.flatten(0, 1), (1, -1, 1, 1)).view(pixels.shape), mask)
         return self._scale(pixels, (1, -1, 1, 1))
 
     def normalize(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
@@ -316,9 +323,9 @@ class HostPixels:
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
     the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
     its token types alone; for Gemma 4 and Mllama, whose pixel_values the device makes, the resized images and the
-    inputs made from them (device_images); for Llama 4 and InternVL uint8 pixel_values (rescale and normalize off: the
-    device's, Patchifier.host_math). Picklable: each process loads the processor (its saved config only, no code)
-    once, on first use."""
+    inputs made from them (device_images); for Llama 4, InternVL and SmolVLM uint8 pixel_values (rescale and
+    normalize off: the device's, Patchifier.host_math; SmolVLM's padded here, tiles.Uint8Tiles). Picklable: each
+    process loads the processor (its saved config only, no code) once, on first use."""
 
     def __init__(
         self,
@@ -336,7 +343,7 @@ class HostPixels:
         made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
         (Patchifier), this only the family's extras from the tokens (Gemma 3's token_type_ids); `budget`: Gemma 4's
         patch budget, `canvas` Mllama's tiles: whose images this resizes for the device (device_images); `math=False`:
-        the processor's rescale and normalize off (Llama 4, InternVL: the device's)."""
+        the processor's rescale and normalize off (Llama 4, InternVL, SmolVLM: the device's)."""
         self.family = family
         self.images = images
         self.budget, self.canvas, self.math = budget, canvas, math
@@ -385,7 +392,8 @@ class HostPixels:
             per_sample = [[] for _ in per_sample]
         ip = self.processor if self.images else None
         if ip is not None and not self.math:  # uint8 pixel_values: the device rescales and normalizes them
-            ip = functools.partial(ip, do_rescale=False, do_normalize=False)
+            padded = self.config.get("image_processor_type") in tiles.PADDED_TILES
+            ip = tiles.Uint8Tiles(ip) if padded else functools.partial(ip, do_rescale=False, do_normalize=False)
         return pixel_inputs(
             ip,
             self.rule,
