@@ -11,8 +11,8 @@ agent-trace split/keep-images table); scale (one plan: local pool vs Ray, per-ta
 shard bytes per second of video); growth (each command's time and peak RSS as samples, input files and tasks grow,
 with growth exponents: 10k / 100k samples, 1M from the index); append (`build --append` of 1,000 records to datasets
 of 10k and 100k samples vs building them alone); watch (a running `vlmprep watch`: an object landing to a readable
-version, against its build time + --every + 10 s). `--quick` is a seconds-long smoke run (tiny inputs;
-figures meaningless, shape real)."""
+version, against its build time + --every + 10 s). `--quick` is a smoke run of every benchmark (tiny inputs;
+figures meaningless, shape real): ~15 min on the 2-core box, most of it start-ups and builds."""
 
 from __future__ import annotations
 
