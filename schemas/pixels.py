@@ -95,8 +95,7 @@ def _input_maker(image_processor):
     its RGB conversion and two more copies, ~40% of a 12 MP photo's processing); any other backend gets PIL's."""
     from transformers.image_processing_backends import TorchvisionBackend
 
-    # a functools.partial of it (Llama 4's uint8 call) or a wrapper's (the trainer's Uint8Tiles)
-    ip = getattr(image_processor, "func", None) or getattr(image_processor, "processor", image_processor)
+    ip = getattr(image_processor, "func", image_processor)  # a functools.partial of it, or a wrapper naming it so
     tv = ip is not None and getattr(type(ip), "process_image", None) is TorchvisionBackend.process_image
     return _channels_first if tv else _pil
 

@@ -4,6 +4,7 @@ cross-attention mask); Llama 4's bfloat16 rescale + normalize of the uint8 pixel
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +23,20 @@ UINT8 = tuple(f"{k}{b}" for k in ("Llama4ImageProcessor", "GotOcr2ImageProcessor
 # off they give uint8 tiles, which the workers pad the same way (Uint8Tiles) and the device normalizes under the mask.
 PADDED_TILES = tuple(f"{k}{b}" for k in ("Idefics3ImageProcessor", "SmolVLMImageProcessor") for b in ("", "Fast"))
 _SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
+
+
+def host_uint8(cfg: dict) -> bool:
+    """Whether the workers' pixel_values are uint8 for a saved image processor's settings (the caller checked they
+    name the whole math): a UINT8 or PADDED_TILES class that rescales and normalizes (a PADDED_TILES one that pads)."""
+    kind = cfg.get("image_processor_type")
+    padding = kind not in PADDED_TILES or cfg.get("do_pad") is True
+    return kind in UINT8 + PADDED_TILES and cfg["do_rescale"] is True and cfg["do_normalize"] is True and padding
+
+
+def without_math(ip, kind: str):
+    """The image processor `ip` (its class `kind`) called with its rescale and normalize off: a PADDED_TILES one
+    through Uint8Tiles, which pads its uint8 tiles; the others give uint8 pixel_values as they are."""
+    return Uint8Tiles(ip) if kind in PADDED_TILES else functools.partial(ip, do_rescale=False, do_normalize=False)
 
 
 @dataclass(frozen=True)
@@ -216,13 +231,14 @@ class Uint8Tiles:
     the model makes it where none is given (the processor's int64 would be 8 bytes a pixel, more than the tile)."""
 
     def __init__(self, processor):
-        self.processor = processor  # vlmprep_schemas.pixels hands it channels-first views, as the processor itself
+        # named as functools.partial names what it calls: vlmprep_schemas.pixels unwraps either to pick the inputs
+        self.func = processor
 
     def __call__(self, images: list[list], **kwargs) -> dict[str, torch.Tensor]:
         """Each sample's images -> {"pixel_values": uint8 B x N x 3 x H x W, "pixel_attention_mask": bool B x N x
         H x W}."""
         kwargs.update(do_rescale=False, do_normalize=False, do_pad=False, return_tensors=None)
-        per_sample = self.processor(images, **kwargs)["pixel_values"]
+        per_sample = self.func(images, **kwargs)["pixel_values"]
         n = max(len(t) for t in per_sample)
         h = max(x.shape[-2] for t in per_sample for x in t)
         w = max(x.shape[-1] for t in per_sample for x in t)

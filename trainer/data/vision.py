@@ -9,7 +9,6 @@ stored pixels, in the DataLoader workers).
 
 from __future__ import annotations
 
-import functools
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -97,10 +96,7 @@ class ImageSpec:
             normalized = math and kind in NORMALIZED and not cfg.get("do_pan_and_scan")
             budget = tiles.PatchBudget.of(cfg) if math else None
             canvas = tiles.TileCanvas.of(cfg) if math else None
-            host_uint8 = math and kind in tiles.UINT8 + tiles.PADDED_TILES and cfg["do_rescale"] is True
-            host_uint8 = (
-                host_uint8 and cfg["do_normalize"] is True and (kind in tiles.UINT8 or cfg.get("do_pad") is True)
-            )
+            host_uint8 = math and tiles.host_uint8(cfg)
             return cls(
                 patch_size=1,
                 temporal_patch_size=1,
@@ -392,8 +388,7 @@ class HostPixels:
             per_sample = [[] for _ in per_sample]
         ip = self.processor if self.images else None
         if ip is not None and not self.math:  # uint8 pixel_values: the device rescales and normalizes them
-            padded = self.config.get("image_processor_type") in tiles.PADDED_TILES
-            ip = tiles.Uint8Tiles(ip) if padded else functools.partial(ip, do_rescale=False, do_normalize=False)
+            ip = tiles.without_math(ip, self.config.get("image_processor_type"))
         return pixel_inputs(
             ip,
             self.rule,
