@@ -68,10 +68,13 @@ def _spec(ds: Path, name: str):
     return image, collate_spec_of(net, RunData((), [], [], image, "", processor), processor)
 
 
-def loader_pass(ds: Path, name: str, pixels: bool, clock=time.perf_counter, device: bool = True) -> tuple[float, int]:
+def loader_pass(
+    ds: Path, name: str, pixels: bool, clock=time.perf_counter, device: bool = True, seen=None
+) -> tuple[float, int]:
     """One pass of the trainer's data path (micro-batch 1, in this process): seconds (of `clock`), samples.
     pixels=False: the floor, samples read and decoded, no pixel inputs made; device=False: the DataLoader workers'
-    part alone (collate and the host's pixel inputs), not the pixel math the training device runs (Patchifier)."""
+    part alone (collate and the host's pixel inputs), not the pixel math the training device runs (Patchifier);
+    `seen(pixel_values)`: called with each micro-batch's, the device's or else the host's (None without images)."""
     from trainer.data.collate import collate
     from trainer.data.sources import resolve_data
     from trainer.data.streams import RankStream
@@ -88,7 +91,9 @@ def loader_pass(ds: Path, name: str, pixels: bool, clock=time.perf_counter, devi
             continue
         batch = collate([sample], cspec)
         if patchify is not None:  # a host family's batch holds its pixel_values: nothing made here
-            patchify.inputs(batch)
+            made = patchify.inputs(batch)[0]
+            if seen is not None:
+                seen(made if made is not None else batch.vision.get("pixel_values"))
     return clock() - t0, n
 
 

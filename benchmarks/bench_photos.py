@@ -197,28 +197,15 @@ def _online(lines: list[dict], processor_dir: Path) -> tuple[float, str]:
         return cpu() - t0, "apply_chat_template"
 
 
-def vision_patches(ds: Path, name: str) -> float:
-    """Vision patches a sample of the dataset gives the tower, on average, from the pixel_values its micro-batches make
-    (the host's or the device's; padded tiles included: the tower runs on them): their rows where they are patch rows,
-    else their pixels over the released checkpoint's patch area."""
-    from benchmarks.bench_families import _spec
-    from trainer.data.collate import collate
-    from trainer.data.sources import resolve_data
-    from trainer.data.streams import RankStream
-    from trainer.data.vision import Patchifier
-
-    image, cspec = _spec(ds, name)
-    patchify = Patchifier(image, "cpu")
-    area = REAL_PATCH.get(name, 14) ** 2
-    patches = n = 0
-    for sample in RankStream(list(resolve_data(str(ds)).shards), start=0, spec=image):
-        batch = collate([sample], cspec)
-        made = patchify.inputs(batch)[0]
-        pv = made if made is not None else batch.vision.get("pixel_values")
-        if pv is not None:  # 2-D: one row a patch (Qwen's rows hold a patch twice, its temporal pair); else images
-            patches += pv.shape[0] if pv.dim() == 2 else pv.numel() / 3 / area
-        n += 1
-    return patches / max(n, 1)
+def patches_of(pixel_values, name: str) -> float:
+    """Vision patches one micro-batch's pixel_values give the tower (padded tiles included: the tower runs on them):
+    their rows where they are patch rows (Qwen's hold a patch twice, its temporal pair), else their pixels over the
+    released checkpoint's patch area."""
+    if pixel_values is None:
+        return 0.0
+    if pixel_values.dim() == 2:
+        return float(pixel_values.shape[0])
+    return pixel_values.numel() / 3 / REAL_PATCH.get(name, 14) ** 2
 
 
 def loader_rows(quick: bool) -> list[dict]:
@@ -251,7 +238,12 @@ def loader_rows(quick: bool) -> list[dict]:
             )
             manifest = load_manifest(ds)
             storage = _storage(ds)
-            passes = {pixels: loader_pass(ds, family.name, pixels, time.process_time)[0] for pixels in (True, False)}
+            counted: list[float] = []  # per sample, from the pass that makes every pixel input (the device's too)
+            seen = lambda pv, into=counted, name=family.name: into.append(patches_of(pv, name))  # noqa: E731
+            passes = {
+                pixels: loader_pass(ds, family.name, pixels, time.process_time, seen=seen if pixels else None)[0]
+                for pixels in (True, False)
+            }
             if family.pixels != "patchify":  # the workers' part (collate: the host's inputs), not the device's math
                 passes["workers"] = loader_pass(ds, family.name, True, time.process_time, device=False)[0]
             pdelta = None
@@ -280,7 +272,7 @@ def loader_rows(quick: bool) -> list[dict]:
             online, path = _online(recs, ds / "processor")
             tokens = manifest.totals["tokens"] / n
             need = NEED_TOKENS_PER_S / tokens  # samples a second one GPU takes, counting its text tokens alone
-            patches = vision_patches(ds, family.name)
+            patches = sum(counted) / n
             need_vision = NEED_TOKENS_PER_S / (tokens + patches * VISION_PARAMS / TEXT_PARAMS)  # and its tower
             rows.append(
                 emit(
