@@ -11,21 +11,34 @@ import warnings
 
 import numpy as np
 
-# How each image processor resizes one image (the class name without Fast / Pil); any other stores the source:
-# tiling processors (Mllama, Llama 4, Idefics3 / SmolVLM, LLaVA-OneVision, InternVL, Gemma 4) crop and resize into
-# several tiles plus a thumbnail, which no single resized image reproduces, so the loader runs the saved processor
-# on the decoded RGB source.
+# How each image processor resizes one image (the class name without Fast / Pil); any other stores the source.
 MODES = {
     "Qwen2VLImageProcessor": "smart_resize",  # Qwen2-VL, 2.5-VL, 3-VL, 3.5
     "Glm4vImageProcessor": "smart_resize_temporal",
     "PixtralImageProcessor": "longest_edge_patch",  # Mistral 3
     "Gemma3ImageProcessor": "fixed_resize",  # without pan-and-scan
 }
+# Processors that resize the whole image first and make everything else (patches, tiles, the global image) from that
+# resize: their torchvision backends (the class name without Fast), whose resize leaves an image already at its target
+# size untouched. vlmprep stores that resize only where it is a fixed point (the same size, and for Mllama the same
+# tile canvas, when run again on it) and has fewer pixels than the source: then the processor, which still resizes at
+# train time, changes nothing, and every reader gets the pixels the processor makes from the source; elsewhere (an
+# upscale, or rounding that moves a side once more: a fifth of Gemma 4's sizes) the source. The other tiling
+# processors (Llama 4, LLaVA-OneVision, InternVL) resize their global image or thumbnail from the source itself,
+# which no single stored image reproduces: they store the source.
+FIXED_POINT_MODES = {
+    "Gemma4ImageProcessor": "patch_budget",  # aspect kept, within max_soft_tokens x pooling_kernel_size^2 patches
+    "MllamaImageProcessor": "tile_canvas",  # fit to its best tile canvas
+    "Idefics3ImageProcessor": "encoder_tiles",  # longest edge, then multiples of the encoder's tile (image splitting)
+    "SmolVLMImageProcessor": "encoder_tiles",
+}
 
 
 def resize_mode(image_processor_type: str) -> str:
-    """The resize of an image processor class (its name, as a saved config's image_processor_type): a MODES value,
-    or "source" (no resize: the RGB source is stored)."""
+    """The resize of an image processor class (its name, as a saved config's image_processor_type): a MODES or
+    FIXED_POINT_MODES value, or "source" (no resize: the RGB source is stored)."""
+    if image_processor_type.removesuffix("Fast") in FIXED_POINT_MODES:
+        return FIXED_POINT_MODES[image_processor_type.removesuffix("Fast")]
     return MODES.get(image_processor_type.removesuffix("Fast").removesuffix("Pil"), "source")
 
 
@@ -90,8 +103,60 @@ def resize(mode: str, ip, t, patch: int = 0):
         return ip.resize(t[None], size=ip.size, patch_size=SizeDict(height=patch, width=patch), resample=ip.resample)[0]
     if mode == "fixed_resize":
         return ip.resize(t[None], size=ip.size, resample=ip.resample)[0]
+    if mode in _FIRST:
+        return _at_fixed_point(mode, ip, t)
     assert mode == "source", f"unknown resize mode {mode!r}"
     return t
+
+
+def _patch_budget(ip, t, resample):
+    """Gemma 4's resize, with the arguments its _preprocess passes (None where it does not resize)."""
+    if ip.do_resize is False:
+        return None, None
+    k = ip.pooling_kernel_size
+    budget = ip.max_soft_tokens * k * k
+    out = ip.aspect_ratio_preserving_resize(
+        image=t, patch_size=ip.patch_size, max_patches=budget, pooling_kernel_size=k, resample=resample
+    )
+    return out, None
+
+
+def _tile_canvas(ip, t, resample):
+    """Mllama's resize (it always resizes) and the canvas it chose, (tiles high, tiles wide)."""
+    out, canvas = ip.resize(image=t[None], size=ip.size, max_image_tiles=ip.max_image_tiles, resample=resample)
+    return out[0], tuple(int(c) for c in canvas)
+
+
+def _encoder_tiles(ip, t, resample):
+    """Idefics3 / SmolVLM's two resizes before splitting into tiles (longest edge, then multiples of the tile), as its
+    _preprocess runs them (None where it does not resize or split)."""
+    if ip.do_resize is False or ip.do_image_splitting is False:
+        return None, None
+    out = ip.resize(t[None], size=ip.size, resample=resample)
+    return ip.resize_for_vision_encoder(out, ip.max_image_size["longest_edge"], resample=resample)[0], None
+
+
+_FIRST = {"patch_budget": _patch_budget, "tile_canvas": _tile_canvas, "encoder_tiles": _encoder_tiles}
+
+
+def _at_fixed_point(mode: str, ip, t):
+    """FIXED_POINT_MODES: `t` resized by the processor's first resize where that makes it smaller and is a fixed point
+    of itself, else `t` (an upscaled image would store more pixels than its source). Decided on shapes alone (meta
+    tensors: no pixel is made), then resized once."""
+    import torch
+
+    first = _FIRST[mode]
+    resample = 2 if t.device.type == "meta" else ip.resample  # bilinear: the shape is the same, and no LANCZOS warning
+
+    def planned(h: int, w: int):
+        out, plan = first(ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
+        return None if out is None else (tuple(out.shape[-2:]), plan)
+
+    h, w = t.shape[-2:]
+    once = planned(h, w)
+    if once is None or once[0][0] * once[0][1] >= h * w or planned(*once[0]) != once:
+        return t  # no smaller: a source kept as its bytes pays no more at load, a lossless one stores fewer pixels
+    return first(ip, t, resample)[0]
 
 
 def stored_pixels(ip, mode: str, pil, patch: int = 0) -> np.ndarray:

@@ -22,7 +22,10 @@ class FamilySpec:
     wrapper_open: tuple[str, ...] = ()  # template tokens right before the expansion that belong to the image unit
     wrapper_close: tuple[str, ...] = ()
     positions: str = "1d"  # "mrope": 3-D rope ids as the model's get_rope_index; "1d": arange on all 3 rows
-    image_mode: str = "source"  # how images.prepare_image stores pixels, see pixels/images.py
+    # How images.prepare_image stores pixels (vlmprep_schemas.resize): a resize that the processor then runs with its
+    # resize off, or "source": the processor resizes at train time (the stored image is the source, or for a
+    # FIXED_POINT_MODES processor its resize where that resize leaves it as it is).
+    image_mode: str = "source"
     string_content: bool = False  # template prints content as a string: text-only messages are passed as one
     role_markers: dict[str, tuple[str, str]] = field(default_factory=dict)  # --role-boundaries: role -> (start, end)
     # Tokens that open a turn, for views: "next" = the role is the first word after the token, else the role itself.
@@ -93,7 +96,7 @@ FAMILIES: dict[str, FamilySpec] = {
             **_turns("<start_of_turn>", "<end_of_turn>"),
         ),
         # Gemma 4: `<|turn>role ... <turn|>` turns; images resized by its processor at train time (aspect kept, a patch
-        # budget), so they are stored as the source.
+        # budget): stored after that resize where it is a fixed point (vlmprep_schemas.resize), else as the source.
         FamilySpec(
             name="gemma4", processor_class="Gemma4Processor", templates=("gemma4",), **_turns("<|turn>", "<turn|>")
         ),

@@ -242,12 +242,16 @@ def _delta(a: np.ndarray) -> bytes:
     return encode_image(PreparedImage(pixels=a, grid_thw=(1, 1, 1), source=None, digest=""), "zstd-delta")
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-vl", "glm-4.1v", "gemma-3", "mistral-3", "llava-onevision", "smolvlm"])
+@pytest.mark.parametrize(
+    "name",
+    ["qwen2.5-vl", "glm-4.1v", "gemma-3", "mistral-3", "llava-onevision", "smolvlm", "gemma-4", "llama-3.2-vision"],
+)
 def test_an_original_member_decodes_to_the_pixels_the_build_counted_in_every_resize_mode(name, tmp_path):
     """An `orig.*` member (a JPEG of each kind, a lossy WebP) through the trainer's load-time decode and resize
     (OriginalResizer, set up from the saved processor dir as a run sets it up) gives exactly the pixels vlmprep
     counted the tokens for, for each family's resize (smart resize, GLM's temporal one, Gemma's fixed size, Mistral's
-    longest edge on its merged patch, and the tiling families' source)."""
+    longest edge on its merged patch, the tiling families' source, and Gemma 4's, Mllama's and SmolVLM's first resize
+    where it is a fixed point: the 2100 x 1500 photo)."""
     from tests.vlmprep.test_images import photo, save
     from trainer.data.processors import load_image_processor_config, load_processor_settings
     from trainer.data.vision import ImageSpec
@@ -267,10 +271,12 @@ def test_an_original_member_decodes_to_the_pixels_the_build_counted_in_every_res
         save(photo(210, 333).convert("CMYK"), "JPEG", quality=90, progressive=True),
         save(photo(1500, 900).convert("L"), "JPEG", quality=85),
         save(photo(400, 300), "WEBP", quality=80),
+        save(photo(2100, 1500), "JPEG", quality=90),  # auto may keep its pixels: stored as `original` here
     ]
     for data in sources:
         opened = open_image(ImageData(data, "src"), processor, family, max_pixels=10**8)
-        member = "img000." + stored_ext("auto", opened)
-        assert ".orig." in member and encode_image(opened, "auto") == data, member
+        fmt = "original" if data is sources[-1] else "auto"
+        member = "img000." + stored_ext(fmt, opened)
+        assert ".orig." in member and encode_image(opened, fmt) == data, member
         got = decode_image(member, data, resize)
         np.testing.assert_array_equal(got, opened.pixels)

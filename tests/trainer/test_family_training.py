@@ -80,6 +80,22 @@ def batch_records(tmp_path) -> tuple[Path, list[dict], list[list[Image.Image]]]:
     the default --image-format auto stores the photos as their source bytes and the PNG as pixels, so "two" mixes
     both storages in one sample."""
     (u1, i1), (u2, i2), (u3, i3) = _jpeg(120, 90, 0), _png(64, 96, 1), _jpeg(100, 60, 2)
+    two, one = image_records(u1, u2, u3)
+    text = {
+        "id": "text",
+        "messages": [
+            {"role": "user", "content": "Open the page, then type the query."},
+            {"role": "assistant", "content": "Done: the page is open."},
+        ],
+    }
+    records = [two, text, one]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, records, [[i1, i2], [], [i3]]
+
+
+def image_records(u1: str, u2: str, u3: str) -> tuple[dict, dict]:
+    """Record "two" (images u1 and u2, one per user turn) and record "one" (image u3): image URIs."""
 
     def user(uri, text):
         return {
@@ -87,31 +103,19 @@ def batch_records(tmp_path) -> tuple[Path, list[dict], list[list[Image.Image]]]:
             "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}],
         }
 
-    records = [
-        {
-            "id": "two",
-            "messages": [
-                user(u1, "What is in this picture?"),
-                {"role": "assistant", "content": "A red square."},
-                user(u2, "And on this page?"),
-                {"role": "assistant", "content": "The page shows a green banner."},
-            ],
-        },
-        {
-            "id": "text",
-            "messages": [
-                {"role": "user", "content": "Open the page, then type the query."},
-                {"role": "assistant", "content": "Done: the page is open."},
-            ],
-        },
-        {
-            "id": "one",
-            "messages": [user(u3, "Describe the image."), {"role": "assistant", "content": "Three banners."}],
-        },
-    ]
-    path = tmp_path / "batch.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path, records, [[i1, i2], [], [i3]]
+    two = {
+        "id": "two",
+        "messages": [
+            user(u1, "What is in this picture?"),
+            {"role": "assistant", "content": "A red square."},
+            user(u2, "And on this page?"),
+            {"role": "assistant", "content": "The page shows a green banner."},
+        ],
+    }
+    return two, {
+        "id": "one",
+        "messages": [user(u3, "Describe the image."), {"role": "assistant", "content": "Three banners."}],
+    }
 
 
 def processor_messages(record: dict, images: list[Image.Image], string_content: bool) -> list[dict]:
@@ -353,6 +357,14 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
     a one-image sample), and the two-image sample alone: the trainer's forward inputs (collate + model_inputs: the
     dataset's image processor on the host, or Qwen's patchify) and the Collator's hold, bit for bit, every tensor the
     dataset's processor gives on apply_chat_template of the raw records, and no other pixel input."""
+    ds, records, images = batch_datasets(name)
+    assert storages(ds) == {"orig.jpg", "pdelta.zst"}  # both storages of the default, "two" mixing them
+    assert_inputs_are_the_processors(name, ds, records, images, ([0, 1, 2], [0]))
+
+
+def assert_inputs_are_the_processors(name: str, ds, records: list[dict], images: list[list], batches) -> None:
+    """Each list of rows in `batches` as one micro-batch: the trainer's forward inputs and the Collator's hold, bit
+    for bit, every tensor the dataset's processor gives on apply_chat_template of those raw records."""
     from transformers import AutoProcessor
 
     import vlmprep.clients.hf
@@ -364,8 +376,6 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
     from vlmprep.clients.collate import Collator
     from vlmprep.families import FAMILIES as RENDER_FAMILIES
 
-    ds, records, images = batch_datasets(name)
-    assert storages(ds) == {"orig.jpg", "pdelta.zst"}  # both storages of the default, "two" mixing them
     samples, spec = _decoded(ds)
     processor_dir = str(ds / "processor")
     net = build_model(ModelOptions(tiny_random=name, seed=0), tiny_vocab(name, processor_dir)).eval()
@@ -374,7 +384,7 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
     processor = AutoProcessor.from_pretrained(processor_dir, local_files_only=True)
     string_content = RENDER_FAMILIES[BY_NAME[name].processor_classes[0]].string_content
     assert [s.id for s in samples] == [r["id"] for r in records]
-    for rows in ([0, 1, 2], [0]):
+    for rows in batches:
         want = processor_inputs(processor, [records[k] for k in rows], [images[k] for k in rows], string_content)
         batch = collate([samples[k] for k in rows], cspec)
         trainer = model_inputs(net, batch, _patchify(spec, batch))
@@ -394,6 +404,42 @@ def test_each_familys_trainer_and_collator_inputs_are_the_processors_on_the_raw_
         if BY_NAME[name].pixels in ("normalize", "patches", "tiles", "uint8"):
             host = dataclasses.replace(batch, vision={**batch.vision, "pixel_values": want["pixel_values"]})
             assert FlopCounter(net).step([batch]) == FlopCounter(net).step([host]) > FlopCounter(net).step([])
+
+
+@pytest.mark.parametrize(
+    "name, jpeg, png",
+    [
+        ("gemma-4", (1400, 1000), (1100, 800)),
+        ("llama-3.2-vision", (1400, 1000), (1300, 1200)),
+        ("smolvlm", (2400, 1400), (2200, 1000)),
+    ],
+)
+def test_large_images_stored_at_their_first_resize_give_the_processors_inputs(name, jpeg, png, tmp_path):
+    """Gemma 4, Llama 3.2 Vision and SmolVLM store a large image at its processor's first resize (where it is a
+    fixed point, vlmprep_schemas.resize): a JPEG photo (kept as its bytes or its resized pixels, as auto chooses) and
+    a PNG beside it in one sample, and a record of the photo alone: the trainer's and the Collator's inputs are the
+    processor's on the raw records, which resizes the sources itself."""
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    (u1, i1), (u2, i2) = _jpeg(*jpeg, 3), _jpeg(*png, 4)
+    u2 = "data:image/png;base64," + base64.b64encode(_png_bytes(i2)).decode()
+    records = list(image_records(u1, u2, u1))
+    path = tmp_path / "large.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = tmp_path / "ds"
+    build(BuildConfig(inputs=(str(path),), out=str(ds), processor=f"tiny:{name}", progress=False))
+    metas = [im for s in shard_samples(ds) for im in s.meta()["images"]]
+    # Every image is stored smaller than its source: the resize, not the source (an orig.* member is resized on load).
+    for im in metas:
+        assert im["height"] * im["width"] < im["source_height"] * im["source_width"], im
+    assert_inputs_are_the_processors(name, ds, records, [[i1, i2], [i1]], ([0, 1], [1]))
+
+
+def _png_bytes(im) -> bytes:
+    buf = io.BytesIO()
+    im.convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def test_a_dataset_of_another_family_is_refused_in_one_line(tmp_path, capsys):

@@ -375,7 +375,10 @@ def test_the_header_gives_the_upright_size_decoding_gives_or_says_it_cannot(name
         assert decoded == (60, 92)  # the orientation after the pixels does apply
 
 
-@pytest.mark.parametrize("name", ["glm-4.1v", "gemma3", "mistral3-pixtral", "llava-onevision"])
+@pytest.mark.parametrize(
+    "name",
+    ["glm-4.1v", "gemma3", "mistral3-pixtral", "llava-onevision", "gemma4", "llama3.2-vision", "idefics3-smolvlm"],
+)
 def test_the_header_grid_is_the_processors_own_resize_in_every_image_mode(name):
     from tests.support.tiny_processors import load_family_processor
     from vlmprep.families import resolve_family
@@ -529,15 +532,92 @@ def test_a_cut_off_jpeg_kept_as_its_bytes_is_rejected_as_a_full_decode_rejects_i
             decode_image(ImageData(data[:cut], "x"), max_pixels=10**8)
 
 
-@pytest.mark.parametrize("name", ["qwen2-vl", "glm-4.1v", "gemma3", "mistral3-pixtral", "llava-onevision", "llama4"])
-def test_each_familys_resize_mode_is_the_one_its_image_processor_class_names(name):
+@pytest.mark.parametrize(
+    "name, fixed_point",
+    [
+        ("qwen2-vl", None),
+        ("glm-4.1v", None),
+        ("gemma3", None),
+        ("mistral3-pixtral", None),
+        ("llava-onevision", None),
+        ("llama4", None),
+        ("internvl", None),
+        ("gemma4", "patch_budget"),
+        ("llama3.2-vision", "tile_canvas"),
+        ("idefics3-smolvlm", "encoder_tiles"),
+    ],
+)
+def test_each_familys_resize_mode_is_the_one_its_image_processor_class_names(name, fixed_point):
     """The trainer finds an `original` member's resize by the saved image processor's class (vlmprep_schemas.resize);
-    the build by the family registry: they agree for every family."""
+    the build by the family registry: they agree for every family, where a family whose processor resizes at train
+    time ("source") stores its fixed-point resize."""
     from tests.support.tiny_processors import load_family_processor
     from vlmprep.families import resolve_family
 
     processor = load_family_processor(name)
-    assert resize_mode(type(processor.image_processor).__name__) == resolve_family(processor).image_mode
+    mode = resize_mode(type(processor.image_processor).__name__)
+    assert (resolve_family(processor).image_mode, mode) == (("source", fixed_point) if fixed_point else (mode, mode))
+
+
+@pytest.mark.parametrize(
+    "name, smaller, enlarged, moves_again",
+    [
+        # moves again: 672 x 384 within 2520 patches of 16 px, then 720 x 384
+        ("gemma4", (1200, 1700), (600, 900), (1790, 1077)),
+        # moves again: 560 x 1120 on a 2 x 2 canvas, then the same size on 1 x 2
+        ("llama3.2-vision", (1200, 1700), (400, 500), (561, 1121)),
+        ("idefics3-smolvlm", (1800, 2600), (800, 1200), None),  # none found: its resizes land on its tile's multiples
+    ],
+)
+def test_a_tiling_processors_stored_first_resize_gives_its_outputs_on_the_source(name, smaller, enlarged, moves_again):
+    """Gemma 4, Mllama and Idefics3 / SmolVLM store their processor's first resize where it is a fixed point and
+    smaller (vlmprep_schemas.resize FIXED_POINT_MODES): the processor, which resizes at train time, then gives from
+    the stored image every output it gives from the source, bit for bit; where the resize would enlarge the image or
+    move it again the source is stored, and storing the plain resize there would give other outputs."""
+    import torch
+
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep_schemas.resize import _FIRST
+
+    processor = load_family_processor(name)
+    ip = processor.image_processor
+    mode = resize_mode(type(ip).__name__)
+    nested = name != "gemma4"
+    rng = np.random.default_rng(0)
+
+    def outputs(t):
+        got = ip(images=[[t]] if nested else [t], return_tensors="pt", input_data_format="channels_first")
+        return {k: v for k, v in got.items()}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(
+            torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a
+        )
+
+    def planned(h, w):  # the processor's first resize on shapes alone
+        out, plan = _FIRST[mode](ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
+        return tuple(out.shape[-2:]), plan
+
+    once = planned(*enlarged)
+    assert once[0][0] * once[0][1] > enlarged[0] * enlarged[1] and planned(*once[0]) == once, (
+        "not an enlarging fixed point"
+    )
+    cases = {"fixed point": smaller, "enlarged": enlarged}
+    if moves_again:
+        once = planned(*moves_again)
+        assert once[0][0] * once[0][1] < moves_again[0] * moves_again[1] and planned(*once[0]) != once
+        cases["moves again"] = moves_again
+    for case, (h, w) in cases.items():
+        source = torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8))
+        stored = resize(mode, ip, source)
+        if case == "fixed point":
+            assert stored.shape[-2] * stored.shape[-1] < h * w, (case, stored.shape)
+        else:
+            assert stored is source, case
+        assert same(outputs(stored), outputs(source)), case
+        if case == "moves again":
+            plain = _FIRST[mode](ip, source, ip.resample)[0]
+            assert not same(outputs(plain), outputs(source)), "the plain resize would have been exact here"
 
 
 _CHECK_UNDER_A_CAP = """
