@@ -60,8 +60,14 @@ POSITIVE_SIZES = frozenset(
         "crop_size",
         "max_patches",
         "image_size",
+        "max_soft_tokens",  # Gemma 4's patch budget, with pooling_kernel_size
+        "pooling_kernel_size",
+        "max_image_size",  # Idefics3 / SmolVLM's tile: {"longest_edge": N}
     }
 )
+# Sizes whose processor code grows faster than the value: Mllama lists every tile arrangement, max_image_tiles^2 of
+# them (4 in every released checkpoint; 10^6 would hang each reader that resizes an image).
+MOST_SIZES = {"max_image_tiles": 1024}
 
 
 def refuse_custom_code(config, where: str) -> None:
@@ -84,8 +90,9 @@ def refuse_custom_code(config, where: str) -> None:
 
 
 def refuse_bad_sizes(config, where: str) -> None:
-    """Refuse a processor config whose sizes (POSITIVE_SIZES, at any depth) are not positive integers: a patch_size
-    of 0 or -14 would be a ZeroDivisionError or a negative shape deep in the pixel math, naming no file."""
+    """Refuse a processor config whose sizes (POSITIVE_SIZES, at any depth) are not positive integers, or over
+    MOST_SIZES: a patch_size of 0 or -14 would be a ZeroDivisionError or a negative shape deep in the pixel math,
+    naming no file."""
     stack = [config]
     while stack:
         node = stack.pop()
@@ -101,6 +108,11 @@ def refuse_bad_sizes(config, where: str) -> None:
                 raise UnsafeDataset(
                     f"{where}: {key} {json.dumps(value)[:80]} is not a positive integer; refusing to "
                     "load the processor (save it again from the model's own processor)"
+                )
+            if key in MOST_SIZES and isinstance(value, int) and value > MOST_SIZES[key]:
+                raise UnsafeDataset(
+                    f"{where}: {key} {value} is over {MOST_SIZES[key]}; refusing to load the processor (save it again "
+                    "from the model's own processor)"
                 )
             if isinstance(value, (dict, list)):
                 stack.append(value)

@@ -38,18 +38,35 @@ def test_a_processor_file_nested_100000_deep_is_refused_by_every_reader(dataset,
     _trainer_refuses(ds, tmp_path, capsys, *must)
 
 
-@pytest.mark.parametrize("value", [0, -14, 14.5, True, {"height": 0, "width": 448}])
-def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_file(dataset, tmp_path, capsys, value):
-    """patch_size 0 was a ZeroDivisionError and -14 an 'invalid shape dimension', with no file named."""
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("patch_size", 0),
+        ("patch_size", -14),
+        ("patch_size", 14.5),
+        ("patch_size", True),
+        ("size", {"height": 0, "width": 448}),
+        ("pooling_kernel_size", 0),
+        ("max_soft_tokens", -280),
+        ("max_image_size", {"longest_edge": 0}),
+        ("max_image_tiles", 10**6),
+    ],
+)
+def test_a_processor_size_that_is_not_a_positive_integer_is_refused_naming_the_file(
+    dataset, tmp_path, capsys, key, value
+):
+    """patch_size 0 was a ZeroDivisionError and -14 an 'invalid shape dimension', with no file named; Gemma 4's
+    pooling kernel or budget, Idefics3's tile, the same; Mllama's max_image_tiles 10^6 would hang the build's and the
+    loader's resize (every tile arrangement is listed)."""
     from trainer.data.errors import DataError
     from trainer.data.processors import load_image_processor_config
     from vlmprep.processors.load import load_saved_processor
 
     ds = _copy(dataset, tmp_path)
     path = ds / "processor" / "processor_config.json"
-    key = "size" if isinstance(value, dict) else "patch_size"
     _edit(path, lambda cfg: cfg["image_processor"].update({key: value}))
-    must = (str(path), f"{key} {json.dumps(value)} is not a positive integer")
+    problem = "is over 1024" if key == "max_image_tiles" else "is not a positive integer"
+    must = (str(path), f"{key} {json.dumps(value)} {problem}")
     with pytest.raises(ValueError) as e:
         load_saved_processor(ds / "processor")
     _one_line(e.value, *must)
