@@ -555,8 +555,13 @@ def test_each_familys_resize_mode_is_the_one_its_image_processor_class_names(nam
     from vlmprep.families import resolve_family
 
     processor = load_family_processor(name)
-    mode = resize_mode(type(processor.image_processor).__name__)
+    kind = type(processor.image_processor).__name__
+    mode = resize_mode(kind)
     assert (resolve_family(processor).image_mode, mode) == (("source", fixed_point) if fixed_point else (mode, mode))
+    # The fixed-point resizes are the torchvision backend's (its Fast name too); a PIL backend resizes with PIL: source.
+    base = kind.removesuffix("Fast").removesuffix("Pil")
+    assert resize_mode(base + "Fast") == mode
+    assert resize_mode(base + "Pil") == ("source" if fixed_point else mode)
 
 
 @pytest.mark.parametrize(
