@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import numpy as np
 
@@ -137,26 +138,46 @@ def _encoder_tiles(ip, t, resample):
 
 
 _FIRST = {"patch_budget": _patch_budget, "tile_canvas": _tile_canvas, "encoder_tiles": _encoder_tiles}
+# The settings each first resize reads: with the mode and the source size, what decides whether it is stored.
+_READS = {
+    "patch_budget": ("do_resize", "patch_size", "max_soft_tokens", "pooling_kernel_size"),
+    "tile_canvas": ("size", "max_image_tiles"),
+    "encoder_tiles": ("do_resize", "do_image_splitting", "size", "max_image_size"),
+}
+# Per image processor, the decision by (mode, its settings, source size): the loader meets the same few sizes at every
+# epoch, and the two shape runs cost ~0.05-0.1 ms a photo (a small photo loads in ~1.5 ms).
+_DECIDED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+_MOST_DECIDED = 4096
 
 
 def _at_fixed_point(mode: str, ip, t):
     """FIXED_POINT_MODES: `t` resized by the processor's first resize where that makes it smaller and is a fixed point
     of itself, else `t` (an upscaled image would store more pixels than its source). Decided on shapes alone (meta
     tensors: no pixel is made), then resized once."""
-    import torch
-
     first = _FIRST[mode]
-    resample = 2 if t.device.type == "meta" else ip.resample  # bilinear: the shape is the same, and no LANCZOS warning
+    h, w = (int(x) for x in t.shape[-2:])
+    key = (mode, repr([getattr(ip, k, None) for k in _READS[mode]]), h, w)
+    decided = _DECIDED.setdefault(ip, {})
+    if key not in decided:
+        if len(decided) >= _MOST_DECIDED:
+            decided.clear()
+        decided[key] = _stores_resize(first, ip, h, w)
+    if not decided[key]:
+        return t  # no smaller: a source kept as its bytes pays no more at load, a lossless one stores fewer pixels
+    return first(ip, t, 2 if t.device.type == "meta" else ip.resample)[0]  # meta: bilinear, no LANCZOS warning
+
+
+def _stores_resize(first, ip, h: int, w: int) -> bool:
+    """Whether the first resize of an h x w source makes it smaller and gives the same size (and plan) when run again
+    on its own output: run on meta tensors (shapes, no data)."""
+    import torch
 
     def planned(h: int, w: int):
         out, plan = first(ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
         return None if out is None else (tuple(out.shape[-2:]), plan)
 
-    h, w = t.shape[-2:]
     once = planned(h, w)
-    if once is None or once[0][0] * once[0][1] >= h * w or planned(*once[0]) != once:
-        return t  # no smaller: a source kept as its bytes pays no more at load, a lossless one stores fewer pixels
-    return first(ip, t, resample)[0]
+    return once is not None and once[0][0] * once[0][1] < h * w and planned(*once[0]) == once
 
 
 def stored_pixels(ip, mode: str, pil, patch: int = 0) -> np.ndarray:

@@ -666,3 +666,25 @@ def test_a_jpeg_whose_header_claims_more_pixels_than_it_holds_costs_the_build_an
     with pytest.raises(RecordError) as e:
         _auto(jpeg_claiming(65_000, 65_000))
     assert e.value.reason == "image_too_large"
+
+
+def test_the_fixed_point_decision_is_remembered_per_size_and_follows_the_processors_settings():
+    """The loader meets the same sizes at every epoch: the decision (two shape runs) is kept per image processor,
+    mode, settings and size; a processor whose settings change decides again."""
+    import copy
+
+    import torch
+
+    from tests.support.tiny_processors import load_family_processor
+    from vlmprep_schemas import resize as R
+
+    ip = copy.deepcopy(load_family_processor("gemma4").image_processor)
+    source = torch.zeros((3, 1200, 1700), dtype=torch.uint8)
+    assert tuple(resize("patch_budget", ip, source).shape[-2:]) == (672, 912)
+    assert len(R._DECIDED[ip]) == 1
+    resize("patch_budget", ip, source)
+    assert len(R._DECIDED[ip]) == 1  # remembered, not decided again
+    ip.do_resize = False  # the processor no longer resizes: the source is stored
+    assert resize("patch_budget", ip, source) is source
+    ip.do_resize, ip.max_soft_tokens = True, 70
+    assert tuple(resize("patch_budget", ip, source).shape[-2:]) == (336, 432)
