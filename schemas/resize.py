@@ -43,6 +43,15 @@ def resize_mode(image_processor_type: str) -> str:
     return MODES.get(image_processor_type.removesuffix("Fast").removesuffix("Pil"), "source")
 
 
+def original_mode(mode: str, stored: tuple[int, int] | None, source: tuple[int, int]) -> str:
+    """The resize that makes an `original` member's stored pixels from its decoded source (height, width): `mode`
+    (resize_mode's), except where a FIXED_POINT_MODES member's stored size (its meta's height x width) is its
+    source's own: then it was stored as the source (built before those modes, or a size they keep as its source),
+    which the processor resizes at train time, so none. stored None (no meta): `mode`."""
+    fixed = mode in FIXED_POINT_MODES.values()
+    return "source" if fixed and stored is not None and tuple(stored) == tuple(source) else mode
+
+
 @contextlib.contextmanager
 def strict_load():
     """PIL's LOAD_TRUNCATED_IMAGES is process-wide and other libraries turn it on (llama_models.llama4.preprocess

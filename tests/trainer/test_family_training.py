@@ -414,13 +414,18 @@ def assert_inputs_are_the_processors(name: str, ds, records: list[dict], images:
         ("smolvlm", (2400, 1400), (2200, 1000)),
     ],
 )
-def test_large_images_stored_at_their_first_resize_give_the_processors_inputs(name, jpeg, png, tmp_path):
+@pytest.mark.parametrize("built_before", [False, True], ids=["now", "built-before"])
+def test_large_images_stored_at_their_first_resize_give_the_processors_inputs(
+    name, jpeg, png, built_before, tmp_path, monkeypatch
+):
     """Gemma 4, Llama 3.2 Vision and SmolVLM store a large image at its processor's first resize (where it is a
     fixed point, vlmprep_schemas.resize): a JPEG photo (kept as its bytes or its resized pixels, as auto chooses) and
     a PNG beside it in one sample, and a record of the photo alone: the trainer's and the Collator's inputs are the
-    processor's on the raw records, which resizes the sources itself."""
+    processor's on the raw records, which resizes the sources itself. built-before: the same records built as
+    vlmprep built them before it stored that resize (the sources, the JPEG kept as its bytes): read the same."""
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
+    from vlmprep_schemas import resize as R
 
     (u1, i1), (u2, i2) = _jpeg(*jpeg, 3), _jpeg(*png, 4)
     u2 = "data:image/png;base64," + base64.b64encode(_png_bytes(i2)).decode()
@@ -428,11 +433,17 @@ def test_large_images_stored_at_their_first_resize_give_the_processors_inputs(na
     path = tmp_path / "large.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     ds = tmp_path / "ds"
-    build(BuildConfig(inputs=(str(path),), out=str(ds), processor=f"tiny:{name}", progress=False))
+    with monkeypatch.context() as m:
+        if built_before:
+            m.setattr(R, "FIXED_POINT_MODES", {})
+        build(BuildConfig(inputs=(str(path),), out=str(ds), processor=f"tiny:{name}", progress=False))
     metas = [im for s in shard_samples(ds) for im in s.meta()["images"]]
-    # Every image is stored smaller than its source: the resize, not the source (an orig.* member is resized on load).
+    # Now every image is stored smaller than its source: the resize (an orig.* member is resized on load); built
+    # before, the sources, the JPEG kept as its bytes.
     for im in metas:
-        assert im["height"] * im["width"] < im["source_height"] * im["source_width"], im
+        source = im["source_height"] * im["source_width"]
+        assert (im["height"] * im["width"] == source) if built_before else (im["height"] * im["width"] < source), im
+    assert not built_before or ".orig." in metas[0]["member"]
     assert_inputs_are_the_processors(name, ds, records, [[i1, i2], [i1]], ([0, 1], [1]))
 
 

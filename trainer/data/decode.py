@@ -32,7 +32,14 @@ from vlmprep_schemas.limits import (
     npy_header,
     schema_problem,
 )
-from vlmprep_schemas.resize import resize_mode, resized_pixels, rgb_as_is, stored_pixels, strict_load
+from vlmprep_schemas.resize import (
+    original_mode,
+    resize_mode,
+    resized_pixels,
+    rgb_as_is,
+    stored_pixels,
+    strict_load,
+)
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -174,9 +181,12 @@ class OriginalResizer:
         self.spec, self.mode = spec, resize_mode(spec.kind)
         self._ip, self._as_is = None, False  # the saved processor, once loaded; rgb_as_is of it
 
-    def __call__(self, data: bytes, opened: Image.Image | JpegHeader | None = None) -> np.ndarray:
+    def __call__(
+        self, data: bytes, opened: Image.Image | JpegHeader | None = None, size: tuple[int, int] | None = None
+    ) -> np.ndarray:
         """One stored source image (encoded bytes; `opened`: its header as _decoded_size read it, a PIL image or a
-        JpegHeader) -> uint8 H x W x 3, resized as the saved processor resizes it."""
+        JpegHeader) -> uint8 H x W x 3, resized as the saved processor resizes it; `size`: the meta's height x width
+        of it, which tells a tiling processor's stored source from its stored resize (original_mode)."""
         if self._ip is None:
             from transformers import AutoImageProcessor
 
@@ -188,22 +198,28 @@ class OriginalResizer:
         if isinstance(opened, JpegHeader):  # PIL would open it as RGB: libjpeg-turbo's exact pixels, no PIL
             rgb = jpeg_rgb(data, opened.width, opened.height) if self._as_is else None
             if rgb is not None:
-                return resized_pixels(self._ip, self.mode, rgb.permute(2, 0, 1), patch)
+                mode = original_mode(self.mode, size, (opened.height, opened.width))
+                return resized_pixels(self._ip, mode, rgb.permute(2, 0, 1), patch)
             opened = None
         with opened or Image.open(io.BytesIO(data)) as pil:
-            return stored_pixels(self._ip, self.mode, pil, patch)
+            return stored_pixels(self._ip, original_mode(self.mode, size, (pil.height, pil.width)), pil, patch)
 
 
 def decode_image(
-    name: str, data: bytes, resize_original: OriginalResizer, opened: Image.Image | JpegHeader | None = None
+    name: str,
+    data: bytes,
+    resize_original: OriginalResizer,
+    opened: Image.Image | JpegHeader | None = None,
+    size: tuple[int, int] | None = None,
 ) -> np.ndarray:
-    """A PNG / WebP / `orig.*` member (not a zstd one) -> uint8 H x W x 3; opened: its header, _decoded_size's."""
+    """A PNG / WebP / `orig.*` member (not a zstd one) -> uint8 H x W x 3; opened: its header, _decoded_size's;
+    size: the meta's height x width of it."""
     with strict_load():  # a cut-off image is an error here, whatever set PIL's process-wide flag
         if ".orig." not in name:
             with opened or Image.open(io.BytesIO(data)) as im:
                 arr = np.array(im.convert("RGB"))
         else:
-            arr = resize_original(data, opened)
+            arr = resize_original(data, opened, size)
     if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
         raise ValueError(f"{name} decodes to {arr.dtype} {arr.shape}, expected uint8 H x W x 3")
     return arr
@@ -339,7 +355,7 @@ def decode_image_into(
         if keep is not None:
             keep[name] = buf.tobytes()
         return unfilter_into(view.reshape(shape[0], 3, shape[1]).copy(), view)
-    arr = decode_image(name, data, resize_original, opened)
+    arr = decode_image(name, data, resize_original, opened, shape[:2])
     if arr.shape != shape:
         raise ValueError(f"{name} decodes to {arr.shape}, but the meta says {shape}")
     out = buf.reshape(shape)

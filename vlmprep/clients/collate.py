@@ -24,7 +24,7 @@ from vlmprep.shards.dataset import MANIFEST_NAME
 from vlmprep.shards.manifest import open_dataset, processor_dir
 from vlmprep_schemas.limits import grid_problem
 from vlmprep_schemas.pixels import RULES, pixel_inputs
-from vlmprep_schemas.resize import resize_mode, stored_pixels
+from vlmprep_schemas.resize import original_mode, resize_mode, stored_pixels
 from vlmprep_schemas.versions import split_ref
 
 IGNORE_INDEX = -100  # labels where loss_mask is 0 or padding: torch cross_entropy's default ignore_index, as HF uses
@@ -104,10 +104,14 @@ class Collator:
 
         ip = self.processor.image_processor
         mode, patch = resize_mode(type(ip).__name__), merged_patch(self.processor)
+        metas = (sample.get("meta") or {}).get("images", [])
+        stored = [(m["height"], m["width"]) for m in metas] if len(metas) == len(sources) else [None] * len(sources)
         made: dict[int, np.ndarray] = {}  # a repeated image (one array) resized once
-        for im, source in zip(sample["images"], sources):
+        for im, source, size in zip(sample["images"], sources, stored):
             if source and id(im) not in made:
-                made[id(im)] = stored_pixels(ip, mode, Image.fromarray(np.asarray(im), "RGB"), patch)
+                pixels = np.asarray(im)
+                how = original_mode(mode, size, pixels.shape[:2])  # a tiling processor's source stays one
+                made[id(im)] = stored_pixels(ip, how, Image.fromarray(pixels, "RGB"), patch)
         return {**sample, "images": [made.get(id(im), im) for im in sample["images"]]}
 
     def _check_sizes(self, samples: list[dict]) -> None:
