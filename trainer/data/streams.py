@@ -16,11 +16,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.data.cache import ShardCache
 from trainer.data.cacheview import CacheView
-from trainer.data.decode import DecodedSample, OriginalResizer, decode_sample
+from trainer.data.decode import DecodedSample, decode_sample
 from trainer.data.errors import DataError
 from trainer.data.index import read_indexed
 from trainer.data.integrity import check_unchanged
 from trainer.data.order import RankSource, Schedule, schedule
+from trainer.data.originals import OriginalResizer
 from trainer.data.shm import SlabPool
 from trainer.data.sources import ShardRef
 from trainer.data.tars import iter_tar_samples
