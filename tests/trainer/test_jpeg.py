@@ -12,7 +12,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from tests.conftest import LLAMAFACTORY
-from trainer.data import decode
+from trainer.data import decode, originals
 from trainer.data.jpeg import JpegHeader, jpeg_header, jpeg_rgb
 
 REAL_TRACES = Path(
@@ -113,16 +113,16 @@ def test_corrupt_bytes_decode_as_pil_decodes_them_and_truncated_ones_are_left_to
 def test_the_resizer_takes_the_fast_decode_and_gives_the_same_stored_pixels(image_spec, monkeypatch):
     """OriginalResizer decodes a kept JPEG through jpeg_rgb when given its JpegHeader (a spy counts it), and the
     pixels equal PIL's path."""
-    resize = decode.OriginalResizer(image_spec)
+    resize = originals.OriginalResizer(image_spec)
     data = [_jpeg(_photo().resize(s), quality=90) for s in ((300, 199), (457, 211))]
     calls = []
-    real = decode.jpeg_rgb
-    monkeypatch.setattr(decode, "jpeg_rgb", lambda *a: calls.append(1) or real(*a))
+    real = originals.jpeg_rgb
+    monkeypatch.setattr(originals, "jpeg_rgb", lambda *a: calls.append(1) or real(*a))
     fast = [resize(d, jpeg_header(d)) for d in data]
     assert len(calls) == 2
     for a, d in zip(fast, data):
         np.testing.assert_array_equal(a, resize(d))  # no header given: PIL's path
-    monkeypatch.setattr(decode, "jpeg_rgb", lambda *a: None)  # torchvision refuses it: PIL decodes it
+    monkeypatch.setattr(originals, "jpeg_rgb", lambda *a: None)  # torchvision refuses it: PIL decodes it
     np.testing.assert_array_equal(resize(data[0], jpeg_header(data[0])), fast[0])
 
 
