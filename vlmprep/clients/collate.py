@@ -105,9 +105,9 @@ class Collator:
         ip = self.processor.image_processor
         mode, patch = resize_mode(type(ip).__name__), merged_patch(self.processor)
         metas = (sample.get("meta") or {}).get("images", [])
-        stored = [(m["height"], m["width"]) for m in metas] if len(metas) == len(sources) else [None] * len(sources)
+        stored = [(m.get("height"), m.get("width")) for m in metas] if len(metas) == len(sources) else []
         made: dict[int, np.ndarray] = {}  # a repeated image (one array) resized once
-        for im, source, size in zip(sample["images"], sources, stored):
+        for im, source, size in zip(sample["images"], sources, stored or [None] * len(sources)):
             if source and id(im) not in made:
                 pixels = np.asarray(im)
                 how = original_mode(mode, size, pixels.shape[:2])  # a tiling processor's source stays one
