@@ -38,9 +38,8 @@ FIXED_POINT_MODES = {
 def resize_mode(image_processor_type: str) -> str:
     """The resize of an image processor class (its name, as a saved config's image_processor_type): a MODES or
     FIXED_POINT_MODES value, or "source" (no resize: the RGB source is stored)."""
-    if image_processor_type.removesuffix("Fast") in FIXED_POINT_MODES:
-        return FIXED_POINT_MODES[image_processor_type.removesuffix("Fast")]
-    return MODES.get(image_processor_type.removesuffix("Fast").removesuffix("Pil"), "source")
+    base = image_processor_type.removesuffix("Fast")
+    return FIXED_POINT_MODES.get(base) or MODES.get(base.removesuffix("Pil"), "source")
 
 
 def original_mode(mode: str, stored: tuple[int, int] | None, source: tuple[int, int]) -> str:
@@ -147,6 +146,16 @@ def _encoder_tiles(ip, t, resample):
 
 
 _FIRST = {"patch_budget": _patch_budget, "tile_canvas": _tile_canvas, "encoder_tiles": _encoder_tiles}
+
+
+def first_resize(mode: str, ip, t, resample=None):
+    """A FIXED_POINT_MODES processor's first resize of `t` (C x H x W), called as its _preprocess calls it (its own
+    resample unless one is given): (the resized image, or None where the processor does not resize; Mllama's canvas
+    (tiles high, tiles wide), else None). The build's stored resize and the trainer's workers (trainer/data/tiles.py)
+    both run this one call."""
+    return _FIRST[mode](ip, t, ip.resample if resample is None else resample)
+
+
 # The settings each first resize reads: with the mode and the source size, what decides whether it is stored.
 _READS = {
     "patch_budget": ("do_resize", "patch_size", "max_soft_tokens", "pooling_kernel_size"),
@@ -163,26 +172,25 @@ def _at_fixed_point(mode: str, ip, t):
     """FIXED_POINT_MODES: `t` resized by the processor's first resize where that makes it smaller and is a fixed point
     of itself, else `t` (an upscaled image would store more pixels than its source). Decided on shapes alone (meta
     tensors: no pixel is made), then resized once."""
-    first = _FIRST[mode]
     h, w = (int(x) for x in t.shape[-2:])
     key = (mode, repr([getattr(ip, k, None) for k in _READS[mode]]), h, w)
     decided = _DECIDED.setdefault(ip, {})
     if key not in decided:
         if len(decided) >= _MOST_DECIDED:
             decided.clear()
-        decided[key] = _stores_resize(first, ip, h, w)
+        decided[key] = _stores_resize(mode, ip, h, w)
     if not decided[key]:
         return t  # no smaller: a source kept as its bytes pays no more at load, a lossless one stores fewer pixels
-    return first(ip, t, 2 if t.device.type == "meta" else ip.resample)[0]  # meta: bilinear, no LANCZOS warning
+    return first_resize(mode, ip, t, 2 if t.device.type == "meta" else None)[0]  # meta: bilinear, no LANCZOS warning
 
 
-def _stores_resize(first, ip, h: int, w: int) -> bool:
+def _stores_resize(mode: str, ip, h: int, w: int) -> bool:
     """Whether the first resize of an h x w source makes it smaller and gives the same size (and plan) when run again
     on its own output: run on meta tensors (shapes, no data)."""
     import torch
 
     def planned(h: int, w: int):
-        out, plan = first(ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
+        out, plan = first_resize(mode, ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
         return None if out is None else (tuple(out.shape[-2:]), plan)
 
     once = planned(h, w)

@@ -582,7 +582,7 @@ def test_a_tiling_processors_stored_first_resize_gives_its_outputs_on_the_source
     import torch
 
     from tests.support.tiny_processors import load_family_processor
-    from vlmprep_schemas.resize import _FIRST
+    from vlmprep_schemas.resize import first_resize
 
     processor = load_family_processor(name)
     ip = processor.image_processor
@@ -600,7 +600,7 @@ def test_a_tiling_processors_stored_first_resize_gives_its_outputs_on_the_source
         )
 
     def planned(h, w):  # the processor's first resize on shapes alone
-        out, plan = _FIRST[mode](ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
+        out, plan = first_resize(mode, ip, torch.empty((3, h, w), dtype=torch.float32, device="meta"), 2)
         return tuple(out.shape[-2:]), plan
 
     once = planned(*enlarged)
@@ -621,7 +621,7 @@ def test_a_tiling_processors_stored_first_resize_gives_its_outputs_on_the_source
             assert stored is source, case
         assert same(outputs(stored), outputs(source)), case
         if case == "moves again":
-            plain = _FIRST[mode](ip, source, ip.resample)[0]
+            plain = first_resize(mode, ip, source)[0]
             assert not same(outputs(plain), outputs(source)), "the plain resize would have been exact here"
 
 

@@ -12,6 +12,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vlmprep_schemas.resize import first_resize
+
 # Gemma 4's and Mllama's torchvision-backend image processors (the PIL backends resize with PIL: they stay on the host).
 PADDED = ("Gemma4ImageProcessor", "Gemma4ImageProcessorFast")
 TILED = ("MllamaImageProcessor", "MllamaImageProcessorFast")
@@ -64,16 +66,8 @@ def resize(ip, image: np.ndarray | torch.Tensor) -> torch.Tensor:
     """One stored uint8 H x W x 3 image -> Gemma4ImageProcessor `ip`'s own resize of it (its
     aspect_ratio_preserving_resize, called with the arguments its _preprocess passes), uint8 H' x W' x 3. It resizes
     a channels-last view, not process_image's contiguous copy: the same values (tests/trainer/test_tiles.py), faster."""
-    t = torch.as_tensor(image).permute(2, 0, 1)
-    kernel = ip.pooling_kernel_size
     with torch.no_grad():
-        out = ip.aspect_ratio_preserving_resize(
-            image=t,
-            patch_size=ip.patch_size,
-            max_patches=ip.max_soft_tokens * kernel * kernel,
-            pooling_kernel_size=kernel,
-            resample=ip.resample,
-        )
+        out, _ = first_resize("patch_budget", ip, torch.as_tensor(image).permute(2, 0, 1))
     assert out.dtype == torch.uint8, "the processor's resize must keep uint8 so the device's pixels are exact"
     return out.permute(1, 2, 0).contiguous()  # a no-op where the resize kept the layout
 
@@ -146,16 +140,11 @@ def fit(ip, image: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, tuple[int, 
     _preprocess calls it), padded with pixel 0 at the bottom and right to its canvas as its pad does: uint8
     (tiles high x tile) x (tiles wide x tile) x 3; and (tiles high, tiles wide), its aspect ratio."""
     with torch.no_grad():
-        out, (th, tw) = ip.resize(
-            image=torch.as_tensor(image).permute(2, 0, 1)[None],
-            size=ip.size,
-            max_image_tiles=ip.max_image_tiles,
-            resample=ip.resample,
-        )
+        out, (th, tw) = first_resize("tile_canvas", ip, torch.as_tensor(image).permute(2, 0, 1))
     assert out.dtype == torch.uint8, "the processor's resize must keep uint8 so the device's pixels are exact"
     side = ip.size.height
     canvas = torch.zeros((th * side, tw * side, 3), dtype=torch.uint8)
-    canvas[: out.shape[-2], : out.shape[-1]] = out[0].permute(1, 2, 0)
+    canvas[: out.shape[-2], : out.shape[-1]] = out.permute(1, 2, 0)
     return canvas, (th, tw)
 
 
