@@ -280,3 +280,28 @@ def test_an_original_member_decodes_to_the_pixels_the_build_counted_in_every_res
         assert ".orig." in member and encode_image(opened, fmt) == data, member
         got = decode_image(member, data, resize)
         np.testing.assert_array_equal(got, opened.pixels)
+
+
+def test_a_tiling_familys_kept_photo_is_its_source_or_its_resize_as_the_meta_says_and_nothing_else(tmp_path):
+    """Gemma 4's kept photo (`orig.*`): the meta's height x width tells the load-time resize what the build stored, its
+    first resize (a new dataset) or the source (built before, or a size kept as its source); any other size the meta
+    claims is refused in one line naming the member, before the sample's pixels are used."""
+    from tests.vlmprep.test_images import photo, save
+    from trainer.data.decode import decode_image_into
+    from trainer.data.processors import load_image_processor_config, load_processor_settings
+    from trainer.data.vision import ImageSpec
+    from vlmprep.processors.load import load_processor
+
+    load_processor("tiny:gemma-4").save_pretrained(str(tmp_path))
+    where = str(tmp_path)
+    resize = OriginalResizer(
+        ImageSpec.from_config(load_image_processor_config(where), None, load_processor_settings(where))
+    )
+    data = save(photo(2100, 1500), "JPEG", quality=90)
+    name = "img000.orig.jpg"
+    for shape in ((672, 912, 3), (1500, 2100, 3)):  # the stored resize; the source
+        got = decode_image_into(name, data, np.empty(shape, np.uint8), shape, resize)
+        assert got.shape == shape
+    for lie in ((671, 912, 3), (100, 100, 3), (2100, 1500, 3)):
+        with pytest.raises(ValueError, match=rf"{name} decodes to \(672, 912, 3\), but the meta says"):
+            decode_image_into(name, data, np.empty(lie, np.uint8), lie, resize)
