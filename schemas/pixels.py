@@ -57,7 +57,10 @@ def pixel_inputs(
     as_input = _input_maker(image_processor)
     if as_input is not _pil:
         kwargs["input_data_format"] = "channels_first"
-    inputs = [[as_input(im) for im in images] for images in per_sample]
+        _keep_layout(getattr(image_processor, "func", image_processor))
+        inputs = [[_channels_first(im, resize) for im in images] for images in per_sample]
+    else:
+        inputs = [[_pil(im) for im in images] for images in per_sample]
     if rule.cross_attention:
         out = _mllama(image_processor, inputs, ids, kwargs, image_token_id, max_tiles)
     elif not any(inputs):
@@ -72,7 +75,8 @@ def pixel_inputs(
         import torch
 
         out["token_type_ids"] = torch.as_tensor(np.asarray(mm) == 1).long()
-    return {k: v.float() if v.is_floating_point() else v for k, v in out.items()}
+    # contiguous: the views' outputs can keep the pixels' channels-last strides (same values, as before)
+    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in out.items()}
 
 
 def _pil(im):
@@ -81,23 +85,54 @@ def _pil(im):
     return Image.fromarray(np.asarray(im), "RGB")
 
 
-def _channels_first(im):
+# From this many pixels a resized image reaches the processor as a view of the stored pixels (_keep_layout): below it,
+# and where the processor does not resize, its own C x H x W copy is as fast or faster (its float math on planes).
+VIEW_MIN_PIXELS = 1 << 20
+
+
+def _channels_first(im, resize: bool = False):
+    """A stored uint8 H x W x 3 image -> C x H x W: a view of it where the processor resizes it and it is large
+    (VIEW_MIN_PIXELS), else the contiguous copy the processor's process_image would make."""
     import torch
 
-    with warnings.catch_warnings():  # a read-only slab: the processor copies it before any write
+    with warnings.catch_warnings():  # a read-only slab: no processor writes its input
         warnings.simplefilter("ignore")
-        return torch.from_numpy(np.asarray(im)).permute(2, 0, 1)
+        t = torch.from_numpy(np.asarray(im)).permute(2, 0, 1)
+    return t if resize and t.shape[1] * t.shape[2] >= VIEW_MIN_PIXELS else t.contiguous()
 
 
 def _input_maker(image_processor):
     """How an RGB image reaches the processor: the torchvision backend takes it as a channels-first view of the
-    stored pixels, which its process_image copies contiguous as it does a PIL image's (same values; a PIL image costs
-    its RGB conversion and two more copies, ~40% of a 12 MP photo's processing); any other backend gets PIL's."""
+    stored pixels, which it resizes as they lie (_keep_layout; a PIL image costs its RGB conversion and two more
+    copies, ~40% of a 12 MP photo's processing); any other backend gets PIL's."""
     from transformers.image_processing_backends import TorchvisionBackend
 
     ip = getattr(image_processor, "func", image_processor)  # a functools.partial of it, or a wrapper naming it so
     tv = ip is not None and getattr(type(ip), "process_image", None) is TorchvisionBackend.process_image
     return _channels_first if tv else _pil
+
+
+def _keep_layout(ip) -> None:
+    """Make the torchvision-backend processor `ip` take _channels_first's views as they are. Its process_image copies
+    every image into C x H x W planes, and torch's antialiased uint8 resize runs 3-7x slower on planes than on the
+    pixels' own channels-last layout (one kernel, the same values: tests/trainer/test_vision.py): most of a 12 MP
+    photo's processing for Llama 4, InternVL and LLaVA-OneVision. Set once on the instance (the trainer's and the
+    collator's own, loaded from the dataset); any other input goes through the backend's own process_image."""
+    if "process_image" in vars(ip):
+        return
+    import types
+
+    from transformers.image_processing_backends import TorchvisionBackend
+
+    def process_image(self, image, *args, device=None, **kwargs):
+        import torch
+
+        view = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3
+        if view and image.shape[0] == 3 and image.stride(0) == 1 and image.stride(2) == 3:  # _channels_first's
+            return image if device is None else image.to(device)  # no processor writes its input (read-only slabs)
+        return TorchvisionBackend.process_image(self, image, *args, device=device, **kwargs)
+
+    ip.process_image = types.MethodType(process_image, ip)
 
 
 def _mllama(

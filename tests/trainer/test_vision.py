@@ -212,10 +212,12 @@ def test_pixel_values_equal_the_pil_backends_own_arithmetic(kind):
     "name", ["llama-3.2-vision", "llama-4", "mistral-3", "gemma-4", "internvl", "llava-onevision", "smolvlm"]
 )
 def test_host_pixel_inputs_from_channels_first_views_equal_the_processors_on_pil_images(name, monkeypatch):
-    """The host path hands a torchvision-backend processor channels-first views of the stored pixels, not PIL images:
-    every output equals the processor's own on PIL images of the same pixels, bit for bit, for a demo photo, a
-    larger one, two images of one sample and images 3 pixels tall or wide (channels-last pixels, or a layout read
-    from the shape alone, would take their rows for channels)."""
+    """The host path hands a torchvision-backend processor channels-first views of the stored pixels, not PIL images,
+    and the processor resizes a large one as it lies (channels-last strides; its own process_image would copy it into
+    planes, 3-7x slower to resize; a small one, or one it does not resize, it gets as planes): every output equals the processor's own on PIL images of the same pixels, bit for
+    bit, and is contiguous, for a demo photo, a larger one, two images of one sample (of one size too: the processor
+    stacks those), images 3 pixels tall or wide (channels-last pixels, or a layout read from the shape alone, would
+    take their rows for channels); the stored pixels, read-only, are never written."""
     from trainer.families import BY_NAME
     from vlmprep.processors.load import load_processor
     from vlmprep_schemas import pixels
@@ -227,14 +229,34 @@ def test_host_pixel_inputs_from_channels_first_views_equal_the_processors_on_pil
     resize = not BY_NAME[name].resized
     rng = np.random.default_rng(5)
     photo = np.asarray(Image.open(LLAMAFACTORY / "mllm_demo_data" / "2.jpg").convert("RGB"))
-    big = np.asarray(Image.fromarray(photo).resize((1200, 700)))
+    big = np.asarray(Image.fromarray(photo).resize((1400, 800)))  # over VIEW_MIN_PIXELS: resized as it lies
     thin = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in [(3, 40, 3), (40, 3, 3)]]
+    twin = np.ascontiguousarray(big[::-1])
+    for im in (photo, big, twin, *thin):
+        im.setflags(write=False)
+    kept = [im.copy() for im in (photo, big, twin, *thin)]
+    layouts: list[bool] = []
+    from torchvision.transforms.v2.functional import _geometry
+
+    def spy(image, *args, **kwargs):
+        layouts.append(image.is_contiguous(memory_format=torch.channels_last))  # the pixels as stored
+        return interpolate(image, *args, **kwargs)
+
+    interpolate = _geometry.interpolate
     ids = np.zeros((1, 4), np.int64)
-    for per_sample in ([[photo]], [[big, photo]], [[thin[0]]], [[thin[1]]]):
-        ours = pixels.pixel_inputs(ip, rule, per_sample, resize=resize, ids=ids, mm=ids)
+    for per_sample in ([[photo]], [[big]], [[big, photo]], [[big, twin]], [[thin[0]]], [[thin[1]]]):
+        layouts.clear()
+        with monkeypatch.context() as m:
+            m.setattr(_geometry, "interpolate", spy)
+            ours = pixels.pixel_inputs(ip, rule, per_sample, resize=resize, ids=ids, mm=ids)
+        if resize and len(per_sample[0]) == 1:  # (LLaVA-OneVision pads each of several images to a square first)
+            large = per_sample[0][0].shape[0] * per_sample[0][0].shape[1] >= pixels.VIEW_MIN_PIXELS
+            assert layouts and layouts[0] == large, (name, per_sample[0][0].shape, "resized as planes / as it lies")
         with monkeypatch.context() as m:
             m.setattr(pixels, "_input_maker", lambda _ip: pixels._pil)
             ref = pixels.pixel_inputs(ip, rule, per_sample, resize=resize, ids=ids, mm=ids)
         assert ours.keys() == ref.keys() and ours
         for k in ref:
             assert torch.equal(ours[k], ref[k]), (name, k, [im.shape for im in per_sample[0]])
+            assert ours[k].is_contiguous(), (name, k)
+    assert all(np.array_equal(a, b) for a, b in zip((photo, big, twin, *thin), kept))
