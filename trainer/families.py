@@ -31,7 +31,8 @@ class Family:
     # "uint8": the dataset's own image processor on the host with its rescale and normalize off (uint8 pixel_values, a
     # quarter of the bytes), those two on the device (Patchifier.host_math; Llama 4's and InternVL's torchvision
     # backend; Idefics3's / SmolVLM's with its pad off too, padded in uint8 by the workers and normalized on the device
-    # under its pixel mask; else as "processor"); "processor": the dataset's own image processor on the host
+    # under its pixel mask; LLaVA-OneVision's likewise, its padding patches by each image's count; else as
+    # "processor"); "processor": the dataset's own image processor on the host
     # (trainer/data/vision.py HostPixels, by vlmprep_schemas.pixels' rule for its class)
     pixels: str = "processor"
     mrope: bool = False  # the stored 3-row positions go to the model (else its own 1-D positions from row 0)
@@ -121,7 +122,12 @@ FAMILIES: tuple[Family, ...] = (
     # inputs (pixel_values, image_grid_thw, mm_token_type_ids, MRoPE positions): it patchifies on the device too.
     Family(name="glm-4.1v", model_types=("glm4v",), processor_classes=("Glm4vProcessor",), **_QWEN),
     Family(name="internvl", model_types=("internvl",), processor_classes=("InternVLProcessor",), pixels="uint8"),
-    Family(name="llava-onevision", model_types=("llava_onevision",), processor_classes=("LlavaOnevisionProcessor",)),
+    Family(
+        name="llava-onevision",
+        model_types=("llava_onevision",),
+        processor_classes=("LlavaOnevisionProcessor",),
+        pixels="uint8",
+    ),
     Family(
         name="smolvlm",
         model_types=("idefics3", "smolvlm"),

@@ -226,7 +226,8 @@ def model_inputs(
     if family.mm_token_type_ids:
         kw["mm_token_type_ids"] = batch.mm_token_type_ids
     if family.pixels != "patchify":  # the host's inputs, and pixel_values where the device normalized them
-        return {**kw, **batch.vision, **({} if pixel_values is None else {"pixel_values": pixel_values})}
+        host = {k: v for k, v in batch.vision.items() if not k.startswith("_")}  # "_": the device's alone
+        return {**kw, **host, **({} if pixel_values is None else {"pixel_values": pixel_values})}
     assert (pixel_values_videos is None) == (len(batch.videos) == 0), (
         f"the batch holds {len(batch.videos)} videos: pass their pixel_values_videos (Patchifier.videos)"
     )

@@ -19,8 +19,9 @@ def test_pixel_values_on_gpu_equal_cpu(dataset, image_spec):
 
 
 def test_device_pixel_math_of_the_padded_and_uint8_families_on_gpu_equal_cpu(device="cuda"):
-    """Gemma 4's patches, Llama 3.2 Vision's tiles (trainer/data/tiles.py) and Llama 4's, InternVL's and SmolVLM's
-    normalize of the workers' uint8 made on the GPU equal the CPU's (test_tiles.py holds the CPU's equal to the processors')."""
+    """Gemma 4's patches, Llama 3.2 Vision's tiles (trainer/data/tiles.py) and Llama 4's, InternVL's, SmolVLM's and
+    LLaVA-OneVision's normalize of the workers' uint8 made on the GPU equal the CPU's (test_tiles.py holds the CPU's
+    equal to the processors')."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -53,6 +54,11 @@ def test_device_pixel_math_of_the_padded_and_uint8_families_on_gpu_equal_cpu(dev
     out = HostPixels(BY_NAME["smolvlm"], spec.config, math=False)([images[:1], images[1:]], ids, ids)
     pixels, mask = out["pixel_values"], out["pixel_attention_mask"]
     cpu, gpu = (Patchifier(spec, d).host_math(pixels.to(d), mask.to(d)).cpu() for d in ("cpu", device))
+    assert pixels.dtype == torch.uint8 and float((cpu - gpu).abs().max()) <= 1e-6
+    _, spec = _uint8_processor("llava-onevision")  # padded in uint8 by the workers, padding zeroed by count
+    out = HostPixels(BY_NAME["llava-onevision"], spec.config, math=False)([images[:1], images[1:]], ids, ids)
+    pixels, counts = out["pixel_values"], out["_patches"]
+    cpu, gpu = (Patchifier(spec, d).host_math(pixels.to(d), counts=counts.to(d)).cpu() for d in ("cpu", device))
     assert pixels.dtype == torch.uint8 and float((cpu - gpu).abs().max()) <= 1e-6
 
 

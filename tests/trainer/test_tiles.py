@@ -376,3 +376,37 @@ def test_smolvlm_tiles_padded_in_uint8_and_normalized_under_the_mask_equal_the_p
     black = pf._scale(ours["pixel_values"].flatten(0, 1), (1, -1, 1, 1)).view(ours["pixel_values"].shape)
     assert not torch.equal(black, ref["pixel_values"])
     assert not ImageSpec.from_config({**spec.config, "do_pad": False}).host_uint8
+
+
+def test_llava_onevision_patches_padded_in_uint8_and_zeroed_by_count_on_the_device_equal_the_processors():
+    """LLaVA-OneVision: the workers' pixel_values are the processor's patches with rescale, normalize and its pad off,
+    padded in uint8 (Uint8Patches) with each image's own count, and the device's rescale + normalize, the padding
+    patches 0.0, equal bit for bit the processor's own inputs for a micro-batch of a demo photo alone, a 4 MP one
+    alone (more patches) and two in one sample (padded to squares, one patch each); the count never reaches the
+    forward. Padding left as a normalized black fails it; a saved processor that does not pad keeps the float path."""
+    from types import SimpleNamespace
+
+    from vlmprep_schemas.pixels import RULES, pixel_inputs
+
+    ip, spec = _uint8_processor("llava-onevision")
+    family = BY_NAME["llava-onevision"]
+    assert family.pixels == "uint8" and spec.host_uint8 and spec.do_rescale and spec.do_normalize
+    demo = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((LLAMAFACTORY / "mllm_demo_data").glob("*.jpg"))]
+    per_sample = [[demo[0]], [np.asarray(photo(2400, 1800, seed=5))], [demo[1], np.asarray(photo(900, 120, seed=3))]]
+    ref = pixel_inputs(ip, RULES[family.processor_classes[0]], per_sample, resize=True)
+    host = HostPixels(family, spec.config, math=False)
+    ours = host(per_sample, np.zeros((3, 4), np.int64), np.zeros((3, 4), np.uint8))
+    assert ours.keys() - {tiles.PATCHES} == ref.keys() == {"pixel_values", "image_sizes", "batch_num_images"}
+    assert ours["pixel_values"].dtype == torch.uint8 and ours["pixel_values"].shape == ref["pixel_values"].shape
+    assert all(torch.equal(ours[k], ref[k]) for k in ("image_sizes", "batch_num_images"))
+    counts = ours[tiles.PATCHES].tolist()
+    assert len(counts) == 4 and counts[2:] == [1, 1] and counts[1] > counts[0] > 1  # padding patches in 3 of 4
+    pf = Patchifier(spec, "cpu")
+    pixels, videos = pf.inputs(SimpleNamespace(vision=ours))
+    assert videos is None and pixels.dtype == torch.float32 and torch.equal(pixels, ref["pixel_values"])
+    black = pf._scale(ours["pixel_values"].flatten(0, 1), (1, -1, 1, 1)).view(ours["pixel_values"].shape)
+    assert not torch.equal(black, ref["pixel_values"])
+    assert not ImageSpec.from_config({**spec.config, "do_pad": False}).host_uint8
+    assert not ImageSpec.from_config(
+        {**spec.config, "image_processor_type": "LlavaOnevisionImageProcessorPil"}
+    ).host_uint8

@@ -24,6 +24,10 @@ UINT8 = tuple(f"{k}{b}" for k in ("Llama4ImageProcessor", "GotOcr2ImageProcessor
 # Idefics3's and SmolVLM's pad their normalized tiles with zeros and a pixel mask: with rescale, normalize and the pad
 # off they give uint8 tiles, which the workers pad the same way (Uint8Tiles) and the device normalizes under the mask.
 PADDED_TILES = tuple(f"{k}{b}" for k in ("Idefics3ImageProcessor", "SmolVLMImageProcessor") for b in ("", "Fast"))
+# LLaVA-OneVision's pads each image's patches with zero patches up to the batch's most after its normalize: with
+# rescale, normalize and that pad off it gives each image's uint8 patches, which the workers pad (Uint8Patches) and
+# the device normalizes, the padding patches 0.0 again (the forward never reads them).
+PADDED_PATCHES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast")
 _SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
 
 
@@ -31,14 +35,18 @@ def host_uint8(cfg: dict) -> bool:
     """Whether the workers' pixel_values are uint8 for a saved image processor's settings (the caller checked they
     name the whole math): a UINT8 or PADDED_TILES class that rescales and normalizes (a PADDED_TILES one that pads)."""
     kind = cfg.get("image_processor_type")
-    padding = kind not in PADDED_TILES or cfg.get("do_pad") is True
-    return kind in UINT8 + PADDED_TILES and cfg["do_rescale"] is True and cfg["do_normalize"] is True and padding
+    padding = kind not in PADDED_TILES + PADDED_PATCHES or cfg.get("do_pad") is True
+    ours = kind in UINT8 + PADDED_TILES + PADDED_PATCHES
+    return ours and cfg["do_rescale"] is True and cfg["do_normalize"] is True and padding
 
 
 def without_math(ip, kind: str):
     """The image processor `ip` (its class `kind`) called with its rescale and normalize off: a PADDED_TILES one
-    through Uint8Tiles, which pads its uint8 tiles; the others give uint8 pixel_values as they are."""
-    return Uint8Tiles(ip) if kind in PADDED_TILES else functools.partial(ip, do_rescale=False, do_normalize=False)
+    through Uint8Tiles, which pads its uint8 tiles, a PADDED_PATCHES one through Uint8Patches; the others give uint8
+    pixel_values as they are."""
+    if kind in PADDED_TILES + PADDED_PATCHES:
+        return (Uint8Tiles if kind in PADDED_TILES else Uint8Patches)(ip)
+    return functools.partial(ip, do_rescale=False, do_normalize=False)
 
 
 @dataclass(frozen=True)
@@ -241,6 +249,46 @@ class Uint8Tiles:
                 mask[i, j, :th, :tw] = True
             pixels[i, len(tiles) :] = 0
         return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+class Uint8Patches:
+    """A LLaVA-OneVision image processor with its rescale, normalize and pad off: each image's uint8 patches (its
+    resizes, pads and split, unchanged), padded here as its _pad_for_batching pads the normalized ones (zero patches
+    up to the most an image of the micro-batch has), with each image's own count (PATCHES: the device makes the
+    padding 0.0 after its math, as the processor leaves it)."""
+
+    def __init__(self, processor):
+        self.func = processor  # named as Uint8Tiles names it
+
+    def __call__(self, images: list[list], **kwargs) -> dict[str, torch.Tensor]:
+        """Each sample's images -> {"pixel_values": uint8 N x P x 3 x H x W, "image_sizes", "batch_num_images",
+        PATCHES: int64 N}."""
+        kwargs.update(do_rescale=False, do_normalize=False, do_pad=False, return_tensors=None)
+        out = self.func(images, **kwargs)
+        per_image = out["pixel_values"]
+        pixels = torch.zeros(
+            (len(per_image), max(len(x) for x in per_image), *per_image[0].shape[1:]), dtype=torch.uint8
+        )
+        for i, x in enumerate(per_image):
+            pixels[i, : len(x)] = x
+        return {
+            "pixel_values": pixels,
+            "image_sizes": torch.tensor(out["image_sizes"]),
+            "batch_num_images": torch.tensor(out["batch_num_images"]),
+            PATCHES: torch.tensor([len(x) for x in per_image]),
+        }
+
+
+# The workers' input for the device alone (a leading "_": model_inputs never hands it to the forward): each image's own
+# patch count, Uint8Patches'.
+PATCHES = "_patches"
+
+
+def counted(scaled: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rescaled + normalized patches (N x P x 3 x H x W) -> 0.0 on each image's patches past its own count (N), as
+    the processor's pad after its normalize leaves them."""
+    keep = torch.arange(scaled.shape[1], device=scaled.device) < counts.to(scaled.device)[:, None]
+    return torch.where(keep[:, :, None, None, None], scaled, 0.0)
 
 
 def masked(scaled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

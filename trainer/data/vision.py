@@ -69,7 +69,8 @@ class ImageSpec:
     # Mllama: pixel_values are the workers' resized images on their canvas of tiles, rescaled + normalized and split
     # into tiles on the device (trainer/data/tiles.py); None: another family
     canvas: tiles.TileCanvas | None = None
-    # Llama 4, InternVL, SmolVLM: the host's pixel_values are uint8 (its processor with rescale and normalize off),
+    # Llama 4, InternVL, SmolVLM, LLaVA-OneVision: the host's pixel_values are uint8 (its processor with rescale and
+    # normalize off),
     # which the device rescales and normalizes (Patchifier.inputs)
     host_uint8: bool = False
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
@@ -185,8 +186,8 @@ class Patchifier:
         made its pixel_values (in `batch.vision`, with the family's extras: what the forward takes, model_inputs)."""
         host = batch.vision.get("pixel_values")
         if host is not None:  # the host's: as they are, or its uint8 rescaled + normalized here (host_uint8)
-            mask = batch.vision.get("pixel_attention_mask")
-            return (self.host_math(host, mask) if host.dtype == torch.uint8 else None), None
+            mask, counts = batch.vision.get("pixel_attention_mask"), batch.vision.get(tiles.PATCHES)
+            return (self.host_math(host, mask, counts) if host.dtype == torch.uint8 else None), None
         if self.spec.canvas is not None:  # Mllama's tiles: each image in its sample's row
             rows, n = list(batch.image_rows), len(batch.input_ids)
             return tiles.tiled(
@@ -194,15 +195,19 @@ class Patchifier:
             ), None
         return self(batch.images, batch.image_index), self.videos(batch.videos)
 
-    def host_math(self, pixels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def host_math(
+        self, pixels: torch.Tensor, mask: torch.Tensor | None = None, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The host's uint8 pixel_values (N x 3 x H x W, its processor's with rescale and normalize off; Idefics3's
-        B x N x 3 x H x W, padded under the pixel `mask`) -> float32, rescaled + normalized as that processor does:
-        Llama 4's in bfloat16, others' as torchvision's backend, Idefics3's padding 0.0."""
+        B x N x 3 x H x W, padded under the pixel `mask`; LLaVA-OneVision's N x P x 3 x H x W, each image's own patch
+        `counts` first) -> float32, rescaled + normalized as that processor does: Llama 4's in bfloat16, others' as
+        torchvision's backend, the padding 0.0."""
         s = self.spec
         if s.kind.startswith("Llama4"):
             return tiles.llama4_scale(pixels, s.rescale_factor, s.image_mean, s.image_std)
-        if mask is not None:
-            return tiles.masked(self._scale(pixels.flatten(0, 1), (1, -1, 1, 1)).view(pixels.shape), mask)
+        if mask is not None or counts is not None:
+            x = self._scale(pixels.flatten(0, 1), (1, -1, 1, 1)).view(pixels.shape)
+            return tiles.masked(x, mask) if mask is not None else tiles.counted(x, counts)
         return self._scale(pixels, (1, -1, 1, 1))
 
     def normalize(self, images: list[torch.Tensor], index: list[int]) -> torch.Tensor:
@@ -319,9 +324,10 @@ class HostPixels:
     sizes, tile masks, Gemma's token types, Mllama's cross-attention mask), exactly as the processor makes them from
     the records (vlmprep_schemas.pixels, the rule vlmprep's collator shares); for Gemma 3 normalized on the device,
     its token types alone; for Gemma 4 and Mllama, whose pixel_values the device makes, the resized images and the
-    inputs made from them (device_images); for Llama 4, InternVL and SmolVLM uint8 pixel_values (rescale and
-    normalize off: the device's, Patchifier.host_math; SmolVLM's padded here, tiles.Uint8Tiles). Picklable: each
-    process loads the processor (its saved config only, no code) once, on first use."""
+    inputs made from them (device_images); for Llama 4, InternVL, SmolVLM and LLaVA-OneVision uint8 pixel_values
+    (rescale and normalize off: the device's, Patchifier.host_math; SmolVLM's padded here, tiles.Uint8Tiles,
+    LLaVA-OneVision's by tiles.Uint8Patches). Picklable: each process loads the processor (its saved config only, no
+    code) once, on first use."""
 
     def __init__(
         self,
@@ -339,7 +345,7 @@ class HostPixels:
         made from (Mllama); `max_tiles`: its tiles per image; `images=False`: the device makes pixel_values
         (Patchifier), this only the family's extras from the tokens (Gemma 3's token_type_ids); `budget`: Gemma 4's
         patch budget, `canvas` Mllama's tiles: whose images this resizes for the device (device_images); `math=False`:
-        the processor's rescale and normalize off (Llama 4, InternVL, SmolVLM: the device's)."""
+        the processor's rescale and normalize off (Llama 4, InternVL, SmolVLM, LLaVA-OneVision: the device's)."""
         self.family = family
         self.images = images
         self.budget, self.canvas, self.math = budget, canvas, math
