@@ -299,7 +299,7 @@ def test_each_family_trains_and_its_export_gives_the_same_loss(trained):
 # pixels normalized on the device; patchified there; resized in the workers, then patchified or tiled on the device;
 # uint8 from the workers, rescaled and normalized on the device
 @pytest.mark.parametrize(
-    "name", ["gemma-3", "qwen2-vl", "gemma-4", "llama-3.2-vision", "llama-4", "internvl", "smolvlm"]
+    "name", ["gemma-3", "qwen2-vl", "gemma-4", "llama-3.2-vision", "llama-4", "internvl", "smolvlm", "llava-onevision"]
 )
 def test_eval_with_the_devices_pixel_values_is_the_exported_models_own_loss(name, tmp_path, batch_datasets):
     """--eval-data makes its pixel inputs as training does (trainer/evaluate.py: Patchifier.inputs): the eval row over
