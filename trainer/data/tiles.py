@@ -1,6 +1,7 @@
 """The workers' resized uint8 images -> Gemma 4's padded patches and Llama 3.2 Vision's tiles on the training device,
 bit for bit their image processor's (and the inputs the workers make beside them: position ids, aspect ratios, the
-cross-attention mask); Llama 4's bfloat16 rescale + normalize of the uint8 pixel_values its processor makes."""
+cross-attention mask); Llama 4's bfloat16 rescale + normalize of the uint8 pixel_values its processor makes; the
+workers' uint8 padding of SmolVLM's tiles and LLaVA-OneVision's patches, and the device's padding after its math."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ _SETTINGS = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
 
 def host_uint8(cfg: dict) -> bool:
     """Whether the workers' pixel_values are uint8 for a saved image processor's settings (the caller checked they
-    name the whole math): a UINT8 or PADDED_TILES class that rescales and normalizes (a PADDED_TILES one that pads)."""
+    name the whole math): a UINT8, PADDED_TILES or PADDED_PATCHES class that rescales and normalizes (and, for the
+    padded two, pads)."""
     kind = cfg.get("image_processor_type")
     padding = kind not in PADDED_TILES + PADDED_PATCHES or cfg.get("do_pad") is True
     ours = kind in UINT8 + PADDED_TILES + PADDED_PATCHES
@@ -44,8 +46,10 @@ def without_math(ip, kind: str):
     """The image processor `ip` (its class `kind`) called with its rescale and normalize off: a PADDED_TILES one
     through Uint8Tiles, which pads its uint8 tiles, a PADDED_PATCHES one through Uint8Patches; the others give uint8
     pixel_values as they are."""
-    if kind in PADDED_TILES + PADDED_PATCHES:
-        return (Uint8Tiles if kind in PADDED_TILES else Uint8Patches)(ip)
+    if kind in PADDED_TILES:
+        return Uint8Tiles(ip)
+    if kind in PADDED_PATCHES:
+        return Uint8Patches(ip)
     return functools.partial(ip, do_rescale=False, do_normalize=False)
 
 
@@ -251,6 +255,11 @@ class Uint8Tiles:
         return {"pixel_values": pixels, "pixel_attention_mask": mask}
 
 
+# The workers' input for the device alone (a leading "_": model_inputs never hands it to the forward): each image's own
+# patch count, Uint8Patches'.
+PATCHES = "_patches"
+
+
 class Uint8Patches:
     """A LLaVA-OneVision image processor with its rescale, normalize and pad off: each image's uint8 patches (its
     resizes, pads and split, unchanged), padded here as its _pad_for_batching pads the normalized ones (zero patches
@@ -277,11 +286,6 @@ class Uint8Patches:
             "batch_num_images": torch.tensor(out["batch_num_images"]),
             PATCHES: torch.tensor([len(x) for x in per_image]),
         }
-
-
-# The workers' input for the device alone (a leading "_": model_inputs never hands it to the forward): each image's own
-# patch count, Uint8Patches'.
-PATCHES = "_patches"
 
 
 def counted(scaled: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

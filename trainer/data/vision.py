@@ -70,8 +70,7 @@ class ImageSpec:
     # into tiles on the device (trainer/data/tiles.py); None: another family
     canvas: tiles.TileCanvas | None = None
     # Llama 4, InternVL, SmolVLM, LLaVA-OneVision: the host's pixel_values are uint8 (its processor with rescale and
-    # normalize off),
-    # which the device rescales and normalizes (Patchifier.inputs)
+    # normalize off), which the device rescales and normalizes (Patchifier.inputs)
     host_uint8: bool = False
     # Mistral 3's merged patch (the processor's patch_size x spatial_merge_size), which its resize of an `original`
     # member needs (vlmprep_schemas.resize); 0 where the processor names none.
