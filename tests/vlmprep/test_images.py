@@ -515,6 +515,17 @@ def test_auto_keeps_the_pixels_of_a_large_photo_resized_far_down():
     assert _auto(big)[0] == "original"
 
 
+def test_auto_stores_the_pixels_of_a_photo_with_over_3_source_pixels_a_stored_one():
+    """The decode limit is 3 source pixels a stored one (SmolVLM's 12 MP photos, at 3.9, loaded under a GPU's need
+    kept as their bytes): at 3.6 the pixels are stored, at 2.7 the JPEG is kept; both stored pixels are well over
+    1.5x the JPEG's bytes, so the decode limit alone decides."""
+    data = save(photo(1120, 840), "JPEG", quality=90)
+    for max_pixels, want, shape in ((268_800, "zstd-pdelta", (448, 588)), (376_320, "original", (504, 700))):
+        storage, opened = _auto(data, max_pixels=max_pixels)
+        assert opened.shape == shape and opened.shape[0] * opened.shape[1] > 1.5 * len(data)
+        assert storage == want, (max_pixels, 1120 * 840 / (shape[0] * shape[1]))
+
+
 def test_a_cut_off_jpeg_kept_as_its_bytes_is_rejected_as_a_full_decode_rejects_it():
     """The check that replaces the decode of a source stored as it is (a JPEG entropy-decoded at 1/8 scale) fails
     where a full decode fails, on every call, and a whole one passes without making pixels."""
@@ -654,7 +665,9 @@ def test_a_jpeg_whose_header_claims_more_pixels_than_it_holds_costs_the_build_an
     from tests.support.hostile import jpeg_claiming
     from vlmprep.pixels.images import make_ready
 
-    storage, opened = _auto(jpeg_claiming(8000, 6000))
+    # A 20 MP budget: 2.4 source pixels a stored one, so auto keeps it as its bytes (under Qwen's own 12.8 MP budget,
+    # 3.7, it would store the resized pixels, as for any photo resized that far down).
+    storage, opened = _auto(jpeg_claiming(8000, 6000), max_pixels=20_000_000)
     assert storage == "original" and opened.source_size == (8000, 6000)
     make_ready(opened, "auto")
     assert not opened.loaded
