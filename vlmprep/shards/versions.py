@@ -131,6 +131,19 @@ def load_removed(d: Path, parent: int, most: int) -> dict[int, np.ndarray]:
         try:
             found[k] = _load_digests(d, removed_ids_name(k), most, "restore it from a copy of the dataset")
         except FileNotFoundError:
+            # Absent where version k replaced nothing; where its record says it did (a copy that left the file
+            # behind), the ids it removed would read as present and make an appended record of one a false
+            # duplicate_id reject: refused instead.
+            data = read_record(Path(d), k)
+            record = parse_record(data, str(Path(d) / version_name(k))) if data is not None else None
+            removed = ((record.version if record is not None else None) or {}).get("removed") or {}
+            n = (removed.get("totals") or {}).get("samples", 0)
+            if n:
+                raise ShardFormatError(
+                    f"{Path(d) / removed_ids_name(k)} is missing, but version {k} removed {n} samples; "
+                    "restore it from a copy of the dataset (without it, an appended record with one of their ids "
+                    "would be rejected as a duplicate)"
+                ) from None
             continue
         most -= len(found[k])
     return found
