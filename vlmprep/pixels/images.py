@@ -299,8 +299,8 @@ def _grid(ip, family: FamilySpec, shape: tuple[int, int]) -> tuple[int, int, int
 # pixels would take over AUTO_MIN_RATIO times them, estimated at AUTO_BYTES_PER_PIXEL a stored pixel (zstd-pdelta of
 # decoded photos measured 0.4-1.6, of JPEG screenshots 0.1-0.3) and where the loader's decode stays within
 # AUTO_MAX_DECODE source pixels a stored one (a 12 MP photo resized to a 1 MP budget keeps its pixels: decoding it
-# at every epoch costs ~4x the 45k tokens/s a core must give; SmolVLM's 3.9 a 12 MP photo loaded 1.9x slower kept,
-# under its need, docs/performance.md).
+# at every epoch costs ~4x the 45k tokens/s a core must give; SmolVLM's 12 MP photos, at 3.9, loaded at half the
+# rate of their stored pixels kept as JPEGs, under a GPU's need: docs/performance.md).
 AUTO_BYTES_PER_PIXEL = 1.0
 AUTO_MIN_RATIO = 1.5
 AUTO_MAX_DECODE = 3

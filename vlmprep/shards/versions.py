@@ -136,9 +136,10 @@ def load_removed(d: Path, parent: int, most: int) -> dict[int, np.ndarray]:
             # duplicate_id reject: refused instead.
             data = read_record(Path(d), k)
             record = parse_record(data, str(Path(d) / version_name(k))) if data is not None else None
-            removed = ((record.version if record is not None else None) or {}).get("removed") or {}
-            n = (removed.get("totals") or {}).get("samples", 0)
-            if n:
+            removed = ((record.version if record is not None else None) or {}).get("removed")
+            totals = removed.get("totals") if isinstance(removed, dict) else None
+            n = totals.get("samples") if isinstance(totals, dict) else None
+            if isinstance(n, int) and n > 0:
                 raise ShardFormatError(
                     f"{Path(d) / removed_ids_name(k)} is missing, but version {k} removed {n} samples; "
                     "restore it from a copy of the dataset (without it, an appended record with one of their ids "
