@@ -134,12 +134,8 @@ def load_removed(d: Path, parent: int, most: int) -> dict[int, np.ndarray]:
             # Absent where version k replaced nothing; where its record says it did (a copy that left the file
             # behind), the ids it removed would read as present and make an appended record of one a false
             # duplicate_id reject: refused instead.
-            data = read_record(Path(d), k)
-            record = parse_record(data, str(Path(d) / version_name(k))) if data is not None else None
-            removed = ((record.version if record is not None else None) or {}).get("removed")
-            totals = removed.get("totals") if isinstance(removed, dict) else None
-            n = totals.get("samples") if isinstance(totals, dict) else None
-            if isinstance(n, int) and n > 0:
+            n = (_removed_by(d, k) or {}).get("totals", {}).get("samples", 0)  # schema-checked: ints
+            if n > 0:
                 raise ShardFormatError(
                     f"{Path(d) / removed_ids_name(k)} is missing, but version {k} removed {n} samples; "
                     "restore it from a copy of the dataset (without it, an appended record with one of their ids "
@@ -156,13 +152,18 @@ def rebuilds(d: Path, manifest: Manifest) -> dict[int, dict]:
     out: dict[int, dict] = {}
     top = manifest_number(manifest)
     for k in range(2, top + 1):
-        record = manifest if k == top else None
-        if record is None and (data := read_record(Path(d), k)) is not None:
-            record = parse_record(data, str(Path(d) / version_name(k)))
-        removed = ((record.version if record is not None else None) or {}).get("removed")
+        removed = (manifest.version or {}).get("removed") if k == top else _removed_by(d, k)
         if removed:
             out[k] = removed
     return out
+
+
+def _removed_by(d: Path, k: int) -> dict | None:
+    """Version k's record's version.removed (None where it has none, or DIR holds no record of k: gc), read bounded
+    and schema-checked."""
+    data = read_record(Path(d), k)
+    record = parse_record(data, str(Path(d) / version_name(k))) if data is not None else None
+    return ((record.version if record is not None else None) or {}).get("removed")
 
 
 def replaced_by_rebuilds(d: Path, manifest: Manifest) -> set[str]:
