@@ -54,10 +54,10 @@ def pixel_inputs(
     `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's cross-attention mask. Float inputs in fp32
     (Llama 4's processor gives bf16): a model casts them to its own dtype."""
     kwargs = {"return_tensors": "pt"} if resize else {"return_tensors": "pt", "do_resize": False}
-    as_input = _input_maker(image_processor)
-    if as_input is not _pil:
+    tv = _torchvision(image_processor)
+    if tv is not None:
         kwargs["input_data_format"] = "channels_first"
-        _keep_layout(getattr(image_processor, "func", image_processor))
+        _keep_layout(tv)
         inputs = [[_channels_first(im, resize) for im in images] for images in per_sample]
     else:
         inputs = [[_pil(im) for im in images] for images in per_sample]
@@ -101,15 +101,15 @@ def _channels_first(im, resize: bool = False):
     return t if resize and t.shape[1] * t.shape[2] >= VIEW_MIN_PIXELS else t.contiguous()
 
 
-def _input_maker(image_processor):
-    """How an RGB image reaches the processor: the torchvision backend takes it as a channels-first view of the
-    stored pixels, which it resizes as they lie (_keep_layout; a PIL image costs its RGB conversion and two more
-    copies, ~40% of a 12 MP photo's processing); any other backend gets PIL's."""
+def _torchvision(image_processor):
+    """The image processor itself where its backend is torchvision's, else None. That backend takes an RGB image as
+    a channels-first view of the stored pixels (_channels_first), which it resizes as they lie (_keep_layout; a PIL
+    image costs its RGB conversion and two more copies, ~40% of a 12 MP photo's processing); any other gets PIL's."""
     from transformers.image_processing_backends import TorchvisionBackend
 
     ip = getattr(image_processor, "func", image_processor)  # a functools.partial of it, or a wrapper naming it so
     tv = ip is not None and getattr(type(ip), "process_image", None) is TorchvisionBackend.process_image
-    return _channels_first if tv else _pil
+    return ip if tv else None
 
 
 def _keep_layout(ip) -> None:

@@ -224,8 +224,8 @@ def test_host_pixel_inputs_from_channels_first_views_equal_the_processors_on_pil
 
     processor = load_processor(f"tiny:{name}")
     ip, rule = processor.image_processor, pixels.RULES[type(processor).__name__]
-    assert pixels._input_maker(ip) is pixels._channels_first, type(ip).__mro__
-    assert pixels._input_maker(functools.partial(ip, do_normalize=False)) is pixels._channels_first  # the uint8 call
+    assert pixels._torchvision(ip) is ip, type(ip).__mro__
+    assert pixels._torchvision(functools.partial(ip, do_normalize=False)) is ip  # the uint8 call
     resize = not BY_NAME[name].resized
     rng = np.random.default_rng(5)
     photo = np.asarray(Image.open(LLAMAFACTORY / "mllm_demo_data" / "2.jpg").convert("RGB"))
@@ -253,7 +253,7 @@ def test_host_pixel_inputs_from_channels_first_views_equal_the_processors_on_pil
             large = per_sample[0][0].shape[0] * per_sample[0][0].shape[1] >= pixels.VIEW_MIN_PIXELS
             assert layouts and layouts[0] == large, (name, per_sample[0][0].shape, "resized as planes / as it lies")
         with monkeypatch.context() as m:
-            m.setattr(pixels, "_input_maker", lambda _ip: pixels._pil)
+            m.setattr(pixels, "_torchvision", lambda _ip: None)
             ref = pixels.pixel_inputs(ip, rule, per_sample, resize=resize, ids=ids, mm=ids)
         assert ours.keys() == ref.keys() and ours
         for k in ref:
