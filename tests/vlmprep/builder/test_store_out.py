@@ -97,6 +97,8 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # ~16 s on 2 cores; make test keeps test_plan_tasks_and_merge_share_nothing_but_the_bucket and
+# test_append_store's bucket-equals-local build (S3 out), test_remote's trainer streaming from S3 (make test-all runs it)
 def test_a_build_into_s3_holds_the_local_build_byte_for_byte(bucket, task_traces, local3, tmp_path):
     """The bucket holds the local 3-task build's files (the merge's rewritten shard included); `vlmprep verify URL`
     passes; the trainer trains a step from the URL; the secret key is in no output, run file or object."""

@@ -63,6 +63,8 @@ def test_each_cycle_commits_what_landed_in_the_bucket_as_one_version(bucket):  #
     assert "nothing new; latest v2" in res.output
 
 
+@pytest.mark.slow  # ~20 s on 2 cores; make test keeps test_watch_service's two local watchers (the race) and the live
+# lease refused below (the bucket's lease) (make test-all runs it)
 def test_of_two_watchers_started_at_once_exactly_one_runs_and_commits(bucket, tmp_path):  # noqa: F811
     fs, name = bucket
     location, url = f"s3://{name}/in/", f"s3://{name}/ds"
