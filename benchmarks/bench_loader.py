@@ -248,7 +248,7 @@ def as_format_v1(src: Path, dst: Path) -> Path:
 def as_format(src: Path, dst: Path, version: int, edit_meta=None) -> Path:
     """A copy of an image-only dataset as a build of format `version` wrote it: without the members later versions
     added (v2: image_index.npy; v3: video_grid_thw.npy, second_per_grid_ts.npy; v4 changed no member a zstd-delta
-    build writes) and without the sample index files (later builds added them); `edit_meta`: each sample's meta
+    build writes, nor v5) and without the sample index files (later builds added them); `edit_meta`: each sample's meta
     made into what that build wrote (meta -> meta)."""
     import hashlib
     import shutil
@@ -279,7 +279,7 @@ def as_format(src: Path, dst: Path, version: int, edit_meta=None) -> Path:
 
 
 _V3 = (".video_grid_thw.npy", ".second_per_grid_ts.npy")
-_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3, 3: (), 4: ()}
+_LATER_MEMBERS = {1: (".image_index.npy",) + _V3, 2: _V3, 3: (), 4: (), 5: ()}
 
 
 def format_version_row(ds: Path) -> dict:

@@ -49,19 +49,27 @@ def pixel_inputs(
     image_token_id: int = -1,
     max_tiles: int = 0,
 ) -> dict:
-    """Each sample's images in token order (uint8 H x W x 3) -> the batch's pixel inputs as torch tensors: what the
-    processor gives for these images (resize: whether it resizes them), with the family's extras from the token ids
-    `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's cross-attention mask. Float inputs in fp32
-    (Llama 4's processor gives bf16): a model casts them to its own dtype."""
+    """Each sample's images in token order (uint8 H x W x 3, or a large photo's views: Packed) -> the batch's pixel
+    inputs as torch tensors: what the processor gives for these images (resize: whether it resizes them), with the
+    family's extras from the token ids `ids` and mm types `mm` (B x L): Gemma's token_type_ids, Mllama's
+    cross-attention mask. Float inputs in fp32 (Llama 4's processor gives bf16): a model casts them to its own dtype."""
+    from vlmprep_schemas.views import Packed
+
     kwargs = {"return_tensors": "pt"} if resize else {"return_tensors": "pt", "do_resize": False}
     tv = _torchvision(image_processor)
+    flat = [im for images in per_sample for im in images]
     if tv is not None:
         kwargs["input_data_format"] = "channels_first"
         _keep_layout(tv)
-        inputs = [[_channels_first(im, resize) for im in images] for images in per_sample]
+        inputs = [
+            [im if isinstance(im, Packed) else _channels_first(im, resize) for im in images] for images in per_sample
+        ]
     else:
         inputs = [[_pil(im) for im in images] for images in per_sample]
-    if rule.cross_attention:
+    if any(isinstance(im, Packed) for im in flat):
+        assert tv is not None and not rule.nested, "views are stored for Llama 4's and InternVL's processors only"
+        out = _from_views(image_processor, tv, [im for images in inputs for im in images], kwargs)
+    elif rule.cross_attention:
         out = _mllama(image_processor, inputs, ids, kwargs, image_token_id, max_tiles)
     elif not any(inputs):
         out = {}
@@ -77,6 +85,30 @@ def pixel_inputs(
         out["token_type_ids"] = torch.as_tensor(np.asarray(mm) == 1).long()
     # contiguous: the views' outputs can keep the pixels' channels-last strides (same values, as before)
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in out.items()}
+
+
+def _from_views(image_processor, ip, inputs: list, kwargs: dict) -> dict:
+    """The batch's outputs made image by image, a large photo's from its views (Packed; vlmprep_schemas.views.answered:
+    the processor on its canvas, its global view answered with the stored one), each output concatenated in image
+    order: what the processor gives for the whole batch (Llama 4's and InternVL's flatten their tiles per image)."""
+    import torch
+
+    from vlmprep_schemas.views import Packed, answered, unpack
+
+    parts: list[dict] = []
+    for t in inputs:
+        if not isinstance(t, Packed):
+            parts.append(dict(image_processor([t], **kwargs)))
+            continue
+        a, b = unpack(np.asarray(t.pixels), t.canvas, t.glob)
+        av, bv = (_channels_first(x, resize=True) for x in (a, b))
+        with answered(ip, av, bv):
+            parts.append(dict(image_processor([av], **kwargs)))
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        out[k] = torch.cat(vals) if isinstance(vals[0], torch.Tensor) else [x for val in vals for x in val]
+    return out
 
 
 def _pil(im):

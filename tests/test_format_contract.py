@@ -271,13 +271,15 @@ def test_v1_datasets_are_still_read_by_verify_stats_inspect_and_the_trainer(reco
     assert res.exit_code == 0 and res.stdout.count("=== sample") == len(SOURCES)
 
 
-def test_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path):
-    """Format v4 added .pdelta.zst images, v3 the video members; a v3 dataset (zstd-delta images) and an image-only
-    v2 one (no video_grid_thw / second_per_grid_ts) read as before, everywhere, with the pixels a v4 build stores;
-    a .pdelta.zst member in a v3 dataset is refused unread, as any member its version does not name."""
+def test_v4_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(records, tmp_path):
+    """Format v5 added views members, v4 .pdelta.zst images, v3 the video members; a v4 and a v3 dataset (zstd-delta
+    images) and an image-only v2 one (no video_grid_thw / second_per_grid_ts) read as before, everywhere, with the
+    pixels a v5 build stores; a .pdelta.zst member in a v3 dataset is refused unread, as any member its version does
+    not name."""
     from benchmarks.bench_loader import as_format
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
+    from vlmprep.shards.format import FORMAT_VERSION
     from vlmprep.shards.reader import ShardFormatError, iter_dataset
     from vlmprep.tools.stats import compute_stats
     from vlmprep.tools.verify import verify_dataset
@@ -287,17 +289,17 @@ def test_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(recor
     build(
         BuildConfig(inputs=(str(records),), out=str(delta), image_format="zstd-delta", progress=False, processor=TINY)
     )
-    assert json.loads((v4 / "manifest.json").read_text())["format_version"] == 4
+    assert json.loads((v4 / "manifest.json").read_text())["format_version"] == FORMAT_VERSION == 5
     assert any(n.endswith(".pdelta.zst") for s in iter_dataset(v4) for n in s.names)
     t4 = _trainer_samples(v4)
-    for version in (3, 2):
+    for version in (4, 3, 2):  # v5 added views members, which these images (small photos, tiny:qwen2-vl) have none of
         old_dir = as_format(delta, tmp_path / f"v{version}", version)
         assert verify_dataset(old_dir) == []
         assert compute_stats(old_dir)["samples"] == compute_stats(v4)["samples"]
         assert not compute_stats(old_dir)["mismatches"]
         old = list(iter_dataset(old_dir))
         assert [s.version for s in old] == [version] * len(old)
-        assert ("video_grid_thw.npy" in old[0].names) == (version == 3)
+        assert ("video_grid_thw.npy" in old[0].names) == (version >= 3)
         t_old = _trainer_samples(old_dir)
         assert t_old.keys() == t4.keys()
         for k in t_old:

@@ -239,6 +239,8 @@ class PreparedImage:
         self._digest = digest
         self._shape = shape
         self._check: Callable[[], None] | None = None
+        self._make_views: Callable[[], "Views | None"] | None = None
+        self._views: "Views | None" = None
 
     def keep_as(self, ext: str | None, check: Callable[[], None] | None = None) -> "PreparedImage":
         """Mark the source as one whose bytes can be stored as they are (a lossy source: images._lossy_ext), under
@@ -260,6 +262,23 @@ class PreparedImage:
         if self._pixels is not None or self._shape is None:
             return tuple(self.pixels.shape[:2])
         return self._shape
+
+    def views_from(self, make: Callable[[], "Views | None"]) -> "PreparedImage":
+        """Mark the image as one whose views (vlmprep_schemas.views) may be stored beside its kept source: `make`
+        decodes the source and returns them, or None where the processor's output from them would differ."""
+        self._make_views = make
+        return self
+
+    @property
+    def may_have_views(self) -> bool:
+        """Whether views_from marked it (its views are then made by make_views)."""
+        return self._make_views is not None or self._views is not None
+
+    def make_views(self) -> "Views | None":
+        """The views, made once (a decode of the source: a fault raises its RecordError here, as a decode would)."""
+        if self._make_views is not None:
+            self._views, self._make_views = self._make_views(), None
+        return self._views
 
     def check_source(self) -> None:
         """Raise the RecordError a decode of the source would (a check that makes no pixels, images.check_decode,
@@ -283,6 +302,16 @@ class PreparedImage:
         if self._digest is None:
             self._digest = hashlib.sha256(self.source.data).hexdigest()
         return self._digest
+
+
+@dataclass(frozen=True)
+class Views:
+    """A kept photo's two views packed in one array (vlmprep_schemas.views.pack): the processor's canvas and global
+    view, (height, width) each."""
+
+    packed: np.ndarray  # uint8 H x W x 3
+    canvas: tuple[int, int]
+    glob: tuple[int, int]
 
 
 @dataclass

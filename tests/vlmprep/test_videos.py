@@ -398,7 +398,7 @@ def test_truncation_drops_a_video_whole(clips, tmp_path):
     assert len(b["input_ids"]) < inside and (b["mm_token_type_ids"] == 2).sum() == a["video_grid_thw"][0].prod() // 4
     np.testing.assert_array_equal(b["input_ids"], a["input_ids"][: len(b["input_ids"])])
     assert res.manifest.totals["videos"] == 1 and res.manifest.totals["dropped_videos"] == 1
-    assert res.manifest.format_version == 4
+    assert res.manifest.format_version == 5
     from vlmprep.shards.summary import format_build_summary
     from vlmprep.tools.stats import compute_stats
     from vlmprep.tools.stats_text import format_stats

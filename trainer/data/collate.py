@@ -294,9 +294,10 @@ def host_inputs(
     if spec.host is None:
         return {}, images
     per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
+    views = [[s.views[u] if s.views else None for u in s.image_index] for s in samples] or [[]]
     if "images" in fill:
-        per_sample[0] = fill["images"]
-    vision = spec.host(per_sample, ids, mm)
+        per_sample[0], views[0] = fill["images"], [None] * len(fill["images"])
+    vision = spec.host(per_sample, ids, mm, views=views if any(v for vs in views for v in vs) else None)
     images, extra = spec.host.device_images(images, index, rows, ids)
     return {**vision, **extra}, images
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from trainer.data.errors import DataError
 from trainer.data.jpeg import JpegHeader, jpeg_header
-from trainer.data.originals import OriginalResizer
+from trainer.data.originals import VIEWS_MEMBER, OriginalResizer, views_layout
 from trainer.data.vision import ImageSpec
 from vlmprep_schemas import load
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
@@ -39,6 +39,7 @@ NPY_MEMBERS = {name: (np.dtype(a["dtype"]), a["ndim"], a["since"]) for name, a i
 # Each array's shape in the meta's terms: L = num_tokens, N = image occurrences, V = videos.
 NPY_SHAPES = {name: tuple(a["shape"]) for name, a in _FORMAT["arrays"].items()}
 IMAGE_MEMBER = {
+    5: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),
     4: re.compile(_FORMAT["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
     3: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
     2: re.compile(_FORMAT["$defs"]["image_member_v2"]["pattern"]),
@@ -74,6 +75,9 @@ class DecodedSample:
     image_grid_thw: np.ndarray  # int32 [N, 3], one row per occurrence
     images: list[np.ndarray]  # unique stored images, uint8 H x W x 3, already resized
     image_index: list[int]  # occurrence -> images
+    # Per unique image, for a kept photo loaded from its views (format v5): (canvas, global view) sizes, its images
+    # entry their packed array (vlmprep_schemas.views); None for every other image. Empty: none has views.
+    views: list[tuple[tuple[int, int], tuple[int, int]] | None] = field(default_factory=list)
     video_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # int32 [V, 3]
     second_per_grid_ts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [V]
     videos: list[list[np.ndarray]] = field(default_factory=list)  # per video its frames, uint8 H x W x 3, resized
@@ -89,8 +93,10 @@ class DecodedSample:
 
 def sample_version(names) -> int:
     """A sample's format version from its members (v2 added image_index.npy, v3 video_grid_thw.npy, v4 .pdelta.zst
-    images): pipe: sources have no manifest."""
+    images, v5 views members): pipe: sources have no manifest."""
     if "video_grid_thw.npy" in names:
+        if any(VIEWS_MEMBER.match(n) for n in names):
+            return 5
         return 4 if any(n.endswith(PDELTA) for n in names) else 3
     return 2 if "image_index.npy" in names else 1
 
@@ -122,7 +128,7 @@ def check_member_names(names, *, url: str, key: str, version: int) -> None:
     a shard is ever decoded (no pickle, no code); a required member that is missing is refused too."""
     arrays = arrays_of(version)
     for name in names:
-        if version >= 3 and VIDEO_MEMBER.match(name):
+        if version >= 3 and VIDEO_MEMBER.match(name) or version >= 5 and VIEWS_MEMBER.match(name):
             continue
         if name not in arrays and name != META_MEMBER and not IMAGE_MEMBER[version].match(name):
             raise DataError(
@@ -150,7 +156,7 @@ def _npy(data: bytes, name: str, dims: dict[str, int]) -> np.ndarray:
 
 # The meta fields decode_sample reads (their types and bounds are checked; `vlmprep verify` checks the rest).
 _DIMS = ("member", "height", "width")
-META_READ = ("id", "num_tokens", ("images", (*_DIMS, "prefix")), ("videos", (*_DIMS, "frames")))
+META_READ = ("id", "num_tokens", ("images", (*_DIMS, "prefix", "views")), ("videos", (*_DIMS, "frames")))
 _SAMPLE_FAULTS = (ValueError, KeyError, TypeError, OSError, ArithmeticError)  # a sample's bytes at fault
 _SAMPLE_FAULTS += (zstandard.ZstdError, Image.DecompressionBombError)
 
@@ -196,6 +202,7 @@ def _image_layout(
     unique: dict[str, int] = {}
     layout: list[tuple[str, int, int]] = []
     index: list[int] = []
+    sizes: list[tuple[int, int]] = []
     for im in meta["images"]:
         member, h, w = im["member"], int(im["height"]), int(im["width"])
         if member not in unique:
@@ -205,10 +212,11 @@ def _image_layout(
                 raise ValueError(f"meta gives image member {member!r} an impossible size {h}x{w}")
             unique[member] = len(layout)
             layout.append((member, h, w))
-        if layout[unique[member]][1:] != (h, w):
-            raise ValueError(f"meta gives image member {member!r} two sizes, {layout[unique[member]][1:]} and {(h, w)}")
+            sizes.append((h, w))
+        if sizes[unique[member]] != (h, w):
+            raise ValueError(f"meta gives image member {member!r} two sizes, {sizes[unique[member]]} and {(h, w)}")
         index.append(unique[member])
-    return layout, index
+    return layout, index, sizes
 
 
 def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[list[tuple[str, int, int]]]:
@@ -332,11 +340,12 @@ def decode_sample(
         meta = load_json(members[META_MEMBER], "the meta", LIMITS.meta_bytes)
         dims = _meta_dims(meta)
         arrays = {name: _npy(members[name], name, dims) for name in arrays_of(version)}
-        layout, index = _image_layout(meta, members, arrays.get("image_index.npy"))
+        layout, index, stored = _image_layout(meta, members, arrays.get("image_index.npy"))
+        views = views_layout(meta, members, layout, spec) if version >= 5 else []
         grids = arrays.get("video_grid_thw.npy", np.zeros((0, 3), np.int32))
         video_layout = _video_layout(meta, members, len(grids)) if version >= 3 else []
         frames = [f for v in video_layout for f in v]
-        _validate(arrays, layout, index, video_layout, spec)
+        _validate(arrays, stored, index, video_layout, spec)
         opened: dict[str, Image.Image | JpegHeader] = {}
         sizes = [_decoded_size(m, members[m], h, w, opened) for m, h, w in layout + frames]
         if sum(sizes) > LIMITS.sample_bytes:
@@ -380,6 +389,7 @@ def decode_sample(
             image_grid_thw=arrays["image_grid_thw.npy"],
             images=images,
             image_index=index,
+            views=views,
             video_grid_thw=grids,
             second_per_grid_ts=arrays.get("second_per_grid_ts.npy", np.zeros(0, np.float32)),
             videos=videos,
@@ -395,7 +405,7 @@ def _alloc(sizes: list[int]) -> list[np.ndarray]:
 
 def _validate(
     arrays: dict[str, np.ndarray],
-    layout: list[tuple[str, int, int]],
+    stored: list[tuple[int, int]],
     index: list[int],
     video_layout: list[list[tuple[str, int, int]]],
     spec: ImageSpec,
@@ -404,7 +414,7 @@ def _validate(
     exactly that) makes the stored grid, and the grids make the placeholder counts. Array lengths already agree (each
     array's shape was checked against the meta)."""
     grids, types = arrays["image_grid_thw.npy"], arrays["mm_token_type_ids.npy"]
-    check_grid_sizes([layout[u][1:] for u in index], grids, patch=spec.patch_size)
+    check_grid_sizes([stored[u] for u in index], grids, patch=spec.patch_size)
     n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size**2 if len(grids) else 0
     if spec.grid_images and int((types == 1).sum()) != n_image_tokens:  # other families: their processor's count
         raise ValueError(f"{int((types == 1).sum())} image tokens but the grids need {n_image_tokens}")

@@ -1,11 +1,13 @@
 """Kept photos: an `img*.orig.*` member's source bytes -> the pixels the build counted the tokens for, decoded and
 resized at load time (in the DataLoader workers) with the dataset's saved image processor and the code the build ran
-(vlmprep_schemas.resize)."""
+(vlmprep_schemas.resize); or, where the build stored them (format v5), a large photo's views, loaded in its place
+(views_layout; vlmprep_schemas.views)."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -14,7 +16,11 @@ from PIL import Image
 
 from trainer.data.jpeg import JpegHeader, jpeg_rgb
 from trainer.data.vision import ImageSpec
+from vlmprep_schemas import load
 from vlmprep_schemas.resize import original_mode, resize_mode, resized_pixels, rgb_as_is, stored_pixels
+from vlmprep_schemas.views import has_views, packed_height
+
+VIEWS_MEMBER = re.compile(load("shard_format.schema.json")["$defs"]["views_member"]["pattern"])  # format v5
 
 
 class OriginalResizer:
@@ -48,3 +54,33 @@ class OriginalResizer:
             opened = None
         with opened or Image.open(io.BytesIO(data)) as pil:
             return stored_pixels(self._ip, original_mode(self.mode, size, (pil.height, pil.width)), pil, patch)
+
+
+def views_layout(
+    meta: dict, members: dict[str, bytes], layout: list[tuple[str, int, int]], spec: ImageSpec
+) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
+    """Per unique image its views' (canvas, global) sizes where its meta entry names views (format v5), its layout
+    entry then the views member and the packed array's size, which is what decodes; None elsewhere. A views member
+    belongs to the kept photo of its number, for a processor that has views, and to nothing else."""
+    entries = {im["member"]: im.get("views") for im in meta["images"]}
+    out: list = [None] * len(layout)
+    named = set()
+    for u, (member, h, w) in enumerate(layout):
+        views = entries.get(member)
+        if views is None:
+            continue
+        want = f"vws{member[3:6]}.delta.zst"
+        if ".orig." not in member or views["member"] != want or want not in members:
+            raise ValueError(f"meta gives {member!r} views {views['member']!r}: not the member {want} of a kept photo")
+        if not has_views(spec.kind):
+            raise ValueError(f"{views['member']}: views, but the dataset's image processor {spec.kind} makes none")
+        canvas, glob = (tuple(int(x) for x in views[k]) for k in ("canvas", "global"))
+        if canvas[0] * canvas[1] >= h * w or glob[0] * glob[1] > canvas[0] * canvas[1]:
+            raise ValueError(f"{views['member']}: a {canvas} canvas and {glob} global view for a {h}x{w} photo")
+        layout[u] = (views["member"], packed_height(canvas, glob), canvas[1])
+        out[u] = (canvas, glob)
+        named.add(views["member"])
+    stray = sorted(m for m in members if VIEWS_MEMBER.match(m) and m not in named)
+    if stray:
+        raise ValueError(f"views members {stray[:3]} belong to no kept photo in the meta")
+    return out if any(v is not None for v in out) else []

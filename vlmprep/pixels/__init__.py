@@ -4,12 +4,15 @@ the stored form (README.md has the flow). The rest of vlmprep imports these name
 
 from vlmprep.pixels.images import (
     encode_image,
+    encode_views,
     image_storage,
     make_ready,
     merged_patch,
     open_image,
     prepare_image,
+    source_views,
     stored_ext,
+    stored_views,
 )
 from vlmprep.pixels.videos import (
     DEFAULT_VIDEO_FPS,
@@ -25,13 +28,16 @@ __all__ = [
     "FRAME_EXT",
     "encode_frame",
     "encode_image",
+    "encode_views",
     "image_storage",
     "make_ready",
     "merged_patch",
     "open_image",
     "prepare_image",
     "prepare_video",
+    "source_views",
     "second_per_grid_t",
     "stored_ext",
+    "stored_views",
     "video_metadata",
 ]

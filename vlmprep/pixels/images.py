@@ -15,7 +15,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlmprep.config import default
 from vlmprep.families import FamilySpec
-from vlmprep.types import ImageData, PreparedImage, RecordError
+from vlmprep.pixels.views import mark_views, views_of_pixels
+from vlmprep.types import ImageData, PreparedImage, RecordError, Views
 from vlmprep_schemas.delta import compress_pdelta, filter_pixels
 from vlmprep_schemas.limits import npy_head
 from vlmprep_schemas.resize import processed, resize, resize_mode, strict_load
@@ -206,13 +207,25 @@ def open_image(
         )
         return pixels
 
-    return PreparedImage(
+    image = PreparedImage(
         grid_thw=_grid(processor.image_processor, family, shape),
         source=img,
         load=load,
         source_size=size,
         shape=shape,
     ).keep_as(keep, lambda: check_decode(img, max_pixels=max_pixels, min_side=min_side, opened=first_open()))
+    if keep is not None:  # a large photo's views (pixels/views.py), made from its own decode, not held till written
+        decode = lambda: _resized_pixels(img, processor, family, max_pixels=max_pixels, min_side=min_side)[0]  # noqa: E731
+        mark_views(image, processor, decode, min_decode=AUTO_MAX_DECODE)
+    return image
+
+
+def source_views(image_processor, data: bytes, *, max_pixels: int) -> Views | None:
+    """The views a build stores for a kept photo's source bytes `data` under `image_processor` (what verify checks a
+    views member against); None where it stores none."""
+    pil = decode_image(ImageData(data, "source"), max_pixels=max_pixels)
+    with contextlib.closing(pil):
+        return views_of_pixels(image_processor, processed(image_processor, pil).permute(1, 2, 0).contiguous().numpy())
 
 
 def check_decode(img: ImageData, *, max_pixels: int, min_side: int = 1, opened: Image.Image | None = None) -> None:
@@ -324,11 +337,27 @@ def image_storage(image_format: str, image: PreparedImage) -> str:
 
 def make_ready(image: PreparedImage, image_format: str) -> None:
     """Make now what storing `image` needs, so that a fault in it rejects its record: its pixels, or for a lossy
-    source stored as its bytes only the check a decode of it would fail (check_source), no pixel made."""
+    source stored as its bytes only the check a decode of it would fail (check_source), no pixel made; under auto, a
+    large photo's views beside its source (a whole decode: checks it too)."""
     if image.keep is not None and image_storage(image_format, image) == "original":
-        image.check_source()
+        if image_format == "auto" and image.may_have_views:
+            image.make_views()
+        else:
+            image.check_source()
     else:
         _ = image.pixels
+
+
+def stored_views(image_format: str, image: PreparedImage) -> Views | None:
+    """The views stored beside `image` (its `vwsNNN.delta.zst` member): under auto, a kept photo's where made."""
+    if image_format != "auto" or image.keep is None or image_storage(image_format, image) != "original":
+        return None
+    return image.make_views() if image.may_have_views else None
+
+
+def encode_views(views: Views, *, zstd_level: int = default("zstd_level")) -> bytes:
+    """A views member: the packed array as a zstd-delta member (lossless and deterministic)."""
+    return zstandard.ZstdCompressor(level=zstd_level).compress(delta_payload(views.packed))
 
 
 def stored_ext(image_format: str, image: PreparedImage) -> str:

@@ -43,18 +43,21 @@ ARRAYS: dict[str, ArraySpec] = {
     for name, a in _SPEC["arrays"].items()
 }
 _KEY = {
+    5: re.compile(_SPEC["$defs"]["key"]["pattern"]),
     4: re.compile(_SPEC["$defs"]["key"]["pattern"]),
     3: re.compile(_SPEC["$defs"]["key"]["pattern"]),
     2: re.compile(_SPEC["$defs"]["key"]["pattern"]),
     1: re.compile(_SPEC["$defs"]["key_v1"]["pattern"]),
 }
 _IMAGE = {
+    5: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),
     4: re.compile(_SPEC["$defs"]["image_member"]["pattern"]),  # v4 added .pdelta.zst
     3: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
     2: re.compile(_SPEC["$defs"]["image_member_v2"]["pattern"]),
     1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"]),
 }
 _VIDEO = re.compile(_SPEC["$defs"]["video_member"]["pattern"])  # format v3 on
+_VIEWS = re.compile(_SPEC["$defs"]["views_member"]["pattern"])  # format v5 on
 
 
 def arrays_of(version: int) -> dict[str, ArraySpec]:
@@ -77,6 +80,11 @@ def is_video_member(name: str, version: int = FORMAT_VERSION) -> bool:
     return version >= 3 and bool(_VIDEO.match(name))
 
 
+def is_views_member(name: str, version: int = FORMAT_VERSION) -> bool:
+    """Whether `name` is a valid views member name in format `version` (a kept photo's views, from v5)."""
+    return version >= 5 and bool(_VIEWS.match(name))
+
+
 def is_member(name: str, version: int = FORMAT_VERSION) -> bool:
     """True for every member a sample of this version may hold; anything else is refused unread."""
     return (
@@ -84,6 +92,7 @@ def is_member(name: str, version: int = FORMAT_VERSION) -> bool:
         or name in arrays_of(version)
         or is_image_member(name, version)
         or is_video_member(name, version)
+        or is_views_member(name, version)
     )
 
 
@@ -108,6 +117,13 @@ def image_member_name(unique_index: int, ext: str) -> str:
     """The member name of a sample's `unique_index`-th stored image with extension `ext`."""
     name = f"img{unique_index:03d}.{ext}"
     assert is_image_member(name), f"image member {name!r} breaks the shard format's member rule"
+    return name
+
+
+def views_member_name(unique_index: int) -> str:
+    """The member name of the views of a sample's `unique_index`-th stored image (a kept photo)."""
+    name = f"vws{unique_index:03d}.delta.zst"
+    assert is_views_member(name), f"views member {name!r} breaks the shard format's member rule"
     return name
 
 

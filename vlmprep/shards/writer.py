@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmprep.pixels import FRAME_EXT, encode_frame, encode_image, image_storage, stored_ext
+from vlmprep.pixels import FRAME_EXT, encode_frame, encode_image, encode_views, image_storage, stored_ext, stored_views
 from vlmprep.shards.dataset import TMP_SUFFIX, write_bytes_atomic
 from vlmprep.shards.format import (
     ARRAYS,
@@ -26,6 +26,7 @@ from vlmprep.shards.format import (
     image_member_name,
     index_name,
     video_frame_member_name,
+    views_member_name,
 )
 from vlmprep.shards.manifest import ShardEntry
 from vlmprep.types import RenderedSample, ShardSample
@@ -100,6 +101,17 @@ def _image_members(
             extra[name] = {} if prefix is None else {"prefix": unique[prefix.digest]}
             if storage == "original":  # verify checks the source bytes a loader decodes against it
                 extra[name]["sha256"] = im.digest if data is im.source.data else hashlib.sha256(data).hexdigest()
+                views = stored_views(image_format, im)
+                if views is not None:  # the trainer loads these instead of decoding the source (shards/format.py)
+                    member = views_member_name(len(unique) - 1)
+                    if f"{im.digest}|views" not in encoded:  # a split trace's steps share their screens
+                        encoded[f"{im.digest}|views"] = encode_views(views, zstd_level=zstd_level)
+                    image_members[member] = encoded[f"{im.digest}|views"]
+                    extra[name]["views"] = {
+                        "member": member,
+                        "canvas": [int(x) for x in views.canvas],
+                        "global": [int(x) for x in views.glob],
+                    }
             previous, previous_storage = im, storage
         image_index.append(list(unique).index(im.digest))
         height, width = im.shape

@@ -11,6 +11,7 @@ import numpy as np
 
 from vlmprep.shards.manifest import ShardFormatError
 from vlmprep.shards.reader import StoredSample
+from vlmprep.types import RecordError
 
 
 def source_problems(s: StoredSample, meta: dict) -> dict[str, str]:
@@ -36,6 +37,40 @@ def source_problems(s: StoredSample, meta: dict) -> dict[str, str]:
             out[name] = (
                 f"{name}: its bytes' sha256 {got[:16]}... is not the meta's {next(iter(digests))[:16]}...: "
                 "a corrupt or replaced source image"
+            )
+    return out
+
+
+def views_problems(s: StoredSample, meta: dict, image_processor, *, max_pixels: int) -> list[str]:
+    """Each kept photo's views (its meta's `views`, format v5): the member decodes to the packed array of its
+    canvas and global view, equal to the views the dataset's image processor makes from its source (a build stores
+    them only where the processor's output from them is exact, so they are the processor's own), else one line."""
+    from vlmprep.pixels import source_views
+    from vlmprep.shards.decode import DECODE_ERRORS, decode_stored_image
+    from vlmprep_schemas.views import packed_height
+
+    out, seen = [], set()
+    for im in meta["images"]:
+        views = im.get("views")
+        if views is None or im["member"] in seen:
+            continue
+        seen.add(im["member"])
+        name, (ha, wa), glob = views["member"], views["canvas"], views["global"]
+        try:
+            packed = decode_stored_image(name, s.read(name), (packed_height((ha, wa), glob), wa))
+            want = source_views(image_processor, s.read(im["member"]), max_pixels=max_pixels)
+        except (*DECODE_ERRORS, ShardFormatError, RecordError) as e:
+            out.append(f"{name}: {str(e).split(': ', 2)[-1]}")
+            continue
+        if (
+            want is None
+            or want.canvas != (ha, wa)
+            or want.glob != tuple(glob)
+            or not np.array_equal(packed, want.packed)
+        ):
+            out.append(
+                f"{name}: not the views {im['member']}'s image processor makes from it (a canvas of {ha}x{wa} and a "
+                f"global view of {glob[0]}x{glob[1]}): the trainer would train on other pixels than the processor's"
             )
     return out
 

@@ -134,8 +134,16 @@ class _Scan:
                     f"{ts.where}: sample {ts.key}: its meta names image member {member!r}, which it lacks"
                 )
             given = im.get("source_bytes", 0)  # 0: a build that did not record it
-            self.storage[storage_of(member)].update(
-                images=1, bytes=ts.sizes[member], source_bytes=given, unknown=not given
+            views = (im.get("views") or {}).get("member")  # a kept photo's views: stored beside it, counted with it
+            if views is not None and views not in ts.sizes:
+                raise ShardFormatError(
+                    f"{ts.where}: sample {ts.key}: its meta names views member {views!r}, which it lacks"
+                )
+            self.storage[storage_of(member) + ("+views" if views else "")].update(
+                images=1,
+                bytes=ts.sizes[member] + (ts.sizes[views] if views else 0),
+                source_bytes=given,
+                unknown=not given,
             )
         for k, im in enumerate(entries):
             if "source_width" in im:

@@ -31,10 +31,10 @@ from vlmprep.shards.manifest import (
 from vlmprep.shards.reader import StoredSample, iter_shard, load_sample_index, read_index_file, sample_ranges
 from vlmprep.shards.versions import manifest_number, replaced_by_rebuilds, shard_version
 from vlmprep.tools.per_shard import map_shards
-from vlmprep.tools.sample_checks import source_problems, span_problems
+from vlmprep.tools.sample_checks import source_problems, span_problems, views_problems
 from vlmprep_schemas import NAMES, load
 from vlmprep_schemas.boundary import UnsafeDataset
-from vlmprep_schemas.limits import grid_problem
+from vlmprep_schemas.limits import LIMITS, grid_problem
 from vlmprep_schemas.processor_dir import processor_files
 
 
@@ -258,11 +258,27 @@ class _SampleCheck:
         self.image_format = manifest.image_format
         self.meta_validator = schema_validator("sample_meta.schema.json")
         self.family: FamilySpec | None = family_of(manifest.processor.class_name)
-        pcfg = _processor_config(processor_dir(root, manifest))
+        self.processor_dir = processor_dir(root, manifest)
+        self._image_processor = None  # loaded on the first views member (views_problems)
+        pcfg = _processor_config(self.processor_dir)
         self.merge = int(pcfg.get("merge_size", 2))
         patch = pcfg.get("patch_size", 14)  # PixtralImageProcessor saves {"height": h, "width": w}
         self.patch = int(patch["height"] if isinstance(patch, dict) else patch)
         self.temporal = int(pcfg.get("temporal_patch_size") or 2)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_image_processor": None}
+
+    @property
+    def image_processor(self):
+        """The dataset's saved image processor (its checked dir, no code), loaded once."""
+        if self._image_processor is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(
+                str(self.processor_dir), local_files_only=True, trust_remote_code=False
+            )
+        return self._image_processor
 
     def __call__(self, s: StoredSample) -> tuple[list[Violation], tuple[int, int]]:
         where = f"{s.where}:{s.key}"
@@ -322,6 +338,13 @@ class _SampleCheck:
             out.append(Violation(where, f"image member(s) {unused} belong to no occurrence"))
         corrupt = source_problems(s, meta)
         out.extend(Violation(where, what) for what in corrupt.values())
+        named = {im["views"]["member"] for im in meta["images"] if im.get("views")}
+        stray = sorted(n for n in s.names if n.startswith("vws") and n not in named)
+        if stray:
+            out.append(Violation(where, f"views member(s) {stray} belong to no kept photo"))
+        if named:
+            views = views_problems(s, meta, self.image_processor, max_pixels=LIMITS.image_bytes // 3)
+            out.extend(Violation(where, what) for what in views)
         if self.family is not None and self.family.grid_images and grid.shape[1:] == (3,):
             out.extend(self._grid_checks(where, s, meta, grid, mm, [m for m in members if m not in corrupt]))
         if self.version >= 3:
