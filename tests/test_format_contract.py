@@ -284,7 +284,7 @@ def test_v4_v3_and_v2_datasets_are_still_read_by_verify_stats_and_the_trainer(re
     from vlmprep.tools.stats import compute_stats
     from vlmprep.tools.verify import verify_dataset
 
-    v4, delta = tmp_path / "v4", tmp_path / "delta"
+    v4, delta = tmp_path / "built", tmp_path / "delta"  # the loop below writes tmp_path / "v4"
     build(BuildConfig(inputs=(str(records),), out=str(v4), progress=False, processor=TINY))
     build(
         BuildConfig(inputs=(str(records),), out=str(delta), image_format="zstd-delta", progress=False, processor=TINY)

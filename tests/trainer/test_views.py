@@ -44,10 +44,18 @@ def photos(tmp_path_factory):
 
 def _build(d, name: str, image_format: str = "auto"):
     from trainer.data.processors import load_image_processor_config
+
+    ds = d / f"{name}-{image_format}"
+    if not (ds / "manifest.json").exists():  # built once a module: the tests that change it change a copy
+        _write(ds, name, image_format, d)
+    spec = ImageSpec.from_config(load_image_processor_config(str(ds / "processor")))
+    return ds, spec
+
+
+def _write(ds, name: str, image_format: str, d) -> None:
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
-    ds = d / f"{name}-{image_format}"
     build(
         BuildConfig(
             inputs=(str(d / "photos.jsonl"),),
@@ -57,8 +65,6 @@ def _build(d, name: str, image_format: str = "auto"):
             progress=False,
         )
     )
-    spec = ImageSpec.from_config(load_image_processor_config(str(ds / "processor")))
-    return ds, spec
 
 
 def _pixel_inputs(spec: ImageSpec, name: str, samples) -> dict:
