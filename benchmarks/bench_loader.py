@@ -319,10 +319,10 @@ def _floor_seconds(ds: Path, occurrences: int, fmt: str, floors: dict, pixels: b
 
 
 def decode_floor_seconds(tars: list[Path], clock=time.perf_counter) -> float:
-    """Sum over the stored image members of their bare decode: zstd into an arena that holds one sample's images
-    (allocated once: a batch needs all of a sample's images in memory at once, so they cannot share one hot
-    buffer; no checks; zstd-delta: its rows unfiltered in place; zstd-pdelta: the sample's previous payload as its
-    dictionary, kept as one copy), PNG / WebP / source bytes by PIL's decoder alone
+    """Sum over the stored image members (a kept photo's views in its place) of their bare decode: zstd into an
+    arena that holds one sample's images (allocated once: a batch needs all of a sample's images in memory at once,
+    so they cannot share one hot buffer; no checks; zstd-delta: its rows unfiltered in place; zstd-pdelta: the
+    sample's previous payload as its dictionary, kept as one copy), PNG / WebP / source bytes by PIL's decoder alone
     (no copy)."""
     import tarfile
 
@@ -337,9 +337,12 @@ def decode_floor_seconds(tars: list[Path], clock=time.perf_counter) -> float:
     total, key, offset = 0.0, None, 0
     for path in tars:
         with tarfile.open(path) as tf:
+            # A kept photo with views (format v5): the loader decodes its views, never its source bytes.
+            keyed = [n.rsplit("/", 1)[-1].split(".", 1) for n in tf.getnames()]
+            viewed = {(sample, name[3:6]) for sample, name in keyed if name.startswith("vws")}
             for m in tf:
                 sample, name = m.name.rsplit("/", 1)[-1].split(".", 1)
-                if not name.startswith("img"):
+                if not name.startswith(("img", "vws")) or name.startswith("img") and (sample, name[3:6]) in viewed:
                     continue
                 if sample != key:
                     key, offset = sample, 0
