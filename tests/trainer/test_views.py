@@ -274,3 +274,31 @@ def test_a_format_4_dataset_appended_with_large_photos_becomes_format_5_and_read
     samples = read_all_samples(old, spec)
     assert [s.id for s in samples] == ["small", "r1", "r2"]
     assert [bool(s.views) for s in samples] == [False, True, True]
+
+
+@pytest.mark.parametrize("name, jpeg", [("llama-4", (3000, 2000)), ("internvl", (3400, 2400))])
+def test_the_trainers_and_the_collators_inputs_from_views_are_the_processors_on_the_raw_records(name, jpeg, tmp_path):
+    """A large JPEG with views (over 3 source pixels a canvas pixel) beside a PNG in one sample, and the photo alone:
+    the trainer's forward inputs (its host path from the views, the device's rescale and normalize) and the
+    Collator's (from the source) hold, bit for bit, every tensor the processor gives on apply_chat_template of the
+    raw records (test_family_training's check)."""
+    from tests.trainer.test_family_training import (
+        _jpeg,
+        _png_bytes,
+        assert_inputs_are_the_processors,
+        image_records,
+        shard_samples,
+    )
+    from vlmprep.builder.pipeline import build
+    from vlmprep.config import BuildConfig
+
+    (u1, i1), (_, i2) = _jpeg(*jpeg, 3), _jpeg(900, 700, 4)
+    u2 = "data:image/png;base64," + base64.b64encode(_png_bytes(i2)).decode()
+    records = list(image_records(u1, u2, u1))
+    path = tmp_path / "large.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = tmp_path / "ds"
+    build(BuildConfig(inputs=(str(path),), out=str(ds), processor=f"tiny:{name}", progress=False))
+    views = [im.get("views", {}).get("member") for s in shard_samples(ds) for im in s.meta()["images"]]
+    assert views == ["vws000.delta.zst", None, "vws000.delta.zst"], views
+    assert_inputs_are_the_processors(name, ds, records, [[i1, i2], [i1]], ([0, 1], [1], [0]))
