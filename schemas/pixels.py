@@ -57,7 +57,8 @@ def pixel_inputs(
 
     kwargs = {"return_tensors": "pt"} if resize else {"return_tensors": "pt", "do_resize": False}
     tv = _torchvision(image_processor)
-    flat = [im for images in per_sample for im in images]
+    packed = any(isinstance(im, Packed) for images in per_sample for im in images)
+    assert not packed or (tv is not None and not rule.nested), "views are stored for Llama 4's and InternVL's only"
     if tv is not None:
         kwargs["input_data_format"] = "channels_first"
         _keep_layout(tv)
@@ -66,8 +67,7 @@ def pixel_inputs(
         ]
     else:
         inputs = [[_pil(im) for im in images] for images in per_sample]
-    if any(isinstance(im, Packed) for im in flat):
-        assert tv is not None and not rule.nested, "views are stored for Llama 4's and InternVL's processors only"
+    if packed:
         out = _from_views(image_processor, tv, [im for images in inputs for im in images], kwargs)
     elif rule.cross_attention:
         out = _mllama(image_processor, inputs, ids, kwargs, image_token_id, max_tiles)

@@ -9,13 +9,18 @@ on each image); the trainer's host path (vlmprep_schemas.pixels) unpacks them.
 from __future__ import annotations
 
 import contextlib
+import re
 import types
 from dataclasses import dataclass
 
 import numpy as np
 
+from vlmprep_schemas import load
+
 # The image processors (class names less Fast) whose views a build may store.
 VIEW_PROCESSORS = ("Llama4ImageProcessor", "GotOcr2ImageProcessor")
+# A views member's name (shard_format.schema.json views_member, format v5): the writer, every reader and the trainer.
+VIEWS_MEMBER = re.compile(load("shard_format.schema.json")["$defs"]["views_member"]["pattern"])
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,17 @@ class Packed:
     pixels: object  # numpy array or tensor
     canvas: tuple[int, int]
     glob: tuple[int, int]
+
+
+def views_member(image_member: str) -> str:
+    """The views member of kept photo `image_member` (imgNNN.orig.* -> vwsNNN.delta.zst)."""
+    return f"vws{image_member[3:6]}.delta.zst"
+
+
+def unnamed_views(images: list[dict], names) -> list[str]:
+    """The views members among `names` that no entry of a sample's meta `images` names (sorted)."""
+    named = {im["views"]["member"] for im in images if im.get("views")}
+    return sorted(n for n in names if VIEWS_MEMBER.match(n) and n not in named)
 
 
 def has_views(kind: str) -> bool:

@@ -3,7 +3,6 @@
 processor's on the raw photos, bit for bit; the views are exact or not stored."""
 
 import base64
-import io
 import json
 
 import numpy as np
@@ -12,28 +11,17 @@ import torch
 from PIL import Image
 
 from tests.trainer.conftest import read_all_samples
-from tests.vlmprep.test_images import photo, save
+from tests.trainer.test_vision import _photo_records
 from trainer.data.vision import HostPixels, ImageSpec
 from trainer.families import BY_NAME
+from vlmprep_schemas.views import Packed
 
 # A 12 MP phone photo (4:3, and a portrait one), a tall page, and a small photo that keeps no views.
 SIZES = [[(4000, 3000), (400, 300)], [(3024, 4032)], [(1280, 5808)]]
 
 
 def _records(path) -> list:
-    raw, records = [], []
-    for k, sizes in enumerate(SIZES):
-        content = []
-        for j, (w, h) in enumerate(sizes):
-            data = save(photo(w, h, seed=10 * k + j), "JPEG", quality=90)
-            raw.append(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
-            uri = "data:image/jpeg;base64," + base64.b64encode(data).decode()
-            content.append({"type": "image_url", "image_url": {"url": uri}})
-        content.append({"type": "text", "text": "What is in the photo?"})
-        records.append({"id": f"r{k}", "messages": [{"role": "user", "content": content}]})
-        records[-1]["messages"].append({"role": "assistant", "content": "A gradient."})
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return raw
+    return [np.asarray(im.convert("RGB")) for im in _photo_records(path, SIZES)]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +57,11 @@ def _write(ds, name: str, image_format: str, d) -> None:
 
 def _pixel_inputs(spec: ImageSpec, name: str, samples) -> dict:
     host = HostPixels(BY_NAME[name], spec.config, math=False)
-    per_sample = [[s.images[u] for u in s.image_index] for s in samples]
-    views = [[s.views[u] if s.views else None for u in s.image_index] for s in samples]
-    return host(per_sample, np.zeros((len(samples), 1), np.int64), np.zeros((len(samples), 1), np.uint8), views)
+    per_sample = [  # as collate hands them over
+        [Packed(s.images[u], *s.views[u]) if s.views and s.views[u] else s.images[u] for u in s.image_index]
+        for s in samples
+    ]
+    return host(per_sample, np.zeros((len(samples), 1), np.int64), np.zeros((len(samples), 1), np.uint8))
 
 
 @pytest.mark.parametrize("name", ["llama-4", "internvl"])

@@ -61,9 +61,13 @@ def test_normalize_only_and_rescale_only_follow_transformers(image_spec, saved_i
         assert torch.equal(Patchifier(spec, "cpu")([torch.from_numpy(im)], [0]), ref["pixel_values"]), flags
 
 
-def _photo_records(path) -> list:
-    """Three records of JPEG photos (one of two, of different sizes; one below GLM's minimum, which its processor
-    scales up) -> the raw images in token order, as the processor decodes them."""
+PHOTO_SIZES = [[(333, 210), (80, 60)], [(700, 455)], [(210, 500)]]
+
+
+def _photo_records(path, sizes_per_record=PHOTO_SIZES) -> list:
+    """Records of JPEG photos, one a list of (width, height) (by default three: one of two, of different sizes; one
+    below GLM's minimum, which its processor scales up) -> the raw images in token order, as the processor decodes
+    them."""
     import base64
     import io
     import json
@@ -71,7 +75,7 @@ def _photo_records(path) -> list:
     from tests.vlmprep.test_images import photo, save
 
     raw, records = [], []
-    for k, sizes in enumerate([[(333, 210), (80, 60)], [(700, 455)], [(210, 500)]]):
+    for k, sizes in enumerate(sizes_per_record):
         content = []
         for j, (w, h) in enumerate(sizes):
             data = save(photo(w, h, seed=10 * k + j), "JPEG", quality=90)

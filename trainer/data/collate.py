@@ -14,6 +14,7 @@ import torch
 from trainer.data.decode import DecodedSample
 from trainer.data.errors import DataError
 from trainer.data.vision import PLACEHOLDER_SIDE, HostPixels
+from vlmprep_schemas.views import Packed
 
 IGNORE_INDEX = -100
 
@@ -293,11 +294,14 @@ def host_inputs(
     images, index, rows = media
     if spec.host is None:
         return {}, images
-    per_sample = [[s.images[u] for u in s.image_index] for s in samples] or [[]]
-    views = [[s.views[u] if s.views else None for u in s.image_index] for s in samples] or [[]]
+    # A large photo's views stand in its place (vlmprep_schemas.views.Packed: the array and the sizes it packs).
+    per_sample = [
+        [Packed(s.images[u], *s.views[u]) if s.views and s.views[u] else s.images[u] for u in s.image_index]
+        for s in samples
+    ] or [[]]
     if "images" in fill:
-        per_sample[0], views[0] = fill["images"], [None] * len(fill["images"])
-    vision = spec.host(per_sample, ids, mm, views=views if any(v for vs in views for v in vs) else None)
+        per_sample[0] = fill["images"]
+    vision = spec.host(per_sample, ids, mm)
     images, extra = spec.host.device_images(images, index, rows, ids)
     return {**vision, **extra}, images
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from trainer.data.errors import DataError
 from trainer.data.jpeg import JpegHeader, jpeg_header
-from trainer.data.originals import VIEWS_MEMBER, OriginalResizer, views_layout
+from trainer.data.originals import OriginalResizer, views_layout
 from trainer.data.vision import ImageSpec
 from vlmprep_schemas import load
 from vlmprep_schemas.delta import PDELTA, ZSTD_IMAGE, decompressor, pdelta_prefixes, unfilter_into
@@ -31,6 +31,7 @@ from vlmprep_schemas.limits import (
     schema_problem,
 )
 from vlmprep_schemas.resize import strict_load
+from vlmprep_schemas.views import VIEWS_MEMBER
 
 _FORMAT = load("shard_format.schema.json")
 META_MEMBER = _FORMAT["meta_member"]
@@ -202,7 +203,6 @@ def _image_layout(
     unique: dict[str, int] = {}
     layout: list[tuple[str, int, int]] = []
     index: list[int] = []
-    sizes: list[tuple[int, int]] = []
     for im in meta["images"]:
         member, h, w = im["member"], int(im["height"]), int(im["width"])
         if member not in unique:
@@ -212,11 +212,10 @@ def _image_layout(
                 raise ValueError(f"meta gives image member {member!r} an impossible size {h}x{w}")
             unique[member] = len(layout)
             layout.append((member, h, w))
-            sizes.append((h, w))
-        if sizes[unique[member]] != (h, w):
-            raise ValueError(f"meta gives image member {member!r} two sizes, {sizes[unique[member]]} and {(h, w)}")
+        if layout[unique[member]][1:] != (h, w):
+            raise ValueError(f"meta gives image member {member!r} two sizes, {layout[unique[member]][1:]} and {(h, w)}")
         index.append(unique[member])
-    return layout, index, sizes
+    return layout, index
 
 
 def _video_layout(meta: dict, members: dict[str, bytes], n_grids: int) -> list[list[tuple[str, int, int]]]:
@@ -340,12 +339,12 @@ def decode_sample(
         meta = load_json(members[META_MEMBER], "the meta", LIMITS.meta_bytes)
         dims = _meta_dims(meta)
         arrays = {name: _npy(members[name], name, dims) for name in arrays_of(version)}
-        layout, index, stored = _image_layout(meta, members, arrays.get("image_index.npy"))
-        views = views_layout(meta, members, layout, spec) if version >= 5 else []
+        layout, index = _image_layout(meta, members, arrays.get("image_index.npy"))
         grids = arrays.get("video_grid_thw.npy", np.zeros((0, 3), np.int32))
         video_layout = _video_layout(meta, members, len(grids)) if version >= 3 else []
         frames = [f for v in video_layout for f in v]
-        _validate(arrays, stored, index, video_layout, spec)
+        _validate(arrays, layout, index, video_layout, spec)
+        views, layout = views_layout(meta, members, layout, spec) if version >= 5 else ([], layout)
         opened: dict[str, Image.Image | JpegHeader] = {}
         sizes = [_decoded_size(m, members[m], h, w, opened) for m, h, w in layout + frames]
         if sum(sizes) > LIMITS.sample_bytes:
@@ -405,7 +404,7 @@ def _alloc(sizes: list[int]) -> list[np.ndarray]:
 
 def _validate(
     arrays: dict[str, np.ndarray],
-    stored: list[tuple[int, int]],
+    layout: list[tuple[str, int, int]],
     index: list[int],
     video_layout: list[list[tuple[str, int, int]]],
     spec: ImageSpec,
@@ -414,7 +413,7 @@ def _validate(
     exactly that) makes the stored grid, and the grids make the placeholder counts. Array lengths already agree (each
     array's shape was checked against the meta)."""
     grids, types = arrays["image_grid_thw.npy"], arrays["mm_token_type_ids.npy"]
-    check_grid_sizes([stored[u] for u in index], grids, patch=spec.patch_size)
+    check_grid_sizes([layout[u][1:] for u in index], grids, patch=spec.patch_size)
     n_image_tokens = int(grids.prod(axis=1).sum()) // spec.merge_size**2 if len(grids) else 0
     if spec.grid_images and int((types == 1).sum()) != n_image_tokens:  # other families: their processor's count
         raise ValueError(f"{int((types == 1).sum())} image tokens but the grids need {n_image_tokens}")

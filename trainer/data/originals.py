@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import tempfile
 from pathlib import Path
 
@@ -16,11 +15,8 @@ from PIL import Image
 
 from trainer.data.jpeg import JpegHeader, jpeg_rgb
 from trainer.data.vision import ImageSpec
-from vlmprep_schemas import load
 from vlmprep_schemas.resize import original_mode, resize_mode, resized_pixels, rgb_as_is, stored_pixels
-from vlmprep_schemas.views import has_views, packed_height
-
-VIEWS_MEMBER = re.compile(load("shard_format.schema.json")["$defs"]["views_member"]["pattern"])  # format v5
+from vlmprep_schemas.views import has_views, packed_height, unnamed_views, views_member
 
 
 class OriginalResizer:
@@ -58,18 +54,19 @@ class OriginalResizer:
 
 def views_layout(
     meta: dict, members: dict[str, bytes], layout: list[tuple[str, int, int]], spec: ImageSpec
-) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
-    """Per unique image its views' (canvas, global) sizes where its meta entry names views (format v5), its layout
-    entry then the views member and the packed array's size, which is what decodes; None elsewhere. A views member
-    belongs to the kept photo of its number, for a processor that has views, and to nothing else."""
+) -> tuple[list[tuple[tuple[int, int], tuple[int, int]] | None], list[tuple[str, int, int]]]:
+    """Per unique image its views' (canvas, global) sizes where its meta entry names views (format v5), None
+    elsewhere ([] where none does), and the layout that decodes: such an image's entry the views member and the packed
+    array's size. A views member belongs to the kept photo of its number, for a processor that has views, and to
+    nothing else."""
     entries = {im["member"]: im.get("views") for im in meta["images"]}
     out: list = [None] * len(layout)
-    named = set()
+    loaded = list(layout)
     for u, (member, h, w) in enumerate(layout):
         views = entries.get(member)
         if views is None:
             continue
-        want = f"vws{member[3:6]}.delta.zst"
+        want = views_member(member)
         if ".orig." not in member or views["member"] != want or want not in members:
             raise ValueError(f"meta gives {member!r} views {views['member']!r}: not the member {want} of a kept photo")
         if not has_views(spec.kind):
@@ -77,10 +74,9 @@ def views_layout(
         canvas, glob = (tuple(int(x) for x in views[k]) for k in ("canvas", "global"))
         if canvas[0] * canvas[1] >= h * w or glob[0] * glob[1] > canvas[0] * canvas[1]:
             raise ValueError(f"{views['member']}: a {canvas} canvas and {glob} global view for a {h}x{w} photo")
-        layout[u] = (views["member"], packed_height(canvas, glob), canvas[1])
+        loaded[u] = (views["member"], packed_height(canvas, glob), canvas[1])
         out[u] = (canvas, glob)
-        named.add(views["member"])
-    stray = sorted(m for m in members if VIEWS_MEMBER.match(m) and m not in named)
+    stray = unnamed_views(meta["images"], members)
     if stray:
         raise ValueError(f"views members {stray[:3]} belong to no kept photo in the meta")
-    return out if any(v is not None for v in out) else []
+    return (out if any(v is not None for v in out) else []), loaded

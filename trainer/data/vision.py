@@ -19,7 +19,6 @@ import torch
 
 from trainer.data import tiles
 from vlmprep_schemas.pixels import RULES, pixel_inputs
-from vlmprep_schemas.views import Packed
 
 VIDEO_SUPPORTED = ("Qwen2VLVideoProcessor", "Qwen3VLVideoProcessor")
 # Images stored on a patch grid (grid_thw = (1, h / patch, w / patch), prod / merge^2 placeholder tokens), whose
@@ -387,21 +386,15 @@ class HostPixels:
             return [c for c, _ in fitted], extra
         return images, {}
 
-    def __call__(
-        self, per_sample: list[list[np.ndarray]], ids: np.ndarray, mm: np.ndarray, views: list[list] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Each sample's images in token order (uint8 H x W x 3, as stored), the token ids and mm types (B x L) -> the
-        model's pixel inputs for the micro-batch. views: per image like per_sample, a kept photo's (canvas, global)
-        sizes where its entry is their packed array (DecodedSample.views), else None."""
+    def __call__(self, per_sample: list[list], ids: np.ndarray, mm: np.ndarray) -> dict[str, torch.Tensor]:
+        """Each sample's images in token order (uint8 H x W x 3, as stored, or a large photo's views:
+        vlmprep_schemas.views.Packed), the token ids and mm types (B x L) -> the model's pixel inputs for the
+        micro-batch."""
         if not self.images:  # no image for the processor: it is never loaded, and only the extras are made
             per_sample = [[] for _ in per_sample]
         ip = self.processor if self.images else None
         if ip is not None and not self.math:  # uint8 pixel_values: the device rescales and normalizes them
             ip = tiles.without_math(ip, self.config.get("image_processor_type"))
-        if views is not None:  # a large photo's views, stored in its place (vlmprep_schemas.views)
-            per_sample = [
-                [im if v is None else Packed(im, *v) for im, v in zip(ims, vs)] for ims, vs in zip(per_sample, views)
-            ]
         return pixel_inputs(
             ip,
             self.rule,

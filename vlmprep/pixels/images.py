@@ -349,10 +349,9 @@ def make_ready(image: PreparedImage, image_format: str) -> None:
 
 
 def stored_views(image_format: str, image: PreparedImage) -> Views | None:
-    """The views stored beside `image` (its `vwsNNN.delta.zst` member): under auto, a kept photo's where made."""
-    if image_format != "auto" or image.keep is None or image_storage(image_format, image) != "original":
-        return None
-    return image.make_views() if image.may_have_views else None
+    """The views stored beside `image`, stored as its source (its `vwsNNN.delta.zst` member): under auto, where
+    made (make_ready made them)."""
+    return image.make_views() if image_format == "auto" and image.may_have_views else None
 
 
 def encode_views(views: Views, *, zstd_level: int = default("zstd_level")) -> bytes:

@@ -12,6 +12,7 @@ import numpy as np
 
 from vlmprep_schemas import load
 from vlmprep_schemas.limits import LIMITS  # noqa: F401 - re-exported: what every reader here refuses
+from vlmprep_schemas.views import VIEWS_MEMBER
 
 _SPEC = load("shard_format.schema.json")
 FORMAT_VERSION: int = _SPEC["format_version"]
@@ -57,7 +58,6 @@ _IMAGE = {
     1: re.compile(_SPEC["$defs"]["image_member_v1"]["pattern"]),
 }
 _VIDEO = re.compile(_SPEC["$defs"]["video_member"]["pattern"])  # format v3 on
-_VIEWS = re.compile(_SPEC["$defs"]["views_member"]["pattern"])  # format v5 on
 
 
 def arrays_of(version: int) -> dict[str, ArraySpec]:
@@ -82,7 +82,7 @@ def is_video_member(name: str, version: int = FORMAT_VERSION) -> bool:
 
 def is_views_member(name: str, version: int = FORMAT_VERSION) -> bool:
     """Whether `name` is a valid views member name in format `version` (a kept photo's views, from v5)."""
-    return version >= 5 and bool(_VIEWS.match(name))
+    return version >= 5 and bool(VIEWS_MEMBER.match(name))
 
 
 def is_member(name: str, version: int = FORMAT_VERSION) -> bool:
@@ -117,13 +117,6 @@ def image_member_name(unique_index: int, ext: str) -> str:
     """The member name of a sample's `unique_index`-th stored image with extension `ext`."""
     name = f"img{unique_index:03d}.{ext}"
     assert is_image_member(name), f"image member {name!r} breaks the shard format's member rule"
-    return name
-
-
-def views_member_name(unique_index: int) -> str:
-    """The member name of the views of a sample's `unique_index`-th stored image (a kept photo)."""
-    name = f"vws{unique_index:03d}.delta.zst"
-    assert is_views_member(name), f"views member {name!r} breaks the shard format's member rule"
     return name
 
 

@@ -26,7 +26,6 @@ from vlmprep.shards.format import (
     image_member_name,
     index_name,
     video_frame_member_name,
-    views_member_name,
 )
 from vlmprep.shards.manifest import ShardEntry
 from vlmprep.types import RenderedSample, ShardSample
@@ -34,6 +33,7 @@ from vlmprep_schemas.boundary import open_no_follow
 from vlmprep_schemas.limits import index_head, npy_head
 from vlmprep_schemas.tar_members import member_header as _member_header
 from vlmprep_schemas.tar_members import tar_header as _tar_header  # noqa: F401 - the format contract test's reference
+from vlmprep_schemas.views import views_member
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:
@@ -103,7 +103,7 @@ def _image_members(
                 extra[name]["sha256"] = im.digest if data is im.source.data else hashlib.sha256(data).hexdigest()
                 views = stored_views(image_format, im)
                 if views is not None:  # the trainer loads these instead of decoding the source (shards/format.py)
-                    member = views_member_name(len(unique) - 1)
+                    member = views_member(name)
                     if f"{im.digest}|views" not in encoded:  # a split trace's steps share their screens
                         encoded[f"{im.digest}|views"] = encode_views(views, zstd_level=zstd_level)
                     image_members[member] = encoded[f"{im.digest}|views"]

@@ -36,6 +36,7 @@ from vlmprep_schemas import NAMES, load
 from vlmprep_schemas.boundary import UnsafeDataset
 from vlmprep_schemas.limits import LIMITS, grid_problem
 from vlmprep_schemas.processor_dir import processor_files
+from vlmprep_schemas.views import unnamed_views
 
 
 @dataclass(frozen=True)
@@ -338,11 +339,10 @@ class _SampleCheck:
             out.append(Violation(where, f"image member(s) {unused} belong to no occurrence"))
         corrupt = source_problems(s, meta)
         out.extend(Violation(where, what) for what in corrupt.values())
-        named = {im["views"]["member"] for im in meta["images"] if im.get("views")}
-        stray = sorted(n for n in s.names if n.startswith("vws") and n not in named)
+        stray = unnamed_views(meta["images"], s.names)
         if stray:
             out.append(Violation(where, f"views member(s) {stray} belong to no kept photo"))
-        if named:
+        if any(im.get("views") for im in meta["images"]):
             views = views_problems(s, meta, self.image_processor, max_pixels=LIMITS.image_bytes // 3)
             out.extend(Violation(where, what) for what in views)
         if self.family is not None and self.family.grid_images and grid.shape[1:] == (3,):
