@@ -98,6 +98,7 @@ def test_planted_pickle_members_are_refused_and_never_run(dataset, tmp_path, mem
     assert not marker.exists()
 
 
+@pytest.mark.slow  # ~12 s, a trainer process: make test keeps test_integrity's cut shard refused at start-up
 def test_truncated_shard_is_caught_at_start_up(dataset, tmp_path):
     data = tmp_path / "d"
     shutil.copytree(dataset, data)
@@ -160,7 +161,9 @@ def _address_space(limit: int):
 @pytest.mark.parametrize(
     "kind",
     [
-        "deep_json",  # json.loads recursed: a RecursionError traceback
+        # json.loads recursed: a RecursionError traceback. Slow (~15 s, a trainer process): make test keeps the deep
+        # meta through every reader in process (tests/test_hostile_shards.py) and the planted pickle through the CLI.
+        pytest.param("deep_json", marks=pytest.mark.slow),
         pytest.param("npy_shape", marks=pytest.mark.slow),  # np.load allocated a terabyte: MemoryError
         pytest.param("png", marks=pytest.mark.slow),  # PIL's DecompressionBombError, or 4.8 GB decoded
     ],

@@ -266,29 +266,53 @@ def test_a_format_4_dataset_appended_with_large_photos_becomes_format_5_and_read
     assert [bool(s.views) for s in samples] == [False, True, True]
 
 
-@pytest.mark.parametrize("name, jpeg", [("llama-4", (3000, 2000)), ("internvl", (3400, 2400))])
-def test_the_trainers_and_the_collators_inputs_from_views_are_the_processors_on_the_raw_records(name, jpeg, tmp_path):
-    """A large JPEG with views (over 3 source pixels a canvas pixel) beside a PNG in one sample, and the photo alone:
-    the trainer's forward inputs (its host path from the views, the device's rescale and normalize) and the
-    Collator's (from the source) hold, bit for bit, every tensor the processor gives on apply_chat_template of the
-    raw records (test_family_training's check)."""
-    from tests.trainer.test_family_training import (
-        _jpeg,
-        _png_bytes,
-        assert_inputs_are_the_processors,
-        image_records,
-        shard_samples,
-    )
+LARGE = {"llama-4": (3000, 2000), "internvl": (3400, 2400)}  # over 3 source pixels a pixel of the largest canvas
+
+
+def _large_photo_records(tmp_path, name: str):
+    """Record "two" (a large JPEG, then a PNG) and record "one" (the JPEG again) built with tiny:`name` -> the dataset,
+    the records, their raw images and its samples; the JPEG stored with views."""
+    from tests.trainer.test_family_training import _jpeg, _png_bytes, image_records, shard_samples
     from vlmprep.builder.pipeline import build
     from vlmprep.config import BuildConfig
 
-    (u1, i1), (_, i2) = _jpeg(*jpeg, 3), _jpeg(900, 700, 4)
+    (u1, i1), (_, i2) = _jpeg(*LARGE[name], 3), _jpeg(900, 700, 4)
     u2 = "data:image/png;base64," + base64.b64encode(_png_bytes(i2)).decode()
     records = list(image_records(u1, u2, u1))
     path = tmp_path / "large.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     ds = tmp_path / "ds"
     build(BuildConfig(inputs=(str(path),), out=str(ds), processor=f"tiny:{name}", progress=False))
-    views = [im.get("views", {}).get("member") for s in shard_samples(ds) for im in s.meta()["images"]]
+    samples = shard_samples(ds)
+    views = [im.get("views", {}).get("member") for s in samples for im in s.meta()["images"]]
     assert views == ["vws000.delta.zst", None, "vws000.delta.zst"], views
-    assert_inputs_are_the_processors(name, ds, records, [[i1, i2], [i1]], ([0, 1], [1], [0]))
+    return ds, records, [[i1, i2], [i1]], samples
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_the_trainers_and_the_collators_inputs_from_views_are_the_processors_on_the_raw_records(name, tmp_path):
+    """A large JPEG with views beside a PNG in one sample, and the photo alone: the trainer's forward inputs (its host
+    path from the views, the device's rescale and normalize) and the Collator's (from the source) hold, bit for bit,
+    every tensor the processor gives on apply_chat_template of the raw records (test_family_training's check)."""
+    from tests.trainer.test_family_training import assert_inputs_are_the_processors
+
+    ds, records, images, _ = _large_photo_records(tmp_path, name)
+    assert_inputs_are_the_processors(name, ds, records, images, ([0, 1], [1], [0]))
+
+
+@pytest.mark.slow  # a trainer step with an export and the exported model's forward, per family (~15 s of CPU)
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_a_views_dataset_trains_at_the_exported_models_own_loss_on_the_raw_records(name, tmp_path):
+    """test_family_training's export parity on a dataset whose large photo is stored with views: one trainer step
+    over both records in one micro-batch (the host path reads the views), then the exported model's loss on the
+    processor's batch of the raw records equals the step's. (A wrong canvas moves both families' loss past the
+    tolerance; a wrong global view moves InternVL's, and Llama 4's by less than 1e-5 in the tiny model, whose global
+    tile is one of many: the bit-for-bit input test above covers it there.)"""
+    from tests.trainer.test_family_training import own_loss, train_one_step
+    from vlmprep.families import FAMILIES as RENDER_FAMILIES
+
+    ds, records, images, samples = _large_photo_records(tmp_path, name)
+    row = train_one_step(ds, tmp_path / "run", name, "--micro-batch-size", "2")
+    string_content = RENDER_FAMILIES[BY_NAME[name].processor_classes[0]].string_content
+    loss, _ = own_loss(tmp_path / "run" / "hf", records, images, samples, string_content)
+    assert row["num_samples"] == 2 and row["loss"] == pytest.approx(loss, rel=1e-5), (name, row["loss"], loss)

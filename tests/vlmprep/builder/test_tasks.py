@@ -47,6 +47,7 @@ def cli(*args) -> list[str]:
     return [sys.executable, "-m", "vlmprep", *map(str, args)]
 
 
+@pytest.mark.slow  # ~15 s: make test keeps test_append's tasks and task index merged equal to one build
 def test_three_tasks_hold_the_single_task_build_samples_rejects_and_totals(single, local3):
     out, res = local3
     assert samples(out) == samples(single)
