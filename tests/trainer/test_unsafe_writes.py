@@ -76,6 +76,7 @@ def test_a_symlinked_run_lock_metrics_or_config_is_refused(tmp_path, victim):
     assert victim.read_text() == "the user's own file\n"
 
 
+@pytest.mark.slow  # ~12 s, a trainer process: make test keeps the refusals in process (the test above)
 def test_the_trainer_reports_a_planted_link_in_its_run_dir_in_one_line(dataset, tmp_path, victim):
     from tests.trainer.conftest import trainer_cmd, trainer_env
 
