@@ -2,13 +2,17 @@
 the readers' fast parse of a byte range made only of such headers: a header is taken without tarfile only where it is,
 byte for byte, the header the writer writes for its name and size (so tarfile would read it as that regular member);
 any other byte range (a foreign or older tar, links, long names, a bad checksum, trailing bytes) returns None and the
-caller reads it with tarfile, every check as before.
+caller reads it with tarfile, every check as before. And a sample's format version from its member names
+(sample_version), which every reader of a tar stream or byte range without a manifest calls.
 """
 
 from __future__ import annotations
 
 import re
 import tarfile
+
+from vlmprep_schemas.delta import PDELTA
+from vlmprep_schemas.views import VIEWS_MEMBER
 
 BLOCK = tarfile.BLOCKSIZE
 
@@ -86,3 +90,13 @@ def plain_members(chunk: bytes) -> list[PlainMember] | None:
         out.append(PlainMember(raw.decode("ascii"), size, chunk[data_at : data_at + size]))
         at = data_at + -(-size // BLOCK) * BLOCK
     return out or None
+
+
+def sample_version(names) -> int:
+    """A sample's format version from its member names (v2 added image_index.npy, v3 video_grid_thw.npy, v4
+    .pdelta.zst images, v5 views members): a tar stream or a pipe: source has no manifest."""
+    if "video_grid_thw.npy" in names:
+        if any(VIEWS_MEMBER.match(str(n)) for n in names):
+            return 5
+        return 4 if any(str(n).endswith(PDELTA) for n in names) else 3
+    return 2 if "image_index.npy" in names else 1

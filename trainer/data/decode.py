@@ -31,6 +31,7 @@ from vlmprep_schemas.limits import (
     schema_problem,
 )
 from vlmprep_schemas.resize import strict_load
+from vlmprep_schemas.tar_members import sample_version
 from vlmprep_schemas.views import VIEWS_MEMBER
 
 _FORMAT = load("shard_format.schema.json")
@@ -90,16 +91,6 @@ class DecodedSample:
     def num_tokens(self) -> int:
         """The sample's length in tokens."""
         return int(self.input_ids.shape[0])
-
-
-def sample_version(names) -> int:
-    """A sample's format version from its members (v2 added image_index.npy, v3 video_grid_thw.npy, v4 .pdelta.zst
-    images, v5 views members): pipe: sources have no manifest."""
-    if "video_grid_thw.npy" in names:
-        if any(VIEWS_MEMBER.match(n) for n in names):
-            return 5
-        return 4 if any(n.endswith(PDELTA) for n in names) else 3
-    return 2 if "image_index.npy" in names else 1
 
 
 def refuse_videos(manifest: dict | None, where: str, model_type: str = "", why: str = NO_VIDEO) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.decode import check_member_names, missing_members, sample_version
+from trainer.data.decode import check_member_names, missing_members
 from trainer.data.errors import DataError
 from trainer.data.remote_index import cache_name, fetched, fetched_shared
 from trainer.data.sources import REMOTE, REMOTE_OR_PIPE, IndexRef, ShardRef
@@ -36,7 +36,7 @@ from vlmprep_schemas.limits import (
     index_rows,
     load_json,
 )
-from vlmprep_schemas.tar_members import plain_members
+from vlmprep_schemas.tar_members import plain_members, sample_version
 
 INDEX_DTYPE = np.dtype([tuple(f) for f in load("shard_format.schema.json")["sample_index"]["fields"]])
 FETCH_THREADS = 8  # sample indexes of remote shards fetched at once at start-up

@@ -14,7 +14,6 @@ from megatron.energon import DefaultTaskEncoder, Sample, StandardWebdatasetFacto
 from megatron.energon.edataclass import edataclass
 from megatron.energon.flavors import BaseWebdatasetFactory
 
-from vlmprep.clients import sample_version
 from vlmprep.clients.collate import Collator
 from vlmprep.clients.energon_meta import write_energon_meta
 from vlmprep.shards.dataset import MANIFEST_NAME, NV_META, write_bytes_atomic
@@ -22,6 +21,7 @@ from vlmprep.shards.manifest import ShardFormatError, dataset_path, load_manifes
 from vlmprep.shards.reader import sample_from_members
 from vlmprep.shards.versions import manifest_number
 from vlmprep_schemas.boundary import is_plain_path
+from vlmprep_schemas.tar_members import sample_version
 from vlmprep_schemas.versions import split_ref
 
 _SPLIT = re.compile(r"^split\.v([0-9]{6,})\.json$")  # a version's split config, written by prepare(DIR@vN)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmprep.clients import sample_version
 from vlmprep.shards.manifest import open_dataset, shard_paths
 from vlmprep.shards.reader import sample_from_members
+from vlmprep_schemas.tar_members import sample_version
 
 
 def shard_urls(d: str | Path) -> list[str]:
